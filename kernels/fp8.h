@@ -1,0 +1,151 @@
+// Number formats shared by both backends: bf16, fp16, FP8 E4M3 and E5M2.
+//
+// Every cast rounds to nearest, ties to even. FP8 casts saturate: a finite or
+// infinite value beyond the format's max becomes +-max (TE's casts do this);
+// NaN stays NaN. bf16 and fp16 casts overflow to inf like IEEE casts.
+// These are __host__ __device__ so the CUDA kernels compute bit-identical
+// values to the CPU reference.
+#ifndef TE_KERNELS_FP8_H_
+#define TE_KERNELS_FP8_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/rng.h"  // TE_HOST_DEVICE
+#include "kernels/tensor.h"
+
+namespace te {
+
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE5M2Max = 57344.0f;
+constexpr float kFp16Max = 65504.0f;
+constexpr float kE2M1Max = 6.0f;  // NVFP4 values
+
+inline float Fp8Max(DType dtype) { return dtype == DType::kE5M2 ? kE5M2Max : kE4M3Max; }
+
+TE_HOST_DEVICE inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+TE_HOST_DEVICE inline float BitsFloat(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- bf16: the top 16 bits of a float32 -------------------------------------
+TE_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+TE_HOST_DEVICE inline float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
+
+// ---- a small float format with `mbits` mantissa bits and exponent bias `bias`.
+// Rounds |x| to the format's grid (nearest even), without saturation.
+TE_HOST_DEVICE inline float RoundToGrid(float a, int mbits, int bias) {
+  int e;
+  frexpf(a, &e);  // a = f * 2^e, f in [0.5, 1): the leading bit is 2^(e-1)
+  int exp = e - 1;
+  if (exp < 1 - bias) exp = 1 - bias;  // subnormal: fixed quantum
+  const float quantum = ldexpf(1.0f, exp - mbits);
+  return rintf(a / quantum) * quantum;  // exact division; rintf ties to even
+}
+
+// Encodes a value already on the grid (|r| finite, within range).
+TE_HOST_DEVICE inline uint32_t EncodeOnGrid(float r, int mbits, int bias) {
+  if (r == 0.0f) return 0;
+  int e;
+  frexpf(r, &e);
+  const int exp = e - 1;
+  if (exp < 1 - bias) return static_cast<uint32_t>(r / ldexpf(1.0f, 1 - bias - mbits));
+  const uint32_t mant = static_cast<uint32_t>((r / ldexpf(1.0f, exp) - 1.0f) * ldexpf(1.0f, mbits));
+  return (static_cast<uint32_t>(exp + bias) << mbits) | mant;
+}
+
+TE_HOST_DEVICE inline float DecodeBits(uint32_t bits, int mbits, int bias) {
+  const uint32_t exp = bits >> mbits;
+  const uint32_t mant = bits & ((1u << mbits) - 1);
+  if (exp == 0) return ldexpf(static_cast<float>(mant), 1 - bias - mbits);
+  return ldexpf(1.0f + ldexpf(static_cast<float>(mant), -mbits), static_cast<int>(exp) - bias);
+}
+
+// ---- FP8 E4M3 (bias 7, no inf; 0x7f / 0xff are NaN; max 448) ----------------
+TE_HOST_DEVICE inline uint8_t FloatToE4M3(float x) {
+  if (x != x) return 0x7f;
+  const uint32_t sign = FloatBits(x) >> 31 << 7;
+  float a = fabsf(x);
+  a = a >= kE4M3Max ? kE4M3Max : RoundToGrid(a, 3, 7);
+  if (a > kE4M3Max) a = kE4M3Max;
+  return static_cast<uint8_t>(sign | EncodeOnGrid(a, 3, 7));
+}
+TE_HOST_DEVICE inline float E4M3ToFloat(uint8_t b) {
+  const uint32_t mag = b & 0x7fu;
+  if (mag == 0x7fu) return NAN;
+  const float v = DecodeBits(mag, 3, 7);
+  return (b & 0x80u) ? -v : v;
+}
+
+// ---- FP8 E5M2 (bias 15, IEEE-like: 0x7c inf, 0x7d-0x7f NaN; max 57344) -------
+TE_HOST_DEVICE inline uint8_t FloatToE5M2(float x) {
+  if (x != x) return 0x7f;
+  const uint32_t sign = FloatBits(x) >> 31 << 7;
+  float a = fabsf(x);
+  a = a >= kE5M2Max ? kE5M2Max : RoundToGrid(a, 2, 15);
+  if (a > kE5M2Max) a = kE5M2Max;
+  return static_cast<uint8_t>(sign | EncodeOnGrid(a, 2, 15));
+}
+TE_HOST_DEVICE inline float E5M2ToFloat(uint8_t b) {
+  const uint32_t mag = b & 0x7fu;
+  float v;
+  if (mag == 0x7cu) v = INFINITY;
+  else if (mag > 0x7cu) v = NAN;
+  else v = DecodeBits(mag, 2, 15);
+  return (b & 0x80u) ? -v : v;
+}
+
+// ---- fp16 (IEEE binary16: overflow to inf) ------------------------------------
+TE_HOST_DEVICE inline uint16_t FloatToFp16(float x) {
+  if (x != x) return 0x7e00;
+  const uint32_t sign = FloatBits(x) >> 31 << 15;
+  const float a = fabsf(x);
+  // Values at or above 65520 round up past the max: inf.
+  if (a >= 65520.0f) return static_cast<uint16_t>(sign | 0x7c00u);
+  const float r = RoundToGrid(a, 10, 15);
+  if (r > kFp16Max) return static_cast<uint16_t>(sign | 0x7c00u);
+  return static_cast<uint16_t>(sign | EncodeOnGrid(r, 10, 15));
+}
+TE_HOST_DEVICE inline float Fp16ToFloat(uint16_t h) {
+  const uint32_t mag = h & 0x7fffu;
+  float v;
+  if (mag == 0x7c00u) v = INFINITY;
+  else if (mag > 0x7c00u) v = NAN;
+  else v = DecodeBits(mag, 10, 15);
+  return (h & 0x8000u) ? -v : v;
+}
+
+// ---- E2M1 (NVFP4 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6), saturating; as float.
+TE_HOST_DEVICE inline float RoundToE2M1(float x) {
+  if (x != x) return x;
+  const float a = fabsf(x);
+  const float r = a >= kE2M1Max ? kE2M1Max : RoundToGrid(a, 1, 1);
+  return copysignf(r > kE2M1Max ? kE2M1Max : r, x);
+}
+
+// Round-trips a float through `dtype`'s format (float dtypes).
+TE_HOST_DEVICE inline float RoundTo(DType dtype, float x) {
+  switch (dtype) {
+    case DType::kBF16: return Bf16ToFloat(FloatToBf16(x));
+    case DType::kF16: return Fp16ToFloat(FloatToFp16(x));
+    case DType::kE4M3: return E4M3ToFloat(FloatToE4M3(x));
+    case DType::kE5M2: return E5M2ToFloat(FloatToE5M2(x));
+    default: return x;
+  }
+}
+
+}  // namespace te
+
+#endif  // TE_KERNELS_FP8_H_

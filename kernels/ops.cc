@@ -1,0 +1,33 @@
+#include "kernels/ops.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace te {
+
+absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("negative dimension in shape ", ShapeString(shape)));
+  }
+  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  if (bytes == 0) return Tensor(nullptr, nullptr, dtype, std::move(shape));
+  if (bytes_in_use_->load() + static_cast<int64_t>(bytes) > memory_limit_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating ", bytes, " bytes for ", ShapeString(shape), " ", DTypeName(dtype),
+                     " would exceed the memory limit of ", memory_limit_, " bytes (",
+                     bytes_in_use_->load(), " in use)"));
+  }
+  auto raw = AllocateBytes(bytes);
+  if (!raw.ok()) return raw.status();
+  std::shared_ptr<void> memory = *std::move(raw);
+  void* data = memory.get();
+  *bytes_in_use_ += static_cast<int64_t>(bytes);
+  // The account outlives this Ops if a tensor does.
+  std::shared_ptr<std::atomic<int64_t>> account = bytes_in_use_;
+  std::shared_ptr<void> storage(data, [memory, account, bytes](void*) mutable {
+    *account -= static_cast<int64_t>(bytes);
+    memory.reset();
+  });
+  return Tensor(std::move(storage), data, dtype, std::move(shape));
+}
+
+}  // namespace te

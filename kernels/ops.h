@@ -1,0 +1,282 @@
+// The op interface: every computation a layer needs, backend-neutral.
+//
+// Layers (server/layers) are written once against `Ops`; two backends implement
+// it: kernels/cpu (the reference: float32 accumulation, exact bf16/FP8 rounding)
+// and kernels/cuda (CUDA kernels, cuBLASLt, cuDNN). An `Ops` object is one
+// ordered stream of work on one device (a CUDA stream; the calling thread on
+// the CPU) with its own memory account. It is not thread-safe: a session owns
+// one and calls it from one thread at a time.
+//
+// Conventions, for every op:
+//  * Tensors are row-major. "[N, H]" means N rows of H. All inputs and outputs
+//    live on this Ops' device; outputs are allocated by the caller with the
+//    shape stated, and their dtype chooses the output format.
+//  * "float" dtypes are f32, bf16 and f16: inputs are read as float32,
+//    arithmetic accumulates in float32, and each output element is rounded once
+//    (round to nearest even) to its dtype.
+//  * An output may be FP8 only where the op takes an `Fp8Output`: the value v is
+//    written as cast_fp8(v * scale) (nearest even, saturating to the format's
+//    max), amax = max |v| over the whole output is written to `amax`, and
+//    1/scale to `scale_inv`. This is TE's fused "op + quantize + amax".
+//  * Errors: INVALID_ARGUMENT for shapes/dtypes that do not fit the op (the
+//    message names the argument), RESOURCE_EXHAUSTED when memory is over the
+//    account's limit, INTERNAL for a device/library failure. Ops are
+//    asynchronous on a GPU: a later op or Synchronize() may report a failure.
+#ifndef TE_KERNELS_OPS_H_
+#define TE_KERNELS_OPS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace te {
+
+// Where an op's FP8 output puts its scaling side outputs. All [1] float32, on
+// device. `amax` usually aliases row 0 of a quantizer's amax_history.
+struct Fp8Output {
+  Tensor scale;      // input: multiply before the cast
+  Tensor amax;       // output: max |v| before scaling
+  Tensor scale_inv;  // output: 1 / scale, for the consumer to dequantize
+};
+
+enum class NormType { kLayerNorm, kRMSNorm };
+
+struct NormArgs {
+  NormType type = NormType::kLayerNorm;
+  float epsilon = 1e-6f;
+  // TE: y = xhat * (1 + gamma) + beta; gamma is stored centred on zero.
+  bool zero_centered_gamma = false;
+};
+
+// TE JAX activation names. A layer's activation list has one entry, or two for
+// the gated pairs: for x = [x_0 | x_1] (each [N, I]), y = act_0(x_0) * act_1(x_1).
+enum class Activation { kGelu, kSilu, kRelu, kQuickGelu, kSquaredRelu, kLinear };
+// gelu: tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)));
+// silu: x sigmoid(x); quick_gelu: x sigmoid(1.702 x); squared_relu: relu(x)^2.
+
+enum class MaskType { kNoMask, kPadding, kCausal, kPaddingCausal };
+
+struct AttentionArgs {
+  MaskType mask = MaskType::kNoMask;
+  float scale = 1.0f;  // logits = scale * q.k (TE: 1/sqrt(head_dim) by default)
+  float dropout_rate = 0.0f;  // on the softmax probabilities, inverted
+  uint64_t dropout_seed = 0;
+  // Padding masks: valid lengths, int32 [B]. Query rows at or past q_seqlens[b]
+  // produce zeros; keys at or past kv_seqlens[b] are masked. Undefined otherwise.
+  Tensor q_seqlens;
+  Tensor kv_seqlens;
+  // Optional additive bias on the logits (after scaling), float32 [H, Sq, Skv],
+  // shared over the batch (T5 relative position bias).
+  Tensor bias;
+};
+// Causal: query i sees keys j <= i. A query row with no visible key outputs 0.
+
+// Block-scaled formats, emulated (quantize-dequantize) where not native.
+enum class BlockFormat {
+  kMXFP8,  // E4M3 values, 1x32 blocks, E8M0 (power of two) block scales
+  kNVFP4,  // E2M1 values, 1x16 blocks, E4M3 block scales + one f32 global scale
+};
+
+struct DelayedScalingArgs {
+  float fp8_max = 448.0f;
+  float margin = 0.0f;
+  bool most_recent = false;  // amax_compute_algo "most_recent" (else "max")
+};
+
+struct RotaryArgs {
+  float min_timescale = 1.0f;  // TE JAX rotary_pos_emb_windows
+  float max_timescale = 10000.0f;
+  // "consecutive": rotate halves (x[:D/2], x[D/2:]); "alternate": rotate pairs
+  // (x[2i], x[2i+1]).
+  bool consecutive = true;
+  bool inverse = false;  // rotate by -angle: the backward of the forward
+};
+// Position p (0-based along S), frequency index i in [0, D/2):
+//   timescale_i = min * (max/min)^(2i/D); angle = p / timescale_i
+//   (a, b) -> (a cos - b sin, b cos + a sin)
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+
+  // "cpu" or "cuda:N".
+  virtual std::string device_name() const = 0;
+
+  // ---- memory -----------------------------------------------------------
+  // Allocates uninitialised memory, accounted against this Ops' limit
+  // (RESOURCE_EXHAUSTED when over it). Freed when the last Tensor sharing it
+  // goes away.
+  absl::StatusOr<Tensor> Allocate(DType dtype, Shape shape);
+  int64_t bytes_in_use() const { return bytes_in_use_->load(); }
+  int64_t memory_limit() const { return memory_limit_; }
+  void set_memory_limit(int64_t bytes) { memory_limit_ = bytes; }
+
+  // Host <-> device copies of dst.nbytes() / src.nbytes() bytes. Download waits
+  // for the stream; Upload may return before the copy is done only if `src`
+  // stays valid (the CPU copies at once; CUDA copies synchronously from
+  // pageable memory).
+  virtual absl::Status Upload(const void* src, Tensor* dst) = 0;
+  virtual absl::Status Download(const Tensor& src, void* dst) = 0;
+  // dst = src (same dtype and element count).
+  virtual absl::Status Copy(const Tensor& src, Tensor* dst) = 0;
+  // Waits for all work issued so far; reports any deferred failure.
+  virtual absl::Status Synchronize() = 0;
+
+  // ---- elementwise ------------------------------------------------------
+  virtual absl::Status Fill(float value, Tensor* y) = 0;
+  // y = x converted to y's dtype (float dtypes; FP8 only through Quantize).
+  virtual absl::Status Cast(const Tensor& x, Tensor* y) = 0;
+  // y = alpha * a + beta * b (same element count). y may alias a or b.
+  virtual absl::Status Axpby(float alpha, const Tensor& a, float beta, const Tensor& b,
+                             Tensor* y) = 0;
+  // y[permuted index] = x: y.shape[i] = x.shape[perm[i]], rank <= 5.
+  virtual absl::Status Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) = 0;
+  // y[h] = sum over rows of x [N, H] (float32 accumulation): bias gradients.
+  virtual absl::Status SumRows(const Tensor& x, Tensor* y) = 0;
+
+  // ---- FP8 scaling --------------------------------------------------------
+  // y (E4M3 or E5M2) = cast(x * scale); writes fp8.amax and fp8.scale_inv.
+  virtual absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) = 0;
+  // y (float) = x (FP8) * scale_inv.
+  virtual absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) = 0;
+  // amax [1] f32 = max |x|.
+  virtual absl::Status Amax(const Tensor& x, Tensor* amax) = 0;
+  // Float8CurrentScaling: scale = fp8_max * 2^-margin / max(amax, epsilon),
+  // scale_inv = 1 / scale (scale = 1 where amax is inf or NaN).
+  virtual absl::Status ScaleFromAmax(const Tensor& amax, float fp8_max, float margin,
+                                     float epsilon, Tensor* scale, Tensor* scale_inv) = 0;
+  // TE's delayed-scaling update, on the device, for one quantizer:
+  //   amax = max(history) (most_recent: history[0]);
+  //   history = roll(history, -1); history[0] = 0;
+  //   scale = fp8_max * 2^-margin / amax, kept unchanged where amax is 0, inf or
+  //   NaN; scale_inv = 1 / scale.  history: [L] f32, scale/scale_inv: [1] f32.
+  virtual absl::Status DelayedScalingUpdate(const DelayedScalingArgs& args,
+                                            Tensor* amax_history, Tensor* scale,
+                                            Tensor* scale_inv) = 0;
+  // Emulated block scaling: y = dequantize(quantize(x)) with blocks of
+  // consecutive elements along the last dimension of x [N, K] (K % block == 0).
+  virtual absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x,
+                                               Tensor* y) = 0;
+
+  // ---- GEMM -------------------------------------------------------------
+  // out [M, N] (+)= op(a) [M, K] @ op(b) [K, N] + bias [N], where op(t) = t^T
+  // if transpose_*; a is [M, K] or, transposed, [K, M]. Operands are float, or
+  // both FP8 with their scale_inv ([1] f32): then op(a) = a * a_scale_inv.
+  // accumulate: out += result (bias must then be undefined).
+  struct GemmArgs {
+    Tensor a;
+    bool transpose_a = false;
+    Tensor a_scale_inv;
+    Tensor b;
+    bool transpose_b = false;
+    Tensor b_scale_inv;
+    Tensor bias;
+    bool accumulate = false;
+  };
+  virtual absl::Status Gemm(const GemmArgs& args, Tensor* out) = 0;
+
+  // ---- normalisation ----------------------------------------------------
+  // x [N, H]; gamma, beta [H] (beta undefined for RMSNorm); y [N, H];
+  // mu, rsigma [N] f32 (mu undefined for RMSNorm).
+  //   LayerNorm: y = (x - mu) * rsigma * g + beta, rsigma = 1/sqrt(var + eps)
+  //   RMSNorm:   y = x * rsigma * g, rsigma = 1/sqrt(mean(x^2) + eps)
+  //   g = zero_centered_gamma ? 1 + gamma : gamma.
+  // y may be FP8 (fp8 non-null).
+  virtual absl::Status NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
+                                   const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
+                                   const Fp8Output* fp8 = nullptr) = 0;
+  // dx [N, H]; dgamma, dbeta [H] (dbeta undefined for RMSNorm), overwritten.
+  virtual absl::Status NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
+                                    const Tensor& mu, const Tensor& rsigma,
+                                    const Tensor& gamma, Tensor* dx, Tensor* dgamma,
+                                    Tensor* dbeta) = 0;
+
+  // ---- activations ------------------------------------------------------
+  // x [N, n * I] with n = acts.size() (1 or 2) -> y [N, I]; y may be FP8.
+  virtual absl::Status ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
+                                         Tensor* y, const Fp8Output* fp8 = nullptr) = 0;
+  // dy [N, I], x [N, n * I] -> dx [N, n * I].
+  virtual absl::Status ActivationBackward(const std::vector<Activation>& acts,
+                                          const Tensor& dy, const Tensor& x, Tensor* dx) = 0;
+
+  // ---- dropout ----------------------------------------------------------
+  // Inverted dropout: element i is kept iff DropoutUniform(seed, i) >= rate
+  // (kernels/rng.h, so every backend drops the same elements); kept elements
+  // are scaled by 1/(1-rate). mask: bool, same shape as x (1 = kept).
+  virtual absl::Status DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
+                                      Tensor* mask) = 0;
+  virtual absl::Status DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
+                                       Tensor* dx) = 0;
+
+  // ---- attention --------------------------------------------------------
+  // q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] with Hq % Hkv == 0 (GQA: query
+  // head h uses kv head h / (Hq / Hkv)); out [B, Sq, Hq, D];
+  // softmax_lse [B, Hq, Sq] f32, the log-sum-exp of each row's masked logits
+  // (what backward needs). Dropout element index: ((b*Hq + h)*Sq + i)*Skv + j.
+  virtual absl::Status AttentionForward(const AttentionArgs& args, const Tensor& q,
+                                        const Tensor& k, const Tensor& v, Tensor* out,
+                                        Tensor* softmax_lse) = 0;
+  // dq, dk, dv like q, k, v; dbias [H, Sq, Skv] f32 when args.bias is defined
+  // (summed over the batch), else ignored.
+  virtual absl::Status AttentionBackward(const AttentionArgs& args, const Tensor& q,
+                                         const Tensor& k, const Tensor& v, const Tensor& out,
+                                         const Tensor& dout, const Tensor& softmax_lse,
+                                         Tensor* dq, Tensor* dk, Tensor* dv,
+                                         Tensor* dbias) = 0;
+
+  // ---- position encodings -------------------------------------------------
+  // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
+  virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
+  // T5 relative position bias: bias[h, i, j] = table[buckets[i, j], h].
+  // table [NB, H] (float), buckets int32 [Sq, Skv], bias f32 [H, Sq, Skv].
+  virtual absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
+                                           Tensor* bias) = 0;
+  // dtable [NB, H] = scatter-add of dbias over buckets (overwritten).
+  virtual absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
+                                            Tensor* dtable) = 0;
+
+ protected:
+  // Backend allocation of `bytes` (>0); the deleter must free the memory.
+  virtual absl::StatusOr<std::shared_ptr<void>> AllocateBytes(size_t bytes) = 0;
+
+ private:
+  // Atomic: a tensor may be freed on another thread than the one that made it.
+  std::shared_ptr<std::atomic<int64_t>> bytes_in_use_ = std::make_shared<std::atomic<int64_t>>(0);
+  int64_t memory_limit_ = INT64_MAX;
+};
+
+// What a device is and can do, for GetServerInfo.
+struct DeviceInfo {
+  std::string name;        // "cpu", "cuda:0"
+  std::string description; // "NVIDIA H200", "x86_64 CPU"
+  int compute_capability = 0;  // 90 for sm_90; 0 for the CPU
+  int64_t memory_bytes = 0;
+  bool fp8_native = false;           // FP8 GEMMs in hardware (sm_89+)
+  bool block_scaling_native = false; // MXFP8 / NVFP4 in hardware (sm_100+)
+};
+
+// One physical device; makes streams (Ops) on it. Thread-safe.
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual DeviceInfo info() const = 0;
+  // A new stream with a memory limit (bytes).
+  virtual absl::StatusOr<std::unique_ptr<Ops>> NewOps(int64_t memory_limit) = 0;
+  // False once the device hit an unrecoverable (sticky) error.
+  virtual bool healthy() const { return true; }
+};
+
+absl::StatusOr<std::unique_ptr<Device>> OpenCpuDevice();
+// Defined only in builds with CUDA; returns UNAVAILABLE when no GPU/driver.
+absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal);
+bool CudaBackendBuilt();
+
+}  // namespace te
+
+#endif  // TE_KERNELS_OPS_H_

@@ -1,0 +1,31 @@
+// Counter-based random numbers shared by every backend, so that dropout with
+// one seed drops the same elements on the CPU and on the GPU.
+#ifndef TE_KERNELS_RNG_H_
+#define TE_KERNELS_RNG_H_
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define TE_HOST_DEVICE __host__ __device__
+#else
+#define TE_HOST_DEVICE
+#endif
+
+namespace te {
+
+// splitmix64's finaliser: a bijective mix with full avalanche.
+TE_HOST_DEVICE inline uint64_t MixBits(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [0, 1) with 24 random bits, a pure function of (seed, index).
+TE_HOST_DEVICE inline float DropoutUniform(uint64_t seed, uint64_t index) {
+  const uint64_t bits = MixBits(MixBits(seed + 0x9e3779b97f4a7c15ULL) ^ index);
+  return static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
+}
+
+}  // namespace te
+
+#endif  // TE_KERNELS_RNG_H_

@@ -1,0 +1,138 @@
+// Layer: one module of TE's Flax API (DenseGeneral ... TransformerLayer),
+// written once against kernels/ops.h so it runs on every backend.
+//
+// A layer object holds its configuration (the te.v1 spec with TE's defaults
+// applied) and nothing else: variables, FP8 state and saved activations live
+// in the caller's containers, so a session owns all the state it can lose.
+// Layer methods are const and thread-compatible; they issue work on the `Ops`
+// they are given.
+//
+// Variables are named as Flax names them: "params/qkv/kernel",
+// "fp8_metas/qkv/kernel_amax_history". Under a delayed-scaling recipe every
+// FP8 GEMM has three quantizers, "x", "kernel" and "grad", each with
+// "<q><postfix>_scale" [1] f32 (init 1) and "<q><postfix>_amax_history" [L] f32
+// (init 0), where postfix is "" for one GEMM per module and "_0", "_1" for the
+// two GEMMs of LayerNormMLP (TE's generate_quantizer_set(postfix)).
+//
+// FP8 in a step (DelayedScaling): a forward quantizes x and the kernel with
+// their current scales and writes each tensor's amax into history[0]; the
+// backward quantizes the output gradient likewise (E5M2 under HYBRID). The
+// caller ends the step with UpdateFp8Metas (fp8_state.h), which applies TE's
+// scale update to every quantizer. Float8CurrentScaling computes scales from
+// the tensor itself (no state); MXFP8/NVFP4 are emulated by fake-quantizing
+// GEMM operands in blocks along the contraction axis.
+#ifndef TE_SERVER_LAYERS_LAYER_H_
+#define TE_SERVER_LAYERS_LAYER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+#include "te/v1/layers.pb.h"
+
+namespace te::layers {
+
+// "collection/path" -> tensor on the layer's device. Ordered: listings are stable.
+using Variables = std::map<std::string, Tensor>;
+
+// A resolved recipe (te.v1.Recipe with TE's defaults applied).
+struct Fp8Recipe {
+  enum class Kind { kDelayedScaling, kCurrentScaling, kMXFP8, kNVFP4 };
+  enum class Format { kE4M3, kE5M2, kHybrid };
+  Kind kind = Kind::kDelayedScaling;
+  Format format = Format::kHybrid;
+  float margin = 0.0f;
+  int amax_history_len = 1024;
+  bool most_recent = false;  // amax_compute_algo
+  float amax_epsilon = 0.0f;
+
+  DType forward_dtype() const { return format == Format::kE5M2 ? DType::kE5M2 : DType::kE4M3; }
+  DType backward_dtype() const { return format == Format::kE4M3 ? DType::kE4M3 : DType::kE5M2; }
+};
+
+struct ForwardOptions {
+  bool deterministic = true;   // true: every dropout is off
+  uint64_t dropout_seed = 0;
+  const Fp8Recipe* fp8 = nullptr;  // null: no FP8 (compute in the input dtype)
+  bool keep_for_backward = false;  // fill *saved
+};
+
+struct LayerInputs {
+  Tensor x;
+  std::vector<Tensor> extra;  // DotProductAttention (bshd_bshd_bshd): k, v
+  // Padding masks, as valid lengths int32 [B] (see MaskToSeqlens); undefined
+  // when the request had no mask.
+  Tensor q_seqlens;
+  Tensor kv_seqlens;
+};
+
+struct LayerOutputs {
+  Tensor y;
+  Tensor ln_out;  // only for modules that return their layernorm output
+};
+
+struct LayerGrads {
+  Tensor dx;
+  std::vector<Tensor> dextra;  // dk, dv for bshd attention
+  Variables params;            // "params/..." -> gradient, same shapes and dtypes
+};
+
+// What a forward kept for its backward (activations, FP8 copies, options).
+class SavedForward {
+ public:
+  virtual ~SavedForward() = default;
+  virtual int64_t bytes() const = 0;  // device memory held
+};
+
+struct VariableSpec {
+  std::string name;  // "params/qkv/kernel"
+  Shape shape;
+  DType dtype;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+
+  // The module's TE name, e.g. "TransformerLayer".
+  virtual std::string type_name() const = 0;
+
+  // The variables this layer has for an input of `input_shape` (x's shape),
+  // with the fp8_metas collection only when `fp8` is a delayed-scaling recipe.
+  // INVALID_ARGUMENT (naming "input_shape") when the shape does not fit.
+  virtual absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(
+      const Shape& input_shape, const Fp8Recipe* fp8) const = 0;
+
+  // Shape of y for an input shape.
+  virtual absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const = 0;
+
+  // Init(key, x): creates every variable of VariableSpecs with TE's
+  // initialisers, deterministically from `seed`, into *vars.
+  virtual absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape,
+                            const Fp8Recipe* fp8, Variables* vars) const = 0;
+
+  // Apply. FAILED_PRECONDITION if opts.fp8 is a delayed-scaling recipe and
+  // `vars` has no fp8_metas for this layer ("init under autocast"). Under
+  // DelayedScaling it writes the x / kernel amax into vars' fp8_metas.
+  virtual absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in,
+                               const ForwardOptions& opts, LayerOutputs* out,
+                               std::unique_ptr<SavedForward>* saved) const = 0;
+
+  // Gradients of vdot(y, dy) for a kept forward. Writes the grad quantizers'
+  // amax into `vars`' fp8_metas (DelayedScaling); does not update scales.
+  virtual absl::Status Backward(Ops& ops, Variables* vars, const SavedForward& saved,
+                                const Tensor& dy, LayerGrads* grads) const = 0;
+};
+
+// Validates `spec` (INVALID_ARGUMENT naming the field, e.g.
+// "spec.dense_general.features") and returns the layer with TE's defaults.
+absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_LAYER_H_
