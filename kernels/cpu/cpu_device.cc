@@ -1,0 +1,49 @@
+// The CPU device: one per process; each NewOps() is an independent stream with
+// its own memory account. Also weak fallbacks for the CUDA entry points, so a
+// build without the CUDA backend still links (kernels/cuda overrides them).
+#include <memory>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+class CpuDevice : public Device {
+ public:
+  DeviceInfo info() const override {
+    DeviceInfo info;
+    info.name = "cpu";
+    info.description = "x86_64 CPU (reference backend)";
+    info.compute_capability = 0;
+    info.fp8_native = false;
+    info.block_scaling_native = false;
+    return info;
+  }
+
+  absl::StatusOr<std::unique_ptr<Ops>> NewOps(int64_t memory_limit) override {
+    if (memory_limit <= 0) {
+      return absl::InvalidArgumentError(
+          "NewOps: memory_limit must be positive, got " + std::to_string(memory_limit));
+    }
+    auto ops = std::make_unique<CpuOps>();
+    ops->set_memory_limit(memory_limit);
+    return std::unique_ptr<Ops>(std::move(ops));
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Device>> OpenCpuDevice() {
+  return std::unique_ptr<Device>(std::make_unique<CpuDevice>());
+}
+
+// Overridden by the strong definitions in kernels/cuda when that backend is linked in.
+__attribute__((weak)) absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
+  return absl::UnavailableError("cuda:" + std::to_string(ordinal) +
+                                " unavailable: te_server was built without CUDA");
+}
+
+__attribute__((weak)) bool CudaBackendBuilt() { return false; }
+
+}  // namespace te
