@@ -1,15 +1,37 @@
-// The CPU reference backend: element access helpers and the ops of
-// kernels/ops.h other than attention (attention.cc) and position encodings
-// (position.cc). Work in progress: ops not yet written return UNIMPLEMENTED.
+// The CPU reference backend: element access helpers and every op of
+// kernels/ops.h except attention (attention.cc) and position encodings
+// (position.cc).
+//
+// Numerics: inputs are read as float32; reductions (sums, means, variances)
+// accumulate in double, which is at least as accurate as the float32
+// accumulation ops.h promises and keeps the reference closest to the exact
+// value; elementwise math runs in float32; every output element is rounded
+// once to its dtype with the exact casts of kernels/fp8.h. GEMMs run in
+// float32 through Eigen.
+//
+// NaN policy: amax reductions propagate NaN (as jnp.max does in TE JAX), so a
+// NaN input shows up in the amax history and the delayed-scaling update keeps
+// the old scale instead of silently scaling around it.
 #include "kernels/cpu/cpu_ops.h"
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+
+#include <eigen3/Eigen/Dense>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/fp8.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
 
 namespace te {
+
+// ---- element access ---------------------------------------------------------
 
 float LoadAsFloat(const Tensor& t, int64_t i) {
   switch (t.dtype()) {
@@ -47,49 +69,866 @@ void FromFloatVector(const std::vector<float>& v, Tensor* t) {
 }
 
 namespace {
-absl::Status NotYet(const char* op) {
-  return absl::UnimplementedError(absl::StrCat(op, ": not yet written on the CPU backend"));
+
+// ---- argument checks: each names the op and the argument --------------------
+
+bool IsComputeFloat(DType d) {
+  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
 }
+
+std::string Describe(const Tensor& t) {
+  return absl::StrCat(DTypeName(t.dtype()), " ", ShapeString(t.shape()));
+}
+
+absl::Status RequireDefined(const char* op, const char* name, const Tensor* t) {
+  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is null"));
+  if (t->numel() > 0 && t->data() == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is undefined"));
+  }
+  return absl::OkStatus();
+}
+
+// Defined, with dtype f32, bf16 or f16.
+absl::Status RequireFloat(const char* op, const char* name, const Tensor* t) {
+  RETURN_IF_ERROR(RequireDefined(op, name, t));
+  if (!IsComputeFloat(t->dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
+                                                   DTypeName(t->dtype()),
+                                                   ", want float32, bfloat16 or float16"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireDType(const char* op, const char* name, const Tensor* t, DType want) {
+  RETURN_IF_ERROR(RequireDefined(op, name, t));
+  if (t->dtype() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
+                                                   DTypeName(t->dtype()), ", want ",
+                                                   DTypeName(want)));
+  }
+  return absl::OkStatus();
+}
+
+// A [1] float32 tensor (scales, amaxes).
+absl::Status RequireScalarF32(const char* op, const char* name, const Tensor* t) {
+  RETURN_IF_ERROR(RequireDefined(op, name, t));
+  if (t->dtype() != DType::kF32 || t->numel() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", name, " is ", Describe(*t), ", want float32 [1]"));
+  }
+  return absl::OkStatus();
+}
+
+// `want_text` spells the wanted shape with its symbols, e.g. "[K=5, N]".
+absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want,
+                          const std::string& want_text) {
+  if (t.shape() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
+                                                   ShapeString(t.shape()), ", want ", want_text));
+  }
+  return absl::OkStatus();
+}
+absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want) {
+  return RequireShape(op, name, t, want, ShapeString(want));
+}
+
+absl::Status RequireSameCount(const char* op, const char* name, const Tensor& t,
+                              const char* other_name, const Tensor& other) {
+  if (t.numel() != other.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", t.numel(),
+                                                   " elements ", ShapeString(t.shape()), ", want ",
+                                                   other.numel(), " like ", other_name, " ",
+                                                   ShapeString(other.shape())));
+  }
+  return absl::OkStatus();
+}
+
+// The rows of a [..., H] tensor: prod(shape[:-1]).
+int64_t Rows(const Tensor& t) {
+  const int64_t cols = t.rank() == 0 ? 1 : t.dim(-1);
+  return cols == 0 ? 0 : t.numel() / cols;
+}
+
+// max |v| over values, NaN if any value is NaN.
+float AbsMax(const float* v, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(v[i]);
+    if (std::isnan(a)) return NAN;
+    amax = std::max(amax, a);
+  }
+  return amax;
+}
+
+// Checks an op's output `y` (and its Fp8Output when y is FP8) before the op
+// runs, so a failing op writes nothing.
+absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8) {
+  RETURN_IF_ERROR(RequireDefined(op, "y", y));
+  if (IsFloat8(y->dtype())) {
+    if (fp8 == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": y has dtype ", DTypeName(y->dtype()), " but no Fp8Output (scale, amax) is given"));
+    }
+    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale", &fp8->scale));
+    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8->amax));
+    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale_inv", &fp8->scale_inv));
+    return absl::OkStatus();
+  }
+  if (!IsComputeFloat(y->dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": y has dtype ", DTypeName(y->dtype()),
+                                                   ", want float32, bfloat16, float16 or FP8"));
+  }
+  if (fp8 != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": an Fp8Output is given but y has dtype ", DTypeName(y->dtype()), ", not FP8"));
+  }
+  return absl::OkStatus();
+}
+
+// Writes values (float32, already computed) to y, checked by CheckOutput: a
+// float y gets each value rounded once; an FP8 y gets cast(v * scale), with
+// amax = max |v| and scale_inv = 1 / scale written (TE's fused quantize).
+void WriteOutput(const std::vector<float>& values, Tensor* y, const Fp8Output* fp8) {
+  if (!IsFloat8(y->dtype())) {
+    FromFloatVector(values, y);
+    return;
+  }
+  const float scale = fp8->scale.data_as<const float>()[0];
+  for (int64_t i = 0; i < y->numel(); ++i) StoreFromFloat(y, i, values[i] * scale);
+  fp8->amax.data_as<float>()[0] = AbsMax(values.data(), static_cast<int64_t>(values.size()));
+  fp8->scale_inv.data_as<float>()[0] = 1.0f / scale;
+}
+
+// ---- activations -------------------------------------------------------------
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+constexpr float kQuickGeluAlpha = 1.702f;
+
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+float ActivationValue(Activation act, float x) {
+  switch (act) {
+    case Activation::kGelu: {
+      const float t = std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+      return 0.5f * x * (1.0f + t);
+    }
+    case Activation::kSilu: return x * Sigmoid(x);
+    case Activation::kRelu: return x > 0.0f ? x : 0.0f;
+    case Activation::kQuickGelu: return x * Sigmoid(kQuickGeluAlpha * x);
+    case Activation::kSquaredRelu: return x > 0.0f ? x * x : 0.0f;
+    case Activation::kLinear: return x;
+  }
+  return x;
+}
+
+float ActivationDerivative(Activation act, float x) {
+  switch (act) {
+    case Activation::kGelu: {
+      const float t = std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+      const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+      return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+    }
+    case Activation::kSilu: {
+      const float s = Sigmoid(x);
+      return s * (1.0f + x * (1.0f - s));
+    }
+    case Activation::kRelu: return x > 0.0f ? 1.0f : 0.0f;
+    case Activation::kQuickGelu: {
+      const float s = Sigmoid(kQuickGeluAlpha * x);
+      return s + kQuickGeluAlpha * x * s * (1.0f - s);
+    }
+    case Activation::kSquaredRelu: return x > 0.0f ? 2.0f * x : 0.0f;
+    case Activation::kLinear: return 1.0f;
+  }
+  return 1.0f;
+}
+
+// x [N, n * I] with n = acts.size(): returns I.
+absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>& acts,
+                                   const Tensor& x) {
+  if (acts.size() != 1 && acts.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": acts has ", acts.size(), " entries, want 1 or 2 (a gated pair)"));
+  }
+  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  const int64_t n = static_cast<int64_t>(acts.size());
+  if (x.dim(-1) % n != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": x has last dimension ", x.dim(-1), ", want a multiple of ", n, " (n * I)"));
+  }
+  return x.dim(-1) / n;
+}
+
+// ---- FP8 block scaling (emulated) ------------------------------------------
+
+constexpr int kMxfp8Block = 32;
+constexpr int kNvfp4Block = 16;
+// E8M0 represents 2^-127 .. 2^127.
+constexpr int kE8M0MinExp = -127;
+constexpr int kE8M0MaxExp = 127;
+// floor(log2(448)): the largest power of two E4M3 holds (OCP MX emax_elem).
+constexpr int kE4M3MaxExp = 8;
+
+// MXFP8, one block in place: scale 2^e with e = floor(log2(amax)) - 8, values
+// x / 2^e cast to E4M3 (saturating), then multiplied back. A zero block stays
+// zero; a block holding inf or NaN has no E8M0 scale (its scale would be the
+// NaN code), so it becomes NaN.
+void FakeQuantizeMxfp8Block(float* v, int n) {
+  const float amax = AbsMax(v, n);
+  if (amax == 0.0f) return;
+  if (!std::isfinite(amax)) {
+    for (int i = 0; i < n; ++i) v[i] = NAN;
+    return;
+  }
+  int e2;
+  std::frexp(amax, &e2);  // amax = f * 2^e2, f in [0.5, 1): floor(log2 amax) = e2 - 1
+  const int exp = std::clamp(e2 - 1 - kE4M3MaxExp, kE8M0MinExp, kE8M0MaxExp);
+  for (int i = 0; i < n; ++i) {
+    const float q = E4M3ToFloat(FloatToE4M3(std::ldexp(v[i], -exp)));
+    v[i] = std::ldexp(q, exp);
+  }
+}
+
+// NVFP4 over a whole tensor, in place. Two levels of scale, as TE computes
+// them: a global encode scale S = 448 * 6 / amax(tensor) (S = 1 where amax is
+// 0 or S overflows to 0; capped at FLT_MAX), and per 16-element block a decode
+// scale s = E4M3(block_amax / 6 * S). Elements: q = E2M1(x * (S / s)),
+// y = q * (s / S). A block whose s rounds to zero becomes zero. NaN anywhere
+// makes the whole output NaN (no scale is defined).
+void FakeQuantizeNvfp4(std::vector<float>* values, int64_t cols) {
+  std::vector<float>& v = *values;
+  const float amax = AbsMax(v.data(), static_cast<int64_t>(v.size()));
+  if (std::isnan(amax)) {
+    std::fill(v.begin(), v.end(), NAN);
+    return;
+  }
+  float global = std::min(kE4M3Max * kE2M1Max / amax, FLT_MAX);
+  if (amax == 0.0f || global == 0.0f) global = 1.0f;
+  const int64_t rows = cols == 0 ? 0 : static_cast<int64_t>(v.size()) / cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < cols; b += kNvfp4Block) {
+      float* block = v.data() + r * cols + b;
+      const float block_amax = AbsMax(block, kNvfp4Block);
+      const float block_scale = E4M3ToFloat(FloatToE4M3(block_amax / kE2M1Max * global));
+      if (block_scale == 0.0f) {
+        std::fill(block, block + kNvfp4Block, 0.0f);
+        continue;
+      }
+      const float encode = global / block_scale;
+      const float decode = block_scale / global;
+      for (int i = 0; i < kNvfp4Block; ++i) block[i] = RoundToE2M1(block[i] * encode) * decode;
+    }
+  }
+}
+
+using RowMajorMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// A GEMM operand as a float32 matrix of its stored shape, dequantized when FP8.
+RowMajorMatrix OperandMatrix(const Tensor& t, const Tensor& scale_inv) {
+  RowMajorMatrix m(t.dim(0), t.dim(1));
+  float* out = m.data();
+  const float s = IsFloat8(t.dtype()) ? scale_inv.data_as<const float>()[0] : 1.0f;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    out[i] = IsFloat8(t.dtype()) ? LoadAsFloat(t, i) * s : LoadAsFloat(t, i);
+  }
+  return m;
+}
+
+// Checks one GEMM operand; returns its (rows, cols) after the transpose.
+absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Tensor& t,
+                              const Tensor& scale_inv) {
+  RETURN_IF_ERROR(RequireDefined("Gemm", name, &t));
+  if (t.rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: ", name, " has shape ", ShapeString(t.shape()), ", want rank 2"));
+  }
+  if (IsFloat8(t.dtype())) {
+    if (!scale_inv.defined() || scale_inv.data() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("Gemm: ", name, " is ", DTypeName(t.dtype()),
+                                                     " but ", scale_name, " is undefined"));
+    }
+    return RequireScalarF32("Gemm", scale_name, &scale_inv);
+  }
+  RETURN_IF_ERROR(RequireFloat("Gemm", name, &t));
+  if (scale_inv.data() != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: ", scale_name, " is given but ", name, " is ", DTypeName(t.dtype()),
+        "; scale_inv applies to FP8 operands only"));
+  }
+  return absl::OkStatus();
+}
+
+// Sets the output tensors of a norm that the caller asked for (non-null and
+// defined); the rest are skipped.
+bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
+
 }  // namespace
 
+// ---- memory and copies -------------------------------------------------------
+
 absl::StatusOr<std::shared_ptr<void>> CpuOps::AllocateBytes(size_t bytes) {
-  const size_t rounded = (bytes + 63) / 64 * 64;  // aligned_alloc wants a multiple
+  const size_t rounded = (bytes + 63) / 64 * 64;  // aligned_alloc wants a multiple of 64
   void* p = std::aligned_alloc(64, rounded);
   if (p == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("host allocation of ", bytes, " bytes failed"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host allocation of ", bytes, " bytes failed"));
   }
   return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
 }
 
 absl::Status CpuOps::Upload(const void* src, Tensor* dst) {
-  if (dst->nbytes() > 0) std::memcpy(dst->data(), src, dst->nbytes());
+  RETURN_IF_ERROR(RequireDefined("Upload", "dst", dst));
+  if (dst->nbytes() == 0) return absl::OkStatus();
+  if (src == nullptr) return absl::InvalidArgumentError("Upload: src is null");
+  std::memcpy(dst->data(), src, dst->nbytes());
   return absl::OkStatus();
 }
+
 absl::Status CpuOps::Download(const Tensor& src, void* dst) {
-  if (src.nbytes() > 0) std::memcpy(dst, src.data(), src.nbytes());
+  RETURN_IF_ERROR(RequireDefined("Download", "src", &src));
+  if (src.nbytes() == 0) return absl::OkStatus();
+  if (dst == nullptr) return absl::InvalidArgumentError("Download: dst is null");
+  std::memcpy(dst, src.data(), src.nbytes());
   return absl::OkStatus();
 }
+
 absl::Status CpuOps::Copy(const Tensor& src, Tensor* dst) {
+  RETURN_IF_ERROR(RequireDefined("Copy", "src", &src));
+  RETURN_IF_ERROR(RequireDefined("Copy", "dst", dst));
+  RETURN_IF_ERROR(RequireDType("Copy", "dst", dst, src.dtype()));
+  RETURN_IF_ERROR(RequireSameCount("Copy", "dst", *dst, "src", src));
   if (src.nbytes() > 0) std::memmove(dst->data(), src.data(), src.nbytes());
   return absl::OkStatus();
 }
-absl::Status CpuOps::Fill(float, Tensor*) { return NotYet("Fill"); }
-absl::Status CpuOps::Cast(const Tensor&, Tensor*) { return NotYet("Cast"); }
-absl::Status CpuOps::Axpby(float, const Tensor&, float, const Tensor&, Tensor*) { return NotYet("Axpby"); }
-absl::Status CpuOps::Permute(const Tensor&, const std::vector<int>&, Tensor*) { return NotYet("Permute"); }
-absl::Status CpuOps::SumRows(const Tensor&, Tensor*) { return NotYet("SumRows"); }
-absl::Status CpuOps::Quantize(const Tensor&, const Fp8Output&, Tensor*) { return NotYet("Quantize"); }
-absl::Status CpuOps::Dequantize(const Tensor&, const Tensor&, Tensor*) { return NotYet("Dequantize"); }
-absl::Status CpuOps::Amax(const Tensor&, Tensor*) { return NotYet("Amax"); }
-absl::Status CpuOps::ScaleFromAmax(const Tensor&, float, float, float, Tensor*, Tensor*) { return NotYet("ScaleFromAmax"); }
-absl::Status CpuOps::DelayedScalingUpdate(const DelayedScalingArgs&, Tensor*, Tensor*, Tensor*) { return NotYet("DelayedScalingUpdate"); }
-absl::Status CpuOps::FakeQuantizeBlockScaled(BlockFormat, const Tensor&, Tensor*) { return NotYet("FakeQuantizeBlockScaled"); }
-absl::Status CpuOps::Gemm(const GemmArgs&, Tensor*) { return NotYet("Gemm"); }
-absl::Status CpuOps::NormForward(const NormArgs&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*, Tensor*, const Fp8Output*) { return NotYet("NormForward"); }
-absl::Status CpuOps::NormBackward(const NormArgs&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*, Tensor*) { return NotYet("NormBackward"); }
-absl::Status CpuOps::ActivationForward(const std::vector<Activation>&, const Tensor&, Tensor*, const Fp8Output*) { return NotYet("ActivationForward"); }
-absl::Status CpuOps::ActivationBackward(const std::vector<Activation>&, const Tensor&, const Tensor&, Tensor*) { return NotYet("ActivationBackward"); }
-absl::Status CpuOps::DropoutForward(float, uint64_t, const Tensor&, Tensor*, Tensor*) { return NotYet("DropoutForward"); }
-absl::Status CpuOps::DropoutBackward(float, const Tensor&, const Tensor&, Tensor*) { return NotYet("DropoutBackward"); }
+
+// ---- elementwise -------------------------------------------------------------
+
+absl::Status CpuOps::Fill(float value, Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Fill", "y", y));
+  for (int64_t i = 0; i < y->numel(); ++i) StoreFromFloat(y, i, value);
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::Cast(const Tensor& x, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
+  RETURN_IF_ERROR(RequireFloat("Cast", "y", y));
+  RETURN_IF_ERROR(RequireSameCount("Cast", "y", *y, "x", x));
+  for (int64_t i = 0; i < x.numel(); ++i) StoreFromFloat(y, i, LoadAsFloat(x, i));
+  return absl::OkStatus();
+}
+
+// A term whose coefficient is 0 is not read (BLAS's convention), so
+// Axpby(alpha, a, 0, Tensor(), y) scales a, and a NaN in an unread tensor does
+// not leak through 0 * NaN.
+absl::Status CpuOps::Axpby(float alpha, const Tensor& a, float beta, const Tensor& b,
+                           Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Axpby", "y", y));
+  if (alpha != 0.0f) {
+    RETURN_IF_ERROR(RequireFloat("Axpby", "a", &a));
+    RETURN_IF_ERROR(RequireSameCount("Axpby", "a", a, "y", *y));
+  }
+  if (beta != 0.0f) {
+    RETURN_IF_ERROR(RequireFloat("Axpby", "b", &b));
+    RETURN_IF_ERROR(RequireSameCount("Axpby", "b", b, "y", *y));
+  }
+  for (int64_t i = 0; i < y->numel(); ++i) {
+    float v = 0.0f;
+    if (alpha != 0.0f) v += alpha * LoadAsFloat(a, i);
+    if (beta != 0.0f) v += beta * LoadAsFloat(b, i);
+    StoreFromFloat(y, i, v);
+  }
+  return absl::OkStatus();
+}
+
+// Any dtype: elements are moved as bytes.
+absl::Status CpuOps::Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) {
+  constexpr int kMaxRank = 5;
+  RETURN_IF_ERROR(RequireDefined("Permute", "x", &x));
+  RETURN_IF_ERROR(RequireDefined("Permute", "y", y));
+  RETURN_IF_ERROR(RequireDType("Permute", "y", y, x.dtype()));
+  const int rank = x.rank();
+  if (rank > kMaxRank) {
+    return absl::InvalidArgumentError(absl::StrCat("Permute: x has rank ", rank, " (",
+                                                   ShapeString(x.shape()), "), want <= 5"));
+  }
+  std::vector<bool> seen(rank, false);
+  bool valid = static_cast<int>(perm.size()) == rank;
+  for (size_t i = 0; valid && i < perm.size(); ++i) {
+    valid = perm[i] >= 0 && perm[i] < rank && !seen[perm[i]];
+    if (valid) seen[perm[i]] = true;
+  }
+  if (!valid) {
+    return absl::InvalidArgumentError(absl::StrCat("Permute: perm [", absl::StrJoin(perm, ", "),
+                                                   "] is not a permutation of x's ", rank,
+                                                   " dimensions"));
+  }
+  Shape want(rank);
+  for (int i = 0; i < rank; ++i) want[i] = x.dim(perm[i]);
+  RETURN_IF_ERROR(RequireShape("Permute", "y", *y, want));
+
+  // x_strides[d]: elements between neighbours along x's dimension d;
+  // step[i]: the x stride of y's dimension i.
+  std::vector<int64_t> x_strides(rank, 1);
+  for (int d = rank - 2; d >= 0; --d) x_strides[d] = x_strides[d + 1] * x.dim(d + 1);
+  std::vector<int64_t> step(rank);
+  for (int i = 0; i < rank; ++i) step[i] = x_strides[perm[i]];
+
+  const size_t elem = DTypeSize(x.dtype());
+  const char* src = static_cast<const char*>(x.data());
+  char* dst = static_cast<char*>(y->data());
+  std::vector<int64_t> index(rank, 0);  // y's multi-index, odometer order
+  int64_t x_offset = 0;
+  for (int64_t out = 0; out < y->numel(); ++out) {
+    std::memcpy(dst + out * elem, src + x_offset * elem, elem);
+    for (int i = rank - 1; i >= 0; --i) {
+      if (++index[i] < want[i]) {
+        x_offset += step[i];
+        break;
+      }
+      x_offset -= step[i] * (want[i] - 1);
+      index[i] = 0;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::SumRows(const Tensor& x, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("SumRows", "x", &x));
+  RETURN_IF_ERROR(RequireFloat("SumRows", "y", y));
+  if (x.rank() < 1) return absl::InvalidArgumentError("SumRows: x is a scalar, want [N, H]");
+  const int64_t h = x.dim(-1);
+  RETURN_IF_ERROR(RequireShape("SumRows", "y", *y, {h}, absl::StrCat("[H=", h, "]")));
+  const int64_t rows = Rows(x);
+  std::vector<double> sums(h, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < h; ++c) sums[c] += LoadAsFloat(x, r * h + c);
+  }
+  for (int64_t c = 0; c < h; ++c) StoreFromFloat(y, c, static_cast<float>(sums[c]));
+  return absl::OkStatus();
+}
+
+// ---- FP8 scaling ---------------------------------------------------------------
+
+absl::Status CpuOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Quantize", "x", &x));
+  RETURN_IF_ERROR(RequireDefined("Quantize", "y", y));
+  if (!IsFloat8(y->dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("Quantize: y has dtype ", DTypeName(y->dtype()),
+                                                   ", want float8_e4m3fn or float8_e5m2"));
+  }
+  RETURN_IF_ERROR(RequireSameCount("Quantize", "y", *y, "x", x));
+  RETURN_IF_ERROR(CheckOutput("Quantize", y, &fp8));
+  WriteOutput(ToFloatVector(x), y, &fp8);
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Dequantize", "x", &x));
+  if (!IsFloat8(x.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("Dequantize: x has dtype ", DTypeName(x.dtype()),
+                                                   ", want float8_e4m3fn or float8_e5m2"));
+  }
+  RETURN_IF_ERROR(RequireScalarF32("Dequantize", "scale_inv", &scale_inv));
+  RETURN_IF_ERROR(RequireFloat("Dequantize", "y", y));
+  RETURN_IF_ERROR(RequireSameCount("Dequantize", "y", *y, "x", x));
+  const float s = scale_inv.data_as<const float>()[0];
+  for (int64_t i = 0; i < x.numel(); ++i) StoreFromFloat(y, i, LoadAsFloat(x, i) * s);
+  return absl::OkStatus();
+}
+
+// Reads any floating dtype; FP8 values are read unscaled.
+absl::Status CpuOps::Amax(const Tensor& x, Tensor* amax) {
+  RETURN_IF_ERROR(RequireDefined("Amax", "x", &x));
+  if (!IsFloating(x.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Amax: x has dtype ", DTypeName(x.dtype()), ", want a floating dtype"));
+  }
+  RETURN_IF_ERROR(RequireScalarF32("Amax", "amax", amax));
+  const std::vector<float> v = ToFloatVector(x);
+  amax->data_as<float>()[0] = AbsMax(v.data(), x.numel());
+  return absl::OkStatus();
+}
+
+// As TE's current scaling: amax below epsilon is raised to epsilon; a scale
+// that overflows is capped at FLT_MAX; where amax (after the epsilon) is 0, inf
+// or NaN there is no meaningful scale and it is 1.
+absl::Status CpuOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float margin,
+                                   float epsilon, Tensor* scale, Tensor* scale_inv) {
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "amax", &amax));
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale", scale));
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale_inv", scale_inv));
+  if (!(fp8_max > 0.0f) || !std::isfinite(fp8_max)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScaleFromAmax: fp8_max is ", fp8_max, ", want a positive finite value"));
+  }
+  if (!(epsilon >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScaleFromAmax: epsilon is ", epsilon, ", want >= 0"));
+  }
+  float a = amax.data_as<const float>()[0];
+  if (a < epsilon) a = epsilon;
+  float s = 1.0f;
+  if (std::isfinite(a) && a > 0.0f) {
+    s = std::min(fp8_max * std::exp2(-margin) / a, FLT_MAX);
+  }
+  scale->data_as<float>()[0] = s;
+  scale_inv->data_as<float>()[0] = 1.0f / s;
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
+                                          Tensor* scale, Tensor* scale_inv) {
+  const char* op = "DelayedScalingUpdate";
+  RETURN_IF_ERROR(RequireDType(op, "amax_history", amax_history, DType::kF32));
+  if (amax_history->rank() != 1 || amax_history->numel() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": amax_history has shape ", ShapeString(amax_history->shape()), ", want [L], L >= 1"));
+  }
+  RETURN_IF_ERROR(RequireScalarF32(op, "scale", scale));
+  RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
+  if (!(args.fp8_max > 0.0f) || !std::isfinite(args.fp8_max)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": fp8_max is ", args.fp8_max, ", want a positive finite value"));
+  }
+  float* history = amax_history->data_as<float>();
+  const int64_t length = amax_history->numel();
+
+  // The amax of the window as it stands, before the roll.
+  const float amax = args.most_recent ? history[0] : AbsMax(history, length);
+
+  std::rotate(history, history + 1, history + length);  // roll(-1): history[0] goes last
+  history[0] = 0.0f;
+
+  float s = scale->data_as<const float>()[0];
+  if (std::isfinite(amax) && amax > 0.0f) s = args.fp8_max * std::exp2(-args.margin) / amax;
+  scale->data_as<float>()[0] = s;
+  scale_inv->data_as<float>()[0] = 1.0f / s;
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) {
+  const char* op = "FakeQuantizeBlockScaled";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  const int block = format == BlockFormat::kMXFP8 ? kMxfp8Block : kNvfp4Block;
+  const int64_t cols = x.dim(-1);
+  if (cols % block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": x has last dimension ", cols, ", want a multiple of the ",
+        format == BlockFormat::kMXFP8 ? "MXFP8" : "NVFP4", " block size ", block));
+  }
+  std::vector<float> v = ToFloatVector(x);
+  if (format == BlockFormat::kMXFP8) {
+    for (size_t b = 0; b < v.size(); b += kMxfp8Block) FakeQuantizeMxfp8Block(&v[b], kMxfp8Block);
+  } else {
+    FakeQuantizeNvfp4(&v, cols);
+  }
+  FromFloatVector(v, y);
+  return absl::OkStatus();
+}
+
+// ---- GEMM ----------------------------------------------------------------------
+
+absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
+  RETURN_IF_ERROR(CheckGemmOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
+  RETURN_IF_ERROR(CheckGemmOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
+  if (IsFloat8(args.a.dtype()) != IsFloat8(args.b.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()), " and b is ",
+                     DTypeName(args.b.dtype()), "; operands are both float or both FP8"));
+  }
+  const int64_t m = args.transpose_a ? args.a.dim(1) : args.a.dim(0);
+  const int64_t k = args.transpose_a ? args.a.dim(0) : args.a.dim(1);
+  const Shape b_want = args.transpose_b ? Shape{args.b.dim(0), k} : Shape{k, args.b.dim(1)};
+  if (args.b.shape() != b_want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
+        args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)")
+                         : absl::StrCat("[K=", k, ", N]")));
+  }
+  const int64_t n = args.transpose_b ? args.b.dim(0) : args.b.dim(1);
+  RETURN_IF_ERROR(RequireFloat("Gemm", "out", out));
+  RETURN_IF_ERROR(RequireShape("Gemm", "out", *out, {m, n}, absl::StrCat("[M=", m, ", N=", n, "]")));
+  const bool has_bias = args.bias.data() != nullptr;
+  if (has_bias) {
+    RETURN_IF_ERROR(RequireFloat("Gemm", "bias", &args.bias));
+    RETURN_IF_ERROR(RequireShape("Gemm", "bias", args.bias, {n}, absl::StrCat("[N=", n, "]")));
+    if (args.accumulate) {
+      return absl::InvalidArgumentError("Gemm: bias is given with accumulate; add it once, "
+                                        "on the first GEMM that writes out");
+    }
+  }
+
+  const RowMajorMatrix a = OperandMatrix(args.a, args.a_scale_inv);
+  const RowMajorMatrix b = OperandMatrix(args.b, args.b_scale_inv);
+  RowMajorMatrix result(m, n);
+  if (args.transpose_a && args.transpose_b) result.noalias() = a.transpose() * b.transpose();
+  else if (args.transpose_a) result.noalias() = a.transpose() * b;
+  else if (args.transpose_b) result.noalias() = a * b.transpose();
+  else result.noalias() = a * b;
+
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float v = result(i, j);
+      if (has_bias) v += LoadAsFloat(args.bias, j);
+      if (args.accumulate) v += LoadAsFloat(*out, i * n + j);
+      StoreFromFloat(out, i * n + j, v);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- normalisation --------------------------------------------------------------
+
+// x may have any rank >= 1: its rows are normalised over the last dimension.
+absl::Status CpuOps::NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
+                                 const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
+                                 const Fp8Output* fp8) {
+  const char* op = "NormForward";
+  const bool layernorm = args.type == NormType::kLayerNorm;
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  if (x.rank() < 1) return absl::InvalidArgumentError("NormForward: x is a scalar, want [N, H]");
+  const int64_t h = x.dim(-1);
+  const int64_t rows = Rows(x);
+  const std::string h_text = absl::StrCat("[H=", h, "]");
+  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
+  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {h}, h_text));
+  if (layernorm) {
+    RETURN_IF_ERROR(RequireFloat(op, "beta", &beta));
+    RETURN_IF_ERROR(RequireShape(op, "beta", beta, {h}, h_text));
+  } else if (beta.data() != nullptr) {
+    return absl::InvalidArgumentError("NormForward: beta is given for RMSNorm, which has none");
+  }
+  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  const std::string rows_text = absl::StrCat("[N=", rows, "]");
+  if (layernorm && Wanted(mu)) {
+    RETURN_IF_ERROR(RequireDType(op, "mu", mu, DType::kF32));
+    RETURN_IF_ERROR(RequireShape(op, "mu", *mu, {rows}, rows_text));
+  }
+  if (Wanted(rsigma)) {
+    RETURN_IF_ERROR(RequireDType(op, "rsigma", rsigma, DType::kF32));
+    RETURN_IF_ERROR(RequireShape(op, "rsigma", *rsigma, {rows}, rows_text));
+  }
+  if (!(args.epsilon >= 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("NormForward: epsilon is ", args.epsilon,
+                                                   ", want >= 0"));
+  }
+
+  const std::vector<float> xs = ToFloatVector(x);
+  std::vector<float> g = ToFloatVector(gamma);
+  if (args.zero_centered_gamma) {
+    for (float& v : g) v += 1.0f;
+  }
+  const std::vector<float> bias = layernorm ? ToFloatVector(beta) : std::vector<float>(h, 0.0f);
+  std::vector<float> out(xs.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xs.data() + r * h;
+    double mean = 0.0;
+    if (layernorm) {
+      for (int64_t c = 0; c < h; ++c) mean += row[c];
+      mean /= static_cast<double>(h);
+    }
+    double second_moment = 0.0;  // variance, or mean square for RMSNorm
+    for (int64_t c = 0; c < h; ++c) second_moment += (row[c] - mean) * (row[c] - mean);
+    second_moment /= static_cast<double>(h);
+    // y is computed from the float32 statistics that backward will read.
+    const float mu_f = static_cast<float>(mean);
+    const float rs_f = static_cast<float>(1.0 / std::sqrt(second_moment + args.epsilon));
+    for (int64_t c = 0; c < h; ++c) out[r * h + c] = (row[c] - mu_f) * rs_f * g[c] + bias[c];
+    if (layernorm && Wanted(mu)) mu->data_as<float>()[r] = mu_f;
+    if (Wanted(rsigma)) rsigma->data_as<float>()[r] = rs_f;
+  }
+  WriteOutput(out, y, fp8);
+  return absl::OkStatus();
+}
+
+// With xhat = (x - mu) * rsigma (RMSNorm: x * rsigma) and dxhat = dy * g:
+//   dx = rsigma * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+// (RMSNorm drops the mean(dxhat) term); dgamma = sum_rows dy * xhat,
+// dbeta = sum_rows dy.
+absl::Status CpuOps::NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
+                                  const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
+                                  Tensor* dx, Tensor* dgamma, Tensor* dbeta) {
+  const char* op = "NormBackward";
+  const bool layernorm = args.type == NormType::kLayerNorm;
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  if (x.rank() < 1) return absl::InvalidArgumentError("NormBackward: x is a scalar, want [N, H]");
+  const int64_t h = x.dim(-1);
+  const int64_t rows = Rows(x);
+  const std::string h_text = absl::StrCat("[H=", h, "]");
+  const std::string rows_text = absl::StrCat("[N=", rows, "]");
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  RETURN_IF_ERROR(RequireShape(op, "dy", dy, x.shape()));
+  if (layernorm) {
+    RETURN_IF_ERROR(RequireDType(op, "mu", &mu, DType::kF32));
+    RETURN_IF_ERROR(RequireShape(op, "mu", mu, {rows}, rows_text));
+  }
+  RETURN_IF_ERROR(RequireDType(op, "rsigma", &rsigma, DType::kF32));
+  RETURN_IF_ERROR(RequireShape(op, "rsigma", rsigma, {rows}, rows_text));
+  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
+  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {h}, h_text));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
+  RETURN_IF_ERROR(RequireFloat(op, "dgamma", dgamma));
+  RETURN_IF_ERROR(RequireShape(op, "dgamma", *dgamma, {h}, h_text));
+  if (layernorm) {
+    RETURN_IF_ERROR(RequireFloat(op, "dbeta", dbeta));
+    RETURN_IF_ERROR(RequireShape(op, "dbeta", *dbeta, {h}, h_text));
+  }
+
+  const std::vector<float> xs = ToFloatVector(x);
+  const std::vector<float> dys = ToFloatVector(dy);
+  std::vector<float> g = ToFloatVector(gamma);
+  if (args.zero_centered_gamma) {
+    for (float& v : g) v += 1.0f;
+  }
+  std::vector<float> dxs(xs.size());
+  std::vector<double> dgamma_sum(h, 0.0), dbeta_sum(h, 0.0);
+  std::vector<float> xhat(h), dxhat(h);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float mu_r = layernorm ? mu.data_as<const float>()[r] : 0.0f;
+    const float rs_r = rsigma.data_as<const float>()[r];
+    double mean_dxhat = 0.0, mean_dxhat_xhat = 0.0;
+    for (int64_t c = 0; c < h; ++c) {
+      const int64_t i = r * h + c;
+      xhat[c] = (xs[i] - mu_r) * rs_r;
+      dxhat[c] = dys[i] * g[c];
+      mean_dxhat += dxhat[c];
+      mean_dxhat_xhat += static_cast<double>(dxhat[c]) * xhat[c];
+      dgamma_sum[c] += static_cast<double>(dys[i]) * xhat[c];
+      dbeta_sum[c] += dys[i];
+    }
+    mean_dxhat = layernorm ? mean_dxhat / static_cast<double>(h) : 0.0;
+    mean_dxhat_xhat /= static_cast<double>(h);
+    for (int64_t c = 0; c < h; ++c) {
+      dxs[r * h + c] = static_cast<float>(
+          rs_r * (dxhat[c] - mean_dxhat - xhat[c] * mean_dxhat_xhat));
+    }
+  }
+  FromFloatVector(dxs, dx);
+  for (int64_t c = 0; c < h; ++c) {
+    StoreFromFloat(dgamma, c, static_cast<float>(dgamma_sum[c]));
+    if (layernorm) StoreFromFloat(dbeta, c, static_cast<float>(dbeta_sum[c]));
+  }
+  return absl::OkStatus();
+}
+
+// ---- activations ---------------------------------------------------------------
+
+absl::Status CpuOps::ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
+                                       Tensor* y, const Fp8Output* fp8) {
+  const char* op = "ActivationForward";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
+  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
+  Shape want = x.shape();
+  want.back() = width;
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, want));
+  const int64_t rows = Rows(x);
+  const int64_t in_cols = x.dim(-1);
+  std::vector<float> out(static_cast<size_t>(rows * width));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) {
+      float v = ActivationValue(acts[0], LoadAsFloat(x, r * in_cols + c));
+      if (acts.size() == 2) v *= ActivationValue(acts[1], LoadAsFloat(x, r * in_cols + width + c));
+      out[r * width + c] = v;
+    }
+  }
+  WriteOutput(out, y, fp8);
+  return absl::OkStatus();
+}
+
+// Gated: dx_0 = dy * act_1(x_1) * act_0'(x_0), dx_1 = dy * act_0(x_0) * act_1'(x_1).
+absl::Status CpuOps::ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
+                                        const Tensor& x, Tensor* dx) {
+  const char* op = "ActivationBackward";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  Shape dy_want = x.shape();
+  dy_want.back() = width;
+  RETURN_IF_ERROR(RequireShape(op, "dy", dy, dy_want));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
+  const int64_t rows = Rows(x);
+  const int64_t in_cols = x.dim(-1);
+  std::vector<float> out(static_cast<size_t>(x.numel()));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) {
+      const float g = LoadAsFloat(dy, r * width + c);
+      const int64_t i0 = r * in_cols + c;
+      const float x0 = LoadAsFloat(x, i0);
+      if (acts.size() == 1) {
+        out[i0] = g * ActivationDerivative(acts[0], x0);
+        continue;
+      }
+      const int64_t i1 = i0 + width;
+      const float x1 = LoadAsFloat(x, i1);
+      out[i0] = g * ActivationValue(acts[1], x1) * ActivationDerivative(acts[0], x0);
+      out[i1] = g * ActivationValue(acts[0], x0) * ActivationDerivative(acts[1], x1);
+    }
+  }
+  FromFloatVector(out, dx);
+  return absl::OkStatus();
+}
+
+// ---- dropout ---------------------------------------------------------------------
+
+namespace {
+
+absl::Status CheckDropoutRate(const char* op, float rate) {
+  if (!(rate >= 0.0f && rate <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": rate is ", rate, ", want [0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+// rate 1 drops everything: kept elements (none) would need an infinite scale.
+float KeptScale(float rate) { return rate >= 1.0f ? 0.0f : 1.0f / (1.0f - rate); }
+
+}  // namespace
+
+// `mask` may be null (or undefined) when the caller needs no backward.
+absl::Status CpuOps::DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
+                                    Tensor* mask) {
+  const char* op = "DropoutForward";
+  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  const bool want_mask = Wanted(mask);
+  if (want_mask) {
+    RETURN_IF_ERROR(RequireDType(op, "mask", mask, DType::kBool));
+    RETURN_IF_ERROR(RequireShape(op, "mask", *mask, x.shape()));
+  }
+  const float scale = KeptScale(rate);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const bool kept = DropoutUniform(seed, static_cast<uint64_t>(i)) >= rate;
+    StoreFromFloat(y, i, kept ? LoadAsFloat(x, i) * scale : 0.0f);
+    if (want_mask) mask->data_as<uint8_t>()[i] = kept ? 1 : 0;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
+                                     Tensor* dx) {
+  const char* op = "DropoutBackward";
+  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  RETURN_IF_ERROR(RequireDType(op, "mask", &mask, DType::kBool));
+  RETURN_IF_ERROR(RequireShape(op, "mask", mask, dy.shape()));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, dy.shape()));
+  const float scale = KeptScale(rate);
+  const uint8_t* kept = mask.data_as<const uint8_t>();
+  for (int64_t i = 0; i < dy.numel(); ++i) {
+    StoreFromFloat(dx, i, kept[i] ? LoadAsFloat(dy, i) * scale : 0.0f);
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace te
