@@ -1,0 +1,83 @@
+// A caching device allocator for one GPU. Thread-safe.
+//
+// cudaMalloc and cudaFree synchronise the device and cost tens of
+// microseconds, so freed blocks are kept in size-bucketed free lists and
+// handed out again: after the first step of a session, a step's allocations
+// are all hits and no cudaMalloc runs.
+//
+// Blocks are stream-ordered: a block freed while kernels on stream S may still
+// use it can be reused by S at once (S runs in order); before another stream T
+// reuses it, T waits on an event recorded on S (no host sync).
+//
+// On a miss that cudaMalloc cannot serve, every cached block is released and
+// the allocation retried once; RESOURCE_EXHAUSTED if it still fails.
+#ifndef TE_KERNELS_CUDA_ALLOCATOR_H_
+#define TE_KERNELS_CUDA_ALLOCATOR_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace te {
+namespace cuda {
+
+class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
+ public:
+  struct Stats {
+    int64_t bytes_reserved = 0;  // held from cudaMalloc (in use + cached)
+    int64_t bytes_in_use = 0;    // handed out, rounded sizes
+    int64_t cuda_mallocs = 0;    // misses served by cudaMalloc, ever
+    int64_t cache_hits = 0;
+  };
+
+  // Make with std::make_shared: handed-out memory keeps its allocator alive.
+  explicit CachingAllocator(int ordinal) : ordinal_(ordinal) {}
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // At least `bytes` (> 0) of device memory, 256-byte aligned, for use on
+  // `stream` (kept alive until the block is freed). The memory returns to the
+  // cache when the returned pointer's last copy goes away.
+  absl::StatusOr<std::shared_ptr<void>> Allocate(size_t bytes,
+                                                 std::shared_ptr<CUstream_st> stream);
+
+  // Called once `stream` has no pending work (after a synchronize): its free
+  // blocks then need no event before another stream reuses them.
+  void ForgetStream(cudaStream_t stream);
+
+  // Returns every cached (free) block to the driver.
+  void ReleaseCached();
+
+  Stats stats() const;
+
+  // The size actually reserved for a request: buckets keep the number of
+  // distinct sizes small so freed blocks fit later requests.
+  static size_t RoundedSize(size_t bytes);
+
+ private:
+  struct FreeBlock {
+    void* ptr;
+    std::shared_ptr<CUstream_st> last_stream;  // null: no pending work
+  };
+  void Free(void* ptr, size_t size, std::shared_ptr<CUstream_st> stream);
+  void ReleaseCachedLocked();
+
+  const int ordinal_;
+  mutable std::mutex mu_;
+  // size -> free blocks of exactly that rounded size.
+  std::map<size_t, std::vector<FreeBlock>> free_blocks_;
+  Stats stats_;
+};
+
+}  // namespace cuda
+}  // namespace te
+
+#endif  // TE_KERNELS_CUDA_ALLOCATOR_H_

@@ -1,0 +1,160 @@
+// The CUDA backend: every op of kernels/ops.h on one CUDA stream of one GPU.
+//
+// A CudaOps is one session's stream. Like every Ops it is not thread-safe: one
+// thread at a time calls it. Ops are asynchronous: a launch failure surfaces
+// from that op, a fault inside a kernel from a later op or Synchronize().
+//
+// Shared state lives in a CudaContext, one per device (made by
+// OpenCudaDevice, kernels/cuda/cuda_device.cc) and shared by its streams:
+// the caching allocator and the cuBLASLt handle. State that must not be shared
+// between streams (the cuDNN handle, bound to one stream; the library
+// workspace; GEMM and attention plan caches) lives in the CudaOps.
+//
+// Files: elementwise.cu (memory, Fill, Cast, Axpby, Permute, SumRows),
+// fp8.cu (scaling), norm.cu, activation.cu, dropout.cu, position.cu,
+// gemm.cu (cuBLASLt), attention.cu (cuDNN + an unfused fallback).
+#ifndef TE_KERNELS_CUDA_CUDA_OPS_H_
+#define TE_KERNELS_CUDA_CUDA_OPS_H_
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <cudnn.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/allocator.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace cuda {
+
+// Per-device state shared by all streams on the device. Thread-safe: the
+// allocator locks; cuBLASLt handles may be used from several threads and
+// streams at once (cublasLtMatmul takes the stream per call).
+struct CudaContext {
+  int ordinal = 0;
+  cudaDeviceProp properties{};
+  std::shared_ptr<CachingAllocator> allocator;
+  cublasLtHandle_t cublaslt = nullptr;  // created by OpenCudaDevice
+
+  ~CudaContext();
+};
+
+// Owned by gemm.cu / attention.cu, defined there: per-shape descriptors and
+// algorithm choices (GEMM), compiled graphs (attention). shared_ptr so that
+// this header needs no complete type.
+struct GemmPlanCache;
+struct AttentionPlanCache;
+
+// A stream that is destroyed when the last holder lets go: tensors freed
+// after their CudaOps is gone still return memory in stream order.
+using SharedStream = std::shared_ptr<CUstream_st>;
+
+class CudaOps : public Ops {
+ public:
+  CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream);
+  ~CudaOps() override;
+
+  std::string device_name() const override;
+
+  absl::Status Upload(const void* src, Tensor* dst) override;
+  absl::Status Download(const Tensor& src, void* dst) override;
+  absl::Status Copy(const Tensor& src, Tensor* dst) override;
+  absl::Status Synchronize() override;
+
+  // elementwise.cu
+  absl::Status Fill(float value, Tensor* y) override;
+  absl::Status Cast(const Tensor& x, Tensor* y) override;
+  absl::Status Axpby(float alpha, const Tensor& a, float beta, const Tensor& b,
+                     Tensor* y) override;
+  absl::Status Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) override;
+  absl::Status SumRows(const Tensor& x, Tensor* y) override;
+
+  // fp8.cu
+  absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) override;
+  absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) override;
+  absl::Status Amax(const Tensor& x, Tensor* amax) override;
+  absl::Status ScaleFromAmax(const Tensor& amax, float fp8_max, float margin, float epsilon,
+                             Tensor* scale, Tensor* scale_inv) override;
+  absl::Status DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
+                                    Tensor* scale, Tensor* scale_inv) override;
+  absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) override;
+
+  // gemm.cu
+  absl::Status Gemm(const GemmArgs& args, Tensor* out) override;
+
+  // norm.cu
+  absl::Status NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
+                           const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
+                           const Fp8Output* fp8) override;
+  absl::Status NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
+                            const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
+                            Tensor* dx, Tensor* dgamma, Tensor* dbeta) override;
+
+  // activation.cu
+  absl::Status ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
+                                 Tensor* y, const Fp8Output* fp8) override;
+  absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
+                                  const Tensor& x, Tensor* dx) override;
+
+  // dropout.cu
+  absl::Status DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
+                              Tensor* mask) override;
+  absl::Status DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
+                               Tensor* dx) override;
+
+  // attention.cu
+  absl::Status AttentionForward(const AttentionArgs& args, const Tensor& q, const Tensor& k,
+                                const Tensor& v, Tensor* out, Tensor* softmax_lse) override;
+  absl::Status AttentionBackward(const AttentionArgs& args, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, const Tensor& out, const Tensor& dout,
+                                 const Tensor& softmax_lse, Tensor* dq, Tensor* dk, Tensor* dv,
+                                 Tensor* dbias) override;
+
+  // position.cu
+  absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
+  absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
+                                   Tensor* bias) override;
+  absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
+                                    Tensor* dtable) override;
+
+  // ---- for the op files ---------------------------------------------------
+  // Every op calls Enter() first: it makes this device current on the calling
+  // thread (sessions of several GPUs share threads) and answers UNAVAILABLE
+  // once the device has had a sticky error.
+  absl::Status Enter() const;
+  cudaStream_t stream() const { return stream_.get(); }
+  int ordinal() const { return context_->ordinal; }
+  const CudaContext& context() const { return *context_; }
+  cublasLtHandle_t cublaslt() const { return context_->cublaslt; }
+  // This stream's cuDNN handle, created on first use.
+  absl::StatusOr<cudnnHandle_t> CudnnHandle();
+  // A library workspace of at least `bytes` on this stream, grown on demand and
+  // kept (stream order makes reuse by the next op safe). Not accounted against
+  // the session's limit: it is bounded by the largest library request.
+  absl::StatusOr<void*> Workspace(size_t bytes);
+  size_t workspace_bytes() const { return workspace_bytes_; }
+  // Lazily filled by gemm.cu / attention.cu.
+  std::shared_ptr<GemmPlanCache>& gemm_plans() { return gemm_plans_; }
+  std::shared_ptr<AttentionPlanCache>& attention_plans() { return attention_plans_; }
+
+ protected:
+  absl::StatusOr<std::shared_ptr<void>> AllocateBytes(size_t bytes) override;
+
+ private:
+  std::shared_ptr<CudaContext> context_;
+  SharedStream stream_;
+  cudnnHandle_t cudnn_ = nullptr;
+  std::shared_ptr<void> workspace_;
+  size_t workspace_bytes_ = 0;
+  std::shared_ptr<GemmPlanCache> gemm_plans_;
+  std::shared_ptr<AttentionPlanCache> attention_plans_;
+};
+
+}  // namespace cuda
+}  // namespace te
+
+#endif  // TE_KERNELS_CUDA_CUDA_OPS_H_
