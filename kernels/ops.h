@@ -92,8 +92,8 @@ struct DelayedScalingArgs {
 struct RotaryArgs {
   float min_timescale = 1.0f;  // TE JAX rotary_pos_emb_windows
   float max_timescale = 10000.0f;
-  // "consecutive": rotate halves (x[:D/2], x[D/2:]); "alternate": rotate pairs
-  // (x[2i], x[2i+1]).
+  // As TE JAX's rotary_pos_emb_group_method: "consecutive" rotates adjacent
+  // pairs (x[2i], x[2i+1]); "alternate" rotates halves (x[i], x[i + D/2]).
   bool consecutive = true;
   bool inverse = false;  // rotate by -angle: the backward of the forward
 };
