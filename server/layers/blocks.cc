@@ -1,0 +1,345 @@
+// Dense, Norm, LayerNormDense, dropout and residual add (Mlp: mlp_block.cc).
+#include "server/layers/blocks.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+#include "server/layers/variables.h"
+
+namespace te::layers {
+namespace {
+
+absl::Status CheckRows(const Tensor& t, int64_t cols, absl::string_view what) {
+  if (t.rank() != 2 || t.dim(1) != cols || !IsFloating(t.dtype()) || IsFloat8(t.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be a float [N, ", cols,
+                                                   "] tensor, got ", ShapeString(t.shape()), " ",
+                                                   DTypeName(t.dtype())));
+  }
+  return absl::OkStatus();
+}
+
+Shape Concat(const Shape& a, const Shape& b) {
+  Shape s = a;
+  s.insert(s.end(), b.begin(), b.end());
+  return s;
+}
+
+}  // namespace
+
+uint64_t DeriveSeed(uint64_t step_seed, absl::string_view site) {
+  return MixBits(step_seed ^ MixBits(HashName(site)));
+}
+
+absl::StatusOr<Tensor> NewTensor(Ops& ops, DType dtype, const Shape& shape) {
+  return ops.Allocate(dtype, shape);
+}
+
+absl::StatusOr<Tensor> CastTo(Ops& ops, const Tensor& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  ASSIGN_OR_RETURN(Tensor y, ops.Allocate(dtype, x.shape()));
+  RETURN_IF_ERROR(ops.Cast(x, &y));
+  return y;
+}
+
+// ---- Dense --------------------------------------------------------------------
+
+Dense::Dense(DenseConfig config)
+    : config_(std::move(config)),
+      in_(NumElements(config_.in_dims)),
+      out_(NumElements(config_.features)) {}
+
+Shape Dense::kernel_shape() const { return Concat(config_.in_dims, config_.features); }
+
+std::string Dense::kernel_name() const {
+  return VariableName(kParams, config_.scope, config_.kernel_name);
+}
+
+std::string Dense::bias_name() const {
+  return VariableName(kParams, config_.scope, config_.bias_name);
+}
+
+std::vector<VariableDef> Dense::Defs(const Fp8Recipe* fp8) const {
+  const Shape kshape = kernel_shape();
+  std::vector<VariableDef> defs;
+  defs.push_back({{kernel_name(), kshape, config_.param_dtype},
+                  config_.kernel_init.value_or(KernelInit(kshape))});
+  if (config_.use_bias) {
+    defs.push_back({{bias_name(), config_.features, config_.param_dtype}, Initializer::Zeros()});
+  }
+  for (VariableDef& def : QuantizerSetDefs(quantizers(), fp8)) defs.push_back(std::move(def));
+  return defs;
+}
+
+int64_t Dense::Saved::bytes() const {
+  return x.bytes() + (kernel_owned ? kernel.bytes() : 0) + TensorBytes(x_hp) +
+         TensorBytes(kernel_hp);
+}
+
+absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
+                            Tensor* y, Saved* saved) const {
+  RETURN_IF_ERROR(CheckRows(x, in_, absl::StrCat("Dense ", kernel_name(), " input")));
+  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(nullptr))));
+  const Tensor kernel_var = vars->at(kernel_name());
+  const Tensor kernel = kernel_var.Reshaped({in_, out_});
+  const DType compute = x.dtype();
+
+  Saved s;
+  if (fp8 != nullptr) {
+    s.fp8 = *fp8;
+    // Checked before any quantize writes an amax, so a failure changes nothing.
+    RETURN_IF_ERROR(CheckQuantizerSet(*vars, quantizers(), fp8));
+  }
+  GemmOperand a, b;
+  if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
+    // TE quantizes the kernel straight from the param dtype.
+    ASSIGN_OR_RETURN(a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX, x,
+                                            GemmSide::kA, false, vars));
+    ASSIGN_OR_RETURN(b, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kKernel,
+                                            kernel, GemmSide::kB, false, vars));
+    s.x = a;
+    s.kernel = b;
+  } else if (fp8 != nullptr) {
+    // Block scaling: fake-quantized operands in the compute dtype; each GEMM
+    // quantizes along its own contraction axis, so backward redoes it.
+    ASSIGN_OR_RETURN(s.kernel_hp, CastTo(ops, kernel, compute));
+    ASSIGN_OR_RETURN(a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX, x,
+                                            GemmSide::kA, false, vars));
+    ASSIGN_OR_RETURN(b, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kKernel,
+                                            s.kernel_hp, GemmSide::kB, false, vars));
+    s.x_hp = x;
+  } else {
+    a.data = x;
+    ASSIGN_OR_RETURN(b.data, CastTo(ops, kernel, compute));
+    s.x = a;
+    s.kernel = b;
+    s.kernel_owned = kernel.dtype() != compute;
+  }
+
+  Ops::GemmArgs gemm;
+  gemm.a = a.data;
+  gemm.transpose_a = a.transpose;
+  gemm.a_scale_inv = a.scale_inv;
+  gemm.b = b.data;
+  gemm.transpose_b = b.transpose;
+  gemm.b_scale_inv = b.scale_inv;
+  if (config_.use_bias) {
+    ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars->at(bias_name()).Reshaped({out_}), compute));
+  }
+  ASSIGN_OR_RETURN(*y, ops.Allocate(compute, {x.dim(0), out_}));
+  RETURN_IF_ERROR(ops.Gemm(gemm, y));
+  if (saved != nullptr) *saved = std::move(s);
+  return absl::OkStatus();
+}
+
+absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                             Tensor* dx, Variables* grads) const {
+  RETURN_IF_ERROR(CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
+  const int64_t n = dy.dim(0);
+  const DType compute = dy.dtype();
+  const Fp8Recipe* fp8 = saved.fp8 ? &*saved.fp8 : nullptr;
+
+  // dgrad: dx = dy @ kernel^T; wgrad: dkernel = x^T @ dy.
+  GemmOperand dy_a, kernel_b, x_a, dy_b;
+  if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
+    ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kGrad, dy,
+                                               GemmSide::kA, false, vars));
+    dy_b = dy_a;  // one scale for the whole tensor: the same copy serves as b
+    kernel_b = saved.kernel;
+    kernel_b.transpose = true;
+    x_a = saved.x;
+    x_a.transpose = true;
+  } else if (fp8 != nullptr) {
+    const QuantizerSet q = quantizers();
+    ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kGrad, dy,
+                                               GemmSide::kA, false, vars));
+    ASSIGN_OR_RETURN(kernel_b, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kKernel,
+                                                   saved.kernel_hp, GemmSide::kB, true, vars));
+    ASSIGN_OR_RETURN(x_a, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kX, saved.x_hp,
+                                              GemmSide::kA, true, vars));
+    ASSIGN_OR_RETURN(dy_b, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kGrad, dy,
+                                               GemmSide::kB, false, vars));
+  } else {
+    dy_a.data = dy;
+    dy_b = dy_a;
+    kernel_b = saved.kernel;
+    kernel_b.transpose = true;
+    x_a = saved.x;
+    x_a.transpose = true;
+  }
+
+  if (dx != nullptr) {
+    Ops::GemmArgs dgrad;
+    dgrad.a = dy_a.data;
+    dgrad.transpose_a = dy_a.transpose;
+    dgrad.a_scale_inv = dy_a.scale_inv;
+    dgrad.b = kernel_b.data;
+    dgrad.transpose_b = kernel_b.transpose;
+    dgrad.b_scale_inv = kernel_b.scale_inv;
+    ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
+    RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
+  }
+
+  Ops::GemmArgs wgrad;
+  wgrad.a = x_a.data;
+  wgrad.transpose_a = x_a.transpose;
+  wgrad.a_scale_inv = x_a.scale_inv;
+  wgrad.b = dy_b.data;
+  wgrad.transpose_b = dy_b.transpose;
+  wgrad.b_scale_inv = dy_b.scale_inv;
+  ASSIGN_OR_RETURN(Tensor dkernel, ops.Allocate(config_.param_dtype, kernel_shape()));
+  Tensor dkernel2d = dkernel.Reshaped({in_, out_});
+  RETURN_IF_ERROR(ops.Gemm(wgrad, &dkernel2d));
+  (*grads)[kernel_name()] = dkernel;
+
+  if (config_.use_bias) {
+    ASSIGN_OR_RETURN(Tensor dbias, ops.Allocate(config_.param_dtype, config_.features));
+    Tensor dbias1d = dbias.Reshaped({out_});
+    RETURN_IF_ERROR(ops.SumRows(dy, &dbias1d));
+    (*grads)[bias_name()] = dbias;
+  }
+  return absl::OkStatus();
+}
+
+// ---- Norm ---------------------------------------------------------------------
+
+std::vector<VariableDef> Norm::Defs() const {
+  const Shape shape = {config_.hidden};
+  std::vector<VariableDef> defs;
+  defs.push_back({{VariableName(kParams, config_.scope, config_.scale_name), shape,
+                   config_.param_dtype},
+                  config_.args.zero_centered_gamma ? Initializer::Zeros() : Initializer::Ones()});
+  if (has_bias()) {
+    defs.push_back({{VariableName(kParams, config_.scope, config_.bias_name), shape,
+                     config_.param_dtype},
+                    Initializer::Zeros()});
+  }
+  return defs;
+}
+
+int64_t Norm::Saved::bytes() const {
+  return TensorBytes(x) + TensorBytes(mu) + TensorBytes(rsigma) + TensorBytes(gamma);
+}
+
+absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Tensor* y,
+                           Saved* saved) const {
+  RETURN_IF_ERROR(CheckRows(x, config_.hidden, "norm input"));
+  RETURN_IF_ERROR(CheckVariables(vars, SpecsOf(Defs())));
+  const DType compute = x.dtype();
+  Saved s;
+  s.x = x;
+  ASSIGN_OR_RETURN(
+      s.gamma,
+      CastTo(ops, vars.at(VariableName(kParams, config_.scope, config_.scale_name)), compute));
+  Tensor beta;
+  if (has_bias()) {
+    ASSIGN_OR_RETURN(
+        beta, CastTo(ops, vars.at(VariableName(kParams, config_.scope, config_.bias_name)),
+                     compute));
+    ASSIGN_OR_RETURN(s.mu, ops.Allocate(DType::kF32, {x.dim(0)}));
+  }
+  ASSIGN_OR_RETURN(s.rsigma, ops.Allocate(DType::kF32, {x.dim(0)}));
+  ASSIGN_OR_RETURN(*y, ops.Allocate(compute, x.shape()));
+  RETURN_IF_ERROR(ops.NormForward(config_.args, x, s.gamma, beta, y, &s.mu, &s.rsigma));
+  if (saved != nullptr) *saved = std::move(s);
+  return absl::OkStatus();
+}
+
+absl::Status Norm::Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
+                            Variables* grads) const {
+  RETURN_IF_ERROR(CheckRows(dy, config_.hidden, "norm dy"));
+  const Shape shape = {config_.hidden};
+  ASSIGN_OR_RETURN(*dx, ops.Allocate(dy.dtype(), saved.x.shape()));
+  ASSIGN_OR_RETURN(Tensor dgamma, ops.Allocate(config_.param_dtype, shape));
+  Tensor dbeta;
+  if (has_bias()) {
+    ASSIGN_OR_RETURN(dbeta, ops.Allocate(config_.param_dtype, shape));
+  }
+  RETURN_IF_ERROR(ops.NormBackward(config_.args, dy, saved.x, saved.mu, saved.rsigma,
+                                   saved.gamma, dx, &dgamma, &dbeta));
+  (*grads)[VariableName(kParams, config_.scope, config_.scale_name)] = dgamma;
+  if (has_bias()) (*grads)[VariableName(kParams, config_.scope, config_.bias_name)] = dbeta;
+  return absl::OkStatus();
+}
+
+// ---- LayerNormDense -----------------------------------------------------------
+
+LayerNormDense::LayerNormDense(LayerNormDenseConfig config)
+    : enable_layernorm_(config.enable_layernorm),
+      norm_(std::move(config.norm)),
+      dense_(std::move(config.dense)) {}
+
+std::vector<VariableDef> LayerNormDense::Defs(const Fp8Recipe* fp8) const {
+  std::vector<VariableDef> defs;
+  if (enable_layernorm_) defs = norm_.Defs();
+  for (VariableDef& def : dense_.Defs(fp8)) defs.push_back(std::move(def));
+  return defs;
+}
+
+absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
+                                     const Fp8Recipe* fp8, Tensor* y, Tensor* ln_out,
+                                     Saved* saved) const {
+  Saved s;
+  Tensor ln = x;
+  if (enable_layernorm_) RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln, &s.norm));
+  RETURN_IF_ERROR(dense_.Forward(ops, vars, ln, fp8, y, saved != nullptr ? &s.dense : nullptr));
+  if (ln_out != nullptr) *ln_out = ln;
+  if (saved != nullptr) *saved = std::move(s);
+  return absl::OkStatus();
+}
+
+absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, const Saved& saved,
+                                      const Tensor& dy, Tensor* dx, Variables* grads) const {
+  if (!enable_layernorm_) return dense_.Backward(ops, vars, saved.dense, dy, dx, grads);
+  Tensor dln;
+  RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, &dln, grads));
+  return norm_.Backward(ops, saved.norm, dln, dx, grads);
+}
+
+// ---- Dropout, residual ----------------------------------------------------------
+
+absl::Status Dropout(Ops& ops, float rate, bool deterministic, uint64_t seed, const Tensor& x,
+                     Tensor* y, DropoutSaved* saved) {
+  DropoutSaved s;
+  if (deterministic || rate <= 0.0f) {
+    *y = x;
+  } else if (rate >= 1.0f) {  // Flax: everything dropped
+    s.rate = 1.0f;
+    ASSIGN_OR_RETURN(*y, ops.Allocate(x.dtype(), x.shape()));
+    RETURN_IF_ERROR(ops.Fill(0.0f, y));
+  } else {
+    s.rate = rate;
+    ASSIGN_OR_RETURN(*y, ops.Allocate(x.dtype(), x.shape()));
+    ASSIGN_OR_RETURN(s.mask, ops.Allocate(DType::kBool, x.shape()));
+    RETURN_IF_ERROR(ops.DropoutForward(rate, seed, x, y, &s.mask));
+  }
+  if (saved != nullptr) *saved = std::move(s);
+  return absl::OkStatus();
+}
+
+absl::Status DropoutGrad(Ops& ops, const DropoutSaved& saved, const Tensor& dy, Tensor* dx) {
+  if (saved.rate >= 1.0f) {
+    ASSIGN_OR_RETURN(*dx, ops.Allocate(dy.dtype(), dy.shape()));
+    return ops.Fill(0.0f, dx);
+  }
+  if (!saved.mask.defined() || saved.rate <= 0.0f) {
+    *dx = dy;
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(*dx, ops.Allocate(dy.dtype(), dy.shape()));
+  return ops.DropoutBackward(saved.rate, dy, saved.mask, dx);
+}
+
+absl::Status ResidualAdd(Ops& ops, const Tensor& a, const Tensor& b, Tensor* y) {
+  if (a.numel() != b.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("residual add of ", ShapeString(a.shape()),
+                                                   " and ", ShapeString(b.shape())));
+  }
+  if (!y->defined() || y->numel() != a.numel()) {
+    ASSIGN_OR_RETURN(*y, ops.Allocate(a.dtype(), a.shape()));
+  }
+  return ops.Axpby(1.0f, a, 1.0f, b, y);
+}
+
+}  // namespace te::layers

@@ -1,0 +1,233 @@
+// Building blocks shared by every module: Dense, Norm, LayerNormDense, Mlp,
+// dropout and residual add. Each block has a forward that fills a Saved struct
+// (what its backward needs) and a backward that returns the input gradient
+// and writes its parameter gradients into a Variables map.
+//
+// Conventions for every block:
+//  * Activations are 2-D: x [N, H] with N = prod(leading dims); callers
+//    flatten with Tensor::As2D(). The compute dtype is x's dtype (f32 or
+//    bf16): outputs and input gradients are allocated by the block in it.
+//  * Parameters are read from `vars` by full name ("params/<scope>/kernel")
+//    in the param dtype and cast to the compute dtype (or quantized under FP8).
+//    Parameter gradients are written to `grads` under the same names, in the
+//    param dtype (overwriting).
+//  * Under FP8 (opts.fp8 non-null) each Dense quantizes its GEMM operands with
+//    its QuantizerSet (fp8_state.h); DelayedScaling writes amaxes into `vars`.
+//  * A Saved struct may be reused only with the block (and vars) that made it.
+#ifndef TE_SERVER_LAYERS_BLOCKS_H_
+#define TE_SERVER_LAYERS_BLOCKS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/ops.h"
+#include "server/layers/fp8_state.h"
+#include "server/layers/init.h"
+#include "server/layers/layer.h"
+
+namespace te::layers {
+
+// An independent seed for one dropout site ("mlp/intermediate_dropout") from
+// the step's seed, so sites never share masks.
+uint64_t DeriveSeed(uint64_t step_seed, absl::string_view site);
+
+// Allocates a tensor on `ops` (convenience for blocks and layers).
+absl::StatusOr<Tensor> NewTensor(Ops& ops, DType dtype, const Shape& shape);
+// x in `dtype`: x itself when it already is, else a cast copy.
+absl::StatusOr<Tensor> CastTo(Ops& ops, const Tensor& x, DType dtype);
+
+// ---- Dense: y [N, out] = x [N, in] @ kernel [in, out] (+ bias [out]) --------
+// The kernel is stored as TE stores it, [in_dims..., features...]
+// (DenseGeneral features [3, 4096] -> kernel (in, 3, 4096)), the bias as
+// [features...]; in = prod(in_dims), out = prod(features).
+struct DenseConfig {
+  std::string scope;                 // module path: "params/<scope>/<kernel_name>"
+  std::string kernel_name = "kernel";
+  std::string bias_name = "bias";
+  bool use_bias = true;
+  std::string fp8_postfix;           // quantizer names: "x<postfix>_scale", ...
+  Shape in_dims;                     // e.g. {hidden}
+  Shape features;                    // e.g. {3, hidden} or {n_act, inter}
+  DType param_dtype = DType::kF32;
+  std::optional<Initializer> kernel_init;  // default: KernelInit(kernel shape)
+};
+
+class Dense {
+ public:
+  explicit Dense(DenseConfig config);
+  const DenseConfig& config() const { return config_; }
+  int64_t in() const { return in_; }
+  int64_t out() const { return out_; }
+  Shape kernel_shape() const;
+  std::string kernel_name() const;  // full: "params/<scope>/kernel"
+  std::string bias_name() const;
+  QuantizerSet quantizers() const { return {config_.scope, config_.fp8_postfix}; }
+
+  // kernel (+ bias) (+ the quantizer set's fp8_metas under DelayedScaling).
+  std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
+
+  struct Saved {
+    std::optional<Fp8Recipe> fp8;
+    GemmOperand x;       // the GEMM's a operand (FP8 under per-tensor scaling)
+    GemmOperand kernel;  // b operand: [in, out], compute dtype or FP8
+    Tensor x_hp;         // high-precision x, kept for block scaling's wgrad
+    Tensor kernel_hp;    // high-precision kernel [in, out], for block scaling
+    bool kernel_owned = true;  // false when `kernel` shares the variable's memory
+    int64_t bytes() const;
+  };
+  // x [N, in] -> *y [N, out] in x's dtype. `saved` may be null (no backward).
+  absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
+                       Tensor* y, Saved* saved) const;
+  // dy [N, out] -> *dx [N, in] (skipped when dx is null); kernel and bias
+  // gradients into *grads. Under DelayedScaling dy's amax goes to the grad
+  // quantizer's history[0].
+  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                        Tensor* dx, Variables* grads) const;
+
+ private:
+  DenseConfig config_;
+  int64_t in_ = 0;
+  int64_t out_ = 0;
+};
+
+// ---- Norm: LayerNorm / RMSNorm over the last dimension ----------------------
+// Params "params/<scope>/<scale_name>" [hidden] (ones; zeros when
+// zero_centered_gamma) and, for LayerNorm, "<bias_name>" [hidden] (zeros).
+struct NormConfig {
+  std::string scope;
+  std::string scale_name = "scale";
+  std::string bias_name = "ln_bias";
+  NormArgs args;
+  int64_t hidden = 0;
+  DType param_dtype = DType::kF32;
+};
+
+class Norm {
+ public:
+  explicit Norm(NormConfig config) : config_(std::move(config)) {}
+  const NormConfig& config() const { return config_; }
+  bool has_bias() const { return config_.args.type == NormType::kLayerNorm; }
+  std::vector<VariableDef> Defs() const;
+
+  struct Saved {
+    Tensor x, mu, rsigma, gamma;  // gamma in the compute dtype
+    int64_t bytes() const;
+  };
+  // x [N, hidden] -> *y [N, hidden] in x's dtype.
+  absl::Status Forward(Ops& ops, const Variables& vars, const Tensor& x, Tensor* y,
+                       Saved* saved) const;
+  absl::Status Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
+                        Variables* grads) const;
+
+ private:
+  NormConfig config_;
+};
+
+// ---- LayerNormDense: norm (optional) then Dense (TE's LayerNormDenseGeneral) --
+struct LayerNormDenseConfig {
+  bool enable_layernorm = true;
+  NormConfig norm;    // scope usually equals dense.scope
+  DenseConfig dense;
+};
+
+class LayerNormDense {
+ public:
+  explicit LayerNormDense(LayerNormDenseConfig config);
+  const Norm& norm() const { return norm_; }
+  const Dense& dense() const { return dense_; }
+  std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
+
+  struct Saved {
+    Norm::Saved norm;
+    Dense::Saved dense;
+    int64_t bytes() const { return norm.bytes() + dense.bytes(); }
+  };
+  // x [N, in] -> *y [N, out]; *ln_out (if non-null) the Dense's input [N, in]
+  // (x itself when the norm is disabled).
+  absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
+                       Tensor* y, Tensor* ln_out, Saved* saved) const;
+  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                        Tensor* dx, Variables* grads) const;
+
+ private:
+  bool enable_layernorm_;
+  Norm norm_;
+  Dense dense_;
+};
+
+// ---- Dropout (inverted) and residual add ------------------------------------
+struct DropoutSaved {
+  float rate = 0.0f;
+  Tensor mask;  // undefined when dropout was off
+  int64_t bytes() const { return TensorBytes(mask); }
+};
+// Off (y = x, sharing memory) when rate is 0 or deterministic.
+absl::Status Dropout(Ops& ops, float rate, bool deterministic, uint64_t seed, const Tensor& x,
+                     Tensor* y, DropoutSaved* saved);
+absl::Status DropoutGrad(Ops& ops, const DropoutSaved& saved, const Tensor& dy, Tensor* dx);
+
+// *y = a + b (allocated in a's dtype when undefined; may alias a or b).
+absl::Status ResidualAdd(Ops& ops, const Tensor& a, const Tensor& b, Tensor* y);
+
+// ---- Mlp: TE's LayerNormMLP --------------------------------------------------
+//   ln = norm(x)                         [N, hidden]    (optional)
+//   h  = ln @ wi_kernel + wi_bias        [N, n_act * inter]; wi_kernel (hidden, n_act, inter)
+//   a  = act_0(h_0) (* act_1(h_1))       [N, inter]
+//   a' = dropout(a, intermediate_dropout_rate)
+//   y  = a' @ wo_kernel + wo_bias        [N, hidden];       wo_kernel (inter, hidden)
+// Params "scale", "ln_bias", "wi_kernel", "wi_bias" (n_act, inter),
+// "wo_kernel", "wo_bias" (hidden); quantizer sets postfix "_0" and "_1".
+struct MlpConfig {
+  std::string scope;  // "" standalone, "mlp" in TransformerLayer
+  bool enable_layernorm = true;
+  NormArgs norm;
+  int64_t hidden = 0;
+  int64_t intermediate = 2048;
+  std::vector<Activation> activations = {Activation::kRelu};  // normalised order
+  float intermediate_dropout_rate = 0.1f;
+  bool use_bias = false;
+  DType param_dtype = DType::kF32;
+};
+
+class Mlp {
+ public:
+  explicit Mlp(MlpConfig config);
+  const MlpConfig& config() const { return config_; }
+  std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
+
+  struct Saved {
+    Norm::Saved norm;
+    Dense::Saved wi;
+    Tensor h;  // pre-activation [N, n_act * inter]
+    DropoutSaved dropout;
+    Dense::Saved wo;
+    int64_t bytes() const;
+  };
+  // x [N, hidden] -> *y [N, hidden]; *ln_out (if non-null) the norm output.
+  // Dropout uses DeriveSeed(opts.dropout_seed, scope + "/intermediate_dropout").
+  absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
+                       Tensor* y, Tensor* ln_out, Saved* saved) const;
+  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                        Tensor* dx, Variables* grads) const;
+
+ private:
+  MlpConfig config_;
+  Norm norm_;
+  Dense wi_;
+  Dense wo_;
+};
+
+// TE activation names -> ops' Activation list, normalised as TE does
+// (("linear", "gelu") -> (gelu, linear)). INVALID_ARGUMENT naming `field`
+// for an unknown name or a combination TE does not implement.
+absl::StatusOr<std::vector<Activation>> ParseActivations(const std::vector<std::string>& names,
+                                                         absl::string_view field);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_BLOCKS_H_

@@ -1,0 +1,133 @@
+#include "server/layers/init.h"
+
+#include <cmath>
+
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+
+namespace te::layers {
+namespace {
+
+// JAX's variance_scaling divides by the std of a standard normal truncated
+// to [-2, 2], so the result has the requested variance.
+constexpr double kTruncatedStd = 0.87962566103423978;
+
+// Uniform in (0, 1) with 53 random bits.
+double Uniform(uint64_t stream, uint64_t index) {
+  const uint64_t bits = MixBits(MixBits(stream + 0x9e3779b97f4a7c15ULL * (index + 1)) ^ index);
+  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+// Inverse of erf on (-1, 1): Giles' approximation refined by Newton steps.
+double ErfInv(double y) {
+  const double w0 = -std::log((1.0 - y) * (1.0 + y));
+  double x;
+  if (w0 < 5.0) {
+    const double w = w0 - 2.5;
+    double p = 2.81022636e-08;
+    p = 3.43273939e-07 + p * w;
+    p = -3.5233877e-06 + p * w;
+    p = -4.39150654e-06 + p * w;
+    p = 0.00021858087 + p * w;
+    p = -0.00125372503 + p * w;
+    p = -0.00417768164 + p * w;
+    p = 0.246640727 + p * w;
+    p = 1.50140941 + p * w;
+    x = p * y;
+  } else {
+    const double w = std::sqrt(w0) - 3.0;
+    double p = -0.000200214257;
+    p = 0.000100950558 + p * w;
+    p = 0.00134934322 + p * w;
+    p = -0.00367342844 + p * w;
+    p = 0.00573950773 + p * w;
+    p = -0.0076224613 + p * w;
+    p = 0.00943887047 + p * w;
+    p = 1.00167406 + p * w;
+    p = 2.83297682 + p * w;
+    x = p * y;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const double err = std::erf(x) - y;
+    x -= err / (2.0 / std::sqrt(M_PI) * std::exp(-x * x));
+  }
+  return x;
+}
+
+}  // namespace
+
+uint64_t HashName(absl::string_view name) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+Initializer Initializer::VarianceScalingFanIn(int64_t fan_in, float scale) {
+  const double variance = static_cast<double>(scale) / static_cast<double>(fan_in > 0 ? fan_in : 1);
+  return {Kind::kTruncatedNormal, static_cast<float>(std::sqrt(variance) / kTruncatedStd)};
+}
+
+int64_t KernelFanIn(const Shape& shape) {
+  if (shape.empty() || shape.back() == 0) return 1;
+  return NumElements(shape) / shape.back();
+}
+
+Initializer KernelInit(const Shape& shape) {
+  return Initializer::VarianceScalingFanIn(KernelFanIn(shape));
+}
+
+std::vector<VariableSpec> SpecsOf(const std::vector<VariableDef>& defs) {
+  std::vector<VariableSpec> specs;
+  specs.reserve(defs.size());
+  for (const VariableDef& def : defs) specs.push_back(def.spec);
+  return specs;
+}
+
+std::vector<float> InitialValues(uint64_t seed, const std::string& name, const Initializer& init,
+                                 int64_t n) {
+  std::vector<float> values(static_cast<size_t>(n));
+  switch (init.kind) {
+    case Initializer::Kind::kZeros:
+      break;
+    case Initializer::Kind::kOnes:
+      std::fill(values.begin(), values.end(), 1.0f);
+      break;
+    case Initializer::Kind::kTruncatedNormal: {
+      // As jax.random.truncated_normal: uniform between erf(-2/sqrt2) and
+      // erf(2/sqrt2), mapped through sqrt(2) * erfinv.
+      const uint64_t stream = MixBits(seed ^ MixBits(HashName(name)));
+      const double hi = std::erf(2.0 / std::sqrt(2.0));
+      for (int64_t i = 0; i < n; ++i) {
+        const double u = -hi + 2.0 * hi * Uniform(stream, static_cast<uint64_t>(i));
+        double z = std::sqrt(2.0) * ErfInv(u);
+        z = std::fmin(2.0, std::fmax(-2.0, z));
+        values[i] = static_cast<float>(z * init.stddev);
+      }
+      break;
+    }
+  }
+  return values;
+}
+
+absl::Status InitVariables(Ops& ops, uint64_t seed, const std::vector<VariableDef>& defs,
+                           Variables* vars) {
+  for (const VariableDef& def : defs) {
+    const std::vector<float> values =
+        InitialValues(seed, def.spec.name, def.init, NumElements(def.spec.shape));
+    ASSIGN_OR_RETURN(Tensor staging, ops.Allocate(DType::kF32, def.spec.shape));
+    RETURN_IF_ERROR(ops.Upload(values.data(), &staging));
+    if (def.spec.dtype == DType::kF32) {
+      (*vars)[def.spec.name] = staging;
+      continue;
+    }
+    ASSIGN_OR_RETURN(Tensor param, ops.Allocate(def.spec.dtype, def.spec.shape));
+    RETURN_IF_ERROR(ops.Cast(staging, &param));
+    (*vars)[def.spec.name] = param;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace te::layers

@@ -1,0 +1,65 @@
+// Initialisers: TE's / Flax's defaults, deterministic from (seed, variable
+// name) so that one seed gives the same variables on every backend and every
+// run, whatever order the variables are created in.
+//
+//   kernels       variance_scaling(1.0, "fan_in", "truncated_normal"): a normal
+//                 truncated to [-2, 2], std sqrt(1 / fan_in) / 0.87962566103423978
+//                 (JAX divides by the truncated distribution's std)
+//   biases        zeros
+//   norm scale    ones (zeros when zero_centered_gamma)
+//   fp8_metas     scale ones, amax_history zeros
+// Values are drawn on the host in float32 and cast on the device to the
+// variable's dtype.
+#ifndef TE_SERVER_LAYERS_INIT_H_
+#define TE_SERVER_LAYERS_INIT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "server/layers/layer.h"
+
+namespace te::layers {
+
+struct Initializer {
+  enum class Kind { kZeros, kOnes, kTruncatedNormal };
+  Kind kind = Kind::kZeros;
+  float stddev = 1.0f;  // kTruncatedNormal: the std of the result
+
+  static Initializer Zeros() { return {Kind::kZeros, 0.0f}; }
+  static Initializer Ones() { return {Kind::kOnes, 0.0f}; }
+  // variance_scaling(scale, "fan_in", "truncated_normal").
+  static Initializer VarianceScalingFanIn(int64_t fan_in, float scale = 1.0f);
+};
+
+// A 64-bit hash of a name (FNV-1a), for seeds derived from names.
+uint64_t HashName(absl::string_view name);
+
+// Flax's fan_in for a kernel of `shape` (in_axis -2, out_axis -1): every
+// dimension but the last, so (in, 3, 4096) has fan_in = in * 3, as TE's
+// DenseGeneral gets from JAX.
+int64_t KernelFanIn(const Shape& shape);
+// TE's default kernel_init for `shape`.
+Initializer KernelInit(const Shape& shape);
+
+// A variable and how to initialise it.
+struct VariableDef {
+  VariableSpec spec;
+  Initializer init;
+};
+
+std::vector<VariableSpec> SpecsOf(const std::vector<VariableDef>& defs);
+
+// The float32 values of variable `name` (n elements).
+std::vector<float> InitialValues(uint64_t seed, const std::string& name, const Initializer& init,
+                                 int64_t n);
+
+// Creates every variable of `defs` into *vars (replacing same-named ones).
+absl::Status InitVariables(Ops& ops, uint64_t seed, const std::vector<VariableDef>& defs,
+                           Variables* vars);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_INIT_H_

@@ -1,0 +1,139 @@
+// The Mlp block (TE's LayerNormMLP core) and activation-name parsing.
+#include <algorithm>
+#include <cctype>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/status_macros.h"
+#include "server/layers/blocks.h"
+#include "server/layers/variables.h"
+
+namespace te::layers {
+namespace {
+
+NormConfig MlpNormConfig(const MlpConfig& c) {
+  NormConfig n;
+  n.scope = c.scope;
+  n.args = c.norm;
+  n.hidden = c.hidden;
+  n.param_dtype = c.param_dtype;
+  return n;
+}
+
+DenseConfig MlpDenseConfig(const MlpConfig& c, bool first) {
+  DenseConfig d;
+  d.scope = c.scope;
+  d.kernel_name = first ? "wi_kernel" : "wo_kernel";
+  d.bias_name = first ? "wi_bias" : "wo_bias";
+  d.use_bias = c.use_bias;
+  d.fp8_postfix = first ? "_0" : "_1";
+  d.in_dims = first ? Shape{c.hidden} : Shape{c.intermediate};
+  d.features = first ? Shape{static_cast<int64_t>(c.activations.size()), c.intermediate}
+                     : Shape{c.hidden};
+  d.param_dtype = c.param_dtype;
+  // TE initialises each activation's (hidden, inter) slice of wi_kernel on its
+  // own, so the fan-in is `hidden`, not hidden * n_act.
+  d.kernel_init = first ? KernelInit({c.hidden, c.intermediate})
+                        : KernelInit({c.intermediate, c.hidden});
+  return d;
+}
+
+}  // namespace
+
+Mlp::Mlp(MlpConfig config)
+    : config_(std::move(config)),
+      norm_(MlpNormConfig(config_)),
+      wi_(MlpDenseConfig(config_, true)),
+      wo_(MlpDenseConfig(config_, false)) {}
+
+std::vector<VariableDef> Mlp::Defs(const Fp8Recipe* fp8) const {
+  std::vector<VariableDef> defs;
+  if (config_.enable_layernorm) defs = norm_.Defs();
+  for (VariableDef& def : wi_.Defs(fp8)) defs.push_back(std::move(def));
+  for (VariableDef& def : wo_.Defs(fp8)) defs.push_back(std::move(def));
+  return defs;
+}
+
+int64_t Mlp::Saved::bytes() const {
+  return norm.bytes() + wi.bytes() + TensorBytes(h) + dropout.bytes() + wo.bytes();
+}
+
+absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
+                          Tensor* y, Tensor* ln_out, Saved* saved) const {
+  // Both GEMMs' FP8 state is checked first, so a failure writes no amax.
+  RETURN_IF_ERROR(CheckQuantizerSet(*vars, wi_.quantizers(), opts.fp8));
+  RETURN_IF_ERROR(CheckQuantizerSet(*vars, wo_.quantizers(), opts.fp8));
+  const bool keep = saved != nullptr;
+  Saved s;
+  Tensor ln = x;
+  if (config_.enable_layernorm) {
+    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln, keep ? &s.norm : nullptr));
+  }
+  RETURN_IF_ERROR(wi_.Forward(ops, vars, ln, opts.fp8, &s.h, keep ? &s.wi : nullptr));
+  ASSIGN_OR_RETURN(Tensor act, ops.Allocate(s.h.dtype(), {s.h.dim(0), config_.intermediate}));
+  RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act));
+  Tensor dropped;
+  RETURN_IF_ERROR(Dropout(ops, config_.intermediate_dropout_rate, opts.deterministic,
+                          DeriveSeed(opts.dropout_seed,
+                                     JoinScope(config_.scope, "intermediate_dropout")),
+                          act, &dropped, &s.dropout));
+  RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, opts.fp8, y, keep ? &s.wo : nullptr));
+  if (ln_out != nullptr) *ln_out = ln;
+  if (keep) {
+    *saved = std::move(s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Mlp::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                           Tensor* dx, Variables* grads) const {
+  Tensor ddropped, dact, dh, dln;
+  RETURN_IF_ERROR(wo_.Backward(ops, vars, saved.wo, dy, &ddropped, grads));
+  RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));
+  ASSIGN_OR_RETURN(dh, ops.Allocate(saved.h.dtype(), saved.h.shape()));
+  RETURN_IF_ERROR(ops.ActivationBackward(config_.activations, dact, saved.h, &dh));
+  if (!config_.enable_layernorm) return wi_.Backward(ops, vars, saved.wi, dh, dx, grads);
+  RETURN_IF_ERROR(wi_.Backward(ops, vars, saved.wi, dh, &dln, grads));
+  return norm_.Backward(ops, saved.norm, dln, dx, grads);
+}
+
+absl::StatusOr<std::vector<Activation>> ParseActivations(const std::vector<std::string>& names,
+                                                         absl::string_view field) {
+  static const std::pair<const char*, Activation> kNames[] = {
+      {"gelu", Activation::kGelu},
+      {"silu", Activation::kSilu},
+      {"relu", Activation::kRelu},
+      {"quick_gelu", Activation::kQuickGelu},
+      {"squared_relu", Activation::kSquaredRelu},
+      {"linear", Activation::kLinear},
+  };
+  std::vector<Activation> acts;
+  for (const std::string& raw : names) {
+    std::string name = raw;
+    std::transform(name.begin(), name.end(), name.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    const auto* found = std::find_if(std::begin(kNames), std::end(kNames),
+                                     [&](const auto& entry) { return name == entry.first; });
+    if (found == std::end(kNames)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": unknown activation \"", raw,
+          "\" (gelu, silu, relu, quick_gelu, squared_relu, linear)"));
+    }
+    acts.push_back(found->second);
+  }
+  // TE normalises ("linear", act) to (act, "linear").
+  if (acts.size() == 2 && acts[0] == Activation::kLinear) std::swap(acts[0], acts[1]);
+  const bool single = acts.size() == 1;
+  const bool gated = acts.size() == 2 && acts[0] != Activation::kLinear &&
+                     acts[1] == Activation::kLinear;
+  if (!single && !gated) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": [", absl::StrJoin(names, ", "),
+        "] is not an activation TE implements: one activation, or a gated pair (act, "
+        "\"linear\") with act in gelu, silu, relu, quick_gelu, squared_relu"));
+  }
+  return acts;
+}
+
+}  // namespace te::layers
