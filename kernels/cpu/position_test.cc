@@ -1,0 +1,300 @@
+// CpuOps::Rotary and the T5 relative position bias against plain float64
+// references, plus the identities they must satisfy (inverse rotation, adjoint).
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace te {
+namespace {
+
+// Tolerances, as relative error = max |got - want| / max |want| over a tensor.
+constexpr double kF32Tol = 1e-5;
+constexpr double kBf16Tol = 1e-2;
+
+double Tolerance(DType dtype) { return dtype == DType::kF32 ? kF32Tol : kBf16Tol; }
+
+template <typename T>
+double RelativeError(const std::vector<T>& got, const std::vector<double>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double max_err = 0.0, max_want = 0.0;
+  for (size_t n = 0; n < got.size() && n < want.size(); ++n) {
+    max_err = std::max(max_err, std::abs(static_cast<double>(got[n]) - want[n]));
+    max_want = std::max(max_want, std::abs(want[n]));
+  }
+  return max_want == 0.0 ? max_err : max_err / max_want;
+}
+
+std::vector<float> RandomValues(int64_t n, std::mt19937* rng) {
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = uniform(*rng);
+  return v;
+}
+
+Tensor MakeTensor(CpuOps* ops, DType dtype, const Shape& shape, const std::vector<float>& values) {
+  Tensor t = ops->Allocate(dtype, shape).value();
+  FromFloatVector(values, &t);
+  return t;
+}
+
+// ---- rotary ---------------------------------------------------------------------
+
+// The rotation written out from the formula, in double. TE JAX's group methods:
+// "consecutive" pairs (2i, 2i+1), "alternate" pairs (i, i + D/2).
+std::vector<double> ReferenceRotary(const RotaryArgs& args, const std::vector<float>& x,
+                                    const Shape& shape) {
+  const int64_t B = shape[0], S = shape[1], H = shape[2], D = shape[3];
+  std::vector<double> y(x.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t p = 0; p < S; ++p)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t base = ((b * S + p) * H + h) * D;
+        for (int64_t i = 0; i < D / 2; ++i) {
+          const double timescale = static_cast<double>(args.min_timescale) *
+                                   std::pow(static_cast<double>(args.max_timescale) /
+                                                args.min_timescale,
+                                            2.0 * i / D);
+          const double angle = (args.inverse ? -1.0 : 1.0) * p / timescale;
+          const int64_t first = base + (args.consecutive ? 2 * i : i);
+          const int64_t second = base + (args.consecutive ? 2 * i + 1 : i + D / 2);
+          const double a = x[first], c = x[second];
+          y[first] = a * std::cos(angle) - c * std::sin(angle);
+          y[second] = c * std::cos(angle) + a * std::sin(angle);
+        }
+      }
+  return y;
+}
+
+struct RotaryCase {
+  Shape shape;
+  bool consecutive;
+  bool inverse;
+  DType dtype;
+};
+
+class RotaryTest : public ::testing::TestWithParam<RotaryCase> {};
+
+TEST_P(RotaryTest, MatchesReference) {
+  const RotaryCase& c = GetParam();
+  CpuOps ops;
+  std::mt19937 rng(static_cast<uint32_t>(NumElements(c.shape)));
+  const Tensor x = MakeTensor(&ops, c.dtype, c.shape, RandomValues(NumElements(c.shape), &rng));
+  Tensor y = ops.Allocate(c.dtype, c.shape).value();
+  RotaryArgs args;
+  args.consecutive = c.consecutive;
+  args.inverse = c.inverse;
+  ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
+  EXPECT_LE(RelativeError(ToFloatVector(y), ReferenceRotary(args, ToFloatVector(x), c.shape)),
+            Tolerance(c.dtype));
+}
+
+TEST_P(RotaryTest, InverseUndoesForward) {
+  const RotaryCase& c = GetParam();
+  CpuOps ops;
+  std::mt19937 rng(7);
+  const std::vector<float> values = RandomValues(NumElements(c.shape), &rng);
+  const Tensor x = MakeTensor(&ops, c.dtype, c.shape, values);
+  Tensor y = ops.Allocate(c.dtype, c.shape).value();
+  Tensor back = ops.Allocate(c.dtype, c.shape).value();
+  RotaryArgs args;
+  args.consecutive = c.consecutive;
+  args.inverse = c.inverse;
+  ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
+  args.inverse = !c.inverse;
+  ASSERT_TRUE(ops.Rotary(args, y, &back).ok());
+  const std::vector<float> x_rounded = ToFloatVector(x);
+  EXPECT_LE(RelativeError(ToFloatVector(back),
+                          std::vector<double>(x_rounded.begin(), x_rounded.end())),
+            // bf16: y was rounded once more before the way back.
+            c.dtype == DType::kF32 ? kF32Tol : 2 * kBf16Tol);
+}
+
+// y may alias x: a layer rotates q and k in place.
+TEST_P(RotaryTest, InPlaceEqualsOutOfPlace) {
+  const RotaryCase& c = GetParam();
+  CpuOps ops;
+  std::mt19937 rng(11);
+  const std::vector<float> values = RandomValues(NumElements(c.shape), &rng);
+  const Tensor x = MakeTensor(&ops, c.dtype, c.shape, values);
+  Tensor y = ops.Allocate(c.dtype, c.shape).value();
+  Tensor in_place = MakeTensor(&ops, c.dtype, c.shape, values);
+  RotaryArgs args;
+  args.consecutive = c.consecutive;
+  args.inverse = c.inverse;
+  ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
+  ASSERT_TRUE(ops.Rotary(args, in_place, &in_place).ok());
+  EXPECT_EQ(ToFloatVector(in_place), ToFloatVector(y));
+}
+
+std::vector<RotaryCase> RotaryCases() {
+  std::vector<RotaryCase> cases;
+  for (const Shape& shape : std::vector<Shape>{{2, 7, 3, 8}, {1, 13, 2, 16}, {3, 5, 1, 6},
+                                               {1, 300, 2, 64}}) {
+    for (bool consecutive : {true, false}) {
+      for (bool inverse : {false, true}) {
+        for (DType dtype : {DType::kF32, DType::kBF16}) {
+          cases.push_back({shape, consecutive, inverse, dtype});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cpu, RotaryTest, ::testing::ValuesIn(RotaryCases()),
+    [](const ::testing::TestParamInfo<RotaryCase>& info) {
+      const RotaryCase& c = info.param;
+      std::string name;
+      for (int64_t d : c.shape) name += std::to_string(d) + "x";
+      name.pop_back();
+      return name + (c.consecutive ? "_consecutive" : "_alternate") +
+             (c.inverse ? "_inverse_" : "_") + DTypeName(c.dtype);
+    });
+
+// Position 0 is not rotated; position 1 of the first pair turns by exactly 1
+// radian (timescale_0 = min = 1): pins which elements pair up in each mode.
+TEST(RotaryPairingTest, FirstPairTurnsByOneRadianPerPosition) {
+  CpuOps ops;
+  const Shape shape = {1, 2, 1, 4};
+  const std::vector<float> values = {0.5f, -1.25f, 2.0f, 0.75f, 0.5f, -1.25f, 2.0f, 0.75f};
+  const Tensor x = MakeTensor(&ops, DType::kF32, shape, values);
+  Tensor y = ops.Allocate(DType::kF32, shape).value();
+  for (bool consecutive : {true, false}) {
+    RotaryArgs args;
+    args.consecutive = consecutive;
+    ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
+    const std::vector<float> got = ToFloatVector(y);
+    for (int d = 0; d < 4; ++d) EXPECT_EQ(got[d], values[d]) << "position 0, element " << d;
+    const int first = 4, second = consecutive ? 5 : 6;  // position 1, frequency 0
+    const double a = values[first], b = values[second];
+    EXPECT_NEAR(got[first], a * std::cos(1.0) - b * std::sin(1.0), 1e-6) << consecutive;
+    EXPECT_NEAR(got[second], b * std::cos(1.0) + a * std::sin(1.0), 1e-6) << consecutive;
+  }
+}
+
+TEST(RotaryErrorTest, RejectsBadArguments) {
+  CpuOps ops;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  RotaryArgs args;
+  Tensor odd = ops.Allocate(DType::kF32, {1, 2, 2, 5}).value();
+  EXPECT_EQ(ops.Rotary(args, odd, &odd).code(), kInvalid);
+  Tensor x = ops.Allocate(DType::kF32, {1, 2, 2, 4}).value();
+  Tensor wrong_shape = ops.Allocate(DType::kF32, {1, 2, 4, 2}).value();
+  EXPECT_EQ(ops.Rotary(args, x, &wrong_shape).code(), kInvalid);
+  Tensor fp8 = ops.Allocate(DType::kE4M3, {1, 2, 2, 4}).value();
+  EXPECT_EQ(ops.Rotary(args, x, &fp8).code(), kInvalid);
+  args.min_timescale = 0.0f;
+  EXPECT_EQ(ops.Rotary(args, x, &x).code(), kInvalid);
+}
+
+// ---- T5 relative position bias -------------------------------------------------------
+
+struct BiasSetup {
+  int64_t num_buckets, heads, q_seq, kv_seq;
+  Tensor table, buckets, dbias;
+  std::vector<int32_t> bucket_of;  // [Sq * Skv]
+  std::vector<float> table_values, dbias_values;
+};
+
+BiasSetup MakeBiasSetup(CpuOps* ops, DType table_dtype) {
+  std::mt19937 rng(23);
+  BiasSetup s{32, 3, 7, 13};
+  s.table = MakeTensor(ops, table_dtype, {s.num_buckets, s.heads},
+                       RandomValues(s.num_buckets * s.heads, &rng));
+  s.table_values = ToFloatVector(s.table);
+  s.buckets = ops->Allocate(DType::kI32, {s.q_seq, s.kv_seq}).value();
+  std::uniform_int_distribution<int32_t> bucket(0, static_cast<int32_t>(s.num_buckets) - 1);
+  for (int64_t n = 0; n < s.q_seq * s.kv_seq; ++n) {
+    s.bucket_of.push_back(bucket(rng));
+    s.buckets.data_as<int32_t>()[n] = s.bucket_of.back();
+  }
+  s.dbias = MakeTensor(ops, DType::kF32, {s.heads, s.q_seq, s.kv_seq},
+                       RandomValues(s.heads * s.q_seq * s.kv_seq, &rng));
+  s.dbias_values = ToFloatVector(s.dbias);
+  return s;
+}
+
+class RelativeBiasTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(RelativeBiasTest, ForwardGathersTableRows) {
+  CpuOps ops;
+  const BiasSetup s = MakeBiasSetup(&ops, GetParam());
+  Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
+  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, &bias).ok());
+  const std::vector<float> got = ToFloatVector(bias);
+  for (int64_t h = 0; h < s.heads; ++h)
+    for (int64_t n = 0; n < s.q_seq * s.kv_seq; ++n) {
+      ASSERT_EQ(got[h * s.q_seq * s.kv_seq + n], s.table_values[s.bucket_of[n] * s.heads + h])
+          << "h " << h << " position " << n;
+    }
+}
+
+TEST_P(RelativeBiasTest, BackwardScatterAddsGradients) {
+  CpuOps ops;
+  const BiasSetup s = MakeBiasSetup(&ops, GetParam());
+  Tensor dtable = ops.Allocate(GetParam(), {s.num_buckets, s.heads}).value();
+  ASSERT_TRUE(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).ok());
+  std::vector<double> want(static_cast<size_t>(s.num_buckets * s.heads), 0.0);
+  for (int64_t h = 0; h < s.heads; ++h)
+    for (int64_t n = 0; n < s.q_seq * s.kv_seq; ++n) {
+      want[s.bucket_of[n] * s.heads + h] += s.dbias_values[h * s.q_seq * s.kv_seq + n];
+    }
+  EXPECT_LE(RelativeError(ToFloatVector(dtable), want), Tolerance(GetParam()));
+}
+
+// Backward is the adjoint of forward: <forward(t), g> == <t, backward(g)>.
+TEST_P(RelativeBiasTest, BackwardIsAdjointOfForward) {
+  CpuOps ops;
+  const BiasSetup s = MakeBiasSetup(&ops, DType::kF32);
+  Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
+  Tensor dtable = ops.Allocate(GetParam(), {s.num_buckets, s.heads}).value();
+  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, &bias).ok());
+  ASSERT_TRUE(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).ok());
+  const std::vector<float> bias_values = ToFloatVector(bias), dtable_values = ToFloatVector(dtable);
+  // Each side's rounding error scales with the sum of |terms|, not with the
+  // (cancelling) sum itself.
+  double forward_side = 0.0, backward_side = 0.0, magnitude = 0.0;
+  for (size_t n = 0; n < bias_values.size(); ++n) {
+    const double term = static_cast<double>(bias_values[n]) * s.dbias_values[n];
+    forward_side += term;
+    magnitude += std::abs(term);
+  }
+  for (size_t n = 0; n < dtable_values.size(); ++n) {
+    backward_side += static_cast<double>(s.table_values[n]) * dtable_values[n];
+  }
+  EXPECT_LE(std::abs(forward_side - backward_side) / magnitude, Tolerance(GetParam()))
+      << forward_side << " vs " << backward_side;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, RelativeBiasTest, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
+TEST(RelativeBiasErrorTest, RejectsBadArguments) {
+  CpuOps ops;
+  BiasSetup s = MakeBiasSetup(&ops, DType::kF32);
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
+  Tensor dtable = ops.Allocate(DType::kF32, {s.num_buckets, s.heads}).value();
+  s.buckets.data_as<int32_t>()[5] = static_cast<int32_t>(s.num_buckets);  // one past the table
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, &bias).code(), kInvalid);
+  EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).code(), kInvalid);
+  s.buckets.data_as<int32_t>()[5] = 0;
+  Tensor bias_bf16 = ops.Allocate(DType::kBF16, {s.heads, s.q_seq, s.kv_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, &bias_bf16).code(), kInvalid);
+  Tensor bias_wrong = ops.Allocate(DType::kF32, {s.heads, s.kv_seq, s.q_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, &bias_wrong).code(), kInvalid);
+  Tensor dtable_wrong = ops.Allocate(DType::kF32, {s.num_buckets, s.heads + 1}).value();
+  EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable_wrong).code(), kInvalid);
+  EXPECT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, &bias).ok());
+}
+
+}  // namespace
+}  // namespace te
