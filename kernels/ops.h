@@ -219,6 +219,9 @@ class Ops {
   // head h uses kv head h / (Hq / Hkv)); out [B, Sq, Hq, D];
   // softmax_lse [B, Hq, Sq] f32, the log-sum-exp of each row's masked logits
   // (what backward needs). Dropout element index: ((b*Hq + h)*Sq + i)*Skv + j.
+  // A row with no visible key (padded query, or every key masked) outputs 0 and
+  // has softmax_lse = +inf (flash attention's convention: backward's
+  // exp(logit - lse) is then 0 there with no special case).
   virtual absl::Status AttentionForward(const AttentionArgs& args, const Tensor& q,
                                         const Tensor& k, const Tensor& v, Tensor* out,
                                         Tensor* softmax_lse) = 0;
