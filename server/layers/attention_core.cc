@@ -1,0 +1,338 @@
+#include "server/layers/attention_core.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace te::layers {
+namespace {
+
+bool HasPadding(MaskType mask) {
+  return mask == MaskType::kPadding || mask == MaskType::kPaddingCausal;
+}
+
+absl::Status CheckBshd(const Tensor& t, const char* name, int64_t batch, int64_t heads,
+                       int64_t head_dim, DType dtype) {
+  if (t.rank() != 4 || t.dim(0) != batch || t.dim(2) != heads || t.dim(3) != head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " has shape ", ShapeString(t.shape()), "; want [", batch, ", seq, ", heads, ", ",
+        head_dim, "] ([batch, seq, heads, head_dim])"));
+  }
+  if (t.dtype() != dtype || !IsFloating(dtype) || IsFloat8(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has dtype ", DTypeName(t.dtype()),
+                                                   "; want the query's float dtype ",
+                                                   DTypeName(dtype)));
+  }
+  return absl::OkStatus();
+}
+
+// Valid lengths for a padding mask: the given int32 [B], or S for every row.
+absl::StatusOr<Tensor> ResolveLengths(Ops& ops, const Tensor& given, const char* name,
+                                      int64_t batch, int64_t seq) {
+  if (given.defined() && given.numel() > 0) {
+    if (given.dtype() != DType::kI32 || given.rank() != 1 || given.dim(0) != batch) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " must be int32 [", batch, "] (valid lengths per batch row); got ",
+          DTypeName(given.dtype()), " ", ShapeString(given.shape())));
+    }
+    return given;
+  }
+  ASSIGN_OR_RETURN(Tensor full, ops.Allocate(DType::kI32, {batch}));
+  std::vector<int32_t> host(static_cast<size_t>(batch), static_cast<int32_t>(seq));
+  RETURN_IF_ERROR(ops.Upload(host.data(), &full));
+  return full;
+}
+
+}  // namespace
+
+absl::Status ValidateAttentionConfig(const AttentionConfig& config, absl::string_view field) {
+  if (config.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".head_dim must be positive; got ", config.head_dim));
+  }
+  if (config.num_heads <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".num_attention_heads must be positive; got ", config.num_heads));
+  }
+  if (config.num_gqa_groups <= 0 || config.num_heads % config.num_gqa_groups != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".num_gqa_groups must be positive and divide num_attention_heads (",
+        config.num_heads, "); got ", config.num_gqa_groups));
+  }
+  if (!(config.dropout_rate >= 0.0f && config.dropout_rate < 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".attention_dropout must be in [0, 1); got ", config.dropout_rate));
+  }
+  if (!std::isfinite(config.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".scale_factor must be finite; got ", config.scale));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string_view field) {
+  switch (mask) {
+    case te::v1::ATTN_MASK_TYPE_UNSPECIFIED:
+    case te::v1::CAUSAL: return MaskType::kCausal;
+    case te::v1::NO_MASK: return MaskType::kNoMask;
+    case te::v1::PADDING: return MaskType::kPadding;
+    case te::v1::PADDING_CAUSAL: return MaskType::kPaddingCausal;
+    default: break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " has unknown value ", static_cast<int>(mask)));
+}
+
+int64_t AttentionSaved::bytes() const {
+  int64_t total = 0;
+  for (const Tensor* t : {&q, &k, &v, &out, &softmax_lse, &args.bias, &args.q_seqlens,
+                          &args.kv_seqlens}) {
+    total += static_cast<int64_t>(t->nbytes());
+  }
+  return total;
+}
+
+absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const SeqLens& seqlens,
+                              const Tensor& bias, bool dropout_active, uint64_t dropout_seed,
+                              Tensor* out, AttentionSaved* saved) {
+  if (q.rank() != 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q must be [batch, seq, heads, head_dim]; got ", ShapeString(q.shape())));
+  }
+  const int64_t batch = q.dim(0);
+  const int64_t q_len = q.dim(1);
+  RETURN_IF_ERROR(CheckBshd(q, "q", batch, config.num_heads, config.head_dim, q.dtype()));
+  RETURN_IF_ERROR(CheckBshd(k, "k", batch, config.num_gqa_groups, config.head_dim, q.dtype()));
+  RETURN_IF_ERROR(CheckBshd(v, "v", batch, config.num_gqa_groups, config.head_dim, q.dtype()));
+  const int64_t kv_len = k.dim(1);
+  if (v.dim(1) != kv_len) {
+    return absl::InvalidArgumentError(absl::StrCat("k and v sequence lengths differ: ",
+                                                   kv_len, " vs ", v.dim(1)));
+  }
+
+  AttentionArgs args;
+  args.mask = config.mask;
+  args.scale = config.scale;
+  args.dropout_rate = dropout_active ? config.dropout_rate : 0.0f;
+  args.dropout_seed = dropout_seed;
+  if (HasPadding(config.mask)) {
+    ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, seqlens.q, "q_seqlens", batch, q_len));
+    const Tensor& kv_given = seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
+                             : q_len == kv_len                              ? seqlens.q
+                                                                            : Tensor();
+    ASSIGN_OR_RETURN(args.kv_seqlens, ResolveLengths(ops, kv_given, "kv_seqlens", batch, kv_len));
+  }
+  if (bias.defined() && bias.numel() > 0) {
+    const Shape want = {config.num_heads, q_len, kv_len};
+    if (bias.shape() != want || bias.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat("attention bias must be float32 ",
+                                                     ShapeString(want), "; got ",
+                                                     DTypeName(bias.dtype()), " ",
+                                                     ShapeString(bias.shape())));
+    }
+    args.bias = bias;
+  }
+
+  ASSIGN_OR_RETURN(*out, ops.Allocate(q.dtype(), q.shape()));
+  ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, q_len}));
+  RETURN_IF_ERROR(ops.AttentionForward(args, q, k, v, out, &lse));
+  if (saved != nullptr) {
+    saved->args = args;
+    saved->q = q;
+    saved->k = k;
+    saved->v = v;
+    saved->out = *out;
+    saved->softmax_lse = lse;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
+                               Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias) {
+  if (dout.shape() != saved.out.shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("attention output gradient has shape ",
+                                                   ShapeString(dout.shape()), "; want ",
+                                                   ShapeString(saved.out.shape())));
+  }
+  ASSIGN_OR_RETURN(*dq, ops.Allocate(saved.q.dtype(), saved.q.shape()));
+  ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
+  ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
+  Tensor bias_grad;
+  const bool has_bias = saved.args.bias.defined() && saved.args.bias.numel() > 0;
+  if (has_bias) {
+    ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, saved.args.bias.shape()));
+  }
+  RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, dout,
+                                        saved.softmax_lse, dq, dk, dv,
+                                        has_bias ? &bias_grad : nullptr));
+  if (dbias != nullptr) *dbias = bias_grad;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<Tensor>> SplitAxis(Ops& ops, const Tensor& x, int axis) {
+  if (axis < 0 || axis >= x.rank()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("split axis ", axis, " out of range for ", ShapeString(x.shape())));
+  }
+  // Move `axis` to the front; each part is then one contiguous row block.
+  std::vector<int> perm = {axis};
+  Shape moved = {x.dim(axis)};
+  for (int i = 0; i < x.rank(); ++i) {
+    if (i == axis) continue;
+    perm.push_back(i);
+    moved.push_back(x.dim(i));
+  }
+  Tensor front;
+  if (axis == 0) {
+    front = x;
+  } else {
+    ASSIGN_OR_RETURN(front, ops.Allocate(x.dtype(), moved));
+    RETURN_IF_ERROR(ops.Permute(x, perm, &front));
+  }
+  const Shape part_shape(moved.begin() + 1, moved.end());
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < x.dim(axis); ++i) {
+    parts.push_back(front.Slice0(i, i + 1).Reshaped(part_shape));
+  }
+  return parts;
+}
+
+absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int axis) {
+  if (parts.empty()) return absl::InvalidArgumentError("StackAxis: no parts");
+  const Shape& part_shape = parts[0].shape();
+  const int rank = static_cast<int>(part_shape.size()) + 1;
+  if (axis < 0 || axis >= rank) {
+    return absl::InvalidArgumentError(absl::StrCat("stack axis ", axis, " out of range"));
+  }
+  Shape front_shape = {static_cast<int64_t>(parts.size())};
+  front_shape.insert(front_shape.end(), part_shape.begin(), part_shape.end());
+  ASSIGN_OR_RETURN(Tensor front, ops.Allocate(parts[0].dtype(), front_shape));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].shape() != part_shape || parts[i].dtype() != parts[0].dtype()) {
+      return absl::InvalidArgumentError("StackAxis: parts differ in shape or dtype");
+    }
+    Tensor slot = front.Slice0(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1)
+                      .Reshaped(part_shape);
+    RETURN_IF_ERROR(ops.Copy(parts[i], &slot));
+  }
+  if (axis == 0) return front;
+  // front is [n, d_0, ..]; out[.., n at axis, ..] reads front's axis 0 there.
+  std::vector<int> perm;
+  Shape out_shape;
+  for (int i = 0, src = 1; i < rank; ++i) {
+    if (i == axis) {
+      perm.push_back(0);
+      out_shape.push_back(front_shape[0]);
+    } else {
+      perm.push_back(src);
+      out_shape.push_back(front_shape[src]);
+      ++src;
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor out, ops.Allocate(front.dtype(), out_shape));
+  RETURN_IF_ERROR(ops.Permute(front, perm, &out));
+  return out;
+}
+
+absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y) {
+  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rotary embedding needs [batch, seq, heads, head_dim] with an even head_dim; got ",
+        ShapeString(x.shape())));
+  }
+  RotaryArgs args;
+  args.min_timescale = 1.0f;
+  args.max_timescale = 10000.0f;
+  args.consecutive = true;  // TE's default group method: adjacent pairs
+  args.inverse = inverse;
+  ASSIGN_OR_RETURN(Tensor rotated, ops.Allocate(x.dtype(), x.shape()));
+  RETURN_IF_ERROR(ops.Rotary(args, x, &rotated));
+  *y = rotated;
+  return absl::OkStatus();
+}
+
+std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional,
+                                             int num_buckets, int max_distance) {
+  std::vector<int32_t> buckets(static_cast<size_t>(q_len * k_len));
+  const int half = bidirectional ? num_buckets / 2 : num_buckets;
+  const int max_exact = half / 2;
+  const float eps = std::numeric_limits<float>::epsilon();
+  // numpy: np.log(16.0) is a float64 scalar; NEP 50 promotes the float32
+  // numerator to float64 for the division.
+  const double log_range = std::log(static_cast<double>(max_distance) / max_exact);
+  for (int64_t i = 0; i < q_len; ++i) {
+    for (int64_t j = 0; j < k_len; ++j) {
+      int64_t n = i - j;  // TE's negative relative position: query - key
+      int32_t bucket = 0;
+      if (bidirectional) {
+        if (n < 0) bucket += half;
+        n = n < 0 ? -n : n;
+      } else {
+        n = std::max<int64_t>(n, 0);
+      }
+      int32_t offset;
+      if (n < max_exact) {
+        offset = static_cast<int32_t>(n);
+      } else {
+        const float ratio = static_cast<float>(n) / static_cast<float>(max_exact) + eps;
+        const double scaled = static_cast<double>(std::log(ratio)) / log_range *
+                              static_cast<double>(half - max_exact);
+        offset = std::min(max_exact + static_cast<int32_t>(scaled), half - 1);
+      }
+      buckets[static_cast<size_t>(i * k_len + j)] = bucket + offset;
+    }
+  }
+  return buckets;
+}
+
+absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len,
+                                                    int64_t k_len) const {
+  std::shared_ptr<const std::vector<int32_t>> table;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = tables_.find({q_len, k_len});
+    if (it != tables_.end()) table = it->second;
+  }
+  if (table == nullptr) {
+    auto computed = std::make_shared<const std::vector<int32_t>>(RelativePositionBuckets(
+        q_len, k_len, bidirectional_, num_buckets_, max_distance_));
+    absl::MutexLock lock(&mu_);
+    table = tables_.emplace(std::make_pair(q_len, k_len), std::move(computed)).first->second;
+  }
+  ASSIGN_OR_RETURN(Tensor buckets, ops.Allocate(DType::kI32, {q_len, k_len}));
+  RETURN_IF_ERROR(ops.Upload(table->data(), &buckets));
+  return buckets;
+}
+
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding,
+                                    const Tensor& buckets) {
+  // TE stores the table as [heads, buckets]; the op reads [buckets, heads].
+  const int64_t heads = rel_embedding.dim(0);
+  ASSIGN_OR_RETURN(Tensor table, ops.Allocate(rel_embedding.dtype(),
+                                              {rel_embedding.dim(1), heads}));
+  RETURN_IF_ERROR(ops.Permute(rel_embedding, {1, 0}, &table));
+  ASSIGN_OR_RETURN(Tensor bias,
+                   ops.Allocate(DType::kF32, {heads, buckets.dim(0), buckets.dim(1)}));
+  RETURN_IF_ERROR(ops.RelativeBiasForward(table, buckets, &bias));
+  return bias;
+}
+
+absl::StatusOr<Tensor> RelativeBiasGrad(Ops& ops, const Tensor& dbias, const Tensor& buckets,
+                                        int num_buckets, DType param_dtype) {
+  const int64_t heads = dbias.dim(0);
+  ASSIGN_OR_RETURN(Tensor dtable, ops.Allocate(DType::kF32, {num_buckets, heads}));
+  RETURN_IF_ERROR(ops.RelativeBiasBackward(dbias, buckets, &dtable));
+  ASSIGN_OR_RETURN(Tensor transposed, ops.Allocate(DType::kF32, {heads, num_buckets}));
+  RETURN_IF_ERROR(ops.Permute(dtable, {1, 0}, &transposed));
+  if (param_dtype == DType::kF32) return transposed;
+  ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(param_dtype, transposed.shape()));
+  RETURN_IF_ERROR(ops.Cast(transposed, &cast));
+  return cast;
+}
+
+}  // namespace te::layers

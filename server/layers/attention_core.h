@@ -1,0 +1,129 @@
+// The attention block shared by DotProductAttention, MultiHeadAttention,
+// TransformerLayer and the plain-Flax baseline layer: dot-product attention on
+// [B, S, H, D] tensors through Ops::AttentionForward/Backward, plus the pieces
+// around it that TE's modules add (rotary embedding, T5 relative position
+// buckets, packed-qkv splitting, mask resolution).
+//
+// Attention itself always runs in the input's float dtype, also under FP8
+// autocast: TE's fused attention is bf16/fp16 (only the projections around it
+// are FP8 GEMMs).
+//
+// Functions here are stateless except RelativeBucketCache, which is
+// thread-safe.
+#ifndef TE_SERVER_LAYERS_ATTENTION_CORE_H_
+#define TE_SERVER_LAYERS_ATTENTION_CORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/ops.h"
+#include "te/v1/layers.pb.h"
+
+namespace te::layers {
+
+// Resolved settings of one attention block.
+struct AttentionConfig {
+  int num_heads = 0;       // query heads, Hq
+  int num_gqa_groups = 0;  // key/value heads, Hkv (divides Hq)
+  int head_dim = 0;        // D
+  MaskType mask = MaskType::kCausal;
+  float scale = 1.0f;      // logits = scale * q.k (+ bias after scaling)
+  float dropout_rate = 0.0f;
+};
+
+// INVALID_ARGUMENT naming `field` (e.g. "spec.dot_product_attention") when the
+// sizes are not positive, Hq % Hkv != 0, or the dropout rate is outside [0, 1).
+absl::Status ValidateAttentionConfig(const AttentionConfig& config, absl::string_view field);
+
+// te.v1.AttnMaskType with `unspecified` resolved to TE's default (causal);
+// INVALID_ARGUMENT naming `field` for a value the proto does not define.
+absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string_view field);
+
+// What an attention forward keeps for its backward.
+struct AttentionSaved {
+  AttentionArgs args;  // resolved: seqlens (padding masks), bias, dropout
+  Tensor q, k, v, out, softmax_lse;
+  int64_t bytes() const;
+};
+
+// Padding-mask inputs for one attention call: valid lengths int32 [B], or
+// undefined. Ignored for no_mask and causal (as TE ignores the mask there);
+// for the padding types an undefined length means "every position is valid".
+struct SeqLens {
+  Tensor q;
+  Tensor kv;  // undefined: same as q (self-attention)
+};
+
+// out [B, Sq, Hq, D] = attention(q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]).
+// `bias` (optional) is f32 [Hq, Sq, Skv], added after scaling. Dropout on the
+// probabilities runs only when `dropout_active` and the rate is positive.
+// INVALID_ARGUMENT when shapes or dtypes do not match the config (the message
+// names q, k, v or the seqlens). With `saved` non-null, fills it for
+// AttentionBackward.
+absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const SeqLens& seqlens,
+                              const Tensor& bias, bool dropout_active, uint64_t dropout_seed,
+                              Tensor* out, AttentionSaved* saved);
+
+// Gradients of vdot(out, dout): dq, dk, dv are allocated here (like q, k, v);
+// dbias (f32 [Hq, Sq, Skv]) only when the forward had a bias and `dbias` is
+// non-null.
+absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
+                               Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias);
+
+// ---- packed tensors -------------------------------------------------------
+// Splits x along `axis` into x.dim(axis) contiguous tensors with that axis
+// removed: [B, S, 3, H, D] along 2 -> three [B, S, H, D].
+absl::StatusOr<std::vector<Tensor>> SplitAxis(Ops& ops, const Tensor& x, int axis);
+// The inverse: stacks equal-shaped parts along a new `axis`.
+absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int axis);
+
+// ---- rotary position embedding ----------------------------------------------
+// TE's rotary_pos_emb with windows (1, 10000) and group method "consecutive",
+// which in TE's JAX code rotates adjacent pairs (x[2i], x[2i+1]).
+// x, y [B, S, H, D] (*y newly allocated; it may be x's own handle);
+// `inverse` rotates by -angle (the backward).
+absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y);
+
+// ---- T5 relative position biases --------------------------------------------
+// TE's RelativePositionBiases bucket of each (query i, key j), int32 [Sq * Skv]
+// row-major, from relative position j - i, exactly as TE computes it with
+// numpy (float32 log, then a float64 division).
+std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional,
+                                             int num_buckets, int max_distance);
+
+// Host bucket tables computed once per (Sq, Skv) and shared by every call of a
+// layer. Thread-safe.
+class RelativeBucketCache {
+ public:
+  RelativeBucketCache(bool bidirectional, int num_buckets, int max_distance)
+      : bidirectional_(bidirectional), num_buckets_(num_buckets), max_distance_(max_distance) {}
+  // The buckets for (q_len, k_len) uploaded to `ops`' device: int32 [Sq, Skv].
+  absl::StatusOr<Tensor> Buckets(Ops& ops, int64_t q_len, int64_t k_len) const;
+
+ private:
+  const bool bidirectional_;
+  const int num_buckets_;
+  const int max_distance_;
+  mutable absl::Mutex mu_;
+  mutable std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const std::vector<int32_t>>>
+      tables_ ABSL_GUARDED_BY(mu_);
+};
+
+// bias f32 [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB].
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets);
+// d rel_embedding [H, NB] (in `param_dtype`) from dbias f32 [H, Sq, Skv].
+absl::StatusOr<Tensor> RelativeBiasGrad(Ops& ops, const Tensor& dbias, const Tensor& buckets,
+                                        int num_buckets, DType param_dtype);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_ATTENTION_CORE_H_

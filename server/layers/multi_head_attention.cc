@@ -1,0 +1,418 @@
+#include "server/layers/multi_head_attention.h"
+
+#include <cmath>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+#include "server/layers/attention_layers.h"
+#include "server/layers/variables.h"
+
+namespace te::layers {
+namespace {
+
+uint64_t NameStream(uint64_t seed, const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a of the name
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 0x100000001b3ULL;
+  }
+  // A different stream from init.h's for the same name: these values replace
+  // the ones InitVariables drew.
+  return MixBits(seed ^ MixBits(h ^ 0x6d68615f696e6974ULL));
+}
+
+// Uniform in (0, 1) with 53 random bits.
+double Uniform01(uint64_t stream, uint64_t index) {
+  const uint64_t bits = MixBits(MixBits(stream + 0x9e3779b97f4a7c15ULL * (index + 1)) ^ index);
+  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+NormType NormTypeOf(te::v1::LayerNormType type) {
+  return type == te::v1::RMSNORM ? NormType::kRMSNorm : NormType::kLayerNorm;
+}
+
+LayerNormDenseConfig QkvConfig(const MhaOptions& o, int64_t hidden) {
+  LayerNormDenseConfig c;
+  c.enable_layernorm = o.input_layernorm;
+  c.norm.scope = JoinScope(o.scope, "qkv");
+  c.norm.args = o.norm;
+  c.norm.hidden = hidden;
+  c.norm.param_dtype = o.param_dtype;
+  c.dense.scope = JoinScope(o.scope, "qkv");
+  c.dense.use_bias = o.use_bias;
+  c.dense.in_dims = {hidden};
+  c.dense.features = {3, static_cast<int64_t>(o.num_heads) * o.head_dim};
+  c.dense.param_dtype = o.param_dtype;
+  return c;
+}
+
+NormConfig QueryNormConfig(const MhaOptions& o, int64_t hidden) {
+  NormConfig c;
+  c.scope = JoinScope(o.scope, "query");
+  c.args = o.norm;
+  c.hidden = hidden;
+  c.param_dtype = o.param_dtype;
+  return c;
+}
+
+DenseConfig DenseOf(const MhaOptions& o, const char* name, Shape in_dims, Shape features) {
+  DenseConfig c;
+  c.scope = JoinScope(o.scope, name);
+  c.use_bias = o.use_bias;
+  c.in_dims = std::move(in_dims);
+  c.features = std::move(features);
+  c.param_dtype = o.param_dtype;
+  return c;
+}
+
+// Redraws a kernel [in, parts..., features] as TE's qkv_init / kv_init do:
+// each part a normal with std sqrt(1 / in), the query part (part 0, when
+// `scale_first`) further divided by `query_divisor`.
+absl::Status RedrawKernel(Ops& ops, uint64_t seed, const Dense& dense, int64_t parts,
+                          bool scale_first, double query_divisor, Variables* vars) {
+  const Shape shape = dense.kernel_shape();
+  const int64_t in = shape[0];
+  const int64_t per_part = dense.out() / parts;
+  std::vector<float> values =
+      NormalValues(seed, dense.kernel_name(), 1.0 / std::sqrt(static_cast<double>(in)),
+                   NumElements(shape));
+  if (scale_first) {
+    for (int64_t i = 0; i < in; ++i) {
+      for (int64_t c = 0; c < per_part; ++c) {
+        values[static_cast<size_t>(i * dense.out() + c)] /= static_cast<float>(query_divisor);
+      }
+    }
+  }
+  return StoreVariable(ops, {dense.kernel_name(), shape, dense.config().param_dtype}, values,
+                       vars);
+}
+
+}  // namespace
+
+std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev,
+                                int64_t n) {
+  const uint64_t stream = NameStream(seed, name);
+  std::vector<float> values(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    // Box-Muller on two independent uniforms of this element.
+    const double u1 = Uniform01(stream, 2 * static_cast<uint64_t>(i));
+    const double u2 = Uniform01(stream, 2 * static_cast<uint64_t>(i) + 1);
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+    values[static_cast<size_t>(i)] = static_cast<float>(z * stddev);
+  }
+  return values;
+}
+
+std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit,
+                                 int64_t n) {
+  const uint64_t stream = NameStream(seed, name);
+  std::vector<float> values(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    values[static_cast<size_t>(i)] =
+        static_cast<float>((2.0 * Uniform01(stream, static_cast<uint64_t>(i)) - 1.0) * limit);
+  }
+  return values;
+}
+
+absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const std::vector<float>& values,
+                           Variables* vars) {
+  ASSIGN_OR_RETURN(Tensor staging, ops.Allocate(DType::kF32, spec.shape));
+  RETURN_IF_ERROR(ops.Upload(values.data(), &staging));
+  ASSIGN_OR_RETURN(Tensor stored, CastTo(ops, staging, spec.dtype));
+  (*vars)[spec.name] = stored;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MhaOptions> MhaOptionsFromSpec(const te::v1::MultiHeadAttention& spec,
+                                              absl::string_view field) {
+  MhaOptions o;
+  o.num_heads = spec.num_attention_heads();
+  o.num_gqa_groups = spec.has_num_gqa_groups() ? spec.num_gqa_groups() : o.num_heads;
+  o.head_dim = spec.head_dim();
+  o.attention_dropout = spec.has_attention_dropout() ? spec.attention_dropout() : 0.0f;
+  o.input_layernorm = spec.has_input_layernorm() ? spec.input_layernorm() : true;
+  o.norm.type = NormTypeOf(spec.layernorm_type());
+  o.norm.epsilon = spec.has_layernorm_epsilon() ? spec.layernorm_epsilon() : 1e-6f;
+  o.norm.zero_centered_gamma = spec.has_zero_centered_gamma() && spec.zero_centered_gamma();
+  o.use_bias = spec.has_use_bias() && spec.use_bias();
+  ASSIGN_OR_RETURN(o.mask, ResolveMaskType(spec.attn_mask_type(),
+                                           absl::StrCat(field, ".attn_mask_type")));
+  o.rotary = spec.has_enable_rotary_pos_emb() && spec.enable_rotary_pos_emb();
+  o.scale_attn_logits = spec.has_scale_attn_logits() && spec.scale_attn_logits();
+  o.scaled_query_init = spec.has_scaled_query_init() ? spec.scaled_query_init() : true;
+  o.param_dtype = ParamDTypeOf(spec.dtype());
+  if (!(o.norm.epsilon > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".layernorm_epsilon must be positive; got ", o.norm.epsilon));
+  }
+  if (o.rotary && o.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".head_dim must be even with enable_rotary_pos_emb; got ", o.head_dim));
+  }
+  AttentionConfig attention;
+  attention.num_heads = o.num_heads;
+  attention.num_gqa_groups = o.num_gqa_groups;
+  attention.head_dim = o.head_dim;
+  attention.dropout_rate = o.attention_dropout;
+  RETURN_IF_ERROR(ValidateAttentionConfig(attention, field));
+  return o;
+}
+
+MhaBlock::MhaBlock(MhaOptions options, int64_t hidden)
+    : options_(std::move(options)),
+      hidden_(hidden),
+      q_features_(static_cast<int64_t>(options_.num_heads) * options_.head_dim),
+      kv_features_(static_cast<int64_t>(options_.num_gqa_groups) * options_.head_dim),
+      qkv_(QkvConfig(options_, hidden)),
+      norm_(QueryNormConfig(options_, hidden)),
+      query_(DenseOf(options_, "query", {hidden}, {q_features_})),
+      kv_(DenseOf(options_, "kv", {hidden}, {2, kv_features_})),
+      out_(DenseOf(options_, "out", {q_features_}, {hidden})) {}
+
+AttentionConfig MhaBlock::AttentionSettings() const {
+  AttentionConfig c;
+  c.num_heads = options_.num_heads;
+  c.num_gqa_groups = options_.num_gqa_groups;
+  c.head_dim = options_.head_dim;
+  c.mask = options_.mask;
+  // TE: 1/sqrt(D) only with scale_attn_logits; by default the query kernel's
+  // initialisation carries the 1/sqrt(D) instead (scaled_query_init).
+  c.scale = options_.scale_attn_logits
+                ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(options_.head_dim)))
+                : 1.0f;
+  c.dropout_rate = options_.attention_dropout;
+  return c;
+}
+
+std::vector<VariableDef> MhaBlock::Defs(const Fp8Recipe* fp8) const {
+  std::vector<VariableDef> defs;
+  auto append = [&defs](std::vector<VariableDef> more) {
+    defs.insert(defs.end(), more.begin(), more.end());
+  };
+  if (!gqa()) {
+    append(qkv_.Defs(fp8));
+  } else {
+    if (options_.input_layernorm) append(norm_.Defs());
+    append(query_.Defs(fp8));
+    append(kv_.Defs(fp8));
+  }
+  append(out_.Defs(fp8));
+  return defs;
+}
+
+absl::Status MhaBlock::Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8,
+                            Variables* vars) const {
+  RETURN_IF_ERROR(InitVariables(ops, seed, Defs(fp8), vars));
+  const double query_divisor =
+      options_.scaled_query_init ? std::sqrt(static_cast<double>(options_.head_dim)) : 1.0;
+  if (!gqa()) {
+    RETURN_IF_ERROR(RedrawKernel(ops, seed, qkv_.dense(), 3, true, query_divisor, vars));
+  } else {
+    RETURN_IF_ERROR(RedrawKernel(ops, seed, query_, 1, true, query_divisor, vars));
+    RETURN_IF_ERROR(RedrawKernel(ops, seed, kv_, 2, false, 1.0, vars));
+  }
+  return RedrawKernel(ops, seed, out_, 1, false, 1.0, vars);
+}
+
+int64_t MhaBlock::Saved::bytes() const {
+  return qkv.bytes() + norm.bytes() + query.bytes() + kv.bytes() + attention.bytes() +
+         out.bytes();
+}
+
+absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x,
+                               const SeqLens& seqlens, const Tensor& bias,
+                               const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
+                               Saved* saved) const {
+  if (x.rank() != 3 || x.dim(2) != hidden_) {
+    return absl::InvalidArgumentError(absl::StrCat("x has shape ", ShapeString(x.shape()),
+                                                   "; want [batch, seq, ", hidden_, "]"));
+  }
+  const int64_t batch = x.dim(0), seq = x.dim(1);
+  const int heads = options_.num_heads, groups = options_.num_gqa_groups;
+  const int head_dim = options_.head_dim;
+  const Tensor x2 = x.As2D();
+  Tensor q, k, v, ln;
+  if (!gqa()) {
+    Tensor qkv;
+    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &qkv, ln_out != nullptr ? &ln : nullptr,
+                                 saved != nullptr ? &saved->qkv : nullptr));
+    ASSIGN_OR_RETURN(std::vector<Tensor> parts,
+                     SplitAxis(ops, qkv.Reshaped({batch, seq, 3, heads, head_dim}), 2));
+    q = parts[0];
+    k = parts[1];
+    v = parts[2];
+  } else {
+    if (options_.input_layernorm) {
+      RETURN_IF_ERROR(
+          norm_.Forward(ops, *vars, x2, &ln, saved != nullptr ? &saved->norm : nullptr));
+    } else {
+      ln = x2;
+    }
+    Tensor query, kv;
+    RETURN_IF_ERROR(query_.Forward(ops, vars, ln, opts.fp8, &query,
+                                   saved != nullptr ? &saved->query : nullptr));
+    RETURN_IF_ERROR(
+        kv_.Forward(ops, vars, ln, opts.fp8, &kv, saved != nullptr ? &saved->kv : nullptr));
+    q = query.Reshaped({batch, seq, heads, head_dim});
+    ASSIGN_OR_RETURN(std::vector<Tensor> parts,
+                     SplitAxis(ops, kv.Reshaped({batch, seq, 2, groups, head_dim}), 2));
+    k = parts[0];
+    v = parts[1];
+  }
+  if (options_.rotary) {
+    RETURN_IF_ERROR(ApplyRotary(ops, q, /*inverse=*/false, &q));
+    RETURN_IF_ERROR(ApplyRotary(ops, k, /*inverse=*/false, &k));
+  }
+  Tensor context;
+  RETURN_IF_ERROR(AttentionForward(
+      ops, AttentionSettings(), q, k, v, seqlens, bias, !opts.deterministic,
+      DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout")), &context,
+      saved != nullptr ? &saved->attention : nullptr));
+  Tensor y2;
+  RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch * seq, q_features_}), opts.fp8,
+                               &y2, saved != nullptr ? &saved->out : nullptr));
+  *y = y2.Reshaped({batch, seq, hidden_});
+  if (ln_out != nullptr) *ln_out = ln.Reshaped({batch, seq, hidden_});
+  if (saved != nullptr) {
+    saved->batch = batch;
+    saved->seq = seq;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                                Tensor* dx, Tensor* dbias, Variables* grads) const {
+  const int64_t batch = saved.batch, seq = saved.seq, tokens = batch * seq;
+  if (dy.shape() != Shape{batch, seq, hidden_}) {
+    return absl::InvalidArgumentError(absl::StrCat("dy has shape ", ShapeString(dy.shape()),
+                                                   "; want ",
+                                                   ShapeString({batch, seq, hidden_})));
+  }
+  Tensor dcontext;
+  RETURN_IF_ERROR(out_.Backward(ops, vars, saved.out, dy.As2D(), &dcontext, grads));
+  Tensor dq, dk, dv;
+  RETURN_IF_ERROR(AttentionBackward(
+      ops, saved.attention,
+      dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim}), &dq, &dk, &dv,
+      dbias));
+  if (options_.rotary) {
+    // The rotation is orthogonal: its transpose is the rotation by -angle.
+    RETURN_IF_ERROR(ApplyRotary(ops, dq, /*inverse=*/true, &dq));
+    RETURN_IF_ERROR(ApplyRotary(ops, dk, /*inverse=*/true, &dk));
+  }
+  Tensor dx2;
+  if (!gqa()) {
+    ASSIGN_OR_RETURN(Tensor dqkv, StackAxis(ops, {dq, dk, dv}, 2));
+    RETURN_IF_ERROR(qkv_.Backward(ops, vars, saved.qkv,
+                                  dqkv.Reshaped({tokens, 3 * q_features_}), &dx2, grads));
+  } else {
+    ASSIGN_OR_RETURN(Tensor dkv, StackAxis(ops, {dk, dv}, 2));
+    Tensor dln_query, dln_kv, dln;
+    RETURN_IF_ERROR(query_.Backward(ops, vars, saved.query,
+                                    dq.Reshaped({tokens, q_features_}), &dln_query, grads));
+    RETURN_IF_ERROR(kv_.Backward(ops, vars, saved.kv, dkv.Reshaped({tokens, 2 * kv_features_}),
+                                 &dln_kv, grads));
+    RETURN_IF_ERROR(ResidualAdd(ops, dln_query, dln_kv, &dln));
+    if (options_.input_layernorm) {
+      RETURN_IF_ERROR(norm_.Backward(ops, saved.norm, dln, &dx2, grads));
+    } else {
+      dx2 = dln;
+    }
+  }
+  *dx = dx2.Reshaped({batch, seq, hidden_});
+  return absl::OkStatus();
+}
+
+namespace {
+
+constexpr char kField[] = "spec.multi_head_attention";
+
+class MultiHeadAttentionSaved : public SavedForward {
+ public:
+  int64_t hidden = 0;
+  MhaBlock::Saved block;
+  int64_t bytes() const override { return block.bytes(); }
+};
+
+class MultiHeadAttentionLayer : public Layer {
+ public:
+  MultiHeadAttentionLayer(MhaOptions options, bool return_layernorm_output)
+      : options_(std::move(options)), return_layernorm_output_(return_layernorm_output) {}
+
+  std::string type_name() const override { return "MultiHeadAttention"; }
+
+  absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(const Shape& input_shape,
+                                                          const Fp8Recipe* fp8) const override {
+    ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(input_shape));
+    return SpecsOf(MhaBlock(options_, hidden).Defs(fp8));
+  }
+
+  absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const override {
+    RETURN_IF_ERROR(HiddenOf(input_shape).status());
+    return input_shape;
+  }
+
+  absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
+                    Variables* vars) const override {
+    ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(input_shape));
+    return MhaBlock(options_, hidden).Init(ops, seed, fp8, vars);
+  }
+
+  absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
+                       LayerOutputs* out,
+                       std::unique_ptr<SavedForward>* saved) const override {
+    ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(in.x.shape()));
+    if (!in.extra.empty()) {
+      return absl::InvalidArgumentError(
+          "MultiHeadAttention is self-attention here: extra_inputs must be empty");
+    }
+    const MhaBlock block(options_, hidden);
+    RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(block.Defs(opts.fp8))));
+    auto kept = std::make_unique<MultiHeadAttentionSaved>();
+    kept->hidden = hidden;
+    RETURN_IF_ERROR(block.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
+                                  Tensor(), opts, &out->y,
+                                  return_layernorm_output_ ? &out->ln_out : nullptr,
+                                  opts.keep_for_backward ? &kept->block : nullptr));
+    if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
+    return absl::OkStatus();
+  }
+
+  absl::Status Backward(Ops& ops, Variables* vars, const SavedForward& saved, const Tensor& dy,
+                        LayerGrads* grads) const override {
+    const auto* kept = dynamic_cast<const MultiHeadAttentionSaved*>(&saved);
+    if (kept == nullptr) {
+      return absl::InvalidArgumentError("saved forward does not come from MultiHeadAttention");
+    }
+    grads->dextra.clear();
+    return MhaBlock(options_, kept->hidden)
+        .Backward(ops, vars, kept->block, dy, &grads->dx, nullptr, &grads->params);
+  }
+
+ private:
+  absl::StatusOr<int64_t> HiddenOf(const Shape& shape) const {
+    if (shape.size() != 3 || shape[0] <= 0 || shape[1] <= 0 || shape[2] <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input_shape ", ShapeString(shape), " does not fit MultiHeadAttention: want "
+          "[batch, seq, hidden]"));
+    }
+    return shape[2];
+  }
+
+  MhaOptions options_;
+  bool return_layernorm_output_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Layer>> MakeMultiHeadAttention(
+    const te::v1::MultiHeadAttention& spec) {
+  ASSIGN_OR_RETURN(MhaOptions options, MhaOptionsFromSpec(spec, kField));
+  const bool return_ln = spec.has_return_layernorm_output() && spec.return_layernorm_output();
+  return std::unique_ptr<Layer>(new MultiHeadAttentionLayer(std::move(options), return_ln));
+}
+
+}  // namespace te::layers

@@ -1,0 +1,112 @@
+// TE's MultiHeadAttention as a reusable block (self-attention): the
+// standalone MultiHeadAttention layer uses it at scope "", TransformerLayer
+// at scope "attention".
+//
+//   ln   = LayerNorm(x)                 (input_layernorm; else ln = x)
+//   no GQA:  qkv = ln @ qkv/kernel (hidden, 3, H*D)   -> q, k, v [B, S, H, D]
+//   GQA:     q = ln @ query/kernel (hidden, H*D);  kv = ln @ kv/kernel (hidden, 2, G*D)
+//   q, k = rotary(q), rotary(k)         (enable_rotary_pos_emb)
+//   ctx  = attention(q, k, v, mask, bias)   scale 1/sqrt(D) iff scale_attn_logits, else 1
+//   y    = ctx [B, S, H*D] @ out/kernel (H*D, hidden)
+// The residual is not inside (TE's TransformerLayer adds it).
+//
+// Initialisers (TE): kernels variance_scaling(1, "fan_in", "normal") per
+// q / k / v part (fan_in = hidden), the query part divided by sqrt(D) when
+// scaled_query_init; out/kernel fan_in = H*D; biases zeros.
+#ifndef TE_SERVER_LAYERS_MULTI_HEAD_ATTENTION_H_
+#define TE_SERVER_LAYERS_MULTI_HEAD_ATTENTION_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/layers/attention_core.h"
+#include "server/layers/blocks.h"
+#include "server/layers/layer.h"
+
+namespace te::layers {
+
+struct MhaOptions {
+  std::string scope;  // "" standalone, "attention" inside TransformerLayer
+  int num_heads = 0;
+  int num_gqa_groups = 0;
+  int head_dim = 0;
+  float attention_dropout = 0.0f;
+  bool input_layernorm = true;
+  NormArgs norm;
+  bool use_bias = false;
+  MaskType mask = MaskType::kCausal;
+  bool rotary = false;
+  bool scale_attn_logits = false;
+  bool scaled_query_init = true;
+  DType param_dtype = DType::kF32;
+};
+
+// Builds MhaOptions from the te.v1 spec with TE's defaults; INVALID_ARGUMENT
+// naming the field of `field` ("spec.multi_head_attention").
+absl::StatusOr<MhaOptions> MhaOptionsFromSpec(const te::v1::MultiHeadAttention& spec,
+                                              absl::string_view field);
+
+class MhaBlock {
+ public:
+  // `hidden`: the input's last dimension (and the output's).
+  MhaBlock(MhaOptions options, int64_t hidden);
+
+  bool gqa() const { return options_.num_gqa_groups != options_.num_heads; }
+  std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
+  // InitVariables(Defs) then the kernels redrawn with TE's per-part normal
+  // initialisers (deterministic from seed and name).
+  absl::Status Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8, Variables* vars) const;
+
+  struct Saved {
+    std::optional<Fp8Recipe> fp8;
+    LayerNormDense::Saved qkv;   // no GQA
+    Norm::Saved norm;            // GQA (norm and the two Denses separately,
+    Dense::Saved query;          // since ln feeds both)
+    Dense::Saved kv;
+    AttentionSaved attention;
+    Dense::Saved out;
+    int64_t batch = 0, seq = 0;
+    int64_t bytes() const;
+  };
+  // x [B, S, hidden] -> *y [B, S, hidden]; *ln_out [B, S, hidden] if non-null.
+  // `bias`: optional f32 [H, S, S] added to the logits after scaling.
+  absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
+                       const Tensor& bias, const ForwardOptions& opts, Tensor* y,
+                       Tensor* ln_out, Saved* saved) const;
+  // dy [B, S, hidden] -> *dx; parameter gradients into *grads; *dbias (if
+  // non-null and the forward had a bias) f32 [H, S, S].
+  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+                        Tensor* dx, Tensor* dbias, Variables* grads) const;
+
+ private:
+  AttentionConfig AttentionSettings() const;
+
+  MhaOptions options_;
+  int64_t hidden_;
+  int64_t q_features_;   // H * D
+  int64_t kv_features_;  // G * D
+  LayerNormDense qkv_;   // no GQA: scope "qkv"
+  Norm norm_;            // GQA: scope "query"
+  Dense query_;          // GQA: scope "query"
+  Dense kv_;             // GQA: scope "kv"
+  Dense out_;            // scope "out"
+};
+
+// Values for TE initialisers init.h does not have, deterministic from
+// (seed, variable name): a normal with `stddev`, and a uniform on
+// [-limit, limit].
+std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev,
+                                int64_t n);
+std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit,
+                                 int64_t n);
+// Overwrites variable spec.name with host float32 values cast to spec.dtype.
+absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const std::vector<float>& values,
+                           Variables* vars);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_MULTI_HEAD_ATTENTION_H_
