@@ -18,11 +18,14 @@ namespace {
 // Tolerances, as relative error = max |got - want| / max |want| over a tensor.
 constexpr double kF32Tol = 1e-5;   // float32 outputs (and every f32 side output)
 constexpr double kBf16Tol = 1e-2;  // bfloat16 outputs: one rounding of 2^-9
+constexpr double kF16Tol = 1e-3;   // float16 outputs: one rounding of 2^-11
 // The float64 analytic gradient against central differences (step kFdStep).
 constexpr double kFdTol = 1e-7;
 constexpr double kFdStep = 1e-5;
 
-double Tolerance(DType dtype) { return dtype == DType::kF32 ? kF32Tol : kBf16Tol; }
+double Tolerance(DType dtype) {
+  return dtype == DType::kF32 ? kF32Tol : dtype == DType::kF16 ? kF16Tol : kBf16Tol;
+}
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -362,6 +365,9 @@ std::vector<Case> MatrixCases() {
   cases.push_back({2, 48, 64, 8, 2, 64, MaskType::kPaddingCausal, true, 0.1f, DType::kF32});
   cases.push_back({2, 64, 64, 4, 4, 32, MaskType::kCausal, false, 0.0f, DType::kBF16});
   cases.push_back({1, 33, 65, 6, 3, 24, MaskType::kPadding, true, 0.2f, DType::kBF16});
+  // float16 is accepted too.
+  cases.push_back({2, 7, 7, 4, 2, 8, MaskType::kPaddingCausal, true, 0.3f, DType::kF16});
+  cases.push_back({1, 13, 13, 2, 2, 16, MaskType::kNoMask, false, 0.0f, DType::kF16});
   return cases;
 }
 
