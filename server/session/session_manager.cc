@@ -1,0 +1,248 @@
+#include "server/session/session_manager.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/session/fifo_turns.h"
+#include "server/session/log.h"
+#include "server/session/random_id.h"
+
+namespace te::session {
+
+struct SessionManager::Entry {
+  Entry(std::string id, std::string token, absl::Duration ttl, int max_waiting)
+      : id(std::move(id)), token(std::move(token)), ttl(ttl), turns(max_waiting) {}
+  const std::string id;
+  const std::string token;
+  const absl::Duration ttl;
+  FifoTurns turns;
+  // Guarded by the manager's mu_.
+  std::shared_ptr<Session> session;
+  absl::Time last_used;
+  int users = 0;     // calls running or waiting
+  std::string gone;  // set when removed: why
+};
+
+namespace {
+
+// Compares secrets in time independent of where they differ.
+bool SecretEquals(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+SessionManager::SessionManager(SessionManagerOptions options, Clock clock)
+    : options_(options), clock_(std::move(clock)) {}
+
+SessionManager::~SessionManager() = default;
+
+SessionManager::Lease::Lease(SessionManager* manager, std::shared_ptr<Entry> entry,
+                             std::shared_ptr<Session> session)
+    : manager_(manager), entry_(std::move(entry)), session_(std::move(session)) {}
+
+SessionManager::Lease::Lease(Lease&& other) noexcept
+    : manager_(other.manager_),
+      entry_(std::move(other.entry_)),
+      session_(std::move(other.session_)) {}
+
+SessionManager::Lease::~Lease() {
+  if (entry_ == nullptr) return;  // moved from
+  session_.reset();
+  manager_->Release(entry_);
+}
+
+const std::string& SessionManager::Lease::id() const { return entry_->id; }
+
+void SessionManager::Release(const std::shared_ptr<Entry>& entry) {
+  entry->turns.Done();
+  absl::MutexLock lock(&mu_);
+  entry->last_used = clock_();
+  --entry->users;
+}
+
+absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration ttl,
+                                                                const Factory& make) {
+  if (ttl < absl::ZeroDuration() || ttl > options_.max_ttl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ttl_seconds: ", absl::ToInt64Seconds(ttl), " is outside [0, ",
+        absl::ToInt64Seconds(options_.max_ttl), "] (0: the server's default, ",
+        absl::ToInt64Seconds(options_.default_ttl), ")"));
+  }
+  if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int>(live_.size()) + creating_ >= options_.max_sessions) {
+      SweepLocked(clock_());
+    }
+    if (static_cast<int>(live_.size()) + creating_ >= options_.max_sessions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server already holds its maximum of ", options_.max_sessions,
+                       " sessions; close one or retry later"));
+    }
+    ++creating_;  // the slot is ours while the factory runs, outside the lock
+  }
+  auto release_slot = [this] {
+    absl::MutexLock lock(&mu_);
+    --creating_;
+  };
+  absl::StatusOr<std::string> id = RandomHex128();
+  absl::StatusOr<std::string> token = RandomHex128();
+  if (!id.ok() || !token.ok()) {
+    release_slot();
+    return id.ok() ? token.status() : id.status();
+  }
+  absl::StatusOr<std::shared_ptr<Session>> session = make(*id);
+  if (!session.ok()) {
+    release_slot();
+    return session.status();
+  }
+  auto entry = std::make_shared<Entry>(*id, *token, ttl, options_.max_waiting_calls);
+  entry->session = *std::move(session);
+  {
+    absl::MutexLock lock(&mu_);
+    --creating_;
+    entry->last_used = clock_();
+    live_[entry->id] = entry;
+    id_of_token_[entry->token] = entry->id;
+  }
+  LogForSession(LogLevel::kInfo, entry->id,
+                absl::StrCat("created (idle ttl ", absl::ToInt64Seconds(ttl), " s)"));
+  return Identity{entry->id, entry->token, ttl};
+}
+
+bool SessionManager::ExpiredLocked(const Entry& entry, absl::Time now) const {
+  return entry.users == 0 && now - entry.last_used > entry.ttl;
+}
+
+std::string SessionManager::ExpiryReason(const Entry& entry) const {
+  return absl::StrCat("session ", entry.id, " expired after ", absl::ToInt64Seconds(entry.ttl),
+                      " s idle");
+}
+
+// `entry` by value: the caller may pass live_'s copy, which this erases.
+void SessionManager::RemoveLocked(std::shared_ptr<Entry> entry,
+                                  const std::string& reason) {
+  entry->gone = reason;
+  live_.erase(entry->id);
+  id_of_token_.erase(entry->token);
+  // Dropping the reference frees the session's memory unless a call still runs.
+  entry->session.reset();
+  tombstones_[entry->id] = reason;
+  tombstone_order_.push_back(entry->id);
+  while (tombstone_order_.size() > options_.max_tombstones) {
+    tombstones_.erase(tombstone_order_.front());
+    tombstone_order_.pop_front();
+  }
+}
+
+absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string& id,
+                                                              const std::string& token,
+                                                              absl::Time deadline) {
+  if (id.empty()) return absl::InvalidArgumentError("session.session_id: empty");
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(id);
+    if (it != live_.end() && ExpiredLocked(*it->second, clock_())) {
+      const std::string reason = ExpiryReason(*it->second);
+      LogForSession(LogLevel::kInfo, id, reason);
+      RemoveLocked(it->second, reason);
+      it = live_.end();
+    }
+    if (it == live_.end()) {
+      auto gone = tombstones_.find(id);
+      return absl::NotFoundError(gone != tombstones_.end()
+                                     ? gone->second
+                                     : absl::StrCat("session ", id, " not found"));
+    }
+    entry = it->second;
+    if (token.empty()) {
+      return absl::UnauthenticatedError(
+          absl::StrCat("session.token: missing for session ", id));
+    }
+    if (!SecretEquals(token, entry->token)) {
+      if (id_of_token_.count(token) > 0) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "session.token belongs to another session, not to session ", id));
+      }
+      return absl::UnauthenticatedError(
+          absl::StrCat("session.token: wrong token for session ", id));
+    }
+    ++entry->users;  // counted while waiting, so a queued session never expires
+  }
+  absl::Status turn = entry->turns.Wait(deadline);
+  absl::MutexLock lock(&mu_);
+  if (!turn.ok()) {
+    --entry->users;
+    return turn;
+  }
+  if (!entry->gone.empty()) {
+    // Closed or evicted while this call waited.
+    --entry->users;
+    entry->turns.Done();
+    return absl::NotFoundError(entry->gone);
+  }
+  return Lease(this, entry, entry->session);
+}
+
+absl::Status SessionManager::Close(const std::string& id, const std::string& token,
+                                   absl::Time deadline) {
+  ASSIGN_OR_RETURN(Lease lease, Acquire(id, token, deadline));
+  {
+    absl::MutexLock lock(&mu_);
+    RemoveLocked(lease.entry_, absl::StrCat("session ", id, " was closed"));
+  }
+  LogForSession(LogLevel::kInfo, id, "closed");
+  return absl::OkStatus();
+}
+
+absl::Status SessionManager::Evict(const std::string& id, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(id);
+  if (it == live_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " not found"));
+  LogForSession(LogLevel::kWarning, id, absl::StrCat("evicted: ", reason));
+  RemoveLocked(it->second, absl::StrCat("session ", id, " was evicted: ", reason));
+  return absl::OkStatus();
+}
+
+int SessionManager::SweepLocked(absl::Time now) {
+  std::vector<std::shared_ptr<Entry>> expired;
+  for (const auto& [id, entry] : live_) {
+    if (ExpiredLocked(*entry, now)) expired.push_back(entry);
+  }
+  for (const auto& entry : expired) {
+    const std::string reason = ExpiryReason(*entry);
+    LogForSession(LogLevel::kInfo, entry->id, reason);
+    RemoveLocked(entry, reason);
+  }
+  return static_cast<int>(expired.size());
+}
+
+int SessionManager::Sweep() {
+  absl::MutexLock lock(&mu_);
+  return SweepLocked(clock_());
+}
+
+int SessionManager::live_sessions() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(live_.size());
+}
+
+int SessionManager::waiting_calls(const std::string& id) const {
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(id);
+    if (it == live_.end()) return 0;
+    entry = it->second;
+  }
+  return entry->turns.waiting();
+}
+
+}  // namespace te::session

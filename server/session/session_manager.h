@@ -1,0 +1,126 @@
+// SessionManager: who may call which session, and for how long. Thread-safe.
+//
+// Contract:
+//  1. Ids and tokens are 128-bit random (random_id.h), server-issued.
+//  2. Acquire() authenticates: an unknown id is NOT_FOUND (with the reason a
+//     session went away: "session <id> was closed", "... expired after N s
+//     idle", "... was evicted: <why>"); a missing or wrong token is
+//     UNAUTHENTICATED; a token of another live session is PERMISSION_DENIED.
+//  3. Calls on one session run one at a time, in arrival order (FifoTurns):
+//     a Lease is the turn. At most `max_waiting_calls` wait (RESOURCE_EXHAUSTED
+//     beyond); a waiter whose deadline passes gets DEADLINE_EXCEEDED.
+//  4. A session idle (no call running or waiting) for longer than its TTL
+//     expires: Sweep() or the next Acquire() removes it and drops the
+//     manager's reference, which frees its memory.
+//  5. Close() takes its turn like any call, then removes the session; calls
+//     that queued behind it get NOT_FOUND "was closed".
+#ifndef TE_SERVER_SESSION_SESSION_MANAGER_H_
+#define TE_SERVER_SESSION_SESSION_MANAGER_H_
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace te::session {
+
+class Session;  // session.h; the manager only holds and hands out references.
+
+struct SessionManagerOptions {
+  int max_sessions = 64;
+  absl::Duration default_ttl = absl::Seconds(1800);
+  absl::Duration max_ttl = absl::Hours(24 * 7);
+  int max_waiting_calls = 64;   // per session
+  size_t max_tombstones = 4096; // reasons remembered for ids that went away
+};
+
+class SessionManager {
+ public:
+  using Clock = std::function<absl::Time()>;
+  using Factory = std::function<absl::StatusOr<std::shared_ptr<Session>>(const std::string& id)>;
+
+  explicit SessionManager(SessionManagerOptions options, Clock clock = [] { return absl::Now(); });
+  ~SessionManager();
+
+  struct Identity {
+    std::string id;
+    std::string token;
+    absl::Duration ttl;
+  };
+  // A new session holding what `make` returns. `ttl` zero: the default;
+  // negative or over max_ttl: INVALID_ARGUMENT ("ttl_seconds"). RESOURCE_EXHAUSTED
+  // at max_sessions (after sweeping expired ones). `make`'s errors are
+  // returned as they are, and no session is created.
+  absl::StatusOr<Identity> Create(absl::Duration ttl, const Factory& make);
+
+  struct Entry;
+  // The turn to run one call on a session. Releasing it (destruction) marks
+  // the session used now. Move-only.
+  class Lease {
+   public:
+    Lease(Lease&& other) noexcept;
+    Lease& operator=(Lease&&) = delete;
+    ~Lease();
+    Session& session() const { return *session_; }
+    const std::string& id() const;
+
+   private:
+    friend class SessionManager;
+    Lease(SessionManager* manager, std::shared_ptr<Entry> entry,
+          std::shared_ptr<Session> session);
+    SessionManager* manager_;
+    std::shared_ptr<Entry> entry_;
+    std::shared_ptr<Session> session_;  // keeps the session alive for the call
+  };
+  // Authenticates (contract 2) and waits for the turn (contract 3).
+  // INVALID_ARGUMENT when `id` is empty.
+  absl::StatusOr<Lease> Acquire(const std::string& id, const std::string& token,
+                                absl::Time deadline = absl::InfiniteFuture());
+
+  // Authenticates, waits for the turn, and removes the session.
+  absl::Status Close(const std::string& id, const std::string& token,
+                     absl::Time deadline = absl::InfiniteFuture());
+
+  // Removes a session at once (operator action); a running call finishes,
+  // later ones get NOT_FOUND "was evicted: <reason>". NOT_FOUND if not live.
+  absl::Status Evict(const std::string& id, const std::string& reason);
+
+  // Removes every idle session past its TTL; returns how many.
+  int Sweep();
+
+  int live_sessions() const;
+  // Calls waiting for their turn on session `id` (0 if it is not live).
+  int waiting_calls(const std::string& id) const;
+
+ private:
+  // Requires mu_. Removes `entry` from the live maps, remembers `reason` and
+  // drops the manager's reference to its session.
+  void RemoveLocked(std::shared_ptr<Entry> entry, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ExpiredLocked(const Entry& entry, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string ExpiryReason(const Entry& entry) const;
+  int SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Release(const std::shared_ptr<Entry>& entry);
+
+  const SessionManagerOptions options_;
+  const Clock clock_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Entry>> live_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<std::string, std::string> id_of_token_ ABSL_GUARDED_BY(mu_);
+  int creating_ ABSL_GUARDED_BY(mu_) = 0;  // reserved slots while a factory runs
+  std::unordered_map<std::string, std::string> tombstones_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace te::session
+
+#endif  // TE_SERVER_SESSION_SESSION_MANAGER_H_

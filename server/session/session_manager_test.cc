@@ -1,0 +1,285 @@
+#include "server/session/session_manager.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "server/session/fifo_turns.h"
+
+namespace te::session {
+namespace {
+
+// The manager never looks inside a Session: these tests hand it a reference
+// that owns a probe (aliasing constructor), so they can watch it being freed.
+struct Probe {};
+
+class FakeClock {
+ public:
+  absl::Time Now() {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1700000000);
+};
+
+class SessionManagerTest : public ::testing::Test {
+ protected:
+  SessionManagerTest() { Reset(SessionManagerOptions{}); }
+
+  void Reset(SessionManagerOptions options) {
+    manager_ = std::make_unique<SessionManager>(options, [this] { return clock_.Now(); });
+  }
+
+  // Creates a session whose state is a probe; `probe` observes its lifetime.
+  SessionManager::Identity MakeSession(std::weak_ptr<Probe>* probe = nullptr,
+                                       absl::Duration ttl = absl::ZeroDuration()) {
+    auto identity = manager_->Create(ttl, [&](const std::string&) {
+      auto owner = std::make_shared<Probe>();
+      if (probe != nullptr) *probe = owner;
+      return absl::StatusOr<std::shared_ptr<Session>>(
+          std::shared_ptr<Session>(owner, static_cast<Session*>(nullptr)));
+    });
+    EXPECT_TRUE(identity.ok()) << identity.status();
+    return *identity;
+  }
+
+  absl::StatusCode AcquireCode(const std::string& id, const std::string& token) {
+    return manager_->Acquire(id, token).status().code();
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<SessionManager> manager_;
+};
+
+TEST_F(SessionManagerTest, IdsAndTokensAre128BitHexAndDistinct) {
+  const auto a = MakeSession();
+  const auto b = MakeSession();
+  for (const std::string& s : {a.id, a.token, b.id, b.token}) {
+    EXPECT_EQ(s.size(), 32u);
+    EXPECT_EQ(s.find_first_not_of("0123456789abcdef"), std::string::npos) << s;
+  }
+  EXPECT_NE(a.id, b.id);
+  EXPECT_NE(a.token, b.token);
+  EXPECT_NE(a.id, a.token);
+  EXPECT_EQ(a.ttl, absl::Seconds(1800));
+}
+
+TEST_F(SessionManagerTest, AuthenticationCodes) {
+  const auto a = MakeSession();
+  const auto b = MakeSession();
+  EXPECT_EQ(AcquireCode(a.id, a.token), absl::StatusCode::kOk);
+  EXPECT_EQ(AcquireCode(a.id, ""), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(AcquireCode(a.id, "00000000000000000000000000000000"),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(AcquireCode(a.id, a.token.substr(1)), absl::StatusCode::kUnauthenticated);
+  // A real token, but of another session.
+  EXPECT_EQ(AcquireCode(a.id, b.token), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(AcquireCode(b.id, a.token), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(AcquireCode("ffffffffffffffffffffffffffffffff", a.token),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(AcquireCode("", a.token), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionManagerTest, ClosedSessionsAreNotFoundWithTheReason) {
+  std::weak_ptr<Probe> probe;
+  const auto a = MakeSession(&probe);
+  const auto b = MakeSession();
+  EXPECT_EQ(manager_->Close(a.id, b.token).code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(manager_->Close(a.id, a.token).ok());
+  EXPECT_TRUE(probe.expired());  // its memory went with it
+  auto again = manager_->Acquire(a.id, a.token);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(again.status().message(), "session " + a.id + " was closed");
+  EXPECT_EQ(manager_->Close(a.id, a.token).code(), absl::StatusCode::kNotFound);
+  // A closed session's token is no longer "another session's".
+  EXPECT_EQ(AcquireCode(b.id, a.token), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(manager_->live_sessions(), 1);
+}
+
+TEST_F(SessionManagerTest, IdleSessionsExpireAndAreSwept) {
+  std::weak_ptr<Probe> probe_a, probe_b;
+  const auto a = MakeSession(&probe_a, absl::Seconds(60));
+  const auto b = MakeSession(&probe_b, absl::Seconds(600));
+  clock_.Advance(absl::Seconds(59));
+  { ASSERT_TRUE(manager_->Acquire(a.id, a.token).ok()); }  // use renews the idle clock
+  clock_.Advance(absl::Seconds(59));
+  EXPECT_EQ(manager_->Sweep(), 0);
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(manager_->Sweep(), 1);
+  EXPECT_TRUE(probe_a.expired());
+  EXPECT_FALSE(probe_b.expired());
+  auto late = manager_->Acquire(a.id, a.token);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(late.status().message(), "session " + a.id + " expired after 60 s idle");
+  EXPECT_EQ(AcquireCode(b.id, b.token), absl::StatusCode::kOk);
+}
+
+TEST_F(SessionManagerTest, AcquireExpiresWithoutASweep) {
+  const auto a = MakeSession(nullptr, absl::Seconds(10));
+  clock_.Advance(absl::Seconds(11));
+  auto late = manager_->Acquire(a.id, a.token);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(late.status().message().find("expired after 10 s idle"), std::string::npos);
+}
+
+TEST_F(SessionManagerTest, ASessionInUseDoesNotExpire) {
+  std::weak_ptr<Probe> probe;
+  const auto a = MakeSession(&probe, absl::Seconds(10));
+  auto lease = manager_->Acquire(a.id, a.token);
+  ASSERT_TRUE(lease.ok());
+  clock_.Advance(absl::Seconds(100));
+  EXPECT_EQ(manager_->Sweep(), 0);
+  EXPECT_FALSE(probe.expired());
+}
+
+TEST_F(SessionManagerTest, EvictedSessionsSayWhy) {
+  const auto a = MakeSession();
+  ASSERT_TRUE(manager_->Evict(a.id, "device unhealthy").ok());
+  auto late = manager_->Acquire(a.id, a.token);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(late.status().message(), "session " + a.id + " was evicted: device unhealthy");
+  EXPECT_EQ(manager_->Evict(a.id, "again").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionManagerTest, MaxSessions) {
+  SessionManagerOptions options;
+  options.max_sessions = 2;
+  Reset(options);
+  const auto a = MakeSession(nullptr, absl::Seconds(5));
+  MakeSession(nullptr, absl::Seconds(500));
+  auto third = manager_->Create(absl::ZeroDuration(), [](const std::string&) {
+    return absl::StatusOr<std::shared_ptr<Session>>(nullptr);
+  });
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  // Closing or expiring one frees a slot.
+  clock_.Advance(absl::Seconds(6));
+  MakeSession();
+  EXPECT_EQ(manager_->live_sessions(), 2);
+}
+
+TEST_F(SessionManagerTest, FactoryErrorsCreateNothing) {
+  auto failed = manager_->Create(absl::ZeroDuration(), [](const std::string&) {
+    return absl::StatusOr<std::shared_ptr<Session>>(absl::ResourceExhaustedError("no memory"));
+  });
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(manager_->live_sessions(), 0);
+}
+
+TEST_F(SessionManagerTest, RejectsBadTtls) {
+  auto negative = manager_->Create(absl::Seconds(-1), [](const std::string&) {
+    return absl::StatusOr<std::shared_ptr<Session>>(nullptr);
+  });
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
+  auto huge = manager_->Create(absl::Hours(24 * 365), [](const std::string&) {
+    return absl::StatusOr<std::shared_ptr<Session>>(nullptr);
+  });
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionManagerTest, CallsOnOneSessionRunOneAtATimeInArrivalOrder) {
+  const auto a = MakeSession();
+  auto first = manager_->Acquire(a.id, a.token);
+  ASSERT_TRUE(first.ok());
+  absl::Mutex mu;
+  std::vector<int> order;
+  std::atomic<int> running{0}, max_running{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 5; ++i) {
+    threads.emplace_back([&, i] {
+      auto lease = manager_->Acquire(a.id, a.token);
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      const int now = ++running;
+      int seen = max_running.load();
+      while (now > seen && !max_running.compare_exchange_weak(seen, now)) {}
+      {
+        absl::MutexLock lock(&mu);
+        order.push_back(i);
+      }
+      absl::SleepFor(absl::Milliseconds(2));
+      --running;
+    });
+    // Thread i queues before thread i+1 arrives.
+    while (manager_->waiting_calls(a.id) < i + 1) absl::SleepFor(absl::Milliseconds(1));
+  }
+  // A session held by one call does not block another session.
+  const auto b = MakeSession();
+  EXPECT_TRUE(manager_->Acquire(b.id, b.token).ok());
+  first = absl::InternalError("released");  // drops the lease
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(order, std::vector<int>({0, 1, 2, 3, 4}));
+  EXPECT_EQ(max_running.load(), 1);
+}
+
+TEST_F(SessionManagerTest, CallsQueuedBehindACloseAreNotFound) {
+  const auto a = MakeSession();
+  auto holder = std::make_unique<absl::StatusOr<SessionManager::Lease>>(
+      manager_->Acquire(a.id, a.token));
+  ASSERT_TRUE(holder->ok());
+  absl::Status close_status, later_status;
+  std::thread closer([&] { close_status = manager_->Close(a.id, a.token); });
+  while (manager_->waiting_calls(a.id) < 1) absl::SleepFor(absl::Milliseconds(1));
+  std::thread later([&] { later_status = manager_->Acquire(a.id, a.token).status(); });
+  while (manager_->waiting_calls(a.id) < 2) absl::SleepFor(absl::Milliseconds(1));
+  holder.reset();
+  closer.join();
+  later.join();
+  EXPECT_TRUE(close_status.ok()) << close_status;
+  EXPECT_EQ(later_status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(later_status.message(), "session " + a.id + " was closed");
+}
+
+TEST_F(SessionManagerTest, WaitingHonoursDeadlinesAndTheQueueBound) {
+  SessionManagerOptions options;
+  options.max_waiting_calls = 1;
+  Reset(options);
+  const auto a = MakeSession();
+  auto holder = manager_->Acquire(a.id, a.token);
+  ASSERT_TRUE(holder.ok());
+  EXPECT_EQ(manager_->Acquire(a.id, a.token, absl::Now() + absl::Milliseconds(20))
+                .status()
+                .code(),
+            absl::StatusCode::kDeadlineExceeded);
+  std::thread waiter([&] { EXPECT_TRUE(manager_->Acquire(a.id, a.token).ok()); });
+  while (manager_->waiting_calls(a.id) < 1) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(manager_->Acquire(a.id, a.token).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  holder = absl::InternalError("released");
+  waiter.join();
+}
+
+TEST(FifoTurnsTest, AWaiterThatGivesUpLetsTheNextOneIn) {
+  FifoTurns turns(8);
+  ASSERT_TRUE(turns.Wait(absl::InfiniteFuture()).ok());
+  std::atomic<bool> got{false};
+  std::thread quitter([&] {
+    EXPECT_EQ(turns.Wait(absl::Now() + absl::Milliseconds(30)).code(),
+              absl::StatusCode::kDeadlineExceeded);
+  });
+  while (turns.waiting() < 1) absl::SleepFor(absl::Milliseconds(1));
+  std::thread patient([&] {
+    EXPECT_TRUE(turns.Wait(absl::InfiniteFuture()).ok());
+    got = true;
+    turns.Done();
+  });
+  quitter.join();
+  EXPECT_FALSE(got.load());
+  turns.Done();
+  patient.join();
+  EXPECT_TRUE(got.load());
+  EXPECT_EQ(turns.waiting(), 0);
+}
+
+}  // namespace
+}  // namespace te::session

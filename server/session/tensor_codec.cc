@@ -1,0 +1,214 @@
+#include "server/session/tensor_codec.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+
+namespace te::session {
+
+absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, const std::string& field) {
+  switch (dtype) {
+    case te::v1::FLOAT32: return DType::kF32;
+    case te::v1::BFLOAT16: return DType::kBF16;
+    case te::v1::FLOAT16: return DType::kF16;
+    case te::v1::FLOAT8_E4M3: return DType::kE4M3;
+    case te::v1::FLOAT8_E5M2: return DType::kE5M2;
+    case te::v1::INT32: return DType::kI32;
+    case te::v1::BOOL: return DType::kBool;
+    case te::v1::DTYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is unspecified"));
+    default: break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": unknown dtype ", static_cast<int>(dtype)));
+}
+
+te::v1::DType DTypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return te::v1::FLOAT32;
+    case DType::kBF16: return te::v1::BFLOAT16;
+    case DType::kF16: return te::v1::FLOAT16;
+    case DType::kE4M3: return te::v1::FLOAT8_E4M3;
+    case DType::kE5M2: return te::v1::FLOAT8_E5M2;
+    case DType::kI32: return te::v1::INT32;
+    case DType::kBool: return te::v1::BOOL;
+  }
+  return te::v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<Shape> ShapeFromProto(const google::protobuf::RepeatedField<int64_t>& dims,
+                                     DType dtype, int64_t max_bytes, const std::string& field) {
+  Shape shape(dims.begin(), dims.end());
+  // Overflow-checked: a product that wraps could pass the size limit.
+  int64_t bytes = static_cast<int64_t>(DTypeSize(dtype));
+  bool overflow = false;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "]: negative dimension ", shape[i]));
+    }
+    overflow = overflow || __builtin_mul_overflow(bytes, shape[i], &bytes);
+  }
+  // A zero dim makes any product 0, but an earlier overflow still says "huge".
+  if (overflow || bytes > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": shape ", ShapeString(shape), " of ", DTypeName(dtype), " is ",
+        overflow ? std::string("over 2^63") : absl::StrCat(bytes),
+        " bytes, more than the limit of ", max_bytes, " bytes per tensor"));
+  }
+  return shape;
+}
+
+absl::StatusOr<CheckedTensor> CheckTensor(const te::v1::Tensor& proto, const std::string& field,
+                                          int64_t max_tensor_bytes,
+                                          const ResidentLookup& resident) {
+  CheckedTensor checked;
+  checked.field = field;
+  switch (proto.data_case()) {
+    case te::v1::Tensor::kInlineData: {
+      ASSIGN_OR_RETURN(checked.dtype, DTypeFromProto(proto.dtype(), field + ".dtype"));
+      ASSIGN_OR_RETURN(checked.shape, ShapeFromProto(proto.shape(), checked.dtype,
+                                                     max_tensor_bytes, field + ".shape"));
+      const size_t expected = static_cast<size_t>(NumElements(checked.shape)) *
+                              DTypeSize(checked.dtype);
+      if (proto.inline_data().size() != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".inline_data: ", proto.inline_data().size(), " bytes, but ",
+            ShapeString(checked.shape), " ", DTypeName(checked.dtype), " needs ", expected));
+      }
+      checked.inline_data = &proto.inline_data();
+      return checked;
+    }
+    case te::v1::Tensor::kResidentId: {
+      const Tensor* found = resident ? resident(proto.resident_id()) : nullptr;
+      if (found == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".resident_id: no resident tensor '", proto.resident_id(),
+            "' in this session"));
+      }
+      checked.dtype = found->dtype();
+      checked.shape = found->shape();
+      if (proto.dtype() != te::v1::DTYPE_UNSPECIFIED) {
+        ASSIGN_OR_RETURN(DType given, DTypeFromProto(proto.dtype(), field + ".dtype"));
+        if (given != found->dtype()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              field, ".dtype: ", DTypeName(given), ", but resident tensor '",
+              proto.resident_id(), "' is ", DTypeName(found->dtype())));
+        }
+      }
+      if (proto.shape_size() > 0 &&
+          Shape(proto.shape().begin(), proto.shape().end()) != found->shape()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".shape: ", ShapeString(Shape(proto.shape().begin(), proto.shape().end())),
+            ", but resident tensor '", proto.resident_id(), "' is ",
+            ShapeString(found->shape())));
+      }
+      checked.resident = found;
+      return checked;
+    }
+    case te::v1::Tensor::kShm:
+      return absl::UnimplementedError(
+          absl::StrCat(field, ".shm: shared memory transport: not enabled"));
+    case te::v1::Tensor::DATA_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": no data (set inline_data or resident_id)"));
+}
+
+absl::StatusOr<Tensor> Materialize(Ops& ops, const CheckedTensor& checked) {
+  if (checked.resident != nullptr) return *checked.resident;
+  ASSIGN_OR_RETURN(Tensor tensor, ops.Allocate(checked.dtype, checked.shape));
+  if (tensor.nbytes() > 0) RETURN_IF_ERROR(ops.Upload(checked.inline_data->data(), &tensor));
+  return tensor;
+}
+
+absl::StatusOr<std::string> HostBytes(Ops& ops, const CheckedTensor& checked) {
+  if (checked.inline_data != nullptr) return *checked.inline_data;
+  std::string bytes(checked.resident->nbytes(), '\0');
+  if (!bytes.empty()) RETURN_IF_ERROR(ops.Download(*checked.resident, bytes.data()));
+  return bytes;
+}
+
+absl::Status EncodeInline(Ops& ops, const Tensor& tensor, te::v1::Tensor* out) {
+  out->set_dtype(DTypeToProto(tensor.dtype()));
+  out->mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
+  std::string* bytes = out->mutable_inline_data();
+  bytes->resize(tensor.nbytes());
+  if (!bytes->empty()) RETURN_IF_ERROR(ops.Download(tensor, bytes->data()));
+  return absl::OkStatus();
+}
+
+void EncodeResident(const Tensor& tensor, const std::string& resident_id, te::v1::Tensor* out) {
+  out->set_dtype(DTypeToProto(tensor.dtype()));
+  out->mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
+  out->set_resident_id(resident_id);
+}
+
+absl::StatusOr<Seqlens> MaskToSeqlens(const std::string& mask_bytes, DType dtype,
+                                      const Shape& shape, const std::string& field) {
+  if (dtype != DType::kBool) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: ", DTypeName(dtype), ", a mask must be bool"));
+  }
+  if (shape.size() != 4 || shape[1] != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shape: ", ShapeString(shape), ", a mask must be [batch, 1, q_len, kv_len]"));
+  }
+  const int64_t batch = shape[0], sq = shape[2], skv = shape[3];
+  if (sq > INT32_MAX || skv > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: ", ShapeString(shape),
+                                                   ": sequence longer than 2^31"));
+  }
+  if (static_cast<int64_t>(mask_bytes.size()) != batch * sq * skv) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", mask_bytes.size(),
+                                                   " bytes for shape ", ShapeString(shape)));
+  }
+  Seqlens lens;
+  for (int64_t b = 0; b < batch; ++b) {
+    const char* m = mask_bytes.data() + b * sq * skv;
+    auto masked = [&](int64_t i, int64_t j) { return m[i * skv + j] != 0; };
+    // Valid rows are those with any visible key; valid keys those row 0 sees.
+    int64_t q_len = 0;
+    for (int64_t i = 0; i < sq; ++i) {
+      for (int64_t j = 0; j < skv; ++j) {
+        if (!masked(i, j)) {
+          q_len = i + 1;
+          break;
+        }
+      }
+    }
+    int64_t kv_len = 0;
+    if (q_len > 0) {
+      for (int64_t j = 0; j < skv; ++j) {
+        if (!masked(0, j)) kv_len = j + 1;
+      }
+    }
+    for (int64_t i = 0; i < sq; ++i) {
+      for (int64_t j = 0; j < skv; ++j) {
+        const bool padding = i >= q_len || j >= kv_len;
+        if (masked(i, j) != padding) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              field, ": not a padding mask: element [", b, ", 0, ", i, ", ", j, "] is ",
+              masked(i, j) ? "masked" : "visible", ", but the padding mask with q_len ",
+              q_len, " and kv_len ", kv_len, " for batch ", b, " has it ",
+              padding ? "masked" : "visible",
+              " (causal masking comes from the layer's mask type, not the mask)"));
+        }
+      }
+    }
+    lens.q.push_back(static_cast<int32_t>(q_len));
+    lens.kv.push_back(static_cast<int32_t>(kv_len));
+  }
+  return lens;
+}
+
+absl::StatusOr<Tensor> UploadSeqlens(Ops& ops, const std::vector<int32_t>& lengths) {
+  ASSIGN_OR_RETURN(Tensor tensor,
+                   ops.Allocate(DType::kI32, {static_cast<int64_t>(lengths.size())}));
+  if (!lengths.empty()) RETURN_IF_ERROR(ops.Upload(lengths.data(), &tensor));
+  return tensor;
+}
+
+}  // namespace te::session

@@ -1,0 +1,87 @@
+// Request tensors (te.v1.Tensor) <-> device tensors (te::Tensor), with the
+// validation every request tensor gets before a session touches anything.
+//
+// Decoding is two-phase so a handler can validate a whole request before it
+// changes any state: CheckTensor() validates dtype, shape, size and where the
+// data is without copying anything; Materialize() then puts a checked tensor
+// on the device. Every error is INVALID_ARGUMENT naming the field path (e.g.
+// "micro_batches[1].dy.shape[2]"), except shared-memory data, which is
+// UNIMPLEMENTED until that transport exists. Values are not inspected: NaN
+// and inf are legal inputs.
+#ifndef TE_SERVER_SESSION_TENSOR_CODEC_H_
+#define TE_SERVER_SESSION_TENSOR_CODEC_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "google/protobuf/repeated_field.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+#include "te/v1/tensor.pb.h"
+
+namespace te::session {
+
+// INVALID_ARGUMENT for DTYPE_UNSPECIFIED or a value outside the enum.
+absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, const std::string& field);
+te::v1::DType DTypeToProto(DType dtype);
+
+// A shape whose dims are all >= 0, and whose byte size (for `dtype`) neither
+// overflows nor exceeds `max_bytes`. `field` names the repeated field
+// ("x.shape"); a bad dim is reported as "x.shape[2]".
+absl::StatusOr<Shape> ShapeFromProto(const google::protobuf::RepeatedField<int64_t>& dims,
+                                     DType dtype, int64_t max_bytes, const std::string& field);
+
+// Resident tensors of the session, by id; null when there is none.
+using ResidentLookup = std::function<const Tensor*(const std::string& id)>;
+
+// A request tensor that passed CheckTensor: everything known, nothing copied.
+// Points into the request and the session; valid while both are unchanged.
+struct CheckedTensor {
+  std::string field;
+  DType dtype = DType::kF32;
+  Shape shape;
+  const std::string* inline_data = nullptr;  // set for inline tensors
+  const Tensor* resident = nullptr;          // set for resident tensors
+};
+
+// Validates `proto`: a known dtype; a valid shape of at most `max_tensor_bytes`;
+// inline bytes of exactly the tensor's size, or a resident id that exists
+// (its dtype and shape must match those given, where given: DTYPE_UNSPECIFIED
+// and an empty shape take the resident tensor's).
+absl::StatusOr<CheckedTensor> CheckTensor(const te::v1::Tensor& proto, const std::string& field,
+                                          int64_t max_tensor_bytes,
+                                          const ResidentLookup& resident);
+
+// The tensor on `ops`' device: inline bytes uploaded into a new allocation
+// (RESOURCE_EXHAUSTED over the memory limit); a resident tensor shared as is.
+absl::StatusOr<Tensor> Materialize(Ops& ops, const CheckedTensor& checked);
+
+// The tensor's bytes on the host (for small control tensors such as masks).
+absl::StatusOr<std::string> HostBytes(Ops& ops, const CheckedTensor& checked);
+
+// Writes dtype, shape and the bytes (downloaded from the device) into `out`.
+absl::Status EncodeInline(Ops& ops, const Tensor& tensor, te::v1::Tensor* out);
+// Writes dtype, shape and `resident_id` into `out`.
+void EncodeResident(const Tensor& tensor, const std::string& resident_id, te::v1::Tensor* out);
+
+// Valid lengths from a padding mask: bool [B, 1, Sq, Skv], true = masked out,
+// where batch b's unmasked elements are exactly [0, q[b]) x [0, kv[b]).
+// INVALID_ARGUMENT (naming `field`) for another shape or dtype, or a mask that
+// is not of that form (e.g. causal: TE derives causality from the mask type).
+struct Seqlens {
+  std::vector<int32_t> q;
+  std::vector<int32_t> kv;
+};
+absl::StatusOr<Seqlens> MaskToSeqlens(const std::string& mask_bytes, DType dtype,
+                                      const Shape& shape, const std::string& field);
+
+// Uploads int32 lengths as an int32 [B] tensor.
+absl::StatusOr<Tensor> UploadSeqlens(Ops& ops, const std::vector<int32_t>& lengths);
+
+}  // namespace te::session
+
+#endif  // TE_SERVER_SESSION_TENSOR_CODEC_H_

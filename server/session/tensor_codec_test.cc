@@ -1,0 +1,269 @@
+#include "server/session/tensor_codec.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace te::session {
+namespace {
+
+constexpr int64_t kMaxBytes = 1 << 20;
+
+std::string RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng() & 0xff);
+  return s;
+}
+
+te::v1::Tensor InlineTensor(te::v1::DType dtype, std::vector<int64_t> shape, std::string bytes) {
+  te::v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_inline_data(std::move(bytes));
+  return t;
+}
+
+class TensorCodecTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto device = OpenCpuDevice();
+    ASSERT_TRUE(device.ok()) << device.status();
+    device_ = *std::move(device);
+    auto ops = device_->NewOps(64 << 20);
+    ASSERT_TRUE(ops.ok()) << ops.status();
+    ops_ = *std::move(ops);
+  }
+
+  ResidentLookup Lookup() {
+    return [this](const std::string& id) -> const Tensor* {
+      auto it = resident_.find(id);
+      return it == resident_.end() ? nullptr : &it->second;
+    };
+  }
+
+  // Expects INVALID_ARGUMENT whose message starts with `field`.
+  void ExpectInvalid(const te::v1::Tensor& proto, const std::string& field) {
+    auto checked = CheckTensor(proto, "micro_batches[1].dy", kMaxBytes, Lookup());
+    ASSERT_EQ(checked.status().code(), absl::StatusCode::kInvalidArgument) << checked.status();
+    EXPECT_EQ(checked.status().message().substr(0, field.size()), field) << checked.status();
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Ops> ops_;
+  std::map<std::string, Tensor> resident_;
+};
+
+TEST_F(TensorCodecTest, RoundTripsEveryDType) {
+  const te::v1::DType dtypes[] = {te::v1::FLOAT32,     te::v1::BFLOAT16,    te::v1::FLOAT16,
+                                  te::v1::FLOAT8_E4M3, te::v1::FLOAT8_E5M2, te::v1::INT32,
+                                  te::v1::BOOL};
+  uint32_t seed = 1;
+  for (te::v1::DType dtype : dtypes) {
+    SCOPED_TRACE(te::v1::DType_Name(dtype));
+    auto dt = DTypeFromProto(dtype, "x.dtype");
+    ASSERT_TRUE(dt.ok());
+    const std::vector<int64_t> shape = {3, 5, 7};
+    const std::string bytes = RandomBytes(3 * 5 * 7 * DTypeSize(*dt), seed++);
+    const te::v1::Tensor proto = InlineTensor(dtype, shape, bytes);
+    auto checked = CheckTensor(proto, "x", kMaxBytes, Lookup());
+    ASSERT_TRUE(checked.ok()) << checked.status();
+    auto tensor = Materialize(*ops_, *checked);
+    ASSERT_TRUE(tensor.ok()) << tensor.status();
+    EXPECT_EQ(tensor->shape(), Shape(shape.begin(), shape.end()));
+    te::v1::Tensor back;
+    ASSERT_TRUE(EncodeInline(*ops_, *tensor, &back).ok());
+    EXPECT_EQ(back.dtype(), dtype);
+    EXPECT_EQ(back.inline_data(), bytes);
+    EXPECT_EQ(std::vector<int64_t>(back.shape().begin(), back.shape().end()), shape);
+  }
+}
+
+TEST_F(TensorCodecTest, NaNAndInfAreAccepted) {
+  std::vector<float> values = {1.5f, std::numeric_limits<float>::quiet_NaN(),
+                               -std::numeric_limits<float>::infinity(), -2.25f};
+  std::string bytes(values.size() * 4, '\0');
+  std::memcpy(bytes.data(), values.data(), bytes.size());
+  const te::v1::Tensor proto = InlineTensor(te::v1::FLOAT32, {2, 2}, bytes);
+  auto checked = CheckTensor(proto, "x", kMaxBytes, Lookup());
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  auto tensor = Materialize(*ops_, *checked);
+  ASSERT_TRUE(tensor.ok());
+  std::vector<float> back(4);
+  ASSERT_TRUE(ops_->Download(*tensor, back.data()).ok());
+  EXPECT_TRUE(std::isnan(back[1]));
+  EXPECT_EQ(back[3], -2.25f);
+}
+
+TEST_F(TensorCodecTest, RejectsUnspecifiedAndUnknownDTypes) {
+  ExpectInvalid(InlineTensor(te::v1::DTYPE_UNSPECIFIED, {2}, "12345678"),
+                "micro_batches[1].dy.dtype");
+  ExpectInvalid(InlineTensor(static_cast<te::v1::DType>(42), {2}, "12345678"),
+                "micro_batches[1].dy.dtype");
+}
+
+TEST_F(TensorCodecTest, RejectsNegativeDims) {
+  ExpectInvalid(InlineTensor(te::v1::FLOAT32, {2, -3}, ""), "micro_batches[1].dy.shape[1]");
+}
+
+TEST_F(TensorCodecTest, RejectsHugeAndOverflowingShapes) {
+  // Over the per-tensor limit.
+  ExpectInvalid(InlineTensor(te::v1::FLOAT32, {1024, 1024}, ""), "micro_batches[1].dy.shape");
+  // A product that wraps around int64 to a small number must not pass.
+  ExpectInvalid(InlineTensor(te::v1::FLOAT32, {int64_t{1} << 32, int64_t{1} << 32, 4}, ""),
+                "micro_batches[1].dy.shape");
+  ExpectInvalid(InlineTensor(te::v1::BOOL, {INT64_MAX, 2}, ""), "micro_batches[1].dy.shape");
+}
+
+TEST_F(TensorCodecTest, AcceptsEmptyTensors) {
+  const te::v1::Tensor proto = InlineTensor(te::v1::FLOAT32, {0, 4}, "");
+  auto checked = CheckTensor(proto, "x", kMaxBytes, Lookup());
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  auto tensor = Materialize(*ops_, *checked);
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+  EXPECT_EQ(tensor->numel(), 0);
+}
+
+TEST_F(TensorCodecTest, RejectsInlineBytesOfTheWrongLength) {
+  ExpectInvalid(InlineTensor(te::v1::BFLOAT16, {2, 3}, RandomBytes(11, 3)),
+                "micro_batches[1].dy.inline_data");
+  ExpectInvalid(InlineTensor(te::v1::BFLOAT16, {2, 3}, RandomBytes(13, 3)),
+                "micro_batches[1].dy.inline_data");
+}
+
+TEST_F(TensorCodecTest, RejectsMissingData) {
+  te::v1::Tensor t;
+  t.set_dtype(te::v1::FLOAT32);
+  t.add_shape(2);
+  ExpectInvalid(t, "micro_batches[1].dy");
+}
+
+TEST_F(TensorCodecTest, SharedMemoryIsUnimplemented) {
+  te::v1::Tensor t;
+  t.set_dtype(te::v1::FLOAT32);
+  t.add_shape(2);
+  t.mutable_shm()->set_region_id("r");
+  auto checked = CheckTensor(t, "x", kMaxBytes, Lookup());
+  EXPECT_EQ(checked.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(checked.status().message().find("shared memory transport: not enabled"),
+            std::string::npos);
+}
+
+TEST_F(TensorCodecTest, ResidentTensors) {
+  auto stored = ops_->Allocate(DType::kBF16, {4, 6});
+  ASSERT_TRUE(stored.ok());
+  const std::string bytes = RandomBytes(48, 7);
+  ASSERT_TRUE(ops_->Upload(bytes.data(), &*stored).ok());
+  resident_["tensor-1"] = *stored;
+
+  te::v1::Tensor ref;
+  ref.set_resident_id("tensor-1");
+  auto checked = CheckTensor(ref, "x", kMaxBytes, Lookup());
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  EXPECT_EQ(checked->dtype, DType::kBF16);
+  auto tensor = Materialize(*ops_, *checked);
+  ASSERT_TRUE(tensor.ok());
+  EXPECT_EQ(tensor->data(), stored->data());  // shared, not copied
+  auto host = HostBytes(*ops_, *checked);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(*host, bytes);
+
+  // Matching dtype and shape given explicitly.
+  ref.set_dtype(te::v1::BFLOAT16);
+  ref.add_shape(4);
+  ref.add_shape(6);
+  EXPECT_TRUE(CheckTensor(ref, "x", kMaxBytes, Lookup()).ok());
+
+  te::v1::Tensor unknown;
+  unknown.set_resident_id("tensor-2");
+  ExpectInvalid(unknown, "micro_batches[1].dy.resident_id");
+
+  te::v1::Tensor wrong_dtype = ref;
+  wrong_dtype.set_dtype(te::v1::FLOAT32);
+  ExpectInvalid(wrong_dtype, "micro_batches[1].dy.dtype");
+
+  te::v1::Tensor wrong_shape = ref;
+  wrong_shape.set_shape(1, 7);
+  ExpectInvalid(wrong_shape, "micro_batches[1].dy.shape");
+}
+
+TEST(DTypeTest, ProtoRoundTrip) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16, DType::kE4M3, DType::kE5M2,
+                   DType::kI32, DType::kBool}) {
+    auto back = DTypeFromProto(DTypeToProto(dt), "dtype");
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, dt);
+  }
+}
+
+// A padding mask for the given lengths: true (1) = masked out.
+std::string PaddingMask(const std::vector<int>& q, const std::vector<int>& kv, int sq, int skv) {
+  std::string m;
+  for (size_t b = 0; b < q.size(); ++b) {
+    for (int i = 0; i < sq; ++i) {
+      for (int j = 0; j < skv; ++j) m.push_back((i < q[b] && j < kv[b]) ? 0 : 1);
+    }
+  }
+  return m;
+}
+
+TEST(MaskToSeqlensTest, RecoversRandomLengths) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int batch = 1 + rng() % 4, sq = 1 + rng() % 9, skv = 1 + rng() % 9;
+    std::vector<int> q, kv;
+    for (int b = 0; b < batch; ++b) {
+      q.push_back(1 + rng() % sq);
+      kv.push_back(1 + rng() % skv);
+    }
+    auto lens = MaskToSeqlens(PaddingMask(q, kv, sq, skv), DType::kBool, {batch, 1, sq, skv},
+                              "attention_mask");
+    ASSERT_TRUE(lens.ok()) << lens.status();
+    EXPECT_EQ(std::vector<int>(lens->q.begin(), lens->q.end()), q);
+    EXPECT_EQ(std::vector<int>(lens->kv.begin(), lens->kv.end()), kv);
+  }
+}
+
+TEST(MaskToSeqlensTest, AFullyMaskedBatchHasLengthZero) {
+  auto lens = MaskToSeqlens(std::string(2 * 3 * 3, 1), DType::kBool, {2, 1, 3, 3}, "m");
+  ASSERT_TRUE(lens.ok()) << lens.status();
+  EXPECT_EQ(lens->q, std::vector<int32_t>({0, 0}));
+}
+
+TEST(MaskToSeqlensTest, RejectsMasksThatAreNotPadding) {
+  // Causal 4x4: row i sees keys <= i.
+  std::string causal;
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) causal.push_back(j <= i ? 0 : 1);
+  }
+  auto lens = MaskToSeqlens(causal, DType::kBool, {1, 1, 4, 4}, "micro_batches[0].attention_mask");
+  EXPECT_EQ(lens.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(lens.status().message().rfind("micro_batches[0].attention_mask", 0), 0u);
+
+  // A hole inside the valid rectangle.
+  std::string holed = PaddingMask({3}, {3}, 4, 4);
+  holed[1 * 4 + 1] = 1;
+  EXPECT_EQ(MaskToSeqlens(holed, DType::kBool, {1, 1, 4, 4}, "m").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(MaskToSeqlensTest, RejectsWrongDTypeShapeAndSize) {
+  const std::string mask = PaddingMask({2}, {2}, 3, 3);
+  EXPECT_EQ(MaskToSeqlens(mask, DType::kI32, {1, 1, 3, 3}, "m").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MaskToSeqlens(mask, DType::kBool, {1, 3, 3}, "m").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MaskToSeqlens(mask, DType::kBool, {1, 2, 3, 3}, "m").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MaskToSeqlens(mask.substr(1), DType::kBool, {1, 1, 3, 3}, "m").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace te::session
