@@ -167,16 +167,7 @@ std::vector<VariableDef> QuantizerSetDefs(const QuantizerSet& set, const Fp8Reci
 absl::Status CheckQuantizerSet(const Variables& vars, const QuantizerSet& set,
                                const Fp8Recipe* fp8) {
   if (!HasFp8Metas(fp8)) return absl::OkStatus();
-  std::vector<VariableSpec> specs = SpecsOf(QuantizerSetDefs(set, fp8));
-  // The history length is the one the layer was initialised with, not
-  // necessarily this recipe's: check names and the scale's shape only.
-  for (VariableSpec& spec : specs) {
-    auto it = vars.find(spec.name);
-    if (it != vars.end() && absl::EndsWith(spec.name, kHistorySuffix)) {
-      spec.shape = it->second.shape();
-    }
-  }
-  return CheckVariables(vars, specs);
+  return CheckVariables(vars, SpecsOf(QuantizerSetDefs(set, fp8)));
 }
 
 absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,

@@ -35,6 +35,7 @@ absl::StatusOr<Tensor> GetVariable(const Variables& vars, const std::string& nam
 // (init under autocast with a DelayedScaling recipe); a missing param is
 // FAILED_PRECONDITION; a shape or dtype that differs is INVALID_ARGUMENT naming
 // the variable and both shapes (usually x does not fit the initialised layer).
+// An amax_history may have any length (the one chosen at init).
 absl::Status CheckVariables(const Variables& vars, const std::vector<VariableSpec>& specs);
 
 // te.v1.ParamDType -> DType (unspecified: float32, TE's default).
