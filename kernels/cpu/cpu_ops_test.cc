@@ -1,0 +1,268 @@
+// The CPU device, memory accounting, copies and the elementwise ops (Fill,
+// Cast, Axpby, Permute, SumRows) against float64 references.
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/test_util.h"
+
+namespace te {
+namespace {
+
+using testing::MakeEmpty;
+using testing::MakeRandom;
+using testing::MakeTensor;
+using testing::RelativeError;
+using testing::ShortName;
+using testing::ToDoubles;
+using testing::Tolerance;
+
+const DType kFloatDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+const Shape kShapes[] = {{7, 13}, {33, 65}, {1, 1}, {4, 64}};
+
+// ---- device and memory ---------------------------------------------------------
+
+TEST(CpuDeviceTest, InfoDescribesTheReferenceBackend) {
+  auto device = OpenCpuDevice();
+  ASSERT_TRUE(device.ok()) << device.status();
+  const DeviceInfo info = (*device)->info();
+  EXPECT_EQ(info.name, "cpu");
+  EXPECT_NE(info.description.find("CPU"), std::string::npos) << info.description;
+  EXPECT_FALSE(info.fp8_native);
+  EXPECT_FALSE(info.block_scaling_native);
+  EXPECT_EQ(info.compute_capability, 0);
+  EXPECT_TRUE((*device)->healthy());
+}
+
+TEST(CpuDeviceTest, NewOpsCarriesItsMemoryLimit) {
+  auto device = OpenCpuDevice();
+  ASSERT_TRUE(device.ok());
+  auto ops = (*device)->NewOps(1000);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  EXPECT_EQ((*ops)->memory_limit(), 1000);
+  EXPECT_EQ((*ops)->device_name(), "cpu");
+  EXPECT_EQ((*device)->NewOps(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuDeviceTest, WithoutCudaTheFallbacksSayUnavailable) {
+  // This test binary links no CUDA backend, so the weak fallbacks answer.
+  EXPECT_FALSE(CudaBackendBuilt());
+  EXPECT_EQ(OpenCudaDevice(0).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(CpuMemoryTest, AllocationsAreAlignedAndAccounted) {
+  CpuOps ops;
+  ops.set_memory_limit(1 << 20);
+  {
+    auto a = ops.Allocate(DType::kBF16, {3, 7});
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a->data()) % 64, 0u);
+    EXPECT_EQ(ops.bytes_in_use(), 42);
+    Tensor copy = *a;  // shares storage: no second charge
+    EXPECT_EQ(ops.bytes_in_use(), 42);
+  }
+  EXPECT_EQ(ops.bytes_in_use(), 0);
+}
+
+TEST(CpuMemoryTest, OverTheLimitIsResourceExhausted) {
+  CpuOps ops;
+  ops.set_memory_limit(1024);
+  auto held = ops.Allocate(DType::kF32, {200});  // 800 bytes
+  ASSERT_TRUE(held.ok());
+  EXPECT_EQ(ops.Allocate(DType::kF32, {100}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(ops.Allocate(DType::kF32, {56}).ok());
+}
+
+TEST(CpuCopyTest, UploadDownloadRoundTrip) {
+  CpuOps ops;
+  const std::vector<float> host = testing::RandomValues(91, 1);
+  Tensor t = MakeEmpty(ops, DType::kF32, {7, 13});
+  ASSERT_TRUE(ops.Upload(host.data(), &t).ok());
+  std::vector<float> back(91);
+  ASSERT_TRUE(ops.Download(t, back.data()).ok());
+  EXPECT_EQ(std::memcmp(host.data(), back.data(), host.size() * 4), 0);
+  EXPECT_EQ(ops.Upload(nullptr, &t).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuCopyTest, CopyChecksDTypeAndCount) {
+  CpuOps ops;
+  Tensor src = MakeRandom(ops, DType::kBF16, {5, 6}, 2);
+  Tensor dst = MakeEmpty(ops, DType::kBF16, {30});
+  ASSERT_TRUE(ops.Copy(src, &dst).ok());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.nbytes()), 0);
+  Tensor wrong_dtype = MakeEmpty(ops, DType::kF32, {5, 6});
+  EXPECT_EQ(ops.Copy(src, &wrong_dtype).code(), absl::StatusCode::kInvalidArgument);
+  Tensor wrong_count = MakeEmpty(ops, DType::kBF16, {31});
+  EXPECT_EQ(ops.Copy(src, &wrong_count).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- Fill, Cast ----------------------------------------------------------------
+
+TEST(CpuFillTest, EveryElementRoundedOnce) {
+  CpuOps ops;
+  for (DType dtype : kFloatDTypes) {
+    Tensor y = MakeEmpty(ops, dtype, {7, 13});
+    ASSERT_TRUE(ops.Fill(0.1f, &y).ok());
+    for (int64_t i = 0; i < y.numel(); ++i) {
+      ASSERT_EQ(LoadAsFloat(y, i), RoundTo(dtype, 0.1f)) << ShortName(dtype) << " at " << i;
+    }
+  }
+}
+
+TEST(CpuCastTest, MatchesTheFormatCastsExactly) {
+  CpuOps ops;
+  for (DType from : kFloatDTypes) {
+    for (DType to : kFloatDTypes) {
+      Tensor x = MakeRandom(ops, from, {33, 65}, 3, -1e3f, 1e3f);
+      Tensor y = MakeEmpty(ops, to, {33, 65});
+      ASSERT_TRUE(ops.Cast(x, &y).ok());
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        ASSERT_EQ(LoadAsFloat(y, i), RoundTo(to, LoadAsFloat(x, i)))
+            << ShortName(from) << "->" << ShortName(to) << " at " << i;
+      }
+    }
+  }
+}
+
+TEST(CpuCastTest, RejectsFp8AndCountMismatch) {
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, DType::kF32, {4, 4}, 4);
+  Tensor fp8 = MakeEmpty(ops, DType::kE4M3, {4, 4});
+  absl::Status s = ops.Cast(x, &fp8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("y"), absl::string_view::npos) << s;
+  Tensor small = MakeEmpty(ops, DType::kF32, {15});
+  EXPECT_EQ(ops.Cast(x, &small).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- Axpby ---------------------------------------------------------------------
+
+class AxpbyTest : public ::testing::TestWithParam<std::tuple<DType, Shape>> {};
+
+TEST_P(AxpbyTest, MatchesReference) {
+  const auto [dtype, shape] = GetParam();
+  CpuOps ops;
+  Tensor a = MakeRandom(ops, dtype, shape, 5);
+  Tensor b = MakeRandom(ops, dtype, shape, 6);
+  Tensor y = MakeEmpty(ops, dtype, shape);
+  const double alpha = 0.75, beta = -1.5;
+  ASSERT_TRUE(ops.Axpby(alpha, a, beta, b, &y).ok());
+  const std::vector<double> av = ToDoubles(a), bv = ToDoubles(b);
+  std::vector<double> ref(av.size());
+  for (size_t i = 0; i < av.size(); ++i) ref[i] = alpha * av[i] + beta * bv[i];
+  EXPECT_LT(RelativeError(y, ref), Tolerance(dtype));
+
+  // In place: y aliases a.
+  ASSERT_TRUE(ops.Axpby(alpha, a, beta, b, &a).ok());
+  EXPECT_LT(RelativeError(a, ref), Tolerance(dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypesAndShapes, AxpbyTest,
+                         ::testing::Combine(::testing::ValuesIn(kFloatDTypes),
+                                            ::testing::ValuesIn(kShapes)));
+
+TEST(CpuAxpbyTest, ZeroCoefficientTermIsNotRead) {
+  CpuOps ops;
+  Tensor a = MakeRandom(ops, DType::kF32, {3, 5}, 7);
+  Tensor nan = MakeTensor(ops, DType::kF32, {3, 5}, std::vector<float>(15, NAN));
+  Tensor y = MakeEmpty(ops, DType::kF32, {3, 5});
+  ASSERT_TRUE(ops.Axpby(2.0f, a, 0.0f, nan, &y).ok());
+  for (int64_t i = 0; i < 15; ++i) EXPECT_EQ(LoadAsFloat(y, i), 2.0f * LoadAsFloat(a, i));
+  ASSERT_TRUE(ops.Axpby(2.0f, a, 0.0f, Tensor(), &y).ok());
+  EXPECT_EQ(ops.Axpby(2.0f, a, 1.0f, Tensor(), &y).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- Permute -------------------------------------------------------------------
+
+struct PermuteCase {
+  Shape shape;
+  std::vector<int> perm;
+};
+
+class PermuteTest : public ::testing::TestWithParam<std::tuple<DType, PermuteCase>> {};
+
+TEST_P(PermuteTest, MovesEveryElementToItsPermutedIndex) {
+  const auto [dtype, c] = GetParam();
+  CpuOps ops;
+  const int rank = static_cast<int>(c.shape.size());
+  Tensor x = MakeRandom(ops, dtype, c.shape, 8);
+  Shape y_shape(rank);
+  for (int i = 0; i < rank; ++i) y_shape[i] = c.shape[c.perm[i]];
+  Tensor y = MakeEmpty(ops, dtype, y_shape);
+  ASSERT_TRUE(ops.Permute(x, c.perm, &y).ok());
+
+  // Walk x's multi-index; y's index is x's, permuted: yi[i] = xi[perm[i]].
+  std::vector<int64_t> xi(rank, 0);
+  for (int64_t flat = 0; flat < x.numel(); ++flat) {
+    int64_t rem = flat;
+    for (int d = rank - 1; d >= 0; --d) {
+      xi[d] = rem % c.shape[d];
+      rem /= c.shape[d];
+    }
+    int64_t y_flat = 0;
+    for (int i = 0; i < rank; ++i) y_flat = y_flat * y_shape[i] + xi[c.perm[i]];
+    ASSERT_EQ(LoadAsFloat(y, y_flat), LoadAsFloat(x, flat)) << "x element " << flat;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, PermuteTest,
+    ::testing::Combine(
+        ::testing::Values(DType::kF32, DType::kBF16, DType::kE4M3),
+        ::testing::Values(PermuteCase{{7, 13}, {1, 0}}, PermuteCase{{3, 5, 7}, {2, 0, 1}},
+                          PermuteCase{{2, 3, 5, 7}, {0, 2, 1, 3}},
+                          PermuteCase{{2, 3, 4, 5, 3}, {4, 2, 0, 3, 1}},
+                          PermuteCase{{5}, {0}})));
+
+TEST(CpuPermuteTest, RejectsBadPermutationAndShape) {
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, DType::kF32, {2, 3, 4}, 9);
+  Tensor y = MakeEmpty(ops, DType::kF32, {4, 2, 3});
+  EXPECT_TRUE(ops.Permute(x, {2, 0, 1}, &y).ok());
+  EXPECT_EQ(ops.Permute(x, {2, 0, 0}, &y).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ops.Permute(x, {2, 0}, &y).code(), absl::StatusCode::kInvalidArgument);
+  absl::Status s = ops.Permute(x, {0, 1, 2}, &y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("[2, 3, 4]"), absl::string_view::npos) << s;
+  Tensor x6 = MakeRandom(ops, DType::kF32, {1, 1, 1, 1, 1, 2}, 10);
+  Tensor y6 = MakeEmpty(ops, DType::kF32, {1, 1, 1, 1, 1, 2});
+  EXPECT_EQ(ops.Permute(x6, {0, 1, 2, 3, 4, 5}, &y6).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- SumRows -------------------------------------------------------------------
+
+class SumRowsTest : public ::testing::TestWithParam<std::tuple<DType, Shape>> {};
+
+TEST_P(SumRowsTest, MatchesReference) {
+  const auto [dtype, shape] = GetParam();
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, dtype, shape, 11);
+  const int64_t n = shape[0], h = shape[1];
+  Tensor y = MakeEmpty(ops, dtype, {h});
+  ASSERT_TRUE(ops.SumRows(x, &y).ok());
+  const std::vector<double> xv = ToDoubles(x);
+  std::vector<double> ref(h, 0.0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < h; ++c) ref[c] += xv[r * h + c];
+  }
+  EXPECT_LT(RelativeError(y, ref), Tolerance(dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypesAndShapes, SumRowsTest,
+                         ::testing::Combine(::testing::ValuesIn(kFloatDTypes),
+                                            ::testing::ValuesIn(kShapes)));
+
+TEST(CpuSumRowsTest, NamesTheWrongOutputShape) {
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, DType::kF32, {7, 13}, 12);
+  Tensor y = MakeEmpty(ops, DType::kF32, {7});
+  absl::Status s = ops.SumRows(x, &y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("[H=13]"), absl::string_view::npos) << s;
+}
+
+}  // namespace
+}  // namespace te

@@ -1,0 +1,410 @@
+// FP8 scaling ops: Quantize, Dequantize, Amax, ScaleFromAmax, the delayed-scaling
+// update (against hand-worked sequences), and emulated block scaling (MXFP8,
+// NVFP4) against float64 references.
+#include <cfloat>
+#include <cmath>
+#include <tuple>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/test_util.h"
+
+namespace te {
+namespace {
+
+using testing::MakeEmpty;
+using testing::MakeRandom;
+using testing::MakeTensor;
+using testing::RelativeError;
+using testing::Scalar;
+using testing::ScalarValue;
+using testing::ShortName;
+using testing::ToDoubles;
+using testing::Tolerance;
+
+const Shape kShapes[] = {{7, 13}, {33, 65}, {2, 64}};
+
+double MaxAbs(const std::vector<double>& v) {
+  double m = 0.0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// ---- Quantize / Dequantize -------------------------------------------------------
+
+class QuantizeTest
+    : public ::testing::TestWithParam<std::tuple<DType /*x*/, DType /*fp8*/, Shape>> {};
+
+TEST_P(QuantizeTest, ValuesAmaxAndScaleInv) {
+  const auto [x_dtype, fp8_dtype, shape] = GetParam();
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, x_dtype, shape, 21, -3.0f, 3.0f);
+  const float scale = 37.5f;  // not a power of two: the product rounds
+  Fp8Output fp8{Scalar(ops, scale), Scalar(ops, -1.0f), Scalar(ops, -1.0f)};
+  Tensor y = MakeEmpty(ops, fp8_dtype, shape);
+  ASSERT_TRUE(ops.Quantize(x, fp8, &y).ok());
+
+  const std::vector<double> xv = ToDoubles(x);
+  EXPECT_EQ(ScalarValue(fp8.amax), static_cast<float>(MaxAbs(xv)));
+  EXPECT_EQ(ScalarValue(fp8.scale_inv), 1.0f / scale);
+  // Each code is the format's cast of x * scale (the casts are checked
+  // exhaustively in kernels/fp8_test.cc) ...
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const float want = RoundTo(fp8_dtype, static_cast<float>(xv[i]) * scale);
+    ASSERT_EQ(LoadAsFloat(y, i), want) << i;
+  }
+  // ... and dequantized it is x within the format's half ulp.
+  std::vector<double> dequantized = ToDoubles(y);
+  for (double& v : dequantized) v /= scale;
+  EXPECT_LT(RelativeError(dequantized, xv), Tolerance(fp8_dtype));
+
+  Tensor back = MakeEmpty(ops, x_dtype, shape);
+  ASSERT_TRUE(ops.Dequantize(y, fp8.scale_inv, &back).ok());
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    ASSERT_EQ(LoadAsFloat(back, i), RoundTo(x_dtype, LoadAsFloat(y, i) * (1.0f / scale))) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantizeTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16,
+                                                              DType::kF16),
+                                            ::testing::Values(DType::kE4M3, DType::kE5M2),
+                                            ::testing::ValuesIn(kShapes)));
+
+TEST(CpuQuantizeTest, SaturatesAndReportsAmaxBeforeScaling) {
+  CpuOps ops;
+  Tensor x = MakeTensor(ops, DType::kF32, {4}, {1.0f, -1000.0f, 3.0f, INFINITY});
+  Fp8Output fp8{Scalar(ops, 2.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE4M3, {4});
+  ASSERT_TRUE(ops.Quantize(x, fp8, &y).ok());
+  EXPECT_EQ(LoadAsFloat(y, 0), 2.0f);
+  EXPECT_EQ(LoadAsFloat(y, 1), -448.0f);
+  EXPECT_EQ(LoadAsFloat(y, 2), 6.0f);
+  EXPECT_EQ(LoadAsFloat(y, 3), 448.0f);
+  EXPECT_EQ(ScalarValue(fp8.amax), INFINITY);
+  EXPECT_EQ(ScalarValue(fp8.scale_inv), 0.5f);
+}
+
+TEST(CpuQuantizeTest, NanInputGivesNanAmax) {
+  CpuOps ops;
+  Tensor x = MakeTensor(ops, DType::kF32, {3}, {1.0f, NAN, 2.0f});
+  Fp8Output fp8{Scalar(ops, 1.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE5M2, {3});
+  ASSERT_TRUE(ops.Quantize(x, fp8, &y).ok());
+  EXPECT_TRUE(std::isnan(ScalarValue(fp8.amax)));
+  EXPECT_TRUE(std::isnan(LoadAsFloat(y, 1)));
+}
+
+TEST(CpuQuantizeTest, RejectsWrongOutputAndScale) {
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, DType::kF32, {4, 4}, 22);
+  Fp8Output fp8{Scalar(ops, 1.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor bf16 = MakeEmpty(ops, DType::kBF16, {4, 4});
+  EXPECT_EQ(ops.Quantize(x, fp8, &bf16).code(), absl::StatusCode::kInvalidArgument);
+  Tensor y = MakeEmpty(ops, DType::kE4M3, {4, 4});
+  Fp8Output bad = fp8;
+  bad.scale = MakeEmpty(ops, DType::kF32, {2});
+  absl::Status s = ops.Quantize(x, bad, &y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("fp8.scale"), absl::string_view::npos) << s;
+  Tensor x_fp8 = MakeEmpty(ops, DType::kE4M3, {4, 4});
+  EXPECT_EQ(ops.Quantize(x_fp8, fp8, &y).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- Amax, ScaleFromAmax ---------------------------------------------------------
+
+TEST(CpuAmaxTest, MatchesReference) {
+  CpuOps ops;
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    Tensor x = MakeRandom(ops, dtype, {33, 65}, 23, -5.0f, 4.0f);
+    Tensor amax = Scalar(ops, -1.0f);
+    ASSERT_TRUE(ops.Amax(x, &amax).ok());
+    EXPECT_EQ(ScalarValue(amax), static_cast<float>(MaxAbs(ToDoubles(x)))) << ShortName(dtype);
+  }
+  Tensor amax = Scalar(ops, 0.0f);
+  Tensor wrong = MakeEmpty(ops, DType::kBF16, {1});
+  EXPECT_EQ(ops.Amax(MakeRandom(ops, DType::kF32, {3}, 24), &wrong).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+struct ScaleCase {
+  float amax, fp8_max, margin, epsilon, want_scale;
+};
+
+TEST(CpuScaleFromAmaxTest, HandWorkedCases) {
+  const ScaleCase cases[] = {
+      {3.5f, 448.0f, 1.0f, 0.0f, 64.0f},           // 448 / 2 / 3.5
+      {2.0f, 57344.0f, 0.0f, 0.0f, 28672.0f},      // E5M2
+      {0.0f, 448.0f, 0.0f, 1e-3f, 448.0f / 1e-3f},  // epsilon raises a zero amax
+      {1e-5f, 448.0f, 0.0f, 1e-3f, 448.0f / 1e-3f},
+      {0.0f, 448.0f, 0.0f, 0.0f, 1.0f},            // no scale from a zero amax
+      {INFINITY, 448.0f, 0.0f, 0.0f, 1.0f},
+      {NAN, 448.0f, 0.0f, 0.0f, 1.0f},
+      {1e-45f, 448.0f, 0.0f, 0.0f, FLT_MAX},       // overflow is capped
+  };
+  CpuOps ops;
+  for (const ScaleCase& c : cases) {
+    Tensor amax = Scalar(ops, c.amax), scale = Scalar(ops, 0.0f), scale_inv = Scalar(ops, 0.0f);
+    ASSERT_TRUE(ops.ScaleFromAmax(amax, c.fp8_max, c.margin, c.epsilon, &scale, &scale_inv).ok());
+    EXPECT_EQ(ScalarValue(scale), c.want_scale) << "amax " << c.amax;
+    EXPECT_EQ(ScalarValue(scale_inv), 1.0f / c.want_scale) << "amax " << c.amax;
+  }
+}
+
+// ---- DelayedScalingUpdate ---------------------------------------------------------
+
+// One quantizer's state; Step() writes this step's amax into history[0] (what
+// Quantize does), runs the update and returns the new scale.
+class DelayedScaling {
+ public:
+  DelayedScaling(CpuOps* ops, int length, float scale, DelayedScalingArgs args)
+      : ops_(ops), args_(args) {
+    history_ = MakeTensor(*ops, DType::kF32, {length}, std::vector<float>(length, 0.0f));
+    scale_ = Scalar(*ops, scale);
+    scale_inv_ = Scalar(*ops, 1.0f / scale);
+  }
+  float Step(float amax) {
+    history_.data_as<float>()[0] = amax;
+    EXPECT_TRUE(ops_->DelayedScalingUpdate(args_, &history_, &scale_, &scale_inv_).ok());
+    EXPECT_EQ(ScalarValue(scale_inv_), 1.0f / ScalarValue(scale_));
+    return ScalarValue(scale_);
+  }
+  std::vector<float> history() const { return ToFloatVector(history_); }
+
+ private:
+  CpuOps* ops_;
+  DelayedScalingArgs args_;
+  Tensor history_, scale_, scale_inv_;
+};
+
+TEST(CpuDelayedScalingTest, MaxOverTheWindowAsItRolls) {
+  CpuOps ops;
+  DelayedScaling q(&ops, 4, 1.0f, DelayedScalingArgs{});
+  EXPECT_EQ(q.Step(2.0f), 224.0f);  // [2 0 0 0] -> max 2; rolled [0 0 0 2]
+  EXPECT_EQ(q.history(), (std::vector<float>{0, 0, 0, 2}));
+  EXPECT_EQ(q.Step(4.0f), 112.0f);  // [4 0 0 2] -> 4; [0 0 2 4]
+  EXPECT_EQ(q.history(), (std::vector<float>{0, 0, 2, 4}));
+  EXPECT_EQ(q.Step(1.0f), 112.0f);  // [1 0 2 4] -> 4; [0 2 4 1]
+  EXPECT_EQ(q.history(), (std::vector<float>{0, 2, 4, 1}));
+  EXPECT_EQ(q.Step(0.5f), 112.0f);  // [.5 2 4 1] -> 4; the 2 drops out: [0 4 1 .5]
+  EXPECT_EQ(q.history(), (std::vector<float>{0, 4, 1, 0.5f}));
+  EXPECT_EQ(q.Step(0.25f), 112.0f);  // [.25 4 1 .5] -> 4; [0 1 .5 .25]
+  EXPECT_EQ(q.Step(0.125f), 448.0f);  // [.125 1 .5 .25] -> 1: the 4 has left
+  EXPECT_EQ(q.history(), (std::vector<float>{0, 0.5f, 0.25f, 0.125f}));
+}
+
+TEST(CpuDelayedScalingTest, MostRecentUsesOnlyThisStep) {
+  CpuOps ops;
+  DelayedScalingArgs args;
+  args.most_recent = true;
+  DelayedScaling q(&ops, 4, 1.0f, args);
+  EXPECT_EQ(q.Step(2.0f), 224.0f);
+  EXPECT_EQ(q.Step(4.0f), 112.0f);
+  EXPECT_EQ(q.Step(1.0f), 448.0f);  // the max algorithm would still say 4
+  EXPECT_EQ(q.Step(0.5f), 896.0f);
+  EXPECT_EQ(q.history(), (std::vector<float>{0, 4, 1, 0.5f}));  // still rolls
+}
+
+TEST(CpuDelayedScalingTest, MarginAndFormatMax) {
+  CpuOps ops;
+  DelayedScalingArgs args;
+  args.fp8_max = 57344.0f;
+  args.margin = 2.0f;
+  DelayedScaling q(&ops, 2, 1.0f, args);
+  EXPECT_EQ(q.Step(7.0f), 57344.0f / 4.0f / 7.0f);
+  DelayedScalingArgs fractional;
+  fractional.margin = 0.5f;
+  DelayedScaling r(&ops, 1, 1.0f, fractional);
+  EXPECT_FLOAT_EQ(r.Step(1.0f), 448.0f / std::sqrt(2.0f));
+}
+
+TEST(CpuDelayedScalingTest, ZeroAmaxKeepsTheOldScale) {
+  CpuOps ops;
+  DelayedScaling q(&ops, 3, 5.0f, DelayedScalingArgs{});
+  EXPECT_EQ(q.Step(0.0f), 5.0f);  // the initial state: nothing seen yet
+  EXPECT_EQ(q.Step(0.0f), 5.0f);
+  EXPECT_EQ(q.Step(8.0f), 56.0f);
+}
+
+TEST(CpuDelayedScalingTest, InfKeepsTheOldScaleUntilItLeavesTheWindow) {
+  CpuOps ops;
+  DelayedScaling q(&ops, 3, 7.0f, DelayedScalingArgs{});
+  EXPECT_EQ(q.Step(INFINITY), 7.0f);  // [inf 0 0]; rolled [0 0 inf]
+  EXPECT_EQ(q.Step(2.0f), 7.0f);      // [2 0 inf]; [0 inf 2]
+  EXPECT_EQ(q.Step(3.0f), 7.0f);      // [3 inf 2]; [0 2 3]
+  EXPECT_EQ(q.Step(1.0f), 448.0f / 3.0f);  // [1 2 3]
+}
+
+TEST(CpuDelayedScalingTest, NanKeepsTheOldScale) {
+  CpuOps ops;
+  DelayedScaling q(&ops, 2, 3.0f, DelayedScalingArgs{});
+  EXPECT_EQ(q.Step(NAN), 3.0f);  // [nan 0]; rolled [0 nan]
+  EXPECT_EQ(q.Step(4.0f), 3.0f);  // [4 nan]: the window holds a NaN
+  EXPECT_EQ(q.Step(4.0f), 112.0f);
+  DelayedScalingArgs args;
+  args.most_recent = true;
+  DelayedScaling r(&ops, 2, 3.0f, args);
+  EXPECT_EQ(r.Step(NAN), 3.0f);
+  EXPECT_EQ(r.Step(4.0f), 112.0f);
+}
+
+TEST(CpuDelayedScalingTest, RejectsBadState) {
+  CpuOps ops;
+  Tensor history = MakeEmpty(ops, DType::kF32, {2, 2});
+  Tensor scale = Scalar(ops, 1.0f), scale_inv = Scalar(ops, 1.0f);
+  absl::Status s = ops.DelayedScalingUpdate(DelayedScalingArgs{}, &history, &scale, &scale_inv);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("amax_history"), absl::string_view::npos) << s;
+  Tensor ok_history = MakeTensor(ops, DType::kF32, {2}, {1.0f, 0.0f});
+  Tensor bf16_scale = MakeTensor(ops, DType::kBF16, {1}, {1.0f});
+  EXPECT_EQ(ops.DelayedScalingUpdate(DelayedScalingArgs{}, &ok_history, &bf16_scale, &scale_inv)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToFloatVector(ok_history), (std::vector<float>{1.0f, 0.0f}));  // untouched
+}
+
+// ---- block scaling -----------------------------------------------------------------
+
+// OCP MX: block scale 2^(floor(log2 amax) - 8), values cast to E4M3.
+std::vector<double> ReferenceMxfp8(const std::vector<double>& x) {
+  std::vector<double> y(x.size(), 0.0);
+  for (size_t b = 0; b < x.size(); b += 32) {
+    double amax = 0.0;
+    for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    if (amax == 0.0) continue;
+    const double scale = std::exp2(std::floor(std::log2(amax)) - 8.0);
+    for (size_t i = b; i < b + 32; ++i) {
+      y[i] = RoundTo(DType::kE4M3, static_cast<float>(x[i] / scale)) * scale;
+    }
+  }
+  return y;
+}
+
+// NVFP4: global scale amax / (448 * 6); per 16 values an E4M3 block scale
+// block_amax / 6 / global; values rounded to E2M1.
+std::vector<double> ReferenceNvfp4(const std::vector<double>& x) {
+  const double global = MaxAbs(x) / (448.0 * 6.0);
+  std::vector<double> y(x.size(), 0.0);
+  for (size_t b = 0; b < x.size(); b += 16) {
+    double amax = 0.0;
+    for (size_t i = b; i < b + 16; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const double block_scale = RoundTo(DType::kE4M3, static_cast<float>(amax / 6.0 / global));
+    if (block_scale == 0.0) continue;
+    for (size_t i = b; i < b + 16; ++i) {
+      const double s = block_scale * global;
+      y[i] = RoundToE2M1(static_cast<float>(x[i] / s)) * s;
+    }
+  }
+  return y;
+}
+
+// What the formats allow (relative): MXFP8 is E4M3 with the block max in
+// [256, 512) after scaling, so at worst saturation of the top binade (448 vs
+// 511) plus half an ulp; NVFP4's E2M1 has one mantissa bit.
+constexpr double kMxfp8Tolerance = 0.07;
+constexpr double kNvfp4Tolerance = 0.2;
+// Against the float64 reference the emulation differs only where float32
+// rounding moves a value across a rounding boundary.
+constexpr double kBlockReferenceTolerance = 1e-2;
+
+class BlockScalingTest
+    : public ::testing::TestWithParam<std::tuple<BlockFormat, DType, Shape>> {};
+
+TEST_P(BlockScalingTest, MatchesReference) {
+  const auto [format, dtype, shape] = GetParam();
+  CpuOps ops;
+  // Rows of very different magnitude, so block scales differ.
+  std::vector<float> values = testing::RandomValues(NumElements(shape), 25);
+  for (size_t i = 0; i < values.size(); ++i) values[i] *= std::exp2(static_cast<int>(i / 16 % 9) - 4);
+  Tensor x = MakeTensor(ops, dtype, shape, values);
+  Tensor y = MakeEmpty(ops, dtype, shape);
+  ASSERT_TRUE(ops.FakeQuantizeBlockScaled(format, x, &y).ok());
+  const std::vector<double> xv = ToDoubles(x);
+  const bool mx = format == BlockFormat::kMXFP8;
+  std::vector<double> ref = mx ? ReferenceMxfp8(xv) : ReferenceNvfp4(xv);
+  for (double& v : ref) v = RoundTo(dtype, static_cast<float>(v));
+  EXPECT_LT(RelativeError(y, ref), kBlockReferenceTolerance);
+  EXPECT_LT(RelativeError(y, xv), mx ? kMxfp8Tolerance : kNvfp4Tolerance);
+  if (mx && dtype == DType::kF32) {
+    // Every output is an E4M3 value times its block's power of two.
+    std::vector<double> yv = ToDoubles(y);
+    for (size_t b = 0; b < yv.size(); b += 32) {
+      double amax = 0.0;
+      for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(xv[i]));
+      const double scale = std::exp2(std::floor(std::log2(amax)) - 8.0);
+      for (size_t i = b; i < b + 32; ++i) {
+        const float q = static_cast<float>(yv[i] / scale);
+        ASSERT_EQ(RoundTo(DType::kE4M3, q), q) << "element " << i;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, BlockScalingTest,
+    ::testing::Combine(::testing::Values(BlockFormat::kMXFP8, BlockFormat::kNVFP4),
+                       ::testing::Values(DType::kF32, DType::kBF16),
+                       ::testing::Values(Shape{3, 64}, Shape{33, 96}, Shape{1, 32})));
+
+TEST(CpuBlockScalingTest, HandWorkedMxfp8Block) {
+  CpuOps ops;
+  // amax 500: floor(log2 500) = 8, scale 2^0; 500 saturates to 448, 1.0625
+  // (between 1 and 1.125, a tie) rounds to even 1, 0.0009 (under half of
+  // E4M3's smallest subnormal 2^-9) underflows to 0.
+  std::vector<float> v(32, 0.0f);
+  v[0] = 500.0f;
+  v[1] = 1.0625f;
+  v[2] = -3.3f;
+  v[3] = 0.0009f;
+  Tensor x = MakeTensor(ops, DType::kF32, {1, 32}, v);
+  Tensor y = MakeEmpty(ops, DType::kF32, {1, 32});
+  ASSERT_TRUE(ops.FakeQuantizeBlockScaled(BlockFormat::kMXFP8, x, &y).ok());
+  EXPECT_EQ(LoadAsFloat(y, 0), 448.0f);
+  EXPECT_EQ(LoadAsFloat(y, 1), 1.0f);
+  EXPECT_EQ(LoadAsFloat(y, 2), -3.25f);
+  EXPECT_EQ(LoadAsFloat(y, 3), 0.0f);
+}
+
+TEST(CpuBlockScalingTest, ZeroBlocksStayZero) {
+  CpuOps ops;
+  for (BlockFormat format : {BlockFormat::kMXFP8, BlockFormat::kNVFP4}) {
+    std::vector<float> v = testing::RandomValues(64, 26);
+    for (int i = 0; i < 32; ++i) v[i] = 0.0f;  // first block(s) zero
+    Tensor x = MakeTensor(ops, DType::kF32, {1, 64}, v);
+    Tensor y = MakeEmpty(ops, DType::kF32, {1, 64});
+    ASSERT_TRUE(ops.FakeQuantizeBlockScaled(format, x, &y).ok());
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(LoadAsFloat(y, i), 0.0f);
+    double nonzero = 0.0;
+    for (int i = 32; i < 64; ++i) nonzero += std::fabs(LoadAsFloat(y, i));
+    EXPECT_GT(nonzero, 0.0);
+  }
+  Tensor zeros = MakeTensor(ops, DType::kF32, {2, 16}, std::vector<float>(32, 0.0f));
+  Tensor y = MakeEmpty(ops, DType::kF32, {2, 16});
+  ASSERT_TRUE(ops.FakeQuantizeBlockScaled(BlockFormat::kNVFP4, zeros, &y).ok());
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(LoadAsFloat(y, i), 0.0f);
+}
+
+TEST(CpuBlockScalingTest, TheTensorMaxIsExactInNvfp4) {
+  // The block holding the tensor's amax gets block scale 448 (exact in E4M3),
+  // so its max maps to E2M1's 6 and back to itself.
+  CpuOps ops;
+  std::vector<float> v = testing::RandomValues(48, 27, -1.0f, 1.0f);
+  v[20] = -5.75f;
+  Tensor x = MakeTensor(ops, DType::kF32, {1, 48}, v);
+  Tensor y = MakeEmpty(ops, DType::kF32, {1, 48});
+  ASSERT_TRUE(ops.FakeQuantizeBlockScaled(BlockFormat::kNVFP4, x, &y).ok());
+  EXPECT_FLOAT_EQ(LoadAsFloat(y, 20), -5.75f);
+}
+
+TEST(CpuBlockScalingTest, RejectsRaggedBlocks) {
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, DType::kF32, {4, 48}, 28);
+  Tensor y = MakeEmpty(ops, DType::kF32, {4, 48});
+  absl::Status s = ops.FakeQuantizeBlockScaled(BlockFormat::kMXFP8, x, &y);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("48"), absl::string_view::npos) << s;
+  EXPECT_TRUE(ops.FakeQuantizeBlockScaled(BlockFormat::kNVFP4, x, &y).ok());
+}
+
+}  // namespace
+}  // namespace te
