@@ -1,0 +1,172 @@
+// The attention core's host-side pieces and helpers: T5 buckets (hand-checked
+// against TE's formula), packed-tensor splitting, rotary against a float64
+// reference of TE's rotary_pos_emb, and AttentionForward's argument checks.
+#include "server/layers/attention_core.h"
+
+#include <cmath>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/layers/attention_reference.h"
+#include "server/layers/testing.h"
+
+namespace te::layers {
+namespace {
+
+using testing::NewCpuOps;
+using testing::RandomTensor;
+using testing::Values;
+
+constexpr double kF32Tolerance = 1e-5;  // float32 op against a float64 reference
+
+int BucketOf(int64_t i, int64_t j, bool bidirectional) {
+  return RelativePositionBuckets(i + 1, j + 1, bidirectional, 32, 128)[i * (j + 1) + j];
+}
+
+TEST(RelativePositionBucketsTest, BidirectionalMatchesTeFormula) {
+  // 16 buckets a side, 8 exact: n = i - j; keys after the query use 16..31.
+  EXPECT_EQ(BucketOf(0, 0, true), 0);
+  EXPECT_EQ(BucketOf(1, 0, true), 1);
+  EXPECT_EQ(BucketOf(7, 0, true), 7);
+  EXPECT_EQ(BucketOf(0, 1, true), 17);
+  EXPECT_EQ(BucketOf(0, 7, true), 23);
+  // Large: 8 + floor(log(n / 8) / log(16) * 8).
+  EXPECT_EQ(BucketOf(8, 0, true), 8);
+  EXPECT_EQ(BucketOf(15, 0, true), 8 + static_cast<int>(std::log(15.0 / 8) / std::log(16.0) * 8));
+  EXPECT_EQ(BucketOf(16, 0, true), 10);
+  EXPECT_EQ(BucketOf(32, 0, true), 12);
+  EXPECT_EQ(BucketOf(64, 0, true), 14);
+  EXPECT_EQ(BucketOf(127, 0, true), 15);
+  EXPECT_EQ(BucketOf(300, 0, true), 15);  // clamped to the last bucket of the side
+  EXPECT_EQ(BucketOf(0, 300, true), 31);
+}
+
+TEST(RelativePositionBucketsTest, UnidirectionalIgnoresFutureKeys) {
+  // 32 buckets, 16 exact; keys after the query all fall in bucket 0.
+  EXPECT_EQ(BucketOf(0, 5, false), 0);
+  EXPECT_EQ(BucketOf(15, 0, false), 15);
+  EXPECT_EQ(BucketOf(32, 0, false), 16 + static_cast<int>(std::log(2.0) / std::log(8.0) * 16));
+  EXPECT_EQ(BucketOf(1000, 0, false), 31);
+}
+
+TEST(RelativePositionBucketsTest, EveryBucketInRangeAndToeplitz) {
+  const std::vector<int32_t> b = RelativePositionBuckets(40, 50, true, 32, 128);
+  for (int64_t i = 0; i < 40; ++i) {
+    for (int64_t j = 0; j < 50; ++j) {
+      ASSERT_GE(b[i * 50 + j], 0);
+      ASSERT_LT(b[i * 50 + j], 32);
+      if (i > 0 && j > 0) {
+        ASSERT_EQ(b[i * 50 + j], b[(i - 1) * 50 + j - 1]);
+      }
+    }
+  }
+}
+
+TEST(RelativeBucketCacheTest, UploadsTheComputedTable) {
+  auto ops = NewCpuOps();
+  RelativeBucketCache cache(true, 32, 128);
+  for (int round = 0; round < 2; ++round) {  // the second call hits the cache
+    auto buckets = cache.Buckets(*ops, 5, 7);
+    ASSERT_TRUE(buckets.ok()) << buckets.status();
+    EXPECT_EQ(buckets->shape(), (Shape{5, 7}));
+    const std::vector<int32_t> want = RelativePositionBuckets(5, 7, true, 32, 128);
+    for (int64_t n = 0; n < 35; ++n) EXPECT_EQ(buckets->data_as<int32_t>()[n], want[n]);
+  }
+}
+
+TEST(SplitAxisTest, SplitThenStackRoundTrips) {
+  auto ops = NewCpuOps();
+  const Tensor x = RandomTensor(*ops, {2, 3, 4, 5}, DType::kF32, 7);
+  for (int axis = 0; axis < 4; ++axis) {
+    auto parts = SplitAxis(*ops, x, axis);
+    ASSERT_TRUE(parts.ok()) << parts.status();
+    ASSERT_EQ(static_cast<int64_t>(parts->size()), x.dim(axis));
+    // parts[i] holds x[..., i, ...].
+    const std::vector<float> xs = Values(x);
+    const std::vector<float> last = Values(parts->back());
+    Shape strides = {60, 20, 5, 1};
+    int64_t n = 0;
+    for (int64_t i0 = 0; i0 < 2; ++i0)
+      for (int64_t i1 = 0; i1 < 3; ++i1)
+        for (int64_t i2 = 0; i2 < 4; ++i2)
+          for (int64_t i3 = 0; i3 < 5; ++i3) {
+            const int64_t idx[4] = {i0, i1, i2, i3};
+            if (idx[axis] != x.dim(axis) - 1) continue;
+            EXPECT_EQ(last[n++], xs[i0 * strides[0] + i1 * strides[1] + i2 * strides[2] + i3]);
+          }
+    auto stacked = StackAxis(*ops, *parts, axis);
+    ASSERT_TRUE(stacked.ok()) << stacked.status();
+    EXPECT_EQ(stacked->shape(), x.shape());
+    EXPECT_EQ(Values(*stacked), xs);
+  }
+}
+
+TEST(ApplyRotaryTest, MatchesTeConsecutivePairsAndInverts) {
+  auto ops = NewCpuOps();
+  const int64_t b = 2, s = 9, h = 3, d = 8;
+  const Tensor x = RandomTensor(*ops, {b, s, h, d}, DType::kF32, 11);
+  Tensor y;
+  ASSERT_TRUE(ApplyRotary(*ops, x, false, &y).ok());
+  const std::vector<float> xs = Values(x);
+  const reference::Vec want =
+      reference::Rotary(reference::Vec(xs.begin(), xs.end()), b, s, h, d);
+  const std::vector<float> ys = Values(y);
+  EXPECT_LT(reference::RelativeError(reference::Vec(ys.begin(), ys.end()), want), kF32Tolerance);
+  Tensor back;
+  ASSERT_TRUE(ApplyRotary(*ops, y, true, &back).ok());
+  const std::vector<float> bs = Values(back);
+  EXPECT_LT(reference::RelativeError(reference::Vec(bs.begin(), bs.end()),
+                                     reference::Vec(xs.begin(), xs.end())),
+            kF32Tolerance);
+  // In place (the output handle may be the input's).
+  Tensor same = x;
+  ASSERT_TRUE(ApplyRotary(*ops, same, false, &same).ok());
+  EXPECT_EQ(Values(same), ys);
+}
+
+TEST(AttentionForwardTest, RejectsMismatchedShapesAndLengths) {
+  auto ops = NewCpuOps();
+  AttentionConfig config;
+  config.num_heads = 4;
+  config.num_gqa_groups = 2;
+  config.head_dim = 8;
+  const Tensor q = RandomTensor(*ops, {2, 5, 4, 8}, DType::kF32, 1);
+  const Tensor kv = RandomTensor(*ops, {2, 6, 2, 8}, DType::kF32, 2);
+  const Tensor wrong_heads = RandomTensor(*ops, {2, 6, 3, 8}, DType::kF32, 3);
+  const Tensor bf16_kv = RandomTensor(*ops, {2, 6, 2, 8}, DType::kBF16, 4);
+  Tensor out;
+  EXPECT_TRUE(AttentionForward(*ops, config, q, kv, kv, {}, Tensor(), false, 0, &out, nullptr)
+                  .ok());
+  EXPECT_EQ(out.shape(), q.shape());
+  auto status =
+      AttentionForward(*ops, config, q, wrong_heads, kv, {}, Tensor(), false, 0, &out, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("k has shape"), std::string::npos) << status;
+  status = AttentionForward(*ops, config, q, kv, bf16_kv, {}, Tensor(), false, 0, &out, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+
+  config.mask = MaskType::kPadding;
+  const Tensor bad_lengths = RandomTensor(*ops, {3}, DType::kF32, 5);
+  status = AttentionForward(*ops, config, q, kv, kv, SeqLens{bad_lengths, Tensor()}, Tensor(),
+                            false, 0, &out, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("q_seqlens"), std::string::npos) << status;
+}
+
+TEST(ValidateAttentionConfigTest, NamesTheField) {
+  AttentionConfig config;
+  config.num_heads = 6;
+  config.num_gqa_groups = 4;
+  config.head_dim = 8;
+  const absl::Status status = ValidateAttentionConfig(config, "spec.x");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("spec.x.num_gqa_groups"), std::string::npos) << status;
+  config.num_gqa_groups = 3;
+  EXPECT_TRUE(ValidateAttentionConfig(config, "spec.x").ok());
+  config.dropout_rate = 1.0f;
+  EXPECT_EQ(ValidateAttentionConfig(config, "spec.x").code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace te::layers
