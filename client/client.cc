@@ -1,0 +1,248 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+
+namespace te::client {
+namespace {
+
+te::v1::NegotiationPolicy PolicyToProto(NegotiationPolicy policy) {
+  switch (policy) {
+    case NegotiationPolicy::kStrict: return te::v1::STRICT;
+    case NegotiationPolicy::kFallback: return te::v1::FALLBACK;
+    case NegotiationPolicy::kEmulate: return te::v1::EMULATE;
+  }
+  return te::v1::NEGOTIATION_POLICY_UNSPECIFIED;
+}
+
+std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode share their numbering.
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+// ---- Client -------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(DeadlineAfter(options.connect_timeout))) {
+    return absl::UnavailableError(absl::StrCat("could not connect to te_server at ", address, " within ",
+                                               absl::FormatDuration(options.connect_timeout)));
+  }
+  return std::unique_ptr<Client>(new Client(te::v1::TeService::NewStub(channel), options));
+}
+
+absl::StatusOr<te::v1::ServerInfo> Client::GetServerInfo() {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineAfter(options_.rpc_timeout));
+  te::v1::ServerInfo info;
+  absl::Status status = FromGrpcStatus(stub_->GetServerInfo(&context, te::v1::GetServerInfoRequest(), &info));
+  if (!status.ok()) return status;
+  return info;
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const SessionOptions& options) {
+  te::v1::CreateSessionRequest request;
+  for (const Recipe& recipe : options.recipes) *request.add_preferred_recipes() = ToProto(recipe);
+  request.set_policy(PolicyToProto(options.policy));
+  request.set_device(options.device);
+  request.set_ttl_seconds(absl::ToInt64Seconds(options.ttl));
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineAfter(options_.rpc_timeout));
+  te::v1::CreateSessionResponse response;
+  absl::Status status = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
+  if (!status.ok()) return status;
+  return std::unique_ptr<Session>(new Session(stub_, options_, response));
+}
+
+// ---- Session ------------------------------------------------------------------
+
+Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options,
+                 const te::v1::CreateSessionResponse& created)
+    : stub_(std::move(stub)),
+      options_(std::move(options)),
+      ref_(created.session()),
+      id_(created.session().session_id()),
+      device_(created.device()),
+      emulated_(created.emulated()),
+      negotiation_(created.negotiation()),
+      ttl_(absl::Seconds(created.ttl_seconds())) {
+  if (created.has_recipe()) {
+    absl::StatusOr<Recipe> recipe = FromProto(created.recipe());
+    if (recipe.ok()) recipe_ = *std::move(recipe);
+  }
+}
+
+Session::~Session() { Close().IgnoreError(); }
+
+void Session::PrepareContext(grpc::ClientContext* context) const {
+  context->set_deadline(DeadlineAfter(options_.rpc_timeout));
+}
+
+absl::Status Session::Close() {
+  if (closed_.exchange(true)) return absl::OkStatus();
+  te::v1::CloseSessionRequest request;
+  *request.mutable_session() = ref_;
+  grpc::ClientContext context;
+  // Closing should not hold a destructor for the full RPC timeout.
+  context.set_deadline(DeadlineAfter(std::min(options_.rpc_timeout, absl::Seconds(10))));
+  te::v1::CloseSessionResponse response;
+  return FromGrpcStatus(stub_->CloseSession(&context, request, &response));
+}
+
+absl::StatusOr<ResidentTensor> Session::Put(const HostTensor& tensor) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  te::v1::PutTensorResponse response;
+  std::unique_ptr<grpc::ClientWriter<te::v1::PutTensorChunk>> writer = stub_->PutTensor(&context, &response);
+  te::v1::PutTensorChunk chunk;
+  te::v1::PutTensorHeader* header = chunk.mutable_header();
+  *header->mutable_session() = ref_;
+  header->mutable_tensor()->set_dtype(ToProtoDType(tensor.dtype()));
+  for (int64_t d : tensor.shape()) header->mutable_tensor()->add_shape(d);
+  bool open = writer->Write(chunk);
+  const std::string& bytes = tensor.bytes();
+  const size_t step = std::max<size_t>(options_.chunk_bytes, 1);
+  for (size_t offset = 0; open && offset < bytes.size(); offset += step) {
+    chunk.Clear();
+    chunk.set_data(bytes.substr(offset, step));
+    open = writer->Write(chunk);
+  }
+  // A failed Write means the server ended the stream; Finish has its status.
+  writer->WritesDone();
+  absl::Status status = FromGrpcStatus(writer->Finish());
+  if (!status.ok()) return status;
+  return ResidentTensor{response.tensor_id(), tensor.dtype(), tensor.shape()};
+}
+
+absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
+  te::v1::GetTensorRequest request;
+  *request.mutable_session() = ref_;
+  request.set_tensor_id(tensor_id);
+  request.set_chunk_bytes(static_cast<int32_t>(options_.chunk_bytes));
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  std::unique_ptr<grpc::ClientReader<te::v1::TensorChunk>> reader = stub_->GetTensor(&context, request);
+  te::v1::TensorChunk chunk;
+  te::v1::TensorHeader header;
+  bool have_header = false;
+  std::string bytes;
+  while (reader->Read(&chunk)) {
+    if (chunk.has_header()) {
+      header = chunk.header();
+      have_header = true;
+      bytes.reserve(static_cast<size_t>(NumElements(Shape(header.shape().begin(), header.shape().end()))) * 4);
+    } else {
+      bytes += chunk.data();
+    }
+  }
+  absl::Status status = FromGrpcStatus(reader->Finish());
+  if (!status.ok()) return status;
+  if (!have_header) {
+    return absl::InternalError(absl::StrCat("GetTensor(", tensor_id, "): the stream had no header"));
+  }
+  absl::StatusOr<DType> dtype = FromProtoDType(header.dtype());
+  if (!dtype.ok()) return dtype.status();
+  return HostTensor::FromBytes(*dtype, Shape(header.shape().begin(), header.shape().end()), std::move(bytes));
+}
+
+absl::Status Session::Delete(const std::string& tensor_id) {
+  te::v1::DeleteTensorRequest request;
+  *request.mutable_session() = ref_;
+  request.set_tensor_id(tensor_id);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  te::v1::DeleteTensorResponse response;
+  return FromGrpcStatus(stub_->DeleteTensor(&context, request, &response));
+}
+
+absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
+  absl::Status first;
+  for (const std::string& id : tensor_ids) first.Update(Delete(id));
+  return first;
+}
+
+// One unary call with the session filled in. `Rpc` is a Stub member function.
+#define TE_CLIENT_UNARY(Rpc, Response)                                          \
+  *request.mutable_session() = ref_;                                            \
+  grpc::ClientContext context;                                                  \
+  PrepareContext(&context);                                                     \
+  te::v1::Response response;                                                    \
+  absl::Status status = FromGrpcStatus(stub_->Rpc(&context, request, &response)); \
+  if (!status.ok()) return status;
+
+absl::StatusOr<te::v1::InitLayerResponse> Session::InitLayer(te::v1::InitLayerRequest request) {
+  TE_CLIENT_UNARY(InitLayer, InitLayerResponse)
+  return response;
+}
+
+absl::StatusOr<te::v1::ForwardResponse> Session::Forward(te::v1::ForwardRequest request) {
+  TE_CLIENT_UNARY(Forward, ForwardResponse)
+  return response;
+}
+
+absl::StatusOr<te::v1::BackwardResponse> Session::Backward(te::v1::BackwardRequest request) {
+  TE_CLIENT_UNARY(Backward, BackwardResponse)
+  return response;
+}
+
+absl::StatusOr<te::v1::ForwardBackwardResponse> Session::ForwardBackward(
+    te::v1::ForwardBackwardRequest request) {
+  TE_CLIENT_UNARY(ForwardBackward, ForwardBackwardResponse)
+  return response;
+}
+
+absl::StatusOr<te::v1::GetVariablesResponse> Session::GetVariables(te::v1::GetVariablesRequest request) {
+  TE_CLIENT_UNARY(GetVariables, GetVariablesResponse)
+  return response;
+}
+
+absl::Status Session::SetVariables(te::v1::SetVariablesRequest request) {
+  TE_CLIENT_UNARY(SetVariables, SetVariablesResponse)
+  return absl::OkStatus();
+}
+
+absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRequest request) {
+  TE_CLIENT_UNARY(Benchmark, BenchmarkResponse)
+  return response;
+}
+
+#undef TE_CLIENT_UNARY
+
+absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vector<std::string>* uploaded) {
+  if (tensor.bytes().size() <= options_.inline_tensor_bytes) return ToInlineProto(tensor);
+  absl::StatusOr<ResidentTensor> resident = Put(tensor);
+  if (!resident.ok()) return resident.status();
+  uploaded->push_back(resident->id);
+  te::v1::Tensor proto;
+  proto.set_dtype(ToProtoDType(tensor.dtype()));
+  for (int64_t d : tensor.shape()) proto.add_shape(d);
+  proto.set_resident_id(resident->id);
+  return proto;
+}
+
+absl::StatusOr<HostTensor> Session::Receive(const te::v1::Tensor& tensor, const std::string& field) {
+  if (tensor.data_case() != te::v1::Tensor::kResidentId) return FromInlineProto(tensor, field);
+  absl::StatusOr<HostTensor> host = Get(tensor.resident_id());
+  absl::Status deleted = Delete(tensor.resident_id());
+  if (!host.ok()) return host.status();
+  if (!deleted.ok()) return deleted;
+  return host;
+}
+
+}  // namespace te::client

@@ -1,0 +1,172 @@
+// te_client: the C++ client of te_server, shaped like TE's JAX quickstart.
+//
+//   auto client = Client::Connect("localhost:50051").value();
+//   auto session = client->CreateSession({{DelayedScaling{}}}).value();
+//   TransformerLayer layer;                        // client/modules.h
+//   Autocast autocast(true, DelayedScaling{});     // client/recipe.h
+//   Variables vars = layer.Init(*session, /*key=*/42, x).value();
+//   HostTensor y = layer.Apply(vars, x).value();
+//
+// A Client is a connection; it is thread-safe. A Session is one server-side
+// session (parameters, FP8 state, resident tensors); its methods are
+// thread-safe, and the server runs one session's calls one at a time, in
+// arrival order. Every error is an absl::Status carrying the server's code
+// and message unchanged (the transport's own failures arrive as UNAVAILABLE or
+// DEADLINE_EXCEEDED). Companion headers: tensor.h (HostTensor), recipe.h
+// (recipes, Autocast), modules.h (the modules), sequential.h, speedometer.h.
+#ifndef TE_CLIENT_CLIENT_H_
+#define TE_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/recipe.h"
+#include "client/tensor.h"
+#include "te/v1/service.grpc.pb.h"
+
+namespace te::client {
+
+struct ClientOptions {
+  // Transport. Tensors up to inline_tensor_bytes travel inside the request;
+  // larger ones through the PutTensor / GetTensor streams in chunk_bytes
+  // pieces (the API allows 1-4 MiB), so no message nears the limit.
+  int max_message_bytes = 64 << 20;
+  size_t inline_tensor_bytes = 1 << 20;
+  size_t chunk_bytes = 1 << 20;
+
+  // Deadlines: Connect waits connect_timeout for the channel; every RPC gets
+  // rpc_timeout (a forward + backward of the full quickstart layer on a CPU
+  // server takes minutes).
+  absl::Duration connect_timeout = absl::Seconds(10);
+  absl::Duration rpc_timeout = absl::Minutes(30);
+};
+
+// How the server picks a recipe from the preferred list (te.v1.NegotiationPolicy).
+enum class NegotiationPolicy {
+  kStrict,    // the first recipe, natively, or FAILED_PRECONDITION
+  kFallback,  // the first recipe the device runs natively
+  kEmulate,   // the first recipe, natively or with emulated numerics
+};
+
+struct SessionOptions {
+  std::vector<Recipe> recipes;  // preferred, in order; empty: no FP8 recipe
+  NegotiationPolicy policy = NegotiationPolicy::kFallback;
+  std::string device;           // "cpu", "cuda:0"; empty: the server's choice
+  absl::Duration ttl = absl::ZeroDuration();  // idle TTL; zero: the server's default
+};
+
+// A tensor held by the server in a session (from Put, or kept outputs).
+struct ResidentTensor {
+  std::string id;
+  DType dtype = DType::kF32;
+  Shape shape;
+};
+
+class Session {
+ public:
+  // Closes the session (best effort: errors are dropped; call Close() to see them).
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Frees everything the session holds on the server. OK if already closed
+  // by this object; NOT_FOUND if the server had expired or evicted it.
+  absl::Status Close();
+
+  const std::string& id() const { return id_; }
+  const std::string& device() const { return device_; }
+  // The negotiated recipe (nullopt: none, bf16 only), whether the device
+  // emulates its numerics, and the server's account of what it skipped and why.
+  const std::optional<Recipe>& recipe() const { return recipe_; }
+  bool emulated() const { return emulated_; }
+  const std::string& negotiation() const { return negotiation_; }
+  absl::Duration ttl() const { return ttl_; }
+
+  // Uploads `tensor` through the PutTensor stream (chunk_bytes pieces). The
+  // tensor lives until Delete or the session's end. RESOURCE_EXHAUSTED when
+  // the session's memory limit would be passed.
+  absl::StatusOr<ResidentTensor> Put(const HostTensor& tensor);
+  // Downloads a resident tensor (GetTensor stream). NOT_FOUND for an unknown id.
+  absl::StatusOr<HostTensor> Get(const std::string& tensor_id);
+  absl::Status Delete(const std::string& tensor_id);
+
+  // --- Raw calls, for the module classes (modules.h) and tools. Each fills
+  // in the session reference, applies the deadline, and returns the server's
+  // response or status.
+  absl::StatusOr<te::v1::InitLayerResponse> InitLayer(te::v1::InitLayerRequest request);
+  absl::StatusOr<te::v1::ForwardResponse> Forward(te::v1::ForwardRequest request);
+  absl::StatusOr<te::v1::BackwardResponse> Backward(te::v1::BackwardRequest request);
+  absl::StatusOr<te::v1::ForwardBackwardResponse> ForwardBackward(te::v1::ForwardBackwardRequest request);
+  absl::StatusOr<te::v1::GetVariablesResponse> GetVariables(te::v1::GetVariablesRequest request);
+  absl::Status SetVariables(te::v1::SetVariablesRequest request);
+  absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(te::v1::BenchmarkRequest request);
+
+  // A request tensor for `tensor`: inline when small, else uploaded with Put
+  // (its id appended to *uploaded, for the caller to Delete after the call).
+  absl::StatusOr<te::v1::Tensor> Send(const HostTensor& tensor, std::vector<std::string>* uploaded);
+  // A response tensor as a HostTensor: inline bytes, or a resident id fetched
+  // and then deleted. `field` names it in errors.
+  absl::StatusOr<HostTensor> Receive(const te::v1::Tensor& tensor, const std::string& field);
+  // Deletes each id, keeping the first error.
+  absl::Status DeleteAll(const std::vector<std::string>& tensor_ids);
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  friend class Client;
+  Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options,
+          const te::v1::CreateSessionResponse& created);
+  void PrepareContext(grpc::ClientContext* context) const;
+
+  std::shared_ptr<te::v1::TeService::Stub> stub_;
+  ClientOptions options_;
+  te::v1::SessionRef ref_;
+  std::string id_;
+  std::string device_;
+  std::optional<Recipe> recipe_;
+  bool emulated_ = false;
+  std::string negotiation_;
+  absl::Duration ttl_;
+  std::atomic<bool> closed_{false};
+};
+
+class Client {
+ public:
+  // Opens an insecure channel to `address` ("host:port") and waits up to
+  // options.connect_timeout for it. UNAVAILABLE when nothing answers.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
+                                                         const ClientOptions& options = {});
+
+  // Version, devices (with the recipes each runs natively or emulated), dtypes, limits.
+  absl::StatusOr<te::v1::ServerInfo> GetServerInfo();
+
+  // Opens a session; the caller owns it (closing it on destruction). The
+  // recipe is negotiated from options.recipes under options.policy:
+  // FAILED_PRECONDITION when STRICT cannot be met; RESOURCE_EXHAUSTED when
+  // the server is at its session limit (retry later).
+  absl::StatusOr<std::unique_ptr<Session>> CreateSession(const SessionOptions& options = {});
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  Client(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options)
+      : stub_(std::move(stub)), options_(std::move(options)) {}
+
+  std::shared_ptr<te::v1::TeService::Stub> stub_;
+  ClientOptions options_;
+};
+
+// grpc::Status -> absl::Status with the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace te::client
+
+#endif  // TE_CLIENT_CLIENT_H_

@@ -1,0 +1,203 @@
+// Each module's te.v1.LayerSpec. Every field is written, TE's defaults
+// included, so what the server runs is exactly what the object says.
+#include "absl/strings/str_cat.h"
+#include "client/modules.h"
+#include "kernels/status_macros.h"
+
+namespace te::client {
+namespace {
+
+absl::StatusOr<te::v1::LayerNormType> ParseLayerNormType(const std::string& field, const std::string& value) {
+  if (value == "layernorm") return te::v1::LAYERNORM;
+  if (value == "rmsnorm") return te::v1::RMSNORM;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", value, "\" is not a layernorm type (layernorm, rmsnorm)"));
+}
+
+absl::StatusOr<te::v1::AttnMaskType> ParseMaskType(const std::string& field, const std::string& value) {
+  if (value == "no_mask") return te::v1::NO_MASK;
+  if (value == "padding") return te::v1::PADDING;
+  if (value == "causal") return te::v1::CAUSAL;
+  if (value == "padding_causal") return te::v1::PADDING_CAUSAL;
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": \"", value, "\" is not a mask type (no_mask, padding, causal, padding_causal)"));
+}
+
+absl::StatusOr<te::v1::QkvLayout> ParseQkvLayout(const std::string& field, const std::string& value) {
+  if (value == "bshd_bshd_bshd") return te::v1::BSHD_BSHD_BSHD;
+  if (value == "bs3hd") return te::v1::BS3HD;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", value, "\" is not a qkv layout (bshd_bshd_bshd, bs3hd)"));
+}
+
+absl::StatusOr<te::v1::AttnBiasType> ParseBiasType(const std::string& field,
+                                                   const std::optional<std::string>& value) {
+  if (!value.has_value()) return te::v1::ATTN_BIAS_TYPE_UNSPECIFIED;
+  if (*value == "no_bias") return te::v1::NO_BIAS;
+  if (*value == "post_scale_bias") return te::v1::POST_SCALE_BIAS;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", *value, "\" is not a bias type (no_bias, post_scale_bias)"));
+}
+
+absl::StatusOr<te::v1::ParamDType> ParseParamDType(const std::string& field, DType dtype) {
+  if (dtype == DType::kF32) return te::v1::PARAM_FLOAT32;
+  if (dtype == DType::kBF16) return te::v1::PARAM_BFLOAT16;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": parameters can be float32 or bfloat16, not ", DTypeName(dtype)));
+}
+
+template <typename Repeated, typename Values>
+void SetAll(Repeated* out, const Values& values) {
+  for (const auto& v : values) out->Add(v);
+}
+
+}  // namespace
+
+absl::StatusOr<te::v1::LayerSpec> LayerNorm::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::LayerNorm* p = spec.mutable_layer_norm();
+  p->set_epsilon(epsilon);
+  ASSIGN_OR_RETURN(te::v1::LayerNormType type, ParseLayerNormType("layernorm_type", layernorm_type));
+  p->set_layernorm_type(type);
+  p->set_zero_centered_gamma(zero_centered_gamma);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> DenseGeneral::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::DenseGeneral* p = spec.mutable_dense_general();
+  SetAll(p->mutable_features(), features);
+  p->set_use_bias(use_bias);
+  SetAll(p->mutable_axis(), axis);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> Activation::Spec() const {
+  te::v1::LayerSpec spec;
+  for (const std::string& a : activations) spec.mutable_activation()->add_activations(a);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> LayerNormDenseGeneral::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::LayerNormDenseGeneral* p = spec.mutable_layer_norm_dense_general();
+  SetAll(p->mutable_features(), features);
+  p->set_epsilon(epsilon);
+  ASSIGN_OR_RETURN(te::v1::LayerNormType type, ParseLayerNormType("layernorm_type", layernorm_type));
+  p->set_layernorm_type(type);
+  p->set_zero_centered_gamma(zero_centered_gamma);
+  p->set_use_bias(use_bias);
+  p->set_return_layernorm_output(return_layernorm_output);
+  p->set_enable_layernorm(enable_layernorm);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> LayerNormMLP::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::LayerNormMLP* p = spec.mutable_layer_norm_mlp();
+  p->set_intermediate_dim(intermediate_dim);
+  for (const std::string& a : activations) p->add_activations(a);
+  p->set_intermediate_dropout_rate(intermediate_dropout_rate);
+  p->set_use_bias(use_bias);
+  p->set_return_layernorm_output(return_layernorm_output);
+  p->set_epsilon(epsilon);
+  ASSIGN_OR_RETURN(te::v1::LayerNormType type, ParseLayerNormType("layernorm_type", layernorm_type));
+  p->set_layernorm_type(type);
+  p->set_zero_centered_gamma(zero_centered_gamma);
+  p->set_enable_layernorm(enable_layernorm);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> DotProductAttention::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::DotProductAttention* p = spec.mutable_dot_product_attention();
+  p->set_head_dim(head_dim);
+  p->set_num_attention_heads(num_attention_heads);
+  p->set_num_gqa_groups(num_gqa_groups.value_or(num_attention_heads));
+  p->set_attention_dropout(attention_dropout);
+  ASSIGN_OR_RETURN(te::v1::AttnMaskType mask, ParseMaskType("attn_mask_type", attn_mask_type));
+  p->set_attn_mask_type(mask);
+  ASSIGN_OR_RETURN(te::v1::QkvLayout layout, ParseQkvLayout("qkv_layout", qkv_layout));
+  p->set_qkv_layout(layout);
+  if (scale_factor.has_value()) p->set_scale_factor(*scale_factor);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> MultiHeadAttention::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::MultiHeadAttention* p = spec.mutable_multi_head_attention();
+  p->set_head_dim(head_dim);
+  p->set_num_attention_heads(num_attention_heads);
+  p->set_num_gqa_groups(num_gqa_groups.value_or(num_attention_heads));
+  p->set_attention_dropout(attention_dropout);
+  p->set_input_layernorm(input_layernorm);
+  ASSIGN_OR_RETURN(te::v1::LayerNormType type, ParseLayerNormType("layernorm_type", layernorm_type));
+  p->set_layernorm_type(type);
+  p->set_layernorm_epsilon(layernorm_epsilon);
+  p->set_zero_centered_gamma(zero_centered_gamma);
+  p->set_use_bias(use_bias);
+  ASSIGN_OR_RETURN(te::v1::AttnMaskType mask, ParseMaskType("attn_mask_type", attn_mask_type));
+  p->set_attn_mask_type(mask);
+  p->set_enable_rotary_pos_emb(enable_rotary_pos_emb);
+  p->set_scale_attn_logits(scale_attn_logits);
+  p->set_scaled_query_init(scaled_query_init);
+  p->set_return_layernorm_output(return_layernorm_output);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> TransformerLayer::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::TransformerLayer* p = spec.mutable_transformer_layer();
+  p->set_hidden_size(hidden_size);
+  p->set_mlp_hidden_size(mlp_hidden_size);
+  p->set_num_attention_heads(num_attention_heads);
+  p->set_num_gqa_groups(num_gqa_groups.value_or(num_attention_heads));
+  ASSIGN_OR_RETURN(te::v1::LayerNormType type, ParseLayerNormType("layernorm_type", layernorm_type));
+  p->set_layernorm_type(type);
+  p->set_layernorm_epsilon(layernorm_epsilon);
+  p->set_zero_centered_gamma(zero_centered_gamma);
+  p->set_hidden_dropout(hidden_dropout);
+  p->set_attention_dropout(attention_dropout);
+  p->set_intermediate_dropout(intermediate_dropout);
+  for (const std::string& a : mlp_activations) p->add_mlp_activations(a);
+  p->set_use_bias(use_bias);
+  ASSIGN_OR_RETURN(te::v1::AttnMaskType mask, ParseMaskType("self_attn_mask_type", self_attn_mask_type));
+  p->set_self_attn_mask_type(mask);
+  ASSIGN_OR_RETURN(te::v1::AttnBiasType bias, ParseBiasType("self_attn_bias_type", self_attn_bias_type));
+  p->set_self_attn_bias_type(bias);
+  p->set_enable_relative_embedding(enable_relative_embedding);
+  p->set_enable_rotary_pos_emb(enable_rotary_pos_emb);
+  p->set_scale_attn_logits(scale_attn_logits);
+  p->set_scaled_query_init(scaled_query_init);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> FlaxTransformerLayer::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::FlaxTransformerLayer* p = spec.mutable_flax_transformer_layer();
+  p->set_hidden_size(hidden_size);
+  p->set_ffn_hidden_size(ffn_hidden_size);
+  p->set_num_attention_heads(num_attention_heads);
+  p->set_layernorm_eps(layernorm_eps);
+  p->set_attention_dropout(attention_dropout);
+  p->set_hidden_dropout(hidden_dropout);
+  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
+  p->set_dtype(param_dtype);
+  return spec;
+}
+
+}  // namespace te::client

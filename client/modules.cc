@@ -1,0 +1,230 @@
+// The machinery every module shares: Init / Apply / ValueAndGrad / Forward
+// over the session's raw calls, and the shape-tree printer. The per-module
+// te.v1.LayerSpec builders are in module_specs.cc.
+#include "client/modules.h"
+
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kernels/status_macros.h"
+
+namespace te::client {
+namespace {
+
+absl::Status CheckVariables(const Variables& vars) {
+  if (vars.session == nullptr || vars.layer_id.empty()) {
+    return absl::FailedPreconditionError("variables: not from Module::Init (no session or layer id)");
+  }
+  return absl::OkStatus();
+}
+
+Shape ShapeOf(const google::protobuf::RepeatedField<int64_t>& dims) { return Shape(dims.begin(), dims.end()); }
+
+// Tensors uploaded for one call, deleted when the call is over (the first
+// error is kept for the caller; a failed delete leaks only session memory).
+class Uploads {
+ public:
+  explicit Uploads(Session& session) : session_(session) {}
+  ~Uploads() { session_.DeleteAll(ids_).IgnoreError(); }
+  std::vector<std::string>* ids() { return &ids_; }
+
+ private:
+  Session& session_;
+  std::vector<std::string> ids_;
+};
+
+// Whether a response tensor of about `bytes` should come back by stream.
+bool LargeForInline(const Session& session, int64_t bytes) {
+  return bytes > static_cast<int64_t>(session.options().inline_tensor_bytes);
+}
+
+absl::Status FillMicroBatch(Session& session, const HostTensor& x, const HostTensor& dy,
+                            const ApplyOptions& options, Uploads* uploads, te::v1::MicroBatch* batch) {
+  ASSIGN_OR_RETURN(*batch->mutable_x(), session.Send(x, uploads->ids()));
+  ASSIGN_OR_RETURN(*batch->mutable_dy(), session.Send(dy, uploads->ids()));
+  for (const HostTensor& extra : options.extra_inputs) {
+    ASSIGN_OR_RETURN(*batch->add_extra_inputs(), session.Send(extra, uploads->ids()));
+  }
+  if (options.attention_mask.has_value()) {
+    ASSIGN_OR_RETURN(*batch->mutable_attention_mask(), session.Send(*options.attention_mask, uploads->ids()));
+  }
+  batch->set_dropout_seed(options.dropout_seed);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool Variables::HasCollection(const std::string& collection) const {
+  for (const VariableInfo& v : variables) {
+    if (v.collection == collection) return true;
+  }
+  return false;
+}
+
+// ---- Shape tree -------------------------------------------------------------------
+
+namespace {
+
+// A nested dict of shapes, keys sorted as the quickstart's printout shows them.
+struct TreeNode {
+  std::map<std::string, std::unique_ptr<TreeNode>> children;
+  std::optional<Shape> shape;  // a leaf
+};
+
+std::string PythonTuple(const Shape& shape) {
+  if (shape.size() == 1) return absl::StrCat("(", shape[0], ",)");
+  return absl::StrCat("(", absl::StrJoin(shape, ", "), ")");
+}
+
+std::string Render(const TreeNode& node) {
+  if (node.shape.has_value()) return PythonTuple(*node.shape);
+  std::vector<std::string> items;
+  for (const auto& [key, child] : node.children) items.push_back(absl::StrCat("'", key, "': ", Render(*child)));
+  return absl::StrCat("{", absl::StrJoin(items, ", "), "}");
+}
+
+}  // namespace
+
+std::string ShapeTree(const std::vector<VariableInfo>& variables) {
+  TreeNode root;
+  for (const VariableInfo& v : variables) {
+    TreeNode* node = &root;
+    std::vector<std::string> keys = {v.collection};
+    for (absl::string_view part : absl::StrSplit(v.path, '/', absl::SkipEmpty())) keys.emplace_back(part);
+    for (const std::string& key : keys) {
+      std::unique_ptr<TreeNode>& child = node->children[key];
+      if (child == nullptr) child = std::make_unique<TreeNode>();
+      node = child.get();
+    }
+    node->shape = v.shape;
+  }
+  return Render(root);
+}
+
+// ---- Module -----------------------------------------------------------------------
+
+absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const HostTensor& x) const {
+  te::v1::InitLayerRequest request;
+  ASSIGN_OR_RETURN(*request.mutable_spec(), Spec());
+  request.set_seed(key);
+  request.set_input_dtype(ToProtoDType(x.dtype()));
+  for (int64_t d : x.shape()) request.add_input_shape(d);
+  *request.mutable_autocast() = ToProto(Autocast::Current());
+  ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session.InitLayer(std::move(request)));
+
+  Variables vars;
+  vars.session = &session;
+  vars.layer_id = response.layer_id();
+  vars.output_shape = ShapeOf(response.output_shape());
+  ASSIGN_OR_RETURN(vars.output_dtype, FromProtoDType(response.output_dtype()));
+  for (const te::v1::VariableInfo& info : response.variables()) {
+    ASSIGN_OR_RETURN(DType dtype, FromProtoDType(info.dtype()));
+    vars.variables.push_back(VariableInfo{info.collection(), info.path(), ShapeOf(info.shape()), dtype});
+  }
+  return vars;
+}
+
+absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostTensor& x,
+                                              const ApplyOptions& options, bool keep_for_backward) const {
+  RETURN_IF_ERROR(CheckVariables(vars));
+  Session& session = *vars.session;
+  Uploads uploads(session);
+  te::v1::ForwardRequest request;
+  request.set_layer_id(vars.layer_id);
+  ASSIGN_OR_RETURN(*request.mutable_x(), session.Send(x, uploads.ids()));
+  for (const HostTensor& extra : options.extra_inputs) {
+    ASSIGN_OR_RETURN(*request.add_extra_inputs(), session.Send(extra, uploads.ids()));
+  }
+  if (options.attention_mask.has_value()) {
+    ASSIGN_OR_RETURN(*request.mutable_attention_mask(), session.Send(*options.attention_mask, uploads.ids()));
+  }
+  request.set_deterministic(options.deterministic);
+  request.set_dropout_seed(options.dropout_seed);
+  *request.mutable_autocast() = ToProto(Autocast::Current());
+  request.set_keep_for_backward(keep_for_backward);
+  // y is about as large as x (a projection may widen it: budget for 4x).
+  request.set_keep_outputs(options.keep_outputs ||
+                           LargeForInline(session, 4 * static_cast<int64_t>(x.bytes().size())));
+  ASSIGN_OR_RETURN(te::v1::ForwardResponse response, session.Forward(std::move(request)));
+
+  ForwardResult result;
+  ASSIGN_OR_RETURN(result.y, session.Receive(response.y(), "y"));
+  if (response.has_ln_out() && response.ln_out().data_case() != te::v1::Tensor::DATA_NOT_SET) {
+    ASSIGN_OR_RETURN(result.ln_out, session.Receive(response.ln_out(), "ln_out"));
+  }
+  result.forward_id = response.forward_id();
+  return result;
+}
+
+absl::StatusOr<HostTensor> Module::Apply(const Variables& vars, const HostTensor& x,
+                                         const ApplyOptions& options) const {
+  ASSIGN_OR_RETURN(ForwardResult result, Forward(vars, x, options, /*keep_for_backward=*/false));
+  return std::move(result.y);
+}
+
+absl::StatusOr<ValueAndGradResult> Module::ValueAndGrad(const Variables& vars, const HostTensor& x,
+                                                        const HostTensor& dy, const ApplyOptions& options) const {
+  RETURN_IF_ERROR(CheckVariables(vars));
+  Session& session = *vars.session;
+  Uploads uploads(session);
+  te::v1::ForwardBackwardRequest request;
+  request.set_layer_id(vars.layer_id);
+  RETURN_IF_ERROR(FillMicroBatch(session, x, dy, options, &uploads, request.add_micro_batches()));
+  request.set_deterministic(options.deterministic);
+  *request.mutable_autocast() = ToProto(Autocast::Current());
+  request.set_return_dx(true);
+  request.set_return_grads(true);
+  ASSIGN_OR_RETURN(te::v1::ForwardBackwardResponse response, session.ForwardBackward(std::move(request)));
+  if (response.values_size() != 1 || response.dx_size() != 1) {
+    return absl::InternalError(absl::StrCat("ForwardBackward answered ", response.values_size(), " values and ",
+                                            response.dx_size(), " dx for one micro-batch"));
+  }
+  ValueAndGradResult result;
+  result.value = response.values(0);
+  ASSIGN_OR_RETURN(result.dx, session.Receive(response.dx(0), "dx"));
+  for (const te::v1::Variable& grad : response.grads()) {
+    ASSIGN_OR_RETURN(result.grads[absl::StrCat("params/", grad.path())],
+                     session.Receive(grad.value(), absl::StrCat("grads/", grad.path())));
+  }
+  return result;
+}
+
+absl::StatusOr<BackwardResult> Backward(Session& session, const std::string& forward_id, const HostTensor& dy) {
+  Uploads uploads(session);
+  te::v1::BackwardRequest request;
+  request.set_forward_id(forward_id);
+  ASSIGN_OR_RETURN(*request.mutable_dy(), session.Send(dy, uploads.ids()));
+  request.set_keep_outputs(LargeForInline(session, static_cast<int64_t>(dy.bytes().size())));
+  ASSIGN_OR_RETURN(te::v1::BackwardResponse response, session.Backward(std::move(request)));
+  BackwardResult result;
+  ASSIGN_OR_RETURN(result.dx, session.Receive(response.dx(), "dx"));
+  for (int i = 0; i < response.extra_input_grads_size(); ++i) {
+    ASSIGN_OR_RETURN(HostTensor g, session.Receive(response.extra_input_grads(i), "extra_input_grads"));
+    result.extra_input_grads.push_back(std::move(g));
+  }
+  for (const te::v1::Variable& grad : response.grads()) {
+    ASSIGN_OR_RETURN(result.grads[absl::StrCat("params/", grad.path())],
+                     session.Receive(grad.value(), absl::StrCat("grads/", grad.path())));
+  }
+  return result;
+}
+
+absl::StatusOr<std::map<std::string, HostTensor>> GetVariables(const Variables& vars,
+                                                               const std::vector<std::string>& collections) {
+  RETURN_IF_ERROR(CheckVariables(vars));
+  te::v1::GetVariablesRequest request;
+  request.set_layer_id(vars.layer_id);
+  for (const std::string& c : collections) request.add_collections(c);
+  ASSIGN_OR_RETURN(te::v1::GetVariablesResponse response, vars.session->GetVariables(std::move(request)));
+  std::map<std::string, HostTensor> out;
+  for (const te::v1::Variable& v : response.variables()) {
+    const std::string name = absl::StrCat(v.collection(), "/", v.path());
+    ASSIGN_OR_RETURN(out[name], vars.session->Receive(v.value(), name));
+  }
+  return out;
+}
+
+}  // namespace te::client

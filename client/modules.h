@@ -1,0 +1,281 @@
+// The modules of transformer_engine.jax.flax, as client-side descriptions
+// with TE's field names and defaults as public members, plus the quickstart's
+// plain-Flax layer. A module object is a configuration only (thread-compatible);
+// the layer's state lives in the server session that Init created it in.
+//
+//   TransformerLayer layer;
+//   layer.hidden_size = 64;
+//   Variables vars = layer.Init(*session, /*key=*/0, x).value();   // flax: init(key, x)
+//   HostTensor y = layer.Apply(vars, x).value();                   // flax: apply(vars, x)
+//
+// Init, Apply and ValueAndGrad send the calling thread's current Autocast
+// (recipe.h), as te.autocast scopes a Flax call.
+#ifndef TE_CLIENT_MODULES_H_
+#define TE_CLIENT_MODULES_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "te/v1/layers.pb.h"
+
+namespace te::client {
+
+struct VariableInfo {
+  std::string collection;  // "params" | "fp8_metas"
+  std::string path;        // "qkv/kernel", "mlp/kernel_0_amax_history"
+  Shape shape;
+  DType dtype = DType::kF32;
+};
+
+// What Init returns: the server's handle to one layer's variables.
+struct Variables {
+  Session* session = nullptr;  // not owned: must outlive every use of these variables
+  std::string layer_id;
+  std::vector<VariableInfo> variables;
+  Shape output_shape;          // for the input shape Init saw
+  DType output_dtype = DType::kF32;
+
+  bool HasCollection(const std::string& collection) const;
+};
+
+// The variable tree's shapes as the quickstart prints
+// jax.tree_util.tree_map(lambda x: x.shape, params):
+// "{'params': {'kernel': (64, 192), 'bias': (192,)}}", keys sorted.
+std::string ShapeTree(const std::vector<VariableInfo>& variables);
+
+struct ApplyOptions {
+  bool deterministic = true;   // Flax's `deterministic`: true turns dropout off
+  uint64_t dropout_seed = 0;   // the "dropout" PRNG key
+  std::optional<HostTensor> attention_mask;  // bool [B, 1, Sq, Skv], true = masked out
+  std::vector<HostTensor> extra_inputs;      // DotProductAttention (bshd_bshd_bshd): k, v
+  // y comes back through the GetTensor stream instead of inline (chosen
+  // automatically when y is larger than ClientOptions::inline_tensor_bytes).
+  bool keep_outputs = false;
+};
+
+struct ForwardResult {
+  HostTensor y;
+  std::optional<HostTensor> ln_out;  // modules that return their layernorm output
+  std::string forward_id;            // set when the forward was kept for Backward
+};
+
+// Gradients of vdot(y, dy). `grads` is keyed like the params it belongs to
+// ("params/qkv/kernel").
+struct BackwardResult {
+  HostTensor dx;
+  std::vector<HostTensor> extra_input_grads;  // dk, dv for bshd attention
+  std::map<std::string, HostTensor> grads;
+};
+
+struct ValueAndGradResult {
+  double value = 0.0;  // vdot(apply(x), dy)
+  HostTensor dx;
+  std::map<std::string, HostTensor> grads;
+};
+
+// The shared machinery: a module only says what its te.v1.LayerSpec is.
+class Module {
+ public:
+  virtual ~Module() = default;
+
+  virtual std::string type_name() const = 0;
+  // INVALID_ARGUMENT naming the field when a string field has no te.v1 value
+  // (e.g. layernorm_type "batchnorm").
+  virtual absl::StatusOr<te::v1::LayerSpec> Spec() const = 0;
+
+  // Creates the layer's variables on the server from `key` and x's shape and
+  // dtype (x's values are not sent). Under a DelayedScaling autocast the
+  // fp8_metas collection is created too. INVALID_ARGUMENT when x does not fit
+  // the module. The returned Variables point at `session`.
+  absl::StatusOr<Variables> Init(Session& session, uint64_t key, const HostTensor& x) const;
+
+  // y = apply(vars, x). FAILED_PRECONDITION (the server's message) when FP8 is
+  // on and the layer was initialised without a DelayedScaling autocast.
+  absl::StatusOr<HostTensor> Apply(const Variables& vars, const HostTensor& x,
+                                   const ApplyOptions& options = {}) const;
+
+  // jax.value_and_grad(lambda v, x: vdot(apply(v, x), dy), argnums=(0, 1)),
+  // one ForwardBackward call. Under DelayedScaling the step's end updates the
+  // server's FP8 scales.
+  absl::StatusOr<ValueAndGradResult> ValueAndGrad(const Variables& vars, const HostTensor& x,
+                                                  const HostTensor& dy,
+                                                  const ApplyOptions& options = {}) const;
+
+  // A forward that, with keep_for_backward, leaves what Backward needs on the
+  // server (for chaining modules by hand; see sequential.h).
+  absl::StatusOr<ForwardResult> Forward(const Variables& vars, const HostTensor& x,
+                                        const ApplyOptions& options, bool keep_for_backward) const;
+};
+
+// The backward of a kept forward: gradients of vdot(y, dy). NOT_FOUND when
+// the forward id is unknown or was already used.
+absl::StatusOr<BackwardResult> Backward(Session& session, const std::string& forward_id,
+                                        const HostTensor& dy);
+
+// The layer's current variables ("params/...", "fp8_metas/...", "grads/..."),
+// downloaded; `collections` empty means all.
+absl::StatusOr<std::map<std::string, HostTensor>> GetVariables(
+    const Variables& vars, const std::vector<std::string>& collections = {});
+
+// ---- The modules (TE's defaults) ----------------------------------------------
+
+class LayerNorm : public Module {
+ public:
+  float epsilon = 1e-6f;
+  std::string layernorm_type = "layernorm";  // | "rmsnorm"
+  bool zero_centered_gamma = false;
+  DType dtype = DType::kF32;  // parameter dtype
+
+  std::string type_name() const override { return "LayerNorm"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class DenseGeneral : public Module {
+ public:
+  explicit DenseGeneral(std::vector<int64_t> features) : features(std::move(features)) {}
+  std::vector<int64_t> features;
+  bool use_bias = true;
+  std::vector<int> axis = {-1};
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "DenseGeneral"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+// te.activation.activation(x, activation_type): no parameters.
+class Activation : public Module {
+ public:
+  std::vector<std::string> activations = {"gelu"};
+
+  std::string type_name() const override { return "Activation"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class LayerNormDenseGeneral : public Module {
+ public:
+  explicit LayerNormDenseGeneral(std::vector<int64_t> features) : features(std::move(features)) {}
+  std::vector<int64_t> features;
+  float epsilon = 1e-6f;
+  std::string layernorm_type = "layernorm";
+  bool zero_centered_gamma = false;
+  bool use_bias = false;
+  bool return_layernorm_output = true;
+  bool enable_layernorm = true;
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "LayerNormDenseGeneral"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class LayerNormMLP : public Module {
+ public:
+  int64_t intermediate_dim = 2048;
+  std::vector<std::string> activations = {"relu"};
+  float intermediate_dropout_rate = 0.1f;
+  bool use_bias = false;
+  bool return_layernorm_output = true;
+  float epsilon = 1e-6f;
+  std::string layernorm_type = "layernorm";
+  bool zero_centered_gamma = false;
+  bool enable_layernorm = true;
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "LayerNormMLP"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+// Inputs: q as x and k, v as ApplyOptions::extra_inputs (bshd_bshd_bshd), or
+// the packed [B, S, 3, H, D] qkv as x (bs3hd).
+class DotProductAttention : public Module {
+ public:
+  DotProductAttention(int head_dim, int num_attention_heads)
+      : head_dim(head_dim), num_attention_heads(num_attention_heads) {}
+  int head_dim;
+  int num_attention_heads;
+  std::optional<int> num_gqa_groups;  // None: num_attention_heads
+  float attention_dropout = 0.0f;
+  std::string attn_mask_type = "causal";  // no_mask | padding | causal | padding_causal
+  std::string qkv_layout = "bshd_bshd_bshd";  // | "bs3hd"
+  std::optional<float> scale_factor;  // None: 1 / sqrt(head_dim)
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "DotProductAttention"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class MultiHeadAttention : public Module {
+ public:
+  MultiHeadAttention(int head_dim, int num_attention_heads)
+      : head_dim(head_dim), num_attention_heads(num_attention_heads) {}
+  int head_dim;
+  int num_attention_heads;
+  std::optional<int> num_gqa_groups;
+  float attention_dropout = 0.0f;
+  bool input_layernorm = true;
+  std::string layernorm_type = "layernorm";
+  float layernorm_epsilon = 1e-6f;
+  bool zero_centered_gamma = false;
+  bool use_bias = false;
+  std::string attn_mask_type = "causal";
+  bool enable_rotary_pos_emb = false;
+  bool scale_attn_logits = false;
+  bool scaled_query_init = true;
+  bool return_layernorm_output = false;
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "MultiHeadAttention"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class TransformerLayer : public Module {
+ public:
+  int64_t hidden_size = 512;
+  int64_t mlp_hidden_size = 2048;
+  int num_attention_heads = 8;
+  std::optional<int> num_gqa_groups;
+  std::string layernorm_type = "layernorm";
+  float layernorm_epsilon = 1e-6f;
+  bool zero_centered_gamma = false;
+  float hidden_dropout = 0.1f;
+  float attention_dropout = 0.1f;
+  float intermediate_dropout = 0.1f;
+  std::vector<std::string> mlp_activations = {"relu"};
+  bool use_bias = false;
+  std::string self_attn_mask_type = "causal";
+  std::optional<std::string> self_attn_bias_type;  // None | "no_bias" | "post_scale_bias"
+  bool enable_relative_embedding = true;
+  bool enable_rotary_pos_emb = false;
+  bool scale_attn_logits = false;
+  bool scaled_query_init = true;
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "TransformerLayer"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+// The quickstart's FlaxTransformerLayer (flax.linen LayerNorm, Dense,
+// dot-product attention with a causal mask, Dropout, gelu MLP).
+class FlaxTransformerLayer : public Module {
+ public:
+  FlaxTransformerLayer(int64_t hidden_size, int64_t ffn_hidden_size, int num_attention_heads)
+      : hidden_size(hidden_size), ffn_hidden_size(ffn_hidden_size), num_attention_heads(num_attention_heads) {}
+  int64_t hidden_size;
+  int64_t ffn_hidden_size;
+  int num_attention_heads;
+  float layernorm_eps = 1e-5f;
+  float attention_dropout = 0.1f;
+  float hidden_dropout = 0.1f;
+  DType dtype = DType::kF32;
+
+  std::string type_name() const override { return "FlaxTransformerLayer"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+}  // namespace te::client
+
+#endif  // TE_CLIENT_MODULES_H_

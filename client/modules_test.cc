@@ -1,0 +1,151 @@
+// Modules without a server: specs carry TE's defaults, shape trees print as
+// the quickstart prints them, and the Sequential glue steps invert.
+#include "client/modules.h"
+
+#include "client/sequential.h"
+#include "gtest/gtest.h"
+
+namespace te::client {
+namespace {
+
+TEST(ShapeTreeTest, PrintsLikeTheQuickstart) {
+  // The quickstart's FlaxTransformerLayer at its own sizes, in server order.
+  const std::vector<VariableInfo> vars = {
+      {"params", "LayerNorm_0/scale", {4096}, DType::kF32},
+      {"params", "LayerNorm_0/bias", {4096}, DType::kF32},
+      {"params", "Dense_0/kernel", {4096, 12288}, DType::kF32},
+      {"params", "Dense_0/bias", {12288}, DType::kF32},
+      {"params", "Dense_1/kernel", {4096, 4096}, DType::kF32},
+      {"params", "Dense_1/bias", {4096}, DType::kF32},
+      {"params", "LayerNorm_1/scale", {4096}, DType::kF32},
+      {"params", "LayerNorm_1/bias", {4096}, DType::kF32},
+      {"params", "FlaxMLP_0/Dense_0/kernel", {4096, 16384}, DType::kF32},
+      {"params", "FlaxMLP_0/Dense_0/bias", {16384}, DType::kF32},
+      {"params", "FlaxMLP_0/Dense_1/kernel", {16384, 4096}, DType::kF32},
+      {"params", "FlaxMLP_0/Dense_1/bias", {4096}, DType::kF32},
+  };
+  EXPECT_EQ(ShapeTree(vars),
+            "{'params': {'Dense_0': {'bias': (12288,), 'kernel': (4096, 12288)}, 'Dense_1': {'bias': (4096,), "
+            "'kernel': (4096, 4096)}, 'FlaxMLP_0': {'Dense_0': {'bias': (16384,), 'kernel': (4096, 16384)}, "
+            "'Dense_1': {'bias': (4096,), 'kernel': (16384, 4096)}}, 'LayerNorm_0': {'bias': (4096,), 'scale': "
+            "(4096,)}, 'LayerNorm_1': {'bias': (4096,), 'scale': (4096,)}}}");
+}
+
+TEST(ShapeTreeTest, Fp8MetasAndScalars) {
+  const std::vector<VariableInfo> vars = {
+      {"params", "kernel", {64, 192}, DType::kF32},
+      {"fp8_metas", "kernel_amax_history", {16}, DType::kF32},
+      {"fp8_metas", "kernel_scale", {1}, DType::kF32},
+      {"params", "step", {}, DType::kI32},
+  };
+  EXPECT_EQ(ShapeTree(vars),
+            "{'fp8_metas': {'kernel_amax_history': (16,), 'kernel_scale': (1,)}, "
+            "'params': {'kernel': (64, 192), 'step': ()}}");
+  EXPECT_EQ(ShapeTree({}), "{}");
+}
+
+TEST(ModuleSpecTest, TransformerLayerDefaultsAreTEs) {
+  const TransformerLayer layer;
+  absl::StatusOr<te::v1::LayerSpec> spec = layer.Spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_TRUE(spec->has_transformer_layer());
+  const te::v1::TransformerLayer& p = spec->transformer_layer();
+  EXPECT_EQ(p.hidden_size(), 512);
+  EXPECT_EQ(p.mlp_hidden_size(), 2048);
+  EXPECT_EQ(p.num_attention_heads(), 8);
+  EXPECT_EQ(p.num_gqa_groups(), 8);  // None: one group per head
+  EXPECT_EQ(p.layernorm_type(), te::v1::LAYERNORM);
+  EXPECT_FLOAT_EQ(p.layernorm_epsilon(), 1e-6f);
+  EXPECT_FLOAT_EQ(p.hidden_dropout(), 0.1f);
+  EXPECT_FLOAT_EQ(p.attention_dropout(), 0.1f);
+  EXPECT_FLOAT_EQ(p.intermediate_dropout(), 0.1f);
+  ASSERT_EQ(p.mlp_activations_size(), 1);
+  EXPECT_EQ(p.mlp_activations(0), "relu");
+  EXPECT_FALSE(p.use_bias());
+  EXPECT_EQ(p.self_attn_mask_type(), te::v1::CAUSAL);
+  EXPECT_EQ(p.self_attn_bias_type(), te::v1::ATTN_BIAS_TYPE_UNSPECIFIED);
+  EXPECT_TRUE(p.enable_relative_embedding());
+  EXPECT_TRUE(p.scaled_query_init());
+  EXPECT_EQ(p.dtype(), te::v1::PARAM_FLOAT32);
+}
+
+TEST(ModuleSpecTest, QuickstartFusedModules) {
+  LayerNormDenseGeneral qkv({192});
+  qkv.epsilon = 1e-5f;
+  qkv.use_bias = true;
+  qkv.return_layernorm_output = false;
+  absl::StatusOr<te::v1::LayerSpec> spec = qkv.Spec();
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->layer_norm_dense_general().features(0), 192);
+  EXPECT_TRUE(spec->layer_norm_dense_general().use_bias());
+  EXPECT_FALSE(spec->layer_norm_dense_general().return_layernorm_output());
+  EXPECT_TRUE(spec->layer_norm_dense_general().enable_layernorm());
+
+  const LayerNormMLP mlp;
+  spec = mlp.Spec();
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->layer_norm_mlp().intermediate_dim(), 2048);
+  EXPECT_EQ(spec->layer_norm_mlp().activations(0), "relu");
+  EXPECT_FLOAT_EQ(spec->layer_norm_mlp().intermediate_dropout_rate(), 0.1f);
+  EXPECT_FALSE(spec->layer_norm_mlp().use_bias());
+
+  DotProductAttention attention(16, 4);
+  spec = attention.Spec();
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->dot_product_attention().attn_mask_type(), te::v1::CAUSAL);
+  EXPECT_EQ(spec->dot_product_attention().qkv_layout(), te::v1::BSHD_BSHD_BSHD);
+  EXPECT_FALSE(spec->dot_product_attention().has_scale_factor());  // 1/sqrt(head_dim) on the server
+}
+
+TEST(ModuleSpecTest, UnknownStringsNameTheField) {
+  LayerNorm norm;
+  norm.layernorm_type = "batchnorm";
+  absl::Status status = norm.Spec().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("layernorm_type"), std::string::npos) << status;
+
+  TransformerLayer layer;
+  layer.self_attn_mask_type = "diagonal";
+  status = layer.Spec().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("self_attn_mask_type"), std::string::npos) << status;
+
+  DenseGeneral dense({8});
+  dense.dtype = DType::kE4M3;
+  EXPECT_EQ(dense.Spec().status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ModuleTest, ApplyNeedsVariablesFromInit) {
+  const DenseGeneral dense({8});
+  const HostTensor x = HostTensor::RandomNormal({2, 4}, DType::kBF16, 3);
+  EXPECT_EQ(dense.Apply(Variables{}, x).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(dense.ValueAndGrad(Variables{}, x, x).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SequentialGlueTest, QkvSplitAndItsBackward) {
+  // [B, S, 3 * heads * D] -> [B, S, heads, 3D] -> q, k, v [B, S, heads, D].
+  const HostStep reshape = ReshapeTrailing({24}, {4, 6});
+  const HostStep split = SplitLastAxisStep(3);
+  const HostTensor qkv = HostTensor::RandomNormal({2, 3, 24}, DType::kBF16, 7);
+  absl::StatusOr<Tensors> viewed = reshape.forward({qkv});
+  ASSERT_TRUE(viewed.ok());
+  absl::StatusOr<Tensors> q_k_v = split.forward(*viewed);
+  ASSERT_TRUE(q_k_v.ok());
+  ASSERT_EQ(q_k_v->size(), 3u);
+  EXPECT_EQ((*q_k_v)[0].shape(), (Shape{2, 3, 4, 2}));
+
+  // The backward maps gradients the other way, to the input's layout.
+  absl::StatusOr<Tensors> joined = split.backward(*q_k_v);
+  ASSERT_TRUE(joined.ok());
+  absl::StatusOr<Tensors> dqkv = reshape.backward(*joined);
+  ASSERT_TRUE(dqkv.ok());
+  EXPECT_EQ((*dqkv)[0].shape(), qkv.shape());
+  EXPECT_EQ((*dqkv)[0].bytes(), qkv.bytes());
+
+  EXPECT_EQ(reshape.forward({HostTensor::RandomNormal({2, 3, 25}, DType::kBF16, 1)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(split.backward({qkv}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace te::client

@@ -1,0 +1,303 @@
+// quickstart: TE's JAX quickstart (docs/examples/quickstart_jax.ipynb)
+// replayed through te_server with the client library.
+//
+// The notebook builds a GPT decoder layer six ways and times each with its
+// speedometer (forward + backward, value_and_grad of vdot(y, dy)) on bf16
+// inputs with a causal mask:
+//   1. FlaxTransformerLayer: plain Flax (nn.LayerNorm, nn.Dense, dot-product
+//      attention, gelu MLP).
+//   2. TEUnfusedTransformerLayer(use_te_attention=False): te_flax LayerNorm,
+//      DenseGeneral and activation, with Flax's attention.
+//   3. TEUnfusedTransformerLayer: the same with te_flax.DotProductAttention.
+//   4. 3 under te.autocast(DelayedScaling(HYBRID, amax_history_len=16, "max")).
+//   5. TEFusedTransformerLayer: LayerNormDenseGeneral + LayerNormMLP, FP8.
+//   6. te_flax.TransformerLayer, FP8.
+// Variants 1 and 6 are single server modules. 2-5 compose modules in Flax, so
+// here they are a client-side Sequential of server modules with the reshapes,
+// the q/k/v split and the residual adds done on the client.
+//
+//   quickstart --server=localhost:50051 --config=small --variants=all --iters=10
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/modules.h"
+#include "client/sequential.h"
+#include "client/speedometer.h"
+#include "kernels/status_macros.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "te_server address (host:port)");
+ABSL_FLAG(std::string, config, "small",
+          "small (batch 2, seq 32, hidden 64, ffn 256, 4 heads) or quickstart (batch 4, seq 2048, "
+          "hidden 4096, ffn 16384, 32 heads)");
+ABSL_FLAG(std::string, variants, "all", "which variants to run: all, or a list such as 1,4,6");
+ABSL_FLAG(int, iters, 10, "timed steps per variant (the notebook uses 50)");
+ABSL_FLAG(int, warmup, 3, "warm-up steps per variant (the notebook uses 50)");
+ABSL_FLAG(bool, server_side, false, "time single-module variants on the server (Benchmark RPC)");
+
+namespace te::client {
+namespace {
+
+struct Config {
+  int64_t batch, seq, hidden, ffn;
+  int heads;
+};
+
+absl::StatusOr<Config> ParseConfig(const std::string& name) {
+  if (name == "small") return Config{2, 32, 64, 256, 4};
+  if (name == "quickstart") return Config{4, 2048, 4096, 16384, 32};
+  return absl::InvalidArgumentError(absl::StrCat("--config: \"", name, "\" is not small or quickstart"));
+}
+
+absl::StatusOr<std::set<int>> ParseVariants(const std::string& text) {
+  if (text == "all") return std::set<int>{1, 2, 3, 4, 5, 6};
+  std::set<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < 1 || v > 6) {
+      return absl::InvalidArgumentError(absl::StrCat("--variants: \"", part, "\" is not a variant 1-6"));
+    }
+    out.insert(v);
+  }
+  return out;
+}
+
+std::string PythonShape(const Shape& shape) {
+  if (shape.size() == 1) return absl::StrCat("(", shape[0], ",)");
+  return absl::StrCat("(", absl::StrJoin(shape, ", "), ")");
+}
+
+// The notebook's fp8_recipe.
+DelayedScaling QuickstartRecipe() {
+  DelayedScaling recipe;
+  recipe.fp8_format = Format::kHybrid;
+  recipe.amax_history_len = 16;
+  recipe.amax_compute_algo = "max";
+  return recipe;
+}
+
+// The attention block of TEUnfusedTransformerLayer / TEFusedTransformerLayer
+// after the qkv projection: qkv.reshape(b, s, heads, 3 * kv_channels), split
+// into q, k, v, DotProductAttention, reshape to (b, s, hidden), then the
+// output DenseGeneral. (The notebook's nn.Dropout after the projection has no
+// server module and is left out; the server's attention dropout is kept.)
+void AddAttention(const Config& c, bool flax_mask, Sequential* layer) {
+  const int64_t kv_channels = c.hidden / c.heads;
+  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv_channels}));
+  layer->AddHost("qkv_split", SplitLastAxisStep(3));
+  auto attention = std::make_shared<DotProductAttention>(static_cast<int>(kv_channels), c.heads);
+  attention->num_gqa_groups = c.heads;
+  attention->attention_dropout = 0.1f;
+  attention->attn_mask_type = "causal";
+  attention->dtype = DType::kBF16;
+  layer->Add("DotProductAttention_0", attention, /*pass_attention_mask=*/flax_mask);
+  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv_channels}, {c.hidden}));
+  auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
+  proj->use_bias = true;
+  layer->Add("DenseGeneral_1", proj);
+}
+
+// Variants 2-4: TEUnfusedTransformerLayer. The server has no standalone Flax
+// attention; with `flax_mask` (variant 2) the attention gets the explicit
+// [B, 1, S, S] causal mask Flax's attention is given (nn.make_causal_mask),
+// which a causal attention honours and ignores, as TE does. The timing then
+// differs from variant 3 only by the mask's traffic.
+Sequential UnfusedLayer(const Config& c, bool flax_mask) {
+  Sequential layer;
+  auto ln = [] {
+    auto norm = std::make_shared<LayerNorm>();
+    norm->epsilon = 1e-5f;
+    return norm;
+  };
+  layer.Fork();
+  layer.Add("LayerNorm_0", ln());
+  auto qkv = std::make_shared<DenseGeneral>(std::vector<int64_t>{3 * c.hidden});
+  qkv->use_bias = true;
+  layer.Add("DenseGeneral_0", qkv);
+  AddAttention(c, flax_mask, &layer);
+  layer.Join();
+  layer.Fork();
+  layer.Add("LayerNorm_1", ln());
+  // TEUnfusedMLP: DenseGeneral(ffn) -> te.activation.activation(gelu) -> DenseGeneral(hidden).
+  auto fc1 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.ffn});
+  fc1->use_bias = true;
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", fc1);
+  auto gelu = std::make_shared<Activation>();
+  gelu->activations = {"gelu"};
+  layer.Add("TEUnfusedMLP_0/activation", gelu);
+  auto fc2 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
+  fc2->use_bias = true;
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", fc2);
+  layer.Join();
+  return layer;
+}
+
+// Variant 5: TEFusedTransformerLayer.
+Sequential FusedLayer(const Config& c) {
+  Sequential layer;
+  layer.Fork();
+  auto qkv = std::make_shared<LayerNormDenseGeneral>(std::vector<int64_t>{3 * c.hidden});
+  qkv->epsilon = 1e-5f;
+  qkv->use_bias = true;
+  qkv->return_layernorm_output = false;
+  layer.Add("LayerNormDenseGeneral_0", qkv);
+  AddAttention(c, /*flax_mask=*/false, &layer);
+  layer.Join();
+  layer.Fork();
+  auto mlp = std::make_shared<LayerNormMLP>();
+  mlp->intermediate_dim = c.ffn;
+  mlp->epsilon = 1e-5f;
+  mlp->use_bias = true;
+  mlp->activations = {"gelu"};
+  mlp->intermediate_dropout_rate = 0.0f;
+  mlp->return_layernorm_output = false;
+  layer.Add("LayerNormMLP_0", mlp);
+  layer.Join();
+  return layer;
+}
+
+struct Inputs {
+  HostTensor x, dy, mask;
+  SpeedometerOptions speed;
+};
+
+void PrintApplied(const HostTensor& x, const HostTensor& y) {
+  std::cout << "Input shape: " << PythonShape(x.shape()) << "\n"
+            << "Output shape: " << PythonShape(y.shape()) << "\n"
+            << "Output dtype: " << DTypeName(y.dtype()) << "\n";
+}
+
+// init (under the current autocast), apply (deterministic), speedometer: the
+// notebook's three cells per variant.
+absl::Status RunModule(Session& session, const Module& module, const Inputs& in) {
+  ASSIGN_OR_RETURN(Variables vars, module.Init(session, /*key=*/42, in.x));
+  std::cout << "Parameter shapes: " << ShapeTree(vars.variables) << "\n";
+  ApplyOptions apply;
+  apply.deterministic = true;
+  ASSIGN_OR_RETURN(HostTensor y, module.Apply(vars, in.x, apply));
+  PrintApplied(in.x, y);
+  return Speedometer(session, module, vars, in.x, in.dy, in.speed).status();
+}
+
+absl::Status RunSequential(Session& session, const Sequential& layer, const Inputs& in, bool flax_mask) {
+  ASSIGN_OR_RETURN(SequentialVariables vars, layer.Init(session, /*key=*/42, in.x));
+  std::cout << "Parameter shapes: " << ShapeTree(vars.variables) << "\n";
+  ApplyOptions apply;
+  apply.deterministic = true;
+  if (flax_mask) apply.attention_mask = in.mask;
+  ASSIGN_OR_RETURN(HostTensor y, layer.Apply(vars, in.x, apply));
+  PrintApplied(in.x, y);
+  SpeedometerOptions speed = in.speed;
+  speed.server_side = false;  // several layers per step: only the client can time it
+  if (flax_mask) speed.attention_mask = in.mask;
+  return Speedometer(session, layer, vars, in.x, in.dy, speed).status();
+}
+
+absl::Status RunVariant(Client& client, int variant, const Config& c, const Inputs& in) {
+  static const char* const kTitles[] = {
+      "",
+      "Pure Flax FlaxTransformerLayer",
+      "TE DenseGeneral + LayerNorm + activation, Flax attention",
+      "TE DenseGeneral + LayerNorm + activation + DotProductAttention",
+      "TE unfused layer under FP8 (DelayedScaling HYBRID, amax_history_len=16, max)",
+      "TE fused LayerNormDenseGeneral + LayerNormMLP under FP8",
+      "TE TransformerLayer under FP8",
+  };
+  std::cout << "\n== " << variant << ". " << kTitles[variant] << " ==\n";
+  const bool fp8 = variant >= 4;
+  SessionOptions options;
+  if (fp8) {
+    options.recipes = {QuickstartRecipe()};
+    options.policy = NegotiationPolicy::kEmulate;  // the CPU runs FP8 as emulated numerics
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client.CreateSession(options));
+  if (fp8) {
+    std::cout << "Session on " << session->device() << ", recipe "
+              << (session->recipe() ? RecipeString(*session->recipe()) : "none")
+              << (session->emulated() ? " (emulated)" : "") << "\n";
+    if (!session->negotiation().empty()) std::cout << "Negotiation: " << session->negotiation() << "\n";
+  }
+  // te.autocast(enabled=True, recipe=fp8_recipe) around init, apply and the speedometer.
+  Autocast autocast(fp8, QuickstartRecipe());
+  switch (variant) {
+    case 1: {
+      FlaxTransformerLayer layer(c.hidden, c.ffn, c.heads);
+      layer.hidden_dropout = 0.0f;  // the notebook's FlaxTransformerLayer drops out in attention only
+      return RunModule(*session, layer, in);
+    }
+    case 2: return RunSequential(*session, UnfusedLayer(c, /*flax_mask=*/true), in, /*flax_mask=*/true);
+    case 3:
+    case 4: return RunSequential(*session, UnfusedLayer(c, /*flax_mask=*/false), in, /*flax_mask=*/false);
+    case 5: return RunSequential(*session, FusedLayer(c), in, /*flax_mask=*/false);
+    case 6: {
+      TransformerLayer layer;
+      layer.hidden_size = c.hidden;
+      layer.mlp_hidden_size = c.ffn;
+      layer.num_attention_heads = c.heads;
+      layer.mlp_activations = {"gelu"};
+      layer.self_attn_mask_type = "causal";
+      layer.layernorm_epsilon = 1e-5f;
+      layer.use_bias = true;
+      layer.intermediate_dropout = 0.0f;
+      layer.enable_relative_embedding = false;
+      layer.self_attn_bias_type = "no_bias";
+      layer.hidden_dropout = 0.0f;
+      layer.dtype = DType::kBF16;
+      return RunModule(*session, layer, in);
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("variant ", variant));
+}
+
+absl::Status Main() {
+  const auto start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(Config c, ParseConfig(absl::GetFlag(FLAGS_config)));
+  ASSIGN_OR_RETURN(std::set<int> variants, ParseVariants(absl::GetFlag(FLAGS_variants)));
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(absl::GetFlag(FLAGS_server)));
+  ASSIGN_OR_RETURN(te::v1::ServerInfo info, client->GetServerInfo());
+  std::cout << "te_server " << info.version();
+  for (const te::v1::DeviceInfo& d : info.devices()) std::cout << " | " << d.name() << ": " << d.description();
+  std::cout << "\nConfig " << absl::GetFlag(FLAGS_config) << ": batch " << c.batch << ", seq " << c.seq
+            << ", hidden " << c.hidden << ", ffn " << c.ffn << ", heads " << c.heads << ", bf16 inputs\n";
+
+  // The notebook draws x and dy from one key (so dy == x); distinct seeds here.
+  Inputs in;
+  const Shape shape = {c.batch, c.seq, c.hidden};
+  in.x = HostTensor::RandomNormal(shape, DType::kBF16, /*seed=*/42);
+  in.dy = HostTensor::RandomNormal(shape, DType::kBF16, /*seed=*/43);
+  in.mask = CausalMask(c.batch, c.seq);
+  in.speed.warmup_iters = absl::GetFlag(FLAGS_warmup);
+  in.speed.timing_iters = absl::GetFlag(FLAGS_iters);
+  in.speed.server_side = absl::GetFlag(FLAGS_server_side);
+  in.speed.deterministic = false;  // forward_kwargs={"deterministic": False}
+  in.speed.dropout_seed = 7;       // the notebook's dropout_key
+
+  for (int variant : variants) RETURN_IF_ERROR(RunVariant(*client, variant, c, in));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cout << "\nTotal wall time: " << seconds << " s\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace te::client
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const absl::Status status = te::client::Main();
+  if (!status.ok()) {
+    std::cerr << "quickstart failed: " << status << std::endl;
+    return 1;
+  }
+  return 0;
+}

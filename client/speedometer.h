@@ -1,0 +1,55 @@
+// Speedometer: the quickstart's speedometer (quickstart_jax_utils.py) over
+// te_server. It times forward + backward steps, value_and_grad of
+// vdot(apply(x), dy), with dropout on and the calling thread's Autocast, and
+// prints "Mean time: X ms".
+//
+// Unlike the quickstart's, whose jitted step throws its updated fp8_metas
+// away, each step here ends a real training step on the server: under
+// DelayedScaling the session's FP8 scales move from step to step.
+#ifndef TE_CLIENT_SPEEDOMETER_H_
+#define TE_CLIENT_SPEEDOMETER_H_
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/modules.h"
+#include "client/sequential.h"
+
+namespace te::client {
+
+struct SpeedometerOptions {
+  int warmup_iters = 3;   // the quickstart uses 50 on a GPU; a CPU server needs fewer
+  int timing_iters = 10;
+  // Time on the server (the Benchmark RPC): the network is out of the loop.
+  // Client-side timing includes one round trip per step.
+  bool server_side = false;
+  bool deterministic = false;  // the quickstart times with dropout on
+  uint64_t dropout_seed = 0;   // a fresh seed per step derives from it (jax.random.split)
+  std::optional<HostTensor> attention_mask;
+  bool print = true;           // "Mean time: X ms" on stdout
+};
+
+struct SpeedometerResult {
+  double mean_ms = 0.0;
+  double median_ms = 0.0;
+  int steps = 0;
+  std::string timed_by;  // "client" or the server's device ("cpu", "cuda:0")
+};
+
+// A single module: x and dy are uploaded once as resident tensors (deleted at
+// the end), then each step is one ForwardBackward call that returns neither dx
+// nor gradients, so only the step travels. With server_side, one Benchmark call.
+absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Module& module, const Variables& vars,
+                                              const HostTensor& x, const HostTensor& dy,
+                                              const SpeedometerOptions& options = {});
+
+// A Sequential: each step is its ValueAndGrad (several calls and client glue).
+// INVALID_ARGUMENT with server_side (the server runs one layer per call).
+absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Sequential& model,
+                                              const SequentialVariables& vars, const HostTensor& x,
+                                              const HostTensor& dy, const SpeedometerOptions& options = {});
+
+}  // namespace te::client
+
+#endif  // TE_CLIENT_SPEEDOMETER_H_
