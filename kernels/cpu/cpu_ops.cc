@@ -359,8 +359,8 @@ absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Te
   return absl::OkStatus();
 }
 
-// Sets the output tensors of a norm that the caller asked for (non-null and
-// defined); the rest are skipped.
+// Whether the caller asked for an optional output (mu, rsigma, mask): a null
+// pointer or an undefined tensor means "not needed", and it is not written.
 bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
 
 }  // namespace
