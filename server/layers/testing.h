@@ -1,0 +1,94 @@
+// Test helpers for layer tests on the CPU backend (test-only): random tensors,
+// host access, relative errors, and a finite-difference gradient check of any
+// Layer. CPU tensors live in host memory, so values are read and written
+// directly.
+#ifndef TE_SERVER_LAYERS_TESTING_H_
+#define TE_SERVER_LAYERS_TESTING_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gtest/gtest.h"
+#include "kernels/ops.h"
+#include "server/layers/layer.h"
+
+namespace te::layers::testing {
+
+// Tolerances, stated once.
+// Central differences in float32 with step 1e-2 on O(1) data: truncation
+// error ~ step^2 and rounding noise ~ 1e-7 / step leave gradients within 1%
+// (relative L2 error over the probed elements).
+constexpr double kGradStep = 1e-2;
+constexpr double kGradTolerance = 1e-2;
+// FP8 forward against the same forward without FP8 (relative L2 error of y):
+// E4M3 rounds each GEMM operand to 3 mantissa bits (relative error <= 2^-4
+// each, ~2^-5 in RMS), two operands and accumulation over random signs keep
+// the output within ~6%; E5M2 gradients would be looser but only y is checked.
+constexpr double kFp8ForwardTolerance = 0.08;
+// Emulated MXFP8 (E4M3 values, power-of-two block scales): as E4M3.
+constexpr double kBlockScaledForwardTolerance = 0.08;
+// NVFP4 (E2M1 values: 1 mantissa bit) is much coarser.
+constexpr double kNvfp4ForwardTolerance = 0.35;
+// FP8 gradients against gradients without FP8: dy in E5M2 (2 mantissa bits,
+// relative error <= 2^-3, ~2^-4.5 RMS) on top of the E4M3 forward operands.
+constexpr double kFp8BackwardTolerance = 0.15;
+
+// A CPU-backend Ops with no memory limit.
+std::unique_ptr<Ops> NewCpuOps();
+
+// Uniform in [-scale, scale), reproducible from `seed`, never all zeros.
+Tensor RandomTensor(Ops& ops, const Shape& shape, DType dtype, uint64_t seed,
+                    float scale = 1.0f);
+std::vector<float> Values(const Tensor& t);
+void SetValues(const std::vector<float>& values, Tensor* t);
+
+// ||got - want|| / ||want|| (want all zeros: ||got||).
+double RelativeError(const std::vector<float>& got, const std::vector<float>& want);
+
+// Init(seed) of `layer` for `input_shape` into a fresh Variables.
+absl::StatusOr<Variables> InitLayer(Ops& ops, const Layer& layer, const Shape& input_shape,
+                                    const Fp8Recipe* fp8, uint64_t seed = 1);
+// Replaces every "params/..." variable with random values (same shape and
+// dtype), so gradient checks see non-trivial biases and norm scales.
+void RandomizeParams(Ops& ops, Variables* vars, uint64_t seed, float scale = 0.5f);
+
+struct GradCheckOptions {
+  double step = kGradStep;
+  double tolerance = kGradTolerance;
+  int max_probes = 48;  // elements probed per tensor (all when fewer)
+  uint64_t dy_seed = 99;
+};
+
+// Runs forward (keeping) and backward with a random dy, then checks dx, each
+// extra-input gradient and every parameter gradient against central
+// differences of vdot(y, dy). Inputs and params must be float32. `vars` is
+// restored exactly afterwards. Fails when a gradient is missing, has the
+// wrong shape, or its relative error exceeds the tolerance.
+::testing::AssertionResult CheckGradients(Ops& ops, const Layer& layer, Variables* vars,
+                                          const LayerInputs& inputs, const ForwardOptions& opts,
+                                          const GradCheckOptions& check = {});
+
+// One step with FP8 against the same step without it (same vars, x and dy):
+// relative errors of y, dx and every parameter gradient.
+struct Fp8Comparison {
+  double y = 0.0;
+  double dx = 0.0;
+  std::map<std::string, double> params;
+};
+absl::StatusOr<Fp8Comparison> CompareWithFp8(Ops& ops, const Layer& layer, Variables* vars,
+                                             const LayerInputs& inputs, const Fp8Recipe& fp8,
+                                             ForwardOptions opts = {});
+
+// Recipes with TE's defaults and a short history (tests).
+Fp8Recipe DelayedRecipe(int amax_history_len = 16);
+Fp8Recipe CurrentScalingRecipe();
+Fp8Recipe Mxfp8Recipe();
+Fp8Recipe Nvfp4Recipe();
+
+}  // namespace te::layers::testing
+
+#endif  // TE_SERVER_LAYERS_TESTING_H_
