@@ -101,7 +101,9 @@ class Module {
 
   // jax.value_and_grad(lambda v, x: vdot(apply(v, x), dy), argnums=(0, 1)),
   // one ForwardBackward call. Under DelayedScaling the step's end updates the
-  // server's FP8 scales.
+  // server's FP8 scales. dx and the gradients come back inline, so each must
+  // fit ClientOptions::max_message_bytes (RESOURCE_EXHAUSTED otherwise); time
+  // larger layers with Speedometer, which brings nothing back.
   absl::StatusOr<ValueAndGradResult> ValueAndGrad(const Variables& vars, const HostTensor& x,
                                                   const HostTensor& dy,
                                                   const ApplyOptions& options = {}) const;

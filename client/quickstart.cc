@@ -219,7 +219,7 @@ absl::Status RunVariant(Client& client, int variant, const Config& c, const Inpu
   SessionOptions options;
   if (fp8) {
     options.recipes = {QuickstartRecipe()};
-    options.policy = NegotiationPolicy::kEmulate;  // the CPU runs FP8 as emulated numerics
+    options.policy = NegotiationPolicy::kEmulate;  // FP8 also on devices without FP8 GEMMs (emulated)
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client.CreateSession(options));
   if (fp8) {
