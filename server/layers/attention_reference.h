@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace te::layers::reference {
@@ -136,6 +138,57 @@ inline Vec Add(const Vec& a, const Vec& b) {
   Vec y(a.size());
   for (size_t i = 0; i < a.size(); ++i) y[i] = a[i] + b[i];
   return y;
+}
+
+// TE's MultiHeadAttention (self-attention) from its parameters, looked up by
+// full name ("params/<scope>/qkv/kernel"); x [B, S, hidden]; `bias` [H, S, S]
+// or empty; `lens` valid lengths or empty.
+struct MhaShape {
+  std::string scope;  // "" or "attention"
+  int64_t batch = 0, seq = 0, hidden = 0;
+  int heads = 0, groups = 0, head_dim = 0;
+  bool bias = false, rotary = false, rms = false, zero_centered = false;
+  bool input_layernorm = true, scale_logits = false, causal = true;
+  double eps = 1e-6;
+};
+using VarLookup = std::function<Vec(const std::string&)>;
+
+inline Vec MultiHeadAttention(const MhaShape& c, const VarLookup& var, const Vec& x,
+                              const std::vector<int>& lens, const Vec& attention_bias = {}) {
+  const int64_t n = c.batch * c.seq, hd = c.heads * c.head_dim, gd = c.groups * c.head_dim;
+  const bool gqa = c.heads != c.groups;
+  const std::string p = c.scope.empty() ? "params/" : "params/" + c.scope + "/";
+  const std::string norm_scope = p + (gqa ? "query" : "qkv");
+  Vec ln = x;
+  if (c.input_layernorm) {
+    ln = Norm(x, n, c.hidden, var(norm_scope + "/scale"),
+              c.rms ? Vec() : var(norm_scope + "/ln_bias"), c.eps, c.rms, c.zero_centered);
+  }
+  Vec q, k, v;
+  if (!gqa) {
+    const Vec qkv = Matmul(ln, var(p + "qkv/kernel"), n, c.hidden, 3 * hd,
+                           c.bias ? var(p + "qkv/bias") : Vec());
+    q = Columns(qkv, 3 * hd, 0, hd);
+    k = Columns(qkv, 3 * hd, hd, hd);
+    v = Columns(qkv, 3 * hd, 2 * hd, hd);
+  } else {
+    q = Matmul(ln, var(p + "query/kernel"), n, c.hidden, hd,
+               c.bias ? var(p + "query/bias") : Vec());
+    const Vec kv = Matmul(ln, var(p + "kv/kernel"), n, c.hidden, 2 * gd,
+                          c.bias ? var(p + "kv/bias") : Vec());
+    k = Columns(kv, 2 * gd, 0, gd);
+    v = Columns(kv, 2 * gd, gd, gd);
+  }
+  if (c.rotary) {
+    q = Rotary(q, c.batch, c.seq, c.heads, c.head_dim);
+    k = Rotary(k, c.batch, c.seq, c.groups, c.head_dim);
+  }
+  const Vec ctx =
+      Attention({c.batch, c.seq, c.seq, c.heads, c.groups, c.head_dim}, q, k, v,
+                c.scale_logits ? 1.0 / std::sqrt(static_cast<double>(c.head_dim)) : 1.0,
+                c.causal, lens, lens, attention_bias);
+  return Matmul(ctx, var(p + "out/kernel"), n, hd, c.hidden,
+                c.bias ? var(p + "out/bias") : Vec());
 }
 
 inline double RelativeError(const Vec& out, const Vec& ref) {
