@@ -79,7 +79,7 @@ struct AttentionArgs {
 
 // Block-scaled formats, emulated (quantize-dequantize) where not native.
 enum class BlockFormat {
-  kMXFP8,  // E4M3 values, 1x32 blocks, E8M0 (power of two) block scales
+  kMXFP8,  // E4M3 values, 1x32 blocks, E8M0 block scales 2^ceil(log2(amax/448)) (TE)
   kNVFP4,  // E2M1 values, 1x16 blocks, E4M3 block scales + one f32 global scale
 };
 

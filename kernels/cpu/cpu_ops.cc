@@ -267,13 +267,12 @@ constexpr int kNvfp4Block = 16;
 // E8M0 represents 2^-127 .. 2^127.
 constexpr int kE8M0MinExp = -127;
 constexpr int kE8M0MaxExp = 127;
-// floor(log2(448)): the largest power of two E4M3 holds (OCP MX emax_elem).
-constexpr int kE4M3MaxExp = 8;
 
-// MXFP8, one block in place: scale 2^e with e = floor(log2(amax)) - 8, values
-// x / 2^e cast to E4M3 (saturating), then multiplied back. A zero block stays
-// zero; a block holding inf or NaN has no E8M0 scale (its scale would be the
-// NaN code), so it becomes NaN.
+// MXFP8, one block in place, with TE's scale choice (float_to_e8m0 rounding
+// up): scale 2^e with e = ceil(log2(amax / 448)), so the block max never
+// saturates; values x / 2^e cast to E4M3, then multiplied back. A zero block
+// stays zero; a block holding inf or NaN has no E8M0 scale (its scale would be
+// the NaN code), so it becomes NaN.
 void FakeQuantizeMxfp8Block(float* v, int n) {
   const float amax = AbsMax(v, n);
   if (amax == 0.0f) return;
@@ -282,8 +281,9 @@ void FakeQuantizeMxfp8Block(float* v, int n) {
     return;
   }
   int e2;
-  std::frexp(amax, &e2);  // amax = f * 2^e2, f in [0.5, 1): floor(log2 amax) = e2 - 1
-  const int exp = std::clamp(e2 - 1 - kE4M3MaxExp, kE8M0MinExp, kE8M0MaxExp);
+  // amax / 448 = f * 2^e2, f in [0.5, 1): ceil(log2) = e2, or e2 - 1 when f = 0.5.
+  const double f = std::frexp(static_cast<double>(amax) / kE4M3Max, &e2);
+  const int exp = std::clamp(f == 0.5 ? e2 - 1 : e2, kE8M0MinExp, kE8M0MaxExp);
   for (int i = 0; i < n; ++i) {
     const float q = E4M3ToFloat(FloatToE4M3(std::ldexp(v[i], -exp)));
     v[i] = std::ldexp(q, exp);

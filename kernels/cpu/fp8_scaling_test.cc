@@ -265,14 +265,14 @@ TEST(CpuDelayedScalingTest, RejectsBadState) {
 
 // ---- block scaling -----------------------------------------------------------------
 
-// OCP MX: block scale 2^(floor(log2 amax) - 8), values cast to E4M3.
+// MXFP8 as TE scales it: block scale 2^ceil(log2(amax / 448)), values cast to E4M3.
 std::vector<double> ReferenceMxfp8(const std::vector<double>& x) {
   std::vector<double> y(x.size(), 0.0);
   for (size_t b = 0; b < x.size(); b += 32) {
     double amax = 0.0;
     for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
     if (amax == 0.0) continue;
-    const double scale = std::exp2(std::floor(std::log2(amax)) - 8.0);
+    const double scale = std::exp2(std::ceil(std::log2(amax / 448.0)));
     for (size_t i = b; i < b + 32; ++i) {
       y[i] = RoundTo(DType::kE4M3, static_cast<float>(x[i] / scale)) * scale;
     }
@@ -331,7 +331,7 @@ TEST_P(BlockScalingTest, MatchesReference) {
     for (size_t b = 0; b < yv.size(); b += 32) {
       double amax = 0.0;
       for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(xv[i]));
-      const double scale = std::exp2(std::floor(std::log2(amax)) - 8.0);
+      const double scale = std::exp2(std::ceil(std::log2(amax / 448.0)));
       for (size_t i = b; i < b + 32; ++i) {
         const float q = static_cast<float>(yv[i] / scale);
         ASSERT_EQ(RoundTo(DType::kE4M3, q), q) << "element " << i;
@@ -348,9 +348,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(CpuBlockScalingTest, HandWorkedMxfp8Block) {
   CpuOps ops;
-  // amax 500: floor(log2 500) = 8, scale 2^0; 500 saturates to 448, 1.0625
-  // (between 1 and 1.125, a tie) rounds to even 1, 0.0009 (under half of
-  // E4M3's smallest subnormal 2^-9) underflows to 0.
+  // amax 500: ceil(log2(500 / 448)) = 1, scale 2: 250 rounds to 256 (E4M3
+  // step 16 there) -> 512; 1.0625 / 2 = 0.53125 is a tie between 0.5 and
+  // 0.5625 and rounds to even 0.5 -> 1; -3.3 / 2 -> -1.625 -> -3.25; 0.0009 / 2
+  // is under half of E4M3's smallest subnormal 2^-9 and underflows to 0.
   std::vector<float> v(32, 0.0f);
   v[0] = 500.0f;
   v[1] = 1.0625f;
@@ -359,7 +360,7 @@ TEST(CpuBlockScalingTest, HandWorkedMxfp8Block) {
   Tensor x = MakeTensor(ops, DType::kF32, {1, 32}, v);
   Tensor y = MakeEmpty(ops, DType::kF32, {1, 32});
   ASSERT_TRUE(ops.FakeQuantizeBlockScaled(BlockFormat::kMXFP8, x, &y).ok());
-  EXPECT_EQ(LoadAsFloat(y, 0), 448.0f);
+  EXPECT_EQ(LoadAsFloat(y, 0), 512.0f);
   EXPECT_EQ(LoadAsFloat(y, 1), 1.0f);
   EXPECT_EQ(LoadAsFloat(y, 2), -3.25f);
   EXPECT_EQ(LoadAsFloat(y, 3), 0.0f);
