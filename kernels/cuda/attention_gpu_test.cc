@@ -1,0 +1,324 @@
+// CUDA attention against the CPU reference (kernels/cpu/attention.cc) on
+// random data: forward (out, softmax_lse) and backward (dq, dk, dv, dbias), for
+// every mask type, GQA, padding lengths, odd sequence lengths, f32 / f16 /
+// bf16, on both paths: cuDNN's fused SDPA and the unfused fallback.
+//
+// Tolerances (DESIGN.md section 6, kernels/cpu/test_util.h): relative error
+// ||gpu - cpu|| / ||cpu|| under 1e-5 for f32, 1e-3 for f16 and 1e-2 for bf16.
+// cuDNN rounds the probabilities to the operand dtype before P @ V; that stays
+// inside the bf16 bound.
+//
+// Dropout: the fallback draws kernels/rng.h's DropoutUniform, so it must match
+// the CPU exactly (same elements dropped). cuDNN draws from its own Philox
+// stream, which no CPU code reproduces: for it the test checks rate 0 against
+// the CPU, and with rate 0.25 the fraction of dropped probabilities, the
+// scaling of the kept ones, and that backward drops the same elements as
+// forward (dv recomputed from the forward's mask).
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/cuda/attention_internal.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+using ::te::testing::RandomValues;
+using ::te::testing::RelativeError;
+using ::te::testing::Tolerance;
+
+enum class Path { kCudnn, kFallback };
+
+struct Case {
+  std::string name;
+  Path path;
+  DType dtype;
+  int64_t batch, q_seq, kv_seq, q_heads, kv_heads, head_dim;
+  MaskType mask;
+  float dropout = 0.0f;
+  bool bias = false;
+  bool zero_kv_length = false;  // one batch with kv_seqlens = 0 (every row masked)
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class GpuAttentionTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    auto device = OpenCudaDevice(0);
+    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    device_ = *std::move(device);
+    auto ops = device_->NewOps(int64_t{16} << 30);
+    ASSERT_TRUE(ops.ok()) << ops.status();
+    gpu_ = *std::move(ops);
+  }
+  void TearDown() override { cuda::SetAttentionPath(cuda::AttentionPath::kAuto); }
+
+  Tensor Host(DType dtype, const Shape& shape, const std::vector<float>& values) {
+    return ::te::testing::MakeTensor(cpu_, dtype, shape, values);
+  }
+  Tensor ToGpu(const Tensor& host) {
+    auto t = gpu_->Allocate(host.dtype(), host.shape());
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(gpu_->Upload(host.data(), &*t).ok());
+    return *t;
+  }
+  Tensor GpuEmpty(DType dtype, const Shape& shape) {
+    auto t = gpu_->Allocate(dtype, shape);
+    EXPECT_TRUE(t.ok()) << t.status();
+    // Poison: every element the op must write starts as NaN.
+    if (IsFloating(dtype)) {
+      EXPECT_TRUE(gpu_->Fill(NAN, &*t).ok());
+    }
+    return *t;
+  }
+  std::vector<double> FromGpu(const Tensor& t) {
+    Tensor host = ::te::testing::MakeEmpty(cpu_, t.dtype(), t.shape());
+    const absl::Status s = gpu_->Download(t, host.data());
+    EXPECT_TRUE(s.ok()) << s;
+    return ::te::testing::ToDoubles(host);
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Ops> gpu_;
+  CpuOps cpu_;
+};
+
+// lse: equal infinities, relative error over the finite entries.
+void ExpectLseNear(const std::vector<double>& gpu, const Tensor& cpu_lse, double tolerance) {
+  const std::vector<double> cpu = ::te::testing::ToDoubles(cpu_lse);
+  std::vector<double> gpu_finite, cpu_finite;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (std::isinf(cpu[i])) {
+      EXPECT_TRUE(std::isinf(gpu[i]) && gpu[i] > 0) << "lse row " << i << " = " << gpu[i];
+      continue;
+    }
+    gpu_finite.push_back(gpu[i]);
+    cpu_finite.push_back(cpu[i]);
+  }
+  EXPECT_LT(RelativeError(gpu_finite, cpu_finite), tolerance);
+}
+
+TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
+  const Case& c = GetParam();
+  cuda::SetAttentionPath(c.path == Path::kFallback ? cuda::AttentionPath::kFallbackOnly
+                                                   : cuda::AttentionPath::kAuto);
+  const Shape q_shape = {c.batch, c.q_seq, c.q_heads, c.head_dim};
+  const Shape kv_shape = {c.batch, c.kv_seq, c.kv_heads, c.head_dim};
+  const Shape lse_shape = {c.batch, c.q_heads, c.q_seq};
+  const Tensor q = Host(c.dtype, q_shape, RandomValues(NumElements(q_shape), 1));
+  const Tensor k = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 2));
+  const Tensor v = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 3));
+  const Tensor dout = Host(c.dtype, q_shape, RandomValues(NumElements(q_shape), 4));
+
+  AttentionArgs cpu_args;
+  cpu_args.mask = c.mask;
+  cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  cpu_args.dropout_rate = c.dropout;
+  cpu_args.dropout_seed = 0x5eed;
+  if (c.bias) {
+    cpu_args.bias = Host(DType::kF32, {c.q_heads, c.q_seq, c.kv_seq},
+                         RandomValues(c.q_heads * c.q_seq * c.kv_seq, 5, -1.0f, 1.0f));
+  }
+  if (c.mask == MaskType::kPadding || c.mask == MaskType::kPaddingCausal) {
+    std::vector<float> q_lens, kv_lens;
+    for (int64_t b = 0; b < c.batch; ++b) {
+      q_lens.push_back(static_cast<float>(c.q_seq - (b * 37) % (c.q_seq / 2 + 1)));
+      kv_lens.push_back(static_cast<float>(c.kv_seq - (b * 53) % (c.kv_seq / 2 + 1)));
+    }
+    if (c.zero_kv_length) kv_lens.back() = 0.0f;
+    cpu_args.q_seqlens = Host(DType::kI32, {c.batch}, {});
+    cpu_args.kv_seqlens = Host(DType::kI32, {c.batch}, {});
+    for (int64_t b = 0; b < c.batch; ++b) {
+      cpu_args.q_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(q_lens[b]);
+      cpu_args.kv_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(kv_lens[b]);
+    }
+  }
+  AttentionArgs gpu_args = cpu_args;
+  if (cpu_args.bias.defined() && cpu_args.bias.numel() > 0) gpu_args.bias = ToGpu(cpu_args.bias);
+  if (cpu_args.q_seqlens.numel() > 0) {
+    gpu_args.q_seqlens = ToGpu(cpu_args.q_seqlens);
+    gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
+  }
+
+  // Forward.
+  Tensor cpu_out = ::te::testing::MakeEmpty(cpu_, c.dtype, q_shape);
+  Tensor cpu_lse = ::te::testing::MakeEmpty(cpu_, DType::kF32, lse_shape);
+  ASSERT_TRUE(cpu_.AttentionForward(cpu_args, q, k, v, &cpu_out, &cpu_lse).ok());
+  const Tensor gq = ToGpu(q), gk = ToGpu(k), gv = ToGpu(v), gdout = ToGpu(dout);
+  Tensor gout = GpuEmpty(c.dtype, q_shape);
+  Tensor glse = GpuEmpty(DType::kF32, lse_shape);
+  const int64_t cudnn_calls_before = cuda::CudnnAttentionCalls();
+  const absl::Status fwd = gpu_->AttentionForward(gpu_args, gq, gk, gv, &gout, &glse);
+  ASSERT_TRUE(fwd.ok()) << fwd;
+  const double tolerance = Tolerance(c.dtype);
+  EXPECT_LT(RelativeError(FromGpu(gout), ::te::testing::ToDoubles(cpu_out)), tolerance) << "out";
+  ExpectLseNear(FromGpu(glse), cpu_lse, tolerance);
+
+  // Backward, each side from its own forward.
+  Tensor cdq = ::te::testing::MakeEmpty(cpu_, c.dtype, q_shape);
+  Tensor cdk = ::te::testing::MakeEmpty(cpu_, c.dtype, kv_shape);
+  Tensor cdv = ::te::testing::MakeEmpty(cpu_, c.dtype, kv_shape);
+  Tensor cdbias, gdbias;
+  if (c.bias) {
+    cdbias = ::te::testing::MakeEmpty(cpu_, DType::kF32, {c.q_heads, c.q_seq, c.kv_seq});
+    gdbias = GpuEmpty(DType::kF32, {c.q_heads, c.q_seq, c.kv_seq});
+  }
+  ASSERT_TRUE(cpu_.AttentionBackward(cpu_args, q, k, v, cpu_out, dout, cpu_lse, &cdq, &cdk, &cdv,
+                                     c.bias ? &cdbias : nullptr)
+                  .ok());
+  Tensor gdq = GpuEmpty(c.dtype, q_shape);
+  Tensor gdk = GpuEmpty(c.dtype, kv_shape);
+  Tensor gdv = GpuEmpty(c.dtype, kv_shape);
+  const absl::Status bwd = gpu_->AttentionBackward(gpu_args, gq, gk, gv, gout, gdout, glse, &gdq,
+                                                   &gdk, &gdv, c.bias ? &gdbias : nullptr);
+  ASSERT_TRUE(bwd.ok()) << bwd;
+  EXPECT_LT(RelativeError(FromGpu(gdq), ::te::testing::ToDoubles(cdq)), tolerance) << "dq";
+  EXPECT_LT(RelativeError(FromGpu(gdk), ::te::testing::ToDoubles(cdk)), tolerance) << "dk";
+  EXPECT_LT(RelativeError(FromGpu(gdv), ::te::testing::ToDoubles(cdv)), tolerance) << "dv";
+  if (c.bias) {
+    EXPECT_LT(RelativeError(FromGpu(gdbias), ::te::testing::ToDoubles(cdbias)), tolerance)
+        << "dbias";
+  }
+  const int64_t cudnn_calls = cuda::CudnnAttentionCalls() - cudnn_calls_before;
+  EXPECT_EQ(cudnn_calls, c.path == Path::kCudnn ? 2 : 0)
+      << "the test meant the " << (c.path == Path::kCudnn ? "cuDNN" : "fallback") << " path";
+}
+
+// Odd sizes on purpose: sequence lengths not multiples of 64, head_dim above
+// the 128 threads of a block (two values per thread), GQA groups of 2 and 4.
+INSTANTIATE_TEST_SUITE_P(
+    Fallback, GpuAttentionTest,
+    ::testing::Values(
+        Case{"f32_nomask", Path::kFallback, DType::kF32, 2, 33, 47, 4, 2, 24, MaskType::kNoMask},
+        Case{"f32_causal_bias", Path::kFallback, DType::kF32, 2, 40, 40, 2, 2, 16,
+             MaskType::kCausal, 0.0f, true},
+        Case{"f32_padding_dropout", Path::kFallback, DType::kF32, 3, 29, 70, 4, 1, 32,
+             MaskType::kPadding, 0.2f, false, true},
+        Case{"f32_padding_causal_bias_dropout", Path::kFallback, DType::kF32, 2, 45, 45, 4, 2,
+             8, MaskType::kPaddingCausal, 0.1f, true},
+        Case{"bf16_causal_gqa_dropout", Path::kFallback, DType::kBF16, 2, 100, 100, 8, 2, 64,
+             MaskType::kCausal, 0.1f},
+        Case{"f16_padding_causal", Path::kFallback, DType::kF16, 2, 77, 77, 4, 4, 160,
+             MaskType::kPaddingCausal}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+INSTANTIATE_TEST_SUITE_P(
+    Cudnn, GpuAttentionTest,
+    ::testing::Values(
+        Case{"bf16_nomask", Path::kCudnn, DType::kBF16, 2, 128, 128, 4, 4, 64, MaskType::kNoMask},
+        Case{"bf16_causal_gqa", Path::kCudnn, DType::kBF16, 2, 256, 256, 8, 2, 128,
+             MaskType::kCausal},
+        Case{"bf16_causal_odd_seq", Path::kCudnn, DType::kBF16, 2, 200, 200, 4, 4, 64,
+             MaskType::kCausal},
+        Case{"bf16_padding", Path::kCudnn, DType::kBF16, 3, 192, 160, 4, 4, 64,
+             MaskType::kPadding},
+        Case{"bf16_padding_causal_gqa", Path::kCudnn, DType::kBF16, 2, 130, 130, 8, 4, 128,
+             MaskType::kPaddingCausal},
+        Case{"f16_nomask_cross", Path::kCudnn, DType::kF16, 1, 96, 160, 2, 1, 64,
+             MaskType::kNoMask},
+        Case{"bf16_dropout_rate0", Path::kCudnn, DType::kBF16, 2, 128, 128, 4, 4, 64,
+             MaskType::kCausal, 0.0f}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)
+// makes out[i, j] = P_ij * M_ij exactly, which exposes the dropout mask M.
+TEST(GpuAttentionDropoutTest, CudnnDropsTheRateAndBackwardUsesTheSameMask) {
+  auto device = OpenCudaDevice(0);
+  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  auto ops = (*device)->NewOps(int64_t{4} << 30);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  Ops& gpu = **ops;
+  CpuOps cpu;
+  cuda::SetAttentionPath(cuda::AttentionPath::kAuto);
+  constexpr int64_t kB = 2, kS = 128, kKv = 64, kH = 4, kD = 64;
+  constexpr float kRate = 0.25f;
+  const Shape q_shape = {kB, kS, kH, kD}, kv_shape = {kB, kKv, kH, kD};
+  const Tensor q = ::te::testing::MakeTensor(cpu, DType::kBF16, q_shape,
+                                             RandomValues(kB * kS * kH * kD, 11));
+  const Tensor k = ::te::testing::MakeTensor(cpu, DType::kBF16, kv_shape,
+                                             RandomValues(kB * kKv * kH * kD, 12));
+  std::vector<float> one_hot(static_cast<size_t>(kB * kKv * kH * kD), 0.0f);
+  for (int64_t b = 0; b < kB; ++b)
+    for (int64_t j = 0; j < kKv; ++j)
+      for (int64_t h = 0; h < kH; ++h) one_hot[((b * kKv + j) * kH + h) * kD + j] = 1.0f;
+  const Tensor v = ::te::testing::MakeTensor(cpu, DType::kBF16, kv_shape, one_hot);
+  const Tensor dout = ::te::testing::MakeTensor(cpu, DType::kBF16, q_shape,
+                                                RandomValues(kB * kS * kH * kD, 13));
+
+  AttentionArgs args;
+  args.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  // Reference probabilities: the CPU without dropout.
+  Tensor p_ref = ::te::testing::MakeEmpty(cpu, DType::kF32, q_shape);
+  Tensor lse_ref = ::te::testing::MakeEmpty(cpu, DType::kF32, {kB, kH, kS});
+  const Tensor q32 = ::te::testing::MakeTensor(cpu, DType::kF32, q_shape, ToFloatVector(q));
+  const Tensor k32 = ::te::testing::MakeTensor(cpu, DType::kF32, kv_shape, ToFloatVector(k));
+  const Tensor v32 = ::te::testing::MakeTensor(cpu, DType::kF32, kv_shape, one_hot);
+  ASSERT_TRUE(cpu.AttentionForward(args, q32, k32, v32, &p_ref, &lse_ref).ok());
+
+  auto upload = [&](const Tensor& host) {
+    auto t = gpu.Allocate(host.dtype(), host.shape());
+    EXPECT_TRUE(t.ok());
+    EXPECT_TRUE(gpu.Upload(host.data(), &*t).ok());
+    return *t;
+  };
+  const Tensor gq = upload(q), gk = upload(k), gv = upload(v), gdout = upload(dout);
+  Tensor gout = *gpu.Allocate(DType::kBF16, q_shape);
+  Tensor glse = *gpu.Allocate(DType::kF32, {kB, kH, kS});
+  args.dropout_rate = kRate;
+  args.dropout_seed = 1234;
+  const int64_t calls_before = cuda::CudnnAttentionCalls();
+  ASSERT_TRUE(gpu.AttentionForward(args, gq, gk, gv, &gout, &glse).ok());
+  Tensor gdq = *gpu.Allocate(DType::kBF16, q_shape);
+  Tensor gdk = *gpu.Allocate(DType::kBF16, kv_shape);
+  Tensor gdv = *gpu.Allocate(DType::kBF16, kv_shape);
+  ASSERT_TRUE(
+      gpu.AttentionBackward(args, gq, gk, gv, gout, gdout, glse, &gdq, &gdk, &gdv, nullptr).ok());
+  ASSERT_EQ(cuda::CudnnAttentionCalls() - calls_before, 2) << "cuDNN did not take dropout";
+
+  Tensor out = ::te::testing::MakeEmpty(cpu, DType::kBF16, q_shape);
+  Tensor dv = ::te::testing::MakeEmpty(cpu, DType::kBF16, kv_shape);
+  ASSERT_TRUE(gpu.Download(gout, out.data()).ok());
+  ASSERT_TRUE(gpu.Download(gdv, dv.data()).ok());
+  const std::vector<float> o = ToFloatVector(out), p = ToFloatVector(p_ref);
+  const std::vector<float> dy = ToFloatVector(dout);
+  int64_t dropped = 0, total = 0;
+  std::vector<double> kept_gpu, kept_ref;
+  std::vector<double> dv_ref(static_cast<size_t>(kB * kKv * kH * kD), 0.0);
+  for (int64_t b = 0; b < kB; ++b) {
+    for (int64_t i = 0; i < kS; ++i) {
+      for (int64_t h = 0; h < kH; ++h) {
+        for (int64_t j = 0; j < kKv; ++j) {
+          const int64_t at = ((b * kS + i) * kH + h) * kD + j;
+          ++total;
+          if (o[at] == 0.0f) {
+            ++dropped;
+            continue;
+          }
+          kept_gpu.push_back(o[at]);
+          kept_ref.push_back(p[at] / (1.0 - kRate));
+          // dv[b, j, h, :] += P_ij M_ij dout[b, i, h, :], with M from the forward.
+          for (int64_t d = 0; d < kD; ++d) {
+            dv_ref[((b * kKv + j) * kH + h) * kD + d] +=
+                p[at] / (1.0 - kRate) * dy[((b * kS + i) * kH + h) * kD + d];
+          }
+        }
+      }
+    }
+  }
+  const double fraction = static_cast<double>(dropped) / static_cast<double>(total);
+  // 32768 Bernoulli draws: one standard deviation is 0.0024.
+  EXPECT_NEAR(fraction, kRate, 0.015);
+  EXPECT_LT(RelativeError(kept_gpu, kept_ref), Tolerance(DType::kBF16)) << "kept probabilities";
+  EXPECT_LT(RelativeError(::te::testing::ToDoubles(dv), dv_ref), Tolerance(DType::kBF16))
+      << "dv with the forward's mask";
+}
+
+}  // namespace
+}  // namespace te

@@ -1,0 +1,109 @@
+// Attention inside the CUDA backend: the pieces attention.cu dispatches to.
+//
+//   attention.cu           CudaOps::AttentionForward/Backward: checks, then
+//                          cuDNN's fused SDPA where it accepts the call, else
+//                          the unfused path (logged once per configuration).
+//   attention_cudnn.cc     cuDNN 9 graph (backend) API: graphs built by hand,
+//                          one execution plan per shape, cached per stream.
+//   attention_fallback.cu  a straightforward tiled kernel for every case
+//                          (f32/f16/bf16, bias, any mask, DropoutUniform).
+//
+// Semantics are those of kernels/ops.h and the CPU reference
+// (kernels/cpu/attention.cc): a query row with no visible key outputs zeros
+// and gets softmax_lse = +inf.
+#ifndef TE_KERNELS_CUDA_ATTENTION_INTERNAL_H_
+#define TE_KERNELS_CUDA_ATTENTION_INTERNAL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace cuda {
+
+class CudaOps;
+
+// Sizes of one attention call (q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D]).
+struct AttentionShape {
+  int64_t batch = 0;
+  int64_t q_seq = 0;
+  int64_t kv_seq = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+};
+
+// Device pointers and flags of one call, as the kernels read them. Padding
+// lengths are int32 [B] on the device, clamped to [0, S] by every reader.
+struct AttentionProblem {
+  AttentionShape shape;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType q_dtype = DType::kBF16;
+  DType k_dtype = DType::kBF16;
+  DType v_dtype = DType::kBF16;
+  const float* bias = nullptr;        // [Hq, Sq, Skv] or null
+  const int32_t* q_seqlens = nullptr;  // null: every row valid
+  const int32_t* kv_seqlens = nullptr;
+  bool causal = false;
+  float scale = 1.0f;
+  float dropout_rate = 0.0f;
+  uint64_t dropout_seed = 0;
+};
+
+// Unfused forward: out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] f32.
+absl::Status FallbackAttentionForward(const AttentionProblem& problem, void* out,
+                                      DType out_dtype, float* lse, cudaStream_t stream);
+
+// Unfused backward. row_dot: f32 scratch of B*Hq*Sq floats. dbias: f32
+// [Hq, Sq, Skv] or null (summed over the batch; zeroed here first).
+absl::Status FallbackAttentionBackward(const AttentionProblem& problem, const void* dout,
+                                       DType dout_dtype, const float* lse, void* dq,
+                                       DType dq_dtype, void* dk, DType dk_dtype, void* dv,
+                                       DType dv_dtype, float* dbias, float* row_dot,
+                                       cudaStream_t stream);
+
+// Rows with no visible key (padding masks): out row = 0, lse = +inf, as the
+// CPU reference. cuDNN leaves rows past q_seqlens unspecified.
+absl::Status ZeroInvisibleRows(const AttentionProblem& problem, void* out, DType out_dtype,
+                               float* lse, cudaStream_t stream);
+
+// cuDNN's dropout seed and offset: dst[0] = seed, dst[1] = 0 (int64 on the
+// device), written in stream order by a one-thread kernel (no host sync).
+absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream);
+
+// The largest head_dim the fallback handles.
+constexpr int64_t kFallbackMaxHeadDim = 512;
+
+// ---- cuDNN (attention_cudnn.cc) ------------------------------------------
+// Each returns UNIMPLEMENTED when cuDNN cannot run this configuration (the
+// caller falls back), any other error for a failure of a supported call.
+absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
+                                   const AttentionShape& shape, const Tensor& q,
+                                   const Tensor& k, const Tensor& v, Tensor* out,
+                                   Tensor* softmax_lse);
+absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
+                                    const AttentionShape& shape, const Tensor& q,
+                                    const Tensor& k, const Tensor& v, const Tensor& out,
+                                    const Tensor& dout, const Tensor& softmax_lse, Tensor* dq,
+                                    Tensor* dk, Tensor* dv);
+
+// ---- test hooks ------------------------------------------------------------
+// Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and
+// the server's --attention=unfused).
+enum class AttentionPath { kAuto, kFallbackOnly };
+void SetAttentionPath(AttentionPath path);
+AttentionPath GetAttentionPath();
+// Calls served by cuDNN (forward + backward), for tests to see which ran.
+int64_t CudnnAttentionCalls();
+
+}  // namespace cuda
+}  // namespace te
+
+#endif  // TE_KERNELS_CUDA_ATTENTION_INTERNAL_H_

@@ -1,0 +1,482 @@
+// CudaOps::Gemm through cuBLASLt.
+//
+// ops.h is row-major: out [M, N] (+)= op(a) [M, K] @ op(b) [K, N] + bias [N].
+// cuBLASLt is column-major, and a row-major [R, C] matrix is a column-major
+// [C, R] one with the same memory, so we ask cuBLASLt for
+//   out^T [N, M] = op(b)^T [N, K] @ op(a)^T [K, M]
+// i.e. cuBLASLt's A is our b (transposed iff transpose_b), its B is our a
+// (transposed iff transpose_a), m' = N, n' = M, k' = K, and D = out with
+// ld = N. Accumulate is beta = 1 with C = D; bias is CUBLASLT_EPILOGUE_BIAS
+// (a vector along D's rows: our columns, length N).
+//
+// Numerics: f32 operands use CUBLAS_COMPUTE_32F (no TF32: exact float32, as
+// the CPU reference); bf16/f16/FP8 accumulate in f32. FP8 operands pass their
+// scale_inv device pointers as A/B_SCALE_POINTER (op(x) = x * scale_inv).
+//
+// Hopper FP8 GEMMs exist only in the "TN" layout (cuBLASLt's A transposed, B
+// not: our b given as [N, K] and a as [M, K]). Other transposes get a
+// transposed FP8 copy in the stream's workspace first. (A fused
+// cast-transpose, writing both layouts when the tensor is quantized, would
+// avoid this extra pass; TE does that.)
+//
+// Three routes, first that cuBLASLt takes, each plan cached per key
+// (gemm_cache.h):
+//   1. native: output dtype, bias and beta as asked, in the one matmul;
+//   2. f32 product into workspace, then one epilogue kernel adds bias and the
+//      old out and rounds once (output dtypes or bias types cuBLASLt has no
+//      kernel for, e.g. f32 operands into bf16);
+//   3. operands converted to f32 (FP8 dequantized exactly), then as 2: mixed
+//      float dtypes, or FP8 shapes without FP8 kernels (K % 16 != 0, ...).
+// No host sync and no cudaMalloc in a steady-state call: workspace is the
+// stream's (CudaOps::Workspace), plans are cached.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/args.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/gemm_cache.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+// ---- kernels -------------------------------------------------------------
+
+// out [cols, rows] = in [rows, cols]^T, row-major, through a padded tile.
+template <typename T>
+__global__ void TransposeKernel(const T* __restrict__ in, T* __restrict__ out, int64_t rows,
+                                int64_t cols) {
+  __shared__ T tile[32][33];
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 32;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t r = row0 + i, c = col0 + threadIdx.x;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = in[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t c = col0 + i, r = row0 + threadIdx.x;
+    if (c < cols && r < rows) out[c * rows + r] = tile[threadIdx.x][i];
+  }
+}
+
+// out = in (any float or FP8 format) as f32, times *scale_inv if given.
+template <typename Format>
+__global__ void ToF32Kernel(const typename Format::Storage* __restrict__ in,
+                            float* __restrict__ out, int64_t n, const float* scale_inv) {
+  const float scale = scale_inv != nullptr ? *scale_inv : 1.0f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = Format::Load(in[i]) * scale;
+  }
+}
+
+__device__ __forceinline__ float LoadBias(const void* bias, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kBF16: return BF16::Load(static_cast<const uint16_t*>(bias)[i]);
+    case DType::kF16: return F16::Load(static_cast<const uint16_t*>(bias)[i]);
+    default: return static_cast<const float*>(bias)[i];
+  }
+}
+
+// out [m, n] = round(product + bias[col] + (accumulate ? out : 0)), the CPU
+// reference's order. product null: a K = 0 GEMM (the product is zero).
+template <typename Format>
+__global__ void EpilogueKernel(const float* __restrict__ product, const void* bias, DType bias_type,
+                               bool accumulate, typename Format::Storage* out, int64_t m,
+                               int64_t n) {
+  const int64_t total = m * n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = product != nullptr ? product[i] : 0.0f;
+    if (bias != nullptr) v += LoadBias(bias, bias_type, i % n);
+    if (accumulate) v += Format::Load(out[i]);
+    out[i] = Format::Store(v);
+  }
+}
+
+absl::Status Transpose(const void* in, DType dtype, void* out, int64_t rows, int64_t cols,
+                       cudaStream_t stream) {
+  const dim3 block(32, 8);
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
+  if ((rows + 31) / 32 > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: ", rows, " rows is too many to transpose"));
+  }
+  switch (DTypeSize(dtype)) {
+    case 1:
+      TransposeKernel<uint8_t><<<grid, block, 0, stream>>>(static_cast<const uint8_t*>(in),
+                                                           static_cast<uint8_t*>(out), rows, cols);
+      break;
+    case 2:
+      TransposeKernel<uint16_t><<<grid, block, 0, stream>>>(
+          static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out), rows, cols);
+      break;
+    default:
+      TransposeKernel<float><<<grid, block, 0, stream>>>(static_cast<const float*>(in),
+                                                         static_cast<float*>(out), rows, cols);
+      break;
+  }
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status ToF32(const Tensor& in, const float* scale_inv, float* out, cudaStream_t stream) {
+  const int64_t n = in.numel();
+  bool launched = DispatchFloatOrFp8(in.dtype(), [&](auto format) {
+    using Format = decltype(format);
+    ToF32Kernel<Format><<<GridFor(n), kThreads, 0, stream>>>(
+        static_cast<const typename Format::Storage*>(in.data()), out, n, scale_inv);
+  });
+  if (!launched) return absl::InternalError("Gemm: no f32 conversion for this dtype");
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status Epilogue(const float* product, const Tensor& bias, bool accumulate, Tensor* out,
+                      int64_t m, int64_t n, cudaStream_t stream) {
+  const void* bias_data = bias.numel() > 0 ? bias.data() : nullptr;
+  bool launched = DispatchFloat(out->dtype(), [&](auto format) {
+    using Format = decltype(format);
+    EpilogueKernel<Format><<<GridFor(m * n), kThreads, 0, stream>>>(
+        product, bias_data, bias.dtype(), accumulate,
+        static_cast<typename Format::Storage*>(out->data()), m, n);
+  });
+  if (!launched) return absl::InternalError("Gemm: no epilogue for this output dtype");
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+// ---- cuBLASLt ------------------------------------------------------------
+
+cudaDataType_t CudaType(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+    case DType::kE4M3: return CUDA_R_8F_E4M3;
+    case DType::kE5M2: return CUDA_R_8F_E5M2;
+    default: return CUDA_R_32F;
+  }
+}
+
+int AlignmentOf(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  int alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// Output dtypes cuBLASLt writes directly for each operand dtype.
+bool NativeOutput(DType operand, DType out) {
+  switch (operand) {
+    case DType::kF32: return out == DType::kF32;
+    case DType::kBF16: return out == DType::kBF16 || out == DType::kF32;
+    case DType::kF16: return out == DType::kF16 || out == DType::kF32;
+    default: return IsComputeFloat(out);  // FP8: bf16, f16 or f32 out
+  }
+}
+
+// The bias dtype cuBLASLt's bias epilogue reads for these operand and output
+// dtypes (FP8 into f32 reads a bf16 bias; otherwise the output's dtype).
+DType NativeBiasType(DType operand, DType out) {
+  if (IsFloat8(operand) && out == DType::kF32) return DType::kBF16;
+  return out;
+}
+
+std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
+  auto plan = std::make_unique<GemmPlan>();
+  auto declined = [&](const char* what, cublasStatus_t status) {
+    // Update, not assignment: nvcc warns on Status::operator='s unused result.
+    plan->status.Update(absl::UnimplementedError(absl::StrCat(
+        "cuBLASLt ", what, " (", cublasLtGetStatusString(status), ") for ", key.DebugString())));
+    return std::move(plan);
+  };
+#define TE_LT_OR_DECLINE(expr, what)               \
+  do {                                             \
+    const cublasStatus_t _s = (expr);              \
+    if (_s != CUBLAS_STATUS_SUCCESS) return declined(what, _s); \
+  } while (0)
+
+  TE_LT_OR_DECLINE(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                   "matmul descriptor");
+  const cublasOperation_t op_a = key.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = key.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
+                                                  sizeof(op_a)),
+                   "transa");
+  TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                                  sizeof(op_b)),
+                   "transb");
+  if (key.bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                    &epilogue, sizeof(epilogue)),
+                     "bias epilogue");
+    const int32_t bias_type = CudaType(key.bias_type);
+    TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                    &bias_type, sizeof(bias_type)),
+                     "bias type");
+  }
+  // Column-major layouts: A is [m, k] (stored [k, m] when transposed), B is
+  // [k, n] (stored [n, k] when transposed), C = D is [m, n], all packed.
+  const int64_t a_rows = key.transpose_a ? key.k : key.m;
+  const int64_t a_cols = key.transpose_a ? key.m : key.k;
+  const int64_t b_rows = key.transpose_b ? key.n : key.k;
+  const int64_t b_cols = key.transpose_b ? key.k : key.n;
+  TE_LT_OR_DECLINE(cublasLtMatrixLayoutCreate(&plan->a, CudaType(key.a_type), a_rows, a_cols, a_rows),
+                   "layout A");
+  TE_LT_OR_DECLINE(cublasLtMatrixLayoutCreate(&plan->b, CudaType(key.b_type), b_rows, b_cols, b_rows),
+                   "layout B");
+  TE_LT_OR_DECLINE(cublasLtMatrixLayoutCreate(&plan->c, CudaType(key.d_type), key.m, key.n, key.m),
+                   "layout C");
+  TE_LT_OR_DECLINE(cublasLtMatrixLayoutCreate(&plan->d, CudaType(key.d_type), key.m, key.n, key.m),
+                   "layout D");
+
+  cublasLtMatmulPreference_t preference = nullptr;
+  TE_LT_OR_DECLINE(cublasLtMatmulPreferenceCreate(&preference), "preference");
+  struct PreferenceGuard {
+    cublasLtMatmulPreference_t p;
+    ~PreferenceGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
+  } guard{preference};
+  const uint64_t workspace = kGemmWorkspaceBytes;
+  TE_LT_OR_DECLINE(cublasLtMatmulPreferenceSetAttribute(
+                       preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                       sizeof(workspace)),
+                   "workspace preference");
+  const uint32_t align_a = key.align_a, align_b = key.align_b, align_d = key.align_d;
+  TE_LT_OR_DECLINE(cublasLtMatmulPreferenceSetAttribute(
+                       preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                       sizeof(align_a)),
+                   "alignment preference");
+  TE_LT_OR_DECLINE(cublasLtMatmulPreferenceSetAttribute(
+                       preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                       sizeof(align_b)),
+                   "alignment preference");
+  TE_LT_OR_DECLINE(cublasLtMatmulPreferenceSetAttribute(
+                       preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                       sizeof(align_d)),
+                   "alignment preference");
+  TE_LT_OR_DECLINE(cublasLtMatmulPreferenceSetAttribute(
+                       preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                       sizeof(align_d)),
+                   "alignment preference");
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  TE_LT_OR_DECLINE(cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c,
+                                                  plan->d, preference, 1, &result, &returned),
+                   "heuristic");
+  if (returned == 0) return declined("heuristic found no algorithm", CUBLAS_STATUS_NOT_SUPPORTED);
+  plan->algo = result.algo;
+#undef TE_LT_OR_DECLINE
+  return plan;
+}
+
+// One GEMM in cuBLASLt's terms, with the data it reads and writes.
+struct LtCall {
+  GemmKey key;
+  const void* a = nullptr;  // our b (maybe a transposed copy)
+  const void* b = nullptr;  // our a
+  void* d = nullptr;
+  const void* bias = nullptr;
+  const float* a_scale = nullptr;  // FP8: our b_scale_inv
+  const float* b_scale = nullptr;  // FP8: our a_scale_inv
+};
+
+absl::Status RunPlan(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace) {
+  if (call.key.bias) {
+    CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias, sizeof(call.bias)));
+  }
+  if (IsFloat8(call.key.a_type)) {
+    CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &call.a_scale, sizeof(call.a_scale)));
+    CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &call.b_scale, sizeof(call.b_scale)));
+  }
+  const float alpha = 1.0f;
+  const float beta = call.key.accumulate ? 1.0f : 0.0f;
+  CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(ops->cublaslt(), plan->desc, &alpha, call.a, plan->a,
+                                        call.b, plan->b, &beta, call.d, plan->c, call.d, plan->d,
+                                        &plan->algo, workspace, kGemmWorkspaceBytes,
+                                        ops->stream()));
+  return absl::OkStatus();
+}
+
+std::shared_ptr<GemmPlan> Plan(CudaOps* ops, const GemmKey& key) {
+  std::shared_ptr<GemmPlanCache>& cache = ops->gemm_plans();
+  if (cache == nullptr) cache = std::make_shared<GemmPlanCache>();
+  return cache->GetOrBuild(key, [&] { return BuildPlan(ops->cublaslt(), key); });
+}
+
+constexpr size_t RoundUp(size_t n) { return (n + 255) / 256 * 256; }
+
+absl::Status CheckOperand(const char* name, const char* scale_name, const Tensor& t,
+                          const Tensor& scale_inv) {
+  RETURN_IF_ERROR(RequireDefined("Gemm", name, &t));
+  if (t.rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: ", name, " has shape ", ShapeString(t.shape()), ", want rank 2"));
+  }
+  if (IsFloat8(t.dtype())) {
+    if (scale_inv.data() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("Gemm: ", name, " is ", DTypeName(t.dtype()),
+                                                     " but ", scale_name, " is undefined"));
+    }
+    return RequireScalarF32("Gemm", scale_name, &scale_inv);
+  }
+  RETURN_IF_ERROR(RequireFloat("Gemm", name, &t));
+  if (scale_inv.data() != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: ", scale_name, " is given but ", name,
+                                                   " is ", DTypeName(t.dtype()),
+                                                   "; scale_inv applies to FP8 operands only"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
+  RETURN_IF_ERROR(Enter());
+  RETURN_IF_ERROR(CheckOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
+  RETURN_IF_ERROR(CheckOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
+  const bool fp8 = IsFloat8(args.a.dtype());
+  if (fp8 != IsFloat8(args.b.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()),
+                                                   " and b is ", DTypeName(args.b.dtype()),
+                                                   "; operands are both float or both FP8"));
+  }
+  const int64_t m = args.transpose_a ? args.a.dim(1) : args.a.dim(0);
+  const int64_t k = args.transpose_a ? args.a.dim(0) : args.a.dim(1);
+  const Shape b_want = args.transpose_b ? Shape{args.b.dim(0), k} : Shape{k, args.b.dim(1)};
+  if (args.b.shape() != b_want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
+        args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)") : absl::StrCat("[K=", k, ", N]")));
+  }
+  const int64_t n = args.transpose_b ? args.b.dim(0) : args.b.dim(1);
+  RETURN_IF_ERROR(RequireFloat("Gemm", "out", out));
+  RETURN_IF_ERROR(RequireShape("Gemm", "out", *out, {m, n}));
+  const bool has_bias = args.bias.data() != nullptr;
+  if (has_bias) {
+    RETURN_IF_ERROR(RequireFloat("Gemm", "bias", &args.bias));
+    RETURN_IF_ERROR(RequireShape("Gemm", "bias", args.bias, {n}));
+    if (args.accumulate) {
+      return absl::InvalidArgumentError(
+          "Gemm: bias is given with accumulate; add it once, on the first GEMM that writes out");
+    }
+  }
+  if (m == 0 || n == 0) return absl::OkStatus();
+  if (k == 0) return Epilogue(nullptr, args.bias, args.accumulate, out, m, n, stream());
+
+  const float* a_scale = fp8 ? args.a_scale_inv.data_as<const float>() : nullptr;
+  const float* b_scale = fp8 ? args.b_scale_inv.data_as<const float>() : nullptr;
+  const size_t product_bytes = RoundUp(static_cast<size_t>(m * n) * sizeof(float));
+
+  // Routes 1 and 2: the operands as they are (FP8: in the TN layout).
+  if (fp8 || args.a.dtype() == args.b.dtype()) {
+    const bool copy_a = fp8 && args.transpose_a;   // want a as [M, K]
+    const bool copy_b = fp8 && !args.transpose_b;  // want b as [N, K]
+    const size_t a_copy_bytes = copy_a ? RoundUp(args.a.nbytes()) : 0;
+    const size_t b_copy_bytes = copy_b ? RoundUp(args.b.nbytes()) : 0;
+
+    LtCall call;
+    call.key.m = n;
+    call.key.n = m;
+    call.key.k = k;
+    call.key.a_type = args.b.dtype();
+    call.key.b_type = args.a.dtype();
+    call.key.transpose_a = copy_b ? true : args.transpose_b;
+    call.key.transpose_b = copy_a ? false : args.transpose_a;
+    call.key.align_a = copy_b ? 256 : AlignmentOf(args.b.data());
+    call.key.align_b = copy_a ? 256 : AlignmentOf(args.a.data());
+    call.a_scale = b_scale;
+    call.b_scale = a_scale;
+    // Makes the TN copies (when needed) into the workspace and points the call at them.
+    auto prepare = [&](size_t extra_bytes) -> absl::StatusOr<char*> {
+      ASSIGN_OR_RETURN(void* workspace,
+                       Workspace(kGemmWorkspaceBytes + a_copy_bytes + b_copy_bytes + extra_bytes));
+      char* scratch = static_cast<char*>(workspace) + kGemmWorkspaceBytes;
+      call.a = args.b.data();
+      call.b = args.a.data();
+      if (copy_b) {  // b [K, N] -> [N, K]
+        RETURN_IF_ERROR(Transpose(args.b.data(), args.b.dtype(), scratch, k, n, stream()));
+        call.a = scratch;
+      }
+      if (copy_a) {  // a [K, M] -> [M, K]
+        RETURN_IF_ERROR(
+            Transpose(args.a.data(), args.a.dtype(), scratch + b_copy_bytes, k, m, stream()));
+        call.b = scratch + b_copy_bytes;
+      }
+      return static_cast<char*>(workspace);
+    };
+
+    const DType operand = args.a.dtype();
+    const bool native_bias = !has_bias || args.bias.dtype() == NativeBiasType(operand, out->dtype());
+    if (NativeOutput(operand, out->dtype()) && native_bias) {
+      call.key.d_type = out->dtype();
+      call.key.accumulate = args.accumulate;
+      call.key.bias = has_bias;
+      call.key.bias_type = has_bias ? args.bias.dtype() : DType::kF32;
+      call.key.align_d = AlignmentOf(out->data());
+      std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
+      if (plan->status.ok()) {
+        ASSIGN_OR_RETURN(char* workspace, prepare(0));
+        call.d = out->data();
+        call.bias = has_bias ? args.bias.data() : nullptr;
+        return RunPlan(this, plan.get(), call, workspace);
+      }
+    }
+    call.key.d_type = DType::kF32;
+    call.key.accumulate = false;
+    call.key.bias = false;
+    call.key.bias_type = DType::kF32;
+    call.key.align_d = 256;
+    std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
+    if (plan->status.ok()) {
+      ASSIGN_OR_RETURN(char* workspace, prepare(product_bytes));
+      float* product = reinterpret_cast<float*>(workspace + kGemmWorkspaceBytes + a_copy_bytes +
+                                                b_copy_bytes);
+      call.d = product;
+      RETURN_IF_ERROR(RunPlan(this, plan.get(), call, workspace));
+      return Epilogue(product, args.bias, args.accumulate, out, m, n, stream());
+    }
+  }
+
+  // Route 3: f32 operands (exact conversions), f32 product, epilogue.
+  const size_t a_bytes = RoundUp(static_cast<size_t>(args.a.numel()) * sizeof(float));
+  const size_t b_bytes = RoundUp(static_cast<size_t>(args.b.numel()) * sizeof(float));
+  ASSIGN_OR_RETURN(void* workspace,
+                   Workspace(kGemmWorkspaceBytes + a_bytes + b_bytes + product_bytes));
+  char* scratch = static_cast<char*>(workspace) + kGemmWorkspaceBytes;
+  float* a32 = reinterpret_cast<float*>(scratch);
+  float* b32 = reinterpret_cast<float*>(scratch + a_bytes);
+  float* product = reinterpret_cast<float*>(scratch + a_bytes + b_bytes);
+  RETURN_IF_ERROR(ToF32(args.a, a_scale, a32, stream()));
+  RETURN_IF_ERROR(ToF32(args.b, b_scale, b32, stream()));
+  LtCall call;
+  call.key.m = n;
+  call.key.n = m;
+  call.key.k = k;
+  call.key.transpose_a = args.transpose_b;
+  call.key.transpose_b = args.transpose_a;
+  call.a = b32;
+  call.b = a32;
+  call.d = product;
+  std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
+  if (!plan->status.ok()) {
+    return absl::InternalError(absl::StrCat("Gemm: no cuBLASLt f32 kernel: ", plan->status.message()));
+  }
+  RETURN_IF_ERROR(RunPlan(this, plan.get(), call, workspace));
+  return Epilogue(product, args.bias, args.accumulate, out, m, n, stream());
+}
+
+}  // namespace cuda
+}  // namespace te
