@@ -13,16 +13,20 @@ NVCC_FLAGS = [
     "-lineinfo",
 ]
 
-def cuda_library(name, srcs, hdrs = [], deps = [], **kwargs):
-    """Compiles each .cu in srcs with nvcc into an object linked into a cc_library."""
+def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_hdrs = [], **kwargs):
+    """Compiles each .cu in srcs with nvcc into an object linked into a cc_library.
+
+    nvcc_hdrs: labels of headers outside this package that the .cu files
+    include, so that editing them recompiles the objects.
+    """
     objs = []
     for src in srcs:
         obj = name + "_" + src.replace("/", "_").replace(".cu", ".o")
         native.genrule(
             name = obj + "_nvcc",
-            srcs = [src] + hdrs + native.glob(["**/*.h", "**/*.cuh"]),
+            srcs = [src] + hdrs + nvcc_hdrs + native.glob(["**/*.h", "**/*.cuh"]),
             outs = [obj],
-            cmd = "%s/bin/nvcc %s -I. -I$(GENDIR) -isystem /usr/include -c $(location %s) -o $@" % (
+            cmd = "%s/bin/nvcc %s -I. -I$(GENDIR) -c $(location %s) -o $@" % (
                 CUDA_PATH,
                 " ".join(NVCC_FLAGS),
                 src,

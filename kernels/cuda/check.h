@@ -9,7 +9,9 @@
 // RESOURCE_EXHAUSTED; a sticky error (the context is corrupted: illegal
 // address, launch failure, ECC...) -> INTERNAL, and the current device is
 // marked unhealthy for the life of the process, since no later call on that
-// context can succeed; anything else -> INTERNAL.
+// context can succeed; a library's "not supported" (a configuration cuBLASLt
+// or cuDNN has no kernel for) -> UNIMPLEMENTED, so a caller can fall back;
+// anything else -> INTERNAL.
 #ifndef TE_KERNELS_CUDA_CHECK_H_
 #define TE_KERNELS_CUDA_CHECK_H_
 

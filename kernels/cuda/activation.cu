@@ -1,0 +1,200 @@
+// Activations, forward (optionally fused with FP8 quantize + amax) and
+// backward, plain and gated: for x = [x_0 | x_1] (each [N, I]),
+// y = act_0(x_0) * act_1(x_1). Formulas as in kernels/ops.h and the CPU
+// reference.
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/args.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+constexpr float kQuickGeluAlpha = 1.702f;
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float ActivationValue(Activation act, float x) {
+  switch (act) {
+    case Activation::kGelu: {
+      const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+      return 0.5f * x * (1.0f + t);
+    }
+    case Activation::kSilu: return x * Sigmoid(x);
+    case Activation::kRelu: return x > 0.0f ? x : 0.0f;
+    case Activation::kQuickGelu: return x * Sigmoid(kQuickGeluAlpha * x);
+    case Activation::kSquaredRelu: return x > 0.0f ? x * x : 0.0f;
+    case Activation::kLinear: return x;
+  }
+  return x;
+}
+
+__device__ __forceinline__ float ActivationDerivative(Activation act, float x) {
+  switch (act) {
+    case Activation::kGelu: {
+      const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+      const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+      return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+    }
+    case Activation::kSilu: {
+      const float s = Sigmoid(x);
+      return s * (1.0f + x * (1.0f - s));
+    }
+    case Activation::kRelu: return x > 0.0f ? 1.0f : 0.0f;
+    case Activation::kQuickGelu: {
+      const float s = Sigmoid(kQuickGeluAlpha * x);
+      return s + kQuickGeluAlpha * x * s * (1.0f - s);
+    }
+    case Activation::kSquaredRelu: return x > 0.0f ? 2.0f * x : 0.0f;
+    case Activation::kLinear: return 1.0f;
+  }
+  return 1.0f;
+}
+
+// x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale, amax
+// (zeroed before) and scale_inv non-null.
+template <typename In, typename Out>
+__global__ void ActivationForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
+                                        Activation act0, Activation act1, bool gated,
+                                        int64_t rows, int64_t width, const float* scale,
+                                        float* amax, float* scale_inv) {
+  __shared__ unsigned scratch[32];
+  const float s = scale != nullptr ? *scale : 1.0f;
+  const int64_t in_cols = gated ? 2 * width : width;
+  const int64_t n = rows * width;
+  unsigned amax_bits = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i - r * width;
+    const int64_t at = r * in_cols + c;
+    float v = ActivationValue(act0, In::Load(x[at]));
+    if (gated) v *= ActivationValue(act1, In::Load(x[at + width]));
+    amax_bits = max(amax_bits, AbsBits(v));
+    y[i] = Out::Store(v * s);
+  }
+  if (amax != nullptr) {
+    amax_bits = BlockMaxBits(amax_bits, scratch);
+    if (threadIdx.x == 0) {
+      AtomicMaxAbsBits(amax, amax_bits);
+      if (blockIdx.x == 0) *scale_inv = 1.0f / s;
+    }
+  }
+}
+
+// Gated: dx_0 = dy * act_1(x_1) * act_0'(x_0), dx_1 = dy * act_0(x_0) * act_1'(x_1).
+template <typename In, typename D, typename Out>
+__global__ void ActivationBackwardKernel(const typename D::Storage* dy,
+                                         const typename In::Storage* x, typename Out::Storage* dx,
+                                         Activation act0, Activation act1, bool gated,
+                                         int64_t rows, int64_t width) {
+  const int64_t in_cols = gated ? 2 * width : width;
+  const int64_t n = rows * width;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i - r * width;
+    const int64_t at = r * in_cols + c;
+    const float g = D::Load(dy[i]);
+    const float x0 = In::Load(x[at]);
+    if (!gated) {
+      dx[at] = Out::Store(g * ActivationDerivative(act0, x0));
+      continue;
+    }
+    const float x1 = In::Load(x[at + width]);
+    dx[at] = Out::Store(g * ActivationValue(act1, x1) * ActivationDerivative(act0, x0));
+    dx[at + width] = Out::Store(g * ActivationValue(act0, x0) * ActivationDerivative(act1, x1));
+  }
+}
+
+// x [..., n * I] with n = acts.size(): returns I.
+absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>& acts,
+                                   const Tensor& x) {
+  if (acts.size() != 1 && acts.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": acts has ", acts.size(), " entries, want 1 or 2 (a gated pair)"));
+  }
+  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  const int64_t n = static_cast<int64_t>(acts.size());
+  if (x.dim(-1) % n != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": x has last dimension ", x.dim(-1), ", want a multiple of ", n, " (n * I)"));
+  }
+  return x.dim(-1) / n;
+}
+
+}  // namespace
+
+absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
+                                        Tensor* y, const Fp8Output* fp8) {
+  const char* op = "ActivationForward";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
+  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
+  Shape want = x.shape();
+  want.back() = width;
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, want));
+  const bool quantized = IsFloat8(y->dtype());
+  const int64_t rows = Rows(x);
+  const int64_t n = rows * width;
+  if (n == 0 && !quantized) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  if (quantized) {
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8->amax.data(), 0, sizeof(float), stream()));
+  }
+  const bool gated = acts.size() == 2;
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloatOrFp8(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      ActivationForwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()),
+          static_cast<typename Out::Storage*>(y->data()), acts[0], gated ? acts[1] : acts[0],
+          gated, rows, width, quantized ? fp8->scale.data_as<const float>() : nullptr,
+          quantized ? fp8->amax.data_as<float>() : nullptr,
+          quantized ? fp8->scale_inv.data_as<float>() : nullptr);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
+                                         const Tensor& x, Tensor* dx) {
+  const char* op = "ActivationBackward";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  Shape dy_want = x.shape();
+  dy_want.back() = width;
+  RETURN_IF_ERROR(RequireShape(op, "dy", dy, dy_want));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
+  const int64_t rows = Rows(x);
+  const int64_t n = rows * width;
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  const bool gated = acts.size() == 2;
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(dy.dtype(), [&](auto d) {
+      DispatchFloat(dx->dtype(), [&](auto out) {
+        using In = decltype(in);
+        using D = decltype(d);
+        using Out = decltype(out);
+        ActivationBackwardKernel<In, D, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+            static_cast<const typename D::Storage*>(dy.data()),
+            static_cast<const typename In::Storage*>(x.data()),
+            static_cast<typename Out::Storage*>(dx->data()), acts[0], gated ? acts[1] : acts[0],
+            gated, rows, width);
+      });
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te

@@ -1,0 +1,140 @@
+#include "kernels/cuda/allocator.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/check.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+constexpr size_t kSmallQuantum = 512;             // below 1 MiB
+constexpr size_t kLargeThreshold = 1 << 20;
+constexpr size_t kLargeQuantum = 2 << 20;         // 2 MiB from 1 MiB up
+// A cached block may serve a request up to this many times smaller, so a
+// large block is not tied up by a small tensor.
+constexpr size_t kMaxWasteFactor = 2;
+
+}  // namespace
+
+size_t CachingAllocator::RoundedSize(size_t bytes) {
+  const size_t quantum = bytes < kLargeThreshold ? kSmallQuantum : kLargeQuantum;
+  return (bytes + quantum - 1) / quantum * quantum;
+}
+
+CachingAllocator::~CachingAllocator() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ReleaseCachedLocked();
+}
+
+absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
+    size_t bytes, std::shared_ptr<CUstream_st> stream) {
+  const size_t size = RoundedSize(bytes == 0 ? 1 : bytes);
+  void* ptr = nullptr;
+  size_t block_size = size;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Smallest cached size that fits; among its blocks, prefer one last used
+    // on this stream (reusable with no event).
+    auto it = free_blocks_.lower_bound(size);
+    if (it != free_blocks_.end() && it->first <= size * kMaxWasteFactor && !it->second.empty()) {
+      std::vector<FreeBlock>& blocks = it->second;
+      size_t pick = blocks.size() - 1;
+      for (size_t i = blocks.size(); i-- > 0;) {
+        if (blocks[i].last_stream == nullptr || blocks[i].last_stream == stream) {
+          pick = i;
+          break;
+        }
+      }
+      FreeBlock block = std::move(blocks[pick]);
+      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(pick));
+      block_size = it->first;
+      if (blocks.empty()) free_blocks_.erase(it);
+      if (block.last_stream != nullptr && block.last_stream != stream) {
+        // Work queued on the old stream may still touch the block: order this
+        // stream after it, on the device.
+        cudaEvent_t event;
+        CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(event, block.last_stream.get()));
+        CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream.get(), event, 0));
+        CUDA_RETURN_IF_ERROR(cudaEventDestroy(event));  // released once it fires
+      }
+      ptr = block.ptr;
+      ++stats_.cache_hits;
+    }
+  }
+  if (ptr == nullptr) {
+    cudaError_t error = cudaMalloc(&ptr, size);
+    if (error == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // clear the non-sticky error
+      std::lock_guard<std::mutex> lock(mu_);
+      ReleaseCachedLocked();
+      error = cudaMalloc(&ptr, size);
+    }
+    if (error == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      const Stats now = stats();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cuda:", ordinal_, " is out of memory: cudaMalloc of ", size, " bytes failed with ",
+          now.bytes_reserved, " bytes reserved by this process (", now.bytes_in_use, " in use)"));
+    }
+    CUDA_RETURN_IF_ERROR(error);
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_reserved += static_cast<int64_t>(size);
+    ++stats_.cuda_mallocs;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_in_use += static_cast<int64_t>(block_size);
+  }
+  std::shared_ptr<CachingAllocator> self = shared_from_this();
+  return std::shared_ptr<void>(ptr, [self, block_size, stream](void* p) mutable {
+    self->Free(p, block_size, std::move(stream));
+  });
+}
+
+void CachingAllocator::Free(void* ptr, size_t size, std::shared_ptr<CUstream_st> stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_in_use -= static_cast<int64_t>(size);
+  free_blocks_[size].push_back(FreeBlock{ptr, std::move(stream)});
+}
+
+void CachingAllocator::ForgetStream(cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [size, blocks] : free_blocks_) {
+    for (FreeBlock& block : blocks) {
+      if (block.last_stream.get() == stream) block.last_stream.reset();
+    }
+  }
+}
+
+void CachingAllocator::ReleaseCached() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ReleaseCachedLocked();
+}
+
+void CachingAllocator::ReleaseCachedLocked() {
+  if (free_blocks_.empty()) return;
+  // cudaFree does not wait for queued kernels that may still use a block.
+  int previous = -1;
+  (void)cudaGetDevice(&previous);
+  (void)cudaSetDevice(ordinal_);
+  (void)cudaDeviceSynchronize();
+  for (auto& [size, blocks] : free_blocks_) {
+    for (FreeBlock& block : blocks) {
+      (void)cudaFree(block.ptr);
+      stats_.bytes_reserved -= static_cast<int64_t>(size);
+    }
+  }
+  free_blocks_.clear();
+  if (previous >= 0) (void)cudaSetDevice(previous);
+}
+
+CachingAllocator::Stats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace cuda
+}  // namespace te

@@ -1,0 +1,155 @@
+// Device-side building blocks shared by the kernel files: element formats as
+// types, dtype dispatch, launch geometry and block reductions.
+//
+// Conversions round exactly as kernels/fp8.h does (nearest even; FP8
+// saturating; NaN as 0x7f / 0x7e00), so GPU outputs are bit-identical to the
+// CPU reference for the same float32 value. FP8 and fp16 use the hardware
+// converts (cvt.rn.satfinite), which agree with fp8.h on every float32 input
+// apart from NaN's bit pattern, which is fixed up here.
+#ifndef TE_KERNELS_CUDA_COMMON_CUH_
+#define TE_KERNELS_CUDA_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/fp8.h"
+#include "kernels/tensor.h"
+
+namespace te {
+namespace cuda {
+
+// ---- element formats ---------------------------------------------------------
+// Each has Storage (the bytes in memory), Load (to float) and Store (from float,
+// rounded once).
+struct F32 {
+  using Storage = float;
+  static __device__ __forceinline__ float Load(float v) { return v; }
+  static __device__ __forceinline__ float Store(float v) { return v; }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float Load(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+  static __device__ __forceinline__ uint16_t Store(float v) { return FloatToBf16(v); }
+};
+struct F16 {
+  using Storage = uint16_t;
+  static __device__ __forceinline__ float Load(uint16_t v) {
+    return __half2float(__ushort_as_half(v));
+  }
+  static __device__ __forceinline__ uint16_t Store(float v) {
+    if (v != v) return 0x7e00;
+    return __half_as_ushort(__float2half_rn(v));
+  }
+};
+struct E4M3 {
+  using Storage = uint8_t;
+  static __device__ __forceinline__ float Load(uint8_t v) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v, __NV_E4M3)));
+  }
+  static __device__ __forceinline__ uint8_t Store(float v) {
+    if (v != v) return 0x7f;
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+  }
+};
+struct E5M2 {
+  using Storage = uint8_t;
+  static __device__ __forceinline__ float Load(uint8_t v) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v, __NV_E5M2)));
+  }
+  static __device__ __forceinline__ uint8_t Store(float v) {
+    if (v != v) return 0x7f;
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2));
+  }
+};
+
+// Calls f(Format{}) for a float dtype (f32, bf16, f16); false for others.
+template <typename F>
+bool DispatchFloat(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: f(F32{}); return true;
+    case DType::kBF16: f(BF16{}); return true;
+    case DType::kF16: f(F16{}); return true;
+    default: return false;
+  }
+}
+// Float dtypes and the two FP8 formats.
+template <typename F>
+bool DispatchFloatOrFp8(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kE4M3: f(E4M3{}); return true;
+    case DType::kE5M2: f(E5M2{}); return true;
+    default: return DispatchFloat(dtype, f);
+  }
+}
+template <typename F>
+bool DispatchFp8(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kE4M3: f(E4M3{}); return true;
+    case DType::kE5M2: f(E5M2{}); return true;
+    default: return false;
+  }
+}
+
+// ---- launch geometry ---------------------------------------------------------
+constexpr int kThreads = 256;
+// Grid-stride kernels: enough blocks to fill the GPU several times over, no
+// more (each thread loops).
+inline unsigned GridFor(int64_t n, int threads = kThreads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  const int64_t cap = 132 * 16;  // H200: 132 SMs; more blocks only add tail
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+// ---- reductions ----------------------------------------------------------------
+// max |v| as the bits of a non-negative float: integer order equals float
+// order for non-negative floats, and NaN (0x7fc00000 after fabs) orders above
+// inf, so a NaN anywhere propagates, as the CPU reference's AbsMax does.
+__device__ __forceinline__ unsigned AbsBits(float v) { return __float_as_uint(fabsf(v)); }
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+__device__ __forceinline__ unsigned WarpMaxBits(unsigned v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch`: 32 floats of
+// shared memory, reusable after the call returns.
+__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+  v = WarpSum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  return WarpSum(v);
+}
+
+__device__ __forceinline__ unsigned BlockMaxBits(unsigned v, unsigned* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+  v = WarpMaxBits(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0u;
+  return WarpMaxBits(v);
+}
+
+// Folds a block's amax into a global amax (zeroed before the launch); thread 0
+// of the block calls it.
+__device__ __forceinline__ void AtomicMaxAbsBits(float* amax, unsigned bits) {
+  atomicMax(reinterpret_cast<unsigned*>(amax), bits);
+}
+
+}  // namespace cuda
+}  // namespace te
+
+#endif  // TE_KERNELS_CUDA_COMMON_CUH_

@@ -1,0 +1,87 @@
+// CudaOps: the per-stream state (memory, cuDNN handle, workspace). The ops
+// themselves live in the .cu files named in cuda_ops.h.
+#include "kernels/cuda/cuda_ops.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/check.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+
+CudaContext::~CudaContext() {
+  if (cublaslt != nullptr) {
+    (void)cudaSetDevice(ordinal);
+    (void)cublasLtDestroy(cublaslt);
+  }
+}
+
+CudaOps::CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream)
+    : context_(std::move(context)), stream_(std::move(stream)) {}
+
+CudaOps::~CudaOps() {
+  // Library objects must not be destroyed while queued work uses them; after
+  // the wait, this stream's freed blocks are idle for every other stream.
+  (void)cudaSetDevice(context_->ordinal);
+  (void)cudaStreamSynchronize(stream_.get());
+  workspace_.reset();
+  gemm_plans_.reset();
+  attention_plans_.reset();
+  if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
+  context_->allocator->ForgetStream(stream_.get());
+}
+
+std::string CudaOps::device_name() const { return absl::StrCat("cuda:", context_->ordinal); }
+
+absl::Status CudaOps::Enter() const {
+  if (!DeviceHealthy(context_->ordinal)) {
+    return absl::UnavailableError(absl::StrCat(
+        device_name(), " hit a sticky CUDA error earlier and cannot run work until the server "
+                       "restarts"));
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(context_->ordinal));
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Synchronize() {
+  RETURN_IF_ERROR(Enter());
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<cudnnHandle_t> CudaOps::CudnnHandle() {
+  if (cudnn_ == nullptr) {
+    RETURN_IF_ERROR(Enter());
+    cudnnHandle_t handle = nullptr;
+    CUDNN_RETURN_IF_ERROR(cudnnCreate(&handle));
+    const cudnnStatus_t bound = cudnnSetStream(handle, stream_.get());
+    if (bound != CUDNN_STATUS_SUCCESS) {
+      (void)cudnnDestroy(handle);
+      return CudnnErrorToStatus(bound, "cudnnSetStream(handle, stream)", __FILE__, __LINE__);
+    }
+    cudnn_ = handle;
+  }
+  return cudnn_;
+}
+
+absl::StatusOr<void*> CudaOps::Workspace(size_t bytes) {
+  if (bytes <= workspace_bytes_) return workspace_.get();
+  RETURN_IF_ERROR(Enter());
+  // The old block returns to the cache in stream order: ops queued before
+  // this one finish with it first.
+  workspace_.reset();
+  workspace_bytes_ = 0;
+  ASSIGN_OR_RETURN(workspace_, context_->allocator->Allocate(bytes, stream_));
+  workspace_bytes_ = bytes;
+  return workspace_.get();
+}
+
+absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateBytes(size_t bytes) {
+  RETURN_IF_ERROR(Enter());
+  return context_->allocator->Allocate(bytes, stream_);
+}
+
+}  // namespace cuda
+}  // namespace te

@@ -1,0 +1,105 @@
+// Inverted dropout. Element i is kept iff DropoutUniform(seed, i) >= rate
+// (kernels/rng.h, the same function the CPU runs), so masks agree bit for bit
+// across backends; kept elements are scaled by 1 / (1 - rate).
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/args.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+// mask may be null (no backward needed).
+template <typename In, typename Out>
+__global__ void DropoutForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
+                                     uint8_t* mask, float rate, float kept_scale, uint64_t seed,
+                                     int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const bool kept = DropoutUniform(seed, static_cast<uint64_t>(i)) >= rate;
+    y[i] = Out::Store(kept ? In::Load(x[i]) * kept_scale : 0.0f);
+    if (mask != nullptr) mask[i] = kept ? 1 : 0;
+  }
+}
+
+template <typename In, typename Out>
+__global__ void DropoutBackwardKernel(const typename In::Storage* dy, const uint8_t* mask,
+                                      typename Out::Storage* dx, float kept_scale, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    dx[i] = Out::Store(mask[i] ? In::Load(dy[i]) * kept_scale : 0.0f);
+  }
+}
+
+absl::Status CheckDropoutRate(const char* op, float rate) {
+  if (!(rate >= 0.0f && rate <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": rate is ", rate, ", want [0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+// rate 1 drops everything: kept elements (none) would need an infinite scale.
+float KeptScale(float rate) { return rate >= 1.0f ? 0.0f : 1.0f / (1.0f - rate); }
+
+}  // namespace
+
+absl::Status CudaOps::DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
+                                     Tensor* mask) {
+  const char* op = "DropoutForward";
+  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  const bool want_mask = Wanted(mask);
+  if (want_mask) {
+    RETURN_IF_ERROR(RequireDType(op, "mask", mask, DType::kBool));
+    RETURN_IF_ERROR(RequireShape(op, "mask", *mask, x.shape()));
+  }
+  const int64_t n = x.numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      DropoutForwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()),
+          static_cast<typename Out::Storage*>(y->data()),
+          want_mask ? mask->data_as<uint8_t>() : nullptr, rate, KeptScale(rate), seed, n);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
+                                      Tensor* dx) {
+  const char* op = "DropoutBackward";
+  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  RETURN_IF_ERROR(RequireDType(op, "mask", &mask, DType::kBool));
+  RETURN_IF_ERROR(RequireShape(op, "mask", mask, dy.shape()));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, dy.shape()));
+  const int64_t n = dy.numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  DispatchFloat(dy.dtype(), [&](auto in) {
+    DispatchFloat(dx->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      DropoutBackwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(dy.data()), mask.data_as<const uint8_t>(),
+          static_cast<typename Out::Storage*>(dx->data()), KeptScale(rate), n);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te

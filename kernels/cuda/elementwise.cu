@@ -1,0 +1,321 @@
+// Memory movement and plain elementwise ops: Upload, Download, Copy, Fill,
+// Cast, Axpby, Permute, SumRows.
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/cuda/args.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+// ---- kernels -------------------------------------------------------------------
+
+// y[i] = value, as stored in y's format (precomputed on the host: a fill is a
+// bit pattern).
+template <typename T>
+__global__ void FillKernel(T* y, T value, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = value;
+  }
+}
+
+// y = x in y's format.
+template <typename In, typename Out>
+__global__ void CastKernel(const typename In::Storage* x, typename Out::Storage* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = Out::Store(In::Load(x[i]));
+  }
+}
+
+// y = alpha a + beta b; a term with a zero coefficient is not read (its
+// pointer may be null), as in BLAS.
+template <typename A, typename B, typename Y>
+__global__ void AxpbyKernel(float alpha, const typename A::Storage* a, float beta,
+                            const typename B::Storage* b, typename Y::Storage* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float v = 0.0f;
+    if (alpha != 0.0f) v += alpha * A::Load(a[i]);
+    if (beta != 0.0f) v += beta * B::Load(b[i]);
+    y[i] = Y::Store(v);
+  }
+}
+
+constexpr int kMaxRank = 5;
+struct PermuteGeometry {
+  int rank;
+  int64_t y_dims[kMaxRank];
+  int64_t x_step[kMaxRank];  // x's stride along y's dimension i
+};
+
+// One thread per output element (coalesced writes; reads gather).
+template <typename T>
+__global__ void PermuteKernel(const T* x, T* y, PermuteGeometry g, int64_t n) {
+  for (int64_t out = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; out < n;
+       out += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rest = out, offset = 0;
+    for (int i = g.rank - 1; i >= 0; --i) {
+      const int64_t index = rest % g.y_dims[i];
+      rest /= g.y_dims[i];
+      offset += index * g.x_step[i];
+    }
+    y[out] = x[offset];
+  }
+}
+
+// SumRows, pass 1: block (column tile, row split) sums its rows of one column
+// per thread into partial[split, col]. Threads of a warp read neighbouring
+// columns (coalesced); no two threads write one address, so no atomics.
+template <typename In>
+__global__ void SumRowsPartialKernel(const typename In::Storage* x, float* partial, int64_t rows,
+                                     int64_t cols, int64_t rows_per_split) {
+  const int64_t col = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (col >= cols) return;
+  const int64_t begin = blockIdx.y * rows_per_split;
+  const int64_t end = min(rows, begin + rows_per_split);
+  float sum = 0.0f;
+  for (int64_t r = begin; r < end; ++r) sum += In::Load(x[r * cols + col]);
+  partial[blockIdx.y * cols + col] = sum;
+}
+
+// Pass 2: y[col] = sum over splits, in split order (deterministic).
+template <typename Out>
+__global__ void SumRowsFinalKernel(const float* partial, typename Out::Storage* y, int64_t splits,
+                                   int64_t cols) {
+  const int64_t col = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (col >= cols) return;
+  float sum = 0.0f;
+  for (int64_t s = 0; s < splits; ++s) sum += partial[s * cols + col];
+  y[col] = Out::Store(sum);
+}
+
+// The stored bytes of `value` in `dtype` (host side, the same casts as the CPU).
+uint32_t StoredBits(DType dtype, float value) {
+  switch (dtype) {
+    case DType::kF32: return FloatBits(value);
+    case DType::kBF16: return FloatToBf16(value);
+    case DType::kF16: return FloatToFp16(value);
+    case DType::kE4M3: return FloatToE4M3(value);
+    case DType::kE5M2: return FloatToE5M2(value);
+    case DType::kI32: return static_cast<uint32_t>(static_cast<int32_t>(value));
+    case DType::kBool: return value != 0.0f ? 1u : 0u;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// ---- memory ----------------------------------------------------------------------
+
+absl::Status CudaOps::Upload(const void* src, Tensor* dst) {
+  RETURN_IF_ERROR(RequireDefined("Upload", "dst", dst));
+  if (dst->nbytes() == 0) return absl::OkStatus();
+  if (src == nullptr) return absl::InvalidArgumentError("Upload: src is null");
+  RETURN_IF_ERROR(Enter());
+  // From pageable memory this returns once `src` has been staged, so the
+  // caller may reuse it at once.
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst->data(), src, dst->nbytes(), cudaMemcpyHostToDevice, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Download(const Tensor& src, void* dst) {
+  RETURN_IF_ERROR(RequireDefined("Download", "src", &src));
+  if (src.nbytes() == 0) return absl::OkStatus();
+  if (dst == nullptr) return absl::InvalidArgumentError("Download: dst is null");
+  RETURN_IF_ERROR(Enter());
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream()));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Copy(const Tensor& src, Tensor* dst) {
+  RETURN_IF_ERROR(RequireDefined("Copy", "src", &src));
+  RETURN_IF_ERROR(RequireDefined("Copy", "dst", dst));
+  RETURN_IF_ERROR(RequireDType("Copy", "dst", dst, src.dtype()));
+  RETURN_IF_ERROR(RequireSameCount("Copy", "dst", *dst, "src", src));
+  if (src.nbytes() == 0 || src.data() == dst->data()) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst->data(), src.data(), src.nbytes(),
+                                       cudaMemcpyDeviceToDevice, stream()));
+  return absl::OkStatus();
+}
+
+// ---- elementwise ---------------------------------------------------------------
+
+absl::Status CudaOps::Fill(float value, Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Fill", "y", y));
+  const int64_t n = y->numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  const uint32_t bits = StoredBits(y->dtype(), value);
+  switch (DTypeSize(y->dtype())) {
+    case 1:
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(y->data(), static_cast<int>(bits), n, stream()));
+      return absl::OkStatus();
+    case 2:
+      FillKernel<uint16_t><<<GridFor(n), kThreads, 0, stream()>>>(
+          y->data_as<uint16_t>(), static_cast<uint16_t>(bits), n);
+      break;
+    default:
+      FillKernel<uint32_t><<<GridFor(n), kThreads, 0, stream()>>>(y->data_as<uint32_t>(), bits,
+                                                                   n);
+      break;
+  }
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Cast(const Tensor& x, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
+  RETURN_IF_ERROR(RequireFloat("Cast", "y", y));
+  RETURN_IF_ERROR(RequireSameCount("Cast", "y", *y, "x", x));
+  const int64_t n = x.numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      CastKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()),
+          static_cast<typename Out::Storage*>(y->data()), n);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Axpby(float alpha, const Tensor& a, float beta, const Tensor& b, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Axpby", "y", y));
+  if (alpha != 0.0f) {
+    RETURN_IF_ERROR(RequireFloat("Axpby", "a", &a));
+    RETURN_IF_ERROR(RequireSameCount("Axpby", "a", a, "y", *y));
+  }
+  if (beta != 0.0f) {
+    RETURN_IF_ERROR(RequireFloat("Axpby", "b", &b));
+    RETURN_IF_ERROR(RequireSameCount("Axpby", "b", b, "y", *y));
+  }
+  const int64_t n = y->numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  // An unread operand takes y's dtype so the dispatch stays small.
+  const DType a_dtype = alpha != 0.0f ? a.dtype() : y->dtype();
+  const DType b_dtype = beta != 0.0f ? b.dtype() : y->dtype();
+  DispatchFloat(a_dtype, [&](auto fa) {
+    DispatchFloat(b_dtype, [&](auto fb) {
+      DispatchFloat(y->dtype(), [&](auto fy) {
+        using A = decltype(fa);
+        using B = decltype(fb);
+        using Y = decltype(fy);
+        AxpbyKernel<A, B, Y><<<GridFor(n), kThreads, 0, stream()>>>(
+            alpha, static_cast<const typename A::Storage*>(alpha != 0.0f ? a.data() : nullptr),
+            beta, static_cast<const typename B::Storage*>(beta != 0.0f ? b.data() : nullptr),
+            static_cast<typename Y::Storage*>(y->data()), n);
+      });
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Permute", "x", &x));
+  RETURN_IF_ERROR(RequireDefined("Permute", "y", y));
+  RETURN_IF_ERROR(RequireDType("Permute", "y", y, x.dtype()));
+  const int rank = x.rank();
+  if (rank > kMaxRank) {
+    return absl::InvalidArgumentError(absl::StrCat("Permute: x has rank ", rank, " (",
+                                                   ShapeString(x.shape()), "), want <= 5"));
+  }
+  std::vector<bool> seen(rank, false);
+  bool valid = static_cast<int>(perm.size()) == rank;
+  for (size_t i = 0; valid && i < perm.size(); ++i) {
+    valid = perm[i] >= 0 && perm[i] < rank && !seen[perm[i]];
+    if (valid) seen[perm[i]] = true;
+  }
+  if (!valid) {
+    return absl::InvalidArgumentError(absl::StrCat("Permute: perm [", absl::StrJoin(perm, ", "),
+                                                   "] is not a permutation of x's ", rank,
+                                                   " dimensions"));
+  }
+  Shape want(rank);
+  for (int i = 0; i < rank; ++i) want[i] = x.dim(perm[i]);
+  RETURN_IF_ERROR(RequireShape("Permute", "y", *y, want));
+  const int64_t n = x.numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+
+  PermuteGeometry g{};
+  g.rank = rank;
+  int64_t x_strides[kMaxRank];
+  for (int d = rank - 1; d >= 0; --d) {
+    x_strides[d] = d == rank - 1 ? 1 : x_strides[d + 1] * x.dim(d + 1);
+  }
+  for (int i = 0; i < rank; ++i) {
+    g.y_dims[i] = want[i];
+    g.x_step[i] = x_strides[perm[i]];
+  }
+  switch (DTypeSize(x.dtype())) {
+    case 1:
+      PermuteKernel<uint8_t><<<GridFor(n), kThreads, 0, stream()>>>(
+          x.data_as<const uint8_t>(), y->data_as<uint8_t>(), g, n);
+      break;
+    case 2:
+      PermuteKernel<uint16_t><<<GridFor(n), kThreads, 0, stream()>>>(
+          x.data_as<const uint16_t>(), y->data_as<uint16_t>(), g, n);
+      break;
+    default:
+      PermuteKernel<uint32_t><<<GridFor(n), kThreads, 0, stream()>>>(
+          x.data_as<const uint32_t>(), y->data_as<uint32_t>(), g, n);
+      break;
+  }
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("SumRows", "x", &x));
+  RETURN_IF_ERROR(RequireFloat("SumRows", "y", y));
+  if (x.rank() < 1) return absl::InvalidArgumentError("SumRows: x is a scalar, want [N, H]");
+  const int64_t cols = x.dim(-1);
+  RETURN_IF_ERROR(RequireShape("SumRows", "y", *y, {cols}));
+  if (cols == 0) return absl::OkStatus();
+  const int64_t rows = Rows(x);
+  RETURN_IF_ERROR(Enter());
+  // Enough (column tile x row split) blocks to fill the GPU; each split sums
+  // at least 16 rows so pass 2 stays small.
+  const int64_t col_tiles = (cols + kThreads - 1) / kThreads;
+  int64_t splits = std::max<int64_t>(1, 4 * 132 / col_tiles);
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, rows / 16));
+  splits = std::min<int64_t>(splits, 65535);
+  const int64_t rows_per_split = std::max<int64_t>(1, (rows + splits - 1) / splits);
+  splits = rows == 0 ? 1 : (rows + rows_per_split - 1) / rows_per_split;
+  ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {splits, cols}));
+  DispatchFloat(x.dtype(), [&](auto in) {
+    using In = decltype(in);
+    SumRowsPartialKernel<In><<<dim3(col_tiles, splits), kThreads, 0, stream()>>>(
+        static_cast<const typename In::Storage*>(x.data()), partial.data_as<float>(), rows,
+        cols, rows_per_split);
+  });
+  DispatchFloat(y->dtype(), [&](auto out) {
+    using Out = decltype(out);
+    SumRowsFinalKernel<Out><<<col_tiles, kThreads, 0, stream()>>>(
+        partial.data_as<const float>(), static_cast<typename Out::Storage*>(y->data()), splits,
+        cols);
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te

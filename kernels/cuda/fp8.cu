@@ -1,0 +1,347 @@
+// FP8 scaling on the device: Quantize (fused amax), Dequantize, Amax,
+// ScaleFromAmax, DelayedScalingUpdate (no host sync) and emulated block
+// scaling (MXFP8, NVFP4). The math follows the CPU reference exactly; see
+// kernels/cpu/cpu_ops.cc for the definitions.
+#include <cfloat>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/args.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+constexpr int kMxfp8Block = 32;
+constexpr int kNvfp4Block = 16;
+constexpr int kE8M0MinExp = -127;
+constexpr int kE8M0MaxExp = 127;
+constexpr int kE4M3MaxExp = 8;  // floor(log2(448))
+// DelayedScalingUpdate keeps the history in shared memory.
+constexpr int64_t kMaxHistory = 32768;
+
+// ---- kernels -------------------------------------------------------------------
+
+// y = cast(x * scale); amax (zeroed before) = max |x|; scale_inv = 1 / scale.
+template <typename In, typename Out>
+__global__ void QuantizeKernel(const typename In::Storage* x, typename Out::Storage* y,
+                               const float* scale, float* amax, float* scale_inv, int64_t n) {
+  __shared__ unsigned scratch[32];
+  const float s = *scale;
+  unsigned local = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = In::Load(x[i]);
+    local = max(local, AbsBits(v));
+    y[i] = Out::Store(v * s);
+  }
+  local = BlockMaxBits(local, scratch);
+  if (threadIdx.x == 0) {
+    AtomicMaxAbsBits(amax, local);
+    if (blockIdx.x == 0) *scale_inv = 1.0f / s;
+  }
+}
+
+template <typename In, typename Out>
+__global__ void DequantizeKernel(const typename In::Storage* x, const float* scale_inv,
+                                 typename Out::Storage* y, int64_t n) {
+  const float s = *scale_inv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = Out::Store(In::Load(x[i]) * s);
+  }
+}
+
+// amax (zeroed before) = max |x|.
+template <typename In>
+__global__ void AmaxKernel(const typename In::Storage* x, float* amax, int64_t n) {
+  __shared__ unsigned scratch[32];
+  unsigned local = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    local = max(local, AbsBits(In::Load(x[i])));
+  }
+  local = BlockMaxBits(local, scratch);
+  if (threadIdx.x == 0) AtomicMaxAbsBits(amax, local);
+}
+
+__global__ void ScaleFromAmaxKernel(const float* amax, float fp8_max, float margin,
+                                    float epsilon, float* scale, float* scale_inv) {
+  float a = *amax;
+  if (a < epsilon) a = epsilon;
+  float s = 1.0f;
+  if (isfinite(a) && a > 0.0f) s = fminf(fp8_max * exp2f(-margin) / a, FLT_MAX);
+  *scale = s;
+  *scale_inv = 1.0f / s;
+}
+
+// One block: the window's amax, the roll, the new scale. history: [length].
+__global__ void DelayedScalingKernel(float* history, int length, float fp8_max, float margin,
+                                     bool most_recent, float* scale, float* scale_inv) {
+  extern __shared__ float window[];
+  __shared__ unsigned scratch[32];
+  unsigned local = 0;
+  for (int i = threadIdx.x; i < length; i += blockDim.x) {
+    window[i] = history[i];
+    local = max(local, AbsBits(window[i]));
+  }
+  const unsigned max_bits = BlockMaxBits(local, scratch);  // syncs: window is complete
+  // roll(-1): history[i] = old[i + 1], history[L - 1] = old[0]; then history[0] = 0.
+  for (int i = threadIdx.x; i < length; i += blockDim.x) {
+    history[i] = i == 0 ? 0.0f : window[(i + 1) % length];
+  }
+  if (threadIdx.x == 0) {
+    const float amax = most_recent ? window[0] : __uint_as_float(max_bits);
+    float s = *scale;
+    if (isfinite(amax) && amax > 0.0f) s = fp8_max * exp2f(-margin) / amax;
+    *scale = s;
+    *scale_inv = 1.0f / s;
+  }
+}
+
+// MXFP8: one thread per 32-element block along the rows. A zero block stays
+// zero; a block with inf or NaN becomes NaN (no E8M0 scale exists for it).
+template <typename In, typename Out>
+__global__ void Mxfp8Kernel(const typename In::Storage* x, typename Out::Storage* y,
+                            int64_t blocks) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    float v[kMxfp8Block];
+    unsigned bits = 0;
+#pragma unroll
+    for (int i = 0; i < kMxfp8Block; ++i) {
+      v[i] = In::Load(x[b * kMxfp8Block + i]);
+      bits = max(bits, AbsBits(v[i]));
+    }
+    const float amax = __uint_as_float(bits);
+    if (amax != 0.0f) {
+      if (!isfinite(amax)) {
+#pragma unroll
+        for (int i = 0; i < kMxfp8Block; ++i) v[i] = NAN;
+      } else {
+        int e2;
+        frexpf(amax, &e2);
+        const int exp = min(max(e2 - 1 - kE4M3MaxExp, kE8M0MinExp), kE8M0MaxExp);
+#pragma unroll
+        for (int i = 0; i < kMxfp8Block; ++i) {
+          const float q = E4M3::Load(E4M3::Store(ldexpf(v[i], -exp)));
+          v[i] = ldexpf(q, exp);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMxfp8Block; ++i) y[b * kMxfp8Block + i] = Out::Store(v[i]);
+  }
+}
+
+// NVFP4: global encode scale S from the tensor's amax, then per 16-element
+// block a decode scale s = E4M3(block_amax / 6 * S); y = E2M1(x S / s) s / S.
+template <typename In, typename Out>
+__global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_amax,
+                            typename Out::Storage* y, int64_t blocks) {
+  const float amax = *tensor_amax;
+  float global = fminf(kE4M3Max * kE2M1Max / amax, FLT_MAX);
+  if (amax == 0.0f || global == 0.0f) global = 1.0f;
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    float v[kNvfp4Block];
+    unsigned bits = 0;
+#pragma unroll
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      v[i] = In::Load(x[b * kNvfp4Block + i]);
+      bits = max(bits, AbsBits(v[i]));
+    }
+    if (isnan(amax)) {
+#pragma unroll
+      for (int i = 0; i < kNvfp4Block; ++i) v[i] = NAN;
+    } else {
+      const float block_amax = __uint_as_float(bits);
+      const float block_scale = E4M3::Load(E4M3::Store(block_amax / kE2M1Max * global));
+      if (block_scale == 0.0f) {
+#pragma unroll
+        for (int i = 0; i < kNvfp4Block; ++i) v[i] = 0.0f;
+      } else {
+        const float encode = global / block_scale;
+        const float decode = block_scale / global;
+#pragma unroll
+        for (int i = 0; i < kNvfp4Block; ++i) v[i] = RoundToE2M1(v[i] * encode) * decode;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kNvfp4Block; ++i) y[b * kNvfp4Block + i] = Out::Store(v[i]);
+  }
+}
+
+absl::Status RequireFp8(const char* op, const char* name, const Tensor& t) {
+  if (!IsFloat8(t.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
+                                                   DTypeName(t.dtype()),
+                                                   ", want float8_e4m3fn or float8_e5m2"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---- host launchers --------------------------------------------------------------
+
+absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Quantize", "x", &x));
+  RETURN_IF_ERROR(RequireDefined("Quantize", "y", y));
+  RETURN_IF_ERROR(RequireFp8("Quantize", "y", *y));
+  RETURN_IF_ERROR(RequireSameCount("Quantize", "y", *y, "x", x));
+  RETURN_IF_ERROR(CheckOutput("Quantize", y, &fp8));
+  RETURN_IF_ERROR(Enter());
+  const int64_t n = x.numel();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFp8(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      QuantizeKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()),
+          static_cast<typename Out::Storage*>(y->data()), fp8.scale.data_as<const float>(),
+          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), n);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Dequantize", "x", &x));
+  RETURN_IF_ERROR(RequireFp8("Dequantize", "x", x));
+  RETURN_IF_ERROR(RequireScalarF32("Dequantize", "scale_inv", &scale_inv));
+  RETURN_IF_ERROR(RequireFloat("Dequantize", "y", y));
+  RETURN_IF_ERROR(RequireSameCount("Dequantize", "y", *y, "x", x));
+  const int64_t n = x.numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  DispatchFp8(x.dtype(), [&](auto in) {
+    DispatchFloat(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      DequantizeKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()), scale_inv.data_as<const float>(),
+          static_cast<typename Out::Storage*>(y->data()), n);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Amax(const Tensor& x, Tensor* amax) {
+  RETURN_IF_ERROR(RequireDefined("Amax", "x", &x));
+  if (!IsFloating(x.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Amax: x has dtype ", DTypeName(x.dtype()), ", want a floating dtype"));
+  }
+  RETURN_IF_ERROR(RequireScalarF32("Amax", "amax", amax));
+  RETURN_IF_ERROR(Enter());
+  const int64_t n = x.numel();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax->data(), 0, sizeof(float), stream()));
+  if (n == 0) return absl::OkStatus();
+  DispatchFloatOrFp8(x.dtype(), [&](auto in) {
+    using In = decltype(in);
+    AmaxKernel<In><<<GridFor(n), kThreads, 0, stream()>>>(
+        static_cast<const typename In::Storage*>(x.data()), amax->data_as<float>(), n);
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float margin,
+                                    float epsilon, Tensor* scale, Tensor* scale_inv) {
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "amax", &amax));
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale", scale));
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale_inv", scale_inv));
+  if (!(fp8_max > 0.0f) || !std::isfinite(fp8_max)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScaleFromAmax: fp8_max is ", fp8_max, ", want a positive finite value"));
+  }
+  if (!(epsilon >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScaleFromAmax: epsilon is ", epsilon, ", want >= 0"));
+  }
+  RETURN_IF_ERROR(Enter());
+  ScaleFromAmaxKernel<<<1, 1, 0, stream()>>>(amax.data_as<const float>(), fp8_max, margin,
+                                             epsilon, scale->data_as<float>(),
+                                             scale_inv->data_as<float>());
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
+                                           Tensor* scale, Tensor* scale_inv) {
+  const char* op = "DelayedScalingUpdate";
+  RETURN_IF_ERROR(RequireDType(op, "amax_history", amax_history, DType::kF32));
+  const int64_t length = amax_history->numel();
+  if (amax_history->rank() != 1 || length < 1 || length > kMaxHistory) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": amax_history has shape ",
+                                                   ShapeString(amax_history->shape()),
+                                                   ", want [L], 1 <= L <= ", kMaxHistory));
+  }
+  RETURN_IF_ERROR(RequireScalarF32(op, "scale", scale));
+  RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
+  if (!(args.fp8_max > 0.0f) || !std::isfinite(args.fp8_max)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": fp8_max is ", args.fp8_max, ", want a positive finite value"));
+  }
+  RETURN_IF_ERROR(Enter());
+  const size_t shared = static_cast<size_t>(length) * sizeof(float);
+  if (shared > 48 * 1024) {
+    CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        DelayedScalingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  }
+  DelayedScalingKernel<<<1, 1024, shared, stream()>>>(
+      amax_history->data_as<float>(), static_cast<int>(length), args.fp8_max, args.margin,
+      args.most_recent, scale->data_as<float>(), scale_inv->data_as<float>());
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) {
+  const char* op = "FakeQuantizeBlockScaled";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  const bool mxfp8 = format == BlockFormat::kMXFP8;
+  const int block = mxfp8 ? kMxfp8Block : kNvfp4Block;
+  const int64_t cols = x.dim(-1);
+  if (cols % block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": x has last dimension ", cols, ", want a multiple of the ",
+        mxfp8 ? "MXFP8" : "NVFP4", " block size ", block));
+  }
+  const int64_t blocks = x.numel() / block;
+  if (blocks == 0) return absl::OkStatus();
+  Tensor tensor_amax;
+  if (!mxfp8) {
+    ASSIGN_OR_RETURN(tensor_amax, Allocate(DType::kF32, {1}));
+    RETURN_IF_ERROR(Amax(x, &tensor_amax));
+  }
+  RETURN_IF_ERROR(Enter());
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      const auto* src = static_cast<const typename In::Storage*>(x.data());
+      auto* dst = static_cast<typename Out::Storage*>(y->data());
+      if (mxfp8) {
+        Mxfp8Kernel<In, Out><<<GridFor(blocks, 128), 128, 0, stream()>>>(src, dst, blocks);
+      } else {
+        Nvfp4Kernel<In, Out><<<GridFor(blocks, 128), 128, 0, stream()>>>(
+            src, tensor_amax.data_as<const float>(), dst, blocks);
+      }
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te

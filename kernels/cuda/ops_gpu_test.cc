@@ -1,0 +1,792 @@
+// Every CUDA op (but GEMM and attention, tested in their own files) against
+// the CPU reference on random data: a parameterised matrix of op x dtype x FP8
+// format x shape, odd shapes included (tokens not a multiple of 128, hidden
+// not a multiple of 64). Needs a GPU: without one every test is skipped,
+// unless TE_REQUIRE_GPU=1 (as deploy/bundle.sh's runs set), which makes that a
+// failure.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/fp8.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+// ---- tolerances (DESIGN.md section 6), stated once ----------------------------
+// Relative error ||gpu - cpu|| / ||cpu|| of float outputs, by output dtype.
+constexpr double kF32Tolerance = 1e-5;
+constexpr double kBf16Tolerance = 1e-2;
+// FP8 outputs: the value before the cast may differ in its last float bits
+// (FMA contraction, block-reduced statistics), which can move a value across a
+// rounding boundary: each code may differ by one FP8 ulp, and at most this
+// share of the codes may differ at all.
+constexpr int kFp8MaxUlps = 1;
+constexpr double kFp8MaxDifferingShare = 0.01;
+// amax, scale, scale_inv: relative.
+constexpr double kScalarTolerance = 1e-6;
+
+double Tolerance(DType dtype) { return dtype == DType::kF32 ? kF32Tolerance : kBf16Tolerance; }
+
+const char* Short(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kE4M3: return "e4m3";
+    case DType::kE5M2: return "e5m2";
+    case DType::kI32: return "i32";
+    case DType::kBool: return "bool";
+  }
+  return "?";
+}
+
+std::string ShapeName(const Shape& shape) {
+  std::string s;
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "x" : "") + std::to_string(shape[i]);
+  return s;
+}
+
+// ---- the two backends ------------------------------------------------------------
+
+struct Backends {
+  std::unique_ptr<Device> cpu_device, gpu_device;
+  std::unique_ptr<Ops> cpu, gpu;
+};
+
+Backends* OpenBackends() {
+  static Backends* backends = [] {
+    auto* b = new Backends;
+    auto gpu_device = OpenCudaDevice(0);
+    if (!gpu_device.ok()) {
+      std::fprintf(stderr, "no GPU: %s\n", gpu_device.status().ToString().c_str());
+      return b;
+    }
+    b->gpu_device = *std::move(gpu_device);
+    b->cpu_device = *OpenCpuDevice();
+    b->cpu = *b->cpu_device->NewOps(int64_t{16} << 30);
+    b->gpu = *b->gpu_device->NewOps(int64_t{16} << 30);
+    return b;
+  }();
+  return backends;
+}
+
+// A tensor on both backends holding the same bytes.
+struct Pair {
+  Tensor cpu, gpu;
+};
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Backends* b = OpenBackends();
+    if (b->gpu == nullptr) {
+      const char* require = std::getenv("TE_REQUIRE_GPU");
+      if (require != nullptr && std::string(require) == "1") FAIL() << "TE_REQUIRE_GPU=1 but no GPU";
+      GTEST_SKIP() << "no CUDA device";
+    }
+    cpu_ = b->cpu.get();
+    gpu_ = b->gpu.get();
+  }
+
+  Tensor NewCpu(DType dtype, const Shape& shape) {
+    auto t = cpu_->Allocate(dtype, shape);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return *t;
+  }
+  Tensor NewGpu(DType dtype, const Shape& shape) {
+    auto t = gpu_->Allocate(dtype, shape);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return *t;
+  }
+
+  // Same bytes on both sides (an undefined pair when shape has no elements is fine).
+  Pair Mirror(const Tensor& cpu) {
+    Pair p{cpu, NewGpu(cpu.dtype(), cpu.shape())};
+    EXPECT_TRUE(gpu_->Upload(cpu.data(), &p.gpu).ok());
+    return p;
+  }
+
+  Pair Random(DType dtype, const Shape& shape, uint32_t seed, float lo = -2.0f, float hi = 2.0f) {
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> values(static_cast<size_t>(NumElements(shape)));
+    for (float& v : values) v = dist(gen);
+    Tensor cpu = NewCpu(dtype, shape);
+    FromFloatVector(values, &cpu);
+    return Mirror(cpu);
+  }
+
+  Pair Scalar(float value) {
+    Tensor cpu = NewCpu(DType::kF32, {1});
+    cpu.data_as<float>()[0] = value;
+    return Mirror(cpu);
+  }
+
+  // An output: the CPU side uninitialised, the GPU side poisoned (NaN, or
+  // 0x7f for FP8) so an element the kernel never writes fails the comparison.
+  Pair Output(DType dtype, const Shape& shape) {
+    Pair p{NewCpu(dtype, shape), NewGpu(dtype, shape)};
+    if (IsFloating(dtype)) EXPECT_TRUE(gpu_->Fill(NAN, &p.gpu).ok());
+    return p;
+  }
+
+  // The GPU tensor's bytes as a CPU tensor.
+  Tensor Fetch(const Tensor& gpu) {
+    Tensor host = NewCpu(gpu.dtype(), gpu.shape());
+    const absl::Status s = gpu_->Download(gpu, host.data());
+    EXPECT_TRUE(s.ok()) << s;
+    return host;
+  }
+
+  // Compares a GPU output with the CPU's, by the dtype's rule.
+  void ExpectMatches(const Pair& p, const std::string& what) {
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const Tensor got = Fetch(p.gpu);
+    const Tensor& want = p.cpu;
+    ASSERT_EQ(got.numel(), want.numel());
+    if (IsFloat8(want.dtype())) {
+      ExpectFp8Close(got, want, what);
+      return;
+    }
+    if (!IsFloating(want.dtype())) {
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.nbytes())) << what;
+      return;
+    }
+    double diff = 0.0, norm = 0.0;
+    int64_t nans = 0;
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      const double a = LoadAsFloat(got, i), b = LoadAsFloat(want, i);
+      if (std::isnan(a) != std::isnan(b)) ++nans;
+      if (std::isnan(a) || std::isnan(b)) continue;
+      diff += (a - b) * (a - b);
+      norm += b * b;
+    }
+    EXPECT_EQ(nans, 0) << what << ": elements NaN on one side only (unwritten?)";
+    const double rel = norm == 0.0 ? std::sqrt(diff) : std::sqrt(diff / norm);
+    EXPECT_LE(rel, Tolerance(want.dtype())) << what << " (" << Short(want.dtype()) << ")";
+  }
+
+  void ExpectFp8Close(const Tensor& got, const Tensor& want, const std::string& what) {
+    const uint8_t* g = got.data_as<const uint8_t>();
+    const uint8_t* w = want.data_as<const uint8_t>();
+    // Sign-magnitude codes as ordered integers: neighbours differ by 1.
+    auto ordinal = [](uint8_t code) { return (code & 0x80) ? -(code & 0x7f) : (code & 0x7f); };
+    int64_t differing = 0, worst = 0, worst_at = -1;
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      if (g[i] == w[i]) continue;
+      ++differing;
+      const int64_t ulps = std::abs(ordinal(g[i]) - ordinal(w[i]));
+      if (ulps > worst) worst = ulps, worst_at = i;
+    }
+    EXPECT_LE(worst, kFp8MaxUlps) << what << ": element " << worst_at << " gpu code "
+                                  << int(worst_at >= 0 ? g[worst_at] : 0) << " cpu code "
+                                  << int(worst_at >= 0 ? w[worst_at] : 0);
+    EXPECT_LE(static_cast<double>(differing), kFp8MaxDifferingShare * want.numel() + 1)
+        << what << ": " << differing << " of " << want.numel() << " FP8 codes differ";
+  }
+
+  void ExpectScalarMatches(const Pair& p, const std::string& what) {
+    const Tensor got = Fetch(p.gpu);
+    const float a = got.data_as<float>()[0], b = p.cpu.data_as<float>()[0];
+    if (std::isnan(b)) {
+      EXPECT_TRUE(std::isnan(a)) << what << ": gpu " << a << ", cpu NaN";
+      return;
+    }
+    EXPECT_NEAR(a, b, kScalarTolerance * std::fabs(b)) << what;
+  }
+
+  struct Fp8Pair {
+    Pair scale, amax, scale_inv;
+    Fp8Output cpu() const { return {scale.cpu, amax.cpu, scale_inv.cpu}; }
+    Fp8Output gpu() const { return {scale.gpu, amax.gpu, scale_inv.gpu}; }
+  };
+  Fp8Pair Fp8Side(float scale) { return {Scalar(scale), Scalar(-1.0f), Scalar(-1.0f)}; }
+  void ExpectFp8SideMatches(const Fp8Pair& f, const std::string& what) {
+    ExpectScalarMatches(f.amax, what + " amax");
+    ExpectScalarMatches(f.scale_inv, what + " scale_inv");
+  }
+
+  Ops* cpu_ = nullptr;
+  Ops* gpu_ = nullptr;
+};
+
+// A scale per FP8 format that makes some of the values in [-4, 4] saturate.
+float SaturatingScale(DType fp8) { return fp8 == DType::kE4M3 ? 150.0f : 20000.0f; }
+
+const std::vector<Shape> kShapes = {{77, 200}, {128, 4096}, {3, 5, 64}, {1, 1}};
+
+// ---- elementwise: op x dtype x shape ---------------------------------------------
+
+using DTypeShape = std::tuple<DType, Shape>;
+class ElementwiseTest : public GpuTest, public ::testing::WithParamInterface<DTypeShape> {};
+
+TEST_P(ElementwiseTest, CastAxpbyFillCopy) {
+  const auto [dtype, shape] = GetParam();
+  const Pair x = Random(dtype, shape, 1);
+  const Pair b = Random(DType::kF32, shape, 2);
+  for (DType to : {DType::kF32, DType::kBF16, DType::kF16}) {
+    Pair y = Output(to, shape);
+    ASSERT_TRUE(cpu_->Cast(x.cpu, &y.cpu).ok());
+    ASSERT_TRUE(gpu_->Cast(x.gpu, &y.gpu).ok());
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    // A cast is one rounding of the same value: bit-exact.
+    const Tensor got = Fetch(y.gpu);
+    EXPECT_EQ(0, std::memcmp(got.data(), y.cpu.data(), got.nbytes())) << "Cast to " << Short(to);
+  }
+  Pair y = Output(dtype, shape);
+  ASSERT_TRUE(cpu_->Axpby(0.7f, x.cpu, -1.3f, b.cpu, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->Axpby(0.7f, x.gpu, -1.3f, b.gpu, &y.gpu).ok());
+  ExpectMatches(y, "Axpby");
+  Pair scaled = Output(dtype, shape);  // beta 0: b is not read
+  ASSERT_TRUE(cpu_->Axpby(2.5f, x.cpu, 0.0f, Tensor(), &scaled.cpu).ok());
+  ASSERT_TRUE(gpu_->Axpby(2.5f, x.gpu, 0.0f, Tensor(), &scaled.gpu).ok());
+  ExpectMatches(scaled, "Axpby beta=0");
+  Pair in_place = Mirror(x.cpu);  // y aliases a
+  Pair aliased{in_place.cpu, in_place.gpu};
+  ASSERT_TRUE(cpu_->Axpby(1.5f, in_place.cpu, 1.0f, b.cpu, &aliased.cpu).ok());
+  ASSERT_TRUE(gpu_->Axpby(1.5f, in_place.gpu, 1.0f, b.gpu, &aliased.gpu).ok());
+  ExpectMatches(aliased, "Axpby in place");
+
+  for (DType fill_dtype : {dtype, DType::kE4M3, DType::kI32, DType::kBool}) {
+    Pair f = Output(fill_dtype, shape);
+    ASSERT_TRUE(cpu_->Fill(-3.3f, &f.cpu).ok());
+    ASSERT_TRUE(gpu_->Fill(-3.3f, &f.gpu).ok());
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const Tensor got = Fetch(f.gpu);
+    EXPECT_EQ(0, std::memcmp(got.data(), f.cpu.data(), got.nbytes())) << "Fill " << Short(fill_dtype);
+  }
+  Pair copy = Output(dtype, shape);
+  ASSERT_TRUE(cpu_->Copy(x.cpu, &copy.cpu).ok());
+  ASSERT_TRUE(gpu_->Copy(x.gpu, &copy.gpu).ok());
+  ExpectMatches(copy, "Copy");
+}
+
+TEST_P(ElementwiseTest, SumRowsAndAmax) {
+  const auto [dtype, shape] = GetParam();
+  const Pair x = Random(dtype, shape, 3);
+  Pair y = Output(dtype, {shape.back()});
+  ASSERT_TRUE(cpu_->SumRows(x.cpu, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->SumRows(x.gpu, &y.gpu).ok());
+  ExpectMatches(y, "SumRows");
+  Pair y32 = Output(DType::kF32, {shape.back()});
+  ASSERT_TRUE(cpu_->SumRows(x.cpu, &y32.cpu).ok());
+  ASSERT_TRUE(gpu_->SumRows(x.gpu, &y32.gpu).ok());
+  // Float32 sums of up to 128 terms in another order: well inside 1e-5.
+  ExpectMatches(y32, "SumRows to f32");
+
+  Pair amax = Scalar(-1.0f);
+  ASSERT_TRUE(cpu_->Amax(x.cpu, &amax.cpu).ok());
+  ASSERT_TRUE(gpu_->Amax(x.gpu, &amax.gpu).ok());
+  ExpectScalarMatches(amax, "Amax");
+}
+
+TEST_P(ElementwiseTest, Dropout) {
+  const auto [dtype, shape] = GetParam();
+  const Pair x = Random(dtype, shape, 4);
+  for (float rate : {0.0f, 0.1f, 0.5f, 1.0f}) {
+    const std::string what = "Dropout rate " + std::to_string(rate);
+    Pair y = Output(dtype, shape);
+    Pair mask = Output(DType::kBool, shape);
+    ASSERT_TRUE(cpu_->DropoutForward(rate, 1234567, x.cpu, &y.cpu, &mask.cpu).ok());
+    ASSERT_TRUE(gpu_->DropoutForward(rate, 1234567, x.gpu, &y.gpu, &mask.gpu).ok());
+    ExpectMatches(y, what);
+    ExpectMatches(mask, what + " mask (bit for bit)");
+    const Pair dy = Random(dtype, shape, 5);
+    Pair dx = Output(dtype, shape);
+    ASSERT_TRUE(cpu_->DropoutBackward(rate, dy.cpu, mask.cpu, &dx.cpu).ok());
+    ASSERT_TRUE(gpu_->DropoutBackward(rate, dy.gpu, mask.gpu, &dx.gpu).ok());
+    ExpectMatches(dx, what + " backward");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, ElementwiseTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::ValuesIn(kShapes)),
+                         [](const auto& info) {
+                           return std::string(Short(std::get<0>(info.param))) + "_" +
+                                  ShapeName(std::get<1>(info.param));
+                         });
+
+// ---- Permute: dtype x (shape, perm) ------------------------------------------------
+
+using PermuteCase = std::tuple<DType, std::tuple<Shape, std::vector<int>>>;
+class PermuteTest : public GpuTest, public ::testing::WithParamInterface<PermuteCase> {};
+
+TEST_P(PermuteTest, MatchesCpu) {
+  const DType dtype = std::get<0>(GetParam());
+  const auto& [shape, perm] = std::get<1>(GetParam());
+  const Pair x = Random(dtype, shape, 6);
+  Shape out_shape(shape.size());
+  for (size_t i = 0; i < perm.size(); ++i) out_shape[i] = shape[perm[i]];
+  Pair y = Output(dtype, out_shape);
+  ASSERT_TRUE(cpu_->Permute(x.cpu, perm, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->Permute(x.gpu, perm, &y.gpu).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  const Tensor got = Fetch(y.gpu);
+  EXPECT_EQ(0, std::memcmp(got.data(), y.cpu.data(), got.nbytes()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, PermuteTest,
+    ::testing::Combine(
+        ::testing::Values(DType::kF32, DType::kBF16, DType::kE4M3),
+        ::testing::Values(std::make_tuple(Shape{77, 200}, std::vector<int>{1, 0}),
+                          std::make_tuple(Shape{2, 77, 6, 40}, std::vector<int>{0, 2, 1, 3}),
+                          std::make_tuple(Shape{3, 2, 5, 7, 4}, std::vector<int>{4, 2, 0, 3, 1}),
+                          std::make_tuple(Shape{9}, std::vector<int>{0}))),
+    [](const auto& info) {
+      return std::string(Short(std::get<0>(info.param))) + "_" +
+             ShapeName(std::get<0>(std::get<1>(info.param)));
+    });
+
+// ---- FP8 scaling: input dtype x FP8 format x scale x shape -----------------------------
+
+using QuantizeCase = std::tuple<DType, DType, float, Shape>;
+class QuantizeTest : public GpuTest, public ::testing::WithParamInterface<QuantizeCase> {};
+
+TEST_P(QuantizeTest, QuantizeDequantize) {
+  const auto [dtype, fp8, scale_kind, shape] = GetParam();
+  // scale_kind: 0 saturating, else the scale itself (0.01: subnormal codes).
+  const float scale = scale_kind == 0.0f ? SaturatingScale(fp8) : scale_kind;
+  const Pair x = Random(dtype, shape, 7, -4.0f, 4.0f);
+  Fp8Pair side = Fp8Side(scale);
+  Pair q = Output(fp8, shape);
+  ASSERT_TRUE(cpu_->Quantize(x.cpu, side.cpu(), &q.cpu).ok());
+  ASSERT_TRUE(gpu_->Quantize(x.gpu, side.gpu(), &q.gpu).ok());
+  // One multiply and one cast of the same value: bit-exact, amax exact.
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  const Tensor codes = Fetch(q.gpu);
+  EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << "Quantize codes";
+  ExpectFp8SideMatches(side, "Quantize");
+  EXPECT_EQ(Fetch(side.amax.gpu).data_as<float>()[0], side.amax.cpu.data_as<float>()[0]);
+
+  Pair deq = Output(dtype, shape);
+  ASSERT_TRUE(cpu_->Dequantize(q.cpu, side.scale_inv.cpu, &deq.cpu).ok());
+  ASSERT_TRUE(gpu_->Dequantize(q.gpu, side.scale_inv.gpu, &deq.gpu).ok());
+  ExpectMatches(deq, "Dequantize");
+  Pair amax = Scalar(-1.0f);  // Amax reads FP8 unscaled
+  ASSERT_TRUE(cpu_->Amax(q.cpu, &amax.cpu).ok());
+  ASSERT_TRUE(gpu_->Amax(q.gpu, &amax.gpu).ok());
+  ExpectScalarMatches(amax, "Amax of FP8");
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, QuantizeTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(DType::kE4M3, DType::kE5M2),
+                                            ::testing::Values(0.0f, 1.0f, 0.01f),
+                                            ::testing::ValuesIn(kShapes)),
+                         [](const auto& info) {
+                           const float s = std::get<2>(info.param);
+                           return std::string(Short(std::get<0>(info.param))) + "_" +
+                                  Short(std::get<1>(info.param)) + "_" +
+                                  (s == 0.0f ? "saturating" : s == 1.0f ? "unit" : "small") +
+                                  "_" + ShapeName(std::get<3>(info.param));
+                         });
+
+class ScalingTest : public GpuTest {};
+
+TEST_F(ScalingTest, ScaleFromAmax) {
+  for (float a : {3.5f, 0.0f, 1e-12f, INFINITY, NAN, 1e-40f}) {
+    for (float margin : {0.0f, 1.0f}) {
+      for (float epsilon : {0.0f, 1e-6f}) {
+        const std::string what = "amax " + std::to_string(a) + " margin " +
+                                  std::to_string(margin) + " eps " + std::to_string(epsilon);
+        const Pair amax = Scalar(a);
+        Pair scale = Scalar(-1.0f), scale_inv = Scalar(-1.0f);
+        ASSERT_TRUE(cpu_->ScaleFromAmax(amax.cpu, 448.0f, margin, epsilon, &scale.cpu,
+                                        &scale_inv.cpu).ok());
+        ASSERT_TRUE(gpu_->ScaleFromAmax(amax.gpu, 448.0f, margin, epsilon, &scale.gpu,
+                                        &scale_inv.gpu).ok());
+        ExpectScalarMatches(scale, what + " scale");
+        ExpectScalarMatches(scale_inv, what + " scale_inv");
+      }
+    }
+  }
+}
+
+// 20 steps of TE's delayed-scaling loop on both backends: quantize (writes
+// history[0]), then update; the history, scale and scale_inv must agree.
+TEST_F(ScalingTest, DelayedScalingUpdateOverSteps) {
+  for (int length : {1, 16, 1024, 5000}) {
+    for (bool most_recent : {false, true}) {
+      DelayedScalingArgs args;
+      args.fp8_max = kE4M3Max;
+      args.margin = most_recent ? 1.0f : 0.0f;
+      args.most_recent = most_recent;
+      const std::string what = "L=" + std::to_string(length) +
+                               (most_recent ? " most_recent" : " max");
+      Pair history = Random(DType::kF32, {length}, 8, 0.0f, 3.0f);
+      Fp8Pair side = Fp8Side(1.0f);
+      for (int step = 0; step < 20; ++step) {
+        const Pair x = Random(DType::kBF16, {77, 200}, 100 + step, -1.0f - step, 1.0f + step);
+        Pair q = Output(DType::kE4M3, {77, 200});
+        Fp8Output cpu_fp8{side.scale.cpu, history.cpu.Slice0(0, 1), side.scale_inv.cpu};
+        Fp8Output gpu_fp8{side.scale.gpu, history.gpu.Slice0(0, 1), side.scale_inv.gpu};
+        ASSERT_TRUE(cpu_->Quantize(x.cpu, cpu_fp8, &q.cpu).ok());
+        ASSERT_TRUE(gpu_->Quantize(x.gpu, gpu_fp8, &q.gpu).ok());
+        if (step == 7) {  // a step with no signal: the scale must be kept
+          ASSERT_TRUE(cpu_->Fill(0.0f, &history.cpu).ok());
+          ASSERT_TRUE(gpu_->Fill(0.0f, &history.gpu).ok());
+        }
+        ASSERT_TRUE(cpu_->DelayedScalingUpdate(args, &history.cpu, &side.scale.cpu,
+                                               &side.scale_inv.cpu).ok());
+        ASSERT_TRUE(gpu_->DelayedScalingUpdate(args, &history.gpu, &side.scale.gpu,
+                                               &side.scale_inv.gpu).ok());
+        ExpectMatches(q, what + " codes, step " + std::to_string(step));
+      }
+      ASSERT_TRUE(gpu_->Synchronize().ok());
+      const Tensor got = Fetch(history.gpu);
+      EXPECT_EQ(0, std::memcmp(got.data(), history.cpu.data(), got.nbytes())) << what;
+      ExpectScalarMatches(side.scale, what + " scale");
+      ExpectScalarMatches(side.scale_inv, what + " scale_inv");
+    }
+  }
+}
+
+using BlockCase = std::tuple<BlockFormat, DType, Shape>;
+class BlockScaledTest : public GpuTest, public ::testing::WithParamInterface<BlockCase> {};
+
+TEST_P(BlockScaledTest, FakeQuantize) {
+  const auto [format, dtype, shape] = GetParam();
+  Pair x = Random(dtype, shape, 9, -3.0f, 3.0f);
+  Pair y = Output(dtype, shape);
+  ASSERT_TRUE(cpu_->FakeQuantizeBlockScaled(format, x.cpu, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->FakeQuantizeBlockScaled(format, x.gpu, &y.gpu).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  // Power-of-two scalings and exact casts: bit-exact.
+  const Tensor got = Fetch(y.gpu);
+  EXPECT_EQ(0, std::memcmp(got.data(), y.cpu.data(), got.nbytes()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, BlockScaledTest,
+    ::testing::Combine(::testing::Values(BlockFormat::kMXFP8, BlockFormat::kNVFP4),
+                       ::testing::Values(DType::kF32, DType::kBF16),
+                       ::testing::Values(Shape{77, 224}, Shape{128, 4096}, Shape{1, 32})),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param) == BlockFormat::kMXFP8 ? "mxfp8" : "nvfp4") +
+             "_" + Short(std::get<1>(info.param)) + "_" + ShapeName(std::get<2>(info.param));
+    });
+
+// ---- normalisation: type x dtype x output format x shape --------------------------------
+
+using NormCase = std::tuple<NormType, DType, DType, Shape>;  // y dtype: same as x, or FP8
+class NormTest : public GpuTest, public ::testing::WithParamInterface<NormCase> {};
+
+TEST_P(NormTest, ForwardAndBackward) {
+  const auto [type, dtype, out_dtype_param, shape] = GetParam();
+  const DType out_dtype = out_dtype_param == DType::kF32 ? dtype : out_dtype_param;
+  const bool layernorm = type == NormType::kLayerNorm;
+  const int64_t rows = NumElements(shape) / shape.back(), cols = shape.back();
+  for (bool zero_centered : {false, true}) {
+    NormArgs args;
+    args.type = type;
+    args.epsilon = 1e-5f;
+    args.zero_centered_gamma = zero_centered;
+    const std::string what = std::string(layernorm ? "LayerNorm" : "RMSNorm") +
+                             (zero_centered ? " zero-centred" : "");
+    const Pair x = Random(dtype, shape, 10, -3.0f, 5.0f);  // a non-zero mean
+    const Pair gamma = Random(dtype, {cols}, 11, 0.5f, 1.5f);
+    const Pair beta = layernorm ? Random(dtype, {cols}, 12) : Pair{};
+    Pair y = Output(out_dtype, shape);
+    Pair mu = Output(DType::kF32, {rows}), rsigma = Output(DType::kF32, {rows});
+    const bool fp8 = IsFloat8(out_dtype);
+    Fp8Pair side = Fp8Side(fp8 ? 40.0f : 1.0f);
+    const Fp8Output cpu_side = side.cpu(), gpu_side = side.gpu();
+    ASSERT_TRUE(cpu_->NormForward(args, x.cpu, gamma.cpu, beta.cpu, &y.cpu,
+                                  layernorm ? &mu.cpu : nullptr, &rsigma.cpu,
+                                  fp8 ? &cpu_side : nullptr).ok());
+    const absl::Status s = gpu_->NormForward(args, x.gpu, gamma.gpu, beta.gpu, &y.gpu,
+                                             layernorm ? &mu.gpu : nullptr, &rsigma.gpu,
+                                             fp8 ? &gpu_side : nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectMatches(y, what + " y");
+    if (layernorm) ExpectMatches(mu, what + " mu");
+    ExpectMatches(rsigma, what + " rsigma");
+    if (fp8) ExpectFp8SideMatches(side, what);
+    if (fp8) continue;  // backward reads the float path's statistics
+
+    const Pair dy = Random(dtype, shape, 13);
+    Pair dx = Output(dtype, shape), dgamma = Output(dtype, {cols});
+    Pair dbeta = layernorm ? Output(dtype, {cols}) : Pair{};
+    // Both backwards read the CPU's statistics, so only backward is compared.
+    const Pair mu_in = layernorm ? Mirror(mu.cpu) : Pair{};
+    const Pair rsigma_in = Mirror(rsigma.cpu);
+    ASSERT_TRUE(cpu_->NormBackward(args, dy.cpu, x.cpu, mu_in.cpu, rsigma_in.cpu, gamma.cpu,
+                                   &dx.cpu, &dgamma.cpu, layernorm ? &dbeta.cpu : nullptr).ok());
+    const absl::Status b = gpu_->NormBackward(args, dy.gpu, x.gpu, mu_in.gpu, rsigma_in.gpu,
+                                              gamma.gpu, &dx.gpu, &dgamma.gpu,
+                                              layernorm ? &dbeta.gpu : nullptr);
+    ASSERT_TRUE(b.ok()) << b;
+    ExpectMatches(dx, what + " dx");
+    ExpectMatches(dgamma, what + " dgamma");
+    if (layernorm) ExpectMatches(dbeta, what + " dbeta");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, NormTest,
+    ::testing::Combine(::testing::Values(NormType::kLayerNorm, NormType::kRMSNorm),
+                       ::testing::Values(DType::kF32, DType::kBF16),
+                       // kF32 here stands for "y in x's dtype".
+                       ::testing::Values(DType::kF32, DType::kE4M3, DType::kE5M2),
+                       ::testing::Values(Shape{77, 200}, Shape{128, 4096}, Shape{2, 3, 96},
+                                         // backward partials in shared memory (opt-in
+                                         // size), then in global memory
+                                         Shape{5, 20000}, Shape{3, 30000})),
+    [](const auto& info) {
+      const DType out = std::get<2>(info.param);
+      return std::string(std::get<0>(info.param) == NormType::kLayerNorm ? "ln" : "rms") + "_" +
+             Short(std::get<1>(info.param)) + "_" + (out == DType::kF32 ? "same" : Short(out)) +
+             "_" + ShapeName(std::get<3>(info.param));
+    });
+
+// ---- activations: acts x dtype x output format x shape ------------------------------------
+
+using ActCase = std::tuple<std::vector<Activation>, DType, DType, Shape>;
+class ActivationTest : public GpuTest, public ::testing::WithParamInterface<ActCase> {};
+
+TEST_P(ActivationTest, ForwardAndBackward) {
+  const auto [acts, dtype, out_dtype_param, shape] = GetParam();
+  const DType out_dtype = out_dtype_param == DType::kF32 ? dtype : out_dtype_param;
+  Shape x_shape = shape;
+  x_shape.back() *= static_cast<int64_t>(acts.size());
+  const Pair x = Random(dtype, x_shape, 14, -4.0f, 4.0f);
+  const bool fp8 = IsFloat8(out_dtype);
+  Fp8Pair side = Fp8Side(fp8 ? 25.0f : 1.0f);
+  const Fp8Output cpu_side = side.cpu(), gpu_side = side.gpu();
+  Pair y = Output(out_dtype, shape);
+  ASSERT_TRUE(cpu_->ActivationForward(acts, x.cpu, &y.cpu, fp8 ? &cpu_side : nullptr).ok());
+  ASSERT_TRUE(gpu_->ActivationForward(acts, x.gpu, &y.gpu, fp8 ? &gpu_side : nullptr).ok());
+  ExpectMatches(y, "forward");
+  if (fp8) {
+    ExpectFp8SideMatches(side, "forward");
+    return;
+  }
+  const Pair dy = Random(dtype, shape, 15);
+  Pair dx = Output(dtype, x_shape);
+  ASSERT_TRUE(cpu_->ActivationBackward(acts, dy.cpu, x.cpu, &dx.cpu).ok());
+  ASSERT_TRUE(gpu_->ActivationBackward(acts, dy.gpu, x.gpu, &dx.gpu).ok());
+  ExpectMatches(dx, "backward");
+}
+
+const char* ActName(Activation a) {
+  switch (a) {
+    case Activation::kGelu: return "gelu";
+    case Activation::kSilu: return "silu";
+    case Activation::kRelu: return "relu";
+    case Activation::kQuickGelu: return "quick_gelu";
+    case Activation::kSquaredRelu: return "squared_relu";
+    case Activation::kLinear: return "linear";
+  }
+  return "?";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, ActivationTest,
+    ::testing::Combine(
+        ::testing::Values(std::vector<Activation>{Activation::kGelu},
+                          std::vector<Activation>{Activation::kSilu},
+                          std::vector<Activation>{Activation::kRelu},
+                          std::vector<Activation>{Activation::kQuickGelu},
+                          std::vector<Activation>{Activation::kSquaredRelu},
+                          std::vector<Activation>{Activation::kLinear},
+                          std::vector<Activation>{Activation::kGelu, Activation::kLinear},
+                          std::vector<Activation>{Activation::kSilu, Activation::kLinear},
+                          std::vector<Activation>{Activation::kSquaredRelu, Activation::kGelu}),
+        ::testing::Values(DType::kF32, DType::kBF16),
+        ::testing::Values(DType::kF32, DType::kE4M3, DType::kE5M2),
+        ::testing::Values(Shape{77, 200}, Shape{128, 4096})),
+    [](const auto& info) {
+      std::string name;
+      for (Activation a : std::get<0>(info.param)) name += std::string(ActName(a)) + "_";
+      const DType out = std::get<2>(info.param);
+      return name + Short(std::get<1>(info.param)) + "_" +
+             (out == DType::kF32 ? "same" : Short(out)) + "_" +
+             ShapeName(std::get<3>(info.param));
+    });
+
+// ---- position encodings --------------------------------------------------------------------
+
+using RotaryCase = std::tuple<DType, bool, bool, Shape>;  // consecutive, inverse
+class RotaryTest : public GpuTest, public ::testing::WithParamInterface<RotaryCase> {};
+
+TEST_P(RotaryTest, MatchesCpu) {
+  const auto [dtype, consecutive, inverse, shape] = GetParam();
+  RotaryArgs args;
+  args.consecutive = consecutive;
+  args.inverse = inverse;
+  const Pair x = Random(dtype, shape, 16);
+  Pair y = Output(dtype, shape);
+  ASSERT_TRUE(cpu_->Rotary(args, x.cpu, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->Rotary(args, x.gpu, &y.gpu).ok());
+  ExpectMatches(y, "Rotary");
+  Pair in_place = Mirror(x.cpu);  // y aliases x
+  ASSERT_TRUE(gpu_->Rotary(args, in_place.gpu, &in_place.gpu).ok());
+  ExpectMatches(Pair{y.cpu, in_place.gpu}, "Rotary in place");
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, RotaryTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Values(Shape{2, 77, 3, 64},
+                                                              Shape{1, 2048, 2, 128},
+                                                              Shape{1, 5, 1, 2})),
+                         [](const auto& info) {
+                           return std::string(Short(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_consecutive" : "_alternate") +
+                                  (std::get<2>(info.param) ? "_inverse_" : "_") +
+                                  ShapeName(std::get<3>(info.param));
+                         });
+
+class RelativeBiasTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
+
+TEST_P(RelativeBiasTest, ForwardAndBackward) {
+  const DType dtype = GetParam();
+  for (const auto& [num_buckets, heads, q_seq, kv_seq] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {32, 8, 77, 100}, {128, 3, 300, 300}, {600, 2, 64, 64}}) {
+    const Pair table = Random(dtype, {num_buckets, heads}, 17);
+    Tensor buckets_cpu = NewCpu(DType::kI32, {q_seq, kv_seq});
+    std::mt19937 gen(18);
+    for (int64_t i = 0; i < buckets_cpu.numel(); ++i) {
+      buckets_cpu.data_as<int32_t>()[i] = static_cast<int32_t>(gen() % num_buckets);
+    }
+    const Pair buckets = Mirror(buckets_cpu);
+    Pair bias = Output(DType::kF32, {heads, q_seq, kv_seq});
+    ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, &bias.cpu).ok());
+    ASSERT_TRUE(gpu_->RelativeBiasForward(table.gpu, buckets.gpu, &bias.gpu).ok());
+    ExpectMatches(bias, "RelativeBiasForward");
+    const Pair dbias = Random(DType::kF32, {heads, q_seq, kv_seq}, 19);
+    Pair dtable = Output(dtype, {num_buckets, heads});
+    ASSERT_TRUE(cpu_->RelativeBiasBackward(dbias.cpu, buckets.cpu, &dtable.cpu).ok());
+    const absl::Status s = gpu_->RelativeBiasBackward(dbias.gpu, buckets.gpu, &dtable.gpu);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectMatches(dtable, "RelativeBiasBackward NB=" + std::to_string(num_buckets));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, RelativeBiasTest, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const auto& info) { return std::string(Short(info.param)); });
+
+// ---- device, memory, allocator ------------------------------------------------------------
+
+class DeviceTest : public GpuTest {};
+
+TEST_F(DeviceTest, InfoAndBackend) {
+  EXPECT_TRUE(CudaBackendBuilt());
+  const DeviceInfo info = OpenBackends()->gpu_device->info();
+  EXPECT_EQ(info.name, "cuda:0");
+  EXPECT_FALSE(info.description.empty());
+  EXPECT_GE(info.compute_capability, 70);
+  EXPECT_GT(info.memory_bytes, int64_t{1} << 30);
+  EXPECT_EQ(info.fp8_native, info.compute_capability >= 89);
+  EXPECT_EQ(info.block_scaling_native, info.compute_capability >= 100);
+  EXPECT_TRUE(OpenBackends()->gpu_device->healthy());
+  EXPECT_EQ(gpu_->device_name(), "cuda:0");
+}
+
+TEST_F(DeviceTest, OrdinalOutOfRangeIsUnavailable) {
+  auto device = OpenCudaDevice(1000);
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().code(), absl::StatusCode::kUnavailable) << device.status();
+}
+
+TEST_F(DeviceTest, MemoryLimitIsResourceExhausted) {
+  auto ops = OpenBackends()->gpu_device->NewOps(1 << 20);
+  ASSERT_TRUE(ops.ok());
+  auto small = (*ops)->Allocate(DType::kF32, {1000});
+  ASSERT_TRUE(small.ok());
+  auto big = (*ops)->Allocate(DType::kF32, {1 << 20});
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*ops)->bytes_in_use(), 4000);
+}
+
+TEST_F(DeviceTest, DeviceOutOfMemoryIsResourceExhausted) {
+  auto ops = OpenBackends()->gpu_device->NewOps(int64_t{1} << 50);
+  ASSERT_TRUE(ops.ok());
+  auto huge = (*ops)->Allocate(DType::kF32, {int64_t{1} << 45});  // 128 TiB
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  // The device is still usable afterwards.
+  Pair x = Random(DType::kF32, {77, 200}, 20);
+  EXPECT_TRUE(gpu_->Synchronize().ok());
+}
+
+// A training-like step allocating and freeing its temporaries: after the first
+// step every allocation is served from the cache.
+TEST_F(DeviceTest, NoCudaMallocInSteadyState) {
+  auto* cuda_ops = dynamic_cast<cuda::CudaOps*>(gpu_);
+  ASSERT_NE(cuda_ops, nullptr);
+  const Pair x = Random(DType::kBF16, {128, 4096}, 21);
+  const Pair gamma = Random(DType::kBF16, {4096}, 22);
+  const Pair beta = Random(DType::kBF16, {4096}, 23);
+  auto step = [&] {
+    Tensor y = NewGpu(DType::kBF16, {128, 4096});
+    Tensor mu = NewGpu(DType::kF32, {128});
+    Tensor rsigma = NewGpu(DType::kF32, {128});
+    NormArgs args;
+    ASSERT_TRUE(gpu_->NormForward(args, x.gpu, gamma.gpu, beta.gpu, &y, &mu, &rsigma, nullptr).ok());
+    Tensor dx = NewGpu(DType::kBF16, {128, 4096});
+    Tensor dgamma = NewGpu(DType::kBF16, {4096}), dbeta = NewGpu(DType::kBF16, {4096});
+    ASSERT_TRUE(gpu_->NormBackward(args, y, x.gpu, mu, rsigma, gamma.gpu, &dx, &dgamma, &dbeta).ok());
+    Tensor bias_grad = NewGpu(DType::kF32, {4096});
+    ASSERT_TRUE(gpu_->SumRows(dx, &bias_grad).ok());
+  };
+  step();
+  const int64_t mallocs = cuda_ops->context().allocator->stats().cuda_mallocs;
+  for (int i = 0; i < 5; ++i) step();
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  EXPECT_EQ(cuda_ops->context().allocator->stats().cuda_mallocs, mallocs);
+}
+
+TEST_F(DeviceTest, TwoStreamsShareTheCacheSafely) {
+  auto other = OpenBackends()->gpu_device->NewOps(int64_t{1} << 30);
+  ASSERT_TRUE(other.ok());
+  // Memory freed on one stream and reused on the other must not be clobbered
+  // while the first stream's work is still queued.
+  const Pair x = Random(DType::kF32, {1024, 1024}, 24);
+  for (int round = 0; round < 3; ++round) {
+    Tensor expected_cpu = NewCpu(DType::kF32, {1024, 1024});
+    ASSERT_TRUE(cpu_->Axpby(2.0f, x.cpu, 0.0f, Tensor(), &expected_cpu).ok());
+    Tensor result;
+    {
+      Tensor scratch = NewGpu(DType::kF32, {1024, 1024});
+      ASSERT_TRUE(gpu_->Axpby(2.0f, x.gpu, 0.0f, Tensor(), &scratch).ok());
+      result = NewGpu(DType::kF32, {1024, 1024});
+      ASSERT_TRUE(gpu_->Copy(scratch, &result).ok());
+    }  // scratch freed with gpu_'s work possibly queued
+    auto reuse = (*other)->Allocate(DType::kF32, {1024, 1024});
+    ASSERT_TRUE(reuse.ok());
+    ASSERT_TRUE((*other)->Fill(-7.0f, &*reuse).ok());
+    ExpectMatches(Pair{expected_cpu, result}, "result after cross-stream reuse");
+    ASSERT_TRUE((*other)->Synchronize().ok());
+  }
+}
+
+TEST_F(DeviceTest, BadArgumentsAreInvalidArgument) {
+  Pair x = Random(DType::kF32, {4, 8}, 25);
+  Pair y = Output(DType::kF32, {4, 9});
+  EXPECT_EQ(gpu_->Cast(x.gpu, &y.gpu).code(), absl::StatusCode::kInvalidArgument);
+  Pair q = Output(DType::kE4M3, {4, 8});
+  EXPECT_EQ(gpu_->ActivationForward({Activation::kGelu}, x.gpu, &q.gpu, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->DropoutForward(1.5f, 1, x.gpu, &x.gpu, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->Permute(x.gpu, {0, 0}, &x.gpu).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace te

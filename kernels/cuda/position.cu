@@ -1,0 +1,255 @@
+// Position encodings: rotary embedding, and the T5 relative position bias (a
+// gather from a [buckets, heads] table; its backward a deterministic
+// scatter-add). Semantics as in the CPU reference (kernels/cpu/position.cc).
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/args.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+constexpr size_t kMaxSharedBytes = 200 * 1024;
+
+// cos / sin of angle(p, i) at [p * half + i]. The angle is computed in double,
+// as on the CPU: near position 10^4 a float angle is off by ~5e-4 radians.
+__global__ void RotaryTableKernel(float* cos_table, float* sin_table, int64_t seq, int64_t half,
+                                  int64_t dim, double min_timescale, double ratio, bool inverse) {
+  const int64_t n = seq * half;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t p = k / half, i = k - p * half;
+    const double timescale = min_timescale * pow(ratio, 2.0 * static_cast<double>(i) / dim);
+    const double angle = static_cast<double>(inverse ? -p : p) / timescale;
+    double s, c;
+    sincos(angle, &s, &c);
+    cos_table[k] = static_cast<float>(c);
+    sin_table[k] = static_cast<float>(s);
+  }
+}
+
+// One thread per rotated pair; it reads both elements before writing, so y may
+// alias x. x, y: [B, S, H, D] viewed as rows of D.
+template <typename In, typename Out>
+__global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storage* y,
+                             const float* cos_table, const float* sin_table, int64_t rows,
+                             int64_t seq, int64_t heads, int64_t dim, bool consecutive) {
+  const int64_t half = dim / 2;
+  const int64_t pairs = rows * half;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < pairs;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = k / half, i = k - r * half;
+    const int64_t p = (r / heads) % seq;
+    // TE JAX: "consecutive" pairs (2i, 2i+1); "alternate" pairs (i, i + D/2).
+    const int64_t first = r * dim + (consecutive ? 2 * i : i);
+    const int64_t second = r * dim + (consecutive ? 2 * i + 1 : i + half);
+    const float c = cos_table[p * half + i], s = sin_table[p * half + i];
+    const float a = In::Load(x[first]), b = In::Load(x[second]);
+    y[first] = Out::Store(a * c - b * s);
+    y[second] = Out::Store(b * c + a * s);
+  }
+}
+
+// bias[h, n] = table[buckets[n], h]; n over Sq * Skv positions. Buckets are
+// device data, checked here rather than with a host round trip: an
+// out-of-range bucket yields NaN, which shows in any result it reaches.
+template <typename T>
+__global__ void RelativeBiasForwardKernel(const typename T::Storage* table,
+                                          const int32_t* buckets, float* bias, int64_t positions,
+                                          int64_t heads, int64_t num_buckets) {
+  const int64_t n_total = positions * heads;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n_total;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = k / positions, n = k - h * positions;
+    const int32_t b = buckets[n];
+    bias[k] = (b >= 0 && b < num_buckets) ? T::Load(table[b * heads + h]) : NAN;
+  }
+}
+
+// Pass 1, block (chunk, h): each thread sums its strided positions of the chunk
+// into its own column of a shared histogram hist[bucket][thread] (no atomics),
+// then the block adds the columns in thread order into
+// partial[(chunk * heads + h) * num_buckets + bucket].
+__global__ void RelativeBiasPartialKernel(const float* dbias, const int32_t* buckets,
+                                          float* partial, int64_t positions, int64_t chunk_len,
+                                          int64_t heads, int num_buckets) {
+  extern __shared__ float hist[];
+  const int threads = blockDim.x;
+  for (int b = 0; b < num_buckets; ++b) hist[b * threads + threadIdx.x] = 0.0f;
+  const int64_t chunk = blockIdx.x, h = blockIdx.y;
+  const int64_t begin = chunk * chunk_len;
+  const int64_t end = min(positions, begin + chunk_len);
+  const float* grad = dbias + h * positions;
+  for (int64_t n = begin + threadIdx.x; n < end; n += threads) {
+    const int32_t b = buckets[n];
+    if (b >= 0 && b < num_buckets) hist[b * threads + threadIdx.x] += grad[n];
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < num_buckets; b += threads) {
+    float sum = 0.0f;
+    for (int t = 0; t < threads; ++t) sum += hist[b * threads + t];
+    partial[(chunk * heads + h) * num_buckets + b] = sum;
+  }
+}
+
+// Pass 2: dtable[b, h] = sum over chunks, in chunk order.
+template <typename T>
+__global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storage* dtable,
+                                        int64_t chunks, int64_t heads, int64_t num_buckets) {
+  const int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // b * heads + h
+  if (k >= num_buckets * heads) return;
+  const int64_t b = k / heads, h = k - b * heads;
+  float sum = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) sum += partial[(c * heads + h) * num_buckets + b];
+  dtable[k] = T::Store(sum);
+}
+
+bool IsPlainFloat(DType dtype) { return IsFloating(dtype) && !IsFloat8(dtype); }
+
+absl::Status CheckDType(const char* op, const char* name, const Tensor& t, bool f32_only) {
+  if (f32_only ? t.dtype() == DType::kF32 : IsPlainFloat(t.dtype())) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": ", name, " has dtype ", DTypeName(t.dtype()), ", expected ",
+                   f32_only ? "float32" : "float32, bfloat16 or float16"));
+}
+
+absl::Status CheckBucketsShape(const char* op, const Tensor& buckets) {
+  if (buckets.dtype() != DType::kI32 || buckets.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": buckets must be int32 [Sq, Skv], got ",
+                                                   DTypeName(buckets.dtype()), " ",
+                                                   ShapeString(buckets.shape())));
+  }
+  return RequireDefined(op, "buckets", &buckets);
+}
+
+}  // namespace
+
+absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
+  constexpr const char* kOp = "Rotary";
+  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
+  }
+  if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": timescales must be positive, got [",
+                                                   args.min_timescale, ", ",
+                                                   args.max_timescale, "]"));
+  }
+  RETURN_IF_ERROR(CheckDType(kOp, "x", x, /*f32_only=*/false));
+  RETURN_IF_ERROR(RequireDefined(kOp, "x", &x));
+  RETURN_IF_ERROR(RequireDefined(kOp, "y", y));
+  RETURN_IF_ERROR(RequireShape(kOp, "y", *y, x.shape()));
+  RETURN_IF_ERROR(CheckDType(kOp, "y", *y, /*f32_only=*/false));
+  const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
+  const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
+  if (rows == 0 || half == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  ASSIGN_OR_RETURN(Tensor tables, Allocate(DType::kF32, {2, seq, half}));
+  float* cos_table = tables.data_as<float>();
+  float* sin_table = cos_table + seq * half;
+  const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
+  RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(
+      cos_table, sin_table, seq, half, dim, args.min_timescale, ratio, args.inverse);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      RotaryKernel<In, Out><<<GridFor(rows * half), kThreads, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()),
+          static_cast<typename Out::Storage*>(y->data()), cos_table, sin_table, rows, seq, heads,
+          dim, args.consecutive);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buckets,
+                                          Tensor* bias) {
+  constexpr const char* kOp = "RelativeBiasForward";
+  if (table.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": table must be [buckets, heads], got ",
+                                                   ShapeString(table.shape())));
+  }
+  RETURN_IF_ERROR(CheckDType(kOp, "table", table, /*f32_only=*/false));
+  RETURN_IF_ERROR(RequireDefined(kOp, "table", &table));
+  RETURN_IF_ERROR(CheckBucketsShape(kOp, buckets));
+  const int64_t num_buckets = table.dim(0), heads = table.dim(1);
+  RETURN_IF_ERROR(RequireDefined(kOp, "bias", bias));
+  RETURN_IF_ERROR(RequireShape(kOp, "bias", *bias, {heads, buckets.dim(0), buckets.dim(1)}));
+  RETURN_IF_ERROR(CheckDType(kOp, "bias", *bias, /*f32_only=*/true));
+  const int64_t positions = buckets.numel();
+  const int64_t n = positions * heads;
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  DispatchFloat(table.dtype(), [&](auto t) {
+    using T = decltype(t);
+    RelativeBiasForwardKernel<T><<<GridFor(n), kThreads, 0, stream()>>>(
+        static_cast<const typename T::Storage*>(table.data()), buckets.data_as<const int32_t>(),
+        bias->data_as<float>(), positions, heads, num_buckets);
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
+                                           Tensor* dtable) {
+  constexpr const char* kOp = "RelativeBiasBackward";
+  RETURN_IF_ERROR(RequireDefined(kOp, "dtable", dtable));
+  if (dtable->rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kOp, ": dtable must be [buckets, heads], got ", ShapeString(dtable->shape())));
+  }
+  RETURN_IF_ERROR(CheckDType(kOp, "dtable", *dtable, /*f32_only=*/false));
+  RETURN_IF_ERROR(CheckBucketsShape(kOp, buckets));
+  const int64_t num_buckets = dtable->dim(0), heads = dtable->dim(1);
+  RETURN_IF_ERROR(RequireDefined(kOp, "dbias", &dbias));
+  RETURN_IF_ERROR(RequireShape(kOp, "dbias", dbias, {heads, buckets.dim(0), buckets.dim(1)}));
+  RETURN_IF_ERROR(CheckDType(kOp, "dbias", dbias, /*f32_only=*/true));
+  if (num_buckets * heads == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  const int64_t positions = buckets.numel();
+  // Per-thread histogram columns: as many threads as shared memory allows.
+  int threads = 128;
+  while (threads > 32 && num_buckets * threads * sizeof(float) > kDefaultSharedBytes) threads /= 2;
+  const size_t shared_bytes = static_cast<size_t>(num_buckets) * threads * sizeof(float);
+  if (shared_bytes > kMaxSharedBytes) {
+    return absl::UnimplementedError(absl::StrCat(kOp, ": ", num_buckets,
+                                                 " buckets exceed the GPU kernel's limit of ",
+                                                 kMaxSharedBytes / (32 * sizeof(float))));
+  }
+  if (shared_bytes > kDefaultSharedBytes) {
+    CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(RelativeBiasPartialKernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(shared_bytes)));
+  }
+  // Enough (chunk, head) blocks to fill the GPU; each chunk at least 4K positions.
+  int64_t chunks = std::max<int64_t>(1, (2 * 132 + heads - 1) / heads);
+  chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, positions / 4096));
+  const int64_t chunk_len = std::max<int64_t>(1, (positions + chunks - 1) / chunks);
+  chunks = positions == 0 ? 1 : (positions + chunk_len - 1) / chunk_len;
+  ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {chunks, heads, num_buckets}));
+  RelativeBiasPartialKernel<<<dim3(chunks, heads), threads, shared_bytes, stream()>>>(
+      dbias.data_as<const float>(), buckets.data_as<const int32_t>(), partial.data_as<float>(),
+      positions, chunk_len, heads, static_cast<int>(num_buckets));
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  const int64_t outputs = num_buckets * heads;
+  DispatchFloat(dtable->dtype(), [&](auto t) {
+    using T = decltype(t);
+    RelativeBiasFinalKernel<T><<<(outputs + kThreads - 1) / kThreads, kThreads, 0, stream()>>>(
+        partial.data_as<const float>(), static_cast<typename T::Storage*>(dtable->data()),
+        chunks, heads, num_buckets);
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te
