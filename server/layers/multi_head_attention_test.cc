@@ -5,6 +5,7 @@
 // initialiser statistics, and FP8.
 #include <cmath>
 #include <map>
+#include <ostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,10 @@ constexpr double kF32Tolerance = 1e-5;
 // Initialiser statistics: the sample std of n ~ 16k normals is within ~1% of
 // the true std; 5% leaves room.
 constexpr double kStdTolerance = 0.05;
+// FP8 (E4M3 forward) against float32: two chained FP8 GEMMs around the
+// attention (each ~4% relative RMS with both operands rounded to 3 mantissa
+// bits, compounded through the softmax): measured 6.2%; bound 10%.
+constexpr double kFp8Tolerance = 0.10;
 
 Vec ToVec(const Tensor& t) {
   const std::vector<float> v = Values(t);
@@ -121,6 +126,7 @@ struct MhaCase {
   bool input_layernorm = true, scale_logits = false, padded = false;
   te::v1::AttnMaskType mask = te::v1::CAUSAL;
 };
+void PrintTo(const MhaCase& c, std::ostream* os) { *os << c.name; }
 
 te::v1::MultiHeadAttention SpecOf(const MhaCase& c) {
   te::v1::MultiHeadAttention spec = BaseSpec(c.heads, c.groups, c.head_dim);
@@ -292,7 +298,7 @@ TEST(MultiHeadAttentionTest, Fp8ForwardNeedsMetasAndStaysClose) {
   ASSERT_TRUE(UpdateFp8Metas(*ops, fp8, &*vars).ok());
   ASSERT_TRUE(layer->Forward(*ops, &*vars, in, fp8_opts, &out, nullptr).ok());
   const double error = testing::RelativeError(Values(out.y), Values(reference_out.y));
-  EXPECT_LT(error, testing::kFp8ForwardTolerance);
+  EXPECT_LT(error, kFp8Tolerance);
   EXPECT_GT(error, 0.0);  // the GEMMs really ran in FP8
 }
 
