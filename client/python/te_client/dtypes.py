@@ -213,6 +213,14 @@ def dtype_name(wire):
     return NAMES.get(wire, "dtype(%d)" % wire)
 
 
+def dtype_of(x):
+    """The element type x travels as, by name: "bfloat16" for a Bfloat16Array
+    (whose numpy .dtype is its float32 storage)."""
+    if hasattr(x, "wire_dtype"):
+        return dtype_name(x.wire_dtype)
+    return dtype_name(wire_dtype(as_numpy(x)))
+
+
 def asarray(x, dtype=None):
     """x as a numpy array of `dtype` (numpy dtype, "bfloat16", te_client.bfloat16...).
 

@@ -1,0 +1,39 @@
+"""te_client: TE's JAX/Flax API, with the layers running on a te_server.
+
+    import te_client as te                      # was: import transformer_engine.jax as te
+    import te_client.flax as te_flax            # was: import transformer_engine.jax.flax as te_flax
+    from te_client import linen as nn           # was: from flax import linen as nn
+    from te_client.recipe import Format, DelayedScaling
+
+    client = te.connect("localhost:50051")
+    with client.session(recipes=[DelayedScaling()]):
+        layer = te_flax.DenseGeneral(features=256)
+        with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=16)):
+            params = layer.init(42, x)                 # {'params': ..., 'fp8_metas': ...}
+            y = layer.apply(params, x)                 # numpy
+            loss, (grads, dx) = te.value_and_grad(layer.apply)(params, x, dy)
+
+Arrays in and out are numpy (JAX arrays are accepted); see dtypes.py for
+bfloat16 with and without ml_dtypes. Every failure is a TeError with the gRPC
+status code and the server's message.
+"""
+from te_client import activation, dtypes, errors, flax, linen, recipe
+from te_client.client import Client, ResidentTensor, Session, connect, current_session
+from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
+from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
+                              NotFoundError, PermissionDeniedError, ResourceExhaustedError, TeError,
+                              UnauthenticatedError, UnavailableError, UnimplementedError)
+from te_client.recipe import autocast, fp8_autocast
+from te_client.training import speedometer, value_and_grad
+from te_client.variables import VariableRef, Variables, tree_map
+
+__all__ = [
+    "activation", "dtypes", "errors", "flax", "linen", "recipe",
+    "Client", "ResidentTensor", "Session", "connect", "current_session",
+    "Bfloat16Array", "asarray", "bfloat16", "dtype_of",
+    "TeError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError", "UnauthenticatedError",
+    "PermissionDeniedError", "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
+    "UnimplementedError",
+    "autocast", "fp8_autocast", "speedometer", "value_and_grad",
+    "VariableRef", "Variables", "tree_map",
+]

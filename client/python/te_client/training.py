@@ -1,0 +1,125 @@
+"""value_and_grad and the quickstart's speedometer, over te_server.
+
+    step = te_client.value_and_grad(layer.apply)
+    loss, (param_grads, dx) = step(params, x, dy, deterministic=False, rngs={"dropout": key})
+
+    te_client.speedometer(model_apply_fn=layer.apply, variables=params, input=x, output_grad=dy,
+                          forward_kwargs={"attention_mask": None, "deterministic": False},
+                          autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
+                          rngs={"dropout": dropout_key})
+
+The loss is the quickstart's vdot(apply(variables, x), dy). Unlike the
+quickstart's jitted step, which throws its updated fp8_metas away, each step
+here is a real training step on the server: under DelayedScaling the
+session's FP8 scales move from step to step.
+"""
+import statistics
+import time
+
+from te_client import client as client_lib, errors, recipe as recipe_lib
+from te_client import module as module_lib
+from te_client import variables as variables_lib
+
+
+def _module_of(apply_fn):
+    module = getattr(apply_fn, "__self__", None)
+    if not isinstance(module, module_lib.Module) or getattr(apply_fn, "__name__", "") != "apply":
+        raise errors.InvalidArgumentError("model_apply_fn: want a module's bound apply (layer.apply)")
+    return module
+
+
+def value_and_grad(apply_fn):
+    """jax.value_and_grad(lambda v, x: jnp.vdot(apply_fn(v, x, ...), dy), argnums=(0, 1)):
+    a function (variables, x, dy, *args, rngs=None, **kwargs) -> (value, (param_grads, dx))."""
+    module = _module_of(apply_fn)
+
+    def step(variables, x, dy, *args, rngs=None, **kwargs):
+        return module.value_and_grad(variables, x, dy, *args, rngs=rngs, **kwargs)
+    return step
+
+
+def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None, model_init_fn=None,
+                forward_kwargs=None, autocast_kwargs=None, fp8_autocast_kwargs=None, rngs=None,
+                timing_iters=50, warmup_iters=50, server_side=False, print_result=True):
+    """Times forward + backward steps and prints "Mean time: X ms" (as the
+    quickstart's helper; both its older and newer argument names work).
+    Returns {"mean_ms", "median_ms", "steps", "timed_by"}.
+
+    A single TE module uploads x and dy once and runs each step as one
+    ForwardBackward call that returns nothing, so only the step travels;
+    server_side=True times it with the Benchmark RPC instead (no network in
+    the loop). A composite Module runs its value_and_grad per step."""
+    del model_init_fn  # the quickstart passes it; the server keeps the layer
+    module = _module_of(model_apply_fn)
+    forward_kwargs = dict(forward_kwargs or {})
+    autocast_kwargs = autocast_kwargs if autocast_kwargs is not None else fp8_autocast_kwargs
+    if autocast_kwargs is not None and "fp8_recipe" in autocast_kwargs:
+        autocast_kwargs = dict(autocast_kwargs, recipe=autocast_kwargs.pop("fp8_recipe"))
+    autocast_kwargs = autocast_kwargs or {"enabled": False}
+    seed = module_lib.seed_of(rngs if rngs is not None else dropout_key, "dropout")
+    session = variables.session
+
+    with recipe_lib.autocast(**autocast_kwargs):
+        call = module.capture_call(variables, input, **forward_kwargs) \
+            if isinstance(module, module_lib.ServerModule) else None
+        if call is not None and not call.extra:
+            timed = _time_single(session, variables, call, output_grad, seed, warmup_iters, timing_iters,
+                                 server_side)
+        elif server_side:
+            raise errors.InvalidArgumentError("speedometer: server_side times one TE module with one "
+                                              "input; %s is not one" % type(module).__name__)
+        else:
+            step = lambda i: module.value_and_grad(variables, input, output_grad,
+                                                   rngs={"dropout": module_lib.derive_seed(seed, "step", i)},
+                                                   **forward_kwargs)
+            timed = _time_client(step, warmup_iters, timing_iters, "client")
+    if print_result:
+        print(f"Mean time: {timed['mean_ms']} ms")
+    return timed
+
+
+def _time_client(step, warmup_iters, timing_iters, timed_by):
+    for i in range(warmup_iters):
+        step(i)
+    times = []
+    for i in range(timing_iters):
+        start = time.perf_counter()
+        step(warmup_iters + i)
+        times.append((time.perf_counter() - start) * 1000.0)
+    if not times:
+        return {"mean_ms": 0.0, "median_ms": 0.0, "steps": 0, "timed_by": timed_by}
+    return {"mean_ms": statistics.fmean(times), "median_ms": statistics.median(times), "steps": len(times),
+            "timed_by": timed_by}
+
+
+def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side):
+    handle = variables_lib.handles_of(variables)[0]
+    service_pb2 = client_lib.service_pb2
+    uploads = []
+    try:
+        # Sent once: a large x or dy becomes resident, so a step sends only ids.
+        x_t, dy_t = session.send(call.x, uploads, "x"), session.send(dy, uploads, "dy")
+        mask_t = session.send(call.mask, uploads, "attention_mask") if call.mask is not None else None
+        deterministic = call.deterministic
+        autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
+
+        def batch(i):
+            b = service_pb2.MicroBatch(x=x_t, dy=dy_t, dropout_seed=module_lib.derive_seed(seed, "step", i))
+            if mask_t is not None:
+                b.attention_mask.CopyFrom(mask_t)
+            return b
+
+        if server_side:
+            response = session.call("Benchmark", service_pb2.BenchmarkRequest(
+                layer_id=handle.layer_id, inputs=batch(0), deterministic=deterministic, autocast=autocast,
+                warmup_iters=warmup_iters, timing_iters=timing_iters))
+            return {"mean_ms": response.mean_ms, "median_ms": response.median_ms, "steps": response.steps,
+                    "timed_by": response.device}
+
+        def step(i):
+            session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
+                layer_id=handle.layer_id, micro_batches=[batch(i)], deterministic=deterministic,
+                autocast=autocast, return_dx=False, return_grads=False))
+        return _time_client(step, warmup_iters, timing_iters, "client")
+    finally:
+        session.delete_all(uploads)

@@ -1,0 +1,17 @@
+"""Every tolerance the Python tests use, in one place, with the measure it bounds.
+
+rel_err(a, b) = ||a - b|| / ||b|| over all elements, in float64.
+"""
+import numpy as np
+
+F32 = 1e-5           # float32 compute on the server vs a float64 numpy reference
+BF16 = 1e-2          # bf16 inputs / compute (8 mantissa bits, DESIGN.md section 6)
+FP8 = 0.1            # FP8 (E4M3 forward, 3 mantissa bits: 2^-4 relative per cast, a few casts per GEMM)
+FINITE_DIFF = 2e-2   # a central difference of a float32 layer vs its analytic directional derivative
+FD_EPS = 1e-2        # the central difference's step, relative to the input's RMS
+
+
+def rel_err(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
