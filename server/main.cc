@@ -1,0 +1,242 @@
+// te_server: serves Transformer Engine style layers over gRPC (te.v1.TeService),
+// with grpc.health.v1 and server reflection. Runs on one device, chosen at
+// start (--device=auto|cpu|cuda:N). SIGINT / SIGTERM shut it down gracefully:
+// health goes NOT_SERVING, running calls get a grace period, then it exits 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "kernels/ops.h"
+#include "server/service/service.h"
+#include "server/session/log.h"
+#include "server/session/session_manager.h"
+
+ABSL_FLAG(int, port, 50051, "TCP port to listen on; 0 picks a free port (see --port_file)");
+ABSL_FLAG(std::string, port_file, "",
+          "if set, the bound port is written to this file once the server listens");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(std::string, device, "auto",
+          "auto (CUDA device 0 when available, else the CPU), cpu, or cuda:N");
+ABSL_FLAG(int, max_sessions, 64, "sessions held at once");
+ABSL_FLAG(int64_t, session_memory_bytes, int64_t{8} << 30, "device memory per session");
+ABSL_FLAG(int, max_saved_forwards, 16, "forwards a session keeps for their backward");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, each way");
+ABSL_FLAG(int64_t, max_tensor_bytes, int64_t{1} << 30, "largest tensor in a request");
+ABSL_FLAG(int64_t, session_ttl_seconds, 1800, "idle time after which a session expires");
+
+namespace te {
+namespace {
+
+using session::Log;
+using session::LogLevel;
+
+constexpr char kServiceName[] = "te.v1.TeService";
+constexpr absl::Duration kShutdownGrace = absl::Seconds(10);
+constexpr absl::Duration kHousekeepingPeriod = absl::Seconds(1);
+
+absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const std::string& flag) {
+  if (flag == "cpu") return OpenCpuDevice();
+  if (flag == "auto") {
+    if (CudaBackendBuilt()) {
+      absl::StatusOr<std::unique_ptr<Device>> cuda = OpenCudaDevice(0);
+      if (cuda.ok()) return cuda;
+      Log(LogLevel::kWarning,
+          absl::StrCat("--device=auto: cuda:0 unavailable (", cuda.status().ToString(),
+                       "); using the CPU reference backend"));
+    } else {
+      Log(LogLevel::kInfo, "--device=auto: built without CUDA; using the CPU reference backend");
+    }
+    return OpenCpuDevice();
+  }
+  int ordinal = -1;
+  if (absl::StartsWith(flag, "cuda:") && absl::SimpleAtoi(flag.substr(5), &ordinal) &&
+      ordinal >= 0) {
+    return OpenCudaDevice(ordinal);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device=", flag, ": expected auto, cpu or cuda:N"));
+}
+
+absl::Status CheckFlags() {
+  const int port = absl::GetFlag(FLAGS_port);
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--port=", port, ": outside [0, 65535]"));
+  }
+  if (absl::GetFlag(FLAGS_max_sessions) < 1) {
+    return absl::InvalidArgumentError("--max_sessions must be at least 1");
+  }
+  if (absl::GetFlag(FLAGS_session_memory_bytes) < 1) {
+    return absl::InvalidArgumentError("--session_memory_bytes must be positive");
+  }
+  if (absl::GetFlag(FLAGS_max_saved_forwards) < 0) {
+    return absl::InvalidArgumentError("--max_saved_forwards must be >= 0");
+  }
+  const int64_t message = absl::GetFlag(FLAGS_max_message_bytes);
+  if (message < (int64_t{1} << 20) || message > INT_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_message_bytes=", message, ": outside [1 MiB, 2 GiB)"));
+  }
+  if (absl::GetFlag(FLAGS_max_tensor_bytes) < 1) {
+    return absl::InvalidArgumentError("--max_tensor_bytes must be positive");
+  }
+  if (absl::GetFlag(FLAGS_session_ttl_seconds) < 1) {
+    return absl::InvalidArgumentError("--session_ttl_seconds must be positive");
+  }
+  return absl::OkStatus();
+}
+
+// Written whole or not at all: a reader polling for the file never sees half.
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream out(temp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.good()) return absl::UnavailableError(absl::StrCat("cannot write ", temp));
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot rename ", temp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+int Run() {
+  if (absl::Status flags = CheckFlags(); !flags.ok()) {
+    Log(LogLevel::kError, flags.ToString());
+    return 2;
+  }
+  // Signals are taken by one thread with sigwait; every other thread (gRPC's
+  // included, started later) inherits the blocked mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) {
+    Log(LogLevel::kError, absl::StrCat("cannot open the device: ", device.status().ToString()));
+    return 1;
+  }
+  const DeviceInfo info = (*device)->info();
+  Log(LogLevel::kInfo, absl::StrCat("device ", info.name, ": ", info.description,
+                                    info.compute_capability > 0
+                                        ? absl::StrCat(", sm_", info.compute_capability)
+                                        : std::string(),
+                                    info.memory_bytes > 0
+                                        ? absl::StrCat(", ", info.memory_bytes >> 20, " MiB")
+                                        : std::string()));
+
+  const absl::Duration ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
+  session::SessionManagerOptions manager_options;
+  manager_options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  manager_options.default_ttl = ttl;
+  manager_options.max_ttl = std::max(ttl, absl::Hours(24 * 7));
+  session::SessionManager sessions(manager_options);
+
+  service::ServiceOptions options;
+  options.session.session_memory_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
+  options.session.max_saved_forwards = absl::GetFlag(FLAGS_max_saved_forwards);
+  options.session.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
+  options.max_sessions = manager_options.max_sessions;
+  options.session_ttl_seconds = absl::GetFlag(FLAGS_session_ttl_seconds);
+  service::TeService service(device->get(), &sessions, options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address =
+      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  int bound_port = 0;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &bound_port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.session.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.session.max_message_bytes));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound_port == 0) {
+    Log(LogLevel::kError, absl::StrCat("cannot listen on ", address));
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  auto publish_health = [&] {
+    const bool healthy = (*device)->healthy();
+    health->SetServingStatus("", healthy);
+    health->SetServingStatus(kServiceName, healthy);
+    return healthy;
+  };
+  publish_health();
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty()) {
+    if (absl::Status written = WritePortFile(port_file, bound_port); !written.ok()) {
+      Log(LogLevel::kError, written.ToString());
+      server->Shutdown();
+      return 1;
+    }
+  }
+  Log(LogLevel::kInfo,
+      absl::StrCat("te_server listening on ", absl::GetFlag(FLAGS_host), ":", bound_port,
+                   " (max ", options.max_sessions, " sessions, ",
+                   options.session.session_memory_bytes, " bytes each, idle ttl ",
+                   options.session_ttl_seconds, " s)"));
+
+  // Housekeeping: expire idle sessions, follow the device's health.
+  absl::Notification stopping;
+  std::thread housekeeping([&] {
+    bool was_healthy = true;
+    while (!stopping.WaitForNotificationWithTimeout(kHousekeepingPeriod)) {
+      sessions.Sweep();
+      const bool healthy = publish_health();
+      if (was_healthy && !healthy) {
+        Log(LogLevel::kError, absl::StrCat("device ", info.name,
+                                           " reports a sticky error: health is NOT_SERVING"));
+      }
+      was_healthy = healthy;
+    }
+  });
+  std::thread signal_waiter([&] {
+    int signal_number = 0;
+    sigwait(&stop_signals, &signal_number);
+    Log(LogLevel::kInfo, absl::StrCat("signal ", signal_number, ": shutting down (grace ",
+                                      absl::FormatDuration(kShutdownGrace), ")"));
+    stopping.Notify();
+    health->Shutdown();  // NOT_SERVING from now on
+    server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
+  });
+  server->Wait();
+  signal_waiter.join();
+  housekeeping.join();
+  Log(LogLevel::kInfo, absl::StrCat("stopped; ", sessions.live_sessions(),
+                                    " sessions dropped"));
+  return 0;
+}
+
+}  // namespace
+}  // namespace te
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "te_server: Transformer Engine style layers over gRPC.\n"
+      "  te_server --port=50051 --device=auto");
+  absl::ParseCommandLine(argc, argv);
+  return te::Run();
+}

@@ -1,0 +1,162 @@
+// Session: one client's layers, variables, FP8 state, saved forwards and
+// resident tensors on one device stream. The proto-aware layer between the
+// gRPC handlers and the layers; knows nothing of gRPC.
+//
+// Contract:
+//  1. Not thread-safe: the SessionManager runs one call at a time on it (a
+//     Lease is the turn), so no two methods ever run concurrently.
+//  2. Every method validates its whole request before it changes anything:
+//     on INVALID_ARGUMENT, NOT_FOUND or FAILED_PRECONDITION the session is as
+//     it was. Errors from the layers and ops keep their codes
+//     (RESOURCE_EXHAUSTED when the session's memory limit is reached).
+//  3. All the session's device memory (variables, saved forwards, resident
+//     tensors) is accounted on its Ops and freed with the Session.
+//  4. Response tensors come inline while they fit in one message
+//     (max_message_bytes); one that does not comes back resident
+//     (Tensor.resident_id: fetch it with GetTensor, free it with DeleteTensor).
+//     Resident copies of variables are snapshots.
+//  5. FP8 delayed scaling: a step ends (UpdateFp8Metas) after a Backward, after
+//     each micro-batch of ForwardBackward, and after a Forward that keeps
+//     nothing for a backward. Benchmark runs on a copy of the FP8 state and
+//     leaves the session's unchanged.
+#ifndef TE_SERVER_SESSION_SESSION_H_
+#define TE_SERVER_SESSION_SESSION_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/ops.h"
+#include "server/layers/layer.h"
+#include "server/session/session_manager.h"
+#include "server/session/tensor_codec.h"
+#include "te/v1/service.pb.h"
+
+namespace te::session {
+
+// Server-wide limits every session obeys (te_server's flags).
+struct SessionConfig {
+  int64_t session_memory_bytes = int64_t{8} << 30;
+  int max_saved_forwards = 16;
+  int64_t max_message_bytes = int64_t{64} << 20;
+  int64_t max_tensor_bytes = int64_t{1} << 30;
+};
+
+// What a call brings besides its request: the client's deadline and a way to
+// see whether it gave up. Long loops (Benchmark) check both between steps.
+struct CallContext {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty
+};
+
+class Session {
+ public:
+  Session(std::string id, const DeviceInfo& device, std::unique_ptr<Ops> ops,
+          const SessionConfig& config, te::v1::NegotiationPolicy policy,
+          std::optional<te::v1::Recipe> negotiated);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const std::string& id() const { return id_; }
+
+  // Init(key, x): the layer's variables for an input of input_shape/dtype.
+  absl::Status InitLayer(const te::v1::InitLayerRequest& request,
+                         te::v1::InitLayerResponse* response);
+  // Apply. NOT_FOUND for an unknown layer_id; RESOURCE_EXHAUSTED when
+  // keep_for_backward would exceed max_saved_forwards.
+  absl::Status Forward(const te::v1::ForwardRequest& request, te::v1::ForwardResponse* response);
+  // Consumes forward_id (NOT_FOUND when unknown or already used).
+  absl::Status Backward(const te::v1::BackwardRequest& request,
+                        te::v1::BackwardResponse* response);
+  absl::Status ForwardBackward(const te::v1::ForwardBackwardRequest& request,
+                               te::v1::ForwardBackwardResponse* response);
+
+  absl::Status GetVariables(const te::v1::GetVariablesRequest& request,
+                            te::v1::GetVariablesResponse* response);
+  // All or nothing: every variable must exist with the same shape and dtype.
+  absl::Status SetVariables(const te::v1::SetVariablesRequest& request);
+
+  // Reads the data of a PutTensor stream: true with a chunk, false at the end,
+  // or an error (a malformed stream).
+  using ChunkReader = std::function<absl::StatusOr<bool>(std::string* chunk)>;
+  absl::Status PutTensor(const te::v1::TensorHeader& header, const ChunkReader& read_chunk,
+                         te::v1::PutTensorResponse* response);
+  // A resident tensor on the host, and the chunk size to stream it in.
+  struct HostTensor {
+    te::v1::TensorHeader header;
+    std::string bytes;
+    int64_t chunk_bytes = 0;
+  };
+  absl::StatusOr<HostTensor> GetTensor(const te::v1::GetTensorRequest& request);
+  absl::Status DeleteTensor(const te::v1::DeleteTensorRequest& request);
+
+  absl::Status Benchmark(const te::v1::BenchmarkRequest& request, const CallContext& call,
+                         te::v1::BenchmarkResponse* response);
+
+ private:
+  struct LayerEntry;
+  struct SavedEntry;
+  struct CheckedInputs;
+  class OutputEncoder;
+
+  absl::StatusOr<LayerEntry*> FindLayer(const std::string& layer_id);
+  // The FP8 recipe a request's autocast asks for (nullopt: FP8 off).
+  absl::StatusOr<std::optional<layers::Fp8Recipe>> ResolveAutocast(
+      const te::v1::Autocast& autocast, const std::string& field) const;
+  // Validates a request's layer inputs (x, extra inputs, mask) against the
+  // layer, without touching the session. `prefix` is "" or "micro_batches[1].".
+  absl::StatusOr<CheckedInputs> CheckInputs(const LayerEntry& layer,
+                                            const layers::Fp8Recipe* fp8,
+                                            const te::v1::Tensor& x,
+                                            const google::protobuf::RepeatedPtrField<
+                                                te::v1::Tensor>& extra_inputs,
+                                            const te::v1::Tensor* attention_mask,
+                                            const std::string& prefix);
+  // Checks dy against the output the inputs produce.
+  absl::StatusOr<CheckedTensor> CheckDy(const CheckedInputs& inputs, const te::v1::Tensor& dy,
+                                        const std::string& field);
+  absl::StatusOr<layers::LayerInputs> MaterializeInputs(const CheckedInputs& inputs);
+  // One forward + vdot + backward + FP8 update (a micro-batch).
+  absl::Status Step(LayerEntry& layer, layers::Variables* vars,
+                    const layers::LayerInputs& inputs, const Tensor& dy,
+                    const layers::ForwardOptions& options, double* value,
+                    layers::LayerGrads* grads);
+  absl::StatusOr<double> Vdot(const Tensor& y, const Tensor& dy);
+  // Adds param gradients ("params/p") into `sum` under `collection/p`.
+  absl::Status AccumulateGrads(const layers::Variables& param_grads,
+                               const std::string& collection, layers::Variables* sum);
+  std::string NewId(const char* kind);
+  ResidentLookup Resident() const;
+
+  const std::string id_;
+  const DeviceInfo device_;
+  std::unique_ptr<Ops> ops_;
+  const SessionConfig config_;
+  const te::v1::NegotiationPolicy policy_;
+  const std::optional<te::v1::Recipe> negotiated_;
+
+  int64_t next_id_ = 1;
+  std::map<std::string, std::unique_ptr<LayerEntry>> layers_;
+  std::map<std::string, std::unique_ptr<SavedEntry>> saved_;
+  std::map<std::string, Tensor> resident_;
+};
+
+// CreateSession: negotiates a recipe for `device`, makes the session a stream
+// with `config.session_memory_bytes`, and registers it with `manager`.
+// INVALID_ARGUMENT for a device this server does not serve or a bad recipe
+// (naming "preferred_recipes[i]..."); FAILED_PRECONDITION under STRICT (see
+// negotiation.h); RESOURCE_EXHAUSTED at max sessions.
+absl::Status OpenSession(const te::v1::CreateSessionRequest& request, Device* device,
+                         const SessionConfig& config, SessionManager* manager,
+                         te::v1::CreateSessionResponse* response);
+
+}  // namespace te::session
+
+#endif  // TE_SERVER_SESSION_SESSION_H_

@@ -1,0 +1,65 @@
+// Session's private parts, shared by session.cc (layers, variables, tensors)
+// and session_steps.cc (forward, backward, benchmark). Not for other users.
+#ifndef TE_SERVER_SESSION_SESSION_INTERNAL_H_
+#define TE_SERVER_SESSION_SESSION_INTERNAL_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server/layers/layer.h"
+#include "server/session/session.h"
+#include "server/session/tensor_codec.h"
+
+namespace te::session {
+
+struct Session::LayerEntry {
+  std::string id;
+  std::unique_ptr<layers::Layer> layer;
+  layers::Variables vars;   // "params/...", "fp8_metas/..."
+  layers::Variables grads;  // "grads/...": kept gradients, accumulated
+  std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
+};
+
+struct Session::SavedEntry {
+  std::string layer_id;
+  std::unique_ptr<layers::SavedForward> saved;
+  std::optional<layers::Fp8Recipe> recipe;  // the forward's: the backward ends its step
+  Shape y_shape;
+  DType y_dtype = DType::kF32;
+};
+
+// A request's layer inputs, validated, not yet on the device.
+struct Session::CheckedInputs {
+  CheckedTensor x;
+  std::vector<CheckedTensor> extra;
+  std::optional<Seqlens> seqlens;  // from a padding mask
+  Shape y_shape;                   // what the layer will output
+};
+
+// Encodes response tensors inline while they fit in one message, resident
+// beyond (session.h, contract 4).
+class Session::OutputEncoder {
+ public:
+  explicit OutputEncoder(Session* session);
+  // `snapshot`: a resident result must be a copy, because `tensor` is state
+  // that later calls change in place (variables). `resident`: always resident.
+  absl::Status Encode(const Tensor& tensor, bool resident, bool snapshot, te::v1::Tensor* out);
+
+ private:
+  Session* session_;
+  int64_t budget_;  // bytes still free in the response
+};
+
+// Layers take float inputs: f32, bf16 or f16 (FP8 only inside, under autocast).
+inline bool IsLayerInputDType(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
+}
+
+// The layer name "params/a/b" split as Flax does: collection "params", path "a/b".
+void SplitVariableName(const std::string& name, std::string* collection, std::string* path);
+
+}  // namespace te::session
+
+#endif  // TE_SERVER_SESSION_SESSION_INTERNAL_H_

@@ -1,0 +1,410 @@
+// Session steps: Forward, Backward, ForwardBackward and Benchmark, and the
+// input validation they share.
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/layers/fp8_state.h"
+#include "server/layers/variables.h"
+#include "server/session/session.h"
+#include "server/session/session_internal.h"
+
+namespace te::session {
+namespace {
+
+constexpr int kDefaultWarmupIters = 5;
+constexpr int kDefaultTimingIters = 20;
+constexpr int kMaxBenchmarkIters = 100000;
+
+// Prefixes a layer's message with the request field it is about.
+absl::Status AboutField(const absl::Status& status, const std::string& field) {
+  return absl::Status(status.code(), absl::StrCat(field, ": ", status.message()));
+}
+
+const layers::Fp8Recipe* PtrOf(const std::optional<layers::Fp8Recipe>& fp8) {
+  return fp8 ? &*fp8 : nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
+    const LayerEntry& layer, const layers::Fp8Recipe* fp8, const te::v1::Tensor& x,
+    const google::protobuf::RepeatedPtrField<te::v1::Tensor>& extra_inputs,
+    const te::v1::Tensor* attention_mask, const std::string& prefix) {
+  CheckedInputs in;
+  ASSIGN_OR_RETURN(in.x, CheckTensor(x, prefix + "x", config_.max_tensor_bytes, Resident()));
+  if (!IsLayerInputDType(in.x.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "x.dtype: ", DTypeName(in.x.dtype),
+                                                   "; x must be float32, bfloat16 or float16"));
+  }
+  // x fits the initialised layer iff the variables it needs are those it has
+  // (and, under DelayedScaling, the fp8_metas exist: else FAILED_PRECONDITION).
+  const std::string x_field = absl::StrCat(prefix, "x.shape ", ShapeString(in.x.shape));
+  absl::StatusOr<std::vector<layers::VariableSpec>> specs =
+      layer.layer->VariableSpecs(in.x.shape, fp8);
+  if (!specs.ok()) return AboutField(specs.status(), x_field);
+  absl::Status fits = layers::CheckVariables(layer.vars, *specs);
+  if (absl::IsInvalidArgument(fits)) return AboutField(fits, x_field);
+  if (absl::IsFailedPrecondition(fits)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        layer.id, " (", layer.layer->type_name(), "): ", fits.message(),
+        " (TE: ScopeCollectionNotFound)"));
+  }
+  RETURN_IF_ERROR(fits);
+  absl::StatusOr<Shape> y_shape = layer.layer->OutputShape(in.x.shape);
+  if (!y_shape.ok()) return AboutField(y_shape.status(), x_field);
+  in.y_shape = *y_shape;
+
+  for (int i = 0; i < extra_inputs.size(); ++i) {
+    const std::string field = absl::StrCat(prefix, "extra_inputs[", i, "]");
+    ASSIGN_OR_RETURN(CheckedTensor extra,
+                     CheckTensor(extra_inputs[i], field, config_.max_tensor_bytes, Resident()));
+    if (extra.dtype != in.x.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(extra.dtype),
+                                                     ", but x is ", DTypeName(in.x.dtype)));
+    }
+    in.extra.push_back(std::move(extra));
+  }
+
+  if (attention_mask != nullptr) {
+    const std::string field = prefix + "attention_mask";
+    ASSIGN_OR_RETURN(CheckedTensor mask, CheckTensor(*attention_mask, field,
+                                                     config_.max_tensor_bytes, Resident()));
+    ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, mask));
+    ASSIGN_OR_RETURN(Seqlens lens, MaskToSeqlens(bytes, mask.dtype, mask.shape, field));
+    // [B, 1, Sq, Skv]: B and Sq from x, Skv from k when k is given.
+    const Shape& xs = in.x.shape;
+    const Shape& kv = in.extra.empty() ? xs : in.extra[0].shape;
+    if (xs.size() < 2 || kv.size() < 2 || mask.shape[0] != xs[0] || mask.shape[2] != xs[1] ||
+        mask.shape[3] != kv[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape: ", ShapeString(mask.shape), " does not fit x ", ShapeString(xs),
+          in.extra.empty() ? "" : absl::StrCat(" and k ", ShapeString(kv)),
+          ": a mask is [batch, 1, q_len, kv_len]"));
+    }
+    in.seqlens = std::move(lens);
+  }
+  return in;
+}
+
+absl::StatusOr<CheckedTensor> Session::CheckDy(const CheckedInputs& inputs,
+                                               const te::v1::Tensor& dy,
+                                               const std::string& field) {
+  ASSIGN_OR_RETURN(CheckedTensor checked,
+                   CheckTensor(dy, field, config_.max_tensor_bytes, Resident()));
+  if (checked.shape != inputs.y_shape || checked.dtype != inputs.x.dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", ShapeString(checked.shape), " ", DTypeName(checked.dtype),
+                     ", but y is ", ShapeString(inputs.y_shape), " ", DTypeName(inputs.x.dtype)));
+  }
+  return checked;
+}
+
+absl::StatusOr<layers::LayerInputs> Session::MaterializeInputs(const CheckedInputs& inputs) {
+  layers::LayerInputs in;
+  ASSIGN_OR_RETURN(in.x, Materialize(*ops_, inputs.x));
+  for (const CheckedTensor& extra : inputs.extra) {
+    ASSIGN_OR_RETURN(Tensor t, Materialize(*ops_, extra));
+    in.extra.push_back(std::move(t));
+  }
+  if (inputs.seqlens) {
+    ASSIGN_OR_RETURN(in.q_seqlens, UploadSeqlens(*ops_, inputs.seqlens->q));
+    ASSIGN_OR_RETURN(in.kv_seqlens, UploadSeqlens(*ops_, inputs.seqlens->kv));
+  }
+  return in;
+}
+
+absl::StatusOr<double> Session::Vdot(const Tensor& y, const Tensor& dy) {
+  const int64_t n = y.numel();
+  if (n == 0) return 0.0;
+  // [1, n] x [n, 1] on the device: one float32-accumulated dot product.
+  Ops::GemmArgs args;
+  args.a = y.Reshaped({1, n});
+  args.b = dy.Reshaped({n, 1});
+  ASSIGN_OR_RETURN(Tensor out, ops_->Allocate(DType::kF32, {1, 1}));
+  RETURN_IF_ERROR(ops_->Gemm(args, &out));
+  float value = 0.0f;
+  RETURN_IF_ERROR(ops_->Download(out, &value));
+  return static_cast<double>(value);
+}
+
+absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
+                                      const std::string& collection, layers::Variables* sum) {
+  for (const auto& [name, grad] : param_grads) {
+    const std::string key = collection + name.substr(name.find('/'));
+    auto it = sum->find(key);
+    if (it == sum->end()) {
+      (*sum)[key] = grad;
+    } else {
+      RETURN_IF_ERROR(ops_->Axpby(1.0f, it->second, 1.0f, grad, &it->second));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
+                           const layers::LayerInputs& inputs, const Tensor& dy,
+                           const layers::ForwardOptions& options, double* value,
+                           layers::LayerGrads* grads) {
+  layers::ForwardOptions opts = options;
+  opts.keep_for_backward = true;
+  layers::LayerOutputs out;
+  std::unique_ptr<layers::SavedForward> saved;
+  RETURN_IF_ERROR(layer.layer->Forward(*ops_, vars, inputs, opts, &out, &saved));
+  if (saved == nullptr) {
+    return absl::InternalError(absl::StrCat(layer.layer->type_name(),
+                                            ": forward kept nothing for its backward"));
+  }
+  if (value != nullptr) {
+    ASSIGN_OR_RETURN(*value, Vdot(out.y, dy));
+  }
+  RETURN_IF_ERROR(layer.layer->Backward(*ops_, vars, *saved, dy, grads));
+  if (layers::HasFp8Metas(opts.fp8)) RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, vars));
+  return absl::OkStatus();
+}
+
+// ---- Forward / Backward ------------------------------------------------------------
+
+absl::Status Session::Forward(const te::v1::ForwardRequest& request,
+                              te::v1::ForwardResponse* response) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
+                   ResolveAutocast(request.autocast(), "autocast"));
+  ASSIGN_OR_RETURN(CheckedInputs checked,
+                   CheckInputs(*layer, PtrOf(fp8), request.x(), request.extra_inputs(),
+                               request.has_attention_mask() ? &request.attention_mask() : nullptr,
+                               ""));
+  if (request.keep_for_backward() &&
+      static_cast<int>(saved_.size()) >= config_.max_saved_forwards) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "keep_for_backward: this session already keeps ", saved_.size(),
+        " forwards (max_saved_forwards); run their Backward first"));
+  }
+  ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
+  layers::ForwardOptions opts;
+  opts.deterministic = request.deterministic();
+  opts.dropout_seed = request.dropout_seed();
+  opts.fp8 = PtrOf(fp8);
+  opts.keep_for_backward = request.keep_for_backward();
+  layers::LayerOutputs out;
+  std::unique_ptr<layers::SavedForward> saved;
+  RETURN_IF_ERROR(layer->layer->Forward(*ops_, &layer->vars, inputs, opts, &out, &saved));
+  if (!request.keep_for_backward() && layers::HasFp8Metas(opts.fp8)) {
+    // No backward will end this step: it ends here.
+    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &layer->vars));
+  }
+  if (request.keep_for_backward()) {
+    if (saved == nullptr) {
+      return absl::InternalError(absl::StrCat(layer->layer->type_name(),
+                                              ": forward kept nothing for its backward"));
+    }
+    auto entry = std::make_unique<SavedEntry>();
+    entry->layer_id = layer->id;
+    entry->saved = std::move(saved);
+    entry->recipe = fp8;
+    entry->y_shape = out.y.shape();
+    entry->y_dtype = out.y.dtype();
+    const std::string forward_id = NewId("forward");
+    saved_[forward_id] = std::move(entry);
+    response->set_forward_id(forward_id);
+  }
+  OutputEncoder encoder(this);
+  RETURN_IF_ERROR(encoder.Encode(out.y, request.keep_outputs(), false, response->mutable_y()));
+  if (out.ln_out.defined()) {
+    RETURN_IF_ERROR(
+        encoder.Encode(out.ln_out, request.keep_outputs(), false, response->mutable_ln_out()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::Backward(const te::v1::BackwardRequest& request,
+                               te::v1::BackwardResponse* response) {
+  auto it = saved_.find(request.forward_id());
+  if (it == saved_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "forward_id: no kept forward '", request.forward_id(),
+        "' in this session (Forward with keep_for_backward; each is consumed by one Backward)"));
+  }
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(it->second->layer_id));
+  ASSIGN_OR_RETURN(CheckedTensor dy_checked,
+                   CheckTensor(request.dy(), "dy", config_.max_tensor_bytes, Resident()));
+  if (dy_checked.shape != it->second->y_shape || dy_checked.dtype != it->second->y_dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dy: ", ShapeString(dy_checked.shape), " ", DTypeName(dy_checked.dtype), ", but y was ",
+        ShapeString(it->second->y_shape), " ", DTypeName(it->second->y_dtype)));
+  }
+  ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dy_checked));
+  // The forward is consumed from here on, whatever the backward's outcome.
+  std::unique_ptr<SavedEntry> saved = std::move(it->second);
+  saved_.erase(it);
+  layers::LayerGrads grads;
+  RETURN_IF_ERROR(layer->layer->Backward(*ops_, &layer->vars, *saved->saved, dy, &grads));
+  if (layers::HasFp8Metas(PtrOf(saved->recipe))) {
+    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *saved->recipe, &layer->vars));
+  }
+  OutputEncoder encoder(this);
+  RETURN_IF_ERROR(encoder.Encode(grads.dx, request.keep_outputs(), false, response->mutable_dx()));
+  for (const Tensor& dextra : grads.dextra) {
+    RETURN_IF_ERROR(encoder.Encode(dextra, request.keep_outputs(), false,
+                                   response->add_extra_input_grads()));
+  }
+  if (request.keep_grads()) return AccumulateGrads(grads.params, "grads", &layer->grads);
+  for (const auto& [name, grad] : grads.params) {
+    te::v1::Variable* out = response->add_grads();
+    std::string collection;
+    SplitVariableName(name, &collection, out->mutable_path());
+    out->set_collection("grads");
+    RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
+  }
+  return absl::OkStatus();
+}
+
+// ---- ForwardBackward -------------------------------------------------------------------
+
+absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& request,
+                                      te::v1::ForwardBackwardResponse* response) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
+                   ResolveAutocast(request.autocast(), "autocast"));
+  if (request.micro_batches_size() == 0) {
+    return absl::InvalidArgumentError("micro_batches: empty; give at least one (x, dy)");
+  }
+  // Every micro-batch is validated before the first one runs.
+  std::vector<CheckedInputs> inputs;
+  std::vector<CheckedTensor> dys;
+  for (int i = 0; i < request.micro_batches_size(); ++i) {
+    const te::v1::MicroBatch& mb = request.micro_batches(i);
+    const std::string prefix = absl::StrCat("micro_batches[", i, "].");
+    ASSIGN_OR_RETURN(CheckedInputs in,
+                     CheckInputs(*layer, PtrOf(fp8), mb.x(), mb.extra_inputs(),
+                                 mb.has_attention_mask() ? &mb.attention_mask() : nullptr, prefix));
+    ASSIGN_OR_RETURN(CheckedTensor dy, CheckDy(in, mb.dy(), prefix + "dy"));
+    inputs.push_back(std::move(in));
+    dys.push_back(std::move(dy));
+  }
+  OutputEncoder encoder(this);
+  layers::Variables grad_sum;  // "grads/..."
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ASSIGN_OR_RETURN(layers::LayerInputs in, MaterializeInputs(inputs[i]));
+    ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dys[i]));
+    layers::ForwardOptions opts;
+    opts.deterministic = request.deterministic();
+    opts.dropout_seed = request.micro_batches(static_cast<int>(i)).dropout_seed();
+    opts.fp8 = PtrOf(fp8);
+    double value = 0.0;
+    layers::LayerGrads grads;
+    RETURN_IF_ERROR(Step(*layer, &layer->vars, in, dy, opts, &value, &grads));
+    response->add_values(value);
+    if (request.return_dx()) {
+      RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));
+    }
+    RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &grad_sum));
+  }
+  if (!request.return_grads()) return AccumulateGrads(grad_sum, "grads", &layer->grads);
+  for (const auto& [name, grad] : grad_sum) {
+    te::v1::Variable* out = response->add_grads();
+    std::string collection;
+    SplitVariableName(name, &collection, out->mutable_path());
+    out->set_collection("grads");
+    RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
+  }
+  return absl::OkStatus();
+}
+
+// ---- Benchmark -------------------------------------------------------------------------
+
+absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const CallContext& call,
+                                te::v1::BenchmarkResponse* response) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
+                   ResolveAutocast(request.autocast(), "autocast"));
+  const int warmup =
+      request.warmup_iters() == 0 ? kDefaultWarmupIters : request.warmup_iters();
+  const int timing =
+      request.timing_iters() == 0 ? kDefaultTimingIters : request.timing_iters();
+  if (warmup < 0 || warmup > kMaxBenchmarkIters) {
+    return absl::InvalidArgumentError(absl::StrCat("warmup_iters: ", request.warmup_iters(),
+                                                   " is outside [0, ", kMaxBenchmarkIters, "]"));
+  }
+  if (timing < 0 || timing > kMaxBenchmarkIters) {
+    return absl::InvalidArgumentError(absl::StrCat("timing_iters: ", request.timing_iters(),
+                                                   " is outside [0, ", kMaxBenchmarkIters, "]"));
+  }
+  const te::v1::MicroBatch& mb = request.inputs();
+  ASSIGN_OR_RETURN(CheckedInputs checked,
+                   CheckInputs(*layer, PtrOf(fp8), mb.x(), mb.extra_inputs(),
+                               mb.has_attention_mask() ? &mb.attention_mask() : nullptr,
+                               "inputs."));
+  std::optional<CheckedTensor> dy_checked;
+  if (!request.forward_only()) {
+    if (!mb.has_dy()) {
+      return absl::InvalidArgumentError("inputs.dy: required unless forward_only");
+    }
+    ASSIGN_OR_RETURN(dy_checked, CheckDy(checked, mb.dy(), "inputs.dy"));
+  }
+  ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
+  Tensor dy;
+  if (dy_checked) {
+    ASSIGN_OR_RETURN(dy, Materialize(*ops_, *dy_checked));
+  }
+  // The benchmark's steps move a copy of the FP8 state, not the session's.
+  layers::Variables vars = layer->vars;
+  for (auto& [name, tensor] : vars) {
+    if (!absl::StartsWith(name, "fp8_metas/")) continue;
+    ASSIGN_OR_RETURN(Tensor copy, ops_->Allocate(tensor.dtype(), tensor.shape()));
+    RETURN_IF_ERROR(ops_->Copy(tensor, &copy));
+    tensor = copy;
+  }
+  layers::ForwardOptions opts;
+  opts.deterministic = request.deterministic();
+  opts.dropout_seed = mb.dropout_seed();
+  opts.fp8 = PtrOf(fp8);
+
+  std::vector<double> step_ms;
+  for (int it = 0; it < warmup + timing; ++it) {
+    if (call.cancelled && call.cancelled()) {
+      return absl::CancelledError(absl::StrCat("benchmark cancelled after ", it, " steps"));
+    }
+    if (absl::Now() > call.deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("benchmark: deadline passed after ", it, " of ", warmup + timing,
+                       " steps; ask for fewer iterations or a longer deadline"));
+    }
+    RETURN_IF_ERROR(ops_->Synchronize());
+    const auto start = std::chrono::steady_clock::now();
+    if (request.forward_only()) {
+      layers::LayerOutputs out;
+      std::unique_ptr<layers::SavedForward> unused;
+      RETURN_IF_ERROR(layer->layer->Forward(*ops_, &vars, inputs, opts, &out, &unused));
+      if (layers::HasFp8Metas(opts.fp8)) {
+        RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, &vars));
+      }
+    } else {
+      double value = 0.0;
+      layers::LayerGrads grads;
+      RETURN_IF_ERROR(Step(*layer, &vars, inputs, dy, opts, &value, &grads));
+    }
+    RETURN_IF_ERROR(ops_->Synchronize());
+    const auto end = std::chrono::steady_clock::now();
+    if (it >= warmup) {
+      step_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
+    }
+  }
+  response->set_steps(timing);
+  response->set_device(device_.name);
+  if (step_ms.empty()) return absl::OkStatus();
+  std::vector<double> sorted = step_ms;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  response->set_mean_ms(std::accumulate(sorted.begin(), sorted.end(), 0.0) / n);
+  response->set_median_ms(n % 2 == 1 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]));
+  response->set_min_ms(sorted.front());
+  return absl::OkStatus();
+}
+
+}  // namespace te::session
