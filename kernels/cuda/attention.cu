@@ -97,7 +97,7 @@ absl::StatusOr<AttentionShape> CheckAttention(const char* op, const AttentionArg
   const Shape kv_shape = {s.batch, s.kv_seq, s.kv_heads, s.head_dim};
   RETURN_IF_ERROR(CheckQkvTensor(op, "k", k, kv_shape));
   RETURN_IF_ERROR(CheckQkvTensor(op, "v", v, kv_shape));
-  if (args.bias.defined() && args.bias.numel() > 0) {
+  if (args.bias.data() != nullptr) {
     RETURN_IF_ERROR(RequireDType(op, "bias", &args.bias, DType::kF32));
     RETURN_IF_ERROR(RequireShape(op, "bias", args.bias, {s.q_heads, s.q_seq, s.kv_seq}));
   }
@@ -131,7 +131,7 @@ AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& sh
   p.q_dtype = q.dtype();
   p.k_dtype = k.dtype();
   p.v_dtype = v.dtype();
-  p.bias = args.bias.numel() > 0 ? args.bias.data_as<const float>() : nullptr;
+  p.bias = args.bias.data_as<const float>();  // null when absent
   if (HasPadding(args.mask)) {
     p.q_seqlens = args.q_seqlens.data_as<const int32_t>();
     p.kv_seqlens = args.kv_seqlens.data_as<const int32_t>();
@@ -194,7 +194,7 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
   RETURN_IF_ERROR(RequireShape(kOp, "dk", *dk, k.shape()));
   RETURN_IF_ERROR(RequireFloat(kOp, "dv", dv));
   RETURN_IF_ERROR(RequireShape(kOp, "dv", *dv, v.shape()));
-  const bool with_bias = args.bias.numel() > 0;
+  const bool with_bias = args.bias.data() != nullptr;
   if (with_bias) {
     RETURN_IF_ERROR(RequireDType(kOp, "dbias", dbias, DType::kF32));
     RETURN_IF_ERROR(RequireShape(kOp, "dbias", *dbias, args.bias.shape()));

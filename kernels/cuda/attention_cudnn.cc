@@ -690,7 +690,7 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
   if (ops.context().properties.major < 8) {
     return absl::UnimplementedError("fused attention needs compute capability 8.0 or newer");
   }
-  if (args.bias.numel() > 0) return absl::UnimplementedError("a logit bias is not wired to cuDNN");
+  if (args.bias.data() != nullptr) return absl::UnimplementedError("a logit bias is not wired to cuDNN");
   const DType dtype = tensors.front()->dtype();
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::UnimplementedError(absl::StrCat(DTypeName(dtype), " operands (bf16/f16 only)"));

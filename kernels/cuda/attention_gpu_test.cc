@@ -133,16 +133,16 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
       kv_lens.push_back(static_cast<float>(c.kv_seq - (b * 53) % (c.kv_seq / 2 + 1)));
     }
     if (c.zero_kv_length) kv_lens.back() = 0.0f;
-    cpu_args.q_seqlens = Host(DType::kI32, {c.batch}, {});
-    cpu_args.kv_seqlens = Host(DType::kI32, {c.batch}, {});
+    cpu_args.q_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+    cpu_args.kv_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
     for (int64_t b = 0; b < c.batch; ++b) {
       cpu_args.q_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(q_lens[b]);
       cpu_args.kv_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(kv_lens[b]);
     }
   }
   AttentionArgs gpu_args = cpu_args;
-  if (cpu_args.bias.defined() && cpu_args.bias.numel() > 0) gpu_args.bias = ToGpu(cpu_args.bias);
-  if (cpu_args.q_seqlens.numel() > 0) {
+  if (c.bias) gpu_args.bias = ToGpu(cpu_args.bias);
+  if (cpu_args.q_seqlens.data() != nullptr) {
     gpu_args.q_seqlens = ToGpu(cpu_args.q_seqlens);
     gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
   }

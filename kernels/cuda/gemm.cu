@@ -143,7 +143,7 @@ absl::Status ToF32(const Tensor& in, const float* scale_inv, float* out, cudaStr
 
 absl::Status Epilogue(const float* product, const Tensor& bias, bool accumulate, Tensor* out,
                       int64_t m, int64_t n, cudaStream_t stream) {
-  const void* bias_data = bias.numel() > 0 ? bias.data() : nullptr;
+  const void* bias_data = bias.data();  // null when absent
   bool launched = DispatchFloat(out->dtype(), [&](auto format) {
     using Format = decltype(format);
     EpilogueKernel<Format><<<GridFor(m * n), kThreads, 0, stream>>>(
