@@ -18,9 +18,9 @@ bool HasPadding(MaskType mask) {
 absl::Status CheckBshd(const Tensor& t, const char* name, int64_t batch, int64_t heads,
                        int64_t head_dim, DType dtype) {
   if (t.rank() != 4 || t.dim(0) != batch || t.dim(2) != heads || t.dim(3) != head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " has shape ", ShapeString(t.shape()), "; want [", batch, ", seq, ", heads, ", ",
-        head_dim, "] ([batch, seq, heads, head_dim])"));
+    return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", ShapeString(t.shape()),
+                                                   "; want [", batch, ", seq, ", heads, ", ",
+                                                   head_dim, "] ([batch, seq, heads, head_dim])"));
   }
   if (t.dtype() != dtype || !IsFloating(dtype) || IsFloat8(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has dtype ", DTypeName(t.dtype()),
@@ -35,9 +35,9 @@ absl::StatusOr<Tensor> ResolveLengths(Ops& ops, const Tensor& given, const char*
                                       int64_t batch, int64_t seq) {
   if (given.defined() && given.numel() > 0) {
     if (given.dtype() != DType::kI32 || given.rank() != 1 || given.dim(0) != batch) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " must be int32 [", batch, "] (valid lengths per batch row); got ",
-          DTypeName(given.dtype()), " ", ShapeString(given.shape())));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be int32 [", batch, "] (valid lengths per batch row); got ",
+                       DTypeName(given.dtype()), " ", ShapeString(given.shape())));
     }
     return given;
   }
@@ -59,13 +59,13 @@ absl::Status ValidateAttentionConfig(const AttentionConfig& config, absl::string
         absl::StrCat(field, ".num_attention_heads must be positive; got ", config.num_heads));
   }
   if (config.num_gqa_groups <= 0 || config.num_heads % config.num_gqa_groups != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".num_gqa_groups must be positive and divide num_attention_heads (",
-        config.num_heads, "); got ", config.num_gqa_groups));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".num_gqa_groups must be positive and divide num_attention_heads (",
+                     config.num_heads, "); got ", config.num_gqa_groups));
   }
   if (!(config.dropout_rate >= 0.0f && config.dropout_rate < 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".attention_dropout must be in [0, 1); got ", config.dropout_rate));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".attention_dropout must be in [0, 1); got ", config.dropout_rate));
   }
   if (!std::isfinite(config.scale)) {
     return absl::InvalidArgumentError(
@@ -89,8 +89,8 @@ absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string
 
 int64_t AttentionSaved::bytes() const {
   int64_t total = 0;
-  for (const Tensor* t : {&q, &k, &v, &out, &softmax_lse, &args.bias, &args.q_seqlens,
-                          &args.kv_seqlens}) {
+  for (const Tensor* t :
+       {&q, &k, &v, &out, &softmax_lse, &args.bias, &args.q_seqlens, &args.kv_seqlens}) {
     total += static_cast<int64_t>(t->nbytes());
   }
   return total;
@@ -111,8 +111,8 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
   RETURN_IF_ERROR(CheckBshd(v, "v", batch, config.num_gqa_groups, config.head_dim, q.dtype()));
   const int64_t kv_len = k.dim(1);
   if (v.dim(1) != kv_len) {
-    return absl::InvalidArgumentError(absl::StrCat("k and v sequence lengths differ: ",
-                                                   kv_len, " vs ", v.dim(1)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("k and v sequence lengths differ: ", kv_len, " vs ", v.dim(1)));
   }
 
   AttentionArgs args;
@@ -130,10 +130,9 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
   if (bias.defined() && bias.numel() > 0) {
     const Shape want = {config.num_heads, q_len, kv_len};
     if (bias.shape() != want || bias.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat("attention bias must be float32 ",
-                                                     ShapeString(want), "; got ",
-                                                     DTypeName(bias.dtype()), " ",
-                                                     ShapeString(bias.shape())));
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention bias must be float32 ", ShapeString(want), "; got ",
+                       DTypeName(bias.dtype()), " ", ShapeString(bias.shape())));
     }
     args.bias = bias;
   }
@@ -154,11 +153,8 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
 
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias) {
-  if (dout.shape() != saved.out.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat("attention output gradient has shape ",
-                                                   ShapeString(dout.shape()), "; want ",
-                                                   ShapeString(saved.out.shape())));
-  }
+  ASSIGN_OR_RETURN(const Tensor grad,
+                   PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
   ASSIGN_OR_RETURN(*dq, ops.Allocate(saved.q.dtype(), saved.q.shape()));
   ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
   ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
@@ -167,11 +163,30 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
   if (has_bias) {
     ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, saved.args.bias.shape()));
   }
-  RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, dout,
+  RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                         saved.softmax_lse, dq, dk, dv,
                                         has_bias ? &bias_grad : nullptr));
   if (dbias != nullptr) *dbias = bias_grad;
   return absl::OkStatus();
+}
+
+absl::Status CheckFloatActivation(const Tensor& x, absl::string_view name) {
+  if (IsFloating(x.dtype()) && !IsFloat8(x.dtype())) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(name, " has dtype ", DTypeName(x.dtype()),
+                                                 "; want float32, bfloat16 or float16"));
+}
+
+absl::StatusOr<Tensor> PrepareGradient(Ops& ops, const Tensor& dy, const Shape& shape,
+                                       DType dtype) {
+  if (dy.shape() != shape) {
+    return absl::InvalidArgumentError(absl::StrCat("dy has shape ", ShapeString(dy.shape()),
+                                                   "; want the output's ", ShapeString(shape)));
+  }
+  RETURN_IF_ERROR(CheckFloatActivation(dy, "dy"));
+  if (dy.dtype() == dtype) return dy;
+  ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(dtype, dy.shape()));
+  RETURN_IF_ERROR(ops.Cast(dy, &cast));
+  return cast;
 }
 
 absl::StatusOr<std::vector<Tensor>> SplitAxis(Ops& ops, const Tensor& x, int axis) {
@@ -216,8 +231,8 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
     if (parts[i].shape() != part_shape || parts[i].dtype() != parts[0].dtype()) {
       return absl::InvalidArgumentError("StackAxis: parts differ in shape or dtype");
     }
-    Tensor slot = front.Slice0(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1)
-                      .Reshaped(part_shape);
+    Tensor slot =
+        front.Slice0(static_cast<int64_t>(i), static_cast<int64_t>(i) + 1).Reshaped(part_shape);
     RETURN_IF_ERROR(ops.Copy(parts[i], &slot));
   }
   if (axis == 0) return front;
@@ -290,8 +305,7 @@ std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool 
   return buckets;
 }
 
-absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len,
-                                                    int64_t k_len) const {
+absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int64_t k_len) const {
   std::shared_ptr<const std::vector<int32_t>> table;
   {
     absl::MutexLock lock(&mu_);
@@ -299,8 +313,8 @@ absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len,
     if (it != tables_.end()) table = it->second;
   }
   if (table == nullptr) {
-    auto computed = std::make_shared<const std::vector<int32_t>>(RelativePositionBuckets(
-        q_len, k_len, bidirectional_, num_buckets_, max_distance_));
+    auto computed = std::make_shared<const std::vector<int32_t>>(
+        RelativePositionBuckets(q_len, k_len, bidirectional_, num_buckets_, max_distance_));
     absl::MutexLock lock(&mu_);
     table = tables_.emplace(std::make_pair(q_len, k_len), std::move(computed)).first->second;
   }
@@ -309,15 +323,13 @@ absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len,
   return buckets;
 }
 
-absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding,
-                                    const Tensor& buckets) {
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets) {
   // TE stores the table as [heads, buckets]; the op reads [buckets, heads].
   const int64_t heads = rel_embedding.dim(0);
-  ASSIGN_OR_RETURN(Tensor table, ops.Allocate(rel_embedding.dtype(),
-                                              {rel_embedding.dim(1), heads}));
+  ASSIGN_OR_RETURN(Tensor table,
+                   ops.Allocate(rel_embedding.dtype(), {rel_embedding.dim(1), heads}));
   RETURN_IF_ERROR(ops.Permute(rel_embedding, {1, 0}, &table));
-  ASSIGN_OR_RETURN(Tensor bias,
-                   ops.Allocate(DType::kF32, {heads, buckets.dim(0), buckets.dim(1)}));
+  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(DType::kF32, {heads, buckets.dim(0), buckets.dim(1)}));
   RETURN_IF_ERROR(ops.RelativeBiasForward(table, buckets, &bias));
   return bias;
 }

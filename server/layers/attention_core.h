@@ -35,7 +35,7 @@ struct AttentionConfig {
   int num_gqa_groups = 0;  // key/value heads, Hkv (divides Hq)
   int head_dim = 0;        // D
   MaskType mask = MaskType::kCausal;
-  float scale = 1.0f;      // logits = scale * q.k (+ bias after scaling)
+  float scale = 1.0f;  // logits = scale * q.k (+ bias after scaling)
   float dropout_rate = 0.0f;
 };
 
@@ -79,6 +79,14 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias);
 
+// ---- activations ------------------------------------------------------------
+// INVALID_ARGUMENT naming `name` unless x is float32, bfloat16 or float16.
+absl::Status CheckFloatActivation(const Tensor& x, absl::string_view name);
+// The output gradient as a backward uses it: `dy` must have `shape` and a
+// float dtype (INVALID_ARGUMENT naming "dy"); returned in `dtype` (the
+// forward's compute dtype), cast when it differs.
+absl::StatusOr<Tensor> PrepareGradient(Ops& ops, const Tensor& dy, const Shape& shape, DType dtype);
+
 // ---- packed tensors -------------------------------------------------------
 // Splits x along `axis` into x.dim(axis) contiguous tensors with that axis
 // removed: [B, S, 3, H, D] along 2 -> three [B, S, H, D].
@@ -114,8 +122,8 @@ class RelativeBucketCache {
   const int num_buckets_;
   const int max_distance_;
   mutable absl::Mutex mu_;
-  mutable std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const std::vector<int32_t>>>
-      tables_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const std::vector<int32_t>>> tables_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // bias f32 [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB].

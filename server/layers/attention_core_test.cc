@@ -108,8 +108,7 @@ TEST(ApplyRotaryTest, MatchesTeConsecutivePairsAndInverts) {
   Tensor y;
   ASSERT_TRUE(ApplyRotary(*ops, x, false, &y).ok());
   const std::vector<float> xs = Values(x);
-  const reference::Vec want =
-      reference::Rotary(reference::Vec(xs.begin(), xs.end()), b, s, h, d);
+  const reference::Vec want = reference::Rotary(reference::Vec(xs.begin(), xs.end()), b, s, h, d);
   const std::vector<float> ys = Values(y);
   EXPECT_LT(reference::RelativeError(reference::Vec(ys.begin(), ys.end()), want), kF32Tolerance);
   Tensor back;
@@ -135,8 +134,8 @@ TEST(AttentionForwardTest, RejectsMismatchedShapesAndLengths) {
   const Tensor wrong_heads = RandomTensor(*ops, {2, 6, 3, 8}, DType::kF32, 3);
   const Tensor bf16_kv = RandomTensor(*ops, {2, 6, 2, 8}, DType::kBF16, 4);
   Tensor out;
-  EXPECT_TRUE(AttentionForward(*ops, config, q, kv, kv, {}, Tensor(), false, 0, &out, nullptr)
-                  .ok());
+  EXPECT_TRUE(
+      AttentionForward(*ops, config, q, kv, kv, {}, Tensor(), false, 0, &out, nullptr).ok());
   EXPECT_EQ(out.shape(), q.shape());
   auto status =
       AttentionForward(*ops, config, q, wrong_heads, kv, {}, Tensor(), false, 0, &out, nullptr);
@@ -164,8 +163,7 @@ TEST(ValidateAttentionConfigTest, NamesTheField) {
   config.num_gqa_groups = 3;
   EXPECT_TRUE(ValidateAttentionConfig(config, "spec.x").ok());
   config.dropout_rate = 1.0f;
-  EXPECT_EQ(ValidateAttentionConfig(config, "spec.x").code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateAttentionConfig(config, "spec.x").code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -82,8 +82,8 @@ inline Vec Matmul(const Vec& x, const Vec& w, int64_t n, int64_t k, int64_t m,
 }
 
 // LayerNorm / RMSNorm over rows of x [N, H].
-inline Vec Norm(const Vec& x, int64_t n, int64_t h, const Vec& gamma, const Vec& beta,
-                double eps, bool rms = false, bool zero_centered = false) {
+inline Vec Norm(const Vec& x, int64_t n, int64_t h, const Vec& gamma, const Vec& beta, double eps,
+                bool rms = false, bool zero_centered = false) {
   Vec y(x.size());
   for (int64_t r = 0; r < n; ++r) {
     double mean = 0.0, sq = 0.0;
@@ -174,8 +174,8 @@ inline Vec MultiHeadAttention(const MhaShape& c, const VarLookup& var, const Vec
   } else {
     q = Matmul(ln, var(p + "query/kernel"), n, c.hidden, hd,
                c.bias ? var(p + "query/bias") : Vec());
-    const Vec kv = Matmul(ln, var(p + "kv/kernel"), n, c.hidden, 2 * gd,
-                          c.bias ? var(p + "kv/bias") : Vec());
+    const Vec kv =
+        Matmul(ln, var(p + "kv/kernel"), n, c.hidden, 2 * gd, c.bias ? var(p + "kv/bias") : Vec());
     k = Columns(kv, 2 * gd, 0, gd);
     v = Columns(kv, 2 * gd, gd, gd);
   }
@@ -183,12 +183,10 @@ inline Vec MultiHeadAttention(const MhaShape& c, const VarLookup& var, const Vec
     q = Rotary(q, c.batch, c.seq, c.heads, c.head_dim);
     k = Rotary(k, c.batch, c.seq, c.groups, c.head_dim);
   }
-  const Vec ctx =
-      Attention({c.batch, c.seq, c.seq, c.heads, c.groups, c.head_dim}, q, k, v,
-                c.scale_logits ? 1.0 / std::sqrt(static_cast<double>(c.head_dim)) : 1.0,
-                c.causal, lens, lens, attention_bias);
-  return Matmul(ctx, var(p + "out/kernel"), n, hd, c.hidden,
-                c.bias ? var(p + "out/bias") : Vec());
+  const Vec ctx = Attention({c.batch, c.seq, c.seq, c.heads, c.groups, c.head_dim}, q, k, v,
+                            c.scale_logits ? 1.0 / std::sqrt(static_cast<double>(c.head_dim)) : 1.0,
+                            c.causal, lens, lens, attention_bias);
+  return Matmul(ctx, var(p + "out/kernel"), n, hd, c.hidden, c.bias ? var(p + "out/bias") : Vec());
 }
 
 inline double RelativeError(const Vec& out, const Vec& ref) {

@@ -51,8 +51,7 @@ class DotProductAttentionLayer : public Layer {
   }
 
   absl::Status Forward(Ops& ops, Variables*, const LayerInputs& in, const ForwardOptions& opts,
-                       LayerOutputs* out,
-                       std::unique_ptr<SavedForward>* saved) const override {
+                       LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
     Tensor q, k, v;
     if (packed_) {
@@ -75,10 +74,10 @@ class DotProductAttentionLayer : public Layer {
       v = in.extra[1];
     }
     auto kept = std::make_unique<DotProductAttentionSaved>();
-    RETURN_IF_ERROR(AttentionForward(
-        ops, config_, q, k, v, SeqLens{in.q_seqlens, in.kv_seqlens}, Tensor(),
-        !opts.deterministic, DeriveSeed(opts.dropout_seed, "attention_dropout"), &out->y,
-        opts.keep_for_backward ? &kept->attention : nullptr));
+    RETURN_IF_ERROR(AttentionForward(ops, config_, q, k, v, SeqLens{in.q_seqlens, in.kv_seqlens},
+                                     Tensor(), !opts.deterministic,
+                                     DeriveSeed(opts.dropout_seed, "attention_dropout"), &out->y,
+                                     opts.keep_for_backward ? &kept->attention : nullptr));
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
   }
@@ -104,17 +103,16 @@ class DotProductAttentionLayer : public Layer {
  private:
   absl::Status CheckInputShape(const Shape& shape) const {
     const bool fits = packed_ ? shape.size() == 5 && shape[2] == 3 &&
-                                    shape[3] == config_.num_heads &&
-                                    shape[4] == config_.head_dim
+                                    shape[3] == config_.num_heads && shape[4] == config_.head_dim
                               : shape.size() == 4 && shape[2] == config_.num_heads &&
                                     shape[3] == config_.head_dim;
     if (fits && shape[0] > 0 && shape[1] > 0) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input_shape ", ShapeString(shape), " does not fit DotProductAttention: want ",
-        packed_ ? absl::StrCat("[batch, seq, 3, ", config_.num_heads, ", ", config_.head_dim,
-                               "] (bs3hd)")
-                : absl::StrCat("[batch, seq, ", config_.num_heads, ", ", config_.head_dim,
-                               "] (bshd_bshd_bshd)")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("input_shape ", ShapeString(shape), " does not fit DotProductAttention: want ",
+                     packed_ ? absl::StrCat("[batch, seq, 3, ", config_.num_heads, ", ",
+                                            config_.head_dim, "] (bs3hd)")
+                             : absl::StrCat("[batch, seq, ", config_.num_heads, ", ",
+                                            config_.head_dim, "] (bshd_bshd_bshd)")));
   }
 
   AttentionConfig config_;
@@ -130,12 +128,12 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeDotProductAttention(
   config.num_heads = spec.num_attention_heads();
   config.num_gqa_groups = spec.has_num_gqa_groups() ? spec.num_gqa_groups() : config.num_heads;
   config.dropout_rate = spec.has_attention_dropout() ? spec.attention_dropout() : 0.0f;
-  ASSIGN_OR_RETURN(config.mask, ResolveMaskType(spec.attn_mask_type(),
-                                                absl::StrCat(kField, ".attn_mask_type")));
-  config.scale = spec.has_scale_factor()
-                     ? spec.scale_factor()
-                     : static_cast<float>(1.0 / std::sqrt(static_cast<double>(
-                                                    std::max(spec.head_dim(), 1))));
+  ASSIGN_OR_RETURN(config.mask,
+                   ResolveMaskType(spec.attn_mask_type(), absl::StrCat(kField, ".attn_mask_type")));
+  config.scale =
+      spec.has_scale_factor()
+          ? spec.scale_factor()
+          : static_cast<float>(1.0 / std::sqrt(static_cast<double>(std::max(spec.head_dim(), 1))));
   RETURN_IF_ERROR(ValidateAttentionConfig(config, kField));
   if (spec.qkv_layout() != te::v1::QKV_LAYOUT_UNSPECIFIED &&
       spec.qkv_layout() != te::v1::BSHD_BSHD_BSHD && spec.qkv_layout() != te::v1::BS3HD) {
@@ -144,9 +142,9 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeDotProductAttention(
   }
   const bool packed = spec.qkv_layout() == te::v1::BS3HD;
   if (packed && config.num_gqa_groups != config.num_heads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kField, ".num_gqa_groups must equal num_attention_heads (", config.num_heads,
-        ") for qkv_layout bs3hd; got ", config.num_gqa_groups));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kField, ".num_gqa_groups must equal num_attention_heads (", config.num_heads,
+                     ") for qkv_layout bs3hd; got ", config.num_gqa_groups));
   }
   return std::unique_ptr<Layer>(new DotProductAttentionLayer(config, packed));
 }

@@ -58,7 +58,8 @@ struct MaskCase {
   bool padded;
 };
 
-class DotProductAttentionForwardTest : public ::testing::TestWithParam<std::tuple<MaskCase, int>> {};
+class DotProductAttentionForwardTest : public ::testing::TestWithParam<std::tuple<MaskCase, int>> {
+};
 
 TEST_P(DotProductAttentionForwardTest, MatchesSoftmaxReference) {
   const auto [mask_case, groups] = GetParam();
@@ -82,8 +83,8 @@ TEST_P(DotProductAttentionForwardTest, MatchesSoftmaxReference) {
   const reference::AttentionShape s{b, sq, skv, heads, groups, d};
   const Vec want = reference::Attention(
       s, ToVec(in.x), ToVec(in.extra[0]), ToVec(in.extra[1]), 1.0 / std::sqrt(8.0),
-      mask_case.causal, mask_case.padded ? std::vector<int>(q_lens.begin(), q_lens.end())
-                                         : std::vector<int>{},
+      mask_case.causal,
+      mask_case.padded ? std::vector<int>(q_lens.begin(), q_lens.end()) : std::vector<int>{},
       mask_case.padded ? std::vector<int>(kv_lens.begin(), kv_lens.end()) : std::vector<int>{});
   EXPECT_LT(reference::RelativeError(ToVec(out.y), want), kF32Tolerance);
 }
@@ -127,10 +128,10 @@ TEST(DotProductAttentionTest, PackedQkvMatchesSeparateInputs) {
   EXPECT_EQ(out.y.shape(), (Shape{b, s, heads, d}));
   const Vec x = ToVec(in.x);
   const int64_t row = heads * d;
-  const Vec want = reference::Attention(
-      {b, s, s, heads, heads, d}, reference::Columns(x, 3 * row, 0, row),
-      reference::Columns(x, 3 * row, row, row), reference::Columns(x, 3 * row, 2 * row, row),
-      1.0 / 2.0, true, {}, {});
+  const Vec want =
+      reference::Attention({b, s, s, heads, heads, d}, reference::Columns(x, 3 * row, 0, row),
+                           reference::Columns(x, 3 * row, row, row),
+                           reference::Columns(x, 3 * row, 2 * row, row), 1.0 / 2.0, true, {}, {});
   EXPECT_LT(reference::RelativeError(ToVec(out.y), want), kF32Tolerance);
   auto shape = packed->OutputShape({b, s, 3, heads, d});
   ASSERT_TRUE(shape.ok());
@@ -149,18 +150,17 @@ TEST(DotProductAttentionTest, Bf16WithinOneRounding) {
   LayerOutputs out;
   ASSERT_TRUE(layer->Forward(*ops, &vars, in, {}, &out, nullptr).ok());
   EXPECT_EQ(out.y.dtype(), DType::kBF16);
-  const Vec want = reference::Attention({b, s, s, heads, heads, d}, ToVec(in.x),
-                                        ToVec(in.extra[0]), ToVec(in.extra[1]), 0.25, true, {},
-                                        {});
+  const Vec want = reference::Attention({b, s, s, heads, heads, d}, ToVec(in.x), ToVec(in.extra[0]),
+                                        ToVec(in.extra[1]), 0.25, true, {}, {});
   EXPECT_LT(reference::RelativeError(ToVec(out.y), want), kBf16Tolerance);
 }
 
 TEST(DotProductAttentionTest, GradientsMatchFiniteDifferences) {
   auto ops = NewCpuOps();
   Variables vars;
-  for (const auto& [groups, mask] :
-       {std::pair<int, te::v1::AttnMaskType>{4, te::v1::CAUSAL}, {2, te::v1::NO_MASK},
-        {1, te::v1::PADDING_CAUSAL}}) {
+  for (const auto& [groups, mask] : {std::pair<int, te::v1::AttnMaskType>{4, te::v1::CAUSAL},
+                                     {2, te::v1::NO_MASK},
+                                     {1, te::v1::PADDING_CAUSAL}}) {
     SCOPED_TRACE(::testing::Message() << "groups " << groups << " mask " << mask);
     auto layer = MakeLayer(4, groups, 4, mask);
     LayerInputs in;

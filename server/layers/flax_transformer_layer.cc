@@ -67,6 +67,7 @@ DenseConfig DenseOf(const FlaxOptions& o, const char* scope, int64_t in, int64_t
 class FlaxSaved : public SavedForward {
  public:
   int64_t batch = 0, seq = 0;
+  DType compute = DType::kF32;  // x's dtype
   Norm::Saved ln0;
   Dense::Saved qkv;
   AttentionSaved attention;
@@ -115,12 +116,12 @@ class FlaxTransformerLayerImpl : public Layer {
   }
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
-                       LayerOutputs* out,
-                       std::unique_ptr<SavedForward>* saved) const override {
+                       LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
     if (!in.extra.empty()) {
       return absl::InvalidArgumentError("FlaxTransformerLayer takes no extra_inputs");
     }
+    RETURN_IF_ERROR(CheckFloatActivation(in.x, "x"));
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs())));
     const bool keep = opts.keep_for_backward && saved != nullptr;
     auto s = std::make_unique<FlaxSaved>();
@@ -128,6 +129,7 @@ class FlaxTransformerLayerImpl : public Layer {
     const int64_t head_dim = o_.hidden / o_.heads;
     s->batch = batch;
     s->seq = seq;
+    s->compute = in.x.dtype();
     const Tensor x2 = in.x.As2D();
 
     Tensor ln0, qkv;
@@ -138,11 +140,11 @@ class FlaxTransformerLayerImpl : public Layer {
                      SplitAxis(ops, qkv.Reshaped({batch, seq, o_.heads, 3, head_dim}), 3));
     const bool padded = in.q_seqlens.defined() && in.q_seqlens.numel() > 0;
     Tensor context;
-    RETURN_IF_ERROR(AttentionForward(
-        ops, AttentionSettings(padded), parts[0], parts[1], parts[2],
-        SeqLens{in.q_seqlens, in.kv_seqlens}, Tensor(), !opts.deterministic,
-        DeriveSeed(opts.dropout_seed, "attention_dropout"), &context,
-        keep ? &s->attention : nullptr));
+    RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(padded), parts[0], parts[1], parts[2],
+                                     SeqLens{in.q_seqlens, in.kv_seqlens}, Tensor(),
+                                     !opts.deterministic,
+                                     DeriveSeed(opts.dropout_seed, "attention_dropout"), &context,
+                                     keep ? &s->attention : nullptr));
 
     Tensor a, a_dropped, h;
     RETURN_IF_ERROR(proj_.Forward(ops, vars, context.Reshaped({tokens, o_.hidden}), nullptr, &a,
@@ -177,14 +179,11 @@ class FlaxTransformerLayerImpl : public Layer {
       return absl::InvalidArgumentError("saved forward does not come from FlaxTransformerLayer");
     }
     const Shape shape = {s->batch, s->seq, o_.hidden};
-    if (dy.shape() != shape) {
-      return absl::InvalidArgumentError(absl::StrCat("dy has shape ", ShapeString(dy.shape()),
-                                                     "; want ", ShapeString(shape)));
-    }
+    ASSIGN_OR_RETURN(const Tensor dy_c, PrepareGradient(ops, dy, shape, s->compute));
     grads->dextra.clear();
     Variables* pgrads = &grads->params;
     const int64_t tokens = s->batch * s->seq, head_dim = o_.hidden / o_.heads;
-    const Tensor dy2 = dy.As2D();
+    const Tensor dy2 = dy_c.As2D();
 
     // y = h + dropout(fc2(gelu(fc1(ln1(h))))).
     Tensor df, dact, dfc1, dln1, dh_mlp, dh;
@@ -200,9 +199,9 @@ class FlaxTransformerLayerImpl : public Layer {
     Tensor da, dcontext, dq, dk, dv, dln0, dx_attention, dx;
     RETURN_IF_ERROR(DropoutGrad(ops, s->proj_dropout, dh, &da));
     RETURN_IF_ERROR(proj_.Backward(ops, vars, s->proj, da, &dcontext, pgrads));
-    RETURN_IF_ERROR(AttentionBackward(
-        ops, s->attention, dcontext.Reshaped({s->batch, s->seq, o_.heads, head_dim}), &dq, &dk,
-        &dv, nullptr));
+    RETURN_IF_ERROR(AttentionBackward(ops, s->attention,
+                                      dcontext.Reshaped({s->batch, s->seq, o_.heads, head_dim}),
+                                      &dq, &dk, &dv, nullptr));
     ASSIGN_OR_RETURN(Tensor dqkv, StackAxis(ops, {dq, dk, dv}, 3));
     RETURN_IF_ERROR(
         qkv_.Backward(ops, vars, s->qkv, dqkv.Reshaped({tokens, 3 * o_.hidden}), &dln0, pgrads));
@@ -226,9 +225,8 @@ class FlaxTransformerLayerImpl : public Layer {
 
   std::vector<VariableDef> Defs() const {
     std::vector<VariableDef> defs;
-    for (std::vector<VariableDef> part :
-         {ln0_.Defs(), qkv_.Defs(nullptr), proj_.Defs(nullptr), ln1_.Defs(), fc1_.Defs(nullptr),
-          fc2_.Defs(nullptr)}) {
+    for (std::vector<VariableDef> part : {ln0_.Defs(), qkv_.Defs(nullptr), proj_.Defs(nullptr),
+                                          ln1_.Defs(), fc1_.Defs(nullptr), fc2_.Defs(nullptr)}) {
       defs.insert(defs.end(), part.begin(), part.end());
     }
     return defs;
@@ -238,9 +236,10 @@ class FlaxTransformerLayerImpl : public Layer {
     if (shape.size() == 3 && shape[0] > 0 && shape[1] > 0 && shape[2] == o_.hidden) {
       return absl::OkStatus();
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input_shape ", ShapeString(shape), " does not fit FlaxTransformerLayer: want "
-        "[batch, seq, ", o_.hidden, "] (hidden_size)"));
+    return absl::InvalidArgumentError(absl::StrCat("input_shape ", ShapeString(shape),
+                                                   " does not fit FlaxTransformerLayer: want "
+                                                   "[batch, seq, ",
+                                                   o_.hidden, "] (hidden_size)"));
   }
 
   FlaxOptions o_;
@@ -266,9 +265,9 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxTransformerLayer(
         ") and num_attention_heads (", o.heads, ") are required and must be positive"));
   }
   if (o.hidden % o.heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kField, ".hidden_size (", o.hidden, ") must be a multiple of num_attention_heads (",
-        o.heads, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(kField, ".hidden_size (", o.hidden,
+                                                   ") must be a multiple of num_attention_heads (",
+                                                   o.heads, ")"));
   }
   o.layernorm_eps = spec.has_layernorm_eps() ? spec.layernorm_eps() : 1e-5f;
   o.attention_dropout = spec.has_attention_dropout() ? spec.attention_dropout() : 0.1f;
@@ -278,9 +277,9 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxTransformerLayer(
     return absl::InvalidArgumentError(
         absl::StrCat(kField, ".layernorm_eps must be positive; got ", o.layernorm_eps));
   }
-  for (const auto& [name, rate] : {std::pair<const char*, float>{"attention_dropout",
-                                                                 o.attention_dropout},
-                                   {"hidden_dropout", o.hidden_dropout}}) {
+  for (const auto& [name, rate] :
+       {std::pair<const char*, float>{"attention_dropout", o.attention_dropout},
+        {"hidden_dropout", o.hidden_dropout}}) {
     if (!(rate >= 0.0f && rate < 1.0f)) {
       return absl::InvalidArgumentError(
           absl::StrCat(kField, ".", name, " must be in [0, 1); got ", rate));

@@ -59,11 +59,16 @@ TEST(FlaxTransformerLayerTest, FlaxNamesAndShapesWithoutFp8Metas) {
   std::map<std::string, Shape> got;
   for (const VariableSpec& s : *specs) got[s.name] = s.shape;
   const std::map<std::string, Shape> want = {
-      {"params/LayerNorm_0/scale", {16}},         {"params/LayerNorm_0/bias", {16}},
-      {"params/Dense_0/kernel", {16, 48}},        {"params/Dense_1/kernel", {16, 16}},
-      {"params/LayerNorm_1/scale", {16}},         {"params/LayerNorm_1/bias", {16}},
-      {"params/BasicMLP_0/Dense_0/kernel", {16, 40}}, {"params/BasicMLP_0/Dense_0/bias", {40}},
-      {"params/BasicMLP_0/Dense_1/kernel", {40, 16}}, {"params/BasicMLP_0/Dense_1/bias", {16}},
+      {"params/LayerNorm_0/scale", {16}},
+      {"params/LayerNorm_0/bias", {16}},
+      {"params/Dense_0/kernel", {16, 48}},
+      {"params/Dense_1/kernel", {16, 16}},
+      {"params/LayerNorm_1/scale", {16}},
+      {"params/LayerNorm_1/bias", {16}},
+      {"params/BasicMLP_0/Dense_0/kernel", {16, 40}},
+      {"params/BasicMLP_0/Dense_0/bias", {40}},
+      {"params/BasicMLP_0/Dense_1/kernel", {40, 16}},
+      {"params/BasicMLP_0/Dense_1/bias", {16}},
   };
   EXPECT_EQ(got, want);
   EXPECT_EQ(layer->type_name(), "FlaxTransformerLayer");
@@ -147,8 +152,7 @@ TEST(FlaxTransformerLayerTest, FlaxInitialisers) {
   ASSERT_TRUE(vars.ok()) << vars.status();
   const double want = 1.0 / std::sqrt(128.0);
   EXPECT_NEAR(SampleStd(Var(*vars, "params/Dense_0/kernel")), want, 0.05 * want);
-  EXPECT_NEAR(SampleStd(Var(*vars, "params/BasicMLP_0/Dense_1/kernel")), 1.0 / 16.0,
-              0.05 / 16.0);
+  EXPECT_NEAR(SampleStd(Var(*vars, "params/BasicMLP_0/Dense_1/kernel")), 1.0 / 16.0, 0.05 / 16.0);
   for (double value : Var(*vars, "params/BasicMLP_0/Dense_0/bias")) ASSERT_EQ(value, 0.0);
   for (double value : Var(*vars, "params/LayerNorm_1/scale")) ASSERT_EQ(value, 1.0);
 }

@@ -76,9 +76,8 @@ absl::Status RedrawKernel(Ops& ops, uint64_t seed, const Dense& dense, int64_t p
   const Shape shape = dense.kernel_shape();
   const int64_t in = shape[0];
   const int64_t per_part = dense.out() / parts;
-  std::vector<float> values =
-      NormalValues(seed, dense.kernel_name(), 1.0 / std::sqrt(static_cast<double>(in)),
-                   NumElements(shape));
+  std::vector<float> values = NormalValues(
+      seed, dense.kernel_name(), 1.0 / std::sqrt(static_cast<double>(in)), NumElements(shape));
   if (scale_first) {
     for (int64_t i = 0; i < in; ++i) {
       for (int64_t c = 0; c < per_part; ++c) {
@@ -86,14 +85,12 @@ absl::Status RedrawKernel(Ops& ops, uint64_t seed, const Dense& dense, int64_t p
       }
     }
   }
-  return StoreVariable(ops, {dense.kernel_name(), shape, dense.config().param_dtype}, values,
-                       vars);
+  return StoreVariable(ops, {dense.kernel_name(), shape, dense.config().param_dtype}, values, vars);
 }
 
 }  // namespace
 
-std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev,
-                                int64_t n) {
+std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev, int64_t n) {
   const uint64_t stream = NameStream(seed, name);
   std::vector<float> values(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
@@ -106,8 +103,7 @@ std::vector<float> NormalValues(uint64_t seed, const std::string& name, double s
   return values;
 }
 
-std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit,
-                                 int64_t n) {
+std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit, int64_t n) {
   const uint64_t stream = NameStream(seed, name);
   std::vector<float> values(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
@@ -138,8 +134,8 @@ absl::StatusOr<MhaOptions> MhaOptionsFromSpec(const te::v1::MultiHeadAttention& 
   o.norm.epsilon = spec.has_layernorm_epsilon() ? spec.layernorm_epsilon() : 1e-6f;
   o.norm.zero_centered_gamma = spec.has_zero_centered_gamma() && spec.zero_centered_gamma();
   o.use_bias = spec.has_use_bias() && spec.use_bias();
-  ASSIGN_OR_RETURN(o.mask, ResolveMaskType(spec.attn_mask_type(),
-                                           absl::StrCat(field, ".attn_mask_type")));
+  ASSIGN_OR_RETURN(o.mask,
+                   ResolveMaskType(spec.attn_mask_type(), absl::StrCat(field, ".attn_mask_type")));
   o.rotary = spec.has_enable_rotary_pos_emb() && spec.enable_rotary_pos_emb();
   o.scale_attn_logits = spec.has_scale_attn_logits() && spec.scale_attn_logits();
   o.scaled_query_init = spec.has_scaled_query_init() ? spec.scaled_query_init() : true;
@@ -149,8 +145,8 @@ absl::StatusOr<MhaOptions> MhaOptionsFromSpec(const te::v1::MultiHeadAttention& 
         absl::StrCat(field, ".layernorm_epsilon must be positive; got ", o.norm.epsilon));
   }
   if (o.rotary && o.head_dim % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".head_dim must be even with enable_rotary_pos_emb; got ", o.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".head_dim must be even with enable_rotary_pos_emb; got ", o.head_dim));
   }
   AttentionConfig attention;
   attention.num_heads = o.num_heads;
@@ -203,8 +199,7 @@ std::vector<VariableDef> MhaBlock::Defs(const Fp8Recipe* fp8) const {
   return defs;
 }
 
-absl::Status MhaBlock::Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8,
-                            Variables* vars) const {
+absl::Status MhaBlock::Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8, Variables* vars) const {
   RETURN_IF_ERROR(InitVariables(ops, seed, Defs(fp8), vars));
   const double query_divisor =
       options_.scaled_query_init ? std::sqrt(static_cast<double>(options_.head_dim)) : 1.0;
@@ -218,18 +213,17 @@ absl::Status MhaBlock::Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8,
 }
 
 int64_t MhaBlock::Saved::bytes() const {
-  return qkv.bytes() + norm.bytes() + query.bytes() + kv.bytes() + attention.bytes() +
-         out.bytes();
+  return qkv.bytes() + norm.bytes() + query.bytes() + kv.bytes() + attention.bytes() + out.bytes();
 }
 
-absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x,
-                               const SeqLens& seqlens, const Tensor& bias,
-                               const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
-                               Saved* saved) const {
+absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
+                               const Tensor& bias, const ForwardOptions& opts, Tensor* y,
+                               Tensor* ln_out, Saved* saved) const {
   if (x.rank() != 3 || x.dim(2) != hidden_) {
-    return absl::InvalidArgumentError(absl::StrCat("x has shape ", ShapeString(x.shape()),
-                                                   "; want [batch, seq, ", hidden_, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("x has shape ", ShapeString(x.shape()), "; want [batch, seq, ", hidden_, "]"));
   }
+  RETURN_IF_ERROR(CheckFloatActivation(x, "x"));
   const int64_t batch = x.dim(0), seq = x.dim(1);
   const int heads = options_.num_heads, groups = options_.num_gqa_groups;
   const int head_dim = options_.head_dim;
@@ -279,6 +273,7 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x,
   if (saved != nullptr) {
     saved->batch = batch;
     saved->seq = seq;
+    saved->compute = x.dtype();
   }
   return absl::OkStatus();
 }
@@ -286,18 +281,14 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x,
 absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
                                 Tensor* dx, Tensor* dbias, Variables* grads) const {
   const int64_t batch = saved.batch, seq = saved.seq, tokens = batch * seq;
-  if (dy.shape() != Shape{batch, seq, hidden_}) {
-    return absl::InvalidArgumentError(absl::StrCat("dy has shape ", ShapeString(dy.shape()),
-                                                   "; want ",
-                                                   ShapeString({batch, seq, hidden_})));
-  }
+  ASSIGN_OR_RETURN(const Tensor grad,
+                   PrepareGradient(ops, dy, {batch, seq, hidden_}, saved.compute));
   Tensor dcontext;
-  RETURN_IF_ERROR(out_.Backward(ops, vars, saved.out, dy.As2D(), &dcontext, grads));
+  RETURN_IF_ERROR(out_.Backward(ops, vars, saved.out, grad.As2D(), &dcontext, grads));
   Tensor dq, dk, dv;
   RETURN_IF_ERROR(AttentionBackward(
-      ops, saved.attention,
-      dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim}), &dq, &dk, &dv,
-      dbias));
+      ops, saved.attention, dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim}),
+      &dq, &dk, &dv, dbias));
   if (options_.rotary) {
     // The rotation is orthogonal: its transpose is the rotation by -angle.
     RETURN_IF_ERROR(ApplyRotary(ops, dq, /*inverse=*/true, &dq));
@@ -306,13 +297,13 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, c
   Tensor dx2;
   if (!gqa()) {
     ASSIGN_OR_RETURN(Tensor dqkv, StackAxis(ops, {dq, dk, dv}, 2));
-    RETURN_IF_ERROR(qkv_.Backward(ops, vars, saved.qkv,
-                                  dqkv.Reshaped({tokens, 3 * q_features_}), &dx2, grads));
+    RETURN_IF_ERROR(
+        qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}), &dx2, grads));
   } else {
     ASSIGN_OR_RETURN(Tensor dkv, StackAxis(ops, {dk, dv}, 2));
     Tensor dln_query, dln_kv, dln;
-    RETURN_IF_ERROR(query_.Backward(ops, vars, saved.query,
-                                    dq.Reshaped({tokens, q_features_}), &dln_query, grads));
+    RETURN_IF_ERROR(query_.Backward(ops, vars, saved.query, dq.Reshaped({tokens, q_features_}),
+                                    &dln_query, grads));
     RETURN_IF_ERROR(kv_.Backward(ops, vars, saved.kv, dkv.Reshaped({tokens, 2 * kv_features_}),
                                  &dln_kv, grads));
     RETURN_IF_ERROR(ResidualAdd(ops, dln_query, dln_kv, &dln));
@@ -362,8 +353,7 @@ class MultiHeadAttentionLayer : public Layer {
   }
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
-                       LayerOutputs* out,
-                       std::unique_ptr<SavedForward>* saved) const override {
+                       LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(in.x.shape()));
     if (!in.extra.empty()) {
       return absl::InvalidArgumentError(
@@ -373,9 +363,8 @@ class MultiHeadAttentionLayer : public Layer {
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(block.Defs(opts.fp8))));
     auto kept = std::make_unique<MultiHeadAttentionSaved>();
     kept->hidden = hidden;
-    RETURN_IF_ERROR(block.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
-                                  Tensor(), opts, &out->y,
-                                  return_layernorm_output_ ? &out->ln_out : nullptr,
+    RETURN_IF_ERROR(block.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens}, Tensor(),
+                                  opts, &out->y, return_layernorm_output_ ? &out->ln_out : nullptr,
                                   opts.keep_for_backward ? &kept->block : nullptr));
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
@@ -395,9 +384,9 @@ class MultiHeadAttentionLayer : public Layer {
  private:
   absl::StatusOr<int64_t> HiddenOf(const Shape& shape) const {
     if (shape.size() != 3 || shape[0] <= 0 || shape[1] <= 0 || shape[2] <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input_shape ", ShapeString(shape), " does not fit MultiHeadAttention: want "
-          "[batch, seq, hidden]"));
+      return absl::InvalidArgumentError(absl::StrCat("input_shape ", ShapeString(shape),
+                                                     " does not fit MultiHeadAttention: want "
+                                                     "[batch, seq, hidden]"));
     }
     return shape[2];
   }

@@ -17,7 +17,6 @@
 #define TE_SERVER_LAYERS_MULTI_HEAD_ATTENTION_H_
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,25 +61,25 @@ class MhaBlock {
   absl::Status Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8, Variables* vars) const;
 
   struct Saved {
-    std::optional<Fp8Recipe> fp8;
-    LayerNormDense::Saved qkv;   // no GQA
-    Norm::Saved norm;            // GQA (norm and the two Denses separately,
-    Dense::Saved query;          // since ln feeds both)
+    LayerNormDense::Saved qkv;  // no GQA
+    Norm::Saved norm;           // GQA (norm and the two Denses separately,
+    Dense::Saved query;         // since ln feeds both)
     Dense::Saved kv;
     AttentionSaved attention;
     Dense::Saved out;
     int64_t batch = 0, seq = 0;
+    DType compute = DType::kF32;  // x's dtype
     int64_t bytes() const;
   };
   // x [B, S, hidden] -> *y [B, S, hidden]; *ln_out [B, S, hidden] if non-null.
   // `bias`: optional f32 [H, S, S] added to the logits after scaling.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
-                       const Tensor& bias, const ForwardOptions& opts, Tensor* y,
-                       Tensor* ln_out, Saved* saved) const;
-  // dy [B, S, hidden] -> *dx; parameter gradients into *grads; *dbias (if
-  // non-null and the forward had a bias) f32 [H, S, S].
-  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Tensor* dbias, Variables* grads) const;
+                       const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
+                       Saved* saved) const;
+  // dy [B, S, hidden] (any float dtype) -> *dx; parameter gradients into
+  // *grads; *dbias (if non-null and the forward had a bias) f32 [H, S, S].
+  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy, Tensor* dx,
+                        Tensor* dbias, Variables* grads) const;
 
  private:
   AttentionConfig AttentionSettings() const;
@@ -99,10 +98,8 @@ class MhaBlock {
 // Values for TE initialisers init.h does not have, deterministic from
 // (seed, variable name): a normal with `stddev`, and a uniform on
 // [-limit, limit].
-std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev,
-                                int64_t n);
-std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit,
-                                 int64_t n);
+std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev, int64_t n);
+std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit, int64_t n);
 // Overwrites variable spec.name with host float32 values cast to spec.dtype.
 absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const std::vector<float>& values,
                            Variables* vars);

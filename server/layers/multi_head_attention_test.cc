@@ -5,8 +5,8 @@
 // initialiser statistics, and FP8.
 #include <cmath>
 #include <map>
-#include <ostream>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -95,9 +95,9 @@ TEST(MultiHeadAttentionSpecsTest, GqaBiasRmsNormAndFp8Metas) {
   spec.set_layernorm_type(te::v1::RMSNORM);
   auto layer = Make(spec);
   std::map<std::string, Shape> want = {
-      {"params/query/scale", {48}},  {"params/query/kernel", {48, 32}},
-      {"params/query/bias", {32}},   {"params/kv/kernel", {48, 2, 16}},
-      {"params/kv/bias", {2, 16}},   {"params/out/kernel", {32, 48}},
+      {"params/query/scale", {48}}, {"params/query/kernel", {48, 32}},
+      {"params/query/bias", {32}},  {"params/kv/kernel", {48, 2, 16}},
+      {"params/kv/bias", {2, 16}},  {"params/out/kernel", {32, 48}},
       {"params/out/bias", {48}},
   };
   EXPECT_EQ(SpecMap(*layer, {2, 5, 48}), want);
@@ -192,16 +192,15 @@ TEST_P(MultiHeadAttentionCaseTest, ForwardMatchesReferenceAndGradientsMatchDiffe
 
 INSTANTIATE_TEST_SUITE_P(
     Configurations, MultiHeadAttentionCaseTest,
-    ::testing::Values(
-        MhaCase{"fused_default"},
-        MhaCase{"fused_bias_rotary", 4, 4, 4, true, true},
-        MhaCase{"gqa_bias_rotary", 4, 2, 4, true, true},
-        MhaCase{"mqa_rms_zero_centered_scaled", 4, 1, 4, false, false, true, true, true, true},
-        MhaCase{"fused_no_layernorm_no_mask", 2, 2, 6, false, false, false, false, false, false,
-                false, te::v1::NO_MASK},
-        MhaCase{"gqa_no_layernorm", 4, 2, 4, true, false, false, false, false},
-        MhaCase{"padding_causal", 3, 3, 4, false, true, false, false, true, false, true,
-                te::v1::PADDING_CAUSAL}),
+    ::testing::Values(MhaCase{"fused_default"}, MhaCase{"fused_bias_rotary", 4, 4, 4, true, true},
+                      MhaCase{"gqa_bias_rotary", 4, 2, 4, true, true},
+                      MhaCase{"mqa_rms_zero_centered_scaled", 4, 1, 4, false, false, true, true,
+                              true, true},
+                      MhaCase{"fused_no_layernorm_no_mask", 2, 2, 6, false, false, false, false,
+                              false, false, false, te::v1::NO_MASK},
+                      MhaCase{"gqa_no_layernorm", 4, 2, 4, true, false, false, false, false},
+                      MhaCase{"padding_causal", 3, 3, 4, false, true, false, false, true, false,
+                              true, te::v1::PADDING_CAUSAL}),
     [](const ::testing::TestParamInfo<MhaCase>& info) { return info.param.name; });
 
 TEST(MultiHeadAttentionTest, DropoutGradientsAndLayernormOutput) {
@@ -247,8 +246,7 @@ TEST(MultiHeadAttentionTest, InitialisesAsTe) {
   const Vec kernel = Var(*vars, "params/qkv/kernel");
   const double want_q = 1.0 / 16.0 / 4.0, want_kv = 1.0 / 16.0;
   EXPECT_NEAR(SampleStd(reference::Columns(kernel, 192, 0, 64)), want_q, kStdTolerance * want_q);
-  EXPECT_NEAR(SampleStd(reference::Columns(kernel, 192, 64, 64)), want_kv,
-              kStdTolerance * want_kv);
+  EXPECT_NEAR(SampleStd(reference::Columns(kernel, 192, 64, 64)), want_kv, kStdTolerance * want_kv);
   EXPECT_NEAR(SampleStd(reference::Columns(kernel, 192, 128, 64)), want_kv,
               kStdTolerance * want_kv);
   EXPECT_NEAR(SampleStd(Var(*vars, "params/out/kernel")), 0.125, kStdTolerance * 0.125);
@@ -265,8 +263,8 @@ TEST(MultiHeadAttentionTest, InitialisesAsTe) {
   unscaled.set_scaled_query_init(false);
   auto plain = InitLayer(*ops, *Make(unscaled), {1, 2, hidden}, nullptr, 5);
   ASSERT_TRUE(plain.ok());
-  EXPECT_NEAR(SampleStd(reference::Columns(Var(*plain, "params/qkv/kernel"), 192, 0, 64)),
-              want_kv, kStdTolerance * want_kv);
+  EXPECT_NEAR(SampleStd(reference::Columns(Var(*plain, "params/qkv/kernel"), 192, 0, 64)), want_kv,
+              kStdTolerance * want_kv);
 }
 
 TEST(MultiHeadAttentionTest, Fp8ForwardNeedsMetasAndStaysClose) {
@@ -322,6 +320,35 @@ TEST(MultiHeadAttentionTest, RejectsBadSpecsAndInputs) {
   in.x = RandomTensor(*ops, {1, 3, 10}, DType::kF32, 50);  // hidden differs from init
   LayerOutputs out;
   EXPECT_EQ(layer->Forward(*ops, &*vars, in, {}, &out, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  auto fp8_x = ops->Allocate(DType::kE4M3, {1, 3, 8});
+  ASSERT_TRUE(fp8_x.ok());
+  in.x = *fp8_x;
+  const absl::Status status = layer->Forward(*ops, &*vars, in, {}, &out, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("x has dtype"), std::string::npos) << status;
+}
+
+TEST(MultiHeadAttentionTest, Bf16ForwardTakesAFloat32Gradient) {
+  auto layer = Make(BaseSpec(2, 1, 4));
+  auto ops = NewCpuOps();
+  auto vars = InitLayer(*ops, *layer, {2, 3, 8}, nullptr);
+  ASSERT_TRUE(vars.ok());
+  LayerInputs in;
+  in.x = RandomTensor(*ops, {2, 3, 8}, DType::kBF16, 51);
+  ForwardOptions keep;
+  keep.keep_for_backward = true;
+  LayerOutputs out;
+  std::unique_ptr<SavedForward> saved;
+  ASSERT_TRUE(layer->Forward(*ops, &*vars, in, keep, &out, &saved).ok());
+  EXPECT_EQ(out.y.dtype(), DType::kBF16);
+  LayerGrads grads;
+  const Tensor dy = RandomTensor(*ops, {2, 3, 8}, DType::kF32, 52);
+  ASSERT_TRUE(layer->Backward(*ops, &*vars, *saved, dy, &grads).ok());
+  EXPECT_EQ(grads.dx.dtype(), DType::kBF16);
+  EXPECT_EQ(grads.params.at("params/kv/kernel").dtype(), DType::kF32);
+  const Tensor wrong = RandomTensor(*ops, {2, 4, 8}, DType::kF32, 53);
+  EXPECT_EQ(layer->Backward(*ops, &*vars, *saved, wrong, &grads).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -53,14 +53,15 @@ struct TransformerOptions {
 
 class TransformerSaved : public SavedForward {
  public:
-  Tensor buckets;  // int32 [S, S] when the relative embedding is on
+  DType compute = DType::kF32;  // x's dtype
+  Tensor buckets;               // int32 [S, S] when the relative embedding is on
   MhaBlock::Saved attention;
   DropoutSaved attention_dropout;
   Mlp::Saved mlp;
   DropoutSaved mlp_dropout;
   int64_t bytes() const override {
-    return static_cast<int64_t>(buckets.nbytes()) + attention.bytes() +
-           attention_dropout.bytes() + mlp.bytes() + mlp_dropout.bytes();
+    return static_cast<int64_t>(buckets.nbytes()) + attention.bytes() + attention_dropout.bytes() +
+           mlp.bytes() + mlp_dropout.bytes();
   }
 };
 
@@ -97,15 +98,13 @@ class TransformerLayerImpl : public Layer {
       const double fan_avg = (spec.shape[0] + spec.shape[1]) / 2.0;
       RETURN_IF_ERROR(StoreVariable(
           ops, spec,
-          UniformValues(seed, spec.name, std::sqrt(3.0 / fan_avg), NumElements(spec.shape)),
-          vars));
+          UniformValues(seed, spec.name, std::sqrt(3.0 / fan_avg), NumElements(spec.shape)), vars));
     }
     return absl::OkStatus();
   }
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
-                       LayerOutputs* out,
-                       std::unique_ptr<SavedForward>* saved) const override {
+                       LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
     if (!in.extra.empty()) {
       return absl::InvalidArgumentError("TransformerLayer takes no extra_inputs");
@@ -113,6 +112,7 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
     const bool keep = opts.keep_for_backward && saved != nullptr;
     auto kept = std::make_unique<TransformerSaved>();
+    kept->compute = in.x.dtype();
     const int64_t seq = in.x.dim(1);
 
     Tensor bias;
@@ -122,8 +122,8 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->buckets));
     }
     Tensor attention_out;
-    RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
-                                       bias, opts, &attention_out, nullptr,
+    RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens}, bias,
+                                       opts, &attention_out, nullptr,
                                        keep ? &kept->attention : nullptr));
     Tensor dropped, h;
     RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
@@ -132,8 +132,8 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(ResidualAdd(ops, dropped, in.x, &h));
 
     Tensor z, z_dropped, y;
-    RETURN_IF_ERROR(mlp_.Forward(ops, vars, h.As2D(), opts, &z, nullptr,
-                                 keep ? &kept->mlp : nullptr));
+    RETURN_IF_ERROR(
+        mlp_.Forward(ops, vars, h.As2D(), opts, &z, nullptr, keep ? &kept->mlp : nullptr));
     RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
                             DeriveSeed(opts.dropout_seed, "hidden_dropout_1"),
                             z.Reshaped(h.shape()), &z_dropped, &kept->mlp_dropout));
@@ -150,16 +150,13 @@ class TransformerLayerImpl : public Layer {
       return absl::InvalidArgumentError("saved forward does not come from TransformerLayer");
     }
     const Shape shape = {kept->attention.batch, kept->attention.seq, options_.hidden};
-    if (dy.shape() != shape) {
-      return absl::InvalidArgumentError(absl::StrCat("dy has shape ", ShapeString(dy.shape()),
-                                                     "; want ", ShapeString(shape)));
-    }
+    ASSIGN_OR_RETURN(const Tensor dy_c, PrepareGradient(ops, dy, shape, kept->compute));
     grads->dextra.clear();
     // y = dropout(z) + h: dh gets dy directly and through the MLP.
     Tensor dz, dh_mlp, dh;
-    RETURN_IF_ERROR(DropoutGrad(ops, kept->mlp_dropout, dy, &dz));
+    RETURN_IF_ERROR(DropoutGrad(ops, kept->mlp_dropout, dy_c, &dz));
     RETURN_IF_ERROR(mlp_.Backward(ops, vars, kept->mlp, dz.As2D(), &dh_mlp, &grads->params));
-    RETURN_IF_ERROR(ResidualAdd(ops, dy, dh_mlp.Reshaped(shape), &dh));
+    RETURN_IF_ERROR(ResidualAdd(ops, dy_c, dh_mlp.Reshaped(shape), &dh));
     // h = dropout(a) + x.
     Tensor da, dx_attention, dbias;
     RETURN_IF_ERROR(DropoutGrad(ops, kept->attention_dropout, dh, &da));
@@ -168,9 +165,9 @@ class TransformerLayerImpl : public Layer {
                                         &grads->params));
     RETURN_IF_ERROR(ResidualAdd(ops, dh, dx_attention, &grads->dx));
     if (options_.relative_embedding) {
-      ASSIGN_OR_RETURN(grads->params[kRelEmbedding],
-                       RelativeBiasGrad(ops, dbias, kept->buckets, kNumBuckets,
-                                        options_.param_dtype));
+      ASSIGN_OR_RETURN(
+          grads->params[kRelEmbedding],
+          RelativeBiasGrad(ops, dbias, kept->buckets, kNumBuckets, options_.param_dtype));
     }
     return absl::OkStatus();
   }
@@ -194,9 +191,10 @@ class TransformerLayerImpl : public Layer {
     if (shape.size() == 3 && shape[0] > 0 && shape[1] > 0 && shape[2] == options_.hidden) {
       return absl::OkStatus();
     }
-    return absl::InvalidArgumentError(
-        absl::StrCat("input_shape ", ShapeString(shape), " does not fit TransformerLayer: want "
-                     "[batch, seq, ", options_.hidden, "] (hidden_size)"));
+    return absl::InvalidArgumentError(absl::StrCat("input_shape ", ShapeString(shape),
+                                                   " does not fit TransformerLayer: want "
+                                                   "[batch, seq, ",
+                                                   options_.hidden, "] (hidden_size)"));
   }
 
   TransformerOptions options_;
@@ -219,14 +217,14 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
   const int64_t mlp_hidden = spec.has_mlp_hidden_size() ? spec.mlp_hidden_size() : 2048;
   const int heads = spec.has_num_attention_heads() ? spec.num_attention_heads() : 8;
   if (o.hidden <= 0 || mlp_hidden <= 0 || heads <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kField, ": hidden_size (", o.hidden, "), mlp_hidden_size (", mlp_hidden,
-        ") and num_attention_heads (", heads, ") must be positive"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kField, ": hidden_size (", o.hidden, "), mlp_hidden_size (", mlp_hidden,
+                     ") and num_attention_heads (", heads, ") must be positive"));
   }
   if (o.hidden % heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kField, ".hidden_size (", o.hidden, ") must be a multiple of num_attention_heads (",
-        heads, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(kField, ".hidden_size (", o.hidden,
+                                                   ") must be a multiple of num_attention_heads (",
+                                                   heads, ")"));
   }
   o.param_dtype = ParamDTypeOf(spec.dtype());
   o.hidden_dropout = spec.has_hidden_dropout() ? spec.hidden_dropout() : 0.1f;
@@ -238,8 +236,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
   RETURN_IF_ERROR(CheckRate(intermediate_dropout, "intermediate_dropout"));
 
   NormArgs norm;
-  norm.type = spec.layernorm_type() == te::v1::RMSNORM ? NormType::kRMSNorm
-                                                        : NormType::kLayerNorm;
+  norm.type = spec.layernorm_type() == te::v1::RMSNORM ? NormType::kRMSNorm : NormType::kLayerNorm;
   norm.epsilon = spec.has_layernorm_epsilon() ? spec.layernorm_epsilon() : 1e-6f;
   norm.zero_centered_gamma = spec.has_zero_centered_gamma() && spec.zero_centered_gamma();
   if (!(norm.epsilon > 0.0f)) {
@@ -255,7 +252,8 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
       spec.has_enable_relative_embedding() ? spec.enable_relative_embedding() : true;
   if (spec.self_attn_bias_type() == te::v1::NO_BIAS && o.relative_embedding) {
     return absl::InvalidArgumentError(absl::StrCat(
-        kField, ".self_attn_bias_type no_bias contradicts enable_relative_embedding (TE's "
+        kField,
+        ".self_attn_bias_type no_bias contradicts enable_relative_embedding (TE's "
         "default true): set enable_relative_embedding false or leave the bias type unset"));
   }
   if (spec.self_attn_bias_type() == te::v1::POST_SCALE_BIAS && !o.relative_embedding) {
@@ -265,8 +263,10 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
   if (spec.self_attn_bias_type() != te::v1::ATTN_BIAS_TYPE_UNSPECIFIED &&
       spec.self_attn_bias_type() != te::v1::NO_BIAS &&
       spec.self_attn_bias_type() != te::v1::POST_SCALE_BIAS) {
-    return absl::InvalidArgumentError(absl::StrCat(kField, ".self_attn_bias_type has unknown "
-                                                   "value ", spec.self_attn_bias_type()));
+    return absl::InvalidArgumentError(absl::StrCat(kField,
+                                                   ".self_attn_bias_type has unknown "
+                                                   "value ",
+                                                   spec.self_attn_bias_type()));
   }
 
   MhaOptions& a = o.attention;
@@ -291,9 +291,11 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
   check.dropout_rate = a.attention_dropout;
   RETURN_IF_ERROR(ValidateAttentionConfig(check, kField));
   if (a.rotary && a.head_dim % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kField, ": enable_rotary_pos_emb needs an even head dim (hidden_size / "
-        "num_attention_heads); got ", a.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kField,
+                     ": enable_rotary_pos_emb needs an even head dim (hidden_size / "
+                     "num_attention_heads); got ",
+                     a.head_dim));
   }
 
   MlpConfig& m = o.mlp;

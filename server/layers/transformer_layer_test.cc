@@ -6,8 +6,8 @@
 // validation.
 #include <cmath>
 #include <map>
-#include <ostream>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -112,12 +112,18 @@ TEST(TransformerLayerSpecsTest, QuickstartConfigurationWithFp8Metas) {
   Fp8Recipe fp8;
   fp8.amax_history_len = 16;
   std::map<std::string, Shape> want = {
-      {"params/attention/qkv/scale", {32}},     {"params/attention/qkv/ln_bias", {32}},
-      {"params/attention/qkv/kernel", {32, 3, 32}}, {"params/attention/qkv/bias", {3, 32}},
-      {"params/attention/out/kernel", {32, 32}}, {"params/attention/out/bias", {32}},
-      {"params/mlp/scale", {32}},               {"params/mlp/ln_bias", {32}},
-      {"params/mlp/wi_kernel", {32, 1, 128}},   {"params/mlp/wi_bias", {1, 128}},
-      {"params/mlp/wo_kernel", {128, 32}},      {"params/mlp/wo_bias", {32}},
+      {"params/attention/qkv/scale", {32}},
+      {"params/attention/qkv/ln_bias", {32}},
+      {"params/attention/qkv/kernel", {32, 3, 32}},
+      {"params/attention/qkv/bias", {3, 32}},
+      {"params/attention/out/kernel", {32, 32}},
+      {"params/attention/out/bias", {32}},
+      {"params/mlp/scale", {32}},
+      {"params/mlp/ln_bias", {32}},
+      {"params/mlp/wi_kernel", {32, 1, 128}},
+      {"params/mlp/wi_bias", {1, 128}},
+      {"params/mlp/wo_kernel", {128, 32}},
+      {"params/mlp/wo_bias", {32}},
   };
   for (const char* q : {"x", "kernel", "grad"}) {
     for (const char* gemm : {"attention/qkv", "attention/out"}) {
@@ -245,14 +251,31 @@ TEST_P(TransformerLayerCaseTest, ForwardMatchesReferenceAndGradientsMatchDiffere
 
 INSTANTIATE_TEST_SUITE_P(
     Configurations, TransformerLayerCaseTest,
-    ::testing::Values(TlCase{"relpos_causal"},
-                      TlCase{"relpos_gqa_rotary_bias", 4, 2, true, true, true},
-                      TlCase{"no_relpos_rmsnorm_swiglu", 4, 4, false, false, false, true, false,
-                             {"silu", "linear"}},
-                      TlCase{"relpos_padding_no_mask_mqa", 2, 1, true, true, false, false, true,
-                             {"gelu"}, te::v1::PADDING},
-                      TlCase{"relpos_relu", 4, 4, true, false, false, false, false, {"relu"},
-                             te::v1::CAUSAL, /*check_gradients=*/false}),
+    ::testing::Values(
+        TlCase{"relpos_causal"}, TlCase{"relpos_gqa_rotary_bias", 4, 2, true, true, true},
+        TlCase{
+            "no_relpos_rmsnorm_swiglu", 4, 4, false, false, false, true, false, {"silu", "linear"}},
+        TlCase{"relpos_padding_no_mask_mqa",
+               2,
+               1,
+               true,
+               true,
+               false,
+               false,
+               true,
+               {"gelu"},
+               te::v1::PADDING},
+        TlCase{"relpos_relu",
+               4,
+               4,
+               true,
+               false,
+               false,
+               false,
+               false,
+               {"relu"},
+               te::v1::CAUSAL,
+               /*check_gradients=*/false}),
     [](const ::testing::TestParamInfo<TlCase>& info) { return info.param.name; });
 
 TEST(TransformerLayerTest, GradientsWithEveryDropoutOn) {
@@ -331,9 +354,9 @@ TEST(TransformerLayerTest, Fp8ForwardCloseToBf16) {
   EXPECT_EQ(bf16.y.dtype(), DType::kBF16);
   // First step records amaxes; after the update the scales fit the data.
   ASSERT_TRUE(layer->Forward(*ops, &*vars, in, fp8_opts, &out, nullptr).ok());
-  for (const char* name : {"fp8_metas/attention/qkv/x_amax_history",
-                           "fp8_metas/attention/out/kernel_amax_history",
-                           "fp8_metas/mlp/x_0_amax_history", "fp8_metas/mlp/kernel_1_amax_history"}) {
+  for (const char* name :
+       {"fp8_metas/attention/qkv/x_amax_history", "fp8_metas/attention/out/kernel_amax_history",
+        "fp8_metas/mlp/x_0_amax_history", "fp8_metas/mlp/kernel_1_amax_history"}) {
     EXPECT_GT(Values(vars->at(name))[0], 0.0f) << name;
   }
   ASSERT_TRUE(UpdateFp8Metas(*ops, fp8, &*vars).ok());
