@@ -92,7 +92,7 @@ DelayedScaling QuickstartRecipe() {
 // into q, k, v, DotProductAttention, reshape to (b, s, hidden), then the
 // output DenseGeneral. (The notebook's nn.Dropout after the projection has no
 // server module and is left out; the server's attention dropout is kept.)
-void AddAttention(const Config& c, bool flax_mask, Sequential* layer) {
+void AddAttention(const Config& c, Sequential* layer) {
   const int64_t kv_channels = c.hidden / c.heads;
   layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv_channels}));
   layer->AddHost("qkv_split", SplitLastAxisStep(3));
@@ -101,7 +101,7 @@ void AddAttention(const Config& c, bool flax_mask, Sequential* layer) {
   attention->attention_dropout = 0.1f;
   attention->attn_mask_type = "causal";
   attention->dtype = DType::kBF16;
-  layer->Add("DotProductAttention_0", attention, /*pass_attention_mask=*/flax_mask);
+  layer->Add("DotProductAttention_0", attention);
   layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv_channels}, {c.hidden}));
   auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
   proj->use_bias = true;
@@ -109,11 +109,11 @@ void AddAttention(const Config& c, bool flax_mask, Sequential* layer) {
 }
 
 // Variants 2-4: TEUnfusedTransformerLayer. The server has no standalone Flax
-// attention; with `flax_mask` (variant 2) the attention gets the explicit
-// [B, 1, S, S] causal mask Flax's attention is given (nn.make_causal_mask),
-// which a causal attention honours and ignores, as TE does. The timing then
-// differs from variant 3 only by the mask's traffic.
-Sequential UnfusedLayer(const Config& c, bool flax_mask) {
+// attention (Flax's attention lives only inside FlaxTransformerLayer), so
+// variant 2 runs TE's DotProductAttention as variant 3 does: the two differ
+// in the notebook, not here. The causal mask is the attention's mask type;
+// the server takes explicit masks only for padding.
+Sequential UnfusedLayer(const Config& c) {
   Sequential layer;
   auto ln = [] {
     auto norm = std::make_shared<LayerNorm>();
@@ -125,7 +125,7 @@ Sequential UnfusedLayer(const Config& c, bool flax_mask) {
   auto qkv = std::make_shared<DenseGeneral>(std::vector<int64_t>{3 * c.hidden});
   qkv->use_bias = true;
   layer.Add("DenseGeneral_0", qkv);
-  AddAttention(c, flax_mask, &layer);
+  AddAttention(c, &layer);
   layer.Join();
   layer.Fork();
   layer.Add("LayerNorm_1", ln());
@@ -152,7 +152,7 @@ Sequential FusedLayer(const Config& c) {
   qkv->use_bias = true;
   qkv->return_layernorm_output = false;
   layer.Add("LayerNormDenseGeneral_0", qkv);
-  AddAttention(c, /*flax_mask=*/false, &layer);
+  AddAttention(c, &layer);
   layer.Join();
   layer.Fork();
   auto mlp = std::make_shared<LayerNormMLP>();
@@ -168,7 +168,7 @@ Sequential FusedLayer(const Config& c) {
 }
 
 struct Inputs {
-  HostTensor x, dy, mask;
+  HostTensor x, dy;
   SpeedometerOptions speed;
 };
 
@@ -190,17 +190,15 @@ absl::Status RunModule(Session& session, const Module& module, const Inputs& in)
   return Speedometer(session, module, vars, in.x, in.dy, in.speed).status();
 }
 
-absl::Status RunSequential(Session& session, const Sequential& layer, const Inputs& in, bool flax_mask) {
+absl::Status RunSequential(Session& session, const Sequential& layer, const Inputs& in) {
   ASSIGN_OR_RETURN(SequentialVariables vars, layer.Init(session, /*key=*/42, in.x));
   std::cout << "Parameter shapes: " << ShapeTree(vars.variables) << "\n";
   ApplyOptions apply;
   apply.deterministic = true;
-  if (flax_mask) apply.attention_mask = in.mask;
   ASSIGN_OR_RETURN(HostTensor y, layer.Apply(vars, in.x, apply));
   PrintApplied(in.x, y);
   SpeedometerOptions speed = in.speed;
   speed.server_side = false;  // several layers per step: only the client can time it
-  if (flax_mask) speed.attention_mask = in.mask;
   return Speedometer(session, layer, vars, in.x, in.dy, speed).status();
 }
 
@@ -236,10 +234,10 @@ absl::Status RunVariant(Client& client, int variant, const Config& c, const Inpu
       layer.hidden_dropout = 0.0f;  // the notebook's FlaxTransformerLayer drops out in attention only
       return RunModule(*session, layer, in);
     }
-    case 2: return RunSequential(*session, UnfusedLayer(c, /*flax_mask=*/true), in, /*flax_mask=*/true);
+    case 2:
     case 3:
-    case 4: return RunSequential(*session, UnfusedLayer(c, /*flax_mask=*/false), in, /*flax_mask=*/false);
-    case 5: return RunSequential(*session, FusedLayer(c), in, /*flax_mask=*/false);
+    case 4: return RunSequential(*session, UnfusedLayer(c), in);
+    case 5: return RunSequential(*session, FusedLayer(c), in);
     case 6: {
       TransformerLayer layer;
       layer.hidden_size = c.hidden;
@@ -276,7 +274,6 @@ absl::Status Main() {
   const Shape shape = {c.batch, c.seq, c.hidden};
   in.x = HostTensor::RandomNormal(shape, DType::kBF16, /*seed=*/42);
   in.dy = HostTensor::RandomNormal(shape, DType::kBF16, /*seed=*/43);
-  in.mask = CausalMask(c.batch, c.seq);
   in.speed.warmup_iters = absl::GetFlag(FLAGS_warmup);
   in.speed.timing_iters = absl::GetFlag(FLAGS_iters);
   in.speed.server_side = absl::GetFlag(FLAGS_server_side);
