@@ -239,6 +239,22 @@ def asarray(x, dtype=None):
     return array.astype(dtype)
 
 
+def cast_to_wire(x, wire):
+    """x converted to travel as `wire` (a float32 dy for a bf16 layer...); as is when it already does."""
+    if hasattr(x, "wire_dtype"):   # a ResidentTensor: the server checks it
+        return x
+    array = as_numpy(x)
+    if wire_dtype(array) == wire:
+        return array
+    if wire == BFLOAT16:
+        return asarray(np.asarray(array, np.float32), bfloat16)
+    numpy_dtype = _numpy_dtype_of(wire)
+    if numpy_dtype is None:
+        raise errors.InvalidArgumentError("cannot convert to %s without ml_dtypes" % dtype_name(wire))
+    return np.asarray(array, np.float32).astype(numpy_dtype) if np.issubdtype(numpy_dtype, np.floating) \
+        else array.astype(numpy_dtype)
+
+
 def zeros(shape, wire):
     """Zeros of a wire dtype, as from_wire would return them."""
     numpy_dtype = _numpy_dtype_of(wire)

@@ -365,9 +365,9 @@ class ServerModule(Module):
             frame.step_result = (value, [grads[id(t)] for t in leaves])
             return out
         uploads = []
+        dy = dtypes.cast_to_wire(frame.dy, _shape_and_wire(x, "x")[1])   # the server wants dy in x's dtype
         try:
-            batch = service_pb2.MicroBatch(x=session.send(x, uploads, "x"),
-                                           dy=session.send(frame.dy, uploads, "dy"),
+            batch = service_pb2.MicroBatch(x=session.send(x, uploads, "x"), dy=session.send(dy, uploads, "dy"),
                                            dropout_seed=frame.dropout_seed_for(scope))
             if mask is not None:
                 batch.attention_mask.CopyFrom(session.send(mask, uploads, "attention_mask"))

@@ -16,7 +16,7 @@ session's FP8 scales move from step to step.
 import statistics
 import time
 
-from te_client import client as client_lib, errors, recipe as recipe_lib
+from te_client import client as client_lib, dtypes, errors, recipe as recipe_lib
 from te_client import module as module_lib
 from te_client import variables as variables_lib
 
@@ -98,6 +98,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
     uploads = []
     try:
         # Sent once: a large x or dy becomes resident, so a step sends only ids.
+        dy = dtypes.cast_to_wire(dy, module_lib._shape_and_wire(call.x, "x")[1])
         x_t, dy_t = session.send(call.x, uploads, "x"), session.send(dy, uploads, "dy")
         mask_t = session.send(call.mask, uploads, "attention_mask") if call.mask is not None else None
         deterministic = call.deterministic
