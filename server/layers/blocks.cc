@@ -80,29 +80,21 @@ int64_t Dense::Saved::bytes() const {
 absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
                             Tensor* y, Saved* saved) const {
   RETURN_IF_ERROR(CheckRows(x, in_, absl::StrCat("Dense ", kernel_name(), " input")));
-  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(nullptr))));
-  const Tensor kernel_var = vars->at(kernel_name());
-  const Tensor kernel = kernel_var.Reshaped({in_, out_});
-  const DType compute = x.dtype();
-
-  Saved s;
-  if (fp8 != nullptr) {
-    s.fp8 = *fp8;
-    // Checked before any quantize writes an amax, so a failure changes nothing.
-    RETURN_IF_ERROR(CheckQuantizerSet(*vars, quantizers(), fp8));
-  }
-  GemmOperand a, b;
+  // Checked before any quantize writes an amax, so a failure changes nothing.
+  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(fp8))));
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
-    // TE quantizes the kernel straight from the param dtype.
-    ASSIGN_OR_RETURN(a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX, x,
-                                            GemmSide::kA, false, vars));
-    ASSIGN_OR_RETURN(b, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kKernel,
-                                            kernel, GemmSide::kB, false, vars));
-    s.x = a;
-    s.kernel = b;
-  } else if (fp8 != nullptr) {
+    ASSIGN_OR_RETURN(GemmOperand a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX,
+                                                        x, GemmSide::kA, false, vars));
+    return ForwardQuantized(ops, vars, a, x.dtype(), *fp8, y, saved);
+  }
+  const DType compute = x.dtype();
+  const Tensor kernel = vars->at(kernel_name()).Reshaped({in_, out_});
+  Saved s;
+  GemmOperand a, b;
+  if (fp8 != nullptr) {
     // Block scaling: fake-quantized operands in the compute dtype; each GEMM
     // quantizes along its own contraction axis, so backward redoes it.
+    s.fp8 = *fp8;
     ASSIGN_OR_RETURN(s.kernel_hp, CastTo(ops, kernel, compute));
     ASSIGN_OR_RETURN(a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX, x,
                                             GemmSide::kA, false, vars));
@@ -116,7 +108,40 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
     s.kernel = b;
     s.kernel_owned = kernel.dtype() != compute;
   }
+  RETURN_IF_ERROR(RunGemm(ops, *vars, a, b, compute, y));
+  if (saved != nullptr) *saved = std::move(s);
+  return absl::OkStatus();
+}
 
+absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperand& x,
+                                     DType compute, const Fp8Recipe& fp8, Tensor* y,
+                                     Saved* saved) const {
+  if (!IsPerTensorScaling(fp8) || !IsFloat8(x.data.dtype()) || x.transpose ||
+      x.data.rank() != 2 || x.data.dim(1) != in_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Dense ", kernel_name(), ": a pre-quantized input must be FP8 [N, ", in_,
+        "] under a per-tensor recipe, got ", ShapeString(x.data.shape()), " ",
+        DTypeName(x.data.dtype())));
+  }
+  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(&fp8))));
+  // TE quantizes the kernel straight from the param dtype.
+  ASSIGN_OR_RETURN(GemmOperand b,
+                   QuantizeGemmOperand(ops, fp8, quantizers(), QuantizerRole::kKernel,
+                                       vars->at(kernel_name()).Reshaped({in_, out_}),
+                                       GemmSide::kB, false, vars));
+  RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, y));
+  if (saved != nullptr) {
+    Saved s;
+    s.fp8 = fp8;
+    s.x = x;
+    s.kernel = b;
+    *saved = std::move(s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a,
+                            const GemmOperand& b, DType compute, Tensor* y) const {
   Ops::GemmArgs gemm;
   gemm.a = a.data;
   gemm.transpose_a = a.transpose;
@@ -125,12 +150,11 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
   gemm.transpose_b = b.transpose;
   gemm.b_scale_inv = b.scale_inv;
   if (config_.use_bias) {
-    ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars->at(bias_name()).Reshaped({out_}), compute));
+    ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars.at(bias_name()).Reshaped({out_}), compute));
   }
-  ASSIGN_OR_RETURN(*y, ops.Allocate(compute, {x.dim(0), out_}));
-  RETURN_IF_ERROR(ops.Gemm(gemm, y));
-  if (saved != nullptr) *saved = std::move(s);
-  return absl::OkStatus();
+  const int64_t n = a.transpose ? a.data.dim(1) : a.data.dim(0);
+  ASSIGN_OR_RETURN(*y, ops.Allocate(compute, {n, out_}));
+  return ops.Gemm(gemm, y);
 }
 
 absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
@@ -223,7 +247,7 @@ int64_t Norm::Saved::bytes() const {
 }
 
 absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Tensor* y,
-                           Saved* saved) const {
+                           Saved* saved, const Fp8Output* fp8) const {
   RETURN_IF_ERROR(CheckRows(x, config_.hidden, "norm input"));
   RETURN_IF_ERROR(CheckVariables(vars, SpecsOf(Defs())));
   const DType compute = x.dtype();
@@ -240,8 +264,13 @@ absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Ten
     ASSIGN_OR_RETURN(s.mu, ops.Allocate(DType::kF32, {x.dim(0)}));
   }
   ASSIGN_OR_RETURN(s.rsigma, ops.Allocate(DType::kF32, {x.dim(0)}));
-  ASSIGN_OR_RETURN(*y, ops.Allocate(compute, x.shape()));
-  RETURN_IF_ERROR(ops.NormForward(config_.args, x, s.gamma, beta, y, &s.mu, &s.rsigma));
+  if (fp8 == nullptr) {
+    ASSIGN_OR_RETURN(*y, ops.Allocate(compute, x.shape()));
+  } else if (!IsFloat8(y->dtype()) || y->shape() != x.shape()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "norm: a quantized output must be an FP8 tensor shaped like x ", ShapeString(x.shape())));
+  }
+  RETURN_IF_ERROR(ops.NormForward(config_.args, x, s.gamma, beta, y, &s.mu, &s.rsigma, fp8));
   if (saved != nullptr) *saved = std::move(s);
   return absl::OkStatus();
 }
@@ -282,6 +311,19 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
                                      Saved* saved) const {
   Saved s;
   Tensor ln = x;
+  if (enable_layernorm_ && ln_out == nullptr && CanFuseQuantize(fp8)) {
+    // Nobody reads the norm's output in high precision: write it in FP8.
+    RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(fp8))));
+    Fp8Output q;
+    ASSIGN_OR_RETURN(GemmOperand ln_q,
+                     AllocateFusedOperand(ops, *fp8, dense_.quantizers(), QuantizerRole::kX,
+                                          x.shape(), vars, &q));
+    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln_q.data, &s.norm, &q));
+    RETURN_IF_ERROR(dense_.ForwardQuantized(ops, vars, ln_q, x.dtype(), *fp8, y,
+                                            saved != nullptr ? &s.dense : nullptr));
+    if (saved != nullptr) *saved = std::move(s);
+    return absl::OkStatus();
+  }
   if (enable_layernorm_) RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln, &s.norm));
   RETURN_IF_ERROR(dense_.Forward(ops, vars, ln, fp8, y, saved != nullptr ? &s.dense : nullptr));
   if (ln_out != nullptr) *ln_out = ln;

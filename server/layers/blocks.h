@@ -83,6 +83,10 @@ class Dense {
   // x [N, in] -> *y [N, out] in x's dtype. `saved` may be null (no backward).
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
                        Tensor* y, Saved* saved) const;
+  // As Forward, for an x its producer already quantized with this Dense's
+  // "x" quantizer (AllocateFusedOperand): FP8 [N, in], per-tensor recipes.
+  absl::Status ForwardQuantized(Ops& ops, Variables* vars, const GemmOperand& x, DType compute,
+                                const Fp8Recipe& fp8, Tensor* y, Saved* saved) const;
   // dy [N, out] -> *dx [N, in] (skipped when dx is null); kernel and bias
   // gradients into *grads. Under DelayedScaling dy's amax goes to the grad
   // quantizer's history[0].
@@ -90,6 +94,10 @@ class Dense {
                         Tensor* dx, Variables* grads) const;
 
  private:
+  // *y [N, out] = op(a) @ op(b) + bias, in `compute`.
+  absl::Status RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a,
+                       const GemmOperand& b, DType compute, Tensor* y) const;
+
   DenseConfig config_;
   int64_t in_ = 0;
   int64_t out_ = 0;
@@ -118,9 +126,10 @@ class Norm {
     Tensor x, mu, rsigma, gamma;  // gamma in the compute dtype
     int64_t bytes() const;
   };
-  // x [N, hidden] -> *y [N, hidden] in x's dtype.
+  // x [N, hidden] -> *y [N, hidden] in x's dtype. With `fp8` (fused
+  // quantization), *y must be an allocated FP8 [N, hidden] tensor instead.
   absl::Status Forward(Ops& ops, const Variables& vars, const Tensor& x, Tensor* y,
-                       Saved* saved) const;
+                       Saved* saved, const Fp8Output* fp8 = nullptr) const;
   absl::Status Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
                         Variables* grads) const;
 
@@ -148,7 +157,8 @@ class LayerNormDense {
     int64_t bytes() const { return norm.bytes() + dense.bytes(); }
   };
   // x [N, in] -> *y [N, out]; *ln_out (if non-null) the Dense's input [N, in]
-  // (x itself when the norm is disabled).
+  // (x itself when the norm is disabled). Without ln_out under DelayedScaling
+  // the norm writes FP8 directly (TE's fused layernorm + quantize).
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
                        Tensor* y, Tensor* ln_out, Saved* saved) const;
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
@@ -201,8 +211,7 @@ class Mlp {
   std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
 
   struct Saved {
-    Norm::Saved norm;
-    Dense::Saved wi;
+    LayerNormDense::Saved ln_wi;
     Tensor h;  // pre-activation [N, n_act * inter]
     DropoutSaved dropout;
     Dense::Saved wo;
@@ -210,6 +219,8 @@ class Mlp {
   };
   // x [N, hidden] -> *y [N, hidden]; *ln_out (if non-null) the norm output.
   // Dropout uses DeriveSeed(opts.dropout_seed, scope + "/intermediate_dropout").
+  // Under DelayedScaling the norm (without ln_out) and the activation (when
+  // dropout is off) write their outputs in FP8 directly.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
                        Tensor* y, Tensor* ln_out, Saved* saved) const;
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
@@ -217,8 +228,7 @@ class Mlp {
 
  private:
   MlpConfig config_;
-  Norm norm_;
-  Dense wi_;
+  LayerNormDense ln_wi_;  // norm (optional) + wi
   Dense wo_;
 };
 

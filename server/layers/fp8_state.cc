@@ -42,6 +42,9 @@ absl::Status QuantizePerTensor(Ops& ops, const Fp8Recipe& fp8, const QuantizerSe
   Fp8Output side;
   side.scale_inv = out->scale_inv;
   if (fp8.kind == Fp8Recipe::Kind::kDelayedScaling) {
+    if (vars == nullptr) {
+      return absl::InternalError("QuantizeGemmOperand: DelayedScaling needs the variables");
+    }
     RETURN_IF_ERROR(CheckQuantizerSet(*vars, set, &fp8));
     side.scale = vars->at(set.ScaleName(role));
     side.amax = vars->at(set.HistoryName(role)).Slice0(0, 1);  // history[0]
@@ -205,6 +208,27 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,
       fp8.kind == Fp8Recipe::Kind::kNVFP4 ? BlockFormat::kNVFP4 : BlockFormat::kMXFP8, rows,
       &out.data));
   return out;
+}
+
+bool CanFuseQuantize(const Fp8Recipe* fp8) {
+  return fp8 != nullptr && fp8->kind == Fp8Recipe::Kind::kDelayedScaling;
+}
+
+absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
+                                                 const QuantizerSet& set, QuantizerRole role,
+                                                 const Shape& shape, Variables* vars,
+                                                 Fp8Output* out) {
+  if (!CanFuseQuantize(&fp8)) {
+    return absl::InternalError("AllocateFusedOperand: only DelayedScaling fuses quantization");
+  }
+  RETURN_IF_ERROR(CheckQuantizerSet(*vars, set, &fp8));
+  GemmOperand op;
+  ASSIGN_OR_RETURN(op.data, ops.Allocate(QuantizerDType(fp8, role), shape));
+  ASSIGN_OR_RETURN(op.scale_inv, ops.Allocate(DType::kF32, {1}));
+  out->scale = vars->at(set.ScaleName(role));
+  out->amax = vars->at(set.HistoryName(role)).Slice0(0, 1);
+  out->scale_inv = op.scale_inv;
+  return op;
 }
 
 absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars) {

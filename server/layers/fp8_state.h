@@ -86,6 +86,20 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,
                                                 const Tensor& x, GemmSide side, bool transpose,
                                                 Variables* vars);
 
+// Fused quantization: under DelayedScaling the op that produces a GEMM
+// operand (a norm, an activation) can write it straight in FP8 with the
+// quantizer's scale, as TE's fused kernels do. Current scaling cannot: its
+// scale needs the finished tensor's amax. Block scalings are emulated.
+bool CanFuseQuantize(const Fp8Recipe* fp8);
+// Allocates the FP8 operand [shape] for `role` (side a, not transposed) and
+// fills *out with the quantizer's scale, history[0] as amax, and the
+// operand's scale_inv, for the producing op to write through.
+// FAILED_PRECONDITION when the set's variables are missing.
+absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
+                                                 const QuantizerSet& set, QuantizerRole role,
+                                                 const Shape& shape, Variables* vars,
+                                                 Fp8Output* out);
+
 // TE's end-of-step update, for every "fp8_metas/.../<q>_amax_history" in
 // `vars` with its "<q>_scale": roll the history, amax = max (or most recent),
 // scale = fp8_max * 2^-margin / amax (kept where amax is 0, inf or NaN).

@@ -52,7 +52,9 @@ class LayerNormDenseGeneralLayer : public Layer {
     ASSIGN_OR_RETURN(Shape y_shape, OutputShape(in.x.shape()));
     auto s = std::make_unique<ModuleSaved<LayerNormDense::Saved>>();
     Tensor y, ln_out;
-    RETURN_IF_ERROR(block.Forward(ops, vars, in.x.As2D(), opts.fp8, &y, &ln_out,
+    // Without ln_out the block may fuse the norm with FP8 quantization.
+    RETURN_IF_ERROR(block.Forward(ops, vars, in.x.As2D(), opts.fp8, &y,
+                                  options_.return_layernorm_output ? &ln_out : nullptr,
                                   opts.keep_for_backward ? &s->block : nullptr));
     out->y = y.Reshaped(y_shape);
     if (options_.return_layernorm_output) out->ln_out = ln_out.Reshaped(in.x.shape());

@@ -123,6 +123,41 @@ TEST(LayerNormDenseGeneralTest, Fp8StaysCloseForEveryRecipe) {
   }
 }
 
+// Without ln_out under DelayedScaling the norm writes FP8 itself; in float32
+// compute that is exactly the unfused norm-then-quantize.
+TEST(LayerNormDenseGeneralTest, FusedNormQuantizeMatchesUnfused) {
+  auto ops = testing::NewCpuOps();
+  auto spec = Spec({16});
+  auto unfused = Make(spec);
+  spec.set_return_layernorm_output(false);
+  auto fused = Make(spec);
+  const Fp8Recipe recipe = testing::DelayedRecipe(4);
+  auto vars = InitLayer(*ops, *unfused, {8, 32}, &recipe);
+  ASSERT_TRUE(vars.ok());
+  RandomizeParams(*ops, &*vars, 4);
+  LayerInputs in;
+  in.x = RandomTensor(*ops, {8, 32}, DType::kF32, 2, 3.0f);
+  ForwardOptions opts;
+  opts.fp8 = &recipe;
+  opts.keep_for_backward = true;
+  const Tensor dy = RandomTensor(*ops, {8, 16}, DType::kF32, 3);
+  std::vector<std::vector<float>> ys, dxs, amaxes;
+  for (const Layer* layer : {unfused.get(), fused.get()}) {
+    LayerOutputs out;
+    std::unique_ptr<SavedForward> saved;
+    ASSERT_TRUE(layer->Forward(*ops, &*vars, in, opts, &out, &saved).ok());
+    LayerGrads grads;
+    ASSERT_TRUE(layer->Backward(*ops, &*vars, *saved, dy, &grads).ok());
+    ys.push_back(Values(out.y));
+    dxs.push_back(Values(grads.dx));
+    amaxes.push_back(Values(vars->at("fp8_metas/x_amax_history")));
+  }
+  EXPECT_EQ(ys[0], ys[1]);
+  EXPECT_EQ(dxs[0], dxs[1]);
+  EXPECT_EQ(amaxes[0], amaxes[1]);
+  EXPECT_GT(amaxes[1][0], 0.0f);
+}
+
 TEST(LayerNormDenseGeneralTest, DelayedFp8WithoutMetasIsFailedPrecondition) {
   auto ops = testing::NewCpuOps();
   auto layer = Make(Spec({16}));

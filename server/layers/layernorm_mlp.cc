@@ -42,7 +42,9 @@ class LayerNormMlpLayer : public Layer {
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(mlp.Defs(opts.fp8))));
     auto s = std::make_unique<ModuleSaved<Mlp::Saved>>();
     Tensor y, ln_out;
-    RETURN_IF_ERROR(mlp.Forward(ops, vars, in.x.As2D(), opts, &y, &ln_out,
+    // Without ln_out the block may fuse the norm with FP8 quantization.
+    RETURN_IF_ERROR(mlp.Forward(ops, vars, in.x.As2D(), opts, &y,
+                                return_layernorm_output_ ? &ln_out : nullptr,
                                 opts.keep_for_backward ? &s->block : nullptr));
     out->y = y.Reshaped(in.x.shape());
     if (return_layernorm_output_) out->ln_out = ln_out.Reshaped(in.x.shape());

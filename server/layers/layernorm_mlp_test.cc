@@ -173,6 +173,43 @@ TEST(LayerNormMlpTest, Fp8StaysCloseForEveryRecipe) {
   }
 }
 
+// Under DelayedScaling without dropout, the norm (when ln_out is not
+// returned) and the activation write FP8 directly; in float32 compute that is
+// exactly the unfused result.
+TEST(LayerNormMlpTest, FusedQuantizeMatchesUnfused) {
+  auto ops = testing::NewCpuOps();
+  auto spec = Spec(32, {"gelu"}, true, 0.1f);
+  auto with_ln = Make(spec);
+  spec.set_return_layernorm_output(false);
+  auto without_ln = Make(spec);
+  const Fp8Recipe recipe = testing::DelayedRecipe(4);
+  auto vars = InitLayer(*ops, *with_ln, {8, 16}, &recipe);
+  ASSERT_TRUE(vars.ok());
+  RandomizeParams(*ops, &*vars, 4);
+  LayerInputs in;
+  in.x = RandomTensor(*ops, {8, 16}, DType::kF32, 2, 3.0f);
+  ForwardOptions opts;
+  opts.fp8 = &recipe;
+  std::vector<std::vector<float>> ys, x1_amax;
+  for (const Layer* layer : {with_ln.get(), without_ln.get()}) {
+    LayerOutputs out;
+    std::unique_ptr<SavedForward> saved;
+    ASSERT_TRUE(layer->Forward(*ops, &*vars, in, opts, &out, &saved).ok());
+    EXPECT_EQ(out.ln_out.defined(), layer == with_ln.get());
+    ys.push_back(Values(out.y));
+    x1_amax.push_back(Values(vars->at("fp8_metas/x_1_amax_history")));
+  }
+  EXPECT_EQ(ys[0], ys[1]);
+  EXPECT_EQ(x1_amax[0], x1_amax[1]);
+  EXPECT_GT(x1_amax[0][0], 0.0f);  // the fused activation recorded its amax
+  // And the fused path stays within FP8 bounds of the result without FP8.
+  opts.fp8 = nullptr;
+  LayerOutputs ref;
+  std::unique_ptr<SavedForward> saved;
+  ASSERT_TRUE(with_ln->Forward(*ops, &*vars, in, opts, &ref, &saved).ok());
+  EXPECT_LT(RelativeError(ys[0], Values(ref.y)), testing::kFp8ForwardTolerance);
+}
+
 TEST(LayerNormMlpTest, InvalidSpecs) {
   auto s = MakeLayerNormMLP(Spec(0, {"relu"})).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

@@ -39,63 +39,73 @@ DenseConfig MlpDenseConfig(const MlpConfig& c, bool first) {
   return d;
 }
 
+LayerNormDenseConfig MlpLnWiConfig(const MlpConfig& c) {
+  LayerNormDenseConfig l;
+  l.enable_layernorm = c.enable_layernorm;
+  l.norm = MlpNormConfig(c);
+  l.dense = MlpDenseConfig(c, true);
+  return l;
+}
+
 }  // namespace
 
 Mlp::Mlp(MlpConfig config)
     : config_(std::move(config)),
-      norm_(MlpNormConfig(config_)),
-      wi_(MlpDenseConfig(config_, true)),
+      ln_wi_(MlpLnWiConfig(config_)),
       wo_(MlpDenseConfig(config_, false)) {}
 
 std::vector<VariableDef> Mlp::Defs(const Fp8Recipe* fp8) const {
-  std::vector<VariableDef> defs;
-  if (config_.enable_layernorm) defs = norm_.Defs();
-  for (VariableDef& def : wi_.Defs(fp8)) defs.push_back(std::move(def));
+  std::vector<VariableDef> defs = ln_wi_.Defs(fp8);
   for (VariableDef& def : wo_.Defs(fp8)) defs.push_back(std::move(def));
   return defs;
 }
 
 int64_t Mlp::Saved::bytes() const {
-  return norm.bytes() + wi.bytes() + TensorBytes(h) + dropout.bytes() + wo.bytes();
+  return ln_wi.bytes() + TensorBytes(h) + dropout.bytes() + wo.bytes();
 }
 
 absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
                           Tensor* y, Tensor* ln_out, Saved* saved) const {
-  // Both GEMMs' FP8 state is checked first, so a failure writes no amax.
-  RETURN_IF_ERROR(CheckQuantizerSet(*vars, wi_.quantizers(), opts.fp8));
-  RETURN_IF_ERROR(CheckQuantizerSet(*vars, wo_.quantizers(), opts.fp8));
+  // Every variable (both GEMMs' FP8 state too) is checked first, so a failure
+  // writes no amax.
+  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
   const bool keep = saved != nullptr;
   Saved s;
-  Tensor ln = x;
-  if (config_.enable_layernorm) {
-    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln, keep ? &s.norm : nullptr));
+  RETURN_IF_ERROR(
+      ln_wi_.Forward(ops, vars, x, opts.fp8, &s.h, ln_out, keep ? &s.ln_wi : nullptr));
+  const int64_t n = s.h.dim(0);
+  const float rate = config_.intermediate_dropout_rate;
+  if (CanFuseQuantize(opts.fp8) && (opts.deterministic || rate <= 0.0f)) {
+    // Nothing between the activation and wo: write the activation in FP8.
+    Fp8Output q;
+    ASSIGN_OR_RETURN(GemmOperand act_q,
+                     AllocateFusedOperand(ops, *opts.fp8, wo_.quantizers(), QuantizerRole::kX,
+                                          {n, config_.intermediate}, vars, &q));
+    RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act_q.data, &q));
+    RETURN_IF_ERROR(wo_.ForwardQuantized(ops, vars, act_q, s.h.dtype(), *opts.fp8, y,
+                                         keep ? &s.wo : nullptr));
+  } else {
+    ASSIGN_OR_RETURN(Tensor act, ops.Allocate(s.h.dtype(), {n, config_.intermediate}));
+    RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act));
+    Tensor dropped;
+    RETURN_IF_ERROR(Dropout(
+        ops, rate, opts.deterministic,
+        DeriveSeed(opts.dropout_seed, JoinScope(config_.scope, "intermediate_dropout")), act,
+        &dropped, &s.dropout));
+    RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, opts.fp8, y, keep ? &s.wo : nullptr));
   }
-  RETURN_IF_ERROR(wi_.Forward(ops, vars, ln, opts.fp8, &s.h, keep ? &s.wi : nullptr));
-  ASSIGN_OR_RETURN(Tensor act, ops.Allocate(s.h.dtype(), {s.h.dim(0), config_.intermediate}));
-  RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act));
-  Tensor dropped;
-  RETURN_IF_ERROR(Dropout(ops, config_.intermediate_dropout_rate, opts.deterministic,
-                          DeriveSeed(opts.dropout_seed,
-                                     JoinScope(config_.scope, "intermediate_dropout")),
-                          act, &dropped, &s.dropout));
-  RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, opts.fp8, y, keep ? &s.wo : nullptr));
-  if (ln_out != nullptr) *ln_out = ln;
-  if (keep) {
-    *saved = std::move(s);
-  }
+  if (keep) *saved = std::move(s);
   return absl::OkStatus();
 }
 
 absl::Status Mlp::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
                            Tensor* dx, Variables* grads) const {
-  Tensor ddropped, dact, dh, dln;
+  Tensor ddropped, dact, dh;
   RETURN_IF_ERROR(wo_.Backward(ops, vars, saved.wo, dy, &ddropped, grads));
   RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));
   ASSIGN_OR_RETURN(dh, ops.Allocate(saved.h.dtype(), saved.h.shape()));
   RETURN_IF_ERROR(ops.ActivationBackward(config_.activations, dact, saved.h, &dh));
-  if (!config_.enable_layernorm) return wi_.Backward(ops, vars, saved.wi, dh, dx, grads);
-  RETURN_IF_ERROR(wi_.Backward(ops, vars, saved.wi, dh, &dln, grads));
-  return norm_.Backward(ops, saved.norm, dln, dx, grads);
+  return ln_wi_.Backward(ops, vars, saved.ln_wi, dh, dx, grads);
 }
 
 absl::StatusOr<std::vector<Activation>> ParseActivations(const std::vector<std::string>& names,
