@@ -226,7 +226,9 @@ class Module:
 
 
 def _is_array(a):
-    return isinstance(a, (np.ndarray, client_lib.ResidentTensor)) or hasattr(a, "__array__") and hasattr(a, "shape")
+    """An input value_and_grad differentiates (a ResidentTensor is passed on as it is)."""
+    return isinstance(a, np.ndarray) or (hasattr(a, "__array__") and hasattr(a, "shape")
+                                         and not isinstance(a, client_lib.ResidentTensor))
 
 
 def _shape_and_wire(x, field):

@@ -53,9 +53,9 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
     module = _module_of(model_apply_fn)
     forward_kwargs = dict(forward_kwargs or {})
     autocast_kwargs = autocast_kwargs if autocast_kwargs is not None else fp8_autocast_kwargs
-    if autocast_kwargs is not None and "fp8_recipe" in autocast_kwargs:
-        autocast_kwargs = dict(autocast_kwargs, recipe=autocast_kwargs.pop("fp8_recipe"))
-    autocast_kwargs = autocast_kwargs or {"enabled": False}
+    autocast_kwargs = dict(autocast_kwargs or {"enabled": False})
+    if "fp8_recipe" in autocast_kwargs:   # fp8_autocast's spelling
+        autocast_kwargs["recipe"] = autocast_kwargs.pop("fp8_recipe")
     seed = module_lib.seed_of(rngs if rngs is not None else dropout_key, "dropout")
     session = variables.session
 

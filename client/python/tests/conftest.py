@@ -1,8 +1,8 @@
 """Fixtures: a real te_server on a loopback port (built beforehand; this file builds nothing).
 
 The server is bazel-bin/server/te_server (or $TE_SERVER_BIN), started once per
-test run with --device=cpu --port=0 and stopped at the end; its log goes to
-the pytest temp folder and is printed when it fails to start.
+test run with --device=cpu (or $TE_SERVER_DEVICE) --port=0 and stopped at the
+end; its log goes to the pytest temp folder and is printed when it fails to start.
 """
 import os
 import signal
@@ -22,6 +22,7 @@ sys.path.insert(0, PYTHON_ROOT)
 import te_client  # noqa: E402  (after the path is set)
 
 SERVER_BIN = os.environ.get("TE_SERVER_BIN", os.path.join(REPO_ROOT, "bazel-bin", "server", "te_server"))
+SERVER_DEVICE = os.environ.get("TE_SERVER_DEVICE", "cpu")
 START_TIMEOUT_S = 60.0
 
 
@@ -52,7 +53,7 @@ def server_address(tmp_path_factory):
     folder = tmp_path_factory.mktemp("te_server")
     port_file, log_path = str(folder / "port"), str(folder / "server.log")
     with open(log_path, "w") as log:
-        process = subprocess.Popen([SERVER_BIN, "--device=cpu", "--host=127.0.0.1", "--port=0",
+        process = subprocess.Popen([SERVER_BIN, "--device=" + SERVER_DEVICE, "--host=127.0.0.1", "--port=0",
                                     "--port_file=" + port_file], stdout=log, stderr=subprocess.STDOUT)
     try:
         port = _read_port(port_file, process, log_path)
@@ -64,6 +65,11 @@ def server_address(tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def server_device():
+    return SERVER_DEVICE
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,15 @@ def _x(rng, *shape):
     return rng.standard_normal(shape or (2, 8, 32)).astype(np.float32)
 
 
-def test_server_info_lists_the_cpu_device(client):
+def test_server_info_lists_the_device(client, server_device):
     info = client.server_info()
-    assert info.version and any(d.name == "cpu" and d.healthy for d in info.devices)
+    assert info.version and any(d.name == server_device and d.healthy for d in info.devices)
     assert info.limits.max_message_bytes > 0
 
 
-def test_no_recipes_negotiates_none(client):
+def test_no_recipes_negotiates_none(client, server_device):
     with client.session() as session:
-        assert session.recipe is None and session.id and session.device == "cpu" and session.ttl > 0
+        assert session.recipe is None and session.id and session.device == server_device and session.ttl > 0
 
 
 def test_fallback_skips_what_the_device_only_emulates(client):
