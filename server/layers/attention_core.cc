@@ -273,33 +273,39 @@ absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y) {
 
 std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional,
                                              int num_buckets, int max_distance) {
-  std::vector<int32_t> buckets(static_cast<size_t>(q_len * k_len));
   const int half = bidirectional ? num_buckets / 2 : num_buckets;
   const int max_exact = half / 2;
   const float eps = std::numeric_limits<float>::epsilon();
   // numpy: np.log(16.0) is a float64 scalar; NEP 50 promotes the float32
   // numerator to float64 for the division.
   const double log_range = std::log(static_cast<double>(max_distance) / max_exact);
+  // The bucket depends on i - j alone: one per diagonal, then a fill.
+  std::vector<int32_t> by_diagonal(static_cast<size_t>(q_len + k_len - 1));
+  for (int64_t diagonal = 0; diagonal < q_len + k_len - 1; ++diagonal) {
+    int64_t n = diagonal - (k_len - 1);  // TE's negative relative position: query - key
+    int32_t bucket = 0;
+    if (bidirectional) {
+      if (n < 0) bucket += half;
+      n = n < 0 ? -n : n;
+    } else {
+      n = std::max<int64_t>(n, 0);
+    }
+    int32_t offset;
+    if (n < max_exact) {
+      offset = static_cast<int32_t>(n);
+    } else {
+      const float ratio = static_cast<float>(n) / static_cast<float>(max_exact) + eps;
+      const double scaled =
+          static_cast<double>(std::log(ratio)) / log_range * static_cast<double>(half - max_exact);
+      offset = std::min(max_exact + static_cast<int32_t>(scaled), half - 1);
+    }
+    by_diagonal[static_cast<size_t>(diagonal)] = bucket + offset;
+  }
+  std::vector<int32_t> buckets(static_cast<size_t>(q_len * k_len));
   for (int64_t i = 0; i < q_len; ++i) {
     for (int64_t j = 0; j < k_len; ++j) {
-      int64_t n = i - j;  // TE's negative relative position: query - key
-      int32_t bucket = 0;
-      if (bidirectional) {
-        if (n < 0) bucket += half;
-        n = n < 0 ? -n : n;
-      } else {
-        n = std::max<int64_t>(n, 0);
-      }
-      int32_t offset;
-      if (n < max_exact) {
-        offset = static_cast<int32_t>(n);
-      } else {
-        const float ratio = static_cast<float>(n) / static_cast<float>(max_exact) + eps;
-        const double scaled = static_cast<double>(std::log(ratio)) / log_range *
-                              static_cast<double>(half - max_exact);
-        offset = std::min(max_exact + static_cast<int32_t>(scaled), half - 1);
-      }
-      buckets[static_cast<size_t>(i * k_len + j)] = bucket + offset;
+      buckets[static_cast<size_t>(i * k_len + j)] =
+          by_diagonal[static_cast<size_t>(i - j + k_len - 1)];
     }
   }
   return buckets;
@@ -316,6 +322,8 @@ absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int
     auto computed = std::make_shared<const std::vector<int32_t>>(
         RelativePositionBuckets(q_len, k_len, bidirectional_, num_buckets_, max_distance_));
     absl::MutexLock lock(&mu_);
+    // Clients choose the sequence length: bound what the cache holds.
+    if (tables_.size() >= kMaxShapes) tables_.clear();
     table = tables_.emplace(std::make_pair(q_len, k_len), std::move(computed)).first->second;
   }
   ASSIGN_OR_RETURN(Tensor buckets, ops.Allocate(DType::kI32, {q_len, k_len}));

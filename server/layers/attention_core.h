@@ -109,13 +109,16 @@ std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool 
                                              int num_buckets, int max_distance);
 
 // Host bucket tables computed once per (Sq, Skv) and shared by every call of a
-// layer. Thread-safe.
+// layer; at most kMaxShapes shapes are kept (a new one past that starts the
+// cache afresh). Thread-safe.
 class RelativeBucketCache {
  public:
   RelativeBucketCache(bool bidirectional, int num_buckets, int max_distance)
       : bidirectional_(bidirectional), num_buckets_(num_buckets), max_distance_(max_distance) {}
   // The buckets for (q_len, k_len) uploaded to `ops`' device: int32 [Sq, Skv].
   absl::StatusOr<Tensor> Buckets(Ops& ops, int64_t q_len, int64_t k_len) const;
+
+  static constexpr size_t kMaxShapes = 8;
 
  private:
   const bool bidirectional_;
