@@ -19,7 +19,6 @@ constexpr int kMxfp8Block = 32;
 constexpr int kNvfp4Block = 16;
 constexpr int kE8M0MinExp = -127;
 constexpr int kE8M0MaxExp = 127;
-constexpr int kE4M3MaxExp = 8;  // floor(log2(448))
 // DelayedScalingUpdate keeps the history in shared memory.
 constexpr int64_t kMaxHistory = 32768;
 
@@ -122,9 +121,12 @@ __global__ void Mxfp8Kernel(const typename In::Storage* x, typename Out::Storage
 #pragma unroll
         for (int i = 0; i < kMxfp8Block; ++i) v[i] = NAN;
       } else {
+        // TE's scale (float_to_e8m0 rounding up): 2^e, e = ceil(log2(amax / 448)),
+        // so the block max never saturates. amax / 448 = f * 2^e2, f in
+        // [0.5, 1): the ceiling is e2, or e2 - 1 when f is exactly 0.5.
         int e2;
-        frexpf(amax, &e2);
-        const int exp = min(max(e2 - 1 - kE4M3MaxExp, kE8M0MinExp), kE8M0MaxExp);
+        const double f = frexp(static_cast<double>(amax) / kE4M3Max, &e2);
+        const int exp = min(max(f == 0.5 ? e2 - 1 : e2, kE8M0MinExp), kE8M0MaxExp);
 #pragma unroll
         for (int i = 0; i < kMxfp8Block; ++i) {
           const float q = E4M3::Load(E4M3::Store(ldexpf(v[i], -exp)));

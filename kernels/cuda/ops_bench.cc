@@ -1,0 +1,159 @@
+// Bandwidth of the memory-bound CUDA ops at the quickstart's sizes (tokens
+// 8192 = 4 x 2048, hidden 4096, MLP 16384), bf16, random data. Each row: the
+// median of timed runs (CUDA events on the op's stream), the bytes the op must
+// move at least (inputs read once, outputs written once), and GB/s against
+// the ~4000 GB/s the H200's device-to-device copy reaches (../shared/ENV.md).
+//
+//   ops_bench [--reps=50]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/fp8.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+constexpr int64_t kTokens = 8192, kHidden = 4096, kMlp = 16384;
+
+Tensor Random(Ops& ops, DType dtype, const Shape& shape, uint64_t seed) {
+  Tensor t = *ops.Allocate(dtype, shape);
+  std::vector<uint8_t> bytes(t.nbytes());
+  uint64_t state = seed * 6364136223846793005ULL + 1;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const float v = static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 23);
+    if (dtype == DType::kBF16) {
+      const uint16_t h = FloatToBf16(2.0f * v);
+      std::memcpy(&bytes[i * 2], &h, 2);
+    } else {
+      const float f = 2.0f * v;
+      std::memcpy(&bytes[i * 4], &f, 4);
+    }
+  }
+  (void)ops.Upload(bytes.data(), &t);
+  return t;
+}
+
+double MedianMs(cuda::CudaOps& ops, int reps, const std::function<absl::Status()>& op) {
+  for (int i = 0; i < 3; ++i) {
+    const absl::Status s = op();
+    if (!s.ok()) {
+      std::fprintf(stderr, "op failed: %s\n", s.ToString().c_str());
+      return -1;
+    }
+  }
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(start, ops.stream());
+    (void)op();
+    cudaEventRecord(stop, ops.stream());
+    cudaEventSynchronize(stop);
+    float t = 0;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+int Run(int reps) {
+  auto device = OpenCudaDevice(0);
+  if (!device.ok()) {
+    std::fprintf(stderr, "no GPU: %s\n", device.status().ToString().c_str());
+    return 1;
+  }
+  auto ops_or = (*device)->NewOps(int64_t{64} << 30);
+  if (!ops_or.ok()) return 1;
+  Ops& ops = **ops_or;
+  auto& cuda_ops = static_cast<cuda::CudaOps&>(ops);
+  const DType bf16 = DType::kBF16;
+
+  Tensor x = Random(ops, bf16, {kTokens, kHidden}, 1);
+  Tensor dy = Random(ops, bf16, {kTokens, kHidden}, 2);
+  Tensor gamma = Random(ops, bf16, {kHidden}, 3), beta = Random(ops, bf16, {kHidden}, 4);
+  Tensor y = *ops.Allocate(bf16, {kTokens, kHidden});
+  Tensor y8 = *ops.Allocate(DType::kE4M3, {kTokens, kHidden});
+  Tensor mu = *ops.Allocate(DType::kF32, {kTokens}), rs = *ops.Allocate(DType::kF32, {kTokens});
+  Tensor dx = *ops.Allocate(bf16, {kTokens, kHidden});
+  Tensor dgamma = *ops.Allocate(bf16, {kHidden}), dbeta = *ops.Allocate(bf16, {kHidden});
+  Tensor scale = *ops.Allocate(DType::kF32, {1}), amax = *ops.Allocate(DType::kF32, {1});
+  Tensor scale_inv = *ops.Allocate(DType::kF32, {1});
+  (void)ops.Fill(1.0f, &scale);
+  const Fp8Output fp8{scale, amax, scale_inv};
+  Tensor h = Random(ops, bf16, {kTokens, kMlp}, 5);
+  Tensor h2 = Random(ops, bf16, {kTokens, 2 * kMlp}, 6);
+  Tensor act = *ops.Allocate(bf16, {kTokens, kMlp});
+  Tensor act8 = *ops.Allocate(DType::kE4M3, {kTokens, kMlp});
+  Tensor dact = Random(ops, bf16, {kTokens, kMlp}, 7);
+  Tensor dh = *ops.Allocate(bf16, {kTokens, kMlp});
+  Tensor mask = *ops.Allocate(DType::kBool, {kTokens, kHidden});
+  Tensor bias_grad = *ops.Allocate(bf16, {kHidden});
+  Tensor xt = *ops.Allocate(bf16, {kHidden, kTokens});
+  NormArgs ln;
+
+  struct Row {
+    const char* name;
+    double bytes;
+    std::function<absl::Status()> op;
+  };
+  const double tok_hid = static_cast<double>(kTokens) * kHidden;
+  const double tok_mlp = static_cast<double>(kTokens) * kMlp;
+  const std::vector<Row> rows = {
+      {"LayerNorm fwd bf16 -> bf16", tok_hid * 4,
+       [&] { return ops.NormForward(ln, x, gamma, beta, &y, &mu, &rs, nullptr); }},
+      {"LayerNorm fwd bf16 -> e4m3 + amax", tok_hid * 3,
+       [&] { return ops.NormForward(ln, x, gamma, beta, &y8, &mu, &rs, &fp8); }},
+      {"LayerNorm bwd bf16", tok_hid * 6,
+       [&] { return ops.NormBackward(ln, dy, x, mu, rs, gamma, &dx, &dgamma, &dbeta); }},
+      {"GELU fwd bf16 [8192,16384]", tok_mlp * 4,
+       [&] { return ops.ActivationForward({Activation::kGelu}, h, &act, nullptr); }},
+      {"GELU fwd -> e4m3 + amax", tok_mlp * 3,
+       [&] { return ops.ActivationForward({Activation::kGelu}, h, &act8, &fp8); }},
+      {"GELU bwd bf16", tok_mlp * 6,
+       [&] { return ops.ActivationBackward({Activation::kGelu}, dact, h, &dh); }},
+      {"SwiGLU fwd bf16 [8192,2x16384]", tok_mlp * 6,
+       [&] {
+         return ops.ActivationForward({Activation::kSilu, Activation::kLinear}, h2, &act, nullptr);
+       }},
+      {"Quantize bf16 -> e4m3 + amax", tok_hid * 3, [&] { return ops.Quantize(x, fp8, &y8); }},
+      {"Cast bf16 -> bf16", tok_hid * 4, [&] { return ops.Cast(x, &y); }},
+      {"Dropout fwd 0.1 + mask", tok_hid * 5,
+       [&] { return ops.DropoutForward(0.1f, 42, x, &y, &mask); }},
+      {"SumRows (dbias) bf16", tok_hid * 2, [&] { return ops.SumRows(dx, &bias_grad); }},
+      {"Permute [8192,4096] -> [4096,8192]", tok_hid * 4,
+       [&] { return ops.Permute(x, {1, 0}, &xt); }},
+  };
+  std::printf("| op | ms | GB/s (min bytes) | of 4000 GB/s |\n| --- | --- | --- | --- |\n");
+  for (const Row& row : rows) {
+    const double ms = MedianMs(cuda_ops, reps, row.op);
+    const double gbs = row.bytes / (ms * 1e-3) / 1e9;
+    std::printf("| %s | %.4f | %.0f | %.0f%% |\n", row.name, ms, gbs, gbs / 40.0);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace te
+
+int main(int argc, char** argv) {
+  int reps = 50;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--reps=", 7) == 0) reps = std::atoi(argv[i] + 7);
+  }
+  return te::Run(reps);
+}
