@@ -26,6 +26,21 @@ absl::Status AboutField(const absl::Status& status, const std::string& field) {
   return absl::Status(status.code(), absl::StrCat(field, ": ", status.message()));
 }
 
+// A gradient must match what it is the gradient of: "<field>.shape" or
+// "<field>.dtype" otherwise.
+absl::Status CheckLike(const CheckedTensor& t, const Shape& shape, DType dtype,
+                       const std::string& field, const std::string& of) {
+  if (t.shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: ", ShapeString(t.shape),
+                                                   ", but ", of, " is ", ShapeString(shape)));
+  }
+  if (t.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(t.dtype),
+                                                   ", but ", of, " is ", DTypeName(dtype)));
+  }
+  return absl::OkStatus();
+}
+
 const layers::Fp8Recipe* PtrOf(const std::optional<layers::Fp8Recipe>& fp8) {
   return fp8 ? &*fp8 : nullptr;
 }
@@ -97,11 +112,7 @@ absl::StatusOr<CheckedTensor> Session::CheckDy(const CheckedInputs& inputs,
                                                const std::string& field) {
   ASSIGN_OR_RETURN(CheckedTensor checked,
                    CheckTensor(dy, field, config_.max_tensor_bytes, Resident()));
-  if (checked.shape != inputs.y_shape || checked.dtype != inputs.x.dtype) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": ", ShapeString(checked.shape), " ", DTypeName(checked.dtype),
-                     ", but y is ", ShapeString(inputs.y_shape), " ", DTypeName(inputs.x.dtype)));
-  }
+  RETURN_IF_ERROR(CheckLike(checked, inputs.y_shape, inputs.x.dtype, field, "y"));
   return checked;
 }
 
@@ -233,11 +244,8 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(it->second->layer_id));
   ASSIGN_OR_RETURN(CheckedTensor dy_checked,
                    CheckTensor(request.dy(), "dy", config_.max_tensor_bytes, Resident()));
-  if (dy_checked.shape != it->second->y_shape || dy_checked.dtype != it->second->y_dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "dy: ", ShapeString(dy_checked.shape), " ", DTypeName(dy_checked.dtype), ", but y was ",
-        ShapeString(it->second->y_shape), " ", DTypeName(it->second->y_dtype)));
-  }
+  RETURN_IF_ERROR(
+      CheckLike(dy_checked, it->second->y_shape, it->second->y_dtype, "dy", "the forward's y"));
   ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dy_checked));
   // The forward is consumed from here on, whatever the backward's outcome.
   std::unique_ptr<SavedEntry> saved = std::move(it->second);

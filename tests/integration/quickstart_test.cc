@@ -1,0 +1,501 @@
+// TE's JAX quickstart through the client library against the real te_server
+// (CPU backend, loopback), at small sizes: the six variants' init / apply /
+// value_and_grad, their variable trees, FP8 state that moves with the steps,
+// the speedometer, the large-tensor transport, and the ScopeCollectionNotFound
+// error case.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "client/client.h"
+#include "client/modules.h"
+#include "client/sequential.h"
+#include "client/speedometer.h"
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+
+namespace te::client {
+namespace {
+
+// The small config (the quickstart's layer, scaled down).
+constexpr int64_t kBatch = 2, kSeq = 16, kHidden = 32, kFfn = 64;
+constexpr int kHeads = 2;
+constexpr int64_t kKvChannels = kHidden / kHeads;
+// Relative tolerance for comparing two float32 paths that should agree up to
+// the rounding of one host-side add.
+constexpr double kF32AddTolerance = 1e-6;
+
+DelayedScaling QuickstartRecipe() {
+  DelayedScaling recipe;
+  recipe.amax_history_len = 16;
+  return recipe;  // HYBRID, "max", margin 0 by default
+}
+
+std::set<std::string> Names(const std::vector<VariableInfo>& vars, const std::string& collection) {
+  std::set<std::string> out;
+  for (const VariableInfo& v : vars) {
+    if (v.collection == collection) out.insert(v.path);
+  }
+  return out;
+}
+
+bool AllFinite(const HostTensor& t) {
+  for (float v : t.ToFloats()) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+bool AnyNonzero(const HostTensor& t) {
+  for (float v : t.ToFloats()) {
+    if (v != 0.0f) return true;
+  }
+  return false;
+}
+
+double RelativeDifference(const HostTensor& got, const HostTensor& want) {
+  const std::vector<float> a = got.ToFloats(), b = want.ToFloats();
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// value_and_grad's invariants: a finite value, dx like x, one finite, nonzero
+// gradient per parameter with the parameter's shape.
+void ExpectGoodValueAndGrad(const ValueAndGradResult& result, const HostTensor& x,
+                            const std::vector<VariableInfo>& vars) {
+  EXPECT_TRUE(std::isfinite(result.value));
+  EXPECT_EQ(result.dx.shape(), x.shape());
+  EXPECT_TRUE(AllFinite(result.dx));
+  EXPECT_TRUE(AnyNonzero(result.dx));
+  int params = 0;
+  for (const VariableInfo& v : vars) {
+    if (v.collection != "params") continue;
+    ++params;
+    auto it = result.grads.find("params/" + v.path);
+    ASSERT_NE(it, result.grads.end()) << "no gradient for params/" << v.path;
+    EXPECT_EQ(it->second.shape(), v.shape) << v.path;
+    EXPECT_TRUE(AllFinite(it->second)) << v.path;
+    EXPECT_TRUE(AnyNonzero(it->second)) << v.path;
+  }
+  EXPECT_EQ(result.grads.size(), static_cast<size_t>(params));
+}
+
+// The quickstart's attention block after the qkv projection.
+void AddAttention(Sequential* layer) {
+  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * kHidden}, {kHeads, 3 * kKvChannels}));
+  layer->AddHost("qkv_split", SplitLastAxisStep(3));
+  auto attention = std::make_shared<DotProductAttention>(static_cast<int>(kKvChannels), kHeads);
+  attention->attention_dropout = 0.1f;
+  attention->dtype = DType::kBF16;
+  layer->Add("DotProductAttention_0", attention);
+  layer->AddHost("heads_merge", ReshapeTrailing({kHeads, kKvChannels}, {kHidden}));
+  auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden});
+  layer->Add("DenseGeneral_1", proj);
+}
+
+Sequential UnfusedLayer() {
+  Sequential layer;
+  auto ln = [] {
+    auto norm = std::make_shared<LayerNorm>();
+    norm->epsilon = 1e-5f;
+    return norm;
+  };
+  layer.Fork().Add("LayerNorm_0", ln());
+  layer.Add("DenseGeneral_0", std::make_shared<DenseGeneral>(std::vector<int64_t>{3 * kHidden}));
+  AddAttention(&layer);
+  layer.Join().Fork().Add("LayerNorm_1", ln());
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", std::make_shared<DenseGeneral>(std::vector<int64_t>{kFfn}));
+  layer.Add("TEUnfusedMLP_0/activation", std::make_shared<Activation>());
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden}));
+  layer.Join();
+  return layer;
+}
+
+Sequential FusedLayer() {
+  Sequential layer;
+  auto qkv = std::make_shared<LayerNormDenseGeneral>(std::vector<int64_t>{3 * kHidden});
+  qkv->epsilon = 1e-5f;
+  qkv->use_bias = true;
+  qkv->return_layernorm_output = false;
+  layer.Fork().Add("LayerNormDenseGeneral_0", qkv);
+  AddAttention(&layer);
+  auto mlp = std::make_shared<LayerNormMLP>();
+  mlp->intermediate_dim = kFfn;
+  mlp->epsilon = 1e-5f;
+  mlp->use_bias = true;
+  mlp->activations = {"gelu"};
+  mlp->intermediate_dropout_rate = 0.0f;
+  mlp->return_layernorm_output = false;
+  layer.Join().Fork().Add("LayerNormMLP_0", mlp).Join();
+  return layer;
+}
+
+TransformerLayer QuickstartTransformerLayer() {
+  TransformerLayer layer;
+  layer.hidden_size = kHidden;
+  layer.mlp_hidden_size = kFfn;
+  layer.num_attention_heads = kHeads;
+  layer.mlp_activations = {"gelu"};
+  layer.layernorm_epsilon = 1e-5f;
+  layer.use_bias = true;
+  layer.intermediate_dropout = 0.0f;
+  layer.enable_relative_embedding = false;
+  layer.self_attn_bias_type = "no_bias";
+  layer.hidden_dropout = 0.0f;
+  layer.dtype = DType::kBF16;
+  return layer;
+}
+
+class QuickstartTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server = te::testing::ServerProcess::Start();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+  }
+  static void TearDownTestSuite() {
+    if (server_ != nullptr) {
+      absl::Status stopped = server_->Stop();
+      EXPECT_TRUE(stopped.ok()) << stopped;
+    }
+    delete server_;
+    server_ = nullptr;
+  }
+
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    client_ = Connect(ClientOptions());
+    ASSERT_NE(client_, nullptr);
+    SessionOptions options;
+    options.recipes = {QuickstartRecipe()};
+    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession(options);
+    ASSERT_TRUE(session.ok()) << session.status();
+    session_ = *std::move(session);
+  }
+
+  static std::unique_ptr<Client> Connect(const ClientOptions& options) {
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(server_->address(), options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  // Scalar FP8 state of a layer: "fp8_metas/<path>" -> its values.
+  static std::map<std::string, std::vector<float>> Fp8Metas(const Variables& vars) {
+    absl::StatusOr<std::map<std::string, HostTensor>> got = GetVariables(vars, {"fp8_metas"});
+    EXPECT_TRUE(got.ok()) << got.status();
+    std::map<std::string, std::vector<float>> out;
+    if (got.ok()) {
+      for (const auto& [name, t] : *got) out[name] = t.ToFloats();
+    }
+    return out;
+  }
+
+  static te::testing::ServerProcess* server_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<Session> session_;
+  const HostTensor x_ = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kBF16, 42);
+  const HostTensor dy_ = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kBF16, 43);
+};
+
+te::testing::ServerProcess* QuickstartTest::server_ = nullptr;
+
+TEST_F(QuickstartTest, ServerInfoAndNegotiatedRecipe) {
+  absl::StatusOr<te::v1::ServerInfo> info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->version().empty());
+  ASSERT_GT(info->devices_size(), 0);
+  EXPECT_EQ(session_->device(), "cpu");
+  ASSERT_TRUE(session_->recipe().has_value());
+  const DelayedScaling* recipe = std::get_if<DelayedScaling>(&*session_->recipe());
+  ASSERT_NE(recipe, nullptr) << session_->negotiation();
+  EXPECT_EQ(recipe->amax_history_len, 16);
+  EXPECT_FALSE(session_->negotiation().empty());
+}
+
+TEST_F(QuickstartTest, Variant1PlainFlaxLayer) {
+  FlaxTransformerLayer layer(kHidden, kFfn, kHeads);
+  absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const std::set<std::string> params = Names(vars->variables, "params");
+  for (const char* name : {"LayerNorm_0/scale", "LayerNorm_0/bias", "Dense_0/kernel", "Dense_1/kernel",
+                           "LayerNorm_1/scale", "BasicMLP_0/Dense_0/kernel", "BasicMLP_0/Dense_1/bias"}) {
+    EXPECT_TRUE(params.count(name)) << name << " in " << ShapeTree(vars->variables);
+  }
+  EXPECT_FALSE(vars->HasCollection("fp8_metas"));
+  EXPECT_NE(ShapeTree(vars->variables).find("'Dense_0': {'kernel': (32, 96)}"), std::string::npos)
+      << ShapeTree(vars->variables);
+
+  absl::StatusOr<HostTensor> y = layer.Apply(*vars, x_);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->shape(), x_.shape());
+  EXPECT_EQ(y->dtype(), DType::kBF16);
+  EXPECT_TRUE(AllFinite(*y));
+
+  ApplyOptions train;
+  train.deterministic = false;
+  train.dropout_seed = 7;
+  absl::StatusOr<ValueAndGradResult> vg = layer.ValueAndGrad(*vars, x_, dy_, train);
+  ASSERT_TRUE(vg.ok()) << vg.status();
+  ExpectGoodValueAndGrad(*vg, x_, vars->variables);
+}
+
+TEST_F(QuickstartTest, Variants2And3UnfusedLayer) {
+  const Sequential layer = UnfusedLayer();
+  absl::StatusOr<SequentialVariables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const std::set<std::string> params = Names(vars->variables, "params");
+  for (const char* name : {"LayerNorm_0/scale", "LayerNorm_0/ln_bias", "DenseGeneral_0/kernel", "DenseGeneral_0/bias",
+                           "DenseGeneral_1/kernel", "TEUnfusedMLP_0/DenseGeneral_0/kernel",
+                           "TEUnfusedMLP_0/DenseGeneral_1/bias"}) {
+    EXPECT_TRUE(params.count(name)) << name << " in " << ShapeTree(vars->variables);
+  }
+  EXPECT_FALSE(vars->variables.empty());
+  for (const VariableInfo& v : vars->variables) EXPECT_EQ(v.collection, "params") << v.path;
+
+  absl::StatusOr<HostTensor> y = layer.Apply(*vars, x_);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->shape(), x_.shape());
+  EXPECT_EQ(y->dtype(), DType::kBF16);
+
+  ApplyOptions train;
+  train.deterministic = false;
+  train.dropout_seed = 7;
+  absl::StatusOr<ValueAndGradResult> vg = layer.ValueAndGrad(*vars, x_, dy_, train);
+  ASSERT_TRUE(vg.ok()) << vg.status();
+  ExpectGoodValueAndGrad(*vg, x_, vars->variables);
+}
+
+TEST_F(QuickstartTest, Variant4UnfusedLayerUnderFp8) {
+  const Sequential layer = UnfusedLayer();
+  Autocast autocast(true, QuickstartRecipe());
+  absl::StatusOr<SequentialVariables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const std::set<std::string> metas = Names(vars->variables, "fp8_metas");
+  for (const char* dense : {"DenseGeneral_0", "DenseGeneral_1", "TEUnfusedMLP_0/DenseGeneral_0",
+                            "TEUnfusedMLP_0/DenseGeneral_1"}) {
+    for (const char* q : {"x", "kernel", "grad"}) {
+      EXPECT_TRUE(metas.count(std::string(dense) + "/" + q + "_scale")) << dense << " " << q;
+      EXPECT_TRUE(metas.count(std::string(dense) + "/" + q + "_amax_history")) << dense << " " << q;
+    }
+  }
+  for (const VariableInfo& v : vars->variables) {
+    if (v.collection == "fp8_metas" && v.path.find("amax_history") != std::string::npos) {
+      EXPECT_EQ(v.shape, (Shape{16})) << v.path;
+    }
+  }
+  absl::StatusOr<ValueAndGradResult> vg = layer.ValueAndGrad(*vars, x_, dy_);
+  ASSERT_TRUE(vg.ok()) << vg.status();
+  ExpectGoodValueAndGrad(*vg, x_, vars->variables);
+}
+
+TEST_F(QuickstartTest, Variant5FusedLayerUnderFp8) {
+  const Sequential layer = FusedLayer();
+  Autocast autocast(true, QuickstartRecipe());
+  absl::StatusOr<SequentialVariables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const std::set<std::string> params = Names(vars->variables, "params");
+  for (const char* name : {"LayerNormDenseGeneral_0/kernel", "LayerNormDenseGeneral_0/scale",
+                           "LayerNormMLP_0/wi_kernel", "LayerNormMLP_0/wo_kernel"}) {
+    EXPECT_TRUE(params.count(name)) << name << " in " << ShapeTree(vars->variables);
+  }
+  const std::set<std::string> metas = Names(vars->variables, "fp8_metas");
+  for (const char* name : {"LayerNormDenseGeneral_0/x_scale", "LayerNormMLP_0/kernel_0_scale",
+                           "LayerNormMLP_0/grad_1_amax_history"}) {
+    EXPECT_TRUE(metas.count(name)) << name << " in " << ShapeTree(vars->variables);
+  }
+  absl::StatusOr<HostTensor> y = layer.Apply(*vars, x_);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->shape(), x_.shape());
+  EXPECT_EQ(y->dtype(), DType::kBF16);
+  absl::StatusOr<ValueAndGradResult> vg = layer.ValueAndGrad(*vars, x_, dy_);
+  ASSERT_TRUE(vg.ok()) << vg.status();
+  ExpectGoodValueAndGrad(*vg, x_, vars->variables);
+}
+
+TEST_F(QuickstartTest, Variant6TransformerLayerScalesMoveWithTheSteps) {
+  const TransformerLayer layer = QuickstartTransformerLayer();
+  Autocast autocast(true, QuickstartRecipe());
+  absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const std::set<std::string> metas = Names(vars->variables, "fp8_metas");
+  for (const char* name : {"attention/qkv/x_scale", "attention/qkv/kernel_amax_history", "attention/out/grad_scale",
+                           "mlp/x_0_scale", "mlp/kernel_1_amax_history"}) {
+    EXPECT_TRUE(metas.count(name)) << name << " in " << ShapeTree(vars->variables);
+  }
+  const std::string x_scale = "fp8_metas/attention/qkv/x_scale";
+  const std::string x_history = "fp8_metas/attention/qkv/x_amax_history";
+  const std::string grad_scale = "fp8_metas/attention/out/grad_scale";
+  const std::string grad_history = "fp8_metas/attention/out/grad_amax_history";
+  // TE's update at a step's end: scale = fp8_max / max(amax_history).
+  auto expect_scale = [](const std::vector<float>& scale, const std::vector<float>& history, float fp8_max) {
+    float amax = 0.0f;
+    for (float a : history) amax = std::max(amax, a);
+    ASSERT_GT(amax, 0.0f);
+    EXPECT_NEAR(scale[0], fp8_max / amax, 1e-6 * fp8_max / amax);
+  };
+
+  // Init: scales 1, histories zero.
+  std::map<std::string, std::vector<float>> initial = Fp8Metas(*vars);
+  ASSERT_EQ(initial.count(x_scale), 1u);
+  ASSERT_EQ(initial.count(grad_scale), 1u);
+  EXPECT_EQ(initial[x_scale][0], 1.0f);
+  EXPECT_EQ(initial[grad_scale][0], 1.0f);
+
+  // An apply that keeps nothing for a backward is a (forward-only) step: the
+  // forward quantizers' scales move, the gradient's cannot yet.
+  absl::StatusOr<HostTensor> y = layer.Apply(*vars, x_);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->shape(), x_.shape());
+  EXPECT_EQ(y->dtype(), DType::kBF16);
+  std::map<std::string, std::vector<float>> applied = Fp8Metas(*vars);
+  EXPECT_NE(applied[x_scale][0], 1.0f);
+  expect_scale(applied[x_scale], applied[x_history], 448.0f);  // E4M3 forward
+  EXPECT_EQ(applied[grad_scale][0], 1.0f);
+
+  absl::StatusOr<ValueAndGradResult> vg = layer.ValueAndGrad(*vars, x_, dy_);
+  ASSERT_TRUE(vg.ok()) << vg.status();
+  ExpectGoodValueAndGrad(*vg, x_, vars->variables);
+  std::map<std::string, std::vector<float>> step1 = Fp8Metas(*vars);
+  EXPECT_NE(step1[grad_scale][0], 1.0f);
+  expect_scale(step1[grad_scale], step1[grad_history], 57344.0f);  // E5M2 gradients (HYBRID)
+
+  // A step with 8x the gradient: the gradient's amax grows and its scale falls.
+  std::vector<float> big = dy_.ToFloats();
+  for (float& v : big) v *= 8.0f;
+  absl::StatusOr<HostTensor> dy_big = HostTensor::FromFloats(dy_.shape(), big, DType::kBF16);
+  ASSERT_TRUE(dy_big.ok());
+  ASSERT_TRUE(layer.ValueAndGrad(*vars, x_, *dy_big).ok());
+  std::map<std::string, std::vector<float>> step2 = Fp8Metas(*vars);
+  EXPECT_LT(step2[grad_scale][0], step1[grad_scale][0]);
+  expect_scale(step2[grad_scale], step2[grad_history], 57344.0f);
+}
+
+TEST_F(QuickstartTest, Fp8ApplyOnALayerInitialisedWithoutAutocastFails) {
+  const TransformerLayer layer = QuickstartTransformerLayer();
+  absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);  // no autocast: no fp8_metas
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  EXPECT_FALSE(vars->HasCollection("fp8_metas"));
+  Autocast autocast(true, QuickstartRecipe());
+  absl::Status status = layer.Apply(*vars, x_).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_NE(status.message().find("fp8_metas"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("init under autocast"), std::string::npos) << status;
+  // The session is still usable: with FP8 off the same layer applies.
+  Autocast off(false);
+  EXPECT_TRUE(layer.Apply(*vars, x_).ok());
+}
+
+TEST_F(QuickstartTest, SpeedometerClientAndServerSide) {
+  const TransformerLayer layer = QuickstartTransformerLayer();
+  Autocast autocast(true, QuickstartRecipe());
+  absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  SpeedometerOptions options;
+  options.warmup_iters = 1;
+  options.timing_iters = 3;
+  options.print = false;
+  absl::StatusOr<SpeedometerResult> client_side = Speedometer(*session_, layer, *vars, x_, dy_, options);
+  ASSERT_TRUE(client_side.ok()) << client_side.status();
+  EXPECT_GT(client_side->mean_ms, 0.0);
+  EXPECT_EQ(client_side->steps, 3);
+  EXPECT_EQ(client_side->timed_by, "client");
+  options.server_side = true;
+  absl::StatusOr<SpeedometerResult> server_side = Speedometer(*session_, layer, *vars, x_, dy_, options);
+  ASSERT_TRUE(server_side.ok()) << server_side.status();
+  EXPECT_GT(server_side->mean_ms, 0.0);
+  EXPECT_EQ(server_side->steps, 3);
+
+  const Sequential fused = FusedLayer();
+  absl::StatusOr<SequentialVariables> fused_vars = fused.Init(*session_, 42, x_);
+  ASSERT_TRUE(fused_vars.ok()) << fused_vars.status();
+  options.server_side = false;
+  absl::StatusOr<SpeedometerResult> chained = Speedometer(*session_, fused, *fused_vars, x_, dy_, options);
+  ASSERT_TRUE(chained.ok()) << chained.status();
+  EXPECT_GT(chained->mean_ms, 0.0);
+  options.server_side = true;
+  EXPECT_EQ(Speedometer(*session_, fused, *fused_vars, x_, dy_, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// A residual Sequential around one module: value and dx are the module's
+// (from ForwardBackward) plus the residual's, so the Forward/Backward chain
+// and the host glue agree with the server's own step.
+TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
+  const HostTensor x = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kF32, 5);
+  const HostTensor dy = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kF32, 6);
+  auto mlp = std::make_shared<LayerNormMLP>();
+  mlp->intermediate_dim = kFfn;
+  mlp->activations = {"gelu"};
+  mlp->intermediate_dropout_rate = 0.0f;
+  absl::StatusOr<Variables> module_vars = mlp->Init(*session_, 1, x);
+  ASSERT_TRUE(module_vars.ok()) << module_vars.status();
+  absl::StatusOr<ValueAndGradResult> direct = mlp->ValueAndGrad(*module_vars, x, dy);
+  ASSERT_TRUE(direct.ok()) << direct.status();
+
+  Sequential residual;
+  residual.Fork().Add("mlp", mlp).Join();
+  SequentialVariables vars;
+  vars.stages = {Variables(), *module_vars, Variables()};
+  absl::StatusOr<ValueAndGradResult> chained = residual.ValueAndGrad(vars, x, dy);
+  ASSERT_TRUE(chained.ok()) << chained.status();
+
+  absl::StatusOr<double> residual_value = Vdot(x, dy);
+  ASSERT_TRUE(residual_value.ok());
+  EXPECT_NEAR(chained->value, direct->value + *residual_value,
+              1e-5 * (std::fabs(direct->value) + std::fabs(*residual_value)));
+  absl::StatusOr<HostTensor> want_dx = Add(direct->dx, dy);
+  ASSERT_TRUE(want_dx.ok());
+  EXPECT_LT(RelativeDifference(chained->dx, *want_dx), kF32AddTolerance);
+  for (const auto& [name, g] : direct->grads) {
+    const std::string scoped = "params/mlp/" + name.substr(std::string("params/").size());
+    ASSERT_EQ(chained->grads.count(scoped), 1u) << scoped;
+    EXPECT_LT(RelativeDifference(chained->grads.at(scoped), g), kF32AddTolerance) << scoped;
+  }
+}
+
+// With a tiny inline limit every tensor travels through PutTensor / GetTensor
+// and resident outputs; the results are the same bytes as inline transport.
+TEST_F(QuickstartTest, StreamedTransportGivesTheSameResults) {
+  ClientOptions streamed_options;
+  streamed_options.inline_tensor_bytes = 256;
+  streamed_options.chunk_bytes = 1000;  // several chunks per tensor
+  std::unique_ptr<Client> streamed_client = Connect(streamed_options);
+  ASSERT_NE(streamed_client, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> streamed = streamed_client->CreateSession();
+  ASSERT_TRUE(streamed.ok()) << streamed.status();
+
+  const Sequential layer = FusedLayer();
+  absl::StatusOr<SequentialVariables> inline_vars = layer.Init(*session_, 42, x_);
+  absl::StatusOr<SequentialVariables> streamed_vars = layer.Init(**streamed, 42, x_);
+  ASSERT_TRUE(inline_vars.ok()) << inline_vars.status();
+  ASSERT_TRUE(streamed_vars.ok()) << streamed_vars.status();
+  absl::StatusOr<ValueAndGradResult> a = layer.ValueAndGrad(*inline_vars, x_, dy_);
+  absl::StatusOr<ValueAndGradResult> b = layer.ValueAndGrad(*streamed_vars, x_, dy_);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->value, b->value);
+  EXPECT_EQ(a->dx.bytes(), b->dx.bytes());
+  ASSERT_EQ(a->grads.size(), b->grads.size());
+  for (const auto& [name, g] : a->grads) EXPECT_EQ(g.bytes(), b->grads.at(name).bytes()) << name;
+
+  // A resident tensor round trip through the streams.
+  const HostTensor big = HostTensor::RandomNormal({300, 70}, DType::kF32, 8);
+  absl::StatusOr<ResidentTensor> put = (*streamed)->Put(big);
+  ASSERT_TRUE(put.ok()) << put.status();
+  absl::StatusOr<HostTensor> got = (*streamed)->Get(put->id);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->bytes(), big.bytes());
+  EXPECT_TRUE((*streamed)->Delete(put->id).ok());
+  EXPECT_EQ((*streamed)->Get(put->id).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace te::client
