@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
@@ -53,6 +54,11 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Option
   std::vector<std::string> args = {binary, "--port=0", "--port_file=" + port_file,
                                    "--host=127.0.0.1", "--device=cpu"};
   args.insert(args.end(), options.flags.begin(), options.flags.end());
+  if (const char* env = std::getenv("TE_SERVER_FLAGS")) {
+    for (absl::string_view flag : absl::StrSplit(env, ' ', absl::SkipEmpty())) {
+      args.emplace_back(flag);
+    }
+  }
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);

@@ -25,7 +25,8 @@ class ServerProcess {
  public:
   struct Options {
     // Flags after the fixture's own (--port=0 --port_file --host=127.0.0.1
-    // --device=cpu); a later flag overrides an earlier one.
+    // --device=cpu), then those in $TE_SERVER_FLAGS (space-separated, e.g.
+    // "--device=auto" to run the same tests on a GPU); later flags win.
     std::vector<std::string> flags;
     absl::Duration startup_timeout = absl::Seconds(60);
   };
