@@ -192,11 +192,13 @@ absl::StatusOr<ValueAndGradResult> Module::ValueAndGrad(const Variables& vars, c
   return result;
 }
 
-absl::StatusOr<BackwardResult> Backward(Session& session, const std::string& forward_id, const HostTensor& dy) {
+absl::StatusOr<BackwardResult> Backward(Session& session, const std::string& forward_id, const HostTensor& dy,
+                                        bool keep_grads) {
   Uploads uploads(session);
   te::v1::BackwardRequest request;
   request.set_forward_id(forward_id);
   ASSIGN_OR_RETURN(*request.mutable_dy(), session.Send(dy, uploads.ids()));
+  request.set_keep_grads(keep_grads);
   request.set_keep_outputs(LargeForInline(session, static_cast<int64_t>(dy.bytes().size())));
   ASSIGN_OR_RETURN(te::v1::BackwardResponse response, session.Backward(std::move(request)));
   BackwardResult result;

@@ -114,10 +114,12 @@ class Module {
                                         const ApplyOptions& options, bool keep_for_backward) const;
 };
 
-// The backward of a kept forward: gradients of vdot(y, dy). NOT_FOUND when
-// the forward id is unknown or was already used.
+// The backward of a kept forward: gradients of vdot(y, dy). With keep_grads
+// the parameter gradients stay on the server (summed into the layer's "grads"
+// collection) and result.grads is empty. NOT_FOUND when the forward id is
+// unknown or was already used.
 absl::StatusOr<BackwardResult> Backward(Session& session, const std::string& forward_id,
-                                        const HostTensor& dy);
+                                        const HostTensor& dy, bool keep_grads = false);
 
 // The layer's current variables ("params/...", "fp8_metas/...", "grads/..."),
 // downloaded; `collections` empty means all.

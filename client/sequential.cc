@@ -165,7 +165,8 @@ absl::StatusOr<HostTensor> Sequential::Apply(const SequentialVariables& vars, co
 }
 
 absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVariables& vars, const HostTensor& x,
-                                                            const HostTensor& dy, const ApplyOptions& options) const {
+                                                            const HostTensor& dy, const ApplyOptions& options,
+                                                            bool return_grads) const {
   if (vars.stages.size() != stages_.size()) {
     return absl::InvalidArgumentError("vars: initialised by another Sequential (stage count differs)");
   }
@@ -181,7 +182,8 @@ absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVari
     switch (stage.kind) {
       case Kind::kModule: {
         RETURN_IF_ERROR(ExpectOne(grads, stage.name));
-        ASSIGN_OR_RETURN(BackwardResult back, Backward(*vars.stages[i].session, forward_ids[i], grads[0]));
+        ASSIGN_OR_RETURN(BackwardResult back, Backward(*vars.stages[i].session, forward_ids[i], grads[0],
+                                                            /*keep_grads=*/!return_grads));
         grads = {std::move(back.dx)};
         for (HostTensor& g : back.extra_input_grads) grads.push_back(std::move(g));
         for (auto& [name, g] : back.grads) result.grads[Scoped(stage.name, name)] = std::move(g);

@@ -66,8 +66,12 @@ class Sequential {
                                    const ApplyOptions& options = {}) const;
 
   // value, dx and every module's parameter gradients ("params/<name>/<path>").
+  // With return_grads false the gradients stay on the server (each layer's
+  // "grads" collection) and only the activations' gradients travel, as a
+  // timed training step wants.
   absl::StatusOr<ValueAndGradResult> ValueAndGrad(const SequentialVariables& vars, const HostTensor& x,
-                                                  const HostTensor& dy, const ApplyOptions& options = {}) const;
+                                                  const HostTensor& dy, const ApplyOptions& options = {},
+                                                  bool return_grads = true) const;
 
  private:
   enum class Kind { kModule, kHost, kFork, kJoin };

@@ -459,6 +459,15 @@ TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
     ASSERT_EQ(chained->grads.count(scoped), 1u) << scoped;
     EXPECT_LT(RelativeDifference(chained->grads.at(scoped), g), kF32AddTolerance) << scoped;
   }
+
+  // A training step that leaves the gradients on the server: same dx, none sent back.
+  absl::StatusOr<ValueAndGradResult> kept = residual.ValueAndGrad(vars, x, dy, {}, /*return_grads=*/false);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_TRUE(kept->grads.empty());
+  EXPECT_EQ(kept->dx.bytes(), chained->dx.bytes());
+  absl::StatusOr<std::map<std::string, HostTensor>> on_server = GetVariables(*module_vars, {"grads"});
+  ASSERT_TRUE(on_server.ok()) << on_server.status();
+  EXPECT_FALSE(on_server->empty());
 }
 
 // With a tiny inline limit every tensor travels through PutTensor / GetTensor
