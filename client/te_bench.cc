@@ -1,0 +1,113 @@
+// te_bench: a multi-client load generator for te_server (see te_bench_lib.h).
+//
+//   te_bench --server=localhost:50051 --clients=1,2,4,8 --layer=transformer \
+//            --config=small --op=forward_backward --fp8=delayed --duration_s=10 --json=out.json
+//
+// Prints a progress line per second on stderr, then the table on stdout, and
+// the JSON report to --json (stdout after the table when --json is empty).
+// Exit status: 0 when no call failed, 1 when some did (the report still
+// prints), 2 for bad flags or a server that does not answer.
+#include <fstream>
+#include <iostream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "client/te_bench_lib.h"
+#include "kernels/status_macros.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "te_server address (host:port)");
+ABSL_FLAG(std::string, clients, "1", "concurrent clients per sweep point, e.g. 1,2,4,8");
+ABSL_FLAG(std::string, layer, "transformer", "dense | layernorm_mlp | transformer | flax");
+ABSL_FLAG(std::string, config, "small",
+          "layer sizes: small (batch 2, seq 32, hidden 64, ffn 256, 4 heads) or quickstart (batch 4, "
+          "seq 2048, hidden 4096, ffn 16384, 32 heads); --batch etc. override single sizes");
+ABSL_FLAG(int64_t, batch, 0, "batch size (0: from --config)");
+ABSL_FLAG(int64_t, seq, 0, "sequence length (0: from --config)");
+ABSL_FLAG(int64_t, hidden, 0, "hidden size (0: from --config)");
+ABSL_FLAG(int64_t, ffn, 0, "FFN (MLP) size (0: from --config)");
+ABSL_FLAG(int, heads, 0, "attention heads (0: from --config)");
+ABSL_FLAG(std::string, dtype, "bf16", "x's dtype: bf16 | f32 | f16");
+ABSL_FLAG(std::string, op, "forward_backward", "forward | forward_backward | put | get");
+ABSL_FLAG(std::string, fp8, "none", "none | delayed (DelayedScaling HYBRID, history 16, max) | current");
+ABSL_FLAG(int, micro_batches, 1, "micro-batches per ForwardBackward call");
+ABSL_FLAG(bool, deterministic, true, "false: dropout on, a fresh seed per call");
+ABSL_FLAG(double, duration_s, 10.0, "seconds per sweep point (when --count is 0)");
+ABSL_FLAG(int64_t, count, 0, "timed calls per client per point (0: run for --duration_s)");
+ABSL_FLAG(int, warmup, 2, "untimed calls per client before each point");
+ABSL_FLAG(bool, fetch_outputs, false, "forward: bring y back (else it stays resident and is deleted)");
+ABSL_FLAG(std::string, device, "", "the sessions' device, e.g. cuda:0 (empty: the server's choice)");
+ABSL_FLAG(double, rpc_timeout_s, 600.0, "deadline of each call");
+ABSL_FLAG(std::string, json, "", "write the JSON report here (empty: stdout, after the table)");
+
+namespace te::client::bench {
+namespace {
+
+absl::StatusOr<DType> ParseDType(const std::string& text) {
+  if (text == "bf16" || text == "bfloat16") return DType::kBF16;
+  if (text == "f32" || text == "float32") return DType::kF32;
+  if (text == "f16" || text == "float16") return DType::kF16;
+  return absl::InvalidArgumentError(absl::StrCat("--dtype: \"", text, "\" is not bf16, f32 or f16"));
+}
+
+absl::StatusOr<BenchOptions> OptionsFromFlags() {
+  BenchOptions o;
+  o.server = absl::GetFlag(FLAGS_server);
+  ASSIGN_OR_RETURN(o.clients, ParseClientList(absl::GetFlag(FLAGS_clients)));
+  ASSIGN_OR_RETURN(o.layer, ParseLayer(absl::GetFlag(FLAGS_layer)));
+  ASSIGN_OR_RETURN(o.size, SizeForConfig(absl::GetFlag(FLAGS_config)));
+  if (absl::GetFlag(FLAGS_batch) > 0) o.size.batch = absl::GetFlag(FLAGS_batch);
+  if (absl::GetFlag(FLAGS_seq) > 0) o.size.seq = absl::GetFlag(FLAGS_seq);
+  if (absl::GetFlag(FLAGS_hidden) > 0) o.size.hidden = absl::GetFlag(FLAGS_hidden);
+  if (absl::GetFlag(FLAGS_ffn) > 0) o.size.ffn = absl::GetFlag(FLAGS_ffn);
+  if (absl::GetFlag(FLAGS_heads) > 0) o.size.heads = absl::GetFlag(FLAGS_heads);
+  ASSIGN_OR_RETURN(o.dtype, ParseDType(absl::GetFlag(FLAGS_dtype)));
+  ASSIGN_OR_RETURN(o.op, ParseOp(absl::GetFlag(FLAGS_op)));
+  ASSIGN_OR_RETURN(o.fp8, ParseFp8(absl::GetFlag(FLAGS_fp8)));
+  o.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  o.deterministic = absl::GetFlag(FLAGS_deterministic);
+  o.duration = absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  o.count = absl::GetFlag(FLAGS_count);
+  o.warmup = absl::GetFlag(FLAGS_warmup);
+  o.fetch_outputs = absl::GetFlag(FLAGS_fetch_outputs);
+  o.device = absl::GetFlag(FLAGS_device);
+  o.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  o.progress = &std::cerr;
+  RETURN_IF_ERROR(Validate(o));
+  return o;
+}
+
+int Main() {
+  absl::StatusOr<BenchOptions> options = OptionsFromFlags();
+  if (!options.ok()) {
+    std::cerr << "te_bench: " << options.status() << std::endl;
+    return 2;
+  }
+  absl::StatusOr<BenchReport> report = RunBench(*options);
+  if (!report.ok()) {
+    std::cerr << "te_bench: " << report.status() << std::endl;
+    return 2;
+  }
+  std::cout << FormatTable(*report) << std::flush;
+  const std::string json = FormatJson(*report);
+  const std::string path = absl::GetFlag(FLAGS_json);
+  if (path.empty()) {
+    std::cout << json << std::flush;
+  } else {
+    std::ofstream out(path);
+    out << json;
+    if (!out.good()) {
+      std::cerr << "te_bench: could not write the JSON report to --json=" << path << std::endl;
+      return 2;
+    }
+  }
+  return report->total_errors() == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace te::client::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return te::client::bench::Main();
+}
