@@ -26,6 +26,10 @@ import te_client.flax as te_flax                       # was: import transformer
 from te_client import linen as nn                      # was: from flax import linen as nn
 from te_client.recipe import Format, DelayedScaling    # was: from transformer_engine.common.recipe import ...
 
+# The notebook's sections. The composed layers (te_*, fp8, fused) run their glue on the client, so each
+# step moves activations over gRPC: at the notebook's sizes they take seconds per step.
+SECTIONS = ["flax", "te_flax_attention", "te_attention", "fp8", "fused", "transformer_layer"]
+
 CONFIGS = {
     # Small enough for the CPU reference backend.
     "small": dict(hidden_size=256, sequence_length=128, batch_size=2, ffn_hidden_size=1024, num_attention_heads=4),
@@ -166,7 +170,12 @@ def main():
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--warmup_iters", type=int, default=3)   # the notebook: 50 on a GPU
     parser.add_argument("--timing_iters", type=int, default=10)  # the notebook: 50
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated subset of: " + ", ".join(SECTIONS))
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error("unknown sections: %s" % ", ".join(sorted(sections - set(SECTIONS))))
     timing = dict(warmup_iters=args.warmup_iters, timing_iters=args.timing_iters)
 
     client = te.connect(args.address)
@@ -190,90 +199,97 @@ def main():
         x = te.asarray(rng.standard_normal((batch_size, sequence_length, hidden_size), dtype=np.float32), dtype)
         dy = te.asarray(rng.standard_normal((batch_size, sequence_length, hidden_size), dtype=np.float32), dtype)
 
-        print("\n# The plain-Flax layer")
-        flax_transformer = te_flax.FlaxTransformerLayer(
-            hidden_size=hidden_size,
-            ffn_hidden_size=ffn_hidden_size,
-            num_attention_heads=num_attention_heads,
-        )
-        params = flax_transformer.init(key, x, attention_mask=None, deterministic=False)
-        print("Pure Flax FlaxTransformerLayer initialized successfully!")
-        print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, params)}")
+        if "flax" in sections:
+            print("\n# The plain-Flax layer")
+            flax_transformer = te_flax.FlaxTransformerLayer(
+                hidden_size=hidden_size,
+                ffn_hidden_size=ffn_hidden_size,
+                num_attention_heads=num_attention_heads,
+            )
+            params = flax_transformer.init(key, x, attention_mask=None, deterministic=False)
+            print("Pure Flax FlaxTransformerLayer initialized successfully!")
+            print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, params)}")
 
-        y = flax_transformer.apply(params, x, attention_mask=None, deterministic=True)
-        print(f"Input shape: {x.shape}")
-        print(f"Output shape: {y.shape}")
-        print(f"Output dtype: {te.dtype_of(y)}")
-        print("Forward pass completed successfully!")
+            y = flax_transformer.apply(params, x, attention_mask=None, deterministic=True)
+            print(f"Input shape: {x.shape}")
+            print(f"Output shape: {y.shape}")
+            print(f"Output dtype: {te.dtype_of(y)}")
+            print("Forward pass completed successfully!")
 
-        te.speedometer(model_apply_fn=flax_transformer.apply, variables=params, input=x, output_grad=dy,
-                       forward_kwargs={"attention_mask": None, "deterministic": False},
-                       rngs={"dropout": dropout_key}, **timing)
+            te.speedometer(model_apply_fn=flax_transformer.apply, variables=params, input=x, output_grad=dy,
+                           forward_kwargs={"attention_mask": None, "deterministic": False},
+                           rngs={"dropout": dropout_key}, **timing)
 
-        print("\n# TE modules, Flax attention")
-        te_unfused_transformer_with_flax_MHA = TEUnfusedTransformerLayer(
-            hidden_size, ffn_hidden_size, num_attention_heads, use_te_attention=False)
-        te_params = te_unfused_transformer_with_flax_MHA.init(key, x, attention_mask=None, deterministic=False)
-        print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, te_params)}")
-        te.speedometer(model_apply_fn=te_unfused_transformer_with_flax_MHA.apply, variables=te_params,
-                       input=x, output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
-                       rngs={"dropout": dropout_key}, **timing)
+        if "te_flax_attention" in sections:
+            print("\n# TE modules, Flax attention")
+            te_unfused_transformer_with_flax_MHA = TEUnfusedTransformerLayer(
+                hidden_size, ffn_hidden_size, num_attention_heads, use_te_attention=False)
+            te_params = te_unfused_transformer_with_flax_MHA.init(key, x, attention_mask=None, deterministic=False)
+            print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, te_params)}")
+            te.speedometer(model_apply_fn=te_unfused_transformer_with_flax_MHA.apply, variables=te_params,
+                           input=x, output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
+                           rngs={"dropout": dropout_key}, **timing)
 
-        print("\n# TE modules, TE attention")
-        te_unfused_transformer = TEUnfusedTransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
-        te_params = te_unfused_transformer.init(key, x, attention_mask=None, deterministic=False)
-        te.speedometer(model_apply_fn=te_unfused_transformer.apply, variables=te_params, input=x,
-                       output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
-                       rngs={"dropout": dropout_key}, **timing)
+        if "te_attention" in sections:
+            print("\n# TE modules, TE attention")
+            te_unfused_transformer = TEUnfusedTransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
+            te_params = te_unfused_transformer.init(key, x, attention_mask=None, deterministic=False)
+            te.speedometer(model_apply_fn=te_unfused_transformer.apply, variables=te_params, input=x,
+                           output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
+                           rngs={"dropout": dropout_key}, **timing)
 
-        print("\n# FP8")
-        with te.autocast(enabled=True, recipe=fp8_recipe):
-            te_unfused_params = te_unfused_transformer.init(key, x, attention_mask=None, deterministic=False)
-            # Example usage of forward
-            y = te_unfused_transformer.apply(te_unfused_params, x, attention_mask=None, deterministic=True)
-        print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, te_unfused_params)}")
-        print(f"Output shape: {y.shape}")
-        te.speedometer(model_apply_fn=te_unfused_transformer.apply, variables=te_unfused_params, input=x,
-                       output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
-                       autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
-                       rngs={"dropout": dropout_key}, **timing)
+        if "fp8" in sections:
+            print("\n# FP8")
+            te_unfused_transformer = TEUnfusedTransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
+            with te.autocast(enabled=True, recipe=fp8_recipe):
+                te_unfused_params = te_unfused_transformer.init(key, x, attention_mask=None, deterministic=False)
+                # Example usage of forward
+                y = te_unfused_transformer.apply(te_unfused_params, x, attention_mask=None, deterministic=True)
+            print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, te_unfused_params)}")
+            print(f"Output shape: {y.shape}")
+            te.speedometer(model_apply_fn=te_unfused_transformer.apply, variables=te_unfused_params, input=x,
+                           output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
+                           autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
+                           rngs={"dropout": dropout_key}, **timing)
 
-        print("\n# Fused TE modules")
-        te_fused_transformer = TEFusedTransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
-        with te.autocast(enabled=True, recipe=fp8_recipe):
-            te_fused_params = te_fused_transformer.init(key, x, attention_mask=None, deterministic=False)
-            # Example usage of forward
-            y = te_fused_transformer.apply(te_fused_params, x, attention_mask=None, deterministic=True)
-        print(f"Output shape: {y.shape}")
-        te.speedometer(model_apply_fn=te_fused_transformer.apply, variables=te_fused_params, input=x,
-                       output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
-                       autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
-                       rngs={"dropout": dropout_key}, **timing)
+        if "fused" in sections:
+            print("\n# Fused TE modules")
+            te_fused_transformer = TEFusedTransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
+            with te.autocast(enabled=True, recipe=fp8_recipe):
+                te_fused_params = te_fused_transformer.init(key, x, attention_mask=None, deterministic=False)
+                # Example usage of forward
+                y = te_fused_transformer.apply(te_fused_params, x, attention_mask=None, deterministic=True)
+            print(f"Output shape: {y.shape}")
+            te.speedometer(model_apply_fn=te_fused_transformer.apply, variables=te_fused_params, input=x,
+                           output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
+                           autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
+                           rngs={"dropout": dropout_key}, **timing)
 
-        print("\n# TransformerLayer")
-        te_transformer = te_flax.TransformerLayer(
-            hidden_size=hidden_size,
-            mlp_hidden_size=ffn_hidden_size,
-            num_attention_heads=num_attention_heads,
-            mlp_activations=("gelu",),
-            self_attn_mask_type="causal",
-            layernorm_epsilon=1e-5,
-            use_bias=True,
-            intermediate_dropout=0.0,
-            enable_relative_embedding=False,
-            self_attn_bias_type="no_bias",
-            hidden_dropout=0.0,
-            dtype=te.bfloat16,
-        )
-        with te.autocast(enabled=True, recipe=fp8_recipe):
-            te_transformer_params = te_transformer.init(key, x, deterministic=False)
-            y = te_transformer.apply(te_transformer_params, x, attention_mask=None, deterministic=True)
-        print(f"Output shape: {y.shape}")
-        te.speedometer(model_apply_fn=te_transformer.apply, model_init_fn=te_transformer.init,
-                       variables=te_transformer_params, input=x, output_grad=dy,
-                       forward_kwargs={"attention_mask": None, "deterministic": False},
-                       autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
-                       rngs={"dropout": dropout_key}, **timing)
+        if "transformer_layer" in sections:
+            print("\n# TransformerLayer")
+            te_transformer = te_flax.TransformerLayer(
+                hidden_size=hidden_size,
+                mlp_hidden_size=ffn_hidden_size,
+                num_attention_heads=num_attention_heads,
+                mlp_activations=("gelu",),
+                self_attn_mask_type="causal",
+                layernorm_epsilon=1e-5,
+                use_bias=True,
+                intermediate_dropout=0.0,
+                enable_relative_embedding=False,
+                self_attn_bias_type="no_bias",
+                hidden_dropout=0.0,
+                dtype=te.bfloat16,
+            )
+            with te.autocast(enabled=True, recipe=fp8_recipe):
+                te_transformer_params = te_transformer.init(key, x, deterministic=False)
+                y = te_transformer.apply(te_transformer_params, x, attention_mask=None, deterministic=True)
+            print(f"Output shape: {y.shape}")
+            te.speedometer(model_apply_fn=te_transformer.apply, model_init_fn=te_transformer.init,
+                           variables=te_transformer_params, input=x, output_grad=dy,
+                           forward_kwargs={"attention_mask": None, "deterministic": False},
+                           autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
+                           rngs={"dropout": dropout_key}, **timing)
     client.close()
 
 
