@@ -1,5 +1,11 @@
 #!/usr/bin/env python3
-"""Counts test cases from Bazel's test.xml files and prints 'N passed, N failed'.
+"""Counts test cases and prints 'N passed, N failed'.
+
+  count_results.py BAZEL_TESTLOGS BAZEL_LOG [JUNIT_XML ...]
+
+Cases come from Bazel's test.xml files (for the targets the log reports) and
+from any further JUnit XML files (pytest's --junitxml); a missing JUnit file
+counts as one failure.
 
 A test target that failed without a test.xml of its own (it failed to build,
 crashed, or timed out) counts as one failure, so nothing is silently dropped.
@@ -11,7 +17,19 @@ import sys
 import xml.etree.ElementTree as ET
 
 
-def main(testlogs, log_path):
+def count_cases(xml_path, label):
+    """(passed, failed) test cases of one JUnit XML file."""
+    passed = failed = 0
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed += 1
+            print(f"FAILED: {label} {case.get('classname')}.{case.get('name')}")
+        elif case.get("status", "run") == "run" and case.find("skipped") is None:
+            passed += 1
+    return passed, failed
+
+
+def main(testlogs, log_path, junit_paths):
     log = open(log_path, errors="replace").read() if os.path.exists(log_path) else ""
     # Targets Bazel reported in this run, with their outcome.
     outcomes = dict(re.findall(r"^(//\S+)\s+(?:\(cached\)\s+)?(PASSED|FAILED TO BUILD|FAILED|TIMEOUT|NO STATUS|FLAKY)", log, re.M))
@@ -22,12 +40,7 @@ def main(testlogs, log_path):
         cases_passed = cases_failed = 0
         if os.path.exists(xml) and outcome != "FAILED TO BUILD":
             try:
-                for case in ET.parse(xml).getroot().iter("testcase"):
-                    if case.find("failure") is not None or case.find("error") is not None:
-                        cases_failed += 1
-                        print(f"FAILED: {target} {case.get('classname')}.{case.get('name')}")
-                    elif case.get("status", "run") == "run" and case.find("skipped") is None:
-                        cases_passed += 1
+                cases_passed, cases_failed = count_cases(xml, target)
             except ET.ParseError:
                 pass
         if cases_passed + cases_failed == 0:  # no per-case results: count the target
@@ -38,9 +51,17 @@ def main(testlogs, log_path):
             print(f"FAILED: {target} ({outcome})")
         passed += cases_passed
         failed += cases_failed
+    for path in junit_paths:
+        try:
+            p, f = count_cases(path, os.path.basename(path))
+        except (OSError, ET.ParseError):
+            p, f = 0, 1
+            print(f"FAILED: no readable results in {path}")
+        passed += p
+        failed += f
     print(f"{passed} passed, {failed} failed")
     return 0 if failed == 0 and passed > 0 else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
