@@ -1,0 +1,514 @@
+// layer_bench: the quickstart's variants timed through te_server, for the GPU
+// benchmark harness (tests/bench/run_gpu_bench.sh, summarize.py).
+//
+// Each variant runs in its own session: its layer(s) are initialised, x and
+// dy are uploaded once as resident tensors, and a forward + backward step
+// (value_and_grad of vdot(y, dy), dropout on as the quickstart times it) is
+// timed two ways:
+//   server: the Benchmark RPC (the server's own clock, no network);
+//   client: the wall time the client observes per step, inputs resident,
+//           nothing brought back.
+// Variants 1, 6 and 7 are one server module (one ForwardBackward call per
+// step). Variants 2-5 are, as in the quickstart, modules chained by the
+// client: here without host glue, so every tensor stays on the server. The
+// qkv projection writes [B, S, 3, H, D] for DotProductAttention's bs3hd
+// layout and the output projection contracts (H, D), which replaces the
+// quickstart's client-side reshape and split (same GEMMs); the two residual
+// adds (elementwise) are left out. A chained step is one Forward per module
+// (outputs kept), one Backward per module in reverse (gradients kept), and
+// the deletes of the kept outputs; its server time is the sum of each
+// module's Benchmark (printed as MODULE lines).
+//
+// Output, one line per variant (times are means per step in ms; "-" where
+// not measured):
+//   OURS <variant> <server ms> <client ms> <peak device MiB>
+//   OURS <variant> FAILED <message>
+//
+//   layer_bench --server=localhost:50051 --config=quickstart --variants=all
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/modules.h"
+#include "client/recipe.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "te_server address (host:port)");
+ABSL_FLAG(std::string, config, "quickstart",
+          "quickstart (batch 4, seq 2048, hidden 4096, ffn 16384, 32 heads) or small (batch 2, seq 32, "
+          "hidden 64, ffn 256, 4 heads)");
+ABSL_FLAG(std::string, variants, "all", "all, or a list such as 1,4,6 (7: TransformerLayer in bf16)");
+ABSL_FLAG(int, warmup, 5, "untimed steps before each timing");
+ABSL_FLAG(int, iters, 20, "timed steps per timing");
+ABSL_FLAG(bool, deterministic, false, "true: dropout off (the quickstart times with dropout on)");
+ABSL_FLAG(bool, server_side, true, "time with the Benchmark RPC");
+ABSL_FLAG(bool, client_side, true, "time client-observed steps");
+ABSL_FLAG(std::string, memory_probe, "",
+          "a command printing the device's used memory in MiB (e.g. nvidia-smi --query-gpu=memory.used "
+          "--format=csv,noheader,nounits -i 0); read before the variant's session allocates and after "
+          "its client-side steps. The server's caching allocator keeps what it reserved, so the "
+          "difference is the variant's peak only when the server ran nothing before it");
+
+namespace te::client {
+namespace {
+
+struct Config {
+  int64_t batch, seq, hidden, ffn;
+  int heads;
+};
+
+absl::StatusOr<Config> ParseConfig(const std::string& name) {
+  if (name == "small") return Config{2, 32, 64, 256, 4};
+  if (name == "quickstart") return Config{4, 2048, 4096, 16384, 32};
+  return absl::InvalidArgumentError(absl::StrCat("--config: \"", name, "\" is not small or quickstart"));
+}
+
+constexpr int kVariants = 7;
+
+absl::StatusOr<std::set<int>> ParseVariants(const std::string& text) {
+  std::set<int> out;
+  if (text == "all") {
+    for (int v = 1; v <= kVariants; ++v) out.insert(v);
+    return out;
+  }
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < 1 || v > kVariants) {
+      return absl::InvalidArgumentError(absl::StrCat("--variants: \"", part, "\" is not a variant 1-7"));
+    }
+    out.insert(v);
+  }
+  return out;
+}
+
+// ---- the variants -------------------------------------------------------------------
+
+struct Stage {
+  std::string name;
+  std::shared_ptr<const Module> module;
+};
+
+struct Variant {
+  std::string name;  // the OURS line's key; "fp8" in it marks an FP8 variant for summarize.py
+  bool fp8 = false;
+  std::vector<Stage> stages;  // one: a single server module; more: a client-side chain
+  std::string note;
+};
+
+DelayedScaling QuickstartRecipe() {
+  DelayedScaling recipe;  // HYBRID, margin 0
+  recipe.amax_history_len = 16;
+  recipe.amax_compute_algo = "max";
+  return recipe;
+}
+
+// The attention block after the qkv projection: attention on the packed
+// [B, S, 3, H, D] qkv, then the output projection over (H, D).
+void AddAttention(const Config& c, std::vector<Stage>* stages) {
+  const int head_dim = static_cast<int>(c.hidden / c.heads);
+  auto attention = std::make_shared<DotProductAttention>(head_dim, c.heads);
+  attention->num_gqa_groups = c.heads;
+  attention->attention_dropout = 0.1f;
+  attention->attn_mask_type = "causal";
+  attention->qkv_layout = "bs3hd";
+  attention->dtype = DType::kBF16;
+  stages->push_back({"DotProductAttention_0", attention});
+  auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
+  proj->axis = {-2, -1};
+  proj->use_bias = true;
+  stages->push_back({"DenseGeneral_1", proj});
+}
+
+std::vector<int64_t> PackedQkvFeatures(const Config& c) { return {3, c.heads, c.hidden / c.heads}; }
+
+// TEUnfusedTransformerLayer: LayerNorm, DenseGeneral (qkv), attention,
+// DenseGeneral (proj), LayerNorm, DenseGeneral (fc1), gelu, DenseGeneral (fc2).
+std::vector<Stage> UnfusedStages(const Config& c) {
+  std::vector<Stage> stages;
+  auto ln = [] {
+    auto norm = std::make_shared<LayerNorm>();
+    norm->epsilon = 1e-5f;
+    return norm;
+  };
+  stages.push_back({"LayerNorm_0", ln()});
+  auto qkv = std::make_shared<DenseGeneral>(PackedQkvFeatures(c));
+  qkv->use_bias = true;
+  stages.push_back({"DenseGeneral_0", qkv});
+  AddAttention(c, &stages);
+  stages.push_back({"LayerNorm_1", ln()});
+  auto fc1 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.ffn});
+  fc1->use_bias = true;
+  stages.push_back({"TEUnfusedMLP_0/DenseGeneral_0", fc1});
+  auto gelu = std::make_shared<Activation>();
+  gelu->activations = {"gelu"};
+  stages.push_back({"TEUnfusedMLP_0/activation", gelu});
+  auto fc2 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
+  fc2->use_bias = true;
+  stages.push_back({"TEUnfusedMLP_0/DenseGeneral_1", fc2});
+  return stages;
+}
+
+// TEFusedTransformerLayer: LayerNormDenseGeneral (qkv), attention,
+// DenseGeneral (proj), LayerNormMLP.
+std::vector<Stage> FusedStages(const Config& c) {
+  std::vector<Stage> stages;
+  auto qkv = std::make_shared<LayerNormDenseGeneral>(PackedQkvFeatures(c));
+  qkv->epsilon = 1e-5f;
+  qkv->use_bias = true;
+  qkv->return_layernorm_output = false;
+  stages.push_back({"LayerNormDenseGeneral_0", qkv});
+  AddAttention(c, &stages);
+  auto mlp = std::make_shared<LayerNormMLP>();
+  mlp->intermediate_dim = c.ffn;
+  mlp->epsilon = 1e-5f;
+  mlp->use_bias = true;
+  mlp->activations = {"gelu"};
+  mlp->intermediate_dropout_rate = 0.0f;
+  mlp->return_layernorm_output = false;
+  stages.push_back({"LayerNormMLP_0", mlp});
+  return stages;
+}
+
+std::shared_ptr<const Module> QuickstartTransformerLayer(const Config& c) {
+  auto layer = std::make_shared<TransformerLayer>();
+  layer->hidden_size = c.hidden;
+  layer->mlp_hidden_size = c.ffn;
+  layer->num_attention_heads = c.heads;
+  layer->mlp_activations = {"gelu"};
+  layer->self_attn_mask_type = "causal";
+  layer->layernorm_epsilon = 1e-5f;
+  layer->use_bias = true;
+  layer->intermediate_dropout = 0.0f;
+  layer->enable_relative_embedding = false;
+  layer->self_attn_bias_type = "no_bias";
+  layer->hidden_dropout = 0.0f;
+  layer->dtype = DType::kBF16;
+  return layer;
+}
+
+Variant MakeVariant(int number, const Config& c) {
+  switch (number) {
+    case 1: {
+      auto layer = std::make_shared<FlaxTransformerLayer>(c.hidden, c.ffn, c.heads);
+      layer->hidden_dropout = 0.0f;  // the quickstart's Flax layer drops out in attention only
+      return {"v1_flax_bf16", false, {{"FlaxTransformerLayer", layer}}, ""};
+    }
+    case 2:
+      return {"v2_te_unfused_flax_attn_bf16", false, UnfusedStages(c),
+              "the server has no standalone Flax attention: TE DotProductAttention, as variant 3"};
+    case 3: return {"v3_te_unfused_bf16", false, UnfusedStages(c), ""};
+    case 4: return {"v4_te_unfused_fp8", true, UnfusedStages(c), ""};
+    case 5: return {"v5_te_fused_fp8", true, FusedStages(c), ""};
+    case 6: return {"v6_te_transformer_fp8", true, {{"TransformerLayer", QuickstartTransformerLayer(c)}}, ""};
+    default:
+      return {"v7_te_transformer_bf16", false, {{"TransformerLayer", QuickstartTransformerLayer(c)}},
+              "not a quickstart variant: variant 6 without FP8 (issue 3's bf16 target)"};
+  }
+}
+
+// ---- running one ---------------------------------------------------------------------
+
+struct Options {
+  int warmup = 5;
+  int iters = 20;
+  bool deterministic = false;
+  bool server_side = true;
+  bool client_side = true;
+  std::string memory_probe;
+};
+
+struct InitedStage {
+  std::string name;
+  std::string layer_id;
+};
+
+te::v1::Tensor ResidentProto(const ResidentTensor& t) {
+  te::v1::Tensor proto;
+  proto.set_dtype(ToProtoDType(t.dtype));
+  for (int64_t d : t.shape) proto.add_shape(d);
+  proto.set_resident_id(t.id);
+  return proto;
+}
+
+// The device's used memory in MiB from the probe command; nullopt when there
+// is none or it printed no number.
+std::optional<double> ProbeMemoryMiB(const std::string& command) {
+  if (command.empty()) return std::nullopt;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return std::nullopt;
+  char line[256] = {0};
+  const bool read = fgets(line, sizeof(line), pipe) != nullptr;
+  pclose(pipe);
+  double mib = 0;
+  if (!read || !absl::SimpleAtod(absl::StripAsciiWhitespace(line), &mib)) return std::nullopt;
+  return mib;
+}
+
+double MeanMs(const std::vector<double>& ms) {
+  double sum = 0;
+  for (double t : ms) sum += t;
+  return ms.empty() ? 0 : sum / ms.size();
+}
+
+// Runs `step` warmup + iters times; the mean wall time of the timed steps.
+absl::StatusOr<double> TimeSteps(const Options& o, const std::function<absl::Status(uint64_t step)>& step) {
+  uint64_t n = 0;
+  for (int i = 0; i < o.warmup; ++i) RETURN_IF_ERROR(step(n++));
+  std::vector<double> ms;
+  for (int i = 0; i < o.iters; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(step(n++));
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  return MeanMs(ms);
+}
+
+class VariantRun {
+ public:
+  VariantRun(Session& session, const Options& options, te::v1::Autocast autocast)
+      : session_(session), o_(options), autocast_(std::move(autocast)) {}
+
+  // Inits every stage for the input the previous one gives; uploads x and dy.
+  absl::Status Init(const Variant& v, const Config& c) {
+    Shape shape = {c.batch, c.seq, c.hidden};
+    DType dtype = DType::kBF16;
+    const HostTensor x = HostTensor::RandomNormal(shape, dtype, /*seed=*/42);
+    for (size_t i = 0; i < v.stages.size(); ++i) {
+      te::v1::InitLayerRequest request;
+      ASSIGN_OR_RETURN(*request.mutable_spec(), v.stages[i].module->Spec());
+      request.set_seed(42 + i);
+      request.set_input_dtype(ToProtoDType(dtype));
+      for (int64_t d : shape) request.add_input_shape(d);
+      *request.mutable_autocast() = autocast_;
+      ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session_.InitLayer(std::move(request)));
+      stages_.push_back({v.stages[i].name, response.layer_id()});
+      shape.assign(response.output_shape().begin(), response.output_shape().end());
+      ASSIGN_OR_RETURN(dtype, FromProtoDType(response.output_dtype()));
+    }
+    ASSIGN_OR_RETURN(ResidentTensor x_resident, session_.Put(x));
+    x_ = ResidentProto(x_resident);
+    ASSIGN_OR_RETURN(ResidentTensor dy_resident, session_.Put(HostTensor::RandomNormal(shape, dtype, 43)));
+    dy_ = ResidentProto(dy_resident);
+    return absl::OkStatus();
+  }
+
+  // Client-observed mean ms per step.
+  absl::StatusOr<double> TimeClient() {
+    if (stages_.size() == 1) {
+      te::v1::ForwardBackwardRequest request;
+      request.set_layer_id(stages_[0].layer_id);
+      te::v1::MicroBatch* mb = request.add_micro_batches();
+      *mb->mutable_x() = x_;
+      *mb->mutable_dy() = dy_;
+      request.set_deterministic(o_.deterministic);
+      *request.mutable_autocast() = autocast_;
+      request.set_return_dx(false);
+      request.set_return_grads(false);
+      return TimeSteps(o_, [&](uint64_t step) {
+        request.mutable_micro_batches(0)->set_dropout_seed(MixBits(step + 1));
+        return session_.ForwardBackward(request).status();
+      });
+    }
+    return TimeSteps(o_, [&](uint64_t step) { return ChainStep(step); });
+  }
+
+  // Server-side mean ms per step: one Benchmark, or the sum over the chain's
+  // modules, each on the input the chain gives it (printed as MODULE lines).
+  absl::StatusOr<double> TimeServer(const std::string& variant) {
+    if (stages_.size() == 1) return Benchmark(stages_[0].layer_id, x_, dy_);
+    // One forward down the chain for each module's input; a module's own
+    // output serves as its dy (the shape and dtype a gradient needs).
+    std::vector<te::v1::Tensor> inputs = {x_}, outputs;
+    std::vector<std::string> kept;
+    absl::Status status;
+    for (const InitedStage& s : stages_) {
+      te::v1::ForwardRequest request;
+      request.set_layer_id(s.layer_id);
+      *request.mutable_x() = inputs.back();
+      request.set_deterministic(true);
+      *request.mutable_autocast() = autocast_;
+      request.set_keep_outputs(true);
+      absl::StatusOr<te::v1::ForwardResponse> response = session_.Forward(std::move(request));
+      if (!response.ok()) {
+        status = response.status();
+        break;
+      }
+      kept.push_back(response->y().resident_id());
+      outputs.push_back(response->y());
+      inputs.push_back(response->y());
+    }
+    double total = 0;
+    for (size_t i = 0; status.ok() && i < stages_.size(); ++i) {
+      absl::StatusOr<double> ms = Benchmark(stages_[i].layer_id, inputs[i], outputs[i]);
+      if (!ms.ok()) {
+        status = absl::Status(ms.status().code(), absl::StrCat(stages_[i].name, ": ", ms.status().message()));
+        break;
+      }
+      std::cout << absl::StrFormat("MODULE %s %s %.3f\n", variant, stages_[i].name, *ms) << std::flush;
+      total += *ms;
+    }
+    status.Update(session_.DeleteAll(kept));
+    if (!status.ok()) return status;
+    return total;
+  }
+
+ private:
+  absl::StatusOr<double> Benchmark(const std::string& layer_id, const te::v1::Tensor& x,
+                                   const te::v1::Tensor& dy) {
+    te::v1::BenchmarkRequest request;
+    request.set_layer_id(layer_id);
+    *request.mutable_inputs()->mutable_x() = x;
+    *request.mutable_inputs()->mutable_dy() = dy;
+    request.mutable_inputs()->set_dropout_seed(7);
+    request.set_deterministic(o_.deterministic);
+    *request.mutable_autocast() = autocast_;
+    request.set_warmup_iters(std::max(o_.warmup, 1));  // 0 would mean the server's default
+    request.set_timing_iters(o_.iters);
+    ASSIGN_OR_RETURN(te::v1::BenchmarkResponse response, session_.Benchmark(std::move(request)));
+    return response.mean_ms();
+  }
+
+  // Forward down the chain keeping each module's forward and output, backward
+  // up it keeping gradients on the server, then free the kept tensors.
+  absl::Status ChainStep(uint64_t step) {
+    std::vector<std::string> forward_ids, kept;
+    te::v1::Tensor in = x_;
+    absl::Status status;
+    for (size_t i = 0; i < stages_.size() && status.ok(); ++i) {
+      te::v1::ForwardRequest request;
+      request.set_layer_id(stages_[i].layer_id);
+      *request.mutable_x() = in;
+      request.set_deterministic(o_.deterministic);
+      request.set_dropout_seed(MixBits((step << 8) + i));
+      *request.mutable_autocast() = autocast_;
+      request.set_keep_for_backward(true);
+      request.set_keep_outputs(true);
+      absl::StatusOr<te::v1::ForwardResponse> response = session_.Forward(std::move(request));
+      if (!response.ok()) {
+        status = response.status();
+        break;
+      }
+      forward_ids.push_back(response->forward_id());
+      kept.push_back(response->y().resident_id());
+      in = response->y();
+    }
+    te::v1::Tensor grad = dy_;
+    for (size_t i = forward_ids.size(); i-- > 0 && status.ok();) {
+      te::v1::BackwardRequest request;
+      request.set_forward_id(forward_ids[i]);
+      *request.mutable_dy() = grad;
+      request.set_keep_grads(true);
+      request.set_keep_outputs(true);
+      absl::StatusOr<te::v1::BackwardResponse> response = session_.Backward(std::move(request));
+      if (!response.ok()) {
+        status = response.status();
+        break;
+      }
+      kept.push_back(response->dx().resident_id());
+      grad = response->dx();
+    }
+    status.Update(session_.DeleteAll(kept));
+    return status;
+  }
+
+  Session& session_;
+  const Options& o_;
+  const te::v1::Autocast autocast_;
+  std::vector<InitedStage> stages_;
+  te::v1::Tensor x_, dy_;
+};
+
+std::string Ms(const std::optional<double>& ms) { return ms ? absl::StrFormat("%.3f", *ms) : "-"; }
+
+absl::Status RunVariant(Client& client, const Variant& v, const Config& c, const Options& o) {
+  SessionOptions session_options;
+  if (v.fp8) {
+    session_options.recipes = {QuickstartRecipe()};
+    session_options.policy = NegotiationPolicy::kEmulate;
+  }
+  const std::optional<double> memory_before = ProbeMemoryMiB(o.memory_probe);
+  ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client.CreateSession(session_options));
+  std::cerr << "layer_bench: " << v.name << " on " << session->device()
+            << (v.fp8 && session->recipe() ? " with " + RecipeString(*session->recipe()) : "")
+            << (session->emulated() ? " (emulated)" : "") << ", " << v.stages.size() << " module(s)"
+            << (v.note.empty() ? "" : "; " + v.note) << std::endl;
+  VariantRun run(*session, o, ToProto(AutocastState{v.fp8, QuickstartRecipe()}));
+  RETURN_IF_ERROR(run.Init(v, c));
+
+  std::optional<double> client_ms, server_ms, peak_mib;
+  if (o.client_side) {
+    ASSIGN_OR_RETURN(client_ms, run.TimeClient());
+  }
+  // Read now, before the per-module benchmarks keep extra tensors.
+  const std::optional<double> memory_after = ProbeMemoryMiB(o.memory_probe);
+  if (memory_before && memory_after) peak_mib = *memory_after - *memory_before;
+  if (o.server_side) {
+    ASSIGN_OR_RETURN(server_ms, run.TimeServer(v.name));
+  }
+  std::cout << "OURS " << v.name << " " << Ms(server_ms) << " " << Ms(client_ms) << " "
+            << (peak_mib ? absl::StrFormat("%.0f", *peak_mib) : "-") << std::endl;
+  return session->Close();
+}
+
+int Main() {
+  absl::StatusOr<Config> config = ParseConfig(absl::GetFlag(FLAGS_config));
+  absl::StatusOr<std::set<int>> variants = ParseVariants(absl::GetFlag(FLAGS_variants));
+  if (!config.ok() || !variants.ok()) {
+    std::cerr << "layer_bench: " << (config.ok() ? variants.status() : config.status()) << std::endl;
+    return 2;
+  }
+  Options o;
+  o.warmup = absl::GetFlag(FLAGS_warmup);
+  o.iters = absl::GetFlag(FLAGS_iters);
+  o.deterministic = absl::GetFlag(FLAGS_deterministic);
+  o.server_side = absl::GetFlag(FLAGS_server_side);
+  o.client_side = absl::GetFlag(FLAGS_client_side);
+  o.memory_probe = absl::GetFlag(FLAGS_memory_probe);
+  if (o.warmup < 0 || o.iters <= 0) {
+    std::cerr << "layer_bench: --warmup " << o.warmup << " must be >= 0 and --iters " << o.iters << " > 0\n";
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
+  if (!client.ok()) {
+    std::cerr << "layer_bench: " << client.status() << std::endl;
+    return 2;
+  }
+  const Config& c = *config;
+  std::cout << absl::StrFormat(
+                   "CONFIG batch %d seq %d hidden %d ffn %d heads %d bf16 causal dropout %s warmup %d iters %d\n",
+                   c.batch, c.seq, c.hidden, c.ffn, c.heads, o.deterministic ? "off" : "on", o.warmup, o.iters)
+            << std::flush;
+  int failed = 0;
+  for (int number : *variants) {
+    const Variant v = MakeVariant(number, c);
+    absl::Status status = RunVariant(**client, v, c, o);
+    if (!status.ok()) {
+      ++failed;
+      std::cout << "OURS " << v.name << " FAILED " << status << std::endl;
+    }
+  }
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace te::client
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return te::client::Main();
+}
