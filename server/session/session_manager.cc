@@ -76,9 +76,10 @@ absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration t
   }
   if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
   {
+    Doomed doomed;
     absl::MutexLock lock(&mu_);
     if (static_cast<int>(live_.size()) + creating_ >= options_.max_sessions) {
-      SweepLocked(clock_());
+      SweepLocked(clock_(), &doomed);
     }
     if (static_cast<int>(live_.size()) + creating_ >= options_.max_sessions) {
       return absl::ResourceExhaustedError(
@@ -126,13 +127,13 @@ std::string SessionManager::ExpiryReason(const Entry& entry) const {
 }
 
 // `entry` by value: the caller may pass live_'s copy, which this erases.
-void SessionManager::RemoveLocked(std::shared_ptr<Entry> entry,
-                                  const std::string& reason) {
+void SessionManager::RemoveLocked(std::shared_ptr<Entry> entry, const std::string& reason,
+                                  Doomed* doomed) {
   entry->gone = reason;
   live_.erase(entry->id);
   id_of_token_.erase(entry->token);
   // Dropping the reference frees the session's memory unless a call still runs.
-  entry->session.reset();
+  doomed->push_back(std::move(entry->session));
   tombstones_[entry->id] = reason;
   tombstone_order_.push_back(entry->id);
   while (tombstone_order_.size() > options_.max_tombstones) {
@@ -147,12 +148,13 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string&
   if (id.empty()) return absl::InvalidArgumentError("session.session_id: empty");
   std::shared_ptr<Entry> entry;
   {
+    Doomed doomed;
     absl::MutexLock lock(&mu_);
     auto it = live_.find(id);
     if (it != live_.end() && ExpiredLocked(*it->second, clock_())) {
       const std::string reason = ExpiryReason(*it->second);
       LogForSession(LogLevel::kInfo, id, reason);
-      RemoveLocked(it->second, reason);
+      RemoveLocked(it->second, reason, &doomed);
       it = live_.end();
     }
     if (it == live_.end()) {
@@ -195,23 +197,25 @@ absl::Status SessionManager::Close(const std::string& id, const std::string& tok
                                    absl::Time deadline) {
   ASSIGN_OR_RETURN(Lease lease, Acquire(id, token, deadline));
   {
+    Doomed doomed;  // the lease still holds the session: it goes with the lease
     absl::MutexLock lock(&mu_);
-    RemoveLocked(lease.entry_, absl::StrCat("session ", id, " was closed"));
+    RemoveLocked(lease.entry_, absl::StrCat("session ", id, " was closed"), &doomed);
   }
   LogForSession(LogLevel::kInfo, id, "closed");
   return absl::OkStatus();
 }
 
 absl::Status SessionManager::Evict(const std::string& id, const std::string& reason) {
+  Doomed doomed;
   absl::MutexLock lock(&mu_);
   auto it = live_.find(id);
   if (it == live_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " not found"));
   LogForSession(LogLevel::kWarning, id, absl::StrCat("evicted: ", reason));
-  RemoveLocked(it->second, absl::StrCat("session ", id, " was evicted: ", reason));
+  RemoveLocked(it->second, absl::StrCat("session ", id, " was evicted: ", reason), &doomed);
   return absl::OkStatus();
 }
 
-int SessionManager::SweepLocked(absl::Time now) {
+int SessionManager::SweepLocked(absl::Time now, Doomed* doomed) {
   std::vector<std::shared_ptr<Entry>> expired;
   for (const auto& [id, entry] : live_) {
     if (ExpiredLocked(*entry, now)) expired.push_back(entry);
@@ -219,14 +223,15 @@ int SessionManager::SweepLocked(absl::Time now) {
   for (const auto& entry : expired) {
     const std::string reason = ExpiryReason(*entry);
     LogForSession(LogLevel::kInfo, entry->id, reason);
-    RemoveLocked(entry, reason);
+    RemoveLocked(entry, reason, doomed);
   }
   return static_cast<int>(expired.size());
 }
 
 int SessionManager::Sweep() {
+  Doomed doomed;
   absl::MutexLock lock(&mu_);
-  return SweepLocked(clock_());
+  return SweepLocked(clock_(), &doomed);
 }
 
 int SessionManager::live_sessions() const {

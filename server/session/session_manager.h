@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -102,13 +103,17 @@ class SessionManager {
   int waiting_calls(const std::string& id) const;
 
  private:
-  // Requires mu_. Removes `entry` from the live maps, remembers `reason` and
-  // drops the manager's reference to its session.
-  void RemoveLocked(std::shared_ptr<Entry> entry, const std::string& reason)
+  // Sessions removed under mu_ are destroyed once it is released (a
+  // session's destructor waits for its device stream): callers declare one of
+  // these before taking the lock.
+  using Doomed = std::vector<std::shared_ptr<Session>>;
+  // Removes `entry` from the live maps, remembers `reason`, and moves the
+  // manager's reference to its session into `doomed`.
+  void RemoveLocked(std::shared_ptr<Entry> entry, const std::string& reason, Doomed* doomed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ExpiredLocked(const Entry& entry, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string ExpiryReason(const Entry& entry) const;
-  int SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int SweepLocked(absl::Time now, Doomed* doomed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release(const std::shared_ptr<Entry>& entry);
 
   const SessionManagerOptions options_;
