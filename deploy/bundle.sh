@@ -120,3 +120,16 @@ if [ "$bytes" -gt "$max_bytes" ]; then
   echo "bundle: $out is over 64 MiB; bundle fewer targets with BUNDLE_TARGETS" >&2
   exit 1
 fi
+
+# The GPU benchmark harness (tests/bench) and the peers it compares against
+# (../shared/peers, or $TE_PEERS_DIR: they are outside the repository and do not
+# travel otherwise), and the commit the bundle was built from.
+cp tests/bench/run_gpu_bench.sh tests/bench/summarize.py tests/bench/jax_memory.py "$out"/
+peers_dir="${TE_PEERS_DIR:-../shared/peers}"
+if compgen -G "$peers_dir/*.py" >/dev/null; then
+  cp "$peers_dir"/*.py "$out"/
+else
+  echo "bundle: no peers in $peers_dir (run_gpu_bench.sh will report them missing)" >&2
+fi
+git rev-parse HEAD >"$out/COMMIT" 2>/dev/null || true
+git diff --quiet HEAD 2>/dev/null || echo "(with uncommitted changes)" >>"$out/COMMIT"

@@ -10,6 +10,7 @@ Reads the run's lines (files named on the command line, or stdin):
   CEIL bf16 gemm 8192^3: <T> TFLOP/s  |  CEIL fp8 gemm ...    (torch_peers.py)
   CONFIG batch B seq S hidden E ffn F heads H ...            (layer_bench; default: the quickstart's)
   SETUP <text>                                               (the harness: GPU, commit, command)
+  STAGE <name> FAILED|TIMED OUT|SKIPPED ...                  (the harness: a stage that did not finish)
 and, with --te_bench_json, te_bench's JSON report (issue 4's multi-client figures).
 
 Prints the table (and the targets of issues 3 and 4) and writes it to $OUT/bench.md when OUT is
@@ -84,7 +85,7 @@ def parse(lines):
         if kind == "OURS" and len(parts) >= 3:
             name = parts[1]
             if parts[2] == "FAILED":
-                run["failed"][name] = " ".join(parts[3:])
+                run["failed"][name] = " ".join(parts[2:])
                 continue
             vals = [(_number(p) if p != "-" else None) for p in (parts[2:5] + ["-"] * 3)[:3]]
             run["ours"][name] = {"server": vals[0], "client": vals[1], "mem": vals[2]}
@@ -92,7 +93,7 @@ def parse(lines):
             run["modules"].setdefault(parts[1], []).append((parts[2], _number(parts[3])))
         elif kind == "PEER" and len(parts) >= 3:
             if parts[2] == "FAILED":
-                run["failed"][parts[1]] = " ".join(parts[3:])
+                run["failed"][parts[1]] = " ".join(parts[2:])
             elif _number(parts[2]) is not None:
                 run["peers"][parts[1]] = _number(parts[2])
         elif kind == "PEERMEM" and len(parts) >= 3:
@@ -107,6 +108,8 @@ def parse(lines):
                 m = re.search(r"\b%s (\d+)" % key, line)
                 if m:
                     run["config"][key] = int(m.group(1))
+        elif kind == "STAGE" and len(parts) >= 3:  # the harness: a stage failed, timed out or was skipped
+            run["failed"]["stage " + parts[1]] = " ".join(parts[2:])
         elif kind == "SETUP":
             run["setup"].append(line[len("SETUP "):])
     return run
@@ -168,7 +171,7 @@ def summarize(run, te_bench=None):
             ms, timed_by = r["client"], "client"
         ratios[name] = row(name, timed_by, ms, is_fp8(name), r["client"], r["server"], r["mem"])
     for name in sorted(run["failed"]):
-        out.append(f"| {name} | FAILED: {run['failed'][name][:120]} | - | - | - | - | - | - | - |")
+        out.append(f"| {name} | {run['failed'][name][:120]} | - | - | - | - | - | - | - |")
     for name, ms in sorted(run["peers"].items(), key=lambda kv: kv[1]):
         row(f"peer: {name}", "peer", ms, False, mem=run["peer_mem"].get(name))
     out.append("")

@@ -28,6 +28,7 @@ OURS v3_te_unfused_bf16 20.000 25.000 -
 OURS v5_te_fused_fp8 - 12.000 -
 OURS v6_te_transformer_fp8 10.320 10.500 2100
 OURS v7_te_transformer_bf16 FAILED INTERNAL: cuDNN said no
+STAGE torch_peers TIMED OUT after 170 s
 garbage line that is ignored
 """
 
@@ -101,8 +102,9 @@ class SummarizeTest(unittest.TestCase):
         self.assertEqual(row[7], "-")
 
     def test_failures_and_peers_are_rows(self):
-        self.assertIn("FAILED: INTERNAL: cuDNN said no", table_row(self.report, "v7_te_transformer_bf16")[1])
+        self.assertIn("FAILED INTERNAL: cuDNN said no", table_row(self.report, "v7_te_transformer_bf16")[1])
         self.assertIn("FAILED", table_row(self.report, "jax_bf16_xla_attention")[1])
+        self.assertEqual(table_row(self.report, "stage torch_peers")[1], "TIMED OUT after 170 s")
         peer = table_row(self.report, "peer: jax_bf16_cudnn_attention")
         self.assertEqual(peer[5], "1.00")
         self.assertEqual(peer[8], "2273")
