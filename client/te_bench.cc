@@ -1,7 +1,7 @@
 // te_bench: a multi-client load generator for te_server (see te_bench_lib.h).
 //
-//   te_bench --server=localhost:50051 --clients=1,2,4,8 --layer=transformer \
-//            --config=small --op=forward_backward --fp8=delayed --duration_s=10 --json=out.json
+//   te_bench --server=localhost:50051 --clients=1,2,4,8 --layer=transformer --config=small
+//            --op=forward_backward --fp8=delayed --duration_s=10 --json=out.json
 //
 // Prints a progress line per second on stderr, then the table on stdout, and
 // the JSON report to --json (stdout after the table when --json is empty).

@@ -1,6 +1,8 @@
 // te_bench: running a sweep point. Each client is a thread with its own
 // Client (channel) and Session; a PointControl starts the timed loops of all
 // clients together and lets the calling thread print progress.
+#include "client/te_bench_lib.h"
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -15,7 +17,6 @@
 #include "client/client.h"
 #include "client/modules.h"
 #include "client/recipe.h"
-#include "client/te_bench_lib.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 
@@ -26,13 +27,15 @@ namespace {
 
 std::optional<Recipe> RecipeFor(Fp8Mode mode) {
   switch (mode) {
-    case Fp8Mode::kNone: return std::nullopt;
+    case Fp8Mode::kNone:
+      return std::nullopt;
     case Fp8Mode::kDelayed: {
       DelayedScaling recipe;  // the quickstart's: HYBRID, "max"
       recipe.amax_history_len = 16;
       return recipe;
     }
-    case Fp8Mode::kCurrent: return Float8CurrentScaling{};
+    case Fp8Mode::kCurrent:
+      return Float8CurrentScaling{};
   }
   return std::nullopt;
 }
@@ -95,8 +98,8 @@ struct Prepared {
   std::unique_ptr<Client> client;
   std::unique_ptr<Session> session;
   std::string layer_id;
-  HostTensor x_host;            // put uploads it on every call
-  te::v1::Tensor x, dy;         // resident
+  HostTensor x_host;     // put uploads it on every call
+  te::v1::Tensor x, dy;  // resident
   te::v1::Autocast autocast;
   te::v1::ForwardRequest forward;
   te::v1::ForwardBackwardRequest forward_backward;
@@ -366,8 +369,7 @@ SweepPoint RunPoint(const BenchOptions& o, int clients) {
   while (!control.WaitAllFinishedFor(o.progress_interval)) PrintProgress(o, clients, control);
   PrintProgress(o, clients, control);
   for (std::thread& t : threads) t.join();
-  const size_t x_bytes =
-      static_cast<size_t>(o.size.batch * o.size.seq * o.size.hidden) * DTypeSize(o.dtype);
+  const size_t x_bytes = static_cast<size_t>(o.size.batch * o.size.seq * o.size.hidden) * DTypeSize(o.dtype);
   return Summarize(o, clients, results, x_bytes);
 }
 

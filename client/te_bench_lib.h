@@ -69,8 +69,8 @@ struct BenchOptions {
   DType dtype = DType::kBF16;  // x's dtype
   BenchOp op = BenchOp::kForwardBackward;
   Fp8Mode fp8 = Fp8Mode::kNone;
-  int micro_batches = 1;       // per ForwardBackward call (each is one step)
-  bool deterministic = true;   // false: dropout on, a fresh seed per call
+  int micro_batches = 1;      // per ForwardBackward call (each is one step)
+  bool deterministic = true;  // false: dropout on, a fresh seed per call
 
   // Each point runs for `duration`, or, when count > 0, until every client
   // has made `count` timed calls. Warm-up calls (per client, untimed) come
@@ -103,7 +103,7 @@ struct SweepPoint {
   int64_t calls = 0;         // successful timed calls, all clients
   int64_t failed_calls = 0;  // timed calls that returned an error
   double calls_per_s = 0;
-  double steps_per_s = 0;    // calls_per_s * micro_batches for forward_backward
+  double steps_per_s = 0;      // calls_per_s * micro_batches for forward_backward
   double megabytes_per_s = 0;  // put / get: tensor bytes moved per second (MB = 1e6 B)
   LatencySummary latency_ms;   // of the successful timed calls
   // Each client's successful calls over its own timed window; a client whose
@@ -147,8 +147,8 @@ std::string FormatJson(const BenchReport& report);
 // "1,2,4,8" -> {1, 2, 4, 8}; every entry a positive integer.
 absl::StatusOr<std::vector<int>> ParseClientList(absl::string_view text);
 absl::StatusOr<BenchLayer> ParseLayer(absl::string_view text);  // dense|layernorm_mlp|transformer|flax
-absl::StatusOr<BenchOp> ParseOp(absl::string_view text);  // forward|forward_backward|put|get
-absl::StatusOr<Fp8Mode> ParseFp8(absl::string_view text);  // none|delayed|current
+absl::StatusOr<BenchOp> ParseOp(absl::string_view text);        // forward|forward_backward|put|get
+absl::StatusOr<Fp8Mode> ParseFp8(absl::string_view text);       // none|delayed|current
 // "small" (the quickstart's layer scaled down) or "quickstart" (hidden 4096,
 // FFN 16384, 32 heads, seq 2048, batch 4).
 absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config);

@@ -22,7 +22,8 @@ TEST(ParseTest, ClientList) {
 }
 
 TEST(ParseTest, NamesRoundTrip) {
-  for (BenchLayer l : {BenchLayer::kDense, BenchLayer::kLayerNormMlp, BenchLayer::kTransformer, BenchLayer::kFlax}) {
+  for (BenchLayer l :
+       {BenchLayer::kDense, BenchLayer::kLayerNormMlp, BenchLayer::kTransformer, BenchLayer::kFlax}) {
     EXPECT_EQ(ParseLayer(LayerName(l)).value(), l);
   }
   for (BenchOp op : {BenchOp::kForward, BenchOp::kForwardBackward, BenchOp::kPut, BenchOp::kGet}) {

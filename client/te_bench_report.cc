@@ -73,29 +73,40 @@ absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config) {
 
 const char* LayerName(BenchLayer layer) {
   switch (layer) {
-    case BenchLayer::kDense: return "dense";
-    case BenchLayer::kLayerNormMlp: return "layernorm_mlp";
-    case BenchLayer::kTransformer: return "transformer";
-    case BenchLayer::kFlax: return "flax";
+    case BenchLayer::kDense:
+      return "dense";
+    case BenchLayer::kLayerNormMlp:
+      return "layernorm_mlp";
+    case BenchLayer::kTransformer:
+      return "transformer";
+    case BenchLayer::kFlax:
+      return "flax";
   }
   return "?";
 }
 
 const char* OpName(BenchOp op) {
   switch (op) {
-    case BenchOp::kForward: return "forward";
-    case BenchOp::kForwardBackward: return "forward_backward";
-    case BenchOp::kPut: return "put";
-    case BenchOp::kGet: return "get";
+    case BenchOp::kForward:
+      return "forward";
+    case BenchOp::kForwardBackward:
+      return "forward_backward";
+    case BenchOp::kPut:
+      return "put";
+    case BenchOp::kGet:
+      return "get";
   }
   return "?";
 }
 
 const char* Fp8Name(Fp8Mode mode) {
   switch (mode) {
-    case Fp8Mode::kNone: return "none";
-    case Fp8Mode::kDelayed: return "delayed";
-    case Fp8Mode::kCurrent: return "current";
+    case Fp8Mode::kNone:
+      return "none";
+    case Fp8Mode::kDelayed:
+      return "delayed";
+    case Fp8Mode::kCurrent:
+      return "current";
   }
   return "?";
 }
@@ -176,14 +187,14 @@ std::string Header(const BenchReport& r) {
   const BenchOptions& o = r.options;
   const LayerSize& s = o.size;
   std::string run = o.count > 0 ? absl::StrCat(o.count, " calls per client")
-                                 : absl::StrCat(absl::FormatDuration(o.duration), " per point");
-  return absl::StrCat("te_bench: ", LayerName(o.layer), " ", OpName(o.op), ", batch ", s.batch, " seq ",
-                      s.seq, " hidden ", s.hidden, " ffn ", s.ffn, " heads ", s.heads, ", ",
-                      DTypeName(o.dtype), ", fp8 ", Fp8Name(o.fp8),
-                      o.op == BenchOp::kForwardBackward ? absl::StrCat(", ", o.micro_batches, " micro-batch(es)")
-                                                        : std::string(),
-                      ", ", run, ", ", o.warmup, " warm-up\nserver ", o.server, " (te_server ", r.server_version,
-                      r.devices.empty() ? "" : "; ", absl::StrJoin(r.devices, ", "), ")\n");
+                                : absl::StrCat(absl::FormatDuration(o.duration), " per point");
+  return absl::StrCat(
+      "te_bench: ", LayerName(o.layer), " ", OpName(o.op), ", batch ", s.batch, " seq ", s.seq, " hidden ",
+      s.hidden, " ffn ", s.ffn, " heads ", s.heads, ", ", DTypeName(o.dtype), ", fp8 ", Fp8Name(o.fp8),
+      o.op == BenchOp::kForwardBackward ? absl::StrCat(", ", o.micro_batches, " micro-batch(es)")
+                                        : std::string(),
+      ", ", run, ", ", o.warmup, " warm-up\nserver ", o.server, " (te_server ", r.server_version,
+      r.devices.empty() ? "" : "; ", absl::StrJoin(r.devices, ", "), ")\n");
 }
 
 }  // namespace
@@ -222,8 +233,11 @@ std::string FormatJson(const BenchReport& report) {
   j["op"] = OpName(o.op);
   j["fp8"] = Fp8Name(o.fp8);
   j["dtype"] = DTypeName(o.dtype);
-  j["size"] = {{"batch", o.size.batch}, {"seq", o.size.seq},  {"hidden", o.size.hidden},
-               {"ffn", o.size.ffn},     {"heads", o.size.heads}};
+  j["size"] = {{"batch", o.size.batch},
+               {"seq", o.size.seq},
+               {"hidden", o.size.hidden},
+               {"ffn", o.size.ffn},
+               {"heads", o.size.heads}};
   j["micro_batches"] = o.micro_batches;
   j["deterministic"] = o.deterministic;
   j["duration_s"] = absl::ToDoubleSeconds(o.duration);

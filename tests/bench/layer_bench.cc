@@ -211,12 +211,18 @@ Variant MakeVariant(int number, const Config& c) {
     case 2:
       return {"v2_te_unfused_flax_attn_bf16", false, UnfusedStages(c),
               "the server has no standalone Flax attention: TE DotProductAttention, as variant 3"};
-    case 3: return {"v3_te_unfused_bf16", false, UnfusedStages(c), ""};
-    case 4: return {"v4_te_unfused_fp8", true, UnfusedStages(c), ""};
-    case 5: return {"v5_te_fused_fp8", true, FusedStages(c), ""};
-    case 6: return {"v6_te_transformer_fp8", true, {{"TransformerLayer", QuickstartTransformerLayer(c)}}, ""};
+    case 3:
+      return {"v3_te_unfused_bf16", false, UnfusedStages(c), ""};
+    case 4:
+      return {"v4_te_unfused_fp8", true, UnfusedStages(c), ""};
+    case 5:
+      return {"v5_te_fused_fp8", true, FusedStages(c), ""};
+    case 6:
+      return {"v6_te_transformer_fp8", true, {{"TransformerLayer", QuickstartTransformerLayer(c)}}, ""};
     default:
-      return {"v7_te_transformer_bf16", false, {{"TransformerLayer", QuickstartTransformerLayer(c)}},
+      return {"v7_te_transformer_bf16",
+              false,
+              {{"TransformerLayer", QuickstartTransformerLayer(c)}},
               "not a quickstart variant: variant 6 without FP8 (issue 3's bf16 target)"};
   }
 }
@@ -489,10 +495,11 @@ int Main() {
     return 2;
   }
   const Config& c = *config;
-  std::cout << absl::StrFormat(
-                   "CONFIG batch %d seq %d hidden %d ffn %d heads %d bf16 causal dropout %s warmup %d iters %d\n",
-                   c.batch, c.seq, c.hidden, c.ffn, c.heads, o.deterministic ? "off" : "on", o.warmup, o.iters)
-            << std::flush;
+  std::cout
+      << absl::StrFormat(
+             "CONFIG batch %d seq %d hidden %d ffn %d heads %d bf16 causal dropout %s warmup %d iters %d\n",
+             c.batch, c.seq, c.hidden, c.ffn, c.heads, o.deterministic ? "off" : "on", o.warmup, o.iters)
+      << std::flush;
   int failed = 0;
   for (int number : *variants) {
     const Variant v = MakeVariant(number, c);

@@ -36,8 +36,9 @@ TEST(TeBenchTest, TwoClientsForTwoSecondsReportEverything) {
   ASSERT_TRUE(report.ok()) << report.status();
   const nlohmann::json j = nlohmann::json::parse(FormatJson(*report));
 
-  for (const char* field : {"tool", "server", "server_version", "devices", "layer", "op", "fp8", "dtype", "size",
-                            "micro_batches", "duration_s", "count", "warmup", "total_errors", "points"}) {
+  for (const char* field :
+       {"tool", "server", "server_version", "devices", "layer", "op", "fp8", "dtype", "size", "micro_batches",
+        "duration_s", "count", "warmup", "total_errors", "points"}) {
     EXPECT_TRUE(j.contains(field)) << field;
   }
   EXPECT_EQ(j["layer"], "transformer");
