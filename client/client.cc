@@ -146,7 +146,11 @@ absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
     if (chunk.has_header()) {
       header = chunk.header();
       have_header = true;
-      bytes.reserve(static_cast<size_t>(NumElements(Shape(header.shape().begin(), header.shape().end()))) * 4);
+      // Reserve for the announced size, but trust it only within reason: the
+      // bytes that arrive are checked against the header below anyway.
+      absl::StatusOr<DType> dtype = FromProtoDType(header.dtype());
+      const int64_t n = NumElements(Shape(header.shape().begin(), header.shape().end()));
+      if (dtype.ok() && n > 0 && n <= (int64_t{1} << 32)) bytes.reserve(static_cast<size_t>(n) * DTypeSize(*dtype));
     } else {
       bytes += chunk.data();
     }
