@@ -201,14 +201,11 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
   }
   if (q.numel() == 0 && k.numel() == 0) return absl::OkStatus();
 
-  if (GetAttentionPath() == AttentionPath::kAuto && !with_bias) {
-    const absl::Status fused =
-        CudnnAttentionBackward(this, args, shape, q, k, v, out, dout, softmax_lse, dq, dk, dv);
+  if (GetAttentionPath() == AttentionPath::kAuto) {
+    const absl::Status fused = CudnnAttentionBackward(this, args, shape, q, k, v, out, dout,
+                                                      softmax_lse, dq, dk, dv, dbias);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("backward", args, shape, q.dtype()), fused);
-  } else if (GetAttentionPath() == AttentionPath::kAuto) {
-    LogFallbackOnce(Describe("backward", args, shape, q.dtype()),
-                    absl::UnimplementedError("a logit bias needs its gradient, dbias"));
   }
   const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
   ASSIGN_OR_RETURN(void* row_dot, Workspace(rows * sizeof(float)));

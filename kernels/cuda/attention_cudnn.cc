@@ -3,13 +3,19 @@
 // the ones cuDNN's runtime fusion engine recognises as scaled dot-product
 // attention (cuDNN docs: "Graph API > Fused Flash Attention fprop/bprop"):
 //
-//   forward:  S = Q K^T * scale -> [padding mask] -> [causal mask] -> softmax
+//   forward:  S = Q K^T * scale [+ bias] -> [padding mask] -> [causal mask] -> softmax
 //             (max, exp, sum; Stats = max + log(sum), natural log) -> P
 //             -> [P * Bernoulli(1-p) * 1/(1-p)] -> O = P V
 //   backward: softmax_sum = rowsum(dO * O) * (1-p); S recomputed from Q, K and
 //             Stats; dV = P^T dO; dP = dO V^T [* mask]; dS = (dP - softmax_sum)
 //             * exp(S - Stats) [* 1/(1-p)] * scale; dK = dS^T Q; dQ = dS K
-//             (accumulated in f32, then cast).
+//             (accumulated in f32, then cast); with a bias, dBias = sum over the
+//             batch of dS (before * scale), and dQ is written directly.
+//
+// ops.h's bias and dbias are f32; cuDNN's are the operand dtype, so the bias is
+// cast into the workspace first and dBias cast back after (bf16 rounding of
+// the logit offsets, inside the bf16 tolerance). cuDNN has no dBias with a
+// padding mask: bias + padding runs unfused.
 //
 // Masks are pointwise subgraphs: GEN_INDEX row/column, compares against the
 // per-batch lengths (padding) or each other (causal), BINARY_SELECT with -inf.
@@ -69,6 +75,8 @@ enum Uid : int64_t {
   kDV,
   kSoftmaxSum,
   kDQAccum,
+  kBias,
+  kDBias,
   kFirstVirtual = 1000,
 };
 
@@ -367,13 +375,14 @@ struct PlanConfig {
   DType dtype = DType::kBF16;
   bool padding = false;
   bool causal = false;
+  bool bias = false;
   float dropout = 0.0f;
 
   std::string Key() const {
     return absl::StrCat(backward ? "bwd" : "fwd", "/", shape.batch, "/", shape.q_seq, "/",
                         shape.kv_seq, "/", shape.q_heads, "/", shape.kv_heads, "/",
-                        shape.head_dim, "/", static_cast<int>(dtype), "/", padding, causal, "/",
-                        dropout);
+                        shape.head_dim, "/", static_cast<int>(dtype), "/", padding, causal, bias,
+                        "/", dropout);
   }
 };
 
@@ -393,6 +402,8 @@ struct Layouts {
   Dims STStrides() const { return {hq * sq * skv, sq * skv, 1, skv}; }
   Dims RowDims() const { return {b, hq, sq, 1}; }  // Stats, softmax_sum: [B, Hq, Sq]
   Dims RowStrides() const { return {hq * sq, sq, 1, 1}; }
+  Dims BiasDims() const { return {1, hq, sq, skv}; }  // [Hq, Sq, Skv], shared by the batch
+  Dims BiasStrides() const { return {hq * sq * skv, sq * skv, skv, 1}; }
   Dims LenDims() const { return {b, 1, 1, 1}; }
   Dims LenStrides() const { return {1, 1, 1, 1}; }
   int64_t b, hq, hk, sq, skv, d;
@@ -448,6 +459,7 @@ struct CommonTensors {
   cudnnBackendDescriptor_t seed = nullptr;
   cudnnBackendDescriptor_t offset = nullptr;
   cudnnBackendDescriptor_t drop_scale = nullptr;
+  cudnnBackendDescriptor_t bias = nullptr;
 };
 
 absl::StatusOr<CommonTensors> MakeCommon(GraphBuilder& g, const PlanConfig& c, const Layouts& l) {
@@ -460,6 +472,9 @@ absl::StatusOr<CommonTensors> MakeCommon(GraphBuilder& g, const PlanConfig& c, c
   if (c.padding || c.causal) {
     ASSIGN_OR_RETURN(t.neg_inf, g.Scalar(kNegInf, CUDNN_DATA_FLOAT));
   }
+  if (c.bias) {
+    ASSIGN_OR_RETURN(t.bias, g.Tensor(kBias, IoType(c.dtype), l.BiasDims(), l.BiasStrides()));
+  }
   if (c.dropout > 0.0f) {
     ASSIGN_OR_RETURN(t.seed, g.Tensor(kSeed, CUDNN_DATA_INT64, {1, 1, 1, 1}, {1, 1, 1, 1}));
     ASSIGN_OR_RETURN(t.offset, g.Tensor(kOffset, CUDNN_DATA_INT64, {1, 1, 1, 1}, {1, 1, 1, 1}));
@@ -468,7 +483,7 @@ absl::StatusOr<CommonTensors> MakeCommon(GraphBuilder& g, const PlanConfig& c, c
   return t;
 }
 
-// S = Q K^T * scale [- stats], then the masks.
+// S = Q K^T * scale [+ bias] [- stats], then the masks.
 absl::StatusOr<cudnnBackendDescriptor_t> MaskedScores(GraphBuilder& g, const PlanConfig& c,
                                                       const Layouts& l, const CommonTensors& t,
                                                       cudnnBackendDescriptor_t q,
@@ -479,6 +494,11 @@ absl::StatusOr<cudnnBackendDescriptor_t> MaskedScores(GraphBuilder& g, const Pla
   ASSIGN_OR_RETURN(auto scaled, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
   RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, t.scale, nullptr, scaled));
   cudnnBackendDescriptor_t last = scaled;
+  if (c.bias) {
+    ASSIGN_OR_RETURN(auto biased, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, last, t.bias, nullptr, biased));
+    last = biased;
+  }
   if (stats != nullptr) {
     ASSIGN_OR_RETURN(auto shifted, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
     RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, last, stats, nullptr, shifted));
@@ -552,8 +572,16 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
   ASSIGN_OR_RETURN(auto dv, g.Tensor(kDV, io, l.KvDims(), l.KvStrides()));
   ASSIGN_OR_RETURN(auto softmax_sum,
                    g.Tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
-  ASSIGN_OR_RETURN(auto dq_accum, g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, l.QDims(),
-                                           {l.hq * l.sq * l.d, l.sq * l.d, l.d, 1}));
+  // Without dBias, dQ accumulates in an f32 workspace tensor; with dBias cuDNN
+  // takes its dP-workspace implementation, which writes dQ directly.
+  cudnnBackendDescriptor_t dq_accum = nullptr;
+  cudnnBackendDescriptor_t dbias = nullptr;
+  if (c.bias) {
+    ASSIGN_OR_RETURN(dbias, g.Tensor(kDBias, io, l.BiasDims(), l.BiasStrides()));
+  } else {
+    ASSIGN_OR_RETURN(dq_accum, g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, l.QDims(),
+                                        {l.hq * l.sq * l.d, l.sq * l.d, l.d, 1}));
+  }
   ASSIGN_OR_RETURN(const CommonTensors t, MakeCommon(g, c, l));
   ASSIGN_OR_RETURN(auto keep_or_one, g.Scalar(dropout ? kKeepProbability : kOne, CUDNN_DATA_FLOAT));
 
@@ -617,6 +645,7 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
         g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, t.drop_scale, nullptr, rescaled));
     last = rescaled;
   }
+  if (c.bias) RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, last, dbias));
   ASSIGN_OR_RETURN(auto ds, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
   RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, t.scale, nullptr, ds));
 
@@ -634,9 +663,13 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
   // dQ = dS K, accumulated in f32 (workspace), then cast.
   ASSIGN_OR_RETURN(auto k, g.Virtual(io, l.KvDims(), l.KvStrides()));
   RETURN_IF_ERROR(g.Reshape(kt, k));
-  RETURN_IF_ERROR(g.Matmul(ds, k, dq_accum, t.seq_q, nullptr, t.seq_kv));
-  RETURN_IF_ERROR(
-      g.Pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, dq_accum, nullptr, nullptr, dq));
+  if (c.bias) {
+    RETURN_IF_ERROR(g.Matmul(ds, k, dq, t.seq_q, nullptr, t.seq_kv));
+  } else {
+    RETURN_IF_ERROR(g.Matmul(ds, k, dq_accum, t.seq_q, nullptr, t.seq_kv));
+    RETURN_IF_ERROR(
+        g.Pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, dq_accum, nullptr, nullptr, dq));
+  }
   return g.Finish(handle);
 }
 
@@ -690,7 +723,10 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
   if (ops.context().properties.major < 8) {
     return absl::UnimplementedError("fused attention needs compute capability 8.0 or newer");
   }
-  if (args.bias.data() != nullptr) return absl::UnimplementedError("a logit bias is not wired to cuDNN");
+  const bool padding = args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal;
+  if (args.bias.data() != nullptr && padding) {
+    return absl::UnimplementedError("cuDNN has no dBias with a padding mask");
+  }
   const DType dtype = tensors.front()->dtype();
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::UnimplementedError(absl::StrCat(DTypeName(dtype), " operands (bf16/f16 only)"));
@@ -716,6 +752,7 @@ PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionS
   c.dtype = dtype;
   c.padding = args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal;
   c.causal = args.mask == MaskType::kCausal || args.mask == MaskType::kPaddingCausal;
+  c.bias = args.bias.data() != nullptr;
   c.dropout = args.dropout_rate;
   return c;
 }
@@ -788,6 +825,11 @@ void BindCommon(const PlanConfig& c, const AttentionArgs& args, const Scalars& s
   }
 }
 
+// A view of workspace memory as a tensor (the workspace owns the memory).
+Tensor WorkspaceTensor(void* data, DType dtype, const Shape& shape) {
+  return Tensor(std::shared_ptr<void>(), data, dtype, shape);
+}
+
 Scalars MakeScalars(const AttentionArgs& args) {
   Scalars s;
   s.scale = args.scale;
@@ -808,14 +850,22 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
   RETURN_IF_ERROR(CheckOtherDirection(ops, config));
   ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
 
+  // Workspace: cuDNN's own | bias in the operand dtype | seed, offset.
   const size_t library = RoundUp(static_cast<size_t>(plan->workspace_bytes));
-  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(library + 2 * sizeof(int64_t)));
-  int64_t* seed_offset = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) + library);
+  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(q.dtype())) : 0;
+  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(library + bias_bytes + 2 * sizeof(int64_t)));
+  char* base = static_cast<char*>(workspace);
+  int64_t* seed_offset = reinterpret_cast<int64_t*>(base + library + bias_bytes);
   if (config.dropout > 0.0f) {
     RETURN_IF_ERROR(WriteDropoutSeed(seed_offset, args.dropout_seed, ops->stream()));
   }
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
+  if (config.bias) {
+    Tensor bias_io = WorkspaceTensor(base + library, q.dtype(), args.bias.shape());
+    RETURN_IF_ERROR(ops->Cast(args.bias, &bias_io));
+    pack.Bind(kBias, bias_io.data());
+  }
   pack.Bind(kQ, q.data());
   pack.Bind(kK, k.data());
   pack.Bind(kV, v.data());
@@ -842,7 +892,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
                                     const AttentionShape& shape, const Tensor& q,
                                     const Tensor& k, const Tensor& v, const Tensor& out,
                                     const Tensor& dout, const Tensor& softmax_lse, Tensor* dq,
-                                    Tensor* dk, Tensor* dv) {
+                                    Tensor* dk, Tensor* dv, Tensor* dbias) {
   RETURN_IF_ERROR(Supported(*ops, args, shape, {&q, &k, &v, &out, &dout, dq, dk, dv}));
   if (!Aligned(softmax_lse.data())) return absl::UnimplementedError("softmax_lse is not aligned");
   const PlanConfig config = MakeConfig(/*backward=*/true, args, shape, q.dtype());
@@ -851,18 +901,23 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
 
   // Workspace: cuDNN's own | softmax_sum [B, Hq, Sq] f32 | dQ accumulator
-  // [B, Hq, Sq, D] f32 | seed, offset.
+  // [B, Hq, Sq, D] f32 (without bias) | bias and dBias in the operand dtype
+  // (with bias) | seed, offset.
   const size_t library = RoundUp(static_cast<size_t>(plan->workspace_bytes));
   const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
   const size_t softmax_sum_bytes = RoundUp(rows * sizeof(float));
-  const size_t dq_accum_bytes = RoundUp(rows * static_cast<size_t>(shape.head_dim) * sizeof(float));
-  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(library + softmax_sum_bytes + dq_accum_bytes +
-                                                   2 * sizeof(int64_t)));
+  const size_t dq_accum_bytes =
+      config.bias ? 0 : RoundUp(rows * static_cast<size_t>(shape.head_dim) * sizeof(float));
+  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(q.dtype())) : 0;
+  ASSIGN_OR_RETURN(void* workspace,
+                   ops->Workspace(library + softmax_sum_bytes + dq_accum_bytes + 2 * bias_bytes +
+                                  2 * sizeof(int64_t)));
   char* base = static_cast<char*>(workspace);
-  void* softmax_sum = base + library;
-  void* dq_accum = base + library + softmax_sum_bytes;
-  int64_t* seed_offset =
-      reinterpret_cast<int64_t*>(base + library + softmax_sum_bytes + dq_accum_bytes);
+  char* softmax_sum = base + library;
+  char* dq_accum = softmax_sum + softmax_sum_bytes;
+  char* bias_io = dq_accum + dq_accum_bytes;
+  char* dbias_io = bias_io + bias_bytes;
+  int64_t* seed_offset = reinterpret_cast<int64_t*>(dbias_io + bias_bytes);
   if (config.dropout > 0.0f) {
     RETURN_IF_ERROR(WriteDropoutSeed(seed_offset, args.dropout_seed, ops->stream()));
   }
@@ -875,6 +930,14 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   }
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
+  if (config.bias) {
+    Tensor bias_view = WorkspaceTensor(bias_io, q.dtype(), args.bias.shape());
+    RETURN_IF_ERROR(ops->Cast(args.bias, &bias_view));
+    pack.Bind(kBias, bias_io);
+    pack.Bind(kDBias, dbias_io);
+  } else {
+    pack.Bind(kDQAccum, dq_accum);
+  }
   pack.Bind(kQ, q.data());
   pack.Bind(kK, k.data());
   pack.Bind(kV, v.data());
@@ -885,12 +948,15 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   pack.Bind(kDK, dk->data());
   pack.Bind(kDV, dv->data());
   pack.Bind(kSoftmaxSum, softmax_sum);
-  pack.Bind(kDQAccum, dq_accum);
   pack.Bind(config.dropout > 0.0f ? kKeepProbability : kOne,
             config.dropout > 0.0f ? &scalars.keep_probability : &scalars.one);
   BindCommon(config, args, scalars, seed_offset, &pack);
   RETURN_IF_ERROR(pack.Execute(handle, *plan, workspace));
   cudnn_calls.fetch_add(1);
+  if (config.bias) {
+    const Tensor dbias_view = WorkspaceTensor(dbias_io, q.dtype(), args.bias.shape());
+    RETURN_IF_ERROR(ops->Cast(dbias_view, dbias));
+  }
   return absl::OkStatus();
 }
 

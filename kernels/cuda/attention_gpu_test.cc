@@ -1,7 +1,8 @@
 // CUDA attention against the CPU reference (kernels/cpu/attention.cc) on
 // random data: forward (out, softmax_lse) and backward (dq, dk, dv, dbias), for
 // every mask type, GQA, padding lengths, odd sequence lengths, f32 / f16 /
-// bf16, on both paths: cuDNN's fused SDPA and the unfused fallback.
+// bf16, post-scale bias with dbias, on both paths: cuDNN's fused SDPA and the
+// unfused fallback (forced, and where cuDNN declines).
 //
 // Tolerances (DESIGN.md section 6, kernels/cpu/test_util.h): relative error
 // ||gpu - cpu|| / ||cpu|| under 1e-5 for f32, 1e-3 for f16 and 1e-2 for bf16.
@@ -33,7 +34,10 @@ using ::te::testing::RandomValues;
 using ::te::testing::RelativeError;
 using ::te::testing::Tolerance;
 
-enum class Path { kCudnn, kFallback };
+// kCudnn: cuDNN must take the call. kFallback: cuDNN switched off.
+// kDeclined: cuDNN asked first, must decline (f32, bias with padding), and the
+// fallback answers.
+enum class Path { kCudnn, kFallback, kDeclined };
 
 struct Case {
   std::string name;
@@ -188,7 +192,7 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   }
   const int64_t cudnn_calls = cuda::CudnnAttentionCalls() - cudnn_calls_before;
   EXPECT_EQ(cudnn_calls, c.path == Path::kCudnn ? 2 : 0)
-      << "the test meant the " << (c.path == Path::kCudnn ? "cuDNN" : "fallback") << " path";
+      << "the test meant the " << (c.path == Path::kCudnn ? "cuDNN" : "unfused") << " path";
 }
 
 // Odd sizes on purpose: sequence lengths not multiples of 64, head_dim above
@@ -224,7 +228,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"f16_nomask_cross", Path::kCudnn, DType::kF16, 1, 96, 160, 2, 1, 64,
              MaskType::kNoMask},
         Case{"bf16_dropout_rate0", Path::kCudnn, DType::kBF16, 2, 128, 128, 4, 4, 64,
-             MaskType::kCausal, 0.0f}),
+             MaskType::kCausal, 0.0f},
+        // Post-scale bias (T5 relative position bias) with dbias.
+        Case{"bf16_causal_bias", Path::kCudnn, DType::kBF16, 2, 128, 128, 4, 4, 64,
+             MaskType::kCausal, 0.0f, true},
+        Case{"bf16_nomask_bias_gqa", Path::kCudnn, DType::kBF16, 2, 192, 192, 8, 2, 128,
+             MaskType::kNoMask, 0.0f, true},
+        // cuDNN declines these; the fallback answers.
+        Case{"declined_f32_causal", Path::kDeclined, DType::kF32, 2, 64, 64, 4, 2, 64,
+             MaskType::kCausal},
+        Case{"declined_bf16_padding_bias", Path::kDeclined, DType::kBF16, 2, 64, 80, 4, 4, 64,
+             MaskType::kPadding, 0.0f, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)

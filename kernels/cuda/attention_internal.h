@@ -92,7 +92,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
                                     const AttentionShape& shape, const Tensor& q,
                                     const Tensor& k, const Tensor& v, const Tensor& out,
                                     const Tensor& dout, const Tensor& softmax_lse, Tensor* dq,
-                                    Tensor* dk, Tensor* dv);
+                                    Tensor* dk, Tensor* dv, Tensor* dbias);
 
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and

@@ -104,8 +104,54 @@ __global__ void EpilogueKernel(const float* __restrict__ product, const void* bi
   }
 }
 
+// The FP8 case, 4 bytes per access: a 64 x 64 byte tile is read as rows of
+// uint32 (coalesced), and written as uint32 words of 4 consecutive input rows
+// of one column. Needs rows and cols multiples of 4 (4-byte aligned words).
+// About 4x the bandwidth of the byte-wise kernel.
+__global__ void TransposeBytes4Kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out,
+                                      int64_t rows, int64_t cols) {
+  __shared__ uint8_t tile[64][64 + 4];
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
+  const int tx = threadIdx.x, ty = threadIdx.y;  // 16 x 16
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = ty + 16 * i;
+    const int64_t c = col0 + tx * 4;
+    if (row0 + r < rows && c < cols) {
+      const uint32_t word = *reinterpret_cast<const uint32_t*>(in + (row0 + r) * cols + c);
+      tile[r][tx * 4 + 0] = static_cast<uint8_t>(word);
+      tile[r][tx * 4 + 1] = static_cast<uint8_t>(word >> 8);
+      tile[r][tx * 4 + 2] = static_cast<uint8_t>(word >> 16);
+      tile[r][tx * 4 + 3] = static_cast<uint8_t>(word >> 24);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = ty + 16 * i;
+    const int64_t r = row0 + tx * 4;
+    if (col0 + c < cols && r < rows) {
+      const uint32_t word = static_cast<uint32_t>(tile[tx * 4 + 0][c]) |
+                            static_cast<uint32_t>(tile[tx * 4 + 1][c]) << 8 |
+                            static_cast<uint32_t>(tile[tx * 4 + 2][c]) << 16 |
+                            static_cast<uint32_t>(tile[tx * 4 + 3][c]) << 24;
+      *reinterpret_cast<uint32_t*>(out + (col0 + c) * rows + r) = word;
+    }
+  }
+}
+
 absl::Status Transpose(const void* in, DType dtype, void* out, int64_t rows, int64_t cols,
                        cudaStream_t stream) {
+  if (DTypeSize(dtype) == 1 && rows % 4 == 0 && cols % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(in) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0 &&
+      (rows + 63) / 64 <= 65535) {
+    const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+    TransposeBytes4Kernel<<<grid, dim3(16, 16), 0, stream>>>(static_cast<const uint8_t*>(in),
+                                                             static_cast<uint8_t*>(out), rows, cols);
+    CUDA_RETURN_IF_LAUNCH_ERROR();
+    return absl::OkStatus();
+  }
   const dim3 block(32, 8);
   const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
   if ((rows + 31) / 32 > 65535) {

@@ -128,6 +128,8 @@ std::vector<GemmCase> Cases() {
       {"e5m2_e4m3_bf16", e5m2, e4m3, bf16, 200, 48, 80},
       {"e4m3_e5m2_accumulate", e4m3, e5m2, bf16, 128, 96, 64, false, f32, true},
       {"e5m2_e4m3_f32_accumulate", e5m2, e4m3, f32, 64, 32, 128, false, f32, true},
+      // M not a multiple of 4: the byte-wise transpose for the TN copy of a.
+      {"e4m3_m130", e4m3, e4m3, bf16, 130, 40, 48, true, bf16},
       // FP8 with K % 16 != 0 (and odd M, N): no FP8 kernel, exact f32 route.
       {"e4m3_odd_k", e4m3, e4m3, bf16, 45, 27, 24, true, bf16},
   };
