@@ -57,25 +57,45 @@ __device__ __forceinline__ float ActivationDerivative(Activation act, float x) {
 }
 
 // x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale, amax
-// (zeroed before) and scale_inv non-null.
+// (zeroed before) and scale_inv non-null. `vec`: width % kVec == 0 and x, y
+// aligned for Pack access; each thread then handles kVec outputs of one row.
 template <typename In, typename Out>
 __global__ void ActivationForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
                                         Activation act0, Activation act1, bool gated,
-                                        int64_t rows, int64_t width, const float* scale,
+                                        int64_t rows, int64_t width, bool vec, const float* scale,
                                         float* amax, float* scale_inv) {
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
   __shared__ unsigned scratch[32];
   const float s = scale != nullptr ? *scale : 1.0f;
   const int64_t in_cols = gated ? 2 * width : width;
-  const int64_t n = rows * width;
+  const int64_t step = vec ? kVec : 1;
+  const int64_t per_row = width / step;
+  const int64_t n = rows * per_row;
   unsigned amax_bits = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / width, c = i - r * width;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = k / per_row, c = (k - r * per_row) * step;
     const int64_t at = r * in_cols + c;
-    float v = ActivationValue(act0, In::Load(x[at]));
-    if (gated) v *= ActivationValue(act1, In::Load(x[at + width]));
-    amax_bits = max(amax_bits, AbsBits(v));
-    y[i] = Out::Store(v * s);
+    if (vec) {
+      const InPack a = *reinterpret_cast<const InPack*>(x + at);
+      InPack b = a;
+      if (gated) b = *reinterpret_cast<const InPack*>(x + at + width);
+      OutPack o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float v = ActivationValue(act0, In::Load(a.v[j]));
+        if (gated) v *= ActivationValue(act1, In::Load(b.v[j]));
+        amax_bits = max(amax_bits, AbsBits(v));
+        o.v[j] = Out::Store(v * s);
+      }
+      *reinterpret_cast<OutPack*>(y + r * width + c) = o;
+    } else {
+      float v = ActivationValue(act0, In::Load(x[at]));
+      if (gated) v *= ActivationValue(act1, In::Load(x[at + width]));
+      amax_bits = max(amax_bits, AbsBits(v));
+      y[r * width + c] = Out::Store(v * s);
+    }
   }
   if (amax != nullptr) {
     amax_bits = BlockMaxBits(amax_bits, scratch);
@@ -87,26 +107,57 @@ __global__ void ActivationForwardKernel(const typename In::Storage* x, typename 
 }
 
 // Gated: dx_0 = dy * act_1(x_1) * act_0'(x_0), dx_1 = dy * act_0(x_0) * act_1'(x_1).
+__device__ __forceinline__ void ActivationGrad(Activation act0, Activation act1, bool gated,
+                                               float g, float x0, float x1, float* dx0,
+                                               float* dx1) {
+  if (!gated) {
+    *dx0 = g * ActivationDerivative(act0, x0);
+    return;
+  }
+  *dx0 = g * ActivationValue(act1, x1) * ActivationDerivative(act0, x0);
+  *dx1 = g * ActivationValue(act0, x0) * ActivationDerivative(act1, x1);
+}
+
 template <typename In, typename D, typename Out>
 __global__ void ActivationBackwardKernel(const typename D::Storage* dy,
                                          const typename In::Storage* x, typename Out::Storage* dx,
                                          Activation act0, Activation act1, bool gated,
-                                         int64_t rows, int64_t width) {
+                                         int64_t rows, int64_t width, bool vec) {
+  using InPack = Pack<typename In::Storage>;
+  using DPack = Pack<typename D::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
   const int64_t in_cols = gated ? 2 * width : width;
-  const int64_t n = rows * width;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / width, c = i - r * width;
+  const int64_t step = vec ? kVec : 1;
+  const int64_t per_row = width / step;
+  const int64_t n = rows * per_row;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = k / per_row, c = (k - r * per_row) * step;
     const int64_t at = r * in_cols + c;
-    const float g = D::Load(dy[i]);
-    const float x0 = In::Load(x[at]);
-    if (!gated) {
-      dx[at] = Out::Store(g * ActivationDerivative(act0, x0));
-      continue;
+    if (vec) {
+      const DPack g = *reinterpret_cast<const DPack*>(dy + r * width + c);
+      const InPack a = *reinterpret_cast<const InPack*>(x + at);
+      InPack b = a;
+      if (gated) b = *reinterpret_cast<const InPack*>(x + at + width);
+      OutPack o0, o1;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float d0 = 0.0f, d1 = 0.0f;
+        ActivationGrad(act0, act1, gated, D::Load(g.v[j]), In::Load(a.v[j]), In::Load(b.v[j]),
+                       &d0, &d1);
+        o0.v[j] = Out::Store(d0);
+        o1.v[j] = Out::Store(d1);
+      }
+      *reinterpret_cast<OutPack*>(dx + at) = o0;
+      if (gated) *reinterpret_cast<OutPack*>(dx + at + width) = o1;
+    } else {
+      const float x0 = In::Load(x[at]);
+      const float x1 = gated ? In::Load(x[at + width]) : 0.0f;
+      float d0 = 0.0f, d1 = 0.0f;
+      ActivationGrad(act0, act1, gated, D::Load(dy[r * width + c]), x0, x1, &d0, &d1);
+      dx[at] = Out::Store(d0);
+      if (gated) dx[at + width] = Out::Store(d1);
     }
-    const float x1 = In::Load(x[at + width]);
-    dx[at] = Out::Store(g * ActivationValue(act1, x1) * ActivationDerivative(act0, x0));
-    dx[at + width] = Out::Store(g * ActivationValue(act0, x0) * ActivationDerivative(act1, x1));
   }
 }
 
@@ -150,10 +201,12 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
     DispatchFloatOrFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      ActivationForwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+      const bool vec = width % kVec == 0 && PackAligned<typename In::Storage>(x.data()) &&
+                       PackAligned<typename Out::Storage>(y->data());
+      ActivationForwardKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), acts[0], gated ? acts[1] : acts[0],
-          gated, rows, width, quantized ? fp8->scale.data_as<const float>() : nullptr,
+          gated, rows, width, vec, quantized ? fp8->scale.data_as<const float>() : nullptr,
           quantized ? fp8->amax.data_as<float>() : nullptr,
           quantized ? fp8->scale_inv.data_as<float>() : nullptr);
     });
@@ -184,11 +237,15 @@ absl::Status CudaOps::ActivationBackward(const std::vector<Activation>& acts, co
         using In = decltype(in);
         using D = decltype(d);
         using Out = decltype(out);
-        ActivationBackwardKernel<In, D, Out><<<GridFor(n), kThreads, 0, stream()>>>(
-            static_cast<const typename D::Storage*>(dy.data()),
-            static_cast<const typename In::Storage*>(x.data()),
-            static_cast<typename Out::Storage*>(dx->data()), acts[0], gated ? acts[1] : acts[0],
-            gated, rows, width);
+        const bool vec = width % kVec == 0 && PackAligned<typename D::Storage>(dy.data()) &&
+                         PackAligned<typename In::Storage>(x.data()) &&
+                         PackAligned<typename Out::Storage>(dx->data());
+        ActivationBackwardKernel<In, D, Out>
+            <<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
+                static_cast<const typename D::Storage*>(dy.data()),
+                static_cast<const typename In::Storage*>(x.data()),
+                static_cast<typename Out::Storage*>(dx->data()), acts[0],
+                gated ? acts[1] : acts[0], gated, rows, width, vec);
       });
     });
   });

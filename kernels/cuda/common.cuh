@@ -94,6 +94,20 @@ bool DispatchFp8(DType dtype, F&& f) {
   }
 }
 
+// ---- vector access -------------------------------------------------------------
+// Memory-bound kernels move kVec elements per thread with one (or two) 16-byte
+// accesses where the pointers allow it, and fall back to single elements
+// otherwise (views into a tensor need not be aligned).
+constexpr int kVec = 8;
+template <typename T, int N = kVec>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+template <typename T>
+inline bool PackAligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(Pack<T>) == 0;
+}
+
 // ---- launch geometry ---------------------------------------------------------
 constexpr int kThreads = 256;
 // Grid-stride kernels: enough blocks to fill the GPU several times over, no

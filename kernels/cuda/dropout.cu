@@ -13,13 +13,32 @@ namespace te {
 namespace cuda {
 namespace {
 
-// mask may be null (no backward needed).
+// mask may be null (no backward needed). kVec elements at a time where
+// aligned (`vec`), then the tail.
 template <typename In, typename Out>
 __global__ void DropoutForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
                                      uint8_t* mask, float rate, float kept_scale, uint64_t seed,
-                                     int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
+                                     int64_t n, bool vec) {
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
+  using MaskPack = Pack<uint8_t>;
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t packs = vec ? n / kVec : 0;
+  for (int64_t k = start; k < packs; k += stride) {
+    const InPack a = reinterpret_cast<const InPack*>(x)[k];
+    OutPack o;
+    MaskPack m;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const bool kept = DropoutUniform(seed, static_cast<uint64_t>(k * kVec + j)) >= rate;
+      o.v[j] = Out::Store(kept ? In::Load(a.v[j]) * kept_scale : 0.0f);
+      m.v[j] = kept ? 1 : 0;
+    }
+    reinterpret_cast<OutPack*>(y)[k] = o;
+    if (mask != nullptr) reinterpret_cast<MaskPack*>(mask)[k] = m;
+  }
+  for (int64_t i = packs * kVec + start; i < n; i += stride) {
     const bool kept = DropoutUniform(seed, static_cast<uint64_t>(i)) >= rate;
     y[i] = Out::Store(kept ? In::Load(x[i]) * kept_scale : 0.0f);
     if (mask != nullptr) mask[i] = kept ? 1 : 0;
@@ -66,10 +85,13 @@ absl::Status CudaOps::DropoutForward(float rate, uint64_t seed, const Tensor& x,
     DispatchFloat(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      DropoutForwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
+                       PackAligned<typename Out::Storage>(y->data()) &&
+                       (!want_mask || PackAligned<uint8_t>(mask->data()));
+      DropoutForwardKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()),
-          want_mask ? mask->data_as<uint8_t>() : nullptr, rate, KeptScale(rate), seed, n);
+          want_mask ? mask->data_as<uint8_t>() : nullptr, rate, KeptScale(rate), seed, n, vec);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();

@@ -26,13 +26,23 @@ __global__ void FillKernel(T* y, T value, int64_t n) {
   }
 }
 
-// y = x in y's format.
+// y = x in y's format; kVec at a time where aligned (`vec`), then the tail.
 template <typename In, typename Out>
-__global__ void CastKernel(const typename In::Storage* x, typename Out::Storage* y, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    y[i] = Out::Store(In::Load(x[i]));
+__global__ void CastKernel(const typename In::Storage* x, typename Out::Storage* y, int64_t n,
+                           bool vec) {
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t packs = vec ? n / kVec : 0;
+  for (int64_t k = start; k < packs; k += stride) {
+    const InPack a = reinterpret_cast<const InPack*>(x)[k];
+    OutPack o;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) o.v[j] = Out::Store(In::Load(a.v[j]));
+    reinterpret_cast<OutPack*>(y)[k] = o;
   }
+  for (int64_t i = packs * kVec + start; i < n; i += stride) y[i] = Out::Store(In::Load(x[i]));
 }
 
 // y = alpha a + beta b; a term with a zero coefficient is not read (its
@@ -68,6 +78,28 @@ __global__ void PermuteKernel(const T* x, T* y, PermuteGeometry g, int64_t n) {
       offset += index * g.x_step[i];
     }
     y[out] = x[offset];
+  }
+}
+
+// Batched 2D transpose, y[b, j, i] = x[b, i, j] with x [batch, rows, cols]:
+// 32 x 32 tiles through shared memory so reads and writes are both coalesced
+// (the padding column keeps the column reads free of bank conflicts).
+constexpr int kTile = 32, kTileRows = 8;
+template <typename T>
+__global__ void TransposeKernel(const T* x, T* y, int64_t rows, int64_t cols) {
+  __shared__ T tile[kTile][kTile + 1];
+  const int64_t batch = blockIdx.z;
+  const T* in = x + batch * rows * cols;
+  T* out = y + batch * rows * cols;
+  const int64_t row0 = blockIdx.y * int64_t(kTile), col0 = blockIdx.x * int64_t(kTile);
+  for (int k = threadIdx.y; k < kTile; k += kTileRows) {
+    const int64_t r = row0 + k, c = col0 + threadIdx.x;
+    if (r < rows && c < cols) tile[k][threadIdx.x] = in[r * cols + c];
+  }
+  __syncthreads();
+  for (int k = threadIdx.y; k < kTile; k += kTileRows) {
+    const int64_t c = col0 + k, r = row0 + threadIdx.x;  // y row c, column r
+    if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][k];
   }
 }
 
@@ -186,9 +218,11 @@ absl::Status CudaOps::Cast(const Tensor& x, Tensor* y) {
     DispatchFloat(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      CastKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
+                       PackAligned<typename Out::Storage>(y->data());
+      CastKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
-          static_cast<typename Out::Storage*>(y->data()), n);
+          static_cast<typename Out::Storage*>(y->data()), n, vec);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
@@ -255,28 +289,105 @@ absl::Status CudaOps::Permute(const Tensor& x, const std::vector<int>& perm, Ten
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
 
+  // Dimensions of size 1 move nothing: drop them, so more cases reduce to the
+  // fast paths below.
+  std::vector<int64_t> dims;     // x's dims, size-1 dims dropped
+  std::vector<int> order;        // the kept dims, in y's order, as indices into dims
+  {
+    std::vector<int> new_index(rank, -1);
+    for (int d = 0; d < rank; ++d) {
+      if (x.dim(d) != 1) {
+        new_index[d] = static_cast<int>(dims.size());
+        dims.push_back(x.dim(d));
+      }
+    }
+    for (int i = 0; i < rank; ++i) {
+      if (new_index[perm[i]] >= 0) order.push_back(new_index[perm[i]]);
+    }
+  }
+  const int kept = static_cast<int>(dims.size());
+  bool identity = true;
+  for (int i = 0; i < kept; ++i) identity = identity && order[i] == i;
+  const size_t elem = DTypeSize(x.dtype());
+  if (identity) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(y->data(), x.data(), x.nbytes(),
+                                         cudaMemcpyDeviceToDevice, stream()));
+    return absl::OkStatus();
+  }
+  // Leading dims in place and the last two swapped: a batched transpose.
+  bool swap_last_two = kept >= 2 && order[kept - 1] == kept - 2 && order[kept - 2] == kept - 1;
+  for (int i = 0; swap_last_two && i < kept - 2; ++i) swap_last_two = order[i] == i;
+  if (swap_last_two) {
+    const int64_t rows = dims[kept - 2], cols = dims[kept - 1];
+    const int64_t batch = n / (rows * cols);
+    if (batch <= 65535) {
+      const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile, batch);
+      const dim3 block(kTile, kTileRows);
+      switch (elem) {
+        case 1:
+          TransposeKernel<uint8_t><<<grid, block, 0, stream()>>>(
+              x.data_as<const uint8_t>(), y->data_as<uint8_t>(), rows, cols);
+          break;
+        case 2:
+          TransposeKernel<uint16_t><<<grid, block, 0, stream()>>>(
+              x.data_as<const uint16_t>(), y->data_as<uint16_t>(), rows, cols);
+          break;
+        default:
+          TransposeKernel<uint32_t><<<grid, block, 0, stream()>>>(
+              x.data_as<const uint32_t>(), y->data_as<uint32_t>(), rows, cols);
+          break;
+      }
+      CUDA_RETURN_IF_LAUNCH_ERROR();
+      return absl::OkStatus();
+    }
+  }
+  // General gather. When the last dim stays last, its elements move together:
+  // the widest unit (up to 16 bytes) that divides its bytes and both pointers'
+  // alignment becomes the element.
+  size_t unit = elem;
+  if (order[kept - 1] == kept - 1) {
+    const size_t inner_bytes = static_cast<size_t>(dims[kept - 1]) * elem;
+    const uintptr_t addresses = reinterpret_cast<uintptr_t>(x.data()) |
+                                reinterpret_cast<uintptr_t>(y->data());
+    for (size_t u : {size_t{16}, size_t{8}, size_t{4}, size_t{2}}) {
+      if (u > elem && inner_bytes % u == 0 && addresses % u == 0) {
+        unit = u;
+        break;
+      }
+    }
+    dims[kept - 1] = static_cast<int64_t>(inner_bytes / unit);
+  }
   PermuteGeometry g{};
-  g.rank = rank;
+  g.rank = kept;
   int64_t x_strides[kMaxRank];
-  for (int d = rank - 1; d >= 0; --d) {
-    x_strides[d] = d == rank - 1 ? 1 : x_strides[d + 1] * x.dim(d + 1);
+  for (int d = kept - 1; d >= 0; --d) {
+    x_strides[d] = d == kept - 1 ? 1 : x_strides[d + 1] * dims[d + 1];
   }
-  for (int i = 0; i < rank; ++i) {
-    g.y_dims[i] = want[i];
-    g.x_step[i] = x_strides[perm[i]];
+  for (int i = 0; i < kept; ++i) {
+    g.y_dims[i] = dims[order[i]];
+    g.x_step[i] = x_strides[order[i]];
   }
-  switch (DTypeSize(x.dtype())) {
+  const int64_t units = static_cast<int64_t>(x.nbytes() / unit);
+  switch (unit) {
     case 1:
-      PermuteKernel<uint8_t><<<GridFor(n), kThreads, 0, stream()>>>(
-          x.data_as<const uint8_t>(), y->data_as<uint8_t>(), g, n);
+      PermuteKernel<uint8_t><<<GridFor(units), kThreads, 0, stream()>>>(
+          x.data_as<const uint8_t>(), y->data_as<uint8_t>(), g, units);
       break;
     case 2:
-      PermuteKernel<uint16_t><<<GridFor(n), kThreads, 0, stream()>>>(
-          x.data_as<const uint16_t>(), y->data_as<uint16_t>(), g, n);
+      PermuteKernel<uint16_t><<<GridFor(units), kThreads, 0, stream()>>>(
+          x.data_as<const uint16_t>(), y->data_as<uint16_t>(), g, units);
+      break;
+    case 4:
+      PermuteKernel<uint32_t><<<GridFor(units), kThreads, 0, stream()>>>(
+          x.data_as<const uint32_t>(), y->data_as<uint32_t>(), g, units);
+      break;
+    case 8:
+      PermuteKernel<uint2><<<GridFor(units), kThreads, 0, stream()>>>(
+          x.data_as<const uint2>(), y->data_as<uint2>(), g, units);
       break;
     default:
-      PermuteKernel<uint32_t><<<GridFor(n), kThreads, 0, stream()>>>(
-          x.data_as<const uint32_t>(), y->data_as<uint32_t>(), g, n);
+      PermuteKernel<uint4><<<GridFor(units), kThreads, 0, stream()>>>(
+          x.data_as<const uint4>(), y->data_as<uint4>(), g, units);
       break;
   }
   CUDA_RETURN_IF_LAUNCH_ERROR();

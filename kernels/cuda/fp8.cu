@@ -25,14 +25,32 @@ constexpr int64_t kMaxHistory = 32768;
 // ---- kernels -------------------------------------------------------------------
 
 // y = cast(x * scale); amax (zeroed before) = max |x|; scale_inv = 1 / scale.
+// `vec`: x and y aligned for Pack access; the first n / kVec * kVec elements
+// then move kVec at a time, the rest one at a time.
 template <typename In, typename Out>
 __global__ void QuantizeKernel(const typename In::Storage* x, typename Out::Storage* y,
-                               const float* scale, float* amax, float* scale_inv, int64_t n) {
+                               const float* scale, float* amax, float* scale_inv, int64_t n,
+                               bool vec) {
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
   __shared__ unsigned scratch[32];
   const float s = *scale;
   unsigned local = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t packs = vec ? n / kVec : 0;
+  for (int64_t k = start; k < packs; k += stride) {
+    const InPack a = reinterpret_cast<const InPack*>(x)[k];
+    OutPack o;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float v = In::Load(a.v[j]);
+      local = max(local, AbsBits(v));
+      o.v[j] = Out::Store(v * s);
+    }
+    reinterpret_cast<OutPack*>(y)[k] = o;
+  }
+  for (int64_t i = packs * kVec + start; i < n; i += stride) {
     const float v = In::Load(x[i]);
     local = max(local, AbsBits(v));
     y[i] = Out::Store(v * s);
@@ -203,10 +221,12 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      QuantizeKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
+                       PackAligned<typename Out::Storage>(y->data());
+      QuantizeKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), fp8.scale.data_as<const float>(),
-          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), n);
+          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), n, vec);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();

@@ -144,7 +144,9 @@ class GpuTest : public ::testing::Test {
   // 0x7f for FP8) so an element the kernel never writes fails the comparison.
   Pair Output(DType dtype, const Shape& shape) {
     Pair p{NewCpu(dtype, shape), NewGpu(dtype, shape)};
-    if (IsFloating(dtype)) EXPECT_TRUE(gpu_->Fill(NAN, &p.gpu).ok());
+    if (IsFloating(dtype)) {
+      EXPECT_TRUE(gpu_->Fill(NAN, &p.gpu).ok());
+    }
     return p;
   }
 
@@ -231,7 +233,8 @@ class GpuTest : public ::testing::Test {
 // A scale per FP8 format that makes some of the values in [-4, 4] saturate.
 float SaturatingScale(DType fp8) { return fp8 == DType::kE4M3 ? 150.0f : 20000.0f; }
 
-const std::vector<Shape> kShapes = {{77, 200}, {128, 4096}, {3, 5, 64}, {1, 1}};
+// Element counts that are and are not multiples of the kernels' 8-element vectors.
+const std::vector<Shape> kShapes = {{77, 200}, {128, 4096}, {3, 5, 64}, {33, 101}, {1, 1}};
 
 // ---- elementwise: op x dtype x shape ---------------------------------------------
 
@@ -350,7 +353,10 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(std::make_tuple(Shape{77, 200}, std::vector<int>{1, 0}),
                           std::make_tuple(Shape{2, 77, 6, 40}, std::vector<int>{0, 2, 1, 3}),
                           std::make_tuple(Shape{3, 2, 5, 7, 4}, std::vector<int>{4, 2, 0, 3, 1}),
-                          std::make_tuple(Shape{9}, std::vector<int>{0}))),
+                          std::make_tuple(Shape{9}, std::vector<int>{0}),
+                          // batched transpose; size-1 dims dropped before choosing a path
+                          std::make_tuple(Shape{3, 33, 65}, std::vector<int>{0, 2, 1}),
+                          std::make_tuple(Shape{1, 77, 1, 40}, std::vector<int>{2, 3, 0, 1}))),
     [](const auto& info) {
       return std::string(Short(std::get<0>(info.param))) + "_" +
              ShapeName(std::get<0>(std::get<1>(info.param)));
@@ -550,7 +556,10 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Shape{77, 200}, Shape{128, 4096}, Shape{2, 3, 96},
                                          // backward partials in shared memory (opt-in
                                          // size), then in global memory
-                                         Shape{5, 20000}, Shape{3, 30000})),
+                                         Shape{5, 20000}, Shape{3, 30000},
+                                         // scalar path (H % 8 != 0); forward row cache
+                                         // in global memory (H > 51200)
+                                         Shape{7, 100}, Shape{2, 60000})),
     [](const auto& info) {
       const DType out = std::get<2>(info.param);
       return std::string(std::get<0>(info.param) == NormType::kLayerNorm ? "ln" : "rms") + "_" +
@@ -613,7 +622,8 @@ INSTANTIATE_TEST_SUITE_P(
                           std::vector<Activation>{Activation::kSquaredRelu, Activation::kGelu}),
         ::testing::Values(DType::kF32, DType::kBF16),
         ::testing::Values(DType::kF32, DType::kE4M3, DType::kE5M2),
-        ::testing::Values(Shape{77, 200}, Shape{128, 4096})),
+        // I = 100: rows not a multiple of the 8-element vectors (the scalar path)
+        ::testing::Values(Shape{77, 200}, Shape{128, 4096}, Shape{33, 100})),
     [](const auto& info) {
       std::string name;
       for (Activation a : std::get<0>(info.param)) name += std::string(ActName(a)) + "_";
