@@ -1,0 +1,45 @@
+#include "tests/tls/test_certs.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace te::testing {
+namespace {
+
+std::string ScriptPath() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/",
+                      workspace != nullptr ? workspace : "te_server", "/tests/tls/make_certs.sh");
+}
+
+}  // namespace
+
+std::string TestCerts::Read(const std::string& name) const {
+  std::ifstream in(Path(name), std::ios::binary);
+  std::stringstream content;
+  content << in.rdbuf();
+  return content.str();
+}
+
+absl::StatusOr<TestCerts> MakeTestCerts() {
+  static int made = 0;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  TestCerts certs;
+  certs.dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/certs_", getpid(), "_", made++);
+  const std::string command = absl::StrCat("bash '", ScriptPath(), "' '", certs.dir, "'");
+  const int status = std::system(command.c_str());
+  if (status != 0) {
+    return absl::UnavailableError(absl::StrCat(command, " failed: wait status ", status,
+                                               " (is openssl installed?)"));
+  }
+  return certs;
+}
+
+}  // namespace te::testing
