@@ -12,13 +12,19 @@
 namespace te::session {
 
 struct SessionManager::Entry {
-  Entry(std::string id, std::string token, absl::Duration ttl, int max_waiting)
-      : id(std::move(id)), token(std::move(token)), ttl(ttl), turns(max_waiting) {}
+  Entry(std::string id, std::string token, security::TokenDigest digest, absl::Duration ttl,
+        int max_waiting)
+      : id(std::move(id)),
+        digest(std::move(digest)),
+        ttl(ttl),
+        turns(max_waiting),
+        token(std::move(token)) {}
   const std::string id;
-  const std::string token;
+  const security::TokenDigest digest;  // what a checkpoint stores
   const absl::Duration ttl;
   FifoTurns turns;
   // Guarded by the manager's mu_.
+  std::string token;  // empty for a restored session until its token is seen
   std::shared_ptr<Session> session;
   absl::Time last_used;
   int users = 0;     // calls running or waiting
@@ -59,6 +65,23 @@ SessionManager::Lease::~Lease() {
 
 const std::string& SessionManager::Lease::id() const { return entry_->id; }
 
+const security::TokenDigest& SessionManager::Lease::token_digest() const {
+  return entry_->digest;
+}
+
+absl::Duration SessionManager::Lease::ttl() const { return entry_->ttl; }
+
+SessionManager::Doomed::~Doomed() {
+  sessions_.clear();  // frees their memory unless a call still holds one
+  if (!options_.on_removed) return;
+  for (const std::string& id : ids_) options_.on_removed(id);
+}
+
+void SessionManager::Doomed::Add(const std::string& id, std::shared_ptr<Session> session) {
+  ids_.push_back(id);
+  sessions_.push_back(std::move(session));
+}
+
 void SessionManager::Release(const std::shared_ptr<Entry>& entry) {
   entry->turns.Done();
   absl::MutexLock lock(&mu_);
@@ -76,7 +99,7 @@ absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration t
   }
   if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
   {
-    Doomed doomed;
+    Doomed doomed(options_);
     absl::MutexLock lock(&mu_);
     if (static_cast<int>(live_.size()) + creating_ >= options_.max_sessions) {
       SweepLocked(clock_(), &doomed);
@@ -98,12 +121,18 @@ absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration t
     release_slot();
     return id.ok() ? token.status() : id.status();
   }
+  absl::StatusOr<security::TokenDigest> digest = security::TokenDigest::Of(*token);
+  if (!digest.ok()) {
+    release_slot();
+    return digest.status();
+  }
   absl::StatusOr<std::shared_ptr<Session>> session = make(*id);
   if (!session.ok()) {
     release_slot();
     return session.status();
   }
-  auto entry = std::make_shared<Entry>(*id, *token, ttl, options_.max_waiting_calls);
+  auto entry = std::make_shared<Entry>(*id, *token, *std::move(digest), ttl,
+                                       options_.max_waiting_calls);
   entry->session = *std::move(session);
   {
     absl::MutexLock lock(&mu_);
@@ -131,9 +160,9 @@ void SessionManager::RemoveLocked(std::shared_ptr<Entry> entry, const std::strin
                                   Doomed* doomed) {
   entry->gone = reason;
   live_.erase(entry->id);
-  id_of_token_.erase(entry->token);
+  if (!entry->token.empty()) id_of_token_.erase(entry->token);
   // Dropping the reference frees the session's memory unless a call still runs.
-  doomed->push_back(std::move(entry->session));
+  doomed->Add(entry->id, std::move(entry->session));
   tombstones_[entry->id] = reason;
   tombstone_order_.push_back(entry->id);
   while (tombstone_order_.size() > options_.max_tombstones) {
@@ -148,7 +177,7 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string&
   if (id.empty()) return absl::InvalidArgumentError("session.session_id: empty");
   std::shared_ptr<Entry> entry;
   {
-    Doomed doomed;
+    Doomed doomed(options_);
     absl::MutexLock lock(&mu_);
     auto it = live_.find(id);
     if (it != live_.end() && ExpiredLocked(*it->second, clock_())) {
@@ -168,7 +197,10 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string&
       return absl::UnauthenticatedError(
           absl::StrCat("session.token: missing for session ", id));
     }
-    if (!SecretEquals(token, entry->token)) {
+    // A restored session knows its token only by digest until it is seen.
+    const bool matches = entry->token.empty() ? entry->digest.Matches(token)
+                                              : SecretEquals(token, entry->token);
+    if (!matches) {
       if (id_of_token_.count(token) > 0) {
         return absl::PermissionDeniedError(absl::StrCat(
             "session.token belongs to another session, not to session ", id));
@@ -176,8 +208,30 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string&
       return absl::UnauthenticatedError(
           absl::StrCat("session.token: wrong token for session ", id));
     }
+    if (entry->token.empty()) {
+      entry->token = token;
+      id_of_token_[token] = id;
+    }
     ++entry->users;  // counted while waiting, so a queued session never expires
   }
+  return TakeTurn(std::move(entry), deadline);
+}
+
+absl::StatusOr<SessionManager::Lease> SessionManager::AcquireForServer(const std::string& id,
+                                                                       absl::Time deadline) {
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(id);
+    if (it == live_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " not found"));
+    entry = it->second;
+    ++entry->users;
+  }
+  return TakeTurn(std::move(entry), deadline);
+}
+
+absl::StatusOr<SessionManager::Lease> SessionManager::TakeTurn(std::shared_ptr<Entry> entry,
+                                                               absl::Time deadline) {
   absl::Status turn = entry->turns.Wait(deadline);
   absl::MutexLock lock(&mu_);
   if (!turn.ok()) {
@@ -197,7 +251,7 @@ absl::Status SessionManager::Close(const std::string& id, const std::string& tok
                                    absl::Time deadline) {
   ASSIGN_OR_RETURN(Lease lease, Acquire(id, token, deadline));
   {
-    Doomed doomed;  // the lease still holds the session: it goes with the lease
+    Doomed doomed(options_);  // the lease still holds the session: it goes with the lease
     absl::MutexLock lock(&mu_);
     RemoveLocked(lease.entry_, absl::StrCat("session ", id, " was closed"), &doomed);
   }
@@ -206,7 +260,7 @@ absl::Status SessionManager::Close(const std::string& id, const std::string& tok
 }
 
 absl::Status SessionManager::Evict(const std::string& id, const std::string& reason) {
-  Doomed doomed;
+  Doomed doomed(options_);
   absl::MutexLock lock(&mu_);
   auto it = live_.find(id);
   if (it == live_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " not found"));
@@ -229,7 +283,7 @@ int SessionManager::SweepLocked(absl::Time now, Doomed* doomed) {
 }
 
 int SessionManager::Sweep() {
-  Doomed doomed;
+  Doomed doomed(options_);
   absl::MutexLock lock(&mu_);
   return SweepLocked(clock_(), &doomed);
 }
@@ -237,6 +291,42 @@ int SessionManager::Sweep() {
 int SessionManager::live_sessions() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(live_.size());
+}
+
+std::vector<std::string> SessionManager::live_ids() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> ids;
+  for (const auto& [id, entry] : live_) ids.push_back(id);
+  return ids;
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::live_session_refs() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> sessions;
+  for (const auto& [id, entry] : live_) sessions.push_back(entry->session);
+  return sessions;
+}
+
+absl::Status SessionManager::Restore(const std::string& id, const security::TokenDigest& digest,
+                                     absl::Duration ttl, std::shared_ptr<Session> session) {
+  if (!digest.WellFormed()) {
+    return absl::InvalidArgumentError(absl::StrCat("session ", id, ": malformed token digest"));
+  }
+  if (ttl <= absl::ZeroDuration() || ttl > options_.max_ttl) ttl = options_.default_ttl;
+  auto entry = std::make_shared<Entry>(id, "", digest, ttl, options_.max_waiting_calls);
+  entry->session = std::move(session);
+  absl::MutexLock lock(&mu_);
+  if (live_.count(id) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("session ", id, " is already live"));
+  }
+  if (static_cast<int>(live_.size()) + creating_ >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server already holds its maximum of ", options_.max_sessions, " sessions"));
+  }
+  entry->last_used = clock_();
+  live_[id] = std::move(entry);
+  tombstones_.erase(id);
+  return absl::OkStatus();
 }
 
 int SessionManager::waiting_calls(const std::string& id) const {

@@ -14,6 +14,10 @@
 //     manager's reference, which frees its memory.
 //  5. Close() takes its turn like any call, then removes the session; calls
 //     that queued behind it get NOT_FOUND "was closed".
+//  6. A session restored from a checkpoint keeps its id and authenticates its
+//     old token against the checkpoint's salted digest (Restore()).
+//  7. `on_removed` hears of every session that goes (closed, expired,
+//     evicted), after the manager's lock is released.
 #ifndef TE_SERVER_SESSION_SESSION_MANAGER_H_
 #define TE_SERVER_SESSION_SESSION_MANAGER_H_
 
@@ -31,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/security/secrets.h"
 
 namespace te::session {
 
@@ -42,6 +47,8 @@ struct SessionManagerOptions {
   absl::Duration max_ttl = absl::Hours(24 * 7);
   int max_waiting_calls = 64;   // per session
   size_t max_tombstones = 4096; // reasons remembered for ids that went away
+  // Told the id of each session removed (e.g. to delete its checkpoint); may be empty.
+  std::function<void(const std::string& id)> on_removed;
 };
 
 class SessionManager {
@@ -73,6 +80,9 @@ class SessionManager {
     ~Lease();
     Session& session() const { return *session_; }
     const std::string& id() const;
+    // What a checkpoint stores in place of the token, and the idle TTL.
+    const security::TokenDigest& token_digest() const;
+    absl::Duration ttl() const;
 
    private:
     friend class SessionManager;
@@ -87,6 +97,17 @@ class SessionManager {
   absl::StatusOr<Lease> Acquire(const std::string& id, const std::string& token,
                                 absl::Time deadline = absl::InfiniteFuture());
 
+  // The turn on session `id` without a token: for the server itself (the
+  // checkpoint at shutdown), never for a request. NOT_FOUND if not live.
+  absl::StatusOr<Lease> AcquireForServer(const std::string& id,
+                                         absl::Time deadline = absl::InfiniteFuture());
+
+  // Adds `session`, restored from a checkpoint, under its old `id`, with the
+  // token `digest` stands for. ALREADY_EXISTS if `id` is live;
+  // RESOURCE_EXHAUSTED at max_sessions; INVALID_ARGUMENT for a malformed digest.
+  absl::Status Restore(const std::string& id, const security::TokenDigest& digest,
+                       absl::Duration ttl, std::shared_ptr<Session> session);
+
   // Authenticates, waits for the turn, and removes the session.
   absl::Status Close(const std::string& id, const std::string& token,
                      absl::Time deadline = absl::InfiniteFuture());
@@ -99,14 +120,28 @@ class SessionManager {
   int Sweep();
 
   int live_sessions() const;
+  std::vector<std::string> live_ids() const;
+  // References to the live sessions, for figures that are safe to read while
+  // calls run (Session::bytes_in_use()).
+  std::vector<std::shared_ptr<Session>> live_session_refs() const;
   // Calls waiting for their turn on session `id` (0 if it is not live).
   int waiting_calls(const std::string& id) const;
 
  private:
-  // Sessions removed under mu_ are destroyed once it is released (a
-  // session's destructor waits for its device stream): callers declare one of
-  // these before taking the lock.
-  using Doomed = std::vector<std::shared_ptr<Session>>;
+  // Sessions removed under mu_ are destroyed, and on_removed told, once it is
+  // released (a session's destructor waits for its device stream): callers
+  // declare one of these before taking the lock.
+  class Doomed {
+   public:
+    explicit Doomed(const SessionManagerOptions& options) : options_(options) {}
+    ~Doomed();
+    void Add(const std::string& id, std::shared_ptr<Session> session);
+
+   private:
+    const SessionManagerOptions& options_;
+    std::vector<std::shared_ptr<Session>> sessions_;
+    std::vector<std::string> ids_;
+  };
   // Removes `entry` from the live maps, remembers `reason`, and moves the
   // manager's reference to its session into `doomed`.
   void RemoveLocked(std::shared_ptr<Entry> entry, const std::string& reason, Doomed* doomed)
@@ -115,6 +150,8 @@ class SessionManager {
   std::string ExpiryReason(const Entry& entry) const;
   int SweepLocked(absl::Time now, Doomed* doomed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release(const std::shared_ptr<Entry>& entry);
+  // Waits for `entry`'s turn (users already counted) and makes the lease.
+  absl::StatusOr<Lease> TakeTurn(std::shared_ptr<Entry> entry, absl::Time deadline);
 
   const SessionManagerOptions options_;
   const Clock clock_;
