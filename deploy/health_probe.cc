@@ -29,8 +29,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string&
   return contents.str();
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
-    const ProbeOptions& options) {
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const ProbeOptions& options) {
   const bool tls = !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
                    !options.tls_key_file.empty();
   if (!tls) return grpc::InsecureChannelCredentials();
@@ -58,8 +57,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
 }  // namespace
 
 ProbeOutcome Probe(const ProbeOptions& options) {
-  const std::string asked = absl::StrCat(
-      options.address, " service \"", options.service, "\"");
+  const std::string asked = absl::StrCat(options.address, " service \"", options.service, "\"");
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = Credentials(options);
   if (!credentials.ok()) {
     return {ProbeResult::kBadArguments, std::string(credentials.status().message())};
@@ -83,9 +81,9 @@ ProbeOutcome Probe(const ProbeOptions& options) {
   HealthCheckResponse response;
   const grpc::Status status = stub->Check(&context, request, &response);
   if (!status.ok()) {
-    return {ProbeResult::kRpcFailed, absl::StrCat(asked, ": Check failed with code ",
-                                                  status.error_code(), ": ",
-                                                  status.error_message())};
+    return {ProbeResult::kRpcFailed,
+            absl::StrCat(asked, ": Check failed with code ", status.error_code(), ": ",
+                         status.error_message())};
   }
   const std::string answer = HealthCheckResponse::ServingStatus_Name(response.status());
   if (response.status() != HealthCheckResponse::SERVING) {

@@ -25,8 +25,8 @@ constexpr char kService[] = "te.v1.TeService";
 // A server with nothing but the default health service.
 class HealthServer {
  public:
-  explicit HealthServer(std::shared_ptr<grpc::ServerCredentials> credentials =
-                            grpc::InsecureServerCredentials()) {
+  explicit HealthServer(
+      std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials()) {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", credentials, &port_);

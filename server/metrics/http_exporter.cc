@@ -76,8 +76,8 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const Registry
     port = 0;
   }
   if (port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot bind the metrics exporter to ",
-                                               options.host, ":", options.port));
+    return absl::UnavailableError(
+        absl::StrCat("cannot bind the metrics exporter to ", options.host, ":", options.port));
   }
   // The socket already listens: connections queue until the loop accepts them.
   Impl* raw = impl.get();

@@ -159,8 +159,7 @@ TEST(MetricsFlagsTest, StartsWhatTheFlagsAsk) {
   ASSERT_TRUE(off.ok());
   EXPECT_EQ(*off, nullptr);
   absl::SetFlag(&FLAGS_metrics_port, -2);
-  EXPECT_EQ(StartExporterFromFlags(&registry).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StartExporterFromFlags(&registry).status().code(), absl::StatusCode::kInvalidArgument);
   absl::SetFlag(&FLAGS_metrics_port, 0);
   absl::StatusOr<std::unique_ptr<HttpExporter>> on = StartExporterFromFlags(&registry);
   ASSERT_TRUE(on.ok());

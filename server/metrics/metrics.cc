@@ -3,11 +3,12 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <mutex>
 #include <utility>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace te::metrics {
@@ -211,23 +212,23 @@ absl::StatusOr<Metric*> Family<Metric>::WithLabels(
   }
   const std::string key = ChildKey(label_values);
   {
-    absl::ReaderMutexLock lock(&mu_);
+    std::shared_lock<std::shared_mutex> lock(mu_);
     auto found = children_.find(key);
     if (found != children_.end()) return found->second->metric.get();
   }
   for (size_t i = 0; i < label_values.size(); ++i) {
     if (!IsValidUtf8(label_values[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(name(), ": the value of label ",
-                                                     label_names()[i], " is not valid UTF-8"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name(), ": the value of label ", label_names()[i], " is not valid UTF-8"));
     }
   }
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   std::unique_ptr<Child>& child = children_[key];
   if (child == nullptr) {  // another thread may have made it since the reader lock
     if (static_cast<int>(children_.size()) > max_label_sets_) {
       children_.erase(key);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          name(), ": already ", max_label_sets_, " label sets; is a label carrying ids?"));
+      return absl::ResourceExhaustedError(absl::StrCat(name(), ": already ", max_label_sets_,
+                                                       " label sets; is a label carrying ids?"));
     }
     child = std::make_unique<Child>();
     for (absl::string_view value : label_values) child->label_values.emplace_back(value);
@@ -253,15 +254,14 @@ template <typename Metric>
 void Family<Metric>::AppendText(std::string* out) const {
   std::vector<const Child*> sorted;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    std::shared_lock<std::shared_mutex> lock(mu_);
     sorted.reserve(children_.size());
     for (const auto& entry : children_) sorted.push_back(entry.second.get());
   }
   if (sorted.empty()) return;
   // Children are never removed, so the pointers outlive the lock.
-  std::sort(sorted.begin(), sorted.end(), [](const Child* a, const Child* b) {
-    return a->label_values < b->label_values;
-  });
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Child* a, const Child* b) { return a->label_values < b->label_values; });
   absl::StrAppend(out, "# HELP ", name(), " ", EscapeHelp(help()), "\n");
   absl::StrAppend(out, "# TYPE ", name(), " ", TypeName(type()), "\n");
   for (const Child* child : sorted) AppendMetric(*this, child->label_values, *child->metric, out);
@@ -316,13 +316,13 @@ absl::Status Registry::Reserve(const std::string& name, MetricType type,
 
 absl::StatusOr<CounterFamily*> Registry::AddCounterFamily(std::string name, std::string help,
                                                           std::vector<std::string> label_names) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   if (absl::Status status = Reserve(name, MetricType::kCounter, label_names); !status.ok()) {
     return status;
   }
-  auto family = std::make_unique<CounterFamily>(std::move(name), std::move(help),
-                                                std::move(label_names), std::vector<double>{},
-                                                options_.max_label_sets_per_family);
+  auto family =
+      std::make_unique<CounterFamily>(std::move(name), std::move(help), std::move(label_names),
+                                      std::vector<double>{}, options_.max_label_sets_per_family);
   CounterFamily* result = family.get();
   families_.push_back(std::move(family));
   return result;
@@ -330,13 +330,13 @@ absl::StatusOr<CounterFamily*> Registry::AddCounterFamily(std::string name, std:
 
 absl::StatusOr<GaugeFamily*> Registry::AddGaugeFamily(std::string name, std::string help,
                                                       std::vector<std::string> label_names) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   if (absl::Status status = Reserve(name, MetricType::kGauge, label_names); !status.ok()) {
     return status;
   }
-  auto family = std::make_unique<GaugeFamily>(std::move(name), std::move(help),
-                                              std::move(label_names), std::vector<double>{},
-                                              options_.max_label_sets_per_family);
+  auto family =
+      std::make_unique<GaugeFamily>(std::move(name), std::move(help), std::move(label_names),
+                                    std::vector<double>{}, options_.max_label_sets_per_family);
   GaugeFamily* result = family.get();
   families_.push_back(std::move(family));
   return result;
@@ -352,7 +352,7 @@ absl::StatusOr<HistogramFamily*> Registry::AddHistogramFamily(std::string name, 
                        "; bounds must be finite and strictly increasing (+Inf is implicit)"));
     }
   }
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   if (absl::Status status = Reserve(name, MetricType::kHistogram, label_names); !status.ok()) {
     return status;
   }
@@ -378,7 +378,7 @@ absl::StatusOr<Gauge*> Registry::AddGauge(std::string name, std::string help) {
 
 std::string Registry::TextExposition() const {
   std::string out;
-  absl::ReaderMutexLock lock(&mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   for (const auto& family : families_) family->AppendText(&out);
   return out;
 }

@@ -12,15 +12,14 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 
 namespace te::metrics {
@@ -125,8 +124,10 @@ class Family final : public FamilyBase {
 
   const std::vector<double> histogram_bounds_;  // histograms only
   const int max_label_sets_;
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<Child>> children_ ABSL_GUARDED_BY(mu_);
+  // std::shared_mutex rather than absl::Mutex: Debian's abseil is not built
+  // for ThreadSanitizer, which then cannot see absl::Mutex order anything.
+  mutable std::shared_mutex mu_;  // guards children_ (not the metrics in it)
+  absl::flat_hash_map<std::string, std::unique_ptr<Child>> children_;
 };
 
 using CounterFamily = Family<Counter>;
@@ -174,9 +175,9 @@ class Registry {
                        const std::vector<std::string>& label_names);
 
   const RegistryOptions options_;
-  mutable absl::Mutex mu_;
-  std::vector<std::unique_ptr<FamilyBase>> families_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> sample_names_ ABSL_GUARDED_BY(mu_);
+  mutable std::shared_mutex mu_;  // guards the two below
+  std::vector<std::unique_ptr<FamilyBase>> families_;
+  absl::flat_hash_set<std::string> sample_names_;
 };
 
 // The content type of TextExposition()'s output, for an HTTP answer.

@@ -2,8 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -171,8 +171,7 @@ TEST(FamilyTest, WithLabelsChecksArityUtf8AndLimit) {
   absl::StatusOr<CounterFamily*> family =
       registry.AddCounterFamily("calls_total", "h", {"method", "code"});
   ASSERT_TRUE(family.ok());
-  EXPECT_EQ((*family)->WithLabels({"Forward"}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*family)->WithLabels({"Forward"}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*family)->WithLabels({"a", "b", "c"}).status().code(),
             absl::StatusCode::kInvalidArgument);
   for (const char* bad : {"\xff", "\xc3", "\xc0\xaf", "\xed\xa0\x80", "ok\x80"}) {
@@ -240,8 +239,8 @@ TEST(ExpositionTest, RandomLabelValuesRoundTripThroughTheStrictParser) {
   Registry registry;
   absl::StatusOr<GaugeFamily*> gauges = registry.AddGaugeFamily("values", "Values.", {"a", "b"});
   ASSERT_TRUE(gauges.ok());
-  const std::vector<std::string> pieces = {"x",  "\\", "\"", "\n", ",",  "}",  "{", "=",
-                                           " ", "\xc3\xa9", "\xe2\x82\xac", "le", "#", "\t"};
+  const std::vector<std::string> pieces = {"x", "\\", "\"",       "\n",           ",",  "}", "{",
+                                           "=", " ",  "\xc3\xa9", "\xe2\x82\xac", "le", "#", "\t"};
   std::mt19937 rng(7);
   std::uniform_int_distribution<size_t> pick(0, pieces.size() - 1);
   std::uniform_int_distribution<int> length(0, 6);
@@ -277,8 +276,8 @@ TEST(ExpositionTest, RandomLabelValuesRoundTripThroughTheStrictParser) {
 // monotonic, _count equal to the +Inf bucket.
 TEST(ExpositionTest, ScrapesDuringUpdatesParse) {
   Registry registry;
-  absl::StatusOr<HistogramFamily*> latency = registry.AddHistogramFamily(
-      "latency_seconds", "Latency.", {"method"}, {0.001, 0.01, 0.1, 1});
+  absl::StatusOr<HistogramFamily*> latency =
+      registry.AddHistogramFamily("latency_seconds", "Latency.", {"method"}, {0.001, 0.01, 0.1, 1});
   absl::StatusOr<CounterFamily*> calls = registry.AddCounterFamily("calls_total", "C.", {"m"});
   ASSERT_TRUE(latency.ok() && calls.ok());
   std::atomic<bool> stop{false};

@@ -2,13 +2,12 @@
 
 #include <string>
 
-
 namespace te::metrics {
 
 const std::vector<double>& RpcLatencyBoundsSeconds() {
-  static const std::vector<double>* const bounds = new std::vector<double>{
-      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-      0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
+  static const std::vector<double>* const bounds =
+      new std::vector<double>{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                              0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
   return *bounds;
 }
 

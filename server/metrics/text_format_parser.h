@@ -30,7 +30,7 @@
 namespace te::metrics::testing {
 
 struct ParsedSample {
-  std::string name;  // as written, with any _bucket / _sum / _count suffix
+  std::string name;                           // as written, with any _bucket / _sum / _count suffix
   std::map<std::string, std::string> labels;  // unescaped values
   double value = 0;
 };

@@ -53,9 +53,9 @@ TEST(ParseTextFormatTest, ParsesTheFormatsOwnExample) {
       FindSample(*parsed, "http_requests_total", {{"method", "post"}, {"code", "400"}});
   ASSERT_NE(post_400, nullptr);
   EXPECT_EQ(post_400->value, 3);
-  const ParsedSample* file = FindSample(
-      *parsed, "msdos_file_access_time_seconds",
-      {{"path", "C:\\DIR\\FILE.TXT"}, {"error", "Cannot find file:\n\"FILE.TXT\""}});
+  const ParsedSample* file =
+      FindSample(*parsed, "msdos_file_access_time_seconds",
+                 {{"path", "C:\\DIR\\FILE.TXT"}, {"error", "Cannot find file:\n\"FILE.TXT\""}});
   ASSERT_NE(file, nullptr);
   EXPECT_EQ(file->value, 1.458255915e9);
   const ParsedSample* minus_inf = FindSample(*parsed, "metric_without_labels_or_timestamp", {});
@@ -126,25 +126,38 @@ const BadCase kBadCases[] = {
      "line 7"},
     {"a negative counter", "# HELP c_total C.\n# TYPE c_total counter\nc_total -1\n", "line 3"},
     {"a NaN counter", "# HELP c_total C.\n# TYPE c_total counter\nc_total NaN\n", "line 3"},
-    {"buckets decrease", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 5\n"
-     "h_bucket{le=\"+Inf\"} 4\nh_sum 1\nh_count 4\n", "line 4"},
-    {"le does not increase", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"2\"} 1\n"
-     "h_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n", "line 4"},
-    {"no +Inf bucket", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\n"
-     "h_count 1\n", "line 5"},
-    {"count differs from +Inf", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 3\n"
-     "h_sum 1\nh_count 2\n", "line 5"},
-    {"no _sum", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 3\nh_count 3\n",
+    {"buckets decrease",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 5\n"
+     "h_bucket{le=\"+Inf\"} 4\nh_sum 1\nh_count 4\n",
      "line 4"},
-    {"a fractional bucket count", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1.5\n"
-     "h_sum 1\nh_count 1.5\n", "line 3"},
+    {"le does not increase",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"2\"} 1\n"
+     "h_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n",
+     "line 4"},
+    {"no +Inf bucket",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\n"
+     "h_count 1\n",
+     "line 5"},
+    {"count differs from +Inf",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 3\n"
+     "h_sum 1\nh_count 2\n",
+     "line 5"},
+    {"no _sum", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 3\nh_count 3\n", "line 4"},
+    {"a fractional bucket count",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1.5\n"
+     "h_sum 1\nh_count 1.5\n",
+     "line 3"},
     {"a bucket without le", "# HELP h H.\n# TYPE h histogram\nh_bucket 1\nh_sum 1\nh_count 1\n",
      "line 3"},
-    {"le that is not a float", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"big\"} 1\n"
-     "h_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n", "line 3"},
+    {"le that is not a float",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"big\"} 1\n"
+     "h_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n",
+     "line 3"},
     {"a bare histogram sample", "# HELP h H.\n# TYPE h histogram\nh 1\n", "line 3"},
-    {"le on _count", "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1\nh_sum 1\n"
-     "h_count{le=\"+Inf\"} 1\n", "line 5"},
+    {"le on _count",
+     "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 1\nh_sum 1\n"
+     "h_count{le=\"+Inf\"} 1\n",
+     "line 5"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Rules, RejectsTest, ::testing::ValuesIn(kBadCases));
