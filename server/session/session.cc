@@ -150,6 +150,8 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   entry->id = NewId("layer");
   entry->layer = std::move(layer);
   entry->init_recipe = fp8;
+  entry->init = request;
+  entry->init.clear_session();
 
   response->set_layer_id(entry->id);
   for (const layers::VariableSpec& spec : specs) {

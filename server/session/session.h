@@ -65,6 +65,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   const std::string& id() const { return id_; }
+  // Device memory the session holds now. Thread-safe (may run during a call).
+  int64_t bytes_in_use() const { return ops_->bytes_in_use(); }
 
   // Init(key, x): the layer's variables for an input of input_shape/dtype.
   absl::Status InitLayer(const te::v1::InitLayerRequest& request,
@@ -134,6 +136,9 @@ class Session {
                                const std::string& collection, layers::Variables* sum);
   std::string NewId(const char* kind);
   ResidentLookup Resident() const;
+
+  // Saves and restores sessions (checkpoint.cc).
+  friend class SessionCheckpoint;
 
   const std::string id_;
   const DeviceInfo device_;

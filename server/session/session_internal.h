@@ -20,6 +20,9 @@ struct Session::LayerEntry {
   layers::Variables vars;   // "params/...", "fp8_metas/..."
   layers::Variables grads;  // "grads/...": kept gradients, accumulated
   std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
+  // The InitLayer request less its session ref: a checkpoint re-creates the
+  // layer from its spec, input shape and dtype, and autocast.
+  te::v1::InitLayerRequest init;
 };
 
 struct Session::SavedEntry {
