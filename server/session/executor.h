@@ -1,0 +1,124 @@
+// DeviceExecutor: the worker threads that run one device's session work, with
+// a bounded queue in front of them. Thread-safe.
+//
+// Contract:
+//  1. Calls with the same key (a session id) run one at a time, in the order
+//     Submit accepted them; calls with different keys run concurrently, on up
+//     to `threads` workers. Keys that have work take turns (round robin), so
+//     one busy session does not starve the others.
+//  2. At most `max_queued` accepted calls wait to start, over all keys. Submit
+//     answers RESOURCE_EXHAUSTED at once beyond that: never an unbounded wait.
+//  3. A waiting call that is cancelled (Cancel), or whose deadline has passed
+//     when its turn comes, is dropped: its `drop` runs once, with CANCELLED or
+//     DEADLINE_EXCEEDED, instead of `run`, and its place in the queue is free
+//     at once. Exactly one of `run` and `drop` runs for every accepted call.
+//  4. A started call holds its key until the Turn it was given is released
+//     (destroyed or Release()). Until then it may Post continuations (the later
+//     pieces of a stream): they run on the workers in posting order, before
+//     the key's next call, and do not count against max_queued.
+//  5. The destructor drops the calls still waiting (UNAVAILABLE) and joins the
+//     workers once the work already started is done; every Turn must have
+//     been released by then.
+#ifndef TE_SERVER_SESSION_EXECUTOR_H_
+#define TE_SERVER_SESSION_EXECUTOR_H_
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace te::session {
+
+struct ExecutorOptions {
+  int threads = 4;
+  int max_queued = 64;
+  std::string name = "executor";  // for messages ("cpu", "cuda:0")
+};
+
+class DeviceExecutor {
+ public:
+  explicit DeviceExecutor(ExecutorOptions options);
+  ~DeviceExecutor();
+  DeviceExecutor(const DeviceExecutor&) = delete;
+  DeviceExecutor& operator=(const DeviceExecutor&) = delete;
+
+  // The right to run on a key (contract 4). Move-only; empty when moved from.
+  class Turn {
+   public:
+    Turn() = default;
+    Turn(Turn&& other) noexcept;
+    Turn& operator=(Turn&& other) noexcept;
+    ~Turn() { Release(); }
+    // Runs `fn` on a worker, after what was posted before on this key.
+    // Requires a held turn.
+    void Post(std::function<void()> fn) const;
+    // Lets the key's next call start (after the posted continuations).
+    void Release();
+    bool held() const { return executor_ != nullptr; }
+
+   private:
+    friend class DeviceExecutor;
+    Turn(DeviceExecutor* executor, std::string key)
+        : executor_(executor), key_(std::move(key)) {}
+    DeviceExecutor* executor_ = nullptr;
+    std::string key_;
+  };
+
+  struct Call {
+    std::string key;
+    absl::Time deadline = absl::InfiniteFuture();
+    std::function<void(Turn)> run;
+    std::function<void(absl::Status)> drop;
+  };
+  struct CallState;
+  using Handle = std::shared_ptr<CallState>;
+
+  // Accepts `call` (contract 2), or UNAVAILABLE once shutting down. The
+  // handle is for Cancel.
+  absl::StatusOr<Handle> Submit(Call call);
+  // Drops the call with `reason` if it is still waiting; does nothing once it
+  // has started or been dropped. True if it dropped it.
+  bool Cancel(const Handle& handle, const absl::Status& reason);
+
+  int queued() const;   // accepted calls waiting to start
+  int running() const;  // workers busy now
+  const ExecutorOptions& options() const { return options_; }
+
+ private:
+  struct Strand {
+    std::deque<Handle> waiting;
+    std::deque<std::function<void()>> continuations;
+    bool held = false;       // a started call holds the key
+    bool scheduled = false;  // in ready_, or a worker is on it
+  };
+
+  void WorkerLoop();
+  void Post(const std::string& key, std::function<void()> fn);
+  void ReleaseKey(const std::string& key);
+  bool RunnableLocked(const Strand& strand) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ScheduleLocked(const std::string& key, Strand& strand) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseIfIdleLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ExecutorOptions options_;
+  mutable absl::Mutex mu_;
+  absl::CondVar work_available_;
+  std::map<std::string, Strand> strands_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> ready_ ABSL_GUARDED_BY(mu_);  // keys with runnable work
+  int queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace te::session
+
+#endif  // TE_SERVER_SESSION_EXECUTOR_H_

@@ -1,0 +1,266 @@
+#include "server/session/executor.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace te::session {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(10);  // generous: a loaded CI machine
+
+using Turn = DeviceExecutor::Turn;
+
+// Submits a call that records its run, or its drop status.
+struct Recorder {
+  absl::Mutex mu;
+  std::vector<std::string> ran;
+  std::vector<absl::Status> dropped;
+
+  DeviceExecutor::Call Make(const std::string& key, const std::string& name,
+                            std::function<void()> body = nullptr,
+                            absl::Time deadline = absl::InfiniteFuture()) {
+    DeviceExecutor::Call call;
+    call.key = key;
+    call.deadline = deadline;
+    call.run = [this, name, body](Turn) {
+      if (body) body();
+      absl::MutexLock lock(&mu);
+      ran.push_back(name);
+    };
+    call.drop = [this](absl::Status status) {
+      absl::MutexLock lock(&mu);
+      dropped.push_back(std::move(status));
+    };
+    return call;
+  }
+  bool WaitForRuns(size_t n) {
+    std::pair<Recorder*, size_t> args(this, n);
+    absl::MutexLock lock(&mu);
+    return mu.AwaitWithTimeout(absl::Condition(
+                                   +[](std::pair<Recorder*, size_t>* a) {
+                                     return a->first->ran.size() >= a->second;
+                                   },
+                                   &args),
+                               kWait);
+  }
+};
+
+// Blocks a worker until released.
+struct Gate {
+  absl::Notification entered;
+  absl::Notification open;
+  std::function<void()> Body() {
+    return [this] {
+      entered.Notify();
+      open.WaitForNotificationWithTimeout(kWait);
+    };
+  }
+};
+
+TEST(DeviceExecutorTest, CallsOfOneKeyRunInOrderOneAtATime) {
+  DeviceExecutor executor({/*threads=*/4, /*max_queued=*/100, "test"});
+  Recorder recorder;
+  std::atomic<int> inside{0};
+  std::atomic<int> overlap{0};
+  for (int i = 0; i < 50; ++i) {
+    auto body = [&] {
+      if (inside.fetch_add(1) != 0) overlap.fetch_add(1);
+      absl::SleepFor(absl::Microseconds(200));
+      inside.fetch_sub(1);
+    };
+    ASSERT_TRUE(executor.Submit(recorder.Make("session", std::to_string(i), body)).ok());
+  }
+  ASSERT_TRUE(recorder.WaitForRuns(50));
+  EXPECT_EQ(overlap.load(), 0);
+  absl::MutexLock lock(&recorder.mu);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(recorder.ran[i], std::to_string(i));
+}
+
+TEST(DeviceExecutorTest, DifferentKeysRunConcurrently) {
+  DeviceExecutor executor({/*threads=*/2, /*max_queued=*/10, "test"});
+  Recorder recorder;
+  // Each call waits for the other to have started: only concurrency finishes both.
+  absl::Notification a_started, b_started;
+  std::atomic<bool> a_saw_b{false}, b_saw_a{false};
+  ASSERT_TRUE(executor
+                  .Submit(recorder.Make("a", "a",
+                                        [&] {
+                                          a_started.Notify();
+                                          a_saw_b = b_started.WaitForNotificationWithTimeout(kWait);
+                                        }))
+                  .ok());
+  ASSERT_TRUE(executor
+                  .Submit(recorder.Make("b", "b",
+                                        [&] {
+                                          b_started.Notify();
+                                          b_saw_a = a_started.WaitForNotificationWithTimeout(kWait);
+                                        }))
+                  .ok());
+  ASSERT_TRUE(recorder.WaitForRuns(2));
+  EXPECT_TRUE(a_saw_b);
+  EXPECT_TRUE(b_saw_a);
+}
+
+TEST(DeviceExecutorTest, FullQueueIsResourceExhaustedAtOnce) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/1, "cpu"});
+  Recorder recorder;
+  Gate gate;
+  ASSERT_TRUE(executor.Submit(recorder.Make("a", "blocker", gate.Body())).ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(executor.Submit(recorder.Make("b", "queued")).ok());
+  EXPECT_EQ(executor.queued(), 1);
+  const absl::Time before = absl::Now();
+  absl::StatusOr<DeviceExecutor::Handle> rejected = executor.Submit(recorder.Make("c", "rejected"));
+  EXPECT_LT(absl::Now() - before, absl::Seconds(1));
+  ASSERT_EQ(rejected.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(rejected.status().message().find("--executor_queue=1"), std::string::npos)
+      << rejected.status();
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(2));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "queued"}));
+}
+
+TEST(DeviceExecutorTest, CancelDropsAWaitingCallAndFreesItsPlace) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/1, "test"});
+  Recorder recorder;
+  Gate gate;
+  ASSERT_TRUE(executor.Submit(recorder.Make("a", "blocker", gate.Body())).ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  absl::StatusOr<DeviceExecutor::Handle> waiting = executor.Submit(recorder.Make("b", "cancelled"));
+  ASSERT_TRUE(waiting.ok());
+  EXPECT_TRUE(executor.Cancel(*waiting, absl::CancelledError("client went away")));
+  EXPECT_FALSE(executor.Cancel(*waiting, absl::CancelledError("twice")));
+  EXPECT_EQ(executor.queued(), 0);
+  ASSERT_TRUE(executor.Submit(recorder.Make("b", "next")).ok());
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(2));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "next"}));
+  ASSERT_EQ(recorder.dropped.size(), 1u);
+  EXPECT_EQ(recorder.dropped[0].code(), absl::StatusCode::kCancelled);
+}
+
+TEST(DeviceExecutorTest, CancelAfterStartDoesNothing) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/4, "test"});
+  Recorder recorder;
+  Gate gate;
+  absl::StatusOr<DeviceExecutor::Handle> running =
+      executor.Submit(recorder.Make("a", "running", gate.Body()));
+  ASSERT_TRUE(running.ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  EXPECT_FALSE(executor.Cancel(*running, absl::CancelledError("late")));
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(1));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_TRUE(recorder.dropped.empty());
+}
+
+TEST(DeviceExecutorTest, ExpiredDeadlineDropsTheCallWhenItsTurnComes) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/4, "test"});
+  Recorder recorder;
+  Gate gate;
+  ASSERT_TRUE(executor.Submit(recorder.Make("a", "blocker", gate.Body())).ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(executor
+                  .Submit(recorder.Make("b", "late", nullptr,
+                                        absl::Now() + absl::Milliseconds(20)))
+                  .ok());
+  ASSERT_TRUE(executor.Submit(recorder.Make("b", "on time")).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(2));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "on time"}));
+  ASSERT_EQ(recorder.dropped.size(), 1u);
+  EXPECT_EQ(recorder.dropped[0].code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(DeviceExecutorTest, HeldTurnRunsContinuationsBeforeTheKeysNextCall) {
+  DeviceExecutor executor({/*threads=*/3, /*max_queued=*/4, "test"});
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  auto note = [&](const std::string& what) {
+    absl::MutexLock lock(&mu);
+    order.push_back(what);
+  };
+  // A stream: it keeps its turn, and the pieces arrive later from elsewhere.
+  std::unique_ptr<Turn> stream_turn;
+  absl::Notification started;
+  DeviceExecutor::Call stream;
+  stream.key = "s";
+  stream.run = [&](Turn turn) {
+    note("stream start");
+    stream_turn = std::make_unique<Turn>(std::move(turn));
+    started.Notify();
+  };
+  stream.drop = [](absl::Status) {};
+  ASSERT_TRUE(executor.Submit(std::move(stream)).ok());
+  ASSERT_TRUE(started.WaitForNotificationWithTimeout(kWait));
+  absl::Notification next_ran;
+  DeviceExecutor::Call next;
+  next.key = "s";
+  next.run = [&](Turn) {
+    note("next call");
+    next_ran.Notify();
+  };
+  next.drop = [](absl::Status) {};
+  ASSERT_TRUE(executor.Submit(std::move(next)).ok());
+  for (int i = 0; i < 3; ++i) {
+    stream_turn->Post([&, i] { note("piece " + std::to_string(i)); });
+  }
+  // The next call must not start while the stream holds the key.
+  EXPECT_FALSE(next_ran.WaitForNotificationWithTimeout(absl::Milliseconds(100)));
+  absl::Notification last_piece;
+  stream_turn->Post([&] {
+    note("stream end");
+    stream_turn->Release();
+    last_piece.Notify();
+  });
+  ASSERT_TRUE(next_ran.WaitForNotificationWithTimeout(kWait));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"stream start", "piece 0", "piece 1", "piece 2",
+                                             "stream end", "next call"}));
+}
+
+TEST(DeviceExecutorTest, DestructorDropsWaitingCalls) {
+  Recorder recorder;
+  Gate gate;
+  {
+    DeviceExecutor executor({/*threads=*/1, /*max_queued=*/4, "test"});
+    ASSERT_TRUE(executor.Submit(recorder.Make("a", "blocker", gate.Body())).ok());
+    ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+    ASSERT_TRUE(executor.Submit(recorder.Make("b", "never")).ok());
+    gate.open.Notify();  // the running call finishes; the waiting one may or may not start
+  }
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran.size() + recorder.dropped.size(), 2u);
+  for (const absl::Status& status : recorder.dropped) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  }
+}
+
+TEST(DeviceExecutorTest, BusyKeysTakeTurns) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/100, "test"});
+  Recorder recorder;
+  Gate gate;
+  ASSERT_TRUE(executor.Submit(recorder.Make("x", "blocker", gate.Body())).ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(executor.Submit(recorder.Make("a", "a")).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(executor.Submit(recorder.Make("b", "b")).ok());
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(7));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran,
+            (std::vector<std::string>{"blocker", "a", "b", "a", "b", "a", "b"}));
+}
+
+}  // namespace
+}  // namespace te::session
