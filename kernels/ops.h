@@ -128,6 +128,19 @@ class Ops {
   // Waits for all work issued so far; reports any deferred failure.
   virtual absl::Status Synchronize() = 0;
 
+  // Staged uploads, for tensors that arrive in pieces (PutTensor streams):
+  // host memory to gather pieces in, and an upload from it that may still be
+  // reading `src` when it returns (`src` must stay unchanged until the next
+  // Synchronize()). A backend that copies by DMA should return page-locked
+  // memory and copy asynchronously on its stream, so the copy of one piece
+  // overlaps the arrival of the next. The defaults: plain host memory (not
+  // counted against the memory limit) and a synchronous Upload.
+  virtual absl::StatusOr<std::shared_ptr<void>> AllocateStaging(size_t bytes) {
+    return std::shared_ptr<void>(static_cast<void*>(new char[bytes]),
+                                 [](void* p) { delete[] static_cast<char*>(p); });
+  }
+  virtual absl::Status UploadAsync(const void* src, Tensor* dst) { return Upload(src, dst); }
+
   // ---- elementwise ------------------------------------------------------
   virtual absl::Status Fill(float value, Tensor* y) = 0;
   // y = x converted to y's dtype (float dtypes; FP8 only through Quantize).
