@@ -1,0 +1,293 @@
+// CheckpointStore on the CPU backend: a session saved and restored into a new
+// manager comes back bit for bit (params, FP8 state, kept gradients) and
+// accepts its old token only; damaged checkpoints are refused and kept;
+// interrupted saves leave the previous checkpoint whole; paths never come
+// from outside.
+#include "server/session/checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "server/session/session.h"
+#include "server/session/session_manager.h"
+#include "te/v1/service.pb.h"
+
+namespace te::session {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kHidden = 16;
+constexpr int64_t kFeatures = 8;
+const std::vector<int64_t> kInputShape = {2, 4, kHidden};
+
+std::string NewStateDir() {
+  static int count = 0;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/state_", count++);
+  fs::remove_all(dir);
+  return dir;
+}
+
+te::v1::Tensor RandomTensor(const std::vector<int64_t>& shape, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> values(static_cast<size_t>(n));
+  for (float& v : values) v = normal(rng);
+  te::v1::Tensor tensor;
+  tensor.set_dtype(te::v1::FLOAT32);
+  tensor.mutable_shape()->Assign(shape.begin(), shape.end());
+  tensor.set_inline_data(values.data(), values.size() * sizeof(float));
+  return tensor;
+}
+
+te::v1::Autocast DelayedScalingAutocast() {
+  te::v1::Autocast autocast;
+  autocast.set_enabled(true);
+  te::v1::DelayedScaling* recipe = autocast.mutable_recipe()->mutable_delayed_scaling();
+  recipe->set_amax_history_len(4);
+  recipe->set_fp8_format(te::v1::HYBRID);
+  return autocast;
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> device = OpenCpuDevice();
+    ASSERT_TRUE(device.ok()) << device.status();
+    device_ = *std::move(device);
+    config_.session_memory_bytes = 64 << 20;
+    manager_ = std::make_unique<SessionManager>(SessionManagerOptions{});
+    absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(NewStateDir());
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+  }
+
+  // A session with one DenseGeneral initialised under FP8 autocast and two
+  // training steps behind it (moved FP8 state, kept gradients).
+  void MakeTrainedSession() {
+    te::v1::CreateSessionResponse created;
+    ASSERT_TRUE(OpenSession(te::v1::CreateSessionRequest(), device_.get(), config_,
+                            manager_.get(), &created)
+                    .ok());
+    ref_ = created.session();
+    auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    te::v1::InitLayerRequest init;
+    init.mutable_spec()->mutable_dense_general()->add_features(kFeatures);
+    init.set_seed(7);
+    init.set_input_dtype(te::v1::FLOAT32);
+    init.mutable_input_shape()->Assign(kInputShape.begin(), kInputShape.end());
+    *init.mutable_autocast() = DelayedScalingAutocast();
+    te::v1::InitLayerResponse initialised;
+    ASSERT_TRUE(lease->session().InitLayer(init, &initialised).ok());
+    layer_id_ = initialised.layer_id();
+    for (uint32_t step = 0; step < 2; ++step) {
+      te::v1::ForwardBackwardRequest request;
+      request.set_layer_id(layer_id_);
+      *request.mutable_autocast() = DelayedScalingAutocast();
+      te::v1::MicroBatch* batch = request.add_micro_batches();
+      *batch->mutable_x() = RandomTensor(kInputShape, 100 + step);
+      *batch->mutable_dy() = RandomTensor({2, 4, kFeatures}, 200 + step);
+      te::v1::ForwardBackwardResponse response;
+      absl::Status status = lease->session().ForwardBackward(request, &response);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+  }
+
+  std::map<std::string, te::v1::Tensor> Variables(SessionManager& manager,
+                                                  const std::string& token) {
+    auto lease = manager.Acquire(ref_.session_id(), token);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return {};
+    te::v1::GetVariablesRequest request;
+    request.set_layer_id(layer_id_);
+    te::v1::GetVariablesResponse response;
+    EXPECT_TRUE(lease->session().GetVariables(request, &response).ok());
+    std::map<std::string, te::v1::Tensor> variables;
+    for (const te::v1::Variable& v : response.variables()) {
+      variables[absl::StrCat(v.collection(), "/", v.path())] = v.value();
+    }
+    return variables;
+  }
+
+  absl::StatusOr<CheckpointStore::Written> Save() {
+    auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+    if (!lease.ok()) return lease.status();
+    return store_->Save(*lease);
+  }
+
+  std::string SessionDir() const { return absl::StrCat(store_->state_dir(), "/", ref_.session_id()); }
+
+  std::unique_ptr<Device> device_;
+  SessionConfig config_;
+  std::unique_ptr<SessionManager> manager_;
+  std::unique_ptr<CheckpointStore> store_;
+  te::v1::SessionRef ref_;
+  std::string layer_id_;
+};
+
+TEST(IsSessionIdTest, OnlyServerIssuedForm) {
+  EXPECT_TRUE(IsSessionId("0123456789abcdef0123456789abcdef"));
+  EXPECT_FALSE(IsSessionId("0123456789ABCDEF0123456789abcdef"));
+  EXPECT_FALSE(IsSessionId("../../../../etc/passwd0000000000"));
+  EXPECT_FALSE(IsSessionId("0123456789abcdef"));
+  EXPECT_FALSE(IsSessionId(""));
+}
+
+TEST_F(CheckpointTest, RestoredSessionIsBitForBitAndKeepsItsToken) {
+  MakeTrainedSession();
+  const std::map<std::string, te::v1::Tensor> before = Variables(*manager_, ref_.token());
+  ASSERT_GT(before.count("fp8_metas/x_amax_history"), 0u);
+  ASSERT_GT(before.count("grads/kernel"), 0u);
+  absl::StatusOr<CheckpointStore::Written> written = Save();
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->path, absl::StrCat(ref_.session_id(), "/session.pb"));
+  EXPECT_GT(written->bytes, kHidden * kFeatures * 4 * 2);
+
+  // A new server: new manager, same state_dir.
+  SessionManager restarted{SessionManagerOptions{}};
+  CheckpointStore::RestoreReport report = store_->RestoreAll(device_.get(), config_, &restarted);
+  EXPECT_EQ(report.restored, 1);
+  EXPECT_EQ(report.failed, 0);
+  EXPECT_EQ(restarted.Acquire(ref_.session_id(), "0000000000000000000000000000000f").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  const std::map<std::string, te::v1::Tensor> after = Variables(restarted, ref_.token());
+  ASSERT_EQ(after.size(), before.size());
+  for (const auto& [name, tensor] : before) {
+    ASSERT_GT(after.count(name), 0u) << name;
+    EXPECT_EQ(after.at(name).shape_size(), tensor.shape_size()) << name;
+    EXPECT_EQ(after.at(name).inline_data(), tensor.inline_data()) << name << " differs";
+  }
+
+  // The restored layer still trains, and new ids do not collide with old ones.
+  auto lease = restarted.Acquire(ref_.session_id(), ref_.token());
+  ASSERT_TRUE(lease.ok());
+  te::v1::ForwardRequest forward;
+  forward.set_layer_id(layer_id_);
+  *forward.mutable_x() = RandomTensor(kInputShape, 9);
+  *forward.mutable_autocast() = DelayedScalingAutocast();
+  forward.set_keep_for_backward(true);
+  te::v1::ForwardResponse y;
+  ASSERT_TRUE(lease->session().Forward(forward, &y).ok());
+  te::v1::InitLayerRequest init;
+  init.mutable_spec()->mutable_dense_general()->add_features(4);
+  init.set_input_dtype(te::v1::FLOAT32);
+  init.add_input_shape(3);
+  init.add_input_shape(kHidden);
+  te::v1::InitLayerResponse second;
+  ASSERT_TRUE(lease->session().InitLayer(init, &second).ok());
+  EXPECT_NE(second.layer_id(), layer_id_);
+}
+
+TEST_F(CheckpointTest, FilesArePrivateAndOldGenerationsGo) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  // Leftovers of an interrupted save: a stray data file and a temp manifest.
+  std::ofstream(SessionDir() + "/variables-00000000deadbeef.bin") << "partial";
+  std::ofstream(SessionDir() + "/session.pb.tmp") << "partial";
+  ASSERT_TRUE(Save().ok());
+  std::vector<std::string> names;
+  for (const auto& file : fs::directory_iterator(SessionDir())) {
+    names.push_back(file.path().filename().string());
+    struct stat info;
+    ASSERT_EQ(stat(file.path().c_str(), &info), 0);
+    EXPECT_EQ(info.st_mode & 0077, 0u) << file.path() << " is readable by others";
+  }
+  ASSERT_EQ(names.size(), 2u);  // session.pb and one data file
+}
+
+TEST_F(CheckpointTest, InterruptedSaveLeavesThePreviousCheckpoint) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  const std::map<std::string, te::v1::Tensor> saved = Variables(*manager_, ref_.token());
+  // A crash after the data file, before the manifest's rename.
+  std::ofstream(SessionDir() + "/variables-0123456789abcdef.bin") << "new data, never committed";
+  std::ofstream(SessionDir() + "/session.pb.tmp") << "half a manifest";
+  SessionManager restarted{SessionManagerOptions{}};
+  ASSERT_TRUE(store_->Restore(ref_.session_id(), device_.get(), config_, &restarted).ok());
+  EXPECT_EQ(Variables(restarted, ref_.token()).at("params/kernel").inline_data(),
+            saved.at("params/kernel").inline_data());
+}
+
+TEST_F(CheckpointTest, DamagedDataIsDataLossAndKept) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  std::string data_file;
+  for (const auto& file : fs::directory_iterator(SessionDir())) {
+    if (file.path().extension() == ".bin") data_file = file.path();
+  }
+  ASSERT_FALSE(data_file.empty());
+  {
+    std::fstream f(data_file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(5);
+    f.put('\x7f');  // one flipped byte: same size, wrong checksum
+  }
+  SessionManager restarted{SessionManagerOptions{}};
+  EXPECT_EQ(store_->Restore(ref_.session_id(), device_.get(), config_, &restarted).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(restarted.live_sessions(), 0);
+  fs::resize_file(data_file, 3);
+  CheckpointStore::RestoreReport report = store_->RestoreAll(device_.get(), config_, &restarted);
+  EXPECT_EQ(report.failed, 1);
+  EXPECT_TRUE(fs::exists(data_file));
+}
+
+TEST_F(CheckpointTest, ManifestOfAnotherSessionIsRefused) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  const std::string other = absl::StrCat(store_->state_dir(), "/ffffffffffffffffffffffffffffffff");
+  fs::create_directory(other);
+  fs::copy_file(SessionDir() + "/session.pb", other + "/session.pb");
+  SessionManager restarted{SessionManagerOptions{}};
+  EXPECT_EQ(store_->Restore("ffffffffffffffffffffffffffffffff", device_.get(), config_, &restarted)
+                .code(),
+            absl::StatusCode::kDataLoss);
+}
+
+TEST_F(CheckpointTest, RemoveDeletesAndRefusesForeignNames) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  ASSERT_TRUE(fs::exists(SessionDir()));
+  EXPECT_EQ(store_->Remove("..").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Remove("../state_0").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store_->Remove(ref_.session_id()).ok());
+  EXPECT_FALSE(fs::exists(SessionDir()));
+  EXPECT_TRUE(store_->Remove(ref_.session_id()).ok());  // already gone: fine
+  SessionManager restarted{SessionManagerOptions{}};
+  EXPECT_EQ(store_->Restore(ref_.session_id(), device_.get(), config_, &restarted).code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(CheckpointTest, SaveAllSavesEverySession) {
+  MakeTrainedSession();
+  const te::v1::SessionRef first = ref_;
+  MakeTrainedSession();
+  EXPECT_EQ(store_->SaveAll(manager_.get(), absl::Now() + absl::Seconds(10)), 2);
+  SessionManager restarted{SessionManagerOptions{}};
+  EXPECT_EQ(store_->RestoreAll(device_.get(), config_, &restarted).restored, 2);
+  EXPECT_TRUE(restarted.Acquire(first.session_id(), first.token()).ok());
+  EXPECT_TRUE(restarted.Acquire(ref_.session_id(), ref_.token()).ok());
+}
+
+TEST(CheckpointStoreOpenTest, RefusesAFile) {
+  const std::string path = NewStateDir();
+  std::ofstream(path) << "a file";
+  EXPECT_EQ(CheckpointStore::Open(path).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace te::session
