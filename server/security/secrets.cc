@@ -74,6 +74,16 @@ bool AccessKey::Accepts(absl::string_view given) const {
   return ConstantTimeEquals(Sha256(given), digest_);
 }
 
+absl::Status CheckAccessKey(const AccessKey* key, absl::string_view given) {
+  if (key == nullptr) return absl::OkStatus();
+  if (given.empty()) {
+    return absl::UnauthenticatedError(
+        "access_key: missing; this server requires its access key to create a session");
+  }
+  if (!key->Accepts(given)) return absl::UnauthenticatedError("access_key: wrong key");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TokenDigest> TokenDigest::Of(absl::string_view token) {
   absl::StatusOr<std::string> salt = RandomBytes(kSaltBytes);
   if (!salt.ok()) return salt.status();

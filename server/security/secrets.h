@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -40,6 +41,10 @@ class AccessKey {
   explicit AccessKey(std::string digest) : digest_(std::move(digest)) {}
   std::string digest_;  // SHA-256 of the key; the key itself is not kept
 };
+
+// CreateSession's check: OK when `key` is null (no key required) or accepts
+// `given`; UNAUTHENTICATED ("access_key: missing" / "access_key: wrong") otherwise.
+absl::Status CheckAccessKey(const AccessKey* key, absl::string_view given);
 
 // A session token as a checkpoint stores it: SHA-256(salt || token) with a
 // random 16-byte salt, so the disk never holds a token a reader could replay,

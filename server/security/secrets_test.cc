@@ -62,6 +62,15 @@ TEST(AccessKeyTest, FileErrorsNameTheFlag) {
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(AccessKeyTest, CheckAccessKeyCodes) {
+  absl::StatusOr<AccessKey> key = AccessKey::FromString("0123456789abcdef");
+  ASSERT_TRUE(key.ok());
+  EXPECT_TRUE(CheckAccessKey(nullptr, "").ok());
+  EXPECT_TRUE(CheckAccessKey(&*key, "0123456789abcdef").ok());
+  EXPECT_EQ(CheckAccessKey(&*key, "").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(CheckAccessKey(&*key, "0123456789abcdeF").code(), absl::StatusCode::kUnauthenticated);
+}
+
 TEST(TokenDigestTest, MatchesItsTokenOnly) {
   absl::StatusOr<TokenDigest> digest = TokenDigest::Of("8f14e45fceea167a5a36dedd4bea2543");
   ASSERT_TRUE(digest.ok()) << digest.status();
