@@ -7,6 +7,8 @@
 
 namespace te::session {
 
+bool IsHostMemory(const Ops& ops) { return ops.device_name() == "cpu"; }
+
 absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, const std::string& field) {
   switch (dtype) {
     case te::v1::FLOAT32: return DType::kF32;
@@ -60,9 +62,25 @@ absl::StatusOr<Shape> ShapeFromProto(const google::protobuf::RepeatedField<int64
   return shape;
 }
 
+absl::StatusOr<ShmRegion*> CheckShmRef(const te::v1::SharedMemoryRef& ref, uint64_t bytes,
+                                       const std::string& field, const ShmLookup& shm) {
+  if (!shm) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": shared memory disabled (--enable_shm)"));
+  }
+  ShmRegion* region = shm(ref.region_id());
+  if (region == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".region_id: no shared-memory region '", ref.region_id(),
+        "' in this session (RegisterSharedMemory first; regions end with their session)"));
+  }
+  RETURN_IF_ERROR(region->CheckRange(ref.offset(), bytes, field));
+  return region;
+}
+
 absl::StatusOr<CheckedTensor> CheckTensor(const te::v1::Tensor& proto, const std::string& field,
                                           int64_t max_tensor_bytes,
-                                          const ResidentLookup& resident) {
+                                          const ResidentLookup& resident, const ShmLookup& shm) {
   CheckedTensor checked;
   checked.field = field;
   switch (proto.data_case()) {
@@ -107,25 +125,60 @@ absl::StatusOr<CheckedTensor> CheckTensor(const te::v1::Tensor& proto, const std
       checked.resident = found;
       return checked;
     }
-    case te::v1::Tensor::kShm:
-      return absl::UnimplementedError(
-          absl::StrCat(field, ".shm: shared memory transport: not enabled"));
+    case te::v1::Tensor::kShm: {
+      ASSIGN_OR_RETURN(checked.dtype, DTypeFromProto(proto.dtype(), field + ".dtype"));
+      ASSIGN_OR_RETURN(checked.shape, ShapeFromProto(proto.shape(), checked.dtype,
+                                                     max_tensor_bytes, field + ".shape"));
+      const uint64_t bytes = static_cast<uint64_t>(NumElements(checked.shape)) *
+                             DTypeSize(checked.dtype);
+      ASSIGN_OR_RETURN(ShmRegion * region, CheckShmRef(proto.shm(), bytes, field + ".shm", shm));
+      checked.shm = region;
+      checked.shm_offset = proto.shm().offset();
+      return checked;
+    }
     case te::v1::Tensor::DATA_NOT_SET:
       break;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ": no data (set inline_data or resident_id)"));
+      absl::StrCat(field, ": no data (set inline_data, resident_id or shm)"));
 }
 
 absl::StatusOr<Tensor> Materialize(Ops& ops, const CheckedTensor& checked) {
   if (checked.resident != nullptr) return *checked.resident;
   ASSIGN_OR_RETURN(Tensor tensor, ops.Allocate(checked.dtype, checked.shape));
-  if (tensor.nbytes() > 0) RETURN_IF_ERROR(ops.Upload(checked.inline_data->data(), &tensor));
+  if (tensor.nbytes() == 0) return tensor;
+  if (checked.shm != nullptr) {
+    if (IsHostMemory(ops)) {
+      RETURN_IF_ERROR(checked.shm->Read(checked.shm_offset, tensor.data(), tensor.nbytes()));
+    } else {
+      // A device copy must not fault on a region its client shrinks, so the
+      // bytes go through host memory of the server's own (a guarded copy).
+      std::string host(tensor.nbytes(), '\0');
+      RETURN_IF_ERROR(checked.shm->Read(checked.shm_offset, host.data(), host.size()));
+      RETURN_IF_ERROR(ops.Upload(host.data(), &tensor));
+    }
+    return tensor;
+  }
+  RETURN_IF_ERROR(ops.Upload(checked.inline_data->data(), &tensor));
   return tensor;
+}
+
+absl::Status WriteToRegion(Ops& ops, const Tensor& tensor, ShmRegion& region, uint64_t offset) {
+  if (tensor.nbytes() == 0) return absl::OkStatus();
+  if (IsHostMemory(ops)) return region.Write(offset, tensor.data(), tensor.nbytes());
+  std::string host(tensor.nbytes(), '\0');
+  RETURN_IF_ERROR(ops.Download(tensor, host.data()));
+  return region.Write(offset, host.data(), host.size());
 }
 
 absl::StatusOr<std::string> HostBytes(Ops& ops, const CheckedTensor& checked) {
   if (checked.inline_data != nullptr) return *checked.inline_data;
+  if (checked.shm != nullptr) {
+    const size_t bytes = static_cast<size_t>(NumElements(checked.shape)) * DTypeSize(checked.dtype);
+    std::string host(bytes, '\0');
+    RETURN_IF_ERROR(checked.shm->Read(checked.shm_offset, host.data(), host.size()));
+    return host;
+  }
   std::string bytes(checked.resident->nbytes(), '\0');
   if (!bytes.empty()) RETURN_IF_ERROR(ops.Download(*checked.resident, bytes.data()));
   return bytes;

@@ -5,9 +5,9 @@
 // changes any state: CheckTensor() validates dtype, shape, size and where the
 // data is without copying anything; Materialize() then puts a checked tensor
 // on the device. Every error is INVALID_ARGUMENT naming the field path (e.g.
-// "micro_batches[1].dy.shape[2]"), except shared-memory data, which is
-// UNIMPLEMENTED until that transport exists. Values are not inspected: NaN
-// and inf are legal inputs.
+// "micro_batches[1].dy.shape[2]"), except shared-memory data on a server
+// without --enable_shm, which is FAILED_PRECONDITION. Values are not
+// inspected: NaN and inf are legal inputs.
 #ifndef TE_SERVER_SESSION_TENSOR_CODEC_H_
 #define TE_SERVER_SESSION_TENSOR_CODEC_H_
 
@@ -21,9 +21,14 @@
 #include "google/protobuf/repeated_field.h"
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
+#include "server/session/shm_region.h"
 #include "te/v1/tensor.pb.h"
 
 namespace te::session {
+
+// True when `ops`' tensors live in host memory (the CPU backend): the server
+// may then read and write their bytes directly.
+bool IsHostMemory(const Ops& ops);
 
 // INVALID_ARGUMENT for DTYPE_UNSPECIFIED or a value outside the enum.
 absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, const std::string& field);
@@ -37,6 +42,9 @@ absl::StatusOr<Shape> ShapeFromProto(const google::protobuf::RepeatedField<int64
 
 // Resident tensors of the session, by id; null when there is none.
 using ResidentLookup = std::function<const Tensor*(const std::string& id)>;
+// Shared-memory regions of the session, by id; null when there is none. An
+// empty lookup means shared memory is disabled on this server.
+using ShmLookup = std::function<ShmRegion*(const std::string& region_id)>;
 
 // A request tensor that passed CheckTensor: everything known, nothing copied.
 // Points into the request and the session; valid while both are unchanged.
@@ -46,19 +54,34 @@ struct CheckedTensor {
   Shape shape;
   const std::string* inline_data = nullptr;  // set for inline tensors
   const Tensor* resident = nullptr;          // set for resident tensors
+  const ShmRegion* shm = nullptr;            // set for shared-memory tensors,
+  uint64_t shm_offset = 0;                   // whose bytes start here
 };
 
 // Validates `proto`: a known dtype; a valid shape of at most `max_tensor_bytes`;
-// inline bytes of exactly the tensor's size, or a resident id that exists
+// inline bytes of exactly the tensor's size, a resident id that exists
 // (its dtype and shape must match those given, where given: DTYPE_UNSPECIFIED
-// and an empty shape take the resident tensor's).
+// and an empty shape take the resident tensor's), or a region of this
+// session that holds the tensor's bytes at the offset.
 absl::StatusOr<CheckedTensor> CheckTensor(const te::v1::Tensor& proto, const std::string& field,
                                           int64_t max_tensor_bytes,
-                                          const ResidentLookup& resident);
+                                          const ResidentLookup& resident,
+                                          const ShmLookup& shm = nullptr);
 
-// The tensor on `ops`' device: inline bytes uploaded into a new allocation
-// (RESOURCE_EXHAUSTED over the memory limit); a resident tensor shared as is.
+// The region `ref` names, checked to hold `bytes` at its offset (`field`
+// names the reference in errors). FAILED_PRECONDITION when shared memory is
+// disabled; INVALID_ARGUMENT for an unknown region or a range past its end.
+absl::StatusOr<ShmRegion*> CheckShmRef(const te::v1::SharedMemoryRef& ref, uint64_t bytes,
+                                       const std::string& field, const ShmLookup& shm);
+
+// The tensor on `ops`' device: inline or shared-memory bytes copied into a
+// new allocation (RESOURCE_EXHAUSTED over the memory limit; a copy, so the
+// client may reuse its region at once); a resident tensor shared as is.
 absl::StatusOr<Tensor> Materialize(Ops& ops, const CheckedTensor& checked);
+
+// Copies `tensor` into `region` at `offset` (a range already checked). On the
+// CPU straight from the tensor; elsewhere through host memory.
+absl::Status WriteToRegion(Ops& ops, const Tensor& tensor, ShmRegion& region, uint64_t offset);
 
 // The tensor's bytes on the host (for small control tensors such as masks).
 absl::StatusOr<std::string> HostBytes(Ops& ops, const CheckedTensor& checked);

@@ -1,5 +1,9 @@
 #include "server/session/tensor_codec.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -144,15 +148,96 @@ TEST_F(TensorCodecTest, RejectsMissingData) {
   ExpectInvalid(t, "micro_batches[1].dy");
 }
 
-TEST_F(TensorCodecTest, SharedMemoryIsUnimplemented) {
+TEST_F(TensorCodecTest, SharedMemoryWithoutTheFlagIsFailedPrecondition) {
   te::v1::Tensor t;
   t.set_dtype(te::v1::FLOAT32);
   t.add_shape(2);
   t.mutable_shm()->set_region_id("r");
   auto checked = CheckTensor(t, "x", kMaxBytes, Lookup());
-  EXPECT_EQ(checked.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(checked.status().message().find("shared memory transport: not enabled"),
-            std::string::npos);
+  EXPECT_EQ(checked.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(checked.status().message().find("shared memory disabled (--enable_shm)"),
+            std::string::npos)
+      << checked.status();
+}
+
+// A client's shm object of `size` bytes, mapped by the server side as region "region-1".
+class SharedMemoryTest : public TensorCodecTest {
+ protected:
+  void SetUp() override {
+    TensorCodecTest::SetUp();
+    name_ = "/te_tensor_codec_test_" + std::to_string(getpid());
+    const int fd = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 4096), 0);
+    close(fd);
+    auto region = ShmRegion::Open(name_, 4096);
+    ASSERT_TRUE(region.ok()) << region.status();
+    region_ = *std::move(region);
+  }
+  void TearDown() override { shm_unlink(name_.c_str()); }
+  ShmLookup Regions() {
+    return [this](const std::string& id) { return id == "region-1" ? region_.get() : nullptr; };
+  }
+  te::v1::Tensor ShmTensor(std::vector<int64_t> shape, uint64_t offset, std::string id = "region-1") {
+    te::v1::Tensor t;
+    t.set_dtype(te::v1::FLOAT32);
+    for (int64_t d : shape) t.add_shape(d);
+    t.mutable_shm()->set_region_id(id);
+    t.mutable_shm()->set_offset(offset);
+    return t;
+  }
+  std::string name_;
+  std::unique_ptr<ShmRegion> region_;
+};
+
+TEST_F(SharedMemoryTest, MaterializeCopiesTheRegionsBytes) {
+  const std::string bytes = RandomBytes(4 * 100, 7);
+  ASSERT_TRUE(region_->Write(1000, bytes.data(), bytes.size()).ok());
+  const te::v1::Tensor t = ShmTensor({10, 10}, 1000);
+  auto checked = CheckTensor(t, "x", kMaxBytes, Lookup(), Regions());
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  auto tensor = Materialize(*ops_, *checked);
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+  std::string got(tensor->nbytes(), '\0');
+  ASSERT_TRUE(ops_->Download(*tensor, got.data()).ok());
+  EXPECT_EQ(got, bytes);
+  // A copy: the client may reuse its region at once.
+  const std::string other = RandomBytes(4 * 100, 8);
+  ASSERT_TRUE(region_->Write(1000, other.data(), other.size()).ok());
+  ASSERT_TRUE(ops_->Download(*tensor, got.data()).ok());
+  EXPECT_EQ(got, bytes);
+  auto host = HostBytes(*ops_, *checked);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(*host, other);
+}
+
+TEST_F(SharedMemoryTest, WriteToRegionPutsTheTensorAtTheOffset) {
+  auto tensor = ops_->Allocate(DType::kF32, {16});
+  ASSERT_TRUE(tensor.ok());
+  const std::string bytes = RandomBytes(64, 9);
+  ASSERT_TRUE(ops_->Upload(bytes.data(), &*tensor).ok());
+  ASSERT_TRUE(WriteToRegion(*ops_, *tensor, *region_, 4032).ok());
+  std::string got(64, '\0');
+  ASSERT_TRUE(region_->Read(4032, got.data(), got.size()).ok());
+  EXPECT_EQ(got, bytes);
+}
+
+TEST_F(SharedMemoryTest, UnknownRegionAndRangePastTheEndAreInvalid) {
+  auto unknown = CheckTensor(ShmTensor({4}, 0, "region-2"), "micro_batches[0].x", kMaxBytes,
+                             Lookup(), Regions());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("micro_batches[0].x.shm.region_id"),
+            std::string::npos)
+      << unknown.status();
+  auto past = CheckTensor(ShmTensor({4}, 4096 - 15), "x", kMaxBytes, Lookup(), Regions());
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(past.status().message().find("x.shm: 16 bytes at offset 4081"), std::string::npos)
+      << past.status();
+  EXPECT_TRUE(CheckTensor(ShmTensor({4}, 4096 - 16), "x", kMaxBytes, Lookup(), Regions()).ok());
+  auto no_dtype = ShmTensor({4}, 0);
+  no_dtype.clear_dtype();
+  EXPECT_EQ(CheckTensor(no_dtype, "x", kMaxBytes, Lookup(), Regions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(TensorCodecTest, ResidentTensors) {
