@@ -99,14 +99,24 @@ grpc::Status TeService::GetServerInfo(grpc::ServerContext*, const te::v1::GetSer
   limits->set_max_saved_forwards(options_.session.max_saved_forwards);
   limits->set_max_tensor_bytes(options_.session.max_tensor_bytes);
   limits->set_session_ttl_seconds(options_.session_ttl_seconds);
+  te::v1::ServerStats* stats = response->mutable_stats();
+  int64_t bytes_in_use = 0;
+  for (const auto& session : sessions_->live_session_refs()) bytes_in_use += session->bytes_in_use();
+  stats->set_sessions_open(sessions_->live_sessions());
+  stats->set_bytes_in_use(bytes_in_use);
+  stats->set_sessions_restored(options_.sessions_restored);
   return grpc::Status::OK;
 }
 
 grpc::Status TeService::CreateSession(grpc::ServerContext*,
                                       const te::v1::CreateSessionRequest* request,
                                       te::v1::CreateSessionResponse* response) {
-  return Finish("CreateSession", "",
-                session::OpenSession(*request, device_, options_.session, sessions_, response));
+  absl::Status status = security::CheckAccessKey(options_.access_key.get(), request->access_key());
+  if (status.ok()) {
+    status = session::OpenSession(*request, device_, options_.session, sessions_, response);
+  }
+  if (status.ok()) response->set_server_address(options_.advertise_address);
+  return Finish("CreateSession", "", status);
 }
 
 grpc::Status TeService::CloseSession(grpc::ServerContext* context,
@@ -234,6 +244,25 @@ grpc::Status TeService::Benchmark(grpc::ServerContext* context,
   return WithSession(context, request->session(), "Benchmark", [&](session::Session& s) {
     return s.Benchmark(*request, call, response);
   });
+}
+
+grpc::Status TeService::Checkpoint(grpc::ServerContext* context,
+                                   const te::v1::CheckpointRequest* request,
+                                   te::v1::CheckpointResponse* response) {
+  const te::v1::SessionRef& ref = request->session();
+  if (options_.checkpoints == nullptr) {
+    return Finish("Checkpoint", ref.session_id(),
+                  absl::FailedPreconditionError(
+                      "this server runs without --state_dir: it cannot save sessions"));
+  }
+  absl::StatusOr<session::SessionManager::Lease> lease =
+      sessions_->Acquire(ref.session_id(), ref.token(), DeadlineOf(*context));
+  if (!lease.ok()) return Finish("Checkpoint", ref.session_id(), lease.status());
+  absl::StatusOr<session::CheckpointStore::Written> written = options_.checkpoints->Save(*lease);
+  if (!written.ok()) return Finish("Checkpoint", ref.session_id(), written.status());
+  response->set_path(written->path);
+  response->set_bytes(written->bytes);
+  return grpc::Status::OK;
 }
 
 }  // namespace te::service

@@ -8,10 +8,13 @@
 #include <grpcpp/grpcpp.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "kernels/ops.h"
+#include "server/security/secrets.h"
+#include "server/session/checkpoint.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
 #include "te/v1/service.grpc.pb.h"
@@ -24,6 +27,13 @@ struct ServiceOptions {
   session::SessionConfig session;  // per-session limits
   int max_sessions = 64;
   int64_t session_ttl_seconds = 1800;
+  // Security and state (issue 5): CreateSession must carry this key when set;
+  // server_address is echoed to clients for session affinity; Checkpoint
+  // writes to `checkpoints` (FAILED_PRECONDITION when null: no --state_dir).
+  std::shared_ptr<const security::AccessKey> access_key;
+  std::string advertise_address;
+  session::CheckpointStore* checkpoints = nullptr;
+  int sessions_restored = 0;
 };
 
 class TeService final : public te::v1::TeService::Service {
@@ -65,6 +75,8 @@ class TeService final : public te::v1::TeService::Service {
                             te::v1::DeleteTensorResponse* response) override;
   grpc::Status Benchmark(grpc::ServerContext* context, const te::v1::BenchmarkRequest* request,
                          te::v1::BenchmarkResponse* response) override;
+  grpc::Status Checkpoint(grpc::ServerContext* context, const te::v1::CheckpointRequest* request,
+                          te::v1::CheckpointResponse* response) override;
 
  private:
   // Runs `call` on the session `ref` names, in its turn.
