@@ -1,7 +1,10 @@
 // te_server: serves Transformer Engine style layers over gRPC (te.v1.TeService),
 // with grpc.health.v1 and server reflection. Runs on one device, chosen at
 // start (--device=auto|cpu|cuda:N). SIGINT / SIGTERM shut it down gracefully:
-// health goes NOT_SERVING, running calls get a grace period, then it exits 0.
+// health goes NOT_SERVING, running calls get a grace period, then (with
+// --state_dir) every session is saved, and it exits 0. With --state_dir a
+// starting server restores the sessions saved there. TLS, mutual TLS and the
+// access key: server/security/flags.h.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -27,7 +30,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kernels/ops.h"
+#include "server/security/flags.h"
 #include "server/service/service.h"
+#include "server/session/checkpoint.h"
 #include "server/session/log.h"
 #include "server/session/session_manager.h"
 
@@ -43,6 +48,12 @@ ABSL_FLAG(int, max_saved_forwards, 16, "forwards a session keeps for their backw
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, each way");
 ABSL_FLAG(int64_t, max_tensor_bytes, int64_t{1} << 30, "largest tensor in a request");
 ABSL_FLAG(int64_t, session_ttl_seconds, 1800, "idle time after which a session expires");
+ABSL_FLAG(std::string, state_dir, "",
+          "directory for session checkpoints (Checkpoint RPC, and every session at shutdown); "
+          "sessions saved there are restored at start. Empty: sessions live in memory only");
+ABSL_FLAG(std::string, advertise_address, "",
+          "this replica's own host:port, returned by CreateSession so clients pin their session "
+          "to it (session affinity behind a load balancer)");
 
 namespace te {
 namespace {
@@ -53,6 +64,8 @@ using session::LogLevel;
 constexpr char kServiceName[] = "te.v1.TeService";
 constexpr absl::Duration kShutdownGrace = absl::Seconds(10);
 constexpr absl::Duration kHousekeepingPeriod = absl::Seconds(1);
+// How long the shutdown save waits for any one session's turn.
+constexpr absl::Duration kShutdownSaveWait = absl::Seconds(30);
 
 absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const std::string& flag) {
   if (flag == "cpu") return OpenCpuDevice();
@@ -146,8 +159,40 @@ int Run() {
                                         ? absl::StrCat(", ", info.memory_bytes >> 20, " MiB")
                                         : std::string()));
 
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      security::ServerCredentialsFor(security::TlsFilesFromFlags());
+  if (!credentials.ok()) {
+    Log(LogLevel::kError, credentials.status().ToString());
+    return 2;
+  }
+  absl::StatusOr<std::shared_ptr<const security::AccessKey>> access_key =
+      security::AccessKeyFromFlags();
+  if (!access_key.ok()) {
+    Log(LogLevel::kError, access_key.status().ToString());
+    return 2;
+  }
+  std::unique_ptr<session::CheckpointStore> checkpoints;
+  if (const std::string state_dir = absl::GetFlag(FLAGS_state_dir); !state_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<session::CheckpointStore>> store =
+        session::CheckpointStore::Open(state_dir);
+    if (!store.ok()) {
+      Log(LogLevel::kError, store.status().ToString());
+      return 2;
+    }
+    checkpoints = *std::move(store);
+  }
+
   const absl::Duration ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   session::SessionManagerOptions manager_options;
+  if (checkpoints != nullptr) {
+    // A session that goes (closed, expired, evicted) must not come back at the next start.
+    manager_options.on_removed = [store = checkpoints.get()](const std::string& id) {
+      if (absl::Status removed = store->Remove(id); !removed.ok()) {
+        session::LogForSession(LogLevel::kError, id, "cannot remove its checkpoint",
+                               {{"error", removed.ToString()}});
+      }
+    };
+  }
   manager_options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   manager_options.default_ttl = ttl;
   manager_options.max_ttl = std::max(ttl, absl::Hours(24 * 7));
@@ -160,6 +205,18 @@ int Run() {
   options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
   options.max_sessions = manager_options.max_sessions;
   options.session_ttl_seconds = absl::GetFlag(FLAGS_session_ttl_seconds);
+  options.access_key = *access_key;
+  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
+  options.checkpoints = checkpoints.get();
+  if (checkpoints != nullptr) {
+    const session::CheckpointStore::RestoreReport restored =
+        checkpoints->RestoreAll(device->get(), options.session, &sessions);
+    options.sessions_restored = restored.restored;
+    Log(LogLevel::kInfo, "state directory read",
+        {{"state_dir", checkpoints->state_dir()},
+         {"restored", absl::StrCat(restored.restored)},
+         {"failed", absl::StrCat(restored.failed)}});
+  }
   service::TeService service(device->get(), &sessions, options);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -168,7 +225,7 @@ int Run() {
   const std::string address =
       absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   int bound_port = 0;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &bound_port);
+  builder.AddListeningPort(address, *credentials, &bound_port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.session.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.session.max_message_bytes));
   builder.RegisterService(&service);
@@ -197,7 +254,10 @@ int Run() {
       absl::StrCat("te_server listening on ", absl::GetFlag(FLAGS_host), ":", bound_port,
                    " (max ", options.max_sessions, " sessions, ",
                    options.session.session_memory_bytes, " bytes each, idle ttl ",
-                   options.session_ttl_seconds, " s)"));
+                   options.session_ttl_seconds, " s)"),
+      {{"transport", security::DescribeTransport(security::TlsFilesFromFlags())},
+       {"access_key", options.access_key != nullptr ? "required" : "none"},
+       {"state_dir", checkpoints != nullptr ? checkpoints->state_dir() : "none"}});
 
   // Housekeeping: expire idle sessions, follow the device's health.
   absl::Notification stopping;
@@ -222,11 +282,17 @@ int Run() {
     health->Shutdown();  // NOT_SERVING from now on
     server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   });
-  server->Wait();
+  server->Wait();  // calls in flight have drained (or hit the grace period)
   signal_waiter.join();
   housekeeping.join();
-  Log(LogLevel::kInfo, absl::StrCat("stopped; ", sessions.live_sessions(),
-                                    " sessions dropped"));
+  if (checkpoints != nullptr) {
+    const int saved = checkpoints->SaveAll(&sessions, absl::Now() + kShutdownSaveWait);
+    Log(LogLevel::kInfo, absl::StrCat("stopped; ", saved, " of ", sessions.live_sessions(),
+                                      " sessions saved to ", checkpoints->state_dir()));
+  } else {
+    Log(LogLevel::kInfo, absl::StrCat("stopped; ", sessions.live_sessions(),
+                                      " sessions dropped (no --state_dir)"));
+  }
   return 0;
 }
 
