@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 #include "server/layers/fp8_state.h"
@@ -57,6 +58,7 @@ Session::~Session() {
   saved_.clear();
   layers_.clear();
   resident_.clear();
+  regions_.clear();
 }
 
 std::string Session::NewId(const char* kind) { return absl::StrCat(kind, "-", next_id_++); }
@@ -66,6 +68,42 @@ ResidentLookup Session::Resident() const {
     auto it = resident_.find(id);
     return it == resident_.end() ? nullptr : &it->second;
   };
+}
+
+ShmLookup Session::Regions() const {
+  if (!config_.enable_shm) return nullptr;
+  return [this](const std::string& id) -> ShmRegion* {
+    auto it = regions_.find(id);
+    return it == regions_.end() ? nullptr : it->second.get();
+  };
+}
+
+void Session::ForgetSince(int64_t mark) {
+  // Ids are "<kind>-<n>" (NewId); those numbered from `mark` on are the call's.
+  auto created = [mark](const std::string& id) {
+    const size_t dash = id.rfind('-');
+    int64_t n = 0;
+    return dash != std::string::npos && absl::SimpleAtoi(id.substr(dash + 1), &n) && n >= mark;
+  };
+  auto forget = [&](auto& items) {
+    for (auto it = items.begin(); it != items.end();) {
+      it = created(it->first) ? items.erase(it) : std::next(it);
+    }
+  };
+  forget(layers_);
+  forget(saved_);
+  forget(resident_);
+  forget(regions_);
+}
+
+void Session::GetSessionInfo(te::v1::SessionInfo* response) const {
+  response->set_device(device_.name);
+  response->set_memory_bytes(ops_->bytes_in_use());
+  response->set_memory_limit_bytes(ops_->memory_limit());
+  response->set_layers(static_cast<int32_t>(layers_.size()));
+  response->set_saved_forwards(static_cast<int32_t>(saved_.size()));
+  response->set_resident_tensors(static_cast<int32_t>(resident_.size()));
+  response->set_shm_regions(static_cast<int32_t>(regions_.size()));
 }
 
 absl::StatusOr<Session::LayerEntry*> Session::FindLayer(const std::string& layer_id) {
@@ -224,8 +262,9 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", name, " is given twice"));
     }
-    ASSIGN_OR_RETURN(CheckedTensor value, CheckTensor(variable.value(), field + ".value",
-                                                      config_.max_tensor_bytes, Resident()));
+    ASSIGN_OR_RETURN(CheckedTensor value,
+                     CheckTensor(variable.value(), field + ".value", config_.max_tensor_bytes,
+                                 Resident(), Regions()));
     const Tensor& current = existing->second;
     if (value.dtype != current.dtype() || value.shape != current.shape()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -237,13 +276,15 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
   // New tensors: a variable never aliases a resident tensor or a saved forward.
   std::vector<Tensor> values;
   for (const Write& write : writes) {
-    ASSIGN_OR_RETURN(Tensor fresh, ops_->Allocate(write.value.dtype, write.value.shape));
     if (write.value.resident != nullptr) {
+      ASSIGN_OR_RETURN(Tensor fresh, ops_->Allocate(write.value.dtype, write.value.shape));
       if (fresh.nbytes() > 0) RETURN_IF_ERROR(ops_->Copy(*write.value.resident, &fresh));
-    } else if (fresh.nbytes() > 0) {
-      RETURN_IF_ERROR(ops_->Upload(write.value.inline_data->data(), &fresh));
+      values.push_back(std::move(fresh));
+    } else {
+      // Inline and shared-memory bytes: copied into a new allocation.
+      ASSIGN_OR_RETURN(Tensor fresh, Materialize(*ops_, write.value));
+      values.push_back(std::move(fresh));
     }
-    values.push_back(std::move(fresh));
   }
   for (size_t i = 0; i < writes.size(); ++i) (*writes[i].target)[writes[i].name] = values[i];
   return absl::OkStatus();
@@ -251,62 +292,103 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
 
 // ---- resident tensors --------------------------------------------------------------
 
-absl::Status Session::PutTensor(const te::v1::TensorHeader& header, const ChunkReader& read_chunk,
-                                te::v1::PutTensorResponse* response) {
-  ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(header.dtype(), "header.tensor.dtype"));
-  ASSIGN_OR_RETURN(Shape shape, ShapeFromProto(header.shape(), dtype, config_.max_tensor_bytes,
-                                               "header.tensor.shape"));
+absl::StatusOr<std::unique_ptr<TensorUpload>> Session::BeginPut(
+    const te::v1::PutTensorHeader& header) {
+  ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(header.tensor().dtype(), "header.tensor.dtype"));
+  ASSIGN_OR_RETURN(Shape shape, ShapeFromProto(header.tensor().shape(), dtype,
+                                               config_.max_tensor_bytes, "header.tensor.shape"));
+  ShmRegion* region = nullptr;
+  if (header.has_shm()) {
+    const uint64_t bytes = static_cast<uint64_t>(NumElements(shape)) * DTypeSize(dtype);
+    ASSIGN_OR_RETURN(region, CheckShmRef(header.shm(), bytes, "header.shm", Regions()));
+  }
+  if (region != nullptr) {
+    // The region holds the whole tensor: an upload with nothing left to arrive.
+    CheckedTensor checked;
+    checked.dtype = dtype;
+    checked.shape = shape;
+    checked.shm = region;
+    checked.shm_offset = header.shm().offset();
+    ASSIGN_OR_RETURN(Tensor copied, Materialize(*ops_, checked));
+    return TensorUpload::Complete(*ops_, std::move(copied));
+  }
   ASSIGN_OR_RETURN(Tensor tensor, ops_->Allocate(dtype, shape));
-  const int64_t total = static_cast<int64_t>(tensor.nbytes());
-  int64_t offset = 0;
-  std::string chunk;
-  for (int index = 1;; ++index) {
-    ASSIGN_OR_RETURN(bool more, read_chunk(&chunk));
-    if (!more) break;
-    const int64_t size = static_cast<int64_t>(chunk.size());
-    if (size > total - offset) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "data (message ", index, "): the chunks add up to more than the ", total,
-          " bytes of ", ShapeString(shape), " ", DTypeName(dtype)));
-    }
-    if (size == 0) continue;
-    // A byte view of the allocation at `offset`: chunks need not align to elements.
-    Tensor window(nullptr, static_cast<char*>(tensor.data()) + offset, DType::kBool, {size});
-    RETURN_IF_ERROR(ops_->Upload(chunk.data(), &window));
-    offset += size;
-  }
-  if (offset != total) {
-    return absl::InvalidArgumentError(absl::StrCat("data: the chunks add up to ", offset,
-                                                   " bytes, but ", ShapeString(shape), " ",
-                                                   DTypeName(dtype), " needs ", total));
-  }
+  return TensorUpload::Start(*ops_, std::move(tensor));
+}
+
+absl::Status Session::CommitPut(std::unique_ptr<TensorUpload> upload,
+                                te::v1::PutTensorResponse* response) {
+  ASSIGN_OR_RETURN(Tensor tensor, upload->Finish());
   const std::string id = NewId("tensor");
-  resident_[id] = std::move(tensor);
   response->set_tensor_id(id);
-  response->set_bytes(total);
+  response->set_bytes(static_cast<int64_t>(tensor.nbytes()));
+  resident_[id] = std::move(tensor);
   return absl::OkStatus();
 }
 
-absl::StatusOr<Session::HostTensor> Session::GetTensor(const te::v1::GetTensorRequest& request) {
+absl::Status Session::PutTensor(const te::v1::TensorHeader& header, const ChunkReader& read_chunk,
+                                te::v1::PutTensorResponse* response) {
+  te::v1::PutTensorHeader put;
+  *put.mutable_tensor() = header;
+  ASSIGN_OR_RETURN(std::unique_ptr<TensorUpload> upload, BeginPut(put));
+  std::string chunk;
+  for (int index = 2;; ++index) {
+    ASSIGN_OR_RETURN(bool more, read_chunk(&chunk));
+    if (!more) break;
+    absl::Status appended = upload->Append(chunk.data(), chunk.size());
+    if (!appended.ok()) {
+      return absl::Status(appended.code(),
+                          absl::StrCat("data (message ", index, "): ", appended.message()));
+    }
+  }
+  return CommitPut(std::move(upload), response);
+}
+
+absl::StatusOr<Session::TensorSource> Session::ReadTensor(
+    const te::v1::GetTensorRequest& request) {
   auto it = resident_.find(request.tensor_id());
   if (it == resident_.end()) {
     return absl::NotFoundError(absl::StrCat("tensor_id: no resident tensor '",
                                             request.tensor_id(), "' in this session"));
   }
   const int64_t max_chunk = std::max<int64_t>(1, config_.max_message_bytes - 4096);
-  HostTensor host;
-  host.chunk_bytes = request.chunk_bytes() == 0 ? std::min(kDefaultChunkBytes, max_chunk)
-                                                : request.chunk_bytes();
-  if (host.chunk_bytes <= 0 || host.chunk_bytes > max_chunk) {
+  TensorSource source;
+  source.chunk_bytes = request.chunk_bytes() == 0 ? std::min(kDefaultChunkBytes, max_chunk)
+                                                  : request.chunk_bytes();
+  if (source.chunk_bytes <= 0 || source.chunk_bytes > max_chunk) {
     return absl::InvalidArgumentError(absl::StrCat("chunk_bytes: ", request.chunk_bytes(),
                                                    " is outside [1, ", max_chunk,
                                                    "] (0: 1 MiB)"));
   }
   const Tensor& tensor = it->second;
-  host.header.set_dtype(DTypeToProto(tensor.dtype()));
-  host.header.mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
-  host.bytes.resize(tensor.nbytes());
-  if (!host.bytes.empty()) RETURN_IF_ERROR(ops_->Download(tensor, host.bytes.data()));
+  source.header.set_dtype(DTypeToProto(tensor.dtype()));
+  source.header.mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
+  if (request.has_destination()) {
+    ASSIGN_OR_RETURN(ShmRegion * region, CheckShmRef(request.destination(), tensor.nbytes(),
+                                                     "destination", Regions()));
+    RETURN_IF_ERROR(WriteToRegion(*ops_, tensor, *region, request.destination().offset()));
+    return source;
+  }
+  source.bytes = static_cast<int64_t>(tensor.nbytes());
+  if (IsHostMemory(*ops_)) {
+    auto kept = std::make_shared<const Tensor>(tensor);
+    source.data = static_cast<const char*>(kept->data());
+    source.keepalive = std::move(kept);
+    return source;
+  }
+  std::shared_ptr<char[]> host(new char[std::max<size_t>(1, tensor.nbytes())]);
+  if (tensor.nbytes() > 0) RETURN_IF_ERROR(ops_->Download(tensor, host.get()));
+  source.data = host.get();
+  source.keepalive = std::shared_ptr<const void>(host, host.get());
+  return source;
+}
+
+absl::StatusOr<Session::HostTensor> Session::GetTensor(const te::v1::GetTensorRequest& request) {
+  ASSIGN_OR_RETURN(TensorSource source, ReadTensor(request));
+  HostTensor host;
+  host.header = source.header;
+  host.chunk_bytes = source.chunk_bytes;
+  if (source.bytes > 0) host.bytes.assign(source.data, static_cast<size_t>(source.bytes));
   return host;
 }
 
@@ -314,6 +396,37 @@ absl::Status Session::DeleteTensor(const te::v1::DeleteTensorRequest& request) {
   if (resident_.erase(request.tensor_id()) == 0) {
     return absl::NotFoundError(absl::StrCat("tensor_id: no resident tensor '",
                                             request.tensor_id(), "' in this session"));
+  }
+  return absl::OkStatus();
+}
+
+// ---- shared memory ---------------------------------------------------------------
+
+absl::Status Session::RegisterSharedMemory(const te::v1::RegisterSharedMemoryRequest& request,
+                                           te::v1::RegisterSharedMemoryResponse* response) {
+  if (!config_.enable_shm) {
+    return absl::FailedPreconditionError("shared memory disabled (--enable_shm)");
+  }
+  if (static_cast<int>(regions_.size()) >= config_.max_shm_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this session already has ", regions_.size(),
+        " shared-memory regions (the limit); unregister one first"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region,
+                   ShmRegion::Open(request.name(), request.size()));
+  const std::string id = NewId("region");
+  LogForSession(LogLevel::kInfo, id_,
+                absl::StrCat(id, ": mapped ", request.name(), " (", request.size(), " bytes)"));
+  regions_[id] = std::move(region);
+  response->set_region_id(id);
+  return absl::OkStatus();
+}
+
+absl::Status Session::UnregisterSharedMemory(
+    const te::v1::UnregisterSharedMemoryRequest& request) {
+  if (regions_.erase(request.region_id()) == 0) {
+    return absl::NotFoundError(absl::StrCat("region_id: no shared-memory region '",
+                                            request.region_id(), "' in this session"));
   }
   return absl::OkStatus();
 }

@@ -19,6 +19,14 @@
 //     each micro-batch of ForwardBackward, and after a Forward that keeps
 //     nothing for a backward. Benchmark runs on a copy of the FP8 state and
 //     leaves the session's unchanged.
+//  6. Ids the session hands out (layers, forwards, tensors, regions) are
+//     numbered in one sequence. A call whose client went away before it saw
+//     the answer is undone by ForgetSince(its mark): what it created goes,
+//     so a cancelled call leaves no memory held.
+//  7. Shared-memory regions (--enable_shm) are the client's memory, mapped;
+//     request tensors in them are copied in, never aliased, so the client may
+//     reuse a region as soon as a call returns. Regions are unmapped on
+//     UnregisterSharedMemory or with the session.
 #ifndef TE_SERVER_SESSION_SESSION_H_
 #define TE_SERVER_SESSION_SESSION_H_
 
@@ -35,7 +43,9 @@
 #include "kernels/ops.h"
 #include "server/layers/layer.h"
 #include "server/session/session_manager.h"
+#include "server/session/shm_region.h"
 #include "server/session/tensor_codec.h"
+#include "server/session/tensor_upload.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
@@ -46,6 +56,8 @@ struct SessionConfig {
   int max_saved_forwards = 16;
   int64_t max_message_bytes = int64_t{64} << 20;
   int64_t max_tensor_bytes = int64_t{1} << 30;
+  bool enable_shm = false;      // --enable_shm
+  int max_shm_regions = 16;     // per session
 };
 
 // What a call brings besides its request: the client's deadline and a way to
@@ -85,19 +97,55 @@ class Session {
   // All or nothing: every variable must exist with the same shape and dtype.
   absl::Status SetVariables(const te::v1::SetVariablesRequest& request);
 
-  // Reads the data of a PutTensor stream: true with a chunk, false at the end,
-  // or an error (a malformed stream).
+  // PutTensor, for a stream whose pieces arrive over time. BeginPut
+  // validates the header and allocates the tensor (RESOURCE_EXHAUSTED over
+  // the memory limit); with header.shm it copies the bytes from the region at
+  // once (no data messages may follow). The upload's Append writes arriving
+  // bytes in place; CommitPut checks the count and makes the tensor resident.
+  // Dropping an unfinished upload frees its memory. All in the session's turn.
+  absl::StatusOr<std::unique_ptr<TensorUpload>> BeginPut(const te::v1::PutTensorHeader& header);
+  absl::Status CommitPut(std::unique_ptr<TensorUpload> upload,
+                         te::v1::PutTensorResponse* response);
+  // A resident tensor's bytes on the host, to stream out after the turn. On
+  // the CPU `data` points into the tensor itself (no copy), kept alive by
+  // `keepalive` (resident tensors are never written in place); elsewhere into
+  // a host copy. With request.destination the bytes go into that region
+  // instead and `bytes` is 0.
+  struct TensorSource {
+    te::v1::TensorHeader header;
+    std::shared_ptr<const void> keepalive;
+    const char* data = nullptr;
+    int64_t bytes = 0;
+    int64_t chunk_bytes = 0;
+  };
+  absl::StatusOr<TensorSource> ReadTensor(const te::v1::GetTensorRequest& request);
+  absl::Status DeleteTensor(const te::v1::DeleteTensorRequest& request);
+
+  // Transitional, for the synchronous service until it moves to the callback
+  // API: PutTensor pulling its chunks, GetTensor with a whole host copy.
   using ChunkReader = std::function<absl::StatusOr<bool>(std::string* chunk)>;
   absl::Status PutTensor(const te::v1::TensorHeader& header, const ChunkReader& read_chunk,
                          te::v1::PutTensorResponse* response);
-  // A resident tensor on the host, and the chunk size to stream it in.
   struct HostTensor {
     te::v1::TensorHeader header;
     std::string bytes;
     int64_t chunk_bytes = 0;
   };
   absl::StatusOr<HostTensor> GetTensor(const te::v1::GetTensorRequest& request);
-  absl::Status DeleteTensor(const te::v1::DeleteTensorRequest& request);
+
+  // Maps the client's shm object (contract 7). FAILED_PRECONDITION when the
+  // server runs without --enable_shm; RESOURCE_EXHAUSTED past
+  // max_shm_regions; ShmRegion::Open's errors otherwise.
+  absl::Status RegisterSharedMemory(const te::v1::RegisterSharedMemoryRequest& request,
+                                    te::v1::RegisterSharedMemoryResponse* response);
+  // NOT_FOUND for a region this session does not have.
+  absl::Status UnregisterSharedMemory(const te::v1::UnregisterSharedMemoryRequest& request);
+
+  void GetSessionInfo(te::v1::SessionInfo* response) const;
+
+  // Contract 6: the mark to take before a call, and the undo.
+  int64_t mark() const { return next_id_; }
+  void ForgetSince(int64_t mark);
 
   absl::Status Benchmark(const te::v1::BenchmarkRequest& request, const CallContext& call,
                          te::v1::BenchmarkResponse* response);
@@ -136,6 +184,7 @@ class Session {
                                const std::string& collection, layers::Variables* sum);
   std::string NewId(const char* kind);
   ResidentLookup Resident() const;
+  ShmLookup Regions() const;  // empty without --enable_shm
 
   // Saves and restores sessions (checkpoint.cc).
   friend class SessionCheckpoint;
@@ -151,6 +200,7 @@ class Session {
   std::map<std::string, std::unique_ptr<LayerEntry>> layers_;
   std::map<std::string, std::unique_ptr<SavedEntry>> saved_;
   std::map<std::string, Tensor> resident_;
+  std::map<std::string, std::unique_ptr<ShmRegion>> regions_;
 };
 
 // CreateSession: negotiates a recipe for `device`, makes the session a stream

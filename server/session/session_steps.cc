@@ -52,7 +52,8 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
     const google::protobuf::RepeatedPtrField<te::v1::Tensor>& extra_inputs,
     const te::v1::Tensor* attention_mask, const std::string& prefix) {
   CheckedInputs in;
-  ASSIGN_OR_RETURN(in.x, CheckTensor(x, prefix + "x", config_.max_tensor_bytes, Resident()));
+  ASSIGN_OR_RETURN(in.x,
+                   CheckTensor(x, prefix + "x", config_.max_tensor_bytes, Resident(), Regions()));
   if (!IsLayerInputDType(in.x.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "x.dtype: ", DTypeName(in.x.dtype),
                                                    "; x must be float32, bfloat16 or float16"));
@@ -77,8 +78,9 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
 
   for (int i = 0; i < extra_inputs.size(); ++i) {
     const std::string field = absl::StrCat(prefix, "extra_inputs[", i, "]");
-    ASSIGN_OR_RETURN(CheckedTensor extra,
-                     CheckTensor(extra_inputs[i], field, config_.max_tensor_bytes, Resident()));
+    ASSIGN_OR_RETURN(
+        CheckedTensor extra,
+        CheckTensor(extra_inputs[i], field, config_.max_tensor_bytes, Resident(), Regions()));
     if (extra.dtype != in.x.dtype) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(extra.dtype),
                                                      ", but x is ", DTypeName(in.x.dtype)));
@@ -88,8 +90,9 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
 
   if (attention_mask != nullptr) {
     const std::string field = prefix + "attention_mask";
-    ASSIGN_OR_RETURN(CheckedTensor mask, CheckTensor(*attention_mask, field,
-                                                     config_.max_tensor_bytes, Resident()));
+    ASSIGN_OR_RETURN(
+        CheckedTensor mask,
+        CheckTensor(*attention_mask, field, config_.max_tensor_bytes, Resident(), Regions()));
     ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, mask));
     ASSIGN_OR_RETURN(Seqlens lens, MaskToSeqlens(bytes, mask.dtype, mask.shape, field));
     // [B, 1, Sq, Skv]: B and Sq from x, Skv from k when k is given.
@@ -111,7 +114,7 @@ absl::StatusOr<CheckedTensor> Session::CheckDy(const CheckedInputs& inputs,
                                                const te::v1::Tensor& dy,
                                                const std::string& field) {
   ASSIGN_OR_RETURN(CheckedTensor checked,
-                   CheckTensor(dy, field, config_.max_tensor_bytes, Resident()));
+                   CheckTensor(dy, field, config_.max_tensor_bytes, Resident(), Regions()));
   RETURN_IF_ERROR(CheckLike(checked, inputs.y_shape, inputs.x.dtype, field, "y"));
   return checked;
 }
@@ -196,6 +199,17 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
         "keep_for_backward: this session already keeps ", saved_.size(),
         " forwards (max_saved_forwards); run their Backward first"));
   }
+  ShmRegion* y_region = nullptr;
+  if (request.has_y_shm()) {
+    if (request.keep_outputs()) {
+      return absl::InvalidArgumentError(
+          "y_shm: set together with keep_outputs; y goes to shared memory or stays resident, "
+          "not both");
+    }
+    const uint64_t y_bytes =
+        static_cast<uint64_t>(NumElements(checked.y_shape)) * DTypeSize(checked.x.dtype);
+    ASSIGN_OR_RETURN(y_region, CheckShmRef(request.y_shm(), y_bytes, "y_shm", Regions()));
+  }
   ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
@@ -205,6 +219,17 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
   RETURN_IF_ERROR(layer->layer->Forward(*ops_, &layer->vars, inputs, opts, &out, &saved));
+  if (y_region != nullptr) {
+    // Before the forward is kept or its step ends: a region its client shrank
+    // then fails the call without leaving a saved forward behind.
+    if (out.y.dtype() != checked.x.dtype || out.y.shape() != checked.y_shape) {
+      return absl::InternalError(absl::StrCat(
+          layer->layer->type_name(), ": y is ", ShapeString(out.y.shape()), " ",
+          DTypeName(out.y.dtype()), ", not the ", ShapeString(checked.y_shape), " ",
+          DTypeName(checked.x.dtype), " its shape check promised"));
+    }
+    RETURN_IF_ERROR(WriteToRegion(*ops_, out.y, *y_region, request.y_shm().offset()));
+  }
   if (!request.keep_for_backward() && layers::HasFp8Metas(opts.fp8)) {
     // No backward will end this step: it ends here.
     RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &layer->vars));
@@ -225,7 +250,14 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     response->set_forward_id(forward_id);
   }
   OutputEncoder encoder(this);
-  RETURN_IF_ERROR(encoder.Encode(out.y, request.keep_outputs(), false, response->mutable_y()));
+  if (y_region != nullptr) {
+    te::v1::Tensor* y = response->mutable_y();
+    y->set_dtype(DTypeToProto(out.y.dtype()));
+    y->mutable_shape()->Assign(out.y.shape().begin(), out.y.shape().end());
+    *y->mutable_shm() = request.y_shm();
+  } else {
+    RETURN_IF_ERROR(encoder.Encode(out.y, request.keep_outputs(), false, response->mutable_y()));
+  }
   if (out.ln_out.defined()) {
     RETURN_IF_ERROR(
         encoder.Encode(out.ln_out, request.keep_outputs(), false, response->mutable_ln_out()));
@@ -242,8 +274,9 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
         "' in this session (Forward with keep_for_backward; each is consumed by one Backward)"));
   }
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(it->second->layer_id));
-  ASSIGN_OR_RETURN(CheckedTensor dy_checked,
-                   CheckTensor(request.dy(), "dy", config_.max_tensor_bytes, Resident()));
+  ASSIGN_OR_RETURN(
+      CheckedTensor dy_checked,
+      CheckTensor(request.dy(), "dy", config_.max_tensor_bytes, Resident(), Regions()));
   RETURN_IF_ERROR(
       CheckLike(dy_checked, it->second->y_shape, it->second->y_dtype, "dy", "the forward's y"));
   ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dy_checked));

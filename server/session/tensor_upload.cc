@@ -28,6 +28,12 @@ absl::StatusOr<std::unique_ptr<TensorUpload>> TensorUpload::Start(Ops& ops, Tens
       new TensorUpload(ops, std::move(destination), std::move(staging)));
 }
 
+std::unique_ptr<TensorUpload> TensorUpload::Complete(Ops& ops, Tensor filled) {
+  auto upload = std::unique_ptr<TensorUpload>(new TensorUpload(ops, std::move(filled), nullptr));
+  upload->received_ = upload->total();
+  return upload;
+}
+
 TensorUpload::TensorUpload(Ops& ops, Tensor destination, std::shared_ptr<void> staging)
     : ops_(ops), destination_(std::move(destination)), staging_(std::move(staging)) {}
 

@@ -31,6 +31,9 @@ class TensorUpload {
 
   // `destination` was allocated on `ops`, which must outlive the upload.
   static absl::StatusOr<std::unique_ptr<TensorUpload>> Start(Ops& ops, Tensor destination);
+  // An upload whose bytes are all in `filled` already (shared memory):
+  // Finish returns it.
+  static std::unique_ptr<TensorUpload> Complete(Ops& ops, Tensor filled);
   ~TensorUpload();
   TensorUpload(const TensorUpload&) = delete;
   TensorUpload& operator=(const TensorUpload&) = delete;

@@ -255,7 +255,7 @@ TEST_F(BadRequestsTest, EachGetsItsCodeAndLeavesTheSessionUnchanged) {
       {"x unknown resident id", [&] { return ForwardX(ResidentRef("tensor-999")); },
        Code::INVALID_ARGUMENT, "x.resident_id"},
       {"x in shared memory", [&] { return ForwardX(shm_x); },
-       Code::UNIMPLEMENTED, "shared memory transport: not enabled"},
+       Code::FAILED_PRECONDITION, "shared memory disabled (--enable_shm)"},
       {"x does not fit the layer", [&] { return ForwardX(MakeTensor(te::v1::FLOAT32, {kBatch, 9}, RandomFloats(18, 3))); },
        Code::INVALID_ARGUMENT, "x.shape"},
       {"NaN in x is allowed", [&] { return ForwardX(nan_x); }, Code::OK, ""},
