@@ -100,7 +100,10 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Option
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  std::unique_ptr<ServerProcess> server(new ServerProcess(pid, port));
+  std::unique_ptr<ServerProcess> server(new ServerProcess(
+      pid, port,
+      options.channel_credentials != nullptr ? options.channel_credentials
+                                             : grpc::InsecureChannelCredentials()));
   auto channel = server->NewChannel();
   if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
     return absl::UnavailableError(
@@ -142,7 +145,7 @@ std::shared_ptr<grpc::Channel> ServerProcess::NewChannel() const {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
-  return grpc::CreateCustomChannel(address(), grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(address(), credentials_, args);
 }
 
 std::unique_ptr<te::v1::TeService::Stub> ServerProcess::NewStub() const {

@@ -29,6 +29,9 @@ class ServerProcess {
     // "--device=auto" to run the same tests on a GPU); later flags win.
     std::vector<std::string> flags;
     absl::Duration startup_timeout = absl::Seconds(60);
+    // How the fixture's channels (the start-up wait, NewChannel) connect; null:
+    // plaintext. A TLS server needs TLS credentials here.
+    std::shared_ptr<grpc::ChannelCredentials> channel_credentials;
   };
 
   // Starts the server and waits until it accepts connections. UNAVAILABLE if
@@ -52,9 +55,11 @@ class ServerProcess {
   std::unique_ptr<te::v1::TeService::Stub> NewStub() const;
 
  private:
-  ServerProcess(pid_t pid, int port) : pid_(pid), port_(port) {}
+  ServerProcess(pid_t pid, int port, std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : pid_(pid), port_(port), credentials_(std::move(credentials)) {}
   pid_t pid_;
   int port_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
   bool stopped_ = false;
 };
 
