@@ -171,6 +171,53 @@ void SessionManager::RemoveLocked(std::shared_ptr<Entry> entry, const std::strin
   }
 }
 
+absl::StatusOr<std::shared_ptr<SessionManager::Entry>> SessionManager::AuthenticateLocked(
+    const std::string& id, const std::string& token, Doomed* doomed) {
+  auto it = live_.find(id);
+  if (it != live_.end() && ExpiredLocked(*it->second, clock_())) {
+    const std::string reason = ExpiryReason(*it->second);
+    LogForSession(LogLevel::kInfo, id, reason);
+    RemoveLocked(it->second, reason, doomed);
+    it = live_.end();
+  }
+  if (it == live_.end()) {
+    auto gone = tombstones_.find(id);
+    return absl::NotFoundError(gone != tombstones_.end()
+                                   ? gone->second
+                                   : absl::StrCat("session ", id, " not found"));
+  }
+  std::shared_ptr<Entry> entry = it->second;
+  if (token.empty()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("session.token: missing for session ", id));
+  }
+  // A restored session knows its token only by digest until it is seen.
+  const bool matches = entry->token.empty() ? entry->digest.Matches(token)
+                                            : SecretEquals(token, entry->token);
+  if (!matches) {
+    if (id_of_token_.count(token) > 0) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "session.token belongs to another session, not to session ", id));
+    }
+    return absl::UnauthenticatedError(
+        absl::StrCat("session.token: wrong token for session ", id));
+  }
+  if (entry->token.empty()) {
+    entry->token = token;
+    id_of_token_[token] = id;
+  }
+  return entry;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::Authenticate(const std::string& id,
+                                                                     const std::string& token) {
+  if (id.empty()) return absl::InvalidArgumentError("session.session_id: empty");
+  Doomed doomed(options_);
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(std::shared_ptr<Entry> entry, AuthenticateLocked(id, token, &doomed));
+  return entry->session;
+}
+
 absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string& id,
                                                               const std::string& token,
                                                               absl::Time deadline) {
@@ -179,39 +226,7 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string&
   {
     Doomed doomed(options_);
     absl::MutexLock lock(&mu_);
-    auto it = live_.find(id);
-    if (it != live_.end() && ExpiredLocked(*it->second, clock_())) {
-      const std::string reason = ExpiryReason(*it->second);
-      LogForSession(LogLevel::kInfo, id, reason);
-      RemoveLocked(it->second, reason, &doomed);
-      it = live_.end();
-    }
-    if (it == live_.end()) {
-      auto gone = tombstones_.find(id);
-      return absl::NotFoundError(gone != tombstones_.end()
-                                     ? gone->second
-                                     : absl::StrCat("session ", id, " not found"));
-    }
-    entry = it->second;
-    if (token.empty()) {
-      return absl::UnauthenticatedError(
-          absl::StrCat("session.token: missing for session ", id));
-    }
-    // A restored session knows its token only by digest until it is seen.
-    const bool matches = entry->token.empty() ? entry->digest.Matches(token)
-                                              : SecretEquals(token, entry->token);
-    if (!matches) {
-      if (id_of_token_.count(token) > 0) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "session.token belongs to another session, not to session ", id));
-      }
-      return absl::UnauthenticatedError(
-          absl::StrCat("session.token: wrong token for session ", id));
-    }
-    if (entry->token.empty()) {
-      entry->token = token;
-      id_of_token_[token] = id;
-    }
+    ASSIGN_OR_RETURN(entry, AuthenticateLocked(id, token, &doomed));
     ++entry->users;  // counted while waiting, so a queued session never expires
   }
   return TakeTurn(std::move(entry), deadline);

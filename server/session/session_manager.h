@@ -97,6 +97,12 @@ class SessionManager {
   absl::StatusOr<Lease> Acquire(const std::string& id, const std::string& token,
                                 absl::Time deadline = absl::InfiniteFuture());
 
+  // Authenticates as Acquire does, without the turn: for routing a call to
+  // its session's device before it queues. Only what a Session allows
+  // without its turn may be read through the result.
+  absl::StatusOr<std::shared_ptr<Session>> Authenticate(const std::string& id,
+                                                        const std::string& token);
+
   // The turn on session `id` without a token: for the server itself (the
   // checkpoint at shutdown), never for a request. NOT_FOUND if not live.
   absl::StatusOr<Lease> AcquireForServer(const std::string& id,
@@ -150,6 +156,11 @@ class SessionManager {
   std::string ExpiryReason(const Entry& entry) const;
   int SweepLocked(absl::Time now, Doomed* doomed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Release(const std::shared_ptr<Entry>& entry);
+  // Contract 2's checks; the live entry, or why not.
+  absl::StatusOr<std::shared_ptr<Entry>> AuthenticateLocked(const std::string& id,
+                                                            const std::string& token,
+                                                            Doomed* doomed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for `entry`'s turn (users already counted) and makes the lease.
   absl::StatusOr<Lease> TakeTurn(std::shared_ptr<Entry> entry, absl::Time deadline);
 

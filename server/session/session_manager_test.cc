@@ -281,5 +281,27 @@ TEST(FifoTurnsTest, AWaiterThatGivesUpLetsTheNextOneIn) {
   EXPECT_EQ(turns.waiting(), 0);
 }
 
+TEST_F(SessionManagerTest, AuthenticateChecksLikeAcquireWithoutTakingTheTurn) {
+  std::weak_ptr<Probe> probe;
+  const SessionManager::Identity a = MakeSession(&probe);
+  const SessionManager::Identity b = MakeSession();
+  absl::StatusOr<SessionManager::Lease> held = manager_->Acquire(a.id, a.token);
+  ASSERT_TRUE(held.ok());
+  // The turn is held, yet authentication answers at once.
+  absl::StatusOr<std::shared_ptr<Session>> session = manager_->Authenticate(a.id, a.token);
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ(manager_->waiting_calls(a.id), 0);
+  EXPECT_EQ(manager_->Authenticate(a.id, "").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(manager_->Authenticate(a.id, "wrong").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(manager_->Authenticate(a.id, b.token).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(manager_->Authenticate("", a.token).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(manager_->Authenticate("unknown", a.token).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace te::session
