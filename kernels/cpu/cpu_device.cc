@@ -1,6 +1,5 @@
 // The CPU device: one per process; each NewOps() is an independent stream with
-// its own memory account. Also weak fallbacks for the CUDA entry points, so a
-// build without the CUDA backend still links (kernels/cuda overrides them).
+// its own memory account.
 #include <memory>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -37,13 +36,5 @@ class CpuDevice : public Device {
 absl::StatusOr<std::unique_ptr<Device>> OpenCpuDevice() {
   return std::unique_ptr<Device>(std::make_unique<CpuDevice>());
 }
-
-// Overridden by the strong definitions in kernels/cuda when that backend is linked in.
-__attribute__((weak)) absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
-  return absl::UnavailableError("cuda:" + std::to_string(ordinal) +
-                                " unavailable: te_server was built without CUDA");
-}
-
-__attribute__((weak)) bool CudaBackendBuilt() { return false; }
 
 }  // namespace te

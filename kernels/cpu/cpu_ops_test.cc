@@ -46,12 +46,6 @@ TEST(CpuDeviceTest, NewOpsCarriesItsMemoryLimit) {
   EXPECT_EQ((*device)->NewOps(0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(CpuDeviceTest, WithoutCudaTheFallbacksSayUnavailable) {
-  // This test binary links no CUDA backend, so the weak fallbacks answer.
-  EXPECT_FALSE(CudaBackendBuilt());
-  EXPECT_EQ(OpenCudaDevice(0).status().code(), absl::StatusCode::kUnavailable);
-}
-
 TEST(CpuMemoryTest, AllocationsAreAlignedAndAccounted) {
   CpuOps ops;
   ops.set_memory_limit(1 << 20);
