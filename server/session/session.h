@@ -77,6 +77,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   const std::string& id() const { return id_; }
+  // The device the session runs on ("cpu", "cuda:1"). Thread-safe.
+  const std::string& device_name() const { return device_.name; }
   // Device memory the session holds now. Thread-safe (may run during a call).
   int64_t bytes_in_use() const { return ops_->bytes_in_use(); }
 
