@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/fp8.h"
+#include "kernels/op_checks.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 
@@ -70,85 +71,6 @@ void FromFloatVector(const std::vector<float>& v, Tensor* t) {
 
 namespace {
 
-// ---- argument checks: each names the op and the argument --------------------
-
-bool IsComputeFloat(DType d) {
-  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
-}
-
-std::string Describe(const Tensor& t) {
-  return absl::StrCat(DTypeName(t.dtype()), " ", ShapeString(t.shape()));
-}
-
-absl::Status RequireDefined(const char* op, const char* name, const Tensor* t) {
-  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is null"));
-  if (t->numel() > 0 && t->data() == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is undefined"));
-  }
-  return absl::OkStatus();
-}
-
-// Defined, with dtype f32, bf16 or f16.
-absl::Status RequireFloat(const char* op, const char* name, const Tensor* t) {
-  RETURN_IF_ERROR(RequireDefined(op, name, t));
-  if (!IsComputeFloat(t->dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
-                                                   DTypeName(t->dtype()),
-                                                   ", want float32, bfloat16 or float16"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RequireDType(const char* op, const char* name, const Tensor* t, DType want) {
-  RETURN_IF_ERROR(RequireDefined(op, name, t));
-  if (t->dtype() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
-                                                   DTypeName(t->dtype()), ", want ",
-                                                   DTypeName(want)));
-  }
-  return absl::OkStatus();
-}
-
-// A [1] float32 tensor (scales, amaxes).
-absl::Status RequireScalarF32(const char* op, const char* name, const Tensor* t) {
-  RETURN_IF_ERROR(RequireDefined(op, name, t));
-  if (t->dtype() != DType::kF32 || t->numel() != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": ", name, " is ", Describe(*t), ", want float32 [1]"));
-  }
-  return absl::OkStatus();
-}
-
-// `want_text` spells the wanted shape with its symbols, e.g. "[K=5, N]".
-absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want,
-                          const std::string& want_text) {
-  if (t.shape() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
-                                                   ShapeString(t.shape()), ", want ", want_text));
-  }
-  return absl::OkStatus();
-}
-absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want) {
-  return RequireShape(op, name, t, want, ShapeString(want));
-}
-
-absl::Status RequireSameCount(const char* op, const char* name, const Tensor& t,
-                              const char* other_name, const Tensor& other) {
-  if (t.numel() != other.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", t.numel(),
-                                                   " elements ", ShapeString(t.shape()), ", want ",
-                                                   other.numel(), " like ", other_name, " ",
-                                                   ShapeString(other.shape())));
-  }
-  return absl::OkStatus();
-}
-
-// The rows of a [..., H] tensor: prod(shape[:-1]).
-int64_t Rows(const Tensor& t) {
-  const int64_t cols = t.rank() == 0 ? 1 : t.dim(-1);
-  return cols == 0 ? 0 : t.numel() / cols;
-}
-
 // max |v| over values, NaN if any value is NaN.
 float AbsMax(const float* v, int64_t n) {
   float amax = 0.0f;
@@ -158,31 +80,6 @@ float AbsMax(const float* v, int64_t n) {
     amax = std::max(amax, a);
   }
   return amax;
-}
-
-// Checks an op's output `y` (and its Fp8Output when y is FP8) before the op
-// runs, so a failing op writes nothing.
-absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8) {
-  RETURN_IF_ERROR(RequireDefined(op, "y", y));
-  if (IsFloat8(y->dtype())) {
-    if (fp8 == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": y has dtype ", DTypeName(y->dtype()), " but no Fp8Output (scale, amax) is given"));
-    }
-    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale", &fp8->scale));
-    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8->amax));
-    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale_inv", &fp8->scale_inv));
-    return absl::OkStatus();
-  }
-  if (!IsComputeFloat(y->dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": y has dtype ", DTypeName(y->dtype()),
-                                                   ", want float32, bfloat16, float16 or FP8"));
-  }
-  if (fp8 != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": an Fp8Output is given but y has dtype ", DTypeName(y->dtype()), ", not FP8"));
-  }
-  return absl::OkStatus();
 }
 
 // Writes values (float32, already computed) to y, checked by CheckOutput: a
@@ -358,10 +255,6 @@ absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Te
   }
   return absl::OkStatus();
 }
-
-// Whether the caller asked for an optional output (mu, rsigma, mask): a null
-// pointer or an undefined tensor means "not needed", and it is not written.
-bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
 
 }  // namespace
 

@@ -3,10 +3,10 @@
 // y = act_0(x_0) * act_1(x_1). Formulas as in kernels/ops.h and the CPU
 // reference.
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/args.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 
 namespace te {

@@ -14,10 +14,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/args.h"
 #include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 
 namespace te {

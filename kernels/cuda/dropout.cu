@@ -2,10 +2,10 @@
 // (kernels/rng.h, the same function the CPU runs), so masks agree bit for bit
 // across backends; kept elements are scaled by 1 / (1 - rate).
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/args.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 

@@ -9,10 +9,10 @@
 // thread: no atomics), then a second kernel adds the partials in block order,
 // so the result is deterministic.
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/args.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 
 namespace te {

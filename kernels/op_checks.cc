@@ -1,10 +1,18 @@
-#include "kernels/cuda/args.h"
+#include "kernels/op_checks.h"
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 
 namespace te {
-namespace cuda {
+namespace {
+
+std::string Describe(const Tensor& t) {
+  return absl::StrCat(DTypeName(t.dtype()), " ", ShapeString(t.shape()));
+}
+
+}  // namespace
+
+// ---- building blocks --------------------------------------------------------
 
 bool IsComputeFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
@@ -39,20 +47,23 @@ absl::Status RequireDType(const char* op, const char* name, const Tensor* t, DTy
 absl::Status RequireScalarF32(const char* op, const char* name, const Tensor* t) {
   RETURN_IF_ERROR(RequireDefined(op, name, t));
   if (t->dtype() != DType::kF32 || t->numel() != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is ", DTypeName(t->dtype()),
-                                                   " ", ShapeString(t->shape()),
-                                                   ", want float32 [1]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", name, " is ", Describe(*t), ", want float32 [1]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want,
+                          const std::string& want_text) {
+  if (t.shape() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
+                                                   ShapeString(t.shape()), ", want ", want_text));
   }
   return absl::OkStatus();
 }
 
 absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want) {
-  if (t.shape() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
-                                                   ShapeString(t.shape()), ", want ",
-                                                   ShapeString(want)));
-  }
-  return absl::OkStatus();
+  return RequireShape(op, name, t, want, ShapeString(want));
 }
 
 absl::Status RequireSameCount(const char* op, const char* name, const Tensor& t,
@@ -96,5 +107,4 @@ int64_t Rows(const Tensor& t) {
 
 bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
 
-}  // namespace cuda
 }  // namespace te

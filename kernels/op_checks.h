@@ -1,0 +1,58 @@
+// Argument checks of the ops in kernels/ops.h, shared by every backend so that
+// the CPU reference and CUDA reject the same calls with the same message.
+//
+// Each check runs on the host before an op reads or writes device memory, so a
+// failing op writes nothing. Every failure is INVALID_ARGUMENT, worded
+// "<Op>: <argument> has shape [..], want [..]" (or dtype, or value): it names
+// the argument, the value it has and the one the contract wants. What only one
+// backend cannot do (a CUDA kernel's size limit, a dtype pair a kernel does not
+// dispatch) is checked in that backend, after the shared check.
+//
+// Optional tensors: an optional output (mu, rsigma, mask) is skipped when null
+// or without memory (Wanted); an optional input (a GEMM bias, an attention
+// bias or padding lengths) is absent when it has no memory, or, where ops.h
+// says "undefined", when !defined().
+#ifndef TE_KERNELS_OP_CHECKS_H_
+#define TE_KERNELS_OP_CHECKS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+
+namespace te {
+
+// ---- building blocks --------------------------------------------------------
+
+bool IsComputeFloat(DType dtype);  // f32, bf16, f16: the "float" dtypes of ops.h
+
+// Non-null, and with memory unless it has no elements.
+absl::Status RequireDefined(const char* op, const char* name, const Tensor* t);
+// Defined, with dtype f32, bf16 or f16.
+absl::Status RequireFloat(const char* op, const char* name, const Tensor* t);
+// Defined, with dtype `want`.
+absl::Status RequireDType(const char* op, const char* name, const Tensor* t, DType want);
+// Defined, float32 [1] (scales, amaxes).
+absl::Status RequireScalarF32(const char* op, const char* name, const Tensor* t);
+// `want_text` spells the wanted shape with its symbols, e.g. "[K=5, N]".
+absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want,
+                          const std::string& want_text);
+absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want);
+absl::Status RequireSameCount(const char* op, const char* name, const Tensor& t,
+                              const char* other_name, const Tensor& other);
+// An op's output y: float (and fp8 null), or FP8 with an Fp8Output of three
+// float32 [1] tensors.
+absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8);
+
+// Rows of a [..., H] tensor: prod(shape[:-1]).
+int64_t Rows(const Tensor& t);
+// Whether the caller asked for an optional output: non-null, with memory.
+bool Wanted(const Tensor* t);
+
+}  // namespace te
+
+#endif  // TE_KERNELS_OP_CHECKS_H_
