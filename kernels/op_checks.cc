@@ -1,6 +1,7 @@
 #include "kernels/op_checks.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/status_macros.h"
 
 namespace te {
@@ -106,5 +107,83 @@ int64_t Rows(const Tensor& t) {
 }
 
 bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
+
+// ---- memory and elementwise ---------------------------------------------------
+
+absl::Status CheckUploadArgs(const void* src, const Tensor* dst) {
+  RETURN_IF_ERROR(RequireDefined("Upload", "dst", dst));
+  if (dst->nbytes() > 0 && src == nullptr) return absl::InvalidArgumentError("Upload: src is null");
+  return absl::OkStatus();
+}
+
+absl::Status CheckDownloadArgs(const Tensor& src, const void* dst) {
+  RETURN_IF_ERROR(RequireDefined("Download", "src", &src));
+  if (src.nbytes() > 0 && dst == nullptr) {
+    return absl::InvalidArgumentError("Download: dst is null");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCopyArgs(const Tensor& src, const Tensor* dst) {
+  RETURN_IF_ERROR(RequireDefined("Copy", "src", &src));
+  RETURN_IF_ERROR(RequireDefined("Copy", "dst", dst));
+  RETURN_IF_ERROR(RequireDType("Copy", "dst", dst, src.dtype()));
+  return RequireSameCount("Copy", "dst", *dst, "src", src);
+}
+
+absl::Status CheckCastArgs(const Tensor& x, const Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
+  RETURN_IF_ERROR(RequireFloat("Cast", "y", y));
+  return RequireSameCount("Cast", "y", *y, "x", x);
+}
+
+absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tensor& b,
+                            const Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Axpby", "y", y));
+  if (alpha != 0.0f) {
+    RETURN_IF_ERROR(RequireFloat("Axpby", "a", &a));
+    RETURN_IF_ERROR(RequireSameCount("Axpby", "a", a, "y", *y));
+  }
+  if (beta != 0.0f) {
+    RETURN_IF_ERROR(RequireFloat("Axpby", "b", &b));
+    RETURN_IF_ERROR(RequireSameCount("Axpby", "b", b, "y", *y));
+  }
+  return absl::OkStatus();
+}
+
+// Any dtype: elements are moved as bytes.
+absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, const Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Permute", "x", &x));
+  RETURN_IF_ERROR(RequireDefined("Permute", "y", y));
+  RETURN_IF_ERROR(RequireDType("Permute", "y", y, x.dtype()));
+  const int rank = x.rank();
+  if (rank > kPermuteMaxRank) {
+    return absl::InvalidArgumentError(absl::StrCat("Permute: x has rank ", rank, " (",
+                                                   ShapeString(x.shape()), "), want <= ",
+                                                   kPermuteMaxRank));
+  }
+  std::vector<bool> seen(rank, false);
+  bool valid = static_cast<int>(perm.size()) == rank;
+  for (size_t i = 0; valid && i < perm.size(); ++i) {
+    valid = perm[i] >= 0 && perm[i] < rank && !seen[perm[i]];
+    if (valid) seen[perm[i]] = true;
+  }
+  if (!valid) {
+    return absl::InvalidArgumentError(absl::StrCat("Permute: perm [", absl::StrJoin(perm, ", "),
+                                                   "] is not a permutation of x's ", rank,
+                                                   " dimensions"));
+  }
+  Shape want(rank);
+  for (int i = 0; i < rank; ++i) want[i] = x.dim(perm[i]);
+  return RequireShape("Permute", "y", *y, want);
+}
+
+absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("SumRows", "x", &x));
+  RETURN_IF_ERROR(RequireFloat("SumRows", "y", y));
+  if (x.rank() < 1) return absl::InvalidArgumentError("SumRows: x is a scalar, want [N, H]");
+  const int64_t h = x.dim(-1);
+  return RequireShape("SumRows", "y", *y, {h}, absl::StrCat("[H=", h, "]"));
+}
 
 }  // namespace te

@@ -53,6 +53,20 @@ int64_t Rows(const Tensor& t);
 // Whether the caller asked for an optional output: non-null, with memory.
 bool Wanted(const Tensor* t);
 
+// ---- memory and elementwise ---------------------------------------------------
+
+// src may be null when dst has no bytes (the op then does nothing).
+absl::Status CheckUploadArgs(const void* src, const Tensor* dst);
+absl::Status CheckDownloadArgs(const Tensor& src, const void* dst);
+absl::Status CheckCopyArgs(const Tensor& src, const Tensor* dst);
+absl::Status CheckCastArgs(const Tensor& x, const Tensor* y);
+// A term with a zero coefficient is not checked (the op does not read it).
+absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tensor& b,
+                            const Tensor* y);
+constexpr int kPermuteMaxRank = 5;
+absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, const Tensor* y);
+absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

@@ -24,7 +24,6 @@
 #include <eigen3/Eigen/Dense>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "kernels/fp8.h"
 #include "kernels/op_checks.h"
 #include "kernels/rng.h"
@@ -271,26 +270,21 @@ absl::StatusOr<std::shared_ptr<void>> CpuOps::AllocateBytes(size_t bytes) {
 }
 
 absl::Status CpuOps::Upload(const void* src, Tensor* dst) {
-  RETURN_IF_ERROR(RequireDefined("Upload", "dst", dst));
+  RETURN_IF_ERROR(CheckUploadArgs(src, dst));
   if (dst->nbytes() == 0) return absl::OkStatus();
-  if (src == nullptr) return absl::InvalidArgumentError("Upload: src is null");
   std::memcpy(dst->data(), src, dst->nbytes());
   return absl::OkStatus();
 }
 
 absl::Status CpuOps::Download(const Tensor& src, void* dst) {
-  RETURN_IF_ERROR(RequireDefined("Download", "src", &src));
+  RETURN_IF_ERROR(CheckDownloadArgs(src, dst));
   if (src.nbytes() == 0) return absl::OkStatus();
-  if (dst == nullptr) return absl::InvalidArgumentError("Download: dst is null");
   std::memcpy(dst, src.data(), src.nbytes());
   return absl::OkStatus();
 }
 
 absl::Status CpuOps::Copy(const Tensor& src, Tensor* dst) {
-  RETURN_IF_ERROR(RequireDefined("Copy", "src", &src));
-  RETURN_IF_ERROR(RequireDefined("Copy", "dst", dst));
-  RETURN_IF_ERROR(RequireDType("Copy", "dst", dst, src.dtype()));
-  RETURN_IF_ERROR(RequireSameCount("Copy", "dst", *dst, "src", src));
+  RETURN_IF_ERROR(CheckCopyArgs(src, dst));
   if (src.nbytes() > 0) std::memmove(dst->data(), src.data(), src.nbytes());
   return absl::OkStatus();
 }
@@ -304,9 +298,7 @@ absl::Status CpuOps::Fill(float value, Tensor* y) {
 }
 
 absl::Status CpuOps::Cast(const Tensor& x, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
-  RETURN_IF_ERROR(RequireFloat("Cast", "y", y));
-  RETURN_IF_ERROR(RequireSameCount("Cast", "y", *y, "x", x));
+  RETURN_IF_ERROR(CheckCastArgs(x, y));
   for (int64_t i = 0; i < x.numel(); ++i) StoreFromFloat(y, i, LoadAsFloat(x, i));
   return absl::OkStatus();
 }
@@ -316,15 +308,7 @@ absl::Status CpuOps::Cast(const Tensor& x, Tensor* y) {
 // not leak through 0 * NaN.
 absl::Status CpuOps::Axpby(float alpha, const Tensor& a, float beta, const Tensor& b,
                            Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("Axpby", "y", y));
-  if (alpha != 0.0f) {
-    RETURN_IF_ERROR(RequireFloat("Axpby", "a", &a));
-    RETURN_IF_ERROR(RequireSameCount("Axpby", "a", a, "y", *y));
-  }
-  if (beta != 0.0f) {
-    RETURN_IF_ERROR(RequireFloat("Axpby", "b", &b));
-    RETURN_IF_ERROR(RequireSameCount("Axpby", "b", b, "y", *y));
-  }
+  RETURN_IF_ERROR(CheckAxpbyArgs(alpha, a, beta, b, y));
   for (int64_t i = 0; i < y->numel(); ++i) {
     float v = 0.0f;
     if (alpha != 0.0f) v += alpha * LoadAsFloat(a, i);
@@ -336,29 +320,9 @@ absl::Status CpuOps::Axpby(float alpha, const Tensor& a, float beta, const Tenso
 
 // Any dtype: elements are moved as bytes.
 absl::Status CpuOps::Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) {
-  constexpr int kMaxRank = 5;
-  RETURN_IF_ERROR(RequireDefined("Permute", "x", &x));
-  RETURN_IF_ERROR(RequireDefined("Permute", "y", y));
-  RETURN_IF_ERROR(RequireDType("Permute", "y", y, x.dtype()));
+  RETURN_IF_ERROR(CheckPermuteArgs(x, perm, y));
   const int rank = x.rank();
-  if (rank > kMaxRank) {
-    return absl::InvalidArgumentError(absl::StrCat("Permute: x has rank ", rank, " (",
-                                                   ShapeString(x.shape()), "), want <= 5"));
-  }
-  std::vector<bool> seen(rank, false);
-  bool valid = static_cast<int>(perm.size()) == rank;
-  for (size_t i = 0; valid && i < perm.size(); ++i) {
-    valid = perm[i] >= 0 && perm[i] < rank && !seen[perm[i]];
-    if (valid) seen[perm[i]] = true;
-  }
-  if (!valid) {
-    return absl::InvalidArgumentError(absl::StrCat("Permute: perm [", absl::StrJoin(perm, ", "),
-                                                   "] is not a permutation of x's ", rank,
-                                                   " dimensions"));
-  }
-  Shape want(rank);
-  for (int i = 0; i < rank; ++i) want[i] = x.dim(perm[i]);
-  RETURN_IF_ERROR(RequireShape("Permute", "y", *y, want));
+  const Shape& y_dims = y->shape();  // y_dims[i] = x.dim(perm[i])
 
   // x_strides[d]: elements between neighbours along x's dimension d;
   // step[i]: the x stride of y's dimension i.
@@ -375,11 +339,11 @@ absl::Status CpuOps::Permute(const Tensor& x, const std::vector<int>& perm, Tens
   for (int64_t out = 0; out < y->numel(); ++out) {
     std::memcpy(dst + out * elem, src + x_offset * elem, elem);
     for (int i = rank - 1; i >= 0; --i) {
-      if (++index[i] < want[i]) {
+      if (++index[i] < y_dims[i]) {
         x_offset += step[i];
         break;
       }
-      x_offset -= step[i] * (want[i] - 1);
+      x_offset -= step[i] * (y_dims[i] - 1);
       index[i] = 0;
     }
   }
@@ -387,11 +351,8 @@ absl::Status CpuOps::Permute(const Tensor& x, const std::vector<int>& perm, Tens
 }
 
 absl::Status CpuOps::SumRows(const Tensor& x, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("SumRows", "x", &x));
-  RETURN_IF_ERROR(RequireFloat("SumRows", "y", y));
-  if (x.rank() < 1) return absl::InvalidArgumentError("SumRows: x is a scalar, want [N, H]");
+  RETURN_IF_ERROR(CheckSumRowsArgs(x, y));
   const int64_t h = x.dim(-1);
-  RETURN_IF_ERROR(RequireShape("SumRows", "y", *y, {h}, absl::StrCat("[H=", h, "]")));
   const int64_t rows = Rows(x);
   std::vector<double> sums(h, 0.0);
   for (int64_t r = 0; r < rows; ++r) {

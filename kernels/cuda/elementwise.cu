@@ -3,7 +3,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
@@ -59,7 +58,7 @@ __global__ void AxpbyKernel(float alpha, const typename A::Storage* a, float bet
   }
 }
 
-constexpr int kMaxRank = 5;
+constexpr int kMaxRank = kPermuteMaxRank;  // what CheckPermuteArgs lets through
 struct PermuteGeometry {
   int rank;
   int64_t y_dims[kMaxRank];
@@ -148,9 +147,8 @@ uint32_t StoredBits(DType dtype, float value) {
 // ---- memory ----------------------------------------------------------------------
 
 absl::Status CudaOps::Upload(const void* src, Tensor* dst) {
-  RETURN_IF_ERROR(RequireDefined("Upload", "dst", dst));
+  RETURN_IF_ERROR(CheckUploadArgs(src, dst));
   if (dst->nbytes() == 0) return absl::OkStatus();
-  if (src == nullptr) return absl::InvalidArgumentError("Upload: src is null");
   RETURN_IF_ERROR(Enter());
   // From pageable memory this returns once `src` has been staged, so the
   // caller may reuse it at once.
@@ -160,9 +158,8 @@ absl::Status CudaOps::Upload(const void* src, Tensor* dst) {
 }
 
 absl::Status CudaOps::Download(const Tensor& src, void* dst) {
-  RETURN_IF_ERROR(RequireDefined("Download", "src", &src));
+  RETURN_IF_ERROR(CheckDownloadArgs(src, dst));
   if (src.nbytes() == 0) return absl::OkStatus();
-  if (dst == nullptr) return absl::InvalidArgumentError("Download: dst is null");
   RETURN_IF_ERROR(Enter());
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream()));
@@ -171,10 +168,7 @@ absl::Status CudaOps::Download(const Tensor& src, void* dst) {
 }
 
 absl::Status CudaOps::Copy(const Tensor& src, Tensor* dst) {
-  RETURN_IF_ERROR(RequireDefined("Copy", "src", &src));
-  RETURN_IF_ERROR(RequireDefined("Copy", "dst", dst));
-  RETURN_IF_ERROR(RequireDType("Copy", "dst", dst, src.dtype()));
-  RETURN_IF_ERROR(RequireSameCount("Copy", "dst", *dst, "src", src));
+  RETURN_IF_ERROR(CheckCopyArgs(src, dst));
   if (src.nbytes() == 0 || src.data() == dst->data()) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst->data(), src.data(), src.nbytes(),
@@ -208,9 +202,7 @@ absl::Status CudaOps::Fill(float value, Tensor* y) {
 }
 
 absl::Status CudaOps::Cast(const Tensor& x, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
-  RETURN_IF_ERROR(RequireFloat("Cast", "y", y));
-  RETURN_IF_ERROR(RequireSameCount("Cast", "y", *y, "x", x));
+  RETURN_IF_ERROR(CheckCastArgs(x, y));
   const int64_t n = x.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
@@ -230,15 +222,7 @@ absl::Status CudaOps::Cast(const Tensor& x, Tensor* y) {
 }
 
 absl::Status CudaOps::Axpby(float alpha, const Tensor& a, float beta, const Tensor& b, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("Axpby", "y", y));
-  if (alpha != 0.0f) {
-    RETURN_IF_ERROR(RequireFloat("Axpby", "a", &a));
-    RETURN_IF_ERROR(RequireSameCount("Axpby", "a", a, "y", *y));
-  }
-  if (beta != 0.0f) {
-    RETURN_IF_ERROR(RequireFloat("Axpby", "b", &b));
-    RETURN_IF_ERROR(RequireSameCount("Axpby", "b", b, "y", *y));
-  }
+  RETURN_IF_ERROR(CheckAxpbyArgs(alpha, a, beta, b, y));
   const int64_t n = y->numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
@@ -263,28 +247,8 @@ absl::Status CudaOps::Axpby(float alpha, const Tensor& a, float beta, const Tens
 }
 
 absl::Status CudaOps::Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) {
-  RETURN_IF_ERROR(RequireDefined("Permute", "x", &x));
-  RETURN_IF_ERROR(RequireDefined("Permute", "y", y));
-  RETURN_IF_ERROR(RequireDType("Permute", "y", y, x.dtype()));
+  RETURN_IF_ERROR(CheckPermuteArgs(x, perm, y));
   const int rank = x.rank();
-  if (rank > kMaxRank) {
-    return absl::InvalidArgumentError(absl::StrCat("Permute: x has rank ", rank, " (",
-                                                   ShapeString(x.shape()), "), want <= 5"));
-  }
-  std::vector<bool> seen(rank, false);
-  bool valid = static_cast<int>(perm.size()) == rank;
-  for (size_t i = 0; valid && i < perm.size(); ++i) {
-    valid = perm[i] >= 0 && perm[i] < rank && !seen[perm[i]];
-    if (valid) seen[perm[i]] = true;
-  }
-  if (!valid) {
-    return absl::InvalidArgumentError(absl::StrCat("Permute: perm [", absl::StrJoin(perm, ", "),
-                                                   "] is not a permutation of x's ", rank,
-                                                   " dimensions"));
-  }
-  Shape want(rank);
-  for (int i = 0; i < rank; ++i) want[i] = x.dim(perm[i]);
-  RETURN_IF_ERROR(RequireShape("Permute", "y", *y, want));
   const int64_t n = x.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
@@ -395,11 +359,8 @@ absl::Status CudaOps::Permute(const Tensor& x, const std::vector<int>& perm, Ten
 }
 
 absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("SumRows", "x", &x));
-  RETURN_IF_ERROR(RequireFloat("SumRows", "y", y));
-  if (x.rank() < 1) return absl::InvalidArgumentError("SumRows: x is a scalar, want [N, H]");
+  RETURN_IF_ERROR(CheckSumRowsArgs(x, y));
   const int64_t cols = x.dim(-1);
-  RETURN_IF_ERROR(RequireShape("SumRows", "y", *y, {cols}));
   if (cols == 0) return absl::OkStatus();
   const int64_t rows = Rows(x);
   RETURN_IF_ERROR(Enter());
