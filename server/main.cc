@@ -1,6 +1,7 @@
 // te_server: serves Transformer Engine style layers over gRPC (te.v1.TeService),
-// with grpc.health.v1 and server reflection. Runs on one device, chosen at
-// start (--device=auto|cpu|cuda:N). SIGINT / SIGTERM shut it down gracefully:
+// with grpc.health.v1 and server reflection. Runs on the devices chosen at
+// start (--device=auto|all|cpu|cuda:N[,...]), each with a bounded executor
+// (--executor_threads, --executor_queue). SIGINT / SIGTERM shut it down gracefully:
 // health goes NOT_SERVING, running calls get a grace period, then (with
 // --state_dir) every session is saved, and it exits 0. With --state_dir a
 // starting server restores the sessions saved there. TLS, mutual TLS and the
@@ -31,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "kernels/ops.h"
 #include "server/security/flags.h"
+#include "server/service/device_pool.h"
 #include "server/service/service.h"
 #include "server/session/checkpoint.h"
 #include "server/session/log.h"
@@ -41,7 +43,15 @@ ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written to this file once the server listens");
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(std::string, device, "auto",
-          "auto (CUDA device 0 when available, else the CPU), cpu, or cuda:N");
+          "auto (CUDA device 0 when available, else the CPU), all (every CUDA device), or a "
+          "list of cpu and cuda:N (\"cuda:0,cuda:1\"); new sessions go to the least-loaded one");
+ABSL_FLAG(int, executor_threads, 4,
+          "worker threads per device: how many sessions run at once on one device");
+ABSL_FLAG(int, executor_queue, 64,
+          "calls that may wait for a device's workers; beyond, RESOURCE_EXHAUSTED at once");
+ABSL_FLAG(bool, enable_shm, false,
+          "let same-host clients register POSIX shared memory (RegisterSharedMemory) and "
+          "pass tensors through it");
 ABSL_FLAG(int, max_sessions, 64, "sessions held at once");
 ABSL_FLAG(int64_t, session_memory_bytes, int64_t{8} << 30, "device memory per session");
 ABSL_FLAG(int, max_saved_forwards, 16, "forwards a session keeps for their backward");
@@ -67,29 +77,6 @@ constexpr absl::Duration kHousekeepingPeriod = absl::Seconds(1);
 // How long the shutdown save waits for any one session's turn.
 constexpr absl::Duration kShutdownSaveWait = absl::Seconds(30);
 
-absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const std::string& flag) {
-  if (flag == "cpu") return OpenCpuDevice();
-  if (flag == "auto") {
-    if (CudaBackendBuilt()) {
-      absl::StatusOr<std::unique_ptr<Device>> cuda = OpenCudaDevice(0);
-      if (cuda.ok()) return cuda;
-      Log(LogLevel::kWarning,
-          absl::StrCat("--device=auto: cuda:0 unavailable (", cuda.status().ToString(),
-                       "); using the CPU reference backend"));
-    } else {
-      Log(LogLevel::kInfo, "--device=auto: built without CUDA; using the CPU reference backend");
-    }
-    return OpenCpuDevice();
-  }
-  int ordinal = -1;
-  if (absl::StartsWith(flag, "cuda:") && absl::SimpleAtoi(flag.substr(5), &ordinal) &&
-      ordinal >= 0) {
-    return OpenCudaDevice(ordinal);
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device=", flag, ": expected auto, cpu or cuda:N"));
-}
-
 absl::Status CheckFlags() {
   const int port = absl::GetFlag(FLAGS_port);
   if (port < 0 || port > 65535) {
@@ -114,6 +101,12 @@ absl::Status CheckFlags() {
   }
   if (absl::GetFlag(FLAGS_session_ttl_seconds) < 1) {
     return absl::InvalidArgumentError("--session_ttl_seconds must be positive");
+  }
+  if (absl::GetFlag(FLAGS_executor_threads) < 1 || absl::GetFlag(FLAGS_executor_threads) > 256) {
+    return absl::InvalidArgumentError("--executor_threads must be in [1, 256]");
+  }
+  if (absl::GetFlag(FLAGS_executor_queue) < 1) {
+    return absl::InvalidArgumentError("--executor_queue must be at least 1");
   }
   return absl::OkStatus();
 }
@@ -145,19 +138,25 @@ int Run() {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(absl::GetFlag(FLAGS_device));
-  if (!device.ok()) {
-    Log(LogLevel::kError, absl::StrCat("cannot open the device: ", device.status().ToString()));
+  session::ExecutorOptions executor;
+  executor.threads = absl::GetFlag(FLAGS_executor_threads);
+  executor.max_queued = absl::GetFlag(FLAGS_executor_queue);
+  absl::StatusOr<std::unique_ptr<service::DevicePool>> devices =
+      service::DevicePool::Open(absl::GetFlag(FLAGS_device), executor);
+  if (!devices.ok()) {
+    Log(LogLevel::kError, absl::StrCat("cannot open the devices: ", devices.status().ToString()));
     return 1;
   }
-  const DeviceInfo info = (*device)->info();
-  Log(LogLevel::kInfo, absl::StrCat("device ", info.name, ": ", info.description,
-                                    info.compute_capability > 0
-                                        ? absl::StrCat(", sm_", info.compute_capability)
-                                        : std::string(),
-                                    info.memory_bytes > 0
-                                        ? absl::StrCat(", ", info.memory_bytes >> 20, " MiB")
-                                        : std::string()));
+  for (int i = 0; i < (*devices)->size(); ++i) {
+    const DeviceInfo info = (*devices)->device(i).info();
+    Log(LogLevel::kInfo,
+        absl::StrCat("device ", info.name, ": ", info.description,
+                     info.compute_capability > 0 ? absl::StrCat(", sm_", info.compute_capability)
+                                                 : std::string(),
+                     info.memory_bytes > 0 ? absl::StrCat(", ", info.memory_bytes >> 20, " MiB")
+                                           : std::string(),
+                     "; executor: ", executor.threads, " threads, queue ", executor.max_queued));
+  }
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       security::ServerCredentialsFor(security::TlsFilesFromFlags());
@@ -203,6 +202,7 @@ int Run() {
   options.session.max_saved_forwards = absl::GetFlag(FLAGS_max_saved_forwards);
   options.session.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
+  options.session.enable_shm = absl::GetFlag(FLAGS_enable_shm);
   options.max_sessions = manager_options.max_sessions;
   options.session_ttl_seconds = absl::GetFlag(FLAGS_session_ttl_seconds);
   options.access_key = *access_key;
@@ -210,14 +210,14 @@ int Run() {
   options.checkpoints = checkpoints.get();
   if (checkpoints != nullptr) {
     const session::CheckpointStore::RestoreReport restored =
-        checkpoints->RestoreAll(device->get(), options.session, &sessions);
+        checkpoints->RestoreAll(&(*devices)->device(0), options.session, &sessions);
     options.sessions_restored = restored.restored;
     Log(LogLevel::kInfo, "state directory read",
         {{"state_dir", checkpoints->state_dir()},
          {"restored", absl::StrCat(restored.restored)},
          {"failed", absl::StrCat(restored.failed)}});
   }
-  service::TeService service(device->get(), &sessions, options);
+  service::TeService service(devices->get(), &sessions, options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -235,8 +235,11 @@ int Run() {
     return 1;
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  // Serving while every device is: a session on a faulted one would only fail.
   auto publish_health = [&] {
-    const bool healthy = (*device)->healthy();
+    bool healthy = true;
+    for (int i = 0; i < (*devices)->size(); ++i)
+      healthy = healthy && (*devices)->device(i).healthy();
     health->SetServingStatus("", healthy);
     health->SetServingStatus(kServiceName, healthy);
     return healthy;
@@ -267,8 +270,8 @@ int Run() {
       sessions.Sweep();
       const bool healthy = publish_health();
       if (was_healthy && !healthy) {
-        Log(LogLevel::kError, absl::StrCat("device ", info.name,
-                                           " reports a sticky error: health is NOT_SERVING"));
+        Log(LogLevel::kError, absl::StrCat("a device (", (*devices)->Names(),
+                                           ") reports a sticky error: health is NOT_SERVING"));
       }
       was_healthy = healthy;
     }

@@ -1,26 +1,24 @@
 #include "server/service/service.h"
 
-#include <algorithm>
 #include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/status_macros.h"
+#include "server/service/queued_call.h"
 #include "server/service/status.h"
+#include "server/service/tensor_streams.h"
 #include "server/session/log.h"
 #include "server/session/negotiation.h"
 
 namespace te::service {
 namespace {
 
+using session::CallContext;
 using session::LogLevel;
-
-absl::Time DeadlineOf(const grpc::ServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
+using Lease = session::SessionManager::Lease;
 
 // Client mistakes are routine; server faults are not.
 LogLevel LevelFor(absl::StatusCode code) {
@@ -39,11 +37,23 @@ LogLevel LevelFor(absl::StatusCode code) {
 
 }  // namespace
 
-TeService::TeService(Device* device, session::SessionManager* sessions, ServiceOptions options)
-    : device_(device), sessions_(sessions), options_(std::move(options)) {}
+// ---- ServiceCore --------------------------------------------------------------------
 
-grpc::Status TeService::Finish(const char* rpc, const std::string& session_id,
-                               const absl::Status& status) {
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+absl::Status CancelReason(absl::Time deadline) {
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError("the call's deadline passed before it ran to its end");
+  }
+  return absl::CancelledError("the client cancelled the call");
+}
+
+grpc::Status ServiceCore::Finished(const char* rpc, const std::string& session_id,
+                                   const absl::Status& status, absl::Time start) const {
   if (!status.ok()) {
     const std::string line = absl::StrCat(rpc, " failed: ", status.ToString());
     if (session_id.empty()) {
@@ -52,38 +62,63 @@ grpc::Status TeService::Finish(const char* rpc, const std::string& session_id,
       session::LogForSession(LevelFor(status.code()), session_id, line);
     }
   }
+  if (options.on_finished) options.on_finished(rpc, status.code(), absl::Now() - start);
   return ToGrpcStatus(status);
 }
 
-grpc::Status TeService::WithSession(grpc::ServerContext* context, const te::v1::SessionRef& ref,
-                                    const char* rpc,
-                                    const std::function<absl::Status(session::Session&)>& call) {
-  absl::StatusOr<session::SessionManager::Lease> lease =
-      sessions_->Acquire(ref.session_id(), ref.token(), DeadlineOf(*context));
-  if (!lease.ok()) return Finish(rpc, ref.session_id(), lease.status());
-  if (context->IsCancelled()) {
-    return Finish(rpc, ref.session_id(), absl::CancelledError("the client cancelled the call"));
-  }
-  return Finish(rpc, ref.session_id(), call(lease->session()));
+absl::StatusOr<int> ServiceCore::Route(const te::v1::SessionRef& ref) const {
+  ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
+                   sessions->Authenticate(ref.session_id(), ref.token()));
+  const int device = devices->Find(session->device_name());
+  // A session restored onto a device this server no longer lists still has
+  // to run somewhere.
+  return device >= 0 ? device : 0;
 }
 
-grpc::Status TeService::GetServerInfo(grpc::ServerContext*, const te::v1::GetServerInfoRequest*,
-                                      te::v1::ServerInfo* response) {
-  const DeviceInfo info = device_->info();
+// ---- TeService ----------------------------------------------------------------------
+
+TeService::TeService(DevicePool* devices, session::SessionManager* sessions,
+                     ServiceOptions options)
+    : core_{devices, sessions, std::move(options)} {}
+
+std::vector<DeviceLoad> TeService::Loads() const {
+  std::vector<DeviceLoad> loads(core_.devices->size());
+  for (const auto& session : core_.sessions->live_session_refs()) {
+    const int device = core_.devices->Find(session->device_name());
+    if (device < 0) continue;
+    ++loads[device].sessions;
+    loads[device].bytes_in_use += session->bytes_in_use();
+  }
+  return loads;
+}
+
+grpc::ServerUnaryReactor* TeService::GetServerInfo(grpc::CallbackServerContext* context,
+                                                   const te::v1::GetServerInfoRequest*,
+                                                   te::v1::ServerInfo* response) {
+  // Answered on gRPC's thread: it reads counters, and never waits.
+  const ServiceOptions& options = core_.options;
+  const std::vector<DeviceLoad> loads = Loads();
   response->set_version(kServerVersion);
-  te::v1::DeviceInfo* device = response->add_devices();
-  device->set_name(info.name);
-  device->set_description(info.description);
-  device->set_compute_capability(info.compute_capability);
-  device->set_memory_bytes(info.memory_bytes);
-  device->set_backend(info.name == "cpu" ? "cpu" : "cuda");
-  device->set_healthy(device_->healthy());
-  for (te::v1::RecipeKind kind :
-       {te::v1::DELAYED_SCALING, te::v1::FLOAT8_CURRENT_SCALING, te::v1::MXFP8_BLOCK_SCALING,
-        te::v1::NVFP4_BLOCK_SCALING}) {
-    te::v1::RecipeSupport* support = device->add_recipes();
-    support->set_kind(kind);
-    support->set_support(session::RecipeSupportOn(info, kind));
+  for (int i = 0; i < core_.devices->size(); ++i) {
+    Device& device = core_.devices->device(i);
+    const DeviceInfo info = device.info();
+    te::v1::DeviceInfo* out = response->add_devices();
+    out->set_name(info.name);
+    out->set_description(info.description);
+    out->set_compute_capability(info.compute_capability);
+    out->set_memory_bytes(info.memory_bytes);
+    out->set_backend(info.name == "cpu" ? "cpu" : "cuda");
+    out->set_healthy(device.healthy());
+    for (te::v1::RecipeKind kind :
+         {te::v1::DELAYED_SCALING, te::v1::FLOAT8_CURRENT_SCALING, te::v1::MXFP8_BLOCK_SCALING,
+          te::v1::NVFP4_BLOCK_SCALING}) {
+      te::v1::RecipeSupport* support = out->add_recipes();
+      support->set_kind(kind);
+      support->set_support(session::RecipeSupportOn(info, kind));
+    }
+    out->set_sessions(loads[i].sessions);
+    out->set_sessions_memory_bytes(loads[i].bytes_in_use);
+    out->set_queued_calls(core_.devices->executor(i).queued());
   }
   response->add_backends("cpu");
   if (CudaBackendBuilt()) response->add_backends("cuda");
@@ -93,176 +128,189 @@ grpc::Status TeService::GetServerInfo(grpc::ServerContext*, const te::v1::GetSer
     response->add_dtypes(dtype);
   }
   te::v1::Limits* limits = response->mutable_limits();
-  limits->set_max_message_bytes(options_.session.max_message_bytes);
-  limits->set_max_session_memory_bytes(options_.session.session_memory_bytes);
-  limits->set_max_sessions(options_.max_sessions);
-  limits->set_max_saved_forwards(options_.session.max_saved_forwards);
-  limits->set_max_tensor_bytes(options_.session.max_tensor_bytes);
-  limits->set_session_ttl_seconds(options_.session_ttl_seconds);
+  limits->set_max_message_bytes(options.session.max_message_bytes);
+  limits->set_max_session_memory_bytes(options.session.session_memory_bytes);
+  limits->set_max_sessions(options.max_sessions);
+  limits->set_max_saved_forwards(options.session.max_saved_forwards);
+  limits->set_max_tensor_bytes(options.session.max_tensor_bytes);
+  limits->set_session_ttl_seconds(options.session_ttl_seconds);
   te::v1::ServerStats* stats = response->mutable_stats();
   int64_t bytes_in_use = 0;
-  for (const auto& session : sessions_->live_session_refs()) bytes_in_use += session->bytes_in_use();
-  stats->set_sessions_open(sessions_->live_sessions());
+  for (const DeviceLoad& load : loads) bytes_in_use += load.bytes_in_use;
+  stats->set_sessions_open(core_.sessions->live_sessions());
   stats->set_bytes_in_use(bytes_in_use);
-  stats->set_sessions_restored(options_.sessions_restored);
-  return grpc::Status::OK;
+  stats->set_sessions_restored(options.sessions_restored);
+  return QueuedCall::Immediate(core_, context, "GetServerInfo", "", absl::OkStatus());
 }
 
-grpc::Status TeService::CreateSession(grpc::ServerContext*,
-                                      const te::v1::CreateSessionRequest* request,
-                                      te::v1::CreateSessionResponse* response) {
-  absl::Status status = security::CheckAccessKey(options_.access_key.get(), request->access_key());
-  if (status.ok()) {
-    status = session::OpenSession(*request, device_, options_.session, sessions_, response);
+grpc::ServerUnaryReactor* TeService::CreateSession(grpc::CallbackServerContext* context,
+                                                   const te::v1::CreateSessionRequest* request,
+                                                   te::v1::CreateSessionResponse* response) {
+  absl::Status access =
+      security::CheckAccessKey(core_.options.access_key.get(), request->access_key());
+  if (!access.ok()) return QueuedCall::Immediate(core_, context, "CreateSession", "", access);
+  absl::StatusOr<int> device = core_.devices->Place(request->device(), Loads());
+  if (!device.ok()) {
+    return QueuedCall::Immediate(core_, context, "CreateSession", "", device.status());
   }
-  if (status.ok()) response->set_server_address(options_.advertise_address);
-  return Finish("CreateSession", "", status);
-}
-
-grpc::Status TeService::CloseSession(grpc::ServerContext* context,
-                                     const te::v1::CloseSessionRequest* request,
-                                     te::v1::CloseSessionResponse*) {
-  return Finish("CloseSession", request->session().session_id(),
-                sessions_->Close(request->session().session_id(), request->session().token(),
-                                 DeadlineOf(*context)));
-}
-
-grpc::Status TeService::InitLayer(grpc::ServerContext* context,
-                                  const te::v1::InitLayerRequest* request,
-                                  te::v1::InitLayerResponse* response) {
-  return WithSession(context, request->session(), "InitLayer",
-                     [&](session::Session& s) { return s.InitLayer(*request, response); });
-}
-
-grpc::Status TeService::Forward(grpc::ServerContext* context,
-                                const te::v1::ForwardRequest* request,
-                                te::v1::ForwardResponse* response) {
-  return WithSession(context, request->session(), "Forward",
-                     [&](session::Session& s) { return s.Forward(*request, response); });
-}
-
-grpc::Status TeService::Backward(grpc::ServerContext* context,
-                                 const te::v1::BackwardRequest* request,
-                                 te::v1::BackwardResponse* response) {
-  return WithSession(context, request->session(), "Backward",
-                     [&](session::Session& s) { return s.Backward(*request, response); });
-}
-
-grpc::Status TeService::ForwardBackward(grpc::ServerContext* context,
-                                        const te::v1::ForwardBackwardRequest* request,
-                                        te::v1::ForwardBackwardResponse* response) {
-  return WithSession(context, request->session(), "ForwardBackward",
-                     [&](session::Session& s) { return s.ForwardBackward(*request, response); });
-}
-
-grpc::Status TeService::GetVariables(grpc::ServerContext* context,
-                                     const te::v1::GetVariablesRequest* request,
-                                     te::v1::GetVariablesResponse* response) {
-  return WithSession(context, request->session(), "GetVariables",
-                     [&](session::Session& s) { return s.GetVariables(*request, response); });
-}
-
-grpc::Status TeService::SetVariables(grpc::ServerContext* context,
-                                     const te::v1::SetVariablesRequest* request,
-                                     te::v1::SetVariablesResponse*) {
-  return WithSession(context, request->session(), "SetVariables",
-                     [&](session::Session& s) { return s.SetVariables(*request); });
-}
-
-grpc::Status TeService::PutTensor(grpc::ServerContext* context,
-                                  grpc::ServerReader<te::v1::PutTensorChunk>* reader,
-                                  te::v1::PutTensorResponse* response) {
-  te::v1::PutTensorChunk first;
-  if (!reader->Read(&first) || first.part_case() != te::v1::PutTensorChunk::kHeader) {
-    return Finish("PutTensor", "",
-                  absl::InvalidArgumentError("header: the stream's first message must be a header"));
-  }
-  const te::v1::PutTensorHeader& header = first.header();
-  return WithSession(context, header.session(), "PutTensor", [&](session::Session& s) {
-    int index = 1;
-    auto read_chunk = [&](std::string* chunk) -> absl::StatusOr<bool> {
-      te::v1::PutTensorChunk message;
-      if (!reader->Read(&message)) {
-        if (context->IsCancelled()) return absl::CancelledError("the client cancelled the upload");
-        return false;
-      }
-      ++index;
-      if (message.part_case() != te::v1::PutTensorChunk::kData) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("message ", index, ": only the first message may be a header"));
-      }
-      *chunk = std::move(*message.mutable_data());
-      return true;
-    };
-    return s.PutTensor(header.tensor(), read_chunk, response);
-  });
-}
-
-grpc::Status TeService::GetTensor(grpc::ServerContext* context,
-                                  const te::v1::GetTensorRequest* request,
-                                  grpc::ServerWriter<te::v1::TensorChunk>* writer) {
-  // The bytes are copied out in the session's turn; streaming them does not
-  // hold the session up.
-  session::Session::HostTensor host;
-  grpc::Status status =
-      WithSession(context, request->session(), "GetTensor", [&](session::Session& s) {
-        ASSIGN_OR_RETURN(host, s.GetTensor(*request));
+  // Making a session makes a device stream: device work, so it queues on the
+  // device's executor like the rest (under a key of its own).
+  const int index = *device;
+  return QueuedCall::Start(
+      core_, context, "CreateSession", "", index,
+      absl::StrCat("create-", creations_.fetch_add(1)),
+      [this, index, request, response](const CallContext&) -> absl::Status {
+        RETURN_IF_ERROR(session::OpenSession(*request, &core_.devices->device(index),
+                                             core_.options.session, core_.sessions, response));
+        response->set_server_address(core_.options.advertise_address);
         return absl::OkStatus();
       });
-  if (!status.ok()) return status;
-  te::v1::TensorChunk header;
-  *header.mutable_header() = host.header;
-  if (!writer->Write(header)) {
-    return Finish("GetTensor", request->session().session_id(),
-                  absl::CancelledError("the client went away"));
-  }
-  for (size_t offset = 0; offset < host.bytes.size();
-       offset += static_cast<size_t>(host.chunk_bytes)) {
-    te::v1::TensorChunk chunk;
-    chunk.set_data(host.bytes.substr(offset, static_cast<size_t>(host.chunk_bytes)));
-    if (!writer->Write(chunk)) {
-      return Finish("GetTensor", request->session().session_id(),
-                    absl::CancelledError("the client went away"));
-    }
-  }
-  return grpc::Status::OK;
 }
 
-grpc::Status TeService::DeleteTensor(grpc::ServerContext* context,
-                                     const te::v1::DeleteTensorRequest* request,
-                                     te::v1::DeleteTensorResponse*) {
-  return WithSession(context, request->session(), "DeleteTensor",
-                     [&](session::Session& s) { return s.DeleteTensor(*request); });
-}
-
-grpc::Status TeService::Benchmark(grpc::ServerContext* context,
-                                  const te::v1::BenchmarkRequest* request,
-                                  te::v1::BenchmarkResponse* response) {
-  session::CallContext call;
-  call.deadline = DeadlineOf(*context);
-  call.cancelled = [context] { return context->IsCancelled(); };
-  return WithSession(context, request->session(), "Benchmark", [&](session::Session& s) {
-    return s.Benchmark(*request, call, response);
-  });
-}
-
-grpc::Status TeService::Checkpoint(grpc::ServerContext* context,
-                                   const te::v1::CheckpointRequest* request,
-                                   te::v1::CheckpointResponse* response) {
+grpc::ServerUnaryReactor* TeService::CloseSession(grpc::CallbackServerContext* context,
+                                                  const te::v1::CloseSessionRequest* request,
+                                                  te::v1::CloseSessionResponse*) {
   const te::v1::SessionRef& ref = request->session();
-  if (options_.checkpoints == nullptr) {
-    return Finish("Checkpoint", ref.session_id(),
-                  absl::FailedPreconditionError(
-                      "this server runs without --state_dir: it cannot save sessions"));
+  absl::StatusOr<int> device = core_.Route(ref);
+  if (!device.ok()) {
+    return QueuedCall::Immediate(core_, context, "CloseSession", ref.session_id(), device.status());
   }
-  absl::StatusOr<session::SessionManager::Lease> lease =
-      sessions_->Acquire(ref.session_id(), ref.token(), DeadlineOf(*context));
-  if (!lease.ok()) return Finish("Checkpoint", ref.session_id(), lease.status());
-  absl::StatusOr<session::CheckpointStore::Written> written = options_.checkpoints->Save(*lease);
-  if (!written.ok()) return Finish("Checkpoint", ref.session_id(), written.status());
-  response->set_path(written->path);
-  response->set_bytes(written->bytes);
-  return grpc::Status::OK;
+  // In the session's order: the close waits for the calls queued before it.
+  return QueuedCall::Start(core_, context, "CloseSession", ref.session_id(), *device,
+                           ref.session_id(), [this, ref](const CallContext& call) {
+                             return core_.sessions->Close(ref.session_id(), ref.token(),
+                                                          call.deadline);
+                           });
+}
+
+grpc::ServerUnaryReactor* TeService::InitLayer(grpc::CallbackServerContext* context,
+                                               const te::v1::InitLayerRequest* request,
+                                               te::v1::InitLayerResponse* response) {
+  return QueuedCall::OnSession(core_, context, "InitLayer", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().InitLayer(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::Forward(grpc::CallbackServerContext* context,
+                                             const te::v1::ForwardRequest* request,
+                                             te::v1::ForwardResponse* response) {
+  return QueuedCall::OnSession(core_, context, "Forward", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().Forward(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::Backward(grpc::CallbackServerContext* context,
+                                              const te::v1::BackwardRequest* request,
+                                              te::v1::BackwardResponse* response) {
+  return QueuedCall::OnSession(core_, context, "Backward", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().Backward(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::ForwardBackward(
+    grpc::CallbackServerContext* context, const te::v1::ForwardBackwardRequest* request,
+    te::v1::ForwardBackwardResponse* response) {
+  return QueuedCall::OnSession(core_, context, "ForwardBackward", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().ForwardBackward(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::GetVariables(grpc::CallbackServerContext* context,
+                                                  const te::v1::GetVariablesRequest* request,
+                                                  te::v1::GetVariablesResponse* response) {
+  return QueuedCall::OnSession(core_, context, "GetVariables", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().GetVariables(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::SetVariables(grpc::CallbackServerContext* context,
+                                                  const te::v1::SetVariablesRequest* request,
+                                                  te::v1::SetVariablesResponse*) {
+  return QueuedCall::OnSession(core_, context, "SetVariables", request->session(),
+                               [request](Lease& lease, const CallContext&) {
+                                 return lease.session().SetVariables(*request);
+                               });
+}
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* TeService::PutTensor(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+  return StartPutTensor(core_, context, response);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* TeService::GetTensor(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  return StartGetTensor(core_, context, request);
+}
+
+grpc::ServerUnaryReactor* TeService::DeleteTensor(grpc::CallbackServerContext* context,
+                                                  const te::v1::DeleteTensorRequest* request,
+                                                  te::v1::DeleteTensorResponse*) {
+  return QueuedCall::OnSession(core_, context, "DeleteTensor", request->session(),
+                               [request](Lease& lease, const CallContext&) {
+                                 return lease.session().DeleteTensor(*request);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::Benchmark(grpc::CallbackServerContext* context,
+                                               const te::v1::BenchmarkRequest* request,
+                                               te::v1::BenchmarkResponse* response) {
+  return QueuedCall::OnSession(core_, context, "Benchmark", request->session(),
+                               [request, response](Lease& lease, const CallContext& call) {
+                                 return lease.session().Benchmark(*request, call, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::RegisterSharedMemory(
+    grpc::CallbackServerContext* context, const te::v1::RegisterSharedMemoryRequest* request,
+    te::v1::RegisterSharedMemoryResponse* response) {
+  return QueuedCall::OnSession(core_, context, "RegisterSharedMemory", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().RegisterSharedMemory(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context, const te::v1::UnregisterSharedMemoryRequest* request,
+    te::v1::UnregisterSharedMemoryResponse*) {
+  return QueuedCall::OnSession(core_, context, "UnregisterSharedMemory", request->session(),
+                               [request](Lease& lease, const CallContext&) {
+                                 return lease.session().UnregisterSharedMemory(*request);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::Checkpoint(grpc::CallbackServerContext* context,
+                                                const te::v1::CheckpointRequest* request,
+                                                te::v1::CheckpointResponse* response) {
+  const te::v1::SessionRef& ref = request->session();
+  if (core_.options.checkpoints == nullptr) {
+    return QueuedCall::Immediate(core_, context, "Checkpoint", ref.session_id(),
+                              absl::FailedPreconditionError(
+                                  "this server runs without --state_dir: it cannot save sessions"));
+  }
+  session::CheckpointStore* store = core_.options.checkpoints;
+  return QueuedCall::OnSession(
+      core_, context, "Checkpoint", ref,
+      [store, response](Lease& lease, const CallContext&) -> absl::Status {
+        ASSIGN_OR_RETURN(session::CheckpointStore::Written written, store->Save(lease));
+        response->set_path(written.path);
+        response->set_bytes(written.bytes);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* TeService::GetSessionInfo(grpc::CallbackServerContext* context,
+                                                    const te::v1::GetSessionInfoRequest* request,
+                                                    te::v1::SessionInfo* response) {
+  return QueuedCall::OnSession(core_, context, "GetSessionInfo", request->session(),
+                               [response](Lease& lease, const CallContext&) {
+                                 lease.session().GetSessionInfo(response);
+                                 return absl::OkStatus();
+                               });
 }
 
 }  // namespace te::service

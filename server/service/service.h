@@ -1,21 +1,31 @@
-// TeService: the te.v1.TeService gRPC service (synchronous API). Each handler
-// is a thin shim: authenticate and take the session's turn (SessionManager),
-// call the session layer, map the Status once (status.h), log failures with
-// the session id. Thread-safe; gRPC calls it from its thread pool.
+// TeService: the te.v1.TeService gRPC service, on gRPC's callback API. Each
+// handler is a thin shim: it authenticates, routes the call to its session's
+// device, and queues it on that device's bounded executor (QueuedCall, and
+// the tensor streams' reactors), where the session layer does the work in the
+// session's turn; every call ends through ServiceCore::Finished (the one
+// Status -> grpc::Status mapping, the log, the metrics hook). gRPC's threads
+// never wait for a session or a device. Thread-safe.
+//
+// Contract (beyond service.proto's):
+//  1. Calls of one session run one at a time, in arrival order; sessions run
+//     concurrently, up to --executor_threads per device.
+//  2. A device whose queue is full answers RESOURCE_EXHAUSTED at once.
+//  3. A call cancelled, or whose deadline passes, while it waits is dropped
+//     and frees its place; one whose client goes away while it runs is undone
+//     when it ends (its saved forward, resident outputs, partly uploaded
+//     tensor are freed).
+//  4. CreateSession places a session on the device it names, else on the
+//     least-loaded one (fewest sessions, then least memory), and says which.
 #ifndef TE_SERVER_SERVICE_SERVICE_H_
 #define TE_SERVER_SERVICE_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
 
-#include <functional>
-#include <memory>
-#include <string>
+#include <atomic>
+#include <cstdint>
 
-#include "absl/status/status.h"
-#include "kernels/ops.h"
-#include "server/security/secrets.h"
-#include "server/session/checkpoint.h"
-#include "server/session/session.h"
+#include "server/service/device_pool.h"
+#include "server/service/service_core.h"
 #include "server/session/session_manager.h"
 #include "te/v1/service.grpc.pb.h"
 
@@ -23,72 +33,73 @@ namespace te::service {
 
 inline constexpr char kServerVersion[] = "te_server 0.1.0";
 
-struct ServiceOptions {
-  session::SessionConfig session;  // per-session limits
-  int max_sessions = 64;
-  int64_t session_ttl_seconds = 1800;
-  // Security and state (issue 5): CreateSession must carry this key when set;
-  // server_address is echoed to clients for session affinity; Checkpoint
-  // writes to `checkpoints` (FAILED_PRECONDITION when null: no --state_dir).
-  std::shared_ptr<const security::AccessKey> access_key;
-  std::string advertise_address;
-  session::CheckpointStore* checkpoints = nullptr;
-  int sessions_restored = 0;
-};
+// PutTensor and GetTensor are raw (ByteBuffer) methods, so tensor bytes are
+// not copied into and out of protobuf strings.
+using TeServiceBase = te::v1::TeService::WithRawCallbackMethod_PutTensor<
+    te::v1::TeService::WithRawCallbackMethod_GetTensor<te::v1::TeService::CallbackService>>;
 
-class TeService final : public te::v1::TeService::Service {
+class TeService final : public TeServiceBase {
  public:
-  // `device` and `sessions` must outlive the service.
-  TeService(Device* device, session::SessionManager* sessions, ServiceOptions options);
+  // `devices` and `sessions` must outlive the service, and the service must
+  // outlive the grpc::Server it is registered with.
+  TeService(DevicePool* devices, session::SessionManager* sessions, ServiceOptions options);
 
-  grpc::Status GetServerInfo(grpc::ServerContext* context,
-                             const te::v1::GetServerInfoRequest* request,
-                             te::v1::ServerInfo* response) override;
-  grpc::Status CreateSession(grpc::ServerContext* context,
-                             const te::v1::CreateSessionRequest* request,
-                             te::v1::CreateSessionResponse* response) override;
-  grpc::Status CloseSession(grpc::ServerContext* context,
-                            const te::v1::CloseSessionRequest* request,
-                            te::v1::CloseSessionResponse* response) override;
-  grpc::Status InitLayer(grpc::ServerContext* context, const te::v1::InitLayerRequest* request,
-                         te::v1::InitLayerResponse* response) override;
-  grpc::Status Forward(grpc::ServerContext* context, const te::v1::ForwardRequest* request,
-                       te::v1::ForwardResponse* response) override;
-  grpc::Status Backward(grpc::ServerContext* context, const te::v1::BackwardRequest* request,
-                        te::v1::BackwardResponse* response) override;
-  grpc::Status ForwardBackward(grpc::ServerContext* context,
-                               const te::v1::ForwardBackwardRequest* request,
-                               te::v1::ForwardBackwardResponse* response) override;
-  grpc::Status GetVariables(grpc::ServerContext* context,
-                            const te::v1::GetVariablesRequest* request,
-                            te::v1::GetVariablesResponse* response) override;
-  grpc::Status SetVariables(grpc::ServerContext* context,
-                            const te::v1::SetVariablesRequest* request,
-                            te::v1::SetVariablesResponse* response) override;
-  grpc::Status PutTensor(grpc::ServerContext* context,
-                         grpc::ServerReader<te::v1::PutTensorChunk>* reader,
-                         te::v1::PutTensorResponse* response) override;
-  grpc::Status GetTensor(grpc::ServerContext* context, const te::v1::GetTensorRequest* request,
-                         grpc::ServerWriter<te::v1::TensorChunk>* writer) override;
-  grpc::Status DeleteTensor(grpc::ServerContext* context,
-                            const te::v1::DeleteTensorRequest* request,
-                            te::v1::DeleteTensorResponse* response) override;
-  grpc::Status Benchmark(grpc::ServerContext* context, const te::v1::BenchmarkRequest* request,
-                         te::v1::BenchmarkResponse* response) override;
-  grpc::Status Checkpoint(grpc::ServerContext* context, const te::v1::CheckpointRequest* request,
-                          te::v1::CheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const te::v1::GetServerInfoRequest* request,
+                                          te::v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const te::v1::CreateSessionRequest* request,
+                                          te::v1::CreateSessionResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const te::v1::CloseSessionRequest* request,
+                                         te::v1::CloseSessionResponse* response) override;
+  grpc::ServerUnaryReactor* InitLayer(grpc::CallbackServerContext* context,
+                                      const te::v1::InitLayerRequest* request,
+                                      te::v1::InitLayerResponse* response) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const te::v1::ForwardRequest* request,
+                                    te::v1::ForwardResponse* response) override;
+  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* context,
+                                     const te::v1::BackwardRequest* request,
+                                     te::v1::BackwardResponse* response) override;
+  grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* context,
+                                            const te::v1::ForwardBackwardRequest* request,
+                                            te::v1::ForwardBackwardResponse* response) override;
+  grpc::ServerUnaryReactor* GetVariables(grpc::CallbackServerContext* context,
+                                         const te::v1::GetVariablesRequest* request,
+                                         te::v1::GetVariablesResponse* response) override;
+  grpc::ServerUnaryReactor* SetVariables(grpc::CallbackServerContext* context,
+                                         const te::v1::SetVariablesRequest* request,
+                                         te::v1::SetVariablesResponse* response) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PutTensor(grpc::CallbackServerContext* context,
+                                                       grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetTensor(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* DeleteTensor(grpc::CallbackServerContext* context,
+                                         const te::v1::DeleteTensorRequest* request,
+                                         te::v1::DeleteTensorResponse* response) override;
+  grpc::ServerUnaryReactor* Benchmark(grpc::CallbackServerContext* context,
+                                      const te::v1::BenchmarkRequest* request,
+                                      te::v1::BenchmarkResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context, const te::v1::RegisterSharedMemoryRequest* request,
+      te::v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context, const te::v1::UnregisterSharedMemoryRequest* request,
+      te::v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
+                                       const te::v1::CheckpointRequest* request,
+                                       te::v1::CheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* GetSessionInfo(grpc::CallbackServerContext* context,
+                                           const te::v1::GetSessionInfoRequest* request,
+                                           te::v1::SessionInfo* response) override;
 
  private:
-  // Runs `call` on the session `ref` names, in its turn.
-  grpc::Status WithSession(grpc::ServerContext* context, const te::v1::SessionRef& ref,
-                           const char* rpc,
-                           const std::function<absl::Status(session::Session&)>& call);
-  // Logs a failed call and maps its status.
-  grpc::Status Finish(const char* rpc, const std::string& session_id, const absl::Status& status);
+  // What each device holds now, for placement and GetServerInfo.
+  std::vector<DeviceLoad> Loads() const;
 
-  Device* const device_;
-  session::SessionManager* const sessions_;
-  const ServiceOptions options_;
+  const ServiceCore core_;
+  std::atomic<int64_t> creations_{0};  // executor keys for CreateSession
 };
 
 }  // namespace te::service

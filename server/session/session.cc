@@ -326,24 +326,6 @@ absl::Status Session::CommitPut(std::unique_ptr<TensorUpload> upload,
   return absl::OkStatus();
 }
 
-absl::Status Session::PutTensor(const te::v1::TensorHeader& header, const ChunkReader& read_chunk,
-                                te::v1::PutTensorResponse* response) {
-  te::v1::PutTensorHeader put;
-  *put.mutable_tensor() = header;
-  ASSIGN_OR_RETURN(std::unique_ptr<TensorUpload> upload, BeginPut(put));
-  std::string chunk;
-  for (int index = 2;; ++index) {
-    ASSIGN_OR_RETURN(bool more, read_chunk(&chunk));
-    if (!more) break;
-    absl::Status appended = upload->Append(chunk.data(), chunk.size());
-    if (!appended.ok()) {
-      return absl::Status(appended.code(),
-                          absl::StrCat("data (message ", index, "): ", appended.message()));
-    }
-  }
-  return CommitPut(std::move(upload), response);
-}
-
 absl::StatusOr<Session::TensorSource> Session::ReadTensor(
     const te::v1::GetTensorRequest& request) {
   auto it = resident_.find(request.tensor_id());
@@ -381,15 +363,6 @@ absl::StatusOr<Session::TensorSource> Session::ReadTensor(
   source.data = host.get();
   source.keepalive = std::shared_ptr<const void>(host, host.get());
   return source;
-}
-
-absl::StatusOr<Session::HostTensor> Session::GetTensor(const te::v1::GetTensorRequest& request) {
-  ASSIGN_OR_RETURN(TensorSource source, ReadTensor(request));
-  HostTensor host;
-  host.header = source.header;
-  host.chunk_bytes = source.chunk_bytes;
-  if (source.bytes > 0) host.bytes.assign(source.data, static_cast<size_t>(source.bytes));
-  return host;
 }
 
 absl::Status Session::DeleteTensor(const te::v1::DeleteTensorRequest& request) {

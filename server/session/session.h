@@ -123,18 +123,6 @@ class Session {
   absl::StatusOr<TensorSource> ReadTensor(const te::v1::GetTensorRequest& request);
   absl::Status DeleteTensor(const te::v1::DeleteTensorRequest& request);
 
-  // Transitional, for the synchronous service until it moves to the callback
-  // API: PutTensor pulling its chunks, GetTensor with a whole host copy.
-  using ChunkReader = std::function<absl::StatusOr<bool>(std::string* chunk)>;
-  absl::Status PutTensor(const te::v1::TensorHeader& header, const ChunkReader& read_chunk,
-                         te::v1::PutTensorResponse* response);
-  struct HostTensor {
-    te::v1::TensorHeader header;
-    std::string bytes;
-    int64_t chunk_bytes = 0;
-  };
-  absl::StatusOr<HostTensor> GetTensor(const te::v1::GetTensorRequest& request);
-
   // Maps the client's shm object (contract 7). FAILED_PRECONDITION when the
   // server runs without --enable_shm; RESOURCE_EXHAUSTED past
   // max_shm_regions; ShmRegion::Open's errors otherwise.

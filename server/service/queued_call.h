@@ -1,0 +1,85 @@
+// QueuedCall: the reactor of every unary RPC that does work. The work runs on
+// a device's executor (session/executor.h); gRPC's threads only hand it over.
+//
+// Contract:
+//  1. The call finishes with its work's status, or earlier: RESOURCE_EXHAUSTED
+//     at once when the executor's queue is full; CANCELLED or
+//     DEADLINE_EXCEEDED when its client cancels it or its deadline passes
+//     before the work starts (its place in the queue is then free at once).
+//  2. A session call (OnSession) is authenticated before it queues, queues
+//     behind the session's earlier calls on the session's device, runs in
+//     the session's turn, and is undone (Session::ForgetSince) when it fails
+//     or its client has gone by the time it ends: a cancelled Forward leaves
+//     no saved forward and no resident output behind.
+#ifndef TE_SERVER_SERVICE_QUEUED_CALL_H_
+#define TE_SERVER_SERVICE_QUEUED_CALL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <functional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/service/service_core.h"
+#include "server/session/executor.h"
+#include "server/session/session.h"
+#include "server/session/session_manager.h"
+#include "te/v1/service.pb.h"
+
+namespace te::service {
+
+class QueuedCall final : public grpc::ServerUnaryReactor {
+ public:
+  using Work = std::function<absl::Status(const session::CallContext& call)>;
+  using SessionWork = std::function<absl::Status(session::SessionManager::Lease& lease,
+                                                 const session::CallContext& call)>;
+
+  // Runs `work` on device `device`'s executor under `key` (contract 1).
+  // `session_id` is for the log ("" for none).
+  static grpc::ServerUnaryReactor* Start(const ServiceCore& core,
+                                         grpc::CallbackServerContext* context, const char* rpc,
+                                         std::string session_id, int device, std::string key,
+                                         Work work);
+  // Runs `work` in the turn of the session `ref` names (contract 2).
+  static grpc::ServerUnaryReactor* OnSession(const ServiceCore& core,
+                                             grpc::CallbackServerContext* context,
+                                             const char* rpc, const te::v1::SessionRef& ref,
+                                             SessionWork work);
+  // A call that ends at once with `status`: refused before it queues, or
+  // answered without any device work (GetServerInfo).
+  static grpc::ServerUnaryReactor* Immediate(const ServiceCore& core,
+                                          grpc::CallbackServerContext* context, const char* rpc,
+                                          const std::string& session_id,
+                                          const absl::Status& status);
+
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+ private:
+  QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* context, const char* rpc,
+             std::string session_id);
+  void Submit(int device, std::string key, Work work);
+  void Run(session::DeviceExecutor::Turn turn, const Work& work);
+  bool Cancelled() const;
+  // Finishes the call; `this` may be gone when it returns.
+  void End(const absl::Status& status);
+
+  const ServiceCore& core_;
+  grpc::CallbackServerContext* const context_;
+  const char* const rpc_;
+  const std::string session_id_;
+  const absl::Time start_;
+  const absl::Time deadline_;
+  std::atomic<bool> cancelled_{false};
+  session::DeviceExecutor* executor_ = nullptr;
+  absl::Mutex mu_;
+  session::DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace te::service
+
+#endif  // TE_SERVER_SERVICE_QUEUED_CALL_H_

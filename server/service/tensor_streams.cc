@@ -1,0 +1,453 @@
+#include "server/service/tensor_streams.h"
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "server/service/chunk_wire.h"
+#include "server/session/executor.h"
+#include "server/session/tensor_upload.h"
+
+namespace te::service {
+namespace {
+
+using session::DeviceExecutor;
+using session::SessionManager;
+
+// Messages read but not yet copied into place (contract 2).
+constexpr int kMaxPendingChunks = 2;
+
+absl::Status InMessage(const absl::Status& status, int index, const char* what) {
+  return absl::Status(status.code(),
+                      absl::StrCat(what, " (message ", index, "): ", status.message()));
+}
+
+// ---- PutTensor -------------------------------------------------------------------
+
+class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  PutTensorCall(const ServiceCore& core, grpc::CallbackServerContext* context,
+                grpc::ByteBuffer* response)
+      : core_(core),
+        context_(context),
+        response_(response),
+        start_(absl::Now()),
+        deadline_(DeadlineOf(*context)) {
+    StartRead(&incoming_);
+  }
+
+  void OnReadDone(bool ok) override {
+    Phase phase;
+    {
+      absl::MutexLock lock(&mu_);
+      phase = phase_;
+    }
+    if (phase == Phase::kHeader) {
+      OnHeader(ok);
+    } else {
+      OnData(ok);
+    }
+  }
+
+  void OnCancel() override {
+    DeviceExecutor::Handle waiting;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (phase_ == Phase::kQueued) waiting = handle_;
+      if (phase_ == Phase::kStreaming) EndLocked(CancelReason(deadline_));
+    }
+    if (waiting != nullptr) executor_->Cancel(waiting, CancelReason(deadline_));
+  }
+
+  void OnDone() override { Unref(); }
+
+ private:
+  enum class Phase { kHeader, kQueued, kStreaming };
+
+  bool Cancelled() {
+    absl::MutexLock lock(&mu_);
+    return cancelled_ || context_->IsCancelled();
+  }
+
+  // Before the turn: nothing to undo.
+  void FinishEarly(const absl::Status& status) {
+    Finish(core_.Finished("PutTensor", session_id_, status, start_));
+  }
+
+  void OnHeader(bool ok) {
+    if (!ok) {
+      FinishEarly(context_->IsCancelled()
+                      ? CancelReason(deadline_)
+                      : absl::InvalidArgumentError(
+                            "header: the stream ended before its first message, the header"));
+      return;
+    }
+    PutChunk first;
+    if (absl::Status parsed = ParsePutChunk(incoming_, &first); !parsed.ok()) {
+      FinishEarly(InMessage(parsed, 1, "header"));
+      return;
+    }
+    if (!first.is_header) {
+      FinishEarly(absl::InvalidArgumentError("header: the stream's first message must be a header"));
+      return;
+    }
+    header_ = std::move(first.header);
+    session_id_ = header_.session().session_id();
+    absl::StatusOr<int> device = core_.Route(header_.session());
+    if (!device.ok()) {
+      FinishEarly(device.status());
+      return;
+    }
+    executor_ = &core_.devices->executor(*device);
+    DeviceExecutor::Call call;
+    call.key = session_id_;
+    call.deadline = deadline_;
+    call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
+    call.drop = [this](absl::Status reason) { FinishEarly(reason); };
+    // Set before Submit: the call may start at once on a worker.
+    {
+      absl::MutexLock lock(&mu_);
+      phase_ = Phase::kQueued;
+    }
+    absl::StatusOr<DeviceExecutor::Handle> handle = executor_->Submit(std::move(call));
+    if (!handle.ok()) {
+      FinishEarly(handle.status());
+      return;
+    }
+    bool cancel_now = false;
+    {
+      absl::MutexLock lock(&mu_);
+      handle_ = *handle;
+      cancel_now = cancelled_ && phase_ == Phase::kQueued;
+    }
+    if (cancel_now) executor_->Cancel(*handle, CancelReason(deadline_));
+  }
+
+  // On a worker, in the session's turn.
+  void OnTurn(DeviceExecutor::Turn turn) {
+    if (Cancelled()) {
+      turn.Release();
+      FinishEarly(CancelReason(deadline_));
+      return;
+    }
+    std::optional<SessionManager::Lease> lease;
+    {
+      absl::StatusOr<SessionManager::Lease> acquired = core_.sessions->Acquire(
+          header_.session().session_id(), header_.session().token(), deadline_);
+      if (!acquired.ok()) {
+        turn.Release();
+        FinishEarly(acquired.status());
+        return;
+      }
+      lease.emplace(*std::move(acquired));
+    }
+    const int64_t mark = lease->session().mark();
+    absl::StatusOr<std::unique_ptr<session::TensorUpload>> upload =
+        lease->session().BeginPut(header_);
+    if (!upload.ok()) {
+      lease.reset();  // the session's turn
+      turn.Release();
+      FinishEarly(upload.status());
+      return;
+    }
+    bool cancelled = false;
+    {
+      absl::MutexLock lock(&mu_);
+      lease_.emplace(*std::move(lease));
+      mark_ = mark;
+      upload_ = *std::move(upload);
+      turn_ = std::move(turn);
+      phase_ = Phase::kStreaming;
+      cancelled = cancelled_;  // a cancel that came while this started
+      if (cancelled) {
+        EndLocked(CancelReason(deadline_));
+      } else {
+        reading_ = true;
+      }
+    }
+    if (!cancelled) StartRead(&incoming_);
+  }
+
+  // On gRPC's threads, while streaming.
+  void OnData(bool ok) {
+    PutChunk chunk;
+    absl::Status parsed;
+    if (ok) parsed = ParsePutChunk(incoming_, &chunk);
+    bool read_next = false;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (ending_) return;
+      if (!ok) {
+        end_of_stream_ = true;
+        if (cancelled_ || context_->IsCancelled()) {
+          EndLocked(CancelReason(deadline_));
+        } else {
+          PostLocked([this] { Commit(); });
+        }
+        return;
+      }
+      const int index = ++messages_;
+      if (!parsed.ok()) {
+        EndLocked(InMessage(parsed, index, "data"));
+        return;
+      }
+      if (chunk.is_header) {
+        EndLocked(absl::InvalidArgumentError(
+            absl::StrCat("message ", index, ": only the first message may be a header")));
+        return;
+      }
+      if (header_.has_shm()) {
+        EndLocked(absl::InvalidArgumentError(absl::StrCat(
+            "message ", index, ": the header named shared memory, so no data may follow")));
+        return;
+      }
+      ++pending_;
+      auto shared = std::make_shared<PutChunk>(std::move(chunk));
+      PostLocked([this, shared, index] { Append(*shared, index); });
+      if (pending_ < kMaxPendingChunks) read_next = reading_ = true;
+    }
+    if (read_next) StartRead(&incoming_);
+  }
+
+  // On the executor, in order.
+  void Append(const PutChunk& chunk, int index) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) {
+        --pending_;
+        return;
+      }
+    }
+    absl::Status status;
+    for (absl::string_view piece : chunk.data) {
+      status = upload_->Append(piece.data(), piece.size());
+      if (!status.ok()) break;
+    }
+    bool read_next = false;
+    {
+      absl::MutexLock lock(&mu_);
+      --pending_;
+      if (!status.ok()) {
+        EndLocked(InMessage(status, index, "data"));
+        return;
+      }
+      if (!reading_ && !end_of_stream_ && !ending_) read_next = reading_ = true;
+    }
+    if (read_next) StartRead(&incoming_);
+  }
+
+  // On the executor, after the last message.
+  void Commit() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) return;
+    }
+    te::v1::PutTensorResponse response;
+    absl::Status status = lease_->session().CommitPut(std::move(upload_), &response);
+    if (status.ok()) *response_ = Serialize(response);
+    absl::MutexLock lock(&mu_);
+    EndLocked(status);
+  }
+
+  // Ends the stream once, from any thread: the cleanup runs on the executor,
+  // in the session's turn, after the work already posted.
+  void EndLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ending_) return;
+    ending_ = true;
+    end_status_ = status;
+    PostLocked([this] { Cleanup(); });
+  }
+
+  void Cleanup() {
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      status = end_status_;
+    }
+    // A failed or abandoned upload frees its tensor here, in the turn.
+    upload_.reset();
+    if (!status.ok()) lease_->session().ForgetSince(mark_);
+    lease_.reset();
+    {
+      absl::MutexLock lock(&mu_);
+      turn_.Release();
+    }
+    Finish(core_.Finished("PutTensor", session_id_, status, start_));
+  }
+
+  // Runs `fn` on the executor in the session's turn; the reactor lives until
+  // it has run.
+  void PostLocked(std::function<void()> fn) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++refs_;
+    turn_.Post([this, fn = std::move(fn)] {
+      fn();
+      Unref();
+    });
+  }
+
+  void Unref() {
+    bool last = false;
+    {
+      absl::MutexLock lock(&mu_);
+      last = --refs_ == 0;
+    }
+    if (last) delete this;
+  }
+
+  const ServiceCore& core_;
+  grpc::CallbackServerContext* const context_;
+  grpc::ByteBuffer* const response_;
+  const absl::Time start_;
+  const absl::Time deadline_;
+  grpc::ByteBuffer incoming_;  // one read in flight at a time
+  te::v1::PutTensorHeader header_;
+  std::string session_id_;
+  DeviceExecutor* executor_ = nullptr;
+  // Used in the session's turn only (OnTurn, then the posted work).
+  std::optional<SessionManager::Lease> lease_;
+  std::unique_ptr<session::TensorUpload> upload_;
+  int64_t mark_ = 0;
+
+  absl::Mutex mu_;
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kHeader;
+  DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
+  DeviceExecutor::Turn turn_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool end_of_stream_ ABSL_GUARDED_BY(mu_) = false;
+  bool ending_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
+  int messages_ ABSL_GUARDED_BY(mu_) = 1;  // the header was message 1
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  int refs_ ABSL_GUARDED_BY(mu_) = 1;  // gRPC's, until OnDone
+};
+
+// ---- GetTensor -------------------------------------------------------------------
+
+class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  GetTensorCall(const ServiceCore& core, grpc::CallbackServerContext* context,
+                const grpc::ByteBuffer* request)
+      : core_(core), context_(context), start_(absl::Now()), deadline_(DeadlineOf(*context)) {
+    if (absl::Status parsed = Parse(*request, &request_); !parsed.ok()) {
+      End(parsed);
+      return;
+    }
+    session_id_ = request_.session().session_id();
+    absl::StatusOr<int> device = core_.Route(request_.session());
+    if (!device.ok()) {
+      End(device.status());
+      return;
+    }
+    executor_ = &core_.devices->executor(*device);
+    DeviceExecutor::Call call;
+    call.key = session_id_;
+    call.deadline = deadline_;
+    call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
+    call.drop = [this](absl::Status reason) { End(reason); };
+    absl::StatusOr<DeviceExecutor::Handle> handle = executor_->Submit(std::move(call));
+    if (!handle.ok()) {
+      End(handle.status());
+      return;
+    }
+    bool cancel_now = false;
+    {
+      absl::MutexLock lock(&mu_);
+      handle_ = *handle;
+      cancel_now = cancelled_;
+    }
+    if (cancel_now) executor_->Cancel(*handle, CancelReason(deadline_));
+  }
+
+  void OnCancel() override {
+    DeviceExecutor::Handle handle;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      handle = handle_;
+    }
+    if (handle != nullptr) executor_->Cancel(handle, CancelReason(deadline_));
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      End(absl::CancelledError("the client went away during the stream"));
+      return;
+    }
+    if (sent_ == source_.bytes) {
+      End(absl::OkStatus());
+      return;
+    }
+    const int64_t n = std::min(source_.chunk_bytes, source_.bytes - sent_);
+    outgoing_ = DataMessage(source_.keepalive, source_.data + sent_, static_cast<size_t>(n));
+    sent_ += n;
+    StartWrite(&outgoing_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void OnTurn(DeviceExecutor::Turn turn) {
+    bool cancelled = false;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled = cancelled_ || context_->IsCancelled();
+    }
+    absl::StatusOr<session::Session::TensorSource> source = CancelReason(deadline_);
+    if (!cancelled) {
+      absl::StatusOr<SessionManager::Lease> lease = core_.sessions->Acquire(
+          request_.session().session_id(), request_.session().token(), deadline_);
+      source = lease.ok() ? lease->session().ReadTensor(request_) : lease.status();
+    }
+    turn.Release();  // the stream goes out without holding the session up
+    if (!source.ok()) {
+      End(source.status());
+      return;
+    }
+    source_ = *std::move(source);
+    outgoing_ = HeaderMessage(source_.header);
+    StartWrite(&outgoing_);  // `this` may be gone once this returns
+  }
+
+  void End(const absl::Status& status) {
+    Finish(core_.Finished("GetTensor", session_id_, status, start_));
+  }
+
+  const ServiceCore& core_;
+  grpc::CallbackServerContext* const context_;
+  const absl::Time start_;
+  const absl::Time deadline_;
+  te::v1::GetTensorRequest request_;
+  std::string session_id_;
+  DeviceExecutor* executor_ = nullptr;
+  session::Session::TensorSource source_;
+  int64_t sent_ = 0;
+  grpc::ByteBuffer outgoing_;  // one write in flight at a time
+  absl::Mutex mu_;
+  DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* StartPutTensor(const ServiceCore& core,
+                                                          grpc::CallbackServerContext* context,
+                                                          grpc::ByteBuffer* response) {
+  return new PutTensorCall(core, context, response);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartGetTensor(const ServiceCore& core,
+                                                           grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request) {
+  return new GetTensorCall(core, context, request);
+}
+
+}  // namespace te::service
