@@ -1,0 +1,17 @@
+// write_seeds DIR: writes the seed corpus (SeedInputs) into DIR, one file per
+// input. tests/fuzz/corpus/ was made with it.
+#include <cstdio>
+#include <fstream>
+
+#include "tests/fuzz/request_harness.h"
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: write_seeds DIR\n");
+    return 2;
+  }
+  for (const auto& [name, bytes] : te::fuzz::SeedInputs()) {
+    std::ofstream(std::string(argv[1]) + "/" + name, std::ios::binary) << bytes;
+  }
+  return 0;
+}
