@@ -1,5 +1,7 @@
 #include "kernels/op_checks.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/status_macros.h"
@@ -184,6 +186,99 @@ absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y) {
   if (x.rank() < 1) return absl::InvalidArgumentError("SumRows: x is a scalar, want [N, H]");
   const int64_t h = x.dim(-1);
   return RequireShape("SumRows", "y", *y, {h}, absl::StrCat("[H=", h, "]"));
+}
+
+// ---- FP8 scaling ----------------------------------------------------------------
+
+namespace {
+
+absl::Status RequireFp8(const char* op, const char* name, const Tensor& t) {
+  if (!IsFloat8(t.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
+                                                   DTypeName(t.dtype()),
+                                                   ", want float8_e4m3fn or float8_e5m2"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireFp8Max(const char* op, float fp8_max) {
+  if (!(fp8_max > 0.0f) || !std::isfinite(fp8_max)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": fp8_max is ", fp8_max, ", want a positive finite value"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckQuantizeArgs(const Tensor& x, const Fp8Output& fp8, const Tensor* y) {
+  RETURN_IF_ERROR(RequireFloat("Quantize", "x", &x));
+  RETURN_IF_ERROR(RequireDefined("Quantize", "y", y));
+  RETURN_IF_ERROR(RequireFp8("Quantize", "y", *y));
+  RETURN_IF_ERROR(RequireSameCount("Quantize", "y", *y, "x", x));
+  return CheckOutput("Quantize", y, &fp8);
+}
+
+absl::Status CheckDequantizeArgs(const Tensor& x, const Tensor& scale_inv, const Tensor* y) {
+  RETURN_IF_ERROR(RequireDefined("Dequantize", "x", &x));
+  RETURN_IF_ERROR(RequireFp8("Dequantize", "x", x));
+  RETURN_IF_ERROR(RequireScalarF32("Dequantize", "scale_inv", &scale_inv));
+  RETURN_IF_ERROR(RequireFloat("Dequantize", "y", y));
+  return RequireSameCount("Dequantize", "y", *y, "x", x);
+}
+
+// Any floating dtype; FP8 values are read unscaled.
+absl::Status CheckAmaxArgs(const Tensor& x, const Tensor* amax) {
+  RETURN_IF_ERROR(RequireDefined("Amax", "x", &x));
+  if (!IsFloating(x.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Amax: x has dtype ", DTypeName(x.dtype()), ", want a floating dtype"));
+  }
+  return RequireScalarF32("Amax", "amax", amax);
+}
+
+absl::Status CheckScaleFromAmaxArgs(const Tensor& amax, float fp8_max, float epsilon,
+                                    const Tensor* scale, const Tensor* scale_inv) {
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "amax", &amax));
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale", scale));
+  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale_inv", scale_inv));
+  RETURN_IF_ERROR(RequireFp8Max("ScaleFromAmax", fp8_max));
+  if (!(epsilon >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScaleFromAmax: epsilon is ", epsilon, ", want >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tensor* amax_history,
+                                     const Tensor* scale, const Tensor* scale_inv) {
+  const char* op = "DelayedScalingUpdate";
+  RETURN_IF_ERROR(RequireDType(op, "amax_history", amax_history, DType::kF32));
+  if (amax_history->rank() != 1 || amax_history->numel() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": amax_history has shape ", ShapeString(amax_history->shape()), ", want [L], L >= 1"));
+  }
+  RETURN_IF_ERROR(RequireScalarF32(op, "scale", scale));
+  RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
+  return RequireFp8Max(op, args.fp8_max);
+}
+
+absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x,
+                                              const Tensor* y) {
+  const char* op = "FakeQuantizeBlockScaled";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  const bool mxfp8 = format == BlockFormat::kMXFP8;
+  const int block = mxfp8 ? kMxfp8BlockSize : kNvfp4BlockSize;
+  if (x.dim(-1) % block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": x has last dimension ", x.dim(-1),
+                                                   ", want a multiple of the ",
+                                                   mxfp8 ? "MXFP8" : "NVFP4", " block size ",
+                                                   block));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace te

@@ -67,6 +67,21 @@ constexpr int kPermuteMaxRank = 5;
 absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, const Tensor* y);
 absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y);
 
+// ---- FP8 scaling ----------------------------------------------------------------
+
+absl::Status CheckQuantizeArgs(const Tensor& x, const Fp8Output& fp8, const Tensor* y);
+absl::Status CheckDequantizeArgs(const Tensor& x, const Tensor& scale_inv, const Tensor* y);
+absl::Status CheckAmaxArgs(const Tensor& x, const Tensor* amax);
+absl::Status CheckScaleFromAmaxArgs(const Tensor& amax, float fp8_max, float epsilon,
+                                    const Tensor* scale, const Tensor* scale_inv);
+absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tensor* amax_history,
+                                     const Tensor* scale, const Tensor* scale_inv);
+// Elements per block, along the last dimension, of each BlockFormat.
+constexpr int kMxfp8BlockSize = 32;
+constexpr int kNvfp4BlockSize = 16;
+absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x,
+                                              const Tensor* y);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

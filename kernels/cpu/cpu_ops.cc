@@ -158,8 +158,8 @@ absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>
 
 // ---- FP8 block scaling (emulated) ------------------------------------------
 
-constexpr int kMxfp8Block = 32;
-constexpr int kNvfp4Block = 16;
+constexpr int kMxfp8Block = kMxfp8BlockSize;
+constexpr int kNvfp4Block = kNvfp4BlockSize;
 // E8M0 represents 2^-127 .. 2^127.
 constexpr int kE8M0MinExp = -127;
 constexpr int kE8M0MaxExp = 127;
@@ -365,27 +365,13 @@ absl::Status CpuOps::SumRows(const Tensor& x, Tensor* y) {
 // ---- FP8 scaling ---------------------------------------------------------------
 
 absl::Status CpuOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("Quantize", "x", &x));
-  RETURN_IF_ERROR(RequireDefined("Quantize", "y", y));
-  if (!IsFloat8(y->dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat("Quantize: y has dtype ", DTypeName(y->dtype()),
-                                                   ", want float8_e4m3fn or float8_e5m2"));
-  }
-  RETURN_IF_ERROR(RequireSameCount("Quantize", "y", *y, "x", x));
-  RETURN_IF_ERROR(CheckOutput("Quantize", y, &fp8));
+  RETURN_IF_ERROR(CheckQuantizeArgs(x, fp8, y));
   WriteOutput(ToFloatVector(x), y, &fp8);
   return absl::OkStatus();
 }
 
 absl::Status CpuOps::Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) {
-  RETURN_IF_ERROR(RequireDefined("Dequantize", "x", &x));
-  if (!IsFloat8(x.dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat("Dequantize: x has dtype ", DTypeName(x.dtype()),
-                                                   ", want float8_e4m3fn or float8_e5m2"));
-  }
-  RETURN_IF_ERROR(RequireScalarF32("Dequantize", "scale_inv", &scale_inv));
-  RETURN_IF_ERROR(RequireFloat("Dequantize", "y", y));
-  RETURN_IF_ERROR(RequireSameCount("Dequantize", "y", *y, "x", x));
+  RETURN_IF_ERROR(CheckDequantizeArgs(x, scale_inv, y));
   const float s = scale_inv.data_as<const float>()[0];
   for (int64_t i = 0; i < x.numel(); ++i) StoreFromFloat(y, i, LoadAsFloat(x, i) * s);
   return absl::OkStatus();
@@ -393,12 +379,7 @@ absl::Status CpuOps::Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor
 
 // Reads any floating dtype; FP8 values are read unscaled.
 absl::Status CpuOps::Amax(const Tensor& x, Tensor* amax) {
-  RETURN_IF_ERROR(RequireDefined("Amax", "x", &x));
-  if (!IsFloating(x.dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Amax: x has dtype ", DTypeName(x.dtype()), ", want a floating dtype"));
-  }
-  RETURN_IF_ERROR(RequireScalarF32("Amax", "amax", amax));
+  RETURN_IF_ERROR(CheckAmaxArgs(x, amax));
   const std::vector<float> v = ToFloatVector(x);
   amax->data_as<float>()[0] = AbsMax(v.data(), x.numel());
   return absl::OkStatus();
@@ -409,17 +390,7 @@ absl::Status CpuOps::Amax(const Tensor& x, Tensor* amax) {
 // or NaN there is no meaningful scale and it is 1.
 absl::Status CpuOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float margin,
                                    float epsilon, Tensor* scale, Tensor* scale_inv) {
-  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "amax", &amax));
-  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale", scale));
-  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale_inv", scale_inv));
-  if (!(fp8_max > 0.0f) || !std::isfinite(fp8_max)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ScaleFromAmax: fp8_max is ", fp8_max, ", want a positive finite value"));
-  }
-  if (!(epsilon >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ScaleFromAmax: epsilon is ", epsilon, ", want >= 0"));
-  }
+  RETURN_IF_ERROR(CheckScaleFromAmaxArgs(amax, fp8_max, epsilon, scale, scale_inv));
   float a = amax.data_as<const float>()[0];
   if (a < epsilon) a = epsilon;
   float s = 1.0f;
@@ -433,18 +404,7 @@ absl::Status CpuOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float marg
 
 absl::Status CpuOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
                                           Tensor* scale, Tensor* scale_inv) {
-  const char* op = "DelayedScalingUpdate";
-  RETURN_IF_ERROR(RequireDType(op, "amax_history", amax_history, DType::kF32));
-  if (amax_history->rank() != 1 || amax_history->numel() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": amax_history has shape ", ShapeString(amax_history->shape()), ", want [L], L >= 1"));
-  }
-  RETURN_IF_ERROR(RequireScalarF32(op, "scale", scale));
-  RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
-  if (!(args.fp8_max > 0.0f) || !std::isfinite(args.fp8_max)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": fp8_max is ", args.fp8_max, ", want a positive finite value"));
-  }
+  RETURN_IF_ERROR(CheckDelayedScalingArgs(args, amax_history, scale, scale_inv));
   float* history = amax_history->data_as<float>();
   const int64_t length = amax_history->numel();
 
@@ -462,18 +422,8 @@ absl::Status CpuOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor
 }
 
 absl::Status CpuOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) {
-  const char* op = "FakeQuantizeBlockScaled";
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  RETURN_IF_ERROR(RequireFloat(op, "y", y));
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
-  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
-  const int block = format == BlockFormat::kMXFP8 ? kMxfp8Block : kNvfp4Block;
+  RETURN_IF_ERROR(CheckFakeQuantizeBlockScaledArgs(format, x, y));
   const int64_t cols = x.dim(-1);
-  if (cols % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": x has last dimension ", cols, ", want a multiple of the ",
-        format == BlockFormat::kMXFP8 ? "MXFP8" : "NVFP4", " block size ", block));
-  }
   std::vector<float> v = ToFloatVector(x);
   if (format == BlockFormat::kMXFP8) {
     for (size_t b = 0; b < v.size(); b += kMxfp8Block) FakeQuantizeMxfp8Block(&v[b], kMxfp8Block);

@@ -15,8 +15,8 @@ namespace te {
 namespace cuda {
 namespace {
 
-constexpr int kMxfp8Block = 32;
-constexpr int kNvfp4Block = 16;
+constexpr int kMxfp8Block = kMxfp8BlockSize;
+constexpr int kNvfp4Block = kNvfp4BlockSize;
 constexpr int kE8M0MinExp = -127;
 constexpr int kE8M0MaxExp = 127;
 // DelayedScalingUpdate keeps the history in shared memory.
@@ -195,25 +195,12 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
   }
 }
 
-absl::Status RequireFp8(const char* op, const char* name, const Tensor& t) {
-  if (!IsFloat8(t.dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
-                                                   DTypeName(t.dtype()),
-                                                   ", want float8_e4m3fn or float8_e5m2"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 // ---- host launchers --------------------------------------------------------------
 
 absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) {
-  RETURN_IF_ERROR(RequireFloat("Quantize", "x", &x));
-  RETURN_IF_ERROR(RequireDefined("Quantize", "y", y));
-  RETURN_IF_ERROR(RequireFp8("Quantize", "y", *y));
-  RETURN_IF_ERROR(RequireSameCount("Quantize", "y", *y, "x", x));
-  RETURN_IF_ERROR(CheckOutput("Quantize", y, &fp8));
+  RETURN_IF_ERROR(CheckQuantizeArgs(x, fp8, y));
   RETURN_IF_ERROR(Enter());
   const int64_t n = x.numel();
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
@@ -234,11 +221,7 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
 }
 
 absl::Status CudaOps::Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) {
-  RETURN_IF_ERROR(RequireDefined("Dequantize", "x", &x));
-  RETURN_IF_ERROR(RequireFp8("Dequantize", "x", x));
-  RETURN_IF_ERROR(RequireScalarF32("Dequantize", "scale_inv", &scale_inv));
-  RETURN_IF_ERROR(RequireFloat("Dequantize", "y", y));
-  RETURN_IF_ERROR(RequireSameCount("Dequantize", "y", *y, "x", x));
+  RETURN_IF_ERROR(CheckDequantizeArgs(x, scale_inv, y));
   const int64_t n = x.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
@@ -256,12 +239,7 @@ absl::Status CudaOps::Dequantize(const Tensor& x, const Tensor& scale_inv, Tenso
 }
 
 absl::Status CudaOps::Amax(const Tensor& x, Tensor* amax) {
-  RETURN_IF_ERROR(RequireDefined("Amax", "x", &x));
-  if (!IsFloating(x.dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Amax: x has dtype ", DTypeName(x.dtype()), ", want a floating dtype"));
-  }
-  RETURN_IF_ERROR(RequireScalarF32("Amax", "amax", amax));
+  RETURN_IF_ERROR(CheckAmaxArgs(x, amax));
   RETURN_IF_ERROR(Enter());
   const int64_t n = x.numel();
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax->data(), 0, sizeof(float), stream()));
@@ -277,17 +255,7 @@ absl::Status CudaOps::Amax(const Tensor& x, Tensor* amax) {
 
 absl::Status CudaOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float margin,
                                     float epsilon, Tensor* scale, Tensor* scale_inv) {
-  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "amax", &amax));
-  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale", scale));
-  RETURN_IF_ERROR(RequireScalarF32("ScaleFromAmax", "scale_inv", scale_inv));
-  if (!(fp8_max > 0.0f) || !std::isfinite(fp8_max)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ScaleFromAmax: fp8_max is ", fp8_max, ", want a positive finite value"));
-  }
-  if (!(epsilon >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ScaleFromAmax: epsilon is ", epsilon, ", want >= 0"));
-  }
+  RETURN_IF_ERROR(CheckScaleFromAmaxArgs(amax, fp8_max, epsilon, scale, scale_inv));
   RETURN_IF_ERROR(Enter());
   ScaleFromAmaxKernel<<<1, 1, 0, stream()>>>(amax.data_as<const float>(), fp8_max, margin,
                                              epsilon, scale->data_as<float>(),
@@ -298,19 +266,13 @@ absl::Status CudaOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float mar
 
 absl::Status CudaOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
                                            Tensor* scale, Tensor* scale_inv) {
-  const char* op = "DelayedScalingUpdate";
-  RETURN_IF_ERROR(RequireDType(op, "amax_history", amax_history, DType::kF32));
+  RETURN_IF_ERROR(CheckDelayedScalingArgs(args, amax_history, scale, scale_inv));
+  // CUDA only: the kernel holds the whole history in one block's shared memory.
   const int64_t length = amax_history->numel();
-  if (amax_history->rank() != 1 || length < 1 || length > kMaxHistory) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": amax_history has shape ",
+  if (length > kMaxHistory) {
+    return absl::InvalidArgumentError(absl::StrCat("DelayedScalingUpdate: amax_history has shape ",
                                                    ShapeString(amax_history->shape()),
                                                    ", want [L], 1 <= L <= ", kMaxHistory));
-  }
-  RETURN_IF_ERROR(RequireScalarF32(op, "scale", scale));
-  RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
-  if (!(args.fp8_max > 0.0f) || !std::isfinite(args.fp8_max)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": fp8_max is ", args.fp8_max, ", want a positive finite value"));
   }
   RETURN_IF_ERROR(Enter());
   const size_t shared = static_cast<size_t>(length) * sizeof(float);
@@ -326,19 +288,9 @@ absl::Status CudaOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tenso
 }
 
 absl::Status CudaOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) {
-  const char* op = "FakeQuantizeBlockScaled";
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  RETURN_IF_ERROR(RequireFloat(op, "y", y));
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
-  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  RETURN_IF_ERROR(CheckFakeQuantizeBlockScaledArgs(format, x, y));
   const bool mxfp8 = format == BlockFormat::kMXFP8;
   const int block = mxfp8 ? kMxfp8Block : kNvfp4Block;
-  const int64_t cols = x.dim(-1);
-  if (cols % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": x has last dimension ", cols, ", want a multiple of the ",
-        mxfp8 ? "MXFP8" : "NVFP4", " block size ", block));
-  }
   const int64_t blocks = x.numel() / block;
   if (blocks == 0) return absl::OkStatus();
   Tensor tensor_amax;
