@@ -281,4 +281,68 @@ absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& 
   return absl::OkStatus();
 }
 
+// ---- GEMM -------------------------------------------------------------------------
+
+namespace {
+
+absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Tensor& t,
+                              const Tensor& scale_inv) {
+  RETURN_IF_ERROR(RequireDefined("Gemm", name, &t));
+  if (t.rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: ", name, " has shape ", ShapeString(t.shape()), ", want rank 2"));
+  }
+  if (IsFloat8(t.dtype())) {
+    if (scale_inv.data() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("Gemm: ", name, " is ", DTypeName(t.dtype()),
+                                                     " but ", scale_name, " is undefined"));
+    }
+    return RequireScalarF32("Gemm", scale_name, &scale_inv);
+  }
+  RETURN_IF_ERROR(RequireFloat("Gemm", name, &t));
+  if (scale_inv.data() != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: ", scale_name, " is given but ", name, " is ", DTypeName(t.dtype()),
+        "; scale_inv applies to FP8 operands only"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* out) {
+  RETURN_IF_ERROR(CheckGemmOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
+  RETURN_IF_ERROR(CheckGemmOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
+  if (IsFloat8(args.a.dtype()) != IsFloat8(args.b.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()), " and b is ",
+                     DTypeName(args.b.dtype()), "; operands are both float or both FP8"));
+  }
+  GemmDims dims;
+  dims.m = args.transpose_a ? args.a.dim(1) : args.a.dim(0);
+  dims.k = args.transpose_a ? args.a.dim(0) : args.a.dim(1);
+  const int64_t k = dims.k;
+  const Shape b_want = args.transpose_b ? Shape{args.b.dim(0), k} : Shape{k, args.b.dim(1)};
+  if (args.b.shape() != b_want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
+        args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)")
+                         : absl::StrCat("[K=", k, ", N]")));
+  }
+  dims.n = args.transpose_b ? args.b.dim(0) : args.b.dim(1);
+  RETURN_IF_ERROR(RequireFloat("Gemm", "out", out));
+  RETURN_IF_ERROR(RequireShape("Gemm", "out", *out, {dims.m, dims.n},
+                               absl::StrCat("[M=", dims.m, ", N=", dims.n, "]")));
+  if (args.bias.data() != nullptr) {
+    RETURN_IF_ERROR(RequireFloat("Gemm", "bias", &args.bias));
+    RETURN_IF_ERROR(
+        RequireShape("Gemm", "bias", args.bias, {dims.n}, absl::StrCat("[N=", dims.n, "]")));
+    if (args.accumulate) {
+      return absl::InvalidArgumentError("Gemm: bias is given with accumulate; add it once, "
+                                        "on the first GEMM that writes out");
+    }
+  }
+  return dims;
+}
+
 }  // namespace te

@@ -82,6 +82,18 @@ constexpr int kNvfp4BlockSize = 16;
 absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x,
                                               const Tensor* y);
 
+// ---- GEMM -------------------------------------------------------------------------
+
+// out [M, N] = op(a) [M, K] @ op(b) [K, N].
+struct GemmDims {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+};
+// Operands both float or both FP8 (each FP8 one with its scale_inv); a bias
+// (given when it has memory) excludes accumulate.
+absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* out);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

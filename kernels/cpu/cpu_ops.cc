@@ -231,30 +231,6 @@ RowMajorMatrix OperandMatrix(const Tensor& t, const Tensor& scale_inv) {
   return m;
 }
 
-// Checks one GEMM operand; returns its (rows, cols) after the transpose.
-absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Tensor& t,
-                              const Tensor& scale_inv) {
-  RETURN_IF_ERROR(RequireDefined("Gemm", name, &t));
-  if (t.rank() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Gemm: ", name, " has shape ", ShapeString(t.shape()), ", want rank 2"));
-  }
-  if (IsFloat8(t.dtype())) {
-    if (!scale_inv.defined() || scale_inv.data() == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("Gemm: ", name, " is ", DTypeName(t.dtype()),
-                                                     " but ", scale_name, " is undefined"));
-    }
-    return RequireScalarF32("Gemm", scale_name, &scale_inv);
-  }
-  RETURN_IF_ERROR(RequireFloat("Gemm", name, &t));
-  if (scale_inv.data() != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Gemm: ", scale_name, " is given but ", name, " is ", DTypeName(t.dtype()),
-        "; scale_inv applies to FP8 operands only"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 // ---- memory and copies -------------------------------------------------------
@@ -437,34 +413,9 @@ absl::Status CpuOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x
 // ---- GEMM ----------------------------------------------------------------------
 
 absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
-  RETURN_IF_ERROR(CheckGemmOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
-  RETURN_IF_ERROR(CheckGemmOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
-  if (IsFloat8(args.a.dtype()) != IsFloat8(args.b.dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()), " and b is ",
-                     DTypeName(args.b.dtype()), "; operands are both float or both FP8"));
-  }
-  const int64_t m = args.transpose_a ? args.a.dim(1) : args.a.dim(0);
-  const int64_t k = args.transpose_a ? args.a.dim(0) : args.a.dim(1);
-  const Shape b_want = args.transpose_b ? Shape{args.b.dim(0), k} : Shape{k, args.b.dim(1)};
-  if (args.b.shape() != b_want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
-        args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)")
-                         : absl::StrCat("[K=", k, ", N]")));
-  }
-  const int64_t n = args.transpose_b ? args.b.dim(0) : args.b.dim(1);
-  RETURN_IF_ERROR(RequireFloat("Gemm", "out", out));
-  RETURN_IF_ERROR(RequireShape("Gemm", "out", *out, {m, n}, absl::StrCat("[M=", m, ", N=", n, "]")));
+  ASSIGN_OR_RETURN(const GemmDims dims, CheckGemmArgs(args, out));
+  const int64_t m = dims.m, n = dims.n;
   const bool has_bias = args.bias.data() != nullptr;
-  if (has_bias) {
-    RETURN_IF_ERROR(RequireFloat("Gemm", "bias", &args.bias));
-    RETURN_IF_ERROR(RequireShape("Gemm", "bias", args.bias, {n}, absl::StrCat("[N=", n, "]")));
-    if (args.accumulate) {
-      return absl::InvalidArgumentError("Gemm: bias is given with accumulate; add it once, "
-                                        "on the first GEMM that writes out");
-    }
-  }
 
   const RowMajorMatrix a = OperandMatrix(args.a, args.a_scale_inv);
   const RowMajorMatrix b = OperandMatrix(args.b, args.b_scale_inv);

@@ -364,61 +364,14 @@ std::shared_ptr<GemmPlan> Plan(CudaOps* ops, const GemmKey& key) {
 
 constexpr size_t RoundUp(size_t n) { return (n + 255) / 256 * 256; }
 
-absl::Status CheckOperand(const char* name, const char* scale_name, const Tensor& t,
-                          const Tensor& scale_inv) {
-  RETURN_IF_ERROR(RequireDefined("Gemm", name, &t));
-  if (t.rank() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Gemm: ", name, " has shape ", ShapeString(t.shape()), ", want rank 2"));
-  }
-  if (IsFloat8(t.dtype())) {
-    if (scale_inv.data() == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("Gemm: ", name, " is ", DTypeName(t.dtype()),
-                                                     " but ", scale_name, " is undefined"));
-    }
-    return RequireScalarF32("Gemm", scale_name, &scale_inv);
-  }
-  RETURN_IF_ERROR(RequireFloat("Gemm", name, &t));
-  if (scale_inv.data() != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("Gemm: ", scale_name, " is given but ", name,
-                                                   " is ", DTypeName(t.dtype()),
-                                                   "; scale_inv applies to FP8 operands only"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   RETURN_IF_ERROR(Enter());
-  RETURN_IF_ERROR(CheckOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
-  RETURN_IF_ERROR(CheckOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
+  ASSIGN_OR_RETURN(const GemmDims dims, CheckGemmArgs(args, out));
+  const int64_t m = dims.m, n = dims.n, k = dims.k;
   const bool fp8 = IsFloat8(args.a.dtype());
-  if (fp8 != IsFloat8(args.b.dtype())) {
-    return absl::InvalidArgumentError(absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()),
-                                                   " and b is ", DTypeName(args.b.dtype()),
-                                                   "; operands are both float or both FP8"));
-  }
-  const int64_t m = args.transpose_a ? args.a.dim(1) : args.a.dim(0);
-  const int64_t k = args.transpose_a ? args.a.dim(0) : args.a.dim(1);
-  const Shape b_want = args.transpose_b ? Shape{args.b.dim(0), k} : Shape{k, args.b.dim(1)};
-  if (args.b.shape() != b_want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
-        args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)") : absl::StrCat("[K=", k, ", N]")));
-  }
-  const int64_t n = args.transpose_b ? args.b.dim(0) : args.b.dim(1);
-  RETURN_IF_ERROR(RequireFloat("Gemm", "out", out));
-  RETURN_IF_ERROR(RequireShape("Gemm", "out", *out, {m, n}));
   const bool has_bias = args.bias.data() != nullptr;
-  if (has_bias) {
-    RETURN_IF_ERROR(RequireFloat("Gemm", "bias", &args.bias));
-    RETURN_IF_ERROR(RequireShape("Gemm", "bias", args.bias, {n}));
-    if (args.accumulate) {
-      return absl::InvalidArgumentError(
-          "Gemm: bias is given with accumulate; add it once, on the first GEMM that writes out");
-    }
-  }
   if (m == 0 || n == 0) return absl::OkStatus();
   if (k == 0) return Epilogue(nullptr, args.bias, args.accumulate, out, m, n, stream());
 
