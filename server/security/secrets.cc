@@ -47,8 +47,8 @@ std::string Sha256(absl::string_view data) {
 
 absl::StatusOr<AccessKey> AccessKey::FromString(absl::string_view key) {
   if (key.size() < kMinBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("access key: ", key.size(),
-                                                   " bytes; at least ", kMinBytes, " required"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("access key: ", key.size(), " bytes; at least ", kMinBytes, " required"));
   }
   return AccessKey(Sha256(key));
 }

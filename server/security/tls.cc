@@ -74,7 +74,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
   if (X509_check_private_key(certificate.get(), private_key.get()) != 1) {
     return absl::FailedPreconditionError(absl::StrCat("--tls_key=", files.key_file,
                                                       " does not match the certificate in "
-                                                      "--tls_cert=", files.cert_file));
+                                                      "--tls_cert=",
+                                                      files.cert_file));
   }
 
   grpc::SslServerCredentialsOptions options;
@@ -89,8 +90,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
           absl::StrCat("--tls_client_ca=", files.client_ca_file, ": no PEM certificate in it"));
     }
     options.pem_root_certs = *client_ca;
-    options.client_certificate_request =
-        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
 }

@@ -20,7 +20,9 @@ struct TlsFiles {
   std::string key_file;        // its private key
   std::string client_ca_file;  // set: mutual TLS, client certificates required and verified
 
-  bool enabled() const { return !cert_file.empty() || !key_file.empty() || !client_ca_file.empty(); }
+  bool enabled() const {
+    return !cert_file.empty() || !key_file.empty() || !client_ca_file.empty();
+  }
 };
 
 // Insecure credentials when no file is named; TLS otherwise.

@@ -15,9 +15,9 @@
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
 #include "server/layers/variables.h"
@@ -118,9 +118,7 @@ class Sha256Stream {
     ok_ = context_ != nullptr && EVP_DigestInit_ex(context_, EVP_sha256(), nullptr) == 1;
   }
   ~Sha256Stream() { EVP_MD_CTX_free(context_); }
-  void Update(const void* data, size_t n) {
-    ok_ = ok_ && EVP_DigestUpdate(context_, data, n) == 1;
-  }
+  void Update(const void* data, size_t n) { ok_ = ok_ && EVP_DigestUpdate(context_, data, n) == 1; }
   absl::StatusOr<std::string> Finish() {
     unsigned char digest[EVP_MAX_MD_SIZE];
     unsigned int size = 0;
@@ -164,8 +162,8 @@ class DataSource {
   // Exactly `n` bytes at the current offset; DATA_LOSS past the end.
   absl::Status Read(size_t n, std::string* bytes) {
     if (n > size_ - offset_) {
-      return absl::DataLossError(absl::StrCat(path_, ": ", n, " bytes wanted at offset ",
-                                              offset_, ", past its end (", size_, ")"));
+      return absl::DataLossError(absl::StrCat(path_, ": ", n, " bytes wanted at offset ", offset_,
+                                              ", past its end (", size_, ")"));
     }
     bytes->resize(n);
     size_t done = 0;
@@ -183,8 +181,8 @@ class DataSource {
   // The whole file was read and its SHA-256 is `expected`.
   absl::Status Verify(const std::string& expected) {
     if (offset_ != size_) {
-      return absl::DataLossError(absl::StrCat(path_, ": ", size_ - offset_,
-                                              " bytes after the last variable"));
+      return absl::DataLossError(
+          absl::StrCat(path_, ": ", size_ - offset_, " bytes after the last variable"));
     }
     ASSIGN_OR_RETURN(std::string digest, hash_.Finish());
     if (!security::ConstantTimeEquals(digest, expected)) {
@@ -215,8 +213,8 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, int64_t max_b
   struct stat info;
   if (fstat(fd.get(), &info) != 0) return IoError("stat", path);
   if (!S_ISREG(info.st_mode) || info.st_size > max_bytes) {
-    return absl::DataLossError(absl::StrCat(path, ": not a regular file of at most ", max_bytes,
-                                            " bytes"));
+    return absl::DataLossError(
+        absl::StrCat(path, ": not a regular file of at most ", max_bytes, " bytes"));
   }
   DataSource source(fd.get(), path, static_cast<uint64_t>(info.st_size));
   std::string content;
@@ -291,8 +289,8 @@ class SessionCheckpoint {
 
  private:
   static absl::StatusOr<std::unique_ptr<LayerEntry>> RebuildLayer(Session& session,
-                                                                   const SavedLayer& saved,
-                                                                   DataSource& source) {
+                                                                  const SavedLayer& saved,
+                                                                  DataSource& source) {
     auto entry = std::make_unique<LayerEntry>();
     entry->id = saved.layer_id();
     ASSIGN_OR_RETURN(entry->layer, layers::CreateLayer(saved.spec()));
@@ -323,8 +321,8 @@ class SessionCheckpoint {
       layers::Variables& target = is_grad ? entry->grads : entry->vars;
       if (target.count(name) > 0) return absl::DataLossError(absl::StrCat(name, ": repeated"));
       if (variable.offset() != source.offset()) {
-        return absl::DataLossError(absl::StrCat(name, ": at offset ", variable.offset(),
-                                                ", expected ", source.offset()));
+        return absl::DataLossError(
+            absl::StrCat(name, ": at offset ", variable.offset(), ", expected ", source.offset()));
       }
       ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(variable.dtype(), name + ".dtype"));
       ASSIGN_OR_RETURN(Shape shape, ShapeFromProto(variable.shape(), dtype,
@@ -375,8 +373,7 @@ std::string CheckpointStore::SessionDir(const std::string& id) const {
   return absl::StrCat(state_dir_, "/", id);
 }
 
-absl::StatusOr<CheckpointStore::Written> CheckpointStore::Save(
-    const SessionManager::Lease& lease) {
+absl::StatusOr<CheckpointStore::Written> CheckpointStore::Save(const SessionManager::Lease& lease) {
   const std::string& id = lease.id();
   if (!IsSessionId(id)) {
     return absl::InternalError(absl::StrCat("session id '", id, "' is not of the server's form"));
@@ -473,7 +470,8 @@ int CheckpointStore::SaveAll(SessionManager* manager, absl::Time deadline) {
 
 absl::Status CheckpointStore::Remove(const std::string& id) {
   if (!IsSessionId(id)) {
-    return absl::InvalidArgumentError(absl::StrCat("session id '", id, "' is not of the server's form"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("session id '", id, "' is not of the server's form"));
   }
   std::error_code error;
   const uintmax_t removed = fs::remove_all(SessionDir(id), error);
@@ -491,7 +489,8 @@ absl::Status CheckpointStore::Remove(const std::string& id) {
 absl::Status CheckpointStore::Restore(const std::string& id, Device* device,
                                       const SessionConfig& config, SessionManager* manager) {
   if (!IsSessionId(id)) {
-    return absl::InvalidArgumentError(absl::StrCat("session id '", id, "' is not of the server's form"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("session id '", id, "' is not of the server's form"));
   }
   const std::string dir = SessionDir(id);
   ASSIGN_OR_RETURN(std::string manifest,
@@ -509,7 +508,8 @@ absl::Status CheckpointStore::Restore(const std::string& id, Device* device,
         absl::StrCat(dir, ": the manifest is of session '", state.session_id(), "'"));
   }
   security::TokenDigest digest{state.token_salt(), state.token_sha256()};
-  if (!digest.WellFormed()) return absl::DataLossError(absl::StrCat(dir, ": malformed token digest"));
+  if (!digest.WellFormed())
+    return absl::DataLossError(absl::StrCat(dir, ": malformed token digest"));
   if (!IsDataFileName(state.data_file())) {
     return absl::DataLossError(absl::StrCat(dir, ": data file name '", state.data_file(),
                                             "' is not one this server makes"));
@@ -528,11 +528,12 @@ absl::Status CheckpointStore::Restore(const std::string& id, Device* device,
       SessionCheckpoint::Rebuild(state, source, device, config);
   if (!session.ok()) return InCheckpoint(session.status(), dir);
   RETURN_IF_ERROR(manager->Restore(id, digest, absl::Seconds(state.ttl_seconds()), *session));
-  LogForSession(LogLevel::kInfo, id, "restored from checkpoint",
-                {{"layers", absl::StrCat(state.layers_size())},
-                 {"bytes", absl::StrCat(state.data_bytes())},
-                 {"saved_on", state.device()},
-                 {"saved_at", absl::FormatTime(absl::FromUnixSeconds(state.saved_unix_seconds()))}});
+  LogForSession(
+      LogLevel::kInfo, id, "restored from checkpoint",
+      {{"layers", absl::StrCat(state.layers_size())},
+       {"bytes", absl::StrCat(state.data_bytes())},
+       {"saved_on", state.device()},
+       {"saved_at", absl::FormatTime(absl::FromUnixSeconds(state.saved_unix_seconds()))}});
   return absl::OkStatus();
 }
 

@@ -79,8 +79,7 @@ class CheckpointStore {
   };
   // Restore() for every checkpoint in state_dir; entries not named like a
   // session id are ignored.
-  RestoreReport RestoreAll(Device* device, const SessionConfig& config,
-                           SessionManager* manager);
+  RestoreReport RestoreAll(Device* device, const SessionConfig& config, SessionManager* manager);
 
  private:
   explicit CheckpointStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}

@@ -80,8 +80,8 @@ class CheckpointTest : public ::testing::Test {
   // training steps behind it (moved FP8 state, kept gradients).
   void MakeTrainedSession() {
     te::v1::CreateSessionResponse created;
-    ASSERT_TRUE(OpenSession(te::v1::CreateSessionRequest(), device_.get(), config_,
-                            manager_.get(), &created)
+    ASSERT_TRUE(OpenSession(te::v1::CreateSessionRequest(), device_.get(), config_, manager_.get(),
+                            &created)
                     .ok());
     ref_ = created.session();
     auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
@@ -130,7 +130,9 @@ class CheckpointTest : public ::testing::Test {
     return store_->Save(*lease);
   }
 
-  std::string SessionDir() const { return absl::StrCat(store_->state_dir(), "/", ref_.session_id()); }
+  std::string SessionDir() const {
+    return absl::StrCat(store_->state_dir(), "/", ref_.session_id());
+  }
 
   std::unique_ptr<Device> device_;
   SessionConfig config_;
@@ -163,8 +165,9 @@ TEST_F(CheckpointTest, RestoredSessionIsBitForBitAndKeepsItsToken) {
   CheckpointStore::RestoreReport report = store_->RestoreAll(device_.get(), config_, &restarted);
   EXPECT_EQ(report.restored, 1);
   EXPECT_EQ(report.failed, 0);
-  EXPECT_EQ(restarted.Acquire(ref_.session_id(), "0000000000000000000000000000000f").status().code(),
-            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(
+      restarted.Acquire(ref_.session_id(), "0000000000000000000000000000000f").status().code(),
+      absl::StatusCode::kUnauthenticated);
   const std::map<std::string, te::v1::Tensor> after = Variables(restarted, ref_.token());
   ASSERT_EQ(after.size(), before.size());
   for (const auto& [name, tensor] : before) {

@@ -22,8 +22,9 @@ TEST(LogLineTest, NoSessionFieldWhenNoneConcerned) {
 }
 
 TEST(LogLineTest, EscapesKeepOneLine) {
-  const std::string line = FormatLogLine(LogLevel::kError, kTime, "s", "a \"quoted\"\nsecond\\line\x01",
-                                         {{"path", "with space"}, {"empty", ""}});
+  const std::string line =
+      FormatLogLine(LogLevel::kError, kTime, "s", "a \"quoted\"\nsecond\\line\x01",
+                    {{"path", "with space"}, {"empty", ""}});
   EXPECT_EQ(line.find('\n'), std::string::npos);
   EXPECT_EQ(line,
             "ts=2025-01-31T12:00:00.123Z level=error session=s "

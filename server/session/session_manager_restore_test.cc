@@ -66,12 +66,13 @@ TEST(SessionManagerRestoreTest, RestoreRefusesDuplicatesBadDigestsAndOverflow) {
   ASSERT_TRUE(manager.Restore(kRestoredId, *digest, absl::Seconds(60), FakeSession()).ok());
   EXPECT_EQ(manager.Restore(kRestoredId, *digest, absl::Seconds(60), FakeSession()).code(),
             absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(manager.Restore("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", *digest, absl::Seconds(60),
-                            FakeSession())
-                .code(),
-            absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(manager.Restore("bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", security::TokenDigest{},
-                            absl::Seconds(60), FakeSession())
+  EXPECT_EQ(
+      manager.Restore("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", *digest, absl::Seconds(60), FakeSession())
+          .code(),
+      absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(manager
+                .Restore("bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", security::TokenDigest{},
+                         absl::Seconds(60), FakeSession())
                 .code(),
             absl::StatusCode::kInvalidArgument);
 }

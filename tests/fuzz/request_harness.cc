@@ -75,7 +75,8 @@ struct Globals {
     options.max_waiting_calls = 2;
     manager = std::make_unique<session::SessionManager>(options);
     const char* tmp = std::getenv("TEST_TMPDIR");
-    const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/te_fuzz_state_", getpid());
+    const std::string dir =
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/te_fuzz_state_", getpid());
     store = *session::CheckpointStore::Open(dir);
     access_key = *security::AccessKey::FromString(kAccessKey);
     shm_name = absl::StrCat("/te_fuzz_", getpid());
@@ -199,7 +200,7 @@ bool Parse(const uint8_t* data, size_t size, Request* request) {
 }
 
 absl::Status RunPutTensor(const Fixture& fixture, const Options& options, const uint8_t* data,
-                  size_t size) {
+                          size_t size) {
   google::protobuf::io::CodedInputStream stream(data, static_cast<int>(size));
   std::vector<te::v1::PutTensorChunk> chunks;
   uint32_t length = 0;
@@ -256,7 +257,7 @@ absl::Status RunRestore(const uint8_t* data, size_t size) {
 }
 
 absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const uint8_t* data,
-              size_t size) {
+                      size_t size) {
   Globals& g = G();
   switch (rpc) {
     case Rpc::kCreateSession: {
@@ -284,7 +285,8 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       te::v1::InitLayerResponse response;
-      return OnSession(request, options, [&](session::Session& s) { return s.InitLayer(request, &response); });
+      return OnSession(request, options,
+                       [&](session::Session& s) { return s.InitLayer(request, &response); });
     }
     case Rpc::kForward: {
       te::v1::ForwardRequest request;
@@ -292,7 +294,8 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
       te::v1::ForwardResponse response;
-      return OnSession(request, options, [&](session::Session& s) { return s.Forward(request, &response); });
+      return OnSession(request, options,
+                       [&](session::Session& s) { return s.Forward(request, &response); });
     }
     case Rpc::kBackward: {
       te::v1::BackwardRequest request;
@@ -300,7 +303,8 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       FixRef(fx, options, &request);
       FixId(fx.forward_id, options, request.mutable_forward_id());
       te::v1::BackwardResponse response;
-      return OnSession(request, options, [&](session::Session& s) { return s.Backward(request, &response); });
+      return OnSession(request, options,
+                       [&](session::Session& s) { return s.Backward(request, &response); });
     }
     case Rpc::kForwardBackward: {
       te::v1::ForwardBackwardRequest request;
@@ -309,7 +313,7 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       FixId(fx.layer_id, options, request.mutable_layer_id());
       te::v1::ForwardBackwardResponse response;
       return OnSession(request, options,
-                [&](session::Session& s) { return s.ForwardBackward(request, &response); });
+                       [&](session::Session& s) { return s.ForwardBackward(request, &response); });
     }
     case Rpc::kGetVariables: {
       te::v1::GetVariablesRequest request;
@@ -318,14 +322,15 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       FixId(fx.layer_id, options, request.mutable_layer_id());
       te::v1::GetVariablesResponse response;
       return OnSession(request, options,
-                [&](session::Session& s) { return s.GetVariables(request, &response); });
+                       [&](session::Session& s) { return s.GetVariables(request, &response); });
     }
     case Rpc::kSetVariables: {
       te::v1::SetVariablesRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
-      return OnSession(request, options, [&](session::Session& s) { return s.SetVariables(request); });
+      return OnSession(request, options,
+                       [&](session::Session& s) { return s.SetVariables(request); });
     }
     case Rpc::kPutTensor:
       return RunPutTensor(fx, options, data, size);
@@ -346,7 +351,8 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.tensor_id, options, request.mutable_tensor_id());
-      return OnSession(request, options, [&](session::Session& s) { return s.DeleteTensor(request); });
+      return OnSession(request, options,
+                       [&](session::Session& s) { return s.DeleteTensor(request); });
     }
     case Rpc::kBenchmark: {
       te::v1::BenchmarkRequest request;
@@ -357,7 +363,7 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       call.deadline = absl::Now() + absl::Milliseconds(50);
       te::v1::BenchmarkResponse response;
       return OnSession(request, options,
-                [&](session::Session& s) { return s.Benchmark(request, call, &response); });
+                       [&](session::Session& s) { return s.Benchmark(request, call, &response); });
     }
     case Rpc::kRegisterSharedMemory: {
       te::v1::RegisterSharedMemoryRequest request;
@@ -369,15 +375,16 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
         request.set_name(g.shm_name);
       }
       te::v1::RegisterSharedMemoryResponse response;
-      return OnSession(request, options,
-                [&](session::Session& s) { return s.RegisterSharedMemory(request, &response); });
+      return OnSession(request, options, [&](session::Session& s) {
+        return s.RegisterSharedMemory(request, &response);
+      });
     }
     case Rpc::kUnregisterSharedMemory: {
       te::v1::UnregisterSharedMemoryRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       return OnSession(request, options,
-                [&](session::Session& s) { return s.UnregisterSharedMemory(request); });
+                       [&](session::Session& s) { return s.UnregisterSharedMemory(request); });
     }
     case Rpc::kCheckpoint: {
       te::v1::CheckpointRequest request;

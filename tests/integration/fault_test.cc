@@ -57,7 +57,7 @@ int FaultSeconds() {
 // Everything the clients saw, merged at the end.
 struct Figures {
   int64_t calls = 0;
-  int64_t ordinary_failures = 0;  // calls without a fault that failed
+  int64_t ordinary_failures = 0;          // calls without a fault that failed
   std::map<std::string, int64_t> faults;  // by kind
   std::map<grpc::StatusCode, int64_t> codes;
   int64_t sessions_opened = 0;
@@ -83,19 +83,32 @@ struct Figures {
 
 const char* CodeName(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    default: return "OTHER";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    default:
+      return "OTHER";
   }
 }
 
@@ -327,9 +340,9 @@ class FaultClient {
   void DropConnectionInPutTensor() {
     ++figures_.faults["connection_drop"];
     ++figures_.calls;
-    const std::string binary = absl::StrCat(ServerBinaryPath().substr(
-                                                0, ServerBinaryPath().rfind("/server/te_server")),
-                                            "/tests/integration/fault_client");
+    const std::string binary =
+        absl::StrCat(ServerBinaryPath().substr(0, ServerBinaryPath().rfind("/server/te_server")),
+                     "/tests/integration/fault_client");
     std::vector<std::string> args = {binary, server_.address(), session_.session_id(),
                                      session_.token(), absl::StrCat(Uniform(0, kPutChunks - 2))};
     std::vector<char*> argv;
@@ -422,8 +435,8 @@ class FaultClient {
     ++figures_.calls;
     ++figures_.codes[gone.error_code()];
     if (gone.error_code() != grpc::StatusCode::NOT_FOUND) {
-      figures_.unexpected.push_back(absl::StrCat("a closed session answered ",
-                                                 CodeName(gone.error_code())));
+      figures_.unexpected.push_back(
+          absl::StrCat("a closed session answered ", CodeName(gone.error_code())));
     }
     session_.Clear();
   }
@@ -516,9 +529,11 @@ TEST(FaultTest, ServerSurvivesFaultsAndReturnsToBaseline) {
   int64_t injected = 0;
   for (const auto& [kind, n] : figures.faults) injected += n;
   std::printf("  faults injected     %lld:", static_cast<long long>(injected));
-  for (const auto& [kind, n] : figures.faults) std::printf(" %s=%lld", kind.c_str(), static_cast<long long>(n));
+  for (const auto& [kind, n] : figures.faults)
+    std::printf(" %s=%lld", kind.c_str(), static_cast<long long>(n));
   std::printf("\n  results by code    ");
-  for (const auto& [code, n] : figures.codes) std::printf(" %s=%lld", CodeName(code), static_cast<long long>(n));
+  for (const auto& [code, n] : figures.codes)
+    std::printf(" %s=%lld", CodeName(code), static_cast<long long>(n));
   std::printf("\n  sessions            opened=%lld closed=%lld\n",
               static_cast<long long>(figures.sessions_opened),
               static_cast<long long>(figures.sessions_closed));
@@ -528,9 +543,11 @@ TEST(FaultTest, ServerSurvivesFaultsAndReturnsToBaseline) {
   std::printf("  memory (server)     before: sessions=%d bytes_in_use=%lld rss=%lld KiB\n",
               before.sessions_open(), static_cast<long long>(before.bytes_in_use()),
               static_cast<long long>(rss_before));
-  std::printf("                      at the end of the faults: sessions=%d bytes_in_use=%lld rss=%lld KiB\n",
-              during.sessions_open(), static_cast<long long>(during.bytes_in_use()),
-              static_cast<long long>(rss_during));
+  std::printf(
+      "                      at the end of the faults: sessions=%d bytes_in_use=%lld rss=%lld "
+      "KiB\n",
+      during.sessions_open(), static_cast<long long>(during.bytes_in_use()),
+      static_cast<long long>(rss_during));
   std::printf("                      after closing: sessions=%d bytes_in_use=%lld rss=%lld KiB\n",
               after.sessions_open(), static_cast<long long>(after.bytes_in_use()),
               static_cast<long long>(rss_after));

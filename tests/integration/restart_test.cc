@@ -171,8 +171,9 @@ TEST_F(RestartTest, SigtermSavesAndARestartRestoresBitForBit) {
 
   // The restored session trains on from its FP8 state.
   Train(kept, layer, 1, 99);
-  EXPECT_NE(GetAllVariables(*stub_, kept, layer).at("fp8_metas/kernel_0_amax_history").inline_data(),
-            before.at("fp8_metas/kernel_0_amax_history").inline_data());
+  EXPECT_NE(
+      GetAllVariables(*stub_, kept, layer).at("fp8_metas/kernel_0_amax_history").inline_data(),
+      before.at("fp8_metas/kernel_0_amax_history").inline_data());
   ASSERT_TRUE(second->Stop().ok());
 }
 

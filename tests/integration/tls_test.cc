@@ -62,8 +62,8 @@ class TlsTest : public ::testing::Test {
                             std::shared_ptr<grpc::ChannelCredentials> credentials) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
-    auto stub = te::v1::TeService::NewStub(
-        grpc::CreateCustomChannel(server.address(), credentials, args));
+    auto stub =
+        te::v1::TeService::NewStub(grpc::CreateCustomChannel(server.address(), credentials, args));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     te::v1::ServerInfo info;
@@ -112,8 +112,7 @@ TEST_F(TlsTest, BadCredentialsStopTheServerAtStart) {
   options.startup_timeout = absl::Seconds(20);
   absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(options);
   ASSERT_FALSE(server.ok());
-  EXPECT_NE(server.status().message().find("exit status 2"), std::string::npos)
-      << server.status();
+  EXPECT_NE(server.status().message().find("exit status 2"), std::string::npos) << server.status();
 }
 
 TEST_F(TlsTest, CreateSessionNeedsTheAccessKeyAndEchoesTheAddress) {

@@ -36,8 +36,8 @@ absl::StatusOr<TestCerts> MakeTestCerts() {
   const std::string command = absl::StrCat("bash '", ScriptPath(), "' '", certs.dir, "'");
   const int status = std::system(command.c_str());
   if (status != 0) {
-    return absl::UnavailableError(absl::StrCat(command, " failed: wait status ", status,
-                                               " (is openssl installed?)"));
+    return absl::UnavailableError(
+        absl::StrCat(command, " failed: wait status ", status, " (is openssl installed?)"));
   }
   return certs;
 }
