@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +25,44 @@ std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
   return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
 }
 
+absl::StatusOr<std::string> ReadPemFile(const char* option, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::FailedPreconditionError(absl::StrCat("ClientOptions.", option, " = ", path,
+                                                      ": cannot be read"));
+  }
+  std::stringstream content;
+  content << in.rdbuf();
+  return content.str();
+}
+
+// Plaintext, TLS or mutual TLS, as `options` ask.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> CredentialsFor(
+    const ClientOptions& options) {
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.tls_cert_file and tls_key_file: give both (mutual TLS) or neither");
+  }
+  if (options.tls_root_ca_file.empty() && options.tls_cert_file.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_root_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile("tls_root_ca_file", options.tls_root_ca_file);
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+  }
+  if (!options.tls_cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPemFile("tls_cert_file", options.tls_cert_file);
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPemFile("tls_key_file", options.tls_key_file);
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(ssl);
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -38,8 +78,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = CredentialsFor(options);
+  if (!credentials.ok()) return credentials.status();
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(address, *credentials, args);
   if (!channel->WaitForConnected(DeadlineAfter(options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("could not connect to te_server at ", address, " within ",
                                                absl::FormatDuration(options.connect_timeout)));
@@ -62,6 +104,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const SessionOpti
   request.set_policy(PolicyToProto(options.policy));
   request.set_device(options.device);
   request.set_ttl_seconds(absl::ToInt64Seconds(options.ttl));
+  request.set_access_key(options_.access_key);
   grpc::ClientContext context;
   context.set_deadline(DeadlineAfter(options_.rpc_timeout));
   te::v1::CreateSessionResponse response;

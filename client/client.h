@@ -47,6 +47,16 @@ struct ClientOptions {
   // server takes minutes).
   absl::Duration connect_timeout = absl::Seconds(10);
   absl::Duration rpc_timeout = absl::Minutes(30);
+
+  // Security (te_server's --tls_cert, --tls_client_ca, --access_key_file).
+  // TLS when tls_root_ca_file is set: the PEM CA bundle that signed the
+  // server's certificate. Mutual TLS when tls_cert_file and tls_key_file also
+  // name this client's PEM certificate and key. All empty: plaintext.
+  std::string tls_root_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;  // the name the server's certificate must carry, if not the host's
+  std::string access_key;       // sent with CreateSession when the server requires one
 };
 
 // How the server picks a recipe from the preferred list (te.v1.NegotiationPolicy).
@@ -140,8 +150,11 @@ class Session {
 
 class Client {
  public:
-  // Opens an insecure channel to `address` ("host:port") and waits up to
-  // options.connect_timeout for it. UNAVAILABLE when nothing answers.
+  // Opens a channel to `address` ("host:port"), plaintext or TLS as options
+  // say, and waits up to options.connect_timeout for it. UNAVAILABLE when
+  // nothing answers or the TLS handshake fails; INVALID_ARGUMENT for a client
+  // certificate without its key (or the reverse); FAILED_PRECONDITION when a
+  // TLS file cannot be read.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          const ClientOptions& options = {});
 

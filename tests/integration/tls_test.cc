@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/client.h"
 #include "gtest/gtest.h"
 #include "te/v1/service.grpc.pb.h"
 #include "tests/server_fixture.h"
@@ -145,6 +146,55 @@ TEST_F(TlsTest, CreateSessionNeedsTheAccessKeyAndEchoesTheAddress) {
   *close.mutable_session() = response.session();
   te::v1::CloseSessionResponse closed;
   EXPECT_TRUE(stub->CloseSession(&context, close, &closed).ok());
+  EXPECT_TRUE(server->Stop().ok());
+}
+
+TEST_F(TlsTest, ClientLibraryConnectsWithMutualTlsAndTheAccessKey) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string key_file = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/client_access_key");
+  std::ofstream(key_file) << kAccessKey;
+  std::vector<std::string> flags = TlsFlags();
+  flags.push_back("--tls_client_ca=" + certs_->Path("ca.pem"));
+  flags.push_back("--access_key_file=" + key_file);
+  std::unique_ptr<ServerProcess> server = StartServer(flags, Tls("ca", "client"));
+  ASSERT_NE(server, nullptr);
+
+  client::ClientOptions options;
+  options.connect_timeout = absl::Seconds(5);
+  options.tls_root_ca_file = certs_->Path("ca.pem");
+  options.tls_cert_file = certs_->Path("client.pem");
+  options.tls_key_file = certs_->Path("client.key");
+  options.access_key = kAccessKey;
+  absl::StatusOr<std::unique_ptr<client::Client>> client =
+      client::Client::Connect(server->address(), options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<std::unique_ptr<client::Session>> session = (*client)->CreateSession({});
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_TRUE((*session)->Close().ok());
+
+  client::ClientOptions no_key = options;
+  no_key.access_key.clear();
+  client = client::Client::Connect(server->address(), no_key);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->CreateSession({}).status().code(), absl::StatusCode::kUnauthenticated);
+
+  client::ClientOptions wrong_ca = options;
+  wrong_ca.tls_root_ca_file = certs_->Path("other_ca.pem");
+  EXPECT_EQ(client::Client::Connect(server->address(), wrong_ca).status().code(),
+            absl::StatusCode::kUnavailable);
+  client::ClientOptions no_certificate = options;
+  no_certificate.tls_cert_file.clear();
+  no_certificate.tls_key_file.clear();
+  EXPECT_EQ(client::Client::Connect(server->address(), no_certificate).status().code(),
+            absl::StatusCode::kUnavailable);
+  client::ClientOptions half = options;
+  half.tls_key_file.clear();
+  EXPECT_EQ(client::Client::Connect(server->address(), half).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  client::ClientOptions missing = options;
+  missing.tls_root_ca_file = "/no/such/ca.pem";
+  EXPECT_EQ(client::Client::Connect(server->address(), missing).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(server->Stop().ok());
 }
 
