@@ -94,6 +94,24 @@ struct GemmDims {
 // (given when it has memory) excludes accumulate.
 absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* out);
 
+// ---- normalisation ------------------------------------------------------------------
+
+// x [rows, hidden]; x may have any rank >= 1, rows = prod(shape[:-1]).
+struct NormDims {
+  int64_t rows = 0;
+  int64_t hidden = 0;
+};
+// mu and rsigma are optional outputs (Wanted); beta is given for LayerNorm only.
+absl::StatusOr<NormDims> CheckNormForwardArgs(const NormArgs& args, const Tensor& x,
+                                              const Tensor& gamma, const Tensor& beta,
+                                              const Tensor* y, const Tensor* mu,
+                                              const Tensor* rsigma, const Fp8Output* fp8);
+absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tensor& dy,
+                                               const Tensor& x, const Tensor& mu,
+                                               const Tensor& rsigma, const Tensor& gamma,
+                                               const Tensor* dx, const Tensor* dgamma,
+                                               const Tensor* dbeta);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

@@ -438,40 +438,15 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
 
 // ---- normalisation --------------------------------------------------------------
 
-// x may have any rank >= 1: its rows are normalised over the last dimension.
+// Rows (all but the last dimension) are normalised over the last dimension.
 absl::Status CpuOps::NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
                                  const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
                                  const Fp8Output* fp8) {
-  const char* op = "NormForward";
+  ASSIGN_OR_RETURN(const NormDims dims, CheckNormForwardArgs(args, x, gamma, beta, y, mu,
+                                                              rsigma, fp8));
   const bool layernorm = args.type == NormType::kLayerNorm;
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  if (x.rank() < 1) return absl::InvalidArgumentError("NormForward: x is a scalar, want [N, H]");
-  const int64_t h = x.dim(-1);
-  const int64_t rows = Rows(x);
-  const std::string h_text = absl::StrCat("[H=", h, "]");
-  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
-  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {h}, h_text));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireFloat(op, "beta", &beta));
-    RETURN_IF_ERROR(RequireShape(op, "beta", beta, {h}, h_text));
-  } else if (beta.data() != nullptr) {
-    return absl::InvalidArgumentError("NormForward: beta is given for RMSNorm, which has none");
-  }
-  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
-  const std::string rows_text = absl::StrCat("[N=", rows, "]");
-  if (layernorm && Wanted(mu)) {
-    RETURN_IF_ERROR(RequireDType(op, "mu", mu, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "mu", *mu, {rows}, rows_text));
-  }
-  if (Wanted(rsigma)) {
-    RETURN_IF_ERROR(RequireDType(op, "rsigma", rsigma, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "rsigma", *rsigma, {rows}, rows_text));
-  }
-  if (!(args.epsilon >= 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("NormForward: epsilon is ", args.epsilon,
-                                                   ", want >= 0"));
-  }
+  const int64_t h = dims.hidden;
+  const int64_t rows = dims.rows;
 
   const std::vector<float> xs = ToFloatVector(x);
   std::vector<float> g = ToFloatVector(gamma);
@@ -508,32 +483,11 @@ absl::Status CpuOps::NormForward(const NormArgs& args, const Tensor& x, const Te
 absl::Status CpuOps::NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                                   const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
                                   Tensor* dx, Tensor* dgamma, Tensor* dbeta) {
-  const char* op = "NormBackward";
+  ASSIGN_OR_RETURN(const NormDims dims, CheckNormBackwardArgs(args, dy, x, mu, rsigma, gamma,
+                                                               dx, dgamma, dbeta));
   const bool layernorm = args.type == NormType::kLayerNorm;
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  if (x.rank() < 1) return absl::InvalidArgumentError("NormBackward: x is a scalar, want [N, H]");
-  const int64_t h = x.dim(-1);
-  const int64_t rows = Rows(x);
-  const std::string h_text = absl::StrCat("[H=", h, "]");
-  const std::string rows_text = absl::StrCat("[N=", rows, "]");
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  RETURN_IF_ERROR(RequireShape(op, "dy", dy, x.shape()));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireDType(op, "mu", &mu, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "mu", mu, {rows}, rows_text));
-  }
-  RETURN_IF_ERROR(RequireDType(op, "rsigma", &rsigma, DType::kF32));
-  RETURN_IF_ERROR(RequireShape(op, "rsigma", rsigma, {rows}, rows_text));
-  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
-  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {h}, h_text));
-  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
-  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
-  RETURN_IF_ERROR(RequireFloat(op, "dgamma", dgamma));
-  RETURN_IF_ERROR(RequireShape(op, "dgamma", *dgamma, {h}, h_text));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireFloat(op, "dbeta", dbeta));
-    RETURN_IF_ERROR(RequireShape(op, "dbeta", *dbeta, {h}, h_text));
-  }
+  const int64_t h = dims.hidden;
+  const int64_t rows = dims.rows;
 
   const std::vector<float> xs = ToFloatVector(x);
   const std::vector<float> dys = ToFloatVector(dy);

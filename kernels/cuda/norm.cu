@@ -249,41 +249,19 @@ int RowThreads(int64_t cols) { return cols >= 1024 ? 256 : 128; }
 absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
                                   const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
                                   const Fp8Output* fp8) {
-  const char* op = "NormForward";
+  ASSIGN_OR_RETURN(const NormDims dims, CheckNormForwardArgs(args, x, gamma, beta, y, mu,
+                                                              rsigma, fp8));
   const bool layernorm = args.type == NormType::kLayerNorm;
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  if (x.rank() < 1) return absl::InvalidArgumentError("NormForward: x is a scalar, want [N, H]");
-  const int64_t cols = x.dim(-1);
-  const int64_t rows = Rows(x);
-  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
-  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {cols}));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireFloat(op, "beta", &beta));
-    RETURN_IF_ERROR(RequireShape(op, "beta", beta, {cols}));
-    if (beta.dtype() != gamma.dtype()) {
-      return absl::InvalidArgumentError(absl::StrCat("NormForward: beta has dtype ",
-                                                     DTypeName(beta.dtype()), ", want gamma's ",
-                                                     DTypeName(gamma.dtype())));
-    }
-  } else if (beta.data() != nullptr) {
-    return absl::InvalidArgumentError("NormForward: beta is given for RMSNorm, which has none");
+  // CUDA only: the kernel reads beta through gamma's dtype (one dispatch for both).
+  if (layernorm && beta.dtype() != gamma.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("NormForward: beta has dtype ",
+                                                   DTypeName(beta.dtype()), ", want gamma's ",
+                                                   DTypeName(gamma.dtype())));
   }
-  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  const int64_t cols = dims.hidden;
+  const int64_t rows = dims.rows;
   const bool want_mu = layernorm && Wanted(mu);
   const bool want_rsigma = Wanted(rsigma);
-  if (want_mu) {
-    RETURN_IF_ERROR(RequireDType(op, "mu", mu, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "mu", *mu, {rows}));
-  }
-  if (want_rsigma) {
-    RETURN_IF_ERROR(RequireDType(op, "rsigma", rsigma, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "rsigma", *rsigma, {rows}));
-  }
-  if (!(args.epsilon >= 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("NormForward: epsilon is ", args.epsilon, ", want >= 0"));
-  }
   RETURN_IF_ERROR(Enter());
   const bool quantized = IsFloat8(y->dtype());
   if (quantized) {
@@ -343,40 +321,23 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
 absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                                    const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
                                    Tensor* dx, Tensor* dgamma, Tensor* dbeta) {
-  const char* op = "NormBackward";
+  ASSIGN_OR_RETURN(const NormDims dims, CheckNormBackwardArgs(args, dy, x, mu, rsigma, gamma,
+                                                               dx, dgamma, dbeta));
   const bool layernorm = args.type == NormType::kLayerNorm;
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  if (x.rank() < 1) return absl::InvalidArgumentError("NormBackward: x is a scalar, want [N, H]");
-  const int64_t cols = x.dim(-1);
-  const int64_t rows = Rows(x);
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  RETURN_IF_ERROR(RequireShape(op, "dy", dy, x.shape()));
+  // CUDA only: the kernels are instantiated per dtype of x, gamma and the
+  // outputs, so dy is read as x's dtype and dbeta written as dgamma's.
   if (dy.dtype() != x.dtype()) {
     return absl::InvalidArgumentError(absl::StrCat("NormBackward: dy has dtype ",
                                                    DTypeName(dy.dtype()), ", want x's ",
                                                    DTypeName(x.dtype())));
   }
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireDType(op, "mu", &mu, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "mu", mu, {rows}));
+  if (layernorm && dbeta->dtype() != dgamma->dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("NormBackward: dbeta has dtype ",
+                                                   DTypeName(dbeta->dtype()), ", want dgamma's ",
+                                                   DTypeName(dgamma->dtype())));
   }
-  RETURN_IF_ERROR(RequireDType(op, "rsigma", &rsigma, DType::kF32));
-  RETURN_IF_ERROR(RequireShape(op, "rsigma", rsigma, {rows}));
-  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
-  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {cols}));
-  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
-  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
-  RETURN_IF_ERROR(RequireFloat(op, "dgamma", dgamma));
-  RETURN_IF_ERROR(RequireShape(op, "dgamma", *dgamma, {cols}));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireFloat(op, "dbeta", dbeta));
-    RETURN_IF_ERROR(RequireShape(op, "dbeta", *dbeta, {cols}));
-    if (dbeta->dtype() != dgamma->dtype()) {
-      return absl::InvalidArgumentError(absl::StrCat("NormBackward: dbeta has dtype ",
-                                                     DTypeName(dbeta->dtype()), ", want dgamma's ",
-                                                     DTypeName(dgamma->dtype())));
-    }
-  }
+  const int64_t cols = dims.hidden;
+  const int64_t rows = dims.rows;
   if (cols == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   const int threads = RowThreads(cols);
