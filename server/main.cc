@@ -209,8 +209,13 @@ int Run() {
   options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.checkpoints = checkpoints.get();
   if (checkpoints != nullptr) {
+    // A session comes back on the device it was saved on, if this server has it.
+    auto device_for = [pool = devices->get()](const std::string& saved_on) {
+      const int index = pool->Find(saved_on);
+      return &pool->device(index >= 0 ? index : 0);
+    };
     const session::CheckpointStore::RestoreReport restored =
-        checkpoints->RestoreAll(&(*devices)->device(0), options.session, &sessions);
+        checkpoints->RestoreAll(device_for, options.session, &sessions);
     options.sessions_restored = restored.restored;
     Log(LogLevel::kInfo, "state directory read",
         {{"state_dir", checkpoints->state_dir()},

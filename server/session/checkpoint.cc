@@ -486,7 +486,7 @@ absl::Status CheckpointStore::Remove(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::Restore(const std::string& id, Device* device,
+absl::Status CheckpointStore::Restore(const std::string& id, const DeviceFor& device_for,
                                       const SessionConfig& config, SessionManager* manager) {
   if (!IsSessionId(id)) {
     return absl::InvalidArgumentError(
@@ -525,7 +525,7 @@ absl::Status CheckpointStore::Restore(const std::string& id, Device* device,
   }
   DataSource source(fd.get(), data_path, state.data_bytes());
   absl::StatusOr<std::shared_ptr<Session>> session =
-      SessionCheckpoint::Rebuild(state, source, device, config);
+      SessionCheckpoint::Rebuild(state, source, device_for(state.device()), config);
   if (!session.ok()) return InCheckpoint(session.status(), dir);
   RETURN_IF_ERROR(manager->Restore(id, digest, absl::Seconds(state.ttl_seconds()), *session));
   LogForSession(
@@ -537,7 +537,7 @@ absl::Status CheckpointStore::Restore(const std::string& id, Device* device,
   return absl::OkStatus();
 }
 
-CheckpointStore::RestoreReport CheckpointStore::RestoreAll(Device* device,
+CheckpointStore::RestoreReport CheckpointStore::RestoreAll(const DeviceFor& device_for,
                                                            const SessionConfig& config,
                                                            SessionManager* manager) {
   RestoreReport report;
@@ -552,7 +552,7 @@ CheckpointStore::RestoreReport CheckpointStore::RestoreAll(Device* device,
         {{"state_dir", state_dir_}, {"error", error.message()}});
   }
   for (const std::string& id : ids) {
-    absl::Status restored = Restore(id, device, config, manager);
+    absl::Status restored = Restore(id, device_for, config, manager);
     if (restored.ok()) {
       ++report.restored;
     } else {

@@ -23,6 +23,7 @@
 #define TE_SERVER_SESSION_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -65,13 +66,22 @@ class CheckpointStore {
   // of the server's form.
   absl::Status Remove(const std::string& id);
 
-  // Re-creates session `id` from its checkpoint on `device` (a new stream
-  // with `config`'s limits) and adds it to `manager` under its old id and
-  // token. NOT_FOUND without a checkpoint; DATA_LOSS for a checkpoint that is
+  // The device a session saved on device `saved_on` ("cuda:1") comes back
+  // on: that one where the server still has it, else another.
+  using DeviceFor = std::function<Device*(const std::string& saved_on)>;
+
+  // Re-creates session `id` from its checkpoint on `device_for`'s choice (a
+  // new stream with `config`'s limits) and adds it to `manager` under its old
+  // id and token. NOT_FOUND without a checkpoint; DATA_LOSS for a checkpoint that is
   // malformed, truncated or fails its checksum; errors of the layers and the
   // manager (RESOURCE_EXHAUSTED: over the memory or session limit) as they are.
+  absl::Status Restore(const std::string& id, const DeviceFor& device_for,
+                       const SessionConfig& config, SessionManager* manager);
+  // Every session onto one device.
   absl::Status Restore(const std::string& id, Device* device, const SessionConfig& config,
-                       SessionManager* manager);
+                       SessionManager* manager) {
+    return Restore(id, [device](const std::string&) { return device; }, config, manager);
+  }
 
   struct RestoreReport {
     int restored = 0;
@@ -79,7 +89,11 @@ class CheckpointStore {
   };
   // Restore() for every checkpoint in state_dir; entries not named like a
   // session id are ignored.
-  RestoreReport RestoreAll(Device* device, const SessionConfig& config, SessionManager* manager);
+  RestoreReport RestoreAll(const DeviceFor& device_for, const SessionConfig& config,
+                           SessionManager* manager);
+  RestoreReport RestoreAll(Device* device, const SessionConfig& config, SessionManager* manager) {
+    return RestoreAll([device](const std::string&) { return device; }, config, manager);
+  }
 
  private:
   explicit CheckpointStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}

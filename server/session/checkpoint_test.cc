@@ -286,6 +286,21 @@ TEST_F(CheckpointTest, SaveAllSavesEverySession) {
   EXPECT_TRUE(restarted.Acquire(ref_.session_id(), ref_.token()).ok());
 }
 
+TEST_F(CheckpointTest, RestoreAsksForTheDeviceItWasSavedOn) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  std::vector<std::string> asked;
+  SessionManager restarted{SessionManagerOptions{}};
+  CheckpointStore::RestoreReport report = store_->RestoreAll(
+      [&](const std::string& saved_on) {
+        asked.push_back(saved_on);
+        return device_.get();
+      },
+      config_, &restarted);
+  EXPECT_EQ(report.restored, 1);
+  EXPECT_EQ(asked, std::vector<std::string>{"cpu"});
+}
+
 TEST(CheckpointStoreOpenTest, RefusesAFile) {
   const std::string path = NewStateDir();
   std::ofstream(path) << "a file";
