@@ -420,4 +420,86 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
   return dims;
 }
 
+// ---- activations and dropout -----------------------------------------------------------
+
+namespace {
+
+// x [..., n * I] with n = acts.size(): returns I.
+absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>& acts,
+                                   const Tensor& x) {
+  if (acts.size() != 1 && acts.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": acts has ", acts.size(), " entries, want 1 or 2 (a gated pair)"));
+  }
+  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
+  const int64_t n = static_cast<int64_t>(acts.size());
+  if (x.dim(-1) % n != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": x has last dimension ", x.dim(-1), ", want a multiple of ", n, " (n * I)"));
+  }
+  return x.dim(-1) / n;
+}
+
+absl::Status CheckDropoutRate(const char* op, float rate) {
+  if (!(rate >= 0.0f && rate <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": rate is ", rate, ", want [0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> CheckActivationForwardArgs(const std::vector<Activation>& acts,
+                                                   const Tensor& x, const Tensor* y,
+                                                   const Fp8Output* fp8) {
+  const char* op = "ActivationForward";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
+  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
+  Shape want = x.shape();
+  want.back() = width;
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, want));
+  return width;
+}
+
+absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation>& acts,
+                                                    const Tensor& dy, const Tensor& x,
+                                                    const Tensor* dx) {
+  const char* op = "ActivationBackward";
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  Shape dy_want = x.shape();
+  dy_want.back() = width;
+  RETURN_IF_ERROR(RequireShape(op, "dy", dy, dy_want));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
+  return width;
+}
+
+absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* y,
+                                     const Tensor* mask) {
+  const char* op = "DropoutForward";
+  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  if (Wanted(mask)) {
+    RETURN_IF_ERROR(RequireDType(op, "mask", mask, DType::kBool));
+    RETURN_IF_ERROR(RequireShape(op, "mask", *mask, x.shape()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor& mask,
+                                      const Tensor* dx) {
+  const char* op = "DropoutBackward";
+  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
+  RETURN_IF_ERROR(RequireDType(op, "mask", &mask, DType::kBool));
+  RETURN_IF_ERROR(RequireShape(op, "mask", mask, dy.shape()));
+  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
+  return RequireShape(op, "dx", *dx, dy.shape());
+}
+
 }  // namespace te

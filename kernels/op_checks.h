@@ -112,6 +112,21 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
                                                const Tensor* dx, const Tensor* dgamma,
                                                const Tensor* dbeta);
 
+// ---- activations and dropout -----------------------------------------------------------
+
+// Both return I, the width of y and dy: x is [..., n * I] with n = acts.size().
+absl::StatusOr<int64_t> CheckActivationForwardArgs(const std::vector<Activation>& acts,
+                                                   const Tensor& x, const Tensor* y,
+                                                   const Fp8Output* fp8);
+absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation>& acts,
+                                                    const Tensor& dy, const Tensor& x,
+                                                    const Tensor* dx);
+// `mask` is an optional output (Wanted).
+absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* y,
+                                     const Tensor* mask);
+absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor& mask,
+                                      const Tensor* dx);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

@@ -140,22 +140,6 @@ float ActivationDerivative(Activation act, float x) {
   return 1.0f;
 }
 
-// x [N, n * I] with n = acts.size(): returns I.
-absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>& acts,
-                                   const Tensor& x) {
-  if (acts.size() != 1 && acts.size() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": acts has ", acts.size(), " entries, want 1 or 2 (a gated pair)"));
-  }
-  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
-  const int64_t n = static_cast<int64_t>(acts.size());
-  if (x.dim(-1) % n != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": x has last dimension ", x.dim(-1), ", want a multiple of ", n, " (n * I)"));
-  }
-  return x.dim(-1) / n;
-}
-
 // ---- FP8 block scaling (emulated) ------------------------------------------
 
 constexpr int kMxfp8Block = kMxfp8BlockSize;
@@ -530,13 +514,7 @@ absl::Status CpuOps::NormBackward(const NormArgs& args, const Tensor& dy, const 
 
 absl::Status CpuOps::ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
                                        Tensor* y, const Fp8Output* fp8) {
-  const char* op = "ActivationForward";
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
-  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
-  Shape want = x.shape();
-  want.back() = width;
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, want));
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationForwardArgs(acts, x, y, fp8));
   const int64_t rows = Rows(x);
   const int64_t in_cols = x.dim(-1);
   std::vector<float> out(static_cast<size_t>(rows * width));
@@ -554,15 +532,7 @@ absl::Status CpuOps::ActivationForward(const std::vector<Activation>& acts, cons
 // Gated: dx_0 = dy * act_1(x_1) * act_0'(x_0), dx_1 = dy * act_0(x_0) * act_1'(x_1).
 absl::Status CpuOps::ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                         const Tensor& x, Tensor* dx) {
-  const char* op = "ActivationBackward";
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  Shape dy_want = x.shape();
-  dy_want.back() = width;
-  RETURN_IF_ERROR(RequireShape(op, "dy", dy, dy_want));
-  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
-  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationBackwardArgs(acts, dy, x, dx));
   const int64_t rows = Rows(x);
   const int64_t in_cols = x.dim(-1);
   std::vector<float> out(static_cast<size_t>(x.numel()));
@@ -589,13 +559,6 @@ absl::Status CpuOps::ActivationBackward(const std::vector<Activation>& acts, con
 
 namespace {
 
-absl::Status CheckDropoutRate(const char* op, float rate) {
-  if (!(rate >= 0.0f && rate <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": rate is ", rate, ", want [0, 1]"));
-  }
-  return absl::OkStatus();
-}
-
 // rate 1 drops everything: kept elements (none) would need an infinite scale.
 float KeptScale(float rate) { return rate >= 1.0f ? 0.0f : 1.0f / (1.0f - rate); }
 
@@ -604,16 +567,8 @@ float KeptScale(float rate) { return rate >= 1.0f ? 0.0f : 1.0f / (1.0f - rate);
 // `mask` may be null (or undefined) when the caller needs no backward.
 absl::Status CpuOps::DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
                                     Tensor* mask) {
-  const char* op = "DropoutForward";
-  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  RETURN_IF_ERROR(RequireFloat(op, "y", y));
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  RETURN_IF_ERROR(CheckDropoutForwardArgs(rate, x, y, mask));
   const bool want_mask = Wanted(mask);
-  if (want_mask) {
-    RETURN_IF_ERROR(RequireDType(op, "mask", mask, DType::kBool));
-    RETURN_IF_ERROR(RequireShape(op, "mask", *mask, x.shape()));
-  }
   const float scale = KeptScale(rate);
   for (int64_t i = 0; i < x.numel(); ++i) {
     const bool kept = DropoutUniform(seed, static_cast<uint64_t>(i)) >= rate;
@@ -625,13 +580,7 @@ absl::Status CpuOps::DropoutForward(float rate, uint64_t seed, const Tensor& x, 
 
 absl::Status CpuOps::DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
                                      Tensor* dx) {
-  const char* op = "DropoutBackward";
-  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  RETURN_IF_ERROR(RequireDType(op, "mask", &mask, DType::kBool));
-  RETURN_IF_ERROR(RequireShape(op, "mask", mask, dy.shape()));
-  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
-  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, dy.shape()));
+  RETURN_IF_ERROR(CheckDropoutBackwardArgs(rate, dy, mask, dx));
   const float scale = KeptScale(rate);
   const uint8_t* kept = mask.data_as<const uint8_t>();
   for (int64_t i = 0; i < dy.numel(); ++i) {

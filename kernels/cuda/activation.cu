@@ -161,33 +161,11 @@ __global__ void ActivationBackwardKernel(const typename D::Storage* dy,
   }
 }
 
-// x [..., n * I] with n = acts.size(): returns I.
-absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>& acts,
-                                   const Tensor& x) {
-  if (acts.size() != 1 && acts.size() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": acts has ", acts.size(), " entries, want 1 or 2 (a gated pair)"));
-  }
-  if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
-  const int64_t n = static_cast<int64_t>(acts.size());
-  if (x.dim(-1) % n != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": x has last dimension ", x.dim(-1), ", want a multiple of ", n, " (n * I)"));
-  }
-  return x.dim(-1) / n;
-}
-
 }  // namespace
 
 absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
                                         Tensor* y, const Fp8Output* fp8) {
-  const char* op = "ActivationForward";
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
-  RETURN_IF_ERROR(CheckOutput(op, y, fp8));
-  Shape want = x.shape();
-  want.back() = width;
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, want));
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationForwardArgs(acts, x, y, fp8));
   const bool quantized = IsFloat8(y->dtype());
   const int64_t rows = Rows(x);
   const int64_t n = rows * width;
@@ -217,15 +195,7 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
 
 absl::Status CudaOps::ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                          const Tensor& x, Tensor* dx) {
-  const char* op = "ActivationBackward";
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  Shape dy_want = x.shape();
-  dy_want.back() = width;
-  RETURN_IF_ERROR(RequireShape(op, "dy", dy, dy_want));
-  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
-  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationBackwardArgs(acts, dy, x, dx));
   const int64_t rows = Rows(x);
   const int64_t n = rows * width;
   if (n == 0) return absl::OkStatus();

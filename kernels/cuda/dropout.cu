@@ -54,13 +54,6 @@ __global__ void DropoutBackwardKernel(const typename In::Storage* dy, const uint
   }
 }
 
-absl::Status CheckDropoutRate(const char* op, float rate) {
-  if (!(rate >= 0.0f && rate <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": rate is ", rate, ", want [0, 1]"));
-  }
-  return absl::OkStatus();
-}
-
 // rate 1 drops everything: kept elements (none) would need an infinite scale.
 float KeptScale(float rate) { return rate >= 1.0f ? 0.0f : 1.0f / (1.0f - rate); }
 
@@ -68,16 +61,8 @@ float KeptScale(float rate) { return rate >= 1.0f ? 0.0f : 1.0f / (1.0f - rate);
 
 absl::Status CudaOps::DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
                                      Tensor* mask) {
-  const char* op = "DropoutForward";
-  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  RETURN_IF_ERROR(RequireFloat(op, "y", y));
-  RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
+  RETURN_IF_ERROR(CheckDropoutForwardArgs(rate, x, y, mask));
   const bool want_mask = Wanted(mask);
-  if (want_mask) {
-    RETURN_IF_ERROR(RequireDType(op, "mask", mask, DType::kBool));
-    RETURN_IF_ERROR(RequireShape(op, "mask", *mask, x.shape()));
-  }
   const int64_t n = x.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
@@ -100,13 +85,7 @@ absl::Status CudaOps::DropoutForward(float rate, uint64_t seed, const Tensor& x,
 
 absl::Status CudaOps::DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
                                       Tensor* dx) {
-  const char* op = "DropoutBackward";
-  RETURN_IF_ERROR(CheckDropoutRate(op, rate));
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  RETURN_IF_ERROR(RequireDType(op, "mask", &mask, DType::kBool));
-  RETURN_IF_ERROR(RequireShape(op, "mask", mask, dy.shape()));
-  RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
-  RETURN_IF_ERROR(RequireShape(op, "dx", *dx, dy.shape()));
+  RETURN_IF_ERROR(CheckDropoutBackwardArgs(rate, dy, mask, dx));
   const int64_t n = dy.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
