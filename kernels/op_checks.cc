@@ -502,4 +502,77 @@ absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor
   return RequireShape(op, "dx", *dx, dy.shape());
 }
 
+// ---- position encodings --------------------------------------------------------------
+
+namespace {
+
+absl::Status CheckBuckets(const char* op, const Tensor& buckets) {
+  if (buckets.dtype() != DType::kI32 || buckets.rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": buckets must be int32 [Sq, Skv], got ",
+                                                   Describe(buckets)));
+  }
+  return RequireDefined(op, "buckets", &buckets);
+}
+
+// A table or dtable [num_buckets, heads], float.
+absl::StatusOr<RelativeBiasDims> CheckTable(const char* op, const char* name,
+                                            const Tensor* table) {
+  RETURN_IF_ERROR(RequireDefined(op, name, table));
+  if (table->rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name,
+                                                   " must be [buckets, heads], got ",
+                                                   ShapeString(table->shape())));
+  }
+  RETURN_IF_ERROR(RequireFloat(op, name, table));
+  RelativeBiasDims dims;
+  dims.num_buckets = table->dim(0);
+  dims.heads = table->dim(1);
+  return dims;
+}
+
+// A bias or dbias: float32 [heads, Sq, Skv].
+absl::Status CheckBias(const char* op, const char* name, const Tensor* bias,
+                       const RelativeBiasDims& dims, const Tensor& buckets) {
+  RETURN_IF_ERROR(RequireDType(op, name, bias, DType::kF32));
+  return RequireShape(op, name, *bias, {dims.heads, buckets.dim(0), buckets.dim(1)});
+}
+
+}  // namespace
+
+absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y) {
+  const char* op = "Rotary";
+  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
+  }
+  if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": timescales must be positive, got [",
+                                                   args.min_timescale, ", ",
+                                                   args.max_timescale, "]"));
+  }
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  RETURN_IF_ERROR(RequireFloat(op, "y", y));
+  return RequireShape(op, "y", *y, x.shape());
+}
+
+absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
+                                                              const Tensor& buckets,
+                                                              const Tensor* bias) {
+  const char* op = "RelativeBiasForward";
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckTable(op, "table", &table));
+  RETURN_IF_ERROR(CheckBuckets(op, buckets));
+  RETURN_IF_ERROR(CheckBias(op, "bias", bias, dims, buckets));
+  return dims;
+}
+
+absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbias,
+                                                               const Tensor& buckets,
+                                                               const Tensor* dtable) {
+  const char* op = "RelativeBiasBackward";
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckTable(op, "dtable", dtable));
+  RETURN_IF_ERROR(CheckBuckets(op, buckets));
+  RETURN_IF_ERROR(CheckBias(op, "dbias", &dbias, dims, buckets));
+  return dims;
+}
+
 }  // namespace te

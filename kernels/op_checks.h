@@ -127,6 +127,24 @@ absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* 
 absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor& mask,
                                       const Tensor* dx);
 
+// ---- position encodings --------------------------------------------------------------
+
+absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y);
+// table / dtable [num_buckets, heads].
+struct RelativeBiasDims {
+  int64_t num_buckets = 0;
+  int64_t heads = 0;
+};
+// These check the buckets' dtype and shape, not their values, which may live
+// on the device (the CPU checks them as it reads them; the CUDA kernels write
+// NaN for a bucket outside the table, and backward skips it).
+absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
+                                                              const Tensor& buckets,
+                                                              const Tensor* bias);
+absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbias,
+                                                               const Tensor& buckets,
+                                                               const Tensor* dtable);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

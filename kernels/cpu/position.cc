@@ -6,35 +6,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 
 namespace te {
 namespace {
 
-bool IsPlainFloat(DType dtype) { return IsFloating(dtype) && !IsFloat8(dtype); }
-
-absl::Status CheckDType(const char* op, const char* name, const Tensor& t, bool f32_only) {
-  if (f32_only ? t.dtype() == DType::kF32 : IsPlainFloat(t.dtype())) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(op, ": ", name, " has dtype ", DTypeName(t.dtype()), ", expected ",
-                   f32_only ? "float32" : "float32, bfloat16 or float16"));
-}
-
-absl::Status CheckShape(const char* op, const char* name, const Tensor& t, const Shape& shape) {
-  if (t.shape() == shape) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
-                                                 ShapeString(t.shape()), ", expected ",
-                                                 ShapeString(shape)));
-}
-
-// Checks buckets (int32 [Sq, Skv], each in [0, num_buckets)) and returns its values.
-absl::StatusOr<const int32_t*> CheckBuckets(const char* op, const Tensor& buckets,
-                                            int64_t num_buckets) {
-  if (buckets.dtype() != DType::kI32 || buckets.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": buckets must be int32 [Sq, Skv], got ",
-                                                   DTypeName(buckets.dtype()), " ",
-                                                   ShapeString(buckets.shape())));
-  }
+// Checks the values of buckets (shape and dtype checked by op_checks): each
+// in [0, num_buckets). Returns them.
+absl::StatusOr<const int32_t*> CheckBucketValues(const char* op, const Tensor& buckets,
+                                                 int64_t num_buckets) {
   const int32_t* values = buckets.data_as<const int32_t>();
   for (int64_t n = 0; n < buckets.numel(); ++n) {
     if (values[n] < 0 || values[n] >= num_buckets) {
@@ -51,20 +32,7 @@ absl::StatusOr<const int32_t*> CheckBuckets(const char* op, const Tensor& bucket
 // The angle is computed in double: near position 10^4 a float angle is already
 // off by up to 5e-4 radians, far more than a float32 result can carry.
 absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
-  constexpr const char* kOp = "Rotary";
-  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
-  }
-  if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": timescales must be positive, got [",
-                                                   args.min_timescale, ", ",
-                                                   args.max_timescale, "]"));
-  }
-  RETURN_IF_ERROR(CheckDType(kOp, "x", x, /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckShape(kOp, "y", *y, x.shape()));
-  RETURN_IF_ERROR(CheckDType(kOp, "y", *y, /*f32_only=*/false));
-
+  RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
   const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
   // cos / sin of the angle of (position p, frequency i) at [p * half + i].
   std::vector<float> cos_table(static_cast<size_t>(seq * half));
@@ -101,17 +69,10 @@ absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) 
 
 absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                          Tensor* bias) {
-  constexpr const char* kOp = "RelativeBiasForward";
-  if (table.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": table must be [buckets, heads], got ",
-                                                   ShapeString(table.shape())));
-  }
-  RETURN_IF_ERROR(CheckDType(kOp, "table", table, /*f32_only=*/false));
-  const int64_t num_buckets = table.dim(0), heads = table.dim(1);
-  ASSIGN_OR_RETURN(const int32_t* bucket_of, CheckBuckets(kOp, buckets, num_buckets));
-  RETURN_IF_ERROR(CheckShape(kOp, "bias", *bias, {heads, buckets.dim(0), buckets.dim(1)}));
-  RETURN_IF_ERROR(CheckDType(kOp, "bias", *bias, /*f32_only=*/true));
-
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckRelativeBiasForwardArgs(table, buckets, bias));
+  const int64_t heads = dims.heads;
+  ASSIGN_OR_RETURN(const int32_t* bucket_of,
+                   CheckBucketValues("RelativeBiasForward", buckets, dims.num_buckets));
   const int64_t positions = buckets.numel();  // Sq * Skv
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t n = 0; n < positions; ++n) {
@@ -123,17 +84,11 @@ absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buck
 
 absl::Status CpuOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                           Tensor* dtable) {
-  constexpr const char* kOp = "RelativeBiasBackward";
-  if (dtable->rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": dtable must be [buckets, heads], got ", ShapeString(dtable->shape())));
-  }
-  RETURN_IF_ERROR(CheckDType(kOp, "dtable", *dtable, /*f32_only=*/false));
-  const int64_t num_buckets = dtable->dim(0), heads = dtable->dim(1);
-  ASSIGN_OR_RETURN(const int32_t* bucket_of, CheckBuckets(kOp, buckets, num_buckets));
-  RETURN_IF_ERROR(CheckShape(kOp, "dbias", dbias, {heads, buckets.dim(0), buckets.dim(1)}));
-  RETURN_IF_ERROR(CheckDType(kOp, "dbias", dbias, /*f32_only=*/true));
-
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims,
+                   CheckRelativeBiasBackwardArgs(dbias, buckets, dtable));
+  const int64_t heads = dims.heads;
+  ASSIGN_OR_RETURN(const int32_t* bucket_of,
+                   CheckBucketValues("RelativeBiasBackward", buckets, dims.num_buckets));
   const int64_t positions = buckets.numel();
   const float* grad = dbias.data_as<const float>();
   std::vector<float> sums(static_cast<size_t>(dtable->numel()), 0.0f);

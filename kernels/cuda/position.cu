@@ -110,42 +110,10 @@ __global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storag
   dtable[k] = T::Store(sum);
 }
 
-bool IsPlainFloat(DType dtype) { return IsFloating(dtype) && !IsFloat8(dtype); }
-
-absl::Status CheckDType(const char* op, const char* name, const Tensor& t, bool f32_only) {
-  if (f32_only ? t.dtype() == DType::kF32 : IsPlainFloat(t.dtype())) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(op, ": ", name, " has dtype ", DTypeName(t.dtype()), ", expected ",
-                   f32_only ? "float32" : "float32, bfloat16 or float16"));
-}
-
-absl::Status CheckBucketsShape(const char* op, const Tensor& buckets) {
-  if (buckets.dtype() != DType::kI32 || buckets.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": buckets must be int32 [Sq, Skv], got ",
-                                                   DTypeName(buckets.dtype()), " ",
-                                                   ShapeString(buckets.shape())));
-  }
-  return RequireDefined(op, "buckets", &buckets);
-}
-
 }  // namespace
 
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
-  constexpr const char* kOp = "Rotary";
-  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
-  }
-  if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": timescales must be positive, got [",
-                                                   args.min_timescale, ", ",
-                                                   args.max_timescale, "]"));
-  }
-  RETURN_IF_ERROR(CheckDType(kOp, "x", x, /*f32_only=*/false));
-  RETURN_IF_ERROR(RequireDefined(kOp, "x", &x));
-  RETURN_IF_ERROR(RequireDefined(kOp, "y", y));
-  RETURN_IF_ERROR(RequireShape(kOp, "y", *y, x.shape()));
-  RETURN_IF_ERROR(CheckDType(kOp, "y", *y, /*f32_only=*/false));
+  RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
   const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
   const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
   if (rows == 0 || half == 0) return absl::OkStatus();
@@ -173,18 +141,8 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
 
 absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                           Tensor* bias) {
-  constexpr const char* kOp = "RelativeBiasForward";
-  if (table.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(kOp, ": table must be [buckets, heads], got ",
-                                                   ShapeString(table.shape())));
-  }
-  RETURN_IF_ERROR(CheckDType(kOp, "table", table, /*f32_only=*/false));
-  RETURN_IF_ERROR(RequireDefined(kOp, "table", &table));
-  RETURN_IF_ERROR(CheckBucketsShape(kOp, buckets));
-  const int64_t num_buckets = table.dim(0), heads = table.dim(1);
-  RETURN_IF_ERROR(RequireDefined(kOp, "bias", bias));
-  RETURN_IF_ERROR(RequireShape(kOp, "bias", *bias, {heads, buckets.dim(0), buckets.dim(1)}));
-  RETURN_IF_ERROR(CheckDType(kOp, "bias", *bias, /*f32_only=*/true));
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckRelativeBiasForwardArgs(table, buckets, bias));
+  const int64_t num_buckets = dims.num_buckets, heads = dims.heads;
   const int64_t positions = buckets.numel();
   const int64_t n = positions * heads;
   if (n == 0) return absl::OkStatus();
@@ -202,17 +160,9 @@ absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buc
 absl::Status CudaOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                            Tensor* dtable) {
   constexpr const char* kOp = "RelativeBiasBackward";
-  RETURN_IF_ERROR(RequireDefined(kOp, "dtable", dtable));
-  if (dtable->rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": dtable must be [buckets, heads], got ", ShapeString(dtable->shape())));
-  }
-  RETURN_IF_ERROR(CheckDType(kOp, "dtable", *dtable, /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckBucketsShape(kOp, buckets));
-  const int64_t num_buckets = dtable->dim(0), heads = dtable->dim(1);
-  RETURN_IF_ERROR(RequireDefined(kOp, "dbias", &dbias));
-  RETURN_IF_ERROR(RequireShape(kOp, "dbias", dbias, {heads, buckets.dim(0), buckets.dim(1)}));
-  RETURN_IF_ERROR(CheckDType(kOp, "dbias", dbias, /*f32_only=*/true));
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims,
+                   CheckRelativeBiasBackwardArgs(dbias, buckets, dtable));
+  const int64_t num_buckets = dims.num_buckets, heads = dims.heads;
   if (num_buckets * heads == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   const int64_t positions = buckets.numel();
