@@ -602,6 +602,7 @@ TEST(SharedMemoryDisabledTest, RegistrationIsFailedPrecondition) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(status);
   EXPECT_EQ(status.error_message(), "shared memory disabled (--enable_shm)");
   EXPECT_FALSE(Maps((*server)->pid(), shm.name()));
+  stub.reset();  // an open channel would hold the graceful shutdown to its grace period
   EXPECT_TRUE((*server)->Stop().ok());
 }
 
