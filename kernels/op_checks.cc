@@ -1,6 +1,7 @@
 #include "kernels/op_checks.h"
 
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -500,6 +501,105 @@ absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor
   RETURN_IF_ERROR(RequireShape(op, "mask", mask, dy.shape()));
   RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
   return RequireShape(op, "dx", *dx, dy.shape());
+}
+
+// ---- attention ------------------------------------------------------------------------
+
+namespace {
+
+// A float tensor of the given shape (q, k, v, out and their gradients).
+absl::Status CheckFloatTensor(const char* op, const char* name, const Tensor* t,
+                              const Shape& shape) {
+  RETURN_IF_ERROR(RequireFloat(op, name, t));
+  return RequireShape(op, name, *t, shape);
+}
+
+// q, k, v, and the AttentionArgs tensors.
+absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const AttentionArgs& args,
+                                                    const Tensor& q, const Tensor& k,
+                                                    const Tensor& v) {
+  RETURN_IF_ERROR(RequireDefined(op, "q", &q));
+  RETURN_IF_ERROR(RequireDefined(op, "k", &k));
+  if (q.rank() != 4 || k.rank() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": q and k must be [B, S, H, D], got q ",
+                                                   ShapeString(q.shape()), " and k ",
+                                                   ShapeString(k.shape())));
+  }
+  AttentionShape s;
+  s.batch = q.dim(0);
+  s.q_seq = q.dim(1);
+  s.q_heads = q.dim(2);
+  s.head_dim = q.dim(3);
+  s.kv_seq = k.dim(1);
+  s.kv_heads = k.dim(2);
+  if (s.kv_heads <= 0 || s.q_heads % s.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": q heads (", s.q_heads,
+                                                   ") must be a multiple of k heads (",
+                                                   s.kv_heads, ")"));
+  }
+  RETURN_IF_ERROR(CheckFloatTensor(op, "q", &q, q.shape()));
+  const Shape kv_shape = {s.batch, s.kv_seq, s.kv_heads, s.head_dim};
+  RETURN_IF_ERROR(CheckFloatTensor(op, "k", &k, kv_shape));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "v", &v, kv_shape));
+  if (args.bias.defined()) {
+    RETURN_IF_ERROR(RequireDType(op, "bias", &args.bias, DType::kF32));
+    RETURN_IF_ERROR(RequireShape(op, "bias", args.bias, {s.q_heads, s.q_seq, s.kv_seq}));
+  }
+  if (!(args.dropout_rate >= 0.0f && args.dropout_rate < 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": dropout_rate must be in [0, 1), got ", args.dropout_rate));
+  }
+  if (args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal) {
+    for (const auto& [name, lengths] :
+         {std::pair<const char*, const Tensor*>{"q_seqlens", &args.q_seqlens},
+          {"kv_seqlens", &args.kv_seqlens}}) {
+      if (!lengths->defined() || lengths->dtype() != DType::kI32 ||
+          lengths->shape() != Shape{s.batch}) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(op, ": a padding mask needs ", name, " as int32 [", s.batch, "], got ",
+                         lengths->defined() ? Describe(*lengths) : std::string("none")));
+      }
+    }
+  }
+  return s;
+}
+
+// softmax_lse: float32 [B, Hq, Sq].
+absl::Status CheckSoftmaxLse(const char* op, const Tensor* lse, const AttentionShape& s) {
+  RETURN_IF_ERROR(RequireDType(op, "softmax_lse", lse, DType::kF32));
+  return RequireShape(op, "softmax_lse", *lse, {s.batch, s.q_heads, s.q_seq});
+}
+
+}  // namespace
+
+absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args,
+                                                         const Tensor& q, const Tensor& k,
+                                                         const Tensor& v, const Tensor* out,
+                                                         const Tensor* softmax_lse) {
+  const char* op = "AttentionForward";
+  ASSIGN_OR_RETURN(const AttentionShape s, CheckAttentionInputs(op, args, q, k, v));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "out", out, q.shape()));
+  RETURN_IF_ERROR(CheckSoftmaxLse(op, softmax_lse, s));
+  return s;
+}
+
+absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
+    const AttentionArgs& args, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq,
+    const Tensor* dk, const Tensor* dv, const Tensor* dbias) {
+  const char* op = "AttentionBackward";
+  ASSIGN_OR_RETURN(const AttentionShape s, CheckAttentionInputs(op, args, q, k, v));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "out", &out, q.shape()));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "dout", &dout, q.shape()));
+  RETURN_IF_ERROR(CheckSoftmaxLse(op, &softmax_lse, s));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "dq", dq, q.shape()));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "dk", dk, k.shape()));
+  RETURN_IF_ERROR(CheckFloatTensor(op, "dv", dv, v.shape()));
+  if (args.bias.defined()) {
+    RETURN_IF_ERROR(RequireDType(op, "dbias", dbias, DType::kF32));
+    RETURN_IF_ERROR(RequireShape(op, "dbias", *dbias, args.bias.shape()));
+  }
+  return s;
 }
 
 // ---- position encodings --------------------------------------------------------------

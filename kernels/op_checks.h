@@ -127,6 +127,29 @@ absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* 
 absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor& mask,
                                       const Tensor* dx);
 
+// ---- attention ------------------------------------------------------------------------
+
+// Sizes of one attention call: q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D].
+struct AttentionShape {
+  int64_t batch = 0;
+  int64_t q_seq = 0;
+  int64_t kv_seq = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+};
+// These check the padding lengths' dtype and shape, not their values, which
+// may live on the device (the CPU checks them as it reads them; the CUDA
+// kernels clamp them to [0, S]).
+absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args,
+                                                         const Tensor& q, const Tensor& k,
+                                                         const Tensor& v, const Tensor* out,
+                                                         const Tensor* softmax_lse);
+absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
+    const AttentionArgs& args, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq,
+    const Tensor* dk, const Tensor* dv, const Tensor* dbias);
+
 // ---- position encodings --------------------------------------------------------------
 
 absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y);

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 
@@ -22,14 +23,10 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Sizes of one attention call and the flat offsets of its tensors.
-struct AttentionDims {
-  int64_t batch = 0;
-  int64_t q_seq = 0;
-  int64_t kv_seq = 0;
-  int64_t q_heads = 0;
-  int64_t kv_heads = 0;
-  int64_t head_dim = 0;
+// The sizes of one attention call (checked by op_checks) and the flat offsets
+// of its tensors.
+struct AttentionDims : AttentionShape {
+  explicit AttentionDims(const AttentionShape& shape) : AttentionShape(shape) {}
 
   // GQA: query head h reads kv head h / (q_heads / kv_heads).
   int64_t KvHead(int64_t h) const { return h / (q_heads / kv_heads); }
@@ -47,72 +44,11 @@ struct AttentionDims {
   int64_t BiasOffset(int64_t h, int64_t i) const { return (h * q_seq + i) * kv_seq; }
 };
 
-bool IsPlainFloat(DType dtype) { return IsFloating(dtype) && !IsFloat8(dtype); }
-
-absl::Status CheckTensor(const char* op, const char* name, const Tensor* t, const Shape& shape,
-                         bool f32_only) {
-  if (t == nullptr || !t->defined()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is missing"));
-  }
-  if (t->shape() != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
-                                                   ShapeString(t->shape()), ", expected ",
-                                                   ShapeString(shape)));
-  }
-  if (f32_only ? t->dtype() != DType::kF32 : !IsPlainFloat(t->dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": ", name, " has dtype ", DTypeName(t->dtype()), ", expected ",
-                     f32_only ? "float32" : "float32, bfloat16 or float16"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<AttentionDims> CheckQkv(const char* op, const AttentionArgs& args,
-                                       const Tensor& q, const Tensor& k, const Tensor& v) {
-  if (q.rank() != 4 || k.rank() != 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": q and k must be [B, S, H, D], got q ", ShapeString(q.shape()),
-                     " and k ", ShapeString(k.shape())));
-  }
-  AttentionDims dims;
-  dims.batch = q.dim(0);
-  dims.q_seq = q.dim(1);
-  dims.q_heads = q.dim(2);
-  dims.head_dim = q.dim(3);
-  dims.kv_seq = k.dim(1);
-  dims.kv_heads = k.dim(2);
-  if (dims.kv_heads <= 0 || dims.q_heads % dims.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": q heads (", dims.q_heads,
-                                                   ") must be a multiple of k heads (",
-                                                   dims.kv_heads, ")"));
-  }
-  RETURN_IF_ERROR(CheckTensor(op, "q", &q, q.shape(), /*f32_only=*/false));
-  const Shape kv_shape = {dims.batch, dims.kv_seq, dims.kv_heads, dims.head_dim};
-  RETURN_IF_ERROR(CheckTensor(op, "k", &k, kv_shape, /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckTensor(op, "v", &v, kv_shape, /*f32_only=*/false));
-  if (args.bias.defined()) {
-    RETURN_IF_ERROR(CheckTensor(op, "bias", &args.bias,
-                                {dims.q_heads, dims.q_seq, dims.kv_seq}, /*f32_only=*/true));
-  }
-  if (!(args.dropout_rate >= 0.0f && args.dropout_rate < 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": dropout_rate must be in [0, 1), got ", args.dropout_rate));
-  }
-  return dims;
-}
-
-// Reads padding lengths (int32 [B], each in [0, max_len]).
+// Reads padding lengths, int32 [B] (checked by op_checks), each of which must
+// be in [0, max_len]: on the CPU the values can be checked, not just clamped.
 absl::StatusOr<std::vector<int64_t>> ReadLengths(const char* op, const char* name,
                                                  const Tensor& lengths, int64_t batch,
                                                  int64_t max_len) {
-  if (!lengths.defined() || lengths.dtype() != DType::kI32 ||
-      lengths.shape() != Shape{batch}) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": a padding mask needs ", name, " as int32 [", batch, "], got ",
-        lengths.defined() ? absl::StrCat(DTypeName(lengths.dtype()), " ",
-                                         ShapeString(lengths.shape()))
-                          : std::string("none")));
-  }
   std::vector<int64_t> result(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t len = lengths.data_as<const int32_t>()[b];
@@ -196,10 +132,9 @@ absl::Status CpuOps::AttentionForward(const AttentionArgs& args, const Tensor& q
                                       const Tensor& k, const Tensor& v, Tensor* out,
                                       Tensor* softmax_lse) {
   constexpr const char* kOp = "AttentionForward";
-  ASSIGN_OR_RETURN(const AttentionDims dims, CheckQkv(kOp, args, q, k, v));
-  RETURN_IF_ERROR(CheckTensor(kOp, "out", out, q.shape(), /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckTensor(kOp, "softmax_lse", softmax_lse,
-                              {dims.batch, dims.q_heads, dims.q_seq}, /*f32_only=*/true));
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
+  const AttentionDims dims(shape);
   ASSIGN_OR_RETURN(const VisibleKeys visible, VisibleKeys::Make(kOp, args, dims));
 
   const std::vector<float> qf = ToFloatVector(q);
@@ -255,18 +190,11 @@ absl::Status CpuOps::AttentionBackward(const AttentionArgs& args, const Tensor& 
                                        const Tensor& dout, const Tensor& softmax_lse,
                                        Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias) {
   constexpr const char* kOp = "AttentionBackward";
-  ASSIGN_OR_RETURN(const AttentionDims dims, CheckQkv(kOp, args, q, k, v));
-  RETURN_IF_ERROR(CheckTensor(kOp, "out", &out, q.shape(), /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckTensor(kOp, "dout", &dout, q.shape(), /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckTensor(kOp, "softmax_lse", &softmax_lse,
-                              {dims.batch, dims.q_heads, dims.q_seq}, /*f32_only=*/true));
-  RETURN_IF_ERROR(CheckTensor(kOp, "dq", dq, q.shape(), /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckTensor(kOp, "dk", dk, k.shape(), /*f32_only=*/false));
-  RETURN_IF_ERROR(CheckTensor(kOp, "dv", dv, v.shape(), /*f32_only=*/false));
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionBackwardArgs(args, q, k, v, out, dout, softmax_lse, dq, dk, dv,
+                                              dbias));
+  const AttentionDims dims(shape);
   const bool with_bias = args.bias.defined();
-  if (with_bias) {
-    RETURN_IF_ERROR(CheckTensor(kOp, "dbias", dbias, args.bias.shape(), /*f32_only=*/true));
-  }
   ASSIGN_OR_RETURN(const VisibleKeys visible, VisibleKeys::Make(kOp, args, dims));
 
   const std::vector<float> qf = ToFloatVector(q);

@@ -63,64 +63,6 @@ void LogFallbackOnce(const std::string& config, const absl::Status& reason) {
                config.c_str(), std::string(reason.message()).c_str());
 }
 
-absl::Status CheckQkvTensor(const char* op, const char* name, const Tensor& t,
-                            const Shape& shape) {
-  RETURN_IF_ERROR(RequireFloat(op, name, &t));
-  return RequireShape(op, name, t, shape);
-}
-
-// The checks of the CPU reference, except the padding lengths' values: they
-// live on the device, and every reader clamps them to [0, S].
-absl::StatusOr<AttentionShape> CheckAttention(const char* op, const AttentionArgs& args,
-                                              const Tensor& q, const Tensor& k,
-                                              const Tensor& v) {
-  RETURN_IF_ERROR(RequireDefined(op, "q", &q));
-  RETURN_IF_ERROR(RequireDefined(op, "k", &k));
-  if (q.rank() != 4 || k.rank() != 4) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": q and k must be [B, S, H, D], got q ",
-                                                   ShapeString(q.shape()), " and k ",
-                                                   ShapeString(k.shape())));
-  }
-  AttentionShape s;
-  s.batch = q.dim(0);
-  s.q_seq = q.dim(1);
-  s.q_heads = q.dim(2);
-  s.head_dim = q.dim(3);
-  s.kv_seq = k.dim(1);
-  s.kv_heads = k.dim(2);
-  if (s.kv_heads <= 0 || s.q_heads % s.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": q heads (", s.q_heads,
-                                                   ") must be a multiple of k heads (",
-                                                   s.kv_heads, ")"));
-  }
-  RETURN_IF_ERROR(CheckQkvTensor(op, "q", q, q.shape()));
-  const Shape kv_shape = {s.batch, s.kv_seq, s.kv_heads, s.head_dim};
-  RETURN_IF_ERROR(CheckQkvTensor(op, "k", k, kv_shape));
-  RETURN_IF_ERROR(CheckQkvTensor(op, "v", v, kv_shape));
-  if (args.bias.data() != nullptr) {
-    RETURN_IF_ERROR(RequireDType(op, "bias", &args.bias, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "bias", args.bias, {s.q_heads, s.q_seq, s.kv_seq}));
-  }
-  if (!(args.dropout_rate >= 0.0f && args.dropout_rate < 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": dropout_rate must be in [0, 1), got ", args.dropout_rate));
-  }
-  if (HasPadding(args.mask)) {
-    for (const auto& [name, lengths] : {std::pair<const char*, const Tensor*>{"q_seqlens", &args.q_seqlens},
-                                        {"kv_seqlens", &args.kv_seqlens}}) {
-      if (lengths->data() == nullptr || lengths->dtype() != DType::kI32 ||
-          lengths->shape() != Shape{s.batch}) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            op, ": a padding mask needs ", name, " as int32 [", s.batch, "], got ",
-            lengths->data() != nullptr
-                ? absl::StrCat(DTypeName(lengths->dtype()), " ", ShapeString(lengths->shape()))
-                : std::string("none")));
-      }
-    }
-  }
-  return s;
-}
-
 AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& shape,
                              const Tensor& q, const Tensor& k, const Tensor& v) {
   AttentionProblem p;
@@ -157,14 +99,9 @@ AttentionPath GetAttentionPath() { return static_cast<AttentionPath>(attention_p
 absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& q,
                                        const Tensor& k, const Tensor& v, Tensor* out,
                                        Tensor* softmax_lse) {
-  constexpr const char* kOp = "AttentionForward";
   RETURN_IF_ERROR(Enter());
-  ASSIGN_OR_RETURN(const AttentionShape shape, CheckAttention(kOp, args, q, k, v));
-  RETURN_IF_ERROR(RequireFloat(kOp, "out", out));
-  RETURN_IF_ERROR(RequireShape(kOp, "out", *out, q.shape()));
-  RETURN_IF_ERROR(RequireDType(kOp, "softmax_lse", softmax_lse, DType::kF32));
-  RETURN_IF_ERROR(
-      RequireShape(kOp, "softmax_lse", *softmax_lse, {shape.batch, shape.q_heads, shape.q_seq}));
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
   if (out->numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
@@ -180,25 +117,11 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
                                         const Tensor& k, const Tensor& v, const Tensor& out,
                                         const Tensor& dout, const Tensor& softmax_lse,
                                         Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias) {
-  constexpr const char* kOp = "AttentionBackward";
   RETURN_IF_ERROR(Enter());
-  ASSIGN_OR_RETURN(const AttentionShape shape, CheckAttention(kOp, args, q, k, v));
-  RETURN_IF_ERROR(CheckQkvTensor(kOp, "out", out, q.shape()));
-  RETURN_IF_ERROR(CheckQkvTensor(kOp, "dout", dout, q.shape()));
-  RETURN_IF_ERROR(RequireDType(kOp, "softmax_lse", &softmax_lse, DType::kF32));
-  RETURN_IF_ERROR(
-      RequireShape(kOp, "softmax_lse", softmax_lse, {shape.batch, shape.q_heads, shape.q_seq}));
-  RETURN_IF_ERROR(RequireFloat(kOp, "dq", dq));
-  RETURN_IF_ERROR(RequireShape(kOp, "dq", *dq, q.shape()));
-  RETURN_IF_ERROR(RequireFloat(kOp, "dk", dk));
-  RETURN_IF_ERROR(RequireShape(kOp, "dk", *dk, k.shape()));
-  RETURN_IF_ERROR(RequireFloat(kOp, "dv", dv));
-  RETURN_IF_ERROR(RequireShape(kOp, "dv", *dv, v.shape()));
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionBackwardArgs(args, q, k, v, out, dout, softmax_lse, dq, dk, dv,
+                                              dbias));
   const bool with_bias = args.bias.data() != nullptr;
-  if (with_bias) {
-    RETURN_IF_ERROR(RequireDType(kOp, "dbias", dbias, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(kOp, "dbias", *dbias, args.bias.shape()));
-  }
   if (q.numel() == 0 && k.numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {

@@ -21,22 +21,13 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "kernels/op_checks.h"  // AttentionShape
 #include "kernels/ops.h"
 
 namespace te {
 namespace cuda {
 
 class CudaOps;
-
-// Sizes of one attention call (q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D]).
-struct AttentionShape {
-  int64_t batch = 0;
-  int64_t q_seq = 0;
-  int64_t kv_seq = 0;
-  int64_t q_heads = 0;
-  int64_t kv_heads = 0;
-  int64_t head_dim = 0;
-};
 
 // Device pointers and flags of one call, as the kernels read them. Padding
 // lengths are int32 [B] on the device, clamped to [0, S] by every reader.
