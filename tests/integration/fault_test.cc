@@ -131,6 +131,16 @@ int64_t ResidentKib(pid_t pid) {
   return -1;
 }
 
+// $TE_FAULT_CLIENT_BINARY, else fault_client in the test's runfiles.
+std::string FaultClientPath() {
+  if (const char* path = std::getenv("TE_FAULT_CLIENT_BINARY")) return path;
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/",
+                      workspace != nullptr ? workspace : "te_server",
+                      "/tests/integration/fault_client");
+}
+
 // One client: its own connection, at most one session at a time.
 class FaultClient {
  public:
@@ -340,9 +350,7 @@ class FaultClient {
   void DropConnectionInPutTensor() {
     ++figures_.faults["connection_drop"];
     ++figures_.calls;
-    const std::string binary =
-        absl::StrCat(ServerBinaryPath().substr(0, ServerBinaryPath().rfind("/server/te_server")),
-                     "/tests/integration/fault_client");
+    const std::string binary = FaultClientPath();
     std::vector<std::string> args = {binary, server_.address(), session_.session_id(),
                                      session_.token(), absl::StrCat(Uniform(0, kPutChunks - 2))};
     std::vector<char*> argv;
