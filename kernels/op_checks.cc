@@ -348,37 +348,53 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
 
 // ---- normalisation ------------------------------------------------------------------
 
+namespace {
+
+// x: float [..., H], rank >= 1.
+absl::StatusOr<NormDims> CheckNormInput(const char* op, const Tensor& x) {
+  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
+  if (x.rank() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar, want [N, H]"));
+  }
+  NormDims dims;
+  dims.hidden = x.dim(-1);
+  dims.rows = Rows(x);
+  return dims;
+}
+
+// gamma, beta and their gradients: float [H].
+absl::Status CheckNormParam(const char* op, const char* name, const Tensor* t,
+                            const NormDims& dims) {
+  RETURN_IF_ERROR(RequireFloat(op, name, t));
+  return RequireShape(op, name, *t, {dims.hidden}, absl::StrCat("[H=", dims.hidden, "]"));
+}
+
+// mu and rsigma: float32 [N].
+absl::Status CheckNormStatistic(const char* op, const char* name, const Tensor* t,
+                                const NormDims& dims) {
+  RETURN_IF_ERROR(RequireDType(op, name, t, DType::kF32));
+  return RequireShape(op, name, *t, {dims.rows}, absl::StrCat("[N=", dims.rows, "]"));
+}
+
+}  // namespace
+
 absl::StatusOr<NormDims> CheckNormForwardArgs(const NormArgs& args, const Tensor& x,
                                               const Tensor& gamma, const Tensor& beta,
                                               const Tensor* y, const Tensor* mu,
                                               const Tensor* rsigma, const Fp8Output* fp8) {
   const char* op = "NormForward";
   const bool layernorm = args.type == NormType::kLayerNorm;
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  if (x.rank() < 1) return absl::InvalidArgumentError("NormForward: x is a scalar, want [N, H]");
-  NormDims dims;
-  dims.hidden = x.dim(-1);
-  dims.rows = Rows(x);
-  const std::string h_text = absl::StrCat("[H=", dims.hidden, "]");
-  const std::string rows_text = absl::StrCat("[N=", dims.rows, "]");
-  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
-  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {dims.hidden}, h_text));
+  ASSIGN_OR_RETURN(const NormDims dims, CheckNormInput(op, x));
+  RETURN_IF_ERROR(CheckNormParam(op, "gamma", &gamma, dims));
   if (layernorm) {
-    RETURN_IF_ERROR(RequireFloat(op, "beta", &beta));
-    RETURN_IF_ERROR(RequireShape(op, "beta", beta, {dims.hidden}, h_text));
+    RETURN_IF_ERROR(CheckNormParam(op, "beta", &beta, dims));
   } else if (beta.data() != nullptr) {
     return absl::InvalidArgumentError("NormForward: beta is given for RMSNorm, which has none");
   }
   RETURN_IF_ERROR(CheckOutput(op, y, fp8));
   RETURN_IF_ERROR(RequireShape(op, "y", *y, x.shape()));
-  if (layernorm && Wanted(mu)) {
-    RETURN_IF_ERROR(RequireDType(op, "mu", mu, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "mu", *mu, {dims.rows}, rows_text));
-  }
-  if (Wanted(rsigma)) {
-    RETURN_IF_ERROR(RequireDType(op, "rsigma", rsigma, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "rsigma", *rsigma, {dims.rows}, rows_text));
-  }
+  if (layernorm && Wanted(mu)) RETURN_IF_ERROR(CheckNormStatistic(op, "mu", mu, dims));
+  if (Wanted(rsigma)) RETURN_IF_ERROR(CheckNormStatistic(op, "rsigma", rsigma, dims));
   if (!(args.epsilon >= 0.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat("NormForward: epsilon is ", args.epsilon, ", want >= 0"));
@@ -393,31 +409,16 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
                                                const Tensor* dbeta) {
   const char* op = "NormBackward";
   const bool layernorm = args.type == NormType::kLayerNorm;
-  RETURN_IF_ERROR(RequireFloat(op, "x", &x));
-  if (x.rank() < 1) return absl::InvalidArgumentError("NormBackward: x is a scalar, want [N, H]");
-  NormDims dims;
-  dims.hidden = x.dim(-1);
-  dims.rows = Rows(x);
-  const std::string h_text = absl::StrCat("[H=", dims.hidden, "]");
-  const std::string rows_text = absl::StrCat("[N=", dims.rows, "]");
+  ASSIGN_OR_RETURN(const NormDims dims, CheckNormInput(op, x));
   RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
   RETURN_IF_ERROR(RequireShape(op, "dy", dy, x.shape()));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireDType(op, "mu", &mu, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "mu", mu, {dims.rows}, rows_text));
-  }
-  RETURN_IF_ERROR(RequireDType(op, "rsigma", &rsigma, DType::kF32));
-  RETURN_IF_ERROR(RequireShape(op, "rsigma", rsigma, {dims.rows}, rows_text));
-  RETURN_IF_ERROR(RequireFloat(op, "gamma", &gamma));
-  RETURN_IF_ERROR(RequireShape(op, "gamma", gamma, {dims.hidden}, h_text));
+  if (layernorm) RETURN_IF_ERROR(CheckNormStatistic(op, "mu", &mu, dims));
+  RETURN_IF_ERROR(CheckNormStatistic(op, "rsigma", &rsigma, dims));
+  RETURN_IF_ERROR(CheckNormParam(op, "gamma", &gamma, dims));
   RETURN_IF_ERROR(RequireFloat(op, "dx", dx));
   RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
-  RETURN_IF_ERROR(RequireFloat(op, "dgamma", dgamma));
-  RETURN_IF_ERROR(RequireShape(op, "dgamma", *dgamma, {dims.hidden}, h_text));
-  if (layernorm) {
-    RETURN_IF_ERROR(RequireFloat(op, "dbeta", dbeta));
-    RETURN_IF_ERROR(RequireShape(op, "dbeta", *dbeta, {dims.hidden}, h_text));
-  }
+  RETURN_IF_ERROR(CheckNormParam(op, "dgamma", dgamma, dims));
+  if (layernorm) RETURN_IF_ERROR(CheckNormParam(op, "dbeta", dbeta, dims));
   return dims;
 }
 
