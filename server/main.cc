@@ -32,6 +32,9 @@
 #include "absl/time/clock.h"
 #include "kernels/ops.h"
 #include "server/security/flags.h"
+#include "server/metrics/flags.h"
+#include "server/metrics/metrics.h"
+#include "server/metrics/server_metrics.h"
 #include "server/service/device_pool.h"
 #include "server/service/service.h"
 #include "server/session/checkpoint.h"
@@ -222,7 +225,40 @@ int Run() {
          {"restored", absl::StrCat(restored.restored)},
          {"failed", absl::StrCat(restored.failed)}});
   }
+  // Prometheus metrics (--metrics_port): every finished call is counted and
+  // timed; the housekeeping thread below refreshes the gauges.
+  metrics::Registry registry;
+  absl::StatusOr<metrics::ServerMetrics> server_metrics = metrics::RegisterServerMetrics(&registry);
+  if (!server_metrics.ok()) {
+    Log(LogLevel::kError, server_metrics.status().ToString());
+    return 1;
+  }
+  options.on_finished = [m = *server_metrics](absl::string_view method, absl::StatusCode code,
+                                              absl::Duration latency) {
+    m.ObserveRpc(method, code, latency);
+  };
+  absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> exporter =
+      metrics::StartExporterFromFlags(&registry);
+  if (!exporter.ok()) {
+    Log(LogLevel::kError, exporter.status().ToString());
+    return 1;
+  }
+  if (*exporter != nullptr) {
+    Log(LogLevel::kInfo, absl::StrCat("metrics on http://", absl::GetFlag(FLAGS_metrics_host), ":",
+                                      (*exporter)->port(), "/metrics"));
+  }
   service::TeService service(devices->get(), &sessions, options);
+  auto publish_gauges = [&] {
+    server_metrics->sessions_open->Set(sessions.live_sessions());
+    int queued = 0;
+    const std::vector<service::DeviceLoad> loads = service.Loads();
+    for (int i = 0; i < (*devices)->size(); ++i) {
+      queued += (*devices)->executor(i).queued();
+      server_metrics->SetDeviceMemory((*devices)->device(i).info().name, loads[i].bytes_in_use,
+                                      (*devices)->device(i).info().memory_bytes);
+    }
+    server_metrics->queue_depth->Set(queued);
+  };
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -273,6 +309,7 @@ int Run() {
     bool was_healthy = true;
     while (!stopping.WaitForNotificationWithTimeout(kHousekeepingPeriod)) {
       sessions.Sweep();
+      publish_gauges();
       const bool healthy = publish_health();
       if (was_healthy && !healthy) {
         Log(LogLevel::kError, absl::StrCat("a device (", (*devices)->Names(),

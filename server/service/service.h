@@ -94,10 +94,11 @@ class TeService final : public TeServiceBase {
                                            const te::v1::GetSessionInfoRequest* request,
                                            te::v1::SessionInfo* response) override;
 
- private:
-  // What each device holds now, for placement and GetServerInfo.
+  // What each device holds now (indexed like the DevicePool), for placement,
+  // GetServerInfo and the metrics gauges.
   std::vector<DeviceLoad> Loads() const;
 
+ private:
   const ServiceCore core_;
   std::atomic<int64_t> creations_{0};  // executor keys for CreateSession
 };
