@@ -41,9 +41,8 @@ absl::Status RequireFloat(const char* op, const char* name, const Tensor* t) {
 absl::Status RequireDType(const char* op, const char* name, const Tensor* t, DType want) {
   RETURN_IF_ERROR(RequireDefined(op, name, t));
   if (t->dtype() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has dtype ",
-                                                   DTypeName(t->dtype()), ", want ",
-                                                   DTypeName(want)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": ", name, " has dtype ", DTypeName(t->dtype()), ", want ", DTypeName(want)));
   }
   return absl::OkStatus();
 }
@@ -60,8 +59,8 @@ absl::Status RequireScalarF32(const char* op, const char* name, const Tensor* t)
 absl::Status RequireShape(const char* op, const char* name, const Tensor& t, const Shape& want,
                           const std::string& want_text) {
   if (t.shape() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
-                                                   ShapeString(t.shape()), ", want ", want_text));
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", name, " has shape ", ShapeString(t.shape()), ", want ", want_text));
   }
   return absl::OkStatus();
 }
@@ -73,10 +72,9 @@ absl::Status RequireShape(const char* op, const char* name, const Tensor& t, con
 absl::Status RequireSameCount(const char* op, const char* name, const Tensor& t,
                               const char* other_name, const Tensor& other) {
   if (t.numel() != other.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has ", t.numel(),
-                                                   " elements ", ShapeString(t.shape()), ", want ",
-                                                   other.numel(), " like ", other_name, " ",
-                                                   ShapeString(other.shape())));
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": ", name, " has ", t.numel(), " elements ", ShapeString(t.shape()), ", want ",
+        other.numel(), " like ", other_name, " ", ShapeString(other.shape())));
   }
   return absl::OkStatus();
 }
@@ -85,8 +83,8 @@ absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8) 
   RETURN_IF_ERROR(RequireDefined(op, "y", y));
   if (IsFloat8(y->dtype())) {
     if (fp8 == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": y has dtype ", DTypeName(y->dtype()), " but no Fp8Output (scale, amax) is given"));
+      return absl::InvalidArgumentError(absl::StrCat(op, ": y has dtype ", DTypeName(y->dtype()),
+                                                     " but no Fp8Output (scale, amax) is given"));
     }
     RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale", &fp8->scale));
     RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8->amax));
@@ -98,8 +96,8 @@ absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8) 
                                                    ", want float32, bfloat16, float16 or FP8"));
   }
   if (fp8 != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": an Fp8Output is given but y has dtype ", DTypeName(y->dtype()), ", not FP8"));
+    return absl::InvalidArgumentError(absl::StrCat(op, ": an Fp8Output is given but y has dtype ",
+                                                   DTypeName(y->dtype()), ", not FP8"));
   }
   return absl::OkStatus();
 }
@@ -162,8 +160,8 @@ absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, con
   const int rank = x.rank();
   if (rank > kPermuteMaxRank) {
     return absl::InvalidArgumentError(absl::StrCat("Permute: x has rank ", rank, " (",
-                                                   ShapeString(x.shape()), "), want <= ",
-                                                   kPermuteMaxRank));
+                                                   ShapeString(x.shape()),
+                                                   "), want <= ", kPermuteMaxRank));
   }
   std::vector<bool> seen(rank, false);
   bool valid = static_cast<int>(perm.size()) == rank;
@@ -274,10 +272,9 @@ absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& 
   const bool mxfp8 = format == BlockFormat::kMXFP8;
   const int block = mxfp8 ? kMxfp8BlockSize : kNvfp4BlockSize;
   if (x.dim(-1) % block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": x has last dimension ", x.dim(-1),
-                                                   ", want a multiple of the ",
-                                                   mxfp8 ? "MXFP8" : "NVFP4", " block size ",
-                                                   block));
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": x has last dimension ", x.dim(-1), ", want a multiple of the ",
+                     mxfp8 ? "MXFP8" : "NVFP4", " block size ", block));
   }
   return absl::OkStatus();
 }
@@ -302,9 +299,9 @@ absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Te
   }
   RETURN_IF_ERROR(RequireFloat("Gemm", name, &t));
   if (scale_inv.data() != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Gemm: ", scale_name, " is given but ", name, " is ", DTypeName(t.dtype()),
-        "; scale_inv applies to FP8 operands only"));
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: ", scale_name, " is given but ", name,
+                                                   " is ", DTypeName(t.dtype()),
+                                                   "; scale_inv applies to FP8 operands only"));
   }
   return absl::OkStatus();
 }
@@ -315,9 +312,9 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
   RETURN_IF_ERROR(CheckGemmOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
   RETURN_IF_ERROR(CheckGemmOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
   if (IsFloat8(args.a.dtype()) != IsFloat8(args.b.dtype())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()), " and b is ",
-                     DTypeName(args.b.dtype()), "; operands are both float or both FP8"));
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: a is ", DTypeName(args.a.dtype()),
+                                                   " and b is ", DTypeName(args.b.dtype()),
+                                                   "; operands are both float or both FP8"));
   }
   GemmDims dims;
   dims.m = args.transpose_a ? args.a.dim(1) : args.a.dim(0);
@@ -325,10 +322,10 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
   const int64_t k = dims.k;
   const Shape b_want = args.transpose_b ? Shape{args.b.dim(0), k} : Shape{k, args.b.dim(1)};
   if (args.b.shape() != b_want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
-        args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)")
-                         : absl::StrCat("[K=", k, ", N]")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: b has shape ", ShapeString(args.b.shape()), ", want ",
+                     args.transpose_b ? absl::StrCat("[N, K=", k, "] (transpose_b)")
+                                      : absl::StrCat("[K=", k, ", N]")));
   }
   dims.n = args.transpose_b ? args.b.dim(0) : args.b.dim(1);
   RETURN_IF_ERROR(RequireFloat("Gemm", "out", out));
@@ -339,8 +336,9 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
     RETURN_IF_ERROR(
         RequireShape("Gemm", "bias", args.bias, {dims.n}, absl::StrCat("[N=", dims.n, "]")));
     if (args.accumulate) {
-      return absl::InvalidArgumentError("Gemm: bias is given with accumulate; add it once, "
-                                        "on the first GEMM that writes out");
+      return absl::InvalidArgumentError(
+          "Gemm: bias is given with accumulate; add it once, "
+          "on the first GEMM that writes out");
     }
   }
   return dims;
@@ -436,8 +434,8 @@ absl::StatusOr<int64_t> GatedWidth(const char* op, const std::vector<Activation>
   if (x.rank() < 1) return absl::InvalidArgumentError(absl::StrCat(op, ": x is a scalar"));
   const int64_t n = static_cast<int64_t>(acts.size());
   if (x.dim(-1) % n != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": x has last dimension ", x.dim(-1), ", want a multiple of ", n, " (n * I)"));
+    return absl::InvalidArgumentError(absl::StrCat(op, ": x has last dimension ", x.dim(-1),
+                                                   ", want a multiple of ", n, " (n * I)"));
   }
   return x.dim(-1) / n;
 }
@@ -534,9 +532,8 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
   s.kv_seq = k.dim(1);
   s.kv_heads = k.dim(2);
   if (s.kv_heads <= 0 || s.q_heads % s.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": q heads (", s.q_heads,
-                                                   ") must be a multiple of k heads (",
-                                                   s.kv_heads, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": q heads (", s.q_heads, ") must be a multiple of k heads (", s.kv_heads, ")"));
   }
   RETURN_IF_ERROR(CheckFloatTensor(op, "q", &q, q.shape()));
   const Shape kv_shape = {s.batch, s.kv_seq, s.kv_heads, s.head_dim};
@@ -573,9 +570,9 @@ absl::Status CheckSoftmaxLse(const char* op, const Tensor* lse, const AttentionS
 
 }  // namespace
 
-absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args,
-                                                         const Tensor& q, const Tensor& k,
-                                                         const Tensor& v, const Tensor* out,
+absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args, const Tensor& q,
+                                                         const Tensor& k, const Tensor& v,
+                                                         const Tensor* out,
                                                          const Tensor* softmax_lse) {
   const char* op = "AttentionForward";
   ASSIGN_OR_RETURN(const AttentionShape s, CheckAttentionInputs(op, args, q, k, v));
@@ -585,9 +582,9 @@ absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& ar
 }
 
 absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
-    const AttentionArgs& args, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor& out, const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq,
-    const Tensor* dk, const Tensor* dv, const Tensor* dbias) {
+    const AttentionArgs& args, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq, const Tensor* dk,
+    const Tensor* dv, const Tensor* dbias) {
   const char* op = "AttentionBackward";
   ASSIGN_OR_RETURN(const AttentionShape s, CheckAttentionInputs(op, args, q, k, v));
   RETURN_IF_ERROR(CheckFloatTensor(op, "out", &out, q.shape()));
@@ -609,20 +606,18 @@ namespace {
 
 absl::Status CheckBuckets(const char* op, const Tensor& buckets) {
   if (buckets.dtype() != DType::kI32 || buckets.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": buckets must be int32 [Sq, Skv], got ",
-                                                   Describe(buckets)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": buckets must be int32 [Sq, Skv], got ", Describe(buckets)));
   }
   return RequireDefined(op, "buckets", &buckets);
 }
 
 // A table or dtable [num_buckets, heads], float.
-absl::StatusOr<RelativeBiasDims> CheckTable(const char* op, const char* name,
-                                            const Tensor* table) {
+absl::StatusOr<RelativeBiasDims> CheckTable(const char* op, const char* name, const Tensor* table) {
   RETURN_IF_ERROR(RequireDefined(op, name, table));
   if (table->rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name,
-                                                   " must be [buckets, heads], got ",
-                                                   ShapeString(table->shape())));
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": ", name, " must be [buckets, heads], got ", ShapeString(table->shape())));
   }
   RETURN_IF_ERROR(RequireFloat(op, name, table));
   RelativeBiasDims dims;
@@ -648,8 +643,8 @@ absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tens
   }
   if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": timescales must be positive, got [",
-                                                   args.min_timescale, ", ",
-                                                   args.max_timescale, "]"));
+                                                   args.min_timescale, ", ", args.max_timescale,
+                                                   "]"));
   }
   RETURN_IF_ERROR(RequireFloat(op, "x", &x));
   RETURN_IF_ERROR(RequireFloat(op, "y", y));

@@ -79,8 +79,7 @@ absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tenso
 // Elements per block, along the last dimension, of each BlockFormat.
 constexpr int kMxfp8BlockSize = 32;
 constexpr int kNvfp4BlockSize = 16;
-absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x,
-                                              const Tensor* y);
+absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x, const Tensor* y);
 
 // ---- GEMM -------------------------------------------------------------------------
 
@@ -141,14 +140,14 @@ struct AttentionShape {
 // These check the padding lengths' dtype and shape, not their values, which
 // may live on the device (the CPU checks them as it reads them; the CUDA
 // kernels clamp them to [0, S]).
-absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args,
-                                                         const Tensor& q, const Tensor& k,
-                                                         const Tensor& v, const Tensor* out,
+absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args, const Tensor& q,
+                                                         const Tensor& k, const Tensor& v,
+                                                         const Tensor* out,
                                                          const Tensor* softmax_lse);
 absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
-    const AttentionArgs& args, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor& out, const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq,
-    const Tensor* dk, const Tensor* dv, const Tensor* dbias);
+    const AttentionArgs& args, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq, const Tensor* dk,
+    const Tensor* dv, const Tensor* dbias);
 
 // ---- position encodings --------------------------------------------------------------
 
