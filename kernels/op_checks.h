@@ -9,9 +9,9 @@
 // dispatch) is checked in that backend, after the shared check.
 //
 // Optional tensors: an optional output (mu, rsigma, mask) is skipped when null
-// or without memory (Wanted); an optional input (a GEMM bias, an attention
-// bias or padding lengths) is absent when it has no memory, or, where ops.h
-// says "undefined", when !defined().
+// or without memory (Wanted). A GEMM bias or scale_inv is absent when it has no
+// memory; an attention bias or padding lengths tensor when !defined(), as
+// ops.h words it, so an empty one (e.g. int32 [0] lengths for B = 0) is given.
 #ifndef TE_KERNELS_OP_CHECKS_H_
 #define TE_KERNELS_OP_CHECKS_H_
 
