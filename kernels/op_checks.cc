@@ -109,7 +109,7 @@ int64_t Rows(const Tensor& t) {
 
 bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
 
-// ---- memory and elementwise ---------------------------------------------------
+// ---- memory and elementwise -------------------------------------------------
 
 absl::Status CheckUploadArgs(const void* src, const Tensor* dst) {
   RETURN_IF_ERROR(RequireDefined("Upload", "dst", dst));
@@ -187,7 +187,7 @@ absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y) {
   return RequireShape("SumRows", "y", *y, {h}, absl::StrCat("[H=", h, "]"));
 }
 
-// ---- FP8 scaling ----------------------------------------------------------------
+// ---- FP8 scaling ------------------------------------------------------------
 
 namespace {
 
@@ -279,7 +279,7 @@ absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& 
   return absl::OkStatus();
 }
 
-// ---- GEMM -------------------------------------------------------------------------
+// ---- GEMM -------------------------------------------------------------------
 
 namespace {
 
@@ -344,7 +344,7 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
   return dims;
 }
 
-// ---- normalisation ------------------------------------------------------------------
+// ---- normalisation ----------------------------------------------------------
 
 namespace {
 
@@ -420,7 +420,7 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
   return dims;
 }
 
-// ---- activations and dropout -----------------------------------------------------------
+// ---- activations and dropout ------------------------------------------------
 
 namespace {
 
@@ -502,7 +502,7 @@ absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor
   return RequireShape(op, "dx", *dx, dy.shape());
 }
 
-// ---- attention ------------------------------------------------------------------------
+// ---- attention --------------------------------------------------------------
 
 namespace {
 
@@ -600,7 +600,7 @@ absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
   return s;
 }
 
-// ---- position encodings --------------------------------------------------------------
+// ---- position encodings -----------------------------------------------------
 
 namespace {
 

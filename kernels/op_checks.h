@@ -53,7 +53,7 @@ int64_t Rows(const Tensor& t);
 // Whether the caller asked for an optional output: non-null, with memory.
 bool Wanted(const Tensor* t);
 
-// ---- memory and elementwise ---------------------------------------------------
+// ---- memory and elementwise -------------------------------------------------
 
 // src may be null when dst has no bytes (the op then does nothing).
 absl::Status CheckUploadArgs(const void* src, const Tensor* dst);
@@ -67,7 +67,7 @@ constexpr int kPermuteMaxRank = 5;
 absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, const Tensor* y);
 absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y);
 
-// ---- FP8 scaling ----------------------------------------------------------------
+// ---- FP8 scaling ------------------------------------------------------------
 
 absl::Status CheckQuantizeArgs(const Tensor& x, const Fp8Output& fp8, const Tensor* y);
 absl::Status CheckDequantizeArgs(const Tensor& x, const Tensor& scale_inv, const Tensor* y);
@@ -81,7 +81,7 @@ constexpr int kMxfp8BlockSize = 32;
 constexpr int kNvfp4BlockSize = 16;
 absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x, const Tensor* y);
 
-// ---- GEMM -------------------------------------------------------------------------
+// ---- GEMM -------------------------------------------------------------------
 
 // out [M, N] = op(a) [M, K] @ op(b) [K, N].
 struct GemmDims {
@@ -93,7 +93,7 @@ struct GemmDims {
 // (given when it has memory) excludes accumulate.
 absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* out);
 
-// ---- normalisation ------------------------------------------------------------------
+// ---- normalisation ----------------------------------------------------------
 
 // x [rows, hidden]; x may have any rank >= 1, rows = prod(shape[:-1]).
 struct NormDims {
@@ -111,7 +111,7 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
                                                const Tensor* dx, const Tensor* dgamma,
                                                const Tensor* dbeta);
 
-// ---- activations and dropout -----------------------------------------------------------
+// ---- activations and dropout ------------------------------------------------
 
 // Both return I, the width of y and dy: x is [..., n * I] with n = acts.size().
 absl::StatusOr<int64_t> CheckActivationForwardArgs(const std::vector<Activation>& acts,
@@ -126,7 +126,7 @@ absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* 
 absl::Status CheckDropoutBackwardArgs(float rate, const Tensor& dy, const Tensor& mask,
                                       const Tensor* dx);
 
-// ---- attention ------------------------------------------------------------------------
+// ---- attention --------------------------------------------------------------
 
 // Sizes of one attention call: q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D].
 struct AttentionShape {
@@ -149,7 +149,7 @@ absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
     const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq, const Tensor* dk,
     const Tensor* dv, const Tensor* dbias);
 
-// ---- position encodings --------------------------------------------------------------
+// ---- position encodings -----------------------------------------------------
 
 absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y);
 // table / dtable [num_buckets, heads].
