@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -110,13 +112,14 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const SessionOpti
   te::v1::CreateSessionResponse response;
   absl::Status status = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
   if (!status.ok()) return status;
-  return std::unique_ptr<Session>(new Session(stub_, options_, response));
+  return std::unique_ptr<Session>(
+      new Session(stub_, options_, response, options.transport.value_or(options_.transport)));
 }
 
 // ---- Session ------------------------------------------------------------------
 
 Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options,
-                 const te::v1::CreateSessionResponse& created)
+                 const te::v1::CreateSessionResponse& created, Transport transport)
     : stub_(std::move(stub)),
       options_(std::move(options)),
       ref_(created.session()),
@@ -124,7 +127,10 @@ Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions op
       device_(created.device()),
       emulated_(created.emulated()),
       negotiation_(created.negotiation()),
-      ttl_(absl::Seconds(created.ttl_seconds())) {
+      ttl_(absl::Seconds(created.ttl_seconds())),
+      transport_(transport),
+      shm_([this](const std::string& name, uint64_t size) { return RegisterRegion(name, size); },
+           options_.shm_region_bytes) {
   if (created.has_recipe()) {
     absl::StatusOr<Recipe> recipe = FromProto(created.recipe());
     if (recipe.ok()) recipe_ = *std::move(recipe);
@@ -149,6 +155,21 @@ absl::Status Session::Close() {
 }
 
 absl::StatusOr<ResidentTensor> Session::Put(const HostTensor& tensor) {
+  // A stream or shared memory: Put makes a resident tensor, never an inline one.
+  if (TransportFor(tensor.bytes().size()) == Transport::kSharedMemory) {
+    absl::StatusOr<SharedMemoryPool::Block> block = shm_.Allocate(tensor.bytes().size());
+    if (block.ok()) {
+      absl::StatusOr<ResidentTensor> put = PutShared(tensor, *block);
+      shm_.Free(*block);
+      return put;
+    }
+    if (transport_ == Transport::kSharedMemory) return block.status();
+  }
+  return PutStreamed(tensor);
+}
+
+absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
+  ++counts_.streamed_tensors;
   grpc::ClientContext context;
   PrepareContext(&context);
   te::v1::PutTensorResponse response;
@@ -174,6 +195,7 @@ absl::StatusOr<ResidentTensor> Session::Put(const HostTensor& tensor) {
 }
 
 absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
+  ++counts_.streamed_tensors;
   te::v1::GetTensorRequest request;
   *request.mutable_session() = ref_;
   request.set_tensor_id(tensor_id);
@@ -220,7 +242,9 @@ absl::Status Session::Delete(const std::string& tensor_id) {
 
 absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
   absl::Status first;
-  for (const std::string& id : tensor_ids) first.Update(Delete(id));
+  for (const std::string& id : tensor_ids) {
+    if (!FreeShared(id)) first.Update(Delete(id));
+  }
   return first;
 }
 
@@ -272,8 +296,27 @@ absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRe
 #undef TE_CLIENT_UNARY
 
 absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vector<std::string>* uploaded) {
-  if (tensor.bytes().size() <= options_.inline_tensor_bytes) return ToInlineProto(tensor);
-  absl::StatusOr<ResidentTensor> resident = Put(tensor);
+  const Transport how = TransportFor(tensor.bytes().size());
+  if (how == Transport::kInline) {
+    ++counts_.inline_tensors;
+    return ToInlineProto(tensor);
+  }
+  if (how == Transport::kSharedMemory) {
+    absl::StatusOr<SharedMemoryPool::Block> block = shm_.Allocate(tensor.bytes().size());
+    if (block.ok()) {
+      ++counts_.shm_tensors;
+      std::memcpy(block->data, tensor.bytes().data(), tensor.bytes().size());
+      uploaded->push_back(absl::StrCat("shm:", block->region_id, ":", block->offset, ":", block->size));
+      te::v1::Tensor proto;
+      proto.set_dtype(ToProtoDType(tensor.dtype()));
+      for (int64_t d : tensor.shape()) proto.add_shape(d);
+      proto.mutable_shm()->set_region_id(block->region_id);
+      proto.mutable_shm()->set_offset(block->offset);
+      return proto;
+    }
+    if (transport_ == Transport::kSharedMemory) return block.status();
+  }
+  absl::StatusOr<ResidentTensor> resident = PutStreamed(tensor);
   if (!resident.ok()) return resident.status();
   uploaded->push_back(resident->id);
   te::v1::Tensor proto;
@@ -284,8 +327,32 @@ absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vect
 }
 
 absl::StatusOr<HostTensor> Session::Receive(const te::v1::Tensor& tensor, const std::string& field) {
-  if (tensor.data_case() != te::v1::Tensor::kResidentId) return FromInlineProto(tensor, field);
-  absl::StatusOr<HostTensor> host = Get(tensor.resident_id());
+  if (tensor.data_case() == te::v1::Tensor::kShm) return ReadShared(tensor, field);
+  if (tensor.data_case() != te::v1::Tensor::kResidentId) {
+    ++counts_.inline_tensors;
+    return FromInlineProto(tensor, field);
+  }
+  absl::StatusOr<HostTensor> host = absl::UnknownError("not fetched");
+  absl::StatusOr<DType> dtype = FromProtoDType(tensor.dtype());
+  const Shape shape(tensor.shape().begin(), tensor.shape().end());
+  const int64_t n = NumElements(shape);
+  std::optional<SharedMemoryPool::Block> block;
+  if (dtype.ok() && n >= 0 && n <= (int64_t{1} << 40) &&
+      TransportFor(static_cast<size_t>(n) * DTypeSize(*dtype)) == Transport::kSharedMemory) {
+    absl::StatusOr<SharedMemoryPool::Block> allocated =
+        shm_.Allocate(static_cast<size_t>(n) * DTypeSize(*dtype));
+    if (allocated.ok()) {
+      block = *allocated;
+    } else if (transport_ == Transport::kSharedMemory) {
+      return allocated.status();
+    }
+  }
+  if (block.has_value()) {
+    host = GetShared(tensor.resident_id(), *dtype, shape, *block);
+    shm_.Free(*block);
+  } else {
+    host = Get(tensor.resident_id());
+  }
   absl::Status deleted = Delete(tensor.resident_id());
   if (!host.ok()) return host.status();
   if (!deleted.ok()) return deleted;

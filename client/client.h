@@ -30,6 +30,7 @@
 #include "absl/time/time.h"
 #include "client/recipe.h"
 #include "client/tensor.h"
+#include "client/transport.h"
 #include "te/v1/service.grpc.pb.h"
 
 namespace te::client {
@@ -41,6 +42,12 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   size_t inline_tensor_bytes = 1 << 20;
   size_t chunk_bytes = 1 << 20;
+  // Which way tensors go (transport.h): kAuto picks inline, shared memory
+  // (same host, server started with --enable_shm) or streams by size and
+  // locality; the others force one. Shared-memory regions are made in pieces
+  // of at least shm_region_bytes.
+  Transport transport = Transport::kAuto;
+  size_t shm_region_bytes = 64 << 20;
 
   // Deadlines: Connect waits connect_timeout for the channel; every RPC gets
   // rpc_timeout (a forward + backward of the full quickstart layer on a CPU
@@ -71,6 +78,7 @@ struct SessionOptions {
   NegotiationPolicy policy = NegotiationPolicy::kFallback;
   std::string device;           // "cpu", "cuda:0"; empty: the server's choice
   absl::Duration ttl = absl::ZeroDuration();  // idle TTL; zero: the server's default
+  std::optional<Transport> transport;         // unset: ClientOptions::transport
 };
 
 // A tensor held by the server in a session (from Put, or kept outputs).
@@ -119,22 +127,39 @@ class Session {
   absl::Status SetVariables(te::v1::SetVariablesRequest request);
   absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(te::v1::BenchmarkRequest request);
 
-  // A request tensor for `tensor`: inline when small, else uploaded with Put
-  // (its id appended to *uploaded, for the caller to Delete after the call).
+  // A request tensor for `tensor`, by the session's transport: inline,
+  // uploaded with Put, or written to shared memory (its id, or its block as
+  // "shm:...", appended to *uploaded, for the caller to DeleteAll after the call).
   absl::StatusOr<te::v1::Tensor> Send(const HostTensor& tensor, std::vector<std::string>* uploaded);
-  // A response tensor as a HostTensor: inline bytes, or a resident id fetched
-  // and then deleted. `field` names it in errors.
+  // A response tensor as a HostTensor: inline bytes, bytes in this session's
+  // shared memory, or a resident id fetched (through shared memory or the
+  // stream) and then deleted. `field` names it in errors.
   absl::StatusOr<HostTensor> Receive(const te::v1::Tensor& tensor, const std::string& field);
-  // Deletes each id, keeping the first error.
+  // Deletes each id (and frees each shared-memory block), keeping the first error.
   absl::Status DeleteAll(const std::vector<std::string>& tensor_ids);
 
   const ClientOptions& options() const { return options_; }
+  Transport transport() const { return transport_; }
+  // What the transport did so far (which way kAuto sent and received tensors).
+  const TransportCounts& transport_counts() const { return counts_; }
 
  private:
   friend class Client;
   Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options,
-          const te::v1::CreateSessionResponse& created);
+          const te::v1::CreateSessionResponse& created, Transport transport);
   void PrepareContext(grpc::ClientContext* context) const;
+
+  // Shared memory (transport.cc). The way a tensor of `bytes` goes now.
+  Transport TransportFor(size_t bytes) const;
+  absl::StatusOr<std::string> RegisterRegion(const std::string& name, uint64_t size);
+  absl::StatusOr<ResidentTensor> PutShared(const HostTensor& tensor,
+                                           const SharedMemoryPool::Block& block);
+  absl::StatusOr<HostTensor> GetShared(const std::string& tensor_id, DType dtype,
+                                       const Shape& shape, const SharedMemoryPool::Block& block);
+  absl::StatusOr<HostTensor> ReadShared(const te::v1::Tensor& tensor, const std::string& field);
+  // Frees the block an "shm:..." upload id names; false for another id.
+  bool FreeShared(const std::string& upload_id);
+  absl::StatusOr<ResidentTensor> PutStreamed(const HostTensor& tensor);
 
   std::shared_ptr<te::v1::TeService::Stub> stub_;
   ClientOptions options_;
@@ -146,6 +171,9 @@ class Session {
   std::string negotiation_;
   absl::Duration ttl_;
   std::atomic<bool> closed_{false};
+  const Transport transport_;
+  SharedMemoryPool shm_;
+  TransportCounts counts_;
 };
 
 class Client {
