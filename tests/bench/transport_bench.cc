@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "te/v1/service.grpc.pb.h"
@@ -46,6 +47,9 @@ ABSL_FLAG(std::string, server_binary, "",
 ABSL_FLAG(std::string, server_flags, "", "extra flags for the started server, space-separated");
 ABSL_FLAG(int, mib, 64, "tensor size in MiB (float32, [mib * 256 K])");
 ABSL_FLAG(int, reps, 5, "timed transfers per transport and direction");
+ABSL_FLAG(int, place_sessions, 4,
+          "sessions to open at the end, printing the device each was placed on (a server "
+          "with several devices spreads them)");
 
 namespace te::bench {
 namespace {
@@ -331,6 +335,29 @@ int Main(int argc, char** argv) {
     }
     rates.push_back(bench.SharedMemory());
   }
+  std::vector<std::string> placed;
+  {
+    auto stub = te::v1::TeService::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    std::vector<te::v1::SessionRef> sessions;
+    for (int i = 0; i < absl::GetFlag(FLAGS_place_sessions); ++i) {
+      grpc::ClientContext context;
+      te::v1::CreateSessionResponse created;
+      if (!Check(stub->CreateSession(&context, te::v1::CreateSessionRequest(), &created),
+                 "CreateSession")) {
+        break;
+      }
+      placed.push_back(created.device());
+      sessions.push_back(created.session());
+    }
+    for (const te::v1::SessionRef& session : sessions) {
+      grpc::ClientContext context;
+      te::v1::CloseSessionRequest request;
+      *request.mutable_session() = session;
+      te::v1::CloseSessionResponse response;
+      stub->CloseSession(&context, request, &response);
+    }
+  }
   if (server != nullptr) server->Stop().IgnoreError();
 
   const Rate& unary = rates.front();
@@ -342,6 +369,10 @@ int Main(int argc, char** argv) {
     std::printf("%-28s %12.3f %12.3f %10.2f %10.2f\n", rate.transport.c_str(), rate.upload_gbps,
                 rate.download_gbps, unary.upload_gbps > 0 ? rate.upload_gbps / unary.upload_gbps : 0,
                 unary.download_gbps > 0 ? rate.download_gbps / unary.download_gbps : 0);
+  }
+  if (!placed.empty()) {
+    std::printf("%zu new sessions placed on: %s\n", placed.size(),
+                absl::StrJoin(placed, " ").c_str());
   }
   (void)rest;
   return 0;
