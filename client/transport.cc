@@ -31,10 +31,8 @@ bool IsRefusal(const absl::Status& status) {
     case absl::StatusCode::kNotFound:
     case absl::StatusCode::kPermissionDenied:
     case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kUnimplemented:
-      return true;
-    default:
-      return false;
+    case absl::StatusCode::kUnimplemented: return true;
+    default: return false;
   }
 }
 
@@ -60,8 +58,8 @@ const char* TransportName(Transport transport) {
 }
 
 absl::StatusOr<Transport> ParseTransport(const std::string& name) {
-  for (Transport t : {Transport::kAuto, Transport::kInline, Transport::kStream,
-                      Transport::kSharedMemory}) {
+  for (Transport t :
+       {Transport::kAuto, Transport::kInline, Transport::kStream, Transport::kSharedMemory}) {
     if (name == TransportName(t)) return t;
   }
   return absl::InvalidArgumentError(
@@ -115,16 +113,15 @@ absl::StatusOr<SharedMemoryPool::Region*> SharedMemoryPool::NewRegionLocked(size
   const int reserved = ftruncate(fd, static_cast<off_t>(size)) == 0
                            ? posix_fallocate(fd, 0, static_cast<off_t>(size))
                            : errno;
-  void* base = reserved == 0
-                   ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                   : MAP_FAILED;
+  void* base =
+      reserved == 0 ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   const int map_error = errno;
   close(fd);
   if (base == MAP_FAILED) {
     shm_unlink(name.c_str());
     return absl::ResourceExhaustedError(
-        absl::StrCat("a shared-memory region of ", size, " bytes: ",
-                     std::strerror(reserved != 0 ? reserved : map_error)));
+        absl::StrCat("a shared-memory region of ", size,
+                     " bytes: ", std::strerror(reserved != 0 ? reserved : map_error)));
   }
   absl::StatusOr<std::string> id = registrar_(name, size);
   shm_unlink(name.c_str());  // registered or not, the name has served
@@ -132,8 +129,8 @@ absl::StatusOr<SharedMemoryPool::Region*> SharedMemoryPool::NewRegionLocked(size
     munmap(base, size);
     if (!IsRefusal(id.status())) return id.status();  // busy or unreachable: maybe later
     // The server cannot use it (another host, no --enable_shm): for good.
-    unavailable_ = absl::FailedPreconditionError(absl::StrCat(
-        "shared memory is unavailable for this session: ", id.status().message()));
+    unavailable_ = absl::FailedPreconditionError(
+        absl::StrCat("shared memory is unavailable for this session: ", id.status().message()));
     return unavailable_;
   }
   auto region = std::make_unique<Region>();
@@ -200,8 +197,8 @@ absl::StatusOr<const char*> SharedMemoryPool::View(const std::string& region_id,
     if (offset > region->size || bytes > region->size - offset) break;
     return static_cast<const char*>(region->base + offset);
   }
-  return absl::InvalidArgumentError(absl::StrCat("shared memory ", region_id, " at ", offset,
-                                                 " (", bytes, " bytes) is not this session's"));
+  return absl::InvalidArgumentError(absl::StrCat("shared memory ", region_id, " at ", offset, " (",
+                                                 bytes, " bytes) is not this session's"));
 }
 
 }  // namespace te::client
@@ -270,8 +267,8 @@ absl::StatusOr<HostTensor> Session::GetShared(const std::string& tensor_id, DTyp
   RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
   if (!header.has_value() || header->dtype() != ToProtoDType(dtype) ||
       Shape(header->shape().begin(), header->shape().end()) != shape) {
-    return absl::InternalError(absl::StrCat("GetTensor(", tensor_id,
-                                            "): the server's header does not match the tensor"));
+    return absl::InternalError(
+        absl::StrCat("GetTensor(", tensor_id, "): the server's header does not match the tensor"));
   }
   return HostTensor::FromBytes(dtype, shape, std::string(block.data, block.size));
 }
@@ -283,8 +280,10 @@ absl::StatusOr<HostTensor> Session::ReadShared(const te::v1::Tensor& tensor,
   const int64_t n = NumElements(shape);
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat(field, ".shape: negative"));
   const size_t bytes = static_cast<size_t>(n) * DTypeSize(dtype);
-  absl::StatusOr<const char*> view = shm_.View(tensor.shm().region_id(), tensor.shm().offset(), bytes);
-  if (!view.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", view.status().message()));
+  absl::StatusOr<const char*> view =
+      shm_.View(tensor.shm().region_id(), tensor.shm().offset(), bytes);
+  if (!view.ok())
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", view.status().message()));
   ++counts_.shm_tensors;
   return HostTensor::FromBytes(dtype, shape, std::string(*view, bytes));
 }

@@ -18,8 +18,14 @@ namespace {
 
 TEST(TransportTest, AutoGoesInlineThenSharedMemoryThenStreams) {
   int asked = 0;
-  auto yes = [&] { ++asked; return true; };
-  auto no = [&] { ++asked; return false; };
+  auto yes = [&] {
+    ++asked;
+    return true;
+  };
+  auto no = [&] {
+    ++asked;
+    return false;
+  };
   EXPECT_EQ(Choose(Transport::kAuto, 1 << 20, 1 << 20, yes), Transport::kInline);
   EXPECT_EQ(asked, 0);  // small tensors never probe
   EXPECT_EQ(Choose(Transport::kAuto, (1 << 20) + 1, 1 << 20, yes), Transport::kSharedMemory);
@@ -32,8 +38,8 @@ TEST(TransportTest, AutoGoesInlineThenSharedMemoryThenStreams) {
 }
 
 TEST(TransportTest, NamesRoundTrip) {
-  for (Transport t : {Transport::kAuto, Transport::kInline, Transport::kStream,
-                      Transport::kSharedMemory}) {
+  for (Transport t :
+       {Transport::kAuto, Transport::kInline, Transport::kStream, Transport::kSharedMemory}) {
     EXPECT_EQ(*ParseTransport(TransportName(t)), t);
   }
   EXPECT_EQ(ParseTransport("udp").status().code(), absl::StatusCode::kInvalidArgument);

@@ -74,7 +74,9 @@ absl::Status Malformed(const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat("not a PutTensorChunk: ", why));
 }
 
-void UnrefKeepalive(void* keepalive) { delete static_cast<std::shared_ptr<const void>*>(keepalive); }
+void UnrefKeepalive(void* keepalive) {
+  delete static_cast<std::shared_ptr<const void>*>(keepalive);
+}
 
 // The framing of a data message: tag and length.
 std::string DataPrefix(size_t size) {
@@ -152,8 +154,7 @@ absl::Status ParsePutChunk(const grpc::ByteBuffer& message, PutChunk* chunk) {
         }
         break;
       }
-      default:
-        return Malformed(absl::StrCat("wire type ", wire_type));
+      default: return Malformed(absl::StrCat("wire type ", wire_type));
     }
   }
   if (!have_part) return absl::InvalidArgumentError("a message with neither header nor data");

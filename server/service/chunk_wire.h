@@ -26,7 +26,7 @@ namespace te::service {
 // fields wins; unknown fields are skipped).
 struct PutChunk {
   bool is_header = false;
-  te::v1::PutTensorHeader header;     // when is_header
+  te::v1::PutTensorHeader header;       // when is_header
   std::vector<absl::string_view> data;  // when not: pieces, in order, into `slices`
   std::vector<grpc::Slice> slices;      // the message's memory
   size_t data_bytes() const;

@@ -85,10 +85,10 @@ TEST(ChunkWireTest, LastPartWinsAndUnknownFieldsAreSkipped) {
   const std::string unknown = std::string("\x48\x96\x01", 3) + "\x51" + std::string(8, 'x') +
                               "\x5a\x02hi" + "\x65" + std::string(4, 'y');
   PutChunk chunk;
-  ASSERT_TRUE(ParsePutChunk(Sliced(header.SerializeAsString() + unknown +
-                                       data.SerializeAsString(), {}),
-                            &chunk)
-                  .ok());
+  ASSERT_TRUE(
+      ParsePutChunk(Sliced(header.SerializeAsString() + unknown + data.SerializeAsString(), {}),
+                    &chunk)
+          .ok());
   EXPECT_FALSE(chunk.is_header);
   EXPECT_EQ(Joined(chunk), "payload");
   ASSERT_TRUE(
@@ -109,14 +109,16 @@ TEST(ChunkWireTest, EmptyDataIsData) {
 
 TEST(ChunkWireTest, MalformedMessagesAreInvalid) {
   const std::vector<std::string> bad = {
-      "",                                   // neither header nor data
-      std::string("\x12\x05" "abc", 5),     // length past the end
-      std::string("\x12", 1),               // no length
-      std::string("\x0a\x02\xff\xff", 4),   // a header that does not parse
-      std::string("\x13", 1),               // wire type 3 (groups)
-      std::string("\x00\x01", 2),           // field 0
-      std::string(11, '\x80'),              // endless varint
-      std::string("\x48\x01", 2),           // only an unknown field
+      "",  // neither header nor data
+      std::string("\x12\x05"
+                  "abc",
+                  5),                      // length past the end
+      std::string("\x12", 1),              // no length
+      std::string("\x0a\x02\xff\xff", 4),  // a header that does not parse
+      std::string("\x13", 1),              // wire type 3 (groups)
+      std::string("\x00\x01", 2),          // field 0
+      std::string(11, '\x80'),             // endless varint
+      std::string("\x48\x01", 2),          // only an unknown field
   };
   for (const std::string& wire : bad) {
     PutChunk chunk;

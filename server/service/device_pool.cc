@@ -47,9 +47,9 @@ absl::StatusOr<std::vector<std::string>> ParseDeviceList(const std::string& flag
                       absl::SimpleAtoi(name.substr(5), &ordinal) && ordinal >= 0 &&
                       name.substr(5) == absl::StrCat(ordinal);  // no "cuda:+1", "cuda:01"
     if (name != "cpu" && !cuda) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--device=", flag, ": '", name,
-          "' is not a device; give auto, all, or a list of cpu and cuda:N"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--device=", flag, ": '", name,
+                       "' is not a device; give auto, all, or a list of cpu and cuda:N"));
     }
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(
@@ -82,8 +82,8 @@ absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Open(
         if (!cuda.ok()) {
           if (ordinal == 0) {
             Log(LogLevel::kWarning,
-                absl::StrCat("--device=", flag, ": cuda:0 unavailable (",
-                             cuda.status().ToString(), "); using the CPU reference backend"));
+                absl::StrCat("--device=", flag, ": cuda:0 unavailable (", cuda.status().ToString(),
+                             "); using the CPU reference backend"));
           }
           break;
         }
@@ -133,9 +133,9 @@ absl::StatusOr<int> DevicePool::Place(const std::string& requested,
   if (!requested.empty()) {
     const int index = Find(requested);
     if (index < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device: '", requested, "' is not served here; this server runs on ", Names(),
-          " (leave device empty for the server's choice)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("device: '", requested, "' is not served here; this server runs on ",
+                       Names(), " (leave device empty for the server's choice)"));
     }
     return index;
   }

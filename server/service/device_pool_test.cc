@@ -16,9 +16,8 @@ TEST(ParseDeviceListTest, ListsInOrder) {
 }
 
 TEST(ParseDeviceListTest, RejectsMalformedAndRepeatedEntries) {
-  for (const std::string flag :
-       {"", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:01", "cpu,", "cpu,cpu", "cuda:0,cuda:0",
-        "cpu,all", "auto,cpu"}) {
+  for (const std::string flag : {"", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:01", "cpu,",
+                                 "cpu,cpu", "cuda:0,cuda:0", "cpu,all", "auto,cpu"}) {
     EXPECT_EQ(ParseDeviceList(flag).status().code(), absl::StatusCode::kInvalidArgument)
         << "--device=" << flag;
   }

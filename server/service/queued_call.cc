@@ -38,9 +38,9 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
   const ServiceCore* shared = &core;
   call->Submit(*device, ref.session_id(),
                [shared, ref, work = std::move(work)](const session::CallContext& context) {
-                 ASSIGN_OR_RETURN(session::SessionManager::Lease lease,
-                                  shared->sessions->Acquire(ref.session_id(), ref.token(),
-                                                            context.deadline));
+                 ASSIGN_OR_RETURN(
+                     session::SessionManager::Lease lease,
+                     shared->sessions->Acquire(ref.session_id(), ref.token(), context.deadline));
                  const int64_t mark = lease.session().mark();
                  absl::Status status = work(lease, context);
                  if (!status.ok() || context.cancelled()) lease.session().ForgetSince(mark);
@@ -50,9 +50,9 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
 }
 
 grpc::ServerUnaryReactor* QueuedCall::Immediate(const ServiceCore& core,
-                                             grpc::CallbackServerContext* context,
-                                             const char* rpc, const std::string& session_id,
-                                             const absl::Status& status) {
+                                                grpc::CallbackServerContext* context,
+                                                const char* rpc, const std::string& session_id,
+                                                const absl::Status& status) {
   auto* call = new QueuedCall(core, context, rpc, session_id);
   call->End(status);
   return call;

@@ -46,15 +46,14 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
                                          Work work);
   // Runs `work` in the turn of the session `ref` names (contract 2).
   static grpc::ServerUnaryReactor* OnSession(const ServiceCore& core,
-                                             grpc::CallbackServerContext* context,
-                                             const char* rpc, const te::v1::SessionRef& ref,
-                                             SessionWork work);
+                                             grpc::CallbackServerContext* context, const char* rpc,
+                                             const te::v1::SessionRef& ref, SessionWork work);
   // A call that ends at once with `status`: refused before it queues, or
   // answered without any device work (GetServerInfo).
   static grpc::ServerUnaryReactor* Immediate(const ServiceCore& core,
-                                          grpc::CallbackServerContext* context, const char* rpc,
-                                          const std::string& session_id,
-                                          const absl::Status& status);
+                                             grpc::CallbackServerContext* context, const char* rpc,
+                                             const std::string& session_id,
+                                             const absl::Status& status);
 
   void OnCancel() override;
   void OnDone() override { delete this; }

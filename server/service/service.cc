@@ -25,13 +25,10 @@ LogLevel LevelFor(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
-    case absl::StatusCode::kDataLoss:
-      return LogLevel::kError;
+    case absl::StatusCode::kDataLoss: return LogLevel::kError;
     case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kUnavailable:
-      return LogLevel::kWarning;
-    default:
-      return LogLevel::kInfo;
+    case absl::StatusCode::kUnavailable: return LogLevel::kWarning;
+    default: return LogLevel::kInfo;
   }
 }
 
@@ -77,8 +74,7 @@ absl::StatusOr<int> ServiceCore::Route(const te::v1::SessionRef& ref) const {
 
 // ---- TeService ----------------------------------------------------------------------
 
-TeService::TeService(DevicePool* devices, session::SessionManager* sessions,
-                     ServiceOptions options)
+TeService::TeService(DevicePool* devices, session::SessionManager* sessions, ServiceOptions options)
     : core_{devices, sessions, std::move(options)} {}
 
 std::vector<DeviceLoad> TeService::Loads() const {
@@ -109,9 +105,8 @@ grpc::ServerUnaryReactor* TeService::GetServerInfo(grpc::CallbackServerContext* 
     out->set_memory_bytes(info.memory_bytes);
     out->set_backend(info.name == "cpu" ? "cpu" : "cuda");
     out->set_healthy(device.healthy());
-    for (te::v1::RecipeKind kind :
-         {te::v1::DELAYED_SCALING, te::v1::FLOAT8_CURRENT_SCALING, te::v1::MXFP8_BLOCK_SCALING,
-          te::v1::NVFP4_BLOCK_SCALING}) {
+    for (te::v1::RecipeKind kind : {te::v1::DELAYED_SCALING, te::v1::FLOAT8_CURRENT_SCALING,
+                                    te::v1::MXFP8_BLOCK_SCALING, te::v1::NVFP4_BLOCK_SCALING}) {
       te::v1::RecipeSupport* support = out->add_recipes();
       support->set_kind(kind);
       support->set_support(session::RecipeSupportOn(info, kind));
@@ -122,9 +117,9 @@ grpc::ServerUnaryReactor* TeService::GetServerInfo(grpc::CallbackServerContext* 
   }
   response->add_backends("cpu");
   if (CudaBackendBuilt()) response->add_backends("cuda");
-  for (te::v1::DType dtype : {te::v1::FLOAT32, te::v1::BFLOAT16, te::v1::FLOAT16,
-                              te::v1::FLOAT8_E4M3, te::v1::FLOAT8_E5M2, te::v1::INT32,
-                              te::v1::BOOL}) {
+  for (te::v1::DType dtype :
+       {te::v1::FLOAT32, te::v1::BFLOAT16, te::v1::FLOAT16, te::v1::FLOAT8_E4M3,
+        te::v1::FLOAT8_E5M2, te::v1::INT32, te::v1::BOOL}) {
     response->add_dtypes(dtype);
   }
   te::v1::Limits* limits = response->mutable_limits();
@@ -157,8 +152,7 @@ grpc::ServerUnaryReactor* TeService::CreateSession(grpc::CallbackServerContext* 
   // device's executor like the rest (under a key of its own).
   const int index = *device;
   return QueuedCall::Start(
-      core_, context, "CreateSession", "", index,
-      absl::StrCat("create-", creations_.fetch_add(1)),
+      core_, context, "CreateSession", "", index, absl::StrCat("create-", creations_.fetch_add(1)),
       [this, index, request, response](const CallContext&) -> absl::Status {
         RETURN_IF_ERROR(session::OpenSession(*request, &core_.devices->device(index),
                                              core_.options.session, core_.sessions, response));
@@ -210,9 +204,9 @@ grpc::ServerUnaryReactor* TeService::Backward(grpc::CallbackServerContext* conte
                                });
 }
 
-grpc::ServerUnaryReactor* TeService::ForwardBackward(
-    grpc::CallbackServerContext* context, const te::v1::ForwardBackwardRequest* request,
-    te::v1::ForwardBackwardResponse* response) {
+grpc::ServerUnaryReactor* TeService::ForwardBackward(grpc::CallbackServerContext* context,
+                                                     const te::v1::ForwardBackwardRequest* request,
+                                                     te::v1::ForwardBackwardResponse* response) {
   return QueuedCall::OnSession(core_, context, "ForwardBackward", request->session(),
                                [request, response](Lease& lease, const CallContext&) {
                                  return lease.session().ForwardBackward(*request, response);
@@ -288,19 +282,20 @@ grpc::ServerUnaryReactor* TeService::Checkpoint(grpc::CallbackServerContext* con
                                                 te::v1::CheckpointResponse* response) {
   const te::v1::SessionRef& ref = request->session();
   if (core_.options.checkpoints == nullptr) {
-    return QueuedCall::Immediate(core_, context, "Checkpoint", ref.session_id(),
-                              absl::FailedPreconditionError(
-                                  "this server runs without --state_dir: it cannot save sessions"));
+    return QueuedCall::Immediate(
+        core_, context, "Checkpoint", ref.session_id(),
+        absl::FailedPreconditionError(
+            "this server runs without --state_dir: it cannot save sessions"));
   }
   session::CheckpointStore* store = core_.options.checkpoints;
-  return QueuedCall::OnSession(
-      core_, context, "Checkpoint", ref,
-      [store, response](Lease& lease, const CallContext&) -> absl::Status {
-        ASSIGN_OR_RETURN(session::CheckpointStore::Written written, store->Save(lease));
-        response->set_path(written.path);
-        response->set_bytes(written.bytes);
-        return absl::OkStatus();
-      });
+  return QueuedCall::OnSession(core_, context, "Checkpoint", ref,
+                               [store, response](Lease& lease, const CallContext&) -> absl::Status {
+                                 ASSIGN_OR_RETURN(session::CheckpointStore::Written written,
+                                                  store->Save(lease));
+                                 response->set_path(written.path);
+                                 response->set_bytes(written.bytes);
+                                 return absl::OkStatus();
+                               });
 }
 
 grpc::ServerUnaryReactor* TeService::GetSessionInfo(grpc::CallbackServerContext* context,

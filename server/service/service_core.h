@@ -47,8 +47,8 @@ struct ServiceCore {
 
   // Logs a failed call with its session, tells on_finished, and maps the
   // status (status.h): every call ends through here.
-  grpc::Status Finished(const char* rpc, const std::string& session_id,
-                        const absl::Status& status, absl::Time start) const;
+  grpc::Status Finished(const char* rpc, const std::string& session_id, const absl::Status& status,
+                        absl::Time start) const;
   // Authenticates `ref` (without its turn) and names the device its session
   // runs on.
   absl::StatusOr<int> Route(const te::v1::SessionRef& ref) const;

@@ -95,7 +95,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       return;
     }
     if (!first.is_header) {
-      FinishEarly(absl::InvalidArgumentError("header: the stream's first message must be a header"));
+      FinishEarly(
+          absl::InvalidArgumentError("header: the stream's first message must be a header"));
       return;
     }
     header_ = std::move(first.header);

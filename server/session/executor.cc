@@ -77,10 +77,10 @@ absl::StatusOr<DeviceExecutor::Handle> DeviceExecutor::Submit(Call call) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
   if (queued_ >= options_.max_queued) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "device ", options_.name, " is at capacity: ", queued_,
-        " calls already wait for its workers (--executor_queue=", options_.max_queued,
-        "); retry later"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device ", options_.name, " is at capacity: ", queued_,
+                     " calls already wait for its workers (--executor_queue=", options_.max_queued,
+                     "); retry later"));
   }
   const std::string& key = state->call.key;
   Strand& strand = strands_[key];
@@ -149,8 +149,7 @@ void DeviceExecutor::EraseIfIdleLocked(const std::string& key) {
   auto it = strands_.find(key);
   if (it == strands_.end()) return;
   const Strand& strand = it->second;
-  if (!strand.held && !strand.scheduled && strand.waiting.empty() &&
-      strand.continuations.empty()) {
+  if (!strand.held && !strand.scheduled && strand.waiting.empty() && strand.continuations.empty()) {
     strands_.erase(it);
   }
 }

@@ -67,8 +67,7 @@ class DeviceExecutor {
 
    private:
     friend class DeviceExecutor;
-    Turn(DeviceExecutor* executor, std::string key)
-        : executor_(executor), key_(std::move(key)) {}
+    Turn(DeviceExecutor* executor, std::string key) : executor_(executor), key_(std::move(key)) {}
     DeviceExecutor* executor_ = nullptr;
     std::string key_;
   };

@@ -43,12 +43,11 @@ struct Recorder {
   bool WaitForRuns(size_t n) {
     std::pair<Recorder*, size_t> args(this, n);
     absl::MutexLock lock(&mu);
-    return mu.AwaitWithTimeout(absl::Condition(
-                                   +[](std::pair<Recorder*, size_t>* a) {
-                                     return a->first->ran.size() >= a->second;
-                                   },
-                                   &args),
-                               kWait);
+    return mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](std::pair<Recorder*, size_t>* a) { return a->first->ran.size() >= a->second; },
+            &args),
+        kWait);
   }
 };
 
@@ -169,10 +168,9 @@ TEST(DeviceExecutorTest, ExpiredDeadlineDropsTheCallWhenItsTurnComes) {
   Gate gate;
   ASSERT_TRUE(executor.Submit(recorder.Make("a", "blocker", gate.Body())).ok());
   ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
-  ASSERT_TRUE(executor
-                  .Submit(recorder.Make("b", "late", nullptr,
-                                        absl::Now() + absl::Milliseconds(20)))
-                  .ok());
+  ASSERT_TRUE(
+      executor.Submit(recorder.Make("b", "late", nullptr, absl::Now() + absl::Milliseconds(20)))
+          .ok());
   ASSERT_TRUE(executor.Submit(recorder.Make("b", "on time")).ok());
   absl::SleepFor(absl::Milliseconds(50));
   gate.open.Notify();
@@ -258,8 +256,7 @@ TEST(DeviceExecutorTest, BusyKeysTakeTurns) {
   gate.open.Notify();
   ASSERT_TRUE(recorder.WaitForRuns(7));
   absl::MutexLock lock(&recorder.mu);
-  EXPECT_EQ(recorder.ran,
-            (std::vector<std::string>{"blocker", "a", "b", "a", "b", "a", "b"}));
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "a", "b", "a", "b", "a", "b"}));
 }
 
 }  // namespace

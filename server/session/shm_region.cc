@@ -54,9 +54,10 @@ absl::Status GuardedCopy(void* dst, const void* src, size_t bytes, const std::st
   // the handler).
   if (sigsetjmp(jump, 1) != 0) {
     t_guarded_copy = nullptr;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shared memory ", name, " shrank under its mapping (was it truncated?); register it "
-        "again at its new size"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared memory ", name,
+                     " shrank under its mapping (was it truncated?); register it "
+                     "again at its new size"));
   }
   t_guarded_copy = &jump;
   // The fences keep the compiler from moving the copy out of the guard.
@@ -68,17 +69,17 @@ absl::Status GuardedCopy(void* dst, const void* src, size_t bytes, const std::st
 }
 
 bool IsNameChar(char c) {
-  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-         c == '_' || c == '.' || c == '-';
+  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == '-';
 }
 
 }  // namespace
 
 absl::Status CheckShmName(const std::string& name, const std::string& field) {
   auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": '", name.substr(0, 64), name.size() > 64 ? "...'" : "'", " ", why,
-        "; a shared-memory name is '/' then 1-200 of [A-Za-z0-9_.-], never a path"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": '", name.substr(0, 64), name.size() > 64 ? "...'" : "'", " ", why,
+                     "; a shared-memory name is '/' then 1-200 of [A-Za-z0-9_.-], never a path"));
   };
   if (name.empty() || name[0] != '/') return bad("does not start with '/'");
   if (name.size() < 2 || name.size() > 1 + kMaxNameChars) return bad("has a bad length");
@@ -90,8 +91,7 @@ absl::Status CheckShmName(const std::string& name, const std::string& field) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& name,
-                                                            uint64_t size) {
+absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& name, uint64_t size) {
   if (absl::Status valid = CheckShmName(name, "name"); !valid.ok()) return valid;
   if (size == 0) return absl::InvalidArgumentError("size: 0; map at least one byte");
   // No O_CREAT: only an object the client made. O_NOFOLLOW: a link planted in
@@ -126,8 +126,8 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Open(const std::string& na
   }
   if (static_cast<uint64_t>(st.st_size) < size) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("size: ", size, " bytes, but ", name,
-                                                   " holds only ", st.st_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("size: ", size, " bytes, but ", name, " holds only ", st.st_size));
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int error = errno;
@@ -145,9 +145,9 @@ ShmRegion::~ShmRegion() { munmap(base_, size_); }
 absl::Status ShmRegion::CheckRange(uint64_t offset, uint64_t bytes,
                                    const std::string& field) const {
   if (offset > size_ || bytes > size_ - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", bytes, " bytes at offset ", offset, " pass the end of region ", name_,
-        " (", size_, " bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes, " bytes at offset ", offset,
+                                                   " pass the end of region ", name_, " (", size_,
+                                                   " bytes)"));
   }
   return absl::OkStatus();
 }

@@ -82,8 +82,7 @@ TEST(ShmRegionTest, ObjectSmallerThanAskedIsInvalid) {
   ASSERT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(region.status().message().find("holds only 4096"), std::string::npos)
       << region.status();
-  EXPECT_EQ(ShmRegion::Open(object.name(), 0).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmRegion::Open(object.name(), 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ShmRegionTest, MissingObjectIsNotFound) {
@@ -116,8 +115,8 @@ TEST_P(ShmNameTest, IsRejected) {
 
 INSTANTIATE_TEST_SUITE_P(BadNames, ShmNameTest,
                          ::testing::Values("", "/", "noslash", "/a/b", "/..", "/../etc/passwd",
-                                           "/a..b", "/.", "/with space", "/semi;colon",
-                                           "//double", "/" + std::string(201, 'a'),
+                                           "/a..b", "/.", "/with space", "/semi;colon", "//double",
+                                           "/" + std::string(201, 'a'),
                                            std::string("/nul\0byte", 9)));
 
 TEST(ShmNameTest, GoodNamesPass) {

@@ -81,7 +81,8 @@ TEST_P(TensorUploadTest, CpuWritesPiecesInPlace) {
 TEST_P(TensorUploadTest, StagedDeviceGetsEveryByteOnce) {
   DeferredOps ops;
   // Several staging halves' worth, ending part way into a half.
-  const std::string bytes = RandomBytes(4 * ((5 * TensorUpload::kStagingHalfBytes / 2 + 12) / 4), 2);
+  const std::string bytes =
+      RandomBytes(4 * ((5 * TensorUpload::kStagingHalfBytes / 2 + 12) / 4), 2);
   absl::StatusOr<Tensor> tensor = UploadInPieces(ops, bytes, GetParam());
   ASSERT_TRUE(tensor.ok()) << tensor.status();
   EXPECT_EQ(Contents(ops, *tensor), bytes);

@@ -218,8 +218,8 @@ class Bench {
       std::fprintf(stderr, "shm_open %s: %s\n", name.c_str(), std::strerror(errno));
       return rate;
     }
-    char* region = static_cast<char*>(
-        mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    char* region =
+        static_cast<char*>(mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
     close(fd);
     te::v1::RegisterSharedMemoryRequest registration;
     *registration.mutable_session() = session_;
@@ -326,8 +326,8 @@ int Main(int argc, char** argv) {
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   std::vector<Rate> rates;
   {
-    Bench bench(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args),
-                bytes, absl::GetFlag(FLAGS_reps));
+    Bench bench(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args), bytes,
+                absl::GetFlag(FLAGS_reps));
     if (!bench.Setup()) return 1;
     rates.push_back(bench.Unary());
     for (size_t chunk : {size_t{1} << 20, size_t{2} << 20, size_t{4} << 20}) {
@@ -361,13 +361,14 @@ int Main(int argc, char** argv) {
   if (server != nullptr) server->Stop().IgnoreError();
 
   const Rate& unary = rates.front();
-  std::printf("%zu MiB float32 tensor, loopback, %s, median of %d\n", bytes >> 20,
-              address.c_str(), absl::GetFlag(FLAGS_reps));
-  std::printf("%-28s %12s %12s %10s %10s\n", "transport", "upload GB/s", "download GB/s",
-              "up x", "down x");
+  std::printf("%zu MiB float32 tensor, loopback, %s, median of %d\n", bytes >> 20, address.c_str(),
+              absl::GetFlag(FLAGS_reps));
+  std::printf("%-28s %12s %12s %10s %10s\n", "transport", "upload GB/s", "download GB/s", "up x",
+              "down x");
   for (const Rate& rate : rates) {
     std::printf("%-28s %12.3f %12.3f %10.2f %10.2f\n", rate.transport.c_str(), rate.upload_gbps,
-                rate.download_gbps, unary.upload_gbps > 0 ? rate.upload_gbps / unary.upload_gbps : 0,
+                rate.download_gbps,
+                unary.upload_gbps > 0 ? rate.upload_gbps / unary.upload_gbps : 0,
                 unary.download_gbps > 0 ? rate.download_gbps / unary.download_gbps : 0);
   }
   if (!placed.empty()) {

@@ -46,8 +46,7 @@ class ConcurrencyTest : public ::testing::Test {
 
   te::v1::SessionRef NewSession() { return CreateSession(*stub_).session(); }
 
-  std::string InitDense(const te::v1::SessionRef& session, int64_t batch, int64_t in,
-                        int64_t out) {
+  std::string InitDense(const te::v1::SessionRef& session, int64_t batch, int64_t in, int64_t out) {
     te::v1::InitLayerRequest request = InitRequest(session, batch, in, out);
     grpc::ClientContext context;
     te::v1::InitLayerResponse response;
@@ -66,8 +65,8 @@ class ConcurrencyTest : public ::testing::Test {
     request.add_input_shape(in);
     return request;
   }
-  te::v1::ForwardRequest ForwardRequest(const te::v1::SessionRef& session,
-                                        const std::string& layer, int64_t batch, int64_t in) {
+  te::v1::ForwardRequest ForwardRequest(const te::v1::SessionRef& session, const std::string& layer,
+                                        int64_t batch, int64_t in) {
     te::v1::ForwardRequest request;
     *request.mutable_session() = session;
     request.set_layer_id(layer);
@@ -129,8 +128,7 @@ class ConcurrencyTest : public ::testing::Test {
       const absl::Time give_up = absl::Now() + kPatience;
       while (absl::Now() < give_up) {
         te::v1::SessionInfo info;
-        const grpc::Status probe =
-            test_->Info(probe_session, &info, absl::Milliseconds(200));
+        const grpc::Status probe = test_->Info(probe_session, &info, absl::Milliseconds(200));
         if (probe.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
           // The probe's place in the queue is freed when its deadline passes.
           return test_->WaitForQueued(0);

@@ -189,8 +189,8 @@ class TransportTest : public ::testing::Test {
     return reader->Finish();
   }
 
-  grpc::Status Register(const te::v1::SessionRef& session, const std::string& name,
-                        uint64_t size, std::string* region_id) {
+  grpc::Status Register(const te::v1::SessionRef& session, const std::string& name, uint64_t size,
+                        std::string* region_id) {
     grpc::ClientContext context;
     te::v1::RegisterSharedMemoryRequest request;
     *request.mutable_session() = session;
@@ -248,8 +248,8 @@ TEST_P(StreamReassemblyTest, BytesComeBackAsSent) {
   te::v1::TensorHeader header;
   std::string got;
   int messages = 0;
-  const grpc::Status fetched = Get(session_, put.tensor_id(), c.get_chunk, &header, &got,
-                                   nullptr, &messages);
+  const grpc::Status fetched =
+      Get(session_, put.tensor_id(), c.get_chunk, &header, &got, nullptr, &messages);
   ASSERT_TRUE(fetched.ok()) << Describe(fetched);
   EXPECT_EQ(header.dtype(), te::v1::FLOAT32);
   EXPECT_EQ(std::vector<int64_t>(header.shape().begin(), header.shape().end()), c.shape);
@@ -429,8 +429,8 @@ TEST_F(TransportTest, PutAndGetThroughSharedMemory) {
   te::v1::TensorHeader header;
   std::string streamed;
   int messages = 0;
-  const grpc::Status got = Get(session_, put.tensor_id(), 0, &header, &streamed, &destination,
-                               &messages);
+  const grpc::Status got =
+      Get(session_, put.tensor_id(), 0, &header, &streamed, &destination, &messages);
   ASSERT_TRUE(got.ok()) << Describe(got);
   EXPECT_EQ(messages, 1);  // the header alone
   EXPECT_TRUE(streamed.empty());
@@ -443,8 +443,7 @@ TEST_F(TransportTest, RegistrationErrors) {
   // Larger than the object.
   grpc::Status status = Register(session_, shm.name(), 8192, &region);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(status);
-  EXPECT_NE(status.error_message().find("holds only 4096"), std::string::npos)
-      << Describe(status);
+  EXPECT_NE(status.error_message().find("holds only 4096"), std::string::npos) << Describe(status);
   // Names that are paths, or not names at all.
   for (const std::string& name :
        std::vector<std::string>{"/../etc/passwd", "/dev/shm/x", "relative", "/a..b", "/",
