@@ -98,7 +98,7 @@ class Bench {
       const float v = static_cast<float>(rng() % 1000) / 1000.0f;
       std::memcpy(&data_[i], &v, 4);
     }
-    received_.resize(bytes);
+    received_.assign(bytes, '\0');
   }
 
   bool Setup() {
@@ -122,6 +122,14 @@ class Bench {
   }
 
   // One message each way: a DenseGeneral kernel of the tensor's size.
+  // A transfer that returns other bytes than were sent counts as failed.
+  void Verify(Rate* rate) {
+    if (received_ == data_) return;
+    std::fprintf(stderr, "%s: the bytes that came back differ from those sent\n",
+                 rate->transport.c_str());
+    rate->download_gbps = 0;
+  }
+
   Rate Unary() {
     const int64_t rows = static_cast<int64_t>(bytes_ / 4 / 4096);
     te::v1::InitLayerRequest init;
@@ -163,6 +171,7 @@ class Bench {
       std::memcpy(received_.data(), got.data(), std::min(got.size(), received_.size()));
       return got.size() == bytes_;
     });
+    Verify(&rate);
     return rate;
   }
 
@@ -207,6 +216,7 @@ class Bench {
       return Check(reader->Finish(), "GetTensor") && offset == bytes_;
     });
     Delete(tensor_id);
+    Verify(&rate);
     return rate;
   }
 
@@ -266,6 +276,7 @@ class Bench {
     });
     Delete(tensor_id);
     munmap(region, bytes_);
+    Verify(&rate);
     return rate;
   }
 
