@@ -76,7 +76,12 @@ absl::StatusOr<DeviceExecutor::Handle> DeviceExecutor::Submit(Call call) {
   state->call = std::move(call);
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
-  if (queued_ >= options_.max_queued) {
+  // Calls an idle worker is about to take are not waiting for the device:
+  // they do not count against the bound (else a call could be refused while
+  // a worker sits idle, between a Submit and the worker's wake-up).
+  const int idle_workers = static_cast<int>(workers_.size()) - running_;
+  const int about_to_start = std::min(idle_workers, static_cast<int>(ready_.size()));
+  if (queued_ - about_to_start >= options_.max_queued) {
     return absl::ResourceExhaustedError(
         absl::StrCat("device ", options_.name, " is at capacity: ", queued_,
                      " calls already wait for its workers (--executor_queue=", options_.max_queued,

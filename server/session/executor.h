@@ -6,7 +6,8 @@
 //     Submit accepted them; calls with different keys run concurrently, on up
 //     to `threads` workers. Keys that have work take turns (round robin), so
 //     one busy session does not starve the others.
-//  2. At most `max_queued` accepted calls wait to start, over all keys. Submit
+//  2. At most `max_queued` accepted calls wait for a busy device, over all
+//     keys (calls that idle workers are about to take do not count). Submit
 //     answers RESOURCE_EXHAUSTED at once beyond that: never an unbounded wait.
 //  3. A waiting call that is cancelled (Cancel), or whose deadline has passed
 //     when its turn comes, is dropped: its `drop` runs once, with CANCELLED or

@@ -127,6 +127,18 @@ TEST(DeviceExecutorTest, FullQueueIsResourceExhaustedAtOnce) {
   EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "queued"}));
 }
 
+TEST(DeviceExecutorTest, CallsForAnIdleWorkerAreNotRefused) {
+  // Back to back, before the worker wakes: the first is about to start, so
+  // it does not hold the one place in the queue.
+  for (int round = 0; round < 50; ++round) {
+    DeviceExecutor executor({/*threads=*/1, /*max_queued=*/1, "test"});
+    Recorder recorder;
+    ASSERT_TRUE(executor.Submit(recorder.Make("a", "first")).ok());
+    ASSERT_TRUE(executor.Submit(recorder.Make("b", "second")).ok()) << "round " << round;
+    ASSERT_TRUE(recorder.WaitForRuns(2));
+  }
+}
+
 TEST(DeviceExecutorTest, CancelDropsAWaitingCallAndFreesItsPlace) {
   DeviceExecutor executor({/*threads=*/1, /*max_queued=*/1, "test"});
   Recorder recorder;
