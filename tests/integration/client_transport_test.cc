@@ -37,11 +37,9 @@ class ClientTransportTest : public ::testing::TestWithParam<bool> {
     auto client = Client::Connect(server_->address());
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
-    stub_ = server_->NewStub();
   }
   void TearDown() override {
     client_.reset();
-    stub_.reset();
     if (server_ != nullptr) EXPECT_TRUE(server_->Stop().ok());
   }
 
@@ -64,7 +62,6 @@ class ClientTransportTest : public ::testing::TestWithParam<bool> {
 
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<Client> client_;
-  std::unique_ptr<te::v1::TeService::Stub> stub_;
 };
 
 TEST_P(ClientTransportTest, AutoPicksByLocalityAndSize) {
