@@ -43,6 +43,18 @@ TEST(InitTest, DeterministicPerSeedAndName) {
   EXPECT_EQ(a, std::vector<float>(longer.begin(), longer.begin() + 64));
 }
 
+// Large variables are drawn on several threads; a value must not depend on
+// how the work was split (two sizes split at different indices).
+TEST(InitTest, ValuesDoNotDependOnTheThreadSplit) {
+  const Initializer init = Initializer::VarianceScalingFanIn(64);
+  const int64_t n = (1 << 20) + 12345;
+  const auto big = InitialValues(11, "params/kernel", init, n);
+  const auto bigger = InitialValues(11, "params/kernel", init, n + 777777);
+  const auto small = InitialValues(11, "params/kernel", init, 1000);  // one thread
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(big[i], bigger[i]) << "index " << i;
+  for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(big[i], small[i]) << "index " << i;
+}
+
 TEST(InitTest, InitVariablesCreatesEveryDtype) {
   auto ops = testing::NewCpuOps();
   const std::vector<VariableDef> defs = {
