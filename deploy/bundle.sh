@@ -124,7 +124,7 @@ fi
 # The GPU benchmark harness (tests/bench) and the peers it compares against
 # (../shared/peers, or $TE_PEERS_DIR: they are outside the repository and do not
 # travel otherwise), and the commit the bundle was built from.
-cp tests/bench/run_gpu_bench.sh tests/bench/summarize.py tests/bench/jax_memory.py "$out"/
+cp tests/bench/run_gpu_bench.sh tests/bench/run_multi_client_bench.sh tests/bench/summarize.py tests/bench/jax_memory.py "$out"/
 peers_dir="${TE_PEERS_DIR:-../shared/peers}"
 if compgen -G "$peers_dir/*.py" >/dev/null; then
   cp "$peers_dir"/*.py "$out"/
