@@ -35,7 +35,8 @@ using ::te::testing::RelativeError;
 using ::te::testing::Tolerance;
 
 // kCudnn: cuDNN must take the call. kFallback: cuDNN switched off.
-// kDeclined: cuDNN asked first, must decline (f32, bias with padding), and the
+// kDeclined: cuDNN asked first, must decline (f32, bias with padding or a
+// sequence not a multiple of 64), and the
 // fallback answers.
 enum class Path { kCudnn, kFallback, kDeclined };
 
@@ -238,7 +239,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"declined_f32_causal", Path::kDeclined, DType::kF32, 2, 64, 64, 4, 2, 64,
              MaskType::kCausal},
         Case{"declined_bf16_padding_bias", Path::kDeclined, DType::kBF16, 2, 64, 80, 4, 4, 64,
-             MaskType::kPadding, 0.0f, true}),
+             MaskType::kPadding, 0.0f, true},
+        // A bias at a sequence not a multiple of 64 (layer tests at 37 were off).
+        Case{"declined_bf16_causal_bias_seq37", Path::kDeclined, DType::kBF16, 2, 37, 37, 4, 4, 24,
+             MaskType::kCausal, 0.0f, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)
