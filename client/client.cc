@@ -5,6 +5,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <utility>
 
@@ -12,6 +13,9 @@
 #include "grpcpp/grpcpp.h"
 
 namespace te::client {
+
+const char kAffinityHeader[] = "x-te-session";
+
 namespace {
 
 te::v1::NegotiationPolicy PolicyToProto(NegotiationPolicy policy) {
@@ -65,6 +69,31 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> CredentialsFor(
   return grpc::SslCredentials(ssl);
 }
 
+// Both the balancer's channel and a pinned replica's: same limits, same TLS
+// name check.
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
+                                          const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                                          const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  return grpc::CreateCustomChannel(address, credentials, args);
+}
+
+// 128 random bits in hex: unique across clients without coordination, so a
+// ring hash spreads sessions evenly.
+std::string NewAffinityKey() {
+  std::random_device device;
+  std::string key;
+  for (int i = 0; i < 4; ++i) key += absl::StrCat(absl::Hex(device(), absl::kZeroPad8));
+  return key;
+}
+
+void SetAffinityHeader(grpc::ClientContext* context, const std::string& affinity_key) {
+  context->AddMetadata(kAffinityHeader, affinity_key);
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -77,18 +106,22 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
                                                         const ClientOptions& options) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
-  args.SetMaxSendMessageSize(options.max_message_bytes);
-  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = CredentialsFor(options);
   if (!credentials.ok()) return credentials.status();
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(address, *credentials, args);
+  std::shared_ptr<grpc::Channel> channel = NewChannel(address, *credentials, options);
   if (!channel->WaitForConnected(DeadlineAfter(options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("could not connect to te_server at ", address, " within ",
                                                absl::FormatDuration(options.connect_timeout)));
   }
-  return std::unique_ptr<Client>(new Client(te::v1::TeService::NewStub(channel), options));
+  return std::unique_ptr<Client>(
+      new Client(address, *credentials, te::v1::TeService::NewStub(channel), options));
+}
+
+std::shared_ptr<te::v1::TeService::Stub> Client::PinnedStub(const std::string& address) {
+  absl::MutexLock lock(&pinned_mu_);
+  std::shared_ptr<te::v1::TeService::Stub>& stub = pinned_stubs_[address];
+  if (stub == nullptr) stub = te::v1::TeService::NewStub(NewChannel(address, credentials_, options_));
+  return stub;
 }
 
 absl::StatusOr<te::v1::ServerInfo> Client::GetServerInfo() {
@@ -107,21 +140,36 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const SessionOpti
   request.set_device(options.device);
   request.set_ttl_seconds(absl::ToInt64Seconds(options.ttl));
   request.set_access_key(options_.access_key);
+  // The key exists before the session does: CreateSession itself must reach
+  // the replica that the balancer will send the session's later calls to.
+  std::string affinity_key = NewAffinityKey();
   grpc::ClientContext context;
   context.set_deadline(DeadlineAfter(options_.rpc_timeout));
+  SetAffinityHeader(&context, affinity_key);
   te::v1::CreateSessionResponse response;
   absl::Status status = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
   if (!status.ok()) return status;
-  return std::unique_ptr<Session>(
-      new Session(stub_, options_, response, options.transport.value_or(options_.transport)));
+  std::shared_ptr<te::v1::TeService::Stub> stub = stub_;
+  std::string pinned_address;
+  if (options_.pin_to_replica && !response.server_address().empty() &&
+      response.server_address() != address_) {
+    pinned_address = response.server_address();
+    stub = PinnedStub(pinned_address);
+  }
+  return std::unique_ptr<Session>(new Session(std::move(stub), options_, response,
+                                              options.transport.value_or(options_.transport),
+                                              std::move(affinity_key), std::move(pinned_address)));
 }
 
 // ---- Session ------------------------------------------------------------------
 
 Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options,
-                 const te::v1::CreateSessionResponse& created, Transport transport)
+                 const te::v1::CreateSessionResponse& created, Transport transport,
+                 std::string affinity_key, std::string pinned_address)
     : stub_(std::move(stub)),
       options_(std::move(options)),
+      affinity_key_(std::move(affinity_key)),
+      pinned_address_(std::move(pinned_address)),
       ref_(created.session()),
       id_(created.session().session_id()),
       device_(created.device()),
@@ -139,8 +187,18 @@ Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions op
 
 Session::~Session() { Close().IgnoreError(); }
 
-void Session::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(DeadlineAfter(options_.rpc_timeout));
+void Session::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
+  context->set_deadline(DeadlineAfter(std::min(options_.rpc_timeout, timeout)));
+  SetAffinityHeader(context, affinity_key_);
+}
+
+absl::Status Session::CallStatus(const grpc::Status& status) const {
+  if (pinned_address_.empty() || status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    return FromGrpcStatus(status);
+  }
+  return absl::UnavailableError(absl::StrCat("session ", id_, " is pinned to replica ",
+                                             pinned_address_, " (CreateSession's server_address): ",
+                                             status.error_message()));
 }
 
 absl::Status Session::Close() {
@@ -149,9 +207,9 @@ absl::Status Session::Close() {
   *request.mutable_session() = ref_;
   grpc::ClientContext context;
   // Closing should not hold a destructor for the full RPC timeout.
-  context.set_deadline(DeadlineAfter(std::min(options_.rpc_timeout, absl::Seconds(10))));
+  PrepareContext(&context, absl::Seconds(10));
   te::v1::CloseSessionResponse response;
-  return FromGrpcStatus(stub_->CloseSession(&context, request, &response));
+  return CallStatus(stub_->CloseSession(&context, request, &response));
 }
 
 absl::StatusOr<ResidentTensor> Session::Put(const HostTensor& tensor) {
@@ -189,7 +247,7 @@ absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
   }
   // A failed Write means the server ended the stream; Finish has its status.
   writer->WritesDone();
-  absl::Status status = FromGrpcStatus(writer->Finish());
+  absl::Status status = CallStatus(writer->Finish());
   if (!status.ok()) return status;
   return ResidentTensor{response.tensor_id(), tensor.dtype(), tensor.shape()};
 }
@@ -220,7 +278,7 @@ absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
       bytes += chunk.data();
     }
   }
-  absl::Status status = FromGrpcStatus(reader->Finish());
+  absl::Status status = CallStatus(reader->Finish());
   if (!status.ok()) return status;
   if (!have_header) {
     return absl::InternalError(absl::StrCat("GetTensor(", tensor_id, "): the stream had no header"));
@@ -237,7 +295,7 @@ absl::Status Session::Delete(const std::string& tensor_id) {
   grpc::ClientContext context;
   PrepareContext(&context);
   te::v1::DeleteTensorResponse response;
-  return FromGrpcStatus(stub_->DeleteTensor(&context, request, &response));
+  return CallStatus(stub_->DeleteTensor(&context, request, &response));
 }
 
 absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
@@ -254,7 +312,7 @@ absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
   grpc::ClientContext context;                                                  \
   PrepareContext(&context);                                                     \
   te::v1::Response response;                                                    \
-  absl::Status status = FromGrpcStatus(stub_->Rpc(&context, request, &response)); \
+  absl::Status status = CallStatus(stub_->Rpc(&context, request, &response));     \
   if (!status.ok()) return status;
 
 absl::StatusOr<te::v1::InitLayerResponse> Session::InitLayer(te::v1::InitLayerRequest request) {

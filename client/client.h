@@ -20,17 +20,21 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/recipe.h"
 #include "client/tensor.h"
 #include "client/transport.h"
+#include "grpcpp/security/credentials.h"
 #include "te/v1/service.grpc.pb.h"
 
 namespace te::client {
@@ -64,6 +68,16 @@ struct ClientOptions {
   std::string tls_key_file;
   std::string tls_server_name;  // the name the server's certificate must carry, if not the host's
   std::string access_key;       // sent with CreateSession when the server requires one
+
+  // Session affinity. Every call of a session carries the metadata header
+  // x-te-session: <the session's affinity_key()>, so a balancer that hashes on
+  // it (deploy/envoy/envoy.yaml) sends them all to one replica. With
+  // pin_to_replica, when CreateSession's answer names a replica address
+  // (te_server --advertise_address) other than the one connected to, the
+  // session's later calls go straight there, over a channel with these same
+  // options, so sessions survive a plain L4 balancer too. There is no
+  // fallback: the session exists on that replica only.
+  bool pin_to_replica = true;
 };
 
 // How the server picks a recipe from the preferred list (te.v1.NegotiationPolicy).
@@ -107,6 +121,12 @@ class Session {
   bool emulated() const { return emulated_; }
   const std::string& negotiation() const { return negotiation_; }
   absl::Duration ttl() const { return ttl_; }
+  // The x-te-session value sent on every call of this session (32 hex
+  // digits, random, chosen before CreateSession).
+  const std::string& affinity_key() const { return affinity_key_; }
+  // The replica this session's calls go to directly (CreateSession's
+  // server_address) when pinned; empty when they go where the client connected.
+  const std::string& pinned_address() const { return pinned_address_; }
 
   // Uploads `tensor` through the PutTensor stream (chunk_bytes pieces). The
   // tensor lives until Delete or the session's end. RESOURCE_EXHAUSTED when
@@ -146,8 +166,14 @@ class Session {
  private:
   friend class Client;
   Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options,
-          const te::v1::CreateSessionResponse& created, Transport transport);
-  void PrepareContext(grpc::ClientContext* context) const;
+          const te::v1::CreateSessionResponse& created, Transport transport,
+          std::string affinity_key, std::string pinned_address);
+  // The deadline (rpc_timeout, or `timeout` when shorter) and the x-te-session
+  // header: every call of the session goes through here.
+  void PrepareContext(grpc::ClientContext* context,
+                      absl::Duration timeout = absl::InfiniteDuration()) const;
+  // A call's status; an UNAVAILABLE from a pinned replica names its address.
+  absl::Status CallStatus(const grpc::Status& status) const;
 
   // Shared memory (transport.cc). The way a tensor of `bytes` goes now.
   Transport TransportFor(size_t bytes) const;
@@ -161,8 +187,10 @@ class Session {
   bool FreeShared(const std::string& upload_id);
   absl::StatusOr<ResidentTensor> PutStreamed(const HostTensor& tensor);
 
-  std::shared_ptr<te::v1::TeService::Stub> stub_;
+  std::shared_ptr<te::v1::TeService::Stub> stub_;  // the pinned replica's, or the client's
   ClientOptions options_;
+  const std::string affinity_key_;
+  const std::string pinned_address_;
   te::v1::SessionRef ref_;
   std::string id_;
   std::string device_;
@@ -192,18 +220,38 @@ class Client {
   // Opens a session; the caller owns it (closing it on destruction). The
   // recipe is negotiated from options.recipes under options.policy:
   // FAILED_PRECONDITION when STRICT cannot be met; RESOURCE_EXHAUSTED when
-  // the server is at its session limit (retry later).
+  // the server is at its session limit (retry later). The session may be
+  // pinned to the replica that answered (ClientOptions::pin_to_replica); the
+  // pinned channel connects lazily, so a replica that cannot be reached shows
+  // as UNAVAILABLE, naming its address, on the session's first call.
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const SessionOptions& options = {});
 
   const ClientOptions& options() const { return options_; }
+  const std::string& address() const { return address_; }
 
  private:
-  Client(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options)
-      : stub_(std::move(stub)), options_(std::move(options)) {}
+  Client(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials,
+         std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions options)
+      : address_(std::move(address)),
+        credentials_(std::move(credentials)),
+        stub_(std::move(stub)),
+        options_(std::move(options)) {}
+  // The stub for a replica's own address, one channel per address, shared by
+  // the sessions pinned there.
+  std::shared_ptr<te::v1::TeService::Stub> PinnedStub(const std::string& address);
 
+  const std::string address_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::shared_ptr<te::v1::TeService::Stub> stub_;
   ClientOptions options_;
+  absl::Mutex pinned_mu_;
+  std::map<std::string, std::shared_ptr<te::v1::TeService::Stub>> pinned_stubs_
+      ABSL_GUARDED_BY(pinned_mu_);
 };
+
+// The metadata header that carries Session::affinity_key() on every call of a
+// session (the key deploy/envoy/envoy.yaml hashes on).
+extern const char kAffinityHeader[];
 
 // grpc::Status -> absl::Status with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -1,6 +1,7 @@
 // The client's transport against a small fake TeService on loopback: chunked
 // PutTensor / GetTensor, status passthrough, session close on destruction,
-// and what CreateSession sends. The real server is exercised by
+// what CreateSession sends, the x-te-session header on every call of a
+// session, and pinning a session to the replica CreateSession names. The real server is exercised by
 // tests/integration/quickstart_test.cc.
 #include "client/client.h"
 
@@ -17,11 +18,31 @@
 namespace te::client {
 namespace {
 
+// One call as the fake saw it: the method and its x-te-session header ("" when absent).
+struct SeenCall {
+  std::string method;
+  std::string affinity;
+};
+
 class FakeTeService final : public te::v1::TeService::Service {
  public:
-  grpc::Status CreateSession(grpc::ServerContext*, const te::v1::CreateSessionRequest* request,
-                             te::v1::CreateSessionResponse* response) override {
+  // What CreateSession answers in server_address (--advertise_address).
+  void set_server_address(const std::string& address) {
     absl::MutexLock lock(&mu_);
+    server_address_ = address;
+  }
+
+  grpc::Status GetServerInfo(grpc::ServerContext* context, const te::v1::GetServerInfoRequest*,
+                             te::v1::ServerInfo*) override {
+    Record(context, "GetServerInfo");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CreateSession(grpc::ServerContext* context, const te::v1::CreateSessionRequest* request,
+                             te::v1::CreateSessionResponse* response) override {
+    Record(context, "CreateSession");
+    absl::MutexLock lock(&mu_);
+    response->set_server_address(server_address_);
     last_create_ = *request;
     response->mutable_session()->set_session_id("s1");
     response->mutable_session()->set_token("t1");
@@ -32,15 +53,17 @@ class FakeTeService final : public te::v1::TeService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status CloseSession(grpc::ServerContext*, const te::v1::CloseSessionRequest* request,
+  grpc::Status CloseSession(grpc::ServerContext* context, const te::v1::CloseSessionRequest* request,
                             te::v1::CloseSessionResponse*) override {
+    Record(context, "CloseSession");
     absl::MutexLock lock(&mu_);
     ++closes_;
     return Check(request->session());
   }
 
-  grpc::Status PutTensor(grpc::ServerContext*, grpc::ServerReader<te::v1::PutTensorChunk>* reader,
+  grpc::Status PutTensor(grpc::ServerContext* context, grpc::ServerReader<te::v1::PutTensorChunk>* reader,
                          te::v1::PutTensorResponse* response) override {
+    Record(context, "PutTensor");
     te::v1::PutTensorChunk chunk;
     te::v1::TensorHeader header;
     std::string bytes;
@@ -64,8 +87,9 @@ class FakeTeService final : public te::v1::TeService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetTensor(grpc::ServerContext*, const te::v1::GetTensorRequest* request,
+  grpc::Status GetTensor(grpc::ServerContext* context, const te::v1::GetTensorRequest* request,
                          grpc::ServerWriter<te::v1::TensorChunk>* writer) override {
+    Record(context, "GetTensor");
     std::pair<te::v1::TensorHeader, std::string> stored;
     {
       absl::MutexLock lock(&mu_);
@@ -85,15 +109,18 @@ class FakeTeService final : public te::v1::TeService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status DeleteTensor(grpc::ServerContext*, const te::v1::DeleteTensorRequest* request,
+  grpc::Status DeleteTensor(grpc::ServerContext* context, const te::v1::DeleteTensorRequest* request,
                             te::v1::DeleteTensorResponse*) override {
+    Record(context, "DeleteTensor");
     absl::MutexLock lock(&mu_);
     return tensors_.erase(request->tensor_id()) ? grpc::Status::OK
                                                 : grpc::Status(grpc::StatusCode::NOT_FOUND, "no tensor");
   }
 
   // Every Forward fails as the server does for FP8 on a layer without fp8_metas.
-  grpc::Status Forward(grpc::ServerContext*, const te::v1::ForwardRequest*, te::v1::ForwardResponse*) override {
+  grpc::Status Forward(grpc::ServerContext* context, const te::v1::ForwardRequest*,
+                       te::v1::ForwardResponse*) override {
+    Record(context, "Forward");
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, kNoFp8Metas);
   }
 
@@ -115,8 +142,21 @@ class FakeTeService final : public te::v1::TeService::Service {
     absl::MutexLock lock(&mu_);
     return last_create_;
   }
+  std::vector<SeenCall> calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
 
  private:
+  void Record(grpc::ServerContext* context, const std::string& method) {
+    const auto& metadata = context->client_metadata();
+    auto it = metadata.find(kAffinityHeader);
+    SeenCall call{method, ""};
+    if (it != metadata.end()) call.affinity.assign(it->second.data(), it->second.size());
+    absl::MutexLock lock(&mu_);
+    calls_.push_back(call);
+  }
+
   static grpc::Status Check(const te::v1::SessionRef& ref) {
     if (ref.session_id() != "s1" || ref.token() != "t1") {
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "bad session reference");
@@ -129,28 +169,52 @@ class FakeTeService final : public te::v1::TeService::Service {
   std::map<std::string, std::pair<te::v1::TensorHeader, std::string>> tensors_;
   std::vector<size_t> put_chunk_sizes_;
   te::v1::CreateSessionRequest last_create_;
+  std::string server_address_;
+  std::vector<SeenCall> calls_;
 };
+
+// A fake on a loopback port of its own; its address is "127.0.0.1:<port>".
+struct FakeServer {
+  FakeServer() {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+    address = "127.0.0.1:" + std::to_string(port);
+  }
+  ~FakeServer() {
+    if (server != nullptr) server->Shutdown();
+  }
+  FakeTeService service;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+
+// Nothing listens on port 1 of loopback in a test sandbox.
+constexpr char kDeadAddress[] = "127.0.0.1:1";
 
 class ClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
+    ASSERT_NE(fake_.server, nullptr);
+    client_ = ConnectTo(fake_.address, /*pin_to_replica=*/true);
+    ASSERT_NE(client_, nullptr);
+  }
+
+  static std::unique_ptr<Client> ConnectTo(const std::string& address, bool pin_to_replica) {
     ClientOptions options;
     options.chunk_bytes = 64 << 10;
     options.inline_tensor_bytes = 1 << 10;
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect("127.0.0.1:" + std::to_string(port), options);
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
+    options.pin_to_replica = pin_to_replica;
+    options.rpc_timeout = absl::Seconds(20);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(address, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
   }
-  void TearDown() override { server_->Shutdown(); }
 
-  FakeTeService service_;
-  std::unique_ptr<grpc::Server> server_;
+  FakeServer fake_;
+  FakeTeService& service_ = fake_.service;
   std::unique_ptr<Client> client_;
 };
 
@@ -235,6 +299,93 @@ TEST_F(ClientTest, ServerStatusArrivesUnchanged) {
   absl::Status status = dense.Apply(vars, HostTensor::RandomNormal({2, 8}, DType::kBF16, 1)).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(status.message(), FakeTeService::kNoFp8Metas);
+}
+
+TEST_F(ClientTest, EveryCallOfASessionCarriesItsAffinityKey) {
+  std::string first_key;
+  {
+    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession();
+    ASSERT_TRUE(session.ok()) << session.status();
+    first_key = (*session)->affinity_key();
+    absl::StatusOr<ResidentTensor> resident =
+        (*session)->Put(HostTensor::RandomNormal({64, 64}, DType::kF32, 5));
+    ASSERT_TRUE(resident.ok()) << resident.status();
+    ASSERT_TRUE((*session)->Get(resident->id).ok());
+    ASSERT_TRUE((*session)->Delete(resident->id).ok());
+    EXPECT_FALSE((*session)->Forward(te::v1::ForwardRequest()).ok());  // the fake refuses it
+  }  // CloseSession
+  const std::vector<SeenCall> first = service_.calls();
+  absl::StatusOr<std::unique_ptr<Session>> second = client_->CreateSession();
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE(client_->GetServerInfo().ok());
+  const std::vector<SeenCall> all = service_.calls();
+
+  // 128 bits in hex; a fresh one per session.
+  ASSERT_EQ(first_key.size(), 32u);
+  EXPECT_EQ(first_key.find_first_not_of("0123456789abcdef"), std::string::npos) << first_key;
+  EXPECT_NE((*second)->affinity_key(), first_key);
+  std::vector<std::string> methods;
+  for (const SeenCall& call : first) {
+    methods.push_back(call.method);
+    EXPECT_EQ(call.affinity, first_key) << call.method;
+  }
+  EXPECT_EQ(methods, (std::vector<std::string>{"CreateSession", "PutTensor", "GetTensor",
+                                               "DeleteTensor", "Forward", "CloseSession"}));
+  ASSERT_EQ(all.size(), first.size() + 2);
+  EXPECT_EQ(all[first.size()].method, "CreateSession");
+  EXPECT_EQ(all[first.size()].affinity, (*second)->affinity_key());
+  EXPECT_EQ(all.back().method, "GetServerInfo");
+  EXPECT_EQ(all.back().affinity, "");  // not tied to a session
+}
+
+TEST_F(ClientTest, SessionIsPinnedToTheReplicaCreateSessionNames) {
+  FakeServer replica;
+  service_.set_server_address(replica.address);
+  {
+    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession();
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ((*session)->pinned_address(), replica.address);
+    ASSERT_TRUE((*session)->Put(HostTensor::RandomNormal({64, 64}, DType::kF32, 6)).ok());
+  }
+  // Only CreateSession went where the client connected; the rest to the replica,
+  // with the same key.
+  ASSERT_EQ(service_.calls().size(), 1u);
+  EXPECT_EQ(replica.service.stored(), 1u);
+  EXPECT_EQ(replica.service.closes(), 1);
+  const std::vector<SeenCall> pinned = replica.service.calls();
+  ASSERT_EQ(pinned.size(), 2u);
+  EXPECT_EQ(pinned[0].affinity, service_.calls()[0].affinity);
+}
+
+TEST_F(ClientTest, PinningOffOrOwnAddressKeepsTheClientsChannel) {
+  FakeServer replica;
+  service_.set_server_address(replica.address);
+  std::unique_ptr<Client> unpinned = ConnectTo(fake_.address, /*pin_to_replica=*/false);
+  ASSERT_NE(unpinned, nullptr);
+  absl::StatusOr<std::unique_ptr<Session>> session = unpinned->CreateSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ((*session)->pinned_address(), "");
+  ASSERT_TRUE((*session)->Put(HostTensor::RandomNormal({64, 64}, DType::kF32, 7)).ok());
+  EXPECT_EQ(service_.stored(), 1u);
+  EXPECT_EQ(replica.service.calls().size(), 0u);
+
+  // A server that advertises the address the client connected to: nothing to pin.
+  service_.set_server_address(fake_.address);
+  absl::StatusOr<std::unique_ptr<Session>> own = client_->CreateSession();
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ((*own)->pinned_address(), "");
+}
+
+TEST_F(ClientTest, UnreachablePinnedReplicaIsUnavailableAndNamed) {
+  service_.set_server_address(kDeadAddress);
+  absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::Status put = (*session)->Put(HostTensor::RandomNormal({64, 64}, DType::kF32, 8)).status();
+  EXPECT_EQ(put.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(put.message().find(kDeadAddress), absl::string_view::npos) << put;
+  // No fallback: the client's own server saw CreateSession only.
+  EXPECT_EQ(service_.calls().size(), 1u);
+  EXPECT_EQ((*session)->Close().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(ClientConnectTest, NothingListeningIsUnavailable) {
