@@ -8,25 +8,38 @@ A Client is thread-safe. A Session's calls are thread-safe; the server runs
 one session's calls one at a time, in arrival order. Every failure is a
 TeError carrying the server's gRPC code and message (errors.py).
 
-Transport: a tensor of at most `inline_tensor_bytes` travels inside the
-request; a larger one is uploaded first through the PutTensor stream in
-`chunk_bytes` pieces and referenced by its resident id, and a large result is
-kept on the server and fetched through the GetTensor stream. (The API's
-shared-memory transport has no region registration yet, so it is not used.)
+Transport (transport.py; Options.transport, or per session): with "auto", a
+tensor of at most `inline_tensor_bytes` travels inside the request; a larger
+one goes through shared memory when the server is on this host and started
+with --enable_shm (a region is registered once per session, when the first
+large tensor needs it), else it is uploaded through the PutTensor stream in
+`chunk_bytes` pieces and referenced by its resident id. A large result is kept
+on the server and fetched the same way (GetTensor into shared memory, or its
+stream). "inline", "stream" and "shm" force one way.
+
+Session affinity: every call of a session carries the metadata
+`x-te-session: <session.affinity_key>` (a random 128-bit key, chosen before
+CreateSession, which carries it too), so a load balancer can keep a session
+on one replica. When CreateSession answers with the replica's own
+`server_address` and it differs from the address connected to, the session's
+later calls go straight there (Options.pin_to_replica; same channel settings).
 """
 import contextvars
 import dataclasses
+import secrets
+import threading
 
 import grpc
 import numpy as np
 
-from te_client import _stubs, dtypes, errors, recipe as recipe_lib
+from te_client import _stubs, dtypes, errors, recipe as recipe_lib, transport as transport_lib
 
 tensor_pb2, recipe_pb2, layers_pb2, service_pb2, service_pb2_grpc = _stubs.load()
 
 _POLICIES = {"strict": service_pb2.STRICT, "fallback": service_pb2.FALLBACK,
              "emulate": service_pb2.EMULATE}
 _current_session = contextvars.ContextVar("te_client_session", default=None)
+AFFINITY_HEADER = "x-te-session"
 
 
 def current_session():
@@ -57,29 +70,79 @@ class Options:
     chunk_bytes: int = 1 << 20               # the API allows 1-4 MiB chunks
     rpc_timeout: float = 1800.0              # seconds; a CPU server's full-size layer takes minutes
     max_message_bytes: int = 64 << 20
+    transport: str = "auto"                  # "auto", "inline", "stream", "shm" (transport.py)
+    shm_region_bytes: int = 64 << 20         # shared-memory regions are made in pieces at least this big
+    pin_to_replica: bool = True              # later calls of a session go to CreateSession's server_address
 
 
 def connect(address, timeout=10.0, **options):
     """Opens a channel to `address` ("host:port") and waits up to `timeout` s
-    for it: UnavailableError when nothing answers. `options`: see Options."""
+    for it: UnavailableError when nothing answers. `options`: see Options
+    (e.g. transport="shm", pin_to_replica=False)."""
     return Client(address, Options(**options), timeout)
 
 
 class Client:
     def __init__(self, address, options=Options(), timeout=10.0):
+        transport_lib.check_transport(options.transport)
         self.address = address
         self.options = options
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", options.max_message_bytes),
-            ("grpc.max_receive_message_length", options.max_message_bytes)])
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            raise errors.UnavailableError("no te_server answered at %s within %g s" % (address, timeout)) from None
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._replicas = {}          # pinned address -> (channel, stub)
+        self._same_host = {}         # address -> bool
+        self._shm_refused = {}       # address -> FailedPreconditionError: that server refused shm
+        self._channel = self._open_channel(address)
         self._stub = service_pb2_grpc.TeServiceStub(self._channel)
 
+    def _open_channel(self, address):
+        """A channel to `address`, ready within the connect timeout; every
+        channel of this client (pinned replicas too) has the same settings."""
+        channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", self.options.max_message_bytes),
+            ("grpc.max_receive_message_length", self.options.max_message_bytes)])
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self._timeout)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise errors.UnavailableError("no te_server answered at %s within %g s" % (
+                address, self._timeout)) from None
+        return channel
+
+    def _replica_stub(self, address):
+        """The stub of a pinned replica's channel (opened once per address)."""
+        with self._lock:
+            if address in self._replicas:
+                return self._replicas[address][1]
+        channel = self._open_channel(address)
+        with self._lock:
+            if address in self._replicas:        # another thread opened it meanwhile
+                channel.close()
+            else:
+                self._replicas[address] = (channel, service_pb2_grpc.TeServiceStub(channel))
+            return self._replicas[address][1]
+
+    def _is_same_host(self, address):
+        with self._lock:
+            if address not in self._same_host:
+                self._same_host[address] = transport_lib.is_same_host(address)
+            return self._same_host[address]
+
+    def _shm_refusal(self, address):
+        with self._lock:
+            return self._shm_refused.get(address)
+
+    def _remember_shm_refusal(self, address, reason):
+        # A refusal is the server's (no --enable_shm) or the host's (another
+        # machine): later sessions on that address skip the probe.
+        with self._lock:
+            self._shm_refused.setdefault(address, reason)
+
     def close(self):
+        with self._lock:
+            replicas, self._replicas = list(self._replicas.values()), {}
+        for channel, _ in replicas:
+            channel.close()
         self._channel.close()
 
     def __enter__(self):
@@ -88,9 +151,10 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, method, request, timeout=None):
+    def _call(self, method, request, timeout=None, metadata=None):
         try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.options.rpc_timeout)
+            return getattr(self._stub, method)(request, timeout=timeout or self.options.rpc_timeout,
+                                               metadata=metadata)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from None
 
@@ -98,24 +162,50 @@ class Client:
         """te.v1.ServerInfo: version, devices (recipes native / emulated), dtypes, limits."""
         return self._call("GetServerInfo", service_pb2.GetServerInfoRequest())
 
-    def session(self, recipes=(), policy="fallback", device="", ttl=None):
+    def session(self, recipes=(), policy="fallback", device="", ttl=None, transport=None):
         """Opens a session. `recipes`: preferred FP8 recipes, in order; `policy`:
         "strict" (the first, natively, or FailedPreconditionError), "fallback"
         (the first the device runs natively), "emulate" (natively or emulated).
-        ResourceExhaustedError when the server is at its session limit."""
+        `transport`: this session's (default Options.transport).
+        ResourceExhaustedError when the server is at its session limit;
+        UnavailableError naming the replica when the session is pinned
+        (Options.pin_to_replica) to an address that does not answer."""
         if policy not in _POLICIES:
             raise errors.InvalidArgumentError("policy: %r; want one of %s" % (policy, sorted(_POLICIES)))
+        transport = transport_lib.check_transport(transport or self.options.transport)
         request = service_pb2.CreateSessionRequest(
             preferred_recipes=[recipe_lib.to_proto(r, recipe_pb2) for r in recipes],
             policy=_POLICIES[policy], device=device, ttl_seconds=int(ttl or 0))
-        return Session(self, self._call("CreateSession", request))
+        affinity_key = secrets.token_hex(16)
+        metadata = ((AFFINITY_HEADER, affinity_key),)
+        created = self._call("CreateSession", request, metadata=metadata)
+        replica = created.server_address
+        if not (self.options.pin_to_replica and replica and replica != self.address):
+            return Session(self, created, affinity_key, self._stub, self.address, transport)
+        try:
+            stub = self._replica_stub(replica)
+        except errors.UnavailableError as e:
+            # Not left behind until its TTL: closed through the address that created it.
+            try:
+                self._call("CloseSession", service_pb2.CloseSessionRequest(session=created.session),
+                           timeout=min(self.options.rpc_timeout, 10.0), metadata=metadata)
+            except errors.TeError:
+                pass
+            raise errors.UnavailableError("session %s is pinned to the replica at %s (CreateSession's "
+                                          "server_address), which did not answer: %s" % (
+                                              created.session.session_id, replica, e.message)) from None
+        return Session(self, created, affinity_key, stub, replica, transport, pinned=True)
 
 
 class Session:
     """One server session. `with session:` makes it the current one for module
-    calls and closes it at the end of the block."""
+    calls and closes it at the end of the block.
 
-    def __init__(self, client, created):
+    `affinity_key`: sent as x-te-session with each of its calls; `address`:
+    where its calls go (the pinned replica, or the address connected to);
+    `transport` and `transport_counts`: how its tensors travel (transport.py)."""
+
+    def __init__(self, client, created, affinity_key, stub, address, transport, pinned=False):
         self.client = client
         self._ref = created.session
         self.id = created.session.session_id
@@ -124,8 +214,18 @@ class Session:
         self.emulated = created.emulated
         self.negotiation = created.negotiation   # what the server skipped and why
         self.ttl = created.ttl_seconds
+        self.affinity_key = affinity_key
+        self.address = address
+        self.pinned = pinned
+        self.transport = transport
+        self.transport_counts = transport_lib.TransportCounts()
         self.closed = False
         self._tokens = []
+        self._stub = stub
+        self._metadata = ((AFFINITY_HEADER, affinity_key),)
+        self._shm = transport_lib.SharedMemoryPool(
+            self._register_region, self._unregister_region, client.options.shm_region_bytes,
+            refused=client._shm_refusal(address))
 
     def __repr__(self):
         return "Session(id=%s, device=%s, recipe=%s)" % (self.id, self.device, self.recipe)
@@ -139,24 +239,118 @@ class Session:
         self.close()
 
     def close(self):
-        """Frees everything the session holds. A second close is a no-op;
+        """Frees everything the session holds (its shared-memory regions are
+        unregistered and unmapped first). A second close is a no-op;
         NotFoundError when the server had already expired or evicted it."""
-        if not self.closed:
-            self.closed = True
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._shm.release(unregister=True)   # best effort: CloseSession drops them anyway
+        finally:
             self.call("CloseSession", service_pb2.CloseSessionRequest())
 
+    def info(self):
+        """te.v1.SessionInfo: memory, layers, saved forwards, resident tensors, shm regions."""
+        return self.call("GetSessionInfo", service_pb2.GetSessionInfoRequest())
+
+    def release_shared_memory(self):
+        """Unregisters and unmaps the session's shared-memory regions now (a
+        later large tensor makes a new one). Raises the first failure."""
+        failure = self._shm.release(unregister=True)
+        if failure is not None:
+            raise failure
+
+    @property
+    def shm_region_names(self):
+        """The POSIX names of the session's regions (already unlinked from /dev/shm)."""
+        return self._shm.region_names()
+
     def call(self, method, request):
-        """A raw TeService call with this session's reference filled in."""
+        """A raw TeService call with this session's reference and affinity key filled in."""
         if hasattr(request, "session"):
             request.session.CopyFrom(self._ref)
-        return self.client._call(method, request)
+        return self._invoke(lambda: getattr(self._stub, method)(
+            request, timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+
+    def _invoke(self, rpc):
+        try:
+            return rpc()
+        except grpc.RpcError as e:
+            error = errors.from_rpc_error(e)
+        if self.pinned and error.code == grpc.StatusCode.UNAVAILABLE:
+            error = errors.UnavailableError("the replica at %s (this session's pinned server_address): %s" % (
+                self.address, error.message))
+        raise error
+
+    # ---- transport ------------------------------------------------------------------
+
+    def _register_region(self, name, size):
+        request = service_pb2.RegisterSharedMemoryRequest(name=name, size=size)
+        return self.call("RegisterSharedMemory", request).region_id
+
+    def _unregister_region(self, region_id):
+        self.call("UnregisterSharedMemory", service_pb2.UnregisterSharedMemoryRequest(region_id=region_id))
+
+    def _shm_usable(self):
+        """Auto's question (asked for large tensors only): same host, and the
+        server accepts the session's first region (registered now if needed)."""
+        if not self.client._is_same_host(self.address):
+            return False
+        usable = self._shm.probe()
+        if not usable:
+            self.client._remember_shm_refusal(self.address, self._shm.unavailable_reason)
+        return usable
+
+    def transport_for(self, nbytes):
+        """The way a tensor of `nbytes` goes now: "inline", "stream" or "shm"."""
+        return transport_lib.choose(self.transport, nbytes, self.client.options.inline_tensor_bytes,
+                                    self._shm_usable)
+
+    def _allocate(self, nbytes):
+        """A shared-memory block, or None where "auto" should stream instead
+        (forced "shm" raises: FailedPreconditionError when the server refuses)."""
+        try:
+            return self._shm.allocate(nbytes)
+        except errors.TeError as e:
+            if isinstance(e, errors.FailedPreconditionError):
+                self.client._remember_shm_refusal(self.address, e)
+            if self.transport == transport_lib.SHM:
+                raise
+            return None
+
+    def large(self, nbytes):
+        """Whether a result of about `nbytes` should be kept on the server and
+        fetched (stream or shared memory) rather than come back inline."""
+        if self.transport == transport_lib.AUTO:
+            return nbytes > self.client.options.inline_tensor_bytes
+        return self.transport != transport_lib.INLINE
 
     # ---- resident tensors -----------------------------------------------------------
 
     def put(self, array, field="tensor"):
-        """Uploads `array` (PutTensor stream); it lives until delete() or the
-        session's end. ResourceExhaustedError over the session's memory limit."""
+        """Uploads `array` (through shared memory or the PutTensor stream, by
+        the session's transport); it lives until delete() or the session's
+        end. ResourceExhaustedError over the session's memory limit."""
         wire, shape, data = dtypes.to_wire(array, field)
+        block = self._allocate(len(data)) if self.transport_for(len(data)) == transport_lib.SHM else None
+        if block is None:
+            return self._put_streamed(wire, shape, data)
+        try:
+            self._shm.write(block, data)
+            header = service_pb2.PutTensorHeader(
+                tensor=tensor_pb2.TensorHeader(dtype=wire, shape=shape),
+                shm=tensor_pb2.SharedMemoryRef(region_id=block.region_id, offset=block.offset))
+            header.session.CopyFrom(self._ref)
+            response = self._invoke(lambda: self._stub.PutTensor(
+                iter([service_pb2.PutTensorChunk(header=header)]),
+                timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+        finally:
+            self._shm.free(block)
+        self.transport_counts.add(transport_lib.SHM)
+        return ResidentTensor(response.tensor_id, wire, shape)
+
+    def _put_streamed(self, wire, shape, data):
         step = max(int(self.client.options.chunk_bytes), 1)
 
         def chunks():
@@ -167,26 +361,47 @@ class Session:
             for offset in range(0, len(data), step):
                 yield service_pb2.PutTensorChunk(data=bytes(view[offset:offset + step]))
 
-        response = self.client._call("PutTensor", chunks())
+        response = self._invoke(lambda: self._stub.PutTensor(
+            chunks(), timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+        self.transport_counts.add(transport_lib.STREAM)
         return ResidentTensor(response.tensor_id, wire, shape)
 
     def get(self, tensor_id, field="tensor"):
-        """Downloads a resident tensor (GetTensor stream). NotFoundError for an unknown id."""
-        tensor_id = getattr(tensor_id, "id", tensor_id)
-        request = service_pb2.GetTensorRequest(tensor_id=tensor_id, chunk_bytes=self.client.options.chunk_bytes)
+        """Downloads a resident tensor: through shared memory when the
+        session's transport picks it for a ResidentTensor's size, else the
+        GetTensor stream (always for a bare id, whose size is unknown).
+        NotFoundError for an unknown id."""
+        block = None
+        if isinstance(tensor_id, ResidentTensor) and tensor_id.wire_dtype in dtypes.ITEMSIZE:
+            nbytes = _wire_bytes(tensor_id.wire_dtype, tensor_id.shape)
+            if self.transport_for(nbytes) == transport_lib.SHM:
+                block = self._allocate(nbytes)
+        request = service_pb2.GetTensorRequest(tensor_id=getattr(tensor_id, "id", tensor_id),
+                                               chunk_bytes=self.client.options.chunk_bytes)
         request.session.CopyFrom(self._ref)
-        header, parts = None, []
+        if block is not None:
+            request.destination.region_id, request.destination.offset = block.region_id, block.offset
         try:
-            for chunk in self.client._stub.GetTensor(request, timeout=self.client.options.rpc_timeout):
-                if chunk.WhichOneof("part") == "header":
-                    header = chunk.header
-                else:
-                    parts.append(chunk.data)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e) from None
-        if header is None:
-            raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor sent no header" % field)
-        return dtypes.from_wire(header.dtype, header.shape, b"".join(parts), field)
+            chunks = self._invoke(lambda: list(self._stub.GetTensor(
+                request, timeout=self.client.options.rpc_timeout, metadata=self._metadata)))
+            header = next((c.header for c in chunks if c.WhichOneof("part") == "header"), None)
+            if header is None:
+                raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor sent no header" % field)
+            if block is None:
+                data = b"".join(c.data for c in chunks if c.WhichOneof("part") == "data")
+            elif header.dtype != tensor_id.wire_dtype or tuple(header.shape) != tuple(tensor_id.shape):
+                # The server wrote its tensor's bytes into a block sized for ours.
+                raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor(%s) answered %s%s; the "
+                                   "session's record says %s%s" % (
+                                       field, tensor_id.id, dtypes.dtype_name(header.dtype), list(header.shape),
+                                       tensor_id.dtype, list(tensor_id.shape)))
+            else:
+                data = self._shm.read(block.region_id, block.offset, _wire_bytes(header.dtype, header.shape), field)
+        finally:
+            if block is not None:
+                self._shm.free(block)
+        self.transport_counts.add(transport_lib.STREAM if block is None else transport_lib.SHM)
+        return dtypes.from_wire(header.dtype, header.shape, data, field)
 
     def delete(self, tensor_id):
         request = service_pb2.DeleteTensorRequest(tensor_id=getattr(tensor_id, "id", tensor_id))
@@ -195,45 +410,61 @@ class Session:
     # ---- tensors in requests and responses --------------------------------------------
 
     def send(self, array, uploads, field):
-        """A te.v1.Tensor for `array`: inline when small, else uploaded (its id
-        appended to `uploads`, for the caller to delete after the call)."""
+        """A te.v1.Tensor for `array`, by the session's transport: inline,
+        written to shared memory, or uploaded (the block or the resident id
+        appended to `uploads`, for the caller's delete_all after the call)."""
         if isinstance(array, ResidentTensor):
             return tensor_pb2.Tensor(dtype=array.wire_dtype, shape=array.shape, resident_id=array.id)
-        array = dtypes.as_numpy(array)
-        if array.nbytes <= self.client.options.inline_tensor_bytes:
-            wire, shape, data = dtypes.to_wire(array, field)
+        wire, shape, data = dtypes.to_wire(dtypes.as_numpy(array), field)
+        how = self.transport_for(len(data))
+        if how == transport_lib.INLINE:
+            self.transport_counts.add(transport_lib.INLINE)
             return tensor_pb2.Tensor(dtype=wire, shape=shape, inline_data=data)
-        resident = self.put(array, field)
+        block = self._allocate(len(data)) if how == transport_lib.SHM else None
+        if block is not None:
+            uploads.append(block)
+            self._shm.write(block, data)
+            self.transport_counts.add(transport_lib.SHM)
+            return tensor_pb2.Tensor(dtype=wire, shape=shape, shm=tensor_pb2.SharedMemoryRef(
+                region_id=block.region_id, offset=block.offset))
+        resident = self._put_streamed(wire, shape, data)
         uploads.append(resident.id)
         return tensor_pb2.Tensor(dtype=resident.wire_dtype, shape=resident.shape, resident_id=resident.id)
 
     def receive(self, tensor, field):
-        """A response tensor as a numpy array (a resident one is fetched, then deleted)."""
+        """A response tensor as a numpy array: inline bytes, bytes in this
+        session's shared memory, or a resident one fetched and then deleted."""
         kind = tensor.WhichOneof("data")
         if kind == "inline_data" or kind is None:
+            self.transport_counts.add(transport_lib.INLINE)
             return dtypes.from_wire(tensor.dtype, tensor.shape, tensor.inline_data, field)
         if kind == "resident_id":
             try:
-                return self.get(tensor.resident_id, field)
+                return self.get(ResidentTensor(tensor.resident_id, tensor.dtype, tuple(tensor.shape)), field)
             finally:
                 self.delete(tensor.resident_id)
-        raise errors.UnimplementedError("%s: the server answered with shared memory, which te_client "
-                                        "does not map" % field)
+        if tensor.dtype not in dtypes.ITEMSIZE:
+            raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: unknown dtype %d from the server" % (
+                field, tensor.dtype))
+        data = self._shm.read(tensor.shm.region_id, tensor.shm.offset, _wire_bytes(tensor.dtype, tensor.shape),
+                              field)
+        self.transport_counts.add(transport_lib.SHM)
+        return dtypes.from_wire(tensor.dtype, tensor.shape, data, field)
 
-    def delete_all(self, tensor_ids):
-        """Deletes each id; keeps going past failures and raises the first."""
+    def delete_all(self, uploads):
+        """Frees each shared-memory block and deletes each resident id; keeps
+        going past failures and raises the first."""
         first = None
-        for tensor_id in tensor_ids:
+        for upload in uploads:
+            if isinstance(upload, transport_lib.Block):
+                self._shm.free(upload)
+                continue
             try:
-                self.delete(tensor_id)
+                self.delete(upload)
             except errors.TeError as e:
                 first = first or e
         if first is not None:
             raise first
-
-    def large(self, nbytes):
-        """Whether a result of about `nbytes` should come back by stream."""
-        return nbytes > self.client.options.inline_tensor_bytes
 
     # ---- variables ------------------------------------------------------------------
 
@@ -285,3 +516,11 @@ def _match_dtype(value, info):
     if info.wire_dtype == dtypes.FLOAT32:
         return np.asarray(array, dtype=np.float32)
     return array
+
+
+def _wire_bytes(wire, shape):
+    """Bytes of a tensor of te.v1.DType `wire` and `shape` (a negative dimension counts as 0)."""
+    count = 1
+    for d in shape:
+        count *= max(int(d), 0)
+    return count * dtypes.ITEMSIZE[wire]

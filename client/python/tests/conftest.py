@@ -4,6 +4,8 @@ The server is bazel-bin/server/te_server (or $TE_SERVER_BIN), started once per
 test run with --device=cpu (or $TE_SERVER_DEVICE) --port=0 and stopped at the
 end; its log goes to the pytest temp folder and is printed when it fails to start.
 """
+import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -45,19 +47,27 @@ def _read_port(port_file, process, log_path):
         START_TIMEOUT_S, process.poll(), log), pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def server_address(tmp_path_factory):
+@dataclasses.dataclass(frozen=True)
+class Server:
+    address: str
+    pid: int
+    log_path: str
+
+
+@contextlib.contextmanager
+def start_server(folder, *flags, port=0):
+    """A te_server on 127.0.0.1 (`port` 0: one it picks) with extra `flags`,
+    stopped (SIGTERM) when the block ends."""
     if not os.access(SERVER_BIN, os.X_OK):
         pytest.fail("no te_server at %s: build it first (bazel build //server:te_server) or set "
                     "TE_SERVER_BIN" % SERVER_BIN, pytrace=False)
-    folder = tmp_path_factory.mktemp("te_server")
     port_file, log_path = str(folder / "port"), str(folder / "server.log")
     with open(log_path, "w") as log:
-        process = subprocess.Popen([SERVER_BIN, "--device=" + SERVER_DEVICE, "--host=127.0.0.1", "--port=0",
-                                    "--port_file=" + port_file], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([SERVER_BIN, "--device=" + SERVER_DEVICE, "--host=127.0.0.1",
+                                    "--port=%d" % port, "--port_file=" + port_file] + list(flags),
+                                   stdout=log, stderr=subprocess.STDOUT)
     try:
-        port = _read_port(port_file, process, log_path)
-        yield "127.0.0.1:%d" % port
+        yield Server("127.0.0.1:%d" % _read_port(port_file, process, log_path), process.pid, log_path)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -65,6 +75,20 @@ def server_address(tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def server_address(tmp_path_factory):
+    """The default server: no --enable_shm."""
+    with start_server(tmp_path_factory.mktemp("te_server")) as server:
+        yield server.address
+
+
+@pytest.fixture(scope="session")
+def shm_server(tmp_path_factory):
+    """A second server, started with --enable_shm (a Server: address, pid)."""
+    with start_server(tmp_path_factory.mktemp("te_server_shm"), "--enable_shm") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
