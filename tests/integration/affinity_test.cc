@@ -93,7 +93,8 @@ class GrpcProxy {
  private:
   class Call;
   struct Service : grpc::CallbackGenericService {
-    grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+    grpc::ServerGenericBidiReactor* CreateReactor(
+        grpc::GenericCallbackServerContext* context) override;
     GrpcProxy* proxy = nullptr;
   };
 
@@ -223,7 +224,8 @@ int UnusedPort() {
 // A te_server that advertises its own address. Its port must be known before
 // it starts, so it is picked here, not by --port=0; another process could
 // take it in between, hence a few tries.
-absl::StatusOr<std::unique_ptr<ServerProcess>> StartAdvertising(std::vector<std::string> flags = {}) {
+absl::StatusOr<std::unique_ptr<ServerProcess>> StartAdvertising(
+    std::vector<std::string> flags = {}) {
   absl::Status last;
   for (int attempt = 0; attempt < 3; ++attempt) {
     const int port = UnusedPort();
@@ -313,13 +315,15 @@ TEST(AffinityTest, EveryCallOfASessionCarriesOneKey) {
   EXPECT_NE(first_key, second_key);
   ASSERT_EQ(calls.size(), first_end + 6);
   for (size_t i = 0; i < calls.size(); ++i) {
-    const std::string& expected = i < first_end ? first_key : i + 1 < calls.size() ? second_key : "";
+    const std::string& expected = i < first_end          ? first_key
+                                  : i + 1 < calls.size() ? second_key
+                                                         : "";
     EXPECT_EQ(calls[i].affinity, expected) << "call " << i << ": " << calls[i].method;
   }
   const std::vector<std::string> methods = Methods(calls);
   const std::set<std::string> first_methods(methods.begin(), methods.begin() + first_end);
-  for (const char* method : {"CreateSession", "InitLayer", "RegisterSharedMemory", "Forward",
-                             "CloseSession"}) {
+  for (const char* method :
+       {"CreateSession", "InitLayer", "RegisterSharedMemory", "Forward", "CloseSession"}) {
     EXPECT_EQ(first_methods.count(method), 1u) << method;
   }
   EXPECT_EQ(std::vector<std::string>(methods.begin() + first_end, methods.end()),
