@@ -332,7 +332,7 @@ class Session:
         """Uploads `array` (through shared memory or the PutTensor stream, by
         the session's transport); it lives until delete() or the session's
         end. ResourceExhaustedError over the session's memory limit."""
-        wire, shape, data = dtypes.to_wire(array, field)
+        wire, shape, data = dtypes.to_wire_view(array, field)
         block = self._allocate(len(data)) if self.transport_for(len(data)) == transport_lib.SHM else None
         if block is None:
             return self._put_streamed(wire, shape, data)
@@ -396,12 +396,16 @@ class Session:
                                        field, tensor_id.id, dtypes.dtype_name(header.dtype), list(header.shape),
                                        tensor_id.dtype, list(tensor_id.shape)))
             else:
-                data = self._shm.read(block.region_id, block.offset, _wire_bytes(header.dtype, header.shape), field)
+                array = self._shm.read(block.region_id, block.offset, _wire_bytes(header.dtype, header.shape),
+                                       lambda view: dtypes.from_wire(header.dtype, header.shape, view, field), field)
         finally:
             if block is not None:
                 self._shm.free(block)
-        self.transport_counts.add(transport_lib.STREAM if block is None else transport_lib.SHM)
-        return dtypes.from_wire(header.dtype, header.shape, data, field)
+        if block is None:
+            self.transport_counts.add(transport_lib.STREAM)
+            return dtypes.from_wire(header.dtype, header.shape, data, field)
+        self.transport_counts.add(transport_lib.SHM)
+        return array
 
     def delete(self, tensor_id):
         request = service_pb2.DeleteTensorRequest(tensor_id=getattr(tensor_id, "id", tensor_id))
@@ -415,11 +419,11 @@ class Session:
         appended to `uploads`, for the caller's delete_all after the call)."""
         if isinstance(array, ResidentTensor):
             return tensor_pb2.Tensor(dtype=array.wire_dtype, shape=array.shape, resident_id=array.id)
-        wire, shape, data = dtypes.to_wire(dtypes.as_numpy(array), field)
+        wire, shape, data = dtypes.to_wire_view(array, field)
         how = self.transport_for(len(data))
         if how == transport_lib.INLINE:
             self.transport_counts.add(transport_lib.INLINE)
-            return tensor_pb2.Tensor(dtype=wire, shape=shape, inline_data=data)
+            return tensor_pb2.Tensor(dtype=wire, shape=shape, inline_data=bytes(data))
         block = self._allocate(len(data)) if how == transport_lib.SHM else None
         if block is not None:
             uploads.append(block)
@@ -446,10 +450,10 @@ class Session:
         if tensor.dtype not in dtypes.ITEMSIZE:
             raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: unknown dtype %d from the server" % (
                 field, tensor.dtype))
-        data = self._shm.read(tensor.shm.region_id, tensor.shm.offset, _wire_bytes(tensor.dtype, tensor.shape),
-                              field)
+        array = self._shm.read(tensor.shm.region_id, tensor.shm.offset, _wire_bytes(tensor.dtype, tensor.shape),
+                               lambda view: dtypes.from_wire(tensor.dtype, tensor.shape, view, field), field)
         self.transport_counts.add(transport_lib.SHM)
-        return dtypes.from_wire(tensor.dtype, tensor.shape, data, field)
+        return array
 
     def delete_all(self, uploads):
         """Frees each shared-memory block and deletes each resident id; keeps

@@ -191,6 +191,21 @@ def to_wire(x, field="tensor"):
     return wire, tuple(int(d) for d in array.shape), data
 
 
+def to_wire_view(x, field="tensor"):
+    """As to_wire, but the bytes are a memoryview of the array itself, not a
+    copy, where its memory already is the wire layout (C-contiguous, the wire
+    dtype); a copy otherwise. For the large-tensor paths, whose copy into a
+    message or shared memory is the only one then. Do not change the array
+    while the view is in use."""
+    array = as_numpy(x)
+    wire = wire_dtype(array, field)
+    target = _numpy_dtype_of(wire)
+    if (target is not None and not isinstance(array, Bfloat16Array) and array.dtype == target
+            and array.flags.c_contiguous):
+        return wire, tuple(int(d) for d in array.shape), memoryview(array.reshape(-1).view(np.uint8))
+    return to_wire(array, field)
+
+
 def from_wire(wire, shape, data, field="tensor"):
     """A numpy array from wire bytes (see the module comment for the fallbacks)."""
     shape = tuple(int(d) for d in shape)

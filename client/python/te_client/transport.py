@@ -234,15 +234,24 @@ class SharedMemoryPool:
         region = self._region(block.region_id)
         region.map[block.offset:block.offset + len(data)] = data
 
-    def read(self, region_id, offset, nbytes, field="tensor"):
-        """A copy of [offset, offset + nbytes) of one of this pool's regions;
-        InvalidArgumentError naming `field` when the range is not inside one."""
+    def read(self, region_id, offset, nbytes, decode, field="tensor"):
+        """decode(view) of [offset, offset + nbytes) of one of this pool's
+        regions, where `view` is a memoryview valid during the call only
+        (decode copies what it keeps). InvalidArgumentError naming `field`
+        when the range is not inside a region."""
         with self._lock:
             region = next((r for r in self._regions if r.id == region_id), None)
         if region is None or offset < 0 or nbytes < 0 or offset + nbytes > region.size:
             raise errors.InvalidArgumentError("%s: shared memory %s at %d (%d bytes) is not this session's" % (
                 field, region_id, offset, nbytes))
-        return region.map[offset:offset + nbytes]
+        view = memoryview(region.map)[offset:offset + nbytes]
+        try:
+            return decode(view)
+        finally:
+            try:
+                view.release()
+            except BufferError:   # decode kept a reference: the map then closes when it is collected
+                pass
 
     def release(self, unregister=True):
         """Unregisters (when asked; best effort) and unmaps every region. The
@@ -256,7 +265,10 @@ class SharedMemoryPool:
                     self._unregister(region.id)
                 except errors.TeError as e:
                     first = first or e
-            region.map.close()
+            try:
+                region.map.close()
+            except BufferError:   # a view is still exported: unmapped when collected
+                pass
         return first
 
     # ---- internals ----------------------------------------------------------------

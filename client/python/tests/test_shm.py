@@ -208,14 +208,14 @@ def test_pool_carves_frees_and_coalesces_blocks():
     a, b, c = pool.allocate(1), pool.allocate(5000), pool.allocate(4096)
     assert (a.offset, b.offset, c.offset) == (0, 4096, 4096 + 8192) and len(server.regions) == 1
     pool.write(b, b"\x01" * 5000)
-    assert pool.read(b.region_id, b.offset, 5000) == b"\x01" * 5000
+    assert pool.read(b.region_id, b.offset, 5000, bytes) == b"\x01" * 5000
     pool.free(a)
     pool.free(b)
     assert pool.allocate(12288).offset == 0                      # a and b merged
     big = pool.allocate(100 << 10)                               # no room: a second region
     assert big.region_id != a.region_id and len(server.regions) == 2
     with pytest.raises(te.InvalidArgumentError):
-        pool.read(a.region_id, (64 << 10) - 10, 11)
+        pool.read(a.region_id, (64 << 10) - 10, 11, bytes)
     assert pool.release() is None and server.regions == {}
     assert _our_shm_entries() == []
 
