@@ -168,7 +168,8 @@ class Session {
                     const layers::LayerInputs& inputs, const Tensor& dy,
                     const layers::ForwardOptions& options, double* value,
                     layers::LayerGrads* grads);
-  absl::StatusOr<double> Vdot(const Tensor& y, const Tensor& dy);
+  // sum(y * dy) as a [1, 1] float32 tensor on the device.
+  absl::StatusOr<Tensor> VdotOnDevice(const Tensor& y, const Tensor& dy);
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);
