@@ -50,14 +50,18 @@ constexpr Tolerances kTolerances = {
     /*bf16_composed=*/2e-2,
     // FP8 (HYBRID): E4M3 codes are 2^-3 apart (relative), E5M2 codes 2^-2.
     // The backends quantize values that agree only to bf16 rounding, so the
-    // few values that sit within that distance of an FP8 rounding boundary
-    // (about 2^-8 / 2^-3 of them for E4M3) land one code apart; in RMS that
-    // is a few percent per GEMM, and a layer chains up to four GEMMs each way.
-    /*fp8_values=*/0.1,
-    // Amax histories and scales (scale = 448 or 57344 / amax): amaxes are
-    // taken from bf16 activations and gradients that differ by the rounding
-    // above; a maximum moves less than the RMS does.
-    /*fp8_metas=*/5e-2,
+    // values near an FP8 rounding boundary land one code apart, and once an
+    // amax differs (it is one element's value) every later scale differs and
+    // the two quantizations are independent: E5M2's rounding noise alone is
+    // 2^-2 / sqrt(12) = 7% RMS per operand, and a layer chains up to four
+    // GEMMs each way. Measured on the H200: up to 0.10 for most layers, 0.146
+    // for TE's default TransformerLayer (ReLU, T5 bias: gradients with few
+    // large elements). A wrong scale or a transposed operand shows as 0.5 or
+    // more; the per-op tests (ops_gpu_test) check quantization bit for bit.
+    /*fp8_values=*/0.2,
+    // Amax histories and scales (scale = 448 or 57344 / amax): the maximum
+    // of values that differ by the rounding above (measured up to 0.072).
+    /*fp8_metas=*/0.1,
 };
 
 struct Backends {
