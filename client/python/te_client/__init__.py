@@ -14,10 +14,11 @@
             loss, (grads, dx) = te.value_and_grad(layer.apply)(params, x, dy)
 
 Arrays in and out are numpy (JAX arrays are accepted); see dtypes.py for
-bfloat16 with and without ml_dtypes. Every failure is a TeError with the gRPC
-status code and the server's message.
+bfloat16 with and without ml_dtypes. Large tensors travel by stream or, on the
+server's host, shared memory (transport.py; te.connect(addr, transport=...)).
+Every failure is a TeError with the gRPC status code and the server's message.
 """
-from te_client import activation, dtypes, errors, flax, linen, recipe
+from te_client import activation, dtypes, errors, flax, linen, recipe, transport
 from te_client.client import Client, ResidentTensor, Session, connect, current_session
 from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
 from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
@@ -28,7 +29,7 @@ from te_client.training import speedometer, value_and_grad
 from te_client.variables import VariableRef, Variables, tree_map
 
 __all__ = [
-    "activation", "dtypes", "errors", "flax", "linen", "recipe",
+    "activation", "dtypes", "errors", "flax", "linen", "recipe", "transport",
     "Client", "ResidentTensor", "Session", "connect", "current_session",
     "Bfloat16Array", "asarray", "bfloat16", "dtype_of",
     "TeError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError", "UnauthenticatedError",

@@ -388,7 +388,7 @@ class Session:
             if header is None:
                 raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor sent no header" % field)
             if block is None:
-                data = b"".join(c.data for c in chunks if c.WhichOneof("part") == "data")
+                data = _join_chunks(chunks)
             elif header.dtype != tensor_id.wire_dtype or tuple(header.shape) != tuple(tensor_id.shape):
                 # The server wrote its tensor's bytes into a block sized for ours.
                 raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor(%s) answered %s%s; the "
@@ -528,3 +528,16 @@ def _wire_bytes(wire, shape):
     for d in shape:
         count *= max(int(d), 0)
     return count * dtypes.ITEMSIZE[wire]
+
+
+def _join_chunks(chunks):
+    """The data chunks' bytes end to end, in a numpy buffer: numpy allocates
+    large buffers in transparent huge pages, where a fresh 64 MiB bytes object
+    pays a page fault per 4 KiB (about 10x slower on the build VM)."""
+    parts = [c.data for c in chunks if c.WhichOneof("part") == "data"]
+    joined = np.empty(sum(len(p) for p in parts), np.uint8)
+    offset = 0
+    for part in parts:
+        joined[offset:offset + len(part)] = np.frombuffer(part, np.uint8)
+        offset += len(part)
+    return memoryview(joined)
