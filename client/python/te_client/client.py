@@ -239,16 +239,18 @@ class Session:
         self.close()
 
     def close(self):
-        """Frees everything the session holds (its shared-memory regions are
-        unregistered and unmapped first). A second close is a no-op;
-        NotFoundError when the server had already expired or evicted it."""
+        """Frees everything the session holds: the server drops its tensors and
+        unmaps its shared-memory regions with it (one RPC, not one per
+        region), and this side unmaps them too, whatever the server answers.
+        A second close is a no-op; NotFoundError when the server had already
+        expired or evicted it."""
         if self.closed:
             return
         self.closed = True
         try:
-            self._shm.release(unregister=True)   # best effort: CloseSession drops them anyway
-        finally:
             self.call("CloseSession", service_pb2.CloseSessionRequest())
+        finally:
+            self._shm.release(unregister=False)
 
     def info(self):
         """te.v1.SessionInfo: memory, layers, saved forwards, resident tensors, shm regions."""
