@@ -2,6 +2,21 @@
 // backward, plain and gated: for x = [x_0 | x_1] (each [N, I]),
 // y = act_0(x_0) * act_1(x_1). Formulas as in kernels/ops.h and the CPU
 // reference.
+//
+// Speed: these kernels are memory-bound at the MLP's sizes only if the
+// per-element work stays small, so
+// - the activation is a template parameter (a functor), chosen once at launch:
+//   no switch per element, and the compiler sees each formula whole;
+// - y and dy are always indexed flat (y's row r, column c is element
+//   r * I + c); only x / dx of a gated op need the row, and each thread keeps
+//   its row and column as a cursor advanced by a fixed stride (no division in
+//   the loop);
+// - each thread moves two 8-element packs per iteration, both loads issued
+//   before any math, for more bytes in flight.
+// The float math per element is the same expression as before, so results are
+// unchanged bit for bit.
+#include <type_traits>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
@@ -19,83 +34,278 @@ constexpr float kQuickGeluAlpha = 1.702f;
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__device__ __forceinline__ float ActivationValue(Activation act, float x) {
-  switch (act) {
-    case Activation::kGelu: {
-      const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-      return 0.5f * x * (1.0f + t);
-    }
-    case Activation::kSilu: return x * Sigmoid(x);
-    case Activation::kRelu: return x > 0.0f ? x : 0.0f;
-    case Activation::kQuickGelu: return x * Sigmoid(kQuickGeluAlpha * x);
-    case Activation::kSquaredRelu: return x > 0.0f ? x * x : 0.0f;
-    case Activation::kLinear: return x;
+// ---- the activations as functors: Value(x) and Derivative(x) ----------------------
+
+struct GeluFn {
+  __device__ __forceinline__ float Value(float x) const {
+    const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+    return 0.5f * x * (1.0f + t);
   }
-  return x;
+  __device__ __forceinline__ float Derivative(float x) const {
+    const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+    const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+  }
+};
+struct SiluFn {
+  __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(x); }
+  __device__ __forceinline__ float Derivative(float x) const {
+    const float s = Sigmoid(x);
+    return s * (1.0f + x * (1.0f - s));
+  }
+};
+struct ReluFn {
+  __device__ __forceinline__ float Value(float x) const { return x > 0.0f ? x : 0.0f; }
+  __device__ __forceinline__ float Derivative(float x) const { return x > 0.0f ? 1.0f : 0.0f; }
+};
+struct QuickGeluFn {
+  __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(kQuickGeluAlpha * x); }
+  __device__ __forceinline__ float Derivative(float x) const {
+    const float s = Sigmoid(kQuickGeluAlpha * x);
+    return s + kQuickGeluAlpha * x * s * (1.0f - s);
+  }
+};
+struct SquaredReluFn {
+  __device__ __forceinline__ float Value(float x) const { return x > 0.0f ? x * x : 0.0f; }
+  __device__ __forceinline__ float Derivative(float x) const { return x > 0.0f ? 2.0f * x : 0.0f; }
+};
+struct LinearFn {
+  __device__ __forceinline__ float Value(float x) const { return x; }
+  __device__ __forceinline__ float Derivative(float) const { return 1.0f; }
+};
+
+// The activation chosen per element: for the combinations not worth a kernel
+// of their own (see DispatchActivations).
+struct RuntimeFn {
+  Activation act;
+  __device__ __forceinline__ float Value(float x) const {
+    switch (act) {
+      case Activation::kGelu: return GeluFn().Value(x);
+      case Activation::kSilu: return SiluFn().Value(x);
+      case Activation::kRelu: return ReluFn().Value(x);
+      case Activation::kQuickGelu: return QuickGeluFn().Value(x);
+      case Activation::kSquaredRelu: return SquaredReluFn().Value(x);
+      case Activation::kLinear: return LinearFn().Value(x);
+    }
+    return x;
+  }
+  __device__ __forceinline__ float Derivative(float x) const {
+    switch (act) {
+      case Activation::kGelu: return GeluFn().Derivative(x);
+      case Activation::kSilu: return SiluFn().Derivative(x);
+      case Activation::kRelu: return ReluFn().Derivative(x);
+      case Activation::kQuickGelu: return QuickGeluFn().Derivative(x);
+      case Activation::kSquaredRelu: return SquaredReluFn().Derivative(x);
+      case Activation::kLinear: return LinearFn().Derivative(x);
+    }
+    return 1.0f;
+  }
+};
+
+template <typename F>
+void WithActivation(Activation act, F&& f) {
+  switch (act) {
+    case Activation::kGelu: f(GeluFn{}); return;
+    case Activation::kSilu: f(SiluFn{}); return;
+    case Activation::kRelu: f(ReluFn{}); return;
+    case Activation::kQuickGelu: f(QuickGeluFn{}); return;
+    case Activation::kSquaredRelu: f(SquaredReluFn{}); return;
+    case Activation::kLinear: f(LinearFn{}); return;
+  }
 }
 
-__device__ __forceinline__ float ActivationDerivative(Activation act, float x) {
-  switch (act) {
-    case Activation::kGelu: {
-      const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-      const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-      return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+// Calls f(gated, act0, act1) with gated a std::bool_constant. With kSpecialize
+// (the dtype combinations layers use), single activations and the gated pairs
+// TE has, (X, linear), get compile-time functors; everything else (other
+// gated pairs, mixed dtypes) shares one kernel per dtype combination that
+// switches per element, so the number of kernels stays in the hundreds
+// instead of thousands.
+template <bool kSpecialize, typename F>
+void DispatchActivations(const std::vector<Activation>& acts, F&& f) {
+  const bool gated = acts.size() == 2;
+  if constexpr (kSpecialize) {
+    if (!gated || acts[1] == Activation::kLinear) {
+      WithActivation(acts[0], [&](auto a0) {
+        if (gated) {
+          f(std::true_type{}, a0, LinearFn{});
+        } else {
+          f(std::false_type{}, a0, a0);
+        }
+      });
+      return;
     }
-    case Activation::kSilu: {
-      const float s = Sigmoid(x);
-      return s * (1.0f + x * (1.0f - s));
-    }
-    case Activation::kRelu: return x > 0.0f ? 1.0f : 0.0f;
-    case Activation::kQuickGelu: {
-      const float s = Sigmoid(kQuickGeluAlpha * x);
-      return s + kQuickGeluAlpha * x * s * (1.0f - s);
-    }
-    case Activation::kSquaredRelu: return x > 0.0f ? 2.0f * x : 0.0f;
-    case Activation::kLinear: return 1.0f;
   }
-  return 1.0f;
+  const RuntimeFn a0{acts[0]}, a1{gated ? acts[1] : acts[0]};
+  if (gated) {
+    f(std::true_type{}, a0, a1);
+  } else {
+    f(std::false_type{}, a0, a0);
+  }
+}
+
+// ---- walking the elements ------------------------------------------------------------
+
+// A stride in items (packs or elements) split into whole rows and a remainder.
+struct RowStep {
+  int64_t rows, cols;
+};
+inline RowStep SplitStride(int64_t stride, int64_t per_row) {
+  return RowStep{stride / per_row, stride % per_row};
+}
+
+// The row of a thread's current item, kept without dividing per item: item k
+// is (row, col) with k = row * per_row + col, 0 <= col < per_row.
+struct RowCursor {
+  int64_t row, col;
+  __device__ __forceinline__ void Start(int64_t k, int64_t per_row) {
+    row = k / per_row;
+    col = k - row * per_row;
+  }
+  __device__ __forceinline__ void Advance(RowStep step, int64_t per_row) {
+    row += step.rows;
+    col += step.cols;
+    if (col >= per_row) {  // col < 2 * per_row: one carry at most
+      col -= per_row;
+      ++row;
+    }
+  }
+};
+
+// Geometry of one launch. Items are V-element groups (V = kVec on the vector
+// path, 1 on the scalar one); y (and dy) item k starts at element k * V; x
+// (and dx) item k starts there too, plus row * width when gated (row r of x is
+// [x_0 | x_1], 2 * width long). Thread t handles items t + 2iT and t + (2i+1)T
+// (T threads in all), so each load instruction of a warp is contiguous.
+struct Walk {
+  int64_t items;    // items in x_0 / y
+  int64_t per_row;  // items per row (gated only)
+  RowStep half;     // T as a RowStep (gated only)
+  RowStep full;     // 2T
+  int64_t tail;     // vector path, not gated: elements past items * kVec (< kVec)
+};
+
+Walk MakeWalk(bool gated, bool vec, int64_t rows, int64_t width, unsigned blocks) {
+  const int64_t v = vec ? kVec : 1;
+  const int64_t threads = int64_t{blocks} * kThreads;
+  Walk w{};
+  if (gated) {
+    // vec implies width % kVec == 0. An empty row (width 0) has no items; 1
+    // keeps the divisions defined.
+    w.per_row = width / v > 0 ? width / v : 1;
+    w.items = rows * (width / v);
+    w.half = SplitStride(threads, w.per_row);
+    w.full = SplitStride(2 * threads, w.per_row);
+  } else {
+    // Contiguous: one flat run of n elements, whatever the rows.
+    const int64_t n = rows * width;
+    w.per_row = 1;
+    w.items = n / v;
+    w.tail = n - w.items * v;
+  }
+  return w;
+}
+
+// Threads needed: two items each.
+unsigned BlocksFor(bool vec, int64_t n) {
+  const int64_t items = vec ? n / kVec : n;
+  return GridFor((items + 1) / 2);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> LoadPack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+template <typename T, int V>
+__device__ __forceinline__ void StorePack(T* p, const Pack<T, V>& v) {
+  *reinterpret_cast<Pack<T, V>*>(p) = v;
+}
+
+// ---- forward ---------------------------------------------------------------------------
+
+template <typename A, typename B>
+constexpr bool kSame = std::is_same<A, B>::value;
+template <typename Out>
+constexpr bool kIsFp8 = kSame<Out, E4M3> || kSame<Out, E5M2>;
+
+// V elements of y from x_0 (and x_1) at `x0`; amax over the float values.
+template <typename In, typename Out, int V, bool kGated, typename A0, typename A1>
+__device__ __forceinline__ void ForwardItem(const Pack<typename In::Storage, V>& a,
+                                            const Pack<typename In::Storage, V>& b, A0 act0,
+                                            A1 act1, float s, unsigned* amax_bits,
+                                            typename Out::Storage* y) {
+  Pack<typename Out::Storage, V> o;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float v = act0.Value(In::Load(a.v[j]));
+    if (kGated) v *= act1.Value(In::Load(b.v[j]));
+    if (kIsFp8<Out>) *amax_bits = max(*amax_bits, AbsBits(v));  // only FP8 outputs have one
+    o.v[j] = Out::Store(v * s);
+  }
+  StorePack<typename Out::Storage, V>(y, o);
+}
+
+template <typename In, typename Out, int V, bool kGated, typename A0, typename A1>
+__device__ __forceinline__ void ForwardWalk(const typename In::Storage* x,
+                                            typename Out::Storage* y, A0 act0, A1 act1,
+                                            int64_t width, const Walk& w, float s,
+                                            unsigned* amax_bits) {
+  using InPack = Pack<typename In::Storage, V>;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  RowCursor c0{0, 0}, c1{0, 0};
+  if (kGated) {
+    c0.Start(k, w.per_row);
+    c1 = c0;
+    c1.Advance(w.half, w.per_row);
+  }
+  for (; k + threads < w.items; k += 2 * threads) {
+    const int64_t at0 = k * V, at1 = (k + threads) * V;
+    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
+    const int64_t x1 = kGated ? at1 + c1.row * width : at1;
+    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
+    const InPack a1 = LoadPack<typename In::Storage, V>(x + x1);
+    InPack b0 = a0, b1 = a1;
+    if (kGated) {
+      b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
+      b1 = LoadPack<typename In::Storage, V>(x + x1 + width);
+    }
+    ForwardItem<In, Out, V, kGated>(a0, b0, act0, act1, s, amax_bits, y + at0);
+    ForwardItem<In, Out, V, kGated>(a1, b1, act0, act1, s, amax_bits, y + at1);
+    if (kGated) {
+      c0.Advance(w.full, w.per_row);
+      c1.Advance(w.full, w.per_row);
+    }
+  }
+  if (k < w.items) {  // the last item, without a partner
+    const int64_t at0 = k * V;
+    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
+    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
+    InPack b0 = a0;
+    if (kGated) b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
+    ForwardItem<In, Out, V, kGated>(a0, b0, act0, act1, s, amax_bits, y + at0);
+  }
 }
 
 // x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale, amax
-// (zeroed before) and scale_inv non-null. `vec`: width % kVec == 0 and x, y
-// aligned for Pack access; each thread then handles kVec outputs of one row.
-template <typename In, typename Out>
+// (zeroed before) and scale_inv non-null. `vec`: x and y aligned for Pack
+// access, and (gated) width % kVec == 0.
+template <typename In, typename Out, bool kGated, typename A0, typename A1>
 __global__ void ActivationForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
-                                        Activation act0, Activation act1, bool gated,
-                                        int64_t rows, int64_t width, bool vec, const float* scale,
-                                        float* amax, float* scale_inv) {
-  using InPack = Pack<typename In::Storage>;
-  using OutPack = Pack<typename Out::Storage>;
+                                        A0 act0, A1 act1, int64_t width, Walk w, bool vec,
+                                        const float* scale, float* amax, float* scale_inv) {
   __shared__ unsigned scratch[32];
   const float s = scale != nullptr ? *scale : 1.0f;
-  const int64_t in_cols = gated ? 2 * width : width;
-  const int64_t step = vec ? kVec : 1;
-  const int64_t per_row = width / step;
-  const int64_t n = rows * per_row;
   unsigned amax_bits = 0;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = k / per_row, c = (k - r * per_row) * step;
-    const int64_t at = r * in_cols + c;
-    if (vec) {
-      const InPack a = *reinterpret_cast<const InPack*>(x + at);
-      InPack b = a;
-      if (gated) b = *reinterpret_cast<const InPack*>(x + at + width);
-      OutPack o;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float v = ActivationValue(act0, In::Load(a.v[j]));
-        if (gated) v *= ActivationValue(act1, In::Load(b.v[j]));
-        amax_bits = max(amax_bits, AbsBits(v));
-        o.v[j] = Out::Store(v * s);
-      }
-      *reinterpret_cast<OutPack*>(y + r * width + c) = o;
-    } else {
-      float v = ActivationValue(act0, In::Load(x[at]));
-      if (gated) v *= ActivationValue(act1, In::Load(x[at + width]));
-      amax_bits = max(amax_bits, AbsBits(v));
-      y[r * width + c] = Out::Store(v * s);
+  if (vec) {
+    ForwardWalk<In, Out, kVec, kGated>(x, y, act0, act1, width, w, s, &amax_bits);
+    // Not gated: the last n % kVec elements, one per thread of block 0.
+    if (!kGated && blockIdx.x == 0 && threadIdx.x < w.tail) {
+      const int64_t at = w.items * kVec + threadIdx.x;
+      const Pack<typename In::Storage, 1> a = LoadPack<typename In::Storage, 1>(x + at);
+      ForwardItem<In, Out, 1, false>(a, a, act0, act1, s, &amax_bits, y + at);
     }
+  } else {
+    ForwardWalk<In, Out, 1, kGated>(x, y, act0, act1, width, w, s, &amax_bits);
   }
   if (amax != nullptr) {
     amax_bits = BlockMaxBits(amax_bits, scratch);
@@ -106,58 +316,95 @@ __global__ void ActivationForwardKernel(const typename In::Storage* x, typename 
   }
 }
 
-// Gated: dx_0 = dy * act_1(x_1) * act_0'(x_0), dx_1 = dy * act_0(x_0) * act_1'(x_1).
-__device__ __forceinline__ void ActivationGrad(Activation act0, Activation act1, bool gated,
-                                               float g, float x0, float x1, float* dx0,
-                                               float* dx1) {
-  if (!gated) {
-    *dx0 = g * ActivationDerivative(act0, x0);
-    return;
+// ---- backward --------------------------------------------------------------------------
+
+// Plain: dx = dy * act'(x). Gated: dx_0 = dy * act_1(x_1) * act_0'(x_0),
+// dx_1 = dy * act_0(x_0) * act_1'(x_1).
+template <typename In, typename D, typename Out, int V, bool kGated, typename A0, typename A1>
+__device__ __forceinline__ void BackwardItem(const Pack<typename D::Storage, V>& g,
+                                             const Pack<typename In::Storage, V>& a,
+                                             const Pack<typename In::Storage, V>& b, A0 act0,
+                                             A1 act1, int64_t width,
+                                             typename Out::Storage* dx) {
+  Pack<typename Out::Storage, V> o0, o1;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float gj = D::Load(g.v[j]);
+    const float x0 = In::Load(a.v[j]);
+    if (kGated) {
+      const float x1 = In::Load(b.v[j]);
+      o0.v[j] = Out::Store(gj * act1.Value(x1) * act0.Derivative(x0));
+      o1.v[j] = Out::Store(gj * act0.Value(x0) * act1.Derivative(x1));
+    } else {
+      o0.v[j] = Out::Store(gj * act0.Derivative(x0));
+    }
   }
-  *dx0 = g * ActivationValue(act1, x1) * ActivationDerivative(act0, x0);
-  *dx1 = g * ActivationValue(act0, x0) * ActivationDerivative(act1, x1);
+  StorePack<typename Out::Storage, V>(dx, o0);
+  if (kGated) StorePack<typename Out::Storage, V>(dx + width, o1);
 }
 
-template <typename In, typename D, typename Out>
+template <typename In, typename D, typename Out, int V, bool kGated, typename A0, typename A1>
+__device__ __forceinline__ void BackwardWalk(const typename D::Storage* dy,
+                                             const typename In::Storage* x,
+                                             typename Out::Storage* dx, A0 act0, A1 act1,
+                                             int64_t width, const Walk& w) {
+  using InPack = Pack<typename In::Storage, V>;
+  using DPack = Pack<typename D::Storage, V>;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  RowCursor c0{0, 0}, c1{0, 0};
+  if (kGated) {
+    c0.Start(k, w.per_row);
+    c1 = c0;
+    c1.Advance(w.half, w.per_row);
+  }
+  for (; k + threads < w.items; k += 2 * threads) {
+    const int64_t at0 = k * V, at1 = (k + threads) * V;
+    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
+    const int64_t x1 = kGated ? at1 + c1.row * width : at1;
+    const DPack g0 = LoadPack<typename D::Storage, V>(dy + at0);
+    const DPack g1 = LoadPack<typename D::Storage, V>(dy + at1);
+    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
+    const InPack a1 = LoadPack<typename In::Storage, V>(x + x1);
+    InPack b0 = a0, b1 = a1;
+    if (kGated) {
+      b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
+      b1 = LoadPack<typename In::Storage, V>(x + x1 + width);
+    }
+    BackwardItem<In, D, Out, V, kGated>(g0, a0, b0, act0, act1, width, dx + x0);
+    BackwardItem<In, D, Out, V, kGated>(g1, a1, b1, act0, act1, width, dx + x1);
+    if (kGated) {
+      c0.Advance(w.full, w.per_row);
+      c1.Advance(w.full, w.per_row);
+    }
+  }
+  if (k < w.items) {
+    const int64_t at0 = k * V;
+    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
+    const DPack g0 = LoadPack<typename D::Storage, V>(dy + at0);
+    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
+    InPack b0 = a0;
+    if (kGated) b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
+    BackwardItem<In, D, Out, V, kGated>(g0, a0, b0, act0, act1, width, dx + x0);
+  }
+}
+
+// dy: [rows, width]; x, dx: [rows, gated ? 2 * width : width]. `vec` as for
+// the forward.
+template <typename In, typename D, typename Out, bool kGated, typename A0, typename A1>
 __global__ void ActivationBackwardKernel(const typename D::Storage* dy,
                                          const typename In::Storage* x, typename Out::Storage* dx,
-                                         Activation act0, Activation act1, bool gated,
-                                         int64_t rows, int64_t width, bool vec) {
-  using InPack = Pack<typename In::Storage>;
-  using DPack = Pack<typename D::Storage>;
-  using OutPack = Pack<typename Out::Storage>;
-  const int64_t in_cols = gated ? 2 * width : width;
-  const int64_t step = vec ? kVec : 1;
-  const int64_t per_row = width / step;
-  const int64_t n = rows * per_row;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = k / per_row, c = (k - r * per_row) * step;
-    const int64_t at = r * in_cols + c;
-    if (vec) {
-      const DPack g = *reinterpret_cast<const DPack*>(dy + r * width + c);
-      const InPack a = *reinterpret_cast<const InPack*>(x + at);
-      InPack b = a;
-      if (gated) b = *reinterpret_cast<const InPack*>(x + at + width);
-      OutPack o0, o1;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float d0 = 0.0f, d1 = 0.0f;
-        ActivationGrad(act0, act1, gated, D::Load(g.v[j]), In::Load(a.v[j]), In::Load(b.v[j]),
-                       &d0, &d1);
-        o0.v[j] = Out::Store(d0);
-        o1.v[j] = Out::Store(d1);
-      }
-      *reinterpret_cast<OutPack*>(dx + at) = o0;
-      if (gated) *reinterpret_cast<OutPack*>(dx + at + width) = o1;
-    } else {
-      const float x0 = In::Load(x[at]);
-      const float x1 = gated ? In::Load(x[at + width]) : 0.0f;
-      float d0 = 0.0f, d1 = 0.0f;
-      ActivationGrad(act0, act1, gated, D::Load(dy[r * width + c]), x0, x1, &d0, &d1);
-      dx[at] = Out::Store(d0);
-      if (gated) dx[at + width] = Out::Store(d1);
+                                         A0 act0, A1 act1, int64_t width, Walk w, bool vec) {
+  if (vec) {
+    BackwardWalk<In, D, Out, kVec, kGated>(dy, x, dx, act0, act1, width, w);
+    if (!kGated && blockIdx.x == 0 && threadIdx.x < w.tail) {
+      const int64_t at = w.items * kVec + threadIdx.x;
+      const Pack<typename D::Storage, 1> g = LoadPack<typename D::Storage, 1>(dy + at);
+      const Pack<typename In::Storage, 1> a = LoadPack<typename In::Storage, 1>(x + at);
+      BackwardItem<In, D, Out, 1, false>(g, a, a, act0, act1, width, dx + at);
     }
+  } else {
+    BackwardWalk<In, D, Out, 1, kGated>(dy, x, dx, act0, act1, width, w);
   }
 }
 
@@ -179,14 +426,21 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
     DispatchFloatOrFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      const bool vec = width % kVec == 0 && PackAligned<typename In::Storage>(x.data()) &&
+      const bool vec = (!gated || width % kVec == 0) &&
+                       PackAligned<typename In::Storage>(x.data()) &&
                        PackAligned<typename Out::Storage>(y->data());
-      ActivationForwardKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
-          static_cast<const typename In::Storage*>(x.data()),
-          static_cast<typename Out::Storage*>(y->data()), acts[0], gated ? acts[1] : acts[0],
-          gated, rows, width, vec, quantized ? fp8->scale.data_as<const float>() : nullptr,
-          quantized ? fp8->amax.data_as<float>() : nullptr,
-          quantized ? fp8->scale_inv.data_as<float>() : nullptr);
+      const unsigned blocks = BlocksFor(vec, n);
+      const Walk walk = MakeWalk(gated, vec, rows, width, blocks);
+      constexpr bool kSpecialize = kSame<In, Out> || kIsFp8<Out>;
+      DispatchActivations<kSpecialize>(acts, [&](auto gated_tag, auto act0, auto act1) {
+        ActivationForwardKernel<In, Out, decltype(gated_tag)::value>
+            <<<blocks, kThreads, 0, stream()>>>(
+                static_cast<const typename In::Storage*>(x.data()),
+                static_cast<typename Out::Storage*>(y->data()), act0, act1, width, walk, vec,
+                quantized ? fp8->scale.data_as<const float>() : nullptr,
+                quantized ? fp8->amax.data_as<float>() : nullptr,
+                quantized ? fp8->scale_inv.data_as<float>() : nullptr);
+      });
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
@@ -207,15 +461,20 @@ absl::Status CudaOps::ActivationBackward(const std::vector<Activation>& acts, co
         using In = decltype(in);
         using D = decltype(d);
         using Out = decltype(out);
-        const bool vec = width % kVec == 0 && PackAligned<typename D::Storage>(dy.data()) &&
+        const bool vec = (!gated || width % kVec == 0) &&
+                         PackAligned<typename D::Storage>(dy.data()) &&
                          PackAligned<typename In::Storage>(x.data()) &&
                          PackAligned<typename Out::Storage>(dx->data());
-        ActivationBackwardKernel<In, D, Out>
-            <<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
-                static_cast<const typename D::Storage*>(dy.data()),
-                static_cast<const typename In::Storage*>(x.data()),
-                static_cast<typename Out::Storage*>(dx->data()), acts[0],
-                gated ? acts[1] : acts[0], gated, rows, width, vec);
+        const unsigned blocks = BlocksFor(vec, n);
+        const Walk walk = MakeWalk(gated, vec, rows, width, blocks);
+        constexpr bool kSpecialize = kSame<In, D> && kSame<In, Out>;
+        DispatchActivations<kSpecialize>(acts, [&](auto gated_tag, auto act0, auto act1) {
+          ActivationBackwardKernel<In, D, Out, decltype(gated_tag)::value>
+              <<<blocks, kThreads, 0, stream()>>>(
+                  static_cast<const typename D::Storage*>(dy.data()),
+                  static_cast<const typename In::Storage*>(x.data()),
+                  static_cast<typename Out::Storage*>(dx->data()), act0, act1, width, walk, vec);
+        });
       });
     });
   });

@@ -101,6 +101,7 @@ int Run(int reps) {
   Tensor act8 = *ops.Allocate(DType::kE4M3, {kTokens, kMlp});
   Tensor dact = Random(ops, bf16, {kTokens, kMlp}, 7);
   Tensor dh = *ops.Allocate(bf16, {kTokens, kMlp});
+  Tensor dh2 = *ops.Allocate(bf16, {kTokens, 2 * kMlp});
   Tensor mask = *ops.Allocate(DType::kBool, {kTokens, kHidden});
   Tensor bias_grad = *ops.Allocate(bf16, {kHidden});
   Tensor xt = *ops.Allocate(bf16, {kHidden, kTokens});
@@ -129,6 +130,10 @@ int Run(int reps) {
       {"SwiGLU fwd bf16 [8192,2x16384]", tok_mlp * 6,
        [&] {
          return ops.ActivationForward({Activation::kSilu, Activation::kLinear}, h2, &act, nullptr);
+       }},
+      {"SwiGLU bwd bf16", tok_mlp * 10,
+       [&] {
+         return ops.ActivationBackward({Activation::kSilu, Activation::kLinear}, dact, h2, &dh2);
        }},
       {"Quantize bf16 -> e4m3 + amax", tok_hid * 3, [&] { return ops.Quantize(x, fp8, &y8); }},
       {"Cast bf16 -> bf16", tok_hid * 4, [&] { return ops.Cast(x, &y); }},
