@@ -3,6 +3,7 @@
 #include "server/layers/attention_layers.h"
 #include "server/layers/layer.h"
 #include "server/layers/modules.h"
+#include "server/layers/sequential.h"
 
 namespace te::layers {
 
@@ -22,13 +23,15 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
       return MakeTransformerLayer(spec.transformer_layer());
     case te::v1::LayerSpec::kFlaxTransformerLayer:
       return MakeFlaxTransformerLayer(spec.flax_transformer_layer());
+    case te::v1::LayerSpec::kSequential:
+      return MakeSequential(spec.sequential());
     case te::v1::LayerSpec::MODULE_NOT_SET:
       break;
   }
   return absl::InvalidArgumentError(
       "spec: no module set (one of layer_norm, dense_general, activation, "
       "layer_norm_dense_general, layer_norm_mlp, dot_product_attention, multi_head_attention, "
-      "transformer_layer, flax_transformer_layer)");
+      "transformer_layer, flax_transformer_layer, sequential)");
 }
 
 }  // namespace te::layers
