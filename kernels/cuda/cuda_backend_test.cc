@@ -1,6 +1,15 @@
 // The CUDA backend's host-side behaviour, which needs no GPU and so runs in CI:
 // opening a device where there is none, error-to-status mapping, device health
-// and the allocator's size buckets.
+// and the allocator's size buckets. The staged-upload tests need a GPU and skip
+// without one (run them there: deploy/bundle.sh, then run.sh cuda_backend_test).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+
 #include "gtest/gtest.h"
 #include "kernels/cuda/allocator.h"
 #include "kernels/cuda/check.h"
@@ -66,6 +75,108 @@ TEST(CudaBackendTest, AllocatorBuckets) {
   EXPECT_EQ(CachingAllocator::RoundedSize(513), 1024u);
   EXPECT_EQ(CachingAllocator::RoundedSize(1 << 20), size_t{2} << 20);
   EXPECT_EQ(CachingAllocator::RoundedSize((2 << 20) + 1), size_t{4} << 20);
+}
+
+// ---- staged uploads (need a GPU) -------------------------------------------
+
+std::string RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::string bytes(n, '\0');
+  for (char& b : bytes) b = static_cast<char>(rng());
+  return bytes;
+}
+
+// A byte view of `tensor` at [offset, offset + size), as TensorUpload makes.
+Tensor ByteWindow(const Tensor& tensor, size_t offset, size_t size) {
+  return Tensor(nullptr, static_cast<char*>(tensor.data()) + offset, DType::kBool,
+                {static_cast<int64_t>(size)});
+}
+
+class CudaStagingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto device = OpenCudaDevice(0);
+    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    device_ = *std::move(device);
+    auto ops = device_->NewOps(int64_t{1} << 30);
+    ASSERT_TRUE(ops.ok()) << ops.status();
+    ops_ = *std::move(ops);
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Ops> ops_;
+};
+
+TEST_F(CudaStagingTest, StagingIsPageLockedPooledAndNotAccounted) {
+  const size_t bytes = (size_t{3} << 20) + 5;
+  const int64_t in_use = ops_->bytes_in_use();
+  auto staging = ops_->AllocateStaging(bytes);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  void* first = staging->get();
+  cudaPointerAttributes attributes{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, first), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
+  std::memset(first, 0x5a, bytes);  // the whole size is writable
+  EXPECT_EQ(ops_->bytes_in_use(), in_use);
+
+  staging->reset();
+  auto again = ops_->AllocateStaging(bytes);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->get(), first) << "a released buffer of the same size is reused";
+  // Held at once, two requests get two buffers.
+  auto second = ops_->AllocateStaging(bytes);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->get(), first);
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, second->get()), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
+}
+
+// As TensorUpload does: random bytes gather in two alternating staging halves,
+// each full half goes up with UploadAsync into its window of one tensor, and a
+// half is refilled only after a Synchronize since its copy was issued.
+TEST_F(CudaStagingTest, UploadAsyncThroughAlternatingHalvesReproducesBytes) {
+  const size_t half = (size_t{1} << 20) + 3;  // odd, so windows are unaligned
+  const size_t total = 5 * half / 2 + 17;      // not a multiple of the half
+  const std::string bytes = RandomBytes(total, 11);
+  auto tensor = ops_->Allocate(DType::kBool, {static_cast<int64_t>(total)});
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+  auto staging = ops_->AllocateStaging(2 * half);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  char* halves[2] = {static_cast<char*>(staging->get()),
+                     static_cast<char*>(staging->get()) + half};
+
+  bool in_flight[2] = {false, false};
+  int uploads = 0;
+  for (size_t offset = 0; offset < total; offset += half) {
+    const int h = uploads % 2;
+    if (in_flight[h]) {
+      ASSERT_TRUE(ops_->Synchronize().ok());
+      in_flight[0] = in_flight[1] = false;
+    }
+    const size_t n = std::min(half, total - offset);
+    std::memcpy(halves[h], bytes.data() + offset, n);
+    Tensor window = ByteWindow(*tensor, offset, n);
+    ASSERT_TRUE(ops_->UploadAsync(halves[h], &window).ok());
+    in_flight[h] = true;
+    ++uploads;
+  }
+  EXPECT_EQ(uploads, 3);
+  ASSERT_TRUE(ops_->Synchronize().ok());
+  std::string got(total, '\0');
+  ASSERT_TRUE(ops_->Download(*tensor, got.data()).ok());
+  EXPECT_TRUE(got == bytes) << "first difference at byte "
+                            << (std::mismatch(got.begin(), got.end(), bytes.begin()).first -
+                                got.begin());
+}
+
+TEST_F(CudaStagingTest, UploadAsyncChecksArgumentsAsUploadDoes) {
+  auto tensor = ops_->Allocate(DType::kF32, {8});
+  ASSERT_TRUE(tensor.ok()) << tensor.status();
+  const absl::Status null_src = ops_->UploadAsync(nullptr, &*tensor);
+  EXPECT_EQ(null_src.code(), absl::StatusCode::kInvalidArgument) << null_src;
+  EXPECT_EQ(ops_->UploadAsync(nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  Tensor empty = ByteWindow(*tensor, 0, 0);
+  EXPECT_TRUE(ops_->UploadAsync(nullptr, &empty).ok());
 }
 
 }  // namespace

@@ -10,7 +10,8 @@
 // between streams (the cuDNN handle, bound to one stream; the library
 // workspace; GEMM and attention plan caches) lives in the CudaOps.
 //
-// Files: elementwise.cu (memory, Fill, Cast, Axpby, Permute, SumRows),
+// Files: staging.cc (page-locked staging, async uploads),
+// elementwise.cu (memory, Fill, Cast, Axpby, Permute, SumRows),
 // fp8.cu (scaling), norm.cu, activation.cu, dropout.cu, position.cu,
 // gemm.cu (cuBLASLt), attention.cu (cuDNN + an unfused fallback).
 #ifndef TE_KERNELS_CUDA_CUDA_OPS_H_
@@ -31,6 +32,10 @@
 namespace te {
 namespace cuda {
 
+// Page-locked host buffers kept for reuse (staging.cc). Thread-safe.
+class PinnedStagingPool;
+std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool();
+
 // Per-device state shared by all streams on the device. Thread-safe: the
 // allocator locks; cuBLASLt handles may be used from several threads and
 // streams at once (cublasLtMatmul takes the stream per call).
@@ -39,6 +44,9 @@ struct CudaContext {
   cudaDeviceProp properties{};
   std::shared_ptr<CachingAllocator> allocator;
   cublasLtHandle_t cublaslt = nullptr;  // created by OpenCudaDevice
+  // AllocateStaging's buffers: cudaHostAlloc costs milliseconds for the
+  // megabytes a PutTensor stages, so released buffers are kept for the next.
+  std::shared_ptr<PinnedStagingPool> staging_pool = NewPinnedStagingPool();
 
   ~CudaContext();
 };
@@ -64,6 +72,18 @@ class CudaOps : public Ops {
   absl::Status Download(const Tensor& src, void* dst) override;
   absl::Status Copy(const Tensor& src, Tensor* dst) override;
   absl::Status Synchronize() override;
+
+  // staging.cc. AllocateStaging: page-locked host memory (cudaHostAlloc,
+  // portable), from the device's pool when a released buffer of that size is
+  // there; host memory, so not counted against the memory limit.
+  // RESOURCE_EXHAUSTED when the host cannot pin that much. The buffer goes
+  // back to the pool when the last pointer to it goes away, which must be
+  // after every UploadAsync reading it has finished (a Synchronize()).
+  absl::StatusOr<std::shared_ptr<void>> AllocateStaging(size_t bytes) override;
+  // cudaMemcpyAsync on this stream: from page-locked memory it returns at
+  // once and the DMA engine reads `src` later, in stream order, so `src` must
+  // stay unchanged until the next Synchronize() (as ops.h states).
+  absl::Status UploadAsync(const void* src, Tensor* dst) override;
 
   // elementwise.cu
   absl::Status Fill(float value, Tensor* y) override;

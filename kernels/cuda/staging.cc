@@ -1,0 +1,123 @@
+// Staged uploads on CUDA: page-locked host buffers (pooled per device) and
+// host-to-device copies that run on the session's stream while the host
+// gathers the next piece.
+//
+// Why page-locked: cudaMemcpyAsync from pageable memory first copies through a
+// driver bounce buffer and returns only after that, so the host cannot do
+// anything else meanwhile; from page-locked memory the DMA engine reads the
+// buffer directly and the call returns at once.
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/op_checks.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+// Released buffers kept per size: a few sessions' PutTensors at once take one
+// each (TensorUpload's two halves are one buffer).
+constexpr size_t kMaxPooledPerSize = 4;
+// Pinned memory is taken from the OS's unswappable pages: past this many
+// pooled bytes, a released buffer goes back to the driver instead.
+constexpr size_t kMaxPooledBytes = size_t{256} << 20;
+
+}  // namespace
+
+class PinnedStagingPool : public std::enable_shared_from_this<PinnedStagingPool> {
+ public:
+  PinnedStagingPool() = default;
+  ~PinnedStagingPool() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ReleaseAllLocked();
+  }
+  PinnedStagingPool(const PinnedStagingPool&) = delete;
+  PinnedStagingPool& operator=(const PinnedStagingPool&) = delete;
+
+  // `bytes` (> 0) of page-locked memory; the caller has made the device current.
+  absl::StatusOr<std::shared_ptr<void>> Take(size_t bytes) {
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        ptr = it->second.back();
+        it->second.pop_back();
+        pooled_bytes_ -= bytes;
+      }
+    }
+    if (ptr == nullptr) {
+      cudaError_t error = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+      if (error == cudaErrorMemoryAllocation) {
+        // Pooled buffers of other sizes may be what stands in the way.
+        (void)cudaGetLastError();
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          ReleaseAllLocked();
+        }
+        error = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+      }
+      CUDA_RETURN_IF_ERROR(error);
+    }
+    std::shared_ptr<PinnedStagingPool> pool = shared_from_this();
+    return std::shared_ptr<void>(ptr, [pool, bytes](void* p) { pool->Give(p, bytes); });
+  }
+
+ private:
+  void Give(void* ptr, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<void*>& same_size = free_[bytes];
+      if (same_size.size() < kMaxPooledPerSize && pooled_bytes_ + bytes <= kMaxPooledBytes) {
+        same_size.push_back(ptr);
+        pooled_bytes_ += bytes;
+        return;
+      }
+    }
+    (void)cudaFreeHost(ptr);
+  }
+
+  void ReleaseAllLocked() {
+    for (auto& [bytes, buffers] : free_) {
+      for (void* ptr : buffers) (void)cudaFreeHost(ptr);
+    }
+    free_.clear();
+    pooled_bytes_ = 0;
+  }
+
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;  // exact size -> released buffers
+  size_t pooled_bytes_ = 0;
+};
+
+std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool() {
+  return std::make_shared<PinnedStagingPool>();
+}
+
+absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateStaging(size_t bytes) {
+  RETURN_IF_ERROR(Enter());
+  // As the host default, zero bytes still gives a distinct, freeable buffer.
+  return context_->staging_pool->Take(bytes == 0 ? 1 : bytes);
+}
+
+absl::Status CudaOps::UploadAsync(const void* src, Tensor* dst) {
+  RETURN_IF_ERROR(CheckUploadArgs(src, dst));
+  if (dst->nbytes() == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst->data(), src, dst->nbytes(), cudaMemcpyHostToDevice, stream()));
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te
