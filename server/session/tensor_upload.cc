@@ -76,9 +76,11 @@ absl::Status TensorUpload::FlushHalf() {
   const int other = 1 - filling_;
   if (in_flight_[other]) {
     // Ops has no per-copy events: waiting for the stream is how to know the
-    // other half is free again. Its copy was issued a whole half of arrival
-    // ago, so this rarely waits; the copy issued below then runs while the
-    // other half fills.
+    // other half is free again. An event recorded after that copy would not
+    // wait less: on one in-order stream it completes only once everything
+    // queued before it has. Its copy was issued a whole half of arrival ago,
+    // so this rarely waits; the copy issued below then runs while the other
+    // half fills.
     RETURN_IF_ERROR(ops_.Synchronize());
     in_flight_[0] = in_flight_[1] = false;
   }
