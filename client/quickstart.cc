@@ -12,9 +12,13 @@
 //   4. 3 under te.autocast(DelayedScaling(HYBRID, amax_history_len=16, "max")).
 //   5. TEFusedTransformerLayer: LayerNormDenseGeneral + LayerNormMLP, FP8.
 //   6. te_flax.TransformerLayer, FP8.
-// Variants 1 and 6 are single server modules. 2-5 compose modules in Flax, so
-// here they are a client-side Sequential of server modules with the reshapes,
-// the q/k/v split and the residual adds done on the client.
+// Variants 1 and 6 are single server modules. 2-5 compose modules in Flax:
+// here they are a Sequential of server modules with the reshapes, the q/k/v
+// split and the residual adds between them, which the server runs as one
+// layer (ServerSequential: the activations stay on the device, as in the
+// notebook's jitted step). --sequential_on_server=false runs the same chain
+// from the client instead, one call per module with the glue on the host
+// (the reference for the server's Sequential; slow at full size).
 //
 //   quickstart --server=localhost:50051 --config=small --variants=all --iters=10
 #include <chrono>
@@ -45,6 +49,9 @@ ABSL_FLAG(std::string, variants, "all", "which variants to run: all, or a list s
 ABSL_FLAG(int, iters, 10, "timed steps per variant (the notebook uses 50)");
 ABSL_FLAG(int, warmup, 3, "warm-up steps per variant (the notebook uses 50)");
 ABSL_FLAG(bool, server_side, false, "time single-module variants on the server (Benchmark RPC)");
+ABSL_FLAG(bool, sequential_on_server, true,
+          "variants 2-5: the server runs the chain as one layer (false: one call per module, "
+          "glue on the client)");
 
 namespace te::client {
 namespace {
@@ -191,6 +198,9 @@ absl::Status RunModule(Session& session, const Module& module, const Inputs& in)
 }
 
 absl::Status RunSequential(Session& session, const Sequential& layer, const Inputs& in) {
+  if (absl::GetFlag(FLAGS_sequential_on_server)) {
+    return RunModule(session, ServerSequential(layer), in);
+  }
   ASSIGN_OR_RETURN(SequentialVariables vars, layer.Init(session, /*key=*/42, in.x));
   std::cout << "Parameter shapes: " << ShapeTree(vars.variables) << "\n";
   ApplyOptions apply;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/recipe.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 
@@ -44,13 +45,19 @@ HostStep ReshapeTrailing(Shape from, Shape to) {
     ASSIGN_OR_RETURN(HostTensor t, in[0].Reshaped(out));
     return Tensors{std::move(t)};
   };
+  te::v1::SequentialSpec::Stage server;
+  for (int64_t d : from) server.mutable_reshape()->add_from(d);
+  for (int64_t d : to) server.mutable_reshape()->add_to(d);
   return HostStep{
       [=](const Tensors& in) { return reshape(in, from, to); },
       [=](const Tensors& grads) { return reshape(grads, to, from); },
+      server,
   };
 }
 
 HostStep SplitLastAxisStep(int parts) {
+  te::v1::SequentialSpec::Stage server;
+  server.set_split_last_axis(parts);
   return HostStep{
       [parts](const Tensors& in) -> absl::StatusOr<Tensors> {
         RETURN_IF_ERROR(ExpectOne(in, "SplitLastAxisStep"));
@@ -64,6 +71,7 @@ HostStep SplitLastAxisStep(int parts) {
         ASSIGN_OR_RETURN(HostTensor joined, ConcatLastAxis(grads));
         return Tensors{std::move(joined)};
       },
+      server,
   };
 }
 
@@ -120,8 +128,17 @@ absl::StatusOr<HostTensor> Sequential::Run(Session* session, uint64_t key, const
         } else {
           stage_vars = &vars->stages[i];
         }
-        ASSIGN_OR_RETURN(ForwardResult result,
-                         stage.module->Forward(*stage_vars, current[0], stage_options, forward_ids != nullptr));
+        absl::StatusOr<ForwardResult> forwarded;
+        if (vars == nullptr) {
+          // Init runs the chain only to learn each stage's input shape, which
+          // FP8 does not change: without autocast, so that init leaves the
+          // FP8 state as a single module's init does (no step recorded).
+          Autocast shapes_only(false);
+          forwarded = stage.module->Forward(*stage_vars, current[0], stage_options, false);
+        } else {
+          forwarded = stage.module->Forward(*stage_vars, current[0], stage_options, forward_ids != nullptr);
+        }
+        ASSIGN_OR_RETURN(ForwardResult result, std::move(forwarded));
         if (forward_ids != nullptr) (*forward_ids)[i] = result.forward_id;
         current = {std::move(result.y)};
         break;
@@ -210,6 +227,38 @@ absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVari
   RETURN_IF_ERROR(ExpectOne(grads, "Sequential input gradient"));
   result.dx = std::move(grads[0]);
   return result;
+}
+
+absl::StatusOr<te::v1::LayerSpec> ServerSequential::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::SequentialSpec* chain = spec.mutable_sequential();
+  for (const Sequential::Stage& stage : chain_.stages_) {
+    te::v1::SequentialSpec::Stage* out = chain->add_stages();
+    switch (stage.kind) {
+      case Sequential::Kind::kModule: {
+        out->set_name(stage.name);
+        out->set_pass_attention_mask(stage.pass_attention_mask);
+        absl::StatusOr<te::v1::LayerSpec> module = stage.module->Spec();
+        if (!module.ok()) {
+          return absl::Status(module.status().code(),
+                              absl::StrCat(stage.name, ": ", module.status().message()));
+        }
+        *out->mutable_module() = *std::move(module);
+        break;
+      }
+      case Sequential::Kind::kHost:
+        if (!stage.step.server_stage) {
+          return absl::UnimplementedError(absl::StrCat(
+              "host step \"", stage.name, "\" has no server form; run this chain with Sequential"));
+        }
+        *out = *stage.step.server_stage;
+        out->set_name(stage.name);
+        break;
+      case Sequential::Kind::kFork: out->set_residual(te::v1::SequentialSpec::FORK); break;
+      case Sequential::Kind::kJoin: out->set_residual(te::v1::SequentialSpec::JOIN); break;
+    }
+  }
+  return spec;
 }
 
 }  // namespace te::client

@@ -17,6 +17,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,9 @@ using Tensors = std::vector<HostTensor>;
 struct HostStep {
   std::function<absl::StatusOr<Tensors>(const Tensors& inputs)> forward;
   std::function<absl::StatusOr<Tensors>(const Tensors& output_grads)> backward;
+  // The same step as the server runs it (te.v1.SequentialSpec), when it has
+  // one: then a chain of such steps can run on the server (ServerSequential).
+  std::optional<te::v1::SequentialSpec::Stage> server_stage;
 };
 
 // Views one tensor's trailing dims `from` as `to` (same element count):
@@ -90,6 +94,24 @@ class Sequential {
                                  SequentialVariables* inited, std::vector<std::string>* forward_ids) const;
 
   std::vector<Stage> stages_;
+
+  friend class ServerSequential;
+};
+
+// A Sequential run by the server as one layer (te.v1.SequentialSpec): the
+// tensors between its stages never leave the device, so a step is one call
+// instead of one per module with every activation crossing the wire. Its
+// variables are the same ("params/<stage>/...") and so are its numbers: the
+// server derives each stage's seeds as Sequential does. Spec() answers
+// UNIMPLEMENTED for a chain with a host step the server has no form of.
+class ServerSequential : public Module {
+ public:
+  explicit ServerSequential(Sequential chain) : chain_(std::move(chain)) {}
+  std::string type_name() const override { return "Sequential"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+
+ private:
+  Sequential chain_;
 };
 
 }  // namespace te::client

@@ -273,6 +273,58 @@ TEST_F(QuickstartTest, Variants2And3UnfusedLayer) {
   ExpectGoodValueAndGrad(*vg, x_, vars->variables);
 }
 
+// The same chain run by the server as one layer (ServerSequential) gives the
+// client chain's numbers exactly: the same seeds per stage, the same ops in
+// the same order, and glue (reshape, split, residual add in bf16) that
+// rounds identically. Dropout on, so the per-stage dropout seeds must agree
+// too; and under FP8 the state they leave behind must agree.
+TEST_F(QuickstartTest, ServerSequentialGivesTheClientChainsNumbers) {
+  for (const bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "FP8" : "bf16");
+    Autocast autocast(fp8, QuickstartRecipe());
+    const Sequential chain = UnfusedLayer();
+    absl::StatusOr<SequentialVariables> chain_vars = chain.Init(*session_, 42, x_);
+    ASSERT_TRUE(chain_vars.ok()) << chain_vars.status();
+    const ServerSequential whole(chain);
+    absl::StatusOr<Variables> whole_vars = whole.Init(*session_, 42, x_);
+    ASSERT_TRUE(whole_vars.ok()) << whole_vars.status();
+    std::set<std::string> chain_names, whole_names;
+    for (const VariableInfo& v : chain_vars->variables) chain_names.insert(v.collection + "/" + v.path);
+    for (const VariableInfo& v : whole_vars->variables) whole_names.insert(v.collection + "/" + v.path);
+    EXPECT_EQ(chain_names, whole_names);
+
+    ApplyOptions train;
+    train.deterministic = false;
+    train.dropout_seed = 7;
+    absl::StatusOr<ValueAndGradResult> a = chain.ValueAndGrad(*chain_vars, x_, dy_, train);
+    absl::StatusOr<ValueAndGradResult> b = whole.ValueAndGrad(*whole_vars, x_, dy_, train);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(a->dx.ToFloats(), b->dx.ToFloats());
+    ASSERT_EQ(a->grads.size(), b->grads.size());
+    for (const auto& [name, g] : a->grads) {
+      auto it = b->grads.find(name);
+      ASSERT_NE(it, b->grads.end()) << name;
+      EXPECT_EQ(g.ToFloats(), it->second.ToFloats()) << name;
+    }
+    EXPECT_NEAR(a->value, b->value, 1e-6 * std::fabs(a->value));
+    if (fp8) {
+      // Every quantizer's amax history and scale after the step, as a
+      // multiset (the chain's stages name them without the stage prefix).
+      std::vector<std::vector<float>> chain_metas, whole_metas;
+      for (const Variables& stage : chain_vars->stages) {
+        if (stage.session == nullptr) continue;
+        for (auto& [name, values] : Fp8Metas(stage)) chain_metas.push_back(values);
+      }
+      for (auto& [name, values] : Fp8Metas(*whole_vars)) whole_metas.push_back(values);
+      std::sort(chain_metas.begin(), chain_metas.end());
+      std::sort(whole_metas.begin(), whole_metas.end());
+      EXPECT_EQ(chain_metas.size(), 4u * 6u);  // 4 DenseGenerals x 3 quantizers x 2
+      EXPECT_EQ(chain_metas, whole_metas);
+    }
+  }
+}
+
 TEST_F(QuickstartTest, Variant4UnfusedLayerUnderFp8) {
   const Sequential layer = UnfusedLayer();
   Autocast autocast(true, QuickstartRecipe());
