@@ -8,16 +8,11 @@
 //   server: the Benchmark RPC (the server's own clock, no network);
 //   client: the wall time the client observes per step, inputs resident,
 //           nothing brought back.
-// Variants 1, 6 and 7 are one server module (one ForwardBackward call per
-// step). Variants 2-5 are, as in the quickstart, modules chained by the
-// client: here without host glue, so every tensor stays on the server. The
-// qkv projection writes [B, S, 3, H, D] for DotProductAttention's bs3hd
-// layout and the output projection contracts (H, D), which replaces the
-// quickstart's client-side reshape and split (same GEMMs); the two residual
-// adds (elementwise) are left out. A chained step is one Forward per module
-// (outputs kept), one Backward per module in reverse (gradients kept), and
-// the deletes of the kept outputs; its server time is the sum of each
-// module's Benchmark (printed as MODULE lines).
+// Every variant is one server module: 1, 6 and 7 are single TE modules;
+// 2-5, as in the quickstart, chain modules with reshapes, a q/k/v split and
+// residual adds (client/quickstart_layers), which the server runs as one
+// Sequential layer, so their steps are one call and every tensor stays on
+// the device.
 //
 // Output, one line per variant (times are means per step in ms; "-" where
 // not measured):
@@ -44,6 +39,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/modules.h"
+#include "client/quickstart_layers.h"
 #include "client/recipe.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
@@ -98,15 +94,10 @@ absl::StatusOr<std::set<int>> ParseVariants(const std::string& text) {
 
 // ---- the variants -------------------------------------------------------------------
 
-struct Stage {
-  std::string name;
-  std::shared_ptr<const Module> module;
-};
-
 struct Variant {
   std::string name;  // the OURS line's key; "fp8" in it marks an FP8 variant for summarize.py
   bool fp8 = false;
-  std::vector<Stage> stages;  // one: a single server module; more: a client-side chain
+  std::shared_ptr<const Module> module;
   std::string note;
 };
 
@@ -117,71 +108,8 @@ DelayedScaling QuickstartRecipe() {
   return recipe;
 }
 
-// The attention block after the qkv projection: attention on the packed
-// [B, S, 3, H, D] qkv, then the output projection over (H, D).
-void AddAttention(const Config& c, std::vector<Stage>* stages) {
-  const int head_dim = static_cast<int>(c.hidden / c.heads);
-  auto attention = std::make_shared<DotProductAttention>(head_dim, c.heads);
-  attention->num_gqa_groups = c.heads;
-  attention->attention_dropout = 0.1f;
-  attention->attn_mask_type = "causal";
-  attention->qkv_layout = "bs3hd";
-  attention->dtype = DType::kBF16;
-  stages->push_back({"DotProductAttention_0", attention});
-  auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
-  proj->axis = {-2, -1};
-  proj->use_bias = true;
-  stages->push_back({"DenseGeneral_1", proj});
-}
-
-std::vector<int64_t> PackedQkvFeatures(const Config& c) { return {3, c.heads, c.hidden / c.heads}; }
-
-// TEUnfusedTransformerLayer: LayerNorm, DenseGeneral (qkv), attention,
-// DenseGeneral (proj), LayerNorm, DenseGeneral (fc1), gelu, DenseGeneral (fc2).
-std::vector<Stage> UnfusedStages(const Config& c) {
-  std::vector<Stage> stages;
-  auto ln = [] {
-    auto norm = std::make_shared<LayerNorm>();
-    norm->epsilon = 1e-5f;
-    return norm;
-  };
-  stages.push_back({"LayerNorm_0", ln()});
-  auto qkv = std::make_shared<DenseGeneral>(PackedQkvFeatures(c));
-  qkv->use_bias = true;
-  stages.push_back({"DenseGeneral_0", qkv});
-  AddAttention(c, &stages);
-  stages.push_back({"LayerNorm_1", ln()});
-  auto fc1 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.ffn});
-  fc1->use_bias = true;
-  stages.push_back({"TEUnfusedMLP_0/DenseGeneral_0", fc1});
-  auto gelu = std::make_shared<Activation>();
-  gelu->activations = {"gelu"};
-  stages.push_back({"TEUnfusedMLP_0/activation", gelu});
-  auto fc2 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
-  fc2->use_bias = true;
-  stages.push_back({"TEUnfusedMLP_0/DenseGeneral_1", fc2});
-  return stages;
-}
-
-// TEFusedTransformerLayer: LayerNormDenseGeneral (qkv), attention,
-// DenseGeneral (proj), LayerNormMLP.
-std::vector<Stage> FusedStages(const Config& c) {
-  std::vector<Stage> stages;
-  auto qkv = std::make_shared<LayerNormDenseGeneral>(PackedQkvFeatures(c));
-  qkv->epsilon = 1e-5f;
-  qkv->use_bias = true;
-  qkv->return_layernorm_output = false;
-  stages.push_back({"LayerNormDenseGeneral_0", qkv});
-  AddAttention(c, &stages);
-  auto mlp = std::make_shared<LayerNormMLP>();
-  mlp->intermediate_dim = c.ffn;
-  mlp->epsilon = 1e-5f;
-  mlp->use_bias = true;
-  mlp->activations = {"gelu"};
-  mlp->intermediate_dropout_rate = 0.0f;
-  mlp->return_layernorm_output = false;
-  stages.push_back({"LayerNormMLP_0", mlp});
-  return stages;
+std::shared_ptr<const Module> Chain(Sequential chain) {
+  return std::make_shared<ServerSequential>(std::move(chain));
 }
 
 std::shared_ptr<const Module> QuickstartTransformerLayer(const Config& c) {
@@ -202,27 +130,28 @@ std::shared_ptr<const Module> QuickstartTransformerLayer(const Config& c) {
 }
 
 Variant MakeVariant(int number, const Config& c) {
+  const LayerSizes sizes{c.hidden, c.ffn, c.heads};
   switch (number) {
     case 1: {
       auto layer = std::make_shared<FlaxTransformerLayer>(c.hidden, c.ffn, c.heads);
       layer->hidden_dropout = 0.0f;  // the quickstart's Flax layer drops out in attention only
-      return {"v1_flax_bf16", false, {{"FlaxTransformerLayer", layer}}, ""};
+      return {"v1_flax_bf16", false, layer, ""};
     }
     case 2:
-      return {"v2_te_unfused_flax_attn_bf16", false, UnfusedStages(c),
+      return {"v2_te_unfused_flax_attn_bf16", false, Chain(UnfusedLayer(sizes)),
               "the server has no standalone Flax attention: TE DotProductAttention, as variant 3"};
     case 3:
-      return {"v3_te_unfused_bf16", false, UnfusedStages(c), ""};
+      return {"v3_te_unfused_bf16", false, Chain(UnfusedLayer(sizes)), ""};
     case 4:
-      return {"v4_te_unfused_fp8", true, UnfusedStages(c), ""};
+      return {"v4_te_unfused_fp8", true, Chain(UnfusedLayer(sizes)), ""};
     case 5:
-      return {"v5_te_fused_fp8", true, FusedStages(c), ""};
+      return {"v5_te_fused_fp8", true, Chain(FusedLayer(sizes)), ""};
     case 6:
-      return {"v6_te_transformer_fp8", true, {{"TransformerLayer", QuickstartTransformerLayer(c)}}, ""};
+      return {"v6_te_transformer_fp8", true, QuickstartTransformerLayer(c), ""};
     default:
       return {"v7_te_transformer_bf16",
               false,
-              {{"TransformerLayer", QuickstartTransformerLayer(c)}},
+              QuickstartTransformerLayer(c),
               "not a quickstart variant: variant 6 without FP8 (issue 3's bf16 target)"};
   }
 }
@@ -236,11 +165,6 @@ struct Options {
   bool server_side = true;
   bool client_side = true;
   std::string memory_probe;
-};
-
-struct InitedStage {
-  std::string name;
-  std::string layer_id;
 };
 
 te::v1::Tensor ResidentProto(const ResidentTensor& t) {
@@ -289,89 +213,46 @@ class VariantRun {
   VariantRun(Session& session, const Options& options, te::v1::Autocast autocast)
       : session_(session), o_(options), autocast_(std::move(autocast)) {}
 
-  // Inits every stage for the input the previous one gives; uploads x and dy.
+  // Inits the layer; uploads x and dy.
   absl::Status Init(const Variant& v, const Config& c) {
-    Shape shape = {c.batch, c.seq, c.hidden};
-    DType dtype = DType::kBF16;
-    const HostTensor x = HostTensor::RandomNormal(shape, dtype, /*seed=*/42);
-    for (size_t i = 0; i < v.stages.size(); ++i) {
-      te::v1::InitLayerRequest request;
-      ASSIGN_OR_RETURN(*request.mutable_spec(), v.stages[i].module->Spec());
-      request.set_seed(42 + i);
-      request.set_input_dtype(ToProtoDType(dtype));
-      for (int64_t d : shape) request.add_input_shape(d);
-      *request.mutable_autocast() = autocast_;
-      ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session_.InitLayer(std::move(request)));
-      stages_.push_back({v.stages[i].name, response.layer_id()});
-      shape.assign(response.output_shape().begin(), response.output_shape().end());
-      ASSIGN_OR_RETURN(dtype, FromProtoDType(response.output_dtype()));
-    }
-    ASSIGN_OR_RETURN(ResidentTensor x_resident, session_.Put(x));
+    const Shape shape = {c.batch, c.seq, c.hidden};
+    const DType dtype = DType::kBF16;
+    te::v1::InitLayerRequest request;
+    ASSIGN_OR_RETURN(*request.mutable_spec(), v.module->Spec());
+    request.set_seed(42);
+    request.set_input_dtype(ToProtoDType(dtype));
+    for (int64_t d : shape) request.add_input_shape(d);
+    *request.mutable_autocast() = autocast_;
+    ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session_.InitLayer(std::move(request)));
+    layer_id_ = response.layer_id();
+    const Shape y_shape(response.output_shape().begin(), response.output_shape().end());
+    ASSIGN_OR_RETURN(const DType y_dtype, FromProtoDType(response.output_dtype()));
+    ASSIGN_OR_RETURN(ResidentTensor x_resident, session_.Put(HostTensor::RandomNormal(shape, dtype, 42)));
     x_ = ResidentProto(x_resident);
-    ASSIGN_OR_RETURN(ResidentTensor dy_resident, session_.Put(HostTensor::RandomNormal(shape, dtype, 43)));
+    ASSIGN_OR_RETURN(ResidentTensor dy_resident, session_.Put(HostTensor::RandomNormal(y_shape, y_dtype, 43)));
     dy_ = ResidentProto(dy_resident);
     return absl::OkStatus();
   }
 
   // Client-observed mean ms per step.
   absl::StatusOr<double> TimeClient() {
-    if (stages_.size() == 1) {
-      te::v1::ForwardBackwardRequest request;
-      request.set_layer_id(stages_[0].layer_id);
-      te::v1::MicroBatch* mb = request.add_micro_batches();
-      *mb->mutable_x() = x_;
-      *mb->mutable_dy() = dy_;
-      request.set_deterministic(o_.deterministic);
-      *request.mutable_autocast() = autocast_;
-      request.set_return_dx(false);
-      request.set_return_grads(false);
-      return TimeSteps(o_, [&](uint64_t step) {
-        request.mutable_micro_batches(0)->set_dropout_seed(MixBits(step + 1));
-        return session_.ForwardBackward(request).status();
-      });
-    }
-    return TimeSteps(o_, [&](uint64_t step) { return ChainStep(step); });
+    te::v1::ForwardBackwardRequest request;
+    request.set_layer_id(layer_id_);
+    te::v1::MicroBatch* mb = request.add_micro_batches();
+    *mb->mutable_x() = x_;
+    *mb->mutable_dy() = dy_;
+    request.set_deterministic(o_.deterministic);
+    *request.mutable_autocast() = autocast_;
+    request.set_return_dx(false);
+    request.set_return_grads(false);
+    return TimeSteps(o_, [&](uint64_t step) {
+      request.mutable_micro_batches(0)->set_dropout_seed(MixBits(step + 1));
+      return session_.ForwardBackward(request).status();
+    });
   }
 
-  // Server-side mean ms per step: one Benchmark, or the sum over the chain's
-  // modules, each on the input the chain gives it (printed as MODULE lines).
-  absl::StatusOr<double> TimeServer(const std::string& variant) {
-    if (stages_.size() == 1) return Benchmark(stages_[0].layer_id, x_, dy_);
-    // One forward down the chain for each module's input; a module's own
-    // output serves as its dy (the shape and dtype a gradient needs).
-    std::vector<te::v1::Tensor> inputs = {x_}, outputs;
-    std::vector<std::string> kept;
-    absl::Status status;
-    for (const InitedStage& s : stages_) {
-      te::v1::ForwardRequest request;
-      request.set_layer_id(s.layer_id);
-      *request.mutable_x() = inputs.back();
-      request.set_deterministic(true);
-      *request.mutable_autocast() = autocast_;
-      request.set_keep_outputs(true);
-      absl::StatusOr<te::v1::ForwardResponse> response = session_.Forward(std::move(request));
-      if (!response.ok()) {
-        status = response.status();
-        break;
-      }
-      kept.push_back(response->y().resident_id());
-      outputs.push_back(response->y());
-      inputs.push_back(response->y());
-    }
-    double total = 0;
-    for (size_t i = 0; status.ok() && i < stages_.size(); ++i) {
-      absl::StatusOr<double> ms = Benchmark(stages_[i].layer_id, inputs[i], outputs[i]);
-      if (!ms.ok()) {
-        status = absl::Status(ms.status().code(), absl::StrCat(stages_[i].name, ": ", ms.status().message()));
-        break;
-      }
-      std::cout << absl::StrFormat("MODULE %s %s %.3f\n", variant, stages_[i].name, *ms) << std::flush;
-      total += *ms;
-    }
-    status.Update(session_.DeleteAll(kept));
-    if (!status.ok()) return status;
-    return total;
-  }
+  // Server-side mean ms per step: the Benchmark RPC.
+  absl::StatusOr<double> TimeServer() { return Benchmark(layer_id_, x_, dy_); }
 
  private:
   absl::StatusOr<double> Benchmark(const std::string& layer_id, const te::v1::Tensor& x,
@@ -389,53 +270,10 @@ class VariantRun {
     return response.mean_ms();
   }
 
-  // Forward down the chain keeping each module's forward and output, backward
-  // up it keeping gradients on the server, then free the kept tensors.
-  absl::Status ChainStep(uint64_t step) {
-    std::vector<std::string> forward_ids, kept;
-    te::v1::Tensor in = x_;
-    absl::Status status;
-    for (size_t i = 0; i < stages_.size() && status.ok(); ++i) {
-      te::v1::ForwardRequest request;
-      request.set_layer_id(stages_[i].layer_id);
-      *request.mutable_x() = in;
-      request.set_deterministic(o_.deterministic);
-      request.set_dropout_seed(MixBits((step << 8) + i));
-      *request.mutable_autocast() = autocast_;
-      request.set_keep_for_backward(true);
-      request.set_keep_outputs(true);
-      absl::StatusOr<te::v1::ForwardResponse> response = session_.Forward(std::move(request));
-      if (!response.ok()) {
-        status = response.status();
-        break;
-      }
-      forward_ids.push_back(response->forward_id());
-      kept.push_back(response->y().resident_id());
-      in = response->y();
-    }
-    te::v1::Tensor grad = dy_;
-    for (size_t i = forward_ids.size(); i-- > 0 && status.ok();) {
-      te::v1::BackwardRequest request;
-      request.set_forward_id(forward_ids[i]);
-      *request.mutable_dy() = grad;
-      request.set_keep_grads(true);
-      request.set_keep_outputs(true);
-      absl::StatusOr<te::v1::BackwardResponse> response = session_.Backward(std::move(request));
-      if (!response.ok()) {
-        status = response.status();
-        break;
-      }
-      kept.push_back(response->dx().resident_id());
-      grad = response->dx();
-    }
-    status.Update(session_.DeleteAll(kept));
-    return status;
-  }
-
   Session& session_;
   const Options& o_;
   const te::v1::Autocast autocast_;
-  std::vector<InitedStage> stages_;
+  std::string layer_id_;
   te::v1::Tensor x_, dy_;
 };
 
@@ -451,7 +289,7 @@ absl::Status RunVariant(Client& client, const Variant& v, const Config& c, const
   ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client.CreateSession(session_options));
   std::cerr << "layer_bench: " << v.name << " on " << session->device()
             << (v.fp8 && session->recipe() ? " with " + RecipeString(*session->recipe()) : "")
-            << (session->emulated() ? " (emulated)" : "") << ", " << v.stages.size() << " module(s)"
+            << (session->emulated() ? " (emulated)" : "") << ", " << v.module->type_name()
             << (v.note.empty() ? "" : "; " + v.note) << std::endl;
   VariantRun run(*session, o, ToProto(AutocastState{v.fp8, QuickstartRecipe()}));
   RETURN_IF_ERROR(run.Init(v, c));
@@ -464,7 +302,7 @@ absl::Status RunVariant(Client& client, const Variant& v, const Config& c, const
   const std::optional<double> memory_after = ProbeMemoryMiB(o.memory_probe);
   if (memory_before && memory_after) peak_mib = *memory_after - *memory_before;
   if (o.server_side) {
-    ASSIGN_OR_RETURN(server_ms, run.TimeServer(v.name));
+    ASSIGN_OR_RETURN(server_ms, run.TimeServer());
   }
   std::cout << "OURS " << v.name << " " << Ms(server_ms) << " " << Ms(client_ms) << " "
             << (peak_mib ? absl::StrFormat("%.0f", *peak_mib) : "-") << std::endl;
