@@ -17,7 +17,7 @@
 #   5. summarize.py: the table.
 # Environment: TE_BENCH_BUDGET_S (whole run, default 520), TE_BENCH_VARIANTS
 # (default "1 2 3 4 5 6 7"), TE_BENCH_DEVICE (cuda:0), TE_BENCH_CONFIG
-# (quickstart), PYTHON (python3).
+# (quickstart), TE_BENCH_CLIENTS (0: leave out stage 2), PYTHON (python3).
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 start_s=$(date +%s)
@@ -152,7 +152,9 @@ for v in $variants; do
 done
 
 # ---- 2. te_bench: many clients on one GPU ------------------------------------------------
-if [ "$(limit 75 220)" -eq 0 ]; then
+if [ "${TE_BENCH_CLIENTS:-1}" = "0" ]; then
+  echo "te_bench stage left out (TE_BENCH_CLIENTS=0; run_multi_client_bench.sh has it)" >&2
+elif [ "$(limit 75 220)" -eq 0 ]; then
   echo "STAGE te_bench SKIPPED: out of time" | record
   failures+=("te_bench: skipped (out of time)")
 elif ! start_server "$logs/server_te_bench.log" --session_memory_bytes=$((12 << 30)); then
