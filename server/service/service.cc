@@ -75,7 +75,22 @@ absl::StatusOr<int> ServiceCore::Route(const te::v1::SessionRef& ref) const {
 // ---- TeService ----------------------------------------------------------------------
 
 TeService::TeService(DevicePool* devices, session::SessionManager* sessions, ServiceOptions options)
-    : core_{devices, sessions, std::move(options)} {}
+    : core_{devices, sessions, std::move(options)}, pending_creations_(devices->size(), 0) {}
+
+absl::StatusOr<std::pair<int, std::shared_ptr<void>>> TeService::PlaceNewSession(
+    const std::string& requested) {
+  std::lock_guard<std::mutex> lock(placement_mu_);
+  std::vector<DeviceLoad> loads = Loads();
+  for (size_t i = 0; i < loads.size(); ++i) loads[i].sessions += pending_creations_[i];
+  ASSIGN_OR_RETURN(const int index, core_.devices->Place(requested, loads));
+  ++pending_creations_[index];
+  // Released when the creation has run, or with the call if it never runs.
+  std::shared_ptr<void> pending(nullptr, [this, index](void*) {
+    std::lock_guard<std::mutex> release(placement_mu_);
+    --pending_creations_[index];
+  });
+  return std::make_pair(index, std::move(pending));
+}
 
 std::vector<DeviceLoad> TeService::Loads() const {
   std::vector<DeviceLoad> loads(core_.devices->size());
@@ -144,18 +159,21 @@ grpc::ServerUnaryReactor* TeService::CreateSession(grpc::CallbackServerContext* 
   absl::Status access =
       security::CheckAccessKey(core_.options.access_key.get(), request->access_key());
   if (!access.ok()) return QueuedCall::Immediate(core_, context, "CreateSession", "", access);
-  absl::StatusOr<int> device = core_.devices->Place(request->device(), Loads());
-  if (!device.ok()) {
-    return QueuedCall::Immediate(core_, context, "CreateSession", "", device.status());
+  auto placed = PlaceNewSession(request->device());
+  if (!placed.ok()) {
+    return QueuedCall::Immediate(core_, context, "CreateSession", "", placed.status());
   }
   // Making a session makes a device stream: device work, so it queues on the
   // device's executor like the rest (under a key of its own).
-  const int index = *device;
+  const int index = placed->first;
+  std::shared_ptr<void> pending = std::move(placed->second);
   return QueuedCall::Start(
       core_, context, "CreateSession", "", index, absl::StrCat("create-", creations_.fetch_add(1)),
-      [this, index, request, response](const CallContext&) -> absl::Status {
-        RETURN_IF_ERROR(session::OpenSession(*request, &core_.devices->device(index),
-                                             core_.options.session, core_.sessions, response));
+      [this, index, request, response, pending](const CallContext&) mutable -> absl::Status {
+        const absl::Status opened = session::OpenSession(*request, &core_.devices->device(index),
+                                                         core_.options.session, core_.sessions, response);
+        pending.reset();  // registered (or failed): the live count has it now
+        RETURN_IF_ERROR(opened);
         response->set_server_address(core_.options.advertise_address);
         return absl::OkStatus();
       });

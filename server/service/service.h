@@ -23,6 +23,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "server/service/device_pool.h"
 #include "server/service/service_core.h"
@@ -99,8 +104,16 @@ class TeService final : public TeServiceBase {
   std::vector<DeviceLoad> Loads() const;
 
  private:
+  // Places a new session and counts it as pending on its device until its
+  // creation has run (or was never queued): concurrent CreateSessions then
+  // see each other's placements instead of all picking the same device,
+  // which they would while none is registered yet.
+  absl::StatusOr<std::pair<int, std::shared_ptr<void>>> PlaceNewSession(const std::string& requested);
+
   const ServiceCore core_;
   std::atomic<int64_t> creations_{0};  // executor keys for CreateSession
+  mutable std::mutex placement_mu_;
+  std::vector<int> pending_creations_;  // per device; guarded by placement_mu_
 };
 
 }  // namespace te::service
