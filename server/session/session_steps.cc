@@ -8,11 +8,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "kernels/status_macros.h"
 #include "server/layers/fp8_state.h"
 #include "server/layers/variables.h"
-#include "server/session/log.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
 
@@ -418,7 +416,6 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   opts.fp8 = PtrOf(fp8);
 
   std::vector<double> step_ms;
-  double issue_ms_sum = 0.0;  // host time until a step's work was queued
   for (int it = 0; it < warmup + timing; ++it) {
     if (call.cancelled && call.cancelled()) {
       return absl::CancelledError(absl::StrCat("benchmark cancelled after ", it, " steps"));
@@ -444,12 +441,10 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
       layers::LayerGrads grads;
       RETURN_IF_ERROR(Step(*layer, &vars, inputs, dy, opts, &value, &grads));
     }
-    const auto issued = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(ops_->Synchronize());
     const auto end = std::chrono::steady_clock::now();
     if (it >= warmup) {
       step_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
-      issue_ms_sum += std::chrono::duration<double, std::milli>(issued - start).count();
     }
   }
   response->set_steps(timing);
@@ -461,12 +456,6 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   response->set_mean_ms(std::accumulate(sorted.begin(), sorted.end(), 0.0) / n);
   response->set_median_ms(n % 2 == 1 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]));
   response->set_min_ms(sorted.front());
-  // When the host needs as long to queue a step as the device to run it,
-  // the step is host-bound: say so, since the time is then not the GPU's.
-  LogForSession(LogLevel::kInfo, id_, absl::StrFormat(
-                      "benchmark %s: mean step %.3f ms, of which %.3f ms until the host had "
-                      "queued it all",
-                      layer->layer->type_name(), response->mean_ms(), issue_ms_sum / n));
   return absl::OkStatus();
 }
 
