@@ -206,6 +206,51 @@ te::v1::LayerSpec QuickstartTransformer() {
   return spec;
 }
 
+// The quickstart's TEUnfusedTransformerLayer as one server Sequential:
+// LayerNorm, DenseGeneral (qkv), reshape, split, DotProductAttention,
+// reshape, DenseGeneral (proj) in a residual; LayerNorm, DenseGeneral, gelu,
+// DenseGeneral in another.
+void AddSequentials(std::vector<LayerCase>* cases) {
+  using Stage = te::v1::SequentialSpec::Stage;
+  te::v1::LayerSpec spec;
+  te::v1::SequentialSpec* chain = spec.mutable_sequential();
+  auto residual = [&](te::v1::SequentialSpec::Residual r) { chain->add_stages()->set_residual(r); };
+  auto module = [&](const std::string& name) -> te::v1::LayerSpec* {
+    Stage* s = chain->add_stages();
+    s->set_name(name);
+    return s->mutable_module();
+  };
+  auto dense = [&](const std::string& name, int64_t features) {
+    auto* d = module(name)->mutable_dense_general();
+    d->add_features(features);
+    d->set_use_bias(true);
+  };
+  auto reshape = [&](std::vector<int64_t> from, std::vector<int64_t> to) {
+    Stage* s = chain->add_stages();
+    for (int64_t v : from) s->mutable_reshape()->add_from(v);
+    for (int64_t v : to) s->mutable_reshape()->add_to(v);
+  };
+  residual(te::v1::SequentialSpec::FORK);
+  module("LayerNorm_0")->mutable_layer_norm();
+  dense("DenseGeneral_0", 3 * kHidden);
+  reshape({3 * kHidden}, {kHeads, 3 * kHeadDim});
+  chain->add_stages()->set_split_last_axis(3);
+  auto* attention = module("DotProductAttention_0")->mutable_dot_product_attention();
+  attention->set_head_dim(kHeadDim);
+  attention->set_num_attention_heads(kHeads);
+  attention->set_attn_mask_type(te::v1::CAUSAL);
+  reshape({kHeads, kHeadDim}, {kHidden});
+  dense("DenseGeneral_1", kHidden);
+  residual(te::v1::SequentialSpec::JOIN);
+  residual(te::v1::SequentialSpec::FORK);
+  module("LayerNorm_1")->mutable_layer_norm();
+  dense("TEUnfusedMLP_0/DenseGeneral_0", kFfn);
+  module("TEUnfusedMLP_0/activation")->mutable_activation()->add_activations("gelu");
+  dense("TEUnfusedMLP_0/DenseGeneral_1", kHidden);
+  residual(te::v1::SequentialSpec::JOIN);
+  cases->push_back(Case("Sequential_unfused_layer", spec, kTokens, true, true));
+}
+
 void AddTransformerLayers(std::vector<LayerCase>* cases) {
   // TE's defaults (relative embedding, causal, layernorm, relu MLP, dropouts
   // that deterministic switches off).
@@ -245,6 +290,7 @@ std::vector<LayerCase> AllCases() {
   AddDotProductAttentions(&cases);
   AddMultiHeadAttentions(&cases);
   AddTransformerLayers(&cases);
+  AddSequentials(&cases);
   return cases;
 }
 
