@@ -378,6 +378,10 @@ absl::StatusOr<CheckpointStore::Written> CheckpointStore::Save(const SessionMana
   if (!IsSessionId(id)) {
     return absl::InternalError(absl::StrCat("session id '", id, "' is not of the server's form"));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    if (RemovedLocked(id)) return AbandonedSave(id);
+  }
   const std::string dir = SessionDir(id);
   if (mkdir(dir.c_str(), 0700) == 0) {
     RETURN_IF_ERROR(FsyncDir(state_dir_));
@@ -418,6 +422,10 @@ absl::StatusOr<CheckpointStore::Written> CheckpointStore::Save(const SessionMana
   const std::string manifest = state.SerializeAsString();
   const std::string temp_path = absl::StrCat(dir, "/", kManifestTemp);
   const std::string manifest_path = absl::StrCat(dir, "/", kManifest);
+  // Under mu_: a Remove either ran before (nothing is committed, and what
+  // this save wrote goes) or waits until the commit, then deletes it.
+  absl::MutexLock commit_lock(&mu_);
+  if (RemovedLocked(id)) return AbandonedSave(id);
   absl::Status committed = [&]() -> absl::Status {
     // A leftover temp file of an interrupted save goes first: O_EXCL makes
     // ours afresh with our mode, whoever made the old one.
@@ -468,10 +476,32 @@ int CheckpointStore::SaveAll(SessionManager* manager, absl::Time deadline) {
   return saved;
 }
 
+bool CheckpointStore::RemovedLocked(const std::string& id) const { return removed_.count(id) > 0; }
+
+absl::Status CheckpointStore::AbandonedSave(const std::string& id) {
+  std::error_code error;
+  fs::remove_all(SessionDir(id), error);
+  return absl::NotFoundError(absl::StrCat("session ", id,
+                                          " was removed while its checkpoint was being written; "
+                                          "nothing is kept"));
+}
+
 absl::Status CheckpointStore::Remove(const std::string& id) {
   if (!IsSessionId(id)) {
     return absl::InvalidArgumentError(
         absl::StrCat("session id '", id, "' is not of the server's form"));
+  }
+  absl::MutexLock lock(&mu_);
+  // Ids are never reused; the bound only caps memory on a long-lived server
+  // (a save still running for a session removed 64k removals ago is not a
+  // concern).
+  constexpr size_t kRemovedKept = 1 << 16;
+  if (removed_.insert(id).second) {
+    removed_order_.push_back(id);
+    if (removed_order_.size() > kRemovedKept) {
+      removed_.erase(removed_order_.front());
+      removed_order_.pop_front();
+    }
   }
   std::error_code error;
   const uintmax_t removed = fs::remove_all(SessionDir(id), error);

@@ -23,13 +23,16 @@
 #define TE_SERVER_SESSION_CHECKPOINT_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/ops.h"
 #include "server/session/session.h"
@@ -98,8 +101,17 @@ class CheckpointStore {
  private:
   explicit CheckpointStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}
   std::string SessionDir(const std::string& id) const;
+  // Whether Remove(id) has run: a Save racing it (a session evicted while its
+  // lease writes the checkpoint) must not commit, or the removed session
+  // would come back at the next start.
+  bool RemovedLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Deletes what a Save of a removed session left (its directory).
+  absl::Status AbandonedSave(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string state_dir_;
+  absl::Mutex mu_;  // orders Save's commit against Remove
+  std::set<std::string> removed_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> removed_order_ ABSL_GUARDED_BY(mu_);  // oldest first, bounded
 };
 
 }  // namespace te::session

@@ -7,12 +7,14 @@
 
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -273,6 +275,45 @@ TEST_F(CheckpointTest, RemoveDeletesAndRefusesForeignNames) {
   SessionManager restarted{SessionManagerOptions{}};
   EXPECT_EQ(store_->Restore(ref_.session_id(), device_.get(), config_, &restarted).code(),
             absl::StatusCode::kNotFound);
+}
+
+// A session evicted while its lease writes a checkpoint: the eviction's
+// Remove must win, or the session comes back at the next start.
+TEST_F(CheckpointTest, SaveOfASessionRemovedMeanwhileLeavesNothing) {
+  MakeTrainedSession();
+  ASSERT_TRUE(Save().ok());
+  auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_TRUE(store_->Remove(ref_.session_id()).ok());
+  EXPECT_EQ(store_->Save(*lease).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(fs::exists(SessionDir()));
+  SessionManager restarted{SessionManagerOptions{}};
+  EXPECT_EQ(store_->Restore(ref_.session_id(), device_.get(), config_, &restarted).code(),
+            absl::StatusCode::kNotFound);
+}
+
+// The same with the Remove landing anywhere inside a save: saves run back to
+// back on one thread while another removes; afterwards nothing is on disk.
+TEST_F(CheckpointTest, RemoveRacingSavesLeavesNothing) {
+  MakeTrainedSession();
+  std::atomic<bool> removed{false};
+  int saved_after_remove = 0;
+  std::thread saver([&] {
+    auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    for (int i = 0; i < 200; ++i) {
+      const bool was_removed = removed.load();
+      absl::StatusOr<CheckpointStore::Written> written = store_->Save(*lease);
+      if (was_removed && written.ok()) ++saved_after_remove;
+      if (was_removed && !written.ok()) break;
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(store_->Remove(ref_.session_id()).ok());
+  removed.store(true);
+  saver.join();
+  EXPECT_EQ(saved_after_remove, 0);
+  EXPECT_FALSE(fs::exists(SessionDir()));
 }
 
 TEST_F(CheckpointTest, SaveAllSavesEverySession) {
