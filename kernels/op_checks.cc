@@ -218,6 +218,23 @@ absl::Status CheckQuantizeArgs(const Tensor& x, const Fp8Output& fp8, const Tens
   return CheckOutput("Quantize", y, &fp8);
 }
 
+absl::Status CheckQuantizeTransposeArgs(const Tensor& x, const Fp8Output& fp8, const Tensor* y,
+                                        const Tensor* y_t) {
+  RETURN_IF_ERROR(CheckQuantizeArgs(x, fp8, y));
+  RETURN_IF_ERROR(RequireDefined("QuantizeTranspose", "y_t", y_t));
+  if (x.rank() != 2 || y->shape() != x.shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeTranspose: x must be 2-D and y its shape; x is ",
+                                                   ShapeString(x.shape()), ", y ", ShapeString(y->shape())));
+  }
+  const Shape want_t = {x.dim(1), x.dim(0)};
+  if (y_t->shape() != want_t || y_t->dtype() != y->dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QuantizeTranspose: y_t must be ", DTypeName(y->dtype()), " ", ShapeString(want_t), "; got ",
+        DTypeName(y_t->dtype()), " ", ShapeString(y_t->shape())));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckDequantizeArgs(const Tensor& x, const Tensor& scale_inv, const Tensor* y) {
   RETURN_IF_ERROR(RequireDefined("Dequantize", "x", &x));
   RETURN_IF_ERROR(RequireFp8("Dequantize", "x", x));

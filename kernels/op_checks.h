@@ -70,6 +70,9 @@ absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y);
 // ---- FP8 scaling ------------------------------------------------------------
 
 absl::Status CheckQuantizeArgs(const Tensor& x, const Fp8Output& fp8, const Tensor* y);
+// x [N, H] float; y [N, H] and y_t [H, N] FP8 of one dtype.
+absl::Status CheckQuantizeTransposeArgs(const Tensor& x, const Fp8Output& fp8, const Tensor* y,
+                                        const Tensor* y_t);
 absl::Status CheckDequantizeArgs(const Tensor& x, const Tensor& scale_inv, const Tensor* y);
 absl::Status CheckAmaxArgs(const Tensor& x, const Tensor* amax);
 absl::Status CheckScaleFromAmaxArgs(const Tensor& amax, float fp8_max, float epsilon,

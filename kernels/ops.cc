@@ -1,6 +1,8 @@
 #include "kernels/ops.h"
 
 #include "absl/strings/str_cat.h"
+#include "kernels/op_checks.h"
+#include "kernels/status_macros.h"
 
 namespace te {
 
@@ -28,6 +30,12 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
     memory.reset();
   });
   return Tensor(std::move(storage), data, dtype, std::move(shape));
+}
+
+absl::Status Ops::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y, Tensor* y_t) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
+  RETURN_IF_ERROR(Quantize(x, fp8, y));
+  return Permute(*y, {1, 0}, y_t);
 }
 
 }  // namespace te

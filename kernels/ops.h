@@ -156,6 +156,12 @@ class Ops {
   // ---- FP8 scaling --------------------------------------------------------
   // y (E4M3 or E5M2) = cast(x * scale); writes fp8.amax and fp8.scale_inv.
   virtual absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) = 0;
+  // Cast-transpose: y as Quantize gives it, and y_t [H, N] = y^T, for x
+  // [N, H]: the two layouts FP8 GEMMs take an operand in (Hopper's FP8 GEMMs
+  // are TN only). The default quantizes, then permutes; the CUDA backend
+  // does both in one pass over x.
+  virtual absl::Status QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                         Tensor* y_t);
   // y (float) = x (FP8) * scale_inv.
   virtual absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) = 0;
   // amax [1] f32 = max |x|.

@@ -85,6 +85,42 @@ TEST(CpuQuantizeTest, SaturatesAndReportsAmaxBeforeScaling) {
   EXPECT_EQ(ScalarValue(fp8.scale_inv), 0.5f);
 }
 
+// Cast-transpose: y is Quantize's, y_t its transpose; amax and scale_inv as
+// Quantize writes them. Bad shapes name the argument.
+TEST(CpuQuantizeTransposeTest, BothLayoutsAndTheSideOutputs) {
+  CpuOps ops;
+  const Shape shape = {6, 10};
+  Tensor x = MakeRandom(ops, DType::kBF16, shape, 5);
+  Fp8Output a{Scalar(ops, 8.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Fp8Output b{Scalar(ops, 8.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor want = MakeEmpty(ops, DType::kE5M2, shape);
+  ASSERT_TRUE(ops.Quantize(x, a, &want).ok());
+  Tensor y = MakeEmpty(ops, DType::kE5M2, shape);
+  Tensor y_t = MakeEmpty(ops, DType::kE5M2, {10, 6});
+  ASSERT_TRUE(ops.QuantizeTranspose(x, b, &y, &y_t).ok());
+  const uint8_t* w = want.data_as<uint8_t>();
+  const uint8_t* g = y.data_as<uint8_t>();
+  const uint8_t* t = y_t.data_as<uint8_t>();
+  int nonzero = 0;
+  for (int64_t i = 0; i < 6; ++i) {
+    for (int64_t j = 0; j < 10; ++j) {
+      EXPECT_EQ(g[i * 10 + j], w[i * 10 + j]) << i << "," << j;
+      EXPECT_EQ(t[j * 6 + i], w[i * 10 + j]) << i << "," << j;
+      nonzero += w[i * 10 + j] != 0;
+    }
+  }
+  EXPECT_GT(nonzero, 30);
+  EXPECT_EQ(ScalarValue(b.amax), ScalarValue(a.amax));
+  EXPECT_EQ(ScalarValue(b.scale_inv), 0.125f);
+
+  Tensor wrong = MakeEmpty(ops, DType::kE5M2, {6, 10});
+  absl::Status bad = ops.QuantizeTranspose(x, b, &y, &wrong);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("y_t"), std::string::npos) << bad;
+  Tensor other = MakeEmpty(ops, DType::kE4M3, {10, 6});
+  EXPECT_EQ(ops.QuantizeTranspose(x, b, &y, &other).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CpuQuantizeTest, NanInputGivesNanAmax) {
   CpuOps ops;
   Tensor x = MakeTensor(ops, DType::kF32, {3}, {1.0f, NAN, 2.0f});

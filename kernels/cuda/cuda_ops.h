@@ -95,6 +95,8 @@ class CudaOps : public Ops {
 
   // fp8.cu
   absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) override;
+  absl::Status QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                 Tensor* y_t) override;
   absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) override;
   absl::Status Amax(const Tensor& x, Tensor* amax) override;
   absl::Status ScaleFromAmax(const Tensor& amax, float fp8_max, float margin, float epsilon,

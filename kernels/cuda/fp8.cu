@@ -195,6 +195,63 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
   }
 }
 
+// Cast-transpose: one 64 x 64 tile of x per block (256 threads, 16 x 16).
+// Each thread reads 4 consecutive elements of a row, writes their FP8 codes
+// as one 4-byte word of y, and keeps them in shared memory; the tile then
+// leaves transposed as 4-byte words of y_t (4 consecutive rows of one
+// column), as gemm.cu's byte transpose does. Needs rows and cols multiples
+// of 4 and 4-element-aligned rows (the launcher checks).
+template <typename In, typename Out>
+__global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__ x,
+                                        uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
+                                        const float* scale, float* amax, float* scale_inv,
+                                        int64_t rows, int64_t cols) {
+  using InPack = Pack<typename In::Storage, 4>;
+  __shared__ uint8_t tile[64][64 + 4];
+  __shared__ unsigned scratch[32];
+  const float s = *scale;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
+  unsigned local = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = ty + 16 * i;
+    const int64_t c = col0 + tx * 4;
+    if (row0 + r < rows && c < cols) {
+      const InPack p = *reinterpret_cast<const InPack*>(x + (row0 + r) * cols + c);
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float v = In::Load(p.v[j]);
+        local = max(local, AbsBits(v));
+        const uint8_t code = Out::Store(v * s);
+        tile[r][tx * 4 + j] = code;
+        word |= static_cast<uint32_t>(code) << (8 * j);
+      }
+      *reinterpret_cast<uint32_t*>(y + (row0 + r) * cols + c) = word;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = ty + 16 * i;
+    const int64_t r = row0 + tx * 4;
+    if (col0 + c < cols && r < rows) {
+      const uint32_t word = static_cast<uint32_t>(tile[tx * 4 + 0][c]) |
+                            static_cast<uint32_t>(tile[tx * 4 + 1][c]) << 8 |
+                            static_cast<uint32_t>(tile[tx * 4 + 2][c]) << 16 |
+                            static_cast<uint32_t>(tile[tx * 4 + 3][c]) << 24;
+      *reinterpret_cast<uint32_t*>(y_t + (col0 + c) * rows + r) = word;
+    }
+  }
+  local = BlockMaxBits(local, scratch);
+  if (threadIdx.x == 0) {
+    AtomicMaxAbsBits(amax, local);
+    if (blockIdx.x == 0 && blockIdx.y == 0) *scale_inv = 1.0f / s;
+  }
+}
+
 }  // namespace
 
 // ---- host launchers --------------------------------------------------------------
@@ -214,6 +271,34 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), fp8.scale.data_as<const float>(),
           fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), n, vec);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                        Tensor* y_t) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
+  const int64_t rows = x.dim(0), cols = x.dim(1);
+  const size_t in_word = 4 * DTypeSize(x.dtype());
+  const bool fused = rows > 0 && cols > 0 && rows % 4 == 0 && cols % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(x.data()) % in_word == 0 &&
+                     reinterpret_cast<uintptr_t>(y->data()) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(y_t->data()) % 4 == 0 && (rows + 63) / 64 <= 65535;
+  // Shapes the tile kernel cannot take: quantize, then transpose.
+  if (!fused) return Ops::QuantizeTranspose(x, fp8, y, y_t);
+  RETURN_IF_ERROR(Enter());
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFp8(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream()>>>(
+          static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
+          static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
+          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), rows, cols);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();

@@ -362,6 +362,44 @@ INSTANTIATE_TEST_SUITE_P(
              ShapeName(std::get<0>(std::get<1>(info.param)));
     });
 
+// ---- cast-transpose: the fused tile kernel and its fallback ----------------------------
+
+using QuantizeTransposeCase = std::tuple<DType, DType, Shape>;
+class QuantizeTransposeTest : public GpuTest,
+                              public ::testing::WithParamInterface<QuantizeTransposeCase> {};
+
+// The CPU's QuantizeTranspose is Quantize then Permute (both checked above);
+// the GPU's fused kernel must give the same codes in both layouts, and the
+// same amax and scale_inv.
+TEST_P(QuantizeTransposeTest, CodesInBothLayoutsMatchTheCpu) {
+  const auto [dtype, fp8, shape] = GetParam();
+  const Pair x = Random(dtype, shape, 11, -4.0f, 4.0f);
+  Fp8Pair side = Fp8Side(SaturatingScale(fp8) * 0.5f);
+  Pair q = Output(fp8, shape);
+  Pair q_t = Output(fp8, {shape[1], shape[0]});
+  ASSERT_TRUE(cpu_->QuantizeTranspose(x.cpu, side.cpu(), &q.cpu, &q_t.cpu).ok());
+  ASSERT_TRUE(gpu_->QuantizeTranspose(x.gpu, side.gpu(), &q.gpu, &q_t.gpu).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  const Tensor codes = Fetch(q.gpu), codes_t = Fetch(q_t.gpu);
+  EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << "y";
+  EXPECT_EQ(0, std::memcmp(codes_t.data(), q_t.cpu.data(), codes_t.nbytes())) << "y_t";
+  ExpectFp8SideMatches(side, "QuantizeTranspose");
+  EXPECT_EQ(Fetch(side.amax.gpu).data_as<float>()[0], side.amax.cpu.data_as<float>()[0]);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, QuantizeTransposeTest,
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                       ::testing::Values(DType::kE4M3, DType::kE5M2),
+                       // tiles: whole, ragged edges (multiples of 4), and shapes the
+                       // tile kernel declines (odd: the fallback)
+                       ::testing::Values(Shape{128, 256}, Shape{100, 36}, Shape{516, 1028},
+                                         Shape{4, 4}, Shape{37, 24}, Shape{64, 30})),
+    [](const auto& info) {
+      return std::string(Short(std::get<0>(info.param))) + "_" + Short(std::get<1>(info.param)) +
+             "_" + ShapeName(std::get<2>(info.param));
+    });
+
 // ---- FP8 scaling: input dtype x FP8 format x scale x shape -----------------------------
 
 using QuantizeCase = std::tuple<DType, DType, float, Shape>;

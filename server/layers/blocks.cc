@@ -83,8 +83,10 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
   // Checked before any quantize writes an amax, so a failure changes nothing.
   RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(fp8))));
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
-    ASSIGN_OR_RETURN(GemmOperand a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX,
-                                                        x, GemmSide::kA, false, vars));
+    // Both layouts: x enters the forward GEMM as is and the wgrad transposed.
+    ASSIGN_OR_RETURN(GemmOperand a,
+                     QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(), QuantizerRole::kX, x,
+                                                    GemmSide::kA, false, vars));
     return ForwardQuantized(ops, vars, a, x.dtype(), *fp8, y, saved);
   }
   const DType compute = x.dtype();
@@ -125,10 +127,11 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
   }
   RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(&fp8))));
   // TE quantizes the kernel straight from the param dtype.
+  // Both layouts: the forward GEMM takes the kernel transposed, the dgrad as is.
   ASSIGN_OR_RETURN(GemmOperand b,
-                   QuantizeGemmOperand(ops, fp8, quantizers(), QuantizerRole::kKernel,
-                                       vars->at(kernel_name()).Reshaped({in_, out_}),
-                                       GemmSide::kB, false, vars));
+                   QuantizeGemmOperandBothLayouts(ops, fp8, quantizers(), QuantizerRole::kKernel,
+                                                  vars->at(kernel_name()).Reshaped({in_, out_}),
+                                                  GemmSide::kB, false, vars));
   RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, y));
   if (saved != nullptr) {
     Saved s;
@@ -140,8 +143,10 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
   return absl::OkStatus();
 }
 
-absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a,
-                            const GemmOperand& b, DType compute, Tensor* y) const {
+absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a_in,
+                            const GemmOperand& b_in, DType compute, Tensor* y) const {
+  const GemmOperand a = ForGemm(a_in, GemmSide::kA);
+  const GemmOperand b = ForGemm(b_in, GemmSide::kB);
   Ops::GemmArgs gemm;
   gemm.a = a.data;
   gemm.transpose_a = a.transpose;
@@ -167,8 +172,10 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
   // dgrad: dx = dy @ kernel^T; wgrad: dkernel = x^T @ dy.
   GemmOperand dy_a, kernel_b, x_a, dy_b;
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
-    ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kGrad, dy,
-                                               GemmSide::kA, false, vars));
+    // Both layouts: dy enters the dgrad as is and the wgrad transposed.
+    ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
+                                                          QuantizerRole::kGrad, dy, GemmSide::kA,
+                                                          false, vars));
     dy_b = dy_a;  // one scale for the whole tensor: the same copy serves as b
     kernel_b = saved.kernel;
     kernel_b.transpose = true;
@@ -193,6 +200,10 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
     x_a.transpose = true;
   }
 
+  dy_a = ForGemm(dy_a, GemmSide::kA);
+  kernel_b = ForGemm(kernel_b, GemmSide::kB);
+  x_a = ForGemm(x_a, GemmSide::kA);
+  dy_b = ForGemm(dy_b, GemmSide::kB);
   if (dx != nullptr) {
     Ops::GemmArgs dgrad;
     dgrad.a = dy_a.data;

@@ -1,6 +1,7 @@
 #include "server/layers/fp8_state.h"
 
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -33,11 +34,15 @@ absl::Status CheckFormatKnown(te::v1::Fp8Format format, absl::string_view field)
 // The block scalings' block length along the contraction axis.
 int64_t BlockLength(Fp8Recipe::Kind kind) { return kind == Fp8Recipe::Kind::kNVFP4 ? 16 : 32; }
 
+// With `both_layouts`, out->data_t gets x^T quantized in the same pass.
 absl::Status QuantizePerTensor(Ops& ops, const Fp8Recipe& fp8, const QuantizerSet& set,
                                QuantizerRole role, const Tensor& x, Variables* vars,
-                               GemmOperand* out) {
+                               bool both_layouts, GemmOperand* out) {
   const DType dtype = QuantizerDType(fp8, role);
   ASSIGN_OR_RETURN(out->data, ops.Allocate(dtype, x.shape()));
+  if (both_layouts) {
+    ASSIGN_OR_RETURN(out->data_t, ops.Allocate(dtype, {x.dim(1), x.dim(0)}));
+  }
   ASSIGN_OR_RETURN(out->scale_inv, ops.Allocate(DType::kF32, {1}));
   Fp8Output side;
   side.scale_inv = out->scale_inv;
@@ -55,6 +60,7 @@ absl::Status QuantizePerTensor(Ops& ops, const Fp8Recipe& fp8, const QuantizerSe
     RETURN_IF_ERROR(ops.ScaleFromAmax(side.amax, Fp8Max(dtype), fp8.margin, fp8.amax_epsilon,
                                       &side.scale, &out->scale_inv));
   }
+  if (both_layouts) return ops.QuantizeTranspose(x, side, &out->data, &out->data_t);
   return ops.Quantize(x, side, &out->data);
 }
 
@@ -173,6 +179,31 @@ absl::Status CheckQuantizerSet(const Variables& vars, const QuantizerSet& set,
   return CheckVariables(vars, SpecsOf(QuantizerSetDefs(set, fp8)));
 }
 
+GemmOperand ForGemm(const GemmOperand& op, GemmSide side) {
+  if (!op.data_t.defined()) return op;
+  // Ops::Gemm copies an FP8 a that is transposed and a b that is not.
+  const bool flip = side == GemmSide::kA ? op.transpose : !op.transpose;
+  if (!flip) return op;
+  GemmOperand other = op;
+  std::swap(other.data, other.data_t);
+  other.transpose = !op.transpose;
+  return other;
+}
+
+absl::StatusOr<GemmOperand> QuantizeGemmOperandBothLayouts(Ops& ops, const Fp8Recipe& fp8,
+                                                           const QuantizerSet& set,
+                                                           QuantizerRole role, const Tensor& x,
+                                                           GemmSide side, bool transpose,
+                                                           Variables* vars) {
+  if (x.rank() != 2 || !IsPerTensorScaling(fp8)) {
+    return QuantizeGemmOperand(ops, fp8, set, role, x, side, transpose, vars);
+  }
+  GemmOperand out;
+  out.transpose = transpose;
+  RETURN_IF_ERROR(QuantizePerTensor(ops, fp8, set, role, x, vars, /*both_layouts=*/true, &out));
+  return out;
+}
+
 absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,
                                                 const QuantizerSet& set, QuantizerRole role,
                                                 const Tensor& x, GemmSide side, bool transpose,
@@ -184,7 +215,7 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,
   GemmOperand out;
   out.transpose = transpose;
   if (IsPerTensorScaling(fp8)) {
-    RETURN_IF_ERROR(QuantizePerTensor(ops, fp8, set, role, x, vars, &out));
+    RETURN_IF_ERROR(QuantizePerTensor(ops, fp8, set, role, x, vars, /*both_layouts=*/false, &out));
     return out;
   }
   // Block scaling: blocks run along the contraction axis, which must be last.

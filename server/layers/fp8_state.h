@@ -67,9 +67,19 @@ struct GemmOperand {
   Tensor data;
   bool transpose = false;
   Tensor scale_inv;  // defined iff data is FP8
-  int64_t bytes() const { return TensorBytes(data) + TensorBytes(scale_inv); }
+  // data^T, when the quantize wrote it too (cast-transpose): FP8 GEMMs take
+  // operands in one layout only (TN), and this copy spares the GEMM its own
+  // transpose. Same scale_inv.
+  Tensor data_t;
+  int64_t bytes() const {
+    return TensorBytes(data) + TensorBytes(scale_inv) + TensorBytes(data_t);
+  }
 };
 enum class GemmSide { kA, kB };  // a: op(a) [M, K]; b: op(b) [K, N]
+
+// The layout of `op` that enters `side` of an FP8 GEMM without a copy (a as
+// [M, K], b as [N, K]) when op carries both; otherwise op as it is.
+GemmOperand ForGemm(const GemmOperand& op, GemmSide side);
 
 // The operand `x` (2-D float, entering side `side` of a GEMM with
 // `transpose`) quantized for `role` under `fp8`:
@@ -85,6 +95,16 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,
                                                 const QuantizerSet& set, QuantizerRole role,
                                                 const Tensor& x, GemmSide side, bool transpose,
                                                 Variables* vars);
+
+// QuantizeGemmOperand that, under per-tensor scaling, also writes data_t in
+// the same pass (Ops::QuantizeTranspose), for an operand that enters GEMMs
+// in both layouts (x: forward and wgrad; kernel: forward and dgrad; dy: dgrad
+// and wgrad). Block scalings: as QuantizeGemmOperand.
+absl::StatusOr<GemmOperand> QuantizeGemmOperandBothLayouts(Ops& ops, const Fp8Recipe& fp8,
+                                                           const QuantizerSet& set,
+                                                           QuantizerRole role, const Tensor& x,
+                                                           GemmSide side, bool transpose,
+                                                           Variables* vars);
 
 // Fused quantization: under DelayedScaling the op that produces a GEMM
 // operand (a norm, an activation) can write it straight in FP8 with the
