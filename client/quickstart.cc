@@ -57,17 +57,6 @@ ABSL_FLAG(bool, sequential_on_server, true,
 namespace te::client {
 namespace {
 
-struct Config {
-  int64_t batch, seq, hidden, ffn;
-  int heads;
-};
-
-absl::StatusOr<Config> ParseConfig(const std::string& name) {
-  if (name == "small") return Config{2, 32, 64, 256, 4};
-  if (name == "quickstart") return Config{4, 2048, 4096, 16384, 32};
-  return absl::InvalidArgumentError(absl::StrCat("--config: \"", name, "\" is not small or quickstart"));
-}
-
 absl::StatusOr<std::set<int>> ParseVariants(const std::string& text) {
   if (text == "all") return std::set<int>{1, 2, 3, 4, 5, 6};
   std::set<int> out;
@@ -84,15 +73,6 @@ absl::StatusOr<std::set<int>> ParseVariants(const std::string& text) {
 std::string PythonShape(const Shape& shape) {
   if (shape.size() == 1) return absl::StrCat("(", shape[0], ",)");
   return absl::StrCat("(", absl::StrJoin(shape, ", "), ")");
-}
-
-// The notebook's fp8_recipe.
-DelayedScaling QuickstartRecipe() {
-  DelayedScaling recipe;
-  recipe.fp8_format = Format::kHybrid;
-  recipe.amax_history_len = 16;
-  recipe.amax_compute_algo = "max";
-  return recipe;
 }
 
 struct Inputs {
@@ -137,7 +117,7 @@ absl::Status RunSequential(Session& session, const Sequential& layer, const Inpu
   return Speedometer(session, layer, vars, in.x, in.dy, speed).status();
 }
 
-absl::Status RunVariant(Client& client, int variant, const Config& c, const Inputs& in) {
+absl::Status RunVariant(Client& client, int variant, const LayerSize& c, const Inputs& in) {
   static const char* const kTitles[] = {
       "",
       "Pure Flax FlaxTransformerLayer",
@@ -165,37 +145,20 @@ absl::Status RunVariant(Client& client, int variant, const Config& c, const Inpu
   Autocast autocast(fp8, QuickstartRecipe());
   switch (variant) {
     case 1: {
-      FlaxTransformerLayer layer(c.hidden, c.ffn, c.heads);
-      layer.hidden_dropout = 0.0f;  // the notebook's FlaxTransformerLayer drops out in attention only
-      return RunModule(*session, layer, in);
+      return RunModule(*session, QuickstartFlaxLayer(c), in);
     }
     case 2:
     case 3:
-    case 4: return RunSequential(*session, UnfusedLayer({c.hidden, c.ffn, c.heads}), in);
-    case 5: return RunSequential(*session, FusedLayer({c.hidden, c.ffn, c.heads}), in);
-    case 6: {
-      TransformerLayer layer;
-      layer.hidden_size = c.hidden;
-      layer.mlp_hidden_size = c.ffn;
-      layer.num_attention_heads = c.heads;
-      layer.mlp_activations = {"gelu"};
-      layer.self_attn_mask_type = "causal";
-      layer.layernorm_epsilon = 1e-5f;
-      layer.use_bias = true;
-      layer.intermediate_dropout = 0.0f;
-      layer.enable_relative_embedding = false;
-      layer.self_attn_bias_type = "no_bias";
-      layer.hidden_dropout = 0.0f;
-      layer.dtype = DType::kBF16;
-      return RunModule(*session, layer, in);
-    }
+    case 4: return RunSequential(*session, UnfusedLayer(c), in);
+    case 5: return RunSequential(*session, FusedLayer(c), in);
+    case 6: return RunModule(*session, QuickstartTransformerLayer(c), in);
   }
   return absl::InvalidArgumentError(absl::StrCat("variant ", variant));
 }
 
 absl::Status Main() {
   const auto start = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(Config c, ParseConfig(absl::GetFlag(FLAGS_config)));
+  ASSIGN_OR_RETURN(LayerSize c, SizeForConfig(absl::GetFlag(FLAGS_config)));
   ASSIGN_OR_RETURN(std::set<int> variants, ParseVariants(absl::GetFlag(FLAGS_variants)));
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(absl::GetFlag(FLAGS_server)));
   ASSIGN_OR_RETURN(te::v1::ServerInfo info, client->GetServerInfo());

@@ -3,6 +3,8 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 #include "client/modules.h"
 
 namespace te::client {
@@ -13,7 +15,7 @@ namespace {
 // into q, k, v, DotProductAttention, reshape to (b, s, hidden), then the
 // output DenseGeneral. (The notebook's nn.Dropout after the projection has no
 // server module and is left out; the server's attention dropout is kept.)
-void AddAttention(const LayerSizes& c, Sequential* layer) {
+void AddAttention(const LayerSize& c, Sequential* layer) {
   const int64_t kv_channels = c.hidden / c.heads;
   layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv_channels}));
   layer->AddHost("qkv_split", SplitLastAxisStep(3));
@@ -36,7 +38,7 @@ void AddAttention(const LayerSizes& c, Sequential* layer) {
 // variant 2 runs TE's DotProductAttention as variant 3 does: the two differ
 // in the notebook, not here. The causal mask is the attention's mask type;
 // the server takes explicit masks only for padding.
-Sequential UnfusedLayer(const LayerSizes& c) {
+Sequential UnfusedLayer(const LayerSize& c) {
   Sequential layer;
   auto ln = [] {
     auto norm = std::make_shared<LayerNorm>();
@@ -67,7 +69,7 @@ Sequential UnfusedLayer(const LayerSizes& c) {
 }
 
 // Variant 5: TEFusedTransformerLayer.
-Sequential FusedLayer(const LayerSizes& c) {
+Sequential FusedLayer(const LayerSize& c) {
   Sequential layer;
   layer.Fork();
   auto qkv = std::make_shared<LayerNormDenseGeneral>(std::vector<int64_t>{3 * c.hidden});
@@ -87,6 +89,43 @@ Sequential FusedLayer(const LayerSizes& c) {
   mlp->return_layernorm_output = false;
   layer.Add("LayerNormMLP_0", mlp);
   layer.Join();
+  return layer;
+}
+
+absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config) {
+  if (config == "small") return LayerSize{2, 32, 64, 256, 4};
+  if (config == "quickstart") return LayerSize{4, 2048, 4096, 16384, 32};
+  return absl::InvalidArgumentError(absl::StrCat("--config: \"", config, "\" is not small or quickstart"));
+}
+
+DelayedScaling QuickstartRecipe() {
+  DelayedScaling recipe;
+  recipe.fp8_format = Format::kHybrid;
+  recipe.amax_history_len = 16;
+  recipe.amax_compute_algo = "max";
+  return recipe;
+}
+
+FlaxTransformerLayer QuickstartFlaxLayer(const LayerSize& c) {
+  FlaxTransformerLayer layer(c.hidden, c.ffn, c.heads);
+  layer.hidden_dropout = 0.0f;  // the notebook's FlaxTransformerLayer drops out in attention only
+  return layer;
+}
+
+TransformerLayer QuickstartTransformerLayer(const LayerSize& c) {
+  TransformerLayer layer;
+  layer.hidden_size = c.hidden;
+  layer.mlp_hidden_size = c.ffn;
+  layer.num_attention_heads = c.heads;
+  layer.mlp_activations = {"gelu"};
+  layer.self_attn_mask_type = "causal";
+  layer.layernorm_epsilon = 1e-5f;
+  layer.use_bias = true;
+  layer.intermediate_dropout = 0.0f;
+  layer.enable_relative_embedding = false;
+  layer.self_attn_bias_type = "no_bias";
+  layer.hidden_dropout = 0.0f;
+  layer.dtype = DType::kBF16;
   return layer;
 }
 

@@ -11,9 +11,8 @@
 namespace te::client {
 namespace {
 
-// Each stage gets its own key and dropout seed, as flax splits a PRNG key per
-// submodule (different numbers, same independence).
-uint64_t StageSeed(uint64_t seed, size_t stage) { return MixBits(seed ^ MixBits(stage + 1)); }
+// Each stage gets its own key and dropout seed (kernels/rng.h's StageSeed),
+// as flax splits a PRNG key per submodule (different numbers, same independence).
 
 absl::Status ExpectOne(const Tensors& tensors, const std::string& where) {
   if (tensors.size() != 1) {

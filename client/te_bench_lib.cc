@@ -29,18 +29,15 @@ std::optional<Recipe> RecipeFor(Fp8Mode mode) {
   switch (mode) {
     case Fp8Mode::kNone:
       return std::nullopt;
-    case Fp8Mode::kDelayed: {
-      DelayedScaling recipe;  // the quickstart's: HYBRID, "max"
-      recipe.amax_history_len = 16;
-      return recipe;
-    }
+    case Fp8Mode::kDelayed:
+      return QuickstartRecipe();
     case Fp8Mode::kCurrent:
       return Float8CurrentScaling{};
   }
   return std::nullopt;
 }
 
-// The layers as the quickstart configures them (client/quickstart.cc).
+// The layers as the quickstart configures them (client/quickstart_layers).
 absl::StatusOr<te::v1::LayerSpec> LayerSpecFor(BenchLayer layer, const LayerSize& s) {
   switch (layer) {
     case BenchLayer::kDense: {
@@ -58,27 +55,10 @@ absl::StatusOr<te::v1::LayerSpec> LayerSpecFor(BenchLayer layer, const LayerSize
       mlp.return_layernorm_output = false;
       return mlp.Spec();
     }
-    case BenchLayer::kTransformer: {
-      TransformerLayer t;
-      t.hidden_size = s.hidden;
-      t.mlp_hidden_size = s.ffn;
-      t.num_attention_heads = s.heads;
-      t.mlp_activations = {"gelu"};
-      t.self_attn_mask_type = "causal";
-      t.layernorm_epsilon = 1e-5f;
-      t.use_bias = true;
-      t.hidden_dropout = 0.0f;
-      t.intermediate_dropout = 0.0f;
-      t.enable_relative_embedding = false;
-      t.self_attn_bias_type = "no_bias";
-      t.dtype = DType::kBF16;
-      return t.Spec();
-    }
-    case BenchLayer::kFlax: {
-      FlaxTransformerLayer flax(s.hidden, s.ffn, s.heads);
-      flax.hidden_dropout = 0.0f;
-      return flax.Spec();
-    }
+    case BenchLayer::kTransformer:
+      return QuickstartTransformerLayer(s).Spec();
+    case BenchLayer::kFlax:
+      return QuickstartFlaxLayer(s).Spec();
   }
   return absl::InvalidArgumentError("layer: unknown");
 }

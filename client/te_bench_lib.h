@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "client/quickstart_layers.h"
 #include "client/tensor.h"
 
 namespace te::client::bench {
@@ -50,15 +51,6 @@ enum class Fp8Mode {
   kNone,
   kDelayed,  // DelayedScaling(HYBRID, amax_history_len=16, "max"): the quickstart's
   kCurrent,  // Float8CurrentScaling(HYBRID)
-};
-
-// The layer's sizes; the input x is [batch, seq, hidden].
-struct LayerSize {
-  int64_t batch = 2;
-  int64_t seq = 32;
-  int64_t hidden = 64;
-  int64_t ffn = 256;
-  int heads = 4;
 };
 
 struct BenchOptions {
@@ -149,9 +141,7 @@ absl::StatusOr<std::vector<int>> ParseClientList(absl::string_view text);
 absl::StatusOr<BenchLayer> ParseLayer(absl::string_view text);  // dense|layernorm_mlp|transformer|flax
 absl::StatusOr<BenchOp> ParseOp(absl::string_view text);        // forward|forward_backward|put|get
 absl::StatusOr<Fp8Mode> ParseFp8(absl::string_view text);       // none|delayed|current
-// "small" (the quickstart's layer scaled down) or "quickstart" (hidden 4096,
-// FFN 16384, 32 heads, seq 2048, batch 4).
-absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config);
+// SizeForConfig ("small" / "quickstart"): client/quickstart_layers.h.
 
 const char* LayerName(BenchLayer layer);
 const char* OpName(BenchOp op);

@@ -65,12 +65,6 @@ absl::StatusOr<Fp8Mode> ParseFp8(absl::string_view text) {
   return absl::InvalidArgumentError(absl::StrCat("--fp8: \"", text, "\" is not none, delayed or current"));
 }
 
-absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config) {
-  if (config == "small") return LayerSize{2, 32, 64, 256, 4};
-  if (config == "quickstart") return LayerSize{4, 2048, 4096, 16384, 32};
-  return absl::InvalidArgumentError(absl::StrCat("--config: \"", config, "\" is not small or quickstart"));
-}
-
 const char* LayerName(BenchLayer layer) {
   switch (layer) {
     case BenchLayer::kDense:

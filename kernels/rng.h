@@ -26,6 +26,11 @@ TE_HOST_DEVICE inline float DropoutUniform(uint64_t seed, uint64_t index) {
   return static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
 }
 
+// Stage i's seed (init key or dropout seed) in a chain of modules: the
+// server's Sequential layer and the clients' Sequential both use this, so a
+// chain gives the same numbers wherever it runs.
+inline uint64_t StageSeed(uint64_t seed, uint64_t stage) { return MixBits(seed ^ MixBits(stage + 1)); }
+
 }  // namespace te
 
 #endif  // TE_KERNELS_RNG_H_

@@ -108,7 +108,7 @@ class SequentialLayer : public Layer {
                     Variables* vars) const override {
     return WalkShapes(input_shape, [&](size_t i, const Shape& x) -> absl::Status {
              Variables own;
-             RETURN_IF_ERROR(stages_[i].module->Init(ops, SequentialStageSeed(seed, i), x, fp8, &own));
+             RETURN_IF_ERROR(stages_[i].module->Init(ops, StageSeed(seed, i), x, fp8, &own));
              WriteBack(own, stages_[i].name, vars);
              return absl::OkStatus();
            })
@@ -136,7 +136,7 @@ class SequentialLayer : public Layer {
             stage_in.kv_seqlens = in.kv_seqlens;
           }
           ForwardOptions stage_opts = opts;
-          stage_opts.dropout_seed = SequentialStageSeed(opts.dropout_seed, i);
+          stage_opts.dropout_seed = StageSeed(opts.dropout_seed, i);
           Variables view = StageView(*vars, stage.name);
           LayerOutputs stage_out;
           const absl::Status status = stage.module->Forward(
@@ -329,10 +329,6 @@ int64_t Elements(const Shape& dims) {
 }
 
 }  // namespace
-
-uint64_t SequentialStageSeed(uint64_t seed, size_t stage) {
-  return MixBits(seed ^ MixBits(stage + 1));
-}
 
 absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSpec& spec) {
   if (spec.stages().empty()) {

@@ -23,9 +23,8 @@ namespace te::layers {
 // and builds every module stage with CreateLayer.
 absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSpec& spec);
 
-// Stage i's seed from the layer's (init key or dropout seed): the same
-// derivation as the clients' Sequential, so both give the same numbers.
-uint64_t SequentialStageSeed(uint64_t seed, size_t stage);
+// Stage i's init and dropout seeds come from kernels/rng.h's StageSeed, as
+// in the clients' Sequential, so both give the same numbers.
 
 }  // namespace te::layers
 

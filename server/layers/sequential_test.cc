@@ -1,6 +1,7 @@
 #include "server/layers/sequential.h"
 
 #include "gtest/gtest.h"
+#include "kernels/rng.h"
 #include "server/layers/fp8_state.h"
 #include "server/layers/testing.h"
 
@@ -118,7 +119,7 @@ TEST(SequentialTest, ForwardEqualsTheModulesChainedByHand) {
   auto norm = CreateLayer(Norm());
   auto dense = CreateLayer(Dense(kHidden));
   ASSERT_TRUE(norm.ok() && dense.ok());
-  auto dense_vars = InitLayer(*ops, **dense, shape, nullptr, SequentialStageSeed(7, 2));
+  auto dense_vars = InitLayer(*ops, **dense, shape, nullptr, StageSeed(7, 2));
   ASSERT_TRUE(dense_vars.ok());
   // Same initial kernel as the stage's (before RandomizeParams replaced both).
   auto fresh = InitLayer(*ops, **layer, shape, nullptr, 7);

@@ -63,17 +63,6 @@ ABSL_FLAG(std::string, memory_probe, "",
 namespace te::client {
 namespace {
 
-struct Config {
-  int64_t batch, seq, hidden, ffn;
-  int heads;
-};
-
-absl::StatusOr<Config> ParseConfig(const std::string& name) {
-  if (name == "small") return Config{2, 32, 64, 256, 4};
-  if (name == "quickstart") return Config{4, 2048, 4096, 16384, 32};
-  return absl::InvalidArgumentError(absl::StrCat("--config: \"", name, "\" is not small or quickstart"));
-}
-
 constexpr int kVariants = 7;
 
 absl::StatusOr<std::set<int>> ParseVariants(const std::string& text) {
@@ -101,57 +90,30 @@ struct Variant {
   std::string note;
 };
 
-DelayedScaling QuickstartRecipe() {
-  DelayedScaling recipe;  // HYBRID, margin 0
-  recipe.amax_history_len = 16;
-  recipe.amax_compute_algo = "max";
-  return recipe;
+template <typename M>
+std::shared_ptr<const Module> Shared(M module) {
+  return std::make_shared<M>(std::move(module));
 }
 
-std::shared_ptr<const Module> Chain(Sequential chain) {
-  return std::make_shared<ServerSequential>(std::move(chain));
-}
-
-std::shared_ptr<const Module> QuickstartTransformerLayer(const Config& c) {
-  auto layer = std::make_shared<TransformerLayer>();
-  layer->hidden_size = c.hidden;
-  layer->mlp_hidden_size = c.ffn;
-  layer->num_attention_heads = c.heads;
-  layer->mlp_activations = {"gelu"};
-  layer->self_attn_mask_type = "causal";
-  layer->layernorm_epsilon = 1e-5f;
-  layer->use_bias = true;
-  layer->intermediate_dropout = 0.0f;
-  layer->enable_relative_embedding = false;
-  layer->self_attn_bias_type = "no_bias";
-  layer->hidden_dropout = 0.0f;
-  layer->dtype = DType::kBF16;
-  return layer;
-}
-
-Variant MakeVariant(int number, const Config& c) {
-  const LayerSizes sizes{c.hidden, c.ffn, c.heads};
+Variant MakeVariant(int number, const LayerSize& c) {
   switch (number) {
-    case 1: {
-      auto layer = std::make_shared<FlaxTransformerLayer>(c.hidden, c.ffn, c.heads);
-      layer->hidden_dropout = 0.0f;  // the quickstart's Flax layer drops out in attention only
-      return {"v1_flax_bf16", false, layer, ""};
-    }
+    case 1:
+      return {"v1_flax_bf16", false, Shared(QuickstartFlaxLayer(c)), ""};
     case 2:
-      return {"v2_te_unfused_flax_attn_bf16", false, Chain(UnfusedLayer(sizes)),
+      return {"v2_te_unfused_flax_attn_bf16", false, Shared(ServerSequential(UnfusedLayer(c))),
               "the server has no standalone Flax attention: TE DotProductAttention, as variant 3"};
     case 3:
-      return {"v3_te_unfused_bf16", false, Chain(UnfusedLayer(sizes)), ""};
+      return {"v3_te_unfused_bf16", false, Shared(ServerSequential(UnfusedLayer(c))), ""};
     case 4:
-      return {"v4_te_unfused_fp8", true, Chain(UnfusedLayer(sizes)), ""};
+      return {"v4_te_unfused_fp8", true, Shared(ServerSequential(UnfusedLayer(c))), ""};
     case 5:
-      return {"v5_te_fused_fp8", true, Chain(FusedLayer(sizes)), ""};
+      return {"v5_te_fused_fp8", true, Shared(ServerSequential(FusedLayer(c))), ""};
     case 6:
-      return {"v6_te_transformer_fp8", true, QuickstartTransformerLayer(c), ""};
+      return {"v6_te_transformer_fp8", true, Shared(QuickstartTransformerLayer(c)), ""};
     default:
       return {"v7_te_transformer_bf16",
               false,
-              QuickstartTransformerLayer(c),
+              Shared(QuickstartTransformerLayer(c)),
               "not a quickstart variant: variant 6 without FP8 (issue 3's bf16 target)"};
   }
 }
@@ -214,7 +176,7 @@ class VariantRun {
       : session_(session), o_(options), autocast_(std::move(autocast)) {}
 
   // Inits the layer; uploads x and dy.
-  absl::Status Init(const Variant& v, const Config& c) {
+  absl::Status Init(const Variant& v, const LayerSize& c) {
     const Shape shape = {c.batch, c.seq, c.hidden};
     const DType dtype = DType::kBF16;
     te::v1::InitLayerRequest request;
@@ -279,7 +241,7 @@ class VariantRun {
 
 std::string Ms(const std::optional<double>& ms) { return ms ? absl::StrFormat("%.3f", *ms) : "-"; }
 
-absl::Status RunVariant(Client& client, const Variant& v, const Config& c, const Options& o) {
+absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, const Options& o) {
   SessionOptions session_options;
   if (v.fp8) {
     session_options.recipes = {QuickstartRecipe()};
@@ -310,7 +272,7 @@ absl::Status RunVariant(Client& client, const Variant& v, const Config& c, const
 }
 
 int Main() {
-  absl::StatusOr<Config> config = ParseConfig(absl::GetFlag(FLAGS_config));
+  absl::StatusOr<LayerSize> config = SizeForConfig(absl::GetFlag(FLAGS_config));
   absl::StatusOr<std::set<int>> variants = ParseVariants(absl::GetFlag(FLAGS_variants));
   if (!config.ok() || !variants.ok()) {
     std::cerr << "layer_bench: " << (config.ok() ? variants.status() : config.status()) << std::endl;
@@ -332,7 +294,7 @@ int Main() {
     std::cerr << "layer_bench: " << client.status() << std::endl;
     return 2;
   }
-  const Config& c = *config;
+  const LayerSize& c = *config;
   std::cout
       << absl::StrFormat(
              "CONFIG batch %d seq %d hidden %d ffn %d heads %d bf16 causal dropout %s warmup %d iters %d\n",

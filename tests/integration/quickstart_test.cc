@@ -13,6 +13,7 @@
 
 #include "client/client.h"
 #include "client/modules.h"
+#include "client/quickstart_layers.h"
 #include "client/sequential.h"
 #include "client/speedometer.h"
 #include "gtest/gtest.h"
@@ -24,16 +25,9 @@ namespace {
 // The small config (the quickstart's layer, scaled down).
 constexpr int64_t kBatch = 2, kSeq = 16, kHidden = 32, kFfn = 64;
 constexpr int kHeads = 2;
-constexpr int64_t kKvChannels = kHidden / kHeads;
 // Relative tolerance for comparing two float32 paths that should agree up to
 // the rounding of one host-side add.
 constexpr double kF32AddTolerance = 1e-6;
-
-DelayedScaling QuickstartRecipe() {
-  DelayedScaling recipe;
-  recipe.amax_history_len = 16;
-  return recipe;  // HYBRID, "max", margin 0 by default
-}
 
 std::set<std::string> Names(const std::vector<VariableInfo>& vars, const std::string& collection) {
   std::set<std::string> out;
@@ -88,71 +82,8 @@ void ExpectGoodValueAndGrad(const ValueAndGradResult& result, const HostTensor& 
   EXPECT_EQ(result.grads.size(), static_cast<size_t>(params));
 }
 
-// The quickstart's attention block after the qkv projection.
-void AddAttention(Sequential* layer) {
-  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * kHidden}, {kHeads, 3 * kKvChannels}));
-  layer->AddHost("qkv_split", SplitLastAxisStep(3));
-  auto attention = std::make_shared<DotProductAttention>(static_cast<int>(kKvChannels), kHeads);
-  attention->attention_dropout = 0.1f;
-  attention->dtype = DType::kBF16;
-  layer->Add("DotProductAttention_0", attention);
-  layer->AddHost("heads_merge", ReshapeTrailing({kHeads, kKvChannels}, {kHidden}));
-  auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden});
-  layer->Add("DenseGeneral_1", proj);
-}
-
-Sequential UnfusedLayer() {
-  Sequential layer;
-  auto ln = [] {
-    auto norm = std::make_shared<LayerNorm>();
-    norm->epsilon = 1e-5f;
-    return norm;
-  };
-  layer.Fork().Add("LayerNorm_0", ln());
-  layer.Add("DenseGeneral_0", std::make_shared<DenseGeneral>(std::vector<int64_t>{3 * kHidden}));
-  AddAttention(&layer);
-  layer.Join().Fork().Add("LayerNorm_1", ln());
-  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", std::make_shared<DenseGeneral>(std::vector<int64_t>{kFfn}));
-  layer.Add("TEUnfusedMLP_0/activation", std::make_shared<Activation>());
-  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden}));
-  layer.Join();
-  return layer;
-}
-
-Sequential FusedLayer() {
-  Sequential layer;
-  auto qkv = std::make_shared<LayerNormDenseGeneral>(std::vector<int64_t>{3 * kHidden});
-  qkv->epsilon = 1e-5f;
-  qkv->use_bias = true;
-  qkv->return_layernorm_output = false;
-  layer.Fork().Add("LayerNormDenseGeneral_0", qkv);
-  AddAttention(&layer);
-  auto mlp = std::make_shared<LayerNormMLP>();
-  mlp->intermediate_dim = kFfn;
-  mlp->epsilon = 1e-5f;
-  mlp->use_bias = true;
-  mlp->activations = {"gelu"};
-  mlp->intermediate_dropout_rate = 0.0f;
-  mlp->return_layernorm_output = false;
-  layer.Join().Fork().Add("LayerNormMLP_0", mlp).Join();
-  return layer;
-}
-
-TransformerLayer QuickstartTransformerLayer() {
-  TransformerLayer layer;
-  layer.hidden_size = kHidden;
-  layer.mlp_hidden_size = kFfn;
-  layer.num_attention_heads = kHeads;
-  layer.mlp_activations = {"gelu"};
-  layer.layernorm_epsilon = 1e-5f;
-  layer.use_bias = true;
-  layer.intermediate_dropout = 0.0f;
-  layer.enable_relative_embedding = false;
-  layer.self_attn_bias_type = "no_bias";
-  layer.hidden_dropout = 0.0f;
-  layer.dtype = DType::kBF16;
-  return layer;
-}
+// The quickstart's own layers (client/quickstart_layers) at a small size.
+const LayerSize kSize{kBatch, kSeq, kHidden, kFfn, kHeads};
 
 class QuickstartTest : public ::testing::Test {
  protected:
@@ -248,7 +179,7 @@ TEST_F(QuickstartTest, Variant1PlainFlaxLayer) {
 }
 
 TEST_F(QuickstartTest, Variants2And3UnfusedLayer) {
-  const Sequential layer = UnfusedLayer();
+  const Sequential layer = UnfusedLayer(kSize);
   absl::StatusOr<SequentialVariables> vars = layer.Init(*session_, 42, x_);
   ASSERT_TRUE(vars.ok()) << vars.status();
   const std::set<std::string> params = Names(vars->variables, "params");
@@ -282,7 +213,7 @@ TEST_F(QuickstartTest, ServerSequentialGivesTheClientChainsNumbers) {
   for (const bool fp8 : {false, true}) {
     SCOPED_TRACE(fp8 ? "FP8" : "bf16");
     Autocast autocast(fp8, QuickstartRecipe());
-    const Sequential chain = UnfusedLayer();
+    const Sequential chain = UnfusedLayer(kSize);
     absl::StatusOr<SequentialVariables> chain_vars = chain.Init(*session_, 42, x_);
     ASSERT_TRUE(chain_vars.ok()) << chain_vars.status();
     const ServerSequential whole(chain);
@@ -326,7 +257,7 @@ TEST_F(QuickstartTest, ServerSequentialGivesTheClientChainsNumbers) {
 }
 
 TEST_F(QuickstartTest, Variant4UnfusedLayerUnderFp8) {
-  const Sequential layer = UnfusedLayer();
+  const Sequential layer = UnfusedLayer(kSize);
   Autocast autocast(true, QuickstartRecipe());
   absl::StatusOr<SequentialVariables> vars = layer.Init(*session_, 42, x_);
   ASSERT_TRUE(vars.ok()) << vars.status();
@@ -349,7 +280,7 @@ TEST_F(QuickstartTest, Variant4UnfusedLayerUnderFp8) {
 }
 
 TEST_F(QuickstartTest, Variant5FusedLayerUnderFp8) {
-  const Sequential layer = FusedLayer();
+  const Sequential layer = FusedLayer(kSize);
   Autocast autocast(true, QuickstartRecipe());
   absl::StatusOr<SequentialVariables> vars = layer.Init(*session_, 42, x_);
   ASSERT_TRUE(vars.ok()) << vars.status();
@@ -373,7 +304,7 @@ TEST_F(QuickstartTest, Variant5FusedLayerUnderFp8) {
 }
 
 TEST_F(QuickstartTest, Variant6TransformerLayerScalesMoveWithTheSteps) {
-  const TransformerLayer layer = QuickstartTransformerLayer();
+  const TransformerLayer layer = QuickstartTransformerLayer(kSize);
   Autocast autocast(true, QuickstartRecipe());
   absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);
   ASSERT_TRUE(vars.ok()) << vars.status();
@@ -431,7 +362,7 @@ TEST_F(QuickstartTest, Variant6TransformerLayerScalesMoveWithTheSteps) {
 }
 
 TEST_F(QuickstartTest, Fp8ApplyOnALayerInitialisedWithoutAutocastFails) {
-  const TransformerLayer layer = QuickstartTransformerLayer();
+  const TransformerLayer layer = QuickstartTransformerLayer(kSize);
   absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);  // no autocast: no fp8_metas
   ASSERT_TRUE(vars.ok()) << vars.status();
   EXPECT_FALSE(vars->HasCollection("fp8_metas"));
@@ -446,7 +377,7 @@ TEST_F(QuickstartTest, Fp8ApplyOnALayerInitialisedWithoutAutocastFails) {
 }
 
 TEST_F(QuickstartTest, SpeedometerClientAndServerSide) {
-  const TransformerLayer layer = QuickstartTransformerLayer();
+  const TransformerLayer layer = QuickstartTransformerLayer(kSize);
   Autocast autocast(true, QuickstartRecipe());
   absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);
   ASSERT_TRUE(vars.ok()) << vars.status();
@@ -465,7 +396,7 @@ TEST_F(QuickstartTest, SpeedometerClientAndServerSide) {
   EXPECT_GT(server_side->mean_ms, 0.0);
   EXPECT_EQ(server_side->steps, 3);
 
-  const Sequential fused = FusedLayer();
+  const Sequential fused = FusedLayer(kSize);
   absl::StatusOr<SequentialVariables> fused_vars = fused.Init(*session_, 42, x_);
   ASSERT_TRUE(fused_vars.ok()) << fused_vars.status();
   options.server_side = false;
@@ -533,7 +464,7 @@ TEST_F(QuickstartTest, StreamedTransportGivesTheSameResults) {
   absl::StatusOr<std::unique_ptr<Session>> streamed = streamed_client->CreateSession();
   ASSERT_TRUE(streamed.ok()) << streamed.status();
 
-  const Sequential layer = FusedLayer();
+  const Sequential layer = FusedLayer(kSize);
   absl::StatusOr<SequentialVariables> inline_vars = layer.Init(*session_, 42, x_);
   absl::StatusOr<SequentialVariables> streamed_vars = layer.Init(**streamed, 42, x_);
   ASSERT_TRUE(inline_vars.ok()) << inline_vars.status();
