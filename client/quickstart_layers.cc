@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-
 #include "client/modules.h"
 
 namespace te::client {
