@@ -325,6 +325,65 @@ absl::Status CheckGemmOperand(const char* name, const char* scale_name, const Te
 
 }  // namespace
 
+namespace {
+
+// A tensor the epilogue reads or writes alongside out: [M, N] in out's dtype.
+absl::Status RequireLikeOut(const char* name, const Tensor& t, const Tensor& out) {
+  RETURN_IF_ERROR(RequireShape("Gemm", name, t, out.shape()));
+  if (t.dtype() != out.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("Gemm: ", name, " has dtype ",
+                                                   DTypeName(t.dtype()), ", want out's ",
+                                                   DTypeName(out.dtype())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGemmEpilogue(const Ops::GemmArgs& args, const Tensor& out,
+                               const GemmDims& dims) {
+  const bool activation = args.epilogue != Ops::GemmEpilogue::kNone;
+  if (args.residual.defined()) {
+    RETURN_IF_ERROR(RequireLikeOut("residual", args.residual, out));
+    if (args.accumulate || activation) {
+      return absl::InvalidArgumentError(
+          "Gemm: residual is given with accumulate or an activation epilogue; it is a plain "
+          "residual add after the projection");
+    }
+  }
+  if (activation && args.accumulate) {
+    return absl::InvalidArgumentError("Gemm: an activation epilogue excludes accumulate");
+  }
+  if (!activation) {
+    if (args.aux.defined() || args.bias_grad.defined()) {
+      return absl::InvalidArgumentError(
+          "Gemm: aux and bias_grad belong to an activation epilogue; epilogue is kNone");
+    }
+    return absl::OkStatus();
+  }
+  if (!args.aux.defined()) {
+    return absl::InvalidArgumentError(
+        "Gemm: the activation epilogue needs aux (the [M, N] pre-activation)");
+  }
+  RETURN_IF_ERROR(RequireLikeOut("aux", args.aux, out));
+  if (args.epilogue == Ops::GemmEpilogue::kGeluAux) {
+    if (args.bias_grad.defined()) {
+      return absl::InvalidArgumentError("Gemm: bias_grad is for kDGeluBgrad, not kGeluAux");
+    }
+    return absl::OkStatus();
+  }
+  if (args.bias.data() != nullptr) {
+    return absl::InvalidArgumentError(
+        "Gemm: kDGeluBgrad takes no bias (it computes the bias gradient)");
+  }
+  if (args.bias_grad.defined()) {
+    RETURN_IF_ERROR(RequireFloat("Gemm", "bias_grad", &args.bias_grad));
+    RETURN_IF_ERROR(RequireShape("Gemm", "bias_grad", args.bias_grad, {dims.n},
+                                 absl::StrCat("[N=", dims.n, "]")));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* out) {
   RETURN_IF_ERROR(CheckGemmOperand("a", "a_scale_inv", args.a, args.a_scale_inv));
   RETURN_IF_ERROR(CheckGemmOperand("b", "b_scale_inv", args.b, args.b_scale_inv));
@@ -358,6 +417,7 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
           "on the first GEMM that writes out");
     }
   }
+  RETURN_IF_ERROR(CheckGemmEpilogue(args, *out, dims));
   return dims;
 }
 
@@ -417,11 +477,29 @@ absl::StatusOr<NormDims> CheckNormForwardArgs(const NormArgs& args, const Tensor
   return dims;
 }
 
+absl::Status CheckNormForwardTransposedArgs(const NormArgs& args, const Tensor& x,
+                                            const Tensor& gamma, const Tensor& beta,
+                                            const Fp8Output& fp8, const Tensor* y,
+                                            const Tensor* y_t, const Tensor* mu,
+                                            const Tensor* rsigma) {
+  const char* op = "NormForwardTransposed";
+  ASSIGN_OR_RETURN(const NormDims dims,
+                   CheckNormForwardArgs(args, x, gamma, beta, y, mu, rsigma, &fp8));
+  if (!IsFloat8(y->dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": y has dtype ", DTypeName(y->dtype()), ", want E4M3 or E5M2"));
+  }
+  RETURN_IF_ERROR(RequireDefined(op, "y_t", y_t));
+  RETURN_IF_ERROR(RequireDType(op, "y_t", y_t, y->dtype()));
+  return RequireShape(op, "y_t", *y_t, {dims.hidden, dims.rows});
+}
+
 absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tensor& dy,
                                                const Tensor& x, const Tensor& mu,
                                                const Tensor& rsigma, const Tensor& gamma,
                                                const Tensor* dx, const Tensor* dgamma,
-                                               const Tensor* dbeta) {
+                                               const Tensor* dbeta,
+                                               const Tensor& residual_grad) {
   const char* op = "NormBackward";
   const bool layernorm = args.type == NormType::kLayerNorm;
   ASSIGN_OR_RETURN(const NormDims dims, CheckNormInput(op, x));
@@ -434,6 +512,14 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
   RETURN_IF_ERROR(RequireShape(op, "dx", *dx, x.shape()));
   RETURN_IF_ERROR(CheckNormParam(op, "dgamma", dgamma, dims));
   if (layernorm) RETURN_IF_ERROR(CheckNormParam(op, "dbeta", dbeta, dims));
+  if (residual_grad.defined()) {
+    RETURN_IF_ERROR(RequireShape(op, "residual_grad", residual_grad, x.shape()));
+    if (residual_grad.dtype() != dx->dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": residual_grad has dtype ",
+                                                     DTypeName(residual_grad.dtype()),
+                                                     ", want dx's ", DTypeName(dx->dtype())));
+    }
+  }
   return dims;
 }
 
@@ -586,6 +672,16 @@ absl::Status CheckSoftmaxLse(const char* op, const Tensor* lse, const AttentionS
 }
 
 }  // namespace
+
+absl::Status CheckPackedQkv(const char* op, const char* name, const Tensor& qkv) {
+  RETURN_IF_ERROR(RequireFloat(op, name, &qkv));
+  if (qkv.rank() != 5 || qkv.dim(2) != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " has shape ",
+                                                   ShapeString(qkv.shape()),
+                                                   ", want [B, S, 3, H, D]"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args, const Tensor& q,
                                                          const Tensor& k, const Tensor& v,

@@ -108,11 +108,18 @@ absl::StatusOr<NormDims> CheckNormForwardArgs(const NormArgs& args, const Tensor
                                               const Tensor& gamma, const Tensor& beta,
                                               const Tensor* y, const Tensor* mu,
                                               const Tensor* rsigma, const Fp8Output* fp8);
+// NormForward's checks with an FP8 y, and y_t [H, N] of y's dtype.
+absl::Status CheckNormForwardTransposedArgs(const NormArgs& args, const Tensor& x,
+                                            const Tensor& gamma, const Tensor& beta,
+                                            const Fp8Output& fp8, const Tensor* y,
+                                            const Tensor* y_t, const Tensor* mu,
+                                            const Tensor* rsigma);
 absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tensor& dy,
                                                const Tensor& x, const Tensor& mu,
                                                const Tensor& rsigma, const Tensor& gamma,
                                                const Tensor* dx, const Tensor* dgamma,
-                                               const Tensor* dbeta);
+                                               const Tensor* dbeta,
+                                               const Tensor& residual_grad = Tensor());
 
 // ---- activations and dropout ------------------------------------------------
 
@@ -143,6 +150,8 @@ struct AttentionShape {
 // These check the padding lengths' dtype and shape, not their values, which
 // may live on the device (the CPU checks them as it reads them; the CUDA
 // kernels clamp them to [0, S]).
+// qkv: float [B, S, 3, H, D] (TE's BS3HD), named `name` in errors.
+absl::Status CheckPackedQkv(const char* op, const char* name, const Tensor& qkv);
 absl::StatusOr<AttentionShape> CheckAttentionForwardArgs(const AttentionArgs& args, const Tensor& q,
                                                          const Tensor& k, const Tensor& v,
                                                          const Tensor* out,

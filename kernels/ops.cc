@@ -38,4 +38,69 @@ absl::Status Ops::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tenso
   return Permute(*y, {1, 0}, y_t);
 }
 
+absl::Status Ops::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                         Tensor* y_t, Tensor* dbias) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
+  RETURN_IF_ERROR(CheckSumRowsArgs(x, dbias));
+  RETURN_IF_ERROR(QuantizeTranspose(x, fp8, y, y_t));
+  return SumRows(x, dbias);
+}
+
+absl::Status Ops::NormForwardTransposed(const NormArgs& args, const Tensor& x,
+                                        const Tensor& gamma, const Tensor& beta,
+                                        const Fp8Output& fp8, Tensor* y, Tensor* y_t, Tensor* mu,
+                                        Tensor* rsigma) {
+  RETURN_IF_ERROR(CheckNormForwardTransposedArgs(args, x, gamma, beta, fp8, y, y_t, mu, rsigma));
+  RETURN_IF_ERROR(NormForward(args, x, gamma, beta, y, mu, rsigma, &fp8));
+  return Permute(y->Reshaped({Rows(x), x.dim(-1)}), {1, 0}, y_t);
+}
+
+namespace {
+
+// q, k and v of a packed qkv [B, S, 3, H, D], each [B, S, H, D], from
+// `front` [3, B, S, H, D].
+std::vector<Tensor> Unstack(const Tensor& front) {
+  const Shape part(front.shape().begin() + 1, front.shape().end());
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < 3; ++i) parts.push_back(front.Slice0(i, i + 1).Reshaped(part));
+  return parts;
+}
+
+Shape FrontShape(const Tensor& qkv) {
+  return {3, qkv.dim(0), qkv.dim(1), qkv.dim(3), qkv.dim(4)};
+}
+
+}  // namespace
+
+absl::Status Ops::AttentionForwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                         Tensor* out, Tensor* softmax_lse) {
+  RETURN_IF_ERROR(CheckPackedQkv("AttentionForwardPacked", "qkv", qkv));
+  ASSIGN_OR_RETURN(Tensor front, Allocate(qkv.dtype(), FrontShape(qkv)));
+  RETURN_IF_ERROR(Permute(qkv, {2, 0, 1, 3, 4}, &front));
+  const std::vector<Tensor> qkv_parts = Unstack(front);
+  return AttentionForward(args, qkv_parts[0], qkv_parts[1], qkv_parts[2], out, softmax_lse);
+}
+
+absl::Status Ops::AttentionBackwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                          const Tensor& out, const Tensor& dout,
+                                          const Tensor& softmax_lse, Tensor* dqkv,
+                                          Tensor* dbias) {
+  RETURN_IF_ERROR(CheckPackedQkv("AttentionBackwardPacked", "qkv", qkv));
+  RETURN_IF_ERROR(CheckPackedQkv("AttentionBackwardPacked", "dqkv", *dqkv));
+  if (dqkv->shape() != qkv.shape() || dqkv->dtype() != qkv.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AttentionBackwardPacked: dqkv is ", ShapeString(dqkv->shape()), " ",
+        DTypeName(dqkv->dtype()), ", want qkv's ", ShapeString(qkv.shape()), " ",
+        DTypeName(qkv.dtype())));
+  }
+  ASSIGN_OR_RETURN(Tensor front, Allocate(qkv.dtype(), FrontShape(qkv)));
+  RETURN_IF_ERROR(Permute(qkv, {2, 0, 1, 3, 4}, &front));
+  const std::vector<Tensor> parts = Unstack(front);
+  ASSIGN_OR_RETURN(Tensor dfront, Allocate(qkv.dtype(), FrontShape(qkv)));
+  std::vector<Tensor> dparts = Unstack(dfront);
+  RETURN_IF_ERROR(AttentionBackward(args, parts[0], parts[1], parts[2], out, dout, softmax_lse,
+                                    &dparts[0], &dparts[1], &dparts[2], dbias));
+  return Permute(dfront, {1, 2, 0, 3, 4}, dqkv);
+}
+
 }  // namespace te

@@ -162,6 +162,12 @@ class Ops {
   // does both in one pass over x.
   virtual absl::Status QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                          Tensor* y_t);
+  // QuantizeTranspose, and dbias [H] (float) = the column sums of x (float32
+  // accumulation): TE's cast-transpose-dbias, what a Dense backward does with
+  // its output gradient under FP8. The default runs QuantizeTranspose and
+  // SumRows; the CUDA backend reads x once.
+  virtual absl::Status QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                              Tensor* y_t, Tensor* dbias);
   // y (float) = x (FP8) * scale_inv.
   virtual absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) = 0;
   // amax [1] f32 = max |x|.
@@ -188,6 +194,20 @@ class Ops {
   // if transpose_*; a is [M, K] or, transposed, [K, M]. Operands are float, or
   // both FP8 with their scale_inv ([1] f32): then op(a) = a * a_scale_inv.
   // accumulate: out += result (bias must then be undefined).
+  //
+  // Fused epilogues (cuBLASLt's; a float out only). With p = op(a) @ op(b)
+  // + bias (+ residual), in float32 before any rounding:
+  //   residual [M, N] (out's dtype): added to p, as a residual connection
+  //     after a projection (cuBLASLt's C with beta = 1). Not with
+  //     accumulate, nor with an activation epilogue.
+  //   kGeluAux:   aux [M, N] (out's dtype) = p, the pre-activation that the
+  //               backward needs; out = gelu(p).
+  //   kDGeluBgrad: out = p * gelu'(aux), aux being kGeluAux's; bias must be
+  //               undefined; bias_grad [N] (if defined, any float dtype) =
+  //               the column sums of out (float32 accumulation): the
+  //               gradient of the GELU's input and of the bias before it.
+  // gelu is ops.h's tanh approximation, as cuBLASLt's.
+  enum class GemmEpilogue { kNone, kGeluAux, kDGeluBgrad };
   struct GemmArgs {
     Tensor a;
     bool transpose_a = false;
@@ -197,6 +217,10 @@ class Ops {
     Tensor b_scale_inv;
     Tensor bias;
     bool accumulate = false;
+    Tensor residual;
+    GemmEpilogue epilogue = GemmEpilogue::kNone;
+    Tensor aux;
+    Tensor bias_grad;
   };
   virtual absl::Status Gemm(const GemmArgs& args, Tensor* out) = 0;
 
@@ -210,11 +234,22 @@ class Ops {
   virtual absl::Status NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
                                    const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
                                    const Fp8Output* fp8 = nullptr) = 0;
+  // NormForward with an FP8 y, and y_t [H, N] = y^T (the codes transposed):
+  // the norm output in both layouts an FP8 GEMM takes it in (forward as is,
+  // the wgrad transposed). The default runs NormForward, then Permute; the
+  // CUDA backend writes both from one pass.
+  virtual absl::Status NormForwardTransposed(const NormArgs& args, const Tensor& x,
+                                             const Tensor& gamma, const Tensor& beta,
+                                             const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                             Tensor* mu, Tensor* rsigma);
   // dx [N, H]; dgamma, dbeta [H] (dbeta undefined for RMSNorm), overwritten.
+  // residual_grad (optional, dx's shape and dtype): added to dx, the
+  // gradient that reaches x around the norm through a residual connection.
   virtual absl::Status NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                                     const Tensor& mu, const Tensor& rsigma,
                                     const Tensor& gamma, Tensor* dx, Tensor* dgamma,
-                                    Tensor* dbeta) = 0;
+                                    Tensor* dbeta,
+                                    const Tensor& residual_grad = Tensor()) = 0;
 
   // ---- activations ------------------------------------------------------
   // x [N, n * I] with n = acts.size() (1 or 2) -> y [N, I]; y may be FP8.
@@ -251,6 +286,20 @@ class Ops {
                                          const Tensor& dout, const Tensor& softmax_lse,
                                          Tensor* dq, Tensor* dk, Tensor* dv,
                                          Tensor* dbias) = 0;
+
+  // Self-attention on TE's packed BS3HD layout, the fused QKV projection's
+  // output as it is: qkv [B, S, 3, H, D] holds q, k and v at index 0, 1 and 2
+  // of axis 2 (so Hq = Hkv = H, Sq = Skv = S); out [B, S, H, D]. The same
+  // results as AttentionForward / AttentionBackward on the three parts, with
+  // dqkv [B, S, 3, H, D] packed the same way. The defaults split and stack
+  // with Permute; the CUDA backend reads and writes the packed tensors in
+  // place (cuDNN strides), saving those copies.
+  virtual absl::Status AttentionForwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                              Tensor* out, Tensor* softmax_lse);
+  virtual absl::Status AttentionBackwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                               const Tensor& out, const Tensor& dout,
+                                               const Tensor& softmax_lse, Tensor* dqkv,
+                                               Tensor* dbias);
 
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.

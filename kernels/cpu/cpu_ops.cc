@@ -417,13 +417,33 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
   else if (args.transpose_b) result.noalias() = a * b.transpose();
   else result.noalias() = a * b;
 
+  const bool has_residual = args.residual.defined();
+  std::vector<float> column_sums(args.epilogue == GemmEpilogue::kDGeluBgrad ? n : 0, 0.0f);
+  Tensor aux = args.aux;  // shares the caller's memory
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
+      const int64_t at = i * n + j;
       float v = result(i, j);
       if (has_bias) v += LoadAsFloat(args.bias, j);
-      if (args.accumulate) v += LoadAsFloat(*out, i * n + j);
-      StoreFromFloat(out, i * n + j, v);
+      if (has_residual) v += LoadAsFloat(args.residual, at);
+      if (args.accumulate) v += LoadAsFloat(*out, at);
+      switch (args.epilogue) {
+        case GemmEpilogue::kNone: break;
+        case GemmEpilogue::kGeluAux:
+          StoreFromFloat(&aux, at, v);
+          v = ActivationValue(Activation::kGelu, v);
+          break;
+        case GemmEpilogue::kDGeluBgrad:
+          v *= ActivationDerivative(Activation::kGelu, LoadAsFloat(args.aux, at));
+          column_sums[j] += v;
+          break;
+      }
+      StoreFromFloat(out, at, v);
     }
+  }
+  if (args.bias_grad.defined()) {
+    Tensor bias_grad = args.bias_grad;  // shares the caller's memory
+    for (int64_t j = 0; j < n; ++j) StoreFromFloat(&bias_grad, j, column_sums[j]);
   }
   return absl::OkStatus();
 }
@@ -474,9 +494,10 @@ absl::Status CpuOps::NormForward(const NormArgs& args, const Tensor& x, const Te
 // dbeta = sum_rows dy.
 absl::Status CpuOps::NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                                   const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
-                                  Tensor* dx, Tensor* dgamma, Tensor* dbeta) {
+                                  Tensor* dx, Tensor* dgamma, Tensor* dbeta,
+                                  const Tensor& residual_grad) {
   ASSIGN_OR_RETURN(const NormDims dims, CheckNormBackwardArgs(args, dy, x, mu, rsigma, gamma,
-                                                               dx, dgamma, dbeta));
+                                                               dx, dgamma, dbeta, residual_grad));
   const bool layernorm = args.type == NormType::kLayerNorm;
   const int64_t h = dims.hidden;
   const int64_t rows = dims.rows;
@@ -508,6 +529,7 @@ absl::Status CpuOps::NormBackward(const NormArgs& args, const Tensor& dy, const 
     for (int64_t c = 0; c < h; ++c) {
       dxs[r * h + c] = static_cast<float>(
           rs_r * (dxhat[c] - mean_dxhat - xhat[c] * mean_dxhat_xhat));
+      if (residual_grad.defined()) dxs[r * h + c] += LoadAsFloat(residual_grad, r * h + c);
     }
   }
   FromFloatVector(dxs, dx);

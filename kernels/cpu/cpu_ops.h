@@ -44,7 +44,8 @@ class CpuOps : public Ops {
                            const Fp8Output* fp8) override;
   absl::Status NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                             const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
-                            Tensor* dx, Tensor* dgamma, Tensor* dbeta) override;
+                            Tensor* dx, Tensor* dgamma, Tensor* dbeta,
+                            const Tensor& residual_grad = Tensor()) override;
 
   absl::Status ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
                                  Tensor* y, const Fp8Output* fp8) override;

@@ -139,5 +139,18 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
                                    static_cast<float*>(row_dot), stream());
 }
 
+// Not yet in place: the defaults (split and stack with Permute).
+absl::Status CudaOps::AttentionForwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                             Tensor* out, Tensor* softmax_lse) {
+  return Ops::AttentionForwardPacked(args, qkv, out, softmax_lse);
+}
+
+absl::Status CudaOps::AttentionBackwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                              const Tensor& out, const Tensor& dout,
+                                              const Tensor& softmax_lse, Tensor* dqkv,
+                                              Tensor* dbias) {
+  return Ops::AttentionBackwardPacked(args, qkv, out, dout, softmax_lse, dqkv, dbias);
+}
+
 }  // namespace cuda
 }  // namespace te

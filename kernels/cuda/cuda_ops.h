@@ -97,6 +97,8 @@ class CudaOps : public Ops {
   absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) override;
   absl::Status QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                  Tensor* y_t) override;
+  absl::Status QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                      Tensor* y_t, Tensor* dbias) override;
   absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) override;
   absl::Status Amax(const Tensor& x, Tensor* amax) override;
   absl::Status ScaleFromAmax(const Tensor& amax, float fp8_max, float margin, float epsilon,
@@ -112,9 +114,13 @@ class CudaOps : public Ops {
   absl::Status NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
                            const Tensor& beta, Tensor* y, Tensor* mu, Tensor* rsigma,
                            const Fp8Output* fp8) override;
+  absl::Status NormForwardTransposed(const NormArgs& args, const Tensor& x, const Tensor& gamma,
+                                     const Tensor& beta, const Fp8Output& fp8, Tensor* y,
+                                     Tensor* y_t, Tensor* mu, Tensor* rsigma) override;
   absl::Status NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                             const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
-                            Tensor* dx, Tensor* dgamma, Tensor* dbeta) override;
+                            Tensor* dx, Tensor* dgamma, Tensor* dbeta,
+                            const Tensor& residual_grad = Tensor()) override;
 
   // activation.cu
   absl::Status ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
@@ -135,6 +141,12 @@ class CudaOps : public Ops {
                                  const Tensor& v, const Tensor& out, const Tensor& dout,
                                  const Tensor& softmax_lse, Tensor* dq, Tensor* dk, Tensor* dv,
                                  Tensor* dbias) override;
+  absl::Status AttentionForwardPacked(const AttentionArgs& args, const Tensor& qkv, Tensor* out,
+                                      Tensor* softmax_lse) override;
+  absl::Status AttentionBackwardPacked(const AttentionArgs& args, const Tensor& qkv,
+                                       const Tensor& out, const Tensor& dout,
+                                       const Tensor& softmax_lse, Tensor* dqkv,
+                                       Tensor* dbias) override;
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;

@@ -402,5 +402,11 @@ absl::Status CudaOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& 
   return absl::OkStatus();
 }
 
+// Not yet fused: the default (QuantizeTranspose, then SumRows).
+absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                             Tensor* y_t, Tensor* dbias) {
+  return Ops::QuantizeTransposeDbias(x, fp8, y, y_t, dbias);
+}
+
 }  // namespace cuda
 }  // namespace te

@@ -372,6 +372,9 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   const int64_t m = dims.m, n = dims.n, k = dims.k;
   const bool fp8 = IsFloat8(args.a.dtype());
   const bool has_bias = args.bias.data() != nullptr;
+  if (args.residual.defined() || args.epilogue != GemmEpilogue::kNone) {
+    return absl::UnimplementedError("Gemm: fused epilogues are not yet implemented on CUDA");
+  }
   if (m == 0 || n == 0) return absl::OkStatus();
   if (k == 0) return Epilogue(nullptr, args.bias, args.accumulate, out, m, n, stream());
 

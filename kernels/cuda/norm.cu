@@ -320,9 +320,10 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
 
 absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const Tensor& x,
                                    const Tensor& mu, const Tensor& rsigma, const Tensor& gamma,
-                                   Tensor* dx, Tensor* dgamma, Tensor* dbeta) {
+                                   Tensor* dx, Tensor* dgamma, Tensor* dbeta,
+                                   const Tensor& residual_grad) {
   ASSIGN_OR_RETURN(const NormDims dims, CheckNormBackwardArgs(args, dy, x, mu, rsigma, gamma,
-                                                               dx, dgamma, dbeta));
+                                                               dx, dgamma, dbeta, residual_grad));
   const bool layernorm = args.type == NormType::kLayerNorm;
   // CUDA only: the kernels are instantiated per dtype of x, gamma and the
   // outputs, so dy is read as x's dtype and dbeta written as dgamma's.
@@ -406,7 +407,16 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
         layernorm ? static_cast<typename Out::Storage*>(dbeta->data()) : nullptr);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
+  if (residual_grad.defined()) return Axpby(1.0f, *dx, 1.0f, residual_grad, dx);
   return absl::OkStatus();
+}
+
+// Not yet fused: the default (NormForward, then a transpose).
+absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& x,
+                                            const Tensor& gamma, const Tensor& beta,
+                                            const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                            Tensor* mu, Tensor* rsigma) {
+  return Ops::NormForwardTransposed(args, x, gamma, beta, fp8, y, y_t, mu, rsigma);
 }
 
 }  // namespace cuda
