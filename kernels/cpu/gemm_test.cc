@@ -1,5 +1,6 @@
 // Gemm against a float64 reference: every transpose combination, float dtypes,
 // bias, accumulate, FP8 operands with their scale_inv, and argument errors.
+#include <cmath>
 #include <ostream>
 #include <tuple>
 
@@ -138,6 +139,124 @@ INSTANTIATE_TEST_SUITE_P(TransposesAndFormats, Fp8GemmTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool(),
                                             ::testing::Values(DType::kE4M3, DType::kE5M2),
                                             ::testing::Values(DType::kE4M3, DType::kE5M2)));
+
+// ---- fused epilogues: a float64 reference of each --------------------------------
+
+double GeluRef(double x) {
+  const double t = std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x));
+  return 0.5 * x * (1.0 + t);
+}
+double GeluDerivativeRef(double x) {
+  const double t = std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x));
+  const double dinner = std::sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * x * x);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner;
+}
+
+class GemmEpilogueTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GemmEpilogueTest, ResidualIsAddedAfterTheBias) {
+  const DType dtype = GetParam();
+  const GemmShape s{9, 12, 6};
+  CpuOps ops;
+  Ops::GemmArgs args;
+  args.a = MakeRandom(ops, dtype, {s.m, s.k}, 50);
+  args.b = MakeRandom(ops, dtype, {s.k, s.n}, 51);
+  args.bias = MakeRandom(ops, dtype, {s.n}, 52);
+  args.residual = MakeRandom(ops, dtype, {s.m, s.n}, 53);
+  Tensor out = MakeEmpty(ops, dtype, {s.m, s.n});
+  ASSERT_TRUE(ops.Gemm(args, &out).ok());
+  std::vector<double> ref =
+      ReferenceGemm(args.a, false, 1, args.b, false, 1, s, ToDoubles(args.bias));
+  const std::vector<double> residual = ToDoubles(args.residual);
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] += residual[i];
+  EXPECT_LT(RelativeError(out, ref), Tolerance(dtype));
+}
+
+TEST_P(GemmEpilogueTest, GeluAuxKeepsTheInputAndAppliesGelu) {
+  const DType dtype = GetParam();
+  const GemmShape s{10, 8, 7};
+  CpuOps ops;
+  Ops::GemmArgs args;
+  args.a = MakeRandom(ops, dtype, {s.m, s.k}, 54);
+  args.b = MakeRandom(ops, dtype, {s.k, s.n}, 55);
+  args.bias = MakeRandom(ops, dtype, {s.n}, 56);
+  args.epilogue = Ops::GemmEpilogue::kGeluAux;
+  args.aux = MakeEmpty(ops, dtype, {s.m, s.n});
+  Tensor out = MakeEmpty(ops, dtype, {s.m, s.n});
+  ASSERT_TRUE(ops.Gemm(args, &out).ok());
+  const std::vector<double> pre =
+      ReferenceGemm(args.a, false, 1, args.b, false, 1, s, ToDoubles(args.bias));
+  std::vector<double> post(pre.size());
+  for (size_t i = 0; i < pre.size(); ++i) post[i] = GeluRef(pre[i]);
+  EXPECT_LT(RelativeError(args.aux, pre), Tolerance(dtype));
+  EXPECT_LT(RelativeError(out, post), Tolerance(dtype));
+}
+
+TEST_P(GemmEpilogueTest, DGeluBgradScalesByTheDerivativeAndSumsColumns) {
+  const DType dtype = GetParam();
+  const GemmShape s{11, 6, 5};
+  CpuOps ops;
+  Ops::GemmArgs args;
+  args.a = MakeRandom(ops, dtype, {s.m, s.k}, 57);
+  args.b = MakeRandom(ops, dtype, {s.n, s.k}, 58);
+  args.transpose_b = true;
+  args.epilogue = Ops::GemmEpilogue::kDGeluBgrad;
+  args.aux = MakeRandom(ops, dtype, {s.m, s.n}, 59, -3.0f, 3.0f);
+  args.bias_grad = MakeEmpty(ops, DType::kF32, {s.n});
+  Tensor out = MakeEmpty(ops, dtype, {s.m, s.n});
+  ASSERT_TRUE(ops.Gemm(args, &out).ok());
+  std::vector<double> ref = ReferenceGemm(args.a, false, 1, args.b, true, 1, s);
+  const std::vector<double> aux = ToDoubles(args.aux);
+  std::vector<double> sums(s.n, 0.0);
+  for (int64_t i = 0; i < s.m; ++i) {
+    for (int64_t j = 0; j < s.n; ++j) {
+      ref[i * s.n + j] *= GeluDerivativeRef(aux[i * s.n + j]);
+      sums[j] += ref[i * s.n + j];
+    }
+  }
+  EXPECT_LT(RelativeError(out, ref), Tolerance(dtype));
+  EXPECT_LT(RelativeError(args.bias_grad, sums), Tolerance(dtype));
+}
+
+INSTANTIATE_TEST_SUITE_P(FloatDTypes, GemmEpilogueTest,
+                         ::testing::Values(DType::kF32, DType::kBF16));
+
+TEST(CpuGemmErrorsTest, EpilogueArgumentsAreNamed) {
+  CpuOps ops;
+  Ops::GemmArgs args;
+  args.a = MakeRandom(ops, DType::kF32, {4, 3}, 60);
+  args.b = MakeRandom(ops, DType::kF32, {3, 2}, 61);
+  Tensor out = MakeEmpty(ops, DType::kF32, {4, 2});
+  auto expect_named = [&](const Ops::GemmArgs& bad, const char* name) {
+    const absl::Status s = ops.Gemm(bad, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(s.message().find(name), absl::string_view::npos) << s;
+  };
+  Ops::GemmArgs bad = args;
+  bad.residual = MakeRandom(ops, DType::kF32, {2, 4}, 62);
+  expect_named(bad, "residual");
+  bad.residual = MakeRandom(ops, DType::kBF16, {4, 2}, 63);
+  expect_named(bad, "residual");
+  bad.residual = MakeRandom(ops, DType::kF32, {4, 2}, 64);
+  bad.accumulate = true;
+  expect_named(bad, "residual");
+  bad = args;
+  bad.epilogue = Ops::GemmEpilogue::kGeluAux;
+  expect_named(bad, "aux");
+  bad.aux = MakeEmpty(ops, DType::kF32, {4, 3});
+  expect_named(bad, "aux");
+  bad = args;
+  bad.epilogue = Ops::GemmEpilogue::kDGeluBgrad;
+  bad.aux = MakeEmpty(ops, DType::kF32, {4, 2});
+  bad.bias = MakeRandom(ops, DType::kF32, {2}, 65);
+  expect_named(bad, "bias");
+  bad.bias = Tensor();
+  bad.bias_grad = MakeEmpty(ops, DType::kF32, {4});
+  expect_named(bad, "bias_grad");
+  bad = args;
+  bad.bias_grad = MakeEmpty(ops, DType::kF32, {2});
+  expect_named(bad, "bias_grad");  // only with an activation epilogue
+}
 
 TEST(CpuGemmErrorsTest, NamesTheArgumentAndTheWantedShape) {
   CpuOps ops;

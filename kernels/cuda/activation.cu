@@ -28,8 +28,6 @@ namespace te {
 namespace cuda {
 namespace {
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCubic = 0.044715f;
 constexpr float kQuickGeluAlpha = 1.702f;
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -37,15 +35,8 @@ __device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-
 // ---- the activations as functors: Value(x) and Derivative(x) ----------------------
 
 struct GeluFn {
-  __device__ __forceinline__ float Value(float x) const {
-    const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-    return 0.5f * x * (1.0f + t);
-  }
-  __device__ __forceinline__ float Derivative(float x) const {
-    const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-    const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
-  }
+  __device__ __forceinline__ float Value(float x) const { return GeluTanh(x); }
+  __device__ __forceinline__ float Derivative(float x) const { return GeluTanhDerivative(x); }
 };
 struct SiluFn {
   __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(x); }

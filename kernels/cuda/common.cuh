@@ -22,6 +22,21 @@
 namespace te {
 namespace cuda {
 
+// ---- GELU (tanh approximation, ops.h's) -----------------------------------------
+// Shared by the activation kernels and the GEMM's fallback epilogue, so both
+// compute the same float32 value.
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCubic = 0.044715f;
+__device__ __forceinline__ float GeluTanh(float x) {
+  const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+  return 0.5f * x * (1.0f + t);
+}
+__device__ __forceinline__ float GeluTanhDerivative(float x) {
+  const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
+  const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+}
+
 // ---- element formats ---------------------------------------------------------
 // Each has Storage (the bytes in memory), Load (to float) and Store (from float,
 // rounded once).

@@ -6,8 +6,11 @@
 //   out^T [N, M] = op(b)^T [N, K] @ op(a)^T [K, M]
 // i.e. cuBLASLt's A is our b (transposed iff transpose_b), its B is our a
 // (transposed iff transpose_a), m' = N, n' = M, k' = K, and D = out with
-// ld = N. Accumulate is beta = 1 with C = D; bias is CUBLASLT_EPILOGUE_BIAS
-// (a vector along D's rows: our columns, length N).
+// ld = N. Accumulate is beta = 1 with C = D, a residual beta = 1 with C =
+// residual; bias is CUBLASLT_EPILOGUE_BIAS (a vector along D's rows: our
+// columns, length N). The GELU epilogues are cuBLASLt's GELU_AUX(_BIAS) and
+// DGELU(_BGRAD), the pre-activation stored like D (ld N); the bias gradient
+// is a reduction along D's columns, so length N again, in D's dtype.
 //
 // Numerics: f32 operands use CUBLAS_COMPUTE_32F (no TF32: exact float32, as
 // the CPU reference); bf16/f16/FP8 accumulate in f32. FP8 operands pass their
@@ -32,6 +35,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -88,18 +92,28 @@ __device__ __forceinline__ float LoadBias(const void* bias, DType dtype, int64_t
   }
 }
 
-// out [m, n] = round(product + bias[col] + (accumulate ? out : 0)), the CPU
-// reference's order. product null: a K = 0 GEMM (the product is zero).
+// out [m, n] = round(act(product + bias[col] + residual + (accumulate ? out :
+// 0))), the CPU reference's order; kGeluAux also stores the pre-activation in
+// aux, kDGeluBgrad multiplies by gelu'(aux). product null: a K = 0 GEMM (the
+// product is zero).
 template <typename Format>
 __global__ void EpilogueKernel(const float* __restrict__ product, const void* bias, DType bias_type,
-                               bool accumulate, typename Format::Storage* out, int64_t m,
-                               int64_t n) {
+                               bool accumulate, const typename Format::Storage* residual,
+                               Ops::GemmEpilogue activation, typename Format::Storage* aux,
+                               typename Format::Storage* out, int64_t m, int64_t n) {
   const int64_t total = m * n;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float v = product != nullptr ? product[i] : 0.0f;
     if (bias != nullptr) v += LoadBias(bias, bias_type, i % n);
+    if (residual != nullptr) v += Format::Load(residual[i]);
     if (accumulate) v += Format::Load(out[i]);
+    if (activation == Ops::GemmEpilogue::kGeluAux) {
+      aux[i] = Format::Store(v);
+      v = GeluTanh(v);
+    } else if (activation == Ops::GemmEpilogue::kDGeluBgrad) {
+      v *= GeluTanhDerivative(Format::Load(aux[i]));
+    }
     out[i] = Format::Store(v);
   }
 }
@@ -187,14 +201,18 @@ absl::Status ToF32(const Tensor& in, const float* scale_inv, float* out, cudaStr
   return absl::OkStatus();
 }
 
-absl::Status Epilogue(const float* product, const Tensor& bias, bool accumulate, Tensor* out,
-                      int64_t m, int64_t n, cudaStream_t stream) {
-  const void* bias_data = bias.data();  // null when absent
+// The fallback epilogue: everything GemmArgs asks for after the product
+// (bias, residual, accumulate, GELU), but the bias gradient (see FallbackEpilogue).
+absl::Status EpilogueOnly(const float* product, const Ops::GemmArgs& args, Tensor* out,
+                          int64_t m, int64_t n, cudaStream_t stream) {
+  const void* bias_data = args.bias.data();  // null when absent
   bool launched = DispatchFloat(out->dtype(), [&](auto format) {
     using Format = decltype(format);
+    using Storage = typename Format::Storage;
     EpilogueKernel<Format><<<GridFor(m * n), kThreads, 0, stream>>>(
-        product, bias_data, bias.dtype(), accumulate,
-        static_cast<typename Format::Storage*>(out->data()), m, n);
+        product, bias_data, args.bias.dtype(), args.accumulate,
+        static_cast<const Storage*>(args.residual.data()), args.epilogue,
+        static_cast<Storage*>(args.aux.data()), static_cast<Storage*>(out->data()), m, n);
   });
   if (!launched) return absl::InternalError("Gemm: no epilogue for this output dtype");
   CUDA_RETURN_IF_LAUNCH_ERROR();
@@ -237,6 +255,17 @@ DType NativeBiasType(DType operand, DType out) {
   return out;
 }
 
+cublasLtEpilogue_t LtEpilogue(const GemmKey& key) {
+  switch (key.activation) {
+    case Ops::GemmEpilogue::kGeluAux:
+      return key.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case Ops::GemmEpilogue::kDGeluBgrad:
+      return key.bias_grad ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+    case Ops::GemmEpilogue::kNone: break;
+  }
+  return key.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+}
+
 std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
   auto plan = std::make_unique<GemmPlan>();
   auto declined = [&](const char* what, cublasStatus_t status) {
@@ -261,15 +290,25 @@ std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
   TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
                                                   sizeof(op_b)),
                    "transb");
-  if (key.bias) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  const cublasLtEpilogue_t epilogue = LtEpilogue(key);
+  if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                     &epilogue, sizeof(epilogue)),
-                     "bias epilogue");
+                     "epilogue");
+  }
+  if (key.bias || key.bias_grad) {
     const int32_t bias_type = CudaType(key.bias_type);
     TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                     &bias_type, sizeof(bias_type)),
                      "bias type");
+  }
+  if (key.activation != Ops::GemmEpilogue::kNone) {
+    // The pre-activation is stored like D: column-major [m, n], ld m.
+    const int64_t aux_ld = key.m;
+    TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc,
+                                                    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                                    sizeof(aux_ld)),
+                     "aux ld");
   }
   // Column-major layouts: A is [m, k] (stored [k, m] when transposed), B is
   // [k, n] (stored [n, k] when transposed), C = D is [m, n], all packed.
@@ -331,15 +370,21 @@ struct LtCall {
   const void* a = nullptr;  // our b (maybe a transposed copy)
   const void* b = nullptr;  // our a
   void* d = nullptr;
-  const void* bias = nullptr;
+  const void* c = nullptr;  // beta = 1: the residual, or d
+  const void* bias = nullptr;  // or the bias gradient, written (BGRAD)
+  void* aux = nullptr;
   const float* a_scale = nullptr;  // FP8: our b_scale_inv
   const float* b_scale = nullptr;  // FP8: our a_scale_inv
 };
 
 absl::Status RunPlan(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace) {
-  if (call.key.bias) {
+  if (call.key.bias || call.key.bias_grad) {
     CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias, sizeof(call.bias)));
+  }
+  if (call.key.activation != Ops::GemmEpilogue::kNone) {
+    CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &call.aux, sizeof(call.aux)));
   }
   if (IsFloat8(call.key.a_type)) {
     CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
@@ -350,7 +395,8 @@ absl::Status RunPlan(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* wor
   const float alpha = 1.0f;
   const float beta = call.key.accumulate ? 1.0f : 0.0f;
   CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(ops->cublaslt(), plan->desc, &alpha, call.a, plan->a,
-                                        call.b, plan->b, &beta, call.d, plan->c, call.d, plan->d,
+                                        call.b, plan->b, &beta, call.c != nullptr ? call.c : call.d,
+                                        plan->c, call.d, plan->d,
                                         &plan->algo, workspace, kGemmWorkspaceBytes,
                                         ops->stream()));
   return absl::OkStatus();
@@ -372,11 +418,20 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   const int64_t m = dims.m, n = dims.n, k = dims.k;
   const bool fp8 = IsFloat8(args.a.dtype());
   const bool has_bias = args.bias.data() != nullptr;
-  if (args.residual.defined() || args.epilogue != GemmEpilogue::kNone) {
-    return absl::UnimplementedError("Gemm: fused epilogues are not yet implemented on CUDA");
+  const bool activation = args.epilogue != GemmEpilogue::kNone;
+  if (m == 0 || n == 0) {
+    Tensor bias_grad = args.bias_grad;  // no rows: a zero gradient
+    return bias_grad.defined() ? Fill(0.0f, &bias_grad) : absl::OkStatus();
   }
-  if (m == 0 || n == 0) return absl::OkStatus();
-  if (k == 0) return Epilogue(nullptr, args.bias, args.accumulate, out, m, n, stream());
+  // The epilogue as a separate kernel after an f32 product, and the bias
+  // gradient as column sums of the result: routes 2 and 3, and K = 0.
+  auto finish = [&](const float* product) -> absl::Status {
+    RETURN_IF_ERROR(EpilogueOnly(product, args, out, m, n, stream()));
+    if (!args.bias_grad.defined()) return absl::OkStatus();
+    Tensor bias_grad = args.bias_grad;  // shares the caller's memory
+    return SumRows(*out, &bias_grad);
+  };
+  if (k == 0) return finish(nullptr);
 
   const float* a_scale = fp8 ? args.a_scale_inv.data_as<const float>() : nullptr;
   const float* b_scale = fp8 ? args.b_scale_inv.data_as<const float>() : nullptr;
@@ -422,24 +477,48 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
 
     const DType operand = args.a.dtype();
     const bool native_bias = !has_bias || args.bias.dtype() == NativeBiasType(operand, out->dtype());
-    if (NativeOutput(operand, out->dtype()) && native_bias) {
+    // cuBLASLt stores the GELU input like D; we ask for it only where its
+    // leading dimension and pointer suit vector access.
+    const bool native_aux =
+        !activation || (n % 8 == 0 && AlignmentOf(args.aux.data()) >= 16);
+    if (NativeOutput(operand, out->dtype()) && native_bias && native_aux) {
       call.key.d_type = out->dtype();
-      call.key.accumulate = args.accumulate;
+      call.key.accumulate = args.accumulate || args.residual.defined();
       call.key.bias = has_bias;
-      call.key.bias_type = has_bias ? args.bias.dtype() : DType::kF32;
+      call.key.activation = args.epilogue;
+      call.key.bias_grad = args.bias_grad.defined();
+      // The bias gradient comes in D's dtype (cuBLASLt's), cast if asked otherwise.
+      call.key.bias_type =
+          has_bias ? args.bias.dtype() : call.key.bias_grad ? out->dtype() : DType::kF32;
       call.key.align_d = AlignmentOf(out->data());
+      if (args.residual.defined()) {
+        call.key.align_d = std::min(call.key.align_d, AlignmentOf(args.residual.data()));
+      }
       std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
       if (plan->status.ok()) {
+        Tensor bias_grad = args.bias_grad;
+        if (call.key.bias_grad && bias_grad.dtype() != out->dtype()) {
+          ASSIGN_OR_RETURN(bias_grad, Allocate(out->dtype(), {n}));
+        }
         ASSIGN_OR_RETURN(char* workspace, prepare(0));
         call.d = out->data();
-        call.bias = has_bias ? args.bias.data() : nullptr;
-        return RunPlan(this, plan.get(), call, workspace);
+        call.c = args.residual.defined() ? args.residual.data() : nullptr;
+        call.bias = has_bias ? args.bias.data() : call.key.bias_grad ? bias_grad.data() : nullptr;
+        call.aux = args.aux.data();
+        RETURN_IF_ERROR(RunPlan(this, plan.get(), call, workspace));
+        if (call.key.bias_grad && bias_grad.data() != args.bias_grad.data()) {
+          Tensor asked = args.bias_grad;
+          return Cast(bias_grad, &asked);
+        }
+        return absl::OkStatus();
       }
     }
     call.key.d_type = DType::kF32;
     call.key.accumulate = false;
     call.key.bias = false;
     call.key.bias_type = DType::kF32;
+    call.key.activation = GemmEpilogue::kNone;
+    call.key.bias_grad = false;
     call.key.align_d = 256;
     std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
     if (plan->status.ok()) {
@@ -447,8 +526,11 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
       float* product = reinterpret_cast<float*>(workspace + kGemmWorkspaceBytes + a_copy_bytes +
                                                 b_copy_bytes);
       call.d = product;
+      call.c = nullptr;
+      call.bias = nullptr;
+      call.aux = nullptr;
       RETURN_IF_ERROR(RunPlan(this, plan.get(), call, workspace));
-      return Epilogue(product, args.bias, args.accumulate, out, m, n, stream());
+      return finish(product);
     }
   }
 
@@ -477,7 +559,7 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
     return absl::InternalError(absl::StrCat("Gemm: no cuBLASLt f32 kernel: ", plan->status.message()));
   }
   RETURN_IF_ERROR(RunPlan(this, plan.get(), call, workspace));
-  return Epilogue(product, args.bias, args.accumulate, out, m, n, stream());
+  return finish(product);
 }
 
 }  // namespace cuda

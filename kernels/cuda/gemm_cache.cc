@@ -11,7 +11,11 @@ std::string GemmKey::DebugString() const {
   return absl::StrCat("m=", m, " n=", n, " k=", k, " A=", DTypeName(a_type),
                       transpose_a ? "^T" : "", " B=", DTypeName(b_type), transpose_b ? "^T" : "",
                       " D=", DTypeName(d_type), accumulate ? " beta=1" : "",
-                      bias ? absl::StrCat(" bias=", DTypeName(bias_type)) : "");
+                      bias ? absl::StrCat(" bias=", DTypeName(bias_type)) : "",
+                      activation == Ops::GemmEpilogue::kGeluAux      ? " gelu_aux"
+                      : activation == Ops::GemmEpilogue::kDGeluBgrad ? " dgelu"
+                                                                     : "",
+                      bias_grad ? absl::StrCat(" bgrad=", DTypeName(bias_type)) : "");
 }
 
 GemmPlan::~GemmPlan() {
@@ -34,6 +38,13 @@ std::shared_ptr<GemmPlan> GemmPlanCache::GetOrBuild(
 size_t GemmPlanCache::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return plans_.size();
+}
+
+std::vector<std::pair<GemmKey, absl::Status>> GemmPlanCache::Entries() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<GemmKey, absl::Status>> entries;
+  for (const auto& [key, plan] : plans_) entries.emplace_back(key, plan->status);
+  return entries;
 }
 
 }  // namespace cuda

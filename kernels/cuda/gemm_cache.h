@@ -17,9 +17,12 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/ops.h"
 #include "kernels/tensor.h"
 
 namespace te {
@@ -31,16 +34,20 @@ struct GemmKey {
   int64_t m = 0, n = 0, k = 0;
   DType a_type = DType::kF32, b_type = DType::kF32, d_type = DType::kF32;
   bool transpose_a = false, transpose_b = false;
-  bool accumulate = false;  // beta = 1, C = D
-  bool bias = false;        // CUBLASLT_EPILOGUE_BIAS
+  bool accumulate = false;  // beta = 1; C = D, or the residual
+  bool bias = false;        // CUBLASLT_EPILOGUE_BIAS (or GELU_AUX_BIAS)
   DType bias_type = DType::kF32;
+  // GELU_AUX(_BIAS) or DGELU(_BGRAD); bias_grad: the BGRAD variant, writing
+  // the bias gradient in bias_type.
+  Ops::GemmEpilogue activation = Ops::GemmEpilogue::kNone;
+  bool bias_grad = false;
   // Pointer alignments in bytes (capped at 256): the heuristic picks kernels
   // that need no more than these.
   int align_a = 256, align_b = 256, align_d = 256;
 
   auto Tie() const {
     return std::tie(m, n, k, a_type, b_type, d_type, transpose_a, transpose_b, accumulate, bias,
-                    bias_type, align_a, align_b, align_d);
+                    bias_type, activation, bias_grad, align_a, align_b, align_d);
   }
   bool operator<(const GemmKey& o) const { return Tie() < o.Tie(); }
   std::string DebugString() const;
@@ -66,6 +73,8 @@ struct GemmPlanCache {
   std::shared_ptr<GemmPlan> GetOrBuild(const GemmKey& key,
                                        const std::function<std::unique_ptr<GemmPlan>()>& build);
   size_t size() const;
+  // Every key with its plan's status (tests: which route a call took).
+  std::vector<std::pair<GemmKey, absl::Status>> Entries() const;
 
  private:
   mutable std::mutex mu_;

@@ -78,8 +78,12 @@ int64_t Dense::Saved::bytes() const {
 }
 
 absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
-                            Tensor* y, Saved* saved) const {
+                            Tensor* y, Saved* saved, const DenseFusion& fusion) const {
   RETURN_IF_ERROR(CheckRows(x, in_, absl::StrCat("Dense ", kernel_name(), " input")));
+  if (fusion.gelu_input != nullptr && fp8 != nullptr) {
+    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
+                                            ": a fused GELU needs float compute, not FP8"));
+  }
   // Checked before any quantize writes an amax, so a failure changes nothing.
   RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(fp8))));
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
@@ -87,7 +91,7 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
     ASSIGN_OR_RETURN(GemmOperand a,
                      QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(), QuantizerRole::kX, x,
                                                     GemmSide::kA, false, vars));
-    return ForwardQuantized(ops, vars, a, x.dtype(), *fp8, y, saved);
+    return ForwardQuantized(ops, vars, a, x.dtype(), *fp8, y, saved, fusion);
   }
   const DType compute = x.dtype();
   const Tensor kernel = vars->at(kernel_name()).Reshaped({in_, out_});
@@ -110,14 +114,18 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
     s.kernel = b;
     s.kernel_owned = kernel.dtype() != compute;
   }
-  RETURN_IF_ERROR(RunGemm(ops, *vars, a, b, compute, y));
+  RETURN_IF_ERROR(RunGemm(ops, *vars, a, b, compute, fusion, y));
   if (saved != nullptr) *saved = std::move(s);
   return absl::OkStatus();
 }
 
 absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperand& x,
-                                     DType compute, const Fp8Recipe& fp8, Tensor* y,
-                                     Saved* saved) const {
+                                     DType compute, const Fp8Recipe& fp8, Tensor* y, Saved* saved,
+                                     const DenseFusion& fusion) const {
+  if (fusion.gelu_input != nullptr) {
+    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
+                                            ": a fused GELU needs float compute, not FP8"));
+  }
   if (!IsPerTensorScaling(fp8) || !IsFloat8(x.data.dtype()) || x.transpose ||
       x.data.rank() != 2 || x.data.dim(1) != in_) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -132,7 +140,7 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
                    QuantizeGemmOperandBothLayouts(ops, fp8, quantizers(), QuantizerRole::kKernel,
                                                   vars->at(kernel_name()).Reshaped({in_, out_}),
                                                   GemmSide::kB, false, vars));
-  RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, y));
+  RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, fusion, y));
   if (saved != nullptr) {
     Saved s;
     s.fp8 = fp8;
@@ -144,7 +152,8 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
 }
 
 absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a_in,
-                            const GemmOperand& b_in, DType compute, Tensor* y) const {
+                            const GemmOperand& b_in, DType compute, const DenseFusion& fusion,
+                            Tensor* y) const {
   const GemmOperand a = ForGemm(a_in, GemmSide::kA);
   const GemmOperand b = ForGemm(b_in, GemmSide::kB);
   Ops::GemmArgs gemm;
@@ -158,24 +167,54 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
     ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars.at(bias_name()).Reshaped({out_}), compute));
   }
   const int64_t n = a.transpose ? a.data.dim(1) : a.data.dim(0);
+  if (fusion.residual.defined()) {
+    ASSIGN_OR_RETURN(gemm.residual, CastTo(ops, fusion.residual.Reshaped({n, out_}), compute));
+  }
+  if (fusion.gelu_input != nullptr) {
+    gemm.epilogue = Ops::GemmEpilogue::kGeluAux;
+    ASSIGN_OR_RETURN(gemm.aux, ops.Allocate(compute, {n, out_}));
+    *fusion.gelu_input = gemm.aux;
+  }
   ASSIGN_OR_RETURN(*y, ops.Allocate(compute, {n, out_}));
   return ops.Gemm(gemm, y);
 }
 
 absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                             Tensor* dx, Variables* grads) const {
+                             Tensor* dx, Variables* grads, const DenseGradFusion& fusion) const {
   RETURN_IF_ERROR(CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
   const int64_t n = dy.dim(0);
   const DType compute = dy.dtype();
   const Fp8Recipe* fp8 = saved.fp8 ? &*saved.fp8 : nullptr;
+  const bool dgelu = fusion.gelu_input.defined();
+  if (dgelu && fp8 != nullptr) {
+    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
+                                            ": a fused GELU backward needs float compute"));
+  }
+  // The bias gradient: given, or summed from dy (fused into dy's cast-transpose
+  // under per-tensor FP8).
+  Tensor dbias;
+  bool dbias_done = false;
+  if (config_.use_bias) {
+    if (fusion.bias_grad.defined()) {
+      dbias = fusion.bias_grad.Reshaped(config_.features);
+      dbias_done = true;
+    } else {
+      ASSIGN_OR_RETURN(dbias, ops.Allocate(config_.param_dtype, config_.features));
+    }
+  }
 
   // dgrad: dx = dy @ kernel^T; wgrad: dkernel = x^T @ dy.
   GemmOperand dy_a, kernel_b, x_a, dy_b;
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
-    // Both layouts: dy enters the dgrad as is and the wgrad transposed.
+    // Both layouts: dy enters the dgrad as is and the wgrad transposed; the
+    // bias gradient comes from the same pass over dy.
+    const bool sum_here = config_.use_bias && !dbias_done;
+    Tensor dbias1d = sum_here ? dbias.Reshaped({out_}) : Tensor();
     ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
                                                           QuantizerRole::kGrad, dy, GemmSide::kA,
-                                                          false, vars));
+                                                          false, vars,
+                                                          sum_here ? &dbias1d : nullptr));
+    dbias_done = dbias_done || sum_here;
     dy_b = dy_a;  // one scale for the whole tensor: the same copy serves as b
     kernel_b = saved.kernel;
     kernel_b.transpose = true;
@@ -212,8 +251,19 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
     dgrad.b = kernel_b.data;
     dgrad.transpose_b = kernel_b.transpose;
     dgrad.b_scale_inv = kernel_b.scale_inv;
+    if (dgelu) {
+      dgrad.epilogue = Ops::GemmEpilogue::kDGeluBgrad;
+      dgrad.aux = fusion.gelu_input;
+      if (fusion.gelu_bias_grad != nullptr) {
+        ASSIGN_OR_RETURN(*fusion.gelu_bias_grad, ops.Allocate(config_.param_dtype, {in_}));
+        dgrad.bias_grad = *fusion.gelu_bias_grad;
+      }
+    }
     ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
     RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
+  } else if (dgelu) {
+    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
+                                            ": a fused GELU backward needs dx"));
   }
 
   Ops::GemmArgs wgrad;
@@ -229,9 +279,10 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
   (*grads)[kernel_name()] = dkernel;
 
   if (config_.use_bias) {
-    ASSIGN_OR_RETURN(Tensor dbias, ops.Allocate(config_.param_dtype, config_.features));
-    Tensor dbias1d = dbias.Reshaped({out_});
-    RETURN_IF_ERROR(ops.SumRows(dy, &dbias1d));
+    if (!dbias_done) {
+      Tensor dbias1d = dbias.Reshaped({out_});
+      RETURN_IF_ERROR(ops.SumRows(dy, &dbias1d));
+    }
     (*grads)[bias_name()] = dbias;
   }
   return absl::OkStatus();
@@ -258,7 +309,7 @@ int64_t Norm::Saved::bytes() const {
 }
 
 absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Tensor* y,
-                           Saved* saved, const Fp8Output* fp8) const {
+                           Saved* saved, const Fp8Output* fp8, Tensor* y_t) const {
   RETURN_IF_ERROR(CheckRows(x, config_.hidden, "norm input"));
   RETURN_IF_ERROR(CheckVariables(vars, SpecsOf(Defs())));
   const DType compute = x.dtype();
@@ -281,13 +332,18 @@ absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Ten
     return absl::InvalidArgumentError(absl::StrCat(
         "norm: a quantized output must be an FP8 tensor shaped like x ", ShapeString(x.shape())));
   }
-  RETURN_IF_ERROR(ops.NormForward(config_.args, x, s.gamma, beta, y, &s.mu, &s.rsigma, fp8));
+  if (y_t != nullptr && fp8 != nullptr) {
+    RETURN_IF_ERROR(
+        ops.NormForwardTransposed(config_.args, x, s.gamma, beta, *fp8, y, y_t, &s.mu, &s.rsigma));
+  } else {
+    RETURN_IF_ERROR(ops.NormForward(config_.args, x, s.gamma, beta, y, &s.mu, &s.rsigma, fp8));
+  }
   if (saved != nullptr) *saved = std::move(s);
   return absl::OkStatus();
 }
 
 absl::Status Norm::Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
-                            Variables* grads) const {
+                            Variables* grads, const Tensor& residual_grad) const {
   RETURN_IF_ERROR(CheckRows(dy, config_.hidden, "norm dy"));
   const Shape shape = {config_.hidden};
   ASSIGN_OR_RETURN(*dx, ops.Allocate(dy.dtype(), saved.x.shape()));
@@ -296,8 +352,12 @@ absl::Status Norm::Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tens
   if (has_bias()) {
     ASSIGN_OR_RETURN(dbeta, ops.Allocate(config_.param_dtype, shape));
   }
+  Tensor residual;
+  if (residual_grad.defined()) {
+    ASSIGN_OR_RETURN(residual, CastTo(ops, residual_grad.Reshaped(dx->shape()), dx->dtype()));
+  }
   RETURN_IF_ERROR(ops.NormBackward(config_.args, dy, saved.x, saved.mu, saved.rsigma,
-                                   saved.gamma, dx, &dgamma, &dbeta));
+                                   saved.gamma, dx, &dgamma, &dbeta, residual));
   (*grads)[VariableName(kParams, config_.scope, config_.scale_name)] = dgamma;
   if (has_bias()) (*grads)[VariableName(kParams, config_.scope, config_.bias_name)] = dbeta;
   return absl::OkStatus();
@@ -319,7 +379,7 @@ std::vector<VariableDef> LayerNormDense::Defs(const Fp8Recipe* fp8) const {
 
 absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
                                      const Fp8Recipe* fp8, Tensor* y, Tensor* ln_out,
-                                     Saved* saved) const {
+                                     Saved* saved, const DenseFusion& fusion) const {
   Saved s;
   Tensor ln = x;
   if (enable_layernorm_ && ln_out == nullptr && CanFuseQuantize(fp8)) {
@@ -329,25 +389,35 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
     ASSIGN_OR_RETURN(GemmOperand ln_q,
                      AllocateFusedOperand(ops, *fp8, dense_.quantizers(), QuantizerRole::kX,
                                           x.shape(), vars, &q));
-    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln_q.data, &s.norm, &q));
+    // Both layouts from the norm: the forward GEMM takes ln as is, the wgrad
+    // transposed.
+    ASSIGN_OR_RETURN(ln_q.data_t, ops.Allocate(ln_q.data.dtype(), {x.dim(1), x.dim(0)}));
+    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln_q.data, &s.norm, &q, &ln_q.data_t));
     RETURN_IF_ERROR(dense_.ForwardQuantized(ops, vars, ln_q, x.dtype(), *fp8, y,
-                                            saved != nullptr ? &s.dense : nullptr));
+                                            saved != nullptr ? &s.dense : nullptr, fusion));
     if (saved != nullptr) *saved = std::move(s);
     return absl::OkStatus();
   }
   if (enable_layernorm_) RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln, &s.norm));
-  RETURN_IF_ERROR(dense_.Forward(ops, vars, ln, fp8, y, saved != nullptr ? &s.dense : nullptr));
+  RETURN_IF_ERROR(
+      dense_.Forward(ops, vars, ln, fp8, y, saved != nullptr ? &s.dense : nullptr, fusion));
   if (ln_out != nullptr) *ln_out = ln;
   if (saved != nullptr) *saved = std::move(s);
   return absl::OkStatus();
 }
 
 absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, const Saved& saved,
-                                      const Tensor& dy, Tensor* dx, Variables* grads) const {
-  if (!enable_layernorm_) return dense_.Backward(ops, vars, saved.dense, dy, dx, grads);
+                                      const Tensor& dy, Tensor* dx, Variables* grads,
+                                      const DenseGradFusion& fusion,
+                                      const Tensor& residual_grad) const {
+  if (!enable_layernorm_) {
+    RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, dx, grads, fusion));
+    if (!residual_grad.defined()) return absl::OkStatus();
+    return ResidualAdd(ops, *dx, residual_grad.Reshaped(dx->shape()), dx);
+  }
   Tensor dln;
-  RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, &dln, grads));
-  return norm_.Backward(ops, saved.norm, dln, dx, grads);
+  RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, &dln, grads, fusion));
+  return norm_.Backward(ops, saved.norm, dln, dx, grads, residual_grad);
 }
 
 // ---- Dropout, residual ----------------------------------------------------------

@@ -57,6 +57,27 @@ struct DenseConfig {
   std::optional<Initializer> kernel_init;  // default: KernelInit(kernel shape)
 };
 
+// What a Dense's GEMM does besides x @ kernel + bias: ops.h's fused GEMM
+// epilogues, so the tensors in between never make a trip through memory.
+struct DenseFusion {
+  // y = x @ kernel + bias + residual: a residual connection's add.
+  Tensor residual;
+  // Float compute only: y = gelu(x @ kernel + bias), the GELU's input written
+  // to *gelu_input (what its backward needs).
+  Tensor* gelu_input = nullptr;
+};
+struct DenseGradFusion {
+  // Float compute only: dx = (dy @ kernel^T) * gelu'(gelu_input), the
+  // backward of a GELU that fed this Dense, in the dgrad GEMM; and, when not
+  // null, the column sums of that dx: the bias gradient of the Dense before
+  // the GELU (allocated here, [in], in this Dense's param dtype).
+  Tensor gelu_input;
+  Tensor* gelu_bias_grad = nullptr;
+  // This Dense's bias gradient, already computed by the next GEMM (see
+  // gelu_bias_grad): used instead of summing dy.
+  Tensor bias_grad;
+};
+
 class Dense {
  public:
   explicit Dense(DenseConfig config);
@@ -82,21 +103,23 @@ class Dense {
   };
   // x [N, in] -> *y [N, out] in x's dtype. `saved` may be null (no backward).
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
-                       Tensor* y, Saved* saved) const;
+                       Tensor* y, Saved* saved, const DenseFusion& fusion = {}) const;
   // As Forward, for an x its producer already quantized with this Dense's
   // "x" quantizer (AllocateFusedOperand): FP8 [N, in], per-tensor recipes.
   absl::Status ForwardQuantized(Ops& ops, Variables* vars, const GemmOperand& x, DType compute,
-                                const Fp8Recipe& fp8, Tensor* y, Saved* saved) const;
+                                const Fp8Recipe& fp8, Tensor* y, Saved* saved,
+                                const DenseFusion& fusion = {}) const;
   // dy [N, out] -> *dx [N, in] (skipped when dx is null); kernel and bias
   // gradients into *grads. Under DelayedScaling dy's amax goes to the grad
   // quantizer's history[0].
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads) const;
+                        Tensor* dx, Variables* grads, const DenseGradFusion& fusion = {}) const;
 
  private:
-  // *y [N, out] = op(a) @ op(b) + bias, in `compute`.
+  // *y [N, out] = op(a) @ op(b) + bias (+ the fusion's epilogue), in `compute`.
   absl::Status RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a,
-                       const GemmOperand& b, DType compute, Tensor* y) const;
+                       const GemmOperand& b, DType compute, const DenseFusion& fusion,
+                       Tensor* y) const;
 
   DenseConfig config_;
   int64_t in_ = 0;
@@ -127,11 +150,15 @@ class Norm {
     int64_t bytes() const;
   };
   // x [N, hidden] -> *y [N, hidden] in x's dtype. With `fp8` (fused
-  // quantization), *y must be an allocated FP8 [N, hidden] tensor instead.
+  // quantization), *y must be an allocated FP8 [N, hidden] tensor instead,
+  // and *y_t (if not null) an FP8 [hidden, N] one for the transposed codes.
   absl::Status Forward(Ops& ops, const Variables& vars, const Tensor& x, Tensor* y,
-                       Saved* saved, const Fp8Output* fp8 = nullptr) const;
+                       Saved* saved, const Fp8Output* fp8 = nullptr,
+                       Tensor* y_t = nullptr) const;
+  // residual_grad (optional, [N, hidden]) is added to *dx: the gradient that
+  // reaches x around the norm through a residual connection.
   absl::Status Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
-                        Variables* grads) const;
+                        Variables* grads, const Tensor& residual_grad = Tensor()) const;
 
  private:
   NormConfig config_;
@@ -160,9 +187,12 @@ class LayerNormDense {
   // (x itself when the norm is disabled). Without ln_out under DelayedScaling
   // the norm writes FP8 directly (TE's fused layernorm + quantize).
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
-                       Tensor* y, Tensor* ln_out, Saved* saved) const;
+                       Tensor* y, Tensor* ln_out, Saved* saved,
+                       const DenseFusion& fusion = {}) const;
+  // residual_grad (optional) is added to *dx (Norm::Backward's).
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads) const;
+                        Tensor* dx, Variables* grads, const DenseGradFusion& fusion = {},
+                        const Tensor& residual_grad = Tensor()) const;
 
  private:
   bool enable_layernorm_;
@@ -220,13 +250,21 @@ class Mlp {
   // x [N, hidden] -> *y [N, hidden]; *ln_out (if non-null) the norm output.
   // Dropout uses DeriveSeed(opts.dropout_seed, scope + "/intermediate_dropout").
   // Under DelayedScaling the norm (without ln_out) and the activation (when
-  // dropout is off) write their outputs in FP8 directly.
+  // dropout is off) write their outputs in FP8 directly. Without FP8 a lone
+  // GELU runs in wi's GEMM epilogue (and its backward in wo's dgrad). With
+  // `residual` ([N, hidden]) y = mlp(x) + residual, added in wo's GEMM.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
-                       Tensor* y, Tensor* ln_out, Saved* saved) const;
+                       Tensor* y, Tensor* ln_out, Saved* saved,
+                       const Tensor& residual = Tensor()) const;
+  // residual_grad (optional, [N, hidden]) is added to *dx.
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads) const;
+                        Tensor* dx, Variables* grads,
+                        const Tensor& residual_grad = Tensor()) const;
 
  private:
+  // A single GELU (not gated): what cuBLASLt's GELU epilogues compute.
+  bool LoneGelu() const;
+
   MlpConfig config_;
   LayerNormDense ln_wi_;  // norm (optional) + wi
   Dense wo_;

@@ -37,7 +37,7 @@ int64_t BlockLength(Fp8Recipe::Kind kind) { return kind == Fp8Recipe::Kind::kNVF
 // With `both_layouts`, out->data_t gets x^T quantized in the same pass.
 absl::Status QuantizePerTensor(Ops& ops, const Fp8Recipe& fp8, const QuantizerSet& set,
                                QuantizerRole role, const Tensor& x, Variables* vars,
-                               bool both_layouts, GemmOperand* out) {
+                               bool both_layouts, GemmOperand* out, Tensor* dbias = nullptr) {
   const DType dtype = QuantizerDType(fp8, role);
   ASSIGN_OR_RETURN(out->data, ops.Allocate(dtype, x.shape()));
   if (both_layouts) {
@@ -59,6 +59,9 @@ absl::Status QuantizePerTensor(Ops& ops, const Fp8Recipe& fp8, const QuantizerSe
     RETURN_IF_ERROR(ops.Amax(x, &side.amax));
     RETURN_IF_ERROR(ops.ScaleFromAmax(side.amax, Fp8Max(dtype), fp8.margin, fp8.amax_epsilon,
                                       &side.scale, &out->scale_inv));
+  }
+  if (both_layouts && dbias != nullptr) {
+    return ops.QuantizeTransposeDbias(x, side, &out->data, &out->data_t, dbias);
   }
   if (both_layouts) return ops.QuantizeTranspose(x, side, &out->data, &out->data_t);
   return ops.Quantize(x, side, &out->data);
@@ -194,13 +197,17 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperandBothLayouts(Ops& ops, const Fp8Re
                                                            const QuantizerSet& set,
                                                            QuantizerRole role, const Tensor& x,
                                                            GemmSide side, bool transpose,
-                                                           Variables* vars) {
+                                                           Variables* vars, Tensor* dbias) {
   if (x.rank() != 2 || !IsPerTensorScaling(fp8)) {
-    return QuantizeGemmOperand(ops, fp8, set, role, x, side, transpose, vars);
+    ASSIGN_OR_RETURN(GemmOperand out,
+                     QuantizeGemmOperand(ops, fp8, set, role, x, side, transpose, vars));
+    if (dbias != nullptr) RETURN_IF_ERROR(ops.SumRows(x, dbias));
+    return out;
   }
   GemmOperand out;
   out.transpose = transpose;
-  RETURN_IF_ERROR(QuantizePerTensor(ops, fp8, set, role, x, vars, /*both_layouts=*/true, &out));
+  RETURN_IF_ERROR(
+      QuantizePerTensor(ops, fp8, set, role, x, vars, /*both_layouts=*/true, &out, dbias));
   return out;
 }
 

@@ -99,12 +99,15 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperand(Ops& ops, const Fp8Recipe& fp8,
 // QuantizeGemmOperand that, under per-tensor scaling, also writes data_t in
 // the same pass (Ops::QuantizeTranspose), for an operand that enters GEMMs
 // in both layouts (x: forward and wgrad; kernel: forward and dgrad; dy: dgrad
-// and wgrad). Block scalings: as QuantizeGemmOperand.
+// and wgrad). Block scalings: as QuantizeGemmOperand. With `dbias` ([cols],
+// float), also its column sums: a bias gradient from the same read of x
+// (Ops::QuantizeTransposeDbias, TE's cast-transpose-dbias).
 absl::StatusOr<GemmOperand> QuantizeGemmOperandBothLayouts(Ops& ops, const Fp8Recipe& fp8,
                                                            const QuantizerSet& set,
                                                            QuantizerRole role, const Tensor& x,
                                                            GemmSide side, bool transpose,
-                                                           Variables* vars);
+                                                           Variables* vars,
+                                                           Tensor* dbias = nullptr);
 
 // Fused quantization: under DelayedScaling the op that produces a GEMM
 // operand (a norm, an activation) can write it straight in FP8 with the

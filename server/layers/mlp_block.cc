@@ -64,17 +64,38 @@ int64_t Mlp::Saved::bytes() const {
   return ln_wi.bytes() + TensorBytes(h) + dropout.bytes() + wo.bytes();
 }
 
+bool Mlp::LoneGelu() const {
+  return config_.activations.size() == 1 && config_.activations[0] == Activation::kGelu;
+}
+
 absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
-                          Tensor* y, Tensor* ln_out, Saved* saved) const {
+                          Tensor* y, Tensor* ln_out, Saved* saved, const Tensor& residual) const {
   // Every variable (both GEMMs' FP8 state too) is checked first, so a failure
   // writes no amax.
   RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
   const bool keep = saved != nullptr;
   Saved s;
+  DenseFusion wo_fusion;
+  wo_fusion.residual = residual;
+  const float rate = config_.intermediate_dropout_rate;
+  if (opts.fp8 == nullptr && LoneGelu()) {
+    // The GELU in wi's GEMM epilogue: h only as the GELU's saved input.
+    Tensor act, dropped;
+    DenseFusion wi_fusion;
+    wi_fusion.gelu_input = &s.h;
+    RETURN_IF_ERROR(ln_wi_.Forward(ops, vars, x, nullptr, &act, ln_out,
+                                   keep ? &s.ln_wi : nullptr, wi_fusion));
+    RETURN_IF_ERROR(Dropout(
+        ops, rate, opts.deterministic,
+        DeriveSeed(opts.dropout_seed, JoinScope(config_.scope, "intermediate_dropout")), act,
+        &dropped, &s.dropout));
+    RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, nullptr, y, keep ? &s.wo : nullptr, wo_fusion));
+    if (keep) *saved = std::move(s);
+    return absl::OkStatus();
+  }
   RETURN_IF_ERROR(
       ln_wi_.Forward(ops, vars, x, opts.fp8, &s.h, ln_out, keep ? &s.ln_wi : nullptr));
   const int64_t n = s.h.dim(0);
-  const float rate = config_.intermediate_dropout_rate;
   if (CanFuseQuantize(opts.fp8) && (opts.deterministic || rate <= 0.0f)) {
     // Nothing between the activation and wo: write the activation in FP8.
     Fp8Output q;
@@ -83,7 +104,7 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
                                           {n, config_.intermediate}, vars, &q));
     RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act_q.data, &q));
     RETURN_IF_ERROR(wo_.ForwardQuantized(ops, vars, act_q, s.h.dtype(), *opts.fp8, y,
-                                         keep ? &s.wo : nullptr));
+                                         keep ? &s.wo : nullptr, wo_fusion));
   } else {
     ASSIGN_OR_RETURN(Tensor act, ops.Allocate(s.h.dtype(), {n, config_.intermediate}));
     RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act));
@@ -92,20 +113,33 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
         ops, rate, opts.deterministic,
         DeriveSeed(opts.dropout_seed, JoinScope(config_.scope, "intermediate_dropout")), act,
         &dropped, &s.dropout));
-    RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, opts.fp8, y, keep ? &s.wo : nullptr));
+    RETURN_IF_ERROR(
+        wo_.Forward(ops, vars, dropped, opts.fp8, y, keep ? &s.wo : nullptr, wo_fusion));
   }
   if (keep) *saved = std::move(s);
   return absl::OkStatus();
 }
 
 absl::Status Mlp::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                           Tensor* dx, Variables* grads) const {
+                           Tensor* dx, Variables* grads, const Tensor& residual_grad) const {
+  const bool dropout_off = !saved.dropout.mask.defined() && saved.dropout.rate < 1.0f;
+  if (LoneGelu() && !saved.wo.fp8 && dropout_off) {
+    // GELU backward and wi's bias gradient in wo's dgrad GEMM epilogue.
+    DenseGradFusion wo_fusion;
+    wo_fusion.gelu_input = saved.h;
+    Tensor wi_dbias, dh;
+    if (config_.use_bias) wo_fusion.gelu_bias_grad = &wi_dbias;
+    RETURN_IF_ERROR(wo_.Backward(ops, vars, saved.wo, dy, &dh, grads, wo_fusion));
+    DenseGradFusion wi_fusion;
+    wi_fusion.bias_grad = wi_dbias;
+    return ln_wi_.Backward(ops, vars, saved.ln_wi, dh, dx, grads, wi_fusion, residual_grad);
+  }
   Tensor ddropped, dact, dh;
   RETURN_IF_ERROR(wo_.Backward(ops, vars, saved.wo, dy, &ddropped, grads));
   RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));
   ASSIGN_OR_RETURN(dh, ops.Allocate(saved.h.dtype(), saved.h.shape()));
   RETURN_IF_ERROR(ops.ActivationBackward(config_.activations, dact, saved.h, &dh));
-  return ln_wi_.Backward(ops, vars, saved.ln_wi, dh, dx, grads);
+  return ln_wi_.Backward(ops, vars, saved.ln_wi, dh, dx, grads, {}, residual_grad);
 }
 
 absl::StatusOr<std::vector<Activation>> ParseActivations(const std::vector<std::string>& names,

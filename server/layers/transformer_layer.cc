@@ -132,13 +132,20 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(ResidualAdd(ops, dropped, in.x, &h));
 
     Tensor z, z_dropped, y;
-    RETURN_IF_ERROR(
-        mlp_.Forward(ops, vars, h.As2D(), opts, &z, nullptr, keep ? &kept->mlp : nullptr));
-    RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
-                            DeriveSeed(opts.dropout_seed, "hidden_dropout_1"),
-                            z.Reshaped(h.shape()), &z_dropped, &kept->mlp_dropout));
-    RETURN_IF_ERROR(ResidualAdd(ops, z_dropped, h, &y));
-    out->y = y;
+    if (opts.deterministic || options_.hidden_dropout <= 0.0f) {
+      // No dropout on the MLP's output: the residual add runs in its last GEMM.
+      RETURN_IF_ERROR(mlp_.Forward(ops, vars, h.As2D(), opts, &y, nullptr,
+                                   keep ? &kept->mlp : nullptr, h.As2D()));
+      out->y = y.Reshaped(h.shape());
+    } else {
+      RETURN_IF_ERROR(
+          mlp_.Forward(ops, vars, h.As2D(), opts, &z, nullptr, keep ? &kept->mlp : nullptr));
+      RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
+                              DeriveSeed(opts.dropout_seed, "hidden_dropout_1"),
+                              z.Reshaped(h.shape()), &z_dropped, &kept->mlp_dropout));
+      RETURN_IF_ERROR(ResidualAdd(ops, z_dropped, h, &y));
+      out->y = y;
+    }
     if (keep) *saved = std::move(kept);
     return absl::OkStatus();
   }
@@ -152,11 +159,13 @@ class TransformerLayerImpl : public Layer {
     const Shape shape = {kept->attention.batch, kept->attention.seq, options_.hidden};
     ASSIGN_OR_RETURN(const Tensor dy_c, PrepareGradient(ops, dy, shape, kept->compute));
     grads->dextra.clear();
-    // y = dropout(z) + h: dh gets dy directly and through the MLP.
-    Tensor dz, dh_mlp, dh;
+    // y = dropout(z) + h: dh gets dy directly (added in the MLP's norm
+    // backward) and through the MLP.
+    Tensor dz, dh2;
     RETURN_IF_ERROR(DropoutGrad(ops, kept->mlp_dropout, dy_c, &dz));
-    RETURN_IF_ERROR(mlp_.Backward(ops, vars, kept->mlp, dz.As2D(), &dh_mlp, &grads->params));
-    RETURN_IF_ERROR(ResidualAdd(ops, dy_c, dh_mlp.Reshaped(shape), &dh));
+    RETURN_IF_ERROR(
+        mlp_.Backward(ops, vars, kept->mlp, dz.As2D(), &dh2, &grads->params, dy_c.As2D()));
+    const Tensor dh = dh2.Reshaped(shape);
     // h = dropout(a) + x.
     Tensor da, dx_attention, dbias;
     RETURN_IF_ERROR(DropoutGrad(ops, kept->attention_dropout, dh, &da));
