@@ -179,6 +179,24 @@ absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, con
   return RequireShape("Permute", "y", *y, want);
 }
 
+absl::Status CheckDotArgs(const Tensor& a, const Tensor& b, const Tensor* out) {
+  RETURN_IF_ERROR(RequireFloat("Dot", "a", &a));
+  RETURN_IF_ERROR(RequireFloat("Dot", "b", &b));
+  RETURN_IF_ERROR(RequireDType("Dot", "b", &b, a.dtype()));
+  if (a.numel() != b.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat("Dot: b has ", b.numel(),
+                                                   " elements, want a's ", a.numel()));
+  }
+  RETURN_IF_ERROR(RequireDefined("Dot", "out", out));
+  RETURN_IF_ERROR(RequireDType("Dot", "out", out, DType::kF32));
+  if (out->numel() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("Dot: out has shape ",
+                                                   ShapeString(out->shape()),
+                                                   ", want one element"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y) {
   RETURN_IF_ERROR(RequireFloat("SumRows", "x", &x));
   RETURN_IF_ERROR(RequireFloat("SumRows", "y", y));
@@ -350,7 +368,7 @@ absl::Status CheckGemmEpilogue(const Ops::GemmArgs& args, const Tensor& out,
     }
   }
   if (activation && args.accumulate) {
-    return absl::InvalidArgumentError("Gemm: an activation epilogue excludes accumulate");
+    return absl::InvalidArgumentError("Gemm: a fused epilogue excludes accumulate");
   }
   if (!activation) {
     if (args.aux.defined() || args.bias_grad.defined()) {
@@ -358,6 +376,19 @@ absl::Status CheckGemmEpilogue(const Ops::GemmArgs& args, const Tensor& out,
           "Gemm: aux and bias_grad belong to an activation epilogue; epilogue is kNone");
     }
     return absl::OkStatus();
+  }
+  if (args.epilogue == Ops::GemmEpilogue::kBgradB) {
+    if (args.transpose_b || IsFloat8(args.b.dtype()) || args.bias.data() != nullptr ||
+        args.aux.defined()) {
+      return absl::InvalidArgumentError(
+          "Gemm: kBgradB sums a float b [K, N] that is not transposed, with no bias or aux");
+    }
+    if (!args.bias_grad.defined()) {
+      return absl::InvalidArgumentError("Gemm: kBgradB needs bias_grad [N]");
+    }
+    RETURN_IF_ERROR(RequireFloat("Gemm", "bias_grad", &args.bias_grad));
+    return RequireShape("Gemm", "bias_grad", args.bias_grad, {dims.n},
+                        absl::StrCat("[N=", dims.n, "]"));
   }
   if (!args.aux.defined()) {
     return absl::InvalidArgumentError(

@@ -66,6 +66,8 @@ absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tens
 constexpr int kPermuteMaxRank = 5;
 absl::Status CheckPermuteArgs(const Tensor& x, const std::vector<int>& perm, const Tensor* y);
 absl::Status CheckSumRowsArgs(const Tensor& x, const Tensor* y);
+// a, b: float, one dtype, the same element count; out: f32 with one element.
+absl::Status CheckDotArgs(const Tensor& a, const Tensor& b, const Tensor* out);
 
 // ---- FP8 scaling ------------------------------------------------------------
 

@@ -38,6 +38,17 @@ absl::Status Ops::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tenso
   return Permute(*y, {1, 0}, y_t);
 }
 
+absl::Status Ops::Dot(const Tensor& a, const Tensor& b, Tensor* out) {
+  RETURN_IF_ERROR(CheckDotArgs(a, b, out));
+  const int64_t n = a.numel();
+  Tensor out_1x1 = out->Reshaped({1, 1});
+  if (n == 0) return Fill(0.0f, &out_1x1);
+  GemmArgs args;
+  args.a = a.Reshaped({1, n});
+  args.b = b.Reshaped({n, 1});
+  return Gemm(args, &out_1x1);
+}
+
 absl::Status Ops::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                          Tensor* y_t, Tensor* dbias) {
   RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));

@@ -152,6 +152,11 @@ class Ops {
   virtual absl::Status Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) = 0;
   // y[h] = sum over rows of x [N, H] (float32 accumulation): bias gradients.
   virtual absl::Status SumRows(const Tensor& x, Tensor* y) = 0;
+  // out (f32, one element) = sum over i of a[i] * b[i] (float a and b of one
+  // dtype and element count; float32 accumulation): a step's loss vdot(y, dy).
+  // The default is a [1, n] x [n, 1] Gemm; the CUDA backend reduces in one
+  // pass over both.
+  virtual absl::Status Dot(const Tensor& a, const Tensor& b, Tensor* out);
 
   // ---- FP8 scaling --------------------------------------------------------
   // y (E4M3 or E5M2) = cast(x * scale); writes fp8.amax and fp8.scale_inv.
@@ -206,8 +211,12 @@ class Ops {
   //               undefined; bias_grad [N] (if defined, any float dtype) =
   //               the column sums of out (float32 accumulation): the
   //               gradient of the GELU's input and of the bias before it.
+  //   kBgradB:    bias_grad [N] = the sums of b [K, N] over K (b not
+  //               transposed, float): in a wgrad GEMM (x^T @ dy), the bias
+  //               gradient of the layer whose output gradient is b. No bias,
+  //               residual or accumulate.
   // gelu is ops.h's tanh approximation, as cuBLASLt's.
-  enum class GemmEpilogue { kNone, kGeluAux, kDGeluBgrad };
+  enum class GemmEpilogue { kNone, kGeluAux, kDGeluBgrad, kBgradB };
   struct GemmArgs {
     Tensor a;
     bool transpose_a = false;

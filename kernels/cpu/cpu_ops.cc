@@ -418,7 +418,12 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
   else result.noalias() = a * b;
 
   const bool has_residual = args.residual.defined();
-  std::vector<float> column_sums(args.epilogue == GemmEpilogue::kDGeluBgrad ? n : 0, 0.0f);
+  std::vector<float> column_sums(args.bias_grad.defined() ? n : 0, 0.0f);
+  if (args.epilogue == GemmEpilogue::kBgradB) {  // b [K, N]: its column sums
+    for (int64_t p = 0; p < dims.k; ++p) {
+      for (int64_t j = 0; j < n; ++j) column_sums[j] += LoadAsFloat(args.b, p * n + j);
+    }
+  }
   Tensor aux = args.aux;  // shares the caller's memory
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
@@ -437,6 +442,7 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
           v *= ActivationDerivative(Activation::kGelu, LoadAsFloat(args.aux, at));
           column_sums[j] += v;
           break;
+        case GemmEpilogue::kBgradB: break;
       }
       StoreFromFloat(out, at, v);
     }

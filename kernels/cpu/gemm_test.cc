@@ -218,6 +218,28 @@ TEST_P(GemmEpilogueTest, DGeluBgradScalesByTheDerivativeAndSumsColumns) {
   EXPECT_LT(RelativeError(args.bias_grad, sums), Tolerance(dtype));
 }
 
+TEST_P(GemmEpilogueTest, BgradBSumsTheSecondOperandOverK) {
+  const DType dtype = GetParam();
+  const GemmShape s{6, 13, 9};  // a wgrad: x^T [in=6, K=13] @ dy [K, out=9]
+  CpuOps ops;
+  Ops::GemmArgs args;
+  args.a = MakeRandom(ops, dtype, {s.k, s.m}, 66);
+  args.transpose_a = true;
+  args.b = MakeRandom(ops, dtype, {s.k, s.n}, 67);
+  args.epilogue = Ops::GemmEpilogue::kBgradB;
+  args.bias_grad = MakeEmpty(ops, DType::kF32, {s.n});
+  Tensor out = MakeEmpty(ops, dtype, {s.m, s.n});
+  ASSERT_TRUE(ops.Gemm(args, &out).ok());
+  const std::vector<double> b = ToDoubles(args.b);
+  std::vector<double> sums(s.n, 0.0);
+  for (int64_t p = 0; p < s.k; ++p) {
+    for (int64_t j = 0; j < s.n; ++j) sums[j] += b[p * s.n + j];
+  }
+  EXPECT_LT(RelativeError(out, ReferenceGemm(args.a, true, 1, args.b, false, 1, s)),
+            Tolerance(dtype));
+  EXPECT_LT(RelativeError(args.bias_grad, sums), testing::kF32Tolerance);
+}
+
 INSTANTIATE_TEST_SUITE_P(FloatDTypes, GemmEpilogueTest,
                          ::testing::Values(DType::kF32, DType::kBF16));
 
@@ -256,6 +278,38 @@ TEST(CpuGemmErrorsTest, EpilogueArgumentsAreNamed) {
   bad = args;
   bad.bias_grad = MakeEmpty(ops, DType::kF32, {2});
   expect_named(bad, "bias_grad");  // only with an activation epilogue
+  bad.epilogue = Ops::GemmEpilogue::kBgradB;
+  bad.transpose_b = true;
+  bad.b = MakeRandom(ops, DType::kF32, {2, 3}, 68);
+  expect_named(bad, "kBgradB");  // b must not be transposed
+  bad = args;
+  bad.epilogue = Ops::GemmEpilogue::kBgradB;
+  expect_named(bad, "bias_grad");
+}
+
+// Dot's default: the [1, n] x [n, 1] Gemm, against float64.
+TEST(CpuDotTest, MatchesTheFloat64SumOfProducts) {
+  CpuOps ops;
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    const Tensor a = MakeRandom(ops, dtype, {3, 7, 5}, 70);
+    const Tensor b = MakeRandom(ops, dtype, {105}, 71);
+    Tensor out = MakeEmpty(ops, DType::kF32, {1, 1});
+    ASSERT_TRUE(ops.Dot(a, b, &out).ok());
+    const std::vector<double> av = ToDoubles(a), bv = ToDoubles(b);
+    double ref = 0.0;
+    for (size_t i = 0; i < av.size(); ++i) ref += av[i] * bv[i];
+    EXPECT_LT(RelativeError(out, {ref}), testing::kF32Tolerance);
+  }
+  Tensor out = MakeEmpty(ops, DType::kF32, {1});
+  const absl::Status s = ops.Dot(MakeRandom(ops, DType::kF32, {4}, 72),
+                                 MakeRandom(ops, DType::kBF16, {4}, 73), &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("b"), absl::string_view::npos) << s;
+  Tensor two = MakeEmpty(ops, DType::kF32, {2});
+  EXPECT_EQ(ops.Dot(MakeRandom(ops, DType::kF32, {4}, 74), MakeRandom(ops, DType::kF32, {4}, 75),
+                    &two)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CpuGemmErrorsTest, NamesTheArgumentAndTheWantedShape) {

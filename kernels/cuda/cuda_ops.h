@@ -92,6 +92,7 @@ class CudaOps : public Ops {
                      Tensor* y) override;
   absl::Status Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) override;
   absl::Status SumRows(const Tensor& x, Tensor* y) override;
+  absl::Status Dot(const Tensor& a, const Tensor& b, Tensor* out) override;
 
   // fp8.cu
   absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) override;

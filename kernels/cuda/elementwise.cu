@@ -128,6 +128,41 @@ __global__ void SumRowsFinalKernel(const float* partial, typename Out::Storage* 
   y[col] = Out::Store(sum);
 }
 
+// Dot, pass 1: each block's share of sum a[i] * b[i] (grid-stride, kVec
+// elements per access where aligned) into partial[blockIdx.x].
+template <typename In>
+__global__ void DotPartialKernel(const typename In::Storage* a, const typename In::Storage* b,
+                                 int64_t n, bool vec, float* partial) {
+  __shared__ float scratch[32];
+  using P = Pack<typename In::Storage>;
+  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  float sum = 0.0f;
+  int64_t tail = 0;
+  if (vec) {
+    const int64_t packs = n / kVec;
+    for (int64_t p = thread; p < packs; p += threads) {
+      const P pa = reinterpret_cast<const P*>(a)[p];
+      const P pb = reinterpret_cast<const P*>(b)[p];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum += In::Load(pa.v[j]) * In::Load(pb.v[j]);
+    }
+    tail = packs * kVec;
+  }
+  for (int64_t i = tail + thread; i < n; i += threads) sum += In::Load(a[i]) * In::Load(b[i]);
+  sum = BlockSum(sum, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+// Pass 2, one block: the partials in a fixed order (deterministic).
+__global__ void DotFinalKernel(const float* partial, int blocks, float* out) {
+  __shared__ float scratch[32];
+  float sum = 0.0f;
+  for (int i = threadIdx.x; i < blocks; i += blockDim.x) sum += partial[i];
+  sum = BlockSum(sum, scratch);
+  if (threadIdx.x == 0) *out = sum;
+}
+
 // The stored bytes of `value` in `dtype` (host side, the same casts as the CPU).
 uint32_t StoredBits(DType dtype, float value) {
   switch (dtype) {
@@ -385,6 +420,27 @@ absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
         partial.data_as<const float>(), static_cast<typename Out::Storage*>(y->data()), splits,
         cols);
   });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::Dot(const Tensor& a, const Tensor& b, Tensor* out) {
+  RETURN_IF_ERROR(CheckDotArgs(a, b, out));
+  RETURN_IF_ERROR(Enter());
+  const int64_t n = a.numel();
+  // Two blocks per SM: enough loads in flight to stream both inputs.
+  const int blocks = 2 * context().properties.multiProcessorCount;
+  ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {blocks}));
+  DispatchFloat(a.dtype(), [&](auto in) {
+    using In = decltype(in);
+    using Storage = typename In::Storage;
+    const bool vec = PackAligned<Storage>(a.data()) && PackAligned<Storage>(b.data());
+    DotPartialKernel<In><<<blocks, 1024, 0, stream()>>>(static_cast<const Storage*>(a.data()),
+                                                        static_cast<const Storage*>(b.data()), n,
+                                                        vec, partial.data_as<float>());
+  });
+  DotFinalKernel<<<1, 256, 0, stream()>>>(partial.data_as<const float>(), blocks,
+                                          out->data_as<float>());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

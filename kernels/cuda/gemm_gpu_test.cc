@@ -10,6 +10,7 @@
 // FP8 into f32 is held to 1e-3 (bf16 out keeps 1e-2).
 // FP8 kernels need K % 16 == 0 (16-byte rows in the TN layout); other K are
 // tested too and take the exact f32 route.
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -158,6 +159,7 @@ struct EpilogueCase {
   bool transpose_b = false;  // dgrad GEMMs take the kernel transposed
   // 1: cuBLASLt's own epilogue must run; 0: the fallback kernel; -1: either.
   int route = 1;
+  bool transpose_a = false;  // wgrad GEMMs take x transposed
 };
 
 class GpuGemmEpilogueTest : public ::testing::TestWithParam<EpilogueCase> {};
@@ -185,7 +187,9 @@ TEST_P(GpuGemmEpilogueTest, MatchesCpu) {
   };
 
   Ops::GemmArgs host;
-  host.a = ::te::testing::MakeRandom(cpu, c.operand, {c.m, c.k}, 41);
+  host.a = ::te::testing::MakeRandom(cpu, c.operand, c.transpose_a ? Shape{c.k, c.m}
+                                                                   : Shape{c.m, c.k}, 41);
+  host.transpose_a = c.transpose_a;
   host.b = ::te::testing::MakeRandom(cpu, c.operand, c.transpose_b ? Shape{c.n, c.k}
                                                                    : Shape{c.k, c.n}, 42);
   host.transpose_b = c.transpose_b;
@@ -241,7 +245,9 @@ TEST_P(GpuGemmEpilogueTest, MatchesCpu) {
   for (const auto& [key, status] : gpu->gemm_plans()->Entries()) {
     if (key.activation == c.epilogue && key.d_type == c.out && status.ok()) native = true;
   }
-  if (c.epilogue != Ops::GemmEpilogue::kNone && c.route >= 0) EXPECT_EQ(native, c.route == 1);
+  if (c.epilogue != Ops::GemmEpilogue::kNone && c.route >= 0) {
+    EXPECT_EQ(native, c.route == 1);
+  }
   ASSERT_TRUE(gpu->Synchronize().ok());
 }
 
@@ -260,8 +266,14 @@ std::vector<EpilogueCase> EpilogueCases() {
       {"bf16_dgelu", bf16, bf16, 128, 128, 64, E::kDGeluBgrad, false, false, false, f32, true},
       {"bf16_residual", bf16, bf16, 256, 128, 512, E::kNone, true, true},
       {"f32_residual", f32, f32, 130, 72, 40, E::kNone, false, true},
-      {"f32_gelu_bias", f32, f32, 130, 72, 40, E::kGeluAux, true, false, false, f32, false, -1},
+      // f32 out: cuBLASLt's approximate GELU is not asked; the fallback's tanhf.
+      {"f32_gelu_bias", f32, f32, 130, 72, 40, E::kGeluAux, true, false, false, f32, false, 0},
       {"e4m3_residual_bf16", e4m3, bf16, 256, 128, 64, E::kNone, true, true, false, f32, true},
+      // The wgrad GEMM (x^T @ dy) with the bias gradient of dy.
+      {"bf16_bgradb_wgrad", bf16, bf16, 256, 384, 512, E::kBgradB, false, false, true, bf16,
+       false, -1, true},
+      {"f32_bgradb_wgrad", f32, f32, 64, 72, 130, E::kBgradB, false, false, true, f32, false, -1,
+       true},
       // N not a multiple of 8: cuBLASLt is not asked; the fallback epilogue.
       {"bf16_gelu_odd", bf16, bf16, 33, 70, 24, E::kGeluAux, true, false, false, f32, false, 0},
       {"bf16_dgelu_bgrad_odd", bf16, bf16, 45, 70, 24, E::kDGeluBgrad, false, false, true, f32,
@@ -273,6 +285,46 @@ INSTANTIATE_TEST_SUITE_P(All, GpuGemmEpilogueTest, ::testing::ValuesIn(EpilogueC
                          [](const ::testing::TestParamInfo<EpilogueCase>& info) {
                            return info.param.name;
                          });
+
+// Dot (the step's vdot) against the CPU's, at the benchmark's size and odd ones.
+TEST(GpuDotTest, MatchesCpu) {
+  auto device = OpenCudaDevice(0);
+  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  auto ops = (*device)->NewOps(int64_t{2} << 30);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  Ops& gpu = **ops;
+  CpuOps cpu;
+  for (const int64_t n : {int64_t{1}, int64_t{13}, int64_t{4099}, int64_t{4} * 2048 * 4096}) {
+    for (const DType dtype : {DType::kBF16, DType::kF32}) {
+      const Tensor a = ::te::testing::MakeRandom(cpu, dtype, {n}, 81);
+      const Tensor b = ::te::testing::MakeRandom(cpu, dtype, {n}, 82);
+      Tensor want = ::te::testing::MakeEmpty(cpu, DType::kF32, {1});
+      ASSERT_TRUE(cpu.Dot(a, b, &want).ok());
+      Tensor a_dev = *gpu.Allocate(dtype, {n}), b_dev = *gpu.Allocate(dtype, {n});
+      ASSERT_TRUE(gpu.Upload(a.data(), &a_dev).ok());
+      ASSERT_TRUE(gpu.Upload(b.data(), &b_dev).ok());
+      Tensor out = *gpu.Allocate(DType::kF32, {1});
+      ASSERT_TRUE(gpu.Dot(a_dev, b_dev, &out).ok());
+      float got = 0.0f;
+      ASSERT_TRUE(gpu.Download(out, &got).ok());
+      // Float32 sums in two orders: relative to the sum of |a_i b_i| (the
+      // signed sum may cancel).
+      const std::vector<double> av = ::te::testing::ToDoubles(a), bv = ::te::testing::ToDoubles(b);
+      double magnitude = 0.0;
+      for (int64_t i = 0; i < n; ++i) magnitude += std::abs(av[i] * bv[i]);
+      EXPECT_LE(std::abs(got - ::te::testing::ScalarValue(want)), 1e-5 * magnitude)
+          << "n=" << n << " " << DTypeName(dtype);
+      if (n > 1) {  // views one element in: the unaligned path
+        const Tensor a_view = a_dev.Slice0(1, n), b_view = b_dev.Slice0(1, n);
+        ASSERT_TRUE(gpu.Dot(a_view, b_view, &out).ok());
+        ASSERT_TRUE(gpu.Download(out, &got).ok());
+        double ref = 0.0;
+        for (int64_t i = 1; i < n; ++i) ref += av[i] * bv[i];
+        EXPECT_LE(std::abs(got - ref), 1e-5 * magnitude) << "unaligned n=" << n;
+      }
+    }
+  }
+}
 
 // The second call of a shape reuses the first's plan: no new cache entries.
 TEST(GpuGemmCacheTest, SecondCallReusesThePlan) {

@@ -180,27 +180,17 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
 }
 
 absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                             Tensor* dx, Variables* grads, const DenseGradFusion& fusion) const {
+                             Tensor* dx, Variables* grads) const {
   RETURN_IF_ERROR(CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
   const int64_t n = dy.dim(0);
   const DType compute = dy.dtype();
   const Fp8Recipe* fp8 = saved.fp8 ? &*saved.fp8 : nullptr;
-  const bool dgelu = fusion.gelu_input.defined();
-  if (dgelu && fp8 != nullptr) {
-    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
-                                            ": a fused GELU backward needs float compute"));
-  }
-  // The bias gradient: given, or summed from dy (fused into dy's cast-transpose
-  // under per-tensor FP8).
+  // The bias gradient: dy's column sums, fused into dy's cast-transpose under
+  // per-tensor FP8.
   Tensor dbias;
   bool dbias_done = false;
   if (config_.use_bias) {
-    if (fusion.bias_grad.defined()) {
-      dbias = fusion.bias_grad.Reshaped(config_.features);
-      dbias_done = true;
-    } else {
-      ASSIGN_OR_RETURN(dbias, ops.Allocate(config_.param_dtype, config_.features));
-    }
+    ASSIGN_OR_RETURN(dbias, ops.Allocate(config_.param_dtype, config_.features));
   }
 
   // dgrad: dx = dy @ kernel^T; wgrad: dkernel = x^T @ dy.
@@ -251,19 +241,8 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
     dgrad.b = kernel_b.data;
     dgrad.transpose_b = kernel_b.transpose;
     dgrad.b_scale_inv = kernel_b.scale_inv;
-    if (dgelu) {
-      dgrad.epilogue = Ops::GemmEpilogue::kDGeluBgrad;
-      dgrad.aux = fusion.gelu_input;
-      if (fusion.gelu_bias_grad != nullptr) {
-        ASSIGN_OR_RETURN(*fusion.gelu_bias_grad, ops.Allocate(config_.param_dtype, {in_}));
-        dgrad.bias_grad = *fusion.gelu_bias_grad;
-      }
-    }
     ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
     RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
-  } else if (dgelu) {
-    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
-                                            ": a fused GELU backward needs dx"));
   }
 
   Ops::GemmArgs wgrad;
@@ -408,15 +387,14 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
 
 absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, const Saved& saved,
                                       const Tensor& dy, Tensor* dx, Variables* grads,
-                                      const DenseGradFusion& fusion,
                                       const Tensor& residual_grad) const {
   if (!enable_layernorm_) {
-    RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, dx, grads, fusion));
+    RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, dx, grads));
     if (!residual_grad.defined()) return absl::OkStatus();
     return ResidualAdd(ops, *dx, residual_grad.Reshaped(dx->shape()), dx);
   }
   Tensor dln;
-  RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, &dln, grads, fusion));
+  RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, &dln, grads));
   return norm_.Backward(ops, saved.norm, dln, dx, grads, residual_grad);
 }
 

@@ -66,18 +66,6 @@ struct DenseFusion {
   // to *gelu_input (what its backward needs).
   Tensor* gelu_input = nullptr;
 };
-struct DenseGradFusion {
-  // Float compute only: dx = (dy @ kernel^T) * gelu'(gelu_input), the
-  // backward of a GELU that fed this Dense, in the dgrad GEMM; and, when not
-  // null, the column sums of that dx: the bias gradient of the Dense before
-  // the GELU (allocated here, [in], in this Dense's param dtype).
-  Tensor gelu_input;
-  Tensor* gelu_bias_grad = nullptr;
-  // This Dense's bias gradient, already computed by the next GEMM (see
-  // gelu_bias_grad): used instead of summing dy.
-  Tensor bias_grad;
-};
-
 class Dense {
  public:
   explicit Dense(DenseConfig config);
@@ -113,7 +101,7 @@ class Dense {
   // gradients into *grads. Under DelayedScaling dy's amax goes to the grad
   // quantizer's history[0].
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads, const DenseGradFusion& fusion = {}) const;
+                        Tensor* dx, Variables* grads) const;
 
  private:
   // *y [N, out] = op(a) @ op(b) + bias (+ the fusion's epilogue), in `compute`.
@@ -191,7 +179,7 @@ class LayerNormDense {
                        const DenseFusion& fusion = {}) const;
   // residual_grad (optional) is added to *dx (Norm::Backward's).
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads, const DenseGradFusion& fusion = {},
+                        Tensor* dx, Variables* grads,
                         const Tensor& residual_grad = Tensor()) const;
 
  private:
@@ -251,7 +239,7 @@ class Mlp {
   // Dropout uses DeriveSeed(opts.dropout_seed, scope + "/intermediate_dropout").
   // Under DelayedScaling the norm (without ln_out) and the activation (when
   // dropout is off) write their outputs in FP8 directly. Without FP8 a lone
-  // GELU runs in wi's GEMM epilogue (and its backward in wo's dgrad). With
+  // GELU runs in wi's GEMM epilogue. With
   // `residual` ([N, hidden]) y = mlp(x) + residual, added in wo's GEMM.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
                        Tensor* y, Tensor* ln_out, Saved* saved,

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
+#include "server/layers/blocks.h"
 #include "server/layers/fp8_state.h"
 #include "server/layers/variables.h"
 #include "server/session/session.h"
@@ -134,17 +135,15 @@ absl::StatusOr<layers::LayerInputs> Session::MaterializeInputs(const CheckedInpu
 }
 
 absl::StatusOr<Tensor> Session::VdotOnDevice(const Tensor& y, const Tensor& dy) {
-  const int64_t n = y.numel();
   ASSIGN_OR_RETURN(Tensor out, ops_->Allocate(DType::kF32, {1, 1}));
-  if (n == 0) {
-    RETURN_IF_ERROR(ops_->Fill(0.0f, &out));
+  if (y.dtype() == dy.dtype()) {
+    RETURN_IF_ERROR(ops_->Dot(y, dy, &out));
     return out;
   }
-  // [1, n] x [n, 1] on the device: one float32-accumulated dot product.
-  Ops::GemmArgs args;
-  args.a = y.Reshaped({1, n});
-  args.b = dy.Reshaped({n, 1});
-  RETURN_IF_ERROR(ops_->Gemm(args, &out));
+  // dy sent in another float dtype than y's: both exactly in f32.
+  ASSIGN_OR_RETURN(const Tensor y32, layers::CastTo(*ops_, y, DType::kF32));
+  ASSIGN_OR_RETURN(const Tensor dy32, layers::CastTo(*ops_, dy, DType::kF32));
+  RETURN_IF_ERROR(ops_->Dot(y32, dy32, &out));
   return out;
 }
 
