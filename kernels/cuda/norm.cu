@@ -1,13 +1,29 @@
 // LayerNorm / RMSNorm over the last dimension of x [N, H].
 //
-// Forward: one block per row, read once into a row cache; the row's statistics
-// by block reduction (mean, then the centred second moment, as the CPU
-// reference computes them), then y = (x - mu) * rsigma * g + beta, written as
-// float or, fused, as FP8 with amax (TE's norm + quantize).
-// Backward: one block per row again for dx; dgamma / dbeta are summed per block
-// into a partial row [blocks, H] (shared memory, each column owned by one
-// thread: no atomics), then a second kernel adds the partials in block order,
-// so the result is deterministic.
+// Two paths per op; both compute the statistics in float32 as the CPU
+// reference does (the mean, then the second moment about it).
+//
+// Fast path, for rows that fit in registers (H % 8 == 0; H <= 8192 forward
+// and 12288 backward for 16-bit inputs, half that for float32; tensors
+// aligned for 16-byte access): a group of 1 to 12 warps holds a row in
+// registers, read once with 16-byte loads, and sums it
+// with warp shuffles plus one small shared-memory step between the group's
+// warps (behind a barrier of that group alone, so groups never wait for each
+// other). A block holds several groups; each walks rows grid-stride.
+//   Forward: y (float, or FP8 with amax) from the registers.
+//   NormForwardTransposed: the same, and the FP8 codes of a tile of rows also
+//   go to shared memory, from where the tile leaves transposed as y_t.
+//   Backward: x, dy and residual_grad read once; dgamma / dbeta sum in
+//   registers (each thread owns fixed columns in every row); the block's
+//   groups add theirs in group order into one partial row per block.
+// General path (any H, any alignment): one block per row, the row cached in
+// shared memory (or global scratch for very long rows), block reductions;
+// backward partials per block in shared or global memory.
+//
+// Both backwards end with a second kernel that adds the partial rows in block
+// order: dgamma / dbeta are deterministic, with no atomics.
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
@@ -23,6 +39,464 @@ namespace {
 // the backward partials stay in global memory instead.
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 constexpr size_t kMaxSharedBytes = 200 * 1024;
+
+// ---- fast paths: rows held in registers ---------------------------------------------
+//
+// A row is held by a group of `warps` warps (forward: 1, 2, 4 or 8; backward:
+// 1, 2, 3, 4, 6 or 12; `threads` = 32 * warps). Thread t of the group holds
+// the row's 8-element packs t, t + threads, t + 2 * threads, ... (at most
+// RowPacksFor(input element size) of them), so each warp's loads are
+// contiguous. A block holds several groups; the row sums of a group are warp
+// shuffles, then (warps > 1) one shared-memory step behind a named barrier of
+// that group alone.
+//
+// The reduction tree depends only on `warps`, which depends only on H and the
+// input's element size (FastRowWarps), and the arithmetic spells out its
+// roundings (no contraction left to the compiler): NormForward's fast path
+// and NormForwardTransposed compute bit-identical statistics, hence codes.
+
+// Packs of 8 elements per thread at most: 32 bytes of 16-bit input, 64 of
+// float32, so backward's x, dy and column sums stay in registers.
+constexpr int RowPacksFor(size_t in_bytes) { return in_bytes == 4 ? 2 : 4; }
+constexpr int kForwardThreads = 256;
+constexpr int kTransposedMaxThreads = 1024;
+// Backward needs ~150 registers a thread (64 of them column sums): 384
+// threads a block keep it under the 170 that one block per SM allows, and 12
+// warps split into groups of 1, 2, 3, 4, 6 or 12.
+constexpr int kBackwardThreads = 384;
+
+struct RowGroup {
+  int warps;       // per row
+  int threads;     // 32 * warps
+  int index;       // this group within the block
+  int count;       // groups in the block
+  int lane;        // this thread within the group
+  int first_warp;  // the block-wide index of the group's warp 0
+};
+
+__device__ __forceinline__ RowGroup MakeRowGroup(int warps) {
+  RowGroup g;
+  g.warps = warps;
+  g.threads = 32 * warps;
+  g.index = threadIdx.x / g.threads;
+  g.count = blockDim.x / g.threads;
+  g.lane = threadIdx.x % g.threads;
+  g.first_warp = g.index * warps;
+  return g;
+}
+
+// Barrier of one group's threads: ids 1.. (0 is __syncthreads'), so at most 15
+// groups of more than one warp per block (the launchers keep to 8, backward
+// to 6).
+__device__ __forceinline__ void GroupBarrier(const RowGroup& g) {
+  asm volatile("bar.sync %0, %1;" : : "r"(g.index + 1), "r"(g.threads) : "memory");
+}
+
+// Sum over the group; every thread of the group gets the same value (the same
+// additions in the same order). `slot`: one float per warp of the block. A
+// warp may read the slot after a faster warp of its group has left the
+// barrier, so consecutive sums must alternate between two slots: the next
+// write to this one then waits behind the next sum's barrier, which the
+// reader reaches only after reading.
+__device__ __forceinline__ float GroupSum(float v, const RowGroup& g, float* slot) {
+  v = WarpSum(v);
+  if (g.warps == 1) return v;
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) slot[warp] = v;
+  GroupBarrier(g);
+  float total = 0.0f;
+  for (int w = 0; w < g.warps; ++w) total += slot[g.first_warp + w];
+  return total;
+}
+
+__device__ __forceinline__ float4 Add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// Two sums at once (backward's), with GroupSum's slot rule.
+__device__ __forceinline__ float2 GroupSum2(float2 v, const RowGroup& g, float2* slot) {
+  v.x = WarpSum(v.x);
+  v.y = WarpSum(v.y);
+  if (g.warps == 1) return v;
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) slot[warp] = v;
+  GroupBarrier(g);
+  float2 total = make_float2(0.0f, 0.0f);
+  for (int w = 0; w < g.warps; ++w) {
+    const float2 s = slot[g.first_warp + w];
+    total.x += s.x;
+    total.y += s.y;
+  }
+  return total;
+}
+
+// This thread's packs of `row` (`packs` in all); packs past the end are left
+// unset and never read (every use checks p < packs).
+template <typename T, int kPacks>
+__device__ __forceinline__ void LoadRowPacks(const T* row, int packs, const RowGroup& g,
+                                             Pack<T> (&out)[kPacks]) {
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = g.lane + k * g.threads;
+    if (p < packs) out[k] = reinterpret_cast<const Pack<T>*>(row)[p];
+  }
+}
+
+// mean (0 for RMSNorm), then the second moment about it, as the CPU reference
+// computes them; rsigma = 1 / sqrt(m2 + epsilon). `slots`: [2][slot_stride],
+// one per warp of the block; each GroupSum takes the slot after the previous
+// one's (`turn` counts them), which is what makes one barrier per sum enough.
+template <typename In, int kPacks>
+__device__ __forceinline__ void RowStatistics(const Pack<typename In::Storage> (&xr)[kPacks],
+                                              int packs, int64_t cols, bool layernorm,
+                                              float epsilon, const RowGroup& g, float* slots,
+                                              int slot_stride, int* turn, float* mean,
+                                              float* rsigma) {
+  float m = 0.0f;
+  if (layernorm) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      if (g.lane + k * g.threads < packs) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) sum += In::Load(xr[k].v[j]);
+      }
+    }
+    m = GroupSum(sum, g, slots + (*turn & 1) * slot_stride) / static_cast<float>(cols);
+    ++*turn;
+  }
+  float sq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    if (g.lane + k * g.threads < packs) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float d = In::Load(xr[k].v[j]) - m;
+        sq = __fmaf_rn(d, d, sq);
+      }
+    }
+  }
+  const float second_moment =
+      GroupSum(sq, g, slots + (*turn & 1) * slot_stride) / static_cast<float>(cols);
+  ++*turn;
+  *mean = m;
+  *rsigma = 1.0f / sqrtf(second_moment + epsilon);
+}
+
+// y of one pack: (x - mean) * rsigma * g + beta, then scaled (FP8) and
+// rounded to the output, with every float rounding spelled out so that each
+// kernel calling this gives the same bits.
+template <typename In, typename G, typename Out>
+__device__ __forceinline__ Pack<typename Out::Storage> NormPack(
+    const Pack<typename In::Storage>& xp, const typename G::Storage* gamma,
+    const typename G::Storage* beta, int p, float mean, float rsigma, bool zero_centered,
+    float scale, unsigned* amax_bits) {
+  using GPack = Pack<typename G::Storage>;
+  const GPack gp = reinterpret_cast<const GPack*>(gamma)[p];
+  GPack bp;
+  if (beta != nullptr) bp = reinterpret_cast<const GPack*>(beta)[p];
+  Pack<typename Out::Storage> o;
+  unsigned bits = *amax_bits;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    float gj = G::Load(gp.v[j]);
+    if (zero_centered) gj += 1.0f;
+    const float b = beta != nullptr ? G::Load(bp.v[j]) : 0.0f;
+    const float v = __fmaf_rn(__fmul_rn(In::Load(xp.v[j]) - mean, rsigma), gj, b);
+    bits = max(bits, AbsBits(v));
+    o.v[j] = Out::Store(__fmul_rn(v, scale));
+  }
+  *amax_bits = bits;
+  return o;
+}
+
+// The pointers and sizes of one NormForward, for the fast kernels. x, y:
+// [rows, cols]; gamma, beta: [cols] (beta null for RMSNorm); mu, rsigma: [rows]
+// or null. FP8 y: scale, amax (zeroed before) and scale_inv non-null; a float
+// y: all three null.
+template <typename In, typename G, typename Out>
+struct NormForwardParams {
+  const typename In::Storage* x;
+  const typename G::Storage* gamma;
+  const typename G::Storage* beta;
+  typename Out::Storage* y;
+  float* mu;
+  float* rsigma;
+  int64_t rows;
+  int64_t cols;
+  float epsilon;
+  bool layernorm;
+  bool zero_centered;
+  const float* scale;
+  float* amax;
+  float* scale_inv;
+};
+
+// Folds the block's amax into the global one and writes scale_inv (FP8 y only).
+__device__ __forceinline__ void FinishAmax(unsigned bits, float* amax, float* scale_inv, float s,
+                                           unsigned* scratch) {
+  if (amax == nullptr) return;
+  bits = BlockMaxBits(bits, scratch);
+  if (threadIdx.x == 0) {
+    AtomicMaxAbsBits(amax, bits);
+    if (blockIdx.x == 0) *scale_inv = 1.0f / s;
+  }
+}
+
+// Forward, fast path: each group normalises rows grid-stride.
+template <typename In, typename G, typename Out>
+__global__ void __launch_bounds__(kForwardThreads)
+    NormForwardFastKernel(NormForwardParams<In, G, Out> a, int warps_per_row) {
+  constexpr int kPacks = RowPacksFor(sizeof(typename In::Storage));
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
+  __shared__ float slots[2][kForwardThreads / 32];
+  __shared__ unsigned max_scratch[32];
+  const RowGroup g = MakeRowGroup(warps_per_row);
+  const int packs = static_cast<int>(a.cols / kVec);  // <= 1024 on this path
+  const float s = a.scale != nullptr ? *a.scale : 1.0f;
+  unsigned bits = 0;
+  int turn = 0;
+  const int64_t step = int64_t(gridDim.x) * g.count;
+  for (int64_t r = int64_t(blockIdx.x) * g.count + g.index; r < a.rows; r += step) {
+    InPack xr[kPacks];
+    LoadRowPacks(a.x + r * a.cols, packs, g, xr);
+    float mean, rsigma;
+    RowStatistics<In>(xr, packs, a.cols, a.layernorm, a.epsilon, g, &slots[0][0],
+                      kForwardThreads / 32, &turn, &mean, &rsigma);
+    if (g.lane == 0) {
+      if (a.mu != nullptr) a.mu[r] = mean;
+      if (a.rsigma != nullptr) a.rsigma[r] = rsigma;
+    }
+    OutPack* y_row = reinterpret_cast<OutPack*>(a.y + r * a.cols);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = g.lane + k * g.threads;
+      if (p < packs) {
+        y_row[p] = NormPack<In, G, Out>(xr[k], a.gamma, a.beta, p, mean, rsigma,
+                                        a.zero_centered, s, &bits);
+      }
+    }
+  }
+  FinishAmax(bits, a.amax, a.scale_inv, s, max_scratch);
+}
+
+// Forward with y FP8 [rows, cols] and y_t [cols, rows] = y^T, fast path. A
+// block takes tiles of `tile_rows` rows (a multiple of 4; rows % 4 == 0): its
+// groups normalise the tile's rows as NormForwardFastKernel does, writing y
+// from registers and the codes into `tile` ([tile_rows][cols + 4] bytes in
+// shared memory); then the block writes the tile transposed, each thread a 4 x
+// 4 block of codes (4 words read, transposed in registers, 4 words written:
+// 4 rows of one column each). The +4 bytes per tile row spread those reads
+// over the banks.
+template <typename In, typename G, typename Out>
+__global__ void __launch_bounds__(kTransposedMaxThreads)
+    NormForwardTransposedKernel(NormForwardParams<In, G, Out> a, uint8_t* y_t, int warps_per_row,
+                                int tile_rows) {
+  constexpr int kPacks = RowPacksFor(sizeof(typename In::Storage));
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<uint8_t>;
+  extern __shared__ uint32_t tile_words[];
+  uint8_t* tile = reinterpret_cast<uint8_t*>(tile_words);
+  __shared__ float slots[2][kTransposedMaxThreads / 32];
+  __shared__ unsigned max_scratch[32];
+  const RowGroup g = MakeRowGroup(warps_per_row);
+  const int64_t rows = a.rows, cols = a.cols;
+  const int packs = static_cast<int>(cols / kVec);  // <= 1024 on this path
+  const int64_t stride = cols + 4;
+  const float s = *a.scale;
+  unsigned bits = 0;
+  int turn = 0;
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  const int row_words = tile_rows / 4;  // 4-row words per column of a full tile
+  const int64_t word_blocks = int64_t(row_words) * (cols / 4);
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = t * tile_rows;
+    const int n = static_cast<int>(min(int64_t(tile_rows), rows - r0));
+    for (int i = g.index; i < n; i += g.count) {
+      const int64_t r = r0 + i;
+      InPack xr[kPacks];
+      LoadRowPacks(a.x + r * cols, packs, g, xr);
+      float mean, rsigma;
+      RowStatistics<In>(xr, packs, cols, a.layernorm, a.epsilon, g, &slots[0][0],
+                        kTransposedMaxThreads / 32, &turn, &mean, &rsigma);
+      if (g.lane == 0) {
+        if (a.mu != nullptr) a.mu[r] = mean;
+        if (a.rsigma != nullptr) a.rsigma[r] = rsigma;
+      }
+      OutPack* y_row = reinterpret_cast<OutPack*>(a.y + r * cols);
+      uint8_t* tile_row = tile + i * stride;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = g.lane + k * g.threads;
+        if (p < packs) {
+          const OutPack o = NormPack<In, G, Out>(xr[k], a.gamma, a.beta, p, mean, rsigma,
+                                                 a.zero_centered, s, &bits);
+          y_row[p] = o;
+          // stride is 4 (mod 8): two 4-byte stores.
+          uint32_t lo = 0, hi = 0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            lo |= static_cast<uint32_t>(o.v[j]) << (8 * j);
+            hi |= static_cast<uint32_t>(o.v[4 + j]) << (8 * j);
+          }
+          reinterpret_cast<uint32_t*>(tile_row + 8 * p)[0] = lo;
+          reinterpret_cast<uint32_t*>(tile_row + 8 * p)[1] = hi;
+        }
+      }
+    }
+    __syncthreads();  // the tile is complete
+    // Word block b: rows 4w..4w+3 of the tile, columns 4q..4q+3; w varies
+    // fastest, so a warp writes whole runs of one y_t row.
+    for (int64_t b = threadIdx.x; b < word_blocks; b += blockDim.x) {
+      const int w = static_cast<int>(b % row_words);
+      const int64_t q = b / row_words;
+      if (4 * w >= n) continue;
+      const uint8_t* src = tile + 4 * w * stride + 4 * q;
+      const uint32_t in0 = *reinterpret_cast<const uint32_t*>(src);
+      const uint32_t in1 = *reinterpret_cast<const uint32_t*>(src + stride);
+      const uint32_t in2 = *reinterpret_cast<const uint32_t*>(src + 2 * stride);
+      const uint32_t in3 = *reinterpret_cast<const uint32_t*>(src + 3 * stride);
+      // in_i holds row i's codes of columns 0..3; out_j column j's codes of rows 0..3.
+      const uint32_t lo01 = __byte_perm(in0, in1, 0x5140);  // r0c0 r1c0 r0c1 r1c1
+      const uint32_t hi01 = __byte_perm(in0, in1, 0x7362);  // r0c2 r1c2 r0c3 r1c3
+      const uint32_t lo23 = __byte_perm(in2, in3, 0x5140);
+      const uint32_t hi23 = __byte_perm(in2, in3, 0x7362);
+      uint8_t* dst = y_t + 4 * q * rows + r0 + 4 * w;
+      *reinterpret_cast<uint32_t*>(dst) = __byte_perm(lo01, lo23, 0x5410);
+      *reinterpret_cast<uint32_t*>(dst + rows) = __byte_perm(lo01, lo23, 0x7632);
+      *reinterpret_cast<uint32_t*>(dst + 2 * rows) = __byte_perm(hi01, hi23, 0x5410);
+      *reinterpret_cast<uint32_t*>(dst + 3 * rows) = __byte_perm(hi01, hi23, 0x7632);
+    }
+    __syncthreads();  // the tile may be overwritten
+  }
+  FinishAmax(bits, a.amax, a.scale_inv, s, max_scratch);
+}
+
+// Backward, fast path. dx = rsigma * (dxhat - mean(dxhat) - xhat *
+// mean(dxhat * xhat)) + residual (residual null: none). Each group walks rows
+// grid-stride, summing dy * xhat and dy into registers for the columns its
+// threads own; at the end the block's groups add theirs in group order into
+// shared memory ([2][cols]: dgamma, dbeta), which becomes this block's
+// partial rows partial[blockIdx.x] and partial[gridDim.x + blockIdx.x].
+template <typename In, typename G, typename Out>
+__global__ void __launch_bounds__(kBackwardThreads, 1)
+    NormBackwardFastKernel(const typename In::Storage* dy, const typename In::Storage* x,
+                           const float* mu, const float* rsigma, const typename G::Storage* gamma,
+                           const typename Out::Storage* residual, typename Out::Storage* dx,
+                           float* partial, int64_t rows, int64_t cols, bool layernorm,
+                           bool zero_centered, int warps_per_row) {
+  constexpr int kPacks = RowPacksFor(sizeof(typename In::Storage));
+  using InPack = Pack<typename In::Storage>;
+  using GPack = Pack<typename G::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
+  extern __shared__ float4 column_sums4[];
+  float* column_sums = reinterpret_cast<float*>(column_sums4);
+  __shared__ float2 slots[2][kBackwardThreads / 32];
+  const RowGroup g = MakeRowGroup(warps_per_row);
+  const int packs = static_cast<int>(cols / kVec);  // <= 1024 on this path
+  float dgamma_acc[kPacks][kVec], dbeta_acc[kPacks][kVec];
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dgamma_acc[k][j] = dbeta_acc[k][j] = 0.0f;
+  }
+  int parity = 0;
+  const int64_t step = int64_t(gridDim.x) * g.count;
+  for (int64_t r = int64_t(blockIdx.x) * g.count + g.index; r < rows; r += step, parity ^= 1) {
+    InPack xr[kPacks], dyr[kPacks];
+    LoadRowPacks(x + r * cols, packs, g, xr);
+    LoadRowPacks(dy + r * cols, packs, g, dyr);
+    const float m = layernorm ? mu[r] : 0.0f;
+    const float rs = rsigma[r];
+    float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = g.lane + k * g.threads;
+      if (p < packs) {
+        const GPack gp = reinterpret_cast<const GPack*>(gamma)[p];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          float gj = G::Load(gp.v[j]);
+          if (zero_centered) gj += 1.0f;
+          const float xhat = (In::Load(xr[k].v[j]) - m) * rs;
+          const float d = In::Load(dyr[k].v[j]);
+          const float dxhat = d * gj;
+          sum_dxhat += dxhat;
+          sum_dxhat_xhat += dxhat * xhat;
+          dgamma_acc[k][j] += d * xhat;
+          dbeta_acc[k][j] += d;
+        }
+      }
+    }
+    const float2 sums = GroupSum2(make_float2(sum_dxhat, sum_dxhat_xhat), g, slots[parity]);
+    const float mean_dxhat = layernorm ? sums.x / static_cast<float>(cols) : 0.0f;
+    const float mean_dxhat_xhat = sums.y / static_cast<float>(cols);
+    const OutPack* residual_row =
+        residual != nullptr ? reinterpret_cast<const OutPack*>(residual + r * cols) : nullptr;
+    OutPack* dx_row = reinterpret_cast<OutPack*>(dx + r * cols);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = g.lane + k * g.threads;
+      if (p < packs) {
+        const GPack gp = reinterpret_cast<const GPack*>(gamma)[p];
+        OutPack rp;
+        if (residual_row != nullptr) rp = residual_row[p];
+        OutPack o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          float gj = G::Load(gp.v[j]);
+          if (zero_centered) gj += 1.0f;
+          const float xhat = (In::Load(xr[k].v[j]) - m) * rs;
+          const float dxhat = In::Load(dyr[k].v[j]) * gj;
+          float v = rs * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat);
+          if (residual_row != nullptr) v += Out::Load(rp.v[j]);
+          o.v[j] = Out::Store(v);
+        }
+        dx_row[p] = o;
+      }
+    }
+  }
+  // The block's column sums, group 0 first: each column is owned by the same
+  // lane in every group, so one barrier per group orders the additions.
+  for (int turn = 0; turn < g.count; ++turn) {
+    if (g.index == turn) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = g.lane + k * g.threads;
+        if (p < packs) {
+          float4* dg = column_sums4 + 2 * p;
+          float4* db = column_sums4 + (cols / 4) + 2 * p;
+          float4 dg0 = make_float4(dgamma_acc[k][0], dgamma_acc[k][1], dgamma_acc[k][2],
+                                   dgamma_acc[k][3]);
+          float4 dg1 = make_float4(dgamma_acc[k][4], dgamma_acc[k][5], dgamma_acc[k][6],
+                                   dgamma_acc[k][7]);
+          float4 db0 = make_float4(dbeta_acc[k][0], dbeta_acc[k][1], dbeta_acc[k][2],
+                                   dbeta_acc[k][3]);
+          float4 db1 = make_float4(dbeta_acc[k][4], dbeta_acc[k][5], dbeta_acc[k][6],
+                                   dbeta_acc[k][7]);
+          if (turn > 0) {
+            dg0 = Add4(dg[0], dg0);
+            dg1 = Add4(dg[1], dg1);
+            db0 = Add4(db[0], db0);
+            db1 = Add4(db[1], db1);
+          }
+          dg[0] = dg0;
+          dg[1] = dg1;
+          db[0] = db0;
+          db[1] = db1;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    partial[blockIdx.x * cols + c] = column_sums[c];
+    partial[(gridDim.x + blockIdx.x) * cols + c] = column_sums[cols + c];
+  }
+}
+
+// ---- general path: one block per row -----------------------------------------------
 
 // One row of NormForwardKernel, N consecutive elements per access (N = kVec
 // for Pack access, else 1). Returns the row's max |v| bits folded into amax_bits.
@@ -121,8 +595,9 @@ __global__ void NormForwardKernel(const typename In::Storage* x, const typename 
 template <typename In, typename G, typename Out, int N>
 __device__ __forceinline__ void NormBackwardRow(
     const typename In::Storage* dy_row, const typename In::Storage* x_row, float m, float rs,
-    const typename G::Storage* gamma, typename Out::Storage* dx_row, float* dgamma_acc,
-    float* dbeta_acc, int64_t cols, bool layernorm, bool zero_centered, float* scratch) {
+    const typename G::Storage* gamma, const typename Out::Storage* residual_row,
+    typename Out::Storage* dx_row, float* dgamma_acc, float* dbeta_acc, int64_t cols,
+    bool layernorm, bool zero_centered, float* scratch) {
   using InPack = Pack<typename In::Storage, N>;
   using OutPack = Pack<typename Out::Storage, N>;
   const int64_t first = threadIdx.x * int64_t(N), stride = int64_t(blockDim.x) * N;
@@ -150,6 +625,8 @@ __device__ __forceinline__ void NormBackwardRow(
   for (int64_t c = first; c < cols; c += stride) {
     const InPack xp = *reinterpret_cast<const InPack*>(x_row + c);
     const InPack dp = *reinterpret_cast<const InPack*>(dy_row + c);
+    OutPack rp;
+    if (residual_row != nullptr) rp = *reinterpret_cast<const OutPack*>(residual_row + c);
     OutPack o;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -157,14 +634,17 @@ __device__ __forceinline__ void NormBackwardRow(
       if (zero_centered) g += 1.0f;
       const float xhat = (In::Load(xp.v[j]) - m) * rs;
       const float dxhat = In::Load(dp.v[j]) * g;
-      o.v[j] = Out::Store(rs * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+      float v = rs * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat);
+      if (residual_row != nullptr) v += Out::Load(rp.v[j]);
+      o.v[j] = Out::Store(v);
     }
     *reinterpret_cast<OutPack*>(dx_row + c) = o;
   }
 }
 
-// dx for each row; this block's dgamma / dbeta sums over its rows into
-// partial[blockIdx.x] (dgamma) and partial[gridDim.x + blockIdx.x] (dbeta),
+// dx (+ residual where non-null) for each row; this block's dgamma / dbeta
+// sums over its rows into partial[blockIdx.x] (dgamma) and
+// partial[gridDim.x + blockIdx.x] (dbeta),
 // each [cols]. With `shared_partials`, the sums accumulate in shared memory
 // (2 * cols floats) and are copied out at the end. Each column's sums are
 // touched by one thread only (the one that owns that column in every row): no
@@ -172,9 +652,11 @@ __device__ __forceinline__ void NormBackwardRow(
 template <typename In, typename G, typename Out>
 __global__ void NormBackwardKernel(const typename In::Storage* dy, const typename In::Storage* x,
                                    const float* mu, const float* rsigma,
-                                   const typename G::Storage* gamma, typename Out::Storage* dx,
-                                   float* partial, int64_t rows, int64_t cols, bool layernorm,
-                                   bool zero_centered, bool shared_partials, bool vec) {
+                                   const typename G::Storage* gamma,
+                                   const typename Out::Storage* residual,
+                                   typename Out::Storage* dx, float* partial, int64_t rows,
+                                   int64_t cols, bool layernorm, bool zero_centered,
+                                   bool shared_partials, bool vec) {
   extern __shared__ float shared[];
   __shared__ float scratch[32];
   float* dgamma_acc = shared_partials ? shared : partial + blockIdx.x * cols;
@@ -189,14 +671,15 @@ __global__ void NormBackwardKernel(const typename In::Storage* dy, const typenam
   }
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float m = layernorm ? mu[r] : 0.0f;
+    const typename Out::Storage* residual_row = residual != nullptr ? residual + r * cols : nullptr;
     if (vec) {
       NormBackwardRow<In, G, Out, kVec>(dy + r * cols, x + r * cols, m, rsigma[r], gamma,
-                                        dx + r * cols, dgamma_acc, dbeta_acc, cols, layernorm,
-                                        zero_centered, scratch);
+                                        residual_row, dx + r * cols, dgamma_acc, dbeta_acc, cols,
+                                        layernorm, zero_centered, scratch);
     } else {
       NormBackwardRow<In, G, Out, 1>(dy + r * cols, x + r * cols, m, rsigma[r], gamma,
-                                     dx + r * cols, dgamma_acc, dbeta_acc, cols, layernorm,
-                                     zero_centered, scratch);
+                                     residual_row, dx + r * cols, dgamma_acc, dbeta_acc, cols,
+                                     layernorm, zero_centered, scratch);
     }
   }
   if (shared_partials) {
@@ -244,6 +727,96 @@ __global__ void NormParamGradKernel(const float* partial, int blocks, int64_t co
 
 int RowThreads(int64_t cols) { return cols >= 1024 ? 256 : 128; }
 
+// ---- host helpers -------------------------------------------------------------------
+
+// Aligned for Pack access (8 elements of the tensor's dtype).
+bool VecAligned(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data()) % (kVec * DTypeSize(t.dtype())) == 0;
+}
+
+// Warps per row of the fast paths for rows of `cols` elements of dtype `in`:
+// the fewest of `choices` whose threads hold the row, or 0 where none does
+// (cols % kVec != 0, or the row is too long).
+constexpr int kForwardWarpChoices[] = {1, 2, 4, 8};
+constexpr int kBackwardWarpChoices[] = {1, 2, 3, 4, 6, 12};
+template <size_t kChoices>
+int FastRowWarps(int64_t cols, DType in, const int (&choices)[kChoices]) {
+  if (cols <= 0 || cols % kVec != 0) return 0;
+  const int64_t packs_per_warp = int64_t{32} * RowPacksFor(DTypeSize(in));
+  for (int warps : choices) {
+    if (cols / kVec <= packs_per_warp * warps) return warps;
+  }
+  return 0;
+}
+
+// The fast forward's warps per row for these tensors, or 0 (the general
+// kernel). NormForward and NormForwardTransposed both decide with this, so
+// they take the same path and compute the same bits.
+int FastForwardWarps(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& y,
+                     bool layernorm, int64_t rows, int64_t cols) {
+  if (rows <= 0 || !VecAligned(x) || !VecAligned(gamma) || !VecAligned(y)) return 0;
+  if (layernorm && !VecAligned(beta)) return 0;
+  return FastRowWarps(cols, x.dtype(), kForwardWarpChoices);
+}
+
+// Blocks of `kernel` that fit on the GPU at once.
+template <typename Kernel>
+int64_t ResidentBlocks(Kernel kernel, int threads, size_t shared_bytes, int sms) {
+  int per_sm = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+}
+
+// Opts `kernel` in to `bytes` of dynamic shared memory where that is above the default.
+template <typename Kernel>
+absl::Status AllowSharedBytes(Kernel kernel, size_t bytes, const char* what) {
+  if (bytes <= kDefaultSharedBytes) return absl::OkStatus();
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(bytes));
+  if (e != cudaSuccess) return CudaErrorToStatus(e, what, __FILE__, __LINE__);
+  return absl::OkStatus();
+}
+
+// CUDA only: the kernels read beta through gamma's dtype (one dispatch for both).
+absl::Status CheckBetaLikeGamma(const char* op, bool layernorm, const Tensor& gamma,
+                                const Tensor& beta) {
+  if (layernorm && beta.dtype() != gamma.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": beta has dtype ",
+                                                   DTypeName(beta.dtype()), ", want gamma's ",
+                                                   DTypeName(gamma.dtype())));
+  }
+  return absl::OkStatus();
+}
+
+template <typename In, typename G, typename Out>
+NormForwardParams<In, G, Out> ForwardParams(const NormArgs& args, const Tensor& x,
+                                            const Tensor& gamma, const Tensor& beta, Tensor* y,
+                                            Tensor* mu, Tensor* rsigma, const Fp8Output* fp8,
+                                            int64_t rows, int64_t cols) {
+  const bool layernorm = args.type == NormType::kLayerNorm;
+  NormForwardParams<In, G, Out> p;
+  p.x = static_cast<const typename In::Storage*>(x.data());
+  p.gamma = static_cast<const typename G::Storage*>(gamma.data());
+  p.beta = layernorm ? static_cast<const typename G::Storage*>(beta.data()) : nullptr;
+  p.y = static_cast<typename Out::Storage*>(y->data());
+  p.mu = layernorm && Wanted(mu) ? mu->data_as<float>() : nullptr;
+  p.rsigma = Wanted(rsigma) ? rsigma->data_as<float>() : nullptr;
+  p.rows = rows;
+  p.cols = cols;
+  p.epsilon = args.epsilon;
+  p.layernorm = layernorm;
+  p.zero_centered = args.zero_centered_gamma;
+  const bool quantized = fp8 != nullptr && IsFloat8(y->dtype());
+  p.scale = quantized ? fp8->scale.data_as<const float>() : nullptr;
+  p.amax = quantized ? fp8->amax.data_as<float>() : nullptr;
+  p.scale_inv = quantized ? fp8->scale_inv.data_as<float>() : nullptr;
+  return p;
+}
+
 }  // namespace
 
 absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const Tensor& gamma,
@@ -252,16 +825,9 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
   ASSIGN_OR_RETURN(const NormDims dims, CheckNormForwardArgs(args, x, gamma, beta, y, mu,
                                                               rsigma, fp8));
   const bool layernorm = args.type == NormType::kLayerNorm;
-  // CUDA only: the kernel reads beta through gamma's dtype (one dispatch for both).
-  if (layernorm && beta.dtype() != gamma.dtype()) {
-    return absl::InvalidArgumentError(absl::StrCat("NormForward: beta has dtype ",
-                                                   DTypeName(beta.dtype()), ", want gamma's ",
-                                                   DTypeName(gamma.dtype())));
-  }
+  RETURN_IF_ERROR(CheckBetaLikeGamma("NormForward", layernorm, gamma, beta));
   const int64_t cols = dims.hidden;
   const int64_t rows = dims.rows;
-  const bool want_mu = layernorm && Wanted(mu);
-  const bool want_rsigma = Wanted(rsigma);
   RETURN_IF_ERROR(Enter());
   const bool quantized = IsFloat8(y->dtype());
   if (quantized) {
@@ -269,14 +835,17 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
   }
   // An FP8 y with no rows still gets amax 0 and its scale_inv: one idle block.
   if (!quantized && (rows == 0 || cols == 0)) return absl::OkStatus();
+  const int warps = FastForwardWarps(x, gamma, beta, *y, layernorm, rows, cols);
+  const int sms = context().properties.multiProcessorCount;
   const unsigned blocks =
       static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, 132 * 16)));
   const int threads = RowThreads(cols);
-  // The row cache: shared memory when it fits, else a global scratch row per block.
+  // The general kernel's row cache: shared memory when it fits, else a global
+  // scratch row per block.
   const size_t cache_bytes = static_cast<size_t>(cols) * sizeof(float);
   const bool shared_cache = cache_bytes <= kMaxSharedBytes;
   Tensor global_cache;
-  if (!shared_cache) {
+  if (warps == 0 && !shared_cache) {
     ASSIGN_OR_RETURN(global_cache, Allocate(DType::kF32, {static_cast<int64_t>(blocks), cols}));
   }
   absl::Status status;
@@ -286,30 +855,78 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
         using In = decltype(in);
         using G = decltype(g);
         using Out = decltype(out);
+        const NormForwardParams<In, G, Out> p =
+            ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, fp8, rows, cols);
+        if (warps > 0) {
+          auto kernel = NormForwardFastKernel<In, G, Out>;
+          const int64_t groups = kForwardThreads / (32 * warps);
+          const int64_t grid = std::min((rows + groups - 1) / groups,
+                                        ResidentBlocks(kernel, kForwardThreads, 0, sms));
+          kernel<<<static_cast<unsigned>(grid), kForwardThreads, 0, stream()>>>(p, warps);
+          return;
+        }
         auto kernel = NormForwardKernel<In, G, Out>;
-        if (shared_cache && cache_bytes > kDefaultSharedBytes) {
-          const cudaError_t e = cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cache_bytes));
-          if (e != cudaSuccess) {
-            status.Update(CudaErrorToStatus(e, "cudaFuncSetAttribute(NormForwardKernel)",
-                                            __FILE__, __LINE__));
-            return;
-          }
+        if (shared_cache) {
+          status.Update(
+              AllowSharedBytes(kernel, cache_bytes, "cudaFuncSetAttribute(NormForwardKernel)"));
+          if (!status.ok()) return;
         }
         const bool vec = cols % kVec == 0 && PackAligned<typename In::Storage>(x.data()) &&
                          PackAligned<typename Out::Storage>(y->data());
         kernel<<<blocks, threads, shared_cache ? cache_bytes : 0, stream()>>>(
-            static_cast<const typename In::Storage*>(x.data()),
-            static_cast<const typename G::Storage*>(gamma.data()),
-            layernorm ? static_cast<const typename G::Storage*>(beta.data()) : nullptr,
-            static_cast<typename Out::Storage*>(y->data()),
-            want_mu ? mu->data_as<float>() : nullptr,
-            want_rsigma ? rsigma->data_as<float>() : nullptr, rows, cols, args.epsilon,
-            layernorm, args.zero_centered_gamma,
-            quantized ? fp8->scale.data_as<const float>() : nullptr,
-            quantized ? fp8->amax.data_as<float>() : nullptr,
-            quantized ? fp8->scale_inv.data_as<float>() : nullptr,
+            p.x, p.gamma, p.beta, p.y, p.mu, p.rsigma, rows, cols, args.epsilon, layernorm,
+            args.zero_centered_gamma, p.scale, p.amax, p.scale_inv,
             shared_cache ? nullptr : global_cache.data_as<float>(), vec);
+      });
+    });
+  });
+  RETURN_IF_ERROR(status);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& x,
+                                            const Tensor& gamma, const Tensor& beta,
+                                            const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                            Tensor* mu, Tensor* rsigma) {
+  RETURN_IF_ERROR(
+      CheckNormForwardTransposedArgs(args, x, gamma, beta, fp8, y, y_t, mu, rsigma));
+  const bool layernorm = args.type == NormType::kLayerNorm;
+  RETURN_IF_ERROR(CheckBetaLikeGamma("NormForwardTransposed", layernorm, gamma, beta));
+  const int64_t cols = x.dim(-1);
+  const int64_t rows = Rows(x);
+  const int warps = FastForwardWarps(x, gamma, beta, *y, layernorm, rows, cols);
+  // y_t is written in 4-byte words of 4 rows: rows % 4 == 0, y_t aligned.
+  const bool fused = warps > 0 && rows % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(y_t->data()) % 4 == 0;
+  // Shapes the fused kernel cannot take: NormForward, then a transpose.
+  if (!fused) return Ops::NormForwardTransposed(args, x, gamma, beta, fp8, y, y_t, mu, rsigma);
+  RETURN_IF_ERROR(Enter());
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  // A tile of codes is tile_rows x (cols + 4) bytes of shared memory, at most
+  // ~128 KiB: 32 rows up to H = 4096 (each y_t row then gets 32-byte runs, a
+  // whole sector), 16 rows above.
+  const int tile_rows = cols <= 4096 ? 32 : 16;
+  const size_t tile_bytes = static_cast<size_t>(tile_rows) * static_cast<size_t>(cols + 4);
+  // 8 groups of rows (4 of 8 warps): no more than the 15 named barriers.
+  const int threads = std::min(kTransposedMaxThreads, 256 * warps);
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  const int sms = context().properties.multiProcessorCount;
+  absl::Status status;
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(gamma.dtype(), [&](auto g) {
+      DispatchFp8(y->dtype(), [&](auto out) {
+        using In = decltype(in);
+        using G = decltype(g);
+        using Out = decltype(out);
+        auto kernel = NormForwardTransposedKernel<In, G, Out>;
+        status.Update(AllowSharedBytes(kernel, tile_bytes,
+                                       "cudaFuncSetAttribute(NormForwardTransposedKernel)"));
+        if (!status.ok()) return;
+        const int64_t grid = std::min(tiles, ResidentBlocks(kernel, threads, tile_bytes, sms));
+        kernel<<<static_cast<unsigned>(grid), threads, tile_bytes, stream()>>>(
+            ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, &fp8, rows, cols),
+            static_cast<uint8_t*>(y_t->data()), warps, tile_rows);
       });
     });
   });
@@ -341,6 +958,12 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
   const int64_t rows = dims.rows;
   if (cols == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
+  // residual_grad is added to dx in the same pass (dx's dtype, checked above).
+  const bool has_residual = residual_grad.defined() && residual_grad.data() != nullptr;
+  const int warps = rows > 0 && VecAligned(x) && VecAligned(dy) && VecAligned(gamma) &&
+                            VecAligned(*dx) && (!has_residual || VecAligned(residual_grad))
+                        ? FastRowWarps(cols, x.dtype(), kBackwardWarpChoices)
+                        : 0;
   const int threads = RowThreads(cols);
   const size_t shared_bytes = 2 * static_cast<size_t>(cols) * sizeof(float);
   const bool shared_partials = shared_bytes <= kMaxSharedBytes;
@@ -349,49 +972,65 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
   // Partials live in a tensor sized by the grid, known once the kernel (and so
   // its occupancy) is chosen.
   Tensor partial;
-  int blocks = 1;
+  int64_t blocks = 1;
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFloat(gamma.dtype(), [&](auto g) {
       DispatchFloat(dx->dtype(), [&](auto out) {
         using In = decltype(in);
         using G = decltype(g);
         using Out = decltype(out);
-        auto kernel = NormBackwardKernel<In, G, Out>;
-        const size_t dynamic_shared = shared_partials ? shared_bytes : 0;
-        if (dynamic_shared > kDefaultSharedBytes) {
-          const cudaError_t e = cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-          if (e != cudaSuccess) {
-            status.Update(CudaErrorToStatus(e, "cudaFuncSetAttribute(NormBackwardKernel)",
-                                            __FILE__, __LINE__));
-            return;
+        const auto* dy_data = static_cast<const typename In::Storage*>(dy.data());
+        const auto* x_data = static_cast<const typename In::Storage*>(x.data());
+        const float* mu_data = layernorm ? mu.data_as<const float>() : nullptr;
+        const auto* gamma_data = static_cast<const typename G::Storage*>(gamma.data());
+        const auto* residual_data =
+            has_residual ? static_cast<const typename Out::Storage*>(residual_grad.data())
+                         : nullptr;
+        auto* dx_data = static_cast<typename Out::Storage*>(dx->data());
+        auto allocate_partial = [&] {
+          auto allocated = Allocate(DType::kF32, {2 * blocks, cols});
+          if (!allocated.ok()) {
+            status.Update(allocated.status());
+            return false;
           }
-        }
-        // As many blocks as can be resident at once: each then adds one partial row.
-        int per_sm = 1;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                          dynamic_shared) != cudaSuccess) {
-          (void)cudaGetLastError();
-          per_sm = 1;
-        }
-        blocks = static_cast<int>(std::max<int64_t>(
-            1, std::min<int64_t>(rows, static_cast<int64_t>(std::max(per_sm, 1)) * sms)));
-        auto allocated = Allocate(DType::kF32, {2 * static_cast<int64_t>(blocks), cols});
-        if (!allocated.ok()) {
-          status.Update(allocated.status());
+          partial = *std::move(allocated);
+          return true;
+        };
+        if (warps > 0) {
+          // Column sums of the block: [2][cols] floats, 96 KiB at H = 12288.
+          auto kernel = NormBackwardFastKernel<In, G, Out>;
+          status.Update(AllowSharedBytes(kernel, shared_bytes,
+                                         "cudaFuncSetAttribute(NormBackwardFastKernel)"));
+          if (!status.ok()) return;
+          // As many blocks as fit at once (each adds one partial row), no more
+          // than the rows need.
+          const int64_t groups = kBackwardThreads / (32 * warps);
+          blocks = std::min((rows + groups - 1) / groups,
+                            ResidentBlocks(kernel, kBackwardThreads, shared_bytes, sms));
+          if (!allocate_partial()) return;
+          kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, shared_bytes, stream()>>>(
+              dy_data, x_data, mu_data, rsigma.data_as<const float>(), gamma_data, residual_data,
+              dx_data, partial.data_as<float>(), rows, cols, layernorm, args.zero_centered_gamma,
+              warps);
           return;
         }
-        partial = *std::move(allocated);
+        auto kernel = NormBackwardKernel<In, G, Out>;
+        const size_t dynamic_shared = shared_partials ? shared_bytes : 0;
+        status.Update(AllowSharedBytes(kernel, dynamic_shared,
+                                       "cudaFuncSetAttribute(NormBackwardKernel)"));
+        if (!status.ok()) return;
+        // As many blocks as can be resident at once: each then adds one partial row.
+        blocks = std::max<int64_t>(
+            1, std::min<int64_t>(rows, ResidentBlocks(kernel, threads, dynamic_shared, sms)));
+        if (!allocate_partial()) return;
         const bool vec = cols % kVec == 0 && PackAligned<typename In::Storage>(x.data()) &&
                          PackAligned<typename In::Storage>(dy.data()) &&
-                         PackAligned<typename Out::Storage>(dx->data());
-        kernel<<<blocks, threads, dynamic_shared, stream()>>>(
-            static_cast<const typename In::Storage*>(dy.data()),
-            static_cast<const typename In::Storage*>(x.data()),
-            layernorm ? mu.data_as<const float>() : nullptr, rsigma.data_as<const float>(),
-            static_cast<const typename G::Storage*>(gamma.data()),
-            static_cast<typename Out::Storage*>(dx->data()), partial.data_as<float>(), rows, cols,
-            layernorm, args.zero_centered_gamma, shared_partials, vec);
+                         PackAligned<typename Out::Storage>(dx->data()) &&
+                         (!has_residual || PackAligned<typename Out::Storage>(residual_data));
+        kernel<<<static_cast<unsigned>(blocks), threads, dynamic_shared, stream()>>>(
+            dy_data, x_data, mu_data, rsigma.data_as<const float>(), gamma_data, residual_data,
+            dx_data, partial.data_as<float>(), rows, cols, layernorm, args.zero_centered_gamma,
+            shared_partials, vec);
       });
     });
   });
@@ -402,21 +1041,12 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
     NormParamGradKernel<Out>
         <<<(cols + kParamGradColumns - 1) / kParamGradColumns,
            dim3(kParamGradColumns, kParamGradGroups), 0, stream()>>>(
-        partial.data_as<const float>(), blocks, cols,
+        partial.data_as<const float>(), static_cast<int>(blocks), cols,
         static_cast<typename Out::Storage*>(dgamma->data()),
         layernorm ? static_cast<typename Out::Storage*>(dbeta->data()) : nullptr);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
-  if (residual_grad.defined()) return Axpby(1.0f, *dx, 1.0f, residual_grad, dx);
   return absl::OkStatus();
-}
-
-// Not yet fused: the default (NormForward, then a transpose).
-absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& x,
-                                            const Tensor& gamma, const Tensor& beta,
-                                            const Fp8Output& fp8, Tensor* y, Tensor* y_t,
-                                            Tensor* mu, Tensor* rsigma) {
-  return Ops::NormForwardTransposed(args, x, gamma, beta, fp8, y, y_t, mu, rsigma);
 }
 
 }  // namespace cuda
