@@ -494,6 +494,124 @@ TEST(AttentionTest, RowsWithoutKeysAreZeroWithInfiniteLse) {
   EXPECT_LE(RelativeError(out, ReferenceForward(p).out), kBf16Tol);
 }
 
+// ---- packed qkv [B, S, 3, H, D] -----------------------------------------------
+
+// qkv [B, S, 3, H, D] holding q, k, v [B, S, H, D] at index 0, 1, 2 of axis 2
+// (their values are already in the dtype, so packing rounds nothing).
+Tensor PackQkv(CpuOps* ops, const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t rows = q.dim(0) * q.dim(1), row = q.dim(2) * q.dim(3);
+  const std::vector<float> parts[3] = {ToFloatVector(q), ToFloatVector(k), ToFloatVector(v)};
+  std::vector<float> packed(static_cast<size_t>(3 * rows * row));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int p = 0; p < 3; ++p)
+      for (int64_t e = 0; e < row; ++e) packed[(r * 3 + p) * row + e] = parts[p][r * row + e];
+  return MakeTensor(ops, q.dtype(), {q.dim(0), q.dim(1), 3, q.dim(2), q.dim(3)}, packed);
+}
+
+// Part p (0: q, 1: k, 2: v) of a packed [B, S, 3, H, D], as [B, S, H, D].
+std::vector<float> Part(const Tensor& packed, int p) {
+  const std::vector<float> all = ToFloatVector(packed);
+  const int64_t rows = packed.dim(0) * packed.dim(1), row = packed.dim(3) * packed.dim(4);
+  std::vector<float> part(static_cast<size_t>(rows * row));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < row; ++e) part[r * row + e] = all[(r * 3 + p) * row + e];
+  return part;
+}
+
+// The packed ops against the unpacked ones on the same values: the default
+// (what CpuOps runs) splits and calls them, so the results must be identical;
+// a q/k/v mix-up in either direction, or dq/dk/dv stacked in the wrong slot,
+// changes them. And both against the float64 reference.
+class AttentionPackedTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionPackedTest, MatchesUnpackedOnTheParts) {
+  const Case& c = GetParam();
+  CpuOps ops;
+  const Inputs s = MakeInputs(&ops, c, /*seed=*/c.Sq * 17 + static_cast<int>(c.mask) + 1);
+  const OpResult want = RunOp(&ops, s);
+  const Tensor qkv = PackQkv(&ops, s.q, s.k, s.v);
+  ASSERT_EQ(Part(qkv, 1), ToFloatVector(s.k));
+
+  Tensor out = ops.Allocate(c.dtype, s.q.shape()).value();
+  Tensor lse = ops.Allocate(DType::kF32, {c.B, c.Hq, c.Sq}).value();
+  const absl::Status forward = ops.AttentionForwardPacked(s.args, qkv, &out, &lse);
+  ASSERT_TRUE(forward.ok()) << forward;
+  EXPECT_EQ(ToFloatVector(out), ToFloatVector(want.out)) << "out";
+  EXPECT_EQ(ToFloatVector(lse), ToFloatVector(want.lse)) << "softmax_lse";
+
+  Tensor dqkv = ops.Allocate(c.dtype, qkv.shape()).value();
+  Tensor dbias;
+  if (c.bias) dbias = ops.Allocate(DType::kF32, s.args.bias.shape()).value();
+  const absl::Status backward = ops.AttentionBackwardPacked(s.args, qkv, out, s.dout, lse, &dqkv,
+                                                            c.bias ? &dbias : nullptr);
+  ASSERT_TRUE(backward.ok()) << backward;
+  EXPECT_EQ(Part(dqkv, 0), ToFloatVector(want.dq)) << "dq";
+  EXPECT_EQ(Part(dqkv, 1), ToFloatVector(want.dk)) << "dk";
+  EXPECT_EQ(Part(dqkv, 2), ToFloatVector(want.dv)) << "dv";
+  if (c.bias) {
+    EXPECT_EQ(ToFloatVector(dbias), ToFloatVector(want.dbias)) << "dbias";
+  }
+
+  const Forward reference = ReferenceForward(s.problem);
+  const Grads reference_grads = ReferenceBackward(s.problem, s.dout_values);
+  EXPECT_LE(RelativeError(ToFloatVector(out), reference.out), Tolerance(c.dtype)) << "out";
+  EXPECT_LE(RelativeError(Part(dqkv, 0), reference_grads.dq), Tolerance(c.dtype)) << "dq";
+  EXPECT_LE(RelativeError(Part(dqkv, 1), reference_grads.dk), Tolerance(c.dtype)) << "dk";
+  EXPECT_LE(RelativeError(Part(dqkv, 2), reference_grads.dv), Tolerance(c.dtype)) << "dv";
+}
+
+std::vector<Case> PackedCases() {
+  std::vector<Case> cases;
+  for (MaskType mask : {MaskType::kNoMask, MaskType::kPadding, MaskType::kCausal,
+                        MaskType::kPaddingCausal}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      cases.push_back({2, 7, 7, 3, 3, 8, mask, /*bias=*/true, /*rate=*/0.3f, dtype});
+    }
+  }
+  cases.push_back({1, 13, 13, 2, 2, 16, MaskType::kCausal, false, 0.0f, DType::kBF16});
+  cases.push_back({3, 5, 5, 1, 1, 4, MaskType::kPaddingCausal, false, 0.2f, DType::kF16});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, AttentionPackedTest, ::testing::ValuesIn(PackedCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return CaseName(info.param);
+                         });
+
+TEST(AttentionTest, PackedRejectsBadQkvAndDqkv) {
+  const Case c = {2, 4, 4, 2, 2, 8, MaskType::kCausal, false, 0.0f, DType::kF32};
+  CpuOps ops;
+  const Inputs s = MakeInputs(&ops, c, 7);
+  const Tensor qkv = PackQkv(&ops, s.q, s.k, s.v);
+  Tensor out = ops.Allocate(DType::kF32, s.q.shape()).value();
+  Tensor lse = ops.Allocate(DType::kF32, {2, 2, 4}).value();
+  ASSERT_TRUE(ops.AttentionForwardPacked(s.args, qkv, &out, &lse).ok());
+  auto expect_invalid = [](const absl::Status& status, const char* name) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find(name), std::string::npos) << status;
+  };
+  for (const Shape& bad : {Shape{2, 4, 2, 2, 8}, Shape{2, 4, 6, 8}, Shape{2, 4, 2, 3, 2, 8}}) {
+    const Tensor wrong = ops.Allocate(DType::kF32, bad).value();
+    expect_invalid(ops.AttentionForwardPacked(s.args, wrong, &out, &lse), "qkv");
+  }
+  expect_invalid(ops.AttentionForwardPacked(s.args, ops.Allocate(DType::kE4M3, qkv.shape()).value(),
+                                            &out, &lse),
+                 "qkv");
+
+  Tensor dqkv = ops.Allocate(DType::kF32, qkv.shape()).value();
+  ASSERT_TRUE(
+      ops.AttentionBackwardPacked(s.args, qkv, out, s.dout, lse, &dqkv, nullptr).ok());
+  Tensor short_dqkv = ops.Allocate(DType::kF32, {2, 3, 3, 2, 8}).value();
+  expect_invalid(ops.AttentionBackwardPacked(s.args, qkv, out, s.dout, lse, &short_dqkv, nullptr),
+                 "dqkv");
+  Tensor unpacked_dqkv = ops.Allocate(DType::kF32, {2, 4, 2, 3, 8}).value();
+  expect_invalid(
+      ops.AttentionBackwardPacked(s.args, qkv, out, s.dout, lse, &unpacked_dqkv, nullptr), "dqkv");
+  Tensor bf16_dqkv = ops.Allocate(DType::kBF16, qkv.shape()).value();
+  expect_invalid(ops.AttentionBackwardPacked(s.args, qkv, out, s.dout, lse, &bf16_dqkv, nullptr),
+                 "dqkv");
+}
+
 // ---- argument errors ---------------------------------------------------------
 
 TEST(AttentionTest, RejectsBadArguments) {

@@ -3,12 +3,19 @@
 // kernels (attention_fallback.cu). The first fallback of each configuration
 // is logged once on stderr with cuDNN's reason.
 //
+// The packed variants (qkv [B, S, 3, H, D]) hand cuDNN pointers into qkv and
+// dqkv with a token stride of 3*H*D, so nothing is copied. Where cuDNN
+// declines the packed layout (or the unfused path is forced) they run Ops'
+// default, which splits qkv and calls the unpacked op above (logged once per
+// configuration, as the unpacked fallback is).
+//
 // With dropout, forward and backward must draw the same mask, and cuDNN's
 // Philox stream is not kernels/rng.h's: such a call goes to cuDNN only when
 // cuDNN takes both its forward and its backward (decided identically in both
-// directions), else both run unfused.
+// directions, packed and unpacked separately), else both run unfused.
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -25,6 +32,7 @@ namespace cuda {
 namespace {
 
 std::atomic<int> attention_path{static_cast<int>(AttentionPath::kAuto)};
+std::atomic<int64_t> packed_cudnn_calls{0};
 
 __global__ void WriteDropoutSeedKernel(int64_t* dst, uint64_t seed) {
   dst[0] = static_cast<int64_t>(seed);
@@ -45,7 +53,8 @@ bool HasPadding(MaskType mask) {
   return mask == MaskType::kPadding || mask == MaskType::kPaddingCausal;
 }
 
-// The configuration as the fallback log names it.
+// The configuration as the fallback log names it. `direction`: "forward",
+// "backward packed", ...
 std::string Describe(const char* direction, const AttentionArgs& args, const AttentionShape& s,
                      DType dtype) {
   return absl::StrCat(direction, " ", DTypeName(dtype), " q [", s.batch, ", ", s.q_seq, ", ",
@@ -54,13 +63,94 @@ std::string Describe(const char* direction, const AttentionArgs& args, const Att
                       args.dropout_rate, args.bias.defined() ? " bias" : "");
 }
 
-void LogFallbackOnce(const std::string& config, const absl::Status& reason) {
+// `outcome`: what runs instead ("runs unfused", ...).
+void LogFallbackOnce(const std::string& config, const char* outcome, const absl::Status& reason) {
   static std::mutex mu;
   static std::set<std::string>* logged = new std::set<std::string>();
   std::lock_guard<std::mutex> lock(mu);
   if (!logged->insert(config).second) return;
-  std::fprintf(stderr, "te_server: attention %s runs unfused (cuDNN fused attention declined: %s)\n",
-               config.c_str(), std::string(reason.message()).c_str());
+  std::fprintf(stderr, "te_server: attention %s %s (cuDNN fused attention declined: %s)\n",
+               config.c_str(), outcome, std::string(reason.message()).c_str());
+}
+
+constexpr char kUnfused[] = "runs unfused";
+constexpr char kSplit[] = "splits qkv into q, k, v first";
+
+bool SameDtype(const Tensor& a, const Tensor& b, const Tensor& c) {
+  return a.dtype() == b.dtype() && a.dtype() == c.dtype();
+}
+
+// Separate q, k, v [B, S, H, D] as cuDNN reads them (one dtype: the caller
+// checks).
+QkvMemory SeparateQkv(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                      const Tensor& v) {
+  QkvMemory m;
+  m.q = q.data();
+  m.k = k.data();
+  m.v = v.data();
+  m.dtype = q.dtype();
+  m.q_token_stride = s.q_heads * s.head_dim;
+  m.kv_token_stride = s.kv_heads * s.head_dim;
+  return m;
+}
+
+// cuDNN on separate tensors; UNIMPLEMENTED where it cannot take them.
+absl::Status CudnnSeparateForward(CudaOps* ops, const AttentionArgs& args,
+                                  const AttentionShape& shape, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, Tensor* out, Tensor* softmax_lse) {
+  if (!SameDtype(q, k, v)) return absl::UnimplementedError("q, k and v of different dtypes");
+  return CudnnAttentionForward(ops, args, shape, SeparateQkv(shape, q, k, v), out, softmax_lse);
+}
+
+absl::Status CudnnSeparateBackward(CudaOps* ops, const AttentionArgs& args,
+                                   const AttentionShape& shape, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& out, const Tensor& dout,
+                                   const Tensor& softmax_lse, Tensor* dq, Tensor* dk, Tensor* dv,
+                                   Tensor* dbias) {
+  if (!SameDtype(q, k, v) || !SameDtype(*dq, *dk, *dv)) {
+    return absl::UnimplementedError("q, k and v (or dq, dk and dv) of different dtypes");
+  }
+  DqkvMemory grads;
+  grads.dq = dq->data();
+  grads.dk = dk->data();
+  grads.dv = dv->data();
+  grads.dtype = dq->dtype();
+  return CudnnAttentionBackward(ops, args, shape, SeparateQkv(shape, q, k, v), out, dout,
+                                softmax_lse, grads, dbias);
+}
+
+// The three parts of a packed [B, S, 3, H, D]: part p starts p*H*D elements
+// in, tokens 3*H*D apart.
+QkvMemory PackedQkv(const Tensor& qkv) {
+  const int64_t part = qkv.dim(3) * qkv.dim(4);
+  const char* base = static_cast<const char*>(qkv.data());
+  const int64_t part_bytes = part * static_cast<int64_t>(DTypeSize(qkv.dtype()));
+  QkvMemory m;
+  m.q = base;
+  m.k = base + part_bytes;
+  m.v = base + 2 * part_bytes;
+  m.dtype = qkv.dtype();
+  m.q_token_stride = 3 * part;
+  m.kv_token_stride = 3 * part;
+  return m;
+}
+
+DqkvMemory PackedDqkv(Tensor* dqkv) {
+  const QkvMemory parts = PackedQkv(*dqkv);
+  DqkvMemory m;
+  m.dq = const_cast<void*>(parts.q);
+  m.dk = const_cast<void*>(parts.k);
+  m.dv = const_cast<void*>(parts.v);
+  m.dtype = dqkv->dtype();
+  return m;
+}
+
+// q's shape [B, S, H, D] and qkv's dtype, for the unpacked op's argument
+// checks. It points at qkv's memory but is not a view of any part (the parts
+// are strided); only its shape and dtype are read.
+Tensor PartStandIn(const Tensor& packed) {
+  return Tensor(std::shared_ptr<void>(), packed.data(), packed.dtype(),
+                {packed.dim(0), packed.dim(1), packed.dim(3), packed.dim(4)});
 }
 
 AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& shape,
@@ -95,6 +185,7 @@ absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream) 
 
 void SetAttentionPath(AttentionPath path) { attention_path.store(static_cast<int>(path)); }
 AttentionPath GetAttentionPath() { return static_cast<AttentionPath>(attention_path.load()); }
+int64_t CudnnPackedAttentionCalls() { return packed_cudnn_calls.load(); }
 
 absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& q,
                                        const Tensor& k, const Tensor& v, Tensor* out,
@@ -105,9 +196,10 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
   if (out->numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
-    const absl::Status fused = CudnnAttentionForward(this, args, shape, q, k, v, out, softmax_lse);
+    const absl::Status fused =
+        CudnnSeparateForward(this, args, shape, q, k, v, out, softmax_lse);
     if (!absl::IsUnimplemented(fused)) return fused;
-    LogFallbackOnce(Describe("forward", args, shape, q.dtype()), fused);
+    LogFallbackOnce(Describe("forward", args, shape, q.dtype()), kUnfused, fused);
   }
   return FallbackAttentionForward(MakeProblem(args, shape, q, k, v), out->data(), out->dtype(),
                                   softmax_lse->data_as<float>(), stream());
@@ -125,10 +217,10 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
   if (q.numel() == 0 && k.numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
-    const absl::Status fused = CudnnAttentionBackward(this, args, shape, q, k, v, out, dout,
-                                                      softmax_lse, dq, dk, dv, dbias);
+    const absl::Status fused = CudnnSeparateBackward(this, args, shape, q, k, v, out, dout,
+                                                     softmax_lse, dq, dk, dv, dbias);
     if (!absl::IsUnimplemented(fused)) return fused;
-    LogFallbackOnce(Describe("backward", args, shape, q.dtype()), fused);
+    LogFallbackOnce(Describe("backward", args, shape, q.dtype()), kUnfused, fused);
   }
   const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
   ASSIGN_OR_RETURN(void* row_dot, Workspace(rows * sizeof(float)));
@@ -139,9 +231,22 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
                                    static_cast<float*>(row_dot), stream());
 }
 
-// Not yet in place: the defaults (split and stack with Permute).
 absl::Status CudaOps::AttentionForwardPacked(const AttentionArgs& args, const Tensor& qkv,
                                              Tensor* out, Tensor* softmax_lse) {
+  RETURN_IF_ERROR(Enter());
+  RETURN_IF_ERROR(CheckPackedQkv("AttentionForwardPacked", "qkv", qkv));
+  const Tensor part = PartStandIn(qkv);
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionForwardArgs(args, part, part, part, out, softmax_lse));
+  if (out->numel() == 0) return absl::OkStatus();
+
+  if (GetAttentionPath() == AttentionPath::kAuto) {
+    const absl::Status fused =
+        CudnnAttentionForward(this, args, shape, PackedQkv(qkv), out, softmax_lse);
+    if (fused.ok()) packed_cudnn_calls.fetch_add(1);
+    if (!absl::IsUnimplemented(fused)) return fused;
+    LogFallbackOnce(Describe("forward packed", args, shape, qkv.dtype()), kSplit, fused);
+  }
   return Ops::AttentionForwardPacked(args, qkv, out, softmax_lse);
 }
 
@@ -149,6 +254,29 @@ absl::Status CudaOps::AttentionBackwardPacked(const AttentionArgs& args, const T
                                               const Tensor& out, const Tensor& dout,
                                               const Tensor& softmax_lse, Tensor* dqkv,
                                               Tensor* dbias) {
+  RETURN_IF_ERROR(Enter());
+  const char* op = "AttentionBackwardPacked";
+  RETURN_IF_ERROR(CheckPackedQkv(op, "qkv", qkv));
+  RETURN_IF_ERROR(CheckPackedQkv(op, "dqkv", *dqkv));
+  if (dqkv->shape() != qkv.shape() || dqkv->dtype() != qkv.dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": dqkv is ", ShapeString(dqkv->shape()), " ", DTypeName(dqkv->dtype()),
+        ", want qkv's ", ShapeString(qkv.shape()), " ", DTypeName(qkv.dtype())));
+  }
+  const Tensor part = PartStandIn(qkv);
+  const Tensor dpart = PartStandIn(*dqkv);
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionBackwardArgs(args, part, part, part, out, dout, softmax_lse,
+                                              &dpart, &dpart, &dpart, dbias));
+  if (qkv.numel() == 0) return absl::OkStatus();
+
+  if (GetAttentionPath() == AttentionPath::kAuto) {
+    const absl::Status fused = CudnnAttentionBackward(this, args, shape, PackedQkv(qkv), out,
+                                                      dout, softmax_lse, PackedDqkv(dqkv), dbias);
+    if (fused.ok()) packed_cudnn_calls.fetch_add(1);
+    if (!absl::IsUnimplemented(fused)) return fused;
+    LogFallbackOnce(Describe("backward packed", args, shape, qkv.dtype()), kSplit, fused);
+  }
   return Ops::AttentionBackwardPacked(args, qkv, out, dout, softmax_lse, dqkv, dbias);
 }
 

@@ -368,11 +368,14 @@ class GraphBuilder {
 };
 
 // What a plan depends on. Scale is bound per call (by value); the dropout
-// probability is part of the graph.
+// probability is part of the graph, and so are the token strides of q, k, v
+// and their gradients (separate tensors or packed qkv: different plans).
 struct PlanConfig {
   bool backward = false;
   AttentionShape shape;
   DType dtype = DType::kBF16;
+  int64_t q_token_stride = 0;  // QkvMemory's
+  int64_t kv_token_stride = 0;
   bool padding = false;
   bool causal = false;
   bool bias = false;
@@ -381,21 +384,32 @@ struct PlanConfig {
   std::string Key() const {
     return absl::StrCat(backward ? "bwd" : "fwd", "/", shape.batch, "/", shape.q_seq, "/",
                         shape.kv_seq, "/", shape.q_heads, "/", shape.kv_heads, "/",
-                        shape.head_dim, "/", static_cast<int>(dtype), "/", padding, causal, bias,
-                        "/", dropout);
+                        shape.head_dim, "/", static_cast<int>(dtype), "/", q_token_stride, "/",
+                        kv_token_stride, "/", padding, causal, bias, "/", dropout);
   }
 };
 
-// The layouts of ops.h's tensors as cuDNN's [b, h, s, d] views.
+// The layouts of ops.h's tensors as cuDNN's [b, h, s, d] views. q, k, v and
+// their gradients are [B, S, H, D] with tokens q_token / kv_token elements
+// apart (H*D, or 3*H*D inside a packed qkv); out and dout are always
+// contiguous [B, Sq, Hq, D].
 struct Layouts {
-  explicit Layouts(const AttentionShape& s)
-      : b(s.batch), hq(s.q_heads), hk(s.kv_heads), sq(s.q_seq), skv(s.kv_seq), d(s.head_dim) {}
+  explicit Layouts(const PlanConfig& c)
+      : b(c.shape.batch),
+        hq(c.shape.q_heads),
+        hk(c.shape.kv_heads),
+        sq(c.shape.q_seq),
+        skv(c.shape.kv_seq),
+        d(c.shape.head_dim),
+        q_token(c.q_token_stride),
+        kv_token(c.kv_token_stride) {}
   Dims QDims() const { return {b, hq, sq, d}; }
-  Dims QStrides() const { return {sq * hq * d, d, hq * d, 1}; }  // [B, Sq, Hq, D] in memory
+  Dims QStrides() const { return {sq * q_token, d, q_token, 1}; }  // q, dq
+  Dims OStrides() const { return {sq * hq * d, d, hq * d, 1}; }    // out, dout
   Dims KvDims() const { return {b, hk, skv, d}; }
-  Dims KvStrides() const { return {skv * hk * d, d, hk * d, 1}; }
+  Dims KvStrides() const { return {skv * kv_token, d, kv_token, 1}; }
   Dims KvTDims() const { return {b, hk, d, skv}; }  // K^T, V^T: the same memory
-  Dims KvTStrides() const { return {skv * hk * d, d, 1, hk * d}; }
+  Dims KvTStrides() const { return {skv * kv_token, d, 1, kv_token}; }
   Dims SDims() const { return {b, hq, sq, skv}; }
   Dims SStrides() const { return {hq * sq * skv, sq * skv, skv, 1}; }
   Dims STDims() const { return {b, hq, skv, sq}; }
@@ -407,6 +421,7 @@ struct Layouts {
   Dims LenDims() const { return {b, 1, 1, 1}; }
   Dims LenStrides() const { return {1, 1, 1, 1}; }
   int64_t b, hq, hk, sq, skv, d;
+  int64_t q_token, kv_token;
 };
 
 cudnnDataType_t IoType(DType dtype) {
@@ -515,12 +530,12 @@ absl::StatusOr<cudnnBackendDescriptor_t> MaskedScores(GraphBuilder& g, const Pla
 
 absl::Status BuildForward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* plan) {
   GraphBuilder g(plan);
-  const Layouts l(c.shape);
+  const Layouts l(c);
   const cudnnDataType_t io = IoType(c.dtype);
   ASSIGN_OR_RETURN(auto q, g.Tensor(kQ, io, l.QDims(), l.QStrides()));
   ASSIGN_OR_RETURN(auto kt, g.Tensor(kK, io, l.KvTDims(), l.KvTStrides()));
   ASSIGN_OR_RETURN(auto v, g.Tensor(kV, io, l.KvDims(), l.KvStrides()));
-  ASSIGN_OR_RETURN(auto o, g.Tensor(kO, io, l.QDims(), l.QStrides()));
+  ASSIGN_OR_RETURN(auto o, g.Tensor(kO, io, l.QDims(), l.OStrides()));
   ASSIGN_OR_RETURN(auto stats, g.Tensor(kStats, CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
   ASSIGN_OR_RETURN(const CommonTensors t, MakeCommon(g, c, l));
   ASSIGN_OR_RETURN(auto s, MaskedScores(g, c, l, t, q, kt, nullptr));
@@ -558,14 +573,14 @@ absl::Status BuildForward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* 
 
 absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* plan) {
   GraphBuilder g(plan);
-  const Layouts l(c.shape);
+  const Layouts l(c);
   const cudnnDataType_t io = IoType(c.dtype);
   const bool dropout = c.dropout > 0.0f;
   ASSIGN_OR_RETURN(auto q, g.Tensor(kQ, io, l.QDims(), l.QStrides()));
   ASSIGN_OR_RETURN(auto kt, g.Tensor(kK, io, l.KvTDims(), l.KvTStrides()));
   ASSIGN_OR_RETURN(auto vt, g.Tensor(kV, io, l.KvTDims(), l.KvTStrides()));
-  ASSIGN_OR_RETURN(auto o, g.Tensor(kO, io, l.QDims(), l.QStrides()));
-  ASSIGN_OR_RETURN(auto d_o, g.Tensor(kDO, io, l.QDims(), l.QStrides()));
+  ASSIGN_OR_RETURN(auto o, g.Tensor(kO, io, l.QDims(), l.OStrides()));
+  ASSIGN_OR_RETURN(auto d_o, g.Tensor(kDO, io, l.QDims(), l.OStrides()));
   ASSIGN_OR_RETURN(auto stats, g.Tensor(kStats, CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
   ASSIGN_OR_RETURN(auto dq, g.Tensor(kDQ, io, l.QDims(), l.QStrides()));
   ASSIGN_OR_RETURN(auto dk, g.Tensor(kDK, io, l.KvDims(), l.KvStrides()));
@@ -660,7 +675,8 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
     RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, dk_full, dk));
   }
 
-  // dQ = dS K, accumulated in f32 (workspace), then cast.
+  // dQ = dS K, accumulated in f32 (workspace), then cast. K is K^T's memory
+  // viewed untransposed (strides swapped back).
   ASSIGN_OR_RETURN(auto k, g.Virtual(io, l.KvDims(), l.KvStrides()));
   RETURN_IF_ERROR(g.Reshape(kt, k));
   if (c.bias) {
@@ -713,10 +729,16 @@ absl::StatusOr<const CudnnPlan*> GetPlan(CudaOps* ops, const PlanConfig& config)
 
 bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
 
+// A tensor the call binds besides q, k and v.
+struct Operand {
+  const void* data;
+  DType dtype;
+};
+
 // The checks that decide, before any graph is built, whether cuDNN can take
 // the call; UNIMPLEMENTED with the reason if not.
 absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const AttentionShape& s,
-                       const std::vector<const Tensor*>& tensors) {
+                       const QkvMemory& qkv, const std::vector<Operand>& others) {
   if (cudnnGetVersion() < 90000) {
     return absl::UnimplementedError(absl::StrCat("cuDNN ", cudnnGetVersion(), " is older than 9.0"));
   }
@@ -736,15 +758,30 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
     return absl::UnimplementedError(absl::StrCat("bias with sequence lengths ", s.q_seq, "/",
                                                  s.kv_seq, " (cuDNN's dBias wants multiples of 64)"));
   }
-  const DType dtype = tensors.front()->dtype();
+  const DType dtype = qkv.dtype;
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::UnimplementedError(absl::StrCat(DTypeName(dtype), " operands (bf16/f16 only)"));
   }
-  for (const Tensor* t : tensors) {
-    if (t->dtype() != dtype) {
+  for (const Operand& t : others) {
+    if (t.dtype != dtype) {
       return absl::UnimplementedError("operands and outputs of different dtypes");
     }
-    if (!Aligned(t->data())) return absl::UnimplementedError("a tensor is not 16-byte aligned");
+    if (!Aligned(t.data)) return absl::UnimplementedError("a tensor is not 16-byte aligned");
+  }
+  // Inside a packed qkv, k and v start H*D and 2*H*D elements past q: each
+  // part's base and row pitch must meet the alignment the graph promises
+  // (CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT; Hopper's TMA needs it too).
+  for (const void* part : {qkv.q, qkv.k, qkv.v}) {
+    if (!Aligned(part)) {
+      return absl::UnimplementedError("q, k or v does not start 16-byte aligned");
+    }
+  }
+  const int64_t element = static_cast<int64_t>(DTypeSize(dtype));
+  if ((qkv.q_token_stride * element) % kAlignment != 0 ||
+      (qkv.kv_token_stride * element) % kAlignment != 0) {
+    return absl::UnimplementedError(absl::StrCat("token strides ", qkv.q_token_stride, "/",
+                                                 qkv.kv_token_stride,
+                                                 " elements are not 16-byte multiples"));
   }
   if (s.head_dim % 8 != 0 || s.head_dim > 256) {
     return absl::UnimplementedError(
@@ -754,11 +791,13 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
 }
 
 PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionShape& s,
-                      DType dtype) {
+                      const QkvMemory& qkv) {
   PlanConfig c;
   c.backward = backward;
   c.shape = s;
-  c.dtype = dtype;
+  c.dtype = qkv.dtype;
+  c.q_token_stride = qkv.q_token_stride;
+  c.kv_token_stride = qkv.kv_token_stride;
   c.padding = args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal;
   c.causal = args.mask == MaskType::kCausal || args.mask == MaskType::kPaddingCausal;
   c.bias = args.bias.data() != nullptr;
@@ -850,18 +889,17 @@ Scalars MakeScalars(const AttentionArgs& args) {
 }  // namespace
 
 absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
-                                   const AttentionShape& shape, const Tensor& q,
-                                   const Tensor& k, const Tensor& v, Tensor* out,
-                                   Tensor* softmax_lse) {
-  RETURN_IF_ERROR(Supported(*ops, args, shape, {&q, &k, &v, out}));
-  const PlanConfig config = MakeConfig(/*backward=*/false, args, shape, q.dtype());
+                                   const AttentionShape& shape, const QkvMemory& qkv,
+                                   Tensor* out, Tensor* softmax_lse) {
+  RETURN_IF_ERROR(Supported(*ops, args, shape, qkv, {{out->data(), out->dtype()}}));
+  const PlanConfig config = MakeConfig(/*backward=*/false, args, shape, qkv);
   ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
   RETURN_IF_ERROR(CheckOtherDirection(ops, config));
   ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
 
   // Workspace: cuDNN's own | bias in the operand dtype | seed, offset.
   const size_t library = RoundUp(static_cast<size_t>(plan->workspace_bytes));
-  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(q.dtype())) : 0;
+  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(qkv.dtype)) : 0;
   ASSIGN_OR_RETURN(void* workspace, ops->Workspace(library + bias_bytes + 2 * sizeof(int64_t)));
   char* base = static_cast<char*>(workspace);
   int64_t* seed_offset = reinterpret_cast<int64_t*>(base + library + bias_bytes);
@@ -871,13 +909,13 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
   if (config.bias) {
-    Tensor bias_io = WorkspaceTensor(base + library, q.dtype(), args.bias.shape());
+    Tensor bias_io = WorkspaceTensor(base + library, qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(args.bias, &bias_io));
     pack.Bind(kBias, bias_io.data());
   }
-  pack.Bind(kQ, q.data());
-  pack.Bind(kK, k.data());
-  pack.Bind(kV, v.data());
+  pack.Bind(kQ, qkv.q);
+  pack.Bind(kK, qkv.k);
+  pack.Bind(kV, qkv.v);
   pack.Bind(kO, out->data());
   pack.Bind(kStats, softmax_lse->data());
   BindCommon(config, args, scalars, seed_offset, &pack);
@@ -898,13 +936,18 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
 }
 
 absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
-                                    const AttentionShape& shape, const Tensor& q,
-                                    const Tensor& k, const Tensor& v, const Tensor& out,
-                                    const Tensor& dout, const Tensor& softmax_lse, Tensor* dq,
-                                    Tensor* dk, Tensor* dv, Tensor* dbias) {
-  RETURN_IF_ERROR(Supported(*ops, args, shape, {&q, &k, &v, &out, &dout, dq, dk, dv}));
+                                    const AttentionShape& shape, const QkvMemory& qkv,
+                                    const Tensor& out, const Tensor& dout,
+                                    const Tensor& softmax_lse, const DqkvMemory& grads,
+                                    Tensor* dbias) {
+  RETURN_IF_ERROR(Supported(*ops, args, shape, qkv,
+                            {{out.data(), out.dtype()},
+                             {dout.data(), dout.dtype()},
+                             {grads.dq, grads.dtype},
+                             {grads.dk, grads.dtype},
+                             {grads.dv, grads.dtype}}));
   if (!Aligned(softmax_lse.data())) return absl::UnimplementedError("softmax_lse is not aligned");
-  const PlanConfig config = MakeConfig(/*backward=*/true, args, shape, q.dtype());
+  const PlanConfig config = MakeConfig(/*backward=*/true, args, shape, qkv);
   ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
   RETURN_IF_ERROR(CheckOtherDirection(ops, config));
   ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
@@ -917,7 +960,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   const size_t softmax_sum_bytes = RoundUp(rows * sizeof(float));
   const size_t dq_accum_bytes =
       config.bias ? 0 : RoundUp(rows * static_cast<size_t>(shape.head_dim) * sizeof(float));
-  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(q.dtype())) : 0;
+  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(qkv.dtype)) : 0;
   ASSIGN_OR_RETURN(void* workspace,
                    ops->Workspace(library + softmax_sum_bytes + dq_accum_bytes + 2 * bias_bytes +
                                   2 * sizeof(int64_t)));
@@ -932,30 +975,41 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   }
   if (config.padding) {
     // cuDNN leaves gradient rows past the valid lengths untouched; ops.h's
-    // are zero there.
-    for (Tensor* grad : {dq, dk, dv}) {
-      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grad->data(), 0, grad->nbytes(), ops->stream()));
+    // are zero there. Each gradient is B*S rows of H*D elements, a token
+    // stride apart (contiguous when the stride is H*D).
+    const size_t element = DTypeSize(grads.dtype);
+    const struct {
+      void* data;
+      int64_t heads, seq, token_stride;
+    } parts[] = {{grads.dq, shape.q_heads, shape.q_seq, qkv.q_token_stride},
+                 {grads.dk, shape.kv_heads, shape.kv_seq, qkv.kv_token_stride},
+                 {grads.dv, shape.kv_heads, shape.kv_seq, qkv.kv_token_stride}};
+    for (const auto& part : parts) {
+      CUDA_RETURN_IF_ERROR(cudaMemset2DAsync(
+          part.data, static_cast<size_t>(part.token_stride) * element, 0,
+          static_cast<size_t>(part.heads * shape.head_dim) * element,
+          static_cast<size_t>(shape.batch * part.seq), ops->stream()));
     }
   }
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
   if (config.bias) {
-    Tensor bias_view = WorkspaceTensor(bias_io, q.dtype(), args.bias.shape());
+    Tensor bias_view = WorkspaceTensor(bias_io, qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(args.bias, &bias_view));
     pack.Bind(kBias, bias_io);
     pack.Bind(kDBias, dbias_io);
   } else {
     pack.Bind(kDQAccum, dq_accum);
   }
-  pack.Bind(kQ, q.data());
-  pack.Bind(kK, k.data());
-  pack.Bind(kV, v.data());
+  pack.Bind(kQ, qkv.q);
+  pack.Bind(kK, qkv.k);
+  pack.Bind(kV, qkv.v);
   pack.Bind(kO, out.data());
   pack.Bind(kDO, dout.data());
   pack.Bind(kStats, softmax_lse.data());
-  pack.Bind(kDQ, dq->data());
-  pack.Bind(kDK, dk->data());
-  pack.Bind(kDV, dv->data());
+  pack.Bind(kDQ, grads.dq);
+  pack.Bind(kDK, grads.dk);
+  pack.Bind(kDV, grads.dv);
   pack.Bind(kSoftmaxSum, softmax_sum);
   pack.Bind(config.dropout > 0.0f ? kKeepProbability : kOne,
             config.dropout > 0.0f ? &scalars.keep_probability : &scalars.one);
@@ -963,7 +1017,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   RETURN_IF_ERROR(pack.Execute(handle, *plan, workspace));
   cudnn_calls.fetch_add(1);
   if (config.bias) {
-    const Tensor dbias_view = WorkspaceTensor(dbias_io, q.dtype(), args.bias.shape());
+    const Tensor dbias_view = WorkspaceTensor(dbias_io, qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(dbias_view, dbias));
   }
   return absl::OkStatus();

@@ -15,6 +15,13 @@
 // the CPU, and with rate 0.25 the fraction of dropped probabilities, the
 // scaling of the kept ones, and that backward drops the same elements as
 // forward (dv recomputed from the forward's mask).
+//
+// The packed ops (qkv [B, S, 3, H, D] -> out; dqkv) against the CPU on the
+// parts and against the GPU's own unpacked ops: cuDNN reading and writing the
+// packed tensors in place where it takes them (asserted through the packed
+// call counter), the split default where it declines (f32, a bias at seq 37,
+// a misaligned qkv) or the unfused path is forced, and cuDNN's dropout with
+// the same mask in both packed directions.
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -336,6 +343,422 @@ TEST(GpuAttentionDropoutTest, CudnnDropsTheRateAndBackwardUsesTheSameMask) {
   EXPECT_LT(RelativeError(kept_gpu, kept_ref), Tolerance(DType::kBF16)) << "kept probabilities";
   EXPECT_LT(RelativeError(::te::testing::ToDoubles(dv), dv_ref), Tolerance(DType::kBF16))
       << "dv with the forward's mask";
+}
+
+// ---- packed qkv [B, S, 3, H, D] ----------------------------------------------
+
+// [B, S, 3, H, D] from q, k, v values [B, S, H, D] (row-major floats).
+std::vector<float> PackValues(const std::vector<float>& q, const std::vector<float>& k,
+                              const std::vector<float>& v, int64_t rows, int64_t row) {
+  const std::vector<float>* parts[3] = {&q, &k, &v};
+  std::vector<float> packed(static_cast<size_t>(3 * rows * row));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int p = 0; p < 3; ++p)
+      for (int64_t e = 0; e < row; ++e) packed[(r * 3 + p) * row + e] = (*parts[p])[r * row + e];
+  return packed;
+}
+
+// Part p (0: q, 1: k, 2: v) of packed values [B, S, 3, H, D].
+std::vector<double> PartOf(const std::vector<double>& packed, int p, int64_t rows, int64_t row) {
+  std::vector<double> part(static_cast<size_t>(rows * row));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < row; ++e) part[r * row + e] = packed[(r * 3 + p) * row + e];
+  return part;
+}
+
+// kCudnn: the packed cuDNN path takes both calls. kDeclined: cuDNN declines
+// (packed and, after the split, unpacked). kFallback: unfused forced.
+// kEither: cuDNN may take the call or not; only the results are checked.
+enum class PackedPath { kCudnn, kDeclined, kFallback, kEither };
+
+struct PackedCase {
+  std::string name;
+  PackedPath path;
+  DType dtype;
+  int64_t batch, seq, heads, head_dim;
+  MaskType mask;
+  float dropout = 0.0f;  // only where the unfused path draws it (as the CPU does)
+  bool bias = false;
+};
+
+void PrintTo(const PackedCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuPackedAttentionTest : public ::testing::TestWithParam<PackedCase> {
+ protected:
+  void SetUp() override {
+    auto device = OpenCudaDevice(0);
+    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    device_ = *std::move(device);
+    auto ops = device_->NewOps(int64_t{16} << 30);
+    ASSERT_TRUE(ops.ok()) << ops.status();
+    gpu_ = *std::move(ops);
+  }
+  void TearDown() override { cuda::SetAttentionPath(cuda::AttentionPath::kAuto); }
+
+  Tensor ToGpu(const Tensor& host) {
+    auto t = gpu_->Allocate(host.dtype(), host.shape());
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(gpu_->Upload(host.data(), &*t).ok());
+    return *t;
+  }
+  Tensor GpuEmpty(DType dtype, const Shape& shape) {
+    auto t = gpu_->Allocate(dtype, shape);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (IsFloating(dtype)) {
+      EXPECT_TRUE(gpu_->Fill(NAN, &*t).ok());  // poison
+    }
+    return *t;
+  }
+  std::vector<double> FromGpu(const Tensor& t) {
+    Tensor host = ::te::testing::MakeEmpty(cpu_, t.dtype(), t.shape());
+    const absl::Status s = gpu_->Download(t, host.data());
+    EXPECT_TRUE(s.ok()) << s;
+    return ::te::testing::ToDoubles(host);
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Ops> gpu_;
+  CpuOps cpu_;
+};
+
+TEST_P(GpuPackedAttentionTest, MatchesCpuAndUnpacked) {
+  const PackedCase& c = GetParam();
+  cuda::SetAttentionPath(c.path == PackedPath::kFallback ? cuda::AttentionPath::kFallbackOnly
+                                                         : cuda::AttentionPath::kAuto);
+  const Shape part_shape = {c.batch, c.seq, c.heads, c.head_dim};
+  const Shape qkv_shape = {c.batch, c.seq, 3, c.heads, c.head_dim};
+  const Shape lse_shape = {c.batch, c.heads, c.seq};
+  const Shape bias_shape = {c.heads, c.seq, c.seq};
+  const int64_t rows = c.batch * c.seq, row = c.heads * c.head_dim;
+  const int64_t n = NumElements(part_shape);
+  // k and v on other ranges than q, so a swapped part shows.
+  const Tensor q = ::te::testing::MakeTensor(cpu_, c.dtype, part_shape, RandomValues(n, 21));
+  const Tensor k =
+      ::te::testing::MakeTensor(cpu_, c.dtype, part_shape, RandomValues(n, 22, -1.0f, 3.0f));
+  const Tensor v =
+      ::te::testing::MakeTensor(cpu_, c.dtype, part_shape, RandomValues(n, 23, -0.5f, 1.5f));
+  const Tensor dout = ::te::testing::MakeTensor(cpu_, c.dtype, part_shape, RandomValues(n, 24));
+  const Tensor qkv = ::te::testing::MakeTensor(
+      cpu_, c.dtype, qkv_shape,
+      PackValues(ToFloatVector(q), ToFloatVector(k), ToFloatVector(v), rows, row));
+
+  AttentionArgs cpu_args;
+  cpu_args.mask = c.mask;
+  cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  cpu_args.dropout_rate = c.dropout;
+  cpu_args.dropout_seed = 0xbeef;
+  if (c.bias) {
+    cpu_args.bias = ::te::testing::MakeTensor(cpu_, DType::kF32, bias_shape,
+                                              RandomValues(NumElements(bias_shape), 25));
+  }
+  if (c.mask == MaskType::kPadding || c.mask == MaskType::kPaddingCausal) {
+    cpu_args.q_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+    cpu_args.kv_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+    for (int64_t b = 0; b < c.batch; ++b) {
+      cpu_args.q_seqlens.data_as<int32_t>()[b] =
+          static_cast<int32_t>(c.seq - (b * 29) % (c.seq / 2 + 1));
+      cpu_args.kv_seqlens.data_as<int32_t>()[b] =
+          static_cast<int32_t>(c.seq - (b * 41) % (c.seq / 2 + 1));
+    }
+  }
+  AttentionArgs gpu_args = cpu_args;
+  if (c.bias) gpu_args.bias = ToGpu(cpu_args.bias);
+  if (cpu_args.q_seqlens.data() != nullptr) {
+    gpu_args.q_seqlens = ToGpu(cpu_args.q_seqlens);
+    gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
+  }
+
+  // The CPU on the separate parts.
+  Tensor cpu_out = ::te::testing::MakeEmpty(cpu_, c.dtype, part_shape);
+  Tensor cpu_lse = ::te::testing::MakeEmpty(cpu_, DType::kF32, lse_shape);
+  ASSERT_TRUE(cpu_.AttentionForward(cpu_args, q, k, v, &cpu_out, &cpu_lse).ok());
+  Tensor cdq = ::te::testing::MakeEmpty(cpu_, c.dtype, part_shape);
+  Tensor cdk = ::te::testing::MakeEmpty(cpu_, c.dtype, part_shape);
+  Tensor cdv = ::te::testing::MakeEmpty(cpu_, c.dtype, part_shape);
+  Tensor cdbias;
+  if (c.bias) cdbias = ::te::testing::MakeEmpty(cpu_, DType::kF32, bias_shape);
+  ASSERT_TRUE(cpu_.AttentionBackward(cpu_args, q, k, v, cpu_out, dout, cpu_lse, &cdq, &cdk, &cdv,
+                                     c.bias ? &cdbias : nullptr)
+                  .ok());
+
+  // The GPU, packed.
+  const Tensor gqkv = ToGpu(qkv), gdout = ToGpu(dout);
+  Tensor gout = GpuEmpty(c.dtype, part_shape);
+  Tensor glse = GpuEmpty(DType::kF32, lse_shape);
+  Tensor gdqkv = GpuEmpty(c.dtype, qkv_shape);
+  Tensor gdbias;
+  if (c.bias) gdbias = GpuEmpty(DType::kF32, bias_shape);
+  const int64_t calls_before = cuda::CudnnAttentionCalls();
+  const int64_t packed_before = cuda::CudnnPackedAttentionCalls();
+  const absl::Status fwd = gpu_->AttentionForwardPacked(gpu_args, gqkv, &gout, &glse);
+  ASSERT_TRUE(fwd.ok()) << fwd;
+  const absl::Status bwd = gpu_->AttentionBackwardPacked(gpu_args, gqkv, gout, gdout, glse,
+                                                         &gdqkv, c.bias ? &gdbias : nullptr);
+  ASSERT_TRUE(bwd.ok()) << bwd;
+  const int64_t calls = cuda::CudnnAttentionCalls() - calls_before;
+  const int64_t packed_calls = cuda::CudnnPackedAttentionCalls() - packed_before;
+  switch (c.path) {
+    case PackedPath::kCudnn:
+      EXPECT_EQ(packed_calls, 2) << "cuDNN did not take the packed layout";
+      EXPECT_EQ(calls, 2);
+      break;
+    case PackedPath::kDeclined:
+    case PackedPath::kFallback:
+      EXPECT_EQ(packed_calls, 0);
+      EXPECT_EQ(calls, 0);
+      break;
+    case PackedPath::kEither:
+      break;
+  }
+
+  const double tolerance = Tolerance(c.dtype);
+  const std::vector<double> out = FromGpu(gout), dqkv = FromGpu(gdqkv);
+  EXPECT_LT(RelativeError(out, ::te::testing::ToDoubles(cpu_out)), tolerance) << "out";
+  ExpectLseNear(FromGpu(glse), cpu_lse, tolerance);
+  const char* names[3] = {"dq", "dk", "dv"};
+  const Tensor* cpu_grads[3] = {&cdq, &cdk, &cdv};
+  for (int p = 0; p < 3; ++p) {
+    EXPECT_LT(RelativeError(PartOf(dqkv, p, rows, row), ::te::testing::ToDoubles(*cpu_grads[p])),
+              tolerance)
+        << names[p] << " (dqkv part " << p << ")";
+  }
+  if (c.bias) {
+    EXPECT_LT(RelativeError(FromGpu(gdbias), ::te::testing::ToDoubles(cdbias)), tolerance)
+        << "dbias";
+  }
+
+  // The GPU, unpacked, on the same values.
+  const Tensor gq = ToGpu(q), gk = ToGpu(k), gv = ToGpu(v);
+  Tensor uout = GpuEmpty(c.dtype, part_shape);
+  Tensor ulse = GpuEmpty(DType::kF32, lse_shape);
+  ASSERT_TRUE(gpu_->AttentionForward(gpu_args, gq, gk, gv, &uout, &ulse).ok());
+  Tensor udq = GpuEmpty(c.dtype, part_shape);
+  Tensor udk = GpuEmpty(c.dtype, part_shape);
+  Tensor udv = GpuEmpty(c.dtype, part_shape);
+  Tensor udbias;
+  if (c.bias) udbias = GpuEmpty(DType::kF32, bias_shape);
+  ASSERT_TRUE(gpu_->AttentionBackward(gpu_args, gq, gk, gv, uout, gdout, ulse, &udq, &udk, &udv,
+                                      c.bias ? &udbias : nullptr)
+                  .ok());
+  EXPECT_LT(RelativeError(out, FromGpu(uout)), tolerance) << "out vs unpacked";
+  const std::vector<double> lse = FromGpu(glse), unpacked_lse = FromGpu(ulse);
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(unpacked_lse[i])) {
+      EXPECT_EQ(lse[i], unpacked_lse[i]) << "lse row " << i << " vs unpacked";
+    } else {
+      EXPECT_NEAR(lse[i], unpacked_lse[i], 1e-3 * (1.0 + std::abs(unpacked_lse[i])))
+          << "lse row " << i << " vs unpacked";
+    }
+  }
+  const Tensor* unpacked_grads[3] = {&udq, &udk, &udv};
+  for (int p = 0; p < 3; ++p) {
+    EXPECT_LT(RelativeError(PartOf(dqkv, p, rows, row), FromGpu(*unpacked_grads[p])), tolerance)
+        << names[p] << " vs unpacked";
+  }
+  if (c.bias) {
+    EXPECT_LT(RelativeError(FromGpu(gdbias), FromGpu(udbias)), tolerance) << "dbias vs unpacked";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Packed, GpuPackedAttentionTest,
+    ::testing::Values(
+        // The benchmark's head size.
+        PackedCase{"bf16_causal_d128", PackedPath::kCudnn, DType::kBF16, 2, 256, 4, 128,
+                   MaskType::kCausal},
+        PackedCase{"bf16_nomask_d128", PackedPath::kCudnn, DType::kBF16, 2, 128, 8, 128,
+                   MaskType::kNoMask},
+        PackedCase{"bf16_padding_d64", PackedPath::kCudnn, DType::kBF16, 3, 192, 4, 64,
+                   MaskType::kPadding},
+        PackedCase{"bf16_padding_causal_d128_seq130", PackedPath::kCudnn, DType::kBF16, 2, 130,
+                   4, 128, MaskType::kPaddingCausal},
+        PackedCase{"bf16_causal_bias_d64", PackedPath::kCudnn, DType::kBF16, 2, 128, 4, 64,
+                   MaskType::kCausal, 0.0f, true},
+        PackedCase{"f16_nomask_d64", PackedPath::kCudnn, DType::kF16, 1, 128, 2, 64,
+                   MaskType::kNoMask},
+        // A small odd sequence: cuDNN may take it or not; either way correct.
+        PackedCase{"bf16_causal_seq37", PackedPath::kEither, DType::kBF16, 2, 37, 4, 64,
+                   MaskType::kCausal},
+        PackedCase{"bf16_padding_seq37_d128", PackedPath::kEither, DType::kBF16, 3, 37, 2, 128,
+                   MaskType::kPadding},
+        // cuDNN declines: the split default answers (unfused).
+        PackedCase{"declined_bf16_causal_bias_seq37", PackedPath::kDeclined, DType::kBF16, 2, 37,
+                   4, 64, MaskType::kCausal, 0.0f, true},
+        PackedCase{"declined_f32_causal", PackedPath::kDeclined, DType::kF32, 2, 64, 4, 32,
+                   MaskType::kCausal},
+        // The unfused path forced: the split default, rng.h's dropout (as the CPU).
+        PackedCase{"fallback_bf16_padding_causal_dropout", PackedPath::kFallback, DType::kBF16, 2,
+                   45, 4, 64, MaskType::kPaddingCausal, 0.2f},
+        PackedCase{"fallback_f32_nomask_bias_dropout", PackedPath::kFallback, DType::kF32, 2, 33,
+                   3, 16, MaskType::kNoMask, 0.1f, true}),
+    [](const ::testing::TestParamInfo<PackedCase>& info) { return info.param.name; });
+
+// A qkv whose base is not 16-byte aligned (a view one element into a
+// buffer): cuDNN must not get the packed pointers, and the split default
+// (whose parts are fresh, aligned buffers) still answers correctly.
+TEST(GpuPackedAttentionAlignmentTest, MisalignedQkvTakesTheSplitDefault) {
+  auto device = OpenCudaDevice(0);
+  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  auto ops = (*device)->NewOps(int64_t{4} << 30);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  Ops& gpu = **ops;
+  CpuOps cpu;
+  cuda::SetAttentionPath(cuda::AttentionPath::kAuto);
+  constexpr int64_t kB = 2, kS = 128, kH = 4, kD = 64;
+  const Shape part_shape = {kB, kS, kH, kD}, qkv_shape = {kB, kS, 3, kH, kD};
+  const int64_t n = NumElements(part_shape), rows = kB * kS, row = kH * kD;
+  const Tensor q = ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 31));
+  const Tensor k = ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 32));
+  const Tensor v = ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 33));
+  const Tensor dout =
+      ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 34));
+  const Tensor qkv = ::te::testing::MakeTensor(
+      cpu, DType::kBF16, qkv_shape,
+      PackValues(ToFloatVector(q), ToFloatVector(k), ToFloatVector(v), rows, row));
+  AttentionArgs args;
+  args.mask = MaskType::kCausal;
+  args.scale = 0.125f;
+  Tensor cpu_out = ::te::testing::MakeEmpty(cpu, DType::kBF16, part_shape);
+  Tensor cpu_lse = ::te::testing::MakeEmpty(cpu, DType::kF32, {kB, kH, kS});
+  ASSERT_TRUE(cpu.AttentionForward(args, q, k, v, &cpu_out, &cpu_lse).ok());
+  Tensor cdq = ::te::testing::MakeEmpty(cpu, DType::kBF16, part_shape);
+  Tensor cdk = ::te::testing::MakeEmpty(cpu, DType::kBF16, part_shape);
+  Tensor cdv = ::te::testing::MakeEmpty(cpu, DType::kBF16, part_shape);
+  ASSERT_TRUE(
+      cpu.AttentionBackward(args, q, k, v, cpu_out, dout, cpu_lse, &cdq, &cdk, &cdv, nullptr)
+          .ok());
+
+  // One element (2 bytes) into a buffer: every part's base is misaligned.
+  auto shifted = [&](const Shape& shape) {
+    auto buffer = gpu.Allocate(DType::kBF16, {NumElements(shape) + 8});
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    const Tensor owner = *buffer;
+    return Tensor(std::shared_ptr<void>(owner.data(), [owner](void*) {}),
+                  static_cast<char*>(owner.data()) + DTypeSize(DType::kBF16), DType::kBF16,
+                  shape);
+  };
+  Tensor gqkv = shifted(qkv_shape);
+  ASSERT_TRUE(gpu.Upload(qkv.data(), &gqkv).ok());
+  Tensor gdout = *gpu.Allocate(DType::kBF16, part_shape);
+  ASSERT_TRUE(gpu.Upload(dout.data(), &gdout).ok());
+  Tensor gout = *gpu.Allocate(DType::kBF16, part_shape);
+  Tensor glse = *gpu.Allocate(DType::kF32, {kB, kH, kS});
+  Tensor gdqkv = shifted(qkv_shape);
+  const int64_t packed_before = cuda::CudnnPackedAttentionCalls();
+  ASSERT_TRUE(gpu.AttentionForwardPacked(args, gqkv, &gout, &glse).ok());
+  ASSERT_TRUE(gpu.AttentionBackwardPacked(args, gqkv, gout, gdout, glse, &gdqkv, nullptr).ok());
+  EXPECT_EQ(cuda::CudnnPackedAttentionCalls() - packed_before, 0)
+      << "cuDNN got misaligned packed pointers";
+
+  auto download = [&](const Tensor& t) {
+    Tensor host = ::te::testing::MakeEmpty(cpu, t.dtype(), t.shape());
+    EXPECT_TRUE(gpu.Download(t, host.data()).ok());
+    return ::te::testing::ToDoubles(host);
+  };
+  const double tolerance = Tolerance(DType::kBF16);
+  EXPECT_LT(RelativeError(download(gout), ::te::testing::ToDoubles(cpu_out)), tolerance) << "out";
+  const std::vector<double> dqkv = download(gdqkv);
+  EXPECT_LT(RelativeError(PartOf(dqkv, 0, rows, row), ::te::testing::ToDoubles(cdq)), tolerance)
+      << "dq";
+  EXPECT_LT(RelativeError(PartOf(dqkv, 1, rows, row), ::te::testing::ToDoubles(cdk)), tolerance)
+      << "dk";
+  EXPECT_LT(RelativeError(PartOf(dqkv, 2, rows, row), ::te::testing::ToDoubles(cdv)), tolerance)
+      << "dv";
+}
+
+// cuDNN's dropout on the packed layout: the one-hot-v probe of the unpacked
+// test above (out[i, j] = P_ij M_ij) with v inside qkv, and dv (dqkv's part
+// 2) recomputed from the forward's mask: the packed backward draws the
+// packed forward's mask.
+TEST(GpuAttentionDropoutTest, PackedCudnnDropsTheRateAndBackwardUsesTheSameMask) {
+  auto device = OpenCudaDevice(0);
+  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  auto ops = (*device)->NewOps(int64_t{4} << 30);
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  Ops& gpu = **ops;
+  CpuOps cpu;
+  cuda::SetAttentionPath(cuda::AttentionPath::kAuto);
+  constexpr int64_t kB = 2, kS = 64, kH = 4, kD = 64;  // D >= S for the one-hot rows
+  constexpr float kRate = 0.25f;
+  const Shape part_shape = {kB, kS, kH, kD};
+  const int64_t n = NumElements(part_shape), rows = kB * kS, row = kH * kD;
+  std::vector<float> one_hot(static_cast<size_t>(n), 0.0f);
+  for (int64_t b = 0; b < kB; ++b)
+    for (int64_t j = 0; j < kS; ++j)
+      for (int64_t h = 0; h < kH; ++h) one_hot[((b * kS + j) * kH + h) * kD + j] = 1.0f;
+  const Tensor q = ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 41));
+  const Tensor k = ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 42));
+  const Tensor dout =
+      ::te::testing::MakeTensor(cpu, DType::kBF16, part_shape, RandomValues(n, 43));
+  const Tensor qkv = ::te::testing::MakeTensor(
+      cpu, DType::kBF16, {kB, kS, 3, kH, kD},
+      PackValues(ToFloatVector(q), ToFloatVector(k), one_hot, rows, row));
+
+  AttentionArgs args;
+  args.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+  // Reference probabilities: the CPU without dropout.
+  Tensor p_ref = ::te::testing::MakeEmpty(cpu, DType::kF32, part_shape);
+  Tensor lse_ref = ::te::testing::MakeEmpty(cpu, DType::kF32, {kB, kH, kS});
+  const Tensor q32 = ::te::testing::MakeTensor(cpu, DType::kF32, part_shape, ToFloatVector(q));
+  const Tensor k32 = ::te::testing::MakeTensor(cpu, DType::kF32, part_shape, ToFloatVector(k));
+  const Tensor v32 = ::te::testing::MakeTensor(cpu, DType::kF32, part_shape, one_hot);
+  ASSERT_TRUE(cpu.AttentionForward(args, q32, k32, v32, &p_ref, &lse_ref).ok());
+
+  auto upload = [&](const Tensor& host) {
+    auto t = gpu.Allocate(host.dtype(), host.shape());
+    EXPECT_TRUE(t.ok());
+    EXPECT_TRUE(gpu.Upload(host.data(), &*t).ok());
+    return *t;
+  };
+  const Tensor gqkv = upload(qkv), gdout = upload(dout);
+  Tensor gout = *gpu.Allocate(DType::kBF16, part_shape);
+  Tensor glse = *gpu.Allocate(DType::kF32, {kB, kH, kS});
+  Tensor gdqkv = *gpu.Allocate(DType::kBF16, qkv.shape());
+  args.dropout_rate = kRate;
+  args.dropout_seed = 4321;
+  const int64_t packed_before = cuda::CudnnPackedAttentionCalls();
+  ASSERT_TRUE(gpu.AttentionForwardPacked(args, gqkv, &gout, &glse).ok());
+  ASSERT_TRUE(gpu.AttentionBackwardPacked(args, gqkv, gout, gdout, glse, &gdqkv, nullptr).ok());
+  ASSERT_EQ(cuda::CudnnPackedAttentionCalls() - packed_before, 2)
+      << "cuDNN did not take packed dropout";
+
+  Tensor out = ::te::testing::MakeEmpty(cpu, DType::kBF16, part_shape);
+  Tensor dqkv = ::te::testing::MakeEmpty(cpu, DType::kBF16, qkv.shape());
+  ASSERT_TRUE(gpu.Download(gout, out.data()).ok());
+  ASSERT_TRUE(gpu.Download(gdqkv, dqkv.data()).ok());
+  const std::vector<float> o = ToFloatVector(out), p = ToFloatVector(p_ref);
+  const std::vector<float> dy = ToFloatVector(dout);
+  int64_t dropped = 0, total = 0;
+  std::vector<double> kept_gpu, kept_ref;
+  std::vector<double> dv_ref(static_cast<size_t>(n), 0.0);
+  for (int64_t b = 0; b < kB; ++b) {
+    for (int64_t i = 0; i < kS; ++i) {
+      for (int64_t h = 0; h < kH; ++h) {
+        for (int64_t j = 0; j < kS; ++j) {
+          const int64_t at = ((b * kS + i) * kH + h) * kD + j;
+          ++total;
+          if (o[at] == 0.0f) {
+            ++dropped;
+            continue;
+          }
+          kept_gpu.push_back(o[at]);
+          kept_ref.push_back(p[at] / (1.0 - kRate));
+          // dv[b, j, h, :] += P_ij M_ij dout[b, i, h, :], with M from the forward.
+          for (int64_t d = 0; d < kD; ++d) {
+            dv_ref[((b * kS + j) * kH + h) * kD + d] +=
+                p[at] / (1.0 - kRate) * dy[((b * kS + i) * kH + h) * kD + d];
+          }
+        }
+      }
+    }
+  }
+  const double fraction = static_cast<double>(dropped) / static_cast<double>(total);
+  // 32768 Bernoulli draws: one standard deviation is 0.0024.
+  EXPECT_NEAR(fraction, kRate, 0.015);
+  EXPECT_LT(RelativeError(kept_gpu, kept_ref), Tolerance(DType::kBF16)) << "kept probabilities";
+  EXPECT_LT(RelativeError(PartOf(::te::testing::ToDoubles(dqkv), 2, rows, row), dv_ref),
+            Tolerance(DType::kBF16))
+      << "dv (dqkv part 2) with the forward's mask";
 }
 
 }  // namespace

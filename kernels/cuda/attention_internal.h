@@ -1,8 +1,9 @@
 // Attention inside the CUDA backend: the pieces attention.cu dispatches to.
 //
-//   attention.cu           CudaOps::AttentionForward/Backward: checks, then
-//                          cuDNN's fused SDPA where it accepts the call, else
-//                          the unfused path (logged once per configuration).
+//   attention.cu           CudaOps::AttentionForward/Backward(Packed): checks,
+//                          then cuDNN's fused SDPA where it accepts the call,
+//                          else the unfused path (packed: the split default),
+//                          logged once per configuration.
 //   attention_cudnn.cc     cuDNN 9 graph (backend) API: graphs built by hand,
 //                          one execution plan per shape, cached per stream.
 //   attention_fallback.cu  a straightforward tiled kernel for every case
@@ -73,17 +74,39 @@ absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream);
 constexpr int64_t kFallbackMaxHeadDim = 512;
 
 // ---- cuDNN (attention_cudnn.cc) ------------------------------------------
+// Where cuDNN reads q, k and v: separate [B, S, H, D] tensors, or the three
+// parts of one packed qkv [B, S, 3, H, D] (TE's BS3HD, at element offsets 0,
+// H*D and 2*H*D). Only the token stride (elements from token s to s+1 of one
+// part) differs: H*D for a separate tensor, 3*H*D inside qkv; the head stride
+// is D and the batch stride S times the token stride either way.
+struct QkvMemory {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType dtype = DType::kBF16;  // of all three
+  int64_t q_token_stride = 0;
+  int64_t kv_token_stride = 0;
+};
+// Where cuDNN writes dq, dk and dv: the same layout (token strides) as the
+// QkvMemory they are the gradients of.
+struct DqkvMemory {
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  DType dtype = DType::kBF16;
+};
+
 // Each returns UNIMPLEMENTED when cuDNN cannot run this configuration (the
 // caller falls back), any other error for a failure of a supported call.
+// out, dout: [B, Sq, Hq, D] (contiguous); softmax_lse [B, Hq, Sq] f32.
 absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
-                                   const AttentionShape& shape, const Tensor& q,
-                                   const Tensor& k, const Tensor& v, Tensor* out,
-                                   Tensor* softmax_lse);
+                                   const AttentionShape& shape, const QkvMemory& qkv,
+                                   Tensor* out, Tensor* softmax_lse);
 absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
-                                    const AttentionShape& shape, const Tensor& q,
-                                    const Tensor& k, const Tensor& v, const Tensor& out,
-                                    const Tensor& dout, const Tensor& softmax_lse, Tensor* dq,
-                                    Tensor* dk, Tensor* dv, Tensor* dbias);
+                                    const AttentionShape& shape, const QkvMemory& qkv,
+                                    const Tensor& out, const Tensor& dout,
+                                    const Tensor& softmax_lse, const DqkvMemory& grads,
+                                    Tensor* dbias);
 
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and
@@ -93,6 +116,9 @@ void SetAttentionPath(AttentionPath path);
 AttentionPath GetAttentionPath();
 // Calls served by cuDNN (forward + backward), for tests to see which ran.
 int64_t CudnnAttentionCalls();
+// Of those, the packed ops' calls that cuDNN served on the packed layout
+// itself (not after the split default).
+int64_t CudnnPackedAttentionCalls();
 
 }  // namespace cuda
 }  // namespace te

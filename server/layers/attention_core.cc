@@ -47,6 +47,40 @@ absl::StatusOr<Tensor> ResolveLengths(Ops& ops, const Tensor& given, const char*
   return full;
 }
 
+// The op's arguments for one call: mask, scale, dropout (when active), the
+// padding lengths resolved, and the bias checked against [Hq, Sq, Skv].
+absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& config,
+                                          int64_t batch, int64_t q_len, int64_t kv_len,
+                                          const SeqLens& seqlens, const Tensor& bias,
+                                          bool dropout_active, uint64_t dropout_seed) {
+  AttentionArgs args;
+  args.mask = config.mask;
+  args.scale = config.scale;
+  args.dropout_rate = dropout_active ? config.dropout_rate : 0.0f;
+  args.dropout_seed = dropout_seed;
+  if (HasPadding(config.mask)) {
+    ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, seqlens.q, "q_seqlens", batch, q_len));
+    const Tensor& kv_given = seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
+                             : q_len == kv_len                              ? seqlens.q
+                                                                            : Tensor();
+    ASSIGN_OR_RETURN(args.kv_seqlens, ResolveLengths(ops, kv_given, "kv_seqlens", batch, kv_len));
+  }
+  if (bias.defined() && bias.numel() > 0) {
+    const Shape want = {config.num_heads, q_len, kv_len};
+    if (bias.shape() != want || bias.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention bias must be float32 ", ShapeString(want), "; got ",
+                       DTypeName(bias.dtype()), " ", ShapeString(bias.shape())));
+    }
+    args.bias = bias;
+  }
+  return args;
+}
+
+bool HasBias(const AttentionSaved& saved) {
+  return saved.args.bias.defined() && saved.args.bias.numel() > 0;
+}
+
 }  // namespace
 
 absl::Status ValidateAttentionConfig(const AttentionConfig& config, absl::string_view field) {
@@ -90,8 +124,9 @@ absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string
 int64_t AttentionSaved::bytes() const {
   int64_t total = 0;
   for (const Tensor* t :
-       {&q, &k, &v, &out, &softmax_lse, &args.bias, &args.q_seqlens, &args.kv_seqlens}) {
-    total += static_cast<int64_t>(t->nbytes());
+       {&q, &k, &v, &qkv, &out, &softmax_lse, &args.bias, &args.q_seqlens, &args.kv_seqlens}) {
+    // An absent tensor (Tensor(): no memory, shape []) holds nothing.
+    if (t->data() != nullptr) total += static_cast<int64_t>(t->nbytes());
   }
   return total;
 }
@@ -115,32 +150,15 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
         absl::StrCat("k and v sequence lengths differ: ", kv_len, " vs ", v.dim(1)));
   }
 
-  AttentionArgs args;
-  args.mask = config.mask;
-  args.scale = config.scale;
-  args.dropout_rate = dropout_active ? config.dropout_rate : 0.0f;
-  args.dropout_seed = dropout_seed;
-  if (HasPadding(config.mask)) {
-    ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, seqlens.q, "q_seqlens", batch, q_len));
-    const Tensor& kv_given = seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
-                             : q_len == kv_len                              ? seqlens.q
-                                                                            : Tensor();
-    ASSIGN_OR_RETURN(args.kv_seqlens, ResolveLengths(ops, kv_given, "kv_seqlens", batch, kv_len));
-  }
-  if (bias.defined() && bias.numel() > 0) {
-    const Shape want = {config.num_heads, q_len, kv_len};
-    if (bias.shape() != want || bias.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention bias must be float32 ", ShapeString(want), "; got ",
-                       DTypeName(bias.dtype()), " ", ShapeString(bias.shape())));
-    }
-    args.bias = bias;
-  }
+  ASSIGN_OR_RETURN(const AttentionArgs args,
+                   ResolveArgs(ops, config, batch, q_len, kv_len, seqlens, bias, dropout_active,
+                               dropout_seed));
 
   ASSIGN_OR_RETURN(*out, ops.Allocate(q.dtype(), q.shape()));
   ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, q_len}));
   RETURN_IF_ERROR(ops.AttentionForward(args, q, k, v, out, &lse));
   if (saved != nullptr) {
+    *saved = AttentionSaved();
     saved->args = args;
     saved->q = q;
     saved->k = k;
@@ -153,19 +171,82 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
 
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias) {
+  if (saved.packed()) {
+    return absl::InvalidArgumentError(
+        "attention: the saved forward is packed (qkv); its backward is AttentionBackwardPacked");
+  }
   ASSIGN_OR_RETURN(const Tensor grad,
                    PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
   ASSIGN_OR_RETURN(*dq, ops.Allocate(saved.q.dtype(), saved.q.shape()));
   ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
   ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
   Tensor bias_grad;
-  const bool has_bias = saved.args.bias.defined() && saved.args.bias.numel() > 0;
+  const bool has_bias = HasBias(saved);
   if (has_bias) {
     ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, saved.args.bias.shape()));
   }
   RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                         saved.softmax_lse, dq, dk, dv,
                                         has_bias ? &bias_grad : nullptr));
+  if (dbias != nullptr) *dbias = bias_grad;
+  return absl::OkStatus();
+}
+
+absl::Status AttentionForwardPacked(Ops& ops, const AttentionConfig& config, const Tensor& qkv,
+                                    const SeqLens& seqlens, const Tensor& bias,
+                                    bool dropout_active, uint64_t dropout_seed, Tensor* out,
+                                    AttentionSaved* saved) {
+  if (qkv.rank() != 5 || qkv.dim(2) != 3 || qkv.dim(3) != config.num_heads ||
+      qkv.dim(4) != config.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "qkv has shape ", ShapeString(qkv.shape()), "; want [batch, seq, 3, ", config.num_heads,
+        ", ", config.head_dim, "] ([batch, seq, 3, heads, head_dim])"));
+  }
+  if (!IsFloating(qkv.dtype()) || IsFloat8(qkv.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "qkv has dtype ", DTypeName(qkv.dtype()), "; want float32, bfloat16 or float16"));
+  }
+  if (config.num_gqa_groups != config.num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a packed qkv has one head count; got num_heads ", config.num_heads,
+        " and num_gqa_groups ", config.num_gqa_groups));
+  }
+  const int64_t batch = qkv.dim(0);
+  const int64_t seq = qkv.dim(1);
+  ASSIGN_OR_RETURN(const AttentionArgs args,
+                   ResolveArgs(ops, config, batch, seq, seq, seqlens, bias, dropout_active,
+                               dropout_seed));
+
+  ASSIGN_OR_RETURN(*out, ops.Allocate(qkv.dtype(), {batch, seq, qkv.dim(3), qkv.dim(4)}));
+  ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, seq}));
+  RETURN_IF_ERROR(ops.AttentionForwardPacked(args, qkv, out, &lse));
+  if (saved != nullptr) {
+    *saved = AttentionSaved();
+    saved->args = args;
+    saved->qkv = qkv;
+    saved->out = *out;
+    saved->softmax_lse = lse;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
+                                     Tensor* dqkv, Tensor* dbias) {
+  if (!saved.packed()) {
+    return absl::InvalidArgumentError(
+        "attention: the saved forward is not packed (q, k, v); its backward is AttentionBackward");
+  }
+  ASSIGN_OR_RETURN(const Tensor grad,
+                   PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
+  ASSIGN_OR_RETURN(*dqkv, ops.Allocate(saved.qkv.dtype(), saved.qkv.shape()));
+  Tensor bias_grad;
+  const bool has_bias = HasBias(saved);
+  if (has_bias) {
+    ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, saved.args.bias.shape()));
+  }
+  RETURN_IF_ERROR(ops.AttentionBackwardPacked(saved.args, saved.qkv, saved.out, grad,
+                                              saved.softmax_lse, dqkv,
+                                              has_bias ? &bias_grad : nullptr));
   if (dbias != nullptr) *dbias = bias_grad;
   return absl::OkStatus();
 }

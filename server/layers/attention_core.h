@@ -1,8 +1,9 @@
 // The attention block shared by DotProductAttention, MultiHeadAttention,
 // TransformerLayer and the plain-Flax baseline layer: dot-product attention on
-// [B, S, H, D] tensors through Ops::AttentionForward/Backward, plus the pieces
-// around it that TE's modules add (rotary embedding, T5 relative position
-// buckets, packed-qkv splitting, mask resolution).
+// [B, S, H, D] tensors through Ops::AttentionForward/Backward, or on a packed
+// qkv [B, S, 3, H, D] through Ops::AttentionForwardPacked/BackwardPacked, plus
+// the pieces around it that TE's modules add (rotary embedding, T5 relative
+// position buckets, packed-tensor splitting, mask resolution).
 //
 // Attention itself always runs in the input's float dtype, also under FP8
 // autocast: TE's fused attention is bf16/fp16 (only the projections around it
@@ -47,10 +48,14 @@ absl::Status ValidateAttentionConfig(const AttentionConfig& config, absl::string
 // INVALID_ARGUMENT naming `field` for a value the proto does not define.
 absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string_view field);
 
-// What an attention forward keeps for its backward.
+// What an attention forward keeps for its backward: q, k and v from
+// AttentionForward, or qkv alone from AttentionForwardPacked.
 struct AttentionSaved {
   AttentionArgs args;  // resolved: seqlens (padding masks), bias, dropout
-  Tensor q, k, v, out, softmax_lse;
+  Tensor q, k, v;
+  Tensor qkv;  // [B, S, 3, H, D]; defined iff the forward was packed
+  Tensor out, softmax_lse;
+  bool packed() const { return qkv.rank() == 5; }
   int64_t bytes() const;
 };
 
@@ -75,9 +80,27 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
 
 // Gradients of vdot(out, dout): dq, dk, dv are allocated here (like q, k, v);
 // dbias (f32 [Hq, Sq, Skv]) only when the forward had a bias and `dbias` is
-// non-null.
+// non-null. INVALID_ARGUMENT if `saved` comes from AttentionForwardPacked.
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias);
+
+// Self-attention on a packed qkv [B, S, 3, H, D] (TE's BS3HD: the fused QKV
+// projection's output as it is): the same results as AttentionForward on its
+// three parts (q, k, v at index 0, 1, 2 of axis 2), without splitting them
+// (on CUDA, cuDNN reads them in place). Needs num_gqa_groups == num_heads.
+// out [B, S, H, D]. INVALID_ARGUMENT naming qkv when its shape or dtype does
+// not fit the config, otherwise as AttentionForward (seqlens, bias). With
+// `saved` non-null, keeps qkv (not q, k, v) for AttentionBackwardPacked.
+absl::Status AttentionForwardPacked(Ops& ops, const AttentionConfig& config, const Tensor& qkv,
+                                    const SeqLens& seqlens, const Tensor& bias,
+                                    bool dropout_active, uint64_t dropout_seed, Tensor* out,
+                                    AttentionSaved* saved);
+
+// Gradients of vdot(out, dout) for a packed forward: dqkv [B, S, 3, H, D]
+// (allocated here, like qkv), dbias as AttentionBackward. INVALID_ARGUMENT if
+// `saved` does not come from AttentionForwardPacked.
+absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
+                                     Tensor* dqkv, Tensor* dbias);
 
 // ---- activations ------------------------------------------------------------
 // INVALID_ARGUMENT naming `name` unless x is float32, bfloat16 or float16.

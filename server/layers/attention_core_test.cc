@@ -1,6 +1,7 @@
 // The attention core's host-side pieces and helpers: T5 buckets (hand-checked
 // against TE's formula), packed-tensor splitting, rotary against a float64
-// reference of TE's rotary_pos_emb, and AttentionForward's argument checks.
+// reference of TE's rotary_pos_emb, AttentionForward's argument checks, and
+// the packed-qkv wrappers against the unpacked ones.
 #include "server/layers/attention_core.h"
 
 #include <cmath>
@@ -150,6 +151,96 @@ TEST(AttentionForwardTest, RejectsMismatchedShapesAndLengths) {
                             false, 0, &out, nullptr);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("q_seqlens"), std::string::npos) << status;
+}
+
+// int32 [B] lengths.
+Tensor Lengths(Ops& ops, const std::vector<int32_t>& lengths) {
+  Tensor t = ops.Allocate(DType::kI32, {static_cast<int64_t>(lengths.size())}).value();
+  for (size_t b = 0; b < lengths.size(); ++b) t.data_as<int32_t>()[b] = lengths[b];
+  return t;
+}
+
+// The packed wrappers against the unpacked ones on qkv's parts (CpuOps runs
+// the packed ops' default, which computes exactly that): identical out and
+// gradients with padding, causal, dropout and a bias; only qkv is kept.
+TEST(AttentionForwardPackedTest, MatchesSplitPartsAndKeepsOnlyQkv) {
+  auto ops = NewCpuOps();
+  AttentionConfig config;
+  config.num_heads = 3;
+  config.num_gqa_groups = 3;
+  config.head_dim = 4;
+  config.mask = MaskType::kPaddingCausal;
+  config.scale = 0.5f;
+  config.dropout_rate = 0.25f;
+  const int64_t b = 2, s = 6;
+  const Tensor qkv = RandomTensor(*ops, {b, s, 3, 3, 4}, DType::kF32, 31);
+  const Tensor bias = RandomTensor(*ops, {3, s, s}, DType::kF32, 32);
+  const SeqLens seqlens{Lengths(*ops, {6, 4}), Lengths(*ops, {5, 6})};
+
+  Tensor packed_out;
+  AttentionSaved packed;
+  ASSERT_TRUE(AttentionForwardPacked(*ops, config, qkv, seqlens, bias, /*dropout_active=*/true,
+                                     99, &packed_out, &packed)
+                  .ok());
+  auto parts = SplitAxis(*ops, qkv, 2);
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  Tensor out;
+  AttentionSaved split;
+  ASSERT_TRUE(AttentionForward(*ops, config, (*parts)[0], (*parts)[1], (*parts)[2], seqlens, bias,
+                               true, 99, &out, &split)
+                  .ok());
+  EXPECT_EQ(packed_out.shape(), (Shape{b, s, 3, 4}));
+  EXPECT_EQ(Values(packed_out), Values(out));
+  EXPECT_TRUE(packed.packed());
+  EXPECT_FALSE(split.packed());
+  EXPECT_FALSE(packed.q.defined() || packed.k.defined() || packed.v.defined());
+  EXPECT_EQ(packed.qkv.data(), qkv.data());  // kept as is, not copied
+  EXPECT_EQ(packed.bytes(), split.bytes());
+
+  const Tensor dout = RandomTensor(*ops, {b, s, 3, 4}, DType::kF32, 33);
+  Tensor dqkv, packed_dbias;
+  ASSERT_TRUE(AttentionBackwardPacked(*ops, packed, dout, &dqkv, &packed_dbias).ok());
+  Tensor dq, dk, dv, dbias;
+  ASSERT_TRUE(AttentionBackward(*ops, split, dout, &dq, &dk, &dv, &dbias).ok());
+  auto stacked = StackAxis(*ops, {dq, dk, dv}, 2);
+  ASSERT_TRUE(stacked.ok()) << stacked.status();
+  EXPECT_EQ(dqkv.shape(), qkv.shape());
+  EXPECT_EQ(Values(dqkv), Values(*stacked));
+  EXPECT_EQ(Values(packed_dbias), Values(dbias));
+
+  // Each saved state goes with its own backward.
+  EXPECT_EQ(AttentionBackward(*ops, packed, dout, &dq, &dk, &dv, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AttentionBackwardPacked(*ops, split, dout, &dqkv, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AttentionForwardPackedTest, RejectsBadQkv) {
+  auto ops = NewCpuOps();
+  AttentionConfig config;
+  config.num_heads = 4;
+  config.num_gqa_groups = 4;
+  config.head_dim = 8;
+  Tensor out;
+  auto forward = [&](const Tensor& qkv, const AttentionConfig& c) {
+    return AttentionForwardPacked(*ops, c, qkv, {}, Tensor(), false, 0, &out, nullptr);
+  };
+  ASSERT_TRUE(forward(RandomTensor(*ops, {2, 5, 3, 4, 8}, DType::kF32, 1), config).ok());
+  for (const Shape& bad : {Shape{2, 5, 2, 4, 8}, Shape{2, 5, 3, 2, 8}, Shape{2, 5, 3, 4, 4},
+                           Shape{2, 5, 4, 8}}) {
+    const absl::Status status = forward(RandomTensor(*ops, bad, DType::kF32, 2), config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << ShapeString(bad);
+    EXPECT_NE(status.message().find("qkv has shape"), std::string::npos) << status;
+  }
+  const Tensor fp8 = ops->Allocate(DType::kE4M3, {2, 5, 3, 4, 8}).value();
+  absl::Status status = forward(fp8, config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("qkv has dtype"), std::string::npos) << status;
+  AttentionConfig gqa = config;
+  gqa.num_gqa_groups = 2;
+  status = forward(RandomTensor(*ops, {2, 5, 3, 4, 8}, DType::kF32, 3), gqa);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("num_gqa_groups"), std::string::npos) << status;
 }
 
 TEST(ValidateAttentionConfigTest, NamesTheField) {

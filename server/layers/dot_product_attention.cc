@@ -4,7 +4,8 @@
 //
 // Inputs by qkv_layout: bshd_bshd_bshd takes q as x and k, v as the two extra
 // inputs (k, v with num_gqa_groups heads); bs3hd takes one packed x
-// [B, S, 3, H, D] (no GQA: TE's packed layout has one head count).
+// [B, S, 3, H, D] (no GQA: TE's packed layout has one head count), which the
+// packed attention ops read as it is (and whose gradient they write packed).
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -53,31 +54,28 @@ class DotProductAttentionLayer : public Layer {
   absl::Status Forward(Ops& ops, Variables*, const LayerInputs& in, const ForwardOptions& opts,
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
-    Tensor q, k, v;
+    const SeqLens seqlens{in.q_seqlens, in.kv_seqlens};
+    const uint64_t seed = DeriveSeed(opts.dropout_seed, "attention_dropout");
+    auto kept = std::make_unique<DotProductAttentionSaved>();
+    AttentionSaved* attention_saved = opts.keep_for_backward ? &kept->attention : nullptr;
     if (packed_) {
       if (!in.extra.empty()) {
         return absl::InvalidArgumentError(
             "extra_inputs must be empty for qkv_layout bs3hd (x is the packed qkv)");
       }
-      ASSIGN_OR_RETURN(std::vector<Tensor> parts, SplitAxis(ops, in.x, 2));
-      q = parts[0];
-      k = parts[1];
-      v = parts[2];
+      RETURN_IF_ERROR(AttentionForwardPacked(ops, config_, in.x, seqlens, Tensor(),
+                                             !opts.deterministic, seed, &out->y,
+                                             attention_saved));
     } else {
       if (in.extra.size() != 2) {
         return absl::InvalidArgumentError(absl::StrCat(
             "qkv_layout bshd_bshd_bshd takes q as x and k, v as two extra_inputs; got ",
             in.extra.size(), " extra inputs"));
       }
-      q = in.x;
-      k = in.extra[0];
-      v = in.extra[1];
+      RETURN_IF_ERROR(AttentionForward(ops, config_, in.x, in.extra[0], in.extra[1], seqlens,
+                                       Tensor(), !opts.deterministic, seed, &out->y,
+                                       attention_saved));
     }
-    auto kept = std::make_unique<DotProductAttentionSaved>();
-    RETURN_IF_ERROR(AttentionForward(ops, config_, q, k, v, SeqLens{in.q_seqlens, in.kv_seqlens},
-                                     Tensor(), !opts.deterministic,
-                                     DeriveSeed(opts.dropout_seed, "attention_dropout"), &out->y,
-                                     opts.keep_for_backward ? &kept->attention : nullptr));
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
   }
@@ -88,15 +86,14 @@ class DotProductAttentionLayer : public Layer {
     if (kept == nullptr) {
       return absl::InvalidArgumentError("saved forward does not come from DotProductAttention");
     }
-    Tensor dq, dk, dv;
-    RETURN_IF_ERROR(AttentionBackward(ops, kept->attention, dy, &dq, &dk, &dv, nullptr));
     grads->dextra.clear();
     if (packed_) {
-      ASSIGN_OR_RETURN(grads->dx, StackAxis(ops, {dq, dk, dv}, 2));
-    } else {
-      grads->dx = dq;
-      grads->dextra = {dk, dv};
+      return AttentionBackwardPacked(ops, kept->attention, dy, &grads->dx, nullptr);
     }
+    Tensor dq, dk, dv;
+    RETURN_IF_ERROR(AttentionBackward(ops, kept->attention, dy, &dq, &dk, &dv, nullptr));
+    grads->dx = dq;
+    grads->dextra = {dk, dv};
     return absl::OkStatus();
   }
 

@@ -228,16 +228,19 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   const int heads = options_.num_heads, groups = options_.num_gqa_groups;
   const int head_dim = options_.head_dim;
   const Tensor x2 = x.As2D();
-  Tensor q, k, v, ln;
+  Tensor qkv, q, k, v, ln;  // qkv [B, S, 3, H, D] when packed_attention()
   if (!gqa()) {
-    Tensor qkv;
-    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &qkv, ln_out != nullptr ? &ln : nullptr,
+    Tensor fused;
+    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &fused,
+                                 ln_out != nullptr ? &ln : nullptr,
                                  saved != nullptr ? &saved->qkv : nullptr));
-    ASSIGN_OR_RETURN(std::vector<Tensor> parts,
-                     SplitAxis(ops, qkv.Reshaped({batch, seq, 3, heads, head_dim}), 2));
-    q = parts[0];
-    k = parts[1];
-    v = parts[2];
+    qkv = fused.Reshaped({batch, seq, 3, heads, head_dim});
+    if (!packed_attention()) {
+      ASSIGN_OR_RETURN(std::vector<Tensor> parts, SplitAxis(ops, qkv, 2));
+      q = parts[0];
+      k = parts[1];
+      v = parts[2];
+    }
   } else {
     if (options_.input_layernorm) {
       RETURN_IF_ERROR(
@@ -256,15 +259,23 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
     k = parts[0];
     v = parts[1];
   }
-  if (options_.rotary) {
-    RETURN_IF_ERROR(ApplyRotary(ops, q, /*inverse=*/false, &q));
-    RETURN_IF_ERROR(ApplyRotary(ops, k, /*inverse=*/false, &k));
-  }
+  const uint64_t dropout_seed =
+      DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
+  AttentionSaved* attention_saved = saved != nullptr ? &saved->attention : nullptr;
   Tensor context;
-  RETURN_IF_ERROR(AttentionForward(
-      ops, AttentionSettings(), q, k, v, seqlens, bias, !opts.deterministic,
-      DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout")), &context,
-      saved != nullptr ? &saved->attention : nullptr));
+  if (packed_attention()) {
+    RETURN_IF_ERROR(AttentionForwardPacked(ops, AttentionSettings(), qkv, seqlens, bias,
+                                           !opts.deterministic, dropout_seed, &context,
+                                           attention_saved));
+  } else {
+    if (options_.rotary) {
+      RETURN_IF_ERROR(ApplyRotary(ops, q, /*inverse=*/false, &q));
+      RETURN_IF_ERROR(ApplyRotary(ops, k, /*inverse=*/false, &k));
+    }
+    RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(), q, k, v, seqlens, bias,
+                                     !opts.deterministic, dropout_seed, &context,
+                                     attention_saved));
+  }
   Tensor y2;
   RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch * seq, q_features_}), opts.fp8,
                                &y2, saved != nullptr ? &saved->out : nullptr));
@@ -285,16 +296,23 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, c
                    PrepareGradient(ops, dy, {batch, seq, hidden_}, saved.compute));
   Tensor dcontext;
   RETURN_IF_ERROR(out_.Backward(ops, vars, saved.out, grad.As2D(), &dcontext, grads));
+  const Tensor dout = dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim});
+  Tensor dx2;
+  if (packed_attention()) {
+    Tensor dqkv;
+    RETURN_IF_ERROR(AttentionBackwardPacked(ops, saved.attention, dout, &dqkv, dbias));
+    RETURN_IF_ERROR(
+        qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}), &dx2, grads));
+    *dx = dx2.Reshaped({batch, seq, hidden_});
+    return absl::OkStatus();
+  }
   Tensor dq, dk, dv;
-  RETURN_IF_ERROR(AttentionBackward(
-      ops, saved.attention, dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim}),
-      &dq, &dk, &dv, dbias));
+  RETURN_IF_ERROR(AttentionBackward(ops, saved.attention, dout, &dq, &dk, &dv, dbias));
   if (options_.rotary) {
     // The rotation is orthogonal: its transpose is the rotation by -angle.
     RETURN_IF_ERROR(ApplyRotary(ops, dq, /*inverse=*/true, &dq));
     RETURN_IF_ERROR(ApplyRotary(ops, dk, /*inverse=*/true, &dk));
   }
-  Tensor dx2;
   if (!gqa()) {
     ASSIGN_OR_RETURN(Tensor dqkv, StackAxis(ops, {dq, dk, dv}, 2));
     RETURN_IF_ERROR(

@@ -7,6 +7,9 @@
 //   GQA:     q = ln @ query/kernel (hidden, H*D);  kv = ln @ kv/kernel (hidden, 2, G*D)
 //   q, k = rotary(q), rotary(k)         (enable_rotary_pos_emb)
 //   ctx  = attention(q, k, v, mask, bias)   scale 1/sqrt(D) iff scale_attn_logits, else 1
+// Without GQA and rotary, attention reads the packed qkv [B, S, 3, H, D] as
+// the projection wrote it (Ops::AttentionForwardPacked) and its backward
+// writes dqkv the same way: no split or stack copies.
 //   y    = ctx [B, S, H*D] @ out/kernel (H*D, hidden)
 // The residual is not inside (TE's TransformerLayer adds it).
 //
@@ -83,6 +86,8 @@ class MhaBlock {
 
  private:
   AttentionConfig AttentionSettings() const;
+  // Attention on the packed qkv: nothing happens to q, k, v in between.
+  bool packed_attention() const { return !gqa() && !options_.rotary; }
 
   MhaOptions options_;
   int64_t hidden_;

@@ -15,6 +15,7 @@
 #include "server/layers/attention_layers.h"
 #include "server/layers/attention_reference.h"
 #include "server/layers/fp8_state.h"
+#include "server/layers/multi_head_attention.h"
 #include "server/layers/testing.h"
 
 namespace te::layers {
@@ -200,7 +201,10 @@ INSTANTIATE_TEST_SUITE_P(
                               false, false, false, te::v1::NO_MASK},
                       MhaCase{"gqa_no_layernorm", 4, 2, 4, true, false, false, false, false},
                       MhaCase{"padding_causal", 3, 3, 4, false, true, false, false, true, false,
-                              true, te::v1::PADDING_CAUSAL}),
+                              true, te::v1::PADDING_CAUSAL},
+                      // Packed qkv attention (no rotary) with a padding mask.
+                      MhaCase{"fused_padding_causal_bias", 3, 3, 4, true, false, false, false,
+                              true, true, true, te::v1::PADDING_CAUSAL}),
     [](const ::testing::TestParamInfo<MhaCase>& info) { return info.param.name; });
 
 TEST(MultiHeadAttentionTest, DropoutGradientsAndLayernormOutput) {
@@ -327,6 +331,41 @@ TEST(MultiHeadAttentionTest, RejectsBadSpecsAndInputs) {
   const absl::Status status = layer->Forward(*ops, &*vars, in, {}, &out, nullptr);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("x has dtype"), std::string::npos) << status;
+}
+
+// Fused qkv without rotary: attention runs on the packed qkv and keeps it
+// alone; with rotary, q and k change in between, so the split path keeps q, k, v.
+TEST(MultiHeadAttentionTest, FusedQkvAttentionKeepsThePackedQkv) {
+  auto ops = NewCpuOps();
+  for (bool rotary : {false, true}) {
+    SCOPED_TRACE(rotary ? "rotary" : "no rotary");
+    MhaOptions options;
+    options.num_heads = 2;
+    options.num_gqa_groups = 2;
+    options.head_dim = 4;
+    options.rotary = rotary;
+    const MhaBlock block(options, 8);
+    Variables vars;
+    ASSERT_TRUE(block.Init(*ops, 1, nullptr, &vars).ok());
+    const Tensor x = RandomTensor(*ops, {2, 3, 8}, DType::kF32, 60);
+    MhaBlock::Saved saved;
+    Tensor y;
+    ASSERT_TRUE(block.Forward(*ops, &vars, x, SeqLens{}, Tensor(), ForwardOptions{}, &y, nullptr,
+                              &saved)
+                    .ok());
+    EXPECT_EQ(saved.attention.packed(), !rotary);
+    EXPECT_EQ(saved.attention.q.defined(), rotary);
+    if (!rotary) {
+      EXPECT_EQ(saved.attention.qkv.shape(), (Shape{2, 3, 3, 2, 4}));
+    }
+    Variables grads;
+    Tensor dx;
+    ASSERT_TRUE(block.Backward(*ops, &vars, saved, RandomTensor(*ops, {2, 3, 8}, DType::kF32, 61),
+                               &dx, nullptr, &grads)
+                    .ok());
+    EXPECT_EQ(dx.shape(), x.shape());
+    EXPECT_EQ(grads.at("params/qkv/kernel").shape(), (Shape{8, 3, 8}));
+  }
 }
 
 TEST(MultiHeadAttentionTest, Bf16ForwardTakesAFloat32Gradient) {
