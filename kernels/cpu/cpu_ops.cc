@@ -440,7 +440,7 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
           break;
         case GemmEpilogue::kDGeluBgrad:
           v *= ActivationDerivative(Activation::kGelu, LoadAsFloat(args.aux, at));
-          column_sums[j] += v;
+          if (!column_sums.empty()) column_sums[j] += v;
           break;
         case GemmEpilogue::kBgradB: break;
       }

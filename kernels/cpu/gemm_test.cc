@@ -216,6 +216,12 @@ TEST_P(GemmEpilogueTest, DGeluBgradScalesByTheDerivativeAndSumsColumns) {
   }
   EXPECT_LT(RelativeError(out, ref), Tolerance(dtype));
   EXPECT_LT(RelativeError(args.bias_grad, sums), Tolerance(dtype));
+
+  // Without bias_grad (a layer with no bias): the same out.
+  args.bias_grad = Tensor();
+  Tensor out2 = MakeEmpty(ops, dtype, {s.m, s.n});
+  ASSERT_TRUE(ops.Gemm(args, &out2).ok());
+  EXPECT_EQ(ToDoubles(out2), ToDoubles(out));
 }
 
 TEST_P(GemmEpilogueTest, BgradBSumsTheSecondOperandOverK) {

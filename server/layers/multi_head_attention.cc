@@ -218,7 +218,7 @@ int64_t MhaBlock::Saved::bytes() const {
 
 absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                                const Tensor& bias, const ForwardOptions& opts, Tensor* y,
-                               Tensor* ln_out, Saved* saved) const {
+                               Tensor* ln_out, Saved* saved, const Tensor& residual) const {
   if (x.rank() != 3 || x.dim(2) != hidden_) {
     return absl::InvalidArgumentError(
         absl::StrCat("x has shape ", ShapeString(x.shape()), "; want [batch, seq, ", hidden_, "]"));
@@ -277,8 +277,10 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
                                      attention_saved));
   }
   Tensor y2;
+  DenseFusion out_fusion;
+  if (residual.defined()) out_fusion.residual = residual.Reshaped({batch * seq, hidden_});
   RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch * seq, q_features_}), opts.fp8,
-                               &y2, saved != nullptr ? &saved->out : nullptr));
+                               &y2, saved != nullptr ? &saved->out : nullptr, out_fusion));
   *y = y2.Reshaped({batch, seq, hidden_});
   if (ln_out != nullptr) *ln_out = ln.Reshaped({batch, seq, hidden_});
   if (saved != nullptr) {
@@ -290,8 +292,11 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
 }
 
 absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                                Tensor* dx, Tensor* dbias, Variables* grads) const {
+                                Tensor* dx, Tensor* dbias, Variables* grads,
+                                const Tensor& residual_grad) const {
   const int64_t batch = saved.batch, seq = saved.seq, tokens = batch * seq;
+  const Tensor residual_grad2 =
+      residual_grad.defined() ? residual_grad.Reshaped({tokens, hidden_}) : Tensor();
   ASSIGN_OR_RETURN(const Tensor grad,
                    PrepareGradient(ops, dy, {batch, seq, hidden_}, saved.compute));
   Tensor dcontext;
@@ -301,8 +306,8 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, c
   if (packed_attention()) {
     Tensor dqkv;
     RETURN_IF_ERROR(AttentionBackwardPacked(ops, saved.attention, dout, &dqkv, dbias));
-    RETURN_IF_ERROR(
-        qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}), &dx2, grads));
+    RETURN_IF_ERROR(qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}),
+                                  &dx2, grads, residual_grad2));
     *dx = dx2.Reshaped({batch, seq, hidden_});
     return absl::OkStatus();
   }
@@ -315,8 +320,8 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, c
   }
   if (!gqa()) {
     ASSIGN_OR_RETURN(Tensor dqkv, StackAxis(ops, {dq, dk, dv}, 2));
-    RETURN_IF_ERROR(
-        qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}), &dx2, grads));
+    RETURN_IF_ERROR(qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}),
+                                  &dx2, grads, residual_grad2));
   } else {
     ASSIGN_OR_RETURN(Tensor dkv, StackAxis(ops, {dk, dv}, 2));
     Tensor dln_query, dln_kv, dln;
@@ -326,7 +331,9 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, c
                                  &dln_kv, grads));
     RETURN_IF_ERROR(ResidualAdd(ops, dln_query, dln_kv, &dln));
     if (options_.input_layernorm) {
-      RETURN_IF_ERROR(norm_.Backward(ops, saved.norm, dln, &dx2, grads));
+      RETURN_IF_ERROR(norm_.Backward(ops, saved.norm, dln, &dx2, grads, residual_grad2));
+    } else if (residual_grad2.defined()) {
+      RETURN_IF_ERROR(ResidualAdd(ops, dln, residual_grad2, &dx2));
     } else {
       dx2 = dln;
     }

@@ -76,13 +76,18 @@ class MhaBlock {
   };
   // x [B, S, hidden] -> *y [B, S, hidden]; *ln_out [B, S, hidden] if non-null.
   // `bias`: optional f32 [H, S, S] added to the logits after scaling.
+  // `residual` (optional, [B, S, hidden]): y = attention(x) + residual, added
+  // in the output projection's GEMM.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                        const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
-                       Saved* saved) const;
+                       Saved* saved, const Tensor& residual = Tensor()) const;
   // dy [B, S, hidden] (any float dtype) -> *dx; parameter gradients into
   // *grads; *dbias (if non-null and the forward had a bias) f32 [H, S, S].
+  // residual_grad (optional, [B, S, hidden]) is added to *dx (in the input
+  // norm's backward where there is one).
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy, Tensor* dx,
-                        Tensor* dbias, Variables* grads) const;
+                        Tensor* dbias, Variables* grads,
+                        const Tensor& residual_grad = Tensor()) const;
 
  private:
   AttentionConfig AttentionSettings() const;

@@ -121,19 +121,26 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
       ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->buckets));
     }
-    Tensor attention_out;
-    RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens}, bias,
-                                       opts, &attention_out, nullptr,
-                                       keep ? &kept->attention : nullptr));
-    Tensor dropped, h;
-    RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
-                            DeriveSeed(opts.dropout_seed, "hidden_dropout_0"), attention_out,
-                            &dropped, &kept->attention_dropout));
-    RETURN_IF_ERROR(ResidualAdd(ops, dropped, in.x, &h));
+    // Without dropout on the blocks' outputs the residual adds run in their
+    // last GEMMs (the attention's projection, the MLP's wo).
+    const bool fused_residual = opts.deterministic || options_.hidden_dropout <= 0.0f;
+    Tensor attention_out, dropped, h;
+    if (fused_residual) {
+      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
+                                         bias, opts, &h, nullptr,
+                                         keep ? &kept->attention : nullptr, in.x));
+    } else {
+      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
+                                         bias, opts, &attention_out, nullptr,
+                                         keep ? &kept->attention : nullptr));
+      RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
+                              DeriveSeed(opts.dropout_seed, "hidden_dropout_0"), attention_out,
+                              &dropped, &kept->attention_dropout));
+      RETURN_IF_ERROR(ResidualAdd(ops, dropped, in.x, &h));
+    }
 
     Tensor z, z_dropped, y;
-    if (opts.deterministic || options_.hidden_dropout <= 0.0f) {
-      // No dropout on the MLP's output: the residual add runs in its last GEMM.
+    if (fused_residual) {
       RETURN_IF_ERROR(mlp_.Forward(ops, vars, h.As2D(), opts, &y, nullptr,
                                    keep ? &kept->mlp : nullptr, h.As2D()));
       out->y = y.Reshaped(h.shape());
@@ -166,13 +173,13 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(
         mlp_.Backward(ops, vars, kept->mlp, dz.As2D(), &dh2, &grads->params, dy_c.As2D()));
     const Tensor dh = dh2.Reshaped(shape);
-    // h = dropout(a) + x.
-    Tensor da, dx_attention, dbias;
+    Tensor da, dbias;
     RETURN_IF_ERROR(DropoutGrad(ops, kept->attention_dropout, dh, &da));
-    RETURN_IF_ERROR(attention_.Backward(ops, vars, kept->attention, da, &dx_attention,
+    // h = dropout(a) + x: dx gets dh directly (added in the attention's norm
+    // backward) and through the attention.
+    RETURN_IF_ERROR(attention_.Backward(ops, vars, kept->attention, da, &grads->dx,
                                         options_.relative_embedding ? &dbias : nullptr,
-                                        &grads->params));
-    RETURN_IF_ERROR(ResidualAdd(ops, dh, dx_attention, &grads->dx));
+                                        &grads->params, dh));
     if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(
           grads->params[kRelEmbedding],
