@@ -1,6 +1,6 @@
-// FP8 scaling on the device: Quantize (fused amax), Dequantize, Amax,
-// ScaleFromAmax, DelayedScalingUpdate (no host sync) and emulated block
-// scaling (MXFP8, NVFP4). The math follows the CPU reference exactly; see
+// FP8 scaling on the device: Quantize (fused amax), cast-transpose (with
+// dbias), Dequantize, Amax, ScaleFromAmax, DelayedScalingUpdate (no host
+// sync) and emulated block scaling (MXFP8, NVFP4). The math follows the CPU reference exactly; see
 // kernels/cpu/cpu_ops.cc for the definitions.
 #include <cfloat>
 
@@ -201,19 +201,26 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
 // leaves transposed as 4-byte words of y_t (4 consecutive rows of one
 // column), as gemm.cu's byte transpose does. Needs rows and cols multiples
 // of 4 and 4-element-aligned rows (the launcher checks).
+// With `column_partial` ([gridDim.y, cols] f32) the tile also sums its rows
+// of x per column (float32, in a fixed order: each thread its 4 rows, then
+// the 16 threads of a column in order) into column_partial[blockIdx.y]: the
+// dbias of cast-transpose-dbias, finished by ColumnSumsKernel.
 template <typename In, typename Out>
 __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__ x,
                                         uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
                                         const float* scale, float* amax, float* scale_inv,
-                                        int64_t rows, int64_t cols) {
+                                        float* __restrict__ column_partial, int64_t rows,
+                                        int64_t cols) {
   using InPack = Pack<typename In::Storage, 4>;
   __shared__ uint8_t tile[64][64 + 4];
+  __shared__ float tile_column_sums[16][64 + 1];
   __shared__ unsigned scratch[32];
   const float s = *scale;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
   unsigned local = 0;
+  float column_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = ty + 16 * i;
@@ -225,12 +232,17 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
       for (int j = 0; j < 4; ++j) {
         const float v = In::Load(p.v[j]);
         local = max(local, AbsBits(v));
+        column_sum[j] += v;
         const uint8_t code = Out::Store(v * s);
         tile[r][tx * 4 + j] = code;
         word |= static_cast<uint32_t>(code) << (8 * j);
       }
       *reinterpret_cast<uint32_t*>(y + (row0 + r) * cols + c) = word;
     }
+  }
+  if (column_partial != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) tile_column_sums[ty][tx * 4 + j] = column_sum[j];
   }
   __syncthreads();
 #pragma unroll
@@ -245,11 +257,74 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
       *reinterpret_cast<uint32_t*>(y_t + (col0 + c) * rows + r) = word;
     }
   }
+  // tile_column_sums was complete at the barrier above.
+  if (column_partial != nullptr && threadIdx.x < 64 && col0 + threadIdx.x < cols) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) sum += tile_column_sums[k][threadIdx.x];
+    column_partial[blockIdx.y * cols + col0 + threadIdx.x] = sum;
+  }
   local = BlockMaxBits(local, scratch);
   if (threadIdx.x == 0) {
     AtomicMaxAbsBits(amax, local);
     if (blockIdx.x == 0 && blockIdx.y == 0) *scale_inv = 1.0f / s;
   }
+}
+
+// out[c] = sum over parts of partial[part, c], in part order within each of
+// 8 groups (group k: parts k, k + 8, ...), then the groups in order:
+// deterministic. Block: 32 columns x 8 groups.
+constexpr int kColumnSumColumns = 32, kColumnSumGroups = 8;
+template <typename Out>
+__global__ void ColumnSumsKernel(const float* partial, int64_t parts, int64_t cols,
+                                 typename Out::Storage* out) {
+  __shared__ float group_sums[kColumnSumGroups][kColumnSumColumns + 1];
+  const int64_t c = blockIdx.x * int64_t(kColumnSumColumns) + threadIdx.x;
+  float sum = 0.0f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t part = threadIdx.y; part < parts; part += kColumnSumGroups) {
+      sum += partial[part * cols + c];
+    }
+  }
+  group_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  sum = 0.0f;
+  for (int k = 0; k < kColumnSumGroups; ++k) sum += group_sums[k][threadIdx.x];
+  out[c] = Out::Store(sum);
+}
+
+// Whether QuantizeTransposeKernel takes x [rows, cols]: 4-element words on
+// every side, and a grid it can launch.
+bool TileKernelFits(const Tensor& x, const Tensor& y, const Tensor& y_t) {
+  const int64_t rows = x.dim(0), cols = x.dim(1);
+  const size_t in_word = 4 * DTypeSize(x.dtype());
+  return rows > 0 && cols > 0 && rows % 4 == 0 && cols % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data()) % in_word == 0 &&
+         reinterpret_cast<uintptr_t>(y.data()) % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(y_t.data()) % 4 == 0 && (rows + 63) / 64 <= 65535;
+}
+
+// Zeroes amax, then one QuantizeTransposeKernel over x [rows, cols] (shapes
+// TileKernelFits takes); column_partial: null, or [ceil(rows / 64), cols] f32.
+absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                     Tensor* y_t, float* column_partial, cudaStream_t stream) {
+  const int64_t rows = x.dim(0), cols = x.dim(1);
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream));
+  const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFp8(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream>>>(
+          static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
+          static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
+          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), column_partial, rows, cols);
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -280,26 +355,30 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
 absl::Status CudaOps::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                         Tensor* y_t) {
   RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
-  const int64_t rows = x.dim(0), cols = x.dim(1);
-  const size_t in_word = 4 * DTypeSize(x.dtype());
-  const bool fused = rows > 0 && cols > 0 && rows % 4 == 0 && cols % 4 == 0 &&
-                     reinterpret_cast<uintptr_t>(x.data()) % in_word == 0 &&
-                     reinterpret_cast<uintptr_t>(y->data()) % 4 == 0 &&
-                     reinterpret_cast<uintptr_t>(y_t->data()) % 4 == 0 && (rows + 63) / 64 <= 65535;
   // Shapes the tile kernel cannot take: quantize, then transpose.
-  if (!fused) return Ops::QuantizeTranspose(x, fp8, y, y_t);
+  if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTranspose(x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
-  const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
-  DispatchFloat(x.dtype(), [&](auto in) {
-    DispatchFp8(y->dtype(), [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream()>>>(
-          static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
-          static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
-          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), rows, cols);
-    });
+  return LaunchQuantizeTranspose(x, fp8, y, y_t, nullptr, stream());
+}
+
+absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                             Tensor* y_t, Tensor* dbias) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
+  RETURN_IF_ERROR(CheckSumRowsArgs(x, dbias));
+  // Shapes the tile kernel cannot take: QuantizeTranspose, then SumRows.
+  if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeDbias(x, fp8, y, y_t, dbias);
+  RETURN_IF_ERROR(Enter());
+  const int64_t rows = x.dim(0), cols = x.dim(1);
+  // One partial row of column sums per 64-row tile: 2 MiB at [8192, 4096].
+  const int64_t row_tiles = (rows + 63) / 64;
+  ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {row_tiles, cols}));
+  RETURN_IF_ERROR(LaunchQuantizeTranspose(x, fp8, y, y_t, partial.data_as<float>(), stream()));
+  const auto blocks = static_cast<unsigned>((cols + kColumnSumColumns - 1) / kColumnSumColumns);
+  DispatchFloat(dbias->dtype(), [&](auto out) {
+    using Out = decltype(out);
+    ColumnSumsKernel<Out><<<blocks, dim3(kColumnSumColumns, kColumnSumGroups), 0, stream()>>>(
+        partial.data_as<const float>(), row_tiles, cols,
+        static_cast<typename Out::Storage*>(dbias->data()));
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
@@ -400,12 +479,6 @@ absl::Status CudaOps::FakeQuantizeBlockScaled(BlockFormat format, const Tensor& 
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
-}
-
-// Not yet fused: the default (QuantizeTranspose, then SumRows).
-absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
-                                             Tensor* y_t, Tensor* dbias) {
-  return Ops::QuantizeTransposeDbias(x, fp8, y, y_t, dbias);
 }
 
 }  // namespace cuda
