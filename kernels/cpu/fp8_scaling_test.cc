@@ -1,8 +1,9 @@
-// FP8 scaling ops: Quantize, Dequantize, Amax, ScaleFromAmax, the delayed-scaling
-// update (against hand-worked sequences), and emulated block scaling (MXFP8,
-// NVFP4) against float64 references.
+// FP8 scaling ops: Quantize, cast-transpose (with dbias), Dequantize, Amax,
+// ScaleFromAmax, the delayed-scaling update (against hand-worked sequences),
+// and emulated block scaling (MXFP8, NVFP4) against float64 references.
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 #include "gtest/gtest.h"
@@ -119,6 +120,75 @@ TEST(CpuQuantizeTransposeTest, BothLayoutsAndTheSideOutputs) {
   EXPECT_NE(bad.message().find("y_t"), std::string::npos) << bad;
   Tensor other = MakeEmpty(ops, DType::kE4M3, {10, 6});
   EXPECT_EQ(ops.QuantizeTranspose(x, b, &y, &other).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Cast-transpose-dbias (the default: QuantizeTranspose, then SumRows): the
+// same codes, amax and scale_inv as QuantizeTranspose, and dbias as SumRows
+// gives it, in any float dtype.
+TEST(CpuQuantizeTransposeDbiasTest, IsQuantizeTransposeAndSumRows) {
+  CpuOps ops;
+  const Shape shape = {37, 24};
+  Tensor x = MakeRandom(ops, DType::kBF16, shape, 6, -3.0f, 3.0f);
+  Fp8Output a{Scalar(ops, 20.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor want = MakeEmpty(ops, DType::kE4M3, shape);
+  Tensor want_t = MakeEmpty(ops, DType::kE4M3, {24, 37});
+  ASSERT_TRUE(ops.QuantizeTranspose(x, a, &want, &want_t).ok());
+  for (DType dbias_dtype : {DType::kF32, DType::kBF16}) {
+    Tensor want_dbias = MakeEmpty(ops, dbias_dtype, {24});
+    ASSERT_TRUE(ops.SumRows(x, &want_dbias).ok());
+    Fp8Output b{Scalar(ops, 20.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+    Tensor y = MakeEmpty(ops, DType::kE4M3, shape);
+    Tensor y_t = MakeEmpty(ops, DType::kE4M3, {24, 37});
+    Tensor dbias = MakeEmpty(ops, dbias_dtype, {24});
+    const absl::Status s = ops.QuantizeTransposeDbias(x, b, &y, &y_t, &dbias);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(0, std::memcmp(y.data(), want.data(), want.nbytes()));
+    EXPECT_EQ(0, std::memcmp(y_t.data(), want_t.data(), want_t.nbytes()));
+    EXPECT_EQ(ScalarValue(b.amax), ScalarValue(a.amax));
+    EXPECT_EQ(ScalarValue(b.scale_inv), 0.05f);
+    EXPECT_EQ(ToDoubles(dbias), ToDoubles(want_dbias));
+    // Column sums of 37 values in [-3, 3]: a zero would mean nothing was summed.
+    for (int64_t c = 0; c < 24; ++c) EXPECT_NE(LoadAsFloat(dbias, c), 0.0f) << c;
+  }
+  // Against a float64 sum, so a wrong default (say, row sums) fails too.
+  Tensor dbias = MakeEmpty(ops, DType::kF32, {24});
+  Fp8Output c{Scalar(ops, 20.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE4M3, shape);
+  Tensor y_t = MakeEmpty(ops, DType::kE4M3, {24, 37});
+  ASSERT_TRUE(ops.QuantizeTransposeDbias(x, c, &y, &y_t, &dbias).ok());
+  const std::vector<double> xv = ToDoubles(x);
+  std::vector<double> sums(24, 0.0);
+  for (int64_t r = 0; r < 37; ++r) {
+    for (int64_t col = 0; col < 24; ++col) sums[col] += xv[r * 24 + col];
+  }
+  EXPECT_LT(RelativeError(dbias, sums), testing::kF32Tolerance);
+}
+
+TEST(CpuQuantizeTransposeDbiasTest, BadArgumentsAreInvalidArgument) {
+  CpuOps ops;
+  Tensor x = MakeRandom(ops, DType::kF32, {6, 10}, 7);
+  Fp8Output fp8{Scalar(ops, 1.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE5M2, {6, 10});
+  Tensor y_t = MakeEmpty(ops, DType::kE5M2, {10, 6});
+  Tensor dbias = MakeEmpty(ops, DType::kF32, {10});
+  ASSERT_TRUE(ops.QuantizeTransposeDbias(x, fp8, &y, &y_t, &dbias).ok());
+
+  Tensor y_t_untransposed = MakeEmpty(ops, DType::kE5M2, {6, 10});
+  absl::Status s = ops.QuantizeTransposeDbias(x, fp8, &y, &y_t_untransposed, &dbias);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("y_t"), std::string::npos) << s;
+  Tensor y_t_e4m3 = MakeEmpty(ops, DType::kE4M3, {10, 6});
+  s = ops.QuantizeTransposeDbias(x, fp8, &y, &y_t_e4m3, &dbias);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("y_t"), std::string::npos) << s;
+  // dbias goes through SumRows' check, whose message calls it y.
+  Tensor dbias_rows = MakeEmpty(ops, DType::kF32, {6});
+  s = ops.QuantizeTransposeDbias(x, fp8, &y, &y_t, &dbias_rows);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("[6]"), std::string::npos) << s;
+  Tensor dbias_fp8 = MakeEmpty(ops, DType::kE4M3, {10});
+  EXPECT_EQ(ops.QuantizeTransposeDbias(x, fp8, &y, &y_t, &dbias_fp8).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CpuQuantizeTest, NanInputGivesNanAmax) {

@@ -1,6 +1,8 @@
 // LayerNorm / RMSNorm forward and backward against float64 references: the
 // forward from its definition, dx from central finite differences of the
-// float64 forward, dgamma / dbeta from their sums. Also the fused FP8 output.
+// float64 forward, dgamma / dbeta from their sums. Also the fused FP8 output,
+// and the defaults of kernels/ops.cc built on these (NormForwardTransposed,
+// NormBackward's residual_grad).
 #include <cmath>
 #include <tuple>
 
@@ -171,6 +173,88 @@ TEST_P(NormTest, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// The defaults in kernels/ops.cc, which the CUDA backend's fused kernels
+// must match.
+
+// NormForwardTransposed: y is NormForward's FP8 y, code for code, and y_t its
+// transpose; amax, scale_inv, mu and rsigma as NormForward writes them.
+TEST_P(NormTest, ForwardTransposedIsForwardAndItsTranspose) {
+  for (DType fp8_dtype : {DType::kE4M3, DType::kE5M2}) {
+    const float scale = fp8_dtype == DType::kE4M3 ? 60.0f : 3000.0f;
+    Fp8Output want_fp8{Scalar(ops_, scale), Scalar(ops_, -1.0f), Scalar(ops_, -1.0f)};
+    Tensor want = MakeEmpty(ops_, fp8_dtype, shape_);
+    Tensor want_mu = layernorm_ ? MakeEmpty(ops_, DType::kF32, {n_}) : Tensor();
+    Tensor want_rsigma = MakeEmpty(ops_, DType::kF32, {n_});
+    ASSERT_TRUE(ops_.NormForward(args_, x_, gamma_, beta_, &want, &want_mu, &want_rsigma,
+                                 &want_fp8).ok());
+
+    Fp8Output fp8{Scalar(ops_, scale), Scalar(ops_, -1.0f), Scalar(ops_, -1.0f)};
+    Tensor y = MakeEmpty(ops_, fp8_dtype, shape_);
+    Tensor y_t = MakeEmpty(ops_, fp8_dtype, {h_, n_});
+    Tensor mu = layernorm_ ? MakeEmpty(ops_, DType::kF32, {n_}) : Tensor();
+    Tensor rsigma = MakeEmpty(ops_, DType::kF32, {n_});
+    const absl::Status s =
+        ops_.NormForwardTransposed(args_, x_, gamma_, beta_, fp8, &y, &y_t, &mu, &rsigma);
+    ASSERT_TRUE(s.ok()) << s;
+
+    const uint8_t* w = want.data_as<const uint8_t>();
+    const uint8_t* g = y.data_as<const uint8_t>();
+    const uint8_t* t = y_t.data_as<const uint8_t>();
+    int64_t distinct_from_first = 0;
+    for (int64_t r = 0; r < n_; ++r) {
+      for (int64_t c = 0; c < h_; ++c) {
+        ASSERT_EQ(g[r * h_ + c], w[r * h_ + c]) << DTypeName(fp8_dtype) << " y " << r << "," << c;
+        ASSERT_EQ(t[c * n_ + r], w[r * h_ + c]) << DTypeName(fp8_dtype) << " y_t " << c << "," << r;
+        distinct_from_first += w[r * h_ + c] != w[0];
+      }
+    }
+    EXPECT_GT(distinct_from_first, n_ * h_ / 2) << "codes too uniform for the test to mean much";
+    EXPECT_GT(ScalarValue(fp8.amax), 0.0f);
+    EXPECT_EQ(ScalarValue(fp8.amax), ScalarValue(want_fp8.amax));
+    EXPECT_EQ(ScalarValue(fp8.scale_inv), 1.0f / scale);
+    EXPECT_EQ(ToDoubles(rsigma), ToDoubles(want_rsigma));
+    if (layernorm_) {
+      EXPECT_EQ(ToDoubles(mu), ToDoubles(want_mu));
+    }
+  }
+}
+
+// NormBackward with residual_grad: dx is the plain backward's dx (float32)
+// plus residual_grad, rounded once to dx's dtype; dgamma and dbeta do not
+// change.
+TEST_P(NormTest, BackwardAddsResidualGrad) {
+  Tensor y = MakeEmpty(ops_, DType::kF32, shape_);
+  Tensor mu = layernorm_ ? MakeEmpty(ops_, DType::kF32, {n_}) : Tensor();
+  Tensor rsigma = MakeEmpty(ops_, DType::kF32, {n_});
+  ASSERT_TRUE(ops_.NormForward(args_, x_, gamma_, beta_, &y, &mu, &rsigma, nullptr).ok());
+  Tensor dy = MakeRandom(ops_, dtype_, shape_, 60);
+  Tensor residual = MakeRandom(ops_, dtype_, shape_, 61);
+
+  Tensor plain_dx = MakeEmpty(ops_, DType::kF32, shape_);
+  Tensor plain_dgamma = MakeEmpty(ops_, dtype_, {h_});
+  Tensor plain_dbeta = layernorm_ ? MakeEmpty(ops_, dtype_, {h_}) : Tensor();
+  ASSERT_TRUE(ops_.NormBackward(args_, dy, x_, mu, rsigma, gamma_, &plain_dx, &plain_dgamma,
+                                &plain_dbeta).ok());
+  Tensor dx = MakeEmpty(ops_, dtype_, shape_);
+  Tensor dgamma = MakeEmpty(ops_, dtype_, {h_});
+  Tensor dbeta = layernorm_ ? MakeEmpty(ops_, dtype_, {h_}) : Tensor();
+  const absl::Status s =
+      ops_.NormBackward(args_, dy, x_, mu, rsigma, gamma_, &dx, &dgamma, &dbeta, residual);
+  ASSERT_TRUE(s.ok()) << s;
+
+  int64_t moved = 0;  // elements where the residual changes the rounded dx
+  for (int64_t i = 0; i < dx.numel(); ++i) {
+    const float sum = LoadAsFloat(plain_dx, i) + LoadAsFloat(residual, i);
+    ASSERT_EQ(LoadAsFloat(dx, i), RoundTo(dtype_, sum)) << i;
+    moved += RoundTo(dtype_, LoadAsFloat(plain_dx, i)) != RoundTo(dtype_, sum);
+  }
+  EXPECT_GT(moved, dx.numel() / 2);
+  EXPECT_EQ(ToDoubles(dgamma), ToDoubles(plain_dgamma));
+  if (layernorm_) {
+    EXPECT_EQ(ToDoubles(dbeta), ToDoubles(plain_dbeta));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     TypesDTypesShapes, NormTest,
     ::testing::Combine(::testing::Values(NormType::kLayerNorm, NormType::kRMSNorm),
@@ -205,6 +289,65 @@ TEST(CpuNormErrorsTest, NamesTheArgument) {
   EXPECT_EQ(ops.NormForward(rms, x, gamma, beta, &y, nullptr, nullptr, nullptr).code(),
             absl::StatusCode::kInvalidArgument);  // RMSNorm has no beta
   EXPECT_TRUE(ops.NormForward(rms, x, gamma, Tensor(), &y, nullptr, nullptr, nullptr).ok());
+}
+
+TEST(CpuNormErrorsTest, TransposedOutputNamesTheArgument) {
+  CpuOps ops;
+  NormArgs args;
+  Tensor x = MakeRandom(ops, DType::kF32, {4, 8}, 62);
+  Tensor gamma = MakeRandom(ops, DType::kF32, {8}, 63);
+  Tensor beta = MakeRandom(ops, DType::kF32, {8}, 64);
+  Fp8Output fp8{Scalar(ops, 1.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE4M3, {4, 8});
+  Tensor y_t = MakeEmpty(ops, DType::kE4M3, {8, 4});
+  ASSERT_TRUE(ops.NormForwardTransposed(args, x, gamma, beta, fp8, &y, &y_t, nullptr, nullptr)
+                  .ok());
+
+  Tensor y_t_untransposed = MakeEmpty(ops, DType::kE4M3, {4, 8});
+  absl::Status s = ops.NormForwardTransposed(args, x, gamma, beta, fp8, &y, &y_t_untransposed,
+                                             nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "NormForwardTransposed: y_t has shape [4, 8], want [8, 4]");
+
+  Tensor y_t_e5m2 = MakeEmpty(ops, DType::kE5M2, {8, 4});
+  s = ops.NormForwardTransposed(args, x, gamma, beta, fp8, &y, &y_t_e5m2, nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("y_t has dtype"), absl::string_view::npos) << s;
+
+  s = ops.NormForwardTransposed(args, x, gamma, beta, fp8, &y, nullptr, nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("y_t"), absl::string_view::npos) << s;
+
+  Tensor y_f32 = MakeEmpty(ops, DType::kF32, {4, 8});
+  Tensor y_t_f32 = MakeEmpty(ops, DType::kF32, {8, 4});
+  s = ops.NormForwardTransposed(args, x, gamma, beta, fp8, &y_f32, &y_t_f32, nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("y has dtype"), absl::string_view::npos) << s;
+}
+
+TEST(CpuNormErrorsTest, ResidualGradNamesTheArgument) {
+  CpuOps ops;
+  NormArgs args;
+  Tensor x = MakeRandom(ops, DType::kF32, {4, 8}, 65);
+  Tensor dy = MakeRandom(ops, DType::kF32, {4, 8}, 66);
+  Tensor gamma = MakeRandom(ops, DType::kF32, {8}, 67);
+  Tensor mu = MakeRandom(ops, DType::kF32, {4}, 68);
+  Tensor rsigma = MakeRandom(ops, DType::kF32, {4}, 69, 0.5f, 1.5f);
+  Tensor dx = MakeEmpty(ops, DType::kF32, {4, 8});
+  Tensor dgamma = MakeEmpty(ops, DType::kF32, {8});
+  Tensor dbeta = MakeEmpty(ops, DType::kF32, {8});
+  Tensor good = MakeRandom(ops, DType::kF32, {4, 8}, 70);
+  ASSERT_TRUE(ops.NormBackward(args, dy, x, mu, rsigma, gamma, &dx, &dgamma, &dbeta, good).ok());
+
+  Tensor bf16 = MakeRandom(ops, DType::kBF16, {4, 8}, 71);
+  absl::Status s = ops.NormBackward(args, dy, x, mu, rsigma, gamma, &dx, &dgamma, &dbeta, bf16);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "NormBackward: residual_grad has dtype bfloat16, want dx's float32");
+
+  Tensor wide = MakeRandom(ops, DType::kF32, {4, 9}, 72);
+  s = ops.NormBackward(args, dy, x, mu, rsigma, gamma, &dx, &dgamma, &dbeta, wide);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("residual_grad has shape [4, 9]"), absl::string_view::npos) << s;
 }
 
 }  // namespace
