@@ -400,6 +400,51 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + ShapeName(std::get<2>(info.param));
     });
 
+// Cast-transpose-dbias: the tile kernel's codes (bit-exact, as above), and
+// dbias, its column sums of x, against the CPU's SumRows within the float
+// tolerance of dbias's dtype.
+class QuantizeTransposeDbiasTest : public GpuTest,
+                                   public ::testing::WithParamInterface<QuantizeTransposeCase> {};
+
+TEST_P(QuantizeTransposeDbiasTest, CodesAndColumnSumsMatchTheCpu) {
+  const auto [dtype, fp8, shape] = GetParam();
+  const Pair x = Random(dtype, shape, 26, -4.0f, 4.0f);
+  for (DType dbias_dtype : {DType::kF32, DType::kBF16}) {
+    const std::string what = std::string("dbias ") + Short(dbias_dtype);
+    Fp8Pair side = Fp8Side(SaturatingScale(fp8) * 0.5f);
+    Pair q = Output(fp8, shape);
+    Pair q_t = Output(fp8, {shape[1], shape[0]});
+    Pair dbias = Output(dbias_dtype, {shape[1]});
+    ASSERT_TRUE(
+        cpu_->QuantizeTransposeDbias(x.cpu, side.cpu(), &q.cpu, &q_t.cpu, &dbias.cpu).ok());
+    const absl::Status s =
+        gpu_->QuantizeTransposeDbias(x.gpu, side.gpu(), &q.gpu, &q_t.gpu, &dbias.gpu);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const Tensor codes = Fetch(q.gpu), codes_t = Fetch(q_t.gpu);
+    EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << what << " y";
+    EXPECT_EQ(0, std::memcmp(codes_t.data(), q_t.cpu.data(), codes_t.nbytes())) << what << " y_t";
+    ExpectFp8SideMatches(side, what);
+    EXPECT_EQ(Fetch(side.amax.gpu).data_as<float>()[0], side.amax.cpu.data_as<float>()[0]);
+    ExpectMatches(dbias, what);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, QuantizeTransposeDbiasTest,
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                       ::testing::Values(DType::kE4M3, DType::kE5M2),
+                       // tiles: whole, ragged edges (multiples of 4), many row tiles
+                       // (the partial rows' reduction), and shapes the tile kernel
+                       // declines (odd: the fallback)
+                       ::testing::Values(Shape{128, 256}, Shape{100, 36}, Shape{516, 1028},
+                                         Shape{4, 4}, Shape{1000, 200}, Shape{2052, 64},
+                                         Shape{37, 24}, Shape{64, 30})),
+    [](const auto& info) {
+      return std::string(Short(std::get<0>(info.param))) + "_" + Short(std::get<1>(info.param)) +
+             "_" + ShapeName(std::get<2>(info.param));
+    });
+
 // ---- FP8 scaling: input dtype x FP8 format x scale x shape -----------------------------
 
 using QuantizeCase = std::tuple<DType, DType, float, Shape>;
@@ -602,6 +647,226 @@ INSTANTIATE_TEST_SUITE_P(
       const DType out = std::get<2>(info.param);
       return std::string(std::get<0>(info.param) == NormType::kLayerNorm ? "ln" : "rms") + "_" +
              Short(std::get<1>(info.param)) + "_" + (out == DType::kF32 ? "same" : Short(out)) +
+             "_" + ShapeName(std::get<3>(info.param));
+    });
+
+// ---- normalisation: the register-resident fast paths and their fallbacks ----------------
+//
+// The fast paths take H % 8 == 0 and aligned tensors: forward H <= 8192 (16-bit
+// x) or 4096 (f32 x), backward 12288 or 6144; the general kernels take the
+// rest. The shapes below cover each warps-per-row choice, rows that are and
+// are not multiples of the groups and tiles, groups walking several rows
+// (backward's register column sums), and shapes and views the fast paths
+// decline.
+
+// x dtype, gamma (and beta, dgamma, dbeta) dtype.
+using NormDTypes = std::tuple<DType, DType>;
+const std::vector<NormDTypes> kNormDTypes = {
+    {DType::kF32, DType::kF32}, {DType::kBF16, DType::kBF16}, {DType::kBF16, DType::kF32}};
+
+std::string NormDTypesName(const NormDTypes& d) {
+  return std::string(Short(std::get<0>(d))) + "_g" + Short(std::get<1>(d));
+}
+
+using NormPathCase = std::tuple<NormType, NormDTypes, Shape>;
+class NormPathTest : public GpuTest, public ::testing::WithParamInterface<NormPathCase> {
+ protected:
+  // A random tensor on both sides; `misaligned`: a view one element into its
+  // allocation, so no vector access fits (the general kernels).
+  Pair Input(DType dtype, const Shape& shape, uint32_t seed, bool misaligned, float lo = -2.0f,
+             float hi = 2.0f) {
+    if (!misaligned) return Random(dtype, shape, seed, lo, hi);
+    const int64_t n = NumElements(shape);
+    const Pair flat = Random(dtype, {n + 1}, seed, lo, hi);
+    return Pair{flat.cpu.Slice0(1, n + 1).Reshaped(shape),
+                flat.gpu.Slice0(1, n + 1).Reshaped(shape)};
+  }
+
+  // Forward (float y), then backward without and with residual_grad, each
+  // against the CPU; both backwards read the CPU's statistics.
+  void ExpectForwardAndBackwardMatch(bool misaligned) {
+    const auto [type, dtypes, shape] = GetParam();
+    const auto [dtype, param_dtype] = dtypes;
+    const bool layernorm = type == NormType::kLayerNorm;
+    const int64_t cols = shape.back(), rows = NumElements(shape) / cols;
+    for (bool zero_centered : {false, true}) {
+      NormArgs args;
+      args.type = type;
+      args.epsilon = 1e-5f;
+      args.zero_centered_gamma = zero_centered;
+      const std::string what = std::string(layernorm ? "LayerNorm" : "RMSNorm") +
+                               (zero_centered ? " zero-centred" : "");
+      const Pair x = Input(dtype, shape, 40, misaligned, -3.0f, 5.0f);  // a non-zero mean
+      const Pair gamma = Random(param_dtype, {cols}, 41, 0.5f, 1.5f);
+      const Pair beta = layernorm ? Random(param_dtype, {cols}, 42) : Pair{};
+      Pair y = Output(dtype, shape);
+      Pair mu = Output(DType::kF32, {rows}), rsigma = Output(DType::kF32, {rows});
+      ASSERT_TRUE(cpu_->NormForward(args, x.cpu, gamma.cpu, beta.cpu, &y.cpu,
+                                    layernorm ? &mu.cpu : nullptr, &rsigma.cpu, nullptr).ok());
+      const absl::Status f = gpu_->NormForward(args, x.gpu, gamma.gpu, beta.gpu, &y.gpu,
+                                               layernorm ? &mu.gpu : nullptr, &rsigma.gpu,
+                                               nullptr);
+      ASSERT_TRUE(f.ok()) << f;
+      ExpectMatches(y, what + " y");
+      if (layernorm) ExpectMatches(mu, what + " mu");
+      ExpectMatches(rsigma, what + " rsigma");
+
+      const Pair dy = Input(dtype, shape, 43, misaligned);
+      const Pair residual = Input(dtype, shape, 44, misaligned);
+      const Pair mu_in = layernorm ? Mirror(mu.cpu) : Pair{};
+      const Pair rsigma_in = Mirror(rsigma.cpu);
+      for (bool with_residual : {false, true}) {
+        const std::string step = what + (with_residual ? " with residual_grad" : "");
+        Pair dx = Output(dtype, shape), dgamma = Output(param_dtype, {cols});
+        Pair dbeta = layernorm ? Output(param_dtype, {cols}) : Pair{};
+        ASSERT_TRUE(cpu_->NormBackward(args, dy.cpu, x.cpu, mu_in.cpu, rsigma_in.cpu, gamma.cpu,
+                                       &dx.cpu, &dgamma.cpu, layernorm ? &dbeta.cpu : nullptr,
+                                       with_residual ? residual.cpu : Tensor()).ok());
+        const absl::Status b = gpu_->NormBackward(
+            args, dy.gpu, x.gpu, mu_in.gpu, rsigma_in.gpu, gamma.gpu, &dx.gpu, &dgamma.gpu,
+            layernorm ? &dbeta.gpu : nullptr, with_residual ? residual.gpu : Tensor());
+        ASSERT_TRUE(b.ok()) << b;
+        ExpectMatches(dx, step + " dx");
+        ExpectMatches(dgamma, step + " dgamma");
+        if (layernorm) ExpectMatches(dbeta, step + " dbeta");
+      }
+    }
+  }
+};
+
+TEST_P(NormPathTest, ForwardAndBackwardWithResidualGrad) { ExpectForwardAndBackwardMatch(false); }
+
+TEST_P(NormPathTest, MisalignedViewsTakeTheGeneralPath) {
+  const Shape& shape = std::get<2>(GetParam());
+  if (NumElements(shape) > 300 * 4096) GTEST_SKIP() << "the aligned run covers this size";
+  ExpectForwardAndBackwardMatch(true);
+}
+
+std::string NormPathName(const ::testing::TestParamInfo<NormPathCase>& info) {
+  return std::string(std::get<0>(info.param) == NormType::kLayerNorm ? "ln" : "rms") + "_" +
+         NormDTypesName(std::get<1>(info.param)) + "_" + ShapeName(std::get<2>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, NormPathTest,
+    ::testing::Combine(::testing::Values(NormType::kLayerNorm, NormType::kRMSNorm),
+                       ::testing::ValuesIn(kNormDTypes),
+                       ::testing::Values(
+                           // fast: 4 / 8 warps a row (16-bit / f32 x); rows % 4 != 0
+                           Shape{300, 4096},
+                           // fast: 1 / 2 warps a row, several groups a block
+                           Shape{256, 1024},
+                           // fast: one 25-pack row per warp, odd rows, H % 64 != 0
+                           Shape{37, 200},
+                           // fast, rank 3
+                           Shape{2, 3, 96},
+                           // fast; groups walk several rows (backward's register sums
+                           // over rows, then the block's groups in order)
+                           Shape{2000, 4096}, Shape{9000, 256},
+                           // 16-bit x: forward 8 warps, backward 12 (f32: general)
+                           Shape{3, 8192},
+                           // 16-bit x: packs not a multiple of the threads (fwd 8
+                           // warps, bwd 6)
+                           Shape{4, 6000},
+                           // 16-bit x: backward fast at its limit (12 warps, 96 KiB of
+                           // shared column sums), forward general
+                           Shape{5, 12288},
+                           // general: H % 8 != 0
+                           Shape{37, 100})),
+    NormPathName);
+
+// ---- NormForwardTransposed: type x dtypes x FP8 format x shape ----------------------------
+
+using NormTransposedCase = std::tuple<NormType, NormDTypes, DType, Shape>;
+class NormTransposedTest : public GpuTest,
+                           public ::testing::WithParamInterface<NormTransposedCase> {};
+
+// y and y_t against the CPU (the default: NormForward, then Permute) by the
+// FP8 rule; on the GPU, y_t is exactly y's transpose, and y, amax, mu and
+// rsigma are exactly what CUDA NormForward writes for the same inputs.
+TEST_P(NormTransposedTest, MatchesTheCpuAndNormForward) {
+  const auto [type, dtypes, fp8, shape] = GetParam();
+  const auto [dtype, param_dtype] = dtypes;
+  const bool layernorm = type == NormType::kLayerNorm;
+  const int64_t cols = shape.back(), rows = NumElements(shape) / cols;
+  for (bool zero_centered : {false, true}) {
+    NormArgs args;
+    args.type = type;
+    args.epsilon = 1e-5f;
+    args.zero_centered_gamma = zero_centered;
+    const std::string what = std::string(layernorm ? "LayerNorm" : "RMSNorm") +
+                             (zero_centered ? " zero-centred" : "");
+    const Pair x = Random(dtype, shape, 45, -3.0f, 5.0f);
+    const Pair gamma = Random(param_dtype, {cols}, 46, 0.5f, 1.5f);
+    const Pair beta = layernorm ? Random(param_dtype, {cols}, 47) : Pair{};
+    Fp8Pair side = Fp8Side(SaturatingScale(fp8));
+    Pair y = Output(fp8, shape), y_t = Output(fp8, {cols, rows});
+    Pair mu = Output(DType::kF32, {rows}), rsigma = Output(DType::kF32, {rows});
+    ASSERT_TRUE(cpu_->NormForwardTransposed(args, x.cpu, gamma.cpu, beta.cpu, side.cpu(),
+                                            &y.cpu, &y_t.cpu, layernorm ? &mu.cpu : nullptr,
+                                            &rsigma.cpu).ok());
+    const absl::Status s = gpu_->NormForwardTransposed(args, x.gpu, gamma.gpu, beta.gpu,
+                                                       side.gpu(), &y.gpu, &y_t.gpu,
+                                                       layernorm ? &mu.gpu : nullptr, &rsigma.gpu);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectMatches(y, what + " y");
+    ExpectMatches(y_t, what + " y_t");
+    ExpectFp8SideMatches(side, what);
+    if (layernorm) ExpectMatches(mu, what + " mu");
+    ExpectMatches(rsigma, what + " rsigma");
+
+    const Tensor codes = Fetch(y.gpu), codes_t = Fetch(y_t.gpu);
+    const uint8_t* c = codes.data_as<const uint8_t>();
+    const uint8_t* t = codes_t.data_as<const uint8_t>();
+    int64_t not_transposed = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < cols; ++h) not_transposed += t[h * rows + r] != c[r * cols + h];
+    }
+    EXPECT_EQ(not_transposed, 0) << what << ": y_t is not y transposed";
+
+    Fp8Pair forward_side = Fp8Side(SaturatingScale(fp8));
+    const Fp8Output forward_fp8 = forward_side.gpu();
+    Tensor forward_y = NewGpu(fp8, shape);
+    Tensor forward_mu = NewGpu(DType::kF32, {rows}), forward_rsigma = NewGpu(DType::kF32, {rows});
+    const absl::Status f = gpu_->NormForward(args, x.gpu, gamma.gpu, beta.gpu, &forward_y,
+                                             layernorm ? &forward_mu : nullptr, &forward_rsigma,
+                                             &forward_fp8);
+    ASSERT_TRUE(f.ok()) << f;
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const Tensor forward_codes = Fetch(forward_y);
+    EXPECT_EQ(0, std::memcmp(forward_codes.data(), codes.data(), codes.nbytes()))
+        << what << ": y differs from NormForward's FP8 y";
+    EXPECT_EQ(Fetch(forward_side.amax.gpu).data_as<float>()[0],
+              Fetch(side.amax.gpu).data_as<float>()[0]) << what << " amax";
+    const Tensor rsigma_got = Fetch(rsigma.gpu), forward_rsigma_got = Fetch(forward_rsigma);
+    EXPECT_EQ(0, std::memcmp(rsigma_got.data(), forward_rsigma_got.data(), rsigma_got.nbytes()))
+        << what << " rsigma";
+    if (layernorm) {
+      const Tensor mu_got = Fetch(mu.gpu), forward_mu_got = Fetch(forward_mu);
+      EXPECT_EQ(0, std::memcmp(mu_got.data(), forward_mu_got.data(), mu_got.nbytes()))
+          << what << " mu";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, NormTransposedTest,
+    ::testing::Combine(::testing::Values(NormType::kLayerNorm, NormType::kRMSNorm),
+                       ::testing::ValuesIn(kNormDTypes),
+                       ::testing::Values(DType::kE4M3, DType::kE5M2),
+                       ::testing::Values(
+                           // fused: 32-row tiles, whole and ragged (300 = 9 x 32 + 12)
+                           Shape{128, 4096}, Shape{300, 4096}, Shape{256, 1024},
+                           // fused: H % 64 != 0; many tiles, the last of 4 rows
+                           Shape{36, 200}, Shape{1028, 96},
+                           // fused for 16-bit x: 16-row tiles (H > 4096), rank 3, and
+                           // packs not a multiple of the threads (f32 x: fallback)
+                           Shape{2, 6, 8192}, Shape{20, 5000},
+                           // fallback: rows % 4 != 0; H % 8 != 0
+                           Shape{37, 200}, Shape{64, 100})),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param) == NormType::kLayerNorm ? "ln" : "rms") + "_" +
+             NormDTypesName(std::get<1>(info.param)) + "_" + Short(std::get<2>(info.param)) +
              "_" + ShapeName(std::get<3>(info.param));
     });
 
