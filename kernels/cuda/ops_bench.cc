@@ -1,8 +1,9 @@
 // Bandwidth of the memory-bound CUDA ops at the quickstart's sizes (tokens
 // 8192 = 4 x 2048, hidden 4096, MLP 16384), bf16, random data. Each row: the
-// median of timed runs (CUDA events on the op's stream), the bytes the op must
-// move at least (inputs read once, outputs written once), and GB/s against
-// the ~4000 GB/s the H200's device-to-device copy reaches (../shared/ENV.md).
+// median of timed runs (CUDA events on the op's stream), the floor (the bytes
+// the op must move at least, inputs read once and outputs written once, at
+// the ~4000 GB/s the H200's device-to-device copy reaches, ../shared/ENV.md),
+// and the GB/s that time makes of those bytes.
 //
 //   ops_bench [--reps=50]
 #include <cuda_runtime_api.h>
@@ -105,7 +106,17 @@ int Run(int reps) {
   Tensor mask = *ops.Allocate(DType::kBool, {kTokens, kHidden});
   Tensor bias_grad = *ops.Allocate(bf16, {kHidden});
   Tensor xt = *ops.Allocate(bf16, {kHidden, kTokens});
+  Tensor y8_t = *ops.Allocate(DType::kE4M3, {kHidden, kTokens});
+  Tensor residual_grad = Random(ops, bf16, {kTokens, kHidden}, 8);
+  // Cast-transpose-dbias of a Dense backward's dy: [tokens, hidden] and [tokens, mlp].
+  Tensor q5 = *ops.Allocate(DType::kE5M2, {kTokens, kHidden});
+  Tensor q5_t = *ops.Allocate(DType::kE5M2, {kHidden, kTokens});
+  Tensor q5_mlp = *ops.Allocate(DType::kE5M2, {kTokens, kMlp});
+  Tensor q5_mlp_t = *ops.Allocate(DType::kE5M2, {kMlp, kTokens});
+  Tensor dbias = *ops.Allocate(bf16, {kHidden}), dbias_mlp = *ops.Allocate(bf16, {kMlp});
   NormArgs ln;
+  NormArgs rms;
+  rms.type = NormType::kRMSNorm;
 
   struct Row {
     const char* name;
@@ -119,8 +130,18 @@ int Run(int reps) {
        [&] { return ops.NormForward(ln, x, gamma, beta, &y, &mu, &rs, nullptr); }},
       {"LayerNorm fwd bf16 -> e4m3 + amax", tok_hid * 3,
        [&] { return ops.NormForward(ln, x, gamma, beta, &y8, &mu, &rs, &fp8); }},
+      {"LayerNorm fwd bf16 -> e4m3 + y_t (NormForwardTransposed)", tok_hid * 4,
+       [&] { return ops.NormForwardTransposed(ln, x, gamma, beta, fp8, &y8, &y8_t, &mu, &rs); }},
       {"LayerNorm bwd bf16", tok_hid * 6,
        [&] { return ops.NormBackward(ln, dy, x, mu, rs, gamma, &dx, &dgamma, &dbeta); }},
+      {"LayerNorm bwd bf16 + residual_grad", tok_hid * 8,
+       [&] {
+         return ops.NormBackward(ln, dy, x, mu, rs, gamma, &dx, &dgamma, &dbeta, residual_grad);
+       }},
+      {"RMSNorm fwd bf16 -> bf16", tok_hid * 4,
+       [&] { return ops.NormForward(rms, x, gamma, Tensor(), &y, nullptr, &rs, nullptr); }},
+      {"RMSNorm bwd bf16", tok_hid * 6,
+       [&] { return ops.NormBackward(rms, dy, x, Tensor(), rs, gamma, &dx, &dgamma, nullptr); }},
       {"GELU fwd bf16 [8192,16384]", tok_mlp * 4,
        [&] { return ops.ActivationForward({Activation::kGelu}, h, &act, nullptr); }},
       {"GELU fwd -> e4m3 + amax", tok_mlp * 3,
@@ -136,6 +157,12 @@ int Run(int reps) {
          return ops.ActivationBackward({Activation::kSilu, Activation::kLinear}, dact, h2, &dh2);
        }},
       {"Quantize bf16 -> e4m3 + amax", tok_hid * 3, [&] { return ops.Quantize(x, fp8, &y8); }},
+      {"QuantizeTranspose bf16 -> e5m2 + y_t", tok_hid * 4,
+       [&] { return ops.QuantizeTranspose(dy, fp8, &q5, &q5_t); }},
+      {"QuantizeTransposeDbias bf16 -> e5m2 + y_t + dbias", tok_hid * 4,
+       [&] { return ops.QuantizeTransposeDbias(dy, fp8, &q5, &q5_t, &dbias); }},
+      {"QuantizeTransposeDbias [8192,16384] bf16 -> e5m2", tok_mlp * 4,
+       [&] { return ops.QuantizeTransposeDbias(dact, fp8, &q5_mlp, &q5_mlp_t, &dbias_mlp); }},
       {"Cast bf16 -> bf16", tok_hid * 4, [&] { return ops.Cast(x, &y); }},
       {"Dropout fwd 0.1 + mask", tok_hid * 5,
        [&] { return ops.DropoutForward(0.1f, 42, x, &y, &mask); }},
@@ -143,11 +170,15 @@ int Run(int reps) {
       {"Permute [8192,4096] -> [4096,8192]", tok_hid * 4,
        [&] { return ops.Permute(x, {1, 0}, &xt); }},
   };
-  std::printf("| op | ms | GB/s (min bytes) | of 4000 GB/s |\n| --- | --- | --- | --- |\n");
+  std::printf(
+      "| op | ms | floor ms (min bytes at 4000 GB/s) | GB/s (min bytes) | of 4000 GB/s |\n"
+      "| --- | --- | --- | --- | --- |\n");
   for (const Row& row : rows) {
     const double ms = MedianMs(cuda_ops, reps, row.op);
     const double gbs = row.bytes / (ms * 1e-3) / 1e9;
-    std::printf("| %s | %.4f | %.0f | %.0f%% |\n", row.name, ms, gbs, gbs / 40.0);
+    const double floor_ms = row.bytes / 4000e9 * 1e3;
+    std::printf("| %s | %.4f | %.4f | %.0f | %.0f%% |\n", row.name, ms, floor_ms, gbs,
+                gbs / 40.0);
   }
   return 0;
 }
