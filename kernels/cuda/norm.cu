@@ -771,10 +771,14 @@ int64_t ResidentBlocks(Kernel kernel, int threads, size_t shared_bytes, int sms)
   return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
 }
 
-// Opts `kernel` in to `bytes` of dynamic shared memory where that is above the default.
+// Opts `kernel` in to `bytes` of dynamic shared memory where that and the
+// kernel's static shared memory (reductions' scratch: under 1 KiB) may pass
+// the default. (At exactly 48 KiB of dynamic memory, 12288 f32 of row cache,
+// the launch failed without the opt-in.)
+constexpr size_t kStaticSharedReserve = 1024;
 template <typename Kernel>
 absl::Status AllowSharedBytes(Kernel kernel, size_t bytes, const char* what) {
-  if (bytes <= kDefaultSharedBytes) return absl::OkStatus();
+  if (bytes + kStaticSharedReserve <= kDefaultSharedBytes) return absl::OkStatus();
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(bytes));
   if (e != cudaSuccess) return CudaErrorToStatus(e, what, __FILE__, __LINE__);

@@ -4,6 +4,7 @@
 // not a multiple of 64). Needs a GPU: without one every test is skipped,
 // unless TE_REQUIRE_GPU=1 (as deploy/bundle.sh's runs set), which makes that a
 // failure.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -33,6 +34,12 @@ constexpr double kBf16Tolerance = 1e-2;
 // share of the codes may differ at all.
 constexpr int kFp8MaxUlps = 1;
 constexpr double kFp8MaxDifferingShare = 0.01;
+// Near zero the codes are dense (subnormals), and a value that cancels to ~0
+// (x_hat * g + beta) carries float32 error of its terms' size, not its own:
+// two codes whose values differ by at most this many float32 ulps of the
+// tensor's largest value (2^-24 each) count as equal. Seen on the H200: GPU
+// code 29 (4.9e-3) against CPU 0 in an E5M2 tensor whose largest value is 57344.
+constexpr double kFp8NearZeroUlpsOfMax = 8;
 // amax, scale, scale_inv: relative.
 constexpr double kScalarTolerance = 1e-6;
 
@@ -191,10 +198,17 @@ class GpuTest : public ::testing::Test {
     const uint8_t* w = want.data_as<const uint8_t>();
     // Sign-magnitude codes as ordered integers: neighbours differ by 1.
     auto ordinal = [](uint8_t code) { return (code & 0x80) ? -(code & 0x7f) : (code & 0x7f); };
+    double largest = 0.0;
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      const double v = std::fabs(LoadAsFloat(want, i));
+      if (std::isfinite(v)) largest = std::max(largest, v);
+    }
+    const double near_zero = kFp8NearZeroUlpsOfMax * std::ldexp(largest, -24);
     int64_t differing = 0, worst = 0, worst_at = -1;
     for (int64_t i = 0; i < want.numel(); ++i) {
       if (g[i] == w[i]) continue;
       ++differing;
+      if (std::fabs(LoadAsFloat(got, i) - LoadAsFloat(want, i)) <= near_zero) continue;
       const int64_t ulps = std::abs(ordinal(g[i]) - ordinal(w[i]));
       if (ulps > worst) worst = ulps, worst_at = i;
     }
