@@ -259,6 +259,45 @@ INSTANTIATE_TEST_SUITE_P(
 
 // cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)
 // makes out[i, j] = P_ij * M_ij exactly, which exposes the dropout mask M.
+
+// The one-hot-v dropout probe read back: out [b, i, h, j] (j < kv, D >= kv)
+// is P_ij after dropout, 0 where dropped; p the undropped P. Returns the
+// dropped fraction, the kept values against P / (1 - rate), and the dv the
+// forward's mask implies: dv[b, j, h, :] = sum_i P_ij M_ij / (1 - rate) dout[b, i, h, :].
+struct DropoutProbe {
+  double fraction = 0.0;
+  std::vector<double> kept_gpu, kept_ref, dv_ref;
+};
+DropoutProbe ReadDropoutProbe(const std::vector<float>& o, const std::vector<float>& p,
+                              const std::vector<float>& dy, int64_t batch, int64_t seq,
+                              int64_t kv, int64_t heads, int64_t dim, double rate) {
+  DropoutProbe probe;
+  probe.dv_ref.assign(static_cast<size_t>(batch * kv * heads * dim), 0.0);
+  int64_t dropped = 0, total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < seq; ++i) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t j = 0; j < kv; ++j) {
+          const int64_t at = ((b * seq + i) * heads + h) * dim + j;
+          ++total;
+          if (o[at] == 0.0f) {
+            ++dropped;
+            continue;
+          }
+          probe.kept_gpu.push_back(o[at]);
+          probe.kept_ref.push_back(p[at] / (1.0 - rate));
+          for (int64_t d = 0; d < dim; ++d) {
+            probe.dv_ref[((b * kv + j) * heads + h) * dim + d] +=
+                p[at] / (1.0 - rate) * dy[((b * seq + i) * heads + h) * dim + d];
+          }
+        }
+      }
+    }
+  }
+  probe.fraction = static_cast<double>(dropped) / static_cast<double>(total);
+  return probe;
+}
+
 TEST(GpuAttentionDropoutTest, CudnnDropsTheRateAndBackwardUsesTheSameMask) {
   auto device = OpenCudaDevice(0);
   if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
@@ -318,35 +357,12 @@ TEST(GpuAttentionDropoutTest, CudnnDropsTheRateAndBackwardUsesTheSameMask) {
   ASSERT_TRUE(gpu.Download(gdv, dv.data()).ok());
   const std::vector<float> o = ToFloatVector(out), p = ToFloatVector(p_ref);
   const std::vector<float> dy = ToFloatVector(dout);
-  int64_t dropped = 0, total = 0;
-  std::vector<double> kept_gpu, kept_ref;
-  std::vector<double> dv_ref(static_cast<size_t>(kB * kKv * kH * kD), 0.0);
-  for (int64_t b = 0; b < kB; ++b) {
-    for (int64_t i = 0; i < kS; ++i) {
-      for (int64_t h = 0; h < kH; ++h) {
-        for (int64_t j = 0; j < kKv; ++j) {
-          const int64_t at = ((b * kS + i) * kH + h) * kD + j;
-          ++total;
-          if (o[at] == 0.0f) {
-            ++dropped;
-            continue;
-          }
-          kept_gpu.push_back(o[at]);
-          kept_ref.push_back(p[at] / (1.0 - kRate));
-          // dv[b, j, h, :] += P_ij M_ij dout[b, i, h, :], with M from the forward.
-          for (int64_t d = 0; d < kD; ++d) {
-            dv_ref[((b * kKv + j) * kH + h) * kD + d] +=
-                p[at] / (1.0 - kRate) * dy[((b * kS + i) * kH + h) * kD + d];
-          }
-        }
-      }
-    }
-  }
-  const double fraction = static_cast<double>(dropped) / static_cast<double>(total);
+  const DropoutProbe probe = ReadDropoutProbe(o, p, dy, kB, kS, kKv, kH, kD, kRate);
   // 32768 Bernoulli draws: one standard deviation is 0.0024.
-  EXPECT_NEAR(fraction, kRate, 0.015);
-  EXPECT_LT(RelativeError(kept_gpu, kept_ref), Tolerance(DType::kBF16)) << "kept probabilities";
-  EXPECT_LT(RelativeError(::te::testing::ToDoubles(dv), dv_ref), Tolerance(DType::kBF16))
+  EXPECT_NEAR(probe.fraction, kRate, 0.015);
+  EXPECT_LT(RelativeError(probe.kept_gpu, probe.kept_ref), Tolerance(DType::kBF16))
+      << "kept probabilities";
+  EXPECT_LT(RelativeError(::te::testing::ToDoubles(dv), probe.dv_ref), Tolerance(DType::kBF16))
       << "dv with the forward's mask";
 }
 
@@ -734,35 +750,12 @@ TEST(GpuAttentionDropoutTest, PackedCudnnDropsTheRateAndBackwardUsesTheSameMask)
   ASSERT_TRUE(gpu.Download(gdqkv, dqkv.data()).ok());
   const std::vector<float> o = ToFloatVector(out), p = ToFloatVector(p_ref);
   const std::vector<float> dy = ToFloatVector(dout);
-  int64_t dropped = 0, total = 0;
-  std::vector<double> kept_gpu, kept_ref;
-  std::vector<double> dv_ref(static_cast<size_t>(n), 0.0);
-  for (int64_t b = 0; b < kB; ++b) {
-    for (int64_t i = 0; i < kS; ++i) {
-      for (int64_t h = 0; h < kH; ++h) {
-        for (int64_t j = 0; j < kS; ++j) {
-          const int64_t at = ((b * kS + i) * kH + h) * kD + j;
-          ++total;
-          if (o[at] == 0.0f) {
-            ++dropped;
-            continue;
-          }
-          kept_gpu.push_back(o[at]);
-          kept_ref.push_back(p[at] / (1.0 - kRate));
-          // dv[b, j, h, :] += P_ij M_ij dout[b, i, h, :], with M from the forward.
-          for (int64_t d = 0; d < kD; ++d) {
-            dv_ref[((b * kS + j) * kH + h) * kD + d] +=
-                p[at] / (1.0 - kRate) * dy[((b * kS + i) * kH + h) * kD + d];
-          }
-        }
-      }
-    }
-  }
-  const double fraction = static_cast<double>(dropped) / static_cast<double>(total);
+  const DropoutProbe probe = ReadDropoutProbe(o, p, dy, kB, kS, kS, kH, kD, kRate);
   // 32768 Bernoulli draws: one standard deviation is 0.0024.
-  EXPECT_NEAR(fraction, kRate, 0.015);
-  EXPECT_LT(RelativeError(kept_gpu, kept_ref), Tolerance(DType::kBF16)) << "kept probabilities";
-  EXPECT_LT(RelativeError(PartOf(::te::testing::ToDoubles(dqkv), 2, rows, row), dv_ref),
+  EXPECT_NEAR(probe.fraction, kRate, 0.015);
+  EXPECT_LT(RelativeError(probe.kept_gpu, probe.kept_ref), Tolerance(DType::kBF16))
+      << "kept probabilities";
+  EXPECT_LT(RelativeError(PartOf(::te::testing::ToDoubles(dqkv), 2, rows, row), probe.dv_ref),
             Tolerance(DType::kBF16))
       << "dv (dqkv part 2) with the forward's mask";
 }
