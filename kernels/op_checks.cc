@@ -356,61 +356,30 @@ absl::Status RequireLikeOut(const char* name, const Tensor& t, const Tensor& out
   return absl::OkStatus();
 }
 
-absl::Status CheckGemmEpilogue(const Ops::GemmArgs& args, const Tensor& out,
-                               const GemmDims& dims) {
-  const bool activation = args.epilogue != Ops::GemmEpilogue::kNone;
+absl::Status CheckGemmEpilogue(const Ops::GemmArgs& args, const Tensor& out) {
+  const bool gelu = args.epilogue == Ops::GemmEpilogue::kGeluAux;
   if (args.residual.defined()) {
     RETURN_IF_ERROR(RequireLikeOut("residual", args.residual, out));
-    if (args.accumulate || activation) {
+    if (args.accumulate || gelu) {
       return absl::InvalidArgumentError(
           "Gemm: residual is given with accumulate or an activation epilogue; it is a plain "
           "residual add after the projection");
     }
   }
-  if (activation && args.accumulate) {
-    return absl::InvalidArgumentError("Gemm: a fused epilogue excludes accumulate");
-  }
-  if (!activation) {
-    if (args.aux.defined() || args.bias_grad.defined()) {
-      return absl::InvalidArgumentError(
-          "Gemm: aux and bias_grad belong to an activation epilogue; epilogue is kNone");
+  if (!gelu) {
+    if (args.aux.defined()) {
+      return absl::InvalidArgumentError("Gemm: aux belongs to the kGeluAux epilogue");
     }
     return absl::OkStatus();
   }
-  if (args.epilogue == Ops::GemmEpilogue::kBgradB) {
-    if (args.transpose_b || IsFloat8(args.b.dtype()) || args.bias.data() != nullptr ||
-        args.aux.defined()) {
-      return absl::InvalidArgumentError(
-          "Gemm: kBgradB sums a float b [K, N] that is not transposed, with no bias or aux");
-    }
-    if (!args.bias_grad.defined()) {
-      return absl::InvalidArgumentError("Gemm: kBgradB needs bias_grad [N]");
-    }
-    RETURN_IF_ERROR(RequireFloat("Gemm", "bias_grad", &args.bias_grad));
-    return RequireShape("Gemm", "bias_grad", args.bias_grad, {dims.n},
-                        absl::StrCat("[N=", dims.n, "]"));
+  if (args.accumulate) {
+    return absl::InvalidArgumentError("Gemm: the kGeluAux epilogue excludes accumulate");
   }
   if (!args.aux.defined()) {
     return absl::InvalidArgumentError(
-        "Gemm: the activation epilogue needs aux (the [M, N] pre-activation)");
+        "Gemm: the kGeluAux epilogue needs aux (the [M, N] pre-activation)");
   }
-  RETURN_IF_ERROR(RequireLikeOut("aux", args.aux, out));
-  if (args.epilogue == Ops::GemmEpilogue::kGeluAux) {
-    if (args.bias_grad.defined()) {
-      return absl::InvalidArgumentError("Gemm: bias_grad is for kDGeluBgrad, not kGeluAux");
-    }
-    return absl::OkStatus();
-  }
-  if (args.bias.data() != nullptr) {
-    return absl::InvalidArgumentError(
-        "Gemm: kDGeluBgrad takes no bias (it computes the bias gradient)");
-  }
-  if (args.bias_grad.defined()) {
-    RETURN_IF_ERROR(RequireFloat("Gemm", "bias_grad", &args.bias_grad));
-    RETURN_IF_ERROR(RequireShape("Gemm", "bias_grad", args.bias_grad, {dims.n},
-                                 absl::StrCat("[N=", dims.n, "]")));
-  }
-  return absl::OkStatus();
+  return RequireLikeOut("aux", args.aux, out);
 }
 
 }  // namespace
@@ -448,7 +417,7 @@ absl::StatusOr<GemmDims> CheckGemmArgs(const Ops::GemmArgs& args, const Tensor* 
           "on the first GEMM that writes out");
     }
   }
-  RETURN_IF_ERROR(CheckGemmEpilogue(args, *out, dims));
+  RETURN_IF_ERROR(CheckGemmEpilogue(args, *out));
   return dims;
 }
 

@@ -207,16 +207,11 @@ class Ops {
   //     accumulate, nor with an activation epilogue.
   //   kGeluAux:   aux [M, N] (out's dtype) = p, the pre-activation that the
   //               backward needs; out = gelu(p).
-  //   kDGeluBgrad: out = p * gelu'(aux), aux being kGeluAux's; bias must be
-  //               undefined; bias_grad [N] (if defined, any float dtype) =
-  //               the column sums of out (float32 accumulation): the
-  //               gradient of the GELU's input and of the bias before it.
-  //   kBgradB:    bias_grad [N] = the sums of b [K, N] over K (b not
-  //               transposed, float): in a wgrad GEMM (x^T @ dy), the bias
-  //               gradient of the layer whose output gradient is b. No bias,
-  //               residual or accumulate.
-  // gelu is ops.h's tanh approximation, as cuBLASLt's.
-  enum class GemmEpilogue { kNone, kGeluAux, kDGeluBgrad, kBgradB };
+  // gelu is ops.h's tanh approximation, as cuBLASLt's. (cuBLASLt's backward
+  // epilogues, DGELU_BGRAD and BGRADA, were tried and left out: on the H200
+  // each ran as a separate reduction pass, slower than ActivationBackward and
+  // SumRows; bench/results/2026-11-30-h200-session3.md.)
+  enum class GemmEpilogue { kNone, kGeluAux };
   struct GemmArgs {
     Tensor a;
     bool transpose_a = false;
@@ -229,7 +224,6 @@ class Ops {
     Tensor residual;
     GemmEpilogue epilogue = GemmEpilogue::kNone;
     Tensor aux;
-    Tensor bias_grad;
   };
   virtual absl::Status Gemm(const GemmArgs& args, Tensor* out) = 0;
 

@@ -418,12 +418,7 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
   else result.noalias() = a * b;
 
   const bool has_residual = args.residual.defined();
-  std::vector<float> column_sums(args.bias_grad.defined() ? n : 0, 0.0f);
-  if (args.epilogue == GemmEpilogue::kBgradB) {  // b [K, N]: its column sums
-    for (int64_t p = 0; p < dims.k; ++p) {
-      for (int64_t j = 0; j < n; ++j) column_sums[j] += LoadAsFloat(args.b, p * n + j);
-    }
-  }
+  const bool gelu = args.epilogue == GemmEpilogue::kGeluAux;
   Tensor aux = args.aux;  // shares the caller's memory
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
@@ -432,24 +427,12 @@ absl::Status CpuOps::Gemm(const GemmArgs& args, Tensor* out) {
       if (has_bias) v += LoadAsFloat(args.bias, j);
       if (has_residual) v += LoadAsFloat(args.residual, at);
       if (args.accumulate) v += LoadAsFloat(*out, at);
-      switch (args.epilogue) {
-        case GemmEpilogue::kNone: break;
-        case GemmEpilogue::kGeluAux:
-          StoreFromFloat(&aux, at, v);
-          v = ActivationValue(Activation::kGelu, v);
-          break;
-        case GemmEpilogue::kDGeluBgrad:
-          v *= ActivationDerivative(Activation::kGelu, LoadAsFloat(args.aux, at));
-          if (!column_sums.empty()) column_sums[j] += v;
-          break;
-        case GemmEpilogue::kBgradB: break;
+      if (gelu) {
+        StoreFromFloat(&aux, at, v);
+        v = ActivationValue(Activation::kGelu, v);
       }
       StoreFromFloat(out, at, v);
     }
-  }
-  if (args.bias_grad.defined()) {
-    Tensor bias_grad = args.bias_grad;  // shares the caller's memory
-    for (int64_t j = 0; j < n; ++j) StoreFromFloat(&bias_grad, j, column_sums[j]);
   }
   return absl::OkStatus();
 }

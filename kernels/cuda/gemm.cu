@@ -8,10 +8,8 @@
 // (transposed iff transpose_a), m' = N, n' = M, k' = K, and D = out with
 // ld = N. Accumulate is beta = 1 with C = D, a residual beta = 1 with C =
 // residual; bias is CUBLASLT_EPILOGUE_BIAS (a vector along D's rows: our
-// columns, length N). The GELU epilogues are cuBLASLt's GELU_AUX(_BIAS) and
-// DGELU(_BGRAD), the pre-activation stored like D (ld N); the bias gradient
-// is a reduction along D's columns, so length N again, in D's dtype. kBgradB
-// is BGRADA: the sums of cuBLASLt's A (our b) over K, length N too.
+// columns, length N). kGeluAux is cuBLASLt's GELU_AUX(_BIAS), the
+// pre-activation stored like D (ld N).
 //
 // Numerics: f32 operands use CUBLAS_COMPUTE_32F (no TF32: exact float32, as
 // the CPU reference); bf16/f16/FP8 accumulate in f32. FP8 operands pass their
@@ -95,7 +93,7 @@ __device__ __forceinline__ float LoadBias(const void* bias, DType dtype, int64_t
 
 // out [m, n] = round(act(product + bias[col] + residual + (accumulate ? out :
 // 0))), the CPU reference's order; kGeluAux also stores the pre-activation in
-// aux, kDGeluBgrad multiplies by gelu'(aux). product null: a K = 0 GEMM (the
+// aux. product null: a K = 0 GEMM (the
 // product is zero).
 template <typename Format>
 __global__ void EpilogueKernel(const float* __restrict__ product, const void* bias, DType bias_type,
@@ -112,8 +110,6 @@ __global__ void EpilogueKernel(const float* __restrict__ product, const void* bi
     if (activation == Ops::GemmEpilogue::kGeluAux) {
       aux[i] = Format::Store(v);
       v = GeluTanh(v);
-    } else if (activation == Ops::GemmEpilogue::kDGeluBgrad) {
-      v *= GeluTanhDerivative(Format::Load(aux[i]));
     }
     out[i] = Format::Store(v);
   }
@@ -260,9 +256,6 @@ cublasLtEpilogue_t LtEpilogue(const GemmKey& key) {
   switch (key.activation) {
     case Ops::GemmEpilogue::kGeluAux:
       return key.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
-    case Ops::GemmEpilogue::kDGeluBgrad:
-      return key.bias_grad ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
-    case Ops::GemmEpilogue::kBgradB: return CUBLASLT_EPILOGUE_BGRADA;  // our b is its A
     case Ops::GemmEpilogue::kNone: break;
   }
   return key.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
@@ -298,14 +291,13 @@ std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
                                                     &epilogue, sizeof(epilogue)),
                      "epilogue");
   }
-  if (key.bias || key.bias_grad) {
+  if (key.bias) {
     const int32_t bias_type = CudaType(key.bias_type);
     TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                     &bias_type, sizeof(bias_type)),
                      "bias type");
   }
-  if (key.activation == Ops::GemmEpilogue::kGeluAux ||
-      key.activation == Ops::GemmEpilogue::kDGeluBgrad) {
+  if (key.activation == Ops::GemmEpilogue::kGeluAux) {
     // The pre-activation is stored like D: column-major [m, n], ld m.
     const int64_t aux_ld = key.m;
     TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc,
@@ -374,19 +366,18 @@ struct LtCall {
   const void* b = nullptr;  // our a
   void* d = nullptr;
   const void* c = nullptr;  // beta = 1: the residual, or d
-  const void* bias = nullptr;  // or the bias gradient, written (BGRAD)
+  const void* bias = nullptr;
   void* aux = nullptr;
   const float* a_scale = nullptr;  // FP8: our b_scale_inv
   const float* b_scale = nullptr;  // FP8: our a_scale_inv
 };
 
 absl::Status RunPlan(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace) {
-  if (call.key.bias || call.key.bias_grad) {
+  if (call.key.bias) {
     CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias, sizeof(call.bias)));
   }
-  if (call.key.activation == Ops::GemmEpilogue::kGeluAux ||
-      call.key.activation == Ops::GemmEpilogue::kDGeluBgrad) {
+  if (call.key.activation == Ops::GemmEpilogue::kGeluAux) {
     CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &call.aux, sizeof(call.aux)));
   }
@@ -422,20 +413,11 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   const int64_t m = dims.m, n = dims.n, k = dims.k;
   const bool fp8 = IsFloat8(args.a.dtype());
   const bool has_bias = args.bias.data() != nullptr;
-  if (m == 0 || n == 0) {
-    Tensor bias_grad = args.bias_grad;
-    if (!bias_grad.defined()) return absl::OkStatus();
-    if (args.epilogue == GemmEpilogue::kBgradB) return SumRows(args.b, &bias_grad);
-    return Fill(0.0f, &bias_grad);  // no rows: a zero gradient
-  }
-  // The epilogue as a separate kernel after an f32 product, and the bias
-  // gradient as column sums of the result: routes 2 and 3, and K = 0.
-  auto finish = [&](const float* product) -> absl::Status {
-    RETURN_IF_ERROR(EpilogueOnly(product, args, out, m, n, stream()));
-    if (!args.bias_grad.defined()) return absl::OkStatus();
-    Tensor bias_grad = args.bias_grad;  // shares the caller's memory
-    // kBgradB sums b [K, N]; kDGeluBgrad the result.
-    return SumRows(args.epilogue == GemmEpilogue::kBgradB ? args.b : *out, &bias_grad);
+  if (m == 0 || n == 0) return absl::OkStatus();
+  // The epilogue as a separate kernel after an f32 product: routes 2 and 3,
+  // and K = 0.
+  auto finish = [&](const float* product) {
+    return EpilogueOnly(product, args, out, m, n, stream());
   };
   if (k == 0) return finish(nullptr);
 
@@ -490,39 +472,26 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
     // cuBLASLt's GELU is an approximation: it left 1.1e-4 relative error in an
     // f32 layer's gradient on the H200, well under 16-bit rounding but over
     // f32's tolerance. f32 outputs take the fallback kernel's tanhf.
-    const bool gelu = args.epilogue == GemmEpilogue::kGeluAux ||
-                      args.epilogue == GemmEpilogue::kDGeluBgrad;
+    const bool gelu = args.epilogue == GemmEpilogue::kGeluAux;
     const bool native_gelu = !gelu || DTypeSize(out->dtype()) == 2;
     if (NativeOutput(operand, out->dtype()) && native_bias && native_aux && native_gelu) {
       call.key.d_type = out->dtype();
       call.key.accumulate = args.accumulate || args.residual.defined();
       call.key.bias = has_bias;
       call.key.activation = args.epilogue;
-      call.key.bias_grad = args.bias_grad.defined();
-      // The bias gradient comes in D's dtype (cuBLASLt's), cast if asked otherwise.
-      call.key.bias_type =
-          has_bias ? args.bias.dtype() : call.key.bias_grad ? out->dtype() : DType::kF32;
+      call.key.bias_type = has_bias ? args.bias.dtype() : DType::kF32;
       call.key.align_d = AlignmentOf(out->data());
       if (args.residual.defined()) {
         call.key.align_d = std::min(call.key.align_d, AlignmentOf(args.residual.data()));
       }
       std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
       if (plan->status.ok()) {
-        Tensor bias_grad = args.bias_grad;
-        if (call.key.bias_grad && bias_grad.dtype() != out->dtype()) {
-          ASSIGN_OR_RETURN(bias_grad, Allocate(out->dtype(), {n}));
-        }
         ASSIGN_OR_RETURN(char* workspace, prepare(0));
         call.d = out->data();
         call.c = args.residual.defined() ? args.residual.data() : nullptr;
-        call.bias = has_bias ? args.bias.data() : call.key.bias_grad ? bias_grad.data() : nullptr;
+        call.bias = has_bias ? args.bias.data() : nullptr;
         call.aux = args.aux.data();
-        RETURN_IF_ERROR(RunPlan(this, plan.get(), call, workspace));
-        if (call.key.bias_grad && bias_grad.data() != args.bias_grad.data()) {
-          Tensor asked = args.bias_grad;
-          return Cast(bias_grad, &asked);
-        }
-        return absl::OkStatus();
+        return RunPlan(this, plan.get(), call, workspace);
       }
     }
     call.key.d_type = DType::kF32;
@@ -530,7 +499,6 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
     call.key.bias = false;
     call.key.bias_type = DType::kF32;
     call.key.activation = GemmEpilogue::kNone;
-    call.key.bias_grad = false;
     call.key.align_d = 256;
     std::shared_ptr<GemmPlan> plan = Plan(this, call.key);
     if (plan->status.ok()) {

@@ -12,10 +12,7 @@ std::string GemmKey::DebugString() const {
                       transpose_a ? "^T" : "", " B=", DTypeName(b_type), transpose_b ? "^T" : "",
                       " D=", DTypeName(d_type), accumulate ? " beta=1" : "",
                       bias ? absl::StrCat(" bias=", DTypeName(bias_type)) : "",
-                      activation == Ops::GemmEpilogue::kGeluAux      ? " gelu_aux"
-                      : activation == Ops::GemmEpilogue::kDGeluBgrad ? " dgelu"
-                                                                     : "",
-                      bias_grad ? absl::StrCat(" bgrad=", DTypeName(bias_type)) : "");
+                      activation == Ops::GemmEpilogue::kGeluAux ? " gelu_aux" : "");
 }
 
 GemmPlan::~GemmPlan() {

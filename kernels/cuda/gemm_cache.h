@@ -37,17 +37,14 @@ struct GemmKey {
   bool accumulate = false;  // beta = 1; C = D, or the residual
   bool bias = false;        // CUBLASLT_EPILOGUE_BIAS (or GELU_AUX_BIAS)
   DType bias_type = DType::kF32;
-  // GELU_AUX(_BIAS) or DGELU(_BGRAD); bias_grad: the BGRAD variant, writing
-  // the bias gradient in bias_type.
-  Ops::GemmEpilogue activation = Ops::GemmEpilogue::kNone;
-  bool bias_grad = false;
+  Ops::GemmEpilogue activation = Ops::GemmEpilogue::kNone;  // GELU_AUX(_BIAS)
   // Pointer alignments in bytes (capped at 256): the heuristic picks kernels
   // that need no more than these.
   int align_a = 256, align_b = 256, align_d = 256;
 
   auto Tie() const {
     return std::tie(m, n, k, a_type, b_type, d_type, transpose_a, transpose_b, accumulate, bias,
-                    bias_type, activation, bias_grad, align_a, align_b, align_d);
+                    bias_type, activation, align_a, align_b, align_d);
   }
   bool operator<(const GemmKey& o) const { return Tie() < o.Tie(); }
   std::string DebugString() const;
