@@ -102,19 +102,27 @@ __global__ void TransposeKernel(const T* x, T* y, int64_t rows, int64_t cols) {
   }
 }
 
-// SumRows, pass 1: block (column tile, row split) sums its rows of one column
-// per thread into partial[split, col]. Threads of a warp read neighbouring
-// columns (coalesced); no two threads write one address, so no atomics.
-template <typename In>
+// SumRows, pass 1: block (column tile, row split) sums its rows of N
+// neighbouring columns per thread (one N-element access per row: N = kVec
+// where cols and x allow, else 1) into partial[split, col]. Threads of a warp
+// read neighbouring columns (coalesced); no two threads write one address, so
+// no atomics.
+template <typename In, int N>
 __global__ void SumRowsPartialKernel(const typename In::Storage* x, float* partial, int64_t rows,
                                      int64_t cols, int64_t rows_per_split) {
-  const int64_t col = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  using P = Pack<typename In::Storage, N>;
+  const int64_t col = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * N;
   if (col >= cols) return;
   const int64_t begin = blockIdx.y * rows_per_split;
   const int64_t end = min(rows, begin + rows_per_split);
-  float sum = 0.0f;
-  for (int64_t r = begin; r < end; ++r) sum += In::Load(x[r * cols + col]);
-  partial[blockIdx.y * cols + col] = sum;
+  float sum[N] = {};
+  for (int64_t r = begin; r < end; ++r) {
+    const P p = *reinterpret_cast<const P*>(x + r * cols + col);
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum[j] += In::Load(p.v[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) partial[blockIdx.y * cols + col + j] = sum[j];
 }
 
 // Pass 2: y[col] = sum over splits, in split order (deterministic).
@@ -401,7 +409,10 @@ absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
   RETURN_IF_ERROR(Enter());
   // Enough (column tile x row split) blocks to fill the GPU; each split sums
   // at least 16 rows so pass 2 stays small.
-  const int64_t col_tiles = (cols + kThreads - 1) / kThreads;
+  const bool vec = cols % kVec == 0 && reinterpret_cast<uintptr_t>(x.data()) %
+                                           (kVec * DTypeSize(x.dtype())) == 0;
+  const int64_t per_thread = vec ? kVec : 1;
+  const int64_t col_tiles = (cols + kThreads * per_thread - 1) / (kThreads * per_thread);
   int64_t splits = std::max<int64_t>(1, 4 * 132 / col_tiles);
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, rows / 16));
   splits = std::min<int64_t>(splits, 65535);
@@ -410,13 +421,14 @@ absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
   ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {splits, cols}));
   DispatchFloat(x.dtype(), [&](auto in) {
     using In = decltype(in);
-    SumRowsPartialKernel<In><<<dim3(col_tiles, splits), kThreads, 0, stream()>>>(
+    auto kernel = vec ? SumRowsPartialKernel<In, kVec> : SumRowsPartialKernel<In, 1>;
+    kernel<<<dim3(col_tiles, splits), kThreads, 0, stream()>>>(
         static_cast<const typename In::Storage*>(x.data()), partial.data_as<float>(), rows,
         cols, rows_per_split);
   });
   DispatchFloat(y->dtype(), [&](auto out) {
     using Out = decltype(out);
-    SumRowsFinalKernel<Out><<<col_tiles, kThreads, 0, stream()>>>(
+    SumRowsFinalKernel<Out><<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream()>>>(
         partial.data_as<const float>(), static_cast<typename Out::Storage*>(y->data()), splits,
         cols);
   });

@@ -295,6 +295,19 @@ TEST_P(ElementwiseTest, CastAxpbyFillCopy) {
   ExpectMatches(copy, "Copy");
 }
 
+// SumRows reads kVec columns per access where it can; a view one element in
+// (misaligned) must take the single-element path and give the same sums.
+TEST_F(GpuTest, SumRowsOfAMisalignedView) {
+  const int64_t rows = 64, cols = 200;
+  const Pair flat = Random(DType::kBF16, {1 + rows * cols}, 9);
+  const Tensor x_cpu = flat.cpu.Slice0(1, 1 + rows * cols).Reshaped({rows, cols});
+  const Tensor x_gpu = flat.gpu.Slice0(1, 1 + rows * cols).Reshaped({rows, cols});
+  Pair y = Output(DType::kF32, {cols});
+  ASSERT_TRUE(cpu_->SumRows(x_cpu, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->SumRows(x_gpu, &y.gpu).ok());
+  ExpectMatches(y, "SumRows of a misaligned view");
+}
+
 TEST_P(ElementwiseTest, SumRowsAndAmax) {
   const auto [dtype, shape] = GetParam();
   const Pair x = Random(dtype, shape, 3);
