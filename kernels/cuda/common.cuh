@@ -178,6 +178,69 @@ __device__ __forceinline__ void AtomicMaxAbsBits(float* amax, unsigned bits) {
   atomicMax(reinterpret_cast<unsigned*>(amax), bits);
 }
 
+// ---- column sums of partial rows -------------------------------------------------
+// out[c] = sum over parts of partial[part, c] (f32 [parts, cols]): the last
+// pass of each deterministic column reduction (SumRows, cast-transpose-dbias,
+// the norms' dgamma / dbeta). Group k of 8 sums parts k, k + 8, ... (many
+// loads in flight), then the groups are added in order: no atomics, the same
+// result on every run.
+constexpr int kColumnSumColumns = 32, kColumnSumGroups = 8;
+template <typename Out>
+__global__ void PartialColumnSumsKernel(const float* partial, int64_t parts, int64_t cols,
+                                        typename Out::Storage* out) {
+  __shared__ float group_sums[kColumnSumGroups][kColumnSumColumns + 1];
+  const int64_t c = blockIdx.x * int64_t(kColumnSumColumns) + threadIdx.x;
+  float sum = 0.0f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t part = threadIdx.y; part < parts; part += kColumnSumGroups) {
+      sum += partial[part * cols + c];
+    }
+  }
+  group_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  sum = 0.0f;
+  for (int k = 0; k < kColumnSumGroups; ++k) sum += group_sums[k][threadIdx.x];
+  out[c] = Out::Store(sum);
+}
+
+// Launches PartialColumnSumsKernel writing `out` (float dtype `dtype`, [cols]).
+inline void LaunchPartialColumnSums(const float* partial, int64_t parts, int64_t cols,
+                                    DType dtype, void* out, cudaStream_t stream) {
+  DispatchFloat(dtype, [&](auto format) {
+    using Out = decltype(format);
+    PartialColumnSumsKernel<Out>
+        <<<static_cast<unsigned>((cols + kColumnSumColumns - 1) / kColumnSumColumns),
+           dim3(kColumnSumColumns, kColumnSumGroups), 0, stream>>>(
+            partial, parts, cols, static_cast<typename Out::Storage*>(out));
+  });
+}
+
+// ---- byte tiles ----------------------------------------------------------------------
+// A 64 x 64 tile of a [rows, cols] byte matrix (FP8 codes), at (row0, col0),
+// held in shared memory as tile[r][c] (4 bytes of padding per row against
+// bank conflicts), written transposed into out [cols, rows] as 4-byte words
+// of 4 consecutive rows of one column: coalesced stores, 4x the bandwidth of
+// single bytes. 256 threads as 16 x 16 (tx, ty); rows and cols multiples of 4.
+using ByteTile = uint8_t[64][64 + 4];
+__device__ __forceinline__ void StoreTileTransposed(const ByteTile& tile, uint8_t* out,
+                                                    int64_t rows, int64_t cols, int64_t row0,
+                                                    int64_t col0, int tx, int ty) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = ty + 16 * i;
+    const int64_t r = row0 + tx * 4;
+    if (col0 + c < cols && r < rows) {
+      const uint32_t word = static_cast<uint32_t>(tile[tx * 4 + 0][c]) |
+                            static_cast<uint32_t>(tile[tx * 4 + 1][c]) << 8 |
+                            static_cast<uint32_t>(tile[tx * 4 + 2][c]) << 16 |
+                            static_cast<uint32_t>(tile[tx * 4 + 3][c]) << 24;
+      *reinterpret_cast<uint32_t*>(out + (col0 + c) * rows + r) = word;
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace te
 

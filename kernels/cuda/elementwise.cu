@@ -125,17 +125,6 @@ __global__ void SumRowsPartialKernel(const typename In::Storage* x, float* parti
   for (int j = 0; j < N; ++j) partial[blockIdx.y * cols + col + j] = sum[j];
 }
 
-// Pass 2: y[col] = sum over splits, in split order (deterministic).
-template <typename Out>
-__global__ void SumRowsFinalKernel(const float* partial, typename Out::Storage* y, int64_t splits,
-                                   int64_t cols) {
-  const int64_t col = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (col >= cols) return;
-  float sum = 0.0f;
-  for (int64_t s = 0; s < splits; ++s) sum += partial[s * cols + col];
-  y[col] = Out::Store(sum);
-}
-
 // Dot, pass 1: each block's share of sum a[i] * b[i] (grid-stride, kVec
 // elements per access where aligned) into partial[blockIdx.x].
 template <typename In>
@@ -426,12 +415,8 @@ absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
         static_cast<const typename In::Storage*>(x.data()), partial.data_as<float>(), rows,
         cols, rows_per_split);
   });
-  DispatchFloat(y->dtype(), [&](auto out) {
-    using Out = decltype(out);
-    SumRowsFinalKernel<Out><<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream()>>>(
-        partial.data_as<const float>(), static_cast<typename Out::Storage*>(y->data()), splits,
-        cols);
-  });
+  LaunchPartialColumnSums(partial.data_as<const float>(), splits, cols, y->dtype(), y->data(),
+                          stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

@@ -204,7 +204,7 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
 // With `column_partial` ([gridDim.y, cols] f32) the tile also sums its rows
 // of x per column (float32, in a fixed order: each thread its 4 rows, then
 // the 16 threads of a column in order) into column_partial[blockIdx.y]: the
-// dbias of cast-transpose-dbias, finished by ColumnSumsKernel.
+// dbias of cast-transpose-dbias, finished by PartialColumnSumsKernel.
 template <typename In, typename Out>
 __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__ x,
                                         uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
@@ -212,7 +212,7 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
                                         float* __restrict__ column_partial, int64_t rows,
                                         int64_t cols) {
   using InPack = Pack<typename In::Storage, 4>;
-  __shared__ uint8_t tile[64][64 + 4];
+  __shared__ ByteTile tile;
   __shared__ float tile_column_sums[16][64 + 1];
   __shared__ unsigned scratch[32];
   const float s = *scale;
@@ -245,18 +245,7 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
     for (int j = 0; j < 4; ++j) tile_column_sums[ty][tx * 4 + j] = column_sum[j];
   }
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = ty + 16 * i;
-    const int64_t r = row0 + tx * 4;
-    if (col0 + c < cols && r < rows) {
-      const uint32_t word = static_cast<uint32_t>(tile[tx * 4 + 0][c]) |
-                            static_cast<uint32_t>(tile[tx * 4 + 1][c]) << 8 |
-                            static_cast<uint32_t>(tile[tx * 4 + 2][c]) << 16 |
-                            static_cast<uint32_t>(tile[tx * 4 + 3][c]) << 24;
-      *reinterpret_cast<uint32_t*>(y_t + (col0 + c) * rows + r) = word;
-    }
-  }
+  StoreTileTransposed(tile, y_t, rows, cols, row0, col0, tx, ty);
   // tile_column_sums was complete at the barrier above.
   if (column_partial != nullptr && threadIdx.x < 64 && col0 + threadIdx.x < cols) {
     float sum = 0.0f;
@@ -269,30 +258,6 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
     AtomicMaxAbsBits(amax, local);
     if (blockIdx.x == 0 && blockIdx.y == 0) *scale_inv = 1.0f / s;
   }
-}
-
-// out[c] = sum over parts of partial[part, c], in part order within each of
-// 8 groups (group k: parts k, k + 8, ...), then the groups in order:
-// deterministic. Block: 32 columns x 8 groups.
-constexpr int kColumnSumColumns = 32, kColumnSumGroups = 8;
-template <typename Out>
-__global__ void ColumnSumsKernel(const float* partial, int64_t parts, int64_t cols,
-                                 typename Out::Storage* out) {
-  __shared__ float group_sums[kColumnSumGroups][kColumnSumColumns + 1];
-  const int64_t c = blockIdx.x * int64_t(kColumnSumColumns) + threadIdx.x;
-  float sum = 0.0f;
-  if (c < cols) {
-#pragma unroll 4
-    for (int64_t part = threadIdx.y; part < parts; part += kColumnSumGroups) {
-      sum += partial[part * cols + c];
-    }
-  }
-  group_sums[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= cols) return;
-  sum = 0.0f;
-  for (int k = 0; k < kColumnSumGroups; ++k) sum += group_sums[k][threadIdx.x];
-  out[c] = Out::Store(sum);
 }
 
 // Whether QuantizeTransposeKernel takes x [rows, cols]: 4-element words on
@@ -373,13 +338,8 @@ absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& f
   const int64_t row_tiles = (rows + 63) / 64;
   ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {row_tiles, cols}));
   RETURN_IF_ERROR(LaunchQuantizeTranspose(x, fp8, y, y_t, partial.data_as<float>(), stream()));
-  const auto blocks = static_cast<unsigned>((cols + kColumnSumColumns - 1) / kColumnSumColumns);
-  DispatchFloat(dbias->dtype(), [&](auto out) {
-    using Out = decltype(out);
-    ColumnSumsKernel<Out><<<blocks, dim3(kColumnSumColumns, kColumnSumGroups), 0, stream()>>>(
-        partial.data_as<const float>(), row_tiles, cols,
-        static_cast<typename Out::Storage*>(dbias->data()));
-  });
+  LaunchPartialColumnSums(partial.data_as<const float>(), row_tiles, cols, dbias->dtype(),
+                          dbias->data(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

@@ -121,7 +121,7 @@ __global__ void EpilogueKernel(const float* __restrict__ product, const void* bi
 // About 4x the bandwidth of the byte-wise kernel.
 __global__ void TransposeBytes4Kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out,
                                       int64_t rows, int64_t cols) {
-  __shared__ uint8_t tile[64][64 + 4];
+  __shared__ ByteTile tile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
   const int tx = threadIdx.x, ty = threadIdx.y;  // 16 x 16
@@ -138,18 +138,7 @@ __global__ void TransposeBytes4Kernel(const uint8_t* __restrict__ in, uint8_t* _
     }
   }
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = ty + 16 * i;
-    const int64_t r = row0 + tx * 4;
-    if (col0 + c < cols && r < rows) {
-      const uint32_t word = static_cast<uint32_t>(tile[tx * 4 + 0][c]) |
-                            static_cast<uint32_t>(tile[tx * 4 + 1][c]) << 8 |
-                            static_cast<uint32_t>(tile[tx * 4 + 2][c]) << 16 |
-                            static_cast<uint32_t>(tile[tx * 4 + 3][c]) << 24;
-      *reinterpret_cast<uint32_t*>(out + (col0 + c) * rows + r) = word;
-    }
-  }
+  StoreTileTransposed(tile, out, rows, cols, row0, col0, tx, ty);
 }
 
 absl::Status Transpose(const void* in, DType dtype, void* out, int64_t rows, int64_t cols,

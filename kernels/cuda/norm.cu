@@ -692,39 +692,6 @@ __global__ void NormBackwardKernel(const typename In::Storage* dy, const typenam
   }
 }
 
-// dgamma[c] = sum over blocks of partial[b, c]; dbeta likewise from the second
-// half. Block (32 columns x 8 row groups): group k sums blocks k, k + 8, ...
-// (many independent loads in flight), then the 8 group sums are added in
-// group order: deterministic.
-constexpr int kParamGradColumns = 32, kParamGradGroups = 8;
-template <typename Out>
-__global__ void NormParamGradKernel(const float* partial, int blocks, int64_t cols,
-                                    typename Out::Storage* dgamma, typename Out::Storage* dbeta) {
-  __shared__ float group_dg[kParamGradGroups][kParamGradColumns + 1];
-  __shared__ float group_db[kParamGradGroups][kParamGradColumns + 1];
-  const int64_t c = blockIdx.x * int64_t(kParamGradColumns) + threadIdx.x;
-  float dg = 0.0f, db = 0.0f;
-  if (c < cols) {
-#pragma unroll 4
-    for (int b = threadIdx.y; b < blocks; b += kParamGradGroups) {
-      dg += partial[b * cols + c];
-      db += partial[(blocks + b) * cols + c];
-    }
-  }
-  group_dg[threadIdx.y][threadIdx.x] = dg;
-  group_db[threadIdx.y][threadIdx.x] = db;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= cols) return;
-  dg = 0.0f;
-  db = 0.0f;
-  for (int k = 0; k < kParamGradGroups; ++k) {
-    dg += group_dg[k][threadIdx.x];
-    db += group_db[k][threadIdx.x];
-  }
-  dgamma[c] = Out::Store(dg);
-  if (dbeta != nullptr) dbeta[c] = Out::Store(db);
-}
-
 int RowThreads(int64_t cols) { return cols >= 1024 ? 256 : 128; }
 
 // ---- host helpers -------------------------------------------------------------------
@@ -1040,15 +1007,13 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
   });
   RETURN_IF_ERROR(status);
   CUDA_RETURN_IF_LAUNCH_ERROR();
-  DispatchFloat(dgamma->dtype(), [&](auto out) {
-    using Out = decltype(out);
-    NormParamGradKernel<Out>
-        <<<(cols + kParamGradColumns - 1) / kParamGradColumns,
-           dim3(kParamGradColumns, kParamGradGroups), 0, stream()>>>(
-        partial.data_as<const float>(), static_cast<int>(blocks), cols,
-        static_cast<typename Out::Storage*>(dgamma->data()),
-        layernorm ? static_cast<typename Out::Storage*>(dbeta->data()) : nullptr);
-  });
+  // dgamma from the first `blocks` partial rows, dbeta from the next.
+  LaunchPartialColumnSums(partial.data_as<const float>(), blocks, cols, dgamma->dtype(),
+                          dgamma->data(), stream());
+  if (layernorm) {
+    LaunchPartialColumnSums(partial.data_as<const float>() + blocks * cols, blocks, cols,
+                            dbeta->dtype(), dbeta->data(), stream());
+  }
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
