@@ -198,13 +198,12 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
     // Both layouts: dy enters the dgrad as is and the wgrad transposed; the
     // bias gradient comes from the same pass over dy.
-    const bool sum_here = config_.use_bias && !dbias_done;
-    Tensor dbias1d = sum_here ? dbias.Reshaped({out_}) : Tensor();
+    Tensor dbias1d = config_.use_bias ? dbias.Reshaped({out_}) : Tensor();
     ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
                                                           QuantizerRole::kGrad, dy, GemmSide::kA,
                                                           false, vars,
-                                                          sum_here ? &dbias1d : nullptr));
-    dbias_done = dbias_done || sum_here;
+                                                          config_.use_bias ? &dbias1d : nullptr));
+    dbias_done = config_.use_bias;
     dy_b = dy_a;  // one scale for the whole tensor: the same copy serves as b
     kernel_b = saved.kernel;
     kernel_b.transpose = true;
