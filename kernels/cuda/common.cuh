@@ -15,7 +15,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
 
+#include "absl/status/status.h"
+#include "kernels/cuda/check.h"
 #include "kernels/fp8.h"
 #include "kernels/tensor.h"
 
@@ -239,6 +245,68 @@ __device__ __forceinline__ void StoreTileTransposed(const ByteTile& tile, uint8_
       *reinterpret_cast<uint32_t*>(out + (col0 + c) * rows + r) = word;
     }
   }
+}
+
+// ---- launch configuration, asked once ---------------------------------------------
+// Shared memory per block: above the first, a kernel needs an opt-in; the
+// second is what the kernels here plan for at most (H200: 227 KiB).
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+constexpr size_t kMaxSharedBytes = 200 * 1024;
+// Room left for a kernel's static shared memory (reduction scratch, under
+// 1 KiB) when deciding whether its dynamic bytes need the opt-in: at exactly
+// 48 KiB of dynamic memory a launch failed without it.
+constexpr size_t kStaticSharedReserve = 1024;
+
+// Driver calls about a kernel (its occupancy, its shared-memory opt-in) are
+// host work a hot path should not repeat: each is made once per device,
+// kernel and configuration, and remembered.
+struct KernelLaunchMemo {
+  std::mutex mu;
+  std::map<std::tuple<int, const void*, int, size_t>, int> blocks_per_sm;
+  std::map<std::pair<int, const void*>, size_t> shared_allowed;
+};
+inline KernelLaunchMemo& LaunchMemo() {
+  static KernelLaunchMemo* memo = new KernelLaunchMemo;
+  return *memo;
+}
+
+// Blocks of `kernel` that fit on one SM at once (at least 1).
+template <typename Kernel>
+int ResidentBlocksPerSm(Kernel kernel, int threads, size_t shared_bytes) {
+  int device = 0;
+  (void)cudaGetDevice(&device);
+  const auto key =
+      std::make_tuple(device, reinterpret_cast<const void*>(kernel), threads, shared_bytes);
+  KernelLaunchMemo& memo = LaunchMemo();
+  std::lock_guard<std::mutex> lock(memo.mu);
+  auto it = memo.blocks_per_sm.find(key);
+  if (it != memo.blocks_per_sm.end()) return it->second;
+  int per_sm = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  return memo.blocks_per_sm[key] = per_sm < 1 ? 1 : per_sm;
+}
+
+// Opts `kernel` in to `bytes` of dynamic shared memory where that and its
+// static shared memory may pass the default; `what` names it in errors.
+template <typename Kernel>
+absl::Status AllowSharedBytes(Kernel kernel, size_t bytes, const char* what) {
+  if (bytes + kStaticSharedReserve <= kDefaultSharedBytes) return absl::OkStatus();
+  int device = 0;
+  (void)cudaGetDevice(&device);
+  const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
+  KernelLaunchMemo& memo = LaunchMemo();
+  std::lock_guard<std::mutex> lock(memo.mu);
+  auto it = memo.shared_allowed.find(key);
+  if (it != memo.shared_allowed.end() && it->second >= bytes) return absl::OkStatus();
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(bytes));
+  if (e != cudaSuccess) return CudaErrorToStatus(e, what, __FILE__, __LINE__);
+  memo.shared_allowed[key] = bytes;
+  return absl::OkStatus();
 }
 
 }  // namespace cuda

@@ -400,10 +400,8 @@ absl::Status CudaOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tenso
   }
   RETURN_IF_ERROR(Enter());
   const size_t shared = static_cast<size_t>(length) * sizeof(float);
-  if (shared > 48 * 1024) {
-    CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        DelayedScalingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  }
+  RETURN_IF_ERROR(
+      AllowSharedBytes(DelayedScalingKernel, shared, "cudaFuncSetAttribute(DelayedScalingKernel)"));
   DelayedScalingKernel<<<1, 1024, shared, stream()>>>(
       amax_history->data_as<float>(), static_cast<int>(length), args.fp8_max, args.margin,
       args.most_recent, scale->data_as<float>(), scale_inv->data_as<float>());

@@ -42,7 +42,8 @@ struct GemmCase {
   bool accumulate = false;
 };
 
-class GpuGemmTest : public ::testing::TestWithParam<std::tuple<GemmCase, bool, bool>> {
+// A GPU stream next to the CPU reference; skipped without a GPU.
+class GpuGemmFixture : public ::testing::Test {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
@@ -61,10 +62,19 @@ class GpuGemmTest : public ::testing::TestWithParam<std::tuple<GemmCase, bool, b
     return *t;
   }
 
+  Tensor FromGpu(const Tensor& dev) {
+    Tensor host = ::te::testing::MakeEmpty(cpu_, dev.dtype(), dev.shape());
+    EXPECT_TRUE(gpu_->Download(dev, host.data()).ok());
+    return host;
+  }
+
   std::unique_ptr<Device> device_;
   std::unique_ptr<Ops> gpu_;
   CpuOps cpu_;
 };
+
+class GpuGemmTest : public GpuGemmFixture,
+                    public ::testing::WithParamInterface<std::tuple<GemmCase, bool, bool>> {};
 
 TEST_P(GpuGemmTest, MatchesCpu) {
   const auto& [c, transpose_a, transpose_b] = GetParam();
@@ -158,29 +168,14 @@ struct EpilogueCase {
   int route = 1;
 };
 
-class GpuGemmEpilogueTest : public ::testing::TestWithParam<EpilogueCase> {};
+class GpuGemmEpilogueTest : public GpuGemmFixture,
+                            public ::testing::WithParamInterface<EpilogueCase> {};
 
 TEST_P(GpuGemmEpilogueTest, MatchesCpu) {
   const EpilogueCase& c = GetParam();
-  auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
-  auto ops = (*device)->NewOps(int64_t{4} << 30);
-  ASSERT_TRUE(ops.ok()) << ops.status();
-  auto* gpu = dynamic_cast<cuda::CudaOps*>(ops->get());
+  auto* gpu = dynamic_cast<cuda::CudaOps*>(gpu_.get());
   ASSERT_NE(gpu, nullptr);
-  CpuOps cpu;
-  auto to_gpu = [&](const Tensor& host) {
-    if (!host.defined() || host.data() == nullptr) return Tensor();
-    auto t = gpu->Allocate(host.dtype(), host.shape());
-    EXPECT_TRUE(t.ok()) << t.status();
-    EXPECT_TRUE(gpu->Upload(host.data(), &*t).ok());
-    return *t;
-  };
-  auto download = [&](const Tensor& dev) {
-    Tensor host = ::te::testing::MakeEmpty(cpu, dev.dtype(), dev.shape());
-    EXPECT_TRUE(gpu->Download(dev, host.data()).ok());
-    return host;
-  };
+  CpuOps& cpu = cpu_;
 
   Ops::GemmArgs host;
   host.a = ::te::testing::MakeRandom(cpu, c.operand, {c.m, c.k}, 41);
@@ -196,12 +191,12 @@ TEST_P(GpuGemmEpilogueTest, MatchesCpu) {
   if (gelu) host.aux = ::te::testing::MakeEmpty(cpu, c.out, {c.m, c.n});
 
   Ops::GemmArgs dev = host;
-  dev.a = to_gpu(host.a);
-  dev.b = to_gpu(host.b);
-  dev.a_scale_inv = to_gpu(host.a_scale_inv);
-  dev.b_scale_inv = to_gpu(host.b_scale_inv);
-  dev.bias = to_gpu(host.bias);
-  dev.residual = to_gpu(host.residual);
+  dev.a = ToGpu(host.a);
+  dev.b = ToGpu(host.b);
+  dev.a_scale_inv = ToGpu(host.a_scale_inv);
+  dev.b_scale_inv = ToGpu(host.b_scale_inv);
+  dev.bias = ToGpu(host.bias);
+  dev.residual = ToGpu(host.residual);
   if (gelu) dev.aux = *gpu->Allocate(c.out, {c.m, c.n});
 
   Tensor cpu_out = ::te::testing::MakeEmpty(cpu, c.out, {c.m, c.n});
@@ -211,10 +206,10 @@ TEST_P(GpuGemmEpilogueTest, MatchesCpu) {
   ASSERT_TRUE(s.ok()) << s;
 
   const double tolerance = Tolerance(c.out);
-  EXPECT_LT(RelativeError(download(gpu_out), ::te::testing::ToDoubles(cpu_out)), tolerance)
+  EXPECT_LT(RelativeError(FromGpu(gpu_out), ::te::testing::ToDoubles(cpu_out)), tolerance)
       << "out";
   if (!gelu) return;
-  EXPECT_LT(RelativeError(download(dev.aux), ::te::testing::ToDoubles(host.aux)), tolerance)
+  EXPECT_LT(RelativeError(FromGpu(dev.aux), ::te::testing::ToDoubles(host.aux)), tolerance)
       << "aux (the GELU's input)";
   // Which route ran: cuBLASLt's fused epilogue where the shape suits it.
   bool native = false;

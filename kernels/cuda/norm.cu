@@ -36,10 +36,9 @@ namespace te {
 namespace cuda {
 namespace {
 
-// Shared memory above this needs an opt-in per kernel; above the second limit
-// the backward partials stay in global memory instead.
-constexpr size_t kDefaultSharedBytes = 48 * 1024;
-constexpr size_t kMaxSharedBytes = 200 * 1024;
+// Shared memory limits: common.cuh's kDefaultSharedBytes (above it, an
+// opt-in) and kMaxSharedBytes (above it, the row cache and the backward
+// partials stay in global memory).
 
 // The fast paths' kernels: norm_fast.cuh.
 
@@ -276,27 +275,7 @@ int FastForwardWarps(const Tensor& x, const Tensor& gamma, const Tensor& beta, c
 // Blocks of `kernel` that fit on the GPU at once.
 template <typename Kernel>
 int64_t ResidentBlocks(Kernel kernel, int threads, size_t shared_bytes, int sms) {
-  int per_sm = 1;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();
-    per_sm = 1;
-  }
-  return static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-}
-
-// Opts `kernel` in to `bytes` of dynamic shared memory where that and the
-// kernel's static shared memory (reductions' scratch: under 1 KiB) may pass
-// the default. (At exactly 48 KiB of dynamic memory, 12288 f32 of row cache,
-// the launch failed without the opt-in.)
-constexpr size_t kStaticSharedReserve = 1024;
-template <typename Kernel>
-absl::Status AllowSharedBytes(Kernel kernel, size_t bytes, const char* what) {
-  if (bytes + kStaticSharedReserve <= kDefaultSharedBytes) return absl::OkStatus();
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(bytes));
-  if (e != cudaSuccess) return CudaErrorToStatus(e, what, __FILE__, __LINE__);
-  return absl::OkStatus();
+  return static_cast<int64_t>(ResidentBlocksPerSm(kernel, threads, shared_bytes)) * sms;
 }
 
 // CUDA only: the kernels read beta through gamma's dtype (one dispatch for both).

@@ -141,6 +141,17 @@ class GpuTest : public ::testing::Test {
     return Mirror(cpu);
   }
 
+  // Random, or with `misaligned` a view one element into its allocation, so
+  // no 16-byte vector access fits (the kernels' single-element paths).
+  Pair Input(DType dtype, const Shape& shape, uint32_t seed, bool misaligned, float lo = -2.0f,
+             float hi = 2.0f) {
+    if (!misaligned) return Random(dtype, shape, seed, lo, hi);
+    const int64_t n = NumElements(shape);
+    const Pair flat = Random(dtype, {n + 1}, seed, lo, hi);
+    return Pair{flat.cpu.Slice0(1, n + 1).Reshaped(shape),
+                flat.gpu.Slice0(1, n + 1).Reshaped(shape)};
+  }
+
   Pair Scalar(float value) {
     Tensor cpu = NewCpu(DType::kF32, {1});
     cpu.data_as<float>()[0] = value;
@@ -298,13 +309,10 @@ TEST_P(ElementwiseTest, CastAxpbyFillCopy) {
 // SumRows reads kVec columns per access where it can; a view one element in
 // (misaligned) must take the single-element path and give the same sums.
 TEST_F(GpuTest, SumRowsOfAMisalignedView) {
-  const int64_t rows = 64, cols = 200;
-  const Pair flat = Random(DType::kBF16, {1 + rows * cols}, 9);
-  const Tensor x_cpu = flat.cpu.Slice0(1, 1 + rows * cols).Reshaped({rows, cols});
-  const Tensor x_gpu = flat.gpu.Slice0(1, 1 + rows * cols).Reshaped({rows, cols});
-  Pair y = Output(DType::kF32, {cols});
-  ASSERT_TRUE(cpu_->SumRows(x_cpu, &y.cpu).ok());
-  ASSERT_TRUE(gpu_->SumRows(x_gpu, &y.gpu).ok());
+  const Pair x = Input(DType::kBF16, {64, 200}, 9, /*misaligned=*/true);
+  Pair y = Output(DType::kF32, {200});
+  ASSERT_TRUE(cpu_->SumRows(x.cpu, &y.cpu).ok());
+  ASSERT_TRUE(gpu_->SumRows(x.gpu, &y.gpu).ok());
   ExpectMatches(y, "SumRows of a misaligned view");
 }
 
@@ -698,17 +706,6 @@ std::string NormDTypesName(const NormDTypes& d) {
 using NormPathCase = std::tuple<NormType, NormDTypes, Shape>;
 class NormPathTest : public GpuTest, public ::testing::WithParamInterface<NormPathCase> {
  protected:
-  // A random tensor on both sides; `misaligned`: a view one element into its
-  // allocation, so no vector access fits (the general kernels).
-  Pair Input(DType dtype, const Shape& shape, uint32_t seed, bool misaligned, float lo = -2.0f,
-             float hi = 2.0f) {
-    if (!misaligned) return Random(dtype, shape, seed, lo, hi);
-    const int64_t n = NumElements(shape);
-    const Pair flat = Random(dtype, {n + 1}, seed, lo, hi);
-    return Pair{flat.cpu.Slice0(1, n + 1).Reshaped(shape),
-                flat.gpu.Slice0(1, n + 1).Reshaped(shape)};
-  }
-
   // Forward (float y), then backward without and with residual_grad, each
   // against the CPU; both backwards read the CPU's statistics.
   void ExpectForwardAndBackwardMatch(bool misaligned) {
@@ -902,17 +899,6 @@ INSTANTIATE_TEST_SUITE_P(
 using ActCase = std::tuple<std::vector<Activation>, DType, DType, Shape>;
 class ActivationTest : public GpuTest, public ::testing::WithParamInterface<ActCase> {
  protected:
-  // A random tensor on both sides; `misaligned`: a view starting one element
-  // into its allocation, so no 16-byte vector access fits (the scalar path).
-  Pair Input(DType dtype, const Shape& shape, uint32_t seed, bool misaligned, float lo = -2.0f,
-             float hi = 2.0f) {
-    if (!misaligned) return Random(dtype, shape, seed, lo, hi);
-    const int64_t n = NumElements(shape);
-    const Pair flat = Random(dtype, {n + 1}, seed, lo, hi);
-    return Pair{flat.cpu.Slice0(1, n + 1).Reshaped(shape),
-                flat.gpu.Slice0(1, n + 1).Reshaped(shape)};
-  }
-
   // Forward (and, for float outputs, backward) against the CPU reference.
   void ExpectForwardAndBackwardMatch(bool misaligned) {
     const auto [acts, dtype, out_dtype_param, shape] = GetParam();

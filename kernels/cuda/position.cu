@@ -14,9 +14,6 @@ namespace te {
 namespace cuda {
 namespace {
 
-constexpr size_t kDefaultSharedBytes = 48 * 1024;
-constexpr size_t kMaxSharedBytes = 200 * 1024;
-
 // cos / sin of angle(p, i) at [p * half + i]. The angle is computed in double,
 // as on the CPU: near position 10^4 a float angle is off by ~5e-4 radians.
 __global__ void RotaryTableKernel(float* cos_table, float* sin_table, int64_t seq, int64_t half,
@@ -175,11 +172,8 @@ absl::Status CudaOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& bu
                                                  " buckets exceed the GPU kernel's limit of ",
                                                  kMaxSharedBytes / (32 * sizeof(float))));
   }
-  if (shared_bytes > kDefaultSharedBytes) {
-    CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(RelativeBiasPartialKernel,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(shared_bytes)));
-  }
+  RETURN_IF_ERROR(AllowSharedBytes(RelativeBiasPartialKernel, shared_bytes,
+                                   "cudaFuncSetAttribute(RelativeBiasPartialKernel)"));
   // Enough (chunk, head) blocks to fill the GPU; each chunk at least 4K positions.
   int64_t chunks = std::max<int64_t>(1, (2 * 132 + heads - 1) / heads);
   chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, positions / 4096));

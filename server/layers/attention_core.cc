@@ -81,6 +81,12 @@ bool HasBias(const AttentionSaved& saved) {
   return saved.args.bias.defined() && saved.args.bias.numel() > 0;
 }
 
+// The dbias a backward writes (f32, the bias's shape); undefined without a bias.
+absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
+  if (!HasBias(saved)) return Tensor();
+  return ops.Allocate(DType::kF32, saved.args.bias.shape());
+}
+
 }  // namespace
 
 absl::Status ValidateAttentionConfig(const AttentionConfig& config, absl::string_view field) {
@@ -180,14 +186,10 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
   ASSIGN_OR_RETURN(*dq, ops.Allocate(saved.q.dtype(), saved.q.shape()));
   ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
   ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
-  Tensor bias_grad;
-  const bool has_bias = HasBias(saved);
-  if (has_bias) {
-    ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, saved.args.bias.shape()));
-  }
+  ASSIGN_OR_RETURN(Tensor bias_grad, BiasGradFor(ops, saved));
   RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                         saved.softmax_lse, dq, dk, dv,
-                                        has_bias ? &bias_grad : nullptr));
+                                        bias_grad.defined() ? &bias_grad : nullptr));
   if (dbias != nullptr) *dbias = bias_grad;
   return absl::OkStatus();
 }
@@ -239,14 +241,10 @@ absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, cons
   ASSIGN_OR_RETURN(const Tensor grad,
                    PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
   ASSIGN_OR_RETURN(*dqkv, ops.Allocate(saved.qkv.dtype(), saved.qkv.shape()));
-  Tensor bias_grad;
-  const bool has_bias = HasBias(saved);
-  if (has_bias) {
-    ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, saved.args.bias.shape()));
-  }
+  ASSIGN_OR_RETURN(Tensor bias_grad, BiasGradFor(ops, saved));
   RETURN_IF_ERROR(ops.AttentionBackwardPacked(saved.args, saved.qkv, saved.out, grad,
                                               saved.softmax_lse, dqkv,
-                                              has_bias ? &bias_grad : nullptr));
+                                              bias_grad.defined() ? &bias_grad : nullptr));
   if (dbias != nullptr) *dbias = bias_grad;
   return absl::OkStatus();
 }
