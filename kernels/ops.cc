@@ -10,9 +10,15 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   for (int64_t d : shape) {
     if (d < 0) return absl::InvalidArgumentError(absl::StrCat("negative dimension in shape ", ShapeString(shape)));
   }
-  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  const std::optional<int64_t> checked = CheckedNumBytes(shape, dtype);
+  if (!checked) {
+    return absl::ResourceExhaustedError(absl::StrCat("allocating ", ShapeString(shape), " ",
+                                                     DTypeName(dtype), ": over 2^63 bytes"));
+  }
+  const size_t bytes = static_cast<size_t>(*checked);
   if (bytes == 0) return Tensor(nullptr, nullptr, dtype, std::move(shape));
-  if (bytes_in_use_->load() + static_cast<int64_t>(bytes) > memory_limit_) {
+  // Compared as a difference: the sum could overflow for a size near 2^63.
+  if (static_cast<int64_t>(bytes) > memory_limit_ - bytes_in_use_->load()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("allocating ", bytes, " bytes for ", ShapeString(shape), " ", DTypeName(dtype),
                      " would exceed the memory limit of ", memory_limit_, " bytes (",

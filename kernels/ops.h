@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -116,6 +117,18 @@ class Ops {
   int64_t bytes_in_use() const { return bytes_in_use_->load(); }
   int64_t memory_limit() const { return memory_limit_; }
   void set_memory_limit(int64_t bytes) { memory_limit_ = bytes; }
+
+  // ---- interruption -----------------------------------------------------
+  // A check the caller installs for the length of one piece of work (a
+  // server call: "has its client gone, has its deadline passed"). Layers ask
+  // it between their parts (the stages of a composite, attention and MLP), so
+  // long work stops soon after nobody waits for it; the work already issued
+  // finishes on its own. OK while none is installed.
+  using InterruptCheck = std::function<absl::Status()>;
+  void set_interrupt_check(InterruptCheck check) { interrupt_check_ = std::move(check); }
+  absl::Status CheckInterrupt() const {
+    return interrupt_check_ ? interrupt_check_() : absl::OkStatus();
+  }
 
   // Host <-> device copies of dst.nbytes() / src.nbytes() bytes. Download waits
   // for the stream; Upload may return before the copy is done only if `src`
@@ -323,6 +336,7 @@ class Ops {
   // Atomic: a tensor may be freed on another thread than the one that made it.
   std::shared_ptr<std::atomic<int64_t>> bytes_in_use_ = std::make_shared<std::atomic<int64_t>>(0);
   int64_t memory_limit_ = INT64_MAX;
+  InterruptCheck interrupt_check_;
 };
 
 // What a device is and can do, for GetServerInfo.

@@ -41,6 +41,28 @@ int64_t NumElements(const Shape& shape) {
   return n;
 }
 
+std::optional<int64_t> CheckedNumElements(const Shape& shape) {
+  int64_t n = 1;
+  bool overflow = false;
+  for (int64_t d : shape) {
+    if (d < 0) return std::nullopt;
+    // A zero dimension makes the count 0, but an overflow before it still
+    // says the shape is out of range.
+    overflow = overflow || __builtin_mul_overflow(n, d, &n);
+  }
+  if (overflow) return std::nullopt;
+  return n;
+}
+
+std::optional<int64_t> CheckedNumBytes(const Shape& shape, DType dtype) {
+  const std::optional<int64_t> n = CheckedNumElements(shape);
+  int64_t bytes = 0;
+  if (!n || __builtin_mul_overflow(*n, static_cast<int64_t>(DTypeSize(dtype)), &bytes)) {
+    return std::nullopt;
+  }
+  return bytes;
+}
+
 std::string ShapeString(const Shape& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,11 @@ bool IsFloating(DType dtype);  // f32, bf16, f16, e4m3, e5m2
 
 using Shape = std::vector<int64_t>;
 int64_t NumElements(const Shape& shape);
+// The element count and byte size of a shape, or nullopt when a dimension is
+// negative or the count or size does not fit in int64: for shapes that come
+// from requests, before anything is allocated.
+std::optional<int64_t> CheckedNumElements(const Shape& shape);
+std::optional<int64_t> CheckedNumBytes(const Shape& shape, DType dtype);
 std::string ShapeString(const Shape& shape);  // "[4, 2048, 4096]"
 
 class Tensor {

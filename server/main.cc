@@ -58,6 +58,11 @@ ABSL_FLAG(bool, enable_shm, false,
 ABSL_FLAG(int, max_sessions, 64, "sessions held at once");
 ABSL_FLAG(int64_t, session_memory_bytes, int64_t{8} << 30, "device memory per session");
 ABSL_FLAG(int, max_saved_forwards, 16, "forwards a session keeps for their backward");
+ABSL_FLAG(int, max_micro_batches, 256,
+          "micro-batches one ForwardBackward call may carry; beyond, INVALID_ARGUMENT");
+ABSL_FLAG(double, sequence_gap_seconds, 10,
+          "how long a numbered call (SessionRef.sequence) waits for a lower number of its "
+          "session that has not arrived; then ABORTED");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "largest gRPC message, each way");
 ABSL_FLAG(int64_t, max_tensor_bytes, int64_t{1} << 30, "largest tensor in a request");
 ABSL_FLAG(int64_t, session_ttl_seconds, 1800, "idle time after which a session expires");
@@ -90,6 +95,12 @@ absl::Status CheckFlags() {
   }
   if (absl::GetFlag(FLAGS_session_memory_bytes) < 1) {
     return absl::InvalidArgumentError("--session_memory_bytes must be positive");
+  }
+  if (absl::GetFlag(FLAGS_max_micro_batches) < 1) {
+    return absl::InvalidArgumentError("--max_micro_batches must be >= 1");
+  }
+  if (!(absl::GetFlag(FLAGS_sequence_gap_seconds) > 0)) {
+    return absl::InvalidArgumentError("--sequence_gap_seconds must be > 0");
   }
   if (absl::GetFlag(FLAGS_max_saved_forwards) < 0) {
     return absl::InvalidArgumentError("--max_saved_forwards must be >= 0");
@@ -144,6 +155,7 @@ int Run() {
   session::ExecutorOptions executor;
   executor.threads = absl::GetFlag(FLAGS_executor_threads);
   executor.max_queued = absl::GetFlag(FLAGS_executor_queue);
+  executor.sequence_gap = absl::Seconds(absl::GetFlag(FLAGS_sequence_gap_seconds));
   absl::StatusOr<std::unique_ptr<service::DevicePool>> devices =
       service::DevicePool::Open(absl::GetFlag(FLAGS_device), executor);
   if (!devices.ok()) {
@@ -186,15 +198,17 @@ int Run() {
 
   const absl::Duration ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
   session::SessionManagerOptions manager_options;
-  if (checkpoints != nullptr) {
-    // A session that goes (closed, expired, evicted) must not come back at the next start.
-    manager_options.on_removed = [store = checkpoints.get()](const std::string& id) {
-      if (absl::Status removed = store->Remove(id); !removed.ok()) {
-        session::LogForSession(LogLevel::kError, id, "cannot remove its checkpoint",
-                               {{"error", removed.ToString()}});
-      }
-    };
-  }
+  // A session that goes (closed, expired, evicted): its executors forget its
+  // call numbering, and it must not come back at the next start.
+  manager_options.on_removed = [store = checkpoints.get(),
+                                pool = devices->get()](const std::string& id) {
+    for (int i = 0; i < pool->size(); ++i) pool->executor(i).ForgetKey(id);
+    if (store == nullptr) return;
+    if (absl::Status removed = store->Remove(id); !removed.ok()) {
+      session::LogForSession(LogLevel::kError, id, "cannot remove its checkpoint",
+                             {{"error", removed.ToString()}});
+    }
+  };
   manager_options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   manager_options.default_ttl = ttl;
   manager_options.max_ttl = std::max(ttl, absl::Hours(24 * 7));
@@ -203,6 +217,7 @@ int Run() {
   service::ServiceOptions options;
   options.session.session_memory_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
   options.session.max_saved_forwards = absl::GetFlag(FLAGS_max_saved_forwards);
+  options.session.max_micro_batches = absl::GetFlag(FLAGS_max_micro_batches);
   options.session.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
   options.session.enable_shm = absl::GetFlag(FLAGS_enable_shm);

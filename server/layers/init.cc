@@ -88,65 +88,92 @@ std::vector<VariableSpec> SpecsOf(const std::vector<VariableDef>& defs) {
   return specs;
 }
 
+ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initializer& init) {
+  switch (init.kind) {
+    case Initializer::Kind::kZeros:
+      return [](int64_t begin, int64_t end, float* out) { std::fill(out, out + (end - begin), 0.0f); };
+    case Initializer::Kind::kOnes:
+      return [](int64_t begin, int64_t end, float* out) { std::fill(out, out + (end - begin), 1.0f); };
+    case Initializer::Kind::kTruncatedNormal:
+      break;
+  }
+  // As jax.random.truncated_normal: uniform between erf(-2/sqrt2) and
+  // erf(2/sqrt2), mapped through sqrt(2) * erfinv. A chunk splits over
+  // threads: a quickstart layer has 200M values, about 20 s on one core.
+  const uint64_t stream = MixBits(seed ^ MixBits(HashName(name)));
+  const float stddev = init.stddev;
+  return [stream, stddev](int64_t begin, int64_t end, float* out) {
+    const double hi = std::erf(2.0 / std::sqrt(2.0));
+    auto fill = [out, begin, stream, hi, stddev](int64_t from, int64_t to) {
+      for (int64_t i = from; i < to; ++i) {
+        const double u = -hi + 2.0 * hi * Uniform(stream, static_cast<uint64_t>(i));
+        double z = std::sqrt(2.0) * ErfInv(u);
+        z = std::fmin(2.0, std::fmax(-2.0, z));
+        out[i - begin] = static_cast<float>(z * stddev);
+      }
+    };
+    constexpr int64_t kValuesPerThread = 1 << 18;
+    const int64_t n = end - begin;
+    const int64_t threads =
+        std::min<int64_t>(std::max<unsigned>(1, std::thread::hardware_concurrency()),
+                          (n + kValuesPerThread - 1) / kValuesPerThread);
+    if (threads <= 1) {
+      fill(begin, end);
+      return;
+    }
+    std::vector<std::thread> workers;
+    const int64_t per = (n + threads - 1) / threads;
+    for (int64_t t = 1; t < threads; ++t) {
+      workers.emplace_back(fill, begin + std::min(n, t * per), begin + std::min(n, (t + 1) * per));
+    }
+    fill(begin, begin + std::min(n, per));
+    for (std::thread& w : workers) w.join();
+  };
+}
+
 std::vector<float> InitialValues(uint64_t seed, const std::string& name, const Initializer& init,
                                  int64_t n) {
   std::vector<float> values(static_cast<size_t>(n));
-  switch (init.kind) {
-    case Initializer::Kind::kZeros:
-      break;
-    case Initializer::Kind::kOnes:
-      std::fill(values.begin(), values.end(), 1.0f);
-      break;
-    case Initializer::Kind::kTruncatedNormal: {
-      // As jax.random.truncated_normal: uniform between erf(-2/sqrt2) and
-      // erf(2/sqrt2), mapped through sqrt(2) * erfinv. Each value depends on
-      // its index alone, so the work splits over threads: a quickstart layer
-      // has 200M values, about 20 s on one core.
-      const uint64_t stream = MixBits(seed ^ MixBits(HashName(name)));
-      const double hi = std::erf(2.0 / std::sqrt(2.0));
-      const float stddev = init.stddev;
-      auto fill = [&values, stream, hi, stddev](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const double u = -hi + 2.0 * hi * Uniform(stream, static_cast<uint64_t>(i));
-          double z = std::sqrt(2.0) * ErfInv(u);
-          z = std::fmin(2.0, std::fmax(-2.0, z));
-          values[i] = static_cast<float>(z * stddev);
-        }
-      };
-      constexpr int64_t kValuesPerThread = 1 << 18;
-      const int64_t threads = std::min<int64_t>(
-          std::max<unsigned>(1, std::thread::hardware_concurrency()), (n + kValuesPerThread - 1) / kValuesPerThread);
-      if (threads <= 1) {
-        fill(0, n);
-        break;
+  InitialValueFill(seed, name, init)(0, n, values.data());
+  return values;
+}
+
+absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const ValueFill& fill,
+                           Variables* vars) {
+  ASSIGN_OR_RETURN(Tensor variable, ops.Allocate(spec.dtype, spec.shape));
+  const int64_t n = variable.numel();
+  if (n > 0) {
+    const int64_t chunk = std::min(n, kInitChunkElements);
+    std::vector<float> host(static_cast<size_t>(chunk));
+    Tensor staging;  // float32 on the device, for variables of another dtype
+    if (spec.dtype != DType::kF32) {
+      ASSIGN_OR_RETURN(staging, ops.Allocate(DType::kF32, {chunk}));
+    }
+    const Tensor flat = variable.Reshaped({n});
+    for (int64_t begin = 0; begin < n; begin += chunk) {
+      const int64_t end = std::min(n, begin + chunk);
+      fill(begin, end, host.data());
+      Tensor part = flat.Slice0(begin, end);
+      if (spec.dtype == DType::kF32) {
+        // Upload copies from pageable memory before it returns: `host` is free again.
+        RETURN_IF_ERROR(ops.Upload(host.data(), &part));
+        continue;
       }
-      std::vector<std::thread> workers;
-      const int64_t per = (n + threads - 1) / threads;
-      for (int64_t t = 1; t < threads; ++t) {
-        workers.emplace_back(fill, std::min(n, t * per), std::min(n, (t + 1) * per));
-      }
-      fill(0, std::min(n, per));
-      for (std::thread& w : workers) w.join();
-      break;
+      // The stream orders the next chunk's upload after this chunk's cast.
+      Tensor staged = staging.Slice0(0, end - begin);
+      RETURN_IF_ERROR(ops.Upload(host.data(), &staged));
+      RETURN_IF_ERROR(ops.Cast(staged, &part));
     }
   }
-  return values;
+  (*vars)[spec.name] = variable;
+  return absl::OkStatus();
 }
 
 absl::Status InitVariables(Ops& ops, uint64_t seed, const std::vector<VariableDef>& defs,
                            Variables* vars) {
   for (const VariableDef& def : defs) {
-    const std::vector<float> values =
-        InitialValues(seed, def.spec.name, def.init, NumElements(def.spec.shape));
-    ASSIGN_OR_RETURN(Tensor staging, ops.Allocate(DType::kF32, def.spec.shape));
-    RETURN_IF_ERROR(ops.Upload(values.data(), &staging));
-    if (def.spec.dtype == DType::kF32) {
-      (*vars)[def.spec.name] = staging;
-      continue;
-    }
-    ASSIGN_OR_RETURN(Tensor param, ops.Allocate(def.spec.dtype, def.spec.shape));
-    RETURN_IF_ERROR(ops.Cast(staging, &param));
-    (*vars)[def.spec.name] = param;
+    RETURN_IF_ERROR(
+        StoreVariable(ops, def.spec, InitialValueFill(seed, def.spec.name, def.init), vars));
   }
   return absl::OkStatus();
 }

@@ -8,12 +8,15 @@
 //   biases        zeros
 //   norm scale    ones (zeros when zero_centered_gamma)
 //   fp8_metas     scale ones, amax_history zeros
-// Values are drawn on the host in float32 and cast on the device to the
-// variable's dtype.
+// Values are drawn on the host in float32, in chunks of at most
+// kInitChunkElements, and cast on the device to the variable's dtype: the
+// variable is allocated (and so checked against the session's memory limit)
+// before any value is drawn, and host memory stays bounded whatever its size.
 #ifndef TE_SERVER_LAYERS_INIT_H_
 #define TE_SERVER_LAYERS_INIT_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,6 +58,20 @@ std::vector<VariableSpec> SpecsOf(const std::vector<VariableDef>& defs);
 // The float32 values of variable `name` (n elements).
 std::vector<float> InitialValues(uint64_t seed, const std::string& name, const Initializer& init,
                                  int64_t n);
+
+// Writes the float32 values of elements [begin, end) of a variable into `out`
+// (end - begin values). Each value depends on its index alone, so a variable
+// can be filled in any chunks.
+using ValueFill = std::function<void(int64_t begin, int64_t end, float* out)>;
+// The values of InitialValues, chunk by chunk.
+ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initializer& init);
+
+constexpr int64_t kInitChunkElements = int64_t{1} << 20;
+// Allocates variable `spec` (RESOURCE_EXHAUSTED past the memory limit, before
+// any host memory is taken), fills it from `fill` chunk by chunk, and stores it
+// in *vars under spec.name (replacing a same-named one).
+absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const ValueFill& fill,
+                           Variables* vars);
 
 // Creates every variable of `defs` into *vars (replacing same-named ones).
 absl::Status InitVariables(Ops& ops, uint64_t seed, const std::vector<VariableDef>& defs,

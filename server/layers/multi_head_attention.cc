@@ -75,51 +75,45 @@ absl::Status RedrawKernel(Ops& ops, uint64_t seed, const Dense& dense, int64_t p
                           bool scale_first, double query_divisor, Variables* vars) {
   const Shape shape = dense.kernel_shape();
   const int64_t in = shape[0];
-  const int64_t per_part = dense.out() / parts;
-  std::vector<float> values = NormalValues(
-      seed, dense.kernel_name(), 1.0 / std::sqrt(static_cast<double>(in)), NumElements(shape));
-  if (scale_first) {
-    for (int64_t i = 0; i < in; ++i) {
-      for (int64_t c = 0; c < per_part; ++c) {
-        values[static_cast<size_t>(i * dense.out() + c)] /= static_cast<float>(query_divisor);
-      }
+  const int64_t out = dense.out();
+  const int64_t per_part = out / parts;
+  const ValueFill normal =
+      NormalValues(seed, dense.kernel_name(), 1.0 / std::sqrt(static_cast<double>(in)));
+  const float divisor = static_cast<float>(query_divisor);
+  // Element i is row i / out, column i % out; the query part is columns [0, per_part).
+  ValueFill fill = [&](int64_t begin, int64_t end, float* values) {
+    normal(begin, end, values);
+    if (!scale_first) return;
+    for (int64_t i = begin; i < end; ++i) {
+      if (i % out < per_part) values[i - begin] /= divisor;
     }
-  }
-  return StoreVariable(ops, {dense.kernel_name(), shape, dense.config().param_dtype}, values, vars);
+  };
+  return StoreVariable(ops, {dense.kernel_name(), shape, dense.config().param_dtype}, fill, vars);
 }
 
 }  // namespace
 
-std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev, int64_t n) {
+ValueFill NormalValues(uint64_t seed, const std::string& name, double stddev) {
   const uint64_t stream = NameStream(seed, name);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    // Box-Muller on two independent uniforms of this element.
-    const double u1 = Uniform01(stream, 2 * static_cast<uint64_t>(i));
-    const double u2 = Uniform01(stream, 2 * static_cast<uint64_t>(i) + 1);
-    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
-    values[static_cast<size_t>(i)] = static_cast<float>(z * stddev);
-  }
-  return values;
+  return [stream, stddev](int64_t begin, int64_t end, float* values) {
+    for (int64_t i = begin; i < end; ++i) {
+      // Box-Muller on two independent uniforms of this element.
+      const double u1 = Uniform01(stream, 2 * static_cast<uint64_t>(i));
+      const double u2 = Uniform01(stream, 2 * static_cast<uint64_t>(i) + 1);
+      const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+      values[i - begin] = static_cast<float>(z * stddev);
+    }
+  };
 }
 
-std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit, int64_t n) {
+ValueFill UniformValues(uint64_t seed, const std::string& name, double limit) {
   const uint64_t stream = NameStream(seed, name);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    values[static_cast<size_t>(i)] =
-        static_cast<float>((2.0 * Uniform01(stream, static_cast<uint64_t>(i)) - 1.0) * limit);
-  }
-  return values;
-}
-
-absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const std::vector<float>& values,
-                           Variables* vars) {
-  ASSIGN_OR_RETURN(Tensor staging, ops.Allocate(DType::kF32, spec.shape));
-  RETURN_IF_ERROR(ops.Upload(values.data(), &staging));
-  ASSIGN_OR_RETURN(Tensor stored, CastTo(ops, staging, spec.dtype));
-  (*vars)[spec.name] = stored;
-  return absl::OkStatus();
+  return [stream, limit](int64_t begin, int64_t end, float* values) {
+    for (int64_t i = begin; i < end; ++i) {
+      values[i - begin] =
+          static_cast<float>((2.0 * Uniform01(stream, static_cast<uint64_t>(i)) - 1.0) * limit);
+    }
+  };
 }
 
 absl::StatusOr<MhaOptions> MhaOptionsFromSpec(const te::v1::MultiHeadAttention& spec,

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "server/layers/attention_core.h"
 #include "server/layers/blocks.h"
+#include "server/layers/init.h"
 #include "server/layers/layer.h"
 
 namespace te::layers {
@@ -108,11 +109,9 @@ class MhaBlock {
 // Values for TE initialisers init.h does not have, deterministic from
 // (seed, variable name): a normal with `stddev`, and a uniform on
 // [-limit, limit].
-std::vector<float> NormalValues(uint64_t seed, const std::string& name, double stddev, int64_t n);
-std::vector<float> UniformValues(uint64_t seed, const std::string& name, double limit, int64_t n);
-// Overwrites variable spec.name with host float32 values cast to spec.dtype.
-absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const std::vector<float>& values,
-                           Variables* vars);
+// Chunk by chunk (init.h's StoreVariable writes them).
+ValueFill NormalValues(uint64_t seed, const std::string& name, double stddev);
+ValueFill UniformValues(uint64_t seed, const std::string& name, double limit);
 
 }  // namespace te::layers
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -124,6 +125,7 @@ class SequentialLayer : public Layer {
     current.insert(current.end(), in.extra.begin(), in.extra.end());
     std::vector<Tensor> residuals;
     for (size_t i = 0; i < stages_.size(); ++i) {
+      RETURN_IF_ERROR(ops.CheckInterrupt());
       const Stage& stage = stages_[i];
       const std::string where = absl::StrCat("stage ", i, " (", stage.name, ")");
       switch (stage.kind) {
@@ -198,6 +200,7 @@ class SequentialLayer : public Layer {
     std::vector<Tensor> current = {dy};
     std::vector<Tensor> residual_grads;
     for (size_t i = stages_.size(); i-- > 0;) {
+      RETURN_IF_ERROR(ops.CheckInterrupt());
       const Stage& stage = stages_[i];
       const std::string where = absl::StrCat("stage ", i, " (", stage.name, ") backward");
       switch (stage.kind) {
@@ -322,12 +325,6 @@ class SequentialLayer : public Layer {
   std::vector<Stage> stages_;
 };
 
-int64_t Elements(const Shape& dims) {
-  int64_t n = 1;
-  for (int64_t d : dims) n *= d;
-  return n;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSpec& spec) {
@@ -369,11 +366,14 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSp
         const bool positive =
             std::all_of(stage.from.begin(), stage.from.end(), [](int64_t d) { return d > 0; }) &&
             std::all_of(stage.to.begin(), stage.to.end(), [](int64_t d) { return d > 0; });
-        if (stage.from.empty() || stage.to.empty() || !positive ||
-            Elements(stage.from) != Elements(stage.to)) {
+        // Overflow-checked: two products that wrap alike would pass as equal.
+        const std::optional<int64_t> from_n = CheckedNumElements(stage.from);
+        const std::optional<int64_t> to_n = CheckedNumElements(stage.to);
+        if (stage.from.empty() || stage.to.empty() || !positive || !from_n || !to_n ||
+            *from_n != *to_n) {
           return absl::InvalidArgumentError(absl::StrCat(
               field, ".reshape: from ", ShapeString(stage.from), " and to ", ShapeString(stage.to),
-              " must be non-empty, positive and of one element count"));
+              " must be non-empty, positive and of one element count (under 2^63)"));
         }
         break;
       }

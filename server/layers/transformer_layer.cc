@@ -98,7 +98,7 @@ class TransformerLayerImpl : public Layer {
       const double fan_avg = (spec.shape[0] + spec.shape[1]) / 2.0;
       RETURN_IF_ERROR(StoreVariable(
           ops, spec,
-          UniformValues(seed, spec.name, std::sqrt(3.0 / fan_avg), NumElements(spec.shape)), vars));
+          UniformValues(seed, spec.name, std::sqrt(3.0 / fan_avg)), vars));
     }
     return absl::OkStatus();
   }
@@ -139,6 +139,7 @@ class TransformerLayerImpl : public Layer {
       RETURN_IF_ERROR(ResidualAdd(ops, dropped, in.x, &h));
     }
 
+    RETURN_IF_ERROR(ops.CheckInterrupt());  // between attention and MLP
     Tensor z, z_dropped, y;
     if (fused_residual) {
       RETURN_IF_ERROR(mlp_.Forward(ops, vars, h.As2D(), opts, &y, nullptr,
@@ -173,6 +174,7 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(
         mlp_.Backward(ops, vars, kept->mlp, dz.As2D(), &dh2, &grads->params, dy_c.As2D()));
     const Tensor dh = dh2.Reshaped(shape);
+    RETURN_IF_ERROR(ops.CheckInterrupt());  // between MLP and attention
     Tensor da, dbias;
     RETURN_IF_ERROR(DropoutGrad(ops, kept->attention_dropout, dh, &da));
     // h = dropout(a) + x: dx gets dh directly (added in the attention's norm

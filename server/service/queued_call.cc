@@ -4,6 +4,7 @@
 
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
+#include "server/service/status.h"
 
 namespace te::service {
 
@@ -19,9 +20,9 @@ QueuedCall::QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* con
 grpc::ServerUnaryReactor* QueuedCall::Start(const ServiceCore& core,
                                             grpc::CallbackServerContext* context, const char* rpc,
                                             std::string session_id, int device, std::string key,
-                                            Work work) {
+                                            uint64_t sequence, Work work) {
   auto* call = new QueuedCall(core, context, rpc, std::move(session_id));
-  call->Submit(device, std::move(key), std::move(work));
+  call->Submit(device, std::move(key), sequence, std::move(work));
   return call;
 }
 
@@ -36,13 +37,13 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
     return call;
   }
   const ServiceCore* shared = &core;
-  call->Submit(*device, ref.session_id(),
+  call->Submit(*device, ref.session_id(), ref.sequence(),
                [shared, ref, work = std::move(work)](const session::CallContext& context) {
                  ASSIGN_OR_RETURN(
                      session::SessionManager::Lease lease,
                      shared->sessions->Acquire(ref.session_id(), ref.token(), context.deadline));
                  const int64_t mark = lease.session().mark();
-                 absl::Status status = work(lease, context);
+                 absl::Status status = NoThrow([&] { return work(lease, context); });
                  if (!status.ok() || context.cancelled()) lease.session().ForgetSince(mark);
                  return status;
                });
@@ -58,10 +59,11 @@ grpc::ServerUnaryReactor* QueuedCall::Immediate(const ServiceCore& core,
   return call;
 }
 
-void QueuedCall::Submit(int device, std::string key, Work work) {
+void QueuedCall::Submit(int device, std::string key, uint64_t sequence, Work work) {
   executor_ = &core_.devices->executor(device);
   session::DeviceExecutor::Call queued;
   queued.key = std::move(key);
+  queued.sequence = sequence;
   queued.deadline = deadline_;
   queued.run = [this, work = std::move(work)](session::DeviceExecutor::Turn turn) {
     Run(std::move(turn), work);
@@ -91,7 +93,7 @@ void QueuedCall::Run(session::DeviceExecutor::Turn turn, const Work& work) {
     session::CallContext call;
     call.deadline = deadline_;
     call.cancelled = [this] { return Cancelled(); };
-    status = work(call);
+    status = NoThrow([&] { return work(call); });
   }
   turn.Release();  // the session's next call may start while this one answers
   End(status);

@@ -7,7 +7,8 @@
 //     DEADLINE_EXCEEDED when its client cancels it or its deadline passes
 //     before the work starts (its place in the queue is then free at once).
 //  2. A session call (OnSession) is authenticated before it queues, queues
-//     behind the session's earlier calls on the session's device, runs in
+//     behind the session's earlier calls on the session's device (in the
+//     order of SessionRef.sequence when the client numbers them), runs in
 //     the session's turn, and is undone (Session::ForgetSince) when it fails
 //     or its client has gone by the time it ends: a cancelled Forward leaves
 //     no saved forward and no resident output behind.
@@ -38,12 +39,13 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
   using SessionWork = std::function<absl::Status(session::SessionManager::Lease& lease,
                                                  const session::CallContext& call)>;
 
-  // Runs `work` on device `device`'s executor under `key` (contract 1).
-  // `session_id` is for the log ("" for none).
+  // Runs `work` on device `device`'s executor under `key` (contract 1), in
+  // the place `sequence` gives it among the key's numbered calls (0: none;
+  // executor.h, contract 6). `session_id` is for the log ("" for none).
   static grpc::ServerUnaryReactor* Start(const ServiceCore& core,
                                          grpc::CallbackServerContext* context, const char* rpc,
                                          std::string session_id, int device, std::string key,
-                                         Work work);
+                                         uint64_t sequence, Work work);
   // Runs `work` in the turn of the session `ref` names (contract 2).
   static grpc::ServerUnaryReactor* OnSession(const ServiceCore& core,
                                              grpc::CallbackServerContext* context, const char* rpc,
@@ -61,7 +63,7 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
  private:
   QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* context, const char* rpc,
              std::string session_id);
-  void Submit(int device, std::string key, Work work);
+  void Submit(int device, std::string key, uint64_t sequence, Work work);
   void Run(session::DeviceExecutor::Turn turn, const Work& work);
   bool Cancelled() const;
   // Finishes the call; `this` may be gone when it returns.

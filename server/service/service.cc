@@ -169,11 +169,13 @@ grpc::ServerUnaryReactor* TeService::CreateSession(grpc::CallbackServerContext* 
   std::shared_ptr<void> pending = std::move(placed->second);
   return QueuedCall::Start(
       core_, context, "CreateSession", "", index, absl::StrCat("create-", creations_.fetch_add(1)),
-      [this, index, request, response, pending](const CallContext&) mutable -> absl::Status {
+      0, [this, index, request, response, pending](const CallContext&) mutable -> absl::Status {
         const absl::Status opened = session::OpenSession(*request, &core_.devices->device(index),
                                                          core_.options.session, core_.sessions, response);
         pending.reset();  // registered (or failed): the live count has it now
         RETURN_IF_ERROR(opened);
+        // Before the client can know the id: its numbered calls start at 1.
+        core_.devices->executor(index).StartSequence(response->session().session_id(), 1);
         response->set_server_address(core_.options.advertise_address);
         return absl::OkStatus();
       });
@@ -189,7 +191,7 @@ grpc::ServerUnaryReactor* TeService::CloseSession(grpc::CallbackServerContext* c
   }
   // In the session's order: the close waits for the calls queued before it.
   return QueuedCall::Start(core_, context, "CloseSession", ref.session_id(), *device,
-                           ref.session_id(), [this, ref](const CallContext& call) {
+                           ref.session_id(), ref.sequence(), [this, ref](const CallContext& call) {
                              return core_.sessions->Close(ref.session_id(), ref.token(),
                                                           call.deadline);
                            });
@@ -208,8 +210,8 @@ grpc::ServerUnaryReactor* TeService::Forward(grpc::CallbackServerContext* contex
                                              const te::v1::ForwardRequest* request,
                                              te::v1::ForwardResponse* response) {
   return QueuedCall::OnSession(core_, context, "Forward", request->session(),
-                               [request, response](Lease& lease, const CallContext&) {
-                                 return lease.session().Forward(*request, response);
+                               [request, response](Lease& lease, const CallContext& call) {
+                                 return lease.session().Forward(*request, response, call);
                                });
 }
 
@@ -217,8 +219,8 @@ grpc::ServerUnaryReactor* TeService::Backward(grpc::CallbackServerContext* conte
                                               const te::v1::BackwardRequest* request,
                                               te::v1::BackwardResponse* response) {
   return QueuedCall::OnSession(core_, context, "Backward", request->session(),
-                               [request, response](Lease& lease, const CallContext&) {
-                                 return lease.session().Backward(*request, response);
+                               [request, response](Lease& lease, const CallContext& call) {
+                                 return lease.session().Backward(*request, response, call);
                                });
 }
 
@@ -226,8 +228,8 @@ grpc::ServerUnaryReactor* TeService::ForwardBackward(grpc::CallbackServerContext
                                                      const te::v1::ForwardBackwardRequest* request,
                                                      te::v1::ForwardBackwardResponse* response) {
   return QueuedCall::OnSession(core_, context, "ForwardBackward", request->session(),
-                               [request, response](Lease& lease, const CallContext&) {
-                                 return lease.session().ForwardBackward(*request, response);
+                               [request, response](Lease& lease, const CallContext& call) {
+                                 return lease.session().ForwardBackward(*request, response, call);
                                });
 }
 

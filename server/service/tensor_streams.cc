@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/service/chunk_wire.h"
+#include "server/service/status.h"
 #include "server/session/executor.h"
 #include "server/session/tensor_upload.h"
 
@@ -109,6 +110,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     executor_ = &core_.devices->executor(*device);
     DeviceExecutor::Call call;
     call.key = session_id_;
+    call.sequence = header_.session().sequence();
     call.deadline = deadline_;
     call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
     call.drop = [this](absl::Status reason) { FinishEarly(reason); };
@@ -151,7 +153,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     const int64_t mark = lease->session().mark();
     absl::StatusOr<std::unique_ptr<session::TensorUpload>> upload =
-        lease->session().BeginPut(header_);
+        NoThrow([&] { return lease->session().BeginPut(header_); });
     if (!upload.ok()) {
       lease.reset();  // the session's turn
       turn.Release();
@@ -229,7 +231,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     absl::Status status;
     for (absl::string_view piece : chunk.data) {
-      status = upload_->Append(piece.data(), piece.size());
+      status = NoThrow([&] { return upload_->Append(piece.data(), piece.size()); });
       if (!status.ok()) break;
     }
     bool read_next = false;
@@ -252,7 +254,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (ending_) return;
     }
     te::v1::PutTensorResponse response;
-    absl::Status status = lease_->session().CommitPut(std::move(upload_), &response);
+    absl::Status status =
+        NoThrow([&] { return lease_->session().CommitPut(std::move(upload_), &response); });
     if (status.ok()) *response_ = Serialize(response);
     absl::MutexLock lock(&mu_);
     EndLocked(status);
@@ -351,6 +354,7 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     executor_ = &core_.devices->executor(*device);
     DeviceExecutor::Call call;
     call.key = session_id_;
+    call.sequence = request_.session().sequence();
     call.deadline = deadline_;
     call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
     call.drop = [this](absl::Status reason) { End(reason); };
@@ -406,7 +410,8 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (!cancelled) {
       absl::StatusOr<SessionManager::Lease> lease = core_.sessions->Acquire(
           request_.session().session_id(), request_.session().token(), deadline_);
-      source = lease.ok() ? lease->session().ReadTensor(request_) : lease.status();
+      source = lease.ok() ? NoThrow([&] { return lease->session().ReadTensor(request_); })
+                          : lease.status();
     }
     turn.Release();  // the stream goes out without holding the session up
     if (!source.ok()) {

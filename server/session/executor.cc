@@ -61,6 +61,12 @@ DeviceExecutor::~DeviceExecutor() {
         dropped.push_back(std::move(waiting));
       }
       strand.waiting.clear();
+      for (auto& [number, early] : strand.early) {
+        if (early->phase != CallState::Phase::kWaiting) continue;
+        early->phase = CallState::Phase::kDropped;
+        dropped.push_back(std::move(early));
+      }
+      strand.early.clear();
     }
     queued_ = 0;
     work_available_.SignalAll();
@@ -82,6 +88,15 @@ absl::StatusOr<DeviceExecutor::Handle> DeviceExecutor::Submit(Call call) {
   const int idle_workers = static_cast<int>(workers_.size()) - running_;
   const int about_to_start = std::min(idle_workers, static_cast<int>(ready_.size()));
   if (queued_ - about_to_start >= options_.max_queued) {
+    if (state->call.sequence != 0) {
+      // Its number is used all the same, so the session's later calls do not
+      // wait for it.
+      state->phase = CallState::Phase::kDropped;
+      Strand& strand = strands_[state->call.key];
+      AcceptNumberedLocked(state->call.key, strand, state).IgnoreError();
+      ScheduleLocked(state->call.key, strand);
+      EraseIfIdleLocked(state->call.key);
+    }
     return absl::ResourceExhaustedError(
         absl::StrCat("device ", options_.name, " is at capacity: ", queued_,
                      " calls already wait for its workers (--executor_queue=", options_.max_queued,
@@ -89,10 +104,111 @@ absl::StatusOr<DeviceExecutor::Handle> DeviceExecutor::Submit(Call call) {
   }
   const std::string& key = state->call.key;
   Strand& strand = strands_[key];
-  strand.waiting.push_back(state);
+  if (state->call.sequence == 0) {
+    strand.waiting.push_back(state);
+  } else if (absl::Status taken = AcceptNumberedLocked(key, strand, state); !taken.ok()) {
+    EraseIfIdleLocked(key);
+    return taken;
+  }
   ++queued_;
   ScheduleLocked(key, strand);
   return state;
+}
+
+absl::Status DeviceExecutor::AcceptNumberedLocked(const std::string& key, Strand& strand,
+                                                  Handle state) {
+  const uint64_t number = state->call.sequence;
+  // A key never started numbers from its first numbered call.
+  uint64_t& next = next_sequence_.try_emplace(key, number).first->second;
+  if (number < next || strand.early.count(number) > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session.sequence: ", number, " is already taken on this session (its next is ", next,
+        "); give every call, retries included, a number of its own"));
+  }
+  const bool live = state->phase == CallState::Phase::kWaiting;
+  if (number > next) {
+    if (strand.early.empty()) strand.gap_since = absl::Now();
+    strand.early.emplace(number, std::move(state));
+    if (live) {
+      ++early_calls_;
+      next_gap_check_ = std::min(next_gap_check_, strand.gap_since + options_.sequence_gap);
+      work_available_.Signal();  // an idle worker sets its timer for the gap
+    }
+    return absl::OkStatus();
+  }
+  ++next;
+  if (live) strand.waiting.push_back(std::move(state));
+  ReleaseEarlyLocked(key, strand);
+  return absl::OkStatus();
+}
+
+void DeviceExecutor::ReleaseEarlyLocked(const std::string& key, Strand& strand) {
+  uint64_t& next = next_sequence_[key];
+  bool released = false;
+  for (auto it = strand.early.begin(); it != strand.early.end() && it->first == next;
+       it = strand.early.erase(it), ++next) {
+    released = true;
+    if (it->second->phase != CallState::Phase::kWaiting) continue;  // a dropped call's number
+    strand.waiting.push_back(std::move(it->second));
+    --early_calls_;
+  }
+  if (released && !strand.early.empty()) strand.gap_since = absl::Now();
+}
+
+absl::Time DeviceExecutor::ExpireGapsLocked(
+    absl::Time now, std::vector<std::pair<Handle, absl::Status>>* dropped) {
+  absl::Time next_check = absl::InfiniteFuture();
+  std::vector<std::string> emptied;
+  for (auto& [key, strand] : strands_) {
+    if (strand.early.empty()) continue;
+    const bool live = std::any_of(strand.early.begin(), strand.early.end(), [](const auto& e) {
+      return e.second->phase == CallState::Phase::kWaiting;
+    });
+    if (!live) continue;  // nothing waits on this gap
+    const absl::Time expiry = strand.gap_since + options_.sequence_gap;
+    if (now < expiry) {
+      next_check = std::min(next_check, expiry);
+      continue;
+    }
+    uint64_t& next = next_sequence_[key];
+    const absl::Status aborted = absl::AbortedError(absl::StrCat(
+        "session.sequence: call ", next, " of this session did not arrive within ",
+        absl::FormatDuration(options_.sequence_gap),
+        " (--sequence_gap_seconds); the calls numbered after it (", strand.early.begin()->first,
+        " to ", strand.early.rbegin()->first, ") were not run"));
+    for (auto& [number, call] : strand.early) {
+      if (call->phase != CallState::Phase::kWaiting) continue;
+      call->phase = CallState::Phase::kDropped;
+      --early_calls_;
+      --queued_;
+      dropped->emplace_back(std::move(call), aborted);
+    }
+    next = strand.early.rbegin()->first + 1;  // the missing numbers are skipped
+    strand.early.clear();
+    emptied.push_back(key);
+  }
+  for (const std::string& key : emptied) EraseIfIdleLocked(key);
+  return next_check;
+}
+
+void DeviceExecutor::StartSequence(const std::string& key, uint64_t first) {
+  absl::MutexLock lock(&mu_);
+  next_sequence_[key] = first;
+}
+
+void DeviceExecutor::ForgetKey(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  next_sequence_.erase(key);
+  auto it = strands_.find(key);
+  if (it == strands_.end()) return;
+  // Markers of dropped calls: nothing live waits on them once the key has gone.
+  std::map<uint64_t, Handle>& early = it->second.early;
+  if (std::none_of(early.begin(), early.end(), [](const auto& e) {
+        return e.second->phase == CallState::Phase::kWaiting;
+      })) {
+    early.clear();
+    EraseIfIdleLocked(key);
+  }
 }
 
 bool DeviceExecutor::Cancel(const Handle& handle, const absl::Status& reason) {
@@ -105,6 +221,12 @@ bool DeviceExecutor::Cancel(const Handle& handle, const absl::Status& reason) {
     if (it != strands_.end()) {
       std::deque<Handle>& waiting = it->second.waiting;
       waiting.erase(std::remove(waiting.begin(), waiting.end(), handle), waiting.end());
+      // An early call stays in `early`, dropped, as the marker of its number.
+      auto early = it->second.early.find(handle->call.sequence);
+      if (handle->call.sequence != 0 && early != it->second.early.end() &&
+          early->second == handle) {
+        --early_calls_;
+      }
       EraseIfIdleLocked(handle->call.key);
     }
     --queued_;
@@ -154,7 +276,8 @@ void DeviceExecutor::EraseIfIdleLocked(const std::string& key) {
   auto it = strands_.find(key);
   if (it == strands_.end()) return;
   const Strand& strand = it->second;
-  if (!strand.held && !strand.scheduled && strand.waiting.empty() && strand.continuations.empty()) {
+  if (!strand.held && !strand.scheduled && strand.waiting.empty() && strand.early.empty() &&
+      strand.continuations.empty()) {
     strands_.erase(it);
   }
 }
@@ -162,7 +285,21 @@ void DeviceExecutor::EraseIfIdleLocked(const std::string& key) {
 void DeviceExecutor::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
-    while (ready_.empty() && !stopping_) work_available_.Wait(&mu_);
+    while (true) {
+      if (early_calls_ > 0 && absl::Now() >= next_gap_check_) {
+        std::vector<std::pair<Handle, absl::Status>> dropped;
+        next_gap_check_ = ExpireGapsLocked(absl::Now(), &dropped);
+        if (!dropped.empty()) {
+          mu_.Unlock();
+          for (auto& [call, reason] : dropped) call->call.drop(reason);
+          dropped.clear();
+          mu_.Lock();
+        }
+      }
+      if (!ready_.empty() || stopping_) break;
+      work_available_.WaitWithDeadline(
+          &mu_, early_calls_ > 0 ? next_gap_check_ : absl::InfiniteFuture());
+    }
     if (ready_.empty()) return;  // stopping, and nothing left that may run
     const std::string key = std::move(ready_.front());
     ready_.pop_front();

@@ -20,15 +20,29 @@
 //  5. The destructor drops the calls still waiting (UNAVAILABLE) and joins the
 //     workers once the work already started is done; every Turn must have
 //     been released by then.
+//  6. Numbered calls (Call.sequence > 0, a session's SessionRef.sequence) of
+//     a key start in the order of their numbers, not of their Submits: one
+//     that arrives early waits (counted against max_queued) until every lower
+//     number has been accepted, dropped or refused. A key's numbering starts
+//     at StartSequence's number, or, for a key never started, at the first
+//     number that arrives (a session restored from a checkpoint). Submit
+//     refuses a number already taken (INVALID_ARGUMENT). When the lowest
+//     early call has waited `sequence_gap` for a number that never came, the
+//     missing numbers are skipped and every early call of the key is dropped
+//     with ABORTED naming the first missing one: it was sent to run after a
+//     call that never ran. A refused or dropped call still uses its number.
+//     Unnumbered calls keep Submit order among themselves.
 #ifndef TE_SERVER_SESSION_EXECUTOR_H_
 #define TE_SERVER_SESSION_EXECUTOR_H_
 
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -43,6 +57,7 @@ struct ExecutorOptions {
   int threads = 4;
   int max_queued = 64;
   std::string name = "executor";  // for messages ("cpu", "cuda:0")
+  absl::Duration sequence_gap = absl::Seconds(10);  // contract 6
 };
 
 class DeviceExecutor {
@@ -75,6 +90,7 @@ class DeviceExecutor {
 
   struct Call {
     std::string key;
+    uint64_t sequence = 0;  // contract 6; 0: unnumbered
     absl::Time deadline = absl::InfiniteFuture();
     std::function<void(Turn)> run;
     std::function<void(absl::Status)> drop;
@@ -89,6 +105,11 @@ class DeviceExecutor {
   // has started or been dropped. True if it dropped it.
   bool Cancel(const Handle& handle, const absl::Status& reason);
 
+  // Contract 6: `key`'s numbered calls start from `first`; ForgetKey drops
+  // what the executor remembers of a key (its session has gone).
+  void StartSequence(const std::string& key, uint64_t first);
+  void ForgetKey(const std::string& key);
+
   int queued() const;   // accepted calls waiting to start
   int running() const;  // workers busy now
   const ExecutorOptions& options() const { return options_; }
@@ -96,12 +117,27 @@ class DeviceExecutor {
  private:
   struct Strand {
     std::deque<Handle> waiting;
+    // Numbered calls that arrived before their turn, by number; a dropped
+    // one stays as a marker until its number comes up (contract 6).
+    std::map<uint64_t, Handle> early;
+    absl::Time gap_since;  // when the wait for the key's next number began
     std::deque<std::function<void()>> continuations;
     bool held = false;       // a started call holds the key
     bool scheduled = false;  // in ready_, or a worker is on it
   };
 
   void WorkerLoop();
+  // Takes `state`'s number (contract 6): queues it in `strand` when its turn
+  // has come, else keeps it early. INVALID_ARGUMENT for a number taken.
+  absl::Status AcceptNumberedLocked(const std::string& key, Strand& strand, Handle state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves early calls whose numbers have come up into `strand.waiting`.
+  void ReleaseEarlyLocked(const std::string& key, Strand& strand)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops (into `dropped`) the early calls of keys whose gap has lasted
+  // sequence_gap; returns when the next such gap would expire.
+  absl::Time ExpireGapsLocked(absl::Time now, std::vector<std::pair<Handle, absl::Status>>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Post(const std::string& key, std::function<void()> fn);
   void ReleaseKey(const std::string& key);
   bool RunnableLocked(const Strand& strand) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -112,6 +148,10 @@ class DeviceExecutor {
   mutable absl::Mutex mu_;
   absl::CondVar work_available_;
   std::map<std::string, Strand> strands_ ABSL_GUARDED_BY(mu_);
+  // Each numbered key's next number to start (contract 6); outlives idle strands.
+  std::map<std::string, uint64_t> next_sequence_ ABSL_GUARDED_BY(mu_);
+  int early_calls_ ABSL_GUARDED_BY(mu_) = 0;  // live (not dropped) early calls
+  absl::Time next_gap_check_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::deque<std::string> ready_ ABSL_GUARDED_BY(mu_);  // keys with runnable work
   int queued_ ABSL_GUARDED_BY(mu_) = 0;
   int running_ ABSL_GUARDED_BY(mu_) = 0;

@@ -271,5 +271,113 @@ TEST(DeviceExecutorTest, BusyKeysTakeTurns) {
   EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "a", "b", "a", "b", "a", "b"}));
 }
 
+// ---- numbered calls (contract 6) ----------------------------------------------
+
+DeviceExecutor::Call Numbered(Recorder& recorder, const std::string& key, uint64_t number,
+                              std::function<void()> body = nullptr) {
+  DeviceExecutor::Call call = recorder.Make(key, std::to_string(number), std::move(body));
+  call.sequence = number;
+  return call;
+}
+
+TEST(DeviceExecutorTest, NumberedCallsRunInNumberOrderWhateverTheirArrival) {
+  DeviceExecutor executor({/*threads=*/4, /*max_queued=*/100, "test"});
+  executor.StartSequence("s", 1);
+  Recorder recorder;
+  // Arrival order 3, 1, 5, 2, 4, then 8, 7, 6.
+  for (uint64_t n : {3, 1, 5, 2, 4, 8, 7, 6}) {
+    ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", n)).ok()) << n;
+  }
+  ASSERT_TRUE(recorder.WaitForRuns(8));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"1", "2", "3", "4", "5", "6", "7", "8"}));
+  EXPECT_TRUE(recorder.dropped.empty());
+}
+
+TEST(DeviceExecutorTest, ATakenNumberIsInvalidArgument) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/100, "test"});
+  executor.StartSequence("s", 1);
+  Recorder recorder;
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 1)).ok());
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 3)).ok());  // early
+  ASSERT_TRUE(recorder.WaitForRuns(1));
+  for (uint64_t n : {1, 3}) {
+    absl::StatusOr<DeviceExecutor::Handle> again = executor.Submit(Numbered(recorder, "s", n));
+    ASSERT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument) << n;
+    EXPECT_NE(again.status().message().find("session.sequence"), std::string::npos);
+  }
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 2)).ok());
+  ASSERT_TRUE(recorder.WaitForRuns(3));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"1", "2", "3"}));
+}
+
+TEST(DeviceExecutorTest, AGapIsAbortedAfterSequenceGapAndLaterNumbersRun) {
+  ExecutorOptions options{/*threads=*/2, /*max_queued=*/100, "test"};
+  options.sequence_gap = absl::Milliseconds(200);
+  DeviceExecutor executor(options);
+  executor.StartSequence("s", 1);
+  Recorder recorder;
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 1)).ok());
+  // 2 never comes: 3 and 4 wait for it, then are aborted.
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 3)).ok());
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 4)).ok());
+  {
+    absl::MutexLock lock(&recorder.mu);
+    ASSERT_TRUE(recorder.mu.AwaitWithTimeout(
+        absl::Condition(+[](Recorder* r) { return r->dropped.size() >= 2; }, &recorder), kWait));
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+    for (const absl::Status& status : recorder.dropped) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+      EXPECT_NE(status.message().find("call 2 of this session did not arrive"), std::string::npos)
+          << status;
+    }
+    EXPECT_EQ(recorder.ran, (std::vector<std::string>{"1"}));
+  }
+  EXPECT_EQ(executor.queued(), 0);
+  // The skipped and aborted numbers are taken; the next one runs at once.
+  EXPECT_EQ(executor.Submit(Numbered(recorder, "s", 2)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 5)).ok());
+  ASSERT_TRUE(recorder.WaitForRuns(2));
+}
+
+TEST(DeviceExecutorTest, ACancelledOrRefusedCallStillUsesItsNumber) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/2, "test"});
+  executor.StartSequence("s", 1);
+  Recorder recorder;
+  Gate gate;
+  ASSERT_TRUE(executor.Submit(recorder.Make("other", "blocker", gate.Body())).ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  // 2 arrives early and is cancelled; 1 then fills the queue's 2 places with 3.
+  absl::StatusOr<DeviceExecutor::Handle> two = executor.Submit(Numbered(recorder, "s", 2));
+  ASSERT_TRUE(two.ok());
+  EXPECT_TRUE(executor.Cancel(*two, absl::CancelledError("client went away")));
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 1)).ok());
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 3)).ok());
+  // The queue is full: 4 is refused, but its number is used, so 5 does not wait for it.
+  EXPECT_EQ(executor.Submit(Numbered(recorder, "s", 4)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(3));  // blocker, 1, 3
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 5)).ok());
+  ASSERT_TRUE(recorder.WaitForRuns(4));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"blocker", "1", "3", "5"}));
+}
+
+TEST(DeviceExecutorTest, AKeyNeverStartedNumbersFromItsFirstCall) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/100, "test"});
+  Recorder recorder;  // a session restored from a checkpoint: its count goes on
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "restored", 41)).ok());
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "restored", 43)).ok());
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "restored", 42)).ok());
+  ASSERT_TRUE(recorder.WaitForRuns(3));
+  executor.ForgetKey("restored");
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"41", "42", "43"}));
+}
+
 }  // namespace
 }  // namespace te::session

@@ -157,6 +157,33 @@ absl::Status Session::OutputEncoder::Encode(const Tensor& tensor, bool resident,
 
 // ---- layers --------------------------------------------------------------------
 
+absl::Status Session::CheckFitsMemory(const std::vector<layers::VariableSpec>& specs) const {
+  int64_t total = 0;
+  const layers::VariableSpec* largest = nullptr;
+  int64_t largest_bytes = 0;
+  for (const layers::VariableSpec& spec : specs) {
+    const std::optional<int64_t> bytes = CheckedNumBytes(spec.shape, spec.dtype);
+    if (!bytes || __builtin_add_overflow(total, *bytes, &total)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec: variable ", spec.name, " ", ShapeString(spec.shape), " ", DTypeName(spec.dtype),
+          " is over 2^63 bytes; the layer's sizes are out of range"));
+    }
+    if (*bytes > largest_bytes) {
+      largest = &spec;
+      largest_bytes = *bytes;
+    }
+  }
+  const int64_t free_bytes = ops_->memory_limit() - ops_->bytes_in_use();
+  if (total > free_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "spec: the layer's ", specs.size(), " variables need ", total, " bytes (",
+        largest->name, " ", ShapeString(largest->shape), " ", DTypeName(largest->dtype), " alone ",
+        largest_bytes, "), more than the ", free_bytes, " bytes this session has left of its ",
+        ops_->memory_limit(), " (--session_memory_bytes)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                                 te::v1::InitLayerResponse* response) {
   ASSIGN_OR_RETURN(std::unique_ptr<layers::Layer> layer, layers::CreateLayer(request.spec()));
@@ -182,6 +209,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   ASSIGN_OR_RETURN(std::vector<layers::VariableSpec> specs,
                    layer->VariableSpecs(input_shape, fp8_ptr));
   ASSIGN_OR_RETURN(Shape output_shape, layer->OutputShape(input_shape));
+  RETURN_IF_ERROR(CheckFitsMemory(specs));
 
   auto entry = std::make_unique<LayerEntry>();
   RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &entry->vars));

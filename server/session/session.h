@@ -5,10 +5,15 @@
 // Contract:
 //  1. Not thread-safe: the SessionManager runs one call at a time on it (a
 //     Lease is the turn), so no two methods ever run concurrently.
-//  2. Every method validates its whole request before it changes anything:
-//     on INVALID_ARGUMENT, NOT_FOUND or FAILED_PRECONDITION the session is as
-//     it was. Errors from the layers and ops keep their codes
-//     (RESOURCE_EXHAUSTED when the session's memory limit is reached).
+//  2. A call that fails leaves the session as it was, whatever the code:
+//     every method validates its whole request before it changes anything,
+//     and the step calls (Forward, Backward, ForwardBackward) run on a
+//     working copy of the layer's FP8 state, committing it, the saved
+//     forward and the accumulated gradients only once all their work has
+//     succeeded and the client still waits for the answer (CallContext):
+//     a call that runs out of memory part way (RESOURCE_EXHAUSTED), is
+//     cancelled or expires moves nothing. Errors from the layers and ops
+//     keep their codes.
 //  3. All the session's device memory (variables, saved forwards, resident
 //     tensors) is accounted on its Ops and freed with the Session.
 //  4. Response tensors come inline while they fit in one message
@@ -54,6 +59,7 @@ namespace te::session {
 struct SessionConfig {
   int64_t session_memory_bytes = int64_t{8} << 30;
   int max_saved_forwards = 16;
+  int max_micro_batches = 256;  // per ForwardBackward call
   int64_t max_message_bytes = int64_t{64} << 20;
   int64_t max_tensor_bytes = int64_t{1} << 30;
   bool enable_shm = false;      // --enable_shm
@@ -61,10 +67,15 @@ struct SessionConfig {
 };
 
 // What a call brings besides its request: the client's deadline and a way to
-// see whether it gave up. Long loops (Benchmark) check both between steps.
+// see whether it gave up. Long work checks both between micro-batches and
+// between layers, and once more before it commits (contract 2).
 struct CallContext {
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty
+
+  // CANCELLED or DEADLINE_EXCEEDED (naming `what`) once nobody waits for the
+  // call's answer; OK before.
+  absl::Status StillWanted(const std::string& what) const;
 };
 
 class Session {
@@ -87,12 +98,18 @@ class Session {
                          te::v1::InitLayerResponse* response);
   // Apply. NOT_FOUND for an unknown layer_id; RESOURCE_EXHAUSTED when
   // keep_for_backward would exceed max_saved_forwards.
-  absl::Status Forward(const te::v1::ForwardRequest& request, te::v1::ForwardResponse* response);
-  // Consumes forward_id (NOT_FOUND when unknown or already used).
+  absl::Status Forward(const te::v1::ForwardRequest& request, te::v1::ForwardResponse* response,
+                       const CallContext& call = CallContext());
+  // Consumes forward_id when it succeeds (NOT_FOUND when unknown or already
+  // used).
   absl::Status Backward(const te::v1::BackwardRequest& request,
-                        te::v1::BackwardResponse* response);
+                        te::v1::BackwardResponse* response,
+                        const CallContext& call = CallContext());
+  // INVALID_ARGUMENT beyond max_micro_batches; checks `call` between
+  // micro-batches.
   absl::Status ForwardBackward(const te::v1::ForwardBackwardRequest& request,
-                               te::v1::ForwardBackwardResponse* response);
+                               te::v1::ForwardBackwardResponse* response,
+                               const CallContext& call = CallContext());
 
   absl::Status GetVariables(const te::v1::GetVariablesRequest& request,
                             te::v1::GetVariablesResponse* response);
@@ -147,6 +164,11 @@ class Session {
   class OutputEncoder;
 
   absl::StatusOr<LayerEntry*> FindLayer(const std::string& layer_id);
+  // Before a layer is initialised: its variables' bytes, overflow-checked
+  // (INVALID_ARGUMENT "spec"), fit the memory the session has left
+  // (RESOURCE_EXHAUSTED otherwise), so nothing is allocated for a layer that
+  // cannot fit.
+  absl::Status CheckFitsMemory(const std::vector<layers::VariableSpec>& specs) const;
   // The FP8 recipe a request's autocast asks for (nullopt: FP8 off).
   absl::StatusOr<std::optional<layers::Fp8Recipe>> ResolveAutocast(
       const te::v1::Autocast& autocast, const std::string& field) const;
@@ -170,6 +192,11 @@ class Session {
                     layers::LayerGrads* grads);
   // sum(y * dy) as a [1, 1] float32 tensor on the device.
   absl::StatusOr<Tensor> VdotOnDevice(const Tensor& y, const Tensor& dy);
+  // The variables a step call runs on (contract 2): the layer's own, with
+  // the fp8_metas copied when `fp8` is a delayed-scaling recipe (the only
+  // state a step writes); the call commits them with `layer.vars = ...`.
+  absl::StatusOr<layers::Variables> WorkingVariables(const LayerEntry& layer,
+                                                     const layers::Fp8Recipe* fp8);
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);

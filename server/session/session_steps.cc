@@ -46,7 +46,48 @@ const layers::Fp8Recipe* PtrOf(const std::optional<layers::Fp8Recipe>& fp8) {
   return fp8 ? &*fp8 : nullptr;
 }
 
+// Lets the layers see the call's deadline and cancellation (Ops'
+// CheckInterrupt) for as long as the call runs.
+class InterruptScope {
+ public:
+  InterruptScope(Ops& ops, const CallContext& call, std::string what) : ops_(ops) {
+    ops_.set_interrupt_check(
+        [&call, what = std::move(what)] { return call.StillWanted(what); });
+  }
+  ~InterruptScope() { ops_.set_interrupt_check(nullptr); }
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+
+ private:
+  Ops& ops_;
+};
+
 }  // namespace
+
+absl::Status CallContext::StillWanted(const std::string& what) const {
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(
+        absl::StrCat(what, ": cancelled by the client; the session is as it was"));
+  }
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, ": the call's deadline passed; the session is as it was"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<layers::Variables> Session::WorkingVariables(const LayerEntry& layer,
+                                                            const layers::Fp8Recipe* fp8) {
+  layers::Variables vars = layer.vars;  // tensors shared, not copied
+  if (!layers::HasFp8Metas(fp8)) return vars;
+  for (auto& [name, tensor] : vars) {
+    if (!absl::StartsWith(name, "fp8_metas/")) continue;
+    ASSIGN_OR_RETURN(Tensor copy, ops_->Allocate(tensor.dtype(), tensor.shape()));
+    RETURN_IF_ERROR(ops_->Copy(tensor, &copy));
+    tensor = std::move(copy);
+  }
+  return vars;
+}
 
 absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
     const LayerEntry& layer, const layers::Fp8Recipe* fp8, const te::v1::Tensor& x,
@@ -174,6 +215,7 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
     return absl::InternalError(absl::StrCat(layer.layer->type_name(),
                                             ": forward kept nothing for its backward"));
   }
+  RETURN_IF_ERROR(ops_->CheckInterrupt());
   // The value stays on the device until the backward is queued: reading it
   // here would stall the stream between forward and backward.
   Tensor value_on_device;
@@ -193,7 +235,7 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
 // ---- Forward / Backward ------------------------------------------------------------
 
 absl::Status Session::Forward(const te::v1::ForwardRequest& request,
-                              te::v1::ForwardResponse* response) {
+                              te::v1::ForwardResponse* response, const CallContext& call) {
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
@@ -219,6 +261,8 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     ASSIGN_OR_RETURN(y_region, CheckShmRef(request.y_shm(), y_bytes, "y_shm", Regions()));
   }
   ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
+  InterruptScope interrupt(*ops_, call, "Forward");
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
   opts.dropout_seed = request.dropout_seed();
@@ -226,7 +270,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.keep_for_backward = request.keep_for_backward();
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
-  RETURN_IF_ERROR(layer->layer->Forward(*ops_, &layer->vars, inputs, opts, &out, &saved));
+  RETURN_IF_ERROR(layer->layer->Forward(*ops_, &vars, inputs, opts, &out, &saved));
   if (y_region != nullptr) {
     // Before the forward is kept or its step ends: a region its client shrank
     // then fails the call without leaving a saved forward behind.
@@ -240,22 +284,11 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   }
   if (!request.keep_for_backward() && layers::HasFp8Metas(opts.fp8)) {
     // No backward will end this step: it ends here.
-    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &layer->vars));
+    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &vars));
   }
-  if (request.keep_for_backward()) {
-    if (saved == nullptr) {
-      return absl::InternalError(absl::StrCat(layer->layer->type_name(),
-                                              ": forward kept nothing for its backward"));
-    }
-    auto entry = std::make_unique<SavedEntry>();
-    entry->layer_id = layer->id;
-    entry->saved = std::move(saved);
-    entry->recipe = fp8;
-    entry->y_shape = out.y.shape();
-    entry->y_dtype = out.y.dtype();
-    const std::string forward_id = NewId("forward");
-    saved_[forward_id] = std::move(entry);
-    response->set_forward_id(forward_id);
+  if (request.keep_for_backward() && saved == nullptr) {
+    return absl::InternalError(absl::StrCat(layer->layer->type_name(),
+                                            ": forward kept nothing for its backward"));
   }
   OutputEncoder encoder(this);
   if (y_region != nullptr) {
@@ -270,31 +303,45 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     RETURN_IF_ERROR(
         encoder.Encode(out.ln_out, request.keep_outputs(), false, response->mutable_ln_out()));
   }
+  // Commit (contract 2): nothing above changed the session but resident
+  // outputs, which the service's ForgetSince removes if the call fails.
+  RETURN_IF_ERROR(call.StillWanted("Forward"));
+  layer->vars = std::move(vars);
+  if (request.keep_for_backward()) {
+    auto entry = std::make_unique<SavedEntry>();
+    entry->layer_id = layer->id;
+    entry->saved = std::move(saved);
+    entry->recipe = fp8;
+    entry->y_shape = out.y.shape();
+    entry->y_dtype = out.y.dtype();
+    const std::string forward_id = NewId("forward");
+    saved_[forward_id] = std::move(entry);
+    response->set_forward_id(forward_id);
+  }
   return absl::OkStatus();
 }
 
 absl::Status Session::Backward(const te::v1::BackwardRequest& request,
-                               te::v1::BackwardResponse* response) {
+                               te::v1::BackwardResponse* response, const CallContext& call) {
   auto it = saved_.find(request.forward_id());
   if (it == saved_.end()) {
     return absl::NotFoundError(absl::StrCat(
         "forward_id: no kept forward '", request.forward_id(),
         "' in this session (Forward with keep_for_backward; each is consumed by one Backward)"));
   }
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(it->second->layer_id));
+  const SavedEntry& saved = *it->second;
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(saved.layer_id));
   ASSIGN_OR_RETURN(
       CheckedTensor dy_checked,
       CheckTensor(request.dy(), "dy", config_.max_tensor_bytes, Resident(), Regions()));
-  RETURN_IF_ERROR(
-      CheckLike(dy_checked, it->second->y_shape, it->second->y_dtype, "dy", "the forward's y"));
+  RETURN_IF_ERROR(CheckLike(dy_checked, saved.y_shape, saved.y_dtype, "dy", "the forward's y"));
   ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dy_checked));
-  // The forward is consumed from here on, whatever the backward's outcome.
-  std::unique_ptr<SavedEntry> saved = std::move(it->second);
-  saved_.erase(it);
+  InterruptScope interrupt(*ops_, call, "Backward");
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(saved.recipe)));
   layers::LayerGrads grads;
-  RETURN_IF_ERROR(layer->layer->Backward(*ops_, &layer->vars, *saved->saved, dy, &grads));
-  if (layers::HasFp8Metas(PtrOf(saved->recipe))) {
-    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *saved->recipe, &layer->vars));
+  RETURN_IF_ERROR(layer->layer->Backward(*ops_, &vars, *saved.saved, dy, &grads));
+  if (layers::HasFp8Metas(PtrOf(saved.recipe))) {
+    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *saved.recipe, &vars));
   }
   OutputEncoder encoder(this);
   RETURN_IF_ERROR(encoder.Encode(grads.dx, request.keep_outputs(), false, response->mutable_dx()));
@@ -302,26 +349,39 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
     RETURN_IF_ERROR(encoder.Encode(dextra, request.keep_outputs(), false,
                                    response->add_extra_input_grads()));
   }
-  if (request.keep_grads()) return AccumulateGrads(grads.params, "grads", &layer->grads);
-  for (const auto& [name, grad] : grads.params) {
-    te::v1::Variable* out = response->add_grads();
-    std::string collection;
-    SplitVariableName(name, &collection, out->mutable_path());
-    out->set_collection("grads");
-    RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
+  if (!request.keep_grads()) {
+    for (const auto& [name, grad] : grads.params) {
+      te::v1::Variable* out = response->add_grads();
+      std::string collection;
+      SplitVariableName(name, &collection, out->mutable_path());
+      out->set_collection("grads");
+      RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
+    }
   }
+  // Commit (contract 2). The accumulation adds in place (no second copy of
+  // the gradients): after this point only a device fault can fail it.
+  RETURN_IF_ERROR(call.StillWanted("Backward"));
+  layer->vars = std::move(vars);
+  saved_.erase(it);
+  if (request.keep_grads()) return AccumulateGrads(grads.params, "grads", &layer->grads);
   return absl::OkStatus();
 }
 
 // ---- ForwardBackward -------------------------------------------------------------------
 
 absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& request,
-                                      te::v1::ForwardBackwardResponse* response) {
+                                      te::v1::ForwardBackwardResponse* response,
+                                      const CallContext& call) {
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   if (request.micro_batches_size() == 0) {
     return absl::InvalidArgumentError("micro_batches: empty; give at least one (x, dy)");
+  }
+  if (request.micro_batches_size() > config_.max_micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro_batches: ", request.micro_batches_size(), " given; this server takes at most ",
+        config_.max_micro_batches, " per call (--max_micro_batches); split them over calls"));
   }
   // Every micro-batch is validated before the first one runs.
   std::vector<CheckedInputs> inputs;
@@ -336,9 +396,12 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     inputs.push_back(std::move(in));
     dys.push_back(std::move(dy));
   }
+  InterruptScope interrupt(*ops_, call, "ForwardBackward");
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
   OutputEncoder encoder(this);
   layers::Variables grad_sum;  // "grads/..."
   for (size_t i = 0; i < inputs.size(); ++i) {
+    RETURN_IF_ERROR(call.StillWanted(absl::StrCat("ForwardBackward, before micro_batches[", i, "]")));
     ASSIGN_OR_RETURN(layers::LayerInputs in, MaterializeInputs(inputs[i]));
     ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dys[i]));
     layers::ForwardOptions opts;
@@ -347,21 +410,26 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     opts.fp8 = PtrOf(fp8);
     double value = 0.0;
     layers::LayerGrads grads;
-    RETURN_IF_ERROR(Step(*layer, &layer->vars, in, dy, opts, &value, &grads));
+    RETURN_IF_ERROR(Step(*layer, &vars, in, dy, opts, &value, &grads));
     response->add_values(value);
     if (request.return_dx()) {
       RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));
     }
     RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &grad_sum));
   }
-  if (!request.return_grads()) return AccumulateGrads(grad_sum, "grads", &layer->grads);
-  for (const auto& [name, grad] : grad_sum) {
-    te::v1::Variable* out = response->add_grads();
-    std::string collection;
-    SplitVariableName(name, &collection, out->mutable_path());
-    out->set_collection("grads");
-    RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
+  if (request.return_grads()) {
+    for (const auto& [name, grad] : grad_sum) {
+      te::v1::Variable* out = response->add_grads();
+      std::string collection;
+      SplitVariableName(name, &collection, out->mutable_path());
+      out->set_collection("grads");
+      RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
+    }
   }
+  // Commit (contract 2), as Backward does.
+  RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
+  layer->vars = std::move(vars);
+  if (!request.return_grads()) return AccumulateGrads(grad_sum, "grads", &layer->grads);
   return absl::OkStatus();
 }
 
@@ -401,14 +469,9 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   if (dy_checked) {
     ASSIGN_OR_RETURN(dy, Materialize(*ops_, *dy_checked));
   }
-  // The benchmark's steps move a copy of the FP8 state, not the session's.
-  layers::Variables vars = layer->vars;
-  for (auto& [name, tensor] : vars) {
-    if (!absl::StartsWith(name, "fp8_metas/")) continue;
-    ASSIGN_OR_RETURN(Tensor copy, ops_->Allocate(tensor.dtype(), tensor.shape()));
-    RETURN_IF_ERROR(ops_->Copy(tensor, &copy));
-    tensor = copy;
-  }
+  InterruptScope interrupt(*ops_, call, "Benchmark");
+  // The benchmark's steps move a copy of the FP8 state, never committed.
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
   opts.dropout_seed = mb.dropout_seed();
