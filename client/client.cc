@@ -94,6 +94,10 @@ void SetAffinityHeader(grpc::ClientContext* context, const std::string& affinity
   context->AddMetadata(kAffinityHeader, affinity_key);
 }
 
+bool NoneInFlight(std::set<std::shared_ptr<grpc::ClientContext>>* in_flight) {
+  return in_flight->empty();
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -185,7 +189,28 @@ Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions op
   }
 }
 
-Session::~Session() { Close().IgnoreError(); }
+Session::~Session() {
+  // The close is numbered after every Async call, so the server answers those first.
+  Close().IgnoreError();
+  std::vector<std::shared_ptr<grpc::ClientContext>> late;
+  {
+    absl::MutexLock lock(&async_mu_);
+    if (!async_mu_.AwaitWithTimeout(absl::Condition(&NoneInFlight, &in_flight_), absl::Seconds(10))) {
+      late.assign(in_flight_.begin(), in_flight_.end());
+    }
+  }
+  // Outside the lock: a cancelled call's callback may run inside TryCancel.
+  for (const std::shared_ptr<grpc::ClientContext>& context : late) context->TryCancel();
+  late.clear();
+  absl::MutexLock lock(&async_mu_);
+  async_mu_.Await(absl::Condition(&NoneInFlight, &in_flight_));
+}
+
+te::v1::SessionRef Session::NextRef() {
+  te::v1::SessionRef ref = ref_;
+  ref.set_sequence(next_sequence_.fetch_add(1, std::memory_order_relaxed));
+  return ref;
+}
 
 void Session::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
   context->set_deadline(DeadlineAfter(std::min(options_.rpc_timeout, timeout)));
@@ -204,10 +229,10 @@ absl::Status Session::CallStatus(const grpc::Status& status) const {
 absl::Status Session::Close() {
   if (closed_.exchange(true)) return absl::OkStatus();
   te::v1::CloseSessionRequest request;
-  *request.mutable_session() = ref_;
   grpc::ClientContext context;
   // Closing should not hold a destructor for the full RPC timeout.
   PrepareContext(&context, absl::Seconds(10));
+  *request.mutable_session() = NextRef();
   te::v1::CloseSessionResponse response;
   return CallStatus(stub_->CloseSession(&context, request, &response));
 }
@@ -234,9 +259,9 @@ absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
   std::unique_ptr<grpc::ClientWriter<te::v1::PutTensorChunk>> writer = stub_->PutTensor(&context, &response);
   te::v1::PutTensorChunk chunk;
   te::v1::PutTensorHeader* header = chunk.mutable_header();
-  *header->mutable_session() = ref_;
   header->mutable_tensor()->set_dtype(ToProtoDType(tensor.dtype()));
   for (int64_t d : tensor.shape()) header->mutable_tensor()->add_shape(d);
+  *header->mutable_session() = NextRef();
   bool open = writer->Write(chunk);
   const std::string& bytes = tensor.bytes();
   const size_t step = std::max<size_t>(options_.chunk_bytes, 1);
@@ -255,11 +280,11 @@ absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
 absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
   ++counts_.streamed_tensors;
   te::v1::GetTensorRequest request;
-  *request.mutable_session() = ref_;
   request.set_tensor_id(tensor_id);
   request.set_chunk_bytes(static_cast<int32_t>(options_.chunk_bytes));
   grpc::ClientContext context;
   PrepareContext(&context);
+  *request.mutable_session() = NextRef();
   std::unique_ptr<grpc::ClientReader<te::v1::TensorChunk>> reader = stub_->GetTensor(&context, request);
   te::v1::TensorChunk chunk;
   te::v1::TensorHeader header;
@@ -290,10 +315,10 @@ absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
 
 absl::Status Session::Delete(const std::string& tensor_id) {
   te::v1::DeleteTensorRequest request;
-  *request.mutable_session() = ref_;
   request.set_tensor_id(tensor_id);
   grpc::ClientContext context;
   PrepareContext(&context);
+  *request.mutable_session() = NextRef();
   te::v1::DeleteTensorResponse response;
   return CallStatus(stub_->DeleteTensor(&context, request, &response));
 }
@@ -308,10 +333,10 @@ absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
 
 // One unary call with the session filled in. `Rpc` is a Stub member function.
 #define TE_CLIENT_UNARY(Rpc, Response)                                          \
-  *request.mutable_session() = ref_;                                            \
   grpc::ClientContext context;                                                  \
   PrepareContext(&context);                                                     \
   te::v1::Response response;                                                    \
+  *request.mutable_session() = NextRef();                                       \
   absl::Status status = CallStatus(stub_->Rpc(&context, request, &response));     \
   if (!status.ok()) return status;
 
@@ -352,6 +377,71 @@ absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRe
 }
 
 #undef TE_CLIENT_UNARY
+
+template <typename Request, typename Response>
+std::future<absl::StatusOr<Response>> Session::CallAsync(AsyncRpc<Request, Response> rpc,
+                                                         Request request) {
+  // What the call needs until its callback has run, owned by the callback.
+  struct Call {
+    grpc::ClientContext context;
+    Request request;
+    Response response;
+    std::promise<absl::StatusOr<Response>> done;
+  };
+  auto call = std::make_shared<Call>();
+  call->request = std::move(request);
+  PrepareContext(&call->context);
+  std::shared_ptr<grpc::ClientContext> context(call, &call->context);
+  {
+    absl::MutexLock lock(&async_mu_);
+    in_flight_.insert(context);
+  }
+  std::future<absl::StatusOr<Response>> result = call->done.get_future();
+  // Numbered here, in the caller's thread, so the numbers follow the order of
+  // the caller's Async calls whichever gets onto the wire first.
+  *call->request.mutable_session() = NextRef();
+  (stub_->async()->*rpc)(&call->context, &call->request, &call->response,
+                         [this, call, context](grpc::Status status) {
+                           absl::Status answer = CallStatus(status);
+                           if (answer.ok()) {
+                             call->done.set_value(std::move(call->response));
+                           } else {
+                             call->done.set_value(std::move(answer));
+                           }
+                           // Last: the destructor may go on once it is gone.
+                           absl::MutexLock lock(&async_mu_);
+                           in_flight_.erase(context);
+                         });
+  return result;
+}
+
+std::future<absl::StatusOr<te::v1::ForwardResponse>> Session::ForwardAsync(
+    te::v1::ForwardRequest request) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Forward, std::move(request));
+}
+
+std::future<absl::StatusOr<te::v1::BackwardResponse>> Session::BackwardAsync(
+    te::v1::BackwardRequest request) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Backward, std::move(request));
+}
+
+std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> Session::ForwardBackwardAsync(
+    te::v1::ForwardBackwardRequest request) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::ForwardBackward,
+                   std::move(request));
+}
+
+std::future<absl::StatusOr<te::v1::GetVariablesResponse>> Session::GetVariablesAsync(
+    te::v1::GetVariablesRequest request) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::GetVariables,
+                   std::move(request));
+}
+
+std::future<absl::StatusOr<te::v1::SetVariablesResponse>> Session::SetVariablesAsync(
+    te::v1::SetVariablesRequest request) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::SetVariables,
+                   std::move(request));
+}
 
 absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vector<std::string>* uploaded) {
   const Transport how = TransportFor(tensor.bytes().size());

@@ -9,20 +9,24 @@
 //
 // A Client is a connection; it is thread-safe. A Session is one server-side
 // session (parameters, FP8 state, resident tensors); its methods are
-// thread-safe, and the server runs one session's calls one at a time, in
-// arrival order. Every error is an absl::Status carrying the server's code
-// and message unchanged (the transport's own failures arrive as UNAVAILABLE or
-// DEADLINE_EXCEEDED). Companion headers: tensor.h (HostTensor), recipe.h
-// (recipes, Autocast), modules.h (the modules), sequential.h, speedometer.h.
+// thread-safe, and the server runs one session's calls one at a time, in the
+// order the Session numbers them ("Call order", at class Session). Every
+// error is an absl::Status carrying the server's code and message unchanged
+// (the transport's own failures arrive as UNAVAILABLE or DEADLINE_EXCEEDED).
+// Companion headers: tensor.h (HostTensor), recipe.h (recipes, Autocast),
+// modules.h (the modules), sequential.h, speedometer.h.
 #ifndef TE_CLIENT_CLIENT_H_
 #define TE_CLIENT_CLIENT_H_
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -102,9 +106,22 @@ struct ResidentTensor {
   Shape shape;
 };
 
+// Call order. Every call a Session makes (the raw calls, the PutTensor and
+// GetTensor streams behind Put, Get, Send and Receive, Delete, Close) carries
+// the session's next number (SessionRef.sequence: 1, 2, 3, ...), taken as the
+// request is sent; a call made again gets a new number. The server runs the
+// session's calls in that order, whatever order they arrive in, so a caller
+// need not wait for one call's answer before sending the next (the Async
+// calls below), and calls from several threads run in the order they took
+// their numbers. A call that took a number but never reached the server (the
+// connection dropped) leaves a gap: the session's later calls wait for it
+// and end ABORTED, naming the missing number, after the server's
+// --sequence_gap_seconds.
 class Session {
  public:
-  // Closes the session (best effort: errors are dropped; call Close() to see them).
+  // Closes the session (best effort: errors are dropped; call Close() to see
+  // them), then waits for its Async calls: those the server has not answered
+  // within 10 s of the close are cancelled (their futures end CANCELLED).
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -147,6 +164,30 @@ class Session {
   absl::Status SetVariables(te::v1::SetVariablesRequest request);
   absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(te::v1::BenchmarkRequest request);
 
+  // --- Pipelined step calls. Each takes its number in the session's order
+  // (Call order, above) before it returns, sends the request without waiting
+  // for the session's earlier calls to answer, and returns a future of what
+  // the synchronous form gives: the response on success (SetVariables: an
+  // empty response), else the server's status unchanged (the transport's own
+  // failures as UNAVAILABLE or DEADLINE_EXCEEDED after rpc_timeout; ABORTED
+  // when the server gave up waiting for a lower number of this session;
+  // RESOURCE_EXHAUSTED when more calls wait for the device than its queue
+  // holds, te_server's --executor_queue). So
+  //   auto set = session.SetVariablesAsync(write);
+  //   auto got = session.GetVariablesAsync(read);  // sees what `write` set
+  // runs `write` then `read` on the server with no round trip between them. The
+  // request's tensors must already be inline, resident or in shared memory
+  // (Send); Receive the response's. Thread-safe; the futures may be waited on
+  // from any thread, in any order, and each is set exactly once.
+  std::future<absl::StatusOr<te::v1::ForwardResponse>> ForwardAsync(te::v1::ForwardRequest request);
+  std::future<absl::StatusOr<te::v1::BackwardResponse>> BackwardAsync(te::v1::BackwardRequest request);
+  std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> ForwardBackwardAsync(
+      te::v1::ForwardBackwardRequest request);
+  std::future<absl::StatusOr<te::v1::GetVariablesResponse>> GetVariablesAsync(
+      te::v1::GetVariablesRequest request);
+  std::future<absl::StatusOr<te::v1::SetVariablesResponse>> SetVariablesAsync(
+      te::v1::SetVariablesRequest request);
+
   // A request tensor for `tensor`, by the session's transport: inline,
   // uploaded with Put, or written to shared memory (its id, or its block as
   // "shm:...", appended to *uploaded, for the caller to DeleteAll after the call).
@@ -174,6 +215,16 @@ class Session {
                       absl::Duration timeout = absl::InfiniteDuration()) const;
   // A call's status; an UNAVAILABLE from a pinned replica names its address.
   absl::Status CallStatus(const grpc::Status& status) const;
+  // The session reference for a call being sent now: its next number in the
+  // session's order (Call order).
+  te::v1::SessionRef NextRef();
+
+  // One Async call: `rpc` is the stub's callback-API method.
+  template <typename Request, typename Response>
+  using AsyncRpc = void (te::v1::TeService::StubInterface::async_interface::*)(
+      grpc::ClientContext*, const Request*, Response*, std::function<void(grpc::Status)>);
+  template <typename Request, typename Response>
+  std::future<absl::StatusOr<Response>> CallAsync(AsyncRpc<Request, Response> rpc, Request request);
 
   // Shared memory (transport.cc). The way a tensor of `bytes` goes now.
   Transport TransportFor(size_t bytes) const;
@@ -191,7 +242,8 @@ class Session {
   ClientOptions options_;
   const std::string affinity_key_;
   const std::string pinned_address_;
-  te::v1::SessionRef ref_;
+  te::v1::SessionRef ref_;  // sequence unset: NextRef numbers each call
+  std::atomic<uint64_t> next_sequence_{1};
   std::string id_;
   std::string device_;
   std::optional<Recipe> recipe_;
@@ -202,6 +254,10 @@ class Session {
   const Transport transport_;
   SharedMemoryPool shm_;
   TransportCounts counts_;
+  // The contexts of the Async calls not yet answered (their callbacks use
+  // this Session): the destructor waits for them, or cancels them.
+  absl::Mutex async_mu_;
+  std::set<std::shared_ptr<grpc::ClientContext>> in_flight_ ABSL_GUARDED_BY(async_mu_);
 };
 
 class Client {

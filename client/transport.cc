@@ -214,11 +214,11 @@ Transport Session::TransportFor(size_t bytes) const {
 
 absl::StatusOr<std::string> Session::RegisterRegion(const std::string& name, uint64_t size) {
   te::v1::RegisterSharedMemoryRequest request;
-  *request.mutable_session() = ref_;
   request.set_name(name);
   request.set_size(size);
   grpc::ClientContext context;
   PrepareContext(&context);
+  *request.mutable_session() = NextRef();
   te::v1::RegisterSharedMemoryResponse response;
   RETURN_IF_ERROR(CallStatus(stub_->RegisterSharedMemory(&context, request, &response)));
   return response.region_id();
@@ -235,11 +235,11 @@ absl::StatusOr<ResidentTensor> Session::PutShared(const HostTensor& tensor,
       stub_->PutTensor(&context, &response);
   te::v1::PutTensorChunk header;
   te::v1::PutTensorHeader* h = header.mutable_header();
-  *h->mutable_session() = ref_;
   h->mutable_tensor()->set_dtype(ToProtoDType(tensor.dtype()));
   for (int64_t d : tensor.shape()) h->mutable_tensor()->add_shape(d);
   h->mutable_shm()->set_region_id(block.region_id);
   h->mutable_shm()->set_offset(block.offset);
+  *h->mutable_session() = NextRef();
   writer->Write(header);  // a failure shows in Finish
   writer->WritesDone();
   RETURN_IF_ERROR(CallStatus(writer->Finish()));
@@ -251,12 +251,12 @@ absl::StatusOr<HostTensor> Session::GetShared(const std::string& tensor_id, DTyp
                                               const SharedMemoryPool::Block& block) {
   ++counts_.shm_tensors;
   te::v1::GetTensorRequest request;
-  *request.mutable_session() = ref_;
   request.set_tensor_id(tensor_id);
   request.mutable_destination()->set_region_id(block.region_id);
   request.mutable_destination()->set_offset(block.offset);
   grpc::ClientContext context;
   PrepareContext(&context);
+  *request.mutable_session() = NextRef();
   std::unique_ptr<grpc::ClientReader<te::v1::TensorChunk>> reader =
       stub_->GetTensor(&context, request);
   te::v1::TensorChunk chunk;

@@ -5,8 +5,24 @@
         ...   # modules' init / apply use this session while the block runs
 
 A Client is thread-safe. A Session's calls are thread-safe; the server runs
-one session's calls one at a time, in arrival order. Every failure is a
-TeError carrying the server's gRPC code and message (errors.py).
+one session's calls one at a time, in the order the session numbers them.
+Every failure is a TeError carrying the server's gRPC code and message
+(errors.py).
+
+Call order: every call of a session (Session.call and call_async, the
+PutTensor header of put / send, get's GetTensor request, close) carries the
+session's next number (SessionRef.sequence: 1, 2, 3, ...), taken in the
+calling thread as the request is sent; a call made again gets a new number.
+The server runs the session's calls in that order whatever order they arrive
+in, so call_async may send the next call before the last one has answered:
+
+    set_ = session.call_async("SetVariables", write)
+    got = session.call_async("GetVariables", read)   # sees what `write` set
+    got.result()
+
+A call that took a number but never reached the server leaves a gap: the
+session's later calls wait for it and fail with a TeError of code ABORTED
+(naming the missing number) after the server's --sequence_gap_seconds.
 
 Transport (transport.py; Options.transport, or per session): with "auto", a
 tensor of at most `inline_tensor_bytes` travels inside the request; a larger
@@ -24,8 +40,10 @@ on one replica. When CreateSession answers with the replica's own
 `server_address` and it differs from the address connected to, the session's
 later calls go straight there (Options.pin_to_replica; same channel settings).
 """
+import concurrent.futures
 import contextvars
 import dataclasses
+import itertools
 import secrets
 import threading
 
@@ -221,6 +239,8 @@ class Session:
         self.transport_counts = transport_lib.TransportCounts()
         self.closed = False
         self._tokens = []
+        self._sequence = itertools.count(1)
+        self._sequence_lock = threading.Lock()
         self._stub = stub
         self._metadata = ((AFFINITY_HEADER, affinity_key),)
         self._shm = transport_lib.SharedMemoryPool(
@@ -269,21 +289,59 @@ class Session:
         return self._shm.region_names()
 
     def call(self, method, request):
-        """A raw TeService call with this session's reference and affinity key filled in."""
+        """A raw TeService call with this session's reference (and its next
+        number in the session's order) and affinity key filled in."""
         if hasattr(request, "session"):
-            request.session.CopyFrom(self._ref)
+            self._number(request.session)
         return self._invoke(lambda: getattr(self._stub, method)(
             request, timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+
+    def call_async(self, method, request):
+        """`call` without waiting: takes the call's number in the session's
+        order now, in the calling thread, sends the request and returns a
+        concurrent.futures.Future. Its result() is what `call` returns, or
+        raises what `call` raises (the server's TeError; code ABORTED when the
+        server gave up waiting for a lower number of this session). The
+        request's tensors must already be inline, resident or in shared
+        memory (send); receive the response's. Thread-safe."""
+        if hasattr(request, "session"):
+            self._number(request.session)
+        result = concurrent.futures.Future()
+        result.set_running_or_notify_cancel()
+
+        def done(call):
+            try:
+                result.set_result(call.result())
+            except grpc.RpcError as e:
+                result.set_exception(self._error(e))
+            except grpc.FutureCancelledError:
+                result.set_exception(errors.error(grpc.StatusCode.CANCELLED, "%s: cancelled" % method))
+
+        getattr(self._stub, method).future(request, timeout=self.client.options.rpc_timeout,
+                                           metadata=self._metadata).add_done_callback(done)
+        return result
+
+    def _number(self, ref):
+        """Fills `ref` (a request's SessionRef) in as this session's, with the
+        next number of its order."""
+        ref.CopyFrom(self._ref)
+        with self._sequence_lock:
+            ref.sequence = next(self._sequence)
 
     def _invoke(self, rpc):
         try:
             return rpc()
         except grpc.RpcError as e:
-            error = errors.from_rpc_error(e)
+            raise self._error(e) from None
+
+    def _error(self, rpc_error):
+        """A grpc.RpcError of this session's as a TeError; an UNAVAILABLE
+        from a pinned replica names its address."""
+        error = errors.from_rpc_error(rpc_error)
         if self.pinned and error.code == grpc.StatusCode.UNAVAILABLE:
             error = errors.UnavailableError("the replica at %s (this session's pinned server_address): %s" % (
                 self.address, error.message))
-        raise error
+        return error
 
     # ---- transport ------------------------------------------------------------------
 
@@ -343,7 +401,7 @@ class Session:
             header = service_pb2.PutTensorHeader(
                 tensor=tensor_pb2.TensorHeader(dtype=wire, shape=shape),
                 shm=tensor_pb2.SharedMemoryRef(region_id=block.region_id, offset=block.offset))
-            header.session.CopyFrom(self._ref)
+            self._number(header.session)
             response = self._invoke(lambda: self._stub.PutTensor(
                 iter([service_pb2.PutTensorChunk(header=header)]),
                 timeout=self.client.options.rpc_timeout, metadata=self._metadata))
@@ -354,10 +412,11 @@ class Session:
 
     def _put_streamed(self, wire, shape, data):
         step = max(int(self.client.options.chunk_bytes), 1)
+        # Numbered here, not in the generator: gRPC may draw the chunks on a thread of its own.
+        header = service_pb2.PutTensorHeader(tensor=tensor_pb2.TensorHeader(dtype=wire, shape=shape))
+        self._number(header.session)
 
         def chunks():
-            header = service_pb2.PutTensorHeader(tensor=tensor_pb2.TensorHeader(dtype=wire, shape=shape))
-            header.session.CopyFrom(self._ref)
             yield service_pb2.PutTensorChunk(header=header)
             view = memoryview(data)
             for offset in range(0, len(data), step):
@@ -380,9 +439,9 @@ class Session:
                 block = self._allocate(nbytes)
         request = service_pb2.GetTensorRequest(tensor_id=getattr(tensor_id, "id", tensor_id),
                                                chunk_bytes=self.client.options.chunk_bytes)
-        request.session.CopyFrom(self._ref)
         if block is not None:
             request.destination.region_id, request.destination.offset = block.region_id, block.offset
+        self._number(request.session)
         try:
             chunks = self._invoke(lambda: list(self._stub.GetTensor(
                 request, timeout=self.client.options.rpc_timeout, metadata=self._metadata)))

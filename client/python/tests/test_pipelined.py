@@ -1,0 +1,234 @@
+"""A session's call order (SessionRef.sequence) and Session.call_async.
+
+The numbering, against a fake TeService in this process that records the
+number each call carries: every call of a session takes the next one as it is
+sent (the PutTensor header and GetTensor included), a repeated call a new one,
+concurrent callers unique ones, and call_async its own before it returns. The
+ordering, against a real te_server: calls all sent before any answer is read
+run in the order they were numbered, so each read sees the write sent just
+before it.
+"""
+import concurrent.futures
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+import te_client as te
+from conftest import start_server
+from te_client import client as client_lib
+
+service_pb2, service_pb2_grpc = client_lib.service_pb2, client_lib.service_pb2_grpc
+tensor_pb2, layers_pb2 = client_lib.tensor_pb2, client_lib.layers_pb2
+
+HIDDEN = 8
+
+
+class RecordingService(service_pb2_grpc.TeServiceServicer):
+    """Answers at once and records (method, sequence) of every session call;
+    GetVariables answers one variable whose path is the number it carried."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls = []
+
+    def calls(self):
+        with self._lock:
+            return list(self._calls)
+
+    def sequences(self):
+        return sorted(number for _, number in self.calls())
+
+    def _record(self, method, ref):
+        with self._lock:
+            self._calls.append((method, ref.sequence))
+
+    def CreateSession(self, request, context):
+        return service_pb2.CreateSessionResponse(
+            session=service_pb2.SessionRef(session_id="s1", token="t1"), device="cpu")
+
+    def CloseSession(self, request, context):
+        self._record("CloseSession", request.session)
+        return service_pb2.CloseSessionResponse()
+
+    def PutTensor(self, request_iterator, context):
+        for chunk in request_iterator:
+            if chunk.WhichOneof("part") == "header":
+                self._record("PutTensor", chunk.header.session)
+        return service_pb2.PutTensorResponse(tensor_id="r1", bytes=4)
+
+    def GetTensor(self, request, context):
+        self._record("GetTensor", request.session)
+        yield service_pb2.TensorChunk(header=tensor_pb2.TensorHeader(dtype=tensor_pb2.FLOAT32, shape=[1]))
+        yield service_pb2.TensorChunk(data=np.float32(2.0).tobytes())
+
+    def DeleteTensor(self, request, context):
+        self._record("DeleteTensor", request.session)
+        return service_pb2.DeleteTensorResponse()
+
+    def Forward(self, request, context):
+        # Refused, as a bad request is: the number is spent all the same.
+        self._record("Forward", request.session)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "x: missing")
+
+    def GetVariables(self, request, context):
+        self._record("GetVariables", request.session)
+        return service_pb2.GetVariablesResponse(
+            variables=[service_pb2.Variable(path=str(request.session.sequence))])
+
+    def SetVariables(self, request, context):
+        self._record("SetVariables", request.session)
+        return service_pb2.SetVariablesResponse()
+
+
+@pytest.fixture
+def fake():
+    service = RecordingService()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8))
+    service_pb2_grpc.add_TeServiceServicer_to_server(service, server)
+    address = "127.0.0.1:%d" % server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = te.connect(address, transport="stream")
+    yield client, service
+    client.close()
+    server.stop(grace=None)
+
+
+def test_every_call_takes_the_next_number_as_it_is_sent(fake):
+    client, service = fake
+    session = client.session()
+    resident = session.put(np.full(1, 2.0, np.float32))
+    np.testing.assert_array_equal(session.get(resident), [2.0])
+    session.delete(resident)
+    for _ in range(2):          # made again: a new number
+        with pytest.raises(te.InvalidArgumentError, match="x: missing"):
+            session.call("Forward", service_pb2.ForwardRequest())
+    session.call("SetVariables", service_pb2.SetVariablesRequest())
+    session.close()
+    assert service.calls() == [("PutTensor", 1), ("GetTensor", 2), ("DeleteTensor", 3), ("Forward", 4),
+                               ("Forward", 5), ("SetVariables", 6), ("CloseSession", 7)]
+
+
+def test_call_async_numbers_in_program_order_before_any_answer(fake):
+    client, service = fake
+    with client.session() as session:
+        rounds = 50
+        sent = []
+        for _ in range(rounds):
+            sent.append((session.call_async("SetVariables", service_pb2.SetVariablesRequest()),
+                         session.call_async("GetVariables", service_pb2.GetVariablesRequest())))
+        for i, (set_, get) in enumerate(sent):
+            set_.result(timeout=30)
+            # The i-th pair took 2i+1 and 2i+2, whatever order they reached the fake in.
+            assert [v.path for v in get.result(timeout=30).variables] == [str(2 * i + 2)]
+        assert service.sequences() == list(range(1, 2 * rounds + 1))
+        session.call("SetVariables", service_pb2.SetVariablesRequest())   # the same order goes on
+        assert service.calls()[-1] == ("SetVariables", 2 * rounds + 1)
+
+
+def test_call_async_failures_are_the_same_te_errors(fake):
+    client, _ = fake
+    with client.session() as session:
+        future = session.call_async("Forward", service_pb2.ForwardRequest())
+        with pytest.raises(te.InvalidArgumentError, match="x: missing"):
+            future.result(timeout=30)
+        assert isinstance(future.exception(), te.InvalidArgumentError)
+
+
+def test_concurrent_callers_get_unique_numbers(fake):
+    client, service = fake
+    with client.session() as session:
+        def work(t):
+            for i in range(25):
+                if (t + i) % 2:
+                    session.call_async("GetVariables", service_pb2.GetVariablesRequest()).result(timeout=30)
+                else:
+                    session.call("SetVariables", service_pb2.SetVariablesRequest())
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(work, range(8)))
+        assert service.sequences() == list(range(1, 8 * 25 + 1))
+
+
+# ---- against the real server ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """A server of this module's own: every call is sent before any answer is
+    read, so its device queue has room for all of them (the default 64 would
+    refuse the excess with RESOURCE_EXHAUSTED, back-pressure, not order)."""
+    with start_server(tmp_path_factory.mktemp("te_server_pipelined"), "--executor_queue=1024") as server:
+        c = te.connect(server.address)
+        yield c
+        c.close()
+
+
+def _init_layer_norm(session):
+    """A LayerNorm over HIDDEN features (params/scale, params/bias); its layer id."""
+    request = service_pb2.InitLayerRequest(spec=layers_pb2.LayerSpec(layer_norm=layers_pb2.LayerNorm()),
+                                           seed=1, input_dtype=tensor_pb2.FLOAT32, input_shape=[2, HIDDEN])
+    return session.call("InitLayer", request).layer_id
+
+
+def _set_scale(layer_id, value):
+    scale = tensor_pb2.Tensor(dtype=tensor_pb2.FLOAT32, shape=[HIDDEN],
+                              inline_data=np.full(HIDDEN, value, np.float32).tobytes())
+    return service_pb2.SetVariablesRequest(
+        layer_id=layer_id, variables=[service_pb2.Variable(collection="params", path="scale", value=scale)])
+
+
+def _scale_of(response):
+    found = [v.value for v in response.variables if (v.collection, v.path) == ("params", "scale")]
+    assert len(found) == 1, [(v.collection, v.path) for v in response.variables]
+    return np.frombuffer(found[0].inline_data, np.float32)
+
+
+def _pipeline_set_then_get(session, rounds):
+    """`rounds` of SetVariables(scale = i) then GetVariables, all sent before
+    any answer is read; each read sees its own round's value, and the session
+    ends with the last."""
+    layer_id = _init_layer_norm(session)
+    read = service_pb2.GetVariablesRequest(layer_id=layer_id, collections=["params"])
+    sent = [(session.call_async("SetVariables", _set_scale(layer_id, i)),
+             session.call_async("GetVariables", read)) for i in range(1, rounds + 1)]
+    for i, (set_, get) in enumerate(sent, start=1):
+        set_.result(timeout=120)
+        np.testing.assert_array_equal(_scale_of(get.result(timeout=120)), np.full(HIDDEN, i, np.float32),
+                                      err_msg="the GetVariables sent after SetVariables(%d)" % i)
+    final = session.call("GetVariables", service_pb2.GetVariablesRequest(layer_id=layer_id, collections=["params"]))
+    np.testing.assert_array_equal(_scale_of(final), np.full(HIDDEN, rounds, np.float32))
+
+
+def test_each_get_variables_reads_the_set_variables_just_before_it(client):
+    with client.session() as session:
+        _pipeline_set_then_get(session, rounds=50)
+
+
+def test_sessions_pipelined_at_once_keep_their_own_order(client):
+    sessions = [client.session() for _ in range(4)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(sessions)) as pool:
+            list(pool.map(lambda s: _pipeline_set_then_get(s, rounds=25), sessions))
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def test_each_forward_uses_the_scale_set_just_before_it(client, rng):
+    with client.session() as session:
+        layer_id = _init_layer_norm(session)
+        x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+        forward = service_pb2.ForwardRequest(layer_id=layer_id, deterministic=True, x=tensor_pb2.Tensor(
+            dtype=tensor_pb2.FLOAT32, shape=list(x.shape), inline_data=x.tobytes()))
+        # y = normalized(x) * scale + bias, bias 0 from init: y(scale s) = s * y(scale 1).
+        session.call("SetVariables", _set_scale(layer_id, 1.0))
+        unit = np.frombuffer(session.call("Forward", forward).y.inline_data, np.float32)
+        rounds = 20
+        sent = [(session.call_async("SetVariables", _set_scale(layer_id, i)),
+                 session.call_async("Forward", forward)) for i in range(1, rounds + 1)]
+        for i, (set_, y) in enumerate(sent, start=1):
+            set_.result(timeout=120)
+            np.testing.assert_allclose(np.frombuffer(y.result(timeout=120).y.inline_data, np.float32), i * unit,
+                                       rtol=1e-5, atol=1e-6 * i,
+                                       err_msg="the Forward sent after SetVariables(%d)" % i)
