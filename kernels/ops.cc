@@ -24,15 +24,30 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
                      " would exceed the memory limit of ", memory_limit_, " bytes (",
                      bytes_in_use_->load(), " in use)"));
   }
+  std::shared_ptr<SharedMemoryAccount> shared = shared_account_;
+  if (shared != nullptr) {
+    const int64_t before = shared->in_use.fetch_add(static_cast<int64_t>(bytes));
+    if (static_cast<int64_t>(bytes) > shared->limit - before) {
+      shared->in_use -= static_cast<int64_t>(bytes);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "allocating ", bytes, " bytes for ", ShapeString(shape), " ", DTypeName(dtype),
+          ": the sessions on ", device_name(), " already hold ", before, " of the ",
+          shared->limit, " bytes the device has for them; retry later"));
+    }
+  }
   auto raw = AllocateBytes(bytes);
-  if (!raw.ok()) return raw.status();
+  if (!raw.ok()) {
+    if (shared != nullptr) shared->in_use -= static_cast<int64_t>(bytes);
+    return raw.status();
+  }
   std::shared_ptr<void> memory = *std::move(raw);
   void* data = memory.get();
   *bytes_in_use_ += static_cast<int64_t>(bytes);
-  // The account outlives this Ops if a tensor does.
+  // The accounts outlive this Ops if a tensor does.
   std::shared_ptr<std::atomic<int64_t>> account = bytes_in_use_;
-  std::shared_ptr<void> storage(data, [memory, account, bytes](void*) mutable {
+  std::shared_ptr<void> storage(data, [memory, account, shared, bytes](void*) mutable {
     *account -= static_cast<int64_t>(bytes);
+    if (shared != nullptr) shared->in_use -= static_cast<int64_t>(bytes);
     memory.reset();
   });
   return Tensor(std::move(storage), data, dtype, std::move(shape));

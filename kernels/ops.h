@@ -102,6 +102,15 @@ struct RotaryArgs {
 //   timescale_i = min * (max/min)^(2i/D); angle = p / timescale_i
 //   (a, b) -> (a cos - b sin, b cos + a sin)
 
+// Memory that several Ops share (all the sessions on one device), with a
+// limit over all of them. For a device whose own allocator cannot say "no"
+// (the CPU's: Linux overcommits, and the OOM killer, not malloc, answers).
+struct SharedMemoryAccount {
+  explicit SharedMemoryAccount(int64_t limit_bytes) : limit(limit_bytes) {}
+  const int64_t limit;
+  std::atomic<int64_t> in_use{0};
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -117,6 +126,11 @@ class Ops {
   int64_t bytes_in_use() const { return bytes_in_use_->load(); }
   int64_t memory_limit() const { return memory_limit_; }
   void set_memory_limit(int64_t bytes) { memory_limit_ = bytes; }
+  // Every allocation also draws on `account` (RESOURCE_EXHAUSTED past its
+  // limit); none by default.
+  void set_shared_account(std::shared_ptr<SharedMemoryAccount> account) {
+    shared_account_ = std::move(account);
+  }
 
   // ---- interruption -----------------------------------------------------
   // A check the caller installs for the length of one piece of work (a
@@ -336,6 +350,7 @@ class Ops {
   // Atomic: a tensor may be freed on another thread than the one that made it.
   std::shared_ptr<std::atomic<int64_t>> bytes_in_use_ = std::make_shared<std::atomic<int64_t>>(0);
   int64_t memory_limit_ = INT64_MAX;
+  std::shared_ptr<SharedMemoryAccount> shared_account_;
   InterruptCheck interrupt_check_;
 };
 

@@ -1,5 +1,9 @@
 // The CPU device: one per process; each NewOps() is an independent stream with
-// its own memory account.
+// its own memory account, and all of them draw on one account for the host's
+// memory (three quarters of its RAM), so that sessions that each fit their
+// limit cannot together drive the server into the OOM killer.
+#include <unistd.h>
+
 #include <memory>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -8,8 +12,18 @@
 namespace te {
 namespace {
 
+int64_t HostMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return int64_t{8} << 30;  // unknown: a modest host
+  return static_cast<int64_t>(pages) * page_size;
+}
+
 class CpuDevice : public Device {
  public:
+  CpuDevice()
+      : memory_(std::make_shared<SharedMemoryAccount>(HostMemoryBytes() / 4 * 3)) {}
+
   DeviceInfo info() const override {
     DeviceInfo info;
     info.name = "cpu";
@@ -17,6 +31,7 @@ class CpuDevice : public Device {
     info.compute_capability = 0;
     info.fp8_native = false;
     info.block_scaling_native = false;
+    info.memory_bytes = memory_->limit;
     return info;
   }
 
@@ -27,8 +42,12 @@ class CpuDevice : public Device {
     }
     auto ops = std::make_unique<CpuOps>();
     ops->set_memory_limit(memory_limit);
+    ops->set_shared_account(memory_);
     return std::unique_ptr<Ops>(std::move(ops));
   }
+
+ private:
+  const std::shared_ptr<SharedMemoryAccount> memory_;
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // Cast, Axpby, Permute, SumRows) against float64 references.
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 
 #include "gtest/gtest.h"
@@ -68,6 +69,50 @@ TEST(CpuMemoryTest, OverTheLimitIsResourceExhausted) {
   EXPECT_EQ(ops.Allocate(DType::kF32, {100}).status().code(),
             absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(ops.Allocate(DType::kF32, {56}).ok());
+}
+
+TEST(CpuMemoryTest, SizesPast2To63AreRefusedNotWrapped) {
+  CpuOps ops;
+  ops.set_memory_limit(1 << 20);
+  // 4 * 2^62 * 2^62: a product that wraps to 0 in int64.
+  const absl::StatusOr<Tensor> huge =
+      ops.Allocate(DType::kF32, {4, int64_t{1} << 62, int64_t{1} << 62});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_FALSE(CheckedNumElements({4, int64_t{1} << 62, int64_t{1} << 62}).has_value());
+  EXPECT_FALSE(CheckedNumBytes({int64_t{1} << 62}, DType::kF32).has_value());
+  EXPECT_FALSE(CheckedNumElements({3, -1}).has_value());
+  // An overflow before a zero dimension still says "out of range".
+  EXPECT_FALSE(CheckedNumElements({int64_t{1} << 62, 8, 0}).has_value());
+  EXPECT_EQ(CheckedNumElements({int64_t{1} << 62, 0, 8}), 0);
+  EXPECT_EQ(CheckedNumBytes({3, 5}, DType::kBF16), 30);
+  EXPECT_EQ(ops.bytes_in_use(), 0);
+}
+
+TEST(CpuDeviceTest, SessionsTogetherStayWithinTheDevicesMemory) {
+  // Two sessions' Ops, each under its own 1 MiB limit, sharing 1 MiB of device.
+  auto shared = std::make_shared<SharedMemoryAccount>(1 << 20);
+  CpuOps a, b;
+  for (CpuOps* ops : {&a, &b}) {
+    ops->set_memory_limit(1 << 20);
+    ops->set_shared_account(shared);
+  }
+  absl::StatusOr<Tensor> held = a.Allocate(DType::kF32, {150000});  // 600 kB
+  ASSERT_TRUE(held.ok()) << held.status();
+  const absl::StatusOr<Tensor> refused = b.Allocate(DType::kF32, {150000});
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("the sessions on cpu"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(b.bytes_in_use(), 0);
+  EXPECT_EQ(shared->in_use.load(), 600000);
+  held = absl::StatusOr<Tensor>(absl::CancelledError("freed"));  // a's tensor goes
+  EXPECT_EQ(shared->in_use.load(), 0);
+  EXPECT_TRUE(b.Allocate(DType::kF32, {150000}).ok());
+}
+
+TEST(CpuDeviceTest, TheDeviceReportsTheMemoryItsSessionsShare) {
+  auto device = OpenCpuDevice();
+  ASSERT_TRUE(device.ok());
+  EXPECT_GT((*device)->info().memory_bytes, int64_t{1} << 28);
 }
 
 TEST(CpuCopyTest, UploadDownloadRoundTrip) {
