@@ -20,9 +20,9 @@ QueuedCall::QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* con
 grpc::ServerUnaryReactor* QueuedCall::Start(const ServiceCore& core,
                                             grpc::CallbackServerContext* context, const char* rpc,
                                             std::string session_id, int device, std::string key,
-                                            uint64_t sequence, Work work) {
+                                            const te::v1::SessionRef* order, Work work) {
   auto* call = new QueuedCall(core, context, rpc, std::move(session_id));
-  call->Submit(device, std::move(key), sequence, std::move(work));
+  call->Submit(device, std::move(key), order, std::move(work));
   return call;
 }
 
@@ -37,7 +37,7 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
     return call;
   }
   const ServiceCore* shared = &core;
-  call->Submit(*device, ref.session_id(), ref.sequence(),
+  call->Submit(*device, ref.session_id(), &ref,
                [shared, ref, work = std::move(work)](const session::CallContext& context) {
                  ASSIGN_OR_RETURN(
                      session::SessionManager::Lease lease,
@@ -59,11 +59,12 @@ grpc::ServerUnaryReactor* QueuedCall::Immediate(const ServiceCore& core,
   return call;
 }
 
-void QueuedCall::Submit(int device, std::string key, uint64_t sequence, Work work) {
+void QueuedCall::Submit(int device, std::string key, const te::v1::SessionRef* order,
+                        Work work) {
   executor_ = &core_.devices->executor(device);
   session::DeviceExecutor::Call queued;
   queued.key = std::move(key);
-  queued.sequence = sequence;
+  if (order != nullptr) SetCallOrder(*order, &queued);
   queued.deadline = deadline_;
   queued.run = [this, work = std::move(work)](session::DeviceExecutor::Turn turn) {
     Run(std::move(turn), work);

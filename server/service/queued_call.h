@@ -40,12 +40,12 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
                                                  const session::CallContext& call)>;
 
   // Runs `work` on device `device`'s executor under `key` (contract 1), in
-  // the place `sequence` gives it among the key's numbered calls (0: none;
+  // the place `order` gives it among the key's numbered calls (null: none;
   // executor.h, contract 6). `session_id` is for the log ("" for none).
   static grpc::ServerUnaryReactor* Start(const ServiceCore& core,
                                          grpc::CallbackServerContext* context, const char* rpc,
                                          std::string session_id, int device, std::string key,
-                                         uint64_t sequence, Work work);
+                                         const te::v1::SessionRef* order, Work work);
   // Runs `work` in the turn of the session `ref` names (contract 2).
   static grpc::ServerUnaryReactor* OnSession(const ServiceCore& core,
                                              grpc::CallbackServerContext* context, const char* rpc,
@@ -63,7 +63,7 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
  private:
   QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* context, const char* rpc,
              std::string session_id);
-  void Submit(int device, std::string key, uint64_t sequence, Work work);
+  void Submit(int device, std::string key, const te::v1::SessionRef* order, Work work);
   void Run(session::DeviceExecutor::Turn turn, const Work& work);
   bool Cancelled() const;
   // Finishes the call; `this` may be gone when it returns.

@@ -36,6 +36,11 @@ LogLevel LevelFor(absl::StatusCode code) {
 
 // ---- ServiceCore --------------------------------------------------------------------
 
+void SetCallOrder(const te::v1::SessionRef& ref, session::DeviceExecutor::Call* call) {
+  call->sequence = ref.sequence();
+  call->abandoned.assign(ref.abandoned().begin(), ref.abandoned().end());
+}
+
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -169,7 +174,7 @@ grpc::ServerUnaryReactor* TeService::CreateSession(grpc::CallbackServerContext* 
   std::shared_ptr<void> pending = std::move(placed->second);
   return QueuedCall::Start(
       core_, context, "CreateSession", "", index, absl::StrCat("create-", creations_.fetch_add(1)),
-      0, [this, index, request, response, pending](const CallContext&) mutable -> absl::Status {
+      nullptr, [this, index, request, response, pending](const CallContext&) mutable -> absl::Status {
         const absl::Status opened = session::OpenSession(*request, &core_.devices->device(index),
                                                          core_.options.session, core_.sessions, response);
         pending.reset();  // registered (or failed): the live count has it now
@@ -191,7 +196,7 @@ grpc::ServerUnaryReactor* TeService::CloseSession(grpc::CallbackServerContext* c
   }
   // In the session's order: the close waits for the calls queued before it.
   return QueuedCall::Start(core_, context, "CloseSession", ref.session_id(), *device,
-                           ref.session_id(), ref.sequence(), [this, ref](const CallContext& call) {
+                           ref.session_id(), &ref, [this, ref](const CallContext& call) {
                              return core_.sessions->Close(ref.session_id(), ref.token(),
                                                           call.deadline);
                            });

@@ -17,6 +17,7 @@
 #include "server/security/secrets.h"
 #include "server/service/device_pool.h"
 #include "server/session/checkpoint.h"
+#include "server/session/executor.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
 #include "te/v1/service.pb.h"
@@ -53,6 +54,10 @@ struct ServiceCore {
   // runs on.
   absl::StatusOr<int> Route(const te::v1::SessionRef& ref) const;
 };
+
+// Puts `ref`'s place in its session's order (sequence, abandoned) into
+// `call` (executor.h, contract 6).
+void SetCallOrder(const te::v1::SessionRef& ref, session::DeviceExecutor::Call* call);
 
 // The call's deadline (InfiniteFuture when it has none).
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context);

@@ -110,7 +110,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     executor_ = &core_.devices->executor(*device);
     DeviceExecutor::Call call;
     call.key = session_id_;
-    call.sequence = header_.session().sequence();
+    SetCallOrder(header_.session(), &call);
     call.deadline = deadline_;
     call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
     call.drop = [this](absl::Status reason) { FinishEarly(reason); };
@@ -354,7 +354,7 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     executor_ = &core_.devices->executor(*device);
     DeviceExecutor::Call call;
     call.key = session_id_;
-    call.sequence = request_.session().sequence();
+    SetCallOrder(request_.session(), &call);
     call.deadline = deadline_;
     call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
     call.drop = [this](absl::Status reason) { End(reason); };

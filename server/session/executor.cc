@@ -125,6 +125,22 @@ absl::Status DeviceExecutor::AcceptNumberedLocked(const std::string& key, Strand
         "session.sequence: ", number, " is already taken on this session (its next is ", next,
         "); give every call, retries included, a number of its own"));
   }
+  for (uint64_t lost : state->call.abandoned) {
+    if (lost >= number) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "session.abandoned: ", lost, " is not below the call's sequence ", number));
+    }
+  }
+  for (uint64_t lost : state->call.abandoned) {
+    // One that arrived (it waits early, or ran) keeps its place; one not
+    // seen is marked used, so nothing waits for it.
+    if (lost < next || strand.early.count(lost) > 0) continue;
+    auto marker = std::make_shared<CallState>();
+    marker->call.sequence = lost;
+    marker->phase = CallState::Phase::kDropped;
+    strand.early.emplace(lost, std::move(marker));
+  }
+  ReleaseEarlyLocked(key, strand);
   const bool live = state->phase == CallState::Phase::kWaiting;
   if (number > next) {
     if (strand.early.empty()) strand.gap_since = absl::Now();

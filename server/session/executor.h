@@ -30,8 +30,9 @@
 //     early call has waited `sequence_gap` for a number that never came, the
 //     missing numbers are skipped and every early call of the key is dropped
 //     with ABORTED naming the first missing one: it was sent to run after a
-//     call that never ran. A refused or dropped call still uses its number.
-//     Unnumbered calls keep Submit order among themselves.
+//     call that never ran. A refused or dropped call still uses its number,
+//     and so do the numbers a call names as abandoned (Call.abandoned) that
+//     have not arrived. Unnumbered calls keep Submit order among themselves.
 #ifndef TE_SERVER_SESSION_EXECUTOR_H_
 #define TE_SERVER_SESSION_EXECUTOR_H_
 
@@ -91,6 +92,7 @@ class DeviceExecutor {
   struct Call {
     std::string key;
     uint64_t sequence = 0;  // contract 6; 0: unnumbered
+    std::vector<uint64_t> abandoned;  // contract 6: lower numbers not to wait for
     absl::Time deadline = absl::InfiniteFuture();
     std::function<void(Turn)> run;
     std::function<void(absl::Status)> drop;

@@ -379,5 +379,25 @@ TEST(DeviceExecutorTest, AKeyNeverStartedNumbersFromItsFirstCall) {
   EXPECT_EQ(recorder.ran, (std::vector<std::string>{"41", "42", "43"}));
 }
 
+TEST(DeviceExecutorTest, AbandonedNumbersAreNotWaitedForAndRefusedLater) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/100, "test"});
+  executor.StartSequence("s", 1);
+  Recorder recorder;
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 1)).ok());
+  // 2 and 3 ended at the client without an answer; 3 did arrive (early).
+  ASSERT_TRUE(executor.Submit(Numbered(recorder, "s", 3)).ok());
+  DeviceExecutor::Call four = Numbered(recorder, "s", 4);
+  four.abandoned = {2, 3};
+  ASSERT_TRUE(executor.Submit(std::move(four)).ok());
+  ASSERT_TRUE(recorder.WaitForRuns(3));  // no wait for the gap (its timeout is 10 s)
+  EXPECT_EQ(executor.Submit(Numbered(recorder, "s", 2)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  DeviceExecutor::Call bad = Numbered(recorder, "s", 5);
+  bad.abandoned = {5};
+  EXPECT_EQ(executor.Submit(std::move(bad)).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"1", "3", "4"}));
+}
+
 }  // namespace
 }  // namespace te::session
