@@ -61,7 +61,7 @@ class DotProductAttentionLayer : public Layer {
     if (packed_) {
       if (!in.extra.empty()) {
         return absl::InvalidArgumentError(
-            "extra_inputs must be empty for qkv_layout bs3hd (x is the packed qkv)");
+            "extra_inputs: must be empty for qkv_layout bs3hd (x is the packed qkv)");
       }
       RETURN_IF_ERROR(AttentionForwardPacked(ops, config_, in.x, seqlens, Tensor(),
                                              !opts.deterministic, seed, &out->y,
@@ -69,7 +69,7 @@ class DotProductAttentionLayer : public Layer {
     } else {
       if (in.extra.size() != 2) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "qkv_layout bshd_bshd_bshd takes q as x and k, v as two extra_inputs; got ",
+            "extra_inputs: qkv_layout bshd_bshd_bshd takes q as x and k, v as two extra_inputs; got ",
             in.extra.size(), " extra inputs"));
       }
       RETURN_IF_ERROR(AttentionForward(ops, config_, in.x, in.extra[0], in.extra[1], seqlens,

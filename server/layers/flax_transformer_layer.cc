@@ -119,7 +119,7 @@ class FlaxTransformerLayerImpl : public Layer {
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
     if (!in.extra.empty()) {
-      return absl::InvalidArgumentError("FlaxTransformerLayer takes no extra_inputs");
+      return absl::InvalidArgumentError("extra_inputs: FlaxTransformerLayer takes x alone");
     }
     RETURN_IF_ERROR(CheckFloatActivation(in.x, "x"));
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs())));

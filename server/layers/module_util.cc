@@ -24,7 +24,8 @@ absl::Status CheckInputShape(const Shape& shape, int min_rank) {
 absl::Status CheckInputs(const LayerInputs& in, int min_rank, absl::string_view layer) {
   if (!in.extra.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(layer, " takes one input x, got ", in.extra.size(), " extra inputs"));
+        absl::StrCat("extra_inputs: ", layer, " takes one input x, got ", in.extra.size(),
+                     " extra inputs"));
   }
   if (!in.x.defined() || !IsFloating(in.x.dtype()) || IsFloat8(in.x.dtype())) {
     return absl::InvalidArgumentError(

@@ -376,7 +376,7 @@ class MultiHeadAttentionLayer : public Layer {
     ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(in.x.shape()));
     if (!in.extra.empty()) {
       return absl::InvalidArgumentError(
-          "MultiHeadAttention is self-attention here: extra_inputs must be empty");
+          "extra_inputs: MultiHeadAttention is self-attention here: must be empty");
     }
     const MhaBlock block(options_, hidden);
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(block.Defs(opts.fp8))));

@@ -107,7 +107,7 @@ class TransformerLayerImpl : public Layer {
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
     if (!in.extra.empty()) {
-      return absl::InvalidArgumentError("TransformerLayer takes no extra_inputs");
+      return absl::InvalidArgumentError("extra_inputs: TransformerLayer takes x alone");
     }
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
     const bool keep = opts.keep_for_backward && saved != nullptr;

@@ -589,6 +589,7 @@ CheckpointStore::RestoreReport CheckpointStore::RestoreAll(const DeviceFor& devi
       ++report.failed;
       LogForSession(LogLevel::kError, id, "not restored; its checkpoint is kept",
                     {{"error", restored.ToString()}});
+      manager->RememberNotRestored(id, restored);
     }
   }
   return report;

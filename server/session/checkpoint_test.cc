@@ -249,6 +249,11 @@ TEST_F(CheckpointTest, DamagedDataIsDataLossAndKept) {
   CheckpointStore::RestoreReport report = store_->RestoreAll(device_.get(), config_, &restarted);
   EXPECT_EQ(report.failed, 1);
   EXPECT_TRUE(fs::exists(data_file));
+  // Its client hears why, not a bare NOT_FOUND.
+  const absl::Status gone = restarted.Acquire(ref_.session_id(), ref_.token()).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kDataLoss) << gone;
+  EXPECT_NE(gone.message().find("could not be restored from its checkpoint"), std::string::npos)
+      << gone;
 }
 
 TEST_F(CheckpointTest, ManifestOfAnotherSessionIsRefused) {

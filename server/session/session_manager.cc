@@ -163,12 +163,28 @@ void SessionManager::RemoveLocked(std::shared_ptr<Entry> entry, const std::strin
   if (!entry->token.empty()) id_of_token_.erase(entry->token);
   // Dropping the reference frees the session's memory unless a call still runs.
   doomed->Add(entry->id, std::move(entry->session));
-  tombstones_[entry->id] = reason;
-  tombstone_order_.push_back(entry->id);
+  RememberLocked(entry->id, absl::NotFoundError(reason));
+}
+
+void SessionManager::RememberLocked(const std::string& id, absl::Status why) {
+  tombstones_[id] = std::move(why);
+  tombstone_order_.push_back(id);
   while (tombstone_order_.size() > options_.max_tombstones) {
     tombstones_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
+}
+
+void SessionManager::RememberNotRestored(const std::string& id, const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (live_.count(id) > 0) return;
+  RememberLocked(id, absl::Status(why.code() == absl::StatusCode::kDataLoss
+                                      ? absl::StatusCode::kDataLoss
+                                      : absl::StatusCode::kUnavailable,
+                                  absl::StrCat("session ", id,
+                                               " could not be restored from its checkpoint at "
+                                               "the server's start: ",
+                                               why.message())));
 }
 
 absl::StatusOr<std::shared_ptr<SessionManager::Entry>> SessionManager::AuthenticateLocked(
@@ -182,9 +198,8 @@ absl::StatusOr<std::shared_ptr<SessionManager::Entry>> SessionManager::Authentic
   }
   if (it == live_.end()) {
     auto gone = tombstones_.find(id);
-    return absl::NotFoundError(gone != tombstones_.end()
-                                   ? gone->second
-                                   : absl::StrCat("session ", id, " not found"));
+    return gone != tombstones_.end() ? gone->second
+                                     : absl::NotFoundError(absl::StrCat("session ", id, " not found"));
   }
   std::shared_ptr<Entry> entry = it->second;
   if (token.empty()) {

@@ -4,7 +4,8 @@
 //  1. Ids and tokens are 128-bit random (random_id.h), server-issued.
 //  2. Acquire() authenticates: an unknown id is NOT_FOUND (with the reason a
 //     session went away: "session <id> was closed", "... expired after N s
-//     idle", "... was evicted: <why>"); a missing or wrong token is
+//     idle", "... was evicted: <why>"), or DATA_LOSS / UNAVAILABLE for one
+//     whose checkpoint could not be restored (RememberNotRestored); a missing or wrong token is
 //     UNAUTHENTICATED; a token of another live session is PERMISSION_DENIED.
 //  3. Calls on one session run one at a time, in arrival order (FifoTurns):
 //     a Lease is the turn. At most `max_waiting_calls` wait (RESOURCE_EXHAUSTED
@@ -114,6 +115,11 @@ class SessionManager {
   absl::Status Restore(const std::string& id, const security::TokenDigest& digest,
                        absl::Duration ttl, std::shared_ptr<Session> session);
 
+  // A checkpointed session `id` that could not be restored (`why`): its
+  // clients' calls get DATA_LOSS (a corrupt checkpoint) or UNAVAILABLE, with
+  // the reason, instead of a bare NOT_FOUND.
+  void RememberNotRestored(const std::string& id, const absl::Status& why);
+
   // Authenticates, waits for the turn, and removes the session.
   absl::Status Close(const std::string& id, const std::string& token,
                      absl::Time deadline = absl::InfiniteFuture());
@@ -152,6 +158,7 @@ class SessionManager {
   // manager's reference to its session into `doomed`.
   void RemoveLocked(std::shared_ptr<Entry> entry, const std::string& reason, Doomed* doomed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RememberLocked(const std::string& id, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ExpiredLocked(const Entry& entry, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string ExpiryReason(const Entry& entry) const;
   int SweepLocked(absl::Time now, Doomed* doomed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -170,7 +177,9 @@ class SessionManager {
   std::map<std::string, std::shared_ptr<Entry>> live_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<std::string, std::string> id_of_token_ ABSL_GUARDED_BY(mu_);
   int creating_ ABSL_GUARDED_BY(mu_) = 0;  // reserved slots while a factory runs
-  std::unordered_map<std::string, std::string> tombstones_ ABSL_GUARDED_BY(mu_);
+  // Why each id that went away is gone: NOT_FOUND with the reason, or the
+  // code of a checkpoint that could not be restored.
+  std::unordered_map<std::string, absl::Status> tombstones_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
 };
 

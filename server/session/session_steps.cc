@@ -410,7 +410,11 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     opts.fp8 = PtrOf(fp8);
     double value = 0.0;
     layers::LayerGrads grads;
-    RETURN_IF_ERROR(Step(*layer, &vars, in, dy, opts, &value, &grads));
+    if (absl::Status step = Step(*layer, &vars, in, dy, opts, &value, &grads); !step.ok()) {
+      // A bad input shows only once the layer runs: name its micro-batch.
+      return absl::IsInvalidArgument(step) ? AboutField(step, absl::StrCat("micro_batches[", i, "]"))
+                                           : step;
+    }
     response->add_values(value);
     if (request.return_dx()) {
       RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));

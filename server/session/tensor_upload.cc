@@ -48,10 +48,11 @@ char* TensorUpload::half(int index) const {
 
 absl::Status TensorUpload::Append(const char* data, size_t size) {
   if (size > static_cast<uint64_t>(total() - received_)) {
-    return absl::InvalidArgumentError(absl::StrCat("the pieces add up to more than the ", total(),
-                                                   " bytes of ", ShapeString(destination_.shape()),
-                                                   " ", DTypeName(destination_.dtype()), " (",
-                                                   received_, " received, then ", size, " more)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data: the stream's bytes add up to more than the ", total(), " bytes that "
+        "header.tensor.shape ", ShapeString(destination_.shape()), " ",
+        DTypeName(destination_.dtype()), " holds (", received_, " received, then ", size,
+        " more)"));
   }
   if (size == 0) return absl::OkStatus();
   if (staging_ == nullptr) {
@@ -98,8 +99,9 @@ absl::Status TensorUpload::FlushHalf() {
 absl::StatusOr<Tensor> TensorUpload::Finish() {
   if (received_ != total()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the pieces add up to ", received_, " bytes, but ", ShapeString(destination_.shape()), " ",
-        DTypeName(destination_.dtype()), " needs ", total()));
+        "data: the stream's bytes add up to ", received_, ", but header.tensor.shape ",
+        ShapeString(destination_.shape()), " ", DTypeName(destination_.dtype()), " needs ",
+        total()));
   }
   if (staging_ != nullptr) {
     RETURN_IF_ERROR(FlushHalf());

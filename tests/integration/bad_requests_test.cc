@@ -302,6 +302,16 @@ TEST_F(BadRequestsTest, EachGetsItsCodeAndLeavesTheSessionUnchanged) {
        Code::INVALID_ARGUMENT, "micro_batches[2].x.inline_data"},
       {"no micro-batches", [&] { return ForwardBackward(GoodForwardBackward(0)); },
        Code::INVALID_ARGUMENT, "micro_batches"},
+      {"extra inputs for a one-input layer", [&] {
+         te::v1::ForwardRequest r = GoodForward();
+         for (int i = 0; i < 1000; ++i) *r.add_extra_inputs() = GoodX();
+         return Forward(r); },
+       Code::INVALID_ARGUMENT, "extra_inputs: DenseGeneral takes one input x"},
+      {"micro-batch extra inputs", [&] {
+         auto r = GoodForwardBackward(2);
+         *r.mutable_micro_batches(1)->add_extra_inputs() = GoodX();
+         return ForwardBackward(r); },
+       Code::INVALID_ARGUMENT, "micro_batches[1]: extra_inputs"},
       // variables.
       {"set an unknown variable", [&] { return SetVariables({Var("params", "nope", GoodDy())}); },
        Code::INVALID_ARGUMENT, "variables[0]"},
