@@ -31,6 +31,23 @@ TE_HOST_DEVICE inline float DropoutUniform(uint64_t seed, uint64_t index) {
 // chain gives the same numbers wherever it runs.
 inline uint64_t StageSeed(uint64_t seed, uint64_t stage) { return MixBits(seed ^ MixBits(stage + 1)); }
 
+// A 64-bit hash of a name's bytes (FNV-1a).
+inline uint64_t NameHash(const char* name, uint64_t size) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (uint64_t i = 0; i < size; ++i) {
+    h ^= static_cast<unsigned char>(name[i]);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+// A graph node's seed (its init key, or its dropout seed) from the layer's
+// and the node's name (te.v1.GraphSpec): independent of the order nodes are
+// listed or run in. The server and both clients derive node seeds this way.
+inline uint64_t NodeSeed(uint64_t seed, const char* name, uint64_t size) {
+  return MixBits(seed ^ MixBits(NameHash(name, size)));
+}
+
 }  // namespace te
 
 #endif  // TE_KERNELS_RNG_H_

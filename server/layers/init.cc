@@ -58,14 +58,7 @@ double ErfInv(double y) {
 
 }  // namespace
 
-uint64_t HashName(absl::string_view name) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : name) {
-    h ^= c;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
+uint64_t HashName(absl::string_view name) { return NameHash(name.data(), name.size()); }
 
 Initializer Initializer::VarianceScalingFanIn(int64_t fan_in, float scale) {
   const double variance = static_cast<double>(scale) / static_cast<double>(fan_in > 0 ? fan_in : 1);
