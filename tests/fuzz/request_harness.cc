@@ -4,17 +4,23 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/security/secrets.h"
+#include "server/service/status.h"
 #include "server/session/checkpoint.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
@@ -27,33 +33,35 @@ namespace {
 
 constexpr char kAccessKey[] = "the fuzzer's access key";
 constexpr char kRestoredId[] = "ffffffffffffffffffffffffffffffff";
-constexpr int64_t kShmBytes = 1 << 20;
-const std::vector<int64_t> kInputShape = {2, 3, 8};
+constexpr int64_t kShmBytes = kShmRegionBytes;
 
 // Tiny limits: a fuzzed shape cannot make the harness slow or large.
 session::SessionConfig TinyConfig() {
   session::SessionConfig config;
-  config.session_memory_bytes = 4 << 20;
+  config.session_memory_bytes = kSessionMemoryBytes;
   config.max_saved_forwards = 2;
+  config.max_micro_batches = kMaxMicroBatches;
   config.max_message_bytes = 1 << 20;
-  config.max_tensor_bytes = 256 << 10;
+  config.max_tensor_bytes = kMaxTensorBytes;
   config.enable_shm = true;
   config.max_shm_regions = 2;
   return config;
 }
 
-te::v1::Autocast Fp8Autocast() {
+te::v1::Autocast DelayedScaling() {
   te::v1::Autocast autocast;
   autocast.set_enabled(true);
   autocast.mutable_recipe()->mutable_delayed_scaling()->set_amax_history_len(4);
   return autocast;
 }
 
-te::v1::Tensor InputTensor(float scale) {
+te::v1::Tensor Floats(const std::vector<int64_t>& shape, float scale) {
   te::v1::Tensor tensor;
   tensor.set_dtype(te::v1::FLOAT32);
-  tensor.mutable_shape()->Assign(kInputShape.begin(), kInputShape.end());
-  std::vector<float> values(2 * 3 * 8);
+  tensor.mutable_shape()->Assign(shape.begin(), shape.end());
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> values(static_cast<size_t>(n));
   for (size_t i = 0; i < values.size(); ++i) values[i] = scale * (static_cast<float>(i % 7) - 3.1f);
   tensor.set_inline_data(values.data(), values.size() * sizeof(float));
   return tensor;
@@ -66,13 +74,18 @@ struct Globals {
   std::unique_ptr<session::SessionManager> manager;
   std::unique_ptr<session::CheckpointStore> store;
   std::optional<security::AccessKey> access_key;
-  std::string shm_name;  // the only shm object the harness lets a request map
+  std::string shm_name;      // the only shm object the harness lets a request map
+  char* shm_base = nullptr;  // the harness's own mapping of it (reset per input)
+  std::string shm_pattern;   // what the region holds before every input
 
   Globals() {
     device = *OpenCpuDevice();
     session::SessionManagerOptions options;
     options.max_sessions = 4;
     options.max_waiting_calls = 2;
+    // Few: an input that leaves a tombstone behind looks like a leak to
+    // libFuzzer (more mallocs than frees), which then reruns it under LSan.
+    options.max_tombstones = 2;
     manager = std::make_unique<session::SessionManager>(options);
     const char* tmp = std::getenv("TEST_TMPDIR");
     const std::string dir =
@@ -82,11 +95,21 @@ struct Globals {
     shm_name = absl::StrCat("/te_fuzz_", getpid());
     const int fd = shm_open(shm_name.c_str(), O_CREAT | O_RDWR, 0600);
     if (fd >= 0) {
-      if (ftruncate(fd, kShmBytes) != 0) shm_name.clear();
+      if (ftruncate(fd, kShmBytes) == 0) {
+        void* base = mmap(nullptr, kShmBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (base != MAP_FAILED) shm_base = static_cast<char*>(base);
+      }
       close(fd);
+    }
+    shm_pattern.resize(kShmBytes);
+    for (int64_t i = 0; i < kShmBytes; ++i) shm_pattern[i] = static_cast<char>((i * 37) >> 4);
+    if (shm_base == nullptr) {
+      if (fd >= 0) shm_unlink(shm_name.c_str());
+      shm_name.clear();
     }
   }
   ~Globals() {
+    if (shm_base != nullptr) munmap(shm_base, kShmBytes);
     if (!shm_name.empty()) shm_unlink(shm_name.c_str());
     std::error_code error;
     std::filesystem::remove_all(store->state_dir(), error);
@@ -103,65 +126,378 @@ Globals& G() {
   return *globals;
 }
 
-// The live session every input runs against: a DenseGeneral initialised under
-// FP8 autocast, a forward kept for its backward, and a resident tensor.
-struct Fixture {
-  te::v1::SessionRef ref;
-  std::string layer_id;
-  std::string forward_id;
-  std::string tensor_id;
+// ---- the live session -------------------------------------------------------------
+
+struct KindSetup {
+  te::v1::LayerSpec spec;
+  std::vector<int64_t> x_shape = {2, 3, 8};
+  te::v1::Autocast autocast;                            // at init and in the fixture's own calls
+  bool extra_kv = false;                                // k = v = x as extra inputs
+  te::v1::NegotiationPolicy policy = te::v1::FALLBACK;  // EMULATE for the emulated recipes
 };
 
-std::optional<Fixture> MakeFixture() {
+te::v1::SequentialSpec::Stage Module(const std::string& name, const te::v1::LayerSpec& spec) {
+  te::v1::SequentialSpec::Stage stage;
+  stage.set_name(name);
+  *stage.mutable_module() = spec;
+  return stage;
+}
+
+te::v1::SequentialSpec::Stage Reshape(std::vector<int64_t> from, std::vector<int64_t> to) {
+  te::v1::SequentialSpec::Stage stage;
+  stage.mutable_reshape()->mutable_from()->Assign(from.begin(), from.end());
+  stage.mutable_reshape()->mutable_to()->Assign(to.begin(), to.end());
+  return stage;
+}
+
+te::v1::SequentialSpec::Stage Residual(te::v1::SequentialSpec::Residual residual) {
+  te::v1::SequentialSpec::Stage stage;
+  stage.set_residual(residual);
+  return stage;
+}
+
+te::v1::LayerSpec Dense(int64_t features) {
+  te::v1::LayerSpec spec;
+  spec.mutable_dense_general()->add_features(features);
+  return spec;
+}
+
+te::v1::LayerSpec Attention() {
+  te::v1::LayerSpec spec;
+  spec.mutable_dot_product_attention()->set_head_dim(4);
+  spec.mutable_dot_product_attention()->set_num_attention_heads(2);
+  return spec;
+}
+
+KindSetup SetupFor(LayerKind kind) {
+  KindSetup k;
+  switch (kind) {
+    case LayerKind::kDenseFp8:
+      k.spec = Dense(4);
+      k.autocast = DelayedScaling();
+      break;
+    case LayerKind::kLayerNormMlpFp8:
+      k.spec.mutable_layer_norm_mlp()->set_intermediate_dim(16);
+      k.spec.mutable_layer_norm_mlp()->add_activations("gelu");
+      k.spec.mutable_layer_norm_mlp()->add_activations("linear");
+      k.autocast = DelayedScaling();
+      break;
+    case LayerKind::kSequentialFp8: {
+      te::v1::SequentialSpec* s = k.spec.mutable_sequential();
+      te::v1::LayerSpec norm;
+      norm.mutable_layer_norm();
+      *s->add_stages() = Residual(te::v1::SequentialSpec::FORK);
+      *s->add_stages() = Module("LayerNorm_0", norm);
+      *s->add_stages() = Module("DenseGeneral_0", Dense(24));
+      *s->add_stages() = Reshape({24}, {2, 12});
+      s->add_stages()->set_split_last_axis(3);
+      *s->add_stages() = Module("DotProductAttention_0", Attention());
+      *s->add_stages() = Reshape({2, 4}, {8});
+      *s->add_stages() = Module("DenseGeneral_1", Dense(8));
+      *s->add_stages() = Residual(te::v1::SequentialSpec::JOIN);
+      k.autocast = DelayedScaling();
+      break;
+    }
+    case LayerKind::kTransformerFp8:
+      k.spec.mutable_transformer_layer()->set_hidden_size(8);
+      k.spec.mutable_transformer_layer()->set_mlp_hidden_size(16);
+      k.spec.mutable_transformer_layer()->set_num_attention_heads(2);
+      k.autocast = DelayedScaling();
+      break;
+    case LayerKind::kMhaCurrentScaling:
+      k.spec.mutable_multi_head_attention()->set_head_dim(4);
+      k.spec.mutable_multi_head_attention()->set_num_attention_heads(2);
+      k.autocast.set_enabled(true);
+      k.autocast.mutable_recipe()->mutable_float8_current_scaling();
+      break;
+    case LayerKind::kSequentialAttention: {
+      te::v1::SequentialSpec* s = k.spec.mutable_sequential();
+      *s->add_stages() = Module("DotProductAttention_0", Attention());
+      *s->add_stages() = Reshape({2, 4}, {8});
+      *s->add_stages() = Module("DenseGeneral_0", Dense(8));
+      k.x_shape = {2, 3, 2, 4};
+      k.extra_kv = true;
+      k.autocast = DelayedScaling();
+      break;
+    }
+    case LayerKind::kLayerNormDenseMxfp8:
+      // MXFP8's GEMMs contract in blocks of 32: hidden, features and tokens.
+      k.spec.mutable_layer_norm_dense_general()->add_features(32);
+      k.x_shape = {2, 16, 32};
+      k.autocast.set_enabled(true);
+      k.autocast.mutable_recipe()->mutable_mxfp8_block_scaling();
+      k.policy = te::v1::EMULATE;
+      break;
+    case LayerKind::kDensePlain:
+    case LayerKind::kCount:
+      k.spec = Dense(4);
+      k.spec.mutable_dense_general()->set_dtype(te::v1::PARAM_BFLOAT16);
+      break;
+  }
+  return k;
+}
+
+struct Fixture {
+  te::v1::SessionRef ref;
+  LayerKind kind = LayerKind::kDenseFp8;
+  std::vector<int64_t> x_shape;
+  bool extra_kv = false;
+  std::string layer_id;
+  std::string forward_id;
+  std::string tensor_id;     // x
+  std::string dy_tensor_id;  // dy for the live layer's y
+  std::string region_id;     // empty where shm is unavailable
+};
+
+absl::StatusOr<std::string> PutResident(session::Session& s, const te::v1::Tensor& value) {
+  te::v1::PutTensorHeader header;
+  header.mutable_tensor()->set_dtype(value.dtype());
+  *header.mutable_tensor()->mutable_shape() = value.shape();
+  ASSIGN_OR_RETURN(std::unique_ptr<session::TensorUpload> upload, s.BeginPut(header));
+  RETURN_IF_ERROR(upload->Append(value.inline_data().data(), value.inline_data().size()));
+  te::v1::PutTensorResponse put;
+  RETURN_IF_ERROR(s.CommitPut(std::move(upload), &put));
+  return put.tensor_id();
+}
+
+te::v1::Tensor Resident(const std::string& id) {
+  te::v1::Tensor tensor;
+  tensor.set_resident_id(id);
+  return tensor;
+}
+
+absl::StatusOr<Fixture> MakeFixture(LayerKind kind) {
   Globals& g = G();
+  const KindSetup setup = SetupFor(kind);
   Fixture fixture;
+  fixture.kind = kind;
+  fixture.x_shape = setup.x_shape;
+  fixture.extra_kv = setup.extra_kv;
   te::v1::CreateSessionRequest create;
   create.add_preferred_recipes()->mutable_delayed_scaling()->set_amax_history_len(4);
+  create.set_policy(setup.policy);
   te::v1::CreateSessionResponse created;
-  if (!session::OpenSession(create, g.device.get(), g.config, g.manager.get(), &created).ok()) {
-    return std::nullopt;
-  }
+  RETURN_IF_ERROR(
+      session::OpenSession(create, g.device.get(), g.config, g.manager.get(), &created));
   fixture.ref = created.session();
-  auto lease = g.manager->Acquire(fixture.ref.session_id(), fixture.ref.token());
-  if (!lease.ok()) return std::nullopt;
-  session::Session& s = lease->session();
+  ASSIGN_OR_RETURN(session::SessionManager::Lease lease,
+                   g.manager->Acquire(fixture.ref.session_id(), fixture.ref.token()));
+  session::Session& s = lease.session();
+
+  if (g.shm_base != nullptr) {
+    // The region's bytes are the client's: the same before every input.
+    std::memcpy(g.shm_base, g.shm_pattern.data(), kShmBytes);
+    te::v1::RegisterSharedMemoryRequest region;
+    region.set_name(g.shm_name);
+    region.set_size(kShmBytes);
+    te::v1::RegisterSharedMemoryResponse registered;
+    RETURN_IF_ERROR(s.RegisterSharedMemory(region, &registered));
+    fixture.region_id = registered.region_id();
+  }
+
   te::v1::InitLayerRequest init;
-  init.mutable_spec()->mutable_dense_general()->add_features(4);
+  *init.mutable_spec() = setup.spec;
   init.set_seed(3);
   init.set_input_dtype(te::v1::FLOAT32);
-  init.mutable_input_shape()->Assign(kInputShape.begin(), kInputShape.end());
-  *init.mutable_autocast() = Fp8Autocast();
+  init.mutable_input_shape()->Assign(setup.x_shape.begin(), setup.x_shape.end());
+  *init.mutable_autocast() = setup.autocast;
   te::v1::InitLayerResponse initialised;
-  if (!s.InitLayer(init, &initialised).ok()) return std::nullopt;
+  RETURN_IF_ERROR(s.InitLayer(init, &initialised));
   fixture.layer_id = initialised.layer_id();
+  const std::vector<int64_t> y_shape(initialised.output_shape().begin(),
+                                     initialised.output_shape().end());
+
+  ASSIGN_OR_RETURN(fixture.tensor_id, PutResident(s, Floats(setup.x_shape, 0.5f)));
+  ASSIGN_OR_RETURN(fixture.dy_tensor_id, PutResident(s, Floats(y_shape, 0.25f)));
+
+  // A step with its gradients kept, so the grads collection exists.
+  te::v1::ForwardBackwardRequest step;
+  step.set_layer_id(fixture.layer_id);
+  *step.mutable_autocast() = setup.autocast;
+  te::v1::MicroBatch* batch = step.add_micro_batches();
+  *batch->mutable_x() = Floats(setup.x_shape, 1.0f);
+  *batch->mutable_dy() = Resident(fixture.dy_tensor_id);
+  if (setup.extra_kv) {
+    *batch->add_extra_inputs() = Resident(fixture.tensor_id);
+    *batch->add_extra_inputs() = Resident(fixture.tensor_id);
+  }
+  batch->set_dropout_seed(5);
+  te::v1::ForwardBackwardResponse stepped;
+  RETURN_IF_ERROR(s.ForwardBackward(step, &stepped));
+
   te::v1::ForwardRequest forward;
   forward.set_layer_id(fixture.layer_id);
-  *forward.mutable_x() = InputTensor(1.0f);
-  *forward.mutable_autocast() = Fp8Autocast();
+  *forward.mutable_x() = Floats(setup.x_shape, 1.0f);
+  if (setup.extra_kv) {
+    *forward.add_extra_inputs() = Resident(fixture.tensor_id);
+    *forward.add_extra_inputs() = Resident(fixture.tensor_id);
+  }
+  *forward.mutable_autocast() = setup.autocast;
   forward.set_keep_for_backward(true);
   te::v1::ForwardResponse y;
-  if (!s.Forward(forward, &y).ok()) return std::nullopt;
+  RETURN_IF_ERROR(s.Forward(forward, &y));
   fixture.forward_id = y.forward_id();
-  te::v1::PutTensorHeader header;
-  header.mutable_tensor()->set_dtype(te::v1::FLOAT32);
-  header.mutable_tensor()->mutable_shape()->Assign(kInputShape.begin(), kInputShape.end());
-  auto upload = s.BeginPut(header);
-  if (!upload.ok()) return std::nullopt;
-  const te::v1::Tensor bytes = InputTensor(0.5f);
-  if (!(*upload)->Append(bytes.inline_data().data(), bytes.inline_data().size()).ok()) {
-    return std::nullopt;
-  }
-  te::v1::PutTensorResponse put;
-  if (!s.CommitPut(*std::move(upload), &put).ok()) return std::nullopt;
-  fixture.tensor_id = put.tensor_id();
   return fixture;
 }
 
+// ---- the invariant's digest ----------------------------------------------------------
+
+std::string TensorLine(const te::v1::Tensor& t) {
+  std::string line =
+      absl::StrCat(te::v1::DType_Name(t.dtype()), " [", absl::StrJoin(t.shape(), ","), "] ");
+  switch (t.data_case()) {
+    case te::v1::Tensor::kInlineData: {
+      static const char kHex[] = "0123456789abcdef";
+      for (unsigned char c : t.inline_data()) {
+        line += kHex[c >> 4];
+        line += kHex[c & 15];
+      }
+      break;
+    }
+    case te::v1::Tensor::kResidentId:
+      absl::StrAppend(&line, "resident ", t.resident_id());
+      break;
+    case te::v1::Tensor::kShm:
+      absl::StrAppend(&line, "shm ", t.shm().region_id());
+      break;
+    case te::v1::Tensor::DATA_NOT_SET:
+      line += "no data";
+      break;
+  }
+  return line;
+}
+
+// The live session's observable state, one fact a line. Every layer the
+// session has (layer-1 .. layer-<next id>, so a layer a failed call left
+// behind shows too), all collections with their values; the resident tensors'
+// bytes; the counts and bytes of GetSessionInfo; the server's live sessions.
+// Reads only: GetVariables answers inline at the live layers' sizes (a larger
+// answer's resident copies are forgotten at once), and ReadTensor on the CPU
+// points into the tensor.
+std::string Digest(const Fixture& fx) {
+  Globals& g = G();
+  std::vector<std::string> lines;
+  std::vector<std::string> ids = g.manager->live_ids();
+  std::sort(ids.begin(), ids.end());
+  lines.push_back(absl::StrCat("live sessions: ", absl::StrJoin(ids, " ")));
+  auto lease =
+      g.manager->Acquire(fx.ref.session_id(), fx.ref.token(), absl::Now() + absl::Seconds(1));
+  if (!lease.ok()) {
+    lines.push_back(absl::StrCat("the live session: ", lease.status().ToString()));
+    return absl::StrJoin(lines, "\n");
+  }
+  session::Session& s = lease->session();
+  te::v1::SessionInfo info;
+  s.GetSessionInfo(&info);
+  lines.push_back(absl::StrCat("session info: memory_bytes ", info.memory_bytes(), " layers ",
+                               info.layers(), " saved_forwards ", info.saved_forwards(),
+                               " resident_tensors ", info.resident_tensors(), " shm_regions ",
+                               info.shm_regions()));
+  const int64_t last_id = s.mark();
+  for (int64_t n = 1; n < last_id; ++n) {
+    te::v1::GetVariablesRequest request;
+    request.set_layer_id(absl::StrCat("layer-", n));
+    te::v1::GetVariablesResponse response;
+    if (!s.GetVariables(request, &response).ok()) continue;
+    if (s.mark() != last_id) {
+      // Too large to answer inline (only a layer a failed call left behind
+      // can be): the digest's own resident copies go again.
+      s.ForgetSince(last_id);
+      lines.push_back(absl::StrCat(request.layer_id(), ": variables past one message"));
+      continue;
+    }
+    lines.push_back(
+        absl::StrCat(request.layer_id(), ": ", response.variables_size(), " variables"));
+    for (const te::v1::Variable& v : response.variables()) {
+      lines.push_back(
+          absl::StrCat("  ", v.collection(), "/", v.path(), " ", TensorLine(v.value())));
+    }
+  }
+  for (int64_t n = 1; n < last_id; ++n) {
+    te::v1::GetTensorRequest request;
+    request.set_tensor_id(absl::StrCat("tensor-", n));
+    auto source = s.ReadTensor(request);
+    if (!source.ok()) continue;
+    te::v1::Tensor t;
+    t.set_dtype(source->header.dtype());
+    *t.mutable_shape() = source->header.shape();
+    t.set_inline_data(source->data, static_cast<size_t>(source->bytes));
+    lines.push_back(absl::StrCat(request.tensor_id(), ": ", TensorLine(t)));
+  }
+  return absl::StrJoin(lines, "\n");
+}
+
+bool Checked(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+      return true;
+    default:
+      return false;
+  }
+}
+
+[[noreturn]] void ReportChangedState(Rpc rpc, const absl::Status& status, const std::string& before,
+                                     const std::string& after) {
+  std::fprintf(stderr,
+               "request_harness: INVARIANT BROKEN: rpc %d failed with %s but changed the "
+               "session\n",
+               static_cast<int>(rpc), status.ToString().c_str());
+  const std::vector<std::string> a = absl::StrSplit(before, '\n');
+  const std::vector<std::string> b = absl::StrSplit(after, '\n');
+  for (const std::string& line : a) {
+    if (std::find(b.begin(), b.end(), line) == b.end()) {
+      std::fprintf(stderr, "  before: %.400s\n", line.c_str());
+    }
+  }
+  for (const std::string& line : b) {
+    if (std::find(a.begin(), a.end(), line) == a.end()) {
+      std::fprintf(stderr, "  after:  %.400s\n", line.c_str());
+    }
+  }
+  std::fflush(stderr);
+  __builtin_trap();
+}
+
+// ---- requests -------------------------------------------------------------------
+
 struct Options {
   bool keep_ref = false;
-  bool keep_empty_ids = false;
+  bool keep_empty = false;
   bool undo = false;
+  Interrupt interrupt = Interrupt::kNone;
 };
+
+// The call's context as the service gives it (QueuedCall::Run): the client's
+// deadline (kCallSeconds ahead, or already passed) and whether it gave up
+// (after `after` questions, for the interrupt modes that cancel).
+session::CallContext ContextFor(const Options& options) {
+  session::CallContext call;
+  call.deadline = absl::Now() + absl::Seconds(kCallSeconds);
+  int after = -1;
+  switch (options.interrupt) {
+    case Interrupt::kNone:
+      break;
+    case Interrupt::kDeadlinePassed:
+      call.deadline = absl::Now() - absl::Milliseconds(1);
+      break;
+    case Interrupt::kCancelAfterOne:
+      after = 1;
+      break;
+    case Interrupt::kCancelAfterThree:
+      after = 3;
+      break;
+  }
+  if (after >= 0) {
+    auto asked = std::make_shared<int>(0);
+    call.cancelled = [asked, after] { return (*asked)++ >= after; };
+  }
+  return call;
+}
 
 template <typename Request>
 void FixRef(const Fixture& fixture, const Options& options, Request* request) {
@@ -169,7 +505,39 @@ void FixRef(const Fixture& fixture, const Options& options, Request* request) {
 }
 
 void FixId(const std::string& live, const Options& options, std::string* id) {
-  if (!options.keep_empty_ids && id->empty()) *id = live;
+  if (!options.keep_empty && id->empty()) *id = live;
+}
+
+void FixShmRef(const Fixture& fx, const Options& options, te::v1::SharedMemoryRef* ref) {
+  FixId(fx.region_id, options, ref->mutable_region_id());
+}
+
+// A tensor without data names the live x (or dy); a shm ref without a region
+// names the live region.
+void FixTensor(const Fixture& fx, const Options& options, const std::string& live,
+               te::v1::Tensor* t) {
+  if (options.keep_empty) return;
+  if (t->data_case() == te::v1::Tensor::DATA_NOT_SET) {
+    t->set_resident_id(live);
+  } else if (t->data_case() == te::v1::Tensor::kShm) {
+    FixShmRef(fx, options, t->mutable_shm());
+  }
+}
+
+void FixInputs(const Fixture& fx, const Options& options, te::v1::Tensor* x,
+               google::protobuf::RepeatedPtrField<te::v1::Tensor>* extra) {
+  FixTensor(fx, options, fx.tensor_id, x);
+  if (options.keep_empty) return;
+  if (fx.extra_kv && extra->empty()) {
+    extra->Add()->set_resident_id(fx.tensor_id);
+    extra->Add()->set_resident_id(fx.tensor_id);
+  }
+  for (te::v1::Tensor& t : *extra) FixTensor(fx, options, fx.tensor_id, &t);
+}
+
+void FixMicroBatch(const Fixture& fx, const Options& options, te::v1::MicroBatch* mb) {
+  FixInputs(fx, options, mb->mutable_x(), mb->mutable_extra_inputs());
+  FixTensor(fx, options, fx.dy_tensor_id, mb->mutable_dy());
 }
 
 // Reads every byte a response tensor points at (so ASan sees a bad pointer).
@@ -179,7 +547,10 @@ uint64_t Touch(const char* data, int64_t bytes) {
   return sum;
 }
 
-// A session call as the service makes it: authenticate, take the turn, call.
+// A session call as the service makes it (QueuedCall::OnSession):
+// authenticate, take the turn, call with no exception escaping (NoThrow), and
+// undo what a failed call created (ForgetSince), as for one whose client went
+// away (the undo flag).
 template <typename Request, typename Call>
 absl::Status OnSession(const Request& request, const Options& options, Call call) {
   auto lease = G().manager->Acquire(request.session().session_id(), request.session().token(),
@@ -187,8 +558,9 @@ absl::Status OnSession(const Request& request, const Options& options, Call call
   if (!lease.ok()) return lease.status();
   session::Session& s = lease->session();
   const int64_t mark = s.mark();
-  absl::Status status = call(s);
-  if (options.undo) s.ForgetSince(mark);
+  const session::CallContext context = ContextFor(options);
+  absl::Status status = service::NoThrow([&] { return call(s, context); });
+  if (!status.ok() || options.undo) s.ForgetSince(mark);
   return status;
 }
 
@@ -217,19 +589,39 @@ absl::Status RunPutTensor(const Fixture& fixture, const Options& options, const 
   }
   te::v1::PutTensorHeader header = chunks[0].header();
   FixRef(fixture, options, &header);
-  return OnSession(header, options, [&](session::Session& s) -> absl::Status {
-    auto upload = s.BeginPut(header);
-    if (!upload.ok()) return upload.status();
-    for (size_t i = 1; i < chunks.size(); ++i) {
-      if (chunks[i].part_case() != te::v1::PutTensorChunk::kData) {
-        return absl::InvalidArgumentError("only the first message may be a header");
-      }
-      absl::Status appended = (*upload)->Append(chunks[i].data().data(), chunks[i].data().size());
-      if (!appended.ok()) return appended;
+  if (header.has_shm()) FixShmRef(fixture, options, header.mutable_shm());
+  // As the service's PutTensor stream (tensor_streams.cc): BeginPut in the
+  // session's turn, each data message appended, CommitPut after the last;
+  // no exception escapes; a failed stream's upload is dropped and what it
+  // created forgotten.
+  auto lease = G().manager->Acquire(header.session().session_id(), header.session().token(),
+                                    absl::Now() + absl::Seconds(1));
+  if (!lease.ok()) return lease.status();
+  session::Session& s = lease->session();
+  const int64_t mark = s.mark();
+  absl::StatusOr<std::unique_ptr<session::TensorUpload>> upload =
+      service::NoThrow([&] { return s.BeginPut(header); });
+  if (!upload.ok()) return upload.status();
+  absl::Status status;
+  for (size_t i = 1; i < chunks.size() && status.ok(); ++i) {
+    if (chunks[i].part_case() != te::v1::PutTensorChunk::kData) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("message ", i + 1, ": only the first message may be a header"));
+    } else if (header.has_shm()) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "message ", i + 1, ": the header named shared memory, so no data may follow"));
+    } else {
+      status = service::NoThrow(
+          [&] { return (*upload)->Append(chunks[i].data().data(), chunks[i].data().size()); });
     }
+  }
+  if (status.ok()) {
     te::v1::PutTensorResponse response;
-    return s.CommitPut(*std::move(upload), &response);
-  });
+    status = service::NoThrow([&] { return s.CommitPut(*std::move(upload), &response); });
+  }
+  upload->reset();
+  if (!status.ok() || options.undo) s.ForgetSince(mark);
+  return status;
 }
 
 absl::Status RunRestore(const uint8_t* data, size_t size) {
@@ -284,36 +676,66 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       te::v1::InitLayerRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
+      if (!options.keep_empty) {
+        if (request.input_shape().empty()) {
+          request.mutable_input_shape()->Assign(fx.x_shape.begin(), fx.x_shape.end());
+        }
+        if (request.input_dtype() == te::v1::DTYPE_UNSPECIFIED) {
+          request.set_input_dtype(te::v1::FLOAT32);
+        }
+      }
       te::v1::InitLayerResponse response;
-      return OnSession(request, options,
-                       [&](session::Session& s) { return s.InitLayer(request, &response); });
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
+        return s.InitLayer(request, &response);
+      });
     }
     case Rpc::kForward: {
       te::v1::ForwardRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
+      FixInputs(fx, options, request.mutable_x(), request.mutable_extra_inputs());
+      if (request.has_attention_mask()) {
+        FixTensor(fx, options, fx.tensor_id, request.mutable_attention_mask());
+      }
+      if (request.has_y_shm()) FixShmRef(fx, options, request.mutable_y_shm());
       te::v1::ForwardResponse response;
       return OnSession(request, options,
-                       [&](session::Session& s) { return s.Forward(request, &response); });
+                       [&](session::Session& s, const session::CallContext& call) {
+                         return s.Forward(request, &response, call);
+                       });
     }
     case Rpc::kBackward: {
       te::v1::BackwardRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.forward_id, options, request.mutable_forward_id());
+      FixTensor(fx, options, fx.dy_tensor_id, request.mutable_dy());
       te::v1::BackwardResponse response;
       return OnSession(request, options,
-                       [&](session::Session& s) { return s.Backward(request, &response); });
+                       [&](session::Session& s, const session::CallContext& call) {
+                         return s.Backward(request, &response, call);
+                       });
     }
     case Rpc::kForwardBackward: {
       te::v1::ForwardBackwardRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
+      for (te::v1::MicroBatch& mb : *request.mutable_micro_batches()) {
+        FixMicroBatch(fx, options, &mb);
+      }
+      if (request.micro_batches_size() > kMaxRunMicroBatches) {
+        // Validated, never run: the last dy cannot pass (header comment).
+        te::v1::Tensor* dy = request.mutable_micro_batches()->rbegin()->mutable_dy();
+        dy->Clear();
+        dy->set_inline_data("");
+      }
       te::v1::ForwardBackwardResponse response;
       return OnSession(request, options,
-                       [&](session::Session& s) { return s.ForwardBackward(request, &response); });
+                       [&](session::Session& s, const session::CallContext& call) {
+                         return s.ForwardBackward(request, &response, call);
+                       });
     }
     case Rpc::kGetVariables: {
       te::v1::GetVariablesRequest request;
@@ -321,16 +743,23 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
       te::v1::GetVariablesResponse response;
-      return OnSession(request, options,
-                       [&](session::Session& s) { return s.GetVariables(request, &response); });
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
+        return s.GetVariables(request, &response);
+      });
     }
     case Rpc::kSetVariables: {
       te::v1::SetVariablesRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
-      return OnSession(request, options,
-                       [&](session::Session& s) { return s.SetVariables(request); });
+      for (te::v1::Variable& v : *request.mutable_variables()) {
+        if (v.value().data_case() == te::v1::Tensor::kShm) {
+          FixShmRef(fx, options, v.mutable_value()->mutable_shm());
+        }
+      }
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
+        return s.SetVariables(request);
+      });
     }
     case Rpc::kPutTensor:
       return RunPutTensor(fx, options, data, size);
@@ -339,31 +768,42 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.tensor_id, options, request.mutable_tensor_id());
-      return OnSession(request, options, [&](session::Session& s) -> absl::Status {
-        auto source = s.ReadTensor(request);
-        if (!source.ok()) return source.status();
-        Touch(source->data, source->bytes);
-        return absl::OkStatus();
-      });
+      if (request.has_destination()) FixShmRef(fx, options, request.mutable_destination());
+      return OnSession(request, options,
+                       [&](session::Session& s, const session::CallContext&) -> absl::Status {
+                         auto source = s.ReadTensor(request);
+                         if (!source.ok()) return source.status();
+                         Touch(source->data, source->bytes);
+                         return absl::OkStatus();
+                       });
     }
     case Rpc::kDeleteTensor: {
       te::v1::DeleteTensorRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.tensor_id, options, request.mutable_tensor_id());
-      return OnSession(request, options,
-                       [&](session::Session& s) { return s.DeleteTensor(request); });
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
+        return s.DeleteTensor(request);
+      });
     }
     case Rpc::kBenchmark: {
       te::v1::BenchmarkRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       FixId(fx.layer_id, options, request.mutable_layer_id());
-      session::CallContext call;
-      call.deadline = absl::Now() + absl::Milliseconds(50);
+      FixInputs(fx, options, request.mutable_inputs()->mutable_x(),
+                request.mutable_inputs()->mutable_extra_inputs());
+      if (request.inputs().has_dy()) {
+        FixTensor(fx, options, fx.dy_tensor_id, request.mutable_inputs()->mutable_dy());
+      }
       te::v1::BenchmarkResponse response;
-      return OnSession(request, options,
-                       [&](session::Session& s) { return s.Benchmark(request, call, &response); });
+      return OnSession(
+          request, options, [&](session::Session& s, const session::CallContext& call) {
+            // A benchmark runs until its deadline at most: a short one here.
+            session::CallContext shorter = call;
+            shorter.deadline = std::min(call.deadline, absl::Now() + absl::Milliseconds(50));
+            return s.Benchmark(request, shorter, &response);
+          });
     }
     case Rpc::kRegisterSharedMemory: {
       te::v1::RegisterSharedMemoryRequest request;
@@ -375,7 +815,7 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
         request.set_name(g.shm_name);
       }
       te::v1::RegisterSharedMemoryResponse response;
-      return OnSession(request, options, [&](session::Session& s) {
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
         return s.RegisterSharedMemory(request, &response);
       });
     }
@@ -383,8 +823,10 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       te::v1::UnregisterSharedMemoryRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
-      return OnSession(request, options,
-                       [&](session::Session& s) { return s.UnregisterSharedMemory(request); });
+      FixId(fx.region_id, options, request.mutable_region_id());
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
+        return s.UnregisterSharedMemory(request);
+      });
     }
     case Rpc::kCheckpoint: {
       te::v1::CheckpointRequest request;
@@ -404,7 +846,7 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
       te::v1::SessionInfo info;
-      return OnSession(request, options, [&](session::Session& s) {
+      return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
         s.GetSessionInfo(&info);
         return absl::OkStatus();
       });
@@ -421,12 +863,26 @@ absl::Status RunOne(const uint8_t* data, size_t size) {
   if (size < 2) return kUnparsable;
   const Rpc rpc = static_cast<Rpc>(data[0] % kRpcCount);
   Options options;
-  options.keep_ref = (data[1] & 1) != 0;
-  options.keep_empty_ids = (data[1] & 2) != 0;
-  options.undo = (data[1] & 4) != 0;
-  std::optional<Fixture> fixture = MakeFixture();
-  if (!fixture) std::abort();  // the harness itself is broken: say so loudly
-  absl::Status status = Dispatch(rpc, *fixture, options, data + 2, size - 2);
+  options.keep_ref = (data[1] & kKeepRef) != 0;
+  options.keep_empty = (data[1] & kKeepEmpty) != 0;
+  options.undo = (data[1] & kUndo) != 0;
+  options.interrupt = static_cast<Interrupt>((data[1] >> 6) & 3);
+  const LayerKind kind = static_cast<LayerKind>((data[1] >> 3) & 7);
+  absl::StatusOr<Fixture> fixture = MakeFixture(kind);
+  if (!fixture.ok()) {
+    // The harness itself is broken: say so loudly.
+    std::fprintf(stderr, "request_harness: the live session (kind %d) failed: %s\n",
+                 static_cast<int>(kind), fixture.status().ToString().c_str());
+    std::abort();
+  }
+  const std::string before = Digest(*fixture);
+  // No exception leaves a call (the service's NoThrow around every one).
+  absl::Status status =
+      service::NoThrow([&] { return Dispatch(rpc, *fixture, options, data + 2, size - 2); });
+  if (!status.ok() && Checked(status.code())) {
+    const std::string after = Digest(*fixture);
+    if (after != before) ReportChangedState(rpc, status, before, after);
+  }
   G().manager->Evict(fixture->ref.session_id(), "fuzz input done").IgnoreError();
   return status;
 }

@@ -10,7 +10,10 @@
 #   tests/fuzz/run_fuzz.sh FILE...    build, then run just these inputs (reproduce a crash)
 #
 # Environment: FUZZ_SECONDS (60), FUZZ_JOBS (1), FUZZ_BUILD_DIR (/tmp/te_fuzz_build),
-# CXX (clang++-14). Needs: clang-14 libclang-rt-14-dev libfuzzer-14-dev
+# CXX (clang++-14), FUZZ_KEEP_GOING (0; 1: libFuzzer's fork mode with FUZZ_JOBS
+# children, which records a crash, timeout or OOM and carries on, so one run
+# lists every crash it finds, open ones in the seeds included), FUZZ_ARGS (more
+# libFuzzer flags, e.g. "-entropic=0", which about doubles exec/s here). Needs: clang-14 libclang-rt-14-dev libfuzzer-14-dev
 # protobuf-compiler and the -dev packages the server builds with.
 # A crash leaves crash-<sha1> in FUZZ_BUILD_DIR/artifacts; the script prints
 # it. Keep it as tests/fuzz/regressions/<name> with the fix (corpus_test
@@ -102,12 +105,16 @@ fi
 # New inputs go to $build/corpus (the first directory); the checked-in seeds
 # are read, never written. Server log lines (ts=...) go to the log file only.
 parallel=()
-if (( jobs > 1 )); then parallel=(-jobs="$jobs" -workers="$jobs"); fi
+if [[ "${FUZZ_KEEP_GOING:-0}" == 1 ]]; then
+  parallel=(-fork="$jobs" -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1)
+elif (( jobs > 1 )); then
+  parallel=(-jobs="$jobs" -workers="$jobs")
+fi
 cd "$build"  # libFuzzer writes fuzz-N.log here in parallel mode
 set +e
 "$build/request_fuzzer" "$build/corpus" "$repo/tests/fuzz/corpus" "$repo/tests/fuzz/regressions" \
   -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -max_len=8192 \
-  -print_final_stats=1 "${parallel[@]}" -artifact_prefix="$build/artifacts/" 2>&1 |
+  -print_final_stats=1 "${parallel[@]}" -artifact_prefix="$build/artifacts/" ${FUZZ_ARGS:-} 2>&1 |
   tee "$build/fuzz.log" | grep -vE '^ts=|^"|Uses: '
 status=${PIPESTATUS[0]}
 set -e

@@ -10,8 +10,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: write_seeds DIR\n");
     return 2;
   }
-  for (const auto& [name, bytes] : te::fuzz::SeedInputs()) {
-    std::ofstream(std::string(argv[1]) + "/" + name, std::ios::binary) << bytes;
+  for (const te::fuzz::Seed& seed : te::fuzz::SeedInputs()) {
+    std::ofstream(std::string(argv[1]) + "/" + seed.name, std::ios::binary) << seed.bytes;
   }
   return 0;
 }
