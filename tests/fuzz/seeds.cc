@@ -281,6 +281,10 @@ void AddBasics(Seeds* seeds) {
   region.set_name("/te_client_1_0");
   region.set_size(4096);
   seeds->Add("register_shared_memory", Input(Rpc::kRegisterSharedMemory, 0, region));
+  // Larger than the object: refused.
+  region.set_size(std::numeric_limits<uint64_t>::max());
+  seeds->Add("register_shared_memory_2p64", Input(Rpc::kRegisterSharedMemory, 0, region),
+             {Code::kInvalidArgument});
   te::v1::UnregisterSharedMemoryRequest unregister;
   unregister.set_region_id("region-99");
   // No such region.
@@ -316,6 +320,21 @@ void AddBasics(Seeds* seeds) {
   }
   // The harness's data file is longer than the manifest's variables.
   seeds->Add("restore_checkpoint", Input(Rpc::kRestoreCheckpoint, 0, state), {Code::kDataLoss});
+  // A manifest whose variable's shape overflows int64 (bytes still 128), and
+  // one whose layer is huge: refused, never rebuilt.
+  {
+    te::state::v1::SessionState bad = state;
+    bad.mutable_layers(0)->mutable_variables(0)->clear_shape();
+    bad.mutable_layers(0)->mutable_variables(0)->add_shape(int64_t{1} << 32);
+    bad.mutable_layers(0)->mutable_variables(0)->add_shape(int64_t{1} << 32);
+    seeds->Add("restore_variable_shape_overflows", Input(Rpc::kRestoreCheckpoint, 0, bad),
+               {Code::kDataLoss, Code::kInvalidArgument});
+    bad = state;
+    bad.mutable_layers(0)->mutable_spec()->mutable_dense_general()->set_features(0,
+                                                                                 int64_t{1} << 31);
+    seeds->Add("restore_layer_features_2p31", Input(Rpc::kRestoreCheckpoint, 0, bad),
+               {Code::kDataLoss, Code::kInvalidArgument, Code::kResourceExhausted});
+  }
 
   te::v1::GetSessionInfoRequest info;
   seeds->Add("get_session_info", Input(Rpc::kGetSessionInfo, 0, info));
@@ -381,6 +400,23 @@ void AddHostileInit(Seeds* seeds) {
   spec.mutable_transformer_layer()->set_hidden_size(int64_t{1} << 40);
   spec.mutable_transformer_layer()->set_num_attention_heads(1);
   seeds->Init("transformer_hidden_2p40", spec, {1, 1, 8}, te::v1::Autocast(), kRefused);
+  // The MLP's width: 2^40 (a kernel of 2^43 elements: refused for memory),
+  // 2^61 (8 x 2^61 elements: past 2^63).
+  spec.mutable_transformer_layer()->set_hidden_size(8);
+  spec.mutable_transformer_layer()->set_num_attention_heads(2);
+  spec.mutable_transformer_layer()->set_mlp_hidden_size(int64_t{1} << 40);
+  seeds->Init("transformer_mlp_hidden_2p40", spec, {2, 3, 8}, DelayedScaling(), kRefused);
+  spec.mutable_transformer_layer()->set_mlp_hidden_size(int64_t{1} << 61);
+  seeds->Init("transformer_mlp_hidden_2p61", spec, {2, 3, 8}, te::v1::Autocast(), kRefused);
+  spec.Clear();
+  spec.mutable_flax_transformer_layer()->set_hidden_size(8);
+  spec.mutable_flax_transformer_layer()->set_num_attention_heads(2);
+  spec.mutable_flax_transformer_layer()->set_ffn_hidden_size(int64_t{1} << 61);
+  seeds->Init("flax_transformer_ffn_2p61", spec, {2, 3, 8}, te::v1::Autocast(), kRefused);
+  spec.Clear();
+  spec.mutable_layer_norm_dense_general()->add_features(int64_t{1} << 31);
+  spec.mutable_layer_norm_dense_general()->add_features(int64_t{1} << 31);
+  seeds->Init("layer_norm_dense_features_2p31x2p31", spec, {2, 3, 8}, DelayedScaling(), kRefused);
   spec.Clear();
   // A multi-head attention whose heads * head_dim overflows int32.
   spec.mutable_multi_head_attention()->set_head_dim(1 << 30);
