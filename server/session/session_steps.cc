@@ -65,13 +65,14 @@ class InterruptScope {
 }  // namespace
 
 absl::Status CallContext::StillWanted(const std::string& what) const {
-  if (cancelled && cancelled()) {
-    return absl::CancelledError(
-        absl::StrCat(what, ": cancelled by the client; the session is as it was"));
-  }
+  // The deadline first: gRPC also marks a call cancelled once it expires.
   if (absl::Now() > deadline) {
     return absl::DeadlineExceededError(
         absl::StrCat(what, ": the call's deadline passed; the session is as it was"));
+  }
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(
+        absl::StrCat(what, ": cancelled by the client; the session is as it was"));
   }
   return absl::OkStatus();
 }

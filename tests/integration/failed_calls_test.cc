@@ -26,6 +26,9 @@ constexpr int64_t kHidden = 64;
 // float32 activations, more than the suite's 1 GiB session holds, while its
 // x is 1 MiB and the parameters 32 MiB.
 constexpr int64_t kIntermediate = 65536;
+// The long step that a deadline or a cancel interrupts.
+constexpr int kLongMicroBatches = 12;
+constexpr int64_t kLongTokens = 16;
 
 te::v1::Autocast Fp8() {
   te::v1::Autocast autocast;
@@ -86,6 +89,13 @@ class FailedCallsTest : public ServerSuite {
     }
     return request;
   }
+
+  // Many micro-batches: seconds on the CPU, tens of milliseconds on a GPU.
+  te::v1::ForwardBackwardRequest LongStep(const te::v1::SessionRef& session,
+                                          const std::string& layer) const {
+    return Step(session, layer, std::vector<int64_t>(kLongMicroBatches, kLongTokens));
+  }
+  absl::Duration TimeLongStep();
 
   grpc::Status Run(const te::v1::ForwardBackwardRequest& request,
                    absl::Duration deadline = absl::Minutes(5)) {
@@ -192,35 +202,43 @@ TEST_F(FailedCallsTest, OutOfMemoryPartWayMovesNothingAndARetryMovesOnce) {
   }
 }
 
+// How long the long step takes here, timed on a twin session so that the
+// test's own is untouched: the deadline and the cancel below fall a third of
+// the way in, on any backend.
+absl::Duration FailedCallsTest::TimeLongStep() {
+  const te::v1::SessionRef twin = CreateSession(*stub_).session();
+  const std::string twin_layer = InitMlp(twin);
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(Run(LongStep(twin, twin_layer)).ok());
+  return absl::Now() - start;
+}
+
 TEST_F(FailedCallsTest, ADeadlineThatPassesWhileTheStepRunsMovesNothing) {
   ASSERT_TRUE(Run(Step(session_, layer_id_, {8})).ok());
+  const absl::Duration full = TimeLongStep();
   const Snapshot before = Take(session_, layer_id_);
-  // 24 micro-batches of 256 tokens: seconds of CPU work; the deadline passes
-  // after the first few.
-  const std::vector<int64_t> tokens(24, 256);
+  const absl::Duration deadline = full / 3;
   const absl::Time start = absl::Now();
-  const grpc::Status status = Run(Step(session_, layer_id_, tokens), absl::Milliseconds(300));
+  const grpc::Status status = Run(LongStep(session_, layer_id_), deadline);
   ASSERT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(status);
   ExpectUnchanged(before, "after DEADLINE_EXCEEDED");
   // The server stopped at a micro-batch boundary rather than finishing the
-  // call: the snapshot (queued behind it) came back well before the whole
-  // step could have run. One micro-batch's time, measured here, bounds it.
+  // call: the snapshot, queued behind it, came back well before the whole
+  // step could have run.
   const absl::Duration waited = absl::Now() - start;
-  const absl::Time one_start = absl::Now();
-  ASSERT_TRUE(Run(Step(session_, layer_id_, {256})).ok());
-  const absl::Duration one = absl::Now() - one_start;
-  EXPECT_LT(waited, absl::Milliseconds(300) + 8 * one)
-      << "the expired call ran on: " << waited << " for micro-batches of " << one;
+  EXPECT_LT(waited, deadline + (full - deadline) / 2)
+      << "the expired call ran on: " << waited << "; the whole step takes " << full;
 }
 
 TEST_F(FailedCallsTest, ACancelledStepMovesNothing) {
   ASSERT_TRUE(Run(Step(session_, layer_id_, {8})).ok());
+  const absl::Duration full = TimeLongStep();
   const Snapshot before = Take(session_, layer_id_);
-  const te::v1::ForwardBackwardRequest request = Step(session_, layer_id_, std::vector<int64_t>(24, 256));
+  const te::v1::ForwardBackwardRequest request = LongStep(session_, layer_id_);
   grpc::ClientContext context;
   te::v1::ForwardBackwardResponse response;
-  std::thread cancel([&context] {
-    absl::SleepFor(absl::Milliseconds(300));
+  std::thread cancel([&context, full] {
+    absl::SleepFor(full / 3);
     context.TryCancel();
   });
   const grpc::Status status = stub_->ForwardBackward(&context, request, &response);
