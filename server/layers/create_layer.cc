@@ -1,6 +1,7 @@
 // CreateLayer: one te.v1.LayerSpec -> the module that implements it.
 #include "absl/status/status.h"
 #include "server/layers/attention_layers.h"
+#include "server/layers/graph.h"
 #include "server/layers/layer.h"
 #include "server/layers/modules.h"
 #include "server/layers/sequential.h"
@@ -25,13 +26,14 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
       return MakeFlaxTransformerLayer(spec.flax_transformer_layer());
     case te::v1::LayerSpec::kSequential:
       return MakeSequential(spec.sequential());
+    case te::v1::LayerSpec::kGraph: return MakeGraph(spec.graph());
     case te::v1::LayerSpec::MODULE_NOT_SET:
       break;
   }
   return absl::InvalidArgumentError(
       "spec: no module set (one of layer_norm, dense_general, activation, "
       "layer_norm_dense_general, layer_norm_mlp, dot_product_attention, multi_head_attention, "
-      "transformer_layer, flax_transformer_layer, sequential)");
+      "transformer_layer, flax_transformer_layer, sequential, graph)");
 }
 
 }  // namespace te::layers

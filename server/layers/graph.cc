@@ -1,0 +1,336 @@
+// The graph layer's executor: init, forward and backward over a checked
+// Graph (graph_internal.h) in its topological order.
+//
+// Forward keeps each tensor as a handle in a vector indexed by tensor id,
+// dropped after its last reader ran; what backward needs is a GraphSaved:
+// the plan (every tensor's shape and dtype for this input), each module
+// node's own SavedForward and each dropout node's mask. Backward walks the
+// order in reverse with one gradient slot per tensor: a gradient that reaches
+// a tensor already holding one is summed into a new tensor (never in place:
+// slots share memory with dy, views and module outputs), in the tensor's
+// dtype.
+#include "server/layers/graph.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+#include "server/layers/blocks.h"
+#include "server/layers/graph_internal.h"
+
+namespace te::layers {
+namespace {
+
+using graph::Graph;
+using graph::kX;
+using graph::Node;
+using graph::NodeKind;
+using graph::Plan;
+using graph::TensorInfo;
+
+uint64_t SeedOf(uint64_t seed, const std::string& name) {
+  return NodeSeed(seed, name.data(), name.size());
+}
+
+// "params/kernel" of node "qkv" -> "params/qkv/kernel" (Flax's scoping).
+std::string Scoped(const std::string& node, const std::string& key) {
+  const size_t slash = key.find('/');
+  if (slash == std::string::npos) return absl::StrCat(node, "/", key);
+  return absl::StrCat(key.substr(0, slash), "/", node, "/", key.substr(slash + 1));
+}
+
+// The node's variables as its module names them ("params/kernel"): handles
+// to the same device memory, so what the module writes in place (amax
+// histories) lands in the layer's variables; WriteBack stores replacements.
+Variables ScopeView(const Variables& vars, const std::string& node) {
+  Variables view;
+  const std::string prefix = absl::StrCat(node, "/");
+  for (const auto& [key, tensor] : vars) {
+    const size_t slash = key.find('/');
+    if (slash == std::string::npos || key.compare(slash + 1, prefix.size(), prefix) != 0) continue;
+    view[key.substr(0, slash + 1) + key.substr(slash + 1 + prefix.size())] = tensor;
+  }
+  return view;
+}
+
+void WriteBack(const Variables& view, const std::string& node, Variables* vars) {
+  for (const auto& [key, tensor] : view) (*vars)[Scoped(node, key)] = tensor;
+}
+
+absl::Status AboutNode(const Node& node, const absl::Status& status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat(node.field, ": ", status.message()));
+}
+
+absl::Status CheckFloatInput(const Tensor& t, const std::string& field) {
+  if (t.defined() && IsFloating(t.dtype()) && !IsFloat8(t.dtype())) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, " must be float32, bfloat16 or float16, got ",
+                                                 DTypeName(t.dtype())));
+}
+
+class GraphSaved : public SavedForward {
+ public:
+  Plan plan;
+  std::vector<TensorInfo> extras;                      // the request's extra inputs
+  std::vector<std::unique_ptr<SavedForward>> modules;  // by node; null for glue
+  std::vector<DropoutSaved> dropouts;                  // by node
+  int64_t bytes() const override {
+    int64_t total = 0;
+    for (const auto& m : modules) total += m != nullptr ? m->bytes() : 0;
+    for (const DropoutSaved& d : dropouts) total += d.bytes();
+    return total;
+  }
+};
+
+class GraphLayer : public Layer {
+ public:
+  explicit GraphLayer(Graph graph) : g_(std::move(graph)) {}
+
+  std::string type_name() const override { return "Graph"; }
+
+  absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(const Shape& input_shape,
+                                                          const Fp8Recipe* fp8) const override {
+    std::vector<VariableSpec> specs;
+    RETURN_IF_ERROR(InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
+                      ASSIGN_OR_RETURN(std::vector<VariableSpec> own,
+                                       node.module->VariableSpecs(x, fp8));
+                      for (VariableSpec& v : own) {
+                        v.name = Scoped(node.name, v.name);
+                        specs.push_back(std::move(v));
+                      }
+                      return absl::OkStatus();
+                    }).status());
+    return specs;
+  }
+
+  absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const override {
+    ASSIGN_OR_RETURN(const Plan plan, InferAtInit(input_shape, nullptr));
+    const TensorInfo& y = plan.tensors[g_.outputs[0]];
+    if (!y.known) {
+      return absl::InvalidArgumentError(
+          "spec.graph.outputs[0]: y's shape derives from an extra input alone, whose shape "
+          "InitLayer is not given");
+    }
+    return y.shape;
+  }
+
+  absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
+                    Variables* vars) const override {
+    return InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
+             Variables own;
+             RETURN_IF_ERROR(node.module->Init(ops, SeedOf(seed, node.name), x, fp8, &own));
+             WriteBack(own, node.name, vars);
+             return absl::OkStatus();
+           })
+        .status();
+  }
+
+  absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
+                       LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
+    RETURN_IF_ERROR(CheckFloatInput(in.x, "x"));
+    if (static_cast<int>(in.extra.size()) != g_.num_extra) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra_inputs: the graph reads ", g_.num_extra, " extra inputs (extra_inputs[0] to [",
+          g_.num_extra - 1, "]); got ", in.extra.size()));
+    }
+    auto kept = std::make_unique<GraphSaved>();
+    for (size_t i = 0; i < in.extra.size(); ++i) {
+      RETURN_IF_ERROR(CheckFloatInput(in.extra[i], absl::StrCat("extra_inputs[", i, "]")));
+      kept->extras.push_back(TensorInfo{true, in.extra[i].shape(), in.extra[i].dtype()});
+    }
+    ASSIGN_OR_RETURN(kept->plan, graph::Infer(g_, TensorInfo{true, in.x.shape(), in.x.dtype()},
+                                              kept->extras, nullptr));
+    kept->modules.resize(g_.nodes.size());
+    kept->dropouts.resize(g_.nodes.size());
+
+    std::vector<Tensor> values(g_.tensors.size());
+    values[kX] = in.x;
+    for (int i = 0; i < g_.num_extra; ++i) {
+      if (g_.extras[i] >= 0) values[g_.extras[i]] = in.extra[i];
+    }
+    for (int i : g_.order) {
+      RETURN_IF_ERROR(ops.CheckInterrupt());
+      const Node& node = g_.nodes[i];
+      std::vector<Tensor> inputs, outputs;
+      for (int id : node.inputs) inputs.push_back(values[id]);
+      if (node.kind == NodeKind::kModule) {
+        RETURN_IF_ERROR(ForwardModule(ops, vars, node, in, inputs, opts, kept->plan, &outputs,
+                                      &kept->modules[i]));
+      } else {
+        RETURN_IF_ERROR(AboutNode(
+            node, graph::GlueForward(ops, node, kept->plan.nodes[i], inputs, opts.deterministic,
+                                     SeedOf(opts.dropout_seed, node.name), &outputs,
+                                     &kept->dropouts[i])));
+      }
+      for (size_t j = 0; j < node.outputs.size(); ++j) values[node.outputs[j]] = outputs[j];
+      for (int id : g_.last_read_by[i]) values[id] = Tensor();
+    }
+    out->y = values[g_.outputs[0]];
+    if (g_.outputs.size() > 1) out->ln_out = values[g_.outputs[1]];
+    if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
+    return absl::OkStatus();
+  }
+
+  absl::Status Backward(Ops& ops, Variables* vars, const SavedForward& saved, const Tensor& dy,
+                        LayerGrads* grads) const override {
+    const auto* kept = dynamic_cast<const GraphSaved*>(&saved);
+    if (kept == nullptr || kept->modules.size() != g_.nodes.size()) {
+      return absl::InvalidArgumentError("saved forward was not made by this Graph layer");
+    }
+    const Plan& plan = kept->plan;
+    const TensorInfo& y = plan.tensors[g_.outputs[0]];
+    if (!dy.defined() || dy.shape() != y.shape || !IsFloating(dy.dtype()) || IsFloat8(dy.dtype())) {
+      return absl::InvalidArgumentError(absl::StrCat("dy must be a float tensor shaped like y ",
+                                                     ShapeString(y.shape), ", got ",
+                                                     ShapeString(dy.shape()), " ",
+                                                     DTypeName(dy.dtype())));
+    }
+    std::vector<Tensor> slots(g_.tensors.size());
+    RETURN_IF_ERROR(Accumulate(ops, plan, g_.outputs[0], dy, &slots));
+    for (size_t k = g_.order.size(); k-- > 0;) {
+      RETURN_IF_ERROR(ops.CheckInterrupt());
+      const int i = g_.order[k];
+      const Node& node = g_.nodes[i];
+      // Every reader of this node's outputs ran its backward already.
+      std::vector<Tensor> dout;
+      for (int id : node.outputs) dout.push_back(std::exchange(slots[id], Tensor()));
+      std::vector<Tensor> din;
+      if (node.kind == NodeKind::kModule) {
+        if (kept->modules[i] == nullptr) {
+          return absl::InternalError(absl::StrCat(node.field, ": the forward kept nothing"));
+        }
+        RETURN_IF_ERROR(BackwardModule(ops, vars, node, *kept->modules[i], dout[0], &din, grads));
+      } else {
+        RETURN_IF_ERROR(AboutNode(node, graph::GlueBackward(ops, node, plan.nodes[i], plan,
+                                                            kept->dropouts[i], dout, &din)));
+      }
+      for (size_t j = 0; j < din.size() && j < node.inputs.size(); ++j) {
+        if (din[j].defined()) RETURN_IF_ERROR(Accumulate(ops, plan, node.inputs[j], din[j], &slots));
+      }
+    }
+    ASSIGN_OR_RETURN(grads->dx, GradOrZeros(ops, slots[kX], plan.tensors[kX]));
+    grads->dextra.clear();
+    for (int i = 0; i < g_.num_extra; ++i) {
+      const int id = g_.extras[i];
+      ASSIGN_OR_RETURN(Tensor d, GradOrZeros(ops, id >= 0 ? slots[id] : Tensor(), kept->extras[i]));
+      grads->dextra.push_back(std::move(d));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<Plan> InferAtInit(const Shape& input_shape,
+                                   const graph::ModuleVisitor& on_module) const {
+    if (!CheckedNumElements(input_shape) || NumElements(input_shape) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input_shape ", ShapeString(input_shape), " must have positive dimensions"));
+    }
+    return graph::Infer(g_, TensorInfo{true, input_shape, std::nullopt}, {}, on_module);
+  }
+
+  absl::Status ForwardModule(Ops& ops, Variables* vars, const Node& node, const LayerInputs& in,
+                             const std::vector<Tensor>& inputs, const ForwardOptions& opts,
+                             const Plan& plan, std::vector<Tensor>* outputs,
+                             std::unique_ptr<SavedForward>* saved) const {
+    LayerInputs module_in;
+    module_in.x = inputs[0];
+    module_in.extra.assign(inputs.begin() + 1, inputs.end());
+    // A causal_mask node's output carries no padding: the module gets none.
+    if (node.mask >= 0 && node.mask == g_.attention_mask) {
+      module_in.q_seqlens = in.q_seqlens;
+      module_in.kv_seqlens = in.kv_seqlens;
+    }
+    ForwardOptions module_opts = opts;
+    module_opts.dropout_seed = SeedOf(opts.dropout_seed, node.name);
+    Variables view = ScopeView(*vars, node.name);
+    LayerOutputs module_out;
+    RETURN_IF_ERROR(AboutNode(node, node.module->Forward(ops, &view, module_in, module_opts,
+                                                         &module_out, saved)));
+    WriteBack(view, node.name, vars);
+    const Shape& want = plan.tensors[node.outputs[0]].shape;
+    if (module_out.y.shape() != want) {
+      return absl::InternalError(absl::StrCat(node.field, ": ", node.module->type_name(),
+                                              " gave y ", ShapeString(module_out.y.shape()),
+                                              "; its OutputShape says ", ShapeString(want)));
+    }
+    outputs->push_back(module_out.y);
+    if (node.outputs.size() > 1) {
+      if (!module_out.ln_out.defined()) {
+        return absl::InternalError(absl::StrCat(node.field, ": ", node.module->type_name(),
+                                                " gave no ln_out"));
+      }
+      outputs->push_back(module_out.ln_out);
+    }
+    return absl::OkStatus();
+  }
+
+  // dy undefined: no gradient reached y (an unused module): its parameter
+  // gradients are zeros and nothing flows to its inputs.
+  absl::Status BackwardModule(Ops& ops, Variables* vars, const Node& node,
+                              const SavedForward& saved, const Tensor& dy,
+                              std::vector<Tensor>* din, LayerGrads* grads) const {
+    Variables view = ScopeView(*vars, node.name);
+    if (!dy.defined()) {
+      for (const auto& [key, t] : view) {
+        if (!absl::StartsWith(key, "params/")) continue;
+        ASSIGN_OR_RETURN(grads->params[Scoped(node.name, key)], graph::Zeros(ops, t.dtype(), t.shape()));
+      }
+      return absl::OkStatus();
+    }
+    LayerGrads own;
+    RETURN_IF_ERROR(AboutNode(node, node.module->Backward(ops, &view, saved, dy, &own)));
+    WriteBack(view, node.name, vars);
+    if (own.dextra.size() + 1 != node.inputs.size()) {
+      return absl::InternalError(absl::StrCat(node.field, ": ", own.dextra.size(),
+                                              " extra-input gradients for ",
+                                              node.inputs.size() - 1, " extra inputs"));
+    }
+    din->push_back(own.dx);
+    din->insert(din->end(), own.dextra.begin(), own.dextra.end());
+    for (const auto& [key, g] : own.params) grads->params[Scoped(node.name, key)] = g;
+    return absl::OkStatus();
+  }
+
+  // Adds `grad` to tensor `id`'s gradient, in the tensor's shape and dtype.
+  static absl::Status Accumulate(Ops& ops, const Plan& plan, int id, Tensor grad,
+                                 std::vector<Tensor>* slots) {
+    const TensorInfo& info = plan.tensors[id];
+    if (grad.shape() != info.shape) {
+      if (grad.numel() != NumElements(info.shape)) {
+        return absl::InternalError(absl::StrCat("a gradient ", ShapeString(grad.shape()),
+                                                " for a tensor ", ShapeString(info.shape)));
+      }
+      grad = grad.Reshaped(info.shape);
+    }
+    ASSIGN_OR_RETURN(grad, CastTo(ops, grad, *info.dtype));
+    Tensor& slot = (*slots)[id];
+    if (!slot.defined()) {
+      slot = std::move(grad);
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(Tensor sum, ops.Allocate(*info.dtype, info.shape));
+    RETURN_IF_ERROR(ops.Axpby(1.0f, slot, 1.0f, grad, &sum));
+    slot = std::move(sum);
+    return absl::OkStatus();
+  }
+
+  static absl::StatusOr<Tensor> GradOrZeros(Ops& ops, const Tensor& grad, const TensorInfo& info) {
+    if (grad.defined()) return grad;
+    return graph::Zeros(ops, *info.dtype, info.shape);
+  }
+
+  Graph g_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Layer>> MakeGraph(const te::v1::GraphSpec& spec) {
+  ASSIGN_OR_RETURN(Graph graph, graph::BuildGraph(spec));
+  return std::unique_ptr<Layer>(new GraphLayer(std::move(graph)));
+}
+
+}  // namespace te::layers

@@ -1,0 +1,62 @@
+// Graph: te.v1.GraphSpec, a composite Flax module as one layer (DESIGN.md
+// section 11). Nodes are modules (any LayerSpec but a graph or sequential)
+// and glue ops (reshape, split, concatenate, add, scale, cast, transpose,
+// dropout, causal_mask); edges are named tensors. The server runs the whole
+// DAG on the device, so a step of the composite is one call and no
+// activation crosses the wire. Like every Layer it is const and
+// thread-compatible; all state lives in the caller's Variables and
+// SavedForward.
+//
+// Checks, all INVALID_ARGUMENT naming "spec.graph.nodes[i] (<name>)" (or
+// "spec.graph.outputs[j]") and the problem:
+//  * MakeGraph: node names empty or repeated; a tensor written twice (or a
+//    graph input written); a tensor read but never written; a cycle; outputs
+//    empty, more than y and ln_out, or never written; an op's arity or
+//    fields (split.parts < 2, a reshape shape with zeros or two -1, a cast to
+//    a non-float dtype, a dropout rate outside [0, 1), a non-finite scale);
+//    a module's own spec errors; a mask on a module that takes none; a
+//    causal_mask fed to a module whose mask type is not causal.
+//  * VariableSpecs / OutputShape / Init, from x's shape: every shape the
+//    graph meets (split parts not dividing the axis, transpose axes that are
+//    no permutation, a reshape of another element count, concatenated or
+//    added shapes that differ), and each module's own VariableSpecs /
+//    OutputShape errors, prefixed by its node. The extra inputs' shapes are
+//    not known there: a module's x must derive from the graph's x.
+//  * Forward: the same with the request's x and extra inputs, before any
+//    node runs.
+//
+// Variables: a module node's are its own under the node's name
+// ("params/TEUnfusedMLP_0/DenseGeneral_0/kernel",
+// "fp8_metas/DenseGeneral_1/kernel_amax_history"); its init key and dropout
+// seed are NodeSeed(seed, node name), and a dropout node's seed
+// NodeSeed(dropout_seed, node name) (kernels/rng.h). Each module node has its
+// own FP8 state, which the session's UpdateFp8Metas moves as for one module.
+//
+// Inputs: "x", "extra_inputs[i]" (the graph takes exactly as many extra
+// inputs as the highest index it reads, plus one) and "attention_mask": a
+// module whose mask is "attention_mask" gets the request's padding lengths;
+// one whose mask is a causal_mask node's output gets none (its own causal
+// mask type applies causality, as TE's causal types ignore the mask).
+//
+// Outputs: y = LayerOutputs.y; a second output, when named, is
+// LayerOutputs.ln_out and gets no gradient. y's dtype is what the graph
+// makes of x's (a cast changes it); Backward takes dy in any float dtype.
+#ifndef TE_SERVER_LAYERS_GRAPH_H_
+#define TE_SERVER_LAYERS_GRAPH_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/layers/layer.h"
+#include "te/v1/layers.pb.h"
+
+namespace te::layers {
+
+// Validates the graph's structure and builds every module node with
+// CreateLayer. The nodes run in a dependency order computed here (among
+// ready nodes, the first listed first).
+absl::StatusOr<std::unique_ptr<Layer>> MakeGraph(const te::v1::GraphSpec& spec);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_GRAPH_H_

@@ -1,0 +1,160 @@
+// Internals of the graph layer (graph.h), shared by its files: the checked
+// structure and its topological order (graph_build.cc), shape and dtype
+// inference (graph_infer.cc), the glue ops' forward and backward
+// (graph_ops.cc) and the executor (graph.cc). Not part of the layer API.
+#ifndef TE_SERVER_LAYERS_GRAPH_INTERNAL_H_
+#define TE_SERVER_LAYERS_GRAPH_INTERNAL_H_
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+#include "server/layers/blocks.h"
+#include "server/layers/layer.h"
+#include "te/v1/layers.pb.h"
+
+namespace te::layers::graph {
+
+enum class NodeKind {
+  kModule,
+  kReshape,
+  kSplit,
+  kConcatenate,
+  kAdd,
+  kScale,
+  kCast,
+  kTranspose,
+  kDropout,
+  kCausalMask,
+};
+
+// A named edge. Tensors are numbered in the order they are first named: the
+// graph's inputs first ("x" is tensor 0), then each node's outputs.
+struct TensorDef {
+  std::string name;
+  int producer = -1;     // the writing node; -1 for the graph's inputs
+  int extra_index = -1;  // i for "extra_inputs[i]"
+  // "attention_mask" or a causal_mask node's output: read only as a module's
+  // mask, carries no data on the device and no gradient.
+  bool is_mask = false;
+};
+
+struct Node {
+  NodeKind kind = NodeKind::kModule;
+  std::string name;
+  std::string field;        // "spec.graph.nodes[i] (<name>)", for messages
+  std::vector<int> inputs;  // tensor ids
+  std::vector<int> outputs;
+  int mask = -1;            // a module's mask tensor, -1 when none
+
+  // kModule. mask_type: the attention mask type of a module that takes a
+  // mask (unset for modules that take none). returns_ln_out: the module's
+  // LayerOutputs.ln_out exists, so it may have a second output.
+  std::unique_ptr<Layer> module;
+  std::optional<MaskType> mask_type;
+  bool returns_ln_out = false;
+
+  // Glue fields as the spec gives them; Infer resolves them against shapes.
+  std::vector<int64_t> shape;  // reshape (one -1 at most)
+  int axis = 0;                // split, concatenate (may be negative)
+  int parts = 0;               // split
+  float factor = 1.0f;         // scale
+  DType dtype = DType::kF32;   // cast
+  std::vector<int> axes;       // transpose; empty: reversed (numpy's default)
+  float rate = 0.0f;           // dropout
+  std::vector<int> broadcast_dims;
+};
+
+// A checked graph: every tensor written once, every read tensor written, no
+// cycle, and `order` a topological order of the nodes (ties in spec order).
+struct Graph {
+  std::vector<Node> nodes;
+  std::vector<TensorDef> tensors;
+  int num_extra = 0;        // the graph reads extra_inputs[0 .. num_extra)
+  std::vector<int> extras;  // tensor id of extra_inputs[i]; -1 when not read
+  int attention_mask = -1;  // tensor id of "attention_mask"; -1 when not read
+  std::vector<int> outputs; // y, then ln_out when given
+  std::vector<int> order;
+  // Forward: the tensors whose last reader is node k, dropped after it ran
+  // (graph outputs are never dropped), so peak memory follows the live set.
+  std::vector<std::vector<int>> last_read_by;
+};
+
+inline constexpr int kX = 0;  // the tensor id of "x"
+
+// Parses and checks the spec's structure (INVALID_ARGUMENT naming
+// "spec.graph.nodes[i] (<name>)..." or "spec.graph.outputs..."), creating
+// every module node's layer with CreateLayer.
+absl::StatusOr<Graph> BuildGraph(const te::v1::GraphSpec& spec);
+
+// What inference knows of a tensor.
+struct TensorInfo {
+  bool known = false;  // false: its shape derives from an extra input (unknown at init)
+  Shape shape;
+  std::optional<DType> dtype;  // nullopt: the graph's input dtype, not known yet
+};
+
+// A node's fields resolved against its input's shape.
+struct NodePlan {
+  Shape to;                         // reshape: the new shape, -1 resolved
+  int axis = 0;                     // split, concatenate: in [0, rank)
+  std::vector<int> perm;            // transpose: out.dim(i) = in.dim(perm[i])
+  std::vector<int> broadcast_dims;  // dropout: in [0, rank), sorted, unique
+};
+
+struct Plan {
+  std::vector<TensorInfo> tensors;  // by tensor id
+  std::vector<NodePlan> nodes;      // by node index
+};
+
+// Called for each module node, in order, with its x's shape (known).
+using ModuleVisitor = std::function<absl::Status(const Node& node, const Shape& x)>;
+
+// Shapes and dtypes of every tensor from the graph's inputs: x, and the extra
+// inputs when `extras` has one per extra input (empty: unknown, as at init,
+// where a module's x must not depend on them). INVALID_ARGUMENT naming the
+// node where a shape or dtype does not fit, or a module's own
+// VariableSpecs/OutputShape error (from `on_module`, may be null) prefixed by
+// the node.
+absl::StatusOr<Plan> Infer(const Graph& graph, const TensorInfo& x,
+                           const std::vector<TensorInfo>& extras, const ModuleVisitor& on_module);
+
+// ---- glue ops (graph_ops.cc) --------------------------------------------------
+// Forward of a glue node on its input tensors: fills *out (one per output;
+// undefined for causal_mask's, which carries no data). Dropout runs unless
+// `deterministic`, with `seed` = NodeSeed(dropout_seed, node name), and fills
+// *dropout for the backward.
+absl::Status GlueForward(Ops& ops, const Node& node, const NodePlan& plan,
+                         const std::vector<Tensor>& in, bool deterministic, uint64_t seed,
+                         std::vector<Tensor>* out, DropoutSaved* dropout);
+
+// Backward of a glue node: `dout` has one gradient per output (undefined: no
+// gradient reached it, counted as zeros); fills *din with one per input
+// (undefined: none, e.g. causal_mask's), each in its input's dtype.
+absl::Status GlueBackward(Ops& ops, const Node& node, const NodePlan& plan, const Plan& shapes,
+                          const DropoutSaved& dropout, const std::vector<Tensor>& dout,
+                          std::vector<Tensor>* din);
+
+// A zero tensor of `shape` and `dtype`.
+absl::StatusOr<Tensor> Zeros(Ops& ops, DType dtype, const Shape& shape);
+
+// Parts of a concatenation along `axis` (the inverse of Concatenate): views
+// of x when the axis is outermost, else copies.
+absl::StatusOr<std::vector<Tensor>> SplitAlong(Ops& ops, const Tensor& x, int axis,
+                                               const std::vector<int64_t>& sizes);
+// Parts of one dtype and rank, equal but along `axis`, concatenated.
+absl::StatusOr<Tensor> Concatenate(Ops& ops, const std::vector<Tensor>& parts, int axis);
+// Ops::Permute of any rank: dims that stay neighbours and dims of size 1 are
+// merged first; INVALID_ARGUMENT when more than Permute's 5 remain.
+absl::Status PermuteAnyRank(Ops& ops, const Tensor& x, const std::vector<int>& perm, Tensor* y);
+// The rank Ops::Permute is asked for after merging (for checks at init).
+int MergedPermuteRank(const Shape& shape, const std::vector<int>& perm);
+
+}  // namespace te::layers::graph
+
+#endif  // TE_SERVER_LAYERS_GRAPH_INTERNAL_H_
