@@ -98,6 +98,13 @@ bool NoneInFlight(std::set<std::shared_ptr<grpc::ClientContext>>* in_flight) {
   return in_flight->empty();
 }
 
+// The codes of a call that ended at the client without the server's answer:
+// it may never have reached the server (SessionRef.abandoned).
+bool Unanswered(grpc::StatusCode code) {
+  return code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::CANCELLED ||
+         code == grpc::StatusCode::UNAVAILABLE;
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -208,7 +215,10 @@ Session::~Session() {
 
 te::v1::SessionRef Session::NextRef() {
   te::v1::SessionRef ref = ref_;
-  ref.set_sequence(next_sequence_.fetch_add(1, std::memory_order_relaxed));
+  absl::MutexLock lock(&order_mu_);
+  ref.set_sequence(next_sequence_++);
+  // Every abandoned number was given out before this one: all are below it.
+  for (uint64_t lost : abandoned_) ref.add_abandoned(lost);
   return ref;
 }
 
@@ -217,7 +227,17 @@ void Session::PrepareContext(grpc::ClientContext* context, absl::Duration timeou
   SetAffinityHeader(context, affinity_key_);
 }
 
-absl::Status Session::CallStatus(const grpc::Status& status) const {
+absl::Status Session::CallStatus(uint64_t sequence, const grpc::Status& status) {
+  {
+    absl::MutexLock lock(&order_mu_);
+    if (Unanswered(status.error_code())) {
+      abandoned_.insert(sequence);
+    } else {
+      // The server got to this call, so it waits for no lower number: each
+      // arrived, was named abandoned, or was skipped.
+      abandoned_.erase(abandoned_.begin(), abandoned_.lower_bound(sequence));
+    }
+  }
   if (pinned_address_.empty() || status.error_code() != grpc::StatusCode::UNAVAILABLE) {
     return FromGrpcStatus(status);
   }
@@ -234,7 +254,8 @@ absl::Status Session::Close() {
   PrepareContext(&context, absl::Seconds(10));
   *request.mutable_session() = NextRef();
   te::v1::CloseSessionResponse response;
-  return CallStatus(stub_->CloseSession(&context, request, &response));
+  return CallStatus(request.session().sequence(),
+                    stub_->CloseSession(&context, request, &response));
 }
 
 absl::StatusOr<ResidentTensor> Session::Put(const HostTensor& tensor) {
@@ -262,6 +283,7 @@ absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
   header->mutable_tensor()->set_dtype(ToProtoDType(tensor.dtype()));
   for (int64_t d : tensor.shape()) header->mutable_tensor()->add_shape(d);
   *header->mutable_session() = NextRef();
+  const uint64_t sequence = header->session().sequence();
   bool open = writer->Write(chunk);
   const std::string& bytes = tensor.bytes();
   const size_t step = std::max<size_t>(options_.chunk_bytes, 1);
@@ -272,7 +294,7 @@ absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
   }
   // A failed Write means the server ended the stream; Finish has its status.
   writer->WritesDone();
-  absl::Status status = CallStatus(writer->Finish());
+  absl::Status status = CallStatus(sequence, writer->Finish());
   if (!status.ok()) return status;
   return ResidentTensor{response.tensor_id(), tensor.dtype(), tensor.shape()};
 }
@@ -303,7 +325,7 @@ absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
       bytes += chunk.data();
     }
   }
-  absl::Status status = CallStatus(reader->Finish());
+  absl::Status status = CallStatus(request.session().sequence(), reader->Finish());
   if (!status.ok()) return status;
   if (!have_header) {
     return absl::InternalError(absl::StrCat("GetTensor(", tensor_id, "): the stream had no header"));
@@ -320,7 +342,8 @@ absl::Status Session::Delete(const std::string& tensor_id) {
   PrepareContext(&context);
   *request.mutable_session() = NextRef();
   te::v1::DeleteTensorResponse response;
-  return CallStatus(stub_->DeleteTensor(&context, request, &response));
+  return CallStatus(request.session().sequence(),
+                    stub_->DeleteTensor(&context, request, &response));
 }
 
 absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
@@ -332,46 +355,52 @@ absl::Status Session::DeleteAll(const std::vector<std::string>& tensor_ids) {
 }
 
 // One unary call with the session filled in. `Rpc` is a Stub member function.
-#define TE_CLIENT_UNARY(Rpc, Response)                                          \
-  grpc::ClientContext context;                                                  \
-  PrepareContext(&context);                                                     \
-  te::v1::Response response;                                                    \
-  *request.mutable_session() = NextRef();                                       \
-  absl::Status status = CallStatus(stub_->Rpc(&context, request, &response));     \
+#define TE_CLIENT_UNARY(Rpc, Response)                                                    \
+  grpc::ClientContext context;                                                            \
+  PrepareContext(&context, timeout);                                                      \
+  te::v1::Response response;                                                              \
+  *request.mutable_session() = NextRef();                                                 \
+  absl::Status status =                                                                   \
+      CallStatus(request.session().sequence(), stub_->Rpc(&context, request, &response)); \
   if (!status.ok()) return status;
 
-absl::StatusOr<te::v1::InitLayerResponse> Session::InitLayer(te::v1::InitLayerRequest request) {
+absl::StatusOr<te::v1::InitLayerResponse> Session::InitLayer(te::v1::InitLayerRequest request,
+                                                             absl::Duration timeout) {
   TE_CLIENT_UNARY(InitLayer, InitLayerResponse)
   return response;
 }
 
-absl::StatusOr<te::v1::ForwardResponse> Session::Forward(te::v1::ForwardRequest request) {
+absl::StatusOr<te::v1::ForwardResponse> Session::Forward(te::v1::ForwardRequest request,
+                                                         absl::Duration timeout) {
   TE_CLIENT_UNARY(Forward, ForwardResponse)
   return response;
 }
 
-absl::StatusOr<te::v1::BackwardResponse> Session::Backward(te::v1::BackwardRequest request) {
+absl::StatusOr<te::v1::BackwardResponse> Session::Backward(te::v1::BackwardRequest request,
+                                                           absl::Duration timeout) {
   TE_CLIENT_UNARY(Backward, BackwardResponse)
   return response;
 }
 
 absl::StatusOr<te::v1::ForwardBackwardResponse> Session::ForwardBackward(
-    te::v1::ForwardBackwardRequest request) {
+    te::v1::ForwardBackwardRequest request, absl::Duration timeout) {
   TE_CLIENT_UNARY(ForwardBackward, ForwardBackwardResponse)
   return response;
 }
 
-absl::StatusOr<te::v1::GetVariablesResponse> Session::GetVariables(te::v1::GetVariablesRequest request) {
+absl::StatusOr<te::v1::GetVariablesResponse> Session::GetVariables(
+    te::v1::GetVariablesRequest request, absl::Duration timeout) {
   TE_CLIENT_UNARY(GetVariables, GetVariablesResponse)
   return response;
 }
 
-absl::Status Session::SetVariables(te::v1::SetVariablesRequest request) {
+absl::Status Session::SetVariables(te::v1::SetVariablesRequest request, absl::Duration timeout) {
   TE_CLIENT_UNARY(SetVariables, SetVariablesResponse)
   return absl::OkStatus();
 }
 
-absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRequest request) {
+absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRequest request,
+                                                             absl::Duration timeout) {
   TE_CLIENT_UNARY(Benchmark, BenchmarkResponse)
   return response;
 }
@@ -380,7 +409,7 @@ absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRe
 
 template <typename Request, typename Response>
 std::future<absl::StatusOr<Response>> Session::CallAsync(AsyncRpc<Request, Response> rpc,
-                                                         Request request) {
+                                                         Request request, absl::Duration timeout) {
   // What the call needs until its callback has run, owned by the callback.
   struct Call {
     grpc::ClientContext context;
@@ -390,7 +419,7 @@ std::future<absl::StatusOr<Response>> Session::CallAsync(AsyncRpc<Request, Respo
   };
   auto call = std::make_shared<Call>();
   call->request = std::move(request);
-  PrepareContext(&call->context);
+  PrepareContext(&call->context, timeout);
   std::shared_ptr<grpc::ClientContext> context(call, &call->context);
   {
     absl::MutexLock lock(&async_mu_);
@@ -402,7 +431,8 @@ std::future<absl::StatusOr<Response>> Session::CallAsync(AsyncRpc<Request, Respo
   *call->request.mutable_session() = NextRef();
   (stub_->async()->*rpc)(&call->context, &call->request, &call->response,
                          [this, call, context](grpc::Status status) {
-                           absl::Status answer = CallStatus(status);
+                           absl::Status answer =
+                               CallStatus(call->request.session().sequence(), status);
                            if (answer.ok()) {
                              call->done.set_value(std::move(call->response));
                            } else {
@@ -416,31 +446,33 @@ std::future<absl::StatusOr<Response>> Session::CallAsync(AsyncRpc<Request, Respo
 }
 
 std::future<absl::StatusOr<te::v1::ForwardResponse>> Session::ForwardAsync(
-    te::v1::ForwardRequest request) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Forward, std::move(request));
+    te::v1::ForwardRequest request, absl::Duration timeout) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Forward, std::move(request),
+                   timeout);
 }
 
 std::future<absl::StatusOr<te::v1::BackwardResponse>> Session::BackwardAsync(
-    te::v1::BackwardRequest request) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Backward, std::move(request));
+    te::v1::BackwardRequest request, absl::Duration timeout) {
+  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Backward, std::move(request),
+                   timeout);
 }
 
 std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> Session::ForwardBackwardAsync(
-    te::v1::ForwardBackwardRequest request) {
+    te::v1::ForwardBackwardRequest request, absl::Duration timeout) {
   return CallAsync(&te::v1::TeService::StubInterface::async_interface::ForwardBackward,
-                   std::move(request));
+                   std::move(request), timeout);
 }
 
 std::future<absl::StatusOr<te::v1::GetVariablesResponse>> Session::GetVariablesAsync(
-    te::v1::GetVariablesRequest request) {
+    te::v1::GetVariablesRequest request, absl::Duration timeout) {
   return CallAsync(&te::v1::TeService::StubInterface::async_interface::GetVariables,
-                   std::move(request));
+                   std::move(request), timeout);
 }
 
 std::future<absl::StatusOr<te::v1::SetVariablesResponse>> Session::SetVariablesAsync(
-    te::v1::SetVariablesRequest request) {
+    te::v1::SetVariablesRequest request, absl::Duration timeout) {
   return CallAsync(&te::v1::TeService::StubInterface::async_interface::SetVariables,
-                   std::move(request));
+                   std::move(request), timeout);
 }
 
 absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vector<std::string>* uploaded) {

@@ -113,10 +113,15 @@ struct ResidentTensor {
 // session's calls in that order, whatever order they arrive in, so a caller
 // need not wait for one call's answer before sending the next (the Async
 // calls below), and calls from several threads run in the order they took
-// their numbers. A call that took a number but never reached the server (the
-// connection dropped) leaves a gap: the session's later calls wait for it
-// and end ABORTED, naming the missing number, after the server's
-// --sequence_gap_seconds.
+// their numbers. A call that ends here without the server's answer
+// (DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE: it may never have been sent)
+// would leave a gap the session's later calls wait for, so the Session
+// names its number in every later call (SessionRef.abandoned) until a call
+// numbered above it is answered: the server does not wait for it, and
+// refuses it should it arrive after all. A gap remains only for calls sent
+// before the failure was known (Async calls already in flight), when no
+// later call follows to name the number: the server ends them ABORTED,
+// naming the missing number, after its --sequence_gap_seconds.
 class Session {
  public:
   // Closes the session (best effort: errors are dropped; call Close() to see
@@ -154,15 +159,22 @@ class Session {
   absl::Status Delete(const std::string& tensor_id);
 
   // --- Raw calls, for the module classes (modules.h) and tools. Each fills
-  // in the session reference, applies the deadline, and returns the server's
-  // response or status.
-  absl::StatusOr<te::v1::InitLayerResponse> InitLayer(te::v1::InitLayerRequest request);
-  absl::StatusOr<te::v1::ForwardResponse> Forward(te::v1::ForwardRequest request);
-  absl::StatusOr<te::v1::BackwardResponse> Backward(te::v1::BackwardRequest request);
-  absl::StatusOr<te::v1::ForwardBackwardResponse> ForwardBackward(te::v1::ForwardBackwardRequest request);
-  absl::StatusOr<te::v1::GetVariablesResponse> GetVariables(te::v1::GetVariablesRequest request);
-  absl::Status SetVariables(te::v1::SetVariablesRequest request);
-  absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(te::v1::BenchmarkRequest request);
+  // in the session reference, applies the deadline (rpc_timeout, or
+  // `timeout` when shorter), and returns the server's response or status.
+  absl::StatusOr<te::v1::InitLayerResponse> InitLayer(
+      te::v1::InitLayerRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<te::v1::ForwardResponse> Forward(
+      te::v1::ForwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<te::v1::BackwardResponse> Backward(
+      te::v1::BackwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<te::v1::ForwardBackwardResponse> ForwardBackward(
+      te::v1::ForwardBackwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<te::v1::GetVariablesResponse> GetVariables(
+      te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  absl::Status SetVariables(te::v1::SetVariablesRequest request,
+                            absl::Duration timeout = absl::InfiniteDuration());
+  absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(
+      te::v1::BenchmarkRequest request, absl::Duration timeout = absl::InfiniteDuration());
 
   // --- Pipelined step calls. Each takes its number in the session's order
   // (Call order, above) before it returns, sends the request without waiting
@@ -178,15 +190,18 @@ class Session {
   // runs `write` then `read` on the server with no round trip between them. The
   // request's tensors must already be inline, resident or in shared memory
   // (Send); Receive the response's. Thread-safe; the futures may be waited on
-  // from any thread, in any order, and each is set exactly once.
-  std::future<absl::StatusOr<te::v1::ForwardResponse>> ForwardAsync(te::v1::ForwardRequest request);
-  std::future<absl::StatusOr<te::v1::BackwardResponse>> BackwardAsync(te::v1::BackwardRequest request);
+  // from any thread, in any order, and each is set exactly once. `timeout`
+  // as for the raw calls.
+  std::future<absl::StatusOr<te::v1::ForwardResponse>> ForwardAsync(
+      te::v1::ForwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  std::future<absl::StatusOr<te::v1::BackwardResponse>> BackwardAsync(
+      te::v1::BackwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
   std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> ForwardBackwardAsync(
-      te::v1::ForwardBackwardRequest request);
+      te::v1::ForwardBackwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
   std::future<absl::StatusOr<te::v1::GetVariablesResponse>> GetVariablesAsync(
-      te::v1::GetVariablesRequest request);
+      te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
   std::future<absl::StatusOr<te::v1::SetVariablesResponse>> SetVariablesAsync(
-      te::v1::SetVariablesRequest request);
+      te::v1::SetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
 
   // A request tensor for `tensor`, by the session's transport: inline,
   // uploaded with Put, or written to shared memory (its id, or its block as
@@ -213,18 +228,23 @@ class Session {
   // header: every call of the session goes through here.
   void PrepareContext(grpc::ClientContext* context,
                       absl::Duration timeout = absl::InfiniteDuration()) const;
-  // A call's status; an UNAVAILABLE from a pinned replica names its address.
-  absl::Status CallStatus(const grpc::Status& status) const;
   // The session reference for a call being sent now: its next number in the
-  // session's order (Call order).
+  // session's order and the abandoned numbers below it (Call order).
   te::v1::SessionRef NextRef();
+  // The status of the call numbered `sequence` (every call of the session
+  // ends here), kept in the session's order: DEADLINE_EXCEEDED, CANCELLED
+  // and UNAVAILABLE abandon the number; any other code is the server's
+  // answer, after which it waits for no lower number. An UNAVAILABLE from a
+  // pinned replica names its address.
+  absl::Status CallStatus(uint64_t sequence, const grpc::Status& status);
 
   // One Async call: `rpc` is the stub's callback-API method.
   template <typename Request, typename Response>
   using AsyncRpc = void (te::v1::TeService::StubInterface::async_interface::*)(
       grpc::ClientContext*, const Request*, Response*, std::function<void(grpc::Status)>);
   template <typename Request, typename Response>
-  std::future<absl::StatusOr<Response>> CallAsync(AsyncRpc<Request, Response> rpc, Request request);
+  std::future<absl::StatusOr<Response>> CallAsync(AsyncRpc<Request, Response> rpc, Request request,
+                                                  absl::Duration timeout);
 
   // Shared memory (transport.cc). The way a tensor of `bytes` goes now.
   Transport TransportFor(size_t bytes) const;
@@ -243,7 +263,12 @@ class Session {
   const std::string affinity_key_;
   const std::string pinned_address_;
   te::v1::SessionRef ref_;  // sequence unset: NextRef numbers each call
-  std::atomic<uint64_t> next_sequence_{1};
+  // The session's order (Call order): the next number, and the numbers of
+  // calls that ended without the server's answer, not yet passed by an
+  // answered call.
+  absl::Mutex order_mu_;
+  uint64_t next_sequence_ ABSL_GUARDED_BY(order_mu_) = 1;
+  std::set<uint64_t> abandoned_ ABSL_GUARDED_BY(order_mu_);
   std::string id_;
   std::string device_;
   std::optional<Recipe> recipe_;

@@ -2,12 +2,15 @@
 // on loopback that records the SessionRef.sequence of every call: each call
 // of a Session (unary, the PutTensor header, GetTensor, Close) takes the next
 // number as it is sent, a repeated call a new one, concurrent callers unique
-// ones, and the Async calls theirs in the caller's program order. Whether the
-// real server runs calls in that order is tests/integration/pipelined_client_test.cc.
+// ones, and the Async calls theirs in the caller's program order; a call that
+// ended at the client without an answer is named abandoned by the later calls
+// until one numbered above it is answered. Whether the real server runs calls
+// in that order is tests/integration/pipelined_client_test.cc.
 #include <algorithm>
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,12 +27,13 @@ namespace {
 struct Numbered {
   std::string method;
   uint64_t sequence = 0;
+  std::vector<uint64_t> abandoned;
 };
 
 // Answers every session call at once (GetVariables with one variable whose
 // path is the number the request carried), except ForwardBackward, which
-// waits until CloseSession arrives (when release_on_close) or the client
-// cancels it.
+// waits until Release, or CloseSession arrives (when release_on_close), or
+// the client cancels it.
 class RecordingService final : public te::v1::TeService::Service {
  public:
   bool release_on_close = true;
@@ -44,7 +48,7 @@ class RecordingService final : public te::v1::TeService::Service {
   grpc::Status CloseSession(grpc::ServerContext*, const te::v1::CloseSessionRequest* request,
                             te::v1::CloseSessionResponse*) override {
     Record("CloseSession", request->session());
-    if (release_on_close && !closed_.HasBeenNotified()) closed_.Notify();
+    if (release_on_close) Release();
     return grpc::Status::OK;
   }
   grpc::Status PutTensor(grpc::ServerContext*, grpc::ServerReader<te::v1::PutTensorChunk>* reader,
@@ -90,7 +94,7 @@ class RecordingService final : public te::v1::TeService::Service {
                                const te::v1::ForwardBackwardRequest* request,
                                te::v1::ForwardBackwardResponse* response) override {
     Record("ForwardBackward", request->session());
-    while (!closed_.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
+    while (!released_.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
       if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     }
     response->add_values(1.0);
@@ -111,9 +115,21 @@ class RecordingService final : public te::v1::TeService::Service {
     return Record("Benchmark", request->session());
   }
 
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    if (!released_.HasBeenNotified()) released_.Notify();
+  }
+
   std::vector<Numbered> calls() {
     absl::MutexLock lock(&mu_);
     return calls_;
+  }
+  // What the call numbered `sequence` named abandoned; nullopt when it never arrived.
+  std::optional<std::vector<uint64_t>> abandoned_by(uint64_t sequence) {
+    for (const Numbered& call : calls()) {
+      if (call.sequence == sequence) return call.abandoned;
+    }
+    return std::nullopt;
   }
   std::vector<uint64_t> sorted_sequences() {
     std::vector<uint64_t> numbers;
@@ -125,14 +141,14 @@ class RecordingService final : public te::v1::TeService::Service {
  private:
   grpc::Status Record(const std::string& method, const te::v1::SessionRef& ref) {
     absl::MutexLock lock(&mu_);
-    calls_.push_back({method, ref.sequence()});
+    calls_.push_back({method, ref.sequence(), {ref.abandoned().begin(), ref.abandoned().end()}});
     if (ref.session_id() != "s1" || ref.token() != "t1") {
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "bad session reference");
     }
     return grpc::Status::OK;
   }
 
-  absl::Notification closed_;
+  absl::Notification released_;
   absl::Mutex mu_;
   std::vector<Numbered> calls_ ABSL_GUARDED_BY(mu_);
 };
@@ -278,6 +294,52 @@ TEST_F(PipelinedTest, DestroyingTheSessionCancelsCallsLeftUnanswered) {
       session_->ForwardBackwardAsync({});
   session_.reset();  // the close, then the destructor's 10 s wait, then the cancel
   EXPECT_EQ(step.get().status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST_F(PipelinedTest, ACallEndedAtTheClientIsNamedAbandonedUntilALaterCallIsAnswered) {
+  // A deadline already past when the call starts: gRPC ends it here without
+  // sending it. (One a microsecond ahead is not enough: gRPC rounds it up to
+  // its millisecond clock, and the call may be sent and answered in time.)
+  const absl::Duration expired = -absl::Seconds(1);
+  EXPECT_EQ(session_->SetVariables({}, expired).code(), absl::StatusCode::kDeadlineExceeded);  // 1
+  EXPECT_EQ(session_->GetVariablesAsync({}, expired).get().status().code(),
+            absl::StatusCode::kDeadlineExceeded);  // 2
+  absl::StatusOr<ResidentTensor> put =
+      session_->Put(HostTensor::Full({1}, DType::kF32, 2.0f));  // 3
+  ASSERT_TRUE(put.ok()) << put.status();
+  ASSERT_TRUE(session_->Get(put->id).ok());  // 4
+  EXPECT_EQ(session_->Forward({}, expired).status().code(),
+            absl::StatusCode::kDeadlineExceeded);  // 5
+  // Refused by the fake: still the server's answer.
+  EXPECT_EQ(session_->Forward({}).status().code(), absl::StatusCode::kInvalidArgument);  // 6
+  ASSERT_TRUE(session_->Backward({}).ok());  // 7
+  EXPECT_EQ(session_->InitLayer({}, expired).status().code(),
+            absl::StatusCode::kDeadlineExceeded);  // 8
+  ASSERT_TRUE(session_->Close().ok());  // 9
+
+  using Numbers = std::vector<uint64_t>;
+  EXPECT_EQ(service_.abandoned_by(3), Numbers({1, 2})) << "the PutTensor header";
+  EXPECT_EQ(service_.abandoned_by(4), Numbers()) << "GetTensor, after the PutTensor's answer";
+  EXPECT_EQ(service_.abandoned_by(6), Numbers({5})) << "Forward";
+  EXPECT_EQ(service_.abandoned_by(7), Numbers()) << "Backward, after Forward's refusal";
+  EXPECT_EQ(service_.abandoned_by(9), Numbers({8})) << "CloseSession";
+}
+
+TEST_F(PipelinedTest, AnAnswerForgetsOnlyTheAbandonedNumbersBelowIt) {
+  service_.release_on_close = false;
+  std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> step =
+      session_->ForwardBackwardAsync({});  // 1, held by the fake
+  EXPECT_EQ(session_->SetVariables({}, /*timeout=*/-absl::Seconds(1)).code(),
+            absl::StatusCode::kDeadlineExceeded);  // 2, its deadline already past
+  service_.Release();
+  ASSERT_TRUE(step.get().ok());  // 1's answer says nothing of 2
+  ASSERT_TRUE(session_->GetVariablesAsync({}).get().ok());  // 3
+  ASSERT_TRUE(session_->SetVariables({}).ok());  // 4
+
+  using Numbers = std::vector<uint64_t>;
+  EXPECT_EQ(service_.abandoned_by(1), Numbers());
+  EXPECT_EQ(service_.abandoned_by(3), Numbers({2}));
+  EXPECT_EQ(service_.abandoned_by(4), Numbers());
 }
 
 }  // namespace

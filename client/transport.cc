@@ -220,7 +220,8 @@ absl::StatusOr<std::string> Session::RegisterRegion(const std::string& name, uin
   PrepareContext(&context);
   *request.mutable_session() = NextRef();
   te::v1::RegisterSharedMemoryResponse response;
-  RETURN_IF_ERROR(CallStatus(stub_->RegisterSharedMemory(&context, request, &response)));
+  RETURN_IF_ERROR(CallStatus(request.session().sequence(),
+                             stub_->RegisterSharedMemory(&context, request, &response)));
   return response.region_id();
 }
 
@@ -242,7 +243,7 @@ absl::StatusOr<ResidentTensor> Session::PutShared(const HostTensor& tensor,
   *h->mutable_session() = NextRef();
   writer->Write(header);  // a failure shows in Finish
   writer->WritesDone();
-  RETURN_IF_ERROR(CallStatus(writer->Finish()));
+  RETURN_IF_ERROR(CallStatus(h->session().sequence(), writer->Finish()));
   return ResidentTensor{response.tensor_id(), tensor.dtype(), tensor.shape()};
 }
 
@@ -264,7 +265,7 @@ absl::StatusOr<HostTensor> Session::GetShared(const std::string& tensor_id, DTyp
   while (reader->Read(&chunk)) {
     if (chunk.has_header()) header = chunk.header();
   }
-  RETURN_IF_ERROR(CallStatus(reader->Finish()));
+  RETURN_IF_ERROR(CallStatus(request.session().sequence(), reader->Finish()));
   if (!header.has_value() || header->dtype() != ToProtoDType(dtype) ||
       Shape(header->shape().begin(), header->shape().end()) != shape) {
     return absl::InternalError(

@@ -2,8 +2,9 @@
 // session's Async calls are all sent before any answer is read, and the
 // server runs them in the order the client numbered them (SessionRef.sequence),
 // so each GetVariables / Forward sees exactly the SetVariables sent just
-// before it, and the session ends in the last one's state. The numbering
-// itself is client/pipelined_test.cc's.
+// before it, and the session ends in the last one's state. A call that
+// expires at the client does not hold up the session's next one: that one
+// names it abandoned. The numbering itself is client/pipelined_test.cc's.
 #include <cmath>
 #include <cstdint>
 #include <future>
@@ -13,6 +14,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/modules.h"
 #include "gtest/gtest.h"
@@ -186,6 +189,67 @@ TEST_F(PipelinedClientTest, EachForwardUsesTheScaleSetJustBeforeIt) {
           << "the Forward sent after SetVariables(" << i << "), element " << k;
     }
   }
+}
+
+TEST_F(PipelinedClientTest, ACallThatExpiresAtTheClientDoesNotHoldUpTheNextOne) {
+  std::unique_ptr<Session> session = Open();
+  ASSERT_NE(session, nullptr);
+  const HostTensor x = HostTensor::RandomNormal({2, kHidden}, DType::kF32, 5);
+  absl::StatusOr<client::Variables> vars = InitLayerNorm(*session, x);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  ASSERT_TRUE(session->SetVariables(SetScale(vars->layer_id, 2.0f)).ok());
+  // A deadline already past when the call starts: gRPC ends it here without
+  // sending it (one a microsecond ahead is rounded up to gRPC's millisecond
+  // clock, and the call may still be sent and run in time). Had the next call
+  // waited for its number, it would have waited the server's
+  // --sequence_gap_seconds (10 s) and ended ABORTED.
+  const absl::Duration expired = -absl::Seconds(1);
+  const absl::Duration prompt = absl::Seconds(5);
+  EXPECT_EQ(session->SetVariables(SetScale(vars->layer_id, 5.0f), expired).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  absl::Time start = absl::Now();
+  absl::StatusOr<te::v1::GetVariablesResponse> got = session->GetVariables(GetParams(vars->layer_id));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LT(absl::Now() - start, prompt);
+  EXPECT_EQ(ScaleOf(*got), std::vector<float>(kHidden, 2.0f)) << "the expired SetVariables ran";
+
+  // The same through the Async calls.
+  EXPECT_EQ(session->SetVariablesAsync(SetScale(vars->layer_id, 6.0f), expired).get().status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  start = absl::Now();
+  std::future<absl::StatusOr<te::v1::SetVariablesResponse>> set =
+      session->SetVariablesAsync(SetScale(vars->layer_id, 3.0f));
+  std::future<absl::StatusOr<te::v1::GetVariablesResponse>> read =
+      session->GetVariablesAsync(GetParams(vars->layer_id));
+  absl::StatusOr<te::v1::SetVariablesResponse> set_done = set.get();
+  ASSERT_TRUE(set_done.ok()) << set_done.status();
+  got = read.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LT(absl::Now() - start, prompt);
+  EXPECT_EQ(ScaleOf(*got), std::vector<float>(kHidden, 3.0f));
+
+  // The PutTensor and GetTensor streams, after a read that expired.
+  EXPECT_EQ(session->GetVariables(GetParams(vars->layer_id), expired).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  start = absl::Now();
+  const HostTensor tensor = HostTensor::RandomNormal({4, kHidden}, DType::kF32, 6);
+  absl::StatusOr<client::ResidentTensor> put = session->Put(tensor);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_LT(absl::Now() - start, prompt);
+  EXPECT_EQ(session->GetVariables(GetParams(vars->layer_id), expired).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  start = absl::Now();
+  absl::StatusOr<HostTensor> fetched = session->Get(put->id);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_LT(absl::Now() - start, prompt);
+  EXPECT_EQ(fetched->ToFloats(), tensor.ToFloats());
+
+  // And the close, after a read that expired.
+  EXPECT_EQ(session->GetVariables(GetParams(vars->layer_id), expired).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  start = absl::Now();
+  EXPECT_TRUE(session->Close().ok());
+  EXPECT_LT(absl::Now() - start, prompt);
 }
 
 }  // namespace

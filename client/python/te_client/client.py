@@ -20,9 +20,15 @@ in, so call_async may send the next call before the last one has answered:
     got = session.call_async("GetVariables", read)   # sees what `write` set
     got.result()
 
-A call that took a number but never reached the server leaves a gap: the
-session's later calls wait for it and fail with a TeError of code ABORTED
-(naming the missing number) after the server's --sequence_gap_seconds.
+A call that ends here without the server's answer (DEADLINE_EXCEEDED,
+CANCELLED, UNAVAILABLE: it may never have been sent) would leave a gap the
+session's later calls wait for, so the session names its number in every
+later call (SessionRef.abandoned) until a call numbered above it is answered:
+the server does not wait for it, and refuses it should it arrive after all. A
+gap remains only for calls sent before the failure was known (call_async
+calls already in flight), when no later call follows to name the number: they
+fail with a TeError of code ABORTED (naming the missing number) after the
+server's --sequence_gap_seconds.
 
 Transport (transport.py; Options.transport, or per session): with "auto", a
 tensor of at most `inline_tensor_bytes` travels inside the request; a larger
@@ -43,7 +49,6 @@ later calls go straight there (Options.pin_to_replica; same channel settings).
 import concurrent.futures
 import contextvars
 import dataclasses
-import itertools
 import secrets
 import threading
 
@@ -58,6 +63,10 @@ _POLICIES = {"strict": service_pb2.STRICT, "fallback": service_pb2.FALLBACK,
              "emulate": service_pb2.EMULATE}
 _current_session = contextvars.ContextVar("te_client_session", default=None)
 AFFINITY_HEADER = "x-te-session"
+# How a call ends at the client without the server's answer: it may never
+# have reached the server (SessionRef.abandoned).
+_UNANSWERED = frozenset((grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                         grpc.StatusCode.UNAVAILABLE))
 
 
 def current_session():
@@ -239,8 +248,11 @@ class Session:
         self.transport_counts = transport_lib.TransportCounts()
         self.closed = False
         self._tokens = []
-        self._sequence = itertools.count(1)
-        self._sequence_lock = threading.Lock()
+        # The session's order: the next number, and the numbers of calls that
+        # ended without the server's answer, not yet passed by an answered call.
+        self._order_lock = threading.Lock()
+        self._next_sequence = 1
+        self._abandoned = set()
         self._stub = stub
         self._metadata = ((AFFINITY_HEADER, affinity_key),)
         self._shm = transport_lib.SharedMemoryPool(
@@ -288,15 +300,15 @@ class Session:
         """The POSIX names of the session's regions (already unlinked from /dev/shm)."""
         return self._shm.region_names()
 
-    def call(self, method, request):
+    def call(self, method, request, timeout=None):
         """A raw TeService call with this session's reference (and its next
-        number in the session's order) and affinity key filled in."""
-        if hasattr(request, "session"):
-            self._number(request.session)
+        number in the session's order) and affinity key filled in. `timeout`:
+        its deadline in seconds, when shorter than Options.rpc_timeout."""
+        sequence = self._number(request.session) if hasattr(request, "session") else 0
         return self._invoke(lambda: getattr(self._stub, method)(
-            request, timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+            request, timeout=self._timeout(timeout), metadata=self._metadata), sequence)
 
-    def call_async(self, method, request):
+    def call_async(self, method, request, timeout=None):
         """`call` without waiting: takes the call's number in the session's
         order now, in the calling thread, sends the request and returns a
         concurrent.futures.Future. Its result() is what `call` returns, or
@@ -304,35 +316,80 @@ class Session:
         server gave up waiting for a lower number of this session). The
         request's tensors must already be inline, resident or in shared
         memory (send); receive the response's. Thread-safe."""
-        if hasattr(request, "session"):
-            self._number(request.session)
+        sequence = self._number(request.session) if hasattr(request, "session") else 0
         result = concurrent.futures.Future()
         result.set_running_or_notify_cancel()
 
         def done(call):
+            # Kept in the order before the caller can see the result, so its
+            # next call names this one if it was abandoned.
             try:
-                result.set_result(call.result())
+                response = call.result()
             except grpc.RpcError as e:
-                result.set_exception(self._error(e))
+                error = self._error(e)
+                self._ended(sequence, error.code)
+                result.set_exception(error)
             except grpc.FutureCancelledError:
+                self._ended(sequence, grpc.StatusCode.CANCELLED)
                 result.set_exception(errors.error(grpc.StatusCode.CANCELLED, "%s: cancelled" % method))
+            else:
+                self._ended(sequence, grpc.StatusCode.OK)
+                result.set_result(response)
 
-        getattr(self._stub, method).future(request, timeout=self.client.options.rpc_timeout,
-                                           metadata=self._metadata).add_done_callback(done)
+        try:
+            sent = getattr(self._stub, method).future(request, timeout=self._timeout(timeout),
+                                                      metadata=self._metadata)
+        except BaseException:
+            self._ended(sequence, grpc.StatusCode.CANCELLED)   # never sent
+            raise
+        sent.add_done_callback(done)
         return result
+
+    def _timeout(self, timeout):
+        rpc_timeout = self.client.options.rpc_timeout
+        return rpc_timeout if timeout is None else min(timeout, rpc_timeout)
 
     def _number(self, ref):
         """Fills `ref` (a request's SessionRef) in as this session's, with the
-        next number of its order."""
+        next number of its order and the abandoned numbers (every one was
+        given out before, so all are below it); returns the number."""
         ref.CopyFrom(self._ref)
-        with self._sequence_lock:
-            ref.sequence = next(self._sequence)
+        with self._order_lock:
+            sequence = self._next_sequence
+            self._next_sequence += 1
+            ref.abandoned.extend(sorted(self._abandoned))
+        ref.sequence = sequence
+        return sequence
 
-    def _invoke(self, rpc):
+    def _ended(self, sequence, code):
+        """Keeps how the call numbered `sequence` (0: unnumbered) ended: a code
+        of _UNANSWERED abandons its number; any other is the server's answer,
+        after which it waits for no lower number (each arrived, was named
+        abandoned, or was skipped)."""
+        if not sequence:
+            return
+        with self._order_lock:
+            if code in _UNANSWERED:
+                self._abandoned.add(sequence)
+            else:
+                self._abandoned = {lost for lost in self._abandoned if lost >= sequence}
+
+    def _invoke(self, rpc, sequence=0):
+        """Runs `rpc`, the call numbered `sequence` (0: unnumbered), keeping
+        how it ended in the session's order."""
         try:
-            return rpc()
+            response = rpc()
         except grpc.RpcError as e:
-            raise self._error(e) from None
+            error = self._error(e)
+            self._ended(sequence, error.code)
+            raise error from None
+        except BaseException:
+            # Ended here (an interrupt, a request gRPC could not send): the
+            # server may never have seen it.
+            self._ended(sequence, grpc.StatusCode.CANCELLED)
+            raise
+        self._ended(sequence, grpc.StatusCode.OK)
+        return response
 
     def _error(self, rpc_error):
         """A grpc.RpcError of this session's as a TeError; an UNAVAILABLE
@@ -401,10 +458,10 @@ class Session:
             header = service_pb2.PutTensorHeader(
                 tensor=tensor_pb2.TensorHeader(dtype=wire, shape=shape),
                 shm=tensor_pb2.SharedMemoryRef(region_id=block.region_id, offset=block.offset))
-            self._number(header.session)
+            sequence = self._number(header.session)
             response = self._invoke(lambda: self._stub.PutTensor(
                 iter([service_pb2.PutTensorChunk(header=header)]),
-                timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+                timeout=self.client.options.rpc_timeout, metadata=self._metadata), sequence)
         finally:
             self._shm.free(block)
         self.transport_counts.add(transport_lib.SHM)
@@ -414,7 +471,7 @@ class Session:
         step = max(int(self.client.options.chunk_bytes), 1)
         # Numbered here, not in the generator: gRPC may draw the chunks on a thread of its own.
         header = service_pb2.PutTensorHeader(tensor=tensor_pb2.TensorHeader(dtype=wire, shape=shape))
-        self._number(header.session)
+        sequence = self._number(header.session)
 
         def chunks():
             yield service_pb2.PutTensorChunk(header=header)
@@ -423,7 +480,7 @@ class Session:
                 yield service_pb2.PutTensorChunk(data=bytes(view[offset:offset + step]))
 
         response = self._invoke(lambda: self._stub.PutTensor(
-            chunks(), timeout=self.client.options.rpc_timeout, metadata=self._metadata))
+            chunks(), timeout=self.client.options.rpc_timeout, metadata=self._metadata), sequence)
         self.transport_counts.add(transport_lib.STREAM)
         return ResidentTensor(response.tensor_id, wire, shape)
 
@@ -441,10 +498,11 @@ class Session:
                                                chunk_bytes=self.client.options.chunk_bytes)
         if block is not None:
             request.destination.region_id, request.destination.offset = block.region_id, block.offset
-        self._number(request.session)
+        sequence = self._number(request.session)
         try:
             chunks = self._invoke(lambda: list(self._stub.GetTensor(
-                request, timeout=self.client.options.rpc_timeout, metadata=self._metadata)))
+                request, timeout=self.client.options.rpc_timeout, metadata=self._metadata)),
+                sequence)
             header = next((c.header for c in chunks if c.WhichOneof("part") == "header"), None)
             if header is None:
                 raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor sent no header" % field)

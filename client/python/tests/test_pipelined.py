@@ -3,13 +3,16 @@
 The numbering, against a fake TeService in this process that records the
 number each call carries: every call of a session takes the next one as it is
 sent (the PutTensor header and GetTensor included), a repeated call a new one,
-concurrent callers unique ones, and call_async its own before it returns. The
-ordering, against a real te_server: calls all sent before any answer is read
-run in the order they were numbered, so each read sees the write sent just
-before it.
+concurrent callers unique ones, and call_async its own before it returns; a
+call that ended at the client without an answer is named abandoned by the
+later calls until one numbered above it is answered. The ordering, against a
+real te_server: calls all sent before any answer is read run in the order they
+were numbered, so each read sees the write sent just before it, and a call
+that expired at the client does not hold up the next one.
 """
 import concurrent.futures
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -23,15 +26,23 @@ service_pb2, service_pb2_grpc = client_lib.service_pb2, client_lib.service_pb2_g
 tensor_pb2, layers_pb2 = client_lib.tensor_pb2, client_lib.layers_pb2
 
 HIDDEN = 8
+# A deadline already past when the call starts: gRPC ends it here without
+# sending it. (One a microsecond ahead is not enough: gRPC rounds it up to its
+# millisecond clock, and the call may be sent and answered in time.)
+EXPIRED = -1.0
 
 
 class RecordingService(service_pb2_grpc.TeServiceServicer):
-    """Answers at once and records (method, sequence) of every session call;
-    GetVariables answers one variable whose path is the number it carried."""
+    """Answers at once and records (method, sequence) of every session call,
+    and the numbers it named abandoned; GetVariables answers one variable
+    whose path is the number it carried. ForwardBackward waits for `release`
+    (or the client's cancel)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._calls = []
+        self._abandoned = {}
+        self.release = threading.Event()
 
     def calls(self):
         with self._lock:
@@ -40,9 +51,15 @@ class RecordingService(service_pb2_grpc.TeServiceServicer):
     def sequences(self):
         return sorted(number for _, number in self.calls())
 
+    def abandoned_by(self, sequence):
+        """The numbers the call numbered `sequence` named abandoned (None: it never arrived)."""
+        with self._lock:
+            return self._abandoned.get(sequence)
+
     def _record(self, method, ref):
         with self._lock:
             self._calls.append((method, ref.sequence))
+            self._abandoned[ref.sequence] = list(ref.abandoned)
 
     def CreateSession(self, request, context):
         return service_pb2.CreateSessionResponse(
@@ -80,6 +97,13 @@ class RecordingService(service_pb2_grpc.TeServiceServicer):
     def SetVariables(self, request, context):
         self._record("SetVariables", request.session)
         return service_pb2.SetVariablesResponse()
+
+    def ForwardBackward(self, request, context):
+        self._record("ForwardBackward", request.session)
+        while not self.release.wait(0.02):
+            if not context.is_active():
+                return service_pb2.ForwardBackwardResponse()
+        return service_pb2.ForwardBackwardResponse(values=[1.0])
 
 
 @pytest.fixture
@@ -149,6 +173,46 @@ def test_concurrent_callers_get_unique_numbers(fake):
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(work, range(8)))
         assert service.sequences() == list(range(1, 8 * 25 + 1))
+
+
+def test_a_call_ended_at_the_client_is_named_abandoned_until_a_later_call_is_answered(fake):
+    client, service = fake
+    session = client.session()
+    with pytest.raises(te.DeadlineExceededError):
+        session.call("SetVariables", service_pb2.SetVariablesRequest(), timeout=EXPIRED)            # 1
+    with pytest.raises(te.DeadlineExceededError):
+        session.call_async("GetVariables", service_pb2.GetVariablesRequest(),
+                           timeout=EXPIRED).result(timeout=30)                                      # 2
+    resident = session.put(np.full(1, 2.0, np.float32))                                             # 3
+    np.testing.assert_array_equal(session.get(resident), [2.0])                                     # 4
+    with pytest.raises(te.DeadlineExceededError):
+        session.call("Forward", service_pb2.ForwardRequest(), timeout=EXPIRED)                      # 5
+    with pytest.raises(te.InvalidArgumentError):     # refused by the fake: still the server's answer
+        session.call("Forward", service_pb2.ForwardRequest())                                       # 6
+    session.delete(resident)                                                                        # 7
+    with pytest.raises(te.DeadlineExceededError):
+        session.call("SetVariables", service_pb2.SetVariablesRequest(), timeout=EXPIRED)            # 8
+    session.close()                                                                                 # 9
+    assert service.abandoned_by(3) == [1, 2], "the PutTensor header"
+    assert service.abandoned_by(4) == [], "GetTensor, after the PutTensor's answer"
+    assert service.abandoned_by(6) == [5], "Forward"
+    assert service.abandoned_by(7) == [], "DeleteTensor, after Forward's refusal"
+    assert service.abandoned_by(9) == [8], "CloseSession"
+
+
+def test_an_answer_forgets_only_the_abandoned_numbers_below_it(fake):
+    client, service = fake
+    with client.session() as session:
+        step = session.call_async("ForwardBackward", service_pb2.ForwardBackwardRequest())          # 1, held
+        with pytest.raises(te.DeadlineExceededError):
+            session.call("SetVariables", service_pb2.SetVariablesRequest(), timeout=EXPIRED)        # 2
+        service.release.set()
+        assert list(step.result(timeout=30).values) == [1.0]      # 1's answer says nothing of 2
+        session.call_async("GetVariables", service_pb2.GetVariablesRequest()).result(timeout=30)    # 3
+        session.call("SetVariables", service_pb2.SetVariablesRequest())                             # 4
+        assert service.abandoned_by(1) == []
+        assert service.abandoned_by(3) == [2]
+        assert service.abandoned_by(4) == []
 
 
 # ---- against the real server ---------------------------------------------------------
@@ -232,3 +296,50 @@ def test_each_forward_uses_the_scale_set_just_before_it(client, rng):
             np.testing.assert_allclose(np.frombuffer(y.result(timeout=120).y.inline_data, np.float32), i * unit,
                                        rtol=1e-5, atol=1e-6 * i,
                                        err_msg="the Forward sent after SetVariables(%d)" % i)
+
+
+def test_a_call_that_expires_at_the_client_does_not_hold_up_the_next_one(client):
+    """Had the next call waited for an expired call's number, it would have
+    waited the server's --sequence_gap_seconds (10 s) and failed ABORTED."""
+    prompt = 5.0
+    with client.session() as session:
+        layer_id = _init_layer_norm(session)
+        read = service_pb2.GetVariablesRequest(layer_id=layer_id, collections=["params"])
+        session.call("SetVariables", _set_scale(layer_id, 2.0))
+        with pytest.raises(te.DeadlineExceededError):
+            session.call("SetVariables", _set_scale(layer_id, 5.0), timeout=EXPIRED)
+        start = time.monotonic()
+        scale = _scale_of(session.call("GetVariables", read))
+        assert time.monotonic() - start < prompt
+        np.testing.assert_array_equal(scale, np.full(HIDDEN, 2.0, np.float32), err_msg="the expired SetVariables ran")
+
+        # The same through call_async.
+        with pytest.raises(te.DeadlineExceededError):
+            session.call_async("SetVariables", _set_scale(layer_id, 6.0), timeout=EXPIRED).result(timeout=30)
+        start = time.monotonic()
+        set_ = session.call_async("SetVariables", _set_scale(layer_id, 3.0))
+        got = session.call_async("GetVariables", read)
+        set_.result(timeout=30)
+        scale = _scale_of(got.result(timeout=30))
+        assert time.monotonic() - start < prompt
+        np.testing.assert_array_equal(scale, np.full(HIDDEN, 3.0, np.float32))
+
+        # The PutTensor and GetTensor streams, each after a read that expired.
+        array = np.arange(4 * HIDDEN, dtype=np.float32).reshape(4, HIDDEN)
+        with pytest.raises(te.DeadlineExceededError):
+            session.call("GetVariables", read, timeout=EXPIRED)
+        start = time.monotonic()
+        resident = session.put(array)
+        assert time.monotonic() - start < prompt
+        with pytest.raises(te.DeadlineExceededError):
+            session.call("GetVariables", read, timeout=EXPIRED)
+        start = time.monotonic()
+        np.testing.assert_array_equal(session.get(resident), array)
+        assert time.monotonic() - start < prompt
+
+        # And the close.
+        with pytest.raises(te.DeadlineExceededError):
+            session.call("GetVariables", read, timeout=EXPIRED)
+        start = time.monotonic()
+        session.close()
+        assert time.monotonic() - start < prompt

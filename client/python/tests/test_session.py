@@ -75,19 +75,21 @@ def test_closed_session_calls_are_not_found_and_close_twice_is_a_no_op(client, r
 
 def test_wrong_token_is_unauthenticated_and_another_sessions_id_is_permission_denied(client):
     with client.session() as a, client.session() as b:
-        request = client_lib.service_pb2.GetVariablesRequest(layer_id="none")
-        good = client_lib.service_pb2.SessionRef()
-        good.CopyFrom(a._ref)
-        try:
-            a._ref.token = "0" * len(good.token)
-            with pytest.raises(te.UnauthenticatedError):
-                a.call("GetVariables", request)
-            a._ref.token = good.token
-            a._ref.session_id = b.id
-            with pytest.raises(te.PermissionDeniedError):
-                a.call("GetVariables", request)
-        finally:
-            a._ref.CopyFrom(good)
+        def forged(**fields):
+            # Unnumbered: the server refuses it before it takes a place in a's
+            # order, so one of a's numbers would be a gap a's later calls wait for.
+            ref = client_lib.service_pb2.SessionRef()
+            ref.CopyFrom(a._ref)
+            for name, value in fields.items():
+                setattr(ref, name, value)
+            assert ref.sequence == 0
+            return client_lib.service_pb2.GetVariablesRequest(session=ref, layer_id="none")
+
+        with pytest.raises(te.UnauthenticatedError):
+            client._call("GetVariables", forged(token="0" * len(a._ref.token)), metadata=a._metadata)
+        with pytest.raises(te.PermissionDeniedError):
+            client._call("GetVariables", forged(session_id=b.id), metadata=a._metadata)
+        a.info()   # a's own order goes on
 
 
 def test_layers_of_one_session_are_invisible_to_another(client, rng):
