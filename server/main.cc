@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
@@ -360,6 +361,13 @@ int Run() {
 }  // namespace te
 
 int main(int argc, char** argv) {
+  // --help lists the server's own flags (server/main.cc, server/security,
+  // server/metrics), not only those of a file named like the program.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "server/");
+  };
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
       "te_server: Transformer Engine style layers over gRPC.\n"
       "  te_server --port=50051 --device=auto");
