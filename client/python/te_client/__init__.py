@@ -3,6 +3,7 @@
     import te_client as te                      # was: import transformer_engine.jax as te
     import te_client.flax as te_flax            # was: import transformer_engine.jax.flax as te_flax
     from te_client import linen as nn           # was: from flax import linen as nn
+    import te_client.numpy as jnp               # was: import jax.numpy as jnp
     from te_client.recipe import Format, DelayedScaling
 
     client = te.connect("localhost:50051")
@@ -13,12 +14,16 @@
             y = layer.apply(params, x)                 # numpy
             loss, (grads, dx) = te.value_and_grad(layer.apply)(params, x, dy)
 
+A composite (an nn.Module whose __call__ glues TE modules with jnp.reshape,
+jnp.split, +, nn.Dropout) is traced into one server graph at init (module.py,
+graph.py): apply and value_and_grad are one call each.
+
 Arrays in and out are numpy (JAX arrays are accepted); see dtypes.py for
 bfloat16 with and without ml_dtypes. Large tensors travel by stream or, on the
 server's host, shared memory (transport.py; te.connect(addr, transport=...)).
 Every failure is a TeError with the gRPC status code and the server's message.
 """
-from te_client import activation, dtypes, errors, flax, linen, recipe, transport
+from te_client import activation, dtypes, errors, flax, graph, linen, numpy, recipe, transport
 from te_client.client import Client, ResidentTensor, Session, connect, current_session
 from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
 from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
@@ -29,7 +34,7 @@ from te_client.training import speedometer, value_and_grad
 from te_client.variables import VariableRef, Variables, tree_map
 
 __all__ = [
-    "activation", "dtypes", "errors", "flax", "linen", "recipe", "transport",
+    "activation", "dtypes", "errors", "flax", "graph", "linen", "numpy", "recipe", "transport",
     "Client", "ResidentTensor", "Session", "connect", "current_session",
     "Bfloat16Array", "asarray", "bfloat16", "dtype_of",
     "TeError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError", "UnauthenticatedError",

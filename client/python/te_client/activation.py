@@ -6,20 +6,23 @@
 As TE's: x is [..., len(activation_type), I] and the result [..., I]; a gated
 pair such as ("gelu", "linear") multiplies act_0(x[..., 0, :]) by
 act_1(x[..., 1, :]). A single activation also takes a plain [..., I].
-Inside a Module's __call__ it is one more server layer (no parameters);
-called on its own it runs in the current session.
+Inside a composite's traced __call__ it records an activation node of the
+graph (no parameters); called on an array it runs in the current session.
 """
-from te_client import errors
-from te_client import module as module_lib
+from te_client import errors, graph
 from te_client.module import ServerModule
 
 
 class _Activation(ServerModule):
     activations: tuple = ("gelu",)
 
-    def spec(self):
+    @staticmethod
+    def spec_of(activations):
         from te_client.client import layers_pb2
-        return layers_pb2.LayerSpec(activation=layers_pb2.Activation(activations=list(self.activations)))
+        return layers_pb2.LayerSpec(activation=layers_pb2.Activation(activations=list(activations)))
+
+    def spec(self):
+        return self.spec_of(self.activations)
 
     def __call__(self, x):
         return self._call(x)
@@ -37,7 +40,12 @@ def activation(x, activation_type, quantizer=None):
     elif len(acts) > 1 and (len(shape) < 2 or shape[-2] != len(acts)):
         raise errors.InvalidArgumentError("activation: x has shape %s; %r wants [..., %d, I]" % (
             list(shape), acts, len(acts)))
+    if isinstance(x, graph.Symbol):
+        # A function in TE, not a Flax module: a glue-named node ("activation_0"), no variables.
+        out_shape = x.shape if len(acts) == 1 else x.shape[:-2] + x.shape[-1:]
+        return x.trace.record("module", _Activation.spec_of(acts), [x], [(out_shape, x.wire)],
+                              label="activation")[0]
+    if isinstance(x, graph.Indexed):
+        x._unsupported()
     layer = _Activation(acts)
-    if module_lib._frame.get() is not None:
-        return layer(x)
     return layer.apply(layer.init(0, x), x)

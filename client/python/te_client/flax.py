@@ -8,12 +8,18 @@ parameter dtype; compute runs in the input's dtype unless FP8 is active.
 Modules that TE has return (y, ln_out) do so here too. Masks follow TE: bool
 [batch, 1, q_len, kv_len], True = masked out. FlaxTransformerLayer is the
 quickstart's plain-Flax layer (its mask follows Flax: True = attend).
+
+Called on arrays at the top level, a module is one server layer of its own;
+called on traced tensors inside a composite's __call__, it records a module
+node of the composite's graph (module.py), with output_shapes() giving the
+shapes the rest of __call__ sees. Every module computes in, and returns, its
+input's dtype.
 """
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors
+from te_client import client as client_lib, dtypes, errors, graph
 from te_client.module import ServerModule
 
 layers_pb2 = client_lib.layers_pb2
@@ -51,6 +57,13 @@ def _ints(value):
     return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)]
 
 
+def _dense_output_shape(shape, axis, features, name):
+    axes = [a % len(shape) if -len(shape) <= a < len(shape) else None for a in _ints(axis)]
+    if None in axes or len(set(axes)) != len(axes):
+        raise errors.InvalidArgumentError("%s.axis: %s for an input of rank %d" % (name, _ints(axis), len(shape)))
+    return tuple(d for i, d in enumerate(shape) if i not in axes) + tuple(_ints(features))
+
+
 def _no_transpose(module):
     if getattr(module, "transpose_batch_sequence", False):
         raise errors.InvalidArgumentError("%s.transpose_batch_sequence: te_server takes [batch, seq, ...] "
@@ -83,6 +96,9 @@ class DenseGeneral(ServerModule):
             features=_ints(self.features), use_bias=self.use_bias, axis=_ints(self.axis),
             dtype=_param_dtype(self.dtype, "DenseGeneral")))
 
+    def output_shapes(self, input_shapes):
+        return [_dense_output_shape(input_shapes[0], self.axis, self.features, "DenseGeneral")]
+
     def __call__(self, inputs):
         return self._call(inputs)
 
@@ -105,6 +121,11 @@ class LayerNormDenseGeneral(ServerModule):
             zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
             return_layernorm_output=self.return_layernorm_output, enable_layernorm=self.enable_layernorm,
             dtype=_param_dtype(self.dtype, "LayerNormDenseGeneral")))
+
+    def output_shapes(self, input_shapes):
+        x = tuple(input_shapes[0])
+        return [_dense_output_shape(x, -1, self.features, "LayerNormDenseGeneral")] + (
+            [x] if self.return_layernorm_output else [])
 
     def __call__(self, inputs):
         """(z, ln_output); ln_output is None unless return_layernorm_output."""
@@ -132,6 +153,13 @@ class LayerNormMLP(ServerModule):
             layernorm_type=_choice(_LAYERNORM_TYPES, self.layernorm_type, "layernorm_type"),
             zero_centered_gamma=self.zero_centered_gamma, enable_layernorm=self.enable_layernorm,
             dtype=_param_dtype(self.dtype, "LayerNormMLP")))
+
+    def output_shapes(self, input_shapes):
+        x = tuple(input_shapes[0])
+        return [x, x] if self.return_layernorm_output else [x]
+
+    def dropout_rates(self):
+        return (self.intermediate_dropout_rate,)
 
     def __call__(self, inputs, deterministic=False):
         """(z, ln_output); ln_output is None unless return_layernorm_output."""
@@ -164,6 +192,18 @@ class DotProductAttention(ServerModule):
         if self.scale_factor is not None:
             msg.scale_factor = self.scale_factor
         return layers_pb2.LayerSpec(dot_product_attention=msg)
+
+    def output_shapes(self, input_shapes):
+        q = tuple(input_shapes[0])
+        if _choice(_QKV_LAYOUTS, self.qkv_layout, "qkv_layout") == layers_pb2.BS3HD:
+            if len(q) != 5:
+                raise errors.InvalidArgumentError("DotProductAttention: a bs3hd qkv is [batch, seq, 3, heads, "
+                                                  "head_dim], got %s" % list(q))
+            return [q[:2] + q[3:]]
+        return [q]
+
+    def dropout_rates(self):
+        return (self.attention_dropout,)
 
     def __call__(self, query, key=None, value=None, sequence_descriptor=None, bias=None, *,
                  deterministic=False, mask=None):
@@ -212,6 +252,13 @@ class MultiHeadAttention(ServerModule):
         if self.num_gqa_groups is not None:
             msg.num_gqa_groups = self.num_gqa_groups
         return layers_pb2.LayerSpec(multi_head_attention=msg)
+
+    def output_shapes(self, input_shapes):
+        x = tuple(input_shapes[0])
+        return [x, x] if self.return_layernorm_output else [x]
+
+    def dropout_rates(self):
+        return (self.attention_dropout,)
 
     def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False):
         if inputs_kv is not None and inputs_kv is not inputs_q:
@@ -263,6 +310,9 @@ class TransformerLayer(ServerModule):
             msg.num_gqa_groups = self.num_gqa_groups
         return layers_pb2.LayerSpec(transformer_layer=msg)
 
+    def dropout_rates(self):
+        return (self.hidden_dropout, self.attention_dropout, self.intermediate_dropout)
+
     def __call__(self, inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
                  deterministic=False, decode=False, max_decode_length=None):
         if encoded is not None or encoder_decoder_mask is not None or decode:
@@ -289,10 +339,17 @@ class FlaxTransformerLayer(ServerModule):
             attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
             dtype=_param_dtype(self.dtype, "FlaxTransformerLayer")))
 
+    def dropout_rates(self):
+        return (self.attention_dropout, self.hidden_dropout)
+
     def __call__(self, x, attention_mask=None, deterministic=False):
         """attention_mask: Flax's (True = attend). None or a causal mask: the
         layer's own causal mask; else it is sent (inverted) as a padding mask."""
         mask = None
+        if isinstance(attention_mask, (graph.Symbol, graph.Indexed)):
+            raise NotImplementedError("FlaxTransformerLayer inside a composite: a traced attention_mask "
+                                      "cannot be inverted to a padding mask; leave it None (the layer's "
+                                      "own causal mask)")
         if attention_mask is not None:
             attend = np.asarray(attention_mask, dtype=bool)
             if not np.array_equal(attend, np.broadcast_to(_causal(attend.shape[-1]), attend.shape)):

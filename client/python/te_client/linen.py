@@ -2,26 +2,50 @@
 
     from te_client import linen as nn          # was: from flax import linen as nn
 
-Module and compact are te_client's (module.py). Dropout runs on the client
-(inverted dropout, seeded from apply's rngs={'dropout': key} and the module's
-path). MultiHeadDotProductAttention is Flax's module built from server layers:
-DenseGeneral "query", "key", "value" and "out" (Flax's parameter names and
-shapes) around a DotProductAttention; its mask must be None, causal, or a
-padding mask.
+Module and compact are te_client's (module.py): a composite's __call__ is
+traced into one server graph. Dropout is Flax's module (named "Dropout_N"),
+recorded as a dropout node: inverted dropout on the server, seeded with
+NodeSeed(apply's rngs['dropout'], its name) and off when apply's
+deterministic is True. make_causal_mask on a traced x[..., 0] records a
+causal-mask node (read only as the mask of a module with a causal
+attn_mask_type); on arrays it is Flax's function in numpy.
+
+Flax's own layers (Dense, LayerNorm, MultiHeadDotProductAttention) keep
+Flax's semantics (parameter names, initialisers, dtype rules: DESIGN.md
+section 11), which te.v1 has no server module for yet: calling one raises
+NotImplementedError naming it. TE's modules (te_client.flax) are the ones a
+composite can use today.
 """
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
-from te_client import dtypes, errors, tracing
-from te_client import flax as te_flax
-from te_client.module import Module, compact, current_frame
+from te_client import client as client_lib, dtypes, graph
+from te_client.module import Module, check_deterministic, compact, current_frame
 
-__all__ = ["Module", "compact", "Dropout", "make_causal_mask", "MultiHeadDotProductAttention"]
+__all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "Dense", "LayerNorm",
+           "MultiHeadDotProductAttention"]
+
+
+def merge_param(name, a, b):
+    """flax.linen.merge_param: the one of a module field and a call argument that is set."""
+    if a is None and b is None:
+        raise ValueError('Parameter "%s" must be passed to the constructor or at call time.' % name)
+    if a is not None and b is not None:
+        raise ValueError('Parameter "%s" was passed to the constructor and at call time. Should be passed '
+                         'just once.' % name)
+    return a if b is None else b
 
 
 def make_causal_mask(x, extra_batch_dims=0, dtype=np.float32):
-    """flax.linen.make_causal_mask: [batch..., 1, len, len], 1 where key <= query (attend)."""
+    """flax.linen.make_causal_mask: [batch..., 1, len, len], 1 where key <= query (attend).
+
+    On a traced [batch, seq] tensor (the quickstart's x[..., 0]) it records a
+    causal_mask node: a bool [B, 1, S, S] mask that only a module with a
+    causal attn_mask_type reads (as TE's causal types apply causality
+    themselves), so `dtype` changes nothing there."""
+    if isinstance(x, (graph.Symbol, graph.Indexed)):
+        return _traced_causal_mask(x, extra_batch_dims, dtype)
     shape = tuple(x.shape)
     mask = np.tril(np.ones((shape[-1], shape[-1]), dtype=bool))
     mask = np.broadcast_to(mask, shape[:-1] + (1,) + mask.shape)
@@ -29,81 +53,73 @@ def make_causal_mask(x, extra_batch_dims=0, dtype=np.float32):
     return mask.astype(dtype)
 
 
-def _in_dtype_of(values32, like):
-    """float32 results in the dtype of `like` (rounded to bf16 where it is bf16)."""
-    return dtypes.asarray(values32, dtypes.bfloat16) if _is_bf16_value(like) else values32.astype(like.dtype)
-
-
-def _is_bf16_value(a):
-    return isinstance(a, dtypes.Bfloat16Array) or dtypes.wire_dtype(a) == dtypes.BFLOAT16
+def _traced_causal_mask(x, extra_batch_dims, dtype):
+    graph.wire_of(dtype, "make_causal_mask")
+    if extra_batch_dims:
+        raise TypeError("make_causal_mask(extra_batch_dims=%d) of a traced tensor: GraphSpec's causal_mask "
+                        "gives [B, 1, S, S]" % extra_batch_dims)
+    if x.ndim != 2:
+        raise TypeError("make_causal_mask of a traced %s: GraphSpec's causal_mask takes [batch, seq] "
+                        "(x[..., 0] of x [batch, seq, hidden])" % list(x.shape))
+    # The node reads x [B, S, ...] itself: x[..., 0] only names the batch and sequence axes.
+    source = x.base if isinstance(x, graph.Indexed) else x
+    batch, seq = x.shape
+    return source.trace.record("causal_mask", client_lib.layers_pb2.GraphSpec.CausalMask(), [source],
+                               [((batch, 1, seq, seq), dtypes.BOOL)], makes_mask=True)[0]
 
 
 class Dropout(Module):
-    rate: float = 0.0
-    broadcast_dims: tuple = ()
+    """flax.linen.Dropout: inverted dropout, off when deterministic or rate == 0."""
+    rate: float
+    broadcast_dims: Sequence[int] = ()
     deterministic: Optional[bool] = None
+    rng_collection: str = "dropout"
 
     @compact
     def __call__(self, inputs, deterministic=None, rng=None):
-        deterministic = self.deterministic if deterministic is None else deterministic
+        deterministic = merge_param("deterministic", self.deterministic, deterministic)
         frame = current_frame(self)
-        if deterministic or self.rate == 0.0 or frame.mode == "init":
+        name = "/".join(frame.scopes[-1].path) or "Dropout"   # a Dropout at the root has no scope path
+        if not isinstance(inputs, graph.Symbol):
+            raise TypeError("%s (Dropout): input is a %s, not a traced tensor: a composite's dropout runs in "
+                            "its graph" % (name, type(inputs).__name__))
+        if self.rate == 0.0:
             return inputs
-        value = dtypes.as_numpy(tracing.value_of(inputs))
-        keep_prob = 1.0 - self.rate
-        if keep_prob == 0.0:
-            return inputs * 0.0
-        seed = frame.dropout_seed_for(frame.scopes[-1].path) if rng is None else rng
-        mask_shape = tuple(1 if i in [d % value.ndim for d in self.broadcast_dims] else n
-                           for i, n in enumerate(value.shape))
-        keep = np.random.default_rng(seed).random(mask_shape) < keep_prob
-        scale = lambda a: _in_dtype_of(np.where(keep, np.asarray(a, np.float32) / keep_prob, 0.0).astype(np.float32), a)
-        out = scale(value)
-        if not isinstance(inputs, tracing.Tracer):
-            return out
-        return inputs.tape.record([inputs], [out], lambda g: [scale(g[0]) if g[0] is not None else None])[0]
+        if not 0.0 < self.rate < 1.0:
+            raise NotImplementedError("%s (Dropout): rate %r; a GraphSpec dropout takes a rate in [0, 1)" % (
+                name, self.rate))
+        check_deterministic(frame.trace, name, "Dropout", deterministic)
+        if rng is not None or self.rng_collection != "dropout":
+            raise NotImplementedError("%s (Dropout): an explicit rng or rng_collection; a graph's dropout seeds "
+                                      "are NodeSeed(apply's rngs['dropout'], node name)" % name)
+        dims = sorted({graph._axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
+        frame.trace.claim(name, self)
+        return frame.trace.record("dropout", client_lib.layers_pb2.GraphSpec.Dropout(
+            rate=float(self.rate), broadcast_dims=dims), [inputs], [(inputs.shape, inputs.wire)], name=name)[0]
 
 
-class MultiHeadDotProductAttention(Module):
-    num_heads: int = 1
-    qkv_features: Optional[int] = None
-    out_features: Optional[int] = None
-    dropout_rate: float = 0.0
-    deterministic: Optional[bool] = None
-    use_bias: bool = True
-    dtype: object = np.float32
+class _FlaxLayer:
+    """A Flax layer te.v1 has no server module for: constructs as Flax's does,
+    and refuses to run, naming itself."""
+    replacement = ""
 
-    @compact
-    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
-                 deterministic=None, dropout_rng=None):
-        if inputs_kv is not None:
-            inputs_k = inputs_v = inputs_kv
-        inputs_k = inputs_q if inputs_k is None else inputs_k
-        inputs_v = inputs_k if inputs_v is None else inputs_v
-        features = self.qkv_features or inputs_q.shape[-1]
-        if features % self.num_heads:
-            raise errors.InvalidArgumentError("MultiHeadDotProductAttention: qkv_features (%d) must be a "
-                                              "multiple of num_heads (%d)" % (features, self.num_heads))
-        head_dim = features // self.num_heads
-        dense = lambda name: te_flax.DenseGeneral(features=(self.num_heads, head_dim), axis=-1,
-                                                  use_bias=self.use_bias, dtype=self.dtype, name=name)
-        query, key, value = dense("query")(inputs_q), dense("key")(inputs_k), dense("value")(inputs_v)
-        mask_type, te_mask = _te_mask(mask)
-        deterministic = self.deterministic if deterministic is None else deterministic
-        x = te_flax.DotProductAttention(head_dim=head_dim, num_attention_heads=self.num_heads,
-                                        attention_dropout=self.dropout_rate, attn_mask_type=mask_type,
-                                        dtype=self.dtype, name="attention")(
-            query, key, value, te_mask, deterministic=bool(deterministic))
-        return te_flax.DenseGeneral(features=self.out_features or inputs_q.shape[-1], axis=(-2, -1),
-                                    use_bias=self.use_bias, dtype=self.dtype, name="out")(x)
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(
+            "nn.%s (Flax's own module) has no server-side module yet: te.v1's LayerSpec has no kind for it, "
+            "so a composite cannot record it as a graph node%s" % (type(self).__name__, self.replacement))
 
 
-def _te_mask(mask):
-    """Flax's mask (True = attend) -> (TE mask type, TE mask (True = masked out) or None)."""
-    if mask is None:
-        return "no_mask", None
-    attend = np.asarray(mask, dtype=bool)
-    causal = np.tril(np.ones(attend.shape[-2:], dtype=bool))
-    if np.array_equal(attend, np.broadcast_to(causal, attend.shape)):
-        return "causal", None
-    return "padding", ~attend
+class Dense(_FlaxLayer):
+    replacement = "; te_client.flax.DenseGeneral is TE's (its own initialiser and dtype rules)"
+
+
+class LayerNorm(_FlaxLayer):
+    replacement = "; te_client.flax.LayerNorm is TE's (params scale, ln_bias)"
+
+
+class MultiHeadDotProductAttention(_FlaxLayer):
+    replacement = ("; te_client.flax.DotProductAttention is TE's (and te_client.flax.FlaxTransformerLayer "
+                   "serves the quickstart's whole plain-Flax layer)")

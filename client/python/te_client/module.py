@@ -4,8 +4,10 @@ Two kinds, used exactly as Flax modules are:
   * ServerModule: one TE module (te_client.flax.DenseGeneral ...): one server
     layer. init(key, x) creates it; apply(variables, x) runs it.
   * a composite: subclass Module, declare fields, and write __call__ in
-    Flax's compact style, creating submodules inline and gluing them with
-    numpy (reshape, np.split, +):
+    Flax's compact style (or create submodules in setup), gluing TE modules
+    with te_client.numpy, + and nn.Dropout:
+
+        import te_client.numpy as jnp
 
         class MLP(te_client.linen.Module):
             hidden_size: int
@@ -17,32 +19,43 @@ Two kinds, used exactly as Flax modules are:
                 x = te.activation.activation(x.reshape(*x.shape[:-1], 1, x.shape[-1]), ("gelu",))
                 return te_flax.DenseGeneral(features=self.hidden_size)(x)
 
-    Submodules are named as Flax names them ("DenseGeneral_0", or name=...),
-    so the variable tree has Flax's paths; each is its own server layer.
-    value_and_grad runs the glue on the client with a tape (tracing.py) and
-    every server layer's Backward on the server.
+    init runs __call__ once on symbolic tensors (graph.py) and sends the
+    te.v1.GraphSpec it recorded as one server layer; apply is one Forward
+    and value_and_grad one ForwardBackward, so no activation crosses the wire.
+    Submodules are named as Flax names them (ClassName_N per parent scope in
+    call order, the attribute's name when made in setup, or name=), so the
+    variable tree has Flax's paths ("params/TEUnfusedMLP_0/DenseGeneral_0/kernel").
 
-A call runs in a Frame (one init / apply / gradient step): which session,
-keys, the server layers by scope, and the tape.
+Composite arguments: the first is the graph's "x"; an array passed as
+`attention_mask` (or `mask`) is its "attention_mask"; other arrays are its
+"extra_inputs[i]" in order; everything else is passed to __call__ as it is.
+The graph is traced for init's arguments; apply and value_and_grad with other
+ones (a mask where init had none, deterministic=True...) trace again and must
+give the same graph (FailedPreconditionError naming the first node that
+differs). Every dropout in the graph follows the request's `deterministic`
+(the composite's own argument), so a submodule must receive that value.
 """
 import contextvars
 import dataclasses
 import functools
 import hashlib
+import inspect
 from typing import Optional
 
 import grpc
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, recipe as recipe_lib, tracing
+from te_client import client as client_lib, dtypes, errors, graph, recipe as recipe_lib
 from te_client import variables as variables_lib
 
 service_pb2 = client_lib.service_pb2
+layers_pb2 = client_lib.layers_pb2
 _frame = contextvars.ContextVar("te_client_frame", default=None)
+_MASK_ARGUMENTS = ("attention_mask", "mask")
 
 
 def derive_seed(seed, *parts):
-    """A 64-bit seed for a submodule or a step, stable across runs and machines."""
+    """A 64-bit seed for a step of the speedometer, stable across runs and machines."""
     text = "/".join([str(int(seed))] + [str(p) for p in parts])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
@@ -67,29 +80,27 @@ def seed_of(key, purpose="params"):
     return seed
 
 
+# ---- frames and scopes ----------------------------------------------------------------
+
 class _Scope:
-    __slots__ = ("path", "counters")
+    __slots__ = ("path", "counters", "in_setup")
 
     def __init__(self, path):
         self.path = path
         self.counters = {}
+        self.in_setup = False
 
 
 class Frame:
-    """One init / apply / value_and_grad run of a root module."""
+    """One run of a root module's __call__: "capture" (a TE module: what its
+    call sends) or "trace" (a composite: the graph it records)."""
 
-    def __init__(self, mode, session, seed=0, dropout_seed=0, handles=None, dy=None):
-        self.mode = mode                 # "init" | "apply" | "grad" | "step" | "capture"
-        self.session = session
-        self.seed = seed
-        self.dropout_seed = dropout_seed
-        self.handles = dict(handles or {})
+    def __init__(self, mode, deterministic=False):
+        self.mode = mode
         self.scopes = []
-        self.tape = tracing.Tape() if mode == "grad" else None
-        self.grads = {}                  # "params/<scope>/<path>" -> gradient
-        self.dy = dy                     # "step": the root's output gradient
-        self.step_result = None          # "step": (value, input grads)
-        self.captured = None             # "capture": the root's Call
+        self.captured = None
+        self.trace = graph.Trace(lambda: self.scopes[-1].path if self.scopes else (),
+                                 deterministic) if mode == "trace" else None
 
     def child_scope(self, type_name, name=None):
         parent = self.scopes[-1]
@@ -98,23 +109,6 @@ class Frame:
             parent.counters[type_name] = n + 1
             name = "%s_%d" % (type_name, n)
         return parent.path + (name,)
-
-    def handle(self, scope, module):
-        handle = self.handles.get(scope)
-        if handle is None:
-            raise errors.FailedPreconditionError(
-                "variables: no layer for %s at %r; apply takes the variables init returned for the "
-                "same module structure" % (type(module).__name__, "/".join(scope) or "<root>"))
-        return handle
-
-    def seed_for(self, scope):
-        return self.seed if not scope else derive_seed(self.seed, *scope)
-
-    def dropout_seed_for(self, scope):
-        return self.dropout_seed if not scope else derive_seed(self.dropout_seed, "dropout", *scope)
-
-    def add_grad(self, name, g):
-        self.grads[name] = g if name not in self.grads else self.grads[name] + g
 
 
 def current_frame(module):
@@ -127,23 +121,39 @@ def current_frame(module):
 
 
 def compact(fn):
-    """flax.linen.compact: marks __call__ as creating its submodules inline (the only style here)."""
+    """flax.linen.compact: marks __call__ as creating its submodules inline."""
     return fn
 
 
 def _scoped_call(fn):
-    """Wraps a composite's __call__: its submodules are named inside its scope."""
+    """Wraps a composite's __call__: setup runs first, and submodules are named inside its scope."""
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
         frame = current_frame(self)
-        frame.scopes.append(_Scope(self._scope_in(frame)))
+        scope = _Scope(self._scope_in(frame))
+        frame.scopes.append(scope)
         try:
-            self.setup()
+            scope.in_setup = True
+            object.__setattr__(self, "_in_setup", True)
+            try:
+                self.setup()
+            finally:
+                scope.in_setup = False
+                object.__setattr__(self, "_in_setup", False)
             return fn(self, *args, **kwargs)
         finally:
             frame.scopes.pop()
     call._te_scoped = True
     return call
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What one call of a server layer sends: x, extra inputs, mask, deterministic."""
+    x: object
+    extra: list
+    mask: object
+    deterministic: bool
 
 
 @dataclasses.dataclass
@@ -158,22 +168,44 @@ class Module:
         dataclasses.dataclass(cls)
 
     def __post_init__(self):
-        # Like Flax, a submodule is named when it is constructed inside its parent's __call__.
+        # As in Flax: a submodule made in its parent's __call__ is named now
+        # (ClassName_N); one made in setup is named by the attribute it is assigned to.
         frame = _frame.get()
-        self._bound = (frame, frame.child_scope(type(self).__name__, self.name)) if frame and frame.scopes else None
+        object.__setattr__(self, "_setup_parent", None)
+        bound = None
+        if frame is not None and frame.scopes:
+            parent = frame.scopes[-1]
+            if parent.in_setup:
+                object.__setattr__(self, "_setup_parent", (frame, parent))
+            else:
+                bound = (frame, frame.child_scope(type(self).__name__, self.name))
+        object.__setattr__(self, "_bound", bound)
+
+    def __setattr__(self, key, value):
+        if getattr(self, "_in_setup", False):
+            _name_setup_submodules(key, value)
+        object.__setattr__(self, key, value)
 
     def setup(self):
-        """Flax's setup: runs before each __call__ (for derived attributes)."""
+        """Flax's setup: runs before each __call__ (derived attributes, submodules)."""
+
+    def param(self, name, *args, **kwargs):
+        raise NotImplementedError(
+            "%s.param(%r): a composite's own parameters are not in te.v1's GraphSpec; put them in a "
+            "TE module (te_client.flax)" % (type(self).__name__, name))
+
+    variable = param
 
     def _scope_in(self, frame):
         if self._bound is None or self._bound[0] is not frame:
-            self._bound = (frame, frame.child_scope(type(self).__name__, self.name) if frame.scopes else ())
+            object.__setattr__(self, "_bound", (
+                frame, frame.child_scope(type(self).__name__, self.name) if frame.scopes else ()))
         return self._bound[1]
 
     def _run_root(self, frame, args, kwargs):
         token = _frame.set(frame)
         try:
-            self._bound = (frame, ())
+            object.__setattr__(self, "_bound", (frame, ()))
             return self(*args, **kwargs)
         finally:
             _frame.reset(token)
@@ -183,206 +215,350 @@ class Module:
     def init(self, rngs, *args, session=None, **kwargs):
         """Creates the variables on the server (under the current autocast: a
         DelayedScaling one adds fp8_metas) and returns them. `rngs`: an int, a
-        JAX PRNGKey, or {'params': key}. `session`: default the current one."""
+        JAX PRNGKey, or {'params': key}. `session`: default the current one.
+        A composite is traced here and created as one graph layer."""
         session = session or client_lib.current_session()
         if session is None:
             raise errors.FailedPreconditionError(
                 "init: no session; open one with `with client.session() as session:` or pass session=")
-        frame = Frame("init", session, seed=seed_of(rngs))
-        self._run_root(frame, args, kwargs)
-        return variables_lib.Variables(frame.handles, module=self)
+        if isinstance(self, ServerModule):
+            spec, call, traced, key = self.spec(), self.capture(args, kwargs), None, None
+        else:
+            bound = _Bound(self, args, kwargs)
+            traced, key = self._trace(bound), bound.key
+            spec, call = layers_pb2.LayerSpec(graph=traced.spec), bound.call(traced)
+        handle = _init_layer(session, spec, seed_of(rngs), call.x, self, traced, key)
+        return variables_lib.Variables({(): handle}, module=self)
 
     def apply(self, variables, *args, rngs=None, **kwargs):
-        """Runs the module on the server: y (a tuple for modules that also return
-        their layernorm output). `rngs`: {'dropout': key} for dropout."""
-        handles = variables_lib.handles_of(variables)
-        frame = Frame("apply", variables.session, dropout_seed=seed_of(rngs, "dropout"),
-                      handles={h.scope: h for h in handles})
-        return self._run_root(frame, args, kwargs)
+        """Runs the module on the server (one Forward): y (a tuple for TE
+        modules that also return their layernorm output). `rngs`: {'dropout': key}."""
+        handle, call = self._call_for(variables, args, kwargs)
+        uploads, session = [], handle.session
+        try:
+            request = _forward_request(handle, call, seed_of(rngs, "dropout"), uploads)
+            response = session.call("Forward", request)
+        finally:
+            session.delete_all(uploads)
+        y = session.receive(response.y, "y")
+        if not isinstance(self, ServerModule):
+            return y
+        ln_out = session.receive(response.ln_out, "ln_out") if response.ln_out.WhichOneof("data") else None
+        return self._pack(y, ln_out)
 
     def value_and_grad(self, variables, x, dy, *args, rngs=None, **kwargs):
         """jax.value_and_grad(lambda v, x: vdot(apply(v, x, ...)[0], dy), argnums=(0, 1)):
         returns (value, (param_grads, dx)); param_grads is {'params': {...}}
         of numpy arrays. dx is a tuple when several array inputs are given (q, k, v).
-        Under DelayedScaling the step ends with the server's FP8 scale update."""
-        handles = {h.scope: h for h in variables_lib.handles_of(variables)}
-        dropout_seed = seed_of(rngs, "dropout")
-        if isinstance(self, ServerModule):
-            frame = Frame("step", variables.session, dropout_seed=dropout_seed, handles=handles, dy=dy)
-            self._run_root(frame, (x,) + args, kwargs)
-            value, input_grads = frame.step_result
-        else:
-            frame = Frame("grad", variables.session, dropout_seed=dropout_seed, handles=handles)
-            inputs = [frame.tape.leaf(a) if _is_array(a) else a for a in (x,) + args]
-            out = self._run_root(frame, inputs, kwargs)
-            y = out[0] if isinstance(out, tuple) else out
-            dy = dtypes.as_numpy(dy)
-            value = float(np.vdot(np.asarray(tracing.value_of(y), np.float64), np.asarray(dy, np.float64)))
-            grads = frame.tape.backward([(y, dy)]) if isinstance(y, tracing.Tracer) else {}
-            input_grads = [grads.get(id(t), dtypes.zeros(t.shape, dtypes.wire_dtype(t.value)))
-                           for t in inputs if isinstance(t, tracing.Tracer)]
-        param_grads = variables_lib.unflatten(frame.grads)
-        return value, (param_grads, input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
+        One ForwardBackward call (Forward + Backward where there are extra
+        inputs, whose gradients only Backward returns). Under DelayedScaling
+        the step ends with the server's FP8 scale update."""
+        handle, call = self._call_for(variables, (x,) + args, kwargs)
+        value, grads, input_grads = _step(handle, call, dy, seed_of(rngs, "dropout"))
+        return value, (variables_lib.unflatten(grads), input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
 
+    def capture_call(self, variables, *args, **kwargs):
+        """What apply(variables, *args, **kwargs) would send (x, extra inputs,
+        mask, deterministic) as a Call, without sending it (for speedometer)."""
+        return self._call_for(variables, args, kwargs)[1]
+
+    def trace(self, *args, **kwargs):
+        """The graph.Traced (GraphSpec, edge shapes and dtypes) init would
+        create for these arguments; no server is needed. Composites only."""
+        if isinstance(self, ServerModule):
+            raise TypeError("%s is one TE module (one server layer), not a composite" % type(self).__name__)
+        return self._trace(_Bound(self, args, kwargs))
+
+    def _trace(self, bound):
+        frame = Frame("trace", bound.deterministic)
+        symbols = {name: frame.trace.input(name, *_shape_and_wire(value, name)) for name, value in bound.inputs}
+        args, kwargs = bound.substituted(symbols)
+        return frame.trace.build(self._run_root(frame, args, kwargs))
+
+    def _call_for(self, variables, args, kwargs):
+        """(the variables' layer, the Call for these arguments), checking that
+        they are the variables of a module of this kind and structure."""
+        handles = variables_lib.handles_of(variables)
+        handle = handles[0] if len(handles) == 1 else None
+        composite = not isinstance(self, ServerModule)
+        if handle is None or (handle.traced is not None) != composite:
+            raise errors.FailedPreconditionError(
+                "variables: init returned these for %s; %s.apply takes the variables init returned for a "
+                "module of the same structure" % (type(variables.module).__name__ if variables.module else "another module",
+                                                   type(self).__name__))
+        if not composite:
+            return handle, self.capture(args, kwargs)
+        bound = _Bound(self, args, kwargs)
+        _check_same_graph(self, handle, bound)
+        return handle, bound.call(handle.traced)
+
+
+def _name_setup_submodules(attribute, value):
+    """Flax's setup naming: `self.dense = Dense(...)` is "dense"; a list's items "layers_0", "layers_1"."""
+    items = [(attribute, value)] if isinstance(value, Module) else [
+        ("%s_%d" % (attribute, i), v) for i, v in enumerate(value)] if isinstance(value, (list, tuple)) else []
+    for name, module in items:
+        if isinstance(module, Module) and module._bound is None and module._setup_parent is not None:
+            frame, parent = module._setup_parent
+            object.__setattr__(module, "_bound", (frame, parent.path + (module.name or name,)))
+
+
+# ---- a composite's arguments ---------------------------------------------------------------
 
 def _is_array(a):
-    """An input value_and_grad differentiates (a ResidentTensor is passed on as it is)."""
-    return isinstance(a, np.ndarray) or (hasattr(a, "__array__") and hasattr(a, "shape")
-                                         and not isinstance(a, client_lib.ResidentTensor))
+    return isinstance(a, (np.ndarray, client_lib.ResidentTensor)) or (
+        hasattr(a, "__array__") and hasattr(a, "shape") and hasattr(a, "dtype"))
 
+
+class _Bound:
+    """A composite's __call__ arguments, split into the graph's inputs and the rest."""
+
+    def __init__(self, module, args, kwargs):
+        self.module = module
+        self.signature = inspect.signature(type(module).__call__)
+        try:
+            bound = self.signature.bind(module, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError("%s.__call__: %s" % (type(module).__name__, e)) from None
+        bound.apply_defaults()
+        self.arguments = dict(bound.arguments)
+        params = list(self.signature.parameters.values())[1:]
+        if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            raise TypeError("%s.__call__ takes no input x" % type(module).__name__)
+        self.inputs = []            # (graph input name, value)
+        self._where = {}            # graph input name -> (parameter, index in a *args / key in a **kwargs)
+        key = [repr(module)]
+        for p in params:
+            value = self.arguments.get(p.name)
+            if p.kind == inspect.Parameter.VAR_POSITIONAL:
+                places = list(enumerate(value))
+            elif p.kind == inspect.Parameter.VAR_KEYWORD:
+                places = sorted(value.items())
+            else:
+                places = [(None, value)]
+            for at, v in places:
+                if not _is_array(v):
+                    key.append((p.name, at, repr(v)))
+                    continue
+                if p is params[0]:
+                    name = "x"
+                elif p.name in _MASK_ARGUMENTS and at is None:
+                    name = "attention_mask"
+                else:
+                    name = "extra_inputs[%d]" % sum(n.startswith("extra_inputs") for n, _ in self.inputs)
+                self.inputs.append((name, v))
+                self._where[name] = (p.name, at)
+                key.append((p.name, at, name) + _shape_and_wire(v, name))
+        if not self.inputs or self.inputs[0][0] != "x":
+            raise TypeError("%s.__call__: x (%s) must be an array, got %s" % (
+                type(module).__name__, params[0].name, type(self.arguments.get(params[0].name)).__name__))
+        self.deterministic = bool(self.arguments.get("deterministic") or False)
+        self.key = tuple(key)
+
+    def substituted(self, symbols):
+        """(args, kwargs) for __call__ with each graph input replaced by its Symbol."""
+        arguments = {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v)
+                     for k, v in self.arguments.items()}
+        for name, (param, at) in self._where.items():
+            if at is None:
+                arguments[param] = symbols[name]
+            else:
+                arguments[param][at] = symbols[name]
+        for p in self.signature.parameters.values():
+            if p.kind == inspect.Parameter.VAR_POSITIONAL and p.name in arguments:
+                arguments[p.name] = tuple(arguments[p.name])
+        bound = inspect.BoundArguments(self.signature, arguments)
+        return bound.args[1:], bound.kwargs
+
+    def call(self, traced):
+        """The Call a request sends: the mask only when the graph reads it, and
+        the extra inputs up to the last it reads (the server takes exactly those)."""
+        values = dict(self.inputs)
+        read = [i for i, (n, _) in enumerate(n for n in self.inputs if n[0].startswith("extra_inputs"))
+                if n in traced.inputs]
+        extra = [v for n, v in self.inputs if n.startswith("extra_inputs")][:read[-1] + 1 if read else 0]
+        mask = values.get("attention_mask") if "attention_mask" in traced.inputs else None
+        return Call(values["x"], extra, mask, self.deterministic)
+
+
+def _check_same_graph(module, handle, bound):
+    if bound.key == handle.trace_key or bound.key in handle.verified_keys:
+        return
+    x = dict(bound.inputs)["x"]
+    shape, wire = _shape_and_wire(x, "x")
+    if shape != tuple(handle.input_shape) or wire != handle.input_wire_dtype:
+        raise errors.InvalidArgumentError(
+            "x: %s%s; %s was initialised (traced) for x %s%s" % (
+                dtypes.dtype_name(wire), list(shape), type(module).__name__,
+                dtypes.dtype_name(handle.input_wire_dtype), list(handle.input_shape)))
+    traced = module._trace(bound)
+    ours, theirs = list(traced.spec.nodes), list(handle.traced.spec.nodes)
+    if ours == theirs and list(traced.spec.outputs) == list(handle.traced.spec.outputs):
+        handle.verified_keys.add(bound.key)
+        return
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    describe = lambda nodes: "%s (%s)" % (nodes[at].name, nodes[at].WhichOneof("op")) if at < len(nodes) else "none"
+    raise errors.FailedPreconditionError(
+        "%s: these arguments trace to another graph than init's: node %d is %s here, %s at init; apply "
+        "takes the arguments init was traced with (mask given or not, deterministic, shapes)" % (
+            type(module).__name__, at, describe(ours), describe(theirs)))
+
+
+# ---- one server layer: the calls ----------------------------------------------------------
 
 def _shape_and_wire(x, field):
     if isinstance(x, client_lib.ResidentTensor):
         return tuple(x.shape), x.wire_dtype
-    x = dtypes.as_numpy(tracing.value_of(x))
-    return tuple(x.shape), dtypes.wire_dtype(x, field)
+    x = dtypes.as_numpy(x)
+    return tuple(int(d) for d in x.shape), dtypes.wire_dtype(x, field)
 
 
 def _nbytes(x):
     if isinstance(x, client_lib.ResidentTensor):
         return int(np.prod(x.shape, dtype=np.int64)) * dtypes.ITEMSIZE[x.wire_dtype]
-    return dtypes.as_numpy(tracing.value_of(x)).nbytes
+    return dtypes.as_numpy(x).nbytes
 
 
-@dataclasses.dataclass
-class Call:
-    x: object
-    extra: list
-    mask: object
-    deterministic: bool
+def _autocast():
+    return recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
 
+
+def _graph_unknown(e):
+    """Whether the server's InitLayer answer means it predates te.v1 GraphSpec."""
+    if isinstance(e, errors.UnimplementedError):
+        return "graph" in e.message
+    return isinstance(e, errors.InvalidArgumentError) and "no module set" in e.message and "graph" not in e.message
+
+
+def _init_layer(session, spec, seed, x, module, traced, trace_key):
+    shape, wire = _shape_and_wire(x, "x")
+    request = service_pb2.InitLayerRequest(spec=spec, seed=seed, input_dtype=wire, input_shape=shape,
+                                           autocast=_autocast())
+    try:
+        response = session.call("InitLayer", request)
+    except errors.TeError as e:
+        if traced is not None and _graph_unknown(e):
+            raise errors.UnimplementedError(
+                "%s: this te_server does not run composite graphs (spec.graph, te.v1.GraphSpec); it "
+                "answered %s" % (type(module).__name__, e)) from e
+        raise
+    infos = [variables_lib.VariableInfo(v.collection, v.path, tuple(v.shape), v.dtype) for v in response.variables]
+    return variables_lib.LayerHandle(session, response.layer_id, (), infos, tuple(response.output_shape),
+                                     response.output_dtype, input_shape=shape, input_wire_dtype=wire,
+                                     traced=traced, trace_key=trace_key)
+
+
+def _forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False):
+    session = handle.session
+    request = service_pb2.ForwardRequest(
+        layer_id=handle.layer_id, x=session.send(call.x, uploads, "x"),
+        extra_inputs=[session.send(e, uploads, "extra_inputs[%d]" % i) for i, e in enumerate(call.extra)],
+        deterministic=call.deterministic, dropout_seed=dropout_seed, autocast=_autocast(),
+        keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)))
+    if call.mask is not None:
+        request.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
+    return request
+
+
+def _grads(session, grads):
+    return {variables_lib.join("params", v.path): session.receive(v.value, "grads/" + v.path) for v in grads}
+
+
+def _step(handle, call, dy, dropout_seed):
+    """value_and_grad of one server layer: (value, {"params/...": grad}, [dx, d(extra inputs)...])."""
+    session = handle.session
+    dy = dtypes.cast_to_wire(dy, handle.output_wire_dtype)   # dy has y's dtype
+    uploads = []
+    try:
+        if not call.extra:
+            batch = service_pb2.MicroBatch(x=session.send(call.x, uploads, "x"), dy=session.send(dy, uploads, "dy"),
+                                           dropout_seed=dropout_seed)
+            if call.mask is not None:
+                batch.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
+            response = session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
+                layer_id=handle.layer_id, micro_batches=[batch], deterministic=call.deterministic,
+                autocast=_autocast(), return_dx=True, return_grads=True))
+            if len(response.values) != 1 or len(response.dx) != 1:
+                raise errors.error(grpc.StatusCode.INTERNAL, "ForwardBackward answered %d values and %d dx "
+                                   "for one micro-batch" % (len(response.values), len(response.dx)))
+            return response.values[0], _grads(session, response.grads), [session.receive(response.dx[0], "dx")]
+        # ForwardBackward returns no gradients for extra inputs (k, v); Backward does.
+        forward = session.call("Forward", _forward_request(handle, call, dropout_seed, uploads, keep_for_backward=True))
+        y = session.receive(forward.y, "y")
+        value = float(np.vdot(np.asarray(y, np.float64), np.asarray(dy, np.float64)))
+        backward = session.call("Backward", service_pb2.BackwardRequest(
+            forward_id=forward.forward_id, dy=session.send(dy, uploads, "dy"),
+            keep_outputs=session.large(dtypes.as_numpy(dy).nbytes)))
+        input_grads = [session.receive(backward.dx, "dx")] + [
+            session.receive(g, "extra_input_grads[%d]" % i) for i, g in enumerate(backward.extra_input_grads)]
+        return value, _grads(session, backward.grads), input_grads
+    finally:
+        session.delete_all(uploads)
+
+
+# ---- TE modules -------------------------------------------------------------------------
 
 class ServerModule(Module):
-    """A TE module that is one server layer. Subclasses give spec() and a
-    __call__ with TE's signature that calls self._call(x, extra, mask, deterministic)."""
+    """A TE module that is one server layer. Subclasses give spec(),
+    output_shapes() and a __call__ with TE's signature that calls
+    self._call(x, extra, mask, deterministic). At the top level its call is
+    captured and sent; inside a traced composite it records a module node."""
     _server_module = True
     returns_ln_out = False   # __call__ returns (y, ln_out): LayerNormDenseGeneral, LayerNormMLP, MHA
 
     def spec(self):
         raise NotImplementedError
 
+    def output_shapes(self, input_shapes):
+        """[y's shape] (and ln_out's, when the module returns it) for inputs of `input_shapes` (x, k, v)."""
+        return [tuple(input_shapes[0])]
+
+    def dropout_rates(self):
+        """The module's own dropout rates: any above 0 makes `deterministic` matter."""
+        return ()
+
     def _pack(self, y, ln_out):
         return (y, ln_out) if self.returns_ln_out else y
 
-    def _call(self, x, extra=(), mask=None, deterministic=False):
-        frame = current_frame(self)
-        scope = self._scope_in(frame)
-        run = {"init": self._init, "apply": self._forward, "grad": self._forward, "step": self._step,
-               "capture": self._capture}[frame.mode]
-        return run(frame, scope, x, list(extra), mask, bool(deterministic))
-
-    def capture_call(self, variables, *args, **kwargs):
-        """What apply(variables, *args, **kwargs) would send (x, extra inputs,
-        mask, deterministic) as a Call, without sending it (for speedometer)."""
-        frame = Frame("capture", variables.session,
-                      handles={h.scope: h for h in variables_lib.handles_of(variables)})
+    def capture(self, args, kwargs):
+        frame = Frame("capture")
         self._run_root(frame, args, kwargs)
         return frame.captured
 
-    def _capture(self, frame, scope, x, extra, mask, deterministic):
-        frame.captured = Call(x, extra, mask, deterministic)
-        return None
+    def _call(self, x, extra=(), mask=None, deterministic=False):
+        frame = current_frame(self)
+        if frame.mode == "trace":
+            return self._record(frame, x, list(extra), mask, deterministic)
+        frame.captured = Call(x, list(extra), mask, bool(deterministic))
+        return self._pack(None, None)
 
-    def _init(self, frame, scope, x, extra, mask, deterministic):
-        shape, wire = _shape_and_wire(x, "x")
-        handle = frame.handles.get(scope)
-        if handle is None:   # a module called twice shares its layer, as Flax shares params
-            request = service_pb2.InitLayerRequest(
-                spec=self.spec(), seed=frame.seed_for(scope), input_dtype=wire, input_shape=shape,
-                autocast=recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2))
-            response = frame.session.call("InitLayer", request)
-            infos = [variables_lib.VariableInfo(v.collection, v.path, tuple(v.shape), v.dtype)
-                     for v in response.variables]
-            handle = variables_lib.LayerHandle(frame.session, response.layer_id, scope, infos,
-                                               tuple(response.output_shape), response.output_dtype)
-            frame.handles[scope] = handle
-        y = dtypes.zeros(handle.output_shape, handle.output_wire_dtype)
-        ln_out = dtypes.zeros(shape, wire) if getattr(self, "return_layernorm_output", False) else None
-        return self._pack(y, ln_out)
+    def _record(self, frame, x, extra, mask, deterministic):
+        trace = frame.trace
+        name = "/".join(self._scope_in(frame))
+        for i, t in enumerate([x] + extra):
+            if not isinstance(t, graph.Symbol):
+                raise TypeError("%s (%s): input %d is a %s, not a traced tensor: inside a composite every "
+                                "module input comes from the composite's inputs (GraphSpec has no constants)" % (
+                                    name, type(self).__name__, i, type(t).__name__))
+        if mask is not None and not (isinstance(mask, graph.Symbol) and mask.is_mask):
+            raise TypeError("%s (%s): the mask is a %s, not a traced mask: pass it to the composite as "
+                            "attention_mask, or make it with nn.make_causal_mask" % (
+                                name, type(self).__name__, "computed tensor" if isinstance(mask, graph.Symbol)
+                                else type(mask).__name__))
+        if any(r > 0 for r in self.dropout_rates()):
+            check_deterministic(trace, name, type(self).__name__, deterministic)
+        trace.claim(name, self)
+        shapes = self.output_shapes([t.shape for t in [x] + extra])
+        outputs = trace.record("module", self.spec(), [x] + extra, [(s, x.wire) for s in shapes],
+                               name=name, mask=mask, keep=True)
+        return self._pack(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
-    def _request(self, frame, handle, scope, x, extra, mask, deterministic, uploads):
-        session = frame.session
-        request = service_pb2.ForwardRequest(
-            layer_id=handle.layer_id, x=session.send(tracing.value_of(x), uploads, "x"),
-            extra_inputs=[session.send(tracing.value_of(e), uploads, "extra_inputs[%d]" % i)
-                          for i, e in enumerate(extra)],
-            deterministic=deterministic, dropout_seed=frame.dropout_seed_for(scope),
-            autocast=recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2),
-            keep_outputs=session.large(4 * _nbytes(x)))
-        if mask is not None:
-            request.attention_mask.CopyFrom(session.send(tracing.value_of(mask), uploads, "attention_mask"))
-        return request
 
-    def _forward(self, frame, scope, x, extra, mask, deterministic):
-        handle, session = frame.handle(scope, self), frame.session
-        uploads = []
-        try:
-            request = self._request(frame, handle, scope, x, extra, mask, deterministic, uploads)
-            request.keep_for_backward = frame.mode == "grad"
-            response = session.call("Forward", request)
-        finally:
-            session.delete_all(uploads)
-        y = session.receive(response.y, "y")
-        ln_out = session.receive(response.ln_out, "ln_out") if response.ln_out.WhichOneof("data") else None
-        if frame.mode != "grad":
-            return self._pack(y, ln_out)
-        outputs = frame.tape.record([x] + extra, [y] if ln_out is None else [y, ln_out],
-                                    lambda grads: self._backward(frame, scope, response.forward_id, y, grads))
-        return self._pack(outputs[0], outputs[1] if ln_out is not None else None)
-
-    def _backward(self, frame, scope, forward_id, y, grads):
-        if len(grads) > 1 and grads[1] is not None:
-            raise errors.UnimplementedError(
-                "%s: a gradient through ln_out cannot be sent (te.v1 Backward takes dy only)" % type(self).__name__)
-        session = frame.session
-        dy = grads[0] if grads[0] is not None else dtypes.zeros(y.shape, dtypes.wire_dtype(y))
-        uploads = []
-        try:
-            request = service_pb2.BackwardRequest(forward_id=forward_id, dy=session.send(dy, uploads, "dy"),
-                                                  keep_outputs=session.large(dtypes.as_numpy(dy).nbytes))
-            response = session.call("Backward", request)
-        finally:
-            session.delete_all(uploads)
-        self._collect_grads(frame, scope, response.grads)
-        return [session.receive(response.dx, "dx")] + [
-            session.receive(g, "extra_input_grads[%d]" % i) for i, g in enumerate(response.extra_input_grads)]
-
-    def _collect_grads(self, frame, scope, grads):
-        for v in grads:
-            name = variables_lib.join("params", scope, v.path)
-            frame.add_grad(name, frame.session.receive(v.value, "grads/" + v.path))
-
-    def _step(self, frame, scope, x, extra, mask, deterministic):
-        """value_and_grad of a root TE module: one ForwardBackward round trip
-        (Forward + Backward when there are extra inputs, whose gradients only Backward returns)."""
-        session, handle = frame.session, frame.handle(scope, self)
-        if extra:
-            frame.mode = "grad"
-            frame.tape = tracing.Tape()
-            leaves = [frame.tape.leaf(a) for a in [x] + extra]
-            out = self._forward(frame, scope, leaves[0], leaves[1:], mask, deterministic)
-            y = out[0] if isinstance(out, tuple) else out
-            grads = frame.tape.backward([(y, frame.dy)])
-            value = float(np.vdot(np.asarray(y.value, np.float64), np.asarray(frame.dy, np.float64)))
-            frame.step_result = (value, [grads[id(t)] for t in leaves])
-            return out
-        uploads = []
-        dy = dtypes.cast_to_wire(frame.dy, _shape_and_wire(x, "x")[1])   # the server wants dy in x's dtype
-        try:
-            batch = service_pb2.MicroBatch(x=session.send(x, uploads, "x"), dy=session.send(dy, uploads, "dy"),
-                                           dropout_seed=frame.dropout_seed_for(scope))
-            if mask is not None:
-                batch.attention_mask.CopyFrom(session.send(mask, uploads, "attention_mask"))
-            request = service_pb2.ForwardBackwardRequest(
-                layer_id=handle.layer_id, micro_batches=[batch], deterministic=deterministic,
-                autocast=recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2),
-                return_dx=True, return_grads=True)
-            response = session.call("ForwardBackward", request)
-        finally:
-            session.delete_all(uploads)
-        if len(response.values) != 1 or len(response.dx) != 1:
-            raise errors.error(grpc.StatusCode.INTERNAL, "ForwardBackward answered %d values and %d dx "
-                               "for one micro-batch" % (len(response.values), len(response.dx)))
-        self._collect_grads(frame, scope, response.grads)
-        frame.step_result = (response.values[0], [session.receive(response.dx[0], "dx")])
-        return None
+def check_deterministic(trace, name, type_name, deterministic):
+    """A traced dropout follows the request's deterministic; refuse one told otherwise."""
+    if bool(deterministic) != trace.deterministic:
+        raise NotImplementedError(
+            "%s (%s): called with deterministic=%s inside a composite traced with deterministic=%s: every "
+            "dropout of a te.v1 GraphSpec follows apply's deterministic, so pass the composite's own "
+            "deterministic down (or make the rate 0)" % (name, type_name, bool(deterministic), trace.deterministic))

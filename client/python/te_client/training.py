@@ -45,10 +45,11 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
     quickstart's helper; both its older and newer argument names work).
     Returns {"mean_ms", "median_ms", "steps", "timed_by"}.
 
-    A single TE module uploads x and dy once and runs each step as one
-    ForwardBackward call that returns nothing, so only the step travels;
-    server_side=True times it with the Benchmark RPC instead (no network in
-    the loop). A composite Module runs its value_and_grad per step."""
+    A TE module, or a composite (one graph layer on the server), uploads x
+    and dy once and runs each step as one ForwardBackward call that returns
+    nothing, so only the step travels; server_side=True times it with the
+    Benchmark RPC instead (no network in the loop). A layer with several
+    array inputs (q, k, v) runs its value_and_grad per step."""
     del model_init_fn  # the quickstart passes it; the server keeps the layer
     module = _module_of(model_apply_fn)
     forward_kwargs = dict(forward_kwargs or {})
@@ -60,14 +61,13 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
     session = variables.session
 
     with recipe_lib.autocast(**autocast_kwargs):
-        call = module.capture_call(variables, input, **forward_kwargs) \
-            if isinstance(module, module_lib.ServerModule) else None
-        if call is not None and not call.extra:
+        call = module.capture_call(variables, input, **forward_kwargs)
+        if not call.extra:
             timed = _time_single(session, variables, call, output_grad, seed, warmup_iters, timing_iters,
                                  server_side)
         elif server_side:
-            raise errors.InvalidArgumentError("speedometer: server_side times one TE module with one "
-                                              "input; %s is not one" % type(module).__name__)
+            raise errors.InvalidArgumentError("speedometer: server_side times a layer with one array input; "
+                                              "%s takes %d" % (type(module).__name__, 1 + len(call.extra)))
         else:
             step = lambda i: module.value_and_grad(variables, input, output_grad,
                                                    rngs={"dropout": module_lib.derive_seed(seed, "step", i)},
@@ -98,7 +98,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
     uploads = []
     try:
         # Sent once: a large x or dy becomes resident, so a step sends only ids.
-        dy = dtypes.cast_to_wire(dy, module_lib._shape_and_wire(call.x, "x")[1])
+        dy = dtypes.cast_to_wire(dy, handle.output_wire_dtype)   # dy has y's dtype
         x_t, dy_t = session.send(call.x, uploads, "x"), session.send(dy, uploads, "dy")
         mask_t = session.send(call.mask, uploads, "attention_mask") if call.mask is not None else None
         deterministic = call.deterministic

@@ -7,8 +7,9 @@
 The values stay on the server (a layer's parameters can be gigabytes); a
 VariableRef downloads its collection when converted with np.asarray, and
 Session.get_variables / set_variables move whole trees. A Variables object
-also remembers which server layer holds each part (one layer for a TE module,
-one per submodule for a composite Module).
+also remembers the server layer that holds them (one for a TE module, and one
+for a composite Module, whose graph holds its submodules' variables under
+their Flax paths).
 """
 import dataclasses
 
@@ -31,13 +32,18 @@ class VariableInfo:
 
 @dataclasses.dataclass
 class LayerHandle:
-    """One server layer: where it sits in the module tree and what it holds."""
+    """One server layer (a TE module, or a composite's graph) and what it holds."""
     session: object
     layer_id: str
-    scope: tuple                 # ("TEUnfusedMLP_0", "DenseGeneral_0"); () for the root
+    scope: tuple                 # where its variables sit in the tree: () for the root
     infos: list
     output_shape: tuple
     output_wire_dtype: int
+    input_shape: tuple = ()
+    input_wire_dtype: int = 0
+    traced: object = None        # a composite's graph.Traced (the GraphSpec it was created from)
+    trace_key: object = None     # the arguments it was traced for
+    verified_keys: set = dataclasses.field(default_factory=set)   # other arguments found to trace the same
 
 
 def join(*parts):

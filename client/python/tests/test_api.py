@@ -125,16 +125,6 @@ def test_make_causal_mask_is_flax_convention():
     assert nn.make_causal_mask(np.zeros((1, 3))).dtype == np.float32
 
 
-def test_flax_masks_become_te_masks():
-    causal = nn.make_causal_mask(np.zeros((2, 4)), dtype=np.bool_)
-    assert nn._te_mask(None) == ("no_mask", None)
-    assert nn._te_mask(causal) == ("causal", None)
-    padding = np.ones((2, 1, 4, 4), bool)
-    padding[1, :, :, 3] = False
-    kind, te_mask = nn._te_mask(padding)
-    assert kind == "padding" and te_mask[1, 0, 0, 3] and not te_mask[0, 0, 0, 3]   # TE: True = masked out
-
-
 def test_module_call_outside_init_or_apply_is_failed_precondition(rng):
     with pytest.raises(te.FailedPreconditionError, match="init"):
         te_flax.LayerNorm()(rng.standard_normal((2, 8)))
