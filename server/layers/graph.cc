@@ -67,7 +67,8 @@ absl::Status AboutNode(const Node& node, const absl::Status& status) {
 }
 
 absl::Status CheckFloatInput(const Tensor& t, const std::string& field) {
-  if (t.defined() && IsFloating(t.dtype()) && !IsFloat8(t.dtype())) return absl::OkStatus();
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));
+  if (IsFloating(t.dtype()) && !IsFloat8(t.dtype())) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(field, " must be float32, bfloat16 or float16, got ",
                                                  DTypeName(t.dtype())));
 }
@@ -134,8 +135,11 @@ class GraphLayer : public Layer {
     RETURN_IF_ERROR(CheckFloatInput(in.x, "x"));
     if (static_cast<int>(in.extra.size()) != g_.num_extra) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "extra_inputs: the graph reads ", g_.num_extra, " extra inputs (extra_inputs[0] to [",
-          g_.num_extra - 1, "]); got ", in.extra.size()));
+          "extra_inputs: the graph takes ",
+          g_.num_extra == 0 ? std::string("none")
+                            : absl::StrCat(g_.num_extra, " (extra_inputs[0] to [", g_.num_extra - 1,
+                                           "])"),
+          "; got ", in.extra.size()));
     }
     auto kept = std::make_unique<GraphSaved>();
     for (size_t i = 0; i < in.extra.size(); ++i) {

@@ -202,7 +202,7 @@ class Builder {
     if (spec_.nodes().empty()) return Invalid("spec.graph.nodes", "empty");
     Id("x");
     RETURN_IF_ERROR(NamesAndOutputs());
-    for (int i = 0; i < spec_.nodes_size(); ++i) RETURN_IF_ERROR(Node(i));
+    for (int i = 0; i < spec_.nodes_size(); ++i) RETURN_IF_ERROR(InputsAndOp(i));
     RETURN_IF_ERROR(Outputs());
     RETURN_IF_ERROR(ScopesAreDisjoint());
     RETURN_IF_ERROR(LayerNormOutputsUnread());
@@ -230,7 +230,7 @@ class Builder {
     g_.nodes.resize(spec_.nodes_size());
     for (int i = 0; i < spec_.nodes_size(); ++i) {
       const GraphSpec::Node& s = spec_.nodes(i);
-      graph::Node& node = g_.nodes[i];
+      Node& node = g_.nodes[i];
       node.name = s.name();
       node.field = absl::StrCat("spec.graph.nodes[", i, "] (", s.name(), ")");
       if (s.name().empty()) return Invalid(node.field + ".name", "empty; every node needs a name");
@@ -293,9 +293,9 @@ class Builder {
   }
 
   // Pass 2: node i's inputs, mask and op fields.
-  absl::Status Node(int i) {
+  absl::Status InputsAndOp(int i) {
     const GraphSpec::Node& s = spec_.nodes(i);
-    graph::Node& node = g_.nodes[i];
+    Node& node = g_.nodes[i];
     for (int j = 0; j < s.inputs_size(); ++j) {
       const std::string where = absl::StrCat(node.field, ".inputs[", j, "]");
       ASSIGN_OR_RETURN(const int id, Read(s.inputs(j), where));
@@ -319,7 +319,7 @@ class Builder {
     return Module(s, &node);
   }
 
-  absl::Status Module(const GraphSpec::Node& s, graph::Node* node) {
+  absl::Status Module(const GraphSpec::Node& s, Node* node) {
     const std::string& f = node->field;
     const te::v1::LayerSpec::ModuleCase kind = s.module().module_case();
     if (kind == te::v1::LayerSpec::kGraph || kind == te::v1::LayerSpec::kSequential) {
@@ -410,11 +410,11 @@ class Builder {
   // ln_out could not flow back, so ln_out may only be a graph output (which
   // gets no gradient).
   absl::Status LayerNormOutputsUnread() const {
-    for (const graph::Node& node : g_.nodes) {
+    for (const Node& node : g_.nodes) {
       for (int id : node.inputs) {
         const TensorDef& t = g_.tensors[id];
         if (t.producer < 0) continue;
-        const graph::Node& writer = g_.nodes[t.producer];
+        const Node& writer = g_.nodes[t.producer];
         if (writer.kind == NodeKind::kModule && writer.outputs.size() == 2 &&
             writer.outputs[1] == id) {
           return Invalid(node.field,
@@ -429,7 +429,7 @@ class Builder {
 
   std::vector<int> Dependencies(int i) const {
     std::vector<int> deps;
-    const graph::Node& node = g_.nodes[i];
+    const Node& node = g_.nodes[i];
     for (int id : node.inputs) deps.push_back(g_.tensors[id].producer);
     if (node.mask >= 0) deps.push_back(g_.tensors[node.mask].producer);
     return deps;

@@ -55,17 +55,17 @@ class Inference {
       plan_.tensors[g_.extras[i]] =
           extras.empty() ? TensorInfo{false, {}, x.dtype} : extras[static_cast<size_t>(i)];
     }
-    for (int i : g_.order) RETURN_IF_ERROR(Node(g_.nodes[i], &plan_.nodes[i]));
+    for (int i : g_.order) RETURN_IF_ERROR(InferNode(g_.nodes[i], &plan_.nodes[i]));
     return std::move(plan_);
   }
 
  private:
-  const TensorInfo& In(const graph::Node& node, size_t j) const {
+  const TensorInfo& In(const Node& node, size_t j) const {
     return plan_.tensors[node.inputs[j]];
   }
-  TensorInfo& Out(const graph::Node& node, size_t j) { return plan_.tensors[node.outputs[j]]; }
+  TensorInfo& Out(const Node& node, size_t j) { return plan_.tensors[node.outputs[j]]; }
 
-  absl::Status Node(const graph::Node& node, NodePlan* np) {
+  absl::Status InferNode(const Node& node, NodePlan* np) {
     switch (node.kind) {
       case NodeKind::kModule: return Module(node);
       case NodeKind::kReshape: return Reshape(node, np);
@@ -86,7 +86,7 @@ class Inference {
     return absl::InternalError(absl::StrCat(node.field, ": unhandled node kind"));
   }
 
-  absl::Status Module(const graph::Node& node) {
+  absl::Status Module(const Node& node) {
     const TensorInfo& x = In(node, 0);
     if (!x.known) {
       return Invalid(node.field,
@@ -117,7 +117,7 @@ class Inference {
     return absl::OkStatus();
   }
 
-  absl::Status Reshape(const graph::Node& node, NodePlan* np) {
+  absl::Status Reshape(const Node& node, NodePlan* np) {
     const TensorInfo& x = In(node, 0);
     Shape to = node.shape;
     const auto wildcard = std::find(to.begin(), to.end(), int64_t{-1});
@@ -149,7 +149,7 @@ class Inference {
     return absl::OkStatus();
   }
 
-  absl::Status Split(const graph::Node& node, NodePlan* np) {
+  absl::Status Split(const Node& node, NodePlan* np) {
     const TensorInfo& x = In(node, 0);
     TensorInfo part{false, {}, x.dtype};
     if (x.known) {
@@ -168,7 +168,7 @@ class Inference {
     return absl::OkStatus();
   }
 
-  absl::Status Concatenate(const graph::Node& node, NodePlan* np) {
+  absl::Status Concatenate(const Node& node, NodePlan* np) {
     TensorInfo out{true, {}, In(node, 0).dtype};
     for (size_t j = 0; j < node.inputs.size(); ++j) {
       const TensorInfo& in = In(node, j);
@@ -202,7 +202,7 @@ class Inference {
 
   // Shapes agree where known: an input from an extra input is checked at
   // the forward.
-  absl::Status Add(const graph::Node& node) {
+  absl::Status Add(const Node& node) {
     TensorInfo out = In(node, 0);
     for (size_t j = 1; j < node.inputs.size(); ++j) {
       const TensorInfo& in = In(node, j);
@@ -220,7 +220,7 @@ class Inference {
     return absl::OkStatus();
   }
 
-  absl::Status Transpose(const graph::Node& node, NodePlan* np) {
+  absl::Status Transpose(const Node& node, NodePlan* np) {
     const TensorInfo& x = In(node, 0);
     Out(node, 0) = TensorInfo{false, {}, x.dtype};
     if (!x.known) return absl::OkStatus();
@@ -254,7 +254,7 @@ class Inference {
     return absl::OkStatus();
   }
 
-  absl::Status Dropout(const graph::Node& node, NodePlan* np) {
+  absl::Status Dropout(const Node& node, NodePlan* np) {
     const TensorInfo& x = In(node, 0);
     if (!x.known) return absl::OkStatus();
     const int rank = static_cast<int>(x.shape.size());
@@ -273,7 +273,7 @@ class Inference {
   }
 
   // nn.make_causal_mask(x[..., 0]): bool [B, 1, S, S] from x [B, S, ...].
-  absl::Status CausalMask(const graph::Node& node) {
+  absl::Status CausalMask(const Node& node) {
     const TensorInfo& x = In(node, 0);
     Out(node, 0) = TensorInfo{false, {}, DType::kBool};
     if (!x.known) return absl::OkStatus();
