@@ -97,10 +97,12 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
     service_pb2 = client_lib.service_pb2
     uploads = []
     try:
-        # Sent once: a large x or dy becomes resident, so a step sends only ids.
+        # Uploaded once and kept on the server, so a step names x and dy by id and
+        # moves no tensor (an inline or shared-memory one would be copied in again
+        # on every step: 64 MiB each at the quickstart's size).
         dy = dtypes.cast_to_wire(dy, handle.output_wire_dtype)   # dy has y's dtype
-        x_t, dy_t = session.send(call.x, uploads, "x"), session.send(dy, uploads, "dy")
-        mask_t = session.send(call.mask, uploads, "attention_mask") if call.mask is not None else None
+        x_t, dy_t = _resident(session, call.x, uploads, "x"), _resident(session, dy, uploads, "dy")
+        mask_t = _resident(session, call.mask, uploads, "attention_mask") if call.mask is not None else None
         deterministic = call.deterministic
         autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
 
@@ -124,3 +126,11 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         return _time_client(step, warmup_iters, timing_iters, "client")
     finally:
         session.delete_all(uploads)
+
+
+def _resident(session, array, uploads, field):
+    """A te.v1.Tensor naming `array` on the server: uploaded (its id appended to `uploads`) unless it already is."""
+    if not isinstance(array, client_lib.ResidentTensor):
+        array = session.put(array, field)
+        uploads.append(array.id)
+    return session.send(array, uploads, field)

@@ -285,7 +285,7 @@ class _Meter:
         self.session, self.log = session, []
         real = session.call
         monkeypatch.setattr(session, "call", lambda method, request, *a, **k: (
-            self.log.append(method), real(method, request, *a, **k))[1])
+            self.log.append((method, request)), real(method, request, *a, **k))[1])
 
     def __enter__(self):
         del self.log[:]
@@ -293,7 +293,8 @@ class _Meter:
         return self
 
     def __exit__(self, *exc):
-        self.calls = list(self.log)
+        self.calls = [method for method, _ in self.log]
+        self.requests = [request for _, request in self.log]
         self.moved = sum(self.session.transport_counts.as_dict().values()) - self.before
 
 
@@ -310,11 +311,14 @@ def test_one_call_per_step_and_no_activation_on_the_wire(session, rng, monkeypat
     with meter:
         te.value_and_grad(composite.apply)(variables, x, dy, rngs={"dropout": 1})
     assert (meter.calls, meter.moved) == (["ForwardBackward"], 3 + len(variables_lib.flatten(variables)))
-    # The speedometer sends x and dy once; then each step is one call that moves no tensor.
+    # The speedometer uploads x and dy once (then deletes them); each step is one call that moves no tensor.
     with meter:
         te.speedometer(model_apply_fn=composite.apply, variables=variables, input=x, output_grad=dy,
                        forward_kwargs={"deterministic": False}, rngs={"dropout": 7}, warmup_iters=2, timing_iters=3)
-    assert (meter.calls, meter.moved) == (["ForwardBackward"] * 5, 2)
+    assert (meter.calls, meter.moved) == (["ForwardBackward"] * 5 + ["DeleteTensor"] * 2, 2)
+    for step in meter.requests[:5]:   # named by id: nothing is copied into a step, whatever the transport
+        assert [t.WhichOneof("data") for b in step.micro_batches for t in (b.x, b.dy)] == ["resident_id"] * 2
+        assert not step.return_dx and not step.return_grads
     assert "Mean time: " in capsys.readouterr().out
 
 
