@@ -169,6 +169,38 @@ te::v1::LayerSpec Attention() {
   return spec;
 }
 
+te::v1::GraphSpec::Node* GraphNode(te::v1::GraphSpec* g, const std::string& name,
+                                   std::vector<std::string> inputs,
+                                   std::vector<std::string> outputs) {
+  te::v1::GraphSpec::Node* node = g->add_nodes();
+  node->set_name(name);
+  for (const std::string& in : inputs) node->add_inputs(in);
+  for (const std::string& out : outputs) node->add_outputs(out);
+  return node;
+}
+
+// q = Dense(x), k and v from the extra inputs (any length), attention, back to
+// [2, 3, 8], a residual add and a scale.
+te::v1::LayerSpec GraphWithExtraInputs() {
+  te::v1::LayerSpec spec;
+  te::v1::GraphSpec* g = spec.mutable_graph();
+  *GraphNode(g, "DenseGeneral_0", {"x"}, {"q"})->mutable_module() = Dense(8);
+  for (const auto& [in, out] : std::vector<std::pair<std::string, std::string>>{
+           {"q", "q4"}, {"extra_inputs[0]", "k4"}, {"extra_inputs[1]", "v4"}}) {
+    te::v1::GraphSpec::Node* reshape = GraphNode(g, "reshape_" + out, {in}, {out});
+    for (int64_t d : {int64_t{2}, int64_t{-1}, int64_t{2}, int64_t{4}}) {
+      reshape->mutable_reshape()->add_shape(d);
+    }
+  }
+  *GraphNode(g, "DotProductAttention_0", {"q4", "k4", "v4"}, {"a"})->mutable_module() = Attention();
+  te::v1::GraphSpec::Node* back = GraphNode(g, "reshape_a", {"a"}, {"a3"});
+  for (int64_t d : {2, 3, 8}) back->mutable_reshape()->add_shape(d);
+  GraphNode(g, "add", {"a3", "x"}, {"h"})->mutable_add();
+  GraphNode(g, "scale", {"h"}, {"y"})->mutable_scale()->set_factor(0.5);
+  g->add_outputs("y");
+  return spec;
+}
+
 KindSetup SetupFor(LayerKind kind) {
   KindSetup k;
   switch (kind) {
@@ -228,10 +260,11 @@ KindSetup SetupFor(LayerKind kind) {
       k.autocast.mutable_recipe()->mutable_mxfp8_block_scaling();
       k.policy = te::v1::EMULATE;
       break;
-    case LayerKind::kDensePlain:
+    case LayerKind::kGraphFp8:
     case LayerKind::kCount:
-      k.spec = Dense(4);
-      k.spec.mutable_dense_general()->set_dtype(te::v1::PARAM_BFLOAT16);
+      k.spec = GraphWithExtraInputs();
+      k.extra_kv = true;
+      k.autocast = DelayedScaling();
       break;
   }
   return k;

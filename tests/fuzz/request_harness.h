@@ -91,7 +91,8 @@ inline constexpr int kRpcCount = static_cast<int>(Rpc::kCount);
 // The live layer an input runs against (flags bits 3-5). x is [2, 3, 8]
 // float32 except for kSequentialAttention ([2, 3, 2, 4]: q, with k and v as
 // extra inputs) and kLayerNormDenseMxfp8 ([2, 16, 32]: MXFP8 contracts in
-// blocks of 32).
+// blocks of 32). kSequentialAttention and kGraphFp8 take k = v = x as extra
+// inputs unless the request gives its own.
 enum class LayerKind : uint8_t {
   kDenseFp8,             // DenseGeneral(4), DelayedScaling: y [2, 3, 4]
   kLayerNormMlpFp8,      // LayerNormMLP(16, gelu+linear), DelayedScaling: y, ln_out
@@ -102,7 +103,9 @@ enum class LayerKind : uint8_t {
   kSequentialAttention,  // Sequential(attention on q, k, v; reshape; dense), DelayedScaling
   kLayerNormDenseMxfp8,  // LayerNormDenseGeneral(32), MXFP8BlockScaling (a session
                          // negotiated under EMULATE: the CPU emulates MXFP8)
-  kDensePlain,           // DenseGeneral(4) with bfloat16 params, no FP8
+  kGraphFp8,             // a GraphSpec taking x, extra_inputs[0], extra_inputs[1]: q =
+                         // Dense(x), k and v reshaped [2, -1, 2, 4] from the extra inputs,
+                         // attention, reshape, + x, * 0.5; DelayedScaling
   kCount,
 };
 inline constexpr int kLayerKindCount = static_cast<int>(LayerKind::kCount);

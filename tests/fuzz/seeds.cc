@@ -5,6 +5,7 @@
 // many micro-batches, FP8 recipes that do not match the layer's), each with
 // the codes its call may end with: a clean refusal, never a crash.
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <utility>
@@ -75,8 +76,6 @@ te::v1::Autocast AutocastOf(LayerKind kind) {
       return CurrentScaling();
     case LayerKind::kLayerNormDenseMxfp8:
       return Mxfp8();
-    case LayerKind::kDensePlain:
-      return te::v1::Autocast();
     default:
       return DelayedScaling();
   }
@@ -98,8 +97,8 @@ const char* KindName(LayerKind kind) {
       return "sequential_attention_fp8";
     case LayerKind::kLayerNormDenseMxfp8:
       return "layer_norm_dense_mxfp8";
-    case LayerKind::kDensePlain:
-      return "dense_plain";
+    case LayerKind::kGraphFp8:
+      return "graph_fp8";
     case LayerKind::kCount:
       break;
   }
@@ -179,6 +178,20 @@ te::v1::SequentialSpec::Stage ModuleStage(const std::string& name, const te::v1:
   stage.set_name(name);
   *stage.mutable_module() = spec;
   return stage;
+}
+
+te::v1::GraphSpec::Node* GraphNode(te::v1::GraphSpec* g, const std::string& name,
+                                   std::vector<std::string> inputs,
+                                   std::vector<std::string> outputs) {
+  te::v1::GraphSpec::Node* node = g->add_nodes();
+  node->set_name(name);
+  for (const std::string& in : inputs) node->add_inputs(in);
+  for (const std::string& out : outputs) node->add_outputs(out);
+  return node;
+}
+
+void SetShape(te::v1::GraphSpec::Node* node, std::vector<int64_t> shape) {
+  node->mutable_reshape()->mutable_shape()->Assign(shape.begin(), shape.end());
 }
 
 // ---- the original seeds: every RPC, valid ------------------------------------------
@@ -505,6 +518,163 @@ void AddHostileInit(Seeds* seeds) {
   *s->add_stages() = ReshapeStage({2, 4}, {8});
   *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({8}));
   seeds->Init("sequential_attention_first", spec, {2, 3, 2, 4}, DelayedScaling());
+  // GraphSpec (a composite as one server graph): valid glue of every kind,
+  // then each glue op with hostile values.
+  {
+    auto graph_seed = [&](const std::string& name,
+                          const std::function<void(te::v1::GraphSpec*)>& build,
+                          std::vector<Code> allowed, const te::v1::Autocast& autocast) {
+      te::v1::LayerSpec g;
+      build(g.mutable_graph());
+      seeds->Init("graph_" + name, g, {2, 3, 8}, autocast, std::move(allowed));
+    };
+    auto glue = [](te::v1::GraphSpec* g) {
+      *GraphNode(g, "DenseGeneral_0", {"x"}, {"qkv"})->mutable_module() = DenseSpec({24});
+      te::v1::GraphSpec::Node* split = GraphNode(g, "split", {"qkv"}, {"q", "k", "v"});
+      split->mutable_split()->set_parts(3);
+      split->mutable_split()->set_axis(-1);
+      GraphNode(g, "concatenate", {"q", "k"}, {"qk"})->mutable_concatenate()->set_axis(-1);
+      GraphNode(g, "cast", {"qk"}, {"qk16"})->mutable_cast()->set_dtype(te::v1::BFLOAT16);
+      GraphNode(g, "cast_back", {"qk16"}, {"qk32"})->mutable_cast()->set_dtype(te::v1::FLOAT32);
+      GraphNode(g, "dropout", {"qk32"}, {"qkd"})->mutable_dropout()->set_rate(0.25f);
+      te::v1::GraphSpec::Node* t = GraphNode(g, "transpose", {"qkd"}, {"qkt"});
+      for (int a : {1, 0, 2}) t->mutable_transpose()->add_axes(a);
+      SetShape(GraphNode(g, "reshape", {"qkt"}, {"qkr"}), {2, 3, -1});
+      te::v1::GraphSpec::Node* halves = GraphNode(g, "split_qk", {"qkr"}, {"a", "b"});
+      halves->mutable_split()->set_parts(2);
+      halves->mutable_split()->set_axis(-1);
+      GraphNode(g, "add", {"a", "b", "v", "x"}, {"s"})->mutable_add();
+      GraphNode(g, "scale", {"s"}, {"y"})->mutable_scale()->set_factor(0.125);
+      g->add_outputs("y");
+    };
+    graph_seed("glue_fp8", glue, {Code::kOk, Code::kInvalidArgument}, DelayedScaling());
+    const std::vector<std::pair<std::string, std::vector<int64_t>>> reshapes = {
+        {"reshape_wraps_2p64", {(int64_t{1} << 61) + 1, 8}},
+        {"reshape_wildcard_times_2p64", {-1, int64_t{1} << 62, 4}},
+        {"reshape_two_wildcards", {-1, -1}},
+        {"reshape_zero_dim", {0, 48}},
+        {"reshape_int64_min", {std::numeric_limits<int64_t>::min(), -1}},
+        {"reshape_wildcard_of_2p40", {-1, int64_t{1} << 40}},
+    };
+    for (const auto& [name, shape] : reshapes) {
+      graph_seed(
+          name,
+          [&shape = shape](te::v1::GraphSpec* g) {
+            SetShape(GraphNode(g, "reshape", {"x"}, {"y"}), shape);
+            g->add_outputs("y");
+          },
+          kRefused, te::v1::Autocast());
+    }
+    // A reshape of an extra input: its shape is unknown until a request gives one.
+    graph_seed(
+        "reshape_extra_input_wildcard_2p40",
+        [](te::v1::GraphSpec* g) {
+          SetShape(GraphNode(g, "reshape", {"extra_inputs[0]"}, {"k"}), {-1, int64_t{1} << 40});
+          GraphNode(g, "add", {"x", "x"}, {"y"})->mutable_add();
+          g->add_outputs("y");
+          g->add_outputs("k");
+        },
+        {Code::kOk, Code::kInvalidArgument}, te::v1::Autocast());
+    graph_seed(
+        "split_parts_int32_max",
+        [](te::v1::GraphSpec* g) {
+          te::v1::GraphSpec::Node* n = GraphNode(g, "split", {"x"}, {"a", "b"});
+          n->mutable_split()->set_parts(std::numeric_limits<int32_t>::max());
+          n->mutable_split()->set_axis(std::numeric_limits<int32_t>::min());
+          g->add_outputs("a");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "split_axis_int32_min",
+        [](te::v1::GraphSpec* g) {
+          te::v1::GraphSpec::Node* n = GraphNode(g, "split", {"x"}, {"a", "b"});
+          n->mutable_split()->set_parts(2);
+          n->mutable_split()->set_axis(std::numeric_limits<int32_t>::min());
+          GraphNode(g, "add", {"a", "b"}, {"y"})->mutable_add();
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "transpose_axes_bad",
+        [](te::v1::GraphSpec* g) {
+          te::v1::GraphSpec::Node* n = GraphNode(g, "transpose", {"x"}, {"y"});
+          for (int a : {0, std::numeric_limits<int32_t>::min(), 2})
+            n->mutable_transpose()->add_axes(a);
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "transpose_axes_repeated",
+        [](te::v1::GraphSpec* g) {
+          te::v1::GraphSpec::Node* n = GraphNode(g, "transpose", {"x"}, {"y"});
+          for (int a : {2, 2, 0}) n->mutable_transpose()->add_axes(a);
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "concatenate_axis_int32_min",
+        [](te::v1::GraphSpec* g) {
+          GraphNode(g, "concatenate", {"x", "x"}, {"y"})
+              ->mutable_concatenate()
+              ->set_axis(std::numeric_limits<int32_t>::min());
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "dropout_broadcast_dims_bad",
+        [](te::v1::GraphSpec* g) {
+          te::v1::GraphSpec::Node* n = GraphNode(g, "dropout", {"x"}, {"y"});
+          n->mutable_dropout()->set_rate(0.5f);
+          n->mutable_dropout()->add_broadcast_dims(std::numeric_limits<int32_t>::min());
+          n->mutable_dropout()->add_broadcast_dims(7);
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "scale_float_max_times_2",
+        [](te::v1::GraphSpec* g) {
+          GraphNode(g, "scale", {"x"}, {"y"})->mutable_scale()->set_factor(6.8e38);
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "cycle",
+        [](te::v1::GraphSpec* g) {
+          GraphNode(g, "a", {"x", "c"}, {"b"})->mutable_add();
+          GraphNode(g, "b", {"b"}, {"c"})->mutable_scale()->set_factor(2);
+          g->add_outputs("c");
+        },
+        kRefused, te::v1::Autocast());
+    graph_seed(
+        "causal_mask",
+        [](te::v1::GraphSpec* g) {
+          GraphNode(g, "mask", {"x"}, {"m"})->mutable_causal_mask();
+          te::v1::GraphSpec::Node* mha = GraphNode(g, "MultiHeadAttention_0", {"x"}, {"y"});
+          mha->set_mask("m");
+          mha->mutable_module()->mutable_multi_head_attention()->set_head_dim(4);
+          mha->mutable_module()->mutable_multi_head_attention()->set_num_attention_heads(2);
+          mha->mutable_module()->mutable_multi_head_attention()->set_attn_mask_type(te::v1::CAUSAL);
+          g->add_outputs("y");
+        },
+        {Code::kOk, Code::kInvalidArgument}, DelayedScaling());
+    // Modules inside: one too large for memory, one whose kernel overflows.
+    graph_seed(
+        "module_dense_2p31",
+        [](te::v1::GraphSpec* g) {
+          *GraphNode(g, "DenseGeneral_0", {"x"}, {"y"})->mutable_module() =
+              DenseSpec({int64_t{1} << 31});
+          g->add_outputs("y");
+        },
+        kRefused, DelayedScaling());
+    graph_seed(
+        "module_dense_2p31x2p31",
+        [](te::v1::GraphSpec* g) {
+          *GraphNode(g, "DenseGeneral_0", {"x"}, {"y"})->mutable_module() =
+              DenseSpec({int64_t{1} << 31, int64_t{1} << 31});
+          g->add_outputs("y");
+        },
+        kRefused, te::v1::Autocast());
+  }
   // FP8 state huge: the amax history is bounded by the recipe check.
   seeds->Init("dense_amax_history_int32_max", DenseSpec({4}), {2, 3, 8},
               DelayedScaling(std::numeric_limits<int32_t>::max()), kRefused);
@@ -642,8 +812,9 @@ void AddHostileSteps(Seeds* seeds) {
   forward.clear_autocast();
   seeds->Add("forward_dense_fp8_without_autocast", Input(Rpc::kForward, 0, forward));
   *forward.mutable_autocast() = DelayedScaling();
-  seeds->Add("forward_plain_dense_delayed_scaling",
-             Input(Rpc::kForward, KindFlags(LayerKind::kDensePlain), forward),
+  // Current scaling keeps no fp8_metas: DelayedScaling on it has none to use.
+  seeds->Add("forward_current_scaling_layer_delayed_scaling",
+             Input(Rpc::kForward, KindFlags(LayerKind::kMhaCurrentScaling), forward),
              {Code::kFailedPrecondition});
   seeds->Add("forward_mxfp8_layer_delayed_scaling",
              Input(Rpc::kForward, KindFlags(LayerKind::kLayerNormDenseMxfp8), forward),
@@ -682,6 +853,61 @@ void AddHostileSteps(Seeds* seeds) {
   seeds->Add("forward_sequential_attention_one_extra", Input(Rpc::kForward, attention, forward),
              {Code::kInvalidArgument});
   forward.clear_extra_inputs();
+  // The live graph: k and v of another length (a reshape's -1 takes it), of
+  // a count the reshape cannot hold, of another dtype, one missing, from shm.
+  {
+    const uint8_t graph = KindFlags(LayerKind::kGraphFp8);
+    te::v1::ForwardRequest g = forward;
+    g.set_keep_for_backward(true);
+    *g.add_extra_inputs() = Floats({2, 5, 8}, 0.1f);
+    *g.add_extra_inputs() = Floats({2, 5, 8}, 0.2f);
+    seeds->Add("forward_graph_longer_kv", Input(Rpc::kForward, graph, g),
+               {Code::kOk, Code::kInvalidArgument});
+    g.clear_extra_inputs();
+    *g.add_extra_inputs() = Floats({2, 3, 7}, 0.1f);
+    *g.add_extra_inputs() = Floats({2, 3, 7}, 0.2f);
+    seeds->Add("forward_graph_kv_not_divisible", Input(Rpc::kForward, graph, g),
+               {Code::kInvalidArgument});
+    g.clear_extra_inputs();
+    *g.add_extra_inputs() = Floats({2, 5, 8}, 0.1f);
+    *g.add_extra_inputs() = Floats({2, 3, 8}, 0.2f);
+    seeds->Add("forward_graph_k_v_lengths_differ", Input(Rpc::kForward, graph, g),
+               {Code::kInvalidArgument});
+    g.clear_extra_inputs();
+    te::v1::Tensor ints;
+    ints.set_dtype(te::v1::INT32);
+    for (int64_t d : {2, 3, 8}) ints.add_shape(d);
+    ints.set_inline_data(std::string(2 * 3 * 8 * 4, '\x01'));
+    *g.add_extra_inputs() = ints;
+    *g.add_extra_inputs() = ints;
+    seeds->Add("forward_graph_kv_int32", Input(Rpc::kForward, graph, g), {Code::kInvalidArgument});
+    g.clear_extra_inputs();
+    *g.add_extra_inputs() = Live();
+    seeds->Add("forward_graph_one_extra", Input(Rpc::kForward, graph, g), {Code::kInvalidArgument});
+    g.clear_extra_inputs();
+    te::v1::Tensor shm;
+    shm.set_dtype(te::v1::FLOAT32);
+    for (int64_t d : {2, 2048, 4}) shm.add_shape(d);
+    shm.mutable_shm();
+    *g.add_extra_inputs() = shm;
+    *g.add_extra_inputs() = shm;
+    seeds->Add("forward_graph_kv_2048_from_shm", Input(Rpc::kForward, graph, g),
+               {Code::kOk, Code::kInvalidArgument, Code::kResourceExhausted});
+    te::v1::ForwardBackwardRequest step;
+    *step.mutable_autocast() = DelayedScaling();
+    step.add_micro_batches();
+    te::v1::MicroBatch* other = step.add_micro_batches();
+    *other->add_extra_inputs() = Floats({2, 6, 8}, 0.3f);
+    *other->add_extra_inputs() = Floats({2, 6, 8}, 0.4f);
+    te::v1::MicroBatch* bad = step.add_micro_batches();
+    *bad->add_extra_inputs() = Floats({2, 3, 7}, 0.3f);
+    *bad->add_extra_inputs() = Floats({2, 3, 7}, 0.4f);
+    seeds->Add("forward_backward_graph_third_kv_bad", Input(Rpc::kForwardBackward, graph, step),
+               {Code::kInvalidArgument});
+    step.mutable_micro_batches()->RemoveLast();
+    seeds->Add("forward_backward_graph_kv_lengths", Input(Rpc::kForwardBackward, graph, step),
+               {Code::kOk, Code::kInvalidArgument});
+  }
   for (int i = 0; i < 3; ++i) *forward.add_extra_inputs() = Live();
   seeds->Add("forward_sequential_fp8_extra_inputs",
              Input(Rpc::kForward, KindFlags(LayerKind::kSequentialFp8), forward),
