@@ -1,6 +1,7 @@
 #include "kernels/tensor.h"
 
 #include <cassert>
+#include <limits>
 #include <utility>
 
 namespace te {
@@ -37,7 +38,11 @@ bool IsFloating(DType dtype) { return dtype != DType::kI32 && dtype != DType::kB
 
 int64_t NumElements(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    // Saturates instead of wrapping (undefined, and a wrapped count can look
+    // small): a shape this large fits no limit, so every size check refuses it.
+    if (__builtin_mul_overflow(n, d, &n)) return std::numeric_limits<int64_t>::max();
+  }
   return n;
 }
 

@@ -30,6 +30,8 @@ bool IsFloat8(DType dtype);
 bool IsFloating(DType dtype);  // f32, bf16, f16, e4m3, e5m2
 
 using Shape = std::vector<int64_t>;
+// The element count; INT64_MAX when the product overflows (for shapes that
+// may come from requests, CheckedNumElements says so instead).
 int64_t NumElements(const Shape& shape);
 // The element count and byte size of a shape, or nullopt when a dimension is
 // negative or the count or size does not fit in int64: for shapes that come
