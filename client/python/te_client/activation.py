@@ -9,7 +9,7 @@ act_1(x[..., 1, :]). A single activation also takes a plain [..., I].
 Inside a composite's traced __call__ it records an activation node of the
 graph (no parameters); called on an array it runs in the current session.
 """
-from te_client import errors, graph
+from te_client import errors, symbolic
 from te_client.module import ServerModule
 
 
@@ -40,12 +40,12 @@ def activation(x, activation_type, quantizer=None):
     elif len(acts) > 1 and (len(shape) < 2 or shape[-2] != len(acts)):
         raise errors.InvalidArgumentError("activation: x has shape %s; %r wants [..., %d, I]" % (
             list(shape), acts, len(acts)))
-    if isinstance(x, graph.Symbol):
+    if isinstance(x, symbolic.Symbol):
         # A function in TE, not a Flax module: a glue-named node ("activation_0"), no variables.
         out_shape = x.shape if len(acts) == 1 else x.shape[:-2] + x.shape[-1:]
         return x.trace.record("module", _Activation.spec_of(acts), [x], [(out_shape, x.wire)],
                               label="activation")[0]
-    if isinstance(x, graph.Indexed):
+    if isinstance(x, symbolic.Indexed):
         x._unsupported()
     layer = _Activation(acts)
     return layer.apply(layer.init(0, x), x)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, graph
+from te_client import client as client_lib, dtypes, errors, symbolic
 from te_client.module import ServerModule
 
 layers_pb2 = client_lib.layers_pb2
@@ -346,7 +346,7 @@ class FlaxTransformerLayer(ServerModule):
         """attention_mask: Flax's (True = attend). None or a causal mask: the
         layer's own causal mask; else it is sent (inverted) as a padding mask."""
         mask = None
-        if isinstance(attention_mask, (graph.Symbol, graph.Indexed)):
+        if isinstance(attention_mask, (symbolic.Symbol, symbolic.Indexed)):
             raise NotImplementedError("FlaxTransformerLayer inside a composite: a traced attention_mask "
                                       "cannot be inverted to a padding mask; leave it None (the layer's "
                                       "own causal mask)")

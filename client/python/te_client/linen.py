@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, graph
+from te_client import client as client_lib, dtypes, symbolic
 from te_client.module import Module, check_deterministic, compact, current_frame
 
 __all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "Dense", "LayerNorm",
@@ -44,7 +44,7 @@ def make_causal_mask(x, extra_batch_dims=0, dtype=np.float32):
     causal_mask node: a bool [B, 1, S, S] mask that only a module with a
     causal attn_mask_type reads (as TE's causal types apply causality
     themselves), so `dtype` changes nothing there."""
-    if isinstance(x, (graph.Symbol, graph.Indexed)):
+    if isinstance(x, (symbolic.Symbol, symbolic.Indexed)):
         return _traced_causal_mask(x, extra_batch_dims, dtype)
     shape = tuple(x.shape)
     mask = np.tril(np.ones((shape[-1], shape[-1]), dtype=bool))
@@ -54,7 +54,7 @@ def make_causal_mask(x, extra_batch_dims=0, dtype=np.float32):
 
 
 def _traced_causal_mask(x, extra_batch_dims, dtype):
-    graph.wire_of(dtype, "make_causal_mask")
+    symbolic.wire_of(dtype, "make_causal_mask")
     if extra_batch_dims:
         raise TypeError("make_causal_mask(extra_batch_dims=%d) of a traced tensor: GraphSpec's causal_mask "
                         "gives [B, 1, S, S]" % extra_batch_dims)
@@ -62,7 +62,7 @@ def _traced_causal_mask(x, extra_batch_dims, dtype):
         raise TypeError("make_causal_mask of a traced %s: GraphSpec's causal_mask takes [batch, seq] "
                         "(x[..., 0] of x [batch, seq, hidden])" % list(x.shape))
     # The node reads x [B, S, ...] itself: x[..., 0] only names the batch and sequence axes.
-    source = x.base if isinstance(x, graph.Indexed) else x
+    source = x.base if isinstance(x, symbolic.Indexed) else x
     batch, seq = x.shape
     return source.trace.record("causal_mask", client_lib.layers_pb2.GraphSpec.CausalMask(), [source],
                                [((batch, 1, seq, seq), dtypes.BOOL)], makes_mask=True)[0]
@@ -80,7 +80,7 @@ class Dropout(Module):
         deterministic = merge_param("deterministic", self.deterministic, deterministic)
         frame = current_frame(self)
         name = "/".join(frame.scopes[-1].path) or "Dropout"   # a Dropout at the root has no scope path
-        if not isinstance(inputs, graph.Symbol):
+        if not isinstance(inputs, symbolic.Symbol):
             raise TypeError("%s (Dropout): input is a %s, not a traced tensor: a composite's dropout runs in "
                             "its graph" % (name, type(inputs).__name__))
         if self.rate == 0.0:
@@ -92,7 +92,7 @@ class Dropout(Module):
         if rng is not None or self.rng_collection != "dropout":
             raise NotImplementedError("%s (Dropout): an explicit rng or rng_collection; a graph's dropout seeds "
                                       "are NodeSeed(apply's rngs['dropout'], node name)" % name)
-        dims = sorted({graph._axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
+        dims = sorted({symbolic._axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
         frame.trace.claim(name, self)
         return frame.trace.record("dropout", client_lib.layers_pb2.GraphSpec.Dropout(
             rate=float(self.rate), broadcast_dims=dims), [inputs], [(inputs.shape, inputs.wire)], name=name)[0]

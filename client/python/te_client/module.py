@@ -19,7 +19,7 @@ Two kinds, used exactly as Flax modules are:
                 x = te.activation.activation(x.reshape(*x.shape[:-1], 1, x.shape[-1]), ("gelu",))
                 return te_flax.DenseGeneral(features=self.hidden_size)(x)
 
-    init runs __call__ once on symbolic tensors (graph.py) and sends the
+    init runs __call__ once on symbolic tensors (symbolic.py, graph.py) and sends the
     te.v1.GraphSpec it recorded as one server layer; apply is one Forward
     and value_and_grad one ForwardBackward, so no activation crosses the wire.
     Submodules are named as Flax names them (ClassName_N per parent scope in
@@ -42,13 +42,11 @@ import hashlib
 import inspect
 from typing import Optional
 
-import grpc
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, graph, recipe as recipe_lib
+from te_client import client as client_lib, dtypes, errors, graph, layer_calls, symbolic
 from te_client import variables as variables_lib
 
-service_pb2 = client_lib.service_pb2
 layers_pb2 = client_lib.layers_pb2
 _frame = contextvars.ContextVar("te_client_frame", default=None)
 _MASK_ARGUMENTS = ("attention_mask", "mask")
@@ -147,15 +145,6 @@ def _scoped_call(fn):
     return call
 
 
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """What one call of a server layer sends: x, extra inputs, mask, deterministic."""
-    x: object
-    extra: list
-    mask: object
-    deterministic: bool
-
-
 @dataclasses.dataclass
 class Module:
     name: Optional[str] = dataclasses.field(default=None, kw_only=True)
@@ -227,7 +216,7 @@ class Module:
             bound = _Bound(self, args, kwargs)
             traced, key = self._trace(bound), bound.key
             spec, call = layers_pb2.LayerSpec(graph=traced.spec), bound.call(traced)
-        handle = _init_layer(session, spec, seed_of(rngs), call.x, self, traced, key)
+        handle = layer_calls.init_layer(session, spec, seed_of(rngs), call.x, self, traced, key)
         return variables_lib.Variables({(): handle}, module=self)
 
     def apply(self, variables, *args, rngs=None, **kwargs):
@@ -236,7 +225,7 @@ class Module:
         handle, call = self._call_for(variables, args, kwargs)
         uploads, session = [], handle.session
         try:
-            request = _forward_request(handle, call, seed_of(rngs, "dropout"), uploads)
+            request = layer_calls.forward_request(handle, call, seed_of(rngs, "dropout"), uploads)
             response = session.call("Forward", request)
         finally:
             session.delete_all(uploads)
@@ -254,7 +243,7 @@ class Module:
         inputs, whose gradients only Backward returns). Under DelayedScaling
         the step ends with the server's FP8 scale update."""
         handle, call = self._call_for(variables, (x,) + args, kwargs)
-        value, grads, input_grads = _step(handle, call, dy, seed_of(rngs, "dropout"))
+        value, grads, input_grads = layer_calls.step(handle, call, dy, seed_of(rngs, "dropout"))
         return value, (variables_lib.unflatten(grads), input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
 
     def capture_call(self, variables, *args, **kwargs):
@@ -271,7 +260,7 @@ class Module:
 
     def _trace(self, bound):
         frame = Frame("trace", bound.deterministic)
-        symbols = {name: frame.trace.input(name, *_shape_and_wire(value, name)) for name, value in bound.inputs}
+        symbols = {name: frame.trace.input(name, *layer_calls.shape_and_wire(value, name)) for name, value in bound.inputs}
         args, kwargs = bound.substituted(symbols)
         return frame.trace.build(self._run_root(frame, args, kwargs))
 
@@ -349,7 +338,7 @@ class _Bound:
                     name = "extra_inputs[%d]" % sum(n.startswith("extra_inputs") for n, _ in self.inputs)
                 self.inputs.append((name, v))
                 self._where[name] = (p.name, at)
-                key.append((p.name, at, name) + _shape_and_wire(v, name))
+                key.append((p.name, at, name) + layer_calls.shape_and_wire(v, name))
         if not self.inputs or self.inputs[0][0] != "x":
             raise TypeError("%s.__call__: x (%s) must be an array, got %s" % (
                 type(module).__name__, params[0].name, type(self.arguments.get(params[0].name)).__name__))
@@ -379,14 +368,14 @@ class _Bound:
                 if n in traced.inputs]
         extra = [v for n, v in self.inputs if n.startswith("extra_inputs")][:read[-1] + 1 if read else 0]
         mask = values.get("attention_mask") if "attention_mask" in traced.inputs else None
-        return Call(values["x"], extra, mask, self.deterministic)
+        return layer_calls.Call(values["x"], extra, mask, self.deterministic)
 
 
 def _check_same_graph(module, handle, bound):
     if bound.key == handle.trace_key or bound.key in handle.verified_keys:
         return
     x = dict(bound.inputs)["x"]
-    shape, wire = _shape_and_wire(x, "x")
+    shape, wire = layer_calls.shape_and_wire(x, "x")
     if shape != tuple(handle.input_shape) or wire != handle.input_wire_dtype:
         raise errors.InvalidArgumentError(
             "x: %s%s; %s was initialised (traced) for x %s%s" % (
@@ -403,98 +392,6 @@ def _check_same_graph(module, handle, bound):
         "%s: these arguments trace to another graph than init's: node %d is %s here, %s at init; apply "
         "takes the arguments init was traced with (mask given or not, deterministic, shapes)" % (
             type(module).__name__, at, describe(ours), describe(theirs)))
-
-
-# ---- one server layer: the calls ----------------------------------------------------------
-
-def _shape_and_wire(x, field):
-    if isinstance(x, client_lib.ResidentTensor):
-        return tuple(x.shape), x.wire_dtype
-    x = dtypes.as_numpy(x)
-    return tuple(int(d) for d in x.shape), dtypes.wire_dtype(x, field)
-
-
-def _nbytes(x):
-    if isinstance(x, client_lib.ResidentTensor):
-        return int(np.prod(x.shape, dtype=np.int64)) * dtypes.ITEMSIZE[x.wire_dtype]
-    return dtypes.as_numpy(x).nbytes
-
-
-def _autocast():
-    return recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
-
-
-def _graph_unknown(e):
-    """Whether the server's InitLayer answer means it predates te.v1 GraphSpec."""
-    if isinstance(e, errors.UnimplementedError):
-        return "graph" in e.message
-    return isinstance(e, errors.InvalidArgumentError) and "no module set" in e.message and "graph" not in e.message
-
-
-def _init_layer(session, spec, seed, x, module, traced, trace_key):
-    shape, wire = _shape_and_wire(x, "x")
-    request = service_pb2.InitLayerRequest(spec=spec, seed=seed, input_dtype=wire, input_shape=shape,
-                                           autocast=_autocast())
-    try:
-        response = session.call("InitLayer", request)
-    except errors.TeError as e:
-        if traced is not None and _graph_unknown(e):
-            raise errors.UnimplementedError(
-                "%s: this te_server does not run composite graphs (spec.graph, te.v1.GraphSpec); it "
-                "answered %s" % (type(module).__name__, e)) from e
-        raise
-    infos = [variables_lib.VariableInfo(v.collection, v.path, tuple(v.shape), v.dtype) for v in response.variables]
-    return variables_lib.LayerHandle(session, response.layer_id, (), infos, tuple(response.output_shape),
-                                     response.output_dtype, input_shape=shape, input_wire_dtype=wire,
-                                     traced=traced, trace_key=trace_key)
-
-
-def _forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False):
-    session = handle.session
-    request = service_pb2.ForwardRequest(
-        layer_id=handle.layer_id, x=session.send(call.x, uploads, "x"),
-        extra_inputs=[session.send(e, uploads, "extra_inputs[%d]" % i) for i, e in enumerate(call.extra)],
-        deterministic=call.deterministic, dropout_seed=dropout_seed, autocast=_autocast(),
-        keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)))
-    if call.mask is not None:
-        request.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
-    return request
-
-
-def _grads(session, grads):
-    return {variables_lib.join("params", v.path): session.receive(v.value, "grads/" + v.path) for v in grads}
-
-
-def _step(handle, call, dy, dropout_seed):
-    """value_and_grad of one server layer: (value, {"params/...": grad}, [dx, d(extra inputs)...])."""
-    session = handle.session
-    dy = dtypes.cast_to_wire(dy, handle.output_wire_dtype)   # dy has y's dtype
-    uploads = []
-    try:
-        if not call.extra:
-            batch = service_pb2.MicroBatch(x=session.send(call.x, uploads, "x"), dy=session.send(dy, uploads, "dy"),
-                                           dropout_seed=dropout_seed)
-            if call.mask is not None:
-                batch.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
-            response = session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
-                layer_id=handle.layer_id, micro_batches=[batch], deterministic=call.deterministic,
-                autocast=_autocast(), return_dx=True, return_grads=True))
-            if len(response.values) != 1 or len(response.dx) != 1:
-                raise errors.error(grpc.StatusCode.INTERNAL, "ForwardBackward answered %d values and %d dx "
-                                   "for one micro-batch" % (len(response.values), len(response.dx)))
-            return response.values[0], _grads(session, response.grads), [session.receive(response.dx[0], "dx")]
-        # ForwardBackward returns no gradients for extra inputs (k, v); Backward does.
-        forward = session.call("Forward", _forward_request(handle, call, dropout_seed, uploads, keep_for_backward=True))
-        y = session.receive(forward.y, "y")
-        value = float(np.vdot(np.asarray(y, np.float64), np.asarray(dy, np.float64)))
-        backward = session.call("Backward", service_pb2.BackwardRequest(
-            forward_id=forward.forward_id, dy=session.send(dy, uploads, "dy"),
-            keep_outputs=session.large(dtypes.as_numpy(dy).nbytes)))
-        input_grads = [session.receive(backward.dx, "dx")] + [
-            session.receive(g, "extra_input_grads[%d]" % i) for i, g in enumerate(backward.extra_input_grads)]
-        return value, _grads(session, backward.grads), input_grads
-    finally:
-        session.delete_all(uploads)
 
 
 # ---- TE modules -------------------------------------------------------------------------
@@ -530,21 +427,21 @@ class ServerModule(Module):
         frame = current_frame(self)
         if frame.mode == "trace":
             return self._record(frame, x, list(extra), mask, deterministic)
-        frame.captured = Call(x, list(extra), mask, bool(deterministic))
+        frame.captured = layer_calls.Call(x, list(extra), mask, bool(deterministic))
         return self._pack(None, None)
 
     def _record(self, frame, x, extra, mask, deterministic):
         trace = frame.trace
         name = "/".join(self._scope_in(frame))
         for i, t in enumerate([x] + extra):
-            if not isinstance(t, graph.Symbol):
+            if not isinstance(t, symbolic.Symbol):
                 raise TypeError("%s (%s): input %d is a %s, not a traced tensor: inside a composite every "
                                 "module input comes from the composite's inputs (GraphSpec has no constants)" % (
                                     name, type(self).__name__, i, type(t).__name__))
-        if mask is not None and not (isinstance(mask, graph.Symbol) and mask.is_mask):
+        if mask is not None and not (isinstance(mask, symbolic.Symbol) and mask.is_mask):
             raise TypeError("%s (%s): the mask is a %s, not a traced mask: pass it to the composite as "
                             "attention_mask, or make it with nn.make_causal_mask" % (
-                                name, type(self).__name__, "computed tensor" if isinstance(mask, graph.Symbol)
+                                name, type(self).__name__, "computed tensor" if isinstance(mask, symbolic.Symbol)
                                 else type(mask).__name__))
         if any(r > 0 for r in self.dropout_rates()):
             check_deterministic(trace, name, type(self).__name__, deterministic)

@@ -3,7 +3,7 @@
     import te_client.numpy as jnp            # was: import jax.numpy as jnp
 
 Inside a composite's traced __call__ (init / apply of a te_client.linen
-Module) tensors are graph.Symbols and these functions record te.v1.GraphSpec
+Module) tensors are symbolic.Symbols and these functions record te.v1.GraphSpec
 nodes: reshape (-1 allowed), split(x, n, axis) into equal parts, concatenate,
 transpose, x + y (equal shapes; float dtypes promote as JAX's do), x * constant,
 astype(float32 | bfloat16 | float16). x.shape, x.ndim and x.dtype are known
@@ -15,7 +15,7 @@ for raises TypeError naming it when it meets a traced tensor.
 import numpy as _np
 
 from te_client import dtypes as _dtypes
-from te_client import graph as _graph
+from te_client import symbolic as _symbolic
 
 ndarray = _np.ndarray
 bool_ = _np.bool_
@@ -30,7 +30,7 @@ TRACED = frozenset(["reshape", "split", "concatenate", "transpose", "shape", "nd
 
 
 def _traced(*values):
-    return any(isinstance(v, (_graph.Symbol, _graph.Indexed)) for v in values)
+    return any(isinstance(v, (_symbolic.Symbol, _symbolic.Indexed)) for v in values)
 
 
 def reshape(a, newshape=None, order="C", *, shape=None):
@@ -42,7 +42,7 @@ def reshape(a, newshape=None, order="C", *, shape=None):
 
 def split(ary, indices_or_sections, axis=0):
     if _traced(ary):
-        return _graph.split(ary, indices_or_sections, axis)
+        return _symbolic.split(ary, indices_or_sections, axis)
     return _np.split(ary, indices_or_sections, axis=axis)
 
 
@@ -52,7 +52,7 @@ def concatenate(arrays, axis=0, **kwargs):
         if kwargs:
             raise TypeError("concatenate(%s) of traced tensors: GraphSpec's concatenate takes axis only"
                             % ", ".join(kwargs))
-        return _graph.concatenate(arrays, axis)
+        return _symbolic.concatenate(arrays, axis)
     return _np.concatenate(arrays, axis=axis, **kwargs)
 
 
@@ -63,7 +63,7 @@ def transpose(a, axes=None):
 
 
 def add(x1, x2):
-    return _graph.add(x1, x2) if _traced(x1, x2) else _np.add(x1, x2)
+    return _symbolic.add(x1, x2) if _traced(x1, x2) else _np.add(x1, x2)
 
 
 def subtract(x1, x2):
@@ -71,7 +71,7 @@ def subtract(x1, x2):
 
 
 def multiply(x1, x2):
-    return _graph.multiply(x1, x2) if _traced(x1, x2) else _np.multiply(x1, x2)
+    return _symbolic.multiply(x1, x2) if _traced(x1, x2) else _np.multiply(x1, x2)
 
 
 def negative(x):

@@ -5,7 +5,6 @@ call each, and a step moves no activation.
 Needs a server that runs te.v1.GraphSpec (LayerSpec.graph); against one that predates it every test
 here is skipped with the server's answer.
 """
-from typing import Optional
 
 import numpy as np
 import pytest

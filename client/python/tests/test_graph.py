@@ -8,7 +8,7 @@ import pytest
 import te_client as te
 import te_client.flax as te_flax
 import te_client.numpy as jnp
-from te_client import client as client_lib, dtypes, graph
+from te_client import client as client_lib, dtypes, graph, symbolic
 from te_client import linen as nn
 from te_client import variables as variables_lib
 
@@ -316,7 +316,7 @@ def test_traced_tensors_know_shape_ndim_and_dtype():
             return x
 
     Probe().trace(_x())
-    assert seen == {"shape": (B, S, H), "ndim": 3, "dtype": graph.dtype_of_wire(dtypes.BFLOAT16), "size": B * S * H,
+    assert seen == {"shape": (B, S, H), "ndim": 3, "dtype": symbolic.dtype_of_wire(dtypes.BFLOAT16), "size": B * S * H,
                     "len": B, "picked": (B, S), "cast": np.dtype(np.float32)}
     assert dtypes._is_bf16(seen["dtype"])
 
@@ -514,9 +514,9 @@ def test_an_older_servers_answer_to_a_graph_is_recognised():
     unknown = te.InvalidArgumentError("spec: no module set (one of layer_norm, dense_general, activation, "
                                       "layer_norm_dense_general, layer_norm_mlp, dot_product_attention, "
                                       "multi_head_attention, transformer_layer, flax_transformer_layer, sequential)")
-    assert te.module._graph_unknown(unknown)
-    assert not te.module._graph_unknown(te.InvalidArgumentError("spec.graph.nodes[3] (add_0): adds bfloat16 ..."))
-    assert te.module._graph_unknown(te.UnimplementedError("spec.graph: not built into this server"))
+    assert te.layer_calls.graph_unknown(unknown)
+    assert not te.layer_calls.graph_unknown(te.InvalidArgumentError("spec.graph.nodes[3] (add_0): adds bfloat16 ..."))
+    assert te.layer_calls.graph_unknown(te.UnimplementedError("spec.graph: not built into this server"))
 
 
 def test_a_top_level_te_module_is_not_traced():

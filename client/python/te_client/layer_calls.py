@@ -1,0 +1,112 @@
+"""The calls of one server layer (a TE module, or a composite's graph): InitLayer,
+Forward, and a value_and_grad step, for module.py's init / apply / value_and_grad."""
+import dataclasses
+
+import grpc
+import numpy as np
+
+from te_client import client as client_lib, dtypes, errors, recipe as recipe_lib
+from te_client import variables as variables_lib
+
+service_pb2 = client_lib.service_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What one call of a server layer sends: x, extra inputs, mask, deterministic."""
+    x: object
+    extra: list
+    mask: object
+    deterministic: bool
+
+
+
+
+def shape_and_wire(x, field):
+    if isinstance(x, client_lib.ResidentTensor):
+        return tuple(x.shape), x.wire_dtype
+    x = dtypes.as_numpy(x)
+    return tuple(int(d) for d in x.shape), dtypes.wire_dtype(x, field)
+
+
+def _nbytes(x):
+    if isinstance(x, client_lib.ResidentTensor):
+        return int(np.prod(x.shape, dtype=np.int64)) * dtypes.ITEMSIZE[x.wire_dtype]
+    return dtypes.as_numpy(x).nbytes
+
+
+def _autocast():
+    return recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
+
+
+def graph_unknown(e):
+    """Whether the server's InitLayer answer means it predates te.v1 GraphSpec."""
+    if isinstance(e, errors.UnimplementedError):
+        return "graph" in e.message
+    return isinstance(e, errors.InvalidArgumentError) and "no module set" in e.message and "graph" not in e.message
+
+
+def init_layer(session, spec, seed, x, module, traced, trace_key):
+    shape, wire = shape_and_wire(x, "x")
+    request = service_pb2.InitLayerRequest(spec=spec, seed=seed, input_dtype=wire, input_shape=shape,
+                                           autocast=_autocast())
+    try:
+        response = session.call("InitLayer", request)
+    except errors.TeError as e:
+        if traced is not None and graph_unknown(e):
+            raise errors.UnimplementedError(
+                "%s: this te_server does not run composite graphs (spec.graph, te.v1.GraphSpec); it "
+                "answered %s" % (type(module).__name__, e)) from e
+        raise
+    infos = [variables_lib.VariableInfo(v.collection, v.path, tuple(v.shape), v.dtype) for v in response.variables]
+    return variables_lib.LayerHandle(session, response.layer_id, (), infos, tuple(response.output_shape),
+                                     response.output_dtype, input_shape=shape, input_wire_dtype=wire,
+                                     traced=traced, trace_key=trace_key)
+
+
+def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False):
+    session = handle.session
+    request = service_pb2.ForwardRequest(
+        layer_id=handle.layer_id, x=session.send(call.x, uploads, "x"),
+        extra_inputs=[session.send(e, uploads, "extra_inputs[%d]" % i) for i, e in enumerate(call.extra)],
+        deterministic=call.deterministic, dropout_seed=dropout_seed, autocast=_autocast(),
+        keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)))
+    if call.mask is not None:
+        request.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
+    return request
+
+
+def _grads(session, grads):
+    return {variables_lib.join("params", v.path): session.receive(v.value, "grads/" + v.path) for v in grads}
+
+
+def step(handle, call, dy, dropout_seed):
+    """value_and_grad of one server layer: (value, {"params/...": grad}, [dx, d(extra inputs)...])."""
+    session = handle.session
+    dy = dtypes.cast_to_wire(dy, handle.output_wire_dtype)   # dy has y's dtype
+    uploads = []
+    try:
+        if not call.extra:
+            batch = service_pb2.MicroBatch(x=session.send(call.x, uploads, "x"), dy=session.send(dy, uploads, "dy"),
+                                           dropout_seed=dropout_seed)
+            if call.mask is not None:
+                batch.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
+            response = session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
+                layer_id=handle.layer_id, micro_batches=[batch], deterministic=call.deterministic,
+                autocast=_autocast(), return_dx=True, return_grads=True))
+            if len(response.values) != 1 or len(response.dx) != 1:
+                raise errors.error(grpc.StatusCode.INTERNAL, "ForwardBackward answered %d values and %d dx "
+                                   "for one micro-batch" % (len(response.values), len(response.dx)))
+            return response.values[0], _grads(session, response.grads), [session.receive(response.dx[0], "dx")]
+        # ForwardBackward returns no gradients for extra inputs (k, v); Backward does.
+        forward = session.call("Forward", forward_request(handle, call, dropout_seed, uploads, keep_for_backward=True))
+        y = session.receive(forward.y, "y")
+        value = float(np.vdot(np.asarray(y, np.float64), np.asarray(dy, np.float64)))
+        backward = session.call("Backward", service_pb2.BackwardRequest(
+            forward_id=forward.forward_id, dy=session.send(dy, uploads, "dy"),
+            keep_outputs=session.large(dtypes.as_numpy(dy).nbytes)))
+        input_grads = [session.receive(backward.dx, "dx")] + [
+            session.receive(g, "extra_input_grads[%d]" % i) for i, g in enumerate(backward.extra_input_grads)]
+        return value, _grads(session, backward.grads), input_grads
+    finally:
+        session.delete_all(uploads)
