@@ -92,7 +92,7 @@ class Dropout(Module):
         if rng is not None or self.rng_collection != "dropout":
             raise NotImplementedError("%s (Dropout): an explicit rng or rng_collection; a graph's dropout seeds "
                                       "are NodeSeed(apply's rngs['dropout'], node name)" % name)
-        dims = sorted({symbolic._axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
+        dims = sorted({symbolic.normalized_axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
         frame.trace.claim(name, self)
         return frame.trace.record("dropout", client_lib.layers_pb2.GraphSpec.Dropout(
             rate=float(self.rate), broadcast_dims=dims), [inputs], [(inputs.shape, inputs.wire)], name=name)[0]

@@ -52,7 +52,8 @@ def _promoted(wires, op):
     return dtypes.FLOAT32   # f32 with anything, and bf16 with f16, give f32
 
 
-def _axis(axis, ndim, op):
+def normalized_axis(axis, ndim, op):
+    """axis in [0, ndim), negative counting from the end, as numpy takes it."""
     if not isinstance(axis, numbers.Integral) or not -ndim <= axis < ndim:
         raise ValueError("%s: axis %r is out of bounds for a traced tensor of rank %d" % (op, axis, ndim))
     return int(axis) % ndim
@@ -110,7 +111,7 @@ class Symbol:
     def transpose(self, *axes):
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
         axes = tuple(reversed(range(self.ndim))) if not axes or axes == (None,) else tuple(
-            _axis(a, self.ndim, "transpose") for a in axes)
+            normalized_axis(a, self.ndim, "transpose") for a in axes)
         if sorted(axes) != list(range(self.ndim)):
             raise ValueError("transpose: axes %s are not a permutation of %d axes" % (list(axes), self.ndim))
         if axes == tuple(range(self.ndim)):
@@ -354,7 +355,7 @@ def multiply(a, b):
 def split(x, indices_or_sections, axis=0):
     if not isinstance(x, Symbol):
         Indexed._unsupported(x)
-    axis = _axis(axis, x.ndim, "split")
+    axis = normalized_axis(axis, x.ndim, "split")
     if not isinstance(indices_or_sections, numbers.Integral):
         raise TypeError("split(x, %r): GraphSpec's split cuts equal parts (split(x, n, axis))" % (
             indices_or_sections,))
@@ -383,7 +384,7 @@ def concatenate(arrays, axis=0):
             raise TypeError("concatenate of a traced tensor and a %s: GraphSpec has no constant tensors"
                             % type(a).__name__)
     ndim = first.ndim
-    axis = _axis(axis, ndim, "concatenate")
+    axis = normalized_axis(axis, ndim, "concatenate")
     for a in arrays:
         if a.ndim != ndim or a.shape[:axis] + a.shape[axis + 1:] != first.shape[:axis] + first.shape[axis + 1:]:
             raise ValueError("concatenate: shapes %s differ off axis %d" % ([list(s.shape) for s in arrays], axis))
