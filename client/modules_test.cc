@@ -1,7 +1,9 @@
 // Modules without a server: specs carry TE's defaults, shape trees print as
-// the quickstart prints them, and the Sequential glue steps invert.
+// the quickstart prints them, the Sequential glue steps invert, and the
+// quickstart's composites become the graph the server runs.
 #include "client/modules.h"
 
+#include "client/quickstart_layers.h"
 #include "client/sequential.h"
 #include "gtest/gtest.h"
 
@@ -145,6 +147,46 @@ TEST(SequentialGlueTest, QkvSplitAndItsBackward) {
   EXPECT_EQ(reshape.forward({HostTensor::RandomNormal({2, 3, 25}, DType::kBF16, 1)}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(split.backward({qkv}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// TEUnfusedTransformerLayer as one te.v1.GraphSpec: module nodes under Flax's
+// scope names, glue under the steps' names, a residual add per Join, and
+// reshapes that keep the batch free and the sequence length of the config.
+TEST(ServerSequentialTest, UnfusedLayerIsOneGraph) {
+  const LayerSize c{2, 16, 32, 64, 2};
+  absl::StatusOr<te::v1::LayerSpec> spec = ServerSequential(UnfusedLayer(c)).Spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_TRUE(spec->has_graph());
+  const te::v1::GraphSpec& g = spec->graph();
+  std::vector<std::string> names;
+  for (const te::v1::GraphSpec::Node& n : g.nodes()) names.push_back(n.name());
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "LayerNorm_0", "DenseGeneral_0", "qkv_reshape", "qkv_split",
+                       "DotProductAttention_0", "heads_merge", "DenseGeneral_1", "residual_add_0",
+                       "LayerNorm_1", "TEUnfusedMLP_0/DenseGeneral_0", "TEUnfusedMLP_0/activation",
+                       "TEUnfusedMLP_0/DenseGeneral_1", "residual_add_1"}));
+  EXPECT_EQ(std::vector<int64_t>(g.nodes(2).reshape().shape().begin(), g.nodes(2).reshape().shape().end()),
+            (std::vector<int64_t>{-1, 16, 2, 48}));
+  EXPECT_EQ(std::vector<int64_t>(g.nodes(5).reshape().shape().begin(), g.nodes(5).reshape().shape().end()),
+            (std::vector<int64_t>{-1, 16, 32}));
+  EXPECT_EQ(g.nodes(3).split().parts(), 3);
+  EXPECT_EQ(g.nodes(4).inputs_size(), 3);  // q, k, v
+  EXPECT_EQ(g.nodes(4).inputs(2), "qkv_split[2]");
+  EXPECT_EQ(g.nodes(7).inputs(0), "DenseGeneral_1");
+  EXPECT_EQ(g.nodes(7).inputs(1), "x");
+  EXPECT_EQ(g.nodes(12).inputs(1), "residual_add_0");
+  ASSERT_EQ(g.outputs_size(), 1);
+  EXPECT_EQ(g.outputs(0), "residual_add_1");
+
+  absl::StatusOr<te::v1::LayerSpec> fused = ServerSequential(FusedLayer(c)).Spec();
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  EXPECT_EQ(fused->graph().nodes(0).name(), "LayerNormDenseGeneral_0");
+  EXPECT_EQ(fused->graph().nodes_size(), 9);
+
+  // A reshape without its leading dims has no graph node.
+  Sequential chain;
+  chain.AddHost("reshape", ReshapeTrailing({4}, {2, 2}));
+  EXPECT_EQ(ServerSequential(chain).Spec().status().code(), absl::StatusCode::kUnimplemented);
 }
 
 }  // namespace

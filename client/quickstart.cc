@@ -14,11 +14,11 @@
 //   6. te_flax.TransformerLayer, FP8.
 // Variants 1 and 6 are single server modules. 2-5 compose modules in Flax:
 // here they are a Sequential of server modules with the reshapes, the q/k/v
-// split and the residual adds between them, which the server runs as one
+// split and the residual adds between them, sent as one te.v1.GraphSpec
 // layer (ServerSequential: the activations stay on the device, as in the
 // notebook's jitted step). --sequential_on_server=false runs the same chain
 // from the client instead, one call per module with the glue on the host
-// (the reference for the server's Sequential; slow at full size).
+// (the graph's reference; slow at full size).
 //
 //   quickstart --server=localhost:50051 --config=small --variants=all --iters=10
 #include <chrono>
@@ -51,8 +51,8 @@ ABSL_FLAG(int, iters, 10, "timed steps per variant (the notebook uses 50)");
 ABSL_FLAG(int, warmup, 3, "warm-up steps per variant (the notebook uses 50)");
 ABSL_FLAG(bool, server_side, false, "time single-module variants on the server (Benchmark RPC)");
 ABSL_FLAG(bool, sequential_on_server, true,
-          "variants 2-5: the server runs the chain as one layer (false: one call per module, "
-          "glue on the client)");
+          "variants 2-5: the server runs the chain as one graph layer (false: one call per "
+          "module, glue on the client)");
 
 namespace te::client {
 namespace {

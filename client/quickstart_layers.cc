@@ -12,11 +12,13 @@ namespace {
 // The attention block of TEUnfusedTransformerLayer / TEFusedTransformerLayer
 // after the qkv projection: qkv.reshape(b, s, heads, 3 * kv_channels), split
 // into q, k, v, DotProductAttention, reshape to (b, s, hidden), then the
-// output DenseGeneral. (The notebook's nn.Dropout after the projection has no
-// server module and is left out; the server's attention dropout is kept.)
+// output DenseGeneral. The graph's reshapes keep the batch free (-1) and the
+// sequence length of `c`. (The notebook's nn.Dropout after the projection is
+// left out, so that the host-side chain, the graph's reference, has the same
+// steps; the attention's own dropout is kept.)
 void AddAttention(const LayerSize& c, Sequential* layer) {
   const int64_t kv_channels = c.hidden / c.heads;
-  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv_channels}));
+  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv_channels}, {-1, c.seq}));
   layer->AddHost("qkv_split", SplitLastAxisStep(3));
   auto attention = std::make_shared<DotProductAttention>(static_cast<int>(kv_channels), c.heads);
   attention->num_gqa_groups = c.heads;
@@ -24,7 +26,7 @@ void AddAttention(const LayerSize& c, Sequential* layer) {
   attention->attn_mask_type = "causal";
   attention->dtype = DType::kBF16;
   layer->Add("DotProductAttention_0", attention);
-  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv_channels}, {c.hidden}));
+  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv_channels}, {c.hidden}, {-1, c.seq}));
   auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
   proj->use_bias = true;
   layer->Add("DenseGeneral_1", proj);

@@ -11,8 +11,12 @@
 namespace te::client {
 namespace {
 
-// Each stage gets its own key and dropout seed (kernels/rng.h's StageSeed),
-// as flax splits a PRNG key per submodule (different numbers, same independence).
+// Each module gets its own key and dropout seed from its name (kernels/rng.h's
+// NodeSeed), as the graph seeds its nodes and as flax derives a key per
+// submodule (different numbers, same independence).
+uint64_t SeedOf(uint64_t seed, const std::string& name) {
+  return NodeSeed(seed, name.data(), name.size());
+}
 
 absl::Status ExpectOne(const Tensors& tensors, const std::string& where) {
   if (tensors.size() != 1) {
@@ -30,7 +34,7 @@ std::string Scoped(const std::string& name, const std::string& key) {
 
 }  // namespace
 
-HostStep ReshapeTrailing(Shape from, Shape to) {
+HostStep ReshapeTrailing(Shape from, Shape to, Shape leading) {
   // Replaces `from` trailing dims by `to`; shared by forward and backward.
   auto reshape = [](const Tensors& in, const Shape& old_tail, const Shape& new_tail) -> absl::StatusOr<Tensors> {
     RETURN_IF_ERROR(ExpectOne(in, "ReshapeTrailing"));
@@ -44,19 +48,23 @@ HostStep ReshapeTrailing(Shape from, Shape to) {
     ASSIGN_OR_RETURN(HostTensor t, in[0].Reshaped(out));
     return Tensors{std::move(t)};
   };
-  te::v1::SequentialSpec::Stage server;
-  for (int64_t d : from) server.mutable_reshape()->add_from(d);
-  for (int64_t d : to) server.mutable_reshape()->add_to(d);
+  std::optional<te::v1::GraphSpec::Node> node;
+  if (!leading.empty()) {
+    node.emplace();
+    for (int64_t d : leading) node->mutable_reshape()->add_shape(d);
+    for (int64_t d : to) node->mutable_reshape()->add_shape(d);
+  }
   return HostStep{
       [=](const Tensors& in) { return reshape(in, from, to); },
       [=](const Tensors& grads) { return reshape(grads, to, from); },
-      server,
+      std::move(node),
   };
 }
 
 HostStep SplitLastAxisStep(int parts) {
-  te::v1::SequentialSpec::Stage server;
-  server.set_split_last_axis(parts);
+  te::v1::GraphSpec::Node node;
+  node.mutable_split()->set_axis(-1);
+  node.mutable_split()->set_parts(parts);
   return HostStep{
       [parts](const Tensors& in) -> absl::StatusOr<Tensors> {
         RETURN_IF_ERROR(ExpectOne(in, "SplitLastAxisStep"));
@@ -70,7 +78,7 @@ HostStep SplitLastAxisStep(int parts) {
         ASSIGN_OR_RETURN(HostTensor joined, ConcatLastAxis(grads));
         return Tensors{std::move(joined)};
       },
-      server,
+      std::move(node),
   };
 }
 
@@ -107,13 +115,13 @@ absl::StatusOr<HostTensor> Sequential::Run(Session* session, uint64_t key, const
         if (current.empty()) return absl::InvalidArgumentError(absl::StrCat(stage.name, ": no input"));
         ApplyOptions stage_options;
         stage_options.deterministic = options.deterministic;
-        stage_options.dropout_seed = StageSeed(options.dropout_seed, i);
+        stage_options.dropout_seed = SeedOf(options.dropout_seed, stage.name);
         stage_options.extra_inputs.assign(current.begin() + 1, current.end());
         if (stage.pass_attention_mask) stage_options.attention_mask = options.attention_mask;
         stage_options.keep_outputs = options.keep_outputs;
         const Variables* stage_vars;
         if (vars == nullptr) {
-          absl::StatusOr<Variables> created = stage.module->Init(*session, StageSeed(key, i), current[0]);
+          absl::StatusOr<Variables> created = stage.module->Init(*session, SeedOf(key, stage.name), current[0]);
           if (!created.ok()) {
             return absl::Status(created.status().code(),
                                 absl::StrCat(stage.name, " (", stage.module->type_name(), "): ",
@@ -229,34 +237,71 @@ absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVari
 }
 
 absl::StatusOr<te::v1::LayerSpec> ServerSequential::Spec() const {
+  const auto ExpectOne = [](const std::vector<std::string>& tensors, const std::string& where) {
+    if (tensors.size() == 1) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(where, ": expects one tensor, has ", tensors.size()));
+  };
   te::v1::LayerSpec spec;
-  te::v1::SequentialSpec* chain = spec.mutable_sequential();
+  te::v1::GraphSpec* graph = spec.mutable_graph();
+  std::vector<std::string> current = {"x"};
+  std::vector<std::string> forks;
+  int joins = 0;
   for (const Sequential::Stage& stage : chain_.stages_) {
-    te::v1::SequentialSpec::Stage* out = chain->add_stages();
     switch (stage.kind) {
       case Sequential::Kind::kModule: {
-        out->set_name(stage.name);
-        out->set_pass_attention_mask(stage.pass_attention_mask);
         absl::StatusOr<te::v1::LayerSpec> module = stage.module->Spec();
         if (!module.ok()) {
           return absl::Status(module.status().code(),
                               absl::StrCat(stage.name, ": ", module.status().message()));
         }
-        *out->mutable_module() = *std::move(module);
+        te::v1::GraphSpec::Node* node = graph->add_nodes();
+        node->set_name(stage.name);
+        for (const std::string& in : current) node->add_inputs(in);
+        node->add_outputs(stage.name);
+        if (stage.pass_attention_mask) node->set_mask("attention_mask");
+        *node->mutable_module() = *std::move(module);
+        current = {stage.name};
         break;
       }
-      case Sequential::Kind::kHost:
-        if (!stage.step.server_stage) {
+      case Sequential::Kind::kHost: {
+        if (!stage.step.graph_node) {
           return absl::UnimplementedError(absl::StrCat(
-              "host step \"", stage.name, "\" has no server form; run this chain with Sequential"));
+              "glue step \"", stage.name, "\" has no graph node; run this chain with Sequential"));
         }
-        *out = *stage.step.server_stage;
-        out->set_name(stage.name);
+        te::v1::GraphSpec::Node* node = graph->add_nodes();
+        *node = *stage.step.graph_node;
+        node->set_name(stage.name);
+        for (const std::string& in : current) node->add_inputs(in);
+        current.clear();
+        const int outputs = node->has_split() ? node->split().parts() : 1;
+        for (int j = 0; j < outputs; ++j) {
+          current.push_back(outputs == 1 ? stage.name : absl::StrCat(stage.name, "[", j, "]"));
+          node->add_outputs(current.back());
+        }
         break;
-      case Sequential::Kind::kFork: out->set_residual(te::v1::SequentialSpec::FORK); break;
-      case Sequential::Kind::kJoin: out->set_residual(te::v1::SequentialSpec::JOIN); break;
+      }
+      case Sequential::Kind::kFork:
+        RETURN_IF_ERROR(ExpectOne(current, "Fork"));
+        forks.push_back(current[0]);
+        break;
+      case Sequential::Kind::kJoin: {
+        RETURN_IF_ERROR(ExpectOne(current, "Join"));
+        if (forks.empty()) return absl::FailedPreconditionError("Join without a Fork");
+        const std::string name = absl::StrCat("residual_add_", joins++);
+        te::v1::GraphSpec::Node* node = graph->add_nodes();
+        node->set_name(name);
+        node->add_inputs(current[0]);
+        node->add_inputs(forks.back());
+        node->mutable_add();
+        node->add_outputs(name);
+        forks.pop_back();
+        current = {name};
+        break;
+      }
     }
   }
+  RETURN_IF_ERROR(ExpectOne(current, "Sequential output"));
+  graph->add_outputs(current[0]);
   return spec;
 }
 

@@ -26,11 +26,6 @@ TE_HOST_DEVICE inline float DropoutUniform(uint64_t seed, uint64_t index) {
   return static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
 }
 
-// Stage i's seed (init key or dropout seed) in a chain of modules: the
-// server's Sequential layer and the clients' Sequential both use this, so a
-// chain gives the same numbers wherever it runs.
-inline uint64_t StageSeed(uint64_t seed, uint64_t stage) { return MixBits(seed ^ MixBits(stage + 1)); }
-
 // A 64-bit hash of a name's bytes (FNV-1a).
 inline uint64_t NameHash(const char* name, uint64_t size) {
   uint64_t h = 0xcbf29ce484222325ULL;
@@ -43,7 +38,8 @@ inline uint64_t NameHash(const char* name, uint64_t size) {
 
 // A graph node's seed (its init key, or its dropout seed) from the layer's
 // and the node's name (te.v1.GraphSpec): independent of the order nodes are
-// listed or run in. The server and both clients derive node seeds this way.
+// listed or run in. The server and both clients derive node seeds this way,
+// and so do chains of modules (a stage's name is its node's).
 inline uint64_t NodeSeed(uint64_t seed, const char* name, uint64_t size) {
   return MixBits(seed ^ MixBits(NameHash(name, size)));
 }

@@ -1,7 +1,8 @@
 #include "server/layers/sequential.h"
 
 #include <algorithm>
-#include <functional>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -9,59 +10,62 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/rng.h"
+#include "absl/strings/str_replace.h"
 #include "kernels/status_macros.h"
-#include "server/layers/attention_core.h"
+#include "server/layers/graph.h"
 
 namespace te::layers {
 namespace {
 
-struct Stage {
-  enum class Kind { kModule, kReshape, kSplit, kFork, kJoin };
-  Kind kind = Kind::kModule;
-  std::string name;
-  std::unique_ptr<Layer> module;
-  bool pass_attention_mask = false;
-  Shape from, to;  // kReshape
-  int parts = 0;   // kSplit
+using te::v1::GraphSpec;
+using te::v1::SequentialSpec;
+
+// Modules that read a padding mask; pass_attention_mask on any other stage
+// has nothing to pass (the chain always accepted it there).
+bool TakesMask(const te::v1::LayerSpec& m) {
+  switch (m.module_case()) {
+    case te::v1::LayerSpec::kDotProductAttention:
+    case te::v1::LayerSpec::kMultiHeadAttention:
+    case te::v1::LayerSpec::kTransformerLayer:
+    case te::v1::LayerSpec::kFlaxTransformerLayer:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// k and v for attention on separate q, k, v: the chain's first module gets
+// them from the request's extra inputs.
+int ExtraInputsOf(const te::v1::LayerSpec& m) {
+  return m.has_dot_product_attention() && m.dot_product_attention().qkv_layout() != te::v1::BS3HD
+             ? 2
+             : 0;
+}
+
+// The graph of a chain, with the stage each node stands for.
+struct Translation {
+  GraphSpec graph;
+  std::vector<int> stage_of;  // by node
 };
 
-// "params/kernel" of stage "qkv" -> "params/qkv/kernel" (the clients' naming).
-std::string Scoped(const std::string& stage, const std::string& key) {
-  const size_t slash = key.find('/');
-  if (slash == std::string::npos) return absl::StrCat(stage, "/", key);
-  return absl::StrCat(key.substr(0, slash), "/", stage, "/", key.substr(slash + 1));
-}
+std::string StageField(int i) { return absl::StrCat("spec.sequential.stages[", i, "]"); }
 
-// The stage's variables as its module names them ("params/kernel"): handles
-// to the same device memory, so what the module writes in place (amax
-// histories) lands in the layer's variables; WriteBack stores replacements.
-Variables StageView(const Variables& vars, const std::string& stage) {
-  Variables view;
-  for (const auto& [key, tensor] : vars) {
-    const size_t slash = key.find('/');
-    if (slash == std::string::npos) continue;
-    const std::string prefix = absl::StrCat(stage, "/");
-    if (key.compare(slash + 1, prefix.size(), prefix) != 0) continue;
-    view[key.substr(0, slash + 1) + key.substr(slash + 1 + prefix.size())] = tensor;
+// The graph's messages name its nodes ("spec.graph.nodes[k] (name)"); a
+// chain's user wrote stages, so they are named instead.
+absl::Status AboutStages(const Translation& t, const absl::Status& status) {
+  if (status.ok()) return status;
+  std::string message(status.message());
+  for (int k = 0; k < t.graph.nodes_size(); ++k) {
+    message = absl::StrReplaceAll(
+        message, {{absl::StrCat("spec.graph.nodes[", k, "] (", t.graph.nodes(k).name(), ")"),
+                   StageField(t.stage_of[k])}});
   }
-  return view;
-}
-
-void WriteBack(const Variables& view, const std::string& stage, Variables* vars) {
-  for (const auto& [key, tensor] : view) (*vars)[Scoped(stage, key)] = tensor;
-}
-
-// `shape` with its trailing `from` dims replaced by `to`.
-absl::StatusOr<Shape> ReplaceTrailing(const Shape& shape, const Shape& from, const Shape& to,
-                                      const std::string& where) {
-  if (shape.size() < from.size() || !std::equal(from.begin(), from.end(), shape.end() - from.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": the tensor ", ShapeString(shape),
-                                                   " does not end in ", ShapeString(from)));
+  for (int k = 0; k < t.graph.nodes_size(); ++k) {
+    message = absl::StrReplaceAll(
+        message, {{absl::StrCat("spec.graph.nodes[", k, "]"), StageField(t.stage_of[k])}});
   }
-  Shape out(shape.begin(), shape.end() - from.size());
-  out.insert(out.end(), to.begin(), to.end());
-  return out;
+  message = absl::StrReplaceAll(message, {{"spec.graph.outputs", "the chain's output"}});
+  return absl::Status(status.code(), message);
 }
 
 absl::Status ExpectOne(size_t count, const std::string& where) {
@@ -70,279 +74,222 @@ absl::Status ExpectOne(size_t count, const std::string& where) {
       absl::StrCat(where, ": takes one tensor, and the chain has ", count, " here"));
 }
 
-struct SequentialSaved : SavedForward {
-  std::vector<std::unique_ptr<SavedForward>> modules;  // per stage; null for glue
-  std::vector<Shape> split_inputs;                     // per stage: a split's input shape
-  int64_t bytes() const override {
-    int64_t total = 0;
-    for (const auto& m : modules) total += m != nullptr ? m->bytes() : 0;
-    return total;
+// The shape of `tensor` of the graph built so far, for an x of `input`.
+absl::StatusOr<Shape> ShapeOf(const Translation& t, const std::string& tensor, const Shape& input) {
+  if (tensor == "x") return input;
+  Translation prefix = t;
+  prefix.graph.clear_outputs();
+  prefix.graph.add_outputs(tensor);
+  absl::StatusOr<std::unique_ptr<Layer>> layer = MakeGraph(prefix.graph);
+  if (!layer.ok()) return AboutStages(prefix, layer.status());
+  absl::StatusOr<Shape> shape = (*layer)->OutputShape(input);
+  if (!shape.ok()) return AboutStages(prefix, shape.status());
+  return *shape;
+}
+
+// The chain as a graph. Without `input`, only the structure is right: each
+// reshape keeps one leading dim of any size (-1), which is enough for
+// MakeGraph's structure checks.
+absl::StatusOr<Translation> Translate(const SequentialSpec& spec, const Shape* input) {
+  Translation t;
+  std::set<std::string> module_names;
+  for (const SequentialSpec::Stage& s : spec.stages()) {
+    if (s.has_module()) module_names.insert(s.name());
   }
+  std::vector<std::string> current = {"x"};
+  if (spec.stages_size() > 0 && spec.stages(0).has_module()) {
+    for (int j = 0; j < ExtraInputsOf(spec.stages(0).module()); ++j) {
+      current.push_back(absl::StrCat("extra_inputs[", j, "]"));
+    }
+  }
+  std::vector<std::string> forks;
+  for (int i = 0; i < spec.stages_size(); ++i) {
+    const SequentialSpec::Stage& s = spec.stages(i);
+    const std::string field = StageField(i);
+    // Glue has no variables and no seed, so its name only has to be unique.
+    std::string name = absl::StrCat("stages[", i, "]");
+    while (module_names.count(name) > 0) name += "_";
+    auto add_node = [&](const std::string& node_name) {
+      GraphSpec::Node* node = t.graph.add_nodes();
+      node->set_name(node_name);
+      t.stage_of.push_back(i);
+      return node;
+    };
+    switch (s.kind_case()) {
+      case SequentialSpec::Stage::kModule: {
+        GraphSpec::Node* node = add_node(s.name());
+        for (const std::string& in : current) node->add_inputs(in);
+        node->add_outputs(absl::StrCat(s.name(), ":y"));
+        if (s.pass_attention_mask() && TakesMask(s.module())) node->set_mask("attention_mask");
+        *node->mutable_module() = s.module();
+        current = {node->outputs(0)};
+        break;
+      }
+      case SequentialSpec::Stage::kReshape: {
+        RETURN_IF_ERROR(ExpectOne(current.size(), field));
+        const Shape from(s.reshape().from().begin(), s.reshape().from().end());
+        Shape full = {-1};
+        if (input != nullptr) {
+          ASSIGN_OR_RETURN(const Shape shape, ShapeOf(t, current[0], *input));
+          if (shape.size() < from.size() || !std::equal(from.begin(), from.end(), shape.end() - from.size())) {
+            return absl::InvalidArgumentError(absl::StrCat("input_shape ", ShapeString(*input), ": ",
+                                                           field, ": the tensor ", ShapeString(shape),
+                                                           " does not end in ", ShapeString(from)));
+          }
+          full.assign(shape.begin(), shape.end() - from.size());
+        }
+        full.insert(full.end(), s.reshape().to().begin(), s.reshape().to().end());
+        GraphSpec::Node* node = add_node(name);
+        node->add_inputs(current[0]);
+        node->add_outputs(absl::StrCat(name, ":y"));
+        for (int64_t d : full) node->mutable_reshape()->add_shape(d);
+        current = {node->outputs(0)};
+        break;
+      }
+      case SequentialSpec::Stage::kSplitLastAxis: {
+        RETURN_IF_ERROR(ExpectOne(current.size(), field));
+        GraphSpec::Node* node = add_node(name);
+        node->add_inputs(current[0]);
+        node->mutable_split()->set_axis(-1);
+        node->mutable_split()->set_parts(s.split_last_axis());
+        current.clear();
+        for (int j = 0; j < s.split_last_axis(); ++j) {
+          node->add_outputs(absl::StrCat(name, ":", j));
+          current.push_back(node->outputs(j));
+        }
+        break;
+      }
+      case SequentialSpec::Stage::kResidual:
+        RETURN_IF_ERROR(ExpectOne(current.size(), field));
+        if (s.residual() == SequentialSpec::FORK) {
+          forks.push_back(current[0]);
+        } else {
+          GraphSpec::Node* node = add_node(name);
+          node->add_inputs(current[0]);
+          node->add_inputs(forks.back());
+          node->mutable_add();
+          node->add_outputs(absl::StrCat(name, ":y"));
+          forks.pop_back();
+          current = {node->outputs(0)};
+        }
+        break;
+      case SequentialSpec::Stage::KIND_NOT_SET:
+        break;  // MakeSequential rejects it
+    }
+  }
+  RETURN_IF_ERROR(ExpectOne(current.size(), "spec.sequential.stages: the chain's output"));
+  t.graph.add_outputs(current[0]);
+  return t;
+}
+
+// A graph built for one x shape, and how to name its nodes' errors.
+struct Built {
+  Translation translation;
+  std::unique_ptr<Layer> graph;
+};
+
+absl::StatusOr<std::shared_ptr<const Built>> Build(const SequentialSpec& spec, const Shape* input) {
+  auto built = std::make_shared<Built>();
+  ASSIGN_OR_RETURN(built->translation, Translate(spec, input));
+  absl::StatusOr<std::unique_ptr<Layer>> graph = MakeGraph(built->translation.graph);
+  if (!graph.ok()) return AboutStages(built->translation, graph.status());
+  built->graph = *std::move(graph);
+  return std::shared_ptr<const Built>(std::move(built));
+}
+
+struct SequentialSaved : SavedForward {
+  std::shared_ptr<const Built> built;  // the graph that ran the forward
+  std::unique_ptr<SavedForward> graph;
+  int64_t bytes() const override { return graph != nullptr ? graph->bytes() : 0; }
 };
 
 class SequentialLayer : public Layer {
  public:
-  explicit SequentialLayer(std::vector<Stage> stages) : stages_(std::move(stages)) {}
+  explicit SequentialLayer(SequentialSpec spec) : spec_(std::move(spec)) {}
 
   std::string type_name() const override { return "Sequential"; }
 
   absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(const Shape& input_shape,
                                                           const Fp8Recipe* fp8) const override {
-    std::vector<VariableSpec> specs;
-    RETURN_IF_ERROR(WalkShapes(input_shape, [&](size_t i, const Shape& x) -> absl::Status {
-                      ASSIGN_OR_RETURN(std::vector<VariableSpec> own,
-                                       stages_[i].module->VariableSpecs(x, fp8));
-                      for (VariableSpec& v : own) {
-                        v.name = Scoped(stages_[i].name, v.name);
-                        specs.push_back(std::move(v));
-                      }
-                      return absl::OkStatus();
-                    }).status());
+    ASSIGN_OR_RETURN(std::shared_ptr<const Built> b, GraphFor(input_shape));
+    absl::StatusOr<std::vector<VariableSpec>> specs = b->graph->VariableSpecs(input_shape, fp8);
+    if (!specs.ok()) return AboutStages(b->translation, specs.status());
     return specs;
   }
 
   absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const override {
-    return WalkShapes(input_shape, nullptr);
+    ASSIGN_OR_RETURN(std::shared_ptr<const Built> b, GraphFor(input_shape));
+    absl::StatusOr<Shape> shape = b->graph->OutputShape(input_shape);
+    if (!shape.ok()) return AboutStages(b->translation, shape.status());
+    return shape;
   }
 
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
-    return WalkShapes(input_shape, [&](size_t i, const Shape& x) -> absl::Status {
-             Variables own;
-             RETURN_IF_ERROR(stages_[i].module->Init(ops, StageSeed(seed, i), x, fp8, &own));
-             WriteBack(own, stages_[i].name, vars);
-             return absl::OkStatus();
-           })
-        .status();
+    ASSIGN_OR_RETURN(std::shared_ptr<const Built> b, GraphFor(input_shape));
+    return AboutStages(b->translation, b->graph->Init(ops, seed, input_shape, fp8, vars));
   }
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
+    if (!in.x.defined()) return absl::InvalidArgumentError("x: missing");
+    ASSIGN_OR_RETURN(std::shared_ptr<const Built> b, GraphFor(in.x.shape()));
     auto kept = std::make_unique<SequentialSaved>();
-    kept->modules.resize(stages_.size());
-    kept->split_inputs.resize(stages_.size());
-    std::vector<Tensor> current = {in.x};
-    current.insert(current.end(), in.extra.begin(), in.extra.end());
-    std::vector<Tensor> residuals;
-    for (size_t i = 0; i < stages_.size(); ++i) {
-      RETURN_IF_ERROR(ops.CheckInterrupt());
-      const Stage& stage = stages_[i];
-      const std::string where = absl::StrCat("stage ", i, " (", stage.name, ")");
-      switch (stage.kind) {
-        case Stage::Kind::kModule: {
-          LayerInputs stage_in;
-          stage_in.x = current[0];
-          stage_in.extra.assign(current.begin() + 1, current.end());
-          if (stage.pass_attention_mask) {
-            stage_in.q_seqlens = in.q_seqlens;
-            stage_in.kv_seqlens = in.kv_seqlens;
-          }
-          ForwardOptions stage_opts = opts;
-          stage_opts.dropout_seed = StageSeed(opts.dropout_seed, i);
-          Variables view = StageView(*vars, stage.name);
-          LayerOutputs stage_out;
-          const absl::Status status = stage.module->Forward(
-              ops, &view, stage_in, stage_opts, &stage_out, &kept->modules[i]);
-          if (!status.ok()) {
-            return absl::Status(status.code(), absl::StrCat(where, ": ", status.message()));
-          }
-          WriteBack(view, stage.name, vars);
-          current = {stage_out.y};
-          break;
-        }
-        case Stage::Kind::kReshape: {
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          ASSIGN_OR_RETURN(const Shape shape,
-                           ReplaceTrailing(current[0].shape(), stage.from, stage.to, where));
-          current[0] = current[0].Reshaped(shape);
-          break;
-        }
-        case Stage::Kind::kSplit: {
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          const Shape& shape = current[0].shape();
-          if (shape.empty() || shape.back() % stage.parts != 0) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                where, ": the last axis of ", ShapeString(shape), " does not split in ", stage.parts));
-          }
-          kept->split_inputs[i] = shape;
-          ASSIGN_OR_RETURN(const Shape parted, ReplaceTrailing(shape, {shape.back()},
-                                                               {stage.parts, shape.back() / stage.parts},
-                                                               where));
-          ASSIGN_OR_RETURN(current, SplitAxis(ops, current[0].Reshaped(parted),
-                                              static_cast<int>(parted.size()) - 2));
-          break;
-        }
-        case Stage::Kind::kFork:
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          residuals.push_back(current[0]);
-          break;
-        case Stage::Kind::kJoin: {
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          ASSIGN_OR_RETURN(Tensor sum, Add(ops, current[0], residuals.back(), where));
-          residuals.pop_back();
-          current[0] = sum;
-          break;
-        }
-      }
-    }
-    RETURN_IF_ERROR(ExpectOne(current.size(), "the chain's output"));
-    out->y = current[0];
-    if (opts.keep_for_backward) *saved = std::move(kept);
+    RETURN_IF_ERROR(
+        AboutStages(b->translation, b->graph->Forward(ops, vars, in, opts, out, &kept->graph)));
+    kept->built = std::move(b);
+    if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
   }
 
   absl::Status Backward(Ops& ops, Variables* vars, const SavedForward& saved, const Tensor& dy,
                         LayerGrads* grads) const override {
     const auto* kept = dynamic_cast<const SequentialSaved*>(&saved);
-    if (kept == nullptr || kept->modules.size() != stages_.size()) {
-      return absl::InternalError("Sequential: the saved forward is not this layer's");
+    if (kept == nullptr || kept->graph == nullptr) {
+      return absl::InvalidArgumentError("saved forward was not made by this Sequential layer");
     }
-    std::vector<Tensor> current = {dy};
-    std::vector<Tensor> residual_grads;
-    for (size_t i = stages_.size(); i-- > 0;) {
-      RETURN_IF_ERROR(ops.CheckInterrupt());
-      const Stage& stage = stages_[i];
-      const std::string where = absl::StrCat("stage ", i, " (", stage.name, ") backward");
-      switch (stage.kind) {
-        case Stage::Kind::kModule: {
-          Variables view = StageView(*vars, stage.name);
-          LayerGrads own;
-          const absl::Status status =
-              stage.module->Backward(ops, &view, *kept->modules[i], current[0], &own);
-          if (!status.ok()) {
-            return absl::Status(status.code(), absl::StrCat(where, ": ", status.message()));
-          }
-          WriteBack(view, stage.name, vars);
-          current = {own.dx};
-          current.insert(current.end(), own.dextra.begin(), own.dextra.end());
-          for (const auto& [key, g] : own.params) grads->params[Scoped(stage.name, key)] = g;
-          break;
-        }
-        case Stage::Kind::kReshape: {
-          ASSIGN_OR_RETURN(const Shape shape,
-                           ReplaceTrailing(current[0].shape(), stage.to, stage.from, where));
-          current[0] = current[0].Reshaped(shape);
-          break;
-        }
-        case Stage::Kind::kSplit: {
-          if (static_cast<int>(current.size()) != stage.parts) {
-            return absl::InternalError(
-                absl::StrCat(where, ": ", current.size(), " gradients for ", stage.parts, " parts"));
-          }
-          const Shape& input = kept->split_inputs[i];
-          ASSIGN_OR_RETURN(Tensor stacked,
-                           StackAxis(ops, current, static_cast<int>(input.size()) - 1));
-          current = {stacked.Reshaped(input)};
-          break;
-        }
-        case Stage::Kind::kJoin:  // y = f + res: the residual's gradient is dy itself
-          residual_grads.push_back(current[0]);
-          break;
-        case Stage::Kind::kFork: {  // x fed both paths: its gradient is the sum
-          ASSIGN_OR_RETURN(Tensor sum, Add(ops, current[0], residual_grads.back(), where));
-          residual_grads.pop_back();
-          current[0] = sum;
-          break;
-        }
-      }
-    }
-    grads->dx = current[0];
-    grads->dextra.assign(current.begin() + 1, current.end());
-    return absl::OkStatus();
+    return AboutStages(kept->built->translation,
+                       kept->built->graph->Backward(ops, vars, *kept->graph, dy, grads));
   }
 
  private:
-  // a + b in a's dtype (b cast first if it differs).
-  static absl::StatusOr<Tensor> Add(Ops& ops, const Tensor& a, const Tensor& b,
-                                    const std::string& where) {
-    if (a.shape() != b.shape()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": adds ", ShapeString(a.shape()),
-                                                     " and ", ShapeString(b.shape())));
-    }
-    Tensor other = b;
-    if (b.dtype() != a.dtype()) {
-      ASSIGN_OR_RETURN(other, ops.Allocate(a.dtype(), b.shape()));
-      RETURN_IF_ERROR(ops.Cast(b, &other));
-    }
-    ASSIGN_OR_RETURN(Tensor sum, ops.Allocate(a.dtype(), a.shape()));
-    RETURN_IF_ERROR(ops.Axpby(1.0f, a, 1.0f, other, &sum));
-    return sum;
+  // A session meets few x shapes (its batch sizes); the bound only keeps a
+  // client that sends many from growing the layer without limit.
+  static constexpr size_t kMaxShapes = 16;
+
+  absl::StatusOr<std::shared_ptr<const Built>> GraphFor(const Shape& input_shape) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = graphs_.find(input_shape);
+    if (it != graphs_.end()) return it->second;
+    ASSIGN_OR_RETURN(std::shared_ptr<const Built> built, Build(spec_, &input_shape));
+    if (graphs_.size() >= kMaxShapes) graphs_.clear();  // held forwards keep theirs alive
+    graphs_.emplace(input_shape, built);
+    return built;
   }
 
-  // The chain on shapes alone: each module stage's input shape goes to
-  // `on_module` (may be null); returns the output shape. A module's extra
-  // inputs keep the shapes the chain gives them; its output is OutputShape(x).
-  absl::StatusOr<Shape> WalkShapes(
-      const Shape& input, const std::function<absl::Status(size_t, const Shape&)>& on_module) const {
-    std::vector<Shape> current = {input};
-    std::vector<Shape> residuals;
-    for (size_t i = 0; i < stages_.size(); ++i) {
-      const Stage& stage = stages_[i];
-      const std::string where = absl::StrCat("input_shape: stage ", i, " (", stage.name, ")");
-      switch (stage.kind) {
-        case Stage::Kind::kModule: {
-          if (on_module != nullptr) RETURN_IF_ERROR(on_module(i, current[0]));
-          absl::StatusOr<Shape> y = stage.module->OutputShape(current[0]);
-          if (!y.ok()) return absl::Status(y.status().code(), absl::StrCat(where, ": ", y.status().message()));
-          current = {*y};
-          break;
-        }
-        case Stage::Kind::kReshape: {
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          ASSIGN_OR_RETURN(current[0], ReplaceTrailing(current[0], stage.from, stage.to, where));
-          break;
-        }
-        case Stage::Kind::kSplit: {
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          Shape part = current[0];
-          if (part.empty() || part.back() % stage.parts != 0) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                where, ": the last axis of ", ShapeString(part), " does not split in ", stage.parts));
-          }
-          part.back() /= stage.parts;
-          current.assign(stage.parts, part);
-          break;
-        }
-        case Stage::Kind::kFork:
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          residuals.push_back(current[0]);
-          break;
-        case Stage::Kind::kJoin:
-          RETURN_IF_ERROR(ExpectOne(current.size(), where));
-          if (current[0] != residuals.back()) {
-            return absl::InvalidArgumentError(absl::StrCat(where, ": adds ", ShapeString(current[0]),
-                                                           " and the residual ",
-                                                           ShapeString(residuals.back())));
-          }
-          residuals.pop_back();
-          break;
-      }
-    }
-    RETURN_IF_ERROR(ExpectOne(current.size(), "input_shape: the chain's output"));
-    return current[0];
-  }
-
-  std::vector<Stage> stages_;
+  const SequentialSpec spec_;
+  mutable std::mutex mu_;
+  mutable std::map<Shape, std::shared_ptr<const Built>> graphs_;  // guarded by mu_
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSpec& spec) {
+absl::StatusOr<te::v1::GraphSpec> SequentialAsGraph(const SequentialSpec& spec, const Shape& input_shape) {
+  ASSIGN_OR_RETURN(Translation t, Translate(spec, &input_shape));
+  return t.graph;
+}
+
+absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const SequentialSpec& spec) {
   if (spec.stages().empty()) {
     return absl::InvalidArgumentError("spec.sequential.stages: empty");
   }
-  std::vector<Stage> stages;
   std::set<std::string> names;
   int open_forks = 0;
   for (int i = 0; i < spec.stages_size(); ++i) {
-    const te::v1::SequentialSpec::Stage& s = spec.stages(i);
-    const std::string field = absl::StrCat("spec.sequential.stages[", i, "]");
-    Stage stage;
-    stage.name = s.name();
-    stage.pass_attention_mask = s.pass_attention_mask();
+    const SequentialSpec::Stage& s = spec.stages(i);
+    const std::string field = StageField(i);
     switch (s.kind_case()) {
-      case te::v1::SequentialSpec::Stage::kModule: {
-        stage.kind = Stage::Kind::kModule;
+      case SequentialSpec::Stage::kModule:
         if (s.name().empty() || !names.insert(s.name()).second) {
           return absl::InvalidArgumentError(absl::StrCat(
               field, ".name: a module stage needs a name unique among the stages; got \"", s.name(),
@@ -351,46 +298,34 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSp
         if (s.module().module_case() == te::v1::LayerSpec::kSequential) {
           return absl::InvalidArgumentError(absl::StrCat(field, ".module: a Sequential inside a Sequential"));
         }
-        absl::StatusOr<std::unique_ptr<Layer>> module = CreateLayer(s.module());
-        if (!module.ok()) {
-          return absl::Status(module.status().code(),
-                              absl::StrCat(field, ".module: ", module.status().message()));
-        }
-        stage.module = *std::move(module);
         break;
-      }
-      case te::v1::SequentialSpec::Stage::kReshape: {
-        stage.kind = Stage::Kind::kReshape;
-        stage.from.assign(s.reshape().from().begin(), s.reshape().from().end());
-        stage.to.assign(s.reshape().to().begin(), s.reshape().to().end());
-        const bool positive =
-            std::all_of(stage.from.begin(), stage.from.end(), [](int64_t d) { return d > 0; }) &&
-            std::all_of(stage.to.begin(), stage.to.end(), [](int64_t d) { return d > 0; });
+      case SequentialSpec::Stage::kReshape: {
+        const Shape from(s.reshape().from().begin(), s.reshape().from().end());
+        const Shape to(s.reshape().to().begin(), s.reshape().to().end());
+        const auto positive = [](const Shape& shape) {
+          return std::all_of(shape.begin(), shape.end(), [](int64_t d) { return d > 0; });
+        };
         // Overflow-checked: two products that wrap alike would pass as equal.
-        const std::optional<int64_t> from_n = CheckedNumElements(stage.from);
-        const std::optional<int64_t> to_n = CheckedNumElements(stage.to);
-        if (stage.from.empty() || stage.to.empty() || !positive || !from_n || !to_n ||
+        const std::optional<int64_t> from_n = CheckedNumElements(from);
+        const std::optional<int64_t> to_n = CheckedNumElements(to);
+        if (from.empty() || to.empty() || !positive(from) || !positive(to) || !from_n || !to_n ||
             *from_n != *to_n) {
           return absl::InvalidArgumentError(absl::StrCat(
-              field, ".reshape: from ", ShapeString(stage.from), " and to ", ShapeString(stage.to),
+              field, ".reshape: from ", ShapeString(from), " and to ", ShapeString(to),
               " must be non-empty, positive and of one element count (under 2^63)"));
         }
         break;
       }
-      case te::v1::SequentialSpec::Stage::kSplitLastAxis:
-        stage.kind = Stage::Kind::kSplit;
-        stage.parts = s.split_last_axis();
-        if (stage.parts < 2) {
+      case SequentialSpec::Stage::kSplitLastAxis:
+        if (s.split_last_axis() < 2) {
           return absl::InvalidArgumentError(
-              absl::StrCat(field, ".split_last_axis: ", stage.parts, " parts; want 2 or more"));
+              absl::StrCat(field, ".split_last_axis: ", s.split_last_axis(), " parts; want 2 or more"));
         }
         break;
-      case te::v1::SequentialSpec::Stage::kResidual:
-        if (s.residual() == te::v1::SequentialSpec::FORK) {
-          stage.kind = Stage::Kind::kFork;
+      case SequentialSpec::Stage::kResidual:
+        if (s.residual() == SequentialSpec::FORK) {
           ++open_forks;
-        } else if (s.residual() == te::v1::SequentialSpec::JOIN) {
-          stage.kind = Stage::Kind::kJoin;
+        } else if (s.residual() == SequentialSpec::JOIN) {
           if (open_forks == 0) {
             return absl::InvalidArgumentError(absl::StrCat(field, ".residual: JOIN without a FORK"));
           }
@@ -399,17 +334,19 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const te::v1::SequentialSp
           return absl::InvalidArgumentError(absl::StrCat(field, ".residual: FORK or JOIN"));
         }
         break;
-      case te::v1::SequentialSpec::Stage::KIND_NOT_SET:
+      case SequentialSpec::Stage::KIND_NOT_SET:
         return absl::InvalidArgumentError(
             absl::StrCat(field, ": no kind set (module, reshape, split_last_axis or residual)"));
     }
-    stages.push_back(std::move(stage));
   }
   if (open_forks != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.sequential.stages: ", open_forks, " FORK(s) without a JOIN"));
   }
-  return std::make_unique<SequentialLayer>(std::move(stages));
+  // The graph's structure checks (module specs, input counts, masks) hold
+  // for every x shape, so they are made once here.
+  RETURN_IF_ERROR(Build(spec, nullptr).status());
+  return std::unique_ptr<Layer>(new SequentialLayer(spec));
 }
 
 }  // namespace te::layers

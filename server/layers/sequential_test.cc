@@ -100,8 +100,8 @@ TEST(SequentialTest, VariablesAreTheModulesUnderStageNames) {
   EXPECT_TRUE(found);
 }
 
-// Init gives each module the variables its own Init would give with the
-// stage's seed, and the forward equals the modules run by hand in order.
+// Init gives each module the variables its own Init would give with
+// NodeSeed(seed, stage name), and the forward equals the modules run by hand in order.
 TEST(SequentialTest, ForwardEqualsTheModulesChainedByHand) {
   auto ops = NewCpuOps();
   te::v1::SequentialSpec spec;
@@ -119,7 +119,7 @@ TEST(SequentialTest, ForwardEqualsTheModulesChainedByHand) {
   auto norm = CreateLayer(Norm());
   auto dense = CreateLayer(Dense(kHidden));
   ASSERT_TRUE(norm.ok() && dense.ok());
-  auto dense_vars = InitLayer(*ops, **dense, shape, nullptr, StageSeed(7, 2));
+  auto dense_vars = InitLayer(*ops, **dense, shape, nullptr, NodeSeed(7, "DenseGeneral_0", 14));
   ASSERT_TRUE(dense_vars.ok());
   // Same initial kernel as the stage's (before RandomizeParams replaced both).
   auto fresh = InitLayer(*ops, **layer, shape, nullptr, 7);
@@ -211,15 +211,106 @@ TEST(SequentialTest, BadSpecsNameTheField) {
   status = MakeSequential(bad_module).status();
   EXPECT_NE(status.message().find("stages[0].module"), std::string::npos) << status;
 
-  // A shape the chain cannot take names the stage.
+  // A reshape of one tensor after a split into three is a structure error,
+  // found at creation.
   te::v1::SequentialSpec split;
   split.add_stages()->set_split_last_axis(3);
   *split.add_stages() = Reshape({2}, {2});
-  auto layer = MakeSequential(split);
-  ASSERT_TRUE(layer.ok());
-  status = (*layer)->OutputShape({2, 8}).status();
+  status = MakeSequential(split).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(status.message().find("stage 0"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("spec.sequential.stages[1]: takes one tensor"), std::string::npos)
+      << status;
+
+  // A shape the chain cannot take names the stage: 8 features do not split
+  // in 3, and a tensor [2, 8] does not end in [6].
+  te::v1::SequentialSpec thirds;
+  thirds.add_stages()->set_split_last_axis(3);
+  te::v1::LayerSpec qkv_attention;
+  qkv_attention.mutable_dot_product_attention()->set_head_dim(4);
+  qkv_attention.mutable_dot_product_attention()->set_num_attention_heads(2);
+  *thirds.add_stages() = Module("a", qkv_attention);
+  te::v1::SequentialSpec sixes;
+  *sixes.add_stages() = Module("a", Norm());
+  *sixes.add_stages() = Reshape({6}, {2, 3});
+  for (const auto& [chain, stage] : {std::pair{thirds, "spec.sequential.stages[0]"},
+                                     std::pair{sixes, "spec.sequential.stages[1]"}}) {
+    auto layer = MakeSequential(chain);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    status = (*layer)->OutputShape({2, 8}).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find(stage), std::string::npos) << status;
+  }
+
+  // What the graph finds of the structure names the stage too: attention on
+  // q, k, v after a split into two parts has one input too few.
+  te::v1::SequentialSpec two_parts;
+  two_parts.add_stages()->set_split_last_axis(2);
+  te::v1::LayerSpec attention;
+  attention.mutable_dot_product_attention()->set_head_dim(4);
+  attention.mutable_dot_product_attention()->set_num_attention_heads(2);
+  *two_parts.add_stages() = Module("DotProductAttention_0", attention);
+  status = MakeSequential(two_parts).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("spec.sequential.stages[1]"), std::string::npos) << status;
+  EXPECT_EQ(status.message().find("spec.graph"), std::string::npos) << status;
+}
+
+// The chain is the graph it translates to: module nodes under the stage
+// names, each reshape to the full shape for this x, the split, and one add per
+// JOIN of the current tensor and the forked one.
+TEST(SequentialTest, TranslatesToTheEquivalentGraph) {
+  auto graph = SequentialAsGraph(UnfusedLayer(), {kBatch, kSeq, kHidden});
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  std::vector<std::string> names;
+  for (const te::v1::GraphSpec::Node& n : graph->nodes()) names.push_back(n.name());
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "LayerNorm_0", "DenseGeneral_0", "stages[3]", "stages[4]",
+                       "DotProductAttention_0", "stages[6]", "DenseGeneral_1", "stages[8]",
+                       "LayerNorm_1", "TEUnfusedMLP_0/DenseGeneral_0", "TEUnfusedMLP_0/activation",
+                       "TEUnfusedMLP_0/DenseGeneral_1", "stages[14]"}));
+  const int64_t d = kHidden / kHeads;
+  const auto shape_of = [&](int k) {
+    const auto& s = graph->nodes(k).reshape().shape();
+    return Shape(s.begin(), s.end());
+  };
+  EXPECT_EQ(shape_of(2), (Shape{kBatch, kSeq, kHeads, 3 * d}));
+  EXPECT_EQ(shape_of(5), (Shape{kBatch, kSeq, kHidden}));
+  EXPECT_EQ(graph->nodes(3).split().axis(), -1);
+  EXPECT_EQ(graph->nodes(3).split().parts(), 3);
+  EXPECT_EQ(graph->nodes(4).inputs_size(), 3);
+  ASSERT_EQ(graph->nodes(7).inputs_size(), 2);
+  EXPECT_TRUE(graph->nodes(7).has_add());
+  EXPECT_EQ(graph->nodes(7).inputs(0), "DenseGeneral_1:y");
+  EXPECT_EQ(graph->nodes(7).inputs(1), "x");
+  EXPECT_EQ(graph->nodes(12).inputs(1), "stages[8]:y");
+  EXPECT_EQ(graph->outputs(0), "stages[14]:y");
+}
+
+// One chain takes any leading dims, as a module does: the graph is built per
+// x shape, and each gives what the graph built for it gives.
+TEST(SequentialTest, TakesAnyBatchSize) {
+  auto ops = NewCpuOps();
+  auto layer = MakeSequential(UnfusedLayer());
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  auto vars = InitLayer(*ops, **layer, {kBatch, kSeq, kHidden}, nullptr, 3);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  for (int64_t batch : {int64_t{1}, int64_t{3}}) {
+    const Shape shape = {batch, kSeq, kHidden};
+    auto graph_spec = SequentialAsGraph(UnfusedLayer(), shape);
+    ASSERT_TRUE(graph_spec.ok()) << graph_spec.status();
+    te::v1::LayerSpec spec;
+    *spec.mutable_graph() = *graph_spec;
+    auto graph = CreateLayer(spec);
+    ASSERT_TRUE(graph.ok()) << graph.status();
+    LayerInputs in;
+    in.x = RandomTensor(*ops, shape, DType::kF32, 23);
+    LayerOutputs a, b;
+    std::unique_ptr<SavedForward> unused;
+    ASSERT_TRUE((*layer)->Forward(*ops, &*vars, in, {}, &a, &unused).ok());
+    ASSERT_TRUE((*graph)->Forward(*ops, &*vars, in, {}, &b, &unused).ok());
+    EXPECT_EQ(a.y.shape(), shape);
+    EXPECT_EQ(Values(a.y), Values(b.y)) << "batch " << batch;
+  }
 }
 
 }  // namespace
