@@ -206,7 +206,8 @@ te::v1::LayerSpec QuickstartTransformer() {
   return spec;
 }
 
-// The quickstart's TEUnfusedTransformerLayer as one server Sequential:
+// The quickstart's TEUnfusedTransformerLayer as one server Sequential (which
+// the server runs as the graph it translates to):
 // LayerNorm, DenseGeneral (qkv), reshape, split, DotProductAttention,
 // reshape, DenseGeneral (proj) in a residual; LayerNorm, DenseGeneral, gelu,
 // DenseGeneral in another.
@@ -251,6 +252,50 @@ void AddSequentials(std::vector<LayerCase>* cases) {
   cases->push_back(Case("Sequential_unfused_layer", spec, kTokens, true, true));
 }
 
+// The attention block of the quickstart's TEUnfusedTransformerLayer as a
+// te.v1.GraphSpec, node by node as a client's tracer writes it: LayerNorm,
+// DenseGeneral (qkv), reshape to [B, S, heads, 3 * head_dim], split into q,
+// k, v, DotProductAttention (causal), reshape back to [B, S, hidden],
+// DenseGeneral (proj), and the residual add of x.
+void AddGraphs(std::vector<LayerCase>* cases) {
+  te::v1::LayerSpec spec;
+  te::v1::GraphSpec* graph = spec.mutable_graph();
+  auto node = [&](const std::string& name, std::vector<std::string> inputs,
+                  std::vector<std::string> outputs) {
+    te::v1::GraphSpec::Node* n = graph->add_nodes();
+    n->set_name(name);
+    for (const std::string& in : inputs) n->add_inputs(in);
+    for (const std::string& out : outputs) n->add_outputs(out);
+    return n;
+  };
+  auto dense = [&](const std::string& name, const std::string& in, int64_t features) {
+    auto* d = node(name, {in}, {name})->mutable_module()->mutable_dense_general();
+    d->add_features(features);
+    d->set_use_bias(true);
+  };
+  node("LayerNorm_0", {"x"}, {"ln"})->mutable_module()->mutable_layer_norm();
+  dense("DenseGeneral_0", "ln", 3 * kHidden);
+  te::v1::GraphSpec::Node* reshape = node("qkv_reshape", {"DenseGeneral_0"}, {"qkv"});
+  for (int64_t d : {kBatch, kSeq, int64_t{kHeads}, int64_t{3 * kHeadDim}}) {
+    reshape->mutable_reshape()->add_shape(d);
+  }
+  te::v1::GraphSpec::Node* split = node("qkv_split", {"qkv"}, {"q", "k", "v"});
+  split->mutable_split()->set_axis(3);
+  split->mutable_split()->set_parts(3);
+  auto* attention = node("DotProductAttention_0", {"q", "k", "v"}, {"attended"})
+                        ->mutable_module()
+                        ->mutable_dot_product_attention();
+  attention->set_head_dim(kHeadDim);
+  attention->set_num_attention_heads(kHeads);
+  attention->set_attn_mask_type(te::v1::CAUSAL);
+  te::v1::GraphSpec::Node* merge = node("heads_merge", {"attended"}, {"merged"});
+  for (int64_t d : {kBatch, kSeq, kHidden}) merge->mutable_reshape()->add_shape(d);
+  dense("DenseGeneral_1", "merged", kHidden);
+  node("residual_add", {"DenseGeneral_1", "x"}, {"y"})->mutable_add();
+  graph->add_outputs("y");
+  cases->push_back(Case("Graph_attention_block", spec, kTokens, true, true));
+}
+
 void AddTransformerLayers(std::vector<LayerCase>* cases) {
   // TE's defaults (relative embedding, causal, layernorm, relu MLP, dropouts
   // that deterministic switches off).
@@ -291,6 +336,7 @@ std::vector<LayerCase> AllCases() {
   AddMultiHeadAttentions(&cases);
   AddTransformerLayers(&cases);
   AddSequentials(&cases);
+  AddGraphs(&cases);
   return cases;
 }
 
