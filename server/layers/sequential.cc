@@ -48,6 +48,8 @@ struct Translation {
   std::vector<int> stage_of;  // by node
 };
 
+constexpr int kMaxSplitParts = 3;  // q, k, v
+
 std::string StageField(int i) { return absl::StrCat("spec.sequential.stages[", i, "]"); }
 
 // The graph's messages name its nodes ("spec.graph.nodes[k] (name)"); a
@@ -317,9 +319,13 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeSequential(const SequentialSpec& spec
         break;
       }
       case SequentialSpec::Stage::kSplitLastAxis:
-        if (s.split_last_axis() < 2) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(field, ".split_last_axis: ", s.split_last_axis(), " parts; want 2 or more"));
+        // The parts feed the next stage, which takes one tensor or a module's
+        // x and extra inputs (q, k, v): more parts can never fit, and each
+        // would be a graph output to build.
+        if (s.split_last_axis() < 2 || s.split_last_axis() > kMaxSplitParts) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              field, ".split_last_axis: ", s.split_last_axis(), " parts; want 2 to ", kMaxSplitParts,
+              " (the next module's x and extra inputs)"));
         }
         break;
       case SequentialSpec::Stage::kResidual:

@@ -211,6 +211,14 @@ TEST(SequentialTest, BadSpecsNameTheField) {
   status = MakeSequential(bad_module).status();
   EXPECT_NE(status.message().find("stages[0].module"), std::string::npos) << status;
 
+  // A split's parts feed the next module (x, k, v at most).
+  te::v1::SequentialSpec many_parts;
+  many_parts.add_stages()->set_split_last_axis(1 << 30);
+  *many_parts.add_stages() = Module("a", Norm());
+  status = MakeSequential(many_parts).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("stages[0].split_last_axis"), std::string::npos) << status;
+
   // A reshape of one tensor after a split into three is a structure error,
   // found at creation.
   te::v1::SequentialSpec split;
