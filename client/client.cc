@@ -7,6 +7,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -92,10 +93,6 @@ std::string NewAffinityKey() {
 
 void SetAffinityHeader(grpc::ClientContext* context, const std::string& affinity_key) {
   context->AddMetadata(kAffinityHeader, affinity_key);
-}
-
-bool NoneInFlight(std::set<std::shared_ptr<grpc::ClientContext>>* in_flight) {
-  return in_flight->empty();
 }
 
 // The codes of a call that ended at the client without the server's answer:
@@ -199,18 +196,13 @@ Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions op
 Session::~Session() {
   // The close is numbered after every Async call, so the server answers those first.
   Close().IgnoreError();
-  std::vector<std::shared_ptr<grpc::ClientContext>> late;
-  {
-    absl::MutexLock lock(&async_mu_);
-    if (!async_mu_.AwaitWithTimeout(absl::Condition(&NoneInFlight, &in_flight_), absl::Seconds(10))) {
-      late.assign(in_flight_.begin(), in_flight_.end());
-    }
-  }
-  // Outside the lock: a cancelled call's callback may run inside TryCancel.
-  for (const std::shared_ptr<grpc::ClientContext>& context : late) context->TryCancel();
-  late.clear();
   absl::MutexLock lock(&async_mu_);
-  async_mu_.Await(absl::Condition(&NoneInFlight, &in_flight_));
+  if (!async_mu_.AwaitWithTimeout(absl::Condition(this, &Session::NoAsyncCalls), absl::Seconds(10))) {
+    // Under the lock: a call's thread leaves in_flight_ (under it) before its
+    // context goes, so every context here is alive.
+    for (grpc::ClientContext* context : in_flight_) context->TryCancel();
+  }
+  async_mu_.Await(absl::Condition(this, &Session::NoAsyncCalls));
 }
 
 te::v1::SessionRef Session::NextRef() {
@@ -408,70 +400,70 @@ absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRe
 #undef TE_CLIENT_UNARY
 
 template <typename Request, typename Response>
-std::future<absl::StatusOr<Response>> Session::CallAsync(AsyncRpc<Request, Response> rpc,
+std::future<absl::StatusOr<Response>> Session::CallAsync(SyncRpc<Request, Response> rpc,
                                                          Request request, absl::Duration timeout) {
-  // What the call needs until its callback has run, owned by the callback.
-  struct Call {
-    grpc::ClientContext context;
-    Request request;
-    Response response;
-    std::promise<absl::StatusOr<Response>> done;
-  };
-  auto call = std::make_shared<Call>();
-  call->request = std::move(request);
-  PrepareContext(&call->context, timeout);
-  std::shared_ptr<grpc::ClientContext> context(call, &call->context);
-  {
-    absl::MutexLock lock(&async_mu_);
-    in_flight_.insert(context);
-  }
-  std::future<absl::StatusOr<Response>> result = call->done.get_future();
   // Numbered here, in the caller's thread, so the numbers follow the order of
   // the caller's Async calls whichever gets onto the wire first.
-  *call->request.mutable_session() = NextRef();
-  (stub_->async()->*rpc)(&call->context, &call->request, &call->response,
-                         [this, call, context](grpc::Status status) {
-                           absl::Status answer =
-                               CallStatus(call->request.session().sequence(), status);
-                           if (answer.ok()) {
-                             call->done.set_value(std::move(call->response));
-                           } else {
-                             call->done.set_value(std::move(answer));
-                           }
-                           // Last: the destructor may go on once it is gone.
-                           absl::MutexLock lock(&async_mu_);
-                           in_flight_.erase(context);
-                         });
+  *request.mutable_session() = NextRef();
+  auto done = std::make_shared<std::promise<absl::StatusOr<Response>>>();
+  std::future<absl::StatusOr<Response>> result = done->get_future();
+  {
+    // Counted before the thread starts, so the destructor waits for it.
+    absl::MutexLock lock(&async_mu_);
+    ++async_starting_;
+  }
+  std::thread([this, rpc, request = std::move(request), timeout, done]() {
+    grpc::ClientContext context;
+    PrepareContext(&context, timeout);
+    {
+      absl::MutexLock lock(&async_mu_);
+      --async_starting_;
+      in_flight_.insert(&context);
+    }
+    Response response;
+    const grpc::Status status = (stub_.get()->*rpc)(&context, request, &response);
+    absl::Status answer = CallStatus(request.session().sequence(), status);
+    {
+      absl::MutexLock lock(&async_mu_);
+      in_flight_.erase(&context);
+    }
+    // Last, and without touching the Session: its destructor may run now.
+    if (answer.ok()) {
+      done->set_value(std::move(response));
+    } else {
+      done->set_value(std::move(answer));
+    }
+  }).detach();
   return result;
 }
 
 std::future<absl::StatusOr<te::v1::ForwardResponse>> Session::ForwardAsync(
     te::v1::ForwardRequest request, absl::Duration timeout) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Forward, std::move(request),
+  return CallAsync(&te::v1::TeService::Stub::Forward, std::move(request),
                    timeout);
 }
 
 std::future<absl::StatusOr<te::v1::BackwardResponse>> Session::BackwardAsync(
     te::v1::BackwardRequest request, absl::Duration timeout) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::Backward, std::move(request),
+  return CallAsync(&te::v1::TeService::Stub::Backward, std::move(request),
                    timeout);
 }
 
 std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> Session::ForwardBackwardAsync(
     te::v1::ForwardBackwardRequest request, absl::Duration timeout) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::ForwardBackward,
+  return CallAsync(&te::v1::TeService::Stub::ForwardBackward,
                    std::move(request), timeout);
 }
 
 std::future<absl::StatusOr<te::v1::GetVariablesResponse>> Session::GetVariablesAsync(
     te::v1::GetVariablesRequest request, absl::Duration timeout) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::GetVariables,
+  return CallAsync(&te::v1::TeService::Stub::GetVariables,
                    std::move(request), timeout);
 }
 
 std::future<absl::StatusOr<te::v1::SetVariablesResponse>> Session::SetVariablesAsync(
     te::v1::SetVariablesRequest request, absl::Duration timeout) {
-  return CallAsync(&te::v1::TeService::StubInterface::async_interface::SetVariables,
+  return CallAsync(&te::v1::TeService::Stub::SetVariables,
                    std::move(request), timeout);
 }
 

@@ -238,12 +238,15 @@ class Session {
   // pinned replica names its address.
   absl::Status CallStatus(uint64_t sequence, const grpc::Status& status);
 
-  // One Async call: `rpc` is the stub's callback-API method.
+  // One Async call: the stub's blocking `rpc` on a thread of its own. (gRPC
+  // 1.51's callback API frees the call's arena under a callback that drops
+  // the last reference to its ClientContext, which ASan caught as a double
+  // free; a blocking call owns its context for exactly as long as it runs.)
   template <typename Request, typename Response>
-  using AsyncRpc = void (te::v1::TeService::StubInterface::async_interface::*)(
-      grpc::ClientContext*, const Request*, Response*, std::function<void(grpc::Status)>);
+  using SyncRpc = grpc::Status (te::v1::TeService::Stub::*)(grpc::ClientContext*, const Request&,
+                                                            Response*);
   template <typename Request, typename Response>
-  std::future<absl::StatusOr<Response>> CallAsync(AsyncRpc<Request, Response> rpc, Request request,
+  std::future<absl::StatusOr<Response>> CallAsync(SyncRpc<Request, Response> rpc, Request request,
                                                   absl::Duration timeout);
 
   // Shared memory (transport.cc). The way a tensor of `bytes` goes now.
@@ -279,10 +282,14 @@ class Session {
   const Transport transport_;
   SharedMemoryPool shm_;
   TransportCounts counts_;
-  // The contexts of the Async calls not yet answered (their callbacks use
-  // this Session): the destructor waits for them, or cancels them.
+  // The contexts of the Async calls not yet answered (their threads use this
+  // Session): the destructor waits for them, or cancels them.
   absl::Mutex async_mu_;
-  std::set<std::shared_ptr<grpc::ClientContext>> in_flight_ ABSL_GUARDED_BY(async_mu_);
+  std::set<grpc::ClientContext*> in_flight_ ABSL_GUARDED_BY(async_mu_);
+  int async_starting_ ABSL_GUARDED_BY(async_mu_) = 0;  // threads not yet in in_flight_
+  bool NoAsyncCalls() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(async_mu_) {
+    return async_starting_ == 0 && in_flight_.empty();
+  }
 };
 
 class Client {
