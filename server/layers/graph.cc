@@ -119,6 +119,22 @@ class GraphLayer : public Layer {
     return y.shape;
   }
 
+  // Inference's dtype rules without the shapes: extra inputs arrive in x's
+  // dtype, a module gives its OutputDType, a cast its dtype, every other op
+  // its first input's (the inputs of add and concatenate agree).
+  DType OutputDType(DType input) const override {
+    std::vector<DType> dtypes(g_.tensors.size(), input);
+    for (int i : g_.order) {
+      const Node& node = g_.nodes[i];
+      DType out = node.inputs.empty() ? input : dtypes[node.inputs[0]];
+      if (node.kind == NodeKind::kModule) out = node.module->OutputDType(out);
+      if (node.kind == NodeKind::kCast) out = node.dtype;
+      if (node.kind == NodeKind::kCausalMask) out = DType::kBool;
+      for (int id : node.outputs) dtypes[id] = out;
+    }
+    return dtypes[g_.outputs[0]];
+  }
+
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
     return InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
@@ -255,11 +271,12 @@ class GraphLayer : public Layer {
     RETURN_IF_ERROR(AboutNode(node, node.module->Forward(ops, &view, module_in, module_opts,
                                                          &module_out, saved)));
     WriteBack(view, node.name, vars);
-    const Shape& want = plan.tensors[node.outputs[0]].shape;
-    if (module_out.y.shape() != want) {
-      return absl::InternalError(absl::StrCat(node.field, ": ", node.module->type_name(),
-                                              " gave y ", ShapeString(module_out.y.shape()),
-                                              "; its OutputShape says ", ShapeString(want)));
+    const TensorInfo& want = plan.tensors[node.outputs[0]];
+    if (module_out.y.shape() != want.shape || module_out.y.dtype() != *want.dtype) {
+      return absl::InternalError(absl::StrCat(
+          node.field, ": ", node.module->type_name(), " gave y ", ShapeString(module_out.y.shape()),
+          " ", DTypeName(module_out.y.dtype()), "; its OutputShape and OutputDType say ",
+          ShapeString(want.shape), " ", DTypeName(*want.dtype)));
     }
     outputs->push_back(module_out.y);
     if (node.outputs.size() > 1) {

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "kernels/status_macros.h"
 #include "server/layers/attention_core.h"
+#include "server/layers/flax_modules.h"
 #include "server/layers/graph_internal.h"
 
 namespace te::layers::graph {
@@ -78,6 +79,12 @@ absl::StatusOr<ModuleTraits> TraitsOf(const te::v1::LayerSpec& spec, const std::
     case te::v1::LayerSpec::kFlaxTransformerLayer:
       // The quickstart's layer is causal, and combines a padding mask with it.
       t.mask_type = MaskType::kPaddingCausal;
+      break;
+    case te::v1::LayerSpec::kFlaxMultiHeadDotProductAttention:
+      // Flax's attention takes its mask as data: either kind (Module() makes
+      // it causal for a causal_mask node's output); q, k, v.
+      t.mask_type = MaskType::kPaddingCausal;
+      t.num_inputs = 3;
       break;
     case te::v1::LayerSpec::kLayerNormDenseGeneral: {
       const te::v1::LayerNormDenseGeneral& s = spec.layer_norm_dense_general();
@@ -363,6 +370,11 @@ class Builder {
                                          node->module->type_name(),
                                          "'s attention mask type is not causal; set "
                                          "attn_mask_type causal (or padding_causal)"));
+    }
+    if (mask.producer >= 0 && kind == te::v1::LayerSpec::kFlaxMultiHeadDotProductAttention) {
+      ASSIGN_OR_RETURN(node->module, MakeFlaxMultiHeadDotProductAttention(
+                                         s.module().flax_multi_head_dot_product_attention(),
+                                         /*causal=*/true));
     }
     return absl::OkStatus();
   }

@@ -111,10 +111,25 @@ class Inference {
                                     ": want [batch, 1, seq, seq] of x's batch and seq"));
       }
     }
-    // TE's modules compute in and return their input's dtype.
-    Out(node, 0) = TensorInfo{true, *y, x.dtype};
+    // TE's modules return their input's dtype, Flax's promote it with their
+    // parameters' (Layer::OutputDType).
+    Out(node, 0) = TensorInfo{true, *y, ModuleDType(node, x.dtype)};
     if (node.outputs.size() > 1) Out(node, 1) = x;  // ln_out: the norm of x, x's shape
     return absl::OkStatus();
+  }
+
+  // A module's y dtype for an x of `x`'s. At init x's dtype is "the input's"
+  // (nullopt): y's is then concrete when every float input gives the same
+  // one (float32 params promote all to float32), and stays "the input's"
+  // otherwise; that may be loose for a module that keeps some input dtypes
+  // and promotes others, which only defers a dtype check to the forward,
+  // where every dtype is concrete.
+  static std::optional<DType> ModuleDType(const graph::Node& node, const std::optional<DType>& x) {
+    if (x) return node.module->OutputDType(*x);
+    const DType f32 = node.module->OutputDType(DType::kF32);
+    const bool constant = node.module->OutputDType(DType::kBF16) == f32 &&
+                          node.module->OutputDType(DType::kF16) == f32;
+    return constant ? std::optional<DType>(f32) : std::nullopt;
   }
 
   absl::Status Reshape(const Node& node, NodePlan* np) {

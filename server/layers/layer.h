@@ -111,6 +111,11 @@ class Layer {
   // Shape of y for an input shape.
   virtual absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const = 0;
 
+  // dtype of y for an input (x) of `input` dtype. TE's modules compute in and
+  // return x's dtype; Flax's promote it with their parameters' (a bfloat16 x
+  // with float32 params gives float32), and a graph follows its nodes.
+  virtual DType OutputDType(DType input) const { return input; }
+
   // Init(key, x): creates every variable of VariableSpecs with TE's
   // initialisers, deterministically from `seed`, into *vars.
   virtual absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape,

@@ -227,7 +227,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
     info->set_dtype(DTypeToProto(spec.dtype));
   }
   response->mutable_output_shape()->Assign(output_shape.begin(), output_shape.end());
-  response->set_output_dtype(DTypeToProto(input_dtype));
+  response->set_output_dtype(DTypeToProto(entry->layer->OutputDType(input_dtype)));
   LogForSession(LogLevel::kInfo, id_,
                 absl::StrCat(entry->id, ": ", entry->layer->type_name(), " initialised for x ",
                              ShapeString(input_shape), " ", DTypeName(input_dtype), ", ",

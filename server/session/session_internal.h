@@ -39,6 +39,7 @@ struct Session::CheckedInputs {
   std::vector<CheckedTensor> extra;
   std::optional<Seqlens> seqlens;  // from a padding mask
   Shape y_shape;                   // what the layer will output
+  DType y_dtype = DType::kF32;     // and in which dtype (Layer::OutputDType)
 };
 
 // Encodes response tensors inline while they fit in one message, resident

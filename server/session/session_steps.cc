@@ -118,6 +118,7 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
   absl::StatusOr<Shape> y_shape = layer.layer->OutputShape(in.x.shape);
   if (!y_shape.ok()) return AboutField(y_shape.status(), x_field);
   in.y_shape = *y_shape;
+  in.y_dtype = layer.layer->OutputDType(in.x.dtype);
 
   for (int i = 0; i < extra_inputs.size(); ++i) {
     const std::string field = absl::StrCat(prefix, "extra_inputs[", i, "]");
@@ -158,7 +159,7 @@ absl::StatusOr<CheckedTensor> Session::CheckDy(const CheckedInputs& inputs,
                                                const std::string& field) {
   ASSIGN_OR_RETURN(CheckedTensor checked,
                    CheckTensor(dy, field, config_.max_tensor_bytes, Resident(), Regions()));
-  RETURN_IF_ERROR(CheckLike(checked, inputs.y_shape, inputs.x.dtype, field, "y"));
+  RETURN_IF_ERROR(CheckLike(checked, inputs.y_shape, inputs.y_dtype, field, "y"));
   return checked;
 }
 
@@ -258,7 +259,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
           "not both");
     }
     const uint64_t y_bytes =
-        static_cast<uint64_t>(NumElements(checked.y_shape)) * DTypeSize(checked.x.dtype);
+        static_cast<uint64_t>(NumElements(checked.y_shape)) * DTypeSize(checked.y_dtype);
     ASSIGN_OR_RETURN(y_region, CheckShmRef(request.y_shm(), y_bytes, "y_shm", Regions()));
   }
   ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
@@ -275,11 +276,11 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   if (y_region != nullptr) {
     // Before the forward is kept or its step ends: a region its client shrank
     // then fails the call without leaving a saved forward behind.
-    if (out.y.dtype() != checked.x.dtype || out.y.shape() != checked.y_shape) {
+    if (out.y.dtype() != checked.y_dtype || out.y.shape() != checked.y_shape) {
       return absl::InternalError(absl::StrCat(
           layer->layer->type_name(), ": y is ", ShapeString(out.y.shape()), " ",
           DTypeName(out.y.dtype()), ", not the ", ShapeString(checked.y_shape), " ",
-          DTypeName(checked.x.dtype), " its shape check promised"));
+          DTypeName(checked.y_dtype), " its shape check promised"));
     }
     RETURN_IF_ERROR(WriteToRegion(*ops_, out.y, *y_region, request.y_shm().offset()));
   }
