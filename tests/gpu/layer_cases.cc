@@ -326,6 +326,24 @@ void AddTransformerLayers(std::vector<LayerCase>* cases) {
   cases->push_back(Case("FlaxTransformerLayer", flax, kTokens, true, false));
 }
 
+// Flax's own modules (no FP8: Flax ignores autocast). Float32 parameters by
+// default, so a bf16 input computes and returns float32 as Flax does.
+void AddFlaxModules(std::vector<LayerCase>* cases) {
+  te::v1::LayerSpec dense;
+  dense.mutable_flax_dense()->set_features(kFfn);
+  cases->push_back(Case("FlaxDense", dense, kTokens, false, false));
+  te::v1::LayerSpec general;
+  general.mutable_flax_dense_general()->add_features(kHeads);
+  general.mutable_flax_dense_general()->add_features(kHeadDim);
+  cases->push_back(Case("FlaxDenseGeneral", general, {kBatch, kSeq, kOddHidden}, false, false));
+  te::v1::LayerSpec norm;
+  norm.mutable_flax_layer_norm();
+  cases->push_back(Case("FlaxLayerNorm", norm, {kBatch, kSeq, kOddHidden}, false, false));
+  te::v1::LayerSpec mha;
+  mha.mutable_flax_multi_head_dot_product_attention()->set_num_heads(kHeads);
+  cases->push_back(Case("FlaxMultiHeadDotProductAttention", mha, kTokens, true, false));
+}
+
 std::vector<LayerCase> AllCases() {
   std::vector<LayerCase> cases;
   AddLayerNorms(&cases);
@@ -337,6 +355,7 @@ std::vector<LayerCase> AllCases() {
   AddTransformerLayers(&cases);
   AddSequentials(&cases);
   AddGraphs(&cases);
+  AddFlaxModules(&cases);
   return cases;
 }
 

@@ -215,7 +215,8 @@ absl::StatusOr<PreparedRun> Prepare(Ops& reference, Ops& candidate, const CaseRu
                                &prepared.candidate.inputs.kv_seqlens));
   }
   ASSIGN_OR_RETURN(const Shape y_shape, prepared.layer->OutputShape(c.x_shape));
-  RETURN_IF_ERROR(UploadBoth(RandomHostTensor(run.dtype, y_shape, input_seed++), &prepared,
+  const DType y_dtype = prepared.layer->OutputDType(run.dtype);
+  RETURN_IF_ERROR(UploadBoth(RandomHostTensor(y_dtype, y_shape, input_seed++), &prepared,
                              &prepared.reference.dy, &prepared.candidate.dy));
   return prepared;
 }
