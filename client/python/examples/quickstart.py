@@ -4,12 +4,11 @@ Only the imports changed, plus three things JAX has and this client does not:
 a PRNG (numpy's generator and integer keys stand in for jax.random), bf16
 casts (te.asarray(x, dtype) for .astype(dtype)), and the printed dtype
 (te.dtype_of(y) names bfloat16 where numpy would show its float32 storage).
-The composed layers' classes are the notebook's: init traces their __call__
-(te_client.numpy's reshape and split, +, nn.Dropout) into one server graph,
-so a step is one call and no activation crosses the wire. The plain-Flax
-layer is the server's te_flax.FlaxTransformerLayer; the section with Flax's
-own attention (nn.MultiHeadDotProductAttention) waits for a server-side Flax
-attention module and says so.
+Every composed layer's class is the notebook's, the plain-Flax one too: init
+traces its __call__ (te_client.numpy's reshape and split, +, nn.Dropout,
+Flax's nn.Dense / nn.LayerNorm / nn.MultiHeadDotProductAttention and TE's
+modules) into one server graph, so a step is one call and no activation
+crosses the wire.
 
     python3 client/python/examples/quickstart.py --address=localhost:50051
     python3 client/python/examples/quickstart.py --address=... --config=quickstart   # the notebook's sizes
@@ -39,6 +38,69 @@ CONFIGS = {
     "quickstart": dict(hidden_size=4096, sequence_length=2048, batch_size=4, ffn_hidden_size=16384,
                        num_attention_heads=32),
 }
+
+
+class FlaxMLP(nn.Module):
+    hidden_size: int
+    ffn_hidden_size: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(features=self.ffn_hidden_size, use_bias=True)(x)
+        x = nn.gelu(x, approximate=True)  # Use tanh approximation
+        x = nn.Dense(features=self.hidden_size, use_bias=True)(x)
+        return x
+
+
+class FlaxTransformerLayer(nn.Module):
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    layernorm_eps: float = 1e-5
+    attention_dropout: float = 0.1
+
+    def setup(self):
+        self.kv_channels = self.hidden_size // self.num_attention_heads
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, attention_mask: Optional[jnp.ndarray] = None,
+                 deterministic: bool = False) -> jnp.ndarray:
+        # Create causal mask if not provided
+        if attention_mask is None:
+            attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
+
+        res = x
+        x = nn.LayerNorm(epsilon=self.layernorm_eps)(x)
+
+        # Fused QKV projection
+        qkv = nn.Dense(features=3 * self.hidden_size, use_bias=True)(x)
+        qkv = qkv.reshape(qkv.shape[0], qkv.shape[1], self.num_attention_heads, 3 * self.kv_channels)
+        q, k, v = jnp.split(qkv, 3, axis=3)
+
+        # q, k, v now have shape [batch, seq_len, num_heads, kv_channels]
+        # which is the correct shape for dot_product_attention
+        q_reshaped = q.reshape(q.shape[0], q.shape[1], self.hidden_size)
+        k_reshaped = k.reshape(k.shape[0], k.shape[1], self.hidden_size)
+        v_reshaped = v.reshape(v.shape[0], v.shape[1], self.hidden_size)
+
+        attention = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_attention_heads,
+            qkv_features=self.kv_channels,
+            dropout_rate=self.attention_dropout,
+        )
+        x = attention(q_reshaped, k_reshaped, v_reshaped, mask=attention_mask, deterministic=deterministic)
+
+        x = res + x
+
+        # Second residual connection
+        res = x
+        x = nn.LayerNorm(epsilon=self.layernorm_eps)(x)
+
+        # MLP
+        mlp = FlaxMLP(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size)
+        x = mlp(x)
+
+        return x + res
 
 
 class TEUnfusedMLP(nn.Module):
@@ -203,7 +265,7 @@ def main():
 
         if "flax" in sections:
             print("\n# The plain-Flax layer")
-            flax_transformer = te_flax.FlaxTransformerLayer(
+            flax_transformer = FlaxTransformerLayer(
                 hidden_size=hidden_size,
                 ffn_hidden_size=ffn_hidden_size,
                 num_attention_heads=num_attention_heads,
@@ -226,17 +288,11 @@ def main():
             print("\n# TE modules, Flax attention")
             te_unfused_transformer_with_flax_MHA = TEUnfusedTransformerLayer(
                 hidden_size, ffn_hidden_size, num_attention_heads, use_te_attention=False)
-            try:
-                te_params = te_unfused_transformer_with_flax_MHA.init(key, x, attention_mask=None,
-                                                                      deterministic=False)
-            except NotImplementedError as e:   # Flax's own attention has no server module yet
-                print(f"Skipped: {e}")
-            else:
-                print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, te_params)}")
-                te.speedometer(model_apply_fn=te_unfused_transformer_with_flax_MHA.apply, variables=te_params,
-                               input=x, output_grad=dy,
-                               forward_kwargs={"attention_mask": None, "deterministic": False},
-                               rngs={"dropout": dropout_key}, **timing)
+            te_params = te_unfused_transformer_with_flax_MHA.init(key, x, attention_mask=None, deterministic=False)
+            print(f"Parameter shapes: {te.tree_map(lambda x: x.shape, te_params)}")
+            te.speedometer(model_apply_fn=te_unfused_transformer_with_flax_MHA.apply, variables=te_params,
+                           input=x, output_grad=dy, forward_kwargs={"attention_mask": None, "deterministic": False},
+                           rngs={"dropout": dropout_key}, **timing)
 
         if "te_attention" in sections:
             print("\n# TE modules, TE attention")

@@ -10,21 +10,23 @@ deterministic is True. make_causal_mask on a traced x[..., 0] records a
 causal-mask node (read only as the mask of a module with a causal
 attn_mask_type); on arrays it is Flax's function in numpy.
 
-Flax's own layers (Dense, LayerNorm, MultiHeadDotProductAttention) keep
-Flax's semantics (parameter names, initialisers, dtype rules: DESIGN.md
-section 11), which te.v1 has no server module for yet: calling one raises
-NotImplementedError naming it. TE's modules (te_client.flax) are the ones a
-composite can use today.
+Flax's own layers (Dense, DenseGeneral, LayerNorm,
+MultiHeadDotProductAttention) are server modules with Flax's semantics
+(te.v1's flax_* LayerSpecs: parameter names, initialisers and dtype rules,
+DESIGN.md section 11); nn.gelu is TE's tanh gelu, Flax's default. Inside a
+composite each records a module node, so the quickstart's plain-Flax layer,
+written as Flax writes it, is one server graph.
 """
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from te_client import client as client_lib, dtypes, symbolic
-from te_client.module import Module, check_deterministic, compact, current_frame
+from te_client.flax import _dense_output_shape, _ints
+from te_client.module import Module, ServerModule, check_deterministic, compact, current_frame
 
-__all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "Dense", "LayerNorm",
-           "MultiHeadDotProductAttention"]
+__all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "gelu", "Dense", "DenseGeneral",
+           "LayerNorm", "MultiHeadDotProductAttention"]
 
 
 def merge_param(name, a, b):
@@ -98,28 +100,160 @@ class Dropout(Module):
             rate=float(self.rate), broadcast_dims=dims), [inputs], [(inputs.shape, inputs.wire)], name=name)[0]
 
 
-class _FlaxLayer:
-    """A Flax layer te.v1 has no server module for: constructs as Flax's does,
-    and refuses to run, naming itself."""
-    replacement = ""
+# ---- Flax's own modules, on the server with Flax's semantics ------------------------------
 
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-
-    def __call__(self, *args, **kwargs):
-        raise NotImplementedError(
-            "nn.%s (Flax's own module) has no server-side module yet: te.v1's LayerSpec has no kind for it, "
-            "so a composite cannot record it as a graph node%s" % (type(self).__name__, self.replacement))
+def _dtype_wire(dtype, field):
+    """A Flax dtype field as te.v1's DType (None: unset, Flax's "promote")."""
+    return 0 if dtype is None else symbolic.wire_of(dtype, field)   # 0: te.v1.DTYPE_UNSPECIFIED
 
 
-class Dense(_FlaxLayer):
-    replacement = "; te_client.flax.DenseGeneral is TE's (its own initialiser and dtype rules)"
+class _FlaxModule(ServerModule):
+    """A flax.linen module that is one server module (DESIGN.md section 11):
+    Flax's parameter names, shapes and initialisers, and Flax's dtype rule:
+    without `dtype` the computation (and the result) is jnp's promotion of
+    the input and `param_dtype`, so a bfloat16 x with float32 parameters
+    gives float32."""
+    has_params = True
+
+    def output_wire(self, input_wire):
+        if self.dtype is not None:
+            return symbolic.wire_of(self.dtype, type(self).__name__ + ".dtype")
+        if not self.has_params:
+            return input_wire
+        return symbolic._promoted((input_wire, symbolic.wire_of(self.param_dtype, type(self).__name__ + ".param_dtype")),
+                                  type(self).__name__)
 
 
-class LayerNorm(_FlaxLayer):
-    replacement = "; te_client.flax.LayerNorm is TE's (params scale, ln_bias)"
+class Dense(_FlaxModule):
+    """flax.linen.Dense: kernel (in, features) lecun_normal, bias (features) zeros."""
+    features: int
+    use_bias: bool = True
+    dtype: Optional[object] = None
+    param_dtype: object = np.float32
+
+    def spec(self):
+        pb = client_lib.layers_pb2
+        return pb.LayerSpec(flax_dense=pb.FlaxDense(
+            features=int(self.features), use_bias=self.use_bias, dtype=_dtype_wire(self.dtype, "Dense.dtype"),
+            param_dtype=_dtype_wire(self.param_dtype, "Dense.param_dtype")))
+
+    def output_shapes(self, input_shapes):
+        return [tuple(input_shapes[0][:-1]) + (int(self.features),)]
+
+    def __call__(self, inputs):
+        return self._call(inputs)
 
 
-class MultiHeadDotProductAttention(_FlaxLayer):
-    replacement = ("; te_client.flax.DotProductAttention is TE's (and te_client.flax.FlaxTransformerLayer "
-                   "serves the quickstart's whole plain-Flax layer)")
+class DenseGeneral(_FlaxModule):
+    """flax.linen.DenseGeneral: x contracted over `axis` with kernel (x.shape[axis]..., features...)."""
+    features: Union[int, Sequence[int]]
+    axis: Union[int, Sequence[int]] = -1
+    use_bias: bool = True
+    dtype: Optional[object] = None
+    param_dtype: object = np.float32
+
+    def spec(self):
+        pb = client_lib.layers_pb2
+        return pb.LayerSpec(flax_dense_general=pb.FlaxDenseGeneral(
+            features=_ints(self.features), axis=_ints(self.axis), use_bias=self.use_bias,
+            dtype=_dtype_wire(self.dtype, "DenseGeneral.dtype"),
+            param_dtype=_dtype_wire(self.param_dtype, "DenseGeneral.param_dtype")))
+
+    def output_shapes(self, input_shapes):
+        return [_dense_output_shape(input_shapes[0], self.axis, self.features, "DenseGeneral")]
+
+    def __call__(self, inputs):
+        return self._call(inputs)
+
+
+class LayerNorm(_FlaxModule):
+    """flax.linen.LayerNorm over the last axis: scale (ones) and bias (zeros)."""
+    epsilon: float = 1e-6
+    dtype: Optional[object] = None
+    param_dtype: object = np.float32
+    use_bias: bool = True
+    use_scale: bool = True
+
+    @property
+    def has_params(self):
+        return self.use_bias or self.use_scale
+
+    def spec(self):
+        pb = client_lib.layers_pb2
+        return pb.LayerSpec(flax_layer_norm=pb.FlaxLayerNorm(
+            epsilon=float(self.epsilon), use_bias=self.use_bias, use_scale=self.use_scale,
+            dtype=_dtype_wire(self.dtype, "LayerNorm.dtype"),
+            param_dtype=_dtype_wire(self.param_dtype, "LayerNorm.param_dtype")))
+
+    def __call__(self, x):
+        return self._call(x)
+
+
+class MultiHeadDotProductAttention(_FlaxModule):
+    """flax.linen.MultiHeadDotProductAttention: query/key/value projections
+    (features, num_heads, qkv_features / num_heads), dot-product attention
+    with dropout on its weights, and the out projection. Its mask is Flax's
+    (True = attend): inside a composite, nn.make_causal_mask's result."""
+    num_heads: int
+    qkv_features: Optional[int] = None
+    out_features: Optional[int] = None
+    dropout_rate: float = 0.0
+    deterministic: Optional[bool] = None
+    broadcast_dropout: bool = True
+    use_bias: bool = True
+    dtype: Optional[object] = None
+    param_dtype: object = np.float32
+
+    def spec(self):
+        pb = client_lib.layers_pb2
+        msg = pb.FlaxMultiHeadDotProductAttention(
+            num_heads=int(self.num_heads), dropout_rate=float(self.dropout_rate), use_bias=self.use_bias,
+            broadcast_dropout=self.broadcast_dropout, dtype=_dtype_wire(self.dtype, "MultiHeadDotProductAttention.dtype"),
+            param_dtype=_dtype_wire(self.param_dtype, "MultiHeadDotProductAttention.param_dtype"))
+        if self.qkv_features is not None:
+            msg.qkv_features = int(self.qkv_features)
+        if self.out_features is not None:
+            msg.out_features = int(self.out_features)
+        return pb.LayerSpec(flax_multi_head_dot_product_attention=msg)
+
+    def output_shapes(self, input_shapes):
+        q = tuple(input_shapes[0])
+        return [q[:-1] + (int(self.out_features) if self.out_features is not None else q[-1],)]
+
+    def dropout_rates(self):
+        return (self.dropout_rate,)
+
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+                 deterministic=None, dropout_rng=None, sow_weights=False):
+        if inputs_kv is not None:
+            if inputs_k is not None or inputs_v is not None:
+                raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None.")
+            inputs_k = inputs_v = inputs_kv
+        if dropout_rng is not None or sow_weights:
+            raise NotImplementedError("MultiHeadDotProductAttention: dropout_rng and sow_weights; a graph's "
+                                      "dropout seeds are NodeSeed(apply's rngs['dropout'], node name)")
+        # Flax: inputs_k defaults to inputs_q, inputs_v to inputs_k.
+        inputs_k = inputs_q if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        # Flax: deterministic matters (and must be given) only with dropout.
+        deterministic = merge_param("deterministic", self.deterministic, deterministic) if self.dropout_rate > 0.0 else True
+        if mask is not None and not isinstance(mask, symbolic.Symbol):
+            raise NotImplementedError(
+                "MultiHeadDotProductAttention: a mask array; inside a composite pass nn.make_causal_mask's "
+                "result (a causal mask), or None")
+        return self._call(inputs_q, [inputs_k, inputs_v], mask, deterministic)
+
+
+def gelu(x, approximate=True):
+    """flax.linen.gelu (jax.nn.gelu): on a traced tensor an activation node
+    (TE's "gelu", the same tanh formula); on an array numpy's."""
+    if not approximate:
+        raise NotImplementedError("nn.gelu(approximate=False): the server's gelu is the tanh approximation "
+                                  "(approximate=True, Flax's default)")
+    if isinstance(x, symbolic.Symbol):
+        from te_client.activation import _Activation
+        return x.trace.record("module", _Activation.spec_of(("gelu",)), [x], [(x.shape, x.wire)], label="gelu")[0]
+    if isinstance(x, symbolic.Indexed):
+        x._unsupported()
+    a = np.asarray(x, dtype=np.float32)
+    return 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a ** 3)))

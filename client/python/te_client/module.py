@@ -415,6 +415,10 @@ class ServerModule(Module):
         """The module's own dropout rates: any above 0 makes `deterministic` matter."""
         return ()
 
+    def output_wire(self, input_wire):
+        """y's te.v1 DType for an input of `input_wire`: TE's modules compute in their input's."""
+        return input_wire
+
     def _pack(self, y, ln_out):
         return (y, ln_out) if self.returns_ln_out else y
 
@@ -447,7 +451,7 @@ class ServerModule(Module):
             check_deterministic(trace, name, type(self).__name__, deterministic)
         trace.claim(name, self)
         shapes = self.output_shapes([t.shape for t in [x] + extra])
-        outputs = trace.record("module", self.spec(), [x] + extra, [(s, x.wire) for s in shapes],
+        outputs = trace.record("module", self.spec(), [x] + extra, [(s, self.output_wire(x.wire)) for s in shapes],
                                name=name, mask=mask, keep=True)
         return self._pack(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
