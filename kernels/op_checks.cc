@@ -1,6 +1,7 @@
 #include "kernels/op_checks.h"
 
 #include <cmath>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -782,6 +783,35 @@ absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbi
   RETURN_IF_ERROR(CheckBuckets(op, buckets));
   RETURN_IF_ERROR(CheckBias(op, "dbias", &dbias, dims, buckets));
   return dims;
+}
+
+// ---- optimizers ---------------------------------------------------------------
+
+absl::Status CheckOptimizerUpdateArgs(const OptimizerUpdateArgs& args, const Tensor& grad,
+                                      const Tensor& grad_norm_sq, const Tensor* param,
+                                      const Tensor* mu, const Tensor* nu) {
+  const char* op = "OptimizerUpdate";
+  RETURN_IF_ERROR(RequireFloat(op, "param", param));
+  RETURN_IF_ERROR(RequireFloat(op, "grad", &grad));
+  RETURN_IF_ERROR(RequireSameCount(op, "grad", grad, "param", *param));
+  RETURN_IF_ERROR(RequireScalarF32(op, "grad_norm_sq", &grad_norm_sq));
+  const bool adam = args.rule == OptimizerUpdateArgs::Rule::kAdam;
+  for (const auto& [name, moment, needed] :
+       {std::tuple<const char*, const Tensor*, bool>{"mu", mu, adam},
+        std::tuple<const char*, const Tensor*, bool>{"nu", nu, adam}}) {
+    if (!Wanted(moment)) {
+      if (needed) {
+        return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is missing; adam needs it"));
+      }
+      continue;
+    }
+    if (!adam && moment == nu) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": nu is given; sgd keeps no nu"));
+    }
+    RETURN_IF_ERROR(RequireDType(op, name, moment, param->dtype()));
+    RETURN_IF_ERROR(RequireSameCount(op, name, *moment, "param", *param));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace te

@@ -181,6 +181,12 @@ absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbi
                                                                const Tensor& buckets,
                                                                const Tensor* dtable);
 
+// ---- optimizers ---------------------------------------------------------------
+
+absl::Status CheckOptimizerUpdateArgs(const OptimizerUpdateArgs& args, const Tensor& grad,
+                                      const Tensor& grad_norm_sq, const Tensor* param,
+                                      const Tensor* mu, const Tensor* nu);
+
 }  // namespace te
 
 #endif  // TE_KERNELS_OP_CHECKS_H_

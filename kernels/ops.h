@@ -102,6 +102,26 @@ struct RotaryArgs {
 //   timescale_i = min * (max/min)^(2i/D); angle = p / timescale_i
 //   (a, b) -> (a cos - b sin, b cos + a sin)
 
+// One step of an optax optimizer for one parameter tensor (OptimizerUpdate).
+// The host evaluates the step's scalars (the learning-rate schedule at the
+// step count, Adam's bias corrections) in float64 and passes them rounded to
+// float32; the kernels do the elementwise rest.
+struct OptimizerUpdateArgs {
+  enum class Rule {
+    kSgd,   // optax.sgd: optax.trace(momentum, nesterov) when mu is given
+    kAdam,  // optax.scale_by_adam; with weight_decay, optax.adamw
+  };
+  Rule rule = Rule::kSgd;
+  float learning_rate = 0.0f;  // the schedule's value at this step
+  float momentum = 0.0f;       // sgd with a trace
+  bool nesterov = false;
+  float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, eps_root = 0.0f;
+  float bias_correction1 = 1.0f;  // 1 - b1^t, t = the step count after this step
+  float bias_correction2 = 1.0f;  // 1 - b2^t
+  float weight_decay = 0.0f;      // optax.add_decayed_weights (adamw's decoupled decay)
+  float max_norm = 0.0f;          // optax.clip_by_global_norm; 0: no clipping
+};
+
 // Memory that several Ops share (all the sessions on one device), with a
 // limit over all of them. For a device whose own allocator cannot say "no"
 // (the CPU's: Linux overcommits, and the OOM killer, not malloc, answers).
@@ -330,6 +350,27 @@ class Ops {
                                                const Tensor& out, const Tensor& dout,
                                                const Tensor& softmax_lse, Tensor* dqkv,
                                                Tensor* dbias);
+
+  // ---- optimizers -------------------------------------------------------
+  // One optax step for one parameter, in place, elementwise. grad has the
+  // parameter's element count; grad_norm_sq (f32 [1], on the device) is the
+  // sum of squares of every gradient the step updates with (optax.global_norm
+  // squared). Each element, in float32:
+  //   skipped entirely (nothing written) when grad_norm_sq is inf or NaN
+  //     (optax.apply_if_finite);
+  //   n = sqrt(grad_norm_sq); g = n < max_norm ? g : g / n * max_norm
+  //     (clip_by_global_norm, when max_norm > 0);
+  //   sgd:  mu undefined: u = g; else t = g + momentum * mu, mu = t,
+  //         u = nesterov ? g + momentum * t : t  (optax.trace);
+  //   adam: mu = (1 - b1) g + b1 mu, nu = (1 - b2) g^2 + b2 nu,
+  //         u = (mu / bias_correction1) / (sqrt(nu / bias_correction2 + eps_root) + eps);
+  //   u += weight_decay * param;  param = param - learning_rate * u.
+  // param, mu and nu are float (f32, bf16, f16) of one dtype and grad's
+  // element count; the moments are rounded to it when stored, and the update
+  // uses them unrounded. sgd takes no nu.
+  virtual absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,
+                                       const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
+                                       Tensor* nu) = 0;
 
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.

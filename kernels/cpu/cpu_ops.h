@@ -65,6 +65,11 @@ class CpuOps : public Ops {
                                  const Tensor& softmax_lse, Tensor* dq, Tensor* dk, Tensor* dv,
                                  Tensor* dbias) override;
 
+  // kernels/cpu/optimizer.cc
+  absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,
+                               const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
+                               Tensor* nu) override;
+
   // kernels/cpu/position.cc
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,

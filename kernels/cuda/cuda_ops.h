@@ -13,7 +13,8 @@
 // Files: staging.cc (page-locked staging, async uploads),
 // elementwise.cu (memory, Fill, Cast, Axpby, Permute, SumRows),
 // fp8.cu (scaling), norm.cu, activation.cu, dropout.cu, position.cu,
-// gemm.cu (cuBLASLt), attention.cu (cuDNN + an unfused fallback).
+// gemm.cu (cuBLASLt), attention.cu (cuDNN + an unfused fallback), optimizer.cu
+// (optax's update rules).
 #ifndef TE_KERNELS_CUDA_CUDA_OPS_H_
 #define TE_KERNELS_CUDA_CUDA_OPS_H_
 
@@ -148,6 +149,11 @@ class CudaOps : public Ops {
                                        const Tensor& out, const Tensor& dout,
                                        const Tensor& softmax_lse, Tensor* dqkv,
                                        Tensor* dbias) override;
+
+  // optimizer.cu
+  absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,
+                               const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
+                               Tensor* nu) override;
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
