@@ -431,12 +431,13 @@ def test_unsupported_glue_is_a_type_error_naming_the_op(body, op):
         _traced_with(body)
 
 
-def test_flax_own_modules_are_not_implemented_naming_the_module():
-    with pytest.raises(NotImplementedError, match="nn.MultiHeadDotProductAttention"):
-        TEUnfusedTransformerLayer(H, FFN, HEADS, use_te_attention=False).trace(_x(), deterministic=False)
-    for name in ("Dense", "LayerNorm"):
-        with pytest.raises(NotImplementedError, match="nn.%s " % name):
-            _traced_with(lambda x: getattr(nn, name)(features=H)(x) if name == "Dense" else nn.LayerNorm()(x))
+def test_flax_own_modules_record_flax_module_nodes():
+    traced = TEUnfusedTransformerLayer(H, FFN, HEADS, use_te_attention=False).trace(_x(), deterministic=False)
+    attention = traced.node("MultiHeadDotProductAttention_0")
+    assert attention.module.WhichOneof("module") == "flax_multi_head_dot_product_attention"
+    assert list(attention.inputs) == ["reshape_1", "reshape_2", "reshape_3"] and attention.mask == "causal_mask_0"
+    dense = _traced_with(lambda x: nn.Dense(features=7)(x))
+    assert dense.node("Dense_0").module.flax_dense.features == 7 and dense.output_shape[-1] == 7
 
 
 def test_a_module_called_twice_and_a_name_used_twice_are_refused():
