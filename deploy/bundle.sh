@@ -111,7 +111,18 @@ if [ $# -eq 0 ]; then
 fi
 program="$1"; shift
 case "$program" in */*) ;; *) program="$here/$program" ;; esac
-exec "$program" "$@"
+# te_server also takes its flags from the environment, for containers:
+# TE_FLAG_DEVICE=cpu is --device=cpu. Command-line flags come after them and
+# win.
+env_flags=()
+if [ "$(basename "$program")" = te_server ]; then
+  for name in $(compgen -e); do
+    case "$name" in
+      TE_FLAG_?*) flag="${name#TE_FLAG_}"; env_flags+=("--${flag,,}=${!name}") ;;
+    esac
+  done
+fi
+exec "$program" "${env_flags[@]}" "$@"
 EOF
 chmod +x "$out/run.sh"
 
@@ -120,6 +131,12 @@ echo "bundle: $out holds ${copied[*]:-nothing} and $(ls "$out" | grep -c '\.so')
 if [ "$bytes" -gt "$max_bytes" ] && [ -z "${BUNDLE_ANY_SIZE:-}" ]; then
   echo "bundle: $out is over 64 MiB; bundle fewer targets with BUNDLE_TARGETS" >&2
   exit 1
+fi
+
+# BUNDLE_NO_BENCH=1 (a container image) stops here.
+if [ -n "${BUNDLE_NO_BENCH:-}" ]; then
+  git rev-parse HEAD >"$out/COMMIT" 2>/dev/null || true
+  exit 0
 fi
 
 # The GPU benchmark harness (tests/bench) and the peers it compares against
