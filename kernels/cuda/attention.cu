@@ -1,7 +1,8 @@
 // CudaOps::AttentionForward / AttentionBackward: argument checks, then cuDNN's
 // fused SDPA (attention_cudnn.cc) where it takes the call, else the unfused
-// kernels (attention_fallback.cu). The first fallback of each configuration
-// is logged once on stderr with cuDNN's reason.
+// kernels: attention_small_head.cu for head_dim <= 32 without a bias,
+// attention_fallback.cu for the rest. The first fallback of each
+// configuration is logged once on stderr with cuDNN's reason.
 //
 // The packed variants (qkv [B, S, 3, H, D]) hand cuDNN pointers into qkv and
 // dqkv with a token stride of 3*H*D, so nothing is copied. Where cuDNN
@@ -73,8 +74,12 @@ void LogFallbackOnce(const std::string& config, const char* outcome, const absl:
                config.c_str(), outcome, std::string(reason.message()).c_str());
 }
 
-constexpr char kUnfused[] = "runs unfused";
 constexpr char kSplit[] = "splits qkv into q, k, v first";
+
+// What runs where cuDNN declines.
+const char* Unfused(bool small_head) {
+  return small_head ? "runs unfused (small-head kernels)" : "runs unfused";
+}
 
 bool SameDtype(const Tensor& a, const Tensor& b, const Tensor& c) {
   return a.dtype() == b.dtype() && a.dtype() == c.dtype();
@@ -175,6 +180,13 @@ AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& sh
   return p;
 }
 
+// The small-head kernels wherever they fit, unless a test or benchmark asked
+// for the general fallback.
+bool UseSmallHead(const AttentionProblem& problem) {
+  return GetAttentionPath() != AttentionPath::kGeneralFallbackOnly &&
+         SmallHeadAttentionFits(problem);
+}
+
 }  // namespace
 
 absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream) {
@@ -195,13 +207,19 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
                    CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
   if (out->numel() == 0) return absl::OkStatus();
 
+  const AttentionProblem problem = MakeProblem(args, shape, q, k, v);
+  const bool small_head = UseSmallHead(problem);
   if (GetAttentionPath() == AttentionPath::kAuto) {
     const absl::Status fused =
         CudnnSeparateForward(this, args, shape, q, k, v, out, softmax_lse);
     if (!absl::IsUnimplemented(fused)) return fused;
-    LogFallbackOnce(Describe("forward", args, shape, q.dtype()), kUnfused, fused);
+    LogFallbackOnce(Describe("forward", args, shape, q.dtype()), Unfused(small_head), fused);
   }
-  return FallbackAttentionForward(MakeProblem(args, shape, q, k, v), out->data(), out->dtype(),
+  if (small_head) {
+    return SmallHeadAttentionForward(problem, out->data(), out->dtype(),
+                                     softmax_lse->data_as<float>(), stream());
+  }
+  return FallbackAttentionForward(problem, out->data(), out->dtype(),
                                   softmax_lse->data_as<float>(), stream());
 }
 
@@ -216,15 +234,23 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
   const bool with_bias = args.bias.data() != nullptr;
   if (q.numel() == 0 && k.numel() == 0) return absl::OkStatus();
 
+  const AttentionProblem problem = MakeProblem(args, shape, q, k, v);
+  const bool small_head = UseSmallHead(problem);
   if (GetAttentionPath() == AttentionPath::kAuto) {
     const absl::Status fused = CudnnSeparateBackward(this, args, shape, q, k, v, out, dout,
                                                      softmax_lse, dq, dk, dv, dbias);
     if (!absl::IsUnimplemented(fused)) return fused;
-    LogFallbackOnce(Describe("backward", args, shape, q.dtype()), kUnfused, fused);
+    LogFallbackOnce(Describe("backward", args, shape, q.dtype()), Unfused(small_head), fused);
   }
   const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
   ASSIGN_OR_RETURN(void* row_dot, Workspace(rows * sizeof(float)));
-  return FallbackAttentionBackward(MakeProblem(args, shape, q, k, v), dout.data(), dout.dtype(),
+  if (small_head) {
+    return SmallHeadAttentionBackward(problem, out.data(), out.dtype(), dout.data(),
+                                      dout.dtype(), softmax_lse.data_as<float>(), dq->data(),
+                                      dq->dtype(), dk->data(), dk->dtype(), dv->data(),
+                                      dv->dtype(), static_cast<float*>(row_dot), stream());
+  }
+  return FallbackAttentionBackward(problem, dout.data(), dout.dtype(),
                                    softmax_lse.data_as<float>(), dq->data(), dq->dtype(),
                                    dk->data(), dk->dtype(), dv->data(), dv->dtype(),
                                    with_bias ? dbias->data_as<float>() : nullptr,

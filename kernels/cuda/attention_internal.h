@@ -6,6 +6,9 @@
 //                          logged once per configuration.
 //   attention_cudnn.cc     cuDNN 9 graph (backend) API: graphs built by hand,
 //                          one execution plan per shape, cached per stream.
+//   attention_small_head.cu  the unfused path for head_dim <= 32 without a
+//                          bias (Flax's float32 attention at D 4): a thread
+//                          per query (or key) row, tiles in shared memory.
 //   attention_fallback.cu  a straightforward tiled kernel for every case
 //                          (f32/f16/bf16, bias, any mask, DropoutUniform).
 //
@@ -73,6 +76,33 @@ absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream);
 // The largest head_dim the fallback handles.
 constexpr int64_t kFallbackMaxHeadDim = 512;
 
+// ---- small head_dim (attention_small_head.cu) ------------------------------
+// The largest head_dim of the small-head kernels. Each thread holds one row's
+// q (or k, v) and its accumulators in registers: 4 * 32 floats in the dk/dv
+// pass at D 32, about 160 registers; at D 64 they would spill, and from D 32
+// up the general fallback's warp-per-dot-product keeps its lanes busy anyway.
+constexpr int64_t kSmallHeadMaxHeadDim = 32;
+
+// Whether the small-head kernels compute this call: head_dim <= 32 and no
+// bias (a [Hq, Sq, Skv] bias and its dbias would make them memory-bound; the
+// general fallback keeps them). Every dtype, mask, GQA and dropout is covered.
+bool SmallHeadAttentionFits(const AttentionProblem& problem);
+
+// The same results as FallbackAttentionForward (within float32 rounding).
+absl::Status SmallHeadAttentionForward(const AttentionProblem& problem, void* out,
+                                       DType out_dtype, float* lse, cudaStream_t stream);
+
+// The same results as FallbackAttentionBackward with dbias null. out is the
+// forward's output: where it is f32, rowsum(P * dP) is taken as
+// rowsum(dout * out) (equal up to f32 rounding); for bf16 / f16 out it is
+// recomputed from P, as the CPU reference does, so out's rounding stays out
+// of the gradients. row_dot: f32 scratch of B*Hq*Sq floats.
+absl::Status SmallHeadAttentionBackward(const AttentionProblem& problem, const void* out,
+                                        DType out_dtype, const void* dout, DType dout_dtype,
+                                        const float* lse, void* dq, DType dq_dtype, void* dk,
+                                        DType dk_dtype, void* dv, DType dv_dtype,
+                                        float* row_dot, cudaStream_t stream);
+
 // ---- cuDNN (attention_cudnn.cc) ------------------------------------------
 // Where cuDNN reads q, k and v: separate [B, S, H, D] tensors, or the three
 // parts of one packed qkv [B, S, 3, H, D] (TE's BS3HD, at element offsets 0,
@@ -110,13 +140,17 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
 
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and
-// the server's --attention=unfused).
-enum class AttentionPath { kAuto, kFallbackOnly };
+// the server's --attention=unfused): the unfused kernels, small-head where
+// they fit. kGeneralFallbackOnly also skips the small-head kernels, so tests
+// and benchmarks can hold them against the general fallback.
+enum class AttentionPath { kAuto, kFallbackOnly, kGeneralFallbackOnly };
 void SetAttentionPath(AttentionPath path);
 AttentionPath GetAttentionPath();
 // Calls served by cuDNN (forward + backward), for tests to see which ran.
 int64_t CudnnAttentionCalls();
-// Of those, the packed ops' calls that cuDNN served on the packed layout
+// Calls served by the small-head kernels (forward + backward).
+int64_t SmallHeadAttentionCalls();
+// Of the cuDNN calls, the packed ops' calls that cuDNN served on the packed layout
 // itself (not after the split default).
 int64_t CudnnPackedAttentionCalls();
 
