@@ -19,6 +19,13 @@
 // scaling of the kept ones, and that backward drops the same elements as
 // forward (dv recomputed from the forward's mask).
 //
+// Small head_dim (D <= 32, no bias): the small-head kernels answer wherever
+// the unfused path runs, and each case asserts through their call counter
+// which unfused kernels ran. Their matrix: D 1, 4, 8, 16, 32 x f32 / bf16 x
+// every mask x dropout 0 / 0.1, with odd and unequal sequence lengths (37,
+// 130) and GQA groups of 1, 2 and 4 spread over it, plus a few long rows and
+// the general fallback on the same kind of shapes.
+//
 // The packed ops (qkv [B, S, 3, H, D] -> out; dqkv) against the CPU on the
 // parts and against the GPU's own unpacked ops: cuDNN reading and writing the
 // packed tensors in place where it takes them (asserted through the packed
@@ -48,9 +55,11 @@ constexpr double kF16AttentionGradTolerance = 2e-3;
 
 // kCudnn: cuDNN must take the call. kFallback: cuDNN switched off.
 // kDeclined: cuDNN asked first, must decline (f32, bias with padding or a
-// sequence not a multiple of 64), and the
-// fallback answers.
-enum class Path { kCudnn, kFallback, kDeclined };
+// sequence not a multiple of 64), and the unfused path answers. kGeneral:
+// cuDNN and the small-head kernels switched off (the general fallback).
+// Where the unfused path runs, the small-head kernels must answer exactly
+// when head_dim <= 32 and there is no bias.
+enum class Path { kCudnn, kFallback, kDeclined, kGeneral };
 
 struct Case {
   std::string name;
@@ -124,8 +133,9 @@ void ExpectLseNear(const std::vector<double>& gpu, const Tensor& cpu_lse, double
 
 TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   const Case& c = GetParam();
-  cuda::SetAttentionPath(c.path == Path::kFallback ? cuda::AttentionPath::kFallbackOnly
-                                                   : cuda::AttentionPath::kAuto);
+  cuda::SetAttentionPath(c.path == Path::kFallback  ? cuda::AttentionPath::kFallbackOnly
+                         : c.path == Path::kGeneral ? cuda::AttentionPath::kGeneralFallbackOnly
+                                                    : cuda::AttentionPath::kAuto);
   const Shape q_shape = {c.batch, c.q_seq, c.q_heads, c.head_dim};
   const Shape kv_shape = {c.batch, c.kv_seq, c.kv_heads, c.head_dim};
   const Shape lse_shape = {c.batch, c.q_heads, c.q_seq};
@@ -172,6 +182,7 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   Tensor gout = GpuEmpty(c.dtype, q_shape);
   Tensor glse = GpuEmpty(DType::kF32, lse_shape);
   const int64_t cudnn_calls_before = cuda::CudnnAttentionCalls();
+  const int64_t small_head_calls_before = cuda::SmallHeadAttentionCalls();
   const absl::Status fwd = gpu_->AttentionForward(gpu_args, gq, gk, gv, &gout, &glse);
   ASSERT_TRUE(fwd.ok()) << fwd;
   const double tolerance = Tolerance(c.dtype);
@@ -206,6 +217,10 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   const int64_t cudnn_calls = cuda::CudnnAttentionCalls() - cudnn_calls_before;
   EXPECT_EQ(cudnn_calls, c.path == Path::kCudnn ? 2 : 0)
       << "the test meant the " << (c.path == Path::kCudnn ? "cuDNN" : "unfused") << " path";
+  const bool small_head = (c.path == Path::kFallback || c.path == Path::kDeclined) &&
+                          c.head_dim <= cuda::kSmallHeadMaxHeadDim && !c.bias;
+  EXPECT_EQ(cuda::SmallHeadAttentionCalls() - small_head_calls_before, small_head ? 2 : 0)
+      << "the test meant the " << (small_head ? "small-head" : "general") << " unfused kernels";
 }
 
 // Odd sizes on purpose: sequence lengths not multiples of 64, head_dim above
@@ -223,8 +238,87 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_causal_gqa_dropout", Path::kFallback, DType::kBF16, 2, 100, 100, 8, 2, 64,
              MaskType::kCausal, 0.1f},
         Case{"f16_padding_causal", Path::kFallback, DType::kF16, 2, 77, 77, 4, 4, 160,
-             MaskType::kPaddingCausal}),
+             MaskType::kPaddingCausal},
+        // Shapes the small-head kernels would take, on the general fallback.
+        Case{"general_f32_nomask", Path::kGeneral, DType::kF32, 2, 33, 47, 4, 2, 24,
+             MaskType::kNoMask},
+        Case{"general_f32_padding_dropout", Path::kGeneral, DType::kF32, 3, 29, 70, 4, 1, 32,
+             MaskType::kPadding, 0.2f, false, true},
+        Case{"general_bf16_causal_dropout_d4", Path::kGeneral, DType::kBF16, 2, 37, 37, 4, 4, 4,
+             MaskType::kCausal, 0.1f}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+const char* MaskLabel(MaskType mask) {
+  switch (mask) {
+    case MaskType::kNoMask: return "nomask";
+    case MaskType::kCausal: return "causal";
+    case MaskType::kPadding: return "padding";
+    case MaskType::kPaddingCausal: return "padding_causal";
+  }
+  return "mask";
+}
+
+// The small-head matrix. f32 goes through the automatic dispatch (cuDNN
+// declines f32, so the small-head kernels must answer); bf16 with cuDNN
+// switched off, since cuDNN takes some bf16 shapes (D 8, 16, 32) itself.
+std::vector<Case> SmallHeadCases() {
+  struct Geometry {
+    int64_t batch, q_seq, kv_seq, q_heads, kv_heads;
+  };
+  // Odd lengths across the 128-row blocks and 64-key tiles, cross attention
+  // both ways (causal then has rows that see every key, or keys no row sees),
+  // GQA groups of 1, 2 and 4.
+  const Geometry geometries[] = {
+      {2, 37, 37, 4, 4}, {2, 130, 130, 4, 2}, {3, 37, 130, 4, 1}, {2, 130, 37, 6, 3}};
+  std::vector<Case> cases;
+  int n = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int64_t dim : {1, 4, 8, 16, 32}) {
+      for (MaskType mask :
+           {MaskType::kNoMask, MaskType::kCausal, MaskType::kPadding, MaskType::kPaddingCausal}) {
+        for (float dropout : {0.0f, 0.1f}) {
+          const Geometry& g = geometries[n++ % 4];
+          Case c;
+          c.name = std::string(DTypeName(dtype)) + "_d" + std::to_string(dim) + "_" +
+                   MaskLabel(mask) + (dropout > 0.0f ? "_dropout" : "") + "_s" +
+                   std::to_string(g.q_seq) + "x" + std::to_string(g.kv_seq) + "_h" +
+                   std::to_string(g.q_heads) + "kv" + std::to_string(g.kv_heads);
+          c.path = dtype == DType::kF32 ? Path::kDeclined : Path::kFallback;
+          c.dtype = dtype;
+          c.batch = g.batch;
+          c.q_seq = g.q_seq;
+          c.kv_seq = g.kv_seq;
+          c.q_heads = g.q_heads;
+          c.kv_heads = g.kv_heads;
+          c.head_dim = dim;
+          c.mask = mask;
+          c.dropout = dropout;
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  // Long rows: many tiles, the causal block order, the quickstart's D 4
+  // with dropout 0.1; f16; a batch whose every key is padded away.
+  cases.push_back(Case{"f32_d4_causal_dropout_s2048", Path::kDeclined, DType::kF32, 1, 2048,
+                       2048, 2, 2, 4, MaskType::kCausal, 0.1f});
+  cases.push_back(Case{"bf16_d32_padding_causal_dropout_s600", Path::kFallback, DType::kBF16, 2,
+                       600, 600, 2, 1, 32, MaskType::kPaddingCausal, 0.1f});
+  cases.push_back(Case{"f16_d8_causal_dropout_s130", Path::kFallback, DType::kF16, 2, 130, 130,
+                       4, 2, 8, MaskType::kCausal, 0.1f});
+  cases.push_back(Case{"f16_d24_padding", Path::kFallback, DType::kF16, 2, 37, 70, 4, 4, 24,
+                       MaskType::kPadding});
+  cases.push_back(Case{"f32_d8_padding_zero_kv_length", Path::kDeclined, DType::kF32, 3, 37, 37,
+                       4, 2, 8, MaskType::kPadding, 0.1f, false, true});
+  cases.push_back(Case{"f32_d12_padding_causal_zero_kv_length", Path::kDeclined, DType::kF32, 2,
+                       130, 130, 2, 2, 12, MaskType::kPaddingCausal, 0.0f, false, true});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(SmallHead, GpuAttentionTest, ::testing::ValuesIn(SmallHeadCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(
     Cudnn, GpuAttentionTest,
