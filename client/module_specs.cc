@@ -46,6 +46,15 @@ absl::StatusOr<te::v1::ParamDType> ParseParamDType(const std::string& field, DTy
       absl::StrCat(field, ": parameters can be float32 or bfloat16, not ", DTypeName(dtype)));
 }
 
+// A Flax dtype field: float32, bfloat16 or float16; None (Flax's "promote
+// the input and the parameters") is te.v1's DTYPE_UNSPECIFIED.
+absl::StatusOr<te::v1::DType> ParseFlaxDType(const std::string& field, std::optional<DType> dtype) {
+  if (!dtype.has_value()) return te::v1::DTYPE_UNSPECIFIED;
+  if (*dtype == DType::kF32 || *dtype == DType::kBF16 || *dtype == DType::kF16) return ToProtoDType(*dtype);
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": Flax's modules take float32, bfloat16 or float16, not ", DTypeName(*dtype)));
+}
+
 template <typename Repeated, typename Values>
 void SetAll(Repeated* out, const Values& values) {
   for (const auto& v : values) out->Add(v);
@@ -186,17 +195,60 @@ absl::StatusOr<te::v1::LayerSpec> TransformerLayer::Spec() const {
   return spec;
 }
 
-absl::StatusOr<te::v1::LayerSpec> FlaxTransformerLayer::Spec() const {
+// Flax's modules: optional fields written as the Python client writes them
+// (dtype left unset for None, Flax's "promote"), so that both clients send
+// the same spec.
+absl::StatusOr<te::v1::LayerSpec> FlaxDense::Spec() const {
   te::v1::LayerSpec spec;
-  te::v1::FlaxTransformerLayer* p = spec.mutable_flax_transformer_layer();
-  p->set_hidden_size(hidden_size);
-  p->set_ffn_hidden_size(ffn_hidden_size);
-  p->set_num_attention_heads(num_attention_heads);
-  p->set_layernorm_eps(layernorm_eps);
-  p->set_attention_dropout(attention_dropout);
-  p->set_hidden_dropout(hidden_dropout);
-  ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
-  p->set_dtype(param_dtype);
+  te::v1::FlaxDense* p = spec.mutable_flax_dense();
+  p->set_features(features);
+  p->set_use_bias(use_bias);
+  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
+  p->set_dtype(compute);
+  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
+  p->set_param_dtype(params);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> FlaxDenseGeneral::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::FlaxDenseGeneral* p = spec.mutable_flax_dense_general();
+  SetAll(p->mutable_features(), features);
+  SetAll(p->mutable_axis(), axis);
+  p->set_use_bias(use_bias);
+  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
+  p->set_dtype(compute);
+  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
+  p->set_param_dtype(params);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> FlaxLayerNorm::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::FlaxLayerNorm* p = spec.mutable_flax_layer_norm();
+  p->set_epsilon(epsilon);
+  p->set_use_bias(use_bias);
+  p->set_use_scale(use_scale);
+  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
+  p->set_dtype(compute);
+  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
+  p->set_param_dtype(params);
+  return spec;
+}
+
+absl::StatusOr<te::v1::LayerSpec> FlaxMultiHeadDotProductAttention::Spec() const {
+  te::v1::LayerSpec spec;
+  te::v1::FlaxMultiHeadDotProductAttention* p = spec.mutable_flax_multi_head_dot_product_attention();
+  p->set_num_heads(num_heads);
+  if (qkv_features.has_value()) p->set_qkv_features(*qkv_features);
+  if (out_features.has_value()) p->set_out_features(*out_features);
+  p->set_dropout_rate(dropout_rate);
+  p->set_use_bias(use_bias);
+  p->set_broadcast_dropout(broadcast_dropout);
+  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
+  p->set_dtype(compute);
+  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
+  p->set_param_dtype(params);
   return spec;
 }
 

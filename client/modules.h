@@ -1,6 +1,7 @@
 // The modules of transformer_engine.jax.flax, as client-side descriptions
-// with TE's field names and defaults as public members, plus the quickstart's
-// plain-Flax layer. A module object is a configuration only (thread-compatible);
+// with TE's field names and defaults as public members, and Flax's own
+// modules (flax.linen's Dense, DenseGeneral, LayerNorm and
+// MultiHeadDotProductAttention) with Flax's. A module object is a configuration only (thread-compatible);
 // the layer's state lives in the server session that Init created it in.
 //
 //   TransformerLayer layer;
@@ -262,21 +263,67 @@ class TransformerLayer : public Module {
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
 };
 
-// The quickstart's FlaxTransformerLayer (flax.linen LayerNorm, Dense,
-// dot-product attention with a causal mask, Dropout, gelu MLP).
-class FlaxTransformerLayer : public Module {
- public:
-  FlaxTransformerLayer(int64_t hidden_size, int64_t ffn_hidden_size, int num_attention_heads)
-      : hidden_size(hidden_size), ffn_hidden_size(ffn_hidden_size), num_attention_heads(num_attention_heads) {}
-  int64_t hidden_size;
-  int64_t ffn_hidden_size;
-  int num_attention_heads;
-  float layernorm_eps = 1e-5f;
-  float attention_dropout = 0.1f;
-  float hidden_dropout = 0.1f;
-  DType dtype = DType::kF32;
+// ---- Flax's own modules (flax.linen), Flax's defaults ---------------------------
+// Flax's names, shapes, initialisers and dtype rule (layers.proto's
+// FlaxDense...): parameters in param_dtype; the computation, and y, in
+// `dtype` when set, else in the promotion of the input's dtype and
+// param_dtype (a bfloat16 x with float32 params gives float32). type_name()
+// is Flax's class name, so a Graph names them "Dense_0", "LayerNorm_1".
+// They ignore FP8 autocast, as plain Flax does.
 
-  std::string type_name() const override { return "FlaxTransformerLayer"; }
+class FlaxDense : public Module {
+ public:
+  explicit FlaxDense(int64_t features) : features(features) {}
+  int64_t features;
+  bool use_bias = true;
+  std::optional<DType> dtype;  // None: promote x's dtype and param_dtype
+  DType param_dtype = DType::kF32;
+
+  std::string type_name() const override { return "Dense"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class FlaxDenseGeneral : public Module {
+ public:
+  explicit FlaxDenseGeneral(std::vector<int64_t> features) : features(std::move(features)) {}
+  std::vector<int64_t> features;
+  std::vector<int> axis = {-1};  // contracted input axes
+  bool use_bias = true;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::kF32;
+
+  std::string type_name() const override { return "DenseGeneral"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+class FlaxLayerNorm : public Module {
+ public:
+  float epsilon = 1e-6f;
+  bool use_bias = true;
+  bool use_scale = true;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::kF32;
+
+  std::string type_name() const override { return "LayerNorm"; }
+  absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+};
+
+// x is inputs_q [batch, q_len, features]; k and v are extra inputs (in a
+// Graph, the node's second and third inputs). Its mask in a Graph is the
+// node's: a causal_mask node's output makes it causal.
+class FlaxMultiHeadDotProductAttention : public Module {
+ public:
+  explicit FlaxMultiHeadDotProductAttention(int num_heads) : num_heads(num_heads) {}
+  int num_heads;
+  std::optional<int64_t> qkv_features;  // None: inputs_q's features
+  std::optional<int64_t> out_features;  // None: inputs_q's features
+  float dropout_rate = 0.0f;
+  bool use_bias = true;
+  bool broadcast_dropout = true;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::kF32;
+
+  std::string type_name() const override { return "MultiHeadDotProductAttention"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
 };
 

@@ -1,9 +1,8 @@
-// Modules without a server: specs carry TE's defaults, shape trees print as
-// the quickstart prints them, the Sequential glue steps invert, and the
-// quickstart's composites become the graph the server runs.
+// Modules without a server: specs carry TE's (and Flax's) defaults, shape
+// trees print as the quickstart prints them, and the Sequential glue steps
+// invert.
 #include "client/modules.h"
 
-#include "client/quickstart_layers.h"
 #include "client/sequential.h"
 #include "gtest/gtest.h"
 
@@ -149,44 +148,51 @@ TEST(SequentialGlueTest, QkvSplitAndItsBackward) {
   EXPECT_EQ(split.backward({qkv}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// TEUnfusedTransformerLayer as one te.v1.GraphSpec: module nodes under Flax's
-// scope names, glue under the steps' names, a residual add per Join, and
-// reshapes that keep the batch free and the sequence length of the config.
-TEST(ServerSequentialTest, UnfusedLayerIsOneGraph) {
-  const LayerSize c{2, 16, 32, 64, 2};
-  absl::StatusOr<te::v1::LayerSpec> spec = ServerSequential(UnfusedLayer(c)).Spec();
+// Flax's modules carry Flax's defaults, and leave dtype unset for None
+// (Flax's "promote the input and the parameters"), as the Python client does.
+TEST(ModuleSpecTest, FlaxModulesDefaultsAreFlaxs) {
+  absl::StatusOr<te::v1::LayerSpec> spec = FlaxDense(8).Spec();
   ASSERT_TRUE(spec.ok()) << spec.status();
-  ASSERT_TRUE(spec->has_graph());
-  const te::v1::GraphSpec& g = spec->graph();
-  std::vector<std::string> names;
-  for (const te::v1::GraphSpec::Node& n : g.nodes()) names.push_back(n.name());
-  EXPECT_EQ(names, (std::vector<std::string>{
-                       "LayerNorm_0", "DenseGeneral_0", "qkv_reshape", "qkv_split",
-                       "DotProductAttention_0", "heads_merge", "DenseGeneral_1", "residual_add_0",
-                       "LayerNorm_1", "TEUnfusedMLP_0/DenseGeneral_0", "TEUnfusedMLP_0/activation",
-                       "TEUnfusedMLP_0/DenseGeneral_1", "residual_add_1"}));
-  EXPECT_EQ(std::vector<int64_t>(g.nodes(2).reshape().shape().begin(), g.nodes(2).reshape().shape().end()),
-            (std::vector<int64_t>{-1, 16, 2, 48}));
-  EXPECT_EQ(std::vector<int64_t>(g.nodes(5).reshape().shape().begin(), g.nodes(5).reshape().shape().end()),
-            (std::vector<int64_t>{-1, 16, 32}));
-  EXPECT_EQ(g.nodes(3).split().parts(), 3);
-  EXPECT_EQ(g.nodes(4).inputs_size(), 3);  // q, k, v
-  EXPECT_EQ(g.nodes(4).inputs(2), "qkv_split[2]");
-  EXPECT_EQ(g.nodes(7).inputs(0), "DenseGeneral_1");
-  EXPECT_EQ(g.nodes(7).inputs(1), "x");
-  EXPECT_EQ(g.nodes(12).inputs(1), "residual_add_0");
-  ASSERT_EQ(g.outputs_size(), 1);
-  EXPECT_EQ(g.outputs(0), "residual_add_1");
+  EXPECT_EQ(spec->flax_dense().features(), 8);
+  EXPECT_TRUE(spec->flax_dense().use_bias());
+  EXPECT_EQ(spec->flax_dense().dtype(), te::v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(spec->flax_dense().param_dtype(), te::v1::FLOAT32);
 
-  absl::StatusOr<te::v1::LayerSpec> fused = ServerSequential(FusedLayer(c)).Spec();
-  ASSERT_TRUE(fused.ok()) << fused.status();
-  EXPECT_EQ(fused->graph().nodes(0).name(), "LayerNormDenseGeneral_0");
-  EXPECT_EQ(fused->graph().nodes_size(), 9);
+  spec = FlaxLayerNorm().Spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_FLOAT_EQ(spec->flax_layer_norm().epsilon(), 1e-6f);
+  EXPECT_TRUE(spec->flax_layer_norm().has_use_bias() && spec->flax_layer_norm().use_bias());
+  EXPECT_TRUE(spec->flax_layer_norm().has_use_scale() && spec->flax_layer_norm().use_scale());
 
-  // A reshape without its leading dims has no graph node.
-  Sequential chain;
-  chain.AddHost("reshape", ReshapeTrailing({4}, {2, 2}));
-  EXPECT_EQ(ServerSequential(chain).Spec().status().code(), absl::StatusCode::kUnimplemented);
+  spec = FlaxDenseGeneral({4, 2}).Spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->flax_dense_general().features_size(), 2);
+  ASSERT_EQ(spec->flax_dense_general().axis_size(), 1);
+  EXPECT_EQ(spec->flax_dense_general().axis(0), -1);
+
+  FlaxMultiHeadDotProductAttention attention(4);
+  spec = attention.Spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const te::v1::FlaxMultiHeadDotProductAttention& a = spec->flax_multi_head_dot_product_attention();
+  EXPECT_EQ(a.num_heads(), 4);
+  EXPECT_FALSE(a.has_qkv_features());  // None: inputs_q's features
+  EXPECT_FALSE(a.has_out_features());
+  EXPECT_TRUE(a.has_dropout_rate());
+  EXPECT_EQ(a.dropout_rate(), 0.0f);
+  EXPECT_TRUE(a.broadcast_dropout());
+
+  attention.dtype = DType::kBF16;
+  attention.qkv_features = 16;
+  spec = attention.Spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->flax_multi_head_dot_product_attention().dtype(), te::v1::BFLOAT16);
+  EXPECT_EQ(spec->flax_multi_head_dot_product_attention().qkv_features(), 16);
+
+  FlaxDense fp8(8);
+  fp8.param_dtype = DType::kE4M3;
+  absl::Status status = fp8.Spec().status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("param_dtype"), std::string::npos) << status;
 }
 
 }  // namespace

@@ -4,21 +4,21 @@
 // The notebook builds a GPT decoder layer six ways and times each with its
 // speedometer (forward + backward, value_and_grad of vdot(y, dy)) on bf16
 // inputs with a causal mask:
-//   1. FlaxTransformerLayer: plain Flax (nn.LayerNorm, nn.Dense, dot-product
-//      attention, gelu MLP).
+//   1. FlaxTransformerLayer: plain Flax (nn.LayerNorm, nn.Dense,
+//      nn.MultiHeadDotProductAttention, a gelu MLP).
 //   2. TEUnfusedTransformerLayer(use_te_attention=False): te_flax LayerNorm,
 //      DenseGeneral and activation, with Flax's attention.
 //   3. TEUnfusedTransformerLayer: the same with te_flax.DotProductAttention.
 //   4. 3 under te.autocast(DelayedScaling(HYBRID, amax_history_len=16, "max")).
 //   5. TEFusedTransformerLayer: LayerNormDenseGeneral + LayerNormMLP, FP8.
 //   6. te_flax.TransformerLayer, FP8.
-// Variants 1 and 6 are single server modules. 2-5 compose modules in Flax:
-// here they are a Sequential of server modules with the reshapes, the q/k/v
-// split and the residual adds between them, sent as one te.v1.GraphSpec
-// layer (ServerSequential: the activations stay on the device, as in the
-// notebook's jitted step). --sequential_on_server=false runs the same chain
-// from the client instead, one call per module with the glue on the host
-// (the graph's reference; slow at full size).
+// Sections 1-5 compose modules in Flax: each is a Graph (client/graph.h)
+// built node for node as the notebook's class writes it, the spec the Python
+// client traces from the same class, which the server runs as one layer (the
+// activations stay on the device, as in the notebook's jitted step). Section
+// 6 is one module. Each prints its parameter tree, its output's shape and
+// dtype (section 1's is float32: Flax's modules promote the bf16 x with
+// their float32 parameters), and the speedometer's mean step time.
 //
 //   quickstart --server=localhost:50051 --config=small --variants=all --iters=10
 #include <chrono>
@@ -38,7 +38,6 @@
 #include "client/client.h"
 #include "client/modules.h"
 #include "client/quickstart_layers.h"
-#include "client/sequential.h"
 #include "client/speedometer.h"
 #include "kernels/status_macros.h"
 
@@ -49,10 +48,7 @@ ABSL_FLAG(std::string, config, "small",
 ABSL_FLAG(std::string, variants, "all", "which variants to run: all, or a list such as 1,4,6");
 ABSL_FLAG(int, iters, 10, "timed steps per variant (the notebook uses 50)");
 ABSL_FLAG(int, warmup, 3, "warm-up steps per variant (the notebook uses 50)");
-ABSL_FLAG(bool, server_side, false, "time single-module variants on the server (Benchmark RPC)");
-ABSL_FLAG(bool, sequential_on_server, true,
-          "variants 2-5: the server runs the chain as one graph layer (false: one call per "
-          "module, glue on the client)");
+ABSL_FLAG(bool, server_side, false, "time the steps on the server (Benchmark RPC)");
 
 namespace te::client {
 namespace {
@@ -95,65 +91,33 @@ absl::Status RunModule(Session& session, const Module& module, const Inputs& in)
   apply.deterministic = true;
   ASSIGN_OR_RETURN(HostTensor y, module.Apply(vars, in.x, apply));
   PrintApplied(in.x, y);
-  return Speedometer(session, module, vars, in.x, in.dy, in.speed).status();
-}
-
-absl::Status RunSequential(Session& session, const Sequential& layer, const Inputs& in) {
-  if (absl::GetFlag(FLAGS_sequential_on_server)) {
-    return RunModule(session, ServerSequential(layer), in);
+  // The step's dy comes in y's dtype (float32 for the Flax-attention
+  // sections), holding the same bf16 values.
+  HostTensor dy = in.dy;
+  if (dy.dtype() != y.dtype()) {
+    ASSIGN_OR_RETURN(dy, HostTensor::FromFloats(in.dy.shape(), in.dy.ToFloats(), y.dtype()));
   }
-  ASSIGN_OR_RETURN(SequentialVariables vars, layer.Init(session, /*key=*/42, in.x));
-  std::cout << "Parameter shapes: " << ShapeTree(vars.variables) << "\n";
-  ApplyOptions apply;
-  apply.deterministic = true;
-  ASSIGN_OR_RETURN(HostTensor y, layer.Apply(vars, in.x, apply));
-  PrintApplied(in.x, y);
-  SpeedometerOptions speed = in.speed;
-  speed.server_side = false;  // several layers per step: only the client can time it
-  // Unlike the notebook's jitted layer, each step here is a chain of server
-  // calls whose activations all cross the network (at the quickstart's sizes,
-  // gigabytes per step): its time measures the transport, not the layer.
-  std::cout << "(timed client-side: a chain of server calls per step, every activation through the client)\n";
-  return Speedometer(session, layer, vars, in.x, in.dy, speed).status();
+  return Speedometer(session, module, vars, in.x, dy, in.speed).status();
 }
 
 absl::Status RunVariant(Client& client, int variant, const LayerSize& c, const Inputs& in) {
-  static const char* const kTitles[] = {
-      "",
-      "Pure Flax FlaxTransformerLayer",
-      "TE DenseGeneral + LayerNorm + activation, Flax attention",
-      "TE DenseGeneral + LayerNorm + activation + DotProductAttention",
-      "TE unfused layer under FP8 (DelayedScaling HYBRID, amax_history_len=16, max)",
-      "TE fused LayerNormDenseGeneral + LayerNormMLP under FP8",
-      "TE TransformerLayer under FP8",
-  };
-  std::cout << "\n== " << variant << ". " << kTitles[variant] << " ==\n";
-  const bool fp8 = variant >= 4;
+  ASSIGN_OR_RETURN(QuickstartSection section, SectionFor(variant, c));
+  std::cout << "\n== " << variant << ". " << section.title << " ==\n";
   SessionOptions options;
-  if (fp8) {
+  if (section.fp8) {
     options.recipes = {QuickstartRecipe()};
     options.policy = NegotiationPolicy::kEmulate;  // FP8 also on devices without FP8 GEMMs (emulated)
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Session> session, client.CreateSession(options));
-  if (fp8) {
+  if (section.fp8) {
     std::cout << "Session on " << session->device() << ", recipe "
               << (session->recipe() ? RecipeString(*session->recipe()) : "none")
               << (session->emulated() ? " (emulated)" : "") << "\n";
     if (!session->negotiation().empty()) std::cout << "Negotiation: " << session->negotiation() << "\n";
   }
   // te.autocast(enabled=True, recipe=fp8_recipe) around init, apply and the speedometer.
-  Autocast autocast(fp8, QuickstartRecipe());
-  switch (variant) {
-    case 1: {
-      return RunModule(*session, QuickstartFlaxLayer(c), in);
-    }
-    case 2:
-    case 3:
-    case 4: return RunSequential(*session, UnfusedLayer(c), in);
-    case 5: return RunSequential(*session, FusedLayer(c), in);
-    case 6: return RunModule(*session, QuickstartTransformerLayer(c), in);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("variant ", variant));
+  Autocast autocast(section.fp8, QuickstartRecipe());
+  return RunModule(*session, *section.layer, in);
 }
 
 absl::Status Main() {

@@ -1,102 +1,238 @@
 #include "client/quickstart_layers.h"
 
-#include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/modules.h"
 
 namespace te::client {
 namespace {
 
-// The attention block of TEUnfusedTransformerLayer / TEFusedTransformerLayer
-// after the qkv projection: qkv.reshape(b, s, heads, 3 * kv_channels), split
-// into q, k, v, DotProductAttention, reshape to (b, s, hidden), then the
-// output DenseGeneral. The graph's reshapes keep the batch free (-1) and the
-// sequence length of `c`. (The notebook's nn.Dropout after the projection is
-// left out, so that the host-side chain, the graph's reference, has the same
-// steps; the attention's own dropout is kept.)
-void AddAttention(const LayerSize& c, Sequential* layer) {
-  const int64_t kv_channels = c.hidden / c.heads;
-  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv_channels}, {-1, c.seq}));
-  layer->AddHost("qkv_split", SplitLastAxisStep(3));
-  auto attention = std::make_shared<DotProductAttention>(static_cast<int>(kv_channels), c.heads);
-  attention->num_gqa_groups = c.heads;
-  attention->attention_dropout = 0.1f;
-  attention->attn_mask_type = "causal";
-  attention->dtype = DType::kBF16;
-  layer->Add("DotProductAttention_0", attention);
-  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv_channels}, {c.hidden}, {-1, c.seq}));
-  auto proj = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
-  proj->use_bias = true;
-  layer->Add("DenseGeneral_1", proj);
+using Edge = Graph::Edge;
+
+constexpr float kLayerNormEps = 1e-5f;  // the classes' layernorm_eps
+constexpr float kAttentionDropout = 0.1f;
+
+int64_t KvChannels(const LayerSize& c) { return c.hidden / c.heads; }
+
+// qkv.reshape(b, s, heads, 3 * kv_channels); q, k, v = jnp.split(qkv, 3, axis=3).
+std::vector<Edge> SplitQkv(Graph& g, Edge qkv, const LayerSize& c) {
+  qkv = g.Reshape(qkv, {c.batch, c.seq, c.heads, 3 * KvChannels(c)});
+  return g.Split(qkv, 3, 3);
+}
+
+// The Flax-attention branch (sections 1 and 2): q, k, v reshaped to
+// (b, s, hidden), nn.MultiHeadDotProductAttention with the causal mask.
+Edge FlaxAttention(Graph& g, const std::vector<Edge>& qkv, Edge mask, const LayerSize& c) {
+  std::vector<Edge> inputs;
+  for (Edge t : qkv) inputs.push_back(g.Reshape(t, {c.batch, c.seq, c.hidden}));
+  FlaxMultiHeadDotProductAttention attention(c.heads);
+  attention.qkv_features = KvChannels(c);
+  attention.dropout_rate = kAttentionDropout;
+  return g.Call(attention, inputs, mask);
+}
+
+// te_flax.DotProductAttention as sections 3-5 configure it.
+DotProductAttention TeAttention(const LayerSize& c) {
+  DotProductAttention attention(static_cast<int>(KvChannels(c)), c.heads);
+  attention.num_gqa_groups = c.heads;
+  attention.attention_dropout = kAttentionDropout;
+  attention.attn_mask_type = "causal";
+  attention.dtype = DType::kBF16;
+  return attention;
+}
+
+DenseGeneral TeDense(int64_t features) {
+  DenseGeneral dense({features});
+  dense.use_bias = true;
+  return dense;
+}
+
+LayerNorm TeNorm() {
+  LayerNorm norm;
+  norm.epsilon = kLayerNormEps;
+  return norm;
+}
+
+// The TE-attention branch (sections 3-5): DotProductAttention, the reshape
+// back to (b, s, hidden), the output DenseGeneral and nn.Dropout.
+Edge TeAttentionBlock(Graph& g, const std::vector<Edge>& qkv, const LayerSize& c) {
+  Edge x = g.Call(TeAttention(c), qkv);
+  x = g.Reshape(x, {c.batch, c.seq, c.hidden});
+  x = g.Call(TeDense(c.hidden), {x});
+  return g.Dropout(x, kAttentionDropout);
+}
+
+LayerNormMLP FusedMlp(const LayerSize& c) {
+  LayerNormMLP mlp;
+  mlp.intermediate_dim = c.ffn;
+  mlp.epsilon = kLayerNormEps;
+  mlp.use_bias = true;
+  mlp.activations = {"gelu"};
+  mlp.intermediate_dropout_rate = 0.0f;
+  mlp.return_layernorm_output = false;
+  return mlp;
+}
+
+LayerNormDenseGeneral FusedQkv(const LayerSize& c) {
+  LayerNormDenseGeneral qkv({3 * c.hidden});
+  qkv.epsilon = kLayerNormEps;
+  qkv.use_bias = true;
+  qkv.return_layernorm_output = false;
+  return qkv;
+}
+
+Graph NewGraph(std::string type_name, const LayerSize& c) {
+  return Graph(std::move(type_name), {c.batch, c.seq, c.hidden}, DType::kBF16);
 }
 
 }  // namespace
 
-// Variants 2-4: TEUnfusedTransformerLayer. The server has no standalone Flax
-// attention (Flax's attention lives only inside FlaxTransformerLayer), so
-// variant 2 runs TE's DotProductAttention as variant 3 does: the two differ
-// in the notebook, not here. The causal mask is the attention's mask type;
-// the server takes explicit masks only for padding.
-Sequential UnfusedLayer(const LayerSize& c) {
+Graph QuickstartFlaxLayer(const LayerSize& c) {
+  Graph g = NewGraph("FlaxTransformerLayer", c);
+  const Edge mask = g.CausalMask(g.x());  // attention_mask is None
+  Edge res = g.x();
+  FlaxLayerNorm norm;
+  norm.epsilon = kLayerNormEps;
+  Edge x = g.Call(norm, {g.x()});
+  const Edge qkv = g.Call(FlaxDense(3 * c.hidden), {x});
+  x = FlaxAttention(g, SplitQkv(g, qkv, c), mask, c);
+  x = g.Add(res, x);
+
+  res = x;
+  x = g.Call(norm, {x});
+  {
+    Graph::Scope mlp = g.Submodule("FlaxMLP");
+    x = g.Call(FlaxDense(c.ffn), {x});
+    x = g.Gelu(x);
+    x = g.Call(FlaxDense(c.hidden), {x});
+  }
+  g.SetOutput(g.Add(x, res));
+  return g;
+}
+
+Graph UnfusedLayer(const LayerSize& c, bool use_te_attention) {
+  Graph g = NewGraph("TEUnfusedTransformerLayer", c);
+  // Made whether or not a branch reads it; TE's attention does not (its
+  // mask type is causal), and then the graph leaves it out.
+  const Edge mask = g.CausalMask(g.x());
+  Edge res = g.x();
+  Edge x = g.Call(TeNorm(), {g.x()});
+  const Edge qkv = g.Call(TeDense(3 * c.hidden), {x});
+  const std::vector<Edge> q_k_v = SplitQkv(g, qkv, c);
+  x = use_te_attention ? TeAttentionBlock(g, q_k_v, c) : FlaxAttention(g, q_k_v, mask, c);
+  x = g.Add(res, x);
+
+  res = x;
+  x = g.Call(TeNorm(), {x});
+  {
+    Graph::Scope mlp = g.Submodule("TEUnfusedMLP");
+    x = g.Call(TeDense(c.ffn), {x});
+    x = g.Reshape(x, {c.batch, c.seq, 1, c.ffn});
+    x = g.Activation(x, {"gelu"});
+    x = g.Call(TeDense(c.hidden), {x});
+  }
+  g.SetOutput(g.Add(x, res));
+  return g;
+}
+
+Graph FusedLayer(const LayerSize& c) {
+  Graph g = NewGraph("TEFusedTransformerLayer", c);
+  Edge res = g.x();
+  const Edge qkv = g.Call(FusedQkv(c), {g.x()});
+  Edge x = TeAttentionBlock(g, SplitQkv(g, qkv, c), c);
+  x = g.Add(res, x);
+
+  res = x;
+  x = g.Call(FusedMlp(c), {x});
+  g.SetOutput(g.Add(x, res));
+  return g;
+}
+
+TransformerLayer QuickstartTransformerLayer(const LayerSize& c) {
+  TransformerLayer layer;
+  layer.hidden_size = c.hidden;
+  layer.mlp_hidden_size = c.ffn;
+  layer.num_attention_heads = c.heads;
+  layer.mlp_activations = {"gelu"};
+  layer.self_attn_mask_type = "causal";
+  layer.layernorm_epsilon = kLayerNormEps;
+  layer.use_bias = true;
+  layer.intermediate_dropout = 0.0f;
+  layer.enable_relative_embedding = false;
+  layer.self_attn_bias_type = "no_bias";
+  layer.hidden_dropout = 0.0f;
+  layer.dtype = DType::kBF16;
+  return layer;
+}
+
+absl::StatusOr<QuickstartSection> SectionFor(int section, const LayerSize& c) {
+  switch (section) {
+    case 1:
+      return QuickstartSection{"Pure Flax FlaxTransformerLayer", false,
+                               std::make_shared<Graph>(QuickstartFlaxLayer(c))};
+    case 2:
+      return QuickstartSection{"TE DenseGeneral + LayerNorm + activation, Flax attention", false,
+                               std::make_shared<Graph>(UnfusedLayer(c, /*use_te_attention=*/false))};
+    case 3:
+      return QuickstartSection{"TE DenseGeneral + LayerNorm + activation + DotProductAttention", false,
+                               std::make_shared<Graph>(UnfusedLayer(c))};
+    case 4:
+      return QuickstartSection{"TE unfused layer under FP8 (DelayedScaling HYBRID, amax_history_len=16, max)",
+                               true, std::make_shared<Graph>(UnfusedLayer(c))};
+    case 5:
+      return QuickstartSection{"TE fused LayerNormDenseGeneral + LayerNormMLP under FP8", true,
+                               std::make_shared<Graph>(FusedLayer(c))};
+    case 6:
+      return QuickstartSection{"TE TransformerLayer under FP8", true,
+                               std::make_shared<TransformerLayer>(QuickstartTransformerLayer(c))};
+  }
+  return absl::InvalidArgumentError(absl::StrCat("section: ", section, " is not a quickstart section 1-6"));
+}
+
+// ---- the host-side reference chains ------------------------------------------------
+
+namespace {
+
+// The attention block after the qkv projection, as SplitQkv and
+// TeAttentionBlock build it (no dropout node: see the header).
+void AddChainAttention(const LayerSize& c, const std::string& out_projection, Sequential* layer) {
+  const int64_t kv = KvChannels(c);
+  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv}));
+  layer->AddHost("qkv_split", SplitLastAxisStep(3));
+  layer->Add("DotProductAttention_0", std::make_shared<DotProductAttention>(TeAttention(c)));
+  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv}, {c.hidden}));
+  layer->Add(out_projection, std::make_shared<DenseGeneral>(TeDense(c.hidden)));
+}
+
+}  // namespace
+
+Sequential UnfusedChain(const LayerSize& c) {
   Sequential layer;
-  auto ln = [] {
-    auto norm = std::make_shared<LayerNorm>();
-    norm->epsilon = 1e-5f;
-    return norm;
-  };
   layer.Fork();
-  layer.Add("LayerNorm_0", ln());
-  auto qkv = std::make_shared<DenseGeneral>(std::vector<int64_t>{3 * c.hidden});
-  qkv->use_bias = true;
-  layer.Add("DenseGeneral_0", qkv);
-  AddAttention(c, &layer);
+  layer.Add("LayerNorm_0", std::make_shared<LayerNorm>(TeNorm()));
+  layer.Add("DenseGeneral_0", std::make_shared<DenseGeneral>(TeDense(3 * c.hidden)));
+  AddChainAttention(c, "DenseGeneral_1", &layer);
   layer.Join();
   layer.Fork();
-  layer.Add("LayerNorm_1", ln());
-  // TEUnfusedMLP: DenseGeneral(ffn) -> te.activation.activation(gelu) -> DenseGeneral(hidden).
-  auto fc1 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.ffn});
-  fc1->use_bias = true;
-  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", fc1);
-  auto gelu = std::make_shared<Activation>();
-  gelu->activations = {"gelu"};
-  layer.Add("TEUnfusedMLP_0/activation", gelu);
-  auto fc2 = std::make_shared<DenseGeneral>(std::vector<int64_t>{c.hidden});
-  fc2->use_bias = true;
-  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", fc2);
+  layer.Add("LayerNorm_1", std::make_shared<LayerNorm>(TeNorm()));
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", std::make_shared<DenseGeneral>(TeDense(c.ffn)));
+  layer.Add("TEUnfusedMLP_0/activation_0", std::make_shared<Activation>());
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", std::make_shared<DenseGeneral>(TeDense(c.hidden)));
   layer.Join();
   return layer;
 }
 
-// Variant 5: TEFusedTransformerLayer.
-Sequential FusedLayer(const LayerSize& c) {
+Sequential FusedChain(const LayerSize& c) {
   Sequential layer;
   layer.Fork();
-  auto qkv = std::make_shared<LayerNormDenseGeneral>(std::vector<int64_t>{3 * c.hidden});
-  qkv->epsilon = 1e-5f;
-  qkv->use_bias = true;
-  qkv->return_layernorm_output = false;
-  layer.Add("LayerNormDenseGeneral_0", qkv);
-  AddAttention(c, &layer);
+  layer.Add("LayerNormDenseGeneral_0", std::make_shared<LayerNormDenseGeneral>(FusedQkv(c)));
+  AddChainAttention(c, "DenseGeneral_0", &layer);
   layer.Join();
   layer.Fork();
-  auto mlp = std::make_shared<LayerNormMLP>();
-  mlp->intermediate_dim = c.ffn;
-  mlp->epsilon = 1e-5f;
-  mlp->use_bias = true;
-  mlp->activations = {"gelu"};
-  mlp->intermediate_dropout_rate = 0.0f;
-  mlp->return_layernorm_output = false;
-  layer.Add("LayerNormMLP_0", mlp);
+  layer.Add("LayerNormMLP_0", std::make_shared<LayerNormMLP>(FusedMlp(c)));
   layer.Join();
   return layer;
-}
-
-absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config) {
-  if (config == "small") return LayerSize{2, 32, 64, 256, 4};
-  if (config == "quickstart") return LayerSize{4, 2048, 4096, 16384, 32};
-  return absl::InvalidArgumentError(absl::StrCat("--config: \"", config, "\" is not small or quickstart"));
 }
 
 DelayedScaling QuickstartRecipe() {
@@ -107,27 +243,10 @@ DelayedScaling QuickstartRecipe() {
   return recipe;
 }
 
-FlaxTransformerLayer QuickstartFlaxLayer(const LayerSize& c) {
-  FlaxTransformerLayer layer(c.hidden, c.ffn, c.heads);
-  layer.hidden_dropout = 0.0f;  // the notebook's FlaxTransformerLayer drops out in attention only
-  return layer;
-}
-
-TransformerLayer QuickstartTransformerLayer(const LayerSize& c) {
-  TransformerLayer layer;
-  layer.hidden_size = c.hidden;
-  layer.mlp_hidden_size = c.ffn;
-  layer.num_attention_heads = c.heads;
-  layer.mlp_activations = {"gelu"};
-  layer.self_attn_mask_type = "causal";
-  layer.layernorm_epsilon = 1e-5f;
-  layer.use_bias = true;
-  layer.intermediate_dropout = 0.0f;
-  layer.enable_relative_embedding = false;
-  layer.self_attn_bias_type = "no_bias";
-  layer.hidden_dropout = 0.0f;
-  layer.dtype = DType::kBF16;
-  return layer;
+absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config) {
+  if (config == "small") return LayerSize{2, 32, 64, 256, 4};
+  if (config == "quickstart") return LayerSize{4, 2048, 4096, 16384, 32};
+  return absl::InvalidArgumentError(absl::StrCat("--config: \"", config, "\" is not small or quickstart"));
 }
 
 }  // namespace te::client

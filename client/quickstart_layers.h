@@ -1,21 +1,26 @@
-// The layers of TE's JAX quickstart (docs/examples/quickstart_jax.ipynb)
-// built from the client's modules, with its sizes and FP8 recipe: one place
-// for the quickstart tool, the GPU benchmark (tests/bench/layer_bench) and
-// te_bench, so all of them run the same layers.
+// The layers of TE's JAX quickstart (docs/examples/quickstart_jax.ipynb) at
+// any size, with its FP8 recipe: one place for the quickstart tool, the GPU
+// benchmark (tests/bench/layer_bench) and te_bench, so all of them run the
+// same layers. The composed ones (sections 1-5) are Graphs built node for
+// node as the notebook's classes write them, so each is the spec the Python
+// client traces from the same class (tests/data/quickstart_graphs).
 #ifndef TE_CLIENT_QUICKSTART_LAYERS_H_
 #define TE_CLIENT_QUICKSTART_LAYERS_H_
 
 #include <cstdint>
+#include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "client/graph.h"
 #include "client/modules.h"
 #include "client/recipe.h"
 #include "client/sequential.h"
 
 namespace te::client {
 
-// The layer's sizes; the input x is [batch, seq, hidden].
+// The layer's sizes; the input x is bf16 [batch, seq, hidden].
 struct LayerSize {
   int64_t batch = 2;
   int64_t seq = 32;
@@ -32,17 +37,37 @@ absl::StatusOr<LayerSize> SizeForConfig(absl::string_view config);
 // The notebook's fp8_recipe: DelayedScaling(HYBRID, amax_history_len=16, "max").
 DelayedScaling QuickstartRecipe();
 
-// FlaxTransformerLayer (variant 1): plain Flax, dropout in attention only.
-FlaxTransformerLayer QuickstartFlaxLayer(const LayerSize& c);
-// TEUnfusedTransformerLayer (variants 2-4): te_flax LayerNorm, DenseGeneral,
-// activation and DotProductAttention with the notebook's reshapes, q/k/v
-// split and residual adds between them.
-Sequential UnfusedLayer(const LayerSize& c);
-// TEFusedTransformerLayer (variant 5): LayerNormDenseGeneral, attention,
+// Section 1, FlaxTransformerLayer: Flax's LayerNorm, Dense and
+// MultiHeadDotProductAttention (its qkv_features = kv_channels, as the
+// notebook passes it) with a causal mask, and FlaxMLP (Dense, gelu, Dense).
+// Flax's dtype rule makes its y float32 for the bf16 x.
+Graph QuickstartFlaxLayer(const LayerSize& c);
+// Sections 2 (use_te_attention false: Flax's attention) and 3/4:
+// TEUnfusedTransformerLayer, te_flax LayerNorm and DenseGeneral with TE's
+// DotProductAttention, the notebook's reshapes, q/k/v split, dropout and
+// residual adds, and TEUnfusedMLP.
+Graph UnfusedLayer(const LayerSize& c, bool use_te_attention = true);
+// Section 5, TEFusedTransformerLayer: LayerNormDenseGeneral, attention,
 // DenseGeneral, LayerNormMLP.
-Sequential FusedLayer(const LayerSize& c);
-// te_flax.TransformerLayer as the notebook configures it (variant 6).
+Graph FusedLayer(const LayerSize& c);
+// Section 6: te_flax.TransformerLayer as the notebook configures it.
 TransformerLayer QuickstartTransformerLayer(const LayerSize& c);
+
+// A section (1-6) as the quickstart runs it: one server module, under FP8
+// for 4-6. INVALID_ARGUMENT for another number.
+struct QuickstartSection {
+  std::string title;
+  bool fp8 = false;
+  std::shared_ptr<const Module> layer;
+};
+absl::StatusOr<QuickstartSection> SectionFor(int section, const LayerSize& c);
+
+// Sections 3 and 5 as host-side chains (one call per module, the glue on the
+// client), for tests to check the graphs against: the same module names, so
+// the same NodeSeed-derived parameters; without the dropout after the
+// attention's projection, so they agree with deterministic applies only.
+Sequential UnfusedChain(const LayerSize& c);
+Sequential FusedChain(const LayerSize& c);
 
 }  // namespace te::client
 

@@ -34,7 +34,7 @@ std::string Scoped(const std::string& name, const std::string& key) {
 
 }  // namespace
 
-HostStep ReshapeTrailing(Shape from, Shape to, Shape leading) {
+HostStep ReshapeTrailing(Shape from, Shape to) {
   // Replaces `from` trailing dims by `to`; shared by forward and backward.
   auto reshape = [](const Tensors& in, const Shape& old_tail, const Shape& new_tail) -> absl::StatusOr<Tensors> {
     RETURN_IF_ERROR(ExpectOne(in, "ReshapeTrailing"));
@@ -48,23 +48,13 @@ HostStep ReshapeTrailing(Shape from, Shape to, Shape leading) {
     ASSIGN_OR_RETURN(HostTensor t, in[0].Reshaped(out));
     return Tensors{std::move(t)};
   };
-  std::optional<te::v1::GraphSpec::Node> node;
-  if (!leading.empty()) {
-    node.emplace();
-    for (int64_t d : leading) node->mutable_reshape()->add_shape(d);
-    for (int64_t d : to) node->mutable_reshape()->add_shape(d);
-  }
   return HostStep{
       [=](const Tensors& in) { return reshape(in, from, to); },
       [=](const Tensors& grads) { return reshape(grads, to, from); },
-      std::move(node),
   };
 }
 
 HostStep SplitLastAxisStep(int parts) {
-  te::v1::GraphSpec::Node node;
-  node.mutable_split()->set_axis(-1);
-  node.mutable_split()->set_parts(parts);
   return HostStep{
       [parts](const Tensors& in) -> absl::StatusOr<Tensors> {
         RETURN_IF_ERROR(ExpectOne(in, "SplitLastAxisStep"));
@@ -78,7 +68,6 @@ HostStep SplitLastAxisStep(int parts) {
         ASSIGN_OR_RETURN(HostTensor joined, ConcatLastAxis(grads));
         return Tensors{std::move(joined)};
       },
-      std::move(node),
   };
 }
 
@@ -234,75 +223,6 @@ absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVari
   RETURN_IF_ERROR(ExpectOne(grads, "Sequential input gradient"));
   result.dx = std::move(grads[0]);
   return result;
-}
-
-absl::StatusOr<te::v1::LayerSpec> ServerSequential::Spec() const {
-  const auto ExpectOne = [](const std::vector<std::string>& tensors, const std::string& where) {
-    if (tensors.size() == 1) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(where, ": expects one tensor, has ", tensors.size()));
-  };
-  te::v1::LayerSpec spec;
-  te::v1::GraphSpec* graph = spec.mutable_graph();
-  std::vector<std::string> current = {"x"};
-  std::vector<std::string> forks;
-  int joins = 0;
-  for (const Sequential::Stage& stage : chain_.stages_) {
-    switch (stage.kind) {
-      case Sequential::Kind::kModule: {
-        absl::StatusOr<te::v1::LayerSpec> module = stage.module->Spec();
-        if (!module.ok()) {
-          return absl::Status(module.status().code(),
-                              absl::StrCat(stage.name, ": ", module.status().message()));
-        }
-        te::v1::GraphSpec::Node* node = graph->add_nodes();
-        node->set_name(stage.name);
-        for (const std::string& in : current) node->add_inputs(in);
-        node->add_outputs(stage.name);
-        if (stage.pass_attention_mask) node->set_mask("attention_mask");
-        *node->mutable_module() = *std::move(module);
-        current = {stage.name};
-        break;
-      }
-      case Sequential::Kind::kHost: {
-        if (!stage.step.graph_node) {
-          return absl::UnimplementedError(absl::StrCat(
-              "glue step \"", stage.name, "\" has no graph node; run this chain with Sequential"));
-        }
-        te::v1::GraphSpec::Node* node = graph->add_nodes();
-        *node = *stage.step.graph_node;
-        node->set_name(stage.name);
-        for (const std::string& in : current) node->add_inputs(in);
-        current.clear();
-        const int outputs = node->has_split() ? node->split().parts() : 1;
-        for (int j = 0; j < outputs; ++j) {
-          current.push_back(outputs == 1 ? stage.name : absl::StrCat(stage.name, "[", j, "]"));
-          node->add_outputs(current.back());
-        }
-        break;
-      }
-      case Sequential::Kind::kFork:
-        RETURN_IF_ERROR(ExpectOne(current, "Fork"));
-        forks.push_back(current[0]);
-        break;
-      case Sequential::Kind::kJoin: {
-        RETURN_IF_ERROR(ExpectOne(current, "Join"));
-        if (forks.empty()) return absl::FailedPreconditionError("Join without a Fork");
-        const std::string name = absl::StrCat("residual_add_", joins++);
-        te::v1::GraphSpec::Node* node = graph->add_nodes();
-        node->set_name(name);
-        node->add_inputs(current[0]);
-        node->add_inputs(forks.back());
-        node->mutable_add();
-        node->add_outputs(name);
-        forks.pop_back();
-        current = {name};
-        break;
-      }
-    }
-  }
-  RETURN_IF_ERROR(ExpectOne(current, "Sequential output"));
-  graph->add_outputs(current[0]);
-  return spec;
 }
 
 }  // namespace te::client

@@ -126,24 +126,4 @@ absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Module& mo
   return result;
 }
 
-absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Sequential& model,
-                                              const SequentialVariables& vars, const HostTensor& x,
-                                              const HostTensor& dy, const SpeedometerOptions& options) {
-  (void)session;  // each stage's variables name their session
-  RETURN_IF_ERROR(CheckIters(options));
-  if (options.server_side) {
-    return absl::InvalidArgumentError(
-        "options.server_side: a Sequential runs several layers with client glue; time it client-side");
-  }
-  ApplyOptions apply;
-  apply.deterministic = options.deterministic;
-  apply.attention_mask = options.attention_mask;
-  ASSIGN_OR_RETURN(SpeedometerResult result, TimeSteps(options, [&](int step) -> absl::Status {
-                     apply.dropout_seed = StepSeed(options.dropout_seed, step);
-                     return model.ValueAndGrad(vars, x, dy, apply, /*return_grads=*/false).status();
-                   }));
-  Report(options, result);
-  return result;
-}
-
 }  // namespace te::client

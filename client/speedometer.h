@@ -14,7 +14,6 @@
 
 #include "absl/status/statusor.h"
 #include "client/modules.h"
-#include "client/sequential.h"
 
 namespace te::client {
 
@@ -37,18 +36,12 @@ struct SpeedometerResult {
   std::string timed_by;  // "client" or the server's device ("cpu", "cuda:0")
 };
 
-// A single module: x and dy are uploaded once as resident tensors (deleted at
+// A module (a Graph included: one call per step): x and dy are uploaded once as resident tensors (deleted at
 // the end), then each step is one ForwardBackward call that returns neither dx
 // nor gradients, so only the step travels. With server_side, one Benchmark call.
 absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Module& module, const Variables& vars,
                                               const HostTensor& x, const HostTensor& dy,
                                               const SpeedometerOptions& options = {});
-
-// A Sequential: each step is its ValueAndGrad (several calls and client glue).
-// INVALID_ARGUMENT with server_side (the server runs one layer per call).
-absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Sequential& model,
-                                              const SequentialVariables& vars, const HostTensor& x,
-                                              const HostTensor& dy, const SpeedometerOptions& options = {});
 
 }  // namespace te::client
 
