@@ -175,8 +175,8 @@ def summarize(run, te_bench=None):
     for name, ms in sorted(run["peers"].items(), key=lambda kv: kv[1]):
         row(f"peer: {name}", "peer", ms, False, mem=run["peer_mem"].get(name))
     out.append("")
-    out.append("ms/step: the server's Benchmark RPC where there is one (variants 2-5 run as one server "
-               "Sequential each), else the client's wall time; client ms: per step as the client sees it, "
+    out.append("ms/step: the server's Benchmark RPC where there is one (variants 1-5 run as one server "
+               "graph each), else the client's wall time; client ms: per step as the client sees it, "
                "inputs resident. x floor: ms over the FLOPs at the measured GEMM ceilings (see summarize.py). "
                "Peak MiB: the device memory a variant's session added (ours: nvidia-smi before and after, "
                "which includes the caching allocator's slack); JAX's: peak_bytes_in_use of one step.")
