@@ -397,7 +397,50 @@ absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRe
   return response;
 }
 
+absl::StatusOr<te::v1::SetOptimizerResponse> Session::SetOptimizer(const std::string& layer_id,
+                                                                  const Optimizer& optimizer,
+                                                                  absl::Duration timeout) {
+  te::v1::SetOptimizerRequest request;
+  request.set_layer_id(layer_id);
+  *request.mutable_optimizer() = optimizer.ToProto();
+  TE_CLIENT_UNARY(SetOptimizer, SetOptimizerResponse)
+  return response;
+}
+
 #undef TE_CLIENT_UNARY
+
+te::v1::Optimizer Optimizer::ToProto() const {
+  te::v1::Optimizer spec;
+  te::v1::LearningRate lr;
+  if (schedule) {
+    *lr.mutable_warmup_cosine_decay() = *schedule;
+  } else {
+    lr.set_constant(learning_rate);
+  }
+  auto adam_fields = [&](auto* adam) {
+    *adam->mutable_learning_rate() = lr;
+    adam->set_b1(b1);
+    adam->set_b2(b2);
+    adam->set_eps(eps);
+    adam->set_eps_root(eps_root);
+  };
+  switch (kind) {
+    case Kind::kSgd:
+      *spec.mutable_sgd()->mutable_learning_rate() = lr;
+      if (momentum) spec.mutable_sgd()->set_momentum(*momentum);
+      spec.mutable_sgd()->set_nesterov(nesterov);
+      break;
+    case Kind::kAdam:
+      adam_fields(spec.mutable_adam());
+      break;
+    case Kind::kAdamW:
+      adam_fields(spec.mutable_adamw());
+      spec.mutable_adamw()->set_weight_decay(weight_decay);
+      break;
+  }
+  if (clip_by_global_norm) spec.set_clip_by_global_norm(*clip_by_global_norm);
+  return spec;
+}
 
 template <typename Request, typename Response>
 std::future<absl::StatusOr<Response>> Session::CallAsync(SyncRpc<Request, Response> rpc,

@@ -99,6 +99,23 @@ struct SessionOptions {
   std::optional<Transport> transport;         // unset: ClientOptions::transport
 };
 
+// A layer's optimizer (Session::SetOptimizer), with optax's names and
+// defaults: optax.sgd(lr, momentum=None, nesterov=False), optax.adam(lr,
+// b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0), optax.adamw(..., weight_decay=1e-4),
+// optionally after optax.clip_by_global_norm(max_norm).
+struct Optimizer {
+  enum class Kind { kSgd, kAdam, kAdamW };
+  Kind kind = Kind::kAdamW;
+  double learning_rate = 1e-3;  // constant, unless `schedule` is set
+  std::optional<te::v1::WarmupCosineDecaySchedule> schedule;
+  std::optional<double> momentum;  // sgd
+  bool nesterov = false;           // sgd
+  double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;  // adam, adamw
+  double weight_decay = 1e-4;                               // adamw
+  std::optional<double> clip_by_global_norm;
+  te::v1::Optimizer ToProto() const;
+};
+
 // A tensor held by the server in a session (from Put, or kept outputs).
 struct ResidentTensor {
   std::string id;
@@ -175,6 +192,14 @@ class Session {
                             absl::Duration timeout = absl::InfiniteDuration());
   absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(
       te::v1::BenchmarkRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // tx.init(params): gives layer `layer_id` `optimizer` and a fresh state
+  // (collection opt_state), replacing any; a ForwardBackward with
+  // apply_update then runs a whole training step. INVALID_ARGUMENT naming the
+  // field for a bad hyperparameter (NaN, b1 outside [0, 1), ...);
+  // RESOURCE_EXHAUSTED when the state does not fit the session's memory.
+  absl::StatusOr<te::v1::SetOptimizerResponse> SetOptimizer(
+      const std::string& layer_id, const Optimizer& optimizer,
+      absl::Duration timeout = absl::InfiniteDuration());
 
   // --- Pipelined step calls. Each takes its number in the session's order
   // (Call order, above) before it returns, sends the request without waiting

@@ -238,6 +238,15 @@ grpc::ServerUnaryReactor* TeService::ForwardBackward(grpc::CallbackServerContext
                                });
 }
 
+grpc::ServerUnaryReactor* TeService::SetOptimizer(grpc::CallbackServerContext* context,
+                                                  const te::v1::SetOptimizerRequest* request,
+                                                  te::v1::SetOptimizerResponse* response) {
+  return QueuedCall::OnSession(core_, context, "SetOptimizer", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().SetOptimizer(*request, response);
+                               });
+}
+
 grpc::ServerUnaryReactor* TeService::GetVariables(grpc::CallbackServerContext* context,
                                                   const te::v1::GetVariablesRequest* request,
                                                   te::v1::GetVariablesResponse* response) {

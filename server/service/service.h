@@ -70,6 +70,9 @@ class TeService final : public TeServiceBase {
   grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* context,
                                             const te::v1::ForwardBackwardRequest* request,
                                             te::v1::ForwardBackwardResponse* response) override;
+  grpc::ServerUnaryReactor* SetOptimizer(grpc::CallbackServerContext* context,
+                                         const te::v1::SetOptimizerRequest* request,
+                                         te::v1::SetOptimizerResponse* response) override;
   grpc::ServerUnaryReactor* GetVariables(grpc::CallbackServerContext* context,
                                          const te::v1::GetVariablesRequest* request,
                                          te::v1::GetVariablesResponse* response) override;

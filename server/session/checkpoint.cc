@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
 #include "server/layers/variables.h"
+#include "server/optim/optimizer.h"
 #include "server/security/secrets.h"
 #include "server/session/log.h"
 #include "server/session/random_id.h"
@@ -244,7 +245,14 @@ class SessionCheckpoint {
       *saved->mutable_input_shape() = entry->init.input_shape();
       saved->set_input_dtype(entry->init.input_dtype());
       *saved->mutable_autocast() = entry->init.autocast();
-      for (const layers::Variables* vars : {&entry->vars, &entry->grads}) {
+      const layers::Variables no_state;
+      const layers::Variables* opt_state = &no_state;
+      if (entry->optimizer) {
+        *saved->mutable_optimizer() = entry->optimizer->spec;
+        opt_state = &entry->optimizer->state;
+      }
+      for (const layers::Variables* vars :
+           std::initializer_list<const layers::Variables*>{&entry->vars, &entry->grads, opt_state}) {
         for (const auto& [name, tensor] : *vars) {
           host.resize(tensor.nbytes());
           if (!host.empty()) RETURN_IF_ERROR(session.ops_->Download(tensor, host.data()));
@@ -309,16 +317,28 @@ class SessionCheckpoint {
 
     std::set<std::string> spec_names;
     for (const layers::VariableSpec& spec : specs) spec_names.insert(spec.name);
+    std::optional<optim::OptimizerConfig> optimizer;
+    if (saved.has_optimizer()) {
+      absl::StatusOr<optim::OptimizerConfig> config =
+          optim::ResolveOptimizer(saved.optimizer(), "optimizer");
+      if (!config.ok()) return absl::DataLossError(std::string(config.status().message()));
+      optimizer = *config;
+    }
+    layers::Variables opt_state;
     std::string host;
     for (const SavedVariable& variable : saved.variables()) {
       const std::string& name = variable.name();
       std::string collection, path;
       SplitVariableName(name, &collection, &path);
       const bool is_grad = collection == "grads";
-      if (!is_grad && spec_names.count(name) == 0) {
+      const bool is_state = collection == optim::kOptState;
+      if (is_state && !optimizer) {
+        return absl::DataLossError(absl::StrCat(name, ": optimizer state without an optimizer"));
+      }
+      if (!is_grad && !is_state && spec_names.count(name) == 0) {
         return absl::DataLossError(absl::StrCat(name, ": not a variable of this layer"));
       }
-      layers::Variables& target = is_grad ? entry->grads : entry->vars;
+      layers::Variables& target = is_grad ? entry->grads : (is_state ? opt_state : entry->vars);
       if (target.count(name) > 0) return absl::DataLossError(absl::StrCat(name, ": repeated"));
       if (variable.offset() != source.offset()) {
         return absl::DataLossError(
@@ -345,6 +365,26 @@ class SessionCheckpoint {
       if (param == entry->vars.end() || param->second.shape() != grad.shape()) {
         return absl::DataLossError(absl::StrCat(name, ": no parameter of its shape"));
       }
+    }
+    if (optimizer) {
+      // Exactly the state the optimizer keeps for these parameters.
+      const std::vector<layers::VariableSpec> state_specs = optim::StateSpecs(*optimizer, entry->vars);
+      if (state_specs.size() != opt_state.size()) {
+        return absl::DataLossError(absl::StrCat("opt_state: ", opt_state.size(), " variables, ",
+                                                optimizer->name(), " keeps ", state_specs.size()));
+      }
+      for (const layers::VariableSpec& spec : state_specs) {
+        auto it = opt_state.find(spec.name);
+        if (it == opt_state.end() || it->second.shape() != spec.shape ||
+            it->second.dtype() != spec.dtype) {
+          return absl::DataLossError(absl::StrCat(spec.name, ": missing or of another shape"));
+        }
+      }
+      LayerOptimizer restored;
+      restored.spec = saved.optimizer();
+      restored.config = *optimizer;
+      restored.state = std::move(opt_state);
+      entry->optimizer = std::move(restored);
     }
     RETURN_IF_ERROR(session.ops_->Synchronize());
     return entry;

@@ -3,6 +3,7 @@
 // session_steps.cc.
 #include "server/session/session.h"
 
+#include <cstring>
 #include <set>
 #include <utility>
 
@@ -23,7 +24,7 @@ constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
 constexpr int64_t kResponseOverheadBytes = int64_t{256} << 10;
 
 const std::set<std::string>& KnownCollections() {
-  static const auto* known = new std::set<std::string>{"params", "fp8_metas", "grads"};
+  static const auto* known = new std::set<std::string>{"params", "fp8_metas", "grads", "opt_state"};
   return *known;
 }
 
@@ -245,13 +246,16 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
     if (KnownCollections().count(request.collections(i)) == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("collections[", i, "]: unknown collection '", request.collections(i),
-                       "' (params, fp8_metas, grads)"));
+                       "' (params, fp8_metas, grads, opt_state)"));
     }
     wanted.insert(request.collections(i));
   }
   if (wanted.empty()) wanted = KnownCollections();
   OutputEncoder encoder(this);
-  for (const layers::Variables* vars : {&layer->vars, &layer->grads}) {
+  const layers::Variables no_state;
+  const layers::Variables* opt_state = layer->optimizer ? &layer->optimizer->state : &no_state;
+  for (const layers::Variables* vars :
+       std::initializer_list<const layers::Variables*>{&layer->vars, &layer->grads, opt_state}) {
     for (const auto& [name, tensor] : *vars) {
       std::string collection, path;
       SplitVariableName(name, &collection, &path);
@@ -263,6 +267,34 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
                                      out->mutable_value()));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Session::SetOptimizer(const te::v1::SetOptimizerRequest& request,
+                                   te::v1::SetOptimizerResponse* response) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(optim::OptimizerConfig config,
+                   optim::ResolveOptimizer(request.optimizer(), "optimizer"));
+  const std::vector<layers::VariableSpec> specs = optim::StateSpecs(config, layer->vars);
+  // The new state is made before the old one goes (all or nothing), so both
+  // must fit for a moment.
+  RETURN_IF_ERROR(CheckFitsMemory(specs));
+  ASSIGN_OR_RETURN(layers::Variables state, optim::InitState(*ops_, config, layer->vars));
+  RETURN_IF_ERROR(ops_->Synchronize());
+  LayerOptimizer optimizer;
+  optimizer.spec = request.optimizer();
+  optimizer.config = config;
+  optimizer.state = std::move(state);
+  layer->optimizer = std::move(optimizer);
+  for (const layers::VariableSpec& spec : specs) {
+    te::v1::VariableInfo* info = response->add_variables();
+    SplitVariableName(spec.name, info->mutable_collection(), info->mutable_path());
+    info->mutable_shape()->Assign(spec.shape.begin(), spec.shape.end());
+    info->set_dtype(DTypeToProto(spec.dtype));
+  }
+  LogForSession(LogLevel::kInfo, id_,
+                absl::StrCat(layer->id, ": optimizer ", config.name(), ", ", specs.size(),
+                             " state variables; session memory ", ops_->bytes_in_use(), " bytes"));
   return absl::OkStatus();
 }
 
@@ -280,12 +312,20 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
     const te::v1::Variable& variable = request.variables(i);
     const std::string field = absl::StrCat("variables[", i, "]");
     const std::string name = absl::StrCat(variable.collection(), "/", variable.path());
-    layers::Variables* target = variable.collection() == "grads" ? &layer->grads : &layer->vars;
+    layers::Variables no_state;
+    layers::Variables* target = &layer->vars;
+    const char* why_missing = "";
+    if (variable.collection() == "grads") {
+      target = &layer->grads;
+      why_missing = " (no gradients are kept yet)";
+    } else if (variable.collection() == optim::kOptState) {
+      target = layer->optimizer ? &layer->optimizer->state : &no_state;
+      why_missing = layer->optimizer ? "" : " (it has no optimizer: SetOptimizer first)";
+    }
     auto existing = target->find(name);
     if (existing == target->end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": layer ", layer->id, " has no variable ", name,
-          variable.collection() == "grads" ? " (no gradients are kept yet)" : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": layer ", layer->id, " has no variable ", name, why_missing));
     }
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", name, " is given twice"));
@@ -298,6 +338,16 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".value: ", ShapeString(value.shape), " ", DTypeName(value.dtype), ", but ",
           name, " is ", ShapeString(current.shape()), " ", DTypeName(current.dtype())));
+    }
+    if (name == optim::kCount || name == optim::kTotalNotfinite) {
+      // Step counters: a negative one would run a schedule before its start.
+      int32_t counter = 0;
+      ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, value));
+      std::memcpy(&counter, bytes.data(), sizeof(counter));
+      if (counter < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".value: ", name, " = ", counter, "; a step count is >= 0"));
+      }
     }
     writes.push_back({target, name, std::move(value)});
   }

@@ -32,6 +32,14 @@
 //     request tensors in them are copied in, never aliased, so the client may
 //     reuse a region as soon as a call returns. Regions are unmapped on
 //     UnregisterSharedMemory or with the session.
+//  8. Training: SetOptimizer gives a layer an optimizer and a fresh state
+//     (collection opt_state, counted in the session's memory). A
+//     ForwardBackward with apply_update steps it after its micro-batches, on
+//     the device, as the last thing the call does: once the call is sure to
+//     succeed, params and opt_state are updated in place (so, as for
+//     Backward's accumulated gradients, only a device fault can fail it
+//     after that point). A step whose gradients hold an inf or NaN changes
+//     no parameter or moment and is counted (opt_state/total_notfinite).
 #ifndef TE_SERVER_SESSION_SESSION_H_
 #define TE_SERVER_SESSION_SESSION_H_
 
@@ -54,6 +62,8 @@
 #include "te/v1/service.pb.h"
 
 namespace te::session {
+
+struct LayerOptimizer;  // session_internal.h
 
 // Server-wide limits every session obeys (te_server's flags).
 struct SessionConfig {
@@ -110,6 +120,12 @@ class Session {
   absl::Status ForwardBackward(const te::v1::ForwardBackwardRequest& request,
                                te::v1::ForwardBackwardResponse* response,
                                const CallContext& call = CallContext());
+
+  // tx.init(params) (contract 8): INVALID_ARGUMENT naming the field for a
+  // bad optimizer; RESOURCE_EXHAUSTED when its state does not fit the
+  // session's memory. The layer's previous optimizer state, if any, goes.
+  absl::Status SetOptimizer(const te::v1::SetOptimizerRequest& request,
+                            te::v1::SetOptimizerResponse* response);
 
   absl::Status GetVariables(const te::v1::GetVariablesRequest& request,
                             te::v1::GetVariablesResponse* response);
@@ -185,11 +201,22 @@ class Session {
   absl::StatusOr<CheckedTensor> CheckDy(const CheckedInputs& inputs, const te::v1::Tensor& dy,
                                         const std::string& field);
   absl::StatusOr<layers::LayerInputs> MaterializeInputs(const CheckedInputs& inputs);
-  // One forward + vdot + backward + FP8 update (a micro-batch).
+  // One forward + loss + backward + FP8 update (a micro-batch). The loss is
+  // vdot(y, dy), or with `target` loss_scale * sum((y - target)^2), whose
+  // gradient is then the dy the backward takes.
   absl::Status Step(LayerEntry& layer, layers::Variables* vars,
                     const layers::LayerInputs& inputs, const Tensor& dy,
                     const layers::ForwardOptions& options, double* value,
-                    layers::LayerGrads* grads);
+                    layers::LayerGrads* grads, const Tensor* target = nullptr,
+                    double loss_scale = 1.0);
+  // The optimizer's counters, read from the device (opt_state/count,
+  // opt_state/total_notfinite).
+  absl::Status ReadCounters(const LayerOptimizer& optimizer, int64_t* count,
+                            int64_t* total_notfinite);
+  // Applies the optimizer step in place (contract 8) and says what it did.
+  absl::Status ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
+                           const Tensor& grad_norm_sq, int64_t count, int64_t total_notfinite,
+                           te::v1::UpdateInfo* info);
   // sum(y * dy) as a [1, 1] float32 tensor on the device.
   absl::StatusOr<Tensor> VdotOnDevice(const Tensor& y, const Tensor& dy);
   // The variables a step call runs on (contract 2): the layer's own, with

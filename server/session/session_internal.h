@@ -9,16 +9,26 @@
 #include <vector>
 
 #include "server/layers/layer.h"
+#include "server/optim/optimizer.h"
 #include "server/session/session.h"
 #include "server/session/tensor_codec.h"
 
 namespace te::session {
+
+// A layer's optimizer (SetOptimizer) and its state, "opt_state/..." (optim's
+// contract 2), in the session's memory.
+struct LayerOptimizer {
+  te::v1::Optimizer spec;  // as requested: what a checkpoint keeps
+  optim::OptimizerConfig config;
+  layers::Variables state;
+};
 
 struct Session::LayerEntry {
   std::string id;
   std::unique_ptr<layers::Layer> layer;
   layers::Variables vars;   // "params/...", "fp8_metas/..."
   layers::Variables grads;  // "grads/...": kept gradients, accumulated
+  std::optional<LayerOptimizer> optimizer;
   std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
   // The InitLayer request less its session ref: a checkpoint re-creates the
   // layer from its spec, input shape and dtype, and autocast.

@@ -2,6 +2,7 @@
 // input validation they share.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -12,6 +13,8 @@
 #include "server/layers/blocks.h"
 #include "server/layers/fp8_state.h"
 #include "server/layers/variables.h"
+#include "server/optim/optimizer.h"
+#include "server/session/log.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
 
@@ -205,9 +208,10 @@ absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
 }
 
 absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
-                           const layers::LayerInputs& inputs, const Tensor& dy,
+                           const layers::LayerInputs& inputs, const Tensor& given_dy,
                            const layers::ForwardOptions& options, double* value,
-                           layers::LayerGrads* grads) {
+                           layers::LayerGrads* grads, const Tensor* target,
+                           double loss_scale) {
   layers::ForwardOptions opts = options;
   opts.keep_for_backward = true;
   layers::LayerOutputs out;
@@ -221,7 +225,17 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   // The value stays on the device until the backward is queued: reading it
   // here would stall the stream between forward and backward.
   Tensor value_on_device;
-  if (value != nullptr) {
+  Tensor dy = given_dy;
+  if (target != nullptr) {
+    // optax.squared_error: r = y - target in float32; the value is
+    // loss_scale * sum(r^2) and dy = 2 * loss_scale * r, in y's dtype.
+    ASSIGN_OR_RETURN(Tensor residual, ops_->Allocate(DType::kF32, out.y.shape()));
+    RETURN_IF_ERROR(ops_->Axpby(1.0f, out.y, -1.0f, *target, &residual));
+    ASSIGN_OR_RETURN(value_on_device, ops_->Allocate(DType::kF32, {1, 1}));
+    RETURN_IF_ERROR(ops_->Dot(residual, residual, &value_on_device));
+    ASSIGN_OR_RETURN(dy, ops_->Allocate(out.y.dtype(), out.y.shape()));
+    RETURN_IF_ERROR(ops_->Axpby(static_cast<float>(2.0 * loss_scale), residual, 0.0f, residual, &dy));
+  } else if (value != nullptr) {
     ASSIGN_OR_RETURN(value_on_device, VdotOnDevice(out.y, dy));
   }
   RETURN_IF_ERROR(layer.layer->Backward(*ops_, vars, *saved, dy, grads));
@@ -229,7 +243,53 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   if (value != nullptr) {
     float v = 0.0f;
     RETURN_IF_ERROR(ops_->Download(value_on_device, &v));
-    *value = static_cast<double>(v);
+    *value = static_cast<double>(v) * (target != nullptr ? loss_scale : 1.0);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::ReadCounters(const LayerOptimizer& optimizer, int64_t* count,
+                                   int64_t* total_notfinite) {
+  for (const auto& [name, out] : {std::pair<const char*, int64_t*>{optim::kCount, count},
+                                  std::pair<const char*, int64_t*>{optim::kTotalNotfinite,
+                                                                   total_notfinite}}) {
+    auto it = optimizer.state.find(name);
+    if (it == optimizer.state.end()) {
+      return absl::InternalError(absl::StrCat(name, ": missing from the optimizer's state"));
+    }
+    int32_t v = 0;
+    RETURN_IF_ERROR(ops_->Download(it->second, &v));
+    *out = v;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
+                                  const Tensor& grad_norm_sq, int64_t count,
+                                  int64_t total_notfinite, te::v1::UpdateInfo* info) {
+  LayerOptimizer& optimizer = *layer.optimizer;
+  RETURN_IF_ERROR(optim::Update(*ops_, optimizer.config, count, grads, grad_norm_sq, &layer.vars,
+                                &optimizer.state));
+  // The kernels decided on the device whether to skip; the host learns it
+  // here, once the step's work is queued.
+  float norm_sq = 0.0f;
+  RETURN_IF_ERROR(ops_->Download(grad_norm_sq, &norm_sq));
+  const bool applied = std::isfinite(norm_sq);
+  // Counters saturate rather than wrap (int32, as optax's).
+  const int32_t new_count = static_cast<int32_t>(std::min<int64_t>(count + (applied ? 1 : 0), INT32_MAX));
+  const int32_t new_notfinite =
+      static_cast<int32_t>(std::min<int64_t>(total_notfinite + (applied ? 0 : 1), INT32_MAX));
+  RETURN_IF_ERROR(ops_->Upload(&new_count, &optimizer.state.at(optim::kCount)));
+  RETURN_IF_ERROR(ops_->Upload(&new_notfinite, &optimizer.state.at(optim::kTotalNotfinite)));
+  info->set_applied(applied);
+  info->set_count(new_count);
+  info->set_total_notfinite(new_notfinite);
+  info->set_learning_rate(optimizer.config.learning_rate.At(count));
+  info->set_grad_norm(std::sqrt(static_cast<double>(norm_sq)));
+  if (!applied) {
+    LogForSession(LogLevel::kInfo, id_,
+                  absl::StrCat(layer.id, ": update skipped, gradient norm ", norm_sq,
+                               " is not finite (", new_notfinite, " skipped so far)"));
   }
   return absl::OkStatus();
 }
@@ -385,20 +445,40 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
         "micro_batches: ", request.micro_batches_size(), " given; this server takes at most ",
         config_.max_micro_batches, " per call (--max_micro_batches); split them over calls"));
   }
+  if (request.apply_update() && !layer->optimizer) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "apply_update: layer ", layer->id, " has no optimizer; give it one with SetOptimizer"));
+  }
   // Every micro-batch is validated before the first one runs.
   std::vector<CheckedInputs> inputs;
-  std::vector<CheckedTensor> dys;
+  std::vector<CheckedTensor> dys;  // dy, or the target where one is given
+  std::vector<bool> is_target;
+  int64_t target_elements = 0;     // the squared error's mean is over these
   for (int i = 0; i < request.micro_batches_size(); ++i) {
     const te::v1::MicroBatch& mb = request.micro_batches(i);
     const std::string prefix = absl::StrCat("micro_batches[", i, "].");
     ASSIGN_OR_RETURN(CheckedInputs in,
                      CheckInputs(*layer, PtrOf(fp8), mb.x(), mb.extra_inputs(),
                                  mb.has_attention_mask() ? &mb.attention_mask() : nullptr, prefix));
-    ASSIGN_OR_RETURN(CheckedTensor dy, CheckDy(in, mb.dy(), prefix + "dy"));
+    if (mb.has_target() && mb.has_dy()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "target: given with dy; a micro-batch's loss is vdot(y, dy) or the squared "
+          "error against target, not both"));
+    }
+    const bool target = mb.has_target();
+    ASSIGN_OR_RETURN(CheckedTensor dy, CheckDy(in, target ? mb.target() : mb.dy(),
+                                               prefix + (target ? "target" : "dy")));
+    if (target) target_elements += NumElements(in.y_shape);
     inputs.push_back(std::move(in));
     dys.push_back(std::move(dy));
+    is_target.push_back(target);
   }
   InterruptScope interrupt(*ops_, call, "ForwardBackward");
+  int64_t count = 0, total_notfinite = 0;
+  if (request.apply_update()) {
+    // Read before any work is queued, so the read does not wait for it.
+    RETURN_IF_ERROR(ReadCounters(*layer->optimizer, &count, &total_notfinite));
+  }
   ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
   OutputEncoder encoder(this);
   layers::Variables grad_sum;  // "grads/..."
@@ -412,7 +492,11 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     opts.fp8 = PtrOf(fp8);
     double value = 0.0;
     layers::LayerGrads grads;
-    if (absl::Status step = Step(*layer, &vars, in, dy, opts, &value, &grads); !step.ok()) {
+    const Tensor* target = is_target[i] ? &dy : nullptr;
+    const double loss_scale = target_elements > 0 ? 1.0 / static_cast<double>(target_elements) : 1.0;
+    if (absl::Status step = Step(*layer, &vars, in, target ? Tensor() : dy, opts, &value, &grads,
+                                 target, loss_scale);
+        !step.ok()) {
       // A bad input shows only once the layer runs: name its micro-batch.
       return absl::IsInvalidArgument(step) ? AboutField(step, absl::StrCat("micro_batches[", i, "]"))
                                            : step;
@@ -432,9 +516,22 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
       RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
     }
   }
-  // Commit (contract 2), as Backward does.
+  Tensor grad_norm_sq;
+  if (request.apply_update()) {
+    // The update takes the gradients kept by earlier calls too: added into
+    // this call's sums, which are the call's own tensors, so the session is
+    // unchanged until the commit.
+    RETURN_IF_ERROR(AccumulateGrads(layer->grads, "grads", &grad_sum));
+    ASSIGN_OR_RETURN(grad_norm_sq, optim::GradNormSquared(*ops_, grad_sum));
+  }
+  // Commit (contract 2), as Backward does; the update last (contract 8).
   RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
   layer->vars = std::move(vars);
+  if (request.apply_update()) {
+    layer->grads.clear();
+    return ApplyUpdate(*layer, grad_sum, grad_norm_sq, count, total_notfinite,
+                       response->mutable_update());
+  }
   if (!request.return_grads()) return AccumulateGrads(grad_sum, "grads", &layer->grads);
   return absl::OkStatus();
 }
@@ -459,6 +556,10 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
                                                    " is outside [0, ", kMaxBenchmarkIters, "]"));
   }
   const te::v1::MicroBatch& mb = request.inputs();
+  if (mb.has_target()) {
+    return absl::InvalidArgumentError(
+        "inputs.target: the benchmark's step is vdot(y, dy); give dy instead");
+  }
   ASSIGN_OR_RETURN(CheckedInputs checked,
                    CheckInputs(*layer, PtrOf(fp8), mb.x(), mb.extra_inputs(),
                                mb.has_attention_mask() ? &mb.attention_mask() : nullptr,
