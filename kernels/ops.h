@@ -271,6 +271,12 @@ class Ops {
     Tensor residual;
     GemmEpilogue epilogue = GemmEpilogue::kNone;
     Tensor aux;
+    // float32 operands: TensorFloat-32 products (operands rounded to 10
+    // mantissa bits, float32 accumulation), where the device has them (the
+    // CUDA backend since Ampere), as JAX's default matmul precision runs
+    // float32 there. The CPU reference computes exact float32, as JAX's CPU
+    // backend does at that precision. No effect on other dtypes.
+    bool tf32 = false;
   };
   virtual absl::Status Gemm(const GemmArgs& args, Tensor* out) = 0;
 

@@ -11,8 +11,10 @@
 // columns, length N). kGeluAux is cuBLASLt's GELU_AUX(_BIAS), the
 // pre-activation stored like D (ld N).
 //
-// Numerics: f32 operands use CUBLAS_COMPUTE_32F (no TF32: exact float32, as
-// the CPU reference); bf16/f16/FP8 accumulate in f32. FP8 operands pass their
+// Numerics: f32 operands use CUBLAS_COMPUTE_32F (exact float32, as the CPU
+// reference), or CUBLAS_COMPUTE_32F_FAST_TF32 where GemmArgs::tf32 asks for
+// TensorFloat-32 products (JAX's default precision on this GPU); bf16/f16/FP8
+// accumulate in f32. FP8 operands pass their
 // scale_inv device pointers as A/B_SCALE_POINTER (op(x) = x * scale_inv).
 //
 // Hopper FP8 GEMMs exist only in the "TN" layout (cuBLASLt's A transposed, B
@@ -264,7 +266,8 @@ std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
     if (_s != CUBLAS_STATUS_SUCCESS) return declined(what, _s); \
   } while (0)
 
-  TE_LT_OR_DECLINE(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+  const cublasComputeType_t compute = key.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  TE_LT_OR_DECLINE(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F),
                    "matmul descriptor");
   const cublasOperation_t op_a = key.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = key.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -427,6 +430,7 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
     call.key.k = k;
     call.key.a_type = args.b.dtype();
     call.key.b_type = args.a.dtype();
+    call.key.tf32 = args.tf32 && args.a.dtype() == DType::kF32;
     call.key.transpose_a = copy_b ? true : args.transpose_b;
     call.key.transpose_b = copy_a ? false : args.transpose_a;
     call.key.align_a = copy_b ? 256 : AlignmentOf(args.b.data());
@@ -520,6 +524,7 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   call.key.k = k;
   call.key.transpose_a = args.transpose_b;
   call.key.transpose_b = args.transpose_a;
+  call.key.tf32 = args.tf32;
   call.a = b32;
   call.b = a32;
   call.d = product;

@@ -12,7 +12,8 @@ std::string GemmKey::DebugString() const {
                       transpose_a ? "^T" : "", " B=", DTypeName(b_type), transpose_b ? "^T" : "",
                       " D=", DTypeName(d_type), accumulate ? " beta=1" : "",
                       bias ? absl::StrCat(" bias=", DTypeName(bias_type)) : "",
-                      activation == Ops::GemmEpilogue::kGeluAux ? " gelu_aux" : "");
+                      activation == Ops::GemmEpilogue::kGeluAux ? " gelu_aux" : "",
+                      tf32 ? " tf32" : "");
 }
 
 GemmPlan::~GemmPlan() {

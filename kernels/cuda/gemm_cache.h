@@ -38,13 +38,14 @@ struct GemmKey {
   bool bias = false;        // CUBLASLT_EPILOGUE_BIAS (or GELU_AUX_BIAS)
   DType bias_type = DType::kF32;
   Ops::GemmEpilogue activation = Ops::GemmEpilogue::kNone;  // GELU_AUX(_BIAS)
+  bool tf32 = false;        // CUBLAS_COMPUTE_32F_FAST_TF32 (float32 operands)
   // Pointer alignments in bytes (capped at 256): the heuristic picks kernels
   // that need no more than these.
   int align_a = 256, align_b = 256, align_d = 256;
 
   auto Tie() const {
     return std::tie(m, n, k, a_type, b_type, d_type, transpose_a, transpose_b, accumulate, bias,
-                    bias_type, activation, align_a, align_b, align_d);
+                    bias_type, activation, tf32, align_a, align_b, align_d);
   }
   bool operator<(const GemmKey& o) const { return Tie() < o.Tie(); }
   std::string DebugString() const;

@@ -157,6 +157,7 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
   const GemmOperand a = ForGemm(a_in, GemmSide::kA);
   const GemmOperand b = ForGemm(b_in, GemmSide::kB);
   Ops::GemmArgs gemm;
+  gemm.tf32 = config_.tf32;
   gemm.a = a.data;
   gemm.transpose_a = a.transpose;
   gemm.a_scale_inv = a.scale_inv;
@@ -234,6 +235,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
   dy_b = ForGemm(dy_b, GemmSide::kB);
   if (dx != nullptr) {
     Ops::GemmArgs dgrad;
+    dgrad.tf32 = config_.tf32;
     dgrad.a = dy_a.data;
     dgrad.transpose_a = dy_a.transpose;
     dgrad.a_scale_inv = dy_a.scale_inv;
@@ -245,6 +247,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
   }
 
   Ops::GemmArgs wgrad;
+  wgrad.tf32 = config_.tf32;
   wgrad.a = x_a.data;
   wgrad.transpose_a = x_a.transpose;
   wgrad.a_scale_inv = x_a.scale_inv;

@@ -55,6 +55,9 @@ struct DenseConfig {
   Shape features;                    // e.g. {3, hidden} or {n_act, inter}
   DType param_dtype = DType::kF32;
   std::optional<Initializer> kernel_init;  // default: KernelInit(kernel shape)
+  // float32 GEMMs (forward, dgrad, wgrad) as TensorFloat-32 where the device
+  // has it (Ops::GemmArgs::tf32): Flax's modules at JAX's default precision.
+  bool tf32 = false;
 };
 
 // What a Dense's GEMM does besides x @ kernel + bias: ops.h's fused GEMM

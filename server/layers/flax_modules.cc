@@ -37,6 +37,16 @@ absl::StatusOr<DType> ParamDTypeOf(te::v1::DType dtype, absl::string_view field)
   return d.value_or(DType::kF32);
 }
 
+absl::StatusOr<bool> Tf32Of(te::v1::Precision precision, absl::string_view field) {
+  switch (precision) {
+    case te::v1::PRECISION_DEFAULT: return true;
+    case te::v1::PRECISION_HIGHEST: return false;
+    default: break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": ", static_cast<int>(precision), " is not DEFAULT or HIGHEST"));
+}
+
 DType ComputeDType(const std::optional<DType>& dtype, DType x, DType param_dtype,
                    bool has_params) {
   if (dtype) return *dtype;
@@ -95,6 +105,7 @@ layers::Dense DenseGeneral::DenseFor(const Plan& plan) const {
   c.in_dims = plan.in_dims;
   c.features = config_.features;
   c.param_dtype = config_.param_dtype;
+  c.tf32 = config_.tf32;
   // Flax initialises the kernel flattened to [prod(in), prod(features)].
   c.kernel_init = Initializer::VarianceScalingFanIn(NumElements(plan.in_dims));
   return layers::Dense(c);
@@ -366,6 +377,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxDense(const te::v1::FlaxDense& sp
   ASSIGN_OR_RETURN(c.dtype, flax::ComputeDTypeOf(spec.dtype(), absl::StrCat(kField, ".dtype")));
   ASSIGN_OR_RETURN(c.param_dtype,
                    flax::ParamDTypeOf(spec.param_dtype(), absl::StrCat(kField, ".param_dtype")));
+  ASSIGN_OR_RETURN(c.tf32, flax::Tf32Of(spec.precision(), absl::StrCat(kField, ".precision")));
   c.field = kField;
   return std::unique_ptr<Layer>(new flax::DenseGeneralLayer("FlaxDense", std::move(c)));
 }
@@ -385,6 +397,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxDenseGeneral(const te::v1::FlaxDe
   ASSIGN_OR_RETURN(c.dtype, flax::ComputeDTypeOf(spec.dtype(), absl::StrCat(kField, ".dtype")));
   ASSIGN_OR_RETURN(c.param_dtype,
                    flax::ParamDTypeOf(spec.param_dtype(), absl::StrCat(kField, ".param_dtype")));
+  ASSIGN_OR_RETURN(c.tf32, flax::Tf32Of(spec.precision(), absl::StrCat(kField, ".precision")));
   c.field = kField;
   return std::unique_ptr<Layer>(new flax::DenseGeneralLayer("FlaxDenseGeneral", std::move(c)));
 }

@@ -40,6 +40,7 @@ struct Options {
   bool use_bias = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
+  bool tf32 = true;  // the projections' precision
   bool causal = false;
 };
 
@@ -209,6 +210,7 @@ class MultiHeadDotProductAttention : public Layer {
     c.use_bias = o_.use_bias;
     c.dtype = o_.dtype;
     c.param_dtype = o_.param_dtype;
+    c.tf32 = o_.tf32;
     c.field = kField;
     return flax::DenseGeneral(c);
   }
@@ -221,6 +223,7 @@ class MultiHeadDotProductAttention : public Layer {
     c.use_bias = o_.use_bias;
     c.dtype = o_.dtype;
     c.param_dtype = o_.param_dtype;
+    c.tf32 = o_.tf32;
     c.field = kField;
     return flax::DenseGeneral(c);
   }
@@ -294,6 +297,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxMultiHeadDotProductAttention(
   ASSIGN_OR_RETURN(o.dtype, flax::ComputeDTypeOf(spec.dtype(), absl::StrCat(kField, ".dtype")));
   ASSIGN_OR_RETURN(o.param_dtype,
                    flax::ParamDTypeOf(spec.param_dtype(), absl::StrCat(kField, ".param_dtype")));
+  ASSIGN_OR_RETURN(o.tf32, flax::Tf32Of(spec.precision(), absl::StrCat(kField, ".precision")));
   o.causal = causal;
   return std::unique_ptr<Layer>(new MultiHeadDotProductAttention(o));
 }

@@ -37,11 +37,15 @@ using testing::RandomTensor;
 using testing::RelativeError;
 using testing::Values;
 
-// Relative errors ||gpu - cpu|| / ||cpu||. Every case but one computes in
-// float32 (the promoted dtype), exact float32 on both backends (no TF32), so
-// only the order of float32 sums differs; chained ops and backward's
+// Relative errors ||gpu - cpu|| / ||cpu||. Most cases compute in float32
+// (the promoted dtype) at precision HIGHEST, exact float32 on both backends,
+// so only the order of float32 sums differs; chained ops and backward's
 // cancellations can take that past 1e-5, 1e-4 still flags a real error.
 constexpr double kF32Tolerance = 1e-4;
+// Precision DEFAULT on the GPU: TensorFloat-32 products (operands rounded to
+// 10 mantissa bits: 2^-11 relative each) against the CPU's exact float32;
+// over K-long sums the errors average down to a few 1e-4.
+constexpr double kTf32Tolerance = 5e-3;
 // bfloat16 compute: one-ulp differences (2^-8) where the backends' float32
 // values straddle a rounding boundary, compounded over the chain.
 constexpr double kBF16Tolerance = 2e-2;
@@ -114,9 +118,10 @@ absl::StatusOr<Outputs> Step(Ops& ops, const Layer& layer, Variables* vars, cons
   return Outputs{out.y, grads.dx, grads.dextra, grads.params};
 }
 
-te::v1::LayerSpec Dense(int64_t features) {
+te::v1::LayerSpec Dense(int64_t features, te::v1::Precision precision = te::v1::PRECISION_HIGHEST) {
   te::v1::LayerSpec spec;
   spec.mutable_flax_dense()->set_features(features);
+  spec.mutable_flax_dense()->set_precision(precision);
   return spec;
 }
 te::v1::LayerSpec Norm() {
@@ -124,12 +129,14 @@ te::v1::LayerSpec Norm() {
   spec.mutable_flax_layer_norm()->set_epsilon(1e-5f);
   return spec;
 }
-te::v1::LayerSpec Mha(int heads, int64_t qkv, te::v1::DType param_dtype = te::v1::DTYPE_UNSPECIFIED) {
+te::v1::LayerSpec Mha(int heads, int64_t qkv, te::v1::DType param_dtype = te::v1::DTYPE_UNSPECIFIED,
+                      te::v1::Precision precision = te::v1::PRECISION_HIGHEST) {
   te::v1::LayerSpec spec;
   auto* m = spec.mutable_flax_multi_head_dot_product_attention();
   m->set_num_heads(heads);
   m->set_qkv_features(qkv);
   m->set_param_dtype(param_dtype);
+  m->set_precision(precision);
   return spec;
 }
 
@@ -143,14 +150,15 @@ te::v1::GraphSpec::Node* Add(te::v1::GraphSpec* g, const std::string& name,
 }
 
 // TE's quickstart FlaxTransformerLayer as its tracer records it (as in
-// flax_modules_test.cc), dropout rates 0.1.
-te::v1::LayerSpec Quickstart(int64_t batch, int64_t seq, int64_t hidden, int heads, int64_t ffn) {
+// flax_modules_test.cc), dropout rates 0.1, its matmuls at `precision`.
+te::v1::LayerSpec Quickstart(int64_t batch, int64_t seq, int64_t hidden, int heads, int64_t ffn,
+                             te::v1::Precision precision = te::v1::PRECISION_HIGHEST) {
   te::v1::LayerSpec spec;
   te::v1::GraphSpec* g = spec.mutable_graph();
   const int64_t kv = hidden / heads;
   Add(g, "causal_mask", {"x"}, {"mask"})->mutable_causal_mask();
   *Add(g, "LayerNorm_0", {"x"}, {"ln0"})->mutable_module() = Norm();
-  *Add(g, "Dense_0", {"ln0"}, {"qkv"})->mutable_module() = Dense(3 * hidden);
+  *Add(g, "Dense_0", {"ln0"}, {"qkv"})->mutable_module() = Dense(3 * hidden, precision);
   auto* r = Add(g, "reshape_qkv", {"qkv"}, {"qkv4"})->mutable_reshape();
   for (int64_t d : {batch, seq, int64_t{heads}, 3 * kv}) r->add_shape(d);
   auto* split = Add(g, "split_qkv", {"qkv4"}, {"q4", "k4", "v4"})->mutable_split();
@@ -161,16 +169,16 @@ te::v1::LayerSpec Quickstart(int64_t batch, int64_t seq, int64_t hidden, int hea
     for (int64_t d : {batch, seq, hidden}) flat->add_shape(d);
   }
   auto* attention = Add(g, "MultiHeadDotProductAttention_0", {"q", "k", "v"}, {"attn"});
-  *attention->mutable_module() = Mha(heads, kv);
+  *attention->mutable_module() = Mha(heads, kv, te::v1::DTYPE_UNSPECIFIED, precision);
   attention->mutable_module()->mutable_flax_multi_head_dot_product_attention()->set_dropout_rate(0.1f);
   attention->set_mask("mask");
   Add(g, "Dropout_0", {"attn"}, {"attn_d"})->mutable_dropout()->set_rate(0.1f);
   Add(g, "cast_res", {"x"}, {"res0"})->mutable_cast()->set_dtype(te::v1::FLOAT32);
   Add(g, "add_0", {"res0", "attn_d"}, {"h"})->mutable_add();
   *Add(g, "LayerNorm_1", {"h"}, {"ln1"})->mutable_module() = Norm();
-  *Add(g, "FlaxMLP_0/Dense_0", {"ln1"}, {"f1"})->mutable_module() = Dense(ffn);
+  *Add(g, "FlaxMLP_0/Dense_0", {"ln1"}, {"f1"})->mutable_module() = Dense(ffn, precision);
   Add(g, "FlaxMLP_0/gelu", {"f1"}, {"g"})->mutable_module()->mutable_activation()->add_activations("gelu");
-  *Add(g, "FlaxMLP_0/Dense_1", {"g"}, {"f2"})->mutable_module() = Dense(hidden);
+  *Add(g, "FlaxMLP_0/Dense_1", {"g"}, {"f2"})->mutable_module() = Dense(hidden, precision);
   Add(g, "Dropout_1", {"f2"}, {"f2_d"})->mutable_dropout()->set_rate(0.1f);
   Add(g, "add_1", {"h", "f2_d"}, {"y"})->mutable_add();
   g->add_outputs("y");
@@ -278,6 +286,11 @@ TEST_F(FlaxModulesGpuTest, ModulesMatchTheCpu) {
        kBF16Tolerance},
       {"Quickstart_bf16_x", Quickstart(2, 37, 96, 4, 160), {2, 37, 96}, DType::kBF16, {},
        kF32Tolerance},
+      // JAX's default precision: TensorFloat-32 GEMMs on the GPU.
+      {"Dense_tf32", Dense(96, te::v1::PRECISION_DEFAULT), {2, 37, 100}, DType::kF32, {},
+       kTf32Tolerance},
+      {"Quickstart_tf32", Quickstart(2, 37, 96, 4, 160, te::v1::PRECISION_DEFAULT), {2, 37, 96},
+       DType::kBF16, {}, kTf32Tolerance},
   };
   for (const Case& c : cases) Compare(c);
 }
@@ -327,13 +340,17 @@ TEST_F(FlaxModulesGpuTest, QuickstartStepTime) {
   constexpr int64_t kBatch = 4, kSeq = 2048, kHidden = 4096, kFfn = 16384;
   constexpr int kHeads = 32;
   const Shape shape = {kBatch, kSeq, kHidden};
-  auto layer = CreateLayer(Quickstart(kBatch, kSeq, kHidden, kHeads, kFfn));
-  ASSERT_TRUE(layer.ok()) << layer.status();
-  for (bool deterministic : {true, false}) {
-    std::printf("quickstart plain-Flax graph, B4 S2048 H4096 heads 32 ffn 16384, bf16 x: %.2f ms "
-                "per forward + backward step (%s)\n",
-                StepMs(*gpu_, **layer, shape, DType::kBF16, deterministic),
-                deterministic ? "deterministic" : "dropout 0.1");
+  for (te::v1::Precision precision : {te::v1::PRECISION_DEFAULT, te::v1::PRECISION_HIGHEST}) {
+    auto layer = CreateLayer(Quickstart(kBatch, kSeq, kHidden, kHeads, kFfn, precision));
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    for (bool deterministic : {true, false}) {
+      std::printf("quickstart plain-Flax graph, B4 S2048 H4096 heads 32 ffn 16384, bf16 x, %s: "
+                  "%.2f ms per forward + backward step (%s)\n",
+                  precision == te::v1::PRECISION_DEFAULT ? "precision DEFAULT (TF32 GEMMs)"
+                                                         : "precision HIGHEST (float32 GEMMs)",
+                  StepMs(*gpu_, **layer, shape, DType::kBF16, deterministic),
+                  deterministic ? "deterministic" : "dropout 0.1");
+    }
   }
   te::v1::LayerSpec causal_mha;
   *causal_mha.mutable_flax_multi_head_dot_product_attention() =
@@ -343,10 +360,14 @@ TEST_F(FlaxModulesGpuTest, QuickstartStepTime) {
   ASSERT_TRUE(mha.ok()) << mha.status();
   std::printf("  its MultiHeadDotProductAttention_0 alone (float32, head_dim 4, causal): %.2f ms\n",
               StepMs(*gpu_, **mha, shape, DType::kF32, true));
-  auto fc1 = CreateLayer(Dense(kFfn));
-  ASSERT_TRUE(fc1.ok());
-  std::printf("  its FlaxMLP_0/Dense_0 alone (float32 GEMMs 8192 x 4096 x 16384): %.2f ms\n",
-              StepMs(*gpu_, **fc1, shape, DType::kF32, true));
+  for (te::v1::Precision precision : {te::v1::PRECISION_DEFAULT, te::v1::PRECISION_HIGHEST}) {
+    auto fc1 = CreateLayer(Dense(kFfn, precision));
+    ASSERT_TRUE(fc1.ok());
+    // 3 GEMMs of 2 * 8192 * 4096 * 16384 FLOPs: 3.3 TFLOP per step.
+    std::printf("  its FlaxMLP_0/Dense_0 alone (float32 GEMMs 8192 x 4096 x 16384, %s): %.2f ms\n",
+                precision == te::v1::PRECISION_DEFAULT ? "TF32" : "float32",
+                StepMs(*gpu_, **fc1, shape, DType::kF32, true));
+  }
 }
 
 }  // namespace

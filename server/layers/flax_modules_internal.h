@@ -15,6 +15,7 @@
 #include "server/layers/blocks.h"
 #include "server/layers/init.h"
 #include "server/layers/layer.h"
+#include "te/v1/layers.pb.h"
 #include "te/v1/tensor.pb.h"
 
 namespace te::layers::flax {
@@ -25,6 +26,9 @@ namespace te::layers::flax {
 absl::StatusOr<std::optional<DType>> ComputeDTypeOf(te::v1::DType dtype, absl::string_view field);
 // A spec's `param_dtype`: float32 when unspecified (Flax's default).
 absl::StatusOr<DType> ParamDTypeOf(te::v1::DType dtype, absl::string_view field);
+// A spec's `precision`: whether float32 matmuls may use TensorFloat-32
+// (DEFAULT) or must be exact (HIGHEST); INVALID_ARGUMENT naming `field` else.
+absl::StatusOr<bool> Tf32Of(te::v1::Precision precision, absl::string_view field);
 
 // The dtype a module computes in for an input of `x`: `dtype` when set,
 // else jnp.result_type(x, params) (params absent: x's dtype).
@@ -38,6 +42,7 @@ struct DenseGeneralConfig {
   bool use_bias = true;
   std::optional<DType> dtype;  // computation dtype; nullopt: promote
   DType param_dtype = DType::kF32;
+  bool tf32 = true;            // precision DEFAULT (te.v1.Precision): TensorFloat-32 on a GPU
   std::string field;           // the spec field for messages ("spec.flax_dense")
 };
 

@@ -852,6 +852,13 @@ TEST(FlaxModulesTest, BadSpecsNameTheirField) {
   // Unset qkv_features is x's features, which must divide by the heads.
   ExpectInvalid(Make(MhaSpec(3))->VariableSpecs({2, 4, 8}, nullptr).status(), "qkv_features");
   ExpectInvalid(Make(MhaSpec(2))->VariableSpecs({2, 8}, nullptr).status(), "input_shape");
+  spec = DenseSpec(4);
+  spec.mutable_flax_dense()->set_precision(static_cast<te::v1::Precision>(7));
+  ExpectInvalid(CreateLayer(spec).status(), "spec.flax_dense.precision");
+  te::v1::LayerSpec mha = MhaSpec(2);
+  mha.mutable_flax_multi_head_dot_product_attention()->set_precision(
+      static_cast<te::v1::Precision>(-1));
+  ExpectInvalid(CreateLayer(mha).status(), "spec.flax_multi_head_dot_product_attention.precision");
 }
 
 TEST(FlaxModulesTest, MhaRefusesKeysThatDoNotFit) {

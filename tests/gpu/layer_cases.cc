@@ -327,20 +327,30 @@ void AddTransformerLayers(std::vector<LayerCase>* cases) {
 }
 
 // Flax's own modules (no FP8: Flax ignores autocast). Float32 parameters by
-// default, so a bf16 input computes and returns float32 as Flax does.
+// default, so a bf16 input computes and returns float32 as Flax does. At
+// precision HIGHEST both backends compute exact float32; one case runs JAX's
+// default precision (TensorFloat-32 GEMMs on the GPU).
 void AddFlaxModules(std::vector<LayerCase>* cases) {
+  const te::v1::Precision kExact = te::v1::PRECISION_HIGHEST;
   te::v1::LayerSpec dense;
   dense.mutable_flax_dense()->set_features(kFfn);
+  dense.mutable_flax_dense()->set_precision(kExact);
   cases->push_back(Case("FlaxDense", dense, kTokens, false, false));
+  dense.mutable_flax_dense()->set_precision(te::v1::PRECISION_DEFAULT);
+  LayerCase tf32 = Case("FlaxDense_tf32", dense, kTokens, false, false);
+  tf32.tf32 = true;
+  cases->push_back(tf32);
   te::v1::LayerSpec general;
   general.mutable_flax_dense_general()->add_features(kHeads);
   general.mutable_flax_dense_general()->add_features(kHeadDim);
+  general.mutable_flax_dense_general()->set_precision(kExact);
   cases->push_back(Case("FlaxDenseGeneral", general, {kBatch, kSeq, kOddHidden}, false, false));
   te::v1::LayerSpec norm;
   norm.mutable_flax_layer_norm();
   cases->push_back(Case("FlaxLayerNorm", norm, {kBatch, kSeq, kOddHidden}, false, false));
   te::v1::LayerSpec mha;
   mha.mutable_flax_multi_head_dot_product_attention()->set_num_heads(kHeads);
+  mha.mutable_flax_multi_head_dot_product_attention()->set_precision(kExact);
   cases->push_back(Case("FlaxMultiHeadDotProductAttention", mha, kTokens, true, false));
 }
 

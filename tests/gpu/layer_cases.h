@@ -32,6 +32,10 @@ struct LayerCase {
   bool composed = false;
   // Has GEMMs: also run under DelayedScaling.
   bool has_gemms = false;
+  // Its float32 GEMMs are TensorFloat-32 on the GPU (a Flax module at JAX's
+  // default precision) against the CPU's exact float32: 10 mantissa bits, so
+  // its float32 runs are judged by the bfloat16 tolerances.
+  bool tf32 = false;
 };
 
 // A case, the input dtype, whether FP8 (DelayedScaling, HYBRID, amax history

@@ -257,7 +257,9 @@ double ToleranceFor(const Tolerances& tol, const CaseRun& run, const std::string
     return IsFp8MetasKey(key) ? tol.fp8_metas : tol.fp8_values;
   }
   const bool composed = run.layer_case.composed;
-  if (run.dtype == DType::kF32) return composed ? tol.f32_composed : tol.f32_single_op;
+  if (run.dtype == DType::kF32 && !run.layer_case.tf32) {
+    return composed ? tol.f32_composed : tol.f32_single_op;
+  }
   return composed ? tol.bf16_composed : tol.bf16_single_op;
 }
 

@@ -107,6 +107,19 @@ def _dtype_wire(dtype, field):
     return 0 if dtype is None else symbolic.wire_of(dtype, field)   # 0: te.v1.DTYPE_UNSPECIFIED
 
 
+def _precision(precision, field):
+    """A Flax `precision` (None, "default", "highest", jax.lax.Precision.X) as te.v1.Precision.
+    DEFAULT is JAX's default: TensorFloat-32 float32 matmuls on a GPU, exact float32 on the CPU."""
+    pb = client_lib.layers_pb2
+    name = precision if precision is None or isinstance(precision, str) else getattr(precision, "name", str(precision))
+    name = "default" if name is None else str(name).rsplit(".", 1)[-1].lower()
+    table = {"default": pb.PRECISION_DEFAULT, "highest": pb.PRECISION_HIGHEST, "float32": pb.PRECISION_HIGHEST}
+    if name not in table:
+        raise NotImplementedError("%s: %r; te.v1 has DEFAULT (TensorFloat-32 on a GPU) and HIGHEST (float32)" % (
+            field, precision))
+    return table[name]
+
+
 class _FlaxModule(ServerModule):
     """A flax.linen module that is one server module (DESIGN.md section 11):
     Flax's parameter names, shapes and initialisers, and Flax's dtype rule:
@@ -130,12 +143,14 @@ class Dense(_FlaxModule):
     use_bias: bool = True
     dtype: Optional[object] = None
     param_dtype: object = np.float32
+    precision: Optional[object] = None
 
     def spec(self):
         pb = client_lib.layers_pb2
         return pb.LayerSpec(flax_dense=pb.FlaxDense(
             features=int(self.features), use_bias=self.use_bias, dtype=_dtype_wire(self.dtype, "Dense.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "Dense.param_dtype")))
+            param_dtype=_dtype_wire(self.param_dtype, "Dense.param_dtype"),
+            precision=_precision(self.precision, "Dense.precision")))
 
     def output_shapes(self, input_shapes):
         return [tuple(input_shapes[0][:-1]) + (int(self.features),)]
@@ -151,13 +166,15 @@ class DenseGeneral(_FlaxModule):
     use_bias: bool = True
     dtype: Optional[object] = None
     param_dtype: object = np.float32
+    precision: Optional[object] = None
 
     def spec(self):
         pb = client_lib.layers_pb2
         return pb.LayerSpec(flax_dense_general=pb.FlaxDenseGeneral(
             features=_ints(self.features), axis=_ints(self.axis), use_bias=self.use_bias,
             dtype=_dtype_wire(self.dtype, "DenseGeneral.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "DenseGeneral.param_dtype")))
+            param_dtype=_dtype_wire(self.param_dtype, "DenseGeneral.param_dtype"),
+            precision=_precision(self.precision, "DenseGeneral.precision")))
 
     def output_shapes(self, input_shapes):
         return [_dense_output_shape(input_shapes[0], self.axis, self.features, "DenseGeneral")]
@@ -203,13 +220,15 @@ class MultiHeadDotProductAttention(_FlaxModule):
     use_bias: bool = True
     dtype: Optional[object] = None
     param_dtype: object = np.float32
+    precision: Optional[object] = None
 
     def spec(self):
         pb = client_lib.layers_pb2
         msg = pb.FlaxMultiHeadDotProductAttention(
             num_heads=int(self.num_heads), dropout_rate=float(self.dropout_rate), use_bias=self.use_bias,
             broadcast_dropout=self.broadcast_dropout, dtype=_dtype_wire(self.dtype, "MultiHeadDotProductAttention.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "MultiHeadDotProductAttention.param_dtype"))
+            param_dtype=_dtype_wire(self.param_dtype, "MultiHeadDotProductAttention.param_dtype"),
+            precision=_precision(self.precision, "MultiHeadDotProductAttention.precision"))
         if self.qkv_features is not None:
             msg.qkv_features = int(self.qkv_features)
         if self.out_features is not None:

@@ -233,3 +233,16 @@ def test_attention_with_dropout_needs_deterministic():
 
     with pytest.raises(ValueError, match='"deterministic" must be passed'):
         Layer().trace(x)
+
+
+def test_precision_is_sent_and_default_is_exact_float32_on_the_cpu(session, rng, server_device):
+    x = _x(rng, 4, 64)
+    assert nn.Dense(features=8).spec().flax_dense.precision == 0   # DEFAULT: JAX's default
+    assert nn.Dense(features=8, precision="highest").spec().flax_dense.precision == 1
+    with pytest.raises(NotImplementedError, match="Dense.precision"):
+        nn.Dense(features=8, precision="bfloat16_3x").spec()
+    if server_device != "cpu":
+        pytest.skip("DEFAULT is TensorFloat-32 on a GPU; exact float32 only on the CPU")
+    default, highest = nn.Dense(features=8), nn.Dense(features=8, precision="highest")
+    y_default = default.apply(default.init(0, x), x)
+    np.testing.assert_array_equal(y_default, highest.apply(highest.init(0, x), x))
