@@ -23,7 +23,8 @@ bfloat16 with and without ml_dtypes. Large tensors travel by stream or, on the
 server's host, shared memory (transport.py; te.connect(addr, transport=...)).
 Every failure is a TeError with the gRPC status code and the server's message.
 """
-from te_client import activation, dtypes, errors, flax, graph, linen, numpy, recipe, symbolic, transport
+from te_client import (activation, dtypes, errors, flax, graph, linen, numpy, optim, recipe, symbolic,
+                       transport)
 from te_client.client import Client, ResidentTensor, Session, connect, current_session
 from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
 from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
@@ -34,7 +35,8 @@ from te_client.training import speedometer, value_and_grad
 from te_client.variables import VariableRef, Variables, tree_map
 
 __all__ = [
-    "activation", "dtypes", "errors", "flax", "graph", "linen", "numpy", "recipe", "symbolic", "transport",
+    "activation", "dtypes", "errors", "flax", "graph", "linen", "numpy", "optim", "recipe", "symbolic",
+    "transport",
     "Client", "ResidentTensor", "Session", "connect", "current_session",
     "Bfloat16Array", "asarray", "bfloat16", "dtype_of",
     "TeError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError", "UnauthenticatedError",
