@@ -188,12 +188,15 @@ struct QueryBlock {
   bool causal;
   __device__ explicit QueryBlock(const SmallHeadParams& sp) {
     const AttentionShape& s = sp.p.shape;
-    const int64_t heads = s.batch * s.q_heads;
-    const int64_t bh = blockIdx.x % heads;
-    b = bh / s.q_heads;
-    h = bh % s.q_heads;
-    kvh = h / (s.q_heads / s.kv_heads);
-    i0 = (sp.tiles - 1 - blockIdx.x / heads) * kRows;
+    // 32-bit: the grid has fewer than 2^31 blocks (SmallHeadAttentionFits),
+    // and a 64-bit division is a subroutine call.
+    const uint32_t heads = static_cast<uint32_t>(s.batch * s.q_heads);
+    const uint32_t bh = blockIdx.x % heads;
+    b = bh / static_cast<uint32_t>(s.q_heads);
+    h = bh % static_cast<uint32_t>(s.q_heads);
+    const uint32_t group = static_cast<uint32_t>(s.q_heads) / static_cast<uint32_t>(s.kv_heads);
+    kvh = static_cast<uint32_t>(h) / group;
+    i0 = (sp.tiles - 1 - static_cast<int64_t>(blockIdx.x / heads)) * kRows;
     q_len = ClampedLength(sp.p.q_seqlens, b, s.q_seq);
     kv_len = ClampedLength(sp.p.kv_seqlens, b, s.kv_seq);
     causal = sp.p.causal;
@@ -424,18 +427,18 @@ __global__ void __launch_bounds__(kRows)
   __shared__ float2 row_tile[kStage];
   const AttentionProblem& p = sp.p;
   const AttentionShape& s = p.shape;
-  const int64_t kv_heads = s.batch * s.kv_heads;
-  const int64_t bkh = blockIdx.x % kv_heads;
-  const int64_t b = bkh / s.kv_heads;
-  const int64_t kvh = bkh % s.kv_heads;
-  const int64_t j0 = blockIdx.x / kv_heads * kRows;
+  const uint32_t kv_heads = static_cast<uint32_t>(s.batch * s.kv_heads);  // as QueryBlock
+  const uint32_t bkh = blockIdx.x % kv_heads;
+  const int64_t b = bkh / static_cast<uint32_t>(s.kv_heads);
+  const int64_t kvh = bkh % static_cast<uint32_t>(s.kv_heads);
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x / kv_heads) * kRows;
+  const int64_t group = static_cast<uint32_t>(s.q_heads) / static_cast<uint32_t>(s.kv_heads);
   const int64_t j = j0 + threadIdx.x;
   const int64_t q_len = ClampedLength(p.q_seqlens, b, s.q_seq);
   const int64_t kv_len = ClampedLength(p.kv_seqlens, b, s.kv_seq);
   const bool key_valid = j < kv_len;
   const int dim = static_cast<int>(s.head_dim);
   const int64_t kv_offset = ((b * s.kv_seq + j) * s.kv_heads + kvh) * s.head_dim;
-  const int64_t group = s.q_heads / s.kv_heads;
   const int64_t q_stride = s.q_heads * s.head_dim;
 
   float k[kD], v[kD], dk[kD], dv[kD];
