@@ -23,16 +23,22 @@ export PATH="/usr/local/cuda/bin:/usr/local/cuda-13.0/bin:$PATH"
 kernels_so="$(ls "$bundle"/*libkernels.so 2>/dev/null | head -n 1)"
 if command -v cuobjdump >/dev/null && [ -n "$kernels_so" ]; then
   cuobjdump -res-usage "$kernels_so" >"$out/resources.txt" 2>&1 || true
+  sass="$(mktemp)"
   cuobjdump -sass "$kernels_so" 2>/dev/null \
-    | awk '/Function : /{keep = ($3 ~ /SmallHead/)} keep' >"$out/small_head_sass.txt" || true
+    | awk '/Function : /{keep = ($3 ~ /SmallHead/)} keep' >"$sass" || true
   awk '/Function : /{name = $3} /LDL|STL/{n[name]++} END{for (k in n) print n[k], k}' \
-    "$out/small_head_sass.txt" >"$out/small_head_local_memory.txt"
+    "$sass" >"$out/small_head_local_memory.txt"
+  # The quickstart's kernels (D 4) in full; all of them are too large to return.
+  awk '/Function : /{keep = ($3 ~ /ILi4E/)} keep' "$sass" >"$out/small_head_d4_sass.txt"
+  rm -f "$sass"
 fi
 
 "$bundle/run.sh" attention_gpu_test --gtest_brief=1 >"$out/attention_gpu_test.log" 2>&1
 test_rc=$?
 "$bundle/run.sh" attention_small_head_bench ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
 bench_rc=$?
+# Without dropout: how much of the time the dropout hash takes.
+"$bundle/run.sh" attention_small_head_bench --dropout=0 >"$out/bench_no_dropout.log" 2>&1
 
 echo "=== gpu"; cat "$out/gpu.txt"
 echo "=== local memory instructions per small-head kernel (none listed is good)"
@@ -42,3 +48,5 @@ grep -E '^\[  (FAILED|PASSED)|^\[==========\]|Failure|Expected|Which is|error|ou
   "$out/attention_gpu_test.log" | head -60
 echo "=== attention_small_head_bench (rc $bench_rc)"
 cat "$out/bench.log"
+echo "=== without dropout"
+grep -E '^\||^speedup' "$out/bench_no_dropout.log"
