@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The quickstart's six sections from both clients against one te_server on the
+# GPU, in one run: the C++ quickstart, then the Python one (the same graphs:
+# tests/data/quickstart_graphs), then JAX's own plain-Flax layer
+# (jax_peers.py), with a table of the mean step times and the Python/C++ ratio.
+#
+#   BUNDLE/compare_quickstarts.sh BUNDLE [ITERS] [WARMUP]
+#
+# BUNDLE is deploy/bundle.sh's folder with te_server and quickstart, plus py/
+# (client/python's te_client and examples, and the generated stubs in
+# py/proto) and jax_peers.py. Outputs go to $OUT (or a temp folder).
+set -u
+bundle="$(cd "$1" && pwd)"; iters="${2:-10}"; warmup="${3:-3}"
+out="${OUT:-$(mktemp -d)}"
+py=python3
+$py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
+port_file="$(mktemp)"; rm -f "$port_file"
+"$bundle/run.sh" te_server --device=cuda:0 --host=127.0.0.1 --port=0 --port_file="$port_file" \
+  --session_memory_bytes=68719476736 >"$out/server.log" 2>&1 &
+server=$!
+for _ in $(seq 300); do [ -s "$port_file" ] && break; sleep 0.1; done
+address="127.0.0.1:$(cat "$port_file")"
+timeout 240 "$bundle/run.sh" quickstart --server="$address" --config=quickstart --iters="$iters" \
+  --warmup="$warmup" >"$out/quickstart_cc.txt" 2>&1
+echo "C++ quickstart: exit $?"
+TE_CLIENT_STUBS_DIR="$bundle/py/proto" timeout 240 $py "$bundle/py/examples/quickstart.py" \
+  --address="$address" --config=quickstart --timing_iters="$iters" --warmup_iters="$warmup" \
+  >"$out/quickstart_py.txt" 2>&1
+echo "Python quickstart: exit $?"
+kill "$server"; wait "$server" 2>/dev/null
+if [ -f "$bundle/jax_peers.py" ]; then
+  timeout 150 python3 "$bundle/jax_peers.py" >"$out/jax_peers.txt" 2>&1
+  echo "jax peers: exit $?"
+fi
+$py - "$out" <<'PY'
+import re, sys, os
+out = sys.argv[1]
+def means(name):
+    text = open(os.path.join(out, name)).read() if os.path.exists(os.path.join(out, name)) else ""
+    return [float(m) for m in re.findall(r"Mean time: ([0-9.]+) ms", text)]
+cc, py = means("quickstart_cc.txt"), means("quickstart_py.txt")
+titles = ["1 plain Flax", "2 TE modules, Flax attention", "3 TE modules, TE attention", "4 3 under FP8",
+          "5 fused TE modules, FP8", "6 TransformerLayer, FP8"]
+print("| section | C++ ms | Python ms | Python / C++ |")
+print("| --- | ---: | ---: | ---: |")
+for i, t in enumerate(titles):
+    c = cc[i] if i < len(cc) else float("nan"); p = py[i] if i < len(py) else float("nan")
+    print("| %s | %.2f | %.2f | %.3f |" % (t, c, p, p / c if c else float("nan")))
+peers = open(os.path.join(out, "jax_peers.txt")).read() if os.path.exists(os.path.join(out, "jax_peers.txt")) else ""
+for line in peers.splitlines():
+    if line.startswith("PEER"):
+        print(line)
+PY
