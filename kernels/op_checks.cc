@@ -785,6 +785,60 @@ absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbi
   return dims;
 }
 
+// ---- language-model ops ------------------------------------------------------
+
+namespace {
+
+absl::Status CheckIds(const char* op, const char* name, const Tensor& ids, int rank) {
+  RETURN_IF_ERROR(RequireDType(op, name, &ids, DType::kI32));
+  if (ids.rank() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " must be int32 of rank ", rank,
+                                                   ", got ", Describe(ids)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LmDims> CheckEmbedArgs(const char* op, const char* table_name, const Tensor* table,
+                                      const Tensor& ids, const char* rows_name, const Tensor* rows) {
+  RETURN_IF_ERROR(RequireFloat(op, table_name, table));
+  RETURN_IF_ERROR(RequireFloat(op, rows_name, rows));
+  if (table->rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", table_name, " must be [V, F], got ",
+                                                   ShapeString(table->shape())));
+  }
+  RETURN_IF_ERROR(CheckIds(op, "ids", ids, 1));
+  LmDims dims{ids.dim(0), table->dim(1), table->dim(0)};
+  RETURN_IF_ERROR(RequireShape(op, rows_name, *rows, {dims.rows, dims.width}));
+  return dims;
+}
+
+}  // namespace
+
+absl::StatusOr<LmDims> CheckEmbedForwardArgs(const Tensor& table, const Tensor& ids,
+                                             const Tensor* y) {
+  return CheckEmbedArgs("EmbedForward", "table", &table, ids, "y", y);
+}
+
+absl::StatusOr<LmDims> CheckEmbedBackwardArgs(const Tensor& dy, const Tensor& ids,
+                                              const Tensor* dtable) {
+  return CheckEmbedArgs("EmbedBackward", "dtable", dtable, ids, "dy", &dy);
+}
+
+absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyArgs(const char* op, const Tensor& logits,
+                                                    const Tensor& labels, const Tensor* lse) {
+  RETURN_IF_ERROR(RequireFloat(op, "logits", &logits));
+  if (logits.rank() != 2 || logits.dim(0) < 1 || logits.dim(1) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": logits must be [N, V] with N, V >= 1, got ",
+                                                   ShapeString(logits.shape())));
+  }
+  RETURN_IF_ERROR(CheckIds(op, "labels", labels, 1));
+  LmDims dims{logits.dim(0), logits.dim(1), logits.dim(1)};
+  RETURN_IF_ERROR(RequireShape(op, "labels", labels, {dims.rows}));
+  RETURN_IF_ERROR(RequireDType(op, "lse", lse, DType::kF32));
+  RETURN_IF_ERROR(RequireShape(op, "lse", *lse, {dims.rows}));
+  return dims;
+}
+
 // ---- optimizers ---------------------------------------------------------------
 
 absl::Status CheckOptimizerUpdateArgs(const OptimizerUpdateArgs& args, const Tensor& grad,

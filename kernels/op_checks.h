@@ -181,6 +181,22 @@ absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbi
                                                                const Tensor& buckets,
                                                                const Tensor* dtable);
 
+// ---- language-model ops ------------------------------------------------------
+// [rows, width] of an Embed or cross-entropy call: Embed's table [V, F] gives
+// rows = N ids and width = F; the cross entropy's logits [N, V] width = V.
+// The ids' / labels' values are not checked (they may live on the device).
+struct LmDims {
+  int64_t rows = 0;
+  int64_t width = 0;
+  int64_t vocab = 0;
+};
+absl::StatusOr<LmDims> CheckEmbedForwardArgs(const Tensor& table, const Tensor& ids,
+                                             const Tensor* y);
+absl::StatusOr<LmDims> CheckEmbedBackwardArgs(const Tensor& dy, const Tensor& ids,
+                                              const Tensor* dtable);
+absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyArgs(const char* op, const Tensor& logits,
+                                                    const Tensor& labels, const Tensor* lse);
+
 // ---- optimizers ---------------------------------------------------------------
 
 absl::Status CheckOptimizerUpdateArgs(const OptimizerUpdateArgs& args, const Tensor& grad,

@@ -378,6 +378,30 @@ class Ops {
                                        const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
                                        Tensor* nu) = 0;
 
+  // ---- language-model ops -------------------------------------------------
+  // nn.Embed: table [V, F] float, ids int32 [N], y [N, F] (float):
+  //   y[n] = table[ids[n]], or NaN where ids[n] is outside [0, V) (jnp.take's
+  //   "fill"; checked on the device, no host round trip).
+  virtual absl::Status EmbedForward(const Tensor& table, const Tensor& ids, Tensor* y) = 0;
+  // Its gradient: dtable [V, F] float (overwritten) = sum over the n with
+  // ids[n] == v of dy[n] [N, F] (float), added in increasing n in float32,
+  // so the result is the same on every run and backend; rows no id names
+  // are 0 and ids outside [0, V) add nothing.
+  virtual absl::Status EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor* dtable) = 0;
+  // optax.softmax_cross_entropy_with_integer_labels, averaged over the rows.
+  // logits [N, V] float, labels int32 [N] (N >= 1), in float32:
+  //   lse[n] = log(sum_v exp(logits[n, v]))  (max-subtracted), f32 [N];
+  //   loss [1] f32 = (1 / N) sum_n (lse[n] - logits[n, labels[n]]),
+  //   NaN when a label is outside [0, V). The rows' terms are added in a
+  //   fixed order (the same result on every run).
+  virtual absl::Status SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels,
+                                                  Tensor* loss, Tensor* lse) = 0;
+  // dlogits [N, V] float = dloss[0] / N * (exp(logits[n, v] - lse[n]) - [v == labels[n]]),
+  // dloss [1] f32 on the device (the loss's upstream gradient).
+  virtual absl::Status SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
+                                                   const Tensor& lse, const Tensor& dloss,
+                                                   Tensor* dlogits) = 0;
+
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;

@@ -157,6 +157,13 @@ class CudaOps : public Ops {
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
+  absl::Status EmbedForward(const Tensor& table, const Tensor& ids, Tensor* y) override;
+  absl::Status EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor* dtable) override;
+  absl::Status SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels, Tensor* loss,
+                                          Tensor* lse) override;
+  absl::Status SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
+                                           const Tensor& lse, const Tensor& dloss,
+                                           Tensor* dlogits) override;
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                    Tensor* bias) override;
   absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,

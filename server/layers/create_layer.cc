@@ -1,6 +1,7 @@
 // CreateLayer: one te.v1.LayerSpec -> the module that implements it.
 #include "absl/status/status.h"
 #include "server/layers/attention_layers.h"
+#include "server/layers/flax_embed.h"
 #include "server/layers/flax_modules.h"
 #include "server/layers/graph.h"
 #include "server/layers/layer.h"
@@ -34,6 +35,7 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
     case te::v1::LayerSpec::kFlaxLayerNorm: return MakeFlaxLayerNorm(spec.flax_layer_norm());
     case te::v1::LayerSpec::kFlaxMultiHeadDotProductAttention:
       return MakeFlaxMultiHeadDotProductAttention(spec.flax_multi_head_dot_product_attention());
+    case te::v1::LayerSpec::kFlaxEmbed: return MakeFlaxEmbed(spec.flax_embed());
     case te::v1::LayerSpec::MODULE_NOT_SET:
       break;
   }
@@ -41,7 +43,7 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
       "spec: no module set (one of layer_norm, dense_general, activation, "
       "layer_norm_dense_general, layer_norm_mlp, dot_product_attention, multi_head_attention, "
       "transformer_layer, flax_transformer_layer, sequential, graph, flax_dense, "
-      "flax_dense_general, flax_layer_norm, flax_multi_head_dot_product_attention)");
+      "flax_dense_general, flax_layer_norm, flax_multi_head_dot_product_attention, flax_embed)");
 }
 
 }  // namespace te::layers

@@ -20,6 +20,7 @@
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 #include "server/layers/blocks.h"
+#include "server/layers/flax_embed.h"
 #include "server/layers/graph_internal.h"
 
 namespace te::layers {
@@ -73,25 +74,48 @@ absl::Status CheckFloatInput(const Tensor& t, const std::string& field) {
                                                  DTypeName(t.dtype())));
 }
 
+// A graph input: float, or int32 where the graph takes token ids (x, and
+// extra inputs such as a loss's labels, which arrive in x's dtype).
+absl::Status CheckGraphInput(const Tensor& t, bool ids, const std::string& field) {
+  if (!ids) return CheckFloatInput(t, field);
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));
+  if (t.dtype() == DType::kI32) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " must be int32 token ids (the graph's x feeds an Embed), got ", DTypeName(t.dtype())));
+}
+
 class GraphSaved : public SavedForward {
  public:
   Plan plan;
   std::vector<TensorInfo> extras;                      // the request's extra inputs
   std::vector<std::unique_ptr<SavedForward>> modules;  // by node; null for glue
   std::vector<DropoutSaved> dropouts;                  // by node
+  std::vector<graph::LmSaved> lm;                      // by node: loss and attend
   int64_t bytes() const override {
     int64_t total = 0;
     for (const auto& m : modules) total += m != nullptr ? m->bytes() : 0;
     for (const DropoutSaved& d : dropouts) total += d.bytes();
+    for (const graph::LmSaved& l : lm) total += l.bytes();
     return total;
   }
 };
 
 class GraphLayer : public Layer {
  public:
-  explicit GraphLayer(Graph graph) : g_(std::move(graph)) {}
+  explicit GraphLayer(Graph graph) : g_(std::move(graph)) {
+    for (const Node& node : g_.nodes) {
+      for (int id : node.inputs) {
+        takes_ids_ = takes_ids_ || (id == kX && node.kind == NodeKind::kModule &&
+                                    node.module->TakesTokenIds());
+      }
+    }
+    const int producer = g_.tensors[g_.outputs[0]].producer;
+    returns_loss_ = producer >= 0 && g_.nodes[producer].kind == NodeKind::kSoftmaxCrossEntropy;
+  }
 
   std::string type_name() const override { return "Graph"; }
+  bool TakesTokenIds() const override { return takes_ids_; }
+  bool ReturnsLoss() const override { return returns_loss_; }
 
   absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(const Shape& input_shape,
                                                           const Fp8Recipe* fp8) const override {
@@ -130,6 +154,8 @@ class GraphLayer : public Layer {
       if (node.kind == NodeKind::kModule) out = node.module->OutputDType(out);
       if (node.kind == NodeKind::kCast) out = node.dtype;
       if (node.kind == NodeKind::kCausalMask) out = DType::kBool;
+      if (node.kind == NodeKind::kSoftmaxCrossEntropy) out = DType::kF32;
+      if (node.kind == NodeKind::kAttend) out = AttendDType(node.attend_dtype, out, node.param_dtype);
       for (int id : node.outputs) dtypes[id] = out;
     }
     return dtypes[g_.outputs[0]];
@@ -148,7 +174,7 @@ class GraphLayer : public Layer {
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
-    RETURN_IF_ERROR(CheckFloatInput(in.x, "x"));
+    RETURN_IF_ERROR(CheckGraphInput(in.x, takes_ids_, "x"));
     if (static_cast<int>(in.extra.size()) != g_.num_extra) {
       return absl::InvalidArgumentError(absl::StrCat(
           "extra_inputs: the graph takes ",
@@ -159,13 +185,15 @@ class GraphLayer : public Layer {
     }
     auto kept = std::make_unique<GraphSaved>();
     for (size_t i = 0; i < in.extra.size(); ++i) {
-      RETURN_IF_ERROR(CheckFloatInput(in.extra[i], absl::StrCat("extra_inputs[", i, "]")));
+      RETURN_IF_ERROR(
+          CheckGraphInput(in.extra[i], takes_ids_, absl::StrCat("extra_inputs[", i, "]")));
       kept->extras.push_back(TensorInfo{true, in.extra[i].shape(), in.extra[i].dtype()});
     }
     ASSIGN_OR_RETURN(kept->plan, graph::Infer(g_, TensorInfo{true, in.x.shape(), in.x.dtype()},
                                               kept->extras, nullptr));
     kept->modules.resize(g_.nodes.size());
     kept->dropouts.resize(g_.nodes.size());
+    kept->lm.resize(g_.nodes.size());
 
     std::vector<Tensor> values(g_.tensors.size());
     values[kX] = in.x;
@@ -180,6 +208,15 @@ class GraphLayer : public Layer {
       if (node.kind == NodeKind::kModule) {
         RETURN_IF_ERROR(ForwardModule(ops, vars, node, in, inputs, opts, kept->plan, &outputs,
                                       &kept->modules[i]));
+      } else if (node.kind == NodeKind::kSoftmaxCrossEntropy) {
+        outputs.resize(1);
+        RETURN_IF_ERROR(AboutNode(
+            node, graph::LossForward(ops, inputs[0], inputs[1], &outputs[0], &kept->lm[i])));
+      } else if (node.kind == NodeKind::kAttend) {
+        outputs.resize(1);
+        ASSIGN_OR_RETURN(const Tensor embedding, EmbeddingOf(*vars, node));
+        RETURN_IF_ERROR(AboutNode(node, graph::AttendNodeForward(ops, node, embedding, inputs[0],
+                                                                 &outputs[0], &kept->lm[i])));
       } else {
         RETURN_IF_ERROR(AboutNode(
             node, graph::GlueForward(ops, node, kept->plan.nodes[i], inputs, opts.deterministic,
@@ -224,6 +261,15 @@ class GraphLayer : public Layer {
           return absl::InternalError(absl::StrCat(node.field, ": the forward kept nothing"));
         }
         RETURN_IF_ERROR(BackwardModule(ops, vars, node, *kept->modules[i], dout[0], &din, grads));
+      } else if (node.kind == NodeKind::kSoftmaxCrossEntropy) {
+        RETURN_IF_ERROR(AboutNode(node, graph::LossBackward(ops, kept->lm[i], dout[0], &din)));
+      } else if (node.kind == NodeKind::kAttend) {
+        if (dout[0].defined()) {
+          Tensor dembedding;
+          RETURN_IF_ERROR(AboutNode(node, graph::AttendNodeBackward(ops, node, kept->lm[i], dout[0],
+                                                                    &din, &dembedding)));
+          RETURN_IF_ERROR(AddParamGrad(ops, EmbeddingName(node), dembedding, grads));
+        }
       } else {
         RETURN_IF_ERROR(AboutNode(node, graph::GlueBackward(ops, node, plan.nodes[i], plan,
                                                             kept->dropouts[i], dout, &din)));
@@ -298,6 +344,7 @@ class GraphLayer : public Layer {
     if (!dy.defined()) {
       for (const auto& [key, t] : view) {
         if (!absl::StartsWith(key, "params/")) continue;
+        if (grads->params.count(Scoped(node.name, key)) > 0) continue;  // an attend's gradient
         ASSIGN_OR_RETURN(grads->params[Scoped(node.name, key)], graph::Zeros(ops, t.dtype(), t.shape()));
       }
       return absl::OkStatus();
@@ -312,7 +359,9 @@ class GraphLayer : public Layer {
     }
     din->push_back(own.dx);
     din->insert(din->end(), own.dextra.begin(), own.dextra.end());
-    for (const auto& [key, g] : own.params) grads->params[Scoped(node.name, key)] = g;
+    for (const auto& [key, g] : own.params) {
+      RETURN_IF_ERROR(AddParamGrad(ops, Scoped(node.name, key), g, grads));
+    }
     return absl::OkStatus();
   }
 
@@ -341,10 +390,41 @@ class GraphLayer : public Layer {
 
   static absl::StatusOr<Tensor> GradOrZeros(Ops& ops, const Tensor& grad, const TensorInfo& info) {
     if (grad.defined()) return grad;
+    if (*info.dtype == DType::kI32) return IdGradient(ops, info.shape);  // token ids, labels
     return graph::Zeros(ops, *info.dtype, info.shape);
   }
 
+  // An attend node's table: "params/<embed node>/embedding".
+  std::string EmbeddingName(const Node& node) const {
+    return absl::StrCat("params/", g_.nodes[node.embed].name, "/embedding");
+  }
+  absl::StatusOr<Tensor> EmbeddingOf(const Variables& vars, const Node& node) const {
+    auto it = vars.find(EmbeddingName(node));
+    if (it == vars.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(node.field, ": no variable ",
+                                                        EmbeddingName(node)));
+    }
+    return it->second;
+  }
+
+  // A parameter read by two nodes (an Embed and its attend) sums both
+  // gradients, into a new tensor: the first may be a module's own.
+  static absl::Status AddParamGrad(Ops& ops, const std::string& key, const Tensor& g,
+                                   LayerGrads* grads) {
+    auto it = grads->params.find(key);
+    if (it == grads->params.end()) {
+      grads->params[key] = g;
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(Tensor sum, ops.Allocate(it->second.dtype(), it->second.shape()));
+    RETURN_IF_ERROR(ops.Axpby(1.0f, it->second, 1.0f, g, &sum));
+    it->second = std::move(sum);
+    return absl::OkStatus();
+  }
+
   Graph g_;
+  bool takes_ids_ = false;
+  bool returns_loss_ = false;
 };
 
 }  // namespace

@@ -194,6 +194,17 @@ absl::Status ParseGlue(const GraphSpec::Node& s, Node* node) {
     case GraphSpec::Node::kCausalMask:
       node->kind = NodeKind::kCausalMask;
       break;
+    case GraphSpec::Node::kSoftmaxCrossEntropy:
+      node->kind = NodeKind::kSoftmaxCrossEntropy;
+      RETURN_IF_ERROR(ExpectCount(f, "inputs (logits, labels)", n_in, 2));
+      return ExpectCount(f, "output", n_out, 1);
+    case GraphSpec::Node::kAttend: {
+      node->kind = NodeKind::kAttend;
+      if (s.attend().dtype() != te::v1::DTYPE_UNSPECIFIED) {
+        ASSIGN_OR_RETURN(node->attend_dtype, CastDType(s.attend().dtype(), f + ".attend.dtype"));
+      }
+      break;  // attend.embed is resolved once every node is known
+    }
     default:
       return absl::InternalError(absl::StrCat(f, ": unhandled op ", s.op_case()));
   }
@@ -210,6 +221,7 @@ class Builder {
     Id("x");
     RETURN_IF_ERROR(NamesAndOutputs());
     for (int i = 0; i < spec_.nodes_size(); ++i) RETURN_IF_ERROR(InputsAndOp(i));
+    RETURN_IF_ERROR(ResolveAttends());
     RETURN_IF_ERROR(Outputs());
     RETURN_IF_ERROR(ScopesAreDisjoint());
     RETURN_IF_ERROR(LayerNormOutputsUnread());
@@ -315,7 +327,8 @@ class Builder {
     }
     if (s.op_case() == GraphSpec::Node::OP_NOT_SET) {
       return Invalid(node.field, "no op set (module, reshape, split, concatenate, add, scale, "
-                                 "cast, transpose, dropout or causal_mask)");
+                                 "cast, transpose, dropout, causal_mask, softmax_cross_entropy "
+                                 "or attend)");
     }
     if (s.op_case() != GraphSpec::Node::kModule) {
       if (!s.mask().empty()) {
@@ -338,6 +351,15 @@ class Builder {
                           absl::StrCat(f, ".module: ", layer.status().message()));
     }
     node->module = *std::move(layer);
+    if (kind == te::v1::LayerSpec::kFlaxEmbed) {
+      node->is_embed = true;
+      node->vocab = s.module().flax_embed().num_embeddings();
+      node->features = s.module().flax_embed().features();
+      // MakeFlaxEmbed checked it.
+      node->param_dtype = s.module().flax_embed().param_dtype() == te::v1::DTYPE_UNSPECIFIED
+                              ? DType::kF32
+                              : *CastDType(s.module().flax_embed().param_dtype(), f);
+    }
     ASSIGN_OR_RETURN(const ModuleTraits traits, TraitsOf(s.module(), f + ".module"));
     node->mask_type = traits.mask_type;
     node->returns_ln_out = traits.returns_ln_out;
@@ -375,6 +397,30 @@ class Builder {
       ASSIGN_OR_RETURN(node->module, MakeFlaxMultiHeadDotProductAttention(
                                          s.module().flax_multi_head_dot_product_attention(),
                                          /*causal=*/true));
+    }
+    return absl::OkStatus();
+  }
+
+  // An attend node's `embed` names a flax_embed module node, whose table it shares.
+  absl::Status ResolveAttends() {
+    std::map<std::string, int> by_name;
+    for (size_t i = 0; i < g_.nodes.size(); ++i) by_name.emplace(g_.nodes[i].name, i);
+    for (int i = 0; i < spec_.nodes_size(); ++i) {
+      Node& node = g_.nodes[i];
+      if (node.kind != NodeKind::kAttend) continue;
+      const std::string& embed = spec_.nodes(i).attend().embed();
+      auto it = by_name.find(embed);
+      if (it == by_name.end() || !g_.nodes[it->second].is_embed) {
+        return Invalid(node.field + ".attend.embed",
+                       absl::StrCat("\"", embed, "\" is not ",
+                                    it == by_name.end() ? "a node" : "a flax_embed module node",
+                                    "; attend reads an Embed's embedding"));
+      }
+      const Node& table = g_.nodes[it->second];
+      node.embed = it->second;
+      node.vocab = table.vocab;
+      node.features = table.features;
+      node.param_dtype = table.param_dtype;
     }
     return absl::OkStatus();
   }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
+#include "server/layers/flax_modules.h"
 #include "server/layers/graph_internal.h"
 
 namespace te::layers::graph {
@@ -82,6 +83,8 @@ class Inference {
         return absl::OkStatus();
       case NodeKind::kTranspose: return Transpose(node, np);
       case NodeKind::kCausalMask: return CausalMask(node);
+      case NodeKind::kSoftmaxCrossEntropy: return Loss(node);
+      case NodeKind::kAttend: return Attend(node);
     }
     return absl::InternalError(absl::StrCat(node.field, ": unhandled node kind"));
   }
@@ -92,6 +95,13 @@ class Inference {
       return Invalid(node.field,
                      "its x derives from an extra input, whose shape InitLayer is not given; a "
                      "module's x must derive from the graph's x");
+    }
+    // Token ids go to an Embed, float activations to every other module.
+    const bool ids = node.module->TakesTokenIds();
+    if (x.dtype && (*x.dtype == DType::kI32) != ids) {
+      return Invalid(node.field, absl::StrCat(node.module->type_name(), " takes ",
+                                              ids ? "int32 token ids" : "a float x", ", got ",
+                                              DTypeName(*x.dtype)));
     }
     if (on_module_) {
       const absl::Status s = on_module_(node, x.shape);
@@ -297,6 +307,57 @@ class Inference {
                                               " has no [batch, seq, ...] to make a mask of"));
     }
     Out(node, 0) = TensorInfo{true, {x.shape[0], 1, x.shape[1], x.shape[1]}, DType::kBool};
+    return absl::OkStatus();
+  }
+
+  // optax's softmax cross entropy, averaged: logits [..., V] float, labels
+  // int32 of logits' leading dims; the loss f32 [].
+  absl::Status Loss(const Node& node) {
+    const TensorInfo& logits = In(node, 0);
+    const TensorInfo& labels = In(node, 1);
+    if (logits.dtype && (*logits.dtype == DType::kI32 || *logits.dtype == DType::kBool)) {
+      return Invalid(node.field + ".inputs[0]",
+                     absl::StrCat("logits are ", DTypeName(*logits.dtype), "; want float"));
+    }
+    if (labels.dtype && *labels.dtype != DType::kI32) {
+      return Invalid(node.field + ".inputs[1]",
+                     absl::StrCat("labels are ", DTypeName(*labels.dtype), "; want int32"));
+    }
+    if (logits.known && (logits.shape.empty() || NumElements(logits.shape) == 0)) {
+      return Invalid(node.field + ".inputs[0]",
+                     absl::StrCat("logits ", ShapeString(logits.shape), "; want [..., vocab]"));
+    }
+    if (logits.known && labels.known &&
+        Shape(logits.shape.begin(), logits.shape.end() - 1) != labels.shape) {
+      return Invalid(node.field + ".inputs[1]",
+                     absl::StrCat("labels ", ShapeString(labels.shape), " do not fit logits ",
+                                  ShapeString(logits.shape), ": want logits' leading dims"));
+    }
+    Out(node, 0) = TensorInfo{true, {}, DType::kF32};
+    return absl::OkStatus();
+  }
+
+  // x [..., features] -> [..., vocab] of the Embed node's table.
+  absl::Status Attend(const Node& node) {
+    const TensorInfo& x = In(node, 0);
+    if (x.dtype && (*x.dtype == DType::kI32 || *x.dtype == DType::kBool)) {
+      return Invalid(node.field, absl::StrCat("attend takes a float x, got ", DTypeName(*x.dtype)));
+    }
+    std::optional<DType> dtype = node.attend_dtype;
+    if (!dtype && x.dtype) dtype = PromoteFloat(*x.dtype, node.param_dtype);
+    if (!dtype && node.param_dtype == DType::kF32) dtype = DType::kF32;  // f32 promotes all
+    TensorInfo out{false, {}, dtype};
+    if (x.known) {
+      if (x.shape.empty() || x.shape.back() != node.features) {
+        return Invalid(node.field, absl::StrCat("x ", ShapeString(x.shape), ": attend wants [..., ",
+                                                node.features, "] (",
+                                                g_.nodes[node.embed].field, "'s features)"));
+      }
+      out.known = true;
+      out.shape = x.shape;
+      out.shape.back() = node.vocab;
+    }
+    Out(node, 0) = out;
     return absl::OkStatus();
   }
 

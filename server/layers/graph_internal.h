@@ -31,6 +31,8 @@ enum class NodeKind {
   kTranspose,
   kDropout,
   kCausalMask,
+  kSoftmaxCrossEntropy,  // inputs logits, labels: the loss (graph_lm.cc)
+  kAttend,               // nn.Embed.attend: reads an Embed node's embedding (graph_lm.cc)
 };
 
 // A named edge. Tensors are numbered in the order they are first named: the
@@ -68,6 +70,14 @@ struct Node {
   std::vector<int> axes;       // transpose; empty: reversed (numpy's default)
   float rate = 0.0f;           // dropout
   std::vector<int> broadcast_dims;
+
+  // A flax_embed module node: its table's shape and dtype, for attend nodes.
+  bool is_embed = false;
+  int64_t vocab = 0, features = 0;
+  DType param_dtype = DType::kF32;
+  // kAttend: the Embed node it reads (index), and attend's dtype (nullopt: promote).
+  int embed = -1;
+  std::optional<DType> attend_dtype;
 };
 
 // A checked graph: every tensor written once, every read tensor written, no
@@ -139,6 +149,31 @@ absl::Status GlueForward(Ops& ops, const Node& node, const NodePlan& plan,
 absl::Status GlueBackward(Ops& ops, const Node& node, const NodePlan& plan, const Plan& shapes,
                           const DropoutSaved& dropout, const std::vector<Tensor>& dout,
                           std::vector<Tensor>* din);
+
+// ---- language-model nodes (graph_lm.cc) ----------------------------------------
+// What a softmax_cross_entropy or attend node keeps for its backward.
+struct LmSaved {
+  Tensor logits;  // [N, V]
+  Tensor labels;  // int32 [N]
+  Tensor lse;     // f32 [N]
+  Tensor x;       // attend: x and the embedding in the compute dtype
+  Tensor embedding;
+  DType x_dtype = DType::kF32;
+  int64_t bytes() const;
+};
+
+// softmax_cross_entropy: *loss f32 [] from logits [..., V] and labels [...].
+absl::Status LossForward(Ops& ops, const Tensor& logits, const Tensor& labels, Tensor* loss,
+                         LmSaved* saved);
+// dloss f32 []: din = {dlogits (logits' dtype), undefined (labels)}.
+absl::Status LossBackward(Ops& ops, const LmSaved& saved, const Tensor& dloss,
+                          std::vector<Tensor>* din);
+// attend with `embedding` (the Embed node's variable).
+absl::Status AttendNodeForward(Ops& ops, const Node& node, const Tensor& embedding,
+                               const Tensor& x, Tensor* y, LmSaved* saved);
+// din = {dx}; *dembedding in the embedding's dtype.
+absl::Status AttendNodeBackward(Ops& ops, const Node& node, const LmSaved& saved,
+                                const Tensor& dy, std::vector<Tensor>* din, Tensor* dembedding);
 
 // A zero tensor of `shape` and `dtype`.
 absl::StatusOr<Tensor> Zeros(Ops& ops, DType dtype, const Shape& shape);

@@ -65,6 +65,11 @@ Initializer Initializer::VarianceScalingFanIn(int64_t fan_in, float scale) {
   return {Kind::kTruncatedNormal, static_cast<float>(std::sqrt(variance) / kTruncatedStd)};
 }
 
+Initializer Initializer::NormalFanIn(int64_t fan_in, float scale) {
+  const double variance = static_cast<double>(scale) / static_cast<double>(fan_in > 0 ? fan_in : 1);
+  return {Kind::kNormal, static_cast<float>(std::sqrt(variance))};
+}
+
 int64_t KernelFanIn(const Shape& shape) {
   if (shape.empty() || shape.back() == 0) return 1;
   return NumElements(shape) / shape.back();
@@ -88,6 +93,7 @@ ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initial
     case Initializer::Kind::kOnes:
       return [](int64_t begin, int64_t end, float* out) { std::fill(out, out + (end - begin), 1.0f); };
     case Initializer::Kind::kTruncatedNormal:
+    case Initializer::Kind::kNormal:
       break;
   }
   // As jax.random.truncated_normal: uniform between erf(-2/sqrt2) and
@@ -95,13 +101,16 @@ ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initial
   // threads: a quickstart layer has 200M values, about 20 s on one core.
   const uint64_t stream = MixBits(seed ^ MixBits(HashName(name)));
   const float stddev = init.stddev;
-  return [stream, stddev](int64_t begin, int64_t end, float* out) {
-    const double hi = std::erf(2.0 / std::sqrt(2.0));
-    auto fill = [out, begin, stream, hi, stddev](int64_t from, int64_t to) {
+  // kNormal: the same inverse-CDF map over all of (-1, 1) (jax.random.normal's
+  // own draws differ; the distribution is the same).
+  const bool truncated = init.kind == Initializer::Kind::kTruncatedNormal;
+  return [stream, stddev, truncated](int64_t begin, int64_t end, float* out) {
+    const double hi = truncated ? std::erf(2.0 / std::sqrt(2.0)) : 1.0 - 1e-12;
+    auto fill = [out, begin, stream, hi, stddev, truncated](int64_t from, int64_t to) {
       for (int64_t i = from; i < to; ++i) {
         const double u = -hi + 2.0 * hi * Uniform(stream, static_cast<uint64_t>(i));
         double z = std::sqrt(2.0) * ErfInv(u);
-        z = std::fmin(2.0, std::fmax(-2.0, z));
+        if (truncated) z = std::fmin(2.0, std::fmax(-2.0, z));
         out[i - begin] = static_cast<float>(z * stddev);
       }
     };

@@ -7,6 +7,8 @@
 //                 (JAX divides by the truncated distribution's std)
 //   biases        zeros
 //   norm scale    ones (zeros when zero_centered_gamma)
+//   embeddings    variance_scaling(1.0, "fan_in", "normal", out_axis=0): a
+//                 plain normal, std sqrt(1 / features) (Flax's Embed)
 //   fp8_metas     scale ones, amax_history zeros
 // Values are drawn on the host in float32, in chunks of at most
 // kInitChunkElements, and cast on the device to the variable's dtype: the
@@ -27,14 +29,16 @@
 namespace te::layers {
 
 struct Initializer {
-  enum class Kind { kZeros, kOnes, kTruncatedNormal };
+  enum class Kind { kZeros, kOnes, kTruncatedNormal, kNormal };
   Kind kind = Kind::kZeros;
-  float stddev = 1.0f;  // kTruncatedNormal: the std of the result
+  float stddev = 1.0f;  // kTruncatedNormal, kNormal: the std of the result
 
   static Initializer Zeros() { return {Kind::kZeros, 0.0f}; }
   static Initializer Ones() { return {Kind::kOnes, 0.0f}; }
   // variance_scaling(scale, "fan_in", "truncated_normal").
   static Initializer VarianceScalingFanIn(int64_t fan_in, float scale = 1.0f);
+  // variance_scaling(scale, "fan_in", "normal"): untruncated.
+  static Initializer NormalFanIn(int64_t fan_in, float scale = 1.0f);
 };
 
 // A 64-bit hash of a name (FNV-1a), for seeds derived from names.

@@ -116,6 +116,15 @@ class Layer {
   // with float32 params gives float32), and a graph follows its nodes.
   virtual DType OutputDType(DType input) const { return input; }
 
+  // x is int32 token ids, not a float activation: nn.Embed, or a graph whose
+  // x an Embed reads. Its x gets no gradient (dx is int32 zeros).
+  virtual bool TakesTokenIds() const { return false; }
+
+  // y is a float32 scalar loss (a graph ending in a softmax_cross_entropy
+  // node): a training step may seed its backward with dloss itself instead
+  // of taking a dy from the client.
+  virtual bool ReturnsLoss() const { return false; }
+
   // Init(key, x): creates every variable of VariableSpecs with TE's
   // initialisers, deterministically from `seed`, into *vars.
   virtual absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape,

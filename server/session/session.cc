@@ -189,9 +189,9 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                                 te::v1::InitLayerResponse* response) {
   ASSIGN_OR_RETURN(std::unique_ptr<layers::Layer> layer, layers::CreateLayer(request.spec()));
   ASSIGN_OR_RETURN(DType input_dtype, DTypeFromProto(request.input_dtype(), "input_dtype"));
-  if (!IsLayerInputDType(input_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input_dtype: ", DTypeName(input_dtype), "; x must be float32, bfloat16 or float16"));
+  if (!FitsLayerInput(layer->TakesTokenIds(), input_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("input_dtype: ", DTypeName(input_dtype), "; ",
+                                                   LayerInputWant(layer->TakesTokenIds())));
   }
   if (request.input_shape_size() == 0) {
     return absl::InvalidArgumentError("input_shape: empty; give x's shape, e.g. [batch, seq, hidden]");

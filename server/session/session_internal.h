@@ -71,6 +71,16 @@ inline bool IsLayerInputDType(DType dtype) {
   return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
 }
 
+// x's dtype for a layer: int32 token ids for one whose x feeds an Embed
+// (Layer::TakesTokenIds), a float dtype for every other.
+inline bool FitsLayerInput(bool takes_ids, DType dtype) {
+  return takes_ids ? dtype == DType::kI32 : IsLayerInputDType(dtype);
+}
+inline const char* LayerInputWant(bool takes_ids) {
+  return takes_ids ? "x must be int32 token ids (the layer's x feeds an Embed)"
+                   : "x must be float32, bfloat16 or float16";
+}
+
 // The layer name "params/a/b" split as Flax does: collection "params", path "a/b".
 void SplitVariableName(const std::string& name, std::string* collection, std::string* path);
 

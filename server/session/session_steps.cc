@@ -100,9 +100,9 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
   CheckedInputs in;
   ASSIGN_OR_RETURN(in.x,
                    CheckTensor(x, prefix + "x", config_.max_tensor_bytes, Resident(), Regions()));
-  if (!IsLayerInputDType(in.x.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "x.dtype: ", DTypeName(in.x.dtype),
-                                                   "; x must be float32, bfloat16 or float16"));
+  if (!FitsLayerInput(layer.layer->TakesTokenIds(), in.x.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "x.dtype: ", DTypeName(in.x.dtype), "; ",
+                                                   LayerInputWant(layer.layer->TakesTokenIds())));
   }
   // x fits the initialised layer iff the variables it needs are those it has
   // (and, under DelayedScaling, the fp8_metas exist: else FAILED_PRECONDITION).
@@ -453,6 +453,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   std::vector<CheckedInputs> inputs;
   std::vector<CheckedTensor> dys;  // dy, or the target where one is given
   std::vector<bool> is_target;
+  std::vector<bool> is_seeded;     // a loss layer's micro-batch without dy
   int64_t target_elements = 0;     // the squared error's mean is over these
   for (int i = 0; i < request.micro_batches_size(); ++i) {
     const te::v1::MicroBatch& mb = request.micro_batches(i);
@@ -466,12 +467,23 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
           "error against target, not both"));
     }
     const bool target = mb.has_target();
-    ASSIGN_OR_RETURN(CheckedTensor dy, CheckDy(in, target ? mb.target() : mb.dy(),
-                                               prefix + (target ? "target" : "dy")));
+    // A layer whose y is a loss seeds its own backward when no dy is given.
+    const bool seeded = !target && !mb.has_dy() && layer->layer->ReturnsLoss();
+    if (target && layer->layer->ReturnsLoss()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "target: layer ", layer->id, "'s y is already a loss (its graph ends in "
+          "softmax_cross_entropy); send the labels as its extra input and no target or dy"));
+    }
+    CheckedTensor dy;
+    if (!seeded) {
+      ASSIGN_OR_RETURN(dy, CheckDy(in, target ? mb.target() : mb.dy(),
+                                   prefix + (target ? "target" : "dy")));
+    }
     if (target) target_elements += NumElements(in.y_shape);
     inputs.push_back(std::move(in));
     dys.push_back(std::move(dy));
     is_target.push_back(target);
+    is_seeded.push_back(seeded);
   }
   InterruptScope interrupt(*ops_, call, "ForwardBackward");
   int64_t count = 0, total_notfinite = 0;
@@ -485,7 +497,15 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   for (size_t i = 0; i < inputs.size(); ++i) {
     RETURN_IF_ERROR(call.StillWanted(absl::StrCat("ForwardBackward, before micro_batches[", i, "]")));
     ASSIGN_OR_RETURN(layers::LayerInputs in, MaterializeInputs(inputs[i]));
-    ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dys[i]));
+    Tensor dy;
+    if (is_seeded[i]) {
+      // dloss = 1 / micro-batches: the values then sum to the mean of the
+      // micro-batches' losses, and the gradients to its gradient.
+      ASSIGN_OR_RETURN(dy, ops_->Allocate(DType::kF32, inputs[i].y_shape));
+      RETURN_IF_ERROR(ops_->Fill(1.0f / static_cast<float>(inputs.size()), &dy));
+    } else {
+      ASSIGN_OR_RETURN(dy, Materialize(*ops_, dys[i]));
+    }
     layers::ForwardOptions opts;
     opts.deterministic = request.deterministic();
     opts.dropout_seed = request.micro_batches(static_cast<int>(i)).dropout_seed();
