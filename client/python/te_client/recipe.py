@@ -1,6 +1,6 @@
-"""FP8 recipes as transformer_engine.common.recipe spells them, and autocast.
+"""autocast, and the FP8 recipes (te_client.common.recipe, re-exported here).
 
-    from te_client.recipe import Format, DelayedScaling
+    from te_client.recipe import Format, DelayedScaling   # the same classes as te_client.common.recipe's
     fp8_recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
     with te_client.autocast(enabled=True, recipe=fp8_recipe):
         params = layer.init(key, x)     # creates the fp8_metas collection
@@ -12,44 +12,10 @@ are per thread and per asyncio task (a contextvars.ContextVar).
 import contextlib
 import contextvars
 import dataclasses
-import enum
 
 from te_client import errors
-
-
-class Format(enum.Enum):
-    """transformer_engine.common.recipe.Format."""
-    E4M3 = "E4M3"      # E4M3 forward and backward
-    E5M2 = "E5M2"      # E5M2 forward and backward
-    HYBRID = "HYBRID"  # E4M3 forward, E5M2 for gradients
-
-
-@dataclasses.dataclass(frozen=True)
-class DelayedScaling:
-    margin: float = 0.0
-    fp8_format: Format = Format.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"   # "max" | "most_recent"
-
-
-@dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling:
-    fp8_format: Format = Format.HYBRID
-    amax_epsilon: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling:
-    """Blackwell 1x32-block scaling: native on sm100, emulated elsewhere (policy "emulate")."""
-    fp8_format: Format = Format.E4M3
-
-
-@dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling:
-    """Blackwell FP4 (E2M1, 1x16 blocks): native on sm100, emulated elsewhere."""
-
-
-RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+from te_client.common.recipe import (RECIPES, DelayedScaling, Float8CurrentScaling, Format,
+                                     MXFP8BlockScaling, NVFP4BlockScaling, Recipe)  # noqa: F401
 
 
 def to_proto(recipe, recipe_pb2):
