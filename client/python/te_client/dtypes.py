@@ -3,11 +3,16 @@
 bfloat16 and the FP8 formats are numpy dtypes where `ml_dtypes` is installed
 (JAX installs it): arrays of those dtypes go out and come back as they are.
 Without ml_dtypes:
-  * bfloat16 values live in a `Bfloat16Array`: a float32 ndarray whose values
-    are exactly bf16 and that travels as BFLOAT16, so the server computes in
-    bf16 as it would for a JAX bf16 array. Its elementwise results are rounded
-    back to bf16 (as XLA rounds a bf16 add); mixing it with a float32 array
-    gives float32. `np.asarray(a)` is the plain float32 array.
+  * bfloat16 values live in a `Bfloat16Array`: an ndarray subclass whose
+    values are exactly bf16, kept in float32 storage, and that travels as
+    BFLOAT16, so the server computes in bf16 as it would for a JAX bf16 array.
+    Its `.dtype` is `te_client.bfloat16` (prints "bfloat16", itemsize 2, the
+    same answer as dtype_of), never float32; numpy has no bf16 dtype here, so
+    numpy itself computes on the float32 storage (`a.itemsize` and `a.nbytes`
+    count it, 4 bytes an element). Its elementwise results are rounded back to
+    bf16 (as XLA rounds a bf16 add); mixing it with a float32 array gives
+    float32. `np.asarray(a)` and `a.astype(np.float32)` are the plain float32
+    array (what np.save, np.issubdtype and friends need).
   * FP8 tensors come back as float32 (exact).
 Casts round to nearest even, as kernels/fp8.h does (bf16 NaN stays a quiet NaN).
 """
@@ -29,8 +34,29 @@ ITEMSIZE = {FLOAT32: 4, BFLOAT16: 2, FLOAT16: 2, FLOAT8_E4M3: 1, FLOAT8_E5M2: 1,
 
 
 class _Bfloat16Marker:
-    """te_client.bfloat16 where ml_dtypes is missing: names the type, holds no data."""
+    """te_client.bfloat16 where ml_dtypes is missing, and a Bfloat16Array's
+    .dtype: names the type (name, str, itemsize 2: bf16's own), compares equal
+    to itself and "bfloat16" only. Attributes bf16 has no numpy spelling for
+    (char, type...) are those of the float32 storage numpy computes in, so
+    numpy's helpers (np.testing) treat the array as a float array."""
     name = "bfloat16"
+    itemsize = 2
+    kind = "f"
+    _storage = np.dtype(np.float32)
+
+    def __getattr__(self, attr):
+        if attr.startswith("__") or attr == "dtype":   # np.dtype(te.bfloat16) is refused: it is not float32
+            raise AttributeError(attr)
+        return getattr(self._storage, attr)
+
+    def __eq__(self, other):
+        return isinstance(other, _Bfloat16Marker) or (isinstance(other, str) and other == "bfloat16")
+
+    def __hash__(self):
+        return hash("bfloat16")
+
+    def __str__(self):
+        return "bfloat16"
 
     def __repr__(self):
         return "te_client.bfloat16 (float32 storage: ml_dtypes is not installed)"
@@ -80,6 +106,11 @@ class Bfloat16Array(np.ndarray):
             return out[0] if len(out) == 1 else out
         wrap = (lambda r: _as_bf16_result(r) if all_bf16 else r)
         return tuple(wrap(r) for r in result) if isinstance(result, tuple) else wrap(result)
+
+    @property
+    def dtype(self):
+        """te_client.bfloat16: what the values are and how they travel (the storage is float32)."""
+        return bfloat16
 
     def astype(self, dtype, *args, **kwargs):
         if _is_bf16(dtype):
@@ -230,7 +261,7 @@ def dtype_name(wire):
 
 def dtype_of(x):
     """The element type x travels as, by name: "bfloat16" for a Bfloat16Array
-    (whose numpy .dtype is its float32 storage)."""
+    (as its .dtype says)."""
     if hasattr(x, "wire_dtype"):
         return dtype_name(x.wire_dtype)
     return dtype_name(wire_dtype(as_numpy(x)))
