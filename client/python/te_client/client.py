@@ -45,6 +45,18 @@ CreateSession, which carries it too), so a load balancer can keep a session
 on one replica. When CreateSession answers with the replica's own
 `server_address` and it differs from the address connected to, the session's
 later calls go straight there (Options.pin_to_replica; same channel settings).
+
+Deadlines and failures to connect: every call has a deadline,
+Options.rpc_timeout (300 s unless connect(..., rpc_timeout=...) says
+otherwise: a server that stops answering, a paused process say, fails the
+call with DeadlineExceededError naming the method and the address instead
+of leaving it waiting). connect() and a pinned replica's first call wait up
+to the connect timeout for the server; a refused connection (nothing
+listening at the address) raises UnavailableError naming the address at
+once, without waiting out the timeout. Calls are sent without
+wait_for_ready, so a server that goes away fails them at once too
+(UNAVAILABLE). After client.close(), every call of the client and of its
+sessions raises FailedPreconditionError ("... is closed").
 """
 import concurrent.futures
 import contextvars
@@ -95,7 +107,9 @@ class ResidentTensor:
 class Options:
     inline_tensor_bytes: int = 1 << 20
     chunk_bytes: int = 1 << 20               # the API allows 1-4 MiB chunks
-    rpc_timeout: float = 1800.0              # seconds; a CPU server's full-size layer takes minutes
+    # Seconds a call may take. A CPU server's step at the quickstart's full size
+    # takes minutes: raise it there (connect(addr, rpc_timeout=1800)).
+    rpc_timeout: float = 300.0
     max_message_bytes: int = 64 << 20
     transport: str = "auto"                  # "auto", "inline", "stream", "shm" (transport.py)
     shm_region_bytes: int = 64 << 20         # shared-memory regions are made in pieces at least this big
@@ -117,6 +131,7 @@ class Client:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._replicas = {}          # pinned address -> (channel, stub)
+        self.closed = False
         self._same_host = {}         # address -> bool
         self._shm_refused = {}       # address -> FailedPreconditionError: that server refused shm
         self._channel = self._open_channel(address)
@@ -129,11 +144,10 @@ class Client:
             ("grpc.max_send_message_length", self.options.max_message_bytes),
             ("grpc.max_receive_message_length", self.options.max_message_bytes)])
         try:
-            grpc.channel_ready_future(channel).result(timeout=self._timeout)
-        except grpc.FutureTimeoutError:
+            _wait_connected(channel, address, self._timeout)
+        except BaseException:
             channel.close()
-            raise errors.UnavailableError("no te_server answered at %s within %g s" % (
-                address, self._timeout)) from None
+            raise
         return channel
 
     def _replica_stub(self, address):
@@ -166,7 +180,10 @@ class Client:
             self._shm_refused.setdefault(address, reason)
 
     def close(self):
+        """Closes the channels. Later calls, of the client and of its sessions,
+        raise FailedPreconditionError; a second close is a no-op."""
         with self._lock:
+            self.closed = True
             replicas, self._replicas = list(self._replicas.values()), {}
         for channel, _ in replicas:
             channel.close()
@@ -178,12 +195,21 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+    def check_open(self, method):
+        if self.closed:
+            raise errors.FailedPreconditionError("%s: the client of %s is closed (client.close()); connect "
+                                                 "again" % (method, self.address))
+
     def _call(self, method, request, timeout=None, metadata=None):
+        self.check_open(method)
+        timeout = timeout or self.options.rpc_timeout
         try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.options.rpc_timeout,
-                                               metadata=metadata)
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e) from None
+            raise _described(errors.from_rpc_error(e), method, self.address, timeout) from None
+        except ValueError:
+            self.check_open(method)     # closed by another thread meanwhile
+            raise
 
     def server_info(self):
         """te.v1.ServerInfo: version, devices (recipes native / emulated), dtypes, limits."""
@@ -305,8 +331,9 @@ class Session:
         number in the session's order) and affinity key filled in. `timeout`:
         its deadline in seconds, when shorter than Options.rpc_timeout."""
         sequence = self._number(request.session) if hasattr(request, "session") else 0
+        timeout = self._timeout(timeout)
         return self._invoke(lambda: getattr(self._stub, method)(
-            request, timeout=self._timeout(timeout), metadata=self._metadata), sequence)
+            request, timeout=timeout, metadata=self._metadata), sequence, method, timeout)
 
     def call_async(self, method, request, timeout=None):
         """`call` without waiting: takes the call's number in the session's
@@ -320,13 +347,15 @@ class Session:
         result = concurrent.futures.Future()
         result.set_running_or_notify_cancel()
 
+        timeout = self._timeout(timeout)
+
         def done(call):
             # Kept in the order before the caller can see the result, so its
             # next call names this one if it was abandoned.
             try:
                 response = call.result()
             except grpc.RpcError as e:
-                error = self._error(e)
+                error = self._error(e, method, timeout)
                 self._ended(sequence, error.code)
                 result.set_exception(error)
             except grpc.FutureCancelledError:
@@ -337,10 +366,11 @@ class Session:
                 result.set_result(response)
 
         try:
-            sent = getattr(self._stub, method).future(request, timeout=self._timeout(timeout),
-                                                      metadata=self._metadata)
+            self.client.check_open(method)
+            sent = getattr(self._stub, method).future(request, timeout=timeout, metadata=self._metadata)
         except BaseException:
             self._ended(sequence, grpc.StatusCode.CANCELLED)   # never sent
+            self.client.check_open(method)
             raise
         sent.add_done_callback(done)
         return result
@@ -374,27 +404,30 @@ class Session:
             else:
                 self._abandoned = {lost for lost in self._abandoned if lost >= sequence}
 
-    def _invoke(self, rpc, sequence=0):
-        """Runs `rpc`, the call numbered `sequence` (0: unnumbered), keeping
-        how it ended in the session's order."""
+    def _invoke(self, rpc, sequence=0, method="call", timeout=None):
+        """Runs `rpc`, the call `method` numbered `sequence` (0: unnumbered),
+        keeping how it ended in the session's order."""
         try:
+            self.client.check_open(method)
             response = rpc()
         except grpc.RpcError as e:
-            error = self._error(e)
+            error = self._error(e, method, timeout)
             self._ended(sequence, error.code)
             raise error from None
         except BaseException:
-            # Ended here (an interrupt, a request gRPC could not send): the
-            # server may never have seen it.
+            # Ended here (an interrupt, a request gRPC could not send, a
+            # channel closed meanwhile): the server may never have seen it.
             self._ended(sequence, grpc.StatusCode.CANCELLED)
+            self.client.check_open(method)
             raise
         self._ended(sequence, grpc.StatusCode.OK)
         return response
 
-    def _error(self, rpc_error):
+    def _error(self, rpc_error, method="call", timeout=None):
         """A grpc.RpcError of this session's as a TeError; an UNAVAILABLE
         from a pinned replica names its address."""
-        error = errors.from_rpc_error(rpc_error)
+        error = _described(errors.from_rpc_error(rpc_error), method, self.address,
+                           timeout or self.client.options.rpc_timeout)
         if self.pinned and error.code == grpc.StatusCode.UNAVAILABLE:
             error = errors.UnavailableError("the replica at %s (this session's pinned server_address): %s" % (
                 self.address, error.message))
@@ -461,7 +494,7 @@ class Session:
             sequence = self._number(header.session)
             response = self._invoke(lambda: self._stub.PutTensor(
                 iter([service_pb2.PutTensorChunk(header=header)]),
-                timeout=self.client.options.rpc_timeout, metadata=self._metadata), sequence)
+                timeout=self.client.options.rpc_timeout, metadata=self._metadata), sequence, "PutTensor")
         finally:
             self._shm.free(block)
         self.transport_counts.add(transport_lib.SHM)
@@ -480,7 +513,7 @@ class Session:
                 yield service_pb2.PutTensorChunk(data=bytes(view[offset:offset + step]))
 
         response = self._invoke(lambda: self._stub.PutTensor(
-            chunks(), timeout=self.client.options.rpc_timeout, metadata=self._metadata), sequence)
+            chunks(), timeout=self.client.options.rpc_timeout, metadata=self._metadata), sequence, "PutTensor")
         self.transport_counts.add(transport_lib.STREAM)
         return ResidentTensor(response.tensor_id, wire, shape)
 
@@ -502,7 +535,7 @@ class Session:
         try:
             chunks = self._invoke(lambda: list(self._stub.GetTensor(
                 request, timeout=self.client.options.rpc_timeout, metadata=self._metadata)),
-                sequence)
+                sequence, "GetTensor")
             header = next((c.header for c in chunks if c.WhichOneof("part") == "header"), None)
             if header is None:
                 raise errors.error(grpc.StatusCode.DATA_LOSS, "%s: GetTensor sent no header" % field)
@@ -627,6 +660,51 @@ class Session:
                 self.call("SetVariables", request)
             finally:
                 self.delete_all(uploads)
+
+
+def _wait_connected(channel, address, timeout):
+    """Waits up to `timeout` s for `channel` to connect. UnavailableError
+    naming the address: at once when a connection attempt fails (refused,
+    unknown host), with gRPC's reason; after `timeout` when attempts hang."""
+    settled = threading.Event()
+    states = []
+
+    def watch(state):
+        states.append(state)
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     grpc.ChannelConnectivity.SHUTDOWN):
+            settled.set()
+
+    channel.subscribe(watch, try_to_connect=True)
+    try:
+        settled.wait(timeout)
+    finally:
+        channel.unsubscribe(watch)
+    if grpc.ChannelConnectivity.READY in states:
+        return
+    if not settled.is_set():
+        raise errors.UnavailableError("no te_server answered at %s within %g s (the connect timeout)" % (
+            address, timeout))
+    # The attempt failed: a call without wait_for_ready fails at once with gRPC's reason.
+    try:
+        service_pb2_grpc.TeServiceStub(channel).GetServerInfo(service_pb2.GetServerInfoRequest(),
+                                                              timeout=min(timeout, 5.0), wait_for_ready=False)
+        return                                    # it connected after all
+    except grpc.RpcError as e:
+        reason = e.details() or e.code().name
+    if "refused" in reason.lower():
+        raise errors.UnavailableError("connection refused at %s: nothing listens there (is te_server running, "
+                                      "on that port?); gRPC: %s" % (address, reason)) from None
+    raise errors.UnavailableError("cannot connect to %s: %s" % (address, reason)) from None
+
+
+def _described(error, method, address, timeout):
+    """gRPC's own client-side "Deadline Exceeded" made to say which call, where, and which deadline."""
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and error.message == "Deadline Exceeded":
+        return errors.DeadlineExceededError("%s: no answer from the te_server at %s within %g s (the call's "
+                                            "deadline; connect(..., rpc_timeout=...) sets it)" % (
+                                                method, address, timeout))
+    return error
 
 
 def _match_dtype(value, info):
