@@ -26,7 +26,7 @@ from te_client.flax import _dense_output_shape, _ints
 from te_client.module import Module, ServerModule, check_deterministic, compact, current_frame
 
 __all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "gelu", "Dense", "DenseGeneral",
-           "LayerNorm", "MultiHeadDotProductAttention"]
+           "LayerNorm", "MultiHeadDotProductAttention", "Embed"]
 
 
 def merge_param(name, a, b):
@@ -276,3 +276,59 @@ def gelu(x, approximate=True):
         x._unsupported()
     a = np.asarray(x, dtype=np.float32)
     return 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a ** 3)))
+
+
+class Embed(_FlaxModule):
+    """flax.linen.Embed: int32 token ids [...] -> embedding[ids] [..., features].
+
+    Param embedding (num_embeddings, features), Flax's default_embed_init
+    (variance_scaling(1.0, "fan_in", "normal", out_axis=0): normal, std
+    1/sqrt(features)), drawn on the server. The result is in `dtype`, or
+    param_dtype when unset (Flax promotes the embedding alone). An id outside
+    [0, num_embeddings) gives a NaN row, as jnp.take does. `attend(query)` is
+    the output projection tied to the embedding (query @ embedding.T):
+    inside a composite, call the Embed first, then attend (an attend node
+    reading this Embed's embedding; its gradient is summed into it)."""
+    num_embeddings: int
+    features: int
+    dtype: Optional[object] = None
+    param_dtype: object = np.float32
+
+    def spec(self):
+        pb = client_lib.layers_pb2
+        return pb.LayerSpec(flax_embed=pb.FlaxEmbed(
+            num_embeddings=int(self.num_embeddings), features=int(self.features),
+            dtype=_dtype_wire(self.dtype, "Embed.dtype"), param_dtype=_dtype_wire(self.param_dtype, "Embed.param_dtype")))
+
+    def output_wire(self, input_wire):
+        if input_wire != dtypes.INT32:
+            raise TypeError("Embed: inputs are %s; Embed takes int32 token ids" % dtypes.dtype_name(input_wire))
+        return symbolic.wire_of(self.dtype if self.dtype is not None else self.param_dtype, "Embed.dtype")
+
+    def output_shapes(self, input_shapes):
+        return [tuple(input_shapes[0]) + (int(self.features),)]
+
+    def __call__(self, inputs):
+        return self._call(inputs)
+
+    def attend(self, query):
+        """Embed.attend: query [..., features] @ embedding.T -> [..., num_embeddings], in
+        `dtype` or jnp.result_type(query, embedding)."""
+        if not isinstance(query, symbolic.Symbol):
+            raise TypeError("Embed.attend: query is a %s, not a traced tensor: attend runs in its composite's "
+                            "graph" % type(query).__name__)
+        frame = current_frame(self)
+        name = "/".join(self._scope_in(frame))
+        if frame.trace._owners.get(name) is not self:
+            raise NotImplementedError("%s (Embed).attend before the Embed is called: call it on the token ids "
+                                      "first (its module node holds the embedding)" % name)
+        if not query.shape or query.shape[-1] != int(self.features):
+            raise ValueError("%s (Embed).attend: query %s; want [..., %d] (features)" % (
+                name, list(query.shape), self.features))
+        if self.dtype is not None:
+            wire = symbolic.wire_of(self.dtype, "Embed.dtype")
+        else:
+            wire = symbolic._promoted((query.wire, symbolic.wire_of(self.param_dtype, "Embed.param_dtype")), "attend")
+        pb = client_lib.layers_pb2
+        return frame.trace.record("attend", pb.GraphSpec.Attend(embed=name, dtype=_dtype_wire(self.dtype, "Embed.dtype")),
+                                  [query], [(tuple(query.shape[:-1]) + (int(self.num_embeddings),), wire)])[0]

@@ -1,0 +1,107 @@
+"""optax's softmax cross entropy with integer labels as a server loss node, and
+the training step of a composite whose result is that loss (DESIGN.md section 12).
+
+    from te_client import losses as optax      # was: import optax
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens, labels):
+            embed = nn.Embed(256, 64)
+            x = embed(tokens)
+            ...                                  # TE TransformerLayers, a final norm
+            logits = embed.attend(x)             # or nn.Dense(256)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+Inside a traced composite, `softmax_cross_entropy_with_integer_labels(...)
+.mean()` records a softmax_cross_entropy node: the float32 mean over the
+tokens of logsumexp(logits) - logits[label]. The composite's y is then its
+loss: `apply(params, tokens, labels)` is a Forward that returns the loss, and
+`train_step(state, tokens, labels)` is one ForwardBackward with apply_update
+in which only the int32 ids and labels cross the wire (the server seeds the
+backward itself; no dy). On numpy arrays the function is optax's, in float64.
+"""
+import dataclasses
+
+import numpy as np
+
+from te_client import client as client_lib, dtypes, errors, layer_calls, symbolic
+
+__all__ = ["softmax_cross_entropy_with_integer_labels", "train_step"]
+
+
+class _TokenLosses:
+    """optax's per-token losses of a traced composite: GraphSpec has the mean
+    over the tokens as one node, so `.mean()` is what may follow."""
+
+    def __init__(self, logits, labels):
+        self.logits, self.labels = logits, labels
+        self.shape = tuple(labels.shape)
+
+    def mean(self, axis=None):
+        if axis is not None:
+            raise NotImplementedError("softmax_cross_entropy_with_integer_labels(...).mean(axis=%r): the loss "
+                                      "node is the mean over every token" % (axis,))
+        return self.logits.trace.record("softmax_cross_entropy", client_lib.layers_pb2.GraphSpec.SoftmaxCrossEntropy(),
+                                        [self.logits, self.labels], [((), dtypes.FLOAT32)])[0]
+
+    def __getattr__(self, name):
+        raise TypeError("softmax_cross_entropy_with_integer_labels(...).%s of a traced composite: its server "
+                        "node is the mean over the tokens; call .mean()" % name)
+
+
+def softmax_cross_entropy_with_integer_labels(logits, labels):
+    """optax.softmax_cross_entropy_with_integer_labels: logits [..., V], labels
+    int [...] -> losses [...] (traced: only their .mean() is recorded)."""
+    if isinstance(logits, symbolic.Symbol) or isinstance(labels, symbolic.Symbol):
+        if not (isinstance(logits, symbolic.Symbol) and isinstance(labels, symbolic.Symbol)):
+            raise TypeError("softmax_cross_entropy_with_integer_labels: inside a composite both logits and labels "
+                            "are traced tensors (pass the labels to __call__)")
+        if labels.wire != dtypes.INT32:
+            raise TypeError("softmax_cross_entropy_with_integer_labels: labels are %s; want int32" %
+                            dtypes.dtype_name(labels.wire))
+        if tuple(logits.shape[:-1]) != tuple(labels.shape):
+            raise ValueError("softmax_cross_entropy_with_integer_labels: labels %s do not fit logits %s" % (
+                list(labels.shape), list(logits.shape)))
+        return _TokenLosses(logits, labels)
+    logits = np.asarray(dtypes.as_numpy(logits), np.float64)
+    labels = np.asarray(labels)
+    top = logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
+    return lse - np.take_along_axis(logits, labels[..., None].astype(np.int64), axis=-1)[..., 0]
+
+
+def train_step(state, x, *extra_inputs, micro_batches=1, deterministic=True, dropout_seed=0):
+    """One step of a composite whose y is its loss (it ends in
+    softmax_cross_entropy_with_integer_labels(...).mean()), in one call:
+    forward, the loss and backward over `micro_batches` parts of x and the
+    extra inputs (the labels; split along axis 0, the loss their mean), then
+    the optimizer's update (te_client.optim's TrainState). Under the current
+    autocast. Returns (new state, metrics): loss (before the update), applied,
+    learning_rate, grad_norm, count, total_notfinite, and request_bytes (the
+    serialized request: the ids and labels, and a few dozen bytes more)."""
+    from te_client import optim   # the TrainState's module
+    handle = optim._handle_of(state.params)
+    session = handle.session
+    pb = client_lib.service_pb2
+    xs = np.array_split(np.asarray(x), micro_batches)
+    extras = [np.array_split(np.asarray(e), micro_batches) for e in extra_inputs]
+    uploads = []
+    try:
+        request = pb.ForwardBackwardRequest(layer_id=handle.layer_id, deterministic=deterministic,
+                                            apply_update=True, autocast=layer_calls._autocast())
+        for i, xi in enumerate(xs):
+            mb = request.micro_batches.add(dropout_seed=dropout_seed + i)
+            mb.x.CopyFrom(session.send(xi, uploads, "micro_batches[%d].x" % i))
+            for j, e in enumerate(extras):
+                mb.extra_inputs.add().CopyFrom(session.send(e[i], uploads, "micro_batches[%d].extra_inputs[%d]" % (i, j)))
+        request_bytes = request.ByteSize()
+        response = session.call("ForwardBackward", request)
+    except errors.TeError:
+        raise
+    finally:
+        session.delete_all(uploads)
+    update = response.update
+    metrics = {"loss": float(sum(response.values)), "applied": update.applied,
+               "learning_rate": update.learning_rate, "grad_norm": update.grad_norm, "count": update.count,
+               "total_notfinite": update.total_notfinite, "request_bytes": request_bytes}
+    return dataclasses.replace(state, step=state.step + 1), metrics
