@@ -12,6 +12,7 @@ packages=(
   nlohmann-json3-dev libcpp-httplib-dev openssl libssl-dev prometheus python3-yaml
   clang-14 libclang-rt-14-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-pytest
+  python3-venv python3-pip python3-setuptools python3-wheel
 )
 missing=()
 for p in "${packages[@]}"; do

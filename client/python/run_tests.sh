@@ -7,9 +7,11 @@
 #
 # First it generates the te.v1 Python stubs from proto/te/v1 into
 # client/python/build/proto (git-ignored; $TE_CLIENT_STUBS_DIR overrides) with
-# Debian's protoc 3.21 and grpc_python_plugin. (Debian's python3-grpc-tools
-# bundles protoc 3.5, which rejects proto3 `optional`; _stubs.py falls back to
-# grpc_tools.protoc only where a newer one is installed.)
+# Debian's protoc 3.21 and grpc_python_plugin, so the tests import the checkout
+# without installing it. (Debian's python3-grpc-tools bundles protoc 3.5, which
+# rejects proto3 `optional`; _stubs.py falls back to grpc_tools.protoc only
+# where a newer one is installed.) tests/test_package.py installs the package
+# itself into a temporary venv (python3-venv, python3-pip: deploy/install_deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 junit="${1:-/tmp/te_python_junit.xml}"
