@@ -243,13 +243,20 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
     LogFallbackOnce(Describe("backward", args, shape, q.dtype()), Unfused(small_head), fused);
   }
   const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
-  ASSIGN_OR_RETURN(void* row_dot, Workspace(rows * sizeof(float)));
   if (small_head) {
+    // row_dot, then (16-byte aligned) the dropout bits the dq pass hands on.
+    const size_t row_dot_bytes = (rows * sizeof(float) + 15) / 16 * 16;
+    const size_t bits_bytes = SmallHeadDropoutBitsBytes(problem);
+    ASSIGN_OR_RETURN(void* scratch, Workspace(row_dot_bytes + bits_bytes));
+    uint32_t* bits = bits_bytes == 0 ? nullptr
+                                     : reinterpret_cast<uint32_t*>(static_cast<char*>(scratch) +
+                                                                   row_dot_bytes);
     return SmallHeadAttentionBackward(problem, out.data(), out.dtype(), dout.data(),
                                       dout.dtype(), softmax_lse.data_as<float>(), dq->data(),
                                       dq->dtype(), dk->data(), dk->dtype(), dv->data(),
-                                      dv->dtype(), static_cast<float*>(row_dot), stream());
+                                      dv->dtype(), static_cast<float*>(scratch), bits, stream());
   }
+  ASSIGN_OR_RETURN(void* row_dot, Workspace(rows * sizeof(float)));
   return FallbackAttentionBackward(problem, dout.data(), dout.dtype(),
                                    softmax_lse.data_as<float>(), dq->data(), dq->dtype(),
                                    dk->data(), dk->dtype(), dv->data(), dv->dtype(),

@@ -96,12 +96,21 @@ absl::Status SmallHeadAttentionForward(const AttentionProblem& problem, void* ou
 // forward's output: where it is f32, rowsum(P * dP) is taken as
 // rowsum(dout * out) (equal up to f32 rounding); for bf16 / f16 out it is
 // recomputed from P, as the CPU reference does, so out's rounding stays out
-// of the gradients. row_dot: f32 scratch of B*Hq*Sq floats.
+// of the gradients. row_dot: f32 scratch of B*Hq*Sq floats. dropout_bits:
+// scratch of SmallHeadDropoutBitsBytes(problem) bytes (16-byte aligned) where
+// that is not 0, else null: the dq pass keeps its dropout draws there for
+// the dk/dv pass, which then skips the hash (a quarter of the backward at D 4).
 absl::Status SmallHeadAttentionBackward(const AttentionProblem& problem, const void* out,
                                         DType out_dtype, const void* dout, DType dout_dtype,
                                         const float* lse, void* dq, DType dq_dtype, void* dk,
                                         DType dk_dtype, void* dv, DType dv_dtype,
-                                        float* row_dot, cudaStream_t stream);
+                                        float* row_dot, uint32_t* dropout_bits,
+                                        cudaStream_t stream);
+
+// The dropout-bit scratch SmallHeadAttentionBackward can use: one bit per
+// score, ceil(Skv / 32) * B*Hq*Sq words; 0 without dropout, or past the limit
+// (256 MiB by default; SetSmallHeadDropoutBitsLimit below).
+size_t SmallHeadDropoutBitsBytes(const AttentionProblem& problem);
 
 // ---- cuDNN (attention_cudnn.cc) ------------------------------------------
 // Where cuDNN reads q, k and v: separate [B, S, H, D] tensors, or the three
@@ -150,6 +159,10 @@ AttentionPath GetAttentionPath();
 int64_t CudnnAttentionCalls();
 // Calls served by the small-head kernels (forward + backward).
 int64_t SmallHeadAttentionCalls();
+// Process-wide: the most bytes SmallHeadDropoutBitsBytes grants (tests set 0
+// to check the backward that draws the dropout bits in both passes). Returns
+// the previous limit.
+int64_t SetSmallHeadDropoutBitsLimit(int64_t bytes);
 // Of the cuDNN calls, the packed ops' calls that cuDNN served on the packed layout
 // itself (not after the split default).
 int64_t CudnnPackedAttentionCalls();

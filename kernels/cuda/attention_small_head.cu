@@ -13,6 +13,11 @@
 //            of its GQA group): each dk/dv element has one writer, so no
 //            atomics and the results do not depend on scheduling.
 //
+// With dropout the dq pass stores its draws, one bit per score, in the
+// caller's scratch, and the dk/dv pass reads them instead of hashing again
+// (the hash is about half of each pass at D 4); past a size limit both passes
+// hash.
+//
 // Causal: blocks stop at their last row's visible key, and the heaviest
 // blocks are issued first. Dropout draws DropoutUniform with ops.h's element
 // index, as the CPU reference and the general fallback do; the integer
@@ -49,6 +54,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 std::atomic<int64_t> small_head_calls{0};
+// The most workspace the backward takes to keep the dq pass's dropout bits for
+// the dk/dv pass (one bit per score: 64 MiB at B4 H32 S2048). Past it each
+// pass draws the bits itself.
+std::atomic<int64_t> dropout_bits_limit{int64_t{256} << 20};
 
 // What every kernel reads besides its tensors.
 struct SmallHeadParams {
@@ -298,14 +307,18 @@ __global__ void __launch_bounds__(kRows)
 
 // One sweep of a dq thread over the keys it sees. With P = exp2(score - lse2)
 // and dP = (dout . v_j) * M_j: kRowDot adds P dP to row_dot; else
-// dq += P (dP - row_dot) k_j (scale applied by the caller).
-template <int kD, bool kDropout, bool kRowDot>
+// dq += P (dP - row_dot) k_j (scale applied by the caller). kWriteBits: also
+// stores the row's dropout bits for the dk/dv pass, bit j % 32 of word
+// bits[(j / 32) * rows + row] (rows = B*Hq*Sq: a warp's 32 rows store 32
+// consecutive words).
+template <int kD, bool kDropout, bool kRowDot, bool kWriteBits = false>
 __device__ __forceinline__ void DqSweep(const SmallHeadParams& sp, const QueryBlock& blk,
                                         int64_t end, int64_t block_end, float lse2,
                                         uint64_t drop_base, const float (&q)[kD],
                                         const float (&g)[kD], float4 (*k_tile)[kD / 4],
                                         float4 (*v_tile)[kD / 4], float* row_dot,
-                                        float (&dq)[kD]) {
+                                        float (&dq)[kD], uint32_t* bits = nullptr,
+                                        int64_t row = 0) {
   const AttentionProblem& p = sp.p;
   const AttentionShape& s = p.shape;
   const int dim = static_cast<int>(s.head_dim);
@@ -320,19 +333,28 @@ __device__ __forceinline__ void DqSweep(const SmallHeadParams& sp, const QueryBl
     StageRows<kD>(p.v, p.v_dtype, kv_first + s0 * kv_stride, kv_stride, n, dim, v_tile);
     __syncthreads();
     const int stop = static_cast<int>(end - s0 < n ? (end - s0 > 0 ? end - s0 : 0) : n);
+    for (int w0 = 0; w0 < stop; w0 += 32) {  // 32 keys: one word of dropout bits
+      const int w_stop = stop - w0 < 32 ? stop - w0 : 32;
+      uint32_t word = 0;
 #pragma unroll 4
-    for (int jj = 0; jj < stop; ++jj) {
-      const float prob = Exp2(Dot<kD>(q, k_tile[jj]) - lse2);
-      float dprob = Dot<kD>(g, v_tile[jj]);
-      if (kDropout) {
-        dprob = Kept(sp.dropout_key, drop_base + s0 + jj, sp.keep_threshold)
-                    ? dprob * sp.keep_scale
-                    : 0.0f;
+      for (int u = 0; u < w_stop; ++u) {
+        const int jj = w0 + u;
+        const float prob = Exp2(Dot<kD>(q, k_tile[jj]) - lse2);
+        float dprob = Dot<kD>(g, v_tile[jj]);
+        if (kDropout) {
+          const bool kept = Kept(sp.dropout_key, drop_base + s0 + jj, sp.keep_threshold);
+          dprob = kept ? dprob * sp.keep_scale : 0.0f;
+          if (kWriteBits) word |= static_cast<uint32_t>(kept) << u;
+        }
+        if (kRowDot) {
+          sum = fmaf(prob, dprob, sum);
+        } else {
+          Axpy<kD>(prob * (dprob - rd), k_tile[jj], dq);
+        }
       }
-      if (kRowDot) {
-        sum = fmaf(prob, dprob, sum);
-      } else {
-        Axpy<kD>(prob * (dprob - rd), k_tile[jj], dq);
+      if (kWriteBits) {
+        const int64_t rows = s.batch * s.q_heads * s.q_seq;
+        bits[(s0 + w0) / 32 * rows + row] = word;
       }
     }
   }
@@ -346,7 +368,7 @@ template <int kD, bool kDropout, bool kRowDotFromOut>
 __global__ void __launch_bounds__(kRows)
     SmallHeadDqKernel(SmallHeadParams sp, const void* out, DType out_dtype, const void* dout,
                       DType dout_dtype, const float* lse_in, void* dq_out, DType dq_dtype,
-                      float* row_dot_out) {
+                      float* row_dot_out, uint32_t* dropout_bits) {
   __shared__ float4 k_tile[kStage][kD / 4];
   __shared__ float4 v_tile[kStage][kD / 4];
   const AttentionProblem& p = sp.p;
@@ -380,18 +402,25 @@ __global__ void __launch_bounds__(kRows)
     DqSweep<kD, kDropout, true>(sp, blk, end, block_end, lse2, drop_base, q, g, k_tile, v_tile,
                                 &row_dot, dq);
   }
-  DqSweep<kD, kDropout, false>(sp, blk, end, block_end, lse2, drop_base, q, g, k_tile, v_tile,
-                               &row_dot, dq);
+  if (kDropout && dropout_bits != nullptr) {  // uniform
+    DqSweep<kD, kDropout, false, true>(sp, blk, end, block_end, lse2, drop_base, q, g, k_tile,
+                                       v_tile, &row_dot, dq, dropout_bits, row);
+  } else {
+    DqSweep<kD, kDropout, false>(sp, blk, end, block_end, lse2, drop_base, q, g, k_tile, v_tile,
+                                 &row_dot, dq);
+  }
   if (i >= s.q_seq) return;
   StoreRow<kD>(dq_out, dq_dtype, q_offset, dim, p.scale, dq);
   row_dot_out[row] = row_dot;
 }
 
 // One q/dout tile against a dk/dv thread's key j. kMasked: the tile holds
-// queries before j (causal), whose weights are zero.
-template <int kD, bool kDropout, bool kMasked>
+// queries before j (causal), whose weights are zero. kBits: the dropout bits
+// come from the dq pass (bit `lane` of bits_row[ii]) instead of the hash.
+template <int kD, bool kDropout, bool kMasked, bool kBits>
 __device__ __forceinline__ void DkDvTile(const SmallHeadParams& sp, int n, int first_visible,
                                          uint64_t drop_index, uint64_t drop_step,
+                                         const uint32_t* bits_row, int lane,
                                          const float (&k)[kD], const float (&v)[kD],
                                          const float4 (*q_tile)[kD / 4],
                                          const float4 (*g_tile)[kD / 4], const float2* row_tile,
@@ -404,7 +433,9 @@ __device__ __forceinline__ void DkDvTile(const SmallHeadParams& sp, int n, int f
     float dprob = Dot<kD>(v, g_tile[ii]);
     float dropped = prob;  // P * M / keep_scale (the caller scales dv)
     if (kDropout) {
-      const bool kept = Kept(sp.dropout_key, drop_index + ii * drop_step, sp.keep_threshold);
+      const bool kept = kBits ? ((bits_row[ii] >> lane) & 1u) != 0
+                              : Kept(sp.dropout_key, drop_index + ii * drop_step,
+                                     sp.keep_threshold);
       dropped = kept ? prob : 0.0f;
       dprob = kept ? dprob * sp.keep_scale : 0.0f;
     }
@@ -420,11 +451,15 @@ __device__ __forceinline__ void DkDvTile(const SmallHeadParams& sp, int n, int f
 template <int kD, bool kDropout>
 __global__ void __launch_bounds__(kRows)
     SmallHeadDkDvKernel(SmallHeadParams sp, const void* dout, DType dout_dtype,
-                        const float* lse_in, const float* row_dot, void* dk_out,
-                        DType dk_dtype, void* dv_out, DType dv_dtype) {
+                        const float* lse_in, const float* row_dot,
+                        const uint32_t* dropout_bits, void* dk_out, DType dk_dtype,
+                        void* dv_out, DType dv_dtype) {
   __shared__ float4 q_tile[kStage][kD / 4];
   __shared__ float4 g_tile[kStage][kD / 4];
   __shared__ float2 row_tile[kStage];
+  // The dq pass's dropout bits of the staged queries: word w holds keys
+  // j0 + 32 w .. j0 + 32 w + 31, the keys of warp w.
+  __shared__ uint32_t bits_tile[kDropout ? kRows / 32 : 1][kStage];
   const AttentionProblem& p = sp.p;
   const AttentionShape& s = p.shape;
   const uint32_t kv_heads = static_cast<uint32_t>(s.batch * s.kv_heads);  // as QueryBlock
@@ -440,6 +475,8 @@ __global__ void __launch_bounds__(kRows)
   const int dim = static_cast<int>(s.head_dim);
   const int64_t kv_offset = ((b * s.kv_seq + j) * s.kv_heads + kvh) * s.head_dim;
   const int64_t q_stride = s.q_heads * s.head_dim;
+  const int64_t rows = s.batch * s.q_heads * s.q_seq;
+  const int64_t words_per_row = (s.kv_seq + 31) / 32;
 
   float k[kD], v[kD], dk[kD], dv[kD];
 #pragma unroll
@@ -466,18 +503,41 @@ __global__ void __launch_bounds__(kRows)
                                             row_dot[row_base + i0 + r])
                               : make_float2(INFINITY, 0.0f);
         }
+        if (kDropout && dropout_bits != nullptr) {
+          for (int e = threadIdx.x; e < kRows / 32 * kStage; e += kRows) {
+            const int w = e / kStage;
+            const int r = e % kStage;
+            const int64_t word = j0 / 32 + w;
+            bits_tile[w][r] = r < n && word < words_per_row
+                                  ? dropout_bits[word * rows + row_base + i0 + r]
+                                  : 0u;
+          }
+        }
         __syncthreads();
         if (!key_valid) continue;
         const uint64_t drop_index = static_cast<uint64_t>((row_base + i0) * s.kv_seq + j);
         const uint64_t drop_step = static_cast<uint64_t>(s.kv_seq);
+        const uint32_t* bits_row = bits_tile[kDropout ? threadIdx.x / 32 : 0];
+        const int lane = static_cast<int>(threadIdx.x % 32);
+        const bool with_bits = kDropout && dropout_bits != nullptr;  // uniform
         if (p.causal && i0 < j0 + kRows) {  // block-uniform: a diagonal tile
           const int64_t first = j - i0;
           if (first >= n) continue;
-          DkDvTile<kD, kDropout, true>(sp, n, static_cast<int>(first), drop_index, drop_step,
-                                       k, v, q_tile, g_tile, row_tile, dk, dv);
+          if (with_bits) {
+            DkDvTile<kD, kDropout, true, true>(sp, n, static_cast<int>(first), drop_index,
+                                               drop_step, bits_row, lane, k, v, q_tile, g_tile,
+                                               row_tile, dk, dv);
+          } else {
+            DkDvTile<kD, kDropout, true, false>(sp, n, static_cast<int>(first), drop_index,
+                                                drop_step, bits_row, lane, k, v, q_tile, g_tile,
+                                                row_tile, dk, dv);
+          }
+        } else if (with_bits) {
+          DkDvTile<kD, kDropout, false, true>(sp, n, 0, drop_index, drop_step, bits_row, lane, k,
+                                              v, q_tile, g_tile, row_tile, dk, dv);
         } else {
-          DkDvTile<kD, kDropout, false>(sp, n, 0, drop_index, drop_step, k, v, q_tile, g_tile,
-                                        row_tile, dk, dv);
+          DkDvTile<kD, kDropout, false, false>(sp, n, 0, drop_index, drop_step, bits_row, lane,
+                                               k, v, q_tile, g_tile, row_tile, dk, dv);
         }
       }
     }
@@ -528,6 +588,15 @@ bool SmallHeadAttentionFits(const AttentionProblem& problem) {
 
 int64_t SmallHeadAttentionCalls() { return small_head_calls.load(); }
 
+int64_t SetSmallHeadDropoutBitsLimit(int64_t bytes) { return dropout_bits_limit.exchange(bytes); }
+
+size_t SmallHeadDropoutBitsBytes(const AttentionProblem& problem) {
+  if (problem.dropout_rate == 0.0f) return 0;
+  const AttentionShape& s = problem.shape;
+  const int64_t bytes = (s.kv_seq + 31) / 32 * s.batch * s.q_heads * s.q_seq * 4;
+  return bytes <= dropout_bits_limit.load() ? static_cast<size_t>(bytes) : 0;
+}
+
 absl::Status SmallHeadAttentionForward(const AttentionProblem& problem, void* out,
                                        DType out_dtype, float* lse, cudaStream_t stream) {
   if (!SmallHeadAttentionFits(problem)) {
@@ -556,7 +625,8 @@ absl::Status SmallHeadAttentionBackward(const AttentionProblem& problem, const v
                                         DType out_dtype, const void* dout, DType dout_dtype,
                                         const float* lse, void* dq, DType dq_dtype, void* dk,
                                         DType dk_dtype, void* dv, DType dv_dtype,
-                                        float* row_dot, cudaStream_t stream) {
+                                        float* row_dot, uint32_t* dropout_bits,
+                                        cudaStream_t stream) {
   if (!SmallHeadAttentionFits(problem)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attention: the small-head kernels take head_dim <= ", kSmallHeadMaxHeadDim,
@@ -574,7 +644,7 @@ absl::Status SmallHeadAttentionBackward(const AttentionProblem& problem, const v
       const unsigned blocks = Blocks(s.batch * s.q_heads, sp.tiles);
       auto launch = [&](auto kernel) {
         kernel<<<blocks, kRows, 0, stream>>>(sp, out, out_dtype, dout, dout_dtype, lse, dq,
-                                             dq_dtype, row_dot);
+                                             dq_dtype, row_dot, dropout_bits);
       };
       if (dropout) {
         row_dot_from_out ? launch(SmallHeadDqKernel<kD, true, true>)
@@ -590,10 +660,10 @@ absl::Status SmallHeadAttentionBackward(const AttentionProblem& problem, const v
       const unsigned blocks = Blocks(s.batch * s.kv_heads, sp.tiles);
       if (dropout) {
         SmallHeadDkDvKernel<kD, true><<<blocks, kRows, 0, stream>>>(
-            sp, dout, dout_dtype, lse, row_dot, dk, dk_dtype, dv, dv_dtype);
+            sp, dout, dout_dtype, lse, row_dot, dropout_bits, dk, dk_dtype, dv, dv_dtype);
       } else {
         SmallHeadDkDvKernel<kD, false><<<blocks, kRows, 0, stream>>>(
-            sp, dout, dout_dtype, lse, row_dot, dk, dk_dtype, dv, dv_dtype);
+            sp, dout, dout_dtype, lse, row_dot, dropout_bits, dk, dk_dtype, dv, dv_dtype);
       }
       CUDA_RETURN_IF_LAUNCH_ERROR();
     }
