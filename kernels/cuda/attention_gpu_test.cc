@@ -70,6 +70,9 @@ struct Case {
   float dropout = 0.0f;
   bool bias = false;
   bool zero_kv_length = false;  // one batch with kv_seqlens = 0 (every row masked)
+  // Small-head backward with dropout: no scratch for the dq pass's dropout
+  // bits, so the dk/dv pass draws them itself.
+  bool no_dropout_bits = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -84,7 +87,10 @@ class GpuAttentionTest : public ::testing::TestWithParam<Case> {
     ASSERT_TRUE(ops.ok()) << ops.status();
     gpu_ = *std::move(ops);
   }
-  void TearDown() override { cuda::SetAttentionPath(cuda::AttentionPath::kAuto); }
+  void TearDown() override {
+    cuda::SetAttentionPath(cuda::AttentionPath::kAuto);
+    if (saved_bits_limit_ >= 0) cuda::SetSmallHeadDropoutBitsLimit(saved_bits_limit_);
+  }
 
   Tensor Host(DType dtype, const Shape& shape, const std::vector<float>& values) {
     return ::te::testing::MakeTensor(cpu_, dtype, shape, values);
@@ -114,6 +120,7 @@ class GpuAttentionTest : public ::testing::TestWithParam<Case> {
   std::unique_ptr<Device> device_;
   std::unique_ptr<Ops> gpu_;
   CpuOps cpu_;
+  int64_t saved_bits_limit_ = -1;
 };
 
 // lse: equal infinities, relative error over the finite entries.
@@ -136,6 +143,7 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   cuda::SetAttentionPath(c.path == Path::kFallback  ? cuda::AttentionPath::kFallbackOnly
                          : c.path == Path::kGeneral ? cuda::AttentionPath::kGeneralFallbackOnly
                                                     : cuda::AttentionPath::kAuto);
+  if (c.no_dropout_bits) saved_bits_limit_ = cuda::SetSmallHeadDropoutBitsLimit(0);
   const Shape q_shape = {c.batch, c.q_seq, c.q_heads, c.head_dim};
   const Shape kv_shape = {c.batch, c.kv_seq, c.kv_heads, c.head_dim};
   const Shape lse_shape = {c.batch, c.q_heads, c.q_seq};
@@ -312,6 +320,16 @@ std::vector<Case> SmallHeadCases() {
                        4, 2, 8, MaskType::kPadding, 0.1f, false, true});
   cases.push_back(Case{"f32_d12_padding_causal_zero_kv_length", Path::kDeclined, DType::kF32, 2,
                        130, 130, 2, 2, 12, MaskType::kPaddingCausal, 0.0f, false, true});
+  // The dk/dv pass drawing its own dropout bits (no scratch for the dq pass's).
+  cases.push_back(Case{"f32_d4_causal_dropout_s130_no_dropout_bits", Path::kDeclined,
+                       DType::kF32, 2, 130, 130, 4, 2, 4, MaskType::kCausal, 0.1f, false, false,
+                       true});
+  cases.push_back(Case{"f32_d8_nomask_dropout_s37x130_no_dropout_bits", Path::kDeclined,
+                       DType::kF32, 2, 37, 130, 4, 4, 8, MaskType::kNoMask, 0.1f, false, false,
+                       true});
+  cases.push_back(Case{"bf16_d32_padding_causal_dropout_s130_no_dropout_bits", Path::kFallback,
+                       DType::kBF16, 3, 130, 130, 4, 1, 32, MaskType::kPaddingCausal, 0.2f, false,
+                       true, true});
   return cases;
 }
 
