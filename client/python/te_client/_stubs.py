@@ -120,7 +120,9 @@ def generate(out_dir, proto_root=None):
         if run is not None:
             errors.append("%s: %s" % (" ".join(compiler[:3]), run.stderr.strip().splitlines()[-1:]))
         shutil.rmtree(tmp, ignore_errors=True)
-    raise ImportError("te_client: could not generate the te.v1 stubs; tried:\n  " + "\n  ".join(errors))
+    raise ImportError("te_client: could not generate the te.v1 stubs (they need protoc >= 3.15 with "
+                      "grpc_python_plugin, Debian's protobuf-compiler and protobuf-compiler-grpc, or a "
+                      "grpcio-tools that bundles one); tried:\n  " + "\n  ".join(errors))
 
 
 def _complete(folder):
