@@ -136,9 +136,12 @@ class VariableRef(numpy.lib.mixins.NDArrayOperatorsMixin):
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         # Each VariableRef among the inputs stands for its value (a bf16 one
         # without ml_dtypes as a Bfloat16Array, so bf16 rounding still applies).
+        # A result written into one (ref += g, out=ref) would land in a fetched copy and never
+        # reach the server, so it is refused.
+        if any(isinstance(o, VariableRef) for o in kwargs.get("out", ())):
+            raise TypeError("%r is read-only here: compute a new array and write it with "
+                            "session.set_variables" % (self,))
         inputs = tuple(i.value() if isinstance(i, VariableRef) else i for i in inputs)
-        if "out" in kwargs:
-            kwargs["out"] = tuple(o.value() if isinstance(o, VariableRef) else o for o in kwargs["out"])
         return getattr(ufunc, method)(*inputs, **kwargs)
 
     def __len__(self):

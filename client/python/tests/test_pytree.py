@@ -84,6 +84,8 @@ def test_variable_ref_under_numpy_and_arithmetic(session, rng, monkeypatch):
     np.testing.assert_array_equal(kernel[1], value[1])
     assert type(kernel * 2) is np.ndarray and len(kernel) == 3
     assert kernel == kernel and kernel != params["params"]["bias"] and len({kernel, kernel}) == 1
+    with pytest.raises(TypeError, match="read-only"):
+        kernel += 1                             # would change a fetched copy, not the server's value
 
 
 class _FakeTreeUtil:
