@@ -68,7 +68,6 @@ absl::StatusOr<ModuleOutputs> InferModuleOutputs(const te::v1::LayerSpec& spec, 
   switch (spec.module_case()) {
     case te::v1::LayerSpec::kLayerNorm:
     case te::v1::LayerSpec::kTransformerLayer:
-    case te::v1::LayerSpec::kFlaxTransformerLayer:
       out.shapes = {x};
       break;
     case te::v1::LayerSpec::kDenseGeneral: {

@@ -18,8 +18,6 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeDotProductAttention(
 absl::StatusOr<std::unique_ptr<Layer>> MakeMultiHeadAttention(
     const te::v1::MultiHeadAttention& spec);
 absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::TransformerLayer& spec);
-absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxTransformerLayer(
-    const te::v1::FlaxTransformerLayer& spec);
 
 }  // namespace te::layers
 

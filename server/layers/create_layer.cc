@@ -24,8 +24,6 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
       return MakeMultiHeadAttention(spec.multi_head_attention());
     case te::v1::LayerSpec::kTransformerLayer:
       return MakeTransformerLayer(spec.transformer_layer());
-    case te::v1::LayerSpec::kFlaxTransformerLayer:
-      return MakeFlaxTransformerLayer(spec.flax_transformer_layer());
     case te::v1::LayerSpec::kSequential:
       return MakeSequential(spec.sequential());
     case te::v1::LayerSpec::kGraph: return MakeGraph(spec.graph());
@@ -42,7 +40,7 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
   return absl::InvalidArgumentError(
       "spec: no module set (one of layer_norm, dense_general, activation, "
       "layer_norm_dense_general, layer_norm_mlp, dot_product_attention, multi_head_attention, "
-      "transformer_layer, flax_transformer_layer, sequential, graph, flax_dense, "
+      "transformer_layer, sequential, graph, flax_dense, "
       "flax_dense_general, flax_layer_norm, flax_multi_head_dot_product_attention, flax_embed)");
 }
 

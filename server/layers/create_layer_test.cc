@@ -33,11 +33,6 @@ TEST(CreateLayerTest, DispatchesEveryModule) {
   EXPECT_EQ(TypeOf(spec), "MultiHeadAttention");
   spec.mutable_transformer_layer();
   EXPECT_EQ(TypeOf(spec), "TransformerLayer");
-  auto* flax = spec.mutable_flax_transformer_layer();
-  flax->set_hidden_size(16);
-  flax->set_ffn_hidden_size(32);
-  flax->set_num_attention_heads(2);
-  EXPECT_EQ(TypeOf(spec), "FlaxTransformerLayer");
 }
 
 TEST(CreateLayerTest, ErrorsNameTheField) {

@@ -76,10 +76,6 @@ absl::StatusOr<ModuleTraits> TraitsOf(const te::v1::LayerSpec& spec, const std::
                        ResolveMaskType(spec.transformer_layer().self_attn_mask_type(), field));
       break;
     }
-    case te::v1::LayerSpec::kFlaxTransformerLayer:
-      // The quickstart's layer is causal, and combines a padding mask with it.
-      t.mask_type = MaskType::kPaddingCausal;
-      break;
     case te::v1::LayerSpec::kFlaxMultiHeadDotProductAttention:
       // Flax's attention takes its mask as data: either kind (Module() makes
       // it causal for a causal_mask node's output); q, k, v.

@@ -27,7 +27,6 @@ bool TakesMask(const te::v1::LayerSpec& m) {
     case te::v1::LayerSpec::kDotProductAttention:
     case te::v1::LayerSpec::kMultiHeadAttention:
     case te::v1::LayerSpec::kTransformerLayer:
-    case te::v1::LayerSpec::kFlaxTransformerLayer:
       return true;
     default:
       return false;

@@ -422,10 +422,8 @@ void AddHostileInit(Seeds* seeds) {
   spec.mutable_transformer_layer()->set_mlp_hidden_size(int64_t{1} << 61);
   seeds->Init("transformer_mlp_hidden_2p61", spec, {2, 3, 8}, te::v1::Autocast(), kRefused);
   spec.Clear();
-  spec.mutable_flax_transformer_layer()->set_hidden_size(8);
-  spec.mutable_flax_transformer_layer()->set_num_attention_heads(2);
-  spec.mutable_flax_transformer_layer()->set_ffn_hidden_size(int64_t{1} << 61);
-  seeds->Init("flax_transformer_ffn_2p61", spec, {2, 3, 8}, te::v1::Autocast(), kRefused);
+  spec.mutable_flax_dense()->set_features(int64_t{1} << 31);
+  seeds->Init("flax_dense_features_2p31", spec, {2, 3, 1 << 30}, te::v1::Autocast(), kRefused);
   spec.Clear();
   spec.mutable_layer_norm_dense_general()->add_features(int64_t{1} << 31);
   spec.mutable_layer_norm_dense_general()->add_features(int64_t{1} << 31);

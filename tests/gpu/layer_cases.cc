@@ -316,14 +316,6 @@ void AddTransformerLayers(std::vector<LayerCase>* cases) {
   padded.q_seqlens = {37, 26};
   padded.kv_seqlens = {37, 26};
   cases->push_back(padded);
-
-  te::v1::LayerSpec flax;
-  auto* f = flax.mutable_flax_transformer_layer();
-  f->set_hidden_size(kHidden);
-  f->set_ffn_hidden_size(kFfn);
-  f->set_num_attention_heads(kHeads);
-  // Plain Flax has no FP8 (it ignores autocast).
-  cases->push_back(Case("FlaxTransformerLayer", flax, kTokens, true, false));
 }
 
 // Flax's own modules (no FP8: Flax ignores autocast). Float32 parameters by
@@ -352,6 +344,14 @@ void AddFlaxModules(std::vector<LayerCase>* cases) {
   mha.mutable_flax_multi_head_dot_product_attention()->set_num_heads(kHeads);
   mha.mutable_flax_multi_head_dot_product_attention()->set_precision(kExact);
   cases->push_back(Case("FlaxMultiHeadDotProductAttention", mha, kTokens, true, false));
+  // 74 tokens over 24 rows: ids repeat, so the backward sums into rows.
+  constexpr int64_t kVocab = 24;
+  te::v1::LayerSpec embed;
+  embed.mutable_flax_embed()->set_num_embeddings(kVocab);
+  embed.mutable_flax_embed()->set_features(kOddHidden);
+  LayerCase ids = Case("FlaxEmbed", embed, {kBatch, kSeq}, false, false);
+  ids.token_vocab = kVocab;
+  cases->push_back(ids);
 }
 
 std::vector<LayerCase> AllCases() {

@@ -36,6 +36,9 @@ struct LayerCase {
   // default precision) against the CPU's exact float32: 10 mantissa bits, so
   // its float32 runs are judged by the bfloat16 tolerances.
   bool tf32 = false;
+  // > 0: x is int32 token ids in [0, token_vocab) (an Embed), and the run's
+  // dtype is the embedding's param_dtype; ids have no gradient to compare.
+  int64_t token_vocab = 0;
 };
 
 // A case, the input dtype, whether FP8 (DelayedScaling, HYBRID, amax history

@@ -38,7 +38,9 @@ class BackendConsistencyTest : public ::testing::TestWithParam<CaseRun> {
     ASSERT_TRUE(errors.ok()) << errors.status();
     // What a run must compare: y, dx, and a gradient per parameter.
     ASSERT_GT(errors->count("y"), 0u);
-    ASSERT_GT(errors->count("dx"), 0u);
+    if (run.layer_case.token_vocab == 0) {
+      ASSERT_GT(errors->count("dx"), 0u);
+    }
     for (const auto& [name, tensor] : prepared->reference.vars) {
       if (absl::StartsWith(name, "params/")) {
         EXPECT_GT(errors->count("grad " + name), 0u) << name;

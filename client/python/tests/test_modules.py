@@ -265,18 +265,6 @@ def test_transformer_layer(session, rng):
     _gradient_checks(session, layer, params, x, rng, sorted(n for n in names if n.endswith("wi_kernel"))[0])
 
 
-def test_flax_transformer_layer_has_flax_names(session, rng):
-    layer = te_flax.FlaxTransformerLayer(hidden_size=H, ffn_hidden_size=64, num_attention_heads=4,
-                                         attention_dropout=0.0, hidden_dropout=0.0)
-    x = _x(rng)
-    params = layer.init(9, x)
-    assert te.tree_map(lambda v: v.shape, params) == {"params": {
-        "BasicMLP_0": {"Dense_0": {"bias": (64,), "kernel": (H, 64)}, "Dense_1": {"bias": (H,), "kernel": (64, H)}},
-        "Dense_0": {"kernel": (H, 3 * H)}, "Dense_1": {"kernel": (H, H)},
-        "LayerNorm_0": {"bias": (H,), "scale": (H,)}, "LayerNorm_1": {"bias": (H,), "scale": (H,)}}}
-    _gradient_checks(session, layer, params, x, rng, "params/Dense_0/kernel")
-
-
 def test_dropout_follows_rngs_and_deterministic(session, rng):
     layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=64, num_attention_heads=4,
                                      hidden_dropout=0.3, attention_dropout=0.3, intermediate_dropout=0.3)

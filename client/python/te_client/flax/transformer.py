@@ -1,13 +1,12 @@
 """transformer_engine.jax.flax.transformer's modules, running on te_server:
-DotProductAttention, MultiHeadAttention, TransformerLayer (with
-TransformerLayerType), and the quickstart's plain-Flax layer
-FlaxTransformerLayer.
+DotProductAttention, MultiHeadAttention and TransformerLayer (with
+TransformerLayerType). (The quickstart's plain-Flax layer is no TE module:
+write it as the notebook does, with te_client.linen's Flax modules.)
 
     from te_client.flax.transformer import DotProductAttention   # was: transformer_engine.jax.flax.transformer
 
 As in module.py, fields, defaults and __call__ signatures are TE's. Masks
-follow TE: bool [batch, 1, q_len, kv_len], True = masked out;
-FlaxTransformerLayer's follows Flax (True = attend).
+follow TE: bool [batch, 1, q_len, kv_len], True = masked out.
 """
 import enum
 from typing import Optional, Sequence
@@ -194,43 +193,3 @@ class TransformerLayer(ServerModule):
             raise errors.UnimplementedError("TransformerLayer: te_server runs the encoder layer type only "
                                             "(no encoded input, no decode)")
         return self._call(inputs, [], attention_mask, deterministic)
-
-
-class FlaxTransformerLayer(ServerModule):
-    """The quickstart's plain-Flax layer (flax.linen LayerNorm, Dense, dot-product
-    attention with a causal mask, Dropout, a gelu MLP), on the server."""
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    layernorm_eps: float = 1e-5
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    dtype: object = np.float32
-
-    def spec(self):
-        return layers_pb2.LayerSpec(flax_transformer_layer=layers_pb2.FlaxTransformerLayer(
-            hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-            num_attention_heads=self.num_attention_heads, layernorm_eps=self.layernorm_eps,
-            attention_dropout=self.attention_dropout, hidden_dropout=self.hidden_dropout,
-            dtype=_param_dtype(self.dtype, "FlaxTransformerLayer")))
-
-    def dropout_rates(self):
-        return (self.attention_dropout, self.hidden_dropout)
-
-    def __call__(self, x, attention_mask=None, deterministic=False):
-        """attention_mask: Flax's (True = attend). None or a causal mask: the
-        layer's own causal mask; else it is sent (inverted) as a padding mask."""
-        mask = None
-        if isinstance(attention_mask, (symbolic.Symbol, symbolic.Indexed)):
-            raise NotImplementedError("FlaxTransformerLayer inside a composite: a traced attention_mask "
-                                      "cannot be inverted to a padding mask; leave it None (the layer's "
-                                      "own causal mask)")
-        if attention_mask is not None:
-            attend = np.asarray(attention_mask, dtype=bool)
-            if not np.array_equal(attend, np.broadcast_to(_causal(attend.shape[-1]), attend.shape)):
-                mask = ~attend
-        return self._call(x, [], mask, deterministic)
-
-
-def _causal(seq):
-    return np.tril(np.ones((seq, seq), dtype=bool))
