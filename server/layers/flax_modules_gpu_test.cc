@@ -273,6 +273,7 @@ TEST_F(FlaxModulesGpuTest, ModulesMatchTheCpu) {
   general.mutable_flax_dense_general()->add_features(4);
   general.mutable_flax_dense_general()->add_features(24);
   general.mutable_flax_dense_general()->add_axis(1);
+  general.mutable_flax_dense_general()->set_precision(te::v1::PRECISION_HIGHEST);
   const std::vector<Case> cases = {
       {"LayerNorm_bf16_x", Norm(), {74, 100}, DType::kBF16, {}, kF32Tolerance},
       {"Dense_bf16_x", Dense(96), {2, 37, 100}, DType::kBF16, {}, kF32Tolerance},
