@@ -55,6 +55,22 @@ absl::StatusOr<te::v1::DType> ParseFlaxDType(const std::string& field, std::opti
       absl::StrCat(field, ": Flax's modules take float32, bfloat16 or float16, not ", DTypeName(*dtype)));
 }
 
+// A Flax module's dtype (None: promote) and param_dtype, as the Python client writes them.
+template <typename FlaxSpec>
+absl::Status SetFlaxDTypes(std::optional<DType> dtype, DType param_dtype, FlaxSpec* p) {
+  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
+  p->set_dtype(compute);
+  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
+  p->set_param_dtype(params);
+  return absl::OkStatus();
+}
+
+// Flax's matmul precision: DEFAULT (JAX's default: TensorFloat-32 float32
+// matmuls on a GPU) unless exact float32 is asked for.
+te::v1::Precision PrecisionOf(bool highest) {
+  return highest ? te::v1::PRECISION_HIGHEST : te::v1::PRECISION_DEFAULT;
+}
+
 template <typename Repeated, typename Values>
 void SetAll(Repeated* out, const Values& values) {
   for (const auto& v : values) out->Add(v);
@@ -203,10 +219,8 @@ absl::StatusOr<te::v1::LayerSpec> FlaxDense::Spec() const {
   te::v1::FlaxDense* p = spec.mutable_flax_dense();
   p->set_features(features);
   p->set_use_bias(use_bias);
-  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
-  p->set_dtype(compute);
-  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
-  p->set_param_dtype(params);
+  p->set_precision(PrecisionOf(highest_precision));
+  RETURN_IF_ERROR(SetFlaxDTypes(dtype, param_dtype, p));
   return spec;
 }
 
@@ -216,10 +230,8 @@ absl::StatusOr<te::v1::LayerSpec> FlaxDenseGeneral::Spec() const {
   SetAll(p->mutable_features(), features);
   SetAll(p->mutable_axis(), axis);
   p->set_use_bias(use_bias);
-  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
-  p->set_dtype(compute);
-  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
-  p->set_param_dtype(params);
+  p->set_precision(PrecisionOf(highest_precision));
+  RETURN_IF_ERROR(SetFlaxDTypes(dtype, param_dtype, p));
   return spec;
 }
 
@@ -229,10 +241,7 @@ absl::StatusOr<te::v1::LayerSpec> FlaxLayerNorm::Spec() const {
   p->set_epsilon(epsilon);
   p->set_use_bias(use_bias);
   p->set_use_scale(use_scale);
-  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
-  p->set_dtype(compute);
-  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
-  p->set_param_dtype(params);
+  RETURN_IF_ERROR(SetFlaxDTypes(dtype, param_dtype, p));
   return spec;
 }
 
@@ -245,10 +254,8 @@ absl::StatusOr<te::v1::LayerSpec> FlaxMultiHeadDotProductAttention::Spec() const
   p->set_dropout_rate(dropout_rate);
   p->set_use_bias(use_bias);
   p->set_broadcast_dropout(broadcast_dropout);
-  ASSIGN_OR_RETURN(te::v1::DType compute, ParseFlaxDType("dtype", dtype));
-  p->set_dtype(compute);
-  ASSIGN_OR_RETURN(te::v1::DType params, ParseFlaxDType("param_dtype", param_dtype));
-  p->set_param_dtype(params);
+  p->set_precision(PrecisionOf(highest_precision));
+  RETURN_IF_ERROR(SetFlaxDTypes(dtype, param_dtype, p));
   return spec;
 }
 

@@ -278,6 +278,9 @@ class FlaxDense : public Module {
   bool use_bias = true;
   std::optional<DType> dtype;  // None: promote x's dtype and param_dtype
   DType param_dtype = DType::kF32;
+  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
+  // matmuls on a GPU), true HIGHEST (exact float32).
+  bool highest_precision = false;
 
   std::string type_name() const override { return "Dense"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
@@ -291,6 +294,9 @@ class FlaxDenseGeneral : public Module {
   bool use_bias = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
+  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
+  // matmuls on a GPU), true HIGHEST (exact float32).
+  bool highest_precision = false;
 
   std::string type_name() const override { return "DenseGeneral"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
@@ -322,6 +328,9 @@ class FlaxMultiHeadDotProductAttention : public Module {
   bool broadcast_dropout = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
+  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
+  // matmuls on a GPU), true HIGHEST (exact float32).
+  bool highest_precision = false;
 
   std::string type_name() const override { return "MultiHeadDotProductAttention"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;

@@ -195,5 +195,23 @@ TEST(ModuleSpecTest, FlaxModulesDefaultsAreFlaxs) {
   EXPECT_NE(status.message().find("param_dtype"), std::string::npos) << status;
 }
 
+// precision: JAX's default (TensorFloat-32 on a GPU) unless HIGHEST is asked
+// for, on every Flax module with a matmul.
+TEST(ModuleSpecTest, FlaxMatmulPrecisionIsDefaultUnlessHighest) {
+  FlaxDense dense(8);
+  EXPECT_EQ(dense.Spec()->flax_dense().precision(), te::v1::PRECISION_DEFAULT);
+  dense.highest_precision = true;
+  EXPECT_EQ(dense.Spec()->flax_dense().precision(), te::v1::PRECISION_HIGHEST);
+  FlaxDenseGeneral general({4});
+  general.highest_precision = true;
+  EXPECT_EQ(general.Spec()->flax_dense_general().precision(), te::v1::PRECISION_HIGHEST);
+  FlaxMultiHeadDotProductAttention attention(4);
+  EXPECT_EQ(attention.Spec()->flax_multi_head_dot_product_attention().precision(),
+            te::v1::PRECISION_DEFAULT);
+  attention.highest_precision = true;
+  EXPECT_EQ(attention.Spec()->flax_multi_head_dot_product_attention().precision(),
+            te::v1::PRECISION_HIGHEST);
+}
+
 }  // namespace
 }  // namespace te::client

@@ -3,14 +3,14 @@ gelu) against a real te_server: Flax's parameter trees and initialisers, Flax's 
 quickstart's plain-Flax layer, written as the notebook writes it, against a float64 numpy reference
 of Flax's definitions and against central differences.
 """
-from typing import Optional
+import os
+import sys
 
 import numpy as np
 import pytest
 
 import helpers
 import te_client as te
-import te_client.numpy as jnp
 from te_client import linen as nn
 from te_client import variables as variables_lib
 from tolerances import BF16, F32, rel_err
@@ -19,50 +19,9 @@ B, S, H, HEADS, FFN = 2, 8, 32, 4, 64
 QKV = H // HEADS   # the quickstart's qkv_features=kv_channels: head_dim QKV // HEADS
 
 
-class FlaxMLP(nn.Module):
-    hidden_size: int
-    ffn_hidden_size: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(features=self.ffn_hidden_size, use_bias=True)(x)
-        x = nn.gelu(x, approximate=True)
-        x = nn.Dense(features=self.hidden_size, use_bias=True)(x)
-        return x
-
-
-class FlaxTransformerLayer(nn.Module):
-    """The quickstart's plain-Flax layer, as the notebook writes it."""
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    layernorm_eps: float = 1e-5
-    attention_dropout: float = 0.1
-
-    def setup(self):
-        self.kv_channels = self.hidden_size // self.num_attention_heads
-
-    @nn.compact
-    def __call__(self, x, attention_mask: Optional[jnp.ndarray] = None, deterministic: bool = False):
-        if attention_mask is None:
-            attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
-        res = x
-        x = nn.LayerNorm(epsilon=self.layernorm_eps)(x)
-        qkv = nn.Dense(features=3 * self.hidden_size, use_bias=True)(x)
-        qkv = qkv.reshape(qkv.shape[0], qkv.shape[1], self.num_attention_heads, 3 * self.kv_channels)
-        q, k, v = jnp.split(qkv, 3, axis=3)
-        q = q.reshape(q.shape[0], q.shape[1], self.hidden_size)
-        k = k.reshape(k.shape[0], k.shape[1], self.hidden_size)
-        v = v.reshape(v.shape[0], v.shape[1], self.hidden_size)
-        attention = nn.MultiHeadDotProductAttention(num_heads=self.num_attention_heads,
-                                                    qkv_features=self.kv_channels,
-                                                    dropout_rate=self.attention_dropout)
-        x = attention(q, k, v, mask=attention_mask, deterministic=deterministic)
-        x = res + x
-        res = x
-        x = nn.LayerNorm(epsilon=self.layernorm_eps)(x)
-        x = FlaxMLP(self.hidden_size, self.ffn_hidden_size)(x)
-        return x + res
+# The quickstart's plain-Flax layer, as the notebook writes it (examples/quickstart.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from quickstart import FlaxTransformerLayer  # noqa: E402
 
 
 def _x(rng, *shape):
