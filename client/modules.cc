@@ -145,6 +145,7 @@ absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostT
   request.set_dropout_seed(options.dropout_seed);
   *request.mutable_autocast() = ToProto(Autocast::Current());
   request.set_keep_for_backward(keep_for_backward);
+  request.set_update_fp8_metas(options.update_fp8_metas);
   // y is about as large as x (a projection may widen it: budget for 4x).
   request.set_keep_outputs(options.keep_outputs ||
                            LargeForInline(session, 4 * static_cast<int64_t>(x.bytes().size())));

@@ -57,6 +57,10 @@ struct ApplyOptions {
   // y comes back through the GetTensor stream instead of inline (chosen
   // automatically when y is larger than ClientOptions::inline_tensor_bytes).
   bool keep_outputs = false;
+  // Apply is functional under DelayedScaling (TE's: only a step moves the FP8
+  // state); true ends the step at this forward instead (amaxes recorded,
+  // scales updated), as inference under DelayedScaling wants.
+  bool update_fp8_metas = false;
 };
 
 struct ForwardResult {

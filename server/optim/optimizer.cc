@@ -250,10 +250,12 @@ absl::Status Update(Ops& ops, const OptimizerConfig& config, int64_t count,
     if (grad == grads.end()) continue;
     Tensor* mu = nullptr;
     Tensor* nu = nullptr;
+    // A named copy: C++17 lambdas may not capture a structured binding (clang refuses).
+    const std::string& param_name = name;
     auto find = [&](const char* moment) -> absl::StatusOr<Tensor*> {
-      auto it = state->find(StateName(moment, name));
+      auto it = state->find(StateName(moment, param_name));
       if (it == state->end()) {
-        return absl::InternalError(absl::StrCat(StateName(moment, name), ": missing from the state"));
+        return absl::InternalError(absl::StrCat(StateName(moment, param_name), ": missing from the state"));
       }
       return &it->second;
     };

@@ -344,8 +344,11 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     }
     RETURN_IF_ERROR(WriteToRegion(*ops_, out.y, *y_region, request.y_shm().offset()));
   }
-  if (!request.keep_for_backward() && layers::HasFp8Metas(opts.fp8)) {
-    // No backward will end this step: it ends here.
+  // Without a backward to come, a forward is TE's functional apply: its
+  // amaxes are dropped with the working copy, unless the request asks for
+  // the step to end here.
+  const bool ends_step = !request.keep_for_backward() && request.update_fp8_metas();
+  if (ends_step && layers::HasFp8Metas(opts.fp8)) {
     RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &vars));
   }
   if (request.keep_for_backward() && saved == nullptr) {
@@ -368,7 +371,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   // Commit (contract 2): nothing above changed the session but resident
   // outputs, which the service's ForgetSince removes if the call fails.
   RETURN_IF_ERROR(call.StillWanted("Forward"));
-  layer->vars = std::move(vars);
+  if (request.keep_for_backward() || ends_step) layer->vars = std::move(vars);
   if (request.keep_for_backward()) {
     auto entry = std::make_unique<SavedEntry>();
     entry->layer_id = layer->id;

@@ -353,13 +353,22 @@ TEST_F(QuickstartTest, Section6TransformerLayerScalesMoveWithTheSteps) {
   EXPECT_EQ(initial[x_scale][0], 1.0f);
   EXPECT_EQ(initial[grad_scale][0], 1.0f);
 
-  // An apply that keeps nothing for a backward is a (forward-only) step: the
-  // forward quantizers' scales move, the gradient's cannot yet.
+  // Apply is functional (TE's: only a step moves the FP8 state): every
+  // fp8_metas value is as init left it.
   absl::StatusOr<HostTensor> y = layer.Apply(*vars, x_);
   ASSERT_TRUE(y.ok()) << y.status();
   EXPECT_EQ(y->shape(), x_.shape());
   EXPECT_EQ(y->dtype(), DType::kBF16);
-  std::map<std::string, std::vector<float>> applied = Fp8Metas(*vars);
+  EXPECT_EQ(Fp8Metas(*vars), initial);
+
+  // Asked to, a forward ends its step: the forward quantizers' scales move,
+  // the gradient's cannot yet. A twin layer, so the steps below start from init.
+  absl::StatusOr<Variables> twin = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  ApplyOptions inference;
+  inference.update_fp8_metas = true;
+  ASSERT_TRUE(layer.Apply(*twin, x_, inference).ok());
+  std::map<std::string, std::vector<float>> applied = Fp8Metas(*twin);
   EXPECT_NE(applied[x_scale][0], 1.0f);
   expect_scale(applied[x_scale], applied[x_history], 448.0f);  // E4M3 forward
   EXPECT_EQ(applied[grad_scale][0], 1.0f);

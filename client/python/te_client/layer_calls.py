@@ -64,13 +64,14 @@ def init_layer(session, spec, seed, x, module, traced, trace_key):
                                      traced=traced, trace_key=trace_key)
 
 
-def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False):
+def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False, update_fp8_metas=False):
     session = handle.session
     request = service_pb2.ForwardRequest(
         layer_id=handle.layer_id, x=session.send(call.x, uploads, "x"),
         extra_inputs=[session.send(e, uploads, "extra_inputs[%d]" % i) for i, e in enumerate(call.extra)],
         deterministic=call.deterministic, dropout_seed=dropout_seed, autocast=_autocast(),
-        keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)))
+        keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)),
+        update_fp8_metas=update_fp8_metas)
     if call.mask is not None:
         request.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
     return request

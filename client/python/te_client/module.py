@@ -219,21 +219,32 @@ class Module:
         handle = layer_calls.init_layer(session, spec, seed_of(rngs), call.x, self, traced, key)
         return variables_lib.Variables({(): handle}, module=self)
 
-    def apply(self, variables, *args, rngs=None, **kwargs):
+    def apply(self, variables, *args, rngs=None, mutable=False, **kwargs):
         """Runs the module on the server (one Forward): y (a tuple for TE
-        modules that also return their layernorm output). `rngs`: {'dropout': key}."""
+        modules that also return their layernorm output). `rngs`: {'dropout': key}.
+
+        Functional, as TE's: under DelayedScaling a forward leaves fp8_metas
+        as they were (only value_and_grad, a step, moves them). As in Flax,
+        mutable=["fp8_metas"] (or True) lets it change them: the forward ends
+        its step on the server (amaxes recorded, scales updated), and the call
+        returns (y, variables), the same variables with their state moved."""
+        if mutable is not False and mutable is not True and not isinstance(mutable, (list, tuple, set, str)):
+            raise TypeError("apply: mutable=%r; want False, True or collection names" % (mutable,))
+        names = {mutable} if isinstance(mutable, str) else set(mutable) if mutable not in (False, True) else set()
+        update_fp8_metas = mutable is True or "fp8_metas" in names
         handle, call = self._call_for(variables, args, kwargs)
         uploads, session = [], handle.session
         try:
-            request = layer_calls.forward_request(handle, call, seed_of(rngs, "dropout"), uploads)
+            request = layer_calls.forward_request(handle, call, seed_of(rngs, "dropout"), uploads,
+                                                  update_fp8_metas=update_fp8_metas)
             response = session.call("Forward", request)
         finally:
             session.delete_all(uploads)
         y = session.receive(response.y, "y")
-        if not isinstance(self, ServerModule):
-            return y
-        ln_out = session.receive(response.ln_out, "ln_out") if response.ln_out.WhichOneof("data") else None
-        return self._pack(y, ln_out)
+        if isinstance(self, ServerModule):
+            ln_out = session.receive(response.ln_out, "ln_out") if response.ln_out.WhichOneof("data") else None
+            y = self._pack(y, ln_out)
+        return (y, variables) if mutable is not False else y
 
     def value_and_grad(self, variables, x, dy, *args, rngs=None, **kwargs):
         """jax.value_and_grad(lambda v, x: vdot(apply(v, x, ...)[0], dy), argnums=(0, 1)):

@@ -68,7 +68,14 @@ def test_each_step_applies_te_delayed_scaling_update(session, rng):
     with te.autocast(enabled=True, recipe=HYBRID16):
         params = layer.init(0, x)
         kernel = variables_lib.flatten(session.get_variables(params, ["params"]))["params/kernel"]
-        layer.apply(params, x)      # a forward with no backward is a whole step: it ends with the update
+        before = variables_lib.flatten(session.get_variables(params, ["fp8_metas"]))
+        layer.apply(params, x)      # functional, as TE's: no fp8_metas move without a step
+        unchanged = variables_lib.flatten(session.get_variables(params, ["fp8_metas"]))
+        for name, value in before.items():
+            np.testing.assert_array_equal(unchanged[name], value, err_msg=name)
+        # Flax's mutable: the forward ends its step on the server, with TE's update.
+        y, same = layer.apply(params, x, mutable=["fp8_metas"])
+        assert same is params and y.shape == (4, 16, 32)
         metas = variables_lib.flatten(session.get_variables(params, ["fp8_metas"]))
         # scale = fp8_max / amax (margin 0), amax = max over the history window.
         assert metas["fp8_metas/x_amax_history"].max() == pytest.approx(np.abs(x).max(), rel=1e-6)
