@@ -83,6 +83,7 @@ class Traced:
     inputs: list             # the graph inputs it reads, of "x", "attention_mask", "extra_inputs[i]"
     output_shape: tuple
     output_wire: int
+    dropouts: list = dataclasses.field(default_factory=list)   # names of what draws dropout (rate > 0)
 
     def node(self, name):
         return next(n for n in self.spec.nodes if n.name == name)
@@ -99,6 +100,7 @@ class Trace:
         self.scope = scope
         self.deterministic = bool(deterministic)
         self.closed = False
+        self.dropouts = []   # what draws dropout: it needs apply's rngs['dropout'] when not deterministic
         self._owners = {}    # module node name -> the module instance
 
     def input(self, name, shape, wire):
@@ -179,7 +181,7 @@ class Trace:
         return Traced(spec=spec, shapes={edges[id(s)]: s.shape for s in symbols},
                       dtypes={edges[id(s)]: dtypes.dtype_name(s.wire) for s in symbols},
                       inputs=[n for n in self.inputs if n in read],
-                      output_shape=result.shape, output_wire=result.wire)
+                      output_shape=result.shape, output_wire=result.wire, dropouts=list(self.dropouts))
 
     def _live(self, result):
         live, stack = set(), [n for n in self.nodes if n.keep]

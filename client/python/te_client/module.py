@@ -235,7 +235,7 @@ class Module:
         handle, call = self._call_for(variables, args, kwargs)
         uploads, session = [], handle.session
         try:
-            request = layer_calls.forward_request(handle, call, seed_of(rngs, "dropout"), uploads,
+            request = layer_calls.forward_request(handle, call, self._dropout_seed(handle, call, rngs), uploads,
                                                   update_fp8_metas=update_fp8_metas)
             response = session.call("Forward", request)
         finally:
@@ -254,8 +254,21 @@ class Module:
         inputs, whose gradients only Backward returns). Under DelayedScaling
         the step ends with the server's FP8 scale update."""
         handle, call = self._call_for(variables, (x,) + args, kwargs)
-        value, grads, input_grads = layer_calls.step(handle, call, dy, seed_of(rngs, "dropout"))
+        value, grads, input_grads = layer_calls.step(handle, call, dy, self._dropout_seed(handle, call, rngs))
         return value, (variables_lib.unflatten(grads), input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
+
+    def _dropout_seed(self, handle, call, rngs):
+        """The dropout seed of a call; as in Flax, a dropout that runs (deterministic=False,
+        rate > 0) without apply's rngs['dropout'] is an error, not seed 0."""
+        has_key = rngs is not None and (not isinstance(rngs, dict) or "dropout" in rngs)
+        if not call.deterministic and not has_key:
+            users = (handle.traced.dropouts if handle.traced is not None else
+                     [type(self).__name__] if any(r > 0 for r in self.dropout_rates()) else [])
+            if users:
+                raise errors.InvalidArgumentError(
+                    '%s needs PRNG for "dropout": with deterministic=False pass rngs={"dropout": key}, as '
+                    "Flax requires" % ", ".join(users))
+        return seed_of(rngs, "dropout")
 
     def capture_call(self, variables, *args, **kwargs):
         """What apply(variables, *args, **kwargs) would send (x, extra inputs,
@@ -469,6 +482,7 @@ class ServerModule(Module):
 
 def check_deterministic(trace, name, type_name, deterministic):
     """A traced dropout follows the request's deterministic; refuse one told otherwise."""
+    trace.dropouts.append(name)
     if bool(deterministic) != trace.deterministic:
         raise NotImplementedError(
             "%s (%s): called with deterministic=%s inside a composite traced with deterministic=%s: every "

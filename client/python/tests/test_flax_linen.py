@@ -205,3 +205,16 @@ def test_precision_is_sent_and_default_is_exact_float32_on_the_cpu(session, rng,
     default, highest = nn.Dense(features=8), nn.Dense(features=8, precision="highest")
     y_default = default.apply(default.init(0, x), x)
     np.testing.assert_array_equal(y_default, highest.apply(highest.init(0, x), x))
+
+
+def test_dropout_without_a_dropout_rng_raises_as_flax_does(session, rng):
+    layer, x = FlaxTransformerLayer(H, FFN, HEADS), _x(rng)
+    params = layer.init(0, x, deterministic=False)
+    with pytest.raises(te.InvalidArgumentError, match='MultiHeadDotProductAttention_0 needs PRNG for "dropout"'):
+        layer.apply(params, x, deterministic=False)
+    with pytest.raises(te.InvalidArgumentError, match='needs PRNG for "dropout"'):
+        te.value_and_grad(layer.apply)(params, x, _x(rng), deterministic=False, rngs={"params": 1})
+    layer.apply(params, x, deterministic=False, rngs={"dropout": 3})
+    layer.apply(params, x, deterministic=True)   # no dropout runs: no key needed
+    dense = nn.Dense(features=8)                 # no dropout at all
+    dense.apply(dense.init(0, x), x)
