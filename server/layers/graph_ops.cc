@@ -288,7 +288,9 @@ absl::Status GlueForward(Ops& ops, const Node& node, const NodePlan& plan,
       return DropoutForwardNode(ops, node, plan, x, deterministic, seed, &(*out)[0], dropout);
     case NodeKind::kCausalMask:  // read by its modules as "causal, no padding"
       return absl::OkStatus();
-    case NodeKind::kModule:
+    case NodeKind::kModule:  // these hold variables: graph.cc runs them itself
+    case NodeKind::kSoftmaxCrossEntropy:
+    case NodeKind::kAttend:
       break;
   }
   return absl::InternalError(absl::StrCat(node.field, ": not a glue node"));

@@ -58,11 +58,13 @@ wait_for_ready, so a server that goes away fails them at once too
 (UNAVAILABLE). After client.close(), every call of the client and of its
 sessions raises FailedPreconditionError ("... is closed").
 """
+import atexit
 import concurrent.futures
 import contextvars
 import dataclasses
 import secrets
 import threading
+import weakref
 
 import grpc
 import numpy as np
@@ -116,6 +118,22 @@ class Options:
     pin_to_replica: bool = True              # later calls of a session go to CreateSession's server_address
 
 
+# Clients their users never closed. A gRPC channel left to the interpreter's
+# finalizers can wait forever at exit on its connectivity thread (already
+# frozen by then), so each is closed while gRPC's threads still run. Closing
+# a client closes only its channels: its sessions stay open on the server.
+_open_clients = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients():
+    for client in list(_open_clients):
+        try:
+            client.close()
+        except Exception:   # at exit, a channel already torn down is fine
+            pass
+
+
 def connect(address, timeout=10.0, **options):
     """Opens a channel to `address` ("host:port") and waits up to `timeout` s
     for it: UnavailableError when nothing answers. `options`: see Options
@@ -136,6 +154,7 @@ class Client:
         self._shm_refused = {}       # address -> FailedPreconditionError: that server refused shm
         self._channel = self._open_channel(address)
         self._stub = service_pb2_grpc.TeServiceStub(self._channel)
+        _open_clients.add(self)
 
     def _open_channel(self, address):
         """A channel to `address`, ready within the connect timeout; every

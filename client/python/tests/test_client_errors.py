@@ -94,3 +94,19 @@ def test_calls_after_close_raise_a_te_error(server_address, rng):
             client.session()
         with pytest.raises(te.FailedPreconditionError, match="CloseSession"):
             session.close()        # the server drops it at its TTL; the block's own close is then a no-op
+
+
+def test_a_process_that_never_closes_its_client_exits_at_once(server_address, tmp_path):
+    # deploy/container/container_check.py's `hold` steps a DelayedScaling session and exits with it
+    # open (the container test restarts the server under it). gRPC's channel must be closed at exit,
+    # not left to a finalizer: that one waited forever on its frozen connectivity thread.
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(te.__file__))))
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, os.path.join(repo, "deploy", "container", "container_check.py"), "hold",
+                          server_address, str(tmp_path / "held.json")], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "open with a stepped layer" in run.stdout and time.monotonic() - start < 30
