@@ -75,6 +75,11 @@ struct AttentionArgs {
   // Optional additive bias on the logits (after scaling), float32 [H, Sq, Skv],
   // shared over the batch (T5 relative position bias).
   Tensor bias;
+  // Optional elementwise mask, bool [B, Sq, Skv], true = masked out (TE's
+  // convention), shared over the heads: an arbitrary mask as TE's unfused
+  // softmax applies it. It masks in addition to `mask` (its causality and
+  // lengths): key j is visible to query i iff both allow it.
+  Tensor elementwise_mask;
 };
 // Causal: query i sees keys j <= i. A query row with no visible key outputs 0.
 
@@ -121,6 +126,96 @@ struct OptimizerUpdateArgs {
   float weight_decay = 0.0f;      // optax.add_decayed_weights (adamw's decoupled decay)
   float max_norm = 0.0f;          // optax.clip_by_global_norm; 0: no clipping
 };
+
+// ---- the multi-tensor step (OptimizerStep) -----------------------------------
+// What stays fixed over a training run's steps; the step's scalars are
+// evaluated from the count on the device (kernels/optimizer_math.h defines
+// them, once, for both backends and the server).
+struct LearningRateSchedule {
+  bool warmup_cosine = false;  // optax.warmup_cosine_decay_schedule; else constant
+  double value = 0.0;          // constant
+  double init_value = 0.0, peak_value = 0.0, end_value = 0.0, exponent = 1.0;
+  int64_t warmup_steps = 0, decay_steps = 0;
+};
+struct OptimizerHyperparams {
+  OptimizerUpdateArgs::Rule rule = OptimizerUpdateArgs::Rule::kSgd;
+  LearningRateSchedule learning_rate;
+  double momentum = 0.0;  // sgd with a trace when the slots have mu
+  bool nesterov = false;
+  double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;
+  double weight_decay = 0.0;
+  double max_norm = 0.0;  // 0: no clipping
+};
+// One parameter of a multi-tensor step: as OptimizerUpdate's param, mu, nu
+// (mu and nu undefined where the rule keeps none).
+struct OptimizerSlot {
+  Tensor param, mu, nu;
+};
+// What one step did, written on the device by the step itself (so the host
+// reads it with the step's other results, never in between).
+struct OptimizerStepInfo {
+  double learning_rate = 0.0;  // the schedule at the count before the step
+  float grad_norm_sq = 0.0f;   // optax.global_norm squared, float32
+  int32_t applied = 0;         // 0 when grad_norm_sq was inf or NaN (skipped)
+  int32_t count = 0;           // opt_state/count after the step
+  int32_t total_notfinite = 0; // opt_state/total_notfinite after the step
+};
+static_assert(sizeof(OptimizerStepInfo) == 24, "OptimizerStepInfo is read as 6 int32 words");
+
+// The device-side layout of one multi-tensor step (the slots' pointers and
+// sizes, the work split, the norm's partial sums, the step's decision and
+// OptimizerStepInfo), made once by Ops::NewOptimizerPlan for a set of slots
+// and reused by every OptimizerStep over the same tensors. It keeps no
+// reference to them: Matches() says whether they are still the ones planned.
+class OptimizerPlan {
+ public:
+  virtual ~OptimizerPlan() = default;
+  // True when `slots`, `count` and `total_notfinite` are the planned tensors
+  // (the same memory, element counts and dtypes, in the same order).
+  bool Matches(const std::vector<OptimizerSlot>& slots, const Tensor& count,
+               const Tensor& total_notfinite) const;
+  // The last step's OptimizerStepInfo: int32 [6] on the device.
+  const Tensor& info() const { return info_; }
+  const OptimizerHyperparams& hyperparams() const { return hyperparams_; }
+
+ protected:
+  struct Planned {
+    const void* data;
+    int64_t numel;
+    DType dtype;
+  };
+  OptimizerHyperparams hyperparams_;
+  std::vector<Planned> planned_;  // param, mu, nu per slot, then count, total_notfinite
+  Tensor info_;
+  void Remember(const OptimizerHyperparams& h, const std::vector<OptimizerSlot>& slots,
+                const Tensor& count, const Tensor& total_notfinite) {
+    hyperparams_ = h;
+    planned_.clear();
+    for (const OptimizerSlot& s : slots) {
+      for (const Tensor* t : {&s.param, &s.mu, &s.nu}) {
+        planned_.push_back({t->data(), t->numel(), t->dtype()});
+      }
+    }
+    for (const Tensor* t : {&count, &total_notfinite}) {
+      planned_.push_back({t->data(), t->numel(), t->dtype()});
+    }
+  }
+};
+
+inline bool OptimizerPlan::Matches(const std::vector<OptimizerSlot>& slots, const Tensor& count,
+                                   const Tensor& total_notfinite) const {
+  if (planned_.size() != 3 * slots.size() + 2) return false;
+  auto same = [](const Planned& p, const Tensor& t) {
+    return p.data == t.data() && p.numel == t.numel() && p.dtype == t.dtype();
+  };
+  size_t i = 0;
+  for (const OptimizerSlot& s : slots) {
+    for (const Tensor* t : {&s.param, &s.mu, &s.nu}) {
+      if (!same(planned_[i++], *t)) return false;
+    }
+  }
+  return same(planned_[i], count) && same(planned_[i + 1], total_notfinite);
+}
 
 // Memory that several Ops share (all the sessions on one device), with a
 // limit over all of them. For a device whose own allocator cannot say "no"
@@ -257,7 +352,7 @@ class Ops {
   // gelu is ops.h's tanh approximation, as cuBLASLt's. (cuBLASLt's backward
   // epilogues, DGELU_BGRAD and BGRADA, were tried and left out: on the H200
   // each ran as a separate reduction pass, slower than ActivationBackward and
-  // SumRows; bench/results/2026-11-30-h200-session3.md.)
+  // SumRows; bench/results/2026-11-30-h200-fused-epilogues.md.)
   enum class GemmEpilogue { kNone, kGeluAux };
   struct GemmArgs {
     Tensor a;
@@ -377,6 +472,27 @@ class Ops {
   virtual absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,
                                        const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
                                        Tensor* nu) = 0;
+
+  // The whole step over many parameters, as one (or a few) launches: the
+  // layout is planned once (NewOptimizerPlan: memory for the plan's tables,
+  // one upload, RESOURCE_EXHAUSTED past the limit), and each OptimizerStep
+  // then issues work only: no allocation, no host sync. Each step, in order:
+  //   grad_norm_sq = sum over the slots with a gradient of sum(g^2) (float32);
+  //   c = *count; applied = grad_norm_sq is finite;
+  //   the slots' updates as OptimizerUpdate with UpdateArgsAt(hyperparams, c)
+  //     (optimizer_math.h), skipped entirely when not applied;
+  //   *count = c + applied, *total_notfinite += !applied (both saturating at
+  //     INT32_MAX), and plan.info() = OptimizerStepInfo.
+  // count and total_notfinite: int32 [1] on the device. grads[i] is slot i's
+  // gradient (float, the param's element count) or an undefined Tensor: that
+  // slot keeps its value and moments. INVALID_ARGUMENT when `slots` etc. are
+  // not the plan's (Matches) or a gradient does not fit its slot.
+  virtual absl::StatusOr<std::unique_ptr<OptimizerPlan>> NewOptimizerPlan(
+      const OptimizerHyperparams& hyperparams, const std::vector<OptimizerSlot>& slots,
+      const Tensor& count, const Tensor& total_notfinite) = 0;
+  virtual absl::Status OptimizerStep(OptimizerPlan& plan, const std::vector<OptimizerSlot>& slots,
+                                     const std::vector<Tensor>& grads, Tensor* count,
+                                     Tensor* total_notfinite) = 0;
 
   // ---- language-model ops -------------------------------------------------
   // nn.Embed: table [V, F] float, ids int32 [N], y [N, F] (float):
