@@ -294,8 +294,14 @@ absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tenso
         op, ": amax_history has shape ", ShapeString(amax_history->shape()), ", want [L], L >= 1"));
   }
   RETURN_IF_ERROR(RequireScalarF32(op, "scale", scale));
-  RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
+  if (scale_inv != nullptr) RETURN_IF_ERROR(RequireScalarF32(op, "scale_inv", scale_inv));
   return RequireFp8Max(op, args.fp8_max);
+}
+
+absl::Status CheckKeptQuantization(const Ops::KeptQuantization& kept) {
+  const char* op = "QuantizeTransposeKept";
+  RETURN_IF_ERROR(RequireScalarF32(op, "kept.scale", &kept.scale));
+  return RequireScalarF32(op, "kept.amax", &kept.amax);
 }
 
 absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x,
@@ -650,6 +656,11 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
   if (!(args.dropout_rate >= 0.0f && args.dropout_rate < 1.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat(op, ": dropout_rate must be in [0, 1), got ", args.dropout_rate));
+  }
+  if (args.elementwise_mask.defined()) {
+    RETURN_IF_ERROR(RequireDType(op, "elementwise_mask", &args.elementwise_mask, DType::kBool));
+    RETURN_IF_ERROR(
+        RequireShape(op, "elementwise_mask", args.elementwise_mask, {s.batch, s.q_seq, s.kv_seq}));
   }
   if (args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal) {
     for (const auto& [name, lengths] :

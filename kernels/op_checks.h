@@ -79,6 +79,9 @@ absl::Status CheckDequantizeArgs(const Tensor& x, const Tensor& scale_inv, const
 absl::Status CheckAmaxArgs(const Tensor& x, const Tensor* amax);
 absl::Status CheckScaleFromAmaxArgs(const Tensor& amax, float fp8_max, float epsilon,
                                     const Tensor* scale, const Tensor* scale_inv);
+// Ops::KeptQuantization: scale and amax [1] f32.
+absl::Status CheckKeptQuantization(const Ops::KeptQuantization& kept);
+// scale_inv may be null (Ops::DelayedScalingUpdates writes none).
 absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tensor* amax_history,
                                      const Tensor* scale, const Tensor* scale_inv);
 // Elements per block, along the last dimension, of each BlockFormat.

@@ -70,6 +70,33 @@ absl::Status Ops::Dot(const Tensor& a, const Tensor& b, Tensor* out) {
   return Gemm(args, &out_1x1);
 }
 
+absl::Status Ops::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
+                                        const KeptQuantization& kept, Tensor* y, Tensor* y_t) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
+  RETURN_IF_ERROR(CheckKeptQuantization(kept));
+  // The reference decides on the host: a backend without a device-side
+  // decision pays a read of two scalars.
+  float kept_scale = 0.0f, scale = 0.0f;
+  RETURN_IF_ERROR(Download(kept.scale, &kept_scale));
+  RETURN_IF_ERROR(Download(fp8.scale, &scale));
+  Tensor amax = fp8.amax;
+  if (kept_scale == scale) return Copy(kept.amax, &amax);
+  RETURN_IF_ERROR(QuantizeTranspose(x, fp8, y, y_t));
+  Tensor kept_scale_out = kept.scale, kept_amax_out = kept.amax;
+  RETURN_IF_ERROR(Copy(fp8.scale, &kept_scale_out));
+  return Copy(fp8.amax, &kept_amax_out);
+}
+
+absl::Status Ops::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) {
+  if (items.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(Tensor scale_inv, Allocate(DType::kF32, {1}));
+  for (const DelayedScalingItem& item : items) {
+    Tensor history = item.amax_history, scale = item.scale;
+    RETURN_IF_ERROR(DelayedScalingUpdate(item.args, &history, &scale, &scale_inv));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Ops::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                          Tensor* y_t, Tensor* dbias) {
   RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));

@@ -316,6 +316,20 @@ class Ops {
   virtual absl::Status QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                               Tensor* y_t, Tensor* dbias);
   // y (float) = x (FP8) * scale_inv.
+  // QuantizeTranspose of a tensor that seldom changes (a weight, whose FP8
+  // copies a layer keeps across steps). `kept` records what y and y_t hold:
+  // the scale they were quantized with (NaN: nothing yet) and x's amax. When
+  // *kept.scale == *fp8.scale (compared on the device, no host sync), y and
+  // y_t are left as they are and fp8.amax = *kept.amax; otherwise as
+  // QuantizeTranspose, then kept records the new scale and amax. The caller
+  // resets kept.scale to NaN (or drops the copies) whenever x changes.
+  struct KeptQuantization {
+    Tensor scale;  // [1] f32
+    Tensor amax;   // [1] f32
+  };
+  virtual absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
+                                             const KeptQuantization& kept, Tensor* y,
+                                             Tensor* y_t);
   virtual absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) = 0;
   // amax [1] f32 = max |x|.
   virtual absl::Status Amax(const Tensor& x, Tensor* amax) = 0;
@@ -331,6 +345,15 @@ class Ops {
   virtual absl::Status DelayedScalingUpdate(const DelayedScalingArgs& args,
                                             Tensor* amax_history, Tensor* scale,
                                             Tensor* scale_inv) = 0;
+  // The end of a step updates every quantizer of a layer: DelayedScalingUpdate
+  // for each entry (no scale_inv), with the same results, in one launch on the
+  // GPU. The default calls DelayedScalingUpdate per entry.
+  struct DelayedScalingItem {
+    DelayedScalingArgs args;
+    Tensor amax_history;  // [L] f32
+    Tensor scale;         // [1] f32
+  };
+  virtual absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items);
   // Emulated block scaling: y = dequantize(quantize(x)) with blocks of
   // consecutive elements along the last dimension of x [N, K] (K % block == 0).
   virtual absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x,

@@ -101,12 +101,16 @@ class CudaOps : public Ops {
                                  Tensor* y_t) override;
   absl::Status QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                       Tensor* y_t, Tensor* dbias) override;
+  absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
+                                     const KeptQuantization& kept, Tensor* y,
+                                     Tensor* y_t) override;
   absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) override;
   absl::Status Amax(const Tensor& x, Tensor* amax) override;
   absl::Status ScaleFromAmax(const Tensor& amax, float fp8_max, float margin, float epsilon,
                              Tensor* scale, Tensor* scale_inv) override;
   absl::Status DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
                                     Tensor* scale, Tensor* scale_inv) override;
+  absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) override;
   absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) override;
 
   // gemm.cu
@@ -154,6 +158,12 @@ class CudaOps : public Ops {
   absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,
                                const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
                                Tensor* nu) override;
+  absl::StatusOr<std::unique_ptr<OptimizerPlan>> NewOptimizerPlan(
+      const OptimizerHyperparams& hyperparams, const std::vector<OptimizerSlot>& slots,
+      const Tensor& count, const Tensor& total_notfinite) override;
+  absl::Status OptimizerStep(OptimizerPlan& plan, const std::vector<OptimizerSlot>& slots,
+                             const std::vector<Tensor>& grads, Tensor* count,
+                             Tensor* total_notfinite) override;
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
@@ -193,6 +203,10 @@ class CudaOps : public Ops {
   absl::StatusOr<std::shared_ptr<void>> AllocateBytes(size_t bytes) override;
 
  private:
+  // fp8.cu: DelayedScalingUpdate(s) in launches of up to 48 quantizers.
+  absl::Status LaunchDelayedScaling(const std::vector<DelayedScalingItem>& items,
+                                    Tensor* scale_inv);
+
   std::shared_ptr<CudaContext> context_;
   SharedStream stream_;
   cudnnHandle_t cudnn_ = nullptr;

@@ -1,8 +1,10 @@
 // FP8 scaling on the device: Quantize (fused amax), cast-transpose (with
-// dbias), Dequantize, Amax, ScaleFromAmax, DelayedScalingUpdate (no host
-// sync) and emulated block scaling (MXFP8, NVFP4). The math follows the CPU reference exactly; see
+// dbias), Dequantize, Amax, ScaleFromAmax, DelayedScalingUpdate(s) (no host
+// sync; a step's updates in one launch) and emulated block scaling (MXFP8, NVFP4). The math follows the CPU reference exactly; see
 // kernels/cpu/cpu_ops.cc for the definitions.
+#include <algorithm>
 #include <cfloat>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/check.h"
@@ -95,11 +97,28 @@ __global__ void ScaleFromAmaxKernel(const float* amax, float fp8_max, float marg
   *scale_inv = 1.0f / s;
 }
 
-// One block: the window's amax, the roll, the new scale. history: [length].
-__global__ void DelayedScalingKernel(float* history, int length, float fp8_max, float margin,
-                                     bool most_recent, float* scale, float* scale_inv) {
+// The quantizers one DelayedScalingKernel launch updates: passed by value as
+// the kernel's argument, so a step's updates need no upload and no host sync.
+// 48 entries keep the argument under the 4 KiB every GPU takes.
+constexpr int kScalingBatch = 48;
+struct DelayedScalingBatch {
+  float* history[kScalingBatch];
+  float* scale[kScalingBatch];
+  float* scale_inv[kScalingBatch];  // null: not wanted
+  int length[kScalingBatch];
+  float fp8_max[kScalingBatch];
+  float margin[kScalingBatch];
+  bool most_recent[kScalingBatch];
+};
+
+// One block per quantizer: the window's amax, the roll, the new scale.
+// history: [length], held in shared memory (the largest length of the batch).
+__global__ void DelayedScalingKernel(DelayedScalingBatch batch) {
   extern __shared__ float window[];
   __shared__ unsigned scratch[32];
+  const int q = blockIdx.x;
+  float* history = batch.history[q];
+  const int length = batch.length[q];
   unsigned local = 0;
   for (int i = threadIdx.x; i < length; i += blockDim.x) {
     window[i] = history[i];
@@ -111,11 +130,11 @@ __global__ void DelayedScalingKernel(float* history, int length, float fp8_max, 
     history[i] = i == 0 ? 0.0f : window[(i + 1) % length];
   }
   if (threadIdx.x == 0) {
-    const float amax = most_recent ? window[0] : __uint_as_float(max_bits);
-    float s = *scale;
-    if (isfinite(amax) && amax > 0.0f) s = fp8_max * exp2f(-margin) / amax;
-    *scale = s;
-    *scale_inv = 1.0f / s;
+    const float amax = batch.most_recent[q] ? window[0] : __uint_as_float(max_bits);
+    float s = *batch.scale[q];
+    if (isfinite(amax) && amax > 0.0f) s = batch.fp8_max[q] * exp2f(-batch.margin[q]) / amax;
+    *batch.scale[q] = s;
+    if (batch.scale_inv[q] != nullptr) *batch.scale_inv[q] = 1.0f / s;
   }
 }
 
@@ -210,12 +229,15 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
                                         uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
                                         const float* scale, float* amax, float* scale_inv,
                                         float* __restrict__ column_partial, int64_t rows,
-                                        int64_t cols) {
+                                        int64_t cols, const float* kept_scale) {
   using InPack = Pack<typename In::Storage, 4>;
   __shared__ ByteTile tile;
   __shared__ float tile_column_sums[16][64 + 1];
   __shared__ unsigned scratch[32];
   const float s = *scale;
+  // y and y_t already hold x quantized with s (QuantizeTransposeKept): every
+  // block sees the same two values and leaves at once.
+  if (kept_scale != nullptr && *kept_scale == s) return;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
@@ -271,10 +293,24 @@ bool TileKernelFits(const Tensor& x, const Tensor& y, const Tensor& y_t) {
          reinterpret_cast<uintptr_t>(y_t.data()) % 4 == 0 && (rows + 63) / 64 <= 65535;
 }
 
+// After a QuantizeTransposeKept's quantize: either y held x at this scale
+// already (the amax is the kept one) or it was just written (keep its record).
+__global__ void KeptQuantizationKernel(const float* scale, float* amax, float* kept_scale,
+                                       float* kept_amax) {
+  if (*kept_scale == *scale) {
+    *amax = *kept_amax;
+  } else {
+    *kept_scale = *scale;
+    *kept_amax = *amax;
+  }
+}
+
 // Zeroes amax, then one QuantizeTransposeKernel over x [rows, cols] (shapes
-// TileKernelFits takes); column_partial: null, or [ceil(rows / 64), cols] f32.
+// TileKernelFits takes); column_partial: null, or [ceil(rows / 64), cols] f32;
+// kept_scale: null, or QuantizeTransposeKept's record of y's scale.
 absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
-                                     Tensor* y_t, float* column_partial, cudaStream_t stream) {
+                                     Tensor* y_t, float* column_partial, cudaStream_t stream,
+                                     const float* kept_scale = nullptr) {
   const int64_t rows = x.dim(0), cols = x.dim(1);
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream));
   const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
@@ -285,7 +321,8 @@ absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tens
       QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream>>>(
           static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
           static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
-          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), column_partial, rows, cols);
+          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), column_partial, rows, cols,
+          kept_scale);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
@@ -324,6 +361,23 @@ absl::Status CudaOps::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, T
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTranspose(x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
   return LaunchQuantizeTranspose(x, fp8, y, y_t, nullptr, stream());
+}
+
+absl::Status CudaOps::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
+                                            const KeptQuantization& kept, Tensor* y,
+                                            Tensor* y_t) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
+  RETURN_IF_ERROR(CheckKeptQuantization(kept));
+  // Shapes the tile kernel cannot take: the reference's host-side decision.
+  if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeKept(x, fp8, kept, y, y_t);
+  RETURN_IF_ERROR(Enter());
+  RETURN_IF_ERROR(LaunchQuantizeTranspose(x, fp8, y, y_t, nullptr, stream(),
+                                          kept.scale.data_as<const float>()));
+  KeptQuantizationKernel<<<1, 1, 0, stream()>>>(
+      fp8.scale.data_as<const float>(), fp8.amax.data_as<float>(), kept.scale.data_as<float>(),
+      kept.amax.data_as<float>());
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
 }
 
 absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
@@ -391,21 +445,52 @@ absl::Status CudaOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float mar
 absl::Status CudaOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
                                            Tensor* scale, Tensor* scale_inv) {
   RETURN_IF_ERROR(CheckDelayedScalingArgs(args, amax_history, scale, scale_inv));
-  // CUDA only: the kernel holds the whole history in one block's shared memory.
-  const int64_t length = amax_history->numel();
-  if (length > kMaxHistory) {
-    return absl::InvalidArgumentError(absl::StrCat("DelayedScalingUpdate: amax_history has shape ",
-                                                   ShapeString(amax_history->shape()),
-                                                   ", want [L], 1 <= L <= ", kMaxHistory));
+  return LaunchDelayedScaling({{args, *amax_history, *scale}}, scale_inv);
+}
+
+absl::Status CudaOps::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) {
+  // Every entry is checked before any is launched, so a bad one changes nothing.
+  for (const DelayedScalingItem& item : items) {
+    Tensor history = item.amax_history, scale = item.scale;
+    RETURN_IF_ERROR(CheckDelayedScalingArgs(item.args, &history, &scale, nullptr));
   }
+  return LaunchDelayedScaling(items, nullptr);
+}
+
+absl::Status CudaOps::LaunchDelayedScaling(const std::vector<DelayedScalingItem>& items,
+                                           Tensor* scale_inv) {
+  // CUDA only: the kernel holds a whole history in one block's shared memory.
+  for (const DelayedScalingItem& item : items) {
+    if (item.amax_history.numel() > kMaxHistory) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DelayedScalingUpdate: amax_history has shape ",
+                       ShapeString(item.amax_history.shape()), ", want [L], 1 <= L <= ",
+                       kMaxHistory));
+    }
+  }
+  if (items.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  const size_t shared = static_cast<size_t>(length) * sizeof(float);
-  RETURN_IF_ERROR(
-      AllowSharedBytes(DelayedScalingKernel, shared, "cudaFuncSetAttribute(DelayedScalingKernel)"));
-  DelayedScalingKernel<<<1, 1024, shared, stream()>>>(
-      amax_history->data_as<float>(), static_cast<int>(length), args.fp8_max, args.margin,
-      args.most_recent, scale->data_as<float>(), scale_inv->data_as<float>());
-  CUDA_RETURN_IF_LAUNCH_ERROR();
+  for (size_t first = 0; first < items.size(); first += kScalingBatch) {
+    const size_t count = std::min<size_t>(kScalingBatch, items.size() - first);
+    DelayedScalingBatch batch{};
+    int64_t longest = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const DelayedScalingItem& item = items[first + i];
+      batch.history[i] = item.amax_history.data_as<float>();
+      batch.scale[i] = item.scale.data_as<float>();
+      batch.scale_inv[i] = scale_inv != nullptr ? scale_inv->data_as<float>() : nullptr;
+      batch.length[i] = static_cast<int>(item.amax_history.numel());
+      batch.fp8_max[i] = item.args.fp8_max;
+      batch.margin[i] = item.args.margin;
+      batch.most_recent[i] = item.args.most_recent;
+      longest = std::max(longest, item.amax_history.numel());
+    }
+    const size_t shared = static_cast<size_t>(longest) * sizeof(float);
+    RETURN_IF_ERROR(AllowSharedBytes(DelayedScalingKernel, shared,
+                                     "cudaFuncSetAttribute(DelayedScalingKernel)"));
+    DelayedScalingKernel<<<static_cast<unsigned>(count), 1024, shared, stream()>>>(batch);
+    CUDA_RETURN_IF_LAUNCH_ERROR();
+  }
   return absl::OkStatus();
 }
 

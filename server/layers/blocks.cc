@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
+#include "server/layers/fp8_weight_cache.h"
 #include "server/layers/variables.h"
 
 namespace te::layers {
@@ -137,9 +138,8 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
   // TE quantizes the kernel straight from the param dtype.
   // Both layouts: the forward GEMM takes the kernel transposed, the dgrad as is.
   ASSIGN_OR_RETURN(GemmOperand b,
-                   QuantizeGemmOperandBothLayouts(ops, fp8, quantizers(), QuantizerRole::kKernel,
-                                                  vars->at(kernel_name()).Reshaped({in_, out_}),
-                                                  GemmSide::kB, false, vars));
+                   QuantizeKernelOperand(ops, fp8, quantizers(),
+                                         vars->at(kernel_name()).Reshaped({in_, out_}), vars));
   RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, fusion, y));
   if (saved != nullptr) {
     Saved s;

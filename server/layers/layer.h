@@ -41,6 +41,8 @@ namespace te::layers {
 using Variables = std::map<std::string, Tensor>;
 
 // A resolved recipe (te.v1.Recipe with TE's defaults applied).
+class Fp8WeightCache;
+
 struct Fp8Recipe {
   enum class Kind { kDelayedScaling, kCurrentScaling, kMXFP8, kNVFP4 };
   enum class Format { kE4M3, kE5M2, kHybrid };
@@ -50,6 +52,10 @@ struct Fp8Recipe {
   int amax_history_len = 1024;
   bool most_recent = false;  // amax_compute_algo
   float amax_epsilon = 0.0f;
+
+  // Not the recipe but where a step keeps its FP8 weight copies: the
+  // session's per-layer cache, or null (quantize every weight every step).
+  Fp8WeightCache* weight_cache = nullptr;
 
   DType forward_dtype() const { return format == Format::kE5M2 ? DType::kE5M2 : DType::kE4M3; }
   DType backward_dtype() const { return format == Format::kE4M3 ? DType::kE4M3 : DType::kE5M2; }
@@ -65,10 +71,17 @@ struct ForwardOptions {
 struct LayerInputs {
   Tensor x;
   std::vector<Tensor> extra;  // DotProductAttention (bshd_bshd_bshd): k, v
-  // Padding masks, as valid lengths int32 [B] (see MaskToSeqlens); undefined
-  // when the request had no mask.
+  // The request's attention mask (see DecodeAttentionMask in
+  // server/session/tensor_codec.h and SeqLens in attention_core.h): valid
+  // lengths int32 [B] where it is a padding (+ causal) pattern, undefined
+  // otherwise or when the request had no mask;
   Tensor q_seqlens;
   Tensor kv_seqlens;
+  // whether those lengths describe padding | causal rather than padding alone;
+  bool seqlens_with_causal = false;
+  // and the mask elementwise, bool [B, Sq, Skv] (true = masked out), defined
+  // for a mask that is not exactly a padding pattern.
+  Tensor elementwise_mask;
 };
 
 struct LayerOutputs {

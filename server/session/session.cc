@@ -365,6 +365,7 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
     }
   }
   for (size_t i = 0; i < writes.size(); ++i) (*writes[i].target)[writes[i].name] = values[i];
+  layer->ParamsChanged();
   return absl::OkStatus();
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "server/layers/fp8_weight_cache.h"
 #include "server/layers/layer.h"
 #include "server/optim/optimizer.h"
 #include "server/session/session.h"
@@ -30,6 +31,17 @@ struct Session::LayerEntry {
   layers::Variables grads;  // "grads/...": kept gradients, accumulated
   std::optional<LayerOptimizer> optimizer;
   std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
+  // FP8 copies of the parameters kept between steps (DelayedScaling).
+  layers::Fp8WeightCache fp8_weights;
+  // Every write to the parameters (SetVariables, an optimizer update) calls
+  // this: the kept FP8 copies are stale.
+  void ParamsChanged() { fp8_weights.Clear(); }
+  // The step's recipe, with this layer's kept FP8 copies (null: FP8 off).
+  const layers::Fp8Recipe* StepRecipe(std::optional<layers::Fp8Recipe>& fp8) {
+    if (!fp8) return nullptr;
+    fp8->weight_cache = &fp8_weights;
+    return &*fp8;
+  }
   // The InitLayer request less its session ref: a checkpoint re-creates the
   // layer from its spec, input shape and dtype, and autocast.
   te::v1::InitLayerRequest init;
@@ -47,7 +59,7 @@ struct Session::SavedEntry {
 struct Session::CheckedInputs {
   CheckedTensor x;
   std::vector<CheckedTensor> extra;
-  std::optional<Seqlens> seqlens;  // from a padding mask
+  std::optional<DecodedMask> mask;  // the attention mask, decoded
   Shape y_shape;                   // what the layer will output
   DType y_dtype = DType::kF32;     // and in which dtype (Layer::OutputDType)
 };

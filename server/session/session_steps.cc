@@ -140,19 +140,20 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
     ASSIGN_OR_RETURN(
         CheckedTensor mask,
         CheckTensor(*attention_mask, field, config_.max_tensor_bytes, Resident(), Regions()));
-    ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, mask));
-    ASSIGN_OR_RETURN(Seqlens lens, MaskToSeqlens(bytes, mask.dtype, mask.shape, field));
-    // [B, 1, Sq, Skv]: B and Sq from x, Skv from k when k is given.
+    // [B (or 1), 1, Sq, Skv]: B and Sq from x, Skv from k when k is given.
     const Shape& xs = in.x.shape;
     const Shape& kv = in.extra.empty() ? xs : in.extra[0].shape;
-    if (xs.size() < 2 || kv.size() < 2 || mask.shape[0] != xs[0] || mask.shape[2] != xs[1] ||
+    if (xs.size() < 2 || kv.size() < 2 || mask.shape.size() != 4 || mask.shape[2] != xs[1] ||
         mask.shape[3] != kv[1]) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".shape: ", ShapeString(mask.shape), " does not fit x ", ShapeString(xs),
           in.extra.empty() ? "" : absl::StrCat(" and k ", ShapeString(kv)),
           ": a mask is [batch, 1, q_len, kv_len]"));
     }
-    in.seqlens = std::move(lens);
+    ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, mask));
+    ASSIGN_OR_RETURN(DecodedMask decoded,
+                     DecodeAttentionMask(bytes, mask.dtype, mask.shape, xs[0], field));
+    in.mask = std::move(decoded);
   }
   return in;
 }
@@ -173,9 +174,15 @@ absl::StatusOr<layers::LayerInputs> Session::MaterializeInputs(const CheckedInpu
     ASSIGN_OR_RETURN(Tensor t, Materialize(*ops_, extra));
     in.extra.push_back(std::move(t));
   }
-  if (inputs.seqlens) {
-    ASSIGN_OR_RETURN(in.q_seqlens, UploadSeqlens(*ops_, inputs.seqlens->q));
-    ASSIGN_OR_RETURN(in.kv_seqlens, UploadSeqlens(*ops_, inputs.seqlens->kv));
+  if (inputs.mask && inputs.mask->seqlens) {
+    ASSIGN_OR_RETURN(in.q_seqlens, UploadSeqlens(*ops_, inputs.mask->seqlens->q));
+    ASSIGN_OR_RETURN(in.kv_seqlens, UploadSeqlens(*ops_, inputs.mask->seqlens->kv));
+    in.seqlens_with_causal = inputs.mask->with_causal;
+  }
+  if (inputs.mask && !inputs.mask->elementwise.empty()) {
+    const DecodedMask& m = *inputs.mask;
+    ASSIGN_OR_RETURN(in.elementwise_mask, ops_->Allocate(DType::kBool, {m.batch, m.q_len, m.kv_len}));
+    RETURN_IF_ERROR(ops_->Upload(m.elementwise.data(), &in.elementwise_mask));
   }
   return in;
 }
@@ -270,6 +277,7 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Variables& gr
   LayerOptimizer& optimizer = *layer.optimizer;
   RETURN_IF_ERROR(optim::Update(*ops_, optimizer.config, count, grads, grad_norm_sq, &layer.vars,
                                 &optimizer.state));
+  layer.ParamsChanged();
   // The kernels decided on the device whether to skip; the host learns it
   // here, once the step's work is queued.
   float norm_sq = 0.0f;
@@ -328,7 +336,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
   opts.dropout_seed = request.dropout_seed();
-  opts.fp8 = PtrOf(fp8);
+  opts.fp8 = layer->StepRecipe(fp8);
   opts.keep_for_backward = request.keep_for_backward();
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
@@ -512,7 +520,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     layers::ForwardOptions opts;
     opts.deterministic = request.deterministic();
     opts.dropout_seed = request.micro_batches(static_cast<int>(i)).dropout_seed();
-    opts.fp8 = PtrOf(fp8);
+    opts.fp8 = layer->StepRecipe(fp8);
     double value = 0.0;
     layers::LayerGrads grads;
     const Tensor* target = is_target[i] ? &dy : nullptr;
@@ -605,7 +613,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
   opts.dropout_seed = mb.dropout_seed();
-  opts.fp8 = PtrOf(fp8);
+  opts.fp8 = layer->StepRecipe(fp8);
 
   std::vector<double> step_ms;
   for (int it = 0; it < warmup + timing; ++it) {

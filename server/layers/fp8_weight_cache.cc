@@ -1,0 +1,62 @@
+#include "server/layers/fp8_weight_cache.h"
+
+#include <limits>
+#include <utility>
+
+#include "kernels/status_macros.h"
+
+namespace te::layers {
+
+absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& fp8,
+                                                     const QuantizerSet& set,
+                                                     const Tensor& weight, Variables* vars) {
+  if (weight.rank() != 2) {
+    return absl::InternalError("Fp8WeightCache: a GEMM kernel must be 2-D");
+  }
+  RETURN_IF_ERROR(CheckQuantizerSet(*vars, set, &fp8));
+  const DType dtype = QuantizerDType(fp8, QuantizerRole::kKernel);
+  const Key key{weight.data(), weight.dim(0), weight.dim(1), dtype};
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    Entry entry;
+    entry.weight = weight;
+    ASSIGN_OR_RETURN(entry.op.data, ops.Allocate(dtype, weight.shape()));
+    ASSIGN_OR_RETURN(entry.op.data_t, ops.Allocate(dtype, {weight.dim(1), weight.dim(0)}));
+    ASSIGN_OR_RETURN(entry.op.scale_inv, ops.Allocate(DType::kF32, {1}));
+    ASSIGN_OR_RETURN(entry.kept.scale, ops.Allocate(DType::kF32, {1}));
+    ASSIGN_OR_RETURN(entry.kept.amax, ops.Allocate(DType::kF32, {1}));
+    // NaN equals no scale: the first use quantizes.
+    RETURN_IF_ERROR(ops.Fill(std::numeric_limits<float>::quiet_NaN(), &entry.kept.scale));
+    it = entries_.emplace(key, std::move(entry)).first;
+  }
+  Entry& entry = it->second;
+  Fp8Output side;
+  side.scale = vars->at(set.ScaleName(QuantizerRole::kKernel));
+  side.amax = vars->at(set.HistoryName(QuantizerRole::kKernel)).Slice0(0, 1);  // history[0]
+  side.scale_inv = entry.op.scale_inv;
+  RETURN_IF_ERROR(
+      ops.QuantizeTransposeKept(weight, side, entry.kept, &entry.op.data, &entry.op.data_t));
+  GemmOperand out = entry.op;
+  out.transpose = false;
+  return out;
+}
+
+int64_t Fp8WeightCache::bytes() const {
+  int64_t total = 0;
+  for (const auto& [key, entry] : entries_) {
+    total += entry.op.bytes() + TensorBytes(entry.kept.scale) + TensorBytes(entry.kept.amax);
+  }
+  return total;
+}
+
+absl::StatusOr<GemmOperand> QuantizeKernelOperand(Ops& ops, const Fp8Recipe& fp8,
+                                                  const QuantizerSet& set, const Tensor& weight,
+                                                  Variables* vars) {
+  if (fp8.weight_cache != nullptr && fp8.kind == Fp8Recipe::Kind::kDelayedScaling) {
+    return fp8.weight_cache->Quantize(ops, fp8, set, weight, vars);
+  }
+  return QuantizeGemmOperandBothLayouts(ops, fp8, set, QuantizerRole::kKernel, weight,
+                                        GemmSide::kB, false, vars);
+}
+
+}  // namespace te::layers
