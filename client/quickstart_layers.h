@@ -1,6 +1,6 @@
 // The layers of TE's JAX quickstart (docs/examples/quickstart_jax.ipynb) at
 // any size, with its FP8 recipe: one place for the quickstart tool, the GPU
-// benchmark (tests/bench/layer_bench) and te_bench, so all of them run the
+// benchmark (bench/layers/layer_bench) and te_bench, so all of them run the
 // same layers. The composed ones (sections 1-5) are Graphs built node for
 // node as the notebook's classes write them, so each is the spec the Python
 // client traces from the same class (tests/data/quickstart_graphs).

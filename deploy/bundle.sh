@@ -139,10 +139,13 @@ if [ -n "${BUNDLE_NO_BENCH:-}" ]; then
   exit 0
 fi
 
-# The GPU benchmark harness (tests/bench) and the peers it compares against
-# (../shared/peers, or $TE_PEERS_DIR: they are outside the repository and do not
-# travel otherwise), and the commit the bundle was built from.
-cp tests/bench/run_gpu_bench.sh tests/bench/run_multi_client_bench.sh tests/bench/summarize.py tests/bench/jax_memory.py "$out"/
+# The GPU benchmark scripts (bench/harness, bench/layers, bench/kernels) and
+# the peers they compare against (../shared/peers, or $TE_PEERS_DIR: they are
+# outside the repository and do not travel otherwise), and the commit the
+# bundle was built from.
+cp bench/harness/run_gpu_bench.sh bench/harness/run_multi_client_bench.sh bench/harness/summarize.py \
+  bench/harness/jax_memory.py bench/layers/compare_quickstarts.sh bench/layers/run_train_lm.sh \
+  bench/layers/train_step_bench.py bench/kernels/run_small_head_attention.sh "$out"/
 peers_dir="${TE_PEERS_DIR:-../shared/peers}"
 if compgen -G "$peers_dir/*.py" >/dev/null; then
   cp "$peers_dir"/*.py "$out"/

@@ -135,7 +135,7 @@ $docker volume rm -f te-ct-single-state >/dev/null 2>&1
 stage "dockerd"
 
 # ---- images ----------------------------------------------------------------------------
-if ! bazel build //server:te_server //deploy:health_probe //client:quickstart //client:te_bench \
+if ! bazel build //server:te_server //deploy:health_probe //client:quickstart //bench/load:te_bench \
      >"$work/bazel.log" 2>&1; then
   tail -n 20 "$work/bazel.log"
   fail "bazel build of te_server, health_probe, quickstart, te_bench"
@@ -214,7 +214,7 @@ else
   finish
 fi
 stage "compose up"
-timeout 120 "$bin/client/te_bench" --server="127.0.0.1:$TE_LB_PORT" --clients=16 --layer=transformer \
+timeout 120 "$bin/bench/load/te_bench" --server="127.0.0.1:$TE_LB_PORT" --clients=16 --layer=transformer \
   --config=small --duration_s=8 --warmup=2 --json="$work/bench.json" >"$work/bench.log" 2>&1
 bench_rc=$?
 grep -A2 '^clients' "$work/bench.log"

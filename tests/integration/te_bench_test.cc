@@ -1,11 +1,11 @@
-// te_bench (client/te_bench_lib.h) against the real te_server on loopback:
+// te_bench (bench/load/te_bench_lib.h) against the real te_server on loopback:
 // a 2-client sweep point at the small config yields a complete JSON report
 // with throughput and no errors; put/get move bytes; a server that admits
 // one session shows the second client's failure in the errors and fairness.
 #include <memory>
 #include <string>
 
-#include "client/te_bench_lib.h"
+#include "bench/load/te_bench_lib.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/server_fixture.h"

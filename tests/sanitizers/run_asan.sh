@@ -4,7 +4,7 @@
 # LeakSanitizer) and UndefinedBehaviorSanitizer, compiled by clang-14, CPU
 # backend only: bazel test --config=asan (.bazelrc).
 #
-#   tests/sanitizers/run_asan.sh [TARGET...]   default: //kernels/... //server/... //client/... //tests/...
+#   tests/sanitizers/run_asan.sh [TARGET...]   default: //kernels/... //server/... //client/... //bench/load/... //tests/...
 #
 # Bazel runs under its own --output_base (ASAN_OUTPUT_BASE, default
 # ~/.cache/te_server_asan_bazel): the clang toolchain lives there and the
@@ -19,7 +19,7 @@ output_base="${ASAN_OUTPUT_BASE:-$HOME/.cache/te_server_asan_bazel}"
 if (( $# > 0 )); then
   targets=("$@")
 else
-  targets=(//kernels/... //server/... //client/... //tests/...)
+  targets=(//kernels/... //server/... //client/... //bench/load/... //tests/...)
 fi
 
 start=$(date +%s)

@@ -10,8 +10,8 @@
 // Rates are the median of --reps timed transfers after one untimed one; the
 // ratios to unary are the figures of issue 4 (streamed >= 2x, shm >= 5x).
 //
-//   bazel run //tests/bench:transport_bench
-//   bazel run //tests/bench:transport_bench -- --address=host:port
+//   bazel run //bench/transport:transport_bench
+//   bazel run //bench/transport:transport_bench -- --address=host:port
 //
 // Not a test: it asserts nothing, and its figures depend on the machine.
 #include <fcntl.h>

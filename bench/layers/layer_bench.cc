@@ -1,5 +1,5 @@
 // layer_bench: the quickstart's variants timed through te_server, for the GPU
-// benchmark harness (tests/bench/run_gpu_bench.sh, summarize.py).
+// benchmark harness (bench/harness/run_gpu_bench.sh, summarize.py).
 //
 // Each variant runs in its own session: its layer(s) are initialised, x and
 // dy are uploaded once as resident tensors, and a forward + backward step

@@ -1,7 +1,7 @@
 // te_bench: running a sweep point. Each client is a thread with its own
 // Client (channel) and Session; a PointControl starts the timed loops of all
 // clients together and lets the calling thread print progress.
-#include "client/te_bench_lib.h"
+#include "bench/load/te_bench_lib.h"
 
 #include <algorithm>
 #include <atomic>

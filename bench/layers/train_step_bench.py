@@ -1,7 +1,7 @@
 """The quickstart's TE TransformerLayer (bf16 params) trained on the server: a ForwardBackward
 step with AdamW's update (apply_update) against the same step without it, x and dy resident.
 
-    python3 tests/bench/train_step_bench.py ADDRESS [ITERS]
+    python3 bench/layers/train_step_bench.py ADDRESS [ITERS]
 
 Prints both mean step times, their difference (the update's cost) and the update's floor: bytes of
 params, grads and both moments read and written, over the bandwidth given with --bandwidth_tbs.

@@ -1,7 +1,7 @@
 // te_bench's server-free parts: flag parsing, option checks, latency
 // statistics and the two report formats. (tests/integration/te_bench_test.cc
 // runs it against a real server.)
-#include "client/te_bench_lib.h"
+#include "bench/load/te_bench_lib.h"
 
 #include <random>
 

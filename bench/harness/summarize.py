@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarises a GPU benchmark run (tests/bench/run_gpu_bench.sh) as a Markdown table.
+"""Summarises a GPU benchmark run (bench/harness/run_gpu_bench.sh) as a Markdown table.
 
 Reads the run's lines (files named on the command line, or stdin):
   OURS <variant> <server ms|-> <client ms|-> <peak MiB|->     (layer_bench)

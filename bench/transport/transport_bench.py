@@ -1,6 +1,6 @@
 """te_client's tensor transports on one host: one float32 tensor (64 MiB by
 default) up and down, inline vs streamed vs shared memory; medians and
-ratios to inline. The Python counterpart of tests/bench/transport_bench.cc.
+ratios to inline. The Python counterpart of bench/transport/transport_bench.cc.
 
     inline  the tensor inside one message each way (SetVariables / GetVariables
             of a DenseGeneral kernel of that size)
@@ -12,7 +12,7 @@ Starts its own server (bazel-bin/server/te_server, --enable_shm and
 --max_message_bytes=512 MiB so one inline message fits) unless --address
 names one started with those flags. Every download is checked byte for byte.
 
-    python3 client/python/examples/transport_bench.py [--mib=64] [--reps=5] [--chunk_mib=1]
+    python3 bench/transport/transport_bench.py [--mib=64] [--reps=5] [--chunk_mib=1]
 """
 import argparse
 import os
@@ -25,12 +25,12 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
 
 import te_client as te                     # noqa: E402
 import te_client.flax as te_flax           # noqa: E402
 
-REPO = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
+REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 MAX_MESSAGE = 512 << 20
 
 

@@ -16,8 +16,8 @@
 // RunBench blocks until the sweep is done. Calls that fail are counted by
 // status code and the run goes on (a load generator measures errors, it does
 // not stop at the first); RunBench itself fails only for invalid options.
-#ifndef TE_CLIENT_TE_BENCH_LIB_H_
-#define TE_CLIENT_TE_BENCH_LIB_H_
+#ifndef TE_BENCH_LOAD_TE_BENCH_LIB_H_
+#define TE_BENCH_LOAD_TE_BENCH_LIB_H_
 
 #include <cstdint>
 #include <map>
@@ -152,4 +152,4 @@ LatencySummary SummarizeLatencies(std::vector<double> ms);
 
 }  // namespace te::client::bench
 
-#endif  // TE_CLIENT_TE_BENCH_LIB_H_
+#endif  // TE_BENCH_LOAD_TE_BENCH_LIB_H_

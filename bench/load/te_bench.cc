@@ -13,7 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "client/te_bench_lib.h"
+#include "bench/load/te_bench_lib.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "te_server address (host:port)");

@@ -2,9 +2,9 @@
 # One build-check-time cycle of the small-head attention kernels on the GPU
 # machine, from a bundle made on the build machine:
 #
-#   BUNDLE_TARGETS="//kernels/cuda:attention_gpu_test //kernels/cuda/bench:attention_small_head_bench" \
+#   BUNDLE_TARGETS="//kernels/cuda:attention_gpu_test //bench/kernels:attention_small_head_bench" \
 #     deploy/bundle.sh .bundle/small_head          # on the build machine
-#   kernels/cuda/bench/run_small_head_attention.sh .bundle/small_head [OUT]   # on the GPU machine
+#   bench/kernels/run_small_head_attention.sh .bundle/small_head [OUT]   # on the GPU machine
 #
 # Runs the attention GPU tests (every path against the CPU reference), then
 # the benchmark, and writes logs and the hot kernels' register / spill report

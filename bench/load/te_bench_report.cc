@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "client/te_bench_lib.h"
+#include "bench/load/te_bench_lib.h"
 #include "nlohmann/json.hpp"
 
 namespace te::client::bench {
