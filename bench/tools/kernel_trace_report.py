@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""The busy and idle time of each GPU step in a kernel_trace.csv.
+
+    kernel_trace_report.py TRACE.csv [--steps N] [--min-gap-us 2]
+
+A step is the span between two host synchronisations that has device work in
+it (the Benchmark RPC synchronises before and after each step, so its steps
+are exactly these spans). For the last N steps it prints the step's wall time,
+the device's busy time (the union of kernel, memcpy and memset intervals), the
+idle time, the idle gaps grouped by the kernel that ends each gap, with the
+host calls made during the gaps, and the kernel time by kernel class.
+"""
+import argparse
+import collections
+import csv
+import re
+import sys
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+
+CLASSES = [
+    ("attention (cuDNN)", re.compile(r"cudnn|fmha|sdpa|flash", re.I)),
+    ("gemm", re.compile(r"gemm|xmma|cutlass|sm90_|sm100_|nvjet", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+    ("scaling update", re.compile(r"DelayedScaling|ScaleFromAmax|KeptQuantization", re.I)),
+    ("quantize / transpose / cast", re.compile(r"quant|transpose|cast|amax", re.I)),
+    ("activation", re.compile(r"gelu|relu|activation|swiglu|geglu", re.I)),
+    ("dropout / rng", re.compile(r"dropout|rng|philox", re.I)),
+    ("memcpy / memset", re.compile(r"^mem")),
+]
+
+
+def kernel_class(name):
+    for label, pattern in CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def load(path):
+    device, host = [], []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            rec = (int(row["start_ns"]), int(row["end_ns"]), row["name"], row["kind"])
+            (device if row["kind"] in ("kernel", "memcpy", "memset") else host).append(rec)
+    device.sort()
+    host.sort()
+    return device, host
+
+
+def steps(device, host):
+    """Spans (t0, t1) between the ends of successive synchronisations that hold device work."""
+    sync_ends = sorted(e for s, e, name, _ in host if name.startswith(SYNC_CALLS))
+    spans, i = [], 0
+    for t0, t1 in zip(sync_ends, sync_ends[1:]):
+        while i < len(device) and device[i][0] < t0:
+            i += 1
+        if i < len(device) and device[i][0] < t1:
+            spans.append((t0, t1))
+    return spans
+
+
+def analyse(span, device, host, min_gap_ns):
+    t0, t1 = span
+    recs = [d for d in device if d[0] >= t0 and d[1] <= t1]
+    busy, cursor, gaps = 0, t0, []
+    for s, e, name, kind in recs:
+        if s > cursor:
+            gaps.append((cursor, s, name))
+        if e > cursor:
+            busy += e - max(s, cursor)
+            cursor = e
+    if t1 > cursor:
+        gaps.append((cursor, t1, "(end of step: host sync)"))
+    gaps = [g for g in gaps if g[1] - g[0] >= min_gap_ns]
+    return recs, busy, gaps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, default=3, help="the last N steps")
+    p.add_argument("--min-gap-us", type=float, default=2.0)
+    args = p.parse_args()
+    device, host = load(args.trace)
+    spans = steps(device, host)
+    if not spans:
+        sys.exit("no step found: no device work between two synchronisations")
+    spans = spans[-args.steps:]
+    idle_by_next = collections.defaultdict(lambda: [0, 0])
+    host_in_gaps = collections.defaultdict(lambda: [0, 0])
+    by_class = collections.defaultdict(lambda: [0, 0])
+    walls, busies, counts = [], [], []
+    for span in spans:
+        recs, busy, gaps = analyse(span, device, host, args.min_gap_us * 1e3)
+        walls.append(span[1] - span[0])
+        busies.append(busy)
+        counts.append(sum(1 for r in recs if r[3] == "kernel"))
+        for s, e, name, kind in recs:
+            c = by_class[kernel_class(name) if kind == "kernel" else "memcpy / memset"]
+            c[0] += e - s
+            c[1] += 1
+        for g0, g1, nxt in gaps:
+            entry = idle_by_next[nxt]
+            entry[0] += g1 - g0
+            entry[1] += 1
+            for s, e, name, kind in host:
+                if s >= g1:
+                    break
+                if e > g0 and kind == "runtime":
+                    h = host_in_gaps[name]
+                    h[0] += min(e, g1) - max(s, g0)
+                    h[1] += 1
+    n = len(spans)
+    ms = lambda ns: ns / n / 1e6
+    wall, busy = sum(walls), sum(busies)
+    print(f"steps: {n} (the last of {len(steps(device, host))})")
+    print(f"step wall {ms(wall):.3f} ms, device busy {ms(busy):.3f} ms "
+          f"({busy / wall:.3f} of the step), idle {ms(wall - busy):.3f} ms, "
+          f"{sum(counts) / n:.0f} kernels per step")
+    print("\nkernel time by class (ms per step, launches per step):")
+    for label, (t, c) in sorted(by_class.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {label:30s} {ms(t):8.3f}  {c / n:5.0f}")
+    print(f"\nidle gaps >= {args.min_gap_us} us, by the work that ends them (ms per step, gaps per step):")
+    for name, (t, c) in sorted(idle_by_next.items(), key=lambda kv: -kv[1][0])[:25]:
+        print(f"  {ms(t):8.3f}  {c / n:5.1f}  {name[:110]}")
+    print("\nruntime API time inside those gaps (ms per step, calls per step):")
+    for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()

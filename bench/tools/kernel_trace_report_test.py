@@ -1,0 +1,53 @@
+"""kernel_trace_report.py on a hand-made trace whose busy time, idle and gaps are known."""
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Two steps, each between the ends of two cudaStreamSynchronize calls:
+# step 1 spans 1000..2000 ns with kernels 1100-1400 and 1500-1900 (busy 700,
+# idle 300: a 100 ns start gap, a 100 ns gap before the GEMM, 100 at the end);
+# step 2 spans 2000..3000 with one kernel 2000-3000 (busy 1000, no idle).
+TRACE = """kind,name,start_ns,end_ns,stream,correlation
+runtime,cudaStreamSynchronize_v3020,900,1000,1,1
+kernel,te::cuda::NormForwardKernel<te::cuda::BF16>,1100,1400,7,2
+runtime,cudaLaunchKernel_v7000,1420,1490,1,3
+kernel,nvjet_sm90_tst_128x128_gemm,1500,1900,7,3
+runtime,cudaStreamSynchronize_v3020,1900,2000,1,4
+kernel,cudnn_generated_fort_native_sdpa_sm90_flash_fprop,2000,3000,7,5
+runtime,cudaStreamSynchronize_v3020,2990,3000,1,6
+"""
+
+
+class ReportTest(unittest.TestCase):
+    def run_report(self, *args):
+        with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
+            f.write(TRACE)
+        try:
+            return subprocess.run([sys.executable, os.path.join(HERE, "kernel_trace_report.py"),
+                                   f.name, *args], check=True, capture_output=True,
+                                  text=True).stdout
+        finally:
+            os.unlink(f.name)
+
+    def test_busy_and_idle_of_both_steps(self):
+        out = self.run_report("--steps", "2", "--min-gap-us", "0")
+        # Per step on average: wall 1000 ns, busy 850, idle 150.
+        self.assertIn("step wall 0.001 ms, device busy 0.001 ms (0.850 of the step)", out)
+        self.assertIn("steps: 2 (the last of 2)", out)
+
+    def test_classes_and_gap_attribution(self):
+        out = self.run_report("--steps", "1", "--min-gap-us", "0")
+        self.assertIn("(1.000 of the step)", out)  # the last step alone: no idle
+        lines = self.run_report("--steps", "2", "--min-gap-us", "0").splitlines()
+        for label in ("attention (cuDNN)", "gemm", "norm"):
+            self.assertTrue(any(l.strip().startswith(label) for l in lines), label)
+        # The gap before the GEMM is attributed to it, with the launch made in it.
+        self.assertTrue(any("0.5  nvjet_sm90_tst_128x128_gemm" in l for l in lines))
+        self.assertTrue(any("cudaLaunchKernel" in l for l in lines))
+
+if __name__ == "__main__":
+    unittest.main()

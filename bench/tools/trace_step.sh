@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# trace_step.sh OUTDIR VARIANT...: per layer_bench variant, a te_server under
+# the CUPTI tracer (libkernel_trace.so), layer_bench's Benchmark RPC (5 warmup
+# + 5 timed steps) and kernel_trace_report.py over the last 5 steps. Runs from
+# a bundle folder (deploy/bundle.sh) holding te_server, layer_bench, run.sh,
+# libkernel_trace.so, libcupti.so.13 and kernel_trace_report.py.
+here="$(cd "$(dirname "$0")" && pwd)"
+out="$1"; shift
+mkdir -p "$out"
+for v in "$@"; do
+  pf=$(mktemp)
+  CUDA_INJECTION64_PATH="$here/libkernel_trace.so" KERNEL_TRACE_OUT="$out/trace_v$v.csv" \
+    LD_LIBRARY_PATH="$here:${LD_LIBRARY_PATH:-}" "$here/run.sh" te_server --device=cuda:0 --host=127.0.0.1 --port=0 --port_file="$pf" >"$out/server_v$v.log" 2>&1 &
+  spid=$!
+  for i in $(seq 600); do [ -s "$pf" ] && break; sleep 0.1; done
+  port=$(cat "$pf")
+  timeout 200 "$here/run.sh" layer_bench --server="127.0.0.1:$port" --config=quickstart --variants=$v --warmup=5 --iters=5 --client_side=false >"$out/bench_v$v.txt" 2>&1
+  cat "$out/bench_v$v.txt" | tail -5
+  kill -TERM $spid; wait $spid
+  tail -2 "$out/server_v$v.log"
+  python3 "$here/kernel_trace_report.py" "$out/trace_v$v.csv" --steps 5 | tee "$out/report_v$v.txt"
+  gzip -f "$out/trace_v$v.csv"
+done
