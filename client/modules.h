@@ -52,7 +52,11 @@ std::string ShapeTree(const std::vector<VariableInfo>& variables);
 struct ApplyOptions {
   bool deterministic = true;   // Flax's `deterministic`: true turns dropout off
   uint64_t dropout_seed = 0;   // the "dropout" PRNG key
-  std::optional<HostTensor> attention_mask;  // bool [B, 1, Sq, Skv], true = masked out
+  // [B (or 1), 1, Sq, Skv], bool or int32 (or float), nonzero = masked out,
+  // any pattern: read as the module's TE mask type reads it (no_mask and
+  // causal ignore it, padding applies it elementwise, padding_causal with
+  // causality; te.v1 ForwardRequest.attention_mask).
+  std::optional<HostTensor> attention_mask;
   std::vector<HostTensor> extra_inputs;      // DotProductAttention (bshd_bshd_bshd): k, v
   // y comes back through the GetTensor stream instead of inline (chosen
   // automatically when y is larger than ClientOptions::inline_tensor_bytes).

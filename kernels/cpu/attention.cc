@@ -108,7 +108,8 @@ void DropoutRow(const AttentionArgs& args, const AttentionDims& dims, int64_t ro
   }
 }
 
-// logits[j] = scale * q[b,i,h] . k[b,j,kvh] + bias[h,i,j] for the visible keys j < end.
+// logits[j] = scale * q[b,i,h] . k[b,j,kvh] + bias[h,i,j] for the keys j < end
+// (the prefix the mask type leaves), -inf where the elementwise mask masks j.
 void RowLogits(const AttentionArgs& args, const AttentionDims& dims,
                const std::vector<float>& q, const std::vector<float>& k,
                const std::vector<float>& bias, int64_t b, int64_t h, int64_t i, int64_t end,
@@ -116,7 +117,15 @@ void RowLogits(const AttentionArgs& args, const AttentionDims& dims,
   logits->resize(static_cast<size_t>(end));
   const float* q_row = &q[dims.QOffset(b, i, h)];
   const int64_t kvh = dims.KvHead(h);
+  const bool* masked = args.elementwise_mask.defined()
+                           ? args.elementwise_mask.data_as<const bool>() +
+                                 (b * dims.q_seq + i) * dims.kv_seq
+                           : nullptr;
   for (int64_t j = 0; j < end; ++j) {
+    if (masked != nullptr && masked[j]) {
+      (*logits)[j] = -kInf;
+      continue;
+    }
     const float* k_row = &k[dims.KvOffset(b, j, kvh)];
     float dot = 0.0f;
     for (int64_t d = 0; d < dims.head_dim; ++d) dot += q_row[d] * k_row[d];
@@ -157,7 +166,8 @@ absl::Status CpuOps::AttentionForward(const AttentionArgs& args, const Tensor& q
         RowLogits(args, dims, qf, kf, bias, b, h, i, end, &logits);
         float max_logit = -kInf;
         for (float l : logits) max_logit = std::max(max_logit, l);
-        // A bias of -inf on every visible key masks the row too.
+        // A bias of -inf (or the elementwise mask) on every visible key masks
+        // the row too.
         if (max_logit == -kInf) continue;
         float sum = 0.0f;
         for (float& l : logits) {

@@ -70,11 +70,13 @@ struct Problem {
   uint64_t seed = 0;
   std::vector<int> q_len, kv_len;  // used by the padding masks
   std::vector<double> q, k, v, bias;  // bias empty when absent
+  std::vector<char> element_masked;   // [B, Sq, Skv], true = masked; empty when absent
 
   int64_t QIndex(int b, int i, int h, int d) const { return ((int64_t{b} * Sq + i) * Hq + h) * D + d; }
   int64_t KvIndex(int b, int j, int h, int d) const { return ((int64_t{b} * Skv + j) * Hkv + h) * D + d; }
   bool Visible(int b, int i, int j) const {
     if (IsPadding(mask) && (i >= q_len[b] || j >= kv_len[b])) return false;
+    if (!element_masked.empty() && element_masked[(int64_t{b} * Sq + i) * Skv + j]) return false;
     return !IsCausal(mask) || j <= i;
   }
 };
@@ -206,13 +208,15 @@ struct Case {
   bool bias;
   float rate;
   DType dtype;
+  bool elementwise = false;  // an arbitrary elementwise mask on top of the mask type
 };
 
 std::string CaseName(const Case& c) {
   return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Skv" +
          std::to_string(c.Skv) + "_Hq" + std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) +
          "_D" + std::to_string(c.D) + "_" + MaskName(c.mask) + (c.bias ? "_bias" : "") +
-         (c.rate > 0 ? "_dropout" : "") + "_" + DTypeName(c.dtype);
+         (c.rate > 0 ? "_dropout" : "") + (c.elementwise ? "_elementwise" : "") + "_" +
+         DTypeName(c.dtype);
 }
 
 std::vector<float> RandomValues(size_t n, float limit, std::mt19937* rng) {
@@ -275,6 +279,20 @@ Inputs MakeInputs(CpuOps* ops, const Case& c, uint32_t seed) {
   if (IsPadding(c.mask)) {
     s.args.q_seqlens = MakeLengths(ops, p.q_len);
     s.args.kv_seqlens = MakeLengths(ops, p.kv_len);
+  }
+  if (c.elementwise) {
+    // About a third of the scores masked at random, and query row 1 of batch
+    // 0 fully masked (it must output zeros with lse = +inf).
+    std::bernoulli_distribution masked(0.35);
+    p.element_masked.resize(static_cast<size_t>(c.B) * c.Sq * c.Skv);
+    for (size_t n = 0; n < p.element_masked.size(); ++n) {
+      const bool full_row = c.Sq > 1 && static_cast<int64_t>(n) / c.Skv == 1;
+      p.element_masked[n] = full_row || masked(rng);
+    }
+    s.args.elementwise_mask = ops->Allocate(DType::kBool, {c.B, c.Sq, c.Skv}).value();
+    for (size_t n = 0; n < p.element_masked.size(); ++n) {
+      s.args.elementwise_mask.data_as<bool>()[n] = p.element_masked[n] != 0;
+    }
   }
   if (c.bias) {
     const Shape bias_shape = {c.Hq, c.Sq, c.Skv};
@@ -361,6 +379,15 @@ std::vector<Case> MatrixCases() {
       }
     }
   }
+  // An arbitrary elementwise mask under every mask type (TE's unfused softmax
+  // applies the mask it is given elementwise).
+  for (const Dims& d : shapes) {
+    for (MaskType mask : {MaskType::kNoMask, MaskType::kPadding, MaskType::kCausal,
+                          MaskType::kPaddingCausal}) {
+      cases.push_back({d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, mask, true, 0.3f, DType::kF32, true});
+      cases.push_back({d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, mask, false, 0.0f, DType::kBF16, true});
+    }
+  }
   // Larger: many keys per row, longer dot products.
   cases.push_back({2, 48, 64, 8, 2, 64, MaskType::kPaddingCausal, true, 0.1f, DType::kF32});
   cases.push_back({2, 64, 64, 4, 4, 32, MaskType::kCausal, false, 0.0f, DType::kBF16});
@@ -409,6 +436,37 @@ INSTANTIATE_TEST_SUITE_P(Cpu, AttentionGradientTest,
                          [](const ::testing::TestParamInfo<MaskType>& info) {
                            return std::string(MaskName(info.param));
                          });
+
+// Masked scores get no gradient: the op's gradients under an elementwise mask
+// equal finite differences of the float64 reference that drops those scores.
+TEST(AttentionTest, ElementwiseMaskGradientsMatchFiniteDifferences) {
+  const Case c = {2, 4, 5, 2, 1, 4, MaskType::kPadding, true, 0.25f, DType::kF32, true};
+  CpuOps ops;
+  const Inputs s = MakeInputs(&ops, c, /*seed=*/23);
+  const OpResult r = RunOp(&ops, s);
+  const std::pair<std::vector<double> Problem::*, const Tensor*> wrts[] = {
+      {&Problem::q, &r.dq}, {&Problem::k, &r.dk}, {&Problem::v, &r.dv}, {&Problem::bias, &r.dbias}};
+  for (const auto& w : wrts) {
+    const std::vector<double> numeric = FiniteDifferences(s.problem, w.first, s.dout_values);
+    EXPECT_LE(RelativeError(ToFloatVector(*w.second), numeric), kF32Tol);
+  }
+}
+
+// The elementwise mask must be bool [B, Sq, Skv].
+TEST(AttentionTest, RejectsElementwiseMaskOfWrongShapeOrDtype) {
+  const Case c = {2, 4, 5, 2, 1, 4, MaskType::kNoMask, false, 0.0f, DType::kF32};
+  CpuOps ops;
+  Inputs s = MakeInputs(&ops, c, 5);
+  Tensor out = ops.Allocate(DType::kF32, s.q.shape()).value();
+  Tensor lse = ops.Allocate(DType::kF32, {2, 2, 4}).value();
+  s.args.elementwise_mask = ops.Allocate(DType::kBool, {2, 4, 4}).value();
+  absl::Status st = ops.AttentionForward(s.args, s.q, s.k, s.v, &out, &lse);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("elementwise_mask"), std::string::npos) << st;
+  s.args.elementwise_mask = ops.Allocate(DType::kI32, {2, 4, 5}).value();
+  st = ops.AttentionForward(s.args, s.q, s.k, s.v, &out, &lse);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+}
 
 // ---- properties the reference cannot vouch for by itself -----------------------------
 

@@ -60,7 +60,8 @@ std::string Describe(const char* direction, const AttentionArgs& args, const Att
                      DType dtype) {
   return absl::StrCat(direction, " ", DTypeName(dtype), " q [", s.batch, ", ", s.q_seq, ", ",
                       s.q_heads, ", ", s.head_dim, "] kv [", s.batch, ", ", s.kv_seq, ", ",
-                      s.kv_heads, ", ", s.head_dim, "] mask ", MaskName(args.mask), " dropout ",
+                      s.kv_heads, ", ", s.head_dim, "] mask ", MaskName(args.mask),
+                      args.elementwise_mask.defined() ? " + elementwise" : "", " dropout ",
                       args.dropout_rate, args.bias.defined() ? " bias" : "");
 }
 
@@ -99,10 +100,21 @@ QkvMemory SeparateQkv(const AttentionShape& s, const Tensor& q, const Tensor& k,
   return m;
 }
 
+// An elementwise (arbitrary) mask is not a cuDNN padding or causal mask:
+// such a call runs on the general fallback, forward and backward alike (the
+// same decision in both directions, as dropout needs).
+absl::Status DeclineElementwiseMask(const AttentionArgs& args) {
+  if (args.elementwise_mask.defined()) {
+    return absl::UnimplementedError("an elementwise attention mask");
+  }
+  return absl::OkStatus();
+}
+
 // cuDNN on separate tensors; UNIMPLEMENTED where it cannot take them.
 absl::Status CudnnSeparateForward(CudaOps* ops, const AttentionArgs& args,
                                   const AttentionShape& shape, const Tensor& q, const Tensor& k,
                                   const Tensor& v, Tensor* out, Tensor* softmax_lse) {
+  RETURN_IF_ERROR(DeclineElementwiseMask(args));
   if (!SameDtype(q, k, v)) return absl::UnimplementedError("q, k and v of different dtypes");
   return CudnnAttentionForward(ops, args, shape, SeparateQkv(shape, q, k, v), out, softmax_lse);
 }
@@ -112,6 +124,7 @@ absl::Status CudnnSeparateBackward(CudaOps* ops, const AttentionArgs& args,
                                    const Tensor& v, const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, Tensor* dq, Tensor* dk, Tensor* dv,
                                    Tensor* dbias) {
+  RETURN_IF_ERROR(DeclineElementwiseMask(args));
   if (!SameDtype(q, k, v) || !SameDtype(*dq, *dk, *dv)) {
     return absl::UnimplementedError("q, k and v (or dq, dk and dv) of different dtypes");
   }
@@ -173,6 +186,7 @@ AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& sh
     p.q_seqlens = args.q_seqlens.data_as<const int32_t>();
     p.kv_seqlens = args.kv_seqlens.data_as<const int32_t>();
   }
+  p.mask = args.elementwise_mask.data_as<const bool>();  // null when absent
   p.causal = args.mask == MaskType::kCausal || args.mask == MaskType::kPaddingCausal;
   p.scale = args.scale;
   p.dropout_rate = args.dropout_rate;
@@ -274,8 +288,8 @@ absl::Status CudaOps::AttentionForwardPacked(const AttentionArgs& args, const Te
   if (out->numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
-    const absl::Status fused =
-        CudnnAttentionForward(this, args, shape, PackedQkv(qkv), out, softmax_lse);
+    absl::Status fused = DeclineElementwiseMask(args);
+    if (fused.ok()) fused = CudnnAttentionForward(this, args, shape, PackedQkv(qkv), out, softmax_lse);
     if (fused.ok()) packed_cudnn_calls.fetch_add(1);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("forward packed", args, shape, qkv.dtype()), kSplit, fused);
@@ -304,8 +318,11 @@ absl::Status CudaOps::AttentionBackwardPacked(const AttentionArgs& args, const T
   if (qkv.numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
-    const absl::Status fused = CudnnAttentionBackward(this, args, shape, PackedQkv(qkv), out,
-                                                      dout, softmax_lse, PackedDqkv(dqkv), dbias);
+    absl::Status fused = DeclineElementwiseMask(args);
+    if (fused.ok()) {
+      fused = CudnnAttentionBackward(this, args, shape, PackedQkv(qkv), out, dout, softmax_lse,
+                                     PackedDqkv(dqkv), dbias);
+    }
     if (fused.ok()) packed_cudnn_calls.fetch_add(1);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("backward packed", args, shape, qkv.dtype()), kSplit, fused);

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attention_elem.cuh"
 #include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/check.h"
 #include "kernels/fp8.h"
@@ -32,32 +33,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 64;  // keys (or queries) per tile; warp 0 reduces a tile as 2 per lane
 constexpr int kMaxDPerThread = static_cast<int>(kFallbackMaxHeadDim) / kThreads;
 constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ float LoadElem(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kF32:
-      return static_cast<const float*>(p)[i];
-    case DType::kBF16:
-      return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
-    default:  // kF16 (checked by the caller)
-      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(p)[i]));
-  }
-}
-
-// Rounds once, to nearest even, with the CPU reference's casts (kernels/fp8.h).
-__device__ __forceinline__ void StoreElem(void* p, DType dtype, int64_t i, float v) {
-  switch (dtype) {
-    case DType::kF32:
-      static_cast<float*>(p)[i] = v;
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = FloatToFp16(v);
-      break;
-  }
-}
 
 __device__ __forceinline__ int64_t ClampedLength(const int32_t* lengths, int64_t b, int64_t max) {
   if (lengths == nullptr) return max;
@@ -113,13 +88,20 @@ __device__ __forceinline__ int64_t KvOffset(const AttentionShape& s, int64_t b, 
   return ((b * s.kv_seq + j) * s.kv_heads + kvh) * s.head_dim;
 }
 
-// scale * q_row . k[b, j, kvh] + bias[h, i, j]; warp-collective.
+// Whether the elementwise mask masks key j for query i of batch b.
+__device__ __forceinline__ bool ElementMasked(const AttentionProblem& p, int64_t b, int64_t i,
+                                              int64_t j) {
+  return p.mask != nullptr && p.mask[(b * p.shape.q_seq + i) * p.shape.kv_seq + j];
+}
+
+// scale * q_row . k[b, j, kvh] + bias[h, i, j], or -inf where the elementwise
+// mask masks (b, i, j); warp-collective.
 __device__ __forceinline__ float Logit(const AttentionProblem& p, const float* q_row, int64_t b,
                                        int64_t h, int64_t kvh, int64_t i, int64_t j, int lane) {
   const AttentionShape& s = p.shape;
   float logit = p.scale * WarpDot(q_row, p.k, p.k_dtype, KvOffset(s, b, j, kvh), s.head_dim, lane);
   if (p.bias != nullptr) logit += p.bias[(h * s.q_seq + i) * s.kv_seq + j];
-  return logit;
+  return ElementMasked(p, b, i, j) ? -INFINITY : logit;
 }
 
 // One block per query row r = (b*Hq + h)*Sq + i. Pass 1: running max and sum
@@ -351,6 +333,7 @@ __global__ void __launch_bounds__(kThreads)
             const int64_t q_offset = QOffset(s, b, i, h);
             float logit = p.scale * WarpDot(k_row, p.q, p.q_dtype, q_offset, s.head_dim, lane);
             if (p.bias != nullptr) logit += p.bias[(h * s.q_seq + i) * s.kv_seq + j];
+            if (ElementMasked(p, b, i, j)) logit = -INFINITY;
             const float prob = expf(logit - lse);
             const float multiplier = DropoutMultiplier(p, row, j);
             const float dprob =

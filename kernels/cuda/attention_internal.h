@@ -46,6 +46,10 @@ struct AttentionProblem {
   const float* bias = nullptr;        // [Hq, Sq, Skv] or null
   const int32_t* q_seqlens = nullptr;  // null: every row valid
   const int32_t* kv_seqlens = nullptr;
+  // AttentionArgs::elementwise_mask: bool [B, Sq, Skv], true = masked out, or
+  // null. Only the general fallback reads it (cuDNN and the small-head
+  // kernels decline such a call).
+  const bool* mask = nullptr;
   bool causal = false;
   float scale = 1.0f;
   float dropout_rate = 0.0f;
@@ -83,9 +87,11 @@ constexpr int64_t kFallbackMaxHeadDim = 512;
 // up the general fallback's warp-per-dot-product keeps its lanes busy anyway.
 constexpr int64_t kSmallHeadMaxHeadDim = 32;
 
-// Whether the small-head kernels compute this call: head_dim <= 32 and no
-// bias (a [Hq, Sq, Skv] bias and its dbias would make them memory-bound; the
-// general fallback keeps them). Every dtype, mask, GQA and dropout is covered.
+// Whether the small-head kernels compute this call: head_dim <= 32, no bias
+// (a [Hq, Sq, Skv] bias and its dbias would make them memory-bound; the
+// general fallback keeps them) and no elementwise mask (their tiles assume
+// each row's visible keys are a prefix). Every dtype, mask type, GQA and
+// dropout is covered.
 bool SmallHeadAttentionFits(const AttentionProblem& problem);
 
 // The same results as FallbackAttentionForward (within float32 rounding).

@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attention_elem.cuh"
 #include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/check.h"
 #include "kernels/fp8.h"
@@ -68,32 +69,6 @@ struct SmallHeadParams {
   uint32_t keep_threshold = 0;  // kept iff the 24 random bits are >= this
   int64_t tiles = 0;  // blocks of kRows rows per (batch, head)
 };
-
-__device__ __forceinline__ float LoadElem(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kF32:
-      return static_cast<const float*>(p)[i];
-    case DType::kBF16:
-      return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16);
-    default:  // kF16 (checked by the caller)
-      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(p)[i]));
-  }
-}
-
-// Rounds once, to nearest even, with the CPU reference's casts (kernels/fp8.h).
-__device__ __forceinline__ void StoreElem(void* p, DType dtype, int64_t i, float v) {
-  switch (dtype) {
-    case DType::kF32:
-      static_cast<float*>(p)[i] = v;
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = FloatToFp16(v);
-      break;
-  }
-}
 
 __device__ __forceinline__ int64_t ClampedLength(const int32_t* lengths, int64_t b, int64_t max) {
   if (lengths == nullptr) return max;
@@ -577,7 +552,8 @@ unsigned Blocks(int64_t heads, int64_t tiles) { return static_cast<unsigned>(hea
 
 bool SmallHeadAttentionFits(const AttentionProblem& problem) {
   const AttentionShape& s = problem.shape;
-  if (problem.bias != nullptr || s.head_dim < 1 || s.head_dim > kSmallHeadMaxHeadDim) {
+  if (problem.bias != nullptr || problem.mask != nullptr || s.head_dim < 1 ||
+      s.head_dim > kSmallHeadMaxHeadDim) {
     return false;
   }
   // The grids are 1-D: (batch * heads) x row tiles blocks.

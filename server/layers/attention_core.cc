@@ -59,11 +59,33 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
   args.dropout_rate = dropout_active ? config.dropout_rate : 0.0f;
   args.dropout_seed = dropout_seed;
   if (HasPadding(config.mask)) {
-    ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, seqlens.q, "q_seqlens", batch, q_len));
-    const Tensor& kv_given = seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
-                             : q_len == kv_len                              ? seqlens.q
-                                                                            : Tensor();
-    ASSIGN_OR_RETURN(args.kv_seqlens, ResolveLengths(ops, kv_given, "kv_seqlens", batch, kv_len));
+    // The lengths say it all for a padding pattern, and for padding | causal
+    // under padding_causal; any other mask goes elementwise (SeqLens above).
+    const bool has_lengths = seqlens.q.defined() && seqlens.q.numel() > 0;
+    const bool lengths_fit =
+        has_lengths && (!seqlens.with_causal || config.mask == MaskType::kPaddingCausal);
+    const bool has_elementwise = seqlens.elementwise.defined() && seqlens.elementwise.numel() > 0;
+    if (!lengths_fit && has_elementwise) {
+      const Shape want = {batch, q_len, kv_len};
+      if (seqlens.elementwise.dtype() != DType::kBool || seqlens.elementwise.shape() != want) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attention mask must be bool ", ShapeString(want), " elementwise; got ",
+            DTypeName(seqlens.elementwise.dtype()), " ", ShapeString(seqlens.elementwise.shape())));
+      }
+      args.elementwise_mask = seqlens.elementwise;
+      ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, Tensor(), "q_seqlens", batch, q_len));
+      ASSIGN_OR_RETURN(args.kv_seqlens,
+                       ResolveLengths(ops, Tensor(), "kv_seqlens", batch, kv_len));
+    } else {
+      const Tensor q_given = lengths_fit ? seqlens.q : Tensor();
+      const Tensor kv_given = !lengths_fit                                    ? Tensor()
+                              : seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
+                              : q_len == kv_len                                ? seqlens.q
+                                                                               : Tensor();
+      ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, q_given, "q_seqlens", batch, q_len));
+      ASSIGN_OR_RETURN(args.kv_seqlens,
+                       ResolveLengths(ops, kv_given, "kv_seqlens", batch, kv_len));
+    }
   }
   if (bias.defined() && bias.numel() > 0) {
     const Shape want = {config.num_heads, q_len, kv_len};
@@ -130,7 +152,8 @@ absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string
 int64_t AttentionSaved::bytes() const {
   int64_t total = 0;
   for (const Tensor* t :
-       {&q, &k, &v, &qkv, &out, &softmax_lse, &args.bias, &args.q_seqlens, &args.kv_seqlens}) {
+       {&q, &k, &v, &qkv, &out, &softmax_lse, &args.bias, &args.q_seqlens, &args.kv_seqlens,
+        &args.elementwise_mask}) {
     // An absent tensor (Tensor(): no memory, shape []) holds nothing.
     if (t->data() != nullptr) total += static_cast<int64_t>(t->nbytes());
   }

@@ -26,6 +26,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/ops.h"
+#include "server/layers/layer.h"
 #include "te/v1/layers.pb.h"
 
 namespace te::layers {
@@ -59,13 +60,43 @@ struct AttentionSaved {
   int64_t bytes() const;
 };
 
-// Padding-mask inputs for one attention call: valid lengths int32 [B], or
-// undefined. Ignored for no_mask and causal (as TE ignores the mask there);
-// for the padding types an undefined length means "every position is valid".
+// The request's attention mask for one attention call, as the session
+// decoded it (session/tensor_codec.h, DecodeAttentionMask). Each mask type
+// reads it as TE's DotProductAttention does (transformer.py: the unfused
+// softmax applies the mask it is given; cuDNN's fused path reads the same
+// mask as valid lengths):
+//   no_mask, causal: the mask is ignored (TE: "mask is ignored for no_mask
+//     and causal"); causal masks j > i itself.
+//   padding: the mask as it is, elementwise; through the lengths when it is
+//     exactly a padding pattern.
+//   padding_causal: the mask and causality together (key j visible to query
+//     i iff the mask allows it and j <= i), so a padding mask, a padding
+//     mask already combined with the causal triangle (TE's tests), or any
+//     other mask all mean what they say; through the lengths when the mask
+//     is a padding (+ causal) pattern.
+// With no mask at all the padding types see every position.
 struct SeqLens {
-  Tensor q;
+  Tensor q;   // valid lengths int32 [B], or undefined
   Tensor kv;  // undefined: same as q (self-attention)
+  // The lengths describe padding | causal (the mask had the causal triangle
+  // in it): a padding_causal call reads them, a padding call reads
+  // `elementwise` instead.
+  bool with_causal = false;
+  // The mask elementwise, bool [B, Sq, Skv] (true = masked out); defined
+  // unless the mask is exactly a padding pattern.
+  Tensor elementwise;
 };
+
+// The mask a layer's inputs carry.
+inline SeqLens MaskOf(const LayerInputs& in) {
+  return SeqLens{in.q_seqlens, in.kv_seqlens, in.seqlens_with_causal, in.elementwise_mask};
+}
+
+// Whether the inputs carry a mask at all.
+inline bool HasMask(const LayerInputs& in) {
+  return (in.q_seqlens.defined() && in.q_seqlens.numel() > 0) ||
+         (in.elementwise_mask.defined() && in.elementwise_mask.numel() > 0);
+}
 
 // out [B, Sq, Hq, D] = attention(q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]).
 // `bias` (optional) is f32 [Hq, Sq, Skv], added after scaling. Dropout on the

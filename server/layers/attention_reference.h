@@ -21,11 +21,13 @@ struct AttentionShape {
 };
 
 // out [B, Sq, Hq, D] = softmax(scale q.k + bias, masked) v, q [B, Sq, Hq, D],
-// k, v [B, Skv, Hkv, D]; bias [Hq, Sq, Skv] or empty; lengths [B] or empty.
+// k, v [B, Skv, Hkv, D]; bias [Hq, Sq, Skv] or empty; lengths [B] or empty;
+// masked [B, Sq, Skv] (nonzero = masked out, TE's convention) or empty.
 // A row with no visible key (or a query past its length) is zero.
 inline Vec Attention(const AttentionShape& s, const Vec& q, const Vec& k, const Vec& v,
                      double scale, bool causal, const std::vector<int>& q_lens,
-                     const std::vector<int>& kv_lens, const Vec& bias = {}) {
+                     const std::vector<int>& kv_lens, const Vec& bias = {},
+                     const std::vector<char>& masked = {}) {
   Vec out(static_cast<size_t>(s.batch * s.q_len * s.q_heads * s.head_dim), 0.0);
   const int64_t group = s.q_heads / s.kv_heads;
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -39,6 +41,7 @@ inline Vec Attention(const AttentionShape& s, const Vec& q, const Vec& k, const 
         double max_logit = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < kv_valid; ++j) {
           if (causal && j > i) continue;
+          if (!masked.empty() && masked[(b * s.q_len + i) * s.kv_len + j]) continue;
           double dot = 0.0;
           for (int64_t d = 0; d < s.head_dim; ++d) {
             dot += q[((b * s.q_len + i) * s.q_heads + h) * s.head_dim + d] *

@@ -54,7 +54,7 @@ class DotProductAttentionLayer : public Layer {
   absl::Status Forward(Ops& ops, Variables*, const LayerInputs& in, const ForwardOptions& opts,
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
-    const SeqLens seqlens{in.q_seqlens, in.kv_seqlens};
+    const SeqLens seqlens = MaskOf(in);
     const uint64_t seed = DeriveSeed(opts.dropout_seed, "attention_dropout");
     auto kept = std::make_unique<DotProductAttentionSaved>();
     AttentionSaved* attention_saved = opts.keep_for_backward ? &kept->attention : nullptr;

@@ -116,9 +116,9 @@ class MultiHeadDotProductAttention : public Layer {
     RETURN_IF_ERROR(Projection("key", sizes).Forward(ops, vars, k_in, &k, keep ? &s->key : nullptr));
     RETURN_IF_ERROR(
         Projection("value", sizes).Forward(ops, vars, v_in, &v, keep ? &s->value : nullptr));
-    const bool padded = in.q_seqlens.defined() && in.q_seqlens.numel() > 0;
+    const bool padded = HasMask(in);
     RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(sizes, padded), q, k, v,
-                                     SeqLens{in.q_seqlens, in.kv_seqlens}, Tensor(),
+                                     MaskOf(in), Tensor(),
                                      !opts.deterministic,
                                      DeriveSeed(opts.dropout_seed, "attention_weights"), &context,
                                      keep ? &s->attention : nullptr));

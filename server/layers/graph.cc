@@ -309,6 +309,8 @@ class GraphLayer : public Layer {
     if (node.mask >= 0 && node.mask == g_.attention_mask) {
       module_in.q_seqlens = in.q_seqlens;
       module_in.kv_seqlens = in.kv_seqlens;
+      module_in.seqlens_with_causal = in.seqlens_with_causal;
+      module_in.elementwise_mask = in.elementwise_mask;
     }
     ForwardOptions module_opts = opts;
     module_opts.dropout_seed = SeedOf(opts.dropout_seed, node.name);

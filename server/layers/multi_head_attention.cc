@@ -382,7 +382,7 @@ class MultiHeadAttentionLayer : public Layer {
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(block.Defs(opts.fp8))));
     auto kept = std::make_unique<MultiHeadAttentionSaved>();
     kept->hidden = hidden;
-    RETURN_IF_ERROR(block.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens}, Tensor(),
+    RETURN_IF_ERROR(block.Forward(ops, vars, in.x, MaskOf(in), Tensor(),
                                   opts, &out->y, return_layernorm_output_ ? &out->ln_out : nullptr,
                                   opts.keep_for_backward ? &kept->block : nullptr));
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);

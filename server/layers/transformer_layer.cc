@@ -126,11 +126,11 @@ class TransformerLayerImpl : public Layer {
     const bool fused_residual = opts.deterministic || options_.hidden_dropout <= 0.0f;
     Tensor attention_out, dropped, h;
     if (fused_residual) {
-      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
+      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, MaskOf(in),
                                          bias, opts, &h, nullptr,
                                          keep ? &kept->attention : nullptr, in.x));
     } else {
-      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, SeqLens{in.q_seqlens, in.kv_seqlens},
+      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, MaskOf(in),
                                          bias, opts, &attention_out, nullptr,
                                          keep ? &kept->attention : nullptr));
       RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,

@@ -1,5 +1,7 @@
 #include "server/session/tensor_codec.h"
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -8,36 +10,6 @@
 namespace te::session {
 
 bool IsHostMemory(const Ops& ops) { return ops.device_name() == "cpu"; }
-
-absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, const std::string& field) {
-  switch (dtype) {
-    case te::v1::FLOAT32: return DType::kF32;
-    case te::v1::BFLOAT16: return DType::kBF16;
-    case te::v1::FLOAT16: return DType::kF16;
-    case te::v1::FLOAT8_E4M3: return DType::kE4M3;
-    case te::v1::FLOAT8_E5M2: return DType::kE5M2;
-    case te::v1::INT32: return DType::kI32;
-    case te::v1::BOOL: return DType::kBool;
-    case te::v1::DTYPE_UNSPECIFIED:
-      return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is unspecified"));
-    default: break;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": unknown dtype ", static_cast<int>(dtype)));
-}
-
-te::v1::DType DTypeToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return te::v1::FLOAT32;
-    case DType::kBF16: return te::v1::BFLOAT16;
-    case DType::kF16: return te::v1::FLOAT16;
-    case DType::kE4M3: return te::v1::FLOAT8_E4M3;
-    case DType::kE5M2: return te::v1::FLOAT8_E5M2;
-    case DType::kI32: return te::v1::INT32;
-    case DType::kBool: return te::v1::BOOL;
-  }
-  return te::v1::DTYPE_UNSPECIFIED;
-}
 
 absl::StatusOr<Shape> ShapeFromProto(const google::protobuf::RepeatedField<int64_t>& dims,
                                      DType dtype, int64_t max_bytes, const std::string& field) {
@@ -199,62 +171,103 @@ void EncodeResident(const Tensor& tensor, const std::string& resident_id, te::v1
   out->set_resident_id(resident_id);
 }
 
-absl::StatusOr<Seqlens> MaskToSeqlens(const std::string& mask_bytes, DType dtype,
-                                      const Shape& shape, const std::string& field) {
-  if (dtype != DType::kBool) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".dtype: ", DTypeName(dtype), ", a mask must be bool"));
+namespace {
+
+// Whether each element of a mask is nonzero (masked out). Float dtypes:
+// -0.0 is zero (the sign bit is ignored); NaN is nonzero.
+std::vector<uint8_t> NonzeroElements(const std::string& bytes, DType dtype, size_t count) {
+  const size_t width = DTypeSize(dtype);
+  const bool floating = IsFloating(dtype);
+  std::vector<uint8_t> masked(count);
+  for (size_t n = 0; n < count; ++n) {
+    const unsigned char* e = reinterpret_cast<const unsigned char*>(bytes.data()) + n * width;
+    bool nonzero = false;
+    for (size_t k = 0; k < width; ++k) {
+      // Little-endian: the sign bit is the top bit of the last byte.
+      const unsigned char byte = floating && k + 1 == width ? (e[k] & 0x7f) : e[k];
+      nonzero = nonzero || byte != 0;
+    }
+    masked[n] = nonzero ? 1 : 0;
   }
-  if (shape.size() != 4 || shape[1] != 1) {
+  return masked;
+}
+
+// The lengths of one batch row's padding (+ causal) pattern: queries are
+// valid up to the last row with a visible key, keys up to the last key any
+// row sees (TE's fused attention: the max over rows, for causal masks).
+// False when the row is not of that form.
+bool PaddingPattern(const uint8_t* m, int64_t sq, int64_t skv, bool causal, int32_t* q_out,
+                    int32_t* kv_out) {
+  int64_t q_len = 0, kv_len = 0;
+  for (int64_t i = 0; i < sq; ++i) {
+    for (int64_t j = 0; j < skv; ++j) {
+      if (m[i * skv + j] == 0) {
+        q_len = std::max(q_len, i + 1);
+        kv_len = std::max(kv_len, j + 1);
+      }
+    }
+  }
+  for (int64_t i = 0; i < sq; ++i) {
+    for (int64_t j = 0; j < skv; ++j) {
+      const bool want = i >= q_len || j >= kv_len || (causal && j > i);
+      if ((m[i * skv + j] != 0) != want) return false;
+    }
+  }
+  *q_out = static_cast<int32_t>(q_len);
+  *kv_out = static_cast<int32_t>(kv_len);
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<DecodedMask> DecodeAttentionMask(const std::string& mask_bytes, DType dtype,
+                                                const Shape& shape, int64_t batch,
+                                                const std::string& field) {
+  if (shape.size() != 4 || shape[1] != 1 || (shape[0] != batch && shape[0] != 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ".shape: ", ShapeString(shape), ", a mask must be [batch, 1, q_len, kv_len]"));
+        field, ".shape: ", ShapeString(shape),
+        ", a mask is [batch, 1, q_len, kv_len] (batch ", batch, ", or 1 for every row)"));
   }
-  const int64_t batch = shape[0], sq = shape[2], skv = shape[3];
+  const int64_t sq = shape[2], skv = shape[3];
   if (sq > INT32_MAX || skv > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape: ", ShapeString(shape),
                                                    ": sequence longer than 2^31"));
   }
-  if (static_cast<int64_t>(mask_bytes.size()) != batch * sq * skv) {
+  const size_t count = static_cast<size_t>(shape[0] * sq * skv);
+  if (mask_bytes.size() != count * DTypeSize(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", mask_bytes.size(),
-                                                   " bytes for shape ", ShapeString(shape)));
+                                                   " bytes for ", DTypeName(dtype), " ",
+                                                   ShapeString(shape)));
   }
-  Seqlens lens;
-  for (int64_t b = 0; b < batch; ++b) {
-    const char* m = mask_bytes.data() + b * sq * skv;
-    auto masked = [&](int64_t i, int64_t j) { return m[i * skv + j] != 0; };
-    // Valid rows are those with any visible key; valid keys those row 0 sees.
-    int64_t q_len = 0;
-    for (int64_t i = 0; i < sq; ++i) {
-      for (int64_t j = 0; j < skv; ++j) {
-        if (!masked(i, j)) {
-          q_len = i + 1;
-          break;
-        }
-      }
+  const std::vector<uint8_t> given = NonzeroElements(mask_bytes, dtype, count);
+  DecodedMask out;
+  out.batch = batch;
+  out.q_len = sq;
+  out.kv_len = skv;
+  const int64_t plane = sq * skv;
+  auto row_of = [&](int64_t b) { return given.data() + (shape[0] == 1 ? 0 : b) * plane; };
+  // A padding pattern first, else padding | causal, else elementwise.
+  for (bool causal : {false, true}) {
+    Seqlens lens;
+    lens.q.resize(static_cast<size_t>(batch));
+    lens.kv.resize(static_cast<size_t>(batch));
+    bool fits = true;
+    for (int64_t b = 0; b < batch && fits; ++b) {
+      fits = PaddingPattern(row_of(b), sq, skv, causal, &lens.q[b], &lens.kv[b]);
     }
-    int64_t kv_len = 0;
-    if (q_len > 0) {
-      for (int64_t j = 0; j < skv; ++j) {
-        if (!masked(0, j)) kv_len = j + 1;
-      }
+    if (fits) {
+      out.seqlens = std::move(lens);
+      out.with_causal = causal;
+      break;
     }
-    for (int64_t i = 0; i < sq; ++i) {
-      for (int64_t j = 0; j < skv; ++j) {
-        const bool padding = i >= q_len || j >= kv_len;
-        if (masked(i, j) != padding) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              field, ": not a padding mask: element [", b, ", 0, ", i, ", ", j, "] is ",
-              masked(i, j) ? "masked" : "visible", ", but the padding mask with q_len ",
-              q_len, " and kv_len ", kv_len, " for batch ", b, " has it ",
-              padding ? "masked" : "visible",
-              " (causal masking comes from the layer's mask type, not the mask)"));
-        }
-      }
-    }
-    lens.q.push_back(static_cast<int32_t>(q_len));
-    lens.kv.push_back(static_cast<int32_t>(kv_len));
   }
-  return lens;
+  if (!out.seqlens || out.with_causal) {
+    out.elementwise.resize(static_cast<size_t>(batch * plane));
+    for (int64_t b = 0; b < batch; ++b) {
+      std::memcpy(&out.elementwise[b * plane], row_of(b), static_cast<size_t>(plane));
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<Tensor> UploadSeqlens(Ops& ops, const std::vector<int32_t>& lengths) {

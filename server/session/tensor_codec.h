@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "google/protobuf/repeated_field.h"
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
+#include "proto/dtype.h"  // DTypeFromProto / DTypeToProto, shared with the C++ client
 #include "server/session/shm_region.h"
 #include "te/v1/tensor.pb.h"
 
@@ -29,10 +31,6 @@ namespace te::session {
 // True when `ops`' tensors live in host memory (the CPU backend): the server
 // may then read and write their bytes directly.
 bool IsHostMemory(const Ops& ops);
-
-// INVALID_ARGUMENT for DTYPE_UNSPECIFIED or a value outside the enum.
-absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, const std::string& field);
-te::v1::DType DTypeToProto(DType dtype);
 
 // A shape whose dims are all >= 0, and whose byte size (for `dtype`) neither
 // overflows nor exceeds `max_bytes`. `field` names the repeated field
@@ -91,16 +89,35 @@ absl::Status EncodeInline(Ops& ops, const Tensor& tensor, te::v1::Tensor* out);
 // Writes dtype, shape and `resident_id` into `out`.
 void EncodeResident(const Tensor& tensor, const std::string& resident_id, te::v1::Tensor* out);
 
-// Valid lengths from a padding mask: bool [B, 1, Sq, Skv], true = masked out,
-// where batch b's unmasked elements are exactly [0, q[b]) x [0, kv[b]).
-// INVALID_ARGUMENT (naming `field`) for another shape or dtype, or a mask that
-// is not of that form (e.g. causal: TE derives causality from the mask type).
+// An attention mask as TE's Flax modules take it (transformer.py,
+// DotProductAttention / MultiHeadAttention / TransformerLayer: "True means
+// mask out"): [batch, 1, q_len, kv_len] (batch 1 broadcasts over the batch),
+// in bool, int32 or a float dtype, any nonzero element masked out (TE's
+// tests send uint8 0/1 (tests/jax/test_layer.py); the clients send such a
+// mask as bool). Decoded once per request, before the layer's mask type is
+// known: each attention module then reads what its type needs
+// (server/layers/attention_core.h, SeqLens).
 struct Seqlens {
   std::vector<int32_t> q;
   std::vector<int32_t> kv;
 };
-absl::StatusOr<Seqlens> MaskToSeqlens(const std::string& mask_bytes, DType dtype,
-                                      const Shape& shape, const std::string& field);
+struct DecodedMask {
+  int64_t batch = 0, q_len = 0, kv_len = 0;
+  // Set when the mask is exactly a padding pattern (batch b's visible
+  // elements are [0, q[b]) x [0, kv[b])), or that pattern with the causal
+  // triangle j > i masked too (with_causal): cuDNN's fast path.
+  std::optional<Seqlens> seqlens;
+  bool with_causal = false;
+  // The mask elementwise, bool bytes [batch, q_len, kv_len] (1 = masked out),
+  // broadcast over the batch; empty when the mask is exactly a padding
+  // pattern (the lengths say it all).
+  std::string elementwise;
+};
+// INVALID_ARGUMENT naming `field` for another rank or shape (".shape") or a
+// byte count that does not fit. `batch` is x's batch size.
+absl::StatusOr<DecodedMask> DecodeAttentionMask(const std::string& mask_bytes, DType dtype,
+                                                const Shape& shape, int64_t batch,
+                                                const std::string& field);
 
 // Uploads int32 lengths as an int32 [B] tensor.
 absl::StatusOr<Tensor> UploadSeqlens(Ops& ops, const std::vector<int32_t>& lengths);

@@ -298,7 +298,20 @@ std::string PaddingMask(const std::vector<int>& q, const std::vector<int>& kv, i
   return m;
 }
 
-TEST(MaskToSeqlensTest, RecoversRandomLengths) {
+// The mask with the causal triangle (j > i) masked too, as TE's tests build
+// a padding_causal mask (tests/jax/test_layer.py: jnp.triu(ones, k=1)).
+std::string WithCausal(std::string m, int batch, int sq, int skv) {
+  for (int b = 0; b < batch; ++b) {
+    for (int i = 0; i < sq; ++i) {
+      for (int j = i + 1; j < skv; ++j) m[(b * sq + i) * skv + j] = 1;
+    }
+  }
+  return m;
+}
+
+std::vector<int> Ints(const std::vector<int32_t>& v) { return std::vector<int>(v.begin(), v.end()); }
+
+TEST(DecodeAttentionMaskTest, APaddingPatternBecomesLengths) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 20; ++trial) {
     const int batch = 1 + rng() % 4, sq = 1 + rng() % 9, skv = 1 + rng() % 9;
@@ -307,47 +320,108 @@ TEST(MaskToSeqlensTest, RecoversRandomLengths) {
       q.push_back(1 + rng() % sq);
       kv.push_back(1 + rng() % skv);
     }
-    auto lens = MaskToSeqlens(PaddingMask(q, kv, sq, skv), DType::kBool, {batch, 1, sq, skv},
-                              "attention_mask");
-    ASSERT_TRUE(lens.ok()) << lens.status();
-    EXPECT_EQ(std::vector<int>(lens->q.begin(), lens->q.end()), q);
-    EXPECT_EQ(std::vector<int>(lens->kv.begin(), lens->kv.end()), kv);
+    auto m = DecodeAttentionMask(PaddingMask(q, kv, sq, skv), DType::kBool, {batch, 1, sq, skv},
+                                 batch, "attention_mask");
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(m->seqlens.has_value());
+    EXPECT_FALSE(m->with_causal);
+    EXPECT_EQ(Ints(m->seqlens->q), q);
+    EXPECT_EQ(Ints(m->seqlens->kv), kv);
+    EXPECT_TRUE(m->elementwise.empty());  // the lengths say it all
   }
 }
 
-TEST(MaskToSeqlensTest, AFullyMaskedBatchHasLengthZero) {
-  auto lens = MaskToSeqlens(std::string(2 * 3 * 3, 1), DType::kBool, {2, 1, 3, 3}, "m");
-  ASSERT_TRUE(lens.ok()) << lens.status();
-  EXPECT_EQ(lens->q, std::vector<int32_t>({0, 0}));
+// TE's tests hand a causal or padding_causal layer jnp.triu(ones, k=1) as
+// uint8 (tests/jax/test_layer.py, EncoderRunner.generate_inputs): accepted
+// (today's server refused it as "not a padding mask"), as padding | causal
+// lengths for the fast path and elementwise for a padding layer.
+TEST(DecodeAttentionMaskTest, ACausalTriangleIsPaddingCausalLengthsAndElementwise) {
+  const std::string triu = WithCausal(PaddingMask({4, 4}, {4, 4}, 4, 4), 2, 4, 4);
+  auto m = DecodeAttentionMask(triu, DType::kBool, {2, 1, 4, 4}, 2, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->seqlens.has_value());
+  EXPECT_TRUE(m->with_causal);
+  EXPECT_EQ(Ints(m->seqlens->q), std::vector<int>({4, 4}));
+  EXPECT_EQ(Ints(m->seqlens->kv), std::vector<int>({4, 4}));
+  EXPECT_EQ(m->elementwise, triu);
+
+  // Padding combined with causality (TE's padding_causal masks), per batch row.
+  const std::string pc = WithCausal(PaddingMask({3, 2}, {4, 2}, 5, 6), 2, 5, 6);
+  m = DecodeAttentionMask(pc, DType::kBool, {2, 1, 5, 6}, 2, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->seqlens.has_value());
+  EXPECT_TRUE(m->with_causal);
+  EXPECT_EQ(Ints(m->seqlens->q), std::vector<int>({3, 2}));
+  // Keys past the last valid query's diagonal are masked in every row either way.
+  EXPECT_EQ(Ints(m->seqlens->kv), std::vector<int>({3, 2}));
 }
 
-TEST(MaskToSeqlensTest, RejectsMasksThatAreNotPadding) {
-  // Causal 4x4: row i sees keys <= i.
-  std::string causal;
-  for (int i = 0; i < 4; ++i) {
-    for (int j = 0; j < 4; ++j) causal.push_back(j <= i ? 0 : 1);
-  }
-  auto lens = MaskToSeqlens(causal, DType::kBool, {1, 1, 4, 4}, "micro_batches[0].attention_mask");
-  EXPECT_EQ(lens.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(lens.status().message().rfind("micro_batches[0].attention_mask", 0), 0u);
-
-  // A hole inside the valid rectangle.
+TEST(DecodeAttentionMaskTest, AnArbitraryMaskIsElementwise) {
+  // TE's unfused softmax applies any mask elementwise (transformer.py,
+  // _UnfusedDotProductAttention: SCALED_MASKED with the mask as given).
   std::string holed = PaddingMask({3}, {3}, 4, 4);
   holed[1 * 4 + 1] = 1;
-  EXPECT_EQ(MaskToSeqlens(holed, DType::kBool, {1, 1, 4, 4}, "m").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 4, 4}, 1, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->seqlens.has_value());
+  EXPECT_EQ(m->elementwise, holed);
 }
 
-TEST(MaskToSeqlensTest, RejectsWrongDTypeShapeAndSize) {
+TEST(DecodeAttentionMaskTest, AFullyMaskedBatchHasLengthZero) {
+  auto m = DecodeAttentionMask(std::string(2 * 3 * 3, 1), DType::kBool, {2, 1, 3, 3}, 2, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->seqlens.has_value());
+  EXPECT_EQ(m->seqlens->q, std::vector<int32_t>({0, 0}));
+}
+
+// Masks in int32 and float dtypes: nonzero = masked out, as TE reads them
+// (attention.py: jnp.logical_not(mask); module.py Softmax: mask > 0). -0.0 is
+// zero.
+TEST(DecodeAttentionMaskTest, IntAndFloatDtypesReadNonzeroAsMasked) {
+  const std::string want = PaddingMask({2}, {3}, 3, 4);
+  std::string i32, f32, bf16;
+  for (char c : want) {
+    const int32_t iv = c ? 7 : 0;
+    const float fv = c ? 1.0f : -0.0f;
+    const uint16_t bv = c ? 0x3f80 : 0x8000;  // bf16 1.0, -0.0
+    i32.append(reinterpret_cast<const char*>(&iv), 4);
+    f32.append(reinterpret_cast<const char*>(&fv), 4);
+    bf16.append(reinterpret_cast<const char*>(&bv), 2);
+  }
+  for (const auto& [dtype, bytes] : {std::pair<DType, std::string>{DType::kI32, i32},
+                                     {DType::kF32, f32}, {DType::kBF16, bf16}}) {
+    auto m = DecodeAttentionMask(bytes, dtype, {1, 1, 3, 4}, 1, "m");
+    ASSERT_TRUE(m.ok()) << DTypeName(dtype) << ": " << m.status();
+    ASSERT_TRUE(m->seqlens.has_value()) << DTypeName(dtype);
+    EXPECT_EQ(Ints(m->seqlens->q), std::vector<int>({2})) << DTypeName(dtype);
+    EXPECT_EQ(Ints(m->seqlens->kv), std::vector<int>({3})) << DTypeName(dtype);
+  }
+}
+
+// A [1, 1, Sq, Skv] mask broadcasts over the batch, as it does against TE's
+// [b, h, q, k] logits.
+TEST(DecodeAttentionMaskTest, BatchOneBroadcasts) {
+  std::string holed = PaddingMask({3}, {3}, 3, 3);
+  holed[4] = 1;
+  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 3, 3}, 2, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->elementwise, holed + holed);
+}
+
+TEST(DecodeAttentionMaskTest, RejectsWrongShapeAndSizeNamingTheField) {
   const std::string mask = PaddingMask({2}, {2}, 3, 3);
-  EXPECT_EQ(MaskToSeqlens(mask, DType::kI32, {1, 1, 3, 3}, "m").status().code(),
+  for (const Shape& shape : {Shape{1, 3, 3}, Shape{1, 2, 3, 3}, Shape{3, 1, 3, 3}}) {
+    auto m = DecodeAttentionMask(mask, DType::kBool, shape, 2, "micro_batches[0].attention_mask");
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << ShapeString(shape);
+    EXPECT_EQ(m.status().message().rfind("micro_batches[0].attention_mask.shape", 0), 0u)
+        << m.status();
+  }
+  EXPECT_EQ(DecodeAttentionMask(mask.substr(1), DType::kBool, {1, 1, 3, 3}, 1, "m")
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(MaskToSeqlens(mask, DType::kBool, {1, 3, 3}, "m").status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(MaskToSeqlens(mask, DType::kBool, {1, 2, 3, 3}, "m").status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(MaskToSeqlens(mask.substr(1), DType::kBool, {1, 1, 3, 3}, "m").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeAttentionMask(mask, DType::kI32, {1, 1, 3, 3}, 1, "m").status().code(),
+            absl::StatusCode::kInvalidArgument);  // 9 bytes are not 9 int32
 }
 
 }  // namespace
