@@ -64,6 +64,19 @@ def init_layer(session, spec, seed, x, module, traced, trace_key):
                                      traced=traced, trace_key=trace_key)
 
 
+def _mask_wire(mask):
+    """An attention mask as the request carries it: bool, True = masked out.
+
+    TE's modules take a mask of any dtype, any nonzero element masked out
+    (TE's own tests pass uint8 0/1: tests/jax/test_layer.py); the wire has no
+    uint8, and bool is the narrowest, so every array mask goes as `mask != 0`
+    (a resident mask is sent as it is: the server reads nonzero the same way)."""
+    if isinstance(mask, client_lib.ResidentTensor):
+        return mask
+    array = np.asarray(mask)
+    return array if array.dtype == np.bool_ else array != 0
+
+
 def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False, update_fp8_metas=False):
     session = handle.session
     request = service_pb2.ForwardRequest(
@@ -73,7 +86,7 @@ def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False
         keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)),
         update_fp8_metas=update_fp8_metas)
     if call.mask is not None:
-        request.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
+        request.attention_mask.CopyFrom(session.send(_mask_wire(call.mask), uploads, "attention_mask"))
     return request
 
 
@@ -91,7 +104,7 @@ def step(handle, call, dy, dropout_seed):
             batch = service_pb2.MicroBatch(x=session.send(call.x, uploads, "x"), dy=session.send(dy, uploads, "dy"),
                                            dropout_seed=dropout_seed)
             if call.mask is not None:
-                batch.attention_mask.CopyFrom(session.send(call.mask, uploads, "attention_mask"))
+                batch.attention_mask.CopyFrom(session.send(_mask_wire(call.mask), uploads, "attention_mask"))
             response = session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
                 layer_id=handle.layer_id, micro_batches=[batch], deterministic=call.deterministic,
                 autocast=_autocast(), return_dx=True, return_grads=True))
