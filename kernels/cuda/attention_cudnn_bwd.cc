@@ -1,0 +1,131 @@
+// cuDNN SDPA's backward graph: dQ, dK, dV [and dBias] from dO, O and Stats.
+#include <cudnn.h>
+
+#include "kernels/cuda/attention_cudnn_sdpa.h"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace cudnn_graph {
+
+absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* plan) {
+  GraphBuilder g(plan);
+  const Layouts l(c);
+  const cudnnDataType_t io = IoType(c.dtype);
+  const bool dropout = c.dropout > 0.0f;
+  ASSIGN_OR_RETURN(auto q, g.Tensor(kQ, io, l.QDims(), l.QStrides()));
+  ASSIGN_OR_RETURN(auto kt, g.Tensor(kK, io, l.KvTDims(), l.KvTStrides()));
+  ASSIGN_OR_RETURN(auto vt, g.Tensor(kV, io, l.KvTDims(), l.KvTStrides()));
+  ASSIGN_OR_RETURN(auto o, g.Tensor(kO, io, l.QDims(), l.OStrides()));
+  ASSIGN_OR_RETURN(auto d_o, g.Tensor(kDO, io, l.QDims(), l.OStrides()));
+  ASSIGN_OR_RETURN(auto stats, g.Tensor(kStats, CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
+  ASSIGN_OR_RETURN(auto dq, g.Tensor(kDQ, io, l.QDims(), l.QStrides()));
+  ASSIGN_OR_RETURN(auto dk, g.Tensor(kDK, io, l.KvDims(), l.KvStrides()));
+  ASSIGN_OR_RETURN(auto dv, g.Tensor(kDV, io, l.KvDims(), l.KvStrides()));
+  ASSIGN_OR_RETURN(auto softmax_sum,
+                   g.Tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
+  // Without dBias, dQ accumulates in an f32 workspace tensor; with dBias cuDNN
+  // takes its dP-workspace implementation, which writes dQ directly.
+  cudnnBackendDescriptor_t dq_accum = nullptr;
+  cudnnBackendDescriptor_t dbias = nullptr;
+  if (c.bias) {
+    ASSIGN_OR_RETURN(dbias, g.Tensor(kDBias, io, l.BiasDims(), l.BiasStrides()));
+  } else {
+    ASSIGN_OR_RETURN(dq_accum, g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, l.QDims(),
+                                        {l.hq * l.sq * l.d, l.sq * l.d, l.d, 1}));
+  }
+  ASSIGN_OR_RETURN(const CommonTensors t, MakeCommon(g, c, l));
+  ASSIGN_OR_RETURN(auto keep_or_one, g.Scalar(dropout ? kKeepProbability : kOne, CUDNN_DATA_FLOAT));
+
+  // softmax_sum = rowsum(dO * O) * (1 - p).
+  ASSIGN_OR_RETURN(auto do_o, g.Virtual(CUDNN_DATA_FLOAT, l.QDims(),
+                                        {l.hq * l.sq * l.d, l.sq * l.d, l.hq * l.d, 1}));
+  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, d_o, o, nullptr, do_o));
+  ASSIGN_OR_RETURN(auto row_dot, g.Virtual(CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
+  RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, row_dot));
+  RETURN_IF_ERROR(
+      g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, row_dot, keep_or_one, nullptr, softmax_sum));
+
+  // P = exp(S - Stats), masked; with dropout, P * M / (1-p).
+  ASSIGN_OR_RETURN(auto s, MaskedScores(g, c, l, t, q, kt, stats));
+  ASSIGN_OR_RETURN(auto probs, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, s, nullptr, nullptr, probs));
+  cudnnBackendDescriptor_t dropped = probs;
+  cudnnBackendDescriptor_t keep = nullptr;
+  if (dropout) {
+    ASSIGN_OR_RETURN(keep, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+    RETURN_IF_ERROR(g.Rng(1.0 - c.dropout, t.seed, t.offset, keep));
+    ASSIGN_OR_RETURN(auto kept, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, probs, keep, nullptr, kept));
+    ASSIGN_OR_RETURN(auto rescaled, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+    RETURN_IF_ERROR(
+        g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, kept, t.drop_scale, nullptr, rescaled));
+    dropped = rescaled;
+  }
+
+  // dV = P^T dO (GQA: over all query heads, then summed per kv head).
+  const bool gqa = l.hq != l.hk;
+  ASSIGN_OR_RETURN(auto probs_t, g.Virtual(io, l.STDims(), l.STStrides()));
+  RETURN_IF_ERROR(g.Reshape(dropped, probs_t));
+  const Dims full_head_dims = {l.b, l.hq, l.skv, l.d};
+  const Dims full_head_strides = {l.hq * l.skv * l.d, l.skv * l.d, l.d, 1};
+  if (!gqa) {
+    RETURN_IF_ERROR(g.Matmul(probs_t, d_o, dv, t.seq_kv, nullptr, t.seq_q));
+  } else {
+    ASSIGN_OR_RETURN(auto dv_full, g.Virtual(io, full_head_dims, full_head_strides));
+    RETURN_IF_ERROR(g.Matmul(probs_t, d_o, dv_full, t.seq_kv, nullptr, t.seq_q));
+    RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, dv_full, dv));
+  }
+
+  // dS = (dO V^T [* M] - softmax_sum) * exp(S - Stats) [/ (1-p)] * scale.
+  ASSIGN_OR_RETURN(auto dp, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+  RETURN_IF_ERROR(g.Matmul(d_o, vt, dp, t.seq_q, t.seq_kv, nullptr));
+  cudnnBackendDescriptor_t last = dp;
+  if (dropout) {
+    ASSIGN_OR_RETURN(auto masked, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, keep, nullptr, masked));
+    last = masked;
+  }
+  ASSIGN_OR_RETURN(auto centred, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, last, softmax_sum, nullptr, centred));
+  ASSIGN_OR_RETURN(auto weighted, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, centred, probs, nullptr, weighted));
+  last = weighted;
+  if (dropout) {
+    ASSIGN_OR_RETURN(auto rescaled, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+    RETURN_IF_ERROR(
+        g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, t.drop_scale, nullptr, rescaled));
+    last = rescaled;
+  }
+  if (c.bias) RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, last, dbias));
+  ASSIGN_OR_RETURN(auto ds, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
+  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, t.scale, nullptr, ds));
+
+  // dK = dS^T Q.
+  ASSIGN_OR_RETURN(auto ds_t, g.Virtual(io, l.STDims(), l.STStrides()));
+  RETURN_IF_ERROR(g.Reshape(ds, ds_t));
+  if (!gqa) {
+    RETURN_IF_ERROR(g.Matmul(ds_t, q, dk, t.seq_kv, nullptr, t.seq_q));
+  } else {
+    ASSIGN_OR_RETURN(auto dk_full, g.Virtual(io, full_head_dims, full_head_strides));
+    RETURN_IF_ERROR(g.Matmul(ds_t, q, dk_full, t.seq_kv, nullptr, t.seq_q));
+    RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, dk_full, dk));
+  }
+
+  // dQ = dS K, accumulated in f32 (workspace), then cast. K is K^T's memory
+  // viewed untransposed (strides swapped back).
+  ASSIGN_OR_RETURN(auto k, g.Virtual(io, l.KvDims(), l.KvStrides()));
+  RETURN_IF_ERROR(g.Reshape(kt, k));
+  if (c.bias) {
+    RETURN_IF_ERROR(g.Matmul(ds, k, dq, t.seq_q, nullptr, t.seq_kv));
+  } else {
+    RETURN_IF_ERROR(g.Matmul(ds, k, dq_accum, t.seq_q, nullptr, t.seq_kv));
+    RETURN_IF_ERROR(
+        g.Pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, dq_accum, nullptr, nullptr, dq));
+  }
+  return g.Finish(handle);
+}
+
+}  // namespace cudnn_graph
+}  // namespace cuda
+}  // namespace te
