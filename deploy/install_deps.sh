@@ -9,7 +9,8 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libeigen3-dev libopenblas-dev
-  nlohmann-json3-dev libcpp-httplib-dev openssl libssl-dev prometheus python3-yaml
+  nlohmann-json3-dev libcpp-httplib-dev openssl libssl-dev python3-yaml
+  prometheus-cpp-dev prometheus  # te_server's metrics; promtool and a real Prometheus for its tests
   clang-14 libclang-rt-14-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-pytest
   python3-venv python3-pip python3-setuptools python3-wheel
