@@ -69,6 +69,12 @@ class CpuOps : public Ops {
   absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,
                                const Tensor& grad_norm_sq, Tensor* param, Tensor* mu,
                                Tensor* nu) override;
+  absl::StatusOr<std::unique_ptr<OptimizerPlan>> NewOptimizerPlan(
+      const OptimizerHyperparams& hyperparams, const std::vector<OptimizerSlot>& slots,
+      const Tensor& count, const Tensor& total_notfinite) override;
+  absl::Status OptimizerStep(OptimizerPlan& plan, const std::vector<OptimizerSlot>& slots,
+                             const std::vector<Tensor>& grads, Tensor* count,
+                             Tensor* total_notfinite) override;
 
   // kernels/cpu/position.cc
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;

@@ -1,8 +1,13 @@
-// OptimizerUpdate: optax's elementwise update rules (ops.h), the reference.
+// OptimizerUpdate: optax's elementwise update rules (ops.h), the reference;
+// OptimizerStep: the whole step over a plan's slots, defined by the per-tensor
+// rule and optimizer_math.h's scalars.
 #include <cmath>
+#include <cstring>
+#include <memory>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/op_checks.h"
+#include "kernels/optimizer_math.h"
 #include "kernels/status_macros.h"
 
 namespace te {
@@ -37,6 +42,68 @@ absl::Status CpuOps::OptimizerUpdate(const OptimizerUpdateArgs& args, const Tens
     u += args.weight_decay * p;
     StoreFromFloat(param, i, p - args.learning_rate * u);
   }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The CPU needs no device tables: the plan is the remembered layout and the
+// info record.
+class CpuOptimizerPlan : public OptimizerPlan {
+ public:
+  CpuOptimizerPlan(const OptimizerHyperparams& h, const std::vector<OptimizerSlot>& slots,
+                   const Tensor& count, const Tensor& total_notfinite, Tensor info) {
+    Remember(h, slots, count, total_notfinite);
+    info_ = std::move(info);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<OptimizerPlan>> CpuOps::NewOptimizerPlan(
+    const OptimizerHyperparams& hyperparams, const std::vector<OptimizerSlot>& slots,
+    const Tensor& count, const Tensor& total_notfinite) {
+  RETURN_IF_ERROR(CheckOptimizerPlanArgs(hyperparams, slots, count, total_notfinite));
+  ASSIGN_OR_RETURN(Tensor info, Allocate(DType::kI32, {6}));
+  std::memset(info.data(), 0, info.nbytes());
+  return std::unique_ptr<OptimizerPlan>(
+      new CpuOptimizerPlan(hyperparams, slots, count, total_notfinite, std::move(info)));
+}
+
+absl::Status CpuOps::OptimizerStep(OptimizerPlan& plan, const std::vector<OptimizerSlot>& slots,
+                                   const std::vector<Tensor>& grads, Tensor* count,
+                                   Tensor* total_notfinite) {
+  RETURN_IF_ERROR(CheckOptimizerStepArgs(plan, slots, grads, count, total_notfinite));
+  // optax.global_norm squared: each gradient's sum of squares (Dot), added
+  // in slot order, in float32.
+  ASSIGN_OR_RETURN(Tensor norm_sq, Allocate(DType::kF32, {1}));
+  ASSIGN_OR_RETURN(Tensor part, Allocate(DType::kF32, {1}));
+  float sum = 0.0f;
+  for (const Tensor& g : grads) {
+    if (g.data() == nullptr) continue;
+    RETURN_IF_ERROR(Dot(g, g, &part));
+    sum += *part.data_as<float>();
+  }
+  *norm_sq.data_as<float>() = sum;
+  const int32_t c = *count->data_as<int32_t>();
+  const bool applied = std::isfinite(sum);
+  const OptimizerUpdateArgs args = UpdateArgsAt(plan.hyperparams(), c);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (grads[i].data() == nullptr || slots[i].param.numel() == 0) continue;
+    Tensor param = slots[i].param, mu = slots[i].mu, nu = slots[i].nu;
+    RETURN_IF_ERROR(OptimizerUpdate(args, grads[i], norm_sq, &param,
+                                    mu.data() != nullptr ? &mu : nullptr,
+                                    nu.data() != nullptr ? &nu : nullptr));
+  }
+  OptimizerStepInfo info;
+  info.learning_rate = LearningRateAt(plan.hyperparams().learning_rate, c);
+  info.grad_norm_sq = sum;
+  info.applied = applied ? 1 : 0;
+  info.count = SaturatingIncrement(c, applied);
+  info.total_notfinite = SaturatingIncrement(*total_notfinite->data_as<int32_t>(), !applied);
+  *count->data_as<int32_t>() = info.count;
+  *total_notfinite->data_as<int32_t>() = info.total_notfinite;
+  std::memcpy(plan.info().data(), &info, sizeof(info));
   return absl::OkStatus();
 }
 

@@ -11,8 +11,6 @@
 namespace te::optim {
 namespace {
 
-constexpr double kPi = 3.14159265358979323846;
-
 absl::Status Invalid(const std::string& field, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
 }
@@ -99,22 +97,6 @@ std::string StateName(const char* moment, const std::string& param_name) {
 bool IsParam(const std::string& name) { return absl::StartsWith(name, "params/"); }
 
 }  // namespace
-
-double Schedule::At(int64_t count) const {
-  if (!warmup_cosine) return value;
-  const double step = static_cast<double>(count);
-  if (step < static_cast<double>(warmup_steps)) {
-    // optax.linear_schedule(init_value, peak_value, warmup_steps).
-    const double frac = 1.0 - step / static_cast<double>(warmup_steps);
-    return (init_value - peak_value) * frac + peak_value;
-  }
-  // optax.cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha, exponent).
-  const double span = static_cast<double>(decay_steps - warmup_steps);
-  const double t = std::min(step - static_cast<double>(warmup_steps), span);
-  const double alpha = peak_value == 0.0 ? 0.0 : end_value / peak_value;
-  const double cosine = 0.5 * (1.0 + std::cos(kPi * t / span));
-  return peak_value * ((1.0 - alpha) * std::pow(cosine, exponent) + alpha);
-}
 
 const char* OptimizerConfig::name() const {
   switch (kind) {
@@ -203,71 +185,72 @@ absl::StatusOr<layers::Variables> InitState(Ops& ops, const OptimizerConfig& con
   return state;
 }
 
-absl::StatusOr<Tensor> GradNormSquared(Ops& ops, const layers::Variables& grads) {
-  ASSIGN_OR_RETURN(Tensor sum, ops.Allocate(DType::kF32, {1}));
-  RETURN_IF_ERROR(ops.Fill(0.0f, &sum));
-  ASSIGN_OR_RETURN(Tensor part, ops.Allocate(DType::kF32, {1}));
-  for (const auto& [name, grad] : grads) {
-    if (grad.numel() == 0) continue;
-    RETURN_IF_ERROR(ops.Dot(grad, grad, &part));
-    RETURN_IF_ERROR(ops.Axpby(1.0f, sum, 1.0f, part, &sum));
-  }
-  return sum;
+OptimizerHyperparams Hyperparams(const OptimizerConfig& config) {
+  OptimizerHyperparams h;
+  h.rule = config.kind == OptimizerConfig::Kind::kSgd ? OptimizerUpdateArgs::Rule::kSgd
+                                                      : OptimizerUpdateArgs::Rule::kAdam;
+  h.learning_rate = config.learning_rate;
+  h.momentum = config.momentum.value_or(0.0);
+  h.nesterov = config.nesterov;
+  h.b1 = config.b1;
+  h.b2 = config.b2;
+  h.eps = config.eps;
+  h.eps_root = config.eps_root;
+  h.weight_decay = config.kind == OptimizerConfig::Kind::kSgd ? 0.0 : config.weight_decay;
+  h.max_norm = config.max_norm.value_or(0.0);
+  return h;
 }
 
-OptimizerUpdateArgs StepArgs(const OptimizerConfig& config, int64_t count) {
-  OptimizerUpdateArgs args;
-  args.learning_rate = static_cast<float>(config.learning_rate.At(count));
-  if (config.kind == OptimizerConfig::Kind::kSgd) {
-    args.rule = OptimizerUpdateArgs::Rule::kSgd;
-    args.momentum = static_cast<float>(config.momentum.value_or(0.0));
-    args.nesterov = config.nesterov;
-  } else {
-    // optax's bias correction uses the count after this step.
-    const double t = static_cast<double>(count) + 1.0;
-    args.rule = OptimizerUpdateArgs::Rule::kAdam;
-    args.b1 = static_cast<float>(config.b1);
-    args.b2 = static_cast<float>(config.b2);
-    args.eps = static_cast<float>(config.eps);
-    args.eps_root = static_cast<float>(config.eps_root);
-    args.bias_correction1 = static_cast<float>(1.0 - std::pow(config.b1, t));
-    args.bias_correction2 = static_cast<float>(1.0 - std::pow(config.b2, t));
-    args.weight_decay = static_cast<float>(config.weight_decay);
-  }
-  args.max_norm = static_cast<float>(config.max_norm.value_or(0.0));
-  return args;
-}
-
-absl::Status Update(Ops& ops, const OptimizerConfig& config, int64_t count,
-                    const layers::Variables& grads, const Tensor& grad_norm_sq,
-                    layers::Variables* vars, layers::Variables* state) {
-  const OptimizerUpdateArgs args = StepArgs(config, count);
-  const bool adam = config.kind != OptimizerConfig::Kind::kSgd;
-  for (auto& [name, param] : *vars) {
-    if (!IsParam(name)) continue;
-    // A parameter no gradient reached keeps its value and its moments.
-    auto grad = grads.find(absl::StrCat("grads", name.substr(name.find('/'))));
-    if (grad == grads.end()) continue;
-    Tensor* mu = nullptr;
-    Tensor* nu = nullptr;
-    // A named copy: C++17 lambdas may not capture a structured binding (clang refuses).
-    const std::string& param_name = name;
-    auto find = [&](const char* moment) -> absl::StatusOr<Tensor*> {
-      auto it = state->find(StateName(moment, param_name));
-      if (it == state->end()) {
-        return absl::InternalError(absl::StrCat(StateName(moment, param_name), ": missing from the state"));
-      }
-      return &it->second;
-    };
-    if (adam) {
-      ASSIGN_OR_RETURN(mu, find("mu"));
-      ASSIGN_OR_RETURN(nu, find("nu"));
-    } else if (config.momentum) {
-      ASSIGN_OR_RETURN(mu, find("trace"));
+absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers::Variables& grads,
+                           layers::Variables* vars, layers::Variables* state) {
+  auto find = [&](const std::string& name) -> absl::StatusOr<Tensor*> {
+    auto it = state->find(name);
+    if (it == state->end()) {
+      return absl::InternalError(absl::StrCat(name, ": missing from the optimizer's state"));
     }
-    RETURN_IF_ERROR(ops.OptimizerUpdate(args, grad->second, grad_norm_sq, &param, mu, nu));
+    return &it->second;
+  };
+  const bool adam = config.kind != OptimizerConfig::Kind::kSgd;
+  std::vector<OptimizerSlot> slots;
+  std::vector<Tensor> slot_grads;
+  for (const auto& [name, param] : *vars) {
+    if (!IsParam(name)) continue;
+    OptimizerSlot slot;
+    slot.param = param;
+    if (adam) {
+      ASSIGN_OR_RETURN(Tensor * mu, find(StateName("mu", name)));
+      ASSIGN_OR_RETURN(Tensor * nu, find(StateName("nu", name)));
+      slot.mu = *mu;
+      slot.nu = *nu;
+    } else if (config.momentum) {
+      ASSIGN_OR_RETURN(Tensor * trace, find(StateName("trace", name)));
+      slot.mu = *trace;
+    }
+    auto grad = grads.find(absl::StrCat("grads", name.substr(name.find('/'))));
+    slot_grads.push_back(grad == grads.end() ? Tensor() : grad->second);
+    slots.push_back(std::move(slot));
   }
+  ASSIGN_OR_RETURN(Tensor * count, find(kCount));
+  ASSIGN_OR_RETURN(Tensor * total_notfinite, find(kTotalNotfinite));
+  if (plan_ == nullptr || !plan_->Matches(slots, *count, *total_notfinite)) {
+    plan_.reset();
+    ASSIGN_OR_RETURN(plan_, ops.NewOptimizerPlan(Hyperparams(config), slots, *count,
+                                                 *total_notfinite));
+  }
+  RETURN_IF_ERROR(ops.OptimizerStep(*plan_, slots, slot_grads, count, total_notfinite));
+  // The params changed in place. A cache derived from them (FP8 weight
+  // copies for the GEMMs, server/layers/fp8) is stale from here: this is
+  // where it would be invalidated, or refreshed by the step itself (a
+  // per-slot FP8 output beside param in kernels/cuda/optimizer.cu's
+  // SlotTable, written in the update's one pass).
   return absl::OkStatus();
+}
+
+absl::StatusOr<OptimizerStepInfo> Updater::ReadInfo(Ops& ops) const {
+  if (plan_ == nullptr) return absl::FailedPreconditionError("no optimizer step has run");
+  OptimizerStepInfo info;
+  RETURN_IF_ERROR(ops.Download(plan_->info(), &info));
+  return info;
 }
 
 }  // namespace te::optim

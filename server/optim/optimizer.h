@@ -1,9 +1,9 @@
 // Optimizers for a layer's parameters, as optax defines them: sgd (momentum,
 // nesterov), adam, adamw; learning rates constant or
 // warmup_cosine_decay_schedule; clip_by_global_norm; and the step skipped
-// when a gradient is inf or NaN (apply_if_finite). The elementwise math is
-// Ops::OptimizerUpdate (kernels/ops.h); this file resolves the request,
-// evaluates the step's scalars on the host, and lays out the state.
+// when a gradient is inf or NaN (apply_if_finite). The math is
+// Ops::OptimizerStep (kernels/ops.h) and kernels/optimizer_math.h; this file
+// resolves the request, lays out the state and keeps the step's plan.
 //
 // Contract:
 //  1. ResolveOptimizer checks everything (a kind set, finite hyperparameters
@@ -13,13 +13,17 @@
 //     reads: "opt_state/count", "opt_state/total_notfinite" (int32 [1]) and
 //     per parameter "opt_state/{mu,nu,trace}/<path>" in the parameter's
 //     shape and dtype. InitState makes it (zeros: optax's init).
-//  3. Update writes params and state in place and issues work only (no host
-//     sync): the caller decides when it may change the layer (session.h,
-//     contract 2) and reads GradNormSquared afterwards for what happened.
+//  3. Updater::Step writes params and state in place and issues work only
+//     (no host sync, no allocation once planned): the global norm, the skip,
+//     the clip, the learning rate and the counters are decided on the device
+//     from the state's count. The caller decides when it may change the
+//     layer (session.h, contract 2) and reads what happened with ReadInfo,
+//     after the step's other results.
 #ifndef TE_SERVER_OPTIM_OPTIMIZER_H_
 #define TE_SERVER_OPTIM_OPTIMIZER_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/ops.h"
+#include "kernels/optimizer_math.h"
 #include "server/layers/layer.h"
 #include "te/v1/service.pb.h"
 
@@ -37,13 +42,9 @@ inline constexpr char kCount[] = "opt_state/count";
 inline constexpr char kTotalNotfinite[] = "opt_state/total_notfinite";
 
 // optax's constant learning rate or warmup_cosine_decay_schedule.
-struct Schedule {
-  bool warmup_cosine = false;
-  double value = 0.0;  // constant
-  double init_value = 0.0, peak_value = 0.0, end_value = 0.0, exponent = 1.0;
-  int64_t warmup_steps = 0, decay_steps = 0;
+struct Schedule : LearningRateSchedule {
   // The learning rate at step `count` (0 for the first update), in float64.
-  double At(int64_t count) const;
+  double At(int64_t count) const { return LearningRateAt(*this, count); }
 };
 
 struct OptimizerConfig {
@@ -69,20 +70,29 @@ std::vector<layers::VariableSpec> StateSpecs(const OptimizerConfig& config,
 absl::StatusOr<layers::Variables> InitState(Ops& ops, const OptimizerConfig& config,
                                             const layers::Variables& params);
 
-// sum over `grads` of sum(g^2), f32 [1] on the device (optax.global_norm
-// squared), float32 accumulation.
-absl::StatusOr<Tensor> GradNormSquared(Ops& ops, const layers::Variables& grads);
+// The hyperparameters the step kernels take (the schedule unevaluated).
+OptimizerHyperparams Hyperparams(const OptimizerConfig& config);
 
-// One step at `count` (the state's count before it): every "params/<path>"
-// with a gradient "grads/<path>" in `grads` is updated in place in `vars`, and
-// its moments in `state`. The kernels skip themselves when grad_norm_sq is not
-// finite; the counters are the caller's (they are host-side decisions).
-absl::Status Update(Ops& ops, const OptimizerConfig& config, int64_t count,
-                    const layers::Variables& grads, const Tensor& grad_norm_sq,
+// One layer's updates. Not thread-safe (a session's calls never overlap).
+class Updater {
+ public:
+  // Queues one step: every "params/<path>" of `vars` with a gradient
+  // "grads/<path>" in `grads` is updated in place, and its moments in
+  // `state`; a parameter no gradient reached keeps its value and moments.
+  // The norm is over every gradient given. The first step, and any after
+  // the params or the state were replaced (SetVariables, a restore), makes
+  // the plan (device tables, one upload); the others only launch.
+  // INTERNAL when `state` lacks a variable StateSpecs names.
+  absl::Status Step(Ops& ops, const OptimizerConfig& config, const layers::Variables& grads,
                     layers::Variables* vars, layers::Variables* state);
+  // What the last Step did: one 24-byte copy from the device, which waits
+  // for the step (so read it with the call's other results, once).
+  // FAILED_PRECONDITION before any step.
+  absl::StatusOr<OptimizerStepInfo> ReadInfo(Ops& ops) const;
 
-// The scalars the kernels get for the step after `count` steps.
-OptimizerUpdateArgs StepArgs(const OptimizerConfig& config, int64_t count);
+ private:
+  std::unique_ptr<OptimizerPlan> plan_;
+};
 
 }  // namespace te::optim
 

@@ -122,6 +122,7 @@ TEST(UpdateTest, ClippedAdamWOverTwoParamsMatchesFloat64) {
   layers::Variables vars = {{"params/kernel", random({6, 5})}, {"params/bias", random({5})}};
   layers::Variables state = *InitState(ops, config, vars);
   ASSERT_EQ(state.size(), 6u);
+  Updater updater;
   std::map<std::string, std::vector<double>> p, m, v;
   for (const auto& [name, t] : vars) {
     p[name].assign(t.data_as<float>(), t.data_as<float>() + t.numel());
@@ -134,9 +135,13 @@ TEST(UpdateTest, ClippedAdamWOverTwoParamsMatchesFloat64) {
     for (const auto& [name, g] : grads) {
       for (int64_t i = 0; i < g.numel(); ++i) norm_sq += double(g.data_as<float>()[i]) * g.data_as<float>()[i];
     }
-    const Tensor norm_sq_t = *GradNormSquared(ops, grads);
-    EXPECT_NEAR(norm_sq_t.data_as<float>()[0], norm_sq, 1e-5 * norm_sq);
-    ASSERT_TRUE(Update(ops, config, count, grads, norm_sq_t, &vars, &state).ok());
+    ASSERT_TRUE(updater.Step(ops, config, grads, &vars, &state).ok());
+    const OptimizerStepInfo info = *updater.ReadInfo(ops);
+    EXPECT_NEAR(info.grad_norm_sq, norm_sq, 1e-5 * norm_sq);
+    EXPECT_EQ(info.applied, 1);
+    EXPECT_EQ(info.count, count + 1);
+    EXPECT_EQ(info.learning_rate, 0.05);
+    EXPECT_EQ(state.at(kCount).data_as<int32_t>()[0], count + 1);
     const double norm = std::sqrt(norm_sq), t = count + 1.0;
     for (auto& [name, pv] : p) {
       const Tensor& g = grads.at("grads" + name.substr(6));
@@ -172,13 +177,78 @@ TEST(UpdateTest, InfiniteGradientChangesNothing) {
   grad.data_as<float>()[1] = std::numeric_limits<float>::infinity();
   grad.data_as<float>()[2] = 2.0f;
   layers::Variables grads = {{"grads/kernel", grad}};
-  const Tensor norm_sq = *GradNormSquared(ops, grads);
-  ASSERT_TRUE(Update(ops, config, 0, grads, norm_sq, &vars, &state).ok());
+  Updater updater;
+  ASSERT_TRUE(updater.Step(ops, config, grads, &vars, &state).ok());
   for (int i = 0; i < 3; ++i) EXPECT_EQ(kernel.data_as<float>()[i], 0.5f + i);
   for (const auto& [name, t] : state) {
     if (t.dtype() == DType::kF32) {
       for (int i = 0; i < 3; ++i) EXPECT_EQ(t.data_as<float>()[i], 0.0f) << name;
     }
+  }
+  const OptimizerStepInfo info = *updater.ReadInfo(ops);
+  EXPECT_EQ(info.applied, 0);
+  EXPECT_TRUE(std::isinf(info.grad_norm_sq));
+  EXPECT_EQ(info.count, 0);  // apply_if_finite: the inner state, count included, stays
+  EXPECT_EQ(info.total_notfinite, 1);
+  EXPECT_EQ(state.at(kCount).data_as<int32_t>()[0], 0);
+  EXPECT_EQ(state.at(kTotalNotfinite).data_as<int32_t>()[0], 1);
+  // A finite step afterwards applies at count 0.
+  grad.data_as<float>()[1] = 1.0f;
+  ASSERT_TRUE(updater.Step(ops, config, grads, &vars, &state).ok());
+  EXPECT_EQ(updater.ReadInfo(ops)->count, 1);
+  EXPECT_NE(kernel.data_as<float>()[0], 0.5f);
+}
+
+// The plan follows the tensors: a param replaced (SetVariables, a restore)
+// is the one the next step updates, and a param without a gradient keeps
+// its value.
+TEST(UpdaterTest, ReplacedParamIsUpdatedAndGradlessParamKept) {
+  CpuOps ops;
+  te::v1::Optimizer spec;
+  spec.mutable_sgd()->mutable_learning_rate()->set_constant(0.5);
+  const OptimizerConfig config = *ResolveOptimizer(spec, "optimizer");
+  auto filled = [&](float v) {
+    Tensor t = *ops.Allocate(DType::kF32, {4});
+    for (int i = 0; i < 4; ++i) t.data_as<float>()[i] = v;
+    return t;
+  };
+  layers::Variables vars = {{"params/a", filled(1.0f)}, {"params/b", filled(2.0f)}};
+  layers::Variables state = *InitState(ops, config, vars);
+  Updater updater;
+  const layers::Variables grads = {{"grads/a", filled(1.0f)}};
+  ASSERT_TRUE(updater.Step(ops, config, grads, &vars, &state).ok());
+  EXPECT_EQ(vars.at("params/a").data_as<float>()[0], 0.5f);
+  EXPECT_EQ(vars.at("params/b").data_as<float>()[0], 2.0f);
+  Tensor old_a = vars.at("params/a");
+  vars["params/a"] = filled(3.0f);
+  ASSERT_TRUE(updater.Step(ops, config, grads, &vars, &state).ok());
+  EXPECT_EQ(vars.at("params/a").data_as<float>()[0], 2.5f);
+  EXPECT_EQ(old_a.data_as<float>()[0], 0.5f);  // the replaced tensor is left alone
+  EXPECT_EQ(updater.ReadInfo(ops)->count, 2);
+}
+
+// The learning rate each step reports is the schedule at the count before it.
+TEST(UpdaterTest, StepsFollowTheSchedule) {
+  CpuOps ops;
+  te::v1::Optimizer spec;
+  auto* w = spec.mutable_adam()->mutable_learning_rate()->mutable_warmup_cosine_decay();
+  w->set_init_value(0.0);
+  w->set_peak_value(0.1);
+  w->set_warmup_steps(3);
+  w->set_decay_steps(8);
+  const OptimizerConfig config = *ResolveOptimizer(spec, "optimizer");
+  Tensor p = *ops.Allocate(DType::kF32, {2});
+  p.data_as<float>()[0] = p.data_as<float>()[1] = 1.0f;
+  layers::Variables vars = {{"params/p", p}};
+  layers::Variables state = *InitState(ops, config, vars);
+  Tensor g = *ops.Allocate(DType::kF32, {2});
+  g.data_as<float>()[0] = g.data_as<float>()[1] = 1.0f;
+  Updater updater;
+  EXPECT_EQ(updater.ReadInfo(ops).status().code(), absl::StatusCode::kFailedPrecondition);
+  for (int64_t count = 0; count < 10; ++count) {
+    ASSERT_TRUE(updater.Step(ops, config, {{"grads/p", g}}, &vars, &state).ok());
+    EXPECT_NEAR(updater.ReadInfo(ops)->learning_rate, config.learning_rate.At(count),
+                kScheduleTolerance);
   }
 }
 

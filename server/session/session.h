@@ -208,14 +208,13 @@ class Session {
                     const layers::LayerInputs& inputs, const Tensor& dy,
                     const layers::ForwardOptions& options, double* value,
                     layers::LayerGrads* grads, const Tensor* target = nullptr,
-                    double loss_scale = 1.0);
-  // The optimizer's counters, read from the device (opt_state/count,
-  // opt_state/total_notfinite).
-  absl::Status ReadCounters(const LayerOptimizer& optimizer, int64_t* count,
-                            int64_t* total_notfinite);
-  // Applies the optimizer step in place (contract 8) and says what it did.
+                    double loss_scale = 1.0, Tensor* pending_value = nullptr);
+  // (`pending_value`: where given, the value is left there on the device,
+  // unscaled and unread, and *value is not set.)
+  // Applies the optimizer step in place (contract 8) and says what it did:
+  // the update is decided and done on the device (optim, contract 3), and
+  // its record read back once it is done.
   absl::Status ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
-                           const Tensor& grad_norm_sq, int64_t count, int64_t total_notfinite,
                            te::v1::UpdateInfo* info);
   // sum(y * dy) as a [1, 1] float32 tensor on the device.
   absl::StatusOr<Tensor> VdotOnDevice(const Tensor& y, const Tensor& dy);

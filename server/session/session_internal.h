@@ -22,6 +22,7 @@ struct LayerOptimizer {
   te::v1::Optimizer spec;  // as requested: what a checkpoint keeps
   optim::OptimizerConfig config;
   layers::Variables state;
+  optim::Updater updater;  // the step's device plan over the params and state
 };
 
 struct Session::LayerEntry {

@@ -218,7 +218,7 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
                            const layers::LayerInputs& inputs, const Tensor& given_dy,
                            const layers::ForwardOptions& options, double* value,
                            layers::LayerGrads* grads, const Tensor* target,
-                           double loss_scale) {
+                           double loss_scale, Tensor* pending_value) {
   layers::ForwardOptions opts = options;
   opts.keep_for_backward = true;
   layers::LayerOutputs out;
@@ -247,7 +247,9 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   }
   RETURN_IF_ERROR(layer.layer->Backward(*ops_, vars, *saved, dy, grads));
   if (layers::HasFp8Metas(opts.fp8)) RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, vars));
-  if (value != nullptr) {
+  if (pending_value != nullptr) {
+    *pending_value = std::move(value_on_device);
+  } else if (value != nullptr) {
     float v = 0.0f;
     RETURN_IF_ERROR(ops_->Download(value_on_device, &v));
     *value = static_cast<double>(v) * (target != nullptr ? loss_scale : 1.0);
@@ -255,49 +257,25 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   return absl::OkStatus();
 }
 
-absl::Status Session::ReadCounters(const LayerOptimizer& optimizer, int64_t* count,
-                                   int64_t* total_notfinite) {
-  for (const auto& [name, out] : {std::pair<const char*, int64_t*>{optim::kCount, count},
-                                  std::pair<const char*, int64_t*>{optim::kTotalNotfinite,
-                                                                   total_notfinite}}) {
-    auto it = optimizer.state.find(name);
-    if (it == optimizer.state.end()) {
-      return absl::InternalError(absl::StrCat(name, ": missing from the optimizer's state"));
-    }
-    int32_t v = 0;
-    RETURN_IF_ERROR(ops_->Download(it->second, &v));
-    *out = v;
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
-                                  const Tensor& grad_norm_sq, int64_t count,
-                                  int64_t total_notfinite, te::v1::UpdateInfo* info) {
+                                  te::v1::UpdateInfo* info) {
   LayerOptimizer& optimizer = *layer.optimizer;
-  RETURN_IF_ERROR(optim::Update(*ops_, optimizer.config, count, grads, grad_norm_sq, &layer.vars,
-                                &optimizer.state));
+  // Norm, skip, clip, learning rate and counters are decided on the device;
+  // this queues the step and nothing waits for it.
+  RETURN_IF_ERROR(optimizer.updater.Step(*ops_, optimizer.config, grads, &layer.vars,
+                                         &optimizer.state));
   layer.ParamsChanged();
-  // The kernels decided on the device whether to skip; the host learns it
-  // here, once the step's work is queued.
-  float norm_sq = 0.0f;
-  RETURN_IF_ERROR(ops_->Download(grad_norm_sq, &norm_sq));
-  const bool applied = std::isfinite(norm_sq);
-  // Counters saturate rather than wrap (int32, as optax's).
-  const int32_t new_count = static_cast<int32_t>(std::min<int64_t>(count + (applied ? 1 : 0), INT32_MAX));
-  const int32_t new_notfinite =
-      static_cast<int32_t>(std::min<int64_t>(total_notfinite + (applied ? 0 : 1), INT32_MAX));
-  RETURN_IF_ERROR(ops_->Upload(&new_count, &optimizer.state.at(optim::kCount)));
-  RETURN_IF_ERROR(ops_->Upload(&new_notfinite, &optimizer.state.at(optim::kTotalNotfinite)));
-  info->set_applied(applied);
-  info->set_count(new_count);
-  info->set_total_notfinite(new_notfinite);
-  info->set_learning_rate(optimizer.config.learning_rate.At(count));
-  info->set_grad_norm(std::sqrt(static_cast<double>(norm_sq)));
-  if (!applied) {
+  // What the step did comes back in one copy, once it is done.
+  ASSIGN_OR_RETURN(const OptimizerStepInfo step, optimizer.updater.ReadInfo(*ops_));
+  info->set_applied(step.applied != 0);
+  info->set_count(step.count);
+  info->set_total_notfinite(step.total_notfinite);
+  info->set_learning_rate(step.learning_rate);
+  info->set_grad_norm(std::sqrt(static_cast<double>(step.grad_norm_sq)));
+  if (step.applied == 0) {
     LogForSession(LogLevel::kInfo, id_,
-                  absl::StrCat(layer.id, ": update skipped, gradient norm ", norm_sq,
-                               " is not finite (", new_notfinite, " skipped so far)"));
+                  absl::StrCat(layer.id, ": update skipped, gradient norm ", step.grad_norm_sq,
+                               " is not finite (", step.total_notfinite, " skipped so far)"));
   }
   return absl::OkStatus();
 }
@@ -497,14 +475,13 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     is_seeded.push_back(seeded);
   }
   InterruptScope interrupt(*ops_, call, "ForwardBackward");
-  int64_t count = 0, total_notfinite = 0;
-  if (request.apply_update()) {
-    // Read before any work is queued, so the read does not wait for it.
-    RETURN_IF_ERROR(ReadCounters(*layer->optimizer, &count, &total_notfinite));
-  }
   ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
   OutputEncoder encoder(this);
   layers::Variables grad_sum;  // "grads/..."
+  // With an update, the micro-batches' values stay on the device until the
+  // update is queued too: read in between, they would idle the GPU while the
+  // host queues the update.
+  std::vector<std::pair<Tensor, double>> pending_values;  // value, its scale
   for (size_t i = 0; i < inputs.size(); ++i) {
     RETURN_IF_ERROR(call.StillWanted(absl::StrCat("ForwardBackward, before micro_batches[", i, "]")));
     ASSIGN_OR_RETURN(layers::LayerInputs in, MaterializeInputs(inputs[i]));
@@ -525,14 +502,16 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     layers::LayerGrads grads;
     const Tensor* target = is_target[i] ? &dy : nullptr;
     const double loss_scale = target_elements > 0 ? 1.0 / static_cast<double>(target_elements) : 1.0;
+    Tensor pending;
     if (absl::Status step = Step(*layer, &vars, in, target ? Tensor() : dy, opts, &value, &grads,
-                                 target, loss_scale);
+                                 target, loss_scale, request.apply_update() ? &pending : nullptr);
         !step.ok()) {
       // A bad input shows only once the layer runs: name its micro-batch.
       return absl::IsInvalidArgument(step) ? AboutField(step, absl::StrCat("micro_batches[", i, "]"))
                                            : step;
     }
     response->add_values(value);
+    if (request.apply_update()) pending_values.emplace_back(pending, target ? loss_scale : 1.0);
     if (request.return_dx()) {
       RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));
     }
@@ -547,21 +526,25 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
       RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
     }
   }
-  Tensor grad_norm_sq;
   if (request.apply_update()) {
     // The update takes the gradients kept by earlier calls too: added into
     // this call's sums, which are the call's own tensors, so the session is
     // unchanged until the commit.
     RETURN_IF_ERROR(AccumulateGrads(layer->grads, "grads", &grad_sum));
-    ASSIGN_OR_RETURN(grad_norm_sq, optim::GradNormSquared(*ops_, grad_sum));
   }
   // Commit (contract 2), as Backward does; the update last (contract 8).
   RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
   layer->vars = std::move(vars);
   if (request.apply_update()) {
     layer->grads.clear();
-    return ApplyUpdate(*layer, grad_sum, grad_norm_sq, count, total_notfinite,
-                       response->mutable_update());
+    RETURN_IF_ERROR(ApplyUpdate(*layer, grad_sum, response->mutable_update()));
+    // The step is done (ApplyUpdate read its record): these copies wait for nothing.
+    for (size_t i = 0; i < pending_values.size(); ++i) {
+      float v = 0.0f;
+      RETURN_IF_ERROR(ops_->Download(pending_values[i].first, &v));
+      response->set_values(static_cast<int>(i), static_cast<double>(v) * pending_values[i].second);
+    }
+    return absl::OkStatus();
   }
   if (!request.return_grads()) return AccumulateGrads(grad_sum, "grads", &layer->grads);
   return absl::OkStatus();
