@@ -272,7 +272,7 @@ absl::StatusOr<ResidentTensor> Session::PutStreamed(const HostTensor& tensor) {
   std::unique_ptr<grpc::ClientWriter<te::v1::PutTensorChunk>> writer = stub_->PutTensor(&context, &response);
   te::v1::PutTensorChunk chunk;
   te::v1::PutTensorHeader* header = chunk.mutable_header();
-  header->mutable_tensor()->set_dtype(ToProtoDType(tensor.dtype()));
+  header->mutable_tensor()->set_dtype(DTypeToProto(tensor.dtype()));
   for (int64_t d : tensor.shape()) header->mutable_tensor()->add_shape(d);
   *header->mutable_session() = NextRef();
   const uint64_t sequence = header->session().sequence();
@@ -310,7 +310,7 @@ absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
       have_header = true;
       // Reserve for the announced size, but trust it only within reason: the
       // bytes that arrive are checked against the header below anyway.
-      absl::StatusOr<DType> dtype = FromProtoDType(header.dtype());
+      absl::StatusOr<DType> dtype = DTypeFromProto(header.dtype(), "GetTensor header.dtype");
       const int64_t n = NumElements(Shape(header.shape().begin(), header.shape().end()));
       if (dtype.ok() && n > 0 && n <= (int64_t{1} << 32)) bytes.reserve(static_cast<size_t>(n) * DTypeSize(*dtype));
     } else {
@@ -322,7 +322,7 @@ absl::StatusOr<HostTensor> Session::Get(const std::string& tensor_id) {
   if (!have_header) {
     return absl::InternalError(absl::StrCat("GetTensor(", tensor_id, "): the stream had no header"));
   }
-  absl::StatusOr<DType> dtype = FromProtoDType(header.dtype());
+  absl::StatusOr<DType> dtype = DTypeFromProto(header.dtype(), "GetTensor header.dtype");
   if (!dtype.ok()) return dtype.status();
   return HostTensor::FromBytes(*dtype, Shape(header.shape().begin(), header.shape().end()), std::move(bytes));
 }
@@ -523,7 +523,7 @@ absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vect
       std::memcpy(block->data, tensor.bytes().data(), tensor.bytes().size());
       uploaded->push_back(absl::StrCat("shm:", block->region_id, ":", block->offset, ":", block->size));
       te::v1::Tensor proto;
-      proto.set_dtype(ToProtoDType(tensor.dtype()));
+      proto.set_dtype(DTypeToProto(tensor.dtype()));
       for (int64_t d : tensor.shape()) proto.add_shape(d);
       proto.mutable_shm()->set_region_id(block->region_id);
       proto.mutable_shm()->set_offset(block->offset);
@@ -535,7 +535,7 @@ absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vect
   if (!resident.ok()) return resident.status();
   uploaded->push_back(resident->id);
   te::v1::Tensor proto;
-  proto.set_dtype(ToProtoDType(tensor.dtype()));
+  proto.set_dtype(DTypeToProto(tensor.dtype()));
   for (int64_t d : tensor.shape()) proto.add_shape(d);
   proto.set_resident_id(resident->id);
   return proto;
@@ -548,7 +548,7 @@ absl::StatusOr<HostTensor> Session::Receive(const te::v1::Tensor& tensor, const 
     return FromInlineProto(tensor, field);
   }
   absl::StatusOr<HostTensor> host = absl::UnknownError("not fetched");
-  absl::StatusOr<DType> dtype = FromProtoDType(tensor.dtype());
+  absl::StatusOr<DType> dtype = DTypeFromProto(tensor.dtype(), field + ".dtype");
   const Shape shape(tensor.shape().begin(), tensor.shape().end());
   const int64_t n = NumElements(shape);
   std::optional<SharedMemoryPool::Block> block;

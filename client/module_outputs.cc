@@ -41,11 +41,11 @@ std::vector<int64_t> Int64s(const google::protobuf::RepeatedField<int64_t>& valu
 // A Flax module's y dtype: `dtype` when set, else the promotion of x's and
 // param_dtype's (float32 unset), or x's for a module without parameters.
 absl::StatusOr<DType> FlaxOutputDType(te::v1::DType dtype, te::v1::DType param_dtype, bool has_params, DType x) {
-  if (dtype != te::v1::DTYPE_UNSPECIFIED) return FromProtoDType(dtype);
+  if (dtype != te::v1::DTYPE_UNSPECIFIED) return DTypeFromProto(dtype, "dtype");
   if (!has_params) return x;
   DType params = DType::kF32;
   if (param_dtype != te::v1::DTYPE_UNSPECIFIED) {
-    ASSIGN_OR_RETURN(params, FromProtoDType(param_dtype));
+    ASSIGN_OR_RETURN(params, DTypeFromProto(param_dtype, "param_dtype"));
   }
   return PromoteFloat(x, params);
 }

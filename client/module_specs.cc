@@ -50,7 +50,7 @@ absl::StatusOr<te::v1::ParamDType> ParseParamDType(const std::string& field, DTy
 // the input and the parameters") is te.v1's DTYPE_UNSPECIFIED.
 absl::StatusOr<te::v1::DType> ParseFlaxDType(const std::string& field, std::optional<DType> dtype) {
   if (!dtype.has_value()) return te::v1::DTYPE_UNSPECIFIED;
-  if (*dtype == DType::kF32 || *dtype == DType::kBF16 || *dtype == DType::kF16) return ToProtoDType(*dtype);
+  if (*dtype == DType::kF32 || *dtype == DType::kBF16 || *dtype == DType::kF16) return DTypeToProto(*dtype);
   return absl::InvalidArgumentError(
       absl::StrCat(field, ": Flax's modules take float32, bfloat16 or float16, not ", DTypeName(*dtype)));
 }

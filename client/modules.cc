@@ -110,7 +110,7 @@ absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const Hos
   te::v1::InitLayerRequest request;
   ASSIGN_OR_RETURN(*request.mutable_spec(), Spec());
   request.set_seed(key);
-  request.set_input_dtype(ToProtoDType(x.dtype()));
+  request.set_input_dtype(DTypeToProto(x.dtype()));
   for (int64_t d : x.shape()) request.add_input_shape(d);
   *request.mutable_autocast() = ToProto(Autocast::Current());
   ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session.InitLayer(std::move(request)));
@@ -119,9 +119,9 @@ absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const Hos
   vars.session = &session;
   vars.layer_id = response.layer_id();
   vars.output_shape = ShapeOf(response.output_shape());
-  ASSIGN_OR_RETURN(vars.output_dtype, FromProtoDType(response.output_dtype()));
+  ASSIGN_OR_RETURN(vars.output_dtype, DTypeFromProto(response.output_dtype(), "InitLayerResponse.output_dtype"));
   for (const te::v1::VariableInfo& info : response.variables()) {
-    ASSIGN_OR_RETURN(DType dtype, FromProtoDType(info.dtype()));
+    ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(info.dtype(), absl::StrCat("InitLayerResponse.variables[", info.path(), "].dtype")));
     vars.variables.push_back(VariableInfo{info.collection(), info.path(), ShapeOf(info.shape()), dtype});
   }
   return vars;

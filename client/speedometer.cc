@@ -52,7 +52,7 @@ void Report(const SpeedometerOptions& options, const SpeedometerResult& result) 
 
 te::v1::Tensor ResidentProto(const ResidentTensor& t) {
   te::v1::Tensor proto;
-  proto.set_dtype(ToProtoDType(t.dtype));
+  proto.set_dtype(DTypeToProto(t.dtype));
   for (int64_t d : t.shape) proto.add_shape(d);
   proto.set_resident_id(t.id);
   return proto;

@@ -156,36 +156,9 @@ HostTensor CausalMask(int64_t batch, int64_t seq) {
   return *HostTensor::FromBytes(DType::kBool, {batch, 1, seq, seq}, std::move(bytes));
 }
 
-te::v1::DType ToProtoDType(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return te::v1::FLOAT32;
-    case DType::kBF16: return te::v1::BFLOAT16;
-    case DType::kF16: return te::v1::FLOAT16;
-    case DType::kE4M3: return te::v1::FLOAT8_E4M3;
-    case DType::kE5M2: return te::v1::FLOAT8_E5M2;
-    case DType::kI32: return te::v1::INT32;
-    case DType::kBool: return te::v1::BOOL;
-  }
-  return te::v1::DTYPE_UNSPECIFIED;
-}
-
-absl::StatusOr<DType> FromProtoDType(te::v1::DType dtype) {
-  switch (dtype) {
-    case te::v1::FLOAT32: return DType::kF32;
-    case te::v1::BFLOAT16: return DType::kBF16;
-    case te::v1::FLOAT16: return DType::kF16;
-    case te::v1::FLOAT8_E4M3: return DType::kE4M3;
-    case te::v1::FLOAT8_E5M2: return DType::kE5M2;
-    case te::v1::INT32: return DType::kI32;
-    case te::v1::BOOL: return DType::kBool;
-    default: break;
-  }
-  return absl::InvalidArgumentError(absl::StrCat("dtype: unknown te.v1.DType ", static_cast<int>(dtype)));
-}
-
 te::v1::Tensor ToInlineProto(const HostTensor& tensor) {
   te::v1::Tensor proto;
-  proto.set_dtype(ToProtoDType(tensor.dtype()));
+  proto.set_dtype(DTypeToProto(tensor.dtype()));
   for (int64_t d : tensor.shape()) proto.add_shape(d);
   proto.set_inline_data(tensor.bytes());
   return proto;
@@ -195,8 +168,8 @@ absl::StatusOr<HostTensor> FromInlineProto(const te::v1::Tensor& tensor, const s
   if (tensor.data_case() != te::v1::Tensor::kInlineData) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": expected inline data"));
   }
-  absl::StatusOr<DType> dtype = FromProtoDType(tensor.dtype());
-  if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ".", dtype.status().message()));
+  absl::StatusOr<DType> dtype = DTypeFromProto(tensor.dtype(), field + ".dtype");
+  if (!dtype.ok()) return dtype.status();
   absl::StatusOr<HostTensor> out =
       HostTensor::FromBytes(*dtype, Shape(tensor.shape().begin(), tensor.shape().end()), tensor.inline_data());
   if (!out.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ".", out.status().message()));

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/tensor.h"  // te::DType, te::Shape: one enum for the whole project
+#include "proto/dtype.h"    // te::DTypeToProto / DTypeFromProto: the wire's dtypes
 #include "te/v1/tensor.pb.h"
 
 namespace te::client {
@@ -68,10 +69,6 @@ class HostTensor {
 // The causal mask in the API's convention (bool [batch, 1, seq, seq], true =
 // masked out: key j > query i). Flax's nn.make_causal_mask is its negation.
 HostTensor CausalMask(int64_t batch, int64_t seq);
-
-// te.v1.DType <-> DType. INVALID_ARGUMENT for DTYPE_UNSPECIFIED or an unknown value.
-te::v1::DType ToProtoDType(DType dtype);
-absl::StatusOr<DType> FromProtoDType(te::v1::DType dtype);
 
 // A te.v1.Tensor carrying `tensor` inline.
 te::v1::Tensor ToInlineProto(const HostTensor& tensor);

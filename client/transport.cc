@@ -236,7 +236,7 @@ absl::StatusOr<ResidentTensor> Session::PutShared(const HostTensor& tensor,
       stub_->PutTensor(&context, &response);
   te::v1::PutTensorChunk header;
   te::v1::PutTensorHeader* h = header.mutable_header();
-  h->mutable_tensor()->set_dtype(ToProtoDType(tensor.dtype()));
+  h->mutable_tensor()->set_dtype(DTypeToProto(tensor.dtype()));
   for (int64_t d : tensor.shape()) h->mutable_tensor()->add_shape(d);
   h->mutable_shm()->set_region_id(block.region_id);
   h->mutable_shm()->set_offset(block.offset);
@@ -266,7 +266,7 @@ absl::StatusOr<HostTensor> Session::GetShared(const std::string& tensor_id, DTyp
     if (chunk.has_header()) header = chunk.header();
   }
   RETURN_IF_ERROR(CallStatus(request.session().sequence(), reader->Finish()));
-  if (!header.has_value() || header->dtype() != ToProtoDType(dtype) ||
+  if (!header.has_value() || header->dtype() != DTypeToProto(dtype) ||
       Shape(header->shape().begin(), header->shape().end()) != shape) {
     return absl::InternalError(
         absl::StrCat("GetTensor(", tensor_id, "): the server's header does not match the tensor"));
@@ -276,7 +276,7 @@ absl::StatusOr<HostTensor> Session::GetShared(const std::string& tensor_id, DTyp
 
 absl::StatusOr<HostTensor> Session::ReadShared(const te::v1::Tensor& tensor,
                                                const std::string& field) {
-  ASSIGN_OR_RETURN(DType dtype, FromProtoDType(tensor.dtype()));
+  ASSIGN_OR_RETURN(DType dtype, DTypeFromProto(tensor.dtype(), field + ".dtype"));
   const Shape shape(tensor.shape().begin(), tensor.shape().end());
   const int64_t n = NumElements(shape);
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat(field, ".shape: negative"));

@@ -126,7 +126,7 @@ struct Options {
 
 te::v1::Tensor ResidentProto(const ResidentTensor& t) {
   te::v1::Tensor proto;
-  proto.set_dtype(ToProtoDType(t.dtype));
+  proto.set_dtype(DTypeToProto(t.dtype));
   for (int64_t d : t.shape) proto.add_shape(d);
   proto.set_resident_id(t.id);
   return proto;
@@ -177,13 +177,13 @@ class VariantRun {
     te::v1::InitLayerRequest request;
     ASSIGN_OR_RETURN(*request.mutable_spec(), v.module->Spec());
     request.set_seed(42);
-    request.set_input_dtype(ToProtoDType(dtype));
+    request.set_input_dtype(DTypeToProto(dtype));
     for (int64_t d : shape) request.add_input_shape(d);
     *request.mutable_autocast() = autocast_;
     ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session_.InitLayer(std::move(request)));
     layer_id_ = response.layer_id();
     const Shape y_shape(response.output_shape().begin(), response.output_shape().end());
-    ASSIGN_OR_RETURN(const DType y_dtype, FromProtoDType(response.output_dtype()));
+    ASSIGN_OR_RETURN(const DType y_dtype, DTypeFromProto(response.output_dtype(), "InitLayerResponse.output_dtype"));
     ASSIGN_OR_RETURN(ResidentTensor x_resident, session_.Put(HostTensor::RandomNormal(shape, dtype, 42)));
     x_ = ResidentProto(x_resident);
     ASSIGN_OR_RETURN(ResidentTensor dy_resident, session_.Put(HostTensor::RandomNormal(y_shape, y_dtype, 43)));

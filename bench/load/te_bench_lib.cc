@@ -65,7 +65,7 @@ absl::StatusOr<te::v1::LayerSpec> LayerSpecFor(BenchLayer layer, const LayerSize
 
 te::v1::Tensor ResidentProto(const ResidentTensor& t) {
   te::v1::Tensor proto;
-  proto.set_dtype(ToProtoDType(t.dtype));
+  proto.set_dtype(DTypeToProto(t.dtype));
   for (int64_t d : t.shape) proto.add_shape(d);
   proto.set_resident_id(t.id);
   return proto;
@@ -109,7 +109,7 @@ absl::StatusOr<std::unique_ptr<Prepared>> Prepare(const BenchOptions& o, int ind
   te::v1::InitLayerRequest init;
   ASSIGN_OR_RETURN(*init.mutable_spec(), LayerSpecFor(o.layer, o.size));
   init.set_seed(42 + index);
-  init.set_input_dtype(ToProtoDType(o.dtype));
+  init.set_input_dtype(DTypeToProto(o.dtype));
   for (int64_t d : x_shape) init.add_input_shape(d);
   *init.mutable_autocast() = p->autocast;
   ASSIGN_OR_RETURN(te::v1::InitLayerResponse layer, p->session->InitLayer(std::move(init)));
@@ -125,7 +125,7 @@ absl::StatusOr<std::unique_ptr<Prepared>> Prepare(const BenchOptions& o, int ind
     f.set_keep_outputs(!o.fetch_outputs);
     return p;
   }
-  ASSIGN_OR_RETURN(DType y_dtype, FromProtoDType(layer.output_dtype()));
+  ASSIGN_OR_RETURN(DType y_dtype, DTypeFromProto(layer.output_dtype(), "InitLayerResponse.output_dtype"));
   const Shape y_shape(layer.output_shape().begin(), layer.output_shape().end());
   ASSIGN_OR_RETURN(ResidentTensor dy,
                    p->session->Put(HostTensor::RandomNormal(y_shape, y_dtype, /*seed=*/2000 + index)));
