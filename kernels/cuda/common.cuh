@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/fp8.h"
 #include "kernels/tensor.h"
 
@@ -131,12 +132,22 @@ inline bool PackAligned(const void* p) {
 
 // ---- launch geometry ---------------------------------------------------------
 constexpr int kThreads = 256;
-// Grid-stride kernels: enough blocks to fill the GPU several times over, no
-// more (each thread loops).
-inline unsigned GridFor(int64_t n, int threads = kThreads) {
+// Grid-stride kernels: enough blocks to fill the GPU several times over (16
+// per SM), no more: each thread loops, and more blocks only add tail.
+// `sm_count` is the device's (CudaOps::sm_count(), read once when the device
+// was opened); inside CudaOps, GridFor(n) is the member that passes it.
+inline unsigned GridFor(int64_t n, SmCount sms, int threads = kThreads) {
   const int64_t blocks = (n + threads - 1) / threads;
-  const int64_t cap = 132 * 16;  // H200: 132 SMs; more blocks only add tail
+  const int64_t cap = 16 * static_cast<int64_t>(sms.value > 0 ? sms.value : 1);
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+inline unsigned CudaOps::GridFor(int64_t n, int threads) const {
+  return cuda::GridFor(n, SmCount{sm_count()}, threads);
+}
+// For launchers that take only a stream (no CudaOps at hand): the SM count of
+// the device CudaOps::Enter() made current (CurrentDeviceSmCount).
+inline unsigned GridFor(int64_t n, int threads = kThreads) {
+  return GridFor(n, CurrentDeviceSmCount(), threads);
 }
 
 // ---- reductions ----------------------------------------------------------------

@@ -33,6 +33,17 @@
 namespace te {
 namespace cuda {
 
+// A device's streaming multiprocessor count: what launch geometry sizes
+// grids by (common.cuh's GridFor).
+struct SmCount {
+  int value;
+};
+// The SM count of the calling thread's current CUDA device (the one
+// CudaOps::Enter() made current), recorded when OpenCudaDevice opened it, for
+// launchers that take only a stream. Inside an op, CudaOps::sm_count() is the
+// same number without the lookup.
+SmCount CurrentDeviceSmCount();
+
 // Page-locked host buffers kept for reuse (staging.cc). Thread-safe.
 class PinnedStagingPool;
 std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool();
@@ -187,6 +198,13 @@ class CudaOps : public Ops {
   cudaStream_t stream() const { return stream_.get(); }
   int ordinal() const { return context_->ordinal; }
   const CudaContext& context() const { return *context_; }
+  // The device's streaming multiprocessors, from the cudaDeviceProp read once
+  // when the device was opened: launch geometry sizes grids by it (no host
+  // query per launch).
+  int sm_count() const { return context_->properties.multiProcessorCount; }
+  // Blocks of `threads` for a grid-stride kernel over n items on this device
+  // (cuda::GridFor in common.cuh with sm_count()). Defined in common.cuh.
+  inline unsigned GridFor(int64_t n, int threads = 256) const;
   cublasLtHandle_t cublaslt() const { return context_->cublaslt; }
   // This stream's cuDNN handle, created on first use.
   absl::StatusOr<cudnnHandle_t> CudnnHandle();

@@ -402,7 +402,7 @@ absl::Status CudaOps::SumRows(const Tensor& x, Tensor* y) {
                                            (kVec * DTypeSize(x.dtype())) == 0;
   const int64_t per_thread = vec ? kVec : 1;
   const int64_t col_tiles = (cols + kThreads * per_thread - 1) / (kThreads * per_thread);
-  int64_t splits = std::max<int64_t>(1, 4 * 132 / col_tiles);
+  int64_t splits = std::max<int64_t>(1, 4 * sm_count() / col_tiles);
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, rows / 16));
   splits = std::min<int64_t>(splits, 65535);
   const int64_t rows_per_split = std::max<int64_t>(1, (rows + splits - 1) / splits);

@@ -334,8 +334,8 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
   if (!quantized && (rows == 0 || cols == 0)) return absl::OkStatus();
   const int warps = FastForwardWarps(x, gamma, beta, *y, layernorm, rows, cols);
   const int sms = context().properties.multiProcessorCount;
-  const unsigned blocks =
-      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, 132 * 16)));
+  const unsigned blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(rows, 16 * static_cast<int64_t>(sms))));
   const int threads = RowThreads(cols);
   // The general kernel's row cache: shared memory when it fits, else a global
   // scratch row per block.

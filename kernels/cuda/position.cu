@@ -175,7 +175,7 @@ absl::Status CudaOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& bu
   RETURN_IF_ERROR(AllowSharedBytes(RelativeBiasPartialKernel, shared_bytes,
                                    "cudaFuncSetAttribute(RelativeBiasPartialKernel)"));
   // Enough (chunk, head) blocks to fill the GPU; each chunk at least 4K positions.
-  int64_t chunks = std::max<int64_t>(1, (2 * 132 + heads - 1) / heads);
+  int64_t chunks = std::max<int64_t>(1, (2 * sm_count() + heads - 1) / heads);
   chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, positions / 4096));
   const int64_t chunk_len = std::max<int64_t>(1, (positions + chunks - 1) / chunks);
   chunks = positions == 0 ? 1 : (positions + chunk_len - 1) / chunk_len;
