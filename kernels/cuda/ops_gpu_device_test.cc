@@ -1,0 +1,121 @@
+// The CUDA device itself: its info, out-of-range ordinals, the session memory
+// limit and device out-of-memory as RESOURCE_EXHAUSTED, no cudaMalloc in
+// steady state, two streams sharing the allocator's cache, and bad arguments
+// as INVALID_ARGUMENT.
+#include "kernels/cuda/ops_gpu_test.h"
+
+namespace te {
+namespace gpu_test {
+namespace {
+
+// ---- device, memory, allocator ------------------------------------------------------------
+
+class DeviceTest : public GpuTest {};
+
+TEST_F(DeviceTest, InfoAndBackend) {
+  EXPECT_TRUE(CudaBackendBuilt());
+  const DeviceInfo info = OpenBackends()->gpu_device->info();
+  EXPECT_EQ(info.name, "cuda:0");
+  EXPECT_FALSE(info.description.empty());
+  EXPECT_GE(info.compute_capability, 70);
+  EXPECT_GT(info.memory_bytes, int64_t{1} << 30);
+  EXPECT_EQ(info.fp8_native, info.compute_capability >= 89);
+  EXPECT_EQ(info.block_scaling_native, info.compute_capability >= 100);
+  EXPECT_TRUE(OpenBackends()->gpu_device->healthy());
+  EXPECT_EQ(gpu_->device_name(), "cuda:0");
+}
+
+TEST_F(DeviceTest, OrdinalOutOfRangeIsUnavailable) {
+  auto device = OpenCudaDevice(1000);
+  ASSERT_FALSE(device.ok());
+  EXPECT_EQ(device.status().code(), absl::StatusCode::kUnavailable) << device.status();
+}
+
+TEST_F(DeviceTest, MemoryLimitIsResourceExhausted) {
+  auto ops = OpenBackends()->gpu_device->NewOps(1 << 20);
+  ASSERT_TRUE(ops.ok());
+  auto small = (*ops)->Allocate(DType::kF32, {1000});
+  ASSERT_TRUE(small.ok());
+  auto big = (*ops)->Allocate(DType::kF32, {1 << 20});
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*ops)->bytes_in_use(), 4000);
+}
+
+TEST_F(DeviceTest, DeviceOutOfMemoryIsResourceExhausted) {
+  auto ops = OpenBackends()->gpu_device->NewOps(int64_t{1} << 50);
+  ASSERT_TRUE(ops.ok());
+  auto huge = (*ops)->Allocate(DType::kF32, {int64_t{1} << 45});  // 128 TiB
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  // The device is still usable afterwards.
+  Pair x = Random(DType::kF32, {77, 200}, 20);
+  EXPECT_TRUE(gpu_->Synchronize().ok());
+}
+
+// A training-like step allocating and freeing its temporaries: after the first
+// step every allocation is served from the cache.
+TEST_F(DeviceTest, NoCudaMallocInSteadyState) {
+  auto* cuda_ops = dynamic_cast<cuda::CudaOps*>(gpu_);
+  ASSERT_NE(cuda_ops, nullptr);
+  const Pair x = Random(DType::kBF16, {128, 4096}, 21);
+  const Pair gamma = Random(DType::kBF16, {4096}, 22);
+  const Pair beta = Random(DType::kBF16, {4096}, 23);
+  auto step = [&] {
+    Tensor y = NewGpu(DType::kBF16, {128, 4096});
+    Tensor mu = NewGpu(DType::kF32, {128});
+    Tensor rsigma = NewGpu(DType::kF32, {128});
+    NormArgs args;
+    ASSERT_TRUE(gpu_->NormForward(args, x.gpu, gamma.gpu, beta.gpu, &y, &mu, &rsigma, nullptr).ok());
+    Tensor dx = NewGpu(DType::kBF16, {128, 4096});
+    Tensor dgamma = NewGpu(DType::kBF16, {4096}), dbeta = NewGpu(DType::kBF16, {4096});
+    ASSERT_TRUE(gpu_->NormBackward(args, y, x.gpu, mu, rsigma, gamma.gpu, &dx, &dgamma, &dbeta).ok());
+    Tensor bias_grad = NewGpu(DType::kF32, {4096});
+    ASSERT_TRUE(gpu_->SumRows(dx, &bias_grad).ok());
+  };
+  step();
+  const int64_t mallocs = cuda_ops->context().allocator->stats().cuda_mallocs;
+  for (int i = 0; i < 5; ++i) step();
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  EXPECT_EQ(cuda_ops->context().allocator->stats().cuda_mallocs, mallocs);
+}
+
+TEST_F(DeviceTest, TwoStreamsShareTheCacheSafely) {
+  auto other = OpenBackends()->gpu_device->NewOps(int64_t{1} << 30);
+  ASSERT_TRUE(other.ok());
+  // Memory freed on one stream and reused on the other must not be clobbered
+  // while the first stream's work is still queued.
+  const Pair x = Random(DType::kF32, {1024, 1024}, 24);
+  for (int round = 0; round < 3; ++round) {
+    Tensor expected_cpu = NewCpu(DType::kF32, {1024, 1024});
+    ASSERT_TRUE(cpu_->Axpby(2.0f, x.cpu, 0.0f, Tensor(), &expected_cpu).ok());
+    Tensor result;
+    {
+      Tensor scratch = NewGpu(DType::kF32, {1024, 1024});
+      ASSERT_TRUE(gpu_->Axpby(2.0f, x.gpu, 0.0f, Tensor(), &scratch).ok());
+      result = NewGpu(DType::kF32, {1024, 1024});
+      ASSERT_TRUE(gpu_->Copy(scratch, &result).ok());
+    }  // scratch freed with gpu_'s work possibly queued
+    auto reuse = (*other)->Allocate(DType::kF32, {1024, 1024});
+    ASSERT_TRUE(reuse.ok());
+    ASSERT_TRUE((*other)->Fill(-7.0f, &*reuse).ok());
+    ExpectMatches(Pair{expected_cpu, result}, "result after cross-stream reuse");
+    ASSERT_TRUE((*other)->Synchronize().ok());
+  }
+}
+
+TEST_F(DeviceTest, BadArgumentsAreInvalidArgument) {
+  Pair x = Random(DType::kF32, {4, 8}, 25);
+  Pair y = Output(DType::kF32, {4, 9});
+  EXPECT_EQ(gpu_->Cast(x.gpu, &y.gpu).code(), absl::StatusCode::kInvalidArgument);
+  Pair q = Output(DType::kE4M3, {4, 8});
+  EXPECT_EQ(gpu_->ActivationForward({Activation::kGelu}, x.gpu, &q.gpu, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->DropoutForward(1.5f, 1, x.gpu, &x.gpu, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->Permute(x.gpu, {0, 0}, &x.gpu).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace gpu_test
+}  // namespace te
