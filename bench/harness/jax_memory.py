@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Peak device memory of one forward + backward step of a JAX peer (issue 3 asks for ours and JAX's).
+"""Peak device memory of one forward + backward step of a JAX peer, for the benchmark table's
+peak-MiB column beside ours.
 
   python3 jax_memory.py [--peers PATH/jax_peers.py] [--layer cudnn|xla|flax]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU benchmark harness (issue 3's table, issue 4's resident-tensor and
-# multi-client figures), in one call on the GPU machine, from the bundle
+# The GPU benchmark harness (the quickstart layer against the peers, client
+# against server time with resident tensors, many clients), in one call on the GPU machine, from the bundle
 # folder that deploy/bundle.sh makes (it holds te_server, layer_bench,
 # te_bench, run.sh, this script, summarize.py, jax_memory.py and the peers):
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's many-client figures, in one call on a GPU machine, from the bundle
+# The many-client figures (one GPU, then two), in one call on a GPU machine, from the bundle
 # folder that deploy/bundle.sh makes (te_server, te_bench, run.sh):
 #
 #   bundle/run_multi_client_bench.sh     # tables on stdout; with $OUT set, the

@@ -11,7 +11,7 @@ Reads the run's lines (files named on the command line, or stdin):
   CONFIG batch B seq S hidden E ffn F heads H ...            (layer_bench; default: the quickstart's)
   SETUP <text>                                               (the harness: GPU, commit, command)
   STAGE <name> FAILED|TIMED OUT|SKIPPED ...                  (the harness: a stage that did not finish)
-and, with --te_bench_json, te_bench's JSON report (issue 4's multi-client figures).
+and, with --te_bench_json, te_bench's JSON report (the many-client figures).
 
 Prints the table (and the targets of issues 3 and 4) and writes it to $OUT/bench.md when OUT is
 set (or to --out).
@@ -40,7 +40,8 @@ FALLBACK_CEIL_TFLOPS = {"bf16": 813.0, "fp8": 1492.0}
 
 QUICKSTART = {"batch": 4, "seq": 2048, "hidden": 4096, "ffn": 16384, "heads": 32}
 
-# Issue 3's targets (ours / best peer) and issue 4's (client / server, multi-client).
+# The performance targets: ours / best peer (FP8 and bf16), client / server with
+# resident tensors, and many clients on one and two GPUs.
 TARGETS = {
     "v6_te_transformer_fp8": 0.75,
     "v7_te_transformer_bf16": 1.0,
@@ -203,7 +204,7 @@ def _verdict(value, limit, at_least=False):
 
 
 def multi_client_lines(report):
-    """Issue 4: N clients on one GPU against one client, from te_bench's JSON."""
+    """N clients on one GPU against one client, from te_bench's JSON."""
     points = sorted(report.get("points", []), key=lambda p: p["clients"])
     if not points:
         return ["- te_bench: no points"]

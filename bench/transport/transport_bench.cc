@@ -8,7 +8,7 @@
 //             into (or out of) the region plus the PutTensor (GetTensor) call
 //             that names it
 // Rates are the median of --reps timed transfers after one untimed one; the
-// ratios to unary are the figures of issue 4 (streamed >= 2x, shm >= 5x).
+// ratios to unary are the transports' targets (streamed >= 2x, shm >= 5x).
 //
 //   bazel run //bench/transport:transport_bench
 //   bazel run //bench/transport:transport_bench -- --address=host:port

@@ -1,5 +1,5 @@
 // Factories for the attention modules and the layers built on them
-// (written by the attention helper; CreateLayer in create_layer.cc calls them).
+// (CreateLayer in create_layer.cc calls them).
 // Each validates its spec (INVALID_ARGUMENT naming the field, e.g.
 // "spec.dot_product_attention.head_dim") and applies TE's defaults.
 #ifndef TE_SERVER_LAYERS_ATTENTION_LAYERS_H_

@@ -58,7 +58,7 @@ void PrintTo(const CaseRun& run, std::ostream* os);
 // (two steps, so the second runs on updated scales).
 std::vector<CaseRun> AllCaseRuns();
 
-// The check: small TransformerLayers (the default and the
+// The FP8 state check: small TransformerLayers (the default and the
 // quickstart's arguments), bf16, FP8, 20 steps on the same inputs.
 constexpr int kFp8StateSteps = 20;
 std::vector<CaseRun> Fp8StateRuns();

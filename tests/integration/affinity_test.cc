@@ -1,4 +1,4 @@
-// Session affinity from the client's side (issue 5), over real sockets: real
+// Session affinity from the client's side, over real sockets: real
 // te_server processes behind a small generic gRPC proxy that stands in for a
 // balancer. The proxy forwards every call's bytes unchanged (round robin over
 // its backends, as a plain L4 balancer would spread connections) and records
