@@ -55,32 +55,9 @@ constexpr double kBF16Tolerance = 2e-2;
 // land one bfloat16 ulp apart.
 double ToleranceOf(DType stored) { return stored == DType::kBF16 ? kBF16Tolerance : 0.0; }
 
-struct Backends {
-  std::unique_ptr<Device> device;
-  std::unique_ptr<Ops> cpu, gpu;
-  std::string unavailable;
-};
+using Backends = testing::GpuBackends;
 
-Backends& GetBackends() {
-  static Backends* backends = [] {
-    auto* b = new Backends;
-    absl::StatusOr<std::unique_ptr<Device>> device = OpenCudaDevice(0);
-    if (!device.ok()) {
-      b->unavailable = device.status().ToString();
-      return b;
-    }
-    absl::StatusOr<std::unique_ptr<Ops>> gpu = (*device)->NewOps(int64_t{96} << 30);
-    if (!gpu.ok()) {
-      b->unavailable = gpu.status().ToString();
-      return b;
-    }
-    b->device = *std::move(device);
-    b->gpu = *std::move(gpu);
-    b->cpu = std::make_unique<CpuOps>();
-    return b;
-  }();
-  return *backends;
-}
+Backends& GetBackends() { return testing::GetGpuBackends(int64_t{96} << 30); }
 
 absl::StatusOr<Tensor> ToGpu(Ops& gpu, const Tensor& host) {
   absl::StatusOr<Tensor> t = gpu.Allocate(host.dtype(), host.shape());

@@ -89,6 +89,38 @@ Fp8Recipe CurrentScalingRecipe();
 Fp8Recipe Mxfp8Recipe();
 Fp8Recipe Nvfp4Recipe();
 
+// CUDA device 0 and the CPU reference, opened once per test binary, for the
+// tests that compare the two backends (they link //kernels/cuda). `gpu` is
+// null, with the reason in `unavailable`, where no GPU could be opened.
+// `gpu_memory_limit` is the GPU Ops' session memory limit; the first call's
+// holds. Inline, so the CPU-only tests that link this library never reference
+// OpenCudaDevice.
+struct GpuBackends {
+  std::unique_ptr<Device> gpu_device;
+  std::unique_ptr<Ops> cpu, gpu;
+  std::string unavailable;  // why there is no GPU
+};
+inline GpuBackends& GetGpuBackends(int64_t gpu_memory_limit) {
+  static GpuBackends* backends = [gpu_memory_limit] {
+    auto* b = new GpuBackends;
+    absl::StatusOr<std::unique_ptr<Device>> device = OpenCudaDevice(0);
+    if (!device.ok()) {
+      b->unavailable = device.status().ToString();
+      return b;
+    }
+    absl::StatusOr<std::unique_ptr<Ops>> gpu = (*device)->NewOps(gpu_memory_limit);
+    if (!gpu.ok()) {
+      b->unavailable = gpu.status().ToString();
+      return b;
+    }
+    b->gpu_device = *std::move(device);
+    b->gpu = *std::move(gpu);
+    b->cpu = NewCpuOps();
+    return b;
+  }();
+  return *backends;
+}
+
 }  // namespace te::layers::testing
 
 #endif  // TE_SERVER_LAYERS_TESTING_H_

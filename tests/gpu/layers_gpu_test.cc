@@ -3,7 +3,7 @@
 // identical random inputs, forward and backward, comparing y (and ln_out),
 // dx (and dk, dv), every parameter gradient and every variable after the step
 // (tests/gpu/layer_cases.h lists the runs: f32, bf16 and FP8, odd sizes).
-// Then issue 3's check: small TransformerLayers under DelayedScaling (HYBRID,
+// Then the FP8 state check: small TransformerLayers under DelayedScaling (HYBRID,
 // amax_history_len 16) for 20 steps, the FP8 state (every amax history and
 // scale) and the gradients matching the CPU's after each step.
 //
@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
+#include "server/layers/testing.h"
 #include "tests/gpu/layer_cases.h"
 #include "tests/gpu/layer_compare.h"
 
@@ -64,32 +65,9 @@ constexpr Tolerances kTolerances = {
     /*fp8_metas=*/0.1,
 };
 
-struct Backends {
-  std::unique_ptr<Device> gpu_device;
-  std::unique_ptr<Ops> cpu, gpu;
-  std::string unavailable;  // why there is no GPU
-};
+using Backends = layers::testing::GpuBackends;
 
-Backends& GetBackends() {
-  static Backends* backends = [] {
-    auto* b = new Backends;
-    absl::StatusOr<std::unique_ptr<Device>> device = OpenCudaDevice(0);
-    if (!device.ok()) {
-      b->unavailable = device.status().ToString();
-      return b;
-    }
-    absl::StatusOr<std::unique_ptr<Ops>> gpu = (*device)->NewOps(int64_t{16} << 30);
-    if (!gpu.ok()) {
-      b->unavailable = gpu.status().ToString();
-      return b;
-    }
-    b->gpu_device = *std::move(device);
-    b->gpu = *std::move(gpu);
-    b->cpu = std::make_unique<CpuOps>();
-    return b;
-  }();
-  return *backends;
-}
+Backends& GetBackends() { return layers::testing::GetGpuBackends(int64_t{16} << 30); }
 
 class LayersGpuTest : public ::testing::TestWithParam<CaseRun> {
  protected:
@@ -136,7 +114,9 @@ TEST_P(LayersGpuTest, ForwardBackwardMatchesCpu) { CompareOnBothBackends(GetPara
 
 INSTANTIATE_TEST_SUITE_P(Layers, LayersGpuTest, ::testing::ValuesIn(AllCaseRuns()), RunName);
 
-// Issue 3: "the FP8 state after 20 ForwardBackward steps matching the CPU's".
+// The FP8 state after 20 ForwardBackward steps must match the CPU's: a
+// delayed-scaling bug (a stale amax history, a scale from the wrong step)
+// shows only over steps.
 // Every step's y, dx, parameter gradients and fp8_metas are compared (the
 // worst over the steps is what is judged), so a drift shows at the step where
 // it starts.
