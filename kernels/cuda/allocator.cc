@@ -1,5 +1,6 @@
 #include "kernels/cuda/allocator.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -82,11 +83,13 @@ absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
     CUDA_RETURN_IF_ERROR(error);
     std::lock_guard<std::mutex> lock(mu_);
     stats_.bytes_reserved += static_cast<int64_t>(size);
+    stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
     ++stats_.cuda_mallocs;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.bytes_in_use += static_cast<int64_t>(block_size);
+    stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
   }
   std::shared_ptr<CachingAllocator> self = shared_from_this();
   return std::shared_ptr<void>(ptr, [self, block_size, stream](void* p) mutable {
@@ -129,6 +132,12 @@ void CachingAllocator::ReleaseCachedLocked() {
   }
   free_blocks_.clear();
   if (previous >= 0) (void)cudaSetDevice(previous);
+}
+
+void CachingAllocator::ResetPeaks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  stats_.peak_bytes_reserved = stats_.bytes_reserved;
 }
 
 CachingAllocator::Stats CachingAllocator::stats() const {

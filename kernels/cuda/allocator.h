@@ -33,6 +33,10 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   struct Stats {
     int64_t bytes_reserved = 0;  // held from cudaMalloc (in use + cached)
     int64_t bytes_in_use = 0;    // handed out, rounded sizes
+    // The most of each since the allocator was made or ResetPeaks, as JAX's
+    // device.memory_stats() peak_bytes_in_use / peak_bytes_reserved.
+    int64_t peak_bytes_in_use = 0;
+    int64_t peak_bytes_reserved = 0;
     int64_t cuda_mallocs = 0;    // misses served by cudaMalloc, ever
     int64_t cache_hits = 0;
   };
@@ -57,6 +61,9 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   void ReleaseCached();
 
   Stats stats() const;
+  // Starts the peaks again from what is in use and reserved now (a
+  // benchmark's timed steps).
+  void ResetPeaks();
 
   // The size actually reserved for a request: buckets keep the number of
   // distinct sizes small so freed blocks fit later requests.
