@@ -397,6 +397,12 @@ absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRe
   return response;
 }
 
+absl::StatusOr<te::v1::SessionInfo> Session::GetSessionInfo(absl::Duration timeout) {
+  te::v1::GetSessionInfoRequest request;
+  TE_CLIENT_UNARY(GetSessionInfo, SessionInfo)
+  return response;
+}
+
 absl::StatusOr<te::v1::SetOptimizerResponse> Session::SetOptimizer(const std::string& layer_id,
                                                                   const Optimizer& optimizer,
                                                                   absl::Duration timeout) {

@@ -190,8 +190,16 @@ class Session {
       te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
   absl::Status SetVariables(te::v1::SetVariablesRequest request,
                             absl::Duration timeout = absl::InfiniteDuration());
+  // The Benchmark RPC: step times, and the memory of the timed steps
+  // (peak_bytes_in_use: this session's; bytes_reserved / peak_bytes_reserved:
+  // the device allocator's, as JAX's device.memory_stats()).
   absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(
       te::v1::BenchmarkRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // The session's device, memory now and at peak (since it opened or its
+  // last Benchmark's timed steps began), the device's, and its counts of
+  // layers, saved forwards, resident tensors and regions.
+  absl::StatusOr<te::v1::SessionInfo> GetSessionInfo(
+      absl::Duration timeout = absl::InfiniteDuration());
   // tx.init(params): gives layer `layer_id` `optimizer` and a fresh state
   // (collection opt_state), replacing any; a ForwardBackward with
   // apply_update then runs a whole training step. INVALID_ARGUMENT naming the

@@ -47,7 +47,13 @@ absl::StatusOr<SpeedometerResult> TimeSteps(const SpeedometerOptions& options,
 }
 
 void Report(const SpeedometerOptions& options, const SpeedometerResult& result) {
-  if (options.print) std::cout << "Mean time: " << result.mean_ms << " ms" << std::endl;
+  if (!options.print) return;
+  std::cout << "Mean time: " << result.mean_ms << " ms" << std::endl;
+  if (options.server_side) {
+    constexpr double kMiB = 1 << 20;
+    std::cout << "Peak memory: " << result.peak_bytes_in_use / kMiB << " MiB in use, "
+              << result.peak_bytes_reserved / kMiB << " MiB reserved" << std::endl;
+  }
 }
 
 te::v1::Tensor ResidentProto(const ResidentTensor& t) {
@@ -91,6 +97,9 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
     result.median_ms = response.median_ms();
     result.steps = response.steps();
     result.timed_by = response.device();
+    result.peak_bytes_in_use = response.peak_bytes_in_use();
+    result.bytes_reserved = response.bytes_reserved();
+    result.peak_bytes_reserved = response.peak_bytes_reserved();
     return result;
   }
 

@@ -1,7 +1,8 @@
 // Speedometer: the quickstart's speedometer (quickstart_jax_utils.py) over
 // te_server. It times forward + backward steps, value_and_grad of
 // vdot(apply(x), dy), with dropout on and the calling thread's Autocast, and
-// prints "Mean time: X ms".
+// prints "Mean time: X ms" (server-side, also the steps' peak and reserved
+// memory in MiB).
 //
 // Unlike the quickstart's, whose jitted step throws its updated fp8_metas
 // away, each step here ends a real training step on the server: under
@@ -9,6 +10,7 @@
 #ifndef TE_CLIENT_SPEEDOMETER_H_
 #define TE_CLIENT_SPEEDOMETER_H_
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -34,6 +36,11 @@ struct SpeedometerResult {
   double median_ms = 0.0;
   int steps = 0;
   std::string timed_by;  // "client" or the server's device ("cpu", "cuda:0")
+  // Server-side timing only (0 otherwise): the Benchmark's memory over the
+  // timed steps, as JAX's device.memory_stats() reports it.
+  int64_t peak_bytes_in_use = 0;    // the session's
+  int64_t bytes_reserved = 0;       // the device allocator's, after the steps
+  int64_t peak_bytes_reserved = 0;  // and at its most during them
 };
 
 // A module (a Graph included: one call per step): x and dy are uploaded once as resident tensors (deleted at

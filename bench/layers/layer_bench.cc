@@ -224,8 +224,16 @@ class VariantRun {
     request.set_warmup_iters(std::max(o_.warmup, 1));  // 0 would mean the server's default
     request.set_timing_iters(o_.iters);
     ASSIGN_OR_RETURN(te::v1::BenchmarkResponse response, session_.Benchmark(std::move(request)));
+    last_response_ = response;
     return response.mean_ms();
   }
+
+ public:
+  // The last Benchmark's answer (its timed steps' memory included).
+  const te::v1::BenchmarkResponse& last_response() const { return last_response_; }
+
+ private:
+  te::v1::BenchmarkResponse last_response_;
 
   Session& session_;
   const Options& o_;
@@ -263,6 +271,16 @@ absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, co
   }
   std::cout << "OURS " << v.name << " " << Ms(server_ms) << " " << Ms(client_ms) << " "
             << (peak_mib ? absl::StrFormat("%.0f", *peak_mib) : "-") << std::endl;
+  if (server_ms) {
+    // The server's own account of the timed steps (JAX's peak_bytes_in_use /
+    // bytes_reserved), beside the external probe's peak in the OURS line.
+    const te::v1::BenchmarkResponse& r = run.last_response();
+    constexpr double kMiB = 1 << 20;
+    std::cout << absl::StrFormat("OURSMEM %s peak %.1f MiB reserved %.1f MiB (peak %.1f)\n", v.name,
+                                 r.peak_bytes_in_use() / kMiB, r.bytes_reserved() / kMiB,
+                                 r.peak_bytes_reserved() / kMiB)
+              << std::flush;
+  }
   return session->Close();
 }
 

@@ -43,7 +43,10 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
                 timing_iters=50, warmup_iters=50, server_side=False, print_result=True):
     """Times forward + backward steps and prints "Mean time: X ms" (as the
     quickstart's helper; both its older and newer argument names work).
-    Returns {"mean_ms", "median_ms", "steps", "timed_by"}.
+    Returns {"mean_ms", "median_ms", "steps", "timed_by"}; server_side adds the
+    timed steps' memory as JAX's device.memory_stats() reports it:
+    "peak_bytes_in_use" (the session's), "bytes_reserved" and
+    "peak_bytes_reserved" (the device allocator's).
 
     A TE module, or a composite (one graph layer on the server), uploads x
     and dy once and runs each step as one ForwardBackward call that returns
@@ -75,6 +78,9 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
             timed = _time_client(step, warmup_iters, timing_iters, "client")
     if print_result:
         print(f"Mean time: {timed['mean_ms']} ms")
+        if "peak_bytes_in_use" in timed:
+            print(f"Peak memory: {timed['peak_bytes_in_use'] / 2**20:.1f} MiB in use, "
+                  f"{timed['peak_bytes_reserved'] / 2**20:.1f} MiB reserved")
     return timed
 
 
@@ -116,8 +122,11 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
             response = session.call("Benchmark", service_pb2.BenchmarkRequest(
                 layer_id=handle.layer_id, inputs=batch(0), deterministic=deterministic, autocast=autocast,
                 warmup_iters=warmup_iters, timing_iters=timing_iters))
+            # The timed steps' memory, as JAX's device.memory_stats() reports it.
             return {"mean_ms": response.mean_ms, "median_ms": response.median_ms, "steps": response.steps,
-                    "timed_by": response.device}
+                    "timed_by": response.device, "peak_bytes_in_use": response.peak_bytes_in_use,
+                    "bytes_reserved": response.bytes_reserved,
+                    "peak_bytes_reserved": response.peak_bytes_reserved}
 
         def step(i):
             session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
