@@ -572,6 +572,25 @@ absl::StatusOr<int64_t> CheckActivationForwardArgs(const std::vector<Activation>
   return width;
 }
 
+absl::StatusOr<int64_t> CheckActivationForwardTransposedArgs(const std::vector<Activation>& acts,
+                                                             const Tensor& x,
+                                                             const Fp8Output& fp8,
+                                                             const Tensor* y, const Tensor* y_t) {
+  const char* op = "ActivationForwardTransposed";
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationForwardArgs(acts, x, y, &fp8));
+  if (!IsFloat8(y->dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": y must be FP8, got ", DTypeName(y->dtype())));
+  }
+  if (y_t == nullptr || !y_t->defined() || y_t->dtype() != y->dtype()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": y_t must be defined, of y's dtype ", DTypeName(y->dtype())));
+  }
+  const int64_t rows = width > 0 ? y->numel() / width : 0;
+  RETURN_IF_ERROR(RequireShape(op, "y_t", *y_t, {width, rows}));
+  return width;
+}
+
 absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation>& acts,
                                                     const Tensor& dy, const Tensor& x,
                                                     const Tensor* dx) {

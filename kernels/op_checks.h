@@ -132,6 +132,11 @@ absl::StatusOr<NormDims> CheckNormBackwardArgs(const NormArgs& args, const Tenso
 absl::StatusOr<int64_t> CheckActivationForwardArgs(const std::vector<Activation>& acts,
                                                    const Tensor& x, const Tensor* y,
                                                    const Fp8Output* fp8);
+// CheckActivationForwardArgs with an FP8 y, and y_t [width, rows] of y's dtype.
+absl::StatusOr<int64_t> CheckActivationForwardTransposedArgs(const std::vector<Activation>& acts,
+                                                             const Tensor& x,
+                                                             const Fp8Output& fp8,
+                                                             const Tensor* y, const Tensor* y_t);
 absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation>& acts,
                                                     const Tensor& dy, const Tensor& x,
                                                     const Tensor* dx);

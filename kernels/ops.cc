@@ -87,6 +87,15 @@ absl::Status Ops::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
   return Copy(fp8.amax, &kept_amax_out);
 }
 
+absl::Status Ops::ActivationForwardTransposed(const std::vector<Activation>& acts,
+                                              const Tensor& x, const Fp8Output& fp8, Tensor* y,
+                                              Tensor* y_t) {
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationForwardTransposedArgs(acts, x, fp8, y, y_t));
+  RETURN_IF_ERROR(ActivationForward(acts, x, y, &fp8));
+  if (width == 0) return absl::OkStatus();
+  return Permute(y->Reshaped({y->numel() / width, width}), {1, 0}, y_t);
+}
+
 absl::Status Ops::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) {
   if (items.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(Tensor scale_inv, Allocate(DType::kF32, {1}));

@@ -429,6 +429,13 @@ class Ops {
   // x [N, n * I] with n = acts.size() (1 or 2) -> y [N, I]; y may be FP8.
   virtual absl::Status ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
                                          Tensor* y, const Fp8Output* fp8 = nullptr) = 0;
+  // ActivationForward with an FP8 y [N, I], and y_t [I, N] = y^T: the
+  // activation in both layouts an FP8 GEMM takes it (the next forward GEMM as
+  // is, its wgrad transposed). The default runs ActivationForward, then
+  // Permute; the CUDA backend writes both from one pass (single activations).
+  virtual absl::Status ActivationForwardTransposed(const std::vector<Activation>& acts,
+                                                   const Tensor& x, const Fp8Output& fp8,
+                                                   Tensor* y, Tensor* y_t);
   // dy [N, I], x [N, n * I] -> dx [N, n * I].
   virtual absl::Status ActivationBackward(const std::vector<Activation>& acts,
                                           const Tensor& dy, const Tensor& x, Tensor* dx) = 0;

@@ -18,6 +18,8 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/activation_fns.cuh"
+#include "kernels/cuda/cast_transpose.cuh"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
@@ -27,43 +29,6 @@
 namespace te {
 namespace cuda {
 namespace {
-
-constexpr float kQuickGeluAlpha = 1.702f;
-
-__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// ---- the activations as functors: Value(x) and Derivative(x) ----------------------
-
-struct GeluFn {
-  __device__ __forceinline__ float Value(float x) const { return GeluTanh(x); }
-  __device__ __forceinline__ float Derivative(float x) const { return GeluTanhDerivative(x); }
-};
-struct SiluFn {
-  __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(x); }
-  __device__ __forceinline__ float Derivative(float x) const {
-    const float s = Sigmoid(x);
-    return s * (1.0f + x * (1.0f - s));
-  }
-};
-struct ReluFn {
-  __device__ __forceinline__ float Value(float x) const { return x > 0.0f ? x : 0.0f; }
-  __device__ __forceinline__ float Derivative(float x) const { return x > 0.0f ? 1.0f : 0.0f; }
-};
-struct QuickGeluFn {
-  __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(kQuickGeluAlpha * x); }
-  __device__ __forceinline__ float Derivative(float x) const {
-    const float s = Sigmoid(kQuickGeluAlpha * x);
-    return s + kQuickGeluAlpha * x * s * (1.0f - s);
-  }
-};
-struct SquaredReluFn {
-  __device__ __forceinline__ float Value(float x) const { return x > 0.0f ? x * x : 0.0f; }
-  __device__ __forceinline__ float Derivative(float x) const { return x > 0.0f ? 2.0f * x : 0.0f; }
-};
-struct LinearFn {
-  __device__ __forceinline__ float Value(float x) const { return x; }
-  __device__ __forceinline__ float Derivative(float) const { return 1.0f; }
-};
 
 // The activation chosen per element: for the combinations not worth a kernel
 // of their own (see DispatchActivations).
@@ -92,18 +57,6 @@ struct RuntimeFn {
     return 1.0f;
   }
 };
-
-template <typename F>
-void WithActivation(Activation act, F&& f) {
-  switch (act) {
-    case Activation::kGelu: f(GeluFn{}); return;
-    case Activation::kSilu: f(SiluFn{}); return;
-    case Activation::kRelu: f(ReluFn{}); return;
-    case Activation::kQuickGelu: f(QuickGeluFn{}); return;
-    case Activation::kSquaredRelu: f(SquaredReluFn{}); return;
-    case Activation::kLinear: f(LinearFn{}); return;
-  }
-}
 
 // Calls f(gated, act0, act1) with gated a std::bool_constant. With kSpecialize
 // (the dtype combinations layers use), single activations and the gated pairs
@@ -431,6 +384,39 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
                 quantized ? fp8->scale.data_as<const float>() : nullptr,
                 quantized ? fp8->amax.data_as<float>() : nullptr,
                 quantized ? fp8->scale_inv.data_as<float>() : nullptr);
+      });
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>& acts,
+                                                  const Tensor& x, const Fp8Output& fp8,
+                                                  Tensor* y, Tensor* y_t) {
+  ASSIGN_OR_RETURN(const int64_t width, CheckActivationForwardTransposedArgs(acts, x, fp8, y, y_t));
+  const Tensor x2 = x.Reshaped({Rows(x), width});
+  const Tensor y2 = y->Reshaped({Rows(x), width});
+  // Gated pairs and shapes the tile kernel cannot take: activation, then
+  // transpose.
+  if (acts.size() != 1 || !TileKernelFits(x2, y2, *y_t)) {
+    return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
+  }
+  RETURN_IF_ERROR(Enter());
+  const int64_t rows = x2.dim(0);
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  const dim3 grid(static_cast<unsigned>((width + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFp8(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      WithActivation(acts[0], [&](auto act) {
+        using F = ValueOf<decltype(act)>;
+        QuantizeTransposeKernel<In, Out, F><<<grid, 256, 0, stream()>>>(
+            static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
+            static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
+            fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), nullptr, rows, width,
+            nullptr, F{act});
       });
     });
   });

@@ -142,6 +142,9 @@ class CudaOps : public Ops {
   // activation.cu
   absl::Status ActivationForward(const std::vector<Activation>& acts, const Tensor& x,
                                  Tensor* y, const Fp8Output* fp8) override;
+  absl::Status ActivationForwardTransposed(const std::vector<Activation>& acts, const Tensor& x,
+                                           const Fp8Output& fp8, Tensor* y,
+                                           Tensor* y_t) override;
   absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                   const Tensor& x, Tensor* dx) override;
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cast_transpose.cuh"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
@@ -212,85 +213,6 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
 #pragma unroll
     for (int i = 0; i < kNvfp4Block; ++i) y[b * kNvfp4Block + i] = Out::Store(v[i]);
   }
-}
-
-// Cast-transpose: one 64 x 64 tile of x per block (256 threads, 16 x 16).
-// Each thread reads 4 consecutive elements of a row, writes their FP8 codes
-// as one 4-byte word of y, and keeps them in shared memory; the tile then
-// leaves transposed as 4-byte words of y_t (4 consecutive rows of one
-// column), as gemm.cu's byte transpose does. Needs rows and cols multiples
-// of 4 and 4-element-aligned rows (the launcher checks).
-// With `column_partial` ([gridDim.y, cols] f32) the tile also sums its rows
-// of x per column (float32, in a fixed order: each thread its 4 rows, then
-// the 16 threads of a column in order) into column_partial[blockIdx.y]: the
-// dbias of cast-transpose-dbias, finished by PartialColumnSumsKernel.
-template <typename In, typename Out>
-__global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__ x,
-                                        uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
-                                        const float* scale, float* amax, float* scale_inv,
-                                        float* __restrict__ column_partial, int64_t rows,
-                                        int64_t cols, const float* kept_scale) {
-  using InPack = Pack<typename In::Storage, 4>;
-  __shared__ ByteTile tile;
-  __shared__ float tile_column_sums[16][64 + 1];
-  __shared__ unsigned scratch[32];
-  const float s = *scale;
-  // y and y_t already hold x quantized with s (QuantizeTransposeKept): every
-  // block sees the same two values and leaves at once.
-  if (kept_scale != nullptr && *kept_scale == s) return;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
-  unsigned local = 0;
-  float column_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = ty + 16 * i;
-    const int64_t c = col0 + tx * 4;
-    if (row0 + r < rows && c < cols) {
-      const InPack p = *reinterpret_cast<const InPack*>(x + (row0 + r) * cols + c);
-      uint32_t word = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float v = In::Load(p.v[j]);
-        local = max(local, AbsBits(v));
-        column_sum[j] += v;
-        const uint8_t code = Out::Store(v * s);
-        tile[r][tx * 4 + j] = code;
-        word |= static_cast<uint32_t>(code) << (8 * j);
-      }
-      *reinterpret_cast<uint32_t*>(y + (row0 + r) * cols + c) = word;
-    }
-  }
-  if (column_partial != nullptr) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) tile_column_sums[ty][tx * 4 + j] = column_sum[j];
-  }
-  __syncthreads();
-  StoreTileTransposed(tile, y_t, rows, cols, row0, col0, tx, ty);
-  // tile_column_sums was complete at the barrier above.
-  if (column_partial != nullptr && threadIdx.x < 64 && col0 + threadIdx.x < cols) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) sum += tile_column_sums[k][threadIdx.x];
-    column_partial[blockIdx.y * cols + col0 + threadIdx.x] = sum;
-  }
-  local = BlockMaxBits(local, scratch);
-  if (threadIdx.x == 0) {
-    AtomicMaxAbsBits(amax, local);
-    if (blockIdx.x == 0 && blockIdx.y == 0) *scale_inv = 1.0f / s;
-  }
-}
-
-// Whether QuantizeTransposeKernel takes x [rows, cols]: 4-element words on
-// every side, and a grid it can launch.
-bool TileKernelFits(const Tensor& x, const Tensor& y, const Tensor& y_t) {
-  const int64_t rows = x.dim(0), cols = x.dim(1);
-  const size_t in_word = 4 * DTypeSize(x.dtype());
-  return rows > 0 && cols > 0 && rows % 4 == 0 && cols % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(x.data()) % in_word == 0 &&
-         reinterpret_cast<uintptr_t>(y.data()) % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(y_t.data()) % 4 == 0 && (rows + 63) / 64 <= 65535;
 }
 
 // After a QuantizeTransposeKept's quantize: either y held x at this scale

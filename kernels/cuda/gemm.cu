@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -53,6 +54,19 @@
 namespace te {
 namespace cuda {
 namespace {
+
+// Autotuning (TunePlan): how many of the heuristic's algorithms the first
+// call of a plan times, and how often each. TE_GEMM_AUTOTUNE=0 keeps the
+// heuristic's first choice (one candidate, no timing).
+constexpr int kTuneCandidates = 8;
+constexpr int kTuneReps = 3;
+int TuneCandidates() {
+  static const int candidates = [] {
+    const char* env = std::getenv("TE_GEMM_AUTOTUNE");
+    return env != nullptr && std::string(env) == "0" ? 1 : kTuneCandidates;
+  }();
+  return candidates;
+}
 
 // ---- kernels -------------------------------------------------------------
 
@@ -340,13 +354,19 @@ std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
                        preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
                        sizeof(align_d)),
                    "alignment preference");
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kTuneCandidates] = {};
   int returned = 0;
   TE_LT_OR_DECLINE(cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c,
-                                                  plan->d, preference, 1, &result, &returned),
+                                                  plan->d, preference, TuneCandidates(), results,
+                                                  &returned),
                    "heuristic");
-  if (returned == 0) return declined("heuristic found no algorithm", CUBLAS_STATUS_NOT_SUPPORTED);
-  plan->algo = result.algo;
+  for (int i = 0; i < returned; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) plan->candidates.push_back(results[i].algo);
+  }
+  if (plan->candidates.empty()) {
+    return declined("heuristic found no algorithm", CUBLAS_STATUS_NOT_SUPPORTED);
+  }
+  plan->algo = plan->candidates.front();
 #undef TE_LT_OR_DECLINE
   return plan;
 }
@@ -364,7 +384,65 @@ struct LtCall {
   const float* b_scale = nullptr;  // FP8: our a_scale_inv
 };
 
+absl::Status RunAlgo(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace);
+
+// The first call of a plan times each candidate on the call's own operands
+// (kTuneReps runs after one warm-up, CUDA events on the stream: a host sync,
+// once per plan) and keeps the fastest. Every candidate writes D (and the
+// GELU input) as the real call will, so trials change nothing the call does
+// not; an in-place accumulation (D += A B) runs its trials on a scratch D.
+// A candidate that fails to run is passed over.
+absl::Status TunePlan(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace) {
+  LtCall trial = call;
+  Tensor scratch;
+  if (call.key.accumulate && call.c == nullptr) {
+    ASSIGN_OR_RETURN(scratch, ops->Allocate(call.key.d_type, {call.key.n, call.key.m}));
+    trial.d = scratch.data();
+    trial.c = scratch.data();
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  float best_ms = 0.0f;
+  cublasLtMatmulAlgo_t best = plan->candidates.front();
+  bool found = false;
+  for (const cublasLtMatmulAlgo_t& candidate : plan->candidates) {
+    plan->algo = candidate;
+    if (!RunAlgo(ops, plan, trial, workspace).ok()) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    bool ok = cudaEventRecord(start, ops->stream()) == cudaSuccess;
+    for (int r = 0; ok && r < kTuneReps; ++r) ok = RunAlgo(ops, plan, trial, workspace).ok();
+    ok = ok && cudaEventRecord(stop, ops->stream()) == cudaSuccess &&
+         cudaEventSynchronize(stop) == cudaSuccess;
+    float ms = 0.0f;
+    ok = ok && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
+    if (!ok) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    if (!found || ms < best_ms) best_ms = ms, best = candidate, found = true;
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  plan->algo = best;
+  return absl::OkStatus();
+}
+
 absl::Status RunPlan(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace) {
+  if (!plan->tuned) {
+    plan->tuned = true;
+    // Tuning is an optimisation: where it cannot run (no memory for a
+    // scratch D), the heuristic's first choice stays.
+    if (plan->candidates.size() > 1 && !TunePlan(ops, plan, call, workspace).ok()) {
+      plan->algo = plan->candidates.front();
+    }
+  }
+  return RunAlgo(ops, plan, call, workspace);
+}
+
+absl::Status RunAlgo(CudaOps* ops, GemmPlan* plan, const LtCall& call, void* workspace) {
   if (call.key.bias) {
     CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias, sizeof(call.bias)));

@@ -58,6 +58,11 @@ struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  // The heuristic's best few algorithms: the first call times each on its
+  // own operands and keeps the fastest in `algo` (gemm.cu's TunePlan), as
+  // XLA autotunes its GEMMs; `tuned` once that is done.
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  bool tuned = false;
 
   GemmPlan() = default;
   GemmPlan(const GemmPlan&) = delete;

@@ -272,7 +272,7 @@ absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
 absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars) {
   if (!HasFp8Metas(&fp8)) return absl::OkStatus();
   const std::string prefix = absl::StrCat(kFp8Metas, "/");
-  ASSIGN_OR_RETURN(Tensor scale_inv, ops.Allocate(DType::kF32, {1}));
+  std::vector<Ops::DelayedScalingItem> items;
   for (auto& [name, history] : *vars) {
     if (!absl::StartsWith(name, prefix) || !absl::EndsWith(name, kHistorySuffix)) continue;
     const std::string stem = name.substr(0, name.size() - sizeof(kHistorySuffix) + 1);
@@ -284,13 +284,16 @@ absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars) {
     // The quantizer is the last path component up to its postfix: "grad_1".
     const std::string quantizer = stem.substr(stem.rfind('/') + 1);
     const bool is_grad = absl::StartsWith(quantizer, QuantizerName(QuantizerRole::kGrad));
-    DelayedScalingArgs args;
-    args.fp8_max = Fp8Max(is_grad ? fp8.backward_dtype() : fp8.forward_dtype());
-    args.margin = fp8.margin;
-    args.most_recent = fp8.most_recent;
-    RETURN_IF_ERROR(ops.DelayedScalingUpdate(args, &history, &scale->second, &scale_inv));
+    Ops::DelayedScalingItem item;
+    item.args.fp8_max = Fp8Max(is_grad ? fp8.backward_dtype() : fp8.forward_dtype());
+    item.args.margin = fp8.margin;
+    item.args.most_recent = fp8.most_recent;
+    item.amax_history = history;
+    item.scale = scale->second;
+    items.push_back(std::move(item));
   }
-  return absl::OkStatus();
+  // One launch for the layer's quantizers, all checked before any moves.
+  return ops.DelayedScalingUpdates(items);
 }
 
 }  // namespace te::layers

@@ -102,7 +102,11 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
     ASSIGN_OR_RETURN(GemmOperand act_q,
                      AllocateFusedOperand(ops, *opts.fp8, wo_.quantizers(), QuantizerRole::kX,
                                           {n, config_.intermediate}, vars, &q));
-    RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act_q.data, &q));
+    // Both layouts from the activation: wo's forward GEMM takes it as is,
+    // its wgrad transposed.
+    ASSIGN_OR_RETURN(act_q.data_t, ops.Allocate(act_q.data.dtype(), {config_.intermediate, n}));
+    RETURN_IF_ERROR(ops.ActivationForwardTransposed(config_.activations, s.h, q, &act_q.data,
+                                                    &act_q.data_t));
     RETURN_IF_ERROR(wo_.ForwardQuantized(ops, vars, act_q, s.h.dtype(), *opts.fp8, y,
                                          keep ? &s.wo : nullptr, wo_fusion));
   } else {

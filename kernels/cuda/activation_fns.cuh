@@ -1,0 +1,72 @@
+// The activations as functors, Value(x) and Derivative(x), with the formulas
+// of kernels/ops.h and the CPU reference: activation.cu's kernels take them
+// as template parameters, so the compiler sees each formula whole.
+#ifndef TE_KERNELS_CUDA_ACTIVATION_FNS_CUH_
+#define TE_KERNELS_CUDA_ACTIVATION_FNS_CUH_
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/ops.h"
+
+namespace te {
+namespace cuda {
+
+constexpr float kQuickGeluAlpha = 1.702f;
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// ---- the activations as functors: Value(x) and Derivative(x) ----------------------
+
+struct GeluFn {
+  __device__ __forceinline__ float Value(float x) const { return GeluTanh(x); }
+  __device__ __forceinline__ float Derivative(float x) const { return GeluTanhDerivative(x); }
+};
+struct SiluFn {
+  __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(x); }
+  __device__ __forceinline__ float Derivative(float x) const {
+    const float s = Sigmoid(x);
+    return s * (1.0f + x * (1.0f - s));
+  }
+};
+struct ReluFn {
+  __device__ __forceinline__ float Value(float x) const { return x > 0.0f ? x : 0.0f; }
+  __device__ __forceinline__ float Derivative(float x) const { return x > 0.0f ? 1.0f : 0.0f; }
+};
+struct QuickGeluFn {
+  __device__ __forceinline__ float Value(float x) const { return x * Sigmoid(kQuickGeluAlpha * x); }
+  __device__ __forceinline__ float Derivative(float x) const {
+    const float s = Sigmoid(kQuickGeluAlpha * x);
+    return s + kQuickGeluAlpha * x * s * (1.0f - s);
+  }
+};
+struct SquaredReluFn {
+  __device__ __forceinline__ float Value(float x) const { return x > 0.0f ? x * x : 0.0f; }
+  __device__ __forceinline__ float Derivative(float x) const { return x > 0.0f ? 2.0f * x : 0.0f; }
+};
+struct LinearFn {
+  __device__ __forceinline__ float Value(float x) const { return x; }
+  __device__ __forceinline__ float Derivative(float) const { return 1.0f; }
+};
+
+// f(x) = act.Value(x): an activation where a kernel takes a plain function.
+template <typename A>
+struct ValueOf {
+  A act;
+  __device__ __forceinline__ float operator()(float x) const { return act.Value(x); }
+};
+
+template <typename F>
+void WithActivation(Activation act, F&& f) {
+  switch (act) {
+    case Activation::kGelu: f(GeluFn{}); return;
+    case Activation::kSilu: f(SiluFn{}); return;
+    case Activation::kRelu: f(ReluFn{}); return;
+    case Activation::kQuickGelu: f(QuickGeluFn{}); return;
+    case Activation::kSquaredRelu: f(SquaredReluFn{}); return;
+    case Activation::kLinear: f(LinearFn{}); return;
+  }
+}
+
+}  // namespace cuda
+}  // namespace te
+
+#endif  // TE_KERNELS_CUDA_ACTIVATION_FNS_CUH_

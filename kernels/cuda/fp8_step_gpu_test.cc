@@ -1,0 +1,259 @@
+// The ops that keep an FP8 step's launches few (kernels/ops.h), against the
+// CPU reference on random data: DelayedScalingUpdates (a step's scaling
+// updates in one launch), QuantizeTransposeKept (FP8 weight copies kept
+// across steps) and ActivationForwardTransposed (the activation's FP8 output
+// in both layouts). Needs a GPU: without one every test is skipped, unless
+// TE_REQUIRE_GPU=1 (as deploy/bundle.sh's runs set).
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/fp8.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+// FP8 codes: one ulp apart at most, in at most this share of the codes (the
+// float before the cast may differ in its last bits: see ops_gpu_test.cc).
+constexpr int kFp8MaxUlps = 1;
+constexpr double kFp8MaxDifferingShare = 0.01;
+// Scales and amaxes are computed by the same float expression on both sides.
+constexpr double kScalarTolerance = 1e-6;
+
+struct Backends {
+  std::unique_ptr<Device> cpu_device, gpu_device;
+  std::unique_ptr<Ops> cpu, gpu;
+};
+
+Backends* OpenBackends() {
+  static Backends* backends = [] {
+    auto* b = new Backends;
+    auto gpu_device = OpenCudaDevice(0);
+    if (!gpu_device.ok()) return b;
+    b->gpu_device = *std::move(gpu_device);
+    b->cpu_device = *OpenCpuDevice();
+    b->cpu = *b->cpu_device->NewOps(int64_t{4} << 30);
+    b->gpu = *b->gpu_device->NewOps(int64_t{4} << 30);
+    return b;
+  }();
+  return backends;
+}
+
+struct Pair {
+  Tensor cpu, gpu;
+};
+
+class Fp8StepOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Backends* b = OpenBackends();
+    if (b->gpu == nullptr) {
+      const char* require = std::getenv("TE_REQUIRE_GPU");
+      if (require != nullptr && std::string(require) == "1") FAIL() << "TE_REQUIRE_GPU=1 but no GPU";
+      GTEST_SKIP() << "no CUDA device";
+    }
+    cpu_ = b->cpu.get();
+    gpu_ = b->gpu.get();
+  }
+
+  Pair Zeros(DType dtype, const Shape& shape) {
+    Pair p{*cpu_->Allocate(dtype, shape), *gpu_->Allocate(dtype, shape)};
+    std::memset(p.cpu.data(), 0, p.cpu.nbytes());
+    EXPECT_TRUE(gpu_->Upload(p.cpu.data(), &p.gpu).ok());
+    return p;
+  }
+  Pair FromValues(DType dtype, const Shape& shape, const std::vector<float>& values) {
+    Pair p = Zeros(dtype, shape);
+    FromFloatVector(values, &p.cpu);
+    EXPECT_TRUE(gpu_->Upload(p.cpu.data(), &p.gpu).ok());
+    return p;
+  }
+  Pair Random(DType dtype, const Shape& shape, uint32_t seed, float lo = -3.0f, float hi = 3.0f) {
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> values(static_cast<size_t>(NumElements(shape)));
+    for (float& v : values) v = dist(gen);
+    return FromValues(dtype, shape, values);
+  }
+  Tensor Fetch(const Tensor& gpu) {
+    Tensor host = *cpu_->Allocate(gpu.dtype(), gpu.shape());
+    EXPECT_TRUE(gpu_->Download(gpu, host.data()).ok());
+    return host;
+  }
+  void ExpectScalar(const Pair& p, const std::string& what) {
+    const float got = Fetch(p.gpu).data_as<float>()[0], want = p.cpu.data_as<float>()[0];
+    EXPECT_NEAR(got, want, kScalarTolerance * std::fabs(want)) << what;
+  }
+  void ExpectFp8Close(const Pair& p, const std::string& what) {
+    const Tensor got = Fetch(p.gpu);
+    const uint8_t* g = got.data_as<const uint8_t>();
+    const uint8_t* w = p.cpu.data_as<const uint8_t>();
+    auto ordinal = [](uint8_t code) { return (code & 0x80) ? -(code & 0x7f) : (code & 0x7f); };
+    int64_t differing = 0, worst = 0;
+    for (int64_t i = 0; i < p.cpu.numel(); ++i) {
+      if (g[i] == w[i]) continue;
+      ++differing;
+      worst = std::max<int64_t>(worst, std::abs(ordinal(g[i]) - ordinal(w[i])));
+    }
+    EXPECT_LE(worst, kFp8MaxUlps) << what;
+    EXPECT_LE(static_cast<double>(differing), kFp8MaxDifferingShare * p.cpu.numel() + 1)
+        << what << ": " << differing << " of " << p.cpu.numel() << " codes differ";
+  }
+  // y_t is y transposed, code for code (both written from one tile).
+  void ExpectTransposed(const Tensor& y, const Tensor& y_t, int64_t rows, int64_t cols) {
+    const Tensor a = Fetch(y), b = Fetch(y_t);
+    const uint8_t* pa = a.data_as<const uint8_t>();
+    const uint8_t* pb = b.data_as<const uint8_t>();
+    int64_t wrong = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) wrong += pa[r * cols + c] != pb[c * rows + r];
+    }
+    EXPECT_EQ(wrong, 0);
+  }
+
+  Ops* cpu_ = nullptr;
+  Ops* gpu_ = nullptr;
+};
+
+// 60 quantizers (more than one launch's 48) with histories of different
+// lengths, a zero window (scale kept) and an infinite amax (scale kept), both
+// algorithms: every history and scale as the CPU's per-quantizer update.
+TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
+  std::vector<Ops::DelayedScalingItem> cpu_items, gpu_items;
+  std::vector<Pair> histories, scales;
+  for (int q = 0; q < 60; ++q) {
+    const int64_t length = 1 + (q * 37) % 1024;
+    Pair h = Random(DType::kF32, {length}, 100 + q, 0.0f, 8.0f);
+    if (q == 3) h = Zeros(DType::kF32, {length});
+    if (q == 5) {
+      std::vector<float> v(static_cast<size_t>(length), 1.0f);
+      v[0] = INFINITY;
+      h = FromValues(DType::kF32, {length}, v);
+    }
+    Pair s = FromValues(DType::kF32, {1}, {0.5f + q});
+    Ops::DelayedScalingItem item;
+    item.args.fp8_max = q % 2 == 0 ? 448.0f : 57344.0f;
+    item.args.margin = static_cast<float>(q % 3);
+    item.args.most_recent = q % 4 == 1;
+    item.amax_history = h.cpu;
+    item.scale = s.cpu;
+    cpu_items.push_back(item);
+    item.amax_history = h.gpu;
+    item.scale = s.gpu;
+    gpu_items.push_back(item);
+    histories.push_back(h);
+    scales.push_back(s);
+  }
+  ASSERT_TRUE(cpu_->DelayedScalingUpdates(cpu_items).ok());
+  ASSERT_TRUE(gpu_->DelayedScalingUpdates(gpu_items).ok());
+  for (size_t q = 0; q < histories.size(); ++q) {
+    const Tensor got = Fetch(histories[q].gpu);
+    EXPECT_EQ(0, std::memcmp(got.data(), histories[q].cpu.data(), got.nbytes())) << "history " << q;
+    ExpectScalar(scales[q], "scale " + std::to_string(q));
+  }
+  // A bad entry is refused before anything moves.
+  Pair bad = Zeros(DType::kBF16, {4});
+  gpu_items[7].amax_history = bad.gpu;
+  const Tensor before = Fetch(histories[0].gpu);
+  EXPECT_EQ(gpu_->DelayedScalingUpdates(gpu_items).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(0, std::memcmp(Fetch(histories[0].gpu).data(), before.data(), before.nbytes()));
+}
+
+// A kept weight copy: made at the first call, left untouched (not even read)
+// while the scale stays, re-made when it moves; amax and scale_inv as a plain
+// QuantizeTranspose gives them, every call.
+TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
+  for (DType in : {DType::kF32, DType::kBF16}) {
+    const int64_t rows = 192, cols = 320;
+    SCOPED_TRACE(DTypeName(in));
+    Pair x = Random(in, {rows, cols}, 7);
+    Pair y = Zeros(DType::kE4M3, {rows, cols}), y_t = Zeros(DType::kE4M3, {cols, rows});
+    Pair scale = FromValues(DType::kF32, {1}, {2.0f});
+    Pair amax = Zeros(DType::kF32, {1}), scale_inv = Zeros(DType::kF32, {1});
+    Pair kept_scale = FromValues(DType::kF32, {1}, {NAN}), kept_amax = Zeros(DType::kF32, {1});
+    const Fp8Output cpu_fp8{scale.cpu, amax.cpu, scale_inv.cpu};
+    const Fp8Output gpu_fp8{scale.gpu, amax.gpu, scale_inv.gpu};
+    const Ops::KeptQuantization cpu_kept{kept_scale.cpu, kept_amax.cpu};
+    const Ops::KeptQuantization gpu_kept{kept_scale.gpu, kept_amax.gpu};
+
+    // First call: quantizes, as QuantizeTranspose.
+    ASSERT_TRUE(cpu_->QuantizeTransposeKept(x.cpu, cpu_fp8, cpu_kept, &y.cpu, &y_t.cpu).ok());
+    ASSERT_TRUE(gpu_->QuantizeTransposeKept(x.gpu, gpu_fp8, gpu_kept, &y.gpu, &y_t.gpu).ok());
+    ExpectFp8Close(y, "y");
+    ExpectFp8Close(y_t, "y_t");
+    ExpectTransposed(y.gpu, y_t.gpu, rows, cols);
+    ExpectScalar(amax, "amax");
+    ExpectScalar(scale_inv, "scale_inv");
+    ExpectScalar(kept_scale, "kept.scale");
+    ExpectScalar(kept_amax, "kept.amax");
+
+    // Same scale: the copies are not rewritten (poisoned here to show it) and
+    // the amax comes back from the record after being zeroed.
+    const Tensor made = Fetch(y.gpu);
+    ASSERT_TRUE(gpu_->Fill(0.0f, &amax.gpu).ok());
+    std::vector<uint8_t> poison(static_cast<size_t>(y.gpu.nbytes()), 0x5a);
+    ASSERT_TRUE(gpu_->Upload(poison.data(), &y.gpu).ok());
+    ASSERT_TRUE(gpu_->QuantizeTransposeKept(x.gpu, gpu_fp8, gpu_kept, &y.gpu, &y_t.gpu).ok());
+    EXPECT_EQ(0, std::memcmp(Fetch(y.gpu).data(), poison.data(), poison.size()));
+    ExpectScalar(amax, "amax from the record");
+
+    // A new scale: made again, as the CPU makes it.
+    ASSERT_TRUE(cpu_->Fill(0.25f, &scale.cpu).ok());
+    ASSERT_TRUE(gpu_->Fill(0.25f, &scale.gpu).ok());
+    ASSERT_TRUE(cpu_->QuantizeTransposeKept(x.cpu, cpu_fp8, cpu_kept, &y.cpu, &y_t.cpu).ok());
+    ASSERT_TRUE(gpu_->QuantizeTransposeKept(x.gpu, gpu_fp8, gpu_kept, &y.gpu, &y_t.gpu).ok());
+    ExpectFp8Close(y, "y after the scale moved");
+    ExpectFp8Close(y_t, "y_t after the scale moved");
+    EXPECT_NE(0, std::memcmp(Fetch(y.gpu).data(), made.data(), made.nbytes()));
+    ExpectScalar(scale_inv, "scale_inv after the scale moved");
+    ExpectScalar(kept_scale, "kept.scale after the scale moved");
+  }
+}
+
+// Each activation TE's MLP takes, from float32 and bf16, into E4M3 and E5M2,
+// tile-aligned and not (the fallback): y, y_t, amax and scale_inv.
+TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
+  const std::vector<std::vector<Activation>> all = {
+      {Activation::kGelu}, {Activation::kRelu}, {Activation::kSilu},
+      {Activation::kQuickGelu}, {Activation::kSquaredRelu}, {Activation::kGelu, Activation::kLinear}};
+  for (const auto& acts : all) {
+    for (DType in : {DType::kF32, DType::kBF16}) {
+      for (DType out : {DType::kE4M3, DType::kE5M2}) {
+        for (const Shape& shape : {Shape{2, 64, 256}, Shape{3, 7, 36}}) {
+          const bool gated = acts.size() == 2;
+          const int64_t rows = shape[0] * shape[1];
+          const int64_t width = gated ? shape[2] / 2 : shape[2];
+          SCOPED_TRACE(std::to_string(static_cast<int>(acts[0])) + (gated ? " gated " : " ") +
+                       DTypeName(in) + "->" + DTypeName(out) + " rows " + std::to_string(rows));
+          Pair x = Random(in, shape, 11);
+          Pair y = Zeros(out, {shape[0], shape[1], width}), y_t = Zeros(out, {width, rows});
+          Pair scale = FromValues(DType::kF32, {1}, {3.0f});
+          Pair amax = Zeros(DType::kF32, {1}), scale_inv = Zeros(DType::kF32, {1});
+          ASSERT_TRUE(cpu_->ActivationForwardTransposed(
+                              acts, x.cpu, {scale.cpu, amax.cpu, scale_inv.cpu}, &y.cpu, &y_t.cpu)
+                          .ok());
+          ASSERT_TRUE(gpu_->ActivationForwardTransposed(
+                              acts, x.gpu, {scale.gpu, amax.gpu, scale_inv.gpu}, &y.gpu, &y_t.gpu)
+                          .ok());
+          ExpectFp8Close(y, "y");
+          ExpectFp8Close(y_t, "y_t");
+          ExpectTransposed(y.gpu, y_t.gpu, rows, width);
+          ExpectScalar(amax, "amax");
+          ExpectScalar(scale_inv, "scale_inv");
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace te
