@@ -5,6 +5,36 @@
 #include "kernels/status_macros.h"
 
 namespace te {
+namespace {
+
+// *peak = max(*peak, now), racing other allocations safely.
+void RaisePeak(std::atomic<int64_t>* peak, int64_t now) {
+  int64_t seen = peak->load();
+  while (now > seen && !peak->compare_exchange_weak(seen, now)) {
+  }
+}
+
+}  // namespace
+
+DeviceMemoryStats Ops::device_memory_stats() const {
+  DeviceMemoryStats stats;
+  if (shared_account_ != nullptr) {
+    stats.bytes_in_use = shared_account_->in_use.load();
+    stats.peak_bytes_in_use = shared_account_->peak_in_use.load();
+  } else {
+    stats.bytes_in_use = bytes_in_use();
+    stats.peak_bytes_in_use = peak_bytes_in_use();
+  }
+  stats.bytes_reserved = stats.bytes_in_use;
+  stats.peak_bytes_reserved = stats.peak_bytes_in_use;
+  return stats;
+}
+
+void Ops::ResetDevicePeaks() {
+  if (shared_account_ != nullptr) {
+    shared_account_->peak_in_use.store(shared_account_->in_use.load());
+  }
+}
 
 absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   for (int64_t d : shape) {
@@ -42,7 +72,8 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   }
   std::shared_ptr<void> memory = *std::move(raw);
   void* data = memory.get();
-  *bytes_in_use_ += static_cast<int64_t>(bytes);
+  RaisePeak(peak_bytes_in_use_.get(), *bytes_in_use_ += static_cast<int64_t>(bytes));
+  if (shared != nullptr) RaisePeak(&shared->peak_in_use, shared->in_use.load());
   // The accounts outlive this Ops if a tensor does.
   std::shared_ptr<std::atomic<int64_t>> account = bytes_in_use_;
   std::shared_ptr<void> storage(data, [memory, account, shared, bytes](void*) mutable {

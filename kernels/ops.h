@@ -224,6 +224,17 @@ struct SharedMemoryAccount {
   explicit SharedMemoryAccount(int64_t limit_bytes) : limit(limit_bytes) {}
   const int64_t limit;
   std::atomic<int64_t> in_use{0};
+  std::atomic<int64_t> peak_in_use{0};  // since made or the last Ops::ResetDevicePeaks
+};
+
+// A device's memory as JAX's device.memory_stats() reports it: bytes handed
+// out to tensors (every session on the device) and bytes the allocator holds
+// from the driver (in use plus its cache), now and at their peaks.
+struct DeviceMemoryStats {
+  int64_t bytes_in_use = 0;
+  int64_t peak_bytes_in_use = 0;
+  int64_t bytes_reserved = 0;
+  int64_t peak_bytes_reserved = 0;
 };
 
 class Ops {
@@ -239,6 +250,16 @@ class Ops {
   // goes away.
   absl::StatusOr<Tensor> Allocate(DType dtype, Shape shape);
   int64_t bytes_in_use() const { return bytes_in_use_->load(); }
+  // The most bytes_in_use() has reached since this Ops was made or the last
+  // ResetPeakBytesInUse() (a benchmark's timed steps).
+  int64_t peak_bytes_in_use() const { return peak_bytes_in_use_->load(); }
+  void ResetPeakBytesInUse() { peak_bytes_in_use_->store(bytes_in_use()); }
+  // The whole device's memory (every Ops on it). The default, for a device
+  // without a cache (the CPU's host memory): reserved is what is in use,
+  // from the shared account (this Ops' own figures without one).
+  virtual DeviceMemoryStats device_memory_stats() const;
+  // Starts the device's peaks again from now.
+  virtual void ResetDevicePeaks();
   int64_t memory_limit() const { return memory_limit_; }
   void set_memory_limit(int64_t bytes) { memory_limit_ = bytes; }
   // Every allocation also draws on `account` (RESOURCE_EXHAUSTED past its
@@ -566,6 +587,8 @@ class Ops {
  private:
   // Atomic: a tensor may be freed on another thread than the one that made it.
   std::shared_ptr<std::atomic<int64_t>> bytes_in_use_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::shared_ptr<std::atomic<int64_t>> peak_bytes_in_use_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   int64_t memory_limit_ = INT64_MAX;
   std::shared_ptr<SharedMemoryAccount> shared_account_;
   InterruptCheck interrupt_check_;

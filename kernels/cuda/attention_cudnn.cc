@@ -23,6 +23,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/status_macros.h"
+#include "kernels/workspace/workspace_bytes.h"
 
 namespace te {
 namespace cuda {
@@ -140,7 +141,18 @@ struct Scalars {
   float one = 1.0f;
 };
 
-constexpr size_t RoundUp(size_t n) { return (n + 255) / 256 * 256; }
+// The call's workspace (kernels/workspace): the plan's own, then the
+// graph's tensors that live in memory but are not ops.h's.
+workspace::CudnnAttentionWorkspace WorkspaceLayout(const PlanConfig& c, const CudnnPlan& plan) {
+  workspace::AttentionDims dims;
+  dims.batch = c.shape.batch;
+  dims.q_seq = c.shape.q_seq;
+  dims.kv_seq = c.shape.kv_seq;
+  dims.q_heads = c.shape.q_heads;
+  dims.head_dim = c.shape.head_dim;
+  return workspace::CudnnAttentionWorkspaceFor(c.backward, plan.workspace_bytes, dims, c.dtype,
+                                               c.bias);
+}
 
 void BindCommon(const PlanConfig& c, const AttentionArgs& args, const Scalars& scalars,
                 const int64_t* seed_offset, VariantPack* pack) {
@@ -172,6 +184,17 @@ Scalars MakeScalars(const AttentionArgs& args) {
 
 }  // namespace
 
+absl::StatusOr<int64_t> CudnnAttentionWorkspaceBytes(CudaOps* ops, bool backward,
+                                                     const AttentionArgs& args,
+                                                     const AttentionShape& shape,
+                                                     const QkvMemory& qkv) {
+  RETURN_IF_ERROR(Supported(*ops, args, shape, qkv, {}));
+  const PlanConfig config = MakeConfig(backward, args, shape, qkv);
+  ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
+  RETURN_IF_ERROR(CheckOtherDirection(ops, config));
+  return WorkspaceLayout(config, *plan).total();
+}
+
 absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
                                    const AttentionShape& shape, const QkvMemory& qkv,
                                    Tensor* out, Tensor* softmax_lse) {
@@ -181,19 +204,17 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
   RETURN_IF_ERROR(CheckOtherDirection(ops, config));
   ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
 
-  // Workspace: cuDNN's own | bias in the operand dtype | seed, offset.
-  const size_t library = RoundUp(static_cast<size_t>(plan->workspace_bytes));
-  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(qkv.dtype)) : 0;
-  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(library + bias_bytes + 2 * sizeof(int64_t)));
+  const workspace::CudnnAttentionWorkspace layout = WorkspaceLayout(config, *plan);
+  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(static_cast<size_t>(layout.total())));
   char* base = static_cast<char*>(workspace);
-  int64_t* seed_offset = reinterpret_cast<int64_t*>(base + library + bias_bytes);
+  int64_t* seed_offset = reinterpret_cast<int64_t*>(base + layout.seed_offset_offset());
   if (config.dropout > 0.0f) {
     RETURN_IF_ERROR(WriteDropoutSeed(seed_offset, args.dropout_seed, ops->stream()));
   }
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
   if (config.bias) {
-    Tensor bias_io = WorkspaceTensor(base + library, qkv.dtype, args.bias.shape());
+    Tensor bias_io = WorkspaceTensor(base + layout.bias_offset(), qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(args.bias, &bias_io));
     pack.Bind(kBias, bias_io.data());
   }
@@ -236,24 +257,14 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   RETURN_IF_ERROR(CheckOtherDirection(ops, config));
   ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
 
-  // Workspace: cuDNN's own | softmax_sum [B, Hq, Sq] f32 | dQ accumulator
-  // [B, Hq, Sq, D] f32 (without bias) | bias and dBias in the operand dtype
-  // (with bias) | seed, offset.
-  const size_t library = RoundUp(static_cast<size_t>(plan->workspace_bytes));
-  const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
-  const size_t softmax_sum_bytes = RoundUp(rows * sizeof(float));
-  const size_t dq_accum_bytes =
-      config.bias ? 0 : RoundUp(rows * static_cast<size_t>(shape.head_dim) * sizeof(float));
-  const size_t bias_bytes = config.bias ? RoundUp(args.bias.numel() * DTypeSize(qkv.dtype)) : 0;
-  ASSIGN_OR_RETURN(void* workspace,
-                   ops->Workspace(library + softmax_sum_bytes + dq_accum_bytes + 2 * bias_bytes +
-                                  2 * sizeof(int64_t)));
+  const workspace::CudnnAttentionWorkspace layout = WorkspaceLayout(config, *plan);
+  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(static_cast<size_t>(layout.total())));
   char* base = static_cast<char*>(workspace);
-  char* softmax_sum = base + library;
-  char* dq_accum = softmax_sum + softmax_sum_bytes;
-  char* bias_io = dq_accum + dq_accum_bytes;
-  char* dbias_io = bias_io + bias_bytes;
-  int64_t* seed_offset = reinterpret_cast<int64_t*>(dbias_io + bias_bytes);
+  char* softmax_sum = base + layout.softmax_sum_offset();
+  char* dq_accum = base + layout.dq_accum_offset();
+  char* bias_io = base + layout.bias_offset();
+  char* dbias_io = base + layout.dbias_offset();
+  int64_t* seed_offset = reinterpret_cast<int64_t*>(base + layout.seed_offset_offset());
   if (config.dropout > 0.0f) {
     RETURN_IF_ERROR(WriteDropoutSeed(seed_offset, args.dropout_seed, ops->stream()));
   }

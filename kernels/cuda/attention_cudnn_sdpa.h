@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/attention_cudnn_graph.h"
+#include "kernels/cuda/attention_internal.h"  // QkvMemory
 #include "kernels/op_checks.h"  // AttentionShape
 #include "kernels/ops.h"
 
@@ -142,6 +143,17 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
 absl::StatusOr<const CudnnPlan*> GetPlan(CudaOps* ops, const PlanConfig& config);
 
 }  // namespace cudnn_graph
+
+// The workspace CudnnAttentionForward (backward false) or
+// CudnnAttentionBackward asks CudaOps::Workspace for on this call's
+// configuration (kernels/workspace's layout with the plan's own bytes; the
+// plan is built and cached if it was not). UNIMPLEMENTED where cuDNN would
+// decline the call.
+absl::StatusOr<int64_t> CudnnAttentionWorkspaceBytes(CudaOps* ops, bool backward,
+                                                     const AttentionArgs& args,
+                                                     const AttentionShape& shape,
+                                                     const QkvMemory& qkv);
+
 }  // namespace cuda
 }  // namespace te
 

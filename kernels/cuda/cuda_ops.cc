@@ -51,6 +51,18 @@ absl::Status CudaOps::Synchronize() {
   return absl::OkStatus();
 }
 
+DeviceMemoryStats CudaOps::device_memory_stats() const {
+  const CachingAllocator::Stats a = context_->allocator->stats();
+  DeviceMemoryStats stats;
+  stats.bytes_in_use = a.bytes_in_use;
+  stats.peak_bytes_in_use = a.peak_bytes_in_use;
+  stats.bytes_reserved = a.bytes_reserved;
+  stats.peak_bytes_reserved = a.peak_bytes_reserved;
+  return stats;
+}
+
+void CudaOps::ResetDevicePeaks() { context_->allocator->ResetPeaks(); }
+
 absl::StatusOr<cudnnHandle_t> CudaOps::CudnnHandle() {
   if (cudnn_ == nullptr) {
     RETURN_IF_ERROR(Enter());
@@ -73,7 +85,17 @@ absl::StatusOr<void*> CudaOps::Workspace(size_t bytes) {
   // this one finish with it first.
   workspace_.reset();
   workspace_bytes_ = 0;
-  ASSIGN_OR_RETURN(workspace_, context_->allocator->Allocate(bytes, stream_));
+  // Through Allocate, so the workspace is the session's memory like its
+  // tensors (session.h contract 3): charged while held, refused past the
+  // limit.
+  absl::StatusOr<Tensor> block = Allocate(DType::kBool, {static_cast<int64_t>(bytes)});
+  if (!block.ok()) {
+    if (!absl::IsResourceExhausted(block.status())) return block.status();
+    return absl::ResourceExhaustedError(absl::StrCat("the op's workspace of ", bytes,
+                                                     " bytes: ", block.status().message()));
+  }
+  // The block goes back (uncharged) when the last holder of the Tensor does.
+  workspace_ = std::shared_ptr<void>(block->data(), [held = *std::move(block)](void*) {});
   workspace_bytes_ = bytes;
   return workspace_.get();
 }

@@ -84,6 +84,9 @@ class CudaOps : public Ops {
   absl::Status Download(const Tensor& src, void* dst) override;
   absl::Status Copy(const Tensor& src, Tensor* dst) override;
   absl::Status Synchronize() override;
+  // The device's caching allocator (every session on this GPU).
+  DeviceMemoryStats device_memory_stats() const override;
+  void ResetDevicePeaks() override;
 
   // staging.cc. AllocateStaging: page-locked host memory (cudaHostAlloc,
   // portable), from the device's pool when a released buffer of that size is
@@ -212,8 +215,9 @@ class CudaOps : public Ops {
   // This stream's cuDNN handle, created on first use.
   absl::StatusOr<cudnnHandle_t> CudnnHandle();
   // A library workspace of at least `bytes` on this stream, grown on demand and
-  // kept (stream order makes reuse by the next op safe). Not accounted against
-  // the session's limit: it is bounded by the largest library request.
+  // kept (stream order makes reuse by the next op safe). Allocated through
+  // Allocate, so it counts in bytes_in_use() and a growth past the memory
+  // limit is RESOURCE_EXHAUSTED; ops size their requests with workspace.h.
   absl::StatusOr<void*> Workspace(size_t bytes);
   size_t workspace_bytes() const { return workspace_bytes_; }
   // Lazily filled by gemm.cu / attention.cu.

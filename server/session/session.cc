@@ -105,6 +105,12 @@ void Session::GetSessionInfo(te::v1::SessionInfo* response) const {
   response->set_saved_forwards(static_cast<int32_t>(saved_.size()));
   response->set_resident_tensors(static_cast<int32_t>(resident_.size()));
   response->set_shm_regions(static_cast<int32_t>(regions_.size()));
+  response->set_peak_memory_bytes(ops_->peak_bytes_in_use());
+  const DeviceMemoryStats device = ops_->device_memory_stats();
+  response->set_device_bytes_in_use(device.bytes_in_use);
+  response->set_device_peak_bytes_in_use(device.peak_bytes_in_use);
+  response->set_device_bytes_reserved(device.bytes_reserved);
+  response->set_device_peak_bytes_reserved(device.peak_bytes_reserved);
 }
 
 absl::StatusOr<Session::LayerEntry*> Session::FindLayer(const std::string& layer_id) {

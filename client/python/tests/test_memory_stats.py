@@ -1,0 +1,38 @@
+"""The timed steps' memory from the Benchmark RPC and GetSessionInfo, as JAX's
+device.memory_stats() reports it (peak_bytes_in_use, bytes_reserved), on the
+server's backend (the CPU's host allocations count the same way)."""
+import numpy as np
+
+import te_client as te
+import te_client.flax as te_flax
+
+B, S, H, F = 2, 8, 32, 64
+
+
+def test_benchmark_reports_the_timed_steps_peak_and_reserved_memory(session, rng, capsys):
+    x = rng.standard_normal((B, S, H)).astype(np.float32)
+    dy = rng.standard_normal((B, S, F)).astype(np.float32)
+    dense = te_flax.DenseGeneral(features=F)
+    variables = dense.init(0, x)
+    held = session.info().memory_bytes  # the kernel and bias, float32
+    params = (H * F + F) * 4
+    assert held >= params
+    timed = te.speedometer(model_apply_fn=dense.apply, variables=variables, input=x, output_grad=dy,
+                           warmup_iters=1, timing_iters=3, server_side=True)
+    assert "Peak memory:" in capsys.readouterr().out
+    peak = timed["peak_bytes_in_use"]
+    # At least the variables and the resident x and dy held through the steps;
+    # at most those plus one step's y, dx and parameter gradients (each as
+    # large as what it is the gradient of) and 64 KiB of small scratch.
+    inputs = x.nbytes + dy.nbytes
+    assert peak >= held + inputs
+    assert peak <= held + inputs + (B * S * F + B * S * H) * 4 + params + (64 << 10)
+    assert timed["peak_bytes_reserved"] >= peak
+    assert timed["bytes_reserved"] >= 0
+    info = session.info()
+    # The benchmark freed its step's memory; the session's peak is the steps'.
+    assert info.memory_bytes < peak
+    assert info.peak_memory_bytes >= peak
+    assert info.device_peak_bytes_in_use >= info.peak_memory_bytes
+    assert info.device_peak_bytes_reserved >= info.device_peak_bytes_in_use
+    assert info.device_bytes_reserved >= info.device_bytes_in_use >= info.memory_bytes
