@@ -17,14 +17,12 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <atomic>
 #include <functional>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/service/queued_turn.h"
 #include "server/service/service_core.h"
 #include "server/session/executor.h"
 #include "server/session/session.h"
@@ -63,7 +61,9 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
  private:
   QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* context, const char* rpc,
              std::string session_id);
-  void Submit(int device, std::string key, const te::v1::SessionRef* order, Work work);
+  // The executor's callbacks for `work` (QueuedTurn's contract 1).
+  QueuedTurn::Run RunFor(Work work);
+  QueuedTurn::Drop DropFor();
   void Run(session::DeviceExecutor::Turn turn, const Work& work);
   bool Cancelled() const;
   // Finishes the call; `this` may be gone when it returns.
@@ -74,11 +74,7 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
   const char* const rpc_;
   const std::string session_id_;
   const absl::Time start_;
-  const absl::Time deadline_;
-  std::atomic<bool> cancelled_{false};
-  session::DeviceExecutor* executor_ = nullptr;
-  absl::Mutex mu_;
-  session::DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
+  QueuedTurn queued_;
 };
 
 }  // namespace te::service

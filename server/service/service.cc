@@ -1,9 +1,12 @@
 #include "server/service/service.h"
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/status_macros.h"
@@ -108,6 +111,107 @@ std::vector<DeviceLoad> TeService::Loads() const {
   return loads;
 }
 
+namespace {
+
+// A call of the server's own on a session's turn, and how it ended.
+struct ServerCall {
+  session::DeviceExecutor* executor = nullptr;
+  session::DeviceExecutor::Handle handle;
+  absl::Notification done;
+  absl::Status status;
+};
+
+// Queues `work` under `key` on `executor`, to run in the key's turn if that
+// comes before `deadline`.
+absl::StatusOr<std::shared_ptr<ServerCall>> SubmitServerCall(
+    session::DeviceExecutor& executor, const std::string& key, absl::Time deadline,
+    std::function<absl::Status()> work) {
+  auto outcome = std::make_shared<ServerCall>();
+  outcome->executor = &executor;
+  session::DeviceExecutor::Call call;
+  call.key = key;
+  call.deadline = deadline;
+  call.run = [outcome, work = std::move(work)](session::DeviceExecutor::Turn turn) {
+    outcome->status = NoThrow(work);
+    turn.Release();
+    outcome->done.Notify();
+  };
+  call.drop = [outcome](absl::Status reason) {
+    outcome->status = std::move(reason);
+    outcome->done.Notify();
+  };
+  ASSIGN_OR_RETURN(outcome->handle, executor.Submit(std::move(call)));
+  return outcome;
+}
+
+// Waits for `call` to end: its turn has until `deadline` to come, its work
+// as long as it takes.
+void AwaitServerCall(ServerCall& call, absl::Time deadline) {
+  if (!call.done.WaitForNotificationWithDeadline(deadline)) {
+    call.executor->Cancel(call.handle, absl::DeadlineExceededError(
+                                           "the session's earlier calls ran past the deadline"));
+  }
+  call.done.WaitForNotification();  // dropped by the Cancel, or running
+  call.handle.reset();  // the executor's record of the call holds `call` in turn
+}
+
+}  // namespace
+
+int TeService::SaveAllSessions(absl::Time deadline) {
+  session::CheckpointStore* store = core_.options.checkpoints;
+  if (store == nullptr) return 0;
+  struct Save {
+    std::string id;
+    session::DeviceExecutor* executor;
+    std::shared_ptr<ServerCall> call;
+    absl::Status status;
+  };
+  std::vector<Save> saves;
+  for (const std::shared_ptr<session::Session>& live : core_.sessions->live_session_refs()) {
+    const int found = core_.devices->Find(live->device_name());
+    saves.push_back({live->id(), &core_.devices->executor(found >= 0 ? found : 0), nullptr,
+                     absl::OkStatus()});
+  }
+  // All sessions at once, so one whose call runs long holds up only itself;
+  // in waves when they outnumber a device's queue.
+  std::vector<Save*> waiting;
+  for (Save& save : saves) waiting.push_back(&save);
+  while (!waiting.empty()) {
+    std::vector<Save*> submitted, refused;
+    for (Save* save : waiting) {
+      absl::StatusOr<std::shared_ptr<ServerCall>> call = SubmitServerCall(
+          *save->executor, save->id, deadline, [this, store, id = save->id]() -> absl::Status {
+            ASSIGN_OR_RETURN(session::SessionManager::Lease lease,
+                             core_.sessions->AcquireForServer(id));
+            return store->Save(lease).status();
+          });
+      if (call.ok()) {
+        save->call = *std::move(call);
+        submitted.push_back(save);
+      } else {
+        save->status = call.status();
+        if (absl::IsResourceExhausted(call.status())) refused.push_back(save);
+      }
+    }
+    for (Save* save : submitted) {
+      AwaitServerCall(*save->call, deadline);
+      save->status = save->call->status;
+    }
+    if (submitted.empty() || absl::Now() >= deadline) break;  // nothing moves any more
+    waiting = std::move(refused);
+  }
+  int saved = 0;
+  for (const Save& save : saves) {
+    if (save.status.ok()) {
+      ++saved;
+    } else {
+      session::LogForSession(LogLevel::kError, save.id, "checkpoint at shutdown failed",
+                             {{"error", save.status.ToString()}});
+    }
+  }
+  return saved;
+}
+
 grpc::ServerUnaryReactor* TeService::GetServerInfo(grpc::CallbackServerContext* context,
                                                    const te::v1::GetServerInfoRequest*,
                                                    te::v1::ServerInfo* response) {
@@ -196,9 +300,8 @@ grpc::ServerUnaryReactor* TeService::CloseSession(grpc::CallbackServerContext* c
   }
   // In the session's order: the close waits for the calls queued before it.
   return QueuedCall::Start(core_, context, "CloseSession", ref.session_id(), *device,
-                           ref.session_id(), &ref, [this, ref](const CallContext& call) {
-                             return core_.sessions->Close(ref.session_id(), ref.token(),
-                                                          call.deadline);
+                           ref.session_id(), &ref, [this, ref](const CallContext&) {
+                             return core_.sessions->Close(ref.session_id(), ref.token());
                            });
 }
 

@@ -42,6 +42,9 @@ inline constexpr char kServerVersion[] = "te_server 0.1.0";
 // not copied into and out of protobuf strings.
 using TeServiceBase = te::v1::TeService::WithRawCallbackMethod_PutTensor<
     te::v1::TeService::WithRawCallbackMethod_GetTensor<te::v1::TeService::CallbackService>>;
+// The raw methods above, by name: their messages are grpc::ByteBuffers to
+// whatever sees them as they pass (the byte counters, server/metrics/rpc_bytes.h).
+inline constexpr const char* kRawMethods[] = {"PutTensor", "GetTensor"};
 
 class TeService final : public TeServiceBase {
  public:
@@ -105,6 +108,13 @@ class TeService final : public TeServiceBase {
   // What each device holds now (indexed like the DevicePool), for placement,
   // GetServerInfo and the metrics gauges.
   std::vector<DeviceLoad> Loads() const;
+
+  // Saves every live session to options.checkpoints (nothing without one),
+  // each as a call in its session's turn on its device's executor, so a call
+  // of the session still running ends first. A session whose turn has not
+  // come by `deadline` is not saved. Returns how many were saved; failures
+  // are logged. For the shutdown, once the server takes no more calls.
+  int SaveAllSessions(absl::Time deadline);
 
  private:
   // Places a new session and counts it as pending on its device until its

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/service/chunk_wire.h"
+#include "server/service/queued_turn.h"
 #include "server/service/status.h"
 #include "server/session/executor.h"
 #include "server/session/tensor_upload.h"
@@ -39,7 +40,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
         context_(context),
         response_(response),
         start_(absl::Now()),
-        deadline_(DeadlineOf(*context)) {
+        deadline_(DeadlineOf(*context)),
+        queued_(deadline_) {
     StartRead(&incoming_);
   }
 
@@ -57,14 +59,12 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnCancel() override {
-    DeviceExecutor::Handle waiting;
     {
       absl::MutexLock lock(&mu_);
       cancelled_ = true;
-      if (phase_ == Phase::kQueued) waiting = handle_;
       if (phase_ == Phase::kStreaming) EndLocked(CancelReason(deadline_));
     }
-    if (waiting != nullptr) executor_->Cancel(waiting, CancelReason(deadline_));
+    queued_.Cancel();  // drops the call if it still waits for its turn
   }
 
   void OnDone() override { Unref(); }
@@ -102,35 +102,15 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     header_ = std::move(first.header);
     session_id_ = header_.session().session_id();
-    absl::StatusOr<int> device = core_.Route(header_.session());
-    if (!device.ok()) {
-      FinishEarly(device.status());
-      return;
-    }
-    executor_ = &core_.devices->executor(*device);
-    DeviceExecutor::Call call;
-    call.key = session_id_;
-    SetCallOrder(header_.session(), &call);
-    call.deadline = deadline_;
-    call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
-    call.drop = [this](absl::Status reason) { FinishEarly(reason); };
     // Set before Submit: the call may start at once on a worker.
     {
       absl::MutexLock lock(&mu_);
       phase_ = Phase::kQueued;
     }
-    absl::StatusOr<DeviceExecutor::Handle> handle = executor_->Submit(std::move(call));
-    if (!handle.ok()) {
-      FinishEarly(handle.status());
-      return;
-    }
-    bool cancel_now = false;
-    {
-      absl::MutexLock lock(&mu_);
-      handle_ = *handle;
-      cancel_now = cancelled_ && phase_ == Phase::kQueued;
-    }
-    if (cancel_now) executor_->Cancel(*handle, CancelReason(deadline_));
+    absl::Status queued = queued_.SubmitForSession(
+        core_, header_.session(), [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); },
+        [this](absl::Status reason) { FinishEarly(reason); });
+    if (!queued.ok()) FinishEarly(queued);
   }
 
   // On a worker, in the session's turn.
@@ -142,8 +122,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     std::optional<SessionManager::Lease> lease;
     {
-      absl::StatusOr<SessionManager::Lease> acquired = core_.sessions->Acquire(
-          header_.session().session_id(), header_.session().token(), deadline_);
+      absl::StatusOr<SessionManager::Lease> acquired =
+          core_.sessions->Acquire(header_.session().session_id(), header_.session().token());
       if (!acquired.ok()) {
         turn.Release();
         FinishEarly(acquired.status());
@@ -314,7 +294,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer incoming_;  // one read in flight at a time
   te::v1::PutTensorHeader header_;
   std::string session_id_;
-  DeviceExecutor* executor_ = nullptr;
+  QueuedTurn queued_;
   // Used in the session's turn only (OnTurn, then the posted work).
   std::optional<SessionManager::Lease> lease_;
   std::unique_ptr<session::TensorUpload> upload_;
@@ -322,7 +302,6 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   absl::Mutex mu_;
   Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kHeader;
-  DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
   DeviceExecutor::Turn turn_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
@@ -340,47 +319,21 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   GetTensorCall(const ServiceCore& core, grpc::CallbackServerContext* context,
                 const grpc::ByteBuffer* request)
-      : core_(core), context_(context), start_(absl::Now()), deadline_(DeadlineOf(*context)) {
+      : core_(core), context_(context), start_(absl::Now()), queued_(DeadlineOf(*context)) {
     if (absl::Status parsed = Parse(*request, &request_); !parsed.ok()) {
       End(parsed);
       return;
     }
     session_id_ = request_.session().session_id();
-    absl::StatusOr<int> device = core_.Route(request_.session());
-    if (!device.ok()) {
-      End(device.status());
-      return;
-    }
-    executor_ = &core_.devices->executor(*device);
-    DeviceExecutor::Call call;
-    call.key = session_id_;
-    SetCallOrder(request_.session(), &call);
-    call.deadline = deadline_;
-    call.run = [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); };
-    call.drop = [this](absl::Status reason) { End(reason); };
-    absl::StatusOr<DeviceExecutor::Handle> handle = executor_->Submit(std::move(call));
-    if (!handle.ok()) {
-      End(handle.status());
-      return;
-    }
-    bool cancel_now = false;
-    {
-      absl::MutexLock lock(&mu_);
-      handle_ = *handle;
-      cancel_now = cancelled_;
-    }
-    if (cancel_now) executor_->Cancel(*handle, CancelReason(deadline_));
+    absl::Status queued = queued_.SubmitForSession(
+        core_, request_.session(), [this](DeviceExecutor::Turn turn) { OnTurn(std::move(turn)); },
+        [this](absl::Status reason) { End(reason); });
+    if (!queued.ok()) End(queued);
   }
 
-  void OnCancel() override {
-    DeviceExecutor::Handle handle;
-    {
-      absl::MutexLock lock(&mu_);
-      cancelled_ = true;
-      handle = handle_;
-    }
-    if (handle != nullptr) executor_->Cancel(handle, CancelReason(deadline_));
-  }
+  // Drops the call if it still waits; the chunks already being written stop
+  // at the next write, which fails.
+  void OnCancel() override { queued_.Cancel(); }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
@@ -401,15 +354,11 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   void OnTurn(DeviceExecutor::Turn turn) {
-    bool cancelled = false;
-    {
-      absl::MutexLock lock(&mu_);
-      cancelled = cancelled_ || context_->IsCancelled();
-    }
-    absl::StatusOr<session::Session::TensorSource> source = CancelReason(deadline_);
+    const bool cancelled = queued_.cancelled() || context_->IsCancelled();
+    absl::StatusOr<session::Session::TensorSource> source = CancelReason(queued_.deadline());
     if (!cancelled) {
-      absl::StatusOr<SessionManager::Lease> lease = core_.sessions->Acquire(
-          request_.session().session_id(), request_.session().token(), deadline_);
+      absl::StatusOr<SessionManager::Lease> lease =
+          core_.sessions->Acquire(request_.session().session_id(), request_.session().token());
       source = lease.ok() ? NoThrow([&] { return lease->session().ReadTensor(request_); })
                           : lease.status();
     }
@@ -430,16 +379,12 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   const ServiceCore& core_;
   grpc::CallbackServerContext* const context_;
   const absl::Time start_;
-  const absl::Time deadline_;
+  QueuedTurn queued_;
   te::v1::GetTensorRequest request_;
   std::string session_id_;
-  DeviceExecutor* executor_ = nullptr;
   session::Session::TensorSource source_;
   int64_t sent_ = 0;
   grpc::ByteBuffer outgoing_;  // one write in flight at a time
-  absl::Mutex mu_;
-  DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

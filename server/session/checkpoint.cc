@@ -500,22 +500,6 @@ absl::StatusOr<CheckpointStore::Written> CheckpointStore::Save(const SessionMana
   return result;
 }
 
-int CheckpointStore::SaveAll(SessionManager* manager, absl::Time deadline) {
-  int saved = 0;
-  for (const std::string& id : manager->live_ids()) {
-    absl::StatusOr<SessionManager::Lease> lease = manager->AcquireForServer(id, deadline);
-    absl::Status status = lease.status();
-    if (lease.ok()) status = Save(*lease).status();
-    if (status.ok()) {
-      ++saved;
-    } else {
-      LogForSession(LogLevel::kError, id, "checkpoint at shutdown failed",
-                    {{"error", status.ToString()}});
-    }
-  }
-  return saved;
-}
-
 bool CheckpointStore::RemovedLocked(const std::string& id) const { return removed_.count(id) > 0; }
 
 absl::Status CheckpointStore::AbandonedSave(const std::string& id) {

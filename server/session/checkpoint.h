@@ -60,11 +60,6 @@ class CheckpointStore {
   // their codes.
   absl::StatusOr<Written> Save(const SessionManager::Lease& lease);
 
-  // Takes every live session's turn in `manager` (without a token) and saves
-  // it; gives up waiting for a turn at `deadline`. Returns how many were saved;
-  // failures are logged.
-  int SaveAll(SessionManager* manager, absl::Time deadline);
-
   // Deletes session `id`'s checkpoint, if any. INVALID_ARGUMENT for an id not
   // of the server's form.
   absl::Status Remove(const std::string& id);

@@ -321,17 +321,6 @@ TEST_F(CheckpointTest, RemoveRacingSavesLeavesNothing) {
   EXPECT_FALSE(fs::exists(SessionDir()));
 }
 
-TEST_F(CheckpointTest, SaveAllSavesEverySession) {
-  MakeTrainedSession();
-  const te::v1::SessionRef first = ref_;
-  MakeTrainedSession();
-  EXPECT_EQ(store_->SaveAll(manager_.get(), absl::Now() + absl::Seconds(10)), 2);
-  SessionManager restarted{SessionManagerOptions{}};
-  EXPECT_EQ(store_->RestoreAll(device_.get(), config_, &restarted).restored, 2);
-  EXPECT_TRUE(restarted.Acquire(first.session_id(), first.token()).ok());
-  EXPECT_TRUE(restarted.Acquire(ref_.session_id(), ref_.token()).ok());
-}
-
 TEST_F(CheckpointTest, RestoreAsksForTheDeviceItWasSavedOn) {
   MakeTrainedSession();
   ASSERT_TRUE(Save().ok());

@@ -3,8 +3,9 @@
 // gRPC handlers and the layers; knows nothing of gRPC.
 //
 // Contract:
-//  1. Not thread-safe: the SessionManager runs one call at a time on it (a
-//     Lease is the turn), so no two methods ever run concurrently.
+//  1. Not thread-safe: its device's executor runs the session's calls one at
+//     a time (executor.h), each holding the session's Lease, so no two
+//     methods ever run concurrently.
 //  2. A call that fails leaves the session as it was, whatever the code:
 //     every method validates its whole request before it changes anything,
 //     and the step calls (Forward, Backward, ForwardBackward) run on a

@@ -5,30 +5,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
-#include "server/session/fifo_turns.h"
 #include "server/session/log.h"
 #include "server/session/random_id.h"
 
 namespace te::session {
 
 struct SessionManager::Entry {
-  Entry(std::string id, std::string token, security::TokenDigest digest, absl::Duration ttl,
-        int max_waiting)
-      : id(std::move(id)),
-        digest(std::move(digest)),
-        ttl(ttl),
-        turns(max_waiting),
-        token(std::move(token)) {}
+  Entry(std::string id, std::string token, security::TokenDigest digest, absl::Duration ttl)
+      : id(std::move(id)), digest(std::move(digest)), ttl(ttl), token(std::move(token)) {}
   const std::string id;
   const security::TokenDigest digest;  // what a checkpoint stores
   const absl::Duration ttl;
-  FifoTurns turns;
   // Guarded by the manager's mu_.
   std::string token;  // empty for a restored session until its token is seen
   std::shared_ptr<Session> session;
   absl::Time last_used;
-  int users = 0;     // calls running or waiting
-  std::string gone;  // set when removed: why
+  bool in_call = false;  // a Lease is held (contract 3)
+  std::string gone;      // set when removed: why
 };
 
 namespace {
@@ -83,10 +76,9 @@ void SessionManager::Doomed::Add(const std::string& id, std::shared_ptr<Session>
 }
 
 void SessionManager::Release(const std::shared_ptr<Entry>& entry) {
-  entry->turns.Done();
   absl::MutexLock lock(&mu_);
   entry->last_used = clock_();
-  --entry->users;
+  entry->in_call = false;
 }
 
 absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration ttl,
@@ -131,8 +123,7 @@ absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration t
     release_slot();
     return session.status();
   }
-  auto entry = std::make_shared<Entry>(*id, *token, *std::move(digest), ttl,
-                                       options_.max_waiting_calls);
+  auto entry = std::make_shared<Entry>(*id, *token, *std::move(digest), ttl);
   entry->session = *std::move(session);
   {
     absl::MutexLock lock(&mu_);
@@ -147,7 +138,7 @@ absl::StatusOr<SessionManager::Identity> SessionManager::Create(absl::Duration t
 }
 
 bool SessionManager::ExpiredLocked(const Entry& entry, absl::Time now) const {
-  return entry.users == 0 && now - entry.last_used > entry.ttl;
+  return !entry.in_call && now - entry.last_used > entry.ttl;
 }
 
 std::string SessionManager::ExpiryReason(const Entry& entry) const {
@@ -234,52 +225,36 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::Authenticate(const std:
 }
 
 absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(const std::string& id,
-                                                              const std::string& token,
-                                                              absl::Time deadline) {
+                                                              const std::string& token) {
   if (id.empty()) return absl::InvalidArgumentError("session.session_id: empty");
-  std::shared_ptr<Entry> entry;
-  {
-    Doomed doomed(options_);
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(entry, AuthenticateLocked(id, token, &doomed));
-    ++entry->users;  // counted while waiting, so a queued session never expires
-  }
-  return TakeTurn(std::move(entry), deadline);
-}
-
-absl::StatusOr<SessionManager::Lease> SessionManager::AcquireForServer(const std::string& id,
-                                                                       absl::Time deadline) {
-  std::shared_ptr<Entry> entry;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = live_.find(id);
-    if (it == live_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " not found"));
-    entry = it->second;
-    ++entry->users;
-  }
-  return TakeTurn(std::move(entry), deadline);
-}
-
-absl::StatusOr<SessionManager::Lease> SessionManager::TakeTurn(std::shared_ptr<Entry> entry,
-                                                               absl::Time deadline) {
-  absl::Status turn = entry->turns.Wait(deadline);
+  Doomed doomed(options_);
   absl::MutexLock lock(&mu_);
-  if (!turn.ok()) {
-    --entry->users;
-    return turn;
-  }
-  if (!entry->gone.empty()) {
-    // Closed or evicted while this call waited.
-    --entry->users;
-    entry->turns.Done();
-    return absl::NotFoundError(entry->gone);
-  }
-  return Lease(this, entry, entry->session);
+  ASSIGN_OR_RETURN(std::shared_ptr<Entry> entry, AuthenticateLocked(id, token, &doomed));
+  return HoldLocked(std::move(entry));
 }
 
-absl::Status SessionManager::Close(const std::string& id, const std::string& token,
-                                   absl::Time deadline) {
-  ASSIGN_OR_RETURN(Lease lease, Acquire(id, token, deadline));
+absl::StatusOr<SessionManager::Lease> SessionManager::AcquireForServer(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(id);
+  if (it == live_.end()) return absl::NotFoundError(absl::StrCat("session ", id, " not found"));
+  return HoldLocked(it->second);
+}
+
+absl::StatusOr<SessionManager::Lease> SessionManager::HoldLocked(std::shared_ptr<Entry> entry) {
+  if (entry->in_call) {
+    // The executor runs a session's calls one at a time; a second holder
+    // means some call ran outside its session's turn.
+    return absl::InternalError(absl::StrCat(
+        "session ", entry->id,
+        " already has a call running: its calls must run in its executor turn"));
+  }
+  entry->in_call = true;
+  std::shared_ptr<Session> session = entry->session;
+  return Lease(this, std::move(entry), std::move(session));
+}
+
+absl::Status SessionManager::Close(const std::string& id, const std::string& token) {
+  ASSIGN_OR_RETURN(Lease lease, Acquire(id, token));
   {
     Doomed doomed(options_);  // the lease still holds the session: it goes with the lease
     absl::MutexLock lock(&mu_);
@@ -343,7 +318,7 @@ absl::Status SessionManager::Restore(const std::string& id, const security::Toke
     return absl::InvalidArgumentError(absl::StrCat("session ", id, ": malformed token digest"));
   }
   if (ttl <= absl::ZeroDuration() || ttl > options_.max_ttl) ttl = options_.default_ttl;
-  auto entry = std::make_shared<Entry>(id, "", digest, ttl, options_.max_waiting_calls);
+  auto entry = std::make_shared<Entry>(id, "", digest, ttl);
   entry->session = std::move(session);
   absl::MutexLock lock(&mu_);
   if (live_.count(id) > 0) {
@@ -359,15 +334,10 @@ absl::Status SessionManager::Restore(const std::string& id, const security::Toke
   return absl::OkStatus();
 }
 
-int SessionManager::waiting_calls(const std::string& id) const {
-  std::shared_ptr<Entry> entry;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = live_.find(id);
-    if (it == live_.end()) return 0;
-    entry = it->second;
-  }
-  return entry->turns.waiting();
+bool SessionManager::in_call(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(id);
+  return it != live_.end() && it->second->in_call;
 }
 
 }  // namespace te::session

@@ -7,14 +7,18 @@
 //     idle", "... was evicted: <why>"), or DATA_LOSS / UNAVAILABLE for one
 //     whose checkpoint could not be restored (RememberNotRestored); a missing or wrong token is
 //     UNAUTHENTICATED; a token of another live session is PERMISSION_DENIED.
-//  3. Calls on one session run one at a time, in arrival order (FifoTurns):
-//     a Lease is the turn. At most `max_waiting_calls` wait (RESOURCE_EXHAUSTED
-//     beyond); a waiter whose deadline passes gets DEADLINE_EXCEEDED.
-//  4. A session idle (no call running or waiting) for longer than its TTL
-//     expires: Sweep() or the next Acquire() removes it and drops the
-//     manager's reference, which frees its memory.
-//  5. Close() takes its turn like any call, then removes the session; calls
-//     that queued behind it get NOT_FOUND "was closed".
+//  3. The manager does not order calls: a session's calls are put in order,
+//     and run one at a time, by its device's executor (executor.h, contract
+//     1), and each call takes its Lease inside that turn. A Lease is the one
+//     call running on the session: Acquire while another Lease of the same
+//     session is held answers INTERNAL at once (a call run outside its
+//     session's turn), it never waits.
+//  4. A session idle (no Lease held) for longer than its TTL expires: Sweep()
+//     or the next Acquire() removes it and drops the manager's reference,
+//     which frees its memory.
+//  5. Close() removes the session (in its turn, like any call); calls that
+//     the executor queued behind it get NOT_FOUND "was closed" when they
+//     Acquire.
 //  6. A session restored from a checkpoint keeps its id and authenticates its
 //     old token against the checkpoint's salted digest (Restore()).
 //  7. `on_removed` hears of every session that goes (closed, expired,
@@ -46,7 +50,6 @@ struct SessionManagerOptions {
   int max_sessions = 64;
   absl::Duration default_ttl = absl::Seconds(1800);
   absl::Duration max_ttl = absl::Hours(24 * 7);
-  int max_waiting_calls = 64;   // per session
   size_t max_tombstones = 4096; // reasons remembered for ids that went away
   // Told the id of each session removed (e.g. to delete its checkpoint); may be empty.
   std::function<void(const std::string& id)> on_removed;
@@ -72,8 +75,8 @@ class SessionManager {
   absl::StatusOr<Identity> Create(absl::Duration ttl, const Factory& make);
 
   struct Entry;
-  // The turn to run one call on a session. Releasing it (destruction) marks
-  // the session used now. Move-only.
+  // One call's hold on a live session (contract 3). Releasing it
+  // (destruction) marks the session used now. Move-only.
   class Lease {
    public:
     Lease(Lease&& other) noexcept;
@@ -93,21 +96,20 @@ class SessionManager {
     std::shared_ptr<Entry> entry_;
     std::shared_ptr<Session> session_;  // keeps the session alive for the call
   };
-  // Authenticates (contract 2) and waits for the turn (contract 3).
-  // INVALID_ARGUMENT when `id` is empty.
-  absl::StatusOr<Lease> Acquire(const std::string& id, const std::string& token,
-                                absl::Time deadline = absl::InfiniteFuture());
+  // Authenticates (contract 2) and holds the session for one call (contract
+  // 3). INVALID_ARGUMENT when `id` is empty.
+  absl::StatusOr<Lease> Acquire(const std::string& id, const std::string& token);
 
-  // Authenticates as Acquire does, without the turn: for routing a call to
-  // its session's device before it queues. Only what a Session allows
-  // without its turn may be read through the result.
+  // Authenticates as Acquire does, without holding the session: for routing
+  // a call to its session's device before it queues. Only what a Session
+  // allows while another call runs may be read through the result.
   absl::StatusOr<std::shared_ptr<Session>> Authenticate(const std::string& id,
                                                         const std::string& token);
 
-  // The turn on session `id` without a token: for the server itself (the
-  // checkpoint at shutdown), never for a request. NOT_FOUND if not live.
-  absl::StatusOr<Lease> AcquireForServer(const std::string& id,
-                                         absl::Time deadline = absl::InfiniteFuture());
+  // A Lease on session `id` without a token: for the server itself (the
+  // checkpoint at shutdown, in the session's executor turn), never for a
+  // request. NOT_FOUND if not live.
+  absl::StatusOr<Lease> AcquireForServer(const std::string& id);
 
   // Adds `session`, restored from a checkpoint, under its old `id`, with the
   // token `digest` stands for. ALREADY_EXISTS if `id` is live;
@@ -120,9 +122,8 @@ class SessionManager {
   // the reason, instead of a bare NOT_FOUND.
   void RememberNotRestored(const std::string& id, const absl::Status& why);
 
-  // Authenticates, waits for the turn, and removes the session.
-  absl::Status Close(const std::string& id, const std::string& token,
-                     absl::Time deadline = absl::InfiniteFuture());
+  // Authenticates, holds the session as Acquire does, and removes it.
+  absl::Status Close(const std::string& id, const std::string& token);
 
   // Removes a session at once (operator action); a running call finishes,
   // later ones get NOT_FOUND "was evicted: <reason>". NOT_FOUND if not live.
@@ -136,8 +137,8 @@ class SessionManager {
   // References to the live sessions, for figures that are safe to read while
   // calls run (Session::bytes_in_use()).
   std::vector<std::shared_ptr<Session>> live_session_refs() const;
-  // Calls waiting for their turn on session `id` (0 if it is not live).
-  int waiting_calls(const std::string& id) const;
+  // Whether a Lease on session `id` is held now (false if it is not live).
+  bool in_call(const std::string& id) const;
 
  private:
   // Sessions removed under mu_ are destroyed, and on_removed told, once it is
@@ -168,8 +169,9 @@ class SessionManager {
                                                             const std::string& token,
                                                             Doomed* doomed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Waits for `entry`'s turn (users already counted) and makes the lease.
-  absl::StatusOr<Lease> TakeTurn(std::shared_ptr<Entry> entry, absl::Time deadline);
+  // Marks `entry` held (contract 3) and makes the lease.
+  absl::StatusOr<Lease> HoldLocked(std::shared_ptr<Entry> entry)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SessionManagerOptions options_;
   const Clock clock_;

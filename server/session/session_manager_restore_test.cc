@@ -1,4 +1,4 @@
-// SessionManager: restored sessions (contract 6), the server's own turn, and
+// SessionManager: restored sessions (contract 6), the server's own lease, and
 // on_removed (contract 7).
 #include <memory>
 #include <string>
@@ -77,7 +77,7 @@ TEST(SessionManagerRestoreTest, RestoreRefusesDuplicatesBadDigestsAndOverflow) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(SessionManagerRestoreTest, ServerTurnNeedsNoTokenButALiveSession) {
+TEST(SessionManagerRestoreTest, ServerLeaseNeedsNoTokenButALiveSession) {
   SessionManager manager(SessionManagerOptions{});
   absl::StatusOr<SessionManager::Identity> created = manager.Create(absl::ZeroDuration(), MakeFake);
   ASSERT_TRUE(created.ok());
@@ -86,9 +86,9 @@ TEST(SessionManagerRestoreTest, ServerTurnNeedsNoTokenButALiveSession) {
     absl::StatusOr<SessionManager::Lease> lease = manager.AcquireForServer(created->id);
     ASSERT_TRUE(lease.ok()) << lease.status();
     EXPECT_TRUE(lease->token_digest().Matches(created->token));
-    // The turn is held: a client's call with a passed deadline cannot get it.
-    EXPECT_EQ(manager.Acquire(created->id, created->token, absl::Now()).status().code(),
-              absl::StatusCode::kDeadlineExceeded);
+    // The server's lease is a call like any other: no second one meanwhile.
+    EXPECT_EQ(manager.Acquire(created->id, created->token).status().code(),
+              absl::StatusCode::kInternal);
   }
   EXPECT_EQ(manager.AcquireForServer("ffffffffffffffffffffffffffffffff").status().code(),
             absl::StatusCode::kNotFound);

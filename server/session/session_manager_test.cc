@@ -1,15 +1,12 @@
 #include "server/session/session_manager.h"
 
-#include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
-#include "server/session/fifo_turns.h"
 
 namespace te::session {
 namespace {
@@ -188,109 +185,55 @@ TEST_F(SessionManagerTest, RejectsBadTtls) {
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(SessionManagerTest, CallsOnOneSessionRunOneAtATimeInArrivalOrder) {
+// The manager orders nothing (the executor does): a second Lease while one is
+// held is refused at once, never waited for, and other sessions are free.
+TEST_F(SessionManagerTest, ASecondLeaseIsRefusedAtOnceNotWaitedFor) {
   const auto a = MakeSession();
-  auto first = manager_->Acquire(a.id, a.token);
-  ASSERT_TRUE(first.ok());
-  absl::Mutex mu;
-  std::vector<int> order;
-  std::atomic<int> running{0}, max_running{0};
-  std::vector<std::thread> threads;
-  for (int i = 0; i < 5; ++i) {
-    threads.emplace_back([&, i] {
-      auto lease = manager_->Acquire(a.id, a.token);
-      ASSERT_TRUE(lease.ok()) << lease.status();
-      const int now = ++running;
-      int seen = max_running.load();
-      while (now > seen && !max_running.compare_exchange_weak(seen, now)) {}
-      {
-        absl::MutexLock lock(&mu);
-        order.push_back(i);
-      }
-      absl::SleepFor(absl::Milliseconds(2));
-      --running;
-    });
-    // Thread i queues before thread i+1 arrives.
-    while (manager_->waiting_calls(a.id) < i + 1) absl::SleepFor(absl::Milliseconds(1));
-  }
-  // A session held by one call does not block another session.
   const auto b = MakeSession();
+  std::optional<absl::StatusOr<SessionManager::Lease>> first;
+  first.emplace(manager_->Acquire(a.id, a.token));
+  ASSERT_TRUE(first->ok());
+  EXPECT_TRUE(manager_->in_call(a.id));
+  const absl::Time before = absl::Now();
+  const absl::Status second = manager_->Acquire(a.id, a.token).status();
+  EXPECT_EQ(second.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(second.message().find("executor turn"), std::string::npos) << second;
+  EXPECT_LT(absl::Now() - before, absl::Seconds(1));
+  EXPECT_EQ(manager_->AcquireForServer(a.id).status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(manager_->Close(a.id, a.token).code(), absl::StatusCode::kInternal);
   EXPECT_TRUE(manager_->Acquire(b.id, b.token).ok());
-  first = absl::InternalError("released");  // drops the lease
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(order, std::vector<int>({0, 1, 2, 3, 4}));
-  EXPECT_EQ(max_running.load(), 1);
+  first.reset();  // releases the lease
+  EXPECT_FALSE(manager_->in_call(a.id));
+  EXPECT_TRUE(manager_->Acquire(a.id, a.token).ok());
+  EXPECT_TRUE(manager_->Close(a.id, a.token).ok());
 }
 
-TEST_F(SessionManagerTest, CallsQueuedBehindACloseAreNotFound) {
-  const auto a = MakeSession();
-  auto holder = std::make_unique<absl::StatusOr<SessionManager::Lease>>(
-      manager_->Acquire(a.id, a.token));
-  ASSERT_TRUE(holder->ok());
-  absl::Status close_status, later_status;
-  std::thread closer([&] { close_status = manager_->Close(a.id, a.token); });
-  while (manager_->waiting_calls(a.id) < 1) absl::SleepFor(absl::Milliseconds(1));
-  std::thread later([&] { later_status = manager_->Acquire(a.id, a.token).status(); });
-  while (manager_->waiting_calls(a.id) < 2) absl::SleepFor(absl::Milliseconds(1));
-  holder.reset();
-  closer.join();
-  later.join();
-  EXPECT_TRUE(close_status.ok()) << close_status;
-  EXPECT_EQ(later_status.code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(later_status.message(), "session " + a.id + " was closed");
+// A Lease held while its session is closed or evicted still releases cleanly,
+// and later calls hear why the session went.
+TEST_F(SessionManagerTest, ALeaseOutlivesItsSessionsEviction) {
+  std::weak_ptr<Probe> probe;
+  const auto a = MakeSession(&probe);
+  std::optional<absl::StatusOr<SessionManager::Lease>> held;
+  held.emplace(manager_->Acquire(a.id, a.token));
+  ASSERT_TRUE(held->ok());
+  ASSERT_TRUE(manager_->Evict(a.id, "operator").ok());
+  EXPECT_FALSE(probe.expired());  // the running call still holds it
+  held.reset();
+  EXPECT_TRUE(probe.expired());
+  EXPECT_EQ(manager_->Acquire(a.id, a.token).status().message(),
+            "session " + a.id + " was evicted: operator");
 }
 
-TEST_F(SessionManagerTest, WaitingHonoursDeadlinesAndTheQueueBound) {
-  SessionManagerOptions options;
-  options.max_waiting_calls = 1;
-  Reset(options);
-  const auto a = MakeSession();
-  auto holder = manager_->Acquire(a.id, a.token);
-  ASSERT_TRUE(holder.ok());
-  EXPECT_EQ(manager_->Acquire(a.id, a.token, absl::Now() + absl::Milliseconds(20))
-                .status()
-                .code(),
-            absl::StatusCode::kDeadlineExceeded);
-  std::thread waiter([&] { EXPECT_TRUE(manager_->Acquire(a.id, a.token).ok()); });
-  while (manager_->waiting_calls(a.id) < 1) absl::SleepFor(absl::Milliseconds(1));
-  EXPECT_EQ(manager_->Acquire(a.id, a.token).status().code(),
-            absl::StatusCode::kResourceExhausted);
-  holder = absl::InternalError("released");
-  waiter.join();
-}
-
-TEST(FifoTurnsTest, AWaiterThatGivesUpLetsTheNextOneIn) {
-  FifoTurns turns(8);
-  ASSERT_TRUE(turns.Wait(absl::InfiniteFuture()).ok());
-  std::atomic<bool> got{false};
-  std::thread quitter([&] {
-    EXPECT_EQ(turns.Wait(absl::Now() + absl::Milliseconds(30)).code(),
-              absl::StatusCode::kDeadlineExceeded);
-  });
-  while (turns.waiting() < 1) absl::SleepFor(absl::Milliseconds(1));
-  std::thread patient([&] {
-    EXPECT_TRUE(turns.Wait(absl::InfiniteFuture()).ok());
-    got = true;
-    turns.Done();
-  });
-  quitter.join();
-  EXPECT_FALSE(got.load());
-  turns.Done();
-  patient.join();
-  EXPECT_TRUE(got.load());
-  EXPECT_EQ(turns.waiting(), 0);
-}
-
-TEST_F(SessionManagerTest, AuthenticateChecksLikeAcquireWithoutTakingTheTurn) {
+TEST_F(SessionManagerTest, AuthenticateChecksLikeAcquireWithoutHoldingTheSession) {
   std::weak_ptr<Probe> probe;
   const SessionManager::Identity a = MakeSession(&probe);
   const SessionManager::Identity b = MakeSession();
   absl::StatusOr<SessionManager::Lease> held = manager_->Acquire(a.id, a.token);
   ASSERT_TRUE(held.ok());
-  // The turn is held, yet authentication answers at once.
+  // A call holds the session, yet authentication answers at once.
   absl::StatusOr<std::shared_ptr<Session>> session = manager_->Authenticate(a.id, a.token);
   ASSERT_TRUE(session.ok()) << session.status();
-  EXPECT_EQ(manager_->waiting_calls(a.id), 0);
+  EXPECT_TRUE(manager_->in_call(a.id));
   EXPECT_EQ(manager_->Authenticate(a.id, "").status().code(),
             absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(manager_->Authenticate(a.id, "wrong").status().code(),

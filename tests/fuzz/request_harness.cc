@@ -82,7 +82,6 @@ struct Globals {
     device = *OpenCpuDevice();
     session::SessionManagerOptions options;
     options.max_sessions = 4;
-    options.max_waiting_calls = 2;
     // Few: an input that leaves a tombstone behind looks like a leak to
     // libFuzzer (more mallocs than frees), which then reruns it under LSan.
     options.max_tombstones = 2;
@@ -414,7 +413,7 @@ std::string Digest(const Fixture& fx) {
   std::sort(ids.begin(), ids.end());
   lines.push_back(absl::StrCat("live sessions: ", absl::StrJoin(ids, " ")));
   auto lease =
-      g.manager->Acquire(fx.ref.session_id(), fx.ref.token(), absl::Now() + absl::Seconds(1));
+      g.manager->Acquire(fx.ref.session_id(), fx.ref.token());
   if (!lease.ok()) {
     lines.push_back(absl::StrCat("the live session: ", lease.status().ToString()));
     return absl::StrJoin(lines, "\n");
@@ -586,8 +585,7 @@ uint64_t Touch(const char* data, int64_t bytes) {
 // away (the undo flag).
 template <typename Request, typename Call>
 absl::Status OnSession(const Request& request, const Options& options, Call call) {
-  auto lease = G().manager->Acquire(request.session().session_id(), request.session().token(),
-                                    absl::Now() + absl::Seconds(1));
+  auto lease = G().manager->Acquire(request.session().session_id(), request.session().token());
   if (!lease.ok()) return lease.status();
   session::Session& s = lease->session();
   const int64_t mark = s.mark();
@@ -627,8 +625,7 @@ absl::Status RunPutTensor(const Fixture& fixture, const Options& options, const 
   // session's turn, each data message appended, CommitPut after the last;
   // no exception escapes; a failed stream's upload is dropped and what it
   // created forgotten.
-  auto lease = G().manager->Acquire(header.session().session_id(), header.session().token(),
-                                    absl::Now() + absl::Seconds(1));
+  auto lease = G().manager->Acquire(header.session().session_id(), header.session().token());
   if (!lease.ok()) return lease.status();
   session::Session& s = lease->session();
   const int64_t mark = s.mark();
@@ -702,8 +699,7 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       te::v1::CloseSessionRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
-      return g.manager->Close(request.session().session_id(), request.session().token(),
-                              absl::Now() + absl::Seconds(1));
+      return g.manager->Close(request.session().session_id(), request.session().token());
     }
     case Rpc::kInitLayer: {
       te::v1::InitLayerRequest request;
@@ -865,8 +861,7 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
       te::v1::CheckpointRequest request;
       if (!Parse(data, size, &request)) return kUnparsable;
       FixRef(fx, options, &request);
-      auto lease = g.manager->Acquire(request.session().session_id(), request.session().token(),
-                                      absl::Now() + absl::Seconds(1));
+      auto lease = g.manager->Acquire(request.session().session_id(), request.session().token());
       if (!lease.ok()) return lease.status();
       absl::Status saved = g.store->Save(*lease).status();
       if (saved.ok()) g.store->Remove(lease->id()).IgnoreError();
