@@ -786,37 +786,92 @@ TEST(ServerLimitsTest, MaxSessions) {
   EXPECT_TRUE((*server)->Stop().ok());
 }
 
-// Calls on different sessions run concurrently; on one session, in order.
+// Calls on different sessions run concurrently, and none sees another's
+// state: each session's answers (every forward's y, every backward's dx, and
+// the parameters and kept gradients at the end) equal, bit for bit, those of
+// the same calls run by one client alone on the server, while the sessions
+// have different seeds and inputs, so a mix-up would show.
 TEST_F(ServiceTest, ConcurrentSessions) {
-  std::vector<std::thread> threads;
-  std::vector<grpc::Status> results(4);
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      auto stub = server_->NewStub();
-      const te::v1::SessionRef session = CreateSession(*stub).session();
-      te::v1::InitLayerRequest init;
-      *init.mutable_session() = session;
-      *init.mutable_spec() = DenseSpec(8);
-      init.set_input_dtype(te::v1::FLOAT32);
-      init.add_input_shape(4);
-      init.add_input_shape(8);
-      grpc::ClientContext c1;
-      te::v1::InitLayerResponse layer;
-      results[t] = stub->InitLayer(&c1, init, &layer);
-      if (!results[t].ok()) return;
-      for (int i = 0; i < 5 && results[t].ok(); ++i) {
-        te::v1::ForwardRequest forward;
-        *forward.mutable_session() = session;
-        forward.set_layer_id(layer.layer_id());
-        *forward.mutable_x() = MakeTensor(te::v1::FLOAT32, {4, 8}, RandomFloats(32, 80 + i));
-        grpc::ClientContext c2;
-        te::v1::ForwardResponse y;
-        results[t] = stub->Forward(&c2, forward, &y);
+  constexpr int kSessions = 4;
+  constexpr int kSteps = 5;
+  struct Answers {
+    grpc::Status status;
+    std::vector<std::string> bytes;  // y and dx per step, then each variable
+  };
+  auto drive = [this](int t) {
+    Answers answers;
+    auto stub = server_->NewStub();
+    const te::v1::SessionRef session = CreateSession(*stub).session();
+    te::v1::InitLayerRequest init;
+    *init.mutable_session() = session;
+    *init.mutable_spec() = DenseSpec(8);
+    init.set_seed(100 + t);
+    init.set_input_dtype(te::v1::FLOAT32);
+    init.add_input_shape(4);
+    init.add_input_shape(8);
+    grpc::ClientContext c1;
+    te::v1::InitLayerResponse layer;
+    answers.status = stub->InitLayer(&c1, init, &layer);
+    for (int i = 0; i < kSteps && answers.status.ok(); ++i) {
+      te::v1::ForwardRequest forward;
+      *forward.mutable_session() = session;
+      forward.set_layer_id(layer.layer_id());
+      forward.set_keep_for_backward(true);
+      *forward.mutable_x() =
+          MakeTensor(te::v1::FLOAT32, {4, 8}, RandomFloats(32, 80 + 10 * t + i));
+      grpc::ClientContext c2;
+      te::v1::ForwardResponse y;
+      answers.status = stub->Forward(&c2, forward, &y);
+      if (!answers.status.ok()) break;
+      answers.bytes.push_back(y.y().inline_data());
+      te::v1::BackwardRequest backward;
+      *backward.mutable_session() = session;
+      backward.set_forward_id(y.forward_id());
+      backward.set_keep_grads(true);
+      *backward.mutable_dy() =
+          MakeTensor(te::v1::FLOAT32, {4, 8}, RandomFloats(32, 500 + 10 * t + i));
+      grpc::ClientContext c3;
+      te::v1::BackwardResponse dx;
+      answers.status = stub->Backward(&c3, backward, &dx);
+      answers.bytes.push_back(dx.dx().inline_data());
+    }
+    if (answers.status.ok()) {
+      te::v1::GetVariablesRequest get;
+      *get.mutable_session() = session;
+      get.set_layer_id(layer.layer_id());
+      grpc::ClientContext c4;
+      te::v1::GetVariablesResponse variables;
+      answers.status = stub->GetVariables(&c4, get, &variables);
+      for (const te::v1::Variable& v : variables.variables()) {
+        answers.bytes.push_back(v.collection() + "/" + v.path() + "=" + v.value().inline_data());
       }
-    });
+    }
+    return answers;
+  };
+
+  std::vector<Answers> concurrent(kSessions);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kSessions; ++t) {
+    threads.emplace_back([&, t] { concurrent[t] = drive(t); });
   }
   for (auto& thread : threads) thread.join();
-  for (const auto& status : results) EXPECT_TRUE(status.ok()) << Describe(status);
+  for (int t = 0; t < kSessions; ++t) {
+    const Answers alone = drive(t);
+    ASSERT_TRUE(concurrent[t].status.ok()) << "session " << t << ": "
+                                           << Describe(concurrent[t].status);
+    ASSERT_TRUE(alone.status.ok()) << Describe(alone.status);
+    ASSERT_GE(alone.bytes.size(), 2 * kSteps + 2u);  // at least a param and its kept grad
+    EXPECT_EQ(concurrent[t].bytes.size(), alone.bytes.size());
+    for (size_t i = 0; i < alone.bytes.size() && i < concurrent[t].bytes.size(); ++i) {
+      EXPECT_FALSE(alone.bytes[i].empty());
+      EXPECT_EQ(concurrent[t].bytes[i], alone.bytes[i]) << "session " << t << ", answer " << i;
+    }
+    // Sessions with different seeds and inputs differ: the comparison above
+    // could tell one session's answers from another's.
+    if (t > 0) {
+      EXPECT_NE(concurrent[t].bytes, concurrent[t - 1].bytes);
+    }
+  }
 }
 
 }  // namespace
