@@ -28,6 +28,7 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
     // NaN equals no scale: the first use quantizes.
     RETURN_IF_ERROR(ops.Fill(std::numeric_limits<float>::quiet_NaN(), &entry.kept.scale));
     it = entries_.emplace(key, std::move(entry)).first;
+    pending_.push_back(key);
   }
   Entry& entry = it->second;
   Fp8Output side;
@@ -39,6 +40,13 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
   GemmOperand out = entry.op;
   out.transpose = false;
   return out;
+}
+
+Fp8WeightCache::Call::~Call() {
+  if (!committed_) {
+    for (const Key& key : cache_->pending_) cache_->entries_.erase(key);
+  }
+  cache_->pending_.clear();
 }
 
 int64_t Fp8WeightCache::bytes() const {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/ops.h"
@@ -33,7 +34,26 @@ class Fp8WeightCache {
   absl::StatusOr<GemmOperand> Quantize(Ops& ops, const Fp8Recipe& fp8, const QuantizerSet& set,
                                        const Tensor& weight, Variables* vars);
   // The weights changed, or may have: every copy goes.
-  void Clear() { entries_.clear(); }
+  void Clear() {
+    entries_.clear();
+    pending_.clear();
+  }
+
+  // The copies a call makes stay only if the call succeeds, so a failed call
+  // leaves the session's memory as it was (session.h contract 2): a Call
+  // destroyed without Commit drops what was made while it was open.
+  class Call {
+   public:
+    explicit Call(Fp8WeightCache* cache) : cache_(cache) { cache_->pending_.clear(); }
+    ~Call();
+    void Commit() { committed_ = true; }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    Fp8WeightCache* cache_;
+    bool committed_ = false;
+  };
   int64_t bytes() const;
   size_t size() const { return entries_.size(); }
 
@@ -46,6 +66,7 @@ class Fp8WeightCache {
   // The weight's storage, its 2-D view and the FP8 dtype.
   using Key = std::tuple<const void*, int64_t, int64_t, DType>;
   std::map<Key, Entry> entries_;
+  std::vector<Key> pending_;  // made since the open Call began
 };
 
 // The kernel operand of a forward GEMM under per-tensor `fp8`: from

@@ -129,6 +129,25 @@ TEST_F(Fp8WeightCacheTest, ClearAfterTheWeightsChange) {
   for (const auto& [name, values] : want) EXPECT_EQ(got.at(name), values) << name;
 }
 
+// A call that fails (no Commit) leaves no copy behind, and the session's
+// memory as it was; a committed call keeps its copies for the next.
+TEST_F(Fp8WeightCacheTest, OnlyACommittedCallKeepsItsCopies) {
+  const int64_t before = ops_->bytes_in_use();
+  {
+    Fp8WeightCache::Call call(&cache_);
+    RunStep(*ops_, *layer_, &cached_vars_, in_, dy_, cached_fp8_);
+    EXPECT_EQ(cache_.size(), 2u);
+  }
+  EXPECT_EQ(cache_.size(), 0u);
+  {
+    Fp8WeightCache::Call call(&cache_);
+    RunStep(*ops_, *layer_, &cached_vars_, in_, dy_, cached_fp8_);
+    call.Commit();
+  }
+  EXPECT_EQ(cache_.size(), 2u);
+  EXPECT_EQ(ops_->bytes_in_use(), before + cache_.bytes());
+}
+
 // Recipes other than DelayedScaling never use the cache.
 TEST_F(Fp8WeightCacheTest, OnlyDelayedScalingKeepsCopies) {
   Fp8Recipe current = testing::CurrentScalingRecipe();

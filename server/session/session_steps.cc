@@ -315,6 +315,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.deterministic = request.deterministic();
   opts.dropout_seed = request.dropout_seed();
   opts.fp8 = layer->StepRecipe(fp8);
+  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   opts.keep_for_backward = request.keep_for_backward();
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
@@ -358,6 +359,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   // outputs, which the service's ForgetSince removes if the call fails.
   RETURN_IF_ERROR(call.StillWanted("Forward"));
   if (request.keep_for_backward() || ends_step) layer->vars = std::move(vars);
+  kept_weights.Commit();
   if (request.keep_for_backward()) {
     auto entry = std::make_unique<SavedEntry>();
     entry->layer_id = layer->id;
@@ -476,6 +478,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   }
   InterruptScope interrupt(*ops_, call, "ForwardBackward");
   ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
+  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   OutputEncoder encoder(this);
   layers::Variables grad_sum;  // "grads/..."
   // With an update, the micro-batches' values stay on the device until the
@@ -535,6 +538,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   // Commit (contract 2), as Backward does; the update last (contract 8).
   RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
   layer->vars = std::move(vars);
+  kept_weights.Commit();
   if (request.apply_update()) {
     layer->grads.clear();
     RETURN_IF_ERROR(ApplyUpdate(*layer, grad_sum, response->mutable_update()));
@@ -597,6 +601,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   opts.deterministic = request.deterministic();
   opts.dropout_seed = mb.dropout_seed();
   opts.fp8 = layer->StepRecipe(fp8);
+  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
 
   std::vector<double> step_ms;
   for (int it = 0; it < warmup + timing; ++it) {
@@ -637,6 +642,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
       step_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
     }
   }
+  kept_weights.Commit();
   response->set_steps(timing);
   response->set_device(device_.name);
   if (timing > 0) {
