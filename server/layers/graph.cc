@@ -305,12 +305,23 @@ class GraphLayer : public Layer {
     LayerInputs module_in;
     module_in.x = inputs[0];
     module_in.extra.assign(inputs.begin() + 1, inputs.end());
-    // A causal_mask node's output carries no padding: the module gets none.
+    // A causal_mask node's output carries no padding: the module gets none,
+    // except a padding-type module, which applies its ones elementwise.
     if (node.mask >= 0 && node.mask == g_.attention_mask) {
       module_in.q_seqlens = in.q_seqlens;
       module_in.kv_seqlens = in.kv_seqlens;
       module_in.seqlens_with_causal = in.seqlens_with_causal;
       module_in.elementwise_mask = in.elementwise_mask;
+    } else if (node.causal_node_elementwise) {
+      const Shape& m = plan.tensors[node.mask].shape;  // [B, 1, S, S]
+      std::vector<uint8_t> host(static_cast<size_t>(m[0] * m[2] * m[3]));
+      for (int64_t b = 0; b < m[0]; ++b) {
+        for (int64_t i = 0; i < m[2]; ++i) {
+          for (int64_t j = 0; j < m[3]; ++j) host[(b * m[2] + i) * m[3] + j] = j <= i ? 1 : 0;
+        }
+      }
+      ASSIGN_OR_RETURN(module_in.elementwise_mask, ops.Allocate(DType::kBool, {m[0], m[2], m[3]}));
+      RETURN_IF_ERROR(ops.Upload(host.data(), &module_in.elementwise_mask));
     }
     ForwardOptions module_opts = opts;
     module_opts.dropout_seed = SeedOf(opts.dropout_seed, node.name);

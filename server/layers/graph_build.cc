@@ -379,15 +379,16 @@ class Builder {
                                          "\" is not a mask; want attention_mask or a causal_mask "
                                          "node's output"));
     }
-    // A causal mask carries no padding: TE's causal types ignore the mask and
-    // apply causality themselves, which equals reading this one. A module of
-    // another type would read it as padding, which it is not.
-    if (mask.producer >= 0 && *traits.mask_type != MaskType::kCausal &&
-        *traits.mask_type != MaskType::kPaddingCausal) {
-      return Invalid(where, absl::StrCat("\"", s.mask(), "\" is a causal mask, but the ",
-                                         node->module->type_name(),
-                                         "'s attention mask type is not causal; set "
-                                         "attn_mask_type causal (or padding_causal)"));
+    // A causal_mask node's output is flax.linen.make_causal_mask's: 1 where
+    // key j <= query i. TE's causal types ignore a mask and apply causality
+    // themselves, which equals reading this one (padding_causal reads it as
+    // causality with every position valid: TE's fused path, which derives
+    // lengths from the mask, and its unfused one disagree on such a mask);
+    // no_mask ignores it; padding applies it elementwise as TE's unfused
+    // softmax does, ones masked out.
+    if (mask.producer >= 0 && *traits.mask_type == MaskType::kPadding &&
+        kind != te::v1::LayerSpec::kFlaxMultiHeadDotProductAttention) {
+      node->causal_node_elementwise = true;
     }
     if (mask.producer >= 0 && kind == te::v1::LayerSpec::kFlaxMultiHeadDotProductAttention) {
       ASSIGN_OR_RETURN(node->module, MakeFlaxMultiHeadDotProductAttention(

@@ -60,6 +60,10 @@ struct Node {
   std::unique_ptr<Layer> module;
   std::optional<MaskType> mask_type;
   bool returns_ln_out = false;
+  // A TE module of the padding type whose mask is a causal_mask node's
+  // output: it applies that mask elementwise, as TE's unfused softmax does
+  // (nonzero = masked out: make_causal_mask's ones, the keys j <= i).
+  bool causal_node_elementwise = false;
 
   // Glue fields as the spec gives them; Infer resolves them against shapes.
   std::vector<int64_t> shape;  // reshape (one -1 at most)

@@ -456,6 +456,33 @@ TEST(GraphTest, CausalMaskGivesTheModuleNoPadding) {
   EXPECT_NE(got, AttentionAlone(*ops, te::v1::PADDING_CAUSAL, padded));
 }
 
+// A causal_mask node (flax.linen.make_causal_mask: 1 where key <= query) to
+// the other TE types means what TE makes of it: no_mask ignores it; padding
+// applies it elementwise, ones masked out (transformer.py,
+// _UnfusedDotProductAttention.convert_to_softmax_type), so query i sees the
+// keys j > i only and the last query none.
+TEST(GraphTest, CausalMaskNodeToNoMaskIsIgnoredAndToPaddingIsElementwise) {
+  auto ops = NewCpuOps();
+  const LayerInputs plain = AttentionInputs(*ops, false);
+  EXPECT_EQ(AttentionThroughGraph(*ops, te::v1::NO_MASK, true, plain),
+            AttentionAlone(*ops, te::v1::NO_MASK, plain));
+  LayerInputs upper = plain;  // the node's ones as an elementwise mask
+  upper.elementwise_mask = ops->Allocate(DType::kBool, {kBatch, kSeq, kSeq}).value();
+  for (int64_t b = 0; b < kBatch; ++b) {
+    for (int64_t i = 0; i < kSeq; ++i) {
+      for (int64_t j = 0; j < kSeq; ++j) {
+        upper.elementwise_mask.data_as<bool>()[(b * kSeq + i) * kSeq + j] = j <= i;
+      }
+    }
+  }
+  const std::vector<float> got = AttentionThroughGraph(*ops, te::v1::PADDING, true, plain);
+  EXPECT_EQ(got, AttentionAlone(*ops, te::v1::PADDING, upper));
+  EXPECT_NE(got, AttentionAlone(*ops, te::v1::CAUSAL, plain));
+  // The last query sees no key: zeros.
+  const int64_t row = kHeads * kHeadDim;
+  for (int64_t n = (kSeq - 1) * row; n < kSeq * row; ++n) EXPECT_EQ(got[n], 0.0f);
+}
+
 TEST(GraphTest, ForwardStopsBetweenNodesWhenInterrupted) {
   auto ops = NewCpuOps();
   auto layer = Build(AttentionBlock());
@@ -612,18 +639,6 @@ TEST(GraphBadSpecTest, MaskOnAModuleThatTakesNone) {
   node->set_mask("attention_mask");
   g.add_outputs("y");
   ExpectInvalid(Build(g).status(), "spec.graph.nodes[0] (dense).mask");
-}
-
-TEST(GraphBadSpecTest, CausalMaskFedToANonCausalModule) {
-  for (te::v1::AttnMaskType type : {te::v1::PADDING, te::v1::NO_MASK}) {
-    Spec g;
-    Add(&g, "causal", {"x"}, {"m"})->mutable_causal_mask();
-    Spec::Node* node = Add(&g, "attention", {"x", "x", "x"}, {"y"});
-    *node->mutable_module() = Attention(type);
-    node->set_mask("m");
-    g.add_outputs("y");
-    ExpectInvalid(Build(g).status(), "spec.graph.nodes[1] (attention).mask");
-  }
 }
 
 TEST(GraphBadSpecTest, MaskReadAsAnInput) {

@@ -7,8 +7,9 @@ traced into one server graph. Dropout is Flax's module (named "Dropout_N"),
 recorded as a dropout node: inverted dropout on the server, seeded with
 NodeSeed(apply's rngs['dropout'], its name) and off when apply's
 deterministic is True. make_causal_mask on a traced x[..., 0] records a
-causal-mask node (read only as the mask of a module with a causal
-attn_mask_type); on arrays it is Flax's function in numpy.
+causal-mask node (read only as an attention module's mask, as TE reads it:
+the causal types and no_mask ignore it, padding applies its ones as masked
+out); on arrays it is Flax's function in numpy.
 
 Flax's own layers (Dense, DenseGeneral, LayerNorm,
 MultiHeadDotProductAttention) are server modules with Flax's semantics
@@ -43,9 +44,10 @@ def make_causal_mask(x, extra_batch_dims=0, dtype=np.float32):
     """flax.linen.make_causal_mask: [batch..., 1, len, len], 1 where key <= query (attend).
 
     On a traced [batch, seq] tensor (the quickstart's x[..., 0]) it records a
-    causal_mask node: a bool [B, 1, S, S] mask that only a module with a
-    causal attn_mask_type reads (as TE's causal types apply causality
-    themselves), so `dtype` changes nothing there."""
+    causal_mask node: a bool [B, 1, S, S] mask read only as an attention
+    module's mask (TE's causal types and no_mask ignore it, as TE does; a
+    padding module applies it elementwise, its ones masked out), so `dtype`
+    changes nothing there."""
     if isinstance(x, (symbolic.Symbol, symbolic.Indexed)):
         return _traced_causal_mask(x, extra_batch_dims, dtype)
     shape = tuple(x.shape)
