@@ -347,7 +347,7 @@ int Run() {
   signal_waiter.join();
   housekeeping.join();
   if (checkpoints != nullptr) {
-    const int saved = checkpoints->SaveAll(&sessions, absl::Now() + kShutdownSaveWait);
+    const int saved = service.SaveAllSessions(absl::Now() + kShutdownSaveWait);
     Log(LogLevel::kInfo, absl::StrCat("stopped; ", saved, " of ", sessions.live_sessions(),
                                       " sessions saved to ", checkpoints->state_dir()));
   } else {
