@@ -270,13 +270,15 @@ TEST_F(BadRequestsTest, EachGetsItsCodeAndLeavesTheSessionUnchanged) {
        Code::FAILED_PRECONDITION, "autocast.recipe"},
       {"recipe with amax_history_len 0", [&] { return ForwardAutocast(bad_history); },
        Code::INVALID_ARGUMENT, "autocast.recipe.delayed_scaling.amax_history_len"},
-      {"causal mask is not a padding mask", [&] { return ForwardMask({kBatch, 1, 4, 4}, causal); },
-       Code::INVALID_ARGUMENT, "attention_mask"},
-      {"mask dtype", [&] {
+      // Any mask pattern and dtype TE takes is accepted (attention_mask_test);
+      // one whose shape does not fit x, or whose bytes do not fit its dtype, is not.
+      {"mask shape that does not fit x", [&] { return ForwardMask({kBatch, 1, 4, 4}, causal); },
+       Code::INVALID_ARGUMENT, "attention_mask.shape"},
+      {"mask bytes that do not fit its dtype", [&] {
          auto r = GoodForward();
-         *r.mutable_attention_mask() = Inline(te::v1::INT32, {kBatch, 1, kBatch, kBatch}, std::string(32, '\0'));
+         *r.mutable_attention_mask() = Inline(te::v1::INT32, {kBatch, 1, kBatch, kBatch}, std::string(31, '\0'));
          return Forward(r); },
-       Code::INVALID_ARGUMENT, "attention_mask.dtype"},
+       Code::INVALID_ARGUMENT, "attention_mask.inline_data"},
       // backward.
       {"unknown forward id", [&] { return Backward("forward-999", GoodDy()); },
        Code::NOT_FOUND, "forward_id"},
