@@ -288,8 +288,10 @@ absl::Status CudaOps::AttentionForwardPacked(const AttentionArgs& args, const Te
   if (out->numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
-    absl::Status fused = DeclineElementwiseMask(args);
-    if (fused.ok()) fused = CudnnAttentionForward(this, args, shape, PackedQkv(qkv), out, softmax_lse);
+    const absl::Status declined = DeclineElementwiseMask(args);
+    const absl::Status fused =
+        declined.ok() ? CudnnAttentionForward(this, args, shape, PackedQkv(qkv), out, softmax_lse)
+                      : declined;
     if (fused.ok()) packed_cudnn_calls.fetch_add(1);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("forward packed", args, shape, qkv.dtype()), kSplit, fused);
@@ -318,11 +320,11 @@ absl::Status CudaOps::AttentionBackwardPacked(const AttentionArgs& args, const T
   if (qkv.numel() == 0) return absl::OkStatus();
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
-    absl::Status fused = DeclineElementwiseMask(args);
-    if (fused.ok()) {
-      fused = CudnnAttentionBackward(this, args, shape, PackedQkv(qkv), out, dout, softmax_lse,
-                                     PackedDqkv(dqkv), dbias);
-    }
+    const absl::Status declined = DeclineElementwiseMask(args);
+    const absl::Status fused =
+        declined.ok() ? CudnnAttentionBackward(this, args, shape, PackedQkv(qkv), out, dout,
+                                               softmax_lse, PackedDqkv(dqkv), dbias)
+                      : declined;
     if (fused.ok()) packed_cudnn_calls.fetch_add(1);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("backward packed", args, shape, qkv.dtype()), kSplit, fused);

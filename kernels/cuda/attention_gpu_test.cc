@@ -73,6 +73,10 @@ struct Case {
   // Small-head backward with dropout: no scratch for the dq pass's dropout
   // bits, so the dk/dv pass draws them itself.
   bool no_dropout_bits = false;
+  // An arbitrary elementwise mask (AttentionArgs::elementwise_mask) on top
+  // of the mask type: cuDNN and the small-head kernels decline it, the
+  // general fallback computes it.
+  bool elementwise = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -175,12 +179,21 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
       cpu_args.kv_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(kv_lens[b]);
     }
   }
+  if (c.elementwise) {
+    // About 40% masked at random; batch 0's query 1 sees nothing.
+    cpu_args.elementwise_mask = ::te::testing::MakeEmpty(cpu_, DType::kBool, {c.batch, c.q_seq, c.kv_seq});
+    const std::vector<float> u = RandomValues(c.batch * c.q_seq * c.kv_seq, 6, 0.0f, 1.0f);
+    for (int64_t n = 0; n < c.batch * c.q_seq * c.kv_seq; ++n) {
+      cpu_args.elementwise_mask.data_as<bool>()[n] = u[n] < 0.4f || n / c.kv_seq == 1;
+    }
+  }
   AttentionArgs gpu_args = cpu_args;
   if (c.bias) gpu_args.bias = ToGpu(cpu_args.bias);
   if (cpu_args.q_seqlens.data() != nullptr) {
     gpu_args.q_seqlens = ToGpu(cpu_args.q_seqlens);
     gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
   }
+  if (c.elementwise) gpu_args.elementwise_mask = ToGpu(cpu_args.elementwise_mask);
 
   // Forward.
   Tensor cpu_out = ::te::testing::MakeEmpty(cpu_, c.dtype, q_shape);
@@ -226,7 +239,7 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   EXPECT_EQ(cudnn_calls, c.path == Path::kCudnn ? 2 : 0)
       << "the test meant the " << (c.path == Path::kCudnn ? "cuDNN" : "unfused") << " path";
   const bool small_head = (c.path == Path::kFallback || c.path == Path::kDeclined) &&
-                          c.head_dim <= cuda::kSmallHeadMaxHeadDim && !c.bias;
+                          c.head_dim <= cuda::kSmallHeadMaxHeadDim && !c.bias && !c.elementwise;
   EXPECT_EQ(cuda::SmallHeadAttentionCalls() - small_head_calls_before, small_head ? 2 : 0)
       << "the test meant the " << (small_head ? "small-head" : "general") << " unfused kernels";
 }
@@ -332,6 +345,39 @@ std::vector<Case> SmallHeadCases() {
                        true, true});
   return cases;
 }
+
+// An arbitrary elementwise mask (TE's unfused softmax applies any mask it is
+// given) under every mask type, with bias, dropout and GQA: cuDNN declines
+// it (no cuDNN call), and so do the small-head kernels at head_dim <= 32;
+// the general fallback matches the CPU reference.
+std::vector<Case> ElementwiseCases() {
+  std::vector<Case> cases;
+  for (MaskType mask : {MaskType::kNoMask, MaskType::kPadding, MaskType::kCausal,
+                        MaskType::kPaddingCausal}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      Case c{"elementwise_", Path::kDeclined, dtype, 2, 37, 45, 4, 2, 64, mask};
+      c.name += std::string(mask == MaskType::kNoMask      ? "nomask"
+                            : mask == MaskType::kPadding   ? "padding"
+                            : mask == MaskType::kCausal    ? "causal"
+                                                           : "paddingcausal") +
+                (dtype == DType::kF32 ? "_f32" : "_bf16");
+      c.elementwise = true;
+      cases.push_back(c);
+    }
+  }
+  Case bias{"elementwise_bias_dropout_f32", Path::kDeclined, DType::kF32, 2, 33, 33, 4, 4, 32,
+            MaskType::kPaddingCausal, 0.2f, true};
+  bias.elementwise = true;
+  cases.push_back(bias);
+  Case small{"elementwise_smallhead_d4_f32", Path::kDeclined, DType::kF32, 2, 40, 40, 4, 4, 4,
+             MaskType::kCausal, 0.1f};
+  small.elementwise = true;
+  cases.push_back(small);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Elementwise, GpuAttentionTest, ::testing::ValuesIn(ElementwiseCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 INSTANTIATE_TEST_SUITE_P(SmallHead, GpuAttentionTest, ::testing::ValuesIn(SmallHeadCases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
