@@ -34,7 +34,7 @@
 #include "kernels/ops.h"
 #include "server/security/flags.h"
 #include "server/metrics/flags.h"
-#include "server/metrics/metrics.h"
+#include "server/metrics/rpc_bytes.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service/device_pool.h"
 #include "server/service/service.h"
@@ -243,8 +243,8 @@ int Run() {
   }
   // Prometheus metrics (--metrics_port): every finished call is counted and
   // timed; the housekeeping thread below refreshes the gauges.
-  metrics::Registry registry;
-  absl::StatusOr<metrics::ServerMetrics> server_metrics = metrics::RegisterServerMetrics(&registry);
+  auto registry = std::make_shared<prometheus::Registry>();
+  absl::StatusOr<metrics::ServerMetrics> server_metrics = metrics::RegisterServerMetrics(*registry);
   if (!server_metrics.ok()) {
     Log(LogLevel::kError, server_metrics.status().ToString());
     return 1;
@@ -253,8 +253,8 @@ int Run() {
                                               absl::Duration latency) {
     m.ObserveRpc(method, code, latency);
   };
-  absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> exporter =
-      metrics::StartExporterFromFlags(&registry);
+  absl::StatusOr<std::unique_ptr<metrics::Exporter>> exporter =
+      metrics::StartExporterFromFlags(registry);
   if (!exporter.ok()) {
     Log(LogLevel::kError, exporter.status().ToString());
     return 1;
@@ -286,6 +286,13 @@ int Run() {
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.session.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.session.max_message_bytes));
   builder.RegisterService(&service);
+  // Every call's request and response bytes, unary and streaming alike.
+  if (absl::Status counted = metrics::CountRpcBytes(
+          *server_metrics, te::v1::TeService::service_full_name(), service::kRawMethods, &builder);
+      !counted.ok()) {
+    Log(LogLevel::kError, counted.ToString());
+    return 1;
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound_port == 0) {
     Log(LogLevel::kError, absl::StrCat("cannot listen on ", address));

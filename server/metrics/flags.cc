@@ -1,5 +1,7 @@
 #include "server/metrics/flags.h"
 
+#include <utility>
+
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -11,17 +13,18 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics exporter li
 
 namespace te::metrics {
 
-absl::StatusOr<std::unique_ptr<HttpExporter>> StartExporterFromFlags(const Registry* registry) {
+absl::StatusOr<std::unique_ptr<Exporter>> StartExporterFromFlags(
+    std::shared_ptr<prometheus::Registry> registry) {
   const int port = absl::GetFlag(FLAGS_metrics_port);
-  if (port == -1) return std::unique_ptr<HttpExporter>();
+  if (port == -1) return std::unique_ptr<Exporter>();
   if (port < -1 || port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_port=", port, ": outside [-1, 65535] (-1 turns metrics off)"));
   }
-  HttpExporterOptions options;
+  ExporterOptions options;
   options.host = absl::GetFlag(FLAGS_metrics_host);
   options.port = port;
-  return HttpExporter::Start(registry, options);
+  return Exporter::Start(std::move(registry), options);
 }
 
 }  // namespace te::metrics

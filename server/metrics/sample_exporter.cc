@@ -6,14 +6,14 @@
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "server/metrics/http_exporter.h"
-#include "server/metrics/metrics.h"
+#include "server/metrics/exporter.h"
 #include "server/metrics/server_metrics.h"
 
 ABSL_FLAG(int, port, 0, "port to serve on; 0 picks a free one");
@@ -49,17 +49,17 @@ int Run() {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);  // before the exporter's threads
 
-  Registry registry;
-  absl::StatusOr<ServerMetrics> metrics = RegisterServerMetrics(&registry);
+  auto registry = std::make_shared<prometheus::Registry>();
+  absl::StatusOr<ServerMetrics> metrics = RegisterServerMetrics(*registry);
   if (!metrics.ok()) {
     std::fprintf(stderr, "sample_exporter: %s\n", metrics.status().ToString().c_str());
     return 1;
   }
   FillWithTraffic(*metrics);
-  HttpExporterOptions options;
+  ExporterOptions options;
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
-  absl::StatusOr<std::unique_ptr<HttpExporter>> exporter = HttpExporter::Start(&registry, options);
+  absl::StatusOr<std::unique_ptr<Exporter>> exporter = Exporter::Start(registry, options);
   if (!exporter.ok()) {
     std::fprintf(stderr, "sample_exporter: %s\n", exporter.status().ToString().c_str());
     return 1;

@@ -1,6 +1,10 @@
 #include "server/metrics/server_metrics.h"
 
+#include <exception>
 #include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace te::metrics {
 
@@ -20,75 +24,73 @@ std::string StatusCodeLabel(absl::StatusCode code) {
 
 void ServerMetrics::ObserveRpc(absl::string_view method, absl::StatusCode code,
                                absl::Duration latency) const {
-  const std::string code_name = StatusCodeLabel(code);
-  absl::StatusOr<Counter*> count = rpc_requests->WithLabels({method, code_name});
-  if (count.ok()) (*count)->Increment();
-  absl::StatusOr<Histogram*> histogram = rpc_latency->WithLabels({method});
-  if (histogram.ok()) (*histogram)->Observe(absl::ToDoubleSeconds(latency));
+  const std::string method_label(method);
+  rpc_requests->Add({{"method", method_label}, {"code", StatusCodeLabel(code)}}).Increment();
+  // A NaN would turn the histogram's sum into NaN for good; a Duration never is one.
+  rpc_latency->Add({{"method", method_label}}, RpcLatencyBoundsSeconds())
+      .Observe(absl::ToDoubleSeconds(latency));
 }
 
 void ServerMetrics::AddReceivedBytes(absl::string_view method, int64_t bytes) const {
-  absl::StatusOr<Counter*> counter = received_bytes->WithLabels({method});
-  if (counter.ok()) (*counter)->Increment(static_cast<double>(bytes));
+  if (bytes < 0) return;
+  received_bytes->Add({{"method", std::string(method)}}).Increment(static_cast<double>(bytes));
 }
 
 void ServerMetrics::AddSentBytes(absl::string_view method, int64_t bytes) const {
-  absl::StatusOr<Counter*> counter = sent_bytes->WithLabels({method});
-  if (counter.ok()) (*counter)->Increment(static_cast<double>(bytes));
+  if (bytes < 0) return;
+  sent_bytes->Add({{"method", std::string(method)}}).Increment(static_cast<double>(bytes));
 }
 
 void ServerMetrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes,
                                     int64_t total_bytes) const {
-  absl::StatusOr<Gauge*> used = device_memory_used->WithLabels({device});
-  if (used.ok()) (*used)->Set(static_cast<double>(used_bytes));
-  absl::StatusOr<Gauge*> total = device_memory_total->WithLabels({device});
-  if (total.ok()) (*total)->Set(static_cast<double>(total_bytes));
+  const std::string device_label(device);
+  device_memory_used->Add({{"device", device_label}}).Set(static_cast<double>(used_bytes));
+  device_memory_total->Add({{"device", device_label}}).Set(static_cast<double>(total_bytes));
 }
 
-absl::StatusOr<ServerMetrics> RegisterServerMetrics(Registry* registry) {
+absl::StatusOr<ServerMetrics> RegisterServerMetrics(prometheus::Registry& registry) {
   ServerMetrics m;
-  absl::Status status;
-  // Stores a registration's handle, or keeps its error for the return below.
-  auto take = [&status](auto statusor, auto** handle) {
-    if (!statusor.ok()) {
-      status = statusor.status();
-      return false;
-    }
-    *handle = *statusor;
-    return true;
+  // prometheus-cpp reports a refused name by throwing; the error names the family.
+  std::string name;
+  auto named = [&name](auto builder, const char* family, const char* help) {
+    name = family;
+    return std::move(builder.Name(family).Help(help));
   };
-  const bool ok =
-      take(registry->AddCounterFamily("te_rpc_requests_total",
-                                      "RPCs finished, by method and gRPC status code.",
-                                      {"method", "code"}),
-           &m.rpc_requests) &&
-      take(registry->AddHistogramFamily(
-               "te_rpc_latency_seconds",
-               "Time from a call's arrival to its answer, in seconds, by method.", {"method"},
-               RpcLatencyBoundsSeconds()),
-           &m.rpc_latency) &&
-      take(registry->AddCounterFamily("te_rpc_received_bytes_total",
-                                      "Request payload bytes received, by method.", {"method"}),
-           &m.received_bytes) &&
-      take(registry->AddCounterFamily("te_rpc_sent_bytes_total",
-                                      "Response payload bytes sent, by method.", {"method"}),
-           &m.sent_bytes) &&
-      take(registry->AddGauge("te_queue_depth", "Calls waiting for their session's turn."),
-           &m.queue_depth) &&
-      take(registry->AddGauge("te_sessions_open", "Sessions the server holds."),
-           &m.sessions_open) &&
-      take(registry->AddGaugeFamily("te_device_memory_used_bytes",
-                                    "Device memory in use (sessions and caches), by device.",
-                                    {"device"}),
-           &m.device_memory_used) &&
-      take(registry->AddGaugeFamily("te_device_memory_total_bytes",
-                                    "The device's memory, by device.", {"device"}),
-           &m.device_memory_total) &&
-      take(registry->AddCounter("te_fp8_amax_overflows_total",
-                                "FP8 amax readings that were inf or NaN, or past what the "
-                                "scale in use can represent (the cast saturated)."),
-           &m.fp8_amax_overflows);
-  if (!ok) return status;
+  try {
+    m.rpc_requests = &named(prometheus::BuildCounter(), "te_rpc_requests_total",
+                            "RPCs finished, by method and gRPC status code.")
+                          .Register(registry);
+    m.rpc_latency = &named(prometheus::BuildHistogram(), "te_rpc_latency_seconds",
+                           "Time from a call's arrival to its answer, in seconds, by method.")
+                         .Register(registry);
+    m.received_bytes = &named(prometheus::BuildCounter(), "te_rpc_received_bytes_total",
+                              "Request payload bytes received, by method.")
+                            .Register(registry);
+    m.sent_bytes = &named(prometheus::BuildCounter(), "te_rpc_sent_bytes_total",
+                          "Response payload bytes sent, by method.")
+                        .Register(registry);
+    m.queue_depth = &named(prometheus::BuildGauge(), "te_queue_depth",
+                           "Calls waiting for their session's turn.")
+                         .Register(registry)
+                         .Add({});
+    m.sessions_open =
+        &named(prometheus::BuildGauge(), "te_sessions_open", "Sessions the server holds.")
+             .Register(registry)
+             .Add({});
+    m.device_memory_used = &named(prometheus::BuildGauge(), "te_device_memory_used_bytes",
+                                  "Device memory in use (sessions and caches), by device.")
+                                .Register(registry);
+    m.device_memory_total = &named(prometheus::BuildGauge(), "te_device_memory_total_bytes",
+                                   "The device's memory, by device.")
+                                 .Register(registry);
+    m.fp8_amax_overflows = &named(prometheus::BuildCounter(), "te_fp8_amax_overflows_total",
+                                  "FP8 amax readings that were inf or NaN, or past what the "
+                                  "scale in use can represent (the cast saturated).")
+                                .Register(registry)
+                                .Add({});
+  } catch (const std::exception& error) {
+    return absl::InternalError(absl::StrCat("registering ", name, ": ", error.what()));
+  }
   return m;
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # te_server's metrics against Prometheus's own tools (Debian's prometheus
-# package): sample_exporter serves the server's metrics with made-up traffic;
+# package): sample_exporter serves the server's metric set (prometheus-cpp's
+# families and text format, server/metrics) with made-up traffic;
 #  1. `promtool check metrics` lints one scrape of it (format and naming rules);
 #  2. a real Prometheus server scrapes it every second, and its query API must
 #     show the target up and the values the exporter holds.
@@ -76,6 +77,10 @@ expected = {
     "sum(te_rpc_latency_seconds_count)": 1000,
     'sum(te_rpc_latency_seconds_bucket{le="+Inf"})': 1000,
     'te_device_memory_total_bytes{device="cuda:0"}': 140 * 2**30,
+    'te_device_memory_used_bytes{device="cuda:0"}': 3 * 2**30,
+    "count(te_rpc_received_bytes_total)": 5,
+    "count(te_rpc_sent_bytes_total)": 5,
+    'count(te_rpc_latency_seconds_bucket{method="Forward"})': 19,
     "te_fp8_amax_overflows_total": 4,
 }
 

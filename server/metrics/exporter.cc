@@ -1,6 +1,7 @@
-#include "server/metrics/http_exporter.h"
+#include "server/metrics/exporter.h"
 
 #include <httplib.h>
+#include <prometheus/text_serializer.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -13,7 +14,8 @@
 
 namespace te::metrics {
 
-struct HttpExporter::Impl {
+struct Exporter::Impl {
+  std::shared_ptr<prometheus::Registry> registry;
   httplib::Server server;
   std::thread listener;
   std::atomic<bool> listener_done{false};
@@ -34,13 +36,12 @@ struct HttpExporter::Impl {
   }
 };
 
-HttpExporter::HttpExporter(std::unique_ptr<Impl> impl, int port)
-    : impl_(std::move(impl)), port_(port) {}
+Exporter::Exporter(std::unique_ptr<Impl> impl, int port) : impl_(std::move(impl)), port_(port) {}
 
-HttpExporter::~HttpExporter() = default;
+Exporter::~Exporter() = default;
 
-absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const Registry* registry,
-                                                                  HttpExporterOptions options) {
+absl::StatusOr<std::unique_ptr<Exporter>> Exporter::Start(
+    std::shared_ptr<prometheus::Registry> registry, const ExporterOptions& options) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics port ", options.port, ": outside [0, 65535]"));
@@ -50,6 +51,7 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const Registry
         absl::StrCat("metrics exporter threads ", options.threads, ": must be at least 1"));
   }
   auto impl = std::make_unique<Impl>();
+  impl->registry = std::move(registry);
   httplib::Server& server = impl->server;
   const size_t threads = static_cast<size_t>(options.threads);
   server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
@@ -64,8 +66,10 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const Registry
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
-  server.Get("/metrics", [registry](const httplib::Request&, httplib::Response& response) {
-    response.set_content(registry->TextExposition(), kTextContentType);
+  const prometheus::Registry* served = impl->registry.get();
+  server.Get(kMetricsPath, [served](const httplib::Request&, httplib::Response& response) {
+    response.set_content(prometheus::TextSerializer().Serialize(served->Collect()),
+                         kTextContentType);
   });
 
   int port = options.port;
@@ -85,7 +89,7 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const Registry
     raw->server.listen_after_bind();
     raw->listener_done.store(true);
   });
-  return std::unique_ptr<HttpExporter>(new HttpExporter(std::move(impl), port));
+  return std::unique_ptr<Exporter>(new Exporter(std::move(impl), port));
 }
 
 }  // namespace te::metrics
