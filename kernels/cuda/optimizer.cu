@@ -357,7 +357,7 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
   // loops over chunks. The SM count is the device's, asked once at open.
   const int per_sm = ResidentBlocksPerSm(MultiTensorUpdateKernel<BF16, BF16, true>, kStepThreads, 0);
   const int64_t max_grid =
-      std::max<int64_t>(1, int64_t(per_sm) * context().properties.multiProcessorCount);
+      std::max<int64_t>(1, int64_t(per_sm) * sm_count());
   // Layout of the one table allocation.
   size_t bytes = 0;
   std::vector<size_t> slot_offset, chunk_offset;

@@ -1,7 +1,13 @@
 // OptimizerUpdate on the GPU against the CPU reference: every rule, f32 and
 // bf16, odd sizes, several steps with the moments carried over, clipping on
 // and off, and a non-finite norm that must leave everything as it was.
+// OptimizerStep (the multi-tensor step) the same way over many parameters at
+// once: every rule and schedule, clipping decided from the global norm on
+// the device, a non-finite step skipped on the device, the counters and the
+// step's info record, mixed and unaligned slots, more slots than one launch
+// takes.
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,6 +16,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/ops.h"
+#include "kernels/optimizer_math.h"
 
 namespace te {
 namespace {
@@ -97,6 +104,258 @@ TEST_P(OptimizerGpuTest, MatchesCpuReference) {
 INSTANTIATE_TEST_SUITE_P(Rules, OptimizerGpuTest,
                          ::testing::Combine(::testing::Range(0, 5),
                                             ::testing::Values(DType::kF32, DType::kBF16)));
+
+// ---- OptimizerStep ----------------------------------------------------------------
+
+OptimizerHyperparams HyperparamsFor(int rule_case) {
+  OptimizerHyperparams h;
+  h.learning_rate.value = 0.05;
+  switch (rule_case) {
+    case 0: break;  // plain sgd
+    case 1: h.momentum = 0.9; break;
+    case 2: h.momentum = 0.9; h.nesterov = true; h.max_norm = 3.0; break;
+    case 3: h.rule = Rule::kAdam; h.eps_root = 1e-4; break;
+    case 4: h.rule = Rule::kAdam; h.weight_decay = 0.05; h.max_norm = 1.0; break;  // adamw, clipped
+    default:  // adamw under warmup_cosine_decay, clipped
+      h.rule = Rule::kAdam;
+      h.weight_decay = 1e-4;
+      h.max_norm = 2.0;
+      h.learning_rate.warmup_cosine = true;
+      h.learning_rate.init_value = 0.0;
+      h.learning_rate.peak_value = 0.1;
+      h.learning_rate.end_value = 0.01;
+      h.learning_rate.exponent = 1.5;
+      h.learning_rate.warmup_steps = 2;
+      h.learning_rate.decay_steps = 5;
+      break;
+  }
+  return h;
+}
+
+// One backend's copy of the parameters, moments and counters.
+struct StepState {
+  std::vector<Tensor> storage;  // what the unaligned slots are views into
+  std::vector<OptimizerSlot> slots;
+  Tensor count, total_notfinite;
+  std::unique_ptr<OptimizerPlan> plan;
+};
+
+class OptimizerStepGpuTest : public OptimizerGpuTest {
+ protected:
+  // A layout on the CPU: sizes, dtypes and slices chosen by `spec`.
+  struct SlotSpec {
+    int64_t numel;
+    DType dtype;
+    bool unaligned;  // a view one element into a bigger tensor
+  };
+  StepState MakeCpu(const std::vector<SlotSpec>& specs, bool adam, bool trace, uint32_t seed) {
+    StepState s;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const SlotSpec& spec = specs[i];
+      auto make = [&](uint32_t k, float lo, float hi) {
+        const int64_t extra = spec.unaligned ? 1 : 0;
+        Tensor t = testing::MakeRandom(cpu_, spec.dtype, {spec.numel + extra}, seed + 7 * i + k, lo, hi);
+        s.storage.push_back(t);
+        return spec.unaligned ? t.Slice0(1, spec.numel + 1) : t;
+      };
+      OptimizerSlot slot;
+      slot.param = make(0, -2.0f, 2.0f);
+      if (adam || trace) slot.mu = make(1, -0.5f, 0.5f);
+      if (adam) slot.nu = make(2, 0.01f, 1.0f);
+      s.slots.push_back(slot);
+    }
+    s.count = *cpu_.Allocate(DType::kI32, {1});
+    s.total_notfinite = *cpu_.Allocate(DType::kI32, {1});
+    *s.count.data_as<int32_t>() = 0;
+    *s.total_notfinite.data_as<int32_t>() = 0;
+    return s;
+  }
+  // The same values on the GPU, unaligned views included.
+  StepState ToGpu(const StepState& c) {
+    StepState g;
+    auto up = [&](const Tensor& t) -> Tensor {
+      if (t.data() == nullptr) return Tensor();
+      // A view of the CPU storage: upload that storage and take the same view.
+      for (const Tensor& base : c.storage) {
+        const char* b = static_cast<const char*>(base.data());
+        const char* p = static_cast<const char*>(t.data());
+        if (p > b && p < b + base.nbytes()) {
+          Tensor whole = Upload(base);
+          g.storage.push_back(whole);
+          const int64_t offset = (p - b) / static_cast<int64_t>(DTypeSize(t.dtype()));
+          return whole.Slice0(offset, offset + t.numel());
+        }
+      }
+      return Upload(t);
+    };
+    for (const OptimizerSlot& s : c.slots) g.slots.push_back({up(s.param), up(s.mu), up(s.nu)});
+    g.count = Upload(c.count);
+    g.total_notfinite = Upload(c.total_notfinite);
+    return g;
+  }
+  std::vector<Tensor> Grads(const std::vector<SlotSpec>& specs, DType grad_dtype, uint32_t seed,
+                            int skip_slot, bool poison) {
+    std::vector<Tensor> grads;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (static_cast<int>(i) == skip_slot) {
+        grads.emplace_back();  // no gradient reached this param
+        continue;
+      }
+      const DType d = grad_dtype == DType::kF32 ? DType::kF32 : specs[i].dtype;
+      Tensor g = testing::MakeRandom(cpu_, d, {specs[i].numel}, seed + 31 * i);
+      grads.push_back(g);
+    }
+    if (poison) StoreFromFloat(&grads.back(), grads.back().numel() / 2, NAN);
+    return grads;
+  }
+  OptimizerStepInfo GpuInfo(const OptimizerPlan& plan) {
+    OptimizerStepInfo info;
+    EXPECT_TRUE(gpu_->Download(plan.info(), &info).ok());
+    return info;
+  }
+  static OptimizerStepInfo CpuInfo(const OptimizerPlan& plan) {
+    OptimizerStepInfo info;
+    std::memcpy(&info, plan.info().data(), sizeof(info));
+    return info;
+  }
+  void ExpectSame(const StepState& cpu, const StepState& gpu, int step) {
+    for (size_t i = 0; i < cpu.slots.size(); ++i) {
+      const double tol = Tolerance(cpu.slots[i].param.dtype());
+      EXPECT_LT(RelativeError(Download(gpu.slots[i].param), ToDoubles(cpu.slots[i].param)), tol)
+          << "slot " << i << " param, step " << step;
+      if (cpu.slots[i].mu.data() != nullptr) {
+        EXPECT_LT(RelativeError(Download(gpu.slots[i].mu), ToDoubles(cpu.slots[i].mu)), tol)
+            << "slot " << i << " mu, step " << step;
+      }
+      if (cpu.slots[i].nu.data() != nullptr) {
+        EXPECT_LT(RelativeError(Download(gpu.slots[i].nu), ToDoubles(cpu.slots[i].nu)), tol)
+            << "slot " << i << " nu, step " << step;
+      }
+    }
+  }
+  // Every value of every slot, to check that a skipped step wrote nothing.
+  std::vector<std::vector<double>> Snapshot(const StepState& gpu) {
+    std::vector<std::vector<double>> all;
+    for (const OptimizerSlot& s : gpu.slots) {
+      for (const Tensor* t : {&s.param, &s.mu, &s.nu}) {
+        if (t->data() != nullptr) all.push_back(ToDoubles(Download(*t)));
+      }
+    }
+    return all;
+  }
+
+  // Steps 1..5 on both backends from the same values: step 3's gradient
+  // holds a NaN (skipped on the device), slot `skip_slot` has no gradient in
+  // step 2. Params, moments, counters and the info record agree each step.
+  void RunSteps(const OptimizerHyperparams& h, const std::vector<SlotSpec>& specs,
+                DType grad_dtype, int skip_slot) {
+    const bool adam = h.rule == Rule::kAdam;
+    const bool trace = !adam && h.momentum != 0.0;
+    StepState cpu = MakeCpu(specs, adam, trace, 100);
+    StepState gpu = ToGpu(cpu);
+    auto cpu_plan = cpu_.NewOptimizerPlan(h, cpu.slots, cpu.count, cpu.total_notfinite);
+    ASSERT_TRUE(cpu_plan.ok()) << cpu_plan.status();
+    auto gpu_plan = gpu_->NewOptimizerPlan(h, gpu.slots, gpu.count, gpu.total_notfinite);
+    ASSERT_TRUE(gpu_plan.ok()) << gpu_plan.status();
+    int32_t want_count = 0, want_notfinite = 0;
+    for (int step = 1; step <= 5; ++step) {
+      const bool poison = step == 3;
+      std::vector<Tensor> grads =
+          Grads(specs, grad_dtype, 1000 * step, step == 2 ? skip_slot : -1, poison);
+      double norm_sq = 0;
+      for (const Tensor& g : grads) {
+        if (g.data() == nullptr) continue;
+        for (double x : ToDoubles(g)) norm_sq += x * x;
+      }
+      std::vector<Tensor> gpu_grads;
+      for (const Tensor& g : grads) gpu_grads.push_back(g.data() == nullptr ? Tensor() : Upload(g));
+      const std::vector<std::vector<double>> before = poison ? Snapshot(gpu) : decltype(Snapshot(gpu)){};
+      ASSERT_TRUE(cpu_.OptimizerStep(**cpu_plan, cpu.slots, grads, &cpu.count,
+                                     &cpu.total_notfinite).ok());
+      ASSERT_TRUE(gpu_->OptimizerStep(**gpu_plan, gpu.slots, gpu_grads, &gpu.count,
+                                      &gpu.total_notfinite).ok());
+      const OptimizerStepInfo ci = CpuInfo(**cpu_plan), gi = GpuInfo(**gpu_plan);
+      EXPECT_EQ(gi.applied, poison ? 0 : 1) << step;
+      EXPECT_EQ(gi.applied, ci.applied) << step;
+      if (!poison) {
+        ++want_count;
+        // Both sums against float64: float32 accumulation in different orders.
+        EXPECT_NEAR(gi.grad_norm_sq, norm_sq, testing::kF32Tolerance * norm_sq) << step;
+        EXPECT_NEAR(ci.grad_norm_sq, norm_sq, testing::kF32Tolerance * norm_sq) << step;
+      } else {
+        ++want_notfinite;
+        EXPECT_FALSE(std::isfinite(gi.grad_norm_sq)) << step;
+      }
+      EXPECT_EQ(gi.count, want_count) << step;
+      EXPECT_EQ(ci.count, want_count) << step;
+      EXPECT_EQ(gi.total_notfinite, want_notfinite) << step;
+      EXPECT_EQ(ci.total_notfinite, want_notfinite) << step;
+      // The schedule in float64 on the device and on the host.
+      EXPECT_NEAR(gi.learning_rate, ci.learning_rate, 1e-12) << step;
+      EXPECT_EQ(ci.learning_rate, LearningRateAt(h.learning_rate, want_count - (poison ? 0 : 1)));
+      int32_t gpu_count = 0;
+      ASSERT_TRUE(gpu_->Download(gpu.count, &gpu_count).ok());
+      EXPECT_EQ(gpu_count, want_count);
+      if (poison) {
+        EXPECT_EQ(Snapshot(gpu), before) << "a non-finite step must write nothing";
+      }
+      ExpectSame(cpu, gpu, step);
+    }
+  }
+};
+
+TEST_P(OptimizerStepGpuTest, ManySlotsMatchCpuReference) {
+  const auto [rule_case, dtype] = GetParam();
+  const OptimizerHyperparams h = HyperparamsFor(rule_case);
+  // Odd sizes around the kernels' 16 K-element chunks and 8-element packs,
+  // one unaligned slot, one of the other dtype (a second segment), one empty.
+  const DType other = dtype == DType::kF32 ? DType::kBF16 : DType::kF32;
+  const std::vector<SlotSpec> specs = {
+      {129 * 67, dtype, false}, {1, dtype, false},     {7, dtype, false},
+      {16384 + 3, dtype, false}, {3 * 16384, dtype, false}, {1000, dtype, true},
+      {4099, other, false},      {0, dtype, false},    {40001, dtype, false}};
+  RunSteps(h, specs, dtype, /*skip_slot=*/3);
+}
+
+// Gradients in float32 for bf16 params (another grad dtype per launch).
+TEST_P(OptimizerStepGpuTest, Float32GradsMatchCpuReference) {
+  const auto [rule_case, dtype] = GetParam();
+  const std::vector<SlotSpec> specs = {{5000, dtype, false}, {333, dtype, true}, {17, dtype, false}};
+  RunSteps(HyperparamsFor(rule_case), specs, DType::kF32, /*skip_slot=*/0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, OptimizerStepGpuTest,
+                         ::testing::Combine(::testing::Range(0, 6),
+                                            ::testing::Values(DType::kF32, DType::kBF16)));
+
+// Not parameterised: the step fixture's helpers with one fixed case each.
+class OptimizerManySlotsGpuTest : public OptimizerStepGpuTest {};
+
+// More slots than one launch's argument block carries: several segments.
+TEST_F(OptimizerManySlotsGpuTest, SevenHundredSlotsInSeveralLaunches) {
+  std::vector<SlotSpec> specs;
+  for (int i = 0; i < 700; ++i) specs.push_back({1 + (i * 37) % 300, DType::kF32, i % 5 == 0});
+  RunSteps(HyperparamsFor(4), specs, DType::kF32, /*skip_slot=*/650);
+}
+
+// A plan is for its tensors: others are INVALID_ARGUMENT, on both backends.
+TEST_F(OptimizerManySlotsGpuTest, StaleSlotsAreInvalidArgument) {
+  const std::vector<SlotSpec> specs = {{10, DType::kF32, false}};
+  OptimizerHyperparams h = HyperparamsFor(3);
+  StepState cpu = MakeCpu(specs, true, false, 1);
+  StepState gpu = ToGpu(cpu);
+  auto plan = gpu_->NewOptimizerPlan(h, gpu.slots, gpu.count, gpu.total_notfinite);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  StepState other = ToGpu(cpu);  // same values, other memory
+  std::vector<Tensor> grads = {Upload(testing::MakeRandom(cpu_, DType::kF32, {10}, 3))};
+  EXPECT_EQ(gpu_->OptimizerStep(**plan, other.slots, grads, &other.count, &other.total_notfinite)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<Tensor> short_grads = {Upload(testing::MakeRandom(cpu_, DType::kF32, {9}, 3))};
+  EXPECT_EQ(gpu_->OptimizerStep(**plan, gpu.slots, short_grads, &gpu.count, &gpu.total_notfinite)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
 
 }  // namespace
 }  // namespace te
