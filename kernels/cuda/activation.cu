@@ -395,13 +395,12 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
                                                   const Tensor& x, const Fp8Output& fp8,
                                                   Tensor* y, Tensor* y_t) {
   ASSIGN_OR_RETURN(const int64_t width, CheckActivationForwardTransposedArgs(acts, x, fp8, y, y_t));
-  const Tensor x2 = x.Reshaped({Rows(x), width});
-  const Tensor y2 = y->Reshaped({Rows(x), width});
   // Gated pairs and shapes the tile kernel cannot take: activation, then
   // transpose.
-  if (acts.size() != 1 || !TileKernelFits(x2, y2, *y_t)) {
-    return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
-  }
+  if (acts.size() != 1) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
+  const Tensor x2 = x.Reshaped({Rows(x), width});
+  const Tensor y2 = y->Reshaped({Rows(x), width});
+  if (!TileKernelFits(x2, y2, *y_t)) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
   const int64_t rows = x2.dim(0);
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
