@@ -386,6 +386,91 @@ Graph::Edge Graph::Gelu(Edge t) {
   return RecordOne(std::move(node), edges_[t.id].shape, edges_[t.id].dtype);
 }
 
+// ---- language-model nodes --------------------------------------------------------
+
+Graph::Edge Graph::Embed(Edge ids, int64_t num_embeddings, int64_t features,
+                         const EmbedOptions& options, const std::string& name) {
+  const std::string node_name = Joined(ScopePath(), name.empty() ? AutoName("Embed") : name);
+  const std::string where = absl::StrCat(node_name, " (Embed)");
+  if (!Readable({ids}, where)) return Edge{};
+  if (edges_[ids.id].dtype != DType::kI32) {
+    return Fail(where, absl::StrCat("reads ", DTypeName(edges_[ids.id].dtype),
+                                    " ids; nn.Embed takes int32 token ids"));
+  }
+  if (num_embeddings < 1 || features < 1) {
+    return Fail(where, absl::StrCat("num_embeddings ", num_embeddings, " and features ", features,
+                                    " must be positive"));
+  }
+  for (const std::optional<DType>& d : {options.dtype, std::optional<DType>(options.param_dtype)}) {
+    if (d && !IsFloat(*d)) {
+      return Fail(where, absl::StrCat("dtype ", DTypeName(*d), ": want float32, bfloat16 or float16"));
+    }
+  }
+  if (!Claimable(node_name, where)) return Edge{};
+  NodeInfo node = Glue("", {ids});
+  node.name = node_name;
+  node.keep = true;
+  te::v1::FlaxEmbed* e = node.op.mutable_module()->mutable_flax_embed();
+  e->set_num_embeddings(num_embeddings);
+  e->set_features(features);
+  if (options.dtype) e->set_dtype(DTypeToProto(*options.dtype));
+  e->set_param_dtype(DTypeToProto(options.param_dtype));
+  Shape shape = edges_[ids.id].shape;
+  shape.push_back(features);
+  embed_options_[static_cast<int>(nodes_.size())] = options;
+  return RecordOne(std::move(node), std::move(shape), options.dtype.value_or(options.param_dtype));
+}
+
+Graph::Edge Graph::Attend(Edge embedded, Edge query) {
+  const std::string where = GlueNameNow("attend");
+  if (!Readable({embedded, query}, where)) return Edge{};
+  const int embed_node = edges_[embedded.id].node;
+  if (embed_node < 0 || !nodes_[embed_node].op.has_module() ||
+      !nodes_[embed_node].op.module().has_flax_embed()) {
+    return Fail(where, "`embedded` is not the output of an Embed node (attend ties to an Embed's table)");
+  }
+  const NodeInfo& embed = nodes_[embed_node];
+  const te::v1::FlaxEmbed& e = embed.op.module().flax_embed();
+  const Shape& q = edges_[query.id].shape;
+  if (!IsFloat(edges_[query.id].dtype)) {
+    return Fail(where, absl::StrCat("reads a ", DTypeName(edges_[query.id].dtype),
+                                    " query; attend takes a float one"));
+  }
+  if (q.empty() || q.back() != e.features()) {
+    return Fail(where, absl::StrCat("query ", ShapeString(q), " does not end in ", embed.name,
+                                    "'s features (", e.features(), ")"));
+  }
+  const EmbedOptions& options = embed_options_.at(embed_node);
+  NodeInfo node = Glue("attend", {query});
+  node.op.mutable_attend()->set_embed(embed.name);
+  if (options.dtype) node.op.mutable_attend()->set_dtype(e.dtype());
+  Shape shape = q;
+  shape.back() = e.num_embeddings();
+  return RecordOne(std::move(node), std::move(shape),
+                   options.dtype.value_or(PromoteFloat(edges_[query.id].dtype, options.param_dtype)));
+}
+
+Graph::Edge Graph::SoftmaxCrossEntropyWithIntegerLabels(Edge logits, Edge labels) {
+  const std::string where = GlueNameNow("softmax_cross_entropy");
+  if (!Readable({logits, labels}, where)) return Edge{};
+  const Shape& l = edges_[logits.id].shape;
+  const Shape& y = edges_[labels.id].shape;
+  if (!IsFloat(edges_[logits.id].dtype)) {
+    return Fail(where, absl::StrCat("logits are ", DTypeName(edges_[logits.id].dtype), "; want float"));
+  }
+  if (edges_[labels.id].dtype != DType::kI32) {
+    return Fail(where, absl::StrCat("labels are ", DTypeName(edges_[labels.id].dtype),
+                                    "; want int32 class indices"));
+  }
+  if (l.empty() || Shape(l.begin(), l.end() - 1) != y) {
+    return Fail(where, absl::StrCat("labels ", ShapeString(y), " are not logits ", ShapeString(l),
+                                    " less its last (class) axis"));
+  }
+  NodeInfo node = Glue("softmax_cross_entropy", {logits, labels});
+  node.op.mutable_softmax_cross_entropy();
+  return RecordOne(std::move(node), Shape{}, DType::kF32);
+}
+
 void Graph::SetOutput(Edge y) {
   if (Readable({y}, "outputs")) output_ = y.id;
 }

@@ -36,6 +36,7 @@
 #define TE_CLIENT_GRAPH_H_
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,12 @@
 #include "client/modules.h"
 
 namespace te::client {
+
+// nn.Embed's dtypes (Graph::Embed).
+struct EmbedOptions {
+  std::optional<DType> dtype;  // None: param_dtype
+  DType param_dtype = DType::kF32;
+};
 
 class Graph : public Module {
  public:
@@ -109,6 +116,26 @@ class Graph : public Module {
   // nn.gelu(t) (approximate, Flax's default): TE's tanh gelu.
   Edge Gelu(Edge t);
 
+  // ---- language-model nodes (a byte-level LM, as client/python/examples/train_lm.py) ----
+  // nn.Embed(num_embeddings, features)(ids): a module node (Flax's
+  // "Embed_<n>", or `name`) reading int32 ids [...] and returning
+  // [..., features] in `dtype`, else param_dtype (its variable
+  // "embedding" [num_embeddings, features], default_embed_init).
+  Edge Embed(Edge ids, int64_t num_embeddings, int64_t features, const EmbedOptions& options = {},
+             const std::string& name = "");
+  // embed.attend(query): query [..., features] -> [..., num_embeddings] =
+  // query @ embedding.T, the output projection tied to the Embed that
+  // returned `embedded` (its table; the gradients of both uses are summed).
+  // A glue node "attend_<n>"; its dtype is the Embed's dtype, else the
+  // promotion of query's and the table's.
+  Edge Attend(Edge embedded, Edge query);
+  // optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean():
+  // logits [..., V] float, labels int32 of logits' leading shape (usually
+  // ExtraInput(0, ...)); a float32 scalar []. A graph whose output it is is a
+  // loss: ForwardBackward seeds its backward (no dy). A glue node
+  // "softmax_cross_entropy_<n>".
+  Edge SoftmaxCrossEntropyWithIntegerLabels(Edge logits, Edge labels);
+
   void SetOutput(Edge y);
 
   std::string type_name() const override { return type_name_; }
@@ -155,6 +182,7 @@ class Graph : public Module {
   std::vector<std::string> scope_;
   std::map<std::string, std::map<std::string, int>> auto_names_;  // scope -> type -> next n
   std::map<std::string, int> module_names_;                        // name -> node
+  std::map<int, EmbedOptions> embed_options_;                      // Embed node -> its dtypes
   int output_ = -1;
   absl::Status error_;
 };

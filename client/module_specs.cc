@@ -188,7 +188,9 @@ absl::StatusOr<te::v1::LayerSpec> TransformerLayer::Spec() const {
   p->set_hidden_size(hidden_size);
   p->set_mlp_hidden_size(mlp_hidden_size);
   p->set_num_attention_heads(num_attention_heads);
-  p->set_num_gqa_groups(num_gqa_groups.value_or(num_attention_heads));
+  // Unset is TE's None (one group per head), and what the Python client
+  // sends for it: both clients then build the same spec.
+  if (num_gqa_groups) p->set_num_gqa_groups(*num_gqa_groups);
   ASSIGN_OR_RETURN(te::v1::LayerNormType type, ParseLayerNormType("layernorm_type", layernorm_type));
   p->set_layernorm_type(type);
   p->set_layernorm_epsilon(layernorm_epsilon);

@@ -54,7 +54,7 @@ TEST(ModuleSpecTest, TransformerLayerDefaultsAreTEs) {
   EXPECT_EQ(p.hidden_size(), 512);
   EXPECT_EQ(p.mlp_hidden_size(), 2048);
   EXPECT_EQ(p.num_attention_heads(), 8);
-  EXPECT_EQ(p.num_gqa_groups(), 8);  // None: one group per head
+  EXPECT_FALSE(p.has_num_gqa_groups());  // None: one group per head, the server's default
   EXPECT_EQ(p.layernorm_type(), te::v1::LAYERNORM);
   EXPECT_FLOAT_EQ(p.layernorm_epsilon(), 1e-6f);
   EXPECT_FLOAT_EQ(p.hidden_dropout(), 0.1f);
