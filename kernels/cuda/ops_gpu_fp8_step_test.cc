@@ -2,111 +2,24 @@
 // CPU reference on random data: DelayedScalingUpdates (a step's scaling
 // updates in one launch), QuantizeTransposeKept (FP8 weight copies kept
 // across steps) and ActivationForwardTransposed (the activation's FP8 output
-// in both layouts). Needs a GPU: without one every test is skipped, unless
-// TE_REQUIRE_GPU=1 (as deploy/bundle.sh's runs set).
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <random>
-#include <string>
-#include <vector>
-
-#include "gtest/gtest.h"
-#include "kernels/cpu/cpu_ops.h"
-#include "kernels/cuda/cuda_ops.h"
-#include "kernels/fp8.h"
-#include "kernels/ops.h"
+// in both layouts). Tolerances: ops_gpu_test.h.
+#include "kernels/cuda/ops_gpu_test.h"
 
 namespace te {
+namespace gpu_test {
 namespace {
 
-// FP8 codes: one ulp apart at most, in at most this share of the codes (the
-// float before the cast may differ in its last bits: see ops_gpu_test.cc).
-constexpr int kFp8MaxUlps = 1;
-constexpr double kFp8MaxDifferingShare = 0.01;
-// Scales and amaxes are computed by the same float expression on both sides.
-constexpr double kScalarTolerance = 1e-6;
-
-struct Backends {
-  std::unique_ptr<Device> cpu_device, gpu_device;
-  std::unique_ptr<Ops> cpu, gpu;
-};
-
-Backends* OpenBackends() {
-  static Backends* backends = [] {
-    auto* b = new Backends;
-    auto gpu_device = OpenCudaDevice(0);
-    if (!gpu_device.ok()) return b;
-    b->gpu_device = *std::move(gpu_device);
-    b->cpu_device = *OpenCpuDevice();
-    b->cpu = *b->cpu_device->NewOps(int64_t{4} << 30);
-    b->gpu = *b->gpu_device->NewOps(int64_t{4} << 30);
-    return b;
-  }();
-  return backends;
-}
-
-struct Pair {
-  Tensor cpu, gpu;
-};
-
-class Fp8StepOpsTest : public ::testing::Test {
+class Fp8StepOpsTest : public GpuTest {
  protected:
-  void SetUp() override {
-    Backends* b = OpenBackends();
-    if (b->gpu == nullptr) {
-      const char* require = std::getenv("TE_REQUIRE_GPU");
-      if (require != nullptr && std::string(require) == "1") FAIL() << "TE_REQUIRE_GPU=1 but no GPU";
-      GTEST_SKIP() << "no CUDA device";
-    }
-    cpu_ = b->cpu.get();
-    gpu_ = b->gpu.get();
-  }
-
   Pair Zeros(DType dtype, const Shape& shape) {
-    Pair p{*cpu_->Allocate(dtype, shape), *gpu_->Allocate(dtype, shape)};
-    std::memset(p.cpu.data(), 0, p.cpu.nbytes());
-    EXPECT_TRUE(gpu_->Upload(p.cpu.data(), &p.gpu).ok());
-    return p;
+    Tensor cpu = NewCpu(dtype, shape);
+    std::memset(cpu.data(), 0, cpu.nbytes());
+    return Mirror(cpu);
   }
   Pair FromValues(DType dtype, const Shape& shape, const std::vector<float>& values) {
-    Pair p = Zeros(dtype, shape);
-    FromFloatVector(values, &p.cpu);
-    EXPECT_TRUE(gpu_->Upload(p.cpu.data(), &p.gpu).ok());
-    return p;
-  }
-  Pair Random(DType dtype, const Shape& shape, uint32_t seed, float lo = -3.0f, float hi = 3.0f) {
-    std::mt19937 gen(seed);
-    std::uniform_real_distribution<float> dist(lo, hi);
-    std::vector<float> values(static_cast<size_t>(NumElements(shape)));
-    for (float& v : values) v = dist(gen);
-    return FromValues(dtype, shape, values);
-  }
-  Tensor Fetch(const Tensor& gpu) {
-    Tensor host = *cpu_->Allocate(gpu.dtype(), gpu.shape());
-    EXPECT_TRUE(gpu_->Download(gpu, host.data()).ok());
-    return host;
-  }
-  void ExpectScalar(const Pair& p, const std::string& what) {
-    const float got = Fetch(p.gpu).data_as<float>()[0], want = p.cpu.data_as<float>()[0];
-    EXPECT_NEAR(got, want, kScalarTolerance * std::fabs(want)) << what;
-  }
-  void ExpectFp8Close(const Pair& p, const std::string& what) {
-    const Tensor got = Fetch(p.gpu);
-    const uint8_t* g = got.data_as<const uint8_t>();
-    const uint8_t* w = p.cpu.data_as<const uint8_t>();
-    auto ordinal = [](uint8_t code) { return (code & 0x80) ? -(code & 0x7f) : (code & 0x7f); };
-    int64_t differing = 0, worst = 0;
-    for (int64_t i = 0; i < p.cpu.numel(); ++i) {
-      if (g[i] == w[i]) continue;
-      ++differing;
-      worst = std::max<int64_t>(worst, std::abs(ordinal(g[i]) - ordinal(w[i])));
-    }
-    EXPECT_LE(worst, kFp8MaxUlps) << what;
-    EXPECT_LE(static_cast<double>(differing), kFp8MaxDifferingShare * p.cpu.numel() + 1)
-        << what << ": " << differing << " of " << p.cpu.numel() << " codes differ";
+    Tensor cpu = NewCpu(dtype, shape);
+    FromFloatVector(values, &cpu);
+    return Mirror(cpu);
   }
   // y_t is y transposed, code for code (both written from one tile).
   void ExpectTransposed(const Tensor& y, const Tensor& y_t, int64_t rows, int64_t cols) {
@@ -119,9 +32,6 @@ class Fp8StepOpsTest : public ::testing::Test {
     }
     EXPECT_EQ(wrong, 0);
   }
-
-  Ops* cpu_ = nullptr;
-  Ops* gpu_ = nullptr;
 };
 
 // 60 quantizers (more than one launch's 48) with histories of different
@@ -158,7 +68,7 @@ TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
   for (size_t q = 0; q < histories.size(); ++q) {
     const Tensor got = Fetch(histories[q].gpu);
     EXPECT_EQ(0, std::memcmp(got.data(), histories[q].cpu.data(), got.nbytes())) << "history " << q;
-    ExpectScalar(scales[q], "scale " + std::to_string(q));
+    ExpectScalarMatches(scales[q], "scale " + std::to_string(q));
   }
   // A bad entry is refused before anything moves.
   Pair bad = Zeros(DType::kBF16, {4});
@@ -188,13 +98,13 @@ TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
     // First call: quantizes, as QuantizeTranspose.
     ASSERT_TRUE(cpu_->QuantizeTransposeKept(x.cpu, cpu_fp8, cpu_kept, &y.cpu, &y_t.cpu).ok());
     ASSERT_TRUE(gpu_->QuantizeTransposeKept(x.gpu, gpu_fp8, gpu_kept, &y.gpu, &y_t.gpu).ok());
-    ExpectFp8Close(y, "y");
-    ExpectFp8Close(y_t, "y_t");
+    ExpectMatches(y, "y");
+    ExpectMatches(y_t, "y_t");
     ExpectTransposed(y.gpu, y_t.gpu, rows, cols);
-    ExpectScalar(amax, "amax");
-    ExpectScalar(scale_inv, "scale_inv");
-    ExpectScalar(kept_scale, "kept.scale");
-    ExpectScalar(kept_amax, "kept.amax");
+    ExpectScalarMatches(amax, "amax");
+    ExpectScalarMatches(scale_inv, "scale_inv");
+    ExpectScalarMatches(kept_scale, "kept.scale");
+    ExpectScalarMatches(kept_amax, "kept.amax");
 
     // Same scale: the copies are not rewritten (poisoned here to show it) and
     // the amax comes back from the record after being zeroed.
@@ -204,18 +114,18 @@ TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
     ASSERT_TRUE(gpu_->Upload(poison.data(), &y.gpu).ok());
     ASSERT_TRUE(gpu_->QuantizeTransposeKept(x.gpu, gpu_fp8, gpu_kept, &y.gpu, &y_t.gpu).ok());
     EXPECT_EQ(0, std::memcmp(Fetch(y.gpu).data(), poison.data(), poison.size()));
-    ExpectScalar(amax, "amax from the record");
+    ExpectScalarMatches(amax, "amax from the record");
 
     // A new scale: made again, as the CPU makes it.
     ASSERT_TRUE(cpu_->Fill(0.25f, &scale.cpu).ok());
     ASSERT_TRUE(gpu_->Fill(0.25f, &scale.gpu).ok());
     ASSERT_TRUE(cpu_->QuantizeTransposeKept(x.cpu, cpu_fp8, cpu_kept, &y.cpu, &y_t.cpu).ok());
     ASSERT_TRUE(gpu_->QuantizeTransposeKept(x.gpu, gpu_fp8, gpu_kept, &y.gpu, &y_t.gpu).ok());
-    ExpectFp8Close(y, "y after the scale moved");
-    ExpectFp8Close(y_t, "y_t after the scale moved");
+    ExpectMatches(y, "y after the scale moved");
+    ExpectMatches(y_t, "y_t after the scale moved");
     EXPECT_NE(0, std::memcmp(Fetch(y.gpu).data(), made.data(), made.nbytes()));
-    ExpectScalar(scale_inv, "scale_inv after the scale moved");
-    ExpectScalar(kept_scale, "kept.scale after the scale moved");
+    ExpectScalarMatches(scale_inv, "scale_inv after the scale moved");
+    ExpectScalarMatches(kept_scale, "kept.scale after the scale moved");
   }
 }
 
@@ -244,11 +154,11 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
           ASSERT_TRUE(gpu_->ActivationForwardTransposed(
                               acts, x.gpu, {scale.gpu, amax.gpu, scale_inv.gpu}, &y.gpu, &y_t.gpu)
                           .ok());
-          ExpectFp8Close(y, "y");
-          ExpectFp8Close(y_t, "y_t");
+          ExpectMatches(y, "y");
+          ExpectMatches(y_t, "y_t");
           ExpectTransposed(y.gpu, y_t.gpu, rows, width);
-          ExpectScalar(amax, "amax");
-          ExpectScalar(scale_inv, "scale_inv");
+          ExpectScalarMatches(amax, "amax");
+          ExpectScalarMatches(scale_inv, "scale_inv");
         }
       }
     }
@@ -256,4 +166,5 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
 }
 
 }  // namespace
+}  // namespace gpu_test
 }  // namespace te
