@@ -174,7 +174,10 @@ class OptimizerStepGpuTest : public OptimizerGpuTest {
   StepState ToGpu(const StepState& c) {
     StepState g;
     auto up = [&](const Tensor& t) -> Tensor {
-      if (t.data() == nullptr) return Tensor();
+      // No moment: none on the GPU either. An empty slot stays an empty
+      // tensor of its shape (its storage may be null on the CPU).
+      if (t.data() == nullptr && t.shape().empty()) return Tensor();
+      if (t.numel() == 0) return *gpu_->Allocate(t.dtype(), t.shape());
       // A view of the CPU storage: upload that storage and take the same view.
       for (const Tensor& base : c.storage) {
         const char* b = static_cast<const char*>(base.data());
