@@ -1,5 +1,6 @@
 #include "server/layers/testing.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -25,6 +26,28 @@ Tensor RandomTensor(Ops& ops, const Shape& shape, DType dtype, uint64_t seed, fl
 std::vector<float> Values(const Tensor& t) { return ToFloatVector(t); }
 
 void SetValues(const std::vector<float>& values, Tensor* t) { FromFloatVector(values, t); }
+
+namespace {
+
+double Norm(const std::vector<float>& v) {
+  double sum = 0.0;
+  for (float x : v) sum += static_cast<double>(x) * x;
+  return std::sqrt(sum);
+}
+
+}  // namespace
+
+bool IsKeyBiasGradient(const std::string& name) { return absl::EndsWith(name, "/key/bias"); }
+
+std::string KeyKernelOf(const std::string& key_bias_name) {
+  return key_bias_name.substr(0, key_bias_name.size() - 4) + "kernel";
+}
+
+double ZeroGradientError(const std::vector<float>& got, const std::vector<float>& want,
+                         const std::vector<float>& key_kernel_gradient) {
+  if (got == want) return 0.0;  // the same values: exact
+  return std::max(Norm(want), Norm(got)) / std::max(Norm(key_kernel_gradient), 1e-30);
+}
 
 double RelativeError(const std::vector<float>& got, const std::vector<float>& want) {
   double diff = 0.0, norm = 0.0;

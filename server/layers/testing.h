@@ -49,6 +49,19 @@ void SetValues(const std::vector<float>& values, Tensor* t);
 // ||got - want|| / ||want|| (want all zeros: ||got||).
 double RelativeError(const std::vector<float>& got, const std::vector<float>& want);
 
+// Flax attention's key bias gets a gradient that is exactly zero (softmax
+// ignores a shift of a query's logits, and q . b_key shifts them all), so two
+// backends hold rounding noise there and their relative difference means
+// nothing. The one rule every comparison uses (GPU against CPU here, and
+// client/python/examples/jax_parity.py's zero_err against JAX): each side is
+// judged by its size against the key kernel's gradient,
+// max(|want|, |got|) / |key kernel gradient|, and 0 where the two are equal.
+bool IsKeyBiasGradient(const std::string& name);
+// The key kernel's name for a key bias's: ".../key/bias" -> ".../key/kernel".
+std::string KeyKernelOf(const std::string& key_bias_name);
+double ZeroGradientError(const std::vector<float>& got, const std::vector<float>& want,
+                         const std::vector<float>& key_kernel_gradient);
+
 // Init(seed) of `layer` for `input_shape` into a fresh Variables.
 absl::StatusOr<Variables> InitLayer(Ops& ops, const Layer& layer, const Shape& input_shape,
                                     const Fp8Recipe* fp8, uint64_t seed = 1);

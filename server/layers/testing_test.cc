@@ -75,5 +75,19 @@ TEST(CheckGradientsTest, PassesCorrectAndCatchesWrongGradients) {
   }
 }
 
+// The key bias's zero-gradient rule: by size against the key kernel's
+// gradient, exact where both sides agree, and only for key biases.
+TEST(ZeroGradientErrorTest, JudgesNoiseBySizeNotByRelativeDifference) {
+  EXPECT_TRUE(testing::IsKeyBiasGradient("params/attention/key/bias"));
+  EXPECT_FALSE(testing::IsKeyBiasGradient("params/attention/query/bias"));
+  EXPECT_EQ(testing::KeyKernelOf("params/attention/key/bias"), "params/attention/key/kernel");
+  const std::vector<float> kernel = {3.0f, 4.0f};  // norm 5
+  EXPECT_EQ(testing::ZeroGradientError({1e-7f, -2e-7f}, {1e-7f, -2e-7f}, kernel), 0.0);
+  // Noise on both sides (relative difference 2): judged by the larger, 5e-7 / 5.
+  EXPECT_NEAR(testing::ZeroGradientError({3e-7f, 4e-7f}, {-3e-7f, -4e-7f}, kernel), 1e-7, 1e-12);
+  // A real gradient where zero belongs is large against the kernel's.
+  EXPECT_GT(testing::ZeroGradientError({1.0f, 0.0f}, {0.0f, 0.0f}, kernel), 0.1);
+}
+
 }  // namespace
 }  // namespace te::layers

@@ -13,6 +13,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/status_macros.h"
 #include "server/layers/fp8_state.h"
+#include "server/layers/testing.h"
 
 namespace te::layers::compare {
 namespace {
@@ -190,31 +191,18 @@ double RelativeError(const std::vector<float>& got, const std::vector<float>& wa
 
 namespace {
 
-double Norm(const std::vector<float>& v) {
-  double sum = 0.0;
-  for (float x : v) sum += static_cast<double>(x) * x;
-  return std::sqrt(sum);
-}
-
-// Flax attention's key bias has a gradient that is exactly zero (softmax
-// ignores a shift of a query's logits, and q . b_key shifts them all), so
-// both backends hold rounding noise there and their relative difference
-// means nothing. Each is judged instead by how small it is against its
-// kernel's gradient: max(|ref|, |cand|) / |ref's key kernel gradient|
-// (0 where the two are the same bytes, as the CPU-vs-CPU run needs).
+// The key bias's exactly-zero gradient, judged by its size (the one rule:
+// server/layers/testing.h's ZeroGradientError).
 absl::Status JudgeZeroGradients(Ops& reference_ops, const Variables& reference, Ops& candidate_ops,
                                 const Variables& candidate, Errors* errors) {
-  constexpr absl::string_view kKeyBias = "/key/bias";
   for (const auto& [name, tensor] : reference) {
-    if (!absl::EndsWith(name, kKeyBias) || candidate.count(name) == 0) continue;
-    const std::string kernel = absl::StrCat(name.substr(0, name.size() - 4), "kernel");
+    if (!testing::IsKeyBiasGradient(name) || candidate.count(name) == 0) continue;
+    const std::string kernel = testing::KeyKernelOf(name);
     if (reference.count(kernel) == 0) continue;
     ASSIGN_OR_RETURN(std::vector<float> want, HostValues(reference_ops, tensor));
     ASSIGN_OR_RETURN(std::vector<float> got, HostValues(candidate_ops, candidate.at(name)));
     ASSIGN_OR_RETURN(std::vector<float> scale, HostValues(reference_ops, reference.at(kernel)));
-    const double denominator = std::max(Norm(scale), 1e-30);
-    (*errors)["grad " + name] =
-        got == want ? 0.0 : std::max(Norm(want), Norm(got)) / denominator;  // same bytes: exact
+    (*errors)["grad " + name] = testing::ZeroGradientError(got, want, scale);
   }
   return absl::OkStatus();
 }

@@ -96,7 +96,8 @@ def rel_err(server, reference):
 def zero_err(server, reference, name):
     """The attention's key bias gets a gradient that is exactly zero (softmax ignores a shift of a
     query's logits, and q . b_key shifts them all): both sides hold rounding noise, so it is judged
-    by its size against the key kernel's gradient, not by a relative difference."""
+    by its size against the key kernel's gradient, not by a relative difference. The same rule
+    as the C++ comparisons' ZeroGradientError (server/layers/testing.h)."""
     kernel = np.linalg.norm(np.asarray(reference[name[:-len("bias")] + "kernel"], np.float64))
     size = max(np.linalg.norm(np.asarray(server[name], np.float64)), np.linalg.norm(np.asarray(reference[name], np.float64)))
     return float(size / max(kernel, 1e-30))
