@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cuda/attention_internal.h"
+#include "bench/kernels/median_ms.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
@@ -36,31 +37,7 @@ Tensor RandomBf16(cuda::CudaOps* ops, const Shape& shape, uint64_t seed) {
 }
 
 double MedianMs(cuda::CudaOps* ops, int reps, const std::function<absl::Status()>& step) {
-  for (int i = 0; i < 2; ++i) {
-    const absl::Status s = step();
-    if (!s.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-      return -1;
-    }
-  }
-  (void)ops->Synchronize();
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(start, ops->stream());
-    (void)step();
-    cudaEventRecord(stop, ops->stream());
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return bench::MedianMs(ops, 2, reps, step);
 }
 
 int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {

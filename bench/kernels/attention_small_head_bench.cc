@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/cuda/attention_internal.h"
+#include "bench/kernels/median_ms.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 
@@ -55,31 +56,8 @@ double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
-// Median of `reps` timed calls after one warm-up call; -1 on an error.
 double MedianMs(cuda::CudaOps* ops, int reps, const std::function<absl::Status()>& step) {
-  absl::Status s = step();
-  if (s.ok()) s = ops->Synchronize();
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-    return -1;
-  }
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(start, ops->stream());
-    (void)step();
-    cudaEventRecord(stop, ops->stream());
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return bench::MedianMs(ops, 1, reps, step);
 }
 
 // Device-to-device copy bandwidth, bytes read plus bytes written per second.

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernels/median_ms.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
@@ -77,31 +78,11 @@ int Run(int64_t size, int reps) {
 
   std::vector<Row> rows;
   auto time_gemm = [&](const std::string& name, const Ops::GemmArgs& args, Tensor* out) {
-    for (int i = 0; i < 3; ++i) {
-      const absl::Status s = ops->Gemm(args, out);
-      if (!s.ok()) {
-        std::fprintf(stderr, "%s: %s\n", name.c_str(), std::string(s.message()).c_str());
-        return;
-      }
+    const double median = bench::MedianMs(ops, 3, reps, [&] { return ops->Gemm(args, out); });
+    if (median < 0) {
+      std::fprintf(stderr, "%s: failed (above)\n", name.c_str());
+      return;
     }
-    if (!ops->Synchronize().ok()) std::abort();
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
-    std::vector<float> times;
-    for (int r = 0; r < reps; ++r) {
-      cudaEventRecord(start, ops->stream());
-      (void)ops->Gemm(args, out);
-      cudaEventRecord(stop, ops->stream());
-      cudaEventSynchronize(stop);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      times.push_back(ms);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
     rows.push_back({name, median, flops / (median * 1e-3) / 1e12});
   };
 
