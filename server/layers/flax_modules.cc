@@ -363,6 +363,20 @@ class LayerNormLayer : public Layer {
 };
 
 }  // namespace
+
+// The fields nn.Dense and nn.DenseGeneral share: use_bias (Flax's default
+// true), dtype, param_dtype and precision, named under `field`.
+template <typename Spec>
+absl::Status ReadDenseFields(const Spec& spec, const char* field, DenseGeneralConfig* c) {
+  c->use_bias = !spec.has_use_bias() || spec.use_bias();
+  ASSIGN_OR_RETURN(c->dtype, ComputeDTypeOf(spec.dtype(), absl::StrCat(field, ".dtype")));
+  ASSIGN_OR_RETURN(c->param_dtype,
+                   ParamDTypeOf(spec.param_dtype(), absl::StrCat(field, ".param_dtype")));
+  ASSIGN_OR_RETURN(c->tf32, Tf32Of(spec.precision(), absl::StrCat(field, ".precision")));
+  c->field = field;
+  return absl::OkStatus();
+}
+
 }  // namespace flax
 
 absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxDense(const te::v1::FlaxDense& spec) {
@@ -373,12 +387,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxDense(const te::v1::FlaxDense& sp
   }
   flax::DenseGeneralConfig c;
   c.features = {spec.features()};
-  c.use_bias = !spec.has_use_bias() || spec.use_bias();
-  ASSIGN_OR_RETURN(c.dtype, flax::ComputeDTypeOf(spec.dtype(), absl::StrCat(kField, ".dtype")));
-  ASSIGN_OR_RETURN(c.param_dtype,
-                   flax::ParamDTypeOf(spec.param_dtype(), absl::StrCat(kField, ".param_dtype")));
-  ASSIGN_OR_RETURN(c.tf32, flax::Tf32Of(spec.precision(), absl::StrCat(kField, ".precision")));
-  c.field = kField;
+  RETURN_IF_ERROR(flax::ReadDenseFields(spec, kField, &c));
   return std::unique_ptr<Layer>(new flax::DenseGeneralLayer("FlaxDense", std::move(c)));
 }
 
@@ -393,12 +402,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxDenseGeneral(const te::v1::FlaxDe
   }
   c.axis.assign(spec.axis().begin(), spec.axis().end());
   if (c.axis.empty()) c.axis = {-1};
-  c.use_bias = !spec.has_use_bias() || spec.use_bias();
-  ASSIGN_OR_RETURN(c.dtype, flax::ComputeDTypeOf(spec.dtype(), absl::StrCat(kField, ".dtype")));
-  ASSIGN_OR_RETURN(c.param_dtype,
-                   flax::ParamDTypeOf(spec.param_dtype(), absl::StrCat(kField, ".param_dtype")));
-  ASSIGN_OR_RETURN(c.tf32, flax::Tf32Of(spec.precision(), absl::StrCat(kField, ".precision")));
-  c.field = kField;
+  RETURN_IF_ERROR(flax::ReadDenseFields(spec, kField, &c));
   return std::unique_ptr<Layer>(new flax::DenseGeneralLayer("FlaxDenseGeneral", std::move(c)));
 }
 
