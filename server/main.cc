@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -140,29 +141,26 @@ absl::Status WritePortFile(const std::string& path, int port) {
   return absl::OkStatus();
 }
 
-int Run() {
-  if (absl::Status flags = CheckFlags(); !flags.ok()) {
-    Log(LogLevel::kError, flags.ToString());
-    return 2;
-  }
-  // Signals are taken by one thread with sigwait; every other thread (gRPC's
-  // included, started later) inherits the blocked mask.
+// SIGINT and SIGTERM are taken by one thread with sigwait; every other thread
+// (gRPC's included, started later) inherits the blocked mask.
+sigset_t BlockStopSignals() {
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  return stop_signals;
+}
 
+// The devices of --device, each with its executor, logged one line each.
+absl::StatusOr<std::unique_ptr<service::DevicePool>> OpenDevices() {
   session::ExecutorOptions executor;
   executor.threads = absl::GetFlag(FLAGS_executor_threads);
   executor.max_queued = absl::GetFlag(FLAGS_executor_queue);
   executor.sequence_gap = absl::Seconds(absl::GetFlag(FLAGS_sequence_gap_seconds));
   absl::StatusOr<std::unique_ptr<service::DevicePool>> devices =
       service::DevicePool::Open(absl::GetFlag(FLAGS_device), executor);
-  if (!devices.ok()) {
-    Log(LogLevel::kError, absl::StrCat("cannot open the devices: ", devices.status().ToString()));
-    return 1;
-  }
+  if (!devices.ok()) return devices.status();
   for (int i = 0; i < (*devices)->size(); ++i) {
     const DeviceInfo info = (*devices)->device(i).info();
     Log(LogLevel::kInfo,
@@ -172,6 +170,97 @@ int Run() {
                      info.memory_bytes > 0 ? absl::StrCat(", ", info.memory_bytes >> 20, " MiB")
                                            : std::string(),
                      "; executor: ", executor.threads, " threads, queue ", executor.max_queued));
+  }
+  return devices;
+}
+
+// The session manager's limits from the flags. A session that goes (closed,
+// expired, evicted): its executors forget its call numbering, and it must not
+// come back at the next start.
+session::SessionManagerOptions ManagerOptionsFromFlags(session::CheckpointStore* store,
+                                                      service::DevicePool* pool) {
+  const absl::Duration ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
+  session::SessionManagerOptions manager_options;
+  manager_options.on_removed = [store, pool](const std::string& id) {
+    for (int i = 0; i < pool->size(); ++i) pool->executor(i).ForgetKey(id);
+    if (store == nullptr) return;
+    if (absl::Status removed = store->Remove(id); !removed.ok()) {
+      session::LogForSession(LogLevel::kError, id, "cannot remove its checkpoint",
+                             {{"error", removed.ToString()}});
+    }
+  };
+  manager_options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  manager_options.default_ttl = ttl;
+  manager_options.max_ttl = std::max(ttl, absl::Hours(24 * 7));
+  return manager_options;
+}
+
+// The service's limits and per-session options from the flags.
+service::ServiceOptions ServiceOptionsFromFlags(int max_sessions) {
+  service::ServiceOptions options;
+  options.session.session_memory_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
+  options.session.max_saved_forwards = absl::GetFlag(FLAGS_max_saved_forwards);
+  options.session.max_micro_batches = absl::GetFlag(FLAGS_max_micro_batches);
+  options.session.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
+  options.session.enable_shm = absl::GetFlag(FLAGS_enable_shm);
+  options.max_sessions = max_sessions;
+  options.session_ttl_seconds = absl::GetFlag(FLAGS_session_ttl_seconds);
+  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
+  return options;
+}
+
+// The sessions --state_dir holds, each back on the device it was saved on
+// (the first device where this server lacks it); returns how many came back.
+int RestoreSessions(session::CheckpointStore& checkpoints, service::DevicePool* pool,
+                    const session::SessionConfig& session_options,
+                    session::SessionManager* sessions) {
+  auto device_for = [pool](const std::string& saved_on) {
+    const int index = pool->Find(saved_on);
+    return &pool->device(index >= 0 ? index : 0);
+  };
+  const session::CheckpointStore::RestoreReport restored =
+      checkpoints.RestoreAll(device_for, session_options, sessions);
+  Log(LogLevel::kInfo, "state directory read",
+      {{"state_dir", checkpoints.state_dir()},
+       {"restored", absl::StrCat(restored.restored)},
+       {"failed", absl::StrCat(restored.failed)}});
+  return restored.restored;
+}
+
+// Serves until SIGINT or SIGTERM, running `tick` (expiry, gauges, health)
+// every kHousekeepingPeriod; then NOT_SERVING, and the calls in flight drain
+// (or meet the grace period).
+void ServeUntilStopped(grpc::Server* server, grpc::HealthCheckServiceInterface* health,
+                       const sigset_t& stop_signals, const std::function<void()>& tick) {
+  absl::Notification stopping;
+  std::thread housekeeping([&] {
+    while (!stopping.WaitForNotificationWithTimeout(kHousekeepingPeriod)) tick();
+  });
+  std::thread signal_waiter([&] {
+    int signal_number = 0;
+    sigwait(&stop_signals, &signal_number);
+    Log(LogLevel::kInfo, absl::StrCat("signal ", signal_number, ": shutting down (grace ",
+                                      absl::FormatDuration(kShutdownGrace), ")"));
+    stopping.Notify();
+    health->Shutdown();  // NOT_SERVING from now on
+    server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
+  });
+  server->Wait();  // calls in flight have drained (or hit the grace period)
+  signal_waiter.join();
+  housekeeping.join();
+}
+
+int Run() {
+  if (absl::Status flags = CheckFlags(); !flags.ok()) {
+    Log(LogLevel::kError, flags.ToString());
+    return 2;
+  }
+  const sigset_t stop_signals = BlockStopSignals();
+  absl::StatusOr<std::unique_ptr<service::DevicePool>> devices = OpenDevices();
+  if (!devices.ok()) {
+    Log(LogLevel::kError, absl::StrCat("cannot open the devices: ", devices.status().ToString()));
+    return 1;
   }
 
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -197,49 +286,15 @@ int Run() {
     checkpoints = *std::move(store);
   }
 
-  const absl::Duration ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
-  session::SessionManagerOptions manager_options;
-  // A session that goes (closed, expired, evicted): its executors forget its
-  // call numbering, and it must not come back at the next start.
-  manager_options.on_removed = [store = checkpoints.get(),
-                                pool = devices->get()](const std::string& id) {
-    for (int i = 0; i < pool->size(); ++i) pool->executor(i).ForgetKey(id);
-    if (store == nullptr) return;
-    if (absl::Status removed = store->Remove(id); !removed.ok()) {
-      session::LogForSession(LogLevel::kError, id, "cannot remove its checkpoint",
-                             {{"error", removed.ToString()}});
-    }
-  };
-  manager_options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  manager_options.default_ttl = ttl;
-  manager_options.max_ttl = std::max(ttl, absl::Hours(24 * 7));
+  const session::SessionManagerOptions manager_options =
+      ManagerOptionsFromFlags(checkpoints.get(), devices->get());
   session::SessionManager sessions(manager_options);
-
-  service::ServiceOptions options;
-  options.session.session_memory_bytes = absl::GetFlag(FLAGS_session_memory_bytes);
-  options.session.max_saved_forwards = absl::GetFlag(FLAGS_max_saved_forwards);
-  options.session.max_micro_batches = absl::GetFlag(FLAGS_max_micro_batches);
-  options.session.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
-  options.session.enable_shm = absl::GetFlag(FLAGS_enable_shm);
-  options.max_sessions = manager_options.max_sessions;
-  options.session_ttl_seconds = absl::GetFlag(FLAGS_session_ttl_seconds);
+  service::ServiceOptions options = ServiceOptionsFromFlags(manager_options.max_sessions);
   options.access_key = *access_key;
-  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.checkpoints = checkpoints.get();
   if (checkpoints != nullptr) {
-    // A session comes back on the device it was saved on, if this server has it.
-    auto device_for = [pool = devices->get()](const std::string& saved_on) {
-      const int index = pool->Find(saved_on);
-      return &pool->device(index >= 0 ? index : 0);
-    };
-    const session::CheckpointStore::RestoreReport restored =
-        checkpoints->RestoreAll(device_for, options.session, &sessions);
-    options.sessions_restored = restored.restored;
-    Log(LogLevel::kInfo, "state directory read",
-        {{"state_dir", checkpoints->state_dir()},
-         {"restored", absl::StrCat(restored.restored)},
-         {"failed", absl::StrCat(restored.failed)}});
+    options.sessions_restored =
+        RestoreSessions(*checkpoints, devices->get(), options.session, &sessions);
   }
   // Prometheus metrics (--metrics_port): every finished call is counted and
   // timed; the housekeeping thread below refreshes the gauges.
@@ -326,33 +381,18 @@ int Run() {
        {"access_key", options.access_key != nullptr ? "required" : "none"},
        {"state_dir", checkpoints != nullptr ? checkpoints->state_dir() : "none"}});
 
-  // Housekeeping: expire idle sessions, follow the device's health.
-  absl::Notification stopping;
-  std::thread housekeeping([&] {
-    bool was_healthy = true;
-    while (!stopping.WaitForNotificationWithTimeout(kHousekeepingPeriod)) {
-      sessions.Sweep();
-      publish_gauges();
-      const bool healthy = publish_health();
-      if (was_healthy && !healthy) {
-        Log(LogLevel::kError, absl::StrCat("a device (", (*devices)->Names(),
-                                           ") reports a sticky error: health is NOT_SERVING"));
-      }
-      was_healthy = healthy;
+  // Housekeeping: expire idle sessions, follow the devices' health.
+  bool was_healthy = true;
+  ServeUntilStopped(server.get(), health, stop_signals, [&] {
+    sessions.Sweep();
+    publish_gauges();
+    const bool healthy = publish_health();
+    if (was_healthy && !healthy) {
+      Log(LogLevel::kError, absl::StrCat("a device (", (*devices)->Names(),
+                                         ") reports a sticky error: health is NOT_SERVING"));
     }
+    was_healthy = healthy;
   });
-  std::thread signal_waiter([&] {
-    int signal_number = 0;
-    sigwait(&stop_signals, &signal_number);
-    Log(LogLevel::kInfo, absl::StrCat("signal ", signal_number, ": shutting down (grace ",
-                                      absl::FormatDuration(kShutdownGrace), ")"));
-    stopping.Notify();
-    health->Shutdown();  // NOT_SERVING from now on
-    server->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
-  });
-  server->Wait();  // calls in flight have drained (or hit the grace period)
-  signal_waiter.join();
-  housekeeping.join();
   if (checkpoints != nullptr) {
     const int saved = service.SaveAllSessions(absl::Now() + kShutdownSaveWait);
     Log(LogLevel::kInfo, absl::StrCat("stopped; ", saved, " of ", sessions.live_sessions(),
