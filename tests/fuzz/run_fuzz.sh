@@ -42,7 +42,8 @@ done
 
 # ---- sources: everything the session layer runs on, CPU backend only ----------
 sources=(kernels/ops.cc kernels/tensor.cc kernels/op_checks.cc kernels/no_cuda_device.cc
-         server/security/secrets.cc tests/fuzz/request_harness.cc tests/fuzz/seeds.cc)
+         proto/dtype.cc server/security/secrets.cc tests/fuzz/request_harness.cc
+         tests/fuzz/seeds.cc)
 for f in kernels/cpu/*.cc server/layers/*.cc server/optim/*.cc server/session/*.cc; do
   case "$f" in
     *_test.cc|server/layers/testing.cc) ;;
