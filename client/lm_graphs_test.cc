@@ -4,45 +4,19 @@
 // (tests/data/lm_graphs, written by client/python/examples/lm_graphs.py), so
 // both clients send the server the same LM with the same variable names. And
 // the builder's checks: a bad use is INVALID_ARGUMENT naming the node.
-#include <cstdlib>
-#include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
 
 #include "client/decoder_lm.h"
 #include "client/modules.h"
-#include "google/protobuf/text_format.h"
-#include "google/protobuf/util/message_differencer.h"
+#include "client/golden_graphs.h"
 #include "gtest/gtest.h"
 
 namespace te::client {
 namespace {
 
-te::v1::GraphSpec Golden(const std::string& name) {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  const std::string path = std::string(srcdir != nullptr ? srcdir : ".") + "/" +
-                           (workspace != nullptr ? workspace : "te_server") + "/tests/data/lm_graphs/" +
-                           name + ".textproto";
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  std::stringstream text;
-  text << in.rdbuf();
-  te::v1::GraphSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text.str(), &spec)) << path;
-  EXPECT_GT(spec.nodes_size(), 0) << path;
-  return spec;
-}
-
 void ExpectGolden(const Graph& graph, const std::string& name) {
-  absl::StatusOr<te::v1::LayerSpec> spec = graph.Spec();
-  ASSERT_TRUE(spec.ok()) << spec.status();
-  ASSERT_TRUE(spec->has_graph());
-  std::string diff;
-  google::protobuf::util::MessageDifferencer differencer;
-  differencer.ReportDifferencesToString(&diff);
-  EXPECT_TRUE(differencer.Compare(Golden(name), spec->graph())) << name << ":\n" << diff;
+  testing::ExpectGolden(graph, "lm_graphs", name);
 }
 
 // lm_graphs.py's sizes.
