@@ -52,6 +52,7 @@ class DecoderLM(nn.Module):
     heads: int
     compute_dtype: object = te.bfloat16
     vocab: int = 256
+    rotary: bool = True
 
     @nn.compact
     def __call__(self, tokens, labels, deterministic=True):
@@ -60,7 +61,8 @@ class DecoderLM(nn.Module):
         for _ in range(self.num_layers):
             x = te_flax.TransformerLayer(hidden_size=self.hidden, mlp_hidden_size=4 * self.hidden,
                                          num_attention_heads=self.heads, mlp_activations=("gelu",),
-                                         hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0)(
+                                         hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
+                                         enable_rotary_pos_emb=self.rotary)(
                                              x, deterministic=deterministic)
         x = nn.LayerNorm()(x)   # float32 params: promotes to float32
         return losses.softmax_cross_entropy_with_integer_labels(embed.attend(x), labels).mean()
@@ -130,6 +132,9 @@ def main():
     parser.add_argument("--eval_every", type=int, default=100)
     parser.add_argument("--eval_batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rotary", action=argparse.BooleanOptionalAction, default=True,
+                        help="rotary position embedding in every layer (without it a causal LM has no "
+                             "position signal and stalls near a bigram model's loss)")
     parser.add_argument("--csv", help="write the loss curve here")
     args = parser.parse_args()
 
@@ -139,7 +144,7 @@ def main():
     rng = np.random.default_rng(args.seed)
     eval_rng = np.random.default_rng(args.seed + 1)
     held = [batch(eval_rng, heldout, args.batch, args.seq) for _ in range(args.eval_batches)]
-    model = DecoderLM(args.layers, args.hidden, args.heads)
+    model = DecoderLM(args.layers, args.hidden, args.heads, rotary=args.rotary)
     rows = []
     with server(args) as address, te.connect(address).session() as session, recipe_scope(args.recipe):
         tokens, labels = batch(rng, train, args.batch, args.seq)
