@@ -7,7 +7,9 @@
 // timed two ways:
 //   server: the Benchmark RPC (the server's own clock, no network);
 //   client: the wall time the client observes per step, inputs resident,
-//           nothing brought back.
+//           nothing brought back: serially (each step waits for the last's
+//           answer) and pipelined (--client_depth steps in flight, the next
+//           one queued on the server while one runs).
 // Every variant is one server module: 1-6 are the quickstart's sections as
 // client/quickstart_layers builds them (1-5 Graphs: the notebook's composed
 // classes node for node, run by the server as one layer, so a step is one
@@ -18,11 +20,15 @@
 // not measured):
 //   OURS <variant> <server ms> <client ms> <peak device MiB>
 //   OURS <variant> FAILED <message>
+//   OURSMEM <variant> peak <MiB> reserved <MiB> (peak <MiB>)
+//   OURSPIPE <variant> depth <n> <ms> serial <ms> server <ms> (<ratio>x)
 //
 //   layer_bench --server=localhost:50051 --config=quickstart --variants=all
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -54,6 +60,9 @@ ABSL_FLAG(int, iters, 20, "timed steps per timing");
 ABSL_FLAG(bool, deterministic, false, "true: dropout off (the quickstart times with dropout on)");
 ABSL_FLAG(bool, server_side, true, "time with the Benchmark RPC");
 ABSL_FLAG(bool, client_side, true, "time client-observed steps");
+ABSL_FLAG(int, client_depth, 2,
+          "steps the pipelined client-observed timing keeps in flight (ForwardBackwardAsync): the next "
+          "step waits queued on the server while one runs; 1 times only the serial loop");
 ABSL_FLAG(std::string, memory_probe, "",
           "a command printing the device's used memory in MiB (e.g. nvidia-smi --query-gpu=memory.used "
           "--format=csv,noheader,nounits -i 0); read before the variant's session allocates and after "
@@ -121,6 +130,7 @@ struct Options {
   bool deterministic = false;
   bool server_side = true;
   bool client_side = true;
+  int client_depth = 2;
   std::string memory_probe;
 };
 
@@ -193,6 +203,53 @@ class VariantRun {
 
   // Client-observed mean ms per step.
   absl::StatusOr<double> TimeClient() {
+    te::v1::ForwardBackwardRequest request = StepRequest();
+    return TimeSteps(o_, [&](uint64_t step) {
+      request.mutable_micro_batches(0)->set_dropout_seed(MixBits(step + 1));
+      return session_.ForwardBackward(request).status();
+    });
+  }
+
+  // Client-observed mean ms per step with `depth` steps in flight: each step
+  // is sent before the last one's answer arrives, so the wire and the
+  // request's decoding overlap the device's work on the step before. The
+  // steps' results are those of the serial loop (the session runs them in
+  // the order they were sent).
+  absl::StatusOr<double> TimeClientPipelined(int depth) {
+    te::v1::ForwardBackwardRequest request = StepRequest();
+    std::deque<std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>>> in_flight;
+    uint64_t n = 0;
+    auto send = [&] {
+      request.mutable_micro_batches(0)->set_dropout_seed(MixBits(++n));
+      in_flight.push_back(session_.ForwardBackwardAsync(request));
+    };
+    auto wait_oldest = [&]() -> absl::Status {
+      absl::Status status = in_flight.front().get().status();
+      in_flight.pop_front();
+      return status;
+    };
+    for (int i = 0; i < o_.warmup; ++i) {
+      send();
+      RETURN_IF_ERROR(wait_oldest());
+    }
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status;
+    for (int i = 0; i < o_.iters && status.ok(); ++i) {
+      send();
+      if (static_cast<int>(in_flight.size()) >= depth) status = wait_oldest();
+    }
+    while (!in_flight.empty()) status.Update(wait_oldest());
+    RETURN_IF_ERROR(status);
+    const double total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    return total / std::max(o_.iters, 1);
+  }
+
+  // Server-side mean ms per step: the Benchmark RPC.
+  absl::StatusOr<double> TimeServer() { return Benchmark(layer_id_, x_, dy_); }
+
+ private:
+  // One step of the layer on the resident x and dy, nothing sent back.
+  te::v1::ForwardBackwardRequest StepRequest() const {
     te::v1::ForwardBackwardRequest request;
     request.set_layer_id(layer_id_);
     te::v1::MicroBatch* mb = request.add_micro_batches();
@@ -202,16 +259,9 @@ class VariantRun {
     *request.mutable_autocast() = autocast_;
     request.set_return_dx(false);
     request.set_return_grads(false);
-    return TimeSteps(o_, [&](uint64_t step) {
-      request.mutable_micro_batches(0)->set_dropout_seed(MixBits(step + 1));
-      return session_.ForwardBackward(request).status();
-    });
+    return request;
   }
 
-  // Server-side mean ms per step: the Benchmark RPC.
-  absl::StatusOr<double> TimeServer() { return Benchmark(layer_id_, x_, dy_); }
-
- private:
   absl::StatusOr<double> Benchmark(const std::string& layer_id, const te::v1::Tensor& x,
                                    const te::v1::Tensor& dy) {
     te::v1::BenchmarkRequest request;
@@ -259,9 +309,12 @@ absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, co
   VariantRun run(*session, o, ToProto(AutocastState{v.fp8, QuickstartRecipe()}));
   RETURN_IF_ERROR(run.Init(v, c));
 
-  std::optional<double> client_ms, server_ms, peak_mib;
+  std::optional<double> client_ms, pipelined_ms, server_ms, peak_mib;
   if (o.client_side) {
     ASSIGN_OR_RETURN(client_ms, run.TimeClient());
+    if (o.client_depth > 1) {
+      ASSIGN_OR_RETURN(pipelined_ms, run.TimeClientPipelined(o.client_depth));
+    }
   }
   // Read now, before the per-module benchmarks keep extra tensors.
   const std::optional<double> memory_after = ProbeMemoryMiB(o.memory_probe);
@@ -281,6 +334,14 @@ absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, co
                                  r.peak_bytes_reserved() / kMiB)
               << std::flush;
   }
+  if (pipelined_ms) {
+    // The client-observed step with the next one queued, against the serial
+    // loop and the server's own time.
+    std::cout << absl::StrFormat("OURSPIPE %s depth %d %.3f ms serial %s ms", v.name, o.client_depth,
+                                 *pipelined_ms, Ms(client_ms));
+    if (server_ms) std::cout << absl::StrFormat(" server %.3f ms (%.3fx)", *server_ms, *pipelined_ms / *server_ms);
+    std::cout << std::endl;
+  }
   return session->Close();
 }
 
@@ -297,6 +358,7 @@ int Main() {
   o.deterministic = absl::GetFlag(FLAGS_deterministic);
   o.server_side = absl::GetFlag(FLAGS_server_side);
   o.client_side = absl::GetFlag(FLAGS_client_side);
+  o.client_depth = absl::GetFlag(FLAGS_client_depth);
   o.memory_probe = absl::GetFlag(FLAGS_memory_probe);
   if (o.warmup < 0 || o.iters <= 0) {
     std::cerr << "layer_bench: --warmup " << o.warmup << " must be >= 0 and --iters " << o.iters << " > 0\n";
