@@ -131,6 +131,8 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--eval_every", type=int, default=100)
     parser.add_argument("--eval_batches", type=int, default=4)
+    parser.add_argument("--final_eval_batches", type=int, default=64,
+                        help="held-out batches of the last evaluation (the number compared across recipes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rotary", action=argparse.BooleanOptionalAction, default=True,
                         help="rotary position embedding in every layer (without it a causal LM has no "
@@ -143,7 +145,10 @@ def main():
         folder, len(train), len(heldout)))
     rng = np.random.default_rng(args.seed)
     eval_rng = np.random.default_rng(args.seed + 1)
-    held = [batch(eval_rng, heldout, args.batch, args.seq) for _ in range(args.eval_batches)]
+    # The same held-out windows for every recipe; the last evaluation reads
+    # more of them, so its loss is the one to compare runs by.
+    held = [batch(eval_rng, heldout, args.batch, args.seq)
+            for _ in range(max(args.eval_batches, args.final_eval_batches))]
     model = DecoderLM(args.layers, args.hidden, args.heads, rotary=args.rotary)
     rows = []
     with server(args) as address, te.connect(address).session() as session, recipe_scope(args.recipe):
@@ -165,7 +170,8 @@ def main():
             if step % args.eval_every == 0 or step == args.steps:
                 now = time.perf_counter()
                 rate = tokens_since / (now - last)
-                held_loss = float(np.mean([float(model.apply(state.params, t, l)) for t, l in held]))
+                windows = held if step == args.steps else held[:args.eval_batches]
+                held_loss = float(np.mean([float(model.apply(state.params, t, l)) for t, l in windows]))
                 train_loss = float(np.mean(train_losses))
                 print("step %5d  train %.4f  held-out %.4f  %8.0f tokens/s  (%d request bytes/step)" % (
                     step, train_loss, held_loss, rate, metrics["request_bytes"]), flush=True)
