@@ -25,6 +25,7 @@
 #ifndef TE_KERNELS_OPS_H_
 #define TE_KERNELS_OPS_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -146,10 +147,29 @@ struct OptimizerHyperparams {
   double weight_decay = 0.0;
   double max_norm = 0.0;  // 0: no clipping
 };
+// An FP8 copy of a slot's param that the step writes as it writes the
+// param: the weight of an FP8 GEMM in the two layouts Hopper's GEMMs take it,
+// as Ops::QuantizeTransposeKept keeps it across steps. Under DelayedScaling
+// the scale the next forward quantizes with is known before the update (the
+// step's scaling update made it), so the update can write the copy from the
+// new weight it holds in registers, and the next forward finds it current
+// instead of reading the whole weight again.
+struct OptimizerFp8Copy {
+  Tensor data;        // [rows, cols] E4M3 or E5M2: the param's elements in order
+  Tensor data_t;      // [cols, rows], data's dtype: data transposed
+  Tensor scale_inv;   // [1] f32
+  Tensor kept_scale;  // [1] f32: QuantizeTransposeKept's kept.scale for data
+  Tensor kept_amax;   // [1] f32: its kept.amax
+  // [1] f32: the quantizer's scale, read on the device by each step. Not part
+  // of the plan: like a gradient it may be another tensor every step.
+  Tensor scale;
+};
 // One parameter of a multi-tensor step: as OptimizerUpdate's param, mu, nu
-// (mu and nu undefined where the rule keeps none).
+// (mu and nu undefined where the rule keeps none), and optionally the FP8
+// copy of param the step keeps current (fp8.data undefined: none).
 struct OptimizerSlot {
   Tensor param, mu, nu;
+  OptimizerFp8Copy fp8;
 };
 // What one step did, written on the device by the step itself (so the host
 // reads it with the step's other results, never in between).
@@ -171,7 +191,8 @@ class OptimizerPlan {
  public:
   virtual ~OptimizerPlan() = default;
   // True when `slots`, `count` and `total_notfinite` are the planned tensors
-  // (the same memory, element counts and dtypes, in the same order).
+  // (the same memory, element counts and dtypes, in the same order; an FP8
+  // copy's scale is not planned).
   bool Matches(const std::vector<OptimizerSlot>& slots, const Tensor& count,
                const Tensor& total_notfinite) const;
   // The last step's OptimizerStepInfo: int32 [6] on the device.
@@ -185,14 +206,21 @@ class OptimizerPlan {
     DType dtype;
   };
   OptimizerHyperparams hyperparams_;
-  std::vector<Planned> planned_;  // param, mu, nu per slot, then count, total_notfinite
+  // Per slot the tensors PlannedOf names, then count, total_notfinite.
+  std::vector<Planned> planned_;
   Tensor info_;
+  static constexpr int kPlannedPerSlot = 8;
+  static std::array<const Tensor*, kPlannedPerSlot> PlannedOf(const OptimizerSlot& s) {
+    return {&s.param,         &s.mu,           &s.nu,
+            &s.fp8.data,      &s.fp8.data_t,   &s.fp8.scale_inv,
+            &s.fp8.kept_scale, &s.fp8.kept_amax};
+  }
   void Remember(const OptimizerHyperparams& h, const std::vector<OptimizerSlot>& slots,
                 const Tensor& count, const Tensor& total_notfinite) {
     hyperparams_ = h;
     planned_.clear();
     for (const OptimizerSlot& s : slots) {
-      for (const Tensor* t : {&s.param, &s.mu, &s.nu}) {
+      for (const Tensor* t : PlannedOf(s)) {
         planned_.push_back({t->data(), t->numel(), t->dtype()});
       }
     }
@@ -204,13 +232,13 @@ class OptimizerPlan {
 
 inline bool OptimizerPlan::Matches(const std::vector<OptimizerSlot>& slots, const Tensor& count,
                                    const Tensor& total_notfinite) const {
-  if (planned_.size() != 3 * slots.size() + 2) return false;
+  if (planned_.size() != kPlannedPerSlot * slots.size() + 2) return false;
   auto same = [](const Planned& p, const Tensor& t) {
     return p.data == t.data() && p.numel == t.numel() && p.dtype == t.dtype();
   };
   size_t i = 0;
   for (const OptimizerSlot& s : slots) {
-    for (const Tensor* t : {&s.param, &s.mu, &s.nu}) {
+    for (const Tensor* t : PlannedOf(s)) {
       if (!same(planned_[i++], *t)) return false;
     }
   }
@@ -532,12 +560,18 @@ class Ops {
   //   c = *count; applied = grad_norm_sq is finite;
   //   the slots' updates as OptimizerUpdate with UpdateArgsAt(hyperparams, c)
   //     (optimizer_math.h), skipped entirely when not applied;
+  //   each updated slot's FP8 copy (slot.fp8) as QuantizeTranspose makes it
+  //     from the new param viewed as [rows, cols] with slot.fp8.scale: data,
+  //     data_t, scale_inv, kept_amax = max |param| (QuantizeTranspose's
+  //     amax), kept_scale = scale; a skipped step, or a slot without a
+  //     gradient, leaves the copy as it is (it still holds the param);
   //   *count = c + applied, *total_notfinite += !applied (both saturating at
   //     INT32_MAX), and plan.info() = OptimizerStepInfo.
   // count and total_notfinite: int32 [1] on the device. grads[i] is slot i's
   // gradient (float, the param's element count) or an undefined Tensor: that
   // slot keeps its value and moments. INVALID_ARGUMENT when `slots` etc. are
-  // not the plan's (Matches) or a gradient does not fit its slot.
+  // not the plan's (Matches), a gradient does not fit its slot, or an FP8
+  // copy does not fit its param (NewOptimizerPlan) or lacks its scale.
   virtual absl::StatusOr<std::unique_ptr<OptimizerPlan>> NewOptimizerPlan(
       const OptimizerHyperparams& hyperparams, const std::vector<OptimizerSlot>& slots,
       const Tensor& count, const Tensor& total_notfinite) = 0;

@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -100,6 +102,45 @@ inline absl::Status CheckOptimizerStepArgs(const OptimizerPlan& plan,
                        " elements; its param has ", slots[i].param.numel()));
     }
   }
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const Tensor& scale = slots[i].fp8.scale;
+    if (slots[i].fp8.data.data() == nullptr || slots[i].param.numel() == 0) continue;
+    if (scale.data() == nullptr || scale.dtype() != DType::kF32 || scale.numel() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "OptimizerStep: slots[", i, "].fp8.scale must be f32 [1] (the FP8 copy's scale)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// An FP8 copy that fits its param (OptimizerFp8Copy), for NewOptimizerPlan.
+inline absl::Status CheckOptimizerFp8Copy(size_t i, const OptimizerSlot& s) {
+  const OptimizerFp8Copy& c = s.fp8;
+  const std::string field = absl::StrCat("NewOptimizerPlan: slots[", i, "].fp8");
+  const DType d = c.data.dtype();
+  if (d != DType::kE4M3 && d != DType::kE5M2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".data is ", DTypeName(d), "; want E4M3 or E5M2"));
+  }
+  if (c.data.rank() != 2 || c.data.numel() != s.param.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data is ", ShapeString(c.data.shape()), "; want [rows, cols] of the param's ",
+        s.param.numel(), " elements"));
+  }
+  const Shape transposed = {c.data.dim(1), c.data.dim(0)};
+  if (c.data_t.data() == nullptr || c.data_t.dtype() != d || c.data_t.shape() != transposed) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data_t is ",
+                                                   ShapeString(c.data_t.shape()), " ",
+                                                   DTypeName(c.data_t.dtype()), "; want ",
+                                                   ShapeString(transposed), " ", DTypeName(d)));
+  }
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"scale_inv", &c.scale_inv},
+                                {"kept_scale", &c.kept_scale},
+                                {"kept_amax", &c.kept_amax}}) {
+    if (t->data() == nullptr || t->dtype() != DType::kF32 || t->numel() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, " must be f32 [1]"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -135,6 +176,10 @@ inline absl::Status CheckOptimizerPlanArgs(const OptimizerHyperparams& h,
             ShapeString(m->shape()), "; want the param's ", DTypeName(p), " ",
             ShapeString(s.param.shape())));
       }
+    }
+    if (s.fp8.data.data() != nullptr) {
+      absl::Status fp8 = CheckOptimizerFp8Copy(i, s);
+      if (!fp8.ok()) return fp8;
     }
   }
   for (const auto* c : {&count, &total_notfinite}) {

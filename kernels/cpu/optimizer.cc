@@ -1,6 +1,7 @@
 // OptimizerUpdate: optax's elementwise update rules (ops.h), the reference;
 // OptimizerStep: the whole step over a plan's slots, defined by the per-tensor
-// rule and optimizer_math.h's scalars.
+// rule and optimizer_math.h's scalars, and the slots' FP8 copies as
+// QuantizeTranspose makes them.
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -58,6 +59,18 @@ class CpuOptimizerPlan : public OptimizerPlan {
   }
 };
 
+// The copy exactly as the next forward's QuantizeTransposeKept would make it
+// from the new param: QuantizeTranspose, then the kept record.
+absl::Status WriteFp8Copy(Ops& ops, const Tensor& param, const OptimizerFp8Copy& copy) {
+  Fp8Output out;
+  out.scale = copy.scale;
+  out.amax = copy.kept_amax;
+  out.scale_inv = copy.scale_inv;
+  Tensor data = copy.data, data_t = copy.data_t, kept_scale = copy.kept_scale;
+  RETURN_IF_ERROR(ops.QuantizeTranspose(param.Reshaped(data.shape()), out, &data, &data_t));
+  return ops.Copy(copy.scale, &kept_scale);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<OptimizerPlan>> CpuOps::NewOptimizerPlan(
@@ -98,6 +111,9 @@ absl::Status CpuOps::OptimizerStep(OptimizerPlan& plan, const std::vector<Optimi
     RETURN_IF_ERROR(OptimizerUpdate(args, grads[i], norm_sq, &param,
                                     mu.data() != nullptr ? &mu : nullptr,
                                     nu.data() != nullptr ? &nu : nullptr));
+    if (applied && slots[i].fp8.data.data() != nullptr) {
+      RETURN_IF_ERROR(WriteFp8Copy(*this, param, slots[i].fp8));
+    }
   }
   OptimizerStepInfo info;
   info.learning_rate = LearningRateAt(plan.hyperparams().learning_rate, c);

@@ -1,8 +1,12 @@
 // OptimizerUpdate against a float64 reference of optax's formulas, on random
-// values (never zeros), over several steps so the moments carry over.
+// values (never zeros), over several steps so the moments carry over; and
+// OptimizerStep's FP8 copies against QuantizeTranspose of the new params.
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -16,6 +20,7 @@ using testing::MakeEmpty;
 using testing::MakeRandom;
 using testing::MakeTensor;
 using testing::RelativeError;
+using testing::ScalarValue;
 using testing::ShortName;
 using testing::ToDoubles;
 using testing::Tolerance;
@@ -179,6 +184,176 @@ TEST(OptimizerUpdateArgsTest, AdamWithoutMomentsIsInvalid) {
   Tensor nu = MakeEmpty(ops, DType::kF32, {4});
   EXPECT_EQ(ops.OptimizerUpdate(args, grad, norm_sq, &param, &short_mu, &nu).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// ---- OptimizerStep's FP8 copies ------------------------------------------------------
+
+// A copy of `param` viewed as [rows, cols] in `dtype`, filled with bytes
+// unlike any the step writes, and no record (kept_scale NaN).
+OptimizerFp8Copy NewCopy(CpuOps& ops, int64_t rows, int64_t cols, DType dtype, float scale) {
+  OptimizerFp8Copy c;
+  c.data = MakeEmpty(ops, dtype, {rows, cols});
+  c.data_t = MakeEmpty(ops, dtype, {cols, rows});
+  std::memset(c.data.data(), 0x5a, c.data.nbytes());
+  std::memset(c.data_t.data(), 0x5a, c.data_t.nbytes());
+  c.scale_inv = MakeTensor(ops, DType::kF32, {1}, {-1.0f});
+  c.kept_scale = MakeTensor(ops, DType::kF32, {1}, {std::nanf("")});
+  c.kept_amax = MakeTensor(ops, DType::kF32, {1}, {-1.0f});
+  c.scale = MakeTensor(ops, DType::kF32, {1}, {scale});
+  return c;
+}
+
+std::vector<uint8_t> Bytes(const Tensor& t) {
+  const auto* p = static_cast<const uint8_t*>(t.data());
+  return std::vector<uint8_t>(p, p + t.nbytes());
+}
+
+// Everything a copy holds, to compare whole copies.
+std::vector<uint8_t> CopyBytes(const OptimizerFp8Copy& c) {
+  std::vector<uint8_t> all;
+  for (const Tensor* t : {&c.data, &c.data_t, &c.scale_inv, &c.kept_scale, &c.kept_amax}) {
+    const std::vector<uint8_t> b = Bytes(*t);
+    all.insert(all.end(), b.begin(), b.end());
+  }
+  return all;
+}
+
+class OptimizerStepFp8CopyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    h_.rule = Rule::kAdam;
+    h_.learning_rate.value = 0.05;
+    h_.weight_decay = 0.01;
+    // bf16 [6, 10] with an E4M3 copy, f32 [4, 8] with an E5M2 one, and a
+    // param with no copy.
+    const std::vector<std::tuple<Shape, DType, DType>> specs = {
+        {{6, 10}, DType::kBF16, DType::kE4M3},
+        {{4, 8}, DType::kF32, DType::kE5M2},
+        {{5}, DType::kF32, DType::kF32}};
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const auto& [shape, dtype, fp8] = specs[i];
+      OptimizerSlot s;
+      s.param = MakeRandom(ops_, dtype, shape, 10 + i);
+      s.mu = MakeRandom(ops_, dtype, shape, 20 + i, -0.5f, 0.5f);
+      s.nu = MakeRandom(ops_, dtype, shape, 30 + i, 0.01f, 1.0f);
+      if (IsFloat8(fp8)) s.fp8 = NewCopy(ops_, shape[0], shape[1], fp8, 2.5f + i);
+      slots_.push_back(s);
+    }
+    count_ = MakeTensor(ops_, DType::kI32, {1}, {0.0f});
+    total_notfinite_ = MakeTensor(ops_, DType::kI32, {1}, {0.0f});
+    auto plan = ops_.NewOptimizerPlan(h_, slots_, count_, total_notfinite_);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    plan_ = *std::move(plan);
+  }
+  std::vector<Tensor> Grads(uint32_t seed) {
+    std::vector<Tensor> grads;
+    for (const OptimizerSlot& s : slots_) {
+      grads.push_back(MakeRandom(ops_, s.param.dtype(), s.param.shape(), seed++));
+    }
+    return grads;
+  }
+  absl::Status Step(const std::vector<Tensor>& grads) {
+    return ops_.OptimizerStep(*plan_, slots_, grads, &count_, &total_notfinite_);
+  }
+  // The copy the next forward's QuantizeTransposeKept would make of slot i's
+  // param now, with its scale.
+  void ExpectCurrent(size_t i) {
+    const OptimizerFp8Copy& c = slots_[i].fp8;
+    Fp8Output out;
+    out.scale = c.scale;
+    out.amax = MakeEmpty(ops_, DType::kF32, {1});
+    out.scale_inv = MakeEmpty(ops_, DType::kF32, {1});
+    Tensor y = MakeEmpty(ops_, c.data.dtype(), c.data.shape());
+    Tensor y_t = MakeEmpty(ops_, c.data.dtype(), c.data_t.shape());
+    ASSERT_TRUE(
+        ops_.QuantizeTranspose(slots_[i].param.Reshaped(c.data.shape()), out, &y, &y_t).ok());
+    EXPECT_EQ(Bytes(c.data), Bytes(y)) << "slot " << i;
+    EXPECT_EQ(Bytes(c.data_t), Bytes(y_t)) << "slot " << i;
+    EXPECT_EQ(Bytes(c.kept_amax), Bytes(out.amax)) << "slot " << i;
+    EXPECT_EQ(Bytes(c.scale_inv), Bytes(out.scale_inv)) << "slot " << i;
+    EXPECT_EQ(Bytes(c.kept_scale), Bytes(c.scale)) << "slot " << i;
+  }
+
+  CpuOps ops_;
+  OptimizerHyperparams h_;
+  std::vector<OptimizerSlot> slots_;
+  Tensor count_, total_notfinite_;
+  std::unique_ptr<OptimizerPlan> plan_;
+};
+
+// Each step leaves each copy as QuantizeTranspose makes it from the new
+// param with the step's scale (a new scale tensor every step, as a session
+// passes them), with its record.
+TEST_F(OptimizerStepFp8CopyTest, CopiesAreTheNewParamsQuantized) {
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    for (size_t i = 0; i < 2; ++i) {
+      slots_[i].fp8.scale = MakeTensor(ops_, DType::kF32, {1}, {1.5f * (step + 1) + i});
+    }
+    const std::vector<double> before = ToDoubles(slots_[0].param);
+    ASSERT_TRUE(Step(Grads(100 * step)).ok());
+    ASSERT_NE(ToDoubles(slots_[0].param), before) << "the step must move the params";
+    ExpectCurrent(0);
+    ExpectCurrent(1);
+    EXPECT_EQ(ScalarValue(slots_[0].fp8.kept_scale), 1.5f * (step + 1));
+  }
+}
+
+// A skipped step (a non-finite gradient) and a slot without a gradient leave
+// the copies as they were: they still hold the unchanged params.
+TEST_F(OptimizerStepFp8CopyTest, SkippedStepsAndSlotsKeepTheirCopies) {
+  ASSERT_TRUE(Step(Grads(1)).ok());
+  const std::vector<uint8_t> copy0 = CopyBytes(slots_[0].fp8);
+  const std::vector<uint8_t> copy1 = CopyBytes(slots_[1].fp8);
+  std::vector<Tensor> poisoned = Grads(2);
+  StoreFromFloat(&poisoned[2], 3, std::nanf(""));
+  ASSERT_TRUE(Step(poisoned).ok());
+  EXPECT_EQ(*total_notfinite_.data_as<int32_t>(), 1);
+  EXPECT_EQ(CopyBytes(slots_[0].fp8), copy0);
+  EXPECT_EQ(CopyBytes(slots_[1].fp8), copy1);
+
+  std::vector<Tensor> partial = Grads(3);
+  partial[0] = Tensor();  // no gradient reached slot 0
+  slots_[0].fp8.scale = MakeTensor(ops_, DType::kF32, {1}, {100.0f});
+  ASSERT_TRUE(Step(partial).ok());
+  EXPECT_EQ(CopyBytes(slots_[0].fp8), copy0);
+  EXPECT_NE(CopyBytes(slots_[1].fp8), copy1);
+  ExpectCurrent(1);
+}
+
+// A copy that does not fit its param, or a step without its scale, is
+// INVALID_ARGUMENT naming it; a plan is for its copies too.
+TEST_F(OptimizerStepFp8CopyTest, BadCopiesAreInvalidArgument) {
+  auto expect_bad_plan = [&](std::vector<OptimizerSlot> slots, const std::string& field) {
+    auto plan = ops_.NewOptimizerPlan(h_, slots, count_, total_notfinite_);
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find(field), std::string::npos) << plan.status();
+  };
+  std::vector<OptimizerSlot> bad = slots_;
+  bad[0].fp8.data = MakeEmpty(ops_, DType::kE4M3, {6, 9});
+  expect_bad_plan(bad, "slots[0].fp8.data");
+  bad = slots_;
+  bad[1].fp8.data = MakeEmpty(ops_, DType::kBF16, {4, 8});
+  expect_bad_plan(bad, "slots[1].fp8.data");
+  bad = slots_;
+  bad[0].fp8.data_t = MakeEmpty(ops_, DType::kE4M3, {6, 10});
+  expect_bad_plan(bad, "slots[0].fp8.data_t");
+  bad = slots_;
+  bad[1].fp8.kept_amax = Tensor();
+  expect_bad_plan(bad, "slots[1].fp8.kept_amax");
+
+  std::vector<OptimizerSlot> no_scale = slots_;
+  no_scale[1].fp8.scale = Tensor();
+  const absl::Status step =
+      ops_.OptimizerStep(*plan_, no_scale, Grads(4), &count_, &total_notfinite_);
+  EXPECT_EQ(step.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(step.message().find("slots[1].fp8.scale"), std::string::npos) << step;
+
+  std::vector<OptimizerSlot> without = slots_;
+  without[0].fp8 = OptimizerFp8Copy();
+  EXPECT_FALSE(plan_->Matches(without, count_, total_notfinite_));
+  EXPECT_TRUE(plan_->Matches(slots_, count_, total_notfinite_));
 }
 
 }  // namespace
