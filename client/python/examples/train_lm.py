@@ -128,7 +128,7 @@ def main():
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval_every", type=int, default=100)
     parser.add_argument("--eval_batches", type=int, default=4)
     parser.add_argument("--final_eval_batches", type=int, default=64,
