@@ -34,11 +34,7 @@ import te_client as te                              # noqa: E402
 from te_client import variables as variables_lib    # noqa: E402
 import quickstart                                   # noqa: E402  (the notebook's classes, traced)
 
-CONFIGS = {
-    "small": dict(hidden_size=256, sequence_length=128, batch_size=2, ffn_hidden_size=1024, num_attention_heads=4),
-    "quickstart": dict(hidden_size=4096, sequence_length=2048, batch_size=4, ffn_hidden_size=16384,
-                       num_attention_heads=32),
-}
+CONFIGS = quickstart.CONFIGS   # the same layer sizes as the quickstart's run
 # Relative error, server vs JAX: both compute in float32 (Flax's promotion) at the notebook's default
 # matmul precision, TensorFloat-32 on a GPU on both sides (operands rounded to 10 mantissa bits,
 # 2^-11); on the CPU both are exact float32.

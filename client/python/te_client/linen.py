@@ -130,6 +130,14 @@ class _FlaxModule(ServerModule):
     gives float32."""
     has_params = True
 
+    def _wire_fields(self, *names):
+        """The spec's fields of the same name for each of `names` ("dtype",
+        "param_dtype", "precision"), as te.v1 takes them; an unsupported value
+        is an error naming "<Module>.<field>"."""
+        convert = {"dtype": _dtype_wire, "param_dtype": _dtype_wire, "precision": _precision}
+        module = type(self).__name__
+        return {name: convert[name](getattr(self, name), "%s.%s" % (module, name)) for name in names}
+
     def output_wire(self, input_wire):
         if self.dtype is not None:
             return symbolic.wire_of(self.dtype, type(self).__name__ + ".dtype")
@@ -150,9 +158,8 @@ class Dense(_FlaxModule):
     def spec(self):
         pb = client_lib.layers_pb2
         return pb.LayerSpec(flax_dense=pb.FlaxDense(
-            features=int(self.features), use_bias=self.use_bias, dtype=_dtype_wire(self.dtype, "Dense.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "Dense.param_dtype"),
-            precision=_precision(self.precision, "Dense.precision")))
+            features=int(self.features), use_bias=self.use_bias,
+            **self._wire_fields("dtype", "param_dtype", "precision")))
 
     def output_shapes(self, input_shapes):
         return [tuple(input_shapes[0][:-1]) + (int(self.features),)]
@@ -174,9 +181,7 @@ class DenseGeneral(_FlaxModule):
         pb = client_lib.layers_pb2
         return pb.LayerSpec(flax_dense_general=pb.FlaxDenseGeneral(
             features=_ints(self.features), axis=_ints(self.axis), use_bias=self.use_bias,
-            dtype=_dtype_wire(self.dtype, "DenseGeneral.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "DenseGeneral.param_dtype"),
-            precision=_precision(self.precision, "DenseGeneral.precision")))
+            **self._wire_fields("dtype", "param_dtype", "precision")))
 
     def output_shapes(self, input_shapes):
         return [_dense_output_shape(input_shapes[0], self.axis, self.features, "DenseGeneral")]
@@ -201,8 +206,7 @@ class LayerNorm(_FlaxModule):
         pb = client_lib.layers_pb2
         return pb.LayerSpec(flax_layer_norm=pb.FlaxLayerNorm(
             epsilon=float(self.epsilon), use_bias=self.use_bias, use_scale=self.use_scale,
-            dtype=_dtype_wire(self.dtype, "LayerNorm.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "LayerNorm.param_dtype")))
+            **self._wire_fields("dtype", "param_dtype")))
 
     def __call__(self, x):
         return self._call(x)
@@ -228,9 +232,7 @@ class MultiHeadDotProductAttention(_FlaxModule):
         pb = client_lib.layers_pb2
         msg = pb.FlaxMultiHeadDotProductAttention(
             num_heads=int(self.num_heads), dropout_rate=float(self.dropout_rate), use_bias=self.use_bias,
-            broadcast_dropout=self.broadcast_dropout, dtype=_dtype_wire(self.dtype, "MultiHeadDotProductAttention.dtype"),
-            param_dtype=_dtype_wire(self.param_dtype, "MultiHeadDotProductAttention.param_dtype"),
-            precision=_precision(self.precision, "MultiHeadDotProductAttention.precision"))
+            broadcast_dropout=self.broadcast_dropout, **self._wire_fields("dtype", "param_dtype", "precision"))
         if self.qkv_features is not None:
             msg.qkv_features = int(self.qkv_features)
         if self.out_features is not None:
@@ -300,7 +302,7 @@ class Embed(_FlaxModule):
         pb = client_lib.layers_pb2
         return pb.LayerSpec(flax_embed=pb.FlaxEmbed(
             num_embeddings=int(self.num_embeddings), features=int(self.features),
-            dtype=_dtype_wire(self.dtype, "Embed.dtype"), param_dtype=_dtype_wire(self.param_dtype, "Embed.param_dtype")))
+            **self._wire_fields("dtype", "param_dtype")))
 
     def output_wire(self, input_wire):
         if input_wire != dtypes.INT32:
