@@ -678,10 +678,16 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
   }
   if (args.elementwise_mask.defined()) {
     RETURN_IF_ERROR(RequireDType(op, "elementwise_mask", &args.elementwise_mask, DType::kBool));
-    RETURN_IF_ERROR(
-        RequireShape(op, "elementwise_mask", args.elementwise_mask, {s.batch, s.q_seq, s.kv_seq}));
+    // Shared over the heads, or one plane per query head.
+    const Shape shared = {s.batch, s.q_seq, s.kv_seq};
+    const Shape per_head = {s.batch, s.q_heads, s.q_seq, s.kv_seq};
+    if (args.elementwise_mask.shape() != shared && args.elementwise_mask.shape() != per_head) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": elementwise_mask has shape ", ShapeString(args.elementwise_mask.shape()),
+          ", want ", ShapeString(shared), " or ", ShapeString(per_head)));
+    }
   }
-  if (args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal) {
+  if (IsPaddingMask(args.mask)) {
     for (const auto& [name, lengths] :
          {std::pair<const char*, const Tensor*>{"q_seqlens", &args.q_seqlens},
           {"kv_seqlens", &args.kv_seqlens}}) {

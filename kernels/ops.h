@@ -76,13 +76,15 @@ struct AttentionArgs {
   // Optional additive bias on the logits (after scaling), float32 [H, Sq, Skv],
   // shared over the batch (T5 relative position bias).
   Tensor bias;
-  // Optional elementwise mask, bool [B, Sq, Skv], true = masked out (TE's
-  // convention), shared over the heads: an arbitrary mask as TE's unfused
-  // softmax applies it. It masks in addition to `mask` (its causality and
-  // lengths): key j is visible to query i iff both allow it.
+  // Optional elementwise mask, true = masked out (TE's convention): bool
+  // [B, Sq, Skv], shared over the heads, or [B, Hq, Sq, Skv], one plane per
+  // query head: an arbitrary mask as TE's unfused softmax applies it (it
+  // broadcasts the mask against the logits [B, Hq, Sq, Skv]). It masks in
+  // addition to `mask` (its causality and lengths): key j is visible to
+  // query i iff both allow it.
   Tensor elementwise_mask;
 };
-// Causal: query i sees keys j <= i. A query row with no visible key outputs 0.
+// A query row with no visible key outputs 0.
 
 // Block-scaled formats, emulated (quantize-dequantize) where not native.
 enum class BlockFormat {
@@ -396,13 +398,20 @@ class Ops {
                                             Tensor* scale_inv) = 0;
   // The end of a step updates every quantizer of a layer: DelayedScalingUpdate
   // for each entry (no scale_inv), with the same results, in one launch on the
-  // GPU. The default calls DelayedScalingUpdate per entry.
+  // GPU. Every entry is checked before any moves. non_finite: null, or [1] f32
+  // on this backend, to which the number of entries whose amax was inf or NaN
+  // (their scale kept, as TE's update keeps it) is added, on the device: a
+  // step reads it back with its other results, no sync of its own. The
+  // default calls DelayedScalingUpdate per entry and reads each window back
+  // to count (host memory on the CPU backend; the CUDA backend counts in its
+  // kernel).
   struct DelayedScalingItem {
     DelayedScalingArgs args;
     Tensor amax_history;  // [L] f32
     Tensor scale;         // [1] f32
   };
-  virtual absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items);
+  virtual absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items,
+                                             Tensor* non_finite);
   // Emulated block scaling: y = dequantize(quantize(x)) with blocks of
   // consecutive elements along the last dimension of x [N, K] (K % block == 0).
   virtual absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x,

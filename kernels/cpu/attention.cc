@@ -62,14 +62,17 @@ absl::StatusOr<std::vector<int64_t>> ReadLengths(const char* op, const char* nam
 }
 
 // Under every mask type the keys visible to query i are a prefix [0, end):
-// padding cuts it at the valid key count, causality at i + 1.
+// padding cuts it at the valid key count, causality at i + 1 + offset (0 top
+// left; bottom right the key count minus the query count, per batch row
+// under padding: ops.h's MaskType).
 class VisibleKeys {
  public:
   static absl::StatusOr<VisibleKeys> Make(const char* op, const AttentionArgs& args,
                                           const AttentionDims& dims) {
     VisibleKeys keys;
-    keys.causal_ = args.mask == MaskType::kCausal || args.mask == MaskType::kPaddingCausal;
-    if (args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal) {
+    keys.causal_ = IsCausalMask(args.mask);
+    keys.bottom_right_ = IsBottomRightMask(args.mask);
+    if (IsPaddingMask(args.mask)) {
       ASSIGN_OR_RETURN(keys.q_valid_,
                        ReadLengths(op, "q_seqlens", args.q_seqlens, dims.batch, dims.q_seq));
       ASSIGN_OR_RETURN(keys.kv_valid_,
@@ -85,11 +88,14 @@ class VisibleKeys {
   int64_t End(int64_t b, int64_t i) const {
     if (i >= q_valid_[b]) return 0;
     const int64_t end = kv_valid_[b];
-    return causal_ ? std::min(end, i + 1) : end;
+    if (!causal_) return end;
+    const int64_t offset = bottom_right_ ? kv_valid_[b] - q_valid_[b] : 0;
+    return std::max<int64_t>(0, std::min(end, i + 1 + offset));
   }
 
  private:
   bool causal_ = false;
+  bool bottom_right_ = false;
   std::vector<int64_t> q_valid_;
   std::vector<int64_t> kv_valid_;
 };
@@ -117,9 +123,13 @@ void RowLogits(const AttentionArgs& args, const AttentionDims& dims,
   logits->resize(static_cast<size_t>(end));
   const float* q_row = &q[dims.QOffset(b, i, h)];
   const int64_t kvh = dims.KvHead(h);
+  // The mask's plane: shared over the heads ([B, Sq, Skv]) or head h's
+  // ([B, Hq, Sq, Skv]).
+  const int64_t plane =
+      args.elementwise_mask.rank() == 4 ? b * dims.q_heads + h : b;
   const bool* masked = args.elementwise_mask.defined()
                            ? args.elementwise_mask.data_as<const bool>() +
-                                 (b * dims.q_seq + i) * dims.kv_seq
+                                 (plane * dims.q_seq + i) * dims.kv_seq
                            : nullptr;
   for (int64_t j = 0; j < end; ++j) {
     if (masked != nullptr && masked[j]) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -48,16 +49,18 @@ const char* MaskName(MaskType mask) {
     case MaskType::kPadding: return "padding";
     case MaskType::kCausal: return "causal";
     case MaskType::kPaddingCausal: return "paddingcausal";
+    case MaskType::kCausalBottomRight: return "causalbottomright";
+    case MaskType::kPaddingCausalBottomRight: return "paddingcausalbottomright";
   }
   return "?";
 }
 
-bool IsPadding(MaskType mask) {
-  return mask == MaskType::kPadding || mask == MaskType::kPaddingCausal;
-}
-bool IsCausal(MaskType mask) {
-  return mask == MaskType::kCausal || mask == MaskType::kPaddingCausal;
-}
+constexpr MaskType kAllMaskTypes[] = {MaskType::kNoMask,
+                                      MaskType::kPadding,
+                                      MaskType::kCausal,
+                                      MaskType::kPaddingCausal,
+                                      MaskType::kCausalBottomRight,
+                                      MaskType::kPaddingCausalBottomRight};
 
 // ---- the float64 reference ----------------------------------------------------
 
@@ -70,14 +73,24 @@ struct Problem {
   uint64_t seed = 0;
   std::vector<int> q_len, kv_len;  // used by the padding masks
   std::vector<double> q, k, v, bias;  // bias empty when absent
-  std::vector<char> element_masked;   // [B, Sq, Skv], true = masked; empty when absent
+  // [B, Sq, Skv] (or [B, Hq, Sq, Skv] with per_head), true = masked; empty when absent.
+  std::vector<char> element_masked;
+  bool per_head = false;
 
   int64_t QIndex(int b, int i, int h, int d) const { return ((int64_t{b} * Sq + i) * Hq + h) * D + d; }
   int64_t KvIndex(int b, int j, int h, int d) const { return ((int64_t{b} * Skv + j) * Hkv + h) * D + d; }
-  bool Visible(int b, int i, int j) const {
-    if (IsPadding(mask) && (i >= q_len[b] || j >= kv_len[b])) return false;
-    if (!element_masked.empty() && element_masked[(int64_t{b} * Sq + i) * Skv + j]) return false;
-    return !IsCausal(mask) || j <= i;
+  // TE's meaning of each mask type, written out: the lengths cut queries and
+  // keys; the causal diagonal is j <= i top-left, and j <= i + (keys -
+  // queries) bottom-right, with the per-batch lengths under padding.
+  bool Visible(int b, int h, int i, int j) const {
+    const bool padding = IsPaddingMask(mask);
+    if (padding && (i >= q_len[b] || j >= kv_len[b])) return false;
+    const int64_t plane = per_head ? int64_t{b} * Hq + h : b;
+    if (!element_masked.empty() && element_masked[(plane * Sq + i) * Skv + j]) return false;
+    if (!IsCausalMask(mask)) return true;
+    int offset = 0;
+    if (IsBottomRightMask(mask)) offset = padding ? kv_len[b] - q_len[b] : Skv - Sq;
+    return j <= i + offset;
   }
 };
 
@@ -103,7 +116,7 @@ Forward ReferenceForward(const Problem& p) {
         std::vector<double> logits(p.Skv, -kInf);
         double max_logit = -kInf;
         for (int j = 0; j < p.Skv; ++j) {
-          if (!p.Visible(b, i, j)) continue;
+          if (!p.Visible(b, h, i, j)) continue;
           double dot = 0.0;
           for (int d = 0; d < p.D; ++d) dot += p.q[p.QIndex(b, i, h, d)] * p.k[p.KvIndex(b, j, kvh, d)];
           logits[j] = p.scale * dot;
@@ -209,13 +222,15 @@ struct Case {
   float rate;
   DType dtype;
   bool elementwise = false;  // an arbitrary elementwise mask on top of the mask type
+  bool per_head = false;     // that mask one plane per query head
 };
 
 std::string CaseName(const Case& c) {
   return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Skv" +
          std::to_string(c.Skv) + "_Hq" + std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) +
          "_D" + std::to_string(c.D) + "_" + MaskName(c.mask) + (c.bias ? "_bias" : "") +
-         (c.rate > 0 ? "_dropout" : "") + (c.elementwise ? "_elementwise" : "") + "_" +
+         (c.rate > 0 ? "_dropout" : "") + (c.elementwise ? "_elementwise" : "") +
+         (c.per_head ? "_perhead" : "") + "_" +
          DTypeName(c.dtype);
 }
 
@@ -276,7 +291,7 @@ Inputs MakeInputs(CpuOps* ops, const Case& c, uint32_t seed) {
   p.scale = s.args.scale;  // the reference uses the float the op gets
   s.args.dropout_rate = c.rate;
   s.args.dropout_seed = p.seed;
-  if (IsPadding(c.mask)) {
+  if (IsPaddingMask(c.mask)) {
     s.args.q_seqlens = MakeLengths(ops, p.q_len);
     s.args.kv_seqlens = MakeLengths(ops, p.kv_len);
   }
@@ -284,12 +299,15 @@ Inputs MakeInputs(CpuOps* ops, const Case& c, uint32_t seed) {
     // About a third of the scores masked at random, and query row 1 of batch
     // 0 fully masked (it must output zeros with lse = +inf).
     std::bernoulli_distribution masked(0.35);
-    p.element_masked.resize(static_cast<size_t>(c.B) * c.Sq * c.Skv);
+    const int planes = c.per_head ? c.B * c.Hq : c.B;
+    p.per_head = c.per_head;
+    p.element_masked.resize(static_cast<size_t>(planes) * c.Sq * c.Skv);
     for (size_t n = 0; n < p.element_masked.size(); ++n) {
       const bool full_row = c.Sq > 1 && static_cast<int64_t>(n) / c.Skv == 1;
       p.element_masked[n] = full_row || masked(rng);
     }
-    s.args.elementwise_mask = ops->Allocate(DType::kBool, {c.B, c.Sq, c.Skv}).value();
+    const Shape mask_shape = c.per_head ? Shape{c.B, c.Hq, c.Sq, c.Skv} : Shape{c.B, c.Sq, c.Skv};
+    s.args.elementwise_mask = ops->Allocate(DType::kBool, mask_shape).value();
     for (size_t n = 0; n < p.element_masked.size(); ++n) {
       s.args.elementwise_mask.data_as<bool>()[n] = p.element_masked[n] != 0;
     }
@@ -368,8 +386,7 @@ std::vector<Case> MatrixCases() {
   };
   std::vector<Case> cases;
   for (const Dims& d : shapes) {
-    for (MaskType mask : {MaskType::kNoMask, MaskType::kPadding, MaskType::kCausal,
-                          MaskType::kPaddingCausal}) {
+    for (MaskType mask : kAllMaskTypes) {
       for (bool bias : {false, true}) {
         for (float rate : {0.0f, 0.3f}) {
           for (DType dtype : {DType::kF32, DType::kBF16}) {
@@ -382,10 +399,13 @@ std::vector<Case> MatrixCases() {
   // An arbitrary elementwise mask under every mask type (TE's unfused softmax
   // applies the mask it is given elementwise).
   for (const Dims& d : shapes) {
-    for (MaskType mask : {MaskType::kNoMask, MaskType::kPadding, MaskType::kCausal,
-                          MaskType::kPaddingCausal}) {
+    for (MaskType mask : kAllMaskTypes) {
       cases.push_back({d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, mask, true, 0.3f, DType::kF32, true});
       cases.push_back({d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, mask, false, 0.0f, DType::kBF16, true});
+      // One mask plane per query head (TE's unfused softmax broadcasts a
+      // [B, H, Sq, Skv] mask against the logits).
+      cases.push_back(
+          {d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, mask, true, 0.3f, DType::kF32, true, true});
     }
   }
   // Larger: many keys per row, longer dot products.
@@ -431,8 +451,7 @@ TEST_P(AttentionGradientTest, MatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, AttentionGradientTest,
-                         ::testing::Values(MaskType::kNoMask, MaskType::kPadding,
-                                           MaskType::kCausal, MaskType::kPaddingCausal),
+                         ::testing::ValuesIn(kAllMaskTypes),
                          [](const ::testing::TestParamInfo<MaskType>& info) {
                            return std::string(MaskName(info.param));
                          });
@@ -452,7 +471,7 @@ TEST(AttentionTest, ElementwiseMaskGradientsMatchFiniteDifferences) {
   }
 }
 
-// The elementwise mask must be bool [B, Sq, Skv].
+// The elementwise mask must be bool [B, Sq, Skv] or [B, Hq, Sq, Skv].
 TEST(AttentionTest, RejectsElementwiseMaskOfWrongShapeOrDtype) {
   const Case c = {2, 4, 5, 2, 1, 4, MaskType::kNoMask, false, 0.0f, DType::kF32};
   CpuOps ops;
@@ -463,9 +482,33 @@ TEST(AttentionTest, RejectsElementwiseMaskOfWrongShapeOrDtype) {
   absl::Status st = ops.AttentionForward(s.args, s.q, s.k, s.v, &out, &lse);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
   EXPECT_NE(st.message().find("elementwise_mask"), std::string::npos) << st;
+  s.args.elementwise_mask = ops.Allocate(DType::kBool, {2, 1, 4, 5}).value();  // 1 of 2 heads
+  st = ops.AttentionForward(s.args, s.q, s.k, s.v, &out, &lse);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_NE(st.message().find("[2, 2, 4, 5]"), std::string::npos) << st;
   s.args.elementwise_mask = ops.Allocate(DType::kI32, {2, 4, 5}).value();
   st = ops.AttentionForward(s.args, s.q, s.k, s.v, &out, &lse);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+}
+
+// Bottom-right is top-left where there are as many keys as queries (TE: "self
+// attention with Sq == Skv"), and differs where there are not.
+TEST(AttentionTest, BottomRightEqualsCausalOnlyForSquareScores) {
+  CpuOps ops;
+  for (const auto& [sq, skv, equal] : {std::tuple<int, int, bool>{6, 6, true},
+                                       std::tuple<int, int, bool>{4, 9, false},
+                                       std::tuple<int, int, bool>{9, 4, false}}) {
+    Case c = {2, sq, skv, 2, 2, 8, MaskType::kCausal, false, 0.0f, DType::kF32};
+    Inputs s = MakeInputs(&ops, c, 41);
+    Tensor top_left = ops.Allocate(DType::kF32, s.q.shape()).value();
+    Tensor bottom_right = ops.Allocate(DType::kF32, s.q.shape()).value();
+    Tensor lse = ops.Allocate(DType::kF32, {2, 2, sq}).value();
+    ASSERT_TRUE(ops.AttentionForward(s.args, s.q, s.k, s.v, &top_left, &lse).ok());
+    s.args.mask = MaskType::kCausalBottomRight;
+    ASSERT_TRUE(ops.AttentionForward(s.args, s.q, s.k, s.v, &bottom_right, &lse).ok());
+    const std::vector<float> a = ToFloatVector(top_left), b = ToFloatVector(bottom_right);
+    EXPECT_EQ(a == b, equal) << sq << " queries, " << skv << " keys";
+  }
 }
 
 // ---- properties the reference cannot vouch for by itself -----------------------------

@@ -46,12 +46,10 @@ const char* MaskName(MaskType mask) {
     case MaskType::kPadding: return "padding";
     case MaskType::kCausal: return "causal";
     case MaskType::kPaddingCausal: return "padding_causal";
+    case MaskType::kCausalBottomRight: return "causal_bottom_right";
+    case MaskType::kPaddingCausalBottomRight: return "padding_causal_bottom_right";
   }
   return "?";
-}
-
-bool HasPadding(MaskType mask) {
-  return mask == MaskType::kPadding || mask == MaskType::kPaddingCausal;
 }
 
 // The configuration as the fallback log names it. `direction`: "forward",
@@ -182,12 +180,14 @@ AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& sh
   p.k_dtype = k.dtype();
   p.v_dtype = v.dtype();
   p.bias = args.bias.data_as<const float>();  // null when absent
-  if (HasPadding(args.mask)) {
+  if (IsPaddingMask(args.mask)) {
     p.q_seqlens = args.q_seqlens.data_as<const int32_t>();
     p.kv_seqlens = args.kv_seqlens.data_as<const int32_t>();
   }
   p.mask = args.elementwise_mask.data_as<const bool>();  // null when absent
-  p.causal = args.mask == MaskType::kCausal || args.mask == MaskType::kPaddingCausal;
+  p.mask_per_head = args.elementwise_mask.rank() == 4;
+  p.causal = IsCausalMask(args.mask);
+  p.bottom_right = IsBottomRightMask(args.mask);
   p.scale = args.scale;
   p.dropout_rate = args.dropout_rate;
   p.dropout_seed = args.dropout_seed;

@@ -57,7 +57,19 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
   if (ops.context().properties.major < 8) {
     return absl::UnimplementedError("fused attention needs compute capability 8.0 or newer");
   }
-  const bool padding = args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal;
+  // The graphs' causal mask is top-left aligned. Bottom-right equals it where
+  // there are as many keys as queries and no per-batch lengths move the
+  // diagonal (TE's own cuDNN path makes the same substitution); otherwise
+  // these types run unfused.
+  if (IsBottomRightMask(args.mask) &&
+      (args.mask == MaskType::kPaddingCausalBottomRight || s.q_seq != s.kv_seq)) {
+    return absl::UnimplementedError(
+        absl::StrCat("a bottom-right causal mask with ", s.q_seq, " queries and ", s.kv_seq,
+                     " keys", args.mask == MaskType::kPaddingCausalBottomRight
+                                  ? " and per-batch lengths"
+                                  : ""));
+  }
+  const bool padding = IsPaddingMask(args.mask);
   if (args.bias.data() != nullptr && padding) {
     return absl::UnimplementedError("cuDNN has no dBias with a padding mask");
   }
@@ -110,8 +122,9 @@ PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionS
   c.dtype = qkv.dtype;
   c.q_token_stride = qkv.q_token_stride;
   c.kv_token_stride = qkv.kv_token_stride;
-  c.padding = args.mask == MaskType::kPadding || args.mask == MaskType::kPaddingCausal;
-  c.causal = args.mask == MaskType::kCausal || args.mask == MaskType::kPaddingCausal;
+  c.padding = IsPaddingMask(args.mask);
+  // Supported() lets through only a bottom-right mask that is top-left.
+  c.causal = IsCausalMask(args.mask);
   c.bias = args.bias.data() != nullptr;
   c.dropout = args.dropout_rate;
   return c;

@@ -1,7 +1,8 @@
 // Unfused attention: correct for every configuration ops.h allows (f32 / f16 /
-// bf16 operands, an f32 bias, any mask, GQA, dropout by DropoutUniform with
-// ops.h's element index), so the backend is complete wherever cuDNN's fused
-// kernels decline. Written for clarity: one thread block per query row
+// bf16 operands, an f32 bias, every mask type, top-left or bottom-right
+// causal, an elementwise mask shared over the heads or per head, GQA,
+// dropout by DropoutUniform with ops.h's element index), so the backend is
+// complete wherever cuDNN's fused kernels decline. Written for clarity: one thread block per query row
 // (forward, dq) or per key row (dk, dv), keys/queries visited in tiles of
 // kTile, each dot product done by one warp with its lanes across head_dim
 // (coalesced), each tile's weights applied by all threads across head_dim.
@@ -40,12 +41,24 @@ __device__ __forceinline__ int64_t ClampedLength(const int32_t* lengths, int64_t
   return len < 0 ? 0 : (len > max ? max : len);
 }
 
+// Where batch b's causal diagonal lies: key j is visible to query i iff
+// j <= i + offset; 0 top-left, the key count minus the query count
+// bottom-right (ops.h's MaskType).
+__device__ __forceinline__ int64_t DiagonalOffset(const AttentionProblem& p, int64_t b) {
+  if (!p.bottom_right) return 0;
+  return ClampedLength(p.kv_seqlens, b, p.shape.kv_seq) -
+         ClampedLength(p.q_seqlens, b, p.shape.q_seq);
+}
+
 // One past the last key query i of batch b sees (the visible keys are always
 // a prefix); 0 when it sees none.
 __device__ __forceinline__ int64_t VisibleEnd(const AttentionProblem& p, int64_t b, int64_t i) {
   if (i >= ClampedLength(p.q_seqlens, b, p.shape.q_seq)) return 0;
   int64_t end = ClampedLength(p.kv_seqlens, b, p.shape.kv_seq);
-  if (p.causal && i + 1 < end) end = i + 1;
+  if (p.causal) {
+    const int64_t diagonal_end = i + 1 + DiagonalOffset(p, b);
+    if (diagonal_end < end) end = diagonal_end < 0 ? 0 : diagonal_end;
+  }
   return end;
 }
 
@@ -88,10 +101,40 @@ __device__ __forceinline__ int64_t KvOffset(const AttentionShape& s, int64_t b, 
   return ((b * s.kv_seq + j) * s.kv_heads + kvh) * s.head_dim;
 }
 
-// Whether the elementwise mask masks key j for query i of batch b.
-__device__ __forceinline__ bool ElementMasked(const AttentionProblem& p, int64_t b, int64_t i,
-                                              int64_t j) {
-  return p.mask != nullptr && p.mask[(b * p.shape.q_seq + i) * p.shape.kv_seq + j];
+// Whether the elementwise mask masks key j for query i of batch b, head h.
+__device__ __forceinline__ bool ElementMasked(const AttentionProblem& p, int64_t b, int64_t h,
+                                              int64_t i, int64_t j) {
+  if (p.mask == nullptr) return false;
+  const int64_t plane = p.mask_per_head ? b * p.shape.q_heads + h : b;
+  return p.mask[(plane * p.shape.q_seq + i) * p.shape.kv_seq + j];
+}
+
+// acc[c] += sum over jj < n of weights[jj] * x[b, t0 + jj, kvh, d], for this
+// thread's elements d = tid + c * kThreads of the head (x: k or v).
+__device__ __forceinline__ void AccumulateWeightedRows(float (&acc)[kMaxDPerThread],
+                                                       const float* weights, int n,
+                                                       const void* x, DType x_dtype,
+                                                       const AttentionShape& s, int64_t b,
+                                                       int64_t t0, int64_t kvh, int tid) {
+#pragma unroll
+  for (int c = 0; c < kMaxDPerThread; ++c) {
+    const int64_t d = tid + c * kThreads;
+    if (d >= s.head_dim) break;
+    for (int jj = 0; jj < n; ++jj) {
+      acc[c] += weights[jj] * LoadElem(x, x_dtype, KvOffset(s, b, t0 + jj, kvh) + d);
+    }
+  }
+}
+
+// dst[offset + d] = acc[c] for this thread's elements d of the head.
+__device__ __forceinline__ void StoreHeadRow(void* dst, DType dst_dtype, int64_t offset,
+                                             const float (&acc)[kMaxDPerThread],
+                                             int64_t head_dim, int tid) {
+#pragma unroll
+  for (int c = 0; c < kMaxDPerThread; ++c) {
+    const int64_t d = tid + c * kThreads;
+    if (d < head_dim) StoreElem(dst, dst_dtype, offset + d, acc[c]);
+  }
 }
 
 // scale * q_row . k[b, j, kvh] + bias[h, i, j], or -inf where the elementwise
@@ -101,7 +144,7 @@ __device__ __forceinline__ float Logit(const AttentionProblem& p, const float* q
   const AttentionShape& s = p.shape;
   float logit = p.scale * WarpDot(q_row, p.k, p.k_dtype, KvOffset(s, b, j, kvh), s.head_dim, lane);
   if (p.bias != nullptr) logit += p.bias[(h * s.q_seq + i) * s.kv_seq + j];
-  return ElementMasked(p, b, i, j) ? -INFINITY : logit;
+  return ElementMasked(p, b, h, i, j) ? -INFINITY : logit;
 }
 
 // One block per query row r = (b*Hq + h)*Sq + i. Pass 1: running max and sum
@@ -172,22 +215,11 @@ __global__ void __launch_bounds__(kThreads)
         if (lane == 0) weights[jj] = expf(logit - lse) * DropoutMultiplier(p, row, t0 + jj);
       }
       __syncthreads();
-#pragma unroll
-      for (int c = 0; c < kMaxDPerThread; ++c) {
-        const int64_t d = tid + c * kThreads;
-        if (d >= s.head_dim) break;
-        for (int jj = 0; jj < n; ++jj) {
-          acc[c] += weights[jj] * LoadElem(p.v, p.v_dtype, KvOffset(s, b, t0 + jj, kvh) + d);
-        }
-      }
+      AccumulateWeightedRows(acc, weights, n, p.v, p.v_dtype, s, b, t0, kvh, tid);
       __syncthreads();
     }
   }
-#pragma unroll
-  for (int c = 0; c < kMaxDPerThread; ++c) {
-    const int64_t d = tid + c * kThreads;
-    if (d < s.head_dim) StoreElem(out, out_dtype, q_offset + d, acc[c]);
-  }
+  StoreHeadRow(out, out_dtype, q_offset, acc, s.head_dim, tid);
   if (tid == 0) lse_out[row] = lse;
 }
 
@@ -261,21 +293,10 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
-#pragma unroll
-    for (int c = 0; c < kMaxDPerThread; ++c) {
-      const int64_t d = tid + c * kThreads;
-      if (d >= s.head_dim) break;
-      for (int jj = 0; jj < n; ++jj) {
-        acc[c] += tile[jj] * LoadElem(p.k, p.k_dtype, KvOffset(s, b, t0 + jj, kvh) + d);
-      }
-    }
+    AccumulateWeightedRows(acc, tile, n, p.k, p.k_dtype, s, b, t0, kvh, tid);
     __syncthreads();
   }
-#pragma unroll
-  for (int c = 0; c < kMaxDPerThread; ++c) {
-    const int64_t d = tid + c * kThreads;
-    if (d < s.head_dim) StoreElem(dq, dq_dtype, q_offset + d, acc[c]);
-  }
+  StoreHeadRow(dq, dq_dtype, q_offset, acc, s.head_dim, tid);
   if (tid == 0) row_dot_out[row] = row_dot;
 }
 
@@ -305,6 +326,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t kv_offset = KvOffset(s, b, j, kvh);
   const bool key_valid = j < ClampedLength(p.kv_seqlens, b, s.kv_seq);
   const int64_t q_valid = ClampedLength(p.q_seqlens, b, s.q_seq);
+  // Rows that see key j: i < q_valid, and i >= j - offset under a causal mask.
+  int64_t first_row = 0;
+  if (p.causal) {
+    first_row = j - DiagonalOffset(p, b);
+    if (first_row < 0) first_row = 0;
+  }
 
   for (int64_t d = tid; d < s.head_dim; d += kThreads) {
     k_row[d] = LoadElem(p.k, p.k_dtype, kv_offset + d);
@@ -320,8 +347,7 @@ __global__ void __launch_bounds__(kThreads)
   if (key_valid) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = kvh * group + g;
-      // Rows that see key j: i < q_valid, and i >= j under the causal mask.
-      for (int64_t t0 = p.causal ? j : 0; t0 < q_valid; t0 += kTile) {
+      for (int64_t t0 = first_row; t0 < q_valid; t0 += kTile) {
         const int n = static_cast<int>(q_valid - t0 < kTile ? q_valid - t0 : kTile);
         for (int ii = warp; ii < n; ii += kWarps) {
           const int64_t i = t0 + ii;
@@ -333,7 +359,7 @@ __global__ void __launch_bounds__(kThreads)
             const int64_t q_offset = QOffset(s, b, i, h);
             float logit = p.scale * WarpDot(k_row, p.q, p.q_dtype, q_offset, s.head_dim, lane);
             if (p.bias != nullptr) logit += p.bias[(h * s.q_seq + i) * s.kv_seq + j];
-            if (ElementMasked(p, b, i, j)) logit = -INFINITY;
+            if (ElementMasked(p, b, h, i, j)) logit = -INFINITY;
             const float prob = expf(logit - lse);
             const float multiplier = DropoutMultiplier(p, row, j);
             const float dprob =
@@ -361,13 +387,8 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-#pragma unroll
-  for (int c = 0; c < kMaxDPerThread; ++c) {
-    const int64_t d = tid + c * kThreads;
-    if (d >= s.head_dim) break;
-    StoreElem(dk, dk_dtype, kv_offset + d, acc_dk[c]);
-    StoreElem(dv, dv_dtype, kv_offset + d, acc_dv[c]);
-  }
+  StoreHeadRow(dk, dk_dtype, kv_offset, acc_dk, s.head_dim, tid);
+  StoreHeadRow(dv, dv_dtype, kv_offset, acc_dv, s.head_dim, tid);
 }
 
 // Rows with no visible key: out = 0, lse = +inf. One thread per row.

@@ -46,11 +46,17 @@ struct AttentionProblem {
   const float* bias = nullptr;        // [Hq, Sq, Skv] or null
   const int32_t* q_seqlens = nullptr;  // null: every row valid
   const int32_t* kv_seqlens = nullptr;
-  // AttentionArgs::elementwise_mask: bool [B, Sq, Skv], true = masked out, or
-  // null. Only the general fallback reads it (cuDNN and the small-head
-  // kernels decline such a call).
+  // AttentionArgs::elementwise_mask: bool [B, Sq, Skv] (mask_per_head
+  // false) or [B, Hq, Sq, Skv] (true), true = masked out, or null. Only the
+  // general fallback reads it (cuDNN and the small-head kernels decline such
+  // a call).
   const bool* mask = nullptr;
+  bool mask_per_head = false;
   bool causal = false;
+  // With causal: the diagonal is bottom-right aligned (key j visible to query
+  // i iff j <= i + kv_len - q_len, the lengths per batch row where padding
+  // lengths are given, else Skv and Sq). Only the general fallback reads it.
+  bool bottom_right = false;
   float scale = 1.0f;
   float dropout_rate = 0.0f;
   uint64_t dropout_seed = 0;
@@ -89,9 +95,10 @@ constexpr int64_t kSmallHeadMaxHeadDim = 32;
 
 // Whether the small-head kernels compute this call: head_dim <= 32, no bias
 // (a [Hq, Sq, Skv] bias and its dbias would make them memory-bound; the
-// general fallback keeps them) and no elementwise mask (their tiles assume
-// each row's visible keys are a prefix). Every dtype, mask type, GQA and
-// dropout is covered.
+// general fallback keeps them), no elementwise mask (their tiles assume
+// each row's visible keys are a prefix) and a top-left causal diagonal if
+// any (their diagonal tiles assume it). Every dtype, GQA and dropout is
+// covered.
 bool SmallHeadAttentionFits(const AttentionProblem& problem);
 
 // The same results as FallbackAttentionForward (within float32 rounding).

@@ -552,8 +552,8 @@ unsigned Blocks(int64_t heads, int64_t tiles) { return static_cast<unsigned>(hea
 
 bool SmallHeadAttentionFits(const AttentionProblem& problem) {
   const AttentionShape& s = problem.shape;
-  if (problem.bias != nullptr || problem.mask != nullptr || s.head_dim < 1 ||
-      s.head_dim > kSmallHeadMaxHeadDim) {
+  if (problem.bias != nullptr || problem.mask != nullptr || problem.bottom_right ||
+      s.head_dim < 1 || s.head_dim > kSmallHeadMaxHeadDim) {
     return false;
   }
   // The grids are 1-D: (batch * heads) x row tiles blocks.
