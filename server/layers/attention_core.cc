@@ -11,8 +11,10 @@
 namespace te::layers {
 namespace {
 
-bool HasPadding(MaskType mask) {
-  return mask == MaskType::kPadding || mask == MaskType::kPaddingCausal;
+// The mask types that read the request's mask (TE: every type but no_mask
+// and causal).
+bool ReadsMask(MaskType mask) {
+  return IsPaddingMask(mask) || mask == MaskType::kCausalBottomRight;
 }
 
 absl::Status CheckBshd(const Tensor& t, const char* name, int64_t batch, int64_t heads,
@@ -47,6 +49,50 @@ absl::StatusOr<Tensor> ResolveLengths(Ops& ops, const Tensor& given, const char*
   return full;
 }
 
+// The mask's lengths given as an elementwise mask: bool [B, Sq, Skv], true
+// past q_len[b] or kv_len[b]. For a type that reads a mask but no lengths
+// (causal_bottom_right) when the mask came as exactly a padding pattern.
+absl::StatusOr<Tensor> PaddingAsElementwise(Ops& ops, const Tensor& q_lens, const Tensor& kv_lens,
+                                            int64_t batch, int64_t q_len, int64_t kv_len) {
+  std::vector<int32_t> q(static_cast<size_t>(batch)), kv(static_cast<size_t>(batch));
+  RETURN_IF_ERROR(ops.Download(q_lens, q.data()));
+  RETURN_IF_ERROR(ops.Download(kv_lens, kv.data()));
+  std::vector<uint8_t> host(static_cast<size_t>(batch * q_len * kv_len));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < q_len; ++i) {
+      for (int64_t j = 0; j < kv_len; ++j) {
+        host[(b * q_len + i) * kv_len + j] = i >= q[b] || j >= kv[b] ? 1 : 0;
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(Tensor mask, ops.Allocate(DType::kBool, {batch, q_len, kv_len}));
+  RETURN_IF_ERROR(ops.Upload(host.data(), &mask));
+  return mask;
+}
+
+// The elementwise mask as the op takes it: shared over the heads, or one
+// plane per query head (TE broadcasts a mask against its logits [B, Hq, Sq,
+// Skv], so a per-head mask has Hq heads, GQA included).
+absl::Status CheckElementwise(const Tensor& mask, int num_heads, int64_t batch, int64_t q_len,
+                              int64_t kv_len) {
+  if (mask.dtype() == DType::kBool && mask.rank() == 4 && mask.dim(0) == batch &&
+      mask.dim(2) == q_len && mask.dim(3) == kv_len && mask.dim(1) != num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention_mask: a mask of ", mask.dim(1), " heads for ", num_heads,
+        " attention heads; TE broadcasts the mask against the logits [batch, ", num_heads,
+        ", q_len, kv_len]: [", batch, " or 1, ", num_heads, " or 1, ", q_len, " or 1, ", kv_len,
+        " or 1]"));
+  }
+  const Shape shared = {batch, q_len, kv_len};
+  const Shape per_head = {batch, num_heads, q_len, kv_len};
+  if (mask.dtype() != DType::kBool || (mask.shape() != shared && mask.shape() != per_head)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention mask must be bool ", ShapeString(shared), " or ", ShapeString(per_head),
+        " elementwise; got ", DTypeName(mask.dtype()), " ", ShapeString(mask.shape())));
+  }
+  return absl::OkStatus();
+}
+
 // The op's arguments for one call: mask, scale, dropout (when active), the
 // padding lengths resolved, and the bias checked against [Hq, Sq, Skv].
 absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& config,
@@ -58,33 +104,50 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
   args.scale = config.scale;
   args.dropout_rate = dropout_active ? config.dropout_rate : 0.0f;
   args.dropout_seed = dropout_seed;
-  if (HasPadding(config.mask)) {
-    // The lengths say it all for a padding pattern, and for padding | causal
-    // under padding_causal; any other mask goes elementwise (SeqLens above).
+  if (ReadsMask(config.mask)) {
+    RETURN_IF_ERROR(seqlens.error);
     const bool has_lengths = seqlens.q.defined() && seqlens.q.numel() > 0;
-    const bool lengths_fit =
-        has_lengths && (!seqlens.with_causal || config.mask == MaskType::kPaddingCausal);
     const bool has_elementwise = seqlens.elementwise.defined() && seqlens.elementwise.numel() > 0;
-    if (!lengths_fit && has_elementwise) {
-      const Shape want = {batch, q_len, kv_len};
-      if (seqlens.elementwise.dtype() != DType::kBool || seqlens.elementwise.shape() != want) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention mask must be bool ", ShapeString(want), " elementwise; got ",
-            DTypeName(seqlens.elementwise.dtype()), " ", ShapeString(seqlens.elementwise.shape())));
+    if (has_elementwise) {
+      RETURN_IF_ERROR(
+          CheckElementwise(seqlens.elementwise, config.num_heads, batch, q_len, kv_len));
+    }
+    // What the lengths are: exactly the mask (a padding pattern), exactly it
+    // with the causal triangle, or (an arbitrary mask) its extents.
+    const bool exact_padding = has_lengths && !has_elementwise;
+    const bool exact_padding_causal = has_lengths && has_elementwise && seqlens.with_causal;
+    const Tensor kv_given = seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
+                            : q_len == kv_len                             ? seqlens.q
+                                                                          : Tensor();
+    // The lengths say it all for a padding pattern, and for padding | causal
+    // under padding_causal; the bottom-right padding type aligns its diagonal
+    // with the lengths whatever the mask; any other mask goes elementwise
+    // (SeqLens above).
+    bool use_lengths = false, use_elementwise = has_elementwise;
+    switch (config.mask) {
+      case MaskType::kPadding: use_lengths = exact_padding; break;
+      case MaskType::kPaddingCausal:
+        use_lengths = exact_padding || exact_padding_causal;
+        use_elementwise = has_elementwise && !exact_padding_causal;
+        break;
+      case MaskType::kPaddingCausalBottomRight: use_lengths = has_lengths; break;
+      default: break;  // causal_bottom_right: no lengths
+    }
+    if (use_elementwise) args.elementwise_mask = seqlens.elementwise;
+    if (config.mask == MaskType::kCausalBottomRight) {
+      if (exact_padding) {
+        if (!kv_given.defined()) {
+          return absl::InvalidArgumentError("kv_seqlens must be given for q_len != kv_len");
+        }
+        ASSIGN_OR_RETURN(args.elementwise_mask,
+                         PaddingAsElementwise(ops, seqlens.q, kv_given, batch, q_len, kv_len));
       }
-      args.elementwise_mask = seqlens.elementwise;
-      ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, Tensor(), "q_seqlens", batch, q_len));
-      ASSIGN_OR_RETURN(args.kv_seqlens,
-                       ResolveLengths(ops, Tensor(), "kv_seqlens", batch, kv_len));
     } else {
-      const Tensor q_given = lengths_fit ? seqlens.q : Tensor();
-      const Tensor kv_given = !lengths_fit                                    ? Tensor()
-                              : seqlens.kv.defined() && seqlens.kv.numel() > 0 ? seqlens.kv
-                              : q_len == kv_len                                ? seqlens.q
-                                                                               : Tensor();
-      ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, q_given, "q_seqlens", batch, q_len));
+      const Tensor q_lengths = use_lengths ? seqlens.q : Tensor();
+      const Tensor kv_lengths = use_lengths ? kv_given : Tensor();
+      ASSIGN_OR_RETURN(args.q_seqlens, ResolveLengths(ops, q_lengths, "q_seqlens", batch, q_len));
       ASSIGN_OR_RETURN(args.kv_seqlens,
-                       ResolveLengths(ops, kv_given, "kv_seqlens", batch, kv_len));
+                       ResolveLengths(ops, kv_lengths, "kv_seqlens", batch, kv_len));
     }
   }
   if (bias.defined() && bias.numel() > 0) {
@@ -143,6 +206,8 @@ absl::StatusOr<MaskType> ResolveMaskType(te::v1::AttnMaskType mask, absl::string
     case te::v1::NO_MASK: return MaskType::kNoMask;
     case te::v1::PADDING: return MaskType::kPadding;
     case te::v1::PADDING_CAUSAL: return MaskType::kPaddingCausal;
+    case te::v1::CAUSAL_BOTTOM_RIGHT: return MaskType::kCausalBottomRight;
+    case te::v1::PADDING_CAUSAL_BOTTOM_RIGHT: return MaskType::kPaddingCausalBottomRight;
     default: break;
   }
   return absl::InvalidArgumentError(

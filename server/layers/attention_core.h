@@ -63,10 +63,11 @@ struct AttentionSaved {
 // The request's attention mask for one attention call, as the session
 // decoded it (session/tensor_codec.h, DecodeAttentionMask). Each mask type
 // reads it as TE's DotProductAttention does (transformer.py: the unfused
-// softmax applies the mask it is given; cuDNN's fused path reads the same
-// mask as valid lengths):
-//   no_mask, causal: the mask is ignored (TE: "mask is ignored for no_mask
-//     and causal"); causal masks j > i itself.
+// softmax applies the mask it is given, broadcast against the logits
+// [B, H, Sq, Skv], so per head where it has heads; cuDNN's fused path reads
+// the same mask as valid lengths):
+//   no_mask, causal: the mask is ignored, whatever its shape or dtype (TE:
+//     "mask is ignored for no_mask and causal"); causal masks j > i itself.
 //   padding: the mask as it is, elementwise; through the lengths when it is
 //     exactly a padding pattern.
 //   padding_causal: the mask and causality together (key j visible to query
@@ -74,28 +75,41 @@ struct AttentionSaved {
 //     mask already combined with the causal triangle (TE's tests), or any
 //     other mask all mean what they say; through the lengths when the mask
 //     is a padding (+ causal) pattern.
+//   causal_bottom_right: the mask and the bottom-right diagonal together
+//     (j <= i + Skv - Sq).
+//   padding_causal_bottom_right: the mask and the bottom-right diagonal of
+//     each batch row's actual lengths (j <= i + kv_len[b] - q_len[b], the
+//     lengths the mask's valid region spans, as TE derives them from it).
 // With no mask at all the padding types see every position.
 struct SeqLens {
-  Tensor q;   // valid lengths int32 [B], or undefined
+  // The mask's lengths int32 [B], or undefined without a mask: exactly its
+  // padding pattern's where `elementwise` is undefined, or where
+  // with_causal; else (an arbitrary mask) its extents.
+  Tensor q;
   Tensor kv;  // undefined: same as q (self-attention)
-  // The lengths describe padding | causal (the mask had the causal triangle
-  // in it): a padding_causal call reads them, a padding call reads
+  // The mask is exactly padding | causal of the lengths (it had the causal
+  // triangle in it): a padding_causal call reads them, a padding call reads
   // `elementwise` instead.
   bool with_causal = false;
-  // The mask elementwise, bool [B, Sq, Skv] (true = masked out); defined
-  // unless the mask is exactly a padding pattern.
+  // The mask elementwise, bool [B, Sq, Skv] or [B, H, Sq, Skv] (true =
+  // masked out); defined unless the mask is exactly a padding pattern.
   Tensor elementwise;
+  // Not OK when the request's mask could not be taken (its shape): what a
+  // mask type that reads the mask returns.
+  absl::Status error;
 };
 
 // The mask a layer's inputs carry.
 inline SeqLens MaskOf(const LayerInputs& in) {
-  return SeqLens{in.q_seqlens, in.kv_seqlens, in.seqlens_with_causal, in.elementwise_mask};
+  return SeqLens{in.q_seqlens, in.kv_seqlens, in.seqlens_with_causal, in.elementwise_mask,
+                 in.mask_error};
 }
 
-// Whether the inputs carry a mask at all.
+// Whether the inputs carry a mask at all (one that could not be taken too).
 inline bool HasMask(const LayerInputs& in) {
   return (in.q_seqlens.defined() && in.q_seqlens.numel() > 0) ||
-         (in.elementwise_mask.defined() && in.elementwise_mask.numel() > 0);
+         (in.elementwise_mask.defined() && in.elementwise_mask.numel() > 0) ||
+         !in.mask_error.ok();
 }
 
 // out [B, Sq, Hq, D] = attention(q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]).

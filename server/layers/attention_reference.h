@@ -20,28 +20,25 @@ struct AttentionShape {
   int64_t batch = 0, q_len = 0, kv_len = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
 };
 
-// out [B, Sq, Hq, D] = softmax(scale q.k + bias, masked) v, q [B, Sq, Hq, D],
-// k, v [B, Skv, Hkv, D]; bias [Hq, Sq, Skv] or empty; lengths [B] or empty;
-// masked [B, Sq, Skv] (nonzero = masked out, TE's convention) or empty.
-// A row with no visible key (or a query past its length) is zero.
-inline Vec Attention(const AttentionShape& s, const Vec& q, const Vec& k, const Vec& v,
-                     double scale, bool causal, const std::vector<int>& q_lens,
-                     const std::vector<int>& kv_lens, const Vec& bias = {},
-                     const std::vector<char>& masked = {}) {
+// Whether key j is visible to query i of batch b, query head h.
+using Visibility = std::function<bool(int64_t b, int64_t h, int64_t i, int64_t j)>;
+
+// out [B, Sq, Hq, D] = softmax(scale q.k + bias over the visible keys) v,
+// q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]; bias [Hq, Sq, Skv] or empty.
+// A row with no visible key is zero.
+inline Vec AttentionWhere(const AttentionShape& s, const Vec& q, const Vec& k, const Vec& v,
+                          double scale, const Visibility& visible, const Vec& bias = {}) {
   Vec out(static_cast<size_t>(s.batch * s.q_len * s.q_heads * s.head_dim), 0.0);
   const int64_t group = s.q_heads / s.kv_heads;
   for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t q_valid = q_lens.empty() ? s.q_len : q_lens[b];
-    const int64_t kv_valid = kv_lens.empty() ? s.kv_len : kv_lens[b];
     for (int64_t h = 0; h < s.q_heads; ++h) {
       const int64_t kvh = h / group;
-      for (int64_t i = 0; i < q_valid; ++i) {
+      for (int64_t i = 0; i < s.q_len; ++i) {
         std::vector<double> logits(static_cast<size_t>(s.kv_len),
                                    -std::numeric_limits<double>::infinity());
         double max_logit = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < kv_valid; ++j) {
-          if (causal && j > i) continue;
-          if (!masked.empty() && masked[(b * s.q_len + i) * s.kv_len + j]) continue;
+        for (int64_t j = 0; j < s.kv_len; ++j) {
+          if (!visible(b, h, i, j)) continue;
           double dot = 0.0;
           for (int64_t d = 0; d < s.head_dim; ++d) {
             dot += q[((b * s.q_len + i) * s.q_heads + h) * s.head_dim + d] *
@@ -68,6 +65,22 @@ inline Vec Attention(const AttentionShape& s, const Vec& q, const Vec& k, const 
     }
   }
   return out;
+}
+
+// AttentionWhere with TE's padding and top-left causal masks: lengths [B] or
+// empty; masked [B, Sq, Skv] (nonzero = masked out, TE's convention) or
+// empty. A query past its length is zero.
+inline Vec Attention(const AttentionShape& s, const Vec& q, const Vec& k, const Vec& v,
+                     double scale, bool causal, const std::vector<int>& q_lens,
+                     const std::vector<int>& kv_lens, const Vec& bias = {},
+                     const std::vector<char>& masked = {}) {
+  const Visibility visible = [&](int64_t b, int64_t, int64_t i, int64_t j) {
+    if (!q_lens.empty() && i >= q_lens[b]) return false;
+    if (!kv_lens.empty() && j >= kv_lens[b]) return false;
+    if (causal && j > i) return false;
+    return masked.empty() || !masked[(b * s.q_len + i) * s.kv_len + j];
+  };
+  return AttentionWhere(s, q, k, v, scale, visible, bias);
 }
 
 // y [N, M] = x [N, K] @ w [K, M] (+ bias [M]).

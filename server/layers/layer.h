@@ -72,16 +72,21 @@ struct LayerInputs {
   Tensor x;
   std::vector<Tensor> extra;  // DotProductAttention (bshd_bshd_bshd): k, v
   // The request's attention mask (see DecodeAttentionMask in
-  // server/session/tensor_codec.h and SeqLens in attention_core.h): valid
-  // lengths int32 [B] where it is a padding (+ causal) pattern, undefined
-  // otherwise or when the request had no mask;
+  // server/session/tensor_codec.h and SeqLens in attention_core.h): its
+  // lengths int32 [B] (undefined when the request had no mask): exactly its
+  // padding pattern's where elementwise_mask is undefined, else its extents;
   Tensor q_seqlens;
   Tensor kv_seqlens;
-  // whether those lengths describe padding | causal rather than padding alone;
+  // whether the mask is exactly padding | causal of those lengths;
   bool seqlens_with_causal = false;
-  // and the mask elementwise, bool [B, Sq, Skv] (true = masked out), defined
-  // for a mask that is not exactly a padding pattern.
+  // and the mask elementwise, bool [B, Sq, Skv] or, one plane per head,
+  // [B, H, Sq, Skv] (true = masked out), defined for a mask that is not
+  // exactly a padding pattern.
   Tensor elementwise_mask;
+  // Why the request's mask could not be taken (INVALID_ARGUMENT naming
+  // attention_mask), or OK: the error of every module whose mask type reads a
+  // mask; no_mask and causal modules ignore it, as TE ignores their mask.
+  absl::Status mask_error;
 };
 
 struct LayerOutputs {
@@ -154,6 +159,17 @@ class Layer {
   // amax into `vars`' fp8_metas (DelayedScaling); does not update scales.
   virtual absl::Status Backward(Ops& ops, Variables* vars, const SavedForward& saved,
                                 const Tensor& dy, LayerGrads* grads) const = 0;
+
+  // Backward for a saved forward nobody will read again (a training step's
+  // own): the same results, but the layer may free each kept tensor as soon
+  // as its backward has read it, as JAX frees residuals, so the step holds
+  // less at its peak. `saved` (not null) is gone afterwards, whatever the
+  // outcome. The default runs Backward, then drops it.
+  virtual absl::Status BackwardOnce(Ops& ops, Variables* vars,
+                                    std::unique_ptr<SavedForward> saved, const Tensor& dy,
+                                    LayerGrads* grads) const {
+    return Backward(ops, vars, *saved, dy, grads);
+  }
 };
 
 // Validates `spec` (INVALID_ARGUMENT naming the field, e.g.

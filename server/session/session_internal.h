@@ -61,6 +61,10 @@ struct Session::CheckedInputs {
   CheckedTensor x;
   std::vector<CheckedTensor> extra;
   std::optional<DecodedMask> mask;  // the attention mask, decoded
+  // Why the mask could not be decoded (its shape), or OK. Not an error of the
+  // request yet: no_mask and causal modules ignore any mask, and a module
+  // whose type reads it returns this instead (layers::LayerInputs).
+  absl::Status mask_error;
   Shape y_shape;                   // what the layer will output
   DType y_dtype = DType::kF32;     // and in which dtype (Layer::OutputDType)
 };

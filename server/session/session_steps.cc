@@ -140,20 +140,24 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
     ASSIGN_OR_RETURN(
         CheckedTensor mask,
         CheckTensor(*attention_mask, field, config_.max_tensor_bytes, Resident(), Regions()));
-    // [B (or 1), 1, Sq, Skv]: B and Sq from x, Skv from k when k is given.
+    // Broadcast against [B, heads, Sq, Skv]: B and Sq from x, Skv from k when
+    // k is given. A mask that does not fit is refused only by a module whose
+    // mask type reads it: TE ignores any mask under no_mask and causal.
     const Shape& xs = in.x.shape;
     const Shape& kv = in.extra.empty() ? xs : in.extra[0].shape;
-    if (xs.size() < 2 || kv.size() < 2 || mask.shape.size() != 4 || mask.shape[2] != xs[1] ||
-        mask.shape[3] != kv[1]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".shape: ", ShapeString(mask.shape), " does not fit x ", ShapeString(xs),
-          in.extra.empty() ? "" : absl::StrCat(" and k ", ShapeString(kv)),
-          ": a mask is [batch, 1, q_len, kv_len]"));
+    if (xs.size() < 2 || kv.size() < 2) {
+      in.mask_error = absl::InvalidArgumentError(
+          absl::StrCat(field, ": x ", ShapeString(xs), " has no [batch, seq, ...] to mask"));
+    } else {
+      ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, mask));
+      absl::StatusOr<DecodedMask> decoded =
+          DecodeAttentionMask(bytes, mask.dtype, mask.shape, xs[0], xs[1], kv[1], field);
+      if (decoded.ok()) {
+        in.mask = *std::move(decoded);
+      } else {
+        in.mask_error = decoded.status();
+      }
     }
-    ASSIGN_OR_RETURN(std::string bytes, HostBytes(*ops_, mask));
-    ASSIGN_OR_RETURN(DecodedMask decoded,
-                     DecodeAttentionMask(bytes, mask.dtype, mask.shape, xs[0], field));
-    in.mask = std::move(decoded);
   }
   return in;
 }
@@ -174,30 +178,32 @@ absl::StatusOr<layers::LayerInputs> Session::MaterializeInputs(const CheckedInpu
     ASSIGN_OR_RETURN(Tensor t, Materialize(*ops_, extra));
     in.extra.push_back(std::move(t));
   }
-  if (inputs.mask && inputs.mask->seqlens) {
-    ASSIGN_OR_RETURN(in.q_seqlens, UploadSeqlens(*ops_, inputs.mask->seqlens->q));
-    ASSIGN_OR_RETURN(in.kv_seqlens, UploadSeqlens(*ops_, inputs.mask->seqlens->kv));
-    in.seqlens_with_causal = inputs.mask->with_causal;
-  }
-  if (inputs.mask && !inputs.mask->elementwise.empty()) {
-    const DecodedMask& m = *inputs.mask;
-    ASSIGN_OR_RETURN(in.elementwise_mask, ops_->Allocate(DType::kBool, {m.batch, m.q_len, m.kv_len}));
-    RETURN_IF_ERROR(ops_->Upload(m.elementwise.data(), &in.elementwise_mask));
+  in.mask_error = inputs.mask_error;
+  if (inputs.mask) {
+    ASSIGN_OR_RETURN(MaskTensors mask, UploadMask(*ops_, *inputs.mask));
+    in.q_seqlens = std::move(mask.q_seqlens);
+    in.kv_seqlens = std::move(mask.kv_seqlens);
+    in.seqlens_with_causal = mask.with_causal;
+    in.elementwise_mask = std::move(mask.elementwise);
   }
   return in;
 }
 
-absl::StatusOr<Tensor> Session::VdotOnDevice(const Tensor& y, const Tensor& dy) {
-  ASSIGN_OR_RETURN(Tensor out, ops_->Allocate(DType::kF32, {1, 1}));
-  if (y.dtype() == dy.dtype()) {
-    RETURN_IF_ERROR(ops_->Dot(y, dy, &out));
-    return out;
-  }
+int64_t Fp8NonFiniteAmaxes() { return fp8_non_finite_amaxes.load(); }
+
+absl::Status Session::VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out) {
+  if (y.dtype() == dy.dtype()) return ops_->Dot(y, dy, out);
   // dy sent in another float dtype than y's: both exactly in f32.
   ASSIGN_OR_RETURN(const Tensor y32, layers::CastTo(*ops_, y, DType::kF32));
   ASSIGN_OR_RETURN(const Tensor dy32, layers::CastTo(*ops_, dy, DType::kF32));
-  RETURN_IF_ERROR(ops_->Dot(y32, dy32, &out));
-  return out;
+  return ops_->Dot(y32, dy32, out);
+}
+
+absl::StatusOr<double> Session::ReadStepResult(const Tensor& readback) {
+  float host[2] = {0.0f, 0.0f};
+  RETURN_IF_ERROR(ops_->Download(readback, host));
+  if (readback.numel() == 2) fp8_non_finite_amaxes.fetch_add(static_cast<int64_t>(host[1]));
+  return static_cast<double>(host[0]);
 }
 
 absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,

@@ -192,29 +192,37 @@ std::vector<uint8_t> NonzeroElements(const std::string& bytes, DType dtype, size
   return masked;
 }
 
-// The lengths of one batch row's padding (+ causal) pattern: queries are
-// valid up to the last row with a visible key, keys up to the last key any
-// row sees (TE's fused attention: the max over rows, for causal masks).
-// False when the row is not of that form.
-bool PaddingPattern(const uint8_t* m, int64_t sq, int64_t skv, bool causal, int32_t* q_out,
-                    int32_t* kv_out) {
+// The extent of one batch row's mask planes (m: `planes` planes of
+// [sq, skv]): queries up to the last one that sees a key, keys up to the last
+// one any query sees (TE's fused attention: the max over rows, for causal
+// masks).
+void Extents(const uint8_t* m, int64_t planes, int64_t sq, int64_t skv, int32_t* q_out,
+             int32_t* kv_out) {
   int64_t q_len = 0, kv_len = 0;
-  for (int64_t i = 0; i < sq; ++i) {
-    for (int64_t j = 0; j < skv; ++j) {
-      if (m[i * skv + j] == 0) {
-        q_len = std::max(q_len, i + 1);
-        kv_len = std::max(kv_len, j + 1);
+  for (int64_t p = 0; p < planes; ++p) {
+    for (int64_t i = 0; i < sq; ++i) {
+      for (int64_t j = 0; j < skv; ++j) {
+        if (m[(p * sq + i) * skv + j] == 0) {
+          q_len = std::max(q_len, i + 1);
+          kv_len = std::max(kv_len, j + 1);
+        }
       }
     }
   }
+  *q_out = static_cast<int32_t>(q_len);
+  *kv_out = static_cast<int32_t>(kv_len);
+}
+
+// Whether one plane is exactly the padding pattern of (q_len, kv_len), with
+// the causal triangle j > i masked too when `causal`.
+bool IsPaddingPattern(const uint8_t* m, int64_t sq, int64_t skv, bool causal, int64_t q_len,
+                      int64_t kv_len) {
   for (int64_t i = 0; i < sq; ++i) {
     for (int64_t j = 0; j < skv; ++j) {
       const bool want = i >= q_len || j >= kv_len || (causal && j > i);
       if ((m[i * skv + j] != 0) != want) return false;
     }
   }
-  *q_out = static_cast<int32_t>(q_len);
-  *kv_out = static_cast<int32_t>(kv_len);
   return true;
 }
 
@@ -222,18 +230,25 @@ bool PaddingPattern(const uint8_t* m, int64_t sq, int64_t skv, bool causal, int3
 
 absl::StatusOr<DecodedMask> DecodeAttentionMask(const std::string& mask_bytes, DType dtype,
                                                 const Shape& shape, int64_t batch,
+                                                int64_t q_len, int64_t kv_len,
                                                 const std::string& field) {
-  if (shape.size() != 4 || shape[1] != 1 || (shape[0] != batch && shape[0] != 1)) {
+  // TE combines the mask with the logits [batch, heads, q_len, kv_len] by
+  // broadcasting: each dim is 1 or the logits'. Heads are the layer's to
+  // check.
+  const auto fits = [](int64_t dim, int64_t full) { return dim == 1 || dim == full; };
+  if (shape.size() != 4 || !fits(shape[0], batch) || shape[1] < 1 || !fits(shape[2], q_len) ||
+      !fits(shape[3], kv_len)) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".shape: ", ShapeString(shape),
-        ", a mask is [batch, 1, q_len, kv_len] (batch ", batch, ", or 1 for every row)"));
+        " does not broadcast to the attention logits [batch, heads, q_len, kv_len] = [", batch,
+        ", heads, ", q_len, ", ", kv_len, "]; TE takes [", batch, " or 1, heads or 1, ", q_len,
+        " or 1, ", kv_len, " or 1]"));
   }
-  const int64_t sq = shape[2], skv = shape[3];
-  if (sq > INT32_MAX || skv > INT32_MAX) {
+  if (q_len > INT32_MAX || kv_len > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape: ", ShapeString(shape),
                                                    ": sequence longer than 2^31"));
   }
-  const size_t count = static_cast<size_t>(shape[0] * sq * skv);
+  const size_t count = static_cast<size_t>(shape[0] * shape[1] * shape[2] * shape[3]);
   if (mask_bytes.size() != count * DTypeSize(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", mask_bytes.size(),
                                                    " bytes for ", DTypeName(dtype), " ",
@@ -242,29 +257,62 @@ absl::StatusOr<DecodedMask> DecodeAttentionMask(const std::string& mask_bytes, D
   const std::vector<uint8_t> given = NonzeroElements(mask_bytes, dtype, count);
   DecodedMask out;
   out.batch = batch;
-  out.q_len = sq;
-  out.kv_len = skv;
-  const int64_t plane = sq * skv;
-  auto row_of = [&](int64_t b) { return given.data() + (shape[0] == 1 ? 0 : b) * plane; };
-  // A padding pattern first, else padding | causal, else elementwise.
-  for (bool causal : {false, true}) {
-    Seqlens lens;
-    lens.q.resize(static_cast<size_t>(batch));
-    lens.kv.resize(static_cast<size_t>(batch));
-    bool fits = true;
-    for (int64_t b = 0; b < batch && fits; ++b) {
-      fits = PaddingPattern(row_of(b), sq, skv, causal, &lens.q[b], &lens.kv[b]);
+  out.q_len = q_len;
+  out.kv_len = kv_len;
+  const int64_t heads = shape[1];
+  const int64_t plane = q_len * kv_len;
+
+  // Broadcast to [batch, heads, q_len, kv_len].
+  std::vector<uint8_t> full(static_cast<size_t>(batch * heads * plane));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t gb = shape[0] == 1 ? 0 : b;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint8_t* src = given.data() + (gb * heads + h) * shape[2] * shape[3];
+      uint8_t* dst = full.data() + (b * heads + h) * plane;
+      for (int64_t i = 0; i < q_len; ++i) {
+        const int64_t gi = shape[2] == 1 ? 0 : i;
+        for (int64_t j = 0; j < kv_len; ++j) {
+          dst[i * kv_len + j] = src[gi * shape[3] + (shape[3] == 1 ? 0 : j)];
+        }
+      }
     }
-    if (fits) {
-      out.seqlens = std::move(lens);
-      out.with_causal = causal;
-      break;
+  }
+  // A per-head mask whose heads are all alike is a shared one.
+  bool heads_alike = true;
+  for (int64_t b = 0; b < batch && heads_alike; ++b) {
+    const uint8_t* first = full.data() + b * heads * plane;
+    for (int64_t h = 1; h < heads && heads_alike; ++h) {
+      heads_alike = std::memcmp(first, first + h * plane, static_cast<size_t>(plane)) == 0;
+    }
+  }
+  out.heads = heads_alike ? 1 : heads;
+
+  out.extents.q.resize(static_cast<size_t>(batch));
+  out.extents.kv.resize(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    Extents(full.data() + b * heads * plane, heads, q_len, kv_len, &out.extents.q[b],
+            &out.extents.kv[b]);
+  }
+  // A padding pattern first, else padding | causal, else elementwise.
+  if (out.heads == 1) {
+    for (bool causal : {false, true}) {
+      bool pattern = true;
+      for (int64_t b = 0; b < batch && pattern; ++b) {
+        pattern = IsPaddingPattern(full.data() + b * heads * plane, q_len, kv_len, causal,
+                                   out.extents.q[b], out.extents.kv[b]);
+      }
+      if (pattern) {
+        out.seqlens = out.extents;
+        out.with_causal = causal;
+        break;
+      }
     }
   }
   if (!out.seqlens || out.with_causal) {
-    out.elementwise.resize(static_cast<size_t>(batch * plane));
+    out.elementwise.resize(static_cast<size_t>(batch * out.heads * plane));
     for (int64_t b = 0; b < batch; ++b) {
-      std::memcpy(&out.elementwise[b * plane], row_of(b), static_cast<size_t>(plane));
+      std::memcpy(&out.elementwise[b * out.heads * plane], full.data() + b * heads * plane,
+                  static_cast<size_t>(out.heads * plane));
     }
   }
   return out;
@@ -275,6 +323,21 @@ absl::StatusOr<Tensor> UploadSeqlens(Ops& ops, const std::vector<int32_t>& lengt
                    ops.Allocate(DType::kI32, {static_cast<int64_t>(lengths.size())}));
   if (!lengths.empty()) RETURN_IF_ERROR(ops.Upload(lengths.data(), &tensor));
   return tensor;
+}
+
+absl::StatusOr<MaskTensors> UploadMask(Ops& ops, const DecodedMask& mask) {
+  MaskTensors out;
+  ASSIGN_OR_RETURN(out.q_seqlens, UploadSeqlens(ops, mask.extents.q));
+  ASSIGN_OR_RETURN(out.kv_seqlens, UploadSeqlens(ops, mask.extents.kv));
+  out.with_causal = mask.seqlens.has_value() && mask.with_causal;
+  if (!mask.elementwise.empty()) {
+    const Shape shape = mask.heads == 1
+                            ? Shape{mask.batch, mask.q_len, mask.kv_len}
+                            : Shape{mask.batch, mask.heads, mask.q_len, mask.kv_len};
+    ASSIGN_OR_RETURN(out.elementwise, ops.Allocate(DType::kBool, shape));
+    RETURN_IF_ERROR(ops.Upload(mask.elementwise.data(), &out.elementwise));
+  }
+  return out;
 }
 
 }  // namespace te::session

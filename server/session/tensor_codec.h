@@ -91,36 +91,63 @@ void EncodeResident(const Tensor& tensor, const std::string& resident_id, te::v1
 
 // An attention mask as TE's Flax modules take it (transformer.py,
 // DotProductAttention / MultiHeadAttention / TransformerLayer: "True means
-// mask out"): [batch, 1, q_len, kv_len] (batch 1 broadcasts over the batch),
-// in bool, int32 or a float dtype, any nonzero element masked out (TE's
-// tests send uint8 0/1 (tests/jax/test_layer.py); the clients send such a
-// mask as bool). Decoded once per request, before the layer's mask type is
-// known: each attention module then reads what its type needs
-// (server/layers/attention_core.h, SeqLens).
+// mask out"), in bool, int32 or a float dtype, any nonzero element masked out
+// (TE's tests send uint8 0/1 (tests/jax/test_layer.py); the clients send such
+// a mask as bool). TE's unfused attention combines it with the logits
+// [batch, heads, q_len, kv_len] by broadcasting (module.py Softmax), so the
+// mask is rank 4 with each dim 1 or the logits': [batch or 1, heads or 1,
+// q_len or 1, kv_len or 1]; its heads are checked by the attention module
+// that reads it (the session does not know a layer's heads). Decoded once
+// per request, before the layer's mask types are known: each attention module
+// then reads what its type needs (server/layers/attention_core.h, SeqLens),
+// and no_mask and causal modules never look at it.
 struct Seqlens {
   std::vector<int32_t> q;
   std::vector<int32_t> kv;
 };
 struct DecodedMask {
   int64_t batch = 0, q_len = 0, kv_len = 0;
-  // Set when the mask is exactly a padding pattern (batch b's visible
-  // elements are [0, q[b]) x [0, kv[b])), or that pattern with the causal
-  // triangle j > i masked too (with_causal): cuDNN's fast path.
+  // 1 for a mask shared over the heads (also a per-head mask whose planes
+  // are all equal), else the mask's head count.
+  int64_t heads = 1;
+  // Per batch row: queries up to the last one that sees a key, keys up to the
+  // last one any query (of any head) sees (TE's fused attention: the max over
+  // rows). The per-batch actual lengths a padding_causal_bottom_right module
+  // aligns its diagonal with.
+  Seqlens extents;
+  // Set (to `extents`) when the mask is exactly a padding pattern (batch b's
+  // visible elements are [0, q[b]) x [0, kv[b]) in every head), or that
+  // pattern with the causal triangle j > i masked too (with_causal): cuDNN's
+  // fast path.
   std::optional<Seqlens> seqlens;
   bool with_causal = false;
-  // The mask elementwise, bool bytes [batch, q_len, kv_len] (1 = masked out),
-  // broadcast over the batch; empty when the mask is exactly a padding
-  // pattern (the lengths say it all).
+  // The mask elementwise, bool bytes [batch, heads, q_len, kv_len] (1 =
+  // masked out), broadcast over every dim it had as 1; empty when the mask
+  // is exactly a padding pattern (the lengths say it all).
   std::string elementwise;
 };
-// INVALID_ARGUMENT naming `field` for another rank or shape (".shape") or a
-// byte count that does not fit. `batch` is x's batch size.
+// INVALID_ARGUMENT naming `field` for a shape that does not broadcast to
+// [batch, heads, q_len, kv_len] (".shape", with the shapes TE takes) or a
+// byte count that does not fit. `batch` and `q_len` are x's, `kv_len` k's.
 absl::StatusOr<DecodedMask> DecodeAttentionMask(const std::string& mask_bytes, DType dtype,
                                                 const Shape& shape, int64_t batch,
+                                                int64_t q_len, int64_t kv_len,
                                                 const std::string& field);
 
 // Uploads int32 lengths as an int32 [B] tensor.
 absl::StatusOr<Tensor> UploadSeqlens(Ops& ops, const std::vector<int32_t>& lengths);
+
+// A decoded mask on the device, as the layers take it (layers::LayerInputs):
+// the lengths always (the extents: a padding pattern's lengths, and the
+// actual lengths a bottom-right diagonal aligns with); the mask elementwise,
+// bool [B, Sq, Skv] or [B, H, Sq, Skv], unless it is exactly a padding
+// pattern (then undefined).
+struct MaskTensors {
+  Tensor q_seqlens, kv_seqlens;
+  bool with_causal = false;  // exactly padding | causal of the lengths
+  Tensor elementwise;
+};
+absl::StatusOr<MaskTensors> UploadMask(Ops& ops, const DecodedMask& mask);
 
 }  // namespace te::session
 

@@ -321,7 +321,7 @@ TEST(DecodeAttentionMaskTest, APaddingPatternBecomesLengths) {
       kv.push_back(1 + rng() % skv);
     }
     auto m = DecodeAttentionMask(PaddingMask(q, kv, sq, skv), DType::kBool, {batch, 1, sq, skv},
-                                 batch, "attention_mask");
+                                 batch, sq, skv, "attention_mask");
     ASSERT_TRUE(m.ok()) << m.status();
     ASSERT_TRUE(m->seqlens.has_value());
     EXPECT_FALSE(m->with_causal);
@@ -337,7 +337,7 @@ TEST(DecodeAttentionMaskTest, APaddingPatternBecomesLengths) {
 // lengths for the fast path and elementwise for a padding layer.
 TEST(DecodeAttentionMaskTest, ACausalTriangleIsPaddingCausalLengthsAndElementwise) {
   const std::string triu = WithCausal(PaddingMask({4, 4}, {4, 4}, 4, 4), 2, 4, 4);
-  auto m = DecodeAttentionMask(triu, DType::kBool, {2, 1, 4, 4}, 2, "m");
+  auto m = DecodeAttentionMask(triu, DType::kBool, {2, 1, 4, 4}, 2, 4, 4, "m");
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_TRUE(m->seqlens.has_value());
   EXPECT_TRUE(m->with_causal);
@@ -347,7 +347,7 @@ TEST(DecodeAttentionMaskTest, ACausalTriangleIsPaddingCausalLengthsAndElementwis
 
   // Padding combined with causality (TE's padding_causal masks), per batch row.
   const std::string pc = WithCausal(PaddingMask({3, 2}, {4, 2}, 5, 6), 2, 5, 6);
-  m = DecodeAttentionMask(pc, DType::kBool, {2, 1, 5, 6}, 2, "m");
+  m = DecodeAttentionMask(pc, DType::kBool, {2, 1, 5, 6}, 2, 5, 6, "m");
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_TRUE(m->seqlens.has_value());
   EXPECT_TRUE(m->with_causal);
@@ -361,14 +361,15 @@ TEST(DecodeAttentionMaskTest, AnArbitraryMaskIsElementwise) {
   // _UnfusedDotProductAttention: SCALED_MASKED with the mask as given).
   std::string holed = PaddingMask({3}, {3}, 4, 4);
   holed[1 * 4 + 1] = 1;
-  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 4, 4}, 1, "m");
+  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 4, 4}, 1, 4, 4, "m");
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_FALSE(m->seqlens.has_value());
   EXPECT_EQ(m->elementwise, holed);
 }
 
 TEST(DecodeAttentionMaskTest, AFullyMaskedBatchHasLengthZero) {
-  auto m = DecodeAttentionMask(std::string(2 * 3 * 3, 1), DType::kBool, {2, 1, 3, 3}, 2, "m");
+  auto m =
+      DecodeAttentionMask(std::string(2 * 3 * 3, 1), DType::kBool, {2, 1, 3, 3}, 2, 3, 3, "m");
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_TRUE(m->seqlens.has_value());
   EXPECT_EQ(m->seqlens->q, std::vector<int32_t>({0, 0}));
@@ -390,7 +391,7 @@ TEST(DecodeAttentionMaskTest, IntAndFloatDtypesReadNonzeroAsMasked) {
   }
   for (const auto& [dtype, bytes] : {std::pair<DType, std::string>{DType::kI32, i32},
                                      {DType::kF32, f32}, {DType::kBF16, bf16}}) {
-    auto m = DecodeAttentionMask(bytes, dtype, {1, 1, 3, 4}, 1, "m");
+    auto m = DecodeAttentionMask(bytes, dtype, {1, 1, 3, 4}, 1, 3, 4, "m");
     ASSERT_TRUE(m.ok()) << DTypeName(dtype) << ": " << m.status();
     ASSERT_TRUE(m->seqlens.has_value()) << DTypeName(dtype);
     EXPECT_EQ(Ints(m->seqlens->q), std::vector<int>({2})) << DTypeName(dtype);
@@ -403,25 +404,85 @@ TEST(DecodeAttentionMaskTest, IntAndFloatDtypesReadNonzeroAsMasked) {
 TEST(DecodeAttentionMaskTest, BatchOneBroadcasts) {
   std::string holed = PaddingMask({3}, {3}, 3, 3);
   holed[4] = 1;
-  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 3, 3}, 2, "m");
+  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 3, 3}, 2, 3, 3, "m");
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->elementwise, holed + holed);
 }
 
-TEST(DecodeAttentionMaskTest, RejectsWrongShapeAndSizeNamingTheField) {
+TEST(DecodeAttentionMaskTest, RejectsWhatDoesNotBroadcastNamingTheField) {
   const std::string mask = PaddingMask({2}, {2}, 3, 3);
-  for (const Shape& shape : {Shape{1, 3, 3}, Shape{1, 2, 3, 3}, Shape{3, 1, 3, 3}}) {
-    auto m = DecodeAttentionMask(mask, DType::kBool, shape, 2, "micro_batches[0].attention_mask");
+  // Logits [2, heads, 3, 3]: rank 3, a batch of 3, 2 queries, 0 heads.
+  for (const Shape& shape : {Shape{1, 3, 3}, Shape{3, 1, 3, 3}, Shape{1, 1, 2, 3},
+                             Shape{1, 0, 3, 3}, Shape{1, 1, 1, 3, 3}}) {
+    auto m = DecodeAttentionMask(mask, DType::kBool, shape, 2, 3, 3,
+                                 "micro_batches[0].attention_mask");
     EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << ShapeString(shape);
     EXPECT_EQ(m.status().message().rfind("micro_batches[0].attention_mask.shape", 0), 0u)
         << m.status();
+    // The message says what TE takes.
+    EXPECT_NE(m.status().message().find("[2 or 1, heads or 1, 3 or 1, 3 or 1]"),
+              std::string::npos)
+        << m.status();
   }
-  EXPECT_EQ(DecodeAttentionMask(mask.substr(1), DType::kBool, {1, 1, 3, 3}, 1, "m")
+  EXPECT_EQ(DecodeAttentionMask(mask.substr(1), DType::kBool, {1, 1, 3, 3}, 1, 3, 3, "m")
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(DecodeAttentionMask(mask, DType::kI32, {1, 1, 3, 3}, 1, "m").status().code(),
+  EXPECT_EQ(DecodeAttentionMask(mask, DType::kI32, {1, 1, 3, 3}, 1, 3, 3, "m").status().code(),
             absl::StatusCode::kInvalidArgument);  // 9 bytes are not 9 int32
+}
+
+// TE broadcasts the mask against its logits [b, h, q, k]: a dim of 1 stands
+// for all of it, the query dim too ([B, 1, 1, Skv], a key padding mask).
+TEST(DecodeAttentionMaskTest, DimsOfOneBroadcast) {
+  // Keys 2 and 3 masked for batch 0, key 3 for batch 1, for every query.
+  const std::string keys = {0, 0, 1, 1, 0, 0, 0, 1};
+  auto m = DecodeAttentionMask(keys, DType::kBool, {2, 1, 1, 4}, 2, 3, 4, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->seqlens.has_value());  // exactly padding: lengths (3, 2) and (3, 3)
+  EXPECT_EQ(Ints(m->seqlens->q), std::vector<int>({3, 3}));
+  EXPECT_EQ(Ints(m->seqlens->kv), std::vector<int>({2, 3}));
+  // A query mask [1, 1, Sq, 1]: query 1 sees nothing (an arbitrary mask).
+  m = DecodeAttentionMask(std::string({0, 1, 0}), DType::kBool, {1, 1, 3, 1}, 2, 3, 2, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->seqlens.has_value());
+  EXPECT_EQ(m->elementwise, std::string({0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0}));
+  EXPECT_EQ(Ints(m->extents.q), std::vector<int>({3, 3}));
+  EXPECT_EQ(Ints(m->extents.kv), std::vector<int>({2, 2}));
+}
+
+// A per-head mask [B, H, Sq, Skv] stays per head (TE's unfused softmax
+// broadcasts it against the logits); one whose heads are all alike is a
+// shared mask, and then may be a padding pattern.
+TEST(DecodeAttentionMaskTest, PerHeadMasksKeepTheirHeads) {
+  const std::string head0 = PaddingMask({3}, {2}, 3, 3), head1 = PaddingMask({2}, {3}, 3, 3);
+  auto m = DecodeAttentionMask(head0 + head1, DType::kBool, {1, 2, 3, 3}, 2, 3, 3, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->heads, 2);
+  EXPECT_FALSE(m->seqlens.has_value());
+  EXPECT_EQ(m->elementwise, head0 + head1 + head0 + head1);  // [2, 2, 3, 3]
+  // The extents span every head: queries 3, keys 3.
+  EXPECT_EQ(Ints(m->extents.q), std::vector<int>({3, 3}));
+  EXPECT_EQ(Ints(m->extents.kv), std::vector<int>({3, 3}));
+
+  m = DecodeAttentionMask(head0 + head0 + head0, DType::kBool, {1, 3, 3, 3}, 2, 3, 3, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->heads, 1);
+  ASSERT_TRUE(m->seqlens.has_value());
+  EXPECT_EQ(Ints(m->seqlens->kv), std::vector<int>({2, 2}));
+  EXPECT_TRUE(m->elementwise.empty());
+}
+
+// An arbitrary mask still has extents: the actual lengths TE's
+// padding_causal_bottom_right aligns its diagonal with.
+TEST(DecodeAttentionMaskTest, AnArbitraryMaskHasExtents) {
+  std::string holed = PaddingMask({3}, {2}, 4, 4);
+  holed[0] = 1;  // query 0 loses key 0: not a padding pattern
+  auto m = DecodeAttentionMask(holed, DType::kBool, {1, 1, 4, 4}, 1, 4, 4, "m");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(m->seqlens.has_value());
+  EXPECT_EQ(Ints(m->extents.q), std::vector<int>({3}));
+  EXPECT_EQ(Ints(m->extents.kv), std::vector<int>({2}));
 }
 
 }  // namespace

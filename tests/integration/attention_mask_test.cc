@@ -136,7 +136,56 @@ TEST_F(AttentionMaskTest, ArbitraryMaskToAPaddingLayerAppliesElementwise) {
             kF32Tolerance);
 }
 
-// What TE refuses too is refused: a mask that is not [B, 1, Sq, Skv].
+// TE ignores the mask of a causal or no_mask layer before looking at it: a
+// mask that broadcasts to nothing is taken (and ignored) there, while a
+// padding layer refuses it, and the session is as it was after the refusal.
+TEST_F(AttentionMaskTest, AMaskTENeverReadsIsNotChecked) {
+  te::v1::Tensor odd = Mask(Holes);
+  odd.clear_shape();
+  for (int64_t d : {int64_t{3}, kS}) odd.add_shape(d);  // rank 2, not [B, H, Sq, Skv]
+  odd.set_inline_data(std::string(3 * kS, 1));
+  for (te::v1::AttnMaskType type : {te::v1::CAUSAL, te::v1::NO_MASK}) {
+    const std::string id = Init(type);
+    EXPECT_EQ(MustForward(id, &odd), MustForward(id, nullptr));
+  }
+  const std::string padding = Init(te::v1::PADDING);
+  const std::vector<float> before = MustForward(padding, nullptr);
+  std::vector<float> y;
+  const grpc::Status status = Forward(padding, &odd, &y);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(status);
+  EXPECT_NE(status.error_message().find("attention_mask.shape"), std::string::npos)
+      << Describe(status);
+  EXPECT_EQ(MustForward(padding, nullptr), before);
+}
+
+// A mask per head ([B, H, S, S], TE broadcasts it against the logits) is
+// taken by the layer's attention; its planes differ, so y differs from the
+// same layer given head 0's plane for every head.
+TEST_F(AttentionMaskTest, APerHeadMaskIsTaken) {
+  const std::string id = Init(te::v1::PADDING);
+  te::v1::Tensor per_head;
+  per_head.set_dtype(te::v1::BOOL);
+  for (int64_t d : {kB, int64_t{4}, kS, kS}) per_head.add_shape(d);
+  std::string bytes, head0;
+  for (int64_t b = 0; b < kB; ++b) {
+    for (int64_t h = 0; h < 4; ++h) {
+      for (int64_t i = 0; i < kS; ++i) {
+        for (int64_t j = 0; j < kS; ++j) {
+          const char masked = j != 0 && (h * 5 + i * 3 + j * 7) % 3 == 0;
+          bytes.push_back(masked);
+          if (h == 0) head0.push_back(masked);
+        }
+      }
+    }
+  }
+  per_head.set_inline_data(bytes);
+  te::v1::Tensor shared = Mask(Holes);
+  shared.set_inline_data(head0);
+  EXPECT_GT(RelativeError(MustForward(id, &per_head), MustForward(id, &shared)), 1e-3);
+}
+
+// What TE refuses too is refused: a mask that does not broadcast to the
+// logits [B, H, Sq, Skv].
 TEST_F(AttentionMaskTest, AMaskOfAnotherShapeIsInvalidArgumentNamingTheField) {
   const std::string id = Init(te::v1::PADDING);
   te::v1::Tensor bad = Mask(Holes);
