@@ -1,6 +1,7 @@
 // OptimizerUpdate: optax's elementwise update rules (ops.h) as one kernel per
 // parameter tensor; OptimizerStep: the same rules over every parameter of a
-// layer in three launches (global norm, the step's decision, the update).
+// layer in three launches (global norm, the step's decision, the update),
+// and a fourth where slots carry FP8 copies (their transposes and records).
 //
 // Memory-bound. AdamW reads grad, param, mu, nu and writes param, mu, nu (7
 // accesses per element) and the norm reads grad once more: 8 accesses, so
@@ -8,6 +9,17 @@
 // = 3.2 GB per step, 0.75 ms at 4.3 TB/s (0.66 ms of it the update itself).
 // Per-parameter launches with the norm and count read back to the host took
 // 2.32 ms on the H200.
+//
+// FP8 copies (OptimizerSlot::fp8, the GEMM kernels' kept copies under
+// DelayedScaling): the update writes the row-major codes from the new value
+// it already holds (+1 B written per element) and folds max |param| into the
+// copy's amax; then the transpose reads those codes (1 B) and writes the
+// transposed ones (1 B). 3 B per element, against the 4 B per element of the
+// next forward's cast-transpose of a bf16 weight (a 2 B read and two 1 B
+// writes; 6 B from f32): 1 B saved per bf16 element (3 B per f32 one), and
+// the forward's pass over the weights becomes a check of two scalars. For
+// the quickstart layer's 201 M kernel elements (bf16): 0.60 GB moved per step
+// instead of 0.80 GB, about 0.05 ms at 4 TB/s.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -94,10 +106,13 @@ namespace {
 
 // A plan's parameters go out in segments of one param dtype and at most
 // kSegmentSlots slots: the segment's gradient pointers (new tensors every
-// step) travel in the launch's own arguments (GradPointers, 2.5 KiB, inside
+// step) travel in the launch's own arguments (StepPointers, 3 KiB, inside
 // the classic 4 KiB kernel-argument limit), everything else is in the
 // plan's device tables.
 constexpr int kSegmentSlots = 320;
+// And at most kSegmentFp8Copies slots with an FP8 copy, whose scales (new
+// tensors every step, as the gradients) travel in the arguments too.
+constexpr int kSegmentFp8Copies = 64;
 // Work is split into chunks of kChunk elements of one slot (the last of a
 // slot shorter); blocks take chunks grid-stride. 16 K elements: 8 passes of
 // a 256-thread block at kVec per thread, and few enough chunks (12 K for
@@ -106,15 +121,32 @@ constexpr int64_t kChunk = 16384;
 constexpr int kStepThreads = 256;
 constexpr int kFinalizeThreads = 256;
 
-// One slot in device memory. An FP8 copy of the weights kept for the GEMMs
-// goes stale when the update writes param: a per-slot FP8 output (codes +
-// scale) written by the update kernel beside param would be where the step
-// refreshes it in the same pass.
+// One slot in device memory.
 struct SlotTable {
   void* param;
   void* mu;  // null: no moment (sgd without a trace)
   void* nu;
   int64_t numel;
+  int32_t fp8;  // the slot's FP8 copy in its segment's Fp8Table; -1: none
+  int32_t unused;
+};
+// One FP8 copy (OptimizerFp8Copy) in device memory.
+struct Fp8Table {
+  uint8_t* data;  // [rows, cols]
+  uint8_t* data_t;  // [cols, rows]
+  float* scale_inv;
+  float* kept_scale;
+  float* kept_amax;
+  // The step's running max |param| (as bits), in the plan's tables: the
+  // update folds into it, the transpose moves it to kept_amax and zeroes it,
+  // so it is 0 between steps.
+  unsigned* amax;
+  int64_t rows, cols;
+  int64_t first_tile;  // its first 64 x 64 tile among the segment's copies
+  int32_t slot;        // within its segment
+  int32_t e5m2;        // else E4M3
+  int32_t words;       // rows, cols multiples of 4 and 4-byte aligned rows: word loads
+  int32_t unused;
 };
 struct Chunk {
   int32_t slot;  // within its segment
@@ -127,10 +159,12 @@ struct Decision {
   float norm;
   int32_t applied;
 };
-struct GradPointers {
+// What changes every step, in the launches' own arguments.
+struct StepPointers {
   const void* grad[kSegmentSlots];  // null: this launch leaves the slot alone
+  const float* fp8_scale[kSegmentFp8Copies];  // by Fp8Table index
 };
-static_assert(sizeof(GradPointers) + 64 < 4096, "kernel arguments stay under 4 KiB");
+static_assert(sizeof(StepPointers) + 64 < 4096, "kernel arguments stay under 4 KiB");
 
 template <typename S>
 __device__ __forceinline__ bool Aligned(const void* p) {
@@ -142,7 +176,7 @@ __device__ __forceinline__ bool Aligned(const void* p) {
 // finalize kernel adds them in, are the same on every run.
 template <typename G>
 __global__ void __launch_bounds__(kStepThreads)
-    GradNormPartialKernel(GradPointers grads, const SlotTable* slots, const Chunk* chunks,
+    GradNormPartialKernel(StepPointers grads, const SlotTable* slots, const Chunk* chunks,
                           int64_t num_chunks, float* partial) {
   using S = typename G::Storage;
   __shared__ float scratch[32];
@@ -229,70 +263,187 @@ __device__ __forceinline__ float UpdateOne(const OptimizerUpdateArgs& a, bool cl
   return p - a.learning_rate * u;
 }
 
+// No FP8 copy: no codes, no amax.
+struct NoCodes {
+  static constexpr bool kWrites = false;
+  static __device__ __forceinline__ uint8_t Store(float) { return 0; }
+};
+template <typename Code>
+struct CodesOf {
+  static constexpr bool kWrites = true;
+  static __device__ __forceinline__ uint8_t Store(float v) { return Code::Store(v); }
+};
+
+// One chunk [begin, end) of one slot: the update, and with Code the FP8
+// codes of the new param (as stored) * scale into codes, the same float32
+// product and rounding as fp8.cu's cast-transpose, so the copy equals what
+// the next forward would make. Every thread of the block calls it for the
+// same chunk (the amax is reduced over the block).
+template <typename T, typename G, bool kAdam, typename Code>
+__device__ __forceinline__ void UpdateChunk(const OptimizerUpdateArgs& a, bool clip, float norm,
+                                            const typename G::Storage* g, const SlotTable& slot,
+                                            int64_t begin, int64_t end, uint8_t* codes,
+                                            float scale, unsigned* amax, unsigned* scratch) {
+  using S = typename T::Storage;
+  using GS = typename G::Storage;
+  S* p = static_cast<S*>(slot.param);
+  S* mu = static_cast<S*>(slot.mu);
+  S* nu = static_cast<S*>(slot.nu);
+  const bool trace = mu != nullptr;
+  unsigned local = 0;  // max |param| bits over this thread's elements
+  int64_t i = begin + int64_t(threadIdx.x) * kVec;
+  const bool vec = Aligned<GS>(g) && Aligned<S>(p) && (mu == nullptr || Aligned<S>(mu)) &&
+                   (nu == nullptr || Aligned<S>(nu)) && (!Code::kWrites || Aligned<uint8_t>(codes));
+  if (vec) {
+    for (; i + kVec <= end; i += int64_t(kStepThreads) * kVec) {
+      const Pack<GS> gv = *reinterpret_cast<const Pack<GS>*>(g + i);
+      Pack<S> pv = *reinterpret_cast<const Pack<S>*>(p + i);
+      Pack<S> mv, nv;
+      Pack<uint8_t> cv;
+      if (kAdam || trace) mv = *reinterpret_cast<const Pack<S>*>(mu + i);
+      if (kAdam) nv = *reinterpret_cast<const Pack<S>*>(nu + i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float m = (kAdam || trace) ? T::Load(mv.v[j]) : 0.0f;
+        float v = kAdam ? T::Load(nv.v[j]) : 0.0f;
+        const float np = UpdateOne<kAdam>(a, clip, norm, trace, G::Load(gv.v[j]),
+                                          T::Load(pv.v[j]), &m, &v);
+        pv.v[j] = T::Store(np);
+        if (kAdam || trace) mv.v[j] = T::Store(m);
+        if (kAdam) nv.v[j] = T::Store(v);
+        if (Code::kWrites) {
+          const float stored = T::Load(pv.v[j]);
+          local = max(local, AbsBits(stored));
+          cv.v[j] = Code::Store(stored * scale);
+        }
+      }
+      *reinterpret_cast<Pack<S>*>(p + i) = pv;
+      if (kAdam || trace) *reinterpret_cast<Pack<S>*>(mu + i) = mv;
+      if (kAdam) *reinterpret_cast<Pack<S>*>(nu + i) = nv;
+      if (Code::kWrites) *reinterpret_cast<Pack<uint8_t>*>(codes + i) = cv;
+    }
+  }
+  auto scalar = [&](int64_t from, int64_t to) {
+    for (int64_t k = from; k < to; ++k) {
+      float m = (kAdam || trace) ? T::Load(mu[k]) : 0.0f;
+      float v = kAdam ? T::Load(nu[k]) : 0.0f;
+      const float np =
+          UpdateOne<kAdam>(a, clip, norm, trace, G::Load(g[k]), T::Load(p[k]), &m, &v);
+      const S stored = T::Store(np);
+      p[k] = stored;
+      if (kAdam || trace) mu[k] = T::Store(m);
+      if (kAdam) nu[k] = T::Store(v);
+      if (Code::kWrites) {
+        local = max(local, AbsBits(T::Load(stored)));
+        codes[k] = Code::Store(T::Load(stored) * scale);
+      }
+    }
+  };
+  // Unaligned slots: the same packs, element by element.
+  if (!vec) {
+    for (; i + kVec <= end; i += int64_t(kStepThreads) * kVec) scalar(i, i + kVec);
+  }
+  // The tail: fewer than kVec elements, at the thread whose pack it starts.
+  scalar(i, end);
+  if (Code::kWrites) {
+    local = BlockMaxBits(local, scratch);
+    if (threadIdx.x == 0) atomicMax(amax, local);
+  }
+}
+
 // param, mu, nu: T; grad: G. Every block reads the decision and returns at
 // once when the step is skipped.
 template <typename T, typename G, bool kAdam>
 __global__ void __launch_bounds__(kStepThreads)
-    MultiTensorUpdateKernel(GradPointers grads, const SlotTable* slots, const Chunk* chunks,
-                            int64_t num_chunks, const Decision* decision) {
-  using S = typename T::Storage;
+    MultiTensorUpdateKernel(StepPointers ptrs, const SlotTable* slots, const Chunk* chunks,
+                            int64_t num_chunks, const Decision* decision, const Fp8Table* fp8) {
   using GS = typename G::Storage;
+  __shared__ unsigned scratch[32];
   if (!decision->applied) return;
   const OptimizerUpdateArgs a = decision->args;
   const float norm = decision->norm;
   const bool clip = a.max_norm > 0.0f && !(norm < a.max_norm);
   for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
     const Chunk chunk = chunks[c];
-    const GS* g = static_cast<const GS*>(grads.grad[chunk.slot]);
+    const GS* g = static_cast<const GS*>(ptrs.grad[chunk.slot]);
     if (g == nullptr) continue;
     const SlotTable slot = slots[chunk.slot];
-    S* p = static_cast<S*>(slot.param);
-    S* mu = static_cast<S*>(slot.mu);
-    S* nu = static_cast<S*>(slot.nu);
-    const bool trace = mu != nullptr;
     const int64_t end = chunk.begin + kChunk < slot.numel ? chunk.begin + kChunk : slot.numel;
-    int64_t i = chunk.begin + int64_t(threadIdx.x) * kVec;
-    const bool vec = Aligned<GS>(g) && Aligned<S>(p) && (mu == nullptr || Aligned<S>(mu)) &&
-                     (nu == nullptr || Aligned<S>(nu));
-    if (vec) {
-      for (; i + kVec <= end; i += int64_t(kStepThreads) * kVec) {
-        const Pack<GS> gv = *reinterpret_cast<const Pack<GS>*>(g + i);
-        Pack<S> pv = *reinterpret_cast<const Pack<S>*>(p + i);
-        Pack<S> mv, nv;
-        if (kAdam || trace) mv = *reinterpret_cast<const Pack<S>*>(mu + i);
-        if (kAdam) nv = *reinterpret_cast<const Pack<S>*>(nu + i);
+    if (slot.fp8 < 0) {
+      UpdateChunk<T, G, kAdam, NoCodes>(a, clip, norm, g, slot, chunk.begin, end, nullptr, 0.0f,
+                                        nullptr, scratch);
+      continue;
+    }
+    const Fp8Table& copy = fp8[slot.fp8];
+    const float scale = *ptrs.fp8_scale[slot.fp8];
+    if (copy.e5m2) {
+      UpdateChunk<T, G, kAdam, CodesOf<E5M2>>(a, clip, norm, g, slot, chunk.begin, end,
+                                              copy.data, scale, copy.amax, scratch);
+    } else {
+      UpdateChunk<T, G, kAdam, CodesOf<E4M3>>(a, clip, norm, g, slot, chunk.begin, end,
+                                              copy.data, scale, copy.amax, scratch);
+    }
+  }
+}
+
+// After the update: data_t = data^T for every FP8 copy the update wrote
+// ([rows, cols] codes, read 1 B per element instead of the weight's 2-4 B),
+// one 64 x 64 tile per block and turn (grid-stride over the copies' tiles,
+// in the order of Fp8Table::first_tile), and each copy's record: kept_amax
+// from the update's amax (then zeroed for the next step), kept_scale and
+// scale_inv = 1 / scale as the cast-transpose writes them.
+__global__ void __launch_bounds__(kStepThreads)
+    Fp8CopyTransposeKernel(StepPointers ptrs, const Fp8Table* fp8, int num_fp8, int64_t num_tiles,
+                           const Decision* decision) {
+  __shared__ ByteTile tile;
+  if (!decision->applied) return;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  int k = 0;
+  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    // t only grows, so the copy it falls in only moves forward.
+    while (k + 1 < num_fp8 && fp8[k + 1].first_tile <= t) ++k;
+    const Fp8Table copy = fp8[k];
+    if (ptrs.grad[copy.slot] == nullptr) continue;  // not updated: still current
+    const int64_t local = t - copy.first_tile;
+    const int64_t col_tiles = (copy.cols + 63) / 64;
+    const int64_t row0 = local / col_tiles * 64, col0 = local % col_tiles * 64;
+    const int64_t rows = copy.rows, cols = copy.cols;
+    if (local == 0 && threadIdx.x == 0) {
+      const float s = *ptrs.fp8_scale[k];
+      *copy.kept_amax = __uint_as_float(*copy.amax);
+      *copy.amax = 0u;
+      *copy.kept_scale = s;
+      *copy.scale_inv = 1.0f / s;
+    }
+    __syncthreads();  // the previous turn's stores have read the tile
+    if (copy.words) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          float m = (kAdam || trace) ? T::Load(mv.v[j]) : 0.0f;
-          float v = kAdam ? T::Load(nv.v[j]) : 0.0f;
-          const float np = UpdateOne<kAdam>(a, clip, norm, trace, G::Load(gv.v[j]),
-                                            T::Load(pv.v[j]), &m, &v);
-          pv.v[j] = T::Store(np);
-          if (kAdam || trace) mv.v[j] = T::Store(m);
-          if (kAdam) nv.v[j] = T::Store(v);
+      for (int i = 0; i < 4; ++i) {
+        const int r = ty + 16 * i;
+        const int64_t c = col0 + tx * 4;
+        if (row0 + r < rows && c < cols) {
+          const uint32_t word = *reinterpret_cast<const uint32_t*>(copy.data + (row0 + r) * cols + c);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) tile[r][tx * 4 + j] = static_cast<uint8_t>(word >> (8 * j));
         }
-        *reinterpret_cast<Pack<S>*>(p + i) = pv;
-        if (kAdam || trace) *reinterpret_cast<Pack<S>*>(mu + i) = mv;
-        if (kAdam) *reinterpret_cast<Pack<S>*>(nu + i) = nv;
+      }
+      __syncthreads();
+      StoreTileTransposed(tile, copy.data_t, rows, cols, row0, col0, tx, ty);
+    } else {
+      // Any shape: single bytes, a row of the tile per 64 threads.
+      const int lane = threadIdx.x % 64, group = threadIdx.x / 64;
+      for (int r = group; r < 64; r += kStepThreads / 64) {
+        if (row0 + r < rows && col0 + lane < cols) {
+          tile[r][lane] = copy.data[(row0 + r) * cols + col0 + lane];
+        }
+      }
+      __syncthreads();
+      for (int c = group; c < 64; c += kStepThreads / 64) {
+        if (col0 + c < cols && row0 + lane < rows) {
+          copy.data_t[(col0 + c) * rows + row0 + lane] = tile[lane][c];
+        }
       }
     }
-    auto scalar = [&](int64_t from, int64_t to) {
-      for (int64_t k = from; k < to; ++k) {
-        float m = (kAdam || trace) ? T::Load(mu[k]) : 0.0f;
-        float v = kAdam ? T::Load(nu[k]) : 0.0f;
-        const float np =
-            UpdateOne<kAdam>(a, clip, norm, trace, G::Load(g[k]), T::Load(p[k]), &m, &v);
-        p[k] = T::Store(np);
-        if (kAdam || trace) mu[k] = T::Store(m);
-        if (kAdam) nu[k] = T::Store(v);
-      }
-    };
-    // Unaligned slots: the same packs, element by element.
-    if (!vec) {
-      for (; i + kVec <= end; i += int64_t(kStepThreads) * kVec) scalar(i, i + kVec);
-    }
-    // The tail: fewer than kVec elements, at the thread whose pack it starts.
-    scalar(i, end);
   }
 }
 
@@ -306,9 +457,17 @@ class CudaOptimizerPlan : public OptimizerPlan {
     const Chunk* chunks;
     int64_t num_chunks;
     unsigned grid;
+    // The segment's FP8 copies: their table, their slots (into the plan's
+    // slots), and the transpose launch over all their tiles.
+    const Fp8Table* fp8;
+    std::vector<int> fp8_slots;
+    int64_t fp8_tiles;
+    unsigned fp8_grid;
   };
   std::vector<Segment> segments;
-  Tensor tables;           // every segment's SlotTable and Chunk arrays, then partials, Decision
+  // Every segment's SlotTable, Chunk and Fp8Table arrays, then partials,
+  // Decision and the FP8 copies' amax words.
+  Tensor tables;
   float* partial = nullptr;
   Decision* decision = nullptr;
   const CudaOps* owner = nullptr;
@@ -322,6 +481,10 @@ class CudaOptimizerPlan : public OptimizerPlan {
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+bool HasFp8Copy(const OptimizerSlot& s) {
+  return s.fp8.data.data() != nullptr && s.param.numel() > 0;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
@@ -331,26 +494,53 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
   RETURN_IF_ERROR(Enter());
   auto plan = std::make_unique<CudaOptimizerPlan>();
   plan->owner = this;
-  // Segments: runs of one param dtype, at most kSegmentSlots slots, in slot
-  // order (a layer's params are mostly one dtype: one segment).
+  // Segments: runs of one param dtype, at most kSegmentSlots slots and
+  // kSegmentFp8Copies FP8 copies, in slot order (a layer's params are mostly
+  // one dtype: one segment).
   struct Pending {
     DType dtype;
     int first, count;
     std::vector<SlotTable> table;
     std::vector<Chunk> chunks;
+    std::vector<Fp8Table> fp8;
+    std::vector<int> fp8_slots;
+    int64_t fp8_tiles = 0;
   };
   std::vector<Pending> pending;
   for (int i = 0; i < static_cast<int>(slots.size()); ++i) {
     const OptimizerSlot& s = slots[i];
     const DType dtype = s.param.dtype();
+    const bool fp8 = HasFp8Copy(s);
     if (pending.empty() || pending.back().dtype != dtype ||
-        pending.back().count == kSegmentSlots) {
-      pending.push_back({dtype, i, 0, {}, {}});
+        pending.back().count == kSegmentSlots ||
+        (fp8 && pending.back().fp8.size() == kSegmentFp8Copies)) {
+      pending.push_back({dtype, i, 0, {}, {}, {}, {}, 0});
     }
     Pending& seg = pending.back();
     const int32_t local = seg.count++;
     const int64_t n = s.param.numel();
-    seg.table.push_back({s.param.data(), s.mu.data(), s.nu.data(), n});
+    SlotTable entry{s.param.data(), s.mu.data(), s.nu.data(), n, -1, 0};
+    if (fp8) {
+      entry.fp8 = static_cast<int32_t>(seg.fp8.size());
+      Fp8Table copy{};
+      copy.data = static_cast<uint8_t*>(s.fp8.data.data());
+      copy.data_t = static_cast<uint8_t*>(s.fp8.data_t.data());
+      copy.scale_inv = s.fp8.scale_inv.data_as<float>();
+      copy.kept_scale = s.fp8.kept_scale.data_as<float>();
+      copy.kept_amax = s.fp8.kept_amax.data_as<float>();
+      copy.rows = s.fp8.data.dim(0);
+      copy.cols = s.fp8.data.dim(1);
+      copy.first_tile = seg.fp8_tiles;
+      copy.slot = local;
+      copy.e5m2 = s.fp8.data.dtype() == DType::kE5M2 ? 1 : 0;
+      copy.words = copy.rows % 4 == 0 && copy.cols % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(copy.data) % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(copy.data_t) % 4 == 0;
+      seg.fp8_tiles += ((copy.rows + 63) / 64) * ((copy.cols + 63) / 64);
+      seg.fp8.push_back(copy);
+      seg.fp8_slots.push_back(i);
+    }
+    seg.table.push_back(entry);
     for (int64_t begin = 0; begin < n; begin += kChunk) seg.chunks.push_back({local, 0, begin});
   }
   // Enough blocks to keep every SM's memory pipes busy, no more: each block
@@ -358,10 +548,12 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
   const int per_sm = ResidentBlocksPerSm(MultiTensorUpdateKernel<BF16, BF16, true>, kStepThreads, 0);
   const int64_t max_grid =
       std::max<int64_t>(1, int64_t(per_sm) * sm_count());
+  const int64_t max_transpose_grid = std::max<int64_t>(
+      1, int64_t(ResidentBlocksPerSm(Fp8CopyTransposeKernel, kStepThreads, 0)) * sm_count());
   // Layout of the one table allocation.
   size_t bytes = 0;
-  std::vector<size_t> slot_offset, chunk_offset;
-  int64_t partial_count = 0;
+  std::vector<size_t> slot_offset, chunk_offset, fp8_offset;
+  int64_t partial_count = 0, fp8_count = 0;
   for (const Pending& seg : pending) {
     bytes = AlignUp(bytes, 16);
     slot_offset.push_back(bytes);
@@ -369,8 +561,12 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
     bytes = AlignUp(bytes, 16);
     chunk_offset.push_back(bytes);
     bytes += seg.chunks.size() * sizeof(Chunk);
+    bytes = AlignUp(bytes, 16);
+    fp8_offset.push_back(bytes);
+    bytes += seg.fp8.size() * sizeof(Fp8Table);
     const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(max_grid, seg.chunks.size()));
     partial_count += 3 * grid;  // at most one norm launch per grad dtype
+    fp8_count += static_cast<int64_t>(seg.fp8.size());
   }
   bytes = AlignUp(bytes, 16);
   const size_t partial_offset = bytes;
@@ -379,13 +575,19 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
   const size_t decision_offset = bytes;
   bytes += sizeof(Decision);
   bytes = AlignUp(bytes, 16);
+  const size_t amax_offset = bytes;  // uploaded as zeros: 0 between steps
+  bytes += static_cast<size_t>(fp8_count) * sizeof(unsigned);
+  bytes = AlignUp(bytes, 16);
   ASSIGN_OR_RETURN(plan->tables, Allocate(DType::kI32, {static_cast<int64_t>(bytes / 4)}));
   std::vector<uint8_t> host(bytes, 0);
   char* base = static_cast<char*>(plan->tables.data());
+  unsigned* amax = reinterpret_cast<unsigned*>(base + amax_offset);
   for (size_t k = 0; k < pending.size(); ++k) {
-    const Pending& seg = pending[k];
+    Pending& seg = pending[k];
+    for (Fp8Table& copy : seg.fp8) copy.amax = amax++;
     std::memcpy(host.data() + slot_offset[k], seg.table.data(), seg.table.size() * sizeof(SlotTable));
     std::memcpy(host.data() + chunk_offset[k], seg.chunks.data(), seg.chunks.size() * sizeof(Chunk));
+    std::memcpy(host.data() + fp8_offset[k], seg.fp8.data(), seg.fp8.size() * sizeof(Fp8Table));
     CudaOptimizerPlan::Segment out;
     out.dtype = seg.dtype;
     out.first_slot = seg.first;
@@ -394,7 +596,12 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
     out.chunks = reinterpret_cast<const Chunk*>(base + chunk_offset[k]);
     out.num_chunks = static_cast<int64_t>(seg.chunks.size());
     out.grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(max_grid, out.num_chunks)));
-    plan->segments.push_back(out);
+    out.fp8 = reinterpret_cast<const Fp8Table*>(base + fp8_offset[k]);
+    out.fp8_slots = seg.fp8_slots;
+    out.fp8_tiles = seg.fp8_tiles;
+    out.fp8_grid = static_cast<unsigned>(
+        std::max<int64_t>(1, std::min<int64_t>(max_transpose_grid, seg.fp8_tiles)));
+    plan->segments.push_back(std::move(out));
   }
   plan->partial = reinterpret_cast<float*>(base + partial_offset);
   plan->decision = reinterpret_cast<Decision*>(base + decision_offset);
@@ -422,7 +629,7 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
   struct Launch {
     const CudaOptimizerPlan::Segment* segment;
     DType grad_dtype;
-    GradPointers grads;
+    StepPointers ptrs;
   };
   std::vector<Launch> launches;
   for (const CudaOptimizerPlan::Segment& seg : plan->segments) {
@@ -432,10 +639,14 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
       for (int j = 0; j < seg.num_slots; ++j) {
         const Tensor& grad = grads[seg.first_slot + j];
         if (grad.data() == nullptr || grad.dtype() != g) continue;
-        launch.grads.grad[j] = grad.data();
+        launch.ptrs.grad[j] = grad.data();
         any = true;
       }
-      if (any) launches.push_back(launch);
+      if (!any) continue;
+      for (size_t k = 0; k < seg.fp8_slots.size(); ++k) {
+        launch.ptrs.fp8_scale[k] = slots[seg.fp8_slots[k]].fp8.scale.data_as<const float>();
+      }
+      launches.push_back(launch);
     }
   }
   int64_t partials = 0;
@@ -443,7 +654,7 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
     DispatchFloat(l.grad_dtype, [&](auto tg) {
       using G = decltype(tg);
       GradNormPartialKernel<G><<<l.segment->grid, kStepThreads, 0, stream()>>>(
-          l.grads, l.segment->slots, l.segment->chunks, l.segment->num_chunks,
+          l.ptrs, l.segment->slots, l.segment->chunks, l.segment->num_chunks,
           plan->partial + partials);
     });
     partials += l.segment->grid;
@@ -460,9 +671,15 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
         using G = decltype(tg);
         auto kernel = adam ? MultiTensorUpdateKernel<T, G, true> : MultiTensorUpdateKernel<T, G, false>;
         kernel<<<l.segment->grid, kStepThreads, 0, stream()>>>(
-            l.grads, l.segment->slots, l.segment->chunks, l.segment->num_chunks, plan->decision);
+            l.ptrs, l.segment->slots, l.segment->chunks, l.segment->num_chunks, plan->decision,
+            l.segment->fp8);
       });
     });
+    if (l.segment->fp8_tiles > 0) {
+      Fp8CopyTransposeKernel<<<l.segment->fp8_grid, kStepThreads, 0, stream()>>>(
+          l.ptrs, l.segment->fp8, static_cast<int>(l.segment->fp8_slots.size()),
+          l.segment->fp8_tiles, plan->decision);
+    }
   }
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

@@ -5,11 +5,15 @@
 // once: every rule and schedule, clipping decided from the global norm on
 // the device, a non-finite step skipped on the device, the counters and the
 // step's info record, mixed and unaligned slots, more slots than one launch
-// takes.
+// takes; and the FP8 copies the step writes (OptimizerSlot::fp8): bit for
+// bit the GPU's own QuantizeTranspose of its new params, near the CPU's, and
+// untouched by a skipped step or a slot without a gradient.
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -339,6 +343,171 @@ TEST_F(OptimizerManySlotsGpuTest, SevenHundredSlotsInSeveralLaunches) {
   std::vector<SlotSpec> specs;
   for (int i = 0; i < 700; ++i) specs.push_back({1 + (i * 37) % 300, DType::kF32, i % 5 == 0});
   RunSteps(HyperparamsFor(4), specs, DType::kF32, /*skip_slot=*/650);
+}
+
+// ---- OptimizerStep's FP8 copies ------------------------------------------------------
+
+std::vector<uint8_t> Bytes(const Tensor& host) {
+  const auto* p = static_cast<const uint8_t*>(host.data());
+  return std::vector<uint8_t>(p, p + host.nbytes());
+}
+
+// Not parameterised (the step fixture's parameters are not used): each test
+// runs its cases in a loop.
+class OptimizerFp8CopyGpuTest : public OptimizerStepGpuTest {
+ protected:
+  struct CopySpec {
+    int64_t rows, cols;  // 0: no copy (a 1-D param of `rows` elements)
+    bool unaligned;
+  };
+  // A copy of [rows, cols] in `dtype` on `ops`: bytes unlike any the step
+  // writes, and no record (kept_scale NaN).
+  OptimizerFp8Copy NewCopy(Ops& ops, int64_t rows, int64_t cols, DType dtype) {
+    std::vector<uint8_t> junk(static_cast<size_t>(rows * cols), 0x5a);
+    OptimizerFp8Copy c;
+    c.data = *ops.Allocate(dtype, {rows, cols});
+    c.data_t = *ops.Allocate(dtype, {cols, rows});
+    EXPECT_TRUE(ops.Upload(junk.data(), &c.data).ok());
+    EXPECT_TRUE(ops.Upload(junk.data(), &c.data_t).ok());
+    for (auto [t, v] : {std::pair<Tensor*, float>{&c.scale_inv, -1.0f},
+                        {&c.kept_scale, std::nanf("")},
+                        {&c.kept_amax, -1.0f}}) {
+      *t = *ops.Allocate(DType::kF32, {1});
+      EXPECT_TRUE(ops.Upload(&v, t).ok());
+    }
+    return c;
+  }
+  // The step's scales: a new tensor each step on each backend (as a session
+  // passes them), E4M3's saturating at the largest.
+  void SetScales(StepState* cpu, StepState* gpu, int step) {
+    for (size_t i = 0; i < cpu->slots.size(); ++i) {
+      if (cpu->slots[i].fp8.data.data() == nullptr) continue;
+      const float scale = std::vector<float>{3.0f, 150.0f, 0.75f, 900.0f}[(i + step) % 4];
+      cpu->slots[i].fp8.scale = testing::Scalar(cpu_, scale);
+      gpu->slots[i].fp8.scale = Upload(cpu->slots[i].fp8.scale);
+    }
+  }
+  // Every byte of every GPU copy.
+  std::vector<std::vector<uint8_t>> CopySnapshot(const StepState& gpu) {
+    std::vector<std::vector<uint8_t>> all;
+    for (const OptimizerSlot& s : gpu.slots) {
+      if (s.fp8.data.data() == nullptr) continue;
+      for (const Tensor* t : {&s.fp8.data, &s.fp8.data_t, &s.fp8.scale_inv, &s.fp8.kept_scale,
+                              &s.fp8.kept_amax}) {
+        all.push_back(Bytes(Download(*t)));
+      }
+    }
+    return all;
+  }
+  // The GPU copy is what the GPU's QuantizeTranspose makes of the GPU's new
+  // param (so the next forward would find what it would have made), bit for
+  // bit; against the CPU's copy, within the FP8 format (the params may
+  // differ in their last bits).
+  void ExpectCopies(const StepState& cpu, const StepState& gpu, DType fp8, int step) {
+    for (size_t i = 0; i < gpu.slots.size(); ++i) {
+      const OptimizerFp8Copy& g = gpu.slots[i].fp8;
+      const OptimizerFp8Copy& c = cpu.slots[i].fp8;
+      if (g.data.data() == nullptr) continue;
+      SCOPED_TRACE(::testing::Message() << "slot " << i << ", step " << step);
+      Fp8Output out;
+      out.scale = g.scale;
+      out.amax = *gpu_->Allocate(DType::kF32, {1});
+      out.scale_inv = *gpu_->Allocate(DType::kF32, {1});
+      Tensor y = *gpu_->Allocate(fp8, g.data.shape());
+      Tensor y_t = *gpu_->Allocate(fp8, g.data_t.shape());
+      ASSERT_TRUE(gpu_->QuantizeTranspose(gpu.slots[i].param.Reshaped(g.data.shape()), out, &y,
+                                          &y_t)
+                      .ok());
+      EXPECT_EQ(Bytes(Download(g.data)), Bytes(Download(y)));
+      EXPECT_EQ(Bytes(Download(g.data_t)), Bytes(Download(y_t)));
+      EXPECT_EQ(Bytes(Download(g.kept_amax)), Bytes(Download(out.amax)));
+      EXPECT_EQ(Bytes(Download(g.scale_inv)), Bytes(Download(out.scale_inv)));
+      EXPECT_EQ(Bytes(Download(g.kept_scale)), Bytes(Download(g.scale)));
+      // Against the CPU reference: the codes dequantized, both layouts.
+      for (const auto [gt, ct] : {std::pair<const Tensor*, const Tensor*>{&g.data, &c.data},
+                                  {&g.data_t, &c.data_t}}) {
+        const std::vector<double> want = ToDoubles(*ct);
+        EXPECT_LT(RelativeError(Download(*gt), want), Tolerance(fp8));
+      }
+      EXPECT_EQ(Bytes(Download(g.scale_inv)), Bytes(c.scale_inv));
+      EXPECT_EQ(Bytes(Download(g.kept_scale)), Bytes(c.kept_scale));
+      EXPECT_NEAR(testing::ScalarValue(Download(g.kept_amax)), testing::ScalarValue(c.kept_amax),
+                  Tolerance(gpu.slots[i].param.dtype()) * testing::ScalarValue(c.kept_amax));
+    }
+  }
+  // Five steps on both backends: step 2 leaves slot 1 without a gradient,
+  // step 3's gradient holds a NaN (skipped); copies of odd shapes (byte
+  // transposes), of shapes the word transpose takes, of a param over several
+  // 16 K chunks and of an unaligned param view.
+  void RunCopySteps(int rule_case, DType dtype, DType fp8);
+};
+
+// Every rule case with and without moments, f32 and bf16 params, both formats.
+TEST_F(OptimizerFp8CopyGpuTest, CopiesMatchQuantizeTransposeOfTheNewParams) {
+  for (int rule_case : {0, 4}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      for (DType fp8 : {DType::kE4M3, DType::kE5M2}) {
+        SCOPED_TRACE(::testing::Message() << "rule case " << rule_case << ", "
+                                          << DTypeName(dtype) << " params, " << DTypeName(fp8));
+        RunCopySteps(rule_case, dtype, fp8);
+      }
+    }
+  }
+}
+
+void OptimizerFp8CopyGpuTest::RunCopySteps(int rule_case, DType dtype, DType fp8) {
+  const OptimizerHyperparams h = HyperparamsFor(rule_case);
+  const std::vector<CopySpec> copies = {
+      {129, 67, false}, {256, 384, false}, {7, 0, false}, {40, 25, true}, {64, 64, false}};
+  std::vector<SlotSpec> specs;
+  for (const CopySpec& c : copies) {
+    specs.push_back({c.cols == 0 ? c.rows : c.rows * c.cols, dtype, c.unaligned});
+  }
+  const bool adam = h.rule == Rule::kAdam;
+  const bool trace = !adam && h.momentum != 0.0;
+  StepState cpu = MakeCpu(specs, adam, trace, 300);
+  StepState gpu = ToGpu(cpu);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (copies[i].cols == 0) continue;
+    cpu.slots[i].fp8 = NewCopy(cpu_, copies[i].rows, copies[i].cols, fp8);
+    gpu.slots[i].fp8 = NewCopy(*gpu_, copies[i].rows, copies[i].cols, fp8);
+  }
+  SetScales(&cpu, &gpu, 0);
+  auto cpu_plan = cpu_.NewOptimizerPlan(h, cpu.slots, cpu.count, cpu.total_notfinite);
+  ASSERT_TRUE(cpu_plan.ok()) << cpu_plan.status();
+  auto gpu_plan = gpu_->NewOptimizerPlan(h, gpu.slots, gpu.count, gpu.total_notfinite);
+  ASSERT_TRUE(gpu_plan.ok()) << gpu_plan.status();
+  for (int step = 1; step <= 5; ++step) {
+    SetScales(&cpu, &gpu, step);
+    const bool poison = step == 3;
+    const int skip_slot = step == 2 ? 1 : -1;
+    std::vector<Tensor> grads = Grads(specs, dtype, 1000 * step, skip_slot, poison);
+    std::vector<Tensor> gpu_grads;
+    for (const Tensor& g : grads) gpu_grads.push_back(g.data() == nullptr ? Tensor() : Upload(g));
+    const auto before = CopySnapshot(gpu);
+    ASSERT_TRUE(cpu_.OptimizerStep(**cpu_plan, cpu.slots, grads, &cpu.count,
+                                   &cpu.total_notfinite).ok());
+    ASSERT_TRUE(gpu_->OptimizerStep(**gpu_plan, gpu.slots, gpu_grads, &gpu.count,
+                                    &gpu.total_notfinite).ok());
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const auto after = CopySnapshot(gpu);
+    if (poison) {
+      EXPECT_EQ(after, before) << "a skipped step must leave every copy";
+      continue;
+    }
+    if (skip_slot >= 0) {
+      // Slot 1 is the second copy: its 5 tensors in the snapshot.
+      for (int k = 5; k < 10; ++k) EXPECT_EQ(after[k], before[k]) << "slot 1 had no gradient";
+    }
+    ExpectSame(cpu, gpu, step);
+    // A slot left alone this step keeps its copy of the previous step's
+    // scale, which the check below would not take for current.
+    if (skip_slot >= 0) {
+      gpu.slots[skip_slot].fp8.scale = Upload(Download(gpu.slots[skip_slot].fp8.kept_scale));
+      cpu.slots[skip_slot].fp8.scale = cpu.slots[skip_slot].fp8.kept_scale;
+    }
+    ExpectCopies(cpu, gpu, fp8, step);
+  }
 }
 
 // A plan is for its tensors: others are INVALID_ARGUMENT, on both backends.
