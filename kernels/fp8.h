@@ -73,15 +73,31 @@ TE_HOST_DEVICE inline float DecodeBits(uint32_t bits, int mbits, int bias) {
   return ldexpf(1.0f + ldexpf(static_cast<float>(mant), -mbits), static_cast<int>(exp) - bias);
 }
 
-// ---- FP8 E4M3 (bias 7, no inf; 0x7f / 0xff are NaN; max 448) ----------------
-TE_HOST_DEVICE inline uint8_t FloatToE4M3(float x) {
+// An FP8 code of x (both formats: sign bit 7, NaN 0x7f), saturating at
+// +-max_value (inf included).
+TE_HOST_DEVICE inline uint8_t FloatToFp8(float x, float max_value, int mbits, int bias) {
   if (x != x) return 0x7f;
   const uint32_t sign = FloatBits(x) >> 31 << 7;
   float a = fabsf(x);
-  a = a >= kE4M3Max ? kE4M3Max : RoundToGrid(a, 3, 7);
-  if (a > kE4M3Max) a = kE4M3Max;
-  return static_cast<uint8_t>(sign | EncodeOnGrid(a, 3, 7));
+  a = a >= max_value ? max_value : RoundToGrid(a, mbits, bias);
+  if (a > max_value) a = max_value;
+  return static_cast<uint8_t>(sign | EncodeOnGrid(a, mbits, bias));
 }
+
+// The value of an IEEE-like code (E5M2, fp16) whose sign is bit `sign_bit`:
+// magnitude inf_code is inf, above it NaN.
+TE_HOST_DEVICE inline float DecodeWithInf(uint32_t code, int sign_bit, uint32_t inf_code,
+                                          int mbits, int bias) {
+  const uint32_t mag = code & ((1u << sign_bit) - 1u);
+  float v;
+  if (mag == inf_code) v = INFINITY;
+  else if (mag > inf_code) v = NAN;
+  else v = DecodeBits(mag, mbits, bias);
+  return (code >> sign_bit & 1u) ? -v : v;
+}
+
+// ---- FP8 E4M3 (bias 7, no inf; 0x7f / 0xff are NaN; max 448) ----------------
+TE_HOST_DEVICE inline uint8_t FloatToE4M3(float x) { return FloatToFp8(x, kE4M3Max, 3, 7); }
 TE_HOST_DEVICE inline float E4M3ToFloat(uint8_t b) {
   const uint32_t mag = b & 0x7fu;
   if (mag == 0x7fu) return NAN;
@@ -90,22 +106,8 @@ TE_HOST_DEVICE inline float E4M3ToFloat(uint8_t b) {
 }
 
 // ---- FP8 E5M2 (bias 15, IEEE-like: 0x7c inf, 0x7d-0x7f NaN; max 57344) -------
-TE_HOST_DEVICE inline uint8_t FloatToE5M2(float x) {
-  if (x != x) return 0x7f;
-  const uint32_t sign = FloatBits(x) >> 31 << 7;
-  float a = fabsf(x);
-  a = a >= kE5M2Max ? kE5M2Max : RoundToGrid(a, 2, 15);
-  if (a > kE5M2Max) a = kE5M2Max;
-  return static_cast<uint8_t>(sign | EncodeOnGrid(a, 2, 15));
-}
-TE_HOST_DEVICE inline float E5M2ToFloat(uint8_t b) {
-  const uint32_t mag = b & 0x7fu;
-  float v;
-  if (mag == 0x7cu) v = INFINITY;
-  else if (mag > 0x7cu) v = NAN;
-  else v = DecodeBits(mag, 2, 15);
-  return (b & 0x80u) ? -v : v;
-}
+TE_HOST_DEVICE inline uint8_t FloatToE5M2(float x) { return FloatToFp8(x, kE5M2Max, 2, 15); }
+TE_HOST_DEVICE inline float E5M2ToFloat(uint8_t b) { return DecodeWithInf(b, 7, 0x7cu, 2, 15); }
 
 // ---- fp16 (IEEE binary16: overflow to inf) ------------------------------------
 TE_HOST_DEVICE inline uint16_t FloatToFp16(float x) {
@@ -119,12 +121,7 @@ TE_HOST_DEVICE inline uint16_t FloatToFp16(float x) {
   return static_cast<uint16_t>(sign | EncodeOnGrid(r, 10, 15));
 }
 TE_HOST_DEVICE inline float Fp16ToFloat(uint16_t h) {
-  const uint32_t mag = h & 0x7fffu;
-  float v;
-  if (mag == 0x7c00u) v = INFINITY;
-  else if (mag > 0x7c00u) v = NAN;
-  else v = DecodeBits(mag, 10, 15);
-  return (h & 0x8000u) ? -v : v;
+  return DecodeWithInf(h, 15, 0x7c00u, 10, 15);
 }
 
 // ---- E2M1 (NVFP4 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6), saturating; as float.

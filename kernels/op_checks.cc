@@ -298,6 +298,15 @@ absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tenso
   return RequireFp8Max(op, args.fp8_max);
 }
 
+absl::Status CheckDelayedScalingUpdatesArgs(const std::vector<Ops::DelayedScalingItem>& items,
+                                            const Tensor* non_finite) {
+  for (const Ops::DelayedScalingItem& item : items) {
+    RETURN_IF_ERROR(CheckDelayedScalingArgs(item.args, &item.amax_history, &item.scale, nullptr));
+  }
+  if (non_finite == nullptr) return absl::OkStatus();
+  return RequireScalarF32("DelayedScalingUpdates", "non_finite", non_finite);
+}
+
 absl::Status CheckKeptQuantization(const Ops::KeptQuantization& kept) {
   const char* op = "QuantizeTransposeKept";
   RETURN_IF_ERROR(RequireScalarF32(op, "kept.scale", &kept.scale));
@@ -873,6 +882,28 @@ absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyArgs(const char* op, const Tensor
   RETURN_IF_ERROR(RequireDType(op, "lse", lse, DType::kF32));
   RETURN_IF_ERROR(RequireShape(op, "lse", *lse, {dims.rows}));
   return dims;
+}
+
+absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyForwardArgs(const Tensor& logits,
+                                                           const Tensor& labels, const Tensor* loss,
+                                                           const Tensor* lse) {
+  constexpr const char* kOp = "SoftmaxCrossEntropyForward";
+  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyArgs(kOp, logits, labels, lse));
+  RETURN_IF_ERROR(RequireScalarF32(kOp, "loss", loss));
+  return d;
+}
+
+absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyBackwardArgs(const Tensor& logits,
+                                                            const Tensor& labels,
+                                                            const Tensor& lse,
+                                                            const Tensor& dloss,
+                                                            const Tensor* dlogits) {
+  constexpr const char* kOp = "SoftmaxCrossEntropyBackward";
+  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyArgs(kOp, logits, labels, &lse));
+  RETURN_IF_ERROR(RequireScalarF32(kOp, "dloss", &dloss));
+  RETURN_IF_ERROR(RequireFloat(kOp, "dlogits", dlogits));
+  RETURN_IF_ERROR(RequireShape(kOp, "dlogits", *dlogits, logits.shape()));
+  return d;
 }
 
 // ---- optimizers ---------------------------------------------------------------

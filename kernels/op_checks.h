@@ -84,6 +84,9 @@ absl::Status CheckKeptQuantization(const Ops::KeptQuantization& kept);
 // scale_inv may be null (Ops::DelayedScalingUpdates writes none).
 absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tensor* amax_history,
                                      const Tensor* scale, const Tensor* scale_inv);
+// Every entry as CheckDelayedScalingArgs (no scale_inv); non_finite null or [1] f32.
+absl::Status CheckDelayedScalingUpdatesArgs(const std::vector<Ops::DelayedScalingItem>& items,
+                                            const Tensor* non_finite);
 // Elements per block, along the last dimension, of each BlockFormat.
 constexpr int kMxfp8BlockSize = 32;
 constexpr int kNvfp4BlockSize = 16;
@@ -204,6 +207,16 @@ absl::StatusOr<LmDims> CheckEmbedBackwardArgs(const Tensor& dy, const Tensor& id
                                               const Tensor* dtable);
 absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyArgs(const char* op, const Tensor& logits,
                                                     const Tensor& labels, const Tensor* lse);
+// The two directions' whole checks: the above, plus loss [1] f32 (forward);
+// dloss [1] f32 and dlogits float of logits' shape (backward).
+absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyForwardArgs(const Tensor& logits,
+                                                           const Tensor& labels, const Tensor* loss,
+                                                           const Tensor* lse);
+absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyBackwardArgs(const Tensor& logits,
+                                                            const Tensor& labels,
+                                                            const Tensor& lse,
+                                                            const Tensor& dloss,
+                                                            const Tensor* dlogits);
 
 // ---- optimizers ---------------------------------------------------------------
 

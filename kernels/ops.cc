@@ -1,5 +1,9 @@
 #include "kernels/ops.h"
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
@@ -127,12 +131,32 @@ absl::Status Ops::ActivationForwardTransposed(const std::vector<Activation>& act
   return Permute(y->Reshaped({y->numel() / width, width}), {1, 0}, y_t);
 }
 
-absl::Status Ops::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) {
+absl::Status Ops::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items,
+                                        Tensor* non_finite) {
+  RETURN_IF_ERROR(CheckDelayedScalingUpdatesArgs(items, non_finite));
   if (items.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(Tensor scale_inv, Allocate(DType::kF32, {1}));
+  float count = 0.0f;
+  std::vector<float> window;
   for (const DelayedScalingItem& item : items) {
+    if (non_finite != nullptr) {
+      // The window the update takes its amax from (history[0] for
+      // most_recent): max |v| is inf or NaN iff one of its values is.
+      window.resize(static_cast<size_t>(item.args.most_recent ? 1 : item.amax_history.numel()));
+      RETURN_IF_ERROR(Download(item.amax_history.Slice0(0, static_cast<int64_t>(window.size())),
+                               window.data()));
+      if (std::any_of(window.begin(), window.end(), [](float v) { return !std::isfinite(v); })) {
+        count += 1.0f;
+      }
+    }
     Tensor history = item.amax_history, scale = item.scale;
     RETURN_IF_ERROR(DelayedScalingUpdate(item.args, &history, &scale, &scale_inv));
+  }
+  if (non_finite != nullptr && count > 0.0f) {
+    float total = 0.0f;
+    RETURN_IF_ERROR(Download(*non_finite, &total));
+    total += count;
+    RETURN_IF_ERROR(Upload(&total, non_finite));
   }
   return absl::OkStatus();
 }

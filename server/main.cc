@@ -41,6 +41,7 @@
 #include "server/service/service.h"
 #include "server/session/checkpoint.h"
 #include "server/session/log.h"
+#include "server/session/session.h"
 #include "server/session/session_manager.h"
 
 ABSL_FLAG(int, port, 50051, "TCP port to listen on; 0 picks a free port (see --port_file)");
@@ -329,6 +330,7 @@ int Run() {
                                       (*devices)->device(i).info().memory_bytes);
     }
     server_metrics->queue_depth->Set(queued);
+    server_metrics->CountFp8AmaxOverflowsTo(session::Fp8NonFiniteAmaxes());
   };
 
   grpc::EnableDefaultHealthCheckService(true);

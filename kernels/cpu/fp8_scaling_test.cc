@@ -369,6 +369,77 @@ TEST(CpuDelayedScalingTest, RejectsBadState) {
   EXPECT_EQ(ToFloatVector(ok_history), (std::vector<float>{1.0f, 0.0f}));  // untouched
 }
 
+// A step's updates in one call: each entry as its own DelayedScalingUpdate,
+// and non_finite += the entries whose amax was inf or NaN (the ones that kept
+// their scale for it; a zero window keeps its scale too but is not counted).
+TEST(CpuDelayedScalingTest, UpdatesCountInfAndNanAmaxes) {
+  CpuOps ops;
+  struct Case {
+    std::vector<float> history;
+    bool most_recent;
+    bool counted;
+  };
+  const std::vector<Case> cases = {
+      {{2.0f, 1.0f, 0.5f}, false, false},
+      {{0.0f, 0.0f}, false, false},             // zero: scale kept, not an overflow
+      {{1.0f, INFINITY, 3.0f}, false, true},    // inf in the window
+      {{1.0f, 2.0f, NAN}, false, true},         // NaN in the window
+      {{4.0f, INFINITY}, true, false},          // most_recent reads history[0] only
+      {{-INFINITY, 1.0f}, true, true},
+      {{NAN}, true, true},
+  };
+  std::vector<Ops::DelayedScalingItem> items;
+  std::vector<Tensor> histories, expected_histories, expected_scales;
+  for (const Case& c : cases) {
+    Ops::DelayedScalingItem item;
+    item.args.most_recent = c.most_recent;
+    item.amax_history = MakeTensor(ops, DType::kF32, {static_cast<int64_t>(c.history.size())},
+                                   c.history);
+    item.scale = Scalar(ops, 3.0f);
+    items.push_back(item);
+    Tensor h = MakeTensor(ops, DType::kF32, {static_cast<int64_t>(c.history.size())}, c.history);
+    Tensor scale = Scalar(ops, 3.0f), scale_inv = Scalar(ops, 0.0f);
+    ASSERT_TRUE(ops.DelayedScalingUpdate(item.args, &h, &scale, &scale_inv).ok());
+    expected_histories.push_back(h);
+    expected_scales.push_back(scale);
+  }
+  Tensor non_finite = Scalar(ops, 2.0f);  // added to, not overwritten
+  ASSERT_TRUE(ops.DelayedScalingUpdates(items, &non_finite).ok());
+  EXPECT_EQ(ScalarValue(non_finite), 2.0f + 4.0f);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const std::vector<float> got = ToFloatVector(items[i].amax_history);
+    const std::vector<float> want = ToFloatVector(expected_histories[i]);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << i;
+    EXPECT_EQ(ScalarValue(items[i].scale), ScalarValue(expected_scales[i])) << i;
+  }
+  // Without a counter the updates are the same and nothing is counted.
+  Tensor h = MakeTensor(ops, DType::kF32, {2}, {INFINITY, 1.0f});
+  Ops::DelayedScalingItem item;
+  item.amax_history = h;
+  item.scale = Scalar(ops, 3.0f);
+  ASSERT_TRUE(ops.DelayedScalingUpdates({item}, nullptr).ok());
+  EXPECT_EQ(ScalarValue(item.scale), 3.0f);
+}
+
+TEST(CpuDelayedScalingTest, UpdatesRefuseABadCounterOrEntryBeforeAnyMoves) {
+  CpuOps ops;
+  Ops::DelayedScalingItem good;
+  good.amax_history = MakeTensor(ops, DType::kF32, {2}, {2.0f, 1.0f});
+  good.scale = Scalar(ops, 3.0f);
+  Tensor wide = MakeTensor(ops, DType::kF32, {2}, {0.0f, 0.0f});
+  absl::Status s = ops.DelayedScalingUpdates({good}, &wide);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("non_finite"), absl::string_view::npos) << s;
+  Ops::DelayedScalingItem bad = good;
+  bad.amax_history = MakeTensor(ops, DType::kBF16, {2}, {1.0f, 1.0f});
+  Tensor non_finite = Scalar(ops, 0.0f);
+  EXPECT_EQ(ops.DelayedScalingUpdates({good, bad}, &non_finite).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToFloatVector(good.amax_history), (std::vector<float>{2.0f, 1.0f}));  // untouched
+  EXPECT_EQ(ScalarValue(good.scale), 3.0f);
+}
+
 // ---- block scaling -----------------------------------------------------------------
 
 // MXFP8 as TE scales it: block scale 2^ceil(log2(amax / 448)), values cast to E4M3.

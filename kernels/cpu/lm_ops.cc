@@ -42,9 +42,7 @@ absl::Status CpuOps::EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor* 
 
 absl::Status CpuOps::SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels,
                                                 Tensor* loss, Tensor* lse) {
-  ASSIGN_OR_RETURN(const LmDims d,
-                   CheckSoftmaxCrossEntropyArgs("SoftmaxCrossEntropyForward", logits, labels, lse));
-  RETURN_IF_ERROR(RequireScalarF32("SoftmaxCrossEntropyForward", "loss", loss));
+  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyForwardArgs(logits, labels, loss, lse));
   const int32_t* label = labels.data_as<const int32_t>();
   float* lse_out = lse->data_as<float>();
   double total = 0.0;
@@ -67,11 +65,8 @@ absl::Status CpuOps::SoftmaxCrossEntropyForward(const Tensor& logits, const Tens
 absl::Status CpuOps::SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
                                                  const Tensor& lse, const Tensor& dloss,
                                                  Tensor* dlogits) {
-  constexpr const char* kOp = "SoftmaxCrossEntropyBackward";
-  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyArgs(kOp, logits, labels, &lse));
-  RETURN_IF_ERROR(RequireScalarF32(kOp, "dloss", &dloss));
-  RETURN_IF_ERROR(RequireFloat(kOp, "dlogits", dlogits));
-  RETURN_IF_ERROR(RequireShape(kOp, "dlogits", *dlogits, logits.shape()));
+  ASSIGN_OR_RETURN(const LmDims d,
+                   CheckSoftmaxCrossEntropyBackwardArgs(logits, labels, lse, dloss, dlogits));
   const int32_t* label = labels.data_as<const int32_t>();
   const float* row_lse = lse.data_as<const float>();
   const double scale = static_cast<double>(dloss.data_as<const float>()[0]) / d.rows;

@@ -164,6 +164,55 @@ __device__ __forceinline__ void StorePack(T* p, const Pack<T, V>& v) {
   *reinterpret_cast<Pack<T, V>*>(p) = v;
 }
 
+// Item k's x_0 pack at x + at_x and, gated, its x_1 pack (width further on);
+// b is a's copy when not gated.
+template <typename S, int V>
+struct XPacks {
+  Pack<S, V> a, b;
+};
+template <typename S, int V, bool kGated>
+__device__ __forceinline__ XPacks<S, V> LoadX(const S* x, int64_t at_x, int64_t width) {
+  XPacks<S, V> p;
+  p.a = LoadPack<S, V>(x + at_x);
+  p.b = kGated ? LoadPack<S, V>(x + at_x + width) : p.a;
+  return p;
+}
+
+// One thread's walk over its items (Walk): load(at, at_x) reads item k, whose
+// y / dy element is `at` and x / dx element `at_x`, and compute(loaded, at,
+// at_x) does its math and stores. Both items of an iteration are loaded
+// before either is computed, for more bytes in flight.
+template <int V, bool kGated, typename Load, typename Compute>
+__device__ __forceinline__ void WalkItems(int64_t width, const Walk& w, Load load,
+                                          Compute compute) {
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  RowCursor c0{0, 0}, c1{0, 0};
+  if (kGated) {
+    c0.Start(k, w.per_row);
+    c1 = c0;
+    c1.Advance(w.half, w.per_row);
+  }
+  for (; k + threads < w.items; k += 2 * threads) {
+    const int64_t at0 = k * V, at1 = (k + threads) * V;
+    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
+    const int64_t x1 = kGated ? at1 + c1.row * width : at1;
+    const auto in0 = load(at0, x0);
+    const auto in1 = load(at1, x1);
+    compute(in0, at0, x0);
+    compute(in1, at1, x1);
+    if (kGated) {
+      c0.Advance(w.full, w.per_row);
+      c1.Advance(w.full, w.per_row);
+    }
+  }
+  if (k < w.items) {  // the last item, without a partner
+    const int64_t at0 = k * V;
+    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
+    compute(load(at0, x0), at0, x0);
+  }
+}
+
 // ---- forward ---------------------------------------------------------------------------
 
 template <typename A, typename B>
@@ -193,41 +242,12 @@ __device__ __forceinline__ void ForwardWalk(const typename In::Storage* x,
                                             typename Out::Storage* y, A0 act0, A1 act1,
                                             int64_t width, const Walk& w, float s,
                                             unsigned* amax_bits) {
-  using InPack = Pack<typename In::Storage, V>;
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  RowCursor c0{0, 0}, c1{0, 0};
-  if (kGated) {
-    c0.Start(k, w.per_row);
-    c1 = c0;
-    c1.Advance(w.half, w.per_row);
-  }
-  for (; k + threads < w.items; k += 2 * threads) {
-    const int64_t at0 = k * V, at1 = (k + threads) * V;
-    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
-    const int64_t x1 = kGated ? at1 + c1.row * width : at1;
-    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
-    const InPack a1 = LoadPack<typename In::Storage, V>(x + x1);
-    InPack b0 = a0, b1 = a1;
-    if (kGated) {
-      b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
-      b1 = LoadPack<typename In::Storage, V>(x + x1 + width);
-    }
-    ForwardItem<In, Out, V, kGated>(a0, b0, act0, act1, s, amax_bits, y + at0);
-    ForwardItem<In, Out, V, kGated>(a1, b1, act0, act1, s, amax_bits, y + at1);
-    if (kGated) {
-      c0.Advance(w.full, w.per_row);
-      c1.Advance(w.full, w.per_row);
-    }
-  }
-  if (k < w.items) {  // the last item, without a partner
-    const int64_t at0 = k * V;
-    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
-    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
-    InPack b0 = a0;
-    if (kGated) b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
-    ForwardItem<In, Out, V, kGated>(a0, b0, act0, act1, s, amax_bits, y + at0);
-  }
+  WalkItems<V, kGated>(
+      width, w,
+      [&](int64_t, int64_t at_x) { return LoadX<typename In::Storage, V, kGated>(x, at_x, width); },
+      [&](const XPacks<typename In::Storage, V>& in, int64_t at, int64_t) {
+        ForwardItem<In, Out, V, kGated>(in.a, in.b, act0, act1, s, amax_bits, y + at);
+      });
 }
 
 // x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale, amax
@@ -292,45 +312,19 @@ __device__ __forceinline__ void BackwardWalk(const typename D::Storage* dy,
                                              const typename In::Storage* x,
                                              typename Out::Storage* dx, A0 act0, A1 act1,
                                              int64_t width, const Walk& w) {
-  using InPack = Pack<typename In::Storage, V>;
-  using DPack = Pack<typename D::Storage, V>;
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  RowCursor c0{0, 0}, c1{0, 0};
-  if (kGated) {
-    c0.Start(k, w.per_row);
-    c1 = c0;
-    c1.Advance(w.half, w.per_row);
-  }
-  for (; k + threads < w.items; k += 2 * threads) {
-    const int64_t at0 = k * V, at1 = (k + threads) * V;
-    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
-    const int64_t x1 = kGated ? at1 + c1.row * width : at1;
-    const DPack g0 = LoadPack<typename D::Storage, V>(dy + at0);
-    const DPack g1 = LoadPack<typename D::Storage, V>(dy + at1);
-    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
-    const InPack a1 = LoadPack<typename In::Storage, V>(x + x1);
-    InPack b0 = a0, b1 = a1;
-    if (kGated) {
-      b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
-      b1 = LoadPack<typename In::Storage, V>(x + x1 + width);
-    }
-    BackwardItem<In, D, Out, V, kGated>(g0, a0, b0, act0, act1, width, dx + x0);
-    BackwardItem<In, D, Out, V, kGated>(g1, a1, b1, act0, act1, width, dx + x1);
-    if (kGated) {
-      c0.Advance(w.full, w.per_row);
-      c1.Advance(w.full, w.per_row);
-    }
-  }
-  if (k < w.items) {
-    const int64_t at0 = k * V;
-    const int64_t x0 = kGated ? at0 + c0.row * width : at0;
-    const DPack g0 = LoadPack<typename D::Storage, V>(dy + at0);
-    const InPack a0 = LoadPack<typename In::Storage, V>(x + x0);
-    InPack b0 = a0;
-    if (kGated) b0 = LoadPack<typename In::Storage, V>(x + x0 + width);
-    BackwardItem<In, D, Out, V, kGated>(g0, a0, b0, act0, act1, width, dx + x0);
-  }
+  struct Loaded {
+    Pack<typename D::Storage, V> g;
+    XPacks<typename In::Storage, V> in;
+  };
+  WalkItems<V, kGated>(
+      width, w,
+      [&](int64_t at, int64_t at_x) {
+        return Loaded{LoadPack<typename D::Storage, V>(dy + at),
+                      LoadX<typename In::Storage, V, kGated>(x, at_x, width)};
+      },
+      [&](const Loaded& l, int64_t, int64_t at_x) {
+        BackwardItem<In, D, Out, V, kGated>(l.g, l.in.a, l.in.b, act0, act1, width, dx + at_x);
+      });
 }
 
 // dy: [rows, width]; x, dx: [rows, gated ? 2 * width : width]. `vec` as for

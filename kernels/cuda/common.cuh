@@ -67,26 +67,20 @@ struct F16 {
     return __half_as_ushort(__float2half_rn(v));
   }
 };
-struct E4M3 {
+// Both FP8 formats: the hardware converts, NaN stored as 0x7f (fp8.h's).
+template <__nv_fp8_interpretation_t kFormat>
+struct Fp8Format {
   using Storage = uint8_t;
   static __device__ __forceinline__ float Load(uint8_t v) {
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v, __NV_E4M3)));
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v, kFormat)));
   }
   static __device__ __forceinline__ uint8_t Store(float v) {
     if (v != v) return 0x7f;
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFormat));
   }
 };
-struct E5M2 {
-  using Storage = uint8_t;
-  static __device__ __forceinline__ float Load(uint8_t v) {
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v, __NV_E5M2)));
-  }
-  static __device__ __forceinline__ uint8_t Store(float v) {
-    if (v != v) return 0x7f;
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2));
-  }
-};
+using E4M3 = Fp8Format<__NV_E4M3>;
+using E5M2 = Fp8Format<__NV_E5M2>;
 
 // Calls f(Format{}) for a float dtype (f32, bf16, f16); false for others.
 template <typename F>
@@ -128,6 +122,40 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T>
 inline bool PackAligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % sizeof(Pack<T>) == 0;
+}
+
+// A grid-stride pass over n elements, kVec at a time where `vec` (the
+// pointers allow Pack access), then the n % kVec tail (all of them otherwise)
+// one at a time: pack(k) handles elements [k * kVec, (k + 1) * kVec), one(i)
+// element i. Launch with GridFor(vec ? n / kVec : n) blocks.
+template <typename PackFn, typename OneFn>
+__device__ __forceinline__ void ForEachPackThenElement(int64_t n, bool vec, PackFn pack,
+                                                       OneFn one) {
+  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t packs = vec ? n / kVec : 0;
+  for (int64_t k = start; k < packs; k += stride) pack(k);
+  for (int64_t i = packs * kVec + start; i < n; i += stride) one(i);
+}
+
+// y[i] = Out(f(In(x[i]), i)) over n elements, by ForEachPackThenElement: f
+// takes the float value and its index and returns the float to store (rounded
+// once into Out).
+template <typename In, typename Out, typename F>
+__device__ __forceinline__ void MapElements(const typename In::Storage* x,
+                                            typename Out::Storage* y, int64_t n, bool vec, F f) {
+  using InPack = Pack<typename In::Storage>;
+  using OutPack = Pack<typename Out::Storage>;
+  ForEachPackThenElement(
+      n, vec,
+      [&](int64_t k) {
+        const InPack a = reinterpret_cast<const InPack*>(x)[k];
+        OutPack o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o.v[j] = Out::Store(f(In::Load(a.v[j]), k * kVec + j));
+        reinterpret_cast<OutPack*>(y)[k] = o;
+      },
+      [&](int64_t i) { y[i] = Out::Store(f(In::Load(x[i]), i)); });
 }
 
 // ---- launch geometry ---------------------------------------------------------

@@ -95,10 +95,10 @@ class CudaOps : public Ops {
   // back to the pool when the last pointer to it goes away, which must be
   // after every UploadAsync reading it has finished (a Synchronize()).
   absl::StatusOr<std::shared_ptr<void>> AllocateStaging(size_t bytes) override;
-  // cudaMemcpyAsync on this stream: from page-locked memory it returns at
-  // once and the DMA engine reads `src` later, in stream order, so `src` must
-  // stay unchanged until the next Synchronize() (as ops.h states).
-  absl::Status UploadAsync(const void* src, Tensor* dst) override;
+  // UploadAsync is Ops's, Upload: its cudaMemcpyAsync on this stream, from
+  // page-locked memory, returns at once and the DMA engine reads `src` later,
+  // in stream order, so `src` must stay unchanged until the next
+  // Synchronize() (as ops.h states).
 
   // elementwise.cu
   absl::Status Fill(float value, Tensor* y) override;
@@ -124,7 +124,8 @@ class CudaOps : public Ops {
                              Tensor* scale, Tensor* scale_inv) override;
   absl::Status DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
                                     Tensor* scale, Tensor* scale_inv) override;
-  absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) override;
+  absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items,
+                                     Tensor* non_finite) override;
   absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) override;
 
   // gemm.cu
@@ -230,7 +231,7 @@ class CudaOps : public Ops {
  private:
   // fp8.cu: DelayedScalingUpdate(s) in launches of up to 48 quantizers.
   absl::Status LaunchDelayedScaling(const std::vector<DelayedScalingItem>& items,
-                                    Tensor* scale_inv);
+                                    Tensor* scale_inv, Tensor* non_finite);
 
   std::shared_ptr<CudaContext> context_;
   SharedStream stream_;

@@ -22,27 +22,28 @@ __global__ void DropoutForwardKernel(const typename In::Storage* x, typename Out
   using InPack = Pack<typename In::Storage>;
   using OutPack = Pack<typename Out::Storage>;
   using MaskPack = Pack<uint8_t>;
-  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t packs = vec ? n / kVec : 0;
-  for (int64_t k = start; k < packs; k += stride) {
-    const InPack a = reinterpret_cast<const InPack*>(x)[k];
-    OutPack o;
-    MaskPack m;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const bool kept = DropoutUniform(seed, static_cast<uint64_t>(k * kVec + j)) >= rate;
-      o.v[j] = Out::Store(kept ? In::Load(a.v[j]) * kept_scale : 0.0f);
-      m.v[j] = kept ? 1 : 0;
-    }
-    reinterpret_cast<OutPack*>(y)[k] = o;
-    if (mask != nullptr) reinterpret_cast<MaskPack*>(mask)[k] = m;
-  }
-  for (int64_t i = packs * kVec + start; i < n; i += stride) {
+  // Element i of y, and whether it was kept.
+  auto drop = [&](float v, int64_t i, uint8_t* kept_out) {
     const bool kept = DropoutUniform(seed, static_cast<uint64_t>(i)) >= rate;
-    y[i] = Out::Store(kept ? In::Load(x[i]) * kept_scale : 0.0f);
-    if (mask != nullptr) mask[i] = kept ? 1 : 0;
-  }
+    *kept_out = kept ? 1 : 0;
+    return Out::Store(kept ? v * kept_scale : 0.0f);
+  };
+  ForEachPackThenElement(
+      n, vec,
+      [&](int64_t k) {
+        const InPack a = reinterpret_cast<const InPack*>(x)[k];
+        OutPack o;
+        MaskPack m;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o.v[j] = drop(In::Load(a.v[j]), k * kVec + j, &m.v[j]);
+        reinterpret_cast<OutPack*>(y)[k] = o;
+        if (mask != nullptr) reinterpret_cast<MaskPack*>(mask)[k] = m;
+      },
+      [&](int64_t i) {
+        uint8_t kept;
+        y[i] = drop(In::Load(x[i]), i, &kept);
+        if (mask != nullptr) mask[i] = kept;
+      });
 }
 
 template <typename In, typename Out>

@@ -34,30 +34,13 @@ template <typename In, typename Out>
 __global__ void QuantizeKernel(const typename In::Storage* x, typename Out::Storage* y,
                                const float* scale, float* amax, float* scale_inv, int64_t n,
                                bool vec) {
-  using InPack = Pack<typename In::Storage>;
-  using OutPack = Pack<typename Out::Storage>;
   __shared__ unsigned scratch[32];
   const float s = *scale;
   unsigned local = 0;
-  const int64_t start = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t packs = vec ? n / kVec : 0;
-  for (int64_t k = start; k < packs; k += stride) {
-    const InPack a = reinterpret_cast<const InPack*>(x)[k];
-    OutPack o;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float v = In::Load(a.v[j]);
-      local = max(local, AbsBits(v));
-      o.v[j] = Out::Store(v * s);
-    }
-    reinterpret_cast<OutPack*>(y)[k] = o;
-  }
-  for (int64_t i = packs * kVec + start; i < n; i += stride) {
-    const float v = In::Load(x[i]);
+  MapElements<In, Out>(x, y, n, vec, [&](float v, int64_t) {
     local = max(local, AbsBits(v));
-    y[i] = Out::Store(v * s);
-  }
+    return v * s;
+  });
   local = BlockMaxBits(local, scratch);
   if (threadIdx.x == 0) {
     AtomicMaxAbsBits(amax, local);
@@ -110,6 +93,7 @@ struct DelayedScalingBatch {
   float fp8_max[kScalingBatch];
   float margin[kScalingBatch];
   bool most_recent[kScalingBatch];
+  float* non_finite;  // null, or [1]: += the quantizers whose amax was inf or NaN
 };
 
 // One block per quantizer: the window's amax, the roll, the new scale.
@@ -134,9 +118,28 @@ __global__ void DelayedScalingKernel(DelayedScalingBatch batch) {
     const float amax = batch.most_recent[q] ? window[0] : __uint_as_float(max_bits);
     float s = *batch.scale[q];
     if (isfinite(amax) && amax > 0.0f) s = batch.fp8_max[q] * exp2f(-batch.margin[q]) / amax;
+    if (!isfinite(amax) && batch.non_finite != nullptr) atomicAdd(batch.non_finite, 1.0f);
     *batch.scale[q] = s;
     if (batch.scale_inv[q] != nullptr) *batch.scale_inv[q] = 1.0f / s;
   }
+}
+
+// A block-scaled kernel's kBlock elements from x as floats; returns their
+// max |v| as AbsBits.
+template <typename In, int kBlock>
+__device__ __forceinline__ unsigned LoadBlock(const typename In::Storage* x, float (&v)[kBlock]) {
+  unsigned bits = 0;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    v[i] = In::Load(x[i]);
+    bits = max(bits, AbsBits(v[i]));
+  }
+  return bits;
+}
+template <typename Out, int kBlock>
+__device__ __forceinline__ void StoreBlock(const float (&v)[kBlock], typename Out::Storage* y) {
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) y[i] = Out::Store(v[i]);
 }
 
 // MXFP8: one thread per 32-element block along the rows. A zero block stays
@@ -147,13 +150,7 @@ __global__ void Mxfp8Kernel(const typename In::Storage* x, typename Out::Storage
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < blocks;
        b += int64_t(gridDim.x) * blockDim.x) {
     float v[kMxfp8Block];
-    unsigned bits = 0;
-#pragma unroll
-    for (int i = 0; i < kMxfp8Block; ++i) {
-      v[i] = In::Load(x[b * kMxfp8Block + i]);
-      bits = max(bits, AbsBits(v[i]));
-    }
-    const float amax = __uint_as_float(bits);
+    const float amax = __uint_as_float(LoadBlock<In>(x + b * kMxfp8Block, v));
     if (amax != 0.0f) {
       if (!isfinite(amax)) {
 #pragma unroll
@@ -172,8 +169,7 @@ __global__ void Mxfp8Kernel(const typename In::Storage* x, typename Out::Storage
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < kMxfp8Block; ++i) y[b * kMxfp8Block + i] = Out::Store(v[i]);
+    StoreBlock<Out>(v, y + b * kMxfp8Block);
   }
 }
 
@@ -188,12 +184,7 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < blocks;
        b += int64_t(gridDim.x) * blockDim.x) {
     float v[kNvfp4Block];
-    unsigned bits = 0;
-#pragma unroll
-    for (int i = 0; i < kNvfp4Block; ++i) {
-      v[i] = In::Load(x[b * kNvfp4Block + i]);
-      bits = max(bits, AbsBits(v[i]));
-    }
+    const unsigned bits = LoadBlock<In>(x + b * kNvfp4Block, v);
     if (isnan(amax)) {
 #pragma unroll
       for (int i = 0; i < kNvfp4Block; ++i) v[i] = NAN;
@@ -210,8 +201,7 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
         for (int i = 0; i < kNvfp4Block; ++i) v[i] = RoundToE2M1(v[i] * encode) * decode;
       }
     }
-#pragma unroll
-    for (int i = 0; i < kNvfp4Block; ++i) y[b * kNvfp4Block + i] = Out::Store(v[i]);
+    StoreBlock<Out>(v, y + b * kNvfp4Block);
   }
 }
 
@@ -367,20 +357,18 @@ absl::Status CudaOps::ScaleFromAmax(const Tensor& amax, float fp8_max, float mar
 absl::Status CudaOps::DelayedScalingUpdate(const DelayedScalingArgs& args, Tensor* amax_history,
                                            Tensor* scale, Tensor* scale_inv) {
   RETURN_IF_ERROR(CheckDelayedScalingArgs(args, amax_history, scale, scale_inv));
-  return LaunchDelayedScaling({{args, *amax_history, *scale}}, scale_inv);
+  return LaunchDelayedScaling({{args, *amax_history, *scale}}, scale_inv, nullptr);
 }
 
-absl::Status CudaOps::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items) {
+absl::Status CudaOps::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items,
+                                            Tensor* non_finite) {
   // Every entry is checked before any is launched, so a bad one changes nothing.
-  for (const DelayedScalingItem& item : items) {
-    Tensor history = item.amax_history, scale = item.scale;
-    RETURN_IF_ERROR(CheckDelayedScalingArgs(item.args, &history, &scale, nullptr));
-  }
-  return LaunchDelayedScaling(items, nullptr);
+  RETURN_IF_ERROR(CheckDelayedScalingUpdatesArgs(items, non_finite));
+  return LaunchDelayedScaling(items, nullptr, non_finite);
 }
 
 absl::Status CudaOps::LaunchDelayedScaling(const std::vector<DelayedScalingItem>& items,
-                                           Tensor* scale_inv) {
+                                           Tensor* scale_inv, Tensor* non_finite) {
   // CUDA only: the kernel holds a whole history in one block's shared memory.
   for (const DelayedScalingItem& item : items) {
     if (item.amax_history.numel() > kMaxHistory) {
@@ -407,6 +395,7 @@ absl::Status CudaOps::LaunchDelayedScaling(const std::vector<DelayedScalingItem>
       batch.most_recent[i] = item.args.most_recent;
       longest = std::max(longest, item.amax_history.numel());
     }
+    batch.non_finite = non_finite != nullptr ? non_finite->data_as<float>() : nullptr;
     const size_t shared = static_cast<size_t>(longest) * sizeof(float);
     RETURN_IF_ERROR(AllowSharedBytes(DelayedScalingKernel, shared,
                                      "cudaFuncSetAttribute(DelayedScalingKernel)"));

@@ -201,9 +201,7 @@ absl::Status CudaOps::EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor*
 
 absl::Status CudaOps::SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels,
                                                  Tensor* loss, Tensor* lse) {
-  constexpr const char* kOp = "SoftmaxCrossEntropyForward";
-  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyArgs(kOp, logits, labels, lse));
-  RETURN_IF_ERROR(RequireScalarF32(kOp, "loss", loss));
+  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyForwardArgs(logits, labels, loss, lse));
   RETURN_IF_ERROR(Enter());
   ASSIGN_OR_RETURN(Tensor term, Allocate(DType::kF32, {d.rows}));
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(d.rows, kMaxRowBlocks));
@@ -222,11 +220,8 @@ absl::Status CudaOps::SoftmaxCrossEntropyForward(const Tensor& logits, const Ten
 absl::Status CudaOps::SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
                                                   const Tensor& lse, const Tensor& dloss,
                                                   Tensor* dlogits) {
-  constexpr const char* kOp = "SoftmaxCrossEntropyBackward";
-  ASSIGN_OR_RETURN(const LmDims d, CheckSoftmaxCrossEntropyArgs(kOp, logits, labels, &lse));
-  RETURN_IF_ERROR(RequireScalarF32(kOp, "dloss", &dloss));
-  RETURN_IF_ERROR(RequireFloat(kOp, "dlogits", dlogits));
-  RETURN_IF_ERROR(RequireShape(kOp, "dlogits", *dlogits, logits.shape()));
+  ASSIGN_OR_RETURN(const LmDims d,
+                   CheckSoftmaxCrossEntropyBackwardArgs(logits, labels, lse, dloss, dlogits));
   RETURN_IF_ERROR(Enter());
   const int64_t total = d.rows * d.vocab;
   DispatchFloat(logits.dtype(), [&](auto l) {

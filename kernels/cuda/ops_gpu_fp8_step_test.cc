@@ -35,8 +35,9 @@ class Fp8StepOpsTest : public GpuTest {
 };
 
 // 60 quantizers (more than one launch's 48) with histories of different
-// lengths, a zero window (scale kept) and an infinite amax (scale kept), both
-// algorithms: every history and scale as the CPU's per-quantizer update.
+// lengths, a zero window (scale kept) and infinite or NaN amaxes (scale kept,
+// counted), both algorithms: every history and scale as the CPU's
+// per-quantizer update, and the same count of inf / NaN amaxes.
 TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
   std::vector<Ops::DelayedScalingItem> cpu_items, gpu_items;
   std::vector<Pair> histories, scales;
@@ -44,9 +45,14 @@ TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
     const int64_t length = 1 + (q * 37) % 1024;
     Pair h = Random(DType::kF32, {length}, 100 + q, 0.0f, 8.0f);
     if (q == 3) h = Zeros(DType::kF32, {length});
-    if (q == 5) {
+    if (q == 5 || q == 50 || q == 53) {  // 53: most_recent, inf past history[0]
       std::vector<float> v(static_cast<size_t>(length), 1.0f);
-      v[0] = INFINITY;
+      v[q == 53 ? length - 1 : 0] = q == 50 ? NAN : INFINITY;
+      h = FromValues(DType::kF32, {length}, v);
+    }
+    if (q == 9) {  // most_recent and history[0] is NaN
+      std::vector<float> v(static_cast<size_t>(length), 1.0f);
+      v[0] = NAN;
       h = FromValues(DType::kF32, {length}, v);
     }
     Pair s = FromValues(DType::kF32, {1}, {0.5f + q});
@@ -63,8 +69,12 @@ TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
     histories.push_back(h);
     scales.push_back(s);
   }
-  ASSERT_TRUE(cpu_->DelayedScalingUpdates(cpu_items).ok());
-  ASSERT_TRUE(gpu_->DelayedScalingUpdates(gpu_items).ok());
+  Pair non_finite = FromValues(DType::kF32, {1}, {1.0f});
+  ASSERT_TRUE(cpu_->DelayedScalingUpdates(cpu_items, &non_finite.cpu).ok());
+  ASSERT_TRUE(gpu_->DelayedScalingUpdates(gpu_items, &non_finite.gpu).ok());
+  // q 5, 50 (any window) and 9 (history[0]); not 53 (most_recent, inf later).
+  EXPECT_EQ(LoadAsFloat(non_finite.cpu, 0), 1.0f + 3.0f);
+  EXPECT_EQ(LoadAsFloat(Fetch(non_finite.gpu), 0), 1.0f + 3.0f);
   for (size_t q = 0; q < histories.size(); ++q) {
     const Tensor got = Fetch(histories[q].gpu);
     EXPECT_EQ(0, std::memcmp(got.data(), histories[q].cpu.data(), got.nbytes())) << "history " << q;
@@ -74,7 +84,8 @@ TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
   Pair bad = Zeros(DType::kBF16, {4});
   gpu_items[7].amax_history = bad.gpu;
   const Tensor before = Fetch(histories[0].gpu);
-  EXPECT_EQ(gpu_->DelayedScalingUpdates(gpu_items).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->DelayedScalingUpdates(gpu_items, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(0, std::memcmp(Fetch(histories[0].gpu).data(), before.data(), before.nbytes()));
 }
 

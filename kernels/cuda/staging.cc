@@ -110,14 +110,5 @@ absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateStaging(size_t bytes) {
   return context_->staging_pool->Take(bytes == 0 ? 1 : bytes);
 }
 
-absl::Status CudaOps::UploadAsync(const void* src, Tensor* dst) {
-  RETURN_IF_ERROR(CheckUploadArgs(src, dst));
-  if (dst->nbytes() == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(Enter());
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst->data(), src, dst->nbytes(), cudaMemcpyHostToDevice, stream()));
-  return absl::OkStatus();
-}
-
 }  // namespace cuda
 }  // namespace te

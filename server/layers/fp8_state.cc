@@ -269,7 +269,7 @@ absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
   return op;
 }
 
-absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars) {
+absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars, Tensor* non_finite) {
   if (!HasFp8Metas(&fp8)) return absl::OkStatus();
   const std::string prefix = absl::StrCat(kFp8Metas, "/");
   std::vector<Ops::DelayedScalingItem> items;
@@ -293,7 +293,7 @@ absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars) {
     items.push_back(std::move(item));
   }
   // One launch for the layer's quantizers, all checked before any moves.
-  return ops.DelayedScalingUpdates(items);
+  return ops.DelayedScalingUpdates(items, non_finite);
 }
 
 }  // namespace te::layers

@@ -128,7 +128,10 @@ absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
 // scale = fp8_max * 2^-margin / amax (kept where amax is 0, inf or NaN).
 // fp8_max follows the quantizer's format (grad: backward dtype). No-op for
 // recipes without state. FAILED_PRECONDITION when a history has no scale.
-absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars);
+// non_finite: null, or [1] f32 to which the number of quantizers whose amax
+// was inf or NaN is added on the device (Ops::DelayedScalingUpdates).
+absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars,
+                            Tensor* non_finite = nullptr);
 
 }  // namespace te::layers
 

@@ -48,6 +48,11 @@ void ServerMetrics::SetDeviceMemory(absl::string_view device, int64_t used_bytes
   device_memory_total->Add({{"device", device_label}}).Set(static_cast<double>(total_bytes));
 }
 
+void ServerMetrics::CountFp8AmaxOverflowsTo(int64_t total) const {
+  const double missing = static_cast<double>(total) - fp8_amax_overflows->Value();
+  if (missing > 0) fp8_amax_overflows->Increment(missing);
+}
+
 absl::StatusOr<ServerMetrics> RegisterServerMetrics(prometheus::Registry& registry) {
   ServerMetrics m;
   // prometheus-cpp reports a refused name by throwing; the error names the family.
@@ -84,8 +89,8 @@ absl::StatusOr<ServerMetrics> RegisterServerMetrics(prometheus::Registry& regist
                                    "The device's memory, by device.")
                                  .Register(registry);
     m.fp8_amax_overflows = &named(prometheus::BuildCounter(), "te_fp8_amax_overflows_total",
-                                  "FP8 amax readings that were inf or NaN, or past what the "
-                                  "scale in use can represent (the cast saturated).")
+                                  "FP8 delayed-scaling updates whose amax was inf or NaN, "
+                                  "so the scale was kept, as TE keeps it.")
                                 .Register(registry)
                                 .Add({});
   } catch (const std::exception& error) {

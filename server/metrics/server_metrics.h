@@ -12,8 +12,8 @@
 //   te_sessions_open                         sessions held
 //   te_device_memory_used_bytes{device}      device memory in use (sessions and caches)
 //   te_device_memory_total_bytes{device}     the device's memory
-//   te_fp8_amax_overflows_total              FP8 amax readings that were inf/NaN, or
-//                                            past what the scale in use can represent
+//   te_fp8_amax_overflows_total              FP8 delayed-scaling updates whose amax was
+//                                            inf or NaN (the scale was kept, as TE keeps it)
 #ifndef TE_SERVER_METRICS_SERVER_METRICS_H_
 #define TE_SERVER_METRICS_SERVER_METRICS_H_
 
@@ -64,6 +64,10 @@ struct ServerMetrics {
   void AddReceivedBytes(absl::string_view method, int64_t bytes) const;
   void AddSentBytes(absl::string_view method, int64_t bytes) const;
   void SetDeviceMemory(absl::string_view device, int64_t used_bytes, int64_t total_bytes) const;
+  // Brings te_fp8_amax_overflows_total up to `total`, the session layer's
+  // running count (session::Fp8NonFiniteAmaxes): a counter never goes down,
+  // so a smaller total changes nothing.
+  void CountFp8AmaxOverflowsTo(int64_t total) const;
 };
 
 // Registers the metrics above in `registry` (which must outlive the result).

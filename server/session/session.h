@@ -89,6 +89,14 @@ struct CallContext {
   absl::Status StillWanted(const std::string& what) const;
 };
 
+// Process-wide and thread-safe: how many delayed-scaling updates of every
+// session's steps took an amax that was inf or NaN, so kept their scale (as
+// TE's update does). Counted from each ForwardBackward or Benchmark step's
+// read-back of its value, which carries the count from the device; a Forward
+// or Backward called apart reads nothing back that it could travel with, so
+// their updates are not counted.
+int64_t Fp8NonFiniteAmaxes();
+
 class Session {
  public:
   Session(std::string id, const DeviceInfo& device, std::unique_ptr<Ops> ops,
@@ -211,14 +219,18 @@ class Session {
                     layers::LayerGrads* grads, const Tensor* target = nullptr,
                     double loss_scale = 1.0, Tensor* pending_value = nullptr);
   // (`pending_value`: where given, the value is left there on the device,
-  // unscaled and unread, and *value is not set.)
+  // unscaled and unread, and *value is not set: ReadStepResult reads it.)
   // Applies the optimizer step in place (contract 8) and says what it did:
   // the update is decided and done on the device (optim, contract 3), and
   // its record read back once it is done.
   absl::Status ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
                            te::v1::UpdateInfo* info);
-  // sum(y * dy) as a [1, 1] float32 tensor on the device.
-  absl::StatusOr<Tensor> VdotOnDevice(const Tensor& y, const Tensor& dy);
+  // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
+  absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
+  // A step's read-back, in one copy: [0] the value (returned, unscaled) and,
+  // where it has a [1], the number of the step's FP8 scaling updates whose
+  // amax was inf or NaN, added to Fp8NonFiniteAmaxes().
+  absl::StatusOr<double> ReadStepResult(const Tensor& readback);
   // The variables a step call runs on (contract 2): the layer's own, with
   // the fp8_metas copied when `fp8` is a delayed-scaling recipe (the only
   // state a step writes); the call commits them with `layer.vars = ...`.

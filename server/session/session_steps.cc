@@ -236,29 +236,42 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   }
   RETURN_IF_ERROR(ops_->CheckInterrupt());
   // The value stays on the device until the backward is queued: reading it
-  // here would stall the stream between forward and backward.
-  Tensor value_on_device;
+  // here would stall the stream between forward and backward. It is read in
+  // one copy with the FP8 update's count of inf / NaN amaxes (ReadStepResult):
+  // readback [1] f32, or [2] under DelayedScaling.
+  const bool fp8_metas = layers::HasFp8Metas(opts.fp8);
+  Tensor readback;
   Tensor dy = given_dy;
   if (target != nullptr) {
     // optax.squared_error: r = y - target in float32; the value is
     // loss_scale * sum(r^2) and dy = 2 * loss_scale * r, in y's dtype.
     ASSIGN_OR_RETURN(Tensor residual, ops_->Allocate(DType::kF32, out.y.shape()));
     RETURN_IF_ERROR(ops_->Axpby(1.0f, out.y, -1.0f, *target, &residual));
-    ASSIGN_OR_RETURN(value_on_device, ops_->Allocate(DType::kF32, {1, 1}));
+    ASSIGN_OR_RETURN(readback, ops_->Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
+    Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
     RETURN_IF_ERROR(ops_->Dot(residual, residual, &value_on_device));
     ASSIGN_OR_RETURN(dy, ops_->Allocate(out.y.dtype(), out.y.shape()));
     RETURN_IF_ERROR(ops_->Axpby(static_cast<float>(2.0 * loss_scale), residual, 0.0f, residual, &dy));
   } else if (value != nullptr) {
-    ASSIGN_OR_RETURN(value_on_device, VdotOnDevice(out.y, dy));
+    ASSIGN_OR_RETURN(readback, ops_->Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
+    Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
+    RETURN_IF_ERROR(VdotOnDevice(out.y, dy, &value_on_device));
   }
   RETURN_IF_ERROR(layer.layer->Backward(*ops_, vars, *saved, dy, grads));
-  if (layers::HasFp8Metas(opts.fp8)) RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, vars));
+  if (fp8_metas) {
+    Tensor non_finite;
+    if (readback.defined()) {
+      non_finite = readback.Slice0(1, 2);
+      RETURN_IF_ERROR(ops_->Fill(0.0f, &non_finite));
+    }
+    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, vars,
+                                           readback.defined() ? &non_finite : nullptr));
+  }
   if (pending_value != nullptr) {
-    *pending_value = std::move(value_on_device);
+    *pending_value = std::move(readback);
   } else if (value != nullptr) {
-    float v = 0.0f;
-    RETURN_IF_ERROR(ops_->Download(value_on_device, &v));
-    *value = static_cast<double>(v) * (target != nullptr ? loss_scale : 1.0);
+    ASSIGN_OR_RETURN(const double v, ReadStepResult(readback));
+    *value = v * (target != nullptr ? loss_scale : 1.0);
   }
   return absl::OkStatus();
 }
@@ -550,9 +563,8 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     RETURN_IF_ERROR(ApplyUpdate(*layer, grad_sum, response->mutable_update()));
     // The step is done (ApplyUpdate read its record): these copies wait for nothing.
     for (size_t i = 0; i < pending_values.size(); ++i) {
-      float v = 0.0f;
-      RETURN_IF_ERROR(ops_->Download(pending_values[i].first, &v));
-      response->set_values(static_cast<int>(i), static_cast<double>(v) * pending_values[i].second);
+      ASSIGN_OR_RETURN(const double v, ReadStepResult(pending_values[i].first));
+      response->set_values(static_cast<int>(i), v * pending_values[i].second);
     }
     return absl::OkStatus();
   }

@@ -1,6 +1,6 @@
 // te_server's Prometheus endpoint: a real server with --metrics_port, real
-// gRPC calls (failed ones, a unary Forward of 0.4 MB, a PutTensor and a
-// GetTensor stream), then one scrape linted by `promtool check metrics` and a
+// gRPC calls (failed ones, a unary Forward of 0.4 MB, FP8 steps with an
+// infinite amax, a PutTensor and a GetTensor stream), then one scrape linted by `promtool check metrics` and a
 // real Prometheus scraping the endpoint, whose query API must show what the
 // calls did (tests/metrics/prometheus_fixture.h). Needs Debian's prometheus
 // package; without it the test fails.
@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -108,6 +110,48 @@ TEST(MetricsTest, PrometheusScrapesCallsBytesAndSessions) {
   ASSERT_GE(forward.ByteSizeLong(), 400000u);
   ASSERT_GE(y.ByteSizeLong(), static_cast<size_t>(kRows * kOut * 4));
 
+  // FP8 steps (DelayedScaling, a history of one) whose first x holds an inf:
+  // that step's x quantizer takes an infinite amax and keeps its scale, once;
+  // its kernel and gradient amaxes, and the second step's, are finite.
+  te::v1::Autocast fp8;
+  fp8.set_enabled(true);
+  fp8.mutable_recipe()->mutable_delayed_scaling()->set_amax_history_len(1);
+  te::v1::InitLayerRequest fp8_init;
+  *fp8_init.mutable_session() = session;
+  fp8_init.mutable_spec()->mutable_dense_general()->add_features(16);
+  fp8_init.set_input_dtype(te::v1::FLOAT32);
+  fp8_init.add_input_shape(16);
+  fp8_init.add_input_shape(16);
+  *fp8_init.mutable_autocast() = fp8;
+  te::v1::InitLayerResponse fp8_layer;
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub->InitLayer(&context, fp8_init, &fp8_layer);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  te::v1::ForwardBackwardRequest steps;
+  *steps.mutable_session() = session;
+  steps.set_layer_id(fp8_layer.layer_id());
+  steps.set_deterministic(true);
+  *steps.mutable_autocast() = fp8;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<float> x(16 * 16, 0.25f), dy(16 * 16, 0.5f);
+    if (i == 0) x[37] = std::numeric_limits<float>::infinity();
+    te::v1::MicroBatch* mb = steps.add_micro_batches();
+    for (auto [tensor, values] : {std::pair{mb->mutable_x(), &x}, std::pair{mb->mutable_dy(), &dy}}) {
+      tensor->set_dtype(te::v1::FLOAT32);
+      tensor->add_shape(16);
+      tensor->add_shape(16);
+      tensor->set_inline_data(values->data(), values->size() * sizeof(float));
+    }
+  }
+  te::v1::ForwardBackwardResponse stepped;
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub->ForwardBackward(&context, steps, &stepped);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+
   // A tensor up in two data chunks, and down again.
   size_t put_bytes = 0;
   te::v1::PutTensorResponse put;
@@ -169,6 +213,9 @@ TEST(MetricsTest, PrometheusScrapesCallsBytesAndSessions) {
       {"te_rpc_latency_seconds_count{method=\"CloseSession\"}", Equals(2), "2"},
       {"te_rpc_latency_seconds_bucket{method=\"CloseSession\",le=\"+Inf\"}", Equals(2), "2"},
       {"te_rpc_requests_total{method=\"Forward\",code=\"OK\"}", Equals(1), "1"},
+      {"te_rpc_requests_total{method=\"ForwardBackward\",code=\"OK\"}", Equals(1), "1"},
+      // Published by the housekeeping thread, from the steps' read-backs.
+      {"te_fp8_amax_overflows_total", Equals(1), "1"},
       // The housekeeping thread refreshes the gauges every second.
       {"te_sessions_open", Equals(1), "1"},
       {"te_device_memory_total_bytes{device=\"cpu\"}", [](double v) { return v > 0; }, "> 0"},

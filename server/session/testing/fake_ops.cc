@@ -208,6 +208,12 @@ class FakeOps final : public Ops {
                                     Tensor* scale, Tensor* scale_inv) override {
     return Run("DelayedScalingUpdate");
   }
+  // The fakes compute no values, so there is no amax to count: the updates
+  // run (and fail) one by one as the default runs them, non_finite untouched.
+  absl::Status DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items,
+                                     Tensor* non_finite) override {
+    return Ops::DelayedScalingUpdates(items, nullptr);
+  }
   absl::Status FakeQuantizeBlockScaled(BlockFormat format, const Tensor& x, Tensor* y) override {
     return Run("FakeQuantizeBlockScaled");
   }
