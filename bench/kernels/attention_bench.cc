@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernels/bench_random.h"
 #include "kernels/cuda/attention_internal.h"
 #include "bench/kernels/median_ms.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -27,11 +28,8 @@ namespace {
 Tensor RandomBf16(cuda::CudaOps* ops, const Shape& shape, uint64_t seed) {
   Tensor t = *ops->Allocate(DType::kBF16, shape);
   std::vector<uint16_t> host(static_cast<size_t>(t.numel()));
-  uint64_t state = seed * 0x9e3779b97f4a7c15ULL + 1;
-  for (uint16_t& h : host) {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    h = FloatToBf16(static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 23));
-  }
+  bench::LcgFloats random(seed * 0x9e3779b97f4a7c15ULL + 1);
+  for (uint16_t& h : host) h = FloatToBf16(random.Next());
   if (!ops->Upload(host.data(), &t).ok()) std::abort();
   return t;
 }

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernels/bench_random.h"
 #include "bench/kernels/median_ms.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/fp8.h"
@@ -29,10 +30,9 @@ namespace {
 // data need not be good randomness, only not constant).
 std::vector<uint8_t> RandomBytes(DType dtype, int64_t n, uint64_t seed) {
   std::vector<uint8_t> bytes(static_cast<size_t>(n) * DTypeSize(dtype));
-  uint64_t state = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+  bench::LcgFloats random(seed * 6364136223846793005ULL + 1442695040888963407ULL);
   for (int64_t i = 0; i < n; ++i) {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    const float v = static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 23);
+    const float v = random.Next();
     switch (dtype) {
       case DType::kBF16: {
         const uint16_t h = FloatToBf16(v);

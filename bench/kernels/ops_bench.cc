@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/kernels/bench_random.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
@@ -29,10 +30,9 @@ constexpr int64_t kTokens = 8192, kHidden = 4096, kMlp = 16384;
 Tensor Random(Ops& ops, DType dtype, const Shape& shape, uint64_t seed) {
   Tensor t = *ops.Allocate(dtype, shape);
   std::vector<uint8_t> bytes(t.nbytes());
-  uint64_t state = seed * 6364136223846793005ULL + 1;
+  bench::LcgFloats random(seed * 6364136223846793005ULL + 1);
   for (int64_t i = 0; i < t.numel(); ++i) {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    const float v = static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 23);
+    const float v = random.Next();
     if (dtype == DType::kBF16) {
       const uint16_t h = FloatToBf16(2.0f * v);
       std::memcpy(&bytes[i * 2], &h, 2);

@@ -27,6 +27,7 @@
 #include "server/session/shm_region.h"
 #include "te/state/v1/session_state.pb.h"
 #include "te/v1/service.pb.h"
+#include "tests/fuzz/request_specs.h"
 
 namespace te::fuzz {
 namespace {
@@ -46,13 +47,6 @@ session::SessionConfig TinyConfig() {
   config.enable_shm = true;
   config.max_shm_regions = 2;
   return config;
-}
-
-te::v1::Autocast DelayedScaling() {
-  te::v1::Autocast autocast;
-  autocast.set_enabled(true);
-  autocast.mutable_recipe()->mutable_delayed_scaling()->set_amax_history_len(4);
-  return autocast;
 }
 
 te::v1::Tensor Floats(const std::vector<int64_t>& shape, float scale) {
@@ -135,30 +129,10 @@ struct KindSetup {
   te::v1::NegotiationPolicy policy = te::v1::FALLBACK;  // EMULATE for the emulated recipes
 };
 
-te::v1::SequentialSpec::Stage Module(const std::string& name, const te::v1::LayerSpec& spec) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.set_name(name);
-  *stage.mutable_module() = spec;
-  return stage;
-}
-
-te::v1::SequentialSpec::Stage Reshape(std::vector<int64_t> from, std::vector<int64_t> to) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.mutable_reshape()->mutable_from()->Assign(from.begin(), from.end());
-  stage.mutable_reshape()->mutable_to()->Assign(to.begin(), to.end());
-  return stage;
-}
-
 te::v1::SequentialSpec::Stage Residual(te::v1::SequentialSpec::Residual residual) {
   te::v1::SequentialSpec::Stage stage;
   stage.set_residual(residual);
   return stage;
-}
-
-te::v1::LayerSpec Dense(int64_t features) {
-  te::v1::LayerSpec spec;
-  spec.mutable_dense_general()->add_features(features);
-  return spec;
 }
 
 te::v1::LayerSpec Attention() {
@@ -168,22 +142,12 @@ te::v1::LayerSpec Attention() {
   return spec;
 }
 
-te::v1::GraphSpec::Node* GraphNode(te::v1::GraphSpec* g, const std::string& name,
-                                   std::vector<std::string> inputs,
-                                   std::vector<std::string> outputs) {
-  te::v1::GraphSpec::Node* node = g->add_nodes();
-  node->set_name(name);
-  for (const std::string& in : inputs) node->add_inputs(in);
-  for (const std::string& out : outputs) node->add_outputs(out);
-  return node;
-}
-
 // q = Dense(x), k and v from the extra inputs (any length), attention, back to
 // [2, 3, 8], a residual add and a scale.
 te::v1::LayerSpec GraphWithExtraInputs() {
   te::v1::LayerSpec spec;
   te::v1::GraphSpec* g = spec.mutable_graph();
-  *GraphNode(g, "DenseGeneral_0", {"x"}, {"q"})->mutable_module() = Dense(8);
+  *GraphNode(g, "DenseGeneral_0", {"x"}, {"q"})->mutable_module() = DenseSpec({8});
   for (const auto& [in, out] : std::vector<std::pair<std::string, std::string>>{
            {"q", "q4"}, {"extra_inputs[0]", "k4"}, {"extra_inputs[1]", "v4"}}) {
     te::v1::GraphSpec::Node* reshape = GraphNode(g, "reshape_" + out, {in}, {out});
@@ -204,7 +168,7 @@ KindSetup SetupFor(LayerKind kind) {
   KindSetup k;
   switch (kind) {
     case LayerKind::kDenseFp8:
-      k.spec = Dense(4);
+      k.spec = DenseSpec({4});
       k.autocast = DelayedScaling();
       break;
     case LayerKind::kLayerNormMlpFp8:
@@ -218,13 +182,13 @@ KindSetup SetupFor(LayerKind kind) {
       te::v1::LayerSpec norm;
       norm.mutable_layer_norm();
       *s->add_stages() = Residual(te::v1::SequentialSpec::FORK);
-      *s->add_stages() = Module("LayerNorm_0", norm);
-      *s->add_stages() = Module("DenseGeneral_0", Dense(24));
-      *s->add_stages() = Reshape({24}, {2, 12});
+      *s->add_stages() = ModuleStage("LayerNorm_0", norm);
+      *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({24}));
+      *s->add_stages() = ReshapeStage({24}, {2, 12});
       s->add_stages()->set_split_last_axis(3);
-      *s->add_stages() = Module("DotProductAttention_0", Attention());
-      *s->add_stages() = Reshape({2, 4}, {8});
-      *s->add_stages() = Module("DenseGeneral_1", Dense(8));
+      *s->add_stages() = ModuleStage("DotProductAttention_0", Attention());
+      *s->add_stages() = ReshapeStage({2, 4}, {8});
+      *s->add_stages() = ModuleStage("DenseGeneral_1", DenseSpec({8}));
       *s->add_stages() = Residual(te::v1::SequentialSpec::JOIN);
       k.autocast = DelayedScaling();
       break;
@@ -243,9 +207,9 @@ KindSetup SetupFor(LayerKind kind) {
       break;
     case LayerKind::kSequentialAttention: {
       te::v1::SequentialSpec* s = k.spec.mutable_sequential();
-      *s->add_stages() = Module("DotProductAttention_0", Attention());
-      *s->add_stages() = Reshape({2, 4}, {8});
-      *s->add_stages() = Module("DenseGeneral_0", Dense(8));
+      *s->add_stages() = ModuleStage("DotProductAttention_0", Attention());
+      *s->add_stages() = ReshapeStage({2, 4}, {8});
+      *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({8}));
       k.x_shape = {2, 3, 2, 4};
       k.extra_kv = true;
       k.autocast = DelayedScaling();

@@ -17,6 +17,7 @@
 #include "te/state/v1/session_state.pb.h"
 #include "te/v1/service.pb.h"
 #include "tests/fuzz/request_harness.h"
+#include "tests/fuzz/request_specs.h"
 
 namespace te::fuzz {
 namespace {
@@ -46,13 +47,6 @@ te::v1::Tensor Floats(const std::vector<int64_t>& shape, float scale) {
 te::v1::Tensor Live() {
   te::v1::Tensor tensor;
   return tensor;
-}
-
-te::v1::Autocast DelayedScaling(int history = 4) {
-  te::v1::Autocast autocast;
-  autocast.set_enabled(true);
-  autocast.mutable_recipe()->mutable_delayed_scaling()->set_amax_history_len(history);
-  return autocast;
 }
 
 te::v1::Autocast CurrentScaling() {
@@ -159,36 +153,6 @@ class Seeds {
  private:
   std::vector<Seed> seeds_;
 };
-
-te::v1::LayerSpec DenseSpec(std::vector<int64_t> features) {
-  te::v1::LayerSpec spec;
-  spec.mutable_dense_general()->mutable_features()->Assign(features.begin(), features.end());
-  return spec;
-}
-
-te::v1::SequentialSpec::Stage ReshapeStage(std::vector<int64_t> from, std::vector<int64_t> to) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.mutable_reshape()->mutable_from()->Assign(from.begin(), from.end());
-  stage.mutable_reshape()->mutable_to()->Assign(to.begin(), to.end());
-  return stage;
-}
-
-te::v1::SequentialSpec::Stage ModuleStage(const std::string& name, const te::v1::LayerSpec& spec) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.set_name(name);
-  *stage.mutable_module() = spec;
-  return stage;
-}
-
-te::v1::GraphSpec::Node* GraphNode(te::v1::GraphSpec* g, const std::string& name,
-                                   std::vector<std::string> inputs,
-                                   std::vector<std::string> outputs) {
-  te::v1::GraphSpec::Node* node = g->add_nodes();
-  node->set_name(name);
-  for (const std::string& in : inputs) node->add_inputs(in);
-  for (const std::string& out : outputs) node->add_outputs(out);
-  return node;
-}
 
 void SetShape(te::v1::GraphSpec::Node* node, std::vector<int64_t> shape) {
   node->mutable_reshape()->mutable_shape()->Assign(shape.begin(), shape.end());
