@@ -1,6 +1,7 @@
 // Session steps: Forward, Backward, ForwardBackward and Benchmark, and the
 // input validation they share.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <numeric>
@@ -24,6 +25,8 @@ namespace {
 constexpr int kDefaultWarmupIters = 5;
 constexpr int kDefaultTimingIters = 20;
 constexpr int kMaxBenchmarkIters = 100000;
+
+std::atomic<int64_t> fp8_non_finite_amaxes{0};
 
 // Prefixes a layer's message with the request field it is about.
 absl::Status AboutField(const absl::Status& status, const std::string& field) {
