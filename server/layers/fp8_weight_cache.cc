@@ -3,6 +3,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "kernels/status_macros.h"
 
 namespace te::layers {
@@ -31,6 +32,7 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
     pending_.push_back(key);
   }
   Entry& entry = it->second;
+  entry.scale_name = set.ScaleName(QuantizerRole::kKernel);
   Fp8Output side;
   side.scale = vars->at(set.ScaleName(QuantizerRole::kKernel));
   side.amax = vars->at(set.HistoryName(QuantizerRole::kKernel)).Slice0(0, 1);  // history[0]
@@ -40,6 +42,45 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
   GemmOperand out = entry.op;
   out.transpose = false;
   return out;
+}
+
+std::map<const void*, OptimizerFp8Copy> Fp8WeightCache::CopiesForUpdate(const Variables& vars) {
+  std::map<const void*, const Tensor*> params;  // by storage
+  for (const auto& [name, t] : vars) {
+    if (absl::StartsWith(name, "params/") && t.data() != nullptr) params[t.data()] = &t;
+  }
+  std::map<const void*, int> copies_of;
+  for (const auto& [key, entry] : entries_) ++copies_of[std::get<0>(key)];
+  std::map<const void*, OptimizerFp8Copy> out;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    const Entry& entry = it->second;
+    const void* data = entry.weight.data();
+    auto param = params.find(data);
+    auto scale = vars.find(entry.scale_name);
+    const bool updatable = param != params.end() &&
+                           param->second->numel() == entry.weight.numel() &&
+                           copies_of[data] == 1 && scale != vars.end() &&
+                           scale->second.dtype() == DType::kF32 && scale->second.numel() == 1;
+    if (!updatable) {
+      it = entries_.erase(it);
+      continue;
+    }
+    OptimizerFp8Copy& copy = out[data];
+    copy.data = entry.op.data;
+    copy.data_t = entry.op.data_t;
+    copy.scale_inv = entry.op.scale_inv;
+    copy.kept_scale = entry.kept.scale;
+    copy.kept_amax = entry.kept.amax;
+    copy.scale = scale->second;
+    ++it;
+  }
+  return out;
+}
+
+const GemmOperand* Fp8WeightCache::Find(const Tensor& weight, DType dtype) const {
+  if (weight.rank() != 2) return nullptr;
+  auto it = entries_.find(Key{weight.data(), weight.dim(0), weight.dim(1), dtype});
+  return it == entries_.end() ? nullptr : &it->second.op;
 }
 
 Fp8WeightCache::Call::~Call() {

@@ -9,14 +9,19 @@
 // for bit those of quantizing every step.
 //
 // The session owns one per layer and clears it on every path that writes the
-// layer's parameters. A backward that runs after a later forward re-quantized
-// a copy (a new scale, the same weights) reads the newer copy with its own
-// scale_inv: the same weights, quantized with that scale.
+// layer's parameters, except one: an optimizer step under DelayedScaling
+// rewrites the copies itself as it writes the weights (CopiesForUpdate,
+// OptimizerSlot::fp8), with the scale the next forward will use, so that
+// forward finds them current instead of reading every weight again. A
+// backward that runs after a later forward re-quantized a copy (a new scale,
+// the same weights) reads the newer copy with its own scale_inv: the same
+// weights, quantized with that scale.
 #ifndef TE_SERVER_LAYERS_FP8_WEIGHT_CACHE_H_
 #define TE_SERVER_LAYERS_FP8_WEIGHT_CACHE_H_
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -38,6 +43,20 @@ class Fp8WeightCache {
     entries_.clear();
     pending_.clear();
   }
+  // An optimizer step is about to write the "params/..." of `vars` in place:
+  // the kept copy of each param that the step is to rewrite as it writes the
+  // param, by the param's storage (OptimizerSlot::fp8), with the kernel
+  // quantizer's scale as `vars` holds it. Call it after the step's
+  // delayed-scaling update, so that is the scale the next forward quantizes
+  // with; if the scale moves after all, the copy's record (made with the
+  // scale it was made with) makes that forward quantize again. Every copy
+  // the step cannot rewrite (of a tensor that is not a whole param of
+  // `vars`, a second copy of one param, one whose scale `vars` lacks) goes,
+  // as Clear would drop it.
+  std::map<const void*, OptimizerFp8Copy> CopiesForUpdate(const Variables& vars);
+  // The kept copy of `weight` ([in, out], as Quantize takes it) in `dtype`,
+  // or null.
+  const GemmOperand* Find(const Tensor& weight, DType dtype) const;
 
   // The copies a call makes stay only if the call succeeds, so a failed call
   // leaves the session's memory as it was (session.h contract 2): a Call
@@ -62,6 +81,7 @@ class Fp8WeightCache {
     Tensor weight;  // held, so its address names it for as long as the entry lives
     GemmOperand op;
     Ops::KeptQuantization kept;
+    std::string scale_name;  // the kernel quantizer's scale it was last quantized for
   };
   // The weight's storage, its 2-D view and the FP8 dtype.
   using Key = std::tuple<const void*, int64_t, int64_t, DType>;

@@ -202,7 +202,8 @@ OptimizerHyperparams Hyperparams(const OptimizerConfig& config) {
 }
 
 absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers::Variables& grads,
-                           layers::Variables* vars, layers::Variables* state) {
+                           layers::Variables* vars, layers::Variables* state,
+                           const std::map<const void*, OptimizerFp8Copy>* fp8_copies) {
   auto find = [&](const std::string& name) -> absl::StatusOr<Tensor*> {
     auto it = state->find(name);
     if (it == state->end()) {
@@ -226,6 +227,10 @@ absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers
       ASSIGN_OR_RETURN(Tensor * trace, find(StateName("trace", name)));
       slot.mu = *trace;
     }
+    if (fp8_copies != nullptr) {
+      auto copy = fp8_copies->find(param.data());
+      if (copy != fp8_copies->end()) slot.fp8 = copy->second;
+    }
     auto grad = grads.find(absl::StrCat("grads", name.substr(name.find('/'))));
     slot_grads.push_back(grad == grads.end() ? Tensor() : grad->second);
     slots.push_back(std::move(slot));
@@ -237,13 +242,9 @@ absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers
     ASSIGN_OR_RETURN(plan_, ops.NewOptimizerPlan(Hyperparams(config), slots, *count,
                                                  *total_notfinite));
   }
-  RETURN_IF_ERROR(ops.OptimizerStep(*plan_, slots, slot_grads, count, total_notfinite));
-  // The params changed in place. A cache derived from them (FP8 weight
-  // copies for the GEMMs, server/layers/fp8) is stale from here: this is
-  // where it would be invalidated, or refreshed by the step itself (a
-  // per-slot FP8 output beside param in kernels/cuda/optimizer.cu's
-  // SlotTable, written in the update's one pass).
-  return absl::OkStatus();
+  // The params change in place: a copy derived from them is current after
+  // this only if it was among fp8_copies (the caller drops the others).
+  return ops.OptimizerStep(*plan_, slots, slot_grads, count, total_notfinite);
 }
 
 absl::StatusOr<OptimizerStepInfo> Updater::ReadInfo(Ops& ops) const {

@@ -23,6 +23,7 @@
 #define TE_SERVER_OPTIM_OPTIMIZER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,9 +83,14 @@ class Updater {
   // The norm is over every gradient given. The first step, and any after
   // the params or the state were replaced (SetVariables, a restore), makes
   // the plan (device tables, one upload); the others only launch.
-  // INTERNAL when `state` lacks a variable StateSpecs names.
+  // INTERNAL when `state` lacks a variable StateSpecs names. `fp8_copies`
+  // (by the param's storage, may be null): FP8 copies of params that the
+  // step rewrites as it writes them (OptimizerSlot::fp8); a plan is made for
+  // them as for the params, so the same copies step after step cost nothing
+  // more to plan.
   absl::Status Step(Ops& ops, const OptimizerConfig& config, const layers::Variables& grads,
-                    layers::Variables* vars, layers::Variables* state);
+                    layers::Variables* vars, layers::Variables* state,
+                    const std::map<const void*, OptimizerFp8Copy>* fp8_copies = nullptr);
   // What the last Step did: one 24-byte copy from the device, which waits
   // for the step (so read it with the call's other results, once).
   // FAILED_PRECONDITION before any step.

@@ -222,9 +222,11 @@ class Session {
   // unscaled and unread, and *value is not set: ReadStepResult reads it.)
   // Applies the optimizer step in place (contract 8) and says what it did:
   // the update is decided and done on the device (optim, contract 3), and
-  // its record read back once it is done.
-  absl::Status ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
-                           te::v1::UpdateInfo* info);
+  // its record read back once it is done. `fp8`: the step's recipe (null:
+  // FP8 off); under DelayedScaling the update rewrites the layer's kept FP8
+  // weight copies, else they go.
+  absl::Status ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
+                           const layers::Variables& grads, te::v1::UpdateInfo* info);
   // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
   absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
   // A step's read-back, in one copy: [0] the value (returned, unscaled) and,

@@ -34,8 +34,9 @@ struct Session::LayerEntry {
   std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
   // FP8 copies of the parameters kept between steps (DelayedScaling).
   layers::Fp8WeightCache fp8_weights;
-  // Every write to the parameters (SetVariables, an optimizer update) calls
-  // this: the kept FP8 copies are stale.
+  // Every write to the parameters (SetVariables, an optimizer update outside
+  // DelayedScaling) calls this: the kept FP8 copies are stale. An update
+  // under DelayedScaling rewrites them instead (ApplyUpdate).
   void ParamsChanged() { fp8_weights.Clear(); }
   // The step's recipe, with this layer's kept FP8 copies (null: FP8 off).
   const layers::Fp8Recipe* StepRecipe(std::optional<layers::Fp8Recipe>& fp8) {

@@ -279,14 +279,30 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   return absl::OkStatus();
 }
 
-absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Variables& grads,
-                                  te::v1::UpdateInfo* info) {
+absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
+                                  const layers::Variables& grads, te::v1::UpdateInfo* info) {
   LayerOptimizer& optimizer = *layer.optimizer;
+  // Under DelayedScaling the next forward's kernel scales are already made
+  // (this call's last scaling update), so the update writes the kept FP8
+  // weight copies with them as it writes the weights, and that forward reads
+  // no weight to quantize it. Current scaling takes its scale from the new
+  // weights' amax, so there is no pass to save: the copies go.
+  std::map<const void*, OptimizerFp8Copy> fp8_copies;
+  const bool rewrite = layers::HasFp8Metas(fp8);
+  if (rewrite) {
+    fp8_copies = layer.fp8_weights.CopiesForUpdate(layer.vars);
+  } else {
+    layer.ParamsChanged();
+  }
   // Norm, skip, clip, learning rate and counters are decided on the device;
   // this queues the step and nothing waits for it.
-  RETURN_IF_ERROR(optimizer.updater.Step(*ops_, optimizer.config, grads, &layer.vars,
-                                         &optimizer.state));
-  layer.ParamsChanged();
+  if (absl::Status step = optimizer.updater.Step(*ops_, optimizer.config, grads, &layer.vars,
+                                                 &optimizer.state,
+                                                 rewrite ? &fp8_copies : nullptr);
+      !step.ok()) {
+    layer.ParamsChanged();  // the params may be part written: no copy is sure to match
+    return step;
+  }
   // What the step did comes back in one copy, once it is done.
   ASSIGN_OR_RETURN(const OptimizerStepInfo step, optimizer.updater.ReadInfo(*ops_));
   info->set_applied(step.applied != 0);
@@ -563,7 +579,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   kept_weights.Commit();
   if (request.apply_update()) {
     layer->grads.clear();
-    RETURN_IF_ERROR(ApplyUpdate(*layer, grad_sum, response->mutable_update()));
+    RETURN_IF_ERROR(ApplyUpdate(*layer, PtrOf(fp8), grad_sum, response->mutable_update()));
     // The step is done (ApplyUpdate read its record): these copies wait for nothing.
     for (size_t i = 0; i < pending_values.size(); ++i) {
       ASSIGN_OR_RETURN(const double v, ReadStepResult(pending_values[i].first));

@@ -1,0 +1,175 @@
+// Training a session under FP8 DelayedScaling: ForwardBackward with
+// apply_update, where the update rewrites the layer's kept FP8 weight copies
+// instead of dropping them, against a second session whose copies are
+// dropped after every update (a SetVariables of one of its fp8_metas to the
+// value it has, which changes no number). Losses, update records and every
+// variable (params, fp8_metas' amax histories and scales, opt_state) are
+// bit for bit the same; the copies stay in the first session's memory across
+// updates, and a bf16 update drops them as before.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/ops.h"
+#include "kernels/rng.h"
+#include "server/session/session.h"
+#include "te/v1/service.pb.h"
+
+namespace te::session {
+namespace {
+
+constexpr int64_t kBatch = 2, kSeq = 5, kHidden = 32, kFfn = 64;
+
+te::v1::Recipe Delayed() {
+  te::v1::Recipe recipe;
+  te::v1::DelayedScaling* d = recipe.mutable_delayed_scaling();
+  d->set_fp8_format(te::v1::HYBRID);
+  d->set_amax_history_len(4);
+  d->set_amax_compute_algo("max");
+  return recipe;
+}
+
+te::v1::Tensor RandomF32(const std::vector<int64_t>& shape, uint64_t seed, float scale) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    v[static_cast<size_t>(i)] = scale * (static_cast<float>(r >> 40) / (1 << 23) - 1.0f);
+  }
+  te::v1::Tensor t;
+  t.set_dtype(te::v1::FLOAT32);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_inline_data(v.data(), v.size() * sizeof(float));
+  return t;
+}
+
+class TrainedSession {
+ public:
+  TrainedSession() {
+    device_ = *OpenCpuDevice();
+    session_ = std::make_unique<Session>("fp8_train", device_->info(),
+                                         *device_->NewOps(int64_t{1} << 30), SessionConfig(),
+                                         te::v1::EMULATE, Delayed());
+    te::v1::InitLayerRequest init;
+    te::v1::LayerNormMLP* mlp = init.mutable_spec()->mutable_layer_norm_mlp();
+    mlp->set_intermediate_dim(kFfn);
+    mlp->add_activations("gelu");
+    mlp->set_use_bias(true);
+    mlp->set_intermediate_dropout_rate(0.0f);
+    init.set_seed(3);
+    init.set_input_dtype(te::v1::FLOAT32);
+    for (int64_t d : {kBatch, kSeq, kHidden}) init.add_input_shape(d);
+    init.mutable_autocast()->set_enabled(true);
+    te::v1::InitLayerResponse layer;
+    const absl::Status initialised = session_->InitLayer(init, &layer);
+    EXPECT_TRUE(initialised.ok()) << initialised;
+    layer_id_ = layer.layer_id();
+    te::v1::SetOptimizerRequest optimizer;
+    optimizer.set_layer_id(layer_id_);
+    te::v1::AdamW* adamw = optimizer.mutable_optimizer()->mutable_adamw();
+    adamw->mutable_learning_rate()->set_constant(0.05);
+    adamw->set_weight_decay(0.01);
+    te::v1::SetOptimizerResponse unused;
+    const absl::Status set = session_->SetOptimizer(optimizer, &unused);
+    EXPECT_TRUE(set.ok()) << set;
+  }
+
+  // One ForwardBackward of two micro-batches with apply_update.
+  te::v1::ForwardBackwardResponse TrainStep(int step, bool fp8) {
+    te::v1::ForwardBackwardRequest request;
+    request.set_layer_id(layer_id_);
+    request.set_deterministic(true);
+    request.set_apply_update(true);
+    request.mutable_autocast()->set_enabled(fp8);
+    for (int m = 0; m < 2; ++m) {
+      te::v1::MicroBatch* mb = request.add_micro_batches();
+      *mb->mutable_x() = RandomF32({kBatch, kSeq, kHidden}, 100 * step + m, 1.0f);
+      *mb->mutable_dy() = RandomF32({kBatch, kSeq, kHidden}, 100 * step + m + 50, 0.1f);
+    }
+    te::v1::ForwardBackwardResponse response;
+    const absl::Status ran = session_->ForwardBackward(request, &response);
+    EXPECT_TRUE(ran.ok()) << ran;
+    return response;
+  }
+
+  // Every variable: "collection/path" -> its bytes.
+  std::map<std::string, std::string> Variables() {
+    te::v1::GetVariablesRequest request;
+    request.set_layer_id(layer_id_);
+    te::v1::GetVariablesResponse response;
+    const absl::Status got = session_->GetVariables(request, &response);
+    EXPECT_TRUE(got.ok()) << got;
+    std::map<std::string, std::string> out;
+    for (const te::v1::Variable& v : response.variables()) {
+      EXPECT_TRUE(v.value().resident_id().empty()) << "a variable came back resident";
+      out[v.collection() + "/" + v.path()] = v.value().inline_data();
+    }
+    return out;
+  }
+
+  // Sets one fp8_metas variable to the value it has: the numbers stay, and
+  // the kept FP8 copies go, as after any write to the variables.
+  void DropKeptCopies() {
+    te::v1::GetVariablesRequest get;
+    get.set_layer_id(layer_id_);
+    get.add_collections("fp8_metas");
+    te::v1::GetVariablesResponse metas;
+    ASSERT_TRUE(session_->GetVariables(get, &metas).ok());
+    ASSERT_GT(metas.variables_size(), 0);
+    te::v1::SetVariablesRequest set;
+    set.set_layer_id(layer_id_);
+    *set.add_variables() = metas.variables(0);
+    const absl::Status done = session_->SetVariables(set);
+    ASSERT_TRUE(done.ok()) << done;
+  }
+
+  int64_t bytes_in_use() const { return session_->bytes_in_use(); }
+
+ private:
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Session> session_;
+  std::string layer_id_;
+};
+
+// The FP8 copies of the MLP's two kernels ([32, 64] and [64, 32], E4M3): both
+// layouts, scale_inv, and the kept scale and amax.
+constexpr int64_t kKeptCopyBytes = 2 * (2 * kHidden * kFfn + 3 * 4);
+
+TEST(Fp8TrainTest, UpdatesRewritingTheCopiesMatchDroppingThem) {
+  TrainedSession kept, dropped;
+  int64_t kept_bytes = 0;
+  for (int step = 0; step < 5; ++step) {
+    SCOPED_TRACE(step);
+    const te::v1::ForwardBackwardResponse want = dropped.TrainStep(step, true);
+    dropped.DropKeptCopies();
+    const te::v1::ForwardBackwardResponse got = kept.TrainStep(step, true);
+    ASSERT_EQ(got.values_size(), want.values_size());
+    for (int i = 0; i < want.values_size(); ++i) EXPECT_EQ(got.values(i), want.values(i)) << i;
+    EXPECT_TRUE(got.update().applied());
+    EXPECT_EQ(got.update().count(), want.update().count());
+    EXPECT_EQ(got.update().grad_norm(), want.update().grad_norm());
+    const auto want_vars = dropped.Variables();
+    const auto got_vars = kept.Variables();
+    ASSERT_EQ(got_vars.size(), want_vars.size());
+    for (const auto& [name, bytes] : want_vars) {
+      EXPECT_TRUE(got_vars.at(name) == bytes) << name << " differs";
+    }
+    // The kept session holds its copies across the update, and nothing more
+    // from one step to the next.
+    EXPECT_EQ(kept.bytes_in_use() - dropped.bytes_in_use(), kKeptCopyBytes);
+    if (step > 0) EXPECT_EQ(kept.bytes_in_use(), kept_bytes);
+    kept_bytes = kept.bytes_in_use();
+  }
+  // A bf16 update (autocast off) drops the copies, as every update did.
+  kept.TrainStep(5, false);
+  dropped.TrainStep(5, false);
+  EXPECT_EQ(kept.bytes_in_use(), dropped.bytes_in_use());
+}
+
+}  // namespace
+}  // namespace te::session
