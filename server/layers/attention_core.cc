@@ -73,15 +73,21 @@ absl::StatusOr<Tensor> PaddingAsElementwise(Ops& ops, const Tensor& q_lens, cons
 // The elementwise mask as the op takes it: shared over the heads, or one
 // plane per query head (TE broadcasts a mask against its logits [B, Hq, Sq,
 // Skv], so a per-head mask has Hq heads, GQA included).
+absl::Status CheckHeads(int64_t heads, int num_heads, int64_t batch, int64_t q_len,
+                        int64_t kv_len) {
+  if (heads == 1 || heads == num_heads) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "attention_mask: a mask of ", heads, " heads for ", num_heads,
+      " attention heads; TE broadcasts the mask against the logits [batch, ", num_heads,
+      ", q_len, kv_len]: [", batch, " or 1, ", num_heads, " or 1, ", q_len, " or 1, ", kv_len,
+      " or 1]"));
+}
+
 absl::Status CheckElementwise(const Tensor& mask, int num_heads, int64_t batch, int64_t q_len,
                               int64_t kv_len) {
   if (mask.dtype() == DType::kBool && mask.rank() == 4 && mask.dim(0) == batch &&
-      mask.dim(2) == q_len && mask.dim(3) == kv_len && mask.dim(1) != num_heads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention_mask: a mask of ", mask.dim(1), " heads for ", num_heads,
-        " attention heads; TE broadcasts the mask against the logits [batch, ", num_heads,
-        ", q_len, kv_len]: [", batch, " or 1, ", num_heads, " or 1, ", q_len, " or 1, ", kv_len,
-        " or 1]"));
+      mask.dim(2) == q_len && mask.dim(3) == kv_len) {
+    RETURN_IF_ERROR(CheckHeads(mask.dim(1), num_heads, batch, q_len, kv_len));
   }
   const Shape shared = {batch, q_len, kv_len};
   const Shape per_head = {batch, num_heads, q_len, kv_len};
@@ -106,6 +112,7 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
   args.dropout_seed = dropout_seed;
   if (ReadsMask(config.mask)) {
     RETURN_IF_ERROR(seqlens.error);
+    RETURN_IF_ERROR(CheckHeads(seqlens.heads, config.num_heads, batch, q_len, kv_len));
     const bool has_lengths = seqlens.q.defined() && seqlens.q.numel() > 0;
     const bool has_elementwise = seqlens.elementwise.defined() && seqlens.elementwise.numel() > 0;
     if (has_elementwise) {

@@ -97,12 +97,15 @@ struct SeqLens {
   // Not OK when the request's mask could not be taken (its shape): what a
   // mask type that reads the mask returns.
   absl::Status error;
+  // The heads the mask was given with: 1 or the layer's (checked even where
+  // its planes were alike and came as one).
+  int64_t heads = 1;
 };
 
 // The mask a layer's inputs carry.
 inline SeqLens MaskOf(const LayerInputs& in) {
   return SeqLens{in.q_seqlens, in.kv_seqlens, in.seqlens_with_causal, in.elementwise_mask,
-                 in.mask_error};
+                 in.mask_error, in.mask_heads};
 }
 
 // Whether the inputs carry a mask at all (one that could not be taken too).

@@ -66,6 +66,7 @@ LayerInputs WithMask(Ops& ops, LayerInputs in, const std::string& mask, DType dt
   in.kv_seqlens = tensors.kv_seqlens;
   in.seqlens_with_causal = tensors.with_causal;
   in.elementwise_mask = tensors.elementwise;
+  in.mask_heads = tensors.given_heads;
   return in;
 }
 LayerInputs WithMask(Ops& ops, LayerInputs in, const std::string& mask, DType dtype) {
@@ -330,11 +331,14 @@ TEST_F(MaskShapeTest, APerHeadMaskMasksEachHeadByItsPlane) {
 // INVALID_ARGUMENT naming attention_mask with the shapes TE takes.
 TEST_F(MaskShapeTest, APerHeadMaskOfOtherHeadsIsInvalidArgument) {
   Make(6, 6, 4, 4);
-  const absl::StatusOr<Vec> y =
-      Forward(te::v1::PADDING, RandomMask(kB * 3 * 36, 0.3, 32), {kB, 3, 6, 6});
-  ASSERT_TRUE(absl::IsInvalidArgument(y.status())) << y.status();
-  EXPECT_NE(y.status().message().find("attention_mask"), std::string::npos) << y.status();
-  EXPECT_NE(y.status().message().find("4 or 1"), std::string::npos) << y.status();
+  // Planes that differ, and planes all alike (the heads still do not fit).
+  for (const std::string& mask :
+       {RandomMask(kB * 3 * 36, 0.3, 32), std::string(kB * 3 * 36, 0)}) {
+    const absl::StatusOr<Vec> y = Forward(te::v1::PADDING, mask, {kB, 3, 6, 6});
+    ASSERT_TRUE(absl::IsInvalidArgument(y.status())) << y.status();
+    EXPECT_NE(y.status().message().find("attention_mask"), std::string::npos) << y.status();
+    EXPECT_NE(y.status().message().find("4 or 1"), std::string::npos) << y.status();
+  }
 }
 
 // Any dim of 1 broadcasts: a key mask [B, 1, 1, Skv], a query mask [1, 1, Sq, 1].

@@ -312,6 +312,7 @@ class GraphLayer : public Layer {
       module_in.kv_seqlens = in.kv_seqlens;
       module_in.seqlens_with_causal = in.seqlens_with_causal;
       module_in.elementwise_mask = in.elementwise_mask;
+      module_in.mask_heads = in.mask_heads;
       module_in.mask_error = in.mask_error;
     } else if (node.causal_node_elementwise) {
       const Shape& m = plan.tensors[node.mask].shape;  // [B, 1, S, S]

@@ -83,6 +83,9 @@ struct LayerInputs {
   // [B, H, Sq, Skv] (true = masked out), defined for a mask that is not
   // exactly a padding pattern.
   Tensor elementwise_mask;
+  // The heads the mask was given with (1, or its per-head planes: TE
+  // broadcasts it against the logits, so a layer takes 1 or its own).
+  int64_t mask_heads = 1;
   // Why the request's mask could not be taken (INVALID_ARGUMENT naming
   // attention_mask), or OK: the error of every module whose mask type reads a
   // mask; no_mask and causal modules ignore it, as TE ignores their mask.

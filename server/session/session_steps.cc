@@ -188,6 +188,7 @@ absl::StatusOr<layers::LayerInputs> Session::MaterializeInputs(const CheckedInpu
     in.kv_seqlens = std::move(mask.kv_seqlens);
     in.seqlens_with_causal = mask.with_causal;
     in.elementwise_mask = std::move(mask.elementwise);
+    in.mask_heads = mask.given_heads;
   }
   return in;
 }

@@ -286,6 +286,7 @@ absl::StatusOr<DecodedMask> DecodeAttentionMask(const std::string& mask_bytes, D
     }
   }
   out.heads = heads_alike ? 1 : heads;
+  out.given_heads = heads;
 
   out.extents.q.resize(static_cast<size_t>(batch));
   out.extents.kv.resize(static_cast<size_t>(batch));
@@ -330,6 +331,7 @@ absl::StatusOr<MaskTensors> UploadMask(Ops& ops, const DecodedMask& mask) {
   ASSIGN_OR_RETURN(out.q_seqlens, UploadSeqlens(ops, mask.extents.q));
   ASSIGN_OR_RETURN(out.kv_seqlens, UploadSeqlens(ops, mask.extents.kv));
   out.with_causal = mask.seqlens.has_value() && mask.with_causal;
+  out.given_heads = mask.given_heads;
   if (!mask.elementwise.empty()) {
     const Shape shape = mask.heads == 1
                             ? Shape{mask.batch, mask.q_len, mask.kv_len}

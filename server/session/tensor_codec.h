@@ -110,6 +110,9 @@ struct DecodedMask {
   // 1 for a mask shared over the heads (also a per-head mask whose planes
   // are all equal), else the mask's head count.
   int64_t heads = 1;
+  // The heads the mask was given with (its dim 1), which the layer checks
+  // against its own whatever the planes hold.
+  int64_t given_heads = 1;
   // Per batch row: queries up to the last one that sees a key, keys up to the
   // last one any query (of any head) sees (TE's fused attention: the max over
   // rows). The per-batch actual lengths a padding_causal_bottom_right module
@@ -146,6 +149,7 @@ struct MaskTensors {
   Tensor q_seqlens, kv_seqlens;
   bool with_causal = false;  // exactly padding | causal of the lengths
   Tensor elementwise;
+  int64_t given_heads = 1;   // DecodedMask::given_heads
 };
 absl::StatusOr<MaskTensors> UploadMask(Ops& ops, const DecodedMask& mask);
 

@@ -468,6 +468,7 @@ TEST(DecodeAttentionMaskTest, PerHeadMasksKeepTheirHeads) {
   m = DecodeAttentionMask(head0 + head0 + head0, DType::kBool, {1, 3, 3, 3}, 2, 3, 3, "m");
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->heads, 1);
+  EXPECT_EQ(m->given_heads, 3);  // for the layer to check against its own
   ASSERT_TRUE(m->seqlens.has_value());
   EXPECT_EQ(Ints(m->seqlens->kv), std::vector<int>({2, 2}));
   EXPECT_TRUE(m->elementwise.empty());
