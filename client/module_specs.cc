@@ -18,9 +18,19 @@ absl::StatusOr<te::v1::AttnMaskType> ParseMaskType(const std::string& field, con
   if (value == "no_mask") return te::v1::NO_MASK;
   if (value == "padding") return te::v1::PADDING;
   if (value == "causal") return te::v1::CAUSAL;
-  if (value == "padding_causal") return te::v1::PADDING_CAUSAL;
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, ": \"", value, "\" is not a mask type (no_mask, padding, causal, padding_causal)"));
+  // TE's canonicalize_attn_mask_type, aliases included.
+  if (value == "padding_causal" || value == "causal_padding") return te::v1::PADDING_CAUSAL;
+  if (value == "causal_bottom_right" || value == "bottom_right_causal") {
+    return te::v1::CAUSAL_BOTTOM_RIGHT;
+  }
+  if (value == "padding_causal_bottom_right" || value == "causal_padding_bottom_right" ||
+      value == "bottom_right_causal_padding" || value == "bottom_right_padding_causal") {
+    return te::v1::PADDING_CAUSAL_BOTTOM_RIGHT;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", value,
+                   "\" is not a mask type (no_mask, padding, causal, padding_causal, "
+                   "causal_bottom_right, padding_causal_bottom_right)"));
 }
 
 absl::StatusOr<te::v1::QkvLayout> ParseQkvLayout(const std::string& field, const std::string& value) {

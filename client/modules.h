@@ -52,10 +52,12 @@ std::string ShapeTree(const std::vector<VariableInfo>& variables);
 struct ApplyOptions {
   bool deterministic = true;   // Flax's `deterministic`: true turns dropout off
   uint64_t dropout_seed = 0;   // the "dropout" PRNG key
-  // [B (or 1), 1, Sq, Skv], bool or int32 (or float), nonzero = masked out,
-  // any pattern: read as the module's TE mask type reads it (no_mask and
-  // causal ignore it, padding applies it elementwise, padding_causal with
-  // causality; te.v1 ForwardRequest.attention_mask).
+  // Rank 4, broadcast against the logits [B, H, Sq, Skv] ([B or 1, H or 1,
+  // Sq or 1, Skv or 1]: per head too), bool or int32 (or float), nonzero =
+  // masked out, any pattern: read as the module's TE mask type reads it
+  // (no_mask and causal ignore it, whatever its shape; padding applies it
+  // elementwise, padding_causal with causality, the bottom-right types with
+  // their diagonal; te.v1 ForwardRequest.attention_mask).
   std::optional<HostTensor> attention_mask;
   std::vector<HostTensor> extra_inputs;      // DotProductAttention (bshd_bshd_bshd): k, v
   // y comes back through the GetTensor stream instead of inline (chosen
@@ -212,7 +214,9 @@ class DotProductAttention : public Module {
   int num_attention_heads;
   std::optional<int> num_gqa_groups;  // None: num_attention_heads
   float attention_dropout = 0.0f;
-  std::string attn_mask_type = "causal";  // no_mask | padding | causal | padding_causal
+  // no_mask | padding | causal | padding_causal | causal_bottom_right |
+  // padding_causal_bottom_right (and TE's aliases, e.g. causal_padding)
+  std::string attn_mask_type = "causal";
   std::string qkv_layout = "bshd_bshd_bshd";  // | "bs3hd"
   std::optional<float> scale_factor;  // None: 1 / sqrt(head_dim)
   DType dtype = DType::kF32;

@@ -3,6 +3,8 @@
 // invert.
 #include "client/modules.h"
 
+#include <utility>
+
 #include "client/sequential.h"
 #include "gtest/gtest.h"
 
@@ -96,6 +98,36 @@ TEST(ModuleSpecTest, QuickstartFusedModules) {
   EXPECT_EQ(spec->dot_product_attention().attn_mask_type(), te::v1::CAUSAL);
   EXPECT_EQ(spec->dot_product_attention().qkv_layout(), te::v1::BSHD_BSHD_BSHD);
   EXPECT_FALSE(spec->dot_product_attention().has_scale_factor());  // 1/sqrt(head_dim) on the server
+}
+
+// Every mask type name TE's canonicalize_attn_mask_type takes, aliases
+// included, maps to its te.v1 value.
+TEST(ModuleSpecTest, MaskTypeNamesAreTes) {
+  const std::pair<const char*, te::v1::AttnMaskType> names[] = {
+      {"no_mask", te::v1::NO_MASK},
+      {"padding", te::v1::PADDING},
+      {"causal", te::v1::CAUSAL},
+      {"padding_causal", te::v1::PADDING_CAUSAL},
+      {"causal_padding", te::v1::PADDING_CAUSAL},
+      {"causal_bottom_right", te::v1::CAUSAL_BOTTOM_RIGHT},
+      {"bottom_right_causal", te::v1::CAUSAL_BOTTOM_RIGHT},
+      {"padding_causal_bottom_right", te::v1::PADDING_CAUSAL_BOTTOM_RIGHT},
+      {"causal_padding_bottom_right", te::v1::PADDING_CAUSAL_BOTTOM_RIGHT},
+      {"bottom_right_causal_padding", te::v1::PADDING_CAUSAL_BOTTOM_RIGHT},
+      {"bottom_right_padding_causal", te::v1::PADDING_CAUSAL_BOTTOM_RIGHT},
+  };
+  for (const auto& [name, want] : names) {
+    DotProductAttention attention(16, 4);
+    attention.attn_mask_type = name;
+    absl::StatusOr<te::v1::LayerSpec> spec = attention.Spec();
+    ASSERT_TRUE(spec.ok()) << name << ": " << spec.status();
+    EXPECT_EQ(spec->dot_product_attention().attn_mask_type(), want) << name;
+    TransformerLayer layer;
+    layer.self_attn_mask_type = name;
+    spec = layer.Spec();
+    ASSERT_TRUE(spec.ok()) << name << ": " << spec.status();
+    EXPECT_EQ(spec->transformer_layer().self_attn_mask_type(), want) << name;
+  }
 }
 
 TEST(ModuleSpecTest, UnknownStringsNameTheField) {

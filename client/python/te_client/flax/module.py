@@ -29,8 +29,15 @@ TransformerEngineBase = ServerModule
 layers_pb2 = client_lib.layers_pb2
 
 _LAYERNORM_TYPES = {"layernorm": layers_pb2.LAYERNORM, "rmsnorm": layers_pb2.RMSNORM}
+# TE's canonicalize_attn_mask_type (transformer_engine/jax/attention.py), aliases included.
 _MASK_TYPES = {"no_mask": layers_pb2.NO_MASK, "padding": layers_pb2.PADDING, "causal": layers_pb2.CAUSAL,
-               "padding_causal": layers_pb2.PADDING_CAUSAL, "causal_padding": layers_pb2.PADDING_CAUSAL}
+               "padding_causal": layers_pb2.PADDING_CAUSAL, "causal_padding": layers_pb2.PADDING_CAUSAL,
+               "causal_bottom_right": layers_pb2.CAUSAL_BOTTOM_RIGHT,
+               "bottom_right_causal": layers_pb2.CAUSAL_BOTTOM_RIGHT,
+               "padding_causal_bottom_right": layers_pb2.PADDING_CAUSAL_BOTTOM_RIGHT,
+               "causal_padding_bottom_right": layers_pb2.PADDING_CAUSAL_BOTTOM_RIGHT,
+               "bottom_right_causal_padding": layers_pb2.PADDING_CAUSAL_BOTTOM_RIGHT,
+               "bottom_right_padding_causal": layers_pb2.PADDING_CAUSAL_BOTTOM_RIGHT}
 _QKV_LAYOUTS = {"bshd_bshd_bshd": layers_pb2.BSHD_BSHD_BSHD, "bs3hd": layers_pb2.BS3HD}
 _BIAS_TYPES = {None: layers_pb2.ATTN_BIAS_TYPE_UNSPECIFIED, "no_bias": layers_pb2.NO_BIAS,
                "post_scale_bias": layers_pb2.POST_SCALE_BIAS}
