@@ -77,6 +77,7 @@ struct Case {
   // of the mask type: cuDNN and the small-head kernels decline it, the
   // general fallback computes it.
   bool elementwise = false;
+  bool per_head = false;  // that mask one plane per query head: [B, Hq, Sq, Skv]
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -165,7 +166,7 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
     cpu_args.bias = Host(DType::kF32, {c.q_heads, c.q_seq, c.kv_seq},
                          RandomValues(c.q_heads * c.q_seq * c.kv_seq, 5, -1.0f, 1.0f));
   }
-  if (c.mask == MaskType::kPadding || c.mask == MaskType::kPaddingCausal) {
+  if (IsPaddingMask(c.mask)) {
     std::vector<float> q_lens, kv_lens;
     for (int64_t b = 0; b < c.batch; ++b) {
       q_lens.push_back(static_cast<float>(c.q_seq - (b * 37) % (c.q_seq / 2 + 1)));
@@ -180,10 +181,13 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
     }
   }
   if (c.elementwise) {
-    // About 40% masked at random; batch 0's query 1 sees nothing.
-    cpu_args.elementwise_mask = ::te::testing::MakeEmpty(cpu_, DType::kBool, {c.batch, c.q_seq, c.kv_seq});
-    const std::vector<float> u = RandomValues(c.batch * c.q_seq * c.kv_seq, 6, 0.0f, 1.0f);
-    for (int64_t n = 0; n < c.batch * c.q_seq * c.kv_seq; ++n) {
+    // About 40% masked at random; batch 0's (head 0's) query 1 sees nothing.
+    const Shape mask_shape = c.per_head ? Shape{c.batch, c.q_heads, c.q_seq, c.kv_seq}
+                                        : Shape{c.batch, c.q_seq, c.kv_seq};
+    const int64_t count = NumElements(mask_shape);
+    cpu_args.elementwise_mask = ::te::testing::MakeEmpty(cpu_, DType::kBool, mask_shape);
+    const std::vector<float> u = RandomValues(count, 6, 0.0f, 1.0f);
+    for (int64_t n = 0; n < count; ++n) {
       cpu_args.elementwise_mask.data_as<bool>()[n] = u[n] < 0.4f || n / c.kv_seq == 1;
     }
   }
@@ -239,7 +243,8 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   EXPECT_EQ(cudnn_calls, c.path == Path::kCudnn ? 2 : 0)
       << "the test meant the " << (c.path == Path::kCudnn ? "cuDNN" : "unfused") << " path";
   const bool small_head = (c.path == Path::kFallback || c.path == Path::kDeclined) &&
-                          c.head_dim <= cuda::kSmallHeadMaxHeadDim && !c.bias && !c.elementwise;
+                          c.head_dim <= cuda::kSmallHeadMaxHeadDim && !c.bias && !c.elementwise &&
+                          !IsBottomRightMask(c.mask);
   EXPECT_EQ(cuda::SmallHeadAttentionCalls() - small_head_calls_before, small_head ? 2 : 0)
       << "the test meant the " << (small_head ? "small-head" : "general") << " unfused kernels";
 }
@@ -275,6 +280,8 @@ const char* MaskLabel(MaskType mask) {
     case MaskType::kCausal: return "causal";
     case MaskType::kPadding: return "padding";
     case MaskType::kPaddingCausal: return "padding_causal";
+    case MaskType::kCausalBottomRight: return "causal_bottom_right";
+    case MaskType::kPaddingCausalBottomRight: return "padding_causal_bottom_right";
   }
   return "mask";
 }
@@ -375,6 +382,49 @@ std::vector<Case> ElementwiseCases() {
   cases.push_back(small);
   return cases;
 }
+
+// Bottom-right causal masks (TE's causal_bottom_right and
+// padding_causal_bottom_right): the general fallback where the diagonal is
+// not top-left (cross attention both ways, per-batch lengths), with GQA,
+// bias, dropout and a per-head elementwise mask, small heads included (the
+// small-head kernels decline them); cuDNN's causal graph where Sq == Skv and
+// no lengths move the diagonal. Per-head elementwise masks under the other
+// types too.
+std::vector<Case> BottomRightAndPerHeadCases() {
+  std::vector<Case> cases = {
+      {"bottom_right_cross_bf16", Path::kDeclined, DType::kBF16, 2, 37, 45, 4, 2, 64,
+       MaskType::kCausalBottomRight},
+      {"bottom_right_fewer_keys_f32_dropout", Path::kDeclined, DType::kF32, 2, 45, 37, 4, 4, 64,
+       MaskType::kCausalBottomRight, 0.1f},
+      {"bottom_right_smallhead_d8_f32", Path::kDeclined, DType::kF32, 2, 40, 70, 4, 4, 8,
+       MaskType::kCausalBottomRight, 0.1f},
+      {"padding_bottom_right_bf16", Path::kDeclined, DType::kBF16, 3, 37, 45, 4, 2, 64,
+       MaskType::kPaddingCausalBottomRight},
+      {"padding_bottom_right_bias_dropout_f32", Path::kDeclined, DType::kF32, 2, 45, 37, 4, 4,
+       32, MaskType::kPaddingCausalBottomRight, 0.2f, true},
+      {"padding_bottom_right_square_bf16", Path::kDeclined, DType::kBF16, 2, 128, 128, 4, 4, 64,
+       MaskType::kPaddingCausalBottomRight},
+      {"cudnn_bottom_right_square_bf16", Path::kCudnn, DType::kBF16, 2, 128, 128, 8, 2, 64,
+       MaskType::kCausalBottomRight},
+  };
+  Case per_head{"per_head_padding_bottom_right_f32", Path::kDeclined, DType::kF32, 2, 33, 41, 4,
+                2, 64, MaskType::kPaddingCausalBottomRight, 0.1f};
+  per_head.elementwise = per_head.per_head = true;
+  cases.push_back(per_head);
+  for (MaskType mask : {MaskType::kNoMask, MaskType::kPadding, MaskType::kPaddingCausal}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      Case c{std::string("per_head_") + MaskLabel(mask) + (dtype == DType::kF32 ? "_f32" : "_bf16"),
+             Path::kDeclined, dtype, 2, 37, 45, 4, 2, 64, mask};
+      c.elementwise = c.per_head = true;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(BottomRightAndPerHead, GpuAttentionTest,
+                         ::testing::ValuesIn(BottomRightAndPerHeadCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 INSTANTIATE_TEST_SUITE_P(Elementwise, GpuAttentionTest, ::testing::ValuesIn(ElementwiseCases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
@@ -630,7 +680,7 @@ TEST_P(GpuPackedAttentionTest, MatchesCpuAndUnpacked) {
     cpu_args.bias = ::te::testing::MakeTensor(cpu_, DType::kF32, bias_shape,
                                               RandomValues(NumElements(bias_shape), 25));
   }
-  if (c.mask == MaskType::kPadding || c.mask == MaskType::kPaddingCausal) {
+  if (IsPaddingMask(c.mask)) {
     cpu_args.q_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
     cpu_args.kv_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
     for (int64_t b = 0; b < c.batch; ++b) {
