@@ -144,8 +144,20 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
   if (saved != nullptr) {
     Saved s;
     s.fp8 = fp8;
-    s.x = x;
+    // The backward reads x only in the wgrad (x^T) and the kernel only in
+    // the dgrad (as is, transposed: the layout ForGemm picks for it); the
+    // other layouts go with the caller's operands once the forward GEMM has
+    // read them, so a step holds one byte per element of a quantized
+    // activation, not two.
+    if (x.data_t.defined()) {
+      s.x.data = x.data_t;
+      s.x.scale_inv = x.scale_inv;
+      s.x_transposed = true;
+    } else {
+      s.x = x;
+    }
     s.kernel = b;
+    s.kernel.data_t = Tensor();
     *saved = std::move(s);
   }
   return absl::OkStatus();
@@ -180,12 +192,13 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
   return ops.Gemm(gemm, y);
 }
 
-absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                             Tensor* dx, Variables* grads) const {
+absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
+                             Variables* grads) const {
   RETURN_IF_ERROR(CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
   const int64_t n = dy.dim(0);
   const DType compute = dy.dtype();
-  const Fp8Recipe* fp8 = saved.fp8 ? &*saved.fp8 : nullptr;
+  const std::optional<Fp8Recipe> fp8_recipe = saved.fp8;
+  const Fp8Recipe* fp8 = fp8_recipe ? &*fp8_recipe : nullptr;
   // The bias gradient: dy's column sums, fused into dy's cast-transpose under
   // per-tensor FP8.
   Tensor dbias;
@@ -205,11 +218,17 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
                                                           false, vars,
                                                           config_.use_bias ? &dbias1d : nullptr));
     dbias_done = config_.use_bias;
-    dy_b = dy_a;  // one scale for the whole tensor: the same copy serves as b
+    // One scale for the whole tensor: the copy's two layouts serve both GEMMs.
+    dy_b = dy_a;
+    dy_b.data = Tensor();
+    dy_a.data_t = Tensor();
+    std::swap(dy_b.data, dy_b.data_t);
+    dy_b.transpose = true;
+    dy = Tensor();  // read for the last time: the codes replace it
     kernel_b = saved.kernel;
     kernel_b.transpose = true;
     x_a = saved.x;
-    x_a.transpose = true;
+    x_a.transpose = !saved.x_transposed;
   } else if (fp8 != nullptr) {
     const QuantizerSet q = quantizers();
     ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kGrad, dy,
@@ -228,11 +247,32 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
     x_a = saved.x;
     x_a.transpose = true;
   }
+  // From here on the operands hold what the GEMMs read.
+  saved = Saved();
 
   dy_a = ForGemm(dy_a, GemmSide::kA);
   kernel_b = ForGemm(kernel_b, GemmSide::kB);
   x_a = ForGemm(x_a, GemmSide::kA);
   dy_b = ForGemm(dy_b, GemmSide::kB);
+  // The wgrad first: x (the saved activation) and dy's transposed codes go
+  // before the dgrad allocates dx, so the two never coexist with dx (for the
+  // MLP's wo: x and dx are both [N, inter]).
+  {
+    Ops::GemmArgs wgrad;
+    wgrad.tf32 = config_.tf32;
+    wgrad.a = x_a.data;
+    wgrad.transpose_a = x_a.transpose;
+    wgrad.a_scale_inv = x_a.scale_inv;
+    wgrad.b = dy_b.data;
+    wgrad.transpose_b = dy_b.transpose;
+    wgrad.b_scale_inv = dy_b.scale_inv;
+    x_a = GemmOperand();
+    dy_b = GemmOperand();
+    ASSIGN_OR_RETURN(Tensor dkernel, ops.Allocate(config_.param_dtype, kernel_shape()));
+    Tensor dkernel2d = dkernel.Reshaped({in_, out_});
+    RETURN_IF_ERROR(ops.Gemm(wgrad, &dkernel2d));
+    (*grads)[kernel_name()] = dkernel;
+  }
   if (dx != nullptr) {
     Ops::GemmArgs dgrad;
     dgrad.tf32 = config_.tf32;
@@ -245,19 +285,8 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, const Saved& saved, cons
     ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
     RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
   }
-
-  Ops::GemmArgs wgrad;
-  wgrad.tf32 = config_.tf32;
-  wgrad.a = x_a.data;
-  wgrad.transpose_a = x_a.transpose;
-  wgrad.a_scale_inv = x_a.scale_inv;
-  wgrad.b = dy_b.data;
-  wgrad.transpose_b = dy_b.transpose;
-  wgrad.b_scale_inv = dy_b.scale_inv;
-  ASSIGN_OR_RETURN(Tensor dkernel, ops.Allocate(config_.param_dtype, kernel_shape()));
-  Tensor dkernel2d = dkernel.Reshaped({in_, out_});
-  RETURN_IF_ERROR(ops.Gemm(wgrad, &dkernel2d));
-  (*grads)[kernel_name()] = dkernel;
+  dy_a = GemmOperand();
+  kernel_b = GemmOperand();
 
   if (config_.use_bias) {
     if (!dbias_done) {
@@ -323,8 +352,8 @@ absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Ten
   return absl::OkStatus();
 }
 
-absl::Status Norm::Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
-                            Variables* grads, const Tensor& residual_grad) const {
+absl::Status Norm::Backward(Ops& ops, Saved saved, Tensor dy, Tensor* dx, Variables* grads,
+                            const Tensor& residual_grad) const {
   RETURN_IF_ERROR(CheckRows(dy, config_.hidden, "norm dy"));
   const Shape shape = {config_.hidden};
   ASSIGN_OR_RETURN(*dx, ops.Allocate(dy.dtype(), saved.x.shape()));
@@ -387,17 +416,18 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
   return absl::OkStatus();
 }
 
-absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, const Saved& saved,
-                                      const Tensor& dy, Tensor* dx, Variables* grads,
+absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy,
+                                      Tensor* dx, Variables* grads,
                                       const Tensor& residual_grad) const {
   if (!enable_layernorm_) {
-    RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, dx, grads));
+    RETURN_IF_ERROR(dense_.Backward(ops, vars, std::move(saved.dense), std::move(dy), dx, grads));
     if (!residual_grad.defined()) return absl::OkStatus();
     return ResidualAdd(ops, *dx, residual_grad.Reshaped(dx->shape()), dx);
   }
   Tensor dln;
-  RETURN_IF_ERROR(dense_.Backward(ops, vars, saved.dense, dy, &dln, grads));
-  return norm_.Backward(ops, saved.norm, dln, dx, grads, residual_grad);
+  RETURN_IF_ERROR(
+      dense_.Backward(ops, vars, std::move(saved.dense), std::move(dy), &dln, grads));
+  return norm_.Backward(ops, std::move(saved.norm), std::move(dln), dx, grads, residual_grad);
 }
 
 // ---- Dropout, residual ----------------------------------------------------------

@@ -14,6 +14,12 @@
 //  * Under FP8 (opts.fp8 non-null) each Dense quantizes its GEMM operands with
 //    its QuantizerSet (fp8_state.h); DelayedScaling writes amaxes into `vars`.
 //  * A Saved struct may be reused only with the block (and vars) that made it.
+//  * Memory: a Saved struct holds only what the backward reads (under
+//    per-tensor FP8 an activation's codes in the wgrad's layout alone), and
+//    backwards take their Saved struct and dy by value: a caller that moves
+//    them in (a step that will not run the backward again) has each tensor
+//    freed as soon as its last reader is queued, as JAX frees residuals;
+//    one that passes copies keeps its own.
 #ifndef TE_SERVER_LAYERS_BLOCKS_H_
 #define TE_SERVER_LAYERS_BLOCKS_H_
 
@@ -85,8 +91,13 @@ class Dense {
 
   struct Saved {
     std::optional<Fp8Recipe> fp8;
-    GemmOperand x;       // the GEMM's a operand (FP8 under per-tensor scaling)
-    GemmOperand kernel;  // b operand: [in, out], compute dtype or FP8
+    // The GEMM's a operand (FP8 under per-tensor scaling). With
+    // x_transposed, x.data is x^T [in, N] alone: the wgrad's layout, all the
+    // backward reads of a quantized x.
+    GemmOperand x;
+    bool x_transposed = false;
+    // b operand: [in, out], compute dtype or FP8 (the dgrad's layout only).
+    GemmOperand kernel;
     Tensor x_hp;         // high-precision x, kept for block scaling's wgrad
     Tensor kernel_hp;    // high-precision kernel [in, out], for block scaling
     bool kernel_owned = true;  // false when `kernel` shares the variable's memory
@@ -103,8 +114,9 @@ class Dense {
   // dy [N, out] -> *dx [N, in] (skipped when dx is null); kernel and bias
   // gradients into *grads. Under DelayedScaling dy's amax goes to the grad
   // quantizer's history[0].
-  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads) const;
+  // Each of saved's and dy's tensors is released once its last GEMM is queued.
+  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
+                        Variables* grads) const;
 
  private:
   // *y [N, out] = op(a) @ op(b) + bias (+ the fusion's epilogue), in `compute`.
@@ -148,8 +160,8 @@ class Norm {
                        Tensor* y_t = nullptr) const;
   // residual_grad (optional, [N, hidden]) is added to *dx: the gradient that
   // reaches x around the norm through a residual connection.
-  absl::Status Backward(Ops& ops, const Saved& saved, const Tensor& dy, Tensor* dx,
-                        Variables* grads, const Tensor& residual_grad = Tensor()) const;
+  absl::Status Backward(Ops& ops, Saved saved, Tensor dy, Tensor* dx, Variables* grads,
+                        const Tensor& residual_grad = Tensor()) const;
 
  private:
   NormConfig config_;
@@ -180,10 +192,10 @@ class LayerNormDense {
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
                        Tensor* y, Tensor* ln_out, Saved* saved,
                        const DenseFusion& fusion = {}) const;
-  // residual_grad (optional) is added to *dx (Norm::Backward's).
-  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads,
-                        const Tensor& residual_grad = Tensor()) const;
+  // residual_grad (optional) is added to *dx (Norm::Backward's). The Dense's
+  // saved tensors and dy go before the norm's backward runs.
+  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
+                        Variables* grads, const Tensor& residual_grad = Tensor()) const;
 
  private:
   bool enable_layernorm_;
@@ -247,10 +259,10 @@ class Mlp {
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
                        Tensor* y, Tensor* ln_out, Saved* saved,
                        const Tensor& residual = Tensor()) const;
-  // residual_grad (optional, [N, hidden]) is added to *dx.
-  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
-                        Tensor* dx, Variables* grads,
-                        const Tensor& residual_grad = Tensor()) const;
+  // residual_grad (optional, [N, hidden]) is added to *dx. wo's saved input
+  // and the pre-activation go as soon as their backwards have read them.
+  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
+                        Variables* grads, const Tensor& residual_grad = Tensor()) const;
 
  private:
   // A single GELU (not gated): what cuBLASLt's GELU epilogues compute.

@@ -285,7 +285,7 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   return absl::OkStatus();
 }
 
-absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,
+absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Tensor& dy,
                                 Tensor* dx, Tensor* dbias, Variables* grads,
                                 const Tensor& residual_grad) const {
   const int64_t batch = saved.batch, seq = saved.seq, tokens = batch * seq;
@@ -294,14 +294,21 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, const Saved& saved, c
   ASSIGN_OR_RETURN(const Tensor grad,
                    PrepareGradient(ops, dy, {batch, seq, hidden_}, saved.compute));
   Tensor dcontext;
-  RETURN_IF_ERROR(out_.Backward(ops, vars, saved.out, grad.As2D(), &dcontext, grads));
-  const Tensor dout = dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim});
+  RETURN_IF_ERROR(
+      out_.Backward(ops, vars, std::move(saved.out), grad.As2D(), &dcontext, grads));
+  Tensor dout = dcontext.Reshaped({batch, seq, options_.num_heads, options_.head_dim});
+  dcontext = Tensor();
   Tensor dx2;
   if (packed_attention()) {
     Tensor dqkv;
     RETURN_IF_ERROR(AttentionBackwardPacked(ops, saved.attention, dout, &dqkv, dbias));
-    RETURN_IF_ERROR(qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}),
-                                  &dx2, grads, residual_grad2));
+    // q, k, v, the context and its gradient are read for the last time.
+    saved.attention = AttentionSaved();
+    dout = Tensor();
+    Tensor dqkv2 = dqkv.Reshaped({tokens, 3 * q_features_});
+    dqkv = Tensor();
+    RETURN_IF_ERROR(qkv_.Backward(ops, vars, std::move(saved.qkv), std::move(dqkv2), &dx2, grads,
+                                  residual_grad2));
     *dx = dx2.Reshaped({batch, seq, hidden_});
     return absl::OkStatus();
   }

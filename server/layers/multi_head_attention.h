@@ -85,8 +85,9 @@ class MhaBlock {
   // dy [B, S, hidden] (any float dtype) -> *dx; parameter gradients into
   // *grads; *dbias (if non-null and the forward had a bias) f32 [H, S, S].
   // residual_grad (optional, [B, S, hidden]) is added to *dx (in the input
-  // norm's backward where there is one).
-  absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy, Tensor* dx,
+  // norm's backward where there is one). As the blocks' backwards (blocks.h),
+  // `saved` by value: moved in, each part goes once its backward has read it.
+  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, const Tensor& dy, Tensor* dx,
                         Tensor* dbias, Variables* grads,
                         const Tensor& residual_grad = Tensor()) const;
 

@@ -164,33 +164,57 @@ class TransformerLayerImpl : public Layer {
     if (kept == nullptr) {
       return absl::InvalidArgumentError("saved forward does not come from TransformerLayer");
     }
-    const Shape shape = {kept->attention.batch, kept->attention.seq, options_.hidden};
-    ASSIGN_OR_RETURN(const Tensor dy_c, PrepareGradient(ops, dy, shape, kept->compute));
+    // A copy shares the tensors: the caller's saved forward keeps them all.
+    return RunBackward(ops, vars, *kept, dy, grads);
+  }
+
+  absl::Status BackwardOnce(Ops& ops, Variables* vars, std::unique_ptr<SavedForward> saved,
+                            const Tensor& dy, LayerGrads* grads) const override {
+    auto* kept = dynamic_cast<TransformerSaved*>(saved.get());
+    if (kept == nullptr) {
+      return absl::InvalidArgumentError("saved forward does not come from TransformerLayer");
+    }
+    TransformerSaved own = std::move(*kept);
+    saved.reset();
+    return RunBackward(ops, vars, std::move(own), dy, grads);
+  }
+
+ private:
+  // The backward on `kept`, whose parts go as they are used: the MLP's
+  // activations before the attention's backward runs (when `kept` is the only
+  // holder of them).
+  absl::Status RunBackward(Ops& ops, Variables* vars, TransformerSaved kept, const Tensor& dy,
+                           LayerGrads* grads) const {
+    const Shape shape = {kept.attention.batch, kept.attention.seq, options_.hidden};
+    ASSIGN_OR_RETURN(const Tensor dy_c, PrepareGradient(ops, dy, shape, kept.compute));
     grads->dextra.clear();
     // y = dropout(z) + h: dh gets dy directly (added in the MLP's norm
     // backward) and through the MLP.
     Tensor dz, dh2;
-    RETURN_IF_ERROR(DropoutGrad(ops, kept->mlp_dropout, dy_c, &dz));
-    RETURN_IF_ERROR(
-        mlp_.Backward(ops, vars, kept->mlp, dz.As2D(), &dh2, &grads->params, dy_c.As2D()));
+    RETURN_IF_ERROR(DropoutGrad(ops, kept.mlp_dropout, dy_c, &dz));
+    kept.mlp_dropout = DropoutSaved();
+    RETURN_IF_ERROR(mlp_.Backward(ops, vars, std::move(kept.mlp), dz.As2D(), &dh2,
+                                  &grads->params, dy_c.As2D()));
+    dz = Tensor();
     const Tensor dh = dh2.Reshaped(shape);
+    dh2 = Tensor();
     RETURN_IF_ERROR(ops.CheckInterrupt());  // between MLP and attention
     Tensor da, dbias;
-    RETURN_IF_ERROR(DropoutGrad(ops, kept->attention_dropout, dh, &da));
+    RETURN_IF_ERROR(DropoutGrad(ops, kept.attention_dropout, dh, &da));
+    kept.attention_dropout = DropoutSaved();
     // h = dropout(a) + x: dx gets dh directly (added in the attention's norm
     // backward) and through the attention.
-    RETURN_IF_ERROR(attention_.Backward(ops, vars, kept->attention, da, &grads->dx,
+    RETURN_IF_ERROR(attention_.Backward(ops, vars, std::move(kept.attention), da, &grads->dx,
                                         options_.relative_embedding ? &dbias : nullptr,
                                         &grads->params, dh));
     if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(
           grads->params[kRelEmbedding],
-          RelativeBiasGrad(ops, dbias, kept->buckets, kNumBuckets, options_.param_dtype));
+          RelativeBiasGrad(ops, dbias, kept.buckets, kNumBuckets, options_.param_dtype));
     }
     return absl::OkStatus();
   }
 
- private:
   VariableSpec RelEmbeddingSpec() const {
     return {kRelEmbedding, {options_.attention.num_heads, kNumBuckets}, options_.param_dtype};
   }

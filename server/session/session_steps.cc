@@ -261,7 +261,11 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
     Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
     RETURN_IF_ERROR(VdotOnDevice(out.y, dy, &value_on_device));
   }
-  RETURN_IF_ERROR(layer.layer->Backward(*ops_, vars, *saved, dy, grads));
+  // Nothing reads y again, and the saved forward is this step's own: both
+  // go before the backward reaches its peak (the layer frees its activations
+  // as its backward reads them for the last time).
+  out = layers::LayerOutputs();
+  RETURN_IF_ERROR(layer.layer->BackwardOnce(*ops_, vars, std::move(saved), dy, grads));
   if (fp8_metas) {
     Tensor non_finite;
     if (readback.defined()) {
