@@ -199,6 +199,14 @@ std::vector<AllocationLedger::Site> AllocationLedger::SitesAtPeak(int frames) co
   return out;
 }
 
+int64_t AllocationLedger::BytesAtPeakFrom(const std::string& function, int frames) const {
+  int64_t bytes = 0;
+  for (const Site& s : SitesAtPeak(frames)) {
+    if (s.where.find(function) != std::string::npos) bytes += s.bytes;
+  }
+  return bytes;
+}
+
 std::string AllocationLedger::ReportAtPeak(int frames) const {
   std::string out = absl::StrFormat("peak %d bytes (%.3f MiB) live:\n", peak_bytes(),
                                     peak_bytes() / 1048576.0);

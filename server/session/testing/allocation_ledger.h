@@ -48,6 +48,9 @@ class AllocationLedger {
   void ResetPeak();
   // The live set at the peak, largest site first (frames symbolized).
   std::vector<Site> SitesAtPeak(int frames = 4) const;
+  // Bytes live at the peak that a site naming `function` made
+  // ("Fp8WeightCache::Quantize": the kept FP8 weight copies).
+  int64_t BytesAtPeakFrom(const std::string& function, int frames = 4) const;
   // The same, as a table for a test's log: bytes, count, site.
   std::string ReportAtPeak(int frames = 4) const;
 

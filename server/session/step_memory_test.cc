@@ -1,0 +1,181 @@
+// The memory a training step holds, through the session's own account (the
+// Benchmark answer's peak_bytes_in_use, JAX's peak_bytes_in_use): the
+// quickstart's TransformerLayer (section 6) at a reduced size with the
+// quickstart's ratios (ffn = 4 hidden, head dim 64, causal, GELU, biases,
+// bf16 params and input, attention dropout on), under FP8 DelayedScaling
+// (layer_bench variant 6) and in bf16 (variant 7). Apart from the kept FP8
+// weight copies (server/layers/fp8_weight_cache.h: both layouts of every
+// kernel, one byte each, held across steps), an FP8 step must not hold more
+// than the bf16 step: its activations are saved in one byte where bf16
+// saves two, each in the one layout its backward reads, and go as the
+// backward reads them. The copies themselves are two bytes per parameter
+// for the whole step, more than this layer's activations save at any
+// point (DISABLED_Fp8StepPeaksNoHigherThanBf16, the target).
+//
+// The allocation ledger (testing/allocation_ledger.h) says what was live at
+// each peak and which code made it; the test logs both tables.
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <optional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "kernels/fp8.h"
+#include "kernels/ops.h"
+#include "kernels/rng.h"
+#include "server/session/session.h"
+#include "server/session/testing/allocation_ledger.h"
+#include "te/v1/service.pb.h"
+
+namespace te::session {
+namespace {
+
+using testing::AllocationLedger;
+using testing::NewLedgerCpuOps;
+
+// Hidden 512 (quickstart 4096), ffn 2048 (16384), 8 heads of 64 (32 of
+// 128), seq 256 (2048), batch 2 (4).
+struct StepSize {
+  int64_t batch = 2, seq = 256, hidden = 512, ffn = 2048;
+  int heads = 8;
+};
+
+te::v1::LayerSpec QuickstartTransformerLayer(const StepSize& c) {
+  te::v1::LayerSpec spec;
+  te::v1::TransformerLayer* t = spec.mutable_transformer_layer();
+  t->set_hidden_size(c.hidden);
+  t->set_mlp_hidden_size(c.ffn);
+  t->set_num_attention_heads(c.heads);
+  t->add_mlp_activations("gelu");
+  t->set_self_attn_mask_type(te::v1::CAUSAL);
+  t->set_layernorm_epsilon(1e-5f);
+  t->set_use_bias(true);
+  t->set_intermediate_dropout(0.0f);
+  t->set_enable_relative_embedding(false);
+  t->set_self_attn_bias_type(te::v1::NO_BIAS);
+  t->set_hidden_dropout(0.0f);
+  t->set_dtype(te::v1::PARAM_BFLOAT16);
+  return spec;
+}
+
+te::v1::Recipe QuickstartRecipe() {
+  te::v1::Recipe recipe;
+  te::v1::DelayedScaling* d = recipe.mutable_delayed_scaling();
+  d->set_fp8_format(te::v1::HYBRID);
+  d->set_amax_history_len(16);
+  d->set_amax_compute_algo("max");
+  return recipe;
+}
+
+te::v1::Tensor RandomBf16(const std::vector<int64_t>& shape, uint64_t seed) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    const float u = static_cast<float>(r >> 40) / static_cast<float>(1 << 24);  // [0, 1)
+    bits[static_cast<size_t>(i)] = FloatToBf16(2.0f * u - 1.0f);
+  }
+  te::v1::Tensor t;
+  t.set_dtype(te::v1::BFLOAT16);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_inline_data(bits.data(), bits.size() * sizeof(uint16_t));
+  return t;
+}
+
+struct StepMemory {
+  int64_t peak = 0;         // Benchmark's peak_bytes_in_use over its timed steps
+  int64_t ledger_peak = 0;  // the ledger's, over a second Benchmark's steps
+  int64_t held = 0;         // what the session holds between calls
+  int64_t kept_weights = 0; // the kept FP8 weight copies, live at the peak
+  std::string report;       // the live set at the ledger's peak
+};
+
+// One session on the ledger's CPU stream: Init, then Benchmark twice (the
+// first leaves the FP8 weight copies made, as any trained session has them).
+StepMemory MeasureStep(bool fp8, const StepSize& c = StepSize()) {
+  auto ledger = std::make_shared<AllocationLedger>();
+  std::unique_ptr<Device> device = *OpenCpuDevice();
+  Session session("step_memory", device->info(), NewLedgerCpuOps(ledger, int64_t{8} << 30),
+                  SessionConfig(), te::v1::EMULATE,
+                  fp8 ? std::optional<te::v1::Recipe>(QuickstartRecipe()) : std::nullopt);
+  te::v1::Autocast autocast;
+  autocast.set_enabled(fp8);
+
+  te::v1::InitLayerRequest init;
+  *init.mutable_spec() = QuickstartTransformerLayer(c);
+  init.set_seed(42);
+  init.set_input_dtype(te::v1::BFLOAT16);
+  for (int64_t d : {c.batch, c.seq, c.hidden}) init.add_input_shape(d);
+  *init.mutable_autocast() = autocast;
+  te::v1::InitLayerResponse layer;
+  const absl::Status initialised = session.InitLayer(init, &layer);
+  EXPECT_TRUE(initialised.ok()) << initialised;
+
+  te::v1::BenchmarkRequest bench;
+  bench.set_layer_id(layer.layer_id());
+  *bench.mutable_inputs()->mutable_x() = RandomBf16({c.batch, c.seq, c.hidden}, 42);
+  *bench.mutable_inputs()->mutable_dy() = RandomBf16({c.batch, c.seq, c.hidden}, 43);
+  bench.mutable_inputs()->set_dropout_seed(7);
+  bench.set_deterministic(false);  // attention dropout on, as the quickstart times it
+  *bench.mutable_autocast() = autocast;
+  bench.set_warmup_iters(1);
+  bench.set_timing_iters(1);
+
+  StepMemory m;
+  te::v1::BenchmarkResponse first, second;
+  const absl::Status ran = session.Benchmark(bench, CallContext(), &first);
+  EXPECT_TRUE(ran.ok()) << ran;
+  m.held = session.bytes_in_use();
+  ledger->ResetPeak();
+  const absl::Status again = session.Benchmark(bench, CallContext(), &second);
+  EXPECT_TRUE(again.ok()) << again;
+  m.peak = second.peak_bytes_in_use();
+  m.ledger_peak = ledger->peak_bytes();
+  m.report = ledger->ReportAtPeak();
+  m.kept_weights = ledger->BytesAtPeakFrom("Fp8WeightCache::Quantize");
+  EXPECT_EQ(first.peak_bytes_in_use(), second.peak_bytes_in_use())
+      << "the steps after the first should be alike";
+  return m;
+}
+
+std::string MiB(int64_t bytes) { return absl::StrFormat("%.3f MiB", bytes / 1048576.0); }
+
+TEST(StepMemoryTest, LedgerSeesTheSessionsPeak) {
+  const StepMemory bf16 = MeasureStep(/*fp8=*/false);
+  // The ledger watches the same allocations as the session's account.
+  EXPECT_EQ(bf16.ledger_peak, bf16.peak);
+  EXPECT_GT(bf16.peak, bf16.held);
+}
+
+TEST(StepMemoryTest, Fp8StepHoldsNoMoreThanBf16BesidesKeptWeights) {
+  const StepMemory bf16 = MeasureStep(/*fp8=*/false);
+  const StepMemory fp8 = MeasureStep(/*fp8=*/true);
+  std::cout << "bf16 step: held " << MiB(bf16.held) << ", " << bf16.report << "\n"
+            << "FP8 step: held " << MiB(fp8.held) << ", kept weight copies "
+            << MiB(fp8.kept_weights) << ", " << fp8.report << std::endl;
+  EXPECT_EQ(fp8.ledger_peak, fp8.peak);
+  // Both layouts of the four kernels: 2 bytes per parameter.
+  const StepSize c;
+  const int64_t params = c.hidden * 3 * c.hidden + c.hidden * c.hidden + 2 * c.hidden * c.ffn;
+  EXPECT_EQ(fp8.kept_weights, 2 * params + 4 * 3 * 4);  // + scale_inv, scale, amax (f32) each
+  EXPECT_LE(fp8.peak - fp8.kept_weights, bf16.peak)
+      << "FP8 " << MiB(fp8.peak) << " (" << MiB(fp8.kept_weights) << " kept weight copies) against bf16 "
+      << MiB(bf16.peak);
+}
+
+// The target: the whole FP8 step no higher than bf16, kept copies included.
+// Needs the weight cache to hold less than both layouts through the step
+// (see fp8_weight_cache.h); run with --gtest_also_run_disabled_tests.
+TEST(StepMemoryTest, DISABLED_Fp8StepPeaksNoHigherThanBf16) {
+  const StepMemory bf16 = MeasureStep(/*fp8=*/false);
+  const StepMemory fp8 = MeasureStep(/*fp8=*/true);
+  EXPECT_LE(fp8.peak, bf16.peak) << "FP8 " << MiB(fp8.peak) << " against bf16 " << MiB(bf16.peak);
+}
+
+}  // namespace
+}  // namespace te::session
