@@ -62,7 +62,33 @@ enum class Activation { kGelu, kSilu, kRelu, kQuickGelu, kSquaredRelu, kLinear }
 // gelu: tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)));
 // silu: x sigmoid(x); quick_gelu: x sigmoid(1.702 x); squared_relu: relu(x)^2.
 
-enum class MaskType { kNoMask, kPadding, kCausal, kPaddingCausal };
+// TE's AttnMaskType. Causal types mask key j for query i unless
+// j <= i + offset: offset 0 for the top-left aligned types (causal,
+// padding_causal); for the bottom-right aligned ones the key count minus the
+// query count, Skv - Sq (causal_bottom_right) or kv_seqlens[b] - q_seqlens[b]
+// (padding_causal_bottom_right: TE's per-batch actual lengths), so that the
+// last valid query sees every valid key. With Sq == Skv, causal_bottom_right
+// is causal.
+enum class MaskType {
+  kNoMask,
+  kPadding,
+  kCausal,
+  kPaddingCausal,
+  kCausalBottomRight,
+  kPaddingCausalBottomRight,
+};
+// The types that read q_seqlens / kv_seqlens.
+inline bool IsPaddingMask(MaskType m) {
+  return m == MaskType::kPadding || m == MaskType::kPaddingCausal ||
+         m == MaskType::kPaddingCausalBottomRight;
+}
+inline bool IsCausalMask(MaskType m) {
+  return m == MaskType::kCausal || m == MaskType::kPaddingCausal ||
+         m == MaskType::kCausalBottomRight || m == MaskType::kPaddingCausalBottomRight;
+}
+inline bool IsBottomRightMask(MaskType m) {
+  return m == MaskType::kCausalBottomRight || m == MaskType::kPaddingCausalBottomRight;
+}
 
 struct AttentionArgs {
   MaskType mask = MaskType::kNoMask;
