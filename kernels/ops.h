@@ -520,7 +520,8 @@ class Ops {
   virtual absl::Status ActivationForwardTransposed(const std::vector<Activation>& acts,
                                                    const Tensor& x, const Fp8Output& fp8,
                                                    Tensor* y, Tensor* y_t);
-  // dy [N, I], x [N, n * I] -> dx [N, n * I].
+  // dy [N, I], x [N, n * I] -> dx [N, n * I]. dx may be dy itself (one
+  // activation, same dtype): each element is read before it is written.
   virtual absl::Status ActivationBackward(const std::vector<Activation>& acts,
                                           const Tensor& dy, const Tensor& x, Tensor* dx) = 0;
   // ActivationBackward with dx kept in float32 and quantized at once into

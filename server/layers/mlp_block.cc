@@ -134,7 +134,14 @@ absl::Status Mlp::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Te
   RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));
   ddropped = Tensor();
   saved.dropout = DropoutSaved();
-  ASSIGN_OR_RETURN(dh, ops.Allocate(saved.h.dtype(), saved.h.shape()));
+  if (dact.shape() == saved.h.shape() && dact.dtype() == saved.h.dtype()) {
+    // One activation: dh [N, inter] overwrites dact, which nothing reads
+    // after (ActivationBackward may write dx over dy), so the backward's
+    // largest step holds two [N, inter] tensors, not three.
+    dh = dact;
+  } else {
+    ASSIGN_OR_RETURN(dh, ops.Allocate(saved.h.dtype(), saved.h.shape()));
+  }
   RETURN_IF_ERROR(ops.ActivationBackward(config_.activations, dact, saved.h, &dh));
   // [N, n_act * inter] twice: the largest tensors of the backward, read for
   // the last time.
