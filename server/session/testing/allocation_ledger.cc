@@ -121,17 +121,12 @@ int64_t AllocationLedger::Add(int64_t bytes, std::vector<void*> stack) {
   const int64_t id = next_id_++;
   records_[id] = Allocation{bytes, std::move(stack)};
   live_[id] = true;
+  events_.push_back({id, bytes});
   in_use_ += bytes;
   if (in_use_ > peak_) {
     peak_ = in_use_;
     at_peak_.clear();
-    for (const auto& [live_id, live] : live_) {
-      if (live) at_peak_.push_back(live_id);
-    }
-    // Freed records the new peak does not name are of no more use.
-    for (auto it = records_.begin(); it != records_.end();) {
-      it = live_.count(it->first) != 0 ? std::next(it) : records_.erase(it);
-    }
+    for (const auto& [live_id, live] : live_) at_peak_.push_back(live_id);
   }
   return id;
 }
@@ -139,10 +134,9 @@ int64_t AllocationLedger::Add(int64_t bytes, std::vector<void*> stack) {
 void AllocationLedger::Free(int64_t id) {
   absl::MutexLock lock(&mu_);
   auto it = records_.find(id);
-  if (it == records_.end()) return;
+  if (it == records_.end() || live_.erase(id) == 0) return;
   in_use_ -= it->second.bytes;
-  live_.erase(id);
-  if (!std::binary_search(at_peak_.begin(), at_peak_.end(), id)) records_.erase(it);
+  events_.push_back({id, -it->second.bytes});
 }
 
 int64_t AllocationLedger::bytes_in_use() const {
@@ -160,22 +154,21 @@ void AllocationLedger::ResetPeak() {
   peak_ = in_use_;
   at_peak_.clear();
   for (const auto& [id, live] : live_) at_peak_.push_back(id);
+  at_reset_ = at_peak_;
+  events_.clear();
+  // What is neither live nor named by the new window is of no more use.
   for (auto it = records_.begin(); it != records_.end();) {
     it = live_.count(it->first) != 0 ? std::next(it) : records_.erase(it);
   }
 }
 
-std::vector<AllocationLedger::Site> AllocationLedger::SitesAtPeak(int frames) const {
-  std::vector<Allocation> peak;
-  {
-    absl::MutexLock lock(&mu_);
-    for (int64_t id : at_peak_) peak.push_back(records_.at(id));
-  }
+std::vector<AllocationLedger::Site> AllocationLedger::Group(
+    const std::vector<Allocation>& allocations, int frames) {
   std::set<void*> addresses;
-  for (const Allocation& a : peak) addresses.insert(a.stack.begin(), a.stack.end());
+  for (const Allocation& a : allocations) addresses.insert(a.stack.begin(), a.stack.end());
   const std::map<void*, std::string> names = Symbolize(addresses);
   std::map<std::string, Site> sites;
-  for (const Allocation& a : peak) {
+  for (const Allocation& a : allocations) {
     std::vector<std::string> chain;
     for (void* frame : a.stack) {
       auto name = names.find(frame);
@@ -199,6 +192,71 @@ std::vector<AllocationLedger::Site> AllocationLedger::SitesAtPeak(int frames) co
   return out;
 }
 
+std::vector<AllocationLedger::Site> AllocationLedger::SitesAtPeakWithout(
+    const std::vector<std::string>& functions, int64_t* peak, int frames) const {
+  std::map<int64_t, Allocation> records;
+  std::vector<int64_t> at_reset;
+  std::vector<std::pair<int64_t, int64_t>> events;
+  {
+    absl::MutexLock lock(&mu_);
+    records = records_;
+    at_reset = at_reset_;
+    events = events_;
+  }
+  // An allocation is left out when the innermost te:: frame past
+  // Ops::Allocate is one of `functions`.
+  std::set<void*> addresses;
+  for (const auto& [id, a] : records) addresses.insert(a.stack.begin(), a.stack.end());
+  const std::map<void*, std::string> names = Symbolize(addresses);
+  std::set<int64_t> left_out;
+  for (const auto& [id, a] : records) {
+    for (void* frame : a.stack) {
+      auto name = names.find(frame);
+      if (name == names.end() || Skipped(name->second)) continue;
+      const std::string shown = ShortName(name->second);
+      for (const std::string& f : functions) {
+        if (shown == f) left_out.insert(id);
+      }
+      break;
+    }
+  }
+  std::set<int64_t> live;
+  int64_t in_use = 0;
+  for (int64_t id : at_reset) {
+    if (left_out.count(id) != 0) continue;
+    live.insert(id);
+    in_use += records.at(id).bytes;
+  }
+  int64_t best = in_use;
+  std::set<int64_t> at_best = live;
+  for (const auto& [id, delta] : events) {
+    if (left_out.count(id) != 0) continue;
+    if (delta > 0) {
+      live.insert(id);
+    } else {
+      live.erase(id);
+    }
+    in_use += delta;
+    if (in_use > best) {
+      best = in_use;
+      at_best = live;
+    }
+  }
+  *peak = best;
+  std::vector<Allocation> peak_set;
+  for (int64_t id : at_best) peak_set.push_back(records.at(id));
+  return Group(peak_set, frames);
+}
+
+std::vector<AllocationLedger::Site> AllocationLedger::SitesAtPeak(int frames) const {
+  std::vector<Allocation> peak;
+  {
+    absl::MutexLock lock(&mu_);
+    for (int64_t id : at_peak_) peak.push_back(records_.at(id));
+  }
+  return Group(peak, frames);
+}
+
 int64_t AllocationLedger::BytesAtPeakFrom(const std::string& function, int frames) const {
   int64_t bytes = 0;
   for (const Site& s : SitesAtPeak(frames)) {
@@ -207,13 +265,16 @@ int64_t AllocationLedger::BytesAtPeakFrom(const std::string& function, int frame
   return bytes;
 }
 
-std::string AllocationLedger::ReportAtPeak(int frames) const {
-  std::string out = absl::StrFormat("peak %d bytes (%.3f MiB) live:\n", peak_bytes(),
-                                    peak_bytes() / 1048576.0);
-  for (const Site& s : SitesAtPeak(frames)) {
+std::string AllocationLedger::Report(int64_t peak, const std::vector<Site>& sites) {
+  std::string out = absl::StrFormat("peak %d bytes (%.3f MiB) live:\n", peak, peak / 1048576.0);
+  for (const Site& s : sites) {
     absl::StrAppendFormat(&out, "  %12d B  %3d x  %s\n", s.bytes, s.count, s.where);
   }
   return out;
+}
+
+std::string AllocationLedger::ReportAtPeak(int frames) const {
+  return Report(peak_bytes(), SitesAtPeak(frames));
 }
 
 std::unique_ptr<Ops> NewLedgerCpuOps(std::shared_ptr<AllocationLedger> ledger,

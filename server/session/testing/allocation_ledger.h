@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -53,17 +54,30 @@ class AllocationLedger {
   int64_t BytesAtPeakFrom(const std::string& function, int frames = 4) const;
   // The same, as a table for a test's log: bytes, count, site.
   std::string ReportAtPeak(int frames = 4) const;
+  // The peak since the last ResetPeak and its live set as they would be
+  // without the allocations any of `functions` makes itself (the innermost
+  // te:: frame past Ops::Allocate): "Ops::AttentionBackwardPacked", the
+  // CPU's packed-attention scratch, which the CUDA backend keeps in its
+  // workspace instead.
+  std::vector<Site> SitesAtPeakWithout(const std::vector<std::string>& functions, int64_t* peak,
+                                       int frames = 4) const;
+  static std::string Report(int64_t peak, const std::vector<Site>& sites);
 
  private:
   mutable absl::Mutex mu_;
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t peak_ ABSL_GUARDED_BY(mu_) = 0;
-  // Every allocation still live or live at the peak (ids of freed ones that
-  // the peak does not name are dropped).
+  static std::vector<Site> Group(const std::vector<Allocation>& allocations, int frames);
+
+  // Every allocation live at the last ResetPeak or made since (a test
+  // tool: it grows with the allocations of the window).
   std::map<int64_t, Allocation> records_ ABSL_GUARDED_BY(mu_);
-  std::map<int64_t, bool> live_ ABSL_GUARDED_BY(mu_);  // id -> live
-  std::vector<int64_t> at_peak_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, bool> live_ ABSL_GUARDED_BY(mu_);  // the live ids
+  std::vector<int64_t> at_peak_ ABSL_GUARDED_BY(mu_);   // sorted
+  std::vector<int64_t> at_reset_ ABSL_GUARDED_BY(mu_);
+  // Since the last ResetPeak, in order: (id, +bytes) made, (id, -bytes) freed.
+  std::vector<std::pair<int64_t, int64_t>> events_ ABSL_GUARDED_BY(mu_);
 };
 
 // A CPU stream (the reference backend) with `memory_limit` bytes whose
