@@ -615,20 +615,6 @@ absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation
   return width;
 }
 
-absl::Status CheckActivationBackwardQuantizeTransposeArgs(const std::vector<Activation>& acts,
-                                                          const Tensor& dy, const Tensor& x,
-                                                          const Fp8Output& fp8, const Tensor* y,
-                                                          const Tensor* y_t, const Tensor* dbias) {
-  if (x.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ActivationBackwardQuantizeTranspose: x must be 2-D [N, n * I]; x is ", ShapeString(x.shape())));
-  }
-  // dx has x's shape and a float dtype: x stands for it.
-  RETURN_IF_ERROR(CheckActivationBackwardArgs(acts, dy, x, &x).status());
-  RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
-  return dbias == nullptr ? absl::OkStatus() : CheckSumRowsArgs(x, dbias);
-}
-
 absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* y,
                                      const Tensor* mask) {
   const char* op = "DropoutForward";

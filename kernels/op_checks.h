@@ -143,11 +143,6 @@ absl::StatusOr<int64_t> CheckActivationForwardTransposedArgs(const std::vector<A
 absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation>& acts,
                                                     const Tensor& dy, const Tensor& x,
                                                     const Tensor* dx);
-// x 2-D; dbias optional.
-absl::Status CheckActivationBackwardQuantizeTransposeArgs(const std::vector<Activation>& acts,
-                                                          const Tensor& dy, const Tensor& x,
-                                                          const Fp8Output& fp8, const Tensor* y,
-                                                          const Tensor* y_t, const Tensor* dbias);
 // `mask` is an optional output (Wanted).
 absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* y,
                                      const Tensor* mask);

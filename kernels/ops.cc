@@ -131,17 +131,6 @@ absl::Status Ops::ActivationForwardTransposed(const std::vector<Activation>& act
   return Permute(y->Reshaped({y->numel() / width, width}), {1, 0}, y_t);
 }
 
-absl::Status Ops::ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                     const Tensor& dy, const Tensor& x,
-                                                     const Fp8Output& fp8, Tensor* y, Tensor* y_t,
-                                                     Tensor* dbias) {
-  RETURN_IF_ERROR(CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias));
-  ASSIGN_OR_RETURN(Tensor dx, Allocate(DType::kF32, x.shape()));
-  RETURN_IF_ERROR(ActivationBackward(acts, dy, x, &dx));
-  if (dbias == nullptr) return QuantizeTranspose(dx, fp8, y, y_t);
-  return QuantizeTransposeDbias(dx, fp8, y, y_t, dbias);
-}
-
 absl::Status Ops::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& items,
                                         Tensor* non_finite) {
   RETURN_IF_ERROR(CheckDelayedScalingUpdatesArgs(items, non_finite));

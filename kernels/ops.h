@@ -524,17 +524,6 @@ class Ops {
   // activation, same dtype): each element is read before it is written.
   virtual absl::Status ActivationBackward(const std::vector<Activation>& acts,
                                           const Tensor& dy, const Tensor& x, Tensor* dx) = 0;
-  // ActivationBackward with dx kept in float32 and quantized at once into
-  // both FP8 layouts, y [N, n * I] and y_t [n * I, N], with fp8's amax and,
-  // if dbias is non-null, dbias [n * I] = dx's column sums: TE's
-  // dact-cast-transpose-dbias, which hands an FP8 Dense backward its output
-  // gradient. dx is never rounded to dy's dtype. x 2-D. The default
-  // allocates the float32 dx and calls QuantizeTransposeDbias (or
-  // QuantizeTranspose); the CUDA backend reads dy and x once.
-  virtual absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                           const Tensor& dy, const Tensor& x,
-                                                           const Fp8Output& fp8, Tensor* y,
-                                                           Tensor* y_t, Tensor* dbias);
 
   // ---- dropout ----------------------------------------------------------
   // Inverted dropout: element i is kept iff DropoutUniform(seed, i) >= rate

@@ -153,38 +153,6 @@ TEST_P(ActivationTest, Fp8OutputIsTheFloatOutputQuantized) {
   }
 }
 
-// The FP8 output gradient (what an FP8 Dense backward takes): the float32
-// ActivationBackward quantized, never rounded to dy's dtype first, in both
-// layouts, with its amax, scale_inv and column sums (dbias).
-TEST_P(ActivationTest, Fp8GradientIsTheFloatGradientQuantized) {
-  Tensor dy = MakeRandom(ops_, dtype_, y_shape_, 65);
-  Tensor dx32 = MakeEmpty(ops_, DType::kF32, {n_, in_cols_});
-  ASSERT_TRUE(ops_.ActivationBackward(acts_, dy, x_, &dx32).ok());
-  for (DType fp8_dtype : {DType::kE4M3, DType::kE5M2}) {
-    const float scale = 5.0f;
-    Fp8Output fp8{Scalar(ops_, scale), Scalar(ops_, -1.0f), Scalar(ops_, -1.0f)};
-    Tensor y = MakeEmpty(ops_, fp8_dtype, {n_, in_cols_});
-    Tensor y_t = MakeEmpty(ops_, fp8_dtype, {in_cols_, n_});
-    Tensor dbias = MakeEmpty(ops_, DType::kF32, {in_cols_});
-    ASSERT_TRUE(ops_.ActivationBackwardQuantizeTranspose(acts_, dy, x_, fp8, &y, &y_t, &dbias).ok());
-    float amax = 0.0f;
-    std::vector<double> sums(in_cols_, 0.0);
-    for (int64_t r = 0; r < n_; ++r) {
-      for (int64_t c = 0; c < in_cols_; ++c) {
-        const float g = LoadAsFloat(dx32, r * in_cols_ + c);
-        const float want = RoundTo(fp8_dtype, g * scale);
-        ASSERT_EQ(LoadAsFloat(y, r * in_cols_ + c), want) << r << "," << c;
-        ASSERT_EQ(LoadAsFloat(y_t, c * n_ + r), want) << r << "," << c;
-        amax = std::max(amax, std::fabs(g));
-        sums[c] += g;
-      }
-    }
-    EXPECT_EQ(ScalarValue(fp8.amax), amax) << ShortName(fp8_dtype);
-    EXPECT_EQ(ScalarValue(fp8.scale_inv), 1.0f / scale);
-    EXPECT_LT(RelativeError(dbias, sums), Tolerance(DType::kF32));
-  }
-}
-
 std::string CaseName(
     const ::testing::TestParamInfo<std::tuple<std::vector<Activation>, DType, Shape>>& info) {
   const auto& [acts, dtype, shape] = info.param;
@@ -200,26 +168,6 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                        ::testing::Values(Shape{7, 13}, Shape{33, 65})),
     CaseName);
-
-TEST(CpuActivationErrorsTest, Fp8GradientWantsTwoDimensionsAndMatchingOutputs) {
-  CpuOps ops;
-  const std::vector<Activation> gelu = {Activation::kGelu};
-  Fp8Output fp8{Scalar(ops, 1.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
-  Tensor x3 = MakeRandom(ops, DType::kF32, {2, 4, 8}, 66);
-  Tensor y3 = MakeEmpty(ops, DType::kE5M2, {2, 4, 8}), yt3 = MakeEmpty(ops, DType::kE5M2, {8, 8});
-  absl::Status s = ops.ActivationBackwardQuantizeTranspose(gelu, x3, x3, fp8, &y3, &yt3, nullptr);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("2-D"), absl::string_view::npos) << s;
-  Tensor x = MakeRandom(ops, DType::kF32, {8, 8}, 67);
-  Tensor y = MakeEmpty(ops, DType::kE5M2, {8, 8}), wrong_t = MakeEmpty(ops, DType::kE5M2, {4, 16});
-  s = ops.ActivationBackwardQuantizeTranspose(gelu, x, x, fp8, &y, &wrong_t, nullptr);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("y_t"), absl::string_view::npos) << s;
-  Tensor y_t = MakeEmpty(ops, DType::kE5M2, {8, 8}), dbias = MakeEmpty(ops, DType::kF32, {7});
-  s = ops.ActivationBackwardQuantizeTranspose(gelu, x, x, fp8, &y, &y_t, &dbias);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("H=8"), absl::string_view::npos) << s;
-}
 
 TEST(CpuActivationErrorsTest, GatedInputMustBeTwiceTheOutput) {
   CpuOps ops;

@@ -574,18 +574,6 @@ absl::Status CpuOps::ActivationBackward(const std::vector<Activation>& acts, con
   return absl::OkStatus();
 }
 
-absl::Status CpuOps::ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                        const Tensor& dy, const Tensor& x,
-                                                        const Fp8Output& fp8, Tensor* y,
-                                                        Tensor* y_t, Tensor* dbias) {
-  RETURN_IF_ERROR(CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias));
-  auto values = std::make_shared<std::vector<float>>(static_cast<size_t>(x.numel()));
-  Tensor dx(std::shared_ptr<void>(values, values->data()), values->data(), DType::kF32, x.shape());
-  RETURN_IF_ERROR(ActivationBackward(acts, dy, x, &dx));
-  if (dbias == nullptr) return QuantizeTranspose(dx, fp8, y, y_t);
-  return QuantizeTransposeDbias(dx, fp8, y, y_t, dbias);
-}
-
 // ---- dropout ---------------------------------------------------------------------
 
 namespace {

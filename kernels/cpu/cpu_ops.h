@@ -51,13 +51,6 @@ class CpuOps : public Ops {
                                  Tensor* y, const Fp8Output* fp8) override;
   absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                   const Tensor& x, Tensor* dx) override;
-  // Ops's composition with the float32 dx in the op's own host memory, as
-  // ActivationBackward keeps its result, not a session tensor: the step's
-  // memory is the device's.
-  absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                   const Tensor& dy, const Tensor& x,
-                                                   const Fp8Output& fp8, Tensor* y, Tensor* y_t,
-                                                   Tensor* dbias) override;
 
   absl::Status DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,
                               Tensor* mask) override;

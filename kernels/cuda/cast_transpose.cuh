@@ -1,14 +1,11 @@
 // The cast-transpose kernel, shared by the FP8 quantizers (fp8.cu: f is the
-// identity), the activations that write their FP8 output in both layouts
-// (activation.cu: f is the activation) and the activation backward that
-// hands an FP8 Dense backward its output gradient (activation_backward_fp8.cu:
-// f(dy, x) = dy * act'(x)), so all make the same codes from the same float
-// values.
+// identity) and the activations that write their FP8 output in both layouts
+// (activation.cu: f is the activation), so both make the same codes from the
+// same float values.
 #ifndef TE_KERNELS_CUDA_CAST_TRANSPOSE_CUH_
 #define TE_KERNELS_CUDA_CAST_TRANSPOSE_CUH_
 
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/tensor.h"
@@ -30,19 +27,14 @@ struct IdentityFn {
 // of x per column (float32, in a fixed order: each thread its 4 rows, then
 // the 16 threads of a column in order) into column_partial[blockIdx.y]: the
 // dbias of cast-transpose-dbias, finished by PartialColumnSumsKernel.
-// An f taking two floats reads x2 (In2, x's shape) beside x: the value is
-// f(x, x2).
-template <typename In, typename Out, typename F = IdentityFn, typename In2 = In>
+template <typename In, typename Out, typename F = IdentityFn>
 __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__ x,
                                         uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
                                         const float* scale, float* amax, float* scale_inv,
                                         float* __restrict__ column_partial, int64_t rows,
                                         int64_t cols, const float* kept_scale,
-                                        F f = F(),
-                                        const typename In2::Storage* __restrict__ x2 = nullptr) {
+                                        F f = F()) {
   using InPack = Pack<typename In::Storage, 4>;
-  using In2Pack = Pack<typename In2::Storage, 4>;
-  constexpr bool kBinary = std::is_invocable<const F&, float, float>::value;
   __shared__ ByteTile tile;
   __shared__ float tile_column_sums[16][64 + 1];
   __shared__ unsigned scratch[32];
@@ -61,17 +53,10 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
     const int64_t c = col0 + tx * 4;
     if (row0 + r < rows && c < cols) {
       const InPack p = *reinterpret_cast<const InPack*>(x + (row0 + r) * cols + c);
-      In2Pack p2;
-      if constexpr (kBinary) p2 = *reinterpret_cast<const In2Pack*>(x2 + (row0 + r) * cols + c);
       uint32_t word = 0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float v;
-        if constexpr (kBinary) {
-          v = f(In::Load(p.v[j]), In2::Load(p2.v[j]));
-        } else {
-          v = f(In::Load(p.v[j]));
-        }
+        const float v = f(In::Load(p.v[j]));
         local = max(local, AbsBits(v));
         column_sum[j] += v;
         const uint8_t code = Out::Store(v * s);

@@ -151,11 +151,6 @@ class CudaOps : public Ops {
                                            Tensor* y_t) override;
   absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                   const Tensor& x, Tensor* dx) override;
-  // activation_backward_fp8.cu
-  absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                   const Tensor& dy, const Tensor& x,
-                                                   const Fp8Output& fp8, Tensor* y, Tensor* y_t,
-                                                   Tensor* dbias) override;
 
   // dropout.cu
   absl::Status DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,

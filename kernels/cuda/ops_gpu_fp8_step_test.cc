@@ -1,9 +1,8 @@
 // The ops that keep an FP8 step's launches few (kernels/ops.h), against the
 // CPU reference on random data: DelayedScalingUpdates (a step's scaling
 // updates in one launch), QuantizeTransposeKept (FP8 weight copies kept
-// across steps), ActivationForwardTransposed (the activation's FP8 output
-// in both layouts) and ActivationBackwardQuantizeTranspose (the activation's
-// gradient as an FP8 Dense backward takes it). Tolerances: ops_gpu_test.h.
+// across steps) and ActivationForwardTransposed (the activation's FP8 output
+// in both layouts). Tolerances: ops_gpu_test.h.
 #include "kernels/cuda/ops_gpu_test.h"
 
 namespace te {
@@ -171,52 +170,6 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
           ExpectTransposed(y.gpu, y_t.gpu, rows, width);
           ExpectScalarMatches(amax, "amax");
           ExpectScalarMatches(scale_inv, "scale_inv");
-        }
-      }
-    }
-  }
-}
-
-// The activation backward into an FP8 Dense backward's output gradient
-// (ActivationBackwardQuantizeTranspose): each activation, gated (the
-// reference's path) and not, from float32 and bf16 dy and x, into E5M2 (the
-// gradients' format) and E4M3, tile-aligned and not (the fallback), with and
-// without dbias: y, y_t, amax, scale_inv and dbias.
-TEST_F(Fp8StepOpsTest, ActivationBackwardQuantizeTransposeMatchesTheCpu) {
-  const std::vector<std::vector<Activation>> all = {
-      {Activation::kGelu}, {Activation::kRelu}, {Activation::kSilu},
-      {Activation::kQuickGelu}, {Activation::kSquaredRelu}, {Activation::kGelu, Activation::kLinear}};
-  for (const auto& acts : all) {
-    for (DType in : {DType::kF32, DType::kBF16}) {
-      for (DType out : {DType::kE5M2, DType::kE4M3}) {
-        for (const Shape& x_shape : {Shape{192, 256}, Shape{21, 36}}) {
-          for (bool with_dbias : {true, false}) {
-            const bool gated = acts.size() == 2;
-            const int64_t rows = x_shape[0], cols = x_shape[1];
-            SCOPED_TRACE(std::to_string(static_cast<int>(acts[0])) + (gated ? " gated " : " ") +
-                         DTypeName(in) + "->" + DTypeName(out) + " rows " + std::to_string(rows) +
-                         (with_dbias ? " dbias" : ""));
-            Pair x = Random(in, x_shape, 21);
-            Pair dy = Random(in, {rows, gated ? cols / 2 : cols}, 22);
-            Pair y = Zeros(out, x_shape), y_t = Zeros(out, {cols, rows});
-            Pair dbias = Zeros(DType::kF32, {cols});
-            Pair scale = FromValues(DType::kF32, {1}, {6.0f});
-            Pair amax = Zeros(DType::kF32, {1}), scale_inv = Zeros(DType::kF32, {1});
-            ASSERT_TRUE(cpu_->ActivationBackwardQuantizeTranspose(
-                                acts, dy.cpu, x.cpu, {scale.cpu, amax.cpu, scale_inv.cpu}, &y.cpu,
-                                &y_t.cpu, with_dbias ? &dbias.cpu : nullptr)
-                            .ok());
-            ASSERT_TRUE(gpu_->ActivationBackwardQuantizeTranspose(
-                                acts, dy.gpu, x.gpu, {scale.gpu, amax.gpu, scale_inv.gpu}, &y.gpu,
-                                &y_t.gpu, with_dbias ? &dbias.gpu : nullptr)
-                            .ok());
-            ExpectMatches(y, "y");
-            ExpectMatches(y_t, "y_t");
-            ExpectTransposed(y.gpu, y_t.gpu, rows, cols);
-            ExpectScalarMatches(amax, "amax");
-            ExpectScalarMatches(scale_inv, "scale_inv");
-            if (with_dbias) ExpectMatches(dbias, "dbias");
-          }
         }
       }
     }

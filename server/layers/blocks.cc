@@ -192,23 +192,11 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
   return ops.Gemm(gemm, y);
 }
 
-bool Dense::FusesActivationGrad(const Saved& saved) {
-  return saved.fp8 && CanFuseQuantize(&*saved.fp8);
-}
-
-absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, OutputGrad grad, Tensor* dx,
+absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                              Variables* grads) const {
-  const bool from_activation = grad.acts != nullptr;
-  if (from_activation && !FusesActivationGrad(saved)) {
-    return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
-                                            ": an activation's gradient needs DelayedScaling"));
-  }
-  // dy's rows and columns: the activation's input's, when dy is still to be made.
-  const Tensor& dy_extent = from_activation ? grad.h : grad.dy;
-  RETURN_IF_ERROR(CheckRows(dy_extent, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
-  const int64_t n = dy_extent.dim(0);
-  const DType compute = grad.dy.dtype();
-  Tensor dy = std::move(grad.dy);
+  RETURN_IF_ERROR(CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
+  const int64_t n = dy.dim(0);
+  const DType compute = dy.dtype();
   const std::optional<Fp8Recipe> fp8_recipe = saved.fp8;
   const Fp8Recipe* fp8 = fp8_recipe ? &*fp8_recipe : nullptr;
   // The bias gradient: dy's column sums, fused into dy's cast-transpose under
@@ -225,16 +213,10 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, OutputGrad 
     // Both layouts: dy enters the dgrad as is and the wgrad transposed; the
     // bias gradient comes from the same pass over dy.
     Tensor dbias1d = config_.use_bias ? dbias.Reshaped({out_}) : Tensor();
-    Tensor* dbias_out = config_.use_bias ? &dbias1d : nullptr;
-    if (from_activation) {
-      ASSIGN_OR_RETURN(dy_a, QuantizeActivationGrad(ops, *fp8, quantizers(), *grad.acts, dy,
-                                                    grad.h, vars, dbias_out));
-      grad.h = Tensor();
-    } else {
-      ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
-                                                            QuantizerRole::kGrad, dy,
-                                                            GemmSide::kA, false, vars, dbias_out));
-    }
+    ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
+                                                          QuantizerRole::kGrad, dy, GemmSide::kA,
+                                                          false, vars,
+                                                          config_.use_bias ? &dbias1d : nullptr));
     dbias_done = config_.use_bias;
     // One scale for the whole tensor: the copy's two layouts serve both GEMMs.
     dy_b = dy_a;
@@ -434,7 +416,7 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
   return absl::OkStatus();
 }
 
-absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, Saved saved, OutputGrad dy,
+absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy,
                                       Tensor* dx, Variables* grads,
                                       const Tensor& residual_grad) const {
   if (!enable_layernorm_) {

@@ -75,21 +75,6 @@ struct DenseFusion {
   // to *gelu_input (what its backward needs).
   Tensor* gelu_input = nullptr;
 };
-// A Dense's output gradient: dy itself, or, where the Dense's input is an
-// activation's output under DelayedScaling (Dense::FusesActivationGrad), the
-// activation's backward that makes it, dy = dact * act'(h): the Dense then
-// quantizes dy in the pass that computes it
-// (Ops::ActivationBackwardQuantizeTranspose), so no high-precision dy is
-// written.
-struct OutputGrad {
-  OutputGrad(Tensor dy) : dy(std::move(dy)) {}  // NOLINT: a plain dy converts
-  OutputGrad(const std::vector<Activation>& acts, Tensor dact, Tensor h)
-      : dy(std::move(dact)), acts(&acts), h(std::move(h)) {}
-  Tensor dy;                                    // dy, or dact [N, inter]
-  const std::vector<Activation>* acts = nullptr;  // with dact: the activation
-  Tensor h;                                     // with dact: its input [N, n_act * inter]
-};
-
 class Dense {
  public:
   explicit Dense(DenseConfig config);
@@ -130,11 +115,8 @@ class Dense {
   // gradients into *grads. Under DelayedScaling dy's amax goes to the grad
   // quantizer's history[0].
   // Each of saved's and dy's tensors is released once its last GEMM is queued.
-  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, OutputGrad dy, Tensor* dx,
+  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                         Variables* grads) const;
-  // Whether Backward takes an activation's OutputGrad for `saved`: under
-  // DelayedScaling, whose grad scale is known before dy is computed.
-  static bool FusesActivationGrad(const Saved& saved);
 
  private:
   // *y [N, out] = op(a) @ op(b) + bias (+ the fusion's epilogue), in `compute`.
@@ -212,7 +194,7 @@ class LayerNormDense {
                        const DenseFusion& fusion = {}) const;
   // residual_grad (optional) is added to *dx (Norm::Backward's). The Dense's
   // saved tensors and dy go before the norm's backward runs.
-  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, OutputGrad dy, Tensor* dx,
+  absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                         Variables* grads, const Tensor& residual_grad = Tensor()) const;
 
  private:

@@ -3,7 +3,6 @@
 #include "server/layers/blocks.h"
 
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_ops.h"
 #include "server/layers/testing.h"
 
 namespace te::layers {
@@ -79,78 +78,6 @@ TEST(MlpBlockTest, ScopedNames) {
   EXPECT_EQ(got.at("params/mlp/wo_kernel"), (Shape{32, 8}));
   EXPECT_EQ(got.at("fp8_metas/mlp/x_0_scale"), (Shape{1}));
   EXPECT_EQ(got.at("fp8_metas/mlp/grad_1_amax_history"), (Shape{4}));
-}
-
-// The CPU backend, counting the activation backwards that quantize their
-// result (the fused dact-cast-transpose) and the plain ones outside them.
-class ActivationBackwardCounter : public CpuOps {
- public:
-  absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
-                                  const Tensor& x, Tensor* dx) override {
-    if (!in_fused_) ++plain;
-    return CpuOps::ActivationBackward(acts, dy, x, dx);
-  }
-  absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                   const Tensor& dy, const Tensor& x,
-                                                   const Fp8Output& fp8, Tensor* y, Tensor* y_t,
-                                                   Tensor* dbias) override {
-    ++fused;
-    in_fused_ = true;
-    absl::Status s = CpuOps::ActivationBackwardQuantizeTranspose(acts, dy, x, fp8, y, y_t, dbias);
-    in_fused_ = false;
-    return s;
-  }
-  int fused = 0, plain = 0;
-
- private:
-  bool in_fused_ = false;
-};
-
-// Under DelayedScaling the MLP's activation gradient reaches wi's backward
-// unmade and is quantized in the pass that computes it; current scaling
-// (its scale needs dh's amax) and bf16 compute dh first. Single and gated
-// activations, with wi's bias (its gradient comes from the same pass).
-TEST(MlpBlockTest, DelayedScalingQuantizesTheActivationGradientInItsPass) {
-  const Fp8Recipe delayed = testing::DelayedRecipe(4);
-  const Fp8Recipe current = testing::CurrentScalingRecipe();
-  for (const std::vector<Activation>& acts :
-       {std::vector<Activation>{Activation::kGelu},
-        std::vector<Activation>{Activation::kSilu, Activation::kLinear}}) {
-    for (const Fp8Recipe* fp8 : {&delayed, &current, static_cast<const Fp8Recipe*>(nullptr)}) {
-      SCOPED_TRACE(std::string(acts.size() == 2 ? "gated" : "single") +
-                   (fp8 == &delayed ? " delayed" : fp8 != nullptr ? " current" : " bf16"));
-      ActivationBackwardCounter ops;
-      MlpConfig c;
-      c.scope = "mlp";
-      c.hidden = 16;
-      c.intermediate = 32;
-      c.activations = acts;
-      c.use_bias = true;
-      Mlp mlp(c);
-      Variables vars;
-      ASSERT_TRUE(InitVariables(ops, 1, mlp.Defs(fp8), &vars).ok());
-      ForwardOptions opts;
-      opts.fp8 = fp8;
-      Tensor y;
-      Mlp::Saved saved;
-      ASSERT_TRUE(
-          mlp.Forward(ops, &vars, RandomTensor(ops, {8, 16}, DType::kBF16, 4), opts, &y, nullptr, &saved)
-              .ok());
-      Tensor dx;
-      Variables grads;
-      ASSERT_TRUE(mlp.Backward(ops, &vars, std::move(saved), RandomTensor(ops, {8, 16}, DType::kBF16, 5),
-                               &dx, &grads)
-                      .ok());
-      EXPECT_EQ(ops.fused, fp8 == &delayed ? 1 : 0);
-      EXPECT_EQ(ops.plain, fp8 == &delayed ? 0 : 1);
-      EXPECT_EQ(dx.shape(), (Shape{8, 16}));
-      EXPECT_EQ(grads.at("params/mlp/wi_bias").shape(), (Shape{static_cast<int64_t>(acts.size()), 32}));
-      // The bias gradient is the column sums of a nonzero dh.
-      double sum = 0.0;
-      for (float v : Values(grads.at("params/mlp/wi_bias"))) sum += std::fabs(v);
-      EXPECT_GT(sum, 0.0);
-    }
-  }
 }
 
 TEST(DropoutTest, OffSharesMemoryOnSeedsScales) {

@@ -269,24 +269,6 @@ absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
   return op;
 }
 
-absl::StatusOr<GemmOperand> QuantizeActivationGrad(Ops& ops, const Fp8Recipe& fp8,
-                                                   const QuantizerSet& set,
-                                                   const std::vector<Activation>& acts,
-                                                   const Tensor& dact, const Tensor& h,
-                                                   Variables* vars, Tensor* dbias) {
-  if (h.rank() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GEMM operand must be 2-D, got ", ShapeString(h.shape())));
-  }
-  Fp8Output q;
-  ASSIGN_OR_RETURN(GemmOperand op,
-                   AllocateFusedOperand(ops, fp8, set, QuantizerRole::kGrad, h.shape(), vars, &q));
-  ASSIGN_OR_RETURN(op.data_t, ops.Allocate(op.data.dtype(), {h.dim(1), h.dim(0)}));
-  RETURN_IF_ERROR(
-      ops.ActivationBackwardQuantizeTranspose(acts, dact, h, q, &op.data, &op.data_t, dbias));
-  return op;
-}
-
 absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars, Tensor* non_finite) {
   if (!HasFp8Metas(&fp8)) return absl::OkStatus();
   const std::string prefix = absl::StrCat(kFp8Metas, "/");

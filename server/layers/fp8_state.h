@@ -123,17 +123,6 @@ absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
                                                  const Shape& shape, Variables* vars,
                                                  Fp8Output* out);
 
-// dy = dact * act'(h) quantized for the grad role of `set` under
-// DelayedScaling in both layouts, in the pass that computes it
-// (Ops::ActivationBackwardQuantizeTranspose), as QuantizeGemmOperandBothLayouts
-// gives a finished dy: side a, not transposed, data_t beside data, dy's amax
-// into the grad history[0]. With `dbias` ([cols], float) dy's column sums too.
-absl::StatusOr<GemmOperand> QuantizeActivationGrad(Ops& ops, const Fp8Recipe& fp8,
-                                                   const QuantizerSet& set,
-                                                   const std::vector<Activation>& acts,
-                                                   const Tensor& dact, const Tensor& h,
-                                                   Variables* vars, Tensor* dbias);
-
 // TE's end-of-step update, for every "fp8_metas/.../<q>_amax_history" in
 // `vars` with its "<q>_scale": roll the history, amax = max (or most recent),
 // scale = fp8_max * 2^-margin / amax (kept where amax is 0, inf or NaN).

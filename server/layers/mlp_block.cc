@@ -126,22 +126,19 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
 
 absl::Status Mlp::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                            Variables* grads, const Tensor& residual_grad) const {
-  // The GELU's backward is not a GEMM epilogue: cuBLASLt's DGELU_BGRAD
+  // The GELU's backward stays a kernel of its own: cuBLASLt's DGELU_BGRAD
   // epilogue ran as a separate pass of 0.96 ms at the quickstart size on the
   // H200, against 0.4 ms for ActivationBackward and 0.06 ms for the bias sum.
+  // Nor is it fused with wi's FP8 quantization of dh (TE's
+  // dact-cast-transpose-dbias): on the H200 that pass saved 0.22 ms of the
+  // quickstart's FP8 step, but it holds dact, h and both FP8 layouts at
+  // once: the step's peak rose to 2730 MiB, about 224 MiB above this path,
+  // where dh overwrites dact and h goes before dh is quantized.
   Tensor ddropped, dact, dh;
   RETURN_IF_ERROR(wo_.Backward(ops, vars, std::move(saved.wo), std::move(dy), &ddropped, grads));
   RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));
   ddropped = Tensor();
   saved.dropout = DropoutSaved();
-  if (Dense::FusesActivationGrad(saved.ln_wi.dense)) {
-    // Under DelayedScaling wi's backward computes dh and quantizes it in one
-    // pass (TE's dact-cast-transpose-dbias): no [N, n_act * inter] dh in
-    // bf16 is written or read back.
-    return ln_wi_.Backward(ops, vars, std::move(saved.ln_wi),
-                           OutputGrad(config_.activations, std::move(dact), std::move(saved.h)),
-                           dx, grads, residual_grad);
-  }
   if (dact.shape() == saved.h.shape() && dact.dtype() == saved.h.dtype()) {
     // One activation: dh [N, inter] overwrites dact, which nothing reads
     // after (ActivationBackward may write dx over dy), so the backward's
