@@ -208,22 +208,46 @@ absl::StatusOr<int64_t> CudnnAttentionWorkspaceBytes(CudaOps* ops, bool backward
   return WorkspaceLayout(config, *plan).total();
 }
 
+namespace {
+
+// What a call needs to execute `config`'s plan: the plan (made with the
+// other direction's, see CheckOtherDirection), the handle, and the
+// workspace laid out, with the dropout seed written into it.
+struct PreparedCall {
+  const CudnnPlan* plan = nullptr;
+  cudnnHandle_t handle = nullptr;
+  workspace::CudnnAttentionWorkspace layout;
+  char* base = nullptr;
+  int64_t* seed_offset = nullptr;
+};
+
+absl::StatusOr<PreparedCall> Prepare(CudaOps* ops, const PlanConfig& config,
+                                     const AttentionArgs& args) {
+  PreparedCall call;
+  ASSIGN_OR_RETURN(call.plan, GetPlan(ops, config));
+  RETURN_IF_ERROR(CheckOtherDirection(ops, config));
+  ASSIGN_OR_RETURN(call.handle, ops->CudnnHandle());
+  call.layout = WorkspaceLayout(config, *call.plan);
+  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(static_cast<size_t>(call.layout.total())));
+  call.base = static_cast<char*>(workspace);
+  call.seed_offset = reinterpret_cast<int64_t*>(call.base + call.layout.seed_offset_offset());
+  if (config.dropout > 0.0f) {
+    RETURN_IF_ERROR(WriteDropoutSeed(call.seed_offset, args.dropout_seed, ops->stream()));
+  }
+  return call;
+}
+
+}  // namespace
+
 absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
                                    const AttentionShape& shape, const QkvMemory& qkv,
                                    Tensor* out, Tensor* softmax_lse) {
   RETURN_IF_ERROR(Supported(*ops, args, shape, qkv, {{out->data(), out->dtype()}}));
   const PlanConfig config = MakeConfig(/*backward=*/false, args, shape, qkv);
-  ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
-  RETURN_IF_ERROR(CheckOtherDirection(ops, config));
-  ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
-
-  const workspace::CudnnAttentionWorkspace layout = WorkspaceLayout(config, *plan);
-  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(static_cast<size_t>(layout.total())));
-  char* base = static_cast<char*>(workspace);
-  int64_t* seed_offset = reinterpret_cast<int64_t*>(base + layout.seed_offset_offset());
-  if (config.dropout > 0.0f) {
-    RETURN_IF_ERROR(WriteDropoutSeed(seed_offset, args.dropout_seed, ops->stream()));
-  }
+  ASSIGN_OR_RETURN(const PreparedCall call, Prepare(ops, config, args));
+  const workspace::CudnnAttentionWorkspace& layout = call.layout;
+  char* base = call.base;
+  int64_t* seed_offset = call.seed_offset;
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
   if (config.bias) {
@@ -237,7 +261,7 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
   pack.Bind(kO, out->data());
   pack.Bind(kStats, softmax_lse->data());
   BindCommon(config, args, scalars, seed_offset, &pack);
-  RETURN_IF_ERROR(pack.Execute(handle, *plan, workspace));
+  RETURN_IF_ERROR(pack.Execute(call.handle, *call.plan, call.base));
   cudnn_calls.fetch_add(1);
   if (config.padding) {
     // Rows past q_seqlens (or with no valid key) are unspecified in cuDNN's
@@ -266,21 +290,14 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
                              {grads.dv, grads.dtype}}));
   if (!Aligned(softmax_lse.data())) return absl::UnimplementedError("softmax_lse is not aligned");
   const PlanConfig config = MakeConfig(/*backward=*/true, args, shape, qkv);
-  ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
-  RETURN_IF_ERROR(CheckOtherDirection(ops, config));
-  ASSIGN_OR_RETURN(cudnnHandle_t handle, ops->CudnnHandle());
-
-  const workspace::CudnnAttentionWorkspace layout = WorkspaceLayout(config, *plan);
-  ASSIGN_OR_RETURN(void* workspace, ops->Workspace(static_cast<size_t>(layout.total())));
-  char* base = static_cast<char*>(workspace);
+  ASSIGN_OR_RETURN(const PreparedCall call, Prepare(ops, config, args));
+  const workspace::CudnnAttentionWorkspace& layout = call.layout;
+  char* base = call.base;
   char* softmax_sum = base + layout.softmax_sum_offset();
   char* dq_accum = base + layout.dq_accum_offset();
   char* bias_io = base + layout.bias_offset();
   char* dbias_io = base + layout.dbias_offset();
-  int64_t* seed_offset = reinterpret_cast<int64_t*>(base + layout.seed_offset_offset());
-  if (config.dropout > 0.0f) {
-    RETURN_IF_ERROR(WriteDropoutSeed(seed_offset, args.dropout_seed, ops->stream()));
-  }
+  int64_t* seed_offset = call.seed_offset;
   if (config.padding) {
     // cuDNN leaves gradient rows past the valid lengths untouched; ops.h's
     // are zero there. Each gradient is B*S rows of H*D elements, a token
@@ -322,7 +339,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   pack.Bind(config.dropout > 0.0f ? kKeepProbability : kOne,
             config.dropout > 0.0f ? &scalars.keep_probability : &scalars.one);
   BindCommon(config, args, scalars, seed_offset, &pack);
-  RETURN_IF_ERROR(pack.Execute(handle, *plan, workspace));
+  RETURN_IF_ERROR(pack.Execute(call.handle, *call.plan, call.base));
   cudnn_calls.fetch_add(1);
   if (config.bias) {
     const Tensor dbias_view = WorkspaceTensor(dbias_io, qkv.dtype, args.bias.shape());

@@ -573,13 +573,21 @@ size_t SmallHeadDropoutBitsBytes(const AttentionProblem& problem) {
   return bytes <= dropout_bits_limit.load() ? static_cast<size_t>(bytes) : 0;
 }
 
+namespace {
+
+// INVALID_ARGUMENT unless SmallHeadAttentionFits(problem).
+absl::Status CheckSmallHeadFits(const AttentionProblem& problem) {
+  if (SmallHeadAttentionFits(problem)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "attention: the small-head kernels take head_dim <= ", kSmallHeadMaxHeadDim,
+      " without a bias, got head_dim ", problem.shape.head_dim));
+}
+
+}  // namespace
+
 absl::Status SmallHeadAttentionForward(const AttentionProblem& problem, void* out,
                                        DType out_dtype, float* lse, cudaStream_t stream) {
-  if (!SmallHeadAttentionFits(problem)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: the small-head kernels take head_dim <= ", kSmallHeadMaxHeadDim,
-        " without a bias, got head_dim ", problem.shape.head_dim));
-  }
+  RETURN_IF_ERROR(CheckSmallHeadFits(problem));
   const AttentionShape& s = problem.shape;
   small_head_calls.fetch_add(1);
   if (s.batch * s.q_heads * s.q_seq == 0) return absl::OkStatus();
@@ -603,11 +611,7 @@ absl::Status SmallHeadAttentionBackward(const AttentionProblem& problem, const v
                                         DType dk_dtype, void* dv, DType dv_dtype,
                                         float* row_dot, uint32_t* dropout_bits,
                                         cudaStream_t stream) {
-  if (!SmallHeadAttentionFits(problem)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: the small-head kernels take head_dim <= ", kSmallHeadMaxHeadDim,
-        " without a bias, got head_dim ", problem.shape.head_dim));
-  }
+  RETURN_IF_ERROR(CheckSmallHeadFits(problem));
   const AttentionShape& s = problem.shape;
   small_head_calls.fetch_add(1);
   const bool dropout = problem.dropout_rate > 0.0f;
