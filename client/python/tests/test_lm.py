@@ -160,3 +160,29 @@ def test_tiny_lm_trains_with_only_ids_on_the_wire(session, rng):
         assert [t.dtype for t in [mb.x] + list(mb.extra_inputs)] == [dtypes.INT32, dtypes.INT32]
     ids_bytes = 2 * batch * seq * 4
     assert ids_bytes <= metrics["request_bytes"] < ids_bytes + 256, metrics["request_bytes"]
+
+
+def test_tiny_lm_trains_under_fp8_delayed_scaling(session, rng):
+    """The same LM under FP8 DelayedScaling (TE's HYBRID format): every update
+    applied (the FP8 weight copies the update writes feed the next forward),
+    the amax histories moved, and the loss below the same target as bf16."""
+    from te_client.recipe import DelayedScaling, Format
+    data = np.frombuffer(TEXT, np.uint8)
+    batch, seq = 8, 32
+    tokens, labels = _batch(rng, data, batch, seq)
+    model = TinyLM()
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    with te.autocast(enabled=True, recipe=recipe):
+        params = model.init(0, tokens, labels)
+        state = optim.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optim.chain(optim.clip_by_global_norm(1.0), optim.adam(3e-3)))
+        for _ in range(LM_STEPS):
+            tokens, labels = _batch(rng, data, batch, seq)
+            state, metrics = losses.train_step(state, tokens, labels)
+        held_tokens, held_labels = _batch(np.random.default_rng(123), data, batch, seq)
+        held = float(model.apply(state.params, held_tokens, held_labels))
+    assert metrics["count"] == LM_STEPS and metrics["total_notfinite"] == 0, metrics
+    assert metrics["loss"] < LM_FINAL_LOSS and held < LM_FINAL_LOSS, (metrics["loss"], held)
+    histories = {k: np.asarray(v) for k, v in variables_lib.flatten(
+        session.get_variables(state.params, collections=["fp8_metas"])).items() if k.endswith("amax_history")}
+    assert histories and all(np.count_nonzero(h) > 1 for h in histories.values()), list(histories)
