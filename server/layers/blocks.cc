@@ -163,19 +163,29 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
   return absl::OkStatus();
 }
 
-absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a_in,
-                            const GemmOperand& b_in, DType compute, const DenseFusion& fusion,
-                            Tensor* y) const {
-  const GemmOperand a = ForGemm(a_in, GemmSide::kA);
-  const GemmOperand b = ForGemm(b_in, GemmSide::kB);
+namespace {
+
+// The GEMM a @ b of two operands as ForGemm lays them out.
+Ops::GemmArgs GemmArgsOf(const GemmOperand& a, const GemmOperand& b, bool tf32) {
   Ops::GemmArgs gemm;
-  gemm.tf32 = config_.tf32;
+  gemm.tf32 = tf32;
   gemm.a = a.data;
   gemm.transpose_a = a.transpose;
   gemm.a_scale_inv = a.scale_inv;
   gemm.b = b.data;
   gemm.transpose_b = b.transpose;
   gemm.b_scale_inv = b.scale_inv;
+  return gemm;
+}
+
+}  // namespace
+
+absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a_in,
+                            const GemmOperand& b_in, DType compute, const DenseFusion& fusion,
+                            Tensor* y) const {
+  const GemmOperand a = ForGemm(a_in, GemmSide::kA);
+  const GemmOperand b = ForGemm(b_in, GemmSide::kB);
+  Ops::GemmArgs gemm = GemmArgsOf(a, b, config_.tf32);
   if (config_.use_bias) {
     ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars.at(bias_name()).Reshaped({out_}), compute));
   }
@@ -258,14 +268,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
   // before the dgrad allocates dx, so the two never coexist with dx (for the
   // MLP's wo: x and dx are both [N, inter]).
   {
-    Ops::GemmArgs wgrad;
-    wgrad.tf32 = config_.tf32;
-    wgrad.a = x_a.data;
-    wgrad.transpose_a = x_a.transpose;
-    wgrad.a_scale_inv = x_a.scale_inv;
-    wgrad.b = dy_b.data;
-    wgrad.transpose_b = dy_b.transpose;
-    wgrad.b_scale_inv = dy_b.scale_inv;
+    const Ops::GemmArgs wgrad = GemmArgsOf(x_a, dy_b, config_.tf32);
     x_a = GemmOperand();
     dy_b = GemmOperand();
     ASSIGN_OR_RETURN(Tensor dkernel, ops.Allocate(config_.param_dtype, kernel_shape()));
@@ -274,14 +277,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
     (*grads)[kernel_name()] = dkernel;
   }
   if (dx != nullptr) {
-    Ops::GemmArgs dgrad;
-    dgrad.tf32 = config_.tf32;
-    dgrad.a = dy_a.data;
-    dgrad.transpose_a = dy_a.transpose;
-    dgrad.a_scale_inv = dy_a.scale_inv;
-    dgrad.b = kernel_b.data;
-    dgrad.transpose_b = kernel_b.transpose;
-    dgrad.b_scale_inv = kernel_b.scale_inv;
+    const Ops::GemmArgs dgrad = GemmArgsOf(dy_a, kernel_b, config_.tf32);
     ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
     RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
   }
