@@ -8,7 +8,10 @@ it (the Benchmark RPC synchronises before and after each step, so its steps
 are exactly these spans). For the last N steps it prints the step's wall time,
 the device's busy time (the union of kernel, memcpy and memset intervals), the
 idle time, the idle gaps grouped by the kernel that ends each gap, with the
-host calls made during the gaps, and the kernel time by kernel class.
+host calls made during the gaps, and the kernel time by kernel class. With
+--timeline it also lists the last step's device work in launch order (each
+kernel's class, duration and the idle before it), so a class's time can be
+split into the kernels that make it.
 """
 import argparse
 import collections
@@ -82,6 +85,8 @@ def main():
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=3, help="the last N steps")
     p.add_argument("--min-gap-us", type=float, default=2.0)
+    p.add_argument("--timeline", action="store_true",
+                   help="list the last step's kernels in launch order")
     args = p.parse_args()
     device, host = load(args.trace)
     spans = steps(device, host)
@@ -128,6 +133,19 @@ def main():
     print("\nruntime API time inside those gaps (ms per step, calls per step):")
     for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
+    if args.timeline:
+        print_timeline(spans[-1], device)
+
+
+def print_timeline(span, device):
+    """The step's device records in order: idle before, duration (us), class, name."""
+    recs = [d for d in device if d[0] >= span[0] and d[1] <= span[1]]
+    print("\nthe last step in launch order (us idle before, us duration, class, name):")
+    cursor = span[0]
+    for s, e, name, kind in recs:
+        label = kernel_class(name) if kind == "kernel" else "memcpy / memset"
+        print(f"  {max(0, s - cursor) / 1e3:7.1f} {(e - s) / 1e3:9.1f}  {label:28s} {name[:100]}")
+        cursor = max(cursor, e)
 
 
 if __name__ == "__main__":

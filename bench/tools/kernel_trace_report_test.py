@@ -48,6 +48,16 @@ class ReportTest(unittest.TestCase):
         # The gap before the GEMM is attributed to it, with the launch made in it.
         self.assertTrue(any("0.5  nvjet_sm90_tst_128x128_gemm" in l for l in lines))
         self.assertTrue(any("cudaLaunchKernel" in l for l in lines))
+    def test_timeline_lists_the_last_step_in_order(self):
+        out = self.run_report("--steps", "2", "--timeline")
+        rows = out.split("the last step in launch order")[1].splitlines()[1:]
+        # Step 2 alone: the cuDNN kernel, no idle before it, 1.0 us long.
+        self.assertEqual(len(rows), 1)
+        self.assertEqual(rows[0].split()[:3], ["0.0", "1.0", "attention"])
+        self.assertIn("sdpa_sm90_flash_fprop", rows[0])
+        out = self.run_report("--steps", "2")
+        self.assertNotIn("launch order", out)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -4,6 +4,8 @@
 # + 5 timed steps) and kernel_trace_report.py over the last 5 steps. Runs from
 # a bundle folder (deploy/bundle.sh) holding te_server, layer_bench, run.sh,
 # libkernel_trace.so, libcupti.so.13 and kernel_trace_report.py.
+# TRACE_WARMUP (default 5) sets the warmup steps: the H200's clocks settle
+# over a longer run, so 25 shows the step as a sustained run sees it.
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$1"; shift
 mkdir -p "$out"
@@ -14,10 +16,10 @@ for v in "$@"; do
   spid=$!
   for i in $(seq 600); do [ -s "$pf" ] && break; sleep 0.1; done
   port=$(cat "$pf")
-  timeout 200 "$here/run.sh" layer_bench --server="127.0.0.1:$port" --config=quickstart --variants=$v --warmup=5 --iters=5 --client_side=false >"$out/bench_v$v.txt" 2>&1
+  timeout 200 "$here/run.sh" layer_bench --server="127.0.0.1:$port" --config=quickstart --variants=$v --warmup="${TRACE_WARMUP:-5}" --iters=5 --client_side=false >"$out/bench_v$v.txt" 2>&1
   cat "$out/bench_v$v.txt" | tail -5
   kill -TERM $spid; wait $spid
   tail -2 "$out/server_v$v.log"
-  python3 "$here/kernel_trace_report.py" "$out/trace_v$v.csv" --steps 5 | tee "$out/report_v$v.txt"
+  python3 "$here/kernel_trace_report.py" "$out/trace_v$v.csv" --steps 5 --timeline | tee "$out/report_v$v.txt"
   gzip -f "$out/trace_v$v.csv"
 done
