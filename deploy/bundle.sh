@@ -20,7 +20,7 @@ max_bytes=$((64 * 1024 * 1024))
 
 # Targets: the fixed ones, then every test tagged gpu and every binary tagged
 # benchmark. Missing ones are skipped with a message.
-wanted=(//server:te_server //client:quickstart)
+wanted=(//server:te_server //client:quickstart //bench/tools:libkernel_trace.so)
 if [ -n "${BUNDLE_TARGETS:-}" ]; then
   read -r -a wanted <<<"$BUNDLE_TARGETS"
 else
@@ -144,7 +144,8 @@ fi
 # outside the repository and do not travel otherwise), and the commit the
 # bundle was built from.
 cp bench/harness/run_gpu_bench.sh bench/harness/run_multi_client_bench.sh bench/harness/summarize.py \
-  bench/harness/jax_memory.py bench/layers/compare_quickstarts.sh bench/layers/run_train_lm.sh \
+  bench/harness/jax_memory.py bench/harness/profile_step.sh bench/harness/gemm_sustained.py \
+  bench/tools/trace_step.sh bench/tools/kernel_trace_report.py bench/layers/compare_quickstarts.sh bench/layers/run_train_lm.sh \
   bench/layers/train_step_bench.py bench/kernels/run_small_head_attention.sh "$out"/
 peers_dir="${TE_PEERS_DIR:-../shared/peers}"
 if compgen -G "$peers_dir/*.py" >/dev/null; then

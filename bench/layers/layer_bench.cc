@@ -22,8 +22,15 @@
 //   OURS <variant> FAILED <message>
 //   OURSMEM <variant> peak <MiB> reserved <MiB> (peak <MiB>)
 //   OURSPIPE <variant> depth <n> <ms> serial <ms> server <ms> (<ratio>x)
+//   OURSROUND <variant> <k> server <ms> pipelined <ms> (<ratio>x)
+//   OURSROUNDS <variant> median <ratio>x over <n> rounds
 //
+// --rounds=N (N > 0, both sides timed) then times the server and the
+// pipelined client N more times each, alternating which goes first, so a
+// drift of the GPU's clocks over the call weighs on both alike; the median
+// of the per-round ratios is the client's overhead.
 //   layer_bench --server=localhost:50051 --config=quickstart --variants=all
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -63,6 +70,9 @@ ABSL_FLAG(bool, client_side, true, "time client-observed steps");
 ABSL_FLAG(int, client_depth, 2,
           "steps the pipelined client-observed timing keeps in flight (ForwardBackwardAsync): the next "
           "step waits queued on the server while one runs; 1 times only the serial loop");
+ABSL_FLAG(int, rounds, 0,
+          "with both sides timed: N more rounds of server and pipelined client timings, alternating "
+          "which goes first, and the median of their ratios (OURSROUND, OURSROUNDS)");
 ABSL_FLAG(std::string, memory_probe, "",
           "a command printing the device's used memory in MiB (e.g. nvidia-smi --query-gpu=memory.used "
           "--format=csv,noheader,nounits -i 0); read before the variant's session allocates and after "
@@ -131,6 +141,7 @@ struct Options {
   bool server_side = true;
   bool client_side = true;
   int client_depth = 2;
+  int rounds = 0;
   std::string memory_probe;
 };
 
@@ -292,6 +303,32 @@ class VariantRun {
   te::v1::Tensor x_, dy_;
 };
 
+// The server's step and the pipelined client's, o.rounds times, alternating
+// which runs first; prints each round and the median ratio.
+absl::Status TimeInterleaved(VariantRun& run, const Variant& v, const Options& o) {
+  std::vector<double> ratios;
+  for (int k = 0; k < o.rounds; ++k) {
+    double server_ms = 0, client_ms = 0;
+    for (int side = 0; side < 2; ++side) {
+      if ((side + k) % 2 == 0) {
+        ASSIGN_OR_RETURN(server_ms, run.TimeServer());
+      } else {
+        ASSIGN_OR_RETURN(client_ms, run.TimeClientPipelined(o.client_depth));
+      }
+    }
+    ratios.push_back(client_ms / server_ms);
+    std::cout << absl::StrFormat("OURSROUND %s %d server %.3f pipelined %.3f (%.3fx)\n", v.name, k,
+                                 server_ms, client_ms, ratios.back())
+              << std::flush;
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const size_t n = ratios.size();
+  const double median = n % 2 ? ratios[n / 2] : (ratios[n / 2 - 1] + ratios[n / 2]) / 2;
+  std::cout << absl::StrFormat("OURSROUNDS %s median %.3fx over %d rounds\n", v.name, median, o.rounds)
+            << std::flush;
+  return absl::OkStatus();
+}
+
 std::string Ms(const std::optional<double>& ms) { return ms ? absl::StrFormat("%.3f", *ms) : "-"; }
 
 absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, const Options& o) {
@@ -347,6 +384,9 @@ absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, co
     if (server_ms) std::cout << absl::StrFormat(" server %.3f ms (%.3fx)", *server_ms, *pipelined_ms / *server_ms);
     std::cout << std::endl;
   }
+  if (o.rounds > 0 && o.server_side && o.client_side && o.client_depth > 1) {
+    RETURN_IF_ERROR(TimeInterleaved(run, v, o));
+  }
   return session->Close();
 }
 
@@ -365,8 +405,10 @@ int Main() {
   o.client_side = absl::GetFlag(FLAGS_client_side);
   o.client_depth = absl::GetFlag(FLAGS_client_depth);
   o.memory_probe = absl::GetFlag(FLAGS_memory_probe);
-  if (o.warmup < 0 || o.iters <= 0) {
-    std::cerr << "layer_bench: --warmup " << o.warmup << " must be >= 0 and --iters " << o.iters << " > 0\n";
+  o.rounds = absl::GetFlag(FLAGS_rounds);
+  if (o.warmup < 0 || o.iters <= 0 || o.rounds < 0) {
+    std::cerr << "layer_bench: --warmup " << o.warmup << " and --rounds " << o.rounds
+              << " must be >= 0 and --iters " << o.iters << " > 0\n";
     return 2;
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
