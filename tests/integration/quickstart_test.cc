@@ -485,6 +485,29 @@ TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
   EXPECT_FALSE(on_server->empty());
 }
 
+// Sequential::Apply is functional under DelayedScaling as a module's Apply
+// is, and ApplyOptions::update_fp8_metas reaches each stage's forward.
+TEST_F(QuickstartTest, SequentialApplyMovesFp8MetasOnlyWhenAsked) {
+  Sequential chain;
+  chain.Add("dense", std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden}));
+  Autocast autocast(true, QuickstartRecipe());
+  absl::StatusOr<SequentialVariables> vars = chain.Init(*session_, 3, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const Variables& dense = vars->stages[0];
+  const std::map<std::string, std::vector<float>> initial = Fp8Metas(dense);
+  ASSERT_EQ(initial.count("fp8_metas/x_scale"), 1u);
+  ASSERT_TRUE(chain.Apply(*vars, x_).ok());
+  EXPECT_EQ(Fp8Metas(dense), initial);
+
+  ApplyOptions inference;
+  inference.update_fp8_metas = true;
+  ASSERT_TRUE(chain.Apply(*vars, x_, inference).ok());
+  std::map<std::string, std::vector<float>> moved = Fp8Metas(dense);
+  EXPECT_NE(moved["fp8_metas/x_scale"], initial.at("fp8_metas/x_scale"));
+  EXPECT_NE(moved["fp8_metas/x_amax_history"], initial.at("fp8_metas/x_amax_history"));
+  EXPECT_EQ(moved["fp8_metas/grad_scale"], initial.at("fp8_metas/grad_scale"));  // no backward ran
+}
+
 // With a tiny inline limit every tensor travels through PutTensor / GetTensor
 // and resident outputs; the results are the same bytes as inline transport.
 TEST_F(QuickstartTest, StreamedTransportGivesTheSameResults) {
