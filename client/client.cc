@@ -10,6 +10,8 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 
@@ -95,6 +97,42 @@ void SetAffinityHeader(grpc::ClientContext* context, const std::string& affinity
   context->AddMetadata(kAffinityHeader, affinity_key);
 }
 
+// Waits up to `timeout` for `channel` to connect. UNAVAILABLE naming the
+// address: at once when an attempt fails (nothing listening, an unknown host,
+// a refused TLS handshake), with gRPC's reason; after `timeout` when attempts
+// hang.
+absl::Status WaitConnected(const std::shared_ptr<grpc::Channel>& channel, const std::string& address,
+                           absl::Duration timeout) {
+  const auto deadline = DeadlineAfter(timeout);
+  grpc_connectivity_state state = channel->GetState(/*try_to_connect=*/true);
+  while (state != GRPC_CHANNEL_READY && state != GRPC_CHANNEL_TRANSIENT_FAILURE &&
+         state != GRPC_CHANNEL_SHUTDOWN) {
+    if (!channel->WaitForStateChange(state, deadline)) {
+      return absl::UnavailableError(absl::StrCat("no te_server answered at ", address, " within ",
+                                                 absl::FormatDuration(timeout),
+                                                 " (ClientOptions::connect_timeout)"));
+    }
+    state = channel->GetState(/*try_to_connect=*/true);
+  }
+  if (state == GRPC_CHANNEL_READY) return absl::OkStatus();
+  // The attempt failed: a call that does not wait for the channel fails at
+  // once, with gRPC's reason.
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineAfter(std::min(timeout, absl::Seconds(5))));
+  te::v1::ServerInfo info;
+  const grpc::Status status =
+      te::v1::TeService::NewStub(channel)->GetServerInfo(&context, te::v1::GetServerInfoRequest(), &info);
+  if (status.ok()) return absl::OkStatus();  // it connected after all
+  if (absl::StrContains(absl::AsciiStrToLower(status.error_message()), "refused")) {
+    return absl::UnavailableError(absl::StrCat("connection refused at ", address,
+                                               ": nothing listens there (is te_server running, on that port?); "
+                                               "gRPC: ",
+                                               status.error_message()));
+  }
+  return absl::UnavailableError(absl::StrCat("cannot connect to te_server at ", address, ": ",
+                                             status.error_message()));
+}
+
 // The codes of a call that ended at the client without the server's answer:
 // it may never have reached the server (SessionRef.abandoned).
 bool Unanswered(grpc::StatusCode code) {
@@ -117,10 +155,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = CredentialsFor(options);
   if (!credentials.ok()) return credentials.status();
   std::shared_ptr<grpc::Channel> channel = NewChannel(address, *credentials, options);
-  if (!channel->WaitForConnected(DeadlineAfter(options.connect_timeout))) {
-    return absl::UnavailableError(absl::StrCat("could not connect to te_server at ", address, " within ",
-                                               absl::FormatDuration(options.connect_timeout)));
-  }
+  absl::Status connected = WaitConnected(channel, address, options.connect_timeout);
+  if (!connected.ok()) return connected;
   return std::unique_ptr<Client>(
       new Client(address, *credentials, te::v1::TeService::NewStub(channel), options));
 }

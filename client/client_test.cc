@@ -5,12 +5,19 @@
 // tests/integration/quickstart_test.cc.
 #include "client/client.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/modules.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -388,11 +395,35 @@ TEST_F(ClientTest, UnreachablePinnedReplicaIsUnavailableAndNamed) {
   EXPECT_EQ((*session)->Close().code(), absl::StatusCode::kUnavailable);
 }
 
-TEST(ClientConnectTest, NothingListeningIsUnavailable) {
+// A loopback port that was free a moment ago and that nothing listens on.
+int ClosedLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(ClientConnectTest, ConnectionRefusedSaysSoAtOnce) {
+  const std::string address = "127.0.0.1:" + std::to_string(ClosedLoopbackPort());
   ClientOptions options;
-  options.connect_timeout = absl::Milliseconds(200);
-  // Port 1 on loopback: nothing listens there in a test sandbox.
-  EXPECT_EQ(Client::Connect("127.0.0.1:1", options).status().code(), absl::StatusCode::kUnavailable);
+  options.connect_timeout = absl::Seconds(30);
+  const absl::Time start = absl::Now();
+  const absl::Status status = Client::Connect(address, options).status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the 30 s connect timeout
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_NE(status.message().find("connection refused at " + address), absl::string_view::npos) << status;
+}
+
+TEST(ClientConnectTest, DefaultCallDeadlineIsMinutes) {
+  const ClientOptions options;
+  EXPECT_GE(options.rpc_timeout, absl::Minutes(1));
+  EXPECT_LE(options.rpc_timeout, absl::Minutes(5));  // a stopped server fails a call within minutes
+  EXPECT_LE(options.connect_timeout, absl::Seconds(30));
 }
 
 }  // namespace

@@ -175,6 +175,7 @@ std::vector<Graph::Edge> Graph::CallAll(const Module& module, const std::vector<
   node.mask = mask.id;
   node.keep = true;
   *node.op.mutable_module() = *std::move(spec);
+  if (!module.DropoutUsers().empty()) dropout_users_.push_back(node_name);
   return Record(std::move(node), outputs->shapes, outputs->dtype);
 }
 
@@ -347,6 +348,7 @@ Graph::Edge Graph::Dropout(Edge t, float rate, const std::vector<int>& broadcast
   node.name = node_name;
   node.op.mutable_dropout()->set_rate(rate);
   for (int d : dims) node.op.mutable_dropout()->add_broadcast_dims(d);
+  dropout_users_.push_back(node_name);
   return RecordOne(std::move(node), edges_[t.id].shape, edges_[t.id].dtype);
 }
 

@@ -142,6 +142,8 @@ class Graph : public Module {
   // LayerSpec{graph}: the first bad use's error, or INVALID_ARGUMENT when no
   // output was set.
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+  // The Dropout nodes and the module nodes whose modules draw dropout.
+  std::vector<std::string> DropoutUsers() const override { return dropout_users_; }
 
  private:
   struct EdgeInfo {
@@ -183,6 +185,7 @@ class Graph : public Module {
   std::map<std::string, std::map<std::string, int>> auto_names_;  // scope -> type -> next n
   std::map<std::string, int> module_names_;                        // name -> node
   std::map<int, EmbedOptions> embed_options_;                      // Embed node -> its dtypes
+  std::vector<std::string> dropout_users_;                          // node names, in call order
   int output_ = -1;
   absl::Status error_;
 };

@@ -48,6 +48,24 @@ TEST(GraphTest, ModulesTakeFlaxsAutomaticNamesPerScopeAndType) {
                                                              "DenseGeneral_1"}));
 }
 
+TEST(GraphTest, DropoutUsersAreTheNodesThatDrawDropout) {
+  Graph g("Block", kX, DType::kF32);
+  Graph::Edge x = g.Dropout(g.x(), 0.0f);  // rate 0: the identity, no node
+  LayerNormMLP mlp;
+  x = g.Call(mlp, {x});
+  mlp.intermediate_dropout_rate = 0.0f;
+  x = g.Call(mlp, {x});
+  {
+    Graph::Scope block = g.Submodule("Block");
+    x = g.Dropout(x, 0.5f);
+  }
+  g.SetOutput(x);
+  EXPECT_EQ(g.DropoutUsers(), (std::vector<std::string>{"LayerNormMLP_0", "Block_0/Dropout_0"}));
+  Graph plain("Plain", kX, DType::kF32);
+  plain.SetOutput(plain.Call(TeDense(16), {plain.x()}));
+  EXPECT_TRUE(plain.DropoutUsers().empty());
+}
+
 TEST(GraphTest, GlueIsNamedByOpAndScopeAndItsEdgesAsTheNode) {
   Graph g("Block", kX, DType::kBF16);
   // A module holding "reshape_0" makes the first reshape "reshape_1".

@@ -51,8 +51,19 @@ absl::Status FillMicroBatch(Session& session, const HostTensor& x, const HostTen
   if (options.attention_mask.has_value()) {
     ASSIGN_OR_RETURN(*batch->mutable_attention_mask(), session.Send(*options.attention_mask, uploads->ids()));
   }
-  batch->set_dropout_seed(options.dropout_seed);
+  batch->set_dropout_seed(options.dropout_seed.value_or(0));
   return absl::OkStatus();
+}
+
+// Flax's make_rng("dropout") without the key: a dropout that runs needs the call's seed.
+absl::Status CheckDropoutSeed(const Module& module, const ApplyOptions& options) {
+  if (options.deterministic || options.dropout_seed.has_value()) return absl::OkStatus();
+  const std::vector<std::string> users = module.DropoutUsers();
+  if (users.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      absl::StrJoin(users, ", "),
+      " needs PRNG for \"dropout\": with deterministic false set ApplyOptions::dropout_seed, as Flax "
+      "requires rngs={\"dropout\": key}"));
 }
 
 }  // namespace
@@ -106,6 +117,13 @@ std::string ShapeTree(const std::vector<VariableInfo>& variables) {
 
 // ---- Module -----------------------------------------------------------------------
 
+std::vector<std::string> Module::DropoutUsersIf(std::initializer_list<float> rates) const {
+  for (float rate : rates) {
+    if (rate > 0.0f) return {type_name()};
+  }
+  return {};
+}
+
 absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const HostTensor& x) const {
   te::v1::InitLayerRequest request;
   ASSIGN_OR_RETURN(*request.mutable_spec(), Spec());
@@ -130,6 +148,7 @@ absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const Hos
 absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostTensor& x,
                                               const ApplyOptions& options, bool keep_for_backward) const {
   RETURN_IF_ERROR(CheckVariables(vars));
+  RETURN_IF_ERROR(CheckDropoutSeed(*this, options));
   Session& session = *vars.session;
   Uploads uploads(session);
   te::v1::ForwardRequest request;
@@ -142,7 +161,7 @@ absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostT
     ASSIGN_OR_RETURN(*request.mutable_attention_mask(), session.Send(*options.attention_mask, uploads.ids()));
   }
   request.set_deterministic(options.deterministic);
-  request.set_dropout_seed(options.dropout_seed);
+  request.set_dropout_seed(options.dropout_seed.value_or(0));
   *request.mutable_autocast() = ToProto(Autocast::Current());
   request.set_keep_for_backward(keep_for_backward);
   request.set_update_fp8_metas(options.update_fp8_metas);
@@ -169,6 +188,7 @@ absl::StatusOr<HostTensor> Module::Apply(const Variables& vars, const HostTensor
 absl::StatusOr<ValueAndGradResult> Module::ValueAndGrad(const Variables& vars, const HostTensor& x,
                                                         const HostTensor& dy, const ApplyOptions& options) const {
   RETURN_IF_ERROR(CheckVariables(vars));
+  RETURN_IF_ERROR(CheckDropoutSeed(*this, options));
   Session& session = *vars.session;
   Uploads uploads(session);
   te::v1::ForwardBackwardRequest request;

@@ -15,6 +15,7 @@
 #define TE_CLIENT_MODULES_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
@@ -50,8 +51,11 @@ struct Variables {
 std::string ShapeTree(const std::vector<VariableInfo>& variables);
 
 struct ApplyOptions {
-  bool deterministic = true;   // Flax's `deterministic`: true turns dropout off
-  uint64_t dropout_seed = 0;   // the "dropout" PRNG key
+  bool deterministic = true;  // Flax's `deterministic`: true turns dropout off
+  // The "dropout" PRNG key (Flax's rngs={"dropout": key}). A call whose
+  // dropout runs (deterministic false, a rate above 0) needs one: without it
+  // the call is INVALID_ARGUMENT naming what draws dropout, as Flax raises.
+  std::optional<uint64_t> dropout_seed;
   // Rank 4, broadcast against the logits [B, H, Sq, Skv] ([B or 1, H or 1,
   // Sq or 1, Skv or 1]: per head too), bool or int32 (or float), nonzero =
   // masked out, any pattern: read as the module's TE mask type reads it
@@ -98,6 +102,10 @@ class Module {
   // INVALID_ARGUMENT naming the field when a string field has no te.v1 value
   // (e.g. layernorm_type "batchnorm").
   virtual absl::StatusOr<te::v1::LayerSpec> Spec() const = 0;
+  // What draws dropout when a call is not deterministic (Flax's make_rng
+  // ("dropout") callers): the module itself when one of its dropout rates is
+  // above 0; a Graph names its nodes.
+  virtual std::vector<std::string> DropoutUsers() const { return {}; }
 
   // Creates the layer's variables on the server from `key` and x's shape and
   // dtype (x's values are not sent). Under a DelayedScaling autocast the
@@ -123,6 +131,10 @@ class Module {
   // server (for chaining modules by hand; see sequential.h).
   absl::StatusOr<ForwardResult> Forward(const Variables& vars, const HostTensor& x,
                                         const ApplyOptions& options, bool keep_for_backward) const;
+
+ protected:
+  // DropoutUsers of a module with these dropout rates: itself when one is above 0.
+  std::vector<std::string> DropoutUsersIf(std::initializer_list<float> rates) const;
 };
 
 // The backward of a kept forward: gradients of vdot(y, dy). With keep_grads
@@ -202,6 +214,7 @@ class LayerNormMLP : public Module {
 
   std::string type_name() const override { return "LayerNormMLP"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+  std::vector<std::string> DropoutUsers() const override { return DropoutUsersIf({intermediate_dropout_rate}); }
 };
 
 // Inputs: q as x and k, v as ApplyOptions::extra_inputs (bshd_bshd_bshd), or
@@ -223,6 +236,7 @@ class DotProductAttention : public Module {
 
   std::string type_name() const override { return "DotProductAttention"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+  std::vector<std::string> DropoutUsers() const override { return DropoutUsersIf({attention_dropout}); }
 };
 
 class MultiHeadAttention : public Module {
@@ -247,6 +261,7 @@ class MultiHeadAttention : public Module {
 
   std::string type_name() const override { return "MultiHeadAttention"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+  std::vector<std::string> DropoutUsers() const override { return DropoutUsersIf({attention_dropout}); }
 };
 
 class TransformerLayer : public Module {
@@ -273,6 +288,9 @@ class TransformerLayer : public Module {
 
   std::string type_name() const override { return "TransformerLayer"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+  std::vector<std::string> DropoutUsers() const override {
+    return DropoutUsersIf({hidden_dropout, attention_dropout, intermediate_dropout});
+  }
 };
 
 // ---- Flax's own modules (flax.linen), Flax's defaults ---------------------------
@@ -346,6 +364,7 @@ class FlaxMultiHeadDotProductAttention : public Module {
 
   std::string type_name() const override { return "MultiHeadDotProductAttention"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
+  std::vector<std::string> DropoutUsers() const override { return DropoutUsersIf({dropout_rate}); }
 };
 
 }  // namespace te::client

@@ -3,7 +3,9 @@
 // invert.
 #include "client/modules.h"
 
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "client/sequential.h"
 #include "gtest/gtest.h"
@@ -153,6 +155,26 @@ TEST(ModuleTest, ApplyNeedsVariablesFromInit) {
   const HostTensor x = HostTensor::RandomNormal({2, 4}, DType::kBF16, 3);
   EXPECT_EQ(dense.Apply(Variables{}, x).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(dense.ValueAndGrad(Variables{}, x, x).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ModuleTest, DropoutUsersAreModulesWithARateAboveZero) {
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(TransformerLayer().DropoutUsers(), Names{"TransformerLayer"});  // TE's 0.1 rates
+  TransformerLayer no_dropout;
+  no_dropout.hidden_dropout = no_dropout.attention_dropout = no_dropout.intermediate_dropout = 0.0f;
+  EXPECT_TRUE(no_dropout.DropoutUsers().empty());
+  no_dropout.intermediate_dropout = 0.25f;
+  EXPECT_EQ(no_dropout.DropoutUsers(), Names{"TransformerLayer"});
+  EXPECT_EQ(LayerNormMLP().DropoutUsers(), Names{"LayerNormMLP"});
+  EXPECT_TRUE(DotProductAttention(8, 2).DropoutUsers().empty());  // attention_dropout 0.0
+  MultiHeadAttention attention(8, 2);
+  attention.attention_dropout = 0.1f;
+  EXPECT_EQ(attention.DropoutUsers(), Names{"MultiHeadAttention"});
+  FlaxMultiHeadDotProductAttention flax_attention(2);
+  EXPECT_TRUE(flax_attention.DropoutUsers().empty());
+  flax_attention.dropout_rate = 0.1f;
+  EXPECT_EQ(flax_attention.DropoutUsers(), Names{"MultiHeadDotProductAttention"});
+  EXPECT_TRUE(DenseGeneral({8}).DropoutUsers().empty());
 }
 
 TEST(SequentialGlueTest, QkvSplitAndItsBackward) {

@@ -35,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/modules.h"
 #include "client/quickstart_layers.h"
@@ -49,6 +50,8 @@ ABSL_FLAG(std::string, variants, "all", "which variants to run: all, or a list s
 ABSL_FLAG(int, iters, 10, "timed steps per variant (the notebook uses 50)");
 ABSL_FLAG(int, warmup, 3, "warm-up steps per variant (the notebook uses 50)");
 ABSL_FLAG(bool, server_side, false, "time the steps on the server (Benchmark RPC)");
+ABSL_FLAG(absl::Duration, rpc_timeout, te::client::ClientOptions().rpc_timeout,
+          "deadline of each call (a CPU server at --config=quickstart needs more than the default)");
 
 namespace te::client {
 namespace {
@@ -124,7 +127,9 @@ absl::Status Main() {
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(LayerSize c, SizeForConfig(absl::GetFlag(FLAGS_config)));
   ASSIGN_OR_RETURN(std::set<int> variants, ParseVariants(absl::GetFlag(FLAGS_variants)));
-  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(absl::GetFlag(FLAGS_server)));
+  ClientOptions client_options;
+  client_options.rpc_timeout = absl::GetFlag(FLAGS_rpc_timeout);
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(absl::GetFlag(FLAGS_server), client_options));
   ASSIGN_OR_RETURN(te::v1::ServerInfo info, client->GetServerInfo());
   std::cout << "te_server " << info.version();
   for (const te::v1::DeviceInfo& d : info.devices()) std::cout << " | " << d.name() << ": " << d.description();

@@ -104,10 +104,11 @@ absl::StatusOr<HostTensor> Sequential::Run(Session* session, uint64_t key, const
         if (current.empty()) return absl::InvalidArgumentError(absl::StrCat(stage.name, ": no input"));
         ApplyOptions stage_options;
         stage_options.deterministic = options.deterministic;
-        stage_options.dropout_seed = SeedOf(options.dropout_seed, stage.name);
+        if (options.dropout_seed.has_value()) stage_options.dropout_seed = SeedOf(*options.dropout_seed, stage.name);
         stage_options.extra_inputs.assign(current.begin() + 1, current.end());
         if (stage.pass_attention_mask) stage_options.attention_mask = options.attention_mask;
         stage_options.keep_outputs = options.keep_outputs;
+        stage_options.update_fp8_metas = options.update_fp8_metas;
         const Variables* stage_vars;
         if (vars == nullptr) {
           absl::StatusOr<Variables> created = stage.module->Init(*session, SeedOf(key, stage.name), current[0]);

@@ -485,6 +485,73 @@ TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
   EXPECT_FALSE(on_server->empty());
 }
 
+// Sequential::Apply is functional under DelayedScaling as a module's Apply
+// is, and ApplyOptions::update_fp8_metas reaches each stage's forward.
+TEST_F(QuickstartTest, SequentialApplyMovesFp8MetasOnlyWhenAsked) {
+  Sequential chain;
+  chain.Add("dense", std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden}));
+  Autocast autocast(true, QuickstartRecipe());
+  absl::StatusOr<SequentialVariables> vars = chain.Init(*session_, 3, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  const Variables& dense = vars->stages[0];
+  const std::map<std::string, std::vector<float>> initial = Fp8Metas(dense);
+  ASSERT_EQ(initial.count("fp8_metas/x_scale"), 1u);
+  ASSERT_TRUE(chain.Apply(*vars, x_).ok());
+  EXPECT_EQ(Fp8Metas(dense), initial);
+
+  ApplyOptions inference;
+  inference.update_fp8_metas = true;
+  ASSERT_TRUE(chain.Apply(*vars, x_, inference).ok());
+  std::map<std::string, std::vector<float>> moved = Fp8Metas(dense);
+  EXPECT_NE(moved["fp8_metas/x_scale"], initial.at("fp8_metas/x_scale"));
+  EXPECT_NE(moved["fp8_metas/x_amax_history"], initial.at("fp8_metas/x_amax_history"));
+  EXPECT_EQ(moved["fp8_metas/grad_scale"], initial.at("fp8_metas/grad_scale"));  // no backward ran
+}
+
+// Flax's make_rng("dropout") without the key: a call whose dropout runs
+// (deterministic false, a rate above 0) and has no dropout seed is refused
+// before anything is sent, naming what draws dropout; where no dropout runs
+// no seed is needed.
+TEST_F(QuickstartTest, DropoutWithoutASeedIsRefusedAsFlaxRefusesIt) {
+  const TransformerLayer layer = QuickstartTransformerLayer(kSize);  // TE's dropout rates, 0.1
+  ASSERT_FALSE(layer.DropoutUsers().empty());
+  absl::StatusOr<Variables> vars = layer.Init(*session_, 42, x_);
+  ASSERT_TRUE(vars.ok()) << vars.status();
+  ApplyOptions train;
+  train.deterministic = false;
+  absl::Status status = layer.Apply(*vars, x_, train).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("TransformerLayer needs PRNG for \"dropout\""), absl::string_view::npos)
+      << status;
+  status = layer.ValueAndGrad(*vars, x_, dy_, train).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  train.dropout_seed = 0;  // any key, 0 included
+  EXPECT_TRUE(layer.ValueAndGrad(*vars, x_, dy_, train).ok());
+  EXPECT_TRUE(layer.Apply(*vars, x_).ok());  // deterministic: no key needed
+
+  // A graph names its nodes; a Sequential's stage is refused as the module is.
+  const Graph unfused = UnfusedLayer(kSize);
+  absl::StatusOr<Variables> graph_vars = unfused.Init(*session_, 42, x_);
+  ASSERT_TRUE(graph_vars.ok()) << graph_vars.status();
+  ApplyOptions no_seed;
+  no_seed.deterministic = false;
+  status = unfused.Apply(*graph_vars, x_, no_seed).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find(unfused.DropoutUsers().front() + ", "), absl::string_view::npos) << status;
+  Sequential chain;
+  chain.Add("layer", std::make_shared<TransformerLayer>(layer));
+  absl::StatusOr<SequentialVariables> chain_vars = chain.Init(*session_, 42, x_);
+  ASSERT_TRUE(chain_vars.ok()) << chain_vars.status();
+  EXPECT_EQ(chain.Apply(*chain_vars, x_, no_seed).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // No dropout rate above 0: deterministic false runs without a key.
+  TransformerLayer no_dropout = layer;
+  no_dropout.hidden_dropout = no_dropout.attention_dropout = no_dropout.intermediate_dropout = 0.0f;
+  absl::StatusOr<Variables> plain = no_dropout.Init(*session_, 42, x_);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(no_dropout.Apply(*plain, x_, no_seed).ok());
+}
+
 // With a tiny inline limit every tensor travels through PutTensor / GetTensor
 // and resident outputs; the results are the same bytes as inline transport.
 TEST_F(QuickstartTest, StreamedTransportGivesTheSameResults) {

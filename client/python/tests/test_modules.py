@@ -277,6 +277,20 @@ def test_dropout_follows_rngs_and_deterministic(session, rng):
     assert not np.array_equal(run(1, True), run(1, False))
 
 
+def test_te_module_dropout_without_a_dropout_rng_raises_as_flax_does(session, rng):
+    x = _x(rng)
+    layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=64, num_attention_heads=4)   # TE's 0.1 rates
+    params = layer.init(8, x)
+    with pytest.raises(te.InvalidArgumentError, match='TransformerLayer needs PRNG for "dropout"'):
+        layer.apply(params, x, deterministic=False)
+    with pytest.raises(te.InvalidArgumentError, match='TransformerLayer needs PRNG for "dropout"'):
+        te.value_and_grad(layer.apply)(params, x, x, deterministic=False)
+    layer.apply(params, x, deterministic=False, rngs={"dropout": 0})    # any key, 0 included
+    layer.apply(params, x, deterministic=True)                           # no dropout runs: no key needed
+    mlp = te_flax.LayerNormMLP(intermediate_dim=64, intermediate_dropout_rate=0.0)   # no rate above 0
+    mlp.apply(mlp.init(0, x), x, deterministic=False)
+
+
 def test_bf16_inputs_compute_in_bf16(session, rng):
     layer = te_flax.DenseGeneral(features=24)
     x32 = _x(rng)
