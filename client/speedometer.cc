@@ -19,6 +19,9 @@ absl::Status CheckIters(const SpeedometerOptions& options) {
                                                    " must be >= 0 and timing_iters ", options.timing_iters,
                                                    " must be > 0"));
   }
+  if (options.queued && !options.server_side) {
+    return absl::InvalidArgumentError("options.queued: steps are queued on the server; set server_side too");
+  }
   return absl::OkStatus();
 }
 
@@ -91,6 +94,7 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
     // 0 means the server's default; ask for exactly what was asked of us.
     request.set_warmup_iters(std::max(options.warmup_iters, 1));
     request.set_timing_iters(options.timing_iters);
+    request.set_queued(options.queued);
     ASSIGN_OR_RETURN(te::v1::BenchmarkResponse response, session.Benchmark(std::move(request)));
     SpeedometerResult result;
     result.mean_ms = response.mean_ms();
@@ -110,6 +114,7 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
   *request.mutable_autocast() = autocast;
   request.set_return_dx(false);
   request.set_return_grads(false);
+  request.set_discard_grads(true);  // as JAX's speedometer drops them
   return TimeSteps(options, [&](int step) -> absl::Status {
     request.mutable_micro_batches(0)->set_dropout_seed(StepSeed(options.dropout_seed, step));
     return session.ForwardBackward(request).status();

@@ -25,6 +25,10 @@ struct SpeedometerOptions {
   // Time on the server (the Benchmark RPC): the network is out of the loop.
   // Client-side timing includes one round trip per step.
   bool server_side = false;
+  // With server_side: the timed steps queued back to back on the server, as
+  // JAX's and PyTorch's timing loops run them (BenchmarkRequest.queued); the
+  // mean is then the loop's wall time over timing_iters and median_ms is 0.
+  bool queued = false;
   bool deterministic = false;  // the quickstart times with dropout on
   uint64_t dropout_seed = 0;   // a fresh seed per step derives from it (jax.random.split)
   std::optional<HostTensor> attention_mask;
@@ -45,7 +49,8 @@ struct SpeedometerResult {
 
 // A module (a Graph included: one call per step): x and dy are uploaded once as resident tensors (deleted at
 // the end), then each step is one ForwardBackward call that returns neither dx
-// nor gradients, so only the step travels. With server_side, one Benchmark call.
+// nor gradients and drops the gradients (discard_grads), as JAX's speedometer
+// does, so only the step travels and the session keeps nothing. With server_side, one Benchmark call.
 absl::StatusOr<SpeedometerResult> Speedometer(Session& session, const Module& module, const Variables& vars,
                                               const HostTensor& x, const HostTensor& dy,
                                               const SpeedometerOptions& options = {});

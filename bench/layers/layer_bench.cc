@@ -5,7 +5,9 @@
 // dy are uploaded once as resident tensors, and a forward + backward step
 // (value_and_grad of vdot(y, dy), dropout on as the quickstart times it) is
 // timed two ways:
-//   server: the Benchmark RPC (the server's own clock, no network);
+//   server: the Benchmark RPC (the server's own clock, no network), each
+//           step timed alone, and queued back to back (BenchmarkRequest.queued:
+//           one wait after the timed steps, as JAX's and PyTorch's loops time);
 //   client: the wall time the client observes per step, inputs resident,
 //           nothing brought back: serially (each step waits for the last's
 //           answer) and pipelined (--client_depth steps in flight, the next
@@ -22,6 +24,7 @@
 //   OURS <variant> FAILED <message>
 //   OURSMEM <variant> peak <MiB> reserved <MiB> (peak <MiB>)
 //   OURSPIPE <variant> depth <n> <ms> serial <ms> server <ms> (<ratio>x)
+//   OURSQUEUED <variant> <ms> (steps timed alone: <ms> ms)
 //   OURSROUND <variant> <k> server <ms> pipelined <ms> (<ratio>x)
 //   OURSROUNDS <variant> median <ratio>x over <n> rounds
 //
@@ -70,6 +73,8 @@ ABSL_FLAG(bool, client_side, true, "time client-observed steps");
 ABSL_FLAG(int, client_depth, 2,
           "steps the pipelined client-observed timing keeps in flight (ForwardBackwardAsync): the next "
           "step waits queued on the server while one runs; 1 times only the serial loop");
+ABSL_FLAG(bool, queued, true,
+          "with server_side: also the Benchmark with its timed steps queued back to back (OURSQUEUED)");
 ABSL_FLAG(int, rounds, 0,
           "with both sides timed: N more rounds of server and pipelined client timings, alternating "
           "which goes first, and the median of their ratios (OURSROUND, OURSROUNDS)");
@@ -141,6 +146,7 @@ struct Options {
   bool server_side = true;
   bool client_side = true;
   int client_depth = 2;
+  bool queued = true;
   int rounds = 0;
   std::string memory_probe;
 };
@@ -256,7 +262,8 @@ class VariantRun {
   }
 
   // Server-side mean ms per step: the Benchmark RPC.
-  absl::StatusOr<double> TimeServer() { return Benchmark(layer_id_, x_, dy_); }
+  absl::StatusOr<double> TimeServer() { return Benchmark(layer_id_, x_, dy_, /*queued=*/false); }
+  absl::StatusOr<double> TimeServerQueued() { return Benchmark(layer_id_, x_, dy_, /*queued=*/true); }
 
  private:
   // One step of the layer on the resident x and dy, nothing sent back.
@@ -270,11 +277,12 @@ class VariantRun {
     *request.mutable_autocast() = autocast_;
     request.set_return_dx(false);
     request.set_return_grads(false);
+    request.set_discard_grads(true);  // as the Benchmark's steps drop them
     return request;
   }
 
   absl::StatusOr<double> Benchmark(const std::string& layer_id, const te::v1::Tensor& x,
-                                   const te::v1::Tensor& dy) {
+                                   const te::v1::Tensor& dy, bool queued) {
     te::v1::BenchmarkRequest request;
     request.set_layer_id(layer_id);
     *request.mutable_inputs()->mutable_x() = x;
@@ -284,8 +292,9 @@ class VariantRun {
     *request.mutable_autocast() = autocast_;
     request.set_warmup_iters(std::max(o_.warmup, 1));  // 0 would mean the server's default
     request.set_timing_iters(o_.iters);
+    request.set_queued(queued);
     ASSIGN_OR_RETURN(te::v1::BenchmarkResponse response, session_.Benchmark(std::move(request)));
-    last_response_ = response;
+    if (!queued) last_response_ = response;
     return response.mean_ms();
   }
 
@@ -346,13 +355,15 @@ absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, co
   VariantRun run(*session, o, ToProto(AutocastState{v.fp8, QuickstartRecipe()}));
   RETURN_IF_ERROR(run.Init(v, c));
 
-  std::optional<double> client_ms, pipelined_ms, server_ms, peak_mib;
-  // The Benchmark RPC first: its peak is then the step's own. A client step
-  // that brings no gradients back keeps them in the session's "grads"
-  // collection (ForwardBackwardRequest.return_grads), 2 bytes a bf16
-  // parameter that a later Benchmark's peak would include.
+  std::optional<double> client_ms, pipelined_ms, server_ms, queued_ms, peak_mib;
+  // The Benchmark RPC first, so its peak is the step's own whatever the
+  // client steps leave behind (they drop their gradients: discard_grads, so
+  // they do the Benchmark's work and keep nothing).
   if (o.server_side) {
     ASSIGN_OR_RETURN(server_ms, run.TimeServer());
+    if (o.queued) {
+      ASSIGN_OR_RETURN(queued_ms, run.TimeServerQueued());
+    }
   }
   if (o.client_side) {
     ASSIGN_OR_RETURN(client_ms, run.TimeClient());
@@ -374,6 +385,12 @@ absl::Status RunVariant(Client& client, const Variant& v, const LayerSize& c, co
     std::cout << absl::StrFormat("OURSMEM %s peak %.1f MiB reserved %.1f MiB (peak %.1f)\n", v.name,
                                  r.peak_bytes_in_use() / kMiB, r.bytes_reserved() / kMiB,
                                  r.peak_bytes_reserved() / kMiB)
+              << std::flush;
+  }
+  if (queued_ms) {
+    // The steps queued back to back on the server, as the peers time theirs.
+    std::cout << absl::StrFormat("OURSQUEUED %s %.3f ms (steps timed alone: %s ms)\n", v.name, *queued_ms,
+                                 Ms(server_ms))
               << std::flush;
   }
   if (pipelined_ms) {
@@ -406,6 +423,7 @@ int Main() {
   o.client_depth = absl::GetFlag(FLAGS_client_depth);
   o.memory_probe = absl::GetFlag(FLAGS_memory_probe);
   o.rounds = absl::GetFlag(FLAGS_rounds);
+  o.queued = absl::GetFlag(FLAGS_queued);
   if (o.warmup < 0 || o.iters <= 0 || o.rounds < 0) {
     std::cerr << "layer_bench: --warmup " << o.warmup << " and --rounds " << o.rounds
               << " must be >= 0 and --iters " << o.iters << " > 0\n";

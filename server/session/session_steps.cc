@@ -479,6 +479,11 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
         "micro_batches: ", request.micro_batches_size(), " given; this server takes at most ",
         config_.max_micro_batches, " per call (--max_micro_batches); split them over calls"));
   }
+  if (request.discard_grads() && (request.return_grads() || request.apply_update())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "discard_grads: the gradients are dropped, so they cannot also be ",
+        request.return_grads() ? "returned (return_grads)" : "applied (apply_update)"));
+  }
   if (request.apply_update() && !layer->optimizer) {
     return absl::FailedPreconditionError(absl::StrCat(
         "apply_update: layer ", layer->id, " has no optimizer; give it one with SetOptimizer"));
@@ -561,7 +566,9 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     if (request.return_dx()) {
       RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));
     }
-    RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &grad_sum));
+    if (!request.discard_grads()) {
+      RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &grad_sum));
+    }
   }
   if (request.return_grads()) {
     for (const auto& [name, grad] : grad_sum) {
@@ -592,8 +599,8 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     }
     return absl::OkStatus();
   }
-  if (!request.return_grads()) return AccumulateGrads(grad_sum, "grads", &layer->grads);
-  return absl::OkStatus();
+  if (request.return_grads() || request.discard_grads()) return absl::OkStatus();
+  return AccumulateGrads(grad_sum, "grads", &layer->grads);
 }
 
 // ---- Benchmark -------------------------------------------------------------------------
@@ -645,6 +652,10 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   opts.fp8 = layer->StepRecipe(fp8);
   layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
 
+  // Queued: the timed steps leave their values on the device (Step's
+  // pending_value), so nothing waits for the device between them.
+  const bool queued = request.queued();
+  std::chrono::steady_clock::time_point timed_start;
   std::vector<double> step_ms;
   for (int it = 0; it < warmup + timing; ++it) {
     if (call.cancelled && call.cancelled()) {
@@ -655,13 +666,15 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
           absl::StrCat("benchmark: deadline passed after ", it, " of ", warmup + timing,
                        " steps; ask for fewer iterations or a longer deadline"));
     }
-    RETURN_IF_ERROR(ops_->Synchronize());
+    const bool timed_alone = !queued || it < warmup;
+    if (timed_alone || it == warmup) RETURN_IF_ERROR(ops_->Synchronize());
     if (it == warmup) {
       // The memory figures cover the timed steps only, as JAX's peak after
       // a warmed-up loop: what the inputs and variables hold now, and the
       // most each step adds.
       ops_->ResetPeakBytesInUse();
       ops_->ResetDevicePeaks();
+      timed_start = std::chrono::steady_clock::now();
     }
     const auto start = std::chrono::steady_clock::now();
     if (request.forward_only()) {
@@ -676,13 +689,22 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
       // client's time per step compares with this one.
       double value = 0.0;
       layers::LayerGrads grads;
-      RETURN_IF_ERROR(Step(*layer, &vars, inputs, dy, opts, &value, &grads));
+      Tensor pending_value;
+      RETURN_IF_ERROR(Step(*layer, &vars, inputs, dy, opts, &value, &grads, /*target=*/nullptr,
+                           /*loss_scale=*/1.0, timed_alone ? nullptr : &pending_value));
     }
+    if (!timed_alone) continue;
     RETURN_IF_ERROR(ops_->Synchronize());
     const auto end = std::chrono::steady_clock::now();
     if (it >= warmup) {
       step_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
     }
+  }
+  double queued_ms = 0.0;
+  if (queued && timing > 0) {
+    RETURN_IF_ERROR(ops_->Synchronize());
+    queued_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                          timed_start).count();
   }
   kept_weights.Commit();
   response->set_steps(timing);
@@ -693,6 +715,10 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     response->set_device_peak_bytes_in_use(device.peak_bytes_in_use);
     response->set_bytes_reserved(device.bytes_reserved);
     response->set_peak_bytes_reserved(device.peak_bytes_reserved);
+  }
+  if (queued && timing > 0) {
+    response->set_mean_ms(queued_ms / timing);
+    return absl::OkStatus();
   }
   if (step_ms.empty()) return absl::OkStatus();
   std::vector<double> sorted = step_ms;

@@ -420,11 +420,32 @@ TEST_F(QuickstartTest, SpeedometerClientAndServerSide) {
   EXPECT_GT(client_side->mean_ms, 0.0);
   EXPECT_EQ(client_side->steps, 3);
   EXPECT_EQ(client_side->timed_by, "client");
+  // The steps dropped their gradients, as JAX's speedometer does: no "grads"
+  // are kept in the session.
+  absl::StatusOr<te::v1::GetVariablesResponse> kept = session_->GetVariables([&] {
+    te::v1::GetVariablesRequest request;
+    request.set_layer_id(vars->layer_id);
+    return request;
+  }());
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  for (const auto& v : kept->variables()) EXPECT_NE(v.collection(), "grads") << v.path();
   options.server_side = true;
   absl::StatusOr<SpeedometerResult> server_side = Speedometer(*session_, layer, *vars, x_, dy_, options);
   ASSERT_TRUE(server_side.ok()) << server_side.status();
   EXPECT_GT(server_side->mean_ms, 0.0);
   EXPECT_EQ(server_side->steps, 3);
+  // Queued on the server: the loop's mean alone, the same memory.
+  options.queued = true;
+  absl::StatusOr<SpeedometerResult> queued = Speedometer(*session_, layer, *vars, x_, dy_, options);
+  ASSERT_TRUE(queued.ok()) << queued.status();
+  EXPECT_GT(queued->mean_ms, 0.0);
+  EXPECT_EQ(queued->median_ms, 0.0);
+  EXPECT_EQ(queued->steps, 3);
+  EXPECT_EQ(queued->peak_bytes_in_use, server_side->peak_bytes_in_use);
+  options.server_side = false;
+  EXPECT_EQ(Speedometer(*session_, layer, *vars, x_, dy_, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  options.queued = false;
 
   // A graph is one layer: timed by the client or on the server alike.
   const Graph fused = FusedLayer(kSize);

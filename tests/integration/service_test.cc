@@ -514,6 +514,30 @@ TEST_F(ServiceTest, TransformerLayerForwardBackwardOverMicroBatches) {
     for (double& v : twice) v *= 2;
     EXPECT_LT(RelativeError(ToFloats(it->second), twice), kF32Tolerance) << path;
   }
+
+  // Dropped: the values come back, the kept sum stays as it was.
+  request.set_discard_grads(true);
+  te::v1::ForwardBackwardResponse dropped;
+  ASSERT_TRUE(ForwardBackward(request, &dropped).ok());
+  ASSERT_EQ(dropped.values_size(), 3);
+  EXPECT_NEAR(dropped.values(0), want_values[0], kBf16Tolerance * std::abs(want_values[0]));
+  EXPECT_EQ(dropped.grads_size(), 0);
+  const auto after = GetAllVariables(*stub_, session_, init.layer_id());
+  for (const auto& [path, sum] : want_grads) {
+    EXPECT_EQ(after.at("grads/" + path).inline_data(), variables.at("grads/" + path).inline_data())
+        << path;
+  }
+  // Dropped gradients cannot also be returned or applied.
+  for (const bool returned : {true, false}) {
+    te::v1::ForwardBackwardRequest conflicting = request;
+    conflicting.set_return_grads(returned);
+    conflicting.set_apply_update(!returned);
+    te::v1::ForwardBackwardResponse refused;
+    const grpc::Status status = ForwardBackward(conflicting, &refused);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("discard_grads"), std::string::npos)
+        << status.error_message();
+  }
 }
 
 TEST_F(ServiceTest, GetAndSetVariablesRoundTrip) {
@@ -633,6 +657,38 @@ TEST_F(ServiceTest, Benchmark) {
   for (const auto& [name, tensor] : before) {
     EXPECT_EQ(after.at(name).inline_data(), tensor.inline_data()) << name;
   }
+}
+
+// Queued, the timed steps run back to back and only their mean is timed;
+// they do the same work, so they hold the same memory as steps timed alone.
+TEST_F(ServiceTest, QueuedBenchmarkTimesTheLoopAndHoldsTheSameMemory) {
+  const te::v1::InitLayerResponse init = Init(DenseSpec(32), {4, 16}, te::v1::BFLOAT16);
+  te::v1::BenchmarkRequest request = WithSession(te::v1::BenchmarkRequest());
+  request.set_layer_id(init.layer_id());
+  *request.mutable_inputs()->mutable_x() =
+      MakeTensor(te::v1::BFLOAT16, {4, 16}, RandomFloats(64, 11));
+  *request.mutable_inputs()->mutable_dy() =
+      MakeTensor(te::v1::BFLOAT16, {4, 32}, RandomFloats(128, 12));
+  request.set_warmup_iters(2);
+  request.set_timing_iters(4);
+  te::v1::BenchmarkResponse alone, queued;
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->Benchmark(&context, request, &alone);
+    ASSERT_TRUE(status.ok()) << Describe(status);
+  }
+  request.set_queued(true);
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->Benchmark(&context, request, &queued);
+    ASSERT_TRUE(status.ok()) << Describe(status);
+  }
+  EXPECT_EQ(queued.steps(), 4);
+  EXPECT_GT(queued.mean_ms(), 0.0);
+  EXPECT_EQ(queued.median_ms(), 0.0);  // no step was timed alone
+  EXPECT_EQ(queued.min_ms(), 0.0);
+  EXPECT_GT(alone.median_ms(), 0.0);
+  EXPECT_EQ(queued.peak_bytes_in_use(), alone.peak_bytes_in_use());
 }
 
 // ---- FP8 ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def value_and_grad(apply_fn):
 
 def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None, model_init_fn=None,
                 forward_kwargs=None, autocast_kwargs=None, fp8_autocast_kwargs=None, rngs=None,
-                timing_iters=50, warmup_iters=50, server_side=False, print_result=True):
+                timing_iters=50, warmup_iters=50, server_side=False, queued=False, print_result=True):
     """Times forward + backward steps and prints "Mean time: X ms" (as the
     quickstart's helper; both its older and newer argument names work).
     Returns {"mean_ms", "median_ms", "steps", "timed_by"}; server_side adds the
@@ -51,8 +51,13 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
     A TE module, or a composite (one graph layer on the server), uploads x
     and dy once and runs each step as one ForwardBackward call that returns
     nothing, so only the step travels; server_side=True times it with the
-    Benchmark RPC instead (no network in the loop). A layer with several
+    Benchmark RPC instead (no network in the loop); with queued=True too, the
+    server queues the timed steps back to back as JAX's jit'd loop runs them
+    (one wait, after the last), "mean_ms" is that loop's wall time per step
+    and "median_ms" is 0.0 (no step is timed alone). A layer with several
     array inputs (q, k, v) runs its value_and_grad per step."""
+    if queued and not server_side:
+        raise errors.InvalidArgumentError("speedometer: queued=True times on the server; pass server_side=True")
     del model_init_fn  # the quickstart passes it; the server keeps the layer
     module = _module_of(model_apply_fn)
     forward_kwargs = dict(forward_kwargs or {})
@@ -67,7 +72,7 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
         call = module.capture_call(variables, input, **forward_kwargs)
         if not call.extra:
             timed = _time_single(session, variables, call, output_grad, seed, warmup_iters, timing_iters,
-                                 server_side)
+                                 server_side, queued)
         elif server_side:
             raise errors.InvalidArgumentError("speedometer: server_side times a layer with one array input; "
                                               "%s takes %d" % (type(module).__name__, 1 + len(call.extra)))
@@ -98,7 +103,7 @@ def _time_client(step, warmup_iters, timing_iters, timed_by):
             "timed_by": timed_by}
 
 
-def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side):
+def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side, queued):
     handle = variables_lib.handles_of(variables)[0]
     service_pb2 = client_lib.service_pb2
     uploads = []
@@ -121,7 +126,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         if server_side:
             response = session.call("Benchmark", service_pb2.BenchmarkRequest(
                 layer_id=handle.layer_id, inputs=batch(0), deterministic=deterministic, autocast=autocast,
-                warmup_iters=warmup_iters, timing_iters=timing_iters))
+                warmup_iters=warmup_iters, timing_iters=timing_iters, queued=queued))
             # The timed steps' memory, as JAX's device.memory_stats() reports it.
             return {"mean_ms": response.mean_ms, "median_ms": response.median_ms, "steps": response.steps,
                     "timed_by": response.device, "peak_bytes_in_use": response.peak_bytes_in_use,
@@ -131,7 +136,8 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         def step(i):
             session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
                 layer_id=handle.layer_id, micro_batches=[batch(i)], deterministic=deterministic,
-                autocast=autocast, return_dx=False, return_grads=False))
+                autocast=autocast, return_dx=False, return_grads=False,
+                discard_grads=True))  # as JAX's speedometer drops them
         return _time_client(step, warmup_iters, timing_iters, "client")
     finally:
         session.delete_all(uploads)

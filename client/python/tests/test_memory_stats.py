@@ -2,6 +2,7 @@
 device.memory_stats() reports it (peak_bytes_in_use, bytes_reserved), on the
 server's backend (the CPU's host allocations count the same way)."""
 import numpy as np
+import pytest
 
 import te_client as te
 import te_client.flax as te_flax
@@ -36,3 +37,33 @@ def test_benchmark_reports_the_timed_steps_peak_and_reserved_memory(session, rng
     assert info.device_peak_bytes_in_use >= info.peak_memory_bytes
     assert info.device_peak_bytes_reserved >= info.device_peak_bytes_in_use
     assert info.device_bytes_reserved >= info.device_bytes_in_use >= info.memory_bytes
+
+
+def test_queued_benchmark_times_the_loop_and_holds_the_same_memory(session, rng, capsys):
+    x = rng.standard_normal((B, S, H)).astype(np.float32)
+    dy = rng.standard_normal((B, S, F)).astype(np.float32)
+    dense = te_flax.DenseGeneral(features=F)
+    variables = dense.init(0, x)
+    kwargs = dict(model_apply_fn=dense.apply, variables=variables, input=x, output_grad=dy,
+                  warmup_iters=1, timing_iters=3, server_side=True, print_result=False)
+    alone = te.speedometer(**kwargs)
+    queued = te.speedometer(queued=True, **kwargs)
+    assert queued["steps"] == 3 and queued["mean_ms"] > 0.0
+    assert queued["median_ms"] == 0.0  # no step was timed alone
+    assert alone["median_ms"] > 0.0
+    assert queued["peak_bytes_in_use"] == alone["peak_bytes_in_use"]
+    with pytest.raises(te.InvalidArgumentError, match="server_side"):
+        te.speedometer(queued=True, **dict(kwargs, server_side=False))
+
+
+def test_client_side_speedometer_keeps_no_gradients(session, rng):
+    x = rng.standard_normal((B, S, H)).astype(np.float32)
+    dy = rng.standard_normal((B, S, F)).astype(np.float32)
+    dense = te_flax.DenseGeneral(features=F)
+    variables = dense.init(0, x)
+    held = session.info().memory_bytes
+    timed = te.speedometer(model_apply_fn=dense.apply, variables=variables, input=x, output_grad=dy,
+                           warmup_iters=1, timing_iters=3, print_result=False)
+    assert timed["steps"] == 3 and timed["timed_by"] == "client"
+    # The steps dropped their gradients, as JAX's speedometer does.
+    assert session.info().memory_bytes == held
