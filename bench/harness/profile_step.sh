@@ -8,8 +8,9 @@
 #      through the whole call (nvidia-smi reads only; $OUT/smi.csv);
 #   2. the GEMM ceilings as a long run sees them (gemm_sustained.py: the
 #      layer's 12 GEMMs back to back for 4 s, in bf16 and FP8);
-#   3. per variant, a CUPTI trace of 5 steps after 25 warmup steps, when the
-#      clocks have settled (trace_step.sh, report with --timeline);
+#   3. per variant, CUPTI traces after 25 warmup steps, when the clocks have
+#      settled (trace_step.sh, reports with --timeline): 5 Benchmark steps
+#      each timed alone, 5 queued back to back, and 5 pipelined client calls;
 #   4. per variant, layer_bench on a fresh server: the Benchmark RPC's step
 #      and the pipelined client's, 4 interleaved rounds (--rounds);
 #   5. the peers (torch_peers.py, jax_peers.py) in the same call.
@@ -30,9 +31,13 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=c
 echo "== sustained GEMM ceilings"
 timeout 120 "$torch_python" "$here/gemm_sustained.py" 4 2>&1 | tee "$out/gemm_sustained.txt"
 
-echo "== traces after 25 warmup steps"
-TRACE_WARMUP=25 timeout 300 bash "$here/trace_step.sh" "$out/trace" $variants 2>&1 | tail -n 400 >"$out/trace.txt"
-grep -E "^steps|^step wall|^  [a-z]" "$out/trace.txt" | head -40
+echo "== traces after 25 warmup steps: the Benchmark's steps timed alone, queued, and the pipelined client's"
+TRACE_WARMUP=25 timeout 300 bash "$here/trace_step.sh" "$out/trace" $variants >"$out/trace.txt" 2>&1
+TRACE_WARMUP=25 TRACE_BENCH_ARGS="--client_side=false" TRACE_STEPS=1 TRACE_TAG=_queued \
+  timeout 300 bash "$here/trace_step.sh" "$out/trace" $variants >>"$out/trace.txt" 2>&1
+TRACE_WARMUP=25 TRACE_BENCH_ARGS="--server_side=false --client_depth=2" TRACE_TAG=_client \
+  timeout 300 bash "$here/trace_step.sh" "$out/trace" $variants >>"$out/trace.txt" 2>&1
+grep -E "^steps|^step wall|^  [a-z]" "$out/trace.txt" | head -80
 
 echo "== layer_bench, interleaved rounds"
 for v in $variants; do
@@ -49,6 +54,10 @@ echo "== peers"
 timeout 240 "$torch_python" "$here/torch_peers.py" 2>&1 | tee "$out/torch_peers.txt" | grep -E "CEIL|PEER"
 timeout 240 "$python" "$here/jax_peers.py" 2>&1 | tee "$out/jax_peers.txt" | grep -E "PEER"
 kill $smi 2>/dev/null
-echo "== clocks (MHz) and power (W) over the call: min / median / max"
-awk -F', ' '{gsub(/ MHz/,"",$2); gsub(/ W/,"",$4); print $2, $4}' "$out/smi.csv" | sort -n | awk '
-  {c[NR]=$1; p[NR]=$2} END {if (NR) printf "sm clock %s / %s / %s MHz over %d samples\n", c[1], c[int(NR/2)+1], c[NR], NR}'
+# At most a few files come back from the GPU machine: the traces and logs go in one archive.
+(cd "$out" && cat jax_peers.txt >>torch_peers.txt && rm -f jax_peers.txt &&
+  tar czf logs.tgz trace trace.txt server_bench_v*.log gpu.txt && rm -rf trace trace.txt server_bench_v*.log gpu.txt)
+echo "== the SM clock while the GPU worked (samples over 300 W)"
+awk -F', ' '{gsub(/ MHz/,"",$2); gsub(/ W/,"",$4); if ($4 > 300) print $2, ($6 ~ /4$/ ? 1 : 0)}' "$out/smi.csv" |
+  sort -n | awk '{c[NR] = $1; capped += $2}
+    END {if (NR) printf "sm clock min %s median %s max %s MHz over %d samples; power capped in %d\n", c[1], c[int(NR / 2) + 1], c[NR], NR, capped}'
