@@ -28,8 +28,10 @@ smi=$!
 trap 'kill $smi 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,temperature.gpu --format=csv | tee "$out/gpu.txt"
 
-echo "== sustained GEMM ceilings"
-timeout 120 "$torch_python" "$here/gemm_sustained.py" 4 2>&1 | tee "$out/gemm_sustained.txt"
+if [ -z "${PROFILE_SKIP_GEMM:-}" ]; then  # PROFILE_SKIP_GEMM=1 leaves stage 2 out
+  echo "== sustained GEMM ceilings"
+  timeout 120 "$torch_python" "$here/gemm_sustained.py" 4 2>&1 | tee "$out/gemm_sustained.txt"
+fi
 
 echo "== traces after 25 warmup steps: the Benchmark's steps timed alone, queued, and the pipelined client's"
 TRACE_WARMUP=25 timeout 300 bash "$here/trace_step.sh" "$out/trace" $variants >"$out/trace.txt" 2>&1
