@@ -364,9 +364,7 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
     DispatchFloatOrFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      const bool vec = (!gated || width % kVec == 0) &&
-                       PackAligned<typename In::Storage>(x.data()) &&
-                       PackAligned<typename Out::Storage>(y->data());
+      const bool vec = (!gated || width % kVec == 0) && PackAligned<In, Out>(x, *y);
       const unsigned blocks = BlocksFor(vec, n);
       const Walk walk = MakeWalk(gated, vec, rows, width, blocks);
       constexpr bool kSpecialize = kSame<In, Out> || kIsFp8<Out>;

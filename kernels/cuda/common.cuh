@@ -92,6 +92,15 @@ bool DispatchFloat(DType dtype, F&& f) {
     default: return false;
   }
 }
+// Calls f(In{}, Out{}) for an input and an output float dtype; false unless
+// both are float dtypes.
+template <typename F>
+bool DispatchFloatPair(DType in_dtype, DType out_dtype, F&& f) {
+  bool both = false;
+  DispatchFloat(in_dtype,
+                [&](auto in) { both = DispatchFloat(out_dtype, [&](auto out) { f(in, out); }); });
+  return both;
+}
 // Float dtypes and the two FP8 formats.
 template <typename F>
 bool DispatchFloatOrFp8(DType dtype, F&& f) {
@@ -122,6 +131,13 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T>
 inline bool PackAligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % sizeof(Pack<T>) == 0;
+}
+// Whether an elementwise pass reading x as In and writing y as Out (float
+// formats) can move both a Pack at a time.
+template <typename In, typename Out>
+inline bool PackAligned(const Tensor& x, const Tensor& y) {
+  return PackAligned<typename In::Storage>(x.data()) &&
+         PackAligned<typename Out::Storage>(y.data());
 }
 
 // A grid-stride pass over n elements, kVec at a time where `vec` (the

@@ -254,8 +254,7 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
-                       PackAligned<typename Out::Storage>(y->data());
+      const bool vec = PackAligned<In, Out>(x, *y);
       QuantizeKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), fp8.scale.data_as<const float>(),
