@@ -396,7 +396,7 @@ absl::Status CudaOps::LaunchDelayedScaling(const std::vector<DelayedScalingItem>
     }
     batch.non_finite = non_finite != nullptr ? non_finite->data_as<float>() : nullptr;
     const size_t shared = static_cast<size_t>(longest) * sizeof(float);
-    RETURN_IF_ERROR(AllowSharedBytes(DelayedScalingKernel, shared,
+    RETURN_IF_ERROR(AllowSharedBytes(context(), DelayedScalingKernel, shared,
                                      "cudaFuncSetAttribute(DelayedScalingKernel)"));
     DelayedScalingKernel<<<static_cast<unsigned>(count), 1024, shared, stream()>>>(batch);
     CUDA_RETURN_IF_LAUNCH_ERROR();
