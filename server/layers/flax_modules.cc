@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
+#include "proto/dtype.h"
 #include "server/layers/flax_modules_internal.h"
 #include "server/layers/module_util.h"
 #include "server/layers/variables.h"
@@ -20,16 +21,9 @@ DType PromoteFloat(DType a, DType b) { return a == b ? a : DType::kF32; }
 namespace flax {
 
 absl::StatusOr<std::optional<DType>> ComputeDTypeOf(te::v1::DType dtype, absl::string_view field) {
-  switch (dtype) {
-    case te::v1::DTYPE_UNSPECIFIED: return std::optional<DType>();
-    case te::v1::FLOAT32: return std::optional<DType>(DType::kF32);
-    case te::v1::BFLOAT16: return std::optional<DType>(DType::kBF16);
-    case te::v1::FLOAT16: return std::optional<DType>(DType::kF16);
-    default: break;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": ", te::v1::DType_IsValid(dtype) ? te::v1::DType_Name(dtype) : "",
-                   " (", static_cast<int>(dtype), "); want FLOAT32, BFLOAT16 or FLOAT16"));
+  if (dtype == te::v1::DTYPE_UNSPECIFIED) return std::optional<DType>();
+  ASSIGN_OR_RETURN(const DType d, FloatDTypeFromProto(dtype, field));
+  return std::optional<DType>(d);
 }
 
 absl::StatusOr<DType> ParamDTypeOf(te::v1::DType dtype, absl::string_view field) {
