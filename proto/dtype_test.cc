@@ -36,7 +36,7 @@ TEST(DTypeProtoTest, FloatDTypesMapAndOthersAreRejectedNamingTheField) {
   absl::StatusOr<DType> fp8 = FloatDTypeFromProto(te::v1::FLOAT8_E4M3, "spec.dtype");
   EXPECT_EQ(fp8.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(fp8.status().message(),
-            "spec.dtype: FLOAT8_E4M3 (3); want FLOAT32, BFLOAT16 or FLOAT16");
+            "spec.dtype: FLOAT8_E4M3 (4); want FLOAT32, BFLOAT16 or FLOAT16");
   absl::StatusOr<DType> unknown = FloatDTypeFromProto(static_cast<te::v1::DType>(99), "g");
   EXPECT_EQ(unknown.status().message(), "g:  (99); want FLOAT32, BFLOAT16 or FLOAT16");
 }
