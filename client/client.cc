@@ -451,6 +451,14 @@ absl::StatusOr<te::v1::SetOptimizerResponse> Session::SetOptimizer(const std::st
 
 #undef TE_CLIENT_UNARY
 
+te::v1::Tensor ResidentTensor::ToProto() const {
+  te::v1::Tensor proto;
+  proto.set_dtype(DTypeToProto(dtype));
+  for (int64_t d : shape) proto.add_shape(d);
+  proto.set_resident_id(id);
+  return proto;
+}
+
 te::v1::Optimizer Optimizer::ToProto() const {
   te::v1::Optimizer spec;
   te::v1::LearningRate lr;
@@ -576,11 +584,7 @@ absl::StatusOr<te::v1::Tensor> Session::Send(const HostTensor& tensor, std::vect
   absl::StatusOr<ResidentTensor> resident = PutStreamed(tensor);
   if (!resident.ok()) return resident.status();
   uploaded->push_back(resident->id);
-  te::v1::Tensor proto;
-  proto.set_dtype(DTypeToProto(tensor.dtype()));
-  for (int64_t d : tensor.shape()) proto.add_shape(d);
-  proto.set_resident_id(resident->id);
-  return proto;
+  return resident->ToProto();
 }
 
 absl::StatusOr<HostTensor> Session::Receive(const te::v1::Tensor& tensor, const std::string& field) {

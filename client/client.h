@@ -123,6 +123,8 @@ struct ResidentTensor {
   std::string id;
   DType dtype = DType::kF32;
   Shape shape;
+  // The request's Tensor that names it: dtype, shape and resident_id.
+  te::v1::Tensor ToProto() const;
 };
 
 // Call order. Every call a Session makes (the raw calls, the PutTensor and

@@ -13,16 +13,14 @@
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "tests/runfiles.h"
 
 namespace te::client::testing {
 
 // The golden GraphSpec, read from the test's runfiles.
 inline te::v1::GraphSpec Golden(const std::string& folder, const std::string& name) {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  const std::string path = std::string(srcdir != nullptr ? srcdir : ".") + "/" +
-                           (workspace != nullptr ? workspace : "te_server") + "/tests/data/" +
-                           folder + "/" + name + ".textproto";
+  const std::string path =
+      te::testing::RunfilePath("tests/data/" + folder + "/" + name + ".textproto");
   std::ifstream in(path);
   EXPECT_TRUE(in.good()) << "cannot read " << path;
   std::stringstream text;

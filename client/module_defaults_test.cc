@@ -11,22 +11,12 @@
 #include "client/modules.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/module_defaults_table.h"
 
 namespace te::client {
 namespace {
 
 using nlohmann::json;
-
-json Table() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  const std::string path = std::string(srcdir != nullptr ? srcdir : ".") + "/" +
-                           (workspace != nullptr ? workspace : "te_server") +
-                           "/tests/data/te_module_defaults.json";
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  return json::parse(in, nullptr, /*allow_exceptions=*/false);
-}
 
 // A client field's value as the table writes it.
 json Value(float v) { return v; }
@@ -132,7 +122,7 @@ bool Same(const json& got, const json& want) {
 }
 
 void Check(const std::string& module, const Fields& fields) {
-  const json table = Table();
+  const json table = te::testing::ModuleDefaultsTable();
   ASSERT_TRUE(table.contains(module)) << module;
   const json& want = table[module];
   std::vector<std::string> seen;

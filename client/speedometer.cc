@@ -59,14 +59,6 @@ void Report(const SpeedometerOptions& options, const SpeedometerResult& result) 
   }
 }
 
-te::v1::Tensor ResidentProto(const ResidentTensor& t) {
-  te::v1::Tensor proto;
-  proto.set_dtype(DTypeToProto(t.dtype));
-  for (int64_t d : t.shape) proto.add_shape(d);
-  proto.set_resident_id(t.id);
-  return proto;
-}
-
 absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& vars, const HostTensor& x,
                                              const HostTensor& dy, const SpeedometerOptions& options,
                                              std::vector<std::string>* uploaded) {
@@ -75,12 +67,12 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
   ASSIGN_OR_RETURN(ResidentTensor dy_resident, session.Put(dy));
   uploaded->push_back(dy_resident.id);
   te::v1::MicroBatch batch;
-  *batch.mutable_x() = ResidentProto(x_resident);
-  *batch.mutable_dy() = ResidentProto(dy_resident);
+  *batch.mutable_x() = x_resident.ToProto();
+  *batch.mutable_dy() = dy_resident.ToProto();
   if (options.attention_mask.has_value()) {
     ASSIGN_OR_RETURN(ResidentTensor mask, session.Put(*options.attention_mask));
     uploaded->push_back(mask.id);
-    *batch.mutable_attention_mask() = ResidentProto(mask);
+    *batch.mutable_attention_mask() = mask.ToProto();
   }
   const te::v1::Autocast autocast = ToProto(Autocast::Current());
 

@@ -34,4 +34,20 @@ absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, absl::string_view fiel
   return absl::InvalidArgumentError(absl::StrCat(field, ": unknown dtype ", static_cast<int>(dtype)));
 }
 
+absl::StatusOr<DType> FloatDTypeFromProto(te::v1::DType dtype, absl::string_view field) {
+  switch (dtype) {
+    case te::v1::FLOAT32:
+      return DType::kF32;
+    case te::v1::BFLOAT16:
+      return DType::kBF16;
+    case te::v1::FLOAT16:
+      return DType::kF16;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": ", te::v1::DType_IsValid(dtype) ? te::v1::DType_Name(dtype) : "", " (",
+                   static_cast<int>(dtype), "); want FLOAT32, BFLOAT16 or FLOAT16"));
+}
+
 }  // namespace te

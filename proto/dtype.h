@@ -19,6 +19,11 @@ te::v1::DType DTypeToProto(DType dtype);
 // newer peer's).
 absl::StatusOr<DType> DTypeFromProto(te::v1::DType dtype, absl::string_view field);
 
+// The te::DType of a wire value that must be a non-FP8 float (a computation
+// or parameter dtype): FLOAT32, BFLOAT16 or FLOAT16. INVALID_ARGUMENT
+// "<field>: <NAME> (<value>); want FLOAT32, BFLOAT16 or FLOAT16" otherwise.
+absl::StatusOr<DType> FloatDTypeFromProto(te::v1::DType dtype, absl::string_view field);
+
 }  // namespace te
 
 #endif  // TE_PROTO_DTYPE_H_

@@ -29,6 +29,18 @@ TEST(DTypeProtoTest, EveryWireValueMapsOrIsRejected) {
   }
 }
 
+TEST(DTypeProtoTest, FloatDTypesMapAndOthersAreRejectedNamingTheField) {
+  EXPECT_EQ(*FloatDTypeFromProto(te::v1::FLOAT32, "f"), DType::kF32);
+  EXPECT_EQ(*FloatDTypeFromProto(te::v1::BFLOAT16, "f"), DType::kBF16);
+  EXPECT_EQ(*FloatDTypeFromProto(te::v1::FLOAT16, "f"), DType::kF16);
+  absl::StatusOr<DType> fp8 = FloatDTypeFromProto(te::v1::FLOAT8_E4M3, "spec.dtype");
+  EXPECT_EQ(fp8.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fp8.status().message(),
+            "spec.dtype: FLOAT8_E4M3 (4); want FLOAT32, BFLOAT16 or FLOAT16");
+  absl::StatusOr<DType> unknown = FloatDTypeFromProto(static_cast<te::v1::DType>(99), "g");
+  EXPECT_EQ(unknown.status().message(), "g:  (99); want FLOAT32, BFLOAT16 or FLOAT16");
+}
+
 TEST(DTypeProtoTest, RejectsUnspecifiedAndUnknownNamingTheField) {
   absl::StatusOr<DType> unspecified = DTypeFromProto(te::v1::DTYPE_UNSPECIFIED, "x.dtype");
   EXPECT_EQ(unspecified.status().code(), absl::StatusCode::kInvalidArgument);

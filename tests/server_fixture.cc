@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "tests/runfiles.h"
 
 extern char** environ;
 
@@ -39,10 +40,7 @@ std::string DescribeExit(int wait_status) {
 
 std::string ServerBinaryPath() {
   if (const char* path = std::getenv("TE_SERVER_BINARY")) return path;
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/",
-                      workspace != nullptr ? workspace : "te_server", "/server/te_server");
+  return RunfilePath("server/te_server");
 }
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(const Options& options) {

@@ -20,23 +20,14 @@
 #include <string>
 #include <vector>
 
-#include "bench/kernels/bench_random.h"
-#include "kernels/cuda/attention_internal.h"
+#include "bench/kernels/attention_inputs.h"
 #include "bench/kernels/median_ms.h"
+#include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 
 namespace te {
 namespace {
-
-Tensor RandomF32(cuda::CudaOps* ops, const Shape& shape, uint64_t seed) {
-  Tensor t = *ops->Allocate(DType::kF32, shape);
-  std::vector<float> host(static_cast<size_t>(t.numel()));
-  bench::LcgFloats random(seed * 0x9e3779b97f4a7c15ULL + 1);
-  for (float& h : host) h = random.Next();
-  if (!ops->Upload(host.data(), &t).ok()) std::abort();
-  return t;
-}
 
 std::vector<float> Download(cuda::CudaOps* ops, const Tensor& t) {
   std::vector<float> host(static_cast<size_t>(t.numel()));
@@ -85,12 +76,7 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, float dropout, int reps, int
   const double fp32_rate = prop.multiProcessorCount * 128.0 * 2.0 * clock_khz * 1e3;
   const double bandwidth = CopyBandwidth(ops);
 
-  const Shape shape = {b, s, h, d};
-  const Tensor q = RandomF32(ops, shape, 1), k = RandomF32(ops, shape, 2);
-  const Tensor v = RandomF32(ops, shape, 3), dout = RandomF32(ops, shape, 4);
-  Tensor out = *ops->Allocate(DType::kF32, shape), lse = *ops->Allocate(DType::kF32, {b, h, s});
-  Tensor dq = *ops->Allocate(DType::kF32, shape), dk = *ops->Allocate(DType::kF32, shape);
-  Tensor dv = *ops->Allocate(DType::kF32, shape);
+  bench::AttentionTensors t = bench::MakeAttentionTensors(ops, DType::kF32, b, s, h, d);
   AttentionArgs args;
   args.mask = MaskType::kCausal;
   args.scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -133,17 +119,18 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, float dropout, int reps, int
     const int64_t small_before = cuda::SmallHeadAttentionCalls();
     const int64_t cudnn_before = cuda::CudnnAttentionCalls();
     r.fwd = MedianMs(ops, path_reps,
-                     [&] { return ops->AttentionForward(args, q, k, v, &out, &lse); });
+                     [&] { return ops->AttentionForward(args, t.q, t.k, t.v, &t.out, &t.lse); });
     r.bwd = MedianMs(ops, path_reps, [&] {
-      return ops->AttentionBackward(args, q, k, v, out, dout, lse, &dq, &dk, &dv, nullptr);
+      return ops->AttentionBackward(args, t.q, t.k, t.v, t.out, t.dout, t.lse, &t.dq, &t.dk, &t.dv,
+                                    nullptr);
     });
     r.small_head_calls = cuda::SmallHeadAttentionCalls() - small_before;
     r.cudnn_calls = cuda::CudnnAttentionCalls() - cudnn_before;
-    r.out = Download(ops, out);
-    r.lse = Download(ops, lse);
-    r.dq = Download(ops, dq);
-    r.dk = Download(ops, dk);
-    r.dv = Download(ops, dv);
+    r.out = Download(ops, t.out);
+    r.lse = Download(ops, t.lse);
+    r.dq = Download(ops, t.dq);
+    r.dk = Download(ops, t.dk);
+    r.dv = Download(ops, t.dv);
     return r;
   };
   // kAuto: cuDNN declines float32, so the dispatch's own choice is timed.
@@ -184,17 +171,13 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, float dropout, int reps, int
 }  // namespace te
 
 int main(int argc, char** argv) {
-  int64_t b = 4, s = 2048, h = 32, d = 4;
+  te::bench::AttentionFlags f{4, 2048, 32, 4, 20};
+  te::bench::ParseAttentionFlags(argc, argv, &f);
   float dropout = 0.1f;
-  int reps = 20, general_reps = 1;
+  int general_reps = 1;
   for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--batch=", 8) == 0) b = std::atoll(argv[i] + 8);
-    if (std::strncmp(argv[i], "--seq=", 6) == 0) s = std::atoll(argv[i] + 6);
-    if (std::strncmp(argv[i], "--heads=", 8) == 0) h = std::atoll(argv[i] + 8);
-    if (std::strncmp(argv[i], "--dim=", 6) == 0) d = std::atoll(argv[i] + 6);
     if (std::strncmp(argv[i], "--dropout=", 10) == 0) dropout = std::atof(argv[i] + 10);
-    if (std::strncmp(argv[i], "--reps=", 7) == 0) reps = std::atoi(argv[i] + 7);
     if (std::strncmp(argv[i], "--general_reps=", 15) == 0) general_reps = std::atoi(argv[i] + 15);
   }
-  return te::Run(b, s, h, d, dropout, reps, general_reps);
+  return te::Run(f.batch, f.seq, f.heads, f.dim, dropout, f.reps, general_reps);
 }

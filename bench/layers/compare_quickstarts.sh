@@ -12,14 +12,8 @@
 set -u
 bundle="$(cd "$1" && pwd)"; iters="${2:-10}"; warmup="${3:-3}"
 out="${OUT:-$(mktemp -d)}"
-py=python3
-$py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
-port_file="$(mktemp)"; rm -f "$port_file"
-"$bundle/run.sh" te_server --device=cuda:0 --host=127.0.0.1 --port=0 --port_file="$port_file" \
-  --session_memory_bytes=68719476736 >"$out/server.log" 2>&1 &
-server=$!
-for _ in $(seq 300); do [ -s "$port_file" ] && break; sleep 0.1; done
-address="127.0.0.1:$(cat "$port_file")"
+. "$(dirname "$0")/start_te_server.sh"
+start_te_server --session_memory_bytes=68719476736
 timeout 240 "$bundle/run.sh" quickstart --server="$address" --config=quickstart --iters="$iters" \
   --warmup="$warmup" >"$out/quickstart_cc.txt" 2>&1
 echo "C++ quickstart: exit $?"

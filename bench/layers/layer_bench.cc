@@ -151,14 +151,6 @@ struct Options {
   std::string memory_probe;
 };
 
-te::v1::Tensor ResidentProto(const ResidentTensor& t) {
-  te::v1::Tensor proto;
-  proto.set_dtype(DTypeToProto(t.dtype));
-  for (int64_t d : t.shape) proto.add_shape(d);
-  proto.set_resident_id(t.id);
-  return proto;
-}
-
 // The device's used memory in MiB from the probe command; nullopt when there
 // is none or it printed no number.
 std::optional<double> ProbeMemoryMiB(const std::string& command) {
@@ -212,9 +204,9 @@ class VariantRun {
     const Shape y_shape(response.output_shape().begin(), response.output_shape().end());
     ASSIGN_OR_RETURN(const DType y_dtype, DTypeFromProto(response.output_dtype(), "InitLayerResponse.output_dtype"));
     ASSIGN_OR_RETURN(ResidentTensor x_resident, session_.Put(HostTensor::RandomNormal(shape, dtype, 42)));
-    x_ = ResidentProto(x_resident);
+    x_ = x_resident.ToProto();
     ASSIGN_OR_RETURN(ResidentTensor dy_resident, session_.Put(HostTensor::RandomNormal(y_shape, y_dtype, 43)));
-    dy_ = ResidentProto(dy_resident);
+    dy_ = dy_resident.ToProto();
     return absl::OkStatus();
   }
 

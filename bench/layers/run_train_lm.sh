@@ -11,19 +11,14 @@
 set -u
 bundle="$(cd "$1" && pwd)"; steps="${2:-1000}"; seeds="${3:-0}"
 out="${OUT:-$(mktemp -d)}"
-py=python3
-$py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
-port_file="$(mktemp)"; rm -f "$port_file"
-"$bundle/run.sh" te_server --device=cuda:0 --host=127.0.0.1 --port=0 --port_file="$port_file" \
-  >"$out/server.log" 2>&1 &
-server=$!
-for _ in $(seq 300); do [ -s "$port_file" ] && break; sleep 0.1; done
+. "$(dirname "$0")/start_te_server.sh"
+start_te_server
 for seed in $seeds; do
   for recipe in bf16 delayed current; do
     name="lm_${recipe}_s${seed}"
     # shellcheck disable=SC2086
     TE_CLIENT_STUBS_DIR="$bundle/py/proto" timeout 170 $py "$bundle/py/examples/train_lm.py" \
-      --address="127.0.0.1:$(cat "$port_file")" --recipe="$recipe" --steps="$steps" --seed="$seed" \
+      --address="$address" --recipe="$recipe" --steps="$steps" --seed="$seed" \
       --csv="$out/$name.csv" ${TRAIN_LM_ARGS:-} >"$out/$name.txt" 2>&1
     echo "train_lm --recipe=$recipe --seed=$seed: exit $?"; tail -n 2 "$out/$name.txt"
   done

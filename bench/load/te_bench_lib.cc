@@ -63,14 +63,6 @@ absl::StatusOr<te::v1::LayerSpec> LayerSpecFor(BenchLayer layer, const LayerSize
   return absl::InvalidArgumentError("layer: unknown");
 }
 
-te::v1::Tensor ResidentProto(const ResidentTensor& t) {
-  te::v1::Tensor proto;
-  proto.set_dtype(DTypeToProto(t.dtype));
-  for (int64_t d : t.shape) proto.add_shape(d);
-  proto.set_resident_id(t.id);
-  return proto;
-}
-
 std::string CodeName(const absl::Status& status) { return absl::StatusCodeToString(status.code()); }
 
 // One client's connection, session, layer and resident inputs.
@@ -103,7 +95,7 @@ absl::StatusOr<std::unique_ptr<Prepared>> Prepare(const BenchOptions& o, int ind
   p->x_host = HostTensor::RandomNormal(x_shape, o.dtype, /*seed=*/1000 + index);
   if (o.op == BenchOp::kPut) return p;
   ASSIGN_OR_RETURN(ResidentTensor x, p->session->Put(p->x_host));
-  p->x = ResidentProto(x);
+  p->x = x.ToProto();
   if (o.op == BenchOp::kGet) return p;
 
   te::v1::InitLayerRequest init;
@@ -129,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Prepared>> Prepare(const BenchOptions& o, int ind
   const Shape y_shape(layer.output_shape().begin(), layer.output_shape().end());
   ASSIGN_OR_RETURN(ResidentTensor dy,
                    p->session->Put(HostTensor::RandomNormal(y_shape, y_dtype, /*seed=*/2000 + index)));
-  p->dy = ResidentProto(dy);
+  p->dy = dy.ToProto();
   te::v1::ForwardBackwardRequest& fb = p->forward_backward;
   fb.set_layer_id(p->layer_id);
   for (int i = 0; i < o.micro_batches; ++i) {

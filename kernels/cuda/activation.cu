@@ -150,9 +150,9 @@ Walk MakeWalk(bool gated, bool vec, int64_t rows, int64_t width, unsigned blocks
 }
 
 // Threads needed: two items each.
-unsigned BlocksFor(bool vec, int64_t n) {
+unsigned BlocksFor(bool vec, int64_t n, SmCount sms) {
   const int64_t items = vec ? n / kVec : n;
-  return GridFor((items + 1) / 2);
+  return GridFor((items + 1) / 2, sms);
 }
 
 template <typename T, int V>
@@ -364,10 +364,8 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
     DispatchFloatOrFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      const bool vec = (!gated || width % kVec == 0) &&
-                       PackAligned<typename In::Storage>(x.data()) &&
-                       PackAligned<typename Out::Storage>(y->data());
-      const unsigned blocks = BlocksFor(vec, n);
+      const bool vec = (!gated || width % kVec == 0) && PackAligned<In, Out>(x, *y);
+      const unsigned blocks = BlocksFor(vec, n, sms());
       const Walk walk = MakeWalk(gated, vec, rows, width, blocks);
       constexpr bool kSpecialize = kSame<In, Out> || kIsFp8<Out>;
       DispatchActivations<kSpecialize>(acts, [&](auto gated_tag, auto act0, auto act1) {
@@ -435,7 +433,7 @@ absl::Status CudaOps::ActivationBackward(const std::vector<Activation>& acts, co
                          PackAligned<typename D::Storage>(dy.data()) &&
                          PackAligned<typename In::Storage>(x.data()) &&
                          PackAligned<typename Out::Storage>(dx->data());
-        const unsigned blocks = BlocksFor(vec, n);
+        const unsigned blocks = BlocksFor(vec, n, sms());
         const Walk walk = MakeWalk(gated, vec, rows, width, blocks);
         constexpr bool kSpecialize = kSame<In, D> && kSame<In, Out>;
         DispatchActivations<kSpecialize>(acts, [&](auto gated_tag, auto act0, auto act1) {

@@ -7,6 +7,24 @@
 namespace te {
 namespace cuda {
 namespace cudnn_graph {
+namespace {
+
+// grad = s^T x: s [B, Hq, Sq, Skv] (read as io), x [B, Hq, Sq, D], grad a K or
+// V gradient [B, Hk, Skv, D]. Under GQA the product is formed for every query
+// head, then summed over each kv head's group.
+absl::Status KvHeadGradient(GraphBuilder& g, const Layouts& l, const CommonTensors& t,
+                            cudnnDataType_t io, cudnnBackendDescriptor_t s,
+                            cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t grad) {
+  ASSIGN_OR_RETURN(auto s_t, g.Virtual(io, l.STDims(), l.STStrides()));
+  RETURN_IF_ERROR(g.Reshape(s, s_t));
+  if (l.hq == l.hk) return g.Matmul(s_t, x, grad, t.seq_kv, nullptr, t.seq_q);
+  ASSIGN_OR_RETURN(auto per_query_head, g.Virtual(io, {l.b, l.hq, l.skv, l.d},
+                                                  {l.hq * l.skv * l.d, l.skv * l.d, l.d, 1}));
+  RETURN_IF_ERROR(g.Matmul(s_t, x, per_query_head, t.seq_kv, nullptr, t.seq_q));
+  return g.Reduction(CUDNN_REDUCE_TENSOR_ADD, per_query_head, grad);
+}
+
+}  // namespace
 
 absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* plan) {
   GraphBuilder g(plan);
@@ -48,69 +66,48 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
 
   // P = exp(S - Stats), masked; with dropout, P * M / (1-p).
   ASSIGN_OR_RETURN(auto s, MaskedScores(g, c, l, t, q, kt, stats));
-  ASSIGN_OR_RETURN(auto probs, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, s, nullptr, nullptr, probs));
+  ASSIGN_OR_RETURN(auto probs, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_EXP,
+                                               CUDNN_DATA_FLOAT, s, nullptr));
   cudnnBackendDescriptor_t dropped = probs;
   cudnnBackendDescriptor_t keep = nullptr;
   if (dropout) {
     ASSIGN_OR_RETURN(keep, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
     RETURN_IF_ERROR(g.Rng(1.0 - c.dropout, t.seed, t.offset, keep));
-    ASSIGN_OR_RETURN(auto kept, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, probs, keep, nullptr, kept));
-    ASSIGN_OR_RETURN(auto rescaled, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(
-        g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, kept, t.drop_scale, nullptr, rescaled));
+    ASSIGN_OR_RETURN(auto kept, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                CUDNN_DATA_FLOAT, probs, keep));
+    ASSIGN_OR_RETURN(auto rescaled, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                    CUDNN_DATA_FLOAT, kept, t.drop_scale));
     dropped = rescaled;
   }
 
-  // dV = P^T dO (GQA: over all query heads, then summed per kv head).
-  const bool gqa = l.hq != l.hk;
-  ASSIGN_OR_RETURN(auto probs_t, g.Virtual(io, l.STDims(), l.STStrides()));
-  RETURN_IF_ERROR(g.Reshape(dropped, probs_t));
-  const Dims full_head_dims = {l.b, l.hq, l.skv, l.d};
-  const Dims full_head_strides = {l.hq * l.skv * l.d, l.skv * l.d, l.d, 1};
-  if (!gqa) {
-    RETURN_IF_ERROR(g.Matmul(probs_t, d_o, dv, t.seq_kv, nullptr, t.seq_q));
-  } else {
-    ASSIGN_OR_RETURN(auto dv_full, g.Virtual(io, full_head_dims, full_head_strides));
-    RETURN_IF_ERROR(g.Matmul(probs_t, d_o, dv_full, t.seq_kv, nullptr, t.seq_q));
-    RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, dv_full, dv));
-  }
+  // dV = P^T dO.
+  RETURN_IF_ERROR(KvHeadGradient(g, l, t, io, dropped, d_o, dv));
 
   // dS = (dO V^T [* M] - softmax_sum) * exp(S - Stats) [/ (1-p)] * scale.
   ASSIGN_OR_RETURN(auto dp, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
   RETURN_IF_ERROR(g.Matmul(d_o, vt, dp, t.seq_q, t.seq_kv, nullptr));
   cudnnBackendDescriptor_t last = dp;
   if (dropout) {
-    ASSIGN_OR_RETURN(auto masked, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, keep, nullptr, masked));
+    ASSIGN_OR_RETURN(auto masked, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                  CUDNN_DATA_FLOAT, last, keep));
     last = masked;
   }
-  ASSIGN_OR_RETURN(auto centred, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, last, softmax_sum, nullptr, centred));
-  ASSIGN_OR_RETURN(auto weighted, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, centred, probs, nullptr, weighted));
+  ASSIGN_OR_RETURN(auto centred, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_SUB,
+                                                 CUDNN_DATA_FLOAT, last, softmax_sum));
+  ASSIGN_OR_RETURN(auto weighted, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                  CUDNN_DATA_FLOAT, centred, probs));
   last = weighted;
   if (dropout) {
-    ASSIGN_OR_RETURN(auto rescaled, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(
-        g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, t.drop_scale, nullptr, rescaled));
+    ASSIGN_OR_RETURN(auto rescaled, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                    CUDNN_DATA_FLOAT, last, t.drop_scale));
     last = rescaled;
   }
   if (c.bias) RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, last, dbias));
-  ASSIGN_OR_RETURN(auto ds, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, last, t.scale, nullptr, ds));
+  ASSIGN_OR_RETURN(auto ds, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                            CUDNN_DATA_FLOAT, last, t.scale));
 
   // dK = dS^T Q.
-  ASSIGN_OR_RETURN(auto ds_t, g.Virtual(io, l.STDims(), l.STStrides()));
-  RETURN_IF_ERROR(g.Reshape(ds, ds_t));
-  if (!gqa) {
-    RETURN_IF_ERROR(g.Matmul(ds_t, q, dk, t.seq_kv, nullptr, t.seq_q));
-  } else {
-    ASSIGN_OR_RETURN(auto dk_full, g.Virtual(io, full_head_dims, full_head_strides));
-    RETURN_IF_ERROR(g.Matmul(ds_t, q, dk_full, t.seq_kv, nullptr, t.seq_q));
-    RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, dk_full, dk));
-  }
+  RETURN_IF_ERROR(KvHeadGradient(g, l, t, io, ds, q, dk));
 
   // dQ = dS K, accumulated in f32 (workspace), then cast. K is K^T's memory
   // viewed untransposed (strides swapped back).

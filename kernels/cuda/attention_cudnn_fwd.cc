@@ -23,10 +23,10 @@ absl::Status BuildForward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* 
   // Softmax with its statistics: Stats = max + log(sum(exp(S - max))).
   ASSIGN_OR_RETURN(auto row_max, g.Virtual(CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
   RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_MAX, s, row_max));
-  ASSIGN_OR_RETURN(auto centred, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, s, row_max, nullptr, centred));
-  ASSIGN_OR_RETURN(auto exps, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, centred, nullptr, nullptr, exps));
+  ASSIGN_OR_RETURN(auto centred, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_SUB,
+                                                 CUDNN_DATA_FLOAT, s, row_max));
+  ASSIGN_OR_RETURN(auto exps, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_EXP,
+                                              CUDNN_DATA_FLOAT, centred, nullptr));
   ASSIGN_OR_RETURN(auto row_sum, g.Virtual(CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
   RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, exps, row_sum));
   ASSIGN_OR_RETURN(auto log_sum, g.Virtual(CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
@@ -34,17 +34,17 @@ absl::Status BuildForward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan* 
   RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, row_max, log_sum, nullptr, stats));
   // P goes into the second matmul in the operand dtype.
   const bool dropout = c.dropout > 0.0f;
-  ASSIGN_OR_RETURN(auto probs, g.Virtual(dropout ? CUDNN_DATA_FLOAT : io, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, exps, row_sum, nullptr, probs));
+  ASSIGN_OR_RETURN(auto probs,
+                   ScoresPointwise(g, l, dropout ? CUDNN_DATA_FLOAT : io, CUDNN_POINTWISE_DIV,
+                                   CUDNN_DATA_FLOAT, exps, row_sum));
   cudnnBackendDescriptor_t last = probs;
   if (dropout) {
     ASSIGN_OR_RETURN(auto keep, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
     RETURN_IF_ERROR(g.Rng(1.0 - c.dropout, t.seed, t.offset, keep));
-    ASSIGN_OR_RETURN(auto kept, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, probs, keep, nullptr, kept));
-    ASSIGN_OR_RETURN(auto rescaled, g.Virtual(io, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(
-        g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, kept, t.drop_scale, nullptr, rescaled));
+    ASSIGN_OR_RETURN(auto kept, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                CUDNN_DATA_FLOAT, probs, keep));
+    ASSIGN_OR_RETURN(auto rescaled, ScoresPointwise(g, l, io, CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT,
+                                                    kept, t.drop_scale));
     last = rescaled;
   }
   RETURN_IF_ERROR(g.Matmul(last, v, o, t.seq_q, nullptr, t.seq_kv));

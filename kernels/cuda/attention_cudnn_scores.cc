@@ -10,44 +10,66 @@ namespace cuda {
 namespace cudnn_graph {
 namespace {
 
+struct RowColumn {
+  cudnnBackendDescriptor_t row, column;
+};
+// S's row index i and column index j as int32 tensors of S's shape (GEN_INDEX
+// along axes 2 and 3, computed in `math`).
+absl::StatusOr<RowColumn> ScoresIndices(GraphBuilder& g, const Layouts& l,
+                                        cudnnBackendDescriptor_t s, cudnnDataType_t math) {
+  RowColumn rc;
+  ASSIGN_OR_RETURN(rc.row, ScoresPointwise(g, l, CUDNN_DATA_INT32, CUDNN_POINTWISE_GEN_INDEX, math,
+                                           s, nullptr, nullptr, 2));
+  ASSIGN_OR_RETURN(rc.column, ScoresPointwise(g, l, CUDNN_DATA_INT32, CUDNN_POINTWISE_GEN_INDEX,
+                                              math, s, nullptr, nullptr, 3));
+  return rc;
+}
+
+// S where keep, else -inf.
+absl::StatusOr<cudnnBackendDescriptor_t> KeepOrNegInf(GraphBuilder& g, const Layouts& l,
+                                                      cudnnBackendDescriptor_t s,
+                                                      cudnnBackendDescriptor_t keep,
+                                                      cudnnBackendDescriptor_t neg_inf) {
+  return ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, s,
+                         neg_inf, keep);
+}
+
 // Padding: keep S[b, h, i, j] where i < seq_q[b] and j < seq_kv[b], else -inf.
 absl::StatusOr<cudnnBackendDescriptor_t> PaddingMask(GraphBuilder& g, const Layouts& l,
                                                      cudnnBackendDescriptor_t s,
                                                      cudnnBackendDescriptor_t seq_q,
                                                      cudnnBackendDescriptor_t seq_kv,
                                                      cudnnBackendDescriptor_t neg_inf) {
-  ASSIGN_OR_RETURN(auto row, g.Virtual(CUDNN_DATA_INT32, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, nullptr, row, 2));
-  ASSIGN_OR_RETURN(auto col, g.Virtual(CUDNN_DATA_INT32, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, nullptr, col, 3));
-  ASSIGN_OR_RETURN(auto row_ok, g.Virtual(CUDNN_DATA_BOOLEAN, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, row, seq_q, nullptr, row_ok));
-  ASSIGN_OR_RETURN(auto col_ok, g.Virtual(CUDNN_DATA_BOOLEAN, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, col, seq_kv, nullptr, col_ok));
-  ASSIGN_OR_RETURN(auto keep, g.Virtual(CUDNN_DATA_BOOLEAN, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(
-      g.Pointwise(CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN, row_ok, col_ok, nullptr, keep));
-  ASSIGN_OR_RETURN(auto masked, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, s, neg_inf, keep, masked));
-  return masked;
+  ASSIGN_OR_RETURN(const RowColumn index, ScoresIndices(g, l, s, CUDNN_DATA_INT32));
+  ASSIGN_OR_RETURN(auto row_ok, ScoresPointwise(g, l, CUDNN_DATA_BOOLEAN, CUDNN_POINTWISE_CMP_LT,
+                                                CUDNN_DATA_BOOLEAN, index.row, seq_q));
+  ASSIGN_OR_RETURN(auto col_ok, ScoresPointwise(g, l, CUDNN_DATA_BOOLEAN, CUDNN_POINTWISE_CMP_LT,
+                                                CUDNN_DATA_BOOLEAN, index.column, seq_kv));
+  ASSIGN_OR_RETURN(auto keep, ScoresPointwise(g, l, CUDNN_DATA_BOOLEAN, CUDNN_POINTWISE_LOGICAL_AND,
+                                              CUDNN_DATA_BOOLEAN, row_ok, col_ok));
+  return KeepOrNegInf(g, l, s, keep, neg_inf);
 }
 
 // Causal (top-left aligned): keep S[b, h, i, j] where i >= j, else -inf.
 absl::StatusOr<cudnnBackendDescriptor_t> CausalMask(GraphBuilder& g, const Layouts& l,
                                                     cudnnBackendDescriptor_t s,
                                                     cudnnBackendDescriptor_t neg_inf) {
-  ASSIGN_OR_RETURN(auto row, g.Virtual(CUDNN_DATA_INT32, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_FLOAT, s, nullptr, nullptr, row, 2));
-  ASSIGN_OR_RETURN(auto col, g.Virtual(CUDNN_DATA_INT32, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_FLOAT, s, nullptr, nullptr, col, 3));
-  ASSIGN_OR_RETURN(auto keep, g.Virtual(CUDNN_DATA_BOOLEAN, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_BOOLEAN, row, col, nullptr, keep));
-  ASSIGN_OR_RETURN(auto masked, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, s, neg_inf, keep, masked));
-  return masked;
+  ASSIGN_OR_RETURN(const RowColumn index, ScoresIndices(g, l, s, CUDNN_DATA_FLOAT));
+  ASSIGN_OR_RETURN(auto keep, ScoresPointwise(g, l, CUDNN_DATA_BOOLEAN, CUDNN_POINTWISE_CMP_GE,
+                                              CUDNN_DATA_BOOLEAN, index.row, index.column));
+  return KeepOrNegInf(g, l, s, keep, neg_inf);
 }
 
 }  // namespace
+
+absl::StatusOr<cudnnBackendDescriptor_t> ScoresPointwise(
+    GraphBuilder& g, const Layouts& l, cudnnDataType_t type, cudnnPointwiseMode_t mode,
+    cudnnDataType_t math, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+    cudnnBackendDescriptor_t t, int64_t axis) {
+  ASSIGN_OR_RETURN(auto y, g.Virtual(type, l.SDims(), l.SStrides()));
+  RETURN_IF_ERROR(g.Pointwise(mode, math, x, b, t, y, axis));
+  return y;
+}
 
 absl::StatusOr<CommonTensors> MakeCommon(GraphBuilder& g, const PlanConfig& c, const Layouts& l) {
   CommonTensors t;
@@ -78,17 +100,17 @@ absl::StatusOr<cudnnBackendDescriptor_t> MaskedScores(GraphBuilder& g, const Pla
                                                       cudnnBackendDescriptor_t stats) {
   ASSIGN_OR_RETURN(auto s, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
   RETURN_IF_ERROR(g.Matmul(q, kt, s, t.seq_q, t.seq_kv, nullptr));
-  ASSIGN_OR_RETURN(auto scaled, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-  RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, t.scale, nullptr, scaled));
+  ASSIGN_OR_RETURN(auto scaled, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
+                                                CUDNN_DATA_FLOAT, s, t.scale));
   cudnnBackendDescriptor_t last = scaled;
   if (c.bias) {
-    ASSIGN_OR_RETURN(auto biased, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, last, t.bias, nullptr, biased));
+    ASSIGN_OR_RETURN(auto biased, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_ADD,
+                                                  CUDNN_DATA_FLOAT, last, t.bias));
     last = biased;
   }
   if (stats != nullptr) {
-    ASSIGN_OR_RETURN(auto shifted, g.Virtual(CUDNN_DATA_FLOAT, l.SDims(), l.SStrides()));
-    RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, last, stats, nullptr, shifted));
+    ASSIGN_OR_RETURN(auto shifted, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_SUB,
+                                                   CUDNN_DATA_FLOAT, last, stats));
     last = shifted;
   }
   if (c.padding) {

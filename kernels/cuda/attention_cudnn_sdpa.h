@@ -121,6 +121,13 @@ struct CommonTensors {
   cudnnBackendDescriptor_t bias = nullptr;
 };
 
+// y = mode(x, b) (GraphBuilder::Pointwise) into a new virtual tensor of S's
+// shape [B, Hq, Sq, Skv] with elements of `type`.
+absl::StatusOr<cudnnBackendDescriptor_t> ScoresPointwise(
+    GraphBuilder& g, const Layouts& l, cudnnDataType_t type, cudnnPointwiseMode_t mode,
+    cudnnDataType_t math, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+    cudnnBackendDescriptor_t t = nullptr, int64_t axis = -1);
+
 // The shared tensors of configuration c (scale; lengths and -inf with masks;
 // bias; seed, offset and 1/(1-p) with dropout).
 absl::StatusOr<CommonTensors> MakeCommon(GraphBuilder& g, const PlanConfig& c, const Layouts& l);

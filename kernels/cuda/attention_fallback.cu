@@ -147,6 +147,57 @@ __device__ __forceinline__ float Logit(const AttentionProblem& p, const float* q
   return ElementMasked(p, b, h, i, j) ? -INFINITY : logit;
 }
 
+// acc (this thread's elements d of the head) = sum over keys j < end of
+// weight(j) * x[b, j, kvh, d] (x: k or v), a tile of kTile keys at a time:
+// the warps evaluate weight(j) (warp-collective; lane 0's value is kept) into
+// tile[], then every thread sums its elements.
+template <typename WeightFn>
+__device__ __forceinline__ void WeightedKeySum(float (&acc)[kMaxDPerThread], float* tile,
+                                               int64_t end, const void* x, DType x_dtype,
+                                               const AttentionShape& s, int64_t b, int64_t kvh,
+                                               WeightFn weight) {
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+#pragma unroll
+  for (int c = 0; c < kMaxDPerThread; ++c) acc[c] = 0.0f;
+  for (int64_t t0 = 0; t0 < end; t0 += kTile) {
+    const int n = static_cast<int>(end - t0 < kTile ? end - t0 : kTile);
+    for (int jj = warp; jj < n; jj += kWarps) {
+      const float w = weight(t0 + jj);
+      if (lane == 0) tile[jj] = w;
+    }
+    __syncthreads();
+    AccumulateWeightedRows(acc, tile, n, x, x_dtype, s, b, t0, kvh, tid);
+    __syncthreads();
+  }
+}
+
+// Query row r = (b*Hq + h)*Sq + i: its batch, head, position and kv head.
+struct QueryRow {
+  int64_t b, h, i, kvh;
+};
+__device__ __forceinline__ QueryRow QueryRowOf(const AttentionShape& s, int64_t row) {
+  QueryRow r;
+  r.i = row % s.q_seq;
+  r.h = (row / s.q_seq) % s.q_heads;
+  r.b = row / (s.q_seq * s.q_heads);
+  r.kvh = r.h / (s.q_heads / s.kv_heads);
+  return r;
+}
+
+// For query row `row` and key j, with P = exp(logit - lse) and M the dropout
+// multiplier: *prob = P and *dprob = (dout . v_j) M; warp-collective.
+__device__ __forceinline__ void ProbAndDprob(const AttentionProblem& p, const float* q_row,
+                                             const float* dout_row, const QueryRow& q, int64_t row,
+                                             int64_t j, float lse, int lane, float* prob,
+                                             float* dprob) {
+  const AttentionShape& s = p.shape;
+  *prob = expf(Logit(p, q_row, q.b, q.h, q.kvh, q.i, j, lane) - lse);
+  *dprob = WarpDot(dout_row, p.v, p.v_dtype, KvOffset(s, q.b, j, q.kvh), s.head_dim, lane) *
+           DropoutMultiplier(p, row, j);
+}
+
 // One block per query row r = (b*Hq + h)*Sq + i. Pass 1: running max and sum
 // of exp over the visible keys (online softmax, tile by tile) -> lse. Pass 2:
 // out = sum_j exp(logit_j - lse) * dropout_j * v_j.
@@ -164,10 +215,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int64_t row = blockIdx.x;
-  const int64_t i = row % s.q_seq;
-  const int64_t h = (row / s.q_seq) % s.q_heads;
-  const int64_t b = row / (s.q_seq * s.q_heads);
-  const int64_t kvh = h / (s.q_heads / s.kv_heads);
+  const QueryRow q = QueryRowOf(s, row);
+  const int64_t i = q.i, h = q.h, b = q.b, kvh = q.kvh;
   const int64_t end = VisibleEnd(p, b, i);
   const int64_t q_offset = QOffset(s, b, i, h);
 
@@ -205,20 +254,10 @@ __global__ void __launch_bounds__(kThreads)
                                                            : running_max + logf(running_sum);
 
   float acc[kMaxDPerThread];
-#pragma unroll
-  for (int c = 0; c < kMaxDPerThread; ++c) acc[c] = 0.0f;
-  if (lse != INFINITY) {
-    for (int64_t t0 = 0; t0 < end; t0 += kTile) {
-      const int n = static_cast<int>(end - t0 < kTile ? end - t0 : kTile);
-      for (int jj = warp; jj < n; jj += kWarps) {
-        const float logit = Logit(p, q_row, b, h, kvh, i, t0 + jj, lane);
-        if (lane == 0) weights[jj] = expf(logit - lse) * DropoutMultiplier(p, row, t0 + jj);
-      }
-      __syncthreads();
-      AccumulateWeightedRows(acc, weights, n, p.v, p.v_dtype, s, b, t0, kvh, tid);
-      __syncthreads();
-    }
-  }
+  WeightedKeySum(
+      acc, weights, lse != INFINITY ? end : 0, p.v, p.v_dtype, s, b, kvh, [&](int64_t j) {
+        return expf(Logit(p, q_row, b, h, kvh, i, j, lane) - lse) * DropoutMultiplier(p, row, j);
+      });
   StoreHeadRow(out, out_dtype, q_offset, acc, s.head_dim, tid);
   if (tid == 0) lse_out[row] = lse;
 }
@@ -242,10 +281,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int64_t row = blockIdx.x;
-  const int64_t i = row % s.q_seq;
-  const int64_t h = (row / s.q_seq) % s.q_heads;
-  const int64_t b = row / (s.q_seq * s.q_heads);
-  const int64_t kvh = h / (s.q_heads / s.kv_heads);
+  const QueryRow q = QueryRowOf(s, row);
+  const int64_t i = q.i, h = q.h, b = q.b, kvh = q.kvh;
   const float lse = lse_in[row];
   const int64_t end = isfinite(lse) ? VisibleEnd(p, b, i) : 0;
   const int64_t q_offset = QOffset(s, b, i, h);
@@ -260,10 +297,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t0 = 0; t0 < end; t0 += kTile) {
     const int n = static_cast<int>(end - t0 < kTile ? end - t0 : kTile);
     for (int jj = warp; jj < n; jj += kWarps) {
-      const int64_t j = t0 + jj;
-      const float prob = expf(Logit(p, q_row, b, h, kvh, i, j, lane) - lse);
-      const float dprob = WarpDot(dout_row, p.v, p.v_dtype, KvOffset(s, b, j, kvh), s.head_dim, lane) *
-                          DropoutMultiplier(p, row, j);
+      float prob, dprob;
+      ProbAndDprob(p, q_row, dout_row, q, row, t0 + jj, lse, lane, &prob, &dprob);
       if (lane == 0) tile[jj] = prob * dprob;
     }
     __syncthreads();
@@ -277,25 +312,15 @@ __global__ void __launch_bounds__(kThreads)
   const float row_dot = dot_sum;
 
   float acc[kMaxDPerThread];
-#pragma unroll
-  for (int c = 0; c < kMaxDPerThread; ++c) acc[c] = 0.0f;
-  for (int64_t t0 = 0; t0 < end; t0 += kTile) {
-    const int n = static_cast<int>(end - t0 < kTile ? end - t0 : kTile);
-    for (int jj = warp; jj < n; jj += kWarps) {
-      const int64_t j = t0 + jj;
-      const float prob = expf(Logit(p, q_row, b, h, kvh, i, j, lane) - lse);
-      const float dprob = WarpDot(dout_row, p.v, p.v_dtype, KvOffset(s, b, j, kvh), s.head_dim, lane) *
-                          DropoutMultiplier(p, row, j);
-      const float dlogit = prob * (dprob - row_dot);
-      if (lane == 0) {
-        if (dbias != nullptr) atomicAdd(&dbias[(h * s.q_seq + i) * s.kv_seq + j], dlogit);
-        tile[jj] = p.scale * dlogit;
-      }
+  WeightedKeySum(acc, tile, end, p.k, p.k_dtype, s, b, kvh, [&](int64_t j) {
+    float prob, dprob;
+    ProbAndDprob(p, q_row, dout_row, q, row, j, lse, lane, &prob, &dprob);
+    const float dlogit = prob * (dprob - row_dot);
+    if (lane == 0 && dbias != nullptr) {
+      atomicAdd(&dbias[(h * s.q_seq + i) * s.kv_seq + j], dlogit);
     }
-    __syncthreads();
-    AccumulateWeightedRows(acc, tile, n, p.k, p.k_dtype, s, b, t0, kvh, tid);
-    __syncthreads();
-  }
+    return p.scale * dlogit;
+  });
   StoreHeadRow(dq, dq_dtype, q_offset, acc, s.head_dim, tid);
   if (tid == 0) row_dot_out[row] = row_dot;
 }
@@ -398,11 +423,9 @@ __global__ void ZeroInvisibleRowsKernel(AttentionProblem p, void* out, DType out
   const int64_t rows = s.batch * s.q_heads * s.q_seq;
   for (int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; row < rows;
        row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = row % s.q_seq;
-    const int64_t h = (row / s.q_seq) % s.q_heads;
-    const int64_t b = row / (s.q_seq * s.q_heads);
-    if (VisibleEnd(p, b, i) != 0) continue;
-    const int64_t q_offset = QOffset(s, b, i, h);
+    const QueryRow q = QueryRowOf(s, row);
+    if (VisibleEnd(p, q.b, q.i) != 0) continue;
+    const int64_t q_offset = QOffset(s, q.b, q.i, q.h);
     for (int64_t d = 0; d < s.head_dim; ++d) StoreElem(out, out_dtype, q_offset + d, 0.0f);
     lse[row] = INFINITY;
   }

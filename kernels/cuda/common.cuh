@@ -92,6 +92,15 @@ bool DispatchFloat(DType dtype, F&& f) {
     default: return false;
   }
 }
+// Calls f(In{}, Out{}) for an input and an output float dtype; false unless
+// both are float dtypes.
+template <typename F>
+bool DispatchFloatPair(DType in_dtype, DType out_dtype, F&& f) {
+  bool both = false;
+  DispatchFloat(in_dtype,
+                [&](auto in) { both = DispatchFloat(out_dtype, [&](auto out) { f(in, out); }); });
+  return both;
+}
 // Float dtypes and the two FP8 formats.
 template <typename F>
 bool DispatchFloatOrFp8(DType dtype, F&& f) {
@@ -122,6 +131,13 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T>
 inline bool PackAligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % sizeof(Pack<T>) == 0;
+}
+// Whether an elementwise pass reading x as In and writing y as Out (float
+// formats) can move both a Pack at a time.
+template <typename In, typename Out>
+inline bool PackAligned(const Tensor& x, const Tensor& y) {
+  return PackAligned<typename In::Storage>(x.data()) &&
+         PackAligned<typename Out::Storage>(y.data());
 }
 
 // A grid-stride pass over n elements, kVec at a time where `vec` (the
@@ -170,12 +186,7 @@ inline unsigned GridFor(int64_t n, SmCount sms, int threads = kThreads) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
 }
 inline unsigned CudaOps::GridFor(int64_t n, int threads) const {
-  return cuda::GridFor(n, SmCount{sm_count()}, threads);
-}
-// For launchers that take only a stream (no CudaOps at hand): the SM count of
-// the device CudaOps::Enter() made current (CurrentDeviceSmCount).
-inline unsigned GridFor(int64_t n, int threads = kThreads) {
-  return GridFor(n, CurrentDeviceSmCount(), threads);
+  return cuda::GridFor(n, sms(), threads);
 }
 
 // ---- reductions ----------------------------------------------------------------
@@ -296,27 +307,13 @@ constexpr size_t kMaxSharedBytes = 200 * 1024;
 // 48 KiB of dynamic memory a launch failed without it.
 constexpr size_t kStaticSharedReserve = 1024;
 
-// Driver calls about a kernel (its occupancy, its shared-memory opt-in) are
-// host work a hot path should not repeat: each is made once per device,
-// kernel and configuration, and remembered.
-struct KernelLaunchMemo {
-  std::mutex mu;
-  std::map<std::tuple<int, const void*, int, size_t>, int> blocks_per_sm;
-  std::map<std::pair<int, const void*>, size_t> shared_allowed;
-};
-inline KernelLaunchMemo& LaunchMemo() {
-  static KernelLaunchMemo* memo = new KernelLaunchMemo;
-  return *memo;
-}
-
-// Blocks of `kernel` that fit on one SM at once (at least 1).
+// Blocks of `kernel` that fit on one SM of the device at once (at least 1);
+// the driver is asked once per configuration (the context's launch_memo).
 template <typename Kernel>
-int ResidentBlocksPerSm(Kernel kernel, int threads, size_t shared_bytes) {
-  int device = 0;
-  (void)cudaGetDevice(&device);
-  const auto key =
-      std::make_tuple(device, reinterpret_cast<const void*>(kernel), threads, shared_bytes);
-  KernelLaunchMemo& memo = LaunchMemo();
+int ResidentBlocksPerSm(const CudaContext& device, Kernel kernel, int threads,
+                        size_t shared_bytes) {
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, shared_bytes);
+  KernelLaunchMemo& memo = device.launch_memo;
   std::lock_guard<std::mutex> lock(memo.mu);
   auto it = memo.blocks_per_sm.find(key);
   if (it != memo.blocks_per_sm.end()) return it->second;
@@ -332,12 +329,11 @@ int ResidentBlocksPerSm(Kernel kernel, int threads, size_t shared_bytes) {
 // Opts `kernel` in to `bytes` of dynamic shared memory where that and its
 // static shared memory may pass the default; `what` names it in errors.
 template <typename Kernel>
-absl::Status AllowSharedBytes(Kernel kernel, size_t bytes, const char* what) {
+absl::Status AllowSharedBytes(const CudaContext& device, Kernel kernel, size_t bytes,
+                              const char* what) {
   if (bytes + kStaticSharedReserve <= kDefaultSharedBytes) return absl::OkStatus();
-  int device = 0;
-  (void)cudaGetDevice(&device);
-  const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
-  KernelLaunchMemo& memo = LaunchMemo();
+  const void* key = reinterpret_cast<const void*>(kernel);
+  KernelLaunchMemo& memo = device.launch_memo;
   std::lock_guard<std::mutex> lock(memo.mu);
   auto it = memo.shared_allowed.find(key);
   if (it != memo.shared_allowed.end() && it->second >= bytes) return absl::OkStatus();

@@ -1,7 +1,6 @@
 // The CUDA device: opening a GPU (or saying why not), and one stream per Ops.
 // These strong definitions replace the weak fallbacks in kernels/cpu when the
 // CUDA backend is linked in.
-#include <atomic>
 #include <memory>
 #include <utility>
 
@@ -14,12 +13,6 @@
 namespace te {
 namespace cuda {
 namespace {
-
-// Each opened device's SM count by ordinal, for launchers that have only the
-// current device (CurrentDeviceSmCount). Written when a device is opened, read
-// per launch: a fact of the hardware, not state.
-constexpr int kMaxOrdinals = 64;
-std::atomic<int> sm_counts[kMaxOrdinals];
 
 class CudaDevice : public Device {
  public:
@@ -68,23 +61,6 @@ class CudaDevice : public Device {
 
 }  // namespace
 
-SmCount CurrentDeviceSmCount() {
-  int ordinal = 0;
-  if (cudaGetDevice(&ordinal) != cudaSuccess || ordinal < 0 || ordinal >= kMaxOrdinals) {
-    (void)cudaGetLastError();
-    return SmCount{1};  // a correct (grid-stride) if small grid
-  }
-  int sms = sm_counts[ordinal].load(std::memory_order_relaxed);
-  if (sms <= 0) {  // a device used without OpenCudaDevice: ask it once
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return SmCount{1};
-    }
-    sm_counts[ordinal].store(sms, std::memory_order_relaxed);
-  }
-  return SmCount{sms};
-}
-
 }  // namespace cuda
 
 absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
@@ -106,9 +82,6 @@ absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
   context->ordinal = ordinal;
   CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&context->properties, ordinal));
-  if (ordinal < cuda::kMaxOrdinals) {
-    cuda::sm_counts[ordinal].store(context->properties.multiProcessorCount, std::memory_order_relaxed);
-  }
   context->allocator = std::make_shared<cuda::CachingAllocator>(ordinal);
   CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&context->cublaslt));
   return std::unique_ptr<Device>(std::make_unique<cuda::CudaDevice>(std::move(context)));

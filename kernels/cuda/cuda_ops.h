@@ -23,8 +23,11 @@
 #include <cudnn.h>
 
 #include <cstddef>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cuda/allocator.h"
@@ -34,15 +37,22 @@ namespace te {
 namespace cuda {
 
 // A device's streaming multiprocessor count: what launch geometry sizes
-// grids by (common.cuh's GridFor).
+// grids by (common.cuh's GridFor). Launchers that take only a stream take it
+// too, from their op's CudaOps::sms(): the device was asked once, when it was
+// opened.
 struct SmCount {
   int value;
 };
-// The SM count of the calling thread's current CUDA device (the one
-// CudaOps::Enter() made current), recorded when OpenCudaDevice opened it, for
-// launchers that take only a stream. Inside an op, CudaOps::sm_count() is the
-// same number without the lookup.
-SmCount CurrentDeviceSmCount();
+
+// Driver answers about a kernel on one device (its occupancy, its
+// shared-memory opt-in): host work a hot path should not repeat, so each is
+// asked once per kernel and configuration and remembered with the device's
+// context (common.cuh's ResidentBlocksPerSm, AllowSharedBytes).
+struct KernelLaunchMemo {
+  std::mutex mu;
+  std::map<std::tuple<const void*, int, size_t>, int> blocks_per_sm;
+  std::map<const void*, size_t> shared_allowed;
+};
 
 // Page-locked host buffers kept for reuse (staging.cc). Thread-safe.
 class PinnedStagingPool;
@@ -59,6 +69,7 @@ struct CudaContext {
   // AllocateStaging's buffers: cudaHostAlloc costs milliseconds for the
   // megabytes a PutTensor stages, so released buffers are kept for the next.
   std::shared_ptr<PinnedStagingPool> staging_pool = NewPinnedStagingPool();
+  mutable KernelLaunchMemo launch_memo;  // filled by launches, not a property
 
   ~CudaContext();
 };
@@ -209,6 +220,7 @@ class CudaOps : public Ops {
   // when the device was opened: launch geometry sizes grids by it (no host
   // query per launch).
   int sm_count() const { return context_->properties.multiProcessorCount; }
+  SmCount sms() const { return SmCount{sm_count()}; }
   // Blocks of `threads` for a grid-stride kernel over n items on this device
   // (cuda::GridFor in common.cuh with sm_count()). Defined in common.cuh.
   inline unsigned GridFor(int64_t n, int threads = 256) const;

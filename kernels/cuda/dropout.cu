@@ -67,18 +67,15 @@ absl::Status CudaOps::DropoutForward(float rate, uint64_t seed, const Tensor& x,
   const int64_t n = x.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  DispatchFloat(x.dtype(), [&](auto in) {
-    DispatchFloat(y->dtype(), [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
-                       PackAligned<typename Out::Storage>(y->data()) &&
-                       (!want_mask || PackAligned<uint8_t>(mask->data()));
-      DropoutForwardKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
-          static_cast<const typename In::Storage*>(x.data()),
-          static_cast<typename Out::Storage*>(y->data()),
-          want_mask ? mask->data_as<uint8_t>() : nullptr, rate, KeptScale(rate), seed, n, vec);
-    });
+  const bool mask_aligned = !want_mask || PackAligned<uint8_t>(mask->data());
+  DispatchFloatPair(x.dtype(), y->dtype(), [&](auto in, auto out) {
+    using In = decltype(in);
+    using Out = decltype(out);
+    const bool vec = PackAligned<In, Out>(x, *y) && mask_aligned;
+    DropoutForwardKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
+        static_cast<const typename In::Storage*>(x.data()),
+        static_cast<typename Out::Storage*>(y->data()),
+        want_mask ? mask->data_as<uint8_t>() : nullptr, rate, KeptScale(rate), seed, n, vec);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
@@ -90,14 +87,12 @@ absl::Status CudaOps::DropoutBackward(float rate, const Tensor& dy, const Tensor
   const int64_t n = dy.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  DispatchFloat(dy.dtype(), [&](auto in) {
-    DispatchFloat(dx->dtype(), [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      DropoutBackwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
-          static_cast<const typename In::Storage*>(dy.data()), mask.data_as<const uint8_t>(),
-          static_cast<typename Out::Storage*>(dx->data()), KeptScale(rate), n);
-    });
+  DispatchFloatPair(dy.dtype(), dx->dtype(), [&](auto in, auto out) {
+    using In = decltype(in);
+    using Out = decltype(out);
+    DropoutBackwardKernel<In, Out><<<GridFor(n), kThreads, 0, stream()>>>(
+        static_cast<const typename In::Storage*>(dy.data()), mask.data_as<const uint8_t>(),
+        static_cast<typename Out::Storage*>(dx->data()), KeptScale(rate), n);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

@@ -241,16 +241,13 @@ absl::Status CudaOps::Cast(const Tensor& x, Tensor* y) {
   const int64_t n = x.numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  DispatchFloat(x.dtype(), [&](auto in) {
-    DispatchFloat(y->dtype(), [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
-                       PackAligned<typename Out::Storage>(y->data());
-      CastKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
-          static_cast<const typename In::Storage*>(x.data()),
-          static_cast<typename Out::Storage*>(y->data()), n, vec);
-    });
+  DispatchFloatPair(x.dtype(), y->dtype(), [&](auto in, auto out) {
+    using In = decltype(in);
+    using Out = decltype(out);
+    const bool vec = PackAligned<In, Out>(x, *y);
+    CastKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
+        static_cast<const typename In::Storage*>(x.data()),
+        static_cast<typename Out::Storage*>(y->data()), n, vec);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

@@ -254,8 +254,7 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      const bool vec = PackAligned<typename In::Storage>(x.data()) &&
-                       PackAligned<typename Out::Storage>(y->data());
+      const bool vec = PackAligned<In, Out>(x, *y);
       QuantizeKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), fp8.scale.data_as<const float>(),
@@ -397,7 +396,7 @@ absl::Status CudaOps::LaunchDelayedScaling(const std::vector<DelayedScalingItem>
     }
     batch.non_finite = non_finite != nullptr ? non_finite->data_as<float>() : nullptr;
     const size_t shared = static_cast<size_t>(longest) * sizeof(float);
-    RETURN_IF_ERROR(AllowSharedBytes(DelayedScalingKernel, shared,
+    RETURN_IF_ERROR(AllowSharedBytes(context(), DelayedScalingKernel, shared,
                                      "cudaFuncSetAttribute(DelayedScalingKernel)"));
     DelayedScalingKernel<<<static_cast<unsigned>(count), 1024, shared, stream()>>>(batch);
     CUDA_RETURN_IF_LAUNCH_ERROR();

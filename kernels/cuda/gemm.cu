@@ -194,11 +194,12 @@ absl::Status Transpose(const void* in, DType dtype, void* out, int64_t rows, int
   return absl::OkStatus();
 }
 
-absl::Status ToF32(const Tensor& in, const float* scale_inv, float* out, cudaStream_t stream) {
+absl::Status ToF32(const Tensor& in, const float* scale_inv, float* out, SmCount sms,
+                   cudaStream_t stream) {
   const int64_t n = in.numel();
   bool launched = DispatchFloatOrFp8(in.dtype(), [&](auto format) {
     using Format = decltype(format);
-    ToF32Kernel<Format><<<GridFor(n), kThreads, 0, stream>>>(
+    ToF32Kernel<Format><<<GridFor(n, sms), kThreads, 0, stream>>>(
         static_cast<const typename Format::Storage*>(in.data()), out, n, scale_inv);
   });
   if (!launched) return absl::InternalError("Gemm: no f32 conversion for this dtype");
@@ -208,13 +209,13 @@ absl::Status ToF32(const Tensor& in, const float* scale_inv, float* out, cudaStr
 
 // The fallback epilogue: everything GemmArgs asks for after the product
 // (bias, residual, accumulate, GELU), but the bias gradient (see FallbackEpilogue).
-absl::Status EpilogueOnly(const float* product, const Ops::GemmArgs& args, Tensor* out,
-                          int64_t m, int64_t n, cudaStream_t stream) {
+absl::Status EpilogueOnly(const float* product, const Ops::GemmArgs& args, Tensor* out, int64_t m,
+                          int64_t n, SmCount sms, cudaStream_t stream) {
   const void* bias_data = args.bias.data();  // null when absent
   bool launched = DispatchFloat(out->dtype(), [&](auto format) {
     using Format = decltype(format);
     using Storage = typename Format::Storage;
-    EpilogueKernel<Format><<<GridFor(m * n), kThreads, 0, stream>>>(
+    EpilogueKernel<Format><<<GridFor(m * n, sms), kThreads, 0, stream>>>(
         product, bias_data, args.bias.dtype(), args.accumulate,
         static_cast<const Storage*>(args.residual.data()), args.epilogue,
         static_cast<Storage*>(args.aux.data()), static_cast<Storage*>(out->data()), m, n);
@@ -490,7 +491,7 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   // The epilogue as a separate kernel after an f32 product: routes 2 and 3,
   // and K = 0.
   auto finish = [&](const float* product) {
-    return EpilogueOnly(product, args, out, m, n, stream());
+    return EpilogueOnly(product, args, out, m, n, sms(), stream());
   };
   if (k == 0) return finish(nullptr);
 
@@ -597,8 +598,8 @@ absl::Status CudaOps::Gemm(const GemmArgs& args, Tensor* out) {
   float* a32 = reinterpret_cast<float*>(scratch);
   float* b32 = reinterpret_cast<float*>(scratch + a_bytes);
   float* product = reinterpret_cast<float*>(scratch + a_bytes + b_bytes);
-  RETURN_IF_ERROR(ToF32(args.a, a_scale, a32, stream()));
-  RETURN_IF_ERROR(ToF32(args.b, b_scale, b32, stream()));
+  RETURN_IF_ERROR(ToF32(args.a, a_scale, a32, sms(), stream()));
+  RETURN_IF_ERROR(ToF32(args.b, b_scale, b32, sms(), stream()));
   LtCall call;
   call.key.m = n;
   call.key.n = m;

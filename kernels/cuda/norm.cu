@@ -272,10 +272,11 @@ int FastForwardWarps(const Tensor& x, const Tensor& gamma, const Tensor& beta, c
   return FastRowWarps(cols, x.dtype(), kForwardWarpChoices);
 }
 
-// Blocks of `kernel` that fit on the GPU at once.
+// Blocks of `kernel` that fit on the device at once.
 template <typename Kernel>
-int64_t ResidentBlocks(Kernel kernel, int threads, size_t shared_bytes, int sms) {
-  return static_cast<int64_t>(ResidentBlocksPerSm(kernel, threads, shared_bytes)) * sms;
+int64_t ResidentBlocks(const CudaContext& device, Kernel kernel, int threads, size_t shared_bytes) {
+  return static_cast<int64_t>(ResidentBlocksPerSm(device, kernel, threads, shared_bytes)) *
+         device.properties.multiProcessorCount;
 }
 
 // CUDA only: the kernels read beta through gamma's dtype (one dispatch for both).
@@ -333,7 +334,7 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
   // An FP8 y with no rows still gets amax 0 and its scale_inv: one idle block.
   if (!quantized && (rows == 0 || cols == 0)) return absl::OkStatus();
   const int warps = FastForwardWarps(x, gamma, beta, *y, layernorm, rows, cols);
-  const int sms = context().properties.multiProcessorCount;
+  const int sms = sm_count();
   const unsigned blocks = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>(rows, 16 * static_cast<int64_t>(sms))));
   const int threads = RowThreads(cols);
@@ -358,14 +359,14 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
           auto kernel = NormForwardFastKernel<In, G, Out>;
           const int64_t groups = kForwardThreads / (32 * warps);
           const int64_t grid = std::min((rows + groups - 1) / groups,
-                                        ResidentBlocks(kernel, kForwardThreads, 0, sms));
+                                        ResidentBlocks(context(), kernel, kForwardThreads, 0));
           kernel<<<static_cast<unsigned>(grid), kForwardThreads, 0, stream()>>>(p, warps);
           return;
         }
         auto kernel = NormForwardKernel<In, G, Out>;
         if (shared_cache) {
-          status.Update(
-              AllowSharedBytes(kernel, cache_bytes, "cudaFuncSetAttribute(NormForwardKernel)"));
+          status.Update(AllowSharedBytes(context(), kernel, cache_bytes,
+                                         "cudaFuncSetAttribute(NormForwardKernel)"));
           if (!status.ok()) return;
         }
         const bool vec = cols % kVec == 0 && PackAligned<typename In::Storage>(x.data()) &&
@@ -408,7 +409,6 @@ absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& 
   // 8 groups of rows (4 of 8 warps): no more than the 15 named barriers.
   const int threads = std::min(kTransposedMaxThreads, 256 * warps);
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  const int sms = context().properties.multiProcessorCount;
   absl::Status status;
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFloat(gamma.dtype(), [&](auto g) {
@@ -417,10 +417,11 @@ absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& 
         using G = decltype(g);
         using Out = decltype(out);
         auto kernel = NormForwardTransposedKernel<In, G, Out>;
-        status.Update(AllowSharedBytes(kernel, tile_bytes,
+        status.Update(AllowSharedBytes(context(), kernel, tile_bytes,
                                        "cudaFuncSetAttribute(NormForwardTransposedKernel)"));
         if (!status.ok()) return;
-        const int64_t grid = std::min(tiles, ResidentBlocks(kernel, threads, tile_bytes, sms));
+        const int64_t grid =
+            std::min(tiles, ResidentBlocks(context(), kernel, threads, tile_bytes));
         kernel<<<static_cast<unsigned>(grid), threads, tile_bytes, stream()>>>(
             ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, &fp8, rows, cols),
             static_cast<uint8_t*>(y_t->data()), warps, tile_rows);
@@ -464,7 +465,6 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
   const int threads = RowThreads(cols);
   const size_t shared_bytes = 2 * static_cast<size_t>(cols) * sizeof(float);
   const bool shared_partials = shared_bytes <= kMaxSharedBytes;
-  const int sms = context().properties.multiProcessorCount;
   absl::Status status;
   // Partials live in a tensor sized by the grid, known once the kernel (and so
   // its occupancy) is chosen.
@@ -496,14 +496,14 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
         if (warps > 0) {
           // Column sums of the block: [2][cols] floats, 96 KiB at H = 12288.
           auto kernel = NormBackwardFastKernel<In, G, Out>;
-          status.Update(AllowSharedBytes(kernel, shared_bytes,
+          status.Update(AllowSharedBytes(context(), kernel, shared_bytes,
                                          "cudaFuncSetAttribute(NormBackwardFastKernel)"));
           if (!status.ok()) return;
           // As many blocks as fit at once (each adds one partial row), no more
           // than the rows need.
           const int64_t groups = kBackwardThreads / (32 * warps);
           blocks = std::min((rows + groups - 1) / groups,
-                            ResidentBlocks(kernel, kBackwardThreads, shared_bytes, sms));
+                            ResidentBlocks(context(), kernel, kBackwardThreads, shared_bytes));
           if (!allocate_partial()) return;
           kernel<<<static_cast<unsigned>(blocks), kBackwardThreads, shared_bytes, stream()>>>(
               dy_data, x_data, mu_data, rsigma.data_as<const float>(), gamma_data, residual_data,
@@ -513,12 +513,12 @@ absl::Status CudaOps::NormBackward(const NormArgs& args, const Tensor& dy, const
         }
         auto kernel = NormBackwardKernel<In, G, Out>;
         const size_t dynamic_shared = shared_partials ? shared_bytes : 0;
-        status.Update(AllowSharedBytes(kernel, dynamic_shared,
+        status.Update(AllowSharedBytes(context(), kernel, dynamic_shared,
                                        "cudaFuncSetAttribute(NormBackwardKernel)"));
         if (!status.ok()) return;
         // As many blocks as can be resident at once: each then adds one partial row.
         blocks = std::max<int64_t>(
-            1, std::min<int64_t>(rows, ResidentBlocks(kernel, threads, dynamic_shared, sms)));
+            1, std::min<int64_t>(rows, ResidentBlocks(context(), kernel, threads, dynamic_shared)));
         if (!allocate_partial()) return;
         const bool vec = cols % kVec == 0 && PackAligned<typename In::Storage>(x.data()) &&
                          PackAligned<typename In::Storage>(dy.data()) &&

@@ -545,11 +545,13 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
   }
   // Enough blocks to keep every SM's memory pipes busy, no more: each block
   // loops over chunks. The SM count is the device's, asked once at open.
-  const int per_sm = ResidentBlocksPerSm(MultiTensorUpdateKernel<BF16, BF16, true>, kStepThreads, 0);
+  const int per_sm =
+      ResidentBlocksPerSm(context(), MultiTensorUpdateKernel<BF16, BF16, true>, kStepThreads, 0);
   const int64_t max_grid =
       std::max<int64_t>(1, int64_t(per_sm) * sm_count());
   const int64_t max_transpose_grid = std::max<int64_t>(
-      1, int64_t(ResidentBlocksPerSm(Fp8CopyTransposeKernel, kStepThreads, 0)) * sm_count());
+      1, int64_t(ResidentBlocksPerSm(context(), Fp8CopyTransposeKernel, kStepThreads, 0)) *
+             sm_count());
   // Layout of the one table allocation.
   size_t bytes = 0;
   std::vector<size_t> slot_offset, chunk_offset, fp8_offset;

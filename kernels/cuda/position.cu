@@ -172,7 +172,7 @@ absl::Status CudaOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& bu
                                                  " buckets exceed the GPU kernel's limit of ",
                                                  kMaxSharedBytes / (32 * sizeof(float))));
   }
-  RETURN_IF_ERROR(AllowSharedBytes(RelativeBiasPartialKernel, shared_bytes,
+  RETURN_IF_ERROR(AllowSharedBytes(context(), RelativeBiasPartialKernel, shared_bytes,
                                    "cudaFuncSetAttribute(RelativeBiasPartialKernel)"));
   // Enough (chunk, head) blocks to fill the GPU; each chunk at least 4K positions.
   int64_t chunks = std::max<int64_t>(1, (2 * sm_count() + heads - 1) / heads);

@@ -17,15 +17,7 @@
 namespace te::layers {
 namespace {
 
-constexpr int kMaxPermuteRank = 5;  // Ops::Permute's limit
-
-// How an input of some shape is laid out for the GEMM.
-struct Plan {
-  std::vector<int> perm;  // x axes in GEMM order: batch axes, then contracted axes
-  bool identity = true;
-  Shape batch_dims;
-  Shape in_dims;
-};
+using Plan = ContractionPlan;
 
 struct DenseGeneralSaved {
   Dense::Saved dense;
@@ -67,13 +59,7 @@ class DenseGeneralLayer : public Layer {
     ASSIGN_OR_RETURN(Plan plan, MakePlan(in.x.shape()));
     const Dense dense = DenseFor(plan);
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(dense.Defs(opts.fp8))));
-    Tensor x = in.x;
-    if (!plan.identity) {
-      Shape permuted;
-      for (int a : plan.perm) permuted.push_back(x.dim(a));
-      ASSIGN_OR_RETURN(x, ops.Allocate(in.x.dtype(), permuted));
-      RETURN_IF_ERROR(ops.Permute(in.x, plan.perm, &x));
-    }
+    ASSIGN_OR_RETURN(const Tensor x, ApplyContractionPermute(ops, plan, in.x));
     const int64_t n = NumElements(plan.batch_dims);
     auto s = std::make_unique<ModuleSaved<DenseGeneralSaved>>();
     Tensor y;
@@ -101,55 +87,13 @@ class DenseGeneralLayer : public Layer {
     Tensor dx;
     RETURN_IF_ERROR(dense.Backward(ops, vars, s->block.dense, dy_c.Reshaped({n, dense.out()}),
                                    &dx, &grads->params));
-    if (plan.identity) {
-      grads->dx = dx.Reshaped(s->x_shape);
-      return absl::OkStatus();
-    }
-    // dx is in the permuted layout: apply the inverse permutation.
-    std::vector<int> inverse(plan.perm.size());
-    Shape permuted;
-    for (size_t i = 0; i < plan.perm.size(); ++i) {
-      inverse[plan.perm[i]] = static_cast<int>(i);
-      permuted.push_back(s->x_shape[plan.perm[i]]);
-    }
-    ASSIGN_OR_RETURN(grads->dx, ops.Allocate(dx.dtype(), s->x_shape));
-    return ops.Permute(dx.Reshaped(permuted), inverse, &grads->dx);
+    ASSIGN_OR_RETURN(grads->dx, UndoContractionPermute(ops, plan, dx, s->x_shape));
+    return absl::OkStatus();
   }
 
  private:
   absl::StatusOr<Plan> MakePlan(const Shape& shape) const {
-    RETURN_IF_ERROR(CheckInputShape(shape, 1));
-    const int rank = static_cast<int>(shape.size());
-    Plan plan;
-    std::vector<bool> contracted(rank, false);
-    std::vector<int> axes;
-    for (int a : axis_) {
-      const int norm = a < 0 ? a + rank : a;
-      if (norm < 0 || norm >= rank || contracted[norm]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "spec.dense_general.axis: axis ", a, " is out of range or repeated for input_shape ",
-            ShapeString(shape)));
-      }
-      contracted[norm] = true;
-      axes.push_back(norm);
-    }
-    for (int a = 0; a < rank; ++a) {
-      if (!contracted[a]) {
-        plan.perm.push_back(a);
-        plan.batch_dims.push_back(shape[a]);
-      }
-    }
-    for (int a : axes) {
-      plan.perm.push_back(a);
-      plan.in_dims.push_back(shape[a]);
-    }
-    for (int i = 0; i < rank; ++i) plan.identity = plan.identity && plan.perm[i] == i;
-    if (!plan.identity && rank > kMaxPermuteRank) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("input_shape ", ShapeString(shape), ": contracting non-trailing axes "
-                       "needs rank <= ", kMaxPermuteRank));
-    }
-    return plan;
+    return MakeContractionPlan(shape, axis_, "spec.dense_general.axis", "input_shape");
   }
 
   Dense DenseFor(const Plan& plan) const {

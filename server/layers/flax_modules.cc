@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
+#include "proto/dtype.h"
 #include "server/layers/flax_modules_internal.h"
 #include "server/layers/module_util.h"
 #include "server/layers/variables.h"
@@ -20,16 +21,9 @@ DType PromoteFloat(DType a, DType b) { return a == b ? a : DType::kF32; }
 namespace flax {
 
 absl::StatusOr<std::optional<DType>> ComputeDTypeOf(te::v1::DType dtype, absl::string_view field) {
-  switch (dtype) {
-    case te::v1::DTYPE_UNSPECIFIED: return std::optional<DType>();
-    case te::v1::FLOAT32: return std::optional<DType>(DType::kF32);
-    case te::v1::BFLOAT16: return std::optional<DType>(DType::kBF16);
-    case te::v1::FLOAT16: return std::optional<DType>(DType::kF16);
-    default: break;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": ", te::v1::DType_IsValid(dtype) ? te::v1::DType_Name(dtype) : "",
-                   " (", static_cast<int>(dtype), "); want FLOAT32, BFLOAT16 or FLOAT16"));
+  if (dtype == te::v1::DTYPE_UNSPECIFIED) return std::optional<DType>();
+  ASSIGN_OR_RETURN(const DType d, FloatDTypeFromProto(dtype, field));
+  return std::optional<DType>(d);
 }
 
 absl::StatusOr<DType> ParamDTypeOf(te::v1::DType dtype, absl::string_view field) {
@@ -56,36 +50,8 @@ DType ComputeDType(const std::optional<DType>& dtype, DType x, DType param_dtype
 // ---- DenseGeneral block ---------------------------------------------------------
 
 absl::StatusOr<DenseGeneral::Plan> DenseGeneral::MakePlan(const Shape& shape) const {
-  RETURN_IF_ERROR(CheckInputShape(shape, 1));
-  const int rank = static_cast<int>(shape.size());
-  Plan plan;
-  std::vector<bool> contracted(rank, false);
-  std::vector<int> axes;
-  for (int a : config_.axis) {
-    const int norm = a < 0 ? a + rank : a;
-    if (norm < 0 || norm >= rank || contracted[norm]) {
-      return absl::InvalidArgumentError(absl::StrCat(config_.field, ".axis: axis ", a,
-                                                     " is out of range or repeated for x ",
-                                                     ShapeString(shape)));
-    }
-    contracted[norm] = true;
-    axes.push_back(norm);
-  }
-  for (int a = 0; a < rank; ++a) {
-    if (contracted[a]) continue;
-    plan.perm.push_back(a);
-    plan.batch_dims.push_back(shape[a]);
-  }
-  for (int a : axes) {
-    plan.perm.push_back(a);
-    plan.in_dims.push_back(shape[a]);
-  }
-  for (int i = 0; i < rank; ++i) plan.identity = plan.identity && plan.perm[i] == i;
-  if (!plan.identity && rank > kPermuteMaxRank) {
-    return absl::InvalidArgumentError(absl::StrCat("input_shape ", ShapeString(shape),
-                                                   ": contracting non-trailing axes needs rank <= ",
-                                                   kPermuteMaxRank));
-  }
+  ASSIGN_OR_RETURN(Plan plan, MakeContractionPlan(shape, config_.axis,
+                                                  absl::StrCat(config_.field, ".axis"), "x"));
   if (!CheckedNumElements(Concat(plan.in_dims, config_.features))) {
     return absl::InvalidArgumentError(absl::StrCat(config_.field, ": a kernel ",
                                                    ShapeString(Concat(plan.in_dims, config_.features)),
@@ -125,13 +91,7 @@ absl::Status DenseGeneral::Forward(Ops& ops, Variables* vars, const Tensor& x, T
   const layers::Dense dense = DenseFor(plan);
   const DType compute = ComputeDTypeFor(x.dtype());
   ASSIGN_OR_RETURN(Tensor xc, CastTo(ops, x, compute));
-  if (!plan.identity) {
-    Shape permuted;
-    for (int a : plan.perm) permuted.push_back(x.dim(a));
-    ASSIGN_OR_RETURN(Tensor moved, ops.Allocate(compute, permuted));
-    RETURN_IF_ERROR(ops.Permute(xc, plan.perm, &moved));
-    xc = moved;
-  }
+  ASSIGN_OR_RETURN(xc, ApplyContractionPermute(ops, plan, xc));
   Saved s;
   Tensor y2;
   RETURN_IF_ERROR(dense.Forward(ops, vars, xc.Reshaped({NumElements(plan.batch_dims), dense.in()}),
@@ -156,20 +116,7 @@ absl::Status DenseGeneral::Backward(Ops& ops, Variables* vars, const Saved& save
   RETURN_IF_ERROR(dense.Backward(ops, vars, saved.dense,
                                  dy_c.Reshaped({NumElements(plan.batch_dims), dense.out()}), &d,
                                  grads));
-  if (plan.identity) {
-    d = d.Reshaped(saved.x_shape);
-  } else {
-    // d is in the permuted layout: the inverse permutation restores x's.
-    std::vector<int> inverse(plan.perm.size());
-    Shape permuted;
-    for (size_t i = 0; i < plan.perm.size(); ++i) {
-      inverse[plan.perm[i]] = static_cast<int>(i);
-      permuted.push_back(saved.x_shape[plan.perm[i]]);
-    }
-    ASSIGN_OR_RETURN(Tensor restored, ops.Allocate(d.dtype(), saved.x_shape));
-    RETURN_IF_ERROR(ops.Permute(d.Reshaped(permuted), inverse, &restored));
-    d = restored;
-  }
+  ASSIGN_OR_RETURN(d, UndoContractionPermute(ops, plan, d, saved.x_shape));
   // x was cast to the compute dtype: its gradient is cast back.
   ASSIGN_OR_RETURN(*dx, CastTo(ops, d, saved.x_dtype));
   return absl::OkStatus();

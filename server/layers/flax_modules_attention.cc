@@ -203,23 +203,20 @@ class MultiHeadDotProductAttention : public Layer {
   }
 
   flax::DenseGeneral Projection(const char* name, const Sizes& sizes) const {
-    flax::DenseGeneralConfig c;
-    c.scope = name;
-    c.features = {o_.heads, sizes.head_dim};
-    c.axis = {-1};
-    c.use_bias = o_.use_bias;
-    c.dtype = o_.dtype;
-    c.param_dtype = o_.param_dtype;
-    c.tf32 = o_.tf32;
-    c.field = kField;
-    return flax::DenseGeneral(c);
+    return DenseGeneralOf(name, {o_.heads, sizes.head_dim}, {-1});
   }
 
   flax::DenseGeneral OutProjection(const Sizes& sizes) const {
+    return DenseGeneralOf("out", {sizes.out}, {-2, -1});
+  }
+
+  // A projection with the module's bias, dtypes and precision.
+  flax::DenseGeneral DenseGeneralOf(const char* scope, Shape features,
+                                    std::vector<int> axis) const {
     flax::DenseGeneralConfig c;
-    c.scope = "out";
-    c.features = {sizes.out};
-    c.axis = {-2, -1};
+    c.scope = scope;
+    c.features = std::move(features);
+    c.axis = std::move(axis);
     c.use_bias = o_.use_bias;
     c.dtype = o_.dtype;
     c.param_dtype = o_.param_dtype;

@@ -15,6 +15,7 @@
 #include "server/layers/blocks.h"
 #include "server/layers/init.h"
 #include "server/layers/layer.h"
+#include "server/layers/module_util.h"
 #include "te/v1/layers.pb.h"
 #include "te/v1/tensor.pb.h"
 
@@ -53,12 +54,7 @@ class DenseGeneral {
 
   // How an x of some shape is laid out for the GEMM: its batch axes, then its
   // contracted axes in `axis` order.
-  struct Plan {
-    std::vector<int> perm;
-    bool identity = true;  // perm is 0, 1, ..., rank - 1: no Permute
-    Shape batch_dims;
-    Shape in_dims;
-  };
+  using Plan = ContractionPlan;
   // INVALID_ARGUMENT naming "<field>.axis" (out of range or repeated) or
   // "input_shape" (not positive; a permutation past Ops::Permute's rank).
   absl::StatusOr<Plan> MakePlan(const Shape& x) const;

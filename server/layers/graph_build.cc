@@ -9,11 +9,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
 #include "kernels/status_macros.h"
+#include "proto/dtype.h"
 #include "server/layers/attention_core.h"
 #include "server/layers/flax_modules.h"
 #include "server/layers/graph_internal.h"
@@ -104,14 +105,7 @@ absl::Status ExpectCount(const std::string& where, absl::string_view what, int g
 }
 
 absl::StatusOr<DType> CastDType(te::v1::DType dtype, const std::string& where) {
-  switch (dtype) {
-    case te::v1::FLOAT32: return DType::kF32;
-    case te::v1::BFLOAT16: return DType::kBF16;
-    case te::v1::FLOAT16: return DType::kF16;
-    default:
-      return Invalid(where, absl::StrCat(te::v1::DType_Name(dtype), " (", static_cast<int>(dtype),
-                                         "); want FLOAT32, BFLOAT16 or FLOAT16"));
-  }
+  return FloatDTypeFromProto(dtype, where);
 }
 
 // The op fields of glue node `node` from its spec, with the arity of each op.

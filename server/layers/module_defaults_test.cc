@@ -19,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "server/layers/layer.h"
 #include "server/layers/testing.h"
+#include "tests/module_defaults_table.h"
 
 namespace te::layers {
 namespace {
@@ -29,17 +30,6 @@ using nlohmann::json;
 using testing::NewCpuOps;
 using testing::RandomTensor;
 using testing::Values;
-
-json Table() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  const std::string path = std::string(srcdir != nullptr ? srcdir : ".") + "/" +
-                           (workspace != nullptr ? workspace : "te_server") +
-                           "/tests/data/te_module_defaults.json";
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot read " << path;
-  return json::parse(in, nullptr, /*allow_exceptions=*/false);
-}
 
 // Sets `field` of `m` to the table's `value` (null: leave unset, TE's None).
 void Set(Message* m, const FieldDescriptor* field, const json& value) {
@@ -133,7 +123,7 @@ class ModuleDefaultsTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ModuleDefaultsTest, UnsetFieldsAreTeDefaults) {
   const Case& c = GetParam();
-  const json table = Table();
+  const json table = te::testing::ModuleDefaultsTable();
   ASSERT_TRUE(table.contains(c.module)) << c.module;
   const json& want = table[c.module];
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 #include "server/layers/blocks.h"
 
@@ -101,6 +102,67 @@ Shape Concat(const Shape& a, const Shape& b) {
   Shape s = a;
   s.insert(s.end(), b.begin(), b.end());
   return s;
+}
+
+absl::StatusOr<ContractionPlan> MakeContractionPlan(const Shape& x_shape,
+                                                    const std::vector<int>& axis,
+                                                    absl::string_view axis_field,
+                                                    absl::string_view shape_name) {
+  RETURN_IF_ERROR(CheckInputShape(x_shape, 1));
+  const int rank = static_cast<int>(x_shape.size());
+  ContractionPlan plan;
+  std::vector<bool> contracted(rank, false);
+  std::vector<int> axes;
+  for (int a : axis) {
+    const int norm = a < 0 ? a + rank : a;
+    if (norm < 0 || norm >= rank || contracted[norm]) {
+      return absl::InvalidArgumentError(absl::StrCat(axis_field, ": axis ", a,
+                                                     " is out of range or repeated for ",
+                                                     shape_name, " ", ShapeString(x_shape)));
+    }
+    contracted[norm] = true;
+    axes.push_back(norm);
+  }
+  for (int a = 0; a < rank; ++a) {
+    if (contracted[a]) continue;
+    plan.perm.push_back(a);
+    plan.batch_dims.push_back(x_shape[a]);
+  }
+  for (int a : axes) {
+    plan.perm.push_back(a);
+    plan.in_dims.push_back(x_shape[a]);
+  }
+  for (int i = 0; i < rank; ++i) plan.identity = plan.identity && plan.perm[i] == i;
+  if (!plan.identity && rank > kPermuteMaxRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input_shape ", ShapeString(x_shape),
+                     ": contracting non-trailing axes needs rank <= ", kPermuteMaxRank));
+  }
+  return plan;
+}
+
+absl::StatusOr<Tensor> ApplyContractionPermute(Ops& ops, const ContractionPlan& plan,
+                                               const Tensor& x) {
+  if (plan.identity) return x;
+  Shape permuted;
+  for (int a : plan.perm) permuted.push_back(x.dim(a));
+  ASSIGN_OR_RETURN(Tensor moved, ops.Allocate(x.dtype(), permuted));
+  RETURN_IF_ERROR(ops.Permute(x, plan.perm, &moved));
+  return moved;
+}
+
+absl::StatusOr<Tensor> UndoContractionPermute(Ops& ops, const ContractionPlan& plan,
+                                              const Tensor& d, const Shape& x_shape) {
+  if (plan.identity) return d.Reshaped(x_shape);
+  std::vector<int> inverse(plan.perm.size());
+  Shape permuted;
+  for (size_t i = 0; i < plan.perm.size(); ++i) {
+    inverse[plan.perm[i]] = static_cast<int>(i);
+    permuted.push_back(x_shape[plan.perm[i]]);
+  }
+  ASSIGN_OR_RETURN(Tensor restored, ops.Allocate(d.dtype(), x_shape));
+  RETURN_IF_ERROR(ops.Permute(d.Reshaped(permuted), inverse, &restored));
+  return restored;
 }
 
 }  // namespace te::layers

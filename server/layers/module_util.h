@@ -62,6 +62,28 @@ absl::Status CheckNormType(te::v1::LayerNormType type, absl::string_view field);
 
 Shape Concat(const Shape& a, const Shape& b);
 
+// How an x of some shape is laid out for a DenseGeneral GEMM: its batch axes,
+// then its contracted axes in `axis` order, so x flattens to [N, in].
+struct ContractionPlan {
+  std::vector<int> perm;  // x axes in GEMM order
+  bool identity = true;   // perm is 0, 1, ..., rank - 1: no Permute
+  Shape batch_dims;
+  Shape in_dims;
+};
+// INVALID_ARGUMENT naming "<axis_field>: axis A is out of range or repeated
+// for <shape_name> S", or "input_shape" (not positive; a permutation past
+// Ops::Permute's rank).
+absl::StatusOr<ContractionPlan> MakeContractionPlan(const Shape& x_shape,
+                                                    const std::vector<int>& axis,
+                                                    absl::string_view axis_field,
+                                                    absl::string_view shape_name);
+// x with its axes in the plan's GEMM order (x itself when that is its order).
+absl::StatusOr<Tensor> ApplyContractionPermute(Ops& ops, const ContractionPlan& plan,
+                                               const Tensor& x);
+// d is x's gradient in the plan's GEMM layout: returns it in x's layout.
+absl::StatusOr<Tensor> UndoContractionPermute(Ops& ops, const ContractionPlan& plan,
+                                              const Tensor& d, const Shape& x_shape);
+
 }  // namespace te::layers
 
 #endif  // TE_SERVER_LAYERS_MODULE_UTIL_H_

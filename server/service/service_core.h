@@ -28,7 +28,7 @@ struct ServiceOptions {
   session::SessionConfig session;  // per-session limits
   int max_sessions = 64;
   int64_t session_ttl_seconds = 1800;
-  // Security and state (issue 5): CreateSession must carry this key when set;
+  // Security and state: CreateSession must carry this key when set;
   // server_address is echoed to clients for session affinity; Checkpoint
   // writes to `checkpoints` (FAILED_PRECONDITION when null: no --state_dir).
   std::shared_ptr<const security::AccessKey> access_key;

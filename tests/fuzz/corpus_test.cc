@@ -13,18 +13,14 @@
 
 #include "gtest/gtest.h"
 #include "tests/fuzz/request_harness.h"
+#include "tests/runfiles.h"
 
 namespace te::fuzz {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string Dir(const std::string& name) {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  return std::string(srcdir != nullptr ? srcdir : ".") + "/" +
-         (workspace != nullptr ? workspace : "te_server") + "/tests/fuzz/" + name;
-}
+std::string Dir(const std::string& name) { return te::testing::RunfilePath("tests/fuzz/" + name); }
 
 // The inputs in `dir` by file name; hidden files (.keep) are not inputs. A
 // folder that cannot be read fails the test rather than reading as empty.

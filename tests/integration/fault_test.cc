@@ -57,6 +57,7 @@
 #include "gtest/gtest.h"
 #include "te/v1/service.grpc.pb.h"
 #include "tests/integration/test_util.h"
+#include "tests/runfiles.h"
 #include "tests/server_fixture.h"
 
 extern char** environ;
@@ -192,11 +193,7 @@ bool ServerAlive(pid_t pid) {
 // $TE_FAULT_CLIENT_BINARY, else fault_client in the test's runfiles.
 std::string FaultClientPath() {
   if (const char* path = std::getenv("TE_FAULT_CLIENT_BINARY")) return path;
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/",
-                      workspace != nullptr ? workspace : "te_server",
-                      "/tests/integration/fault_client");
+  return te::testing::RunfilePath("tests/integration/fault_client");
 }
 
 // Milliseconds at the given quantile (0..1) of `values`; 0 when empty.

@@ -46,48 +46,76 @@ te::v1::Tensor Ids(const std::vector<int32_t>& ids) {
   return t;
 }
 
-TEST(LmTest, CppClientTrainsATinyLmWithOnlyIdsOnTheWire) {
-  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start();
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto client = client::Client::Connect((*server)->address());
-  ASSERT_TRUE(client.ok()) << client.status();
-  auto session = (*client)->CreateSession();
-  ASSERT_TRUE(session.ok()) << session.status();
+// An LM's init: int32 token ids [kBatch, kSeq] in.
+te::v1::InitLayerRequest IdsInit(const te::v1::LayerSpec& spec, int seed) {
   te::v1::InitLayerRequest init;
-  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kLm, init.mutable_spec()));
-  init.set_seed(1);
+  *init.mutable_spec() = spec;
+  init.set_seed(seed);
   init.set_input_dtype(te::v1::INT32);
   init.add_input_shape(kBatch);
   init.add_input_shape(kSeq);
-  auto layer = (*session)->InitLayer(init);
+  return init;
+}
+
+// Training step `step`: kBatch windows of a repeated sentence, x the bytes and
+// the labels the bytes after them; the update applied on the server.
+te::v1::ForwardBackwardRequest SentenceStep(const std::string& layer_id, int step) {
+  const std::string text = "the quick brown fox jumps over the lazy dog; ";
+  std::vector<int32_t> x, y;
+  for (int64_t b = 0; b < kBatch; ++b) {
+    const size_t start = (step * 7 + b * 11) % text.size();
+    for (int64_t s = 0; s < kSeq; ++s) {
+      x.push_back(static_cast<unsigned char>(text[(start + s) % text.size()]));
+      y.push_back(static_cast<unsigned char>(text[(start + s + 1) % text.size()]));
+    }
+  }
+  te::v1::ForwardBackwardRequest request;
+  request.set_layer_id(layer_id);
+  request.set_deterministic(true);
+  request.set_apply_update(true);
+  te::v1::MicroBatch* mb = request.add_micro_batches();
+  *mb->mutable_x() = Ids(x);
+  *mb->add_extra_inputs() = Ids(y);
+  return request;
+}
+
+// A real te_server and one session on it.
+class LmTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    auto client = client::Client::Connect(server_->address());
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    auto session = client_->CreateSession();
+    ASSERT_TRUE(session.ok()) << session.status();
+    session_ = std::move(*session);
+  }
+
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<client::Client> client_;
+  std::unique_ptr<client::Session> session_;
+};
+
+TEST_F(LmTest, CppClientTrainsATinyLmWithOnlyIdsOnTheWire) {
+  te::v1::LayerSpec spec;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kLm, &spec));
+  auto layer = session_->InitLayer(IdsInit(spec, 1));
   ASSERT_TRUE(layer.ok()) << layer.status();
   EXPECT_EQ(layer->output_shape_size(), 0);  // the loss is a scalar
   client::Optimizer adam;
   adam.kind = client::Optimizer::Kind::kAdam;
   adam.learning_rate = 3e-3;
-  ASSERT_TRUE((*session)->SetOptimizer(layer->layer_id(), adam).ok());
+  ASSERT_TRUE(session_->SetOptimizer(layer->layer_id(), adam).ok());
 
-  const std::string text = "the quick brown fox jumps over the lazy dog; ";
   double first = 0, last = 0;
   for (int step = 0; step < kSteps; ++step) {
-    std::vector<int32_t> x, y;
-    for (int64_t b = 0; b < kBatch; ++b) {
-      const size_t start = (step * 7 + b * 11) % text.size();
-      for (int64_t s = 0; s < kSeq; ++s) {
-        x.push_back(static_cast<unsigned char>(text[(start + s) % text.size()]));
-        y.push_back(static_cast<unsigned char>(text[(start + s + 1) % text.size()]));
-      }
-    }
-    te::v1::ForwardBackwardRequest request;
-    request.set_layer_id(layer->layer_id());
-    request.set_deterministic(true);
-    request.set_apply_update(true);
-    te::v1::MicroBatch* mb = request.add_micro_batches();
-    *mb->mutable_x() = Ids(x);
-    *mb->add_extra_inputs() = Ids(y);
+    const te::v1::ForwardBackwardRequest request = SentenceStep(layer->layer_id(), step);
     // Only the ids cross the wire: 2 x 4 x 16 int32 and the request's framing.
     EXPECT_LT(request.ByteSizeLong(), 2 * kBatch * kSeq * 4 + 128);
-    auto response = (*session)->ForwardBackward(request);
+    auto response = session_->ForwardBackward(request);
     ASSERT_TRUE(response.ok()) << response.status();
     ASSERT_TRUE(response->update().applied());
     last = response->values(0);
@@ -104,13 +132,7 @@ constexpr int kAdamWSteps = 300;
 // it reaches, and far below the ~2 of its bigrams alone).
 constexpr double kAdamWFinalLoss = 1.0;
 
-TEST(LmTest, CppGraphBuilderLmTrainsWithAdamWWarmupCosineAndClipping) {
-  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start();
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto client = client::Client::Connect((*server)->address());
-  ASSERT_TRUE(client.ok()) << client.status();
-  auto session = (*client)->CreateSession();
-  ASSERT_TRUE(session.ok()) << session.status();
+TEST_F(LmTest, CppGraphBuilderLmTrainsWithAdamWWarmupCosineAndClipping) {
   client::DecoderLmSize size;
   size.num_layers = 2;
   size.hidden = 32;
@@ -120,13 +142,7 @@ TEST(LmTest, CppGraphBuilderLmTrainsWithAdamWWarmupCosineAndClipping) {
   size.compute_dtype = DType::kF32;  // the CPU backend's fast path
   absl::StatusOr<te::v1::LayerSpec> spec = client::DecoderLm(size).Spec();
   ASSERT_TRUE(spec.ok()) << spec.status();
-  te::v1::InitLayerRequest init;
-  *init.mutable_spec() = *spec;
-  init.set_seed(3);
-  init.set_input_dtype(te::v1::INT32);
-  init.add_input_shape(kBatch);
-  init.add_input_shape(kSeq);
-  auto layer = (*session)->InitLayer(init);
+  auto layer = session_->InitLayer(IdsInit(*spec, 3));
   ASSERT_TRUE(layer.ok()) << layer.status();
   client::Optimizer adamw;  // train_lm.py's: clip 1.0, adamw(warmup_cosine, weight_decay=0.01)
   adamw.kind = client::Optimizer::Kind::kAdamW;
@@ -139,28 +155,12 @@ TEST(LmTest, CppGraphBuilderLmTrainsWithAdamWWarmupCosineAndClipping) {
   adamw.schedule = schedule;
   adamw.weight_decay = 0.01;
   adamw.clip_by_global_norm = 1.0;
-  ASSERT_TRUE((*session)->SetOptimizer(layer->layer_id(), adamw).ok());
+  ASSERT_TRUE(session_->SetOptimizer(layer->layer_id(), adamw).ok());
 
-  const std::string text = "the quick brown fox jumps over the lazy dog; ";
   double first = 0, last = 0;
   int clipped_or_not = 0;
   for (int step = 0; step < kAdamWSteps; ++step) {
-    std::vector<int32_t> x, y;
-    for (int64_t b = 0; b < kBatch; ++b) {
-      const size_t start = (step * 7 + b * 11) % text.size();
-      for (int64_t s = 0; s < kSeq; ++s) {
-        x.push_back(static_cast<unsigned char>(text[(start + s) % text.size()]));
-        y.push_back(static_cast<unsigned char>(text[(start + s + 1) % text.size()]));
-      }
-    }
-    te::v1::ForwardBackwardRequest request;
-    request.set_layer_id(layer->layer_id());
-    request.set_deterministic(true);
-    request.set_apply_update(true);
-    te::v1::MicroBatch* mb = request.add_micro_batches();
-    *mb->mutable_x() = Ids(x);
-    *mb->add_extra_inputs() = Ids(y);
-    auto response = (*session)->ForwardBackward(request);
+    auto response = session_->ForwardBackward(SentenceStep(layer->layer_id(), step));
     ASSERT_TRUE(response.ok()) << response.status();
     const te::v1::UpdateInfo& update = response->update();
     ASSERT_TRUE(update.applied());

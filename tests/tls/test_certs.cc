@@ -8,16 +8,12 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "tests/runfiles.h"
 
 namespace te::testing {
 namespace {
 
-std::string ScriptPath() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/",
-                      workspace != nullptr ? workspace : "te_server", "/tests/tls/make_certs.sh");
-}
+std::string ScriptPath() { return RunfilePath("tests/tls/make_certs.sh"); }
 
 }  // namespace
 
