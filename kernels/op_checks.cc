@@ -133,6 +133,24 @@ absl::Status CheckCopyArgs(const Tensor& src, const Tensor* dst) {
   return RequireSameCount("Copy", "dst", *dst, "src", src);
 }
 
+absl::Status CheckCopyAllArgs(const std::vector<const Tensor*>& src,
+                              const std::vector<Tensor*>& dst) {
+  if (src.size() != dst.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyAll: ", src.size(), " sources but ",
+                                                   dst.size(), " destinations"));
+  }
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (src[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("CopyAll: src[", i, "] is null"));
+    }
+    absl::Status pair = CheckCopyArgs(*src[i], dst[i]);
+    if (!pair.ok()) {
+      return absl::Status(pair.code(), absl::StrCat("CopyAll pair ", i, ": ", pair.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y) {
   RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
   RETURN_IF_ERROR(RequireFloat("Cast", "y", y));

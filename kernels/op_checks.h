@@ -59,6 +59,9 @@ bool Wanted(const Tensor* t);
 absl::Status CheckUploadArgs(const void* src, const Tensor* dst);
 absl::Status CheckDownloadArgs(const Tensor& src, const void* dst);
 absl::Status CheckCopyArgs(const Tensor& src, const Tensor* dst);
+// CheckCopyArgs for every pair, and as many dst as src.
+absl::Status CheckCopyAllArgs(const std::vector<const Tensor*>& src,
+                              const std::vector<Tensor*>& dst);
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y);
 // A term with a zero coefficient is not checked (the op does not read it).
 absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tensor& b,

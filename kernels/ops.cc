@@ -161,6 +161,12 @@ absl::Status Ops::DelayedScalingUpdates(const std::vector<DelayedScalingItem>& i
   return absl::OkStatus();
 }
 
+absl::Status Ops::CopyAll(const std::vector<const Tensor*>& src, const std::vector<Tensor*>& dst) {
+  RETURN_IF_ERROR(CheckCopyAllArgs(src, dst));
+  for (size_t i = 0; i < src.size(); ++i) RETURN_IF_ERROR(Copy(*src[i], dst[i]));
+  return absl::OkStatus();
+}
+
 absl::Status Ops::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                          Tensor* y_t, Tensor* dbias) {
   RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));

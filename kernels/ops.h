@@ -344,6 +344,12 @@ class Ops {
   virtual absl::Status Download(const Tensor& src, void* dst) = 0;
   // dst = src (same dtype and element count).
   virtual absl::Status Copy(const Tensor& src, Tensor* dst) = 0;
+  // (*dst[i]) = *src[i] for every i, as Copy each: for many small tensors (a
+  // step's FP8 state), which a GPU backend copies in one launch instead of
+  // one per tensor. src and dst have the same length. The default runs Copy
+  // for each pair.
+  virtual absl::Status CopyAll(const std::vector<const Tensor*>& src,
+                               const std::vector<Tensor*>& dst);
   // Waits for all work issued so far; reports any deferred failure.
   virtual absl::Status Synchronize() = 0;
 

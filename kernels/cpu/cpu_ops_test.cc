@@ -138,6 +138,20 @@ TEST(CpuCopyTest, CopyChecksDTypeAndCount) {
   EXPECT_EQ(ops.Copy(src, &wrong_count).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(CpuCopyTest, CopyAllCopiesEveryPairAndNamesABadOne) {
+  CpuOps ops;
+  Tensor a = MakeRandom(ops, DType::kF32, {16}, 3), b = MakeRandom(ops, DType::kBF16, {2, 3}, 4);
+  Tensor a2 = MakeEmpty(ops, DType::kF32, {16}), b2 = MakeEmpty(ops, DType::kBF16, {6});
+  ASSERT_TRUE(ops.CopyAll({&a, &b}, {&a2, &b2}).ok());
+  EXPECT_EQ(std::memcmp(a.data(), a2.data(), a.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(b.data(), b2.data(), b.nbytes()), 0);
+  EXPECT_EQ(ops.CopyAll({&a}, {&a2, &b2}).code(), absl::StatusCode::kInvalidArgument);
+  Tensor wrong = MakeEmpty(ops, DType::kF32, {6});
+  const absl::Status bad = ops.CopyAll({&a, &b}, {&a2, &wrong});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("pair 1"), std::string::npos) << bad;
+}
+
 // ---- Fill, Cast ----------------------------------------------------------------
 
 TEST(CpuFillTest, EveryElementRoundedOnce) {

@@ -94,6 +94,8 @@ class CudaOps : public Ops {
   absl::Status Upload(const void* src, Tensor* dst) override;
   absl::Status Download(const Tensor& src, void* dst) override;
   absl::Status Copy(const Tensor& src, Tensor* dst) override;
+  absl::Status CopyAll(const std::vector<const Tensor*>& src,
+                       const std::vector<Tensor*>& dst) override;
   absl::Status Synchronize() override;
   // The device's caching allocator (every session on this GPU).
   DeviceMemoryStats device_memory_stats() const override;

@@ -211,6 +211,56 @@ absl::Status CudaOps::Copy(const Tensor& src, Tensor* dst) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Up to kCopyAllBatch (src, dst, bytes) triples, passed by value as the
+// kernel's argument (under its 4 KiB limit), so a batch is one launch.
+constexpr int kCopyAllBatch = 64;
+struct CopyBatch {
+  const uint8_t* src[kCopyAllBatch];
+  uint8_t* dst[kCopyAllBatch];
+  int64_t bytes[kCopyAllBatch];
+};
+
+// One block per pair; its threads copy the pair's bytes.
+__global__ void CopyAllKernel(const CopyBatch batch) {
+  const uint8_t* src = batch.src[blockIdx.x];
+  uint8_t* dst = batch.dst[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < batch.bytes[blockIdx.x]; i += blockDim.x) dst[i] = src[i];
+}
+
+}  // namespace
+
+absl::Status CudaOps::CopyAll(const std::vector<const Tensor*>& src,
+                              const std::vector<Tensor*>& dst) {
+  RETURN_IF_ERROR(CheckCopyAllArgs(src, dst));
+  // Large tensors go by the copy engine; only small ones are worth batching.
+  constexpr int64_t kSmallBytes = 64 * 1024;
+  RETURN_IF_ERROR(Enter());
+  CopyBatch batch;
+  int n = 0;
+  auto flush = [&]() -> absl::Status {
+    if (n == 0) return absl::OkStatus();
+    CopyAllKernel<<<n, 128, 0, stream()>>>(batch);
+    CUDA_RETURN_IF_LAUNCH_ERROR();
+    n = 0;
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < src.size(); ++i) {
+    const int64_t bytes = static_cast<int64_t>(src[i]->nbytes());
+    if (bytes == 0 || src[i]->data() == dst[i]->data()) continue;
+    if (bytes > kSmallBytes) {
+      RETURN_IF_ERROR(Copy(*src[i], dst[i]));
+      continue;
+    }
+    batch.src[n] = static_cast<const uint8_t*>(src[i]->data());
+    batch.dst[n] = static_cast<uint8_t*>(dst[i]->data());
+    batch.bytes[n] = bytes;
+    if (++n == kCopyAllBatch) RETURN_IF_ERROR(flush());
+  }
+  return flush();
+}
+
 // ---- elementwise ---------------------------------------------------------------
 
 absl::Status CudaOps::Fill(float value, Tensor* y) {

@@ -50,6 +50,32 @@ TEST_P(ElementwiseTest, CastAxpbyFillCopy) {
   ExpectMatches(copy, "Copy");
 }
 
+// CopyAll: more small pairs than one launch takes (so two launches), odd
+// byte counts, and one large enough for the copy engine.
+TEST_F(GpuTest, CopyAllCopiesEveryPair) {
+  std::vector<Pair> src, dst;
+  std::vector<Shape> shapes;
+  for (int i = 0; i < 70; ++i) shapes.push_back({1 + (i * 7) % 19});
+  shapes.push_back({300, 301});
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const DType dtype = i % 2 ? DType::kBF16 : DType::kF32;
+    src.push_back(Random(dtype, shapes[i], 40 + static_cast<int>(i)));
+    dst.push_back(Output(dtype, shapes[i]));
+  }
+  std::vector<const Tensor*> from;
+  std::vector<Tensor*> to;
+  for (size_t i = 0; i < src.size(); ++i) {
+    from.push_back(&src[i].gpu);
+    to.push_back(&dst[i].gpu);
+  }
+  ASSERT_TRUE(gpu_->CopyAll(from, to).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  for (size_t i = 0; i < src.size(); ++i) {
+    const Tensor got = Fetch(dst[i].gpu);
+    EXPECT_EQ(0, std::memcmp(got.data(), src[i].cpu.data(), got.nbytes())) << "pair " << i;
+  }
+}
+
 // SumRows reads kVec columns per access where it can; a view one element in
 // (misaligned) must take the single-element path and give the same sums.
 TEST_F(GpuTest, SumRowsOfAMisalignedView) {

@@ -87,12 +87,18 @@ absl::StatusOr<layers::Variables> Session::WorkingVariables(const LayerEntry& la
                                                             const layers::Fp8Recipe* fp8) {
   layers::Variables vars = layer.vars;  // tensors shared, not copied
   if (!layers::HasFp8Metas(fp8)) return vars;
+  // Dozens of tiny tensors (each quantizer's amax history and scale): one
+  // CopyAll, not a copy each, which would idle the GPU between them.
+  std::vector<const Tensor*> from;
+  std::vector<Tensor*> to;
   for (auto& [name, tensor] : vars) {
     if (!absl::StartsWith(name, "fp8_metas/")) continue;
-    ASSIGN_OR_RETURN(Tensor copy, ops_->Allocate(tensor.dtype(), tensor.shape()));
-    RETURN_IF_ERROR(ops_->Copy(tensor, &copy));
-    tensor = std::move(copy);
+    const Tensor& original = layer.vars.at(name);
+    ASSIGN_OR_RETURN(tensor, ops_->Allocate(original.dtype(), original.shape()));
+    from.push_back(&original);
+    to.push_back(&tensor);
   }
+  RETURN_IF_ERROR(ops_->CopyAll(from, to));
   return vars;
 }
 
