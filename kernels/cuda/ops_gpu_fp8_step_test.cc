@@ -141,7 +141,8 @@ TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
 }
 
 // Each activation TE's MLP takes, from float32 and bf16, into E4M3 and E5M2,
-// tile-aligned and not (the fallback): y, y_t, amax and scale_inv.
+// whole tiles, ragged ones and shapes the tile kernel declines (the
+// fallback): y, y_t, amax and scale_inv.
 TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
   const std::vector<std::vector<Activation>> all = {
       {Activation::kGelu}, {Activation::kRelu}, {Activation::kSilu},
@@ -149,7 +150,7 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
   for (const auto& acts : all) {
     for (DType in : {DType::kF32, DType::kBF16}) {
       for (DType out : {DType::kE4M3, DType::kE5M2}) {
-        for (const Shape& shape : {Shape{2, 64, 256}, Shape{3, 7, 36}}) {
+        for (const Shape& shape : {Shape{2, 64, 256}, Shape{4, 36, 520}, Shape{3, 7, 36}}) {
           const bool gated = acts.size() == 2;
           const int64_t rows = shape[0] * shape[1];
           const int64_t width = gated ? shape[2] / 2 : shape[2];
