@@ -218,20 +218,19 @@ __global__ void KeptQuantizationKernel(const float* scale, float* amax, float* k
 }
 
 // Zeroes amax, then one QuantizeTransposeKernel over x [rows, cols] (shapes
-// TileKernelFits takes); column_partial: null, or
-// [CastTransposeRowTiles(rows), cols] f32;
+// TileKernelFits takes); column_partial: null, or [ceil(rows / 64), cols] f32;
 // kept_scale: null, or QuantizeTransposeKept's record of y's scale.
 absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                      Tensor* y_t, float* column_partial, cudaStream_t stream,
                                      const float* kept_scale = nullptr) {
   const int64_t rows = x.dim(0), cols = x.dim(1);
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream));
-  const dim3 grid = CastTransposeGrid(rows, cols);
+  const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      QuantizeTransposeKernel<In, Out><<<grid, kCastTransposeThreads, 0, stream>>>(
+      QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream>>>(
           static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
           static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
           fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), column_partial, rows, cols,
@@ -300,8 +299,8 @@ absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& f
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeDbias(x, fp8, y, y_t, dbias);
   RETURN_IF_ERROR(Enter());
   const int64_t rows = x.dim(0), cols = x.dim(1);
-  // One partial row of column sums per 128-row tile: 1 MiB at [8192, 4096].
-  const int64_t row_tiles = CastTransposeRowTiles(rows);
+  // One partial row of column sums per 64-row tile: 2 MiB at [8192, 4096].
+  const int64_t row_tiles = (rows + 63) / 64;
   ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {row_tiles, cols}));
   RETURN_IF_ERROR(LaunchQuantizeTranspose(x, fp8, y, y_t, partial.data_as<float>(), stream()));
   LaunchPartialColumnSums(partial.data_as<const float>(), row_tiles, cols, dbias->dtype(),
