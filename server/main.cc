@@ -33,6 +33,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "kernels/ops.h"
+#include "kernels/status_macros.h"
 #include "server/security/flags.h"
 #include "server/metrics/flags.h"
 #include "server/metrics/rpc_bytes.h"
@@ -252,40 +253,107 @@ void ServeUntilStopped(grpc::Server* server, grpc::HealthCheckServiceInterface* 
   housekeeping.join();
 }
 
-int Run() {
-  if (absl::Status flags = CheckFlags(); !flags.ok()) {
-    Log(LogLevel::kError, flags.ToString());
-    return 2;
+// The checkpoint store --state_dir names; null without one.
+absl::StatusOr<std::unique_ptr<session::CheckpointStore>> OpenCheckpointsFromFlags() {
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  if (state_dir.empty()) return std::unique_ptr<session::CheckpointStore>();
+  return session::CheckpointStore::Open(state_dir);
+}
+
+// Prometheus metrics (--metrics_port): the registry, the server's metric
+// set, and the /metrics endpoint when one is asked for (else null).
+struct Telemetry {
+  std::shared_ptr<prometheus::Registry> registry;
+  metrics::ServerMetrics metrics;
+  std::unique_ptr<metrics::Exporter> exporter;
+};
+
+absl::StatusOr<Telemetry> StartTelemetryFromFlags() {
+  auto registry = std::make_shared<prometheus::Registry>();
+  ASSIGN_OR_RETURN(metrics::ServerMetrics server_metrics, metrics::RegisterServerMetrics(*registry));
+  ASSIGN_OR_RETURN(std::unique_ptr<metrics::Exporter> exporter,
+                   metrics::StartExporterFromFlags(registry));
+  if (exporter != nullptr) {
+    Log(LogLevel::kInfo, absl::StrCat("metrics on http://", absl::GetFlag(FLAGS_metrics_host), ":",
+                                      exporter->port(), "/metrics"));
   }
+  return Telemetry{std::move(registry), std::move(server_metrics), std::move(exporter)};
+}
+
+// The gRPC server for `service` on --host:--port, started, with the health
+// and reflection services and every call's bytes counted; *bound_port is the
+// port it listens on.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    service::TeService& service, const std::shared_ptr<grpc::ServerCredentials>& credentials,
+    const metrics::ServerMetrics& server_metrics, int64_t max_message_bytes, int* bound_port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address =
+      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  builder.AddListeningPort(address, credentials, bound_port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(max_message_bytes));
+  builder.RegisterService(&service);
+  // Every call's request and response bytes, unary and streaming alike.
+  RETURN_IF_ERROR(metrics::CountRpcBytes(server_metrics, te::v1::TeService::service_full_name(),
+                                         service::kRawMethods, &builder));
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *bound_port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  return server;
+}
+
+// Serving while every device is: a session on a faulted one would only fail.
+bool PublishHealth(const service::DevicePool& devices, grpc::HealthCheckServiceInterface* health) {
+  bool healthy = true;
+  for (int i = 0; i < devices.size(); ++i) healthy = healthy && devices.device(i).healthy();
+  health->SetServingStatus("", healthy);
+  health->SetServingStatus(kServiceName, healthy);
+  return healthy;
+}
+
+// The gauges the housekeeping thread refreshes: sessions, queued calls,
+// each device's memory, and the FP8 amax overflows counted so far.
+void PublishGauges(const metrics::ServerMetrics& server_metrics, service::DevicePool& devices,
+                   const session::SessionManager& sessions, const service::TeService& service) {
+  server_metrics.sessions_open->Set(sessions.live_sessions());
+  int queued = 0;
+  const std::vector<service::DeviceLoad> loads = service.Loads();
+  for (int i = 0; i < devices.size(); ++i) {
+    queued += devices.executor(i).queued();
+    server_metrics.SetDeviceMemory(devices.device(i).info().name, loads[i].bytes_in_use,
+                                   devices.device(i).info().memory_bytes);
+  }
+  server_metrics.queue_depth->Set(queued);
+  server_metrics.CountFp8AmaxOverflowsTo(session::Fp8NonFiniteAmaxes());
+}
+
+// Exits with 1 (a start that failed) or 2 (flags to fix), after logging why.
+int Failed(int code, const absl::Status& status) {
+  Log(LogLevel::kError, status.ToString());
+  return code;
+}
+
+int Run() {
+  if (absl::Status flags = CheckFlags(); !flags.ok()) return Failed(2, flags);
   const sigset_t stop_signals = BlockStopSignals();
   absl::StatusOr<std::unique_ptr<service::DevicePool>> devices = OpenDevices();
   if (!devices.ok()) {
-    Log(LogLevel::kError, absl::StrCat("cannot open the devices: ", devices.status().ToString()));
-    return 1;
+    return Failed(1, absl::Status(devices.status().code(),
+                                  absl::StrCat("cannot open the devices: ",
+                                               devices.status().message())));
   }
-
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       security::ServerCredentialsFor(security::TlsFilesFromFlags());
-  if (!credentials.ok()) {
-    Log(LogLevel::kError, credentials.status().ToString());
-    return 2;
-  }
+  if (!credentials.ok()) return Failed(2, credentials.status());
   absl::StatusOr<std::shared_ptr<const security::AccessKey>> access_key =
       security::AccessKeyFromFlags();
-  if (!access_key.ok()) {
-    Log(LogLevel::kError, access_key.status().ToString());
-    return 2;
-  }
-  std::unique_ptr<session::CheckpointStore> checkpoints;
-  if (const std::string state_dir = absl::GetFlag(FLAGS_state_dir); !state_dir.empty()) {
-    absl::StatusOr<std::unique_ptr<session::CheckpointStore>> store =
-        session::CheckpointStore::Open(state_dir);
-    if (!store.ok()) {
-      Log(LogLevel::kError, store.status().ToString());
-      return 2;
-    }
-    checkpoints = *std::move(store);
-  }
+  if (!access_key.ok()) return Failed(2, access_key.status());
+  absl::StatusOr<std::unique_ptr<session::CheckpointStore>> opened = OpenCheckpointsFromFlags();
+  if (!opened.ok()) return Failed(2, opened.status());
+  std::unique_ptr<session::CheckpointStore> checkpoints = *std::move(opened);
 
   const session::SessionManagerOptions manager_options =
       ManagerOptionsFromFlags(checkpoints.get(), devices->get());
@@ -297,81 +365,26 @@ int Run() {
     options.sessions_restored =
         RestoreSessions(*checkpoints, devices->get(), options.session, &sessions);
   }
-  // Prometheus metrics (--metrics_port): every finished call is counted and
-  // timed; the housekeeping thread below refreshes the gauges.
-  auto registry = std::make_shared<prometheus::Registry>();
-  absl::StatusOr<metrics::ServerMetrics> server_metrics = metrics::RegisterServerMetrics(*registry);
-  if (!server_metrics.ok()) {
-    Log(LogLevel::kError, server_metrics.status().ToString());
-    return 1;
-  }
-  options.on_finished = [m = *server_metrics](absl::string_view method, absl::StatusCode code,
-                                              absl::Duration latency) {
+  // Every finished call is counted and timed; housekeeping refreshes the gauges.
+  absl::StatusOr<Telemetry> telemetry = StartTelemetryFromFlags();
+  if (!telemetry.ok()) return Failed(1, telemetry.status());
+  const metrics::ServerMetrics& server_metrics = telemetry->metrics;
+  options.on_finished = [m = server_metrics](absl::string_view method, absl::StatusCode code,
+                                             absl::Duration latency) {
     m.ObserveRpc(method, code, latency);
   };
-  absl::StatusOr<std::unique_ptr<metrics::Exporter>> exporter =
-      metrics::StartExporterFromFlags(registry);
-  if (!exporter.ok()) {
-    Log(LogLevel::kError, exporter.status().ToString());
-    return 1;
-  }
-  if (*exporter != nullptr) {
-    Log(LogLevel::kInfo, absl::StrCat("metrics on http://", absl::GetFlag(FLAGS_metrics_host), ":",
-                                      (*exporter)->port(), "/metrics"));
-  }
   service::TeService service(devices->get(), &sessions, options);
-  auto publish_gauges = [&] {
-    server_metrics->sessions_open->Set(sessions.live_sessions());
-    int queued = 0;
-    const std::vector<service::DeviceLoad> loads = service.Loads();
-    for (int i = 0; i < (*devices)->size(); ++i) {
-      queued += (*devices)->executor(i).queued();
-      server_metrics->SetDeviceMemory((*devices)->device(i).info().name, loads[i].bytes_in_use,
-                                      (*devices)->device(i).info().memory_bytes);
-    }
-    server_metrics->queue_depth->Set(queued);
-    server_metrics->CountFp8AmaxOverflowsTo(session::Fp8NonFiniteAmaxes());
-  };
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  const std::string address =
-      absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   int bound_port = 0;
-  builder.AddListeningPort(address, *credentials, &bound_port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.session.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.session.max_message_bytes));
-  builder.RegisterService(&service);
-  // Every call's request and response bytes, unary and streaming alike.
-  if (absl::Status counted = metrics::CountRpcBytes(
-          *server_metrics, te::v1::TeService::service_full_name(), service::kRawMethods, &builder);
-      !counted.ok()) {
-    Log(LogLevel::kError, counted.ToString());
-    return 1;
-  }
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || bound_port == 0) {
-    Log(LogLevel::kError, absl::StrCat("cannot listen on ", address));
-    return 1;
-  }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  // Serving while every device is: a session on a faulted one would only fail.
-  auto publish_health = [&] {
-    bool healthy = true;
-    for (int i = 0; i < (*devices)->size(); ++i)
-      healthy = healthy && (*devices)->device(i).healthy();
-    health->SetServingStatus("", healthy);
-    health->SetServingStatus(kServiceName, healthy);
-    return healthy;
-  };
-  publish_health();
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartGrpcServer(
+      service, *credentials, server_metrics, options.session.max_message_bytes, &bound_port);
+  if (!server.ok()) return Failed(1, server.status());
+  grpc::HealthCheckServiceInterface* health = (*server)->GetHealthCheckService();
+  PublishHealth(**devices, health);
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
     if (absl::Status written = WritePortFile(port_file, bound_port); !written.ok()) {
-      Log(LogLevel::kError, written.ToString());
-      server->Shutdown();
-      return 1;
+      (*server)->Shutdown();
+      return Failed(1, written);
     }
   }
   Log(LogLevel::kInfo,
@@ -385,10 +398,10 @@ int Run() {
 
   // Housekeeping: expire idle sessions, follow the devices' health.
   bool was_healthy = true;
-  ServeUntilStopped(server.get(), health, stop_signals, [&] {
+  ServeUntilStopped(server->get(), health, stop_signals, [&] {
     sessions.Sweep();
-    publish_gauges();
-    const bool healthy = publish_health();
+    PublishGauges(server_metrics, **devices, sessions, service);
+    const bool healthy = PublishHealth(**devices, health);
     if (was_healthy && !healthy) {
       Log(LogLevel::kError, absl::StrCat("a device (", (*devices)->Names(),
                                          ") reports a sticky error: health is NOT_SERVING"));
