@@ -79,8 +79,14 @@ class GrpcProxy {
     server_ = builder.BuildAndStart();
     address_ = absl::StrCat("127.0.0.1:", port);
   }
+  // Shutting down cancels the calls still open; their backend halves end
+  // after that, so the proxy waits for every Call to be freed before its
+  // backend channels go.
   ~GrpcProxy() {
     if (server_ != nullptr) server_->Shutdown();
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* live) { return *live == 0; }, &live_calls_));
   }
 
   bool started() const { return server_ != nullptr; }
@@ -105,6 +111,7 @@ class GrpcProxy {
   std::string address_;
   absl::Mutex mu_;
   std::vector<ProxiedCall> calls_ ABSL_GUARDED_BY(mu_);
+  int live_calls_ ABSL_GUARDED_BY(mu_) = 0;  // Calls not yet freed
 };
 
 // One proxied call: the client's side (Downstream, a server reactor) and the
@@ -114,7 +121,8 @@ class GrpcProxy {
 // Freed when both sides are done.
 class GrpcProxy::Call {
  public:
-  Call(grpc::GenericCallbackServerContext* context, grpc::GenericStub* stub) : context_(context) {
+  Call(GrpcProxy* proxy, grpc::GenericCallbackServerContext* context, grpc::GenericStub* stub)
+      : proxy_(proxy), context_(context) {
     if (context->deadline() != std::chrono::system_clock::time_point::max()) {
       upstream_context_.set_deadline(context->deadline());
     }
@@ -177,9 +185,14 @@ class GrpcProxy::Call {
   };
 
   void Unref() {
-    if (refs_.fetch_sub(1) == 1) delete this;
+    if (refs_.fetch_sub(1) != 1) return;
+    GrpcProxy* proxy = proxy_;
+    delete this;
+    absl::MutexLock lock(&proxy->mu_);
+    --proxy->live_calls_;
   }
 
+  GrpcProxy* const proxy_;
   grpc::GenericCallbackServerContext* context_;
   grpc::ClientContext upstream_context_;
   grpc::ByteBuffer request_;
@@ -200,9 +213,10 @@ grpc::ServerGenericBidiReactor* GrpcProxy::Service::CreateReactor(
   {
     absl::MutexLock lock(&proxy->mu_);
     proxy->calls_.push_back(seen);
+    ++proxy->live_calls_;
   }
   grpc::GenericStub* stub = proxy->stubs_[proxy->next_backend_++ % proxy->stubs_.size()].get();
-  return (new Call(context, stub))->reactor();
+  return (new Call(proxy, context, stub))->reactor();
 }
 
 // A loopback port nothing listens on now (the kernel's pick, released).
