@@ -5,9 +5,6 @@
 // tests/integration/quickstart_test.cc.
 #include "client/client.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <map>
@@ -21,6 +18,7 @@
 #include "client/modules.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/ports.h"
 
 namespace te::client {
 namespace {
@@ -395,21 +393,10 @@ TEST_F(ClientTest, UnreachablePinnedReplicaIsUnavailableAndNamed) {
   EXPECT_EQ((*session)->Close().code(), absl::StatusCode::kUnavailable);
 }
 
-// A loopback port that was free a moment ago and that nothing listens on.
-int ClosedLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(ClientConnectTest, ConnectionRefusedSaysSoAtOnce) {
-  const std::string address = "127.0.0.1:" + std::to_string(ClosedLoopbackPort());
+  const int port = te::testing::FreeLoopbackPort();
+  ASSERT_GT(port, 0);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
   ClientOptions options;
   options.connect_timeout = absl::Seconds(30);
   const absl::Time start = absl::Now();

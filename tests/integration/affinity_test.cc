@@ -13,9 +13,6 @@
 //      keep going through the proxy;
 //  (c) an advertised address where nothing answers: UNAVAILABLE naming it,
 //      and no fallback to the proxy.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -35,6 +32,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/server_fixture.h"
+#include "tests/ports.h"
 
 namespace te::testing {
 namespace {
@@ -219,22 +217,6 @@ grpc::ServerGenericBidiReactor* GrpcProxy::Service::CreateReactor(
   return (new Call(proxy, context, stub))->reactor();
 }
 
-// A loopback port nothing listens on now (the kernel's pick, released).
-int UnusedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
-    port = ntohs(address.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 // A te_server that advertises its own address. Its port must be known before
 // it starts, so it is picked here, not by --port=0; another process could
 // take it in between, hence a few tries.
@@ -242,7 +224,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> StartAdvertising(
     std::vector<std::string> flags = {}) {
   absl::Status last;
   for (int attempt = 0; attempt < 3; ++attempt) {
-    const int port = UnusedPort();
+    const int port = te::testing::FreeLoopbackPort();
     ServerProcess::Options options;
     options.flags = flags;
     options.flags.push_back(absl::StrCat("--port=", port));  // later flags win over the fixture's
@@ -399,7 +381,7 @@ TEST(AffinityTest, WithoutPinningCallsKeepGoingThroughTheProxy) {
 }
 
 TEST(AffinityTest, UnreachablePinnedReplicaIsUnavailableAndNamed) {
-  const std::string nowhere = absl::StrCat("127.0.0.1:", UnusedPort());
+  const std::string nowhere = absl::StrCat("127.0.0.1:", te::testing::FreeLoopbackPort());
   ServerProcess::Options options;
   options.flags = {"--advertise_address=" + nowhere};
   absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(options);

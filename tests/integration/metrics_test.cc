@@ -5,8 +5,6 @@
 // calls did (tests/metrics/prometheus_fixture.h). Needs Debian's prometheus
 // package; without it the test fails.
 #include <httplib.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <limits>
@@ -20,28 +18,12 @@
 #include "te/v1/service.grpc.pb.h"
 #include "tests/metrics/prometheus_fixture.h"
 #include "tests/server_fixture.h"
+#include "tests/ports.h"
 
 namespace te {
 namespace {
 
 using testing::PrometheusServer;
-
-// A loopback port that was free a moment ago (the exporter binds it next).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 std::function<bool(double)> Equals(double want) {
   return [want](double v) { return v == want; };
@@ -54,7 +36,7 @@ std::function<bool(double)> AtLeast(double least) {
 }
 
 TEST(MetricsTest, PrometheusScrapesCallsBytesAndSessions) {
-  const int metrics_port = FreePort();
+  const int metrics_port = te::testing::FreeLoopbackPort();
   ASSERT_GT(metrics_port, 0);
   te::testing::ServerProcess::Options options;
   options.flags = {absl::StrCat("--metrics_port=", metrics_port), "--metrics_host=127.0.0.1"};

@@ -2,10 +2,8 @@
 
 #include <fcntl.h>
 #include <httplib.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "tests/ports.h"
 
 extern char** environ;
 
@@ -41,22 +40,6 @@ absl::StatusOr<std::string> MakeTempDir(const std::string& stem) {
     return absl::InternalError(absl::StrCat("mkdtemp ", path, ": ", std::strerror(errno)));
   }
   return path;
-}
-
-// A loopback port that was free a moment ago.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
 }
 
 // Starts `argv` with stdin from `in` ("" for /dev/null) and stdout and stderr
@@ -166,7 +149,7 @@ absl::StatusOr<std::unique_ptr<PrometheusServer>> PrometheusServer::Start(
   // take it in between: a few tries.
   std::string last_error;
   for (int attempt = 0; attempt < 3; ++attempt) {
-    const int port = FreePort();
+    const int port = FreeLoopbackPort();
     if (port <= 0) return absl::InternalError("no free loopback port for Prometheus");
     absl::StatusOr<pid_t> pid =
         Spawn({*prometheus, absl::StrCat("--config.file=", *dir, "/prometheus.yml"),
