@@ -186,7 +186,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const SessionOpti
   request.set_access_key(options_.access_key);
   // The key exists before the session does: CreateSession itself must reach
   // the replica that the balancer will send the session's later calls to.
-  std::string affinity_key = NewAffinityKey();
+  std::string affinity_key = options.affinity_key.empty() ? NewAffinityKey() : options.affinity_key;
   grpc::ClientContext context;
   context.set_deadline(DeadlineAfter(options_.rpc_timeout));
   SetAffinityHeader(&context, affinity_key);

@@ -99,6 +99,11 @@ struct SessionOptions {
   std::string device;           // "cpu", "cuda:0"; empty: the server's choice
   absl::Duration ttl = absl::ZeroDuration();  // idle TTL; zero: the server's default
   std::optional<Transport> transport;         // unset: ClientOptions::transport
+  // The session's x-te-session value (ClientOptions' session affinity);
+  // empty: 32 random hex digits. A chosen key picks the replica a hashing
+  // balancer sends the session to, e.g. to spread test sessions over every
+  // replica deterministically.
+  std::string affinity_key;
 };
 
 // A layer's optimizer (Session::SetOptimizer), with optax's names and
