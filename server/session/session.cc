@@ -10,8 +10,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "kernels/status_macros.h"
 #include "server/layers/fp8_state.h"
+#include "server/layers/graph.h"
+#include "server/layers/variables.h"
 #include "server/session/log.h"
 #include "server/session/negotiation.h"
 #include "server/session/session_internal.h"
@@ -91,10 +96,105 @@ void Session::ForgetSince(int64_t mark) {
       it = created(it->first) ? items.erase(it) : std::next(it);
     }
   };
-  forget(layers_);
   forget(saved_);
+  forget(layers_);
   forget(resident_);
   forget(regions_);
+  // The versions and graphs the call made, in the layers that were there before it.
+  for (auto& [id, layer] : layers_) {
+    for (auto it = layer->versions.begin(); it != layer->versions.end();) {
+      it = it->second.stamp >= mark ? layer->versions.erase(it) : std::next(it);
+    }
+    while (layer->graphs.size() > 1 && layer->graphs.back().stamp >= mark) layer->graphs.pop_back();
+  }
+}
+
+int64_t Session::MakeVersion(LayerEntry& layer, VariableSet set) {
+  const int64_t number = ++layer.last_version;
+  LayerVersion& version = layer.versions[number];
+  version.set = std::move(set);
+  version.stamp = next_id_++;
+  return number;
+}
+
+absl::StatusOr<Session::Target> Session::Resolve(const std::string& layer_id, int64_t graph,
+                                                 int64_t version) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(layer_id));
+  Target target;
+  target.entry = layer;
+  if (graph < 0 || graph >= static_cast<int64_t>(layer->graphs.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "graph: ", graph, "; layer ", layer_id, " has graphs 0 to ", layer->graphs.size() - 1,
+        " (0: the one InitLayer made; AddGraph adds others)"));
+  }
+  target.graph = static_cast<int>(graph);
+  target.layer = layer->graphs[target.graph].layer.get();
+  if (version < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version: ", version, "; give a version's number, or 0 for the newest"));
+  }
+  if (layer->versions.empty()) {
+    return absl::NotFoundError(absl::StrCat(
+        "version: ", version, "; every version of layer ", layer_id,
+        "'s variables was released (ReleaseVersions); delete the layer and init it again"));
+  }
+  auto it = version == 0 ? std::prev(layer->versions.end()) : layer->versions.find(version);
+  if (it == layer->versions.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "version: layer ", layer_id, " has no version ", version,
+        version > layer->last_version ? " (none made yet)" : " (released)", "; it keeps ",
+        layer->versions.size(), " from ", layer->versions.begin()->first, " to ",
+        layer->versions.rbegin()->first));
+  }
+  target.version = it->first;
+  target.read = &it->second.set;
+  return target;
+}
+
+absl::Status Session::DetachFromVersions(LayerEntry& layer,
+                                         const std::vector<const Tensor*>& writes) {
+  // Every variable map that may hold one of the tensors: the retained
+  // versions' and those the layer's kept forwards ran on.
+  std::vector<layers::Variables*> holders;
+  auto add = [&holders](VariableSet& set) {
+    for (layers::Variables* vars : {&set.vars, &set.grads, &set.opt_state}) holders.push_back(vars);
+  };
+  for (auto& [number, version] : layer.versions) add(version.set);
+  for (auto& [id, saved] : saved_) {
+    if (saved->layer_id == layer.id) add(saved->base);
+  }
+  // Copies first (they may fail, leaving everything as it was), then the swap.
+  std::map<const void*, Tensor> copies;
+  std::vector<const Tensor*> from;
+  std::vector<Tensor*> to;
+  for (const Tensor* write : writes) {
+    if (write->nbytes() == 0 || copies.count(write->data()) > 0) continue;
+    bool shared = false;
+    for (const layers::Variables* vars : holders) {
+      for (const auto& [name, tensor] : *vars) shared = shared || tensor.data() == write->data();
+    }
+    if (!shared) continue;
+    absl::StatusOr<Tensor> copy = ops_->Allocate(write->dtype(), write->shape());
+    if (!copy.ok()) {
+      if (!absl::IsResourceExhausted(copy.status())) return copy.status();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "version: the new version of layer ", layer.id, " needs its own copy of what it "
+          "writes while older versions hold it, and that does not fit: ", copy.status().message(),
+          "; release versions no longer used (ReleaseVersions)"));
+    }
+    Tensor& kept = copies[write->data()] = *std::move(copy);
+    from.push_back(write);
+    to.push_back(&kept);
+  }
+  if (copies.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(ops_->CopyAll(from, to));
+  for (layers::Variables* vars : holders) {
+    for (auto& [name, tensor] : *vars) {
+      auto it = copies.find(tensor.data());
+      if (it != copies.end()) tensor = it->second;
+    }
+  }
+  return absl::OkStatus();
 }
 
 void Session::GetSessionInfo(te::v1::SessionInfo* response) const {
@@ -219,12 +319,15 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   RETURN_IF_ERROR(CheckFitsMemory(specs));
 
   auto entry = std::make_unique<LayerEntry>();
-  RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &entry->vars));
+  VariableSet initial;
+  RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &initial.vars));
   entry->id = NewId("layer");
-  entry->layer = std::move(layer);
+  entry->graphs.emplace_back();
+  entry->graphs[0].layer = std::move(layer);
   entry->init_recipe = fp8;
   entry->init = request;
   entry->init.clear_session();
+  MakeVersion(*entry, std::move(initial));
 
   response->set_layer_id(entry->id);
   for (const layers::VariableSpec& spec : specs) {
@@ -234,9 +337,9 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
     info->set_dtype(DTypeToProto(spec.dtype));
   }
   response->mutable_output_shape()->Assign(output_shape.begin(), output_shape.end());
-  response->set_output_dtype(DTypeToProto(entry->layer->OutputDType(input_dtype)));
+  response->set_output_dtype(DTypeToProto(entry->layer().OutputDType(input_dtype)));
   LogForSession(LogLevel::kInfo, id_,
-                absl::StrCat(entry->id, ": ", entry->layer->type_name(), " initialised for x ",
+                absl::StrCat(entry->id, ": ", entry->layer().type_name(), " initialised for x ",
                              ShapeString(input_shape), " ", DTypeName(input_dtype), ", ",
                              specs.size(), " variables", fp8 ? " (under FP8 autocast)" : "",
                              "; session memory ", ops_->bytes_in_use(), " bytes"));
@@ -246,7 +349,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
 
 absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
                                    te::v1::GetVariablesResponse* response) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(const Target target, Resolve(request.layer_id(), 0, request.version()));
   std::set<std::string> wanted;
   for (int i = 0; i < request.collections_size(); ++i) {
     if (KnownCollections().count(request.collections(i)) == 0) {
@@ -258,10 +361,8 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
   }
   if (wanted.empty()) wanted = KnownCollections();
   OutputEncoder encoder(this);
-  const layers::Variables no_state;
-  const layers::Variables* opt_state = layer->optimizer ? &layer->optimizer->state : &no_state;
-  for (const layers::Variables* vars :
-       std::initializer_list<const layers::Variables*>{&layer->vars, &layer->grads, opt_state}) {
+  const VariableSet& set = *target.read;
+  for (const layers::Variables* vars : {&set.vars, &set.grads, &set.opt_state}) {
     for (const auto& [name, tensor] : *vars) {
       std::string collection, path;
       SplitVariableName(name, &collection, &path);
@@ -269,10 +370,13 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
       te::v1::Variable* out = response->add_variables();
       out->set_collection(collection);
       out->set_path(path);
-      RETURN_IF_ERROR(encoder.Encode(tensor, /*resident=*/false, /*snapshot=*/true,
-                                     out->mutable_value()));
+      // Snapshots: a later step may write a tensor in place once no
+      // retained version holds it (contract 9), and a resident copy outlives that.
+      RETURN_IF_ERROR(encoder.Encode(tensor, /*resident=*/request.keep_outputs(),
+                                     /*snapshot=*/true, out->mutable_value()));
     }
   }
+  response->set_version(target.version);
   return absl::OkStatus();
 }
 
@@ -281,17 +385,24 @@ absl::Status Session::SetOptimizer(const te::v1::SetOptimizerRequest& request,
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
   ASSIGN_OR_RETURN(optim::OptimizerConfig config,
                    optim::ResolveOptimizer(request.optimizer(), "optimizer"));
-  const std::vector<layers::VariableSpec> specs = optim::StateSpecs(config, layer->vars);
+  if (layer->versions.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer_id: every version of layer ", layer->id, "'s variables was released"));
+  }
+  // Every version has the same params' names, shapes and dtypes, so one
+  // fresh state (zero moments, count 0) serves them all.
+  const layers::Variables& params = layer->newest()->set.vars;
+  const std::vector<layers::VariableSpec> specs = optim::StateSpecs(config, params);
   // The new state is made before the old one goes (all or nothing), so both
   // must fit for a moment.
   RETURN_IF_ERROR(CheckFitsMemory(specs));
-  ASSIGN_OR_RETURN(layers::Variables state, optim::InitState(*ops_, config, layer->vars));
+  ASSIGN_OR_RETURN(layers::Variables state, optim::InitState(*ops_, config, params));
   RETURN_IF_ERROR(ops_->Synchronize());
   LayerOptimizer optimizer;
   optimizer.spec = request.optimizer();
   optimizer.config = config;
-  optimizer.state = std::move(state);
   layer->optimizer = std::move(optimizer);
+  for (auto& [number, version] : layer->versions) version.set.opt_state = state;
   for (const layers::VariableSpec& spec : specs) {
     te::v1::VariableInfo* info = response->add_variables();
     SplitVariableName(spec.name, info->mutable_collection(), info->mutable_path());
@@ -304,8 +415,11 @@ absl::Status Session::SetOptimizer(const te::v1::SetOptimizerRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request,
+                                   te::v1::SetVariablesResponse* response) {
+  ASSIGN_OR_RETURN(const Target target, Resolve(request.layer_id(), 0, request.version()));
+  LayerEntry* layer = target.entry;
+  VariableSet next = *target.read;
   // Everything is checked before anything is written (all or nothing).
   struct Write {
     layers::Variables* target;
@@ -318,20 +432,19 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
     const te::v1::Variable& variable = request.variables(i);
     const std::string field = absl::StrCat("variables[", i, "]");
     const std::string name = absl::StrCat(variable.collection(), "/", variable.path());
-    layers::Variables no_state;
-    layers::Variables* target = &layer->vars;
+    layers::Variables* target = &next.vars;
     const char* why_missing = "";
     if (variable.collection() == "grads") {
-      target = &layer->grads;
+      target = &next.grads;
       why_missing = " (no gradients are kept yet)";
     } else if (variable.collection() == optim::kOptState) {
-      target = layer->optimizer ? &layer->optimizer->state : &no_state;
+      target = &next.opt_state;
       why_missing = layer->optimizer ? "" : " (it has no optimizer: SetOptimizer first)";
     }
     auto existing = target->find(name);
     if (existing == target->end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": layer ", layer->id, " has no variable ", name, why_missing));
+      return absl::InvalidArgumentError(absl::StrCat(field, ": layer ", layer->id,
+                                                     " has no variable ", name, why_missing));
     }
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", name, " is given twice"));
@@ -372,6 +485,167 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
   }
   for (size_t i = 0; i < writes.size(); ++i) (*writes[i].target)[writes[i].name] = values[i];
   layer->ParamsChanged();
+  response->set_version(MakeVersion(*layer, std::move(next)));
+  return absl::OkStatus();
+}
+
+// ---- graphs, versions, deletion ----------------------------------------------------------
+
+namespace {
+
+// The module nodes of the graph InitLayer made, by name; a layer that is one
+// module has that module alone, named "" (the root scope).
+std::map<std::string, const te::v1::LayerSpec*> InitModules(const te::v1::LayerSpec& spec) {
+  std::map<std::string, const te::v1::LayerSpec*> modules;
+  if (!spec.has_graph()) {
+    modules[""] = &spec;
+    return modules;
+  }
+  for (const te::v1::GraphSpec::Node& node : spec.graph().nodes()) {
+    if (node.op_case() == te::v1::GraphSpec::Node::kModule) modules[node.name()] = &node.module();
+  }
+  return modules;
+}
+
+bool SameMessage(const google::protobuf::Message& a, const google::protobuf::Message& b) {
+  return google::protobuf::util::MessageDifferencer::Equals(a, b);
+}
+
+// The graph's own errors name "spec.graph..."; AddGraph's field is "graph".
+absl::Status AsAddGraphField(const absl::Status& status) {
+  return absl::Status(status.code(),
+                      absl::StrReplaceAll(status.message(), {{"spec.graph", "graph"}}));
+}
+
+}  // namespace
+
+absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
+                               te::v1::AddGraphResponse* response) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  const LayerVersion* newest = layer->newest();
+  if (newest == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer_id: every version of layer ", layer->id, "'s variables was released"));
+  }
+  // The nodes that read variables must be the layer's own, by name and spec.
+  const std::map<std::string, const te::v1::LayerSpec*> modules = InitModules(layer->init.spec());
+  const te::v1::GraphSpec& graph = request.graph();
+  for (int i = 0; i < graph.nodes_size(); ++i) {
+    const te::v1::GraphSpec::Node& node = graph.nodes(i);
+    const std::string field = absl::StrCat("graph.nodes[", i, "] (", node.name(), ")");
+    if (node.op_case() == te::v1::GraphSpec::Node::kModule) {
+      auto it = modules.find(node.name());
+      if (it == modules.end()) {
+        std::vector<std::string> names;
+        for (const auto& [name, spec] : modules) names.push_back(absl::StrCat("\"", name, "\""));
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": layer ", layer->id, " has no module named \"", node.name(),
+            "\" (its modules: ", absl::StrJoin(names, ", "),
+            "); a graph added over a layer reads that layer's modules"));
+      }
+      if (!SameMessage(node.module(), *it->second)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".module: not the LayerSpec of layer ", layer->id, "'s module \"", node.name(),
+            "\" (", it->second->ShortDebugString(), "); a module reads the variables of its own "
+            "spec"));
+      }
+    } else if (node.op_case() == te::v1::GraphSpec::Node::kParam) {
+      const std::string name = absl::StrCat(layers::kParams, "/", node.name());
+      auto it = newest->set.vars.find(name);
+      const te::v1::GraphSpec::Param& param = node.param();
+      const Shape shape(param.shape().begin(), param.shape().end());
+      // Unset: float32, Flax's default param dtype.
+      absl::StatusOr<DType> want = param.dtype() == te::v1::DTYPE_UNSPECIFIED
+                                       ? absl::StatusOr<DType>(DType::kF32)
+                                       : DTypeFromProto(param.dtype(), field + ".param.dtype");
+      RETURN_IF_ERROR(want.status());
+      if (it == newest->set.vars.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": layer ", layer->id, " has no param ", name,
+            "; a graph added over a layer reads that layer's params"));
+      }
+      if (it->second.shape() != shape || it->second.dtype() != *want) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".param: ", ShapeString(shape), " ", DTypeName(*want), ", but layer ",
+            layer->id, "'s ", name, " is ", ShapeString(it->second.shape()), " ",
+            DTypeName(it->second.dtype())));
+      }
+    }
+  }
+  absl::StatusOr<std::unique_ptr<layers::Layer>> made = layers::MakeGraph(graph);
+  if (!made.ok()) return AsAddGraphField(made.status());
+  std::unique_ptr<layers::Layer> added = *std::move(made);
+  ASSIGN_OR_RETURN(DType input_dtype, DTypeFromProto(request.input_dtype(), "input_dtype"));
+  if (!FitsLayerInput(added->TakesTokenIds(), input_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("input_dtype: ", DTypeName(input_dtype), "; ",
+                                                   LayerInputWant(added->TakesTokenIds())));
+  }
+  if (request.input_shape_size() == 0) {
+    return absl::InvalidArgumentError("input_shape: empty; give x's shape, e.g. [batch, seq, hidden]");
+  }
+  for (int i = 0; i < request.input_shape_size(); ++i) {
+    if (request.input_shape(i) <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input_shape[", i, "]: must be positive, got ", request.input_shape(i)));
+    }
+  }
+  ASSIGN_OR_RETURN(Shape input_shape, ShapeFromProto(request.input_shape(), input_dtype,
+                                                     config_.max_tensor_bytes, "input_shape"));
+  // Its variables for this input are exactly some of the layer's, so it
+  // reads and trains them (under the autocast the layer was made with: its
+  // fp8_metas exist iff InitLayer's did).
+  const layers::Fp8Recipe* fp8 = layer->init_recipe ? &*layer->init_recipe : nullptr;
+  absl::StatusOr<std::vector<layers::VariableSpec>> specs = added->VariableSpecs(input_shape, fp8);
+  if (!specs.ok()) return AsAddGraphField(specs.status());
+  const absl::Status fits = layers::CheckVariables(newest->set.vars, *specs);
+  if (!fits.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "graph: for x ", ShapeString(input_shape), " its variables are not layer ", layer->id,
+        "'s: ", fits.message()));
+  }
+  ASSIGN_OR_RETURN(Shape output_shape, added->OutputShape(input_shape));
+  response->mutable_output_shape()->Assign(output_shape.begin(), output_shape.end());
+  response->set_output_dtype(DTypeToProto(added->OutputDType(input_dtype)));
+  // An equal graph: its index (graph 0 too, where InitLayer traced this one).
+  if (layer->init.spec().has_graph() && SameMessage(layer->init.spec().graph(), graph)) {
+    response->set_graph(0);
+    return absl::OkStatus();
+  }
+  for (size_t i = 1; i < layer->graphs.size(); ++i) {
+    if (SameMessage(layer->graphs[i].added.graph(), graph)) {
+      response->set_graph(static_cast<int32_t>(i));
+      return absl::OkStatus();
+    }
+  }
+  LayerGraph entry;
+  entry.layer = std::move(added);
+  entry.added = request;
+  entry.added.clear_session();
+  entry.added.clear_layer_id();
+  entry.stamp = next_id_++;
+  layer->graphs.push_back(std::move(entry));
+  response->set_graph(static_cast<int32_t>(layer->graphs.size() - 1));
+  LogForSession(LogLevel::kInfo, id_,
+                absl::StrCat(layer->id, ": graph ", layer->graphs.size() - 1, " added for x ",
+                             ShapeString(input_shape), " ", DTypeName(input_dtype)));
+  return absl::OkStatus();
+}
+
+absl::Status Session::ReleaseVersions(const te::v1::ReleaseVersionsRequest& request) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  for (int64_t number : request.versions()) layer->versions.erase(number);
+  return absl::OkStatus();
+}
+
+absl::Status Session::DeleteLayer(const te::v1::DeleteLayerRequest& request) {
+  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  for (auto it = saved_.begin(); it != saved_.end();) {
+    it = it->second->layer_id == layer->id ? saved_.erase(it) : std::next(it);
+  }
+  LogForSession(LogLevel::kInfo, id_,
+                absl::StrCat(layer->id, ": deleted with ", layer->versions.size(), " versions and ",
+                             layer->graphs.size(), " graphs"));
+  layers_.erase(request.layer_id());
   return absl::OkStatus();
 }
 
