@@ -57,7 +57,10 @@ struct Session::LayerEntry {
   int64_t last_version = 0;  // the highest number made
   std::optional<LayerOptimizer> optimizer;
   std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
-  // FP8 copies of the parameters kept between steps (DelayedScaling).
+  // FP8 copies of the parameters kept between steps (DelayedScaling). A
+  // call keeps the copies it made only when it read the newest version, so
+  // the copies follow the version that trains and do not hold an older
+  // one's weights once it is released.
   layers::Fp8WeightCache fp8_weights;
   // Every write to the parameters (SetVariables, an optimizer update outside
   // DelayedScaling) calls this: the kept FP8 copies are stale. An update
@@ -75,6 +78,9 @@ struct Session::LayerEntry {
 
   // The module (or graph) InitLayer made.
   const layers::Layer& layer() const { return *graphs[0].layer; }
+  bool is_newest(int64_t version) const {
+    return !versions.empty() && versions.rbegin()->first == version;
+  }
   // The newest retained version, or null when every one was released.
   const LayerVersion* newest() const {
     return versions.empty() ? nullptr : &versions.rbegin()->second;

@@ -442,7 +442,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   // Commit (contract 2): nothing above changed the session but resident
   // outputs, which the service's ForgetSince removes if the call fails.
   RETURN_IF_ERROR(call.StillWanted("Forward"));
-  kept_weights.Commit();
+  if (layer->is_newest(target.version)) kept_weights.Commit();
   VariableSet next = *target.read;
   next.vars = std::move(vars);
   if (request.keep_for_backward()) {
@@ -678,7 +678,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   }
   // Commit (contract 2).
   RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
-  kept_weights.Commit();
+  if (layer->is_newest(run.version)) kept_weights.Commit();
   response->set_version(changed ? MakeVersion(*layer, std::move(next)) : run.version);
   return absl::OkStatus();
 }
@@ -789,7 +789,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     queued_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                           timed_start).count();
   }
-  kept_weights.Commit();
+  if (layer->is_newest(run.version)) kept_weights.Commit();
   response->set_steps(timing);
   response->set_device(device_.name);
   if (timing > 0) {
