@@ -1,4 +1,5 @@
-// Session's private parts, shared by session.cc (layers, variables, tensors)
+// Session's private parts, shared by session.cc (layers, variables, tensors),
+// session_versions.cc (versions, graphs)
 // and session_steps.cc (forward, backward, benchmark). Not for other users.
 #ifndef TE_SERVER_SESSION_SESSION_INTERNAL_H_
 #define TE_SERVER_SESSION_SESSION_INTERNAL_H_
