@@ -227,9 +227,16 @@ Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions op
     absl::StatusOr<Recipe> recipe = FromProto(created.recipe());
     if (recipe.ok()) recipe_ = *std::move(recipe);
   }
+  absl::MutexLock lock(&link_->mu_);
+  link_->session_ = this;
 }
 
 Session::~Session() {
+  {
+    // No release starts once the Session is going (Link::ReleaseVersion).
+    absl::MutexLock lock(&link_->mu_);
+    link_->session_ = nullptr;
+  }
   // The close is numbered after every Async call, so the server answers those first.
   Close().IgnoreError();
   absl::MutexLock lock(&async_mu_);
@@ -422,9 +429,38 @@ absl::StatusOr<te::v1::GetVariablesResponse> Session::GetVariables(
   return response;
 }
 
-absl::Status Session::SetVariables(te::v1::SetVariablesRequest request, absl::Duration timeout) {
+absl::StatusOr<te::v1::SetVariablesResponse> Session::SetVariables(
+    te::v1::SetVariablesRequest request, absl::Duration timeout) {
   TE_CLIENT_UNARY(SetVariables, SetVariablesResponse)
+  return response;
+}
+
+absl::StatusOr<te::v1::AddGraphResponse> Session::AddGraph(te::v1::AddGraphRequest request,
+                                                           absl::Duration timeout) {
+  TE_CLIENT_UNARY(AddGraph, AddGraphResponse)
+  return response;
+}
+
+absl::Status Session::ReleaseVersions(te::v1::ReleaseVersionsRequest request,
+                                      absl::Duration timeout) {
+  TE_CLIENT_UNARY(ReleaseVersions, ReleaseVersionsResponse)
   return absl::OkStatus();
+}
+
+absl::Status Session::DeleteLayer(te::v1::DeleteLayerRequest request, absl::Duration timeout) {
+  TE_CLIENT_UNARY(DeleteLayer, DeleteLayerResponse)
+  return absl::OkStatus();
+}
+
+void Session::Link::ReleaseVersion(const std::string& layer_id, int64_t version) {
+  absl::MutexLock lock(&mu_);
+  // Held while the call is handed over: the Session's destructor, which
+  // clears session_ under this lock first, then waits for its Async calls.
+  if (session_ == nullptr || session_->closed_) return;
+  te::v1::ReleaseVersionsRequest request;
+  request.set_layer_id(layer_id);
+  request.add_versions(version);
+  session_->ReleaseVersionsAsync(std::move(request));  // its future is dropped: nobody waits
 }
 
 absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRequest request,
@@ -552,6 +588,11 @@ std::future<absl::StatusOr<te::v1::GetVariablesResponse>> Session::GetVariablesA
     te::v1::GetVariablesRequest request, absl::Duration timeout) {
   return CallAsync(&te::v1::TeService::Stub::GetVariables,
                    std::move(request), timeout);
+}
+
+std::future<absl::StatusOr<te::v1::ReleaseVersionsResponse>> Session::ReleaseVersionsAsync(
+    te::v1::ReleaseVersionsRequest request, absl::Duration timeout) {
+  return CallAsync(&te::v1::TeService::Stub::ReleaseVersions, std::move(request), timeout);
 }
 
 std::future<absl::StatusOr<te::v1::SetVariablesResponse>> Session::SetVariablesAsync(

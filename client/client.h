@@ -197,8 +197,21 @@ class Session {
       te::v1::ForwardBackwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
   absl::StatusOr<te::v1::GetVariablesResponse> GetVariables(
       te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
-  absl::Status SetVariables(te::v1::SetVariablesRequest request,
-                            absl::Duration timeout = absl::InfiniteDuration());
+  // The response names the new version (a layer's variables are versions:
+  // te.v1 ReleaseVersionsRequest).
+  absl::StatusOr<te::v1::SetVariablesResponse> SetVariables(
+      te::v1::SetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // Another graph over a layer's variables (another batch size, a loss):
+  // its index, or that of an equal graph the layer has. INVALID_ARGUMENT
+  // naming the node that is not the layer's or does not fit.
+  absl::StatusOr<te::v1::AddGraphResponse> AddGraph(
+      te::v1::AddGraphRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // Frees versions of a layer's variables; unknown or released ones are ignored.
+  absl::Status ReleaseVersions(te::v1::ReleaseVersionsRequest request,
+                               absl::Duration timeout = absl::InfiniteDuration());
+  // Frees a layer: every version, graph, optimizer state and kept forward of it.
+  absl::Status DeleteLayer(te::v1::DeleteLayerRequest request,
+                           absl::Duration timeout = absl::InfiniteDuration());
   // The Benchmark RPC: step times, and the memory of the timed steps
   // (peak_bytes_in_use: this session's; bytes_reserved / peak_bytes_reserved:
   // the device allocator's, as JAX's device.memory_stats()).
@@ -244,6 +257,25 @@ class Session {
       te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
   std::future<absl::StatusOr<te::v1::SetVariablesResponse>> SetVariablesAsync(
       te::v1::SetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  std::future<absl::StatusOr<te::v1::ReleaseVersionsResponse>> ReleaseVersionsAsync(
+      te::v1::ReleaseVersionsRequest request, absl::Duration timeout = absl::InfiniteDuration());
+
+  // A handle to this Session that may outlive it: what holds a version of
+  // a layer's variables (modules.h's Variables) releases it through here.
+  class Link {
+   public:
+    // Sends ReleaseVersions for `version` of `layer_id` without waiting for
+    // the answer (in the session's call order; its errors are dropped:
+    // the version may have gone with its layer). Nothing once the Session
+    // is closed or gone.
+    void ReleaseVersion(const std::string& layer_id, int64_t version);
+
+   private:
+    friend class Session;
+    absl::Mutex mu_;
+    Session* session_ ABSL_GUARDED_BY(mu_) = nullptr;
+  };
+  std::shared_ptr<Link> link() const { return link_; }
 
   // A request tensor for `tensor`, by the session's transport: inline,
   // uploaded with Put, or written to shared memory (its id, or its block as
@@ -321,6 +353,7 @@ class Session {
   std::string negotiation_;
   absl::Duration ttl_;
   std::atomic<bool> closed_{false};
+  std::shared_ptr<Link> link_ = std::make_shared<Link>();
   const Transport transport_;
   SharedMemoryPool shm_;
   TransportCounts counts_;

@@ -136,7 +136,16 @@ class Graph : public Module {
   // "softmax_cross_entropy_<n>".
   Edge SoftmaxCrossEntropyWithIntegerLabels(Edge logits, Edge labels);
 
+  // The result: y. SetOutputs: y, then aux outputs (a loss function's, as
+  // jax.value_and_grad's has_aux returns them), which get no gradient.
   void SetOutput(Edge y);
+  void SetOutputs(const std::vector<Edge>& outputs);
+
+  // The layer itself, in a graph added over a layer that is this one module
+  // (AddGraph, modules.h): a module node named "" (the root scope), which
+  // reads the layer's variables under their own names. Once per graph, at
+  // the top scope.
+  Edge CallLayer(const Module& module, const std::vector<Edge>& inputs, Edge mask = {});
 
   std::string type_name() const override { return type_name_; }
   // LayerSpec{graph}: the first bad use's error, or INVALID_ARGUMENT when no
@@ -162,8 +171,12 @@ class Graph : public Module {
     int mask = -1;
     std::vector<int> outputs;
     bool keep = false;  // a module with variables: stays when the output does not read it
+    bool root = false;  // CallLayer's node, named ""
   };
+  static constexpr char kLayerEdge[] = "layer";  // the edge of CallLayer's node
 
+  std::vector<Edge> CallModule(const Module& module, const std::vector<Edge>& inputs, Edge mask,
+                               const std::string& node_name, bool root);
   // Records a node in the current scope; its outputs' shapes and dtype.
   std::vector<Edge> Record(NodeInfo node, const std::vector<Shape>& shapes, DType dtype, bool makes_mask = false);
   Edge RecordOne(NodeInfo node, Shape shape, DType dtype);
@@ -186,7 +199,7 @@ class Graph : public Module {
   std::map<std::string, int> module_names_;                        // name -> node
   std::map<int, EmbedOptions> embed_options_;                      // Embed node -> its dtypes
   std::vector<std::string> dropout_users_;                          // node names, in call order
-  int output_ = -1;
+  std::vector<int> outputs_;  // y first
   absl::Status error_;
 };
 

@@ -37,8 +37,11 @@ uint64_t SeedOf(uint64_t seed, const std::string& name) {
   return NodeSeed(seed, name.data(), name.size());
 }
 
-// "params/kernel" of node "qkv" -> "params/qkv/kernel" (Flax's scoping).
+// "params/kernel" of node "qkv" -> "params/qkv/kernel" (Flax's scoping). A
+// module node named "" is the root scope: a graph added over a layer that is
+// one module names that module so, and it keeps the module's own names.
 std::string Scoped(const std::string& node, const std::string& key) {
+  if (node.empty()) return key;
   const size_t slash = key.find('/');
   if (slash == std::string::npos) return absl::StrCat(node, "/", key);
   return absl::StrCat(key.substr(0, slash), "/", node, "/", key.substr(slash + 1));
@@ -48,6 +51,7 @@ std::string Scoped(const std::string& node, const std::string& key) {
 // to the same device memory, so what the module writes in place (amax
 // histories) lands in the layer's variables; WriteBack stores replacements.
 Variables ScopeView(const Variables& vars, const std::string& node) {
+  if (node.empty()) return vars;  // the root module: the graph's only one
   Variables view;
   const std::string prefix = absl::StrCat(node, "/");
   for (const auto& [key, tensor] : vars) {
@@ -228,6 +232,8 @@ class GraphLayer : public Layer {
     }
     out->y = values[g_.outputs[0]];
     if (g_.outputs.size() > 1) out->ln_out = values[g_.outputs[1]];
+    out->aux.clear();
+    for (size_t j = 1; j < g_.outputs.size(); ++j) out->aux.push_back(values[g_.outputs[j]]);
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
   }
@@ -411,7 +417,7 @@ class GraphLayer : public Layer {
 
   // An attend node's table: "params/<embed node>/embedding".
   std::string EmbeddingName(const Node& node) const {
-    return absl::StrCat("params/", g_.nodes[node.embed].name, "/embedding");
+    return Scoped(g_.nodes[node.embed].name, "params/embedding");
   }
   absl::StatusOr<Tensor> EmbeddingOf(const Variables& vars, const Node& node) const {
     auto it = vars.find(EmbeddingName(node));

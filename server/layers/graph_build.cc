@@ -242,7 +242,9 @@ class Builder {
       Node& node = g_.nodes[i];
       node.name = s.name();
       node.field = absl::StrCat("spec.graph.nodes[", i, "] (", s.name(), ")");
-      if (s.name().empty()) return Invalid(node.field + ".name", "empty; every node needs a name");
+      if (s.name().empty() && s.op_case() != GraphSpec::Node::kModule) {
+        return Invalid(node.field + ".name", "empty; every node needs a name");
+      }
       auto [it, inserted] = names.emplace(s.name(), i);
       if (!inserted) {
         return Invalid(node.field + ".name",
@@ -418,11 +420,6 @@ class Builder {
 
   absl::Status Outputs() {
     if (spec_.outputs().empty()) return Invalid("spec.graph.outputs", "empty; name y");
-    if (spec_.outputs_size() > 2) {
-      return Invalid("spec.graph.outputs",
-                     absl::StrCat(spec_.outputs_size(), " tensors; a layer returns y and at most "
-                                                        "ln_out"));
-    }
     for (int j = 0; j < spec_.outputs_size(); ++j) {
       const std::string where = absl::StrCat("spec.graph.outputs[", j, "]");
       ASSIGN_OR_RETURN(const int id, Read(spec_.outputs(j), where));
@@ -440,6 +437,13 @@ class Builder {
     std::map<std::string, int> modules;
     for (size_t i = 0; i < g_.nodes.size(); ++i) {
       if (g_.nodes[i].kind == NodeKind::kModule) modules.emplace(g_.nodes[i].name, i);
+    }
+    // "": the root scope, where a layer that is one module keeps its
+    // variables (a graph added over it names that module so).
+    if (modules.count("") > 0 && modules.size() > 1) {
+      return Invalid(g_.nodes[modules.at("")].field + ".name",
+                     "empty: a module named \"\" has the root scope, so it must be the graph's "
+                     "only module");
     }
     for (const auto& [name, i] : modules) {
       for (size_t slash = name.find('/'); slash != std::string::npos;
