@@ -222,7 +222,7 @@ class OptimizerStepFp8CopyTest : public ::testing::Test {
  protected:
   void SetUp() override {
     h_.rule = Rule::kAdam;
-    h_.learning_rate.value = 0.05;
+    h_.learning_rate = h_.schedules.AddConstant(0.05);
     h_.weight_decay = 0.01;
     // bf16 [6, 10] with an E4M3 copy, f32 [4, 8] with an E5M2 one, and a
     // param with no copy.

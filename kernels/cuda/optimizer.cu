@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   const int32_t new_notfinite = SaturatingIncrement(*total_notfinite, !applied);
   *count = new_count;
   *total_notfinite = new_notfinite;
-  info->learning_rate = LearningRateAt(h.learning_rate, c);
+  info->learning_rate = LearningRateAt(h.schedules, h.learning_rate, c);
   info->grad_norm_sq = norm_sq;
   info->applied = applied ? 1 : 0;
   info->count = new_count;

@@ -113,25 +113,40 @@ INSTANTIATE_TEST_SUITE_P(Rules, OptimizerGpuTest,
 
 OptimizerHyperparams HyperparamsFor(int rule_case) {
   OptimizerHyperparams h;
-  h.learning_rate.value = 0.05;
+  h.learning_rate = h.schedules.AddConstant(0.05);
   switch (rule_case) {
     case 0: break;  // plain sgd
     case 1: h.momentum = 0.9; break;
     case 2: h.momentum = 0.9; h.nesterov = true; h.max_norm = 3.0; break;
     case 3: h.rule = Rule::kAdam; h.eps_root = 1e-4; break;
     case 4: h.rule = Rule::kAdam; h.weight_decay = 0.05; h.max_norm = 1.0; break;  // adamw, clipped
-    default:  // adamw under warmup_cosine_decay, clipped
+    default: {  // adamw under warmup_cosine_decay, clipped
       h.rule = Rule::kAdam;
       h.weight_decay = 1e-4;
       h.max_norm = 2.0;
-      h.learning_rate.warmup_cosine = true;
-      h.learning_rate.init_value = 0.0;
-      h.learning_rate.peak_value = 0.1;
-      h.learning_rate.end_value = 0.01;
-      h.learning_rate.exponent = 1.5;
-      h.learning_rate.warmup_steps = 2;
-      h.learning_rate.decay_steps = 5;
+      // optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 5, 0.01, 1.5): a join
+      // of a linear warmup and a cosine decay.
+      h.schedules = ScheduleTable();
+      ScheduleNode warmup, cosine, join;
+      warmup.kind = ScheduleNode::Kind::kPolynomial;
+      warmup.init_value = 0.0;
+      warmup.end_value = 0.1;
+      warmup.steps = 2;
+      cosine.kind = ScheduleNode::Kind::kCosineDecay;
+      cosine.init_value = 0.1;
+      cosine.steps = 3;
+      cosine.alpha = 0.1;
+      cosine.power = 1.5;
+      h.schedules.knots[0].node = h.schedules.Add(warmup);
+      h.schedules.knots[1].node = h.schedules.Add(cosine);
+      h.schedules.knots[1].step = 2;
+      h.schedules.num_knots = 2;
+      join.kind = ScheduleNode::Kind::kJoin;
+      join.first = 0;
+      join.num = 2;
+      h.learning_rate = h.schedules.Add(join);
       break;
+    }
   }
   return h;
 }
@@ -299,7 +314,7 @@ class OptimizerStepGpuTest : public OptimizerGpuTest {
       EXPECT_EQ(ci.total_notfinite, want_notfinite) << step;
       // The schedule in float64 on the device and on the host.
       EXPECT_NEAR(gi.learning_rate, ci.learning_rate, 1e-12) << step;
-      EXPECT_EQ(ci.learning_rate, LearningRateAt(h.learning_rate, want_count - (poison ? 0 : 1)));
+      EXPECT_EQ(ci.learning_rate, LearningRateAt(h.schedules, h.learning_rate, want_count - (poison ? 0 : 1)));
       int32_t gpu_count = 0;
       ASSERT_TRUE(gpu_->Download(gpu.count, &gpu_count).ok());
       EXPECT_EQ(gpu_count, want_count);
