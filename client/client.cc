@@ -489,9 +489,8 @@ te::v1::LearningRate CosineDecay(double init_value, int64_t decay_steps, double 
   return lr;
 }
 
-te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value,
-                                       int64_t warmup_steps, int64_t decay_steps,
-                                       double end_value, double exponent) {
+te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value, int64_t warmup_steps,
+                                       int64_t decay_steps, double end_value, double exponent) {
   te::v1::LearningRate lr;
   te::v1::WarmupCosineDecaySchedule* w = lr.mutable_warmup_cosine_decay();
   w->set_init_value(init_value);
@@ -504,8 +503,8 @@ te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value,
 }
 
 te::v1::LearningRate ExponentialDecay(double init_value, int64_t transition_steps,
-                                      double decay_rate, int64_t transition_begin,
-                                      bool staircase, std::optional<double> end_value) {
+                                      double decay_rate, int64_t transition_begin, bool staircase,
+                                      std::optional<double> end_value) {
   te::v1::LearningRate lr;
   te::v1::ExponentialDecaySchedule* e = lr.mutable_exponential_decay();
   e->set_init_value(init_value);

@@ -110,9 +110,9 @@ te::v1::LearningRate Linear(double init_value, double end_value, int64_t transit
                             int64_t transition_begin = 0);
 te::v1::LearningRate CosineDecay(double init_value, int64_t decay_steps, double alpha = 0.0,
                                  double exponent = 1.0);
-te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value,
-                                       int64_t warmup_steps, int64_t decay_steps,
-                                       double end_value = 0.0, double exponent = 1.0);
+te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value, int64_t warmup_steps,
+                                       int64_t decay_steps, double end_value = 0.0,
+                                       double exponent = 1.0);
 te::v1::LearningRate ExponentialDecay(double init_value, int64_t transition_steps,
                                       double decay_rate, int64_t transition_begin = 0,
                                       bool staircase = false,
@@ -149,10 +149,10 @@ struct Optimizer {
   // adamw's (1e-4); lion's is lion_weight_decay.
   double weight_decay = 1e-4;
   double lion_weight_decay = 1e-3;
-  double decay = 0.9;           // rmsprop
-  double initial_scale = 0.0;   // rmsprop
-  bool eps_in_sqrt = true;      // rmsprop
-  bool centered = false;        // rmsprop
+  double decay = 0.9;          // rmsprop
+  double initial_scale = 0.0;  // rmsprop
+  bool eps_in_sqrt = true;     // rmsprop
+  bool centered = false;       // rmsprop
   std::optional<double> clip_by_global_norm;
   std::vector<Transform> chain;  // kChain: its links, in order
   te::v1::Optimizer ToProto() const;

@@ -95,8 +95,8 @@ absl::Status ChainUpdate(const OptimizerHyperparams& h, int32_t count, float gra
       if (grads[s].data() == nullptr || slots[s].param.numel() == 0) continue;
       for (int64_t i = 0; i < slots[s].param.numel(); ++i) {
         load_state(slots[s], i);
-        const double u = ApplyLinks(args, k, LoadAsFloat(grads[s], i),
-                                    LoadAsFloat(slots[s].param, i), state);
+        const double u =
+            ApplyLinks(args, k, LoadAsFloat(grads[s], i), LoadAsFloat(slots[s].param, i), state);
         sum64 += u * u;
       }
     }

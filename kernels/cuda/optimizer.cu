@@ -455,8 +455,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 template <typename T, typename G, typename Code>
 __device__ __forceinline__ void ChainChunk(const ChainStepArgs& c, const typename G::Storage* g,
                                            void* const* st_ptrs, const SlotTable& slot,
-                                           int64_t begin, int64_t end, uint8_t* codes,
-                                           float scale, unsigned* amax, unsigned* scratch) {
+                                           int64_t begin, int64_t end, uint8_t* codes, float scale,
+                                           unsigned* amax, unsigned* scratch) {
   using S = typename T::Storage;
   S* p = static_cast<S*>(slot.param);
   const int ns = c.num_state;
@@ -817,14 +817,14 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
           using T = decltype(tp);
           using G = decltype(tg);
           ChainNormPartialKernel<T, G><<<l.segment->grid, kStepThreads, 0, stream()>>>(
-              l.ptrs, l.segment->slots, l.segment->state, l.segment->chunks,
-              l.segment->num_chunks, plan->decision, k, plan->partial + clip_partials);
+              l.ptrs, l.segment->slots, l.segment->state, l.segment->chunks, l.segment->num_chunks,
+              plan->decision, k, plan->partial + clip_partials);
         });
       });
       clip_partials += l.segment->grid;
     }
     ClipNormKernel<<<1, kFinalizeThreads, 0, stream()>>>(plan->partial, clip_partials,
-                                                          plan->decision, k);
+                                                         plan->decision, k);
   }
   for (const Launch& l : launches) {
     DispatchFloat(l.segment->dtype, [&](auto tp) {
@@ -833,8 +833,8 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
         using G = decltype(tg);
         if (chain) {
           ChainUpdateKernel<T, G><<<l.segment->grid, kStepThreads, 0, stream()>>>(
-              l.ptrs, l.segment->slots, l.segment->state, l.segment->chunks,
-              l.segment->num_chunks, plan->decision, l.segment->fp8);
+              l.ptrs, l.segment->slots, l.segment->state, l.segment->chunks, l.segment->num_chunks,
+              plan->decision, l.segment->fp8);
           return;
         }
         auto kernel = adam ? MultiTensorUpdateKernel<T, G, true> : MultiTensorUpdateKernel<T, G, false>;

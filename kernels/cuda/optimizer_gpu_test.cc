@@ -278,7 +278,8 @@ class OptimizerStepGpuTest : public OptimizerGpuTest {
     std::vector<std::pair<float, float>> ranges(h.num_state, {-0.5f, 0.5f});
     for (int k = 0; k < h.num_links; ++k) {
       const OptimizerLink& l = h.links[k];
-      if (l.kind == OptimizerLink::Kind::kScaleByAdam || l.kind == OptimizerLink::Kind::kScaleByStddev) {
+      if (l.kind == OptimizerLink::Kind::kScaleByAdam ||
+          l.kind == OptimizerLink::Kind::kScaleByStddev) {
         ranges[l.state] = {-0.1f, 0.1f};
         ranges[l.state + 1] = {0.05f, 1.0f};
       } else if (l.kind == OptimizerLink::Kind::kScaleByRms) {

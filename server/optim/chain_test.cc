@@ -82,7 +82,8 @@ double RefSchedule(const v1Lr& lr, int64_t count) {
       for (const auto& b : pc.boundaries_and_scales()) sorted[b.step()] = b.scale();
       double v = pc.init_value();
       for (const auto& [threshold, scale] : sorted) {
-        const double indicator = std::max(0.0, double((threshold - step) > 0) - double((threshold - step) < 0));
+        const double indicator =
+            std::max(0.0, double((threshold - step) > 0) - double((threshold - step) < 0));
         v = v * indicator + (1 - indicator) * scale * v;
       }
       return v;
@@ -231,13 +232,14 @@ void RefTransform(const te::v1::Transform& t, const std::string& prefix, const T
       return RefLion(t.lion(), prefix, params, count, u, s);
     case te::v1::Transform::kClipByGlobalNorm: {
       const double n = GlobalNorm(u), max_norm = t.clip_by_global_norm();
-      if (!(n < max_norm)) Map(u, [&](const std::string&, size_t, double g) { return g / n * max_norm; });
+      if (!(n < max_norm)) {
+        Map(u, [&](const std::string&, size_t, double g) { return g / n * max_norm; });
+      }
       return;
     }
     case te::v1::Transform::kClip:
-      Map(u, [&](const std::string&, size_t, double g) {
-        return std::clamp(g, -t.clip(), t.clip());
-      });
+      Map(u,
+          [&](const std::string&, size_t, double g) { return std::clamp(g, -t.clip(), t.clip()); });
       return;
     case te::v1::Transform::kScale:
       Map(u, [&](const std::string&, size_t, double g) { return t.scale() * g; });
@@ -254,8 +256,8 @@ void RefTransform(const te::v1::Transform& t, const std::string& prefix, const T
 
 // optax.apply_if_finite(chain(...)) for an Optimizer as service.proto
 // defines it: the updates (params += updates) from the gradients.
-Tree RefUpdates(const te::v1::Optimizer& spec, const Tree& params, const Tree& grads,
-                int64_t count, RefState& s) {
+Tree RefUpdates(const te::v1::Optimizer& spec, const Tree& params, const Tree& grads, int64_t count,
+                RefState& s) {
   Tree u = grads;
   if (spec.chain_size() > 0) {
     for (int i = 0; i < spec.chain_size(); ++i) {
@@ -269,12 +271,24 @@ Tree RefUpdates(const te::v1::Optimizer& spec, const Tree& params, const Tree& g
     RefTransform(t, "", params, count, u, s);
   }
   switch (spec.kind_case()) {
-    case te::v1::Optimizer::kSgd: *t.mutable_sgd() = spec.sgd(); break;
-    case te::v1::Optimizer::kAdam: *t.mutable_adam() = spec.adam(); break;
-    case te::v1::Optimizer::kAdamw: *t.mutable_adamw() = spec.adamw(); break;
-    case te::v1::Optimizer::kRmsprop: *t.mutable_rmsprop() = spec.rmsprop(); break;
-    case te::v1::Optimizer::kLion: *t.mutable_lion() = spec.lion(); break;
-    case te::v1::Optimizer::KIND_NOT_SET: ADD_FAILURE() << "no optimizer"; break;
+    case te::v1::Optimizer::kSgd:
+      *t.mutable_sgd() = spec.sgd();
+      break;
+    case te::v1::Optimizer::kAdam:
+      *t.mutable_adam() = spec.adam();
+      break;
+    case te::v1::Optimizer::kAdamw:
+      *t.mutable_adamw() = spec.adamw();
+      break;
+    case te::v1::Optimizer::kRmsprop:
+      *t.mutable_rmsprop() = spec.rmsprop();
+      break;
+    case te::v1::Optimizer::kLion:
+      *t.mutable_lion() = spec.lion();
+      break;
+    case te::v1::Optimizer::KIND_NOT_SET:
+      ADD_FAILURE() << "no optimizer";
+      break;
   }
   RefTransform(t, "", params, count, u, s);
   return u;
@@ -459,8 +473,8 @@ TEST_P(ChainTest, StepsMatchFloat64Optax) {
     for (int64_t i = 0; i < t.numel(); ++i) t.data_as<float>()[i] = dist(gen);
     return t;
   };
-  const std::map<std::string, Shape> shapes = {{"a/kernel", {6, 5}}, {"a/bias", {5}},
-                                               {"b/scale", {3, 4}}};
+  const std::map<std::string, Shape> shapes = {
+      {"a/kernel", {6, 5}}, {"a/bias", {5}}, {"b/scale", {3, 4}}};
   layers::Variables vars;
   for (const auto& [path, shape] : shapes) vars["params/" + path] = random(shape);
   layers::Variables state = *InitState(ops, *config, vars);
@@ -631,7 +645,8 @@ std::vector<std::pair<std::string, v1Lr>> Schedules() {
     v1Lr lr;
     auto* pc = lr.mutable_piecewise_constant();
     pc->set_init_value(1.0);
-    for (auto [step, scale] : std::vector<std::pair<int64_t, double>>{{10, 0.5}, {5, 0.1}, {20, 2.0}}) {
+    for (auto [step, scale] :
+         std::vector<std::pair<int64_t, double>>{{10, 0.5}, {5, 0.1}, {20, 2.0}}) {
       auto* b = pc->add_boundaries_and_scales();
       b->set_step(step);
       b->set_scale(scale);
@@ -771,19 +786,22 @@ TEST(ChainResolveTest, BadFieldsAreInvalidArgumentNamingThem) {
   add("optimizer.chain[0].clip: -1 is negative").add_chain()->set_clip(-1);
   add("optimizer.chain[0].scale: nan").add_chain()->set_scale(NAN);
   {
-    te::v1::Optimizer& o = add("optimizer.lion.learning_rate.cosine_decay.decay_steps: 0 is not positive");
+    te::v1::Optimizer& o =
+        add("optimizer.lion.learning_rate.cosine_decay.decay_steps: 0 is not positive");
     o.mutable_lion()->mutable_learning_rate()->mutable_cosine_decay()->set_init_value(0.1);
   }
   {
     te::v1::Optimizer& o =
-        add("optimizer.sgd.learning_rate.piecewise_constant.boundaries_and_scales[1].scale: -0.5 is negative");
+        add("optimizer.sgd.learning_rate.piecewise_constant.boundaries_and_scales[1].scale: -0.5 "
+            "is negative");
     auto* pc = o.mutable_sgd()->mutable_learning_rate()->mutable_piecewise_constant();
     pc->add_boundaries_and_scales()->set_scale(1.0);
     pc->add_boundaries_and_scales()->set_scale(-0.5);
   }
   {
     te::v1::Optimizer& o =
-        add("optimizer.sgd.learning_rate.piecewise_constant.boundaries_and_scales[1].step: 5 is given twice");
+        add("optimizer.sgd.learning_rate.piecewise_constant.boundaries_and_scales[1].step: 5 is "
+            "given twice");
     auto* pc = o.mutable_sgd()->mutable_learning_rate()->mutable_piecewise_constant();
     for (int i = 0; i < 2; ++i) {
       auto* b = pc->add_boundaries_and_scales();
@@ -823,11 +841,14 @@ TEST(ChainResolveTest, BadFieldsAreInvalidArgumentNamingThem) {
   }
   {
     te::v1::Optimizer& o = add("optimizer.chain: keeps 10 state tensors per parameter");
-    for (int i = 0; i < 5; ++i) *o.add_chain()->mutable_adam()->mutable_learning_rate() = Constant(1);
+    for (int i = 0; i < 5; ++i) {
+      *o.add_chain()->mutable_adam()->mutable_learning_rate() = Constant(1);
+    }
   }
   {
-    te::v1::Optimizer& o = add("optimizer.sgd.learning_rate.piecewise_constant.boundaries_and_scales: "
-                               "the optimizer's schedules take more than 32 boundaries");
+    te::v1::Optimizer& o =
+        add("optimizer.sgd.learning_rate.piecewise_constant.boundaries_and_scales: "
+            "the optimizer's schedules take more than 32 boundaries");
     auto* pc = o.mutable_sgd()->mutable_learning_rate()->mutable_piecewise_constant();
     for (int i = 0; i < 33; ++i) pc->add_boundaries_and_scales()->set_step(i);
   }

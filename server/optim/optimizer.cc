@@ -395,8 +395,8 @@ class Builder {
     // optax's cosine_decay_schedule wants decay_steps - warmup_steps > 0.
     if (w.decay_steps() <= w.warmup_steps()) {
       return Invalid(f + ".decay_steps",
-                     absl::StrCat(w.decay_steps(), " is not above warmup_steps (",
-                                  w.warmup_steps(), "): it counts the warmup too"));
+                     absl::StrCat(w.decay_steps(), " is not above warmup_steps (", w.warmup_steps(),
+                                  "): it counts the warmup too"));
     }
     ScheduleNode warmup;
     warmup.kind = ScheduleNode::Kind::kPolynomial;
@@ -455,9 +455,7 @@ class Builder {
 };
 
 // True for the optimizers the fused rule runs: sgd, adam, adamw.
-bool Fusable(const te::v1::Transform& t) {
-  return t.has_sgd() || t.has_adam() || t.has_adamw();
-}
+bool Fusable(const te::v1::Transform& t) { return t.has_sgd() || t.has_adam() || t.has_adamw(); }
 
 // "params/<path>" -> "opt_state/<state>/<path>".
 std::string StateName(const std::string& state, const std::string& param_name) {
@@ -491,9 +489,9 @@ absl::StatusOr<OptimizerConfig> ResolveOptimizer(const te::v1::Optimizer& spec,
     // chain(clip_by_global_norm, sgd | adam | adamw) or one of them alone is
     // the fused rule; its state keeps the chain's names.
     const int n = spec.chain_size();
-    const bool fused = (n == 1 && Fusable(spec.chain(0))) ||
-                       (n == 2 && spec.chain(0).has_clip_by_global_norm() &&
-                        Fusable(spec.chain(1)));
+    const bool fused =
+        (n == 1 && Fusable(spec.chain(0))) ||
+        (n == 2 && spec.chain(0).has_clip_by_global_norm() && Fusable(spec.chain(1)));
     if (fused) {
       b.FinishFused();
       return c;
@@ -534,8 +532,9 @@ absl::StatusOr<OptimizerConfig> ResolveOptimizer(const te::v1::Optimizer& spec,
     case te::v1::Optimizer::KIND_NOT_SET:
       break;
   }
-  return Invalid(field, "no optimizer (or one this server does not know); set one of sgd, "
-                        "adam, adamw, rmsprop, lion, or a chain");
+  return Invalid(field,
+                 "no optimizer (or one this server does not know); set one of sgd, "
+                 "adam, adamw, rmsprop, lion, or a chain");
 }
 
 std::vector<layers::VariableSpec> StateSpecs(const OptimizerConfig& config,
@@ -615,8 +614,8 @@ absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers
   ASSIGN_OR_RETURN(Tensor * total_notfinite, find(kTotalNotfinite));
   if (plan_ == nullptr || !plan_->Matches(slots, *count, *total_notfinite)) {
     plan_.reset();
-    ASSIGN_OR_RETURN(plan_, ops.NewOptimizerPlan(config.hyperparams, slots, *count,
-                                                 *total_notfinite));
+    ASSIGN_OR_RETURN(plan_,
+                     ops.NewOptimizerPlan(config.hyperparams, slots, *count, *total_notfinite));
   }
   // The params change in place: a copy derived from them is current after
   // this only if it was among fp8_copies (the caller drops the others).

@@ -43,7 +43,7 @@ TEST(ResolveOptimizerTest, OptaxDefaults) {
   sgd.mutable_sgd()->mutable_learning_rate()->set_constant(0.1);
   absl::StatusOr<OptimizerConfig> s = ResolveOptimizer(sgd, "optimizer");
   ASSERT_TRUE(s.ok());
-  EXPECT_TRUE(s->state.empty());  // optax: momentum=None, no trace state
+  EXPECT_TRUE(s->state.empty());             // optax: momentum=None, no trace state
   EXPECT_EQ(StateSpecs(*s, {}).size(), 2u);  // count, total_notfinite
 }
 

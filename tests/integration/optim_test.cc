@@ -413,7 +413,8 @@ TEST_F(OptimTest, CppClientTrainsWithItsOptimizerOption) {
 TEST_F(OptimTest, CppClientBuildsRmspropLionSchedulesAndChains) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start();
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::StatusOr<std::unique_ptr<client::Client>> client = client::Client::Connect((*server)->address());
+  absl::StatusOr<std::unique_ptr<client::Client>> client =
+      client::Client::Connect((*server)->address());
   ASSERT_TRUE(client.ok()) << client.status();
   namespace s = client::schedules;
   struct Case {
@@ -424,7 +425,8 @@ TEST_F(OptimTest, CppClientBuildsRmspropLionSchedulesAndChains) {
   client::Optimizer clipped_lion = client::Lion(s::Constant(1e-2), 0.9, 0.99, 1e-4);
   clipped_lion.clip_by_global_norm = 1.0;
   const std::vector<Case> cases = {
-      {"rmsprop", client::Rmsprop(s::ExponentialDecay(0.03, 50, 0.5), 0.9, 1e-8, 0.0, true, true, 0.5),
+      {"rmsprop",
+       client::Rmsprop(s::ExponentialDecay(0.03, 50, 0.5), 0.9, 1e-8, 0.0, true, true, 0.5),
        {"mu/kernel", "nu/kernel", "trace/kernel"}},
       {"lion", clipped_lion, {"mu/kernel"}},
       {"chain(adam, clip)",
@@ -472,7 +474,8 @@ TEST_F(OptimTest, CppClientBuildsRmspropLionSchedulesAndChains) {
         *mb->mutable_x() = data.x[m];
         *mb->mutable_target() = data.target[m];
       }
-      absl::StatusOr<te::v1::ForwardBackwardResponse> response = (*session)->ForwardBackward(request);
+      absl::StatusOr<te::v1::ForwardBackwardResponse> response =
+          (*session)->ForwardBackward(request);
       ASSERT_TRUE(response.ok()) << response.status();
       EXPECT_TRUE(response->update().applied());
       EXPECT_EQ(response->update().count(), step + 1);
