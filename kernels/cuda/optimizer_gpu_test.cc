@@ -364,11 +364,37 @@ class OptimizerStepGpuTest : public OptimizerGpuTest {
     std::memcpy(&info, plan.info().data(), sizeof(info));
     return info;
   }
-  void ExpectSame(const StepState& cpu, const StepState& gpu, int step) {
+  // lion's update is sign(x): where x is within rounding of 0 the backends
+  // (the GPU's fused multiply-adds) may take opposite signs, a difference of
+  // 2 lr in that one element. `sign_flips`: such elements, at most one in
+  // kFlipsPer, are left out and the rest compared as usual.
+  static constexpr int64_t kFlipsPer = 10000;
+  void ExpectSame(const StepState& cpu, const StepState& gpu, int step, bool sign_flips = false) {
     for (size_t i = 0; i < cpu.slots.size(); ++i) {
       const double tol = Tolerance(cpu.slots[i].param.dtype());
-      EXPECT_LT(RelativeError(Download(gpu.slots[i].param), ToDoubles(cpu.slots[i].param)), tol)
-          << "slot " << i << " param, step " << step;
+      std::vector<double> got = ToDoubles(Download(gpu.slots[i].param));
+      std::vector<double> want = ToDoubles(cpu.slots[i].param);
+      if (sign_flips) {
+        // Past rounding: 3 bf16 ulps, or 1e-4 in f32 (a flip is >= 2e-3 here).
+        const double past = cpu.slots[i].param.dtype() == DType::kF32 ? 1e-4 : 3.0 / 256;
+        std::vector<double> kept_got, kept_want;
+        int64_t flips = 0;
+        for (size_t k = 0; k < got.size(); ++k) {
+          if (std::abs(got[k] - want[k]) > past * (1.0 + std::abs(want[k]))) {
+            ++flips;
+            continue;
+          }
+          kept_got.push_back(got[k]);
+          kept_want.push_back(want[k]);
+        }
+        EXPECT_LE(flips, 1 + static_cast<int64_t>(got.size()) / kFlipsPer)
+            << "slot " << i << " param, step " << step;
+        got = std::move(kept_got);
+        want = std::move(kept_want);
+      }
+      if (!want.empty()) {
+        EXPECT_LT(RelativeError(got, want), tol) << "slot " << i << " param, step " << step;
+      }
       if (cpu.slots[i].mu.data() != nullptr) {
         EXPECT_LT(RelativeError(Download(gpu.slots[i].mu), ToDoubles(cpu.slots[i].mu)), tol)
             << "slot " << i << " mu, step " << step;
@@ -453,8 +479,14 @@ class OptimizerStepGpuTest : public OptimizerGpuTest {
       if (poison) {
         EXPECT_EQ(Snapshot(gpu), before) << "a non-finite step must write nothing";
       }
-      ExpectSame(cpu, gpu, step);
+      ExpectSame(cpu, gpu, step, HasLion(h));
     }
+  }
+  static bool HasLion(const OptimizerHyperparams& h) {
+    for (int k = 0; k < h.num_links; ++k) {
+      if (h.links[k].kind == OptimizerLink::Kind::kScaleByLion) return true;
+    }
+    return false;
   }
 };
 
@@ -652,7 +684,7 @@ void OptimizerFp8CopyGpuTest::RunCopySteps(int rule_case, DType dtype, DType fp8
       // Slot 1 is the second copy: its 5 tensors in the snapshot.
       for (int k = 5; k < 10; ++k) EXPECT_EQ(after[k], before[k]) << "slot 1 had no gradient";
     }
-    ExpectSame(cpu, gpu, step);
+    ExpectSame(cpu, gpu, step, HasLion(h));
     // A slot left alone this step keeps its copy of the previous step's
     // scale, which the check below would not take for current.
     if (skip_slot >= 0) {
