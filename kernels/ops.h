@@ -160,20 +160,106 @@ struct OptimizerUpdateArgs {
 // What stays fixed over a training run's steps; the step's scalars are
 // evaluated from the count on the device (kernels/optimizer_math.h defines
 // them, once, for both backends and the server).
-struct LearningRateSchedule {
-  bool warmup_cosine = false;  // optax.warmup_cosine_decay_schedule; else constant
-  double value = 0.0;          // constant
-  double init_value = 0.0, peak_value = 0.0, end_value = 0.0, exponent = 1.0;
-  int64_t warmup_steps = 0, decay_steps = 0;
+
+// optax's learning-rate schedules as data: a small tree of nodes in fixed
+// arrays (kernel arguments, no pointers), one table per optimizer, shared by
+// its links. LearningRateAt(table, node, count) evaluates one node.
+inline constexpr int kMaxScheduleNodes = 16;
+inline constexpr int kMaxScheduleKnots = 32;
+struct ScheduleNode {
+  enum class Kind : int32_t {
+    kConstant,          // init_value
+    kPolynomial,        // optax.polynomial_schedule (linear_schedule: power 1):
+                        //   init_value, end_value, power, steps, begin
+    kCosineDecay,       // optax.cosine_decay_schedule: init_value, steps
+                        //   (decay_steps > 0), alpha, power (its exponent)
+    kExponentialDecay,  // optax.exponential_decay: init_value, steps, rate,
+                        //   begin, staircase, end_value when has_end
+    kPiecewiseConstant, // optax.piecewise_constant_schedule: init_value times
+                        //   knots[first, first + num).scale from each .step
+                        //   on (sorted by step)
+    kJoin,              // optax.join_schedules: knots[first + i].node from
+                        //   knots[first + i].step on (i > 0; knot 0's step
+                        //   unused), counting its steps from there
+  };
+  Kind kind = Kind::kConstant;
+  int32_t first = 0, num = 0;  // knots
+  int32_t staircase = 0, has_end = 0;
+  double init_value = 0.0, end_value = 0.0, power = 1.0, alpha = 0.0, rate = 1.0;
+  int64_t steps = 0, begin = 0;
 };
+struct ScheduleKnot {
+  int64_t step = 0;
+  double scale = 1.0;  // kPiecewiseConstant
+  int32_t node = 0;    // kJoin
+  int32_t unused = 0;
+};
+struct ScheduleTable {
+  int32_t num_nodes = 0, num_knots = 0;
+  ScheduleNode nodes[kMaxScheduleNodes];
+  ScheduleKnot knots[kMaxScheduleKnots];
+  // Appends a node (its index), or -1 when the table is full.
+  int32_t Add(const ScheduleNode& node) {
+    if (num_nodes == kMaxScheduleNodes) return -1;
+    nodes[num_nodes] = node;
+    return num_nodes++;
+  }
+  int32_t AddConstant(double value) {
+    ScheduleNode node;
+    node.init_value = value;
+    return Add(node);
+  }
+};
+
+// One link of an optax.chain as the device runs it: optax's primitive
+// transformations, each turning the update u (the gradient before the first
+// link) into the next one, elementwise except clip_by_global_norm (a norm over
+// every slot's u at that point). The optimizers are chains of these as optax
+// defines them (sgd: trace?, scale_by_learning_rate; adamw: scale_by_adam,
+// add_decayed_weights, scale_by_learning_rate; rmsprop: scale_by_rms or
+// scale_by_stddev, scale_by_learning_rate, trace?; lion: scale_by_lion,
+// add_decayed_weights, scale_by_learning_rate).
+inline constexpr int kMaxOptimizerLinks = 16;
+inline constexpr int kMaxSlotState = 8;  // state tensors per slot over all links
+struct OptimizerLink {
+  enum class Kind : int32_t {
+    kTrace,                // optax.trace(decay=b1, nesterov=flag); state: trace
+    kScaleByAdam,          // b1, b2, eps, eps_root; state: mu, nu
+    kScaleByRms,           // decay=b2, eps, eps_in_sqrt=flag; state: nu
+    kScaleByStddev,        // decay=b2, eps, eps_in_sqrt=flag; state: mu, nu
+    kScaleByLion,          // b1, b2 (u = sign((1-b1) u + b1 mu)); state: mu
+    kClipByGlobalNorm,     // max_norm=value
+    kClip,                 // max_delta=value (elementwise)
+    kScale,                // step_size=value
+    kAddDecayedWeights,    // weight_decay=value (u += value * param)
+    kScaleByLearningRate,  // u *= -LearningRateAt(schedule, count)
+  };
+  Kind kind = Kind::kScale;
+  int32_t state = 0;      // its first state tensor in OptimizerSlot::state
+  int32_t schedule = -1;  // kScaleByLearningRate: its node in the table
+  int32_t flag = 0;
+  double b1 = 0.0, b2 = 0.0, eps = 0.0, eps_root = 0.0, value = 0.0;
+};
+
 struct OptimizerHyperparams {
+  // The fused rules (num_links == 0): clip_by_global_norm(max_norm) when
+  // max_norm > 0, then OptimizerUpdate's rule.
   OptimizerUpdateArgs::Rule rule = OptimizerUpdateArgs::Rule::kSgd;
-  LearningRateSchedule learning_rate;
   double momentum = 0.0;  // sgd with a trace when the slots have mu
   bool nesterov = false;
   double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;
   double weight_decay = 0.0;
   double max_norm = 0.0;  // 0: no clipping
+  ScheduleTable schedules;
+  // The rule's learning rate (a node of `schedules`), and the one the step
+  // reports (OptimizerStepInfo) either way; -1: 0.
+  int32_t learning_rate = -1;
+  // A chain (num_links > 0) instead of the rule: links[0, num_links) in
+  // order, then param += u. Each slot keeps num_state state tensors
+  // (OptimizerSlot::state) and no mu or nu.
+  int32_t num_links = 0;
+  int32_t num_state = 0;
+  OptimizerLink links[kMaxOptimizerLinks];
 };
 // An FP8 copy of a slot's param that the step writes as it writes the
 // param: the weight of an FP8 GEMM in the two layouts Hopper's GEMMs take it,
@@ -194,10 +280,13 @@ struct OptimizerFp8Copy {
 };
 // One parameter of a multi-tensor step: as OptimizerUpdate's param, mu, nu
 // (mu and nu undefined where the rule keeps none), and optionally the FP8
-// copy of param the step keeps current (fp8.data undefined: none).
+// copy of param the step keeps current (fp8.data undefined: none). Under a
+// chain, `state` holds the links' per-parameter state instead of mu and nu
+// (OptimizerHyperparams::num_state tensors in the param's dtype and shape).
 struct OptimizerSlot {
   Tensor param, mu, nu;
   OptimizerFp8Copy fp8;
+  std::vector<Tensor> state;
 };
 // What one step did, written on the device by the step itself (so the host
 // reads it with the step's other results, never in between).
@@ -234,8 +323,10 @@ class OptimizerPlan {
     DType dtype;
   };
   OptimizerHyperparams hyperparams_;
-  // Per slot the tensors PlannedOf names, then count, total_notfinite.
+  // Per slot the tensors PlannedOf names and its state, then count,
+  // total_notfinite; planned_state_: each slot's state count.
   std::vector<Planned> planned_;
+  std::vector<size_t> planned_state_;
   Tensor info_;
   static constexpr int kPlannedPerSlot = 8;
   static std::array<const Tensor*, kPlannedPerSlot> PlannedOf(const OptimizerSlot& s) {
@@ -247,10 +338,13 @@ class OptimizerPlan {
                 const Tensor& count, const Tensor& total_notfinite) {
     hyperparams_ = h;
     planned_.clear();
+    planned_state_.clear();
     for (const OptimizerSlot& s : slots) {
       for (const Tensor* t : PlannedOf(s)) {
         planned_.push_back({t->data(), t->numel(), t->dtype()});
       }
+      for (const Tensor& t : s.state) planned_.push_back({t.data(), t.numel(), t.dtype()});
+      planned_state_.push_back(s.state.size());
     }
     for (const Tensor* t : {&count, &total_notfinite}) {
       planned_.push_back({t->data(), t->numel(), t->dtype()});
@@ -260,7 +354,13 @@ class OptimizerPlan {
 
 inline bool OptimizerPlan::Matches(const std::vector<OptimizerSlot>& slots, const Tensor& count,
                                    const Tensor& total_notfinite) const {
-  if (planned_.size() != kPlannedPerSlot * slots.size() + 2) return false;
+  if (planned_state_.size() != slots.size()) return false;
+  size_t expected = 2;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    if (planned_state_[k] != slots[k].state.size()) return false;
+    expected += kPlannedPerSlot + slots[k].state.size();
+  }
+  if (planned_.size() != expected) return false;
   auto same = [](const Planned& p, const Tensor& t) {
     return p.data == t.data() && p.numel == t.numel() && p.dtype == t.dtype();
   };
@@ -268,6 +368,9 @@ inline bool OptimizerPlan::Matches(const std::vector<OptimizerSlot>& slots, cons
   for (const OptimizerSlot& s : slots) {
     for (const Tensor* t : PlannedOf(s)) {
       if (!same(planned_[i++], *t)) return false;
+    }
+    for (const Tensor& t : s.state) {
+      if (!same(planned_[i++], t)) return false;
     }
   }
   return same(planned_[i], count) && same(planned_[i + 1], total_notfinite);
@@ -601,7 +704,11 @@ class Ops {
   //   grad_norm_sq = sum over the slots with a gradient of sum(g^2) (float32);
   //   c = *count; applied = grad_norm_sq is finite;
   //   the slots' updates as OptimizerUpdate with UpdateArgsAt(hyperparams, c)
-  //     (optimizer_math.h), skipped entirely when not applied;
+  //     (optimizer_math.h), or under a chain (num_links > 0) as ApplyLinks
+  //     runs the links on each element in float32 (each state element read
+  //     and rounded once per step), clip_by_global_norm at link k taking the
+  //     float32 norm of every updated slot's u after links [0, k); skipped
+  //     entirely when not applied;
   //   each updated slot's FP8 copy (slot.fp8) as QuantizeTranspose makes it
   //     from the new param viewed as [rows, cols] with slot.fp8.scale: data,
   //     data_t, scale_inv, kept_amax = max |param| (QuantizeTranspose's
