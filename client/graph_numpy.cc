@@ -167,8 +167,7 @@ Graph::Edge Graph::Unary(UnaryOp op, Edge x) {
   return RecordOne(std::move(node), edges_[x.id].shape, dtype);
 }
 
-Graph::Edge Graph::WhereOf(Edge cond, std::optional<double> x_scalar, Edge x, std::optional<double> y_scalar,
-                           Edge y) {
+Graph::Edge Graph::WhereOf(Edge cond, std::optional<double> x_scalar, Edge x, std::optional<double> y_scalar, Edge y) {
   const std::string where = GlueNameNow("where");
   std::vector<Edge> values;
   if (!x_scalar) values.push_back(x);
@@ -245,8 +244,7 @@ Graph::Edge Graph::Slice(Edge x, const std::vector<int64_t>& start, const std::v
   const std::string where = GlueNameNow("slice");
   if (!Readable({x}, where)) return Edge{};
   const Shape& from = edges_[x.id].shape;
-  if (start.size() != from.size() || limit.size() != from.size() ||
-      (!stride.empty() && stride.size() != from.size())) {
+  if (start.size() != from.size() || limit.size() != from.size() || (!stride.empty() && stride.size() != from.size())) {
     return Fail(where, absl::StrCat("start, limit and stride want one entry per axis of ", ShapeString(from)));
   }
   Shape shape;
@@ -286,7 +284,8 @@ Graph::Edge Graph::Param(const std::string& name, Shape shape, const te::v1::Ini
   const std::string where = absl::StrCat(node_name, " (param)");
   if (!error_.ok()) return Edge{};
   if (name.empty()) return Fail(where, "a param needs a name");
-  if (!IsFloat(dtype)) return Fail(where, absl::StrCat("dtype ", DTypeName(dtype), ": want float32, bfloat16 or float16"));
+  if (!IsFloat(dtype))
+    return Fail(where, absl::StrCat("dtype ", DTypeName(dtype), ": want float32, bfloat16 or float16"));
   for (int64_t d : shape) {
     if (d < 1) return Fail(where, absl::StrCat("shape ", ShapeString(shape), ": want positive dims"));
   }

@@ -44,9 +44,9 @@ absl::StatusOr<BroadcastGeometry> BroadcastTo(const char* op, const Shape& out,
       fits = s[d] == out[lead + d] || s[d] == 1;
     }
     if (!fits) {
-      return Invalid(op, absl::StrCat(names[k], " has shape ", ShapeString(s),
-                                      ", which does not broadcast to ", out_name, " ",
-                                      ShapeString(out)));
+      return Invalid(
+          op, absl::StrCat(names[k], " has shape ", ShapeString(s),
+                           ", which does not broadcast to ", out_name, " ", ShapeString(out)));
     }
     const std::vector<int64_t> own = Strides(s);
     for (int d = 0; d < static_cast<int>(s.size()); ++d) {
@@ -198,8 +198,10 @@ absl::StatusOr<ReduceGeometry> CheckReduceArgs(ReduceOp op, const Tensor& x, con
       st[rank - 1] = strides[d];
     } else {
       if (rank == kBroadcastMaxRank) {
-        return Invalid(kOp, absl::StrCat("x ", ShapeString(xs), " alternates kept and reduced dims "
-                                         "more than ", kBroadcastMaxRank, " times"));
+        return Invalid(kOp, absl::StrCat("x ", ShapeString(xs),
+                                         " alternates kept and reduced dims "
+                                         "more than ",
+                                         kBroadcastMaxRank, " times"));
       }
       dims[rank] = xs[d];
       st[rank] = strides[d];
@@ -217,7 +219,8 @@ namespace {
 absl::StatusOr<SoftmaxGeometry> SoftmaxGeometryOf(const char* op, int axis, const Tensor& x) {
   const int rank = x.rank();
   if (axis < 0 || axis >= rank) {
-    return Invalid(op, absl::StrCat("axis ", axis, " is out of range for x ", ShapeString(x.shape())));
+    return Invalid(op,
+                   absl::StrCat("axis ", axis, " is out of range for x ", ShapeString(x.shape())));
   }
   SoftmaxGeometry g;
   for (int d = 0; d < axis; ++d) g.outer *= x.dim(d);
@@ -249,8 +252,8 @@ absl::StatusOr<SoftmaxGeometry> CheckSoftmaxBackwardArgs(int axis, const Tensor&
 
 absl::StatusOr<SliceGeometry> CheckSliceArgs(const char* op, const Tensor& from,
                                              const std::vector<int64_t>& start,
-                                             const std::vector<int64_t>& stride,
-                                             const Tensor* to, bool backward) {
+                                             const std::vector<int64_t>& stride, const Tensor* to,
+                                             bool backward) {
   const char* from_name = backward ? "dx" : "x";
   const char* to_name = backward ? "dy" : "y";
   RETURN_IF_ERROR(RequireDefined(op, from_name, &from));
@@ -266,10 +269,10 @@ absl::StatusOr<SliceGeometry> CheckSliceArgs(const char* op, const Tensor& from,
   const int rank = from.rank();
   if (to->rank() != rank || static_cast<int>(start.size()) != rank ||
       static_cast<int>(stride.size()) != rank) {
-    return Invalid(op, absl::StrCat(from_name, " ", ShapeString(from.shape()), ", ", to_name, " ",
-                                    ShapeString(to->shape()), ", start [",
-                                    absl::StrJoin(start, ", "), "] and stride [",
-                                    absl::StrJoin(stride, ", "), "] differ in rank"));
+    return Invalid(op,
+                   absl::StrCat(from_name, " ", ShapeString(from.shape()), ", ", to_name, " ",
+                                ShapeString(to->shape()), ", start [", absl::StrJoin(start, ", "),
+                                "] and stride [", absl::StrJoin(stride, ", "), "] differ in rank"));
   }
   if (rank > kBroadcastMaxRank) {
     return Invalid(op, absl::StrCat("rank ", rank, " is over ", kBroadcastMaxRank));
@@ -279,13 +282,13 @@ absl::StatusOr<SliceGeometry> CheckSliceArgs(const char* op, const Tensor& from,
   g.rank = rank;
   for (int d = 0; d < rank; ++d) {
     const int64_t n = to->dim(d);
-    const bool fits = stride[d] >= 1 && start[d] >= 0 &&
-                      (n == 0 || (start[d] < from.dim(d) &&
-                                  (from.dim(d) - 1 - start[d]) / stride[d] >= n - 1));
+    const bool fits =
+        stride[d] >= 1 && start[d] >= 0 &&
+        (n == 0 || (start[d] < from.dim(d) && (from.dim(d) - 1 - start[d]) / stride[d] >= n - 1));
     if (!fits) {
-      return Invalid(op, absl::StrCat("dim ", d, ": ", n, " elements from ", start[d], " by ",
-                                      stride[d], " do not fit ", from_name, " ",
-                                      ShapeString(from.shape())));
+      return Invalid(
+          op, absl::StrCat("dim ", d, ": ", n, " elements from ", start[d], " by ", stride[d],
+                           " do not fit ", from_name, " ", ShapeString(from.shape())));
     }
     g.dims[d] = n;
     g.x_strides[d] = strides[d] * stride[d];

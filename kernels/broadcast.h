@@ -59,8 +59,8 @@ struct ReduceGeometry {
   int red_rank = 0;
   int64_t red_dims[kBroadcastMaxRank] = {};
   int64_t red_strides[kBroadcastMaxRank] = {};  // x's strides along the reduced dims
-  int64_t outputs = 1;  // numel(y)
-  int64_t reduced = 1;  // x's elements per output
+  int64_t outputs = 1;                          // numel(y)
+  int64_t reduced = 1;                          // x's elements per output
 };
 
 TE_HOST_DEVICE inline int64_t Unravel(int rank, const int64_t* dims, const int64_t* strides,
@@ -105,8 +105,8 @@ absl::StatusOr<SoftmaxGeometry> CheckSoftmaxBackwardArgs(int axis, const Tensor&
 // For Slice, `from` is x and `to` y; for SliceBackward, `from` is dx and `to` dy.
 absl::StatusOr<SliceGeometry> CheckSliceArgs(const char* op, const Tensor& from,
                                              const std::vector<int64_t>& start,
-                                             const std::vector<int64_t>& stride,
-                                             const Tensor* to, bool backward);
+                                             const std::vector<int64_t>& stride, const Tensor* to,
+                                             bool backward);
 
 }  // namespace te
 

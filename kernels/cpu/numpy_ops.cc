@@ -33,8 +33,8 @@ absl::Status CpuOps::Binary(const BinaryArgs& args, const Tensor& a, const Tenso
   for (int64_t i = 0; i < y->numel(); ++i) {
     int64_t off[2];
     BroadcastOffsets<2>(g, i, off);
-    const Operands v = Order(args, LoadAsFloat(a, off[0]),
-                             args.has_scalar ? 0.0f : LoadAsFloat(b, off[1]));
+    const Operands v =
+        Order(args, LoadAsFloat(a, off[0]), args.has_scalar ? 0.0f : LoadAsFloat(b, off[1]));
     StoreFromFloat(y, i, BinaryValue(args.op, v.a, v.b));
   }
   return absl::OkStatus();
@@ -46,8 +46,8 @@ absl::Status CpuOps::BinaryBackward(const BinaryArgs& args, const Tensor& dy, co
   for (int64_t i = 0; i < dy.numel(); ++i) {
     int64_t off[2];
     BroadcastOffsets<2>(g, i, off);
-    const Operands v = Order(args, LoadAsFloat(a, off[0]),
-                             args.has_scalar ? 0.0f : LoadAsFloat(b, off[1]));
+    const Operands v =
+        Order(args, LoadAsFloat(a, off[0]), args.has_scalar ? 0.0f : LoadAsFloat(b, off[1]));
     const float g_out = LoadAsFloat(dy, i);
     if (da != nullptr) {
       // With a scalar first, the tensor is the math's right operand.

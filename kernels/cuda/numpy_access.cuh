@@ -47,7 +47,9 @@ struct Output {
   DType dtype = DType::kF32;
 };
 inline Operand OperandOf(const Tensor& t) { return Operand{t.data(), t.dtype()}; }
-inline Output OutputOf(Tensor* t) { return t == nullptr ? Output{} : Output{t->data(), t->dtype()}; }
+inline Output OutputOf(Tensor* t) {
+  return t == nullptr ? Output{} : Output{t->data(), t->dtype()};
+}
 
 }  // namespace cuda
 }  // namespace te

@@ -79,9 +79,9 @@ __global__ void UnaryKernel(UnaryOp op, Operand x, Output y, int64_t n) {
 __global__ void UnaryBackwardKernel(UnaryOp op, Operand dy, Operand x, Output dx, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    StoreAt(dx.data, dx.dtype, i,
-            LoadAt(dy.data, dy.dtype, i) *
-                numpy_math::UnaryDerivative(op, LoadAt(x.data, x.dtype, i)));
+    StoreAt(
+        dx.data, dx.dtype, i,
+        LoadAt(dy.data, dy.dtype, i) * numpy_math::UnaryDerivative(op, LoadAt(x.data, x.dtype, i)));
   }
 }
 
@@ -108,8 +108,8 @@ void LaunchBinary(const BinaryArgs& args, const BroadcastGeometry& g, Operand a,
   BinaryKernel<<<GridFor(n, sms), kThreads, 0, stream>>>(args, g, a, b, y, n);
 }
 
-void LaunchBinaryBackward(const BinaryArgs& args, const BroadcastGeometry& g, Operand dy,
-                          Operand a, Operand b, Output da, Output db, int64_t n, SmCount sms,
+void LaunchBinaryBackward(const BinaryArgs& args, const BroadcastGeometry& g, Operand dy, Operand a,
+                          Operand b, Output da, Output db, int64_t n, SmCount sms,
                           cudaStream_t stream) {
   BinaryBackwardKernel<<<GridFor(n, sms), kThreads, 0, stream>>>(args, g, dy, a, b, da, db, n);
 }
@@ -134,8 +134,8 @@ absl::Status CudaOps::Binary(const BinaryArgs& args, const Tensor& a, const Tens
   ASSIGN_OR_RETURN(const BroadcastGeometry g, CheckBinaryArgs(args, a, b, y));
   if (y->numel() == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  LaunchBinary(args, g, OperandOf(a), args.has_scalar ? Operand{} : OperandOf(b), OutputOf(y), y->numel(), sms(),
-               stream());
+  LaunchBinary(args, g, OperandOf(a), args.has_scalar ? Operand{} : OperandOf(b), OutputOf(y),
+               y->numel(), sms(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -145,8 +145,9 @@ absl::Status CudaOps::BinaryBackward(const BinaryArgs& args, const Tensor& dy, c
   ASSIGN_OR_RETURN(const BroadcastGeometry g, CheckBinaryBackwardArgs(args, dy, a, b, da, db));
   if (dy.numel() == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  LaunchBinaryBackward(args, g, OperandOf(dy), OperandOf(a), args.has_scalar ? Operand{} : OperandOf(b), OutputOf(da),
-                       OutputOf(db), dy.numel(), sms(), stream());
+  LaunchBinaryBackward(args, g, OperandOf(dy), OperandOf(a),
+                       args.has_scalar ? Operand{} : OperandOf(b), OutputOf(da), OutputOf(db),
+                       dy.numel(), sms(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -175,7 +176,8 @@ absl::Status CudaOps::Where(const WhereArgs& args, const Tensor& cond, const Ten
   if (out->numel() == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   LaunchWhere(args, g, cond.data_as<const uint8_t>(), args.has_x_scalar ? Operand{} : OperandOf(x),
-              args.has_y_scalar ? Operand{} : OperandOf(y), OutputOf(out), out->numel(), sms(), stream());
+              args.has_y_scalar ? Operand{} : OperandOf(y), OutputOf(out), out->numel(), sms(),
+              stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

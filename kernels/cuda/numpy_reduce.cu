@@ -59,7 +59,8 @@ __device__ __forceinline__ float BlockCombine(float v, float* scratch, F combine
   scratch[threadIdx.x] = v;
   __syncthreads();
   for (int s = kBlock / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) scratch[threadIdx.x] = combine(scratch[threadIdx.x], scratch[threadIdx.x + s]);
+    if (threadIdx.x < s)
+      scratch[threadIdx.x] = combine(scratch[threadIdx.x], scratch[threadIdx.x + s]);
     __syncthreads();
   }
   const float r = scratch[0];
@@ -78,7 +79,9 @@ __global__ void ReduceThreadKernel(ReduceOp op, ReduceGeometry g, Operand x, Out
     const int64_t base = Unravel(g.out_rank, g.out_dims, g.out_strides, j);
     float acc = Identity(op);
     for (int64_t r = 0; r < g.reduced; ++r) {
-      acc = Combine(op, acc, LoadAt(x.data, x.dtype, base + Unravel(g.red_rank, g.red_dims, g.red_strides, r)));
+      acc = Combine(
+          op, acc,
+          LoadAt(x.data, x.dtype, base + Unravel(g.red_rank, g.red_dims, g.red_strides, r)));
     }
     StoreAt(y.data, y.dtype, j, Finish(op, acc, g.reduced));
   }
@@ -91,7 +94,9 @@ __global__ void ReduceBlockKernel(ReduceOp op, ReduceGeometry g, Operand x, Outp
     const int64_t base = Unravel(g.out_rank, g.out_dims, g.out_strides, j);
     float acc = Identity(op);
     for (int64_t r = threadIdx.x; r < g.reduced; r += kBlock) {
-      acc = Combine(op, acc, LoadAt(x.data, x.dtype, base + Unravel(g.red_rank, g.red_dims, g.red_strides, r)));
+      acc = Combine(
+          op, acc,
+          LoadAt(x.data, x.dtype, base + Unravel(g.red_rank, g.red_dims, g.red_strides, r)));
     }
     acc = BlockCombine(acc, scratch, [op](float a, float b) { return Combine(op, a, b); });
     if (threadIdx.x == 0) StoreAt(y.data, y.dtype, j, Finish(op, acc, g.reduced));
@@ -147,7 +152,9 @@ __global__ void SoftmaxBlockKernel(bool log, SoftmaxGeometry g, Operand x, Outpu
 }
 
 // s: softmax sum(dy y), log_softmax sum(dy); then dx per element.
-__device__ __forceinline__ float SoftmaxTerm(bool log, float dy, float y) { return log ? dy : dy * y; }
+__device__ __forceinline__ float SoftmaxTerm(bool log, float dy, float y) {
+  return log ? dy : dy * y;
+}
 __device__ __forceinline__ float SoftmaxGrad(bool log, float dy, float y, float s) {
   return log ? dy - expf(y) * s : y * (dy - s);
 }

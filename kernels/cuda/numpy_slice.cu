@@ -32,8 +32,8 @@ void LaunchSlice(const SliceGeometry& g, void* x, void* y, size_t element_bytes,
   const unsigned blocks = GridFor(n, sms);
   switch (element_bytes) {
     case 1:
-      SliceKernel<uint8_t, kScatter><<<blocks, kThreads, 0, stream>>>(
-          g, static_cast<uint8_t*>(x), static_cast<uint8_t*>(y), n);
+      SliceKernel<uint8_t, kScatter><<<blocks, kThreads, 0, stream>>>(g, static_cast<uint8_t*>(x),
+                                                                      static_cast<uint8_t*>(y), n);
       break;
     case 2:
       SliceKernel<uint16_t, kScatter><<<blocks, kThreads, 0, stream>>>(

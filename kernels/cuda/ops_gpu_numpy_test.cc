@@ -23,11 +23,12 @@ class NumpyOpsTest : public GpuTest, public ::testing::WithParamInterface<DType>
   }
 };
 
-const BinaryOp kArithmetic[] = {BinaryOp::kAdd,     BinaryOp::kSubtract, BinaryOp::kMultiply,
-                                BinaryOp::kDivide,  BinaryOp::kMaximum,  BinaryOp::kMinimum,
+const BinaryOp kArithmetic[] = {BinaryOp::kAdd,    BinaryOp::kSubtract, BinaryOp::kMultiply,
+                                BinaryOp::kDivide, BinaryOp::kMaximum,  BinaryOp::kMinimum,
                                 BinaryOp::kPower};
-const BinaryOp kComparisons[] = {BinaryOp::kGreater, BinaryOp::kGreaterEqual, BinaryOp::kLess,
-                                 BinaryOp::kLessEqual, BinaryOp::kEqual,      BinaryOp::kNotEqual};
+const BinaryOp kComparisons[] = {BinaryOp::kGreater, BinaryOp::kGreaterEqual,
+                                 BinaryOp::kLess,    BinaryOp::kLessEqual,
+                                 BinaryOp::kEqual,   BinaryOp::kNotEqual};
 
 // (a, b, y) shapes: both broadcast, one broadcast, leading dims added, none.
 const std::vector<std::vector<Shape>> kBroadcasts = {
@@ -82,9 +83,10 @@ TEST_P(NumpyOpsTest, BinaryForwardAndBackward) {
     }
     for (BinaryOp op : kComparisons) {
       Pair y = Output(DType::kBool, s[2]);
-      Both(&y, absl::StrCat("comparison ", static_cast<int>(op)), [&](Ops& ops, Tensor& out, bool gpu) {
-        return ops.Binary(BinaryArgs{op}, gpu ? a.gpu : a.cpu, gpu ? b.gpu : b.cpu, &out);
-      });
+      Both(&y, absl::StrCat("comparison ", static_cast<int>(op)),
+           [&](Ops& ops, Tensor& out, bool gpu) {
+             return ops.Binary(BinaryArgs{op}, gpu ? a.gpu : a.cpu, gpu ? b.gpu : b.cpu, &out);
+           });
     }
   }
 }
@@ -95,11 +97,12 @@ TEST_P(NumpyOpsTest, UnaryForwardAndBackward) {
   const Pair x = Random(dtype, shape, 5, -3.0f, 3.0f);
   const Pair positive = Random(dtype, shape, 6, 0.1f, 3.0f);
   const Pair dy = Random(dtype, shape, 7);
-  for (UnaryOp op : {UnaryOp::kNegative, UnaryOp::kExp, UnaryOp::kLog, UnaryOp::kTanh,
-                     UnaryOp::kSqrt, UnaryOp::kRsqrt, UnaryOp::kAbs, UnaryOp::kSquare,
-                     UnaryOp::kSigmoid, UnaryOp::kRelu, UnaryOp::kSilu, UnaryOp::kGelu,
-                     UnaryOp::kGeluExact}) {
-    const bool needs_positive = op == UnaryOp::kLog || op == UnaryOp::kSqrt || op == UnaryOp::kRsqrt;
+  for (UnaryOp op :
+       {UnaryOp::kNegative, UnaryOp::kExp, UnaryOp::kLog, UnaryOp::kTanh, UnaryOp::kSqrt,
+        UnaryOp::kRsqrt, UnaryOp::kAbs, UnaryOp::kSquare, UnaryOp::kSigmoid, UnaryOp::kRelu,
+        UnaryOp::kSilu, UnaryOp::kGelu, UnaryOp::kGeluExact}) {
+    const bool needs_positive =
+        op == UnaryOp::kLog || op == UnaryOp::kSqrt || op == UnaryOp::kRsqrt;
     const Pair& in = needs_positive ? positive : x;
     const std::string what = absl::StrCat("Unary ", static_cast<int>(op));
     Pair y = Output(dtype, shape);
@@ -113,7 +116,8 @@ TEST_P(NumpyOpsTest, UnaryForwardAndBackward) {
   }
   // logical_not of a comparison: bool to bool.
   Pair cond = Output(DType::kBool, shape);
-  ASSERT_TRUE(cpu_->Binary(BinaryArgs{BinaryOp::kGreater, true, 0.0f}, x.cpu, Tensor(), &cond.cpu).ok());
+  ASSERT_TRUE(
+      cpu_->Binary(BinaryArgs{BinaryOp::kGreater, true, 0.0f}, x.cpu, Tensor(), &cond.cpu).ok());
   const Pair c = Mirror(cond.cpu);
   Pair n = Output(DType::kBool, shape);
   Both(&n, "logical_not", [&](Ops& ops, Tensor& out, bool gpu) {
@@ -126,7 +130,9 @@ TEST_P(NumpyOpsTest, WhereBroadcastingAndConstants) {
   const Shape out_shape = {5, 67, 9};
   const Pair v = Random(dtype, {67, 1}, 8);
   Pair cond_cpu = Output(DType::kBool, {67, 1});
-  ASSERT_TRUE(cpu_->Binary(BinaryArgs{BinaryOp::kGreater, true, 0.0f}, v.cpu, Tensor(), &cond_cpu.cpu).ok());
+  ASSERT_TRUE(
+      cpu_->Binary(BinaryArgs{BinaryOp::kGreater, true, 0.0f}, v.cpu, Tensor(), &cond_cpu.cpu)
+          .ok());
   const Pair cond = Mirror(cond_cpu.cpu);
   const Pair x = Random(dtype, out_shape, 9), y = Random(DType::kF32, {9}, 10);
   for (int constants = 0; constants < 3; ++constants) {
@@ -137,7 +143,8 @@ TEST_P(NumpyOpsTest, WhereBroadcastingAndConstants) {
     args.y_scalar = -2.0f;
     Pair out = Output(dtype, out_shape);
     Both(&out, absl::StrCat("Where constants ", constants), [&](Ops& ops, Tensor& o, bool gpu) {
-      return ops.Where(args, gpu ? cond.gpu : cond.cpu, gpu ? x.gpu : x.cpu, gpu ? y.gpu : y.cpu, &o);
+      return ops.Where(args, gpu ? cond.gpu : cond.cpu, gpu ? x.gpu : x.cpu, gpu ? y.gpu : y.cpu,
+                       &o);
     });
   }
 }
@@ -158,7 +165,9 @@ TEST_P(NumpyOpsTest, ReductionsBothSplits) {
     for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin}) {
       Pair y = Output(DType::kF32, keep);
       Both(&y, absl::StrCat("Reduce ", static_cast<int>(op), " to ", ShapeName(keep)),
-           [&](Ops& ops, Tensor& out, bool gpu) { return ops.Reduce(op, gpu ? x.gpu : x.cpu, &out); });
+           [&](Ops& ops, Tensor& out, bool gpu) {
+             return ops.Reduce(op, gpu ? x.gpu : x.cpu, &out);
+           });
     }
   }
 }

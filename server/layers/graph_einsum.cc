@@ -154,10 +154,11 @@ absl::Status InferEinsum(const Node& node, const TensorInfo& a, const TensorInfo
         labels.push_back(l[d]);
         sizes.push_back(size);
       } else if (sizes[k] != size) {
-        return Invalid(where, absl::StrCat("index ", LabelName(l[d]), " is ", sizes[k],
-                                           " in operand 0 ", ShapeString(a.shape), " and ", size,
-                                           " in operand 1 ", ShapeString(b.shape),
-                                           l[d] >= kEllipsisBase ? " (\"...\" dims do not broadcast here)" : ""));
+        return Invalid(
+            where, absl::StrCat(
+                       "index ", LabelName(l[d]), " is ", sizes[k], " in operand 0 ",
+                       ShapeString(a.shape), " and ", size, " in operand 1 ", ShapeString(b.shape),
+                       l[d] >= kEllipsisBase ? " (\"...\" dims do not broadcast here)" : ""));
       }
     }
   }
@@ -202,8 +203,10 @@ absl::Status InferEinsum(const Node& node, const TensorInfo& a, const TensorInfo
   e.k = Product(e.mk_dims, nb + m.size(), mk.size());
   // Every permutation the forward and backward run must fit Ops::Permute.
   const Shape la_dims = SizesOf(la, labels, sizes), lb_dims = SizesOf(lb, labels, sizes);
-  for (const auto& [shape, perm] : {std::pair<const Shape*, const std::vector<int>*>{&la_dims, &e.perm_a},
-                                    {&lb_dims, &e.perm_b}, {&e.mn_dims, &e.perm_out}}) {
+  for (const auto& [shape, perm] :
+       {std::pair<const Shape*, const std::vector<int>*>{&la_dims, &e.perm_a},
+        {&lb_dims, &e.perm_b},
+        {&e.mn_dims, &e.perm_out}}) {
     if (!perm->empty() && MergedPermuteRank(*shape, *perm) > kPermuteMaxRank) {
       return Invalid(where, absl::StrCat("moves more than ", kPermuteMaxRank,
                                          " separate blocks of axes of ", ShapeString(*shape)));
@@ -218,8 +221,10 @@ absl::Status EinsumForward(Ops& ops, const Node& node, const NodePlan& plan, con
   const NodePlan::Einsum& e = plan.einsum;
   ASSIGN_OR_RETURN(Tensor pa, Permuted(ops, a, e.perm_a));
   ASSIGN_OR_RETURN(Tensor pb, Permuted(ops, b, e.perm_b));
-  const Tensor ga = pa.Reshaped(e.transpose_a ? Shape{e.batch, e.k, e.m} : Shape{e.batch, e.m, e.k});
-  const Tensor gb = pb.Reshaped(e.transpose_b ? Shape{e.batch, e.n, e.k} : Shape{e.batch, e.k, e.n});
+  const Tensor ga =
+      pa.Reshaped(e.transpose_a ? Shape{e.batch, e.k, e.m} : Shape{e.batch, e.m, e.k});
+  const Tensor gb =
+      pb.Reshaped(e.transpose_b ? Shape{e.batch, e.n, e.k} : Shape{e.batch, e.k, e.n});
   ASSIGN_OR_RETURN(Tensor c, ops.Allocate(a.dtype(), {e.batch, e.m, e.n}));
   RETURN_IF_ERROR(BatchedGemm(ops, node.tf32, e.batch, ga, e.transpose_a, gb, e.transpose_b, &c));
   ASSIGN_OR_RETURN(Tensor permuted, Permuted(ops, c.Reshaped(e.mn_dims), e.perm_out));

@@ -71,8 +71,11 @@ WhereArgs WhereArgsOf(const Node& node, DType dtype) {
   return args;
 }
 
+bool IsLinear(BinaryOp op) { return op == BinaryOp::kAdd || op == BinaryOp::kSubtract; }
+
 bool IsFloatTensor(const TensorInfo& t) {
-  return t.dtype && (*t.dtype == DType::kF32 || *t.dtype == DType::kBF16 || *t.dtype == DType::kF16);
+  return t.dtype &&
+         (*t.dtype == DType::kF32 || *t.dtype == DType::kBF16 || *t.dtype == DType::kF16);
 }
 
 // max / min's gradient: dy [keep] shared among the elements of x equal to the
@@ -111,9 +114,10 @@ absl::Status NumpyForward(Ops& ops, const Node& node, const NodePlan& plan, cons
   switch (node.kind) {
     case NodeKind::kBinary: {
       ASSIGN_OR_RETURN(y, ops.Allocate(*info.dtype, info.shape));
-      RETURN_IF_ERROR(ops.Binary(ArgsOf(node, in[0].dtype()), in[0],
-                                 node.scalar ? Tensor() : in[1], &y));
-      saved->kept = in;
+      RETURN_IF_ERROR(
+          ops.Binary(ArgsOf(node, in[0].dtype()), in[0], node.scalar ? Tensor() : in[1], &y));
+      // add and subtract differentiate without their operands.
+      if (!IsLinear(node.binary_op)) saved->kept = in;
       return absl::OkStatus();
     }
     case NodeKind::kUnary: {
@@ -164,8 +168,7 @@ absl::Status NumpyForward(Ops& ops, const Node& node, const NodePlan& plan, cons
     case NodeKind::kCausalMask:
     case NodeKind::kSoftmaxCrossEntropy:
     case NodeKind::kAttend:
-    case NodeKind::kParam:
-      break;
+    case NodeKind::kParam: break;
   }
   return absl::InternalError(absl::StrCat(node.field, ": not a jax.numpy node"));
 }
@@ -181,13 +184,27 @@ absl::Status NumpyBackward(Ops& ops, const Node& node, const NodePlan& plan, con
   switch (node.kind) {
     case NodeKind::kBinary: {
       if (IsComparison(node.binary_op)) return absl::OkStatus();
-      const BinaryArgs args = ArgsOf(node, saved.kept[0].dtype());
       const size_t n = node.scalar ? 1 : 2;
+      if (IsLinear(node.binary_op)) {
+        // d(a + b) = dy, dy; d(a - b) = dy, -dy (and -dy for `scalar - x`).
+        for (size_t j = 0; j < n; ++j) {
+          const bool negated = node.binary_op == BinaryOp::kSubtract &&
+                               (j == 1 || (node.scalar && node.scalar_first));
+          Tensor partial = dy;
+          if (negated) {
+            ASSIGN_OR_RETURN(partial, ops.Allocate(dy.dtype(), dy.shape()));
+            RETURN_IF_ERROR(ops.Axpby(-1.0f, dy, 0.0f, dy, &partial));
+          }
+          ASSIGN_OR_RETURN((*din)[j], SumToShape(ops, partial, input(j).shape, *input(j).dtype));
+        }
+        return absl::OkStatus();
+      }
+      const BinaryArgs args = ArgsOf(node, saved.kept[0].dtype());
       std::vector<Tensor> partial(2);
       for (size_t j = 0; j < n; ++j) {
-        ASSIGN_OR_RETURN(partial[j], ops.Allocate(PartialDType(out.shape, input(j).shape,
-                                                               *input(j).dtype),
-                                                  out.shape));
+        ASSIGN_OR_RETURN(
+            partial[j],
+            ops.Allocate(PartialDType(out.shape, input(j).shape, *input(j).dtype), out.shape));
       }
       RETURN_IF_ERROR(ops.BinaryBackward(args, dy, saved.kept[0], n > 1 ? saved.kept[1] : Tensor(),
                                          &partial[0], n > 1 ? &partial[1] : nullptr));
@@ -207,13 +224,13 @@ absl::Status NumpyBackward(Ops& ops, const Node& node, const NodePlan& plan, con
       for (const bool is_x : {true, false}) {
         if (is_x ? node.where_x.has_value() : node.where_y.has_value()) continue;
         const TensorInfo& operand = input(j);
-        ASSIGN_OR_RETURN(Tensor partial,
-                         ops.Allocate(PartialDType(out.shape, operand.shape, *operand.dtype),
-                                      out.shape));
+        ASSIGN_OR_RETURN(
+            Tensor partial,
+            ops.Allocate(PartialDType(out.shape, operand.shape, *operand.dtype), out.shape));
         WhereArgs args;
         (is_x ? args.has_y_scalar : args.has_x_scalar) = true;  // 0 on the other side
-        RETURN_IF_ERROR(ops.Where(args, saved.kept[0], is_x ? dy : Tensor(), is_x ? Tensor() : dy,
-                                  &partial));
+        RETURN_IF_ERROR(
+            ops.Where(args, saved.kept[0], is_x ? dy : Tensor(), is_x ? Tensor() : dy, &partial));
         ASSIGN_OR_RETURN((*din)[j], SumToShape(ops, partial, operand.shape, *operand.dtype));
         ++j;
       }
@@ -231,13 +248,13 @@ absl::Status NumpyBackward(Ops& ops, const Node& node, const NodePlan& plan, con
       args.has_scalar = true;
       args.op = node.reduce_op == ReduceOp::kMean ? BinaryOp::kDivide : BinaryOp::kMultiply;
       args.scalar = node.reduce_op == ReduceOp::kMean
-                        ? static_cast<float>(NumElements(x.shape) / std::max<int64_t>(1, NumElements(plan.keep)))
+                        ? static_cast<float>(NumElements(x.shape) /
+                                             std::max<int64_t>(1, NumElements(plan.keep)))
                         : 1.0f;
       ASSIGN_OR_RETURN((*din)[0], ops.Allocate(*x.dtype, x.shape));
       return ops.Binary(args, dkeep, Tensor(), &(*din)[0]);
     }
-    case NodeKind::kEinsum:
-      return EinsumBackward(ops, node, plan, shapes, saved, dy, din);
+    case NodeKind::kEinsum: return EinsumBackward(ops, node, plan, shapes, saved, dy, din);
     case NodeKind::kSlice: {
       if (!IsFloatTensor(input(0))) return absl::OkStatus();  // ids, masks: no gradient
       ASSIGN_OR_RETURN((*din)[0], ops.Allocate(*input(0).dtype, input(0).shape));
@@ -259,8 +276,7 @@ absl::Status NumpyBackward(Ops& ops, const Node& node, const NodePlan& plan, con
     case NodeKind::kCausalMask:
     case NodeKind::kSoftmaxCrossEntropy:
     case NodeKind::kAttend:
-    case NodeKind::kParam:
-      break;
+    case NodeKind::kParam: break;
   }
   return absl::InternalError(absl::StrCat(node.field, ": not a jax.numpy node"));
 }

@@ -39,16 +39,18 @@ absl::Status RequireFloat(const Node& node, const std::vector<TensorInfo>& in, s
 }
 
 // The dtype the float inputs `js` share (INVALID_ARGUMENT where two known ones differ).
-absl::StatusOr<std::optional<DType>> SharedDType(const Node& node, const std::vector<TensorInfo>& in,
+absl::StatusOr<std::optional<DType>> SharedDType(const Node& node,
+                                                 const std::vector<TensorInfo>& in,
                                                  const std::vector<size_t>& js) {
   std::optional<DType> shared;
   size_t first = 0;
   for (size_t j : js) {
     if (!in[j].dtype) continue;
     if (shared && *shared != *in[j].dtype) {
-      return Invalid(node.field, absl::StrCat("inputs[", j, "] is ", DTypeName(*in[j].dtype),
-                                              ", inputs[", first, "] ", DTypeName(*shared),
-                                              "; cast one first (JAX promotes, the graph does not)"));
+      return Invalid(
+          node.field,
+          absl::StrCat("inputs[", j, "] is ", DTypeName(*in[j].dtype), ", inputs[", first, "] ",
+                       DTypeName(*shared), "; cast one first (JAX promotes, the graph does not)"));
     }
     if (!shared) first = j;
     shared = in[j].dtype;
@@ -70,7 +72,8 @@ absl::StatusOr<std::optional<Shape>> Broadcast(const Node& node, const std::vect
       if (s[d] == o || s[d] == 1) continue;
       if (o != 1) {
         std::vector<std::string> shapes;
-        for (size_t k : js) shapes.push_back(absl::StrCat("inputs[", k, "] ", ShapeString(in[k].shape)));
+        for (size_t k : js)
+          shapes.push_back(absl::StrCat("inputs[", k, "] ", ShapeString(in[k].shape)));
         return Invalid(node.field, absl::StrCat(absl::StrJoin(shapes, ", "),
                                                 " do not broadcast together (numpy's rule: aligned "
                                                 "from the right, each dim equal or 1)"));
@@ -83,7 +86,8 @@ absl::StatusOr<std::optional<Shape>> Broadcast(const Node& node, const std::vect
 
 absl::StatusOr<int> Axis(int axis, int rank, const std::string& where) {
   const int a = axis < 0 ? axis + rank : axis;
-  if (a < 0 || a >= rank) return Invalid(where, absl::StrCat(axis, " is out of range for rank ", rank));
+  if (a < 0 || a >= rank)
+    return Invalid(where, absl::StrCat(axis, " is out of range for rank ", rank));
   return a;
 }
 
@@ -112,7 +116,8 @@ absl::Status Reduce(const Node& node, const TensorInfo& x, TensorInfo* out, Node
   Shape shape;
   for (int d = 0; d < rank; ++d) {
     if (reduced[d]) {
-      if (x.shape[d] == 0 && (node.reduce_op == ReduceOp::kMax || node.reduce_op == ReduceOp::kMin)) {
+      if (x.shape[d] == 0 &&
+          (node.reduce_op == ReduceOp::kMax || node.reduce_op == ReduceOp::kMin)) {
         return Invalid(node.field, absl::StrCat("max or min over axis ", d, " of x ",
                                                 ShapeString(x.shape), ", which is empty"));
       }
@@ -131,10 +136,11 @@ absl::Status Slice(const Node& node, const TensorInfo& x, TensorInfo* out, NodeP
   const std::string f = node.field + ".slice";
   if (node.start.size() != rank || node.limit.size() != rank ||
       (!node.stride.empty() && node.stride.size() != rank)) {
-    return Invalid(f, absl::StrCat("start [", absl::StrJoin(node.start, ", "), "], limit [",
-                                   absl::StrJoin(node.limit, ", "), "] and stride [",
-                                   absl::StrJoin(node.stride, ", "), "] want one entry per axis of x ",
-                                   ShapeString(x.shape), " (stride may be empty)"));
+    return Invalid(f,
+                   absl::StrCat("start [", absl::StrJoin(node.start, ", "), "], limit [",
+                                absl::StrJoin(node.limit, ", "), "] and stride [",
+                                absl::StrJoin(node.stride, ", "), "] want one entry per axis of x ",
+                                ShapeString(x.shape), " (stride may be empty)"));
   }
   plan->stride = node.stride.empty() ? std::vector<int64_t>(rank, 1) : node.stride;
   Shape shape(rank);
@@ -186,8 +192,9 @@ absl::Status InferNumpyNode(const Node& node, const std::vector<TensorInfo>& in,
     }
     case NodeKind::kWhere: {
       if (in[0].dtype && *in[0].dtype != DType::kBool) {
-        return Invalid(node.field + ".inputs[0]",
-                       absl::StrCat("where's condition must be bool, got ", DTypeName(*in[0].dtype)));
+        return Invalid(
+            node.field + ".inputs[0]",
+            absl::StrCat("where's condition must be bool, got ", DTypeName(*in[0].dtype)));
       }
       std::vector<size_t> js;
       for (size_t j = 1; j < in.size(); ++j) {
@@ -206,8 +213,7 @@ absl::Status InferNumpyNode(const Node& node, const std::vector<TensorInfo>& in,
       RETURN_IF_ERROR(RequireFloat(node, in, 1, "einsum"));
       RETURN_IF_ERROR(SharedDType(node, in, {0, 1}).status());
       return InferEinsum(node, in[0], in[1], &(*out)[0], plan);
-    case NodeKind::kSlice:
-      return Slice(node, in[0], &(*out)[0], plan);
+    case NodeKind::kSlice: return Slice(node, in[0], &(*out)[0], plan);
     case NodeKind::kSoftmax: {
       RETURN_IF_ERROR(RequireFloat(node, in, 0, "softmax"));
       (*out)[0] = in[0];
@@ -230,8 +236,7 @@ absl::Status InferNumpyNode(const Node& node, const std::vector<TensorInfo>& in,
     case NodeKind::kDropout:
     case NodeKind::kCausalMask:
     case NodeKind::kSoftmaxCrossEntropy:
-    case NodeKind::kAttend:
-      break;
+    case NodeKind::kAttend: break;
   }
   return absl::InternalError(absl::StrCat(node.field, ": not a jax.numpy node"));
 }
@@ -257,8 +262,7 @@ DType NumpyOutputDType(const Node& node, const std::vector<DType>& in) {
     case NodeKind::kDropout:
     case NodeKind::kCausalMask:
     case NodeKind::kSoftmaxCrossEntropy:
-    case NodeKind::kAttend:
-      break;
+    case NodeKind::kAttend: break;
   }
   return in.empty() ? DType::kF32 : in[0];
 }

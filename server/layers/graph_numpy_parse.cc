@@ -52,7 +52,8 @@ absl::StatusOr<BinaryOp> BinaryOpOf(GraphSpec::Binary::Op op, const std::string&
     case GraphSpec::Binary::NOT_EQUAL: return BinaryOp::kNotEqual;
     default: break;  // OP_UNSPECIFIED, or a value this server does not know
   }
-  return Invalid(where, absl::StrCat(static_cast<int>(op), " is not a binary op (ADD to NOT_EQUAL)"));
+  return Invalid(where,
+                 absl::StrCat(static_cast<int>(op), " is not a binary op (ADD to NOT_EQUAL)"));
 }
 
 absl::StatusOr<UnaryOp> UnaryOpOf(GraphSpec::Unary::Op op, const std::string& where) {
@@ -73,7 +74,8 @@ absl::StatusOr<UnaryOp> UnaryOpOf(GraphSpec::Unary::Op op, const std::string& wh
     case GraphSpec::Unary::LOGICAL_NOT: return UnaryOp::kLogicalNot;
     default: break;
   }
-  return Invalid(where, absl::StrCat(static_cast<int>(op), " is not a unary op (NEGATIVE to LOGICAL_NOT)"));
+  return Invalid(
+      where, absl::StrCat(static_cast<int>(op), " is not a unary op (NEGATIVE to LOGICAL_NOT)"));
 }
 
 absl::StatusOr<ReduceOp> ReduceOpOf(GraphSpec::Reduce::Op op, const std::string& where) {
@@ -84,7 +86,8 @@ absl::StatusOr<ReduceOp> ReduceOpOf(GraphSpec::Reduce::Op op, const std::string&
     case GraphSpec::Reduce::MIN: return ReduceOp::kMin;
     default: break;
   }
-  return Invalid(where, absl::StrCat(static_cast<int>(op), " is not a reduction (SUM, MEAN, MAX or MIN)"));
+  return Invalid(where,
+                 absl::StrCat(static_cast<int>(op), " is not a reduction (SUM, MEAN, MAX or MIN)"));
 }
 
 // One term of an equation: letters, and "..." at most once.
@@ -95,7 +98,8 @@ absl::Status ParseTerm(const std::string& term, const std::string& where, std::v
     const char c = term[i];
     if (c == '.') {
       if (ellipsis || term.compare(i, 3, "...") != 0) {
-        return Invalid(where, absl::StrCat("\"", term, "\": \"...\" at most once, and only as three dots"));
+        return Invalid(
+            where, absl::StrCat("\"", term, "\": \"...\" at most once, and only as three dots"));
       }
       ellipsis = true;
       out->push_back(EinsumTerms::kEllipsis);
@@ -103,12 +107,13 @@ absl::Status ParseTerm(const std::string& term, const std::string& where, std::v
       continue;
     }
     if (!std::isalpha(static_cast<unsigned char>(c))) {
-      return Invalid(where, absl::StrCat("\"", term, "\": '", std::string(1, c),
-                                         "' is not an index letter"));
+      return Invalid(
+          where, absl::StrCat("\"", term, "\": '", std::string(1, c), "' is not an index letter"));
     }
     if (!seen.insert(c).second) {
-      return Invalid(where, absl::StrCat("\"", term, "\" repeats '", std::string(1, c),
-                                         "' (a trace or diagonal, which one GEMM does not compute)"));
+      return Invalid(where,
+                     absl::StrCat("\"", term, "\" repeats '", std::string(1, c),
+                                  "' (a trace or diagonal, which one GEMM does not compute)"));
     }
     out->push_back(c);
   }
@@ -129,8 +134,7 @@ bool IsNumpyKind(NodeKind kind) {
     case NodeKind::kReduce:
     case NodeKind::kEinsum:
     case NodeKind::kSlice:
-    case NodeKind::kSoftmax:
-      return true;
+    case NodeKind::kSoftmax: return true;
     case NodeKind::kModule:
     case NodeKind::kReshape:
     case NodeKind::kSplit:
@@ -143,8 +147,7 @@ bool IsNumpyKind(NodeKind kind) {
     case NodeKind::kCausalMask:
     case NodeKind::kSoftmaxCrossEntropy:
     case NodeKind::kAttend:
-    case NodeKind::kParam:
-      return false;
+    case NodeKind::kParam: return false;
   }
   return false;
 }
@@ -179,7 +182,8 @@ absl::Status ParseEinsum(const std::string& equation, const std::string& where,
     }
     terms->out.insert(terms->out.end(), once.begin(), once.end());
   }
-  const bool in_ellipsis = Has(terms->a, EinsumTerms::kEllipsis) || Has(terms->b, EinsumTerms::kEllipsis);
+  const bool in_ellipsis =
+      Has(terms->a, EinsumTerms::kEllipsis) || Has(terms->b, EinsumTerms::kEllipsis);
   if (Has(terms->out, EinsumTerms::kEllipsis) != in_ellipsis) {
     return Invalid(where, absl::StrCat("\"", equation, "\": \"...\" in ",
                                        in_ellipsis ? "an operand must" : "the output must not",
@@ -189,20 +193,20 @@ absl::Status ParseEinsum(const std::string& equation, const std::string& where,
   }
   for (int l : terms->out) {
     if (l != EinsumTerms::kEllipsis && !Has(terms->a, l) && !Has(terms->b, l)) {
-      return Invalid(where, absl::StrCat("\"", equation, "\": output index '",
-                                         std::string(1, static_cast<char>(l)),
-                                         "' is in neither operand"));
+      return Invalid(where,
+                     absl::StrCat("\"", equation, "\": output index '",
+                                  std::string(1, static_cast<char>(l)), "' is in neither operand"));
     }
   }
   for (const std::vector<int>* t : {&terms->a, &terms->b}) {
     const std::vector<int>& other = t == &terms->a ? terms->b : terms->a;
     for (int l : *t) {
       if (l == EinsumTerms::kEllipsis || Has(other, l) || Has(terms->out, l)) continue;
-      return Invalid(where, absl::StrCat("\"", equation, "\": index '",
-                                         std::string(1, static_cast<char>(l)), "' of operand ",
-                                         t == &terms->a ? 0 : 1,
-                                         " is neither contracted with the other operand nor in "
-                                         "the output (sum it with a reduce node first)"));
+      return Invalid(
+          where, absl::StrCat("\"", equation, "\": index '", std::string(1, static_cast<char>(l)),
+                              "' of operand ", t == &terms->a ? 0 : 1,
+                              " is neither contracted with the other operand nor in "
+                              "the output (sum it with a reduce node first)"));
     }
   }
   return absl::OkStatus();
@@ -260,9 +264,9 @@ absl::Status ParseNumpyNode(const GraphSpec::Node& s, Node* node) {
         case te::v1::PRECISION_DEFAULT: node->tf32 = true; break;
         case te::v1::PRECISION_HIGHEST: node->tf32 = false; break;
         default:
-          return Invalid(f + ".einsum.precision",
-                         absl::StrCat(static_cast<int>(s.einsum().precision()),
-                                      " is not DEFAULT or HIGHEST"));
+          return Invalid(
+              f + ".einsum.precision",
+              absl::StrCat(static_cast<int>(s.einsum().precision()), " is not DEFAULT or HIGHEST"));
       }
       return Arity(f, "inputs (einsum)", n_in, 2);
     }
@@ -289,8 +293,7 @@ absl::Status ParseNumpyNode(const GraphSpec::Node& s, Node* node) {
       node->kind = NodeKind::kParam;
       RETURN_IF_ERROR(ParseParam(s.param(), f + ".param", node));
       return Arity(f, "inputs (param)", n_in, 0);
-    default:
-      break;
+    default: break;
   }
   return absl::InternalError(absl::StrCat(f, ": not a jax.numpy node"));
 }

@@ -77,7 +77,8 @@ double At(const Array& a, const Shape& out, int64_t i) {
   return a.v[offset];
 }
 
-Array Map(const std::vector<Array>& in, const std::function<double(const std::vector<double>&)>& f) {
+Array Map(const std::vector<Array>& in,
+          const std::function<double(const std::vector<double>&)>& f) {
   std::vector<Shape> shapes;
   for (const Array& a : in) shapes.push_back(a.shape);
   Array out{BroadcastShape(shapes), {}};
@@ -149,8 +150,9 @@ Array EinsumRef(const std::string& eq, const Array& a, const Array& b) {
     for (size_t i = 0; i < width; ++i) dots += static_cast<char>('Z' - (width - 1 - i));
     return t.substr(0, e) + dots + t.substr(e + 3);
   };
-  const size_t width = std::max(a.shape.size() - (ta.size() - (ta.find("...") != std::string::npos ? 3 : 0)),
-                                b.shape.size() - (tb.size() - (tb.find("...") != std::string::npos ? 3 : 0)));
+  const size_t width =
+      std::max(a.shape.size() - (ta.size() - (ta.find("...") != std::string::npos ? 3 : 0)),
+               b.shape.size() - (tb.size() - (tb.find("...") != std::string::npos ? 3 : 0)));
   ta = expand(ta, a.shape.size());
   tb = expand(tb, b.shape.size());
   if (to.find("...") != std::string::npos) to = expand(to, to.size() - 3 + width);
@@ -239,11 +241,11 @@ class NumpyNodeTest : public ::testing::Test {
   std::unique_ptr<Ops> ops_ = NewCpuOps();
 };
 
-#define EXPECT_INVALID(status, text)                                        \
-  do {                                                                      \
-    const absl::Status s_ = (status);                                       \
-    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_;         \
-    EXPECT_TRUE(absl::StrContains(s_.message(), text)) << s_.message();     \
+#define EXPECT_INVALID(status, text)                                    \
+  do {                                                                  \
+    const absl::Status s_ = (status);                                   \
+    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_;     \
+    EXPECT_TRUE(absl::StrContains(s_.message(), text)) << s_.message(); \
   } while (0)
 
 // x (positive where the op needs it: |x| + 0.5) as the tensor "p".
@@ -363,10 +365,9 @@ TEST_F(NumpyNodeTest, ComparisonsGiveBoolAndWhereRoutesTheGradient) {
     xs[1] = es[1];
     xs[6] = es[2];
     testing::SetValues(xs, &in.x);
-    const Array want = Map({FromTensor(in.x), FromTensor(in.extra[0])},
-                           [&](const std::vector<double>& v) {
-                             return f(v[0], v[1]) ? v[0] : 2 * v[1];
-                           });
+    const Array want =
+        Map({FromTensor(in.x), FromTensor(in.extra[0])},
+            [&](const std::vector<double>& v) { return f(v[0], v[1]) ? v[0] : 2 * v[1]; });
     EXPECT_LT(ErrorOf(Values(Forward(g, in)), want), kF32Tolerance);
     // Finite differences across a tie would step over the branch: random data.
     EXPECT_TRUE(Gradients(g, Inputs({3, 4}, {{4}})));
@@ -424,7 +425,8 @@ TEST_F(NumpyNodeTest, Unary) {
          return 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
        },
        false},
-      {Spec::Unary::GELU_EXACT, [](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }, false},
+      {Spec::Unary::GELU_EXACT,
+       [](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }, false},
   };
   for (const auto& [op, f, positive] : cases) {
     SCOPED_TRACE(Spec::Unary::Op_Name(op));
@@ -455,7 +457,8 @@ TEST_F(NumpyNodeTest, LogicalNotOfAComparison) {
   w->set_y_scalar(-3.0);
   g.add_outputs("y");
   const LayerInputs in = Inputs({7}, {});
-  const Array want = Map({FromTensor(in.x)}, [](const auto& v) { return !(v[0] < 0) ? v[0] : -3.0; });
+  const Array want =
+      Map({FromTensor(in.x)}, [](const auto& v) { return !(v[0] < 0) ? v[0] : -3.0; });
   EXPECT_LT(ErrorOf(Values(Forward(g, in)), want), kF32Tolerance);
   EXPECT_TRUE(Gradients(g, in));
 }
@@ -503,10 +506,10 @@ TEST_F(NumpyNodeTest, Reductions) {
     bool keepdims;
   };
   const std::vector<Case> cases = {
-      {Spec::Reduce::SUM, {}, false},      {Spec::Reduce::SUM, {1}, false},
-      {Spec::Reduce::MEAN, {-1}, true},    {Spec::Reduce::MEAN, {0, 2}, false},
-      {Spec::Reduce::MAX, {1}, false},     {Spec::Reduce::MAX, {}, true},
-      {Spec::Reduce::MIN, {0, -1}, true},  {Spec::Reduce::SUM, {0, 1, 2}, true},
+      {Spec::Reduce::SUM, {}, false},     {Spec::Reduce::SUM, {1}, false},
+      {Spec::Reduce::MEAN, {-1}, true},   {Spec::Reduce::MEAN, {0, 2}, false},
+      {Spec::Reduce::MAX, {1}, false},    {Spec::Reduce::MAX, {}, true},
+      {Spec::Reduce::MIN, {0, -1}, true}, {Spec::Reduce::SUM, {0, 1, 2}, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(absl::StrCat(Spec::Reduce::Op_Name(c.op), " axes ", c.axes.size(), " keepdims ",
@@ -521,15 +524,19 @@ TEST_F(NumpyNodeTest, Reductions) {
     const Array x = FromTensor(in.x);
     Array want;
     switch (c.op) {
-      case Spec::Reduce::SUM: want = ReduceRef(x, c.axes, c.keepdims, 0, std::plus<double>()); break;
+      case Spec::Reduce::SUM:
+        want = ReduceRef(x, c.axes, c.keepdims, 0, std::plus<double>());
+        break;
       case Spec::Reduce::MEAN:
         want = ReduceRef(x, c.axes, c.keepdims, 0, std::plus<double>(), true);
         break;
       case Spec::Reduce::MAX:
-        want = ReduceRef(x, c.axes, c.keepdims, -1e300, [](double a, double b) { return std::max(a, b); });
+        want = ReduceRef(x, c.axes, c.keepdims, -1e300,
+                         [](double a, double b) { return std::max(a, b); });
         break;
       default:
-        want = ReduceRef(x, c.axes, c.keepdims, 1e300, [](double a, double b) { return std::min(a, b); });
+        want = ReduceRef(x, c.axes, c.keepdims, 1e300,
+                         [](double a, double b) { return std::min(a, b); });
         break;
     }
     const Tensor y = Forward(g, in);
@@ -577,16 +584,16 @@ TEST_F(NumpyNodeTest, Einsum) {
   };
   const std::vector<Case> cases = {
       {"ij,jk->ik", {3, 4}, {4, 5}},
-      {"ij,kj->ik", {3, 4}, {5, 4}},          // b transposed in place
-      {"ji,jk->ik", {4, 3}, {4, 5}},          // a transposed in place
-      {"ji,kj->ki", {4, 3}, {5, 4}},          // both, and the output permuted
-      {"bij,bjk->bik", {2, 3, 4}, {2, 4, 5}}, // batched
+      {"ij,kj->ik", {3, 4}, {5, 4}},           // b transposed in place
+      {"ji,jk->ik", {4, 3}, {4, 5}},           // a transposed in place
+      {"ji,kj->ki", {4, 3}, {5, 4}},           // both, and the output permuted
+      {"bij,bjk->bik", {2, 3, 4}, {2, 4, 5}},  // batched
       {"bqhd,bkhd->bhqk", {2, 3, 2, 4}, {2, 5, 2, 4}},
       {"bhqk,bkhd->bqhd", {2, 2, 3, 5}, {2, 5, 2, 4}},
       {"...d,df->...f", {2, 3, 4}, {4, 6}},
       {"...ij,...jk->...ik", {2, 3, 4}, {2, 4, 2}},
-      {"i,i->", {6}, {6}},                    // a dot product
-      {"i,j->ij", {3}, {4}},                  // an outer product
+      {"i,i->", {6}, {6}},    // a dot product
+      {"i,j->ij", {3}, {4}},  // an outer product
       {"bd,d->b", {3, 4}, {4}},
   };
   for (const Case& c : cases) {
@@ -650,7 +657,8 @@ TEST_F(NumpyNodeTest, SoftmaxAndLogSoftmax) {
       testing::SetValues(xs, &in.x);
       const Array x = FromTensor(in.x);
       const int a = (axis + 3) % 3;
-      const Array m = ReduceRef(x, {a}, true, -1e300, [](double p, double q) { return std::max(p, q); });
+      const Array m =
+          ReduceRef(x, {a}, true, -1e300, [](double p, double q) { return std::max(p, q); });
       const Array e = Map({x, m}, [](const auto& v) { return std::exp(v[0] - v[1]); });
       const Array s_ = ReduceRef(e, {a}, true, 0, std::plus<double>());
       const Array want = Map({x, m, s_}, [&](const auto& v) {
@@ -669,14 +677,16 @@ TEST_F(NumpyNodeTest, Bfloat16) {
   Add(&g, "y", {"m"})->mutable_softmax()->set_axis(-1);
   g.add_outputs("y");
   const LayerInputs in = Inputs({4, 8}, {{8}}, DType::kBF16);
-  const Array prod = Map({FromTensor(in.x), FromTensor(in.extra[0])},
-                         [](const auto& v) { return v[0] * v[1]; });
-  const Array m = ReduceRef(prod, {1}, true, -1e300, [](double p, double q) { return std::max(p, q); });
+  const Array prod =
+      Map({FromTensor(in.x), FromTensor(in.extra[0])}, [](const auto& v) { return v[0] * v[1]; });
+  const Array m =
+      ReduceRef(prod, {1}, true, -1e300, [](double p, double q) { return std::max(p, q); });
   const Array e = Map({prod, m}, [](const auto& v) { return std::exp(v[0] - v[1]); });
   const Array s = ReduceRef(e, {1}, true, 0, std::plus<double>());
   const Tensor y = Forward(g, in);
   EXPECT_EQ(y.dtype(), DType::kBF16);
-  EXPECT_LT(ErrorOf(Values(y), Map({e, s}, [](const auto& v) { return v[0] / v[1]; })), kBf16Tolerance);
+  EXPECT_LT(ErrorOf(Values(y), Map({e, s}, [](const auto& v) { return v[0] / v[1]; })),
+            kBf16Tolerance);
 }
 
 // ---- param --------------------------------------------------------------------------
@@ -724,7 +734,8 @@ TEST_F(NumpyNodeTest, ParamInitializers) {
     Variables vars = *testing::InitLayer(*ops_, *layer, shape, nullptr, 3);
     std::vector<float> v = Values(vars.at("params/scale"));
     double mean = 0, sq = 0, lo = 1e300, hi = -1e300;
-    for (float f : v) mean += f, sq += double(f) * f, lo = std::min(lo, double(f)), hi = std::max(hi, double(f));
+    for (float f : v)
+      mean += f, sq += double(f) * f, lo = std::min(lo, double(f)), hi = std::max(hi, double(f));
     mean /= v.size();
     return std::array<double, 4>{mean, std::sqrt(sq / v.size() - mean * mean), lo, hi};
   };
@@ -827,7 +838,8 @@ TEST_F(NumpyNodeTest, BadSpecsNameTheField) {
     Add(&g, "s", {"x"}, {"s"})->mutable_reshape()->add_shape(-1);
     Add(&g, "m", {"x", "s"})->mutable_binary()->set_op(Spec::Binary::ADD);
     g.add_outputs("m");
-    EXPECT_INVALID(InitError(g, {2, 3}), "spec.graph.nodes[1] (m): inputs[0] [2, 3], inputs[1] [6] do not broadcast");
+    EXPECT_INVALID(InitError(g, {2, 3}),
+                   "spec.graph.nodes[1] (m): inputs[0] [2, 3], inputs[1] [6] do not broadcast");
   }
   {
     Spec g;  // a slice out of bounds
@@ -851,7 +863,8 @@ TEST_F(NumpyNodeTest, BadSpecsNameTheField) {
     Spec g;  // softmax axis
     Add(&g, "sm", {"x"})->mutable_softmax()->set_axis(-3);
     g.add_outputs("sm");
-    EXPECT_INVALID(InitError(g, {2, 3}), "spec.graph.nodes[0] (sm).softmax.axis: -3 is out of range");
+    EXPECT_INVALID(InitError(g, {2, 3}),
+                   "spec.graph.nodes[0] (sm).softmax.axis: -3 is out of range");
   }
   {
     Spec g;  // an unset op
@@ -892,7 +905,8 @@ TEST_F(NumpyNodeTest, BadSpecsNameTheField) {
     EXPECT_INVALID(InitError(ParamGraph(init), {2, 4, 3}), "param.initializer.distribution");
     init = I();
     init.set_in_axis(5);
-    EXPECT_INVALID(InitError(ParamGraph(init), {2, 4, 3}), "param.initializer.in_axis: 5 is out of range");
+    EXPECT_INVALID(InitError(ParamGraph(init), {2, 4, 3}),
+                   "param.initializer.in_axis: 5 is out of range");
     init = I();
     init.set_kind(I::NORMAL);
     init.set_stddev(-1);

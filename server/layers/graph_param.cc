@@ -81,7 +81,8 @@ ValueFill FillOf(uint64_t seed, const Node& node) {
   };
   auto normal = [&](double stddev, bool truncated) {
     layers::Initializer n;
-    n.kind = truncated ? layers::Initializer::Kind::kTruncatedNormal : layers::Initializer::Kind::kNormal;
+    n.kind = truncated ? layers::Initializer::Kind::kTruncatedNormal
+                       : layers::Initializer::Kind::kNormal;
     n.stddev = static_cast<float>(stddev);
     return InitialValueFill(seed, name, n);
   };
@@ -90,7 +91,8 @@ ValueFill FillOf(uint64_t seed, const Node& node) {
     case Initializer::ONES: return constant(1.0f);
     case Initializer::CONSTANT: return constant(static_cast<float>(init.value()));
     case Initializer::NORMAL: return normal(init.has_stddev() ? init.stddev() : 1e-2, false);
-    case Initializer::TRUNCATED_NORMAL: return normal(init.has_stddev() ? init.stddev() : 1e-2, true);
+    case Initializer::TRUNCATED_NORMAL:
+      return normal(init.has_stddev() ? init.stddev() : 1e-2, true);
     case Initializer::UNIFORM: return uniform(0.0, init.has_scale() ? init.scale() : 1e-2);
     default: break;  // variance scaling (KIND_UNSPECIFIED: lecun_normal), checked by ParseParam
   }
@@ -102,9 +104,12 @@ ValueFill FillOf(uint64_t seed, const Node& node) {
   const int in_axis = init.has_in_axis() ? (init.in_axis() + rank) % rank : rank - 2;
   const int out_axis = init.has_out_axis() ? (init.out_axis() + rank) % rank : rank - 1;
   const double receptive = static_cast<double>(NumElements(shape)) /
-                           static_cast<double>(shape[in_axis]) / static_cast<double>(shape[out_axis]);
+                           static_cast<double>(shape[in_axis]) /
+                           static_cast<double>(shape[out_axis]);
   const double fan_in = shape[in_axis] * receptive, fan_out = shape[out_axis] * receptive;
-  const double fan = s.mode == "fan_in" ? fan_in : s.mode == "fan_out" ? fan_out : (fan_in + fan_out) / 2;
+  const double fan = s.mode == "fan_in"    ? fan_in
+                     : s.mode == "fan_out" ? fan_out
+                                           : (fan_in + fan_out) / 2;
   const double variance = s.scale / std::max(1.0, fan);
   if (s.distribution == "uniform") {
     const double limit = std::sqrt(3.0 * variance);
@@ -116,15 +121,18 @@ ValueFill FillOf(uint64_t seed, const Node& node) {
 
 }  // namespace
 
-absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string& where, Node* node) {
+absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string& where,
+                        Node* node) {
   node->shape.assign(spec.shape().begin(), spec.shape().end());
   for (size_t d = 0; d < node->shape.size(); ++d) {
     if (node->shape[d] < 1) {
-      return Invalid(absl::StrCat(where, ".shape[", d, "]"), absl::StrCat(node->shape[d], "; want >= 1"));
+      return Invalid(absl::StrCat(where, ".shape[", d, "]"),
+                     absl::StrCat(node->shape[d], "; want >= 1"));
     }
   }
   if (!CheckedNumElements(node->shape)) {
-    return Invalid(where + ".shape", absl::StrCat(ShapeString(node->shape), " has 2^63 elements or more"));
+    return Invalid(where + ".shape",
+                   absl::StrCat(ShapeString(node->shape), " has 2^63 elements or more"));
   }
   node->dtype = DType::kF32;
   if (spec.dtype() != te::v1::DTYPE_UNSPECIFIED) {
@@ -135,10 +143,10 @@ absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string&
   const std::string w = where + ".initializer";
   switch (init.kind()) {
     case Initializer::ZEROS:
-    case Initializer::ONES:
-      return absl::OkStatus();
+    case Initializer::ONES: return absl::OkStatus();
     case Initializer::CONSTANT:
-      if (!std::isfinite(init.value())) return Invalid(w + ".value", absl::StrCat(init.value(), "; want finite"));
+      if (!std::isfinite(init.value()))
+        return Invalid(w + ".value", absl::StrCat(init.value(), "; want finite"));
       return absl::OkStatus();
     case Initializer::NORMAL:
     case Initializer::TRUNCATED_NORMAL:
@@ -151,24 +159,26 @@ absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string&
         return Invalid(w + ".scale", absl::StrCat(init.scale(), "; want finite"));
       }
       return absl::OkStatus();
-    default:
-      break;
+    default: break;
   }
   if (init.kind() != Initializer::KIND_UNSPECIFIED && !IsScaling(init.kind())) {
-    return Invalid(w + ".kind", absl::StrCat(static_cast<int>(init.kind()), " is not an initializer kind"));
+    return Invalid(w + ".kind",
+                   absl::StrCat(static_cast<int>(init.kind()), " is not an initializer kind"));
   }
   // Variance scaling: fans from two axes of a shape of rank 2 or more (JAX's _compute_fans).
   const int rank = static_cast<int>(node->shape.size());
   if (rank < 2) {
-    return Invalid(w, absl::StrCat("variance scaling (lecun, glorot, he) computes fans from a shape "
-                                   "of rank 2 or more; the param's is ", ShapeString(node->shape)));
+    return Invalid(w,
+                   absl::StrCat("variance scaling (lecun, glorot, he) computes fans from a shape "
+                                "of rank 2 or more; the param's is ",
+                                ShapeString(node->shape)));
   }
   for (const auto& [has, axis, name] :
        {std::tuple<bool, int, const char*>{init.has_in_axis(), init.in_axis(), "in_axis"},
         {init.has_out_axis(), init.out_axis(), "out_axis"}}) {
     if (has && (axis < -rank || axis >= rank)) {
-      return Invalid(absl::StrCat(w, ".", name), absl::StrCat(axis, " is out of range for shape ",
-                                                              ShapeString(node->shape)));
+      return Invalid(absl::StrCat(w, ".", name),
+                     absl::StrCat(axis, " is out of range for shape ", ShapeString(node->shape)));
     }
   }
   const int in_axis = init.has_in_axis() ? (init.in_axis() + rank) % rank : rank - 2;
@@ -180,12 +190,14 @@ absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string&
       return Invalid(w + ".scale", absl::StrCat(s.scale, "; want positive"));
     }
     if (s.mode != "fan_in" && s.mode != "fan_out" && s.mode != "fan_avg") {
-      return Invalid(w + ".mode", absl::StrCat("\"", s.mode, "\"; want fan_in, fan_out or fan_avg"));
+      return Invalid(w + ".mode",
+                     absl::StrCat("\"", s.mode, "\"; want fan_in, fan_out or fan_avg"));
     }
     if (s.distribution != "truncated_normal" && s.distribution != "normal" &&
         s.distribution != "uniform") {
-      return Invalid(w + ".distribution", absl::StrCat("\"", s.distribution,
-                                                       "\"; want truncated_normal, normal or uniform"));
+      return Invalid(
+          w + ".distribution",
+          absl::StrCat("\"", s.distribution, "\"; want truncated_normal, normal or uniform"));
     }
   }
   return absl::OkStatus();
@@ -193,7 +205,9 @@ absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string&
 
 std::string ParamName(const Node& node) { return absl::StrCat("params/", node.name); }
 
-VariableSpec ParamSpec(const Node& node) { return VariableSpec{ParamName(node), node.shape, node.dtype}; }
+VariableSpec ParamSpec(const Node& node) {
+  return VariableSpec{ParamName(node), node.shape, node.dtype};
+}
 
 absl::Status InitParam(Ops& ops, uint64_t seed, const Node& node, Variables* vars) {
   const uint64_t node_seed = NodeSeed(seed, node.name.data(), node.name.size());
