@@ -112,6 +112,73 @@ struct AttentionArgs {
 };
 // A query row with no visible key outputs 0.
 
+// ---- jax.numpy's elementwise ops, reductions and softmax (Ops::Binary ...) ----
+// Broadcasting, numpy's: an operand of shape s fits an output of shape y when
+// rank(s) <= rank(y) and, aligned from the right, each dim of s is y's or 1
+// (repeated along that dim). At most kBroadcastMaxRank dims (after the
+// backends merge neighbouring dims that broadcast alike).
+inline constexpr int kBroadcastMaxRank = 8;
+
+// Binary's operations. Arithmetic in float32; comparisons give bool.
+enum class BinaryOp {
+  kAdd,
+  kSubtract,
+  kMultiply,
+  kDivide,
+  kMaximum,  // NaN if either is NaN (jnp.maximum)
+  kMinimum,
+  kPower,    // powf(a, b)
+  kGreater,
+  kGreaterEqual,
+  kLess,
+  kLessEqual,
+  kEqual,
+  kNotEqual,
+};
+inline bool IsComparison(BinaryOp op) { return op >= BinaryOp::kGreater; }
+
+// One operand may be a constant instead of a tensor: then b is not read and
+// y = op(a, scalar), or op(scalar, a) when scalar_first.
+struct BinaryArgs {
+  BinaryOp op = BinaryOp::kAdd;
+  bool has_scalar = false;
+  float scalar = 0.0f;
+  bool scalar_first = false;
+};
+
+// Unary's operations, with the derivatives UnaryBackward uses (JAX's):
+//   negative -1; exp e^x; log 1/x; tanh 1 - tanh^2; sqrt 0.5/sqrt(x);
+//   rsqrt -0.5 x^-1.5; abs sign(x) (0 at 0); square 2x; sigmoid s(1 - s);
+//   relu 1 where x > 0 (0 at 0); silu s (1 + x (1 - s)); gelu the tanh
+//   approximation (Activation's); gelu_exact 0.5 x (1 + erf(x / sqrt 2)),
+//   derivative Phi(x) + x phi(x). logical_not: bool -> bool, no derivative.
+enum class UnaryOp {
+  kNegative,
+  kExp,
+  kLog,
+  kTanh,
+  kSqrt,
+  kRsqrt,
+  kAbs,
+  kSquare,
+  kSigmoid,
+  kRelu,
+  kSilu,
+  kGelu,
+  kGeluExact,
+  kLogicalNot,
+};
+
+// jnp.where(cond, x, y) with x or y a constant where has_*_scalar.
+struct WhereArgs {
+  bool has_x_scalar = false;
+  float x_scalar = 0.0f;
+  bool has_y_scalar = false;
+  float y_scalar = 0.0f;
+};
+
+enum class ReduceOp { kSum, kMean, kMax, kMin };
+
 // Block-scaled formats, emulated (quantize-dequantize) where not native.
 enum class BlockFormat {
   kMXFP8,  // E4M3 values, 1x32 blocks, E8M0 block scales 2^ceil(log2(amax/448)) (TE)
@@ -485,6 +552,60 @@ class Ops {
   // The default is a [1, n] x [n, 1] Gemm; the CUDA backend reduces in one
   // pass over both.
   virtual absl::Status Dot(const Tensor& a, const Tensor& b, Tensor* out);
+
+  // ---- jax.numpy: broadcasting elementwise ops, reductions, softmax, slices ----
+  // Float operands are read as float32 whatever their float dtype (f32, bf16,
+  // f16; each operand its own), computed in float32 and rounded once to y's.
+  // Both backends implement these; Ops's defaults answer UNIMPLEMENTED.
+  //
+  // y = op(a, b), a and b (float, one dtype) broadcast to y's shape (see
+  // kBroadcastMaxRank). y is float for arithmetic, bool for comparisons.
+  virtual absl::Status Binary(const BinaryArgs& args, const Tensor& a, const Tensor& b, Tensor* y);
+  // Binary's partial gradients at y's shape, before any sum over broadcast
+  // dims (the caller reduces them to its operands' shapes with Reduce):
+  //   da = dy * d op/da (a, b),  db = dy * d op/db (a, b)
+  // add 1, 1; subtract 1, -1; multiply b, a; divide 1/b, -a/b^2; maximum
+  // [a >= b], [a < b] (a on ties); minimum [a <= b], [a > b]; power
+  // b a^(b-1) (0 where b == 0), log(a) a^b (0 where a == 0), as JAX's.
+  // dy: float of y's shape; da, db: float (f32 or the operands' dtype), y's
+  // shape, either null when not wanted (db always with a scalar, whose
+  // tensor operand is a). Not for comparisons (no gradient).
+  virtual absl::Status BinaryBackward(const BinaryArgs& args, const Tensor& dy, const Tensor& a,
+                                      const Tensor& b, Tensor* da, Tensor* db);
+  // y = op(x) elementwise (UnaryOp), x and y of one element count: float, or
+  // bool for kLogicalNot.
+  virtual absl::Status Unary(UnaryOp op, const Tensor& x, Tensor* y);
+  // dx = dy * op'(x) (UnaryOp's derivatives); dy, x, dx float of one count.
+  virtual absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, Tensor* dx);
+  // out = cond ? x : y, cond bool and x, y float (or the args' constants),
+  // each broadcast to out's shape; out float.
+  virtual absl::Status Where(const WhereArgs& args, const Tensor& cond, const Tensor& x,
+                             const Tensor& y, Tensor* out);
+  // y = op over x's elements along the dims where y's dim is 1: y has x's
+  // rank, each dim x's or 1 (keepdims; a sum over broadcast dims reduces to
+  // the operand's shape padded with leading 1s). kMean divides the sum by
+  // numel(x) / numel(y); kMax / kMin propagate NaN. Float x and y; each
+  // output's terms are added in a fixed order (the same on every run).
+  virtual absl::Status Reduce(ReduceOp op, const Tensor& x, Tensor* y);
+  // jax.nn.softmax / log_softmax along `axis` of x (float, x viewed as
+  // [outer, n, inner]), numerically stable, in float32 (m = max along axis):
+  //   softmax y = exp(x - m) / sum exp(x - m); log: y = x - m - log(sum exp(x - m)).
+  // y float of x's shape.
+  virtual absl::Status Softmax(bool log, int axis, const Tensor& x, Tensor* y);
+  // From the forward's y: softmax dx = y (dy - sum(dy y)); log_softmax
+  // dx = dy - exp(y) sum(dy) (sums along axis). dy, y, dx float, one shape.
+  virtual absl::Status SoftmaxBackward(bool log, int axis, const Tensor& dy, const Tensor& y,
+                                       Tensor* dx);
+  // x[start:...:stride] per dim (numpy's basic slicing, stride >= 1):
+  //   y[i_0, ..] = x[start_0 + i_0 stride_0, ..], every index inside x.
+  // x and y of one dtype (any) and rank (<= kBroadcastMaxRank); y's shape
+  // chooses the slice's extent.
+  virtual absl::Status Slice(const Tensor& x, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& stride, Tensor* y);
+  // Its gradient: dx = 0 but dx[start + i stride] = dy[i]; dy and dx float
+  // of one dtype, dx overwritten.
+  virtual absl::Status SliceBackward(const Tensor& dy, const std::vector<int64_t>& start,
+                                     const std::vector<int64_t>& stride, Tensor* dx);
 
   // ---- FP8 scaling --------------------------------------------------------
   // y (E4M3 or E5M2) = cast(x * scale); writes fp8.amax and fp8.scale_inv.

@@ -95,8 +95,10 @@ class GraphSaved : public SavedForward {
   std::vector<std::unique_ptr<SavedForward>> modules;  // by node; null for glue
   std::vector<DropoutSaved> dropouts;                  // by node
   std::vector<graph::LmSaved> lm;                      // by node: loss and attend
+  std::vector<graph::NumpySaved> numpy;                // by node: jax.numpy's nodes
   int64_t bytes() const override {
     int64_t total = 0;
+    for (const graph::NumpySaved& n : numpy) total += n.bytes();
     for (const auto& m : modules) total += m != nullptr ? m->bytes() : 0;
     for (const DropoutSaved& d : dropouts) total += d.bytes();
     for (const graph::LmSaved& l : lm) total += l.bytes();
@@ -133,6 +135,9 @@ class GraphLayer : public Layer {
                       }
                       return absl::OkStatus();
                     }).status());
+    for (const Node& node : g_.nodes) {
+      if (node.kind == NodeKind::kParam) specs.push_back(graph::ParamSpec(node));
+    }
     return specs;
   }
 
@@ -160,6 +165,11 @@ class GraphLayer : public Layer {
       if (node.kind == NodeKind::kCausalMask) out = DType::kBool;
       if (node.kind == NodeKind::kSoftmaxCrossEntropy) out = DType::kF32;
       if (node.kind == NodeKind::kAttend) out = AttendDType(node.attend_dtype, out, node.param_dtype);
+      if (graph::IsNumpyKind(node.kind) || node.kind == NodeKind::kParam) {
+        std::vector<DType> in;
+        for (int id : node.inputs) in.push_back(dtypes[id]);
+        out = graph::NumpyOutputDType(node, in);
+      }
       for (int id : node.outputs) dtypes[id] = out;
     }
     return dtypes[g_.outputs[0]];
@@ -167,13 +177,16 @@ class GraphLayer : public Layer {
 
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
-    return InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
-             Variables own;
-             RETURN_IF_ERROR(node.module->Init(ops, SeedOf(seed, node.name), x, fp8, &own));
-             WriteBack(own, node.name, vars);
-             return absl::OkStatus();
-           })
-        .status();
+    RETURN_IF_ERROR(InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
+                      Variables own;
+                      RETURN_IF_ERROR(node.module->Init(ops, SeedOf(seed, node.name), x, fp8, &own));
+                      WriteBack(own, node.name, vars);
+                      return absl::OkStatus();
+                    }).status());
+    for (const Node& node : g_.nodes) {
+      if (node.kind == NodeKind::kParam) RETURN_IF_ERROR(graph::InitParam(ops, seed, node, vars));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
@@ -198,6 +211,7 @@ class GraphLayer : public Layer {
     kept->modules.resize(g_.nodes.size());
     kept->dropouts.resize(g_.nodes.size());
     kept->lm.resize(g_.nodes.size());
+    kept->numpy.resize(g_.nodes.size());
 
     std::vector<Tensor> values(g_.tensors.size());
     values[kX] = in.x;
@@ -221,6 +235,17 @@ class GraphLayer : public Layer {
         ASSIGN_OR_RETURN(const Tensor embedding, EmbeddingOf(*vars, node));
         RETURN_IF_ERROR(AboutNode(node, graph::AttendNodeForward(ops, node, embedding, inputs[0],
                                                                  &outputs[0], &kept->lm[i])));
+      } else if (node.kind == NodeKind::kParam) {
+        auto it = vars->find(graph::ParamName(node));
+        if (it == vars->end()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(node.field, ": no variable ", graph::ParamName(node)));
+        }
+        outputs = {it->second};
+      } else if (graph::IsNumpyKind(node.kind)) {
+        RETURN_IF_ERROR(AboutNode(node, graph::NumpyForward(ops, node, kept->plan.nodes[i],
+                                                            kept->plan, inputs, &outputs,
+                                                            &kept->numpy[i])));
       } else {
         RETURN_IF_ERROR(AboutNode(
             node, graph::GlueForward(ops, node, kept->plan.nodes[i], inputs, opts.deterministic,
@@ -276,6 +301,16 @@ class GraphLayer : public Layer {
                                                                     &din, &dembedding)));
           RETURN_IF_ERROR(AddParamGrad(ops, EmbeddingName(node), dembedding, grads));
         }
+      } else if (node.kind == NodeKind::kParam) {  // no gradient reached it: zeros
+        const TensorInfo& info = plan.tensors[node.outputs[0]];
+        Tensor g = dout[0];
+        if (!g.defined()) {
+          ASSIGN_OR_RETURN(g, graph::Zeros(ops, *info.dtype, info.shape));
+        }
+        RETURN_IF_ERROR(AddParamGrad(ops, graph::ParamName(node), g, grads));
+      } else if (graph::IsNumpyKind(node.kind)) {
+        RETURN_IF_ERROR(AboutNode(node, graph::NumpyBackward(ops, node, plan.nodes[i], plan,
+                                                             kept->numpy[i], dout, &din)));
       } else {
         RETURN_IF_ERROR(AboutNode(node, graph::GlueBackward(ops, node, plan.nodes[i], plan,
                                                             kept->dropouts[i], dout, &din)));

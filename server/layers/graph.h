@@ -31,6 +31,10 @@
 // seed are NodeSeed(seed, node name), and a dropout node's seed
 // NodeSeed(dropout_seed, node name) (kernels/rng.h). Each module node has its
 // own FP8 state, which the session's UpdateFp8Metas moves as for one module.
+// A param node (self.param) is the variable "params/<node name>", drawn at
+// init from its initializer with the seed NodeSeed(seed, node name); the
+// jax.numpy nodes (binary, unary, where, reduce, einsum, slice, softmax) hold
+// none (graph_numpy*.cc, graph_einsum.cc, graph_param.cc).
 //
 // Inputs: "x", "extra_inputs[i]" (the graph takes exactly as many extra
 // inputs as the highest index it reads, plus one) and "attention_mask": a

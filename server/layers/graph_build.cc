@@ -195,6 +195,15 @@ absl::Status ParseGlue(const GraphSpec::Node& s, Node* node) {
       }
       break;  // attend.embed is resolved once every node is known
     }
+    case GraphSpec::Node::kBinary:
+    case GraphSpec::Node::kUnary:
+    case GraphSpec::Node::kWhere:
+    case GraphSpec::Node::kReduce:
+    case GraphSpec::Node::kEinsum:
+    case GraphSpec::Node::kSlice:
+    case GraphSpec::Node::kSoftmax:
+    case GraphSpec::Node::kParam:
+      return ParseNumpyNode(s, node);  // graph_numpy_parse.cc
     default:
       return absl::InternalError(absl::StrCat(f, ": unhandled op ", s.op_case()));
   }
@@ -319,8 +328,9 @@ class Builder {
     }
     if (s.op_case() == GraphSpec::Node::OP_NOT_SET) {
       return Invalid(node.field, "no op set (module, reshape, split, concatenate, add, scale, "
-                                 "cast, transpose, dropout, causal_mask, softmax_cross_entropy "
-                                 "or attend)");
+                                 "cast, transpose, dropout, causal_mask, softmax_cross_entropy, "
+                                 "attend, binary, unary, where, reduce, einsum, slice, softmax "
+                                 "or param)");
     }
     if (s.op_case() != GraphSpec::Node::kModule) {
       if (!s.mask().empty()) {
@@ -433,10 +443,12 @@ class Builder {
 
   // A module's variables are "<collection>/<node>/..."; a node named like
   // another's scope ("a" and "a/b") would see the other's variables as its own.
+  // A param node's variable "params/<node>" is a leaf of the same tree.
   absl::Status ScopesAreDisjoint() const {
     std::map<std::string, int> modules;
     for (size_t i = 0; i < g_.nodes.size(); ++i) {
-      if (g_.nodes[i].kind == NodeKind::kModule) modules.emplace(g_.nodes[i].name, i);
+      const NodeKind kind = g_.nodes[i].kind;
+      if (kind == NodeKind::kModule || kind == NodeKind::kParam) modules.emplace(g_.nodes[i].name, i);
     }
     // "": the root scope, where a layer that is one module keeps its
     // variables (a graph added over it names that module so).
