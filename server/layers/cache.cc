@@ -21,6 +21,14 @@ std::vector<VariableSpec> KvCacheSpecs(absl::string_view scope, int64_t batch, i
   return {{names.key, shape, dtype}, {names.value, shape, dtype}, {names.index, {}, DType::kI32}};
 }
 
+absl::Status CheckCacheDType(DType dtype) {
+  if (IsFloating(dtype) && !IsFloat8(dtype)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("x.dtype: ", DTypeName(dtype),
+                   "; the cache holds keys and values in x's float dtype (float32, bfloat16 or "
+                   "float16)"));
+}
+
 absl::Status InitCache(Ops& ops, const std::vector<VariableSpec>& specs, Variables* vars) {
   for (const VariableSpec& spec : specs) {
     ASSIGN_OR_RETURN(Tensor t, ops.Allocate(spec.dtype, spec.shape));
@@ -61,11 +69,27 @@ absl::Status CheckCacheVariable(const Tensor& t, const std::string& name, const 
 
 }  // namespace
 
+absl::StatusOr<int64_t> ReadKvCacheIndex(Ops& ops, const Variables& vars, absl::string_view scope,
+                                         int64_t known_index) {
+  const std::string name = KvCacheNamesAt(scope).index;
+  ASSIGN_OR_RETURN(const Tensor index, CacheVariable(vars, name));
+  if (index.numel() != 1 || index.dtype() != DType::kI32) {
+    return absl::InvalidArgumentError(absl::StrCat("variable ", name, " is ",
+                                                   ShapeString(index.shape()), " ",
+                                                   DTypeName(index.dtype()), "; want [] int32"));
+  }
+  if (known_index >= 0) return known_index;
+  int32_t value = 0;
+  RETURN_IF_ERROR(ops.Download(index, &value));
+  return value;
+}
+
 absl::StatusOr<KvCache> OpenKvCache(Ops& ops, const Variables& vars, absl::string_view scope,
-                                    int64_t batch, int64_t groups, int64_t head_dim, DType dtype,
-                                    int64_t known_index) {
+                                    int64_t batch, int64_t tokens, int64_t groups,
+                                    int64_t head_dim, DType dtype, int64_t known_index) {
   KvCache cache;
   cache.names = KvCacheNamesAt(scope);
+  cache.tokens = tokens;
   ASSIGN_OR_RETURN(cache.key, CacheVariable(vars, cache.names.key));
   ASSIGN_OR_RETURN(cache.value, CacheVariable(vars, cache.names.value));
   ASSIGN_OR_RETURN(cache.index, CacheVariable(vars, cache.names.index));
@@ -77,38 +101,30 @@ absl::StatusOr<KvCache> OpenKvCache(Ops& ops, const Variables& vars, absl::strin
         "variable ", cache.names.value, " is ", ShapeString(cache.value.shape()), " but ",
         cache.names.key, " is ", ShapeString(cache.key.shape()), ": they must match"));
   }
-  if (cache.index.numel() != 1 || cache.index.dtype() != DType::kI32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "variable ", cache.names.index, " is ", ShapeString(cache.index.shape()), " ",
-        DTypeName(cache.index.dtype()), "; want [] int32"));
+  ASSIGN_OR_RETURN(cache.position, ReadKvCacheIndex(ops, vars, scope, known_index));
+  if (cache.position < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cache.names.index, " is ", cache.position, ": an index must be >= 0"));
   }
-  if (known_index >= 0) {
-    cache.position = known_index;
-  } else {
-    int32_t index = 0;
-    RETURN_IF_ERROR(ops.Download(cache.index, &index));
-    cache.position = index;
-  }
-  if (cache.position < 0 || cache.position >= cache.length()) {
+  if (cache.position + tokens > cache.length()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        cache.names.index, " is ", cache.position, " but the cache holds ", cache.length(),
-        " positions (init's length): ",
-        cache.position < 0 ? "an index must be >= 0"
-                           : "the cache is full; init with a longer x to decode further"));
+        cache.names.index, " is ", cache.position, " and the step brings ", tokens,
+        tokens == 1 ? " token" : " tokens", ", but the cache holds ", cache.length(),
+        " positions (init's length): init with a longer x to decode further"));
   }
   return cache;
 }
 
 absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache) {
-  const int64_t batch = cache.key.dim(0), length = cache.length();
+  const int64_t batch = cache.key.dim(0), length = cache.length(), tokens = cache.tokens;
   const int64_t groups = cache.key.dim(2), head_dim = cache.key.dim(3);
-  const Shape token = {batch, 1, groups, head_dim};
+  const Shape step = {batch, tokens, groups, head_dim};
   for (const Tensor* t : {&k, &v}) {
-    if (t->shape() != token || t->dtype() != cache.key.dtype()) {
-      return absl::InternalError(absl::StrCat("decode: a new key or value is ",
+    if (t->shape() != step || t->dtype() != cache.key.dtype()) {
+      return absl::InternalError(absl::StrCat("decode: new keys or values are ",
                                               ShapeString(t->shape()), " ",
                                               DTypeName(t->dtype()), "; the cache takes ",
-                                              ShapeString(token), " ",
+                                              ShapeString(step), " ",
                                               DTypeName(cache.key.dtype())));
     }
   }
@@ -116,16 +132,16 @@ absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCac
   std::vector<Tensor> from, to;
   from.reserve(2 * batch);
   to.reserve(2 * batch);
-  const Tensor k_rows = k.Reshaped({batch, groups, head_dim});
-  const Tensor v_rows = v.Reshaped({batch, groups, head_dim});
+  const Tensor k_rows = k.Reshaped({batch * tokens, groups, head_dim});
+  const Tensor v_rows = v.Reshaped({batch * tokens, groups, head_dim});
   const Tensor key_rows = cache.key.Reshaped({batch * length, groups, head_dim});
   const Tensor value_rows = cache.value.Reshaped({batch * length, groups, head_dim});
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t row = b * length + cache.position;
-    from.push_back(k_rows.Slice0(b, b + 1));
-    to.push_back(key_rows.Slice0(row, row + 1));
-    from.push_back(v_rows.Slice0(b, b + 1));
-    to.push_back(value_rows.Slice0(row, row + 1));
+    from.push_back(k_rows.Slice0(b * tokens, (b + 1) * tokens));
+    to.push_back(key_rows.Slice0(row, row + tokens));
+    from.push_back(v_rows.Slice0(b * tokens, (b + 1) * tokens));
+    to.push_back(value_rows.Slice0(row, row + tokens));
   }
   std::vector<const Tensor*> src;
   std::vector<Tensor*> dst;
@@ -138,31 +154,35 @@ absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCac
 }
 
 absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache) {
-  const int32_t next = static_cast<int32_t>(cache.position + 1);
+  const int32_t next = static_cast<int32_t>(cache.position + cache.tokens);
   Tensor index = cache.index;
   return ops.Upload(&next, &index);
 }
 
-absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache) {
+absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, bool whole) {
   KvView view;
-  const int64_t batch = cache.key.dim(0), length = cache.length();
+  const int64_t batch = cache.key.dim(0), length = cache.length(), tokens = cache.tokens;
   const int64_t groups = cache.key.dim(2), head_dim = cache.key.dim(3);
-  const int64_t visible = cache.position + 1;
-  if (batch == 1) {
+  const int64_t visible = cache.position + tokens;
+  if (batch == 1 && !whole) {
     view.key = cache.key.Reshaped({length, groups, head_dim}).Slice0(0, visible).Reshaped(
         {1, visible, groups, head_dim});
     view.value = cache.value.Reshaped({length, groups, head_dim}).Slice0(0, visible).Reshaped(
         {1, visible, groups, head_dim});
+    // Query i sits at row position + i = i + (visible - tokens).
+    view.mask = tokens == 1 ? MaskType::kNoMask : MaskType::kCausalBottomRight;
     return view;
   }
   view.key = cache.key;
   view.value = cache.value;
-  const std::vector<int32_t> ones(static_cast<size_t>(batch), 1);
-  const std::vector<int32_t> lengths(static_cast<size_t>(batch), static_cast<int32_t>(visible));
+  view.mask = tokens == 1 ? MaskType::kPadding : MaskType::kPaddingCausalBottomRight;
+  const std::vector<int32_t> q_lengths(static_cast<size_t>(batch), static_cast<int32_t>(tokens));
+  const std::vector<int32_t> kv_lengths(static_cast<size_t>(batch),
+                                        static_cast<int32_t>(visible));
   ASSIGN_OR_RETURN(view.q_seqlens, ops.Allocate(DType::kI32, {batch}));
   ASSIGN_OR_RETURN(view.kv_seqlens, ops.Allocate(DType::kI32, {batch}));
-  RETURN_IF_ERROR(ops.Upload(ones.data(), &view.q_seqlens));
-  RETURN_IF_ERROR(ops.Upload(lengths.data(), &view.kv_seqlens));
+  RETURN_IF_ERROR(ops.Upload(q_lengths.data(), &view.q_seqlens));
+  RETURN_IF_ERROR(ops.Upload(kv_lengths.data(), &view.kv_seqlens));
   return view;
 }
 

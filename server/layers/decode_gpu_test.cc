@@ -126,7 +126,7 @@ TEST_P(MultiHeadAttentionDecodeGpuTest, TokenByTokenEqualsOneCausalForward) {
   RandomizeParams(*b.cpu, &*host_vars, 7, 0.1f);
   auto vars = GpuVariables(*host_vars);
   ASSERT_TRUE(vars.ok()) << vars.status();
-  auto cache = layer.CacheSpecs(x_shape, dtype);
+  auto cache = layer.CacheSpecs(x_shape, dtype, false);
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(InitCache(gpu, *cache, &*vars).ok());
   auto x = GpuRandom(x_shape, dtype, 11);
@@ -197,7 +197,7 @@ TEST_P(MhaBlockDecodeGpuTest, TokenByTokenEqualsOneCausalForward) {
       },
       [&](const Tensor& token) -> absl::StatusOr<Tensor> {
         Tensor y;
-        RETURN_IF_ERROR(block.Decode(gpu, &*vars, token, SeqLens(), decode, &y, nullptr));
+        RETURN_IF_ERROR(block.Decode(gpu, &*vars, token, SeqLens(), Tensor(), decode, &y, nullptr));
         return y;
       });
   ASSERT_TRUE(error.ok()) << error.status();

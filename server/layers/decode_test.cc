@@ -4,7 +4,10 @@
 // decoding a sequence one token at a time gives row for row what one causal
 // forward of the whole sequence gives, for every qkv layout (with and
 // without GQA, with rotary), one or several sequences, float32, bfloat16
-// and FP8 (DelayedScaling).
+// and FP8 (DelayedScaling). Then generation's steps (internal_decode): a
+// prompt at once and chunks of tokens, and the encoder TransformerLayers
+// of a causal LM (rotary, T5 relative bias), which TE itself does not
+// decode.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -79,7 +82,7 @@ absl::StatusOr<Variables> InitForDecode(Ops& ops, const Layer& layer, const Shap
                                         DType dtype, const Fp8Recipe* fp8) {
   ASSIGN_OR_RETURN(Variables vars, InitLayer(ops, layer, x_shape, fp8));
   RandomizeParams(ops, &vars, 7);
-  ASSIGN_OR_RETURN(std::vector<VariableSpec> cache, layer.CacheSpecs(x_shape, dtype));
+  ASSIGN_OR_RETURN(std::vector<VariableSpec> cache, layer.CacheSpecs(x_shape, dtype, false));
   RETURN_IF_ERROR(InitCache(ops, cache, &vars));
   return vars;
 }
@@ -104,7 +107,7 @@ int32_t CacheIndex(Ops& ops, const Variables& vars, const std::string& name) {
 TEST(DecodeCacheTest, NamesShapesAndZerosAsTe) {
   auto ops = NewCpuOps();
   auto layer = Make(Spec(4, 2, /*rotary=*/true));
-  auto specs = layer->CacheSpecs({3, 10, kHidden}, DType::kBF16);
+  auto specs = layer->CacheSpecs({3, 10, kHidden}, DType::kBF16, false);
   ASSERT_TRUE(specs.ok()) << specs.status();
   ASSERT_EQ(specs->size(), 3u);
   EXPECT_EQ((*specs)[0].name, "cache/cached_key");
@@ -139,7 +142,7 @@ TEST(DecodeCacheTest, LayersWithoutACacheRefuseDecode) {
   spec.mutable_dense_general()->add_features(8);
   auto dense = CreateLayer(spec);
   ASSERT_TRUE(dense.ok());
-  auto specs = (*dense)->CacheSpecs({2, 4, 8}, DType::kF32);
+  auto specs = (*dense)->CacheSpecs({2, 4, 8}, DType::kF32, false);
   EXPECT_EQ(specs.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(specs.status().message(), "decode")) << specs.status();
 }
@@ -151,7 +154,7 @@ TEST(DecodeCacheTest, TeRefusesDecodeOfFusedQkvLayouts) {
   for (const auto& [groups, layout] :
        std::vector<std::pair<int, std::string>>{{4, "QKVLayout.BS3HD"}, {2, "QKVLayout.BSHD_BS2HD"}}) {
     auto layer = Make(Spec(4, groups, /*rotary=*/false));
-    auto specs = layer->CacheSpecs({2, 5, kHidden}, DType::kF32);
+    auto specs = layer->CacheSpecs({2, 5, kHidden}, DType::kF32, false);
     EXPECT_EQ(specs.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(specs.status().message(),
                                   "decode mode requires QKVLayout.BSHD_BSHD_BSHD, but got " +
@@ -312,7 +315,7 @@ TEST_P(MhaBlockDecodeTest, TokenByTokenEqualsOneCausalForward) {
         ++t;
         Tensor y;
         RETURN_IF_ERROR(
-            block.Decode(*ops, &vars, token, SeqLens(), decode, &y, nullptr, residual_t));
+            block.Decode(*ops, &vars, token, SeqLens(), Tensor(), decode, &y, nullptr, residual_t));
         return y;
       });
   ASSERT_TRUE(error.ok()) << error.status();
@@ -332,6 +335,171 @@ INSTANTIATE_TEST_SUITE_P(
                       BlockCase{2, true, 1, te::v1::CAUSAL_BOTTOM_RIGHT},
                       BlockCase{4, true, 2, te::v1::PADDING_CAUSAL_BOTTOM_RIGHT}),
     BlockCaseName);
+
+// Generation's steps (internal_decode): a prompt at once, then a token at a
+// time, or any chunks; every causal layout, with one or several sequences.
+class MhaBlockChunkedDecodeTest : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(MhaBlockChunkedDecodeTest, ChunksEqualOneCausalForward) {
+  const BlockCase& c = GetParam();
+  auto ops = NewCpuOps();
+  te::v1::MultiHeadAttention spec = Spec(4, c.groups, c.rotary);
+  spec.set_attn_mask_type(c.mask);
+  auto options = MhaOptionsFromSpec(spec, "spec");
+  ASSERT_TRUE(options.ok());
+  const MhaBlock block(*options, kHidden);
+  const int64_t length = 9;
+  for (const std::vector<int64_t>& chunks :
+       std::vector<std::vector<int64_t>>{{5, 1, 1, 1, 1}, {2, 3, 1, 3}, {9}}) {
+    Variables vars;
+    ASSERT_TRUE(block.Init(*ops, 5, nullptr, &vars).ok());
+    RandomizeParams(*ops, &vars, 9);
+    ASSERT_TRUE(InitCache(*ops, block.CacheSpecs(c.batch, length, DType::kF32), &vars).ok());
+    const Tensor x = RandomTensor(*ops, {c.batch, length, kHidden}, DType::kF32, 19);
+    ForwardOptions decode;
+    decode.decode = true;
+    decode.internal_decode = true;
+    auto error = MaxDecodeRowError(
+        *ops, x,
+        [&](const Tensor& all) -> absl::StatusOr<Tensor> {
+          Tensor y;
+          RETURN_IF_ERROR(block.Forward(*ops, &vars, all, SeqLens(), Tensor(), ForwardOptions(),
+                                        &y, nullptr, nullptr));
+          return y;
+        },
+        [&](const Tensor& part) -> absl::StatusOr<Tensor> {
+          Tensor y;
+          RETURN_IF_ERROR(
+              block.Decode(*ops, &vars, part, SeqLens(), Tensor(), decode, &y, nullptr));
+          return y;
+        },
+        chunks);
+    ASSERT_TRUE(error.ok()) << error.status();
+    EXPECT_LE(*error, kF32Tolerance) << chunks.size() << " chunks";
+    EXPECT_EQ(CacheIndex(*ops, vars, "cache/cache_index"), length);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, MhaBlockChunkedDecodeTest,
+    ::testing::Values(BlockCase{4, false, 1, te::v1::CAUSAL},  // BS3HD
+                      BlockCase{4, false, 3, te::v1::CAUSAL},
+                      BlockCase{2, false, 2, te::v1::CAUSAL},  // BSHD_BS2HD
+                      BlockCase{2, true, 1, te::v1::PADDING_CAUSAL},
+                      BlockCase{4, true, 2, te::v1::CAUSAL_BOTTOM_RIGHT}),
+    BlockCaseName);
+
+// ---- TransformerLayer ---------------------------------------------------------
+
+te::v1::TransformerLayer EncoderSpec(bool rotary, bool relative_embedding, int groups) {
+  te::v1::TransformerLayer spec;
+  spec.set_hidden_size(kHidden);
+  spec.set_mlp_hidden_size(64);
+  spec.set_num_attention_heads(4);
+  spec.set_num_gqa_groups(groups);
+  spec.set_enable_rotary_pos_emb(rotary);
+  spec.set_enable_relative_embedding(relative_embedding);
+  spec.set_use_bias(true);
+  spec.add_mlp_activations("gelu");
+  return spec;
+}
+
+// TE: "decode should be False when layer_type == TransformerLayerType.ENCODER".
+TEST(TransformerLayerDecodeTest, TeRefusesDecodingAnEncoder) {
+  auto ops = NewCpuOps();
+  auto layer = MakeTransformerLayer(EncoderSpec(true, true, 4));
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  auto specs = (*layer)->CacheSpecs({2, 5, kHidden}, DType::kF32, false);
+  EXPECT_EQ(specs.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(
+      specs.status().message(),
+      "decode should be False when layer_type == TransformerLayerType.ENCODER"))
+      << specs.status();
+  auto vars = InitLayer(*ops, **layer, {2, 5, kHidden}, nullptr);
+  ASSERT_TRUE(vars.ok());
+  ForwardOptions opts;
+  opts.decode = true;
+  auto y = Apply(*ops, **layer, &*vars, RandomTensor(*ops, {2, 1, kHidden}, DType::kF32, 3), opts);
+  EXPECT_EQ(y.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(y.status().message(), "TransformerLayerType.ENCODER"))
+      << y.status();
+
+  // Generation decodes only causal self-attention.
+  te::v1::TransformerLayer padding = EncoderSpec(true, true, 4);
+  padding.set_self_attn_mask_type(te::v1::PADDING);
+  auto bidirectional = MakeTransformerLayer(padding);
+  ASSERT_TRUE(bidirectional.ok());
+  auto internal = (*bidirectional)->CacheSpecs({2, 5, kHidden}, DType::kF32, true);
+  EXPECT_EQ(internal.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(internal.status().message(), "causal")) << internal.status();
+}
+
+struct EncoderCase {
+  bool rotary;
+  bool relative_embedding;
+  int groups;
+  int64_t batch;
+  DType dtype;
+};
+
+void PrintTo(const EncoderCase& c, std::ostream* os) {
+  *os << (c.rotary ? "rotary " : "") << (c.relative_embedding ? "relative bias " : "")
+      << "groups " << c.groups << " batch " << c.batch << " " << DTypeName(c.dtype);
+}
+
+class TransformerLayerGenerationTest : public ::testing::TestWithParam<EncoderCase> {};
+
+TEST_P(TransformerLayerGenerationTest, PromptThenTokensEqualOneCausalForward) {
+  const EncoderCase& c = GetParam();
+  auto ops = NewCpuOps();
+  auto made = MakeTransformerLayer(EncoderSpec(c.rotary, c.relative_embedding, c.groups));
+  ASSERT_TRUE(made.ok()) << made.status();
+  const Layer& layer = **made;
+  const int64_t length = 8;
+  const Shape x_shape = {c.batch, length, kHidden};
+  auto cache = layer.CacheSpecs(x_shape, c.dtype, /*internal_decode=*/true);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ((*cache)[0].name, "cache/attention/cached_key");
+  for (const std::vector<int64_t>& chunks :
+       std::vector<std::vector<int64_t>>{{}, {4, 1, 1, 2}}) {
+    auto vars = InitLayer(*ops, layer, x_shape, nullptr);
+    ASSERT_TRUE(vars.ok()) << vars.status();
+    RandomizeParams(*ops, &*vars, 3);
+    ASSERT_TRUE(InitCache(*ops, *cache, &*vars).ok());
+    const Tensor x = RandomTensor(*ops, x_shape, c.dtype, 29);
+    ForwardOptions forward;
+    ForwardOptions decode;
+    decode.decode = true;
+    decode.internal_decode = true;
+    int64_t position = 0;
+    auto error = MaxDecodeRowError(
+        *ops, x, [&](const Tensor& all) { return Apply(*ops, layer, &*vars, all, forward); },
+        [&](const Tensor& part) {
+          // As generation's loop: it knows where the cache is.
+          decode.decode_cache_index = position;
+          position += part.dim(1);
+          return Apply(*ops, layer, &*vars, part, decode);
+        },
+        chunks);
+    ASSERT_TRUE(error.ok()) << error.status();
+    EXPECT_LE(*error, c.dtype == DType::kF32 ? kF32Tolerance : kBf16Tolerance);
+    EXPECT_EQ(CacheIndex(*ops, *vars, "cache/attention/cache_index"), length);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Encoders, TransformerLayerGenerationTest,
+    ::testing::Values(EncoderCase{true, true, 4, 1, DType::kF32},
+                      EncoderCase{true, true, 4, 3, DType::kF32},
+                      EncoderCase{false, true, 2, 2, DType::kF32},
+                      EncoderCase{false, false, 4, 1, DType::kF32},
+                      EncoderCase{true, false, 2, 2, DType::kBF16}),
+    [](const ::testing::TestParamInfo<EncoderCase>& info) {
+      const EncoderCase& c = info.param;
+      return absl::StrCat(c.rotary ? "Rotary" : "", c.relative_embedding ? "RelativeBias" : "",
+                          c.groups == 4 ? "Mha" : "Gqa", "Batch", c.batch,
+                          c.dtype == DType::kF32 ? "F32" : "BF16");
+    });
 
 // ---- errors leave the cache as it was -------------------------------------------
 

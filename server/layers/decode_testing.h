@@ -13,8 +13,13 @@
 
 namespace te::layers::testing {
 
-// Position t of x [B, L, F] as a new [B, 1, F] tensor of x's dtype.
-absl::StatusOr<Tensor> TokenAt(Ops& ops, const Tensor& x, int64_t t);
+// Positions t..t + n - 1 of x [B, L, F] as a new [B, n, F] tensor of x's
+// dtype (any trailing shape: x [B, L, ...]).
+absl::StatusOr<Tensor> PositionsOf(Ops& ops, const Tensor& x, int64_t t, int64_t n);
+// Position t alone: [B, 1, F].
+inline absl::StatusOr<Tensor> TokenAt(Ops& ops, const Tensor& x, int64_t t) {
+  return PositionsOf(ops, x, t, 1);
+}
 
 // t's elements as float on the host (read through a float32 copy on t's
 // device), for float tensors of any backend; int32 as its values.
@@ -24,11 +29,13 @@ absl::StatusOr<std::vector<float>> HostValues(Ops& ops, const Tensor& t);
 using SequenceFn = std::function<absl::StatusOr<Tensor>(const Tensor& x)>;
 
 // The worst row of decoding against one forward: runs `full` on x [B, L, F]
-// once, then `step` on each position t = 0..L-1 in order (x [B, 1, F]; `step`
-// owns the cache), and returns the largest relative L2 error of one output row
-// (b, t) against the forward's row (b, t).
+// once, then `step` on consecutive chunks of positions in order (x [B, n, F]
+// for each n of `chunks`, which sum to L; empty: L chunks of one; `step`
+// owns the cache), and returns the largest relative L2 error of one output
+// row (b, t) against the forward's row (b, t).
 absl::StatusOr<double> MaxDecodeRowError(Ops& ops, const Tensor& x, const SequenceFn& full,
-                                         const SequenceFn& step);
+                                         const SequenceFn& step,
+                                         const std::vector<int64_t>& chunks = {});
 
 }  // namespace te::layers::testing
 

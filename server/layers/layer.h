@@ -78,6 +78,13 @@ struct ForwardOptions {
   // hold (a generation loop that advanced them itself), or -1: the layer
   // reads it from the cache, a 4-byte download that waits for the stream.
   int64_t decode_cache_index = -1;
+  // With decode, set by generation (generate.h), which keeps its caches to
+  // itself: x may hold S >= 1 new tokens per sequence (a prompt at once, then
+  // one a step), attending causally over the cache's rows 0..index + S - 1,
+  // and every causal self-attention decodes, also in the configurations
+  // TE's modules refuse to decode (fused qkv layouts, an ENCODER
+  // TransformerLayer). A graph returns a loss's logits instead of the loss.
+  bool internal_decode = false;
 };
 
 struct LayerInputs {
@@ -155,11 +162,14 @@ class Layer {
   // share the key and value tensors and decode from different indices
   // overwrite each other's rows (a branch copies them first).
   // INVALID_ARGUMENT naming "decode" for a layer TE gives no cache, or whose
-  // configuration TE refuses to decode.
+  // configuration TE refuses to decode (unless `internal_decode`: the
+  // caches generation keeps, ForwardOptions::internal_decode).
   virtual absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
-                                                               DType input_dtype) const {
+                                                               DType input_dtype,
+                                                               bool internal_decode) const {
     (void)input_shape;
     (void)input_dtype;
+    (void)internal_decode;
     return absl::InvalidArgumentError(absl::StrCat(
         "decode: ", type_name(),
         " has no autoregressive cache (TE decodes with MultiHeadAttention and DECODER "

@@ -306,10 +306,16 @@ const char* MhaBlock::QkvLayoutName() const {
   return gqa() ? "QKVLayout.BSHD_BS2HD" : "QKVLayout.BS3HD";
 }
 
+absl::StatusOr<int64_t> MhaBlock::CacheIndex(Ops& ops, const Variables& vars,
+                                             const ForwardOptions& opts) const {
+  return ReadKvCacheIndex(ops, vars, options_.scope, opts.decode_cache_index);
+}
+
 absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& mask,
-                              const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
-                              const Tensor& residual) const {
-  if (x.rank() != 3 || x.dim(1) != 1 || x.dim(2) != hidden_) {
+                              const Tensor& bias, const ForwardOptions& opts, Tensor* y,
+                              Tensor* ln_out, const Tensor& residual) const {
+  if (x.rank() != 3 || x.dim(2) != hidden_ || x.dim(1) < 1 ||
+      (x.dim(1) != 1 && !opts.internal_decode)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "x.shape ", ShapeString(x.shape()), ": decode takes one new token per sequence, want [",
         "batch, 1, ", hidden_, "] (TE: \"Autoregressive cache shape error\")"));
@@ -327,10 +333,12 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
         "attention_mask: a decode step attends over the cache's positions <= cache_index and "
         "takes no mask; send none");
   }
-  const int64_t batch = x.dim(0);
+  const int64_t batch = x.dim(0), tokens = x.dim(1);
   ASSIGN_OR_RETURN(KvCache cache,
-                   OpenKvCache(ops, *vars, options_.scope, batch, options_.num_gqa_groups,
-                               options_.head_dim, x.dtype(), opts.decode_cache_index));
+                   OpenKvCache(ops, *vars, options_.scope, batch, tokens,
+                               options_.num_gqa_groups, options_.head_dim, x.dtype(),
+                               opts.decode_cache_index));
+  const bool has_bias = bias.defined() && bias.numel() > 0;
   Projected p;
   RETURN_IF_ERROR(Project(ops, vars, x, opts, /*packed=*/false, ln_out != nullptr, &p, nullptr));
   if (options_.rotary) {
@@ -338,28 +346,26 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
     RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, cache.position));
   }
   RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache));
-  ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache));
+  ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, /*whole=*/has_bias));
   AttentionConfig config = AttentionSettings();
+  config.mask = kv.mask;
   SeqLens lengths;
-  if (kv.kv_seqlens.defined()) {
-    config.mask = MaskType::kPadding;
-    lengths.q = kv.q_seqlens;
-    lengths.kv = kv.kv_seqlens;
-  } else {
-    config.mask = MaskType::kNoMask;
-  }
+  lengths.q = kv.q_seqlens;
+  lengths.kv = kv.kv_seqlens;
   const uint64_t dropout_seed =
       DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
   Tensor context;
-  RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths, Tensor(),
-                                   !opts.deterministic, dropout_seed, &context, nullptr));
+  RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths,
+                                   has_bias ? bias : Tensor(), !opts.deterministic, dropout_seed,
+                                   &context, nullptr));
+  const int64_t rows = batch * tokens;
   Tensor y2;
   DenseFusion out_fusion;
-  if (residual.defined()) out_fusion.residual = residual.Reshaped({batch, hidden_});
-  RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch, q_features_}), opts.fp8, &y2,
+  if (residual.defined()) out_fusion.residual = residual.Reshaped({rows, hidden_});
+  RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({rows, q_features_}), opts.fp8, &y2,
                                nullptr, out_fusion));
-  *y = y2.Reshaped({batch, 1, hidden_});
-  if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, 1, hidden_});
+  *y = y2.Reshaped({batch, tokens, hidden_});
+  if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, tokens, hidden_});
   return AdvanceKvCache(ops, cache);
 }
 
@@ -451,16 +457,17 @@ class MultiHeadAttentionLayer : public Layer {
   }
 
   absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
-                                                       DType input_dtype) const override {
+                                                       DType input_dtype,
+                                                       bool internal_decode) const override {
     ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(input_shape));
     const MhaBlock block(options_, hidden);
-    RETURN_IF_ERROR(DecodeAllowed(block));
-    if (!IsFloating(input_dtype) || IsFloat8(input_dtype)) {
+    if (!internal_decode) RETURN_IF_ERROR(DecodeAllowed(block));
+    if (internal_decode && !block.causal()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("x.dtype: ", DTypeName(input_dtype),
-                       "; the cache holds keys and values in x's float dtype (float32, "
-                       "bfloat16 or float16)"));
+          "decode: generation runs a causal self-attention one position at a time; this "
+          "MultiHeadAttention's attn_mask_type is not causal");
     }
+    RETURN_IF_ERROR(CheckCacheDType(input_dtype));
     return block.CacheSpecs(input_shape[0], input_shape[1], input_dtype);
   }
 
@@ -480,8 +487,8 @@ class MultiHeadAttentionLayer : public Layer {
     const MhaBlock block(options_, hidden);
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(block.Defs(opts.fp8))));
     if (opts.decode) {
-      RETURN_IF_ERROR(DecodeAllowed(block));
-      return block.Decode(ops, vars, in.x, MaskOf(in), opts, &out->y,
+      if (!opts.internal_decode) RETURN_IF_ERROR(DecodeAllowed(block));
+      return block.Decode(ops, vars, in.x, MaskOf(in), Tensor(), opts, &out->y,
                           return_layernorm_output_ ? &out->ln_out : nullptr);
     }
     auto kept = std::make_unique<MultiHeadAttentionSaved>();

@@ -60,6 +60,7 @@ class MhaBlock {
   MhaBlock(MhaOptions options, int64_t hidden);
 
   bool gqa() const { return options_.num_gqa_groups != options_.num_heads; }
+  bool causal() const { return IsCausalMask(options_.mask); }
   std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
   // InitVariables(Defs) then the kernels redrawn with TE's per-part normal
   // initialisers (deterministic from seed and name).
@@ -114,9 +115,18 @@ class MhaBlock {
   // when a padding type would read it (the cache's rows are the mask here);
   // other types ignore it, as TE does. opts.keep_for_backward is
   // INVALID_ARGUMENT (inference only). `residual` as Forward.
+  // With opts.internal_decode x may be [B, S, hidden]: S tokens at rows
+  // p..p + S - 1, token i attending over rows 0..p + i. `bias` (optional,
+  // f32 [H, S, L]) is added to the logits against every cache row (TE
+  // slices its [L, L] relative bias the same way); attention then reads the
+  // whole cache.
   absl::Status Decode(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& mask,
-                      const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
+                      const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
                       const Tensor& residual = Tensor()) const;
+  // The cache's index for a step (opts.decode_cache_index, or read from the
+  // cache), for a caller that needs it before Decode (a bias row).
+  absl::StatusOr<int64_t> CacheIndex(Ops& ops, const Variables& vars,
+                                     const ForwardOptions& opts) const;
 
  private:
   // The projections of x [B, S, hidden] (row-major [B * S, hidden]): with
