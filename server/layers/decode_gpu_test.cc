@@ -4,7 +4,8 @@
 // itself is checked against the CPU reference elsewhere). Float32, bfloat16
 // (cuDNN's attention for the forward; one query against the cache for the
 // step) and FP8 under DelayedScaling, with and without GQA, one and several
-// sequences, and the fused qkv layouts that generation decodes.
+// sequences, the fused qkv layouts that generation decodes, and an LM graph
+// as generation runs it (prompt, then tokens).
 //
 // Needs a GPU: without one every test is skipped, unless TE_REQUIRE_GPU=1
 // (as deploy/bundle.sh's run.sh sets).
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
@@ -205,6 +207,92 @@ TEST_P(MhaBlockDecodeGpuTest, TokenByTokenEqualsOneCausalForward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(FusedLayouts, MhaBlockDecodeGpuTest, ::testing::Values(8, 2));
+
+// Generation's steps over an LM graph as train_lm.py builds it (Embed, a
+// bfloat16 cast, TransformerLayers with rotary and T5 relative bias,
+// LayerNorm, attend, the loss): a prompt at once, then a token at a time,
+// give the logits rows of one causal forward.
+std::string LmGraph(bool loss) {
+  const std::string layer =
+      "transformer_layer { hidden_size: 256 mlp_hidden_size: 1024 num_attention_heads: 4 "
+      "mlp_activations: \"gelu\" hidden_dropout: 0 attention_dropout: 0 "
+      "intermediate_dropout: 0 enable_rotary_pos_emb: true }";
+  std::string text = absl::StrCat(
+      "graph {\n",
+      "  nodes { name: \"Embed_0\" inputs: \"x\" outputs: \"e\" module { flax_embed { ",
+      "num_embeddings: 97 features: 256 } } }\n",
+      "  nodes { name: \"cast_0\" inputs: \"e\" outputs: \"h0\" cast { dtype: BFLOAT16 } }\n",
+      "  nodes { name: \"TransformerLayer_0\" inputs: \"h0\" outputs: \"h1\" module { ", layer,
+      " } }\n",
+      "  nodes { name: \"TransformerLayer_1\" inputs: \"h1\" outputs: \"h2\" module { ", layer,
+      " } }\n",
+      "  nodes { name: \"LayerNorm_0\" inputs: \"h2\" outputs: \"n\" module { flax_layer_norm {} "
+      "} }\n",
+      "  nodes { name: \"attend_0\" inputs: \"n\" outputs: \"logits\" attend { embed: "
+      "\"Embed_0\" } }\n");
+  absl::StrAppend(&text, loss ? "  nodes { name: \"loss_0\" inputs: \"logits\" inputs: "
+                                "\"extra_inputs[0]\" outputs: \"loss\" softmax_cross_entropy "
+                                "{} }\n  outputs: \"loss\"\n}"
+                              : "  outputs: \"logits\"\n}");
+  return text;
+}
+
+class LmGraphDecodeGpuTest : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(LmGraphDecodeGpuTest, PromptThenTokensGiveTheForwardsLogits) {
+  if (SkipWithoutGpu()) GTEST_SKIP() << Backends().unavailable;
+  testing::GpuBackends& b = Backends();
+  Ops& gpu = *b.gpu;
+  const int64_t batch = GetParam(), prompt = 20, length = 32;
+  std::unique_ptr<Layer> with_loss, logits;
+  for (bool loss : {true, false}) {
+    te::v1::LayerSpec spec;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(LmGraph(loss), &spec));
+    auto layer = CreateLayer(spec);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    (loss ? with_loss : logits) = *std::move(layer);
+  }
+  const Shape x_shape = {batch, length};
+  auto host_vars = InitLayer(*b.cpu, *with_loss, x_shape, nullptr);
+  ASSERT_TRUE(host_vars.ok()) << host_vars.status();
+  auto vars = GpuVariables(*host_vars);
+  ASSERT_TRUE(vars.ok());
+  auto cache = with_loss->CacheSpecs(x_shape, DType::kI32, /*internal_decode=*/true);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(InitCache(gpu, *cache, &*vars).ok());
+  std::vector<int32_t> ids(static_cast<size_t>(batch * length));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 37 + 11) % 97);
+  auto x = gpu.Allocate(DType::kI32, x_shape);
+  ASSERT_TRUE(x.ok());
+  ASSERT_TRUE(gpu.Upload(ids.data(), &*x).ok());
+  ForwardOptions forward;
+  ForwardOptions decode;
+  decode.decode = true;
+  decode.internal_decode = true;
+  int64_t position = 0;
+  auto apply = [&](const Layer& layer, const Tensor& in_x,
+                   const ForwardOptions& opts) -> absl::StatusOr<Tensor> {
+    LayerInputs in;
+    in.x = in_x;
+    LayerOutputs out;
+    RETURN_IF_ERROR(layer.Forward(gpu, &*vars, in, opts, &out, nullptr));
+    return out.y;
+  };
+  std::vector<int64_t> chunks = {prompt};
+  chunks.resize(static_cast<size_t>(length - prompt + 1), 1);
+  auto error = MaxDecodeRowError(
+      gpu, *x, [&](const Tensor& all) { return apply(*logits, all, forward); },
+      [&](const Tensor& part) {
+        decode.decode_cache_index = position;
+        position += part.dim(1);
+        return apply(*with_loss, part, decode);
+      },
+      chunks);
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_LE(*error, kBF16Tolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Batches, LmGraphDecodeGpuTest, ::testing::Values(1, 4));
 
 }  // namespace
 }  // namespace te::layers
