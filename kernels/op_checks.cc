@@ -823,6 +823,10 @@ absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tens
                                                    args.min_timescale, ", ", args.max_timescale,
                                                    "]"));
   }
+  if (args.position_offset < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": position_offset must be >= 0, got ", args.position_offset));
+  }
   RETURN_IF_ERROR(RequireFloat(op, "x", &x));
   RETURN_IF_ERROR(RequireFloat(op, "y", y));
   return RequireShape(op, "y", *y, x.shape());

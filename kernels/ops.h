@@ -198,8 +198,12 @@ struct RotaryArgs {
   // pairs (x[2i], x[2i+1]); "alternate" rotates halves (x[i], x[i + D/2]).
   bool consecutive = true;
   bool inverse = false;  // rotate by -angle: the backward of the forward
+  // The position of x's first row along S (>= 0): a decode step rotates its
+  // one new token at the token's place in the sequence, not at 0.
+  int64_t position_offset = 0;
 };
-// Position p (0-based along S), frequency index i in [0, D/2):
+// Position p = position_offset + s (s 0-based along S), frequency index i in
+// [0, D/2):
 //   timescale_i = min * (max/min)^(2i/D); angle = p / timescale_i
 //   (a, b) -> (a cos - b sin, b cos + a sin)
 

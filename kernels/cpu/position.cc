@@ -34,16 +34,18 @@ absl::StatusOr<const int32_t*> CheckBucketValues(const char* op, const Tensor& b
 absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
   RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
   const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
-  // cos / sin of the angle of (position p, frequency i) at [p * half + i].
+  // cos / sin of the angle of (row s along S, frequency i) at [s * half + i].
   std::vector<float> cos_table(static_cast<size_t>(seq * half));
   std::vector<float> sin_table(static_cast<size_t>(seq * half));
   const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
   for (int64_t i = 0; i < half; ++i) {
     const double timescale = args.min_timescale * std::pow(ratio, 2.0 * i / dim);
-    for (int64_t p = 0; p < seq; ++p) {
+    for (int64_t s = 0; s < seq; ++s) {
+      const double p = static_cast<double>(args.position_offset + s);
       const double angle = (args.inverse ? -p : p) / timescale;
-      cos_table[p * half + i] = static_cast<float>(std::cos(angle));
-      sin_table[p * half + i] = static_cast<float>(std::sin(angle));
+      const int64_t at = s * half + i;
+      cos_table[at] = static_cast<float>(std::cos(angle));
+      sin_table[at] = static_cast<float>(std::sin(angle));
     }
   }
 
@@ -51,17 +53,17 @@ absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) 
   std::vector<float> row(static_cast<size_t>(dim));
   const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t p = (r / heads) % seq;
+    const int64_t s = (r / heads) % seq;
     const int64_t base = r * dim;
     for (int64_t d = 0; d < dim; ++d) row[d] = LoadAsFloat(x, base + d);
     for (int64_t i = 0; i < half; ++i) {
       // TE JAX: "consecutive" pairs (2i, 2i+1); "alternate" pairs (i, i + D/2).
       const int64_t first = args.consecutive ? 2 * i : i;
       const int64_t second = args.consecutive ? 2 * i + 1 : i + half;
-      const float c = cos_table[p * half + i], s = sin_table[p * half + i];
+      const float c = cos_table[s * half + i], sn = sin_table[s * half + i];
       const float a = row[first], b = row[second];
-      StoreFromFloat(y, base + first, a * c - b * s);
-      StoreFromFloat(y, base + second, b * c + a * s);
+      StoreFromFloat(y, base + first, a * c - b * sn);
+      StoreFromFloat(y, base + second, b * c + a * sn);
     }
   }
   return absl::OkStatus();

@@ -59,7 +59,8 @@ std::vector<double> ReferenceRotary(const RotaryArgs& args, const std::vector<fl
                                    std::pow(static_cast<double>(args.max_timescale) /
                                                 args.min_timescale,
                                             2.0 * i / D);
-          const double angle = (args.inverse ? -1.0 : 1.0) * p / timescale;
+          const double position = static_cast<double>(args.position_offset + p);
+          const double angle = (args.inverse ? -1.0 : 1.0) * position / timescale;
           const int64_t first = base + (args.consecutive ? 2 * i : i);
           const int64_t second = base + (args.consecutive ? 2 * i + 1 : i + D / 2);
           const double a = x[first], c = x[second];
@@ -75,6 +76,7 @@ struct RotaryCase {
   bool consecutive;
   bool inverse;
   DType dtype;
+  int64_t position_offset = 0;  // a decode step's token sits at its cache index
 };
 
 class RotaryTest : public ::testing::TestWithParam<RotaryCase> {};
@@ -88,6 +90,7 @@ TEST_P(RotaryTest, MatchesReference) {
   RotaryArgs args;
   args.consecutive = c.consecutive;
   args.inverse = c.inverse;
+  args.position_offset = c.position_offset;
   ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
   EXPECT_LE(RelativeError(ToFloatVector(y), ReferenceRotary(args, ToFloatVector(x), c.shape)),
             Tolerance(c.dtype));
@@ -104,6 +107,7 @@ TEST_P(RotaryTest, InverseUndoesForward) {
   RotaryArgs args;
   args.consecutive = c.consecutive;
   args.inverse = c.inverse;
+  args.position_offset = c.position_offset;
   ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
   args.inverse = !c.inverse;
   ASSERT_TRUE(ops.Rotary(args, y, &back).ok());
@@ -126,6 +130,7 @@ TEST_P(RotaryTest, InPlaceEqualsOutOfPlace) {
   RotaryArgs args;
   args.consecutive = c.consecutive;
   args.inverse = c.inverse;
+  args.position_offset = c.position_offset;
   ASSERT_TRUE(ops.Rotary(args, x, &y).ok());
   ASSERT_TRUE(ops.Rotary(args, in_place, &in_place).ok());
   EXPECT_EQ(ToFloatVector(in_place), ToFloatVector(y));
@@ -143,6 +148,12 @@ std::vector<RotaryCase> RotaryCases() {
       }
     }
   }
+  for (const Shape& shape : std::vector<Shape>{{2, 7, 3, 8}, {3, 1, 2, 64}}) {
+    for (int64_t offset : {1, 4093}) {
+      cases.push_back({shape, true, false, DType::kF32, offset});
+      cases.push_back({shape, false, true, DType::kBF16, offset});
+    }
+  }
   return cases;
 }
 
@@ -154,7 +165,8 @@ INSTANTIATE_TEST_SUITE_P(
       for (int64_t d : c.shape) name += std::to_string(d) + "x";
       name.pop_back();
       return name + (c.consecutive ? "_consecutive" : "_alternate") +
-             (c.inverse ? "_inverse_" : "_") + DTypeName(c.dtype);
+             (c.inverse ? "_inverse_" : "_") + DTypeName(c.dtype) +
+             (c.position_offset > 0 ? "_from" + std::to_string(c.position_offset) : "");
     });
 
 // Position 0 is not rotated; position 1 of the first pair turns by exactly 1

@@ -39,6 +39,21 @@ INSTANTIATE_TEST_SUITE_P(Matrix, RotaryTest,
                                   ShapeName(std::get<3>(info.param));
                          });
 
+// A decode step rotates its one token at the token's position.
+TEST_F(GpuTest, RotaryFromAPositionOffsetMatchesCpu) {
+  for (const Shape& shape : {Shape{3, 1, 4, 64}, Shape{2, 9, 2, 16}}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      RotaryArgs args;
+      args.position_offset = 4093;
+      const Pair x = Random(dtype, shape, 17);
+      Pair y = Output(dtype, shape);
+      ASSERT_TRUE(cpu_->Rotary(args, x.cpu, &y.cpu).ok());
+      ASSERT_TRUE(gpu_->Rotary(args, x.gpu, &y.gpu).ok());
+      ExpectMatches(y, "Rotary from 4093");
+    }
+  }
+}
+
 class RelativeBiasTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
 
 TEST_P(RelativeBiasTest, ForwardAndBackward) {

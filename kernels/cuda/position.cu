@@ -14,14 +14,17 @@ namespace te {
 namespace cuda {
 namespace {
 
-// cos / sin of angle(p, i) at [p * half + i]. The angle is computed in double,
-// as on the CPU: near position 10^4 a float angle is off by ~5e-4 radians.
+// cos / sin of angle(position_offset + s, i) at [s * half + i], s the row along
+// S. The angle is computed in double, as on the CPU: near position 10^4 a
+// float angle is off by ~5e-4 radians.
 __global__ void RotaryTableKernel(float* cos_table, float* sin_table, int64_t seq, int64_t half,
-                                  int64_t dim, double min_timescale, double ratio, bool inverse) {
+                                  int64_t dim, double min_timescale, double ratio, bool inverse,
+                                  int64_t position_offset) {
   const int64_t n = seq * half;
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
        k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t p = k / half, i = k - p * half;
+    const int64_t row = k / half, i = k - row * half;
+    const int64_t p = position_offset + row;
     const double timescale = min_timescale * pow(ratio, 2.0 * static_cast<double>(i) / dim);
     const double angle = static_cast<double>(inverse ? -p : p) / timescale;
     double s, c;
@@ -120,7 +123,8 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   float* sin_table = cos_table + seq * half;
   const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
   RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(
-      cos_table, sin_table, seq, half, dim, args.min_timescale, ratio, args.inverse);
+      cos_table, sin_table, seq, half, dim, args.min_timescale, ratio, args.inverse,
+      args.position_offset);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFloat(y->dtype(), [&](auto out) {

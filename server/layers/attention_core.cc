@@ -428,7 +428,8 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
   return out;
 }
 
-absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y) {
+absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
+                         int64_t position_offset) {
   if (x.rank() != 4 || x.dim(3) % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rotary embedding needs [batch, seq, heads, head_dim] with an even head_dim; got ",
@@ -439,6 +440,7 @@ absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y) {
   args.max_timescale = 10000.0f;
   args.consecutive = true;  // TE's default group method: adjacent pairs
   args.inverse = inverse;
+  args.position_offset = position_offset;
   ASSIGN_OR_RETURN(Tensor rotated, ops.Allocate(x.dtype(), x.shape()));
   RETURN_IF_ERROR(ops.Rotary(args, x, &rotated));
   *y = rotated;

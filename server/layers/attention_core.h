@@ -169,8 +169,10 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
 // TE's rotary_pos_emb with windows (1, 10000) and group method "consecutive",
 // which in TE's JAX code rotates adjacent pairs (x[2i], x[2i+1]).
 // x, y [B, S, H, D] (*y newly allocated; it may be x's own handle);
-// `inverse` rotates by -angle (the backward).
-absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y);
+// `inverse` rotates by -angle (the backward). Row s of x is at position
+// position_offset + s (a decode step's token is at its cache index).
+absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
+                         int64_t position_offset = 0);
 
 // ---- T5 relative position biases --------------------------------------------
 // TE's RelativePositionBiases bucket of each (query i, key j), int32 [Sq * Skv]

@@ -175,6 +175,41 @@ class GraphLayer : public Layer {
     return dtypes[g_.outputs[0]];
   }
 
+  // Generation's caches: every causal self-attention module node's, under
+  // its node ("cache/<node>/attention/cached_key"), for x of input_shape.
+  absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
+                                                       DType input_dtype,
+                                                       bool internal_decode) const override {
+    if (!internal_decode) {
+      return absl::InvalidArgumentError(
+          "decode: a graph decodes only under generation here (its caches are generation's "
+          "own); apply with decode on a graph's nodes is not supported");
+    }
+    if (!CheckedNumElements(input_shape) || NumElements(input_shape) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input_shape ", ShapeString(input_shape), " must have positive dimensions"));
+    }
+    ASSIGN_OR_RETURN(const Plan plan,
+                     graph::Infer(g_, TensorInfo{true, input_shape, input_dtype}, {}, nullptr));
+    const std::vector<bool> run = graph::NodesFeeding(g_, graph::DecodeOutput(g_));
+    std::vector<VariableSpec> specs;
+    for (int i : g_.order) {
+      const Node& node = g_.nodes[i];
+      if (!run[i] || node.kind != NodeKind::kModule) continue;
+      RETURN_IF_ERROR(DecodeSupported(node));
+      if (graph::DecodeRoleOf(*node.module) != graph::DecodeRole::kCached) continue;
+      const TensorInfo& x = plan.tensors[node.inputs[0]];
+      absl::StatusOr<std::vector<VariableSpec>> own =
+          node.module->CacheSpecs(x.shape, x.dtype.value_or(input_dtype), true);
+      if (!own.ok()) return AboutNode(node, own.status());
+      for (VariableSpec& v : *own) {
+        v.name = Scoped(node.name, v.name);
+        specs.push_back(std::move(v));
+      }
+    }
+    return specs;
+  }
+
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
     RETURN_IF_ERROR(InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
@@ -192,7 +227,13 @@ class GraphLayer : public Layer {
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckGraphInput(in.x, takes_ids_, "x"));
-    if (static_cast<int>(in.extra.size()) != g_.num_extra) {
+    if (opts.decode) RETURN_IF_ERROR(CheckDecodeRequest(in, opts));
+    // A decode step runs the nodes that make its output, and takes no extra
+    // inputs (a loss's labels): it returns the loss's logits.
+    const int output = opts.decode ? graph::DecodeOutput(g_) : g_.outputs[0];
+    const std::vector<bool> run = opts.decode ? graph::NodesFeeding(g_, output)
+                                              : std::vector<bool>(g_.nodes.size(), true);
+    if (!opts.decode && static_cast<int>(in.extra.size()) != g_.num_extra) {
       return absl::InvalidArgumentError(absl::StrCat(
           "extra_inputs: the graph takes ",
           g_.num_extra == 0 ? std::string("none")
@@ -215,14 +256,24 @@ class GraphLayer : public Layer {
 
     std::vector<Tensor> values(g_.tensors.size());
     values[kX] = in.x;
-    for (int i = 0; i < g_.num_extra; ++i) {
+    for (int i = 0; i < static_cast<int>(in.extra.size()); ++i) {
       if (g_.extras[i] >= 0) values[g_.extras[i]] = in.extra[i];
     }
     for (int i : g_.order) {
+      if (!run[i]) continue;
       RETURN_IF_ERROR(ops.CheckInterrupt());
       const Node& node = g_.nodes[i];
       std::vector<Tensor> inputs, outputs;
       for (int id : node.inputs) inputs.push_back(values[id]);
+      if (opts.decode) {
+        RETURN_IF_ERROR(DecodeSupported(node));
+        for (int id : node.inputs) {
+          if (g_.tensors[id].extra_index >= 0) {
+            return AboutNode(node, absl::InvalidArgumentError(
+                                       "reads an extra input, which a decode step does not take"));
+          }
+        }
+      }
       if (node.kind == NodeKind::kModule) {
         RETURN_IF_ERROR(ForwardModule(ops, vars, node, in, inputs, opts, kept->plan, &outputs,
                                       &kept->modules[i]));
@@ -255,10 +306,12 @@ class GraphLayer : public Layer {
       for (size_t j = 0; j < node.outputs.size(); ++j) values[node.outputs[j]] = outputs[j];
       for (int id : g_.last_read_by[i]) values[id] = Tensor();
     }
-    out->y = values[g_.outputs[0]];
-    if (g_.outputs.size() > 1) out->ln_out = values[g_.outputs[1]];
+    out->y = values[output];
     out->aux.clear();
-    for (size_t j = 1; j < g_.outputs.size(); ++j) out->aux.push_back(values[g_.outputs[j]]);
+    if (!opts.decode) {  // generation's step returns the logits alone
+      if (g_.outputs.size() > 1) out->ln_out = values[g_.outputs[1]];
+      for (size_t j = 1; j < g_.outputs.size(); ++j) out->aux.push_back(values[g_.outputs[j]]);
+    }
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
   }
@@ -330,6 +383,36 @@ class GraphLayer : public Layer {
   }
 
  private:
+  absl::Status CheckDecodeRequest(const LayerInputs& in, const ForwardOptions& opts) const {
+    if (!opts.internal_decode) {
+      return absl::InvalidArgumentError(
+          "decode: a graph decodes only under generation here (its caches are generation's "
+          "own); apply with decode on a graph's nodes is not supported");
+    }
+    if (opts.keep_for_backward) {
+      return absl::InvalidArgumentError(
+          "keep_for_backward: a decode step is inference only; it keeps nothing for a backward");
+    }
+    if (!in.extra.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra_inputs: a decode step takes none (it returns the loss's logits); got ",
+          in.extra.size()));
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status DecodeSupported(const Node& node) {
+    if (node.kind != NodeKind::kModule ||
+        graph::DecodeRoleOf(*node.module) != graph::DecodeRole::kUnsupported) {
+      return absl::OkStatus();
+    }
+    return AboutNode(node, absl::InvalidArgumentError(absl::StrCat(
+                               "decode: ", node.module->type_name(),
+                               " cannot run one position at a time (generation decodes "
+                               "MultiHeadAttention and TransformerLayer, and position-wise "
+                               "modules)")));
+  }
+
   absl::StatusOr<Plan> InferAtInit(const Shape& input_shape,
                                    const graph::ModuleVisitor& on_module) const {
     if (!CheckedNumElements(input_shape) || NumElements(input_shape) == 0) {
@@ -355,7 +438,8 @@ class GraphLayer : public Layer {
       module_in.elementwise_mask = in.elementwise_mask;
       module_in.mask_heads = in.mask_heads;
       module_in.mask_error = in.mask_error;
-    } else if (node.causal_node_elementwise) {
+    } else if (node.causal_node_elementwise && !opts.decode) {
+      // (A decode step's causality is its cache's.)
       const Shape& m = plan.tensors[node.mask].shape;  // [B, 1, S, S]
       std::vector<uint8_t> host(static_cast<size_t>(m[0] * m[2] * m[3]));
       for (int64_t b = 0; b < m[0]; ++b) {

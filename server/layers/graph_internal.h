@@ -195,6 +195,21 @@ using ModuleVisitor = std::function<absl::Status(const Node& node, const Shape& 
 absl::StatusOr<Plan> Infer(const Graph& graph, const TensorInfo& x,
                            const std::vector<TensorInfo>& extras, const ModuleVisitor& on_module);
 
+// ---- decoding (graph_decode.cc) ------------------------------------------------
+// How a module node runs one position at a time (generation's decode steps,
+// ForwardOptions::internal_decode): position-wise modules (norms, dense
+// layers, activations, Embed) as they are; causal self-attention modules
+// (MultiHeadAttention, TransformerLayer) through their cache; anything else
+// (DotProductAttention, Flax's attention, a composite) not at all.
+enum class DecodeRole { kPositionWise, kCached, kUnsupported };
+DecodeRole DecodeRoleOf(const Layer& module);
+// The tensor a decode step returns: the logits a softmax_cross_entropy node
+// takes when it makes y (the loss needs labels the step does not have),
+// else y.
+int DecodeOutput(const Graph& graph);
+// by node: whether it feeds tensor `id` (the nodes a decode step runs).
+std::vector<bool> NodesFeeding(const Graph& graph, int id);
+
 // ---- glue ops (graph_ops.cc) --------------------------------------------------
 // Forward of a glue node on its input tensors: fills *out (one per output;
 // undefined for causal_mask's, which carries no data). Dropout runs unless

@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/ops.h"
 #include "te/v1/layers.pb.h"
 
@@ -66,6 +67,24 @@ struct ForwardOptions {
   uint64_t dropout_seed = 0;
   const Fp8Recipe* fp8 = nullptr;  // null: no FP8 (compute in the input dtype)
   bool keep_for_backward = false;  // fill *saved
+  // TE's `decode=True`: x holds one new token per sequence, [B, 1, hidden],
+  // and the layer runs one autoregressive step on its `cache` collection
+  // (Layer::CacheSpecs): it attends over the cached positions <= cache_index,
+  // writes the token's key and value at cache_index and advances it.
+  // Inference only (INVALID_ARGUMENT with keep_for_backward). Only layers
+  // whose CacheSpecs succeed read it: a caller checks CacheSpecs first.
+  bool decode = false;
+  // With decode: the cache_index the caller knows every cache of the layer to
+  // hold (a generation loop that advanced them itself), or -1: the layer
+  // reads it from the cache, a 4-byte download that waits for the stream.
+  int64_t decode_cache_index = -1;
+  // With decode, set by generation (generate.h), which keeps its caches to
+  // itself: x may hold S >= 1 new tokens per sequence (a prompt at once, then
+  // one a step), attending causally over the cache's rows 0..index + S - 1,
+  // and every causal self-attention decodes, also in the configurations
+  // TE's modules refuse to decode (fused qkv layouts, an ENCODER
+  // TransformerLayer). A graph returns a loss's logits instead of the loss.
+  bool internal_decode = false;
 };
 
 struct LayerInputs {
@@ -131,6 +150,34 @@ class Layer {
   // INVALID_ARGUMENT (naming "input_shape") when the shape does not fit.
   virtual absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(
       const Shape& input_shape, const Fp8Recipe* fp8) const = 0;
+
+  // TE's autoregressive cache, the `cache` collection: the variables this
+  // layer has when initialised for decoding (Flax: init(..., decode=True))
+  // with an x of `input_shape` and `input_dtype`, whose length L is the
+  // cache's. MultiHeadAttention has "cache/cached_key" and
+  // "cache/cached_value" [B, L, G, D] in x's dtype and "cache/cache_index"
+  // int32 [] (a scalar), zeros at init (InitCache in cache.h); a layer
+  // holding one at scope s has them under "cache/s/". A decode forward
+  // writes them in place, as a forward writes fp8_metas: the new token's key
+  // and value into row cache_index of every batch row, and cache_index + 1.
+  // It reads no row past cache_index, so restoring cache_index after a
+  // failed step restores the cache as decoding reads it; two holders that
+  // share the key and value tensors and decode from different indices
+  // overwrite each other's rows (a branch copies them first).
+  // INVALID_ARGUMENT naming "decode" for a layer TE gives no cache, or whose
+  // configuration TE refuses to decode (unless `internal_decode`: the
+  // caches generation keeps, ForwardOptions::internal_decode).
+  virtual absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
+                                                               DType input_dtype,
+                                                               bool internal_decode) const {
+    (void)input_shape;
+    (void)input_dtype;
+    (void)internal_decode;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode: ", type_name(),
+        " has no autoregressive cache (TE decodes with MultiHeadAttention and DECODER "
+        "TransformerLayers)"));
+  }
 
   // Shape of y for an input shape.
   virtual absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const = 0;

@@ -8,6 +8,7 @@
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 #include "server/layers/attention_layers.h"
+#include "server/layers/cache.h"
 #include "server/layers/variables.h"
 
 namespace te::layers {
@@ -210,6 +211,47 @@ int64_t MhaBlock::Saved::bytes() const {
   return qkv.bytes() + norm.bytes() + query.bytes() + kv.bytes() + attention.bytes() + out.bytes();
 }
 
+absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
+                               const ForwardOptions& opts, bool packed, bool want_ln,
+                               Projected* out, Saved* saved) const {
+  const int64_t batch = x.dim(0), seq = x.dim(1);
+  const int heads = options_.num_heads, groups = options_.num_gqa_groups;
+  const int head_dim = options_.head_dim;
+  const Tensor x2 = x.As2D();
+  if (!gqa()) {
+    Tensor fused;
+    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &fused, want_ln ? &out->ln : nullptr,
+                                 saved != nullptr ? &saved->qkv : nullptr));
+    const Tensor qkv = fused.Reshaped({batch, seq, 3, heads, head_dim});
+    if (packed) {
+      out->qkv = qkv;
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(std::vector<Tensor> parts, SplitAxis(ops, qkv, 2));
+    out->q = parts[0];
+    out->k = parts[1];
+    out->v = parts[2];
+    return absl::OkStatus();
+  }
+  if (options_.input_layernorm) {
+    RETURN_IF_ERROR(
+        norm_.Forward(ops, *vars, x2, &out->ln, saved != nullptr ? &saved->norm : nullptr));
+  } else {
+    out->ln = x2;
+  }
+  Tensor query, kv;
+  RETURN_IF_ERROR(query_.Forward(ops, vars, out->ln, opts.fp8, &query,
+                                 saved != nullptr ? &saved->query : nullptr));
+  RETURN_IF_ERROR(
+      kv_.Forward(ops, vars, out->ln, opts.fp8, &kv, saved != nullptr ? &saved->kv : nullptr));
+  out->q = query.Reshaped({batch, seq, heads, head_dim});
+  ASSIGN_OR_RETURN(std::vector<Tensor> parts,
+                   SplitAxis(ops, kv.Reshaped({batch, seq, 2, groups, head_dim}), 2));
+  out->k = parts[0];
+  out->v = parts[1];
+  return absl::OkStatus();
+}
+
 absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                                const Tensor& bias, const ForwardOptions& opts, Tensor* y,
                                Tensor* ln_out, Saved* saved, const Tensor& residual) const {
@@ -219,54 +261,23 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   }
   RETURN_IF_ERROR(CheckFloatActivation(x, "x"));
   const int64_t batch = x.dim(0), seq = x.dim(1);
-  const int heads = options_.num_heads, groups = options_.num_gqa_groups;
-  const int head_dim = options_.head_dim;
-  const Tensor x2 = x.As2D();
-  Tensor qkv, q, k, v, ln;  // qkv [B, S, 3, H, D] when packed_attention()
-  if (!gqa()) {
-    Tensor fused;
-    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &fused,
-                                 ln_out != nullptr ? &ln : nullptr,
-                                 saved != nullptr ? &saved->qkv : nullptr));
-    qkv = fused.Reshaped({batch, seq, 3, heads, head_dim});
-    if (!packed_attention()) {
-      ASSIGN_OR_RETURN(std::vector<Tensor> parts, SplitAxis(ops, qkv, 2));
-      q = parts[0];
-      k = parts[1];
-      v = parts[2];
-    }
-  } else {
-    if (options_.input_layernorm) {
-      RETURN_IF_ERROR(
-          norm_.Forward(ops, *vars, x2, &ln, saved != nullptr ? &saved->norm : nullptr));
-    } else {
-      ln = x2;
-    }
-    Tensor query, kv;
-    RETURN_IF_ERROR(query_.Forward(ops, vars, ln, opts.fp8, &query,
-                                   saved != nullptr ? &saved->query : nullptr));
-    RETURN_IF_ERROR(
-        kv_.Forward(ops, vars, ln, opts.fp8, &kv, saved != nullptr ? &saved->kv : nullptr));
-    q = query.Reshaped({batch, seq, heads, head_dim});
-    ASSIGN_OR_RETURN(std::vector<Tensor> parts,
-                     SplitAxis(ops, kv.Reshaped({batch, seq, 2, groups, head_dim}), 2));
-    k = parts[0];
-    v = parts[1];
-  }
+  Projected p;
+  RETURN_IF_ERROR(
+      Project(ops, vars, x, opts, packed_attention(), ln_out != nullptr, &p, saved));
   const uint64_t dropout_seed =
       DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
   AttentionSaved* attention_saved = saved != nullptr ? &saved->attention : nullptr;
   Tensor context;
   if (packed_attention()) {
-    RETURN_IF_ERROR(AttentionForwardPacked(ops, AttentionSettings(), qkv, seqlens, bias,
+    RETURN_IF_ERROR(AttentionForwardPacked(ops, AttentionSettings(), p.qkv, seqlens, bias,
                                            !opts.deterministic, dropout_seed, &context,
                                            attention_saved));
   } else {
     if (options_.rotary) {
-      RETURN_IF_ERROR(ApplyRotary(ops, q, /*inverse=*/false, &q));
-      RETURN_IF_ERROR(ApplyRotary(ops, k, /*inverse=*/false, &k));
+      RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q));
+      RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k));
     }
-    RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(), q, k, v, seqlens, bias,
+    RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(), p.q, p.k, p.v, seqlens, bias,
                                      !opts.deterministic, dropout_seed, &context,
                                      attention_saved));
   }
@@ -276,13 +287,86 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch * seq, q_features_}), opts.fp8,
                                &y2, saved != nullptr ? &saved->out : nullptr, out_fusion));
   *y = y2.Reshaped({batch, seq, hidden_});
-  if (ln_out != nullptr) *ln_out = ln.Reshaped({batch, seq, hidden_});
+  if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, seq, hidden_});
   if (saved != nullptr) {
     saved->batch = batch;
     saved->seq = seq;
     saved->compute = x.dtype();
   }
   return absl::OkStatus();
+}
+
+std::vector<VariableSpec> MhaBlock::CacheSpecs(int64_t batch, int64_t length, DType dtype) const {
+  return KvCacheSpecs(options_.scope, batch, length, options_.num_gqa_groups, options_.head_dim,
+                      dtype);
+}
+
+const char* MhaBlock::QkvLayoutName() const {
+  if (options_.rotary) return "QKVLayout.BSHD_BSHD_BSHD";
+  return gqa() ? "QKVLayout.BSHD_BS2HD" : "QKVLayout.BS3HD";
+}
+
+absl::StatusOr<int64_t> MhaBlock::CacheIndex(Ops& ops, const Variables& vars,
+                                             const ForwardOptions& opts) const {
+  return ReadKvCacheIndex(ops, vars, options_.scope, opts.decode_cache_index);
+}
+
+absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& mask,
+                              const Tensor& bias, const ForwardOptions& opts, Tensor* y,
+                              Tensor* ln_out, const Tensor& residual) const {
+  if (x.rank() != 3 || x.dim(2) != hidden_ || x.dim(1) < 1 ||
+      (x.dim(1) != 1 && !opts.internal_decode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "x.shape ", ShapeString(x.shape()), ": decode takes one new token per sequence, want [",
+        "batch, 1, ", hidden_, "] (TE: \"Autoregressive cache shape error\")"));
+  }
+  RETURN_IF_ERROR(CheckFloatActivation(x, "x"));
+  if (opts.keep_for_backward) {
+    return absl::InvalidArgumentError(
+        "keep_for_backward: a decode step is inference only; it keeps nothing for a backward");
+  }
+  const bool has_mask = (mask.q.defined() && mask.q.numel() > 0) ||
+                        (mask.elementwise.defined() && mask.elementwise.numel() > 0) ||
+                        !mask.error.ok();
+  if (IsPaddingMask(options_.mask) && has_mask) {
+    return absl::InvalidArgumentError(
+        "attention_mask: a decode step attends over the cache's positions <= cache_index and "
+        "takes no mask; send none");
+  }
+  const int64_t batch = x.dim(0), tokens = x.dim(1);
+  ASSIGN_OR_RETURN(KvCache cache,
+                   OpenKvCache(ops, *vars, options_.scope, batch, tokens,
+                               options_.num_gqa_groups, options_.head_dim, x.dtype(),
+                               opts.decode_cache_index));
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  Projected p;
+  RETURN_IF_ERROR(Project(ops, vars, x, opts, /*packed=*/false, ln_out != nullptr, &p, nullptr));
+  if (options_.rotary) {
+    RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, cache.position));
+    RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, cache.position));
+  }
+  RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache));
+  ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, /*whole=*/has_bias));
+  AttentionConfig config = AttentionSettings();
+  config.mask = kv.mask;
+  SeqLens lengths;
+  lengths.q = kv.q_seqlens;
+  lengths.kv = kv.kv_seqlens;
+  const uint64_t dropout_seed =
+      DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
+  Tensor context;
+  RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths,
+                                   has_bias ? bias : Tensor(), !opts.deterministic, dropout_seed,
+                                   &context, nullptr));
+  const int64_t rows = batch * tokens;
+  Tensor y2;
+  DenseFusion out_fusion;
+  if (residual.defined()) out_fusion.residual = residual.Reshaped({rows, hidden_});
+  RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({rows, q_features_}), opts.fp8, &y2,
+                               nullptr, out_fusion));
+  *y = y2.Reshaped({batch, tokens, hidden_});
+  if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, tokens, hidden_});
+  return AdvanceKvCache(ops, cache);
 }
 
 absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Tensor& dy,
@@ -372,6 +456,21 @@ class MultiHeadAttentionLayer : public Layer {
     return input_shape;
   }
 
+  absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
+                                                       DType input_dtype,
+                                                       bool internal_decode) const override {
+    ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(input_shape));
+    const MhaBlock block(options_, hidden);
+    if (!internal_decode) RETURN_IF_ERROR(DecodeAllowed(block));
+    if (internal_decode && !block.causal()) {
+      return absl::InvalidArgumentError(
+          "decode: generation runs a causal self-attention one position at a time; this "
+          "MultiHeadAttention's attn_mask_type is not causal");
+    }
+    RETURN_IF_ERROR(CheckCacheDType(input_dtype));
+    return block.CacheSpecs(input_shape[0], input_shape[1], input_dtype);
+  }
+
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
     ASSIGN_OR_RETURN(int64_t hidden, HiddenOf(input_shape));
@@ -387,6 +486,11 @@ class MultiHeadAttentionLayer : public Layer {
     }
     const MhaBlock block(options_, hidden);
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(block.Defs(opts.fp8))));
+    if (opts.decode) {
+      if (!opts.internal_decode) RETURN_IF_ERROR(DecodeAllowed(block));
+      return block.Decode(ops, vars, in.x, MaskOf(in), Tensor(), opts, &out->y,
+                          return_layernorm_output_ ? &out->ln_out : nullptr);
+    }
     auto kept = std::make_unique<MultiHeadAttentionSaved>();
     kept->hidden = hidden;
     RETURN_IF_ERROR(block.Forward(ops, vars, in.x, MaskOf(in), Tensor(),
@@ -408,6 +512,18 @@ class MultiHeadAttentionLayer : public Layer {
   }
 
  private:
+  // TE's MultiHeadAttention (fused QKV parameters, its only kind here)
+  // decodes only the separate q, k, v layout that rotary leaves.
+  static absl::Status DecodeAllowed(const MhaBlock& block) {
+    const std::string layout = block.QkvLayoutName();
+    if (layout != "QKVLayout.BSHD_BSHD_BSHD") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "decode: decode mode requires QKVLayout.BSHD_BSHD_BSHD, but got ", layout,
+          " (TE's MultiHeadAttention keeps separate q, k, v only with enable_rotary_pos_emb)"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<int64_t> HiddenOf(const Shape& shape) const {
     if (shape.size() != 3 || shape[0] <= 0 || shape[1] <= 0 || shape[2] <= 0) {
       return absl::InvalidArgumentError(absl::StrCat("input_shape ", ShapeString(shape),

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "server/layers/attention_core.h"
 #include "server/layers/blocks.h"
+#include "server/layers/cache.h"
 #include "server/layers/init.h"
 #include "server/layers/layer.h"
 
@@ -59,6 +60,7 @@ class MhaBlock {
   MhaBlock(MhaOptions options, int64_t hidden);
 
   bool gqa() const { return options_.num_gqa_groups != options_.num_heads; }
+  bool causal() const { return IsCausalMask(options_.mask); }
   std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
   // InitVariables(Defs) then the kernels redrawn with TE's per-part normal
   // initialisers (deterministic from seed and name).
@@ -91,7 +93,51 @@ class MhaBlock {
                         Tensor* dbias, Variables* grads,
                         const Tensor& residual_grad = Tensor()) const;
 
+  // ---- decode (cache.h) -------------------------------------------------
+  // The cache for decoding after an init with x [batch, length, hidden] in
+  // `dtype`: cache/<scope>/cached_key, cached_value [B, L, G, D], cache_index.
+  std::vector<VariableSpec> CacheSpecs(int64_t batch, int64_t length, DType dtype) const;
+  // TE's qkv_layout for this block's projections: BS3HD (the fused qkv),
+  // BSHD_BS2HD (GQA: query and a fused kv) or, with rotary, BSHD_BSHD_BSHD.
+  // TE decodes only the last.
+  const char* QkvLayoutName() const;
+  // One autoregressive step: x [B, 1, hidden] (one new token per sequence)
+  // -> *y [B, 1, hidden], *ln_out as Forward. Projects the token, rotates q
+  // and k at the token's position (the cache index p; TE rotates a decoded
+  // token at position 0, which breaks the equality with the full forward
+  // that this step keeps), writes k and v into row p of the cache, attends q
+  // over rows 0..p, and sets the index to p + 1, the last thing it does, so
+  // a step that fails leaves the index as it was. This runs for every layout
+  // (generation decodes any causal self-attention); a TE module refuses
+  // the ones TE refuses (QkvLayoutName). Every mask type attends over rows
+  // 0..p, which for the causal types is what the full causal forward gives
+  // row p. `mask` is the request's: INVALID_ARGUMENT naming attention_mask
+  // when a padding type would read it (the cache's rows are the mask here);
+  // other types ignore it, as TE does. opts.keep_for_backward is
+  // INVALID_ARGUMENT (inference only). `residual` as Forward.
+  // With opts.internal_decode x may be [B, S, hidden]: S tokens at rows
+  // p..p + S - 1, token i attending over rows 0..p + i. `bias` (optional,
+  // f32 [H, S, L]) is added to the logits against every cache row (TE
+  // slices its [L, L] relative bias the same way); attention then reads the
+  // whole cache.
+  absl::Status Decode(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& mask,
+                      const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
+                      const Tensor& residual = Tensor()) const;
+  // The cache's index for a step (opts.decode_cache_index, or read from the
+  // cache), for a caller that needs it before Decode (a bias row).
+  absl::StatusOr<int64_t> CacheIndex(Ops& ops, const Variables& vars,
+                                     const ForwardOptions& opts) const;
+
  private:
+  // The projections of x [B, S, hidden] (row-major [B * S, hidden]): with
+  // `packed`, qkv [B, S, 3, H, D] alone (no GQA); else q [B, S, H, D], k and
+  // v [B, S, G, D]. ln [B * S, hidden] when `want_ln` or GQA needs it.
+  struct Projected {
+    Tensor qkv, q, k, v, ln;
+  };
+  absl::Status Project(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
+                       bool packed, bool want_ln, Projected* out, Saved* saved) const;
+
   AttentionConfig AttentionSettings() const;
   // Attention on the packed qkv: nothing happens to q, k, v in between.
   bool packed_attention() const { return !gqa() && !options_.rotary; }

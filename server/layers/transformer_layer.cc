@@ -31,6 +31,7 @@
 #include "server/layers/attention_core.h"
 #include "server/layers/attention_layers.h"
 #include "server/layers/blocks.h"
+#include "server/layers/cache.h"
 #include "server/layers/multi_head_attention.h"
 #include "server/layers/variables.h"
 
@@ -86,6 +87,17 @@ class TransformerLayerImpl : public Layer {
     return input_shape;
   }
 
+  // The self-attention's cache (cache/attention/...), for generation only:
+  // TE decodes no encoder.
+  absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
+                                                       DType input_dtype,
+                                                       bool internal_decode) const override {
+    RETURN_IF_ERROR(CheckInputShape(input_shape));
+    RETURN_IF_ERROR(DecodeAllowed(internal_decode));
+    RETURN_IF_ERROR(CheckCacheDType(input_dtype));
+    return attention_.CacheSpecs(input_shape[0], input_shape[1], input_dtype);
+  }
+
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
     RETURN_IF_ERROR(CheckInputShape(input_shape));
@@ -110,29 +122,37 @@ class TransformerLayerImpl : public Layer {
       return absl::InvalidArgumentError("extra_inputs: TransformerLayer takes x alone");
     }
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
+    if (opts.decode) RETURN_IF_ERROR(DecodeAllowed(opts.internal_decode));
     const bool keep = opts.keep_for_backward && saved != nullptr;
     auto kept = std::make_unique<TransformerSaved>();
     kept->compute = in.x.dtype();
     const int64_t seq = in.x.dim(1);
 
     Tensor bias;
-    if (options_.relative_embedding) {
+    ForwardOptions step = opts;  // a decode step's, with the cache index it read
+    if (options_.relative_embedding && opts.decode) {
+      ASSIGN_OR_RETURN(step.decode_cache_index, attention_.CacheIndex(ops, *vars, opts));
+      ASSIGN_OR_RETURN(bias, DecodeBias(ops, *vars, step.decode_cache_index, seq));
+    } else if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(kept->buckets, buckets_.Buckets(ops, seq, seq));
       ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
       ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->buckets));
     }
+    auto attend = [&](Tensor* a, const Tensor& residual) {
+      if (opts.decode) {
+        return attention_.Decode(ops, vars, in.x, MaskOf(in), bias, step, a, nullptr, residual);
+      }
+      return attention_.Forward(ops, vars, in.x, MaskOf(in), bias, opts, a, nullptr,
+                                keep ? &kept->attention : nullptr, residual);
+    };
     // Without dropout on the blocks' outputs the residual adds run in their
     // last GEMMs (the attention's projection, the MLP's wo).
     const bool fused_residual = opts.deterministic || options_.hidden_dropout <= 0.0f;
     Tensor attention_out, dropped, h;
     if (fused_residual) {
-      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, MaskOf(in),
-                                         bias, opts, &h, nullptr,
-                                         keep ? &kept->attention : nullptr, in.x));
+      RETURN_IF_ERROR(attend(&h, in.x));
     } else {
-      RETURN_IF_ERROR(attention_.Forward(ops, vars, in.x, MaskOf(in),
-                                         bias, opts, &attention_out, nullptr,
-                                         keep ? &kept->attention : nullptr));
+      RETURN_IF_ERROR(attend(&attention_out, Tensor()));
       RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
                               DeriveSeed(opts.dropout_seed, "hidden_dropout_0"), attention_out,
                               &dropped, &kept->attention_dropout));
@@ -227,6 +247,38 @@ class TransformerLayerImpl : public Layer {
       defs.push_back({RelEmbeddingSpec(), Initializer::Zeros()});  // redrawn in Init
     }
     return defs;
+  }
+
+  // TE asserts "decode should be False when layer_type ==
+  // TransformerLayerType.ENCODER", and every TransformerLayer here is an
+  // encoder; generation decodes one whose self-attention is causal (what
+  // its full forward gives each row, one row at a time).
+  absl::Status DecodeAllowed(bool internal_decode) const {
+    if (!internal_decode) {
+      return absl::InvalidArgumentError(
+          "decode: decode should be False when layer_type == TransformerLayerType.ENCODER");
+    }
+    if (!IsCausalMask(options_.attention.mask)) {
+      return absl::InvalidArgumentError(
+          "decode: generation runs a causal self-attention one position at a time; this "
+          "TransformerLayer's self_attn_mask_type is not causal");
+    }
+    return absl::OkStatus();
+  }
+
+  // The relative bias of a decode step's S rows at cache index p against all
+  // L cache rows, f32 [H, S, L]: rows p..p + S - 1 of the [L, L] table TE
+  // makes (the bucket of key j for query i depends on j - i alone). Undefined
+  // where the rows fall outside the cache (the step reports that).
+  absl::StatusOr<Tensor> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
+                                    int64_t tokens) const {
+    auto key = vars.find(KvCacheNamesAt(options_.attention.scope).key);
+    if (key == vars.end() || key->second.rank() != 4) return Tensor();
+    const int64_t length = key->second.dim(1);
+    if (position < 0 || position + tokens > length) return Tensor();
+    ASSIGN_OR_RETURN(const Tensor buckets, buckets_.Buckets(ops, length, length));
+    ASSIGN_OR_RETURN(const Tensor table, GetVariable(vars, kRelEmbedding));
+    return RelativeBias(ops, table, buckets.Slice0(position, position + tokens));
   }
 
   absl::Status CheckInputShape(const Shape& shape) const {

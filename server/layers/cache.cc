@@ -1,0 +1,189 @@
+#include "server/layers/cache.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/layers/variables.h"
+
+namespace te::layers {
+
+KvCacheNames KvCacheNamesAt(absl::string_view scope) {
+  return {VariableName(kCache, scope, "cached_key"), VariableName(kCache, scope, "cached_value"),
+          VariableName(kCache, scope, "cache_index")};
+}
+
+std::vector<VariableSpec> KvCacheSpecs(absl::string_view scope, int64_t batch, int64_t length,
+                                       int64_t groups, int64_t head_dim, DType dtype) {
+  const KvCacheNames names = KvCacheNamesAt(scope);
+  const Shape shape = {batch, length, groups, head_dim};
+  return {{names.key, shape, dtype}, {names.value, shape, dtype}, {names.index, {}, DType::kI32}};
+}
+
+absl::Status CheckCacheDType(DType dtype) {
+  if (IsFloating(dtype) && !IsFloat8(dtype)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("x.dtype: ", DTypeName(dtype),
+                   "; the cache holds keys and values in x's float dtype (float32, bfloat16 or "
+                   "float16)"));
+}
+
+absl::Status InitCache(Ops& ops, const std::vector<VariableSpec>& specs, Variables* vars) {
+  for (const VariableSpec& spec : specs) {
+    ASSIGN_OR_RETURN(Tensor t, ops.Allocate(spec.dtype, spec.shape));
+    if (IsFloating(spec.dtype)) {
+      RETURN_IF_ERROR(ops.Fill(0.0f, &t));
+    } else {
+      const std::vector<char> zeros(t.nbytes(), 0);
+      RETURN_IF_ERROR(ops.Upload(zeros.data(), &t));
+    }
+    (*vars)[spec.name] = t;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::StatusOr<Tensor> CacheVariable(const Variables& vars, const std::string& name) {
+  auto it = vars.find(name);
+  if (it == vars.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "decode: the layer was initialised without an autoregressive cache (collection ", kCache,
+        ", missing ", name, "): init with decode and the full-length x"));
+  }
+  return it->second;
+}
+
+absl::Status CheckCacheVariable(const Tensor& t, const std::string& name, const Shape& want,
+                                DType dtype) {
+  if (t.rank() != 4 || t.dim(0) != want[0] || t.dim(2) != want[2] || t.dim(3) != want[3] ||
+      t.dim(1) < 1 || t.dtype() != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "variable ", name, " is ", ShapeString(t.shape()), " ", DTypeName(t.dtype()),
+        " but this decode step needs [", want[0], ", length, ", want[2], ", ", want[3], "] ",
+        DTypeName(dtype), " (TE: \"Autoregressive cache shape error\"): x does not fit the cache"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ReadKvCacheIndex(Ops& ops, const Variables& vars, absl::string_view scope,
+                                         int64_t known_index) {
+  const std::string name = KvCacheNamesAt(scope).index;
+  ASSIGN_OR_RETURN(const Tensor index, CacheVariable(vars, name));
+  if (index.numel() != 1 || index.dtype() != DType::kI32) {
+    return absl::InvalidArgumentError(absl::StrCat("variable ", name, " is ",
+                                                   ShapeString(index.shape()), " ",
+                                                   DTypeName(index.dtype()), "; want [] int32"));
+  }
+  if (known_index >= 0) return known_index;
+  int32_t value = 0;
+  RETURN_IF_ERROR(ops.Download(index, &value));
+  return value;
+}
+
+absl::StatusOr<KvCache> OpenKvCache(Ops& ops, const Variables& vars, absl::string_view scope,
+                                    int64_t batch, int64_t tokens, int64_t groups,
+                                    int64_t head_dim, DType dtype, int64_t known_index) {
+  KvCache cache;
+  cache.names = KvCacheNamesAt(scope);
+  cache.tokens = tokens;
+  ASSIGN_OR_RETURN(cache.key, CacheVariable(vars, cache.names.key));
+  ASSIGN_OR_RETURN(cache.value, CacheVariable(vars, cache.names.value));
+  ASSIGN_OR_RETURN(cache.index, CacheVariable(vars, cache.names.index));
+  const Shape want = {batch, 0, groups, head_dim};
+  RETURN_IF_ERROR(CheckCacheVariable(cache.key, cache.names.key, want, dtype));
+  RETURN_IF_ERROR(CheckCacheVariable(cache.value, cache.names.value, want, dtype));
+  if (cache.value.shape() != cache.key.shape()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "variable ", cache.names.value, " is ", ShapeString(cache.value.shape()), " but ",
+        cache.names.key, " is ", ShapeString(cache.key.shape()), ": they must match"));
+  }
+  ASSIGN_OR_RETURN(cache.position, ReadKvCacheIndex(ops, vars, scope, known_index));
+  if (cache.position < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cache.names.index, " is ", cache.position, ": an index must be >= 0"));
+  }
+  if (cache.position + tokens > cache.length()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        cache.names.index, " is ", cache.position, " and the step brings ", tokens,
+        tokens == 1 ? " token" : " tokens", ", but the cache holds ", cache.length(),
+        " positions (init's length): init with a longer x to decode further"));
+  }
+  return cache;
+}
+
+absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache) {
+  const int64_t batch = cache.key.dim(0), length = cache.length(), tokens = cache.tokens;
+  const int64_t groups = cache.key.dim(2), head_dim = cache.key.dim(3);
+  const Shape step = {batch, tokens, groups, head_dim};
+  for (const Tensor* t : {&k, &v}) {
+    if (t->shape() != step || t->dtype() != cache.key.dtype()) {
+      return absl::InternalError(absl::StrCat("decode: new keys or values are ",
+                                              ShapeString(t->shape()), " ",
+                                              DTypeName(t->dtype()), "; the cache takes ",
+                                              ShapeString(step), " ",
+                                              DTypeName(cache.key.dtype())));
+    }
+  }
+  // Row p of batch row b is row b * L + p of the cache seen as [B * L, G, D].
+  std::vector<Tensor> from, to;
+  from.reserve(2 * batch);
+  to.reserve(2 * batch);
+  const Tensor k_rows = k.Reshaped({batch * tokens, groups, head_dim});
+  const Tensor v_rows = v.Reshaped({batch * tokens, groups, head_dim});
+  const Tensor key_rows = cache.key.Reshaped({batch * length, groups, head_dim});
+  const Tensor value_rows = cache.value.Reshaped({batch * length, groups, head_dim});
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t row = b * length + cache.position;
+    from.push_back(k_rows.Slice0(b * tokens, (b + 1) * tokens));
+    to.push_back(key_rows.Slice0(row, row + tokens));
+    from.push_back(v_rows.Slice0(b * tokens, (b + 1) * tokens));
+    to.push_back(value_rows.Slice0(row, row + tokens));
+  }
+  std::vector<const Tensor*> src;
+  std::vector<Tensor*> dst;
+  for (size_t i = 0; i < from.size(); ++i) {
+    src.push_back(&from[i]);
+    dst.push_back(&to[i]);
+  }
+  // One launch on a GPU for the 2B small copies.
+  return ops.CopyAll(src, dst);
+}
+
+absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache) {
+  const int32_t next = static_cast<int32_t>(cache.position + cache.tokens);
+  Tensor index = cache.index;
+  return ops.Upload(&next, &index);
+}
+
+absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, bool whole) {
+  KvView view;
+  const int64_t batch = cache.key.dim(0), length = cache.length(), tokens = cache.tokens;
+  const int64_t groups = cache.key.dim(2), head_dim = cache.key.dim(3);
+  const int64_t visible = cache.position + tokens;
+  if (batch == 1 && !whole) {
+    view.key = cache.key.Reshaped({length, groups, head_dim}).Slice0(0, visible).Reshaped(
+        {1, visible, groups, head_dim});
+    view.value = cache.value.Reshaped({length, groups, head_dim}).Slice0(0, visible).Reshaped(
+        {1, visible, groups, head_dim});
+    // Query i sits at row position + i = i + (visible - tokens).
+    view.mask = tokens == 1 ? MaskType::kNoMask : MaskType::kCausalBottomRight;
+    return view;
+  }
+  view.key = cache.key;
+  view.value = cache.value;
+  view.mask = tokens == 1 ? MaskType::kPadding : MaskType::kPaddingCausalBottomRight;
+  const std::vector<int32_t> q_lengths(static_cast<size_t>(batch), static_cast<int32_t>(tokens));
+  const std::vector<int32_t> kv_lengths(static_cast<size_t>(batch),
+                                        static_cast<int32_t>(visible));
+  ASSIGN_OR_RETURN(view.q_seqlens, ops.Allocate(DType::kI32, {batch}));
+  ASSIGN_OR_RETURN(view.kv_seqlens, ops.Allocate(DType::kI32, {batch}));
+  RETURN_IF_ERROR(ops.Upload(q_lengths.data(), &view.q_seqlens));
+  RETURN_IF_ERROR(ops.Upload(kv_lengths.data(), &view.kv_seqlens));
+  return view;
+}
+
+}  // namespace te::layers

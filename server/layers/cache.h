@@ -1,0 +1,103 @@
+// TE's autoregressive cache (the `cache` collection of Flax's decode) for
+// self-attention: one key and one value per position, written a token at a
+// time, and the index of the next position.
+//
+// For an attention block at `scope`, initialised with an x of [B, L, hidden]
+// (TE: MultiHeadAttention, transformer.py, `if decode:`):
+//   cache/<scope>/cached_key    [B, L, G, D]  x's dtype  zeros
+//   cache/<scope>/cached_value  [B, L, G, D]  x's dtype  zeros
+//   cache/<scope>/cache_index   int32 []      0
+// (G: the key/value heads, D: head_dim; TE's layout with batch first). A
+// decode step with the index at p writes its token's key and value into row
+// p of each batch row, attends over rows 0..p, and sets the index to p + 1.
+// Generation's steps (ForwardOptions::internal_decode) may write S tokens at
+// once (the prompt), rows p..p + S - 1, token i attending over rows 0..p + i.
+#ifndef TE_SERVER_LAYERS_CACHE_H_
+#define TE_SERVER_LAYERS_CACHE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/ops.h"
+#include "server/layers/layer.h"
+
+namespace te::layers {
+
+inline constexpr char kCache[] = "cache";
+
+struct KvCacheNames {
+  std::string key;    // "cache/<scope>/cached_key"
+  std::string value;  // "cache/<scope>/cached_value"
+  std::string index;  // "cache/<scope>/cache_index"
+};
+KvCacheNames KvCacheNamesAt(absl::string_view scope);
+
+// The three variables of the cache at `scope` for batch B, length L.
+std::vector<VariableSpec> KvCacheSpecs(absl::string_view scope, int64_t batch, int64_t length,
+                                       int64_t groups, int64_t head_dim, DType dtype);
+
+// INVALID_ARGUMENT naming x.dtype unless it is a float dtype a cache holds
+// (float32, bfloat16, float16: the keys and values in x's dtype).
+absl::Status CheckCacheDType(DType dtype);
+
+// Creates every variable of `specs` as zeros (float or int32) into *vars.
+absl::Status InitCache(Ops& ops, const std::vector<VariableSpec>& specs, Variables* vars);
+
+// One decode step's cache: its tensors (sharing the variables' memory), the
+// index it holds and the step's new tokens per sequence.
+struct KvCache {
+  KvCacheNames names;
+  Tensor key, value;  // [B, L, G, D]
+  Tensor index;       // int32 []
+  int64_t position = 0;  // the index's value: the first row this step writes
+  int64_t tokens = 1;    // S: the step writes rows position .. position + S - 1
+  int64_t length() const { return key.dim(1); }
+};
+
+// The cache at `scope` for a step of `tokens` new positions of `batch`
+// sequences in `dtype`: FAILED_PRECONDITION when the layer was initialised
+// without it ("init with decode"), INVALID_ARGUMENT naming the variable when
+// its shape or dtype does not fit the step (batch, heads, head_dim, x's
+// dtype), or naming cache_index when the step's rows do not fit in [0, L)
+// (a cache decoded to its length has no row left). The index is
+// `known_index` when that is >= 0, else read from the device (a 4-byte
+// download that waits for the stream).
+absl::StatusOr<KvCache> OpenKvCache(Ops& ops, const Variables& vars, absl::string_view scope,
+                                    int64_t batch, int64_t tokens, int64_t groups,
+                                    int64_t head_dim, DType dtype, int64_t known_index);
+
+// The index of the cache at `scope`: `known_index` when that is >= 0, else
+// read from the device; FAILED_PRECONDITION or INVALID_ARGUMENT as
+// OpenKvCache for a missing or malformed cache_index.
+absl::StatusOr<int64_t> ReadKvCacheIndex(Ops& ops, const Variables& vars, absl::string_view scope,
+                                         int64_t known_index);
+
+// k, v [B, S, G, D] (the cache's dtype) into rows position .. position + S - 1
+// of every batch row of cache.key / cache.value, in place.
+absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache);
+
+// cache_index = cache.position + cache.tokens, in place.
+absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache);
+
+// The step's keys and values as attention reads them, with the mask that
+// shows query i (at position p + i) the rows 0..p + i. For one batch row
+// (and not `whole`), rows 0..p + S - 1 of the cache (a view), bottom-right
+// causal (no mask for one token); else the whole cache, with q_seqlens S and
+// kv_seqlens p + S (uploaded here) under padding (one token) or
+// padding_causal_bottom_right. `whole`: the keys must be all L rows (a bias
+// over them).
+struct KvView {
+  Tensor key, value;  // [B, p + S or L, G, D]
+  MaskType mask = MaskType::kNoMask;
+  Tensor q_seqlens;   // int32 [B], or undefined (no lengths)
+  Tensor kv_seqlens;
+};
+absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, bool whole);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_CACHE_H_

@@ -1,0 +1,206 @@
+#include "server/layers/generate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/rng.h"
+#include "kernels/status_macros.h"
+#include "server/layers/cache.h"
+
+namespace te::layers {
+namespace {
+
+absl::Status CheckSampling(const SamplingOptions& o) {
+  if (o.greedy) return absl::OkStatus();
+  if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.temperature must be positive and finite; got ", o.temperature));
+  }
+  if (o.top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.top_k must be >= 0 (0: every token); got ", o.top_k));
+  }
+  if (!(o.top_p > 0.0f && o.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.top_p must be in (0, 1]; got ", o.top_p));
+  }
+  return absl::OkStatus();
+}
+
+// Uniform in [0, 1) with 53 random bits, from (seed, step, row) alone.
+double Uniform(uint64_t seed, int64_t step, int64_t row) {
+  const uint64_t bits = MixBits(MixBits(seed + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(step + 1)) ^
+                                static_cast<uint64_t>(row));
+  return static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// jnp.argmax: the first maximum, and the first NaN if there is one.
+int32_t Argmax(const float* row, int64_t vocab) {
+  int64_t best = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    if (std::isnan(row[v])) return static_cast<int32_t>(v);
+    if (row[v] > row[best]) best = v;
+  }
+  return static_cast<int32_t>(best);
+}
+
+int32_t Sample(const float* row, int64_t vocab, const SamplingOptions& o, double u) {
+  // Tokens by logit, most likely first (ties: the lower index first).
+  std::vector<int32_t> order(static_cast<size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [row](int32_t a, int32_t b) { return row[a] > row[b]; });
+  size_t keep = order.size();
+  if (o.top_k > 0) keep = std::min(keep, static_cast<size_t>(o.top_k));
+  // softmax(logits / temperature) over the kept tokens, in double.
+  const double top = static_cast<double>(row[order[0]]) / o.temperature;
+  std::vector<double> p(keep);
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    p[i] = std::exp(static_cast<double>(row[order[i]]) / o.temperature - top);
+    total += p[i];
+  }
+  if (o.top_p < 1.0f) {
+    // The smallest prefix whose probability reaches top_p.
+    double mass = 0.0;
+    size_t nucleus = 0;
+    while (nucleus < keep) {
+      mass += p[nucleus++] / total;
+      if (mass >= o.top_p) break;
+    }
+    keep = nucleus;
+    total = std::accumulate(p.begin(), p.begin() + keep, 0.0);
+  }
+  const double target = u * total;
+  double cumulative = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    cumulative += p[i];
+    if (target < cumulative) return order[i];
+  }
+  return order[keep - 1];
+}
+
+// The last position's logits of y [B, S, V], float32 on the host [B * V].
+absl::StatusOr<std::vector<float>> LastLogits(Ops& ops, const Tensor& y) {
+  const int64_t batch = y.dim(0), seq = y.dim(1), vocab = y.dim(2);
+  ASSIGN_OR_RETURN(Tensor last, ops.Allocate(y.dtype(), {batch, vocab}));
+  const Tensor rows = y.Reshaped({batch * seq, vocab});
+  std::vector<Tensor> from, to;
+  for (int64_t b = 0; b < batch; ++b) {
+    from.push_back(rows.Slice0(b * seq + seq - 1, b * seq + seq));
+    to.push_back(last.Slice0(b, b + 1));
+  }
+  std::vector<const Tensor*> src;
+  std::vector<Tensor*> dst;
+  for (size_t i = 0; i < from.size(); ++i) {
+    src.push_back(&from[i]);
+    dst.push_back(&to[i]);
+  }
+  RETURN_IF_ERROR(ops.CopyAll(src, dst));
+  Tensor f32 = last;
+  if (y.dtype() != DType::kF32) {
+    ASSIGN_OR_RETURN(f32, ops.Allocate(DType::kF32, {batch, vocab}));
+    RETURN_IF_ERROR(ops.Cast(last, &f32));
+  }
+  std::vector<float> host(static_cast<size_t>(batch * vocab));
+  RETURN_IF_ERROR(ops.Download(f32, host.data()));
+  return host;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int32_t>> SampleTokens(const std::vector<float>& logits, int64_t batch,
+                                                  int64_t vocab, const SamplingOptions& options,
+                                                  int64_t step) {
+  RETURN_IF_ERROR(CheckSampling(options));
+  if (batch < 1 || vocab < 1 || static_cast<int64_t>(logits.size()) != batch * vocab) {
+    return absl::InvalidArgumentError(absl::StrCat("logits: ", logits.size(), " values for ",
+                                                   batch, " rows of ", vocab));
+  }
+  std::vector<int32_t> tokens(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* row = logits.data() + b * vocab;
+    tokens[b] = options.greedy ? Argmax(row, vocab)
+                               : Sample(row, vocab, options, Uniform(options.seed, step, b));
+  }
+  return tokens;
+}
+
+absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Variables& vars,
+                                        const Tensor& prompt, const GenerateOptions& options,
+                                        const TokenSink& sink) {
+  if (prompt.dtype() != DType::kI32 || prompt.rank() != 2 || prompt.dim(0) < 1 ||
+      prompt.dim(1) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt: ", ShapeString(prompt.shape()), " ", DTypeName(prompt.dtype()),
+        "; want int32 token ids [batch, length] with both positive"));
+  }
+  if (options.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens must be >= 1; got ", options.max_new_tokens));
+  }
+  RETURN_IF_ERROR(CheckSampling(options.sampling));
+  if (!model.TakesTokenIds()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: ", model.type_name(), " does not take token ids; generation feeds it tokens"));
+  }
+  const int64_t batch = prompt.dim(0), prompt_length = prompt.dim(1);
+  // The last new token is not fed back: the caches hold every other one.
+  const int64_t length = prompt_length + options.max_new_tokens - 1;
+  ASSIGN_OR_RETURN(const std::vector<VariableSpec> cache_specs,
+                   model.CacheSpecs({batch, length}, DType::kI32, /*internal_decode=*/true));
+  Variables working = vars;
+  RETURN_IF_ERROR(InitCache(ops, cache_specs, &working));
+
+  GenerateResult result;
+  result.tokens.resize(static_cast<size_t>(batch));
+  result.stopped.assign(static_cast<size_t>(batch), false);
+  ForwardOptions opts;
+  opts.deterministic = true;
+  opts.fp8 = options.fp8;
+  opts.decode = true;
+  opts.internal_decode = true;
+  Tensor x = prompt;
+  int64_t position = 0;
+  for (int64_t step = 0; step < options.max_new_tokens; ++step) {
+    RETURN_IF_ERROR(ops.CheckInterrupt());
+    opts.decode_cache_index = position;
+    LayerInputs in;
+    in.x = x;
+    LayerOutputs out;
+    RETURN_IF_ERROR(model.Forward(ops, &working, in, opts, &out, nullptr));
+    position += x.dim(1);
+    if (out.y.rank() != 3 || out.y.dim(0) != batch || out.y.dim(1) != x.dim(1) ||
+        !IsFloating(out.y.dtype()) || IsFloat8(out.y.dtype())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model: its decode step gave ", ShapeString(out.y.shape()), " ",
+          DTypeName(out.y.dtype()), "; generation needs float logits [batch, tokens, vocab]"));
+    }
+    const int64_t vocab = out.y.dim(2);
+    ASSIGN_OR_RETURN(const std::vector<float> logits, LastLogits(ops, out.y));
+    ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
+                     SampleTokens(logits, batch, vocab, options.sampling, step));
+    for (int64_t b = 0; b < batch; ++b) {
+      if (result.stopped[b]) {
+        tokens[b] = result.tokens[b].back();
+        continue;
+      }
+      result.tokens[b].push_back(tokens[b]);
+      result.stopped[b] = std::find(options.stop_tokens.begin(), options.stop_tokens.end(),
+                                    tokens[b]) != options.stop_tokens.end();
+    }
+    if (sink) RETURN_IF_ERROR(sink(step, tokens));
+    const bool all_stopped =
+        std::all_of(result.stopped.begin(), result.stopped.end(), [](bool s) { return s; });
+    if (all_stopped || step + 1 == options.max_new_tokens) break;
+    ASSIGN_OR_RETURN(x, ops.Allocate(DType::kI32, {batch, 1}));
+    RETURN_IF_ERROR(ops.Upload(tokens.data(), &x));
+  }
+  return result;
+}
+
+}  // namespace te::layers

@@ -1,0 +1,81 @@
+// Generation: a causal model (a graph LM such as Embed -> TransformerLayers
+// -> LayerNorm -> attend, with or without its loss node; or any layer that
+// takes token ids and gives logits) run autoregressively on its device.
+//
+//   1. The caches: the model's CacheSpecs for the whole length (prompt +
+//      new tokens - 1) with internal_decode, zeros, held by this call alone.
+//   2. Prefill: one decode step with the whole prompt [B, P] (each
+//      attention writes P rows of its cache at once); its last row's logits
+//      give the first new token.
+//   3. Then one step per new token, [B, 1], at the position the loop knows
+//      (ForwardOptions::decode_cache_index: no device read per module).
+//   Each step's logits [B, 1, V] are read to the host and sampled there:
+//   greedy (argmax, the lowest index on ties, as jnp.argmax), or temperature,
+//   then top-k, then top-p (nucleus), from a uniform draw that depends on
+//   (seed, step, batch row) alone, so a generation is reproducible.
+//
+// Greedy generation gives the tokens that re-running the full causal
+// forward on the growing prefix gives (decode steps are the forward's rows,
+// cache.h). Between tokens the call asks ops.CheckInterrupt() (a deadline,
+// a cancelled call) and stops with its status.
+#ifndef TE_SERVER_LAYERS_GENERATE_H_
+#define TE_SERVER_LAYERS_GENERATE_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+#include "server/layers/layer.h"
+
+namespace te::layers {
+
+struct SamplingOptions {
+  bool greedy = true;          // argmax; the fields below apply when false
+  float temperature = 1.0f;    // > 0: logits / temperature
+  int64_t top_k = 0;           // keep the k most likely tokens; 0: all
+  float top_p = 1.0f;          // in (0, 1]: the smallest set whose probability reaches top_p
+  uint64_t seed = 0;
+};
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 16;  // >= 1
+  SamplingOptions sampling;
+  // A sequence that makes one of these stops there (the stop token is its
+  // last); generation ends when every sequence has stopped.
+  std::vector<int32_t> stop_tokens;
+  const Fp8Recipe* fp8 = nullptr;  // as ForwardOptions::fp8
+};
+
+struct GenerateResult {
+  // Per sequence, the new tokens in order (a stop token included).
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<bool> stopped;  // made a stop token
+};
+
+// Called after each step with its position (0 for the first new token) and
+// the token each sequence made ([B]; a sequence that has stopped repeats its
+// stop token). A non-OK status ends generation with that status.
+using TokenSink = std::function<absl::Status(int64_t step, const std::vector<int32_t>& tokens)>;
+
+// One token for each row of logits [B, V] (float32 on the host) at `step`.
+// INVALID_ARGUMENT naming the sampling field that is out of range.
+absl::StatusOr<std::vector<int32_t>> SampleTokens(const std::vector<float>& logits, int64_t batch,
+                                                  int64_t vocab, const SamplingOptions& options,
+                                                  int64_t step);
+
+// Generates from `prompt` (int32 [B, P] on ops' device) with `model`, whose x
+// is token ids and whose decode output is logits [B, S, V]. `vars` holds the
+// model's variables (shared, not copied: under DelayedScaling the steps
+// write x/kernel amaxes into its fp8_metas as any forward does; pass a
+// working copy to keep them). INVALID_ARGUMENT for a prompt that is not
+// int32 [B, P], options out of range, or a model that cannot decode (naming
+// the module); `sink` may be null.
+absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Variables& vars,
+                                        const Tensor& prompt, const GenerateOptions& options,
+                                        const TokenSink& sink);
+
+}  // namespace te::layers
+
+#endif  // TE_SERVER_LAYERS_GENERATE_H_
