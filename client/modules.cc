@@ -163,6 +163,7 @@ absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostT
   request.set_deterministic(options.deterministic);
   request.set_dropout_seed(options.dropout_seed.value_or(0));
   *request.mutable_autocast() = ToProto(Autocast::Current());
+  request.set_matmul_precision(ToProto(DefaultMatmulPrecision::Current()));
   request.set_keep_for_backward(keep_for_backward);
   request.set_update_fp8_metas(options.update_fp8_metas);
   // y is about as large as x (a projection may widen it: budget for 4x).
@@ -196,6 +197,7 @@ absl::StatusOr<ValueAndGradResult> Module::ValueAndGrad(const Variables& vars, c
   RETURN_IF_ERROR(FillMicroBatch(session, x, dy, options, &uploads, request.add_micro_batches()));
   request.set_deterministic(options.deterministic);
   *request.mutable_autocast() = ToProto(Autocast::Current());
+  request.set_matmul_precision(ToProto(DefaultMatmulPrecision::Current()));
   request.set_return_dx(true);
   request.set_return_grads(true);
   ASSIGN_OR_RETURN(te::v1::ForwardBackwardResponse response, session.ForwardBackward(std::move(request)));

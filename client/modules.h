@@ -308,8 +308,9 @@ class FlaxDense : public Module {
   bool use_bias = true;
   std::optional<DType> dtype;  // None: promote x's dtype and param_dtype
   DType param_dtype = DType::kF32;
-  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
-  // matmuls on a GPU), true HIGHEST (exact float32).
+  // Flax's precision: false is Flax's None (the call's
+  // DefaultMatmulPrecision, recipe.h: TensorFloat-32 float32 matmuls on a
+  // GPU by default), true HIGHEST (exact float32 whatever the call's).
   bool highest_precision = false;
 
   std::string type_name() const override { return "Dense"; }
@@ -324,8 +325,9 @@ class FlaxDenseGeneral : public Module {
   bool use_bias = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
-  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
-  // matmuls on a GPU), true HIGHEST (exact float32).
+  // Flax's precision: false is Flax's None (the call's
+  // DefaultMatmulPrecision, recipe.h: TensorFloat-32 float32 matmuls on a
+  // GPU by default), true HIGHEST (exact float32 whatever the call's).
   bool highest_precision = false;
 
   std::string type_name() const override { return "DenseGeneral"; }
@@ -358,8 +360,9 @@ class FlaxMultiHeadDotProductAttention : public Module {
   bool broadcast_dropout = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
-  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
-  // matmuls on a GPU), true HIGHEST (exact float32).
+  // Flax's precision: false is Flax's None (the call's
+  // DefaultMatmulPrecision, recipe.h: TensorFloat-32 float32 matmuls on a
+  // GPU by default), true HIGHEST (exact float32 whatever the call's).
   bool highest_precision = false;
 
   std::string type_name() const override { return "MultiHeadDotProductAttention"; }

@@ -53,7 +53,7 @@ class LayerNormDenseGeneralLayer : public Layer {
     auto s = std::make_unique<ModuleSaved<LayerNormDense::Saved>>();
     Tensor y, ln_out;
     // Without ln_out the block may fuse the norm with FP8 quantization.
-    RETURN_IF_ERROR(block.Forward(ops, vars, in.x.As2D(), opts.fp8, &y,
+    RETURN_IF_ERROR(block.Forward(ops, vars, in.x.As2D(), opts.fp8, /*tf32=*/opts.tf32, &y,
                                   options_.return_layernorm_output ? &ln_out : nullptr,
                                   opts.keep_for_backward ? &s->block : nullptr));
     out->y = y.Reshaped(y_shape);

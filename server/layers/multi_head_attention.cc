@@ -225,7 +225,7 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   Tensor qkv, q, k, v, ln;  // qkv [B, S, 3, H, D] when packed_attention()
   if (!gqa()) {
     Tensor fused;
-    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &fused,
+    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, opts.tf32, &fused,
                                  ln_out != nullptr ? &ln : nullptr,
                                  saved != nullptr ? &saved->qkv : nullptr));
     qkv = fused.Reshaped({batch, seq, 3, heads, head_dim});
@@ -243,10 +243,11 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
       ln = x2;
     }
     Tensor query, kv;
-    RETURN_IF_ERROR(query_.Forward(ops, vars, ln, opts.fp8, &query,
+    RETURN_IF_ERROR(query_.Forward(ops, vars, ln, opts.fp8, opts.tf32, &query,
                                    saved != nullptr ? &saved->query : nullptr));
     RETURN_IF_ERROR(
-        kv_.Forward(ops, vars, ln, opts.fp8, &kv, saved != nullptr ? &saved->kv : nullptr));
+        kv_.Forward(ops, vars, ln, opts.fp8, opts.tf32, &kv,
+                    saved != nullptr ? &saved->kv : nullptr));
     q = query.Reshaped({batch, seq, heads, head_dim});
     ASSIGN_OR_RETURN(std::vector<Tensor> parts,
                      SplitAxis(ops, kv.Reshaped({batch, seq, 2, groups, head_dim}), 2));
@@ -274,7 +275,7 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   DenseFusion out_fusion;
   if (residual.defined()) out_fusion.residual = residual.Reshaped({batch * seq, hidden_});
   RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch * seq, q_features_}), opts.fp8,
-                               &y2, saved != nullptr ? &saved->out : nullptr, out_fusion));
+                               opts.tf32, &y2, saved != nullptr ? &saved->out : nullptr, out_fusion));
   *y = y2.Reshaped({batch, seq, hidden_});
   if (ln_out != nullptr) *ln_out = ln.Reshaped({batch, seq, hidden_});
   if (saved != nullptr) {
