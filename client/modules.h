@@ -191,7 +191,7 @@ class LayerNormDenseGeneral : public Module {
   std::string layernorm_type = "layernorm";
   bool zero_centered_gamma = false;
   bool use_bias = false;
-  bool return_layernorm_output = true;
+  bool return_layernorm_output = false;
   bool enable_layernorm = true;
   DType dtype = DType::kF32;
 
@@ -202,10 +202,10 @@ class LayerNormDenseGeneral : public Module {
 class LayerNormMLP : public Module {
  public:
   int64_t intermediate_dim = 2048;
-  std::vector<std::string> activations = {"relu"};
-  float intermediate_dropout_rate = 0.1f;
+  std::vector<std::string> activations = {"gelu"};
+  float intermediate_dropout_rate = 0.0f;
   bool use_bias = false;
-  bool return_layernorm_output = true;
+  bool return_layernorm_output = false;
   float epsilon = 1e-6f;
   std::string layernorm_type = "layernorm";
   bool zero_centered_gamma = false;
@@ -275,8 +275,8 @@ class TransformerLayer : public Module {
   bool zero_centered_gamma = false;
   float hidden_dropout = 0.1f;
   float attention_dropout = 0.1f;
-  float intermediate_dropout = 0.1f;
-  std::vector<std::string> mlp_activations = {"relu"};
+  float intermediate_dropout = 0.0f;
+  std::vector<std::string> mlp_activations = {"gelu"};
   bool use_bias = false;
   std::string self_attn_mask_type = "causal";
   std::optional<std::string> self_attn_bias_type;  // None | "no_bias" | "post_scale_bias"

@@ -237,8 +237,8 @@ struct MlpConfig {
   NormArgs norm;
   int64_t hidden = 0;
   int64_t intermediate = 2048;
-  std::vector<Activation> activations = {Activation::kRelu};  // normalised order
-  float intermediate_dropout_rate = 0.1f;
+  std::vector<Activation> activations = {Activation::kGelu};  // normalised order
+  float intermediate_dropout_rate = 0.0f;
   bool use_bias = false;
   DType param_dtype = DType::kF32;
 };

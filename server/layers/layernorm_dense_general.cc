@@ -1,6 +1,6 @@
 // TE's LayerNormDenseGeneral: (optional) layernorm, then a dense layer over the
 // last axis. Returns (z, ln_out); ln_out is the dense layer's input, returned
-// when return_layernorm_output (TE's default).
+// when return_layernorm_output (TE's default: false).
 #include <memory>
 
 #include "kernels/status_macros.h"
@@ -15,7 +15,7 @@ struct Options {
   Shape features;
   NormArgs norm;
   bool use_bias = false;
-  bool return_layernorm_output = true;
+  bool return_layernorm_output = false;
   bool enable_layernorm = true;
   DType param_dtype = DType::kF32;
 };
@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeLayerNormDenseGeneral(
   o.norm = MakeNormArgs(spec.layernorm_type(), epsilon, spec.zero_centered_gamma());
   o.use_bias = spec.has_use_bias() && spec.use_bias();
   o.return_layernorm_output =
-      spec.has_return_layernorm_output() ? spec.return_layernorm_output() : true;
+      spec.has_return_layernorm_output() ? spec.return_layernorm_output() : false;
   o.enable_layernorm = spec.has_enable_layernorm() ? spec.enable_layernorm() : true;
   o.param_dtype = ParamDTypeOf(spec.dtype());
   return std::unique_ptr<Layer>(std::make_unique<LayerNormDenseGeneralLayer>(std::move(o)));
