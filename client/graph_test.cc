@@ -52,8 +52,9 @@ TEST(GraphTest, DropoutUsersAreTheNodesThatDrawDropout) {
   Graph g("Block", kX, DType::kF32);
   Graph::Edge x = g.Dropout(g.x(), 0.0f);  // rate 0: the identity, no node
   LayerNormMLP mlp;
+  mlp.intermediate_dropout_rate = 0.1f;
   x = g.Call(mlp, {x});
-  mlp.intermediate_dropout_rate = 0.0f;
+  mlp.intermediate_dropout_rate = 0.0f;  // TE's default
   x = g.Call(mlp, {x});
   {
     Graph::Scope block = g.Submodule("Block");

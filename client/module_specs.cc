@@ -75,8 +75,8 @@ absl::Status SetFlaxDTypes(std::optional<DType> dtype, DType param_dtype, FlaxSp
   return absl::OkStatus();
 }
 
-// Flax's matmul precision: DEFAULT (JAX's default: TensorFloat-32 float32
-// matmuls on a GPU) unless exact float32 is asked for.
+// Flax's matmul precision: DEFAULT (Flax's None: the call's
+// DefaultMatmulPrecision) unless exact float32 is asked for.
 te::v1::Precision PrecisionOf(bool highest) {
   return highest ? te::v1::PRECISION_HIGHEST : te::v1::PRECISION_DEFAULT;
 }

@@ -254,6 +254,7 @@ absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostT
   request.set_deterministic(options.deterministic);
   request.set_dropout_seed(options.dropout_seed.value_or(0));
   *request.mutable_autocast() = ToProto(Autocast::Current());
+  request.set_matmul_precision(ToProto(DefaultMatmulPrecision::Current()));
   request.set_keep_for_backward(keep_for_backward);
   request.set_update_fp8_metas(options.update_fp8_metas);
   request.set_graph(options.graph);
@@ -299,6 +300,7 @@ absl::StatusOr<ValueAndGradResult> Step(const Module& module, const Variables& v
   RETURN_IF_ERROR(FillMicroBatch(session, x, dy, options, &uploads, batch));
   request.set_deterministic(options.deterministic);
   *request.mutable_autocast() = ToProto(Autocast::Current());
+  request.set_matmul_precision(ToProto(DefaultMatmulPrecision::Current()));
   request.set_return_dx(true);
   request.set_return_grads(!options.apply_update);
   request.set_apply_update(options.apply_update);

@@ -265,7 +265,7 @@ class LayerNormDenseGeneral : public Module {
   std::string layernorm_type = "layernorm";
   bool zero_centered_gamma = false;
   bool use_bias = false;
-  bool return_layernorm_output = true;
+  bool return_layernorm_output = false;
   bool enable_layernorm = true;
   DType dtype = DType::kF32;
 
@@ -276,10 +276,10 @@ class LayerNormDenseGeneral : public Module {
 class LayerNormMLP : public Module {
  public:
   int64_t intermediate_dim = 2048;
-  std::vector<std::string> activations = {"relu"};
-  float intermediate_dropout_rate = 0.1f;
+  std::vector<std::string> activations = {"gelu"};
+  float intermediate_dropout_rate = 0.0f;
   bool use_bias = false;
-  bool return_layernorm_output = true;
+  bool return_layernorm_output = false;
   float epsilon = 1e-6f;
   std::string layernorm_type = "layernorm";
   bool zero_centered_gamma = false;
@@ -349,8 +349,8 @@ class TransformerLayer : public Module {
   bool zero_centered_gamma = false;
   float hidden_dropout = 0.1f;
   float attention_dropout = 0.1f;
-  float intermediate_dropout = 0.1f;
-  std::vector<std::string> mlp_activations = {"relu"};
+  float intermediate_dropout = 0.0f;
+  std::vector<std::string> mlp_activations = {"gelu"};
   bool use_bias = false;
   std::string self_attn_mask_type = "causal";
   std::optional<std::string> self_attn_bias_type;  // None | "no_bias" | "post_scale_bias"
@@ -382,8 +382,9 @@ class FlaxDense : public Module {
   bool use_bias = true;
   std::optional<DType> dtype;  // None: promote x's dtype and param_dtype
   DType param_dtype = DType::kF32;
-  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
-  // matmuls on a GPU), true HIGHEST (exact float32).
+  // Flax's precision: false is Flax's None (the call's
+  // DefaultMatmulPrecision, recipe.h: TensorFloat-32 float32 matmuls on a
+  // GPU by default), true HIGHEST (exact float32 whatever the call's).
   bool highest_precision = false;
 
   std::string type_name() const override { return "Dense"; }
@@ -398,8 +399,9 @@ class FlaxDenseGeneral : public Module {
   bool use_bias = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
-  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
-  // matmuls on a GPU), true HIGHEST (exact float32).
+  // Flax's precision: false is Flax's None (the call's
+  // DefaultMatmulPrecision, recipe.h: TensorFloat-32 float32 matmuls on a
+  // GPU by default), true HIGHEST (exact float32 whatever the call's).
   bool highest_precision = false;
 
   std::string type_name() const override { return "DenseGeneral"; }
@@ -432,8 +434,9 @@ class FlaxMultiHeadDotProductAttention : public Module {
   bool broadcast_dropout = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
-  // Flax's precision: false is DEFAULT (JAX's: TensorFloat-32 float32
-  // matmuls on a GPU), true HIGHEST (exact float32).
+  // Flax's precision: false is Flax's None (the call's
+  // DefaultMatmulPrecision, recipe.h: TensorFloat-32 float32 matmuls on a
+  // GPU by default), true HIGHEST (exact float32 whatever the call's).
   bool highest_precision = false;
 
   std::string type_name() const override { return "MultiHeadDotProductAttention"; }

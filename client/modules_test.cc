@@ -63,9 +63,9 @@ TEST(ModuleSpecTest, TransformerLayerDefaultsAreTEs) {
   EXPECT_FLOAT_EQ(p.layernorm_epsilon(), 1e-6f);
   EXPECT_FLOAT_EQ(p.hidden_dropout(), 0.1f);
   EXPECT_FLOAT_EQ(p.attention_dropout(), 0.1f);
-  EXPECT_FLOAT_EQ(p.intermediate_dropout(), 0.1f);
+  EXPECT_FLOAT_EQ(p.intermediate_dropout(), 0.0f);  // TE >= 2.10
   ASSERT_EQ(p.mlp_activations_size(), 1);
-  EXPECT_EQ(p.mlp_activations(0), "relu");
+  EXPECT_EQ(p.mlp_activations(0), "gelu");
   EXPECT_FALSE(p.use_bias());
   EXPECT_EQ(p.self_attn_mask_type(), te::v1::CAUSAL);
   EXPECT_EQ(p.self_attn_bias_type(), te::v1::ATTN_BIAS_TYPE_UNSPECIFIED);
@@ -90,8 +90,9 @@ TEST(ModuleSpecTest, QuickstartFusedModules) {
   spec = mlp.Spec();
   ASSERT_TRUE(spec.ok());
   EXPECT_EQ(spec->layer_norm_mlp().intermediate_dim(), 2048);
-  EXPECT_EQ(spec->layer_norm_mlp().activations(0), "relu");
-  EXPECT_FLOAT_EQ(spec->layer_norm_mlp().intermediate_dropout_rate(), 0.1f);
+  EXPECT_EQ(spec->layer_norm_mlp().activations(0), "gelu");
+  EXPECT_FLOAT_EQ(spec->layer_norm_mlp().intermediate_dropout_rate(), 0.0f);
+  EXPECT_FALSE(spec->layer_norm_mlp().return_layernorm_output());
   EXPECT_FALSE(spec->layer_norm_mlp().use_bias());
 
   DotProductAttention attention(16, 4);
@@ -159,13 +160,16 @@ TEST(ModuleTest, ApplyNeedsVariablesFromInit) {
 
 TEST(ModuleTest, DropoutUsersAreModulesWithARateAboveZero) {
   using Names = std::vector<std::string>;
-  EXPECT_EQ(TransformerLayer().DropoutUsers(), Names{"TransformerLayer"});  // TE's 0.1 rates
+  EXPECT_EQ(TransformerLayer().DropoutUsers(), Names{"TransformerLayer"});  // hidden, attention 0.1
   TransformerLayer no_dropout;
   no_dropout.hidden_dropout = no_dropout.attention_dropout = no_dropout.intermediate_dropout = 0.0f;
   EXPECT_TRUE(no_dropout.DropoutUsers().empty());
   no_dropout.intermediate_dropout = 0.25f;
   EXPECT_EQ(no_dropout.DropoutUsers(), Names{"TransformerLayer"});
-  EXPECT_EQ(LayerNormMLP().DropoutUsers(), Names{"LayerNormMLP"});
+  EXPECT_TRUE(LayerNormMLP().DropoutUsers().empty());  // intermediate_dropout_rate 0.0
+  LayerNormMLP mlp_dropout;
+  mlp_dropout.intermediate_dropout_rate = 0.1f;
+  EXPECT_EQ(mlp_dropout.DropoutUsers(), Names{"LayerNormMLP"});
   EXPECT_TRUE(DotProductAttention(8, 2).DropoutUsers().empty());  // attention_dropout 0.0
   MultiHeadAttention attention(8, 2);
   attention.attention_dropout = 0.1f;

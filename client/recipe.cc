@@ -8,6 +8,7 @@ namespace te::client {
 namespace {
 
 thread_local AutocastState current_autocast;
+thread_local MatmulPrecision current_matmul_precision = MatmulPrecision::kDefault;
 
 te::v1::Fp8Format FormatToProto(Format format) {
   switch (format) {
@@ -138,5 +139,24 @@ Autocast::Autocast(bool enabled, Recipe recipe) : previous_(current_autocast) {
 Autocast::~Autocast() { current_autocast = std::move(previous_); }
 
 const AutocastState& Autocast::Current() { return current_autocast; }
+
+te::v1::Precision ToProto(MatmulPrecision precision) {
+  switch (precision) {
+    case MatmulPrecision::kDefault:
+      return te::v1::PRECISION_DEFAULT;
+    case MatmulPrecision::kHighest:
+      return te::v1::PRECISION_HIGHEST;
+  }
+  return te::v1::PRECISION_DEFAULT;
+}
+
+DefaultMatmulPrecision::DefaultMatmulPrecision(MatmulPrecision precision)
+    : previous_(current_matmul_precision) {
+  current_matmul_precision = precision;
+}
+
+DefaultMatmulPrecision::~DefaultMatmulPrecision() { current_matmul_precision = previous_; }
+
+MatmulPrecision DefaultMatmulPrecision::Current() { return current_matmul_precision; }
 
 }  // namespace te::client

@@ -1,11 +1,12 @@
 // FP8 recipes as TE spells them (transformer_engine.common.recipe), and the
-// scoped Autocast guard that stands in for `with te.autocast(...)`.
+// scoped guards that stand in for `with te.autocast(...)` (Autocast) and
+// `with jax.default_matmul_precision(...)` (DefaultMatmulPrecision).
 //
-// Recipes are plain values with TE's defaults. An Autocast guard sets the
-// calling thread's current autocast until it is destroyed; Module::Init,
-// Apply, ValueAndGrad and Speedometer read it at call time. Guards nest: the
-// inner one wins and its destructor restores the outer one. Other threads are
-// not affected (each thread has its own current autocast).
+// Recipes are plain values with TE's defaults. A guard sets the calling
+// thread's current setting until it is destroyed; Module::Init, Apply,
+// ValueAndGrad and Speedometer read it at call time. Guards nest: the inner
+// one wins and its destructor restores the outer one. Other threads are not
+// affected (each thread has its own current settings).
 #ifndef TE_CLIENT_RECIPE_H_
 #define TE_CLIENT_RECIPE_H_
 
@@ -14,6 +15,7 @@
 #include <variant>
 
 #include "absl/status/statusor.h"
+#include "te/v1/layers.pb.h"
 #include "te/v1/recipe.pb.h"
 
 namespace te::client {
@@ -82,6 +84,34 @@ class Autocast {
 
  private:
   AutocastState previous_;
+};
+
+// jax.default_matmul_precision for the float32 GEMMs of every module (TE's
+// and Flax's; a Flax module's own highest_precision wins): kDefault, JAX's
+// default, runs them with TensorFloat-32 products on a GPU server (operands
+// rounded to 10 mantissa bits, float32 accumulation); kHighest runs exact
+// float32. A CPU server computes exact float32 either way. No effect on
+// bfloat16, float16 or FP8 GEMMs.
+enum class MatmulPrecision { kDefault, kHighest };
+
+te::v1::Precision ToProto(MatmulPrecision precision);
+
+// `DefaultMatmulPrecision highest(MatmulPrecision::kHighest);` for the rest
+// of the scope; outside any guard the precision is kDefault. Not copyable or
+// movable, restored on destruction as Autocast is.
+class DefaultMatmulPrecision {
+ public:
+  explicit DefaultMatmulPrecision(MatmulPrecision precision);
+  ~DefaultMatmulPrecision();
+
+  DefaultMatmulPrecision(const DefaultMatmulPrecision&) = delete;
+  DefaultMatmulPrecision& operator=(const DefaultMatmulPrecision&) = delete;
+
+  // The calling thread's current precision.
+  static MatmulPrecision Current();
+
+ private:
+  MatmulPrecision previous_;
 };
 
 }  // namespace te::client

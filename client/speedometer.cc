@@ -75,6 +75,7 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
     *batch.mutable_attention_mask() = mask.ToProto();
   }
   const te::v1::Autocast autocast = ToProto(Autocast::Current());
+  const te::v1::Precision precision = ToProto(DefaultMatmulPrecision::Current());
 
   if (options.server_side) {
     te::v1::BenchmarkRequest request;
@@ -83,6 +84,7 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
     *request.mutable_inputs() = batch;
     request.set_deterministic(options.deterministic);
     *request.mutable_autocast() = autocast;
+    request.set_matmul_precision(precision);
     // 0 means the server's default; ask for exactly what was asked of us.
     request.set_warmup_iters(std::max(options.warmup_iters, 1));
     request.set_timing_iters(options.timing_iters);
@@ -104,6 +106,7 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
   *request.add_micro_batches() = batch;
   request.set_deterministic(options.deterministic);
   *request.mutable_autocast() = autocast;
+  request.set_matmul_precision(precision);
   request.set_return_dx(false);
   request.set_return_grads(false);
   request.set_discard_grads(true);  // as JAX's speedometer drops them

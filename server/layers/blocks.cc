@@ -29,6 +29,14 @@ Shape Concat(const Shape& a, const Shape& b) {
 
 }  // namespace
 
+absl::StatusOr<bool> MatmulTf32(te::v1::Precision precision, absl::string_view field) {
+  // A proto3 enum field holds any int: what is neither value is refused.
+  if (precision == te::v1::PRECISION_DEFAULT) return true;
+  if (precision == te::v1::PRECISION_HIGHEST) return false;
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", static_cast<int>(precision),
+                                                 " is not DEFAULT (0) or HIGHEST (1)"));
+}
+
 uint64_t DeriveSeed(uint64_t step_seed, absl::string_view site) {
   return MixBits(step_seed ^ MixBits(HashName(site)));
 }
@@ -79,7 +87,8 @@ int64_t Dense::Saved::bytes() const {
 }
 
 absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
-                            Tensor* y, Saved* saved, const DenseFusion& fusion) const {
+                            bool tf32, Tensor* y, Saved* saved,
+                            const DenseFusion& fusion) const {
   RETURN_IF_ERROR(CheckRows(x, in_, absl::StrCat("Dense ", kernel_name(), " input")));
   if (fusion.gelu_input != nullptr && fp8 != nullptr) {
     return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
@@ -97,6 +106,10 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
   const DType compute = x.dtype();
   const Tensor kernel = vars->at(kernel_name()).Reshaped({in_, out_});
   Saved s;
+  // TensorFloat-32 is for float32 operands alone: not for bfloat16 ones,
+  // nor for block scaling's fake-quantized ones (their scaled codes are
+  // exact in float32, not in TF32's 10 bits).
+  s.tf32 = fp8 == nullptr && compute == DType::kF32 && Tf32For(tf32);
   GemmOperand a, b;
   if (fp8 != nullptr) {
     // Block scaling: fake-quantized operands in the compute dtype; each GEMM
@@ -115,7 +128,7 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
     s.kernel = b;
     s.kernel_owned = kernel.dtype() != compute;
   }
-  RETURN_IF_ERROR(RunGemm(ops, *vars, a, b, compute, fusion, y));
+  RETURN_IF_ERROR(RunGemm(ops, *vars, a, b, compute, s.tf32, fusion, y));
   if (saved != nullptr) *saved = std::move(s);
   return absl::OkStatus();
 }
@@ -140,7 +153,8 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
   ASSIGN_OR_RETURN(GemmOperand b,
                    QuantizeKernelOperand(ops, fp8, quantizers(),
                                          vars->at(kernel_name()).Reshaped({in_, out_}), vars));
-  RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, fusion, y));
+  // FP8 operands: TensorFloat-32 does not apply.
+  RETURN_IF_ERROR(RunGemm(ops, *vars, x, b, compute, /*tf32=*/false, fusion, y));
   if (saved != nullptr) {
     Saved s;
     s.fp8 = fp8;
@@ -181,11 +195,11 @@ Ops::GemmArgs GemmArgsOf(const GemmOperand& a, const GemmOperand& b, bool tf32) 
 }  // namespace
 
 absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a_in,
-                            const GemmOperand& b_in, DType compute, const DenseFusion& fusion,
-                            Tensor* y) const {
+                            const GemmOperand& b_in, DType compute, bool tf32,
+                            const DenseFusion& fusion, Tensor* y) const {
   const GemmOperand a = ForGemm(a_in, GemmSide::kA);
   const GemmOperand b = ForGemm(b_in, GemmSide::kB);
-  Ops::GemmArgs gemm = GemmArgsOf(a, b, config_.tf32);
+  Ops::GemmArgs gemm = GemmArgsOf(a, b, tf32);
   if (config_.use_bias) {
     ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars.at(bias_name()).Reshaped({out_}), compute));
   }
@@ -208,6 +222,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
   const int64_t n = dy.dim(0);
   const DType compute = dy.dtype();
   const std::optional<Fp8Recipe> fp8_recipe = saved.fp8;
+  const bool tf32 = saved.tf32;
   const Fp8Recipe* fp8 = fp8_recipe ? &*fp8_recipe : nullptr;
   // The bias gradient: dy's column sums, fused into dy's cast-transpose under
   // per-tensor FP8.
@@ -268,7 +283,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
   // before the dgrad allocates dx, so the two never coexist with dx (for the
   // MLP's wo: x and dx are both [N, inter]).
   {
-    const Ops::GemmArgs wgrad = GemmArgsOf(x_a, dy_b, config_.tf32);
+    const Ops::GemmArgs wgrad = GemmArgsOf(x_a, dy_b, tf32);
     x_a = GemmOperand();
     dy_b = GemmOperand();
     ASSIGN_OR_RETURN(Tensor dkernel, ops.Allocate(config_.param_dtype, kernel_shape()));
@@ -277,7 +292,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
     (*grads)[kernel_name()] = dkernel;
   }
   if (dx != nullptr) {
-    const Ops::GemmArgs dgrad = GemmArgsOf(dy_a, kernel_b, config_.tf32);
+    const Ops::GemmArgs dgrad = GemmArgsOf(dy_a, kernel_b, tf32);
     ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
     RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
   }
@@ -384,8 +399,9 @@ std::vector<VariableDef> LayerNormDense::Defs(const Fp8Recipe* fp8) const {
 }
 
 absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
-                                     const Fp8Recipe* fp8, Tensor* y, Tensor* ln_out,
-                                     Saved* saved, const DenseFusion& fusion) const {
+                                     const Fp8Recipe* fp8, bool tf32, Tensor* y,
+                                     Tensor* ln_out, Saved* saved,
+                                     const DenseFusion& fusion) const {
   Saved s;
   Tensor ln = x;
   if (enable_layernorm_ && ln_out == nullptr && CanFuseQuantize(fp8)) {
@@ -406,7 +422,7 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
   }
   if (enable_layernorm_) RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln, &s.norm));
   RETURN_IF_ERROR(
-      dense_.Forward(ops, vars, ln, fp8, y, saved != nullptr ? &s.dense : nullptr, fusion));
+      dense_.Forward(ops, vars, ln, fp8, tf32, y, saved != nullptr ? &s.dense : nullptr, fusion));
   if (ln_out != nullptr) *ln_out = ln;
   if (saved != nullptr) *saved = std::move(s);
   return absl::OkStatus();

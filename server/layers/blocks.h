@@ -61,9 +61,9 @@ struct DenseConfig {
   Shape features;                    // e.g. {3, hidden} or {n_act, inter}
   DType param_dtype = DType::kF32;
   std::optional<Initializer> kernel_init;  // default: KernelInit(kernel shape)
-  // float32 GEMMs (forward, dgrad, wgrad) as TensorFloat-32 where the device
-  // has it (Ops::GemmArgs::tf32): Flax's modules at JAX's default precision.
-  bool tf32 = false;
+  // The module's own matmul precision is HIGHEST (a Flax module's
+  // `precision`): its float32 GEMMs are exact whatever the call's.
+  bool highest_precision = false;
 };
 
 // What a Dense's GEMM does besides x @ kernel + bias: ops.h's fused GEMM
@@ -91,6 +91,7 @@ class Dense {
 
   struct Saved {
     std::optional<Fp8Recipe> fp8;
+    bool tf32 = false;  // the forward's GEMM precision, the backward's too
     // The GEMM's a operand (FP8 under per-tensor scaling). With
     // x_transposed, x.data is x^T [in, N] alone: the wgrad's layout, all the
     // backward reads of a quantized x.
@@ -104,8 +105,10 @@ class Dense {
     int64_t bytes() const;
   };
   // x [N, in] -> *y [N, out] in x's dtype. `saved` may be null (no backward).
+  // tf32: the call's matmul precision (ForwardOptions::tf32), for float32
+  // operands; the config's highest_precision overrides it.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
-                       Tensor* y, Saved* saved, const DenseFusion& fusion = {}) const;
+                       bool tf32, Tensor* y, Saved* saved, const DenseFusion& fusion = {}) const;
   // As Forward, for an x its producer already quantized with this Dense's
   // "x" quantizer (AllocateFusedOperand): FP8 [N, in], per-tensor recipes.
   absl::Status ForwardQuantized(Ops& ops, Variables* vars, const GemmOperand& x, DType compute,
@@ -121,8 +124,10 @@ class Dense {
  private:
   // *y [N, out] = op(a) @ op(b) + bias (+ the fusion's epilogue), in `compute`.
   absl::Status RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a,
-                       const GemmOperand& b, DType compute, const DenseFusion& fusion,
-                       Tensor* y) const;
+                       const GemmOperand& b, DType compute, bool tf32,
+                       const DenseFusion& fusion, Tensor* y) const;
+  // Whether this Dense's float32 GEMMs run TensorFloat-32 for a call's `tf32`.
+  bool Tf32For(bool call_tf32) const { return call_tf32 && !config_.highest_precision; }
 
   DenseConfig config_;
   int64_t in_ = 0;
@@ -188,9 +193,10 @@ class LayerNormDense {
   };
   // x [N, in] -> *y [N, out]; *ln_out (if non-null) the Dense's input [N, in]
   // (x itself when the norm is disabled). Without ln_out under DelayedScaling
-  // the norm writes FP8 directly (TE's fused layernorm + quantize).
+  // the norm writes FP8 directly (TE's fused layernorm + quantize). tf32 as
+  // Dense::Forward's.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
-                       Tensor* y, Tensor* ln_out, Saved* saved,
+                       bool tf32, Tensor* y, Tensor* ln_out, Saved* saved,
                        const DenseFusion& fusion = {}) const;
   // residual_grad (optional) is added to *dx (Norm::Backward's). The Dense's
   // saved tensors and dy go before the norm's backward runs.
@@ -231,8 +237,8 @@ struct MlpConfig {
   NormArgs norm;
   int64_t hidden = 0;
   int64_t intermediate = 2048;
-  std::vector<Activation> activations = {Activation::kRelu};  // normalised order
-  float intermediate_dropout_rate = 0.1f;
+  std::vector<Activation> activations = {Activation::kGelu};  // normalised order
+  float intermediate_dropout_rate = 0.0f;
   bool use_bias = false;
   DType param_dtype = DType::kF32;
 };

@@ -43,7 +43,7 @@ TEST(DenseBlockTest, ForwardBackwardShapesAndSavedBytes) {
   const Tensor x = RandomTensor(*ops, {5, 8}, DType::kBF16, 2);
   Tensor y;
   Dense::Saved saved;
-  ASSERT_TRUE(dense.Forward(*ops, &vars, x, nullptr, &y, &saved).ok());
+  ASSERT_TRUE(dense.Forward(*ops, &vars, x, nullptr, false, &y, &saved).ok());
   EXPECT_EQ(y.shape(), (Shape{5, 4}));
   EXPECT_EQ(y.dtype(), DType::kBF16);
   // x (bf16) plus the bf16 copy of the f32 kernel.
@@ -57,7 +57,7 @@ TEST(DenseBlockTest, ForwardBackwardShapesAndSavedBytes) {
   EXPECT_EQ(grads.at("params/out/kernel").dtype(), DType::kF32);
   EXPECT_EQ(grads.at("params/out/bias").shape(), (Shape{4}));
   const Tensor wrong = RandomTensor(*ops, {5, 7}, DType::kF32, 2);
-  EXPECT_EQ(dense.Forward(*ops, &vars, wrong, nullptr, &y, nullptr).code(),
+  EXPECT_EQ(dense.Forward(*ops, &vars, wrong, nullptr, false, &y, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -63,7 +63,7 @@ class DenseGeneralLayer : public Layer {
     const int64_t n = NumElements(plan.batch_dims);
     auto s = std::make_unique<ModuleSaved<DenseGeneralSaved>>();
     Tensor y;
-    RETURN_IF_ERROR(dense.Forward(ops, vars, x.Reshaped({n, dense.in()}), opts.fp8, &y,
+    RETURN_IF_ERROR(dense.Forward(ops, vars, x.Reshaped({n, dense.in()}), opts.fp8, opts.tf32, &y,
                                   opts.keep_for_backward ? &s->block.dense : nullptr));
     out->y = y.Reshaped(Concat(plan.batch_dims, features_));
     if (opts.keep_for_backward && saved != nullptr) {

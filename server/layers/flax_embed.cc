@@ -140,7 +140,7 @@ DType AttendDType(const std::optional<DType>& dtype, DType x, DType embedding) {
 }
 
 absl::Status AttendForward(Ops& ops, const Tensor& embedding, const std::optional<DType>& dtype,
-                           const Tensor& x, Tensor* y, AttendSaved* saved) {
+                           const Tensor& x, Tensor* y, AttendSaved* saved, bool tf32) {
   const int64_t vocab = embedding.dim(0), features = embedding.dim(1);
   if (x.rank() < 1 || x.dim(-1) != features) {
     return absl::InvalidArgumentError(absl::StrCat("x ", ShapeString(x.shape()),
@@ -156,7 +156,7 @@ absl::Status AttendForward(Ops& ops, const Tensor& embedding, const std::optiona
   gemm.a = xc.Reshaped({rows, features});
   gemm.b = ec;
   gemm.transpose_b = true;
-  gemm.tf32 = true;  // jnp.dot at JAX's default precision
+  gemm.tf32 = tf32;
   RETURN_IF_ERROR(ops.Gemm(gemm, &out));
   Shape y_shape = x.shape();
   y_shape.back() = vocab;
@@ -165,6 +165,7 @@ absl::Status AttendForward(Ops& ops, const Tensor& embedding, const std::optiona
     saved->x = xc;
     saved->embedding = ec;
     saved->x_dtype = x.dtype();
+    saved->tf32 = tf32;
   }
   return absl::OkStatus();
 }
@@ -180,7 +181,7 @@ absl::Status AttendBackward(Ops& ops, const AttendSaved& saved, DType embedding_
   Ops::GemmArgs dgrad;
   dgrad.a = g;
   dgrad.b = saved.embedding;
-  dgrad.tf32 = true;
+  dgrad.tf32 = saved.tf32;
   RETURN_IF_ERROR(ops.Gemm(dgrad, &dxc));
   *dx = dxc.Reshaped(saved.x.shape());
   ASSIGN_OR_RETURN(*dembedding, ops.Allocate(embedding_dtype, {vocab, features}));
@@ -188,7 +189,7 @@ absl::Status AttendBackward(Ops& ops, const AttendSaved& saved, DType embedding_
   wgrad.a = g;
   wgrad.transpose_a = true;
   wgrad.b = saved.x.Reshaped({rows, features});
-  wgrad.tf32 = true;
+  wgrad.tf32 = saved.tf32;
   return ops.Gemm(wgrad, dembedding);
 }
 

@@ -23,16 +23,18 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxEmbed(const te::v1::FlaxEmbed& sp
 absl::StatusOr<Tensor> IdGradient(Ops& ops, const Shape& shape);
 
 // nn.Embed.attend: y [..., V] = x [..., F] @ embedding [V, F]^T, in `dtype`
-// or jnp.result_type(x, embedding); float32 at JAX's DEFAULT precision.
+// or jnp.result_type(x, embedding); float32 at the call's matmul precision
+// (tf32: ForwardOptions::tf32; its backward at the same).
 struct AttendSaved {
   Tensor x;          // in the compute dtype
   Tensor embedding;  // in the compute dtype
   DType x_dtype = DType::kF32;
+  bool tf32 = true;
   int64_t bytes() const { return static_cast<int64_t>(x.nbytes() + embedding.nbytes()); }
 };
 DType AttendDType(const std::optional<DType>& dtype, DType x, DType embedding);
 absl::Status AttendForward(Ops& ops, const Tensor& embedding, const std::optional<DType>& dtype,
-                           const Tensor& x, Tensor* y, AttendSaved* saved);
+                           const Tensor& x, Tensor* y, AttendSaved* saved, bool tf32 = true);
 // dy [..., V] -> *dx (x's shape and dtype) and *dembedding (the embedding's
 // shape and dtype).
 absl::Status AttendBackward(Ops& ops, const AttendSaved& saved, DType embedding_dtype,

@@ -31,14 +31,9 @@ absl::StatusOr<DType> ParamDTypeOf(te::v1::DType dtype, absl::string_view field)
   return d.value_or(DType::kF32);
 }
 
-absl::StatusOr<bool> Tf32Of(te::v1::Precision precision, absl::string_view field) {
-  switch (precision) {
-    case te::v1::PRECISION_DEFAULT: return true;
-    case te::v1::PRECISION_HIGHEST: return false;
-    default: break;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": ", static_cast<int>(precision), " is not DEFAULT or HIGHEST"));
+absl::StatusOr<bool> HighestPrecisionOf(te::v1::Precision precision, absl::string_view field) {
+  ASSIGN_OR_RETURN(const bool tf32, MatmulTf32(precision, field));
+  return !tf32;
 }
 
 DType ComputeDType(const std::optional<DType>& dtype, DType x, DType param_dtype,
@@ -71,7 +66,7 @@ layers::Dense DenseGeneral::DenseFor(const Plan& plan) const {
   c.in_dims = plan.in_dims;
   c.features = config_.features;
   c.param_dtype = config_.param_dtype;
-  c.tf32 = config_.tf32;
+  c.highest_precision = config_.highest_precision;
   // Flax initialises the kernel flattened to [prod(in), prod(features)].
   c.kernel_init = Initializer::VarianceScalingFanIn(NumElements(plan.in_dims));
   return layers::Dense(c);
@@ -85,8 +80,8 @@ DType DenseGeneral::ComputeDTypeFor(DType x) const {
   return ComputeDType(config_.dtype, x, config_.param_dtype, /*has_params=*/true);
 }
 
-absl::Status DenseGeneral::Forward(Ops& ops, Variables* vars, const Tensor& x, Tensor* y,
-                                   Saved* saved) const {
+absl::Status DenseGeneral::Forward(Ops& ops, Variables* vars, const Tensor& x, bool tf32,
+                                   Tensor* y, Saved* saved) const {
   ASSIGN_OR_RETURN(Plan plan, MakePlan(x.shape()));
   const layers::Dense dense = DenseFor(plan);
   const DType compute = ComputeDTypeFor(x.dtype());
@@ -95,7 +90,7 @@ absl::Status DenseGeneral::Forward(Ops& ops, Variables* vars, const Tensor& x, T
   Saved s;
   Tensor y2;
   RETURN_IF_ERROR(dense.Forward(ops, vars, xc.Reshaped({NumElements(plan.batch_dims), dense.in()}),
-                                nullptr, &y2, saved != nullptr ? &s.dense : nullptr));
+                                nullptr, tf32, &y2, saved != nullptr ? &s.dense : nullptr));
   *y = y2.Reshaped(OutputShape(plan));
   if (saved != nullptr) {
     s.plan = std::move(plan);
@@ -157,7 +152,8 @@ class DenseGeneralLayer : public Layer {
     RETURN_IF_ERROR(CheckInputs(in, 1, type_));
     const bool keep = opts.keep_for_backward && saved != nullptr;
     auto s = std::make_unique<ModuleSaved<DenseGeneral::Saved>>();
-    RETURN_IF_ERROR(block_.Forward(ops, vars, in.x, &out->y, keep ? &s->block : nullptr));
+    RETURN_IF_ERROR(
+        block_.Forward(ops, vars, in.x, opts.tf32, &out->y, keep ? &s->block : nullptr));
     if (keep) {
       s->y_shape = out->y.shape();
       *saved = std::move(s);
@@ -319,7 +315,8 @@ absl::Status ReadDenseFields(const Spec& spec, const char* field, DenseGeneralCo
   ASSIGN_OR_RETURN(c->dtype, ComputeDTypeOf(spec.dtype(), absl::StrCat(field, ".dtype")));
   ASSIGN_OR_RETURN(c->param_dtype,
                    ParamDTypeOf(spec.param_dtype(), absl::StrCat(field, ".param_dtype")));
-  ASSIGN_OR_RETURN(c->tf32, Tf32Of(spec.precision(), absl::StrCat(field, ".precision")));
+  ASSIGN_OR_RETURN(c->highest_precision,
+                   HighestPrecisionOf(spec.precision(), absl::StrCat(field, ".precision")));
   c->field = field;
   return absl::OkStatus();
 }

@@ -32,11 +32,14 @@
 // float32 matmuls: JAX's default precision for a float32 dot on a GPU with
 // TF32 tensor cores (A100, H100, H200) is TF32 (lax.Precision.DEFAULT: XLA
 // rounds the operands to TF32 and accumulates in float32; docs.jax.dev
-// "Matmul precision"); precision="highest" is exact float32. The server's
-// Gemm has no TF32 mode (Ops::GemmArgs; kernels/cuda/gemm.cu runs float32
-// operands with CUBLAS_COMPUTE_32F), so these modules' float32 GEMMs are
-// exact float32, as JAX's "highest": at most JAX-default's error, not its
-// speed.
+// "Matmul precision"); precision="highest" is exact float32. A module's
+// `precision` HIGHEST is exact float32 on every backend; DEFAULT (Flax's None)
+// follows the call's matmul precision (ForwardOptions::tf32, the request's
+// jax.default_matmul_precision), which at its own DEFAULT runs TF32 GEMMs on
+// the GPU (Ops::GemmArgs::tf32). The CPU reference is exact float32 either
+// way, as JAX's CPU backend is. An explicit precision="default" under a
+// "highest" default_matmul_precision is exact here (JAX keeps it TF32): the
+// wire's DEFAULT is also Flax's None.
 //
 // Where these differ from Flax:
 //  * Attention dropout draws one mask element per (batch, head, query, key)

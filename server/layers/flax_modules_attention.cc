@@ -40,7 +40,7 @@ struct Options {
   bool use_bias = true;
   std::optional<DType> dtype;
   DType param_dtype = DType::kF32;
-  bool tf32 = true;  // the projections' precision
+  bool highest_precision = false;  // the projections' precision (DEFAULT: the call's)
   bool causal = false;
 };
 
@@ -112,17 +112,20 @@ class MultiHeadDotProductAttention : public Layer {
     s->sizes = sizes;
     s->num_extra = in.extra.size();
     Tensor q, k, v, context;
-    RETURN_IF_ERROR(Projection("query", sizes).Forward(ops, vars, q_in, &q, keep ? &s->query : nullptr));
-    RETURN_IF_ERROR(Projection("key", sizes).Forward(ops, vars, k_in, &k, keep ? &s->key : nullptr));
+    const bool tf32 = opts.tf32;
     RETURN_IF_ERROR(
-        Projection("value", sizes).Forward(ops, vars, v_in, &v, keep ? &s->value : nullptr));
+        Projection("query", sizes).Forward(ops, vars, q_in, tf32, &q, keep ? &s->query : nullptr));
+    RETURN_IF_ERROR(
+        Projection("key", sizes).Forward(ops, vars, k_in, tf32, &k, keep ? &s->key : nullptr));
+    RETURN_IF_ERROR(
+        Projection("value", sizes).Forward(ops, vars, v_in, tf32, &v, keep ? &s->value : nullptr));
     const bool padded = HasMask(in);
     RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(sizes, padded), q, k, v,
                                      MaskOf(in), Tensor(),
                                      !opts.deterministic,
                                      DeriveSeed(opts.dropout_seed, "attention_weights"), &context,
                                      keep ? &s->attention : nullptr));
-    RETURN_IF_ERROR(OutProjection(sizes).Forward(ops, vars, context, &out->y,
+    RETURN_IF_ERROR(OutProjection(sizes).Forward(ops, vars, context, tf32, &out->y,
                                                  keep ? &s->out : nullptr));
     if (keep) *saved = std::move(s);
     return absl::OkStatus();
@@ -220,7 +223,7 @@ class MultiHeadDotProductAttention : public Layer {
     c.use_bias = o_.use_bias;
     c.dtype = o_.dtype;
     c.param_dtype = o_.param_dtype;
-    c.tf32 = o_.tf32;
+    c.highest_precision = o_.highest_precision;
     c.field = kField;
     return flax::DenseGeneral(c);
   }
@@ -294,7 +297,8 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeFlaxMultiHeadDotProductAttention(
   ASSIGN_OR_RETURN(o.dtype, flax::ComputeDTypeOf(spec.dtype(), absl::StrCat(kField, ".dtype")));
   ASSIGN_OR_RETURN(o.param_dtype,
                    flax::ParamDTypeOf(spec.param_dtype(), absl::StrCat(kField, ".param_dtype")));
-  ASSIGN_OR_RETURN(o.tf32, flax::Tf32Of(spec.precision(), absl::StrCat(kField, ".precision")));
+  ASSIGN_OR_RETURN(o.highest_precision, flax::HighestPrecisionOf(
+                                             spec.precision(), absl::StrCat(kField, ".precision")));
   o.causal = causal;
   return std::unique_ptr<Layer>(new MultiHeadDotProductAttention(o));
 }

@@ -81,10 +81,13 @@ struct Outputs {
   Variables grads;
 };
 
+// tf32: the call's matmul precision (DEFAULT: true), which a module at
+// precision DEFAULT follows and one at HIGHEST ignores.
 absl::StatusOr<Outputs> Step(Ops& ops, const Layer& layer, Variables* vars, const LayerInputs& in,
-                             const Tensor& dy) {
+                             const Tensor& dy, bool tf32) {
   ForwardOptions opts;
   opts.keep_for_backward = true;
+  opts.tf32 = tf32;
   LayerOutputs out;
   std::unique_ptr<SavedForward> saved;
   absl::Status s = layer.Forward(ops, vars, in, opts, &out, &saved);
@@ -210,9 +213,10 @@ class FlaxModulesGpuTest : public ::testing::Test {
     auto y_shape = (*layer)->OutputShape(c.x);
     ASSERT_TRUE(y_shape.ok());
     const Tensor cpu_dy = RandomTensor(*cpu_, *y_shape, (*layer)->OutputDType(c.dtype), 9);
-    auto ref = Step(*cpu_, **layer, &*cpu_vars, cpu_in, cpu_dy);
+    // Every call at JAX's default precision: the HIGHEST modules stay exact.
+    auto ref = Step(*cpu_, **layer, &*cpu_vars, cpu_in, cpu_dy, /*tf32=*/true);
     ASSERT_TRUE(ref.ok()) << ref.status();
-    auto got = Step(*gpu_, **layer, &gpu_vars, gpu_in, *ToGpu(*gpu_, cpu_dy));
+    auto got = Step(*gpu_, **layer, &gpu_vars, gpu_in, *ToGpu(*gpu_, cpu_dy), /*tf32=*/true);
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_TRUE(gpu_->Synchronize().ok());
     EXPECT_EQ(got->y.dtype(), ref->y.dtype());
@@ -294,6 +298,7 @@ double StepMs(Ops& ops, const Layer& layer, const Shape& shape, DType dtype, boo
   ForwardOptions opts;
   opts.keep_for_backward = true;
   opts.deterministic = deterministic;
+  opts.tf32 = true;  // JAX's default: the modules' own precision decides
   double total_ms = 0.0;
   for (int it = 0; it < kWarmup + kTimed; ++it) {
     opts.dropout_seed = static_cast<uint64_t>(it);

@@ -27,9 +27,11 @@ namespace te::layers::flax {
 absl::StatusOr<std::optional<DType>> ComputeDTypeOf(te::v1::DType dtype, absl::string_view field);
 // A spec's `param_dtype`: float32 when unspecified (Flax's default).
 absl::StatusOr<DType> ParamDTypeOf(te::v1::DType dtype, absl::string_view field);
-// A spec's `precision`: whether float32 matmuls may use TensorFloat-32
-// (DEFAULT) or must be exact (HIGHEST); INVALID_ARGUMENT naming `field` else.
-absl::StatusOr<bool> Tf32Of(te::v1::Precision precision, absl::string_view field);
+// A spec's `precision`: whether it is HIGHEST (float32 matmuls exact
+// whatever the call's precision) or DEFAULT (Flax's None: the call's
+// jax.default_matmul_precision, ForwardOptions::tf32); INVALID_ARGUMENT
+// naming `field` else.
+absl::StatusOr<bool> HighestPrecisionOf(te::v1::Precision precision, absl::string_view field);
 
 // The dtype a module computes in for an input of `x`: `dtype` when set,
 // else jnp.result_type(x, params) (params absent: x's dtype).
@@ -43,7 +45,7 @@ struct DenseGeneralConfig {
   bool use_bias = true;
   std::optional<DType> dtype;  // computation dtype; nullopt: promote
   DType param_dtype = DType::kF32;
-  bool tf32 = true;            // precision DEFAULT (te.v1.Precision): TensorFloat-32 on a GPU
+  bool highest_precision = false;  // precision HIGHEST; DEFAULT follows the call's
   std::string field;           // the spec field for messages ("spec.flax_dense")
 };
 
@@ -71,8 +73,10 @@ class DenseGeneral {
     DType compute = DType::kF32;
     int64_t bytes() const { return dense.bytes(); }
   };
-  // x -> *y [batch dims..., features...] in the computation dtype.
-  absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, Tensor* y, Saved* saved) const;
+  // x -> *y [batch dims..., features...] in the computation dtype. tf32:
+  // the call's matmul precision (ForwardOptions::tf32).
+  absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, bool tf32, Tensor* y,
+                       Saved* saved) const;
   // dy (y's shape, any float dtype) -> *dx (x's shape and dtype); kernel and
   // bias gradients into *grads.
   absl::Status Backward(Ops& ops, Variables* vars, const Saved& saved, const Tensor& dy,

@@ -652,6 +652,7 @@ TEST(GraphBadSpecTest, LayerNormOutputReadByANode) {
   Spec g;
   te::v1::LayerSpec lndg;
   lndg.mutable_layer_norm_dense_general()->add_features(kHidden);
+  lndg.mutable_layer_norm_dense_general()->set_return_layernorm_output(true);
   *Add(&g, "lndg", {"x"}, {"z", "ln_out"})->mutable_module() = lndg;
   Add(&g, "sum", {"z", "ln_out"}, {"y"})->mutable_add();
   g.add_outputs("y");

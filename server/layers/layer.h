@@ -33,6 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kernels/ops.h"
 #include "te/v1/layers.pb.h"
 
@@ -85,7 +86,20 @@ struct ForwardOptions {
   // TE's modules refuse to decode (fused qkv layouts, an ENCODER
   // TransformerLayer). A graph returns a loss's logits instead of the loss.
   bool internal_decode = false;
+  // jax.default_matmul_precision for the call's float32 GEMMs: true
+  // (te.v1.PRECISION_DEFAULT, JAX's default) runs them with TensorFloat-32
+  // products where the device has them (Ops::GemmArgs::tf32), TE's modules
+  // and Flax's alike; false (PRECISION_HIGHEST) exact float32. A Flax module
+  // whose own precision is HIGHEST stays exact either way. A backward runs at
+  // its forward's precision, as JAX's transposed dots do. False here, so a
+  // caller that does not choose gets exact float32; the session sets it from
+  // the request (MatmulTf32).
+  bool tf32 = false;
 };
+
+// A request's matmul_precision as ForwardOptions::tf32; INVALID_ARGUMENT
+// naming `field` for a value that is neither DEFAULT nor HIGHEST.
+absl::StatusOr<bool> MatmulTf32(te::v1::Precision precision, absl::string_view field);
 
 struct LayerInputs {
   Tensor x;

@@ -1,6 +1,6 @@
 // TE's LayerNormDenseGeneral: (optional) layernorm, then a dense layer over the
 // last axis. Returns (z, ln_out); ln_out is the dense layer's input, returned
-// when return_layernorm_output (TE's default).
+// when return_layernorm_output (TE's default: false).
 #include <memory>
 
 #include "kernels/status_macros.h"
@@ -15,7 +15,7 @@ struct Options {
   Shape features;
   NormArgs norm;
   bool use_bias = false;
-  bool return_layernorm_output = true;
+  bool return_layernorm_output = false;
   bool enable_layernorm = true;
   DType param_dtype = DType::kF32;
 };
@@ -53,7 +53,7 @@ class LayerNormDenseGeneralLayer : public Layer {
     auto s = std::make_unique<ModuleSaved<LayerNormDense::Saved>>();
     Tensor y, ln_out;
     // Without ln_out the block may fuse the norm with FP8 quantization.
-    RETURN_IF_ERROR(block.Forward(ops, vars, in.x.As2D(), opts.fp8, &y,
+    RETURN_IF_ERROR(block.Forward(ops, vars, in.x.As2D(), opts.fp8, /*tf32=*/opts.tf32, &y,
                                   options_.return_layernorm_output ? &ln_out : nullptr,
                                   opts.keep_for_backward ? &s->block : nullptr));
     out->y = y.Reshaped(y_shape);
@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeLayerNormDenseGeneral(
   o.norm = MakeNormArgs(spec.layernorm_type(), epsilon, spec.zero_centered_gamma());
   o.use_bias = spec.has_use_bias() && spec.use_bias();
   o.return_layernorm_output =
-      spec.has_return_layernorm_output() ? spec.return_layernorm_output() : true;
+      spec.has_return_layernorm_output() ? spec.return_layernorm_output() : false;
   o.enable_layernorm = spec.has_enable_layernorm() ? spec.enable_layernorm() : true;
   o.param_dtype = ParamDTypeOf(spec.dtype());
   return std::unique_ptr<Layer>(std::make_unique<LayerNormDenseGeneralLayer>(std::move(o)));

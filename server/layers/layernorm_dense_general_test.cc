@@ -55,6 +55,7 @@ TEST(LayerNormDenseGeneralTest, VariablesMatchTe) {
 TEST(LayerNormDenseGeneralTest, ReturnsLayernormOutput) {
   auto ops = testing::NewCpuOps();
   auto spec = Spec({6});
+  spec.set_return_layernorm_output(true);  // TE's default is false
   auto layer = Make(spec);
   auto vars = InitLayer(*ops, *layer, {3, 8}, nullptr);
   ASSERT_TRUE(vars.ok());

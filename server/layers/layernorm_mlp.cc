@@ -90,10 +90,10 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeLayerNormMLP(const te::v1::LayerNormM
         c.intermediate));
   }
   std::vector<std::string> names(spec.activations().begin(), spec.activations().end());
-  if (names.empty()) names = {"relu"};
+  if (names.empty()) names = {"gelu"};
   ASSIGN_OR_RETURN(c.activations, ParseActivations(names, "spec.layer_norm_mlp.activations"));
   c.intermediate_dropout_rate =
-      spec.has_intermediate_dropout_rate() ? spec.intermediate_dropout_rate() : 0.1f;
+      spec.has_intermediate_dropout_rate() ? spec.intermediate_dropout_rate() : 0.0f;
   RETURN_IF_ERROR(
       CheckRate(c.intermediate_dropout_rate, "spec.layer_norm_mlp.intermediate_dropout_rate"));
   const float epsilon = spec.has_epsilon() ? spec.epsilon() : 1e-6f;
@@ -105,7 +105,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeLayerNormMLP(const te::v1::LayerNormM
   c.enable_layernorm = spec.has_enable_layernorm() ? spec.enable_layernorm() : true;
   c.param_dtype = ParamDTypeOf(spec.dtype());
   const bool return_ln =
-      spec.has_return_layernorm_output() ? spec.return_layernorm_output() : true;
+      spec.has_return_layernorm_output() ? spec.return_layernorm_output() : false;
   return std::unique_ptr<Layer>(std::make_unique<LayerNormMlpLayer>(std::move(c), return_ln));
 }
 

@@ -58,7 +58,7 @@ TEST(LayerNormMlpTest, TeDefaults) {
   ASSERT_TRUE(specs.ok());
   std::map<std::string, Shape> got;
   for (const auto& s : *specs) got[s.name] = s.shape;
-  // intermediate_dim 2048, ("relu",), use_bias false.
+  // intermediate_dim 2048, ("gelu",), use_bias false.
   EXPECT_EQ(got, (std::map<std::string, Shape>{{"params/scale", {16}},
                                                 {"params/ln_bias", {16}},
                                                 {"params/wi_kernel", {16, 1, 2048}},
@@ -179,6 +179,7 @@ TEST(LayerNormMlpTest, Fp8StaysCloseForEveryRecipe) {
 TEST(LayerNormMlpTest, FusedQuantizeMatchesUnfused) {
   auto ops = testing::NewCpuOps();
   auto spec = Spec(32, {"gelu"}, true, 0.1f);
+  spec.set_return_layernorm_output(true);
   auto with_ln = Make(spec);
   spec.set_return_layernorm_output(false);
   auto without_ln = Make(spec);

@@ -83,18 +83,18 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
     Tensor act, dropped;
     DenseFusion wi_fusion;
     wi_fusion.gelu_input = &s.h;
-    RETURN_IF_ERROR(ln_wi_.Forward(ops, vars, x, nullptr, &act, ln_out,
+    RETURN_IF_ERROR(ln_wi_.Forward(ops, vars, x, nullptr, opts.tf32, &act, ln_out,
                                    keep ? &s.ln_wi : nullptr, wi_fusion));
     RETURN_IF_ERROR(Dropout(
         ops, rate, opts.deterministic,
         DeriveSeed(opts.dropout_seed, JoinScope(config_.scope, "intermediate_dropout")), act,
         &dropped, &s.dropout));
-    RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, nullptr, y, keep ? &s.wo : nullptr, wo_fusion));
+    RETURN_IF_ERROR(wo_.Forward(ops, vars, dropped, nullptr, opts.tf32, y, keep ? &s.wo : nullptr, wo_fusion));
     if (keep) *saved = std::move(s);
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(
-      ln_wi_.Forward(ops, vars, x, opts.fp8, &s.h, ln_out, keep ? &s.ln_wi : nullptr));
+      ln_wi_.Forward(ops, vars, x, opts.fp8, opts.tf32, &s.h, ln_out, keep ? &s.ln_wi : nullptr));
   const int64_t n = s.h.dim(0);
   if (CanFuseQuantize(opts.fp8) && (opts.deterministic || rate <= 0.0f)) {
     // Nothing between the activation and wo: write the activation in FP8.
@@ -118,7 +118,7 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
         DeriveSeed(opts.dropout_seed, JoinScope(config_.scope, "intermediate_dropout")), act,
         &dropped, &s.dropout));
     RETURN_IF_ERROR(
-        wo_.Forward(ops, vars, dropped, opts.fp8, y, keep ? &s.wo : nullptr, wo_fusion));
+        wo_.Forward(ops, vars, dropped, opts.fp8, opts.tf32, y, keep ? &s.wo : nullptr, wo_fusion));
   }
   if (keep) *saved = std::move(s);
   return absl::OkStatus();

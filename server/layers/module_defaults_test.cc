@@ -176,13 +176,14 @@ TEST_P(ModuleDefaultsTest, UnsetFieldsAreTeDefaults) {
 }
 
 // A default that differs from the table's fails: TransformerLayer with
-// intermediate_dropout 0.0 set explicitly differs from the unset spec.
+// intermediate_dropout 0.1 (TE's default before 2.10) set explicitly
+// differs from the unset spec (0.0).
 TEST(ModuleDefaultsTest, TheComparisonSeesADropoutDefault) {
   te::v1::LayerSpec unset_spec;
   unset_spec.mutable_transformer_layer()->set_hidden_size(32);
   unset_spec.mutable_transformer_layer()->set_num_attention_heads(4);
   te::v1::LayerSpec other = unset_spec;
-  other.mutable_transformer_layer()->set_intermediate_dropout(0.0f);
+  other.mutable_transformer_layer()->set_intermediate_dropout(0.1f);
   auto a = CreateLayer(unset_spec).value();
   auto b = CreateLayer(other).value();
   auto ops = NewCpuOps();

@@ -220,7 +220,7 @@ absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
   const Tensor x2 = x.As2D();
   if (!gqa()) {
     Tensor fused;
-    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, &fused, want_ln ? &out->ln : nullptr,
+    RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, opts.tf32, &fused, want_ln ? &out->ln : nullptr,
                                  saved != nullptr ? &saved->qkv : nullptr));
     const Tensor qkv = fused.Reshaped({batch, seq, 3, heads, head_dim});
     if (packed) {
@@ -240,10 +240,10 @@ absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
     out->ln = x2;
   }
   Tensor query, kv;
-  RETURN_IF_ERROR(query_.Forward(ops, vars, out->ln, opts.fp8, &query,
+  RETURN_IF_ERROR(query_.Forward(ops, vars, out->ln, opts.fp8, opts.tf32, &query,
                                  saved != nullptr ? &saved->query : nullptr));
   RETURN_IF_ERROR(
-      kv_.Forward(ops, vars, out->ln, opts.fp8, &kv, saved != nullptr ? &saved->kv : nullptr));
+      kv_.Forward(ops, vars, out->ln, opts.fp8, opts.tf32, &kv, saved != nullptr ? &saved->kv : nullptr));
   out->q = query.Reshaped({batch, seq, heads, head_dim});
   ASSIGN_OR_RETURN(std::vector<Tensor> parts,
                    SplitAxis(ops, kv.Reshaped({batch, seq, 2, groups, head_dim}), 2));
@@ -285,7 +285,7 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   DenseFusion out_fusion;
   if (residual.defined()) out_fusion.residual = residual.Reshaped({batch * seq, hidden_});
   RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({batch * seq, q_features_}), opts.fp8,
-                               &y2, saved != nullptr ? &saved->out : nullptr, out_fusion));
+                               opts.tf32, &y2, saved != nullptr ? &saved->out : nullptr, out_fusion));
   *y = y2.Reshaped({batch, seq, hidden_});
   if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, seq, hidden_});
   if (saved != nullptr) {
@@ -362,7 +362,7 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
   Tensor y2;
   DenseFusion out_fusion;
   if (residual.defined()) out_fusion.residual = residual.Reshaped({rows, hidden_});
-  RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({rows, q_features_}), opts.fp8, &y2,
+  RETURN_IF_ERROR(out_.Forward(ops, vars, context.Reshaped({rows, q_features_}), opts.fp8, opts.tf32, &y2,
                                nullptr, out_fusion));
   *y = y2.Reshaped({batch, tokens, hidden_});
   if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, tokens, hidden_});

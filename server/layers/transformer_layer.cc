@@ -326,7 +326,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
   const float attention_dropout = spec.has_attention_dropout() ? spec.attention_dropout() : 0.1f;
   RETURN_IF_ERROR(CheckRate(attention_dropout, "attention_dropout"));
   const float intermediate_dropout =
-      spec.has_intermediate_dropout() ? spec.intermediate_dropout() : 0.1f;
+      spec.has_intermediate_dropout() ? spec.intermediate_dropout() : 0.0f;
   RETURN_IF_ERROR(CheckRate(intermediate_dropout, "intermediate_dropout"));
 
   NormArgs norm;
@@ -399,7 +399,7 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
   m.hidden = o.hidden;
   m.intermediate = mlp_hidden;
   std::vector<std::string> names(spec.mlp_activations().begin(), spec.mlp_activations().end());
-  if (names.empty()) names = {"relu"};
+  if (names.empty()) names = {"gelu"};
   ASSIGN_OR_RETURN(m.activations,
                    ParseActivations(names, absl::StrCat(kField, ".mlp_activations")));
   m.intermediate_dropout_rate = intermediate_dropout;

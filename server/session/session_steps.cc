@@ -365,6 +365,8 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   ASSIGN_OR_RETURN(const Target target,
                    Resolve(request.layer_id(), request.graph(), request.version()));
   LayerEntry* layer = target.entry;
+  ASSIGN_OR_RETURN(const bool tf32,
+                   layers::MatmulTf32(request.matmul_precision(), "matmul_precision"));
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   ASSIGN_OR_RETURN(CheckedInputs checked,
@@ -395,6 +397,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.deterministic = request.deterministic();
   opts.dropout_seed = request.dropout_seed();
   opts.fp8 = layer->StepRecipe(fp8);
+  opts.tf32 = tf32;
   layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   opts.keep_for_backward = request.keep_for_backward();
   layers::LayerOutputs out;
@@ -533,6 +536,8 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   LayerEntry* layer = run.entry;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
+  ASSIGN_OR_RETURN(const bool tf32,
+                   layers::MatmulTf32(request.matmul_precision(), "matmul_precision"));
   if (request.micro_batches_size() == 0) {
     return absl::InvalidArgumentError("micro_batches: empty; give at least one (x, dy)");
   }
@@ -612,6 +617,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     opts.deterministic = request.deterministic();
     opts.dropout_seed = request.micro_batches(static_cast<int>(i)).dropout_seed();
     opts.fp8 = layer->StepRecipe(fp8);
+    opts.tf32 = tf32;
     double value = 0.0;
     layers::LayerGrads grads;
     const Tensor* target = is_target[i] ? &dy : nullptr;
@@ -692,6 +698,8 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   LayerEntry* layer = run.entry;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
+  ASSIGN_OR_RETURN(const bool tf32,
+                   layers::MatmulTf32(request.matmul_precision(), "matmul_precision"));
   const int warmup =
       request.warmup_iters() == 0 ? kDefaultWarmupIters : request.warmup_iters();
   const int timing =
@@ -733,6 +741,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   opts.deterministic = request.deterministic();
   opts.dropout_seed = mb.dropout_seed();
   opts.fp8 = layer->StepRecipe(fp8);
+  opts.tf32 = tf32;
   layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
 
   // Queued: the timed steps leave their values on the device (Step's

@@ -32,9 +32,10 @@ struct LayerCase {
   bool composed = false;
   // Has GEMMs: also run under DelayedScaling.
   bool has_gemms = false;
-  // Its float32 GEMMs are TensorFloat-32 on the GPU (a Flax module at JAX's
-  // default precision) against the CPU's exact float32: 10 mantissa bits, so
-  // its float32 runs are judged by the bfloat16 tolerances.
+  // Run at JAX's default matmul precision (ForwardOptions::tf32; the other
+  // cases run HIGHEST): its float32 GEMMs are TensorFloat-32 on the GPU
+  // against the CPU's exact float32: 10 mantissa bits, so its float32 runs
+  // are judged by the bfloat16 tolerances.
   bool tf32 = false;
   // > 0: x is int32 token ids in [0, token_vocab) (an Embed), and the run's
   // dtype is the embedding's param_dtype; ids have no gradient to compare.

@@ -85,11 +85,12 @@ bool AllEqual(const std::vector<float>& v) {
 }
 
 // The forward + backward of one step, as Session::Step runs it.
-absl::Status RunStep(const Layer& layer, const Fp8Recipe* fp8, BackendState* side,
+absl::Status RunStep(const Layer& layer, const Fp8Recipe* fp8, bool tf32, BackendState* side,
                      LayerOutputs* out, LayerGrads* grads) {
   ForwardOptions opts;
   opts.deterministic = true;  // cuDNN's dropout RNG is not kernels/rng.h's
   opts.fp8 = fp8;
+  opts.tf32 = tf32;
   opts.keep_for_backward = true;
   std::unique_ptr<SavedForward> saved;
   RETURN_IF_ERROR(layer.Forward(*side->ops, &side->vars, side->inputs, opts, out, &saved));
@@ -217,6 +218,7 @@ absl::StatusOr<PreparedRun> Prepare(Ops& reference, Ops& candidate, const CaseRu
   PreparedRun prepared;
   ASSIGN_OR_RETURN(prepared.layer, CreateLayer(SpecFor(run)));
   if (run.fp8) prepared.fp8 = HybridDelayedScaling();
+  prepared.tf32 = c.tf32;
   prepared.reference.ops = &reference;
   prepared.candidate.ops = &candidate;
 
@@ -270,8 +272,9 @@ absl::StatusOr<Errors> StepAndCompare(PreparedRun* run, int steps) {
   for (int step = 0; step < steps; ++step) {
     LayerOutputs ref_out, cand_out;
     LayerGrads ref_grads, cand_grads;
-    RETURN_IF_ERROR(RunStep(*run->layer, run->recipe(), &ref, &ref_out, &ref_grads));
-    RETURN_IF_ERROR(RunStep(*run->layer, run->recipe(), &cand, &cand_out, &cand_grads));
+    RETURN_IF_ERROR(RunStep(*run->layer, run->recipe(), run->tf32, &ref, &ref_out, &ref_grads));
+    RETURN_IF_ERROR(
+        RunStep(*run->layer, run->recipe(), run->tf32, &cand, &cand_out, &cand_grads));
     RETURN_IF_ERROR(CompareInto("y", *ref.ops, ref_out.y, *cand.ops, cand_out.y, &errors));
     RETURN_IF_ERROR(
         CompareInto("ln_out", *ref.ops, ref_out.ln_out, *cand.ops, cand_out.ln_out, &errors));

@@ -52,6 +52,7 @@ struct BackendState {
 struct PreparedRun {
   std::unique_ptr<Layer> layer;
   std::optional<Fp8Recipe> fp8;
+  bool tf32 = false;  // the call's matmul precision: DEFAULT for a tf32 case
   BackendState reference, candidate;
   const Fp8Recipe* recipe() const { return fp8 ? &*fp8 : nullptr; }
 };

@@ -48,8 +48,9 @@ def test_every_field_default_is_te_s(module):
 
 
 def test_transformer_layer_keeps_te_s_dropout_and_activation():
-    # The two defaults most often remembered wrong: TE's TransformerLayer has
-    # intermediate_dropout=0.1 and mlp_activations=('relu',) in its source today.
+    # The two defaults most often remembered wrong: since TE 2.10 TransformerLayer has
+    # intermediate_dropout=0.0 and mlp_activations=('gelu',) (transformer.py:2060, 2065 at
+    # d0067d0); older copies of TE's source show 0.1 and ('relu',).
     layer = te_flax.TransformerLayer()
-    assert layer.intermediate_dropout == 0.1 and tuple(layer.mlp_activations) == ("relu",)
-    assert te_flax.LayerNormMLP().intermediate_dropout_rate == 0.1
+    assert layer.intermediate_dropout == 0.0 and tuple(layer.mlp_activations) == ("gelu",)
+    assert te_flax.LayerNormMLP().intermediate_dropout_rate == 0.0

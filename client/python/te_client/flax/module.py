@@ -121,7 +121,7 @@ class LayerNormDenseGeneral(ServerModule):
     layernorm_type: str = "layernorm"
     zero_centered_gamma: bool = False
     use_bias: bool = False
-    return_layernorm_output: bool = True
+    return_layernorm_output: bool = False
     enable_layernorm: bool = True
     dtype: object = np.float32
 
@@ -146,10 +146,10 @@ class LayerNormDenseGeneral(ServerModule):
 class LayerNormMLP(ServerModule):
     returns_ln_out = True
     intermediate_dim: int = 2048
-    activations: Sequence[str] = ("relu",)
-    intermediate_dropout_rate: float = 0.1
+    activations: Sequence[str] = ("gelu",)
+    intermediate_dropout_rate: float = 0.0
     use_bias: bool = False
-    return_layernorm_output: bool = True
+    return_layernorm_output: bool = False
     epsilon: float = 1e-6
     layernorm_type: str = "layernorm"
     zero_centered_gamma: bool = False

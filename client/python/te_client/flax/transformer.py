@@ -149,8 +149,8 @@ class TransformerLayer(ServerModule):
     zero_centered_gamma: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    intermediate_dropout: float = 0.1
-    mlp_activations: Sequence[str] = ("relu",)
+    intermediate_dropout: float = 0.0
+    mlp_activations: Sequence[str] = ("gelu",)
     use_bias: bool = False
     self_attn_mask_type: str = "causal"
     self_attn_bias_type: Optional[str] = None
