@@ -109,7 +109,8 @@ Fields Of(const TransformerLayer& m) {
           {"scale_attn_logits", Value(m.scale_attn_logits)},
           {"scaled_query_init", Value(m.scaled_query_init)},
           {"transpose_batch_sequence", false},
-          {"dtype", Value(m.dtype)}};
+          {"dtype", Value(m.dtype)},
+          {"layer_type", Value(m.layer_type)}};
 }
 
 // Equal as the client stores it: floats compared in float32.

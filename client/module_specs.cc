@@ -1,5 +1,6 @@
 // Each module's te.v1.LayerSpec. Every field is written, TE's defaults
 // included, so what the server runs is exactly what the object says.
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "client/modules.h"
 #include "kernels/status_macros.h"
@@ -31,6 +32,17 @@ absl::StatusOr<te::v1::AttnMaskType> ParseMaskType(const std::string& field, con
       absl::StrCat(field, ": \"", value,
                    "\" is not a mask type (no_mask, padding, causal, padding_causal, "
                    "causal_bottom_right, padding_causal_bottom_right)"));
+}
+
+// TE's TransformerLayerType by its value's name ("encoder", "decoder"),
+// case-insensitive as TE's enum names are written either way.
+absl::StatusOr<te::v1::TransformerLayerType> ParseLayerType(const std::string& field,
+                                                            const std::string& value) {
+  const std::string lower = absl::AsciiStrToLower(value);
+  if (lower == "encoder") return te::v1::ENCODER;
+  if (lower == "decoder") return te::v1::DECODER;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": \"", value, "\" is not a layer type (encoder, decoder)"));
 }
 
 absl::StatusOr<te::v1::QkvLayout> ParseQkvLayout(const std::string& field, const std::string& value) {
@@ -220,6 +232,10 @@ absl::StatusOr<te::v1::LayerSpec> TransformerLayer::Spec() const {
   p->set_scaled_query_init(scaled_query_init);
   ASSIGN_OR_RETURN(te::v1::ParamDType param_dtype, ParseParamDType("dtype", dtype));
   p->set_dtype(param_dtype);
+  // An encoder (TE's default) is left unset, so that specs of encoder layers
+  // stay as the Python client writes them.
+  ASSIGN_OR_RETURN(te::v1::TransformerLayerType kind, ParseLayerType("layer_type", layer_type));
+  if (kind != te::v1::ENCODER) p->set_layer_type(kind);
   return spec;
 }
 

@@ -117,7 +117,7 @@ struct ForwardResult {
 // ("params/qkv/kernel").
 struct BackwardResult {
   HostTensor dx;
-  std::vector<HostTensor> extra_input_grads;  // dk, dv for bshd attention
+  std::vector<HostTensor> extra_input_grads;  // dk, dv for bshd attention; a decoder's d encoded
   std::map<std::string, HostTensor> grads;
   // The version the step made (FP8 state, kept gradients), of the kind
   // Backward's `vars` are: live (moved there) or a value. Unset without
@@ -338,6 +338,12 @@ class MultiHeadAttention : public Module {
   std::vector<std::string> DropoutUsers() const override { return DropoutUsersIf({attention_dropout}); }
 };
 
+// layer_type "decoder" (TE's TransformerLayerType.DECODER) adds
+// cross-attention over `encoded` after the self-attention: pass `encoded`
+// [batch, kv_seq, hidden_size] as ApplyOptions::extra_inputs[0] (its
+// gradient is BackwardResult::extra_input_grads[0]) and TE's encoder_decoder_mask as
+// ApplyOptions::attention_mask; a decoder's self_attn_mask_type is then
+// "causal" or "no_mask" (te.v1.TransformerLayer says why).
 class TransformerLayer : public Module {
  public:
   int64_t hidden_size = 512;
@@ -359,6 +365,7 @@ class TransformerLayer : public Module {
   bool scale_attn_logits = false;
   bool scaled_query_init = true;
   DType dtype = DType::kF32;
+  std::string layer_type = "encoder";  // | "decoder"
 
   std::string type_name() const override { return "TransformerLayer"; }
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;

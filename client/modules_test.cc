@@ -74,6 +74,21 @@ TEST(ModuleSpecTest, TransformerLayerDefaultsAreTEs) {
   EXPECT_EQ(p.dtype(), te::v1::PARAM_FLOAT32);
 }
 
+TEST(ModuleSpecTest, TransformerLayerTypeIsTes) {
+  TransformerLayer layer;
+  // Unset: TE's default, ENCODER.
+  EXPECT_EQ(layer.Spec()->transformer_layer().layer_type(),
+            te::v1::TRANSFORMER_LAYER_TYPE_UNSPECIFIED);
+  layer.layer_type = "decoder";
+  EXPECT_EQ(layer.Spec()->transformer_layer().layer_type(), te::v1::DECODER);
+  layer.layer_type = "DECODER";  // TE's enum name
+  EXPECT_EQ(layer.Spec()->transformer_layer().layer_type(), te::v1::DECODER);
+  layer.layer_type = "seq2seq";
+  const absl::Status bad = layer.Spec().status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("layer_type"), std::string::npos) << bad;
+}
+
 TEST(ModuleSpecTest, QuickstartFusedModules) {
   LayerNormDenseGeneral qkv({192});
   qkv.epsilon = 1e-5f;

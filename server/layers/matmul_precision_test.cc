@@ -80,6 +80,8 @@ std::vector<Case> Cases() {
   tl->set_hidden_dropout(0.0f);  // the residual adds fused into the GEMMs
   tl->set_attention_dropout(0.0f);
   cases.push_back({"TransformerLayer_fused_residual", s});
+  tl->set_layer_type(te::v1::DECODER);  // the cross-attention's GEMMs too
+  cases.push_back({"TransformerLayer_decoder", s});
   s.Clear();
   s.mutable_flax_dense()->set_features(24);
   cases.push_back({"FlaxDense_default", s});
@@ -91,6 +93,14 @@ std::vector<Case> Cases() {
   s.mutable_flax_multi_head_dot_product_attention()->set_precision(te::v1::PRECISION_HIGHEST);
   cases.push_back({"FlaxMultiHeadDotProductAttention_highest", s, /*highest=*/true});
   return cases;
+}
+
+// The extra inputs a case's forward takes (a DECODER's `encoded`).
+std::vector<Tensor> ExtraInputs(Ops& ops, const te::v1::LayerSpec& spec) {
+  if (spec.has_transformer_layer() && spec.transformer_layer().layer_type() == te::v1::DECODER) {
+    return {RandomTensor(ops, {kBatch, kSeq + 2, kHidden}, DType::kF32, 5)};
+  }
+  return {};
 }
 
 class MatmulPrecisionTest : public ::testing::TestWithParam<Case> {};
@@ -107,6 +117,7 @@ TEST_P(MatmulPrecisionTest, Float32GemmsFollowTheCallsPrecision) {
     SCOPED_TRACE(tf32 ? "call at DEFAULT" : "call at HIGHEST");
     LayerInputs in;
     in.x = RandomTensor(ops, shape, DType::kF32, 1);
+    in.extra = ExtraInputs(ops, c.spec);
     ForwardOptions opts;
     opts.keep_for_backward = true;
     opts.tf32 = tf32;

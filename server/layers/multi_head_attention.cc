@@ -183,7 +183,7 @@ std::vector<VariableDef> MhaBlock::Defs(const Fp8Recipe* fp8) const {
   auto append = [&defs](std::vector<VariableDef> more) {
     defs.insert(defs.end(), more.begin(), more.end());
   };
-  if (!gqa()) {
+  if (!separate_kv()) {
     append(qkv_.Defs(fp8));
   } else {
     if (options_.input_layernorm) append(norm_.Defs());
@@ -198,7 +198,7 @@ absl::Status MhaBlock::Init(Ops& ops, uint64_t seed, const Fp8Recipe* fp8, Varia
   RETURN_IF_ERROR(InitVariables(ops, seed, Defs(fp8), vars));
   const double query_divisor =
       options_.scaled_query_init ? std::sqrt(static_cast<double>(options_.head_dim)) : 1.0;
-  if (!gqa()) {
+  if (!separate_kv()) {
     RETURN_IF_ERROR(RedrawKernel(ops, seed, qkv_.dense(), 3, true, query_divisor, vars));
   } else {
     RETURN_IF_ERROR(RedrawKernel(ops, seed, query_, 1, true, query_divisor, vars));
@@ -213,12 +213,12 @@ int64_t MhaBlock::Saved::bytes() const {
 
 absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
                                const ForwardOptions& opts, bool packed, bool want_ln,
-                               Projected* out, Saved* saved) const {
+                               Projected* out, Saved* saved, const Tensor& kv_input) const {
   const int64_t batch = x.dim(0), seq = x.dim(1);
   const int heads = options_.num_heads, groups = options_.num_gqa_groups;
   const int head_dim = options_.head_dim;
   const Tensor x2 = x.As2D();
-  if (!gqa()) {
+  if (!separate_kv()) {
     Tensor fused;
     RETURN_IF_ERROR(qkv_.Forward(ops, vars, x2, opts.fp8, opts.tf32, &fused, want_ln ? &out->ln : nullptr,
                                  saved != nullptr ? &saved->qkv : nullptr));
@@ -242,11 +242,16 @@ absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
   Tensor query, kv;
   RETURN_IF_ERROR(query_.Forward(ops, vars, out->ln, opts.fp8, opts.tf32, &query,
                                  saved != nullptr ? &saved->query : nullptr));
+  // Cross-attention projects the other input, as it is (TE normalises
+  // inputs_q alone).
+  const Tensor kv_in = options_.cross ? kv_input.As2D() : out->ln;
+  const int64_t kv_seq = options_.cross ? kv_input.dim(1) : seq;
   RETURN_IF_ERROR(
-      kv_.Forward(ops, vars, out->ln, opts.fp8, opts.tf32, &kv, saved != nullptr ? &saved->kv : nullptr));
+      kv_.Forward(ops, vars, kv_in, opts.fp8, opts.tf32, &kv, saved != nullptr ? &saved->kv : nullptr));
+  if (saved != nullptr) saved->kv_seq = kv_seq;
   out->q = query.Reshaped({batch, seq, heads, head_dim});
   ASSIGN_OR_RETURN(std::vector<Tensor> parts,
-                   SplitAxis(ops, kv.Reshaped({batch, seq, 2, groups, head_dim}), 2));
+                   SplitAxis(ops, kv.Reshaped({batch, kv_seq, 2, groups, head_dim}), 2));
   out->k = parts[0];
   out->v = parts[1];
   return absl::OkStatus();
@@ -254,16 +259,26 @@ absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
 
 absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                                const Tensor& bias, const ForwardOptions& opts, Tensor* y,
-                               Tensor* ln_out, Saved* saved, const Tensor& residual) const {
+                               Tensor* ln_out, Saved* saved, const Tensor& residual,
+                               const Tensor& kv_input) const {
   if (x.rank() != 3 || x.dim(2) != hidden_) {
     return absl::InvalidArgumentError(
         absl::StrCat("x has shape ", ShapeString(x.shape()), "; want [batch, seq, ", hidden_, "]"));
   }
   RETURN_IF_ERROR(CheckFloatActivation(x, "x"));
+  if (options_.cross &&
+      (kv_input.rank() != 3 || kv_input.dim(0) != x.dim(0) || kv_input.dim(2) != hidden_ ||
+       kv_input.dtype() != x.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross-attention keys and values ", ShapeString(kv_input.shape()), " ",
+        DTypeName(kv_input.dtype()), ": want [", x.dim(0), ", kv_seq, ", hidden_, "] ",
+        DTypeName(x.dtype()), " (x's batch, hidden and dtype)"));
+  }
   const int64_t batch = x.dim(0), seq = x.dim(1);
   Projected p;
   RETURN_IF_ERROR(
-      Project(ops, vars, x, opts, packed_attention(), ln_out != nullptr, &p, saved));
+      Project(ops, vars, x, opts, packed_attention(), ln_out != nullptr, &p, saved,
+              kv_input));
   const uint64_t dropout_seed =
       DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
   AttentionSaved* attention_saved = saved != nullptr ? &saved->attention : nullptr;
@@ -371,7 +386,10 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
 
 absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Tensor& dy,
                                 Tensor* dx, Tensor* dbias, Variables* grads,
-                                const Tensor& residual_grad) const {
+                                const Tensor& residual_grad, Tensor* dkv_input) const {
+  if (options_.cross && dkv_input == nullptr) {
+    return absl::InternalError("cross-attention backward without a dkv_input");
+  }
   const int64_t batch = saved.batch, seq = saved.seq, tokens = batch * seq;
   const Tensor residual_grad2 =
       residual_grad.defined() ? residual_grad.Reshaped({tokens, hidden_}) : Tensor();
@@ -403,7 +421,7 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
     RETURN_IF_ERROR(ApplyRotary(ops, dq, /*inverse=*/true, &dq));
     RETURN_IF_ERROR(ApplyRotary(ops, dk, /*inverse=*/true, &dk));
   }
-  if (!gqa()) {
+  if (!separate_kv()) {
     ASSIGN_OR_RETURN(Tensor dqkv, StackAxis(ops, {dq, dk, dv}, 2));
     RETURN_IF_ERROR(qkv_.Backward(ops, vars, saved.qkv, dqkv.Reshaped({tokens, 3 * q_features_}),
                                   &dx2, grads, residual_grad2));
@@ -412,9 +430,16 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
     Tensor dln_query, dln_kv, dln;
     RETURN_IF_ERROR(query_.Backward(ops, vars, saved.query, dq.Reshaped({tokens, q_features_}),
                                     &dln_query, grads));
-    RETURN_IF_ERROR(kv_.Backward(ops, vars, saved.kv, dkv.Reshaped({tokens, 2 * kv_features_}),
-                                 &dln_kv, grads));
-    RETURN_IF_ERROR(ResidualAdd(ops, dln_query, dln_kv, &dln));
+    const int64_t kv_tokens = batch * (options_.cross ? saved.kv_seq : seq);
+    RETURN_IF_ERROR(kv_.Backward(ops, vars, saved.kv,
+                                 dkv.Reshaped({kv_tokens, 2 * kv_features_}), &dln_kv, grads));
+    if (options_.cross) {
+      // kv read the other input: its gradient goes there, not into ln.
+      *dkv_input = dln_kv.Reshaped({batch, saved.kv_seq, hidden_});
+      dln = dln_query;
+    } else {
+      RETURN_IF_ERROR(ResidualAdd(ops, dln_query, dln_kv, &dln));
+    }
     if (options_.input_layernorm) {
       RETURN_IF_ERROR(norm_.Backward(ops, saved.norm, dln, &dx2, grads, residual_grad2));
     } else if (residual_grad2.defined()) {

@@ -1,6 +1,7 @@
-// TE's MultiHeadAttention as a reusable block (self-attention): the
-// standalone MultiHeadAttention layer uses it at scope "", TransformerLayer
-// at scope "attention".
+// TE's MultiHeadAttention as a reusable block: the standalone
+// MultiHeadAttention layer uses it at scope "" (self-attention),
+// TransformerLayer at scope "attention" (an encoder's), or "self_attention"
+// and "encoder_decoder_attention" (a decoder's self- and cross-attention).
 //
 //   ln   = LayerNorm(x)                 (input_layernorm; else ln = x)
 //   no GQA:  qkv = ln @ qkv/kernel (hidden, 3, H*D)   -> q, k, v [B, S, H, D]
@@ -10,6 +11,9 @@
 // Without GQA and rotary, attention reads the packed qkv [B, S, 3, H, D] as
 // the projection wrote it (Ops::AttentionForwardPacked) and its backward
 // writes dqkv the same way: no split or stack copies.
+// Cross-attention (MhaOptions::cross, TE's inputs_q is not inputs_kv): the
+// GQA form with kv read from the other input, not normalised:
+//   q = LayerNorm(x) @ query/kernel;  kv = inputs_kv @ kv/kernel (hidden, 2, G*D)
 //   y    = ctx [B, S, H*D] @ out/kernel (H*D, hidden)
 // The residual is not inside (TE's TransformerLayer adds it).
 //
@@ -47,6 +51,9 @@ struct MhaOptions {
   bool scale_attn_logits = false;
   bool scaled_query_init = true;
   DType param_dtype = DType::kF32;
+  // Keys and values from another input ([B, Skv, hidden], Forward's
+  // kv_input): query / kv / out parameters whatever the GQA groups.
+  bool cross = false;
 };
 
 // Builds MhaOptions from the te.v1 spec with TE's defaults; INVALID_ARGUMENT
@@ -61,6 +68,8 @@ class MhaBlock {
 
   bool gqa() const { return options_.num_gqa_groups != options_.num_heads; }
   bool causal() const { return IsCausalMask(options_.mask); }
+  // q and kv projected apart (GQA or cross-attention), not as one qkv.
+  bool separate_kv() const { return gqa() || options_.cross; }
   std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
   // InitVariables(Defs) then the kernels redrawn with TE's per-part normal
   // initialisers (deterministic from seed and name).
@@ -74,24 +83,29 @@ class MhaBlock {
     AttentionSaved attention;
     Dense::Saved out;
     int64_t batch = 0, seq = 0;
+    int64_t kv_seq = 0;           // cross-attention: kv_input's length
     DType compute = DType::kF32;  // x's dtype
     int64_t bytes() const;
   };
   // x [B, S, hidden] -> *y [B, S, hidden]; *ln_out [B, S, hidden] if non-null.
   // `bias`: optional f32 [H, S, S] added to the logits after scaling.
   // `residual` (optional, [B, S, hidden]): y = attention(x) + residual, added
-  // in the output projection's GEMM.
+  // in the output projection's GEMM. `kv_input` ([B, Skv, hidden], x's dtype):
+  // the keys' and values' input, required with options.cross, else unused.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                        const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
-                       Saved* saved, const Tensor& residual = Tensor()) const;
+                       Saved* saved, const Tensor& residual = Tensor(),
+                       const Tensor& kv_input = Tensor()) const;
   // dy [B, S, hidden] (any float dtype) -> *dx; parameter gradients into
   // *grads; *dbias (if non-null and the forward had a bias) f32 [H, S, S].
   // residual_grad (optional, [B, S, hidden]) is added to *dx (in the input
   // norm's backward where there is one). As the blocks' backwards (blocks.h),
   // `saved` by value: moved in, each part goes once its backward has read it.
+  // Cross-attention: *dkv_input (not null) gets kv_input's gradient.
   absl::Status Backward(Ops& ops, Variables* vars, Saved saved, const Tensor& dy, Tensor* dx,
                         Tensor* dbias, Variables* grads,
-                        const Tensor& residual_grad = Tensor()) const;
+                        const Tensor& residual_grad = Tensor(),
+                        Tensor* dkv_input = nullptr) const;
 
   // ---- decode (cache.h) -------------------------------------------------
   // The cache for decoding after an init with x [batch, length, hidden] in
@@ -131,25 +145,28 @@ class MhaBlock {
  private:
   // The projections of x [B, S, hidden] (row-major [B * S, hidden]): with
   // `packed`, qkv [B, S, 3, H, D] alone (no GQA); else q [B, S, H, D], k and
-  // v [B, S, G, D]. ln [B * S, hidden] when `want_ln` or GQA needs it.
+  // v [B, S, G, D] (S: kv_input's for cross-attention). ln [B * S, hidden]
+  // when `want_ln` or separate q and kv projections need it.
   struct Projected {
     Tensor qkv, q, k, v, ln;
   };
+  // Cross-attention projects k and v from kv_input instead of x.
   absl::Status Project(Ops& ops, Variables* vars, const Tensor& x, const ForwardOptions& opts,
-                       bool packed, bool want_ln, Projected* out, Saved* saved) const;
+                       bool packed, bool want_ln, Projected* out, Saved* saved,
+                       const Tensor& kv_input = Tensor()) const;
 
   AttentionConfig AttentionSettings() const;
   // Attention on the packed qkv: nothing happens to q, k, v in between.
-  bool packed_attention() const { return !gqa() && !options_.rotary; }
+  bool packed_attention() const { return !separate_kv() && !options_.rotary; }
 
   MhaOptions options_;
   int64_t hidden_;
   int64_t q_features_;   // H * D
   int64_t kv_features_;  // G * D
-  LayerNormDense qkv_;   // no GQA: scope "qkv"
-  Norm norm_;            // GQA: scope "query"
-  Dense query_;          // GQA: scope "query"
-  Dense kv_;             // GQA: scope "kv"
+  LayerNormDense qkv_;   // neither GQA nor cross: scope "qkv"
+  Norm norm_;            // separate_kv(): scope "query"
+  Dense query_;          // separate_kv(): scope "query"
+  Dense kv_;             // separate_kv(): scope "kv"
   Dense out_;            // scope "out"
 };
 

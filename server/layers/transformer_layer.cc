@@ -1,14 +1,30 @@
-// TE's TransformerLayer (layer_type encoder: self-attention, pre-norm):
+// TE's TransformerLayer (pre-norm), layer_type ENCODER:
 //
-//   bias = relpos_bias(S, S)            T5 buckets, bidirectional (encoder);
-//                                       only with enable_relative_embedding
+//   bias = relpos_bias(S, S)            T5 buckets, bidirectional; only with
+//                                       enable_relative_embedding
 //   a    = MHA(x, mask, bias)           scope "attention" (input layernorm inside)
 //   h    = dropout(a, hidden_dropout) + x
 //   z    = LayerNormMLP(h)              scope "mlp" (intermediate_dropout inside)
 //   y    = dropout(z, hidden_dropout) + h
 //
-// Params: attention/{qkv|query,kv,out}/..., mlp/{scale, ln_bias, wi_kernel,
-// wo_kernel, ...}, relpos_bias/rel_embedding [heads, 32] (TE's
+// and DECODER, with `encoded` [B, Skv, hidden] (LayerInputs::extra[0]) and
+// the request's mask as TE's encoder_decoder_mask:
+//
+//   bias = relpos_bias(S, S)            one-directional buckets (TE's
+//                                       bidirectional=False for decoders)
+//   a    = MHA(x, bias)                 scope "self_attention"; its mask type
+//                                       reads no mask (causal or no_mask)
+//   h    = dropout(a, hidden_dropout) + x
+//   c    = MHA(h, encoded, mask)        scope "encoder_decoder_attention":
+//                                       cross-attention, padding mask type,
+//                                       layernorm on h only, no bias
+//   g    = dropout(c, hidden_dropout) + h
+//   z    = LayerNormMLP(g)              scope "mlp"
+//   y    = dropout(z, hidden_dropout) + g
+//
+// Params: attention/{qkv|query,kv,out}/... (decoder: self_attention/... and
+// encoder_decoder_attention/{query,kv,out}/...), mlp/{scale, ln_bias,
+// wi_kernel, wo_kernel, ...}, relpos_bias/rel_embedding [heads, 32] (TE's
 // RelativePositionBiases: num_buckets 32, max_distance 128, init
 // variance_scaling(1, "fan_avg", "uniform")).
 //
@@ -45,7 +61,9 @@ constexpr char kRelEmbedding[] = "params/relpos_bias/rel_embedding";
 
 struct TransformerOptions {
   int64_t hidden = 512;
-  MhaOptions attention;  // scope "attention"
+  bool decoder = false;  // layer_type DECODER
+  MhaOptions attention;  // scope "attention" (encoder) or "self_attention" (decoder)
+  MhaOptions cross;      // decoder: scope "encoder_decoder_attention"
   MlpConfig mlp;         // scope "mlp"
   float hidden_dropout = 0.1f;
   bool relative_embedding = true;
@@ -58,11 +76,13 @@ class TransformerSaved : public SavedForward {
   Tensor buckets;               // int32 [S, S] when the relative embedding is on
   MhaBlock::Saved attention;
   DropoutSaved attention_dropout;
+  MhaBlock::Saved cross;  // decoder
+  DropoutSaved cross_dropout;
   Mlp::Saved mlp;
   DropoutSaved mlp_dropout;
   int64_t bytes() const override {
     return static_cast<int64_t>(buckets.nbytes()) + attention.bytes() + attention_dropout.bytes() +
-           mlp.bytes() + mlp_dropout.bytes();
+           cross.bytes() + cross_dropout.bytes() + mlp.bytes() + mlp_dropout.bytes();
   }
 };
 
@@ -71,8 +91,9 @@ class TransformerLayerImpl : public Layer {
   explicit TransformerLayerImpl(TransformerOptions options)
       : options_(std::move(options)),
         attention_(options_.attention, options_.hidden),
+        cross_(options_.cross, options_.hidden),
         mlp_(options_.mlp),
-        buckets_(/*bidirectional=*/true, kNumBuckets, kMaxDistance) {}
+        buckets_(/*bidirectional=*/!options_.decoder, kNumBuckets, kMaxDistance) {}
 
   std::string type_name() const override { return "TransformerLayer"; }
 
@@ -102,6 +123,7 @@ class TransformerLayerImpl : public Layer {
                     Variables* vars) const override {
     RETURN_IF_ERROR(CheckInputShape(input_shape));
     RETURN_IF_ERROR(attention_.Init(ops, seed, fp8, vars));
+    if (options_.decoder) RETURN_IF_ERROR(cross_.Init(ops, seed, fp8, vars));
     RETURN_IF_ERROR(InitVariables(ops, seed, mlp_.Defs(fp8), vars));
     if (options_.relative_embedding) {
       const VariableSpec spec = RelEmbeddingSpec();
@@ -118,9 +140,7 @@ class TransformerLayerImpl : public Layer {
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
-    if (!in.extra.empty()) {
-      return absl::InvalidArgumentError("extra_inputs: TransformerLayer takes x alone");
-    }
+    RETURN_IF_ERROR(CheckExtraInputs(in));
     RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
     if (opts.decode) RETURN_IF_ERROR(DecodeAllowed(opts.internal_decode));
     const bool keep = opts.keep_for_backward && saved != nullptr;
@@ -138,40 +158,38 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
       ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->buckets));
     }
-    auto attend = [&](Tensor* a, const Tensor& residual) {
-      if (opts.decode) {
-        return attention_.Decode(ops, vars, in.x, MaskOf(in), bias, step, a, nullptr, residual);
-      }
-      return attention_.Forward(ops, vars, in.x, MaskOf(in), bias, opts, a, nullptr,
-                                keep ? &kept->attention : nullptr, residual);
-    };
-    // Without dropout on the blocks' outputs the residual adds run in their
-    // last GEMMs (the attention's projection, the MLP's wo).
-    const bool fused_residual = opts.deterministic || options_.hidden_dropout <= 0.0f;
-    Tensor attention_out, dropped, h;
-    if (fused_residual) {
-      RETURN_IF_ERROR(attend(&h, in.x));
+    // A decoder's self-attention reads no mask: the request's is the
+    // cross-attention's (encoder_decoder_mask).
+    const SeqLens self_mask = options_.decoder ? SeqLens() : MaskOf(in);
+    Tensor h;
+    RETURN_IF_ERROR(Residual(ops, attention_, vars, in.x, self_mask, bias, Tensor(), step,
+                             opts.decode, "hidden_dropout_0", keep ? &kept->attention : nullptr,
+                             &kept->attention_dropout, &h));
+    Tensor mlp_in;  // undefined until written: ResidualAdd writes into a defined one
+    if (options_.decoder) {
+      RETURN_IF_ERROR(ops.CheckInterrupt());  // between the attentions
+      // A decode step's token attends over the whole of `encoded`: nothing to cache.
+      RETURN_IF_ERROR(Residual(ops, cross_, vars, h, MaskOf(in), Tensor(), in.extra[0], opts,
+                               /*decode=*/false, "hidden_dropout_1", keep ? &kept->cross : nullptr,
+                               &kept->cross_dropout, &mlp_in));
     } else {
-      RETURN_IF_ERROR(attend(&attention_out, Tensor()));
-      RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
-                              DeriveSeed(opts.dropout_seed, "hidden_dropout_0"), attention_out,
-                              &dropped, &kept->attention_dropout));
-      RETURN_IF_ERROR(ResidualAdd(ops, dropped, in.x, &h));
+      mlp_in = h;
     }
 
     RETURN_IF_ERROR(ops.CheckInterrupt());  // between attention and MLP
+    // Without dropout on the MLP's output the residual add runs in wo's GEMM.
     Tensor z, z_dropped, y;
-    if (fused_residual) {
-      RETURN_IF_ERROR(mlp_.Forward(ops, vars, h.As2D(), opts, &y, nullptr,
-                                   keep ? &kept->mlp : nullptr, h.As2D()));
-      out->y = y.Reshaped(h.shape());
+    if (FusedResidual(opts)) {
+      RETURN_IF_ERROR(mlp_.Forward(ops, vars, mlp_in.As2D(), opts, &y, nullptr,
+                                   keep ? &kept->mlp : nullptr, mlp_in.As2D()));
+      out->y = y.Reshaped(mlp_in.shape());
     } else {
       RETURN_IF_ERROR(
-          mlp_.Forward(ops, vars, h.As2D(), opts, &z, nullptr, keep ? &kept->mlp : nullptr));
+          mlp_.Forward(ops, vars, mlp_in.As2D(), opts, &z, nullptr, keep ? &kept->mlp : nullptr));
       RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
-                              DeriveSeed(opts.dropout_seed, "hidden_dropout_1"),
-                              z.Reshaped(h.shape()), &z_dropped, &kept->mlp_dropout));
-      RETURN_IF_ERROR(ResidualAdd(ops, z_dropped, h, &y));
+                              DeriveSeed(opts.dropout_seed, MlpDropoutSite()),
+                              z.Reshaped(mlp_in.shape()), &z_dropped, &kept->mlp_dropout));
+      RETURN_IF_ERROR(ResidualAdd(ops, z_dropped, mlp_in, &y));
       out->y = y;
     }
     if (keep) *saved = std::move(kept);
@@ -200,25 +218,70 @@ class TransformerLayerImpl : public Layer {
   }
 
  private:
+  // Without dropout on the blocks' outputs the residual adds run in their
+  // last GEMMs (the attention's projection, the MLP's wo).
+  bool FusedResidual(const ForwardOptions& opts) const {
+    return opts.deterministic || options_.hidden_dropout <= 0.0f;
+  }
+
+  // The MLP's hidden dropout site: Flax numbers its Dropout modules in call
+  // order, and a decoder has one more before the MLP's.
+  const char* MlpDropoutSite() const {
+    return options_.decoder ? "hidden_dropout_2" : "hidden_dropout_1";
+  }
+
+  // *out (undefined: allocated here) = dropout(block(x), hidden_dropout) + x:
+  // an attention block with its residual connection (added in its output
+  // projection when no dropout runs).
+  // With `decode`, the block runs one cached step (MhaBlock::Decode) instead.
+  absl::Status Residual(Ops& ops, const MhaBlock& block, Variables* vars, const Tensor& x,
+                        const SeqLens& mask, const Tensor& bias, const Tensor& kv_input,
+                        const ForwardOptions& opts, bool decode, const char* dropout_site,
+                        MhaBlock::Saved* saved, DropoutSaved* dropout, Tensor* out) const {
+    auto attend = [&](Tensor* a, const Tensor& residual) {
+      if (decode) return block.Decode(ops, vars, x, mask, bias, opts, a, nullptr, residual);
+      return block.Forward(ops, vars, x, mask, bias, opts, a, nullptr, saved, residual, kv_input);
+    };
+    if (FusedResidual(opts)) return attend(out, x);
+    Tensor attention_out, dropped;
+    RETURN_IF_ERROR(attend(&attention_out, Tensor()));
+    RETURN_IF_ERROR(Dropout(ops, options_.hidden_dropout, opts.deterministic,
+                            DeriveSeed(opts.dropout_seed, dropout_site), attention_out, &dropped,
+                            dropout));
+    return ResidualAdd(ops, dropped, x, out);
+  }
+
   // The backward on `kept`, whose parts go as they are used: the MLP's
-  // activations before the attention's backward runs (when `kept` is the only
-  // holder of them).
+  // activations before the attentions' backwards run (when `kept` is the
+  // only holder of them).
   absl::Status RunBackward(Ops& ops, Variables* vars, TransformerSaved kept, const Tensor& dy,
                            LayerGrads* grads) const {
     const Shape shape = {kept.attention.batch, kept.attention.seq, options_.hidden};
     ASSIGN_OR_RETURN(const Tensor dy_c, PrepareGradient(ops, dy, shape, kept.compute));
     grads->dextra.clear();
-    // y = dropout(z) + h: dh gets dy directly (added in the MLP's norm
+    // y = dropout(z) + g: dg gets dy directly (added in the MLP's norm
     // backward) and through the MLP.
-    Tensor dz, dh2;
+    Tensor dz, dg2;
     RETURN_IF_ERROR(DropoutGrad(ops, kept.mlp_dropout, dy_c, &dz));
     kept.mlp_dropout = DropoutSaved();
-    RETURN_IF_ERROR(mlp_.Backward(ops, vars, std::move(kept.mlp), dz.As2D(), &dh2,
+    RETURN_IF_ERROR(mlp_.Backward(ops, vars, std::move(kept.mlp), dz.As2D(), &dg2,
                                   &grads->params, dy_c.As2D()));
     dz = Tensor();
-    const Tensor dh = dh2.Reshaped(shape);
-    dh2 = Tensor();
+    Tensor dh = dg2.Reshaped(shape);
+    dg2 = Tensor();
     RETURN_IF_ERROR(ops.CheckInterrupt());  // between MLP and attention
+    if (options_.decoder) {
+      // g = dropout(c) + h: dh gets dg directly and through the
+      // cross-attention; `encoded` gets the keys' and values' gradient.
+      const Tensor dg = dh;
+      Tensor dc, dencoded;
+      RETURN_IF_ERROR(DropoutGrad(ops, kept.cross_dropout, dg, &dc));
+      kept.cross_dropout = DropoutSaved();
+      RETURN_IF_ERROR(cross_.Backward(ops, vars, std::move(kept.cross), dc, &dh, nullptr,
+                                      &grads->params, dg, &dencoded));
+      grads->dextra.push_back(dencoded);
+      RETURN_IF_ERROR(ops.CheckInterrupt());  // between the attentions
+    }
     Tensor da, dbias;
     RETURN_IF_ERROR(DropoutGrad(ops, kept.attention_dropout, dh, &da));
     kept.attention_dropout = DropoutSaved();
@@ -241,6 +304,10 @@ class TransformerLayerImpl : public Layer {
 
   std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const {
     std::vector<VariableDef> defs = attention_.Defs(fp8);
+    if (options_.decoder) {
+      const std::vector<VariableDef> cross = cross_.Defs(fp8);
+      defs.insert(defs.end(), cross.begin(), cross.end());
+    }
     const std::vector<VariableDef> mlp = mlp_.Defs(fp8);
     defs.insert(defs.end(), mlp.begin(), mlp.end());
     if (options_.relative_embedding) {
@@ -291,8 +358,33 @@ class TransformerLayerImpl : public Layer {
                                                    options_.hidden, "] (hidden_size)"));
   }
 
+  // An encoder takes x alone; a decoder x and `encoded` [B, Skv, hidden].
+  absl::Status CheckExtraInputs(const LayerInputs& in) const {
+    if (!options_.decoder) {
+      if (in.extra.empty()) return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          "extra_inputs: TransformerLayer (layer_type encoder) takes x alone");
+    }
+    if (in.extra.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra_inputs: TransformerLayer (layer_type decoder) takes `encoded` as "
+          "extra_inputs[0] and nothing else; got ",
+          in.extra.size(), " extra inputs (TE: encoded is required when layer_type == DECODER)"));
+    }
+    const Tensor& encoded = in.extra[0];
+    if (encoded.rank() != 3 || encoded.dim(0) != in.x.dim(0) || encoded.dim(1) <= 0 ||
+        encoded.dim(2) != options_.hidden || encoded.dtype() != in.x.dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra_inputs[0] (encoded): ", ShapeString(encoded.shape()), " ",
+          DTypeName(encoded.dtype()), "; want [", in.x.dim(0), ", kv_seq, ", options_.hidden,
+          "] (x's batch, hidden_size) in x's dtype ", DTypeName(in.x.dtype())));
+    }
+    return absl::OkStatus();
+  }
+
   TransformerOptions options_;
   MhaBlock attention_;
+  MhaBlock cross_;  // used by a decoder only
   Mlp mlp_;
   RelativeBucketCache buckets_;
 };
@@ -363,8 +455,14 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
                                                    spec.self_attn_bias_type()));
   }
 
+  if (!te::v1::TransformerLayerType_IsValid(spec.layer_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(kField, ".layer_type: unknown value ",
+                                                   spec.layer_type(), " (encoder, decoder)"));
+  }
+  o.decoder = spec.layer_type() == te::v1::DECODER;  // unset: TE's ENCODER
+
   MhaOptions& a = o.attention;
-  a.scope = "attention";
+  a.scope = o.decoder ? "self_attention" : "attention";
   a.num_heads = heads;
   a.num_gqa_groups = spec.has_num_gqa_groups() ? spec.num_gqa_groups() : heads;
   a.head_dim = static_cast<int>(o.hidden / heads);
@@ -391,6 +489,19 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeTransformerLayer(const te::v1::Transf
                      "num_attention_heads); got ",
                      a.head_dim));
   }
+  if (o.decoder && a.mask != MaskType::kCausal && a.mask != MaskType::kNoMask) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kField, ".self_attn_mask_type: a layer_type decoder's self-attention takes causal or "
+        "no_mask: the request's one attention_mask is the decoder's encoder_decoder_mask"));
+  }
+  // TE's encoder_decoder_attention: the self-attention's settings, with a
+  // layernorm on the query side, the padding mask type and no bias.
+  MhaOptions& c = o.cross;
+  c = a;
+  c.scope = "encoder_decoder_attention";
+  c.input_layernorm = true;
+  c.mask = MaskType::kPadding;
+  c.cross = true;
 
   MlpConfig& m = o.mlp;
   m.scope = "mlp";

@@ -297,7 +297,7 @@ void AddGraphs(std::vector<LayerCase>* cases) {
 }
 
 void AddTransformerLayers(std::vector<LayerCase>* cases) {
-  // TE's defaults (relative embedding, causal, layernorm, relu MLP, dropouts
+  // TE's defaults (relative embedding, causal, layernorm, gelu MLP, dropouts
   // that deterministic switches off).
   cases->push_back(Case("TransformerLayer_default", SmallTransformer(), kTokens, true, true));
   cases->push_back(
@@ -316,6 +316,16 @@ void AddTransformerLayers(std::vector<LayerCase>* cases) {
   padded.q_seqlens = {37, 26};
   padded.kv_seqlens = {37, 26};
   cases->push_back(padded);
+  // TE's decoder layer: causal self-attention with one-directional relative
+  // buckets, then cross-attention over `encoded` (29 positions) under the
+  // encoder_decoder_mask's padding, then the MLP.
+  te::v1::LayerSpec decoder = SmallTransformer();
+  decoder.mutable_transformer_layer()->set_layer_type(te::v1::DECODER);
+  LayerCase cross = Case("TransformerLayer_decoder", decoder, kTokens, true, true);
+  cross.extra_shapes = {{kBatch, 29, kHidden}};
+  cross.q_seqlens = {37, 30};
+  cross.kv_seqlens = {29, 17};
+  cases->push_back(cross);
 }
 
 // Flax's own modules (no FP8: Flax ignores autocast). Float32 parameters by

@@ -402,6 +402,7 @@ TEST_F(ServiceTest, LayerNormMlpForwardBackward) {
   te::v1::LayerSpec spec;
   spec.mutable_layer_norm_mlp()->set_intermediate_dim(32);
   spec.mutable_layer_norm_mlp()->add_activations("gelu");
+  spec.mutable_layer_norm_mlp()->set_return_layernorm_output(true);  // TE's default is false
   const te::v1::InitLayerResponse init = Init(spec, {2, 4, 16}, te::v1::BFLOAT16);
   ASSERT_FALSE(init.layer_id().empty());
   te::v1::ForwardRequest forward;
@@ -413,7 +414,7 @@ TEST_F(ServiceTest, LayerNormMlpForwardBackward) {
   ASSERT_TRUE(Forward(forward, &y).ok());
   EXPECT_EQ(ShapeOf(y.y()), std::vector<int64_t>({2, 4, 16}));
   EXPECT_EQ(y.y().dtype(), te::v1::BFLOAT16);
-  EXPECT_EQ(ShapeOf(y.ln_out()), std::vector<int64_t>({2, 4, 16}));  // TE's default: returned
+  EXPECT_EQ(ShapeOf(y.ln_out()), std::vector<int64_t>({2, 4, 16}));
 
   te::v1::BackwardRequest backward;
   backward.set_forward_id(y.forward_id());

@@ -16,7 +16,7 @@ def test_transformer_layer_spec_writes_te_defaults():
     spec = te_flax.TransformerLayer().spec().transformer_layer
     assert (spec.hidden_size, spec.mlp_hidden_size, spec.num_attention_heads) == (512, 2048, 8)
     assert spec.HasField("hidden_dropout") and spec.hidden_dropout == pytest.approx(0.1)
-    assert list(spec.mlp_activations) == ["relu"] and not spec.use_bias
+    assert list(spec.mlp_activations) == ["gelu"] and not spec.use_bias   # TE >= 2.10
     assert spec.self_attn_mask_type == layers_pb2.CAUSAL and spec.enable_relative_embedding
     assert not spec.HasField("num_gqa_groups")   # None: the server's "equal to num_attention_heads"
     assert spec.dtype == layers_pb2.PARAM_FLOAT32

@@ -134,7 +134,7 @@ def test_layernorm_dense_general_without_ln_out(session, rng):
 
 def test_layernorm_mlp(session, rng):
     layer = te_flax.LayerNormMLP(intermediate_dim=48, activations=("gelu",), intermediate_dropout_rate=0.0,
-                                 use_bias=True)
+                                 use_bias=True, return_layernorm_output=True)
     x = _x(rng)
     params = layer.init(4, x)
     shapes = te.tree_map(lambda v: v.shape, params)["params"]
