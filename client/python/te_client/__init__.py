@@ -23,9 +23,10 @@ bfloat16 with and without ml_dtypes. Large tensors travel by stream or, on the
 server's host, shared memory (transport.py; te.connect(addr, transport=...)).
 Every failure is a TeError with the gRPC status code and the server's message.
 """
-from te_client import (activation, dtypes, errors, flax, graph, linen, numpy, optim, recipe, symbolic,
+from te_client import (activation, client, dtypes, errors, flax, graph, linen, numpy, optim, recipe, symbolic,
                        transport)
-from te_client.client import Client, ResidentTensor, Session, connect, current_session
+from te_client.connection import Client, connect
+from te_client.session import ResidentTensor, Session, current_session
 from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
 from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
                               NotFoundError, PermissionDeniedError, ResourceExhaustedError, TeError,

@@ -28,8 +28,9 @@ requires.
 import dataclasses
 from typing import Optional
 
-from te_client import client as client_lib, dtypes
+from te_client import dtypes
 from te_client.symbolic import Symbol
+from te_client._pb import layers_pb2
 
 _M64 = (1 << 64) - 1
 
@@ -158,7 +159,7 @@ class Trace:
         for name, s in self.inputs.items():
             edges[id(s)] = name
         nodes_pb = []
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         for node in self.nodes:
             if node not in live:
                 continue

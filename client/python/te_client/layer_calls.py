@@ -5,10 +5,11 @@ import dataclasses
 import grpc
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, recipe as recipe_lib
+from te_client import dtypes, errors, recipe as recipe_lib
 from te_client import variables as variables_lib
+from te_client._pb import recipe_pb2, service_pb2
+from te_client.session import ResidentTensor
 
-service_pb2 = client_lib.service_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,20 +24,20 @@ class Call:
 
 
 def shape_and_wire(x, field):
-    if isinstance(x, client_lib.ResidentTensor):
+    if isinstance(x, ResidentTensor):
         return tuple(x.shape), x.wire_dtype
     x = dtypes.as_numpy(x)
     return tuple(int(d) for d in x.shape), dtypes.wire_dtype(x, field)
 
 
 def _nbytes(x):
-    if isinstance(x, client_lib.ResidentTensor):
+    if isinstance(x, ResidentTensor):
         return int(np.prod(x.shape, dtype=np.int64)) * dtypes.ITEMSIZE[x.wire_dtype]
     return dtypes.as_numpy(x).nbytes
 
 
 def _autocast():
-    return recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
+    return recipe_lib.autocast_proto(recipe_lib.current_autocast(), recipe_pb2)
 
 
 def graph_unknown(e):
@@ -71,7 +72,7 @@ def _mask_wire(mask):
     (TE's own tests pass uint8 0/1: tests/jax/test_layer.py); the wire has no
     uint8, and bool is the narrowest, so every array mask goes as `mask != 0`
     (a resident mask is sent as it is: the server reads nonzero the same way)."""
-    if isinstance(mask, client_lib.ResidentTensor):
+    if isinstance(mask, ResidentTensor):
         return mask
     array = np.asarray(mask)
     return array if array.dtype == np.bool_ else array != 0

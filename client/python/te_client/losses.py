@@ -24,7 +24,8 @@ import dataclasses
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, layer_calls, symbolic
+from te_client import dtypes, errors, layer_calls, symbolic
+from te_client._pb import layers_pb2, service_pb2
 
 __all__ = ["softmax_cross_entropy_with_integer_labels", "train_step"]
 
@@ -41,7 +42,7 @@ class _TokenLosses:
         if axis is not None:
             raise NotImplementedError("softmax_cross_entropy_with_integer_labels(...).mean(axis=%r): the loss "
                                       "node is the mean over every token" % (axis,))
-        return self.logits.trace.record("softmax_cross_entropy", client_lib.layers_pb2.GraphSpec.SoftmaxCrossEntropy(),
+        return self.logits.trace.record("softmax_cross_entropy", layers_pb2.GraphSpec.SoftmaxCrossEntropy(),
                                         [self.logits, self.labels], [((), dtypes.FLOAT32)])[0]
 
     def __getattr__(self, name):
@@ -82,7 +83,7 @@ def train_step(state, x, *extra_inputs, micro_batches=1, deterministic=True, dro
     from te_client import optim   # the TrainState's module
     handle = optim._handle_of(state.params)
     session = handle.session
-    pb = client_lib.service_pb2
+    pb = service_pb2
     xs = np.array_split(np.asarray(x), micro_batches)
     extras = [np.array_split(np.asarray(e), micro_batches) for e in extra_inputs]
     uploads = []

@@ -44,10 +44,11 @@ from typing import Optional
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, graph, layer_calls, symbolic
+from te_client import dtypes, errors, graph, layer_calls, symbolic
 from te_client import variables as variables_lib
+from te_client._pb import layers_pb2
+from te_client.session import ResidentTensor, current_session
 
-layers_pb2 = client_lib.layers_pb2
 _frame = contextvars.ContextVar("te_client_frame", default=None)
 _MASK_ARGUMENTS = ("attention_mask", "mask")
 
@@ -178,12 +179,37 @@ class Module:
     def setup(self):
         """Flax's setup: runs before each __call__ (derived attributes, submodules)."""
 
-    def param(self, name, *args, **kwargs):
-        raise NotImplementedError(
-            "%s.param(%r): a composite's own parameters are not in te.v1's GraphSpec; put them in a "
-            "TE module (te_client.flax)" % (type(self).__name__, name))
+    def param(self, name, init_fn, *init_args, unbox=True):
+        """Flax's self.param(name, init_fn, shape[, dtype]) in a traced
+        __call__ (or setup): a Param node named "<scope>/<name>", whose variable
+        params/<scope>/<name> the server creates at init from `init_fn` (one of
+        te_client.linen.initializers) and the optimizer trains. Returns the
+        traced tensor."""
+        from te_client import initializers   # initializers <- linen <- module: the data it reads
+        frame = current_frame(self)
+        if frame.mode != "trace":
+            raise TypeError("%s.param(%r): parameters belong to composites (a Module's traced __call__)" % (
+                type(self).__name__, name))
+        if not init_args:
+            raise TypeError("%s.param(%r, init_fn): give the shape, as Flax's initializers take it" % (
+                type(self).__name__, name))
+        shape = tuple(int(d) for d in (init_args[0] if isinstance(init_args[0], (tuple, list)) else (init_args[0],)))
+        dtype = init_args[1] if len(init_args) > 1 else np.float32
+        wire = symbolic.wire_of(dtype, "%s.param(%r) dtype" % (type(self).__name__, name))
+        if wire not in (dtypes.FLOAT32, dtypes.BFLOAT16, dtypes.FLOAT16):
+            raise TypeError("%s.param(%r): dtype %s; a Param is float32, bfloat16 or float16" % (
+                type(self).__name__, name, dtypes.dtype_name(wire)))
+        init = initializers.as_initializer(init_fn, "%s.param(%r) init_fn" % (type(self).__name__, name))
+        node = "/".join(tuple(self._scope_in(frame)) + (name,))
+        frame.trace.claim(node, ("param", self, name))
+        return frame.trace.record("param", layers_pb2.GraphSpec.Param(shape=list(shape), dtype=wire,
+                                                                      initializer=init.proto()),
+                                  [], [(shape, wire)], name=node, keep=True)[0]
 
-    variable = param
+    def variable(self, collection, name, *args, **kwargs):
+        raise NotImplementedError(
+            "%s.variable(%r, %r): a composite's own variables are its params (self.param); te.v1's GraphSpec has "
+            "no other collection" % (type(self).__name__, collection, name))
 
     def _scope_in(self, frame):
         if self._bound is None or self._bound[0] is not frame:
@@ -206,7 +232,7 @@ class Module:
         DelayedScaling one adds fp8_metas) and returns them. `rngs`: an int, a
         JAX PRNGKey, or {'params': key}. `session`: default the current one.
         A composite is traced here and created as one graph layer."""
-        session = session or client_lib.current_session()
+        session = session or current_session()
         if session is None:
             raise errors.FailedPreconditionError(
                 "init: no session; open one with `with client.session() as session:` or pass session=")
@@ -319,7 +345,7 @@ def _name_setup_submodules(attribute, value):
 # ---- a composite's arguments ---------------------------------------------------------------
 
 def _is_array(a):
-    return isinstance(a, (np.ndarray, client_lib.ResidentTensor)) or (
+    return isinstance(a, (np.ndarray, ResidentTensor)) or (
         hasattr(a, "__array__") and hasattr(a, "shape") and hasattr(a, "dtype"))
 
 

@@ -24,8 +24,9 @@ import math
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors
+from te_client import dtypes, errors
 from te_client import variables as variables_lib
+from te_client._pb import service_pb2
 
 
 # ---- schedules ---------------------------------------------------------------------
@@ -38,7 +39,7 @@ class _Constant:
         return float(self.value)
 
     def proto(self):
-        return client_lib.service_pb2.LearningRate(constant=float(self.value))
+        return service_pb2.LearningRate(constant=float(self.value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class _WarmupCosineDecay:
         return self.peak_value * ((1 - alpha) * cosine ** self.exponent + alpha)
 
     def proto(self):
-        pb = client_lib.service_pb2
+        pb = service_pb2
         return pb.LearningRate(warmup_cosine_decay=pb.WarmupCosineDecaySchedule(
             init_value=self.init_value, peak_value=self.peak_value, warmup_steps=self.warmup_steps,
             decay_steps=self.decay_steps, end_value=self.end_value, exponent=self.exponent))
@@ -99,7 +100,7 @@ class GradientTransformation:
     clip_by_global_norm: float = None
 
     def proto(self):
-        pb = client_lib.service_pb2
+        pb = service_pb2
         message = {"sgd": pb.Sgd, "adam": pb.Adam, "adamw": pb.AdamW}[self.kind](
             learning_rate=self.learning_rate.proto(),
             **{k: v for k, v in self.hyperparams.items() if v is not None})
@@ -113,7 +114,7 @@ class GradientTransformation:
         init returned) this optimizer and a fresh state; returns the state's
         variable names ("opt_state/mu/kernel", ...)."""
         handle = _handle_of(params)
-        response = handle.session.call("SetOptimizer", client_lib.service_pb2.SetOptimizerRequest(
+        response = handle.session.call("SetOptimizer", service_pb2.SetOptimizerRequest(
             layer_id=handle.layer_id, optimizer=self.proto()))
         return ["%s/%s" % (v.collection, v.path) for v in response.variables]
 
@@ -182,7 +183,7 @@ class TrainState:
     def opt_state(self):
         """The optimizer state, downloaded: {"count": ..., "mu/kernel": ...}."""
         handle = _handle_of(self.params)
-        response = handle.session.call("GetVariables", client_lib.service_pb2.GetVariablesRequest(
+        response = handle.session.call("GetVariables", service_pb2.GetVariablesRequest(
             layer_id=handle.layer_id, collections=["opt_state"]))
         return {v.path: handle.session.receive(v.value, v.path) for v in response.variables}
 
@@ -196,7 +197,7 @@ def train_step(state, x, target=None, dy=None, micro_batches=1, deterministic=Tr
         raise errors.InvalidArgumentError("train_step: give target (squared error) or dy (vdot), one of them")
     handle = _handle_of(state.params)
     session = handle.session
-    pb = client_lib.service_pb2
+    pb = service_pb2
     xs = np.array_split(np.asarray(x), micro_batches)
     other = target if target is not None else dy
     others = np.array_split(dtypes.cast_to_wire(np.asarray(other), handle.output_wire_dtype), micro_batches)

@@ -16,9 +16,11 @@ session's FP8 scales move from step to step.
 import statistics
 import time
 
-from te_client import client as client_lib, dtypes, errors, recipe as recipe_lib
+from te_client import dtypes, errors, recipe as recipe_lib
 from te_client import module as module_lib
 from te_client import variables as variables_lib
+from te_client._pb import recipe_pb2, service_pb2
+from te_client.session import ResidentTensor
 
 
 def _module_of(apply_fn):
@@ -105,7 +107,6 @@ def _time_client(step, warmup_iters, timing_iters, timed_by):
 
 def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side, queued):
     handle = variables_lib.handles_of(variables)[0]
-    service_pb2 = client_lib.service_pb2
     uploads = []
     try:
         # Uploaded once and kept on the server, so a step names x and dy by id and
@@ -115,7 +116,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         x_t, dy_t = _resident(session, call.x, uploads, "x"), _resident(session, dy, uploads, "dy")
         mask_t = _resident(session, call.mask, uploads, "attention_mask") if call.mask is not None else None
         deterministic = call.deterministic
-        autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
+        autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), recipe_pb2)
 
         def batch(i):
             b = service_pb2.MicroBatch(x=x_t, dy=dy_t, dropout_seed=module_lib.derive_seed(seed, "step", i))
@@ -145,7 +146,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
 
 def _resident(session, array, uploads, field):
     """A te.v1.Tensor naming `array` on the server: uploaded (its id appended to `uploads`) unless it already is."""
-    if not isinstance(array, client_lib.ResidentTensor):
+    if not isinstance(array, ResidentTensor):
         array = session.put(array, field)
         uploads.append(array.id)
     return session.send(array, uploads, field)

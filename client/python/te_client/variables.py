@@ -35,6 +35,7 @@ import numpy as np
 import numpy.lib.mixins
 
 from te_client import dtypes, errors
+from te_client._pb import service_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +118,8 @@ class VariableRef(numpy.lib.mixins.NDArrayOperatorsMixin):
         if cache is not None and key in cache:
             values = cache[key]
         else:
-            from te_client import client
             session = self.handle.session
-            request = client.service_pb2.GetVariablesRequest(layer_id=self.handle.layer_id,
+            request = service_pb2.GetVariablesRequest(layer_id=self.handle.layer_id,
                                                              collections=[self.info.collection])
             values = {v.path: v.value for v in session.call("GetVariables", request).variables}
             if cache is not None:
