@@ -37,6 +37,7 @@ import grpc
 
 from te_client import errors, recipe as recipe_lib, transport as transport_lib
 from te_client._pb import recipe_pb2, service_pb2, service_pb2_grpc
+from te_client import session as session_lib
 from te_client.session import AFFINITY_HEADER, Session, described
 
 _POLICIES = {"strict": service_pb2.STRICT, "fallback": service_pb2.FALLBACK,
@@ -65,6 +66,7 @@ _open_clients = weakref.WeakSet()
 
 @atexit.register
 def _close_open_clients():
+    session_lib.close_open_sessions()   # first, while their channels are still open
     for client in list(_open_clients):
         try:
             client.close()
@@ -171,6 +173,21 @@ class Client:
     def server_info(self):
         """te.v1.ServerInfo: version, devices (recipes native / emulated), dtypes, limits."""
         return self._call("GetServerInfo", service_pb2.GetServerInfoRequest())
+
+    def attach(self, session_id, token, transport=None):
+        """The session `session_id` again, from this client (another process's,
+        or one a restarted server restored from its checkpoint): its calls
+        carry the id and token, and run in arrival order (the session's
+        numbering is its opener's). Closing it is the opener's business: it is
+        not closed at this process's exit. NotFoundError (from the server) when
+        it is gone; UnauthenticatedError for a wrong token."""
+        transport = transport_lib.check_transport(transport or self.options.transport)
+        created = service_pb2.CreateSessionResponse(
+            session=service_pb2.SessionRef(session_id=session_id, token=token))
+        session = Session(self, created, secrets.token_hex(16), self._stub, self.address, transport, owned=False)
+        info = session.info()                      # reaches it now: a wrong id or token fails here
+        session.device = info.device
+        return session
 
     def session(self, recipes=(), policy="fallback", device="", ttl=None, transport=None):
         """Opens a session. `recipes`: preferred FP8 recipes, in order; `policy`:

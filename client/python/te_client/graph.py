@@ -25,6 +25,7 @@ whether or not the output uses them. A mask (the request's attention_mask, or
 a causal_mask node's output) is read only as a module's mask, as the server
 requires.
 """
+import contextvars
 import dataclasses
 from typing import Optional
 
@@ -58,6 +59,15 @@ def node_seed(seed, name):
     server applies (kernels/rng.h's NodeSeed), so a module run on its own with
     node_seed(seed, "DenseGeneral_0") draws the numbers the graph's node does."""
     return mix_bits((int(seed) & _M64) ^ mix_bits(name_hash(name)))
+
+
+# The loss function being traced (transforms.py's), if any: Module.apply inside it records
+# the model's graph into the function's trace instead of calling the server.
+_loss = contextvars.ContextVar("te_client_loss", default=None)
+
+
+def current_loss():
+    return _loss.get()
 
 
 # ---- the record and the spec -----------------------------------------------------------
@@ -99,7 +109,8 @@ class Trace:
         self.nodes = []
         self.inputs = {}
         self.scope = scope
-        self.deterministic = bool(deterministic)
+        # None (a loss function's trace): set by the first dropout the trace meets.
+        self.deterministic = None if deterministic is None else bool(deterministic)
         self.closed = False
         self.dropouts = []   # what draws dropout: it needs apply's rngs['dropout'] when not deterministic
         self._owners = {}    # module node name -> the module instance
@@ -143,8 +154,9 @@ class Trace:
                 name, type(owner).__name__))
         self._owners[name] = module
 
-    def build(self, result):
-        """The GraphSpec whose output is `result` (the Symbol __call__ returned)."""
+    def build(self, result, extra=()):
+        """The GraphSpec whose outputs are `result` (the Symbol __call__
+        returned: y) and then `extra` (a loss function's aux outputs)."""
         if isinstance(result, tuple) and result and isinstance(result[0], Symbol) and all(
                 r is None for r in result[1:]):
             result = result[0]   # (y, None): a TE module's (y, ln_out) without ln_out
@@ -152,8 +164,12 @@ class Trace:
             raise TypeError("__call__ returned %s: a traced composite returns one traced tensor (y)" % (
                 "a mask" if isinstance(result, Symbol) else type(result).__name__
                 if not isinstance(result, (tuple, list)) else "a %s of %d" % (type(result).__name__, len(result))))
+        outputs = [result] + list(extra)
+        for s in extra:
+            if not isinstance(s, Symbol) or s.trace is not self or s.is_mask:
+                raise TypeError("a traced output is %s, not a tensor of this trace" % type(s).__name__)
         self.closed = True
-        live = self._live(result)
+        live = self._live(outputs)
         names = self._name_glue(live)
         edges = {}
         for name, s in self.inputs.items():
@@ -164,8 +180,9 @@ class Trace:
             if node not in live:
                 continue
             name = names[node]
+            base = name or "module"    # a layer that is one module: its node is named "" (AddGraph)
             for i, s in enumerate(node.outputs):
-                edge = name if len(node.outputs) == 1 else "%s:%d" % (name, i)
+                edge = base if len(node.outputs) == 1 else "%s:%d" % (base, i)
                 if edge in self.inputs:
                     raise ValueError("%s: a node's output would be named like the graph input %r" % (name, edge))
                 edges[id(s)] = edge
@@ -175,19 +192,18 @@ class Trace:
                 msg.mask = edges[id(node.mask)]
             getattr(msg, node.op).CopyFrom(node.message)
             nodes_pb.append(msg)
-        spec = pb.GraphSpec(nodes=nodes_pb, outputs=[edges[id(result)]])
+        spec = pb.GraphSpec(nodes=nodes_pb, outputs=[edges[id(s)] for s in outputs])
         symbols = list(self.inputs.values()) + [s for n in self.nodes if n in live for s in n.outputs]
         read = {edges[id(s)] for n in self.nodes if n in live for s in n.inputs + [n.mask] if s is not None}
-        read.add(edges[id(result)])
+        read.update(edges[id(s)] for s in outputs)
         return Traced(spec=spec, shapes={edges[id(s)]: s.shape for s in symbols},
                       dtypes={edges[id(s)]: dtypes.dtype_name(s.wire) for s in symbols},
                       inputs=[n for n in self.inputs if n in read],
                       output_shape=result.shape, output_wire=result.wire, dropouts=list(self.dropouts))
 
-    def _live(self, result):
+    def _live(self, outputs):
         live, stack = set(), [n for n in self.nodes if n.keep]
-        if result.node is not None:
-            stack.append(result.node)
+        stack.extend(s.node for s in outputs if s.node is not None)
         while stack:
             node = stack.pop()
             if node in live:

@@ -40,6 +40,7 @@ on the server and fetched the same way (GetTensor into shared memory, or its
 stream). "inline", "stream" and "shm" force one way.
 """
 import atexit
+import collections
 import concurrent.futures
 import contextvars
 import dataclasses
@@ -54,6 +55,17 @@ from te_client import variables as variables_lib
 from te_client._pb import recipe_pb2, service_pb2, tensor_pb2
 
 _current_session = contextvars.ContextVar("te_client_session", default=None)
+# Sessions this process opened and has not closed: closed at exit (connection.py's
+# atexit hook, ahead of the channels), so the server frees them now, not at their TTL.
+_open_sessions = weakref.WeakSet()
+
+
+def close_open_sessions(timeout=5.0):
+    for session in list(_open_sessions):
+        try:
+            session.close(timeout=timeout)
+        except Exception:   # at exit, a server already gone is fine
+            pass
 AFFINITY_HEADER = "x-te-session"
 # How a call ends at the client without the server's answer: it may never
 # have reached the server (SessionRef.abandoned).
@@ -92,10 +104,15 @@ class Session:
     where its calls go (the pinned replica, or the address connected to);
     `transport` and `transport_counts`: how its tensors travel (transport.py)."""
 
-    def __init__(self, client, created, affinity_key, stub, address, transport, pinned=False):
+    def __init__(self, client, created, affinity_key, stub, address, transport, pinned=False, owned=True):
         self.client = client
         self._ref = created.session
         self.id = created.session.session_id
+        self.token = created.session.token
+        # Opened here (closed at exit when left open) or reattached (Client.attach: the opener's to close).
+        self.owned = owned
+        # Releases and deletions queued by finalizers (variables.py), sent ahead of the next call.
+        self.pending = collections.deque()
         self.device = created.device
         self.recipe = recipe_lib.from_proto(created.recipe, recipe_pb2) if created.HasField("recipe") else None
         self.emulated = created.emulated
@@ -118,6 +135,8 @@ class Session:
         self._shm = transport_lib.SharedMemoryPool(
             self._register_region, self._unregister_region, client.options.shm_region_bytes,
             refused=client._shm_refusal(address))
+        if owned:
+            _open_sessions.add(self)
 
     def __repr__(self):
         return "Session(id=%s, device=%s, recipe=%s)" % (self.id, self.device, self.recipe)
@@ -130,7 +149,7 @@ class Session:
         _current_session.reset(self._tokens.pop())
         self.close()
 
-    def close(self):
+    def close(self, timeout=None):
         """Frees everything the session holds: the server drops its tensors and
         unmaps its shared-memory regions with it (one RPC, not one per
         region), and this side unmaps them too, whatever the server answers.
@@ -138,11 +157,20 @@ class Session:
         expired or evicted it."""
         if self.closed:
             return
+        self.pending.clear()
         self.closed = True
+        _open_sessions.discard(self)
         try:
-            self.call("CloseSession", service_pb2.CloseSessionRequest())
+            self.call("CloseSession", service_pb2.CloseSessionRequest(), timeout=timeout)
         finally:
             self._shm.release(unregister=False)
+
+    def checkpoint(self):
+        """Writes the session (layers, variables, optimizer state, recipe) to
+        the server's --state_dir (CheckpointRequest); a restarted server
+        restores it, and Client.attach(session.id, session.token) reaches it
+        again. Returns the path written, relative to --state_dir."""
+        return self.call("Checkpoint", service_pb2.CheckpointRequest()).path
 
     def info(self):
         """te.v1.SessionInfo: memory, layers, saved forwards, resident tensors, shm regions."""
@@ -164,6 +192,7 @@ class Session:
         """A raw TeService call with this session's reference (and its next
         number in the session's order) and affinity key filled in. `timeout`:
         its deadline in seconds, when shorter than Options.rpc_timeout."""
+        self.flush_pending()
         sequence = self._number(request.session) if hasattr(request, "session") else 0
         timeout = self._timeout(timeout)
         return self._invoke(lambda: getattr(self._stub, method)(
@@ -177,6 +206,8 @@ class Session:
         server gave up waiting for a lower number of this session). The
         request's tensors must already be inline, resident or in shared
         memory (send); receive the response's. Thread-safe."""
+        if method not in ("ReleaseVersions", "DeleteLayer"):
+            self.flush_pending()
         sequence = self._number(request.session) if hasattr(request, "session") else 0
         result = concurrent.futures.Future()
         result.set_running_or_notify_cancel()
@@ -209,6 +240,32 @@ class Session:
         sent.add_done_callback(done)
         return result
 
+    def flush_pending(self):
+        """Sends the queued releases (one ReleaseVersions per layer) and layer
+        deletions without waiting for their answers: they run in the session's
+        order ahead of the call that follows, and a failure of theirs (a layer
+        already gone) concerns nothing the client still holds."""
+        if not self.pending or self.closed:
+            return
+        releases, deletes = {}, []
+        while True:
+            try:
+                kind, layer_id, number = self.pending.popleft()
+            except IndexError:
+                break
+            if kind == "delete":
+                deletes.append(layer_id)
+            else:
+                releases.setdefault(layer_id, []).append(number)
+        requests = [("ReleaseVersions", service_pb2.ReleaseVersionsRequest(layer_id=layer_id, versions=sorted(n)))
+                    for layer_id, n in releases.items() if layer_id not in deletes]
+        requests += [("DeleteLayer", service_pb2.DeleteLayerRequest(layer_id=layer_id)) for layer_id in deletes]
+        for method, request in requests:
+            try:
+                self.call_async(method, request).add_done_callback(lambda f: f.exception())
+            except errors.TeError:
+                return
+
     def _timeout(self, timeout):
         rpc_timeout = self.client.options.rpc_timeout
         return rpc_timeout if timeout is None else min(timeout, rpc_timeout)
@@ -218,6 +275,8 @@ class Session:
         next number of its order and the abandoned numbers (every one was
         given out before, so all are below it); returns the number."""
         ref.CopyFrom(self._ref)
+        if not self.owned:
+            return 0   # reattached: the opener numbers its calls; ours run in arrival order
         with self._order_lock:
             sequence = self._next_sequence
             self._next_sequence += 1
@@ -459,40 +518,62 @@ class Session:
     # ---- variables ------------------------------------------------------------------
 
     def get_variables(self, variables, collections=None):
-        """The current values of a layer's variables as a nested dict of numpy
-        arrays ({'params': {...}, 'fp8_metas': {...}, 'grads': {...}}), as
-        Flax's init would return them. `collections` None: all."""
+        """The values of a layer's variables (at the version `variables`
+        names) as a nested dict of numpy arrays ({'params': {...},
+        'fp8_metas': {...}, 'opt_state': {...}, 'grads': {...}}), as Flax's
+        init would return them. `collections` None: all."""
+        handle, version = _version_of(variables)
+        request = service_pb2.GetVariablesRequest(layer_id=handle.layer_id, collections=collections or [],
+                                                  version=version.number)
         flat = {}
-        for handle in variables_lib.handles_of(variables):
-            request = service_pb2.GetVariablesRequest(layer_id=handle.layer_id, collections=collections or [])
-            for v in self.call("GetVariables", request).variables:
-                name = variables_lib.join(v.collection, handle.scope, v.path)
-                flat[name] = self.receive(v.value, name)
+        for v in self.call("GetVariables", request).variables:
+            name = variables_lib.join(v.collection, handle.scope, v.path)
+            flat[name] = self.receive(v.value, name)
         return variables_lib.unflatten(flat)
 
     def set_variables(self, variables, values):
-        """Writes `values` (a nested dict like get_variables', or a flat dict
-        "params/qkv/kernel" -> array) into the layer's variables on the server.
-        Each must exist with the same shape (InvalidArgumentError otherwise);
-        arrays are converted to the variable's dtype by the server's rules."""
-        flat = variables_lib.flatten(values)
-        handles = variables_lib.handles_of(variables)
-        per_layer = {}
-        for name, value in flat.items():
-            handle, collection, path = variables_lib.locate(handles, name)
-            per_layer.setdefault(handle.layer_id, []).append((collection, path, name, value))
-        for layer_id, items in per_layer.items():
-            uploads = []
-            try:
-                request = service_pb2.SetVariablesRequest(layer_id=layer_id)
-                for collection, path, name, value in items:
-                    value = _match_dtype(value, variables_lib.info_of(handles, name))
-                    request.variables.add(collection=collection, path=path,
-                                          value=self.send(value, uploads, name))
-                self.call("SetVariables", request)
-            finally:
-                self.delete_all(uploads)
+        """New variables: those of `variables` with `values` (a nested dict
+        like get_variables', or a flat dict "params/qkv/kernel" -> array)
+        written over them, in any collection GetVariables returns (params,
+        fp8_metas, opt_state, grads). Returns the new Variables (a new version;
+        `variables` stay as they were). Each must exist with the same shape
+        (InvalidArgumentError otherwise); floats are converted to the
+        variable's dtype."""
+        handle, version = _version_of(variables)
+        response = self.set_version(handle, version.number, values)
+        module = getattr(variables, "module", None)
+        if isinstance(variables, variables_lib.Variables):
+            return variables.at_version(response)
+        return variables_lib.Variables({handle.scope: handle}, module,
+                                       variables_lib.Version(handle, response))
 
+    def set_version(self, handle, version, values):
+        """SetVariables of `values` over `version` of the layer: the new version's number."""
+        flat = variables_lib.flatten(values) if isinstance(values, dict) else dict(values)
+        infos = {variables_lib.join(i.collection, handle.scope, i.path): i for i in handle.infos}
+        uploads = []
+        try:
+            request = service_pb2.SetVariablesRequest(layer_id=handle.layer_id, version=int(version))
+            prefix = len(variables_lib.join(*handle.scope)) + 1 if handle.scope else 0
+            for name, value in sorted(flat.items()):
+                collection, _, rest = name.partition("/")
+                path = rest[prefix:] if prefix else rest
+                if not collection or not path:
+                    raise errors.InvalidArgumentError("variables: %r is not <collection>/<path>" % name)
+                value = _match_dtype(value, infos.get(name))
+                request.variables.add(collection=collection, path=path, value=self.send(value, uploads, name))
+            return self.call("SetVariables", request).version
+        finally:
+            self.delete_all(uploads)
+
+
+def _version_of(variables):
+    found = variables_lib.refs_version(variables)
+    if found is None:
+        raise errors.InvalidArgumentError(
+            "variables: want what init returned (a te_client Variables) or a tree of its VariableRefs, got %s"
+            % type(variables).__name__)
+    return found
 
 
 def described(error, method, address, timeout):
