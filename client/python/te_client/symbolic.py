@@ -385,7 +385,7 @@ def _resolved_shape(shape, from_shape, size):
 
 def _index_text(index):
     items = index if isinstance(index, tuple) else (index,)
-    return ", ".join("..." if i is Ellipsis else ":" if i == slice(None) else repr(i) for i in items)
+    return ", ".join("..." if i is Ellipsis else ":" if isinstance(i, slice) and i == slice(None) else repr(i) for i in items)
 
 
 # ---- elementwise -------------------------------------------------------------------------

@@ -165,7 +165,7 @@ class _Inputs:
 class Prepared:
     """A traced call, ready to run: its graph on the layer, its inputs and outputs."""
 
-    def __init__(self, fn, args, kwargs, argnums, has_aux, default_seed=None):
+    def __init__(self, fn, args, kwargs, argnums, has_aux, default_seed=None, add=True):
         self.default_seed = default_seed   # train_step's per-step key, when the function passes none
         self.args = args
         self.argnums = argnums
@@ -205,7 +205,7 @@ class Prepared:
         x_shape, x_wire = layer_calls.shape_and_wire(self.inputs.values[0][1], "x") if self.inputs.values else ((), 0)
         if not self.inputs.values:
             raise TypeError("the traced function has no array argument (x)")
-        self.info = layer_calls.add_graph(self.handle, self.traced, x_shape, x_wire)
+        self.info = layer_calls.add_graph(self.handle, self.traced, x_shape, x_wire) if add else None
         self.deterministic = True if loss.trace.deterministic is None else loss.trace.deterministic
         if not self.deterministic and loss.seed is None and default_seed is None and self.traced.dropouts:
             raise errors.InvalidArgumentError(
@@ -257,6 +257,13 @@ class Prepared:
         return variables_lib.Variables({handle.scope: handle}, module, variables_lib.Version(handle, number)) \
             if number != self.version.number else variables_lib.Variables({handle.scope: handle}, module,
                                                                            self.version)
+
+
+def make_graph(fn, *args, has_aux=False, **kwargs):
+    """The graph.Traced that value_and_grad(fn, has_aux=has_aux)(*args, **kwargs)
+    would add to the model's layer (GraphSpec, edge shapes and dtypes), without
+    running it: jax.make_jaxpr's counterpart, for inspecting what a function records."""
+    return Prepared(fn, args, kwargs, (0,), has_aux, add=False).traced
 
 
 def _grads_like(arg, flat, new_variables):
