@@ -261,10 +261,15 @@ class Session:
                     for layer_id, n in releases.items() if layer_id not in deletes]
         requests += [("DeleteLayer", service_pb2.DeleteLayerRequest(layer_id=layer_id)) for layer_id in deletes]
         for method, request in requests:
+            # Unnumbered (run in arrival order): nothing later depends on them, and a
+            # server without these RPCs answers UNIMPLEMENTED before it takes a number.
+            request.session.CopyFrom(self._ref)
             try:
-                self.call_async(method, request).add_done_callback(lambda f: f.exception())
-            except errors.TeError:
+                sent = getattr(self._stub, method).future(request, timeout=self._timeout(None),
+                                                          metadata=self._metadata)
+            except Exception:
                 return
+            sent.add_done_callback(lambda call: call.exception())
 
     def _timeout(self, timeout):
         rpc_timeout = self.client.options.rpc_timeout
@@ -292,7 +297,8 @@ class Session:
         if not sequence:
             return
         with self._order_lock:
-            if code in _UNANSWERED:
+            # UNIMPLEMENTED: an RPC this server lacks is refused before it takes its number.
+            if code in _UNANSWERED or code == grpc.StatusCode.UNIMPLEMENTED:
                 self._abandoned.add(sequence)
             else:
                 self._abandoned = {lost for lost in self._abandoned if lost >= sequence}

@@ -144,5 +144,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(session, rng):
             layer_id=handle.layer_id, variables=[client_lib.service_pb2.Variable(
                 collection="opt_state", path="trace/kernel",
                 value=session.send(np.ones(3, np.float32), [], "value"))]))
-    with pytest.raises(te.InvalidArgumentError, match="chain"):
-        optim.chain(optim.adam(0.1), optim.clip_by_global_norm(1.0))
+    # optax's chain takes any order: clipping after the optimizer is a chain of transforms.
+    spec = optim.chain(optim.adam(0.1), optim.clip_by_global_norm(1.0)).proto()
+    assert [t.WhichOneof("kind") for t in spec.chain] == ["adam", "clip_by_global_norm"]
+    with pytest.raises(te.InvalidArgumentError, match="warmup_cosine_decay_schedule"):
+        optim.adam(lambda count: 0.1)     # a callable schedule: the server cannot run Python
