@@ -186,7 +186,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const SessionOpti
   request.set_access_key(options_.access_key);
   // The key exists before the session does: CreateSession itself must reach
   // the replica that the balancer will send the session's later calls to.
-  std::string affinity_key = NewAffinityKey();
+  std::string affinity_key = options.affinity_key.empty() ? NewAffinityKey() : options.affinity_key;
   grpc::ClientContext context;
   context.set_deadline(DeadlineAfter(options_.rpc_timeout));
   SetAffinityHeader(&context, affinity_key);
@@ -227,9 +227,16 @@ Session::Session(std::shared_ptr<te::v1::TeService::Stub> stub, ClientOptions op
     absl::StatusOr<Recipe> recipe = FromProto(created.recipe());
     if (recipe.ok()) recipe_ = *std::move(recipe);
   }
+  absl::MutexLock lock(&link_->mu_);
+  link_->session_ = this;
 }
 
 Session::~Session() {
+  {
+    // No release starts once the Session is going (Link::ReleaseVersion).
+    absl::MutexLock lock(&link_->mu_);
+    link_->session_ = nullptr;
+  }
   // The close is numbered after every Async call, so the server answers those first.
   Close().IgnoreError();
   absl::MutexLock lock(&async_mu_);
@@ -422,9 +429,38 @@ absl::StatusOr<te::v1::GetVariablesResponse> Session::GetVariables(
   return response;
 }
 
-absl::Status Session::SetVariables(te::v1::SetVariablesRequest request, absl::Duration timeout) {
+absl::StatusOr<te::v1::SetVariablesResponse> Session::SetVariables(
+    te::v1::SetVariablesRequest request, absl::Duration timeout) {
   TE_CLIENT_UNARY(SetVariables, SetVariablesResponse)
+  return response;
+}
+
+absl::StatusOr<te::v1::AddGraphResponse> Session::AddGraph(te::v1::AddGraphRequest request,
+                                                           absl::Duration timeout) {
+  TE_CLIENT_UNARY(AddGraph, AddGraphResponse)
+  return response;
+}
+
+absl::Status Session::ReleaseVersions(te::v1::ReleaseVersionsRequest request,
+                                      absl::Duration timeout) {
+  TE_CLIENT_UNARY(ReleaseVersions, ReleaseVersionsResponse)
   return absl::OkStatus();
+}
+
+absl::Status Session::DeleteLayer(te::v1::DeleteLayerRequest request, absl::Duration timeout) {
+  TE_CLIENT_UNARY(DeleteLayer, DeleteLayerResponse)
+  return absl::OkStatus();
+}
+
+void Session::Link::ReleaseVersion(const std::string& layer_id, int64_t version) {
+  absl::MutexLock lock(&mu_);
+  // Held while the call is handed over: the Session's destructor, which
+  // clears session_ under this lock first, then waits for its Async calls.
+  if (session_ == nullptr || session_->closed_) return;
+  te::v1::ReleaseVersionsRequest request;
+  request.set_layer_id(layer_id);
+  request.add_versions(version);
+  session_->ReleaseVersionsAsync(std::move(request));  // its future is dropped: nobody waits
 }
 
 absl::StatusOr<te::v1::BenchmarkResponse> Session::Benchmark(te::v1::BenchmarkRequest request,
@@ -459,37 +495,260 @@ te::v1::Tensor ResidentTensor::ToProto() const {
   return proto;
 }
 
-te::v1::Optimizer Optimizer::ToProto() const {
-  te::v1::Optimizer spec;
+namespace schedules {
+
+te::v1::LearningRate Constant(double value) {
+  te::v1::LearningRate lr;
+  lr.set_constant(value);
+  return lr;
+}
+
+te::v1::LearningRate Linear(double init_value, double end_value, int64_t transition_steps,
+                            int64_t transition_begin) {
+  te::v1::LearningRate lr;
+  te::v1::LinearSchedule* l = lr.mutable_linear();
+  l->set_init_value(init_value);
+  l->set_end_value(end_value);
+  l->set_transition_steps(transition_steps);
+  l->set_transition_begin(transition_begin);
+  return lr;
+}
+
+te::v1::LearningRate CosineDecay(double init_value, int64_t decay_steps, double alpha,
+                                 double exponent) {
+  te::v1::LearningRate lr;
+  te::v1::CosineDecaySchedule* c = lr.mutable_cosine_decay();
+  c->set_init_value(init_value);
+  c->set_decay_steps(decay_steps);
+  c->set_alpha(alpha);
+  c->set_exponent(exponent);
+  return lr;
+}
+
+te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value, int64_t warmup_steps,
+                                       int64_t decay_steps, double end_value, double exponent) {
+  te::v1::LearningRate lr;
+  te::v1::WarmupCosineDecaySchedule* w = lr.mutable_warmup_cosine_decay();
+  w->set_init_value(init_value);
+  w->set_peak_value(peak_value);
+  w->set_warmup_steps(warmup_steps);
+  w->set_decay_steps(decay_steps);
+  w->set_end_value(end_value);
+  w->set_exponent(exponent);
+  return lr;
+}
+
+te::v1::LearningRate ExponentialDecay(double init_value, int64_t transition_steps,
+                                      double decay_rate, int64_t transition_begin, bool staircase,
+                                      std::optional<double> end_value) {
+  te::v1::LearningRate lr;
+  te::v1::ExponentialDecaySchedule* e = lr.mutable_exponential_decay();
+  e->set_init_value(init_value);
+  e->set_transition_steps(transition_steps);
+  e->set_decay_rate(decay_rate);
+  e->set_transition_begin(transition_begin);
+  e->set_staircase(staircase);
+  if (end_value) e->set_end_value(*end_value);
+  return lr;
+}
+
+te::v1::LearningRate PiecewiseConstant(double init_value,
+                                       const std::map<int64_t, double>& boundaries_and_scales) {
+  te::v1::LearningRate lr;
+  te::v1::PiecewiseConstantSchedule* p = lr.mutable_piecewise_constant();
+  p->set_init_value(init_value);
+  for (const auto& [step, scale] : boundaries_and_scales) {
+    te::v1::PiecewiseConstantSchedule::Boundary* b = p->add_boundaries_and_scales();
+    b->set_step(step);
+    b->set_scale(scale);
+  }
+  return lr;
+}
+
+te::v1::LearningRate JoinSchedules(const std::vector<te::v1::LearningRate>& schedules,
+                                   const std::vector<int64_t>& boundaries) {
+  te::v1::LearningRate lr;
+  te::v1::JoinSchedules* j = lr.mutable_join();
+  for (const te::v1::LearningRate& s : schedules) *j->add_schedules() = s;
+  for (int64_t b : boundaries) j->add_boundaries(b);
+  return lr;
+}
+
+}  // namespace schedules
+
+te::v1::LearningRate Optimizer::LearningRate() const {
+  if (learning_rate_schedule) return *learning_rate_schedule;
   te::v1::LearningRate lr;
   if (schedule) {
     *lr.mutable_warmup_cosine_decay() = *schedule;
   } else {
     lr.set_constant(learning_rate);
   }
+  return lr;
+}
+
+namespace {
+
+// The optimizer's own message (no clip, no chain) into a oneof that has
+// sgd, adam, adamw, rmsprop and lion: te.v1.Optimizer or te.v1.Transform.
+template <typename Oneof>
+void SetOptimizerKind(const Optimizer& o, Oneof* out) {
+  const te::v1::LearningRate lr = o.LearningRate();
   auto adam_fields = [&](auto* adam) {
     *adam->mutable_learning_rate() = lr;
-    adam->set_b1(b1);
-    adam->set_b2(b2);
-    adam->set_eps(eps);
-    adam->set_eps_root(eps_root);
+    adam->set_b1(o.b1);
+    adam->set_b2(o.b2);
+    adam->set_eps(o.eps);
+    adam->set_eps_root(o.eps_root);
   };
-  switch (kind) {
-    case Kind::kSgd:
-      *spec.mutable_sgd()->mutable_learning_rate() = lr;
-      if (momentum) spec.mutable_sgd()->set_momentum(*momentum);
-      spec.mutable_sgd()->set_nesterov(nesterov);
-      break;
-    case Kind::kAdam:
-      adam_fields(spec.mutable_adam());
-      break;
-    case Kind::kAdamW:
-      adam_fields(spec.mutable_adamw());
-      spec.mutable_adamw()->set_weight_decay(weight_decay);
-      break;
+  switch (o.kind) {
+    case Optimizer::Kind::kSgd:
+      *out->mutable_sgd()->mutable_learning_rate() = lr;
+      if (o.momentum) out->mutable_sgd()->set_momentum(*o.momentum);
+      out->mutable_sgd()->set_nesterov(o.nesterov);
+      return;
+    case Optimizer::Kind::kAdam:
+      adam_fields(out->mutable_adam());
+      return;
+    case Optimizer::Kind::kAdamW:
+      adam_fields(out->mutable_adamw());
+      out->mutable_adamw()->set_weight_decay(o.weight_decay);
+      return;
+    case Optimizer::Kind::kRmsprop: {
+      te::v1::Rmsprop* r = out->mutable_rmsprop();
+      *r->mutable_learning_rate() = lr;
+      r->set_decay(o.decay);
+      r->set_eps(o.eps);
+      r->set_initial_scale(o.initial_scale);
+      r->set_eps_in_sqrt(o.eps_in_sqrt);
+      r->set_centered(o.centered);
+      if (o.momentum) r->set_momentum(*o.momentum);
+      r->set_nesterov(o.nesterov);
+      return;
+    }
+    case Optimizer::Kind::kLion: {
+      te::v1::Lion* l = out->mutable_lion();
+      *l->mutable_learning_rate() = lr;
+      l->set_b1(o.b1);
+      l->set_b2(o.b2);
+      l->set_weight_decay(o.lion_weight_decay);
+      return;
+    }
+    case Optimizer::Kind::kChain:
+      return;  // the caller's: a chain is no link
   }
+}
+
+}  // namespace
+
+te::v1::Optimizer Optimizer::ToProto() const {
+  te::v1::Optimizer spec;
+  if (kind == Kind::kChain) {
+    for (const Transform& t : chain) *spec.add_chain() = t;
+  } else {
+    SetOptimizerKind(*this, &spec);
+  }
+  // Sent as given: with a chain the server refuses it, naming the field.
   if (clip_by_global_norm) spec.set_clip_by_global_norm(*clip_by_global_norm);
   return spec;
+}
+
+Optimizer Sgd(te::v1::LearningRate learning_rate, std::optional<double> momentum, bool nesterov) {
+  Optimizer o;
+  o.kind = Optimizer::Kind::kSgd;
+  o.learning_rate_schedule = std::move(learning_rate);
+  o.momentum = momentum;
+  o.nesterov = nesterov;
+  return o;
+}
+
+Optimizer Adam(te::v1::LearningRate learning_rate, double b1, double b2, double eps,
+               double eps_root) {
+  Optimizer o;
+  o.kind = Optimizer::Kind::kAdam;
+  o.learning_rate_schedule = std::move(learning_rate);
+  o.b1 = b1;
+  o.b2 = b2;
+  o.eps = eps;
+  o.eps_root = eps_root;
+  return o;
+}
+
+Optimizer AdamW(te::v1::LearningRate learning_rate, double b1, double b2, double eps,
+                double eps_root, double weight_decay) {
+  Optimizer o = Adam(std::move(learning_rate), b1, b2, eps, eps_root);
+  o.kind = Optimizer::Kind::kAdamW;
+  o.weight_decay = weight_decay;
+  return o;
+}
+
+Optimizer Rmsprop(te::v1::LearningRate learning_rate, double decay, double eps,
+                  double initial_scale, bool eps_in_sqrt, bool centered,
+                  std::optional<double> momentum, bool nesterov) {
+  Optimizer o;
+  o.kind = Optimizer::Kind::kRmsprop;
+  o.learning_rate_schedule = std::move(learning_rate);
+  o.decay = decay;
+  o.eps = eps;
+  o.initial_scale = initial_scale;
+  o.eps_in_sqrt = eps_in_sqrt;
+  o.centered = centered;
+  o.momentum = momentum;
+  o.nesterov = nesterov;
+  return o;
+}
+
+Optimizer Lion(te::v1::LearningRate learning_rate, double b1, double b2, double weight_decay) {
+  Optimizer o;
+  o.kind = Optimizer::Kind::kLion;
+  o.learning_rate_schedule = std::move(learning_rate);
+  o.b1 = b1;
+  o.b2 = b2;
+  o.lion_weight_decay = weight_decay;
+  return o;
+}
+
+Optimizer Chain(std::vector<Transform> links) {
+  Optimizer o;
+  o.kind = Optimizer::Kind::kChain;
+  o.chain = std::move(links);
+  return o;
+}
+
+Transform Link(const Optimizer& optimizer) {
+  Transform t;
+  SetOptimizerKind(optimizer, &t);
+  return t;
+}
+
+Transform ClipByGlobalNorm(double max_norm) {
+  Transform t;
+  t.set_clip_by_global_norm(max_norm);
+  return t;
+}
+
+Transform Clip(double max_delta) {
+  Transform t;
+  t.set_clip(max_delta);
+  return t;
+}
+
+Transform Scale(double step_size) {
+  Transform t;
+  t.set_scale(step_size);
+  return t;
+}
+
+Transform AddDecayedWeights(double weight_decay) {
+  Transform t;
+  t.set_add_decayed_weights(weight_decay);
+  return t;
+}
+
+Transform ScaleByLearningRate(te::v1::LearningRate learning_rate) {
+  Transform t;
+  *t.mutable_scale_by_learning_rate() = std::move(learning_rate);
+  return t;
 }
 
 template <typename Request, typename Response>
@@ -552,6 +811,11 @@ std::future<absl::StatusOr<te::v1::GetVariablesResponse>> Session::GetVariablesA
     te::v1::GetVariablesRequest request, absl::Duration timeout) {
   return CallAsync(&te::v1::TeService::Stub::GetVariables,
                    std::move(request), timeout);
+}
+
+std::future<absl::StatusOr<te::v1::ReleaseVersionsResponse>> Session::ReleaseVersionsAsync(
+    te::v1::ReleaseVersionsRequest request, absl::Duration timeout) {
+  return CallAsync(&te::v1::TeService::Stub::ReleaseVersions, std::move(request), timeout);
 }
 
 std::future<absl::StatusOr<te::v1::SetVariablesResponse>> Session::SetVariablesAsync(

@@ -99,24 +99,91 @@ struct SessionOptions {
   std::string device;           // "cpu", "cuda:0"; empty: the server's choice
   absl::Duration ttl = absl::ZeroDuration();  // idle TTL; zero: the server's default
   std::optional<Transport> transport;         // unset: ClientOptions::transport
+  // The session's x-te-session value (ClientOptions' session affinity);
+  // empty: 32 random hex digits. A chosen key picks the replica a hashing
+  // balancer sends the session to, e.g. to spread test sessions over every
+  // replica deterministically.
+  std::string affinity_key;
 };
+
+// optax's learning-rate schedules (te.v1.LearningRate), with optax's names,
+// arguments and defaults; a schedule's steps count the optimizer's applied
+// updates from 0.
+namespace schedules {
+te::v1::LearningRate Constant(double value);
+te::v1::LearningRate Linear(double init_value, double end_value, int64_t transition_steps,
+                            int64_t transition_begin = 0);
+te::v1::LearningRate CosineDecay(double init_value, int64_t decay_steps, double alpha = 0.0,
+                                 double exponent = 1.0);
+te::v1::LearningRate WarmupCosineDecay(double init_value, double peak_value, int64_t warmup_steps,
+                                       int64_t decay_steps, double end_value = 0.0,
+                                       double exponent = 1.0);
+te::v1::LearningRate ExponentialDecay(double init_value, int64_t transition_steps,
+                                      double decay_rate, int64_t transition_begin = 0,
+                                      bool staircase = false,
+                                      std::optional<double> end_value = std::nullopt);
+// {step: scale}: init_value times every scale whose step has been reached.
+te::v1::LearningRate PiecewiseConstant(double init_value,
+                                       const std::map<int64_t, double>& boundaries_and_scales);
+// schedules[i] from boundaries[i - 1] on, counting its steps from there.
+te::v1::LearningRate JoinSchedules(const std::vector<te::v1::LearningRate>& schedules,
+                                   const std::vector<int64_t>& boundaries);
+}  // namespace schedules
 
 // A layer's optimizer (Session::SetOptimizer), with optax's names and
 // defaults: optax.sgd(lr, momentum=None, nesterov=False), optax.adam(lr,
 // b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0), optax.adamw(..., weight_decay=1e-4),
-// optionally after optax.clip_by_global_norm(max_norm).
+// optax.rmsprop(lr, decay=0.9, eps=1e-8, initial_scale=0.0, eps_in_sqrt=True,
+// centered=False, momentum=None, nesterov=False), optax.lion(lr, b1=0.9,
+// b2=0.99, weight_decay=1e-3), optionally after
+// optax.clip_by_global_norm(max_norm); or optax.chain of Transforms. The
+// functions below build them as optax's constructors do.
+// One link of optax.chain: an optimizer or one of optax's transformations.
+using Transform = te::v1::Transform;
 struct Optimizer {
-  enum class Kind { kSgd, kAdam, kAdamW };
+  enum class Kind { kSgd, kAdam, kAdamW, kRmsprop, kLion, kChain };
   Kind kind = Kind::kAdamW;
-  double learning_rate = 1e-3;  // constant, unless `schedule` is set
+  double learning_rate = 1e-3;  // constant, unless a schedule is set
+  // optax.warmup_cosine_decay_schedule, or any schedule (takes precedence).
   std::optional<te::v1::WarmupCosineDecaySchedule> schedule;
-  std::optional<double> momentum;  // sgd
-  bool nesterov = false;           // sgd
-  double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;  // adam, adamw
-  double weight_decay = 1e-4;                               // adamw
+  std::optional<te::v1::LearningRate> learning_rate_schedule;
+  std::optional<double> momentum;  // sgd, rmsprop
+  bool nesterov = false;           // sgd, rmsprop
+  // adam, adamw, lion (the Lion builder sets lion's 0.9, 0.99).
+  double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;
+  // adamw's (1e-4); lion's is lion_weight_decay.
+  double weight_decay = 1e-4;
+  double lion_weight_decay = 1e-3;
+  double decay = 0.9;          // rmsprop
+  double initial_scale = 0.0;  // rmsprop
+  bool eps_in_sqrt = true;     // rmsprop
+  bool centered = false;       // rmsprop
   std::optional<double> clip_by_global_norm;
+  std::vector<Transform> chain;  // kChain: its links, in order
   te::v1::Optimizer ToProto() const;
+  te::v1::LearningRate LearningRate() const;
 };
+
+Optimizer Sgd(te::v1::LearningRate learning_rate, std::optional<double> momentum = std::nullopt,
+              bool nesterov = false);
+Optimizer Adam(te::v1::LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999,
+               double eps = 1e-8, double eps_root = 0.0);
+Optimizer AdamW(te::v1::LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999,
+                double eps = 1e-8, double eps_root = 0.0, double weight_decay = 1e-4);
+Optimizer Rmsprop(te::v1::LearningRate learning_rate, double decay = 0.9, double eps = 1e-8,
+                  double initial_scale = 0.0, bool eps_in_sqrt = true, bool centered = false,
+                  std::optional<double> momentum = std::nullopt, bool nesterov = false);
+Optimizer Lion(te::v1::LearningRate learning_rate, double b1 = 0.9, double b2 = 0.99,
+               double weight_decay = 1e-3);
+// optax.chain(links...): clip_by_global_norm may come anywhere, e.g.
+// Chain({Link(Adam(...)), ClipByGlobalNorm(1.0)}) clips adam's updates.
+Optimizer Chain(std::vector<Transform> links);
+Transform Link(const Optimizer& optimizer);  // sgd, adam, adamw, rmsprop, lion (no clip)
+Transform ClipByGlobalNorm(double max_norm);
+Transform Clip(double max_delta);
+Transform Scale(double step_size);
+Transform AddDecayedWeights(double weight_decay);
+Transform ScaleByLearningRate(te::v1::LearningRate learning_rate);
 
 // A tensor held by the server in a session (from Put, or kept outputs).
 struct ResidentTensor {
@@ -192,8 +259,21 @@ class Session {
       te::v1::ForwardBackwardRequest request, absl::Duration timeout = absl::InfiniteDuration());
   absl::StatusOr<te::v1::GetVariablesResponse> GetVariables(
       te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
-  absl::Status SetVariables(te::v1::SetVariablesRequest request,
-                            absl::Duration timeout = absl::InfiniteDuration());
+  // The response names the new version (a layer's variables are versions:
+  // te.v1 ReleaseVersionsRequest).
+  absl::StatusOr<te::v1::SetVariablesResponse> SetVariables(
+      te::v1::SetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // Another graph over a layer's variables (another batch size, a loss):
+  // its index, or that of an equal graph the layer has. INVALID_ARGUMENT
+  // naming the node that is not the layer's or does not fit.
+  absl::StatusOr<te::v1::AddGraphResponse> AddGraph(
+      te::v1::AddGraphRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // Frees versions of a layer's variables; unknown or released ones are ignored.
+  absl::Status ReleaseVersions(te::v1::ReleaseVersionsRequest request,
+                               absl::Duration timeout = absl::InfiniteDuration());
+  // Frees a layer: every version, graph, optimizer state and kept forward of it.
+  absl::Status DeleteLayer(te::v1::DeleteLayerRequest request,
+                           absl::Duration timeout = absl::InfiniteDuration());
   // The Benchmark RPC: step times, and the memory of the timed steps
   // (peak_bytes_in_use: this session's; bytes_reserved / peak_bytes_reserved:
   // the device allocator's, as JAX's device.memory_stats()).
@@ -239,6 +319,25 @@ class Session {
       te::v1::GetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
   std::future<absl::StatusOr<te::v1::SetVariablesResponse>> SetVariablesAsync(
       te::v1::SetVariablesRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  std::future<absl::StatusOr<te::v1::ReleaseVersionsResponse>> ReleaseVersionsAsync(
+      te::v1::ReleaseVersionsRequest request, absl::Duration timeout = absl::InfiniteDuration());
+
+  // A handle to this Session that may outlive it: what holds a version of
+  // a layer's variables (modules.h's Variables) releases it through here.
+  class Link {
+   public:
+    // Sends ReleaseVersions for `version` of `layer_id` without waiting for
+    // the answer (in the session's call order; its errors are dropped:
+    // the version may have gone with its layer). Nothing once the Session
+    // is closed or gone.
+    void ReleaseVersion(const std::string& layer_id, int64_t version);
+
+   private:
+    friend class Session;
+    absl::Mutex mu_;
+    Session* session_ ABSL_GUARDED_BY(mu_) = nullptr;
+  };
+  std::shared_ptr<Link> link() const { return link_; }
 
   // A request tensor for `tensor`, by the session's transport: inline,
   // uploaded with Put, or written to shared memory (its id, or its block as
@@ -316,6 +415,7 @@ class Session {
   std::string negotiation_;
   absl::Duration ttl_;
   std::atomic<bool> closed_{false};
+  std::shared_ptr<Link> link_ = std::make_shared<Link>();
   const Transport transport_;
   SharedMemoryPool shm_;
   TransportCounts counts_;

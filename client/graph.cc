@@ -134,7 +134,7 @@ std::vector<Graph::Edge> Graph::Record(NodeInfo node, const std::vector<Shape>& 
     out.push_back(Edge{node.outputs.back()});
     edges_.push_back(EdgeInfo{s, dtype, index, "", makes_mask});
   }
-  if (!node.name.empty()) module_names_[node.name] = index;
+  if (!node.name.empty() || node.root) module_names_[node.name] = index;
   nodes_.push_back(std::move(node));
   return out;
 }
@@ -145,8 +145,23 @@ Graph::Edge Graph::RecordOne(NodeInfo node, Shape shape, DType dtype) {
 
 std::vector<Graph::Edge> Graph::CallAll(const Module& module, const std::vector<Edge>& inputs, Edge mask,
                                         const std::string& name) {
-  const std::string node_name = Joined(ScopePath(), name.empty() ? AutoName(module.type_name()) : name);
-  const std::string where = absl::StrCat(node_name, " (", module.type_name(), ")");
+  return CallModule(module, inputs, mask,
+                    Joined(ScopePath(), name.empty() ? AutoName(module.type_name()) : name), false);
+}
+
+Graph::Edge Graph::CallLayer(const Module& module, const std::vector<Edge>& inputs, Edge mask) {
+  if (!scope_.empty()) return Fail(absl::StrCat("CallLayer (", module.type_name(), ")"), "inside a Submodule scope; the layer is the root");
+  std::vector<Edge> outputs = CallModule(module, inputs, mask, "", true);
+  return outputs.empty() ? Edge{} : outputs.front();
+}
+
+std::vector<Graph::Edge> Graph::CallModule(const Module& module, const std::vector<Edge>& inputs, Edge mask,
+                                           const std::string& node_name, bool root) {
+  const std::string where = absl::StrCat(root ? "the layer" : node_name, " (", module.type_name(), ")");
+  if (root && module_names_.count("")) {
+    Fail(where, "CallLayer called twice: a graph reads its layer's one module once");
+    return {};
+  }
   if (!Readable(inputs, where)) return {};
   if (inputs.empty()) {
     Fail(where, "no input x");
@@ -172,6 +187,7 @@ std::vector<Graph::Edge> Graph::CallAll(const Module& module, const std::vector<
 
   NodeInfo node = Glue("", inputs);
   node.name = node_name;
+  node.root = root;
   node.mask = mask.id;
   node.keep = true;
   *node.op.mutable_module() = *std::move(spec);
@@ -473,15 +489,23 @@ Graph::Edge Graph::SoftmaxCrossEntropyWithIntegerLabels(Edge logits, Edge labels
   return RecordOne(std::move(node), Shape{}, DType::kF32);
 }
 
-void Graph::SetOutput(Edge y) {
-  if (Readable({y}, "outputs")) output_ = y.id;
+void Graph::SetOutput(Edge y) { SetOutputs({y}); }
+
+void Graph::SetOutputs(const std::vector<Edge>& outputs) {
+  if (outputs.empty()) {
+    Fail("outputs", "empty; y first");
+    return;
+  }
+  if (!Readable(outputs, "outputs")) return;
+  outputs_.clear();
+  for (Edge e : outputs) outputs_.push_back(e.id);
 }
 
 // ---- the spec ----------------------------------------------------------------------
 
 absl::StatusOr<te::v1::LayerSpec> Graph::Spec() const {
   if (!error_.ok()) return error_;
-  if (output_ < 0) return absl::InvalidArgumentError(absl::StrCat(type_name_, ": no output set (SetOutput)"));
+  if (outputs_.empty()) return absl::InvalidArgumentError(absl::StrCat(type_name_, ": no output set (SetOutput)"));
 
   // What the output depends on, and every module node.
   std::vector<bool> live(nodes_.size(), false);
@@ -489,7 +513,9 @@ absl::StatusOr<te::v1::LayerSpec> Graph::Spec() const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
     if (nodes_[i].keep) stack.push_back(static_cast<int>(i));
   }
-  if (edges_[output_].node >= 0) stack.push_back(edges_[output_].node);
+  for (int output : outputs_) {
+    if (edges_[output].node >= 0) stack.push_back(edges_[output].node);
+  }
   while (!stack.empty()) {
     const int n = stack.back();
     stack.pop_back();
@@ -513,7 +539,7 @@ absl::StatusOr<te::v1::LayerSpec> Graph::Spec() const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const NodeInfo& node = nodes_[i];
     if (!live[i]) continue;
-    if (!node.name.empty()) {
+    if (!node.name.empty() || node.root) {
       names[i] = node.name;
       continue;
     }
@@ -531,11 +557,13 @@ absl::StatusOr<te::v1::LayerSpec> Graph::Spec() const {
       continue;
     }
     const NodeInfo& node = nodes_[info.node];
+    // The layer's own module is the node named "": its edges need a name.
+    const std::string stem = node.root ? std::string(kLayerEdge) : names[info.node];
     if (node.outputs.size() == 1) {
-      edge_names[e] = names[info.node];
+      edge_names[e] = stem;
     } else {
       const size_t i = std::find(node.outputs.begin(), node.outputs.end(), static_cast<int>(e)) - node.outputs.begin();
-      edge_names[e] = absl::StrCat(names[info.node], ":", i);
+      edge_names[e] = absl::StrCat(stem, ":", i);
     }
   }
 
@@ -551,7 +579,7 @@ absl::StatusOr<te::v1::LayerSpec> Graph::Spec() const {
     if (node.mask >= 0) out->set_mask(edge_names[node.mask]);
     out->MergeFrom(node.op);
   }
-  graph->add_outputs(edge_names[output_]);
+  for (int output : outputs_) graph->add_outputs(edge_names[output]);
   return spec;
 }
 

@@ -136,7 +136,51 @@ class Graph : public Module {
   // "softmax_cross_entropy_<n>".
   Edge SoftmaxCrossEntropyWithIntegerLabels(Edge logits, Edge labels);
 
+  // ---- jax.numpy on traced tensors ---------------------------------------------------
+  // Glue nodes "<op>_<n>" (the GraphSpec.Node field: binary, unary, where,
+  // reduce, einsum, slice, softmax). Float operands of two dtypes promote as
+  // JAX's do (a cast node first); constants take the tensor's dtype (JAX's
+  // weak typing).
+  using BinaryOp = te::v1::GraphSpec::Binary::Op;
+  using UnaryOp = te::v1::GraphSpec::Unary::Op;
+  using ReduceOp = te::v1::GraphSpec::Reduce::Op;
+  // a op b with numpy broadcasting; the comparisons give bool.
+  Edge Binary(BinaryOp op, Edge a, Edge b);
+  // x op scalar, or scalar op x when scalar_first (1.0 - x, 2 / x).
+  Edge Binary(BinaryOp op, Edge x, double scalar, bool scalar_first = false);
+  Edge Unary(UnaryOp op, Edge x);  // logical_not takes bool, the rest float
+  // jnp.where(cond, x, y), broadcast together; either side may be a constant.
+  Edge Where(Edge cond, Edge x, Edge y);
+  Edge Where(Edge cond, double x, Edge y);
+  Edge Where(Edge cond, Edge x, double y);
+  // jnp.sum / mean / max / min over `axes` (empty: all; negative from the end).
+  Edge Reduce(ReduceOp op, Edge x, const std::vector<int>& axes = {}, bool keepdims = false);
+  // jnp.einsum of two operands for what a (batched) GEMM covers.
+  Edge Einsum(const std::string& equation, Edge a, Edge b,
+              te::v1::Precision precision = te::v1::PRECISION_DEFAULT);
+  // x[start:limit:stride] per axis (bounds resolved: 0 <= start <= limit <=
+  // dim; stride empty: 1s). An integer index is a slice of one, then Reshape.
+  Edge Slice(Edge x, const std::vector<int64_t>& start, const std::vector<int64_t>& limit,
+             const std::vector<int64_t>& stride = {});
+  // jax.nn.softmax / log_softmax along `axis`.
+  Edge Softmax(Edge x, int axis = -1, bool log = false);
+  // self.param(name, init, shape, dtype) in the current scope: a node named
+  // "<scope>/<name>" whose variable is "params/<scope>/<name>", drawn from
+  // `init` (an unset Initializer is lecun_normal, Flax's default kernel
+  // init) with the node's seed. Kept when the output does not read it.
+  Edge Param(const std::string& name, Shape shape, const te::v1::Initializer& init = {},
+             DType dtype = DType::kF32);
+
+  // The result: y. SetOutputs: y, then aux outputs (a loss function's, as
+  // jax.value_and_grad's has_aux returns them), which get no gradient.
   void SetOutput(Edge y);
+  void SetOutputs(const std::vector<Edge>& outputs);
+
+  // The layer itself, in a graph added over a layer that is this one module
+  // (AddGraph, modules.h): a module node named "" (the root scope), which
+  // reads the layer's variables under their own names. Once per graph, at
+  // the top scope.
+  Edge CallLayer(const Module& module, const std::vector<Edge>& inputs, Edge mask = {});
 
   std::string type_name() const override { return type_name_; }
   // LayerSpec{graph}: the first bad use's error, or INVALID_ARGUMENT when no
@@ -162,8 +206,12 @@ class Graph : public Module {
     int mask = -1;
     std::vector<int> outputs;
     bool keep = false;  // a module with variables: stays when the output does not read it
+    bool root = false;  // CallLayer's node, named ""
   };
+  static constexpr char kLayerEdge[] = "layer";  // the edge of CallLayer's node
 
+  std::vector<Edge> CallModule(const Module& module, const std::vector<Edge>& inputs, Edge mask,
+                               const std::string& node_name, bool root);
   // Records a node in the current scope; its outputs' shapes and dtype.
   std::vector<Edge> Record(NodeInfo node, const std::vector<Shape>& shapes, DType dtype, bool makes_mask = false);
   Edge RecordOne(NodeInfo node, Shape shape, DType dtype);
@@ -177,6 +225,10 @@ class Graph : public Module {
   std::string ScopePath() const;
   std::string AutoName(const std::string& type_name);  // Flax's "<type>_<n>", counted
   std::vector<Edge> Promoted(const std::vector<Edge>& ts, const std::string& op);
+  // numpy's broadcast of the edges' shapes; nullopt (and the error set) when they do not.
+  std::optional<Shape> Broadcast(const std::vector<Edge>& ts, const std::string& where);
+  Edge WhereOf(Edge cond, std::optional<double> x_scalar, Edge x, std::optional<double> y_scalar,
+               Edge y);
 
   std::string type_name_;
   std::vector<EdgeInfo> edges_;
@@ -186,7 +238,7 @@ class Graph : public Module {
   std::map<std::string, int> module_names_;                        // name -> node
   std::map<int, EmbedOptions> embed_options_;                      // Embed node -> its dtypes
   std::vector<std::string> dropout_users_;                          // node names, in call order
-  int output_ = -1;
+  std::vector<int> outputs_;  // y first
   absl::Status error_;
 };
 

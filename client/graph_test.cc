@@ -243,5 +243,101 @@ TEST(GraphTest, BadUsesNameTheNode) {
   }
 }
 
+// ---- jax.numpy's nodes -------------------------------------------------------------
+
+using Spec = te::v1::GraphSpec;
+
+TEST(GraphTest, NumpyNodesRecordTheirOpShapesAndDTypes) {
+  Graph g("Block", kX, DType::kBF16);
+  const Graph::Edge bias = g.Param("bias", {16}, {}, DType::kF32);  // float32 param
+  const Graph::Edge sum = g.Binary(Spec::Binary::ADD, g.x(), bias);  // bf16 + f32: a cast first
+  EXPECT_EQ(g.shape(sum), kX);
+  EXPECT_EQ(g.dtype(sum), DType::kF32);
+  const Graph::Edge half = g.Binary(Spec::Binary::SUBTRACT, sum, 1.0, /*scalar_first=*/true);
+  const Graph::Edge positive = g.Binary(Spec::Binary::GREATER, half, 0.0);
+  EXPECT_EQ(g.dtype(positive), DType::kBool);
+  const Graph::Edge kept = g.Where(g.Unary(Spec::Unary::LOGICAL_NOT, positive), half, 0.0);
+  const Graph::Edge mean = g.Reduce(Spec::Reduce::MEAN, kept, {-1}, /*keepdims=*/true);
+  EXPECT_EQ(g.shape(mean), (Shape{2, 8, 1}));
+  const Graph::Edge all = g.Reduce(Spec::Reduce::SUM, kept);
+  EXPECT_EQ(g.shape(all), Shape{});
+  const Graph::Edge scores = g.Einsum("bqd,bkd->bqk", kept, kept);
+  EXPECT_EQ(g.shape(scores), (Shape{2, 8, 8}));
+  const Graph::Edge p = g.Softmax(scores, -1, /*log=*/true);
+  const Graph::Edge first = g.Slice(p, {0, 0, 0}, {2, 1, 8}, {1, 1, 2});
+  EXPECT_EQ(g.shape(first), (Shape{2, 1, 4}));
+  const Graph::Edge tanh = g.Unary(Spec::Unary::TANH, first);
+  g.SetOutput(g.Binary(Spec::Binary::MULTIPLY, tanh, mean));  // [2, 1, 4] * [2, 8, 1]
+  const te::v1::GraphSpec spec = SpecOf(g);
+  EXPECT_EQ(NodeNames(spec),
+            (std::vector<std::string>{"bias", "cast_0", "binary_0", "binary_1", "binary_2", "unary_0",
+                                      "where_0", "reduce_0", "einsum_0", "softmax_0", "slice_0", "unary_1",
+                                      "binary_3"}));
+  EXPECT_EQ(spec.nodes(0).param().shape_size(), 1);
+  EXPECT_EQ(spec.nodes(0).param().dtype(), te::v1::FLOAT32);
+  EXPECT_TRUE(spec.nodes(3).binary().has_scalar());
+  EXPECT_TRUE(spec.nodes(3).binary().scalar_first());
+  EXPECT_EQ(spec.nodes(6).inputs_size(), 2);  // the condition and x; y the constant
+  EXPECT_TRUE(spec.nodes(6).where().has_y_scalar());
+  EXPECT_EQ(spec.nodes(7).reduce().axes(0), 2);
+  EXPECT_EQ(spec.nodes(8).einsum().equation(), "bqd,bkd->bqk");
+  EXPECT_TRUE(spec.nodes(9).softmax().log());
+  EXPECT_EQ(spec.nodes(10).slice().stride(2), 2);
+  EXPECT_EQ(spec.outputs(0), "binary_3");
+}
+
+TEST(GraphTest, ParamsTakeTheScopeAndStayUnread) {
+  Graph g("Block", kX, DType::kF32);
+  {
+    Graph::Scope mlp = g.Submodule("Mlp");
+    g.Param("unused", {3, 4});
+  }
+  g.SetOutput(g.Einsum("...d,df->...f", g.x(), g.Param("kernel", {16, 4})));
+  const te::v1::GraphSpec spec = SpecOf(g);
+  EXPECT_EQ(NodeNames(spec), (std::vector<std::string>{"Mlp_0/unused", "kernel", "einsum_0"}));
+}
+
+TEST(GraphTest, EinsumShapes) {
+  Graph g("Block", kX, DType::kF32);
+  EXPECT_EQ(g.shape(g.Einsum("...d,df->...f", g.x(), g.Param("k", {16, 3}))), (Shape{2, 8, 3}));
+  EXPECT_EQ(g.shape(g.Einsum("bsd,bsd->bs", g.x(), g.x())), (Shape{2, 8}));
+  // Implicit output: the indices that appear once, sorted; b is summed.
+  EXPECT_EQ(g.shape(g.Einsum("bsd,bte", g.x(), g.x())), (Shape{16, 16, 8, 8}));
+}
+
+TEST(GraphTest, NumpyBadUsesNameTheNode) {
+  {
+    Graph g("Block", kX, DType::kF32);
+    g.Binary(Spec::Binary::ADD, g.x(), g.Reshape(g.x(), {2, 16, 8}));
+    ExpectError(g, "binary_0: shapes [2, 8, 16], [2, 16, 8] do not broadcast together");
+  }
+  {
+    Graph g("Block", kX, DType::kF32);
+    g.Reduce(Spec::Reduce::SUM, g.x(), {3});
+    ExpectError(g, "reduce_0: axis 3 is out of range for [2, 8, 16]");
+  }
+  {
+    Graph g("Block", kX, DType::kF32);
+    g.Einsum("bsd,de->bse", g.x(), g.x());
+    ExpectError(g, "einsum_0: \"bsd,de->bse\": operand 1 [2, 8, 16] does not fit \"de\"");
+  }
+  {
+    Graph g("Block", kX, DType::kF32);
+    g.Slice(g.x(), {0, 0, 0}, {2, 9, 16});
+    ExpectError(g, "slice_0: axis 1: 0:9:1 is not within 0:8");
+  }
+  {
+    Graph g("Block", kX, DType::kF32);
+    g.Where(g.x(), g.x(), 0.0);
+    ExpectError(g, "where_0: the condition is float32; want bool");
+  }
+  {
+    Graph g("Block", kX, DType::kF32);
+    g.Param("p", {4});
+    g.Param("p", {4});
+    ExpectError(g, "p (param): the name is already used");
+  }
+}
+
 }  // namespace
 }  // namespace te::client

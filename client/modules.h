@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,15 +35,38 @@ struct VariableInfo {
   DType dtype = DType::kF32;
 };
 
+class VersionHold;  // modules.cc
+
 // What Init returns: the server's handle to one layer's variables.
+//
+// A layer's variables come in versions on the server (te.v1
+// ReleaseVersionsRequest): a call that changes them (a step, SetVariables,
+// an Apply with update_fp8_metas) makes a new version from the one it read.
+// A Variables is one of two kinds:
+//  * live (what Init returns): it follows its layer's newest version. A
+//    call through it that makes a new version moves every copy of it there,
+//    and the version it left is released once no Variables holds it: the
+//    stateful handle of a server-side layer.
+//  * a value (Pinned(), and the `variables` of a step's result): one version,
+//    which no later call changes, kept on the server while any copy of it
+//    lives and released (without waiting) when the last one goes. Calls
+//    through it read that version; a call that makes a new version returns
+//    it as another value.
+// Copies are cheap (a shared handle) and thread-compatible.
 struct Variables {
   Session* session = nullptr;  // not owned: must outlive every use of these variables
   std::string layer_id;
   std::vector<VariableInfo> variables;
   Shape output_shape;          // for the input shape Init saw
   DType output_dtype = DType::kF32;
+  std::shared_ptr<VersionHold> hold;  // the version; null: unknown (the newest, unheld)
 
   bool HasCollection(const std::string& collection) const;
+  // The version these variables read now (a live handle's moves); 0 when unknown.
+  int64_t version() const;
+  bool live() const;
+  // A value of the version these variables read now.
+  Variables Pinned() const;
 };
 
 // The variable tree's shapes as the quickstart prints
@@ -71,12 +95,22 @@ struct ApplyOptions {
   // state); true ends the step at this forward instead (amaxes recorded,
   // scales updated), as inference under DelayedScaling wants.
   bool update_fp8_metas = false;
+  // Which of the layer's graphs runs: 0, the one Init made, or AddGraph's.
+  int graph = 0;
+  // ValueAndGrad: one step of the layer's optimizer (Session::SetOptimizer)
+  // with the gradients, on the server, in the same call; the result's grads
+  // are then empty and its variables the updated version.
+  bool apply_update = false;
 };
 
 struct ForwardResult {
   HostTensor y;
   std::optional<HostTensor> ln_out;  // modules that return their layernorm output
+  std::vector<HostTensor> aux;       // a graph's outputs after y
   std::string forward_id;            // set when the forward was kept for Backward
+  // Where the call made a new version (update_fp8_metas): it, as a value
+  // for a value's call (a live handle moved there itself).
+  std::optional<Variables> variables;
 };
 
 // Gradients of vdot(y, dy). `grads` is keyed like the params it belongs to
@@ -85,12 +119,30 @@ struct BackwardResult {
   HostTensor dx;
   std::vector<HostTensor> extra_input_grads;  // dk, dv for bshd attention
   std::map<std::string, HostTensor> grads;
+  // The version the step made (FP8 state, kept gradients), of the kind
+  // Backward's `vars` are: live (moved there) or a value. Unset without
+  // `vars`: that version then stays on the server until its layer goes.
+  std::optional<Variables> variables;
 };
 
 struct ValueAndGradResult {
-  double value = 0.0;  // vdot(apply(x), dy)
+  double value = 0.0;  // vdot(apply(x), dy), or the loss
   HostTensor dx;
+  std::vector<HostTensor> extra_input_grads;  // of ApplyOptions::extra_inputs
   std::map<std::string, HostTensor> grads;
+  std::vector<HostTensor> aux;  // a loss graph's outputs after the loss (has_aux)
+  // The variables after the step (Module::ValueAndGrad): the new version the
+  // step made (FP8 state moved, gradients kept, an update), else the one it
+  // read; live when the call went through a live handle (which moved there).
+  std::optional<Variables> variables;
+  std::optional<te::v1::UpdateInfo> update;  // with ApplyOptions::apply_update
+};
+
+// What AddGraph made.
+struct AddedGraph {
+  int graph = 0;  // for ApplyOptions::graph
+  Shape output_shape;
+  DType output_dtype = DType::kF32;
 };
 
 // The shared machinery: a module only says what its te.v1.LayerSpec is.
@@ -127,6 +179,14 @@ class Module {
                                                   const HostTensor& dy,
                                                   const ApplyOptions& options = {}) const;
 
+  // jax.value_and_grad(loss_fn, has_aux=True) for a graph whose y is a
+  // float32 scalar (options.graph, added over the layer with AddGraph, or
+  // Init's own): no dy, the loss's backward is seeded with 1; result.aux
+  // holds the graph's outputs after the loss. INVALID_ARGUMENT (the
+  // server's) when that graph's y is not a float32 scalar.
+  absl::StatusOr<ValueAndGradResult> LossValueAndGrad(const Variables& vars, const HostTensor& x,
+                                                      const ApplyOptions& options = {}) const;
+
   // A forward that, with keep_for_backward, leaves what Backward needs on the
   // server (for chaining modules by hand; see sequential.h).
   absl::StatusOr<ForwardResult> Forward(const Variables& vars, const HostTensor& x,
@@ -141,13 +201,27 @@ class Module {
 // the parameter gradients stay on the server (summed into the layer's "grads"
 // collection) and result.grads is empty. NOT_FOUND when the forward id is
 // unknown or was already used.
+// `vars`, when given, are the forward's: a live handle moves to the version
+// the step makes (its FP8 state, kept gradients).
 absl::StatusOr<BackwardResult> Backward(Session& session, const std::string& forward_id,
-                                        const HostTensor& dy, bool keep_grads = false);
+                                        const HostTensor& dy, bool keep_grads = false,
+                                        const Variables* vars = nullptr);
 
-// The layer's current variables ("params/...", "fp8_metas/...", "grads/..."),
-// downloaded; `collections` empty means all.
+// The variables of the version `vars` read ("params/...", "fp8_metas/...",
+// "grads/...", "opt_state/..."), downloaded; `collections` empty means all.
 absl::StatusOr<std::map<std::string, HostTensor>> GetVariables(
     const Variables& vars, const std::vector<std::string>& collections = {});
+
+// Adds `graph` (a Graph, client/graph.h, over the layer's own modules: the
+// same names and specs; for a layer that is one module, that module as the
+// graph's Graph::CallLayer) for an x of `x_shape` and `x_dtype` to the layer
+// `vars` name. INVALID_ARGUMENT naming the node that is not the layer's.
+absl::StatusOr<AddedGraph> AddGraph(const Variables& vars, const Module& graph,
+                                    const Shape& x_shape, DType x_dtype);
+
+// Frees the layer on the server: every version (every Variables of it is
+// then unusable: NOT_FOUND), graph, optimizer state and kept forward.
+absl::Status DeleteLayer(const Variables& vars);
 
 // ---- The modules (TE's defaults) ----------------------------------------------
 

@@ -306,7 +306,7 @@ TEST_F(PipelinedTest, ACallEndedAtTheClientIsNamedAbandonedUntilALaterCallIsAnsw
   // sending it. (One a microsecond ahead is not enough: gRPC rounds it up to
   // its millisecond clock, and the call may be sent and answered in time.)
   const absl::Duration expired = -absl::Seconds(1);
-  EXPECT_EQ(session_->SetVariables({}, expired).code(), absl::StatusCode::kDeadlineExceeded);  // 1
+  EXPECT_EQ(session_->SetVariables({}, expired).status().code(), absl::StatusCode::kDeadlineExceeded);  // 1
   EXPECT_EQ(session_->GetVariablesAsync({}, expired).get().status().code(),
             absl::StatusCode::kDeadlineExceeded);  // 2
   absl::StatusOr<ResidentTensor> put =
@@ -334,7 +334,7 @@ TEST_F(PipelinedTest, AnAnswerForgetsOnlyTheAbandonedNumbersBelowIt) {
   service_.release_on_close = false;
   std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> step =
       session_->ForwardBackwardAsync({});  // 1, held by the fake
-  EXPECT_EQ(session_->SetVariables({}, /*timeout=*/-absl::Seconds(1)).code(),
+  EXPECT_EQ(session_->SetVariables({}, /*timeout=*/-absl::Seconds(1)).status().code(),
             absl::StatusCode::kDeadlineExceeded);  // 2, its deadline already past
   service_.Release();
   ASSERT_TRUE(step.get().ok());  // 1's answer says nothing of 2

@@ -197,7 +197,7 @@ absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVari
       case Kind::kModule: {
         RETURN_IF_ERROR(ExpectOne(grads, stage.name));
         ASSIGN_OR_RETURN(BackwardResult back, Backward(*vars.stages[i].session, forward_ids[i], grads[0],
-                                                            /*keep_grads=*/!return_grads));
+                                                            /*keep_grads=*/!return_grads, &vars.stages[i]));
         grads = {std::move(back.dx)};
         for (HostTensor& g : back.extra_input_grads) grads.push_back(std::move(g));
         for (auto& [name, g] : back.grads) result.grads[Scoped(stage.name, name)] = std::move(g);

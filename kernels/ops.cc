@@ -232,4 +232,41 @@ absl::Status Ops::AttentionBackwardPacked(const AttentionArgs& args, const Tenso
   return Permute(dfront, {1, 2, 0, 3, 4}, dqkv);
 }
 
+// ---- jax.numpy ops: both backends override these ------------------------------------
+namespace {
+absl::Status NotOnThisBackend(const Ops& ops, const char* op) {
+  return absl::UnimplementedError(absl::StrCat(op, " is not implemented on ", ops.device_name()));
+}
+}  // namespace
+
+absl::Status Ops::Binary(const BinaryArgs&, const Tensor&, const Tensor&, Tensor*) {
+  return NotOnThisBackend(*this, "Binary");
+}
+absl::Status Ops::BinaryBackward(const BinaryArgs&, const Tensor&, const Tensor&, const Tensor&,
+                                 Tensor*, Tensor*) {
+  return NotOnThisBackend(*this, "BinaryBackward");
+}
+absl::Status Ops::Unary(UnaryOp, const Tensor&, Tensor*) { return NotOnThisBackend(*this, "Unary"); }
+absl::Status Ops::UnaryBackward(UnaryOp, const Tensor&, const Tensor&, Tensor*) {
+  return NotOnThisBackend(*this, "UnaryBackward");
+}
+absl::Status Ops::Where(const WhereArgs&, const Tensor&, const Tensor&, const Tensor&, Tensor*) {
+  return NotOnThisBackend(*this, "Where");
+}
+absl::Status Ops::Reduce(ReduceOp, const Tensor&, Tensor*) { return NotOnThisBackend(*this, "Reduce"); }
+absl::Status Ops::Softmax(bool, int, const Tensor&, Tensor*) {
+  return NotOnThisBackend(*this, "Softmax");
+}
+absl::Status Ops::SoftmaxBackward(bool, int, const Tensor&, const Tensor&, Tensor*) {
+  return NotOnThisBackend(*this, "SoftmaxBackward");
+}
+absl::Status Ops::Slice(const Tensor&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                        Tensor*) {
+  return NotOnThisBackend(*this, "Slice");
+}
+absl::Status Ops::SliceBackward(const Tensor&, const std::vector<int64_t>&,
+                                const std::vector<int64_t>&, Tensor*) {
+  return NotOnThisBackend(*this, "SliceBackward");
+}
+
 }  // namespace te

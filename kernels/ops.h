@@ -112,6 +112,73 @@ struct AttentionArgs {
 };
 // A query row with no visible key outputs 0.
 
+// ---- jax.numpy's elementwise ops, reductions and softmax (Ops::Binary ...) ----
+// Broadcasting, numpy's: an operand of shape s fits an output of shape y when
+// rank(s) <= rank(y) and, aligned from the right, each dim of s is y's or 1
+// (repeated along that dim). At most kBroadcastMaxRank dims (after the
+// backends merge neighbouring dims that broadcast alike).
+inline constexpr int kBroadcastMaxRank = 8;
+
+// Binary's operations. Arithmetic in float32; comparisons give bool.
+enum class BinaryOp {
+  kAdd,
+  kSubtract,
+  kMultiply,
+  kDivide,
+  kMaximum,  // NaN if either is NaN (jnp.maximum)
+  kMinimum,
+  kPower,    // powf(a, b)
+  kGreater,
+  kGreaterEqual,
+  kLess,
+  kLessEqual,
+  kEqual,
+  kNotEqual,
+};
+inline bool IsComparison(BinaryOp op) { return op >= BinaryOp::kGreater; }
+
+// One operand may be a constant instead of a tensor: then b is not read and
+// y = op(a, scalar), or op(scalar, a) when scalar_first.
+struct BinaryArgs {
+  BinaryOp op = BinaryOp::kAdd;
+  bool has_scalar = false;
+  float scalar = 0.0f;
+  bool scalar_first = false;
+};
+
+// Unary's operations, with the derivatives UnaryBackward uses (JAX's):
+//   negative -1; exp e^x; log 1/x; tanh 1 - tanh^2; sqrt 0.5/sqrt(x);
+//   rsqrt -0.5 x^-1.5; abs sign(x) (0 at 0); square 2x; sigmoid s(1 - s);
+//   relu 1 where x > 0 (0 at 0); silu s (1 + x (1 - s)); gelu the tanh
+//   approximation (Activation's); gelu_exact 0.5 x (1 + erf(x / sqrt 2)),
+//   derivative Phi(x) + x phi(x). logical_not: bool -> bool, no derivative.
+enum class UnaryOp {
+  kNegative,
+  kExp,
+  kLog,
+  kTanh,
+  kSqrt,
+  kRsqrt,
+  kAbs,
+  kSquare,
+  kSigmoid,
+  kRelu,
+  kSilu,
+  kGelu,
+  kGeluExact,
+  kLogicalNot,
+};
+
+// jnp.where(cond, x, y) with x or y a constant where has_*_scalar.
+struct WhereArgs {
+  bool has_x_scalar = false;
+  float x_scalar = 0.0f;
+  bool has_y_scalar = false;
+  float y_scalar = 0.0f;
+};
+
+enum class ReduceOp { kSum, kMean, kMax, kMin };
+
 // Block-scaled formats, emulated (quantize-dequantize) where not native.
 enum class BlockFormat {
   kMXFP8,  // E4M3 values, 1x32 blocks, E8M0 block scales 2^ceil(log2(amax/448)) (TE)
@@ -160,20 +227,106 @@ struct OptimizerUpdateArgs {
 // What stays fixed over a training run's steps; the step's scalars are
 // evaluated from the count on the device (kernels/optimizer_math.h defines
 // them, once, for both backends and the server).
-struct LearningRateSchedule {
-  bool warmup_cosine = false;  // optax.warmup_cosine_decay_schedule; else constant
-  double value = 0.0;          // constant
-  double init_value = 0.0, peak_value = 0.0, end_value = 0.0, exponent = 1.0;
-  int64_t warmup_steps = 0, decay_steps = 0;
+
+// optax's learning-rate schedules as data: a small tree of nodes in fixed
+// arrays (kernel arguments, no pointers), one table per optimizer, shared by
+// its links. LearningRateAt(table, node, count) evaluates one node.
+inline constexpr int kMaxScheduleNodes = 16;
+inline constexpr int kMaxScheduleKnots = 32;
+struct ScheduleNode {
+  enum class Kind : int32_t {
+    kConstant,          // init_value
+    kPolynomial,        // optax.polynomial_schedule (linear_schedule: power 1):
+                        //   init_value, end_value, power, steps, begin
+    kCosineDecay,       // optax.cosine_decay_schedule: init_value, steps
+                        //   (decay_steps > 0), alpha, power (its exponent)
+    kExponentialDecay,  // optax.exponential_decay: init_value, steps, rate,
+                        //   begin, staircase, end_value when has_end
+    kPiecewiseConstant, // optax.piecewise_constant_schedule: init_value times
+                        //   knots[first, first + num).scale from each .step
+                        //   on (sorted by step)
+    kJoin,              // optax.join_schedules: knots[first + i].node from
+                        //   knots[first + i].step on (i > 0; knot 0's step
+                        //   unused), counting its steps from there
+  };
+  Kind kind = Kind::kConstant;
+  int32_t first = 0, num = 0;  // knots
+  int32_t staircase = 0, has_end = 0;
+  double init_value = 0.0, end_value = 0.0, power = 1.0, alpha = 0.0, rate = 1.0;
+  int64_t steps = 0, begin = 0;
 };
+struct ScheduleKnot {
+  int64_t step = 0;
+  double scale = 1.0;  // kPiecewiseConstant
+  int32_t node = 0;    // kJoin
+  int32_t unused = 0;
+};
+struct ScheduleTable {
+  int32_t num_nodes = 0, num_knots = 0;
+  ScheduleNode nodes[kMaxScheduleNodes];
+  ScheduleKnot knots[kMaxScheduleKnots];
+  // Appends a node (its index), or -1 when the table is full.
+  int32_t Add(const ScheduleNode& node) {
+    if (num_nodes == kMaxScheduleNodes) return -1;
+    nodes[num_nodes] = node;
+    return num_nodes++;
+  }
+  int32_t AddConstant(double value) {
+    ScheduleNode node;
+    node.init_value = value;
+    return Add(node);
+  }
+};
+
+// One link of an optax.chain as the device runs it: optax's primitive
+// transformations, each turning the update u (the gradient before the first
+// link) into the next one, elementwise except clip_by_global_norm (a norm over
+// every slot's u at that point). The optimizers are chains of these as optax
+// defines them (sgd: trace?, scale_by_learning_rate; adamw: scale_by_adam,
+// add_decayed_weights, scale_by_learning_rate; rmsprop: scale_by_rms or
+// scale_by_stddev, scale_by_learning_rate, trace?; lion: scale_by_lion,
+// add_decayed_weights, scale_by_learning_rate).
+inline constexpr int kMaxOptimizerLinks = 16;
+inline constexpr int kMaxSlotState = 8;  // state tensors per slot over all links
+struct OptimizerLink {
+  enum class Kind : int32_t {
+    kTrace,                // optax.trace(decay=b1, nesterov=flag); state: trace
+    kScaleByAdam,          // b1, b2, eps, eps_root; state: mu, nu
+    kScaleByRms,           // decay=b2, eps, eps_in_sqrt=flag; state: nu
+    kScaleByStddev,        // decay=b2, eps, eps_in_sqrt=flag; state: mu, nu
+    kScaleByLion,          // b1, b2 (u = sign((1-b1) u + b1 mu)); state: mu
+    kClipByGlobalNorm,     // max_norm=value
+    kClip,                 // max_delta=value (elementwise)
+    kScale,                // step_size=value
+    kAddDecayedWeights,    // weight_decay=value (u += value * param)
+    kScaleByLearningRate,  // u *= -LearningRateAt(schedule, count)
+  };
+  Kind kind = Kind::kScale;
+  int32_t state = 0;      // its first state tensor in OptimizerSlot::state
+  int32_t schedule = -1;  // kScaleByLearningRate: its node in the table
+  int32_t flag = 0;
+  double b1 = 0.0, b2 = 0.0, eps = 0.0, eps_root = 0.0, value = 0.0;
+};
+
 struct OptimizerHyperparams {
+  // The fused rules (num_links == 0): clip_by_global_norm(max_norm) when
+  // max_norm > 0, then OptimizerUpdate's rule.
   OptimizerUpdateArgs::Rule rule = OptimizerUpdateArgs::Rule::kSgd;
-  LearningRateSchedule learning_rate;
   double momentum = 0.0;  // sgd with a trace when the slots have mu
   bool nesterov = false;
   double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;
   double weight_decay = 0.0;
   double max_norm = 0.0;  // 0: no clipping
+  ScheduleTable schedules;
+  // The rule's learning rate (a node of `schedules`), and the one the step
+  // reports (OptimizerStepInfo) either way; -1: 0.
+  int32_t learning_rate = -1;
+  // A chain (num_links > 0) instead of the rule: links[0, num_links) in
+  // order, then param += u. Each slot keeps num_state state tensors
+  // (OptimizerSlot::state) and no mu or nu.
+  int32_t num_links = 0;
+  int32_t num_state = 0;
+  OptimizerLink links[kMaxOptimizerLinks];
 };
 // An FP8 copy of a slot's param that the step writes as it writes the
 // param: the weight of an FP8 GEMM in the two layouts Hopper's GEMMs take it,
@@ -194,10 +347,13 @@ struct OptimizerFp8Copy {
 };
 // One parameter of a multi-tensor step: as OptimizerUpdate's param, mu, nu
 // (mu and nu undefined where the rule keeps none), and optionally the FP8
-// copy of param the step keeps current (fp8.data undefined: none).
+// copy of param the step keeps current (fp8.data undefined: none). Under a
+// chain, `state` holds the links' per-parameter state instead of mu and nu
+// (OptimizerHyperparams::num_state tensors in the param's dtype and shape).
 struct OptimizerSlot {
   Tensor param, mu, nu;
   OptimizerFp8Copy fp8;
+  std::vector<Tensor> state;
 };
 // What one step did, written on the device by the step itself (so the host
 // reads it with the step's other results, never in between).
@@ -234,8 +390,10 @@ class OptimizerPlan {
     DType dtype;
   };
   OptimizerHyperparams hyperparams_;
-  // Per slot the tensors PlannedOf names, then count, total_notfinite.
+  // Per slot the tensors PlannedOf names and its state, then count,
+  // total_notfinite; planned_state_: each slot's state count.
   std::vector<Planned> planned_;
+  std::vector<size_t> planned_state_;
   Tensor info_;
   static constexpr int kPlannedPerSlot = 8;
   static std::array<const Tensor*, kPlannedPerSlot> PlannedOf(const OptimizerSlot& s) {
@@ -247,10 +405,13 @@ class OptimizerPlan {
                 const Tensor& count, const Tensor& total_notfinite) {
     hyperparams_ = h;
     planned_.clear();
+    planned_state_.clear();
     for (const OptimizerSlot& s : slots) {
       for (const Tensor* t : PlannedOf(s)) {
         planned_.push_back({t->data(), t->numel(), t->dtype()});
       }
+      for (const Tensor& t : s.state) planned_.push_back({t.data(), t.numel(), t.dtype()});
+      planned_state_.push_back(s.state.size());
     }
     for (const Tensor* t : {&count, &total_notfinite}) {
       planned_.push_back({t->data(), t->numel(), t->dtype()});
@@ -260,7 +421,13 @@ class OptimizerPlan {
 
 inline bool OptimizerPlan::Matches(const std::vector<OptimizerSlot>& slots, const Tensor& count,
                                    const Tensor& total_notfinite) const {
-  if (planned_.size() != kPlannedPerSlot * slots.size() + 2) return false;
+  if (planned_state_.size() != slots.size()) return false;
+  size_t expected = 2;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    if (planned_state_[k] != slots[k].state.size()) return false;
+    expected += kPlannedPerSlot + slots[k].state.size();
+  }
+  if (planned_.size() != expected) return false;
   auto same = [](const Planned& p, const Tensor& t) {
     return p.data == t.data() && p.numel == t.numel() && p.dtype == t.dtype();
   };
@@ -268,6 +435,9 @@ inline bool OptimizerPlan::Matches(const std::vector<OptimizerSlot>& slots, cons
   for (const OptimizerSlot& s : slots) {
     for (const Tensor* t : PlannedOf(s)) {
       if (!same(planned_[i++], *t)) return false;
+    }
+    for (const Tensor& t : s.state) {
+      if (!same(planned_[i++], t)) return false;
     }
   }
   return same(planned_[i], count) && same(planned_[i + 1], total_notfinite);
@@ -382,6 +552,60 @@ class Ops {
   // The default is a [1, n] x [n, 1] Gemm; the CUDA backend reduces in one
   // pass over both.
   virtual absl::Status Dot(const Tensor& a, const Tensor& b, Tensor* out);
+
+  // ---- jax.numpy: broadcasting elementwise ops, reductions, softmax, slices ----
+  // Float operands are read as float32 whatever their float dtype (f32, bf16,
+  // f16; each operand its own), computed in float32 and rounded once to y's.
+  // Both backends implement these; Ops's defaults answer UNIMPLEMENTED.
+  //
+  // y = op(a, b), a and b (float, one dtype) broadcast to y's shape (see
+  // kBroadcastMaxRank). y is float for arithmetic, bool for comparisons.
+  virtual absl::Status Binary(const BinaryArgs& args, const Tensor& a, const Tensor& b, Tensor* y);
+  // Binary's partial gradients at y's shape, before any sum over broadcast
+  // dims (the caller reduces them to its operands' shapes with Reduce):
+  //   da = dy * d op/da (a, b),  db = dy * d op/db (a, b)
+  // add 1, 1; subtract 1, -1; multiply b, a; divide 1/b, -a/b^2; maximum
+  // [a >= b], [a < b] (a on ties); minimum [a <= b], [a > b]; power
+  // b a^(b-1) (0 where b == 0), log(a) a^b (0 where a == 0), as JAX's.
+  // dy: float of y's shape; da, db: float (f32 or the operands' dtype), y's
+  // shape, either null when not wanted (db always with a scalar, whose
+  // tensor operand is a). Not for comparisons (no gradient).
+  virtual absl::Status BinaryBackward(const BinaryArgs& args, const Tensor& dy, const Tensor& a,
+                                      const Tensor& b, Tensor* da, Tensor* db);
+  // y = op(x) elementwise (UnaryOp), x and y of one element count: float, or
+  // bool for kLogicalNot.
+  virtual absl::Status Unary(UnaryOp op, const Tensor& x, Tensor* y);
+  // dx = dy * op'(x) (UnaryOp's derivatives); dy, x, dx float of one count.
+  virtual absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, Tensor* dx);
+  // out = cond ? x : y, cond bool and x, y float (or the args' constants),
+  // each broadcast to out's shape; out float.
+  virtual absl::Status Where(const WhereArgs& args, const Tensor& cond, const Tensor& x,
+                             const Tensor& y, Tensor* out);
+  // y = op over x's elements along the dims where y's dim is 1: y has x's
+  // rank, each dim x's or 1 (keepdims; a sum over broadcast dims reduces to
+  // the operand's shape padded with leading 1s). kMean divides the sum by
+  // numel(x) / numel(y); kMax / kMin propagate NaN. Float x and y; each
+  // output's terms are added in a fixed order (the same on every run).
+  virtual absl::Status Reduce(ReduceOp op, const Tensor& x, Tensor* y);
+  // jax.nn.softmax / log_softmax along `axis` of x (float, x viewed as
+  // [outer, n, inner]), numerically stable, in float32 (m = max along axis):
+  //   softmax y = exp(x - m) / sum exp(x - m); log: y = x - m - log(sum exp(x - m)).
+  // y float of x's shape.
+  virtual absl::Status Softmax(bool log, int axis, const Tensor& x, Tensor* y);
+  // From the forward's y: softmax dx = y (dy - sum(dy y)); log_softmax
+  // dx = dy - exp(y) sum(dy) (sums along axis). dy, y, dx float, one shape.
+  virtual absl::Status SoftmaxBackward(bool log, int axis, const Tensor& dy, const Tensor& y,
+                                       Tensor* dx);
+  // x[start:...:stride] per dim (numpy's basic slicing, stride >= 1):
+  //   y[i_0, ..] = x[start_0 + i_0 stride_0, ..], every index inside x.
+  // x and y of one dtype (any) and rank (<= kBroadcastMaxRank); y's shape
+  // chooses the slice's extent.
+  virtual absl::Status Slice(const Tensor& x, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& stride, Tensor* y);
+  // Its gradient: dx = 0 but dx[start + i stride] = dy[i]; dy and dx float
+  // of one dtype, dx overwritten.
+  virtual absl::Status SliceBackward(const Tensor& dy, const std::vector<int64_t>& start,
+                                     const std::vector<int64_t>& stride, Tensor* dx);
 
   // ---- FP8 scaling --------------------------------------------------------
   // y (E4M3 or E5M2) = cast(x * scale); writes fp8.amax and fp8.scale_inv.
@@ -601,7 +825,11 @@ class Ops {
   //   grad_norm_sq = sum over the slots with a gradient of sum(g^2) (float32);
   //   c = *count; applied = grad_norm_sq is finite;
   //   the slots' updates as OptimizerUpdate with UpdateArgsAt(hyperparams, c)
-  //     (optimizer_math.h), skipped entirely when not applied;
+  //     (optimizer_math.h), or under a chain (num_links > 0) as ApplyLinks
+  //     runs the links on each element in float32 (each state element read
+  //     and rounded once per step), clip_by_global_norm at link k taking the
+  //     float32 norm of every updated slot's u after links [0, k); skipped
+  //     entirely when not applied;
   //   each updated slot's FP8 copy (slot.fp8) as QuantizeTranspose makes it
   //     from the new param viewed as [rows, cols] with slot.fp8.scale: data,
   //     data_t, scale_inv, kept_amax = max |param| (QuantizeTranspose's

@@ -1,6 +1,7 @@
 // The scalars of one optimizer step, from the step count: optax's learning
 // rate schedules and Adam's bias corrections in float64, rounded once to the
-// float32 OptimizerUpdateArgs the elementwise rules take (ops.h). One
+// float32 OptimizerUpdateArgs the elementwise rules take (ops.h), or to a
+// chain's ChainStepArgs, and the chain's elementwise math (ApplyLinks). One
 // definition for the CPU reference, the CUDA step (which evaluates it on the
 // device, from the count the device holds) and the server's reports.
 #ifndef TE_KERNELS_OPTIMIZER_MATH_H_
@@ -24,25 +25,85 @@
 
 namespace te {
 
-// The learning rate at step `count` (0 for the first update), in float64:
-// the constant, or optax.warmup_cosine_decay_schedule (linear warmup from
-// init_value to peak_value over warmup_steps, then cosine decay to end_value
-// at decay_steps, raised to `exponent`).
-TE_HOST_DEVICE inline double LearningRateAt(const LearningRateSchedule& s, int64_t count) {
-  if (!s.warmup_cosine) return s.value;
-  const double step = static_cast<double>(count);
-  if (step < static_cast<double>(s.warmup_steps)) {
-    // optax.linear_schedule(init_value, peak_value, warmup_steps).
-    const double frac = 1.0 - step / static_cast<double>(s.warmup_steps);
-    return (s.init_value - s.peak_value) * frac + s.peak_value;
+// One schedule node at `step`, in float64, as optax's schedule functions
+// compute it (kJoin is resolved by LearningRateAt).
+TE_HOST_DEVICE inline double ScheduleLeafAt(const ScheduleTable& table, const ScheduleNode& n,
+                                            int64_t step) {
+  switch (n.kind) {
+    case ScheduleNode::Kind::kConstant:
+    case ScheduleNode::Kind::kJoin:
+      return n.init_value;
+    case ScheduleNode::Kind::kPolynomial: {
+      // transition_steps <= 0: held at init_value; a negative begin is 0.
+      if (n.steps <= 0) return n.init_value;
+      const int64_t begin = n.begin < 0 ? 0 : n.begin;
+      int64_t c = step - begin;
+      c = c < 0 ? 0 : (c > n.steps ? n.steps : c);
+      const double frac = 1.0 - static_cast<double>(c) / static_cast<double>(n.steps);
+      return (n.init_value - n.end_value) * pow(frac, n.power) + n.end_value;
+    }
+    case ScheduleNode::Kind::kCosineDecay: {
+      const double c = static_cast<double>(step < n.steps ? step : n.steps);
+      const double cosine =
+          0.5 * (1.0 + cos(3.14159265358979323846 * c / static_cast<double>(n.steps)));
+      return n.init_value * ((1.0 - n.alpha) * pow(cosine, n.power) + n.alpha);
+    }
+    case ScheduleNode::Kind::kExponentialDecay: {
+      // transition_steps <= 0 or decay_rate 0: held at init_value.
+      if (n.steps <= 0 || n.rate == 0.0) return n.init_value;
+      const int64_t begin = n.begin < 0 ? 0 : n.begin;
+      const int64_t decreased = step - begin;
+      double p = static_cast<double>(decreased) / static_cast<double>(n.steps);
+      if (n.staircase) p = floor(p);
+      double v = decreased <= 0 ? n.init_value : n.init_value * pow(n.rate, p);
+      if (n.has_end) {
+        // end_value bounds the decay from below (rate < 1) or above.
+        if (n.rate < 1.0) {
+          v = v > n.end_value ? v : n.end_value;
+        } else {
+          v = v < n.end_value ? v : n.end_value;
+        }
+      }
+      return v;
+    }
+    case ScheduleNode::Kind::kPiecewiseConstant: {
+      double v = n.init_value;
+      for (int32_t i = 0; i < n.num; ++i) {
+        const ScheduleKnot& k = table.knots[n.first + i];
+        if (step >= k.step) v = k.scale * v;
+      }
+      return v;
+    }
   }
-  // optax.cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha, exponent).
-  const double span = static_cast<double>(s.decay_steps - s.warmup_steps);
-  const double since = step - static_cast<double>(s.warmup_steps);
-  const double t = since < span ? since : span;
-  const double alpha = s.peak_value == 0.0 ? 0.0 : s.end_value / s.peak_value;
-  const double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * t / span));
-  return s.peak_value * ((1.0 - alpha) * pow(cosine, s.exponent) + alpha);
+  return 0.0;
+}
+
+// The learning rate of `node` (-1: none, 0) at step `count` (0 for the
+// first update), in float64. A join picks, like optax's chain of
+// jnp.where, the last schedule whose boundary the step has reached and
+// counts from that boundary; joins nest.
+TE_HOST_DEVICE inline double LearningRateAt(const ScheduleTable& table, int32_t node,
+                                            int64_t count) {
+  if (node < 0 || node >= table.num_nodes) return 0.0;
+  int64_t step = count;
+  // Bounded: a node's children come before it in the table (the server
+  // builds it so), and no walk is longer than the table.
+  for (int hops = 0; hops < kMaxScheduleNodes; ++hops) {
+    const ScheduleNode& n = table.nodes[node];
+    if (n.kind != ScheduleNode::Kind::kJoin) return ScheduleLeafAt(table, n, step);
+    int32_t child = table.knots[n.first].node;
+    int64_t shift = 0;
+    for (int32_t i = 1; i < n.num; ++i) {
+      const ScheduleKnot& k = table.knots[n.first + i];
+      if (step >= k.step) {
+        child = k.node;
+        shift = k.step;
+      }
+    }
+    step -= shift;
+    node = child;
+  }
+  return 0.0;
 }
 
 // The elementwise scalars for the step after `count` steps.
@@ -50,7 +111,7 @@ TE_HOST_DEVICE inline OptimizerUpdateArgs UpdateArgsAt(const OptimizerHyperparam
                                                        int64_t count) {
   OptimizerUpdateArgs args;
   args.rule = h.rule;
-  args.learning_rate = static_cast<float>(LearningRateAt(h.learning_rate, count));
+  args.learning_rate = static_cast<float>(LearningRateAt(h.schedules, h.learning_rate, count));
   if (h.rule == OptimizerUpdateArgs::Rule::kSgd) {
     args.momentum = static_cast<float>(h.momentum);
     args.nesterov = h.nesterov;
@@ -67,6 +128,126 @@ TE_HOST_DEVICE inline OptimizerUpdateArgs UpdateArgsAt(const OptimizerHyperparam
   }
   args.max_norm = static_cast<float>(h.max_norm);
   return args;
+}
+
+// ---- chains (OptimizerHyperparams::links) -------------------------------------
+
+// One link's float32 scalars at one step.
+struct OptimizerLinkArgs {
+  OptimizerLink::Kind kind = OptimizerLink::Kind::kScale;
+  int32_t state = 0;
+  int32_t flag = 0;
+  float b1 = 0.0f, b2 = 0.0f, eps = 0.0f, eps_root = 0.0f;
+  float value = 0.0f;  // kScaleByLearningRate: -lr(count)
+  float bias_correction1 = 1.0f, bias_correction2 = 1.0f;  // kScaleByAdam: 1 - b^(count + 1)
+};
+// A chain's step: every link's scalars, and the global norm each
+// clip_by_global_norm link divides by (the gradients' for a clip at link 0;
+// a later clip's is the norm of the updates that reach it).
+struct ChainStepArgs {
+  int32_t num_links = 0;
+  int32_t num_state = 0;
+  OptimizerLinkArgs links[kMaxOptimizerLinks];
+  float clip_norm[kMaxOptimizerLinks];
+};
+
+TE_HOST_DEVICE inline ChainStepArgs ChainArgsAt(const OptimizerHyperparams& h, int64_t count) {
+  ChainStepArgs c;
+  c.num_links = h.num_links;
+  c.num_state = h.num_state;
+  const double t = static_cast<double>(count) + 1.0;
+  for (int k = 0; k < h.num_links && k < kMaxOptimizerLinks; ++k) {
+    const OptimizerLink& l = h.links[k];
+    OptimizerLinkArgs& a = c.links[k];
+    a.kind = l.kind;
+    a.state = l.state;
+    a.flag = l.flag;
+    a.b1 = static_cast<float>(l.b1);
+    a.b2 = static_cast<float>(l.b2);
+    a.eps = static_cast<float>(l.eps);
+    a.eps_root = static_cast<float>(l.eps_root);
+    a.value = static_cast<float>(l.value);
+    if (l.kind == OptimizerLink::Kind::kScaleByAdam) {
+      a.bias_correction1 = static_cast<float>(1.0 - pow(l.b1, t));
+      a.bias_correction2 = static_cast<float>(1.0 - pow(l.b2, t));
+    }
+    if (l.kind == OptimizerLink::Kind::kScaleByLearningRate) {
+      a.value = static_cast<float>(-LearningRateAt(h.schedules, l.schedule, count));
+    }
+    c.clip_norm[k] = 0.0f;
+  }
+  return c;
+}
+
+// jnp.sign: -1, 0 or 1, NaN for NaN.
+TE_HOST_DEVICE inline float SignOf(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
+
+// Links [0, end) of a chain on one element, in float32: u the incoming
+// update (the gradient), p the param, state the slot's state values at this
+// element (read and written in place; a norm pass works on a copy). Returns
+// the update after link end - 1.
+TE_HOST_DEVICE inline float ApplyLinks(const ChainStepArgs& c, int end, float u, float p,
+                                       float* state) {
+  for (int k = 0; k < end; ++k) {
+    const OptimizerLinkArgs& a = c.links[k];
+    float* s = state + a.state;
+    switch (a.kind) {
+      case OptimizerLink::Kind::kTrace: {
+        const float t = u + a.b1 * s[0];
+        s[0] = t;
+        u = a.flag ? u + a.b1 * t : t;
+        break;
+      }
+      case OptimizerLink::Kind::kScaleByAdam: {
+        const float m = (1.0f - a.b1) * u + a.b1 * s[0];
+        const float v = (1.0f - a.b2) * (u * u) + a.b2 * s[1];
+        s[0] = m;
+        s[1] = v;
+        u = (m / a.bias_correction1) / (sqrtf(v / a.bias_correction2 + a.eps_root) + a.eps);
+        break;
+      }
+      case OptimizerLink::Kind::kScaleByRms: {
+        const float v = (1.0f - a.b2) * (u * u) + a.b2 * s[0];
+        s[0] = v;
+        const float scaling = a.flag ? 1.0f / sqrtf(v + a.eps) : 1.0f / (sqrtf(v) + a.eps);
+        u = scaling * u;
+        break;
+      }
+      case OptimizerLink::Kind::kScaleByStddev: {
+        const float m = (1.0f - a.b2) * u + a.b2 * s[0];
+        const float v = (1.0f - a.b2) * (u * u) + a.b2 * s[1];
+        s[0] = m;
+        s[1] = v;
+        const float var = v - m * m;
+        const float scaling = a.flag ? 1.0f / sqrtf(var + a.eps) : 1.0f / (sqrtf(var) + a.eps);
+        u = scaling * u;
+        break;
+      }
+      case OptimizerLink::Kind::kScaleByLion: {
+        const float x = (1.0f - a.b1) * u + a.b1 * s[0];
+        s[0] = (1.0f - a.b2) * u + a.b2 * s[0];
+        u = SignOf(x);
+        break;
+      }
+      case OptimizerLink::Kind::kClipByGlobalNorm: {
+        const float n = c.clip_norm[k];
+        if (!(n < a.value)) u = u / n * a.value;
+        break;
+      }
+      case OptimizerLink::Kind::kClip:
+        // jnp.clip(u, -max_delta, max_delta), NaN kept.
+        u = u < -a.value ? -a.value : (u > a.value ? a.value : u);
+        break;
+      case OptimizerLink::Kind::kScale:
+      case OptimizerLink::Kind::kScaleByLearningRate:
+        u = u * a.value;
+        break;
+      case OptimizerLink::Kind::kAddDecayedWeights:
+        u = u + a.value * p;
+        break;
+    }
+  }
+  return u;
 }
 
 // The counters after a step (int32, as optax's; saturating, not wrapping).
@@ -150,6 +331,43 @@ inline absl::Status CheckOptimizerPlanArgs(const OptimizerHyperparams& h,
                                            const std::vector<OptimizerSlot>& slots,
                                            const Tensor& count, const Tensor& total_notfinite) {
   const bool adam = h.rule == OptimizerUpdateArgs::Rule::kAdam;
+  const bool chain = h.num_links > 0;
+  if (h.num_links < 0 || h.num_links > kMaxOptimizerLinks || h.num_state < 0 ||
+      h.num_state > kMaxSlotState || h.schedules.num_nodes < 0 ||
+      h.schedules.num_nodes > kMaxScheduleNodes || h.schedules.num_knots < 0 ||
+      h.schedules.num_knots > kMaxScheduleKnots) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "NewOptimizerPlan: ", h.num_links, " links, ", h.num_state, " state tensors, ",
+        h.schedules.num_nodes, " schedule nodes, ", h.schedules.num_knots,
+        " knots; at most ", kMaxOptimizerLinks, ", ", kMaxSlotState, ", ", kMaxScheduleNodes,
+        ", ", kMaxScheduleKnots));
+  }
+  for (int k = 0; k < h.num_links; ++k) {
+    const OptimizerLink& l = h.links[k];
+    int wants = 0;
+    switch (l.kind) {
+      case OptimizerLink::Kind::kTrace:
+      case OptimizerLink::Kind::kScaleByRms:
+      case OptimizerLink::Kind::kScaleByLion:
+        wants = 1;
+        break;
+      case OptimizerLink::Kind::kScaleByAdam:
+      case OptimizerLink::Kind::kScaleByStddev:
+        wants = 2;
+        break;
+      case OptimizerLink::Kind::kClipByGlobalNorm:
+      case OptimizerLink::Kind::kClip:
+      case OptimizerLink::Kind::kScale:
+      case OptimizerLink::Kind::kAddDecayedWeights:
+      case OptimizerLink::Kind::kScaleByLearningRate:
+        break;
+    }
+    if (l.state < 0 || l.state + wants > h.num_state) {
+      return absl::InvalidArgumentError(absl::StrCat("NewOptimizerPlan: links[", k, "] keeps ",
+                                                     wants, " state tensors from ", l.state,
+                                                     "; the slots have ", h.num_state));
+    }
+  }
   for (size_t i = 0; i < slots.size(); ++i) {
     const OptimizerSlot& s = slots[i];
     const DType p = s.param.dtype();
@@ -158,6 +376,31 @@ inline absl::Status CheckOptimizerPlanArgs(const OptimizerHyperparams& h,
                                                      DTypeName(p), "; want a float dtype"));
     }
     if (s.param.numel() == 0) continue;  // nothing to update
+    if (chain) {
+      if (s.mu.data() != nullptr || s.nu.data() != nullptr ||
+          static_cast<int>(s.state.size()) != h.num_state) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("NewOptimizerPlan: slots[", i, "]: a chain keeps ", h.num_state,
+                         " state tensors in `state` and no mu or nu; got ", s.state.size()));
+      }
+      for (const Tensor& t : s.state) {
+        if (t.data() == nullptr || t.dtype() != p || t.numel() != s.param.numel()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "NewOptimizerPlan: slots[", i, "]: a state tensor is ", DTypeName(t.dtype()), " ",
+              ShapeString(t.shape()), "; want the param's ", DTypeName(p), " ",
+              ShapeString(s.param.shape())));
+        }
+      }
+      if (s.fp8.data.data() != nullptr) {
+        absl::Status fp8 = CheckOptimizerFp8Copy(i, s);
+        if (!fp8.ok()) return fp8;
+      }
+      continue;
+    }
+    if (!s.state.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("NewOptimizerPlan: slots[", i, "].state is given; only a chain keeps it"));
+    }
     const bool has_mu = s.mu.data() != nullptr;
     const bool has_nu = s.nu.data() != nullptr;
     if (adam && (!has_mu || !has_nu)) {

@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/load/te_bench_lib.h"
 #include "kernels/status_macros.h"
 
@@ -37,6 +38,8 @@ ABSL_FLAG(int64_t, count, 0, "timed calls per client per point (0: run for --dur
 ABSL_FLAG(int, warmup, 2, "untimed calls per client before each point");
 ABSL_FLAG(bool, fetch_outputs, false, "forward: bring y back (else it stays resident and is deleted)");
 ABSL_FLAG(std::string, device, "", "the sessions' device, e.g. cuda:0 (empty: the server's choice)");
+ABSL_FLAG(std::string, affinity_keys, "",
+          "comma-separated x-te-session keys, client i taking the i-th (cycling); empty: random");
 ABSL_FLAG(double, rpc_timeout_s, 600.0, "deadline of each call");
 ABSL_FLAG(std::string, json, "", "write the JSON report here (empty: stdout, after the table)");
 
@@ -71,6 +74,7 @@ absl::StatusOr<BenchOptions> OptionsFromFlags() {
   o.warmup = absl::GetFlag(FLAGS_warmup);
   o.fetch_outputs = absl::GetFlag(FLAGS_fetch_outputs);
   o.device = absl::GetFlag(FLAGS_device);
+  o.affinity_keys = absl::StrSplit(absl::GetFlag(FLAGS_affinity_keys), ',', absl::SkipEmpty());
   o.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   o.progress = &std::cerr;
   RETURN_IF_ERROR(Validate(o));

@@ -88,6 +88,9 @@ absl::StatusOr<std::unique_ptr<Prepared>> Prepare(const BenchOptions& o, int ind
   // FP8 also where the device emulates it (a CPU server): numbers, not speed, differ.
   session_options.policy = NegotiationPolicy::kEmulate;
   session_options.device = o.device;
+  if (!o.affinity_keys.empty()) {
+    session_options.affinity_key = o.affinity_keys[index % o.affinity_keys.size()];
+  }
   ASSIGN_OR_RETURN(p->session, p->client->CreateSession(session_options));
   p->autocast = ToProto(AutocastState{recipe.has_value(), recipe});
 

@@ -75,6 +75,9 @@ struct BenchOptions {
   // the call's latency); true brings y back to the client inside it.
   bool fetch_outputs = false;
   std::string device;  // the sessions' device ("cpu", "cuda:0"); empty: the server's choice
+  // Client i's session affinity key is affinity_keys[i % size] (empty: random
+  // keys), so a run through a hashing balancer lands on chosen replicas.
+  std::vector<std::string> affinity_keys;
   absl::Duration rpc_timeout = absl::Minutes(10);
 
   // A progress line every progress_interval while a point runs (elapsed,

@@ -4,6 +4,8 @@ what the containers wrote: session affinity through the load balancer, a
 replica killed and restarted on its state volume, Prometheus's view, and a
 session kept across `docker stop` / `docker start`.
 
+  container_check.py probe_keys LB_ADDR COUNT      # GetServerInfo once per candidate key
+  container_check.py pick_keys LB_LOG COUNT OUT     # keys covering every replica, from the probe
   container_check.py affinity LOG_DIR BENCH_JSON
   container_check.py prometheus PROM_URL EXPECTED_CALLS
   container_check.py failover LB_ADDR te-1=HOST:PORT,... KILL_CMD START_CMD OUT_JSON
@@ -47,6 +49,44 @@ CREATED_LINE = re.compile(r'session=([0-9a-f]+) msg="created')
 LB_LINE = re.compile(r"lb key=(\S+) replica=(\S+) .*uri=/te\.v1\.TeService/(\w+) http=(\d+) grpc=(\S*)")
 
 
+PROBE_KEY = "ct-probe-%03d"
+
+
+def probe_keys(lb, count):
+    """One GetServerInfo through the balancer per candidate affinity key, so
+    the balancer's log says which replica each key hashes to. No session is
+    made: the replicas' session counts stay te_bench's alone."""
+    c = te()
+    stub = direct_stub(lb)
+    for i in range(int(count)):
+        stub.GetServerInfo(c.service_pb2.GetServerInfoRequest(), timeout=10,
+                           metadata=[("x-te-session", PROBE_KEY % i)])
+
+
+def pick_keys(lb_log, count, out):
+    """te_bench's client keys, chosen so every replica gets a session: the
+    first probed key of each replica, then the other probed keys in order.
+    The balancer's hash of a key is fixed by its upstream addresses, so the
+    same keys are picked on every run: the spread is a property of the
+    choice, not of chance."""
+    count = int(count)
+    replica_of_key = {}
+    for line in open(lb_log, errors="replace"):
+        m = LB_LINE.search(line)
+        if m and m.group(1).startswith("ct-probe-") and m.group(3) == "GetServerInfo":
+            replica_of_key.setdefault(m.group(1), m.group(2))
+    keys = sorted(replica_of_key)
+    first = {}
+    for key in keys:
+        first.setdefault(replica_of_key[key], key)
+    picked = sorted(first.values()) + [k for k in keys if k not in first.values()]
+    picked = picked[:count]
+    check(len(first) == 3 and len(picked) == count,
+          "%d probed keys reach %d replicas (%s); %d picked" % (len(keys), len(first), sorted(first), len(picked)))
+    with open(out, "w") as f:
+        f.write(",".join(picked))
+
+
 def affinity(log_dir, bench_json):
     bench = json.load(open(bench_json))
     point = bench["points"][0]
@@ -72,8 +112,8 @@ def affinity(log_dir, bench_json):
     bad = []
     for line in open(os.path.join(log_dir, "lb.log"), errors="replace"):
         m = LB_LINE.search(line)
-        if not m or m.group(1) == "-":
-            continue
+        if not m or m.group(1) == "-" or m.group(1).startswith("ct-probe-") and m.group(3) == "GetServerInfo":
+            continue  # no key, or the key probe before te_bench (pick_keys)
         key, replica, method, http, grpc_status = m.groups()
         replicas_of_key[key].add(replica)
         calls_of_replica[replica] += 1
@@ -360,6 +400,7 @@ def resume(address, state_json):
 
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
-    {"affinity": affinity, "prometheus": prometheus, "failover": failover,
+    {"probe_keys": probe_keys, "pick_keys": pick_keys, "affinity": affinity, "prometheus": prometheus,
+     "failover": failover,
      "hold": hold, "resume": resume}[command](*args)
     done()

@@ -57,6 +57,24 @@ class CpuOps : public Ops {
   absl::Status DropoutBackward(float rate, const Tensor& dy, const Tensor& mask,
                                Tensor* dx) override;
 
+  // kernels/cpu/numpy_ops.cc
+  absl::Status Binary(const BinaryArgs& args, const Tensor& a, const Tensor& b,
+                      Tensor* y) override;
+  absl::Status BinaryBackward(const BinaryArgs& args, const Tensor& dy, const Tensor& a,
+                              const Tensor& b, Tensor* da, Tensor* db) override;
+  absl::Status Unary(UnaryOp op, const Tensor& x, Tensor* y) override;
+  absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, Tensor* dx) override;
+  absl::Status Where(const WhereArgs& args, const Tensor& cond, const Tensor& x, const Tensor& y,
+                     Tensor* out) override;
+  absl::Status Reduce(ReduceOp op, const Tensor& x, Tensor* y) override;
+  absl::Status Softmax(bool log, int axis, const Tensor& x, Tensor* y) override;
+  absl::Status SoftmaxBackward(bool log, int axis, const Tensor& dy, const Tensor& y,
+                               Tensor* dx) override;
+  absl::Status Slice(const Tensor& x, const std::vector<int64_t>& start,
+                     const std::vector<int64_t>& stride, Tensor* y) override;
+  absl::Status SliceBackward(const Tensor& dy, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& stride, Tensor* dx) override;
+
   // kernels/cpu/attention.cc
   absl::Status AttentionForward(const AttentionArgs& args, const Tensor& q, const Tensor& k,
                                 const Tensor& v, Tensor* out, Tensor* softmax_lse) override;

@@ -1,7 +1,7 @@
 // OptimizerUpdate: optax's elementwise update rules (ops.h), the reference;
 // OptimizerStep: the whole step over a plan's slots, defined by the per-tensor
-// rule and optimizer_math.h's scalars, and the slots' FP8 copies as
-// QuantizeTranspose makes them.
+// rule and optimizer_math.h's scalars (or a chain's links, ApplyLinks), and
+// the slots' FP8 copies as QuantizeTranspose makes them.
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -71,6 +71,54 @@ absl::Status WriteFp8Copy(Ops& ops, const Tensor& param, const OptimizerFp8Copy&
   return ops.Copy(copy.scale, &kept_scale);
 }
 
+// A chain's update of every slot with a gradient (the step is applied):
+// each clip_by_global_norm after the first link first takes the norm of the
+// updates reaching it (a pass over every slot that leaves the state alone,
+// squares added in float64 and rounded once, as the gradients' norm), then
+// one pass runs every link and writes state and params.
+absl::Status ChainUpdate(const OptimizerHyperparams& h, int32_t count, float grad_norm_sq,
+                         const std::vector<OptimizerSlot>& slots,
+                         const std::vector<Tensor>& grads) {
+  ChainStepArgs args = ChainArgsAt(h, count);
+  float state[kMaxSlotState];
+  auto load_state = [&](const OptimizerSlot& slot, int64_t i) {
+    for (int j = 0; j < args.num_state; ++j) state[j] = LoadAsFloat(slot.state[j], i);
+  };
+  for (int k = 0; k < args.num_links; ++k) {
+    if (args.links[k].kind != OptimizerLink::Kind::kClipByGlobalNorm) continue;
+    if (k == 0) {
+      args.clip_norm[k] = std::sqrt(grad_norm_sq);
+      continue;
+    }
+    double sum64 = 0.0;
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (grads[s].data() == nullptr || slots[s].param.numel() == 0) continue;
+      for (int64_t i = 0; i < slots[s].param.numel(); ++i) {
+        load_state(slots[s], i);
+        const double u =
+            ApplyLinks(args, k, LoadAsFloat(grads[s], i), LoadAsFloat(slots[s].param, i), state);
+        sum64 += u * u;
+      }
+    }
+    args.clip_norm[k] = std::sqrt(static_cast<float>(sum64));
+  }
+  for (size_t s = 0; s < slots.size(); ++s) {
+    if (grads[s].data() == nullptr || slots[s].param.numel() == 0) continue;
+    Tensor param = slots[s].param;
+    for (int64_t i = 0; i < param.numel(); ++i) {
+      load_state(slots[s], i);
+      const float p = LoadAsFloat(param, i);
+      const float u = ApplyLinks(args, args.num_links, LoadAsFloat(grads[s], i), p, state);
+      for (int j = 0; j < args.num_state; ++j) {
+        Tensor t = slots[s].state[j];
+        StoreFromFloat(&t, i, state[j]);
+      }
+      StoreFromFloat(&param, i, p + u);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<OptimizerPlan>> CpuOps::NewOptimizerPlan(
@@ -104,19 +152,27 @@ absl::Status CpuOps::OptimizerStep(OptimizerPlan& plan, const std::vector<Optimi
   *norm_sq.data_as<float>() = sum;
   const int32_t c = *count->data_as<int32_t>();
   const bool applied = std::isfinite(sum);
-  const OptimizerUpdateArgs args = UpdateArgsAt(plan.hyperparams(), c);
+  const OptimizerHyperparams& h = plan.hyperparams();
+  if (h.num_links > 0) {
+    if (applied) RETURN_IF_ERROR(ChainUpdate(h, c, sum, slots, grads));
+  } else {
+    const OptimizerUpdateArgs args = UpdateArgsAt(h, c);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (grads[i].data() == nullptr || slots[i].param.numel() == 0) continue;
+      Tensor param = slots[i].param, mu = slots[i].mu, nu = slots[i].nu;
+      RETURN_IF_ERROR(OptimizerUpdate(args, grads[i], norm_sq, &param,
+                                      mu.data() != nullptr ? &mu : nullptr,
+                                      nu.data() != nullptr ? &nu : nullptr));
+    }
+  }
   for (size_t i = 0; i < slots.size(); ++i) {
     if (grads[i].data() == nullptr || slots[i].param.numel() == 0) continue;
-    Tensor param = slots[i].param, mu = slots[i].mu, nu = slots[i].nu;
-    RETURN_IF_ERROR(OptimizerUpdate(args, grads[i], norm_sq, &param,
-                                    mu.data() != nullptr ? &mu : nullptr,
-                                    nu.data() != nullptr ? &nu : nullptr));
     if (applied && slots[i].fp8.data.data() != nullptr) {
-      RETURN_IF_ERROR(WriteFp8Copy(*this, param, slots[i].fp8));
+      RETURN_IF_ERROR(WriteFp8Copy(*this, slots[i].param, slots[i].fp8));
     }
   }
   OptimizerStepInfo info;
-  info.learning_rate = LearningRateAt(plan.hyperparams().learning_rate, c);
+  info.learning_rate = LearningRateAt(h.schedules, h.learning_rate, c);
   info.grad_norm_sq = sum;
   info.applied = applied ? 1 : 0;
   info.count = SaturatingIncrement(c, applied);

@@ -222,7 +222,7 @@ class OptimizerStepFp8CopyTest : public ::testing::Test {
  protected:
   void SetUp() override {
     h_.rule = Rule::kAdam;
-    h_.learning_rate.value = 0.05;
+    h_.learning_rate = h_.schedules.AddConstant(0.05);
     h_.weight_decay = 0.01;
     // bf16 [6, 10] with an E4M3 copy, f32 [4, 8] with an E5M2 one, and a
     // param with no copy.
@@ -354,6 +354,55 @@ TEST_F(OptimizerStepFp8CopyTest, BadCopiesAreInvalidArgument) {
   without[0].fp8 = OptimizerFp8Copy();
   EXPECT_FALSE(plan_->Matches(without, count_, total_notfinite_));
   EXPECT_TRUE(plan_->Matches(slots_, count_, total_notfinite_));
+}
+
+// A chain's slots keep their state in `state`, as many tensors as the
+// hyperparams say, of the param's dtype and size; anything else is
+// INVALID_ARGUMENT at planning, and a plan follows the state tensors too.
+TEST(OptimizerChainPlanTest, BadChainSlotsAreInvalidArgument) {
+  CpuOps ops;
+  OptimizerHyperparams h;
+  h.num_links = 2;
+  h.num_state = 1;
+  h.links[0].kind = OptimizerLink::Kind::kScaleByLion;
+  h.links[0].b1 = 0.9;
+  h.links[0].b2 = 0.99;
+  h.links[1].kind = OptimizerLink::Kind::kScaleByLearningRate;
+  h.links[1].schedule = h.learning_rate = h.schedules.AddConstant(0.1);
+  Tensor count = *ops.Allocate(DType::kI32, {1});
+  Tensor total = *ops.Allocate(DType::kI32, {1});
+  OptimizerSlot good;
+  good.param = MakeRandom(ops, DType::kF32, {5}, 1);
+  good.state = {MakeRandom(ops, DType::kF32, {5}, 2)};
+  auto plan = ops.NewOptimizerPlan(h, {good}, count, total);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  OptimizerSlot other_state = good;
+  other_state.state = {MakeRandom(ops, DType::kF32, {5}, 3)};
+  EXPECT_FALSE((*plan)->Matches({other_state}, count, total));
+  EXPECT_TRUE((*plan)->Matches({good}, count, total));
+
+  auto expect_bad = [&](const OptimizerHyperparams& hp, const OptimizerSlot& slot,
+                        const std::string& want) {
+    auto bad = ops.NewOptimizerPlan(hp, {slot}, count, total);
+    ASSERT_FALSE(bad.ok()) << want;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find(want), std::string::npos) << bad.status();
+  };
+  OptimizerSlot with_mu = good;
+  with_mu.mu = MakeRandom(ops, DType::kF32, {5}, 4);
+  expect_bad(h, with_mu, "slots[0]: a chain keeps 1 state tensors");
+  OptimizerSlot missing = good;
+  missing.state.clear();
+  expect_bad(h, missing, "slots[0]: a chain keeps 1 state tensors");
+  OptimizerSlot wrong_dtype = good;
+  wrong_dtype.state = {MakeRandom(ops, DType::kBF16, {5}, 5)};
+  expect_bad(h, wrong_dtype, "slots[0]: a state tensor is bfloat16");
+  OptimizerHyperparams out_of_range = h;
+  out_of_range.links[0].state = 1;
+  expect_bad(out_of_range, good, "links[0] keeps 1 state tensors from 1");
+  OptimizerHyperparams fused = h;
+  fused.num_links = 0;
+  expect_bad(fused, good, "slots[0].state is given; only a chain keeps it");
 }
 
 }  // namespace

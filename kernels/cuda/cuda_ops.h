@@ -14,7 +14,8 @@
 // elementwise.cu (memory, Fill, Cast, Axpby, Permute, SumRows),
 // fp8.cu (scaling), norm.cu, activation.cu, dropout.cu, position.cu,
 // gemm.cu (cuBLASLt), attention.cu (cuDNN + an unfused fallback), optimizer.cu
-// (optax's update rules).
+// (optax's update rules), numpy_elementwise.cu / numpy_reduce.cu /
+// numpy_slice.cu (jax.numpy's broadcasting ops, reductions, softmax, slices).
 #ifndef TE_KERNELS_CUDA_CUDA_OPS_H_
 #define TE_KERNELS_CUDA_CUDA_OPS_H_
 
@@ -121,6 +122,26 @@ class CudaOps : public Ops {
   absl::Status Permute(const Tensor& x, const std::vector<int>& perm, Tensor* y) override;
   absl::Status SumRows(const Tensor& x, Tensor* y) override;
   absl::Status Dot(const Tensor& a, const Tensor& b, Tensor* out) override;
+
+  // numpy_elementwise.cu
+  absl::Status Binary(const BinaryArgs& args, const Tensor& a, const Tensor& b,
+                      Tensor* y) override;
+  absl::Status BinaryBackward(const BinaryArgs& args, const Tensor& dy, const Tensor& a,
+                              const Tensor& b, Tensor* da, Tensor* db) override;
+  absl::Status Unary(UnaryOp op, const Tensor& x, Tensor* y) override;
+  absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, Tensor* dx) override;
+  absl::Status Where(const WhereArgs& args, const Tensor& cond, const Tensor& x, const Tensor& y,
+                     Tensor* out) override;
+  // numpy_reduce.cu
+  absl::Status Reduce(ReduceOp op, const Tensor& x, Tensor* y) override;
+  absl::Status Softmax(bool log, int axis, const Tensor& x, Tensor* y) override;
+  absl::Status SoftmaxBackward(bool log, int axis, const Tensor& dy, const Tensor& y,
+                               Tensor* dx) override;
+  // numpy_slice.cu
+  absl::Status Slice(const Tensor& x, const std::vector<int64_t>& start,
+                     const std::vector<int64_t>& stride, Tensor* y) override;
+  absl::Status SliceBackward(const Tensor& dy, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& stride, Tensor* dx) override;
 
   // fp8.cu
   absl::Status Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y) override;

@@ -2,6 +2,8 @@
 // parameter tensor; OptimizerStep: the same rules over every parameter of a
 // layer in three launches (global norm, the step's decision, the update),
 // and a fourth where slots carry FP8 copies (their transposes and records).
+// A chain (rmsprop, lion, optax.chain) runs ApplyLinks in its update launch,
+// plus two launches per clip_by_global_norm after its first link.
 //
 // Memory-bound. AdamW reads grad, param, mu, nu and writes param, mu, nu (7
 // accesses per element) and the norm reads grad once more: 8 accesses, so
@@ -158,7 +160,13 @@ struct Decision {
   OptimizerUpdateArgs args;
   float norm;
   int32_t applied;
+  // Under a chain: its links' scalars; a clip's norm after link 0 is
+  // written by its own pass (ClipNormKernel) before the update reads it.
+  ChainStepArgs chain;
 };
+// The decision kernel takes the hyperparams (schedules and links included)
+// as its argument.
+static_assert(sizeof(OptimizerHyperparams) + 128 < 4096, "kernel arguments stay under 4 KiB");
 // What changes every step, in the launches' own arguments.
 struct StepPointers {
   const void* grad[kSegmentSlots];  // null: this launch leaves the slot alone
@@ -233,11 +241,16 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   decision->args = UpdateArgsAt(h, c);
   decision->norm = sqrtf(norm_sq);
   decision->applied = applied ? 1 : 0;
+  if (h.num_links > 0) {
+    decision->chain = ChainArgsAt(h, c);
+    // A clip at link 0 sees the gradients; later ones are overwritten.
+    for (int k = 0; k < kMaxOptimizerLinks; ++k) decision->chain.clip_norm[k] = sqrtf(norm_sq);
+  }
   const int32_t new_count = SaturatingIncrement(c, applied);
   const int32_t new_notfinite = SaturatingIncrement(*total_notfinite, !applied);
   *count = new_count;
   *total_notfinite = new_notfinite;
-  info->learning_rate = LearningRateAt(h.learning_rate, c);
+  info->learning_rate = LearningRateAt(h.schedules, h.learning_rate, c);
   info->grad_norm_sq = norm_sq;
   info->applied = applied ? 1 : 0;
   info->count = new_count;
@@ -386,6 +399,121 @@ __global__ void __launch_bounds__(kStepThreads)
   }
 }
 
+// ---- chains: ApplyLinks per element ------------------------------------------------
+// One element at a time (i = begin + thread, strided by the block: coalesced
+// without packs), the slot's state read into a local array through the
+// plan's state table (state[j] for the slot's j-th tensor). Correctness
+// first: a chain moves the same bytes as the fused rule plus its extra
+// state, but without vector loads.
+
+// partial[blockIdx.x] = this block's sum of u^2, u the update after links
+// [0, upto) (the state read, not written), float32 like the gradients' norm.
+template <typename T, typename G>
+__global__ void __launch_bounds__(kStepThreads)
+    ChainNormPartialKernel(StepPointers grads, const SlotTable* slots, void* const* state,
+                           const Chunk* chunks, int64_t num_chunks, const Decision* decision,
+                           int upto, float* partial) {
+  using S = typename T::Storage;
+  using GS = typename G::Storage;
+  __shared__ float scratch[32];
+  if (!decision->applied) return;
+  const ChainStepArgs& c = decision->chain;
+  const int ns = c.num_state;
+  float acc = 0.0f;
+  for (int64_t k = blockIdx.x; k < num_chunks; k += gridDim.x) {
+    const Chunk chunk = chunks[k];
+    const GS* g = static_cast<const GS*>(grads.grad[chunk.slot]);
+    if (g == nullptr) continue;
+    const SlotTable slot = slots[chunk.slot];
+    const S* p = static_cast<const S*>(slot.param);
+    void* const* st_ptrs = state + int64_t(chunk.slot) * ns;
+    const int64_t end = chunk.begin + kChunk < slot.numel ? chunk.begin + kChunk : slot.numel;
+    for (int64_t i = chunk.begin + threadIdx.x; i < end; i += kStepThreads) {
+      float st[kMaxSlotState];
+      for (int j = 0; j < ns; ++j) st[j] = T::Load(static_cast<const S*>(st_ptrs[j])[i]);
+      const float u = ApplyLinks(c, upto, G::Load(g[i]), T::Load(p[i]), st);
+      acc += u * u;
+    }
+  }
+  const float sum = BlockSum(acc, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+// The norm of link `link`'s clip from the partial sums, in a fixed order.
+__global__ void __launch_bounds__(kFinalizeThreads)
+    ClipNormKernel(const float* partial, int64_t num_partials, Decision* decision, int link) {
+  __shared__ float scratch[32];
+  if (!decision->applied) return;
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < num_partials; i += kFinalizeThreads) acc += partial[i];
+  const float norm_sq = BlockSum(acc, scratch);
+  if (threadIdx.x == 0) decision->chain.clip_norm[link] = sqrtf(norm_sq);
+}
+
+// One chunk of one slot through every link: state and param written, and
+// with Code the FP8 codes and amax as UpdateChunk writes them.
+template <typename T, typename G, typename Code>
+__device__ __forceinline__ void ChainChunk(const ChainStepArgs& c, const typename G::Storage* g,
+                                           void* const* st_ptrs, const SlotTable& slot,
+                                           int64_t begin, int64_t end, uint8_t* codes, float scale,
+                                           unsigned* amax, unsigned* scratch) {
+  using S = typename T::Storage;
+  S* p = static_cast<S*>(slot.param);
+  const int ns = c.num_state;
+  unsigned local = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kStepThreads) {
+    float st[kMaxSlotState];
+    for (int j = 0; j < ns; ++j) st[j] = T::Load(static_cast<const S*>(st_ptrs[j])[i]);
+    const float pv = T::Load(p[i]);
+    const float u = ApplyLinks(c, c.num_links, G::Load(g[i]), pv, st);
+    for (int j = 0; j < ns; ++j) static_cast<S*>(st_ptrs[j])[i] = T::Store(st[j]);
+    const S stored = T::Store(pv + u);
+    p[i] = stored;
+    if (Code::kWrites) {
+      const float v = T::Load(stored);
+      local = max(local, AbsBits(v));
+      codes[i] = Code::Store(v * scale);
+    }
+  }
+  if (Code::kWrites) {
+    local = BlockMaxBits(local, scratch);
+    if (threadIdx.x == 0) atomicMax(amax, local);
+  }
+}
+
+template <typename T, typename G>
+__global__ void __launch_bounds__(kStepThreads)
+    ChainUpdateKernel(StepPointers ptrs, const SlotTable* slots, void* const* state,
+                      const Chunk* chunks, int64_t num_chunks, const Decision* decision,
+                      const Fp8Table* fp8) {
+  using GS = typename G::Storage;
+  __shared__ unsigned scratch[32];
+  if (!decision->applied) return;
+  const ChainStepArgs& c = decision->chain;
+  for (int64_t k = blockIdx.x; k < num_chunks; k += gridDim.x) {
+    const Chunk chunk = chunks[k];
+    const GS* g = static_cast<const GS*>(ptrs.grad[chunk.slot]);
+    if (g == nullptr) continue;
+    const SlotTable slot = slots[chunk.slot];
+    void* const* st_ptrs = state + int64_t(chunk.slot) * c.num_state;
+    const int64_t end = chunk.begin + kChunk < slot.numel ? chunk.begin + kChunk : slot.numel;
+    if (slot.fp8 < 0) {
+      ChainChunk<T, G, NoCodes>(c, g, st_ptrs, slot, chunk.begin, end, nullptr, 0.0f, nullptr,
+                                scratch);
+      continue;
+    }
+    const Fp8Table& copy = fp8[slot.fp8];
+    const float scale = *ptrs.fp8_scale[slot.fp8];
+    if (copy.e5m2) {
+      ChainChunk<T, G, CodesOf<E5M2>>(c, g, st_ptrs, slot, chunk.begin, end, copy.data, scale,
+                                      copy.amax, scratch);
+    } else {
+      ChainChunk<T, G, CodesOf<E4M3>>(c, g, st_ptrs, slot, chunk.begin, end, copy.data, scale,
+                                      copy.amax, scratch);
+    }
+  }
+}
+
 // After the update: data_t = data^T for every FP8 copy the update wrote
 // ([rows, cols] codes, read 1 B per element instead of the weight's 2-4 B),
 // one 64 x 64 tile per block and turn (grid-stride over the copies' tiles,
@@ -454,6 +582,7 @@ class CudaOptimizerPlan : public OptimizerPlan {
     int first_slot;           // into the plan's slots
     int num_slots;
     const SlotTable* slots;   // in `tables`
+    void* const* state;       // under a chain: num_state pointers per slot
     const Chunk* chunks;
     int64_t num_chunks;
     unsigned grid;
@@ -501,6 +630,7 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
     DType dtype;
     int first, count;
     std::vector<SlotTable> table;
+    std::vector<void*> state;
     std::vector<Chunk> chunks;
     std::vector<Fp8Table> fp8;
     std::vector<int> fp8_slots;
@@ -514,7 +644,7 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
     if (pending.empty() || pending.back().dtype != dtype ||
         pending.back().count == kSegmentSlots ||
         (fp8 && pending.back().fp8.size() == kSegmentFp8Copies)) {
-      pending.push_back({dtype, i, 0, {}, {}, {}, {}, 0});
+      pending.push_back({dtype, i, 0, {}, {}, {}, {}, {}, 0});
     }
     Pending& seg = pending.back();
     const int32_t local = seg.count++;
@@ -541,6 +671,9 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
       seg.fp8_slots.push_back(i);
     }
     seg.table.push_back(entry);
+    for (int j = 0; j < hyperparams.num_state; ++j) {
+      seg.state.push_back(j < static_cast<int>(s.state.size()) ? s.state[j].data() : nullptr);
+    }
     for (int64_t begin = 0; begin < n; begin += kChunk) seg.chunks.push_back({local, 0, begin});
   }
   // Enough blocks to keep every SM's memory pipes busy, no more: each block
@@ -554,12 +687,15 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
              sm_count());
   // Layout of the one table allocation.
   size_t bytes = 0;
-  std::vector<size_t> slot_offset, chunk_offset, fp8_offset;
+  std::vector<size_t> slot_offset, state_offset, chunk_offset, fp8_offset;
   int64_t partial_count = 0, fp8_count = 0;
   for (const Pending& seg : pending) {
     bytes = AlignUp(bytes, 16);
     slot_offset.push_back(bytes);
     bytes += seg.table.size() * sizeof(SlotTable);
+    bytes = AlignUp(bytes, 16);
+    state_offset.push_back(bytes);
+    bytes += seg.state.size() * sizeof(void*);
     bytes = AlignUp(bytes, 16);
     chunk_offset.push_back(bytes);
     bytes += seg.chunks.size() * sizeof(Chunk);
@@ -588,6 +724,7 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
     Pending& seg = pending[k];
     for (Fp8Table& copy : seg.fp8) copy.amax = amax++;
     std::memcpy(host.data() + slot_offset[k], seg.table.data(), seg.table.size() * sizeof(SlotTable));
+    std::memcpy(host.data() + state_offset[k], seg.state.data(), seg.state.size() * sizeof(void*));
     std::memcpy(host.data() + chunk_offset[k], seg.chunks.data(), seg.chunks.size() * sizeof(Chunk));
     std::memcpy(host.data() + fp8_offset[k], seg.fp8.data(), seg.fp8.size() * sizeof(Fp8Table));
     CudaOptimizerPlan::Segment out;
@@ -595,6 +732,7 @@ absl::StatusOr<std::unique_ptr<OptimizerPlan>> CudaOps::NewOptimizerPlan(
     out.first_slot = seg.first;
     out.num_slots = seg.count;
     out.slots = reinterpret_cast<const SlotTable*>(base + slot_offset[k]);
+    out.state = reinterpret_cast<void* const*>(base + state_offset[k]);
     out.chunks = reinterpret_cast<const Chunk*>(base + chunk_offset[k]);
     out.num_chunks = static_cast<int64_t>(seg.chunks.size());
     out.grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(max_grid, out.num_chunks)));
@@ -665,12 +803,40 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
       plan->partial, partials, plan->hyperparams(), count->data_as<int32_t>(),
       total_notfinite->data_as<int32_t>(), plan->decision,
       static_cast<OptimizerStepInfo*>(plan->info().data()));
-  const bool adam = plan->hyperparams().rule == OptimizerUpdateArgs::Rule::kAdam;
+  const OptimizerHyperparams& h = plan->hyperparams();
+  const bool adam = h.rule == OptimizerUpdateArgs::Rule::kAdam;
+  const bool chain = h.num_links > 0;
+  // A clip after link 0: a pass for the norm of the updates that reach it
+  // (the partials are free again once the decision has read them).
+  for (int k = 1; chain && k < h.num_links; ++k) {
+    if (h.links[k].kind != OptimizerLink::Kind::kClipByGlobalNorm) continue;
+    int64_t clip_partials = 0;
+    for (const Launch& l : launches) {
+      DispatchFloat(l.segment->dtype, [&](auto tp) {
+        DispatchFloat(l.grad_dtype, [&](auto tg) {
+          using T = decltype(tp);
+          using G = decltype(tg);
+          ChainNormPartialKernel<T, G><<<l.segment->grid, kStepThreads, 0, stream()>>>(
+              l.ptrs, l.segment->slots, l.segment->state, l.segment->chunks, l.segment->num_chunks,
+              plan->decision, k, plan->partial + clip_partials);
+        });
+      });
+      clip_partials += l.segment->grid;
+    }
+    ClipNormKernel<<<1, kFinalizeThreads, 0, stream()>>>(plan->partial, clip_partials,
+                                                         plan->decision, k);
+  }
   for (const Launch& l : launches) {
     DispatchFloat(l.segment->dtype, [&](auto tp) {
       DispatchFloat(l.grad_dtype, [&](auto tg) {
         using T = decltype(tp);
         using G = decltype(tg);
+        if (chain) {
+          ChainUpdateKernel<T, G><<<l.segment->grid, kStepThreads, 0, stream()>>>(
+              l.ptrs, l.segment->slots, l.segment->state, l.segment->chunks, l.segment->num_chunks,
+              plan->decision, l.segment->fp8);
+          return;
+        }
         auto kernel = adam ? MultiTensorUpdateKernel<T, G, true> : MultiTensorUpdateKernel<T, G, false>;
         kernel<<<l.segment->grid, kStepThreads, 0, stream()>>>(
             l.ptrs, l.segment->slots, l.segment->chunks, l.segment->num_chunks, plan->decision,

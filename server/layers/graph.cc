@@ -37,8 +37,11 @@ uint64_t SeedOf(uint64_t seed, const std::string& name) {
   return NodeSeed(seed, name.data(), name.size());
 }
 
-// "params/kernel" of node "qkv" -> "params/qkv/kernel" (Flax's scoping).
+// "params/kernel" of node "qkv" -> "params/qkv/kernel" (Flax's scoping). A
+// module node named "" is the root scope: a graph added over a layer that is
+// one module names that module so, and it keeps the module's own names.
 std::string Scoped(const std::string& node, const std::string& key) {
+  if (node.empty()) return key;
   const size_t slash = key.find('/');
   if (slash == std::string::npos) return absl::StrCat(node, "/", key);
   return absl::StrCat(key.substr(0, slash), "/", node, "/", key.substr(slash + 1));
@@ -48,6 +51,7 @@ std::string Scoped(const std::string& node, const std::string& key) {
 // to the same device memory, so what the module writes in place (amax
 // histories) lands in the layer's variables; WriteBack stores replacements.
 Variables ScopeView(const Variables& vars, const std::string& node) {
+  if (node.empty()) return vars;  // the root module: the graph's only one
   Variables view;
   const std::string prefix = absl::StrCat(node, "/");
   for (const auto& [key, tensor] : vars) {
@@ -91,8 +95,10 @@ class GraphSaved : public SavedForward {
   std::vector<std::unique_ptr<SavedForward>> modules;  // by node; null for glue
   std::vector<DropoutSaved> dropouts;                  // by node
   std::vector<graph::LmSaved> lm;                      // by node: loss and attend
+  std::vector<graph::NumpySaved> numpy;                // by node: jax.numpy's nodes
   int64_t bytes() const override {
     int64_t total = 0;
+    for (const graph::NumpySaved& n : numpy) total += n.bytes();
     for (const auto& m : modules) total += m != nullptr ? m->bytes() : 0;
     for (const DropoutSaved& d : dropouts) total += d.bytes();
     for (const graph::LmSaved& l : lm) total += l.bytes();
@@ -129,6 +135,9 @@ class GraphLayer : public Layer {
                       }
                       return absl::OkStatus();
                     }).status());
+    for (const Node& node : g_.nodes) {
+      if (node.kind == NodeKind::kParam) specs.push_back(graph::ParamSpec(node));
+    }
     return specs;
   }
 
@@ -156,6 +165,11 @@ class GraphLayer : public Layer {
       if (node.kind == NodeKind::kCausalMask) out = DType::kBool;
       if (node.kind == NodeKind::kSoftmaxCrossEntropy) out = DType::kF32;
       if (node.kind == NodeKind::kAttend) out = AttendDType(node.attend_dtype, out, node.param_dtype);
+      if (graph::IsNumpyKind(node.kind) || node.kind == NodeKind::kParam) {
+        std::vector<DType> in;
+        for (int id : node.inputs) in.push_back(dtypes[id]);
+        out = graph::NumpyOutputDType(node, in);
+      }
       for (int id : node.outputs) dtypes[id] = out;
     }
     return dtypes[g_.outputs[0]];
@@ -163,13 +177,16 @@ class GraphLayer : public Layer {
 
   absl::Status Init(Ops& ops, uint64_t seed, const Shape& input_shape, const Fp8Recipe* fp8,
                     Variables* vars) const override {
-    return InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
-             Variables own;
-             RETURN_IF_ERROR(node.module->Init(ops, SeedOf(seed, node.name), x, fp8, &own));
-             WriteBack(own, node.name, vars);
-             return absl::OkStatus();
-           })
-        .status();
+    RETURN_IF_ERROR(InferAtInit(input_shape, [&](const Node& node, const Shape& x) -> absl::Status {
+                      Variables own;
+                      RETURN_IF_ERROR(node.module->Init(ops, SeedOf(seed, node.name), x, fp8, &own));
+                      WriteBack(own, node.name, vars);
+                      return absl::OkStatus();
+                    }).status());
+    for (const Node& node : g_.nodes) {
+      if (node.kind == NodeKind::kParam) RETURN_IF_ERROR(graph::InitParam(ops, seed, node, vars));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
@@ -194,6 +211,7 @@ class GraphLayer : public Layer {
     kept->modules.resize(g_.nodes.size());
     kept->dropouts.resize(g_.nodes.size());
     kept->lm.resize(g_.nodes.size());
+    kept->numpy.resize(g_.nodes.size());
 
     std::vector<Tensor> values(g_.tensors.size());
     values[kX] = in.x;
@@ -217,6 +235,17 @@ class GraphLayer : public Layer {
         ASSIGN_OR_RETURN(const Tensor embedding, EmbeddingOf(*vars, node));
         RETURN_IF_ERROR(AboutNode(node, graph::AttendNodeForward(ops, node, embedding, inputs[0],
                                                                  &outputs[0], &kept->lm[i])));
+      } else if (node.kind == NodeKind::kParam) {
+        auto it = vars->find(graph::ParamName(node));
+        if (it == vars->end()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(node.field, ": no variable ", graph::ParamName(node)));
+        }
+        outputs = {it->second};
+      } else if (graph::IsNumpyKind(node.kind)) {
+        RETURN_IF_ERROR(AboutNode(node, graph::NumpyForward(ops, node, kept->plan.nodes[i],
+                                                            kept->plan, inputs, &outputs,
+                                                            &kept->numpy[i])));
       } else {
         RETURN_IF_ERROR(AboutNode(
             node, graph::GlueForward(ops, node, kept->plan.nodes[i], inputs, opts.deterministic,
@@ -228,6 +257,8 @@ class GraphLayer : public Layer {
     }
     out->y = values[g_.outputs[0]];
     if (g_.outputs.size() > 1) out->ln_out = values[g_.outputs[1]];
+    out->aux.clear();
+    for (size_t j = 1; j < g_.outputs.size(); ++j) out->aux.push_back(values[g_.outputs[j]]);
     if (opts.keep_for_backward && saved != nullptr) *saved = std::move(kept);
     return absl::OkStatus();
   }
@@ -270,6 +301,16 @@ class GraphLayer : public Layer {
                                                                     &din, &dembedding)));
           RETURN_IF_ERROR(AddParamGrad(ops, EmbeddingName(node), dembedding, grads));
         }
+      } else if (node.kind == NodeKind::kParam) {  // no gradient reached it: zeros
+        const TensorInfo& info = plan.tensors[node.outputs[0]];
+        Tensor g = dout[0];
+        if (!g.defined()) {
+          ASSIGN_OR_RETURN(g, graph::Zeros(ops, *info.dtype, info.shape));
+        }
+        RETURN_IF_ERROR(AddParamGrad(ops, graph::ParamName(node), g, grads));
+      } else if (graph::IsNumpyKind(node.kind)) {
+        RETURN_IF_ERROR(AboutNode(node, graph::NumpyBackward(ops, node, plan.nodes[i], plan,
+                                                             kept->numpy[i], dout, &din)));
       } else {
         RETURN_IF_ERROR(AboutNode(node, graph::GlueBackward(ops, node, plan.nodes[i], plan,
                                                             kept->dropouts[i], dout, &din)));
@@ -411,7 +452,7 @@ class GraphLayer : public Layer {
 
   // An attend node's table: "params/<embed node>/embedding".
   std::string EmbeddingName(const Node& node) const {
-    return absl::StrCat("params/", g_.nodes[node.embed].name, "/embedding");
+    return Scoped(g_.nodes[node.embed].name, "params/embedding");
   }
   absl::StatusOr<Tensor> EmbeddingOf(const Variables& vars, const Node& node) const {
     auto it = vars.find(EmbeddingName(node));

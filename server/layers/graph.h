@@ -9,9 +9,9 @@
 //
 // Checks, all INVALID_ARGUMENT naming "spec.graph.nodes[i] (<name>)" (or
 // "spec.graph.outputs[j]") and the problem:
-//  * MakeGraph: node names empty or repeated; a tensor written twice (or a
-//    graph input written); a tensor read but never written; a cycle; outputs
-//    empty, more than y and ln_out, or never written; an op's arity or
+//  * MakeGraph: node names empty (but a module's, below) or repeated; a
+//    tensor written twice (or a graph input written); a tensor read but
+//    never written; a cycle; outputs empty or never written; an op's arity or
 //    fields (split.parts < 2, a reshape shape with zeros or two -1, a cast to
 //    a non-float dtype, a dropout rate outside [0, 1), a non-finite scale);
 //    a module's own spec errors; a mask on a module that takes none; a
@@ -31,6 +31,10 @@
 // seed are NodeSeed(seed, node name), and a dropout node's seed
 // NodeSeed(dropout_seed, node name) (kernels/rng.h). Each module node has its
 // own FP8 state, which the session's UpdateFp8Metas moves as for one module.
+// A param node (self.param) is the variable "params/<node name>", drawn at
+// init from its initializer with the seed NodeSeed(seed, node name); the
+// jax.numpy nodes (binary, unary, where, reduce, einsum, slice, softmax) hold
+// none (graph_numpy*.cc, graph_einsum.cc, graph_param.cc).
 //
 // Inputs: "x", "extra_inputs[i]" (the graph takes exactly as many extra
 // inputs as the highest index it reads, plus one) and "attention_mask": a
@@ -38,9 +42,14 @@
 // one whose mask is a causal_mask node's output gets none (its own causal
 // mask type applies causality, as TE's causal types ignore the mask).
 //
-// Outputs: y = LayerOutputs.y; a second output, when named, is
-// LayerOutputs.ln_out and gets no gradient. y's dtype is what the graph
-// makes of x's (a cast changes it); Backward takes dy in any float dtype.
+// Outputs: y = LayerOutputs.y; the outputs after it are LayerOutputs.aux (a
+// loss function's aux outputs) and get no gradient; the second, when named,
+// is LayerOutputs.ln_out too. y's dtype is what the graph makes of x's (a
+// cast changes it); Backward takes dy in any float dtype.
+//
+// A module node named "" has the root scope: its variables keep the module's
+// own names ("params/kernel"), so a graph over a layer that is one module
+// (AddGraph) reads that layer's variables. It must be the graph's only module.
 #ifndef TE_SERVER_LAYERS_GRAPH_H_
 #define TE_SERVER_LAYERS_GRAPH_H_
 

@@ -195,6 +195,15 @@ absl::Status ParseGlue(const GraphSpec::Node& s, Node* node) {
       }
       break;  // attend.embed is resolved once every node is known
     }
+    case GraphSpec::Node::kBinary:
+    case GraphSpec::Node::kUnary:
+    case GraphSpec::Node::kWhere:
+    case GraphSpec::Node::kReduce:
+    case GraphSpec::Node::kEinsum:
+    case GraphSpec::Node::kSlice:
+    case GraphSpec::Node::kSoftmax:
+    case GraphSpec::Node::kParam:
+      return ParseNumpyNode(s, node);  // graph_numpy_parse.cc
     default:
       return absl::InternalError(absl::StrCat(f, ": unhandled op ", s.op_case()));
   }
@@ -242,7 +251,9 @@ class Builder {
       Node& node = g_.nodes[i];
       node.name = s.name();
       node.field = absl::StrCat("spec.graph.nodes[", i, "] (", s.name(), ")");
-      if (s.name().empty()) return Invalid(node.field + ".name", "empty; every node needs a name");
+      if (s.name().empty() && s.op_case() != GraphSpec::Node::kModule) {
+        return Invalid(node.field + ".name", "empty; every node needs a name");
+      }
       auto [it, inserted] = names.emplace(s.name(), i);
       if (!inserted) {
         return Invalid(node.field + ".name",
@@ -317,8 +328,9 @@ class Builder {
     }
     if (s.op_case() == GraphSpec::Node::OP_NOT_SET) {
       return Invalid(node.field, "no op set (module, reshape, split, concatenate, add, scale, "
-                                 "cast, transpose, dropout, causal_mask, softmax_cross_entropy "
-                                 "or attend)");
+                                 "cast, transpose, dropout, causal_mask, softmax_cross_entropy, "
+                                 "attend, binary, unary, where, reduce, einsum, slice, softmax "
+                                 "or param)");
     }
     if (s.op_case() != GraphSpec::Node::kModule) {
       if (!s.mask().empty()) {
@@ -418,11 +430,6 @@ class Builder {
 
   absl::Status Outputs() {
     if (spec_.outputs().empty()) return Invalid("spec.graph.outputs", "empty; name y");
-    if (spec_.outputs_size() > 2) {
-      return Invalid("spec.graph.outputs",
-                     absl::StrCat(spec_.outputs_size(), " tensors; a layer returns y and at most "
-                                                        "ln_out"));
-    }
     for (int j = 0; j < spec_.outputs_size(); ++j) {
       const std::string where = absl::StrCat("spec.graph.outputs[", j, "]");
       ASSIGN_OR_RETURN(const int id, Read(spec_.outputs(j), where));
@@ -436,10 +443,19 @@ class Builder {
 
   // A module's variables are "<collection>/<node>/..."; a node named like
   // another's scope ("a" and "a/b") would see the other's variables as its own.
+  // A param node's variable "params/<node>" is a leaf of the same tree.
   absl::Status ScopesAreDisjoint() const {
     std::map<std::string, int> modules;
     for (size_t i = 0; i < g_.nodes.size(); ++i) {
-      if (g_.nodes[i].kind == NodeKind::kModule) modules.emplace(g_.nodes[i].name, i);
+      const NodeKind kind = g_.nodes[i].kind;
+      if (kind == NodeKind::kModule || kind == NodeKind::kParam) modules.emplace(g_.nodes[i].name, i);
+    }
+    // "": the root scope, where a layer that is one module keeps its
+    // variables (a graph added over it names that module so).
+    if (modules.count("") > 0 && modules.size() > 1) {
+      return Invalid(g_.nodes[modules.at("")].field + ".name",
+                     "empty: a module named \"\" has the root scope, so it must be the graph's "
+                     "only module");
     }
     for (const auto& [name, i] : modules) {
       for (size_t slash = name.find('/'); slash != std::string::npos;

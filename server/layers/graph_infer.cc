@@ -85,8 +85,27 @@ class Inference {
       case NodeKind::kCausalMask: return CausalMask(node);
       case NodeKind::kSoftmaxCrossEntropy: return Loss(node);
       case NodeKind::kAttend: return Attend(node);
+      case NodeKind::kBinary:
+      case NodeKind::kUnary:
+      case NodeKind::kWhere:
+      case NodeKind::kReduce:
+      case NodeKind::kEinsum:
+      case NodeKind::kSlice:
+      case NodeKind::kSoftmax:
+      case NodeKind::kParam:
+        return Numpy(node, np);
     }
     return absl::InternalError(absl::StrCat(node.field, ": unhandled node kind"));
+  }
+
+  // jax.numpy's nodes: graph_numpy_infer.cc.
+  absl::Status Numpy(const Node& node, NodePlan* np) {
+    std::vector<TensorInfo> in;
+    for (size_t j = 0; j < node.inputs.size(); ++j) in.push_back(In(node, j));
+    std::vector<TensorInfo> out;
+    RETURN_IF_ERROR(InferNumpyNode(node, in, &out, np));
+    for (size_t j = 0; j < out.size(); ++j) Out(node, j) = out[j];
+    return absl::OkStatus();
   }
 
   absl::Status Module(const Node& node) {

@@ -1,7 +1,8 @@
 // Internals of the graph layer (graph.h), shared by its files: the checked
 // structure and its topological order (graph_build.cc), shape and dtype
 // inference (graph_infer.cc), the glue ops' forward and backward
-// (graph_ops.cc) and the executor (graph.cc). Not part of the layer API.
+// (graph_ops.cc), jax.numpy's nodes (graph_numpy*.cc, graph_einsum.cc,
+// graph_param.cc) and the executor (graph.cc). Not part of the layer API.
 #ifndef TE_SERVER_LAYERS_GRAPH_INTERNAL_H_
 #define TE_SERVER_LAYERS_GRAPH_INTERNAL_H_
 
@@ -33,6 +34,25 @@ enum class NodeKind {
   kCausalMask,
   kSoftmaxCrossEntropy,  // inputs logits, labels: the loss (graph_lm.cc)
   kAttend,               // nn.Embed.attend: reads an Embed node's embedding (graph_lm.cc)
+  // jax.numpy on traced tensors (graph_numpy.cc, graph_einsum.cc).
+  kBinary,
+  kUnary,
+  kWhere,
+  kReduce,
+  kEinsum,
+  kSlice,
+  kSoftmax,
+  kParam,  // self.param: no inputs, reads the variable params/<name> (graph_param.cc)
+};
+
+// The jax.numpy kinds but param, which graph.cc runs itself (it reads a variable).
+bool IsNumpyKind(NodeKind kind);
+
+// An einsum's equation, parsed: each term's labels (letters as their
+// character code, kEllipsis where "..." stands).
+struct EinsumTerms {
+  static constexpr int kEllipsis = -1;
+  std::vector<int> a, b, out;
 };
 
 // A named edge. Tensors are numbered in the order they are first named: the
@@ -82,6 +102,21 @@ struct Node {
   // kAttend: the Embed node it reads (index), and attend's dtype (nullopt: promote).
   int embed = -1;
   std::optional<DType> attend_dtype;
+
+  // jax.numpy nodes. binary: its op and scalar as given (the scalar is
+  // rounded to the operand's dtype at the forward, JAX's weak typing).
+  BinaryOp binary_op = BinaryOp::kAdd;
+  std::optional<double> scalar;
+  bool scalar_first = false;
+  UnaryOp unary_op = UnaryOp::kNegative;
+  std::optional<double> where_x, where_y;  // where's constants
+  ReduceOp reduce_op = ReduceOp::kSum;     // reduce (axes in `axes`, empty: all)
+  bool keepdims = false;
+  EinsumTerms einsum;
+  bool tf32 = true;                        // einsum at PRECISION_DEFAULT
+  std::vector<int64_t> start, limit, stride;  // slice (stride empty: 1s)
+  bool log = false;                        // softmax (axis in `axis`)
+  te::v1::Initializer initializer;         // param (shape in `shape`, dtype in `dtype`)
 };
 
 // A checked graph: every tensor written once, every read tensor written, no
@@ -119,6 +154,28 @@ struct NodePlan {
   int axis = 0;                     // split, concatenate: in [0, rank)
   std::vector<int> perm;            // transpose: out.dim(i) = in.dim(perm[i])
   std::vector<int> broadcast_dims;  // dropout: in [0, rank), sorted, unique
+  Shape keep;                       // reduce: x's shape with the reduced axes 1
+  std::vector<int64_t> stride;      // slice: one per axis
+  // einsum as batched GEMMs (graph_einsum.cc): a permuted (`perm_a`,
+  // empty: a itself) to [batch, M, K], or [batch, K, M] when transpose_a
+  // takes it as it is; b to [batch, K, N] or [batch, N, K]; the product
+  // [batch, M, N] permuted to the output. Each group (batch, M, K, N) is the
+  // labels of that class, so the *_dims shapes list them one by one.
+  struct Einsum {
+    std::vector<int> perm_a, perm_b;  // y.dim(i) = x.dim(perm[i]), as Transpose's
+    bool transpose_a = false, transpose_b = false;
+    Shape mk_dims, kn_dims, mn_dims;  // [batch.., M.., K..] etc.: the labels' sizes
+    std::vector<int> back_a, back_b;  // mk_dims -> a's order, kn_dims -> b's
+    std::vector<int> perm_out;        // mn_dims -> the output's order
+    int64_t batch = 1, m = 1, n = 1, k = 1;
+  } einsum;
+};
+
+// What a jax.numpy node keeps for its backward: the operands and outputs
+// it needs (handles, no copies).
+struct NumpySaved {
+  std::vector<Tensor> kept;
+  int64_t bytes() const;
 };
 
 struct Plan {
@@ -153,6 +210,41 @@ absl::Status GlueForward(Ops& ops, const Node& node, const NodePlan& plan,
 absl::Status GlueBackward(Ops& ops, const Node& node, const NodePlan& plan, const Plan& shapes,
                           const DropoutSaved& dropout, const std::vector<Tensor>& dout,
                           std::vector<Tensor>* din);
+
+// ---- jax.numpy nodes (graph_numpy*.cc, graph_einsum.cc, graph_param.cc) ----------
+// The op fields of a binary, unary, where, reduce, einsum, slice, softmax or
+// param node and their arity (INVALID_ARGUMENT naming the field).
+absl::Status ParseNumpyNode(const te::v1::GraphSpec::Node& spec, Node* node);
+absl::Status ParseEinsum(const std::string& equation, const std::string& where, EinsumTerms* terms);
+absl::Status ParseParam(const te::v1::GraphSpec::Param& spec, const std::string& where, Node* node);
+
+// Inference of such a node from its inputs' infos: fills *out (one per
+// output) and the node's plan.
+absl::Status InferNumpyNode(const Node& node, const std::vector<TensorInfo>& in,
+                            std::vector<TensorInfo>* out, NodePlan* plan);
+absl::Status InferEinsum(const Node& node, const TensorInfo& a, const TensorInfo& b,
+                         TensorInfo* out, NodePlan* plan);
+// The dtype a numpy or param node gives for its inputs' dtypes (inference's
+// rule without shapes, for Layer::OutputDType).
+DType NumpyOutputDType(const Node& node, const std::vector<DType>& in);
+
+// Forward and backward of an IsNumpyKind node: as GlueForward / GlueBackward.
+absl::Status NumpyForward(Ops& ops, const Node& node, const NodePlan& plan, const Plan& shapes,
+                          const std::vector<Tensor>& in, std::vector<Tensor>* out,
+                          NumpySaved* saved);
+absl::Status NumpyBackward(Ops& ops, const Node& node, const NodePlan& plan, const Plan& shapes,
+                           const NumpySaved& saved, const std::vector<Tensor>& dout,
+                           std::vector<Tensor>* din);
+absl::Status EinsumForward(Ops& ops, const Node& node, const NodePlan& plan, const Tensor& a,
+                           const Tensor& b, const Shape& out_shape, Tensor* y, NumpySaved* saved);
+absl::Status EinsumBackward(Ops& ops, const Node& node, const NodePlan& plan, const Plan& shapes,
+                            const NumpySaved& saved, const Tensor& dy, std::vector<Tensor>* din);
+
+// A param node's variable: "params/<node name>", its spec, and its initial
+// value from the layer's seed (NodeSeed(seed, node name)).
+std::string ParamName(const Node& node);
+VariableSpec ParamSpec(const Node& node);
+absl::Status InitParam(Ops& ops, uint64_t seed, const Node& node, Variables* vars);
 
 // ---- language-model nodes (graph_lm.cc) ----------------------------------------
 // What a softmax_cross_entropy or attend node keeps for its backward.

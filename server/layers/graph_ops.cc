@@ -291,6 +291,14 @@ absl::Status GlueForward(Ops& ops, const Node& node, const NodePlan& plan,
     case NodeKind::kModule:  // these hold variables: graph.cc runs them itself
     case NodeKind::kSoftmaxCrossEntropy:
     case NodeKind::kAttend:
+    case NodeKind::kBinary:  // jax.numpy's: graph_numpy.cc
+    case NodeKind::kUnary:
+    case NodeKind::kWhere:
+    case NodeKind::kReduce:
+    case NodeKind::kEinsum:
+    case NodeKind::kSlice:
+    case NodeKind::kSoftmax:
+    case NodeKind::kParam:
       break;
   }
   return absl::InternalError(absl::StrCat(node.field, ": not a glue node"));

@@ -95,6 +95,9 @@ struct LayerInputs {
 struct LayerOutputs {
   Tensor y;
   Tensor ln_out;  // only for modules that return their layernorm output
+  // A graph's outputs after y, in order (a loss function's aux outputs, as
+  // jax.value_and_grad's has_aux returns them): no gradient flows from them.
+  std::vector<Tensor> aux;
 };
 
 struct LayerGrads {

@@ -1,18 +1,27 @@
 // Optimizers for a layer's parameters, as optax defines them: sgd (momentum,
-// nesterov), adam, adamw; learning rates constant or
-// warmup_cosine_decay_schedule; clip_by_global_norm; and the step skipped
-// when a gradient is inf or NaN (apply_if_finite). The math is
+// nesterov), adam, adamw, rmsprop (centered, momentum, nesterov), lion;
+// optax's learning-rate schedules (constant, linear, cosine_decay,
+// warmup_cosine_decay, exponential_decay, piecewise_constant, join);
+// clip_by_global_norm; optax.chain of these and of clip, scale,
+// add_decayed_weights and scale_by_learning_rate in any order; and the step
+// skipped when a gradient is inf or NaN (apply_if_finite). The math is
 // Ops::OptimizerStep (kernels/ops.h) and kernels/optimizer_math.h; this file
 // resolves the request, lays out the state and keeps the step's plan.
 //
 // Contract:
 //  1. ResolveOptimizer checks everything (a kind set, finite hyperparameters
-//     in optax's ranges, a valid schedule) and fills in optax's defaults;
-//     its errors are INVALID_ARGUMENT naming the field under `field`.
+//     in optax's ranges, valid schedules) and fills in optax's defaults;
+//     its errors are INVALID_ARGUMENT naming the field under `field`. sgd,
+//     adam and adamw, alone or as chain(clip_by_global_norm, one of them),
+//     run as the fused rule (OptimizerUpdate's); everything else as the
+//     chain of optax's primitive links it is made of.
 //  2. The state is one Variables map, named like the collection the client
 //     reads: "opt_state/count", "opt_state/total_notfinite" (int32 [1]) and
-//     per parameter "opt_state/{mu,nu,trace}/<path>" in the parameter's
-//     shape and dtype. InitState makes it (zeros: optax's init).
+//     per parameter "opt_state/<state>/<path>" in the parameter's shape and
+//     dtype, <state> as SetOptimizerResponse documents (service.proto):
+//     "mu", "nu", "trace" for one optimizer, "<i>/mu" etc. for link i of a
+//     chain. InitState makes it (optax's init: zeros, rmsprop's nu at
+//     initial_scale).
 //  3. Updater::Step writes params and state in place and issues work only
 //     (no host sync, no allocation once planned): the global norm, the skip,
 //     the clip, the learning rate and the counters are decided on the device
@@ -42,22 +51,23 @@ inline constexpr char kOptState[] = "opt_state";
 inline constexpr char kCount[] = "opt_state/count";
 inline constexpr char kTotalNotfinite[] = "opt_state/total_notfinite";
 
-// optax's constant learning rate or warmup_cosine_decay_schedule.
-struct Schedule : LearningRateSchedule {
-  // The learning rate at step `count` (0 for the first update), in float64.
-  double At(int64_t count) const { return LearningRateAt(*this, count); }
-};
-
 struct OptimizerConfig {
-  enum class Kind { kSgd, kAdam, kAdamW };
-  Kind kind = Kind::kSgd;
-  Schedule learning_rate;
-  std::optional<double> momentum;  // sgd; none: no trace
-  bool nesterov = false;
-  double b1 = 0.9, b2 = 0.999, eps = 1e-8, eps_root = 0.0;
-  double weight_decay = 0.0;        // adamw only (1e-4 by default there)
-  std::optional<double> max_norm;   // clip_by_global_norm
-  const char* name() const;         // "sgd", "adam", "adamw"
+  // "sgd", "adam", "adamw", "rmsprop", "lion" or "chain".
+  std::string kind;
+  // What the device runs: the fused rule, or the chain's links.
+  OptimizerHyperparams hyperparams;
+  // The per-parameter state, "opt_state/<name>/<path>" starting at
+  // initial_value: for the fused rule mu then nu as the slots take them
+  // (sgd's trace is its mu), for a chain OptimizerSlot::state in order.
+  struct State {
+    std::string name;
+    double initial_value = 0.0;
+  };
+  std::vector<State> state;
+  const char* name() const { return kind.c_str(); }
+  // The learning rate the steps report (the fused rule's, or the first
+  // scale_by_learning_rate link's; 0 without one) at step `count`, float64.
+  double LearningRateAt(int64_t count) const;
 };
 
 absl::StatusOr<OptimizerConfig> ResolveOptimizer(const te::v1::Optimizer& spec,
@@ -70,9 +80,6 @@ std::vector<layers::VariableSpec> StateSpecs(const OptimizerConfig& config,
 // memory limit).
 absl::StatusOr<layers::Variables> InitState(Ops& ops, const OptimizerConfig& config,
                                             const layers::Variables& params);
-
-// The hyperparameters the step kernels take (the schedule unevaluated).
-OptimizerHyperparams Hyperparams(const OptimizerConfig& config);
 
 // One layer's updates. Not thread-safe (a session's calls never overlap).
 class Updater {

@@ -27,20 +27,23 @@ te::v1::Optimizer AdamW(double lr) {
 TEST(ResolveOptimizerTest, OptaxDefaults) {
   absl::StatusOr<OptimizerConfig> adamw = ResolveOptimizer(AdamW(1e-3), "optimizer");
   ASSERT_TRUE(adamw.ok()) << adamw.status();
-  EXPECT_EQ(adamw->b1, 0.9);
-  EXPECT_EQ(adamw->b2, 0.999);
-  EXPECT_EQ(adamw->eps, 1e-8);
-  EXPECT_EQ(adamw->eps_root, 0.0);
-  EXPECT_EQ(adamw->weight_decay, 1e-4);
-  EXPECT_FALSE(adamw->max_norm.has_value());
+  const OptimizerHyperparams& h = adamw->hyperparams;
+  EXPECT_EQ(h.rule, OptimizerUpdateArgs::Rule::kAdam);
+  EXPECT_EQ(h.num_links, 0);  // the fused rule
+  EXPECT_EQ(h.b1, 0.9);
+  EXPECT_EQ(h.b2, 0.999);
+  EXPECT_EQ(h.eps, 1e-8);
+  EXPECT_EQ(h.eps_root, 0.0);
+  EXPECT_EQ(h.weight_decay, 1e-4);
+  EXPECT_EQ(h.max_norm, 0.0);
   te::v1::Optimizer adam;
   adam.mutable_adam()->mutable_learning_rate()->set_constant(1e-3);
-  EXPECT_EQ(ResolveOptimizer(adam, "optimizer")->weight_decay, 0.0);
+  EXPECT_EQ(ResolveOptimizer(adam, "optimizer")->hyperparams.weight_decay, 0.0);
   te::v1::Optimizer sgd;
   sgd.mutable_sgd()->mutable_learning_rate()->set_constant(0.1);
   absl::StatusOr<OptimizerConfig> s = ResolveOptimizer(sgd, "optimizer");
   ASSERT_TRUE(s.ok());
-  EXPECT_FALSE(s->momentum.has_value());  // optax: momentum=None, no trace state
+  EXPECT_TRUE(s->state.empty());             // optax: momentum=None, no trace state
   EXPECT_EQ(StateSpecs(*s, {}).size(), 2u);  // count, total_notfinite
 }
 
@@ -88,7 +91,7 @@ TEST(ScheduleTest, WarmupCosineDecayIsOptaxs) {
   w->set_exponent(1.5);
   te::v1::Optimizer spec;
   *spec.mutable_sgd()->mutable_learning_rate() = lr;
-  const Schedule s = ResolveOptimizer(spec, "optimizer")->learning_rate;
+  const OptimizerConfig s = *ResolveOptimizer(spec, "optimizer");
   const double pi = std::acos(-1.0);
   for (int64_t count : {0, 1, 3, 6, 7, 8, 20, 39, 40, 41, 100}) {
     double want;
@@ -99,9 +102,9 @@ TEST(ScheduleTest, WarmupCosineDecayIsOptaxs) {
       const double alpha = 0.02 / 0.5;
       want = 0.5 * ((1 - alpha) * std::pow(0.5 * (1 + std::cos(pi * t / 33)), 1.5) + alpha);
     }
-    EXPECT_NEAR(s.At(count), want, kScheduleTolerance) << count;
+    EXPECT_NEAR(s.LearningRateAt(count), want, kScheduleTolerance) << count;
   }
-  EXPECT_NEAR(s.At(1000), 0.02, kScheduleTolerance);  // end_value after decay_steps
+  EXPECT_NEAR(s.LearningRateAt(1000), 0.02, kScheduleTolerance);  // end_value after decay_steps
 }
 
 // Two parameters, several adamw steps with clipping, through Update (the
@@ -247,7 +250,7 @@ TEST(UpdaterTest, StepsFollowTheSchedule) {
   EXPECT_EQ(updater.ReadInfo(ops).status().code(), absl::StatusCode::kFailedPrecondition);
   for (int64_t count = 0; count < 10; ++count) {
     ASSERT_TRUE(updater.Step(ops, config, {{"grads/p", g}}, &vars, &state).ok());
-    EXPECT_NEAR(updater.ReadInfo(ops)->learning_rate, config.learning_rate.At(count),
+    EXPECT_NEAR(updater.ReadInfo(ops)->learning_rate, config.LearningRateAt(count),
                 kScheduleTolerance);
   }
 }

@@ -361,10 +361,37 @@ grpc::ServerUnaryReactor* TeService::GetVariables(grpc::CallbackServerContext* c
 
 grpc::ServerUnaryReactor* TeService::SetVariables(grpc::CallbackServerContext* context,
                                                   const te::v1::SetVariablesRequest* request,
-                                                  te::v1::SetVariablesResponse*) {
+                                                  te::v1::SetVariablesResponse* response) {
   return QueuedCall::OnSession(core_, context, "SetVariables", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().SetVariables(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::AddGraph(grpc::CallbackServerContext* context,
+                                              const te::v1::AddGraphRequest* request,
+                                              te::v1::AddGraphResponse* response) {
+  return QueuedCall::OnSession(core_, context, "AddGraph", request->session(),
+                               [request, response](Lease& lease, const CallContext&) {
+                                 return lease.session().AddGraph(*request, response);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::ReleaseVersions(grpc::CallbackServerContext* context,
+                                                     const te::v1::ReleaseVersionsRequest* request,
+                                                     te::v1::ReleaseVersionsResponse*) {
+  return QueuedCall::OnSession(core_, context, "ReleaseVersions", request->session(),
                                [request](Lease& lease, const CallContext&) {
-                                 return lease.session().SetVariables(*request);
+                                 return lease.session().ReleaseVersions(*request);
+                               });
+}
+
+grpc::ServerUnaryReactor* TeService::DeleteLayer(grpc::CallbackServerContext* context,
+                                                 const te::v1::DeleteLayerRequest* request,
+                                                 te::v1::DeleteLayerResponse*) {
+  return QueuedCall::OnSession(core_, context, "DeleteLayer", request->session(),
+                               [request](Lease& lease, const CallContext&) {
+                                 return lease.session().DeleteLayer(*request);
                                });
 }
 

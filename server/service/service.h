@@ -82,6 +82,15 @@ class TeService final : public TeServiceBase {
   grpc::ServerUnaryReactor* SetVariables(grpc::CallbackServerContext* context,
                                          const te::v1::SetVariablesRequest* request,
                                          te::v1::SetVariablesResponse* response) override;
+  grpc::ServerUnaryReactor* AddGraph(grpc::CallbackServerContext* context,
+                                     const te::v1::AddGraphRequest* request,
+                                     te::v1::AddGraphResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseVersions(grpc::CallbackServerContext* context,
+                                            const te::v1::ReleaseVersionsRequest* request,
+                                            te::v1::ReleaseVersionsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteLayer(grpc::CallbackServerContext* context,
+                                        const te::v1::DeleteLayerRequest* request,
+                                        te::v1::DeleteLayerResponse* response) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutTensor(grpc::CallbackServerContext* context,
                                                        grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* GetTensor(grpc::CallbackServerContext* context,

@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
+#include "server/layers/graph.h"
 #include "server/layers/variables.h"
 #include "server/optim/optimizer.h"
 #include "server/security/secrets.h"
@@ -245,14 +246,16 @@ class SessionCheckpoint {
       *saved->mutable_input_shape() = entry->init.input_shape();
       saved->set_input_dtype(entry->init.input_dtype());
       *saved->mutable_autocast() = entry->init.autocast();
-      const layers::Variables no_state;
-      const layers::Variables* opt_state = &no_state;
-      if (entry->optimizer) {
-        *saved->mutable_optimizer() = entry->optimizer->spec;
-        opt_state = &entry->optimizer->state;
-      }
-      for (const layers::Variables* vars :
-           std::initializer_list<const layers::Variables*>{&entry->vars, &entry->grads, opt_state}) {
+      if (entry->optimizer) *saved->mutable_optimizer() = entry->optimizer->spec;
+      for (size_t g = 1; g < entry->graphs.size(); ++g) *saved->add_graphs() = entry->graphs[g].added;
+      saved->set_last_version(entry->last_version);
+      // The newest version alone: older retained ones are the client's
+      // values of a running session, not state to resume from.
+      const LayerVersion* newest = entry->newest();
+      saved->set_version(newest != nullptr ? entry->versions.rbegin()->first : -1);
+      if (newest == nullptr) continue;
+      const VariableSet& set = newest->set;
+      for (const layers::Variables* vars : {&set.vars, &set.grads, &set.opt_state}) {
         for (const auto& [name, tensor] : *vars) {
           host.resize(tensor.nbytes());
           if (!host.empty()) RETURN_IF_ERROR(session.ops_->Download(tensor, host.data()));
@@ -301,7 +304,8 @@ class SessionCheckpoint {
                                                                   DataSource& source) {
     auto entry = std::make_unique<LayerEntry>();
     entry->id = saved.layer_id();
-    ASSIGN_OR_RETURN(entry->layer, layers::CreateLayer(saved.spec()));
+    entry->graphs.emplace_back();
+    ASSIGN_OR_RETURN(entry->graphs[0].layer, layers::CreateLayer(saved.spec()));
     ASSIGN_OR_RETURN(DType input_dtype, DTypeFromProto(saved.input_dtype(), "input_dtype"));
     ASSIGN_OR_RETURN(Shape input_shape,
                      ShapeFromProto(saved.input_shape(), input_dtype,
@@ -309,7 +313,7 @@ class SessionCheckpoint {
     ASSIGN_OR_RETURN(entry->init_recipe, session.ResolveAutocast(saved.autocast(), "autocast"));
     const layers::Fp8Recipe* fp8 = entry->init_recipe ? &*entry->init_recipe : nullptr;
     ASSIGN_OR_RETURN(std::vector<layers::VariableSpec> specs,
-                     entry->layer->VariableSpecs(input_shape, fp8));
+                     entry->layer().VariableSpecs(input_shape, fp8));
     *entry->init.mutable_spec() = saved.spec();
     *entry->init.mutable_input_shape() = saved.input_shape();
     entry->init.set_input_dtype(saved.input_dtype());
@@ -324,7 +328,8 @@ class SessionCheckpoint {
       if (!config.ok()) return absl::DataLossError(std::string(config.status().message()));
       optimizer = *config;
     }
-    layers::Variables opt_state;
+    VariableSet set;
+    layers::Variables& opt_state = set.opt_state;
     std::string host;
     for (const SavedVariable& variable : saved.variables()) {
       const std::string& name = variable.name();
@@ -338,7 +343,7 @@ class SessionCheckpoint {
       if (!is_grad && !is_state && spec_names.count(name) == 0) {
         return absl::DataLossError(absl::StrCat(name, ": not a variable of this layer"));
       }
-      layers::Variables& target = is_grad ? entry->grads : (is_state ? opt_state : entry->vars);
+      layers::Variables& target = is_grad ? set.grads : (is_state ? opt_state : set.vars);
       if (target.count(name) > 0) return absl::DataLossError(absl::StrCat(name, ": repeated"));
       if (variable.offset() != source.offset()) {
         return absl::DataLossError(
@@ -356,19 +361,23 @@ class SessionCheckpoint {
       if (!host.empty()) RETURN_IF_ERROR(session.ops_->Upload(host.data(), &tensor));
       target[name] = std::move(tensor);
     }
+    const bool released = saved.version() < 0;
+    if (released && !saved.variables().empty()) {
+      return absl::DataLossError("variables saved for a layer whose every version was released");
+    }
     // The layer must accept what came back, as after InitLayer.
-    RETURN_IF_ERROR(layers::CheckVariables(entry->vars, specs));
-    for (const auto& [name, grad] : entry->grads) {
+    if (!released) RETURN_IF_ERROR(layers::CheckVariables(set.vars, specs));
+    for (const auto& [name, grad] : set.grads) {
       std::string collection, path;
       SplitVariableName(name, &collection, &path);
-      auto param = entry->vars.find(absl::StrCat(layers::kParams, "/", path));
-      if (param == entry->vars.end() || param->second.shape() != grad.shape()) {
+      auto param = set.vars.find(absl::StrCat(layers::kParams, "/", path));
+      if (param == set.vars.end() || param->second.shape() != grad.shape()) {
         return absl::DataLossError(absl::StrCat(name, ": no parameter of its shape"));
       }
     }
-    if (optimizer) {
+    if (optimizer && !released) {
       // Exactly the state the optimizer keeps for these parameters.
-      const std::vector<layers::VariableSpec> state_specs = optim::StateSpecs(*optimizer, entry->vars);
+      const std::vector<layers::VariableSpec> state_specs = optim::StateSpecs(*optimizer, set.vars);
       if (state_specs.size() != opt_state.size()) {
         return absl::DataLossError(absl::StrCat("opt_state: ", opt_state.size(), " variables, ",
                                                 optimizer->name(), " keeps ", state_specs.size()));
@@ -380,11 +389,28 @@ class SessionCheckpoint {
           return absl::DataLossError(absl::StrCat(spec.name, ": missing or of another shape"));
         }
       }
+    }
+    if (optimizer) {
       LayerOptimizer restored;
       restored.spec = saved.optimizer();
       restored.config = *optimizer;
-      restored.state = std::move(opt_state);
       entry->optimizer = std::move(restored);
+    }
+    // The version comes back under its number (1 from a checkpoint written
+    // before versions), and later ones continue after the highest made.
+    const int64_t number = saved.version() == 0 ? 1 : saved.version();
+    entry->last_version = std::max({saved.last_version(), number, int64_t{0}});
+    if (!released) entry->versions[number].set = std::move(set);
+    for (int g = 0; g < saved.graphs_size(); ++g) {
+      const te::v1::AddGraphRequest& added = saved.graphs(g);
+      absl::StatusOr<std::unique_ptr<layers::Layer>> graph = layers::MakeGraph(added.graph());
+      if (!graph.ok()) {
+        return absl::DataLossError(absl::StrCat("graphs[", g, "]: ", graph.status().message()));
+      }
+      LayerGraph restored;
+      restored.layer = *std::move(graph);
+      restored.added = added;
+      entry->graphs.push_back(std::move(restored));
     }
     RETURN_IF_ERROR(session.ops_->Synchronize());
     return entry;

@@ -4,11 +4,14 @@
 //
 // Contract:
 //  1. A session's checkpoint is <state_dir>/<session_id>/: session.pb (the
-//     manifest: layers with their specs, init shapes, dtypes and autocast;
-//     recipe; policy; TTL; a salted SHA-256 of the token, never the token)
-//     and variables-<generation>.bin (the raw bytes of every variable:
-//     params, fp8_metas, grads). Saved forwards and resident tensors are not
-//     saved: they are per-step data a client re-creates.
+//     manifest: layers with their specs, init shapes, dtypes, autocast and
+//     added graphs; recipe; policy; TTL; a salted SHA-256 of the token, never
+//     the token) and variables-<generation>.bin (the raw bytes of every
+//     variable of each layer's newest retained version: params, fp8_metas,
+//     grads, opt_state). That version comes back under its number, the
+//     layer's only one; older retained versions, saved forwards and resident
+//     tensors are not saved: they are a running client's values and per-step
+//     data, which it re-creates. Graph indices are kept.
 //  2. Atomic: the data file is written under a new name and fsynced, then the
 //     manifest is written to a temporary file, fsynced and renamed over the
 //     old one (the commit point), then the directory is fsynced. A crash at

@@ -144,6 +144,77 @@ class CheckpointTest : public ::testing::Test {
   std::string layer_id_;
 };
 
+// The newest version is saved, under its number; the graphs AddGraph added
+// keep their indices; version numbers continue after the highest made.
+TEST_F(CheckpointTest, RestoreKeepsTheNewestVersionsNumberAndTheAddedGraphs) {
+  MakeTrainedSession();  // versions 1 (init), 2 and 3 (the steps)
+  te::v1::GraphSpec graph;
+  te::v1::GraphSpec::Node* module = graph.add_nodes();
+  module->add_inputs("x");
+  module->add_outputs("h");
+  module->mutable_module()->mutable_dense_general()->add_features(kFeatures);
+  te::v1::GraphSpec::Node* scale = graph.add_nodes();
+  scale->set_name("scale_0");
+  scale->add_inputs("h");
+  scale->add_outputs("y");
+  scale->mutable_scale()->set_factor(2.0);
+  graph.add_outputs("y");
+  {
+    auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+    ASSERT_TRUE(lease.ok());
+    te::v1::AddGraphRequest add;
+    add.set_layer_id(layer_id_);
+    *add.mutable_graph() = graph;
+    add.set_input_dtype(te::v1::FLOAT32);
+    add.mutable_input_shape()->Assign(kInputShape.begin(), kInputShape.end());
+    te::v1::AddGraphResponse added;
+    ASSERT_TRUE(lease->session().AddGraph(add, &added).ok());
+    EXPECT_EQ(added.graph(), 1);
+    te::v1::ReleaseVersionsRequest release;
+    release.set_layer_id(layer_id_);
+    release.add_versions(3);  // the newest retained is now 2
+    ASSERT_TRUE(lease->session().ReleaseVersions(release).ok());
+  }
+  const std::map<std::string, te::v1::Tensor> before = Variables(*manager_, ref_.token());
+  ASSERT_TRUE(Save().ok());
+  SessionManager restarted{SessionManagerOptions{}};
+  ASSERT_EQ(store_->RestoreAll(device_.get(), config_, &restarted).restored, 1);
+  auto lease = restarted.Acquire(ref_.session_id(), ref_.token());
+  ASSERT_TRUE(lease.ok());
+  te::v1::GetVariablesRequest get;
+  get.set_layer_id(layer_id_);
+  get.set_version(2);
+  te::v1::GetVariablesResponse got;
+  ASSERT_TRUE(lease->session().GetVariables(get, &got).ok());
+  EXPECT_EQ(got.version(), 2);
+  for (const te::v1::Variable& v : got.variables()) {
+    EXPECT_EQ(v.value().inline_data(), before.at(v.collection() + "/" + v.path()).inline_data());
+  }
+  get.set_version(1);
+  EXPECT_EQ(lease->session().GetVariables(get, &got).code(), absl::StatusCode::kNotFound);
+  te::v1::ForwardRequest forward;
+  forward.set_layer_id(layer_id_);
+  *forward.mutable_x() = RandomTensor(kInputShape, 9);
+  te::v1::ForwardResponse plain, doubled;
+  ASSERT_TRUE(lease->session().Forward(forward, &plain).ok());
+  forward.set_graph(1);
+  ASSERT_TRUE(lease->session().Forward(forward, &doubled).ok());
+  std::vector<float> p(plain.y().inline_data().size() / 4), d(p.size());
+  std::memcpy(p.data(), plain.y().inline_data().data(), p.size() * 4);
+  std::memcpy(d.data(), doubled.y().inline_data().data(), d.size() * 4);
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_EQ(d[i], 2.0f * p[i]) << i;
+  // The next version is 4: 3 was made (and released) before the save.
+  te::v1::SetVariablesRequest set;
+  set.set_layer_id(layer_id_);
+  te::v1::Variable* bias = set.add_variables();
+  bias->set_collection("params");
+  bias->set_path("bias");
+  *bias->mutable_value() = RandomTensor({kFeatures}, 3);
+  te::v1::SetVariablesResponse made;
+  ASSERT_TRUE(lease->session().SetVariables(set, &made).ok());
+  EXPECT_EQ(made.version(), 4);
+}
+
 TEST(IsSessionIdTest, OnlyServerIssuedForm) {
   EXPECT_TRUE(IsSessionId("0123456789abcdef0123456789abcdef"));
   EXPECT_FALSE(IsSessionId("0123456789ABCDEF0123456789abcdef"));

@@ -94,6 +94,7 @@ class TrainedSession {
     te::v1::ForwardBackwardResponse response;
     const absl::Status ran = session_->ForwardBackward(request, &response);
     EXPECT_TRUE(ran.ok()) << ran;
+    ReleaseAllBut(response.version());
     return response;
   }
 
@@ -124,7 +125,19 @@ class TrainedSession {
     te::v1::SetVariablesRequest set;
     set.set_layer_id(layer_id_);
     *set.add_variables() = metas.variables(0);
-    const absl::Status done = session_->SetVariables(set);
+    te::v1::SetVariablesResponse response;
+    const absl::Status done = session_->SetVariables(set, &response);
+    ASSERT_TRUE(done.ok()) << done;
+    ReleaseAllBut(response.version());
+  }
+
+  // A client that holds only the newest version (variables as values):
+  // what it no longer holds goes.
+  void ReleaseAllBut(int64_t newest) {
+    te::v1::ReleaseVersionsRequest release;
+    release.set_layer_id(layer_id_);
+    for (int64_t v = 1; v < newest; ++v) release.add_versions(v);
+    const absl::Status done = session_->ReleaseVersions(release);
     ASSERT_TRUE(done.ok()) << done;
   }
 

@@ -1,4 +1,5 @@
 // Session: layers, variables, resident tensors, autocast, and CreateSession.
+// A layer's versions and graphs are in session_versions.cc.
 // The steps (Forward, Backward, ForwardBackward, Benchmark) are in
 // session_steps.cc.
 #include "server/session/session.h"
@@ -91,10 +92,17 @@ void Session::ForgetSince(int64_t mark) {
       it = created(it->first) ? items.erase(it) : std::next(it);
     }
   };
-  forget(layers_);
   forget(saved_);
+  forget(layers_);
   forget(resident_);
   forget(regions_);
+  // The versions and graphs the call made, in the layers that were there before it.
+  for (auto& [id, layer] : layers_) {
+    for (auto it = layer->versions.begin(); it != layer->versions.end();) {
+      it = it->second.stamp >= mark ? layer->versions.erase(it) : std::next(it);
+    }
+    while (layer->graphs.size() > 1 && layer->graphs.back().stamp >= mark) layer->graphs.pop_back();
+  }
 }
 
 void Session::GetSessionInfo(te::v1::SessionInfo* response) const {
@@ -219,12 +227,15 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   RETURN_IF_ERROR(CheckFitsMemory(specs));
 
   auto entry = std::make_unique<LayerEntry>();
-  RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &entry->vars));
+  VariableSet initial;
+  RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &initial.vars));
   entry->id = NewId("layer");
-  entry->layer = std::move(layer);
+  entry->graphs.emplace_back();
+  entry->graphs[0].layer = std::move(layer);
   entry->init_recipe = fp8;
   entry->init = request;
   entry->init.clear_session();
+  MakeVersion(*entry, std::move(initial));
 
   response->set_layer_id(entry->id);
   for (const layers::VariableSpec& spec : specs) {
@@ -234,9 +245,9 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
     info->set_dtype(DTypeToProto(spec.dtype));
   }
   response->mutable_output_shape()->Assign(output_shape.begin(), output_shape.end());
-  response->set_output_dtype(DTypeToProto(entry->layer->OutputDType(input_dtype)));
+  response->set_output_dtype(DTypeToProto(entry->layer().OutputDType(input_dtype)));
   LogForSession(LogLevel::kInfo, id_,
-                absl::StrCat(entry->id, ": ", entry->layer->type_name(), " initialised for x ",
+                absl::StrCat(entry->id, ": ", entry->layer().type_name(), " initialised for x ",
                              ShapeString(input_shape), " ", DTypeName(input_dtype), ", ",
                              specs.size(), " variables", fp8 ? " (under FP8 autocast)" : "",
                              "; session memory ", ops_->bytes_in_use(), " bytes"));
@@ -246,7 +257,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
 
 absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
                                    te::v1::GetVariablesResponse* response) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(const Target target, Resolve(request.layer_id(), 0, request.version()));
   std::set<std::string> wanted;
   for (int i = 0; i < request.collections_size(); ++i) {
     if (KnownCollections().count(request.collections(i)) == 0) {
@@ -258,10 +269,8 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
   }
   if (wanted.empty()) wanted = KnownCollections();
   OutputEncoder encoder(this);
-  const layers::Variables no_state;
-  const layers::Variables* opt_state = layer->optimizer ? &layer->optimizer->state : &no_state;
-  for (const layers::Variables* vars :
-       std::initializer_list<const layers::Variables*>{&layer->vars, &layer->grads, opt_state}) {
+  const VariableSet& set = *target.read;
+  for (const layers::Variables* vars : {&set.vars, &set.grads, &set.opt_state}) {
     for (const auto& [name, tensor] : *vars) {
       std::string collection, path;
       SplitVariableName(name, &collection, &path);
@@ -269,10 +278,13 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
       te::v1::Variable* out = response->add_variables();
       out->set_collection(collection);
       out->set_path(path);
-      RETURN_IF_ERROR(encoder.Encode(tensor, /*resident=*/false, /*snapshot=*/true,
-                                     out->mutable_value()));
+      // Snapshots: a later step may write a tensor in place once no
+      // retained version holds it (contract 9), and a resident copy outlives that.
+      RETURN_IF_ERROR(encoder.Encode(tensor, /*resident=*/request.keep_outputs(),
+                                     /*snapshot=*/true, out->mutable_value()));
     }
   }
+  response->set_version(target.version);
   return absl::OkStatus();
 }
 
@@ -281,17 +293,24 @@ absl::Status Session::SetOptimizer(const te::v1::SetOptimizerRequest& request,
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
   ASSIGN_OR_RETURN(optim::OptimizerConfig config,
                    optim::ResolveOptimizer(request.optimizer(), "optimizer"));
-  const std::vector<layers::VariableSpec> specs = optim::StateSpecs(config, layer->vars);
+  if (layer->versions.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer_id: every version of layer ", layer->id, "'s variables was released"));
+  }
+  // Every version has the same params' names, shapes and dtypes, so one
+  // fresh state (zero moments, count 0) serves them all.
+  const layers::Variables& params = layer->newest()->set.vars;
+  const std::vector<layers::VariableSpec> specs = optim::StateSpecs(config, params);
   // The new state is made before the old one goes (all or nothing), so both
   // must fit for a moment.
   RETURN_IF_ERROR(CheckFitsMemory(specs));
-  ASSIGN_OR_RETURN(layers::Variables state, optim::InitState(*ops_, config, layer->vars));
+  ASSIGN_OR_RETURN(layers::Variables state, optim::InitState(*ops_, config, params));
   RETURN_IF_ERROR(ops_->Synchronize());
   LayerOptimizer optimizer;
   optimizer.spec = request.optimizer();
   optimizer.config = config;
-  optimizer.state = std::move(state);
   layer->optimizer = std::move(optimizer);
+  for (auto& [number, version] : layer->versions) version.set.opt_state = state;
   for (const layers::VariableSpec& spec : specs) {
     te::v1::VariableInfo* info = response->add_variables();
     SplitVariableName(spec.name, info->mutable_collection(), info->mutable_path());
@@ -304,8 +323,11 @@ absl::Status Session::SetOptimizer(const te::v1::SetOptimizerRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request,
+                                   te::v1::SetVariablesResponse* response) {
+  ASSIGN_OR_RETURN(const Target target, Resolve(request.layer_id(), 0, request.version()));
+  LayerEntry* layer = target.entry;
+  VariableSet next = *target.read;
   // Everything is checked before anything is written (all or nothing).
   struct Write {
     layers::Variables* target;
@@ -318,20 +340,19 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
     const te::v1::Variable& variable = request.variables(i);
     const std::string field = absl::StrCat("variables[", i, "]");
     const std::string name = absl::StrCat(variable.collection(), "/", variable.path());
-    layers::Variables no_state;
-    layers::Variables* target = &layer->vars;
+    layers::Variables* target = &next.vars;
     const char* why_missing = "";
     if (variable.collection() == "grads") {
-      target = &layer->grads;
+      target = &next.grads;
       why_missing = " (no gradients are kept yet)";
     } else if (variable.collection() == optim::kOptState) {
-      target = layer->optimizer ? &layer->optimizer->state : &no_state;
+      target = &next.opt_state;
       why_missing = layer->optimizer ? "" : " (it has no optimizer: SetOptimizer first)";
     }
     auto existing = target->find(name);
     if (existing == target->end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": layer ", layer->id, " has no variable ", name, why_missing));
+      return absl::InvalidArgumentError(absl::StrCat(field, ": layer ", layer->id,
+                                                     " has no variable ", name, why_missing));
     }
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", name, " is given twice"));
@@ -372,6 +393,7 @@ absl::Status Session::SetVariables(const te::v1::SetVariablesRequest& request) {
   }
   for (size_t i = 0; i < writes.size(); ++i) (*writes[i].target)[writes[i].name] = values[i];
   layer->ParamsChanged();
+  response->set_version(MakeVersion(*layer, std::move(next)));
   return absl::OkStatus();
 }
 

@@ -9,14 +9,16 @@
 //  2. A call that fails leaves the session as it was, whatever the code:
 //     every method validates its whole request before it changes anything,
 //     and the step calls (Forward, Backward, ForwardBackward) run on a
-//     working copy of the layer's FP8 state, committing it, the saved
-//     forward and the accumulated gradients only once all their work has
-//     succeeded and the client still waits for the answer (CallContext):
-//     a call that runs out of memory part way (RESOURCE_EXHAUSTED), is
-//     cancelled or expires moves nothing. Errors from the layers and ops
-//     keep their codes.
-//  3. All the session's device memory (variables, saved forwards, resident
-//     tensors) is accounted on its Ops and freed with the Session.
+//     working copy of the FP8 state of the version they read, making the new
+//     version (contract 9) and the saved forward only once all their work
+//     has succeeded and the client still waits for the answer
+//     (CallContext): a call that runs out of memory part way
+//     (RESOURCE_EXHAUSTED), is cancelled or expires moves nothing. Errors
+//     from the layers and ops keep their codes.
+//  3. All the session's device memory (every retained version's variables,
+//     saved forwards, resident tensors) is accounted on its Ops and freed
+//     with the Session. A tensor that versions share is counted once; a
+//     layer's graphs hold no device memory.
 //  4. Response tensors come inline while they fit in one message
 //     (max_message_bytes); one that does not comes back resident
 //     (Tensor.resident_id: fetch it with GetTensor, free it with DeleteTensor).
@@ -26,21 +28,49 @@
 //     nothing for a backward. Benchmark runs on a copy of the FP8 state and
 //     leaves the session's unchanged.
 //  6. Ids the session hands out (layers, forwards, tensors, regions) are
-//     numbered in one sequence. A call whose client went away before it saw
-//     the answer is undone by ForgetSince(its mark): what it created goes,
-//     so a cancelled call leaves no memory held.
+//     numbered in one sequence, and each version and added graph takes a
+//     number of it too. A call whose client went away before it saw the
+//     answer is undone by ForgetSince(its mark): what it created goes (a
+//     new version included, so the layer's newest is again the one the call
+//     read), so a cancelled call leaves no memory held. What a call freed
+//     (ReleaseVersions, DeleteLayer, DeleteTensor) stays freed.
 //  7. Shared-memory regions (--enable_shm) are the client's memory, mapped;
 //     request tensors in them are copied in, never aliased, so the client may
 //     reuse a region as soon as a call returns. Regions are unmapped on
 //     UnregisterSharedMemory or with the session.
 //  8. Training: SetOptimizer gives a layer an optimizer and a fresh state
-//     (collection opt_state, counted in the session's memory). A
-//     ForwardBackward with apply_update steps it after its micro-batches, on
-//     the device, as the last thing the call does: once the call is sure to
-//     succeed, params and opt_state are updated in place (so, as for
-//     Backward's accumulated gradients, only a device fault can fail it
-//     after that point). A step whose gradients hold an inf or NaN changes
-//     no parameter or moment and is counted (opt_state/total_notfinite).
+//     (collection opt_state, counted in the session's memory) in every
+//     retained version, as tx.init would for each. A ForwardBackward with
+//     apply_update steps it after its micro-batches, on the device, as the
+//     last thing the call does: the new version's params and opt_state are
+//     updated in place, after every retained version that shared one of
+//     them was given a copy (contract 9). A step whose gradients hold an inf
+//     or NaN changes no parameter or moment and is counted
+//     (opt_state/total_notfinite).
+//  9. Versions. A layer's variables (params, fp8_metas, grads, opt_state)
+//     come in numbered versions. InitLayer makes version 1; each later
+//     number is the layer's highest so far plus one, never reused. A call
+//     reads one retained version (`version`, 0: the newest retained) and,
+//     when it changes variables, makes a new one from it and answers its
+//     number: ForwardBackward (fp8_metas under DelayedScaling, kept grads,
+//     apply_update), Backward (the same, from the version its Forward read),
+//     SetVariables, Forward with update_fp8_metas under DelayedScaling. A
+//     call that changes nothing answers the number it read. A version never
+//     changes value: tensors are shared between versions until one is
+//     written, and a write in place first gives every retained version that
+//     holds the tensor a copy of it (the writer keeps the original, so kept
+//     FP8 weight copies and optimizer plans stay valid for the newest).
+//     Every version made is retained until ReleaseVersions names it, its
+//     layer is deleted or the session closes; a call whose new version would
+//     not fit the session's memory is RESOURCE_EXHAUSTED. The version read
+//     may be released while a kept forward of it waits for its Backward:
+//     the forward holds what it read. A released or never made version is
+//     NOT_FOUND naming `version`.
+// 10. Graphs. A layer runs one of its graphs (`graph`): 0 is what InitLayer
+//     made; AddGraph appends one over the layer's variables (for another
+//     batch size, or a loss function) and answers its index, or the index of
+//     an equal graph the layer has. Indices are never reused while the layer
+//     lives.
 #ifndef TE_SERVER_SESSION_SESSION_H_
 #define TE_SERVER_SESSION_SESSION_H_
 
@@ -65,6 +95,7 @@
 namespace te::session {
 
 struct LayerOptimizer;  // session_internal.h
+struct VariableSet;     // session_internal.h
 
 // Server-wide limits every session obeys (te_server's flags).
 struct SessionConfig {
@@ -136,10 +167,27 @@ class Session {
   absl::Status SetOptimizer(const te::v1::SetOptimizerRequest& request,
                             te::v1::SetOptimizerResponse* response);
 
+  // NOT_FOUND for an unknown layer or version.
   absl::Status GetVariables(const te::v1::GetVariablesRequest& request,
                             te::v1::GetVariablesResponse* response);
-  // All or nothing: every variable must exist with the same shape and dtype.
-  absl::Status SetVariables(const te::v1::SetVariablesRequest& request);
+  // All or nothing: every variable must exist with the same shape and dtype
+  // in the version read; the new version (contract 9) is `version` with
+  // them replaced.
+  absl::Status SetVariables(const te::v1::SetVariablesRequest& request,
+                            te::v1::SetVariablesResponse* response);
+
+  // Contract 10. INVALID_ARGUMENT naming the node ("graph.nodes[i] (name)")
+  // whose module is not the layer's (another name or LayerSpec), whose Param
+  // is not the layer's param of that shape and dtype, or whose shapes do not
+  // fit input_shape; the graph's own errors as at InitLayer.
+  absl::Status AddGraph(const te::v1::AddGraphRequest& request,
+                        te::v1::AddGraphResponse* response);
+  // Frees the versions named (contract 9); unknown or released ones are
+  // ignored. NOT_FOUND for an unknown layer.
+  absl::Status ReleaseVersions(const te::v1::ReleaseVersionsRequest& request);
+  // Frees the layer: every version, graph, optimizer, kept FP8 copy and saved
+  // forward of it. NOT_FOUND for an unknown layer.
+  absl::Status DeleteLayer(const te::v1::DeleteLayerRequest& request);
 
   // PutTensor, for a stream whose pieces arrive over time. BeginPut
   // validates the header and allocates the tensor (RESOURCE_EXHAUSTED over
@@ -185,10 +233,22 @@ class Session {
  private:
   struct LayerEntry;
   struct SavedEntry;
+  struct Target;
   struct CheckedInputs;
   class OutputEncoder;
 
   absl::StatusOr<LayerEntry*> FindLayer(const std::string& layer_id);
+  // The layer's graph `graph` over its version `version` (0: the newest
+  // retained): INVALID_ARGUMENT naming "graph" for an index it does not have,
+  // NOT_FOUND naming "version" for one it does not retain.
+  absl::StatusOr<Target> Resolve(const std::string& layer_id, int64_t graph, int64_t version);
+  // Retains `set` as the layer's next version (contract 9) and returns its number.
+  int64_t MakeVersion(LayerEntry& layer, VariableSet set);
+  // Before `set` (a version being made) writes `writes` (tensors of it) in
+  // place: every retained version and kept forward of `layer` that holds one
+  // of them gets a copy instead (RESOURCE_EXHAUSTED when the copies do not
+  // fit; then nothing changed).
+  absl::Status DetachFromVersions(LayerEntry& layer, const std::vector<const Tensor*>& writes);
   // Before a layer is initialised: its variables' bytes, overflow-checked
   // (INVALID_ARGUMENT "spec"), fit the memory the session has left
   // (RESOURCE_EXHAUSTED otherwise), so nothing is allocated for a layer that
@@ -198,8 +258,9 @@ class Session {
   absl::StatusOr<std::optional<layers::Fp8Recipe>> ResolveAutocast(
       const te::v1::Autocast& autocast, const std::string& field) const;
   // Validates a request's layer inputs (x, extra inputs, mask) against the
-  // layer, without touching the session. `prefix` is "" or "micro_batches[1].".
-  absl::StatusOr<CheckedInputs> CheckInputs(const LayerEntry& layer,
+  // target's graph and version, without touching the session. `prefix` is ""
+  // or "micro_batches[1].".
+  absl::StatusOr<CheckedInputs> CheckInputs(const Target& target,
                                             const layers::Fp8Recipe* fp8,
                                             const te::v1::Tensor& x,
                                             const google::protobuf::RepeatedPtrField<
@@ -213,34 +274,42 @@ class Session {
   // One forward + loss + backward + FP8 update (a micro-batch). The loss is
   // vdot(y, dy), or with `target` loss_scale * sum((y - target)^2), whose
   // gradient is then the dy the backward takes.
-  absl::Status Step(LayerEntry& layer, layers::Variables* vars,
+  absl::Status Step(const layers::Layer& layer, layers::Variables* vars,
                     const layers::LayerInputs& inputs, const Tensor& dy,
                     const layers::ForwardOptions& options, double* value,
                     layers::LayerGrads* grads, const Tensor* target = nullptr,
-                    double loss_scale = 1.0, Tensor* pending_value = nullptr);
+                    double loss_scale = 1.0, Tensor* pending_value = nullptr,
+                    std::vector<Tensor>* aux = nullptr);
   // (`pending_value`: where given, the value is left there on the device,
-  // unscaled and unread, and *value is not set: ReadStepResult reads it.)
-  // Applies the optimizer step in place (contract 8) and says what it did:
-  // the update is decided and done on the device (optim, contract 3), and
-  // its record read back once it is done. `fp8`: the step's recipe (null:
-  // FP8 off); under DelayedScaling the update rewrites the layer's kept FP8
-  // weight copies, else they go.
+  // unscaled and unread, and *value is not set: ReadStepResult reads it.
+  // `aux`: where given, the graph's outputs after y.)
+  // Applies the optimizer step to `next`, the version being made, in place
+  // (contract 8), and says what it did: the update is decided and done on
+  // the device (optim, contract 3), and its record read back once it is
+  // done. `fp8`: the step's recipe (null: FP8 off); under DelayedScaling the
+  // update rewrites the layer's kept FP8 weight copies, else they go.
   absl::Status ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
-                           const layers::Variables& grads, te::v1::UpdateInfo* info);
+                           const layers::Variables& grads, VariableSet* next,
+                           te::v1::UpdateInfo* info);
   // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
   absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
   // A step's read-back, in one copy: [0] the value (returned, unscaled) and,
   // where it has a [1], the number of the step's FP8 scaling updates whose
   // amax was inf or NaN, added to Fp8NonFiniteAmaxes().
   absl::StatusOr<double> ReadStepResult(const Tensor& readback);
-  // The variables a step call runs on (contract 2): the layer's own, with
+  // The variables a step call runs on (contract 2): the version's, with
   // the fp8_metas copied when `fp8` is a delayed-scaling recipe (the only
-  // state a step writes); the call commits them with `layer.vars = ...`.
-  absl::StatusOr<layers::Variables> WorkingVariables(const LayerEntry& layer,
+  // state a step writes); the call makes them part of its new version.
+  absl::StatusOr<layers::Variables> WorkingVariables(const layers::Variables& version,
                                                      const layers::Fp8Recipe* fp8);
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);
+  // A step's kept gradients: `kept` (the version's "grads/...") plus the
+  // call's `sums`, added into the sums (the call's own tensors), so the
+  // version read keeps its own.
+  absl::StatusOr<layers::Variables> KeptGrads(const layers::Variables& kept,
+                                              layers::Variables sums);
   std::string NewId(const char* kind);
   ResidentLookup Resident() const;
   ShmLookup Regions() const;  // empty without --enable_shm

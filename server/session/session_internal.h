@@ -1,4 +1,5 @@
-// Session's private parts, shared by session.cc (layers, variables, tensors)
+// Session's private parts, shared by session.cc (layers, variables, tensors),
+// session_versions.cc (versions, graphs)
 // and session_steps.cc (forward, backward, benchmark). Not for other users.
 #ifndef TE_SERVER_SESSION_SESSION_INTERNAL_H_
 #define TE_SERVER_SESSION_SESSION_INTERNAL_H_
@@ -16,23 +17,51 @@
 
 namespace te::session {
 
-// A layer's optimizer (SetOptimizer) and its state, "opt_state/..." (optim's
-// contract 2), in the session's memory.
+// A layer's optimizer (SetOptimizer). Its state, "opt_state/..." (optim's
+// contract 2), is part of each version of the layer's variables.
 struct LayerOptimizer {
   te::v1::Optimizer spec;  // as requested: what a checkpoint keeps
   optim::OptimizerConfig config;
-  layers::Variables state;
   optim::Updater updater;  // the step's device plan over the params and state
+};
+
+// One version of a layer's variables (contract 9). Tensors are handles:
+// versions share every tensor that neither has written since they parted.
+struct VariableSet {
+  layers::Variables vars;       // "params/...", "fp8_metas/..."
+  layers::Variables grads;      // "grads/...": kept gradients, accumulated
+  layers::Variables opt_state;  // "opt_state/...", with an optimizer
+};
+
+// A retained version, and the session's id number current when it was made
+// (contract 6: ForgetSince(mark) drops the versions made since `mark`).
+struct LayerVersion {
+  VariableSet set;
+  int64_t stamp = 0;
+};
+
+// One of a layer's graphs: [0] is what InitLayer made (the module, or the
+// graph init traced); AddGraph adds the others over the same variables.
+struct LayerGraph {
+  std::unique_ptr<layers::Layer> layer;
+  // AddGraph's graph, input shape and dtype (session and layer id cleared):
+  // what a checkpoint keeps. Unset for [0].
+  te::v1::AddGraphRequest added;
+  int64_t stamp = 0;  // as LayerVersion's
 };
 
 struct Session::LayerEntry {
   std::string id;
-  std::unique_ptr<layers::Layer> layer;
-  layers::Variables vars;   // "params/...", "fp8_metas/..."
-  layers::Variables grads;  // "grads/...": kept gradients, accumulated
+  std::vector<LayerGraph> graphs;  // never empty
+  // The retained versions by number (contract 9); numbers are never reused.
+  std::map<int64_t, LayerVersion> versions;
+  int64_t last_version = 0;  // the highest number made
   std::optional<LayerOptimizer> optimizer;
   std::optional<layers::Fp8Recipe> init_recipe;  // the autocast recipe at init
-  // FP8 copies of the parameters kept between steps (DelayedScaling).
+  // FP8 copies of the parameters kept between steps (DelayedScaling). A
+  // call keeps the copies it made only when it read the newest version, so
+  // the copies follow the version that trains and do not hold an older
+  // one's weights once it is released.
   layers::Fp8WeightCache fp8_weights;
   // Every write to the parameters (SetVariables, an optimizer update outside
   // DelayedScaling) calls this: the kept FP8 copies are stale. An update
@@ -47,10 +76,37 @@ struct Session::LayerEntry {
   // The InitLayer request less its session ref: a checkpoint re-creates the
   // layer from its spec, input shape and dtype, and autocast.
   te::v1::InitLayerRequest init;
+
+  // The module (or graph) InitLayer made.
+  const layers::Layer& layer() const { return *graphs[0].layer; }
+  bool is_newest(int64_t version) const {
+    return !versions.empty() && versions.rbegin()->first == version;
+  }
+  // The newest retained version, or null when every one was released.
+  const LayerVersion* newest() const {
+    return versions.empty() ? nullptr : &versions.rbegin()->second;
+  }
+};
+
+// What a call runs: one graph of a layer over one retained version of its
+// variables.
+struct Session::Target {
+  LayerEntry* entry = nullptr;
+  int graph = 0;
+  const layers::Layer* layer = nullptr;  // entry->graphs[graph]
+  int64_t version = 0;                   // the version read, by number
+  const VariableSet* read = nullptr;     // and its variables
 };
 
 struct Session::SavedEntry {
   std::string layer_id;
+  int graph = 0;
+  int64_t version = 0;  // the version the forward read
+  // The variables the forward ran on (its working fp8_metas, with the
+  // forward's amaxes): the Backward makes the step's new version from them,
+  // whatever was released or made meanwhile.
+  VariableSet base;
+  const layers::Layer* layer = nullptr;  // the graph that ran (the layer owns it)
   std::unique_ptr<layers::SavedForward> saved;
   std::optional<layers::Fp8Recipe> recipe;  // the forward's: the backward ends its step
   Shape y_shape;
@@ -68,6 +124,9 @@ struct Session::CheckedInputs {
   absl::Status mask_error;
   Shape y_shape;                   // what the layer will output
   DType y_dtype = DType::kF32;     // and in which dtype (Layer::OutputDType)
+  // y is a float32 scalar: a loss, whose backward a step seeds with dloss
+  // when the micro-batch brings no dy (jax.value_and_grad's contract).
+  bool y_is_loss() const { return y_shape.empty() && y_dtype == DType::kF32; }
 };
 
 // Encodes response tensors inline while they fit in one message, resident

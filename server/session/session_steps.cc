@@ -83,9 +83,9 @@ absl::Status CallContext::StillWanted(const std::string& what) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<layers::Variables> Session::WorkingVariables(const LayerEntry& layer,
+absl::StatusOr<layers::Variables> Session::WorkingVariables(const layers::Variables& version,
                                                             const layers::Fp8Recipe* fp8) {
-  layers::Variables vars = layer.vars;  // tensors shared, not copied
+  layers::Variables vars = version;  // tensors shared, not copied
   if (!layers::HasFp8Metas(fp8)) return vars;
   // Dozens of tiny tensors (each quantizer's amax history and scale): one
   // CopyAll, not a copy each, which would idle the GPU between them.
@@ -93,7 +93,7 @@ absl::StatusOr<layers::Variables> Session::WorkingVariables(const LayerEntry& la
   std::vector<Tensor*> to;
   for (auto& [name, tensor] : vars) {
     if (!absl::StartsWith(name, "fp8_metas/")) continue;
-    const Tensor& original = layer.vars.at(name);
+    const Tensor& original = version.at(name);
     ASSIGN_OR_RETURN(tensor, ops_->Allocate(original.dtype(), original.shape()));
     from.push_back(&original);
     to.push_back(&tensor);
@@ -103,34 +103,37 @@ absl::StatusOr<layers::Variables> Session::WorkingVariables(const LayerEntry& la
 }
 
 absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
-    const LayerEntry& layer, const layers::Fp8Recipe* fp8, const te::v1::Tensor& x,
+    const Target& target, const layers::Fp8Recipe* fp8, const te::v1::Tensor& x,
     const google::protobuf::RepeatedPtrField<te::v1::Tensor>& extra_inputs,
     const te::v1::Tensor* attention_mask, const std::string& prefix) {
+  const layers::Layer& layer = *target.layer;
   CheckedInputs in;
   ASSIGN_OR_RETURN(in.x,
                    CheckTensor(x, prefix + "x", config_.max_tensor_bytes, Resident(), Regions()));
-  if (!FitsLayerInput(layer.layer->TakesTokenIds(), in.x.dtype)) {
+  if (!FitsLayerInput(layer.TakesTokenIds(), in.x.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "x.dtype: ", DTypeName(in.x.dtype), "; ",
-                                                   LayerInputWant(layer.layer->TakesTokenIds())));
+                                                   LayerInputWant(layer.TakesTokenIds())));
   }
   // x fits the initialised layer iff the variables it needs are those it has
   // (and, under DelayedScaling, the fp8_metas exist: else FAILED_PRECONDITION).
-  const std::string x_field = absl::StrCat(prefix, "x.shape ", ShapeString(in.x.shape));
-  absl::StatusOr<std::vector<layers::VariableSpec>> specs =
-      layer.layer->VariableSpecs(in.x.shape, fp8);
+  // A graph traced for another batch size may not fit: AddGraph one for it.
+  const std::string x_field =
+      absl::StrCat(prefix, "x.shape ", ShapeString(in.x.shape),
+                   target.graph > 0 ? absl::StrCat(" (graph ", target.graph, ")") : "");
+  absl::StatusOr<std::vector<layers::VariableSpec>> specs = layer.VariableSpecs(in.x.shape, fp8);
   if (!specs.ok()) return AboutField(specs.status(), x_field);
-  absl::Status fits = layers::CheckVariables(layer.vars, *specs);
+  absl::Status fits = layers::CheckVariables(target.read->vars, *specs);
   if (absl::IsInvalidArgument(fits)) return AboutField(fits, x_field);
   if (absl::IsFailedPrecondition(fits)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        layer.id, " (", layer.layer->type_name(), "): ", fits.message(),
+        target.entry->id, " (", layer.type_name(), "): ", fits.message(),
         " (TE: ScopeCollectionNotFound)"));
   }
   RETURN_IF_ERROR(fits);
-  absl::StatusOr<Shape> y_shape = layer.layer->OutputShape(in.x.shape);
+  absl::StatusOr<Shape> y_shape = layer.OutputShape(in.x.shape);
   if (!y_shape.ok()) return AboutField(y_shape.status(), x_field);
   in.y_shape = *y_shape;
-  in.y_dtype = layer.layer->OutputDType(in.x.dtype);
+  in.y_dtype = layer.OutputDType(in.x.dtype);
 
   for (int i = 0; i < extra_inputs.size(); ++i) {
     const std::string field = absl::StrCat(prefix, "extra_inputs[", i, "]");
@@ -216,6 +219,19 @@ absl::StatusOr<double> Session::ReadStepResult(const Tensor& readback) {
   return static_cast<double>(host[0]);
 }
 
+absl::StatusOr<layers::Variables> Session::KeptGrads(const layers::Variables& kept,
+                                                     layers::Variables sums) {
+  for (const auto& [name, grad] : kept) {
+    auto it = sums.find(name);
+    if (it == sums.end()) {
+      sums[name] = grad;  // shared: this call does not write it
+    } else {
+      RETURN_IF_ERROR(ops_->Axpby(1.0f, it->second, 1.0f, grad, &it->second));
+    }
+  }
+  return sums;
+}
+
 absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
                                       const std::string& collection, layers::Variables* sum) {
   for (const auto& [name, grad] : param_grads) {
@@ -230,20 +246,21 @@ absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
   return absl::OkStatus();
 }
 
-absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
+absl::Status Session::Step(const layers::Layer& layer, layers::Variables* vars,
                            const layers::LayerInputs& inputs, const Tensor& given_dy,
                            const layers::ForwardOptions& options, double* value,
                            layers::LayerGrads* grads, const Tensor* target,
-                           double loss_scale, Tensor* pending_value) {
+                           double loss_scale, Tensor* pending_value, std::vector<Tensor>* aux) {
   layers::ForwardOptions opts = options;
   opts.keep_for_backward = true;
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
-  RETURN_IF_ERROR(layer.layer->Forward(*ops_, vars, inputs, opts, &out, &saved));
+  RETURN_IF_ERROR(layer.Forward(*ops_, vars, inputs, opts, &out, &saved));
   if (saved == nullptr) {
-    return absl::InternalError(absl::StrCat(layer.layer->type_name(),
+    return absl::InternalError(absl::StrCat(layer.type_name(),
                                             ": forward kept nothing for its backward"));
   }
+  if (aux != nullptr) *aux = std::move(out.aux);
   RETURN_IF_ERROR(ops_->CheckInterrupt());
   // The value stays on the device until the backward is queued: reading it
   // here would stall the stream between forward and backward. It is read in
@@ -271,7 +288,7 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
   // go before the backward reaches its peak (the layer frees its activations
   // as its backward reads them for the last time).
   out = layers::LayerOutputs();
-  RETURN_IF_ERROR(layer.layer->BackwardOnce(*ops_, vars, std::move(saved), dy, grads));
+  RETURN_IF_ERROR(layer.BackwardOnce(*ops_, vars, std::move(saved), dy, grads));
   if (fp8_metas) {
     Tensor non_finite;
     if (readback.defined()) {
@@ -291,8 +308,20 @@ absl::Status Session::Step(LayerEntry& layer, layers::Variables* vars,
 }
 
 absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
-                                  const layers::Variables& grads, te::v1::UpdateInfo* info) {
+                                  const layers::Variables& grads, VariableSet* next,
+                                  te::v1::UpdateInfo* info) {
   LayerOptimizer& optimizer = *layer.optimizer;
+  // The step writes the params it has gradients for and the whole state in
+  // place: versions that share them get copies first (contract 9), so the
+  // new version keeps the storage, and with it the optimizer's plan and the
+  // kept FP8 copies, which are made by the storage.
+  std::vector<const Tensor*> writes;
+  for (const auto& [name, grad] : grads) {
+    auto param = next->vars.find(absl::StrCat(layers::kParams, name.substr(name.find('/'))));
+    if (param != next->vars.end()) writes.push_back(&param->second);
+  }
+  for (const auto& [name, tensor] : next->opt_state) writes.push_back(&tensor);
+  RETURN_IF_ERROR(DetachFromVersions(layer, writes));
   // Under DelayedScaling the next forward's kernel scales are already made
   // (this call's last scaling update), so the update writes the kept FP8
   // weight copies with them as it writes the weights, and that forward reads
@@ -301,14 +330,14 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp
   std::map<const void*, OptimizerFp8Copy> fp8_copies;
   const bool rewrite = layers::HasFp8Metas(fp8);
   if (rewrite) {
-    fp8_copies = layer.fp8_weights.CopiesForUpdate(layer.vars);
+    fp8_copies = layer.fp8_weights.CopiesForUpdate(next->vars);
   } else {
     layer.ParamsChanged();
   }
   // Norm, skip, clip, learning rate and counters are decided on the device;
   // this queues the step and nothing waits for it.
-  if (absl::Status step = optimizer.updater.Step(*ops_, optimizer.config, grads, &layer.vars,
-                                                 &optimizer.state,
+  if (absl::Status step = optimizer.updater.Step(*ops_, optimizer.config, grads, &next->vars,
+                                                 &next->opt_state,
                                                  rewrite ? &fp8_copies : nullptr);
       !step.ok()) {
     layer.ParamsChanged();  // the params may be part written: no copy is sure to match
@@ -333,11 +362,13 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp
 
 absl::Status Session::Forward(const te::v1::ForwardRequest& request,
                               te::v1::ForwardResponse* response, const CallContext& call) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(const Target target,
+                   Resolve(request.layer_id(), request.graph(), request.version()));
+  LayerEntry* layer = target.entry;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   ASSIGN_OR_RETURN(CheckedInputs checked,
-                   CheckInputs(*layer, PtrOf(fp8), request.x(), request.extra_inputs(),
+                   CheckInputs(target, PtrOf(fp8), request.x(), request.extra_inputs(),
                                request.has_attention_mask() ? &request.attention_mask() : nullptr,
                                ""));
   if (request.keep_for_backward() &&
@@ -359,7 +390,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   }
   ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
   InterruptScope interrupt(*ops_, call, "Forward");
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(target.read->vars, PtrOf(fp8)));
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
   opts.dropout_seed = request.dropout_seed();
@@ -368,13 +399,13 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.keep_for_backward = request.keep_for_backward();
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
-  RETURN_IF_ERROR(layer->layer->Forward(*ops_, &vars, inputs, opts, &out, &saved));
+  RETURN_IF_ERROR(target.layer->Forward(*ops_, &vars, inputs, opts, &out, &saved));
   if (y_region != nullptr) {
     // Before the forward is kept or its step ends: a region its client shrank
     // then fails the call without leaving a saved forward behind.
     if (out.y.dtype() != checked.y_dtype || out.y.shape() != checked.y_shape) {
       return absl::InternalError(absl::StrCat(
-          layer->layer->type_name(), ": y is ", ShapeString(out.y.shape()), " ",
+          target.layer->type_name(), ": y is ", ShapeString(out.y.shape()), " ",
           DTypeName(out.y.dtype()), ", not the ", ShapeString(checked.y_shape), " ",
           DTypeName(checked.y_dtype), " its shape check promised"));
     }
@@ -383,12 +414,11 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   // Without a backward to come, a forward is TE's functional apply: its
   // amaxes are dropped with the working copy, unless the request asks for
   // the step to end here.
-  const bool ends_step = !request.keep_for_backward() && request.update_fp8_metas();
-  if (ends_step && layers::HasFp8Metas(opts.fp8)) {
-    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &vars));
-  }
+  const bool ends_step = !request.keep_for_backward() && request.update_fp8_metas() &&
+                         layers::HasFp8Metas(opts.fp8);
+  if (ends_step) RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &vars));
   if (request.keep_for_backward() && saved == nullptr) {
-    return absl::InternalError(absl::StrCat(layer->layer->type_name(),
+    return absl::InternalError(absl::StrCat(target.layer->type_name(),
                                             ": forward kept nothing for its backward"));
   }
   OutputEncoder encoder(this);
@@ -400,18 +430,30 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   } else {
     RETURN_IF_ERROR(encoder.Encode(out.y, request.keep_outputs(), false, response->mutable_y()));
   }
-  if (out.ln_out.defined()) {
+  if (!out.aux.empty()) {
+    // A graph's outputs after y (ln_out among them, where it has one).
+    for (const Tensor& t : out.aux) {
+      RETURN_IF_ERROR(encoder.Encode(t, request.keep_outputs(), false, response->add_outputs()));
+    }
+  } else if (out.ln_out.defined()) {
     RETURN_IF_ERROR(
         encoder.Encode(out.ln_out, request.keep_outputs(), false, response->mutable_ln_out()));
   }
   // Commit (contract 2): nothing above changed the session but resident
   // outputs, which the service's ForgetSince removes if the call fails.
   RETURN_IF_ERROR(call.StillWanted("Forward"));
-  if (request.keep_for_backward() || ends_step) layer->vars = std::move(vars);
-  kept_weights.Commit();
+  if (layer->is_newest(target.version)) kept_weights.Commit();
+  VariableSet next = *target.read;
+  next.vars = std::move(vars);
   if (request.keep_for_backward()) {
+    // The step ends at its Backward, which makes the new version from what
+    // this forward ran on (its amaxes recorded under DelayedScaling).
     auto entry = std::make_unique<SavedEntry>();
     entry->layer_id = layer->id;
+    entry->graph = target.graph;
+    entry->version = target.version;
+    entry->layer = target.layer;
+    entry->base = std::move(next);
     entry->saved = std::move(saved);
     entry->recipe = fp8;
     entry->y_shape = out.y.shape();
@@ -419,7 +461,10 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     const std::string forward_id = NewId("forward");
     saved_[forward_id] = std::move(entry);
     response->set_forward_id(forward_id);
+    response->set_version(target.version);
+    return absl::OkStatus();
   }
+  response->set_version(ends_step ? MakeVersion(*layer, std::move(next)) : target.version);
   return absl::OkStatus();
 }
 
@@ -431,7 +476,7 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
         "forward_id: no kept forward '", request.forward_id(),
         "' in this session (Forward with keep_for_backward; each is consumed by one Backward)"));
   }
-  const SavedEntry& saved = *it->second;
+  SavedEntry& saved = *it->second;
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(saved.layer_id));
   ASSIGN_OR_RETURN(
       CheckedTensor dy_checked,
@@ -439,9 +484,11 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
   RETURN_IF_ERROR(CheckLike(dy_checked, saved.y_shape, saved.y_dtype, "dy", "the forward's y"));
   ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dy_checked));
   InterruptScope interrupt(*ops_, call, "Backward");
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(saved.recipe)));
+  // The forward's working fp8_metas are the step's own, but a failed
+  // Backward must leave the forward as it was (its Backward may be retried).
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(saved.base.vars, PtrOf(saved.recipe)));
   layers::LayerGrads grads;
-  RETURN_IF_ERROR(layer->layer->Backward(*ops_, &vars, *saved.saved, dy, &grads));
+  RETURN_IF_ERROR(saved.layer->Backward(*ops_, &vars, *saved.saved, dy, &grads));
   if (layers::HasFp8Metas(PtrOf(saved.recipe))) {
     RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *saved.recipe, &vars));
   }
@@ -460,12 +507,19 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
       RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
     }
   }
-  // Commit (contract 2). The accumulation adds in place (no second copy of
-  // the gradients): after this point only a device fault can fail it.
+  VariableSet next = saved.base;
+  next.vars = std::move(vars);
+  const bool changed = request.keep_grads() || layers::HasFp8Metas(PtrOf(saved.recipe));
+  if (request.keep_grads()) {
+    layers::Variables sums;
+    RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &sums));
+    ASSIGN_OR_RETURN(next.grads, KeptGrads(next.grads, std::move(sums)));
+  }
+  // Commit (contract 2).
   RETURN_IF_ERROR(call.StillWanted("Backward"));
-  layer->vars = std::move(vars);
+  // Unchanged: the version the forward read (which may have been released since).
+  response->set_version(changed ? MakeVersion(*layer, std::move(next)) : saved.version);
   saved_.erase(it);
-  if (request.keep_grads()) return AccumulateGrads(grads.params, "grads", &layer->grads);
   return absl::OkStatus();
 }
 
@@ -474,7 +528,9 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
 absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& request,
                                       te::v1::ForwardBackwardResponse* response,
                                       const CallContext& call) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(const Target run,
+                   Resolve(request.layer_id(), request.graph(), request.version()));
+  LayerEntry* layer = run.entry;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   if (request.micro_batches_size() == 0) {
@@ -504,7 +560,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     const te::v1::MicroBatch& mb = request.micro_batches(i);
     const std::string prefix = absl::StrCat("micro_batches[", i, "].");
     ASSIGN_OR_RETURN(CheckedInputs in,
-                     CheckInputs(*layer, PtrOf(fp8), mb.x(), mb.extra_inputs(),
+                     CheckInputs(run, PtrOf(fp8), mb.x(), mb.extra_inputs(),
                                  mb.has_attention_mask() ? &mb.attention_mask() : nullptr, prefix));
     if (mb.has_target() && mb.has_dy()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -512,12 +568,13 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
           "error against target, not both"));
     }
     const bool target = mb.has_target();
-    // A layer whose y is a loss seeds its own backward when no dy is given.
-    const bool seeded = !target && !mb.has_dy() && layer->layer->ReturnsLoss();
-    if (target && layer->layer->ReturnsLoss()) {
+    // A graph whose y is a loss (a float32 scalar) seeds its own backward
+    // when no dy is given.
+    const bool seeded = !target && !mb.has_dy() && in.y_is_loss();
+    if (target && in.y_is_loss()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          prefix, "target: layer ", layer->id, "'s y is already a loss (its graph ends in "
-          "softmax_cross_entropy); send the labels as its extra input and no target or dy"));
+          prefix, "target: layer ", layer->id, "'s y is already a loss (a float32 scalar); send "
+          "what the loss reads (labels) as extra inputs and no target or dy"));
     }
     CheckedTensor dy;
     if (!seeded) {
@@ -531,7 +588,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     is_seeded.push_back(seeded);
   }
   InterruptScope interrupt(*ops_, call, "ForwardBackward");
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(run.read->vars, PtrOf(fp8)));
   layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   OutputEncoder encoder(this);
   layers::Variables grad_sum;  // "grads/..."
@@ -560,8 +617,10 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     const Tensor* target = is_target[i] ? &dy : nullptr;
     const double loss_scale = target_elements > 0 ? 1.0 / static_cast<double>(target_elements) : 1.0;
     Tensor pending;
-    if (absl::Status step = Step(*layer, &vars, in, target ? Tensor() : dy, opts, &value, &grads,
-                                 target, loss_scale, request.apply_update() ? &pending : nullptr);
+    std::vector<Tensor> aux;
+    if (absl::Status step = Step(*run.layer, &vars, in, target ? Tensor() : dy, opts, &value,
+                                 &grads, target, loss_scale,
+                                 request.apply_update() ? &pending : nullptr, &aux);
         !step.ok()) {
       // A bad input shows only once the layer runs: name its micro-batch.
       return absl::IsInvalidArgument(step) ? AboutField(step, absl::StrCat("micro_batches[", i, "]"))
@@ -571,6 +630,16 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     if (request.apply_update()) pending_values.emplace_back(pending, target ? loss_scale : 1.0);
     if (request.return_dx()) {
       RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));
+      te::v1::ForwardBackwardResponse::InputGrads* extra = response->add_extra_input_grads();
+      for (const Tensor& d : grads.dextra) {
+        RETURN_IF_ERROR(encoder.Encode(d, false, false, extra->add_grads()));
+      }
+    }
+    if (request.return_outputs()) {
+      te::v1::ForwardBackwardResponse::Outputs* outputs = response->add_outputs();
+      for (const Tensor& t : aux) {
+        RETURN_IF_ERROR(encoder.Encode(t, false, false, outputs->add_outputs()));
+      }
     }
     if (!request.discard_grads()) {
       RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &grad_sum));
@@ -585,35 +654,42 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
       RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
     }
   }
+  VariableSet next = *run.read;
+  next.vars = std::move(vars);
+  bool changed = layers::HasFp8Metas(PtrOf(fp8));
   if (request.apply_update()) {
     // The update takes the gradients kept by earlier calls too: added into
-    // this call's sums, which are the call's own tensors, so the session is
-    // unchanged until the commit.
-    RETURN_IF_ERROR(AccumulateGrads(layer->grads, "grads", &grad_sum));
-  }
-  // Commit (contract 2), as Backward does; the update last (contract 8).
-  RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
-  layer->vars = std::move(vars);
-  kept_weights.Commit();
-  if (request.apply_update()) {
-    layer->grads.clear();
-    RETURN_IF_ERROR(ApplyUpdate(*layer, PtrOf(fp8), grad_sum, response->mutable_update()));
+    // this call's sums, which are the call's own tensors, and the new
+    // version keeps none.
+    RETURN_IF_ERROR(AccumulateGrads(run.read->grads, "grads", &grad_sum));
+    next.grads.clear();
+    RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
+    // The update last (contract 8): it writes only the new version's tensors.
+    RETURN_IF_ERROR(ApplyUpdate(*layer, PtrOf(fp8), grad_sum, &next, response->mutable_update()));
     // The step is done (ApplyUpdate read its record): these copies wait for nothing.
     for (size_t i = 0; i < pending_values.size(); ++i) {
       ASSIGN_OR_RETURN(const double v, ReadStepResult(pending_values[i].first));
       response->set_values(static_cast<int>(i), v * pending_values[i].second);
     }
-    return absl::OkStatus();
+    changed = true;
+  } else if (!request.return_grads() && !request.discard_grads()) {
+    ASSIGN_OR_RETURN(next.grads, KeptGrads(run.read->grads, std::move(grad_sum)));
+    changed = true;
   }
-  if (request.return_grads() || request.discard_grads()) return absl::OkStatus();
-  return AccumulateGrads(grad_sum, "grads", &layer->grads);
+  // Commit (contract 2).
+  RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
+  if (layer->is_newest(run.version)) kept_weights.Commit();
+  response->set_version(changed ? MakeVersion(*layer, std::move(next)) : run.version);
+  return absl::OkStatus();
 }
 
 // ---- Benchmark -------------------------------------------------------------------------
 
 absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const CallContext& call,
                                 te::v1::BenchmarkResponse* response) {
-  ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
+  ASSIGN_OR_RETURN(const Target run,
+                   Resolve(request.layer_id(), request.graph(), request.version()));
+  LayerEntry* layer = run.entry;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   const int warmup =
@@ -634,7 +710,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
         "inputs.target: the benchmark's step is vdot(y, dy); give dy instead");
   }
   ASSIGN_OR_RETURN(CheckedInputs checked,
-                   CheckInputs(*layer, PtrOf(fp8), mb.x(), mb.extra_inputs(),
+                   CheckInputs(run, PtrOf(fp8), mb.x(), mb.extra_inputs(),
                                mb.has_attention_mask() ? &mb.attention_mask() : nullptr,
                                "inputs."));
   std::optional<CheckedTensor> dy_checked;
@@ -650,8 +726,9 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     ASSIGN_OR_RETURN(dy, Materialize(*ops_, *dy_checked));
   }
   InterruptScope interrupt(*ops_, call, "Benchmark");
-  // The benchmark's steps move a copy of the FP8 state, never committed.
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(*layer, PtrOf(fp8)));
+  // The benchmark's steps move a copy of the FP8 state, never committed:
+  // the version read stays as it was, and no version is made.
+  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(run.read->vars, PtrOf(fp8)));
   layers::ForwardOptions opts;
   opts.deterministic = request.deterministic();
   opts.dropout_seed = mb.dropout_seed();
@@ -686,7 +763,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     if (request.forward_only()) {
       layers::LayerOutputs out;
       std::unique_ptr<layers::SavedForward> unused;
-      RETURN_IF_ERROR(layer->layer->Forward(*ops_, &vars, inputs, opts, &out, &unused));
+      RETURN_IF_ERROR(run.layer->Forward(*ops_, &vars, inputs, opts, &out, &unused));
       if (layers::HasFp8Metas(opts.fp8)) {
         RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, &vars));
       }
@@ -696,7 +773,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
       double value = 0.0;
       layers::LayerGrads grads;
       Tensor pending_value;
-      RETURN_IF_ERROR(Step(*layer, &vars, inputs, dy, opts, &value, &grads, /*target=*/nullptr,
+      RETURN_IF_ERROR(Step(*run.layer, &vars, inputs, dy, opts, &value, &grads, /*target=*/nullptr,
                            /*loss_scale=*/1.0, timed_alone ? nullptr : &pending_value));
     }
     if (!timed_alone) continue;
@@ -712,7 +789,7 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     queued_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                           timed_start).count();
   }
-  kept_weights.Commit();
+  if (layer->is_newest(run.version)) kept_weights.Commit();
   response->set_steps(timing);
   response->set_device(device_.name);
   if (timing > 0) {

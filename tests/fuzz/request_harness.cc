@@ -751,7 +751,8 @@ absl::Status Dispatch(Rpc rpc, const Fixture& fx, const Options& options, const 
         }
       }
       return OnSession(request, options, [&](session::Session& s, const session::CallContext&) {
-        return s.SetVariables(request);
+        te::v1::SetVariablesResponse response;
+        return s.SetVariables(request, &response);
       });
     }
     case Rpc::kPutTensor:

@@ -327,6 +327,28 @@ TEST(AffinityTest, EveryCallOfASessionCarriesOneKey) {
                                       "CloseSession", "GetServerInfo"}));
 }
 
+// A key the caller chooses is the one every call of the session carries.
+TEST(AffinityTest, AChosenKeyIsTheSessionsKey) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  GrpcProxy proxy({(*server)->address()});
+  ASSERT_TRUE(proxy.started());
+  std::unique_ptr<Client> client = Connect(proxy.address(), /*pin_to_replica=*/true);
+  ASSERT_NE(client, nullptr);
+  {
+    SessionOptions options;
+    options.affinity_key = "ct-probe-007";
+    options.transport = Transport::kStream;  // no shared-memory registration among the calls
+    absl::StatusOr<std::unique_ptr<Session>> session = client->CreateSession(options);
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ((*session)->affinity_key(), "ct-probe-007");
+    ASSERT_TRUE(RoundTrip(**session, 6).ok());
+  }
+  const std::vector<ProxiedCall> calls = proxy.calls();
+  ASSERT_EQ(calls.size(), 5u);  // CreateSession, PutTensor, GetTensor, DeleteTensor, CloseSession
+  for (const ProxiedCall& call : calls) EXPECT_EQ(call.affinity, "ct-probe-007") << call.method;
+}
+
 TEST(AffinityTest, PinnedSessionsBypassABalancerOverTwoReplicas) {
   absl::StatusOr<std::unique_ptr<ServerProcess>> a = StartAdvertising();
   ASSERT_TRUE(a.ok()) << a.status();

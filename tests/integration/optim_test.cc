@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
@@ -404,6 +405,102 @@ TEST_F(OptimTest, CppClientTrainsWithItsOptimizerOption) {
     if (step == 0) first = last;
   }
   EXPECT_LT(last, kShortRunFactor * first);
+}
+
+// The C++ client's builders for rmsprop, lion, the schedules and chains: each
+// trains the same layer through a real server, keeps the state SetOptimizer
+// names, and a bad link is INVALID_ARGUMENT naming it.
+TEST_F(OptimTest, CppClientBuildsRmspropLionSchedulesAndChains) {
+  absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start();
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<std::unique_ptr<client::Client>> client =
+      client::Client::Connect((*server)->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  namespace s = client::schedules;
+  struct Case {
+    std::string name;
+    client::Optimizer optimizer;
+    std::vector<std::string> state;  // opt_state names for the kernel, besides the counters
+  };
+  client::Optimizer clipped_lion = client::Lion(s::Constant(1e-2), 0.9, 0.99, 1e-4);
+  clipped_lion.clip_by_global_norm = 1.0;
+  const std::vector<Case> cases = {
+      {"rmsprop",
+       client::Rmsprop(s::ExponentialDecay(0.03, 50, 0.5), 0.9, 1e-8, 0.0, true, true, 0.5),
+       {"mu/kernel", "nu/kernel", "trace/kernel"}},
+      {"lion", clipped_lion, {"mu/kernel"}},
+      {"chain(adam, clip)",
+       client::Chain({client::Link(client::Adam(s::WarmupCosineDecay(0.0, 0.05, 5, kShortSteps))),
+                      client::ClipByGlobalNorm(0.1)}),
+       {"0/mu/kernel", "0/nu/kernel"}},
+      {"chain(clip, adam(-1), decay, lr)",
+       client::Chain({client::ClipByGlobalNorm(5.0), client::Link(client::Adam(s::Constant(-1.0))),
+                      client::AddDecayedWeights(1e-4),
+                      client::ScaleByLearningRate(s::JoinSchedules(
+                          {s::Linear(0.0, 0.05, 5), s::PiecewiseConstant(0.05, {{50, 0.5}}),
+                           s::CosineDecay(0.025, 100)},
+                          {5, 80}))}),
+       {"1/mu/kernel", "1/nu/kernel"}},
+  };
+  const Data data = MakeData();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    absl::StatusOr<std::unique_ptr<client::Session>> session = (*client)->CreateSession();
+    ASSERT_TRUE(session.ok()) << session.status();
+    te::v1::InitLayerRequest init;
+    init.mutable_spec()->mutable_dense_general()->add_features(kOut);
+    init.set_seed(42);
+    init.set_input_dtype(te::v1::FLOAT32);
+    for (int64_t d : {kBatch / kMicroBatches, kSeq, kIn}) init.add_input_shape(d);
+    absl::StatusOr<te::v1::InitLayerResponse> layer = (*session)->InitLayer(init);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    absl::StatusOr<te::v1::SetOptimizerResponse> set =
+        (*session)->SetOptimizer(layer->layer_id(), c.optimizer);
+    ASSERT_TRUE(set.ok()) << set.status();
+    std::vector<std::string> paths;
+    for (const te::v1::VariableInfo& v : set->variables()) {
+      EXPECT_EQ(v.collection(), "opt_state");
+      if (absl::EndsWith(v.path(), "/kernel")) paths.push_back(v.path());
+    }
+    EXPECT_EQ(paths, c.state);
+    double first = 0, last = 0;
+    for (int step = 0; step < kShortSteps; ++step) {
+      te::v1::ForwardBackwardRequest request;
+      request.set_layer_id(layer->layer_id());
+      request.set_deterministic(true);
+      request.set_apply_update(true);
+      for (int m = 0; m < kMicroBatches; ++m) {
+        te::v1::MicroBatch* mb = request.add_micro_batches();
+        *mb->mutable_x() = data.x[m];
+        *mb->mutable_target() = data.target[m];
+      }
+      absl::StatusOr<te::v1::ForwardBackwardResponse> response =
+          (*session)->ForwardBackward(request);
+      ASSERT_TRUE(response.ok()) << response.status();
+      EXPECT_TRUE(response->update().applied());
+      EXPECT_EQ(response->update().count(), step + 1);
+      last = response->values(0) + response->values(1);
+      if (step == 0) first = last;
+    }
+    EXPECT_LT(last, kShortRunFactor * first) << "first " << first;
+  }
+  // A bad link: INVALID_ARGUMENT naming it.
+  absl::StatusOr<std::unique_ptr<client::Session>> session = (*client)->CreateSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  te::v1::InitLayerRequest init;
+  init.mutable_spec()->mutable_dense_general()->add_features(kOut);
+  init.set_input_dtype(te::v1::FLOAT32);
+  for (int64_t d : {kBatch / kMicroBatches, kSeq, kIn}) init.add_input_shape(d);
+  absl::StatusOr<te::v1::InitLayerResponse> layer = (*session)->InitLayer(init);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const absl::Status bad =
+      (*session)
+          ->SetOptimizer(layer->layer_id(),
+                         client::Chain({client::ClipByGlobalNorm(1.0),
+                                        client::Link(client::Lion(s::Constant(1e-3), 1.5))}))
+          .status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("optimizer.chain[1].lion.b1: 1.5"), std::string::npos) << bad;
 }
 
 }  // namespace

@@ -205,7 +205,7 @@ TEST_F(PipelinedClientTest, ACallThatExpiresAtTheClientDoesNotHoldUpTheNextOne) 
   // --sequence_gap_seconds (10 s) and ended ABORTED.
   const absl::Duration expired = -absl::Seconds(1);
   const absl::Duration prompt = absl::Seconds(5);
-  EXPECT_EQ(session->SetVariables(SetScale(vars->layer_id, 5.0f), expired).code(),
+  EXPECT_EQ(session->SetVariables(SetScale(vars->layer_id, 5.0f), expired).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   absl::Time start = absl::Now();
   absl::StatusOr<te::v1::GetVariablesResponse> got = session->GetVariables(GetParams(vars->layer_id));
