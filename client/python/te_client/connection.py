@@ -189,11 +189,15 @@ class Client:
         session.device = info.device
         return session
 
-    def session(self, recipes=(), policy="fallback", device="", ttl=None, transport=None):
+    def session(self, recipes=(), policy="fallback", device="", ttl=None, transport=None, affinity_key=None):
         """Opens a session. `recipes`: preferred FP8 recipes, in order; `policy`:
         "strict" (the first, natively, or FailedPreconditionError), "fallback"
         (the first the device runs natively), "emulate" (natively or emulated).
         `transport`: this session's (default Options.transport).
+        `affinity_key`: the x-te-session key its calls carry (a load balancer
+        hashes it to pick the replica); default a random 128-bit one. Sessions
+        given one key land on one replica; InvalidArgumentError for an empty
+        key or one gRPC metadata cannot carry (printable ASCII only).
         ResourceExhaustedError when the server is at its session limit;
         UnavailableError naming the replica when the session is pinned
         (Options.pin_to_replica) to an address that does not answer."""
@@ -203,7 +207,7 @@ class Client:
         request = service_pb2.CreateSessionRequest(
             preferred_recipes=[recipe_lib.to_proto(r, recipe_pb2) for r in recipes],
             policy=_POLICIES[policy], device=device, ttl_seconds=int(ttl or 0))
-        affinity_key = secrets.token_hex(16)
+        affinity_key = secrets.token_hex(16) if affinity_key is None else _check_affinity_key(affinity_key)
         metadata = ((AFFINITY_HEADER, affinity_key),)
         created = self._call("CreateSession", request, metadata=metadata)
         replica = created.server_address
@@ -223,6 +227,13 @@ class Client:
                                               created.session.session_id, replica, e.message)) from None
         return Session(self, created, affinity_key, stub, replica, transport, pinned=True)
 
+
+def _check_affinity_key(key):
+    """`key` as a metadata value: a non-empty str of printable ASCII (what gRPC's metadata carries)."""
+    if not isinstance(key, str) or not key or not all(" " <= c <= "~" for c in key):
+        raise errors.InvalidArgumentError(
+            "affinity_key: %r; want a non-empty str of printable ASCII (sent as %s metadata)" % (key, AFFINITY_HEADER))
+    return key
 
 
 def _wait_connected(channel, address, timeout):
