@@ -149,6 +149,7 @@ def step(handle, call, dy, dropout_seed, graph=None, version=0):
             keep_outputs=session.large(dtypes.as_numpy(dy).nbytes)))
         input_grads = [session.receive(backward.dx, "dx")] + [
             session.receive(g, "extra_input_grads[%d]" % i) for i, g in enumerate(backward.extra_input_grads)]
-        return value, _grads(session, backward.grads), input_grads, 0
+        # A Backward under DelayedScaling makes a version (its FP8 state moved).
+        return value, _grads(session, backward.grads), input_grads, backward.version
     finally:
         session.delete_all(uploads)

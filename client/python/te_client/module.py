@@ -386,8 +386,9 @@ class Module:
             handle, call, dy, self._dropout_seed(handle, call, rngs, info), info, version.number)
         grads = variables_lib.Gradients(variables_lib.unflatten(grads))
         grads.variables = variables_lib.Variables({handle.scope: handle}, self, variables_lib.Version(
-            handle, new_version)) if new_version else (
-                variables if isinstance(variables, variables_lib.Variables) else None)
+            handle, new_version)) if new_version and new_version != version.number else (
+                variables if isinstance(variables, variables_lib.Variables) else
+                variables_lib.Variables({handle.scope: handle}, self, version))
         return value, (grads, input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
 
     def _dropout_seed(self, handle, call, rngs, info=None):

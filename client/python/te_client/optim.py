@@ -450,23 +450,83 @@ class TrainState:
 
     def apply_gradients(self, *, grads, **kwargs):
         """optax's update with `grads` (value_and_grad's, or any tree of arrays
-        shaped like the params): the gradients are written into the step's
-        version (SetVariables "grads/..."), then one ForwardBackward with
-        apply_update and no micro-batch applies them on the server. Continues
+        shaped like the params), applied on the server in one ForwardBackward
+        with apply_update over a graph that has each gradient as an input:
+        its loss is sum_p vdot(p, g_p), whose gradient is g_p exactly, so the
+        optimizer steps with `grads` as given (_gradient_graph). Continues
         from the variables the gradients' step left (grads.variables: its FP8
         state), else from self.params."""
         base = grads.variables if isinstance(grads, variables_lib.Gradients) and grads.variables is not None \
             else self.variables
         handle, version = variables_lib.refs_version(base)
         tree = grads["params"] if isinstance(grads, dict) and set(grads) == {"params"} else grads
-        flat = {variables_lib.join("grads", name): value for name, value in variables_lib.flatten(tree).items()}
-        number = handle.session.set_version(handle, version.number, flat)
-        response = handle.session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
-            layer_id=handle.layer_id, apply_update=True, autocast=layer_calls.autocast(),
-            version=number, matmul_precision=precision_lib.current()))
-        new = variables_lib.Variables({handle.scope: handle}, base.module, variables_lib.Version(
-            handle, response.version or number))
+        if isinstance(tree, variables_lib.Variables):
+            raise errors.InvalidArgumentError("grads: Variables; want the gradients (value_and_grad's)")
+        number = _apply_gradients(handle, version, variables_lib.flatten(dict(tree)))
+        new = variables_lib.Variables({handle.scope: handle}, base.module, variables_lib.Version(handle, number))
         return dataclasses.replace(self, step=self.step + 1, params=_same_kind(self.params, new), **kwargs)
+
+
+def _apply_gradients(handle, version, flat):
+    """Runs the optimizer's update on `version` with the gradients `flat`
+    ({"A_0/kernel": array} under params): the new version's number.
+
+    The update takes the gradients of a ForwardBackward's micro-batches, so
+    the gradients travel as the inputs of a graph over the layer's params
+    whose loss is sum_p sum(p * g_p): its gradient in p is g_p, bit for bit
+    (the backward multiplies g_p by the seed 1.0). No module runs, so the
+    call leaves fp8_metas as they are and sends no autocast."""
+    session = handle.session
+    prefix = len(variables_lib.join(*handle.scope)) + 1 if handle.scope else 0
+    infos = {i.path: i for i in handle.infos if i.collection == "params"}
+    scope = variables_lib.join(*handle.scope)
+    grads = []
+    for name, value in sorted(flat.items()):
+        path = name[len("params/"):] if name.startswith("params/") else name
+        if scope and path.startswith(scope + "/"):
+            path = path[prefix:]
+        info = infos.get(path)
+        if info is None:
+            raise errors.InvalidArgumentError("grads: %r is none of the layer's params (%s)" % (
+                name, ", ".join(sorted(infos)) or "none"))
+        array = dtypes.as_numpy(value)
+        if tuple(array.shape) != tuple(info.shape):
+            raise errors.InvalidArgumentError("grads: %r is %s; the param is %s" % (
+                name, list(array.shape), list(info.shape)))
+        array = dtypes.cast_to_wire(array, info.wire_dtype)
+        grads.append((path, info, array.reshape(-1) if array.size else array))
+    grads = [g for g in grads if g[2].size]
+    if not grads:
+        raise errors.InvalidArgumentError("grads: empty; want a gradient for at least one param")
+    traced = _gradient_graph([(path, tuple(info.shape), info.wire_dtype, a.shape[0]) for path, info, a in grads])
+    info = layer_calls.add_graph(handle, traced, grads[0][2].shape, grads[0][1].wire_dtype)
+    uploads = []
+    try:
+        batch = service_pb2.MicroBatch(x=session.send(grads[0][2], uploads, "grads/" + grads[0][0]))
+        for path, _, array in grads[1:]:
+            batch.extra_inputs.add().CopyFrom(session.send(array, uploads, "grads/" + path))
+        response = session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
+            layer_id=handle.layer_id, micro_batches=[batch], deterministic=True, apply_update=True,
+            graph=info.index, version=version.number, matmul_precision=precision_lib.current()))
+    finally:
+        session.delete_all(uploads)
+    return response.version
+
+
+def _gradient_graph(params):
+    """The graph of _apply_gradients: inputs x, extra_inputs[0..] the
+    flattened gradients of `params` [(path, shape, wire, size)], in order;
+    y = sum_p sum(reshape(p, [-1]) * g_p) in float32."""
+    from te_client._pb import layers_pb2
+    trace = graph.Trace(lambda: (), True)
+    total = None
+    for i, (path, shape, wire, size) in enumerate(params):
+        g = trace.input("x" if i == 0 else "extra_inputs[%d]" % (i - 1), (size,), wire)
+        p = trace.record("param", layers_pb2.GraphSpec.Param(shape=list(shape), dtype=wire), [], [(shape, wire)],
+                         name=path, keep=True)[0]
+        term = (p.reshape(size) * g).sum(dtype=np.float32)
+        total = term if total is None else total + term
+    return trace.build(total)
 
 
 def _metrics(response, request_bytes):

@@ -78,6 +78,8 @@ class LayerHandle:
     verified_keys: set = dataclasses.field(default_factory=set)   # other arguments found to trace the same
     graphs: dict = dataclasses.field(default_factory=dict)        # spec bytes + input signature -> GraphInfo
     deleted: bool = False         # replaced by another init of its module (DeleteLayer sent)
+    # The Versions held, by number (one object per number: see Version).
+    versions: object = dataclasses.field(default_factory=weakref.WeakValueDictionary, repr=False)
     module_type: object = None    # the module class init traced
     __weakref__: object = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -107,14 +109,26 @@ class Gradients(dict):
 class Version:
     """One version of a layer's variables that this client holds; released
     when the last reference goes (queued, sent with the session's next call).
-    Number 0 is the server's newest (a server without versions answers 0)."""
+    Number 0 is the server's newest (a server without versions answers 0).
+    One object per number of a layer (LayerHandle.versions): a response that
+    names a version already held (a step that made none) gets that object, so
+    the number is released once, when no one holds it any more."""
     __slots__ = ("handle", "number", "__weakref__")
 
-    def __init__(self, handle, number):
+    def __new__(cls, handle, number):
+        number = int(number)
+        live = getattr(handle, "versions", None)
+        found = live.get(number) if number and live is not None else None
+        if found is not None:
+            return found
+        self = object.__new__(cls)
         self.handle = handle
-        self.number = int(number)
-        if self.number:
-            weakref.finalize(self, _queue, handle.session, ("release", handle.layer_id, self.number))
+        self.number = number
+        if number:
+            weakref.finalize(self, _queue, handle.session, ("release", handle.layer_id, number))
+            if live is not None:
+                live[number] = self
+        return self
 
     def __repr__(self):
         return "Version(%s, %d)" % (self.handle.layer_id, self.number)

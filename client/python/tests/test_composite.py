@@ -73,7 +73,7 @@ class OneByOne:
             prefix = "params/%s/" % name
             own = {"params/" + k[len(prefix):]: v for k, v in self.values.items() if k.startswith(prefix)}
             if own:
-                self.session.set_variables(params, own)
+                params = self.session.set_variables(params, own)
             self.params[name] = params
         return self.params[name]
 
@@ -371,7 +371,7 @@ def test_composite_of_one_module_equals_the_module(session, rng):
     x, dy = _x(rng), _x(rng, B, S, 16)
     inner, outer = te_flax.DenseGeneral(features=16), Wrapper()
     p_inner, p_outer = inner.init(3, x), _init(outer, 3, x)
-    session.set_variables(p_outer, {"params": {"DenseGeneral_0": session.get_variables(p_inner)["params"]}})
+    p_outer = session.set_variables(p_outer, {"params": {"DenseGeneral_0": session.get_variables(p_inner)["params"]}})
     np.testing.assert_array_equal(outer.apply(p_outer, x), inner.apply(p_inner, x))
     v_in, (g_in, dx_in) = te.value_and_grad(inner.apply)(p_inner, x, dy)
     v_out, (g_out, dx_out) = te.value_and_grad(outer.apply)(p_outer, x, dy)

@@ -1,8 +1,11 @@
 """Variables as values, pytrees, pickling, resources, precision and reattaching (te_client as JAX users expect)."""
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +15,9 @@ import te_client.flax as te_flax
 import te_client.numpy as jnp
 import te_client.optim as optax
 from te_client import linen as nn, variables as variables_lib
+from conftest import start_server
+from te_client.recipe import DelayedScaling
+from test_affinity import _free_port
 from tolerances import F32, rel_err
 
 
@@ -183,3 +189,105 @@ def test_default_matmul_precision_reaches_every_step_request(session, rng, monke
     with pytest.raises(ValueError, match="bfloat16"):
         with te.default_matmul_precision("bfloat16"):
             pass
+
+
+class TENet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(te_flax.DenseGeneral(features=16)(x)))
+
+
+def _te_loss(params, x, t):
+    return jnp.mean((TENet().apply(params, x) - t) ** 2)
+
+
+def _train(state, x, t, steps):
+    losses = []
+    for _ in range(steps):
+        state, metrics = te.train_step(state, x, t, loss_fn=_te_loss)
+        losses.append(metrics["loss"])
+    return state, losses
+
+
+def test_a_session_checkpoint_resumes_after_a_server_restart_bit_for_bit(client, rng, tmp_path):
+    x, t = _data(rng)
+    recipe = DelayedScaling(amax_history_len=4)
+    with client.session(recipes=[recipe], policy="emulate"), te.autocast(enabled=True, recipe=recipe):
+        state = te.TrainState.create(apply_fn=TENet().apply, params=TENet().init(1, x), tx=optax.adam(0.05))
+        state, straight = _train(state, x, t, 4)
+        want = variables_lib.flatten(state.variables.fetch())
+    assert any(k.startswith("fp8_metas/") for k in want) and any(k.startswith("opt_state/") for k in want)
+    port, state_dir = _free_port(), str(tmp_path / "state")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with start_server(tmp_path / "a", "--state_dir=" + state_dir, port=port) as server:
+        restarted = te.connect(server.address)
+        session = restarted.session(recipes=[recipe], policy="emulate")
+        with session, te.autocast(enabled=True, recipe=recipe):
+            state = te.TrainState.create(apply_fn=TENet().apply, params=TENet().init(1, x), tx=optax.adam(0.05))
+            state, first = _train(state, x, t, 2)
+            assert session.checkpoint()
+            os.kill(server.pid, signal.SIGKILL)   # what comes back is what Checkpoint wrote, nothing later
+            with start_server(tmp_path / "b", "--state_dir=" + state_dir, port=port):
+                deadline = time.monotonic() + 30
+                while True:                     # the channel reconnects to the new process
+                    try:
+                        restarted.server_info()
+                        break
+                    except te.UnavailableError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.2)
+                # The same Session, TrainState and version go on where the checkpoint left them.
+                state, second = _train(state, x, t, 2)
+                got = variables_lib.flatten(state.variables.fetch())
+                assert restarted.attach(session.id, session.token).info().layers == 1
+                session.close()
+        restarted.close()
+    assert first + second == straight
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+
+
+class Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x, skip):
+        return te_flax.DenseGeneral(features=8)(x) + skip
+
+
+def test_a_steps_backward_version_is_what_its_gradients_continue_from(client, rng):
+    # value_and_grad(model.apply) of a model with an extra input runs Forward + Backward; under
+    # DelayedScaling the Backward makes a version (BackwardResponse.version): the FP8 state moved there.
+    recipe = DelayedScaling(amax_history_len=4)
+    x, skip = rng.standard_normal((4, 16)).astype(np.float32), rng.standard_normal((4, 8)).astype(np.float32)
+    dy = rng.standard_normal((4, 8)).astype(np.float32)
+    with client.session(recipes=[recipe], policy="emulate"), te.autocast(enabled=True, recipe=recipe):
+        model = Residual()
+        variables = model.init(0, x, skip)
+        before = variables_lib.flatten(variables.fetch(["fp8_metas"]))
+        _, (grads, (dx, dskip)) = te.value_and_grad(model.apply)(variables, x, dy, skip)
+        np.testing.assert_array_equal(dskip, dy)
+        assert dx.shape == x.shape
+        moved = grads.variables
+        assert moved.version.number > variables.version.number
+        after = variables_lib.flatten(moved.fetch(["fp8_metas"]))
+        assert before and any(not np.array_equal(after[k], before[k]) for k in before)
+        again = variables_lib.flatten(variables.fetch(["fp8_metas"]))
+        assert all(np.array_equal(again[k], before[k]) for k in before)     # the old version is a value
+
+
+def test_one_version_object_per_number_so_a_number_is_released_once(session, rng):
+    # A step that makes no version answers the one it read: the client must not hold two
+    # Versions of one number, or dropping one would release the number under the other.
+    x, t = _data(rng)
+    model = Net()
+    variables = model.init(8, x)
+    dy = rng.standard_normal((4, 3)).astype(np.float32)
+    _, (grads, _) = te.value_and_grad(model.apply)(variables, x, dy)
+    assert grads.variables.version is variables.version
+    assert variables_lib.Version(variables.handle, variables.version.number) is variables.version
+    del grads
+    import gc
+    gc.collect()
+    model.apply(variables, x)      # still readable: nothing released it
