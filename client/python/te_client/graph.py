@@ -137,10 +137,27 @@ class Trace:
         if mask is not None and not mask.is_mask:
             raise TypeError("%s: its mask is a computed tensor; a module's mask is the composite's attention_mask "
                             "or nn.make_causal_mask's result" % name)
+        if op == "module" and inputs:
+            inputs = [self._known(inputs[0])] + list(inputs[1:])   # a module's x; k and v may be extra inputs
         node = _Node(op, message, label or op, tuple(self.scope()), name, list(inputs), mask, keep=keep)
         node.outputs = [Symbol(self, shape, wire, node, i, is_mask=makes_mask) for i, (shape, wire) in enumerate(outputs)]
+        from_extra = any(s.from_extra for s in inputs) and not (
+            op in ("module", "softmax_cross_entropy") or op == "reshape" and -1 not in message.shape)
+        for s in node.outputs:
+            s.from_extra = from_extra
         self.nodes.append(node)
         return node.outputs
+
+    def _known(self, s):
+        """`s`, or, where its shape derives from an extra input, `s` through a
+        reshape to the shape this trace knows it has. te_server infers a
+        graph's shapes from x alone (an extra input's shape is unknown until a
+        forward), and a module's x must have a known shape; a reshape to an
+        explicit shape is known, and the graph is traced per input signature,
+        so the shape written is the one every forward of it sees."""
+        if not s.from_extra:
+            return s
+        return self.record("reshape", layers_pb2.GraphSpec.Reshape(shape=list(s.shape)), [s], [(s.shape, s.wire)])[0]
 
     def claim(self, name, module):
         """A module node's name, once: Flax gives each module its own variables."""

@@ -69,3 +69,18 @@ def softmax_cross_entropy_with_integer_labels(logits, labels):
     top = logits.max(axis=-1, keepdims=True)
     lse = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
     return lse - np.take_along_axis(logits, labels[..., None].astype(np.int64), axis=-1)[..., 0]
+
+
+def softmax_cross_entropy(logits, labels):
+    """optax.softmax_cross_entropy: logits [..., V], labels [..., V] (one-hot
+    or any distribution over V) -> losses [...] = -sum(labels * log_softmax(logits)).
+    Traced, it is glue (log_softmax, multiply, sum), so the labels may be a
+    float input: te_server takes a step's extra inputs in x's dtype, which int
+    labels beside a float x are not (one-hot them: np.eye(V)[labels])."""
+    if isinstance(logits, symbolic.Symbol) or isinstance(labels, symbolic.Symbol):
+        from te_client import numpy as jnp   # numpy <- losses would be a cycle at import
+        return -jnp.sum(labels * symbolic.softmax(logits, axis=-1, log=True), axis=-1)
+    logits = np.asarray(dtypes.as_numpy(logits), np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+    return -(np.asarray(dtypes.as_numpy(labels), np.float64) * log_p).sum(axis=-1)

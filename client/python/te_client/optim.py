@@ -39,11 +39,11 @@ import numbers
 
 import numpy as np
 
-from te_client import dtypes, errors, graph, layer_calls, precision as precision_lib, transforms
+from te_client import dtypes, errors, graph, initializers, layer_calls, precision as precision_lib, transforms
 from te_client import module as module_lib
 from te_client import variables as variables_lib
 from te_client._pb import service_pb2
-from te_client.losses import softmax_cross_entropy_with_integer_labels  # noqa: F401 (optax's name, here too)
+from te_client.losses import softmax_cross_entropy, softmax_cross_entropy_with_integer_labels  # noqa: F401 (optax's names, here too)
 
 
 # ---- schedules ---------------------------------------------------------------------
@@ -522,11 +522,14 @@ def _gradient_graph(params):
     total = None
     for i, (path, shape, wire, size) in enumerate(params):
         g = trace.input("x" if i == 0 else "extra_inputs[%d]" % (i - 1), (size,), wire)
-        p = trace.record("param", layers_pb2.GraphSpec.Param(shape=list(shape), dtype=wire), [], [(shape, wire)],
-                         name=path, keep=True)[0]
+        # The layer's own param (AddGraph matches it by name, shape and dtype); its
+        # initializer is never run, but must suit any shape.
+        p = trace.record("param", layers_pb2.GraphSpec.Param(shape=list(shape), dtype=wire,
+                                                              initializer=initializers.zeros.proto()),
+                         [], [(shape, wire)], name=path, keep=True)[0]
         term = (p.reshape(size) * g).sum(dtype=np.float32)
         total = term if total is None else total + term
-    return trace.build(total)
+    return trace.build(total.as_known_scalar() if total.from_extra else total)
 
 
 def _metrics(response, request_bytes):

@@ -154,7 +154,8 @@ class Symbol:
     naming the op (numpy functions and ufuncs included, through numpy's
     dispatch protocols), so a trace never records less than the code does."""
     __array_priority__ = 1000
-    __slots__ = ("trace", "shape", "wire", "node", "index", "input_name", "is_mask", "origin", "__weakref__")
+    __slots__ = ("trace", "shape", "wire", "node", "index", "input_name", "is_mask", "origin", "from_extra",
+                 "__weakref__")
 
     def __init__(self, trace, shape, wire, node=None, index=0, input_name=None, is_mask=False):
         self.trace = trace
@@ -165,6 +166,8 @@ class Symbol:
         self.input_name = input_name   # "x", "attention_mask", "extra_inputs[i]"
         self.is_mask = is_mask         # the request's attention_mask or a causal mask: only a module reads it
         self.origin = None             # (base, index) when it is base[index]: nn.make_causal_mask reads base
+        # Its shape derives from an extra input, which te_server does not know at init (graph.py).
+        self.from_extra = bool(input_name and input_name.startswith("extra_inputs"))
 
     ndim = property(lambda self: len(self.shape))
     size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
@@ -192,6 +195,17 @@ class Symbol:
         if shape == self.shape:
             return self
         return self._record("reshape", GraphSpec.Reshape(shape=list(shape)), [self], [(shape, self.wire)])[0]
+
+    def as_known_scalar(self):
+        """This scalar through a reshape to [] that the trace keeps even though
+        it changes no shape. te_server infers a graph's shapes from x alone:
+        an op reading an extra input (labels, a target) has an unknown shape
+        there, and a reduction of it too, though a full one is a scalar
+        whatever its input; a reshape to an explicit shape is known, so a loss
+        whose y passes through one is accepted (y's shape must be known)."""
+        if self.shape != ():
+            raise TypeError("as_known_scalar: shape %s, not a scalar" % (self.shape,))
+        return self._record("reshape", GraphSpec.Reshape(shape=[]), [self], [((), self.wire)])[0]
 
     def transpose(self, *axes):
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes

@@ -141,6 +141,16 @@ class _Inputs:
             visit(kwargs[k], k)
         if self.values and self.values[0][0] != "x":
             raise TypeError("the traced function's first array argument is its x")
+        if self.values:
+            x_wire = layer_calls.shape_and_wire(self.values[0][1], "x")[1]
+            for name, value in self.values[1:]:
+                wire = layer_calls.shape_and_wire(value, name)[1]
+                if name != "attention_mask" and wire != x_wire:
+                    raise errors.InvalidArgumentError(
+                        "%s: %s, but x (the first array argument) is %s: te_server takes a step's extra inputs in "
+                        "x's dtype. Pass it as %s (labels one-hot for optax.softmax_cross_entropy, a 0/1 mask as "
+                        "x's dtype)" % (name, dtypes.dtype_name(wire), dtypes.dtype_name(x_wire),
+                                        dtypes.dtype_name(x_wire)))
 
     def substitute(self, tree, symbols, skip_ids=()):
         """`tree` with each array input replaced by its Symbol."""
@@ -195,6 +205,8 @@ class Prepared:
             raise TypeError("Gradient only defined for scalar-output functions. Output had shape: %s" % (value.shape,))
         if value.wire != dtypes.FLOAT32:
             value = value._cast(dtypes.FLOAT32, "loss")   # the server's loss graphs have a float32 y
+        if value.from_extra:
+            value = value.as_known_scalar()   # a loss reading labels or targets: see Symbol.as_known_scalar
         self.aux_leaves, self.aux_def = variables_lib.tree_flatten(aux)
         self.aux_symbols = [v for v in self.aux_leaves if isinstance(v, symbolic.Symbol)]
         if loss.handle is None:

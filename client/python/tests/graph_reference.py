@@ -39,6 +39,19 @@ _BINARY = {B.ADD: np.add, B.SUBTRACT: np.subtract, B.MULTIPLY: np.multiply, B.DI
 _COMPARE = {B.GREATER, B.GREATER_EQUAL, B.LESS, B.LESS_EQUAL, B.EQUAL, B.NOT_EQUAL}
 
 
+_C = np.sqrt(2.0 / np.pi)
+
+
+def _gelu(x):
+    """TE's gelu: the tanh approximation (flax.linen.gelu's default)."""
+    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_grad(x):
+    t = np.tanh(_C * (x + 0.044715 * x ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+
+
 def _sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
@@ -98,7 +111,23 @@ def _unary_grad(op, x, y, g):
     raise NotImplementedError(U.Op.Name(op))
 
 
+def _explicit(eq, a, b):
+    """`eq` with its "..." spelled out as letters it does not use (numpy broadcasts them alike)."""
+    if "..." not in eq:
+        return eq
+    ins, out = eq.split("->")
+    sa, sb = ins.split(",")
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    n = max(x.ndim - (len(s) - 3) for x, s in ((a, sa), (b, sb)) if "..." in s)
+    dots = "".join(free[:n])
+
+    def spell(sub, ndim):
+        return sub.replace("...", dots[n - (ndim - (len(sub) - 3)):]) if "..." in sub else sub
+    return "%s,%s->%s" % (spell(sa, a.ndim), spell(sb, b.ndim), out.replace("...", dots))
+
+
 def _einsum_grads(eq, a, b, g):
+    eq = _explicit(eq, a, b)
     ins, out = eq.split("->")
     sa, sb = ins.split(",")
     return np.einsum("%s,%s->%s" % (out, sb, sa), g, b), np.einsum("%s,%s->%s" % (sa, out, sb), a, g)
@@ -137,6 +166,10 @@ class Evaluation:
                 if not m.HasField("use_bias") or m.use_bias:
                     y = y + _param(self.variables, node.name, "bias")[1]
                 return [y]
+            if kind == "activation":
+                if list(node.module.activation.activations) != ["gelu"]:
+                    raise NotImplementedError("activation %s" % list(node.module.activation.activations))
+                return [_gelu(x)]
             if kind == "flax_embed":
                 _, e = _param(self.variables, node.name, "embedding")
                 return [e[x.astype(np.int64)]]
@@ -226,6 +259,8 @@ class Evaluation:
                     bkey = "params/" + "/".join(p for p in (node.name, "bias") if p)
                     if bkey in self.variables:
                         pacc(bkey, g.reshape(-1, *self.variables[bkey].shape).sum(0))
+                elif kind == "activation":
+                    acc(node.inputs[0], g * _gelu_grad(x))
                 elif kind == "flax_embed":
                     ekey, e = _param(self.variables, node.name, "embedding")
                     de = np.zeros_like(e)

@@ -92,11 +92,28 @@ def test_state_apply_gradients_follows_flaxs_loop(session, rng):
     x, t = _data(rng)
     model = Net()
     variables = model.init(3, x)
+    for tx in (optax.sgd(0.1), optax.adam(0.05)):
+        state = te.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+        loss, grads = te.value_and_grad(_loss)(state.params, x, t)
+        applied = state.apply_gradients(grads=grads)
+        stepped, metrics = te.train_step(state, x, t, loss_fn=_loss)       # the same step in one call
+        assert applied.step == stepped.step == 1 and metrics["loss"] == loss
+        a = variables_lib.flatten(applied.variables.fetch(["params", "opt_state"]))
+        b = variables_lib.flatten(stepped.variables.fetch(["params", "opt_state"]))
+        assert sorted(a) == sorted(b)
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        loss1, _ = te.value_and_grad(_loss)(applied.params, x, t)
+        assert loss1 < loss
+    # Any tree of arrays shaped like the params: sgd's p - lr * g with those values.
     state = te.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.1))
-    loss0, grads = te.value_and_grad(_loss)(state.params, x, t)
-    state = state.apply_gradients(grads=grads)
-    loss1, _ = te.value_and_grad(_loss)(state.params, x, t)
-    assert state.step == 1 and loss1 < loss0
+    _, grads = te.value_and_grad(_loss)(state.params, x, t)
+    mine = te.tree_map(lambda g: np.asarray(g) * np.float32(0.5), dict(grads))
+    new = state.apply_gradients(grads=mine)
+    before = variables_lib.flatten(variables.fetch(["params"]))
+    after = variables_lib.flatten(new.variables.fetch(["params"]))
+    for k, g in variables_lib.flatten(mine).items():
+        assert rel_err(after[k] - before[k], -0.1 * g.astype(np.float64)) <= F32, k
 
 
 def test_train_step_draws_a_fresh_dropout_key_per_step(session, rng):
@@ -124,9 +141,13 @@ def test_train_step_draws_a_fresh_dropout_key_per_step(session, rng):
 def test_init_again_replaces_the_layer(session, rng):
     x, _ = _data(rng)
     model = Net()
-    for seed in range(4):
-        model.init(seed, x)
+    held = [model.init(seed, x) for seed in range(4)]     # every result still referenced
     assert session.info().layers == 1
+    model.apply(held[-1], x)
+    del held
+    import gc
+    gc.collect()
+    assert session.info().layers == 0      # a layer no one references any more is freed
 
 
 def test_set_variables_writes_every_collection_get_variables_returns(session, rng):
