@@ -23,25 +23,31 @@ bfloat16 with and without ml_dtypes. Large tensors travel by stream or, on the
 server's host, shared memory (transport.py; te.connect(addr, transport=...)).
 Every failure is a TeError with the gRPC status code and the server's message.
 """
-from te_client import (activation, dtypes, errors, flax, graph, linen, numpy, optim, recipe, symbolic,
-                       transport)
-from te_client.client import Client, ResidentTensor, Session, connect, current_session
+from te_client import (activation, client, dtypes, errors, flax, graph, initializers, linen, numpy, optim,
+                       recipe, symbolic, transport)
+from te_client.connection import Client, connect
 from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
 from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
                               NotFoundError, PermissionDeniedError, ResourceExhaustedError, TeError,
                               UnauthenticatedError, UnavailableError, UnimplementedError)
+from te_client.optim import TrainState, restore_checkpoint, save_checkpoint, train_step
+from te_client.precision import default_matmul_precision
 from te_client.recipe import autocast, fp8_autocast
-from te_client.training import speedometer, value_and_grad
-from te_client.variables import VariableRef, Variables, tree_map
+from te_client.session import ResidentTensor, Session, current_session
+from te_client.training import speedometer
+from te_client.transforms import grad, value_and_grad
+from te_client.variables import (Gradients, VariableRef, Variables, tree_flatten, tree_leaves, tree_map,
+                                 tree_unflatten)
 
 __all__ = [
-    "activation", "dtypes", "errors", "flax", "graph", "linen", "numpy", "optim", "recipe", "symbolic",
-    "transport",
+    "activation", "client", "dtypes", "errors", "flax", "graph", "initializers", "linen", "numpy", "optim", "recipe",
+    "symbolic", "transport",
     "Client", "ResidentTensor", "Session", "connect", "current_session",
     "Bfloat16Array", "asarray", "bfloat16", "dtype_of",
     "TeError", "InvalidArgumentError", "FailedPreconditionError", "NotFoundError", "UnauthenticatedError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
     "UnimplementedError",
-    "autocast", "fp8_autocast", "speedometer", "value_and_grad",
-    "VariableRef", "Variables", "tree_map",
+    "autocast", "fp8_autocast", "default_matmul_precision", "speedometer", "value_and_grad", "grad",
+    "TrainState", "train_step", "save_checkpoint", "restore_checkpoint",
+    "Gradients", "VariableRef", "Variables", "tree_map", "tree_leaves", "tree_flatten", "tree_unflatten",
 ]

@@ -11,6 +11,7 @@ graph (no parameters); called on an array it runs in the current session.
 """
 from te_client import errors, symbolic
 from te_client.module import ServerModule
+from te_client._pb import layers_pb2
 
 
 class _Activation(ServerModule):
@@ -18,7 +19,6 @@ class _Activation(ServerModule):
 
     @staticmethod
     def spec_of(activations):
-        from te_client.client import layers_pb2
         return layers_pb2.LayerSpec(activation=layers_pb2.Activation(activations=list(activations)))
 
     def spec(self):
@@ -45,7 +45,5 @@ def activation(x, activation_type, quantizer=None):
         out_shape = x.shape if len(acts) == 1 else x.shape[:-2] + x.shape[-1:]
         return x.trace.record("module", _Activation.spec_of(acts), [x], [(out_shape, x.wire)],
                               label="activation")[0]
-    if isinstance(x, symbolic.Indexed):
-        x._unsupported()
     layer = _Activation(acts)
     return layer.apply(layer.init(0, x), x)

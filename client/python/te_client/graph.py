@@ -25,11 +25,13 @@ whether or not the output uses them. A mask (the request's attention_mask, or
 a causal_mask node's output) is read only as a module's mask, as the server
 requires.
 """
+import contextvars
 import dataclasses
 from typing import Optional
 
-from te_client import client as client_lib, dtypes
+from te_client import dtypes
 from te_client.symbolic import Symbol
+from te_client._pb import layers_pb2
 
 _M64 = (1 << 64) - 1
 
@@ -57,6 +59,15 @@ def node_seed(seed, name):
     server applies (kernels/rng.h's NodeSeed), so a module run on its own with
     node_seed(seed, "DenseGeneral_0") draws the numbers the graph's node does."""
     return mix_bits((int(seed) & _M64) ^ mix_bits(name_hash(name)))
+
+
+# The loss function being traced (transforms.py's), if any: Module.apply inside it records
+# the model's graph into the function's trace instead of calling the server.
+_loss = contextvars.ContextVar("te_client_loss", default=None)
+
+
+def current_loss():
+    return _loss.get()
 
 
 # ---- the record and the spec -----------------------------------------------------------
@@ -98,7 +109,8 @@ class Trace:
         self.nodes = []
         self.inputs = {}
         self.scope = scope
-        self.deterministic = bool(deterministic)
+        # None (a loss function's trace): set by the first dropout the trace meets.
+        self.deterministic = None if deterministic is None else bool(deterministic)
         self.closed = False
         self.dropouts = []   # what draws dropout: it needs apply's rngs['dropout'] when not deterministic
         self._owners = {}    # module node name -> the module instance
@@ -125,10 +137,27 @@ class Trace:
         if mask is not None and not mask.is_mask:
             raise TypeError("%s: its mask is a computed tensor; a module's mask is the composite's attention_mask "
                             "or nn.make_causal_mask's result" % name)
+        if op == "module" and inputs:
+            inputs = [self._known(inputs[0])] + list(inputs[1:])   # a module's x; k and v may be extra inputs
         node = _Node(op, message, label or op, tuple(self.scope()), name, list(inputs), mask, keep=keep)
         node.outputs = [Symbol(self, shape, wire, node, i, is_mask=makes_mask) for i, (shape, wire) in enumerate(outputs)]
+        from_extra = any(s.from_extra for s in inputs) and not (
+            op in ("module", "softmax_cross_entropy") or op == "reshape" and -1 not in message.shape)
+        for s in node.outputs:
+            s.from_extra = from_extra
         self.nodes.append(node)
         return node.outputs
+
+    def _known(self, s):
+        """`s`, or, where its shape derives from an extra input, `s` through a
+        reshape to the shape this trace knows it has. te_server infers a
+        graph's shapes from x alone (an extra input's shape is unknown until a
+        forward), and a module's x must have a known shape; a reshape to an
+        explicit shape is known, and the graph is traced per input signature,
+        so the shape written is the one every forward of it sees."""
+        if not s.from_extra:
+            return s
+        return self.record("reshape", layers_pb2.GraphSpec.Reshape(shape=list(s.shape)), [s], [(s.shape, s.wire)])[0]
 
     def claim(self, name, module):
         """A module node's name, once: Flax gives each module its own variables."""
@@ -142,8 +171,9 @@ class Trace:
                 name, type(owner).__name__))
         self._owners[name] = module
 
-    def build(self, result):
-        """The GraphSpec whose output is `result` (the Symbol __call__ returned)."""
+    def build(self, result, extra=()):
+        """The GraphSpec whose outputs are `result` (the Symbol __call__
+        returned: y) and then `extra` (a loss function's aux outputs)."""
         if isinstance(result, tuple) and result and isinstance(result[0], Symbol) and all(
                 r is None for r in result[1:]):
             result = result[0]   # (y, None): a TE module's (y, ln_out) without ln_out
@@ -151,20 +181,25 @@ class Trace:
             raise TypeError("__call__ returned %s: a traced composite returns one traced tensor (y)" % (
                 "a mask" if isinstance(result, Symbol) else type(result).__name__
                 if not isinstance(result, (tuple, list)) else "a %s of %d" % (type(result).__name__, len(result))))
+        outputs = [result] + list(extra)
+        for s in extra:
+            if not isinstance(s, Symbol) or s.trace is not self or s.is_mask:
+                raise TypeError("a traced output is %s, not a tensor of this trace" % type(s).__name__)
         self.closed = True
-        live = self._live(result)
+        live = self._live(outputs)
         names = self._name_glue(live)
         edges = {}
         for name, s in self.inputs.items():
             edges[id(s)] = name
         nodes_pb = []
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         for node in self.nodes:
             if node not in live:
                 continue
             name = names[node]
+            base = name or "module"    # a layer that is one module: its node is named "" (AddGraph)
             for i, s in enumerate(node.outputs):
-                edge = name if len(node.outputs) == 1 else "%s:%d" % (name, i)
+                edge = base if len(node.outputs) == 1 else "%s:%d" % (base, i)
                 if edge in self.inputs:
                     raise ValueError("%s: a node's output would be named like the graph input %r" % (name, edge))
                 edges[id(s)] = edge
@@ -174,19 +209,18 @@ class Trace:
                 msg.mask = edges[id(node.mask)]
             getattr(msg, node.op).CopyFrom(node.message)
             nodes_pb.append(msg)
-        spec = pb.GraphSpec(nodes=nodes_pb, outputs=[edges[id(result)]])
+        spec = pb.GraphSpec(nodes=nodes_pb, outputs=[edges[id(s)] for s in outputs])
         symbols = list(self.inputs.values()) + [s for n in self.nodes if n in live for s in n.outputs]
         read = {edges[id(s)] for n in self.nodes if n in live for s in n.inputs + [n.mask] if s is not None}
-        read.add(edges[id(result)])
+        read.update(edges[id(s)] for s in outputs)
         return Traced(spec=spec, shapes={edges[id(s)]: s.shape for s in symbols},
                       dtypes={edges[id(s)]: dtypes.dtype_name(s.wire) for s in symbols},
                       inputs=[n for n in self.inputs if n in read],
                       output_shape=result.shape, output_wire=result.wire, dropouts=list(self.dropouts))
 
-    def _live(self, result):
+    def _live(self, outputs):
         live, stack = set(), [n for n in self.nodes if n.keep]
-        if result.node is not None:
-            stack.append(result.node)
+        stack.extend(s.node for s in outputs if s.node is not None)
         while stack:
             node = stack.pop()
             if node in live:

@@ -22,12 +22,14 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, symbolic
+from te_client import dtypes, initializers, symbolic
 from te_client.flax import _dense_output_shape, _ints
 from te_client.module import Module, ServerModule, check_deterministic, compact, current_frame
+from te_client._pb import layers_pb2
 
-__all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "gelu", "Dense", "DenseGeneral",
-           "LayerNorm", "MultiHeadDotProductAttention", "Embed"]
+__all__ = ["Module", "compact", "merge_param", "Dropout", "make_causal_mask", "gelu", "relu", "silu", "swish",
+           "sigmoid", "tanh", "softmax", "log_softmax", "initializers", "Dense", "DenseGeneral", "LayerNorm", "RMSNorm",
+           "MultiHeadDotProductAttention", "Embed", "Sequential"]
 
 
 def merge_param(name, a, b):
@@ -48,7 +50,7 @@ def make_causal_mask(x, extra_batch_dims=0, dtype=np.float32):
     module's mask (TE's causal types and no_mask ignore it, as TE does; a
     padding module applies it elementwise, its ones masked out), so `dtype`
     changes nothing there."""
-    if isinstance(x, (symbolic.Symbol, symbolic.Indexed)):
+    if isinstance(x, symbolic.Symbol):
         return _traced_causal_mask(x, extra_batch_dims, dtype)
     shape = tuple(x.shape)
     mask = np.tril(np.ones((shape[-1], shape[-1]), dtype=bool))
@@ -66,9 +68,9 @@ def _traced_causal_mask(x, extra_batch_dims, dtype):
         raise TypeError("make_causal_mask of a traced %s: GraphSpec's causal_mask takes [batch, seq] "
                         "(x[..., 0] of x [batch, seq, hidden])" % list(x.shape))
     # The node reads x [B, S, ...] itself: x[..., 0] only names the batch and sequence axes.
-    source = x.base if isinstance(x, symbolic.Indexed) else x
+    source = x.origin[0] if x.origin is not None and x.origin[0].shape[:2] == x.shape else x
     batch, seq = x.shape
-    return source.trace.record("causal_mask", client_lib.layers_pb2.GraphSpec.CausalMask(), [source],
+    return source.trace.record("causal_mask", layers_pb2.GraphSpec.CausalMask(), [source],
                                [((batch, 1, seq, seq), dtypes.BOOL)], makes_mask=True)[0]
 
 
@@ -98,7 +100,7 @@ class Dropout(Module):
                                       "are NodeSeed(apply's rngs['dropout'], node name)" % name)
         dims = sorted({symbolic.normalized_axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
         frame.trace.claim(name, self)
-        return frame.trace.record("dropout", client_lib.layers_pb2.GraphSpec.Dropout(
+        return frame.trace.record("dropout", layers_pb2.GraphSpec.Dropout(
             rate=float(self.rate), broadcast_dims=dims), [inputs], [(inputs.shape, inputs.wire)], name=name)[0]
 
 
@@ -112,7 +114,7 @@ def _dtype_wire(dtype, field):
 def _precision(precision, field):
     """A Flax `precision` (None, "default", "highest", jax.lax.Precision.X) as te.v1.Precision.
     DEFAULT is JAX's default: TensorFloat-32 float32 matmuls on a GPU, exact float32 on the CPU."""
-    pb = client_lib.layers_pb2
+    pb = layers_pb2
     name = precision if precision is None or isinstance(precision, str) else getattr(precision, "name", str(precision))
     name = "default" if name is None else str(name).rsplit(".", 1)[-1].lower()
     table = {"default": pb.PRECISION_DEFAULT, "highest": pb.PRECISION_HIGHEST, "float32": pb.PRECISION_HIGHEST}
@@ -148,15 +150,22 @@ class _FlaxModule(ServerModule):
 
 
 class Dense(_FlaxModule):
-    """flax.linen.Dense: kernel (in, features) lecun_normal, bias (features) zeros."""
+    """flax.linen.Dense: kernel (in, features) lecun_normal, bias (features) zeros.
+
+    With kernel_init or bias_init (te_client.linen.initializers) it is traced
+    as Flax computes it: Param nodes kernel and bias (the same variable paths)
+    and an einsum plus the bias, instead of the server's flax_dense module,
+    whose initialisers are Flax's defaults."""
     features: int
     use_bias: bool = True
     dtype: Optional[object] = None
     param_dtype: object = np.float32
     precision: Optional[object] = None
+    kernel_init: object = None
+    bias_init: object = None
 
     def spec(self):
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         return pb.LayerSpec(flax_dense=pb.FlaxDense(
             features=int(self.features), use_bias=self.use_bias,
             **self._wire_fields("dtype", "param_dtype", "precision")))
@@ -165,7 +174,23 @@ class Dense(_FlaxModule):
         return [tuple(input_shapes[0][:-1]) + (int(self.features),)]
 
     def __call__(self, inputs):
-        return self._call(inputs)
+        if self.kernel_init is None and self.bias_init is None:
+            return self._call(inputs)
+        frame = current_frame(self)
+        if frame.mode != "trace" or not isinstance(inputs, symbolic.Symbol):
+            raise NotImplementedError("Dense(kernel_init=..., bias_init=...) runs inside a composite (a Module's "
+                                      "traced __call__) or a traced loss function")
+        frame.trace.claim("/".join(self._scope_in(frame)), self)
+        kernel = Module.param(self, "kernel", self.kernel_init or initializers.lecun_normal(),
+                              (inputs.shape[-1], int(self.features)), self.param_dtype)
+        wire = self.output_wire(inputs.wire)
+        y = symbolic.einsum("...k,kn->...n", inputs._cast(wire, "Dense") if wire != inputs.wire else inputs,
+                            kernel._cast(wire, "Dense") if wire != kernel.wire else kernel, self.precision)
+        if self.use_bias:
+            bias = Module.param(self, "bias", self.bias_init or initializers.zeros, (int(self.features),),
+                                self.param_dtype)
+            y = y + (bias._cast(wire, "Dense") if wire != bias.wire else bias)
+        return y
 
 
 class DenseGeneral(_FlaxModule):
@@ -178,7 +203,7 @@ class DenseGeneral(_FlaxModule):
     precision: Optional[object] = None
 
     def spec(self):
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         return pb.LayerSpec(flax_dense_general=pb.FlaxDenseGeneral(
             features=_ints(self.features), axis=_ints(self.axis), use_bias=self.use_bias,
             **self._wire_fields("dtype", "param_dtype", "precision")))
@@ -203,7 +228,7 @@ class LayerNorm(_FlaxModule):
         return self.use_bias or self.use_scale
 
     def spec(self):
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         return pb.LayerSpec(flax_layer_norm=pb.FlaxLayerNorm(
             epsilon=float(self.epsilon), use_bias=self.use_bias, use_scale=self.use_scale,
             **self._wire_fields("dtype", "param_dtype")))
@@ -229,7 +254,7 @@ class MultiHeadDotProductAttention(_FlaxModule):
     precision: Optional[object] = None
 
     def spec(self):
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         msg = pb.FlaxMultiHeadDotProductAttention(
             num_heads=int(self.num_heads), dropout_rate=float(self.dropout_rate), use_bias=self.use_bias,
             broadcast_dropout=self.broadcast_dropout, **self._wire_fields("dtype", "param_dtype", "precision"))
@@ -267,19 +292,109 @@ class MultiHeadDotProductAttention(_FlaxModule):
         return self._call(inputs_q, [inputs_k, inputs_v], mask, deterministic)
 
 
+def _activation(op, name, eager):
+    def fn(x):
+        if isinstance(x, symbolic.Symbol):
+            return symbolic.unary(op, x, name)
+        return eager(_eager_array(x))
+    fn.__name__ = name
+    fn.__doc__ = "flax.linen.%s (jax.nn.%s): a unary node on a traced tensor, numpy on an array." % (name, name)
+    return fn
+
+
+def _eager_array(x):
+    a = np.asarray(x)
+    return a if a.dtype.kind == "f" else a.astype(np.float32)
+
+
+_U = layers_pb2.GraphSpec.Unary
+relu = _activation(_U.RELU, "relu", lambda a: np.maximum(a, 0))
+silu = swish = _activation(_U.SILU, "silu", lambda a: a / (1 + np.exp(-a)))
+sigmoid = _activation(_U.SIGMOID, "sigmoid", lambda a: 1 / (1 + np.exp(-a)))
+tanh = _activation(_U.TANH, "tanh", np.tanh)
+
+
 def gelu(x, approximate=True):
-    """flax.linen.gelu (jax.nn.gelu): on a traced tensor an activation node
-    (TE's "gelu", the same tanh formula); on an array numpy's."""
-    if not approximate:
-        raise NotImplementedError("nn.gelu(approximate=False): the server's gelu is the tanh approximation "
-                                  "(approximate=True, Flax's default)")
+    """flax.linen.gelu (jax.nn.gelu): on a traced tensor, the tanh formula
+    (approximate=True, Flax's default) as TE's activation node, erf's as a
+    unary node; on an array numpy's."""
     if isinstance(x, symbolic.Symbol):
-        from te_client.activation import _Activation
+        if not approximate:
+            return symbolic.unary(_U.GELU_EXACT, x, "gelu")
+        from te_client.activation import _Activation   # activation <- module <- linen
         return x.trace.record("module", _Activation.spec_of(("gelu",)), [x], [(x.shape, x.wire)], label="gelu")[0]
-    if isinstance(x, symbolic.Indexed):
-        x._unsupported()
-    a = np.asarray(x, dtype=np.float32)
+    a = _eager_array(x)
+    if not approximate:
+        from math import erf
+        return a * 0.5 * (1.0 + np.vectorize(erf)(a / np.sqrt(2.0)).astype(a.dtype))
     return 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a ** 3)))
+
+
+def softmax(x, axis=-1):
+    """jax.nn.softmax: one numerically stable node on a traced tensor."""
+    if isinstance(x, symbolic.Symbol):
+        return symbolic.softmax(x, axis, log=False)
+    a = _eager_array(x)
+    e = np.exp(a - a.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def log_softmax(x, axis=-1):
+    """jax.nn.log_softmax: one numerically stable node on a traced tensor."""
+    if isinstance(x, symbolic.Symbol):
+        return symbolic.softmax(x, axis, log=True)
+    a = _eager_array(x)
+    shifted = a - a.max(axis=axis, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+class RMSNorm(Module):
+    """flax.linen.RMSNorm over the last axis: y = x / sqrt(mean(x^2) + eps) * scale,
+    statistics in float32, param "scale" (features) from scale_init (ones).
+    Traced as glue (reduce, rsqrt, multiply) around a Param node, so its
+    variable is params/<scope>/scale as in Flax."""
+    epsilon: float = 1e-6
+    dtype: Optional[object] = None
+    param_dtype: object = np.float32
+    use_scale: bool = True
+    scale_init: object = initializers.ones
+    reduction_axes: object = -1
+    feature_axes: object = -1
+
+    @compact
+    def __call__(self, x):
+        if self.reduction_axes not in (-1, (-1,)) or self.feature_axes not in (-1, (-1,)):
+            raise NotImplementedError("RMSNorm: reduction_axes and feature_axes other than -1")
+        from te_client import numpy as jnp   # numpy <- symbolic: no cycle, but linen is imported by te_client first
+        x32 = x.astype(np.float32) if x.dtype != np.float32 else x
+        y = x32 * jnp.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        out = x.dtype
+        if self.use_scale:
+            scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
+            y = y * scale
+            out = jnp.result_type(x, scale) if self.dtype is None else self.dtype
+        elif self.dtype is not None:
+            out = self.dtype
+        return y.astype(out)
+
+
+class Sequential(Module):
+    """flax.linen.Sequential: calls each of `layers` on the previous one's
+    result; modules among them are named layers_<i> (their index), as Flax names them."""
+    layers: Sequence[object] = ()
+
+    def __call__(self, *args, **kwargs):
+        if not self.layers:
+            raise ValueError("Empty Sequential module %s." % self.name)
+        frame = current_frame(self)
+        scope = frame.scopes[-1].path
+        outputs = None
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, Module):
+                object.__setattr__(layer, "_bound", (frame, tuple(scope) + (layer.name or "layers_%d" % i,)))
+            outputs = layer(*args, **kwargs) if i == 0 else (layer(*outputs) if isinstance(outputs, tuple) else
+                                                              layer(outputs))
+        return outputs
 
 
 class Embed(_FlaxModule):
@@ -299,7 +414,7 @@ class Embed(_FlaxModule):
     param_dtype: object = np.float32
 
     def spec(self):
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         return pb.LayerSpec(flax_embed=pb.FlaxEmbed(
             num_embeddings=int(self.num_embeddings), features=int(self.features),
             **self._wire_fields("dtype", "param_dtype")))
@@ -333,6 +448,6 @@ class Embed(_FlaxModule):
             wire = symbolic.wire_of(self.dtype, "Embed.dtype")
         else:
             wire = symbolic._promoted((query.wire, symbolic.wire_of(self.param_dtype, "Embed.param_dtype")), "attend")
-        pb = client_lib.layers_pb2
+        pb = layers_pb2
         return frame.trace.record("attend", pb.GraphSpec.Attend(embed=name, dtype=_dtype_wire(self.dtype, "Embed.dtype")),
                                   [query], [(tuple(query.shape[:-1]) + (int(self.num_embeddings),), wire)])[0]

@@ -16,17 +16,18 @@ Inside a traced composite, `softmax_cross_entropy_with_integer_labels(...)
 .mean()` records a softmax_cross_entropy node: the float32 mean over the
 tokens of logsumexp(logits) - logits[label]. The composite's y is then its
 loss: `apply(params, tokens, labels)` is a Forward that returns the loss, and
-`train_step(state, tokens, labels)` is one ForwardBackward with apply_update
+`te_client.optim.train_step(state, tokens, labels)` is one ForwardBackward with apply_update
 in which only the int32 ids and labels cross the wire (the server seeds the
-backward itself; no dy). On numpy arrays the function is optax's, in float64.
+backward itself; no dy). (te_client.optim.train_step is the one step.) On numpy arrays the function is optax's, in float64.
 """
 import dataclasses
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, layer_calls, symbolic
+from te_client import dtypes, errors, layer_calls, symbolic
+from te_client._pb import layers_pb2, service_pb2
 
-__all__ = ["softmax_cross_entropy_with_integer_labels", "train_step"]
+__all__ = ["softmax_cross_entropy_with_integer_labels"]
 
 
 class _TokenLosses:
@@ -41,7 +42,7 @@ class _TokenLosses:
         if axis is not None:
             raise NotImplementedError("softmax_cross_entropy_with_integer_labels(...).mean(axis=%r): the loss "
                                       "node is the mean over every token" % (axis,))
-        return self.logits.trace.record("softmax_cross_entropy", client_lib.layers_pb2.GraphSpec.SoftmaxCrossEntropy(),
+        return self.logits.trace.record("softmax_cross_entropy", layers_pb2.GraphSpec.SoftmaxCrossEntropy(),
                                         [self.logits, self.labels], [((), dtypes.FLOAT32)])[0]
 
     def __getattr__(self, name):
@@ -70,38 +71,16 @@ def softmax_cross_entropy_with_integer_labels(logits, labels):
     return lse - np.take_along_axis(logits, labels[..., None].astype(np.int64), axis=-1)[..., 0]
 
 
-def train_step(state, x, *extra_inputs, micro_batches=1, deterministic=True, dropout_seed=0):
-    """One step of a composite whose y is its loss (it ends in
-    softmax_cross_entropy_with_integer_labels(...).mean()), in one call:
-    forward, the loss and backward over `micro_batches` parts of x and the
-    extra inputs (the labels; split along axis 0, the loss their mean), then
-    the optimizer's update (te_client.optim's TrainState). Under the current
-    autocast. Returns (new state, metrics): loss (before the update), applied,
-    learning_rate, grad_norm, count, total_notfinite, and request_bytes (the
-    serialized request: the ids and labels, and a few dozen bytes more)."""
-    from te_client import optim   # the TrainState's module
-    handle = optim._handle_of(state.params)
-    session = handle.session
-    pb = client_lib.service_pb2
-    xs = np.array_split(np.asarray(x), micro_batches)
-    extras = [np.array_split(np.asarray(e), micro_batches) for e in extra_inputs]
-    uploads = []
-    try:
-        request = pb.ForwardBackwardRequest(layer_id=handle.layer_id, deterministic=deterministic,
-                                            apply_update=True, autocast=layer_calls._autocast())
-        for i, xi in enumerate(xs):
-            mb = request.micro_batches.add(dropout_seed=dropout_seed + i)
-            mb.x.CopyFrom(session.send(xi, uploads, "micro_batches[%d].x" % i))
-            for j, e in enumerate(extras):
-                mb.extra_inputs.add().CopyFrom(session.send(e[i], uploads, "micro_batches[%d].extra_inputs[%d]" % (i, j)))
-        request_bytes = request.ByteSize()
-        response = session.call("ForwardBackward", request)
-    except errors.TeError:
-        raise
-    finally:
-        session.delete_all(uploads)
-    update = response.update
-    metrics = {"loss": float(sum(response.values)), "applied": update.applied,
-               "learning_rate": update.learning_rate, "grad_norm": update.grad_norm, "count": update.count,
-               "total_notfinite": update.total_notfinite, "request_bytes": request_bytes}
-    return dataclasses.replace(state, step=state.step + 1), metrics
+def softmax_cross_entropy(logits, labels):
+    """optax.softmax_cross_entropy: logits [..., V], labels [..., V] (one-hot
+    or any distribution over V) -> losses [...] = -sum(labels * log_softmax(logits)).
+    Traced, it is glue (log_softmax, multiply, sum), so the labels may be a
+    float input: te_server takes a step's extra inputs in x's dtype, which int
+    labels beside a float x are not (one-hot them: np.eye(V)[labels])."""
+    if isinstance(logits, symbolic.Symbol) or isinstance(labels, symbolic.Symbol):
+        from te_client import numpy as jnp   # numpy <- losses would be a cycle at import
+        return -jnp.sum(labels * symbolic.softmax(logits, axis=-1, log=True), axis=-1)
+    logits = np.asarray(dtypes.as_numpy(logits), np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+    return -(np.asarray(dtypes.as_numpy(labels), np.float64) * log_p).sum(axis=-1)

@@ -40,14 +40,16 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import weakref
 from typing import Optional
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors, graph, layer_calls, symbolic
+from te_client import dtypes, errors, graph, layer_calls, symbolic
 from te_client import variables as variables_lib
+from te_client._pb import layers_pb2, service_pb2
+from te_client.session import ResidentTensor, current_session
 
-layers_pb2 = client_lib.layers_pb2
 _frame = contextvars.ContextVar("te_client_frame", default=None)
 _MASK_ARGUMENTS = ("attention_mask", "mask")
 
@@ -93,12 +95,16 @@ class Frame:
     """One run of a root module's __call__: "capture" (a TE module: what its
     call sends) or "trace" (a composite: the graph it records)."""
 
-    def __init__(self, mode, deterministic=False):
+    def __init__(self, mode, deterministic=False, trace=None):
         self.mode = mode
         self.scopes = []
         self.captured = None
-        self.trace = graph.Trace(lambda: self.scopes[-1].path if self.scopes else (),
-                                 deterministic) if mode == "trace" else None
+        self.shared = trace is not None   # a loss function's trace, which this module's apply records into
+        self.trace = trace if trace is not None else graph.Trace(
+            self.scope, deterministic) if mode == "trace" else None
+
+    def scope(self):
+        return self.scopes[-1].path if self.scopes else ()
 
     def child_scope(self, type_name, name=None):
         parent = self.scopes[-1]
@@ -178,12 +184,37 @@ class Module:
     def setup(self):
         """Flax's setup: runs before each __call__ (derived attributes, submodules)."""
 
-    def param(self, name, *args, **kwargs):
-        raise NotImplementedError(
-            "%s.param(%r): a composite's own parameters are not in te.v1's GraphSpec; put them in a "
-            "TE module (te_client.flax)" % (type(self).__name__, name))
+    def param(self, name, init_fn, *init_args, unbox=True):
+        """Flax's self.param(name, init_fn, shape[, dtype]) in a traced
+        __call__ (or setup): a Param node named "<scope>/<name>", whose variable
+        params/<scope>/<name> the server creates at init from `init_fn` (one of
+        te_client.linen.initializers) and the optimizer trains. Returns the
+        traced tensor."""
+        from te_client import initializers   # initializers <- linen <- module: the data it reads
+        frame = current_frame(self)
+        if frame.mode != "trace":
+            raise TypeError("%s.param(%r): parameters belong to composites (a Module's traced __call__)" % (
+                type(self).__name__, name))
+        if not init_args:
+            raise TypeError("%s.param(%r, init_fn): give the shape, as Flax's initializers take it" % (
+                type(self).__name__, name))
+        shape = tuple(int(d) for d in (init_args[0] if isinstance(init_args[0], (tuple, list)) else (init_args[0],)))
+        dtype = init_args[1] if len(init_args) > 1 else np.float32
+        wire = symbolic.wire_of(dtype, "%s.param(%r) dtype" % (type(self).__name__, name))
+        if wire not in (dtypes.FLOAT32, dtypes.BFLOAT16, dtypes.FLOAT16):
+            raise TypeError("%s.param(%r): dtype %s; a Param is float32, bfloat16 or float16" % (
+                type(self).__name__, name, dtypes.dtype_name(wire)))
+        init = initializers.as_initializer(init_fn, "%s.param(%r) init_fn" % (type(self).__name__, name))
+        node = "/".join(tuple(self._scope_in(frame)) + (name,))
+        frame.trace.claim(node, ("param", self, name))
+        return frame.trace.record("param", layers_pb2.GraphSpec.Param(shape=list(shape), dtype=wire,
+                                                                      initializer=init.proto()),
+                                  [], [(shape, wire)], name=node, keep=True)[0]
 
-    variable = param
+    def variable(self, collection, name, *args, **kwargs):
+        raise NotImplementedError(
+            "%s.variable(%r, %r): a composite's own variables are its params (self.param); te.v1's GraphSpec has "
+            "no other collection" % (type(self).__name__, collection, name))
 
     def _scope_in(self, frame):
         if self._bound is None or self._bound[0] is not frame:
@@ -193,11 +224,68 @@ class Module:
 
     def _run_root(self, frame, args, kwargs):
         token = _frame.set(frame)
+        outer_scope = frame.trace.scope if frame.shared else None
+        if frame.shared:
+            frame.trace.scope = frame.scope   # names inside the model are the model's own (its init's)
         try:
             object.__setattr__(self, "_bound", (frame, ()))
             return self(*args, **kwargs)
         finally:
+            if frame.shared:
+                frame.trace.scope = outer_scope
             _frame.reset(token)
+
+    # ---- the layer this module holds in a session --------------------------------------------
+
+    def _layer(self, session):
+        """This module's layer in `session` while anything still refers to it, else None."""
+        ref = self.__dict__.get("_layers", {}).get(id(session))
+        handle = ref() if ref is not None else None
+        return handle if handle is not None and handle.session is session and not handle.deleted else None
+
+    def _remember_layer(self, handle):
+        self.__dict__.setdefault("_layers", {})[id(handle.session)] = weakref.ref(handle)
+
+    def _variables(self, variables, args, kwargs):
+        """(layer, Version) that `variables` name: init's result or a tree of
+        its VariableRefs as they are; any other pytree of arrays ({'params':
+        {...}} of numpy arrays, an unpickled tree, a tree_map's result)
+        uploaded with SetVariables into a new version of this module's layer
+        (made now, from these arguments, if it has none in the session)."""
+        found = variables_lib.refs_version(variables)
+        if found is not None:
+            handle = found[0]
+            if handle.module_type is not None and handle.module_type is not type(self) and not (
+                    issubclass(type(self), handle.module_type) or issubclass(handle.module_type, type(self))):
+                raise errors.FailedPreconditionError(
+                    "variables: init returned these for %s; %s.apply takes the variables init returned for a module "
+                    "of the same structure" % (handle.module_type.__name__, type(self).__name__))
+            return found
+        if not isinstance(variables, dict):
+            raise errors.InvalidArgumentError(
+                "variables: want what init returned, or a pytree of arrays {'params': {...}}, got %s" %
+                type(variables).__name__)
+        unknown = sorted(set(variables) - set(variables_lib.COLLECTIONS))
+        if unknown:
+            raise errors.InvalidArgumentError(
+                "variables: top-level keys %s; want collections (%s): apply takes {'params': params}, as Flax's" % (
+                    unknown, ", ".join(variables_lib.COLLECTIONS)))
+        flat = variables_lib.flatten(variables)
+        refs = [v for v in flat.values() if isinstance(v, variables_lib.VariableRef)]
+        session = refs[0].handle.session if refs else current_session()
+        if session is None:
+            raise errors.FailedPreconditionError("apply: no session for these arrays; open one with `with "
+                                                 "client.session():`")
+        handle = refs[0].handle if refs else self._layer(session)
+        base = refs[0].version if refs else None
+        if handle is None:
+            made = self.init(0, *args, session=session, **kwargs)
+            handle, base = made.handle, made.version
+        upload = {name: (np.asarray(v) if isinstance(v, variables_lib.VariableRef) else v)
+                  for name, v in flat.items()
+                  if not (isinstance(v, variables_lib.VariableRef) and v.version is base)}
+        number = session.set_version(handle, base.number if base is not None else 0, upload)
+        return handle, variables_lib.Version(handle, number)
 
     # ---- Flax's entry points ------------------------------------------------------------
 
@@ -206,7 +294,7 @@ class Module:
         DelayedScaling one adds fp8_metas) and returns them. `rngs`: an int, a
         JAX PRNGKey, or {'params': key}. `session`: default the current one.
         A composite is traced here and created as one graph layer."""
-        session = session or client_lib.current_session()
+        session = session or current_session()
         if session is None:
             raise errors.FailedPreconditionError(
                 "init: no session; open one with `with client.session() as session:` or pass session=")
@@ -216,27 +304,52 @@ class Module:
             bound = _Bound(self, args, kwargs)
             traced, key = self._trace(bound), bound.key
             spec, call = layers_pb2.LayerSpec(graph=traced.spec), bound.call(traced)
+        old = self._layer(session)
         handle = layer_calls.init_layer(session, spec, seed_of(rngs), call.x, self, traced, key)
-        return variables_lib.Variables({(): handle}, module=self)
+        if old is not None:
+            # init again replaces the layer this module made before (as Flax's init makes
+            # new variables): the old one is freed now rather than left to its references.
+            old.deleted = True
+            session.call("DeleteLayer", service_pb2.DeleteLayerRequest(layer_id=old.layer_id))
+        self._remember_layer(handle)
+        return variables_lib.Variables({(): handle}, module=self, version=variables_lib.Version(handle, 1))
 
     def apply(self, variables, *args, rngs=None, mutable=False, **kwargs):
         """Runs the module on the server (one Forward): y (a tuple for TE
         modules that also return their layernorm output). `rngs`: {'dropout': key}.
+        `variables`: init's result, or any pytree of arrays ({'params': ...},
+        uploaded into a new version). Any batch size: a composite traced for
+        other shapes than init's is added to its layer as another graph
+        (AddGraph, once per shape), as jax.jit retraces per shape.
 
         Functional, as TE's: under DelayedScaling a forward leaves fp8_metas
-        as they were (only value_and_grad, a step, moves them). As in Flax,
-        mutable=["fp8_metas"] (or True) lets it change them: the forward ends
-        its step on the server (amaxes recorded, scales updated), and the call
-        returns (y, variables), the same variables with their state moved."""
+        as they were (only a step moves them). As in Flax, mutable=["fp8_metas"]
+        (or True) lets it change them: the forward ends its step on the server
+        (amaxes recorded, scales updated), and the call returns (y, variables),
+        new variables with the state moved. Inside a function traced by
+        te_client.value_and_grad, apply records the model's graph into it."""
         if mutable is not False and mutable is not True and not isinstance(mutable, (list, tuple, set, str)):
             raise TypeError("apply: mutable=%r; want False, True or collection names" % (mutable,))
         names = {mutable} if isinstance(mutable, str) else set(mutable) if mutable not in (False, True) else set()
+        unsupported = sorted(names - {"fp8_metas", "params"})
+        if unsupported:
+            raise NotImplementedError(
+                "apply(mutable=%s): te_client's modules keep the collections params and fp8_metas only (no "
+                "intermediates: sow is not recorded); mutable=['fp8_metas'] ends the forward's FP8 step" % unsupported)
+        loss = graph.current_loss()
+        if loss is not None:
+            if mutable is not False:
+                raise NotImplementedError("apply(mutable=...) inside a traced loss function: the step's new "
+                                          "variables are what value_and_grad / train_step return")
+            return self._apply_traced(loss, variables, args, kwargs, rngs)
         update_fp8_metas = mutable is True or "fp8_metas" in names
-        handle, call = self._call_for(variables, args, kwargs)
+        handle, version = self._variables(variables, args, kwargs)
+        call, info = self._call_for(handle, args, kwargs)
         uploads, session = [], handle.session
         try:
-            request = layer_calls.forward_request(handle, call, self._dropout_seed(handle, call, rngs), uploads,
-                                                  update_fp8_metas=update_fp8_metas)
+            request = layer_calls.forward_request(handle, call, self._dropout_seed(handle, call, rngs, info), uploads,
+                                                  update_fp8_metas=update_fp8_metas,
+                                                  graph=info.index if info else 0, version=version.number)
             response = session.call("Forward", request)
         finally:
             session.delete_all(uploads)
@@ -244,25 +357,47 @@ class Module:
         if isinstance(self, ServerModule):
             ln_out = session.receive(response.ln_out, "ln_out") if response.ln_out.WhichOneof("data") else None
             y = self._pack(y, ln_out)
-        return (y, variables) if mutable is not False else y
+        if mutable is False:
+            return y
+        moved = variables_lib.Variables({handle.scope: handle}, self, variables_lib.Version(handle, response.version)) \
+            if response.version and response.version != version.number else (
+                variables if isinstance(variables, variables_lib.Variables) else
+                variables_lib.Variables({handle.scope: handle}, self, version))
+        return y, moved
+
+    def _apply_traced(self, loss, variables, args, kwargs, rngs):
+        """apply inside a traced loss function: the model's graph, inlined (its
+        module nodes keep their names, so they are the layer's own variables)."""
+        loss.bind(self, variables)
+        if rngs is not None:
+            loss.dropout_key(rngs)
+        return self._run_root(Frame("trace", trace=loss.trace), args, kwargs)
 
     def value_and_grad(self, variables, x, dy, *args, rngs=None, **kwargs):
         """jax.value_and_grad(lambda v, x: vdot(apply(v, x, ...)[0], dy), argnums=(0, 1)):
         returns (value, (param_grads, dx)); param_grads is {'params': {...}}
-        of numpy arrays. dx is a tuple when several array inputs are given (q, k, v).
-        One ForwardBackward call (Forward + Backward where there are extra
-        inputs, whose gradients only Backward returns). Under DelayedScaling
-        the step ends with the server's FP8 scale update."""
-        handle, call = self._call_for(variables, (x,) + args, kwargs)
-        value, grads, input_grads = layer_calls.step(handle, call, dy, self._dropout_seed(handle, call, rngs))
-        return value, (variables_lib.unflatten(grads), input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
+        of numpy arrays, whose .variables are the variables after the step
+        (under DelayedScaling its FP8 scale update). dx is a tuple when several
+        array inputs are given (q, k, v). One ForwardBackward call (Forward +
+        Backward where there are extra inputs, whose gradients only Backward returns)."""
+        handle, version = self._variables(variables, (x,) + args, kwargs)
+        call, info = self._call_for(handle, (x,) + args, kwargs)
+        value, grads, input_grads, new_version = layer_calls.step(
+            handle, call, dy, self._dropout_seed(handle, call, rngs, info), info, version.number)
+        grads = variables_lib.Gradients(variables_lib.unflatten(grads))
+        grads.variables = variables_lib.Variables({handle.scope: handle}, self, variables_lib.Version(
+            handle, new_version)) if new_version and new_version != version.number else (
+                variables if isinstance(variables, variables_lib.Variables) else
+                variables_lib.Variables({handle.scope: handle}, self, version))
+        return value, (grads, input_grads[0] if len(input_grads) == 1 else tuple(input_grads))
 
-    def _dropout_seed(self, handle, call, rngs):
+    def _dropout_seed(self, handle, call, rngs, info=None):
         """The dropout seed of a call; as in Flax, a dropout that runs (deterministic=False,
         rate > 0) without apply's rngs['dropout'] is an error, not seed 0."""
         has_key = rngs is not None and (not isinstance(rngs, dict) or "dropout" in rngs)
+        traced = info.traced if info is not None else handle.traced
         if not call.deterministic and not has_key:
-            users = (handle.traced.dropouts if handle.traced is not None else
+            users = (traced.dropouts if traced is not None else
                      [type(self).__name__] if any(r > 0 for r in self.dropout_rates()) else [])
             if users:
                 raise errors.InvalidArgumentError(
@@ -273,7 +408,8 @@ class Module:
     def capture_call(self, variables, *args, **kwargs):
         """What apply(variables, *args, **kwargs) would send (x, extra inputs,
         mask, deterministic) as a Call, without sending it (for speedometer)."""
-        return self._call_for(variables, args, kwargs)[1]
+        handle, _ = self._variables(variables, args, kwargs)
+        return self._call_for(handle, args, kwargs)[0]
 
     def trace(self, *args, **kwargs):
         """The graph.Traced (GraphSpec, edge shapes and dtypes) init would
@@ -288,22 +424,30 @@ class Module:
         args, kwargs = bound.substituted(symbols)
         return frame.trace.build(self._run_root(frame, args, kwargs))
 
-    def _call_for(self, variables, args, kwargs):
-        """(the variables' layer, the Call for these arguments), checking that
-        they are the variables of a module of this kind and structure."""
-        handles = variables_lib.handles_of(variables)
-        handle = handles[0] if len(handles) == 1 else None
+    def _call_for(self, handle, args, kwargs):
+        """(the Call for these arguments, the layer's GraphInfo of their graph:
+        None for graph 0 of a TE module), checking the layer is a module of
+        this kind. A composite's arguments of another signature than init's
+        (another batch size, a mask...) trace again, once per signature."""
         composite = not isinstance(self, ServerModule)
-        if handle is None or (handle.traced is not None) != composite:
+        if (handle.traced is not None) != composite:
             raise errors.FailedPreconditionError(
                 "variables: init returned these for %s; %s.apply takes the variables init returned for a "
-                "module of the same structure" % (type(variables.module).__name__ if variables.module else "another module",
-                                                   type(self).__name__))
+                "module of the same structure" % (handle.module_type.__name__ if handle.module_type else
+                                                   "another module", type(self).__name__))
         if not composite:
-            return handle, self.capture(args, kwargs)
+            return self.capture(args, kwargs), None
         bound = _Bound(self, args, kwargs)
-        _check_same_graph(self, handle, bound)
-        return handle, bound.call(handle.traced)
+        if bound.key == handle.trace_key:
+            info = variables_lib.GraphInfo(0, handle.traced, tuple(handle.output_shape), handle.output_wire_dtype)
+        else:
+            info = handle.graphs.get(bound.key)
+            if info is None:
+                traced = self._trace(bound)
+                shape, wire = layer_calls.shape_and_wire(dict(bound.inputs)["x"], "x")
+                info = layer_calls.add_graph(handle, traced, shape, wire)
+                handle.graphs[bound.key] = info
+        return bound.call(info.traced), info
 
 
 def _name_setup_submodules(attribute, value):
@@ -319,7 +463,7 @@ def _name_setup_submodules(attribute, value):
 # ---- a composite's arguments ---------------------------------------------------------------
 
 def _is_array(a):
-    return isinstance(a, (np.ndarray, client_lib.ResidentTensor)) or (
+    return isinstance(a, (np.ndarray, ResidentTensor)) or (
         hasattr(a, "__array__") and hasattr(a, "shape") and hasattr(a, "dtype"))
 
 
@@ -395,29 +539,6 @@ class _Bound:
         return layer_calls.Call(values["x"], extra, mask, self.deterministic)
 
 
-def _check_same_graph(module, handle, bound):
-    if bound.key == handle.trace_key or bound.key in handle.verified_keys:
-        return
-    x = dict(bound.inputs)["x"]
-    shape, wire = layer_calls.shape_and_wire(x, "x")
-    if shape != tuple(handle.input_shape) or wire != handle.input_wire_dtype:
-        raise errors.InvalidArgumentError(
-            "x: %s%s; %s was initialised (traced) for x %s%s" % (
-                dtypes.dtype_name(wire), list(shape), type(module).__name__,
-                dtypes.dtype_name(handle.input_wire_dtype), list(handle.input_shape)))
-    traced = module._trace(bound)
-    ours, theirs = list(traced.spec.nodes), list(handle.traced.spec.nodes)
-    if ours == theirs and list(traced.spec.outputs) == list(handle.traced.spec.outputs):
-        handle.verified_keys.add(bound.key)
-        return
-    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    describe = lambda nodes: "%s (%s)" % (nodes[at].name, nodes[at].WhichOneof("op")) if at < len(nodes) else "none"
-    raise errors.FailedPreconditionError(
-        "%s: these arguments trace to another graph than init's: node %d is %s here, %s at init; apply "
-        "takes the arguments init was traced with (mask given or not, deterministic, shapes)" % (
-            type(module).__name__, at, describe(ours), describe(theirs)))
-
-
 # ---- TE modules -------------------------------------------------------------------------
 
 class ServerModule(Module):
@@ -481,8 +602,11 @@ class ServerModule(Module):
 
 
 def check_deterministic(trace, name, type_name, deterministic):
-    """A traced dropout follows the request's deterministic; refuse one told otherwise."""
+    """A traced dropout follows the request's deterministic; refuse one told otherwise.
+    A loss function's trace takes the first value a dropout is called with."""
     trace.dropouts.append(name)
+    if trace.deterministic is None:
+        trace.deterministic = bool(deterministic)
     if bool(deterministic) != trace.deterministic:
         raise NotImplementedError(
             "%s (%s): called with deterministic=%s inside a composite traced with deterministic=%s: every "

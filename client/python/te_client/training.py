@@ -1,7 +1,4 @@
-"""value_and_grad and the quickstart's speedometer, over te_server.
-
-    step = te_client.value_and_grad(layer.apply)
-    loss, (param_grads, dx) = step(params, x, dy, deterministic=False, rngs={"dropout": key})
+"""The quickstart's speedometer, over te_server.
 
     te_client.speedometer(model_apply_fn=layer.apply, variables=params, input=x, output_grad=dy,
                           forward_kwargs={"attention_mask": None, "deterministic": False},
@@ -16,9 +13,11 @@ session's FP8 scales move from step to step.
 import statistics
 import time
 
-from te_client import client as client_lib, dtypes, errors, recipe as recipe_lib
+from te_client import dtypes, errors, precision as precision_lib, recipe as recipe_lib
 from te_client import module as module_lib
 from te_client import variables as variables_lib
+from te_client._pb import recipe_pb2, service_pb2
+from te_client.session import ResidentTensor
 
 
 def _module_of(apply_fn):
@@ -26,16 +25,6 @@ def _module_of(apply_fn):
     if not isinstance(module, module_lib.Module) or getattr(apply_fn, "__name__", "") != "apply":
         raise errors.InvalidArgumentError("model_apply_fn: want a module's bound apply (layer.apply)")
     return module
-
-
-def value_and_grad(apply_fn):
-    """jax.value_and_grad(lambda v, x: jnp.vdot(apply_fn(v, x, ...), dy), argnums=(0, 1)):
-    a function (variables, x, dy, *args, rngs=None, **kwargs) -> (value, (param_grads, dx))."""
-    module = _module_of(apply_fn)
-
-    def step(variables, x, dy, *args, rngs=None, **kwargs):
-        return module.value_and_grad(variables, x, dy, *args, rngs=rngs, **kwargs)
-    return step
 
 
 def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None, model_init_fn=None,
@@ -104,8 +93,7 @@ def _time_client(step, warmup_iters, timing_iters, timed_by):
 
 
 def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side, queued):
-    handle = variables_lib.handles_of(variables)[0]
-    service_pb2 = client_lib.service_pb2
+    handle, version = variables_lib.refs_version(variables)
     uploads = []
     try:
         # Uploaded once and kept on the server, so a step names x and dy by id and
@@ -115,7 +103,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         x_t, dy_t = _resident(session, call.x, uploads, "x"), _resident(session, dy, uploads, "dy")
         mask_t = _resident(session, call.mask, uploads, "attention_mask") if call.mask is not None else None
         deterministic = call.deterministic
-        autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), client_lib.recipe_pb2)
+        autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), recipe_pb2)
 
         def batch(i):
             b = service_pb2.MicroBatch(x=x_t, dy=dy_t, dropout_seed=module_lib.derive_seed(seed, "step", i))
@@ -126,7 +114,8 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         if server_side:
             response = session.call("Benchmark", service_pb2.BenchmarkRequest(
                 layer_id=handle.layer_id, inputs=batch(0), deterministic=deterministic, autocast=autocast,
-                warmup_iters=warmup_iters, timing_iters=timing_iters, queued=queued))
+                warmup_iters=warmup_iters, timing_iters=timing_iters, queued=queued, version=version.number,
+                matmul_precision=precision_lib.current()))
             # The timed steps' memory, as JAX's device.memory_stats() reports it.
             return {"mean_ms": response.mean_ms, "median_ms": response.median_ms, "steps": response.steps,
                     "timed_by": response.device, "peak_bytes_in_use": response.peak_bytes_in_use,
@@ -136,7 +125,8 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         def step(i):
             session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
                 layer_id=handle.layer_id, micro_batches=[batch(i)], deterministic=deterministic,
-                autocast=autocast, return_dx=False, return_grads=False,
+                autocast=autocast, return_dx=False, return_grads=False, version=version.number,
+                matmul_precision=precision_lib.current(),
                 discard_grads=True))  # as JAX's speedometer drops them
         return _time_client(step, warmup_iters, timing_iters, "client")
     finally:
@@ -145,7 +135,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
 
 def _resident(session, array, uploads, field):
     """A te.v1.Tensor naming `array` on the server: uploaded (its id appended to `uploads`) unless it already is."""
-    if not isinstance(array, client_lib.ResidentTensor):
+    if not isinstance(array, ResidentTensor):
         array = session.put(array, field)
         uploads.append(array.id)
     return session.send(array, uploads, field)

@@ -1,40 +1,42 @@
-"""Variables: what init returns, shaped like Flax's variable dict, and tree_map over it.
+"""Variables: what init returns, shaped like Flax's variable dict; values, not handles.
 
-    params = layer.init(key, x)
-    params["params"]["qkv"]["kernel"]        # a VariableRef: .shape, .dtype; np.asarray(ref), ref * 2 fetch it
-    te_client.tree_map(lambda v: v.shape, params)   # as jax.tree_util.tree_map prints it; fetches nothing
+    variables = layer.init(key, x)
+    variables["params"]["qkv"]["kernel"]       # a VariableRef: .shape, .dtype (numpy); np.asarray(ref) fetches it
+    snapshot = variables                       # stays what it is: a training step returns new variables
+    te_client.tree_map(lambda v: v.shape, variables)
+    pickle.dumps(variables)                    # by value: a tree of numpy arrays
 
-    # An SGD step as JAX writes it, then written back to the server:
-    loss, (grads, dx) = te_client.value_and_grad(layer.apply)(params, x, dy)
-    new = te_client.tree_map(lambda p, g: p - lr * g, params["params"], grads["params"])   # numpy arrays
-    session.set_variables(params, {"params": new})
+A layer's variables live on the server in versions (te.v1's ReleaseVersions):
+InitLayer makes version 1, and every call that changes them (a step, an
+update, SetVariables) makes a new one from the version it read, leaving that
+one as it was. A Variables object names one version of one layer, so what a
+client holds never changes under it: a step returns new Variables and the
+old ones stay readable. When the last Python reference to a version goes,
+its release is queued and sent, batched, ahead of the session's next call
+(never from the garbage collector itself: a finalizer only appends to a
+queue); a layer none of whose Variables, modules or versions is referenced
+any more is deleted the same way (DeleteLayer).
 
 The values stay on the server (a layer's parameters can be gigabytes). A
-VariableRef is a handle: shape and dtype here, its current value fetched when
-numpy or arithmetic needs it (np.asarray(ref), ref * 2, ref - g: the result
-is a numpy array; `==` compares handles, not values). tree_map is JAX's:
-pure, it returns a new tree of what `fn` returns and writes nothing to the
-server, so a tree of fetched arrays stays on this side until
-Session.set_variables writes it back (the Variables object keeps naming
-the server's values). Within one tree_map, each layer's collection is
-downloaded at most once, for the first leaf whose value `fn` reads.
-
-A Variables object also remembers the server layer that holds them (one for
-a TE module, and one for a composite Module, whose graph holds its
-submodules' variables under their Flax paths). Where JAX is importable,
-Variables is a JAX pytree node (jax.tree_util.tree_map, tree_leaves... see
-its VariableRef leaves); JAX rebuilds a tree of the same VariableRefs as the
-layer's Variables, and a tree of anything else as plain dicts, as tree_map
-here does.
+VariableRef has shape and dtype here, and its value is fetched when numpy or
+arithmetic needs it (np.asarray(ref), ref * 2, ref - g: the result is a
+numpy array; `==` compares refs, not values). tree_map is JAX's: pure, it
+returns a new tree of what `fn` returns, and within one map each collection
+of a version is downloaded at most once. Where JAX is importable, Variables
+is a JAX pytree node (jax.tree_util.tree_map, tree_leaves...); tree_flatten
+and tree_unflatten here are JAX's for te_client's trees.
 """
+import collections
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 
 import numpy as np
 import numpy.lib.mixins
 
 from te_client import dtypes, errors
+from te_client._pb import service_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +48,21 @@ class VariableInfo:
 
     @property
     def dtype(self):
-        return dtypes.dtype_name(self.wire_dtype)
+        """A numpy dtype (ml_dtypes' bfloat16, or te_client.bfloat16's marker without ml_dtypes)."""
+        numpy_dtype = dtypes._numpy_dtype_of(self.wire_dtype)
+        return numpy_dtype if numpy_dtype is not None else dtypes.bfloat16
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
+class GraphInfo:
+    """One graph of a layer (AddGraph): its index and what it was traced as."""
+    index: int
+    traced: object
+    output_shape: tuple
+    output_wire: int
+
+
+@dataclasses.dataclass(eq=False)
 class LayerHandle:
     """One server layer (a TE module, or a composite's graph) and what it holds."""
     session: object
@@ -63,6 +76,62 @@ class LayerHandle:
     traced: object = None        # a composite's graph.Traced (the GraphSpec it was created from)
     trace_key: object = None     # the arguments it was traced for
     verified_keys: set = dataclasses.field(default_factory=set)   # other arguments found to trace the same
+    graphs: dict = dataclasses.field(default_factory=dict)        # spec bytes + input signature -> GraphInfo
+    deleted: bool = False         # replaced by another init of its module (DeleteLayer sent)
+    # The Versions held, by number (one object per number: see Version).
+    versions: object = dataclasses.field(default_factory=weakref.WeakValueDictionary, repr=False)
+    module_type: object = None    # the module class init traced
+    __weakref__: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        # The layer goes when nothing refers to it any more; as for versions, its
+        # DeleteLayer is queued and sent ahead of the session's next call.
+        weakref.finalize(self, _queue, self.session, ("delete", self.layer_id, 0))
+
+
+def _queue(session, item):
+    pending = getattr(session, "pending", None)
+    if pending is not None and not getattr(session, "closed", True):
+        pending.append(item)   # deque.append: atomic, takes no lock (safe inside a finalizer)
+
+
+COLLECTIONS = ("params", "fp8_metas", "opt_state", "grads")
+
+
+class Gradients(dict):
+    """A gradient tree ({'params': {...}} of numpy arrays, or shaped like the
+    argument it differentiates) that remembers the step it came from:
+    `variables`, the layer's variables after that step (under DelayedScaling
+    the FP8 state moved), which TrainState.apply_gradients continues from."""
+    variables = None
+
+
+class Version:
+    """One version of a layer's variables that this client holds; released
+    when the last reference goes (queued, sent with the session's next call).
+    Number 0 is the server's newest (a server without versions answers 0).
+    One object per number of a layer (LayerHandle.versions): a response that
+    names a version already held (a step that made none) gets that object, so
+    the number is released once, when no one holds it any more."""
+    __slots__ = ("handle", "number", "__weakref__")
+
+    def __new__(cls, handle, number):
+        number = int(number)
+        live = getattr(handle, "versions", None)
+        found = live.get(number) if number and live is not None else None
+        if found is not None:
+            return found
+        self = object.__new__(cls)
+        self.handle = handle
+        self.number = number
+        if number:
+            weakref.finalize(self, _queue, handle.session, ("release", handle.layer_id, number))
+            if live is not None:
+                live[number] = self
+        return self
+
+    def __repr__(self):
+        return "Version(%s, %d)" % (self.handle.layer_id, self.number)
 
 
 def join(*parts):
@@ -95,14 +164,15 @@ class VariableRef(numpy.lib.mixins.NDArrayOperatorsMixin):
     """A variable held by the server: shape and dtype here, the value on
     demand. numpy functions and arithmetic take it as its current value
     (fetched then) and return numpy arrays. `==` and hash are the handle's."""
-    __slots__ = ("handle", "info")
+    __slots__ = ("handle", "info", "version")
     __eq__ = object.__eq__
     __ne__ = object.__ne__
     __hash__ = object.__hash__
 
-    def __init__(self, handle, info):
+    def __init__(self, handle, info, version):
         self.handle = handle
         self.info = info
+        self.version = version     # the Version it belongs to (kept alive by it)
 
     shape = property(lambda self: self.info.shape)
     dtype = property(lambda self: self.info.dtype)
@@ -113,14 +183,13 @@ class VariableRef(numpy.lib.mixins.NDArrayOperatorsMixin):
         """Downloads this variable's current value (the whole collection
         travels; inside tree_map, once per map)."""
         cache = _fetched.get()
-        key = (self.handle.layer_id, self.info.collection)
+        key = (self.handle.layer_id, self.version.number, self.info.collection)
         if cache is not None and key in cache:
             values = cache[key]
         else:
-            from te_client import client
             session = self.handle.session
-            request = client.service_pb2.GetVariablesRequest(layer_id=self.handle.layer_id,
-                                                             collections=[self.info.collection])
+            request = service_pb2.GetVariablesRequest(layer_id=self.handle.layer_id, version=self.version.number,
+                                                      collections=[self.info.collection])
             values = {v.path: v.value for v in session.call("GetVariables", request).variables}
             if cache is not None:
                 cache[key] = values
@@ -152,36 +221,89 @@ class VariableRef(numpy.lib.mixins.NDArrayOperatorsMixin):
     def __getitem__(self, index):
         return self.value()[index]
 
+    @property
+    def name(self):
+        return join(self.info.collection, self.handle.scope, self.info.path)
+
     def __repr__(self):
-        return "VariableRef(%s, %s%s)" % (
-            join(self.info.collection, self.handle.scope, self.info.path), self.dtype, list(self.shape))
+        return "VariableRef(%s, %s%s, version %d)" % (self.name, self.dtype, list(self.shape), self.version.number)
+
+    def __reduce__(self):
+        return (np.asarray, (self.__array__(),))   # by value
 
 
 class Variables(dict):
-    """{'params': {...}, 'fp8_metas': {...}} of VariableRefs, keys sorted as JAX prints them."""
+    """{'params': {...}, 'fp8_metas': {...}} of VariableRefs of one version of
+    a layer, keys sorted as JAX prints them."""
 
-    def __init__(self, handles, module=None):
-        self.handles = dict(handles)      # scope tuple -> LayerHandle
+    def __init__(self, handles, module=None, version=None):
+        self.handles = dict(handles)      # scope tuple -> LayerHandle (one: the module's layer)
         self.module = module
+        handle = next(iter(self.handles.values()), None)
+        self.version = version if version is not None or handle is None else Version(handle, 0)
         flat = {}
-        for handle in self.handles.values():
-            for info in handle.infos:
-                flat[join(info.collection, handle.scope, info.path)] = VariableRef(handle, info)
+        for h in self.handles.values():
+            for info in h.infos:
+                flat[join(info.collection, h.scope, info.path)] = VariableRef(h, info, self.version)
         super().__init__(unflatten(flat))
 
     @property
     def session(self):
         return next(iter(self.handles.values())).session if self.handles else None
 
+    @property
+    def handle(self):
+        return next(iter(self.handles.values()))
+
     def collections(self):
         return sorted(self.keys())
 
+    def at_version(self, number):
+        """The same layer's variables at version `number` (a step's result)."""
+        handle = self.handle
+        if not number and self.version.number == 0:
+            return self
+        return Variables(self.handles, self.module, Version(handle, number))
+
+    def fetch(self, collections=None):
+        """The variables' values as a nested dict of numpy arrays (one GetVariables)."""
+        return self.session.get_variables(self, collections)
+
+    def __reduce__(self):
+        # By value: a pickled Variables is the tree of its values (what apply, and a new process, take).
+        return (dict, (self.fetch(),))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self   # a value: copying it is sharing it
+
 
 def handles_of(variables):
-    if not isinstance(variables, Variables):
+    found = refs_version(variables)
+    if found is None:
         raise errors.InvalidArgumentError(
-            "variables: want what init returned (a te_client Variables), got %s" % type(variables).__name__)
-    return list(variables.handles.values())
+            "variables: want what init returned (a te_client Variables) or a tree of its VariableRefs, got %s"
+            % type(variables).__name__)
+    return [found[0]]
+
+
+def refs_version(tree):
+    """(handle, Version) when every leaf of `tree` is a VariableRef of one
+    version of one layer (a Variables, {'params': variables['params']}...),
+    else None."""
+    if isinstance(tree, Variables):
+        return tree.handle, tree.version
+    leaves = _leaves(tree) if isinstance(tree, (dict, list, tuple)) else []
+    if not leaves or not all(isinstance(v, VariableRef) for v in leaves):
+        return None
+    first = leaves[0]
+    if any(v.handle is not first.handle or v.version is not first.version for v in leaves):
+        if any(v.handle is not first.handle for v in leaves):
+            raise errors.InvalidArgumentError("variables: VariableRefs of several layers in one tree")
+        return None
+    return first.handle, first.version
 
 
 def _index(handles):
@@ -271,6 +393,66 @@ def _mismatch(where, want, got):
         got = "a leaf (%s)" % type(got).__name__
     return errors.InvalidArgumentError("tree_map: the trees differ at %s: the first has %s, another %s" % (
         where or "the root", want, got))
+
+
+def tree_leaves(tree):
+    """jax.tree_util.tree_leaves: the leaves in JAX's order (dict keys sorted; None is no leaf)."""
+    return _leaves(tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeDef:
+    """tree_flatten's structure: rebuilds a tree of the same shape from new leaves."""
+    kind: str                  # "dict", "list", "tuple", "none", "leaf"
+    keys: tuple = ()
+    children: tuple = ()
+    original: object = dataclasses.field(default=None, compare=False, hash=False)
+
+    @property
+    def num_leaves(self):
+        return 1 if self.kind == "leaf" else sum(c.num_leaves for c in self.children)
+
+
+def tree_flatten(tree):
+    """jax.tree_util.tree_flatten: (leaves, treedef)."""
+    return _leaves(tree), _treedef(tree)
+
+
+def _treedef(tree):
+    if tree is None:
+        return TreeDef("none")
+    if isinstance(tree, dict):
+        keys = tuple(sorted(tree))
+        return TreeDef("dict", keys, tuple(_treedef(tree[k]) for k in keys),
+                       original=tree if isinstance(tree, Variables) else None)
+    if isinstance(tree, (list, tuple)):
+        return TreeDef(type(tree).__name__, (), tuple(_treedef(v) for v in tree))
+    return TreeDef("leaf")
+
+
+def tree_unflatten(treedef, leaves):
+    """jax.tree_util.tree_unflatten: a Variables again when the leaves are its own refs."""
+    leaves = list(leaves)
+    if len(leaves) != treedef.num_leaves:
+        raise errors.InvalidArgumentError("tree_unflatten: %d leaves for a structure of %d" % (
+            len(leaves), treedef.num_leaves))
+    if isinstance(treedef.original, Variables):
+        mine = _leaves(treedef.original)
+        if all(a is b for a, b in zip(mine, leaves)):
+            return treedef.original
+    it = iter(leaves)
+    return _build(treedef, it)
+
+
+def _build(treedef, it):
+    if treedef.kind == "none":
+        return None
+    if treedef.kind == "leaf":
+        return next(it)
+    children = [_build(c, it) for c in treedef.children]
+    if treedef.kind == "dict":
+        return dict(zip(treedef.keys, children))
+    return list(children) if treedef.kind == "list" else tuple(children)
 
 
 def _leaves(tree):

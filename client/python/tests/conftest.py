@@ -3,6 +3,14 @@
 The server is bazel-bin/server/te_server (or $TE_SERVER_BIN), started once per
 test run with --device=cpu (or $TE_SERVER_DEVICE) --port=0 and stopped at the
 end; its log goes to the pytest temp folder and is printed when it fails to start.
+
+$TE_SERVER_ADDRESS ("host:port") runs the tests that use the default server
+against one already running there instead (a CUDA te_server on a GPU host;
+set TE_SERVER_DEVICE=cuda to match); tests that start servers of their own
+still need the binary, so select the others, e.g. the zoo:
+
+    TE_SERVER_ADDRESS=127.0.0.1:50051 TE_SERVER_DEVICE=cuda \
+        python3 -m pytest client/python/tests/test_zoo.py -k "mlp or gpt"
 """
 import contextlib
 import dataclasses
@@ -25,6 +33,7 @@ import te_client  # noqa: E402  (after the path is set)
 
 SERVER_BIN = os.environ.get("TE_SERVER_BIN", os.path.join(REPO_ROOT, "bazel-bin", "server", "te_server"))
 SERVER_DEVICE = os.environ.get("TE_SERVER_DEVICE", "cpu")
+SERVER_ADDRESS = os.environ.get("TE_SERVER_ADDRESS", "")   # a running server to use instead of starting one
 START_TIMEOUT_S = 60.0
 
 
@@ -79,7 +88,10 @@ def start_server(folder, *flags, port=0):
 
 @pytest.fixture(scope="session")
 def server_address(tmp_path_factory):
-    """The default server: no --enable_shm."""
+    """The default server: no --enable_shm ($TE_SERVER_ADDRESS when set)."""
+    if SERVER_ADDRESS:
+        yield SERVER_ADDRESS
+        return
     with start_server(tmp_path_factory.mktemp("te_server")) as server:
         yield server.address
 

@@ -73,12 +73,12 @@ def check_param_gradient(session, module, params, grads, x, dy, rng, name, apply
     h = tolerances.FD_EPS * float(np.sqrt(np.mean(np.square(base.astype(np.float64))))) + 1e-3
 
     def f(value):
-        session.set_variables(params, {name: value.astype(np.float32)})
-        y = first(module.apply(params, x, *others, **apply_kwargs))
+        # set_variables makes a new version (params stay as they were): apply that one.
+        perturbed = session.set_variables(params, {name: value.astype(np.float32)})
+        y = first(module.apply(perturbed, x, *others, **apply_kwargs))
         return float(np.vdot(np.asarray(y, np.float64), np.asarray(dy, np.float64)))
-    try:
-        numeric = (f(base + h * direction) - f(base - h * direction)) / (2 * h)
-    finally:
-        session.set_variables(params, {name: base})
+    numeric = (f(base + h * direction) - f(base - h * direction)) / (2 * h)
+    np.testing.assert_array_equal(
+        np.asarray(variables_lib.flatten(session.get_variables(params, ["params"]))[name], np.float32), base)
     analytic = float(np.vdot(g, direction.astype(np.float64)))
     assert abs(numeric - analytic) <= tolerances.FINITE_DIFF * max(abs(analytic), 1e-3), (name, numeric, analytic)

@@ -115,6 +115,28 @@ def test_a_sessions_calls_carry_its_key_and_server_info_none(server_address, pro
         client.close()
 
 
+def test_a_chosen_affinity_key_is_sent_on_every_call(server_address, proxy_to, rng):
+    # As the C++ client's SessionOptions.affinity_key: sessions given one key hash to one replica.
+    proxy = proxy_to(server_address)
+    client = te.connect(proxy.address)
+    try:
+        for _ in range(2):
+            proxy.clear()
+            with client.session(affinity_key="tenant-7/job 3") as session:
+                assert session.affinity_key == "tenant-7/job 3"
+                _exercise(session, rng)
+            calls = proxy.calls()
+            assert [m for m, _ in calls][0] == "CreateSession" and calls[-1][0] == "CloseSession"
+            assert {key for _, key in calls} == {"tenant-7/job 3"}, calls
+        proxy.clear()
+        for bad in ("", "caf\u00e9", "a\nb", 7):
+            with pytest.raises(te.InvalidArgumentError, match="affinity_key"):
+                client.session(affinity_key=bad)
+        assert proxy.calls() == []          # refused before anything is sent
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def advertising_server(tmp_path_factory):
     port = _free_port()

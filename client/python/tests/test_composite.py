@@ -73,7 +73,7 @@ class OneByOne:
             prefix = "params/%s/" % name
             own = {"params/" + k[len(prefix):]: v for k, v in self.values.items() if k.startswith(prefix)}
             if own:
-                self.session.set_variables(params, own)
+                params = self.session.set_variables(params, own)
             self.params[name] = params
         return self.params[name]
 
@@ -371,7 +371,7 @@ def test_composite_of_one_module_equals_the_module(session, rng):
     x, dy = _x(rng), _x(rng, B, S, 16)
     inner, outer = te_flax.DenseGeneral(features=16), Wrapper()
     p_inner, p_outer = inner.init(3, x), _init(outer, 3, x)
-    session.set_variables(p_outer, {"params": {"DenseGeneral_0": session.get_variables(p_inner)["params"]}})
+    p_outer = session.set_variables(p_outer, {"params": {"DenseGeneral_0": session.get_variables(p_inner)["params"]}})
     np.testing.assert_array_equal(outer.apply(p_outer, x), inner.apply(p_inner, x))
     v_in, (g_in, dx_in) = te.value_and_grad(inner.apply)(p_inner, x, dy)
     v_out, (g_out, dx_out) = te.value_and_grad(outer.apply)(p_outer, x, dy)
@@ -390,11 +390,15 @@ def test_value_and_grad_matches_central_differences(session, rng):
                                  "params/LayerNormDenseGeneral_0/kernel", {"deterministic": True})
 
 
-def test_apply_with_another_shape_is_invalid_argument(session, rng):
+def test_apply_at_another_batch_size_adds_a_graph_over_the_same_variables(session, rng):
+    # Flax inits on a dummy batch and applies to any: the composite is traced again for
+    # the new shape and added to its layer (AddGraph), reading the same variables.
     composite = TEFusedTransformerLayer(H, FFN, HEADS)
-    params = _init(composite, 0, _x(rng), deterministic=True)
-    with pytest.raises(te.InvalidArgumentError, match=r"x: float32\[2, 4, 32\]"):
-        composite.apply(params, _x(rng, B, 4, H), deterministic=True)
+    x = _x(rng)
+    params = _init(composite, 0, x, deterministic=True)
+    small = composite.apply(params, x[:1], deterministic=True)
+    assert small.shape == (1,) + x.shape[1:]
+    np.testing.assert_allclose(small, composite.apply(params, x, deterministic=True)[:1], rtol=1e-5, atol=1e-6)
 
 
 def test_apply_with_another_structures_variables_is_failed_precondition(session, rng):

@@ -168,11 +168,19 @@ def test_layer_norm_on_its_own_is_flaxs(session, rng):
     assert rel_err(layer.apply(params, x), _layer_norm(np.asarray(x, np.float64), values, 1e-6)) < F32
 
 
-def test_gelu_is_the_tanh_approximation_and_refuses_the_exact_form():
+def test_gelu_is_the_tanh_approximation_and_erfs_exactly():
     a = np.linspace(-4, 4, 33, dtype=np.float32)
     np.testing.assert_allclose(nn.gelu(a), _gelu(a.astype(np.float64)), rtol=1e-6, atol=1e-7)
-    with pytest.raises(NotImplementedError, match="approximate=False"):
-        nn.gelu(a, approximate=False)
+    import math
+    exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in a.astype(np.float64)])
+    np.testing.assert_allclose(nn.gelu(a.astype(np.float64), approximate=False), exact, rtol=1e-12)
+
+    class Exact(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.gelu(x, approximate=False)
+    node = Exact().trace(np.zeros((2, 3), np.float32)).spec.nodes[0]
+    assert node.unary.op == te.client.layers_pb2.GraphSpec.Unary.GELU_EXACT
 
 
 def test_attention_mask_array_at_the_top_level_is_refused(session, rng):

@@ -74,16 +74,20 @@ def test_each_step_applies_te_delayed_scaling_update(session, rng):
         for name, value in before.items():
             np.testing.assert_array_equal(unchanged[name], value, err_msg=name)
         # Flax's mutable: the forward ends its step on the server, with TE's update.
-        y, same = layer.apply(params, x, mutable=["fp8_metas"])
-        assert same is params and y.shape == (4, 16, 32)
+        y, moved = layer.apply(params, x, mutable=["fp8_metas"])
+        # A new version (Flax's updated variables); params stay as they were.
+        assert moved.version.number > params.version.number and y.shape == (4, 16, 32)
+        np.testing.assert_array_equal(variables_lib.flatten(session.get_variables(params, ["fp8_metas"]))[
+            "fp8_metas/x_scale"], before["fp8_metas/x_scale"])
+        params = moved
         metas = variables_lib.flatten(session.get_variables(params, ["fp8_metas"]))
         # scale = fp8_max / amax (margin 0), amax = max over the history window.
         assert metas["fp8_metas/x_amax_history"].max() == pytest.approx(np.abs(x).max(), rel=1e-6)
         assert metas["fp8_metas/x_scale"][0] == pytest.approx(E4M3_MAX / np.abs(x).max(), rel=1e-6)
         assert metas["fp8_metas/kernel_scale"][0] == pytest.approx(E4M3_MAX / np.abs(kernel).max(), rel=1e-6)
         np.testing.assert_array_equal(metas["fp8_metas/grad_scale"], [1.0])   # amax 0 keeps the scale
-        te.value_and_grad(layer.apply)(params, x, dy)
-    metas = variables_lib.flatten(session.get_variables(params, ["fp8_metas"]))
+        _, (grads, _) = te.value_and_grad(layer.apply)(params, x, dy)
+    metas = variables_lib.flatten(session.get_variables(grads.variables, ["fp8_metas"]))
     assert metas["fp8_metas/grad_scale"][0] == pytest.approx(E5M2_MAX / np.abs(dy).max(), rel=1e-6)  # HYBRID
     assert metas["fp8_metas/x_scale"][0] == pytest.approx(E4M3_MAX / np.abs(x).max(), rel=1e-6)
 

@@ -144,7 +144,7 @@ def test_tiny_lm_trains_with_only_ids_on_the_wire(session, rng):
         first = None
         for _ in range(LM_STEPS):
             tokens, labels = _batch(rng, data, batch, seq)
-            state, metrics = losses.train_step(state, tokens, labels)
+            state, metrics = optim.train_step(state, tokens, labels)
             first = metrics["loss"] if first is None else first
     finally:
         session.call = real_call
@@ -178,7 +178,7 @@ def test_tiny_lm_trains_under_fp8_delayed_scaling(session, rng):
                                         tx=optim.chain(optim.clip_by_global_norm(1.0), optim.adam(3e-3)))
         for _ in range(LM_STEPS):
             tokens, labels = _batch(rng, data, batch, seq)
-            state, metrics = losses.train_step(state, tokens, labels)
+            state, metrics = optim.train_step(state, tokens, labels)
         held_tokens, held_labels = _batch(np.random.default_rng(123), data, batch, seq)
         held = float(model.apply(state.params, held_tokens, held_labels))
     assert metrics["count"] == LM_STEPS and metrics["total_notfinite"] == 0, metrics

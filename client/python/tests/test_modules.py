@@ -59,7 +59,7 @@ def test_layer_norm(session, rng, layernorm_type, zero_centered_gamma):
     want_names = {"params/scale", "params/ln_bias"} if layernorm_type == "layernorm" else {"params/scale"}
     assert set(variables_lib.flatten(params)) == want_names
     # Random parameters, so that a wrong scale or bias shows.
-    session.set_variables(params, {n: rng.standard_normal(H).astype(np.float32) for n in want_names})
+    params = session.set_variables(params, {n: rng.standard_normal(H).astype(np.float32) for n in want_names})
     v = _values(session, params)
     y = layer.apply(params, x)
     assert y.shape == x.shape and te.dtype_of(y) == "float32"
@@ -76,7 +76,7 @@ def test_dense_general(session, rng):
     x = _x(rng)
     params = layer.init(1, x)
     assert te.tree_map(lambda v: v.shape, params) == {"params": {"bias": (24,), "kernel": (H, 24)}}
-    session.set_variables(params, {"params/bias": rng.standard_normal(24).astype(np.float32)})
+    params = session.set_variables(params, {"params/bias": rng.standard_normal(24).astype(np.float32)})
     v = _values(session, params)
     y = layer.apply(params, x)
     assert rel_err(y, x.astype(np.float64) @ v["params/kernel"] + v["params/bias"]) < F32
@@ -140,7 +140,7 @@ def test_layernorm_mlp(session, rng):
     shapes = te.tree_map(lambda v: v.shape, params)["params"]
     assert shapes["wi_kernel"] == (H, 1, 48) and shapes["wo_kernel"] == (48, H)
     assert shapes["wi_bias"] == (1, 48) and shapes["wo_bias"] == (H,)
-    session.set_variables(params, {"params/wi_bias": rng.standard_normal((1, 48)).astype(np.float32)})
+    params = session.set_variables(params, {"params/wi_bias": rng.standard_normal((1, 48)).astype(np.float32)})
     v = _values(session, params)
     y, ln_out = layer.apply(params, x)
     ln = helpers.layernorm(x, v["params/scale"], v["params/ln_bias"])

@@ -45,6 +45,14 @@ def _optax_step(name, p, g, state, t, lr, momentum=0.9, b1=0.9, b2=0.999, eps=1e
         state["trace"] = g + momentum * state.get("trace", 0.0)
         u = g + momentum * state["trace"] if name == "sgd_nesterov" else state["trace"]
         return p - lr * u
+    if name == "rmsprop":
+        state["nu"] = (1 - 0.9) * g * g + 0.9 * state.get("nu", 0.0)
+        return p - lr * g / np.sqrt(state["nu"] + eps)
+    if name == "lion":   # optax.lion(lr, b1=0.9, b2=0.99, weight_decay=1e-3)
+        mu = state.get("mu", 0.0)
+        u = np.sign((1 - b1) * g + b1 * mu) + 1e-3 * p
+        state["mu"] = (1 - 0.99) * g + 0.99 * mu
+        return p - lr * u
     state["mu"] = (1 - b1) * g + b1 * state.get("mu", 0.0)
     state["nu"] = (1 - b2) * g * g + b2 * state.get("nu", 0.0)
     u = (state["mu"] / (1 - b1 ** t)) / (np.sqrt(state["nu"] / (1 - b2 ** t)) + eps)
@@ -59,7 +67,11 @@ TXS = {
     "sgd_nesterov": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True),
     "adam": lambda: optim.adam(0.05),
     "adamw": lambda: optim.adamw(0.05, weight_decay=1e-4),
+    "rmsprop": lambda: optim.rmsprop(0.01),
+    "lion": lambda: optim.lion(0.01),
 }
+LEARNING_RATES = {"sgd": 0.1, "sgd_momentum": 0.1, "sgd_nesterov": 0.1, "adam": 0.05, "adamw": 0.05,
+                  "rmsprop": 0.01, "lion": 0.01}
 
 
 @pytest.mark.parametrize("name", sorted(TXS))
@@ -68,19 +80,43 @@ def test_each_update_matches_float64_optax(session, rng, name):
     x, t = _problem(rng)
     params = layer.init(3, x)
     state = optim.TrainState.create(apply_fn=layer.apply, params=params, tx=TXS[name]())
-    lr = {"sgd": 0.1, "adam": 0.05}[name[:4] if name.startswith("adam") else "sgd"]
+    lr = LEARNING_RATES[name]
     ref_state = {"kernel": {}, "bias": {}}
     for step in range(1, 4):
-        before = _values(session, params)
+        before = _values(session, state.params)
         grads, loss = _numpy_grads(before, x, t)
         state, metrics = optim.train_step(state, x, target=t, micro_batches=2)
         assert metrics["applied"] and metrics["count"] == step
         assert metrics["loss"] == pytest.approx(loss, rel=F32)
-        after = _values(session, params)
+        after = _values(session, state.params)
         for p in ("kernel", "bias"):
             want = _optax_step(name, before["params/" + p], grads[p], ref_state[p], step, lr)
             # The change, not the parameter: a wrong update would hide under |p| ~ 1.
             assert rel_err(after["params/" + p] - before["params/" + p], want - before["params/" + p]) < 10 * F32
+
+
+def test_chain_clips_after_the_optimizer_as_optax_does(session, rng):
+    # optax.chain(adam, clip_by_global_norm): adam's update (-lr * direction) is clipped to the norm.
+    layer = te_flax.DenseGeneral(features=F)
+    x, t = _problem(rng)
+    params = layer.init(7, x)
+    lr, max_norm = 0.05, 0.02
+    state = optim.TrainState.create(apply_fn=layer.apply, params=params,
+                                    tx=optim.chain(optim.adam(lr), optim.clip_by_global_norm(max_norm)))
+    ref_state = {"kernel": {}, "bias": {}}
+    for step in range(1, 4):
+        before = _values(session, state.params)
+        grads, _ = _numpy_grads(before, x, t)
+        state, metrics = optim.train_step(state, x, target=t)
+        assert metrics["applied"] and metrics["count"] == step
+        after = _values(session, state.params)
+        updates = {p: _optax_step("adam", before["params/" + p], grads[p], ref_state[p], step, lr) -
+                   before["params/" + p] for p in ("kernel", "bias")}
+        norm = math.sqrt(sum(float(np.sum(u * u)) for u in updates.values()))
+        assert norm > max_norm        # the clip bites
+        for p, u in updates.items():
+            assert rel_err(after["params/" + p] - before["params/" + p], u * max_norm / norm) < 10 * F32
+        assert "0/mu/kernel" in state.opt_state     # a chain's links name their state by index
 
 
 def test_adamw_with_schedule_and_clipping_fits_the_teacher(session, rng):
@@ -116,12 +152,12 @@ def test_non_finite_gradient_skips_the_step(session, rng):
     params = layer.init(5, x)
     state = optim.TrainState.create(apply_fn=layer.apply, params=params, tx=optim.adam(0.05))
     state, _ = optim.train_step(state, x, target=t)
-    before = _values(session, params)
+    before = _values(session, state.params)
     bad = x.copy()
     bad[0, 0, 0] = np.inf
     state, metrics = optim.train_step(state, bad, target=t)
     assert not metrics["applied"] and metrics["count"] == 1 and metrics["total_notfinite"] == 1
-    after = _values(session, params)
+    after = _values(session, state.params)
     assert after.pop("opt_state/total_notfinite") == 1 and before.pop("opt_state/total_notfinite") == 0
     for k in before:   # params, moments and count as they were
         np.testing.assert_array_equal(after[k], before[k])
@@ -144,5 +180,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(session, rng):
             layer_id=handle.layer_id, variables=[client_lib.service_pb2.Variable(
                 collection="opt_state", path="trace/kernel",
                 value=session.send(np.ones(3, np.float32), [], "value"))]))
-    with pytest.raises(te.InvalidArgumentError, match="chain"):
-        optim.chain(optim.adam(0.1), optim.clip_by_global_norm(1.0))
+    # optax's chain takes any order: clipping after the optimizer is a chain of transforms.
+    spec = optim.chain(optim.adam(0.1), optim.clip_by_global_norm(1.0)).proto()
+    assert [t.WhichOneof("kind") for t in spec.chain] == ["adam", "clip_by_global_norm"]
+    with pytest.raises(te.InvalidArgumentError, match="warmup_cosine_decay_schedule"):
+        optim.adam(lambda count: 0.1)     # a callable schedule: the server cannot run Python

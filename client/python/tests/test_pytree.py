@@ -62,9 +62,10 @@ def test_sgd_step_as_jax_writes_it(session, rng, monkeypatch):
         np.testing.assert_array_equal(new[name], before[name] - lr * grads["params"][name])
     # Pure: the server's values are untouched until written back.
     np.testing.assert_array_equal(np.asarray(params["params"]["kernel"]), before["kernel"])
-    session.set_variables(params, {"params": new})
-    np.testing.assert_array_equal(np.asarray(params["params"]["kernel"]), new["kernel"])
-    np.testing.assert_array_equal(layer.apply(params, x), np.einsum("bsi,io->bso", x, new["kernel"]) + new["bias"])
+    written = session.set_variables(params, {"params": new})     # a new version; params stay as they were
+    np.testing.assert_array_equal(np.asarray(written["params"]["kernel"]), new["kernel"])
+    np.testing.assert_array_equal(np.asarray(params["params"]["kernel"]), before["kernel"])
+    np.testing.assert_array_equal(layer.apply(written, x), np.einsum("bsi,io->bso", x, new["kernel"]) + new["bias"])
 
 
 def test_variable_ref_under_numpy_and_arithmetic(session, rng, monkeypatch):

@@ -135,5 +135,6 @@ def test_set_variables_checks_names_and_shapes(session, rng):
         session.set_variables(params, {"params/nope": np.ones(3, np.float32)})
     with pytest.raises(te.InvalidArgumentError):
         session.set_variables(params, {"params/bias": np.ones(9, np.float32)})
-    session.set_variables(params, {"params": {"bias": np.arange(8, dtype=np.float32)}})
-    np.testing.assert_array_equal(np.asarray(params["params"]["bias"]), np.arange(8))
+    written = session.set_variables(params, {"params": {"bias": np.arange(8, dtype=np.float32)}})
+    np.testing.assert_array_equal(np.asarray(written["params"]["bias"]), np.arange(8))
+    assert not np.array_equal(np.asarray(params["params"]["bias"]), np.arange(8))   # a new version

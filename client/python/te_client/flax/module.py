@@ -20,13 +20,13 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from te_client import client as client_lib, dtypes, errors
+from te_client import dtypes, errors
 from te_client.module import ServerModule
+from te_client._pb import layers_pb2
 
 # TE's base class of its modules; here the base of every module that runs as a server layer.
 TransformerEngineBase = ServerModule
 
-layers_pb2 = client_lib.layers_pb2
 
 _LAYERNORM_TYPES = {"layernorm": layers_pb2.LAYERNORM, "rmsnorm": layers_pb2.RMSNORM}
 # TE's canonicalize_attn_mask_type (transformer_engine/jax/attention.py), aliases included.
