@@ -265,6 +265,35 @@ def test_transformer_layer(session, rng):
     _gradient_checks(session, layer, params, x, rng, sorted(n for n in names if n.endswith("wi_kernel"))[0])
 
 
+def test_transformer_layer_decoder_attends_over_encoded_under_its_mask(session, rng):
+    layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=64, num_attention_heads=4,
+                                     hidden_dropout=0.0, attention_dropout=0.0,
+                                     layer_type=te_flax.TransformerLayerType.DECODER)
+    x = _x(rng)
+    encoded = rng.standard_normal((x.shape[0], 5, H)).astype(np.float32)
+    mask = np.zeros((x.shape[0], 1, 1, 5), np.uint8)
+    mask[0, ..., 3:] = 1   # row 0's last two encoded positions are padding
+    params = layer.init(8, x, encoded, encoder_decoder_mask=mask)
+    names = set(variables_lib.flatten(params))
+    assert any(n.startswith("params/encoder_decoder_attention/") for n in names)
+    assert any(n.startswith("params/self_attention/") for n in names)
+    y = layer.apply(params, x, encoded, encoder_decoder_mask=mask, deterministic=True)
+    assert y.shape == x.shape and np.all(np.isfinite(y))
+    padded = encoded.copy()
+    padded[0, 3:] += 10.0     # masked out: row 0 cannot see it
+    y_padded = layer.apply(params, x, padded, encoder_decoder_mask=mask, deterministic=True)
+    np.testing.assert_array_equal(y_padded[0], y[0])
+    seen = encoded.copy()
+    seen[0, 0] += 10.0        # visible: row 0 changes, row 1 does not
+    y_seen = layer.apply(params, x, seen, encoder_decoder_mask=mask, deterministic=True)
+    assert rel_err(y_seen[0], y[0]) > 1e-3
+    np.testing.assert_array_equal(y_seen[1], y[1])
+    with pytest.raises(te.InvalidArgumentError, match="encoded is required"):
+        layer.apply(params, x, deterministic=True)
+    with pytest.raises(te.InvalidArgumentError, match="DECODER"):
+        te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=64, num_attention_heads=4).init(8, x, encoded)
+
+
 def test_dropout_follows_rngs_and_deterministic(session, rng):
     layer = te_flax.TransformerLayer(hidden_size=H, mlp_hidden_size=64, num_attention_heads=4,
                                      hidden_dropout=0.3, attention_dropout=0.3, intermediate_dropout=0.3)

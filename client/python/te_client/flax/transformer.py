@@ -19,8 +19,9 @@ from te_client.flax.module import (_BIAS_TYPES, _LAYERNORM_TYPES, _MASK_TYPES, _
 from te_client.module import ServerModule
 
 
-class TransformerLayerType(enum.Enum):
-    """TE's layer types. te_server runs ENCODER layers (self-attention only)."""
+class TransformerLayerType(str, enum.Enum):
+    """TE's layer types: ENCODER (self-attention, then the MLP) and DECODER
+    (self-attention, cross-attention over `encoded`, then the MLP)."""
     ENCODER = "encoder"
     DECODER = "decoder"
 
@@ -164,9 +165,6 @@ class TransformerLayer(ServerModule):
 
     def spec(self):
         _no_transpose(self)
-        if TransformerLayerType(self.layer_type) != TransformerLayerType.ENCODER:
-            raise errors.UnimplementedError("TransformerLayer.layer_type: %s; te_server runs the encoder layer "
-                                            "type only" % (self.layer_type,))
         msg = layers_pb2.TransformerLayer(
             hidden_size=self.hidden_size, mlp_hidden_size=self.mlp_hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -182,14 +180,33 @@ class TransformerLayer(ServerModule):
             scaled_query_init=self.scaled_query_init, dtype=_param_dtype(self.dtype, "TransformerLayer"))
         if self.num_gqa_groups is not None:
             msg.num_gqa_groups = self.num_gqa_groups
+        if self._decoder():   # an encoder leaves it unset, as the C++ client does (stable goldens)
+            msg.layer_type = layers_pb2.DECODER
         return layers_pb2.LayerSpec(transformer_layer=msg)
+
+    def _decoder(self):
+        try:
+            return TransformerLayerType(self.layer_type) == TransformerLayerType.DECODER
+        except ValueError:
+            raise errors.InvalidArgumentError("TransformerLayer.layer_type: %r; want TransformerLayerType.ENCODER "
+                                              "or DECODER" % (self.layer_type,)) from None
 
     def dropout_rates(self):
         return (self.hidden_dropout, self.attention_dropout, self.intermediate_dropout)
 
     def __call__(self, inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
                  deterministic=False, decode=False, max_decode_length=None):
-        if encoded is not None or encoder_decoder_mask is not None or decode:
-            raise errors.UnimplementedError("TransformerLayer: te_server runs the encoder layer type only "
-                                            "(no encoded input, no decode)")
-        return self._call(inputs, [], attention_mask, deterministic)
+        if decode:
+            raise errors.UnimplementedError("TransformerLayer: decode=True (the cache collection) is not served "
+                                            "to clients yet")
+        if not self._decoder():
+            if encoded is not None or encoder_decoder_mask is not None:
+                raise errors.InvalidArgumentError("TransformerLayer: encoded and encoder_decoder_mask are a DECODER's "
+                                                  "(layer_type=TransformerLayerType.DECODER)")
+            return self._call(inputs, [], attention_mask, deterministic)
+        if encoded is None:
+            raise errors.InvalidArgumentError("TransformerLayer (DECODER): encoded is required, as TE asserts")
+        # On the wire `encoded` is extra_inputs[0] and the request's mask is
+        # the cross-attention's; the decoder's self-attention is causal (or
+        # no_mask) and reads no mask, as TE's causal types ignore theirs.
+        return self._call(inputs, [encoded], encoder_decoder_mask, deterministic)
