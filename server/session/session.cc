@@ -199,25 +199,37 @@ absl::Status Session::CheckFitsMemory(const std::vector<layers::VariableSpec>& s
   return absl::OkStatus();
 }
 
+absl::StatusOr<DeclaredInput> CheckDeclaredInput(const layers::Layer& layer, te::v1::DType dtype,
+                                                 const google::protobuf::RepeatedField<int64_t>& shape,
+                                                 int64_t max_tensor_bytes) {
+  DeclaredInput declared;
+  ASSIGN_OR_RETURN(declared.dtype, DTypeFromProto(dtype, "input_dtype"));
+  if (!FitsLayerInput(layer.TakesTokenIds(), declared.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("input_dtype: ", DTypeName(declared.dtype), "; ",
+                                                   LayerInputWant(layer.TakesTokenIds())));
+  }
+  if (shape.empty()) {
+    return absl::InvalidArgumentError("input_shape: empty; give x's shape, e.g. [batch, seq, hidden]");
+  }
+  for (int i = 0; i < shape.size(); ++i) {
+    if (shape[i] <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input_shape[", i, "]: must be positive, got ", shape[i]));
+    }
+  }
+  ASSIGN_OR_RETURN(declared.shape,
+                   ShapeFromProto(shape, declared.dtype, max_tensor_bytes, "input_shape"));
+  return declared;
+}
+
 absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                                 te::v1::InitLayerResponse* response) {
   ASSIGN_OR_RETURN(std::unique_ptr<layers::Layer> layer, layers::CreateLayer(request.spec()));
-  ASSIGN_OR_RETURN(DType input_dtype, DTypeFromProto(request.input_dtype(), "input_dtype"));
-  if (!FitsLayerInput(layer->TakesTokenIds(), input_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("input_dtype: ", DTypeName(input_dtype), "; ",
-                                                   LayerInputWant(layer->TakesTokenIds())));
-  }
-  if (request.input_shape_size() == 0) {
-    return absl::InvalidArgumentError("input_shape: empty; give x's shape, e.g. [batch, seq, hidden]");
-  }
-  for (int i = 0; i < request.input_shape_size(); ++i) {
-    if (request.input_shape(i) <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input_shape[", i, "]: must be positive, got ", request.input_shape(i)));
-    }
-  }
-  ASSIGN_OR_RETURN(Shape input_shape, ShapeFromProto(request.input_shape(), input_dtype,
-                                                     config_.max_tensor_bytes, "input_shape"));
+  ASSIGN_OR_RETURN(const DeclaredInput declared,
+                   CheckDeclaredInput(*layer, request.input_dtype(), request.input_shape(),
+                                      config_.max_tensor_bytes));
+  const DType input_dtype = declared.dtype;
+  const Shape& input_shape = declared.shape;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   const layers::Fp8Recipe* fp8_ptr = fp8 ? &*fp8 : nullptr;

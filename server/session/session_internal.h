@@ -158,6 +158,16 @@ inline const char* LayerInputWant(bool takes_ids) {
                    : "x must be float32, bfloat16 or float16";
 }
 
+// The x an InitLayer or AddGraph request declares for `layer`, checked:
+// INVALID_ARGUMENT naming input_dtype or input_shape.
+struct DeclaredInput {
+  DType dtype;
+  Shape shape;
+};
+absl::StatusOr<DeclaredInput> CheckDeclaredInput(const layers::Layer& layer, te::v1::DType dtype,
+                                                 const google::protobuf::RepeatedField<int64_t>& shape,
+                                                 int64_t max_tensor_bytes);
+
 // The layer name "params/a/b" split as Flax does: collection "params", path "a/b".
 void SplitVariableName(const std::string& name, std::string* collection, std::string* path);
 

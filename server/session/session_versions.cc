@@ -191,22 +191,11 @@ absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
   absl::StatusOr<std::unique_ptr<layers::Layer>> made = layers::MakeGraph(graph);
   if (!made.ok()) return AsAddGraphField(made.status());
   std::unique_ptr<layers::Layer> added = *std::move(made);
-  ASSIGN_OR_RETURN(DType input_dtype, DTypeFromProto(request.input_dtype(), "input_dtype"));
-  if (!FitsLayerInput(added->TakesTokenIds(), input_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("input_dtype: ", DTypeName(input_dtype), "; ",
-                                                   LayerInputWant(added->TakesTokenIds())));
-  }
-  if (request.input_shape_size() == 0) {
-    return absl::InvalidArgumentError("input_shape: empty; give x's shape, e.g. [batch, seq, hidden]");
-  }
-  for (int i = 0; i < request.input_shape_size(); ++i) {
-    if (request.input_shape(i) <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input_shape[", i, "]: must be positive, got ", request.input_shape(i)));
-    }
-  }
-  ASSIGN_OR_RETURN(Shape input_shape, ShapeFromProto(request.input_shape(), input_dtype,
-                                                     config_.max_tensor_bytes, "input_shape"));
+  ASSIGN_OR_RETURN(const DeclaredInput declared,
+                   CheckDeclaredInput(*added, request.input_dtype(), request.input_shape(),
+                                      config_.max_tensor_bytes));
+  const DType input_dtype = declared.dtype;
+  const Shape& input_shape = declared.shape;
   // Its variables for this input are exactly some of the layer's, so it
   // reads and trains them (under the autocast the layer was made with: its
   // fp8_metas exist iff InitLayer's did).
