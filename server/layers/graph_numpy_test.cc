@@ -349,7 +349,8 @@ TEST_F(NumpyNodeTest, ComparisonsGiveBoolAndWhereRoutesTheGradient) {
       {Spec::Binary::EQUAL, [](double a, double b) { return a == b; }},
       {Spec::Binary::NOT_EQUAL, [](double a, double b) { return a != b; }},
   };
-  for (const auto& [op, f] : cmps) {
+  for (const auto& [op, compare] : cmps) {
+    const std::function<bool(double, double)>& f = compare;  // a lambda cannot capture a binding in C++17
     SCOPED_TRACE(Spec::Binary::Op_Name(op));
     // where(x op extra, x, extra * 2): the comparison itself gets no gradient.
     Spec g;
@@ -428,7 +429,8 @@ TEST_F(NumpyNodeTest, Unary) {
       {Spec::Unary::GELU_EXACT,
        [](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }, false},
   };
-  for (const auto& [op, f, positive] : cases) {
+  for (const auto& [op, function, positive] : cases) {
+    const std::function<double(double)>& f = function;  // a lambda cannot capture a binding in C++17
     SCOPED_TRACE(Spec::Unary::Op_Name(op));
     Spec g;
     std::string a = "x";
