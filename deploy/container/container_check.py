@@ -375,6 +375,7 @@ def hold(address, state_json):
     c = te()
     client = c.connect(address, pin_to_replica=False, rpc_timeout=60)
     w = Worker(client, 99)
+    w.session.detach()   # it must outlive this process: the server saves it at SIGTERM
     w.step()
     json.dump({"id": w.session.id, "token": w.session._ref.token, "layer": w.layer,
                "variables": {"%s/%s" % k: v[2].hex() for k, v in w.variables().items()}},

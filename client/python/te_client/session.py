@@ -149,6 +149,12 @@ class Session:
         _current_session.reset(self._tokens.pop())
         self.close()
 
+    def detach(self):
+        """Leaves the session open when this process exits (it is closed at
+        exit otherwise): for a session another process resumes with
+        Client.attach, or that the server saves at shutdown (--state_dir)."""
+        _open_sessions.discard(self)
+
     def close(self, timeout=None):
         """Frees everything the session holds: the server drops its tensors and
         unmaps its shared-memory regions with it (one RPC, not one per

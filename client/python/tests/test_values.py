@@ -190,6 +190,25 @@ def test_sessions_left_open_are_closed_at_exit(server_address, client):
         client.attach(session_id, token)
 
 
+def test_a_detached_session_outlives_its_process(server_address, client):
+    code = textwrap.dedent("""
+        import sys, te_client as te
+        c = te.connect(sys.argv[1])
+        s = c.session()
+        s.detach()
+        print(s.id, s.token)
+    """)
+    import os
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(te.__file__))))
+    run = subprocess.run([sys.executable, "-c", code, server_address], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert run.returncode == 0, run.stderr
+    session_id, token = run.stdout.split()
+    attached = client.attach(session_id, token)
+    assert attached.id == session_id
+    attached.close()
+
+
 def test_default_matmul_precision_reaches_every_step_request(session, rng, monkeypatch):
     x, t = _data(rng)
     model = Net()
