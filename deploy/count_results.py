@@ -21,9 +21,17 @@ def count_cases(xml_path, label):
     """(passed, failed) test cases of one JUnit XML file."""
     passed = failed = 0
     for case in ET.parse(xml_path).getroot().iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
             failed += 1
             print(f"FAILED: {label} {case.get('classname')}.{case.get('name')}")
+            # Why, in a few lines: CI's log keeps this even when a test's own
+            # output is too long to show.
+            why = (problem.get("message") or problem.text or "").strip()
+            for line in why.splitlines()[:12]:
+                print(f"    {line[:300]}")
         elif case.get("status", "run") == "run" and case.find("skipped") is None:
             passed += 1
     return passed, failed

@@ -73,6 +73,8 @@ ABSL_FLAG(int64_t, session_ttl_seconds, 1800, "idle time after which a session e
 ABSL_FLAG(std::string, state_dir, "",
           "directory for session checkpoints (Checkpoint RPC, and every session at shutdown); "
           "sessions saved there are restored at start. Empty: sessions live in memory only");
+ABSL_FLAG(std::string, log_level, "info",
+          "the least severe log lines written: info (every call's outcome), warning or error");
 ABSL_FLAG(std::string, advertise_address, "",
           "this replica's own host:port, returned by CreateSession so clients pin their session "
           "to it (session affinity behind a load balancer)");
@@ -338,6 +340,9 @@ int Failed(int code, const absl::Status& status) {
 
 int Run() {
   if (absl::Status flags = CheckFlags(); !flags.ok()) return Failed(2, flags);
+  absl::StatusOr<LogLevel> log_level = session::ParseLogLevel("--log_level", absl::GetFlag(FLAGS_log_level));
+  if (!log_level.ok()) return Failed(2, log_level.status());
+  session::SetMinLogLevel(*log_level);
   const sigset_t stop_signals = BlockStopSignals();
   absl::StatusOr<std::unique_ptr<service::DevicePool>> devices = OpenDevices();
   if (!devices.ok()) {

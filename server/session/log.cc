@@ -1,5 +1,6 @@
 #include "server/session/log.h"
 
+#include <atomic>
 #include <cstdio>
 #include <string>
 
@@ -13,13 +14,15 @@ namespace te::session {
 namespace {
 
 absl::Mutex log_mutex;
+std::atomic<LogLevel> min_level{LogLevel::kInfo};
 
 const char* LevelName(LogLevel level) {
   switch (level) {
+    case LogLevel::kInfo: return "info";
     case LogLevel::kWarning: return "warning";
     case LogLevel::kError: return "error";
-    default: return "info";
   }
+  return "info";
 }
 
 bool NeedsQuotes(absl::string_view value) {
@@ -57,6 +60,7 @@ void AppendValue(absl::string_view value, bool always_quote, std::string* line) 
 
 void Write(LogLevel level, absl::string_view session_id, absl::string_view message,
            LogFields fields) {
+  if (level < min_level.load(std::memory_order_relaxed)) return;
   const std::string line =
       absl::StrCat(FormatLogLine(level, absl::Now(), session_id, message, fields), "\n");
   absl::MutexLock lock(&log_mutex);
@@ -82,6 +86,16 @@ std::string FormatLogLine(LogLevel level, absl::Time time, absl::string_view ses
     AppendValue(value, /*always_quote=*/false, &line);
   }
   return line;
+}
+
+void SetMinLogLevel(LogLevel level) { min_level.store(level, std::memory_order_relaxed); }
+
+absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view flag, absl::string_view name) {
+  for (LogLevel level : {LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError}) {
+    if (name == LevelName(level)) return level;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, "=", name, ": want info, warning or error"));
 }
 
 void Log(LogLevel level, absl::string_view message, LogFields fields) {

@@ -11,12 +11,18 @@
 #include <string>
 #include <utility>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace te::session {
 
 enum class LogLevel { kInfo, kWarning, kError };
+
+// Lines below `level` are dropped (the server's --log_level); kInfo at start.
+void SetMinLogLevel(LogLevel level);
+// "info", "warning", "error"; INVALID_ARGUMENT naming `flag` otherwise.
+absl::StatusOr<LogLevel> ParseLogLevel(absl::string_view flag, absl::string_view name);
 
 // Extra fields after msg, in order: {"rpc", "Forward"}, {"code", "NOT_FOUND"}.
 using LogFields = std::initializer_list<std::pair<absl::string_view, absl::string_view>>;

@@ -37,5 +37,27 @@ TEST(LogLineTest, HostileSessionIdIsQuoted) {
             "ts=2025-01-31T12:00:00.123Z level=info session=\"x level=error\" msg=\"m\"");
 }
 
+TEST(LogLevelTest, ParsesTheThreeNamesAndNamesTheFlagOtherwise) {
+  EXPECT_EQ(*ParseLogLevel("--log_level", "warning"), LogLevel::kWarning);
+  EXPECT_EQ(*ParseLogLevel("--log_level", "error"), LogLevel::kError);
+  const absl::StatusOr<LogLevel> bad = ParseLogLevel("--log_level", "debug");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--log_level=debug"), std::string::npos);
+}
+
+TEST(LogLevelTest, LinesBelowTheMinimumAreDropped) {
+  SetMinLogLevel(LogLevel::kWarning);
+  testing::internal::CaptureStderr();
+  Log(LogLevel::kInfo, "dropped");
+  Log(LogLevel::kWarning, "kept warning");
+  LogForSession(LogLevel::kError, "s", "kept error");
+  const std::string written = testing::internal::GetCapturedStderr();
+  SetMinLogLevel(LogLevel::kInfo);
+  EXPECT_EQ(written.find("dropped"), std::string::npos);
+  EXPECT_NE(written.find("kept warning"), std::string::npos);
+  EXPECT_NE(written.find("kept error"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace te::session
