@@ -178,7 +178,7 @@ def main():
         tokens_since, train_losses = 0, []
         for step in range(1, args.steps + 1):
             tokens, labels = batch(rng, train, args.batch, args.seq)
-            state, metrics = losses.train_step(state, tokens, labels)
+            state, metrics = optim.train_step(state, tokens, labels)
             train_losses.append(metrics["loss"])
             tokens_since += tokens.size
             if step % args.eval_every == 0 or step == args.steps:
