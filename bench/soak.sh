@@ -33,7 +33,7 @@ dir="${SOAK_DIR:-$(mktemp -d /tmp/te_soak.XXXXXX)}"
 mkdir -p "$dir/state"
 rm -f "$dir/ready" "$dir/port"
 
-server_flags=(--device="$device" --state_dir="$dir/state" --log_level=warning
+server_flags=(--device="$device" --state_dir="$dir/state" --log_level=info
               --session_memory_bytes=$((16 << 30)) --max_sessions=64)
 fail=0
 note() { echo "soak: $*"; }
@@ -106,7 +106,7 @@ if kill -0 "$server_pid" 2>/dev/null; then
   note "second server exited $rc"
   [ "$rc" -eq 0 ] || fail=1
 fi
-grep -h 'sessions restored\|restored' "$dir/server2.log" 2>/dev/null | tail -2
+grep -h 'state directory read' "$dir/server2.log" 2>/dev/null | tail -1
 
 # The driver's figures: used MiB per interval, and the slope after the warm-up.
 if [ -s "$dir/nvidia_smi.txt" ]; then
