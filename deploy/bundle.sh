@@ -92,6 +92,8 @@ cudnn="${TE_CUDNN_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudn
 cuda="${TE_CUDA_LIB_DIR:-/usr/local/cuda-13.0/targets/x86_64-linux/lib}"
 export LD_LIBRARY_PATH="$here:$cudnn:$cuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TE_REQUIRE_GPU=1  # GPU tests fail, not skip, when no GPU is found
+# Tests that start a real server (tests/gpu/*fault*) find the bundled one.
+[ -x "$here/te_server" ] && export TE_SERVER_BINARY="${TE_SERVER_BINARY:-$here/te_server}"
 if [ "${1:-}" = "--gpu-tests" ]; then
   shift
   failed=0; passed=0

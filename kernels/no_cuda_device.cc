@@ -5,7 +5,7 @@
 
 namespace te {
 
-absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
+absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal, const CudaDeviceOptions&) {
   return absl::UnavailableError("cuda:" + std::to_string(ordinal) +
                                 " unavailable: te_server was built without CUDA");
 }

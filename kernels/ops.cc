@@ -34,6 +34,14 @@ DeviceMemoryStats Ops::device_memory_stats() const {
   return stats;
 }
 
+int64_t Ops::memory_available() const {
+  int64_t available = memory_limit_ - bytes_in_use_->load();
+  if (shared_account_ != nullptr) {
+    available = std::min(available, shared_account_->limit - shared_account_->in_use.load());
+  }
+  return std::max<int64_t>(available, 0);
+}
+
 void Ops::ResetDevicePeaks() {
   if (shared_account_ != nullptr) {
     shared_account_->peak_in_use.store(shared_account_->in_use.load());
@@ -66,7 +74,8 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "allocating ", bytes, " bytes for ", ShapeString(shape), " ", DTypeName(dtype),
           ": the sessions on ", device_name(), " already hold ", before, " of the ",
-          shared->limit, " bytes the device has for them; retry later"));
+          shared->limit, " bytes the device has for them (", std::max<int64_t>(shared->limit - before, 0),
+          " left); retry later"));
     }
   }
   auto raw = AllocateBytes(bytes);

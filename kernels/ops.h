@@ -492,6 +492,10 @@ class Ops {
   virtual void ResetDevicePeaks();
   int64_t memory_limit() const { return memory_limit_; }
   void set_memory_limit(int64_t bytes) { memory_limit_ = bytes; }
+  // The most one allocation may take now: the least of what this Ops' limit
+  // and the shared account (every session on the device) have left; 0 when
+  // either is spent. For refusing work that cannot fit before it starts.
+  int64_t memory_available() const;
   // Every allocation also draws on `account` (RESOURCE_EXHAUSTED past its
   // limit); none by default.
   void set_shared_account(std::shared_ptr<SharedMemoryAccount> account) {
@@ -923,9 +927,32 @@ class Device {
   virtual bool healthy() const { return true; }
 };
 
+// How a CUDA device is opened (te_server's --cuda_memory_* and
+// --inject_device_fault flags).
+struct CudaDeviceOptions {
+  // The bytes the device's sessions may hold together (one
+  // SharedMemoryAccount per device). 0: the device's free memory when it is
+  // opened, less memory_reserve_bytes.
+  int64_t memory_bytes = 0;
+  // Left outside the account for what does not go through it: the CUDA
+  // context's growth (kernels loaded lazily), the libraries' own allocations
+  // (cuBLASLt and cuDNN handles, plans, runtime-compiled engines) and the
+  // caching allocator's rounding. The caching allocator also gives cached
+  // blocks back before its reservation would reach into it.
+  int64_t memory_reserve_bytes = int64_t{4} << 30;
+  // For testing the fault path only (never reachable from the API): after
+  // this many kernel launches on the device, the next one fails as a sticky
+  // fault would (cudaErrorLaunchFailure, through kernels/cuda/check.h).
+  // Negative: never.
+  int64_t fault_after_launches = -1;
+};
+
 absl::StatusOr<std::unique_ptr<Device>> OpenCpuDevice();
-// Defined only in builds with CUDA; returns UNAVAILABLE when no GPU/driver.
-absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal);
+// Defined only in builds with CUDA; returns UNAVAILABLE when no GPU/driver,
+// and when the device has less free memory than options.memory_reserve_bytes
+// (or options.memory_bytes).
+absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal,
+                                                       const CudaDeviceOptions& options = {});
 bool CudaBackendBuilt();
 
 }  // namespace te

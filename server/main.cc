@@ -75,6 +75,15 @@ ABSL_FLAG(std::string, state_dir, "",
           "sessions saved there are restored at start. Empty: sessions live in memory only");
 ABSL_FLAG(std::string, log_level, "info",
           "the least severe log lines written: info (every call's outcome), warning or error");
+ABSL_FLAG(int64_t, cuda_memory_bytes, 0,
+          "device memory all the sessions on one GPU may hold together (one account per "
+          "device); 0: the memory free when the server starts, less --cuda_memory_reserve_bytes");
+ABSL_FLAG(int64_t, cuda_memory_reserve_bytes, int64_t{4} << 30,
+          "GPU memory kept outside the sessions' account, for the CUDA context, cuBLASLt and "
+          "cuDNN's own allocations and the caching allocator's rounding");
+ABSL_FLAG(std::string, inject_device_fault, "",
+          "TESTING ONLY: cuda:N@LAUNCHES makes kernel launch LAUNCHES+1 on cuda:N fail as a "
+          "sticky CUDA fault would (the device goes NOT_SERVING); empty: none");
 ABSL_FLAG(std::string, advertise_address, "",
           "this replica's own host:port, returned by CreateSession so clients pin their session "
           "to it (session affinity behind a load balancer)");
@@ -128,7 +137,13 @@ absl::Status CheckFlags() {
   if (absl::GetFlag(FLAGS_executor_queue) < 1) {
     return absl::InvalidArgumentError("--executor_queue must be at least 1");
   }
-  return absl::OkStatus();
+  if (absl::GetFlag(FLAGS_cuda_memory_bytes) < 0) {
+    return absl::InvalidArgumentError("--cuda_memory_bytes must be >= 0 (0: free memory at start)");
+  }
+  if (absl::GetFlag(FLAGS_cuda_memory_reserve_bytes) < 0) {
+    return absl::InvalidArgumentError("--cuda_memory_reserve_bytes must be >= 0");
+  }
+  return service::ParseFaultInjections(absl::GetFlag(FLAGS_inject_device_fault)).status();
 }
 
 // Written whole or not at all: a reader polling for the file never sees half.
@@ -162,8 +177,13 @@ absl::StatusOr<std::unique_ptr<service::DevicePool>> OpenDevices() {
   executor.threads = absl::GetFlag(FLAGS_executor_threads);
   executor.max_queued = absl::GetFlag(FLAGS_executor_queue);
   executor.sequence_gap = absl::Seconds(absl::GetFlag(FLAGS_sequence_gap_seconds));
+  service::DeviceOpenOptions open;
+  open.cuda.memory_bytes = absl::GetFlag(FLAGS_cuda_memory_bytes);
+  open.cuda.memory_reserve_bytes = absl::GetFlag(FLAGS_cuda_memory_reserve_bytes);
+  ASSIGN_OR_RETURN(open.faults,
+                   service::ParseFaultInjections(absl::GetFlag(FLAGS_inject_device_fault)));
   absl::StatusOr<std::unique_ptr<service::DevicePool>> devices =
-      service::DevicePool::Open(absl::GetFlag(FLAGS_device), executor);
+      service::DevicePool::Open(absl::GetFlag(FLAGS_device), executor, open);
   if (!devices.ok()) return devices.status();
   for (int i = 0; i < (*devices)->size(); ++i) {
     const DeviceInfo info = (*devices)->device(i).info();
@@ -307,13 +327,14 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
   return server;
 }
 
-// Serving while every device is: a session on a faulted one would only fail.
-bool PublishHealth(const service::DevicePool& devices, grpc::HealthCheckServiceInterface* health) {
-  bool healthy = true;
-  for (int i = 0; i < devices.size(); ++i) healthy = healthy && devices.device(i).healthy();
-  health->SetServingStatus("", healthy);
-  health->SetServingStatus(kServiceName, healthy);
-  return healthy;
+// Each device under its name, and the server while any device serves
+// (DevicePool contract 4). Returns the devices that are not healthy.
+std::string PublishHealth(const service::DevicePool& devices,
+                          grpc::HealthCheckServiceInterface* health) {
+  for (const service::HealthEntry& entry : devices.Health(kServiceName)) {
+    health->SetServingStatus(entry.service, entry.serving);
+  }
+  return devices.UnhealthyNames();
 }
 
 // The gauges the housekeeping thread refreshes: sessions, queued calls,
@@ -402,16 +423,18 @@ int Run() {
        {"state_dir", checkpoints != nullptr ? checkpoints->state_dir() : "none"}});
 
   // Housekeeping: expire idle sessions, follow the devices' health.
-  bool was_healthy = true;
+  std::string was_unhealthy;
   ServeUntilStopped(server->get(), health, stop_signals, [&] {
     sessions.Sweep();
     PublishGauges(server_metrics, **devices, sessions, service);
-    const bool healthy = PublishHealth(**devices, health);
-    if (was_healthy && !healthy) {
-      Log(LogLevel::kError, absl::StrCat("a device (", (*devices)->Names(),
-                                         ") reports a sticky error: health is NOT_SERVING"));
+    const std::string unhealthy = PublishHealth(**devices, health);
+    if (unhealthy != was_unhealthy) {
+      Log(LogLevel::kError,
+          absl::StrCat("sticky device error on ", unhealthy,
+                       ": NOT_SERVING there; its sessions fail with UNAVAILABLE, the other "
+                       "devices (if any) go on"));
     }
-    was_healthy = healthy;
+    was_unhealthy = unhealthy;
   });
   if (checkpoints != nullptr) {
     const int saved = service.SaveAllSessions(absl::Now() + kShutdownSaveWait);

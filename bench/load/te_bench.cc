@@ -7,6 +7,12 @@
 // the JSON report to --json (stdout after the table when --json is empty).
 // Exit status: 0 when no call failed, 1 when some did (the report still
 // prints), 2 for bad flags or a server that does not answer.
+//
+// With --soak_minutes it runs the soak instead (te_bench_soak.h): a mix of
+// training and churning sessions for that long, a line per --soak_interval_s,
+// and with --soak_restart_wait_s a check that a restarted server restored the
+// held sessions bit for bit (bench/soak.sh drives it). Exit status 0 when no
+// call failed and every held session came back, 1 otherwise.
 #include <fstream>
 #include <iostream>
 
@@ -15,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/load/te_bench_lib.h"
+#include "bench/load/te_bench_soak.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "te_server address (host:port)");
@@ -42,6 +49,17 @@ ABSL_FLAG(std::string, affinity_keys, "",
           "comma-separated x-te-session keys, client i taking the i-th (cycling); empty: random");
 ABSL_FLAG(double, rpc_timeout_s, 600.0, "deadline of each call");
 ABSL_FLAG(std::string, json, "", "write the JSON report here (empty: stdout, after the table)");
+ABSL_FLAG(double, soak_minutes, 0, "run the soak for this long instead of a sweep (0: no soak)");
+ABSL_FLAG(int, soak_churners, 2, "soak: clients that open a session, step and close it, again");
+ABSL_FLAG(int, soak_churn_steps, 4, "soak: steps per churned session");
+ABSL_FLAG(double, soak_interval_s, 60, "soak: seconds per stats line");
+ABSL_FLAG(double, soak_warmup_s, 60, "soak: memory slopes start after this many seconds");
+ABSL_FLAG(int, server_pid, 0, "soak: the server's pid, for its resident memory (same host)");
+ABSL_FLAG(double, soak_restart_wait_s, 0,
+          "soak: after the run, record the held sessions' variables, then wait this long for a "
+          "restarted server and compare (0: no restore check)");
+ABSL_FLAG(std::string, soak_ready_file, "",
+          "soak: created once the variables are recorded (the moment to restart the server)");
 
 namespace te::client::bench {
 namespace {
@@ -81,12 +99,36 @@ absl::StatusOr<BenchOptions> OptionsFromFlags() {
   return o;
 }
 
+int Soak(const BenchOptions& bench) {
+  SoakOptions o;
+  o.server = bench.server;
+  o.size = bench.size;
+  o.device = bench.device;
+  o.duration = absl::Seconds(absl::GetFlag(FLAGS_soak_minutes) * 60);
+  o.churners = absl::GetFlag(FLAGS_soak_churners);
+  o.churn_steps = absl::GetFlag(FLAGS_soak_churn_steps);
+  o.interval = absl::Seconds(absl::GetFlag(FLAGS_soak_interval_s));
+  o.warmup = absl::Seconds(absl::GetFlag(FLAGS_soak_warmup_s));
+  o.server_pid = absl::GetFlag(FLAGS_server_pid);
+  o.restart_wait = absl::Seconds(absl::GetFlag(FLAGS_soak_restart_wait_s));
+  o.ready_file = absl::GetFlag(FLAGS_soak_ready_file);
+  o.rpc_timeout = bench.rpc_timeout;
+  o.out = &std::cout;
+  absl::StatusOr<SoakReport> report = RunSoak(o);
+  if (!report.ok()) {
+    std::cerr << "te_bench: " << report.status() << std::endl;
+    return 2;
+  }
+  return report->ok() ? 0 : 1;
+}
+
 int Main() {
   absl::StatusOr<BenchOptions> options = OptionsFromFlags();
   if (!options.ok()) {
     std::cerr << "te_bench: " << options.status() << std::endl;
     return 2;
   }
+  if (absl::GetFlag(FLAGS_soak_minutes) > 0) return Soak(*options);
   absl::StatusOr<BenchReport> report = RunBench(*options);
   if (!report.ok()) {
     std::cerr << "te_bench: " << report.status() << std::endl;

@@ -102,6 +102,11 @@ TEST(CpuDeviceTest, SessionsTogetherStayWithinTheDevicesMemory) {
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("the sessions on cpu"), std::string::npos)
       << refused.status();
+  EXPECT_NE(refused.status().message().find("(448576 left)"), std::string::npos)
+      << refused.status();
+  // What b may still take: the device's remainder, below its own limit's.
+  EXPECT_EQ(b.memory_available(), (1 << 20) - 600000);
+  EXPECT_EQ(a.memory_available(), (1 << 20) - 600000);
   EXPECT_EQ(b.bytes_in_use(), 0);
   EXPECT_EQ(shared->in_use.load(), 600000);
   held = absl::StatusOr<Tensor>(absl::CancelledError("freed"));  // a's tensor goes

@@ -66,11 +66,22 @@ absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
     }
   }
   if (ptr == nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (static_cast<int64_t>(size) > reserve_limit_ - stats_.bytes_reserved &&
+          !free_blocks_.empty()) {
+        ReleaseCachedLocked();
+        ++stats_.cache_releases;
+      }
+    }
     cudaError_t error = cudaMalloc(&ptr, size);
     if (error == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();  // clear the non-sticky error
       std::lock_guard<std::mutex> lock(mu_);
-      ReleaseCachedLocked();
+      if (!free_blocks_.empty()) {
+        ReleaseCachedLocked();
+        ++stats_.cache_releases;
+      }
       error = cudaMalloc(&ptr, size);
     }
     if (error == cudaErrorMemoryAllocation) {

@@ -10,7 +10,11 @@
 // reuses it, T waits on an event recorded on S (no host sync).
 //
 // On a miss that cudaMalloc cannot serve, every cached block is released and
-// the allocation retried once; RESOURCE_EXHAUSTED if it still fails.
+// the allocation retried once; RESOURCE_EXHAUSTED if it still fails. Under
+// pressure the cache goes first: a miss that would take what the allocator
+// holds from the driver past its `reserve_limit` releases every cached block
+// before its cudaMalloc, so the cache never holds memory the device's other
+// users (the libraries' own allocations, lazily loaded kernels) need.
 #ifndef TE_KERNELS_CUDA_ALLOCATOR_H_
 #define TE_KERNELS_CUDA_ALLOCATOR_H_
 
@@ -18,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <climits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,10 +44,12 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
     int64_t peak_bytes_reserved = 0;
     int64_t cuda_mallocs = 0;    // misses served by cudaMalloc, ever
     int64_t cache_hits = 0;
+    int64_t cache_releases = 0;  // times the cache was given back under pressure
   };
 
   // Make with std::make_shared: handed-out memory keeps its allocator alive.
-  explicit CachingAllocator(int ordinal) : ordinal_(ordinal) {}
+  explicit CachingAllocator(int ordinal, int64_t reserve_limit = INT64_MAX)
+      : ordinal_(ordinal), reserve_limit_(reserve_limit) {}
   ~CachingAllocator();
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
@@ -78,6 +85,7 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   void ReleaseCachedLocked();
 
   const int ordinal_;
+  const int64_t reserve_limit_;
   mutable std::mutex mu_;
   // size -> free blocks of exactly that rounded size.
   std::map<size_t, std::vector<FreeBlock>> free_blocks_;

@@ -17,6 +17,16 @@ std::atomic<bool>& UnhealthyFlag(int ordinal) {
   return ordinal >= 0 && ordinal < kMaxDevices ? flags[ordinal] : out_of_range;
 }
 
+LaunchFaultCountdown& Countdown(int ordinal) {
+  static LaunchFaultCountdown countdowns[kMaxDevices];
+  static LaunchFaultCountdown out_of_range;
+  return ordinal >= 0 && ordinal < kMaxDevices ? countdowns[ordinal] : out_of_range;
+}
+
+// Whether any device is armed: what keeps LaunchError to one load on the
+// launch path of a server that injects nothing.
+std::atomic<bool> any_fault_armed{false};
+
 std::string Where(const char* expr, const char* file, int line) {
   return absl::StrCat(expr, " at ", file, ":", line);
 }
@@ -46,6 +56,34 @@ bool IsStickyError(cudaError_t error) {
 void MarkDeviceUnhealthy(int ordinal) { UnhealthyFlag(ordinal).store(true); }
 
 bool DeviceHealthy(int ordinal) { return !UnhealthyFlag(ordinal).load(); }
+
+void LaunchFaultCountdown::Arm(int64_t after_launches) {
+  left_.store(after_launches < 0 ? -1 : after_launches);
+}
+
+bool LaunchFaultCountdown::CountLaunch() {
+  int64_t left = left_.load();
+  // Down by one per launch; the launch that finds 0 fails and disarms.
+  while (left >= 0) {
+    if (left_.compare_exchange_weak(left, left - 1)) return left == 0;
+  }
+  return false;
+}
+
+bool LaunchFaultCountdown::armed() const { return left_.load() >= 0; }
+
+void InjectLaunchFault(int ordinal, int64_t after_launches) {
+  Countdown(ordinal).Arm(after_launches);
+  if (after_launches >= 0) any_fault_armed.store(true);
+}
+
+cudaError_t LaunchError() {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess || !any_fault_armed.load(std::memory_order_relaxed)) return error;
+  int ordinal = -1;
+  if (cudaGetDevice(&ordinal) != cudaSuccess) return cudaSuccess;
+  return Countdown(ordinal).CountLaunch() ? cudaErrorLaunchFailure : cudaSuccess;
+}
 
 absl::Status CudaErrorToStatus(cudaError_t error, const char* expr, const char* file, int line) {
   const std::string message =

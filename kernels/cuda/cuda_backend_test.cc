@@ -5,14 +5,18 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/allocator.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/cuda_device.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -44,6 +48,67 @@ TEST(CudaBackendTest, CudaErrorsBecomeStatuses) {
   EXPECT_TRUE(IsStickyError(cudaErrorLaunchFailure));
   EXPECT_FALSE(IsStickyError(cudaErrorMemoryAllocation));
   EXPECT_FALSE(IsStickyError(cudaErrorInvalidValue));
+}
+
+TEST(CudaBackendTest, LaunchFaultCountdownFiresOnceAfterItsLaunches) {
+  LaunchFaultCountdown countdown;
+  EXPECT_FALSE(countdown.armed());
+  EXPECT_FALSE(countdown.CountLaunch());
+  countdown.Arm(3);
+  EXPECT_TRUE(countdown.armed());
+  EXPECT_FALSE(countdown.CountLaunch());
+  EXPECT_FALSE(countdown.CountLaunch());
+  EXPECT_FALSE(countdown.CountLaunch());
+  EXPECT_TRUE(countdown.CountLaunch());  // the fourth launch fails
+  EXPECT_FALSE(countdown.armed());
+  EXPECT_FALSE(countdown.CountLaunch());
+  countdown.Arm(0);
+  EXPECT_TRUE(countdown.CountLaunch());
+  countdown.Arm(5);
+  countdown.Arm(-1);
+  EXPECT_FALSE(countdown.CountLaunch());
+}
+
+TEST(CudaBackendTest, LaunchFaultCountdownFiresExactlyOnceAcrossThreads) {
+  LaunchFaultCountdown countdown;
+  countdown.Arm(999);
+  std::atomic<int> fired{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 500; ++i) fired += countdown.CountLaunch() ? 1 : 0;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(fired.load(), 1);
+}
+
+TEST(CudaBackendTest, AnInjectedFaultIsStickyAndNamesTheDevice) {
+  // The status the injected launch error becomes: the same as a real fault.
+  const absl::Status status =
+      CudaErrorToStatus(cudaErrorLaunchFailure, "kernel launch", "norm.cu", 382);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(status.message().find("unusable until the server restarts"), std::string::npos)
+      << status;
+}
+
+TEST(CudaBackendTest, SessionsMemoryIsFreeMemoryLessTheReserve) {
+  CudaDeviceOptions options;
+  options.memory_reserve_bytes = int64_t{4} << 30;
+  EXPECT_EQ(*SessionsMemoryBytes(0, int64_t{140} << 30, options), int64_t{136} << 30);
+  options.memory_bytes = int64_t{10} << 30;  // an operator's share of a GPU
+  EXPECT_EQ(*SessionsMemoryBytes(0, int64_t{140} << 30, options), int64_t{10} << 30);
+  options.memory_bytes = int64_t{137} << 30;  // more than is free beyond the reserve
+  const absl::Status over = SessionsMemoryBytes(1, int64_t{140} << 30, options).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kUnavailable) << over;
+  EXPECT_NE(over.message().find("cuda:1"), std::string::npos) << over;
+  options.memory_bytes = 0;
+  const absl::Status full = SessionsMemoryBytes(0, int64_t{3} << 30, options).status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kUnavailable) << full;
+  EXPECT_NE(full.message().find("memory reserve"), std::string::npos) << full;
+  options.memory_reserve_bytes = -1;
+  EXPECT_EQ(SessionsMemoryBytes(0, int64_t{3} << 30, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CudaBackendTest, LibraryErrorsBecomeStatuses) {

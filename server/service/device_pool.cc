@@ -21,13 +21,27 @@ using session::LogLevel;
 // "all" probes ordinals until one fails; no host has more than this.
 constexpr int kMaxCudaDevices = 64;
 
-absl::StatusOr<std::unique_ptr<Device>> OpenNamed(const std::string& name) {
+// The options for cuda:`ordinal`: the common ones, and its fault if armed.
+CudaDeviceOptions CudaOptionsFor(int ordinal, const DeviceOpenOptions& open) {
+  CudaDeviceOptions options = open.cuda;
+  options.fault_after_launches = -1;
+  for (const FaultInjection& fault : open.faults) {
+    if (fault.device == absl::StrCat("cuda:", ordinal)) {
+      options.fault_after_launches = fault.after_launches;
+    }
+  }
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<Device>> OpenNamed(const std::string& name,
+                                                  const DeviceOpenOptions& open) {
   if (name == "cpu") return OpenCpuDevice();
   int ordinal = -1;
   if (!absl::SimpleAtoi(name.substr(5), &ordinal)) {
     return absl::InvalidArgumentError(absl::StrCat("--device: bad entry '", name, "'"));
   }
-  absl::StatusOr<std::unique_ptr<Device>> device = OpenCudaDevice(ordinal);
+  absl::StatusOr<std::unique_ptr<Device>> device =
+      OpenCudaDevice(ordinal, CudaOptionsFor(ordinal, open));
   if (!device.ok()) {
     return absl::Status(device.status().code(),
                         absl::StrCat("--device: ", name, ": ", device.status().message()));
@@ -60,6 +74,31 @@ absl::StatusOr<std::vector<std::string>> ParseDeviceList(const std::string& flag
   return names;
 }
 
+absl::StatusOr<std::vector<FaultInjection>> ParseFaultInjections(const std::string& flag) {
+  std::vector<FaultInjection> faults;
+  std::set<std::string> seen;
+  for (absl::string_view entry : absl::StrSplit(flag, ',', absl::SkipWhitespace())) {
+    const std::vector<std::string> parts =
+        absl::StrSplit(absl::StripAsciiWhitespace(entry), absl::MaxSplits('@', 1));
+    FaultInjection fault;
+    fault.device = parts[0];
+    const absl::StatusOr<std::vector<std::string>> name = ParseDeviceList(fault.device);
+    if (parts.size() != 2 || !name.ok() || fault.device == "cpu" ||
+        !absl::SimpleAtoi(parts[1], &fault.after_launches) || fault.after_launches < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--inject_device_fault=", flag, ": '", entry,
+          "' is not cuda:N@LAUNCHES (a CUDA device and how many kernel launches pass first; the "
+          "CPU has no launches to fail)"));
+    }
+    if (!seen.insert(fault.device).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--inject_device_fault=", flag, ": ", fault.device, " is listed twice"));
+    }
+    faults.push_back(fault);
+  }
+  return faults;
+}
+
 int LeastLoaded(const std::vector<DeviceLoad>& loads) {
   int best = 0;
   for (int i = 1; i < static_cast<int>(loads.size()); ++i) {
@@ -73,12 +112,14 @@ int LeastLoaded(const std::vector<DeviceLoad>& loads) {
 }
 
 absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Open(
-    const std::string& flag, const session::ExecutorOptions& executor) {
+    const std::string& flag, const session::ExecutorOptions& executor,
+    const DeviceOpenOptions& open) {
   std::vector<std::unique_ptr<Device>> devices;
   if (flag == "auto" || flag == "all") {
     if (CudaBackendBuilt()) {
       for (int ordinal = 0; ordinal < kMaxCudaDevices; ++ordinal) {
-        absl::StatusOr<std::unique_ptr<Device>> cuda = OpenCudaDevice(ordinal);
+        absl::StatusOr<std::unique_ptr<Device>> cuda =
+            OpenCudaDevice(ordinal, CudaOptionsFor(ordinal, open));
         if (!cuda.ok()) {
           if (ordinal == 0) {
             Log(LogLevel::kWarning,
@@ -101,11 +142,22 @@ absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Open(
   } else {
     ASSIGN_OR_RETURN(std::vector<std::string> names, ParseDeviceList(flag));
     for (const std::string& name : names) {
-      ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenNamed(name));
+      ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenNamed(name, open));
       devices.push_back(std::move(device));
     }
   }
-  return std::make_unique<DevicePool>(std::move(devices), executor);
+  auto pool = std::make_unique<DevicePool>(std::move(devices), executor);
+  for (const FaultInjection& fault : open.faults) {
+    if (pool->Find(fault.device) < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--inject_device_fault: ", fault.device, " is not served here (",
+                       pool->Names(), ")"));
+    }
+    Log(LogLevel::kWarning,
+        absl::StrCat("--inject_device_fault: kernel launch ", fault.after_launches + 1, " on ",
+                     fault.device, " will fail as a sticky fault would (testing only)"));
+  }
+  return pool;
 }
 
 DevicePool::DevicePool(std::vector<std::unique_ptr<Device>> devices,
@@ -137,9 +189,47 @@ absl::StatusOr<int> DevicePool::Place(const std::string& requested,
           absl::StrCat("device: '", requested, "' is not served here; this server runs on ",
                        Names(), " (leave device empty for the server's choice)"));
     }
+    if (!device(index).healthy()) {
+      return absl::UnavailableError(
+          absl::StrCat("device: ", requested,
+                       " hit a sticky error and takes no new sessions until the server restarts"));
+    }
     return index;
   }
-  return LeastLoaded(loads);
+  // The least loaded of the healthy devices (their indices kept for ties).
+  std::vector<DeviceLoad> healthy_loads;
+  std::vector<int> healthy;
+  for (int i = 0; i < size(); ++i) {
+    if (!device(i).healthy()) continue;
+    healthy.push_back(i);
+    healthy_loads.push_back(loads[i]);
+  }
+  if (healthy.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "no device can take a new session: ", Names(), " hit sticky errors"));
+  }
+  return healthy[LeastLoaded(healthy_loads)];
+}
+
+std::vector<HealthEntry> DevicePool::Health(const std::string& service_name) const {
+  std::vector<HealthEntry> entries;
+  bool any = false;
+  for (int i = 0; i < size(); ++i) {
+    const bool serving = device(i).healthy();
+    any = any || serving;
+    entries.push_back({name(i), serving});
+  }
+  entries.push_back({"", any});
+  entries.push_back({service_name, any});
+  return entries;
+}
+
+std::string DevicePool::UnhealthyNames() const {
+  std::vector<std::string> names;
+  for (int i = 0; i < size(); ++i) {
+    if (!device(i).healthy()) names.push_back(name(i));
+  }
+  return absl::StrJoin(names, ", ");
 }
 
 std::string DevicePool::Names() const {

@@ -4,6 +4,7 @@
 // session_steps.cc.
 #include "server/session/session.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <utility>
@@ -189,12 +190,19 @@ absl::Status Session::CheckFitsMemory(const std::vector<layers::VariableSpec>& s
     }
   }
   const int64_t free_bytes = ops_->memory_limit() - ops_->bytes_in_use();
-  if (total > free_bytes) {
+  // The device's memory, which every session on it shares, may be the
+  // tighter bound.
+  const int64_t device_free_bytes = ops_->memory_available();
+  if (total > std::min(free_bytes, device_free_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "spec: the layer's ", specs.size(), " variables need ", total, " bytes (",
         largest->name, " ", ShapeString(largest->shape), " ", DTypeName(largest->dtype), " alone ",
-        largest_bytes, "), more than the ", free_bytes, " bytes this session has left of its ",
-        ops_->memory_limit(), " (--session_memory_bytes)"));
+        largest_bytes, "), more than the ",
+        total > free_bytes
+            ? absl::StrCat(free_bytes, " bytes this session has left of its ",
+                           ops_->memory_limit(), " (--session_memory_bytes)")
+            : absl::StrCat(device_free_bytes, " bytes ", ops_->device_name(),
+                           " has left for its sessions; retry later")));
   }
   return absl::OkStatus();
 }
