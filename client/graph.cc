@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/module_outputs.h"
@@ -581,6 +582,49 @@ absl::StatusOr<te::v1::LayerSpec> Graph::Spec() const {
   }
   for (int output : outputs_) graph->add_outputs(edge_names[output]);
   return spec;
+}
+
+namespace {
+
+// i for "extra_inputs[i]", else -1.
+int ExtraIndex(const std::string& name) {
+  constexpr absl::string_view kPrefix = "extra_inputs[";
+  int i = -1;
+  if (!absl::StartsWith(name, kPrefix) || !absl::EndsWith(name, "]")) return -1;
+  return absl::SimpleAtoi(name.substr(kPrefix.size(), name.size() - kPrefix.size() - 1), &i) ? i : -1;
+}
+
+}  // namespace
+
+std::vector<te::v1::TensorHeader> Graph::ExtraInputs(const Shape& x) const {
+  absl::StatusOr<te::v1::LayerSpec> spec = Spec();
+  if (!spec.ok()) return {};  // Init sends the spec's error
+  int count = 0;
+  for (const te::v1::GraphSpec::Node& node : spec->graph().nodes()) {
+    for (const std::string& input : node.inputs()) count = std::max(count, ExtraIndex(input) + 1);
+  }
+  for (const std::string& output : spec->graph().outputs()) {
+    count = std::max(count, ExtraIndex(output) + 1);
+  }
+  std::vector<te::v1::TensorHeader> headers(count);
+  std::vector<bool> made(count, false);
+  const Shape& traced_x = edges_[0].shape;
+  for (const EdgeInfo& e : edges_) {
+    const int i = e.node < 0 ? ExtraIndex(e.input_name) : -1;
+    if (i < 0 || i >= count) continue;
+    headers[i].set_dtype(DTypeToProto(e.dtype));
+    headers[i].clear_shape();
+    // The server's rule (te.v1 InitLayerRequest.extra_inputs): leading dims
+    // that are the traced x's follow x's.
+    bool leading = true;
+    for (size_t d = 0; d < e.shape.size(); ++d) {
+      leading = leading && d < traced_x.size() && d < x.size() && e.shape[d] == traced_x[d];
+      headers[i].add_shape(leading ? x[d] : e.shape[d]);
+    }
+    made[i] = true;
+  }
+  if (std::find(made.begin(), made.end(), false) != made.end()) return {};
+  return headers;
 }
 
 }  // namespace te::client

@@ -69,7 +69,10 @@ class Graph : public Module {
   // The request's attention mask, bool [batch, 1, q_len, kv_len]: only a
   // module's mask may read it.
   Edge AttentionMask(Shape shape);
-  // ForwardRequest.extra_inputs[i].
+  // ForwardRequest.extra_inputs[i], of any dtype: Init and AddGraph declare
+  // each one's dtype and shape (ExtraInputs), and a call's must match them,
+  // leading dims that are x's following x's (labels [batch] beside x
+  // [batch, features] at any batch).
   Edge ExtraInput(int i, Shape shape, DType dtype);
 
   const Shape& shape(Edge e) const;  // an invalid edge's is empty
@@ -188,6 +191,11 @@ class Graph : public Module {
   absl::StatusOr<te::v1::LayerSpec> Spec() const override;
   // The Dropout nodes and the module nodes whose modules draw dropout.
   std::vector<std::string> DropoutUsers() const override { return dropout_users_; }
+  // One header per extra input the spec reads (extra_inputs[0] up to the
+  // highest read), its ExtraInput dtype and shape beside `x`: the shape's
+  // leading dims that equal this graph's x's are `x`'s. Empty when the graph
+  // reads none, or one of them was never made with ExtraInput.
+  std::vector<te::v1::TensorHeader> ExtraInputs(const Shape& x) const override;
 
  private:
   struct EdgeInfo {

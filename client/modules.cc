@@ -219,6 +219,7 @@ absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const Hos
   request.set_input_dtype(DTypeToProto(x.dtype()));
   for (int64_t d : x.shape()) request.add_input_shape(d);
   *request.mutable_autocast() = ToProto(Autocast::Current());
+  for (te::v1::TensorHeader& extra : ExtraInputs(x.shape())) *request.add_extra_inputs() = std::move(extra);
   ASSIGN_OR_RETURN(te::v1::InitLayerResponse response, session.InitLayer(std::move(request)));
 
   Variables vars;
@@ -407,6 +408,7 @@ absl::StatusOr<AddedGraph> AddGraph(const Variables& vars, const Module& graph, 
   *request.mutable_graph() = spec.graph();
   request.set_input_dtype(DTypeToProto(x_dtype));
   for (int64_t d : x_shape) request.add_input_shape(d);
+  for (te::v1::TensorHeader& extra : graph.ExtraInputs(x_shape)) *request.add_extra_inputs() = std::move(extra);
   ASSIGN_OR_RETURN(te::v1::AddGraphResponse response, vars.session->AddGraph(std::move(request)));
   AddedGraph added;
   added.graph = response.graph();

@@ -158,11 +158,17 @@ class Module {
   // ("dropout") callers): the module itself when one of its dropout rates is
   // above 0; a Graph names its nodes.
   virtual std::vector<std::string> DropoutUsers() const { return {}; }
+  // The extra inputs a call beside an x of `x` takes, as Init and AddGraph
+  // declare them to the server (InitLayerRequest.extra_inputs): a Graph's
+  // ExtraInput edges, of any dtype (int32 labels beside a float x). Empty for
+  // the other modules, whose extra inputs (k, v) have x's dtype.
+  virtual std::vector<te::v1::TensorHeader> ExtraInputs(const Shape& x) const { return {}; }
 
   // Creates the layer's variables on the server from `key` and x's shape and
   // dtype (x's values are not sent). Under a DelayedScaling autocast the
   // fp8_metas collection is created too. INVALID_ARGUMENT when x does not fit
-  // the module. The returned Variables point at `session`.
+  // the module (a Graph's declared extra inputs included). The returned
+  // Variables point at `session`.
   absl::StatusOr<Variables> Init(Session& session, uint64_t key, const HostTensor& x) const;
 
   // y = apply(vars, x). FAILED_PRECONDITION (the server's message) when FP8 is

@@ -34,14 +34,17 @@ TE_HOST_DEVICE inline float BinaryValue(BinaryOp op, float a, float b) {
 }
 
 // d op / d a and d op / d b at (a, b), as ops.h's BinaryBackward states.
+// maximum and minimum follow jax.lax.max / min: the chosen operand gets the
+// gradient, a tie gives each half, and a NaN operand (the output NaN) gives
+// neither any.
 TE_HOST_DEVICE inline float BinaryGradA(BinaryOp op, float a, float b) {
   switch (op) {
     case BinaryOp::kAdd:
     case BinaryOp::kSubtract: return 1.0f;
     case BinaryOp::kMultiply: return b;
     case BinaryOp::kDivide: return 1.0f / b;
-    case BinaryOp::kMaximum: return a >= b ? 1.0f : 0.0f;
-    case BinaryOp::kMinimum: return a <= b ? 1.0f : 0.0f;
+    case BinaryOp::kMaximum: return a > b ? 1.0f : (a == b ? 0.5f : 0.0f);
+    case BinaryOp::kMinimum: return a < b ? 1.0f : (a == b ? 0.5f : 0.0f);
     case BinaryOp::kPower: return b == 0.0f ? 0.0f : b * powf(a, b - 1.0f);
     case BinaryOp::kGreater:
     case BinaryOp::kGreaterEqual:
@@ -58,8 +61,8 @@ TE_HOST_DEVICE inline float BinaryGradB(BinaryOp op, float a, float b) {
     case BinaryOp::kSubtract: return -1.0f;
     case BinaryOp::kMultiply: return a;
     case BinaryOp::kDivide: return -a / (b * b);
-    case BinaryOp::kMaximum: return a >= b ? 0.0f : 1.0f;
-    case BinaryOp::kMinimum: return a <= b ? 0.0f : 1.0f;
+    case BinaryOp::kMaximum: return b > a ? 1.0f : (a == b ? 0.5f : 0.0f);
+    case BinaryOp::kMinimum: return b < a ? 1.0f : (a == b ? 0.5f : 0.0f);
     case BinaryOp::kPower: return a == 0.0f ? 0.0f : logf(a) * powf(a, b);
     case BinaryOp::kGreater:
     case BinaryOp::kGreaterEqual:

@@ -573,7 +573,8 @@ class Ops {
   // dims (the caller reduces them to its operands' shapes with Reduce):
   //   da = dy * d op/da (a, b),  db = dy * d op/db (a, b)
   // add 1, 1; subtract 1, -1; multiply b, a; divide 1/b, -a/b^2; maximum
-  // [a >= b], [a < b] (a on ties); minimum [a <= b], [a > b]; power
+  // [a > b], [b > a] and minimum [a < b], [b < a], each 1/2 on a tie and 0
+  // where one is NaN (jax.lax.max and min); power
   // b a^(b-1) (0 where b == 0), log(a) a^b (0 where a == 0), as JAX's.
   // dy: float of y's shape; da, db: float (f32 or the operands' dtype), y's
   // shape, either null when not wanted (db always with a scalar, whose

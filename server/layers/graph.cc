@@ -11,6 +11,7 @@
 // dtype.
 #include "server/layers/graph.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -79,7 +80,7 @@ absl::Status CheckFloatInput(const Tensor& t, const std::string& field) {
 }
 
 // A graph input: float, or int32 where the graph takes token ids (x, and
-// extra inputs such as a loss's labels, which arrive in x's dtype).
+// undeclared extra inputs such as a loss's labels, which arrive in x's dtype).
 absl::Status CheckGraphInput(const Tensor& t, bool ids, const std::string& field) {
   if (!ids) return CheckFloatInput(t, field);
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));
@@ -108,7 +109,8 @@ class GraphSaved : public SavedForward {
 
 class GraphLayer : public Layer {
  public:
-  explicit GraphLayer(Graph graph) : g_(std::move(graph)) {
+  GraphLayer(Graph graph, std::optional<DeclaredExtras> extras)
+      : g_(std::move(graph)), extras_(std::move(extras)) {
     for (const Node& node : g_.nodes) {
       for (int id : node.inputs) {
         takes_ids_ = takes_ids_ || (id == kX && node.kind == NodeKind::kModule &&
@@ -135,8 +137,28 @@ class GraphLayer : public Layer {
                       }
                       return absl::OkStatus();
                     }).status());
+    // A param node may read a module node's variable (a loss's penalty on a
+    // kernel): one variable, which the module creates.
     for (const Node& node : g_.nodes) {
-      if (node.kind == NodeKind::kParam) specs.push_back(graph::ParamSpec(node));
+      if (node.kind != NodeKind::kParam) continue;
+      VariableSpec spec = graph::ParamSpec(node);
+      auto same = std::find_if(specs.begin(), specs.end(),
+                               [&](const VariableSpec& s) { return s.name == spec.name; });
+      if (same == specs.end()) {
+        const Node* owner = ScopeOwner(node.name);
+        if (owner != nullptr) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              node.field, ".name: lies inside the scope of module ", owner->field, ", which has no ",
+              spec.name, " for x ", ShapeString(input_shape),
+              "; a param there reads one of the module's own"));
+        }
+        specs.push_back(std::move(spec));
+      } else if (same->shape != spec.shape || same->dtype != spec.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            node.field, ".param: ", ShapeString(spec.shape), " ", DTypeName(spec.dtype), ", but ",
+            spec.name, " is ", ShapeString(same->shape), " ", DTypeName(same->dtype),
+            " (a module node's)"));
+      }
     }
     return specs;
   }
@@ -152,11 +174,15 @@ class GraphLayer : public Layer {
     return y.shape;
   }
 
-  // Inference's dtype rules without the shapes: extra inputs arrive in x's
-  // dtype, a module gives its OutputDType, a cast its dtype, every other op
-  // its first input's (the inputs of add and concatenate agree).
+  // Inference's dtype rules without the shapes: extra inputs have their
+  // declared dtypes (else x's), a module gives its OutputDType, a cast its
+  // dtype, every other op its first input's (the inputs of add and
+  // concatenate agree).
   DType OutputDType(DType input) const override {
     std::vector<DType> dtypes(g_.tensors.size(), input);
+    for (int i = 0; extras_ && i < g_.num_extra; ++i) {
+      if (g_.extras[i] >= 0) dtypes[g_.extras[i]] = extras_->dtypes[i];
+    }
     for (int i : g_.order) {
       const Node& node = g_.nodes[i];
       DType out = node.inputs.empty() ? input : dtypes[node.inputs[0]];
@@ -219,7 +245,8 @@ class GraphLayer : public Layer {
                       return absl::OkStatus();
                     }).status());
     for (const Node& node : g_.nodes) {
-      if (node.kind == NodeKind::kParam) RETURN_IF_ERROR(graph::InitParam(ops, seed, node, vars));
+      if (node.kind != NodeKind::kParam || vars->count(graph::ParamName(node)) > 0) continue;
+      RETURN_IF_ERROR(graph::InitParam(ops, seed, node, vars));
     }
     return absl::OkStatus();
   }
@@ -243,8 +270,14 @@ class GraphLayer : public Layer {
     }
     auto kept = std::make_unique<GraphSaved>();
     for (size_t i = 0; i < in.extra.size(); ++i) {
-      RETURN_IF_ERROR(
-          CheckGraphInput(in.extra[i], takes_ids_, absl::StrCat("extra_inputs[", i, "]")));
+      const std::string field = absl::StrCat("extra_inputs[", i, "]");
+      if (extras_) {
+        if (!in.extra[i].defined()) return absl::InvalidArgumentError(field + ": missing");
+        RETURN_IF_ERROR(CheckDeclaredExtra(*extras_, i, in.extra[i].dtype(), in.extra[i].shape(),
+                                           in.x.shape(), field));
+      } else {
+        RETURN_IF_ERROR(CheckGraphInput(in.extra[i], takes_ids_, field));
+      }
       kept->extras.push_back(TensorInfo{true, in.extra[i].shape(), in.extra[i].dtype()});
     }
     ASSIGN_OR_RETURN(kept->plan, graph::Infer(g_, TensorInfo{true, in.x.shape(), in.x.dtype()},
@@ -419,7 +452,29 @@ class GraphLayer : public Layer {
       return absl::InvalidArgumentError(absl::StrCat(
           "input_shape ", ShapeString(input_shape), " must have positive dimensions"));
     }
-    return graph::Infer(g_, TensorInfo{true, input_shape, std::nullopt}, {}, on_module);
+    return graph::Infer(g_, TensorInfo{true, input_shape, std::nullopt}, DeclaredInfos(input_shape),
+                        on_module);
+  }
+
+  // The module node whose scope holds `name` (the module named "" holds
+  // every name), or null.
+  const Node* ScopeOwner(const std::string& name) const {
+    for (const Node& node : g_.nodes) {
+      if (node.kind != NodeKind::kModule) continue;
+      if (node.name.empty() || absl::StartsWith(name, node.name + "/")) return &node;
+    }
+    return nullptr;
+  }
+
+  // What inference knows of the extra inputs beside an x of `x`: their
+  // declared dtypes and shapes, or nothing (x's dtype; shapes unknown).
+  std::vector<TensorInfo> DeclaredInfos(const Shape& x) const {
+    std::vector<TensorInfo> infos;
+    for (size_t i = 0; extras_ && i < extras_->dtypes.size(); ++i) {
+      infos.push_back(TensorInfo{true, DeclaredExtraShape(extras_->shapes[i], extras_->x, x),
+                                 extras_->dtypes[i]});
+    }
+    return infos;
   }
 
   absl::Status ForwardModule(Ops& ops, Variables* vars, const Node& node, const LayerInputs& in,
@@ -563,15 +618,73 @@ class GraphLayer : public Layer {
   }
 
   Graph g_;
+  std::optional<DeclaredExtras> extras_;  // one per extra input, or none declared
   bool takes_ids_ = false;
   bool returns_loss_ = false;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Layer>> MakeGraph(const te::v1::GraphSpec& spec) {
+Shape DeclaredExtraShape(const Shape& declared, const Shape& declared_x, const Shape& x) {
+  Shape shape = declared;
+  for (size_t d = 0; d < shape.size() && d < declared_x.size() && d < x.size(); ++d) {
+    if (shape[d] != declared_x[d]) break;
+    shape[d] = x[d];
+  }
+  return shape;
+}
+
+bool SameDeclaredExtras(const std::optional<DeclaredExtras>& a,
+                        const std::optional<DeclaredExtras>& b) {
+  if (!a || !b) return !a && !b;
+  if (a->dtypes != b->dtypes || a->shapes.size() != b->shapes.size()) return false;
+  for (size_t i = 0; i < a->shapes.size(); ++i) {
+    if (DeclaredExtraShape(a->shapes[i], a->x, b->x) != b->shapes[i]) return false;
+  }
+  return true;
+}
+
+absl::Status CheckDeclaredExtra(const DeclaredExtras& extras, size_t i, DType dtype,
+                                const Shape& shape, const Shape& x, const std::string& field) {
+  if (i >= extras.dtypes.size()) return absl::OkStatus();  // the graph's count check refuses it
+  if (dtype != extras.dtypes[i]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: ", DTypeName(dtype), ", but the graph's extra_inputs[", i,
+                     "] was declared ", DTypeName(extras.dtypes[i])));
+  }
+  const Shape want = DeclaredExtraShape(extras.shapes[i], extras.x, x);
+  if (shape != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shape ", ShapeString(shape), ": want ", ShapeString(want), " beside x ",
+        ShapeString(x), " (declared ", ShapeString(extras.shapes[i]), " beside x ",
+        ShapeString(extras.x), "; its leading dims that are x's follow x's)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Layer>> MakeGraph(const te::v1::GraphSpec& spec,
+                                                 std::optional<DeclaredExtras> extras) {
   ASSIGN_OR_RETURN(Graph graph, graph::BuildGraph(spec));
-  return std::unique_ptr<Layer>(new GraphLayer(std::move(graph)));
+  if (extras) {
+    const int count = static_cast<int>(extras->dtypes.size());
+    if (count != graph.num_extra || extras->shapes.size() != extras->dtypes.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra_inputs: ", count, " declared, but the graph reads ",
+          graph.num_extra == 0
+              ? std::string("none")
+              : absl::StrCat(graph.num_extra, " (extra_inputs[0] to [", graph.num_extra - 1, "])"),
+          "; declare each one or none"));
+    }
+    for (int i = 0; i < count; ++i) {
+      const DType d = extras->dtypes[i];
+      if (!(IsFloating(d) && !IsFloat8(d)) && d != DType::kI32 && d != DType::kBool) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("extra_inputs[", i, "].dtype: ", DTypeName(d),
+                         "; a graph's extra input is float32, bfloat16, float16, int32 or bool"));
+      }
+    }
+  }
+  return std::unique_ptr<Layer>(new GraphLayer(std::move(graph), std::move(extras)));
 }
 
 }  // namespace te::layers

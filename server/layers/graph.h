@@ -50,10 +50,23 @@
 // A module node named "" has the root scope: its variables keep the module's
 // own names ("params/kernel"), so a graph over a layer that is one module
 // (AddGraph) reads that layer's variables. It must be the graph's only module.
+//
+// Declared extra inputs (InitLayerRequest / AddGraphRequest.extra_inputs):
+// without them an extra input has x's dtype (a float, or int32 ids where x
+// feeds an Embed) and an unknown shape until a forward, so a module's x must
+// not derive from one. With them each has its declared dtype, any of float32,
+// bfloat16, float16, int32 and bool (int32 labels beside a float x), and a
+// shape that inference knows for every x (DeclaredExtraShape): a graph's
+// shape and dtype errors over its extra inputs come at init, and a forward
+// whose extra input has another dtype or shape is INVALID_ARGUMENT naming
+// "extra_inputs[i]".
 #ifndef TE_SERVER_LAYERS_GRAPH_H_
 #define TE_SERVER_LAYERS_GRAPH_H_
 
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/layers/layer.h"
@@ -61,10 +74,36 @@
 
 namespace te::layers {
 
+// A graph's extra inputs as the traced call had them, beside that call's x.
+struct DeclaredExtras {
+  Shape x;                    // the x they were declared with
+  std::vector<DType> dtypes;  // extra_inputs[i]'s
+  std::vector<Shape> shapes;
+};
+
+// The shape a declared extra input has beside an x of `x`: `declared` with
+// its leading dims that equal `declared_x`'s (a batch, a sequence) taken
+// from `x` (te.v1: "leading dimensions follow x's at later calls").
+Shape DeclaredExtraShape(const Shape& declared, const Shape& declared_x, const Shape& x);
+
+// Whether two declarations describe the same inputs: both none, or the same
+// dtypes and each shape of `b` the one `a`'s gives for b's x.
+bool SameDeclaredExtras(const std::optional<DeclaredExtras>& a,
+                        const std::optional<DeclaredExtras>& b);
+
+// OK when an extra input of `dtype` and `shape`, beside an x of `x`, is
+// what `extras` declares for extra_inputs[i] (i < its count); else
+// INVALID_ARGUMENT naming `field` ("extra_inputs[i]") and both.
+absl::Status CheckDeclaredExtra(const DeclaredExtras& extras, size_t i, DType dtype,
+                                const Shape& shape, const Shape& x, const std::string& field);
+
 // Validates the graph's structure and builds every module node with
 // CreateLayer. The nodes run in a dependency order computed here (among
-// ready nodes, the first listed first).
-absl::StatusOr<std::unique_ptr<Layer>> MakeGraph(const te::v1::GraphSpec& spec);
+// ready nodes, the first listed first). `extras`, when given, declares one
+// dtype and shape per extra input the graph reads (INVALID_ARGUMENT naming
+// "extra_inputs" for another count or a dtype the graph cannot take).
+absl::StatusOr<std::unique_ptr<Layer>> MakeGraph(
+    const te::v1::GraphSpec& spec, std::optional<DeclaredExtras> extras = std::nullopt);
 
 }  // namespace te::layers
 

@@ -443,16 +443,21 @@ class Builder {
 
   // A module's variables are "<collection>/<node>/..."; a node named like
   // another's scope ("a" and "a/b") would see the other's variables as its own.
-  // A param node's variable "params/<node>" is a leaf of the same tree.
+  // A param node's variable "params/<node>" is a leaf of the same tree. A
+  // param node inside a module's scope (or beside a module named "") is
+  // that module's own parameter, read again (a loss's penalty on a kernel):
+  // VariableSpecs checks that the module has it.
   absl::Status ScopesAreDisjoint() const {
     std::map<std::string, int> modules;
+    int module_count = 0;
     for (size_t i = 0; i < g_.nodes.size(); ++i) {
       const NodeKind kind = g_.nodes[i].kind;
       if (kind == NodeKind::kModule || kind == NodeKind::kParam) modules.emplace(g_.nodes[i].name, i);
+      module_count += kind == NodeKind::kModule ? 1 : 0;
     }
     // "": the root scope, where a layer that is one module keeps its
     // variables (a graph added over it names that module so).
-    if (modules.count("") > 0 && modules.size() > 1) {
+    if (modules.count("") > 0 && module_count > 1) {
       return Invalid(g_.nodes[modules.at("")].field + ".name",
                      "empty: a module named \"\" has the root scope, so it must be the graph's "
                      "only module");
@@ -461,7 +466,8 @@ class Builder {
       for (size_t slash = name.find('/'); slash != std::string::npos;
            slash = name.find('/', slash + 1)) {
         auto it = modules.find(name.substr(0, slash));
-        if (it != modules.end()) {
+        if (it != modules.end() && !(g_.nodes[i].kind == NodeKind::kParam &&
+                                     g_.nodes[it->second].kind == NodeKind::kModule)) {
           return Invalid(g_.nodes[i].field + ".name",
                          absl::StrCat("lies inside the scope of module ", g_.nodes[it->second].field,
                                       "; their variables would mix"));

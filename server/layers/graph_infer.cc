@@ -1,8 +1,9 @@
 // Infer: every tensor's shape and dtype from the graph's inputs, node by node
 // in the graph's order, and each glue node's fields resolved against its
 // input (axes made non-negative, reshape's -1 filled in). Run at init (x's
-// shape only: the dtype is "the input's" and the extra inputs' shapes are
-// unknown) and again at each forward with the request's tensors.
+// shape only: the dtype is "the input's", and the extra inputs are as
+// declared, or of unknown shape when they are not) and again at each forward
+// with the request's tensors.
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -52,7 +53,7 @@ class Inference {
     plan_.tensors[kX] = x;
     for (int i = 0; i < g_.num_extra; ++i) {
       if (g_.extras[i] < 0) continue;
-      // Extra inputs arrive in x's dtype (the request's rule).
+      // Undeclared extra inputs arrive in x's dtype (the request's rule).
       plan_.tensors[g_.extras[i]] =
           extras.empty() ? TensorInfo{false, {}, x.dtype} : extras[static_cast<size_t>(i)];
     }
@@ -77,10 +78,7 @@ class Inference {
       case NodeKind::kDropout:
         Out(node, 0) = In(node, 0);
         return node.kind == NodeKind::kDropout ? Dropout(node, np) : absl::OkStatus();
-      case NodeKind::kCast:
-        Out(node, 0) = In(node, 0);
-        Out(node, 0).dtype = node.dtype;
-        return absl::OkStatus();
+      case NodeKind::kCast: return Cast(node);
       case NodeKind::kTranspose: return Transpose(node, np);
       case NodeKind::kCausalMask: return CausalMask(node);
       case NodeKind::kSoftmaxCrossEntropy: return Loss(node);
@@ -112,8 +110,9 @@ class Inference {
     const TensorInfo& x = In(node, 0);
     if (!x.known) {
       return Invalid(node.field,
-                     "its x derives from an extra input, whose shape InitLayer is not given; a "
-                     "module's x must derive from the graph's x");
+                     "its x derives from an extra input whose shape was not declared "
+                     "(InitLayerRequest / AddGraphRequest.extra_inputs); a module's x must "
+                     "derive from the graph's x or a declared extra input");
     }
     // Token ids go to an Embed, float activations to every other module.
     const bool ids = node.module->TakesTokenIds();
@@ -159,6 +158,20 @@ class Inference {
     const bool constant = node.module->OutputDType(DType::kBF16) == f32 &&
                           node.module->OutputDType(DType::kF16) == f32;
     return constant ? std::optional<DType>(f32) : std::nullopt;
+  }
+
+  // Between the float dtypes: Ops::Cast converts nothing else (int32 ids and
+  // labels, bool masks).
+  absl::Status Cast(const Node& node) {
+    const TensorInfo& x = In(node, 0);
+    if (x.dtype && (!IsFloating(*x.dtype) || IsFloat8(*x.dtype))) {
+      return Invalid(node.field + ".inputs[0]",
+                     absl::StrCat("cast takes float32, bfloat16 or float16, got ",
+                                  DTypeName(*x.dtype)));
+    }
+    Out(node, 0) = x;
+    Out(node, 0).dtype = node.dtype;
+    return absl::OkStatus();
   }
 
   absl::Status Reshape(const Node& node, NodePlan* np) {

@@ -187,8 +187,9 @@ struct Plan {
 using ModuleVisitor = std::function<absl::Status(const Node& node, const Shape& x)>;
 
 // Shapes and dtypes of every tensor from the graph's inputs: x, and the extra
-// inputs when `extras` has one per extra input (empty: unknown, as at init,
-// where a module's x must not depend on them). INVALID_ARGUMENT naming the
+// inputs when `extras` has one per extra input (empty: x's dtype and an
+// unknown shape, as at init without declared extra inputs, where a module's x
+// must not depend on them). INVALID_ARGUMENT naming the
 // node where a shape or dtype does not fit, or a module's own
 // VariableSpecs/OutputShape error (from `on_module`, may be null) prefixed by
 // the node.

@@ -4,7 +4,8 @@
 //  * a broadcast operand's gradient is the output's summed over the dims it
 //    was repeated along (its partial computed in float32 first, then
 //    Reduce'd to its shape and dtype);
-//  * maximum / minimum send it to x on ties (ops.h's BinaryBackward);
+//  * maximum / minimum send it to the chosen operand, half to each on a tie
+//    (jax.lax.max and min; ops.h's BinaryBackward);
 //    comparisons, logical_not and where's condition get none;
 //  * max / min reductions share it equally among tied extrema: dx = dy / count
 //    where x equals the extremum, 0 elsewhere;

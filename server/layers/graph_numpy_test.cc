@@ -384,27 +384,51 @@ TEST_F(NumpyNodeTest, ComparisonsGiveBoolAndWhereRoutesTheGradient) {
   for (int i = 0; i < 5; ++i) EXPECT_EQ(Values(y)[i], x[i] > 0 ? 1.0f : 0.0f);
 }
 
-// jnp.maximum sends the gradient to x on ties (the contract's rule).
-TEST_F(NumpyNodeTest, MaximumTiesGoToX) {
-  Spec g;
-  Add(&g, "y", {"x", "extra_inputs[0]"})->mutable_binary()->set_op(Spec::Binary::MAXIMUM);
-  g.add_outputs("y");
-  auto layer = *Build(g);
-  LayerInputs in = Inputs({4}, {{4}});
-  testing::SetValues({1, 2, 3, 4}, &in.x);
-  testing::SetValues({1, 5, 3, 0}, &in.extra[0]);
-  Variables vars;
-  LayerOutputs out;
-  std::unique_ptr<SavedForward> saved;
-  ForwardOptions opts;
-  opts.keep_for_backward = true;
-  ASSERT_TRUE(layer->Forward(*ops_, &vars, in, opts, &out, &saved).ok());
-  Tensor dy = *ops_->Allocate(DType::kF32, {4});
-  testing::SetValues({1, 1, 1, 1}, &dy);
-  LayerGrads grads;
-  ASSERT_TRUE(layer->Backward(*ops_, &vars, *saved, dy, &grads).ok());
-  EXPECT_EQ(Values(grads.dx), (std::vector<float>{1, 0, 1, 1}));
-  EXPECT_EQ(Values(grads.dextra[0]), (std::vector<float>{0, 1, 0, 0}));
+// jnp.maximum and jnp.minimum split a tie's gradient in halves (jax.lax.max's
+// rule), which finite differences cannot see; the chosen operand gets it all.
+TEST_F(NumpyNodeTest, MaximumAndMinimumSplitTiesInHalves) {
+  for (const auto op : {Spec::Binary::MAXIMUM, Spec::Binary::MINIMUM}) {
+    Spec g;
+    Add(&g, "y", {"x", "extra_inputs[0]"})->mutable_binary()->set_op(op);
+    g.add_outputs("y");
+    auto layer = *Build(g);
+    LayerInputs in = Inputs({4}, {{4}});
+    testing::SetValues({1, 2, 3, 4}, &in.x);
+    testing::SetValues({1, 5, 3, 0}, &in.extra[0]);
+    Variables vars;
+    LayerOutputs out;
+    std::unique_ptr<SavedForward> saved;
+    ForwardOptions opts;
+    opts.keep_for_backward = true;
+    ASSERT_TRUE(layer->Forward(*ops_, &vars, in, opts, &out, &saved).ok());
+    Tensor dy = *ops_->Allocate(DType::kF32, {4});
+    testing::SetValues({2, 2, 2, 2}, &dy);
+    LayerGrads grads;
+    ASSERT_TRUE(layer->Backward(*ops_, &vars, *saved, dy, &grads).ok());
+    const bool max = op == Spec::Binary::MAXIMUM;
+    EXPECT_EQ(Values(grads.dx), (std::vector<float>{1, max ? 0.0f : 2.0f, 1, max ? 2.0f : 0.0f}))
+        << Spec::Binary::Op_Name(op);
+    EXPECT_EQ(Values(grads.dextra[0]),
+              (std::vector<float>{1, max ? 2.0f : 0.0f, 1, max ? 0.0f : 2.0f}))
+        << Spec::Binary::Op_Name(op);
+
+    // Against a constant: the tie's other half goes to the constant.
+    Spec s;
+    Spec::Node* n = Add(&s, "y", {"x"});
+    n->mutable_binary()->set_op(op);
+    n->mutable_binary()->set_scalar(3.0);
+    s.add_outputs("y");
+    auto scalar_layer = *Build(s);
+    LayerInputs sin = Inputs({4}, {});
+    testing::SetValues({1, 2, 3, 4}, &sin.x);
+    std::unique_ptr<SavedForward> scalar_saved;
+    ASSERT_TRUE(scalar_layer->Forward(*ops_, &vars, sin, opts, &out, &scalar_saved).ok());
+    LayerGrads scalar_grads;
+    ASSERT_TRUE(scalar_layer->Backward(*ops_, &vars, *scalar_saved, dy, &scalar_grads).ok());
+    EXPECT_EQ(Values(scalar_grads.dx),
+              (std::vector<float>{max ? 0.0f : 2.0f, max ? 0.0f : 2.0f, 1, max ? 2.0f : 0.0f}))
+        << Spec::Binary::Op_Name(op);
+  }
 }
 
 // ---- unary --------------------------------------------------------------------------

@@ -245,6 +245,7 @@ class SessionCheckpoint {
       *saved->mutable_spec() = entry->init.spec();
       *saved->mutable_input_shape() = entry->init.input_shape();
       saved->set_input_dtype(entry->init.input_dtype());
+      *saved->mutable_extra_inputs() = entry->init.extra_inputs();
       *saved->mutable_autocast() = entry->init.autocast();
       if (entry->optimizer) *saved->mutable_optimizer() = entry->optimizer->spec;
       for (size_t g = 1; g < entry->graphs.size(); ++g) *saved->add_graphs() = entry->graphs[g].added;
@@ -305,11 +306,19 @@ class SessionCheckpoint {
     auto entry = std::make_unique<LayerEntry>();
     entry->id = saved.layer_id();
     entry->graphs.emplace_back();
-    ASSIGN_OR_RETURN(entry->graphs[0].layer, layers::CreateLayer(saved.spec()));
     ASSIGN_OR_RETURN(DType input_dtype, DTypeFromProto(saved.input_dtype(), "input_dtype"));
     ASSIGN_OR_RETURN(Shape input_shape,
                      ShapeFromProto(saved.input_shape(), input_dtype,
                                     session.config_.max_tensor_bytes, "input_shape"));
+    ASSIGN_OR_RETURN(entry->graphs[0].extras,
+                     CheckDeclaredExtras(saved.extra_inputs(), input_shape,
+                                         session.config_.max_tensor_bytes));
+    if (entry->graphs[0].extras) {
+      ASSIGN_OR_RETURN(entry->graphs[0].layer,
+                       layers::MakeGraph(saved.spec().graph(), entry->graphs[0].extras));
+    } else {
+      ASSIGN_OR_RETURN(entry->graphs[0].layer, layers::CreateLayer(saved.spec()));
+    }
     ASSIGN_OR_RETURN(entry->init_recipe, session.ResolveAutocast(saved.autocast(), "autocast"));
     const layers::Fp8Recipe* fp8 = entry->init_recipe ? &*entry->init_recipe : nullptr;
     ASSIGN_OR_RETURN(std::vector<layers::VariableSpec> specs,
@@ -318,6 +327,7 @@ class SessionCheckpoint {
     *entry->init.mutable_input_shape() = saved.input_shape();
     entry->init.set_input_dtype(saved.input_dtype());
     *entry->init.mutable_autocast() = saved.autocast();
+    *entry->init.mutable_extra_inputs() = saved.extra_inputs();
 
     std::set<std::string> spec_names;
     for (const layers::VariableSpec& spec : specs) spec_names.insert(spec.name);
@@ -402,18 +412,28 @@ class SessionCheckpoint {
     entry->last_version = std::max({saved.last_version(), number, int64_t{0}});
     if (!released) entry->versions[number].set = std::move(set);
     for (int g = 0; g < saved.graphs_size(); ++g) {
-      const te::v1::AddGraphRequest& added = saved.graphs(g);
-      absl::StatusOr<std::unique_ptr<layers::Layer>> graph = layers::MakeGraph(added.graph());
-      if (!graph.ok()) {
-        return absl::DataLossError(absl::StrCat("graphs[", g, "]: ", graph.status().message()));
+      absl::StatusOr<LayerGraph> restored = RebuildGraph(session, saved.graphs(g));
+      if (!restored.ok()) {
+        return absl::DataLossError(absl::StrCat("graphs[", g, "]: ", restored.status().message()));
       }
-      LayerGraph restored;
-      restored.layer = *std::move(graph);
-      restored.added = added;
-      entry->graphs.push_back(std::move(restored));
+      entry->graphs.push_back(*std::move(restored));
     }
     RETURN_IF_ERROR(session.ops_->Synchronize());
     return entry;
+  }
+
+  // A graph AddGraph added, from its request as saved.
+  static absl::StatusOr<LayerGraph> RebuildGraph(Session& session,
+                                                 const te::v1::AddGraphRequest& added) {
+    const int64_t max_bytes = session.config_.max_tensor_bytes;
+    LayerGraph restored;
+    ASSIGN_OR_RETURN(const DType x_dtype, DTypeFromProto(added.input_dtype(), "input_dtype"));
+    ASSIGN_OR_RETURN(const Shape x_shape,
+                     ShapeFromProto(added.input_shape(), x_dtype, max_bytes, "input_shape"));
+    ASSIGN_OR_RETURN(restored.extras, CheckDeclaredExtras(added.extra_inputs(), x_shape, max_bytes));
+    ASSIGN_OR_RETURN(restored.layer, layers::MakeGraph(added.graph(), restored.extras));
+    restored.added = added;
+    return restored;
   }
 };
 

@@ -230,6 +230,23 @@ absl::StatusOr<DeclaredInput> CheckDeclaredInput(const layers::Layer& layer, te:
   return declared;
 }
 
+absl::StatusOr<std::optional<layers::DeclaredExtras>> CheckDeclaredExtras(
+    const google::protobuf::RepeatedPtrField<te::v1::TensorHeader>& extras, const Shape& x,
+    int64_t max_tensor_bytes) {
+  if (extras.empty()) return std::nullopt;
+  layers::DeclaredExtras declared;
+  declared.x = x;
+  for (int i = 0; i < extras.size(); ++i) {
+    const std::string field = absl::StrCat("extra_inputs[", i, "]");
+    ASSIGN_OR_RETURN(const DType dtype, DTypeFromProto(extras[i].dtype(), field + ".dtype"));
+    ASSIGN_OR_RETURN(Shape shape,
+                     ShapeFromProto(extras[i].shape(), dtype, max_tensor_bytes, field + ".shape"));
+    declared.dtypes.push_back(dtype);
+    declared.shapes.push_back(std::move(shape));
+  }
+  return declared;
+}
+
 absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                                 te::v1::InitLayerResponse* response) {
   ASSIGN_OR_RETURN(std::unique_ptr<layers::Layer> layer, layers::CreateLayer(request.spec()));
@@ -238,6 +255,17 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                                       config_.max_tensor_bytes));
   const DType input_dtype = declared.dtype;
   const Shape& input_shape = declared.shape;
+  ASSIGN_OR_RETURN(std::optional<layers::DeclaredExtras> extras,
+                   CheckDeclaredExtras(request.extra_inputs(), input_shape,
+                                       config_.max_tensor_bytes));
+  if (extras) {
+    if (!request.spec().has_graph()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "extra_inputs: declares a graph's extra inputs, but spec is a ", layer->type_name(),
+          " (its extra inputs have x's dtype)"));
+    }
+    ASSIGN_OR_RETURN(layer, layers::MakeGraph(request.spec().graph(), extras));
+  }
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   const layers::Fp8Recipe* fp8_ptr = fp8 ? &*fp8 : nullptr;
@@ -252,6 +280,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   entry->id = NewId("layer");
   entry->graphs.emplace_back();
   entry->graphs[0].layer = std::move(layer);
+  entry->graphs[0].extras = std::move(extras);
   entry->init_recipe = fp8;
   entry->init = request;
   entry->init.clear_session();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "server/layers/fp8_weight_cache.h"
+#include "server/layers/graph.h"
 #include "server/layers/layer.h"
 #include "server/optim/optimizer.h"
 #include "server/session/session.h"
@@ -50,6 +51,9 @@ struct LayerGraph {
   // what a checkpoint keeps. Unset for [0].
   te::v1::AddGraphRequest added;
   int64_t stamp = 0;  // as LayerVersion's
+  // The graph's extra inputs as InitLayer or AddGraph declared them (a call's
+  // are checked against them); none declared: each has x's dtype.
+  std::optional<layers::DeclaredExtras> extras;
 };
 
 struct Session::LayerEntry {
@@ -185,6 +189,13 @@ struct DeclaredInput {
 absl::StatusOr<DeclaredInput> CheckDeclaredInput(const layers::Layer& layer, te::v1::DType dtype,
                                                  const google::protobuf::RepeatedField<int64_t>& shape,
                                                  int64_t max_tensor_bytes);
+
+// The extra inputs an InitLayer or AddGraph request declares beside its x of
+// `x` (nullopt when none), checked: INVALID_ARGUMENT naming
+// "extra_inputs[i]" for an unknown dtype or a bad shape.
+absl::StatusOr<std::optional<layers::DeclaredExtras>> CheckDeclaredExtras(
+    const google::protobuf::RepeatedPtrField<te::v1::TensorHeader>& extras, const Shape& x,
+    int64_t max_tensor_bytes);
 
 // The layer name "params/a/b" split as Flax does: collection "params", path "a/b".
 void SplitVariableName(const std::string& name, std::string* collection, std::string* path);

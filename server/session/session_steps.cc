@@ -119,12 +119,17 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
   in.y_shape = *y_shape;
   in.y_dtype = layer.OutputDType(in.x.dtype);
 
+  // Extra inputs have the dtypes and shapes the graph declared, else x's dtype.
+  const std::optional<layers::DeclaredExtras>& declared = target.entry->graphs[target.graph].extras;
   for (int i = 0; i < extra_inputs.size(); ++i) {
     const std::string field = absl::StrCat(prefix, "extra_inputs[", i, "]");
     ASSIGN_OR_RETURN(
         CheckedTensor extra,
         CheckTensor(extra_inputs[i], field, config_.max_tensor_bytes, Resident(), Regions()));
-    if (extra.dtype != in.x.dtype) {
+    if (declared && i < static_cast<int>(declared->dtypes.size())) {
+      RETURN_IF_ERROR(layers::CheckDeclaredExtra(*declared, static_cast<size_t>(i), extra.dtype,
+                                                 extra.shape, in.x.shape, field));
+    } else if (extra.dtype != in.x.dtype) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(extra.dtype),
                                                      ", but x is ", DTypeName(in.x.dtype)));
     }

@@ -196,6 +196,14 @@ absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
                                       config_.max_tensor_bytes));
   const DType input_dtype = declared.dtype;
   const Shape& input_shape = declared.shape;
+  ASSIGN_OR_RETURN(std::optional<layers::DeclaredExtras> extras,
+                   CheckDeclaredExtras(request.extra_inputs(), input_shape,
+                                       config_.max_tensor_bytes));
+  if (extras) {
+    made = layers::MakeGraph(graph, extras);
+    if (!made.ok()) return AsAddGraphField(made.status());
+    added = *std::move(made);
+  }
   // Its variables for this input are exactly some of the layer's, so it
   // reads and trains them (under the autocast the layer was made with: its
   // fp8_metas exist iff InitLayer's did).
@@ -211,19 +219,23 @@ absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
   ASSIGN_OR_RETURN(Shape output_shape, added->OutputShape(input_shape));
   response->mutable_output_shape()->Assign(output_shape.begin(), output_shape.end());
   response->set_output_dtype(DTypeToProto(added->OutputDType(input_dtype)));
-  // An equal graph: its index (graph 0 too, where InitLayer traced this one).
-  if (layer->init.spec().has_graph() && SameMessage(layer->init.spec().graph(), graph)) {
+  // An equal graph, taking the same extra inputs: its index (graph 0 too,
+  // where InitLayer traced this one).
+  if (layer->init.spec().has_graph() && SameMessage(layer->init.spec().graph(), graph) &&
+      layers::SameDeclaredExtras(layer->graphs[0].extras, extras)) {
     response->set_graph(0);
     return absl::OkStatus();
   }
   for (size_t i = 1; i < layer->graphs.size(); ++i) {
-    if (SameMessage(layer->graphs[i].added.graph(), graph)) {
+    if (SameMessage(layer->graphs[i].added.graph(), graph) &&
+        layers::SameDeclaredExtras(layer->graphs[i].extras, extras)) {
       response->set_graph(static_cast<int32_t>(i));
       return absl::OkStatus();
     }
   }
   LayerGraph entry;
   entry.layer = std::move(added);
+  entry.extras = std::move(extras);
   entry.added = request;
   entry.added.clear_session();
   entry.added.clear_layer_id();

@@ -7,7 +7,7 @@ import numpy as np
 
 from te_client import dtypes, errors, precision as precision_lib, recipe as recipe_lib
 from te_client import variables as variables_lib
-from te_client._pb import recipe_pb2, service_pb2
+from te_client._pb import recipe_pb2, service_pb2, tensor_pb2
 from te_client.session import ResidentTensor
 
 
@@ -51,10 +51,29 @@ def graph_unknown(e):
     return isinstance(e, errors.InvalidArgumentError) and "no module set" in e.message and "graph" not in e.message
 
 
+_WIRES = {name: wire for wire, name in dtypes.NAMES.items()}
+
+
+def extra_input_headers(traced):
+    """InitLayer / AddGraph's extra_inputs for graph `traced`: the dtype and
+    shape (beside the traced x) of each extra input the server will take,
+    extra_inputs[0] up to the highest one the graph reads. Declared, an extra
+    input may have any dtype (int32 labels beside a float x); the server
+    checks each call's against it, leading dims that are x's following x's."""
+    if traced is None:
+        return ()
+    read = [int(n[len("extra_inputs["):-1]) for n in traced.inputs if n.startswith("extra_inputs[")]
+    headers = []
+    for i in range(1 + max(read, default=-1)):
+        name = "extra_inputs[%d]" % i
+        headers.append(tensor_pb2.TensorHeader(dtype=_WIRES[traced.dtypes[name]], shape=list(traced.shapes[name])))
+    return tuple(headers)
+
+
 def init_layer(session, spec, seed, x, module, traced, trace_key):
     shape, wire = shape_and_wire(x, "x")
     request = service_pb2.InitLayerRequest(spec=spec, seed=seed, input_dtype=wire, input_shape=shape,
-                                           autocast=_autocast())
+                                           autocast=_autocast(), extra_inputs=extra_input_headers(traced))
     try:
         response = session.call("InitLayer", request)
     except errors.TeError as e:
@@ -71,16 +90,19 @@ def init_layer(session, spec, seed, x, module, traced, trace_key):
 
 def add_graph(handle, traced, x_shape, x_wire):
     """The layer's index of graph `traced` (AddGraph once per graph and input signature)."""
-    key = (traced.spec.SerializeToString(deterministic=True), tuple(x_shape), x_wire)
+    extras = extra_input_headers(traced)
+    key = (traced.spec.SerializeToString(deterministic=True), tuple(x_shape), x_wire,
+           tuple(h.SerializeToString(deterministic=True) for h in extras))
     found = handle.graphs.get(key)
     if found is not None:
         return found
     if handle.traced is not None and x_shape == tuple(handle.input_shape) and x_wire == handle.input_wire_dtype \
-            and traced.spec == handle.traced.spec:
+            and traced.spec == handle.traced.spec and extras == extra_input_headers(handle.traced):
         found = variables_lib.GraphInfo(0, handle.traced, tuple(handle.output_shape), handle.output_wire_dtype)
     else:
         response = handle.session.call("AddGraph", service_pb2.AddGraphRequest(
-            layer_id=handle.layer_id, graph=traced.spec, input_dtype=x_wire, input_shape=list(x_shape)))
+            layer_id=handle.layer_id, graph=traced.spec, input_dtype=x_wire, input_shape=list(x_shape),
+            extra_inputs=extras))
         found = variables_lib.GraphInfo(response.graph, traced, tuple(response.output_shape), response.output_dtype)
     handle.graphs[key] = found
     return found

@@ -74,9 +74,8 @@ def softmax_cross_entropy_with_integer_labels(logits, labels):
 def softmax_cross_entropy(logits, labels):
     """optax.softmax_cross_entropy: logits [..., V], labels [..., V] (one-hot
     or any distribution over V) -> losses [...] = -sum(labels * log_softmax(logits)).
-    Traced, it is glue (log_softmax, multiply, sum), so the labels may be a
-    float input: te_server takes a step's extra inputs in x's dtype, which int
-    labels beside a float x are not (one-hot them: np.eye(V)[labels])."""
+    Traced, it is glue (log_softmax, multiply, sum) on float labels; integer
+    labels go to softmax_cross_entropy_with_integer_labels."""
     if isinstance(logits, symbolic.Symbol) or isinstance(labels, symbolic.Symbol):
         from te_client import numpy as jnp   # numpy <- losses would be a cycle at import
         return -jnp.sum(labels * symbolic.softmax(logits, axis=-1, log=True), axis=-1)

@@ -12,7 +12,10 @@ become the graph's inputs (the first "x", one passed as `attention_mask` or
 batch dict walked in order), model.apply inside it inlines the model's graph
 (its module nodes keep the names init gave them, so they read and train the
 layer's own variables), and the jnp ops and the loss after it record glue
-nodes. The graph, y the float32 scalar loss and the aux outputs after it, is
+nodes. A parameter the function reads itself (an L2 penalty over params)
+is a Param node over that same variable, so its gradient is the sum of
+what flows through the model and what flows through the penalty, as JAX's.
+The graph, y the float32 scalar loss and the aux outputs after it, is
 added to the model's layer (AddGraph, once per signature: a new batch size
 traces again, as jax.jit does) and run as one ForwardBackward: the server
 seeds the backward itself, so no activation and no dy cross the wire.
@@ -35,10 +38,10 @@ import numbers
 import grpc
 import numpy as np
 
-from te_client import dtypes, errors, graph, layer_calls, precision as precision_lib, symbolic
+from te_client import dtypes, errors, graph, initializers, layer_calls, precision as precision_lib, symbolic
 from te_client import module as module_lib
 from te_client import variables as variables_lib
-from te_client._pb import service_pb2
+from te_client._pb import layers_pb2, service_pb2
 from te_client.session import ResidentTensor
 
 _MASK_ARGUMENTS = ("attention_mask", "mask")
@@ -77,20 +80,48 @@ class LossTrace:
         self.version = None
         self.module = None
         self.seed = None
+        self.params = {}   # id(param Symbol) -> the VariableRef it reads
+
+    def traced_variables(self, tree):
+        """A variables argument as the traced function sees it: each params
+        leaf a Symbol of a Param node reading that variable (AddGraph matches
+        it to the layer's params/<path> by shape and dtype), the other
+        collections' leaves VariableRefs. Unread Param nodes leave the graph
+        at build; model.apply takes the tree and binds the refs behind it."""
+        found = variables_lib.refs_version(tree)
+        if found is None:
+            return tree
+        self._use(*found)
+
+        def leaf(ref):
+            if not isinstance(ref, variables_lib.VariableRef) or ref.info.collection != "params":
+                return ref
+            info = ref.info
+            symbol = self.trace.record(
+                "param", layers_pb2.GraphSpec.Param(shape=list(info.shape), dtype=info.wire_dtype,
+                                                    initializer=initializers.zeros.proto()),
+                [], [(info.shape, info.wire_dtype)], name=info.path)[0]
+            self.params[id(symbol)] = ref
+            return symbol
+        return _map_leaves(leaf, tree)
+
+    def _use(self, handle, version):
+        if self.handle is not None and (handle is not self.handle or version is not self.version):
+            raise NotImplementedError(
+                "a traced function that applies two models (or two versions of one): a graph runs over one "
+                "layer's variables; combine the models in one Module")
+        self.handle, self.version = handle, version
 
     def bind(self, module, variables):
-        found = variables_lib.refs_version(variables)
+        found = variables_lib.refs_version(_map_leaves(
+            lambda v: self.params.get(id(v), v) if isinstance(v, symbolic.Symbol) else v, variables))
         if found is None:
             raise errors.InvalidArgumentError(
                 "%s.apply inside a traced function: variables are %s; pass the variables argument being "
                 "differentiated (init's result or a tree of its VariableRefs, e.g. {'params': params}): arrays "
                 "would be constants of the graph" % (type(module).__name__, type(variables).__name__))
-        handle, version = found
-        if self.handle is not None and (handle is not self.handle or version is not self.version):
-            raise NotImplementedError(
-                "a traced function that applies two models (or two versions of one): a graph runs over one "
-                "layer's variables; combine the models in one Module")
-        self.handle, self.version, self.module = handle, version, module
+        self._use(*found)
+        self.module = module
 
     def dropout_key(self, rngs):
         if isinstance(rngs, dict) and "dropout" not in rngs:
@@ -100,6 +131,15 @@ class LossTrace:
             raise NotImplementedError("two different dropout keys in one traced function: a step has one dropout "
                                       "seed (each dropout node draws NodeSeed(seed, its name))")
         self.seed = seed
+
+
+def _map_leaves(fn, tree):
+    """`tree` (dicts, lists, tuples; a Variables as a plain dict) with fn applied to each leaf."""
+    if isinstance(tree, dict):
+        return {k: _map_leaves(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_leaves(fn, v) for v in tree)
+    return fn(tree)
 
 
 class _Inputs:
@@ -141,16 +181,8 @@ class _Inputs:
             visit(kwargs[k], k)
         if self.values and self.values[0][0] != "x":
             raise TypeError("the traced function's first array argument is its x")
-        if self.values:
-            x_wire = layer_calls.shape_and_wire(self.values[0][1], "x")[1]
-            for name, value in self.values[1:]:
-                wire = layer_calls.shape_and_wire(value, name)[1]
-                if name != "attention_mask" and wire != x_wire:
-                    raise errors.InvalidArgumentError(
-                        "%s: %s, but x (the first array argument) is %s: te_server takes a step's extra inputs in "
-                        "x's dtype. Pass it as %s (labels one-hot for optax.softmax_cross_entropy, a 0/1 mask as "
-                        "x's dtype)" % (name, dtypes.dtype_name(wire), dtypes.dtype_name(x_wire),
-                                        dtypes.dtype_name(x_wire)))
+        # The extra inputs keep their own dtypes (int32 labels beside a float x): AddGraph declares
+        # each one's dtype and shape (layer_calls.extra_input_headers).
 
     def substitute(self, tree, symbols, skip_ids=()):
         """`tree` with each array input replaced by its Symbol."""
@@ -185,7 +217,8 @@ class Prepared:
         loss = self.loss = LossTrace()
         symbols = {name: loss.trace.input(name, *layer_calls.shape_and_wire(v, name)) for name, v in
                    self.inputs.values}
-        t_args = tuple(a if i in variable_args else self.inputs.substitute(a, symbols) for i, a in enumerate(args))
+        t_args = tuple(loss.traced_variables(a) if i in variable_args else self.inputs.substitute(a, symbols)
+                       for i, a in enumerate(args))
         t_kwargs = {k: self.inputs.substitute(v, symbols) for k, v in kwargs.items()}
         token = graph._loss.set(loss)
         try:

@@ -287,10 +287,10 @@ class Evaluation:
                         dx = -g * c / (x * x) if m.scalar_first else g / c
                     elif m.op == B.POWER:
                         dx = g * y * np.log(c) if m.scalar_first else g * c * x ** (c - 1)
-                    elif m.op == B.MAXIMUM:
-                        dx = g * (x >= c)
+                    elif m.op == B.MAXIMUM:   # jax.lax.max: a tie's gradient in halves
+                        dx = g * ((x > c) + 0.5 * (x == c))
                     elif m.op == B.MINIMUM:
-                        dx = g * (x <= c)
+                        dx = g * ((x < c) + 0.5 * (x == c))
                     acc(node.inputs[0], dx)
                 else:
                     a, b = xs
@@ -302,10 +302,10 @@ class Evaluation:
                         da, db = g * b, g * a
                     elif m.op == B.DIVIDE:
                         da, db = g / b, -g * a / (b * b)
-                    elif m.op == B.MAXIMUM:
-                        da, db = g * (a >= b), g * (a < b)
+                    elif m.op == B.MAXIMUM:   # jax.lax.max: a tie's gradient in halves
+                        da, db = g * ((a > b) + 0.5 * (a == b)), g * ((b > a) + 0.5 * (a == b))
                     elif m.op == B.MINIMUM:
-                        da, db = g * (a <= b), g * (a > b)
+                        da, db = g * ((a < b) + 0.5 * (a == b)), g * ((b < a) + 0.5 * (a == b))
                     elif m.op == B.POWER:
                         da, db = g * b * a ** (b - 1), g * ys[0] * np.log(a)
                     acc(node.inputs[0], _unbroadcast(da, a.shape))
