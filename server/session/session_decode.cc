@@ -13,6 +13,7 @@
 // cache is so its rows before its cache_index (AsDecoded): the rows from it
 // on are zeros to its readers, as TE's are until a step writes them.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
