@@ -452,6 +452,29 @@ absl::Status Session::DeleteLayer(te::v1::DeleteLayerRequest request, absl::Dura
   return absl::OkStatus();
 }
 
+absl::Status Session::Generate(
+    te::v1::GenerateRequest request,
+    const std::function<absl::Status(const te::v1::GenerateResponse& step)>& on_step,
+    absl::Duration timeout) {
+  grpc::ClientContext context;
+  PrepareContext(&context, timeout);
+  *request.mutable_session() = NextRef();
+  std::unique_ptr<grpc::ClientReader<te::v1::GenerateResponse>> reader =
+      stub_->Generate(&context, request);
+  te::v1::GenerateResponse step;
+  absl::Status stopped_here;
+  while (reader->Read(&step)) {
+    stopped_here = on_step ? on_step(step) : absl::OkStatus();
+    if (!stopped_here.ok()) {
+      // The server stops at its next token; Finish then has CANCELLED.
+      context.TryCancel();
+      break;
+    }
+  }
+  absl::Status status = CallStatus(request.session().sequence(), reader->Finish());
+  return stopped_here.ok() ? status : stopped_here;
+}
+
 void Session::Link::ReleaseVersion(const std::string& layer_id, int64_t version) {
   absl::MutexLock lock(&mu_);
   // Held while the call is handed over: the Session's destructor, which

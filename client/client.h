@@ -279,6 +279,17 @@ class Session {
   // the device allocator's, as JAX's device.memory_stats()).
   absl::StatusOr<te::v1::BenchmarkResponse> Benchmark(
       te::v1::BenchmarkRequest request, absl::Duration timeout = absl::InfiniteDuration());
+  // The Generate stream (te.v1; client/generate.h builds the request from
+  // a model's variables): `on_step` gets each step's GenerateResponse as it
+  // arrives; a non-OK status from it cancels the call, which then returns
+  // that status. OK once the server has sent every step; else the server's
+  // status after the steps already delivered (DEADLINE_EXCEEDED when
+  // `timeout` or rpc_timeout passes first, INVALID_ARGUMENT naming the field
+  // before any step).
+  absl::Status Generate(
+      te::v1::GenerateRequest request,
+      const std::function<absl::Status(const te::v1::GenerateResponse& step)>& on_step,
+      absl::Duration timeout = absl::InfiniteDuration());
   // The session's device, memory now and at peak (since it opened or its
   // last Benchmark's timed steps began), the device's, and its counts of
   // layers, saved forwards, resident tensors and regions.

@@ -59,44 +59,9 @@ using Backends = testing::GpuBackends;
 
 Backends& GetBackends() { return testing::GetGpuBackends(int64_t{96} << 30); }
 
-absl::StatusOr<Tensor> ToGpu(Ops& gpu, const Tensor& host) {
-  absl::StatusOr<Tensor> t = gpu.Allocate(host.dtype(), host.shape());
-  if (!t.ok()) return t.status();
-  absl::Status s = gpu.Upload(host.data(), &*t);
-  if (s.ok()) s = gpu.Synchronize();
-  if (!s.ok()) return s;
-  return t;
-}
-
-std::vector<float> GpuValues(Ops& gpu, Ops& cpu, const Tensor& t) {
-  auto host = cpu.Allocate(t.dtype(), t.shape());
-  EXPECT_TRUE(host.ok());
-  EXPECT_TRUE(gpu.Download(t, host->data()).ok());
-  return Values(*host);
-}
-
-struct Outputs {
-  Tensor y, dx;
-  std::vector<Tensor> dextra;
-  Variables grads;
-};
-
-// tf32: the call's matmul precision (DEFAULT: true), which a module at
-// precision DEFAULT follows and one at HIGHEST ignores.
-absl::StatusOr<Outputs> Step(Ops& ops, const Layer& layer, Variables* vars, const LayerInputs& in,
-                             const Tensor& dy, bool tf32) {
-  ForwardOptions opts;
-  opts.keep_for_backward = true;
-  opts.tf32 = tf32;
-  LayerOutputs out;
-  std::unique_ptr<SavedForward> saved;
-  absl::Status s = layer.Forward(ops, vars, in, opts, &out, &saved);
-  if (!s.ok()) return s;
-  LayerGrads grads;
-  s = layer.Backward(ops, vars, *saved, dy, &grads);
-  if (!s.ok()) return s;
-  return Outputs{out.y, grads.dx, grads.dextra, grads.params};
-}
+using testing::DeviceValues;
+using testing::StepOutputs;
+using testing::ToDevice;
 
 te::v1::LayerSpec Dense(int64_t features, te::v1::Precision precision = te::v1::PRECISION_HIGHEST) {
   te::v1::LayerSpec spec;
@@ -198,7 +163,7 @@ class FlaxModulesGpuTest : public ::testing::Test {
     RandomizeParams(*cpu_, &*cpu_vars, 50, 0.5f);
     Variables gpu_vars;
     for (const auto& [name, t] : *cpu_vars) {
-      auto g = ToGpu(*gpu_, t);
+      auto g = ToDevice(*gpu_, t);
       ASSERT_TRUE(g.ok()) << g.status();
       gpu_vars[name] = *g;
     }
@@ -206,24 +171,25 @@ class FlaxModulesGpuTest : public ::testing::Test {
     cpu_in.x = RandomTensor(*cpu_, c.x, c.dtype, 1);
     uint64_t seed = 2;
     for (const Shape& s : c.extra) cpu_in.extra.push_back(RandomTensor(*cpu_, s, c.dtype, seed++));
-    auto gx = ToGpu(*gpu_, cpu_in.x);
+    auto gx = ToDevice(*gpu_, cpu_in.x);
     ASSERT_TRUE(gx.ok());
     gpu_in.x = *gx;
-    for (const Tensor& e : cpu_in.extra) gpu_in.extra.push_back(*ToGpu(*gpu_, e));
+    for (const Tensor& e : cpu_in.extra) gpu_in.extra.push_back(*ToDevice(*gpu_, e));
     auto y_shape = (*layer)->OutputShape(c.x);
     ASSERT_TRUE(y_shape.ok());
     const Tensor cpu_dy = RandomTensor(*cpu_, *y_shape, (*layer)->OutputDType(c.dtype), 9);
     // Every call at JAX's default precision: the HIGHEST modules stay exact.
-    auto ref = Step(*cpu_, **layer, &*cpu_vars, cpu_in, cpu_dy, /*tf32=*/true);
+    auto ref = testing::TrainingStep(*cpu_, **layer, &*cpu_vars, cpu_in, cpu_dy, /*tf32=*/true);
     ASSERT_TRUE(ref.ok()) << ref.status();
-    auto got = Step(*gpu_, **layer, &gpu_vars, gpu_in, *ToGpu(*gpu_, cpu_dy), /*tf32=*/true);
+    auto got = testing::TrainingStep(*gpu_, **layer, &gpu_vars, gpu_in, *ToDevice(*gpu_, cpu_dy),
+                                     /*tf32=*/true);
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_TRUE(gpu_->Synchronize().ok());
     EXPECT_EQ(got->y.dtype(), ref->y.dtype());
     std::map<std::string, double> errors;
     std::map<std::string, DType> dtypes;
     auto compare = [&](const std::string& name, const Tensor& gpu, const Tensor& cpu) {
-      errors[name] = RelativeError(GpuValues(*gpu_, *cpu_, gpu), Values(cpu));
+      errors[name] = RelativeError(DeviceValues(*gpu_, *cpu_, gpu), Values(cpu));
       dtypes[name] = cpu.dtype();
     };
     compare("y", got->y, ref->y);
@@ -234,7 +200,7 @@ class FlaxModulesGpuTest : public ::testing::Test {
     for (const auto& [name, g] : ref->grads) {
       if (testing::IsKeyBiasGradient(name)) {
         // Judged by its size: testing.h's ZeroGradientError.
-        errors[name] = testing::ZeroGradientError(GpuValues(*gpu_, *cpu_, got->grads.at(name)),
+        errors[name] = testing::ZeroGradientError(DeviceValues(*gpu_, *cpu_, got->grads.at(name)),
                                                   Values(g),
                                                   Values(ref->grads.at(testing::KeyKernelOf(name))));
         dtypes[name] = g.dtype();

@@ -162,6 +162,7 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   ForwardOptions opts;
   opts.deterministic = true;
   opts.fp8 = options.fp8;
+  opts.tf32 = options.tf32;
   opts.decode = true;
   opts.internal_decode = true;
   Tensor x = prompt;

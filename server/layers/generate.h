@@ -46,6 +46,7 @@ struct GenerateOptions {
   // last); generation ends when every sequence has stopped.
   std::vector<int32_t> stop_tokens;
   const Fp8Recipe* fp8 = nullptr;  // as ForwardOptions::fp8
+  bool tf32 = false;               // as ForwardOptions::tf32
 };
 
 struct GenerateResult {

@@ -59,41 +59,9 @@ constexpr double kTf32ComposedGradTolerance = 2e-2;
 using Backends = testing::GpuBackends;
 Backends& GetBackends() { return testing::GetGpuBackends(int64_t{8} << 30); }
 
-absl::StatusOr<Tensor> ToGpu(Ops& gpu, const Tensor& host) {
-  absl::StatusOr<Tensor> t = gpu.Allocate(host.dtype(), host.shape());
-  if (!t.ok()) return t.status();
-  absl::Status s = gpu.Upload(host.data(), &*t);
-  if (s.ok()) s = gpu.Synchronize();
-  if (!s.ok()) return s;
-  return t;
-}
-
-std::vector<float> GpuValues(Ops& gpu, Ops& cpu, const Tensor& t) {
-  auto host = cpu.Allocate(t.dtype(), t.shape());
-  EXPECT_TRUE(host.ok());
-  EXPECT_TRUE(gpu.Download(t, host->data()).ok());
-  return Values(*host);
-}
-
-struct StepOutputs {
-  Tensor y, dx;
-  Variables grads;
-};
-
-absl::StatusOr<StepOutputs> Step(Ops& ops, const Layer& layer, Variables* vars,
-                                 const LayerInputs& in, const Tensor& dy, bool tf32) {
-  ForwardOptions opts;
-  opts.keep_for_backward = true;
-  opts.tf32 = tf32;
-  LayerOutputs out;
-  std::unique_ptr<SavedForward> saved;
-  absl::Status s = layer.Forward(ops, vars, in, opts, &out, &saved);
-  if (!s.ok()) return s;
-  LayerGrads grads;
-  s = layer.Backward(ops, vars, *saved, dy, &grads);
-  if (!s.ok()) return s;
-  return StepOutputs{out.y, grads.dx, grads.params};
-}
+using testing::DeviceValues;
+using testing::StepOutputs;
+using testing::ToDevice;
 
 // ---- float64 references with operands as the GPU reads them ---------------------------
 enum class Operands { kExact, kTf32Nearest, kTf32Truncated };
@@ -150,7 +118,7 @@ class MatmulPrecisionGpuTest : public ::testing::Test {
   absl::StatusOr<Variables> CopyToGpu(const Variables& cpu_vars) {
     Variables gpu_vars;
     for (const auto& [name, t] : cpu_vars) {
-      absl::StatusOr<Tensor> g = ToGpu(*gpu_, t);
+      absl::StatusOr<Tensor> g = ToDevice(*gpu_, t);
       if (!g.ok()) return g.status();
       gpu_vars[name] = *g;
     }
@@ -200,14 +168,14 @@ TEST_F(MatmulPrecisionGpuTest, DenseGeneralAgainstFloat64) {
     auto gpu_vars = CopyToGpu(*cpu_vars);
     ASSERT_TRUE(gpu_vars.ok()) << gpu_vars.status();
     LayerInputs in;
-    in.x = *ToGpu(*gpu_, x);
-    auto got = Step(*gpu_, **layer, &*gpu_vars, in, *ToGpu(*gpu_, dy), tf32);
+    in.x = *ToDevice(*gpu_, x);
+    auto got = testing::TrainingStep(*gpu_, **layer, &*gpu_vars, in, *ToDevice(*gpu_, dy), tf32);
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_TRUE(gpu_->Synchronize().ok());
     const std::map<std::string, std::vector<float>> values = {
-        {"y", GpuValues(*gpu_, *cpu_, got->y)},
-        {"dx", GpuValues(*gpu_, *cpu_, got->dx)},
-        {"dkernel", GpuValues(*gpu_, *cpu_, got->grads.at(kernel_name))}};
+        {"y", DeviceValues(*gpu_, *cpu_, got->y)},
+        {"dx", DeviceValues(*gpu_, *cpu_, got->dx)},
+        {"dkernel", DeviceValues(*gpu_, *cpu_, got->grads.at(kernel_name))}};
     for (const auto& [name, v] : values) {
       const double vs_float64 = RelativeError(v, refs[Operands::kExact][name]);
       const double vs_nearest = RelativeError(v, refs[Operands::kTf32Nearest][name]);
@@ -247,7 +215,7 @@ TEST_F(MatmulPrecisionGpuTest, TransformerLayerAgainstTheCpu) {
   const Tensor dy = RandomTensor(*cpu_, shape, DType::kF32, 2);
   // The CPU is exact float32 whatever the flag: one reference serves both.
   Variables ref_vars = *cpu_vars;
-  auto ref = Step(*cpu_, **layer, &ref_vars, cpu_in, dy, /*tf32=*/true);
+  auto ref = testing::TrainingStep(*cpu_, **layer, &ref_vars, cpu_in, dy, /*tf32=*/true);
   ASSERT_TRUE(ref.ok()) << ref.status();
 
   for (bool tf32 : {false, true}) {
@@ -255,16 +223,16 @@ TEST_F(MatmulPrecisionGpuTest, TransformerLayerAgainstTheCpu) {
     auto gpu_vars = CopyToGpu(*cpu_vars);
     ASSERT_TRUE(gpu_vars.ok()) << gpu_vars.status();
     LayerInputs in;
-    in.x = *ToGpu(*gpu_, cpu_in.x);
-    auto got = Step(*gpu_, **layer, &*gpu_vars, in, *ToGpu(*gpu_, dy), tf32);
+    in.x = *ToDevice(*gpu_, cpu_in.x);
+    auto got = testing::TrainingStep(*gpu_, **layer, &*gpu_vars, in, *ToDevice(*gpu_, dy), tf32);
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_TRUE(gpu_->Synchronize().ok());
     std::map<std::string, double> errors;
-    errors["y"] = RelativeError(GpuValues(*gpu_, *cpu_, got->y), Values(ref->y));
-    errors["dx"] = RelativeError(GpuValues(*gpu_, *cpu_, got->dx), Values(ref->dx));
+    errors["y"] = RelativeError(DeviceValues(*gpu_, *cpu_, got->y), Values(ref->y));
+    errors["dx"] = RelativeError(DeviceValues(*gpu_, *cpu_, got->dx), Values(ref->dx));
     for (const auto& [name, g] : ref->grads) {
       ASSERT_EQ(got->grads.count(name), 1u) << name;
-      errors[name] = RelativeError(GpuValues(*gpu_, *cpu_, got->grads.at(name)), Values(g));
+      errors[name] = RelativeError(DeviceValues(*gpu_, *cpu_, got->grads.at(name)), Values(g));
     }
     double worst = 0.0;
     std::string summary;

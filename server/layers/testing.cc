@@ -60,6 +60,38 @@ double RelativeError(const std::vector<float>& got, const std::vector<float>& wa
   return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
+absl::StatusOr<StepOutputs> TrainingStep(Ops& ops, const Layer& layer, Variables* vars,
+                                         const LayerInputs& inputs, const Tensor& dy, bool tf32) {
+  ForwardOptions opts;
+  opts.keep_for_backward = true;
+  opts.tf32 = tf32;
+  LayerOutputs out;
+  std::unique_ptr<SavedForward> saved;
+  absl::Status s = layer.Forward(ops, vars, inputs, opts, &out, &saved);
+  if (!s.ok()) return s;
+  LayerGrads grads;
+  s = layer.Backward(ops, vars, *saved, dy, &grads);
+  if (!s.ok()) return s;
+  return StepOutputs{out.y, grads.dx, grads.dextra, grads.params};
+}
+
+absl::StatusOr<Tensor> ToDevice(Ops& device, const Tensor& host) {
+  absl::StatusOr<Tensor> t = device.Allocate(host.dtype(), host.shape());
+  if (!t.ok()) return t.status();
+  absl::Status s = device.Upload(host.data(), &*t);
+  if (s.ok()) s = device.Synchronize();
+  if (!s.ok()) return s;
+  return t;
+}
+
+std::vector<float> DeviceValues(Ops& device, Ops& host, const Tensor& t) {
+  absl::StatusOr<Tensor> copy = host.Allocate(t.dtype(), t.shape());
+  EXPECT_TRUE(copy.ok());
+  if (!copy.ok()) return {};
+  EXPECT_TRUE(device.Download(t, copy->data()).ok());
+  return Values(*copy);
+}
+
 absl::StatusOr<Variables> InitLayer(Ops& ops, const Layer& layer, const Shape& input_shape,
                                     const Fp8Recipe* fp8, uint64_t seed) {
   Variables vars;

@@ -96,6 +96,22 @@ absl::StatusOr<Fp8Comparison> CompareWithFp8(Ops& ops, const Layer& layer, Varia
                                              const LayerInputs& inputs, const Fp8Recipe& fp8,
                                              ForwardOptions opts = {});
 
+// One training step (forward keeping, then backward with `dy`) at the
+// call's matmul precision (`tf32`: DEFAULT on the GPU): what the tests that
+// compare the two backends run on each.
+struct StepOutputs {
+  Tensor y, dx;
+  std::vector<Tensor> dextra;
+  Variables grads;
+};
+absl::StatusOr<StepOutputs> TrainingStep(Ops& ops, const Layer& layer, Variables* vars,
+                                         const LayerInputs& inputs, const Tensor& dy, bool tf32);
+
+// A host tensor copied onto `device` (synchronised), and a device tensor's
+// values read back through the host backend `host`.
+absl::StatusOr<Tensor> ToDevice(Ops& device, const Tensor& host);
+std::vector<float> DeviceValues(Ops& device, Ops& host, const Tensor& t);
+
 // Recipes with TE's defaults and a short history (tests).
 Fp8Recipe DelayedRecipe(int amax_history_len = 16);
 Fp8Recipe CurrentScalingRecipe();

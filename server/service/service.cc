@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/status_macros.h"
+#include "server/service/generate_stream.h"
 #include "server/service/queued_call.h"
 #include "server/service/status.h"
 #include "server/service/tensor_streams.h"
@@ -412,6 +413,11 @@ grpc::ServerUnaryReactor* TeService::DeleteTensor(grpc::CallbackServerContext* c
                                [request](Lease& lease, const CallContext&) {
                                  return lease.session().DeleteTensor(*request);
                                });
+}
+
+grpc::ServerWriteReactor<te::v1::GenerateResponse>* TeService::Generate(
+    grpc::CallbackServerContext* context, const te::v1::GenerateRequest* request) {
+  return StartGenerate(core_, context, request);
 }
 
 grpc::ServerUnaryReactor* TeService::Benchmark(grpc::CallbackServerContext* context,

@@ -1,7 +1,7 @@
 // TeService: the te.v1.TeService gRPC service, on gRPC's callback API. Each
 // handler is a thin shim: it authenticates, routes the call to its session's
 // device, and queues it on that device's bounded executor (QueuedCall, and
-// the tensor streams' reactors), where the session layer does the work in the
+// the reactors of the tensor streams and Generate), where the session layer does the work in the
 // session's turn; every call ends through ServiceCore::Finished (the one
 // Status -> grpc::Status mapping, the log, the metrics hook). gRPC's threads
 // never wait for a session or a device. Thread-safe.
@@ -98,6 +98,8 @@ class TeService final : public TeServiceBase {
   grpc::ServerUnaryReactor* DeleteTensor(grpc::CallbackServerContext* context,
                                          const te::v1::DeleteTensorRequest* request,
                                          te::v1::DeleteTensorResponse* response) override;
+  grpc::ServerWriteReactor<te::v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const te::v1::GenerateRequest* request) override;
   grpc::ServerUnaryReactor* Benchmark(grpc::CallbackServerContext* context,
                                       const te::v1::BenchmarkRequest* request,
                                       te::v1::BenchmarkResponse* response) override;

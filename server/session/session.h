@@ -247,6 +247,23 @@ class Session {
   absl::Status Benchmark(const te::v1::BenchmarkRequest& request, const CallContext& call,
                          te::v1::BenchmarkResponse* response);
 
+  // Generation (server/layers/generate.h) with graph `graph` of a layer over
+  // its version `version`, which stays as it was: the steps' amaxes go into
+  // a copy of its fp8_metas, and the caches are the call's own. `sink` gets
+  // one GenerateResponse per step as its tokens are made, in the session's
+  // turn; a non-OK status from it ends the call with that status. The call's
+  // deadline and cancellation are checked between tokens (DEADLINE_EXCEEDED,
+  // CANCELLED after the steps already sunk). INVALID_ARGUMENT naming the
+  // field: a prompt that is not int32 [batch, length], max_new_tokens < 1 or
+  // making sequences the model does not take, sampling out of range, a
+  // layer that takes no token ids or cannot decode (naming the module);
+  // FAILED_PRECONDITION for a delayed-scaling autocast on a layer initialised
+  // without it; RESOURCE_EXHAUSTED when the caches do not fit the session's
+  // memory.
+  using GenerateSink = std::function<absl::Status(const te::v1::GenerateResponse& step)>;
+  absl::Status Generate(const te::v1::GenerateRequest& request, const GenerateSink& sink,
+                        const CallContext& call = CallContext());
+
  private:
   struct LayerEntry;
   struct SavedEntry;

@@ -1,6 +1,7 @@
 // Session's private parts, shared by session.cc (layers, variables, tensors),
-// session_versions.cc (versions, graphs), session_decode.cc (decode's cache)
-// and session_steps.cc (forward, backward, benchmark). Not for other users.
+// session_versions.cc (versions, graphs), session_decode.cc (decode's cache),
+// session_steps.cc (forward, backward, benchmark) and session_generate.cc
+// (generation). Not for other users.
 #ifndef TE_SERVER_SESSION_SESSION_INTERNAL_H_
 #define TE_SERVER_SESSION_SESSION_INTERNAL_H_
 
@@ -8,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "server/layers/fp8_weight_cache.h"
@@ -168,6 +170,22 @@ class Session::OutputEncoder {
  private:
   Session* session_;
   int64_t budget_;  // bytes still free in the response
+};
+
+// Lets the layers see the call's deadline and cancellation (Ops'
+// CheckInterrupt) for as long as the call runs.
+class InterruptScope {
+ public:
+  InterruptScope(Ops& ops, const CallContext& call, std::string what) : ops_(ops) {
+    ops_.set_interrupt_check(
+        [&call, what = std::move(what)] { return call.StillWanted(what); });
+  }
+  ~InterruptScope() { ops_.set_interrupt_check(nullptr); }
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+
+ private:
+  Ops& ops_;
 };
 
 // Layers take float inputs: f32, bf16 or f16 (FP8 only inside, under autocast).

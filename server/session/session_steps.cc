@@ -52,22 +52,6 @@ const layers::Fp8Recipe* PtrOf(const std::optional<layers::Fp8Recipe>& fp8) {
   return fp8 ? &*fp8 : nullptr;
 }
 
-// Lets the layers see the call's deadline and cancellation (Ops'
-// CheckInterrupt) for as long as the call runs.
-class InterruptScope {
- public:
-  InterruptScope(Ops& ops, const CallContext& call, std::string what) : ops_(ops) {
-    ops_.set_interrupt_check(
-        [&call, what = std::move(what)] { return call.StillWanted(what); });
-  }
-  ~InterruptScope() { ops_.set_interrupt_check(nullptr); }
-  InterruptScope(const InterruptScope&) = delete;
-  InterruptScope& operator=(const InterruptScope&) = delete;
-
- private:
-  Ops& ops_;
-};
-
 }  // namespace
 
 absl::Status CallContext::StillWanted(const std::string& what) const {

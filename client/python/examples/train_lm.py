@@ -16,6 +16,7 @@ held-out split.
     bazel build //server:te_server
     python3 client/python/examples/train_lm.py --spawn --steps=300 --layers=2 --hidden=64 --seq=64
     python3 client/python/examples/train_lm.py --address=gpu-host:50051 --recipe=delayed --csv=loss.csv
+    python3 client/python/examples/train_lm.py --spawn --steps=300 --save=/tmp/lm.npz   # then examples/generate.py
 
 --recipe: bf16 (bfloat16 activations, no FP8), delayed (FP8 DelayedScaling,
 Format.HYBRID: E4M3 forward, E5M2 gradients, amax history 1024), current
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import csv
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -116,6 +118,16 @@ def server(args):
         process.wait()
 
 
+def save(args, state):
+    """The trained variables (params and fp8_metas: te.save_checkpoint's
+    file) and what rebuilds the model (its sizes, recipe and traced shape)."""
+    te.save_checkpoint(args.save, state)
+    with open(args.save + ".json", "w") as f:
+        json.dump({"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "rotary": args.rotary,
+                   "batch": args.batch, "seq": args.seq, "recipe": args.recipe}, f)
+    print("variables: %s (model: %s.json)" % (args.save, args.save))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="localhost:50051")
@@ -138,6 +150,8 @@ def main():
                         help="rotary position embedding in every layer (without it a causal LM has no "
                              "position signal and stalls near a bigram model's loss)")
     parser.add_argument("--csv", help="write the loss curve here")
+    parser.add_argument("--save", help="write the trained variables here (.npz, te.save_checkpoint) and the "
+                                       "model's sizes beside it (.json), for examples/generate.py")
     args = parser.parse_args()
 
     folder, train, heldout = corpus()
@@ -164,7 +178,7 @@ def main():
         tokens_since, train_losses = 0, []
         for step in range(1, args.steps + 1):
             tokens, labels = batch(rng, train, args.batch, args.seq)
-            state, metrics = losses.train_step(state, tokens, labels)
+            state, metrics = optim.train_step(state, tokens, labels)
             train_losses.append(metrics["loss"])
             tokens_since += tokens.size
             if step % args.eval_every == 0 or step == args.steps:
@@ -177,6 +191,8 @@ def main():
                     step, train_loss, held_loss, rate, metrics["request_bytes"]), flush=True)
                 rows.append((step, train_loss, held_loss, rate, now - start))
                 train_losses, tokens_since, last = [], 0, time.perf_counter()
+        if args.save:
+            save(args, state)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)

@@ -30,6 +30,7 @@ from te_client.dtypes import Bfloat16Array, asarray, bfloat16, dtype_of
 from te_client.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
                               NotFoundError, PermissionDeniedError, ResourceExhaustedError, TeError,
                               UnauthenticatedError, UnavailableError, UnimplementedError)
+from te_client.generate import generate, generate_stream
 from te_client.optim import TrainState, restore_checkpoint, save_checkpoint, train_step
 from te_client.precision import default_matmul_precision
 from te_client.recipe import autocast, fp8_autocast
@@ -48,6 +49,7 @@ __all__ = [
     "PermissionDeniedError", "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
     "UnimplementedError",
     "autocast", "fp8_autocast", "default_matmul_precision", "speedometer", "value_and_grad", "grad",
+    "generate", "generate_stream",
     "TrainState", "train_step", "save_checkpoint", "restore_checkpoint",
     "Gradients", "VariableRef", "Variables", "tree_map", "tree_leaves", "tree_flatten", "tree_unflatten",
 ]
