@@ -212,10 +212,12 @@ std::vector<std::string> Module::DropoutUsersIf(std::initializer_list<float> rat
   return {};
 }
 
-absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const HostTensor& x) const {
+absl::StatusOr<Variables> Module::Init(Session& session, uint64_t key, const HostTensor& x,
+                                       const InitOptions& options) const {
   te::v1::InitLayerRequest request;
   ASSIGN_OR_RETURN(*request.mutable_spec(), Spec());
   request.set_seed(key);
+  request.set_decode(options.decode);
   request.set_input_dtype(DTypeToProto(x.dtype()));
   for (int64_t d : x.shape()) request.add_input_shape(d);
   *request.mutable_autocast() = ToProto(Autocast::Current());
@@ -260,6 +262,7 @@ absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostT
   request.set_update_fp8_metas(options.update_fp8_metas);
   request.set_graph(options.graph);
   request.set_version(vars.version());
+  request.set_decode(options.decode);
   // y is about as large as x (a projection may widen it: budget for 4x).
   request.set_keep_outputs(options.keep_outputs ||
                            LargeForInline(session, 4 * static_cast<int64_t>(x.bytes().size())));
@@ -281,8 +284,26 @@ absl::StatusOr<ForwardResult> Module::Forward(const Variables& vars, const HostT
 
 absl::StatusOr<HostTensor> Module::Apply(const Variables& vars, const HostTensor& x,
                                          const ApplyOptions& options) const {
+  if (options.decode) {
+    // Flax: apply(..., decode=True) without mutable=["cache"] cannot write
+    // the cache.
+    return absl::InvalidArgumentError(
+        "decode: the step updates collection \"cache\", which Apply keeps immutable; call "
+        "Decode (Flax: apply(..., decode=True, mutable=[\"cache\"])) for the new version");
+  }
   ASSIGN_OR_RETURN(ForwardResult result, Forward(vars, x, options, /*keep_for_backward=*/false));
   return std::move(result.y);
+}
+
+absl::StatusOr<DecodeResult> Module::Decode(const Variables& vars, const HostTensor& x_t,
+                                            const ApplyOptions& options) const {
+  ApplyOptions step = options;
+  step.decode = true;
+  ASSIGN_OR_RETURN(ForwardResult result, Forward(vars, x_t, step, /*keep_for_backward=*/false));
+  DecodeResult decoded;
+  decoded.y = std::move(result.y);
+  decoded.variables = result.variables ? *std::move(result.variables) : vars;
+  return decoded;
 }
 
 namespace {

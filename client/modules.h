@@ -29,7 +29,7 @@
 namespace te::client {
 
 struct VariableInfo {
-  std::string collection;  // "params" | "fp8_metas"
+  std::string collection;  // "params" | "fp8_metas" | "cache"
   std::string path;        // "qkv/kernel", "mlp/kernel_0_amax_history"
   Shape shape;
   DType dtype = DType::kF32;
@@ -101,6 +101,33 @@ struct ApplyOptions {
   // with the gradients, on the server, in the same call; the result's grads
   // are then empty and its variables the updated version.
   bool apply_update = false;
+  // TE's decode=True: one autoregressive step on the `cache` collection (x
+  // [batch, 1, ...], the next token of each sequence). It changes the cache,
+  // so it runs through Module::Decode (Flax's mutable=["cache"]), which
+  // returns the new version; Apply refuses it as Flax refuses an immutable
+  // collection.
+  bool decode = false;
+};
+
+// What Init does besides creating the params (Flax's init(key, x, **kwargs)).
+struct InitOptions {
+  // TE's init(key, x, decode=True): the layer's attentions that decode (a
+  // MultiHeadAttention with enable_rotary_pos_emb, a decoder
+  // TransformerLayer's self-attention, such modules in a Graph) also get
+  // their `cache` collection for x's batch and length (cache/<scope>/
+  // {cached_key, cached_value, cache_index}), zeros, on the server.
+  // INVALID_ARGUMENT naming decode for a module with no such attention (an
+  // encoder TransformerLayer: TE asserts it).
+  bool decode = false;
+};
+
+// What Decode returns: y = apply(vars, x_t, decode=True, mutable=["cache"]).
+struct DecodeResult {
+  HostTensor y;  // [batch, 1, ...]
+  // The version with the cache advanced by the token: the live handle the
+  // call went through (moved there), or a new value for a value's call. The
+  // cache stays on the server: only y crosses the wire.
+  Variables variables;
 };
 
 struct ForwardResult {
@@ -166,15 +193,28 @@ class Module {
 
   // Creates the layer's variables on the server from `key` and x's shape and
   // dtype (x's values are not sent). Under a DelayedScaling autocast the
-  // fp8_metas collection is created too. INVALID_ARGUMENT when x does not fit
-  // the module (a Graph's declared extra inputs included). The returned
-  // Variables point at `session`.
-  absl::StatusOr<Variables> Init(Session& session, uint64_t key, const HostTensor& x) const;
+  // fp8_metas collection is created too, and with options.decode the cache.
+  // INVALID_ARGUMENT when x does not fit the module (a Graph's declared extra
+  // inputs included). The returned Variables point at `session`.
+  absl::StatusOr<Variables> Init(Session& session, uint64_t key, const HostTensor& x,
+                                 const InitOptions& options = {}) const;
 
   // y = apply(vars, x). FAILED_PRECONDITION (the server's message) when FP8 is
-  // on and the layer was initialised without a DelayedScaling autocast.
+  // on and the layer was initialised without a DelayedScaling autocast;
+  // INVALID_ARGUMENT with options.decode (the cache is immutable here: use
+  // Decode).
   absl::StatusOr<HostTensor> Apply(const Variables& vars, const HostTensor& x,
                                    const ApplyOptions& options = {}) const;
+
+  // apply(vars, x_t, decode=True, mutable=["cache"]): one autoregressive step
+  // (options.decode implied). The version `vars` read keeps its cache, so a
+  // step that fails changes nothing. Decoding a sequence token by token gives
+  // the rows of one causal Apply of the whole sequence. The server's errors:
+  // FAILED_PRECONDITION for variables initialised without decode;
+  // INVALID_ARGUMENT naming x.shape for more than one token, or cache_index
+  // for a cache decoded to its length (init with a longer x).
+  absl::StatusOr<DecodeResult> Decode(const Variables& vars, const HostTensor& x_t,
+                                      const ApplyOptions& options = {}) const;
 
   // jax.value_and_grad(lambda v, x: vdot(apply(v, x), dy), argnums=(0, 1)),
   // one ForwardBackward call. Under DelayedScaling the step's end updates the

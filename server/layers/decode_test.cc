@@ -434,6 +434,55 @@ TEST(TransformerLayerDecodeTest, TeRefusesDecodingAnEncoder) {
   EXPECT_TRUE(absl::StrContains(internal.status().message(), "causal")) << internal.status();
 }
 
+// TE decodes a DECODER: its self-attention through the cache
+// (cache/self_attention/...), its cross-attention over the whole of
+// `encoded` at each step, the query rotated at the token's position as the
+// forward rotates its row.
+TEST(TransformerLayerDecodeTest, ADecoderTokenByTokenEqualsOneCausalForward) {
+  auto ops = NewCpuOps();
+  for (const bool relative : {true, false}) {
+    te::v1::TransformerLayer spec = EncoderSpec(/*rotary=*/true, relative, 2);
+    spec.set_layer_type(te::v1::DECODER);
+    auto made = MakeTransformerLayer(spec);
+    ASSERT_TRUE(made.ok()) << made.status();
+    const Layer& layer = **made;
+    const Shape x_shape = {2, 6, kHidden};
+    auto vars = InitForDecode(*ops, layer, x_shape, DType::kF32, nullptr);
+    ASSERT_TRUE(vars.ok()) << vars.status();
+    EXPECT_EQ(vars->count("cache/self_attention/cached_key"), 1u);
+    const Tensor x = RandomTensor(*ops, x_shape, DType::kF32, 37);
+    const Tensor encoded = RandomTensor(*ops, {2, 5, kHidden}, DType::kF32, 38);
+    ForwardOptions forward;
+    ForwardOptions decode;
+    decode.decode = true;
+    auto run = [&](const Tensor& in, const ForwardOptions& opts) -> absl::StatusOr<Tensor> {
+      LayerInputs inputs;
+      inputs.x = in;
+      inputs.extra = {encoded};
+      LayerOutputs out;
+      RETURN_IF_ERROR(layer.Forward(*ops, &*vars, inputs, opts, &out, nullptr));
+      return out.y;
+    };
+    auto error = MaxDecodeRowError(
+        *ops, x, [&](const Tensor& all) { return run(all, forward); },
+        [&](const Tensor& token) { return run(token, decode); });
+    ASSERT_TRUE(error.ok()) << error.status();
+    EXPECT_LE(*error, kF32Tolerance) << (relative ? "relative bias" : "no bias");
+    EXPECT_EQ(CacheIndex(*ops, *vars, "cache/self_attention/cache_index"), 6);
+  }
+  // Without rotary TE's fused projections refuse it, as MultiHeadAttention's.
+  te::v1::TransformerLayer fused = EncoderSpec(/*rotary=*/false, true, 4);
+  fused.set_layer_type(te::v1::DECODER);
+  auto layer = MakeTransformerLayer(fused);
+  ASSERT_TRUE(layer.ok());
+  auto specs = (*layer)->CacheSpecs({2, 5, kHidden}, DType::kF32, false);
+  EXPECT_EQ(specs.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(specs.status().message(),
+                                "decode mode requires QKVLayout.BSHD_BSHD_BSHD, but got "
+                                "QKVLayout.BS3HD"))
+      << specs.status();
+}
+
 struct EncoderCase {
   bool rotary;
   bool relative_embedding;

@@ -201,23 +201,23 @@ class GraphLayer : public Layer {
     return dtypes[g_.outputs[0]];
   }
 
-  // Generation's caches: every causal self-attention module node's, under
-  // its node ("cache/<node>/attention/cached_key"), for x of input_shape.
+  // The caches of its attention module nodes, each under its node
+  // ("cache/<node>/cached_key", "cache/<node>/self_attention/cached_key"),
+  // for x of input_shape. TE's decode (not internal_decode): every node runs
+  // and every attention module decodes by TE's rules (a MultiHeadAttention
+  // with separate q, k, v; a DECODER TransformerLayer); the graph needs one.
+  // Generation's (internal_decode): the nodes that make the logits, every
+  // causal self-attention among them.
   absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
                                                        DType input_dtype,
                                                        bool internal_decode) const override {
-    if (!internal_decode) {
-      return absl::InvalidArgumentError(
-          "decode: a graph decodes only under generation here (its caches are generation's "
-          "own); apply with decode on a graph's nodes is not supported");
-    }
     if (!CheckedNumElements(input_shape) || NumElements(input_shape) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "input_shape ", ShapeString(input_shape), " must have positive dimensions"));
     }
     ASSIGN_OR_RETURN(const Plan plan,
                      graph::Infer(g_, TensorInfo{true, input_shape, input_dtype}, {}, nullptr));
-    const std::vector<bool> run = graph::NodesFeeding(g_, graph::DecodeOutput(g_));
+    const std::vector<bool> run = DecodeRuns(internal_decode);
     std::vector<VariableSpec> specs;
     for (int i : g_.order) {
       const Node& node = g_.nodes[i];
@@ -226,12 +226,17 @@ class GraphLayer : public Layer {
       if (graph::DecodeRoleOf(*node.module) != graph::DecodeRole::kCached) continue;
       const TensorInfo& x = plan.tensors[node.inputs[0]];
       absl::StatusOr<std::vector<VariableSpec>> own =
-          node.module->CacheSpecs(x.shape, x.dtype.value_or(input_dtype), true);
+          node.module->CacheSpecs(x.shape, x.dtype.value_or(input_dtype), internal_decode);
       if (!own.ok()) return AboutNode(node, own.status());
       for (VariableSpec& v : *own) {
         v.name = Scoped(node.name, v.name);
         specs.push_back(std::move(v));
       }
+    }
+    if (specs.empty() && !internal_decode) {
+      return absl::InvalidArgumentError(
+          "decode: the graph has no attention module that decodes (MultiHeadAttention, DECODER "
+          "TransformerLayer): it has no cache to keep");
     }
     return specs;
   }
@@ -255,12 +260,13 @@ class GraphLayer : public Layer {
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckGraphInput(in.x, takes_ids_, "x"));
     if (opts.decode) RETURN_IF_ERROR(CheckDecodeRequest(in, opts));
-    // A decode step runs the nodes that make its output, and takes no extra
-    // inputs (a loss's labels): it returns the loss's logits.
-    const int output = opts.decode ? graph::DecodeOutput(g_) : g_.outputs[0];
-    const std::vector<bool> run = opts.decode ? graph::NodesFeeding(g_, output)
-                                              : std::vector<bool>(g_.nodes.size(), true);
-    if (!opts.decode && static_cast<int>(in.extra.size()) != g_.num_extra) {
+    // Generation's step runs the nodes that make its output, and takes no
+    // extra inputs (a loss's labels): it returns the loss's logits. TE's
+    // decode runs the whole graph, as apply does.
+    const bool generation = opts.decode && opts.internal_decode;
+    const int output = generation ? graph::DecodeOutput(g_) : g_.outputs[0];
+    const std::vector<bool> run = DecodeRuns(generation);
+    if (!generation && static_cast<int>(in.extra.size()) != g_.num_extra) {
       return absl::InvalidArgumentError(absl::StrCat(
           "extra_inputs: the graph takes ",
           g_.num_extra == 0 ? std::string("none")
@@ -298,8 +304,8 @@ class GraphLayer : public Layer {
       const Node& node = g_.nodes[i];
       std::vector<Tensor> inputs, outputs;
       for (int id : node.inputs) inputs.push_back(values[id]);
-      if (opts.decode) {
-        RETURN_IF_ERROR(DecodeSupported(node));
+      if (opts.decode) RETURN_IF_ERROR(DecodeSupported(node));
+      if (generation) {
         for (int id : node.inputs) {
           if (g_.tensors[id].extra_index >= 0) {
             return AboutNode(node, absl::InvalidArgumentError(
@@ -341,7 +347,7 @@ class GraphLayer : public Layer {
     }
     out->y = values[output];
     out->aux.clear();
-    if (!opts.decode) {  // generation's step returns the logits alone
+    if (!generation) {  // generation's step returns the logits alone
       if (g_.outputs.size() > 1) out->ln_out = values[g_.outputs[1]];
       for (size_t j = 1; j < g_.outputs.size(); ++j) out->aux.push_back(values[g_.outputs[j]]);
     }
@@ -417,21 +423,23 @@ class GraphLayer : public Layer {
 
  private:
   absl::Status CheckDecodeRequest(const LayerInputs& in, const ForwardOptions& opts) const {
-    if (!opts.internal_decode) {
-      return absl::InvalidArgumentError(
-          "decode: a graph decodes only under generation here (its caches are generation's "
-          "own); apply with decode on a graph's nodes is not supported");
-    }
     if (opts.keep_for_backward) {
       return absl::InvalidArgumentError(
           "keep_for_backward: a decode step is inference only; it keeps nothing for a backward");
     }
-    if (!in.extra.empty()) {
+    if (opts.internal_decode && !in.extra.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "extra_inputs: a decode step takes none (it returns the loss's logits); got ",
           in.extra.size()));
     }
     return absl::OkStatus();
+  }
+
+  // By node: whether a step runs it: generation's, the nodes that make the
+  // logits (graph::DecodeOutput); any other, every node.
+  std::vector<bool> DecodeRuns(bool generation) const {
+    return generation ? graph::NodesFeeding(g_, graph::DecodeOutput(g_))
+                      : std::vector<bool>(g_.nodes.size(), true);
   }
 
   static absl::Status DecodeSupported(const Node& node) {
@@ -441,9 +449,9 @@ class GraphLayer : public Layer {
     }
     return AboutNode(node, absl::InvalidArgumentError(absl::StrCat(
                                "decode: ", node.module->type_name(),
-                               " cannot run one position at a time (generation decodes "
-                               "MultiHeadAttention and TransformerLayer, and position-wise "
-                               "modules)")));
+                               " cannot run one position at a time (a decode step runs "
+                               "MultiHeadAttention and TransformerLayer through their caches, "
+                               "and position-wise modules as they are)")));
   }
 
   absl::StatusOr<Plan> InferAtInit(const Shape& input_shape,

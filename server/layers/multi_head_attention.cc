@@ -260,7 +260,7 @@ absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
 absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                                const Tensor& bias, const ForwardOptions& opts, Tensor* y,
                                Tensor* ln_out, Saved* saved, const Tensor& residual,
-                               const Tensor& kv_input) const {
+                               const Tensor& kv_input, int64_t query_position) const {
   if (x.rank() != 3 || x.dim(2) != hidden_) {
     return absl::InvalidArgumentError(
         absl::StrCat("x has shape ", ShapeString(x.shape()), "; want [batch, seq, ", hidden_, "]"));
@@ -289,7 +289,7 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
                                            attention_saved));
   } else {
     if (options_.rotary) {
-      RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q));
+      RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, query_position));
       RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k));
     }
     RETURN_IF_ERROR(AttentionForward(ops, AttentionSettings(), p.q, p.k, p.v, seqlens, bias,

@@ -92,10 +92,13 @@ class MhaBlock {
   // `residual` (optional, [B, S, hidden]): y = attention(x) + residual, added
   // in the output projection's GEMM. `kv_input` ([B, Skv, hidden], x's dtype):
   // the keys' and values' input, required with options.cross, else unused.
+  // `query_position`: with rotary, where x's first row sits in its sequence
+  // (a decode step's token at cache index p attends over a cross-attention's
+  // whole kv_input as row p of the full forward does); the keys start at 0.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
                        const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
                        Saved* saved, const Tensor& residual = Tensor(),
-                       const Tensor& kv_input = Tensor()) const;
+                       const Tensor& kv_input = Tensor(), int64_t query_position = 0) const;
   // dy [B, S, hidden] (any float dtype) -> *dx; parameter gradients into
   // *grads; *dbias (if non-null and the forward had a bias) f32 [H, S, S].
   // residual_grad (optional, [B, S, hidden]) is added to *dx (in the input

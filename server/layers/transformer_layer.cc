@@ -108,8 +108,8 @@ class TransformerLayerImpl : public Layer {
     return input_shape;
   }
 
-  // The self-attention's cache (cache/attention/...), for generation only:
-  // TE decodes no encoder.
+  // The self-attention's cache (cache/self_attention/... for a DECODER, as
+  // TE decodes it; cache/attention/... for an encoder under generation).
   absl::StatusOr<std::vector<VariableSpec>> CacheSpecs(const Shape& input_shape,
                                                        DType input_dtype,
                                                        bool internal_decode) const override {
@@ -150,8 +150,13 @@ class TransformerLayerImpl : public Layer {
 
     Tensor bias;
     ForwardOptions step = opts;  // a decode step's, with the cache index it read
-    if (options_.relative_embedding && opts.decode) {
+    // A decoder's cross-attention rotates a decode step's query at the
+    // token's position, as the full forward rotates its row.
+    const bool cross_rotary = options_.decoder && options_.cross.rotary;
+    if (opts.decode && (options_.relative_embedding || cross_rotary)) {
       ASSIGN_OR_RETURN(step.decode_cache_index, attention_.CacheIndex(ops, *vars, opts));
+    }
+    if (options_.relative_embedding && opts.decode) {
       ASSIGN_OR_RETURN(bias, DecodeBias(ops, *vars, step.decode_cache_index, seq));
     } else if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(kept->buckets, buckets_.Buckets(ops, seq, seq));
@@ -171,7 +176,8 @@ class TransformerLayerImpl : public Layer {
       // A decode step's token attends over the whole of `encoded`: nothing to cache.
       RETURN_IF_ERROR(Residual(ops, cross_, vars, h, MaskOf(in), Tensor(), in.extra[0], opts,
                                /*decode=*/false, "hidden_dropout_1", keep ? &kept->cross : nullptr,
-                               &kept->cross_dropout, &mlp_in));
+                               &kept->cross_dropout, &mlp_in,
+                               opts.decode && cross_rotary ? step.decode_cache_index : 0));
     } else {
       mlp_in = h;
     }
@@ -234,13 +240,16 @@ class TransformerLayerImpl : public Layer {
   // an attention block with its residual connection (added in its output
   // projection when no dropout runs).
   // With `decode`, the block runs one cached step (MhaBlock::Decode) instead.
+  // `query_position`: MhaBlock::Forward's.
   absl::Status Residual(Ops& ops, const MhaBlock& block, Variables* vars, const Tensor& x,
                         const SeqLens& mask, const Tensor& bias, const Tensor& kv_input,
                         const ForwardOptions& opts, bool decode, const char* dropout_site,
-                        MhaBlock::Saved* saved, DropoutSaved* dropout, Tensor* out) const {
+                        MhaBlock::Saved* saved, DropoutSaved* dropout, Tensor* out,
+                        int64_t query_position = 0) const {
     auto attend = [&](Tensor* a, const Tensor& residual) {
       if (decode) return block.Decode(ops, vars, x, mask, bias, opts, a, nullptr, residual);
-      return block.Forward(ops, vars, x, mask, bias, opts, a, nullptr, saved, residual, kv_input);
+      return block.Forward(ops, vars, x, mask, bias, opts, a, nullptr, saved, residual, kv_input,
+                           query_position);
     };
     if (FusedResidual(opts)) return attend(out, x);
     Tensor attention_out, dropped;
@@ -317,13 +326,24 @@ class TransformerLayerImpl : public Layer {
   }
 
   // TE asserts "decode should be False when layer_type ==
-  // TransformerLayerType.ENCODER", and every TransformerLayer here is an
-  // encoder; generation decodes one whose self-attention is causal (what
-  // its full forward gives each row, one row at a time).
+  // TransformerLayerType.ENCODER"; a DECODER decodes its self-attention (its
+  // cross-attention reads the whole of `encoded` at each step), which TE's
+  // MultiHeadAttention decodes only with separate q, k, v (rotary).
+  // Generation decodes any TransformerLayer whose self-attention is causal
+  // (what its full forward gives each row, one row at a time).
   absl::Status DecodeAllowed(bool internal_decode) const {
     if (!internal_decode) {
-      return absl::InvalidArgumentError(
-          "decode: decode should be False when layer_type == TransformerLayerType.ENCODER");
+      if (!options_.decoder) {
+        return absl::InvalidArgumentError(
+            "decode: decode should be False when layer_type == TransformerLayerType.ENCODER");
+      }
+      const std::string layout = attention_.QkvLayoutName();
+      if (layout != "QKVLayout.BSHD_BSHD_BSHD") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "decode: decode mode requires QKVLayout.BSHD_BSHD_BSHD, but got ", layout,
+            " (TE's self_attention keeps separate q, k, v only with enable_rotary_pos_emb)"));
+      }
+      return absl::OkStatus();
     }
     if (!IsCausalMask(options_.attention.mask)) {
       return absl::InvalidArgumentError(

@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
+#include "server/layers/cache.h"
 #include "server/layers/graph.h"
 #include "server/layers/variables.h"
 #include "server/optim/optimizer.h"
@@ -260,6 +261,15 @@ class SessionCheckpoint {
         for (const auto& [name, tensor] : *vars) {
           host.resize(tensor.nbytes());
           if (!host.empty()) RETURN_IF_ERROR(session.ops_->Download(tensor, host.data()));
+          // A cache's keys and values: the rows the version holds (contract 11).
+          ASSIGN_OR_RETURN(const int64_t held, CacheRowsHeld(*session.ops_, *vars, name));
+          if (held >= 0) {
+            const int64_t batch = tensor.dim(0), length = tensor.dim(1);
+            const size_t row = host.size() / static_cast<size_t>(batch * length);
+            for (int64_t b = 0; b < batch; ++b) {
+              std::memset(host.data() + (b * length + held) * row, 0, (length - held) * row);
+            }
+          }
           SavedVariable* variable = saved->add_variables();
           variable->set_name(name);
           variable->set_dtype(DTypeToProto(tensor.dtype()));
@@ -329,6 +339,17 @@ class SessionCheckpoint {
     *entry->init.mutable_autocast() = saved.autocast();
     *entry->init.mutable_extra_inputs() = saved.extra_inputs();
 
+    // A layer initialised with decode saved its cache (collection cache):
+    // it comes back with it, checked against the specs init made.
+    for (const SavedVariable& variable : saved.variables()) {
+      if (!absl::StartsWith(variable.name(), absl::StrCat(layers::kCache, "/"))) continue;
+      ASSIGN_OR_RETURN(std::vector<layers::VariableSpec> cache,
+                       entry->layer().CacheSpecs(input_shape, input_dtype,
+                                                 /*internal_decode=*/false));
+      specs.insert(specs.end(), cache.begin(), cache.end());
+      entry->init.set_decode(true);
+      break;
+    }
     std::set<std::string> spec_names;
     for (const layers::VariableSpec& spec : specs) spec_names.insert(spec.name);
     std::optional<optim::OptimizerConfig> optimizer;

@@ -215,6 +215,71 @@ TEST_F(CheckpointTest, RestoreKeepsTheNewestVersionsNumberAndTheAddedGraphs) {
   EXPECT_EQ(made.version(), 4);
 }
 
+// A layer initialised with decode saves its cache (collection cache) with
+// its params, and the restored layer decodes on from where it was: the same
+// next row as the original session gives.
+TEST_F(CheckpointTest, ACacheComesBackAndDecodesOn) {
+  te::v1::CreateSessionResponse created;
+  ASSERT_TRUE(OpenSession(te::v1::CreateSessionRequest(), device_.get(), config_, manager_.get(),
+                          &created)
+                  .ok());
+  ref_ = created.session();
+  const std::vector<int64_t> shape = {2, 5, kHidden};
+  auto token = [&](uint32_t seed) { return RandomTensor({2, 1, kHidden}, seed); };
+  te::v1::ForwardRequest step;
+  step.set_decode(true);
+  step.set_deterministic(true);
+  {
+    auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+    ASSERT_TRUE(lease.ok());
+    te::v1::InitLayerRequest init;
+    te::v1::MultiHeadAttention* mha = init.mutable_spec()->mutable_multi_head_attention();
+    mha->set_head_dim(4);
+    mha->set_num_attention_heads(4);
+    mha->set_enable_rotary_pos_emb(true);
+    init.set_seed(3);
+    init.set_input_dtype(te::v1::FLOAT32);
+    init.mutable_input_shape()->Assign(shape.begin(), shape.end());
+    init.set_decode(true);
+    te::v1::InitLayerResponse initialised;
+    ASSERT_TRUE(lease->session().InitLayer(init, &initialised).ok());
+    layer_id_ = initialised.layer_id();
+    step.set_layer_id(layer_id_);
+    for (uint32_t t = 0; t < 2; ++t) {
+      *step.mutable_x() = token(40 + t);
+      te::v1::ForwardResponse y;
+      const absl::Status status = lease->session().Forward(step, &y);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+  }
+  const std::map<std::string, te::v1::Tensor> before = Variables(*manager_, ref_.token());
+  ASSERT_EQ(before.count("cache/cached_key"), 1u);
+  ASSERT_TRUE(Save().ok());
+  SessionManager restarted{SessionManagerOptions{}};
+  ASSERT_EQ(store_->RestoreAll(device_.get(), config_, &restarted).restored, 1);
+  const std::map<std::string, te::v1::Tensor> after = Variables(restarted, ref_.token());
+  ASSERT_EQ(after.size(), before.size());
+  for (const auto& [name, tensor] : before) {
+    EXPECT_EQ(after.at(name).inline_data(), tensor.inline_data()) << name;
+  }
+  int32_t index = -1;
+  std::memcpy(&index, after.at("cache/cache_index").inline_data().data(), sizeof(index));
+  EXPECT_EQ(index, 2);
+  *step.mutable_x() = token(42);
+  te::v1::ForwardResponse original, restored;
+  {
+    auto lease = manager_->Acquire(ref_.session_id(), ref_.token());
+    ASSERT_TRUE(lease.ok());
+    ASSERT_TRUE(lease->session().Forward(step, &original).ok());
+  }
+  auto lease = restarted.Acquire(ref_.session_id(), ref_.token());
+  ASSERT_TRUE(lease.ok());
+  const absl::Status status = lease->session().Forward(step, &restored);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(restored.y().inline_data(), original.y().inline_data());
+  EXPECT_EQ(restored.version(), original.version());
+}
+
 TEST(IsSessionIdTest, OnlyServerIssuedForm) {
   EXPECT_TRUE(IsSessionId("0123456789abcdef0123456789abcdef"));
   EXPECT_FALSE(IsSessionId("0123456789ABCDEF0123456789abcdef"));

@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
+#include "server/layers/cache.h"
 #include "server/layers/fp8_state.h"
 #include "server/session/log.h"
 #include "server/session/negotiation.h"
@@ -26,7 +27,8 @@ constexpr int64_t kDefaultChunkBytes = int64_t{1} << 20;
 constexpr int64_t kResponseOverheadBytes = int64_t{256} << 10;
 
 const std::set<std::string>& KnownCollections() {
-  static const auto* known = new std::set<std::string>{"params", "fp8_metas", "grads", "opt_state"};
+  static const auto* known =
+      new std::set<std::string>{"params", "fp8_metas", "grads", "opt_state", "cache"};
   return *known;
 }
 
@@ -272,11 +274,19 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   ASSIGN_OR_RETURN(std::vector<layers::VariableSpec> specs,
                    layer->VariableSpecs(input_shape, fp8_ptr));
   ASSIGN_OR_RETURN(Shape output_shape, layer->OutputShape(input_shape));
+  // TE's init(..., decode=True): the cache for x's batch and length too
+  // (contract 11), zeros.
+  std::vector<layers::VariableSpec> cache;
+  if (request.decode()) {
+    ASSIGN_OR_RETURN(cache, layer->CacheSpecs(input_shape, input_dtype, /*internal_decode=*/false));
+    specs.insert(specs.end(), cache.begin(), cache.end());
+  }
   RETURN_IF_ERROR(CheckFitsMemory(specs));
 
   auto entry = std::make_unique<LayerEntry>();
   VariableSet initial;
   RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &initial.vars));
+  RETURN_IF_ERROR(layers::InitCache(*ops_, cache, &initial.vars));
   entry->id = NewId("layer");
   entry->graphs.emplace_back();
   entry->graphs[0].layer = std::move(layer);
@@ -299,6 +309,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                 absl::StrCat(entry->id, ": ", entry->layer().type_name(), " initialised for x ",
                              ShapeString(input_shape), " ", DTypeName(input_dtype), ", ",
                              specs.size(), " variables", fp8 ? " (under FP8 autocast)" : "",
+                             request.decode() ? " with a decode cache" : "",
                              "; session memory ", ops_->bytes_in_use(), " bytes"));
   layers_[entry->id] = std::move(entry);
   return absl::OkStatus();
@@ -312,7 +323,7 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
     if (KnownCollections().count(request.collections(i)) == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("collections[", i, "]: unknown collection '", request.collections(i),
-                       "' (params, fp8_metas, grads, opt_state)"));
+                       "' (params, fp8_metas, grads, opt_state, cache)"));
     }
     wanted.insert(request.collections(i));
   }
@@ -329,7 +340,8 @@ absl::Status Session::GetVariables(const te::v1::GetVariablesRequest& request,
       out->set_path(path);
       // Snapshots: a later step may write a tensor in place once no
       // retained version holds it (contract 9), and a resident copy outlives that.
-      RETURN_IF_ERROR(encoder.Encode(tensor, /*resident=*/request.keep_outputs(),
+      ASSIGN_OR_RETURN(const Tensor held, AsDecoded(*vars, name, tensor));
+      RETURN_IF_ERROR(encoder.Encode(held, /*resident=*/request.keep_outputs(),
                                      /*snapshot=*/true, out->mutable_value()));
     }
   }

@@ -71,6 +71,22 @@
 //     batch size, or a loss function) and answers its index, or the index of
 //     an equal graph the layer has. Indices are never reused while the layer
 //     lives.
+// 11. Decode (TE's apply(..., decode=True, mutable=["cache"])). InitLayer
+//     with decode gives the layer its `cache` collection (Layer::CacheSpecs
+//     for x's batch and length, zeros, in the session's memory); a layer
+//     with no attention that decodes is INVALID_ARGUMENT naming decode. A
+//     Forward with decode reads the cache of the version read and makes a
+//     new version with the cache advanced by one token, so a failed or
+//     cancelled step leaves every version as it was. The new version shares
+//     the keys and values with the one read (the one read never reads the
+//     row the step writes) and has its own cache_index; a step copies them
+//     only when another retained version decodes from them further (a
+//     branch). FAILED_PRECONDITION for a layer without a cache; the layers'
+//     INVALID_ARGUMENT for more than one new token, a full cache (naming
+//     cache_index) or keep_for_backward. The cache is a collection like
+//     params for GetVariables, SetVariables and checkpoints; a version
+//     holds the rows of its keys and values before its cache_index, and
+//     reads the rows from it on as zeros (TE's, until a step writes them).
 #ifndef TE_SERVER_SESSION_SESSION_H_
 #define TE_SERVER_SESSION_SESSION_H_
 
@@ -96,6 +112,7 @@ namespace te::session {
 
 struct LayerOptimizer;  // session_internal.h
 struct VariableSet;     // session_internal.h
+struct DecodeStep;      // session_internal.h
 
 // Server-wide limits every session obeys (te_server's flags).
 struct SessionConfig {
@@ -266,6 +283,16 @@ class Session {
   // of them gets a copy instead (RESOURCE_EXHAUSTED when the copies do not
   // fit; then nothing changed).
   absl::Status DetachFromVersions(LayerEntry& layer, const std::vector<const Tensor*>& writes);
+  // A decode step's caches (contract 11) in `vars`, the working copy of
+  // target's version: each gets its own cache_index, and its keys and values
+  // where another holder decodes from them further. FAILED_PRECONDITION
+  // without a cache; RESOURCE_EXHAUSTED when the copies do not fit.
+  absl::StatusOr<DecodeStep> PrepareDecode(const Target& target, layers::Variables* vars);
+  // Variable `name` (`tensor`) of `vars` as its version holds it: a cache's
+  // keys and values with the rows from its cache_index on as zeros (a new
+  // tensor; contract 11), any other variable as it is.
+  absl::StatusOr<Tensor> AsDecoded(const layers::Variables& vars, const std::string& name,
+                                   const Tensor& tensor);
   // Before a layer is initialised: its variables' bytes, overflow-checked
   // (INVALID_ARGUMENT "spec"), fit the memory the session has left
   // (RESOURCE_EXHAUSTED otherwise), so nothing is allocated for a layer that

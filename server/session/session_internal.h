@@ -1,10 +1,11 @@
 // Session's private parts, shared by session.cc (layers, variables, tensors),
-// session_versions.cc (versions, graphs),
+// session_versions.cc (versions, graphs), session_decode.cc (decode's cache),
 // session_steps.cc (forward, backward, benchmark) and session_generate.cc
 // (generation). Not for other users.
 #ifndef TE_SERVER_SESSION_SESSION_INTERNAL_H_
 #define TE_SERVER_SESSION_SESSION_INTERNAL_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,6 +36,32 @@ struct VariableSet {
   layers::Variables grads;      // "grads/...": kept gradients, accumulated
   layers::Variables opt_state;  // "opt_state/...", with an optimizer
 };
+
+// One cache a decode step advances (session_decode.cc): its variables'
+// names and the index the version read holds.
+struct DecodeCache {
+  std::string index;  // "cache/<scope>/cache_index"
+  std::string key;    // "cache/<scope>/cached_key"
+  std::string value;  // "cache/<scope>/cached_value"
+  int64_t position = 0;
+  size_t slot = 0;  // where PrepareDecode read the index
+};
+
+// A decode step's caches, prepared in its working variables.
+struct DecodeStep {
+  std::vector<DecodeCache> caches;  // never empty
+  // The index every cache holds, or -1 where they differ (each attention
+  // then reads its own): ForwardOptions::decode_cache_index.
+  int64_t common_index = -1;
+  int branched = 0;  // caches whose keys and values the step copied
+};
+
+// Contract 11: how many rows (per sequence) of variable `name` of `vars` are
+// the version's when it is a cache's cached_key or cached_value: its
+// cache_index (read from the device) within [0, L]. -1 for any other
+// variable (held whole).
+absl::StatusOr<int64_t> CacheRowsHeld(Ops& ops, const layers::Variables& vars,
+                                      const std::string& name);
 
 // A retained version, and the session's id number current when it was made
 // (contract 6: ForgetSince(mark) drops the versions made since `mark`).

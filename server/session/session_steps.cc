@@ -362,6 +362,10 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
                    CheckInputs(target, PtrOf(fp8), request.x(), request.extra_inputs(),
                                request.has_attention_mask() ? &request.attention_mask() : nullptr,
                                ""));
+  if (request.decode() && request.keep_for_backward()) {
+    return absl::InvalidArgumentError(
+        "keep_for_backward: a decode step is inference only; it keeps nothing for a backward");
+  }
   if (request.keep_for_backward() &&
       static_cast<int>(saved_.size()) >= config_.max_saved_forwards) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -389,6 +393,12 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.tf32 = tf32;
   layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   opts.keep_for_backward = request.keep_for_backward();
+  if (request.decode()) {
+    // Contract 11: the step advances its own copy of each cache index.
+    ASSIGN_OR_RETURN(const DecodeStep step, PrepareDecode(target, &vars));
+    opts.decode = true;
+    opts.decode_cache_index = step.common_index;
+  }
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
   RETURN_IF_ERROR(target.layer->Forward(*ops_, &vars, inputs, opts, &out, &saved));
@@ -456,7 +466,8 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     response->set_version(target.version);
     return absl::OkStatus();
   }
-  response->set_version(ends_step ? MakeVersion(*layer, std::move(next)) : target.version);
+  const bool changed = ends_step || request.decode();
+  response->set_version(changed ? MakeVersion(*layer, std::move(next)) : target.version);
   return absl::OkStatus();
 }
 

@@ -95,6 +95,9 @@ class Traced:
     output_shape: tuple
     output_wire: int
     dropouts: list = dataclasses.field(default_factory=list)   # names of what draws dropout (rate > 0)
+    # Whether a module node was called with TE's decode=True (init creates the
+    # cache; apply runs one autoregressive step on it).
+    decode: bool = False
 
     def node(self, name):
         return next(n for n in self.spec.nodes if n.name == name)
@@ -113,6 +116,7 @@ class Trace:
         self.deterministic = None if deterministic is None else bool(deterministic)
         self.closed = False
         self.dropouts = []   # what draws dropout: it needs apply's rngs['dropout'] when not deterministic
+        self.decodes = []    # module nodes called with decode=True
         self._owners = {}    # module node name -> the module instance
 
     def input(self, name, shape, wire):
@@ -216,7 +220,8 @@ class Trace:
         return Traced(spec=spec, shapes={edges[id(s)]: s.shape for s in symbols},
                       dtypes={edges[id(s)]: dtypes.dtype_name(s.wire) for s in symbols},
                       inputs=[n for n in self.inputs if n in read],
-                      output_shape=result.shape, output_wire=result.wire, dropouts=list(self.dropouts))
+                      output_shape=result.shape, output_wire=result.wire, dropouts=list(self.dropouts),
+                      decode=bool(self.decodes))
 
     def _live(self, outputs):
         live, stack = set(), [n for n in self.nodes if n.keep]

@@ -14,11 +14,13 @@ from te_client.session import ResidentTensor
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What one call of a server layer sends: x, extra inputs, mask, deterministic."""
+    """What one call of a server layer sends: x, extra inputs, mask, deterministic,
+    and whether it is TE's decode=True (one autoregressive step on the cache)."""
     x: object
     extra: list
     mask: object
     deterministic: bool
+    decode: bool = False
 
 
 
@@ -70,10 +72,13 @@ def extra_input_headers(traced):
     return tuple(headers)
 
 
-def init_layer(session, spec, seed, x, module, traced, trace_key):
+def init_layer(session, spec, seed, x, module, traced, trace_key, decode=False):
+    """InitLayer; with `decode` (TE's init(..., decode=True)) the layer's
+    attentions that decode also get their cache collection for x's batch and length."""
     shape, wire = shape_and_wire(x, "x")
     request = service_pb2.InitLayerRequest(spec=spec, seed=seed, input_dtype=wire, input_shape=shape,
-                                           autocast=_autocast(), extra_inputs=extra_input_headers(traced))
+                                           autocast=_autocast(), extra_inputs=extra_input_headers(traced),
+                                           decode=bool(decode))
     try:
         response = session.call("InitLayer", request)
     except errors.TeError as e:
@@ -122,7 +127,7 @@ def _mask_wire(mask):
 
 
 def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False, update_fp8_metas=False,
-                    graph=0, version=0):
+                    graph=0, version=0, decode=False):
     session = handle.session
     request = service_pb2.ForwardRequest(
         layer_id=handle.layer_id, x=session.send(call.x, uploads, "x"),
@@ -130,7 +135,7 @@ def forward_request(handle, call, dropout_seed, uploads, keep_for_backward=False
         deterministic=call.deterministic, dropout_seed=dropout_seed, autocast=_autocast(),
         keep_for_backward=keep_for_backward, keep_outputs=session.large(4 * _nbytes(call.x)),
         update_fp8_metas=update_fp8_metas, graph=int(graph), version=int(version),
-        matmul_precision=precision_lib.current())
+        matmul_precision=precision_lib.current(), decode=bool(decode))
     if call.mask is not None:
         request.attention_mask.CopyFrom(session.send(_mask_wire(call.mask), uploads, "attention_mask"))
     return request

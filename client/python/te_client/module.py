@@ -293,7 +293,10 @@ class Module:
         """Creates the variables on the server (under the current autocast: a
         DelayedScaling one adds fp8_metas) and returns them. `rngs`: an int, a
         JAX PRNGKey, or {'params': key}. `session`: default the current one.
-        A composite is traced here and created as one graph layer."""
+        A composite is traced here and created as one graph layer. With TE's
+        decode=True (a MultiHeadAttention, a DECODER TransformerLayer, or a
+        composite passing it to them) x is the full-length input and the
+        cache collection is created for its batch and length."""
         session = session or current_session()
         if session is None:
             raise errors.FailedPreconditionError(
@@ -305,7 +308,8 @@ class Module:
             traced, key = self._trace(bound), bound.key
             spec, call = layers_pb2.LayerSpec(graph=traced.spec), bound.call(traced)
         old = self._layer(session)
-        handle = layer_calls.init_layer(session, spec, seed_of(rngs), call.x, self, traced, key)
+        decode = traced.decode if traced is not None else call.decode
+        handle = layer_calls.init_layer(session, spec, seed_of(rngs), call.x, self, traced, key, decode=decode)
         if old is not None:
             # init again replaces the layer this module made before (as Flax's init makes
             # new variables): the old one is freed now rather than left to its references.
@@ -327,15 +331,22 @@ class Module:
         (or True) lets it change them: the forward ends its step on the server
         (amaxes recorded, scales updated), and the call returns (y, variables),
         new variables with the state moved. Inside a function traced by
-        te_client.value_and_grad, apply records the model's graph into it."""
+        te_client.value_and_grad, apply records the model's graph into it.
+
+        TE's decode=True (x: the next token, [batch, 1, ...]) runs one
+        autoregressive step on the cache collection init(..., decode=True)
+        made: as in Flax it needs mutable=["cache"] and returns (y,
+        variables), the new version with the cache advanced; the cache stays
+        on the server (its values are fetched only when read)."""
         if mutable is not False and mutable is not True and not isinstance(mutable, (list, tuple, set, str)):
             raise TypeError("apply: mutable=%r; want False, True or collection names" % (mutable,))
         names = {mutable} if isinstance(mutable, str) else set(mutable) if mutable not in (False, True) else set()
-        unsupported = sorted(names - {"fp8_metas", "params"})
+        unsupported = sorted(names - {"fp8_metas", "params", "cache"})
         if unsupported:
             raise NotImplementedError(
-                "apply(mutable=%s): te_client's modules keep the collections params and fp8_metas only (no "
-                "intermediates: sow is not recorded); mutable=['fp8_metas'] ends the forward's FP8 step" % unsupported)
+                "apply(mutable=%s): te_client's modules keep the collections params, fp8_metas and cache only "
+                "(no intermediates: sow is not recorded); mutable=['fp8_metas'] ends the forward's FP8 step, "
+                "mutable=['cache'] returns a decode step's cache" % unsupported)
         loss = graph.current_loss()
         if loss is not None:
             if mutable is not False:
@@ -345,11 +356,21 @@ class Module:
         update_fp8_metas = mutable is True or "fp8_metas" in names
         handle, version = self._variables(variables, args, kwargs)
         call, info = self._call_for(handle, args, kwargs)
+        decode = info.traced.decode if info is not None else call.decode
+        if decode and mutable is not True and "cache" not in names:
+            cache = next((i for i in handle.infos if i.collection == "cache"), None)
+            raise errors.InvalidArgumentError(
+                'Cannot update variable "%s" in "/%s" because collection "cache" is immutable: a decode=True '
+                'step writes the cache; apply(..., decode=True, mutable=["cache"]) returns (y, variables) '
+                "with it advanced (Flax's ModifyScopeVariableError)" % (
+                    cache.path.rsplit("/", 1)[-1] if cache else "cached_key",
+                    cache.path.rsplit("/", 1)[0] if cache and "/" in cache.path else ""))
         uploads, session = [], handle.session
         try:
             request = layer_calls.forward_request(handle, call, self._dropout_seed(handle, call, rngs, info), uploads,
                                                   update_fp8_metas=update_fp8_metas,
-                                                  graph=info.index if info else 0, version=version.number)
+                                                  graph=info.index if info else 0, version=version.number,
+                                                  decode=decode)
             response = session.call("Forward", request)
         finally:
             session.delete_all(uploads)
@@ -446,6 +467,10 @@ class Module:
                 traced = self._trace(bound)
                 shape, wire = layer_calls.shape_and_wire(dict(bound.inputs)["x"], "x")
                 info = layer_calls.add_graph(handle, traced, shape, wire)
+                if info.traced.decode != traced.decode:
+                    # The same graph called with and without decode: one
+                    # server graph, and this call's own decode.
+                    info = dataclasses.replace(info, traced=traced)
                 handle.graphs[bound.key] = info
         return bound.call(info.traced), info
 
@@ -572,16 +597,20 @@ class ServerModule(Module):
         self._run_root(frame, args, kwargs)
         return frame.captured
 
-    def _call(self, x, extra=(), mask=None, deterministic=False):
+    def _call(self, x, extra=(), mask=None, deterministic=False, decode=False):
         frame = current_frame(self)
         if frame.mode == "trace":
-            return self._record(frame, x, list(extra), mask, deterministic)
-        frame.captured = layer_calls.Call(x, list(extra), mask, bool(deterministic))
+            return self._record(frame, x, list(extra), mask, deterministic, decode)
+        frame.captured = layer_calls.Call(x, list(extra), mask, bool(deterministic), bool(decode))
         return self._pack(None, None)
 
-    def _record(self, frame, x, extra, mask, deterministic):
+    def _record(self, frame, x, extra, mask, deterministic, decode=False):
         trace = frame.trace
         name = "/".join(self._scope_in(frame))
+        if decode:
+            # The graph is the same; the layer decodes (its caches are its
+            # module nodes' own) when init and apply say so.
+            trace.decodes.append(name)
         for i, t in enumerate([x] + extra):
             if not isinstance(t, symbolic.Symbol):
                 raise TypeError("%s (%s): input %d is a %s, not a traced tensor: inside a composite every "

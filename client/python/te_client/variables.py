@@ -95,7 +95,7 @@ def _queue(session, item):
         pending.append(item)   # deque.append: atomic, takes no lock (safe inside a finalizer)
 
 
-COLLECTIONS = ("params", "fp8_metas", "opt_state", "grads")
+COLLECTIONS = ("params", "fp8_metas", "opt_state", "grads", "cache")
 
 
 class Gradients(dict):

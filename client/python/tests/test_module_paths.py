@@ -25,8 +25,6 @@ def test_what_te_v1_cannot_run_says_so():
         te_flax.RelativePositionBiases(num_buckets=32, max_distance=128, num_heads=8)
     with pytest.raises(NotImplementedError, match="Softmax"):
         te_flax.Softmax()
-    with pytest.raises(te.UnimplementedError, match="decode"):
-        te_flax.TransformerLayer(layer_type=te_flax.TransformerLayerType.DECODER)(None, None, decode=True)
     from te_client._pb import layers_pb2
     assert te_flax.TransformerLayer(layer_type="decoder").spec().transformer_layer.layer_type == layers_pb2.DECODER
     assert te_flax.TransformerLayer().spec().HasField("transformer_layer")

@@ -135,9 +135,11 @@ class MultiHeadAttention(ServerModule):
         if inputs_kv is not None and inputs_kv is not inputs_q:
             raise errors.UnimplementedError("MultiHeadAttention: te_server runs self-attention only "
                                             "(inputs_kv must be None or inputs_q)")
-        if bias is not None or decode:
-            raise errors.UnimplementedError("MultiHeadAttention: bias and decode are not in te.v1")
-        return self._call(inputs_q, [], mask, deterministic)
+        if bias is not None:
+            raise errors.UnimplementedError("MultiHeadAttention: an attention bias input is not in te.v1")
+        # decode: init creates the cache (cached_key, cached_value, cache_index) for
+        # the full-length input; apply(..., mutable=["cache"]) runs one token.
+        return self._call(inputs_q, [], mask, deterministic, decode)
 
 
 class TransformerLayer(ServerModule):
@@ -196,17 +198,18 @@ class TransformerLayer(ServerModule):
 
     def __call__(self, inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None,
                  deterministic=False, decode=False, max_decode_length=None):
-        if decode:
-            raise errors.UnimplementedError("TransformerLayer: decode=True (the cache collection) is not served "
-                                            "to clients yet")
+        # decode: a DECODER's self-attention cache (the server refuses an
+        # ENCODER with TE's assertion, naming decode). max_decode_length is not
+        # sent: the cache's length, which a decode step's relative bias spans,
+        # is that of init's x.
         if not self._decoder():
             if encoded is not None or encoder_decoder_mask is not None:
                 raise errors.InvalidArgumentError("TransformerLayer: encoded and encoder_decoder_mask are a DECODER's "
                                                   "(layer_type=TransformerLayerType.DECODER)")
-            return self._call(inputs, [], attention_mask, deterministic)
+            return self._call(inputs, [], attention_mask, deterministic, decode)
         if encoded is None:
             raise errors.InvalidArgumentError("TransformerLayer (DECODER): encoded is required, as TE asserts")
         # On the wire `encoded` is extra_inputs[0] and the request's mask is
         # the cross-attention's; the decoder's self-attention is causal (or
         # no_mask) and reads no mask, as TE's causal types ignore theirs.
-        return self._call(inputs, [encoded], encoder_decoder_mask, deterministic)
+        return self._call(inputs, [encoded], encoder_decoder_mask, deterministic, decode)
