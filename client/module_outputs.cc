@@ -146,7 +146,6 @@ absl::StatusOr<ModuleOutputs> InferModuleOutputs(const te::v1::LayerSpec& spec, 
       ASSIGN_OR_RETURN(out.dtype, FlaxOutputDType(p.dtype(), p.param_dtype(), true, x_dtype));
       break;
     }
-    case te::v1::LayerSpec::kSequential:
     case te::v1::LayerSpec::kGraph:
       return absl::UnimplementedError("a composite inside a graph: build its nodes into the outer graph");
     case te::v1::LayerSpec::MODULE_NOT_SET:

@@ -1,5 +1,5 @@
 // Graph: te.v1.GraphSpec, a composite Flax module as one layer (DESIGN.md
-// section 11). Nodes are modules (any LayerSpec but a graph or sequential)
+// section 11). Nodes are modules (any LayerSpec but a graph)
 // and glue ops (reshape, split, concatenate, add, scale, cast, transpose,
 // dropout, causal_mask); edges are named tensors. The server runs the whole
 // DAG on the device, so a step of the composite is one call and no

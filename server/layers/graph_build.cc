@@ -344,8 +344,8 @@ class Builder {
   absl::Status Module(const GraphSpec::Node& s, Node* node) {
     const std::string& f = node->field;
     const te::v1::LayerSpec::ModuleCase kind = s.module().module_case();
-    if (kind == te::v1::LayerSpec::kGraph || kind == te::v1::LayerSpec::kSequential) {
-      return Invalid(f + ".module", "a graph or sequential inside a graph: list its nodes here");
+    if (kind == te::v1::LayerSpec::kGraph) {
+      return Invalid(f + ".module", "a graph inside a graph: list its nodes here");
     }
     absl::StatusOr<std::unique_ptr<Layer>> layer = CreateLayer(s.module());
     if (!layer.ok()) {
