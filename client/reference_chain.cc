@@ -11,13 +11,6 @@
 namespace te::client {
 namespace {
 
-// Each module gets its own key and dropout seed from its name (kernels/rng.h's
-// NodeSeed), as the graph seeds its nodes and as flax derives a key per
-// submodule (different numbers, same independence).
-uint64_t SeedOf(uint64_t seed, const std::string& name) {
-  return NodeSeed(seed, name.data(), name.size());
-}
-
 absl::Status ExpectOne(const Tensors& tensors, const std::string& where) {
   if (tensors.size() != 1) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": expects one tensor, has ", tensors.size()));
@@ -104,14 +97,14 @@ absl::StatusOr<HostTensor> ReferenceChain::Run(Session* session, uint64_t key, c
         if (current.empty()) return absl::InvalidArgumentError(absl::StrCat(stage.name, ": no input"));
         ApplyOptions stage_options;
         stage_options.deterministic = options.deterministic;
-        if (options.dropout_seed.has_value()) stage_options.dropout_seed = SeedOf(*options.dropout_seed, stage.name);
+        if (options.dropout_seed.has_value()) stage_options.dropout_seed = DeriveSeed(*options.dropout_seed, stage.name);
         stage_options.extra_inputs.assign(current.begin() + 1, current.end());
         if (stage.pass_attention_mask) stage_options.attention_mask = options.attention_mask;
         stage_options.keep_outputs = options.keep_outputs;
         stage_options.update_fp8_metas = options.update_fp8_metas;
         const Variables* stage_vars;
         if (vars == nullptr) {
-          absl::StatusOr<Variables> created = stage.module->Init(*session, SeedOf(key, stage.name), current[0]);
+          absl::StatusOr<Variables> created = stage.module->Init(*session, DeriveSeed(key, stage.name), current[0]);
           if (!created.ok()) {
             return absl::Status(created.status().code(),
                                 absl::StrCat(stage.name, " (", stage.module->type_name(), "): ",

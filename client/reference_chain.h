@@ -9,7 +9,7 @@
 // x (and its extra inputs, e.g. k and v) and gives y; a glue step maps lists
 // to lists; Fork / Join wrap a residual connection. A ReferenceChain is a
 // configuration (thread-compatible); the variables live in the session.
-// A module's init key and dropout seed are NodeSeed(key, stage name)
+// A module's init key and dropout seed are DeriveSeed(key, stage name)
 // (kernels/rng.h), as a graph seeds a module node of that name.
 #ifndef TE_CLIENT_REFERENCE_CHAIN_H_
 #define TE_CLIENT_REFERENCE_CHAIN_H_
@@ -59,7 +59,7 @@ class ReferenceChain {
 
   // Inits each module with the input it sees, running the chain forward
   // (deterministic) to find it, as flax's init runs the module. A module's
-  // key is NodeSeed(key, stage name).
+  // key is DeriveSeed(key, stage name).
   absl::StatusOr<ReferenceChainVariables> Init(Session& session, uint64_t key, const HostTensor& x) const;
 
   absl::StatusOr<HostTensor> Apply(const ReferenceChainVariables& vars, const HostTensor& x,
@@ -95,7 +95,7 @@ class ReferenceChain {
 
 // The quickstart's sections 3 and 5 (UnfusedLayer, FusedLayer in
 // quickstart_layers.h) as chains: the same module names, so the same
-// NodeSeed-derived parameters; without the dropout after the attention's
+// DeriveSeed-derived parameters; without the dropout after the attention's
 // projection, so they agree with deterministic applies only.
 ReferenceChain UnfusedChain(const LayerSize& c);
 ReferenceChain FusedChain(const LayerSize& c);
