@@ -9,6 +9,9 @@ NVCC_FLAGS = [
     "-gencode=arch=compute_90,code=compute_90",
     "-Xcompiler",
     "-fPIC",
+    # As .bazelrc's copts: an unhandled enum case is an error in host code too.
+    "-Xcompiler",
+    "-Werror=switch",
     "--expt-relaxed-constexpr",
     "-lineinfo",
     # Compress SASS and PTX in the fatbin (~10x smaller): every binary carries

@@ -14,7 +14,7 @@
 // error is an absl::Status carrying the server's code and message unchanged
 // (the transport's own failures arrive as UNAVAILABLE or DEADLINE_EXCEEDED).
 // Companion headers: tensor.h (HostTensor), recipe.h (recipes, Autocast),
-// modules.h (the modules), sequential.h, speedometer.h.
+// modules.h (the modules), graph.h (composites), speedometer.h.
 #ifndef TE_CLIENT_CLIENT_H_
 #define TE_CLIENT_CLIENT_H_
 

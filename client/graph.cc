@@ -434,10 +434,11 @@ Graph::Edge Graph::Embed(Edge ids, int64_t num_embeddings, int64_t features,
   e->set_features(features);
   if (options.dtype) e->set_dtype(DTypeToProto(*options.dtype));
   e->set_param_dtype(DTypeToProto(options.param_dtype));
-  Shape shape = edges_[ids.id].shape;
-  shape.push_back(features);
+  absl::StatusOr<ModuleOutputs> out =
+      InferModuleOutputs(node.op.module(), {edges_[ids.id].shape}, edges_[ids.id].dtype);
+  if (!out.ok()) return Fail(where, std::string(out.status().message()));
   embed_options_[static_cast<int>(nodes_.size())] = options;
-  return RecordOne(std::move(node), std::move(shape), options.dtype.value_or(options.param_dtype));
+  return RecordOne(std::move(node), out->shapes.front(), out->dtype);
 }
 
 Graph::Edge Graph::Attend(Edge embedded, Edge query) {

@@ -146,7 +146,25 @@ absl::StatusOr<ModuleOutputs> InferModuleOutputs(const te::v1::LayerSpec& spec, 
       ASSIGN_OR_RETURN(out.dtype, FlaxOutputDType(p.dtype(), p.param_dtype(), true, x_dtype));
       break;
     }
-    case te::v1::LayerSpec::kSequential:
+    case te::v1::LayerSpec::kFlaxEmbed: {
+      // nn.Embed: int32 ids [...] -> [..., features]. Flax promotes the
+      // embedding alone (inexact=False), so the ids' dtype plays no part.
+      const te::v1::FlaxEmbed& p = spec.flax_embed();
+      if (x_dtype != DType::kI32) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("flax_embed: ids are ", DTypeName(x_dtype), "; nn.Embed takes int32 token ids"));
+      }
+      Shape y = x;
+      y.push_back(p.features());
+      out.shapes = {y};
+      out.dtype = DType::kF32;  // param_dtype's default
+      if (p.dtype() != te::v1::DTYPE_UNSPECIFIED) {
+        ASSIGN_OR_RETURN(out.dtype, DTypeFromProto(p.dtype(), "flax_embed.dtype"));
+      } else if (p.param_dtype() != te::v1::DTYPE_UNSPECIFIED) {
+        ASSIGN_OR_RETURN(out.dtype, DTypeFromProto(p.param_dtype(), "flax_embed.param_dtype"));
+      }
+      break;
+    }
     case te::v1::LayerSpec::kGraph:
       return absl::UnimplementedError("a composite inside a graph: build its nodes into the outer graph");
     case te::v1::LayerSpec::MODULE_NOT_SET:

@@ -234,7 +234,7 @@ class Module {
                                                       const ApplyOptions& options = {}) const;
 
   // A forward that, with keep_for_backward, leaves what Backward needs on the
-  // server (for chaining modules by hand; see sequential.h).
+  // server, for a Backward call to use (a chain of modules run call by call).
   absl::StatusOr<ForwardResult> Forward(const Variables& vars, const HostTensor& x,
                                         const ApplyOptions& options, bool keep_for_backward) const;
 

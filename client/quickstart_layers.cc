@@ -15,22 +15,7 @@ constexpr float kAttentionDropout = 0.1f;
 
 int64_t KvChannels(const LayerSize& c) { return c.hidden / c.heads; }
 
-// qkv.reshape(b, s, heads, 3 * kv_channels); q, k, v = jnp.split(qkv, 3, axis=3).
-std::vector<Edge> SplitQkv(Graph& g, Edge qkv, const LayerSize& c) {
-  qkv = g.Reshape(qkv, {c.batch, c.seq, c.heads, 3 * KvChannels(c)});
-  return g.Split(qkv, 3, 3);
-}
-
-// The Flax-attention branch (sections 1 and 2): q, k, v reshaped to
-// (b, s, hidden), nn.MultiHeadDotProductAttention with the causal mask.
-Edge FlaxAttention(Graph& g, const std::vector<Edge>& qkv, Edge mask, const LayerSize& c) {
-  std::vector<Edge> inputs;
-  for (Edge t : qkv) inputs.push_back(g.Reshape(t, {c.batch, c.seq, c.hidden}));
-  FlaxMultiHeadDotProductAttention attention(c.heads);
-  attention.qkv_features = KvChannels(c);
-  attention.dropout_rate = kAttentionDropout;
-  return g.Call(attention, inputs, mask);
-}
+}  // namespace
 
 // te_flax.DotProductAttention as sections 3-5 configure it.
 DotProductAttention TeAttention(const LayerSize& c) {
@@ -54,15 +39,6 @@ LayerNorm TeNorm() {
   return norm;
 }
 
-// The TE-attention branch (sections 3-5): DotProductAttention, the reshape
-// back to (b, s, hidden), the output DenseGeneral and nn.Dropout.
-Edge TeAttentionBlock(Graph& g, const std::vector<Edge>& qkv, const LayerSize& c) {
-  Edge x = g.Call(TeAttention(c), qkv);
-  x = g.Reshape(x, {c.batch, c.seq, c.hidden});
-  x = g.Call(TeDense(c.hidden), {x});
-  return g.Dropout(x, kAttentionDropout);
-}
-
 LayerNormMLP FusedMlp(const LayerSize& c) {
   LayerNormMLP mlp;
   mlp.intermediate_dim = c.ffn;
@@ -80,6 +56,34 @@ LayerNormDenseGeneral FusedQkv(const LayerSize& c) {
   qkv.use_bias = true;
   qkv.return_layernorm_output = false;
   return qkv;
+}
+
+namespace {
+
+// qkv.reshape(b, s, heads, 3 * kv_channels); q, k, v = jnp.split(qkv, 3, axis=3).
+std::vector<Edge> SplitQkv(Graph& g, Edge qkv, const LayerSize& c) {
+  qkv = g.Reshape(qkv, {c.batch, c.seq, c.heads, 3 * KvChannels(c)});
+  return g.Split(qkv, 3, 3);
+}
+
+// The Flax-attention branch (sections 1 and 2): q, k, v reshaped to
+// (b, s, hidden), nn.MultiHeadDotProductAttention with the causal mask.
+Edge FlaxAttention(Graph& g, const std::vector<Edge>& qkv, Edge mask, const LayerSize& c) {
+  std::vector<Edge> inputs;
+  for (Edge t : qkv) inputs.push_back(g.Reshape(t, {c.batch, c.seq, c.hidden}));
+  FlaxMultiHeadDotProductAttention attention(c.heads);
+  attention.qkv_features = KvChannels(c);
+  attention.dropout_rate = kAttentionDropout;
+  return g.Call(attention, inputs, mask);
+}
+
+// The TE-attention branch (sections 3-5): DotProductAttention, the reshape
+// back to (b, s, hidden), the output DenseGeneral and nn.Dropout.
+Edge TeAttentionBlock(Graph& g, const std::vector<Edge>& qkv, const LayerSize& c) {
+  Edge x = g.Call(TeAttention(c), qkv);
+  x = g.Reshape(x, {c.batch, c.seq, c.hidden});
+  x = g.Call(TeDense(c.hidden), {x});
+  return g.Dropout(x, kAttentionDropout);
 }
 
 Graph NewGraph(std::string type_name, const LayerSize& c) {
@@ -188,51 +192,6 @@ absl::StatusOr<QuickstartSection> SectionFor(int section, const LayerSize& c) {
                                std::make_shared<TransformerLayer>(QuickstartTransformerLayer(c))};
   }
   return absl::InvalidArgumentError(absl::StrCat("section: ", section, " is not a quickstart section 1-6"));
-}
-
-// ---- the host-side reference chains ------------------------------------------------
-
-namespace {
-
-// The attention block after the qkv projection, as SplitQkv and
-// TeAttentionBlock build it (no dropout node: see the header).
-void AddChainAttention(const LayerSize& c, const std::string& out_projection, Sequential* layer) {
-  const int64_t kv = KvChannels(c);
-  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv}));
-  layer->AddHost("qkv_split", SplitLastAxisStep(3));
-  layer->Add("DotProductAttention_0", std::make_shared<DotProductAttention>(TeAttention(c)));
-  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv}, {c.hidden}));
-  layer->Add(out_projection, std::make_shared<DenseGeneral>(TeDense(c.hidden)));
-}
-
-}  // namespace
-
-Sequential UnfusedChain(const LayerSize& c) {
-  Sequential layer;
-  layer.Fork();
-  layer.Add("LayerNorm_0", std::make_shared<LayerNorm>(TeNorm()));
-  layer.Add("DenseGeneral_0", std::make_shared<DenseGeneral>(TeDense(3 * c.hidden)));
-  AddChainAttention(c, "DenseGeneral_1", &layer);
-  layer.Join();
-  layer.Fork();
-  layer.Add("LayerNorm_1", std::make_shared<LayerNorm>(TeNorm()));
-  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", std::make_shared<DenseGeneral>(TeDense(c.ffn)));
-  layer.Add("TEUnfusedMLP_0/activation_0", std::make_shared<Activation>());
-  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", std::make_shared<DenseGeneral>(TeDense(c.hidden)));
-  layer.Join();
-  return layer;
-}
-
-Sequential FusedChain(const LayerSize& c) {
-  Sequential layer;
-  layer.Fork();
-  layer.Add("LayerNormDenseGeneral_0", std::make_shared<LayerNormDenseGeneral>(FusedQkv(c)));
-  AddChainAttention(c, "DenseGeneral_0", &layer);
-  layer.Join();
-  layer.Fork();
-  layer.Add("LayerNormMLP_0", std::make_shared<LayerNormMLP>(FusedMlp(c)));
-  layer.Join();
-  return layer;
 }
 
 DelayedScaling QuickstartRecipe() {

@@ -16,7 +16,6 @@
 #include "client/graph.h"
 #include "client/modules.h"
 #include "client/recipe.h"
-#include "client/sequential.h"
 
 namespace te::client {
 
@@ -62,12 +61,15 @@ struct QuickstartSection {
 };
 absl::StatusOr<QuickstartSection> SectionFor(int section, const LayerSize& c);
 
-// Sections 3 and 5 as host-side chains (one call per module, the glue on the
-// client), for tests to check the graphs against: the same module names, so
-// the same NodeSeed-derived parameters; without the dropout after the
-// attention's projection, so they agree with deterministic applies only.
-Sequential UnfusedChain(const LayerSize& c);
-Sequential FusedChain(const LayerSize& c);
+// The modules of sections 3-5 as the notebook's classes configure them:
+// te_flax.DotProductAttention (causal, dropout 0.1, bf16), DenseGeneral with
+// a bias, LayerNorm (eps 1e-5), and section 5's fused LayerNormDenseGeneral
+// (the qkv projection) and LayerNormMLP (gelu).
+DotProductAttention TeAttention(const LayerSize& c);
+DenseGeneral TeDense(int64_t features);
+LayerNorm TeNorm();
+LayerNormDenseGeneral FusedQkv(const LayerSize& c);
+LayerNormMLP FusedMlp(const LayerSize& c);
 
 }  // namespace te::client
 

@@ -25,8 +25,6 @@ absl::Status CheckIters(const SpeedometerOptions& options) {
   return absl::OkStatus();
 }
 
-uint64_t StepSeed(uint64_t seed, int step) { return MixBits(seed + 0x9e3779b97f4a7c15ULL * (step + 1)); }
-
 // Runs warmup, then times each step with the wall clock, as the quickstart's
 // time.time() around its loop (it reports the mean; the median comes free).
 absl::StatusOr<SpeedometerResult> TimeSteps(const SpeedometerOptions& options,
@@ -111,7 +109,7 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
   request.set_return_grads(false);
   request.set_discard_grads(true);  // as JAX's speedometer drops them
   return TimeSteps(options, [&](int step) -> absl::Status {
-    request.mutable_micro_batches(0)->set_dropout_seed(StepSeed(options.dropout_seed, step));
+    request.mutable_micro_batches(0)->set_dropout_seed(DeriveSeed(options.dropout_seed, absl::StrCat("step/", step)));
     return session.ForwardBackward(request).status();
   });
 }

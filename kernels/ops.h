@@ -695,10 +695,11 @@ class Ops {
   //     accumulate, nor with an activation epilogue.
   //   kGeluAux:   aux [M, N] (out's dtype) = p, the pre-activation that the
   //               backward needs; out = gelu(p).
-  // gelu is ops.h's tanh approximation, as cuBLASLt's. (cuBLASLt's backward
-  // epilogues, DGELU_BGRAD and BGRADA, were tried and left out: on the H200
-  // each ran as a separate reduction pass, slower than ActivationBackward and
-  // SumRows; bench/results/2026-11-30-h200-fused-epilogues.md.)
+  // gelu is ops.h's tanh approximation, as cuBLASLt's. No backward
+  // epilogue (cuBLASLt's DGELU_BGRAD, BGRADA): cuBLASLt runs each as a
+  // reduction pass of its own after the GEMM, so it saves no pass over
+  // ActivationBackward and SumRows (timings in
+  // bench/results/2026-11-30-h200-fused-epilogues.md).
   enum class GemmEpilogue { kNone, kGeluAux };
   struct GemmArgs {
     Tensor a;

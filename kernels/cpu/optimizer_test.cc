@@ -138,8 +138,8 @@ TEST_P(OptimizerUpdateTest, MatchesFloat64OptaxOverSteps) {
       for (size_t i = 0; i < out.size(); ++i) delta[i] = out[i] - p[i];
       EXPECT_LT(RelativeError(delta, ref_delta), Tolerance(dtype)) << "step " << step;
     }
-    if (mu.defined()) EXPECT_LT(RelativeError(mu, ref_mu), Tolerance(dtype)) << "step " << step;
-    if (nu.defined()) EXPECT_LT(RelativeError(nu, ref_nu), Tolerance(dtype)) << "step " << step;
+    if (mu.defined()) { EXPECT_LT(RelativeError(mu, ref_mu), Tolerance(dtype)) << "step " << step; }
+    if (nu.defined()) { EXPECT_LT(RelativeError(nu, ref_nu), Tolerance(dtype)) << "step " << step; }
   }
 }
 

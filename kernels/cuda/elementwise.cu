@@ -26,8 +26,8 @@ __global__ void FillKernel(T* y, T value, int64_t n) {
 }
 
 // y = x in y's format; kVec at a time where aligned (`vec`), then the tail.
-// (MapElements's loop, written out: through the shared helper nvcc no longer
-// unrolls the f32 -> f32 and bf16 -> f32 pack loops, nor DotPartialKernel's
+// (MapElements's loop, written out: through the shared helper nvcc does not
+// unroll the f32 -> f32 and bf16 -> f32 pack loops, nor DotPartialKernel's
 // below, and these are the memory-bound ones.)
 template <typename In, typename Out>
 __global__ void CastKernel(const typename In::Storage* x, typename Out::Storage* y, int64_t n,

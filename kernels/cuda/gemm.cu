@@ -57,10 +57,10 @@ namespace {
 
 // Autotuning (TunePlan), opt-in with TE_GEMM_AUTOTUNE=1: the first call of
 // a plan times this many of the heuristic's algorithms, each kTuneReps
-// times. Off by default: on the H200 the quickstart TransformerLayer's bf16
-// step took 17.75 ms tuned against 17.19 ms with the heuristic's first
-// choice (trials on L2-warm operands, one at a time, favour algorithms that
-// lose inside a step).
+// times. Off by default: trials on L2-warm operands, one GEMM at a time,
+// favour algorithms that lose inside a step, where operands come cold from
+// the previous kernel, so the heuristic's first choice makes the faster step
+// (bench/results/2026-12-01-h200-fp8-step/README.md).
 constexpr int kTuneCandidates = 8;
 constexpr int kTuneReps = 3;
 int TuneCandidates() {

@@ -94,8 +94,8 @@ TEST_P(OptimizerGpuTest, MatchesCpuReference) {
     // Same float32 formula on both: the results differ by the GPU's fused
     // multiply-adds at most.
     EXPECT_LT(RelativeError(Download(p_gpu), ToDoubles(p_cpu)), Tolerance(dtype)) << step;
-    if (adam || trace) EXPECT_LT(RelativeError(Download(m_gpu), ToDoubles(m_cpu)), Tolerance(dtype));
-    if (adam) EXPECT_LT(RelativeError(Download(v_gpu), ToDoubles(v_cpu)), Tolerance(dtype));
+    if (adam || trace) { EXPECT_LT(RelativeError(Download(m_gpu), ToDoubles(m_cpu)), Tolerance(dtype)); }
+    if (adam) { EXPECT_LT(RelativeError(Download(v_gpu), ToDoubles(v_cpu)), Tolerance(dtype)); }
   }
   // A non-finite norm: nothing written.
   const std::vector<double> before = ToDoubles(Download(p_gpu));
@@ -610,7 +610,7 @@ class OptimizerFp8CopyGpuTest : public OptimizerStepGpuTest {
       EXPECT_EQ(Bytes(Download(g.scale_inv)), Bytes(Download(out.scale_inv)));
       EXPECT_EQ(Bytes(Download(g.kept_scale)), Bytes(Download(g.scale)));
       // Against the CPU reference: the codes dequantized, both layouts.
-      for (const auto [gt, ct] : {std::pair<const Tensor*, const Tensor*>{&g.data, &c.data},
+      for (const auto& [gt, ct] : {std::pair<const Tensor*, const Tensor*>{&g.data, &c.data},
                                   {&g.data_t, &c.data_t}}) {
         const std::vector<double> want = ToDoubles(*ct);
         EXPECT_LT(RelativeError(Download(*gt), want), Tolerance(fp8));

@@ -58,7 +58,7 @@ class WorkspaceGpuTest : public ::testing::Test {
     ASSERT_TRUE(ops_->Synchronize().ok());
     const int64_t drawn = static_cast<int64_t>(ops_->workspace_bytes());
     EXPECT_LE(drawn, bound);
-    if (expect_some) EXPECT_GT(drawn, 0);
+    if (expect_some) { EXPECT_GT(drawn, 0); }
     EXPECT_GE(ops_->bytes_in_use() - before, drawn) << "the workspace is not charged";
   }
 

@@ -138,7 +138,10 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
         use_elementwise = has_elementwise && !exact_padding_causal;
         break;
       case MaskType::kPaddingCausalBottomRight: use_lengths = has_lengths; break;
-      default: break;  // causal_bottom_right: no lengths
+      case MaskType::kNoMask:  // no lengths
+      case MaskType::kCausal:
+      case MaskType::kCausalBottomRight:
+        break;
     }
     if (use_elementwise) args.elementwise_mask = seqlens.elementwise;
     if (config.mask == MaskType::kCausalBottomRight) {

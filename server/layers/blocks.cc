@@ -37,10 +37,6 @@ absl::StatusOr<bool> MatmulTf32(te::v1::Precision precision, absl::string_view f
                                                  " is not DEFAULT (0) or HIGHEST (1)"));
 }
 
-uint64_t DeriveSeed(uint64_t step_seed, absl::string_view site) {
-  return MixBits(step_seed ^ MixBits(HashName(site)));
-}
-
 absl::StatusOr<Tensor> NewTensor(Ops& ops, DType dtype, const Shape& shape) {
   return ops.Allocate(dtype, shape);
 }

@@ -32,15 +32,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/ops.h"
+#include "kernels/rng.h"  // DeriveSeed: each dropout site's seed
 #include "server/layers/fp8_state.h"
 #include "server/layers/init.h"
 #include "server/layers/layer.h"
 
 namespace te::layers {
-
-// An independent seed for one dropout site ("mlp/intermediate_dropout") from
-// the step's seed, so sites never share masks.
-uint64_t DeriveSeed(uint64_t step_seed, absl::string_view site);
 
 // Allocates a tensor on `ops` (convenience for blocks and layers).
 absl::StatusOr<Tensor> NewTensor(Ops& ops, DType dtype, const Shape& shape);

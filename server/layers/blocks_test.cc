@@ -112,12 +112,6 @@ TEST(DropoutTest, OffSharesMemoryOnSeedsScales) {
   EXPECT_EQ(Values(dx), std::vector<float>(xs.size(), 0.0f));
 }
 
-TEST(DeriveSeedTest, SitesAndStepsDiffer) {
-  EXPECT_NE(DeriveSeed(1, "mlp/intermediate_dropout"), DeriveSeed(1, "attention/dropout"));
-  EXPECT_NE(DeriveSeed(1, "mlp/intermediate_dropout"), DeriveSeed(2, "mlp/intermediate_dropout"));
-  EXPECT_EQ(DeriveSeed(1, "a"), DeriveSeed(1, "a"));
-}
-
 TEST(ResidualAddTest, Adds) {
   auto ops = testing::NewCpuOps();
   const Tensor a = RandomTensor(*ops, {3, 4}, DType::kF32, 1);

@@ -6,7 +6,6 @@
 #include "server/layers/graph.h"
 #include "server/layers/layer.h"
 #include "server/layers/modules.h"
-#include "server/layers/sequential.h"
 
 namespace te::layers {
 
@@ -24,8 +23,6 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
       return MakeMultiHeadAttention(spec.multi_head_attention());
     case te::v1::LayerSpec::kTransformerLayer:
       return MakeTransformerLayer(spec.transformer_layer());
-    case te::v1::LayerSpec::kSequential:
-      return MakeSequential(spec.sequential());
     case te::v1::LayerSpec::kGraph: return MakeGraph(spec.graph());
     case te::v1::LayerSpec::kFlaxDense: return MakeFlaxDense(spec.flax_dense());
     case te::v1::LayerSpec::kFlaxDenseGeneral:
@@ -40,7 +37,7 @@ absl::StatusOr<std::unique_ptr<Layer>> CreateLayer(const te::v1::LayerSpec& spec
   return absl::InvalidArgumentError(
       "spec: no module set (one of layer_norm, dense_general, activation, "
       "layer_norm_dense_general, layer_norm_mlp, dot_product_attention, multi_head_attention, "
-      "transformer_layer, sequential, graph, flax_dense, "
+      "transformer_layer, graph, flax_dense, "
       "flax_dense_general, flax_layer_norm, flax_multi_head_dot_product_attention, flax_embed)");
 }
 

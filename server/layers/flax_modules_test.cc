@@ -396,7 +396,7 @@ TEST(FlaxModulesTest, QuickstartGraphGradientsMatchFiniteDifferences) {
   }
 }
 
-TEST(FlaxModulesTest, GraphNodesInitAsTheModulesUnderNodeSeeds) {
+TEST(FlaxModulesTest, GraphNodesInitAsTheModulesUnderDerivedSeeds) {
   const Quickstart q;
   auto layer = MakeGraph(QuickstartGraph(q));
   ASSERT_NE(layer, nullptr);
@@ -406,7 +406,7 @@ TEST(FlaxModulesTest, GraphNodesInitAsTheModulesUnderNodeSeeds) {
   ASSERT_TRUE(vars.ok()) << vars.status();
   const std::string node = "MultiHeadDotProductAttention_0";
   auto alone = InitLayer(*ops, *Make(MhaSpec(q.heads, q.kv_channels())), shape, nullptr,
-                         NodeSeed(3, node.data(), node.size()));
+                         DeriveSeed(3, node));
   ASSERT_TRUE(alone.ok()) << alone.status();
   for (const char* p : {"query/kernel", "key/kernel", "value/kernel", "out/kernel"}) {
     EXPECT_EQ(Var(*vars, "params/" + node + "/" + p), Var(*alone, std::string("params/") + p)) << p;

@@ -35,7 +35,7 @@ using graph::Plan;
 using graph::TensorInfo;
 
 uint64_t SeedOf(uint64_t seed, const std::string& name) {
-  return NodeSeed(seed, name.data(), name.size());
+  return DeriveSeed(seed, name);
 }
 
 // "params/kernel" of node "qkv" -> "params/qkv/kernel" (Flax's scoping). A

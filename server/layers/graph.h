@@ -1,5 +1,5 @@
 // Graph: te.v1.GraphSpec, a composite Flax module as one layer (DESIGN.md
-// section 11). Nodes are modules (any LayerSpec but a graph or sequential)
+// section 11). Nodes are modules (any LayerSpec but a graph)
 // and glue ops (reshape, split, concatenate, add, scale, cast, transpose,
 // dropout, causal_mask); edges are named tensors. The server runs the whole
 // DAG on the device, so a step of the composite is one call and no
@@ -28,11 +28,11 @@
 // Variables: a module node's are its own under the node's name
 // ("params/TEUnfusedMLP_0/DenseGeneral_0/kernel",
 // "fp8_metas/DenseGeneral_1/kernel_amax_history"); its init key and dropout
-// seed are NodeSeed(seed, node name), and a dropout node's seed
-// NodeSeed(dropout_seed, node name) (kernels/rng.h). Each module node has its
+// seed are DeriveSeed(seed, node name), and a dropout node's seed
+// DeriveSeed(dropout_seed, node name) (kernels/rng.h). Each module node has its
 // own FP8 state, which the session's UpdateFp8Metas moves as for one module.
 // A param node (self.param) is the variable "params/<node name>", drawn at
-// init from its initializer with the seed NodeSeed(seed, node name); the
+// init from its initializer with the seed DeriveSeed(seed, node name); the
 // jax.numpy nodes (binary, unary, where, reduce, einsum, slice, softmax) hold
 // none (graph_numpy*.cc, graph_einsum.cc, graph_param.cc).
 //

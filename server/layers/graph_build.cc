@@ -93,7 +93,15 @@ absl::StatusOr<ModuleTraits> TraitsOf(const te::v1::LayerSpec& spec, const std::
       t.returns_ln_out = !s.has_return_layernorm_output() || s.return_layernorm_output();
       break;
     }
-    default:
+    case te::v1::LayerSpec::kLayerNorm:  // x in, y out, no mask
+    case te::v1::LayerSpec::kDenseGeneral:
+    case te::v1::LayerSpec::kActivation:
+    case te::v1::LayerSpec::kGraph:  // refused by Module()
+    case te::v1::LayerSpec::kFlaxDense:
+    case te::v1::LayerSpec::kFlaxDenseGeneral:
+    case te::v1::LayerSpec::kFlaxLayerNorm:
+    case te::v1::LayerSpec::kFlaxEmbed:
+    case te::v1::LayerSpec::MODULE_NOT_SET:  // refused by CreateLayer
       break;
   }
   return t;
@@ -204,8 +212,9 @@ absl::Status ParseGlue(const GraphSpec::Node& s, Node* node) {
     case GraphSpec::Node::kSoftmax:
     case GraphSpec::Node::kParam:
       return ParseNumpyNode(s, node);  // graph_numpy_parse.cc
-    default:
-      return absl::InternalError(absl::StrCat(f, ": unhandled op ", s.op_case()));
+    case GraphSpec::Node::kModule:  // InputsAndOp takes these two
+    case GraphSpec::Node::OP_NOT_SET:
+      return absl::InternalError(absl::StrCat(f, ": not a glue op ", s.op_case()));
   }
   RETURN_IF_ERROR(ExpectCount(f, "input", n_in, 1));
   return ExpectCount(f, "output", n_out, 1);
@@ -344,8 +353,8 @@ class Builder {
   absl::Status Module(const GraphSpec::Node& s, Node* node) {
     const std::string& f = node->field;
     const te::v1::LayerSpec::ModuleCase kind = s.module().module_case();
-    if (kind == te::v1::LayerSpec::kGraph || kind == te::v1::LayerSpec::kSequential) {
-      return Invalid(f + ".module", "a graph or sequential inside a graph: list its nodes here");
+    if (kind == te::v1::LayerSpec::kGraph) {
+      return Invalid(f + ".module", "a graph inside a graph: list its nodes here");
     }
     absl::StatusOr<std::unique_ptr<Layer>> layer = CreateLayer(s.module());
     if (!layer.ok()) {

@@ -228,11 +228,11 @@ float Kept(uint64_t seed, int64_t index, float rate) {
 }
 
 uint64_t Seed(uint64_t seed, const std::string& name) {
-  return NodeSeed(seed, name.data(), name.size());
+  return DeriveSeed(seed, name);
 }
 
-// Element i kept iff DropoutUniform(NodeSeed(dropout_seed, name), i) >= rate.
-TEST_F(GlueTest, DropoutAppliesTheMaskOfItsNodeSeed) {
+// Element i kept iff DropoutUniform(DeriveSeed(dropout_seed, name), i) >= rate.
+TEST_F(GlueTest, DropoutAppliesTheMaskOfItsDerivedSeed) {
   constexpr float kRate = 0.3f;
   Spec g;
   Add(&g, "Dropout_0", {"x"}, {"y"})->mutable_dropout()->set_rate(kRate);

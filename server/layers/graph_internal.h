@@ -214,7 +214,7 @@ std::vector<bool> NodesFeeding(const Graph& graph, int id);
 // ---- glue ops (graph_ops.cc) --------------------------------------------------
 // Forward of a glue node on its input tensors: fills *out (one per output;
 // undefined for causal_mask's, which carries no data). Dropout runs unless
-// `deterministic`, with `seed` = NodeSeed(dropout_seed, node name), and fills
+// `deterministic`, with `seed` = DeriveSeed(dropout_seed, node name), and fills
 // *dropout for the backward.
 absl::Status GlueForward(Ops& ops, const Node& node, const NodePlan& plan,
                          const std::vector<Tensor>& in, bool deterministic, uint64_t seed,
@@ -257,7 +257,7 @@ absl::Status EinsumBackward(Ops& ops, const Node& node, const NodePlan& plan, co
                             const NumpySaved& saved, const Tensor& dy, std::vector<Tensor>* din);
 
 // A param node's variable: "params/<node name>", its spec, and its initial
-// value from the layer's seed (NodeSeed(seed, node name)).
+// value from the layer's seed (DeriveSeed(seed, node name)).
 std::string ParamName(const Node& node);
 VariableSpec ParamSpec(const Node& node);
 absl::Status InitParam(Ops& ops, uint64_t seed, const Node& node, Variables* vars);

@@ -21,10 +21,6 @@ absl::Status Invalid(const std::string& where, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": ", what));
 }
 
-std::string DTypeString(const std::optional<DType>& dtype) {
-  return dtype ? DTypeName(*dtype) : "the input dtype";
-}
-
 bool IsFloatDType(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
 // inputs[j] is float where its dtype is known (the graph's input dtype is float or ids).

@@ -293,7 +293,20 @@ absl::Status ParseNumpyNode(const GraphSpec::Node& s, Node* node) {
       node->kind = NodeKind::kParam;
       RETURN_IF_ERROR(ParseParam(s.param(), f + ".param", node));
       return Arity(f, "inputs (param)", n_in, 0);
-    default: break;
+    case GraphSpec::Node::kModule:  // ParseGlue and InputsAndOp take these
+    case GraphSpec::Node::kReshape:
+    case GraphSpec::Node::kSplit:
+    case GraphSpec::Node::kConcatenate:
+    case GraphSpec::Node::kAdd:
+    case GraphSpec::Node::kScale:
+    case GraphSpec::Node::kCast:
+    case GraphSpec::Node::kTranspose:
+    case GraphSpec::Node::kDropout:
+    case GraphSpec::Node::kCausalMask:
+    case GraphSpec::Node::kSoftmaxCrossEntropy:
+    case GraphSpec::Node::kAttend:
+    case GraphSpec::Node::OP_NOT_SET:
+      break;
   }
   return absl::InternalError(absl::StrCat(f, ": not a jax.numpy node"));
 }

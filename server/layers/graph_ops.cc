@@ -326,7 +326,24 @@ absl::Status GlueBackward(Ops& ops, const Node& node, const NodePlan& plan, cons
     }
     case NodeKind::kCausalMask:  // a mask has no gradient
       return absl::OkStatus();
-    default:
+    case NodeKind::kReshape:  // these map dy alone: below, once there is one
+    case NodeKind::kConcatenate:
+    case NodeKind::kAdd:
+    case NodeKind::kScale:
+    case NodeKind::kCast:
+    case NodeKind::kTranspose:
+    case NodeKind::kDropout:
+    case NodeKind::kModule:  // not glue: graph.cc runs these itself
+    case NodeKind::kSoftmaxCrossEntropy:
+    case NodeKind::kAttend:
+    case NodeKind::kBinary:
+    case NodeKind::kUnary:
+    case NodeKind::kWhere:
+    case NodeKind::kReduce:
+    case NodeKind::kEinsum:
+    case NodeKind::kSlice:
+    case NodeKind::kSoftmax:
+    case NodeKind::kParam:
       break;
   }
   if (!dy.defined()) return absl::OkStatus();
@@ -359,7 +376,19 @@ absl::Status GlueBackward(Ops& ops, const Node& node, const NodePlan& plan, cons
     }
     case NodeKind::kDropout:
       return DropoutGrad(ops, dropout, dy, &(*din)[0]);
-    default:
+    case NodeKind::kSplit:  // answered above
+    case NodeKind::kCausalMask:
+    case NodeKind::kModule:  // not glue: graph.cc runs these itself
+    case NodeKind::kSoftmaxCrossEntropy:
+    case NodeKind::kAttend:
+    case NodeKind::kBinary:
+    case NodeKind::kUnary:
+    case NodeKind::kWhere:
+    case NodeKind::kReduce:
+    case NodeKind::kEinsum:
+    case NodeKind::kSlice:
+    case NodeKind::kSoftmax:
+    case NodeKind::kParam:
       break;
   }
   return absl::InternalError(absl::StrCat(node.field, ": not a glue node"));

@@ -1,6 +1,6 @@
 // A composite's own parameter (Flax's self.param(name, init_fn, shape,
 // dtype)): the param node's variable "params/<node name>", drawn at init
-// from its te.v1.Initializer with the node's seed NodeSeed(seed, node name)
+// from its te.v1.Initializer with the node's seed DeriveSeed(seed, node name)
 // (kernels/rng.h), on the host in float32 and cast to the variable's dtype.
 //
 // The initializers as flax.linen.initializers / jax.nn.initializers define
@@ -68,7 +68,7 @@ float UniformAt(uint64_t stream, int64_t i) {
 ValueFill FillOf(uint64_t seed, const Node& node) {
   const Initializer& init = node.initializer;
   const std::string name = ParamName(node);
-  const uint64_t stream = MixBits(seed ^ MixBits(HashName(name)));
+  const uint64_t stream = DeriveSeed(seed, name);
   auto constant = [](float v) {
     return [v](int64_t begin, int64_t end, float* out) { std::fill(out, out + (end - begin), v); };
   };
@@ -210,7 +210,7 @@ VariableSpec ParamSpec(const Node& node) {
 }
 
 absl::Status InitParam(Ops& ops, uint64_t seed, const Node& node, Variables* vars) {
-  const uint64_t node_seed = NodeSeed(seed, node.name.data(), node.name.size());
+  const uint64_t node_seed = DeriveSeed(seed, node.name);
   return StoreVariable(ops, ParamSpec(node), FillOf(node_seed, node), vars);
 }
 

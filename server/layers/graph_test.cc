@@ -114,7 +114,7 @@ Tensor FromValues(Ops& ops, const Shape& shape, const std::vector<float>& v) {
 }
 
 uint64_t Seed(uint64_t seed, const std::string& name) {
-  return NodeSeed(seed, name.data(), name.size());
+  return DeriveSeed(seed, name);
 }
 
 void ExpectInvalid(const absl::Status& status, const std::string& names) {
@@ -145,10 +145,10 @@ TEST(GraphTest, VariablesAreTheModulesUnderNodeNames) {
   EXPECT_EQ(*y, kShape);
 }
 
-// Init gives each module node what its own Init gives with NodeSeed(seed,
+// Init gives each module node what its own Init gives with DeriveSeed(seed,
 // name); forward and backward equal the modules run one by one with the
 // glue done by hand, bit for bit, attention dropout included (each module
-// node's dropout seed is NodeSeed(dropout_seed, name)).
+// node's dropout seed is DeriveSeed(dropout_seed, name)).
 TEST(GraphTest, TeModulesEqualTheModulesRunOneByOne) {
   auto ops = NewCpuOps();
   auto layer = Build(AttentionBlock(/*attention_dropout=*/0.25f));

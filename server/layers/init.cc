@@ -14,12 +14,6 @@ namespace {
 // to [-2, 2], so the result has the requested variance.
 constexpr double kTruncatedStd = 0.87962566103423978;
 
-// Uniform in (0, 1) with 53 random bits.
-double Uniform(uint64_t stream, uint64_t index) {
-  const uint64_t bits = MixBits(MixBits(stream + 0x9e3779b97f4a7c15ULL * (index + 1)) ^ index);
-  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
-
 // Inverse of erf on (-1, 1): Giles' approximation refined by Newton steps.
 double ErfInv(double y) {
   const double w0 = -std::log((1.0 - y) * (1.0 + y));
@@ -58,7 +52,6 @@ double ErfInv(double y) {
 
 }  // namespace
 
-uint64_t HashName(absl::string_view name) { return NameHash(name.data(), name.size()); }
 
 Initializer Initializer::VarianceScalingFanIn(int64_t fan_in, float scale) {
   const double variance = static_cast<double>(scale) / static_cast<double>(fan_in > 0 ? fan_in : 1);
@@ -99,7 +92,7 @@ ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initial
   // As jax.random.truncated_normal: uniform between erf(-2/sqrt2) and
   // erf(2/sqrt2), mapped through sqrt(2) * erfinv. A chunk splits over
   // threads: a quickstart layer has 200M values, about 20 s on one core.
-  const uint64_t stream = MixBits(seed ^ MixBits(HashName(name)));
+  const uint64_t stream = DeriveSeed(seed, name);
   const float stddev = init.stddev;
   // kNormal: the same inverse-CDF map over all of (-1, 1) (jax.random.normal's
   // own draws differ; the distribution is the same).
@@ -108,7 +101,7 @@ ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initial
     const double hi = truncated ? std::erf(2.0 / std::sqrt(2.0)) : 1.0 - 1e-12;
     auto fill = [out, begin, stream, hi, stddev, truncated](int64_t from, int64_t to) {
       for (int64_t i = from; i < to; ++i) {
-        const double u = -hi + 2.0 * hi * Uniform(stream, static_cast<uint64_t>(i));
+        const double u = -hi + 2.0 * hi * UniformOpen01(stream, static_cast<uint64_t>(i));
         double z = std::sqrt(2.0) * ErfInv(u);
         if (truncated) z = std::fmin(2.0, std::fmax(-2.0, z));
         out[i - begin] = static_cast<float>(z * stddev);

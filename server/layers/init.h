@@ -41,9 +41,6 @@ struct Initializer {
   static Initializer NormalFanIn(int64_t fan_in, float scale = 1.0f);
 };
 
-// A 64-bit hash of a name (FNV-1a), for seeds derived from names.
-uint64_t HashName(absl::string_view name);
-
 // Flax's fan_in for a kernel of `shape` (in_axis -2, out_axis -1): every
 // dimension but the last, so (in, 3, 4096) has fan_in = in * 3, as TE's
 // DenseGeneral gets from JAX.

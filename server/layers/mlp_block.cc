@@ -127,13 +127,14 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
 absl::Status Mlp::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                            Variables* grads, const Tensor& residual_grad) const {
   // The GELU's backward stays a kernel of its own: cuBLASLt's DGELU_BGRAD
-  // epilogue ran as a separate pass of 0.96 ms at the quickstart size on the
-  // H200, against 0.4 ms for ActivationBackward and 0.06 ms for the bias sum.
-  // Nor is it fused with wi's FP8 quantization of dh (TE's
-  // dact-cast-transpose-dbias): on the H200 that pass saved 0.22 ms of the
-  // quickstart's FP8 step, but it holds dact, h and both FP8 layouts at
-  // once: the step's peak rose to 2730 MiB, about 224 MiB above this path,
-  // where dh overwrites dact and h goes before dh is quantized.
+  // epilogue runs as a separate pass after the GEMM anyway, slower than
+  // ActivationBackward plus the bias sum. Nor is it fused with wi's FP8
+  // quantization of dh (TE's dact-cast-transpose-dbias): that pass would hold
+  // dact, h and both FP8 layouts at once, raising the step's peak memory,
+  // where here dh overwrites dact and h goes before dh is quantized. A little
+  // time traded for the memory that bounds the batch a device takes
+  // (timings and peaks: bench/results/2026-11-30-h200-fused-epilogues.md,
+  // 2026-12-01-readme-performance.md).
   Tensor ddropped, dact, dh;
   RETURN_IF_ERROR(wo_.Backward(ops, vars, std::move(saved.wo), std::move(dy), &ddropped, grads));
   RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));

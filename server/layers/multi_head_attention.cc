@@ -14,21 +14,10 @@
 namespace te::layers {
 namespace {
 
+// A different stream from init.h's for the same name: these values replace
+// the ones InitVariables drew.
 uint64_t NameStream(uint64_t seed, const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a of the name
-  for (unsigned char c : name) {
-    h ^= c;
-    h *= 0x100000001b3ULL;
-  }
-  // A different stream from init.h's for the same name: these values replace
-  // the ones InitVariables drew.
-  return MixBits(seed ^ MixBits(h ^ 0x6d68615f696e6974ULL));
-}
-
-// Uniform in (0, 1) with 53 random bits.
-double Uniform01(uint64_t stream, uint64_t index) {
-  const uint64_t bits = MixBits(MixBits(stream + 0x9e3779b97f4a7c15ULL * (index + 1)) ^ index);
-  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+  return DeriveSeed(DeriveSeed(seed, name), "multi_head_attention");
 }
 
 NormType NormTypeOf(te::v1::LayerNormType type) {
@@ -99,8 +88,8 @@ ValueFill NormalValues(uint64_t seed, const std::string& name, double stddev) {
   return [stream, stddev](int64_t begin, int64_t end, float* values) {
     for (int64_t i = begin; i < end; ++i) {
       // Box-Muller on two independent uniforms of this element.
-      const double u1 = Uniform01(stream, 2 * static_cast<uint64_t>(i));
-      const double u2 = Uniform01(stream, 2 * static_cast<uint64_t>(i) + 1);
+      const double u1 = UniformOpen01(stream, 2 * static_cast<uint64_t>(i));
+      const double u2 = UniformOpen01(stream, 2 * static_cast<uint64_t>(i) + 1);
       const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
       values[i - begin] = static_cast<float>(z * stddev);
     }
@@ -112,7 +101,7 @@ ValueFill UniformValues(uint64_t seed, const std::string& name, double limit) {
   return [stream, limit](int64_t begin, int64_t end, float* values) {
     for (int64_t i = begin; i < end; ++i) {
       values[i - begin] =
-          static_cast<float>((2.0 * Uniform01(stream, static_cast<uint64_t>(i)) - 1.0) * limit);
+          static_cast<float>((2.0 * UniformOpen01(stream, static_cast<uint64_t>(i)) - 1.0) * limit);
     }
   };
 }

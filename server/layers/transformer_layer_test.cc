@@ -246,7 +246,7 @@ TEST_P(TransformerLayerCaseTest, ForwardMatchesReferenceAndGradientsMatchDiffere
   const Vec want = ReferenceLayer(c, *vars, ToVec(in.x), b, s, lens);
   EXPECT_LT(reference::RelativeError(ToVec(out.y), want), kF32Tolerance);
 
-  if (c.check_gradients) EXPECT_TRUE(CheckGradients(*ops, *layer, &*vars, in, {}));
+  if (c.check_gradients) { EXPECT_TRUE(CheckGradients(*ops, *layer, &*vars, in, {})); }
 }
 
 INSTANTIATE_TEST_SUITE_P(

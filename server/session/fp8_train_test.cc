@@ -175,7 +175,7 @@ TEST(Fp8TrainTest, UpdatesRewritingTheCopiesMatchDroppingThem) {
     // The kept session holds its copies across the update, and nothing more
     // from one step to the next.
     EXPECT_EQ(kept.bytes_in_use() - dropped.bytes_in_use(), kKeptCopyBytes);
-    if (step > 0) EXPECT_EQ(kept.bytes_in_use(), kept_bytes);
+    if (step > 0) { EXPECT_EQ(kept.bytes_in_use(), kept_bytes); }
     kept_bytes = kept.bytes_in_use();
   }
   // A bf16 update (autocast off) drops the copies, as every update did.

@@ -129,19 +129,6 @@ struct KindSetup {
   te::v1::NegotiationPolicy policy = te::v1::FALLBACK;  // EMULATE for the emulated recipes
 };
 
-te::v1::SequentialSpec::Stage Residual(te::v1::SequentialSpec::Residual residual) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.set_residual(residual);
-  return stage;
-}
-
-te::v1::LayerSpec Attention() {
-  te::v1::LayerSpec spec;
-  spec.mutable_dot_product_attention()->set_head_dim(4);
-  spec.mutable_dot_product_attention()->set_num_attention_heads(2);
-  return spec;
-}
-
 // q = Dense(x), k and v from the extra inputs (any length), attention, back to
 // [2, 3, 8], a residual add and a scale.
 te::v1::LayerSpec GraphWithExtraInputs() {
@@ -155,7 +142,7 @@ te::v1::LayerSpec GraphWithExtraInputs() {
       reshape->mutable_reshape()->add_shape(d);
     }
   }
-  *GraphNode(g, "DotProductAttention_0", {"q4", "k4", "v4"}, {"a"})->mutable_module() = Attention();
+  *GraphNode(g, "DotProductAttention_0", {"q4", "k4", "v4"}, {"a"})->mutable_module() = AttentionSpec();
   te::v1::GraphSpec::Node* back = GraphNode(g, "reshape_a", {"a"}, {"a3"});
   for (int64_t d : {2, 3, 8}) back->mutable_reshape()->add_shape(d);
   GraphNode(g, "add", {"a3", "x"}, {"h"})->mutable_add();
@@ -177,22 +164,10 @@ KindSetup SetupFor(LayerKind kind) {
       k.spec.mutable_layer_norm_mlp()->add_activations("linear");
       k.autocast = DelayedScaling();
       break;
-    case LayerKind::kSequentialFp8: {
-      te::v1::SequentialSpec* s = k.spec.mutable_sequential();
-      te::v1::LayerSpec norm;
-      norm.mutable_layer_norm();
-      *s->add_stages() = Residual(te::v1::SequentialSpec::FORK);
-      *s->add_stages() = ModuleStage("LayerNorm_0", norm);
-      *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({24}));
-      *s->add_stages() = ReshapeStage({24}, {2, 12});
-      s->add_stages()->set_split_last_axis(3);
-      *s->add_stages() = ModuleStage("DotProductAttention_0", Attention());
-      *s->add_stages() = ReshapeStage({2, 4}, {8});
-      *s->add_stages() = ModuleStage("DenseGeneral_1", DenseSpec({8}));
-      *s->add_stages() = Residual(te::v1::SequentialSpec::JOIN);
+    case LayerKind::kUnfusedGraphFp8:
+      k.spec = UnfusedGraphSpec();
       k.autocast = DelayedScaling();
       break;
-    }
     case LayerKind::kTransformerFp8:
       k.spec.mutable_transformer_layer()->set_hidden_size(8);
       k.spec.mutable_transformer_layer()->set_mlp_hidden_size(16);
@@ -205,16 +180,12 @@ KindSetup SetupFor(LayerKind kind) {
       k.autocast.set_enabled(true);
       k.autocast.mutable_recipe()->mutable_float8_current_scaling();
       break;
-    case LayerKind::kSequentialAttention: {
-      te::v1::SequentialSpec* s = k.spec.mutable_sequential();
-      *s->add_stages() = ModuleStage("DotProductAttention_0", Attention());
-      *s->add_stages() = ReshapeStage({2, 4}, {8});
-      *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({8}));
+    case LayerKind::kAttentionGraphFp8:
+      k.spec = AttentionGraphSpec();
       k.x_shape = {2, 3, 2, 4};
       k.extra_kv = true;
       k.autocast = DelayedScaling();
       break;
-    }
     case LayerKind::kLayerNormDenseMxfp8:
       // MXFP8's GEMMs contract in blocks of 32: hidden, features and tokens.
       k.spec.mutable_layer_norm_dense_general()->add_features(32);

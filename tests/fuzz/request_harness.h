@@ -89,18 +89,19 @@ enum class Rpc : uint8_t {
 inline constexpr int kRpcCount = static_cast<int>(Rpc::kCount);
 
 // The live layer an input runs against (flags bits 3-5). x is [2, 3, 8]
-// float32 except for kSequentialAttention ([2, 3, 2, 4]: q, with k and v as
+// float32 except for kAttentionGraphFp8 ([2, 3, 2, 4]: q, with k and v as
 // extra inputs) and kLayerNormDenseMxfp8 ([2, 16, 32]: MXFP8 contracts in
-// blocks of 32). kSequentialAttention and kGraphFp8 take k = v = x as extra
+// blocks of 32). kAttentionGraphFp8 and kGraphFp8 take k = v = x as extra
 // inputs unless the request gives its own.
 enum class LayerKind : uint8_t {
   kDenseFp8,             // DenseGeneral(4), DelayedScaling: y [2, 3, 4]
   kLayerNormMlpFp8,      // LayerNormMLP(16, gelu+linear), DelayedScaling: y, ln_out
-  kSequentialFp8,        // the quickstart's unfused layer (fork, norm, dense, reshape,
-                         // split, attention, reshape, dense, join), DelayedScaling
+  kUnfusedGraphFp8,      // the quickstart's unfused attention block as a graph (norm,
+                         // dense, reshape, split, attention, reshape, dense, + x;
+                         // request_specs.h), DelayedScaling
   kTransformerFp8,       // TransformerLayer(8, 16, 2 heads), DelayedScaling
   kMhaCurrentScaling,    // MultiHeadAttention(2 x 4), Float8CurrentScaling
-  kSequentialAttention,  // Sequential(attention on q, k, v; reshape; dense), DelayedScaling
+  kAttentionGraphFp8,    // a graph: attention on q = x, k, v; reshape; dense; DelayedScaling
   kLayerNormDenseMxfp8,  // LayerNormDenseGeneral(32), MXFP8BlockScaling (a session
                          // negotiated under EMULATE: the CPU emulates MXFP8)
   kGraphFp8,             // a GraphSpec taking x, extra_inputs[0], extra_inputs[1]: q =

@@ -26,20 +26,12 @@ inline te::v1::LayerSpec DenseSpec(std::vector<int64_t> features) {
   return spec;
 }
 
-inline te::v1::SequentialSpec::Stage ModuleStage(const std::string& name,
-                                                 const te::v1::LayerSpec& spec) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.set_name(name);
-  *stage.mutable_module() = spec;
-  return stage;
-}
-
-inline te::v1::SequentialSpec::Stage ReshapeStage(std::vector<int64_t> from,
-                                                  std::vector<int64_t> to) {
-  te::v1::SequentialSpec::Stage stage;
-  stage.mutable_reshape()->mutable_from()->Assign(from.begin(), from.end());
-  stage.mutable_reshape()->mutable_to()->Assign(to.begin(), to.end());
-  return stage;
+// DotProductAttention over 2 heads of 4.
+inline te::v1::LayerSpec AttentionSpec() {
+  te::v1::LayerSpec spec;
+  spec.mutable_dot_product_attention()->set_head_dim(4);
+  spec.mutable_dot_product_attention()->set_num_attention_heads(2);
+  return spec;
 }
 
 // A node of `g` named `name`, reading `inputs` and writing `outputs`; the
@@ -52,6 +44,44 @@ inline te::v1::GraphSpec::Node* GraphNode(te::v1::GraphSpec* g, const std::strin
   for (const std::string& in : inputs) node->add_inputs(in);
   for (const std::string& out : outputs) node->add_outputs(out);
   return node;
+}
+
+inline void SetReshape(te::v1::GraphSpec::Node* node, std::vector<int64_t> shape) {
+  node->mutable_reshape()->mutable_shape()->Assign(shape.begin(), shape.end());
+}
+
+// The quickstart's unfused attention block for x [2, 3, 8], as the clients
+// trace it: y = x + DenseGeneral_1(attention(split(reshape(
+// DenseGeneral_0(LayerNorm_0(x)))))).
+inline te::v1::LayerSpec UnfusedGraphSpec() {
+  te::v1::LayerSpec spec;
+  te::v1::GraphSpec* g = spec.mutable_graph();
+  GraphNode(g, "LayerNorm_0", {"x"}, {"h"})->mutable_module()->mutable_layer_norm();
+  *GraphNode(g, "DenseGeneral_0", {"h"}, {"qkv"})->mutable_module() = DenseSpec({24});
+  SetReshape(GraphNode(g, "qkv_reshape", {"qkv"}, {"qkv4"}), {2, 3, 2, 12});
+  te::v1::GraphSpec::Node* split = GraphNode(g, "qkv_split", {"qkv4"}, {"q", "k", "v"});
+  split->mutable_split()->set_axis(-1);
+  split->mutable_split()->set_parts(3);
+  *GraphNode(g, "DotProductAttention_0", {"q", "k", "v"}, {"a"})->mutable_module() =
+      AttentionSpec();
+  SetReshape(GraphNode(g, "heads_merge", {"a"}, {"a3"}), {2, 3, 8});
+  *GraphNode(g, "DenseGeneral_1", {"a3"}, {"o"})->mutable_module() = DenseSpec({8});
+  GraphNode(g, "residual", {"o", "x"}, {"y"})->mutable_add();
+  g->add_outputs("y");
+  return spec;
+}
+
+// Attention first, for x = q [2, 3, 2, 4] with k and v the extra inputs (of
+// any length), then the heads merged and a DenseGeneral: y [2, 3, 8].
+inline te::v1::LayerSpec AttentionGraphSpec() {
+  te::v1::LayerSpec spec;
+  te::v1::GraphSpec* g = spec.mutable_graph();
+  *GraphNode(g, "DotProductAttention_0", {"x", "extra_inputs[0]", "extra_inputs[1]"}, {"a"})
+       ->mutable_module() = AttentionSpec();
+  SetReshape(GraphNode(g, "heads_merge", {"a"}, {"a3"}), {2, 3, 8});
+  *GraphNode(g, "DenseGeneral_0", {"a3"}, {"y"})->mutable_module() = DenseSpec({8});
+  g->add_outputs("y");
+  return spec;
 }
 
 }  // namespace te::fuzz

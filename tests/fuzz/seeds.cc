@@ -70,9 +70,16 @@ te::v1::Autocast AutocastOf(LayerKind kind) {
       return CurrentScaling();
     case LayerKind::kLayerNormDenseMxfp8:
       return Mxfp8();
-    default:
-      return DelayedScaling();
+    case LayerKind::kDenseFp8:
+    case LayerKind::kLayerNormMlpFp8:
+    case LayerKind::kUnfusedGraphFp8:
+    case LayerKind::kTransformerFp8:
+    case LayerKind::kAttentionGraphFp8:
+    case LayerKind::kGraphFp8:
+    case LayerKind::kCount:
+      break;
   }
+  return DelayedScaling();
 }
 
 const char* KindName(LayerKind kind) {
@@ -81,14 +88,14 @@ const char* KindName(LayerKind kind) {
       return "dense_fp8";
     case LayerKind::kLayerNormMlpFp8:
       return "layer_norm_mlp_fp8";
-    case LayerKind::kSequentialFp8:
-      return "sequential_fp8";
+    case LayerKind::kUnfusedGraphFp8:
+      return "unfused_graph_fp8";
     case LayerKind::kTransformerFp8:
       return "transformer_fp8";
     case LayerKind::kMhaCurrentScaling:
       return "mha_current_scaling";
-    case LayerKind::kSequentialAttention:
-      return "sequential_attention_fp8";
+    case LayerKind::kAttentionGraphFp8:
+      return "attention_graph_fp8";
     case LayerKind::kLayerNormDenseMxfp8:
       return "layer_norm_dense_mxfp8";
     case LayerKind::kGraphFp8:
@@ -153,10 +160,6 @@ class Seeds {
  private:
   std::vector<Seed> seeds_;
 };
-
-void SetShape(te::v1::GraphSpec::Node* node, std::vector<int64_t> shape) {
-  node->mutable_reshape()->mutable_shape()->Assign(shape.begin(), shape.end());
-}
 
 // ---- the original seeds: every RPC, valid ------------------------------------------
 
@@ -435,51 +438,8 @@ void AddHostileInit(Seeds* seeds) {
               kRefused);
   seeds->Init("input_shape_negative", DenseSpec({4}), {2, -3, 8}, te::v1::Autocast(), kRefused);
 
-  // Sequential reshapes whose element counts wrap: [8] -> [2^61 + 1, 8] is
-  // 2^64 + 8 elements, "equal" to 8 in wrapped int64 arithmetic.
-  spec.Clear();
-  te::v1::SequentialSpec* s = spec.mutable_sequential();
-  *s->add_stages() = ReshapeStage({8}, {(int64_t{1} << 61) + 1, 8});
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({4}));
-  seeds->Init("sequential_reshape_wraps_2p64", spec, {2, 3, 8}, DelayedScaling(), kRefused);
-  spec.Clear();
-  s = spec.mutable_sequential();
-  *s->add_stages() = ReshapeStage({8}, {int64_t{1} << 62, 2});
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({4}));
-  seeds->Init("sequential_reshape_2p63", spec, {2, 3, 8}, te::v1::Autocast(), kRefused);
-  spec.Clear();
-  s = spec.mutable_sequential();
-  *s->add_stages() = ReshapeStage({3, 8}, {kInt64Max, kInt64Max});
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({4}));
-  seeds->Init("sequential_reshape_int64_max_squared", spec, {2, 3, 8}, te::v1::Autocast(),
-              kRefused);
-  // The batch dims wrap after a valid-looking reshape: [2, 3, 8] -> [2, 3, 2^61, 4] / ...
-  spec.Clear();
-  s = spec.mutable_sequential();
-  *s->add_stages() = ReshapeStage({3, 8}, {(int64_t{1} << 62) + 3, 8});
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({4}));
-  *s->add_stages() = ReshapeStage({4}, {2, 2});
-  seeds->Init("sequential_reshape_batch_wraps", spec, {2, 3, 8}, DelayedScaling(), kRefused);
-  spec.Clear();
-  s = spec.mutable_sequential();
-  s->add_stages()->set_split_last_axis(std::numeric_limits<int32_t>::max());
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({4}));
-  seeds->Init("sequential_split_int32_max", spec, {2, 3, 8}, te::v1::Autocast(), kRefused);
-  // A stage's module huge inside a valid chain.
-  spec.Clear();
-  s = spec.mutable_sequential();
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({int64_t{1} << 31}));
-  seeds->Init("sequential_dense_2p31", spec, {2, 3, 8}, DelayedScaling(), kRefused);
-  // An attention stage first: q is x, k and v are the layer's extra inputs.
-  spec.Clear();
-  s = spec.mutable_sequential();
-  te::v1::LayerSpec attention;
-  attention.mutable_dot_product_attention()->set_head_dim(4);
-  attention.mutable_dot_product_attention()->set_num_attention_heads(2);
-  *s->add_stages() = ModuleStage("DotProductAttention_0", attention);
-  *s->add_stages() = ReshapeStage({2, 4}, {8});
-  *s->add_stages() = ModuleStage("DenseGeneral_0", DenseSpec({8}));
-  seeds->Init("sequential_attention_first", spec, {2, 3, 2, 4}, DelayedScaling());
+  // A graph whose first node is attention: q is x, k and v are the layer's extra inputs.
+  seeds->Init("attention_graph_first", AttentionGraphSpec(), {2, 3, 2, 4}, DelayedScaling());
   // GraphSpec (a composite as one server graph): valid glue of every kind,
   // then each glue op with hostile values.
   {
@@ -501,7 +461,7 @@ void AddHostileInit(Seeds* seeds) {
       GraphNode(g, "dropout", {"qk32"}, {"qkd"})->mutable_dropout()->set_rate(0.25f);
       te::v1::GraphSpec::Node* t = GraphNode(g, "transpose", {"qkd"}, {"qkt"});
       for (int a : {1, 0, 2}) t->mutable_transpose()->add_axes(a);
-      SetShape(GraphNode(g, "reshape", {"qkt"}, {"qkr"}), {2, 3, -1});
+      SetReshape(GraphNode(g, "reshape", {"qkt"}, {"qkr"}), {2, 3, -1});
       te::v1::GraphSpec::Node* halves = GraphNode(g, "split_qk", {"qkr"}, {"a", "b"});
       halves->mutable_split()->set_parts(2);
       halves->mutable_split()->set_axis(-1);
@@ -512,6 +472,8 @@ void AddHostileInit(Seeds* seeds) {
     graph_seed("glue_fp8", glue, {Code::kOk, Code::kInvalidArgument}, DelayedScaling());
     const std::vector<std::pair<std::string, std::vector<int64_t>>> reshapes = {
         {"reshape_wraps_2p64", {(int64_t{1} << 61) + 1, 8}},
+        {"reshape_2p63", {2, 3, int64_t{1} << 62, 2}},
+        {"reshape_int64_max_squared", {2, kInt64Max, kInt64Max}},
         {"reshape_wildcard_times_2p64", {-1, int64_t{1} << 62, 4}},
         {"reshape_two_wildcards", {-1, -1}},
         {"reshape_zero_dim", {0, 48}},
@@ -522,16 +484,26 @@ void AddHostileInit(Seeds* seeds) {
       graph_seed(
           name,
           [&shape = shape](te::v1::GraphSpec* g) {
-            SetShape(GraphNode(g, "reshape", {"x"}, {"y"}), shape);
+            SetReshape(GraphNode(g, "reshape", {"x"}, {"y"}), shape);
             g->add_outputs("y");
           },
           kRefused, te::v1::Autocast());
     }
+    // A module between reshapes whose batch dims wrap.
+    graph_seed(
+        "reshape_batch_wraps_around_a_module",
+        [](te::v1::GraphSpec* g) {
+          SetReshape(GraphNode(g, "reshape", {"x"}, {"r"}), {2, (int64_t{1} << 62) + 3, 8});
+          *GraphNode(g, "DenseGeneral_0", {"r"}, {"d"})->mutable_module() = DenseSpec({4});
+          SetReshape(GraphNode(g, "reshape_back", {"d"}, {"y"}), {2, (int64_t{1} << 62) + 3, 2, 2});
+          g->add_outputs("y");
+        },
+        kRefused, DelayedScaling());
     // A reshape of an extra input: its shape is unknown until a request gives one.
     graph_seed(
         "reshape_extra_input_wildcard_2p40",
         [](te::v1::GraphSpec* g) {
-          SetShape(GraphNode(g, "reshape", {"extra_inputs[0]"}, {"k"}), {-1, int64_t{1} << 40});
+          SetReshape(GraphNode(g, "reshape", {"extra_inputs[0]"}, {"k"}), {-1, int64_t{1} << 40});
           GraphNode(g, "add", {"x", "x"}, {"y"})->mutable_add();
           g->add_outputs("y");
           g->add_outputs("k");
@@ -719,7 +691,7 @@ void AddHostileSteps(Seeds* seeds) {
                                                                       : "cancel_after_3";
     const std::vector<Code> interrupted = {Code::kOk, Code::kDeadlineExceeded, Code::kCancelled};
     for (LayerKind kind :
-         {LayerKind::kTransformerFp8, LayerKind::kSequentialFp8, LayerKind::kDenseFp8}) {
+         {LayerKind::kTransformerFp8, LayerKind::kUnfusedGraphFp8, LayerKind::kDenseFp8}) {
       const uint8_t flags = KindFlags(kind) | InterruptFlags(interrupt);
       te::v1::ForwardBackwardRequest step;
       *step.mutable_autocast() = AutocastOf(kind);
@@ -799,20 +771,20 @@ void AddHostileSteps(Seeds* seeds) {
   seeds->Add("forward_dense_extra_input", Input(Rpc::kForward, 0, forward),
              {Code::kInvalidArgument});
   forward.clear_extra_inputs();
-  const uint8_t attention = KindFlags(LayerKind::kSequentialAttention);
+  const uint8_t attention = KindFlags(LayerKind::kAttentionGraphFp8);
   *forward.mutable_autocast() = DelayedScaling();
   *forward.add_extra_inputs() = Floats({2, 5, 2, 4}, 0.1f);
   *forward.add_extra_inputs() = Floats({2, 5, 2, 4}, 0.2f);
-  seeds->Add("forward_sequential_attention_longer_kv", Input(Rpc::kForward, attention, forward),
+  seeds->Add("forward_attention_graph_longer_kv", Input(Rpc::kForward, attention, forward),
              {Code::kOk, Code::kInvalidArgument});
   forward.clear_extra_inputs();
   *forward.add_extra_inputs() = Floats({2, 3, 1, 4}, 0.1f);
   *forward.add_extra_inputs() = Floats({2, 3, 2, 4}, 0.2f);
-  seeds->Add("forward_sequential_attention_k_heads_differ",
+  seeds->Add("forward_attention_graph_k_heads_differ",
              Input(Rpc::kForward, attention, forward), {Code::kInvalidArgument});
   forward.clear_extra_inputs();
   *forward.add_extra_inputs() = Live();
-  seeds->Add("forward_sequential_attention_one_extra", Input(Rpc::kForward, attention, forward),
+  seeds->Add("forward_attention_graph_one_extra", Input(Rpc::kForward, attention, forward),
              {Code::kInvalidArgument});
   forward.clear_extra_inputs();
   // The live graph: k and v of another length (a reshape's -1 takes it), of
@@ -871,8 +843,8 @@ void AddHostileSteps(Seeds* seeds) {
                {Code::kOk, Code::kInvalidArgument});
   }
   for (int i = 0; i < 3; ++i) *forward.add_extra_inputs() = Live();
-  seeds->Add("forward_sequential_fp8_extra_inputs",
-             Input(Rpc::kForward, KindFlags(LayerKind::kSequentialFp8), forward),
+  seeds->Add("forward_unfused_graph_fp8_extra_inputs",
+             Input(Rpc::kForward, KindFlags(LayerKind::kUnfusedGraphFp8), forward),
              {Code::kInvalidArgument});
   forward.clear_extra_inputs();
   // y into the live region: fits, and past its end.
@@ -899,7 +871,7 @@ void AddHostileSteps(Seeds* seeds) {
     const std::vector<Code> ok_or_refused = {Code::kOk, Code::kInvalidArgument,
                                              Code::kResourceExhausted};
     for (LayerKind kind : {LayerKind::kTransformerFp8, LayerKind::kMhaCurrentScaling,
-                           LayerKind::kSequentialFp8, LayerKind::kDenseFp8}) {
+                           LayerKind::kUnfusedGraphFp8, LayerKind::kDenseFp8}) {
       const bool exhausts = kind == LayerKind::kTransformerFp8;
       te::v1::ForwardRequest shm_forward;
       *shm_forward.mutable_x() = big;

@@ -206,57 +206,13 @@ te::v1::LayerSpec QuickstartTransformer() {
   return spec;
 }
 
-// The quickstart's TEUnfusedTransformerLayer as one server Sequential (which
-// the server runs as the graph it translates to):
-// LayerNorm, DenseGeneral (qkv), reshape, split, DotProductAttention,
-// reshape, DenseGeneral (proj) in a residual; LayerNorm, DenseGeneral, gelu,
-// DenseGeneral in another.
-void AddSequentials(std::vector<LayerCase>* cases) {
-  using Stage = te::v1::SequentialSpec::Stage;
-  te::v1::LayerSpec spec;
-  te::v1::SequentialSpec* chain = spec.mutable_sequential();
-  auto residual = [&](te::v1::SequentialSpec::Residual r) { chain->add_stages()->set_residual(r); };
-  auto module = [&](const std::string& name) -> te::v1::LayerSpec* {
-    Stage* s = chain->add_stages();
-    s->set_name(name);
-    return s->mutable_module();
-  };
-  auto dense = [&](const std::string& name, int64_t features) {
-    auto* d = module(name)->mutable_dense_general();
-    d->add_features(features);
-    d->set_use_bias(true);
-  };
-  auto reshape = [&](std::vector<int64_t> from, std::vector<int64_t> to) {
-    Stage* s = chain->add_stages();
-    for (int64_t v : from) s->mutable_reshape()->add_from(v);
-    for (int64_t v : to) s->mutable_reshape()->add_to(v);
-  };
-  residual(te::v1::SequentialSpec::FORK);
-  module("LayerNorm_0")->mutable_layer_norm();
-  dense("DenseGeneral_0", 3 * kHidden);
-  reshape({3 * kHidden}, {kHeads, 3 * kHeadDim});
-  chain->add_stages()->set_split_last_axis(3);
-  auto* attention = module("DotProductAttention_0")->mutable_dot_product_attention();
-  attention->set_head_dim(kHeadDim);
-  attention->set_num_attention_heads(kHeads);
-  attention->set_attn_mask_type(te::v1::CAUSAL);
-  reshape({kHeads, kHeadDim}, {kHidden});
-  dense("DenseGeneral_1", kHidden);
-  residual(te::v1::SequentialSpec::JOIN);
-  residual(te::v1::SequentialSpec::FORK);
-  module("LayerNorm_1")->mutable_layer_norm();
-  dense("TEUnfusedMLP_0/DenseGeneral_0", kFfn);
-  module("TEUnfusedMLP_0/activation")->mutable_activation()->add_activations("gelu");
-  dense("TEUnfusedMLP_0/DenseGeneral_1", kHidden);
-  residual(te::v1::SequentialSpec::JOIN);
-  cases->push_back(Case("Sequential_unfused_layer", spec, kTokens, true, true));
-}
-
 // The attention block of the quickstart's TEUnfusedTransformerLayer as a
 // te.v1.GraphSpec, node by node as a client's tracer writes it: LayerNorm,
 // DenseGeneral (qkv), reshape to [B, S, heads, 3 * head_dim], split into q,
 // k, v, DotProductAttention (causal), reshape back to [B, S, hidden],
-// DenseGeneral (proj), and the residual add of x.
+// DenseGeneral (proj), and the residual add of x. Then the whole layer: the
+// block followed by the MLP block (LayerNorm, DenseGeneral, gelu,
+// DenseGeneral) in another residual.
 void AddGraphs(std::vector<LayerCase>* cases) {
   te::v1::LayerSpec spec;
   te::v1::GraphSpec* graph = spec.mutable_graph();
@@ -291,9 +247,21 @@ void AddGraphs(std::vector<LayerCase>* cases) {
   te::v1::GraphSpec::Node* merge = node("heads_merge", {"attended"}, {"merged"});
   for (int64_t d : {kBatch, kSeq, kHidden}) merge->mutable_reshape()->add_shape(d);
   dense("DenseGeneral_1", "merged", kHidden);
-  node("residual_add", {"DenseGeneral_1", "x"}, {"y"})->mutable_add();
-  graph->add_outputs("y");
+  node("residual_add", {"DenseGeneral_1", "x"}, {"h"})->mutable_add();
+  graph->add_outputs("h");
   cases->push_back(Case("Graph_attention_block", spec, kTokens, true, true));
+
+  graph->clear_outputs();
+  node("LayerNorm_1", {"h"}, {"ln_1"})->mutable_module()->mutable_layer_norm();
+  dense("TEUnfusedMLP_0/DenseGeneral_0", "ln_1", kFfn);
+  node("TEUnfusedMLP_0/activation", {"TEUnfusedMLP_0/DenseGeneral_0"}, {"act"})
+      ->mutable_module()
+      ->mutable_activation()
+      ->add_activations("gelu");
+  dense("TEUnfusedMLP_0/DenseGeneral_1", "act", kHidden);
+  node("mlp_residual_add", {"TEUnfusedMLP_0/DenseGeneral_1", "h"}, {"y"})->mutable_add();
+  graph->add_outputs("y");
+  cases->push_back(Case("Graph_unfused_layer", spec, kTokens, true, true));
 }
 
 void AddTransformerLayers(std::vector<LayerCase>* cases) {
@@ -373,7 +341,6 @@ std::vector<LayerCase> AllCases() {
   AddDotProductAttentions(&cases);
   AddMultiHeadAttentions(&cases);
   AddTransformerLayers(&cases);
-  AddSequentials(&cases);
   AddGraphs(&cases);
   AddFlaxModules(&cases);
   return cases;

@@ -40,7 +40,7 @@ class ClientTransportTest : public ::testing::TestWithParam<bool> {
   }
   void TearDown() override {
     client_.reset();
-    if (server_ != nullptr) EXPECT_TRUE(server_->Stop().ok());
+    if (server_ != nullptr) { EXPECT_TRUE(server_->Stop().ok()); }
   }
 
   std::unique_ptr<Session> Open(Transport transport) {

@@ -41,7 +41,7 @@ class ConcurrencyTest : public ::testing::Test {
   }
   void TearDown() override {
     stub_.reset();  // an open channel would hold the graceful shutdown to its grace period
-    if (server_ != nullptr) EXPECT_TRUE(server_->Stop().ok());
+    if (server_ != nullptr) { EXPECT_TRUE(server_->Stop().ok()); }
   }
 
   te::v1::SessionRef NewSession() { return CreateSession(*stub_).session(); }

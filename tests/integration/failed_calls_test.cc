@@ -290,12 +290,21 @@ TEST_F(FailedCallsTest, HostileSizesAreRefusedAndTheServerStays) {
   {
     // Products that wrap past 2^63 alike on both sides.
     Hostile h{"reshape past 2^63", {}, {2, kHidden}, grpc::StatusCode::INVALID_ARGUMENT};
-    te::v1::SequentialSpec::Stage* stage = h.spec.mutable_sequential()->add_stages();
-    stage->mutable_reshape()->add_from(kHidden);
-    stage->mutable_reshape()->add_to(4);
-    stage->mutable_reshape()->add_to(int64_t{4611686018427387904});
-    stage->mutable_reshape()->add_to(int64_t{1844674407370955161});
-    h.spec.mutable_sequential()->add_stages()->mutable_module()->mutable_dense_general()->add_features(4);
+    te::v1::GraphSpec* graph = h.spec.mutable_graph();
+    te::v1::GraphSpec::Node* reshape = graph->add_nodes();
+    reshape->set_name("reshape");
+    reshape->add_inputs("x");
+    reshape->add_outputs("r");
+    for (int64_t d : {int64_t{2}, int64_t{4}, int64_t{4611686018427387904},
+                      int64_t{1844674407370955161}}) {
+      reshape->mutable_reshape()->add_shape(d);
+    }
+    te::v1::GraphSpec::Node* dense = graph->add_nodes();
+    dense->set_name("DenseGeneral_0");
+    dense->add_inputs("r");
+    dense->add_outputs("y");
+    dense->mutable_module()->mutable_dense_general()->add_features(4);
+    graph->add_outputs("y");
     cases.push_back(h);
   }
   for (const Hostile& h : cases) {

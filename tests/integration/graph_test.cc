@@ -1,5 +1,5 @@
 // A te.v1.GraphSpec through the real te_server: InitLayer names the module
-// nodes' variables under the node names with NodeSeed init keys, Forward
+// nodes' variables under the node names with DeriveSeed init keys, Forward
 // (with a padding mask) and ForwardBackward over micro-batches run the whole
 // graph in one call, DelayedScaling moves each node's own fp8_metas, and a
 // bad graph is INVALID_ARGUMENT naming its node.
@@ -125,12 +125,12 @@ TEST_F(GraphServiceTest, InitNamesNodeVariablesAndSeedsThemByName) {
   EXPECT_EQ(shapes["params/TEUnfusedMLP_0/DenseGeneral_1/bias"], std::vector<int64_t>({kHidden}));
   EXPECT_EQ(std::vector<int64_t>(init.output_shape().begin(), init.output_shape().end()), kShape);
 
-  // The node's init key is NodeSeed(seed, name): its kernel equals a lone
+  // The node's init key is DeriveSeed(seed, name): its kernel equals a lone
   // DenseGeneral's initialised with that seed.
   te::v1::InitLayerRequest alone = WithSession(te::v1::InitLayerRequest());
   *alone.mutable_spec() = Dense(3 * kHidden);
   const std::string name = "DenseGeneral_0";
-  alone.set_seed(NodeSeed(kSeed, name.data(), name.size()));
+  alone.set_seed(DeriveSeed(kSeed, name));
   alone.set_input_dtype(te::v1::FLOAT32);
   for (int64_t d : kShape) alone.add_input_shape(d);
   te::v1::InitLayerResponse dense;

@@ -47,7 +47,7 @@ class PipelinedClientTest : public ::testing::Test {
     server_ = started->release();
   }
   static void TearDownTestSuite() {
-    if (server_ != nullptr) EXPECT_TRUE(server_->Stop().ok());
+    if (server_ != nullptr) { EXPECT_TRUE(server_->Stop().ok()); }
     delete server_;
     server_ = nullptr;
   }

@@ -17,7 +17,7 @@
 #include "client/graph.h"
 #include "client/modules.h"
 #include "client/quickstart_layers.h"
-#include "client/sequential.h"
+#include "client/reference_chain.h"
 #include "client/speedometer.h"
 #include "gtest/gtest.h"
 #include "tests/server_fixture.h"
@@ -224,7 +224,7 @@ TEST_F(QuickstartTest, Section1HasTheNotebooksParameterTree) {
 }
 
 // Sections 3-5 as one graph give the numbers of the same modules chained
-// from the client (Sequential, glue on the host): the same names, so the
+// from the client (ReferenceChain, glue on the host): the same names, so the
 // same parameters; the same ops in the same order, and glue that rounds
 // identically. Deterministic, since the chain has no dropout node; under
 // FP8 the state the step leaves behind must agree too.
@@ -232,7 +232,7 @@ TEST_F(QuickstartTest, GraphsGiveTheClientChainsNumbers) {
   struct Case {
     const char* name;
     Graph graph;
-    Sequential chain;
+    ReferenceChain chain;
     bool fp8;
   };
   const std::vector<Case> cases = {
@@ -243,7 +243,7 @@ TEST_F(QuickstartTest, GraphsGiveTheClientChainsNumbers) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     Autocast autocast(c.fp8, QuickstartRecipe());
-    absl::StatusOr<SequentialVariables> chain_vars = c.chain.Init(*session_, 42, x_);
+    absl::StatusOr<ReferenceChainVariables> chain_vars = c.chain.Init(*session_, 42, x_);
     ASSERT_TRUE(chain_vars.ok()) << chain_vars.status();
     absl::StatusOr<Variables> graph_vars = c.graph.Init(*session_, 42, x_);
     ASSERT_TRUE(graph_vars.ok()) << graph_vars.status();
@@ -461,10 +461,10 @@ TEST_F(QuickstartTest, SpeedometerClientAndServerSide) {
   EXPECT_EQ(graph_server->steps, 3);
 }
 
-// A residual Sequential around one module: value and dx are the module's
+// A residual ReferenceChain around one module: value and dx are the module's
 // (from ForwardBackward) plus the residual's, so the Forward/Backward chain
 // and the host glue agree with the server's own step.
-TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
+TEST_F(QuickstartTest, ReferenceChainMatchesTheModulesOwnStep) {
   const HostTensor x = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kF32, 5);
   const HostTensor dy = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kF32, 6);
   auto mlp = std::make_shared<LayerNormMLP>();
@@ -476,9 +476,9 @@ TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
   absl::StatusOr<ValueAndGradResult> direct = mlp->ValueAndGrad(*module_vars, x, dy);
   ASSERT_TRUE(direct.ok()) << direct.status();
 
-  Sequential residual;
+  ReferenceChain residual;
   residual.Fork().Add("mlp", mlp).Join();
-  SequentialVariables vars;
+  ReferenceChainVariables vars;
   vars.stages = {Variables(), *module_vars, Variables()};
   absl::StatusOr<ValueAndGradResult> chained = residual.ValueAndGrad(vars, x, dy);
   ASSERT_TRUE(chained.ok()) << chained.status();
@@ -506,13 +506,13 @@ TEST_F(QuickstartTest, SequentialChainMatchesTheModulesOwnStep) {
   EXPECT_FALSE(on_server->empty());
 }
 
-// Sequential::Apply is functional under DelayedScaling as a module's Apply
+// ReferenceChain::Apply is functional under DelayedScaling as a module's Apply
 // is, and ApplyOptions::update_fp8_metas reaches each stage's forward.
-TEST_F(QuickstartTest, SequentialApplyMovesFp8MetasOnlyWhenAsked) {
-  Sequential chain;
+TEST_F(QuickstartTest, ReferenceChainApplyMovesFp8MetasOnlyWhenAsked) {
+  ReferenceChain chain;
   chain.Add("dense", std::make_shared<DenseGeneral>(std::vector<int64_t>{kHidden}));
   Autocast autocast(true, QuickstartRecipe());
-  absl::StatusOr<SequentialVariables> vars = chain.Init(*session_, 3, x_);
+  absl::StatusOr<ReferenceChainVariables> vars = chain.Init(*session_, 3, x_);
   ASSERT_TRUE(vars.ok()) << vars.status();
   const Variables& dense = vars->stages[0];
   const std::map<std::string, std::vector<float>> initial = Fp8Metas(dense);
@@ -550,7 +550,7 @@ TEST_F(QuickstartTest, DropoutWithoutASeedIsRefusedAsFlaxRefusesIt) {
   EXPECT_TRUE(layer.ValueAndGrad(*vars, x_, dy_, train).ok());
   EXPECT_TRUE(layer.Apply(*vars, x_).ok());  // deterministic: no key needed
 
-  // A graph names its nodes; a Sequential's stage is refused as the module is.
+  // A graph names its nodes; a chain's stage is refused as the module is.
   const Graph unfused = UnfusedLayer(kSize);
   absl::StatusOr<Variables> graph_vars = unfused.Init(*session_, 42, x_);
   ASSERT_TRUE(graph_vars.ok()) << graph_vars.status();
@@ -559,9 +559,9 @@ TEST_F(QuickstartTest, DropoutWithoutASeedIsRefusedAsFlaxRefusesIt) {
   status = unfused.Apply(*graph_vars, x_, no_seed).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_NE(status.message().find(unfused.DropoutUsers().front() + ", "), absl::string_view::npos) << status;
-  Sequential chain;
+  ReferenceChain chain;
   chain.Add("layer", std::make_shared<TransformerLayer>(layer));
-  absl::StatusOr<SequentialVariables> chain_vars = chain.Init(*session_, 42, x_);
+  absl::StatusOr<ReferenceChainVariables> chain_vars = chain.Init(*session_, 42, x_);
   ASSERT_TRUE(chain_vars.ok()) << chain_vars.status();
   EXPECT_EQ(chain.Apply(*chain_vars, x_, no_seed).status().code(), absl::StatusCode::kInvalidArgument);
 
@@ -584,9 +584,9 @@ TEST_F(QuickstartTest, StreamedTransportGivesTheSameResults) {
   absl::StatusOr<std::unique_ptr<Session>> streamed = streamed_client->CreateSession();
   ASSERT_TRUE(streamed.ok()) << streamed.status();
 
-  const Sequential layer = FusedChain(kSize);  // many calls, each streamed
-  absl::StatusOr<SequentialVariables> inline_vars = layer.Init(*session_, 42, x_);
-  absl::StatusOr<SequentialVariables> streamed_vars = layer.Init(**streamed, 42, x_);
+  const ReferenceChain layer = FusedChain(kSize);  // many calls, each streamed
+  absl::StatusOr<ReferenceChainVariables> inline_vars = layer.Init(*session_, 42, x_);
+  absl::StatusOr<ReferenceChainVariables> streamed_vars = layer.Init(**streamed, 42, x_);
   ASSERT_TRUE(inline_vars.ok()) << inline_vars.status();
   ASSERT_TRUE(streamed_vars.ok()) << streamed_vars.status();
   absl::StatusOr<ValueAndGradResult> a = layer.ValueAndGrad(*inline_vars, x_, dy_);

@@ -752,7 +752,7 @@ TEST_F(ServiceTest, DelayedScalingStateMovesOverSteps) {
     const std::vector<float> history = ToFloats(state.at("fp8_metas/x_amax_history"));
     ASSERT_EQ(history.size(), 4u);
     EXPECT_EQ(history.back(), MaxAbs(x));
-    if (!previous_x_scale.empty()) EXPECT_NE(x_scale, previous_x_scale);
+    if (!previous_x_scale.empty()) { EXPECT_NE(x_scale, previous_x_scale); }
     previous_x_scale = x_scale;
   }
 }

@@ -29,7 +29,7 @@ class VersionsClientTest : public ::testing::Test {
     server_ = server->release();
   }
   static void TearDownTestSuite() {
-    if (server_ != nullptr) EXPECT_TRUE(server_->Stop().ok());
+    if (server_ != nullptr) { EXPECT_TRUE(server_->Stop().ok()); }
     delete server_;
     server_ = nullptr;
   }

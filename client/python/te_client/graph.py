@@ -6,7 +6,7 @@ reshape, split, concatenate, transpose, +, * constant, astype; nn.Dropout;
 nn.make_causal_mask) and each TE module called on one records a node in the
 Trace; Trace.build turns the record into the GraphSpec that the server runs
 as one layer, so a step of the composite is one RPC and no activation leaves
-the device. node_seed is the server's rule for each node's seeds.
+the device. derive_seed is the server's rule for every derived seed, each node's included.
 
 Names (what the spec's nodes and edges, and so the variables, are called):
   * a module node is the module's Flax scope path ("TEUnfusedMLP_0/DenseGeneral_0");
@@ -54,10 +54,11 @@ def name_hash(name):
     return h
 
 
-def node_seed(seed, name):
-    """A graph node's init key or dropout seed from the layer's: the rule the
-    server applies (kernels/rng.h's NodeSeed), so a module run on its own with
-    node_seed(seed, "DenseGeneral_0") draws the numbers the graph's node does."""
+def derive_seed(seed, name):
+    """The seed named `name` under `seed`: kernels/rng.h's DeriveSeed, the one rule the server and
+    both clients derive seeds by. A graph node's init key and dropout seed are the layer's under the
+    node's name, so a module run on its own with derive_seed(seed, "DenseGeneral_0") draws the
+    numbers the graph's node does; a timed step's dropout seed is the run's under "step/<i>"."""
     return mix_bits((int(seed) & _M64) ^ mix_bits(name_hash(name)))
 
 

@@ -6,7 +6,7 @@
 
 Inside a traced module an initializer names what the server draws a
 variable from (te.v1.Initializer: the distribution, seeded per variable with
-NodeSeed(the layer's seed, the node's name), so values follow the
+DeriveSeed(the layer's seed, the node's name), so values follow the
 initializer's distribution, not JAX's bits). Called as JAX calls one,
 init(key, shape, dtype), it draws the same distribution with numpy (key: an
 int or a PRNGKey's words), for code that builds arrays itself.

@@ -5,7 +5,7 @@
 Module and compact are te_client's (module.py): a composite's __call__ is
 traced into one server graph. Dropout is Flax's module (named "Dropout_N"),
 recorded as a dropout node: inverted dropout on the server, seeded with
-NodeSeed(apply's rngs['dropout'], its name) and off when apply's
+DeriveSeed(apply's rngs['dropout'], its name) and off when apply's
 deterministic is True. make_causal_mask on a traced x[..., 0] records a
 causal-mask node (read only as an attention module's mask, as TE reads it:
 the causal types and no_mask ignore it, padding applies its ones as masked
@@ -97,7 +97,7 @@ class Dropout(Module):
         check_deterministic(frame.trace, name, "Dropout", deterministic)
         if rng is not None or self.rng_collection != "dropout":
             raise NotImplementedError("%s (Dropout): an explicit rng or rng_collection; a graph's dropout seeds "
-                                      "are NodeSeed(apply's rngs['dropout'], node name)" % name)
+                                      "are DeriveSeed(apply's rngs['dropout'], node name)" % name)
         dims = sorted({symbolic.normalized_axis(d, inputs.ndim, "Dropout.broadcast_dims") for d in self.broadcast_dims})
         frame.trace.claim(name, self)
         return frame.trace.record("dropout", layers_pb2.GraphSpec.Dropout(
@@ -279,7 +279,7 @@ class MultiHeadDotProductAttention(_FlaxModule):
             inputs_k = inputs_v = inputs_kv
         if dropout_rng is not None or sow_weights:
             raise NotImplementedError("MultiHeadDotProductAttention: dropout_rng and sow_weights; a graph's "
-                                      "dropout seeds are NodeSeed(apply's rngs['dropout'], node name)")
+                                      "dropout seeds are DeriveSeed(apply's rngs['dropout'], node name)")
         # Flax: inputs_k defaults to inputs_q, inputs_v to inputs_k.
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v

@@ -38,7 +38,6 @@ differs). Every dropout in the graph follows the request's `deterministic`
 import contextvars
 import dataclasses
 import functools
-import hashlib
 import inspect
 import weakref
 from typing import Optional
@@ -52,12 +51,6 @@ from te_client.session import ResidentTensor, current_session
 
 _frame = contextvars.ContextVar("te_client_frame", default=None)
 _MASK_ARGUMENTS = ("attention_mask", "mask")
-
-
-def derive_seed(seed, *parts):
-    """A 64-bit seed for a step of the speedometer, stable across runs and machines."""
-    text = "/".join([str(int(seed))] + [str(p) for p in parts])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def seed_of(key, purpose="params"):

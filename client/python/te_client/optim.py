@@ -446,7 +446,7 @@ class TrainState:
         """This step's dropout key: fold_in(rng, step) (None without rng)."""
         if self.rng is None:
             return None
-        return module_lib.derive_seed(module_lib.seed_of(self.rng, "dropout"), "step", self.step)
+        return graph.derive_seed(module_lib.seed_of(self.rng, "dropout"), "step/%d" % self.step)
 
     def apply_gradients(self, *, grads, **kwargs):
         """optax's update with `grads` (value_and_grad's, or any tree of arrays

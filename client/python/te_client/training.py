@@ -13,7 +13,7 @@ session's FP8 scales move from step to step.
 import statistics
 import time
 
-from te_client import dtypes, errors, precision as precision_lib, recipe as recipe_lib
+from te_client import dtypes, errors, graph, precision as precision_lib, recipe as recipe_lib
 from te_client import module as module_lib
 from te_client import variables as variables_lib
 from te_client._pb import recipe_pb2, service_pb2
@@ -67,7 +67,7 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
                                               "%s takes %d" % (type(module).__name__, 1 + len(call.extra)))
         else:
             step = lambda i: module.value_and_grad(variables, input, output_grad,
-                                                   rngs={"dropout": module_lib.derive_seed(seed, "step", i)},
+                                                   rngs={"dropout": graph.derive_seed(seed, "step/%d" % i)},
                                                    **forward_kwargs)
             timed = _time_client(step, warmup_iters, timing_iters, "client")
     if print_result:
@@ -106,7 +106,7 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
         autocast = recipe_lib.autocast_proto(recipe_lib.current_autocast(), recipe_pb2)
 
         def batch(i):
-            b = service_pb2.MicroBatch(x=x_t, dy=dy_t, dropout_seed=module_lib.derive_seed(seed, "step", i))
+            b = service_pb2.MicroBatch(x=x_t, dy=dy_t, dropout_seed=graph.derive_seed(seed, "step/%d" % i))
             if mask_t is not None:
                 b.attention_mask.CopyFrom(mask_t)
             return b

@@ -129,7 +129,7 @@ class LossTrace:
         seed = module_lib.seed_of(rngs, "dropout")
         if self.seed is not None and seed != self.seed:
             raise NotImplementedError("two different dropout keys in one traced function: a step has one dropout "
-                                      "seed (each dropout node draws NodeSeed(seed, its name))")
+                                      "seed (each dropout node draws DeriveSeed(seed, its name))")
         self.seed = seed
 
 

@@ -80,7 +80,7 @@ class OneByOne:
     def _kwargs(self, name, module):
         if not module.dropout_rates():
             return {}
-        return {"deterministic": self.deterministic, "rngs": {"dropout": graph.node_seed(self.dropout_seed, name)}}
+        return {"deterministic": self.deterministic, "rngs": {"dropout": graph.derive_seed(self.dropout_seed, name)}}
 
     def fwd(self, name, module, *inputs):
         return helpers.first(module.apply(self._params(name, module, inputs), *inputs, **self._kwargs(name, module)))
@@ -96,7 +96,7 @@ class OneByOne:
     def dropout(self, name, x, dy=None):
         if self.deterministic:
             return x if dy is None else dy
-        kept = _dropout_kept(graph.node_seed(self.dropout_seed, name), np.shape(x), RATE)
+        kept = _dropout_kept(graph.derive_seed(self.dropout_seed, name), np.shape(x), RATE)
         scale = np.float32(1.0) / (np.float32(1.0) - np.float32(RATE))
         t = np.asarray(x if dy is None else dy, np.float32)
         return te.asarray(np.where(kept, t * scale, np.float32(0.0)).astype(np.float32), te.dtype_of(x))
@@ -184,7 +184,7 @@ def test_variables_are_named_as_flax_names_them(session, rng):
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_each_module_node_is_initialised_with_its_node_seed(session, rng, layer):
+def test_each_module_node_is_initialised_with_its_derived_seed(session, rng, layer):
     composite = LAYERS[layer][0]()
     x, key = _x(rng), 1234
     values = _values(session, _init(composite, key, x, deterministic=True))
@@ -193,9 +193,9 @@ def test_each_module_node_is_initialised_with_its_node_seed(session, rng, layer)
     for node in traced.spec.nodes:
         if node.WhichOneof("op") != "module":
             continue
-        # The node's own LayerSpec as a layer of its own, seeded NodeSeed(key, node name).
+        # The node's own LayerSpec as a layer of its own, seeded DeriveSeed(key, node name).
         response = session.call("InitLayer", service_pb2.InitLayerRequest(
-            spec=node.module, seed=graph.node_seed(key, node.name), input_dtype=te.dtypes.FLOAT32,
+            spec=node.module, seed=graph.derive_seed(key, node.name), input_dtype=te.dtypes.FLOAT32,
             input_shape=traced.shapes[node.inputs[0]]))
         alone = session.call("GetVariables", service_pb2.GetVariablesRequest(layer_id=response.layer_id,
                                                                              collections=["params"]))
@@ -228,9 +228,9 @@ def test_apply_and_value_and_grad_equal_the_modules_one_by_one(session, rng, lay
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
-def test_dropout_follows_node_seeds(session, rng, layer):
-    # DotProductAttention_0 drops with NodeSeed(seed, its name) as its own dropout seed; Dropout_0 is
-    # inverted dropout drawn with NodeSeed(seed, "Dropout_0").
+def test_dropout_follows_derived_seeds(session, rng, layer):
+    # DotProductAttention_0 drops with DeriveSeed(seed, its name) as its own dropout seed; Dropout_0 is
+    # inverted dropout drawn with DeriveSeed(seed, "Dropout_0").
     make, one_by_one = LAYERS[layer]
     composite = make()
     x, dy, seed = _x(rng), _x(rng), 77

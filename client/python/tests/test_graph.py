@@ -1,5 +1,5 @@
 """Tracing composites into te.v1.GraphSpec, without a server: the quickstart's layers node by node,
-Flax's naming, te_client.numpy on arrays, NodeSeed, and the errors for what a graph cannot hold."""
+Flax's naming, te_client.numpy on arrays, DeriveSeed, and the errors for what a graph cannot hold."""
 from typing import Optional
 
 import numpy as np
@@ -536,9 +536,9 @@ def test_a_top_level_te_module_is_not_traced():
         te_flax.DenseGeneral(features=H).trace(_x())
 
 
-# ---- NodeSeed ----------------------------------------------------------------------------------
+# ---- DeriveSeed ----------------------------------------------------------------------------------
 
-def test_node_seed_matches_kernels_rng_h():
+def test_derive_seed_matches_kernels_rng_h():
     # Published test vectors: FNV-1a 64 of "", "a", "foobar"; splitmix64's first output from state 0.
     assert graph.name_hash("") == 0xcbf29ce484222325
     assert graph.name_hash("a") == 0xaf63dc4c8601ec8c
@@ -551,7 +551,7 @@ def test_node_seed_matches_kernels_rng_h():
     z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) % 2**64
     assert z == 0xf52a15e843e1c34b
     assert graph.mix_bits(0xcbf29ce484222325) == z ^ (z >> 31) == 0xf52a15e9a9b5e89b
-    # NodeSeed(seed, name) as a program compiled against kernels/rng.h prints it.
+    # DeriveSeed(seed, name) as kernels/rng_test.cc asserts it (RngTest.DeriveSeedGivesTheClientsGoldenValues).
     known = {
         (0, ""): 0x8932c885a3fe960e,
         (0, "Dropout_0"): 0x4c3291c547f85d1d,
@@ -560,7 +560,9 @@ def test_node_seed_matches_kernels_rng_h():
         (42, "DotProductAttention_0"): 0x188db220d65b62e9,
         (42, "TEUnfusedMLP_0/DenseGeneral_0"): 0x9c21957203262f62,
         (2**64 - 1, "foobar"): 0x2fb3c296aca49c6d,
+        (7, "step/3"): 0x213ae32250bc5b2b,
+        (1, "mlp/intermediate_dropout"): 0xe04ff5fd1b976eac,
     }
     for (seed, name), want in known.items():
-        assert graph.node_seed(seed, name) == want, (seed, name)
-    assert graph.node_seed(2**64 + 42, "a") == known[(42, "a")]   # seeds are uint64
+        assert graph.derive_seed(seed, name) == want, (seed, name)
+    assert graph.derive_seed(2**64 + 42, "a") == known[(42, "a")]   # seeds are uint64

@@ -17,7 +17,7 @@ from te_client.flax.module import (DenseGeneral, LayerNorm, LayerNormDenseGenera
 from te_client.flax.transformer import (DotProductAttention, MultiHeadAttention,
                                         RelativePositionBiases, TransformerLayer, TransformerLayerType,
                                         extend_logical_axis_rules)
-# The helpers te_client.flax held before it became a package (te_client.linen uses them).
+# Private helpers that te_client.linen builds its Flax modules with.
 from te_client.flax.module import (_BIAS_TYPES, _LAYERNORM_TYPES, _MASK_TYPES, _QKV_LAYOUTS,  # noqa: F401
                                    _choice, _dense_output_shape, _ints, _no_transpose, _param_dtype, layers_pb2)
 

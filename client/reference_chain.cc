@@ -1,4 +1,4 @@
-#include "client/sequential.h"
+#include "client/reference_chain.h"
 
 #include <algorithm>
 #include <utility>
@@ -10,13 +10,6 @@
 
 namespace te::client {
 namespace {
-
-// Each module gets its own key and dropout seed from its name (kernels/rng.h's
-// NodeSeed), as the graph seeds its nodes and as flax derives a key per
-// submodule (different numbers, same independence).
-uint64_t SeedOf(uint64_t seed, const std::string& name) {
-  return NodeSeed(seed, name.data(), name.size());
-}
 
 absl::Status ExpectOne(const Tensors& tensors, const std::string& where) {
   if (tensors.size() != 1) {
@@ -71,29 +64,29 @@ HostStep SplitLastAxisStep(int parts) {
   };
 }
 
-Sequential& Sequential::Add(std::string name, std::shared_ptr<const Module> module, bool pass_attention_mask) {
+ReferenceChain& ReferenceChain::Add(std::string name, std::shared_ptr<const Module> module, bool pass_attention_mask) {
   stages_.push_back(Stage{Kind::kModule, std::move(name), std::move(module), pass_attention_mask, {}});
   return *this;
 }
 
-Sequential& Sequential::AddHost(std::string name, HostStep step) {
+ReferenceChain& ReferenceChain::AddHost(std::string name, HostStep step) {
   stages_.push_back(Stage{Kind::kHost, std::move(name), nullptr, false, std::move(step)});
   return *this;
 }
 
-Sequential& Sequential::Fork() {
+ReferenceChain& ReferenceChain::Fork() {
   stages_.push_back(Stage{Kind::kFork, "fork", nullptr, false, {}});
   return *this;
 }
 
-Sequential& Sequential::Join() {
+ReferenceChain& ReferenceChain::Join() {
   stages_.push_back(Stage{Kind::kJoin, "join", nullptr, false, {}});
   return *this;
 }
 
-absl::StatusOr<HostTensor> Sequential::Run(Session* session, uint64_t key, const SequentialVariables* vars,
+absl::StatusOr<HostTensor> ReferenceChain::Run(Session* session, uint64_t key, const ReferenceChainVariables* vars,
                                            const HostTensor& x, const ApplyOptions& options,
-                                           SequentialVariables* inited,
+                                           ReferenceChainVariables* inited,
                                            std::vector<std::string>* forward_ids) const {
   Tensors current = {x};
   std::vector<HostTensor> residuals;
@@ -104,14 +97,14 @@ absl::StatusOr<HostTensor> Sequential::Run(Session* session, uint64_t key, const
         if (current.empty()) return absl::InvalidArgumentError(absl::StrCat(stage.name, ": no input"));
         ApplyOptions stage_options;
         stage_options.deterministic = options.deterministic;
-        if (options.dropout_seed.has_value()) stage_options.dropout_seed = SeedOf(*options.dropout_seed, stage.name);
+        if (options.dropout_seed.has_value()) stage_options.dropout_seed = DeriveSeed(*options.dropout_seed, stage.name);
         stage_options.extra_inputs.assign(current.begin() + 1, current.end());
         if (stage.pass_attention_mask) stage_options.attention_mask = options.attention_mask;
         stage_options.keep_outputs = options.keep_outputs;
         stage_options.update_fp8_metas = options.update_fp8_metas;
         const Variables* stage_vars;
         if (vars == nullptr) {
-          absl::StatusOr<Variables> created = stage.module->Init(*session, SeedOf(key, stage.name), current[0]);
+          absl::StatusOr<Variables> created = stage.module->Init(*session, DeriveSeed(key, stage.name), current[0]);
           if (!created.ok()) {
             return absl::Status(created.status().code(),
                                 absl::StrCat(stage.name, " (", stage.module->type_name(), "): ",
@@ -158,31 +151,31 @@ absl::StatusOr<HostTensor> Sequential::Run(Session* session, uint64_t key, const
       }
     }
   }
-  RETURN_IF_ERROR(ExpectOne(current, "Sequential output"));
+  RETURN_IF_ERROR(ExpectOne(current, "ReferenceChain output"));
   return std::move(current[0]);
 }
 
-absl::StatusOr<SequentialVariables> Sequential::Init(Session& session, uint64_t key, const HostTensor& x) const {
-  SequentialVariables vars;
+absl::StatusOr<ReferenceChainVariables> ReferenceChain::Init(Session& session, uint64_t key, const HostTensor& x) const {
+  ReferenceChainVariables vars;
   vars.stages.resize(stages_.size());
   ApplyOptions options;  // deterministic, as flax's init is called in the quickstart's apply
   RETURN_IF_ERROR(Run(&session, key, nullptr, x, options, &vars, nullptr).status());
   return vars;
 }
 
-absl::StatusOr<HostTensor> Sequential::Apply(const SequentialVariables& vars, const HostTensor& x,
+absl::StatusOr<HostTensor> ReferenceChain::Apply(const ReferenceChainVariables& vars, const HostTensor& x,
                                              const ApplyOptions& options) const {
   if (vars.stages.size() != stages_.size()) {
-    return absl::InvalidArgumentError("vars: initialised by another Sequential (stage count differs)");
+    return absl::InvalidArgumentError("vars: initialised by another ReferenceChain (stage count differs)");
   }
   return Run(nullptr, 0, &vars, x, options, nullptr, nullptr);
 }
 
-absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVariables& vars, const HostTensor& x,
+absl::StatusOr<ValueAndGradResult> ReferenceChain::ValueAndGrad(const ReferenceChainVariables& vars, const HostTensor& x,
                                                             const HostTensor& dy, const ApplyOptions& options,
                                                             bool return_grads) const {
   if (vars.stages.size() != stages_.size()) {
-    return absl::InvalidArgumentError("vars: initialised by another Sequential (stage count differs)");
+    return absl::InvalidArgumentError("vars: initialised by another ReferenceChain (stage count differs)");
   }
   std::vector<std::string> forward_ids(stages_.size());
   ASSIGN_OR_RETURN(HostTensor y, Run(nullptr, 0, &vars, x, options, nullptr, &forward_ids));
@@ -221,9 +214,54 @@ absl::StatusOr<ValueAndGradResult> Sequential::ValueAndGrad(const SequentialVari
       }
     }
   }
-  RETURN_IF_ERROR(ExpectOne(grads, "Sequential input gradient"));
+  RETURN_IF_ERROR(ExpectOne(grads, "ReferenceChain input gradient"));
   result.dx = std::move(grads[0]);
   return result;
+}
+
+// ---- the quickstart's sections as chains ----------------------------------------------
+
+namespace {
+
+// The attention block after the qkv projection, as the quickstart's graphs
+// build it (no dropout node: see the header).
+void AddChainAttention(const LayerSize& c, const std::string& out_projection, ReferenceChain* layer) {
+  const int64_t kv = c.hidden / c.heads;
+  layer->AddHost("qkv_reshape", ReshapeTrailing({3 * c.hidden}, {c.heads, 3 * kv}));
+  layer->AddHost("qkv_split", SplitLastAxisStep(3));
+  layer->Add("DotProductAttention_0", std::make_shared<DotProductAttention>(TeAttention(c)));
+  layer->AddHost("heads_merge", ReshapeTrailing({c.heads, kv}, {c.hidden}));
+  layer->Add(out_projection, std::make_shared<DenseGeneral>(TeDense(c.hidden)));
+}
+
+}  // namespace
+
+ReferenceChain UnfusedChain(const LayerSize& c) {
+  ReferenceChain layer;
+  layer.Fork();
+  layer.Add("LayerNorm_0", std::make_shared<LayerNorm>(TeNorm()));
+  layer.Add("DenseGeneral_0", std::make_shared<DenseGeneral>(TeDense(3 * c.hidden)));
+  AddChainAttention(c, "DenseGeneral_1", &layer);
+  layer.Join();
+  layer.Fork();
+  layer.Add("LayerNorm_1", std::make_shared<LayerNorm>(TeNorm()));
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_0", std::make_shared<DenseGeneral>(TeDense(c.ffn)));
+  layer.Add("TEUnfusedMLP_0/activation_0", std::make_shared<Activation>());
+  layer.Add("TEUnfusedMLP_0/DenseGeneral_1", std::make_shared<DenseGeneral>(TeDense(c.hidden)));
+  layer.Join();
+  return layer;
+}
+
+ReferenceChain FusedChain(const LayerSize& c) {
+  ReferenceChain layer;
+  layer.Fork();
+  layer.Add("LayerNormDenseGeneral_0", std::make_shared<LayerNormDenseGeneral>(FusedQkv(c)));
+  AddChainAttention(c, "DenseGeneral_0", &layer);
+  layer.Join();
+  layer.Fork();
+  layer.Add("LayerNormMLP_0", std::make_shared<LayerNormMLP>(FusedMlp(c)));
+  layer.Join();
+  return layer;
 }
 
 }  // namespace te::client
