@@ -3,7 +3,9 @@
 // and a cancelled call or one whose deadline passes (waiting or running) frees
 // what it held. Each test starts its own server with the executor it needs
 // (--executor_threads, --executor_queue).
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -328,21 +330,46 @@ TEST_F(ConcurrencyTest, DeadlineWhileWaitingDropsTheCallAndFreesItsPlace) {
   EXPECT_EQ(after.memory_bytes(), before.memory_bytes());
 }
 
-// A forward slow enough on the CPU backend for a deadline to pass inside it.
+// A forward slow enough on the CPU backend for a deadline to pass inside
+// it, on any machine: the layer's features grow (the forward's time with
+// them, its x unchanged) until one forward takes kSlowForward, so a deadline
+// or a cancel a third of the way in lands while the call runs.
 class RunningCallTest : public ConcurrencyTest {
  protected:
   void SetUp() override {
     StartServer(/*threads=*/2, /*queue=*/8);
     session_ = NewSession();
-    layer_ = InitDense(session_, kBatch, kIn, kOut);
-    // The time one forward takes here, and the baseline after it.
-    te::v1::ForwardRequest plain = ForwardRequest(session_, layer_, kBatch, kIn);
+    int64_t out = kOut;
+    for (;;) {
+      layer_ = InitDense(session_, kBatch, kIn, out);
+      ASSERT_NO_FATAL_FAILURE(forward_time_ = TimeForward());
+      if (forward_time_ >= kSlowForward || out >= kMaxOut) break;
+      const double short_by = absl::FDivDuration(kSlowForward, forward_time_);
+      out = std::min(kMaxOut, out * std::max<int64_t>(2, static_cast<int64_t>(std::ceil(1.5 * short_by))));
+    }
+    ASSERT_GE(forward_time_, kSlowForward)
+        << "DenseGeneral(" << out << ") on [" << kBatch << ", " << kIn << "] runs in " << forward_time_;
+    ASSERT_TRUE(Info(session_, &baseline_).ok());
+  }
+  // One forward of the layer, its y left resident (not sent) and then
+  // deleted, so the session is as it was.
+  absl::Duration TimeForward() {
+    te::v1::ForwardRequest request = ForwardRequest(session_, layer_, kBatch, kIn);
+    request.set_keep_outputs(true);
     const absl::Time start = absl::Now();
     grpc::ClientContext context;
     te::v1::ForwardResponse response;
-    ASSERT_TRUE(stub_->Forward(&context, plain, &response).ok());
-    forward_time_ = absl::Now() - start;
-    ASSERT_TRUE(Info(session_, &baseline_).ok());
+    const grpc::Status status = stub_->Forward(&context, request, &response);
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_TRUE(status.ok()) << Describe(status);
+    te::v1::DeleteTensorRequest drop;
+    *drop.mutable_session() = session_;
+    drop.set_tensor_id(response.y().resident_id());
+    grpc::ClientContext drop_context;
+    te::v1::DeleteTensorResponse dropped;
+    const grpc::Status deleted = stub_->DeleteTensor(&drop_context, drop, &dropped);
+    EXPECT_TRUE(deleted.ok()) << Describe(deleted);
+    return took;
   }
   // Forward keeping everything it can: a saved forward and a resident y.
   te::v1::ForwardRequest Keeping() {
@@ -360,6 +387,8 @@ class RunningCallTest : public ConcurrencyTest {
   }
 
   static constexpr int64_t kBatch = 512, kIn = 2048, kOut = 2048;
+  static constexpr int64_t kMaxOut = 64 * kOut;  // a 512 MiB kernel
+  static constexpr absl::Duration kSlowForward = absl::Milliseconds(150);
   te::v1::SessionRef session_;
   std::string layer_;
   absl::Duration forward_time_;
@@ -367,9 +396,6 @@ class RunningCallTest : public ConcurrencyTest {
 };
 
 TEST_F(RunningCallTest, DeadlinePassingDuringTheCallUndoesIt) {
-  if (forward_time_ < absl::Milliseconds(150)) {
-    GTEST_SKIP() << "a forward takes only " << forward_time_ << " here";
-  }
   grpc::ClientContext context;
   context.set_deadline(In(forward_time_ / 3));
   te::v1::ForwardResponse response;
@@ -379,9 +405,6 @@ TEST_F(RunningCallTest, DeadlinePassingDuringTheCallUndoesIt) {
 }
 
 TEST_F(RunningCallTest, CancelDuringTheCallUndoesIt) {
-  if (forward_time_ < absl::Milliseconds(150)) {
-    GTEST_SKIP() << "a forward takes only " << forward_time_ << " here";
-  }
   grpc::ClientContext context;
   std::thread canceller([&] {
     absl::SleepFor(forward_time_ / 3);

@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart.py")
 
@@ -11,8 +10,6 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_quickstart_runs_every_section(server_address):
     run = subprocess.run([sys.executable, EXAMPLE, "--address=" + server_address, "--warmup_iters=1",
                           "--timing_iters=1"], capture_output=True, text=True, timeout=600)
-    if run.returncode != 0 and "spec.graph" in run.stderr:
-        pytest.skip("te_server does not run te.v1.GraphSpec yet: " + run.stderr.strip().splitlines()[-1])
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout
     assert out.count("Mean time: ") == 6, out
