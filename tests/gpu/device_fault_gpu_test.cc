@@ -74,7 +74,7 @@ int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::strin
   return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -2;
 }
 
-// A session with one DenseGeneral layer and its input, on `device`.
+// A session with one LayerNormDenseGeneral layer and its input, on `device`.
 struct Placed {
   te::v1::SessionRef session;
   std::string device;
@@ -91,7 +91,9 @@ Placed Place(te::v1::TeService::Stub& stub, const std::string& device, uint32_t 
   p.device = created.device();
   te::v1::InitLayerRequest init;
   *init.mutable_session() = p.session;
-  init.mutable_spec()->mutable_dense_general()->add_features(kHidden);
+  // A LayerNorm before the GEMM: a kernel of ours that every forward
+  // launches (a lone DenseGeneral runs cuBLASLt alone, no launch to fault).
+  init.mutable_spec()->mutable_layer_norm_dense_general()->add_features(kHidden);
   init.set_seed(seed);
   init.set_input_dtype(te::v1::FLOAT32);
   init.mutable_input_shape()->Assign(kShape.begin(), kShape.end());
