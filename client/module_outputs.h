@@ -23,7 +23,7 @@ DType PromoteFloat(DType a, DType b);
 
 // `inputs`: x's shape, then the extra inputs' (k, v). INVALID_ARGUMENT when
 // the shapes do not fit the module (the message names the field);
-// UNIMPLEMENTED for a graph or chain inside a graph.
+// UNIMPLEMENTED for a graph inside a graph.
 absl::StatusOr<ModuleOutputs> InferModuleOutputs(const te::v1::LayerSpec& spec, const std::vector<Shape>& inputs,
                                                  DType x_dtype);
 
