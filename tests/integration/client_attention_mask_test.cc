@@ -17,7 +17,7 @@
 #include "client/client.h"
 #include "client/modules.h"
 #include "gtest/gtest.h"
-#include "tests/server_fixture.h"
+#include "tests/integration/client_session_fixture.h"
 
 namespace te::client {
 namespace {
@@ -85,31 +85,8 @@ HostTensor BoolMask(const Shape& shape, const std::function<bool(int64_t)>& mask
   return HostTensor::FromBytes(DType::kBool, shape, bytes).value();
 }
 
-class ClientAttentionMaskTest : public ::testing::Test {
+class ClientAttentionMaskTest : public testing::ClientSessionTest {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server =
-        te::testing::ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) {
-      absl::Status stopped = server_->Stop();
-      EXPECT_TRUE(stopped.ok()) << stopped;
-    }
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(server_->address(), {});
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession({});
-    ASSERT_TRUE(session.ok()) << session.status();
-    session_ = *std::move(session);
-  }
   void Make(int64_t sq, int64_t skv) {
     q_ = HostTensor::RandomNormal({kB, sq, kHeads, kD}, DType::kF32, 1);
     k_ = HostTensor::RandomNormal({kB, skv, kHeads, kD}, DType::kF32, 2);
@@ -133,13 +110,9 @@ class ClientAttentionMaskTest : public ::testing::Test {
     return y.ok() ? y->ToFloats() : std::vector<float>();
   }
 
-  static te::testing::ServerProcess* server_;
-  std::unique_ptr<Client> client_;
-  std::unique_ptr<Session> session_;
   HostTensor q_, k_, v_;
 };
 
-te::testing::ServerProcess* ClientAttentionMaskTest::server_ = nullptr;
 
 // A [B, H, Sq, Skv] mask masks each head by its own plane; [B, 1, 1, Skv]
 // broadcasts over heads and queries.

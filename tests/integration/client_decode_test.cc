@@ -22,7 +22,7 @@
 #include "client/modules.h"
 #include "client/recipe.h"
 #include "gtest/gtest.h"
-#include "tests/server_fixture.h"
+#include "tests/integration/client_session_fixture.h"
 
 namespace te::client {
 namespace {
@@ -111,31 +111,8 @@ int32_t CacheIndex(const Variables& vars, const std::string& name = "cache/cache
   return static_cast<int32_t>(values->at(name).ToFloats()[0]);
 }
 
-class ClientDecodeTest : public ::testing::Test {
+class ClientDecodeTest : public testing::ClientSessionTest {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server =
-        te::testing::ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) {
-      absl::Status stopped = server_->Stop();
-      EXPECT_TRUE(stopped.ok()) << stopped;
-    }
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(server_->address(), {});
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession({});
-    ASSERT_TRUE(session.ok()) << session.status();
-    session_ = *std::move(session);
-  }
 
   // Decodes every position of x in turn from `vars`; checks each y against
   // row t of `full` and returns the last variables.
@@ -154,12 +131,8 @@ class ClientDecodeTest : public ::testing::Test {
     return vars;
   }
 
-  static te::testing::ServerProcess* server_;
-  std::unique_ptr<Client> client_;
-  std::unique_ptr<Session> session_;
 };
 
-te::testing::ServerProcess* ClientDecodeTest::server_ = nullptr;
 
 class ClientDecodeEqualsApplyTest : public ClientDecodeTest,
                                     public ::testing::WithParamInterface<Precision> {

@@ -14,7 +14,7 @@
 #include "client/modules.h"
 #include "client/recipe.h"
 #include "gtest/gtest.h"
-#include "tests/server_fixture.h"
+#include "tests/integration/client_session_fixture.h"
 
 namespace te::client {
 namespace {
@@ -22,30 +22,11 @@ namespace {
 constexpr int64_t kB = 2, kSeq = 5, kKvSeq = 4, kHidden = 16;
 constexpr int64_t kKeys[kB] = {4, 2};  // each batch row's visible keys of `encoded`
 
-class ClientDecoderLayerTest : public ::testing::Test {
+class ClientDecoderLayerTest : public testing::ClientSessionTest {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server =
-        te::testing::ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) {
-      absl::Status stopped = server_->Stop();
-      EXPECT_TRUE(stopped.ok()) << stopped;
-    }
-    delete server_;
-    server_ = nullptr;
-  }
   void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(server_->address(), {});
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession({});
-    ASSERT_TRUE(session.ok()) << session.status();
-    session_ = *std::move(session);
+    testing::ClientSessionTest::SetUp();
+    if (HasFatalFailure()) return;
     layer_.hidden_size = kHidden;
     layer_.mlp_hidden_size = 24;
     layer_.num_attention_heads = 4;
@@ -82,15 +63,11 @@ class ClientDecoderLayerTest : public ::testing::Test {
     return HostTensor::FromFloats({kB, kKvSeq, kHidden}, v).value();
   }
 
-  static te::testing::ServerProcess* server_;
-  std::unique_ptr<Client> client_;
-  std::unique_ptr<Session> session_;
   TransformerLayer layer_;
   Variables vars_;
   HostTensor x_, encoded_;
 };
 
-te::testing::ServerProcess* ClientDecoderLayerTest::server_ = nullptr;
 
 TEST_F(ClientDecoderLayerTest, TheMaskHidesPaddedKeysOfEncoded) {
   absl::StatusOr<HostTensor> y = layer_.Apply(vars_, x_, Options(encoded_));

@@ -14,7 +14,7 @@
 #include "client/graph.h"
 #include "client/modules.h"
 #include "gtest/gtest.h"
-#include "tests/server_fixture.h"
+#include "tests/integration/client_session_fixture.h"
 
 namespace te::client {
 namespace {
@@ -46,40 +46,11 @@ Graph NumpyBlock() {
   return g;
 }
 
-class ClientGraphNumpyTest : public ::testing::Test {
+class ClientGraphNumpyTest : public testing::ClientSessionTest {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server =
-        te::testing::ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) {
-      absl::Status stopped = server_->Stop();
-      EXPECT_TRUE(stopped.ok()) << stopped;
-    }
-    delete server_;
-    server_ = nullptr;
-  }
 
-  void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect(server_->address(), ClientOptions());
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession(SessionOptions());
-    ASSERT_TRUE(session.ok()) << session.status();
-    session_ = *std::move(session);
-  }
-
-  static te::testing::ServerProcess* server_;
-  std::unique_ptr<Client> client_;
-  std::unique_ptr<Session> session_;
 };
 
-te::testing::ServerProcess* ClientGraphNumpyTest::server_ = nullptr;
 
 TEST_F(ClientGraphNumpyTest, InitsAppliesAndDifferentiates) {
   const Graph block = NumpyBlock();
