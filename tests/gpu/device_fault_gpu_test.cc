@@ -42,38 +42,6 @@ std::chrono::system_clock::time_point In(absl::Duration d) {
   return absl::ToChronoTime(absl::Now() + d);
 }
 
-// grpc.health.v1.Health/Check through a generic stub (field 1 of the request
-// is the service; field 1 of the response the status, 1 = SERVING, 2 =
-// NOT_SERVING); -1 when the call fails.
-int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-  std::string request_bytes;
-  if (!service.empty()) {
-    request_bytes.push_back(0x0a);
-    request_bytes.push_back(static_cast<char>(service.size()));
-    request_bytes += service;
-  }
-  grpc::Slice slice(request_bytes);
-  grpc::ByteBuffer request(&slice, 1), response;
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(In(absl::Seconds(10)));
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                 &response, [&](grpc::Status s) {
-                   status = s;
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  response.Dump(&slices);
-  std::string bytes;
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  if (bytes.empty()) return 0;
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -2;
-}
-
 // A session with one LayerNormDenseGeneral layer and its input, on `device`.
 struct Placed {
   te::v1::SessionRef session;

@@ -179,36 +179,6 @@ TEST_F(ServiceTest, GetServerInfo) {
   EXPECT_EQ(info.limits().session_ttl_seconds(), 1800);
 }
 
-// grpc.health.v1.Health/Check through a generic stub: request field 1 is the
-// service name; the response's field 1 is the status (1 = SERVING).
-int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-  std::string request_bytes;
-  if (!service.empty()) {
-    request_bytes.push_back(0x0a);
-    request_bytes.push_back(static_cast<char>(service.size()));
-    request_bytes += service;
-  }
-  grpc::Slice slice(request_bytes);
-  grpc::ByteBuffer request(&slice, 1), response;
-  grpc::GenericStub stub(channel);
-  grpc::ClientContext context;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                 &response, [&](grpc::Status s) {
-                   status = s;
-                   done.Notify();
-                 });
-  done.WaitForNotification();
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  response.Dump(&slices);
-  std::string bytes;
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  if (bytes.empty()) return 0;  // UNKNOWN (the default value is not sent)
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -2;
-}
-
 TEST_F(ServiceTest, HealthIsServing) {
   EXPECT_EQ(HealthStatus(server_->NewChannel(), ""), 1);
   EXPECT_EQ(HealthStatus(server_->NewChannel(), "te.v1.TeService"), 1);

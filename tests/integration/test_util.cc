@@ -1,10 +1,13 @@
 #include "tests/integration/test_util.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
 
@@ -164,6 +167,37 @@ void ServerSuite::TearDown() {
   te::v1::CloseSessionResponse response;
   // A test may have closed it itself.
   stub_->CloseSession(&context, request, &response);
+}
+
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
+  // The request's field 1 is the service name; the response's field 1 the
+  // status, absent when it is UNKNOWN (proto3 sends no default value).
+  std::string request_bytes;
+  if (!service.empty()) {
+    request_bytes.push_back(0x0a);
+    request_bytes.push_back(static_cast<char>(service.size()));
+    request_bytes += service;
+  }
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                 &response, [&](grpc::Status s) {
+                   status = s;
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  response.Dump(&slices);
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  if (bytes.empty()) return 0;
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -2;
 }
 
 }  // namespace te::testing

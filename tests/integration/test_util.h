@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,11 @@ std::map<std::string, te::v1::Tensor> GetAllVariables(te::v1::TeService::Stub& s
 
 // "CODE: message", for failure output.
 std::string Describe(const grpc::Status& status);
+
+// grpc.health.v1.Health/Check for `service` ("" is the whole server) through a
+// generic stub, with a 10 s deadline: the status (1 SERVING, 2 NOT_SERVING,
+// 0 UNKNOWN), -1 when the call fails, -2 for a response it cannot read.
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service);
 
 // A test suite sharing one te_server (CPU, loopback) across its tests; each
 // test gets a stub and a fresh session, closed afterwards.
