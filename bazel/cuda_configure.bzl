@@ -11,7 +11,10 @@ def _cuda_configure_impl(ctx):
 package(default_visibility = ["//visibility:public"])
 cc_library(
     name = "cuda",
-    hdrs = glob(["include/**/*.h", "include/**/*.hpp"]),
+    # Every file under include/, not only *.h: cuda_fp16.h includes <nv/target>
+    # and CCCL's headers have no extension, and a sandboxed compile sees only
+    # the headers declared here.
+    hdrs = glob(["include/**"]),
     includes = ["include"],
     linkopts = [
         "-L%s/lib64",
