@@ -77,12 +77,12 @@ class GenerateCall final : public grpc::ServerWriteReactor<te::v1::GenerateRespo
         absl::StatusOr<SessionManager::Lease> lease =
             core_.sessions->Acquire(session_id_, request_->session().token());
         if (!lease.ok()) return lease.status();
-        const int64_t mark = lease->session().mark();
+        lease->session().BeginCall();
         absl::Status generated = lease->session().Generate(
             *request_, [this](const te::v1::GenerateResponse& step) { return Send(step); }, call);
         // Generation makes nothing the session keeps, but a failed call is
         // undone like every other (QueuedCall::OnSession).
-        if (!generated.ok()) lease->session().ForgetSince(mark);
+        lease->session().EndCall(/*undo=*/!generated.ok());
         return generated;
       });
     }

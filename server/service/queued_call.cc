@@ -38,9 +38,9 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
   Work in_session = [shared, ref, work = std::move(work)](const session::CallContext& context) {
     ASSIGN_OR_RETURN(session::SessionManager::Lease lease,
                      shared->sessions->Acquire(ref.session_id(), ref.token()));
-    const int64_t mark = lease.session().mark();
+    lease.session().BeginCall();
     absl::Status status = NoThrow([&] { return work(lease, context); });
-    if (!status.ok() || context.cancelled()) lease.session().ForgetSince(mark);
+    lease.session().EndCall(/*undo=*/!status.ok() || context.cancelled());
     return status;
   };
   absl::Status queued = call->queued_.SubmitForSession(

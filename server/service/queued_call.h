@@ -9,7 +9,7 @@
 //  2. A session call (OnSession) is authenticated before it queues, queues
 //     behind the session's earlier calls on the session's device (in the
 //     order of SessionRef.sequence when the client numbers them), runs in
-//     the session's turn, and is undone (Session::ForgetSince) when it fails
+//     the session's turn, and is undone (Session::EndCall) when it fails
 //     or its client has gone by the time it ends: a cancelled Forward leaves
 //     no saved forward and no resident output behind.
 #ifndef TE_SERVER_SERVICE_QUEUED_CALL_H_

@@ -131,10 +131,11 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       }
       lease.emplace(*std::move(acquired));
     }
-    const int64_t mark = lease->session().mark();
+    lease->session().BeginCall();
     absl::StatusOr<std::unique_ptr<session::TensorUpload>> upload =
         NoThrow([&] { return lease->session().BeginPut(header_); });
     if (!upload.ok()) {
+      lease->session().EndCall(/*undo=*/true);
       lease.reset();  // the session's turn
       turn.Release();
       FinishEarly(upload.status());
@@ -144,7 +145,6 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     {
       absl::MutexLock lock(&mu_);
       lease_.emplace(*std::move(lease));
-      mark_ = mark;
       upload_ = *std::move(upload);
       turn_ = std::move(turn);
       phase_ = Phase::kStreaming;
@@ -258,7 +258,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     // A failed or abandoned upload frees its tensor here, in the turn.
     upload_.reset();
-    if (!status.ok()) lease_->session().ForgetSince(mark_);
+    lease_->session().EndCall(/*undo=*/!status.ok());
     lease_.reset();
     {
       absl::MutexLock lock(&mu_);
@@ -298,7 +298,6 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   // Used in the session's turn only (OnTurn, then the posted work).
   std::optional<SessionManager::Lease> lease_;
   std::unique_ptr<session::TensorUpload> upload_;
-  int64_t mark_ = 0;
 
   absl::Mutex mu_;
   Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kHeader;

@@ -10,7 +10,6 @@
 #include <utility>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 #include "server/layers/cache.h"
@@ -66,7 +65,60 @@ Session::~Session() {
   regions_.clear();
 }
 
-std::string Session::NewId(const char* kind) { return absl::StrCat(kind, "-", next_id_++); }
+std::string Session::NewId(Created::Kind kind) {
+  const char* prefix = "";
+  switch (kind) {
+    case Created::Kind::kLayer: prefix = "layer"; break;
+    case Created::Kind::kForward: prefix = "forward"; break;
+    case Created::Kind::kTensor: prefix = "tensor"; break;
+    case Created::Kind::kRegion: prefix = "region"; break;
+    case Created::Kind::kVersion:
+    case Created::Kind::kGraph: break;  // numbered by their layer
+  }
+  std::string id = absl::StrCat(prefix, "-", next_id_++);
+  Record({kind, id});
+  return id;
+}
+
+void Session::Record(Created created) {
+  if (call_) call_->push_back(std::move(created));
+}
+
+void Session::BeginCall() { call_.emplace(); }
+
+void Session::EndCall(bool undo) {
+  if (undo && call_) {
+    // Latest first: a version goes before the layer it is of.
+    for (auto it = call_->rbegin(); it != call_->rend(); ++it) Undo(*it);
+  }
+  call_.reset();
+}
+
+void Session::Undo(const Created& created) {
+  auto layer = layers_.find(created.id);
+  switch (created.kind) {
+    case Created::Kind::kLayer:
+      for (auto it = saved_.begin(); it != saved_.end();) {
+        it = it->second->layer_id == created.id ? saved_.erase(it) : std::next(it);
+      }
+      layers_.erase(created.id);
+      return;
+    case Created::Kind::kVersion:
+      if (layer != layers_.end()) layer->second->versions.erase(created.number);
+      return;
+    case Created::Kind::kGraph:
+      if (layer != layers_.end()) {
+        std::vector<LayerGraph>& graphs = layer->second->graphs;
+        if (created.number > 0 && created.number < static_cast<int64_t>(graphs.size())) {
+          graphs.erase(graphs.begin() + created.number, graphs.end());
+        }
+      }
+      return;
+    case Created::Kind::kForward: saved_.erase(created.id); return;
+    case Created::Kind::kTensor: resident_.erase(created.id); return;
+    case Created::Kind::kRegion: regions_.erase(created.id); return;
+  }
+}
 
 ResidentLookup Session::Resident() const {
   return [this](const std::string& id) -> const Tensor* {
@@ -81,31 +133,6 @@ ShmLookup Session::Regions() const {
     auto it = regions_.find(id);
     return it == regions_.end() ? nullptr : it->second.get();
   };
-}
-
-void Session::ForgetSince(int64_t mark) {
-  // Ids are "<kind>-<n>" (NewId); those numbered from `mark` on are the call's.
-  auto created = [mark](const std::string& id) {
-    const size_t dash = id.rfind('-');
-    int64_t n = 0;
-    return dash != std::string::npos && absl::SimpleAtoi(id.substr(dash + 1), &n) && n >= mark;
-  };
-  auto forget = [&](auto& items) {
-    for (auto it = items.begin(); it != items.end();) {
-      it = created(it->first) ? items.erase(it) : std::next(it);
-    }
-  };
-  forget(saved_);
-  forget(layers_);
-  forget(resident_);
-  forget(regions_);
-  // The versions and graphs the call made, in the layers that were there before it.
-  for (auto& [id, layer] : layers_) {
-    for (auto it = layer->versions.begin(); it != layer->versions.end();) {
-      it = it->second.stamp >= mark ? layer->versions.erase(it) : std::next(it);
-    }
-    while (layer->graphs.size() > 1 && layer->graphs.back().stamp >= mark) layer->graphs.pop_back();
-  }
 }
 
 void Session::GetSessionInfo(te::v1::SessionInfo* response) const {
@@ -167,7 +194,7 @@ absl::Status Session::OutputEncoder::Encode(const Tensor& tensor, bool resident,
     ASSIGN_OR_RETURN(kept, session_->ops_->Allocate(tensor.dtype(), tensor.shape()));
     if (kept.nbytes() > 0) RETURN_IF_ERROR(session_->ops_->Copy(tensor, &kept));
   }
-  const std::string id = session_->NewId("tensor");
+  const std::string id = session_->NewId(Created::Kind::kTensor);
   session_->resident_[id] = kept;
   EncodeResident(kept, id, out);
   return absl::OkStatus();
@@ -287,7 +314,7 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
   VariableSet initial;
   RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &initial.vars));
   RETURN_IF_ERROR(layers::InitCache(*ops_, cache, &initial.vars));
-  entry->id = NewId("layer");
+  entry->id = NewId(Created::Kind::kLayer);
   entry->graphs.emplace_back();
   entry->graphs[0].layer = std::move(layer);
   entry->graphs[0].extras = std::move(extras);
@@ -487,7 +514,7 @@ absl::StatusOr<std::unique_ptr<TensorUpload>> Session::BeginPut(
 absl::Status Session::CommitPut(std::unique_ptr<TensorUpload> upload,
                                 te::v1::PutTensorResponse* response) {
   ASSIGN_OR_RETURN(Tensor tensor, upload->Finish());
-  const std::string id = NewId("tensor");
+  const std::string id = NewId(Created::Kind::kTensor);
   response->set_tensor_id(id);
   response->set_bytes(static_cast<int64_t>(tensor.nbytes()));
   resident_[id] = std::move(tensor);
@@ -555,7 +582,7 @@ absl::Status Session::RegisterSharedMemory(const te::v1::RegisterSharedMemoryReq
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ShmRegion> region,
                    ShmRegion::Open(request.name(), request.size()));
-  const std::string id = NewId("region");
+  const std::string id = NewId(Created::Kind::kRegion);
   LogForSession(LogLevel::kInfo, id_,
                 absl::StrCat(id, ": mapped ", request.name(), " (", request.size(), " bytes)"));
   regions_[id] = std::move(region);

@@ -27,13 +27,15 @@
 //     each micro-batch of ForwardBackward, and after a Forward that keeps
 //     nothing for a backward. Benchmark runs on a copy of the FP8 state and
 //     leaves the session's unchanged.
-//  6. Ids the session hands out (layers, forwards, tensors, regions) are
-//     numbered in one sequence, and each version and added graph takes a
-//     number of it too. A call whose client went away before it saw the
-//     answer is undone by ForgetSince(its mark): what it created goes (a
-//     new version included, so the layer's newest is again the one the call
-//     read), so a cancelled call leaves no memory held. What a call freed
-//     (ReleaseVersions, DeleteLayer, DeleteTensor) stays freed.
+//  6. Undo. Between BeginCall and EndCall the session records what the call
+//     creates: layers, versions, graphs, kept forwards, resident tensors,
+//     regions. EndCall(undo) removes exactly those (a new version included,
+//     so the layer's newest is again the one the call read), for a call
+//     that failed or whose client went away before it saw the answer: such
+//     a call leaves no memory held. What a call freed (ReleaseVersions,
+//     DeleteLayer, DeleteTensor, a Backward's kept forward) stays freed.
+//     Ids (layers, forwards, tensors, regions) are "<kind>-<n>", numbered in
+//     one sequence and never reused, an undone call's included.
 //  7. Shared-memory regions (--enable_shm) are the client's memory, mapped;
 //     request tensors in them are copied in, never aliased, so the client may
 //     reuse a region as soon as a call returns. Regions are unmapped on
@@ -96,6 +98,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -240,9 +243,11 @@ class Session {
 
   void GetSessionInfo(te::v1::SessionInfo* response) const;
 
-  // Contract 6: the mark to take before a call, and the undo.
-  int64_t mark() const { return next_id_; }
-  void ForgetSince(int64_t mark);
+  // Contract 6: the record of the call about to run opens, and closes,
+  // undoing what the call created when `undo`. One call at a time
+  // (contract 1); outside a call nothing is recorded.
+  void BeginCall();
+  void EndCall(bool undo);
 
   absl::Status Benchmark(const te::v1::BenchmarkRequest& request, const CallContext& call,
                          te::v1::BenchmarkResponse* response);
@@ -354,7 +359,17 @@ class Session {
   // version read keeps its own.
   absl::StatusOr<layers::Variables> KeptGrads(const layers::Variables& kept,
                                               layers::Variables sums);
-  std::string NewId(const char* kind);
+  // What a call created (contract 6).
+  struct Created {
+    enum class Kind { kLayer, kVersion, kGraph, kForward, kTensor, kRegion };
+    Kind kind;
+    std::string id;      // the id made; for kVersion and kGraph, their layer's
+    int64_t number = 0;  // kVersion: the version's number; kGraph: the graph's index
+  };
+  // A new id of `kind` (not kVersion or kGraph), recorded as created.
+  std::string NewId(Created::Kind kind);
+  void Record(Created created);
+  void Undo(const Created& created);
   ResidentLookup Resident() const;
   ShmLookup Regions() const;  // empty without --enable_shm
 
@@ -369,6 +384,7 @@ class Session {
   const std::optional<te::v1::Recipe> negotiated_;
 
   int64_t next_id_ = 1;
+  std::optional<std::vector<Created>> call_;  // the open call's record (contract 6)
   std::map<std::string, std::unique_ptr<LayerEntry>> layers_;
   std::map<std::string, std::unique_ptr<SavedEntry>> saved_;
   std::map<std::string, Tensor> resident_;

@@ -63,11 +63,9 @@ struct DecodeStep {
 absl::StatusOr<int64_t> CacheRowsHeld(Ops& ops, const layers::Variables& vars,
                                       const std::string& name);
 
-// A retained version, and the session's id number current when it was made
-// (contract 6: ForgetSince(mark) drops the versions made since `mark`).
+// A retained version.
 struct LayerVersion {
   VariableSet set;
-  int64_t stamp = 0;
 };
 
 // One of a layer's graphs: [0] is what InitLayer made (the module, or the
@@ -77,7 +75,6 @@ struct LayerGraph {
   // AddGraph's graph, input shape and dtype (session and layer id cleared):
   // what a checkpoint keeps. Unset for [0].
   te::v1::AddGraphRequest added;
-  int64_t stamp = 0;  // as LayerVersion's
   // The graph's extra inputs as InitLayer or AddGraph declared them (a call's
   // are checked against them); none declared: each has x's dtype.
   std::optional<layers::DeclaredExtras> extras;

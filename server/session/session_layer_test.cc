@@ -470,7 +470,7 @@ TEST_F(FailureAtEveryOpTest, ForwardBackwardOverMicroBatches) {
 
 // A client that goes away part way, at any op, as the service sees it: the
 // call stops at its next check, or, if it got past its last one, is undone
-// (ForgetSince) because nobody took its answer. Either way it moves nothing.
+// (EndCall with undo) because nobody took its answer. Either way it moves nothing.
 TEST_F(SessionLayerTest, ACallCancelledAtAnyOpMovesNothing) {
   const te::v1::SessionRef ref = Open();
   const std::string layer = InitDense(ref);
@@ -484,10 +484,10 @@ TEST_F(SessionLayerTest, ACallCancelledAtAnyOpMovesNothing) {
     call.cancelled = [this, tag, k] { return OpsOf(tag).size() >= k; };
     bool cancelled = false;
     const absl::Status status = Run(ref, tag, [&](Session& s) {
-      const int64_t mark = s.mark();
+      s.BeginCall();
       absl::Status result = Forward(s, layer, 0.5f, true, nullptr, call);
       cancelled = call.cancelled();
-      if (!result.ok() || cancelled) s.ForgetSince(mark);
+      s.EndCall(/*undo=*/!result.ok() || cancelled);
       return result;
     });
     // A later call may issue fewer ops than the first (what it can reuse):

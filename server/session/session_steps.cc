@@ -442,7 +442,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
         encoder.Encode(out.ln_out, request.keep_outputs(), false, response->mutable_ln_out()));
   }
   // Commit (contract 2): nothing above changed the session but resident
-  // outputs, which the service's ForgetSince removes if the call fails.
+  // outputs, which the call's undo removes if it fails (contract 6).
   RETURN_IF_ERROR(call.StillWanted("Forward"));
   if (layer->is_newest(target.version)) kept_weights.Commit();
   VariableSet next = *target.read;
@@ -460,7 +460,7 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     entry->recipe = fp8;
     entry->y_shape = out.y.shape();
     entry->y_dtype = out.y.dtype();
-    const std::string forward_id = NewId("forward");
+    const std::string forward_id = NewId(Created::Kind::kForward);
     saved_[forward_id] = std::move(entry);
     response->set_forward_id(forward_id);
     response->set_version(target.version);

@@ -21,9 +21,8 @@ namespace te::session {
 
 int64_t Session::MakeVersion(LayerEntry& layer, VariableSet set) {
   const int64_t number = ++layer.last_version;
-  LayerVersion& version = layer.versions[number];
-  version.set = std::move(set);
-  version.stamp = next_id_++;
+  layer.versions[number].set = std::move(set);
+  Record({Created::Kind::kVersion, layer.id, number});
   return number;
 }
 
@@ -239,8 +238,8 @@ absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
   entry.added = request;
   entry.added.clear_session();
   entry.added.clear_layer_id();
-  entry.stamp = next_id_++;
   layer->graphs.push_back(std::move(entry));
+  Record({Created::Kind::kGraph, layer->id, static_cast<int64_t>(layer->graphs.size() - 1)});
   response->set_graph(static_cast<int32_t>(layer->graphs.size() - 1));
   LogForSession(LogLevel::kInfo, id_,
                 absl::StrCat(layer->id, ": graph ", layer->graphs.size() - 1, " added for x ",

@@ -477,10 +477,10 @@ TEST_F(VersionsTest, FailedAndCancelledCallsLeaveTheVersionsAsTheyWere) {
   EXPECT_EQ(*Values(layer), before);
   EXPECT_EQ(session_->bytes_in_use(), bytes);
   // A step whose client went away after it succeeded is undone: its version goes.
-  const int64_t mark = session_->mark();
+  session_->BeginCall();
   ASSERT_OK_AND_ASSIGN(done, Run(Step(layer, x, dy, true)));
   EXPECT_EQ(done.version(), 3);
-  session_->ForgetSince(mark);
+  session_->EndCall(/*undo=*/true);
   EXPECT_EQ(Newest(layer), 2);
   EXPECT_EQ(*Values(layer), before);
   EXPECT_EQ(session_->bytes_in_use(), bytes);

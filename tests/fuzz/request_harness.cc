@@ -335,8 +335,8 @@ std::string TensorLine(const te::v1::Tensor& t) {
 }
 
 // The live session's observable state, one fact a line. Every layer the
-// session has (layer-1 .. layer-<next id>, so a layer a failed call left
-// behind shows too), all collections with their values; the resident tensors'
+// session has (layer-1, layer-2, ... until as many as GetSessionInfo counts
+// were found, so a layer a failed call left behind shows too), all collections with their values; the resident tensors'
 // bytes; the counts and bytes of GetSessionInfo; the server's live sessions.
 // Reads only: GetVariables answers inline at the live layers' sizes (a larger
 // answer's resident copies are forgotten at once), and ReadTensor on the CPU
@@ -360,16 +360,26 @@ std::string Digest(const Fixture& fx) {
                                info.layers(), " saved_forwards ", info.saved_forwards(),
                                " resident_tensors ", info.resident_tensors(), " shm_regions ",
                                info.shm_regions()));
-  const int64_t last_id = s.mark();
-  for (int64_t n = 1; n < last_id; ++n) {
+  // Ids are numbered in one sequence, so the layers lie within the first
+  // ids the session made; the bound only keeps a miscount from looping.
+  constexpr int64_t kMaxIds = int64_t{1} << 20;
+  int found = 0;
+  for (int64_t n = 1; found < info.layers() && n < kMaxIds; ++n) {
     te::v1::GetVariablesRequest request;
     request.set_layer_id(absl::StrCat("layer-", n));
     te::v1::GetVariablesResponse response;
-    if (!s.GetVariables(request, &response).ok()) continue;
-    if (s.mark() != last_id) {
+    s.BeginCall();
+    if (!s.GetVariables(request, &response).ok()) {
+      s.EndCall(/*undo=*/true);
+      continue;
+    }
+    ++found;
+    te::v1::SessionInfo after;
+    s.GetSessionInfo(&after);
+    s.EndCall(/*undo=*/true);  // the digest reads; what it made goes
+    if (after.resident_tensors() != info.resident_tensors()) {
       // Too large to answer inline (only a layer a failed call left behind
-      // can be): the digest's own resident copies go again.
-      s.ForgetSince(last_id);
+      // can be): the digest's own resident copies went with the undo.
       lines.push_back(absl::StrCat(request.layer_id(), ": variables past one message"));
       continue;
     }
@@ -380,11 +390,13 @@ std::string Digest(const Fixture& fx) {
           absl::StrCat("  ", v.collection(), "/", v.path(), " ", TensorLine(v.value())));
     }
   }
-  for (int64_t n = 1; n < last_id; ++n) {
+  found = 0;
+  for (int64_t n = 1; found < info.resident_tensors() && n < kMaxIds; ++n) {
     te::v1::GetTensorRequest request;
     request.set_tensor_id(absl::StrCat("tensor-", n));
     auto source = s.ReadTensor(request);
     if (!source.ok()) continue;
+    ++found;
     te::v1::Tensor t;
     t.set_dtype(source->header.dtype());
     *t.mutable_shape() = source->header.shape();
@@ -516,17 +528,17 @@ uint64_t Touch(const char* data, int64_t bytes) {
 
 // A session call as the service makes it (QueuedCall::OnSession):
 // authenticate, take the turn, call with no exception escaping (NoThrow), and
-// undo what a failed call created (ForgetSince), as for one whose client went
+// undo what a failed call created (EndCall), as for one whose client went
 // away (the undo flag).
 template <typename Request, typename Call>
 absl::Status OnSession(const Request& request, const Options& options, Call call) {
   auto lease = G().manager->Acquire(request.session().session_id(), request.session().token());
   if (!lease.ok()) return lease.status();
   session::Session& s = lease->session();
-  const int64_t mark = s.mark();
+  s.BeginCall();
   const session::CallContext context = ContextFor(options);
   absl::Status status = service::NoThrow([&] { return call(s, context); });
-  if (!status.ok() || options.undo) s.ForgetSince(mark);
+  s.EndCall(/*undo=*/!status.ok() || options.undo);
   return status;
 }
 
@@ -563,10 +575,13 @@ absl::Status RunPutTensor(const Fixture& fixture, const Options& options, const 
   auto lease = G().manager->Acquire(header.session().session_id(), header.session().token());
   if (!lease.ok()) return lease.status();
   session::Session& s = lease->session();
-  const int64_t mark = s.mark();
+  s.BeginCall();
   absl::StatusOr<std::unique_ptr<session::TensorUpload>> upload =
       service::NoThrow([&] { return s.BeginPut(header); });
-  if (!upload.ok()) return upload.status();
+  if (!upload.ok()) {
+    s.EndCall(/*undo=*/true);
+    return upload.status();
+  }
   absl::Status status;
   for (size_t i = 1; i < chunks.size() && status.ok(); ++i) {
     if (chunks[i].part_case() != te::v1::PutTensorChunk::kData) {
@@ -585,7 +600,7 @@ absl::Status RunPutTensor(const Fixture& fixture, const Options& options, const 
     status = service::NoThrow([&] { return s.CommitPut(*std::move(upload), &response); });
   }
   upload->reset();
-  if (!status.ok() || options.undo) s.ForgetSince(mark);
+  s.EndCall(/*undo=*/!status.ok() || options.undo);
   return status;
 }
 

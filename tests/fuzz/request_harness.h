@@ -18,7 +18,7 @@
 //                  inputs are given), shared-memory refs without a region id
 //                  (else the live region), InitLayer's input shape and dtype
 //                  (else the live layer's x shape, float32);
-//            bit 2 undo the call afterwards (Session::ForgetSince, as for a
+//            bit 2 undo the call afterwards (Session::EndCall, as for a
 //                  call whose client went away);
 //            bits 3-5 the live layer (LayerKind below);
 //            bits 6-7 the client's patience (Interrupt below).
@@ -34,7 +34,7 @@
 //
 // Calls run as the service runs them (server/service/queued_call.cc and
 // tensor_streams.cc): no exception escapes (NoThrow), a failed call's
-// creations are forgotten (ForgetSince), and the step calls get a
+// creations are undone (Session::EndCall), and the step calls get a
 // CallContext (deadline, cancellation; flags bits 6-7).
 //
 // Work caps (so one input stays fast): ForwardBackward runs at most
