@@ -8,10 +8,11 @@
 //     methods ever run concurrently.
 //  2. A call that fails leaves the session as it was, whatever the code:
 //     every method validates its whole request before it changes anything,
-//     and the step calls (Forward, Backward, ForwardBackward) run on a
-//     working copy of the FP8 state of the version they read, making the new
-//     version (contract 9) and the saved forward only once all their work
-//     has succeeded and the client still waits for the answer
+//     and the calls that run a layer (Forward, Backward, ForwardBackward,
+//     Generate, Benchmark) run it in a StepTransaction (step_transaction.h)
+//     on a working copy of the version they read, making the new version
+//     (contract 9) or the saved forward in its one commit, once all their
+//     work has succeeded and the client still waits for the answer
 //     (CallContext): a call that runs out of memory part way
 //     (RESOURCE_EXHAUSTED), is cancelled or expires moves nothing. Errors
 //     from the layers and ops keep their codes.
@@ -25,8 +26,8 @@
 //     Resident copies of variables are snapshots.
 //  5. FP8 delayed scaling: a step ends (UpdateFp8Metas) after a Backward, after
 //     each micro-batch of ForwardBackward, and after a Forward that keeps
-//     nothing for a backward. Benchmark runs on a copy of the FP8 state and
-//     leaves the session's unchanged.
+//     nothing for a backward. Benchmark runs on a copy of the FP8 state,
+//     with FP8 weight copies of its own, and leaves the session's unchanged.
 //  6. Undo. Between BeginCall and EndCall the session records what the call
 //     creates: layers, versions, graphs, kept forwards, resident tensors,
 //     regions. EndCall(undo) removes exactly those (a new version included,
@@ -275,6 +276,7 @@ class Session {
   struct Target;
   struct CheckedInputs;
   class OutputEncoder;
+  class StepTransaction;  // step_transaction.h
 
   absl::StatusOr<LayerEntry*> FindLayer(const std::string& layer_id);
   // The layer's graph `graph` over its version `version` (0: the newest
@@ -320,18 +322,6 @@ class Session {
   absl::StatusOr<CheckedTensor> CheckDy(const CheckedInputs& inputs, const te::v1::Tensor& dy,
                                         const std::string& field);
   absl::StatusOr<layers::LayerInputs> MaterializeInputs(const CheckedInputs& inputs);
-  // One forward + loss + backward + FP8 update (a micro-batch). The loss is
-  // vdot(y, dy), or with `target` loss_scale * sum((y - target)^2), whose
-  // gradient is then the dy the backward takes.
-  absl::Status Step(const layers::Layer& layer, layers::Variables* vars,
-                    const layers::LayerInputs& inputs, const Tensor& dy,
-                    const layers::ForwardOptions& options, double* value,
-                    layers::LayerGrads* grads, const Tensor* target = nullptr,
-                    double loss_scale = 1.0, Tensor* pending_value = nullptr,
-                    std::vector<Tensor>* aux = nullptr);
-  // (`pending_value`: where given, the value is left there on the device,
-  // unscaled and unread, and *value is not set: ReadStepResult reads it.
-  // `aux`: where given, the graph's outputs after y.)
   // Applies the optimizer step to `next`, the version being made, in place
   // (contract 8), and says what it did: the update is decided and done on
   // the device (optim, contract 3), and its record read back once it is
@@ -346,11 +336,6 @@ class Session {
   // where it has a [1], the number of the step's FP8 scaling updates whose
   // amax was inf or NaN, added to Fp8NonFiniteAmaxes().
   absl::StatusOr<double> ReadStepResult(const Tensor& readback);
-  // The variables a step call runs on (contract 2): the version's, with
-  // the fp8_metas copied when `fp8` is a delayed-scaling recipe (the only
-  // state a step writes); the call makes them part of its new version.
-  absl::StatusOr<layers::Variables> WorkingVariables(const layers::Variables& version,
-                                                     const layers::Fp8Recipe* fp8);
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);

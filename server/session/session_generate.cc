@@ -15,6 +15,7 @@
 #include "server/layers/variables.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_transaction.h"
 
 namespace te::session {
 namespace {
@@ -133,18 +134,18 @@ absl::Status Session::Generate(const te::v1::GenerateRequest& request, const Gen
   }
 
   ASSIGN_OR_RETURN(const Tensor prompt_ids, Materialize(*ops_, prompt));
-  InterruptScope interrupt(*ops_, call, "Generate");
-  // The steps write their amaxes into a copy of the version's fp8_metas,
-  // dropped at the end: generation is inference, and the version read stays
-  // as it was (contract 9).
-  ASSIGN_OR_RETURN(const layers::Variables vars, WorkingVariables(target.read->vars, PtrOf(fp8)));
+  // The steps write their amaxes into the transaction's copy of the
+  // version's fp8_metas, dropped at the end: generation is inference, and
+  // the version read stays as it was (contract 9).
+  ASSIGN_OR_RETURN(std::unique_ptr<StepTransaction> tx,
+                   StepTransaction::Open(*this, StepTransaction::ReadOf(target), fp8, call,
+                                         "Generate"));
   layers::GenerateOptions options;
   options.max_new_tokens = request.max_new_tokens();
   options.sampling = sampling;
   options.stop_tokens.assign(request.stop_tokens().begin(), request.stop_tokens().end());
-  options.fp8 = layer->StepRecipe(fp8);
+  options.fp8 = tx->fp8();
   options.tf32 = tf32;
-  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
 
   // A sequence has stopped once it made a stop token; one that has stopped
   // repeats it, so the test holds at every later step too.
@@ -159,11 +160,12 @@ absl::Status Session::Generate(const te::v1::GenerateRequest& request, const Gen
     }
     return sink ? sink(response) : absl::OkStatus();
   };
-  RETURN_IF_ERROR(layers::Generate(*ops_, model, vars, prompt_ids, options, each_step).status());
+  RETURN_IF_ERROR(
+      layers::Generate(*ops_, model, tx->vars(), prompt_ids, options, each_step).status());
   // Only the FP8 weight copies outlive the call (they follow the newest
-  // version's weights, whatever call made them).
-  if (layer->is_newest(target.version)) kept_weights.Commit();
-  return absl::OkStatus();
+  // version's weights, whatever call made them): nothing changed the
+  // working copy, so no version is made.
+  return tx->Commit().status();
 }
 
 }  // namespace te::session

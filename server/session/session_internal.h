@@ -97,12 +97,6 @@ struct Session::LayerEntry {
   // DelayedScaling) calls this: the kept FP8 copies are stale. An update
   // under DelayedScaling rewrites them instead (ApplyUpdate).
   void ParamsChanged() { fp8_weights.Clear(); }
-  // The step's recipe, with this layer's kept FP8 copies (null: FP8 off).
-  const layers::Fp8Recipe* StepRecipe(std::optional<layers::Fp8Recipe>& fp8) {
-    if (!fp8) return nullptr;
-    fp8->weight_cache = &fp8_weights;
-    return &*fp8;
-  }
   // The InitLayer request less its session ref: a checkpoint re-creates the
   // layer from its spec, input shape and dtype, and autocast.
   te::v1::InitLayerRequest init;

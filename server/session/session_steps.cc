@@ -18,6 +18,7 @@
 #include "server/session/log.h"
 #include "server/session/session.h"
 #include "server/session/session_internal.h"
+#include "server/session/step_transaction.h"
 
 namespace te::session {
 namespace {
@@ -65,25 +66,6 @@ absl::Status CallContext::StillWanted(const std::string& what) const {
         absl::StrCat(what, ": cancelled by the client; the session is as it was"));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<layers::Variables> Session::WorkingVariables(const layers::Variables& version,
-                                                            const layers::Fp8Recipe* fp8) {
-  layers::Variables vars = version;  // tensors shared, not copied
-  if (!layers::HasFp8Metas(fp8)) return vars;
-  // Dozens of tiny tensors (each quantizer's amax history and scale): one
-  // CopyAll, not a copy each, which would idle the GPU between them.
-  std::vector<const Tensor*> from;
-  std::vector<Tensor*> to;
-  for (auto& [name, tensor] : vars) {
-    if (!absl::StartsWith(name, "fp8_metas/")) continue;
-    const Tensor& original = version.at(name);
-    ASSIGN_OR_RETURN(tensor, ops_->Allocate(original.dtype(), original.shape()));
-    from.push_back(&original);
-    to.push_back(&tensor);
-  }
-  RETURN_IF_ERROR(ops_->CopyAll(from, to));
-  return vars;
 }
 
 absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
@@ -235,67 +217,6 @@ absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
   return absl::OkStatus();
 }
 
-absl::Status Session::Step(const layers::Layer& layer, layers::Variables* vars,
-                           const layers::LayerInputs& inputs, const Tensor& given_dy,
-                           const layers::ForwardOptions& options, double* value,
-                           layers::LayerGrads* grads, const Tensor* target,
-                           double loss_scale, Tensor* pending_value, std::vector<Tensor>* aux) {
-  layers::ForwardOptions opts = options;
-  opts.keep_for_backward = true;
-  layers::LayerOutputs out;
-  std::unique_ptr<layers::SavedForward> saved;
-  RETURN_IF_ERROR(layer.Forward(*ops_, vars, inputs, opts, &out, &saved));
-  if (saved == nullptr) {
-    return absl::InternalError(absl::StrCat(layer.type_name(),
-                                            ": forward kept nothing for its backward"));
-  }
-  if (aux != nullptr) *aux = std::move(out.aux);
-  RETURN_IF_ERROR(ops_->CheckInterrupt());
-  // The value stays on the device until the backward is queued: reading it
-  // here would stall the stream between forward and backward. It is read in
-  // one copy with the FP8 update's count of inf / NaN amaxes (ReadStepResult):
-  // readback [1] f32, or [2] under DelayedScaling.
-  const bool fp8_metas = layers::HasFp8Metas(opts.fp8);
-  Tensor readback;
-  Tensor dy = given_dy;
-  if (target != nullptr) {
-    // optax.squared_error: r = y - target in float32; the value is
-    // loss_scale * sum(r^2) and dy = 2 * loss_scale * r, in y's dtype.
-    ASSIGN_OR_RETURN(Tensor residual, ops_->Allocate(DType::kF32, out.y.shape()));
-    RETURN_IF_ERROR(ops_->Axpby(1.0f, out.y, -1.0f, *target, &residual));
-    ASSIGN_OR_RETURN(readback, ops_->Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
-    Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
-    RETURN_IF_ERROR(ops_->Dot(residual, residual, &value_on_device));
-    ASSIGN_OR_RETURN(dy, ops_->Allocate(out.y.dtype(), out.y.shape()));
-    RETURN_IF_ERROR(ops_->Axpby(static_cast<float>(2.0 * loss_scale), residual, 0.0f, residual, &dy));
-  } else if (value != nullptr) {
-    ASSIGN_OR_RETURN(readback, ops_->Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
-    Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
-    RETURN_IF_ERROR(VdotOnDevice(out.y, dy, &value_on_device));
-  }
-  // Nothing reads y again, and the saved forward is this step's own: both
-  // go before the backward reaches its peak (the layer frees its activations
-  // as its backward reads them for the last time).
-  out = layers::LayerOutputs();
-  RETURN_IF_ERROR(layer.BackwardOnce(*ops_, vars, std::move(saved), dy, grads));
-  if (fp8_metas) {
-    Tensor non_finite;
-    if (readback.defined()) {
-      non_finite = readback.Slice0(1, 2);
-      RETURN_IF_ERROR(ops_->Fill(0.0f, &non_finite));
-    }
-    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, vars,
-                                           readback.defined() ? &non_finite : nullptr));
-  }
-  if (pending_value != nullptr) {
-    *pending_value = std::move(readback);
-  } else if (value != nullptr) {
-    ASSIGN_OR_RETURN(const double v, ReadStepResult(readback));
-    *value = v * (target != nullptr ? loss_scale : 1.0);
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
                                   const layers::Variables& grads, VariableSet* next,
                                   te::v1::UpdateInfo* info) {
@@ -384,24 +305,24 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     ASSIGN_OR_RETURN(y_region, CheckShmRef(request.y_shm(), y_bytes, "y_shm", Regions()));
   }
   ASSIGN_OR_RETURN(layers::LayerInputs inputs, MaterializeInputs(checked));
-  InterruptScope interrupt(*ops_, call, "Forward");
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(target.read->vars, PtrOf(fp8)));
-  layers::ForwardOptions opts;
+  ASSIGN_OR_RETURN(std::unique_ptr<StepTransaction> tx,
+                   StepTransaction::Open(*this, StepTransaction::ReadOf(target), fp8, call,
+                                         "Forward"));
+  layers::ForwardOptions& opts = tx->options();
   opts.deterministic = request.deterministic();
   opts.dropout_seed = request.dropout_seed();
-  opts.fp8 = layer->StepRecipe(fp8);
   opts.tf32 = tf32;
-  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   opts.keep_for_backward = request.keep_for_backward();
   if (request.decode()) {
     // Contract 11: the step advances its own copy of each cache index.
-    ASSIGN_OR_RETURN(const DecodeStep step, PrepareDecode(target, &vars));
+    ASSIGN_OR_RETURN(const DecodeStep step, PrepareDecode(target, &tx->vars()));
     opts.decode = true;
     opts.decode_cache_index = step.common_index;
+    tx->Changed();
   }
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
-  RETURN_IF_ERROR(target.layer->Forward(*ops_, &vars, inputs, opts, &out, &saved));
+  RETURN_IF_ERROR(tx->Forward(inputs, &out, &saved));
   if (y_region != nullptr) {
     // Before the forward is kept or its step ends: a region its client shrank
     // then fails the call without leaving a saved forward behind.
@@ -416,9 +337,9 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   // Without a backward to come, a forward is TE's functional apply: its
   // amaxes are dropped with the working copy, unless the request asks for
   // the step to end here.
-  const bool ends_step = !request.keep_for_backward() && request.update_fp8_metas() &&
-                         layers::HasFp8Metas(opts.fp8);
-  if (ends_step) RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *fp8, &vars));
+  if (!request.keep_for_backward() && request.update_fp8_metas()) {
+    RETURN_IF_ERROR(tx->EndStep());
+  }
   if (request.keep_for_backward() && saved == nullptr) {
     return absl::InternalError(absl::StrCat(target.layer->type_name(),
                                             ": forward kept nothing for its backward"));
@@ -441,12 +362,8 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     RETURN_IF_ERROR(
         encoder.Encode(out.ln_out, request.keep_outputs(), false, response->mutable_ln_out()));
   }
-  // Commit (contract 2): nothing above changed the session but resident
-  // outputs, which the call's undo removes if it fails (contract 6).
-  RETURN_IF_ERROR(call.StillWanted("Forward"));
-  if (layer->is_newest(target.version)) kept_weights.Commit();
-  VariableSet next = *target.read;
-  next.vars = std::move(vars);
+  // Nothing above changed the session but resident outputs, which the
+  // call's undo removes if it fails (contract 6).
   if (request.keep_for_backward()) {
     // The step ends at its Backward, which makes the new version from what
     // this forward ran on (its amaxes recorded under DelayedScaling).
@@ -455,19 +372,17 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
     entry->graph = target.graph;
     entry->version = target.version;
     entry->layer = target.layer;
-    entry->base = std::move(next);
     entry->saved = std::move(saved);
     entry->recipe = fp8;
     entry->y_shape = out.y.shape();
     entry->y_dtype = out.y.dtype();
-    const std::string forward_id = NewId(Created::Kind::kForward);
-    saved_[forward_id] = std::move(entry);
+    ASSIGN_OR_RETURN(const std::string forward_id, tx->CommitKept(std::move(entry)));
     response->set_forward_id(forward_id);
     response->set_version(target.version);
     return absl::OkStatus();
   }
-  const bool changed = ends_step || request.decode();
-  response->set_version(changed ? MakeVersion(*layer, std::move(next)) : target.version);
+  ASSIGN_OR_RETURN(const int64_t version, tx->Commit());
+  response->set_version(version);
   return absl::OkStatus();
 }
 
@@ -486,15 +401,15 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
       CheckTensor(request.dy(), "dy", config_.max_tensor_bytes, Resident(), Regions()));
   RETURN_IF_ERROR(CheckLike(dy_checked, saved.y_shape, saved.y_dtype, "dy", "the forward's y"));
   ASSIGN_OR_RETURN(Tensor dy, Materialize(*ops_, dy_checked));
-  InterruptScope interrupt(*ops_, call, "Backward");
   // The forward's working fp8_metas are the step's own, but a failed
-  // Backward must leave the forward as it was (its Backward may be retried).
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(saved.base.vars, PtrOf(saved.recipe)));
+  // Backward must leave the forward as it was (its Backward may be retried):
+  // the transaction works on a copy of them.
+  ASSIGN_OR_RETURN(std::unique_ptr<StepTransaction> tx,
+                   StepTransaction::Open(*this, {layer, saved.layer, saved.version, &saved.base},
+                                         saved.recipe, call, "Backward"));
   layers::LayerGrads grads;
-  RETURN_IF_ERROR(saved.layer->Backward(*ops_, &vars, *saved.saved, dy, &grads));
-  if (layers::HasFp8Metas(PtrOf(saved.recipe))) {
-    RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *saved.recipe, &vars));
-  }
+  RETURN_IF_ERROR(tx->Backward(*saved.saved, dy, &grads));
+  RETURN_IF_ERROR(tx->EndStep());
   OutputEncoder encoder(this);
   RETURN_IF_ERROR(encoder.Encode(grads.dx, request.keep_outputs(), false, response->mutable_dx()));
   for (const Tensor& dextra : grads.dextra) {
@@ -510,18 +425,16 @@ absl::Status Session::Backward(const te::v1::BackwardRequest& request,
       RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
     }
   }
-  VariableSet next = saved.base;
-  next.vars = std::move(vars);
-  const bool changed = request.keep_grads() || layers::HasFp8Metas(PtrOf(saved.recipe));
   if (request.keep_grads()) {
     layers::Variables sums;
     RETURN_IF_ERROR(AccumulateGrads(grads.params, "grads", &sums));
-    ASSIGN_OR_RETURN(next.grads, KeptGrads(next.grads, std::move(sums)));
+    ASSIGN_OR_RETURN(tx->next().grads, KeptGrads(tx->next().grads, std::move(sums)));
+    tx->Changed();
   }
-  // Commit (contract 2).
-  RETURN_IF_ERROR(call.StillWanted("Backward"));
   // Unchanged: the version the forward read (which may have been released since).
-  response->set_version(changed ? MakeVersion(*layer, std::move(next)) : saved.version);
+  ASSIGN_OR_RETURN(const int64_t version, tx->Commit());
+  response->set_version(version);
+  tx.reset();  // it reads the kept forward's variables
   saved_.erase(it);
   return absl::OkStatus();
 }
@@ -592,9 +505,11 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     is_target.push_back(target);
     is_seeded.push_back(seeded);
   }
-  InterruptScope interrupt(*ops_, call, "ForwardBackward");
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(run.read->vars, PtrOf(fp8)));
-  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
+  ASSIGN_OR_RETURN(std::unique_ptr<StepTransaction> tx,
+                   StepTransaction::Open(*this, StepTransaction::ReadOf(run), fp8, call,
+                                         "ForwardBackward"));
+  tx->options().deterministic = request.deterministic();
+  tx->options().tf32 = tf32;
   OutputEncoder encoder(this);
   layers::Variables grad_sum;  // "grads/..."
   // With an update, the micro-batches' values stay on the device until the
@@ -613,20 +528,16 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     } else {
       ASSIGN_OR_RETURN(dy, Materialize(*ops_, dys[i]));
     }
-    layers::ForwardOptions opts;
-    opts.deterministic = request.deterministic();
-    opts.dropout_seed = request.micro_batches(static_cast<int>(i)).dropout_seed();
-    opts.fp8 = layer->StepRecipe(fp8);
-    opts.tf32 = tf32;
+    tx->options().dropout_seed = request.micro_batches(static_cast<int>(i)).dropout_seed();
     double value = 0.0;
     layers::LayerGrads grads;
     const Tensor* target = is_target[i] ? &dy : nullptr;
     const double loss_scale = target_elements > 0 ? 1.0 / static_cast<double>(target_elements) : 1.0;
     Tensor pending;
     std::vector<Tensor> aux;
-    if (absl::Status step = Step(*run.layer, &vars, in, target ? Tensor() : dy, opts, &value,
-                                 &grads, target, loss_scale,
-                                 request.apply_update() ? &pending : nullptr, &aux);
+    if (absl::Status step = tx->Step(in, target ? Tensor() : dy, &value, &grads, target,
+                                     loss_scale, request.apply_update() ? &pending : nullptr,
+                                     &aux);
         !step.ok()) {
       // A bad input shows only once the layer runs: name its micro-batch.
       return absl::IsInvalidArgument(step) ? AboutField(step, absl::StrCat("micro_batches[", i, "]"))
@@ -660,9 +571,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
       RETURN_IF_ERROR(encoder.Encode(grad, false, false, out->mutable_value()));
     }
   }
-  VariableSet next = *run.read;
-  next.vars = std::move(vars);
-  bool changed = layers::HasFp8Metas(PtrOf(fp8));
+  VariableSet& next = tx->next();
   if (request.apply_update()) {
     // The update takes the gradients kept by earlier calls too: added into
     // this call's sums, which are the call's own tensors, and the new
@@ -671,21 +580,19 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     next.grads.clear();
     RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
     // The update last (contract 8): it writes only the new version's tensors.
-    RETURN_IF_ERROR(ApplyUpdate(*layer, PtrOf(fp8), grad_sum, &next, response->mutable_update()));
+    RETURN_IF_ERROR(ApplyUpdate(*layer, tx->fp8(), grad_sum, &next, response->mutable_update()));
     // The step is done (ApplyUpdate read its record): these copies wait for nothing.
     for (size_t i = 0; i < pending_values.size(); ++i) {
       ASSIGN_OR_RETURN(const double v, ReadStepResult(pending_values[i].first));
       response->set_values(static_cast<int>(i), v * pending_values[i].second);
     }
-    changed = true;
+    tx->Changed();
   } else if (!request.return_grads() && !request.discard_grads()) {
     ASSIGN_OR_RETURN(next.grads, KeptGrads(run.read->grads, std::move(grad_sum)));
-    changed = true;
+    tx->Changed();
   }
-  // Commit (contract 2).
-  RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
-  if (layer->is_newest(run.version)) kept_weights.Commit();
-  response->set_version(changed ? MakeVersion(*layer, std::move(next)) : run.version);
+  ASSIGN_OR_RETURN(const int64_t version, tx->Commit());
+  response->set_version(version);
   return absl::OkStatus();
 }
 
@@ -695,7 +602,6 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
                                 te::v1::BenchmarkResponse* response) {
   ASSIGN_OR_RETURN(const Target run,
                    Resolve(request.layer_id(), request.graph(), request.version()));
-  LayerEntry* layer = run.entry;
   ASSIGN_OR_RETURN(std::optional<layers::Fp8Recipe> fp8,
                    ResolveAutocast(request.autocast(), "autocast"));
   ASSIGN_OR_RETURN(const bool tf32,
@@ -733,16 +639,16 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
   if (dy_checked) {
     ASSIGN_OR_RETURN(dy, Materialize(*ops_, *dy_checked));
   }
-  InterruptScope interrupt(*ops_, call, "Benchmark");
-  // The benchmark's steps move a copy of the FP8 state, never committed:
-  // the version read stays as it was, and no version is made.
-  ASSIGN_OR_RETURN(layers::Variables vars, WorkingVariables(run.read->vars, PtrOf(fp8)));
-  layers::ForwardOptions opts;
+  // The benchmark's steps move a copy of the FP8 state and FP8 weight
+  // copies of their own, and the transaction is never committed: the
+  // session stays as it was (contract 5).
+  ASSIGN_OR_RETURN(std::unique_ptr<StepTransaction> tx,
+                   StepTransaction::Open(*this, StepTransaction::ReadOf(run), fp8, call,
+                                         "Benchmark", StepTransaction::WeightCopies::kOwn));
+  layers::ForwardOptions& opts = tx->options();
   opts.deterministic = request.deterministic();
   opts.dropout_seed = mb.dropout_seed();
-  opts.fp8 = layer->StepRecipe(fp8);
   opts.tf32 = tf32;
-  layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
 
   // Queued: the timed steps leave their values on the device (Step's
   // pending_value), so nothing waits for the device between them.
@@ -772,18 +678,16 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     if (request.forward_only()) {
       layers::LayerOutputs out;
       std::unique_ptr<layers::SavedForward> unused;
-      RETURN_IF_ERROR(run.layer->Forward(*ops_, &vars, inputs, opts, &out, &unused));
-      if (layers::HasFp8Metas(opts.fp8)) {
-        RETURN_IF_ERROR(layers::UpdateFp8Metas(*ops_, *opts.fp8, &vars));
-      }
+      RETURN_IF_ERROR(tx->Forward(inputs, &out, &unused));
+      RETURN_IF_ERROR(tx->EndStep());
     } else {
       // The same work as a ForwardBackward step, value included, so the
       // client's time per step compares with this one.
       double value = 0.0;
       layers::LayerGrads grads;
       Tensor pending_value;
-      RETURN_IF_ERROR(Step(*run.layer, &vars, inputs, dy, opts, &value, &grads, /*target=*/nullptr,
-                           /*loss_scale=*/1.0, timed_alone ? nullptr : &pending_value));
+      RETURN_IF_ERROR(tx->Step(inputs, dy, &value, &grads, /*target=*/nullptr,
+                               /*loss_scale=*/1.0, timed_alone ? nullptr : &pending_value));
     }
     if (!timed_alone) continue;
     RETURN_IF_ERROR(ops_->Synchronize());
@@ -798,7 +702,6 @@ absl::Status Session::Benchmark(const te::v1::BenchmarkRequest& request, const C
     queued_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                           timed_start).count();
   }
-  if (layer->is_newest(run.version)) kept_weights.Commit();
   response->set_steps(timing);
   response->set_device(device_.name);
   if (timing > 0) {

@@ -1,0 +1,160 @@
+#include "server/session/step_transaction.h"
+
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/layers/blocks.h"
+#include "server/layers/fp8_state.h"
+
+namespace te::session {
+
+Session::StepTransaction::StepTransaction(Session& session, const Read& read,
+                                          std::optional<layers::Fp8Recipe> fp8,
+                                          const CallContext& call, std::string what,
+                                          WeightCopies copies)
+    : session_(session),
+      read_(read),
+      call_(call),
+      what_(std::move(what)),
+      interrupt_(*session.ops_, call, what_),
+      fp8_(std::move(fp8)),
+      kept_copies_(copies == WeightCopies::kOwn ? &own_copies_ : &read.layer->fp8_weights),
+      next_(*read.read) {
+  if (fp8_) {
+    fp8_->weight_cache = copies == WeightCopies::kOwn ? &own_copies_ : &read.layer->fp8_weights;
+    options_.fp8 = &*fp8_;
+  }
+}
+
+Session::StepTransaction::~StepTransaction() = default;
+
+absl::StatusOr<std::unique_ptr<Session::StepTransaction>> Session::StepTransaction::Open(
+    Session& session, const Read& read, std::optional<layers::Fp8Recipe> fp8,
+    const CallContext& call, std::string what, WeightCopies copies) {
+  std::unique_ptr<StepTransaction> tx(
+      new StepTransaction(session, read, std::move(fp8), call, std::move(what), copies));
+  if (!tx->delayed_scaling()) return tx;
+  // Dozens of tiny tensors (each quantizer's amax history and scale): one
+  // CopyAll, not a copy each, which would idle the GPU between them.
+  Ops& ops = *session.ops_;
+  std::vector<const Tensor*> from;
+  std::vector<Tensor*> to;
+  for (auto& [name, tensor] : tx->next_.vars) {
+    if (!absl::StartsWith(name, "fp8_metas/")) continue;
+    const Tensor& original = read.read->vars.at(name);
+    ASSIGN_OR_RETURN(tensor, ops.Allocate(original.dtype(), original.shape()));
+    from.push_back(&original);
+    to.push_back(&tensor);
+  }
+  RETURN_IF_ERROR(ops.CopyAll(from, to));
+  return tx;
+}
+
+absl::Status Session::StepTransaction::Forward(const layers::LayerInputs& inputs,
+                                               layers::LayerOutputs* out,
+                                               std::unique_ptr<layers::SavedForward>* saved) {
+  return read_.graph->Forward(*session_.ops_, &next_.vars, inputs, options_, out, saved);
+}
+
+absl::Status Session::StepTransaction::Backward(const layers::SavedForward& saved,
+                                                const Tensor& dy, layers::LayerGrads* grads) {
+  return read_.graph->Backward(*session_.ops_, &next_.vars, saved, dy, grads);
+}
+
+absl::Status Session::StepTransaction::Step(const layers::LayerInputs& inputs,
+                                            const Tensor& given_dy, double* value,
+                                            layers::LayerGrads* grads, const Tensor* target,
+                                            double loss_scale, Tensor* pending_value,
+                                            std::vector<Tensor>* aux) {
+  Ops& ops = *session_.ops_;
+  const layers::Layer& layer = *read_.graph;
+  layers::ForwardOptions opts = options_;
+  opts.keep_for_backward = true;
+  layers::LayerOutputs out;
+  std::unique_ptr<layers::SavedForward> saved;
+  RETURN_IF_ERROR(layer.Forward(ops, &next_.vars, inputs, opts, &out, &saved));
+  if (saved == nullptr) {
+    return absl::InternalError(absl::StrCat(layer.type_name(),
+                                            ": forward kept nothing for its backward"));
+  }
+  if (aux != nullptr) *aux = std::move(out.aux);
+  RETURN_IF_ERROR(ops.CheckInterrupt());
+  // The value stays on the device until the backward is queued: reading it
+  // here would stall the stream between forward and backward. It is read in
+  // one copy with the FP8 update's count of inf / NaN amaxes (ReadStepResult):
+  // readback [1] f32, or [2] under DelayedScaling.
+  const bool fp8_metas = delayed_scaling();
+  Tensor readback;
+  Tensor dy = given_dy;
+  if (target != nullptr) {
+    // optax.squared_error: r = y - target in float32; the value is
+    // loss_scale * sum(r^2) and dy = 2 * loss_scale * r, in y's dtype.
+    ASSIGN_OR_RETURN(Tensor residual, ops.Allocate(DType::kF32, out.y.shape()));
+    RETURN_IF_ERROR(ops.Axpby(1.0f, out.y, -1.0f, *target, &residual));
+    ASSIGN_OR_RETURN(readback, ops.Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
+    Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
+    RETURN_IF_ERROR(ops.Dot(residual, residual, &value_on_device));
+    ASSIGN_OR_RETURN(dy, ops.Allocate(out.y.dtype(), out.y.shape()));
+    RETURN_IF_ERROR(ops.Axpby(static_cast<float>(2.0 * loss_scale), residual, 0.0f, residual, &dy));
+  } else if (value != nullptr) {
+    ASSIGN_OR_RETURN(readback, ops.Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
+    Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
+    RETURN_IF_ERROR(session_.VdotOnDevice(out.y, dy, &value_on_device));
+  }
+  // Nothing reads y again, and the saved forward is this step's own: both
+  // go before the backward reaches its peak (the layer frees its activations
+  // as its backward reads them for the last time).
+  out = layers::LayerOutputs();
+  RETURN_IF_ERROR(layer.BackwardOnce(ops, &next_.vars, std::move(saved), dy, grads));
+  Tensor non_finite;
+  if (fp8_metas && readback.defined()) {
+    non_finite = readback.Slice0(1, 2);
+    RETURN_IF_ERROR(ops.Fill(0.0f, &non_finite));
+  }
+  RETURN_IF_ERROR(EndStep(non_finite.defined() ? &non_finite : nullptr));
+  if (pending_value != nullptr) {
+    *pending_value = std::move(readback);
+  } else if (value != nullptr) {
+    ASSIGN_OR_RETURN(const double v, session_.ReadStepResult(readback));
+    *value = v * (target != nullptr ? loss_scale : 1.0);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::StepTransaction::EndStep(Tensor* non_finite) {
+  if (!delayed_scaling()) return absl::OkStatus();
+  RETURN_IF_ERROR(layers::UpdateFp8Metas(*session_.ops_, *options_.fp8, &next_.vars, non_finite));
+  changed_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status Session::StepTransaction::Seal() {
+  if (committed_) {
+    return absl::InternalError(absl::StrCat(what_, ": the step was committed twice"));
+  }
+  RETURN_IF_ERROR(call_.StillWanted(what_));
+  // Only the newest version's weights train on: the copies of an older
+  // one's would hold memory for weights no later call reads.
+  if (read_.layer->is_newest(read_.version)) kept_copies_.Commit();
+  committed_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Session::StepTransaction::Commit() {
+  RETURN_IF_ERROR(Seal());
+  if (!changed_) return read_.version;
+  return session_.MakeVersion(*read_.layer, std::move(next_));
+}
+
+absl::StatusOr<std::string> Session::StepTransaction::CommitKept(
+    std::unique_ptr<SavedEntry> saved) {
+  RETURN_IF_ERROR(Seal());
+  saved->base = std::move(next_);
+  const std::string id = session_.NewId(Created::Kind::kForward);
+  session_.saved_[id] = std::move(saved);
+  return id;
+}
+
+}  // namespace te::session
