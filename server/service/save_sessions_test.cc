@@ -85,6 +85,10 @@ class SaveAllSessionsTest : public ::testing::Test {
     return std::filesystem::exists(absl::StrCat(state_dir_, "/", id, "/session.pb"));
   }
 
+  // Before the pool: a held call's worker may still be inside
+  // release_.WaitForNotification() when a test returns, so they must outlive
+  // the pool's workers, which its destruction joins.
+  absl::Notification started_, release_;
   session::SessionConfig config_;
   std::unique_ptr<DevicePool> pool_;
   std::unique_ptr<session::SessionManager> sessions_;
@@ -95,8 +99,7 @@ class SaveAllSessionsTest : public ::testing::Test {
 };
 
 TEST_F(SaveAllSessionsTest, ARunningCallEndsBeforeItsSessionIsSaved) {
-  absl::Notification started, release;
-  HoldTurn(ids_[0], &started, &release);
+  HoldTurn(ids_[0], &started_, &release_);
   absl::Notification saved_all;
   int saved = 0;
   std::thread saver([&] {
@@ -106,7 +109,7 @@ TEST_F(SaveAllSessionsTest, ARunningCallEndsBeforeItsSessionIsSaved) {
   absl::SleepFor(absl::Milliseconds(100));
   EXPECT_FALSE(saved_all.HasBeenNotified());
   EXPECT_FALSE(Saved(ids_[0]));  // not while its call runs
-  release.Notify();
+  release_.Notify();
   saver.join();
   EXPECT_EQ(saved, 2);
   EXPECT_TRUE(Saved(ids_[0]));
@@ -114,14 +117,13 @@ TEST_F(SaveAllSessionsTest, ARunningCallEndsBeforeItsSessionIsSaved) {
 }
 
 TEST_F(SaveAllSessionsTest, ASessionWhoseTurnDoesNotComeByTheDeadlineIsNotSaved) {
-  absl::Notification started, release;
-  HoldTurn(ids_[0], &started, &release);
+  HoldTurn(ids_[0], &started_, &release_);
   const absl::Time start = absl::Now();
   EXPECT_EQ(service_->SaveAllSessions(start + absl::Milliseconds(200)), 1);
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
   EXPECT_FALSE(Saved(ids_[0]));
   EXPECT_TRUE(Saved(ids_[1]));
-  release.Notify();
+  release_.Notify();
 }
 
 TEST(SaveAllSessionsWithoutStateDirTest, SavesNothing) {
