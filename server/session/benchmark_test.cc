@@ -1,0 +1,203 @@
+// Session::Benchmark leaves the session as it was (session.h, contract 5):
+// the version it read, bit for bit (its fp8_metas included), no new version,
+// and the session's memory, which holds the layer's kept FP8 weight copies,
+// unchanged, both on a layer's first step and after a step kept copies; and
+// it stops at the call's deadline or cancellation (CallContext::StillWanted).
+// On the CPU backend under FP8 DelayedScaling.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kernels/ops.h"
+#include "kernels/rng.h"
+#include "server/session/session.h"
+#include "te/v1/service.pb.h"
+
+namespace te::session {
+namespace {
+
+constexpr int64_t kBatch = 2, kSeq = 5, kHidden = 32, kFfn = 64;
+
+te::v1::Recipe Delayed() {
+  te::v1::Recipe recipe;
+  te::v1::DelayedScaling* d = recipe.mutable_delayed_scaling();
+  d->set_fp8_format(te::v1::HYBRID);
+  d->set_amax_history_len(4);
+  d->set_amax_compute_algo("max");
+  return recipe;
+}
+
+te::v1::Tensor RandomF32(const std::vector<int64_t>& shape, uint64_t seed, float scale) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    v[static_cast<size_t>(i)] = scale * (static_cast<float>(r >> 40) / (1 << 23) - 1.0f);
+  }
+  te::v1::Tensor t;
+  t.set_dtype(te::v1::FLOAT32);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_inline_data(v.data(), v.size() * sizeof(float));
+  return t;
+}
+
+class BenchmarkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    device_ = *OpenCpuDevice();
+    session_ = std::make_unique<Session>("benchmark", device_->info(),
+                                         *device_->NewOps(int64_t{1} << 30), SessionConfig(),
+                                         te::v1::EMULATE, Delayed());
+    te::v1::InitLayerRequest init;
+    te::v1::LayerNormMLP* mlp = init.mutable_spec()->mutable_layer_norm_mlp();
+    mlp->set_intermediate_dim(kFfn);
+    mlp->add_activations("gelu");
+    mlp->set_intermediate_dropout_rate(0.0f);
+    init.set_seed(5);
+    init.set_input_dtype(te::v1::FLOAT32);
+    for (int64_t d : {kBatch, kSeq, kHidden}) init.add_input_shape(d);
+    init.mutable_autocast()->set_enabled(true);
+    te::v1::InitLayerResponse layer;
+    const absl::Status initialised = session_->InitLayer(init, &layer);
+    ASSERT_TRUE(initialised.ok()) << initialised;
+    layer_id_ = layer.layer_id();
+  }
+
+  te::v1::MicroBatch Inputs(uint64_t seed) {
+    te::v1::MicroBatch mb;
+    *mb.mutable_x() = RandomF32({kBatch, kSeq, kHidden}, seed, 1.0f);
+    *mb.mutable_dy() = RandomF32({kBatch, kSeq, kHidden}, seed + 1, 0.1f);
+    return mb;
+  }
+
+  absl::Status Benchmark(bool forward_only, const CallContext& call = CallContext()) {
+    te::v1::BenchmarkRequest request;
+    request.set_layer_id(layer_id_);
+    request.set_warmup_iters(2);
+    request.set_timing_iters(3);
+    request.set_forward_only(forward_only);
+    request.mutable_autocast()->set_enabled(true);
+    *request.mutable_inputs() = Inputs(7);
+    te::v1::BenchmarkResponse response;
+    return session_->Benchmark(request, call, &response);
+  }
+
+  // A ForwardBackward that keeps its gradients: a new version, and the
+  // layer's FP8 weight copies kept for the next step.
+  void Step() {
+    te::v1::ForwardBackwardRequest request;
+    request.set_layer_id(layer_id_);
+    request.mutable_autocast()->set_enabled(true);
+    *request.add_micro_batches() = Inputs(11);
+    te::v1::ForwardBackwardResponse response;
+    const absl::Status ran = session_->ForwardBackward(request, &response);
+    ASSERT_TRUE(ran.ok()) << ran;
+  }
+
+  // What Benchmark must not move: the newest version's number and every
+  // variable's bytes, the session's memory and its counts.
+  struct State {
+    int64_t version = 0;
+    std::map<std::string, std::string> variables;
+    int64_t memory_bytes = 0;
+    std::string info;
+    bool operator==(const State& o) const {
+      return version == o.version && variables == o.variables &&
+             memory_bytes == o.memory_bytes && info == o.info;
+    }
+  };
+  State Take() {
+    State state;
+    te::v1::GetVariablesRequest request;
+    request.set_layer_id(layer_id_);
+    te::v1::GetVariablesResponse response;
+    const absl::Status got = session_->GetVariables(request, &response);
+    EXPECT_TRUE(got.ok()) << got;
+    state.version = response.version();
+    for (const te::v1::Variable& v : response.variables()) {
+      EXPECT_TRUE(v.value().resident_id().empty()) << "a variable came back resident";
+      state.variables[v.collection() + "/" + v.path()] = v.value().inline_data();
+    }
+    te::v1::SessionInfo info;
+    session_->GetSessionInfo(&info);
+    state.memory_bytes = info.memory_bytes();
+    state.info = absl::StrCat(info.layers(), " layers, ", info.saved_forwards(), " forwards, ",
+                              info.resident_tensors(), " tensors");
+    return state;
+  }
+
+  void ExpectUnchangedBy(bool forward_only) {
+    const State before = Take();
+    int fp8_metas = 0;
+    for (const auto& [name, bytes] : before.variables) fp8_metas += name.rfind("fp8_metas/", 0) == 0;
+    ASSERT_GT(fp8_metas, 0) << "the layer has no FP8 state to keep";
+    const absl::Status ran = Benchmark(forward_only);
+    ASSERT_TRUE(ran.ok()) << ran;
+    const State after = Take();
+    EXPECT_EQ(after.version, before.version);
+    EXPECT_EQ(after.memory_bytes, before.memory_bytes)
+        << "the benchmark left memory held: its FP8 weight copies kept as the layer's?";
+    EXPECT_EQ(after.info, before.info);
+    for (const auto& [name, bytes] : before.variables) {
+      EXPECT_EQ(after.variables.at(name), bytes) << name << " moved";
+    }
+    EXPECT_TRUE(after == before);
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Session> session_;
+  std::string layer_id_;
+};
+
+TEST_F(BenchmarkTest, TheLayersFirstStepLeavesTheSessionAsItWas) {
+  ExpectUnchangedBy(/*forward_only=*/false);
+  ExpectUnchangedBy(/*forward_only=*/true);
+}
+
+TEST_F(BenchmarkTest, AfterAStepKeptWeightCopiesLeavesTheSessionAsItWas) {
+  Step();
+  ExpectUnchangedBy(/*forward_only=*/false);
+  ExpectUnchangedBy(/*forward_only=*/true);
+}
+
+// The FP8 state moves during the benchmark (its copy of it): the session's
+// does not. A step after the benchmark gives what it gives without one.
+TEST_F(BenchmarkTest, AStepAfterABenchmarkIsTheStepWithout) {
+  Step();
+  const State without = [&] {
+    // The same session's next step, read and then undone.
+    session_->BeginCall();
+    Step();
+    State state = Take();
+    session_->EndCall(/*undo=*/true);
+    return state;
+  }();
+  ASSERT_TRUE(Benchmark(false).ok());
+  Step();
+  const State with = Take();
+  EXPECT_EQ(with.variables, without.variables);
+}
+
+TEST_F(BenchmarkTest, StopsAtTheDeadlineOrACancel) {
+  const State before = Take();
+  CallContext late;
+  late.deadline = absl::Now() - absl::Milliseconds(1);
+  absl::Status status = Benchmark(false, late);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_NE(status.message().find("Benchmark"), std::string::npos) << status;
+  CallContext cancelled;
+  int checks = 0;
+  cancelled.cancelled = [&checks] { return ++checks > 3; };
+  status = Benchmark(false, cancelled);
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  EXPECT_TRUE(Take() == before);
+}
+
+}  // namespace
+}  // namespace te::session
