@@ -173,7 +173,7 @@ sigset_t BlockStopSignals() {
 
 // The devices of --device, each with its executor, logged one line each.
 absl::StatusOr<std::unique_ptr<service::DevicePool>> OpenDevices() {
-  session::ExecutorOptions executor;
+  service::ExecutorOptions executor;
   executor.threads = absl::GetFlag(FLAGS_executor_threads);
   executor.max_queued = absl::GetFlag(FLAGS_executor_queue);
   executor.sequence_gap = absl::Seconds(absl::GetFlag(FLAGS_sequence_gap_seconds));

@@ -112,7 +112,7 @@ int LeastLoaded(const std::vector<DeviceLoad>& loads) {
 }
 
 absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Open(
-    const std::string& flag, const session::ExecutorOptions& executor,
+    const std::string& flag, const ExecutorOptions& executor,
     const DeviceOpenOptions& open) {
   std::vector<std::unique_ptr<Device>> devices;
   if (flag == "auto" || flag == "all") {
@@ -161,14 +161,14 @@ absl::StatusOr<std::unique_ptr<DevicePool>> DevicePool::Open(
 }
 
 DevicePool::DevicePool(std::vector<std::unique_ptr<Device>> devices,
-                       const session::ExecutorOptions& executor) {
+                       const ExecutorOptions& executor) {
   for (std::unique_ptr<Device>& device : devices) {
     Slot slot;
     slot.name = device->info().name;
-    session::ExecutorOptions options = executor;
+    ExecutorOptions options = executor;
     options.name = slot.name;
     slot.device = std::move(device);
-    slot.executor = std::make_unique<session::DeviceExecutor>(options);
+    slot.executor = std::make_unique<DeviceExecutor>(options);
     slots_.push_back(std::move(slot));
   }
 }

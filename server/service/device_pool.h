@@ -31,7 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/ops.h"
-#include "server/session/executor.h"
+#include "server/service/executor.h"
 
 namespace te::service {
 
@@ -76,15 +76,15 @@ class DevicePool {
   // Opens the devices `flag` names (contract 1) with an executor each.
   // INVALID_ARGUMENT when a fault names a device the pool does not open.
   static absl::StatusOr<std::unique_ptr<DevicePool>> Open(const std::string& flag,
-                                                          const session::ExecutorOptions& executor,
+                                                          const ExecutorOptions& executor,
                                                           const DeviceOpenOptions& open = {});
   // A pool over devices already open (tests).
   DevicePool(std::vector<std::unique_ptr<Device>> devices,
-             const session::ExecutorOptions& executor);
+             const ExecutorOptions& executor);
 
   int size() const { return static_cast<int>(slots_.size()); }
   Device& device(int index) const { return *slots_[index].device; }
-  session::DeviceExecutor& executor(int index) const { return *slots_[index].executor; }
+  DeviceExecutor& executor(int index) const { return *slots_[index].executor; }
   const std::string& name(int index) const { return slots_[index].name; }
   // The index of the device called `name`, or -1.
   int Find(const std::string& name) const;
@@ -103,7 +103,7 @@ class DevicePool {
   struct Slot {
     std::unique_ptr<Device> device;
     std::string name;
-    std::unique_ptr<session::DeviceExecutor> executor;
+    std::unique_ptr<DeviceExecutor> executor;
   };
   std::vector<Slot> slots_;
 };

@@ -7,16 +7,15 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "server/service/executor.h"
 #include "server/service/queued_turn.h"
-#include "server/service/status.h"
-#include "server/session/executor.h"
+#include "server/service/service_core.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
 
 namespace te::service {
 namespace {
 
-using session::DeviceExecutor;
 using session::SessionManager;
 
 class GenerateCall final : public grpc::ServerWriteReactor<te::v1::GenerateResponse> {
@@ -66,26 +65,12 @@ class GenerateCall final : public grpc::ServerWriteReactor<te::v1::GenerateRespo
  private:
   // On the executor, in the session's turn (contract 1).
   void OnTurn(DeviceExecutor::Turn turn) {
-    absl::Status status;
-    if (Cancelled()) {
-      status = CancelReason(queued_.deadline());
-    } else {
-      session::CallContext call;
-      call.deadline = queued_.deadline();
-      call.cancelled = [this] { return Cancelled(); };
-      status = NoThrow([&]() -> absl::Status {
-        absl::StatusOr<SessionManager::Lease> lease =
-            core_.sessions->Acquire(session_id_, request_->session().token());
-        if (!lease.ok()) return lease.status();
-        lease->session().BeginCall();
-        absl::Status generated = lease->session().Generate(
-            *request_, [this](const te::v1::GenerateResponse& step) { return Send(step); }, call);
-        // Generation makes nothing the session keeps, but a failed call is
-        // undone like every other (QueuedCall::OnSession).
-        lease->session().EndCall(/*undo=*/!generated.ok());
-        return generated;
-      });
-    }
+    const absl::Status status = RunInSessionTurn(
+        core_, "Generate", session_id_, &request_->session().token(), queued_.Context(context_),
+        [this](SessionManager::Lease& lease, const session::CallContext& call) {
+          return lease.session().Generate(
+              *request_, [this](const te::v1::GenerateResponse& step) { return Send(step); }, call);
+        });
     turn.Release();  // the session's next call may start while the last steps go out
     {
       absl::MutexLock lock(&mu_);
@@ -128,8 +113,6 @@ class GenerateCall final : public grpc::ServerWriteReactor<te::v1::GenerateRespo
     }
     End(status);
   }
-
-  bool Cancelled() const { return queued_.cancelled() || context_->IsCancelled(); }
 
   void End(const absl::Status& status) {
     Finish(core_.Finished("Generate", session_id_, status, start_));

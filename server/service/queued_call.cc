@@ -35,13 +35,8 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
                                                 SessionWork work) {
   auto* call = new QueuedCall(core, context, rpc, ref.session_id());
   const ServiceCore* shared = &core;
-  Work in_session = [shared, ref, work = std::move(work)](const session::CallContext& context) {
-    ASSIGN_OR_RETURN(session::SessionManager::Lease lease,
-                     shared->sessions->Acquire(ref.session_id(), ref.token()));
-    lease.session().BeginCall();
-    absl::Status status = NoThrow([&] { return work(lease, context); });
-    lease.session().EndCall(/*undo=*/!status.ok() || context.cancelled());
-    return status;
+  Work in_session = [shared, rpc, ref, work = std::move(work)](const session::CallContext& call) {
+    return RunInSessionTurn(*shared, rpc, ref.session_id(), &ref.token(), call, work);
   };
   absl::Status queued = call->queued_.SubmitForSession(
       core, ref, call->RunFor(std::move(in_session)), call->DropFor());
@@ -59,7 +54,7 @@ grpc::ServerUnaryReactor* QueuedCall::Immediate(const ServiceCore& core,
 }
 
 QueuedTurn::Run QueuedCall::RunFor(Work work) {
-  return [this, work = std::move(work)](session::DeviceExecutor::Turn turn) {
+  return [this, work = std::move(work)](DeviceExecutor::Turn turn) {
     Run(std::move(turn), work);
   };
 }
@@ -68,21 +63,13 @@ QueuedTurn::Drop QueuedCall::DropFor() {
   return [this](absl::Status reason) { End(reason); };
 }
 
-void QueuedCall::Run(session::DeviceExecutor::Turn turn, const Work& work) {
-  absl::Status status;
-  if (Cancelled()) {
-    status = CancelReason(queued_.deadline());
-  } else {
-    session::CallContext call;
-    call.deadline = queued_.deadline();
-    call.cancelled = [this] { return Cancelled(); };
-    status = NoThrow([&] { return work(call); });
-  }
+void QueuedCall::Run(DeviceExecutor::Turn turn, const Work& work) {
+  const session::CallContext call = queued_.Context(context_);
+  absl::Status status = call.StillWanted(rpc_);
+  if (status.ok()) status = NoThrow([&] { return work(call); });
   turn.Release();  // the session's next call may start while this one answers
   End(status);
 }
-
-bool QueuedCall::Cancelled() const { return queued_.cancelled() || context_->IsCancelled(); }
 
 // Drops the work if it still waits (which finishes the call); a running call
 // sees the cancel and is undone when it ends.

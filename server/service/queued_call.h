@@ -9,7 +9,7 @@
 //  2. A session call (OnSession) is authenticated before it queues, queues
 //     behind the session's earlier calls on the session's device (in the
 //     order of SessionRef.sequence when the client numbers them), runs in
-//     the session's turn, and is undone (Session::EndCall) when it fails
+//     the session's turn (RunInSessionTurn), and is undone when it fails
 //     or its client has gone by the time it ends: a cancelled Forward leaves
 //     no saved forward and no resident output behind.
 #ifndef TE_SERVER_SERVICE_QUEUED_CALL_H_
@@ -22,9 +22,9 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/service/executor.h"
 #include "server/service/queued_turn.h"
 #include "server/service/service_core.h"
-#include "server/session/executor.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
 #include "te/v1/service.pb.h"
@@ -34,8 +34,6 @@ namespace te::service {
 class QueuedCall final : public grpc::ServerUnaryReactor {
  public:
   using Work = std::function<absl::Status(const session::CallContext& call)>;
-  using SessionWork = std::function<absl::Status(session::SessionManager::Lease& lease,
-                                                 const session::CallContext& call)>;
 
   // Runs `work` on device `device`'s executor under `key` (contract 1), in
   // the place `order` gives it among the key's numbered calls (null: none;
@@ -64,8 +62,7 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
   // The executor's callbacks for `work` (QueuedTurn's contract 1).
   QueuedTurn::Run RunFor(Work work);
   QueuedTurn::Drop DropFor();
-  void Run(session::DeviceExecutor::Turn turn, const Work& work);
-  bool Cancelled() const;
+  void Run(DeviceExecutor::Turn turn, const Work& work);
   // Finishes the call; `this` may be gone when it returns.
   void End(const absl::Status& status);
 

@@ -14,8 +14,8 @@ absl::Status QueuedTurn::SubmitForSession(const ServiceCore& core, const te::v1:
 
 absl::Status QueuedTurn::Submit(const ServiceCore& core, int device, std::string key,
                                 const te::v1::SessionRef* order, Run run, Drop drop) {
-  session::DeviceExecutor* executor = &core.devices->executor(device);
-  session::DeviceExecutor::Call call;
+  DeviceExecutor* executor = &core.devices->executor(device);
+  DeviceExecutor::Call call;
   call.key = std::move(key);
   if (order != nullptr) SetCallOrder(*order, &call);
   call.deadline = deadline_;
@@ -25,7 +25,7 @@ absl::Status QueuedTurn::Submit(const ServiceCore& core, int device, std::string
     absl::MutexLock lock(&mu_);
     executor_ = executor;
   }
-  ASSIGN_OR_RETURN(session::DeviceExecutor::Handle handle, executor->Submit(std::move(call)));
+  ASSIGN_OR_RETURN(DeviceExecutor::Handle handle, executor->Submit(std::move(call)));
   // The call may already have started, or even ended, on a worker: the
   // reactor that owns this is kept alive by gRPC until the reaction that
   // called Submit returns, so only the cancel race is left to settle.
@@ -40,8 +40,8 @@ absl::Status QueuedTurn::Submit(const ServiceCore& core, int device, std::string
 }
 
 void QueuedTurn::Cancel() {
-  session::DeviceExecutor* executor = nullptr;
-  session::DeviceExecutor::Handle handle;
+  DeviceExecutor* executor = nullptr;
+  DeviceExecutor::Handle handle;
   {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
@@ -52,9 +52,17 @@ void QueuedTurn::Cancel() {
   if (handle != nullptr) executor->Cancel(handle, CancelReason(deadline_));
 }
 
-bool QueuedTurn::cancelled() const {
-  absl::MutexLock lock(&mu_);
-  return cancelled_;
+session::CallContext QueuedTurn::Context(const grpc::CallbackServerContext* context) const {
+  session::CallContext call;
+  call.deadline = deadline_;
+  call.cancelled = [this, context] {
+    {
+      absl::MutexLock lock(&mu_);
+      if (cancelled_) return true;
+    }
+    return context != nullptr && context->IsCancelled();
+  };
+  return call;
 }
 
 }  // namespace te::service

@@ -15,8 +15,12 @@
 //     once the call's handle is known); once the call has started it only
 //     marks it cancelled, for `run` to see.
 //  3. The deadline of the submitted call is the one given at construction.
+//  4. Context is the one answer to "does the client still want this call"
+//     every reactor gives the session (CallContext::StillWanted).
 #ifndef TE_SERVER_SERVICE_QUEUED_TURN_H_
 #define TE_SERVER_SERVICE_QUEUED_TURN_H_
+
+#include <grpcpp/grpcpp.h>
 
 #include <functional>
 #include <string>
@@ -25,15 +29,16 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/service/executor.h"
 #include "server/service/service_core.h"
-#include "server/session/executor.h"
+#include "server/session/session.h"
 #include "te/v1/service.pb.h"
 
 namespace te::service {
 
 class QueuedTurn {
  public:
-  using Run = std::function<void(session::DeviceExecutor::Turn turn)>;
+  using Run = std::function<void(DeviceExecutor::Turn turn)>;
   using Drop = std::function<void(absl::Status reason)>;
 
   explicit QueuedTurn(absl::Time deadline) : deadline_(deadline) {}
@@ -50,15 +55,17 @@ class QueuedTurn {
 
   // Contract 2, with CancelReason(deadline) as the reason; from OnCancel.
   void Cancel();
-  // Whether Cancel has run.
-  bool cancelled() const;
   absl::Time deadline() const { return deadline_; }
+  // What the call's work sees of its client (contract 4), valid while this
+  // lives: the deadline, and cancelled once Cancel has run or `context` (may
+  // be null: the server's own call) says its client cancelled.
+  session::CallContext Context(const grpc::CallbackServerContext* context) const;
 
  private:
   const absl::Time deadline_;
   mutable absl::Mutex mu_;
-  session::DeviceExecutor* executor_ ABSL_GUARDED_BY(mu_) = nullptr;
-  session::DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
+  DeviceExecutor* executor_ ABSL_GUARDED_BY(mu_) = nullptr;
+  DeviceExecutor::Handle handle_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 

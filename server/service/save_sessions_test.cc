@@ -17,7 +17,7 @@
 #include "server/service/device_pool.h"
 #include "server/service/service.h"
 #include "server/session/checkpoint.h"
-#include "server/session/executor.h"
+#include "server/service/executor.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
 #include "server/session/testing/fake_ops.h"
@@ -25,14 +25,13 @@
 namespace te::service {
 namespace {
 
-using session::DeviceExecutor;
 
 class SaveAllSessionsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     std::vector<std::unique_ptr<Device>> devices;
     devices.push_back(std::make_unique<session::testing::FakeDevice>());
-    session::ExecutorOptions executor;
+    ExecutorOptions executor;
     executor.threads = 2;
     pool_ = std::make_unique<DevicePool>(std::move(devices), executor);
     sessions_ = std::make_unique<session::SessionManager>(session::SessionManagerOptions{});
@@ -129,7 +128,7 @@ TEST_F(SaveAllSessionsTest, ASessionWhoseTurnDoesNotComeByTheDeadlineIsNotSaved)
 TEST(SaveAllSessionsWithoutStateDirTest, SavesNothing) {
   std::vector<std::unique_ptr<Device>> devices;
   devices.push_back(std::make_unique<session::testing::FakeDevice>());
-  DevicePool pool(std::move(devices), session::ExecutorOptions{});
+  DevicePool pool(std::move(devices), ExecutorOptions{});
   session::SessionManager sessions(session::SessionManagerOptions{});
   TeService service(&pool, &sessions, ServiceOptions{});
   EXPECT_EQ(service.SaveAllSessions(absl::Now() + absl::Seconds(1)), 0);

@@ -1,9 +1,9 @@
 #include "server/service/service.h"
 
-#include <chrono>
-#include <functional>
 #include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -12,6 +12,7 @@
 #include "kernels/status_macros.h"
 #include "server/service/generate_stream.h"
 #include "server/service/queued_call.h"
+#include "server/service/queued_turn.h"
 #include "server/service/status.h"
 #include "server/service/tensor_streams.h"
 #include "server/session/log.h"
@@ -24,62 +25,7 @@ using session::CallContext;
 using session::LogLevel;
 using Lease = session::SessionManager::Lease;
 
-// Client mistakes are routine; server faults are not.
-LogLevel LevelFor(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kInternal:
-    case absl::StatusCode::kUnknown:
-    case absl::StatusCode::kDataLoss: return LogLevel::kError;
-    case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kUnavailable: return LogLevel::kWarning;
-    default: return LogLevel::kInfo;
-  }
-}
-
 }  // namespace
-
-// ---- ServiceCore --------------------------------------------------------------------
-
-void SetCallOrder(const te::v1::SessionRef& ref, session::DeviceExecutor::Call* call) {
-  call->sequence = ref.sequence();
-  call->abandoned.assign(ref.abandoned().begin(), ref.abandoned().end());
-}
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
-
-absl::Status CancelReason(absl::Time deadline) {
-  if (absl::Now() >= deadline) {
-    return absl::DeadlineExceededError("the call's deadline passed before it ran to its end");
-  }
-  return absl::CancelledError("the client cancelled the call");
-}
-
-grpc::Status ServiceCore::Finished(const char* rpc, const std::string& session_id,
-                                   const absl::Status& status, absl::Time start) const {
-  if (!status.ok()) {
-    const std::string line = absl::StrCat(rpc, " failed: ", status.ToString());
-    if (session_id.empty()) {
-      session::Log(LevelFor(status.code()), line);
-    } else {
-      session::LogForSession(LevelFor(status.code()), session_id, line);
-    }
-  }
-  if (options.on_finished) options.on_finished(rpc, status.code(), absl::Now() - start);
-  return ToGrpcStatus(status);
-}
-
-absl::StatusOr<int> ServiceCore::Route(const te::v1::SessionRef& ref) const {
-  ASSIGN_OR_RETURN(std::shared_ptr<session::Session> session,
-                   sessions->Authenticate(ref.session_id(), ref.token()));
-  const int device = devices->Find(session->device_name());
-  // A session restored onto a device this server no longer lists still has
-  // to run somewhere.
-  return device >= 0 ? device : 0;
-}
 
 // ---- TeService ----------------------------------------------------------------------
 
@@ -112,66 +58,22 @@ std::vector<DeviceLoad> TeService::Loads() const {
   return loads;
 }
 
-namespace {
-
-// A call of the server's own on a session's turn, and how it ended.
-struct ServerCall {
-  session::DeviceExecutor* executor = nullptr;
-  session::DeviceExecutor::Handle handle;
-  absl::Notification done;
-  absl::Status status;
-};
-
-// Queues `work` under `key` on `executor`, to run in the key's turn if that
-// comes before `deadline`.
-absl::StatusOr<std::shared_ptr<ServerCall>> SubmitServerCall(
-    session::DeviceExecutor& executor, const std::string& key, absl::Time deadline,
-    std::function<absl::Status()> work) {
-  auto outcome = std::make_shared<ServerCall>();
-  outcome->executor = &executor;
-  session::DeviceExecutor::Call call;
-  call.key = key;
-  call.deadline = deadline;
-  call.run = [outcome, work = std::move(work)](session::DeviceExecutor::Turn turn) {
-    outcome->status = NoThrow(work);
-    turn.Release();
-    outcome->done.Notify();
-  };
-  call.drop = [outcome](absl::Status reason) {
-    outcome->status = std::move(reason);
-    outcome->done.Notify();
-  };
-  ASSIGN_OR_RETURN(outcome->handle, executor.Submit(std::move(call)));
-  return outcome;
-}
-
-// Waits for `call` to end: its turn has until `deadline` to come, its work
-// as long as it takes.
-void AwaitServerCall(ServerCall& call, absl::Time deadline) {
-  if (!call.done.WaitForNotificationWithDeadline(deadline)) {
-    call.executor->Cancel(call.handle, absl::DeadlineExceededError(
-                                           "the session's earlier calls ran past the deadline"));
-  }
-  call.done.WaitForNotification();  // dropped by the Cancel, or running
-  call.handle.reset();  // the executor's record of the call holds `call` in turn
-}
-
-}  // namespace
-
 int TeService::SaveAllSessions(absl::Time deadline) {
   session::CheckpointStore* store = core_.options.checkpoints;
   if (store == nullptr) return 0;
+  // A call of the server's own in each session's turn, as a client's would
+  // be (QueuedTurn, RunInSessionTurn), with no client to cancel it.
   struct Save {
     std::string id;
-    session::DeviceExecutor* executor;
-    std::shared_ptr<ServerCall> call;
+    int device = 0;
+    std::unique_ptr<QueuedTurn> queued;
+    std::unique_ptr<absl::Notification> done;
     absl::Status status;
   };
   std::vector<Save> saves;
   for (const std::shared_ptr<session::Session>& live : core_.sessions->live_session_refs()) {
     const int found = core_.devices->Find(live->device_name());
-    saves.push_back({live->id(), &core_.devices->executor(found >= 0 ? found : 0), nullptr,
-                     absl::OkStatus()});
+    saves.push_back({live->id(), found >= 0 ? found : 0, nullptr, nullptr, absl::OkStatus()});
   }
   // All sessions at once, so one whose call runs long holds up only itself;
   // in waves when they outnumber a device's queue.
@@ -180,23 +82,36 @@ int TeService::SaveAllSessions(absl::Time deadline) {
   while (!waiting.empty()) {
     std::vector<Save*> submitted, refused;
     for (Save* save : waiting) {
-      absl::StatusOr<std::shared_ptr<ServerCall>> call = SubmitServerCall(
-          *save->executor, save->id, deadline, [this, store, id = save->id]() -> absl::Status {
-            ASSIGN_OR_RETURN(session::SessionManager::Lease lease,
-                             core_.sessions->AcquireForServer(id));
-            return store->Save(lease).status();
-          });
-      if (call.ok()) {
-        save->call = *std::move(call);
+      save->queued = std::make_unique<QueuedTurn>(deadline);
+      save->done = std::make_unique<absl::Notification>();
+      // Both callbacks touch only `save`, which outlives them: every
+      // submitted save is waited for below.
+      // The deadline bounds when its turn may come (the executor drops it
+      // after); once it runs, the save runs to its end.
+      auto run = [this, store, save](DeviceExecutor::Turn turn) {
+        save->status = RunInSessionTurn(
+            core_, "Checkpoint", save->id, /*token=*/nullptr, CallContext(),
+            [store](Lease& lease, const CallContext&) { return store->Save(lease).status(); });
+        turn.Release();
+        save->done->Notify();
+      };
+      auto drop = [save](absl::Status reason) {
+        save->status = std::move(reason);
+        save->done->Notify();
+      };
+      const absl::Status queued =
+          save->queued->Submit(core_, save->device, save->id, nullptr, run, drop);
+      if (queued.ok()) {
         submitted.push_back(save);
       } else {
-        save->status = call.status();
-        if (absl::IsResourceExhausted(call.status())) refused.push_back(save);
+        save->status = queued;
+        if (absl::IsResourceExhausted(queued)) refused.push_back(save);
       }
     }
     for (Save* save : submitted) {
-      AwaitServerCall(*save->call, deadline);
-      save->status = save->call->status;
+      // Its turn has until the deadline to come; its work as long as it takes.
+      if (!save->done->WaitForNotificationWithDeadline(deadline)) save->queued->Cancel();
+      save->done->WaitForNotification();  // dropped by the Cancel, or running
     }
     if (submitted.empty() || absl::Now() >= deadline) break;  // nothing moves any more
     waiting = std::move(refused);

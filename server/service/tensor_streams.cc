@@ -10,16 +10,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "kernels/status_macros.h"
 #include "server/service/chunk_wire.h"
+#include "server/service/executor.h"
 #include "server/service/queued_turn.h"
+#include "server/service/service_core.h"
 #include "server/service/status.h"
-#include "server/session/executor.h"
 #include "server/session/tensor_upload.h"
 
 namespace te::service {
 namespace {
 
-using session::DeviceExecutor;
 using session::SessionManager;
 
 // Messages read but not yet copied into place (contract 2).
@@ -72,11 +73,6 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  private:
   enum class Phase { kHeader, kQueued, kStreaming };
 
-  bool Cancelled() {
-    absl::MutexLock lock(&mu_);
-    return cancelled_ || context_->IsCancelled();
-  }
-
   // Before the turn: nothing to undo.
   void FinishEarly(const absl::Status& status) {
     Finish(core_.Finished("PutTensor", session_id_, status, start_));
@@ -115,37 +111,31 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   // On a worker, in the session's turn.
   void OnTurn(DeviceExecutor::Turn turn) {
-    if (Cancelled()) {
+    call_ = queued_.Context(context_);
+    // The upload is the session's call from here until Cleanup: a SessionTurn
+    // (RunInSessionTurn's, held across the stream's messages).
+    std::unique_ptr<session::TensorUpload> upload;
+    std::optional<SessionTurn> in_session;
+    absl::Status status = [&]() -> absl::Status {
+      RETURN_IF_ERROR(call_.StillWanted("PutTensor"));
+      ASSIGN_OR_RETURN(SessionTurn entered,
+                       SessionTurn::Enter(core_, session_id_, &header_.session().token()));
+      in_session.emplace(std::move(entered));
+      ASSIGN_OR_RETURN(upload, NoThrow([&] { return in_session->session().BeginPut(header_); }));
+      return absl::OkStatus();
+    }();
+    if (!status.ok()) {
+      if (in_session) status = in_session->Leave(status, call_, "PutTensor");
+      in_session.reset();  // the session's lease
       turn.Release();
-      FinishEarly(CancelReason(deadline_));
-      return;
-    }
-    std::optional<SessionManager::Lease> lease;
-    {
-      absl::StatusOr<SessionManager::Lease> acquired =
-          core_.sessions->Acquire(header_.session().session_id(), header_.session().token());
-      if (!acquired.ok()) {
-        turn.Release();
-        FinishEarly(acquired.status());
-        return;
-      }
-      lease.emplace(*std::move(acquired));
-    }
-    lease->session().BeginCall();
-    absl::StatusOr<std::unique_ptr<session::TensorUpload>> upload =
-        NoThrow([&] { return lease->session().BeginPut(header_); });
-    if (!upload.ok()) {
-      lease->session().EndCall(/*undo=*/true);
-      lease.reset();  // the session's turn
-      turn.Release();
-      FinishEarly(upload.status());
+      FinishEarly(status);
       return;
     }
     bool cancelled = false;
     {
       absl::MutexLock lock(&mu_);
-      lease_.emplace(*std::move(lease));
-      upload_ = *std::move(upload);
+      session_.emplace(*std::move(in_session));
+      upload_ = std::move(upload);
       turn_ = std::move(turn);
       phase_ = Phase::kStreaming;
       cancelled = cancelled_;  // a cancel that came while this started
@@ -170,8 +160,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (ending_) return;
       if (!ok) {
         end_of_stream_ = true;
-        if (cancelled_ || context_->IsCancelled()) {
-          EndLocked(CancelReason(deadline_));
+        if (absl::Status wanted = call_.StillWanted("PutTensor"); !wanted.ok()) {
+          EndLocked(wanted);
         } else {
           PostLocked([this] { Commit(); });
         }
@@ -235,7 +225,7 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     te::v1::PutTensorResponse response;
     absl::Status status =
-        NoThrow([&] { return lease_->session().CommitPut(std::move(upload_), &response); });
+        NoThrow([&] { return session_->session().CommitPut(std::move(upload_), &response); });
     if (status.ok()) *response_ = Serialize(response);
     absl::MutexLock lock(&mu_);
     EndLocked(status);
@@ -258,8 +248,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     // A failed or abandoned upload frees its tensor here, in the turn.
     upload_.reset();
-    lease_->session().EndCall(/*undo=*/!status.ok());
-    lease_.reset();
+    status = session_->Leave(std::move(status), call_, "PutTensor");
+    session_.reset();
     {
       absl::MutexLock lock(&mu_);
       turn_.Release();
@@ -296,7 +286,8 @@ class PutTensorCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   std::string session_id_;
   QueuedTurn queued_;
   // Used in the session's turn only (OnTurn, then the posted work).
-  std::optional<SessionManager::Lease> lease_;
+  session::CallContext call_;
+  std::optional<SessionTurn> session_;
   std::unique_ptr<session::TensorUpload> upload_;
 
   absl::Mutex mu_;
@@ -353,20 +344,17 @@ class GetTensorCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   void OnTurn(DeviceExecutor::Turn turn) {
-    const bool cancelled = queued_.cancelled() || context_->IsCancelled();
-    absl::StatusOr<session::Session::TensorSource> source = CancelReason(queued_.deadline());
-    if (!cancelled) {
-      absl::StatusOr<SessionManager::Lease> lease =
-          core_.sessions->Acquire(request_.session().session_id(), request_.session().token());
-      source = lease.ok() ? NoThrow([&] { return lease->session().ReadTensor(request_); })
-                          : lease.status();
-    }
+    const absl::Status read = RunInSessionTurn(
+        core_, "GetTensor", session_id_, &request_.session().token(), queued_.Context(context_),
+        [this](SessionManager::Lease& lease, const session::CallContext&) -> absl::Status {
+          ASSIGN_OR_RETURN(source_, lease.session().ReadTensor(request_));
+          return absl::OkStatus();
+        });
     turn.Release();  // the stream goes out without holding the session up
-    if (!source.ok()) {
-      End(source.status());
+    if (!read.ok()) {
+      End(read);
       return;
     }
-    source_ = *std::move(source);
     outgoing_ = HeaderMessage(source_.header);
     StartWrite(&outgoing_);  // `this` may be gone once this returns
   }

@@ -17,7 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "server/session/executor.h"
+#include "server/service/executor.h"
 #include "server/session/session.h"
 #include "server/session/session_manager.h"
 #include "server/session/testing/fake_ops.h"
@@ -25,6 +25,9 @@
 
 namespace te::session {
 namespace {
+
+using service::DeviceExecutor;
+using service::ExecutorOptions;
 
 using testing::FakeBackend;
 using testing::FakeDevice;

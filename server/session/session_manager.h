@@ -8,7 +8,7 @@
 //     whose checkpoint could not be restored (RememberNotRestored); a missing or wrong token is
 //     UNAUTHENTICATED; a token of another live session is PERMISSION_DENIED.
 //  3. The manager does not order calls: a session's calls are put in order,
-//     and run one at a time, by its device's executor (executor.h, contract
+//     and run one at a time, by its device's executor (service/executor.h, contract
 //     1), and each call takes its Lease inside that turn. A Lease is the one
 //     call running on the session: Acquire while another Lease of the same
 //     session is held answers INTERNAL at once (a call run outside its

@@ -1,4 +1,4 @@
-#include "server/session/executor.h"
+#include "server/service/executor.h"
 
 #include <atomic>
 #include <memory>
@@ -10,7 +10,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
-namespace te::session {
+namespace te::service {
 namespace {
 
 constexpr absl::Duration kWait = absl::Seconds(10);  // generous: a loaded CI machine
@@ -400,4 +400,4 @@ TEST(DeviceExecutorTest, AbandonedNumbersAreNotWaitedForAndRefusedLater) {
 }
 
 }  // namespace
-}  // namespace te::session
+}  // namespace te::service

@@ -1,4 +1,4 @@
-#include "server/session/executor.h"
+#include "server/service/executor.h"
 
 #include <algorithm>
 #include <utility>
@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
-namespace te::session {
+namespace te::service {
 
 struct DeviceExecutor::CallState {
   enum class Phase { kWaiting, kStarted, kDropped };
@@ -357,4 +357,4 @@ void DeviceExecutor::WorkerLoop() {
   }
 }
 
-}  // namespace te::session
+}  // namespace te::service

@@ -33,8 +33,8 @@
 //     call that never ran. A refused or dropped call still uses its number,
 //     and so do the numbers a call names as abandoned (Call.abandoned) that
 //     have not arrived. Unnumbered calls keep Submit order among themselves.
-#ifndef TE_SERVER_SESSION_EXECUTOR_H_
-#define TE_SERVER_SESSION_EXECUTOR_H_
+#ifndef TE_SERVER_SERVICE_EXECUTOR_H_
+#define TE_SERVER_SERVICE_EXECUTOR_H_
 
 #include <cstdint>
 #include <deque>
@@ -52,7 +52,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace te::session {
+namespace te::service {
 
 struct ExecutorOptions {
   int threads = 4;
@@ -161,6 +161,6 @@ class DeviceExecutor {
   std::vector<std::thread> workers_;
 };
 
-}  // namespace te::session
+}  // namespace te::service
 
-#endif  // TE_SERVER_SESSION_EXECUTOR_H_
+#endif  // TE_SERVER_SERVICE_EXECUTOR_H_
