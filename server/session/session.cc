@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/status_macros.h"
 #include "server/layers/cache.h"
 #include "server/layers/fp8_state.h"
@@ -39,6 +40,19 @@ absl::Status RenameRecipeField(const absl::Status& status, const std::string& fi
 }
 
 }  // namespace
+
+absl::Status CallContext::StillWanted(const std::string& what) const {
+  // The deadline first: gRPC also marks a call cancelled once it expires.
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, ": the call's deadline passed; the session is as it was"));
+  }
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(
+        absl::StrCat(what, ": cancelled by the client; the session is as it was"));
+  }
+  return absl::OkStatus();
+}
 
 void SplitVariableName(const std::string& name, std::string* collection, std::string* path) {
   const size_t slash = name.find('/');

@@ -4,7 +4,7 @@
 //
 // Contract:
 //  1. Not thread-safe: its device's executor runs the session's calls one at
-//     a time (executor.h), each holding the session's Lease, so no two
+//     a time (service/executor.h), each holding the session's Lease, so no two
 //     methods ever run concurrently.
 //  2. A call that fails leaves the session as it was, whatever the code:
 //     every method validates its whole request before it changes anything,
@@ -330,12 +330,6 @@ class Session {
   absl::Status ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
                            const layers::Variables& grads, VariableSet* next,
                            te::v1::UpdateInfo* info);
-  // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
-  absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
-  // A step's read-back, in one copy: [0] the value (returned, unscaled) and,
-  // where it has a [1], the number of the step's FP8 scaling updates whose
-  // amax was inf or NaN, added to Fp8NonFiniteAmaxes().
-  absl::StatusOr<double> ReadStepResult(const Tensor& readback);
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);

@@ -1,7 +1,6 @@
 // Session steps: Forward, Backward and ForwardBackward, and the input
 // validation they share with Benchmark (session_benchmark.cc).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -20,8 +19,6 @@
 
 namespace te::session {
 namespace {
-
-std::atomic<int64_t> fp8_non_finite_amaxes{0};
 
 // Prefixes a layer's message with the request field it is about.
 absl::Status AboutField(const absl::Status& status, const std::string& field) {
@@ -48,19 +45,6 @@ const layers::Fp8Recipe* PtrOf(const std::optional<layers::Fp8Recipe>& fp8) {
 }
 
 }  // namespace
-
-absl::Status CallContext::StillWanted(const std::string& what) const {
-  // The deadline first: gRPC also marks a call cancelled once it expires.
-  if (absl::Now() > deadline) {
-    return absl::DeadlineExceededError(
-        absl::StrCat(what, ": the call's deadline passed; the session is as it was"));
-  }
-  if (cancelled && cancelled()) {
-    return absl::CancelledError(
-        absl::StrCat(what, ": cancelled by the client; the session is as it was"));
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
     const Target& target, const layers::Fp8Recipe* fp8, const te::v1::Tensor& x,
@@ -165,23 +149,6 @@ absl::StatusOr<layers::LayerInputs> Session::MaterializeInputs(const CheckedInpu
     in.mask_heads = mask.given_heads;
   }
   return in;
-}
-
-int64_t Fp8NonFiniteAmaxes() { return fp8_non_finite_amaxes.load(); }
-
-absl::Status Session::VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out) {
-  if (y.dtype() == dy.dtype()) return ops_->Dot(y, dy, out);
-  // dy sent in another float dtype than y's: both exactly in f32.
-  ASSIGN_OR_RETURN(const Tensor y32, layers::CastTo(*ops_, y, DType::kF32));
-  ASSIGN_OR_RETURN(const Tensor dy32, layers::CastTo(*ops_, dy, DType::kF32));
-  return ops_->Dot(y32, dy32, out);
-}
-
-absl::StatusOr<double> Session::ReadStepResult(const Tensor& readback) {
-  float host[2] = {0.0f, 0.0f};
-  RETURN_IF_ERROR(ops_->Download(readback, host));
-  if (readback.numel() == 2) fp8_non_finite_amaxes.fetch_add(static_cast<int64_t>(host[1]));
-  return static_cast<double>(host[0]);
 }
 
 absl::StatusOr<layers::Variables> Session::KeptGrads(const layers::Variables& kept,
@@ -577,7 +544,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     RETURN_IF_ERROR(ApplyUpdate(*layer, tx->fp8(), grad_sum, &next, response->mutable_update()));
     // The step is done (ApplyUpdate read its record): these copies wait for nothing.
     for (size_t i = 0; i < pending_values.size(); ++i) {
-      ASSIGN_OR_RETURN(const double v, ReadStepResult(pending_values[i].first));
+      ASSIGN_OR_RETURN(const double v, tx->ReadStepResult(pending_values[i].first));
       response->set_values(static_cast<int>(i), v * pending_values[i].second);
     }
     tx->Changed();

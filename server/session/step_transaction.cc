@@ -1,5 +1,7 @@
 #include "server/session/step_transaction.h"
 
+#include <atomic>
+#include <cstdint>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -9,6 +11,13 @@
 #include "server/layers/fp8_state.h"
 
 namespace te::session {
+namespace {
+
+std::atomic<int64_t> fp8_non_finite_amaxes{0};
+
+}  // namespace
+
+int64_t Fp8NonFiniteAmaxes() { return fp8_non_finite_amaxes.load(); }
 
 Session::StepTransaction::StepTransaction(Session& session, const Read& read,
                                           std::optional<layers::Fp8Recipe> fp8,
@@ -101,7 +110,7 @@ absl::Status Session::StepTransaction::Step(const layers::LayerInputs& inputs,
   } else if (value != nullptr) {
     ASSIGN_OR_RETURN(readback, ops.Allocate(DType::kF32, {fp8_metas ? 2 : 1}));
     Tensor value_on_device = readback.Slice0(0, 1).Reshaped({1, 1});
-    RETURN_IF_ERROR(session_.VdotOnDevice(out.y, dy, &value_on_device));
+    RETURN_IF_ERROR(VdotOnDevice(out.y, dy, &value_on_device));
   }
   // Nothing reads y again, and the saved forward is this step's own: both
   // go before the backward reaches its peak (the layer frees its activations
@@ -117,10 +126,27 @@ absl::Status Session::StepTransaction::Step(const layers::LayerInputs& inputs,
   if (pending_value != nullptr) {
     *pending_value = std::move(readback);
   } else if (value != nullptr) {
-    ASSIGN_OR_RETURN(const double v, session_.ReadStepResult(readback));
+    ASSIGN_OR_RETURN(const double v, ReadStepResult(readback));
     *value = v * (target != nullptr ? loss_scale : 1.0);
   }
   return absl::OkStatus();
+}
+
+absl::Status Session::StepTransaction::VdotOnDevice(const Tensor& y, const Tensor& dy,
+                                                    Tensor* out) {
+  Ops& ops = *session_.ops_;
+  if (y.dtype() == dy.dtype()) return ops.Dot(y, dy, out);
+  // dy sent in another float dtype than y's: both exactly in f32.
+  ASSIGN_OR_RETURN(const Tensor y32, layers::CastTo(ops, y, DType::kF32));
+  ASSIGN_OR_RETURN(const Tensor dy32, layers::CastTo(ops, dy, DType::kF32));
+  return ops.Dot(y32, dy32, out);
+}
+
+absl::StatusOr<double> Session::StepTransaction::ReadStepResult(const Tensor& readback) {
+  float host[2] = {0.0f, 0.0f};
+  RETURN_IF_ERROR(session_.ops_->Download(readback, host));
+  if (readback.numel() == 2) fp8_non_finite_amaxes.fetch_add(static_cast<int64_t>(host[1]));
+  return static_cast<double>(host[0]);
 }
 
 absl::Status Session::StepTransaction::EndStep(Tensor* non_finite) {

@@ -89,12 +89,17 @@ class Session::StepTransaction {
   // vdot(y, dy), or with `target` loss_scale * sum((y - target)^2), whose
   // gradient is then the dy the backward takes. `pending_value`: where
   // given, the value is left there on the device, unscaled and unread, and
-  // *value is not set (Session::ReadStepResult reads it). `aux`: where
+  // *value is not set (ReadStepResult reads it). `aux`: where
   // given, the graph's outputs after y.
   absl::Status Step(const layers::LayerInputs& inputs, const Tensor& dy, double* value,
                     layers::LayerGrads* grads, const Tensor* target = nullptr,
                     double loss_scale = 1.0, Tensor* pending_value = nullptr,
                     std::vector<Tensor>* aux = nullptr);
+
+  // A step's read-back, in one copy: [0] the value (returned, unscaled) and,
+  // where it has a [1], the number of the step's FP8 scaling updates whose
+  // amax was inf or NaN, added to Fp8NonFiniteAmaxes().
+  absl::StatusOr<double> ReadStepResult(const Tensor& readback);
 
   // Contract 3. `non_finite`: where given, a [1] float32 the count of inf or
   // NaN amaxes is added into.
@@ -115,6 +120,8 @@ class Session::StepTransaction {
                   const CallContext& call, std::string what, WeightCopies copies);
   // StillWanted, then the FP8 weight copies kept (contract 4).
   absl::Status Seal();
+  // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
+  absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
 
   Session& session_;
   const Read read_;
