@@ -146,6 +146,9 @@ absl::Status StoreVariable(Ops& ops, const VariableSpec& spec, const ValueFill& 
     }
     const Tensor flat = variable.Reshaped({n});
     for (int64_t begin = 0; begin < n; begin += chunk) {
+      // A large layer's init takes minutes on the host: the call's deadline
+      // and cancellation end it between chunks (what it allocated goes).
+      RETURN_IF_ERROR(ops.CheckInterrupt());
       const int64_t end = std::min(n, begin + chunk);
       fill(begin, end, host.data());
       Tensor part = flat.Slice0(begin, end);

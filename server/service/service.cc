@@ -225,8 +225,8 @@ grpc::ServerUnaryReactor* TeService::InitLayer(grpc::CallbackServerContext* cont
                                                const te::v1::InitLayerRequest* request,
                                                te::v1::InitLayerResponse* response) {
   return QueuedCall::OnSession(core_, context, "InitLayer", request->session(),
-                               [request, response](Lease& lease, const CallContext&) {
-                                 return lease.session().InitLayer(*request, response);
+                               [request, response](Lease& lease, const CallContext& call) {
+                                 return lease.session().InitLayer(*request, response, call);
                                });
 }
 
@@ -288,8 +288,8 @@ grpc::ServerUnaryReactor* TeService::AddGraph(grpc::CallbackServerContext* conte
                                               const te::v1::AddGraphRequest* request,
                                               te::v1::AddGraphResponse* response) {
   return QueuedCall::OnSession(core_, context, "AddGraph", request->session(),
-                               [request, response](Lease& lease, const CallContext&) {
-                                 return lease.session().AddGraph(*request, response);
+                               [request, response](Lease& lease, const CallContext& call) {
+                                 return lease.session().AddGraph(*request, response, call);
                                });
 }
 

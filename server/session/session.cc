@@ -291,7 +291,7 @@ absl::StatusOr<std::optional<layers::DeclaredExtras>> CheckDeclaredExtras(
 }
 
 absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
-                                te::v1::InitLayerResponse* response) {
+                                te::v1::InitLayerResponse* response, const CallContext& call) {
   ASSIGN_OR_RETURN(std::unique_ptr<layers::Layer> layer, layers::CreateLayer(request.spec()));
   ASSIGN_OR_RETURN(const DeclaredInput declared,
                    CheckDeclaredInput(*layer, request.input_dtype(), request.input_shape(),
@@ -326,8 +326,13 @@ absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
 
   auto entry = std::make_unique<LayerEntry>();
   VariableSet initial;
-  RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &initial.vars));
-  RETURN_IF_ERROR(layers::InitCache(*ops_, cache, &initial.vars));
+  {
+    InterruptScope interrupt(*ops_, call, "InitLayer");
+    RETURN_IF_ERROR(layer->Init(*ops_, request.seed(), input_shape, fp8_ptr, &initial.vars));
+    RETURN_IF_ERROR(layers::InitCache(*ops_, cache, &initial.vars));
+  }
+  // Nothing above is the session's yet: an init that ends here frees it all.
+  RETURN_IF_ERROR(call.StillWanted("InitLayer"));
   entry->id = NewId(Created::Kind::kLayer);
   entry->graphs.emplace_back();
   entry->graphs[0].layer = std::move(layer);

@@ -165,8 +165,11 @@ class Session {
   int64_t bytes_in_use() const { return ops_->bytes_in_use(); }
 
   // Init(key, x): the layer's variables for an input of input_shape/dtype.
+  // The call's deadline and cancellation end the init between chunks of its
+  // variables (DEADLINE_EXCEEDED, CANCELLED), leaving the session as it was.
   absl::Status InitLayer(const te::v1::InitLayerRequest& request,
-                         te::v1::InitLayerResponse* response);
+                         te::v1::InitLayerResponse* response,
+                         const CallContext& call = CallContext());
   // Apply. NOT_FOUND for an unknown layer_id; RESOURCE_EXHAUSTED when
   // keep_for_backward would exceed max_saved_forwards.
   absl::Status Forward(const te::v1::ForwardRequest& request, te::v1::ForwardResponse* response,
@@ -202,7 +205,8 @@ class Session {
   // is not the layer's param of that shape and dtype, or whose shapes do not
   // fit input_shape; the graph's own errors as at InitLayer.
   absl::Status AddGraph(const te::v1::AddGraphRequest& request,
-                        te::v1::AddGraphResponse* response);
+                        te::v1::AddGraphResponse* response,
+                        const CallContext& call = CallContext());
   // Frees the versions named (contract 9); unknown or released ones are
   // ignored. NOT_FOUND for an unknown layer.
   absl::Status ReleaseVersions(const te::v1::ReleaseVersionsRequest& request);

@@ -135,7 +135,7 @@ absl::Status AsAddGraphField(const absl::Status& status) {
 }  // namespace
 
 absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
-                               te::v1::AddGraphResponse* response) {
+                               te::v1::AddGraphResponse* response, const CallContext& call) {
   ASSIGN_OR_RETURN(LayerEntry * layer, FindLayer(request.layer_id()));
   const LayerVersion* newest = layer->newest();
   if (newest == nullptr) {
@@ -232,6 +232,7 @@ absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
       return absl::OkStatus();
     }
   }
+  RETURN_IF_ERROR(call.StillWanted("AddGraph"));
   LayerGraph entry;
   entry.layer = std::move(added);
   entry.extras = std::move(extras);
