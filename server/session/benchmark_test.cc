@@ -14,38 +14,17 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/ops.h"
-#include "kernels/rng.h"
 #include "server/session/session.h"
+#include "server/session/testing/random_tensors.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
 namespace {
 
+using testing::DelayedScalingRecipe;
+using testing::RandomFloats;
+
 constexpr int64_t kBatch = 2, kSeq = 5, kHidden = 32, kFfn = 64;
-
-te::v1::Recipe Delayed() {
-  te::v1::Recipe recipe;
-  te::v1::DelayedScaling* d = recipe.mutable_delayed_scaling();
-  d->set_fp8_format(te::v1::HYBRID);
-  d->set_amax_history_len(4);
-  d->set_amax_compute_algo("max");
-  return recipe;
-}
-
-te::v1::Tensor RandomF32(const std::vector<int64_t>& shape, uint64_t seed, float scale) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
-    v[static_cast<size_t>(i)] = scale * (static_cast<float>(r >> 40) / (1 << 23) - 1.0f);
-  }
-  te::v1::Tensor t;
-  t.set_dtype(te::v1::FLOAT32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_inline_data(v.data(), v.size() * sizeof(float));
-  return t;
-}
 
 class BenchmarkTest : public ::testing::Test {
  protected:
@@ -53,7 +32,7 @@ class BenchmarkTest : public ::testing::Test {
     device_ = *OpenCpuDevice();
     session_ = std::make_unique<Session>("benchmark", device_->info(),
                                          *device_->NewOps(int64_t{1} << 30), SessionConfig(),
-                                         te::v1::EMULATE, Delayed());
+                                         te::v1::EMULATE, DelayedScalingRecipe());
     te::v1::InitLayerRequest init;
     te::v1::LayerNormMLP* mlp = init.mutable_spec()->mutable_layer_norm_mlp();
     mlp->set_intermediate_dim(kFfn);
@@ -71,8 +50,8 @@ class BenchmarkTest : public ::testing::Test {
 
   te::v1::MicroBatch Inputs(uint64_t seed) {
     te::v1::MicroBatch mb;
-    *mb.mutable_x() = RandomF32({kBatch, kSeq, kHidden}, seed, 1.0f);
-    *mb.mutable_dy() = RandomF32({kBatch, kSeq, kHidden}, seed + 1, 0.1f);
+    *mb.mutable_x() = RandomFloats({kBatch, kSeq, kHidden}, seed, 1.0f);
+    *mb.mutable_dy() = RandomFloats({kBatch, kSeq, kHidden}, seed + 1, 0.1f);
     return mb;
   }
 

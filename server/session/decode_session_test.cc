@@ -26,9 +26,9 @@
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
-#include "kernels/rng.h"
 #include "kernels/status_macros.h"
 #include "server/session/session.h"
+#include "server/session/testing/random_tensors.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
@@ -109,39 +109,11 @@ te::v1::LayerSpec GraphLmSpec() {
 }
 
 te::v1::Tensor Floats(const std::vector<int64_t>& shape, uint64_t seed, te::v1::DType dtype) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
-    v[static_cast<size_t>(i)] = static_cast<float>(r >> 40) / (1 << 23) - 1.0f;
-  }
-  te::v1::Tensor t;
-  t.set_dtype(dtype);
-  for (int64_t d : shape) t.add_shape(d);
-  if (dtype == te::v1::BFLOAT16) {
-    std::vector<uint16_t> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = FloatToBf16(v[i]);
-    t.set_inline_data(b.data(), b.size() * sizeof(uint16_t));
-  } else {
-    t.set_inline_data(v.data(), v.size() * sizeof(float));
-  }
-  return t;
+  return testing::RandomFloats(shape, seed, 1.0f, dtype);
 }
 
 te::v1::Tensor Ids(const std::vector<int64_t>& shape, uint64_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<int32_t> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    v[static_cast<size_t>(i)] =
-        static_cast<int32_t>(MixBits(seed * 31 + static_cast<uint64_t>(i)) % kVocab);
-  }
-  te::v1::Tensor t;
-  t.set_dtype(te::v1::INT32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_inline_data(v.data(), v.size() * sizeof(int32_t));
-  return t;
+  return testing::RandomIds(shape, seed, kVocab);
 }
 
 // Elements as float (float32, bfloat16 or int32 inline data).

@@ -43,9 +43,9 @@
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
-#include "kernels/rng.h"
 #include "server/session/session.h"
 #include "server/session/testing/allocation_ledger.h"
+#include "server/session/testing/random_tensors.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
@@ -95,19 +95,7 @@ te::v1::Recipe QuickstartRecipe() {
 }
 
 te::v1::Tensor RandomBf16(const std::vector<int64_t>& shape, uint64_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<uint16_t> bits(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
-    const float u = static_cast<float>(r >> 40) / static_cast<float>(1 << 24);  // [0, 1)
-    bits[static_cast<size_t>(i)] = FloatToBf16(2.0f * u - 1.0f);
-  }
-  te::v1::Tensor t;
-  t.set_dtype(te::v1::BFLOAT16);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_inline_data(bits.data(), bits.size() * sizeof(uint16_t));
-  return t;
+  return testing::RandomFloats(shape, seed, 1.0f, te::v1::BFLOAT16);
 }
 
 struct StepMemory {

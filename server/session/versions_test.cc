@@ -16,43 +16,19 @@
 #include "gtest/gtest.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
-#include "kernels/rng.h"
 #include "server/session/session.h"
+#include "server/session/testing/random_tensors.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
 namespace {
 
+using testing::RandomFloats;
+
 constexpr int64_t kSeq = 3, kHidden = 8, kFeatures = 6, kVocab = 11;
 
-te::v1::Tensor RandomF32(const std::vector<int64_t>& shape, uint64_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
-    v[static_cast<size_t>(i)] = static_cast<float>(r >> 40) / (1 << 23) - 1.0f;
-  }
-  te::v1::Tensor t;
-  t.set_dtype(te::v1::FLOAT32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_inline_data(v.data(), v.size() * sizeof(float));
-  return t;
-}
-
 te::v1::Tensor Ids(const std::vector<int64_t>& shape, uint64_t seed) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<int32_t> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    v[static_cast<size_t>(i)] =
-        static_cast<int32_t>(MixBits(seed * 31 + static_cast<uint64_t>(i)) % kVocab);
-  }
-  te::v1::Tensor t;
-  t.set_dtype(te::v1::INT32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_inline_data(v.data(), v.size() * sizeof(int32_t));
-  return t;
+  return testing::RandomIds(shape, seed, kVocab);
 }
 
 std::vector<float> Floats(const te::v1::Tensor& t) {
@@ -247,7 +223,7 @@ void ExpectError(const absl::Status& status, absl::StatusCode code, const std::s
 // variables gives what a layer made for 2 with equal params gives.
 TEST_F(VersionsTest, TwoBatchSizesThroughTwoGraphsOverOneLayersVariables) {
   const std::string a = InitGraph(DenseFlatten(4), {4, kSeq, kHidden}, 7);
-  const te::v1::Tensor x2 = RandomF32({2, kSeq, kHidden}, 1);
+  const te::v1::Tensor x2 = RandomFloats({2, kSeq, kHidden}, 1);
   ExpectError(Forward(a, x2).status(), absl::StatusCode::kInvalidArgument, "x.shape [2, 3, 8]");
   ASSERT_OK_AND_ASSIGN(added, AddGraph(a, DenseFlatten(2), {2, kSeq, kHidden}));
   EXPECT_EQ(added.graph(), 1);
@@ -277,7 +253,7 @@ TEST_F(VersionsTest, TwoBatchSizesThroughTwoGraphsOverOneLayersVariables) {
   EXPECT_EQ(ya.y().inline_data(), yb.y().inline_data());
   EXPECT_EQ(ya.version(), 1);  // a forward changes nothing
 
-  const te::v1::Tensor dy = RandomF32({2, kSeq * kFeatures}, 2);
+  const te::v1::Tensor dy = RandomFloats({2, kSeq * kFeatures}, 2);
   te::v1::ForwardBackwardRequest step_a = Step(a, x2, dy, false);
   step_a.set_graph(1);
   ASSERT_OK_AND_ASSIGN(ga, Run(step_a));
@@ -289,20 +265,20 @@ TEST_F(VersionsTest, TwoBatchSizesThroughTwoGraphsOverOneLayersVariables) {
     EXPECT_EQ(ga.grads(i).value().inline_data(), gb.grads(i).value().inline_data()) << i;
   }
   // Batch 4 still runs through graph 0.
-  EXPECT_TRUE(Forward(a, RandomF32({4, kSeq, kHidden}, 3)).ok());
+  EXPECT_TRUE(Forward(a, RandomFloats({4, kSeq, kHidden}, 3)).ok());
 }
 
 // A layer that is one module takes any batch, and a graph whose module node
 // "" is that module reads its variables.
 TEST_F(VersionsTest, OneModuleLayerTakesAnyBatchAndAGraphOverItsModule) {
   const std::string layer = Init(TeDense(), {2, kSeq, kHidden}, 5);
-  EXPECT_TRUE(Forward(layer, RandomF32({3, 5, kHidden}, 4)).ok());
+  EXPECT_TRUE(Forward(layer, RandomFloats({3, 5, kHidden}, 4)).ok());
   te::v1::GraphSpec g;
   *AddNode(&g, "", {"x"}, {"h"})->mutable_module() = TeDense();
   AddNode(&g, "scale_0", {"h"}, {"y"})->mutable_scale()->set_factor(2.0);
   g.add_outputs("y");
   ASSERT_OK_AND_ASSIGN(added, AddGraph(layer, g, {3, kSeq, kHidden}));
-  const te::v1::Tensor x = RandomF32({3, kSeq, kHidden}, 6);
+  const te::v1::Tensor x = RandomFloats({3, kSeq, kHidden}, 6);
   ASSERT_OK_AND_ASSIGN(plain, Forward(layer, x, 0));
   ASSERT_OK_AND_ASSIGN(doubled, Forward(layer, x, added.graph()));
   const std::vector<float> p = Floats(plain.y()), d = Floats(doubled.y());
@@ -370,15 +346,15 @@ TEST_F(VersionsTest, LossGraphWithAuxOutputsTrainsTheLayersVariables) {
   te::v1::ForwardBackwardRequest bad = Step(layer, x, std::nullopt, true);
   bad.set_graph(1);
   *bad.mutable_micro_batches(0)->add_extra_inputs() = labels;
-  *bad.mutable_micro_batches(0)->mutable_target() = RandomF32({}, 1);
+  *bad.mutable_micro_batches(0)->mutable_target() = RandomFloats({}, 1);
   ExpectError(Run(bad).status(), absl::StatusCode::kInvalidArgument, "micro_batches[0].target");
 }
 
 TEST_F(VersionsTest, OldVersionStaysReadableAndUsableAfterSteps) {
   const std::string layer = Init(TeDense(), {2, kSeq, kHidden}, 11);
   SetAdam(layer);
-  const te::v1::Tensor x = RandomF32({2, kSeq, kHidden}, 1);
-  const te::v1::Tensor dy = RandomF32({2, kSeq, kFeatures}, 2);
+  const te::v1::Tensor x = RandomFloats({2, kSeq, kHidden}, 1);
+  const te::v1::Tensor dy = RandomFloats({2, kSeq, kFeatures}, 2);
   ASSERT_OK_AND_ASSIGN(v1, Values(layer, 1));
   ASSERT_OK_AND_ASSIGN(y1, Forward(layer, x));
   std::map<std::string, std::string> v2;
@@ -407,8 +383,8 @@ TEST_F(VersionsTest, ReleaseAndDeleteGiveTheMemoryBack) {
   const int64_t empty = session_->bytes_in_use();
   const std::string layer = Init(TeDense(), {2, kSeq, kHidden}, 11);
   SetAdam(layer);
-  const te::v1::Tensor x = RandomF32({2, kSeq, kHidden}, 1);
-  const te::v1::Tensor dy = RandomF32({2, kSeq, kFeatures}, 2);
+  const te::v1::Tensor x = RandomFloats({2, kSeq, kHidden}, 1);
+  const te::v1::Tensor dy = RandomFloats({2, kSeq, kFeatures}, 2);
   ASSERT_TRUE(Run(Step(layer, x, dy, true)).ok());
   ASSERT_TRUE(Release(layer, {1}).ok());
   const int64_t one_version = session_->bytes_in_use();
@@ -461,8 +437,8 @@ TEST_F(VersionsTest, ReleaseAndDeleteGiveTheMemoryBack) {
 TEST_F(VersionsTest, FailedAndCancelledCallsLeaveTheVersionsAsTheyWere) {
   const std::string layer = Init(TeDense(), {2, kSeq, kHidden}, 11);
   SetAdam(layer);
-  const te::v1::Tensor x = RandomF32({2, kSeq, kHidden}, 1);
-  const te::v1::Tensor dy = RandomF32({2, kSeq, kFeatures}, 2);
+  const te::v1::Tensor x = RandomFloats({2, kSeq, kHidden}, 1);
+  const te::v1::Tensor dy = RandomFloats({2, kSeq, kFeatures}, 2);
   // A first step makes the optimizer's plan, which later steps keep.
   ASSERT_TRUE(Run(Step(layer, x, dy, true)).ok());
   ASSERT_TRUE(Release(layer, {1}).ok());
@@ -471,7 +447,7 @@ TEST_F(VersionsTest, FailedAndCancelledCallsLeaveTheVersionsAsTheyWere) {
   // A bad second micro-batch.
   te::v1::ForwardBackwardRequest bad = Step(layer, x, dy, true);
   *bad.add_micro_batches() = bad.micro_batches(0);
-  *bad.mutable_micro_batches(1)->mutable_dy() = RandomF32({2, kSeq, kFeatures + 1}, 3);
+  *bad.mutable_micro_batches(1)->mutable_dy() = RandomFloats({2, kSeq, kFeatures + 1}, 3);
   ExpectError(Run(bad).status(), absl::StatusCode::kInvalidArgument, "micro_batches[1].dy");
   EXPECT_EQ(Newest(layer), 2);
   EXPECT_EQ(*Values(layer), before);
@@ -505,8 +481,8 @@ TEST_F(VersionsTest, AStepWhoseVersionDoesNotFitIsResourceExhausted) {
   Open(session_->bytes_in_use() + (24 << 10));
   const std::string layer = Init(spec, shape, 11);
   SetAdam(layer);
-  const te::v1::Tensor x = RandomF32(shape, 1);
-  const te::v1::Tensor dy = RandomF32(shape, 2);
+  const te::v1::Tensor x = RandomFloats(shape, 1);
+  const te::v1::Tensor dy = RandomFloats(shape, 2);
   ASSERT_OK_AND_ASSIGN(before, Values(layer));
   const int64_t bytes = session_->bytes_in_use();
   ExpectError(Run(Step(layer, x, dy, true)).status(), absl::StatusCode::kResourceExhausted,
@@ -529,7 +505,7 @@ TEST_F(VersionsTest, SetVariablesAndSetOptimizerAcrossVersions) {
   te::v1::Variable* bias = set.add_variables();
   bias->set_collection("params");
   bias->set_path("bias");
-  *bias->mutable_value() = RandomF32({kFeatures}, 4);
+  *bias->mutable_value() = RandomFloats({kFeatures}, 4);
   te::v1::SetVariablesResponse response;
   ASSERT_TRUE(session_->SetVariables(set, &response).ok());
   EXPECT_EQ(response.version(), 2);
@@ -538,7 +514,7 @@ TEST_F(VersionsTest, SetVariablesAndSetOptimizerAcrossVersions) {
   EXPECT_EQ(Values(layer, 2)->at("params/kernel"), v1.at("params/kernel"));
   // From version 1 again: another version, version 2 as it was.
   set.set_version(1);
-  *bias->mutable_value() = RandomF32({kFeatures}, 5);
+  *bias->mutable_value() = RandomFloats({kFeatures}, 5);
   ASSERT_TRUE(session_->SetVariables(set, &response).ok());
   EXPECT_EQ(response.version(), 3);
   EXPECT_NE(Values(layer, 2)->at("params/bias"), Values(layer, 3)->at("params/bias"));
@@ -549,7 +525,7 @@ TEST_F(VersionsTest, SetVariablesAndSetOptimizerAcrossVersions) {
 
 TEST_F(VersionsTest, BadRequestsNameTheirField) {
   const std::string layer = Init(TeDense(), {2, kSeq, kHidden}, 11);
-  const te::v1::Tensor x = RandomF32({2, kSeq, kHidden}, 1);
+  const te::v1::Tensor x = RandomFloats({2, kSeq, kHidden}, 1);
   ExpectError(Forward(layer, x, 1).status(), absl::StatusCode::kInvalidArgument,
               "graph: 1; layer layer-1 has graphs 0 to 0");
   ExpectError(Forward(layer, x, -1).status(), absl::StatusCode::kInvalidArgument, "graph: -1");

@@ -1,0 +1,64 @@
+#include "server/session/testing/random_tensors.h"
+
+#include "kernels/fp8.h"
+#include "kernels/rng.h"
+
+namespace te::session::testing {
+namespace {
+
+int64_t Elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+te::v1::Tensor Header(const std::vector<int64_t>& shape, te::v1::DType dtype) {
+  te::v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  return t;
+}
+
+}  // namespace
+
+te::v1::Tensor RandomFloats(const std::vector<int64_t>& shape, uint64_t seed, float scale,
+                            te::v1::DType dtype) {
+  const int64_t n = Elements(shape);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t r = MixBits(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    v[static_cast<size_t>(i)] = scale * (static_cast<float>(r >> 40) / (1 << 23) - 1.0f);
+  }
+  te::v1::Tensor t = Header(shape, dtype);
+  if (dtype == te::v1::BFLOAT16) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = FloatToBf16(v[i]);
+    t.set_inline_data(b.data(), b.size() * sizeof(uint16_t));
+  } else {
+    t.set_inline_data(v.data(), v.size() * sizeof(float));
+  }
+  return t;
+}
+
+te::v1::Tensor RandomIds(const std::vector<int64_t>& shape, uint64_t seed, int64_t vocab) {
+  const int64_t n = Elements(shape);
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    v[static_cast<size_t>(i)] =
+        static_cast<int32_t>(MixBits(seed * 31 + static_cast<uint64_t>(i)) % vocab);
+  }
+  te::v1::Tensor t = Header(shape, te::v1::INT32);
+  t.set_inline_data(v.data(), v.size() * sizeof(int32_t));
+  return t;
+}
+
+te::v1::Recipe DelayedScalingRecipe() {
+  te::v1::Recipe recipe;
+  te::v1::DelayedScaling* d = recipe.mutable_delayed_scaling();
+  d->set_fp8_format(te::v1::HYBRID);
+  d->set_amax_history_len(4);
+  d->set_amax_compute_algo("max");
+  return recipe;
+}
+
+}  // namespace te::session::testing
