@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/ops.h"
 #include "server/session/session.h"
-#include "server/session/testing/random_tensors.h"
+#include "server/session/testing/requests.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {

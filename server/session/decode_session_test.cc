@@ -28,11 +28,13 @@
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/session/session.h"
-#include "server/session/testing/random_tensors.h"
+#include "server/session/testing/requests.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
 namespace {
+
+using testing::AddNode;
 
 // Tolerances: the largest relative L2 error of one output row, a decode
 // step's against the forward's, stated once per backend.
@@ -78,16 +80,6 @@ te::v1::LayerSpec DecoderLayerSpec() {
   layer->set_layer_type(te::v1::DECODER);
   layer->set_use_bias(true);
   return spec;
-}
-
-te::v1::GraphSpec::Node* AddNode(te::v1::GraphSpec* g, const std::string& name,
-                                 const std::vector<std::string>& inputs,
-                                 const std::vector<std::string>& outputs) {
-  te::v1::GraphSpec::Node* node = g->add_nodes();
-  node->set_name(name);
-  for (const std::string& i : inputs) node->add_inputs(i);
-  for (const std::string& o : outputs) node->add_outputs(o);
-  return node;
 }
 
 // ids [B, L] -> Embed -> LayerNorm -> MultiHeadAttention (causal, rotary) ->

@@ -45,7 +45,7 @@
 #include "kernels/ops.h"
 #include "server/session/session.h"
 #include "server/session/testing/allocation_ledger.h"
-#include "server/session/testing/random_tensors.h"
+#include "server/session/testing/requests.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {

@@ -17,11 +17,13 @@
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/session/session.h"
-#include "server/session/testing/random_tensors.h"
+#include "server/session/testing/requests.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
 namespace {
+
+using testing::AddNode;
 
 using testing::RandomFloats;
 
@@ -35,16 +37,6 @@ std::vector<float> Floats(const te::v1::Tensor& t) {
   std::vector<float> v(t.inline_data().size() / sizeof(float));
   std::memcpy(v.data(), t.inline_data().data(), t.inline_data().size());
   return v;
-}
-
-te::v1::GraphSpec::Node* AddNode(te::v1::GraphSpec* g, const std::string& name,
-                                 const std::vector<std::string>& inputs,
-                                 const std::vector<std::string>& outputs) {
-  te::v1::GraphSpec::Node* node = g->add_nodes();
-  node->set_name(name);
-  for (const std::string& i : inputs) node->add_inputs(i);
-  for (const std::string& o : outputs) node->add_outputs(o);
-  return node;
 }
 
 te::v1::LayerSpec FlaxDense(int64_t features) {

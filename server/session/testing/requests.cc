@@ -1,4 +1,4 @@
-#include "server/session/testing/random_tensors.h"
+#include "server/session/testing/requests.h"
 
 #include "kernels/fp8.h"
 #include "kernels/rng.h"
@@ -59,6 +59,16 @@ te::v1::Recipe DelayedScalingRecipe() {
   d->set_amax_history_len(4);
   d->set_amax_compute_algo("max");
   return recipe;
+}
+
+te::v1::GraphSpec::Node* AddNode(te::v1::GraphSpec* g, const std::string& name,
+                                 const std::vector<std::string>& inputs,
+                                 const std::vector<std::string>& outputs) {
+  te::v1::GraphSpec::Node* node = g->add_nodes();
+  node->set_name(name);
+  for (const std::string& i : inputs) node->add_inputs(i);
+  for (const std::string& o : outputs) node->add_outputs(o);
+  return node;
 }
 
 }  // namespace te::session::testing
