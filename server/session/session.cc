@@ -293,14 +293,11 @@ absl::StatusOr<std::optional<layers::DeclaredExtras>> CheckDeclaredExtras(
 absl::Status Session::InitLayer(const te::v1::InitLayerRequest& request,
                                 te::v1::InitLayerResponse* response, const CallContext& call) {
   ASSIGN_OR_RETURN(std::unique_ptr<layers::Layer> layer, layers::CreateLayer(request.spec()));
-  ASSIGN_OR_RETURN(const DeclaredInput declared,
-                   CheckDeclaredInput(*layer, request.input_dtype(), request.input_shape(),
-                                      config_.max_tensor_bytes));
+  ASSIGN_OR_RETURN(DeclaredInput declared,
+                   CheckDeclared(*layer, request, config_.max_tensor_bytes));
   const DType input_dtype = declared.dtype;
   const Shape& input_shape = declared.shape;
-  ASSIGN_OR_RETURN(std::optional<layers::DeclaredExtras> extras,
-                   CheckDeclaredExtras(request.extra_inputs(), input_shape,
-                                       config_.max_tensor_bytes));
+  std::optional<layers::DeclaredExtras>& extras = declared.extras;
   if (extras) {
     if (!request.spec().has_graph()) {
       return absl::InvalidArgumentError(absl::StrCat(

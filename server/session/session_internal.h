@@ -203,6 +203,9 @@ inline const char* LayerInputWant(bool takes_ids) {
 struct DeclaredInput {
   DType dtype;
   Shape shape;
+  // The extra inputs declared beside x (CheckDeclaredExtras; none: each
+  // has x's dtype).
+  std::optional<layers::DeclaredExtras> extras;
 };
 absl::StatusOr<DeclaredInput> CheckDeclaredInput(const layers::Layer& layer, te::v1::DType dtype,
                                                  const google::protobuf::RepeatedField<int64_t>& shape,
@@ -214,6 +217,21 @@ absl::StatusOr<DeclaredInput> CheckDeclaredInput(const layers::Layer& layer, te:
 absl::StatusOr<std::optional<layers::DeclaredExtras>> CheckDeclaredExtras(
     const google::protobuf::RepeatedPtrField<te::v1::TensorHeader>& extras, const Shape& x,
     int64_t max_tensor_bytes);
+
+// x and the extra inputs an InitLayer or AddGraph `request` declares for
+// `layer`: CheckDeclaredInput, then CheckDeclaredExtras.
+template <typename Request>
+absl::StatusOr<DeclaredInput> CheckDeclared(const layers::Layer& layer, const Request& request,
+                                            int64_t max_tensor_bytes) {
+  absl::StatusOr<DeclaredInput> declared = CheckDeclaredInput(
+      layer, request.input_dtype(), request.input_shape(), max_tensor_bytes);
+  if (!declared.ok()) return declared;
+  absl::StatusOr<std::optional<layers::DeclaredExtras>> extras =
+      CheckDeclaredExtras(request.extra_inputs(), declared->shape, max_tensor_bytes);
+  if (!extras.ok()) return extras.status();
+  declared->extras = *std::move(extras);
+  return declared;
+}
 
 // The layer name "params/a/b" split as Flax does: collection "params", path "a/b".
 void SplitVariableName(const std::string& name, std::string* collection, std::string* path);

@@ -190,14 +190,11 @@ absl::Status Session::AddGraph(const te::v1::AddGraphRequest& request,
   absl::StatusOr<std::unique_ptr<layers::Layer>> made = layers::MakeGraph(graph);
   if (!made.ok()) return AsAddGraphField(made.status());
   std::unique_ptr<layers::Layer> added = *std::move(made);
-  ASSIGN_OR_RETURN(const DeclaredInput declared,
-                   CheckDeclaredInput(*added, request.input_dtype(), request.input_shape(),
-                                      config_.max_tensor_bytes));
+  ASSIGN_OR_RETURN(DeclaredInput declared,
+                   CheckDeclared(*added, request, config_.max_tensor_bytes));
   const DType input_dtype = declared.dtype;
   const Shape& input_shape = declared.shape;
-  ASSIGN_OR_RETURN(std::optional<layers::DeclaredExtras> extras,
-                   CheckDeclaredExtras(request.extra_inputs(), input_shape,
-                                       config_.max_tensor_bytes));
+  std::optional<layers::DeclaredExtras>& extras = declared.extras;
   if (extras) {
     made = layers::MakeGraph(graph, extras);
     if (!made.ok()) return AsAddGraphField(made.status());
