@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <string>
@@ -761,6 +762,38 @@ TEST_F(ServiceTest, SavedForwardsAreBounded) {
   te::v1::BackwardResponse grads;
   ASSERT_TRUE(Backward(backward, &grads).ok());
   EXPECT_TRUE(Forward(forward, &y).ok());  // room again
+}
+
+// A layer whose init takes far longer than the call's deadline (512 MiB of
+// float32 params filled on the host) ends soon after the deadline, in the
+// session's turn too: the session's next call starts at once and finds it
+// as it was, with no layer and no memory held.
+TEST_F(ServiceTest, AnInitPastItsDeadlineFreesTheSession) {
+  auto info = [this](te::v1::SessionInfo* out) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return stub_->GetSessionInfo(&context, WithSession(te::v1::GetSessionInfoRequest()), out);
+  };
+  te::v1::SessionInfo before;
+  ASSERT_TRUE(info(&before).ok());
+  te::v1::InitLayerRequest request = WithSession(te::v1::InitLayerRequest());
+  *request.mutable_spec() = DenseSpec(16384);
+  request.set_input_dtype(te::v1::FLOAT32);
+  for (int64_t d : {2, 8192}) request.add_input_shape(d);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  te::v1::InitLayerResponse response;
+  EXPECT_EQ(stub_->InitLayer(&context, request, &response).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Queued behind the init in the session's order: it runs once the init
+  // has stopped, well inside its own 5 s.
+  const absl::Time asked = absl::Now();
+  te::v1::SessionInfo after;
+  const grpc::Status status = info(&after);
+  ASSERT_TRUE(status.ok()) << Describe(status);
+  EXPECT_LT(absl::Now() - asked, absl::Seconds(2));
+  EXPECT_EQ(after.layers(), before.layers());
+  EXPECT_EQ(after.memory_bytes(), before.memory_bytes());
 }
 
 TEST_F(ServiceTest, PaddingMaskReachesAttention) {
