@@ -11,7 +11,7 @@
 //     index. A device that hit a sticky error (Device::healthy() false) takes
 //     no new session: asked for by name it is UNAVAILABLE naming it, and it
 //     is never chosen; UNAVAILABLE when no device is healthy.
-//  3. Every device has its own executor (session/executor.h) with the same
+//  3. Every device has its own executor (executor.h) with the same
 //     thread count and queue bound.
 //  4. Health (grpc.health.v1): each device under its own name ("cuda:0"),
 //     SERVING while healthy; the server ("" and the TeService name) SERVING

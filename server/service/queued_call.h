@@ -1,5 +1,5 @@
 // QueuedCall: the reactor of every unary RPC that does work. The work runs on
-// a device's executor (session/executor.h); gRPC's threads only hand it over.
+// a device's executor (executor.h); gRPC's threads only hand it over.
 //
 // Contract:
 //  1. The call finishes with its work's status, or earlier: RESOURCE_EXHAUSTED
