@@ -461,6 +461,63 @@ TEST_F(VersionsTest, FailedAndCancelledCallsLeaveTheVersionsAsTheyWere) {
 // The copies a step needs while older versions hold what it writes count
 // against the session's memory: RESOURCE_EXHAUSTED naming the way out, and
 // nothing changed. A step that makes no version still fits.
+// Contract 6: a call's undo removes exactly what it created (a layer, a
+// graph, a version, a kept forward, a resident output) and nothing it found;
+// version numbers stay used.
+TEST_F(VersionsTest, AnUndoneCallRemovesExactlyWhatItCreated) {
+  const std::string a = InitGraph(DenseFlatten(4), {4, kSeq, kHidden}, 7);
+  ASSERT_OK_AND_ASSIGN(values, Values(a));
+  te::v1::SessionInfo before;
+  session_->GetSessionInfo(&before);
+
+  session_->BeginCall();
+  const std::string b = InitGraph(DenseFlatten(2), {2, kSeq, kHidden}, 9);
+  ASSERT_OK_AND_ASSIGN(added, AddGraph(a, DenseFlatten(2), {2, kSeq, kHidden}));
+  EXPECT_EQ(added.graph(), 1);
+  te::v1::ForwardRequest keep;
+  keep.set_layer_id(a);
+  *keep.mutable_x() = RandomFloats({4, kSeq, kHidden}, 1);
+  keep.set_keep_for_backward(true);
+  keep.set_keep_outputs(true);
+  te::v1::ForwardResponse kept;
+  ASSERT_TRUE(session_->Forward(keep, &kept).ok());
+  ASSERT_FALSE(kept.y().resident_id().empty());
+  te::v1::GetVariablesRequest get;
+  get.set_layer_id(a);
+  te::v1::GetVariablesResponse got;
+  ASSERT_TRUE(session_->GetVariables(get, &got).ok());
+  te::v1::SetVariablesRequest set;
+  set.set_layer_id(a);
+  *set.mutable_variables() = got.variables();
+  te::v1::SetVariablesResponse set_response;
+  ASSERT_TRUE(session_->SetVariables(set, &set_response).ok());
+  EXPECT_EQ(set_response.version(), 2);
+  te::v1::SessionInfo during;
+  session_->GetSessionInfo(&during);
+  EXPECT_EQ(during.layers(), 2);
+  EXPECT_EQ(during.saved_forwards(), 1);
+  EXPECT_EQ(during.resident_tensors(), 1);
+  session_->EndCall(/*undo=*/true);
+
+  te::v1::SessionInfo after;
+  session_->GetSessionInfo(&after);
+  EXPECT_EQ(after.layers(), before.layers());
+  EXPECT_EQ(after.saved_forwards(), before.saved_forwards());
+  EXPECT_EQ(after.resident_tensors(), before.resident_tensors());
+  EXPECT_EQ(after.memory_bytes(), before.memory_bytes());
+  EXPECT_EQ(Newest(a), 1);
+  EXPECT_EQ(*Values(a), values);
+  ExpectError(Values(b).status(), absl::StatusCode::kNotFound, "layer_id");
+  ExpectError(Forward(a, RandomFloats({2, kSeq, kHidden}, 1), /*graph=*/1).status(),
+              absl::StatusCode::kInvalidArgument, "graph");
+  // A call outside BeginCall and EndCall is kept; version 2 stays used.
+  ASSERT_TRUE(session_->SetVariables(set, &set_response).ok());
+  EXPECT_EQ(set_response.version(), 3);
+  session_->BeginCall();
+  session_->EndCall(/*undo=*/true);  // records nothing from before it
+  EXPECT_EQ(Newest(a), 3);
+}
+
 TEST_F(VersionsTest, AStepWhoseVersionDoesNotFitIsResourceExhausted) {
   // Params and Adam's moments of 64 x 64 (48 KiB to copy); the step's own
   // tensors (its gradients, 16 KiB, and a few hundred bytes more) fit the
