@@ -40,11 +40,11 @@ sent, so it includes the wait behind the steps before it.
 """
 import threading
 
-import grpc
 import numpy as np
 import numpy.lib.mixins
 
-from te_client import errors
+from te_client import errors, transport as transport_lib, variables as variables_lib
+from te_client._pb import service_pb2
 
 
 class StepCall:
@@ -122,7 +122,7 @@ class StepCall:
                 return      # the parent's settling settles this one
             response, error = self._own
             if parent is not None and parent.error is not None:
-                self.error = _dependent(parent.error, self.method)
+                self.error = _dependent(parent.error)
                 if error is None and response is not None and response.version:
                     release = response.version     # ran on the wrong variables: never seen
             else:
@@ -187,11 +187,10 @@ class StepCall:
         return self.response.version
 
     def _release(self, number):
-        from te_client import variables as variables_lib   # variables imports this module's users
         variables_lib._queue(self.session, ("release", self.layer_id, int(number)))
 
 
-def _dependent(failed, method):
+def _dependent(failed):
     """The error a step sent on top of `failed` raises: the failed step's code, naming it."""
     message = failed.message
     marker = "not run on the variables the program meant: "
@@ -209,7 +208,6 @@ def dispatch(session, handle, version, request, uploads, timeout=None):
     step is then not sent). `uploads` (session.send's): the shared-memory
     blocks are freed once the step has answered; the resident tensors are
     deleted by calls numbered after it (run after it, not waited for)."""
-    from te_client import transport as transport_lib, variables as variables_lib
     blocks = [u for u in uploads if isinstance(u, transport_lib.Block)]
     residents = [u for u in uploads if not isinstance(u, transport_lib.Block)]
     step = None
@@ -242,7 +240,6 @@ def dispatch(session, handle, version, request, uploads, timeout=None):
 
 
 def _delete_after(session, tensor_ids):
-    from te_client._pb import service_pb2
     for tensor_id in tensor_ids:
         session.call_async("DeleteTensor", service_pb2.DeleteTensorRequest(tensor_id=tensor_id))
 
