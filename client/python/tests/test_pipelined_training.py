@@ -91,8 +91,9 @@ def _state(name, batches):
     return optim.TrainState.create(apply_fn=model.apply, params=model.init(3, *init_args), tx=tx()), loss_fn
 
 
-def _loop(client, name, fp8, batches, read_each):
-    """Trains on `batches`; returns ([(loss, learning_rate, count)] per step as floats, final variables flat)."""
+def _loop(client, name, fp8, batches, read_each, counts=None):
+    """Trains on `batches`; returns ([(loss, learning_rate, count)] per step as floats, final variables
+    flat). `counts`: a dict updated with the session's transport counts."""
     with _session(client, fp8) as session, _scope(fp8):
         state, loss_fn = _state(name, batches)
         got = []
@@ -103,6 +104,8 @@ def _loop(client, name, fp8, batches, read_each):
                 float(metrics["loss"])
         rows = [(float(m["loss"]), float(m["learning_rate"]), int(m["count"])) for m in got]
         final = variables_lib.flatten(state.variables.fetch())
+        if counts is not None:
+            counts.update(session.transport_counts.as_dict())
     return rows, final
 
 
@@ -135,6 +138,27 @@ def test_the_pipelined_loop_equals_the_synchronous_loop_bit_for_bit(clients, nam
     assert any(k.startswith("params/") for k in moved)
     if fp8:
         assert any(k.startswith("fp8_metas/") for k in moved), moved
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+def test_inputs_through_shared_memory_or_streams_stay_until_their_step_has_run(clients, shm_server, transport):
+    """Each step's batch goes through a shared-memory block (freed once the
+    step answers: the next step's batch must not overwrite it before the
+    server has read it) or a resident upload (deleted by a call numbered
+    after the step): the same numbers as the synchronous inline loop."""
+    sync, _ = clients
+    batches = _lm_batches(17, STEPS)
+    want_rows, want = _loop(sync, "lm_own_loss", False, batches, read_each=True)
+    piped = te.connect(shm_server.address, transport=transport, pipeline_depth=DEPTH)
+    try:
+        counts = {}
+        rows, final = _loop(piped, "lm_own_loss", False, batches, read_each=False, counts=counts)
+    finally:
+        piped.close()
+    assert counts[transport] >= 2 * STEPS, counts     # each step's tokens and labels went that way
+    assert rows == want_rows
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(final[k]), np.asarray(want[k]), err_msg=k)
 
 
 def test_steps_are_sent_before_the_one_before_answers(clients):
