@@ -21,7 +21,7 @@ namespace internal {
 
 struct StepRecord {
   Session* session = nullptr;
-  std::vector<std::string> uploads;  // deleted once the step has answered
+  std::vector<std::string> blocks;  // its shared-memory blocks ("shm:..."), freed once it has answered
   absl::Mutex mu;
   std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> call ABSL_GUARDED_BY(mu);
   // A value of the layer: the version the step reads when it names one,
@@ -57,7 +57,7 @@ void SettleOne(StepRecord& record) {
   absl::MutexLock lock(&record.mu);
   if (record.settled) return;
   absl::StatusOr<te::v1::ForwardBackwardResponse> own = record.call.get();
-  record.session->DeleteAll(record.uploads).IgnoreError();
+  record.session->DeleteAll(record.blocks).IgnoreError();
   absl::Status before;
   if (record.parent != nullptr) {
     absl::MutexLock parent_lock(&record.parent->mu);
@@ -118,6 +118,7 @@ TrainSteps::TrainSteps(const Module& module, const Variables& vars, int depth)
 
 TrainSteps::~TrainSteps() {
   while (!in_flight_.empty()) SettleFront();
+  for (std::future<void>& deleted : deletes_) deleted.wait();
 }
 
 void TrainSteps::SettleFront() {
@@ -152,19 +153,24 @@ absl::StatusOr<PendingStep> TrainSteps::Step(const HostTensor& x, const ApplyOpt
   te::v1::ForwardBackwardRequest request;
   request.set_layer_id(current_.layer_id);
   te::v1::MicroBatch* batch = request.add_micro_batches();
+  std::vector<std::string> uploads;
   absl::Status sent = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(*batch->mutable_x(), session.Send(x, &record->uploads));
+    ASSIGN_OR_RETURN(*batch->mutable_x(), session.Send(x, &uploads));
     for (const HostTensor& extra : options.extra_inputs) {
-      ASSIGN_OR_RETURN(*batch->add_extra_inputs(), session.Send(extra, &record->uploads));
+      ASSIGN_OR_RETURN(*batch->add_extra_inputs(), session.Send(extra, &uploads));
     }
     if (options.attention_mask.has_value()) {
-      ASSIGN_OR_RETURN(*batch->mutable_attention_mask(), session.Send(*options.attention_mask, &record->uploads));
+      ASSIGN_OR_RETURN(*batch->mutable_attention_mask(), session.Send(*options.attention_mask, &uploads));
     }
     return absl::OkStatus();
   }();
   if (!sent.ok()) {
-    session.DeleteAll(record->uploads).IgnoreError();
+    session.DeleteAll(uploads).IgnoreError();
     return sent;
+  }
+  std::vector<std::string> residents;
+  for (std::string& id : uploads) {
+    (absl::StartsWith(id, "shm:") ? record->blocks : residents).push_back(std::move(id));
   }
   batch->set_dropout_seed(options.dropout_seed.value_or(0));
   request.set_deterministic(options.deterministic);
@@ -184,6 +190,18 @@ absl::StatusOr<PendingStep> TrainSteps::Step(const HostTensor& x, const ApplyOpt
     }
     record->call = session.ForwardBackwardAsync(std::move(request));
   }
+  if (!residents.empty()) {
+    // Deleted by calls numbered after the step (so run after it) on a thread
+    // of their own: a DeleteTensor waited for here would wait for every step
+    // in flight, emptying the pipeline.
+    deletes_.push_back(std::async(std::launch::async, [&session, ids = std::move(residents)] {
+      session.DeleteAll(ids).IgnoreError();
+    }));
+  }
+  while (!deletes_.empty() &&
+         deletes_.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    deletes_.pop_front();
+  }
   in_flight_.push_back(record);
   PendingStep pending;
   pending.record_ = std::move(record);
@@ -192,6 +210,8 @@ absl::StatusOr<PendingStep> TrainSteps::Step(const HostTensor& x, const ApplyOpt
 
 absl::StatusOr<Variables> TrainSteps::Wait() {
   while (!in_flight_.empty()) SettleFront();
+  for (std::future<void>& deleted : deletes_) deleted.wait();
+  deletes_.clear();
   RETURN_IF_ERROR(failed_);
   return current_;
 }

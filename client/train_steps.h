@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -101,6 +102,7 @@ class TrainSteps {
   Variables current_;
   absl::Status failed_;
   std::deque<std::shared_ptr<internal::StepRecord>> in_flight_;
+  std::deque<std::future<void>> deletes_;  // the steps' uploads, deleted after them
 };
 
 // A value (modules.h: Variables) of version `version` of the layer `vars`

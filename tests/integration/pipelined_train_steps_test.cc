@@ -89,7 +89,9 @@ struct Row {
 class PipelinedTrainStepsTest : public ::testing::TestWithParam<bool> {
  protected:
   static void SetUpTestSuite() {
-    auto started = ServerProcess::Start();
+    ServerProcess::Options options;
+    options.flags = {"--enable_shm"};
+    auto started = ServerProcess::Start(options);
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = started->release();
   }
@@ -107,8 +109,9 @@ class PipelinedTrainStepsTest : public ::testing::TestWithParam<bool> {
 
   bool fp8() const { return GetParam(); }
 
-  std::unique_ptr<client::Session> Open() {
+  std::unique_ptr<client::Session> Open(client::Transport transport = client::Transport::kAuto) {
     client::SessionOptions options;
+    options.transport = transport;
     if (fp8()) options.recipes = {client::DelayedScaling{}};
     auto session = client_->CreateSession(options);
     EXPECT_TRUE(session.ok()) << session.status();
@@ -223,6 +226,47 @@ TEST_P(PipelinedTrainStepsTest, EqualTheSynchronousLoopBitForBitInTheOrderSent) 
   if (fp8()) EXPECT_GT(moved_metas, 0) << "no fp8_meta moved: the FP8 state was not exercised";
   // Pipelining happened: some step went out while the one before was unanswered.
   EXPECT_GT(sent_before_the_last_answered, 0);
+}
+
+// Each step's batch in a shared-memory block (freed once the step has
+// answered: the next batch must not overwrite it before the server read it)
+// or uploaded (deleted by calls numbered after the step): the same numbers.
+TEST_P(PipelinedTrainStepsTest, InputsInSharedMemoryOrUploadedStayUntilTheirStepHasRun) {
+  std::vector<Batch> batches;
+  for (int i = 0; i < kSteps; ++i) batches.push_back(SentenceBatch(i));
+  std::vector<Row> want;
+  std::map<std::string, std::vector<float>> want_values;
+  Synchronous(batches, &want, &want_values);
+  for (client::Transport transport : {client::Transport::kSharedMemory, client::Transport::kStream}) {
+    SCOPED_TRACE(client::TransportName(transport));
+    std::unique_ptr<client::Session> session = Open(transport);
+    ASSERT_NE(session, nullptr);
+    std::optional<client::Autocast> scope;
+    if (fp8()) scope.emplace(true, client::DelayedScaling{});
+    const client::Graph lm = SmallLm();
+    std::optional<client::Variables> start = Init(*session, lm);
+    ASSERT_TRUE(start.has_value());
+    client::TrainSteps steps(lm, *start, kDepth);
+    std::vector<client::PendingStep> sent;
+    for (const Batch& batch : batches) {
+      auto step = steps.Step(batch.tokens, WithLabels(batch));
+      ASSERT_TRUE(step.ok()) << step.status();
+      sent.push_back(*step);
+    }
+    auto trained = steps.Wait();
+    ASSERT_TRUE(trained.ok()) << trained.status();
+    for (size_t i = 0; i < sent.size(); ++i) {
+      auto metrics = sent[i].Get();
+      ASSERT_TRUE(metrics.ok()) << metrics.status();
+      EXPECT_TRUE((Row{metrics->loss, metrics->update.count(), metrics->update.learning_rate()}) == want[i])
+          << "step " << i;
+    }
+    EXPECT_EQ(Values(*trained), want_values);
+    const client::TransportCounts& counts = session->transport_counts();
+    const int64_t moved = transport == client::Transport::kStream ? counts.streamed_tensors.load()
+                                                                   : counts.shm_tensors.load();
+    EXPECT_GE(moved, 2 * kSteps);  // each step's tokens and labels went that way
+  }
 }
 
 TEST_P(PipelinedTrainStepsTest, AFailedStepStopsTheStepsSentOnTopOfIt) {
