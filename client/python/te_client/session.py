@@ -252,8 +252,9 @@ class Session:
         sequence = self._number(request.session, step.method, request, step=step)
         if sequence is None:
             return False
-        if step.parent is not None:
-            step.parent.add_child(step)
+        parent = step.parent
+        if parent is not None:
+            parent.add_child(step)
         with self._steps_lock:
             self._steps.append(step)
         step.sequence = sequence
@@ -264,6 +265,8 @@ class Session:
             step.answer(None, e if isinstance(e, errors.TeError) else errors.error(
                 grpc.StatusCode.CANCELLED, "%s: not sent (%s)" % (step.method, type(e).__name__)))
             raise
+        if parent is not None and parent.settled() and parent.error is not None:
+            step.cancel()   # the parent failed before this one could be cancelled with it
         return True
 
     def _send(self, method, request, sequence, timeout, finish):
