@@ -352,8 +352,9 @@ TEST(GenerateTest, AStepCopiesItsTokensUpAndItsLogitsDownWhateverTheDepth) {
       EXPECT_EQ(up7 - up2, 5);
       EXPECT_EQ(down7 - down2, 5);
       // The setup: a zero cache index per layer, the lengths, the prompt's
-      // relative-bias buckets per layer; and the first logits.
-      EXPECT_EQ(up1, 2 * layers + 1);
+      // relative-bias buckets (one table for every layer); and the first
+      // logits.
+      EXPECT_EQ(up1, layers + 2);
       EXPECT_EQ(down1, 1);
       EXPECT_EQ(up2 - up1, 2);  // the token and the buckets by distance
       EXPECT_EQ(down2 - down1, 1);

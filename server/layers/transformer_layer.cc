@@ -40,6 +40,7 @@
 // deterministic=False in the timed step (TE docs/examples/quickstart_jax.ipynb).
 #include <cmath>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -361,7 +362,8 @@ class TransformerLayerImpl : public Layer {
   // where the rows fall outside the cache (the step reports that). A
   // one-token step under a decode context reads its row from the buckets by
   // distance that the context keeps (uploaded once for all its steps and
-  // layers), not from an [L, L] table uploaded per step.
+  // layers), not from an [L, L] table uploaded per step; a prompt's step the
+  // rows of the [L, L] table the context keeps.
   absl::StatusOr<Tensor> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
                                     int64_t tokens, DecodeContext* context) const {
     auto key = vars.find(KvCacheNamesAt(options_.attention.scope).key);
@@ -369,12 +371,13 @@ class TransformerLayerImpl : public Layer {
     const int64_t length = key->second.dim(1);
     if (position < 0 || position + tokens > length) return Tensor();
     ASSIGN_OR_RETURN(const Tensor table, GetVariable(vars, kRelEmbedding));
+    const bool bidirectional = !options_.decoder;
+    const std::string config = absl::StrCat(bidirectional, "/", kNumBuckets, "/", kMaxDistance,
+                                            "/", length);
     if (tokens == 1 && context != nullptr) {
-      const bool bidirectional = !options_.decoder;
       ASSIGN_OR_RETURN(
           const Tensor by_distance,
-          context->Constant(absl::StrCat("relative_buckets/", bidirectional, "/", kNumBuckets, "/",
-                                         kMaxDistance, "/", length),
+          context->Constant(absl::StrCat("relative_buckets_by_distance/", config),
                             [&] { return BucketsByDistance(ops, bidirectional, length); }));
       // Element k holds distance j - i = k - (L - 1): query p's keys 0..L-1
       // start at L - 1 - p.
@@ -382,7 +385,12 @@ class TransformerLayerImpl : public Layer {
       const Tensor row = by_distance.Slice0(first, first + length).Reshaped({1, length});
       return RelativeBias(ops, table, row);
     }
-    ASSIGN_OR_RETURN(const Tensor buckets, buckets_.Buckets(ops, length, length));
+    // A prompt's rows, of the [L, L] table every layer of the context shares.
+    auto whole = [&] { return buckets_.Buckets(ops, length, length); };
+    ASSIGN_OR_RETURN(const Tensor buckets,
+                     context != nullptr
+                         ? context->Constant(absl::StrCat("relative_buckets/", config), whole)
+                         : whole());
     return RelativeBias(ops, table, buckets.Slice0(position, position + tokens));
   }
 
