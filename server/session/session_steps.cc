@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -393,11 +394,14 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.tf32 = tf32;
   layers::Fp8WeightCache::Call kept_weights(&layer->fp8_weights);
   opts.keep_for_backward = request.keep_for_backward();
+  std::shared_ptr<layers::DecodeContext> decode_context;  // alive through the forward
   if (request.decode()) {
     // Contract 11: the step advances its own copy of each cache index.
     ASSIGN_OR_RETURN(const DecodeStep step, PrepareDecode(target, &vars));
     opts.decode = true;
     opts.decode_cache_index = step.common_index;
+    decode_context = step.context;
+    opts.decode_context = decode_context.get();
   }
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
