@@ -21,8 +21,21 @@ context's mean over the steps), per step of `batch` tokens.
 --recipes adds rows for te_server under FP8 (delayed: DelayedScaling HYBRID, history 1024, as
 train_lm.py --recipe=delayed; the layer initialised under it). --peer_param_dtypes: the peer's
 weights in bf16 (cast once: inference as one would write it) and/or float32 (train_lm's params,
-cast in every step as a Flax module with dtype=bfloat16 does). The per-token apply path from a
-client (apply(..., decode=True) per token) has no row yet.
+cast in every step as a Flax module with dtype=bfloat16 does).
+
+The per-token apply path from a client ("client apply(decode=True)" rows, --client_rows): TE's
+own decode, as a Flax user writes it, one Forward call per token:
+
+    variables = model.init(0, ids_full, decode=True)
+    y, variables = model.apply(variables, ids[:, t:t + 1], decode=True, mutable=["cache"])
+
+with the next token the argmax of y on the client. TE decodes MultiHeadAttention (separate q, k,
+v: rotary) and DECODER TransformerLayers, and refuses the LM's ENCODER TransformerLayers, so this
+row's model is the LM's shape built from what TE decodes: per layer TE's MultiHeadAttention
+(rotary, causal) and LayerNormMLP (4x, gelu) with residuals, no relative bias (TE's
+MultiHeadAttention has none), the same embedding, final LayerNorm and tied projection. The
+prompt goes in one token per call too (TE's decode takes one), so "first ms" is prompt + 1 calls;
+each run starts from the init's variables (its first step branches the cache: one copy).
 """
 import argparse
 import contextlib
@@ -43,6 +56,8 @@ sys.path.insert(0, os.path.join(REPO, "client", "python"))
 sys.path.insert(0, os.path.join(REPO, "client", "python", "examples"))
 
 import te_client as te  # noqa: E402
+import te_client.flax as te_flax  # noqa: E402
+from te_client import linen as nn  # noqa: E402
 from te_client.generate import generate_stream  # noqa: E402
 from te_client.recipe import DelayedScaling, Format  # noqa: E402
 from train_lm import DecoderLM  # noqa: E402
@@ -96,6 +111,70 @@ def time_generation(variables, prompt, new_tokens):
     return first - start, end - first
 
 
+class ClientDecodeLM(nn.Module):
+    """The LM's sizes from modules TE decodes (the module comment): ids -> logits [B, S, 256]."""
+    num_layers: int
+    hidden: int
+    heads: int
+    compute_dtype: object = te.bfloat16
+    vocab: int = 256
+
+    @nn.compact
+    def __call__(self, tokens, decode=False):
+        embed = nn.Embed(self.vocab, self.hidden)
+        x = embed(tokens).astype(self.compute_dtype)
+        for _ in range(self.num_layers):
+            a = te_flax.MultiHeadAttention(head_dim=self.hidden // self.heads, num_attention_heads=self.heads,
+                                           enable_rotary_pos_emb=True)(x, decode=decode, deterministic=True)
+            x = x + (a[0] if isinstance(a, tuple) else a)
+            z = te_flax.LayerNormMLP(intermediate_dim=4 * self.hidden, activations=("gelu",))(
+                x, deterministic=True)
+            x = x + (z[0] if isinstance(z, tuple) else z)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def _next_tokens(y):
+    """Greedy: the argmax of the last position's logits, int32 [B, 1]."""
+    logits = np.asarray(y).astype(np.float32)[:, -1]
+    return np.argmax(logits, axis=-1).astype(np.int32)[:, None]
+
+
+def time_client_decode(model, variables, prompt, new_tokens):
+    """(prompt and first token's seconds, the other tokens' seconds) of decoding through one
+    apply(decode=True, mutable=["cache"]) per token from the client."""
+    start = time.perf_counter()
+    for t in range(prompt.shape[1]):
+        y, variables = model.apply(variables, prompt[:, t:t + 1], decode=True, mutable=["cache"])
+    tokens = _next_tokens(y)
+    first = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        y, variables = model.apply(variables, tokens, decode=True, mutable=["cache"])
+        tokens = _next_tokens(y)
+    end = time.perf_counter()
+    return first - start, end - first
+
+
+def client_rows(args, recipe, rng):
+    """The per-token client path's rows under `recipe` (the session's current)."""
+    rows = []
+    model = ClientDecodeLM(args.layers, args.hidden, args.heads)
+    for batch in args.batch_sizes:
+        full = np.zeros((batch, args.prompt + args.new - 1), np.int32)
+        variables = model.init(0, full, decode=True)
+        prompt = rng.integers(0, 256, size=(batch, args.prompt)).astype(np.int32)
+        time_client_decode(model, variables, prompt, args.new)   # warm-up
+        runs = [time_client_decode(model, variables, prompt, args.new) for _ in range(args.iters)]
+        first = statistics.median(r[0] for r in runs)
+        rest = statistics.median(r[1] for r in runs)
+        total = statistics.median(r[0] + r[1] for r in runs)
+        rows.append(dict(what="client apply(decode=True) per token %s (MHA + MLP layers)" % recipe, batch=batch,
+                         first_ms=first * 1e3, decode=batch * (args.new - 1) / rest, total=batch * args.new / total))
+        print("  %s batch %d: first %.2f ms, decode %.1f tokens/s" % (
+            rows[-1]["what"], batch, rows[-1]["first_ms"], rows[-1]["decode"]), flush=True)
+        del variables
+    return rows
+
+
 def server_rows(address, args):
     rows = []
     rng = np.random.default_rng(0)
@@ -119,6 +198,8 @@ def server_rows(address, args):
                     print("  %s batch %d: first %.2f ms, decode %.1f tokens/s" % (
                         rows[-1]["what"], batch, rows[-1]["first_ms"], rows[-1]["decode"]), flush=True)
                 del variables
+                if args.client_rows:
+                    rows += client_rows(args, recipe, rng)
     return rows
 
 
@@ -169,7 +250,6 @@ def print_table(args, rows):
             ratio = "%.2fx" % (r["decode"] / best) if best else "n/a"
             print("| %d | %s | %.2f | %.1f | %.1f | %s | %.3g%% |" % (
                 batch, r["what"], r["first_ms"], r["decode"], r["total"], ratio, 100 * r["decode"] / floor))
-        print("| %d | client apply(decode=True) per token | | | | (not measured here) | |" % batch)
         print("| %d | floor (weights + KV read per step) | | %.1f | | | 100%% |" % (batch, floor))
 
 
@@ -188,6 +268,8 @@ def main():
     parser.add_argument("--recipes", default="bf16,delayed", help="te_server rows: bf16 and/or delayed (FP8)")
     parser.add_argument("--peer_python", default=sys.executable, help="the Python that has jax")
     parser.add_argument("--peer_param_dtypes", default="bfloat16,float32", help="'' skips the JAX peer")
+    parser.add_argument("--client_rows", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the per-token client path (apply(decode=True) per token)")
     parser.add_argument("--bandwidth_tbs", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
     parser.add_argument("--tiny", action="store_true",
                         help="a CPU-sized run: 2 x 64, 4 heads, prompt 8, 8 new, batches 1,2, 2 iters, --device=cpu")

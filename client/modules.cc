@@ -2,6 +2,7 @@
 // over the session's raw calls, and the shape-tree printer. The per-module
 // te.v1.LayerSpec builders are in module_specs.cc.
 #include "client/modules.h"
+#include "client/train_steps.h"
 
 #include <atomic>
 #include <memory>
@@ -155,6 +156,15 @@ std::optional<Variables> Follow(const Variables& vars, int64_t version) {
 }
 
 }  // namespace
+
+// Declared in train_steps.h: a step's version as the value its result holds.
+Variables ValueAt(const Variables& vars, int64_t version) {
+  Variables value = vars;
+  if (vars.hold != nullptr && version != 0) {
+    value.hold = std::make_shared<VersionHold>(vars.hold->layer(), version, false);
+  }
+  return value;
+}
 
 bool Variables::HasCollection(const std::string& collection) const {
   for (const VariableInfo& v : variables) {

@@ -323,6 +323,21 @@ absl::Status AwaitRestart(const SoakOptions& o) {
   return last;
 }
 
+constexpr absl::Duration kMemorySampleEvery = absl::Seconds(2);
+
+// The lowest of an interval's memory samples; -1 while none was taken.
+struct MemoryFloor {
+  int64_t device_in_use = -1, device_reserved = -1, host_rss = -1;
+  static void Lower(int64_t sample, int64_t* floor) {
+    if (sample >= 0 && (*floor < 0 || sample < *floor)) *floor = sample;
+  }
+  void Add(int64_t in_use, int64_t reserved) {
+    Lower(in_use, &device_in_use);
+    Lower(reserved, &device_reserved);
+  }
+  void AddHost(int64_t rss) { Lower(rss, &host_rss); }
+};
+
 }  // namespace
 
 absl::StatusOr<SoakReport> RunSoak(const SoakOptions& o) {
@@ -394,18 +409,25 @@ absl::StatusOr<SoakReport> RunSoak(const SoakOptions& o) {
     absl::StatusOr<std::unique_ptr<Client>> sampler = Client::Connect(o.server, sampler_options);
     absl::Time next = start + o.interval;
     while (true) {
-      const absl::Time now = absl::Now();
+      // The device's memory as the server sees it (every session on it),
+      // sampled every kMemorySampleEvery; an interval reports its lowest
+      // samples: the activations of steps in flight come and go with the
+      // instant sampled, and only what stays raises the floor.
+      MemoryFloor floor;
       const absl::Time wake = std::min(next, until);
-      if (now < wake) absl::SleepFor(wake - now);
+      do {
+        const absl::Duration left = wake - absl::Now();
+        if (left > absl::ZeroDuration()) absl::SleepFor(std::min(kMemorySampleEvery, left));
+        absl::StatusOr<te::v1::SessionInfo> info =
+            held[0].session->GetSessionInfo(absl::Seconds(30));
+        if (info.ok()) floor.Add(info->device_bytes_in_use(), info->device_bytes_reserved());
+        if (o.server_pid > 0) floor.AddHost(ResidentBytes(o.server_pid));
+      } while (absl::Now() < wake);
       const bool last = absl::Now() >= until;
       SoakInterval interval = collector.Take(absl::ToDoubleMinutes(absl::Now() - start));
-      // The device's memory as the server sees it (every session on it).
-      absl::StatusOr<te::v1::SessionInfo> info = held[0].session->GetSessionInfo(absl::Seconds(30));
-      if (info.ok()) {
-        interval.device_in_use = info->device_bytes_in_use();
-        interval.device_reserved = info->device_bytes_reserved();
-      }
-      if (o.server_pid > 0) interval.host_rss = ResidentBytes(o.server_pid);
+      interval.device_in_use = floor.device_in_use;
+      interval.device_reserved = floor.device_reserved;
+      interval.host_rss = floor.host_rss;
       Print(o, FormatInterval(interval));
       report.intervals.push_back(interval);
       if (last) break;

@@ -11,7 +11,9 @@
 // Every interval (a minute) it prints the calls that succeeded and failed,
 // step time p50/p99 per kind, and memory: the device's (bytes its sessions
 // hold, bytes its allocator holds) from GetSessionInfo, the server's
-// resident host memory from /proc (given its pid). At the end it prints the
+// resident host memory from /proc (given its pid), each the lowest of the
+// interval's samples (one every 2 s), since steps in flight hold activations
+// that come and go with the instant sampled. At the end it prints the
 // slope of each after the warm-up, and records a digest of every variable of
 // the held sessions. With a restore check it then waits for the server to
 // be restarted (SIGTERM with --state_dir, and a new server on the same

@@ -153,36 +153,62 @@ absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCac
   return ops.CopyAll(src, dst);
 }
 
-absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache) {
-  const int32_t next = static_cast<int32_t>(cache.position + cache.tokens);
-  Tensor index = cache.index;
-  return ops.Upload(&next, &index);
+absl::Status DecodeContext::Reserve(Ops& ops, int64_t batch, const std::vector<int64_t>& values) {
+  if (batch < 1 || values.empty()) return absl::OkStatus();
+  const int64_t rows = static_cast<int64_t>(values.size());
+  std::vector<int32_t> host;
+  host.reserve(static_cast<size_t>(rows * batch));
+  for (int64_t v : values) {
+    host.insert(host.end(), static_cast<size_t>(batch), static_cast<int32_t>(v));
+  }
+  ASSIGN_OR_RETURN(Tensor table, ops.Allocate(DType::kI32, {rows, batch}));
+  RETURN_IF_ERROR(ops.Upload(host.data(), &table));
+  ++uploads_;
+  for (int64_t i = 0; i < rows; ++i) {
+    lengths_[{batch, values[i]}] = table.Slice0(i, i + 1).Reshaped({batch});
+  }
+  return absl::OkStatus();
 }
 
-absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, bool whole) {
+absl::StatusOr<Tensor> DecodeContext::Lengths(Ops& ops, int64_t batch, int64_t value) {
+  auto it = lengths_.find({batch, value});
+  if (it != lengths_.end()) return it->second;
+  const std::vector<int32_t> host(static_cast<size_t>(batch), static_cast<int32_t>(value));
+  ASSIGN_OR_RETURN(Tensor lengths, ops.Allocate(DType::kI32, {batch}));
+  RETURN_IF_ERROR(ops.Upload(host.data(), &lengths));
+  ++uploads_;
+  lengths_[{batch, value}] = lengths;
+  return lengths;
+}
+
+absl::StatusOr<Tensor> DecodeContext::Constant(
+    const std::string& key, const std::function<absl::StatusOr<Tensor>()>& make) {
+  auto it = constants_.find(key);
+  if (it != constants_.end()) return it->second;
+  ASSIGN_OR_RETURN(Tensor made, make());
+  constants_[key] = made;
+  return made;
+}
+
+absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache, DecodeContext& context) {
+  if (!context.write_index) return absl::OkStatus();
+  // Row position + tokens of the lengths the step's attention read already.
+  ASSIGN_OR_RETURN(const Tensor next,
+                   context.Lengths(ops, cache.key.dim(0), cache.position + cache.tokens));
+  Tensor index = cache.index;
+  return ops.Copy(next.Slice0(0, 1).Reshaped(index.shape()), &index);
+}
+
+absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, DecodeContext& context) {
   KvView view;
-  const int64_t batch = cache.key.dim(0), length = cache.length(), tokens = cache.tokens;
-  const int64_t groups = cache.key.dim(2), head_dim = cache.key.dim(3);
-  const int64_t visible = cache.position + tokens;
-  if (batch == 1 && !whole) {
-    view.key = cache.key.Reshaped({length, groups, head_dim}).Slice0(0, visible).Reshaped(
-        {1, visible, groups, head_dim});
-    view.value = cache.value.Reshaped({length, groups, head_dim}).Slice0(0, visible).Reshaped(
-        {1, visible, groups, head_dim});
-    // Query i sits at row position + i = i + (visible - tokens).
-    view.mask = tokens == 1 ? MaskType::kNoMask : MaskType::kCausalBottomRight;
-    return view;
-  }
+  const int64_t batch = cache.key.dim(0), tokens = cache.tokens;
   view.key = cache.key;
   view.value = cache.value;
-  view.mask = tokens == 1 ? MaskType::kPadding : MaskType::kPaddingCausalBottomRight;
-  const std::vector<int32_t> q_lengths(static_cast<size_t>(batch), static_cast<int32_t>(tokens));
-  const std::vector<int32_t> kv_lengths(static_cast<size_t>(batch),
-                                        static_cast<int32_t>(visible));
-  ASSIGN_OR_RETURN(view.q_seqlens, ops.Allocate(DType::kI32, {batch}));
-  ASSIGN_OR_RETURN(view.kv_seqlens, ops.Allocate(DType::kI32, {batch}));
-  RETURN_IF_ERROR(ops.Upload(q_lengths.data(), &view.q_seqlens));
-  RETURN_IF_ERROR(ops.Upload(kv_lengths.data(), &view.kv_seqlens));
+  view.mask = tokens == 1            ? MaskType::kPadding
+              : cache.position == 0 ? MaskType::kPaddingCausal
+                                    : MaskType::kPaddingCausalBottomRight;
+  ASSIGN_OR_RETURN(view.q_seqlens, context.Lengths(ops, batch, tokens));
+  ASSIGN_OR_RETURN(view.kv_seqlens, context.Lengths(ops, batch, cache.position + tokens));
   return view;
 }
 

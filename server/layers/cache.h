@@ -16,7 +16,10 @@
 #define TE_SERVER_LAYERS_CACHE_H_
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -80,23 +83,58 @@ absl::StatusOr<int64_t> ReadKvCacheIndex(Ops& ops, const Variables& vars, absl::
 // of every batch row of cache.key / cache.value, in place.
 absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache);
 
-// cache_index = cache.position + cache.tokens, in place.
-absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache);
+// What the attentions of one decode step share (ForwardOptions::
+// decode_context), so a model of N attention blocks makes its small device
+// tensors once per step rather than N times, and a generation once for all
+// its steps: the attention lengths (int32 [B] all holding one value), of
+// which the next cache_index is a view, and device constants a layer keys by
+// name (the relative-position buckets). Each is made by the first step that
+// asks and shared by every later ask of the context's life; the caller keeps
+// the context while any step that asked may still run. Not thread-safe: a
+// step's layers run one after another.
+class DecodeContext {
+ public:
+  // One upload of int32 [values.size(), batch], row i all values[i]:
+  // Lengths(ops, batch, v) for each v of `values` is then a view of it.
+  absl::Status Reserve(Ops& ops, int64_t batch, const std::vector<int64_t>& values);
+  // int32 [batch], every element `value`, on ops' device: a reserved row, or
+  // uploaded on the first ask and kept.
+  absl::StatusOr<Tensor> Lengths(Ops& ops, int64_t batch, int64_t value);
+  // The tensor kept under `key`, made by `make` on the first ask.
+  absl::StatusOr<Tensor> Constant(const std::string& key,
+                                  const std::function<absl::StatusOr<Tensor>()>& make);
+  // Whether a step writes each cache's cache_index. False only for a caller
+  // that keeps the caches to itself and passes the index it knows
+  // (ForwardOptions::decode_cache_index): generation, whose caches nobody
+  // else reads.
+  bool write_index = true;
+  // Uploads made so far (tests count them).
+  int64_t uploads() const { return uploads_; }
 
-// The step's keys and values as attention reads them, with the mask that
-// shows query i (at position p + i) the rows 0..p + i. For one batch row
-// (and not `whole`), rows 0..p + S - 1 of the cache (a view), bottom-right
-// causal (no mask for one token); else the whole cache, with q_seqlens S and
-// kv_seqlens p + S (uploaded here) under padding (one token) or
-// padding_causal_bottom_right. `whole`: the keys must be all L rows (a bias
-// over them).
+ private:
+  std::map<std::pair<int64_t, int64_t>, Tensor> lengths_;  // (batch, value)
+  std::map<std::string, Tensor> constants_;
+  int64_t uploads_ = 0;
+};
+
+// cache_index = cache.position + cache.tokens, in place: a device copy from
+// the context's lengths (none with !context.write_index).
+absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache, DecodeContext& context);
+
+// The step's keys and values as attention reads them: the whole cache
+// [B, L, G, D] at every step, so the attention's shapes stay the same for a
+// whole generation (a GPU backend plans an attention once per shape), with
+// q_seqlens S and kv_seqlens p + S from the context showing query i (at
+// position p + i) the rows 0..p + i: a padding mask for one token, padding
+// with the causal diagonal for S tokens at p = 0 (where top-left and
+// bottom-right agree), padding_causal_bottom_right for S tokens past 0.
 struct KvView {
-  Tensor key, value;  // [B, p + S or L, G, D]
-  MaskType mask = MaskType::kNoMask;
-  Tensor q_seqlens;   // int32 [B], or undefined (no lengths)
+  Tensor key, value;  // [B, L, G, D]
+  MaskType mask = MaskType::kPadding;
+  Tensor q_seqlens;   // int32 [B]
   Tensor kv_seqlens;
 };
-absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, bool whole);
+absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, DecodeContext& context);
 
 }  // namespace te::layers
 

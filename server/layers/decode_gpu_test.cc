@@ -259,17 +259,12 @@ TEST_P(LmGraphDecodeGpuTest, PromptThenTokensGiveTheForwardsLogits) {
   ASSERT_TRUE(vars.ok());
   auto cache = with_loss->CacheSpecs(x_shape, DType::kI32, /*internal_decode=*/true);
   ASSERT_TRUE(cache.ok()) << cache.status();
-  ASSERT_TRUE(InitCache(gpu, *cache, &*vars).ok());
   std::vector<int32_t> ids(static_cast<size_t>(batch * length));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 37 + 11) % 97);
   auto x = gpu.Allocate(DType::kI32, x_shape);
   ASSERT_TRUE(x.ok());
   ASSERT_TRUE(gpu.Upload(ids.data(), &*x).ok());
   ForwardOptions forward;
-  ForwardOptions decode;
-  decode.decode = true;
-  decode.internal_decode = true;
-  int64_t position = 0;
   auto apply = [&](const Layer& layer, const Tensor& in_x,
                    const ForwardOptions& opts) -> absl::StatusOr<Tensor> {
     LayerInputs in;
@@ -280,16 +275,35 @@ TEST_P(LmGraphDecodeGpuTest, PromptThenTokensGiveTheForwardsLogits) {
   };
   std::vector<int64_t> chunks = {prompt};
   chunks.resize(static_cast<size_t>(length - prompt + 1), 1);
-  auto error = MaxDecodeRowError(
-      gpu, *x, [&](const Tensor& all) { return apply(*logits, all, forward); },
-      [&](const Tensor& part) {
-        decode.decode_cache_index = position;
-        position += part.dim(1);
-        return apply(*with_loss, part, decode);
-      },
-      chunks);
-  ASSERT_TRUE(error.ok()) << error.status();
-  EXPECT_LE(*error, kBF16Tolerance);
+  // Each attention making its own lengths, then the steps sharing one
+  // DecodeContext as generation's do (lengths reserved once, the relative
+  // bias's buckets kept, the index known to the loop and never written).
+  for (const bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared DecodeContext" : "no context");
+    ASSERT_TRUE(InitCache(gpu, *cache, &*vars).ok());
+    DecodeContext context;
+    ForwardOptions decode;
+    decode.decode = true;
+    decode.internal_decode = true;
+    if (shared) {
+      context.write_index = false;
+      std::vector<int64_t> lengths(static_cast<size_t>(length));
+      for (int64_t i = 0; i < length; ++i) lengths[i] = i + 1;
+      ASSERT_TRUE(context.Reserve(gpu, batch, lengths).ok());
+      decode.decode_context = &context;
+    }
+    int64_t position = 0;
+    auto error = MaxDecodeRowError(
+        gpu, *x, [&](const Tensor& all) { return apply(*logits, all, forward); },
+        [&](const Tensor& part) {
+          decode.decode_cache_index = position;
+          position += part.dim(1);
+          return apply(*with_loss, part, decode);
+        },
+        chunks);
+    ASSERT_TRUE(error.ok()) << error.status();
+    EXPECT_LE(*error, kBF16Tolerance);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Batches, LmGraphDecodeGpuTest, ::testing::Values(1, 4));

@@ -509,8 +509,24 @@ TEST_P(TransformerLayerGenerationTest, PromptThenTokensEqualOneCausalForward) {
   auto cache = layer.CacheSpecs(x_shape, c.dtype, /*internal_decode=*/true);
   ASSERT_TRUE(cache.ok()) << cache.status();
   EXPECT_EQ((*cache)[0].name, "cache/attention/cached_key");
-  for (const std::vector<int64_t>& chunks :
-       std::vector<std::vector<int64_t>>{{}, {4, 1, 1, 2}}) {
+  // Each attention making its own lengths, then the steps sharing one
+  // DecodeContext (its lengths, its relative-bias buckets by distance) as
+  // generation's do: writing the index through it, or, as generation, not
+  // at all.
+  struct Run {
+    std::vector<int64_t> chunks;
+    bool context;
+    bool write_index;
+  };
+  for (const Run& run : std::vector<Run>{{{}, false, true},
+                                         {{4, 1, 1, 2}, false, true},
+                                         {{}, true, true},
+                                         {{4, 1, 1, 2}, true, false}}) {
+    SCOPED_TRACE(absl::StrCat("chunks ", run.chunks.size(), " context ", run.context,
+                              " write_index ", run.write_index));
+    const std::vector<int64_t>& chunks = run.chunks;
+    DecodeContext context;
+    context.write_index = run.write_index;
     auto vars = InitLayer(*ops, layer, x_shape, nullptr);
     ASSERT_TRUE(vars.ok()) << vars.status();
     RandomizeParams(*ops, &*vars, 3);
@@ -520,6 +536,7 @@ TEST_P(TransformerLayerGenerationTest, PromptThenTokensEqualOneCausalForward) {
     ForwardOptions decode;
     decode.decode = true;
     decode.internal_decode = true;
+    if (run.context) decode.decode_context = &context;
     int64_t position = 0;
     auto error = MaxDecodeRowError(
         *ops, x, [&](const Tensor& all) { return Apply(*ops, layer, &*vars, all, forward); },
@@ -532,7 +549,8 @@ TEST_P(TransformerLayerGenerationTest, PromptThenTokensEqualOneCausalForward) {
         chunks);
     ASSERT_TRUE(error.ok()) << error.status();
     EXPECT_LE(*error, c.dtype == DType::kF32 ? kF32Tolerance : kBf16Tolerance);
-    EXPECT_EQ(CacheIndex(*ops, *vars, "cache/attention/cache_index"), length);
+    EXPECT_EQ(CacheIndex(*ops, *vars, "cache/attention/cache_index"),
+              run.write_index ? length : 0);
   }
 }
 
@@ -549,6 +567,41 @@ INSTANTIATE_TEST_SUITE_P(
                           c.groups == 4 ? "Mha" : "Gqa", "Batch", c.batch,
                           c.dtype == DType::kF32 ? "F32" : "BF16");
     });
+
+// ---- the context a step's attentions share ---------------------------------------
+
+TEST(DecodeContextTest, LengthsAreMadeOnceAndReservedOnesCostNoUpload) {
+  auto ops = NewCpuOps();
+  DecodeContext context;
+  ASSERT_TRUE(context.Reserve(*ops, 3, {1, 4, 9}).ok());
+  EXPECT_EQ(context.uploads(), 1);
+  for (int64_t v : {1, 4, 9}) {
+    auto lengths = context.Lengths(*ops, 3, v);
+    ASSERT_TRUE(lengths.ok()) << lengths.status();
+    EXPECT_EQ(lengths->shape(), (Shape{3}));
+    EXPECT_EQ(*HostValues(*ops, *lengths), std::vector<float>(3, static_cast<float>(v)));
+  }
+  EXPECT_EQ(context.uploads(), 1);
+  // Another value, or another batch, is uploaded once, then kept.
+  auto five = context.Lengths(*ops, 3, 5);
+  auto again = context.Lengths(*ops, 3, 5);
+  auto other_batch = context.Lengths(*ops, 2, 4);
+  ASSERT_TRUE(five.ok() && again.ok() && other_batch.ok());
+  EXPECT_EQ(five->data(), again->data());
+  EXPECT_EQ(*HostValues(*ops, *five), std::vector<float>(3, 5.0f));
+  EXPECT_EQ(*HostValues(*ops, *other_batch), std::vector<float>(2, 4.0f));
+  EXPECT_EQ(context.uploads(), 3);
+  int made = 0;
+  auto make = [&]() -> absl::StatusOr<Tensor> {
+    ++made;
+    return ops->Allocate(DType::kI32, {2});
+  };
+  auto a = context.Constant("k", make);
+  auto b = context.Constant("k", make);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->data(), b->data());
+  EXPECT_EQ(made, 1);
+}
 
 // ---- errors leave the cache as it was -------------------------------------------
 

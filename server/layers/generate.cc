@@ -84,15 +84,16 @@ int32_t Sample(const float* row, int64_t vocab, const SamplingOptions& o, double
   return order[keep - 1];
 }
 
-// The last position's logits of y [B, S, V], float32 on the host [B * V].
-absl::StatusOr<std::vector<float>> LastLogits(Ops& ops, const Tensor& y) {
+// *last [B, V] = row S - 1 of each sequence of y [B, S, V] (S > 1: the
+// prompt's step).
+absl::Status GatherLastRows(Ops& ops, const Tensor& y, Tensor* last) {
   const int64_t batch = y.dim(0), seq = y.dim(1), vocab = y.dim(2);
-  ASSIGN_OR_RETURN(Tensor last, ops.Allocate(y.dtype(), {batch, vocab}));
+  ASSIGN_OR_RETURN(*last, ops.Allocate(y.dtype(), {batch, vocab}));
   const Tensor rows = y.Reshaped({batch * seq, vocab});
   std::vector<Tensor> from, to;
   for (int64_t b = 0; b < batch; ++b) {
     from.push_back(rows.Slice0(b * seq + seq - 1, b * seq + seq));
-    to.push_back(last.Slice0(b, b + 1));
+    to.push_back(last->Slice0(b, b + 1));
   }
   std::vector<const Tensor*> src;
   std::vector<Tensor*> dst;
@@ -100,7 +101,15 @@ absl::StatusOr<std::vector<float>> LastLogits(Ops& ops, const Tensor& y) {
     src.push_back(&from[i]);
     dst.push_back(&to[i]);
   }
-  RETURN_IF_ERROR(ops.CopyAll(src, dst));
+  return ops.CopyAll(src, dst);
+}
+
+// The last position's logits of y [B, S, V], float32 on the host [B * V]
+// (a one-token step's y is its own last row: no copy).
+absl::StatusOr<std::vector<float>> LastLogits(Ops& ops, const Tensor& y) {
+  const int64_t batch = y.dim(0), seq = y.dim(1), vocab = y.dim(2);
+  Tensor last = y.Reshaped({batch * seq, vocab});
+  if (seq > 1) RETURN_IF_ERROR(GatherLastRows(ops, y, &last));
   Tensor f32 = last;
   if (y.dtype() != DType::kF32) {
     ASSIGN_OR_RETURN(f32, ops.Allocate(DType::kF32, {batch, vocab}));
@@ -165,7 +174,17 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   opts.tf32 = options.tf32;
   opts.decode = true;
   opts.internal_decode = true;
+  // Shared by every step and attention: the lengths of every step (q S, kv
+  // p + S, all within 1..length) in one upload; the loop knows the index, so
+  // the caches' cache_index is never written (nobody else reads them).
+  DecodeContext context;
+  context.write_index = false;
+  std::vector<int64_t> lengths(static_cast<size_t>(length));
+  std::iota(lengths.begin(), lengths.end(), 1);
+  RETURN_IF_ERROR(context.Reserve(ops, batch, lengths));
+  opts.decode_context = &context;
   Tensor x = prompt;
+  Tensor next;  // [B, 1]: each step's tokens, uploaded into one buffer
   int64_t position = 0;
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     RETURN_IF_ERROR(ops.CheckInterrupt());
@@ -198,8 +217,13 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
     const bool all_stopped =
         std::all_of(result.stopped.begin(), result.stopped.end(), [](bool s) { return s; });
     if (all_stopped || step + 1 == options.max_new_tokens) break;
-    ASSIGN_OR_RETURN(x, ops.Allocate(DType::kI32, {batch, 1}));
-    RETURN_IF_ERROR(ops.Upload(tokens.data(), &x));
+    // The previous step's work has finished (its logits were read), so the
+    // buffer is free to take the next tokens.
+    if (!next.defined()) {
+      ASSIGN_OR_RETURN(next, ops.Allocate(DType::kI32, {batch, 1}));
+    }
+    RETURN_IF_ERROR(ops.Upload(tokens.data(), &next));
+    x = next;
   }
   return result;
 }

@@ -9,13 +9,16 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/layers/cache.h"
@@ -50,7 +53,8 @@ constexpr int64_t kVocab = 23;
 
 // The LM of train_lm.py at a small size; `cast` to bfloat16 after the Embed
 // as it does, `loss`: the graph ends in the loss (else in the logits).
-std::string LmGraph(bool cast, bool loss, bool rotary = true) {
+// `layers` TransformerLayers deep.
+std::string LmGraph(bool cast, bool loss, bool rotary = true, int layers = 2) {
   const std::string layer = absl::StrCat(
       "transformer_layer { hidden_size: 32 mlp_hidden_size: 64 num_attention_heads: 4 ",
       "mlp_activations: \"gelu\" hidden_dropout: 0 attention_dropout: 0 ",
@@ -60,15 +64,15 @@ std::string LmGraph(bool cast, bool loss, bool rotary = true) {
       "  nodes { name: \"Embed_0\" inputs: \"x\" outputs: \"e\" module { flax_embed { ",
       "num_embeddings: ", kVocab, " features: 32 } } }\n",
       cast ? "  nodes { name: \"cast_0\" inputs: \"e\" outputs: \"h0\" cast { dtype: BFLOAT16 } }\n"
-           : "  nodes { name: \"scale_0\" inputs: \"e\" outputs: \"h0\" scale { factor: 1 } }\n",
-      "  nodes { name: \"TransformerLayer_0\" inputs: \"h0\" outputs: \"h1\" module { ", layer,
-      " } }\n",
-      "  nodes { name: \"TransformerLayer_1\" inputs: \"h1\" outputs: \"h2\" module { ", layer,
-      " } }\n",
-      "  nodes { name: \"LayerNorm_0\" inputs: \"h2\" outputs: \"n\" module { flax_layer_norm {} } "
-      "}\n",
-      "  nodes { name: \"attend_0\" inputs: \"n\" outputs: \"logits\" attend { embed: \"Embed_0\" } "
-      "}\n");
+           : "  nodes { name: \"scale_0\" inputs: \"e\" outputs: \"h0\" scale { factor: 1 } }\n");
+  for (int i = 0; i < layers; ++i) {
+    absl::StrAppend(&text, "  nodes { name: \"TransformerLayer_", i, "\" inputs: \"h", i,
+                    "\" outputs: \"h", i + 1, "\" module { ", layer, " } }\n");
+  }
+  absl::StrAppend(&text, "  nodes { name: \"LayerNorm_0\" inputs: \"h", layers,
+                  "\" outputs: \"n\" module { flax_layer_norm {} } }\n",
+                  "  nodes { name: \"attend_0\" inputs: \"n\" outputs: \"logits\" attend { embed: "
+                  "\"Embed_0\" } }\n");
   if (loss) {
     absl::StrAppend(&text,
                     "  nodes { name: \"loss_0\" inputs: \"logits\" inputs: \"extra_inputs[0]\" "
@@ -110,10 +114,10 @@ struct Lm {
 
 // Both graphs share their node names, so one set of variables serves both.
 Lm MakeLm(Ops& ops, bool cast, const Shape& x_shape, const Fp8Recipe* fp8 = nullptr,
-          bool rotary = true) {
+          bool rotary = true, int layers = 2) {
   Lm lm;
-  lm.with_loss = Make(LmGraph(cast, true, rotary));
-  lm.logits = Make(LmGraph(cast, false, rotary));
+  lm.with_loss = Make(LmGraph(cast, true, rotary, layers));
+  lm.logits = Make(LmGraph(cast, false, rotary, layers));
   auto vars = InitLayer(ops, *lm.with_loss, x_shape, fp8, 3);
   EXPECT_TRUE(vars.ok()) << vars.status();
   if (vars.ok()) lm.vars = *std::move(vars);
@@ -177,6 +181,29 @@ TEST_P(GraphDecodeTest, PromptThenTokensGiveTheForwardsLogits) {
   auto index = HostValues(*ops, lm.vars.at("cache/TransformerLayer_1/attention/cache_index"));
   ASSERT_TRUE(index.ok());
   EXPECT_EQ((*index)[0], static_cast<float>(length));
+
+  // Again from fresh caches, the steps sharing one DecodeContext as
+  // generation's do (lengths reserved once, the index known to the loop and
+  // never written).
+  ASSERT_TRUE(InitCache(*ops, *specs, &lm.vars).ok());
+  DecodeContext context;
+  context.write_index = false;
+  std::vector<int64_t> lengths(static_cast<size_t>(length));
+  std::iota(lengths.begin(), lengths.end(), 1);
+  ASSERT_TRUE(context.Reserve(*ops, c.batch, lengths).ok());
+  decode.decode_context = &context;
+  int64_t position = 0;
+  auto shared = MaxDecodeRowError(
+      *ops, x, [&](const Tensor& all) { return Apply(*ops, *lm.logits, &lm.vars, all, forward); },
+      [&](const Tensor& part) {
+        decode.decode_cache_index = position;
+        position += part.dim(1);
+        return Apply(*ops, *lm.with_loss, &lm.vars, part, decode);
+      },
+      {6, 1, 1, 1, 1});
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_LE(*shared, c.cast ? kBf16Tolerance : kF32Tolerance);
+  EXPECT_EQ(context.uploads(), 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Lms, GraphDecodeTest,
@@ -278,6 +305,61 @@ TEST(GenerateTest, GreedyTokensAreTheFullForwardsOnTheGrowingPrefix) {
   }
   // The caller's variables hold no cache: generation's are its own.
   for (const auto& [name, t] : lm.vars) EXPECT_FALSE(absl::StartsWith(name, "cache/")) << name;
+}
+
+// The CPU backend, counting its host <-> device copies.
+class CountingOps : public CpuOps {
+ public:
+  absl::Status Upload(const void* src, Tensor* dst) override {
+    ++uploads;
+    return CpuOps::Upload(src, dst);
+  }
+  absl::Status Download(const Tensor& src, void* dst) override {
+    ++downloads;
+    return CpuOps::Download(src, dst);
+  }
+  int64_t uploads = 0;
+  int64_t downloads = 0;
+};
+
+// On a GPU each host copy is a round trip the step waits for or a transfer
+// the stream orders; a step of generation makes two, its tokens up and its
+// logits down, however deep the model (its attentions share the
+// generation's DecodeContext).
+TEST(GenerateTest, AStepCopiesItsTokensUpAndItsLogitsDownWhateverTheDepth) {
+  for (const int layers : {1, 3}) {
+    for (const int64_t batch : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat(layers, " layers, batch ", batch));
+      CountingOps ops;
+      const int64_t prompt_length = 4;
+      Lm lm = MakeLm(ops, true, {batch, prompt_length + 8}, nullptr, true, layers);
+      ASSERT_NE(lm.with_loss, nullptr);
+      const Tensor prompt = Ids(ops, RandomIds(batch * prompt_length, 19), {batch, prompt_length});
+      // Copies of a generation of n tokens: the same setup, the prompt's
+      // step, then n - 1 one-token steps (the first of which uploads the
+      // relative-bias buckets by distance, once for all the layers).
+      auto copies = [&](int64_t n) -> std::pair<int64_t, int64_t> {
+        GenerateOptions options;
+        options.max_new_tokens = n;
+        ops.uploads = ops.downloads = 0;
+        auto result = Generate(ops, *lm.with_loss, lm.vars, prompt, options, nullptr);
+        EXPECT_TRUE(result.ok()) << result.status();
+        return {ops.uploads, ops.downloads};
+      };
+      const auto [up1, down1] = copies(1);
+      const auto [up2, down2] = copies(2);
+      const auto [up7, down7] = copies(7);
+      EXPECT_EQ(up7 - up2, 5);
+      EXPECT_EQ(down7 - down2, 5);
+      // The setup: a zero cache index per layer, the lengths, the prompt's
+      // relative-bias buckets (one table for every layer); and the first
+      // logits.
+      EXPECT_EQ(up1, layers + 2);
+      EXPECT_EQ(down1, 1);
+      EXPECT_EQ(up2 - up1, 2);  // the token and the buckets by distance
+      EXPECT_EQ(down2 - down1, 1);
+    }
+  }
 }
 
 TEST(GenerateTest, StopTokensEndEachSequence) {

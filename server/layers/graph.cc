@@ -51,14 +51,28 @@ std::string Scoped(const std::string& node, const std::string& key) {
 // The node's variables as its module names them ("params/kernel"): handles
 // to the same device memory, so what the module writes in place (amax
 // histories) lands in the layer's variables; WriteBack stores replacements.
+// Every name is "<collection>/<node>/<rest>", so in the ordered map a node's
+// names in one collection are one range: the view visits those ranges (one
+// lookup per collection) rather than every variable of the graph, which a
+// decode step would do once per node per token.
 Variables ScopeView(const Variables& vars, const std::string& node) {
   if (node.empty()) return vars;  // the root module: the graph's only one
   Variables view;
-  const std::string prefix = absl::StrCat(node, "/");
-  for (const auto& [key, tensor] : vars) {
-    const size_t slash = key.find('/');
-    if (slash == std::string::npos || key.compare(slash + 1, prefix.size(), prefix) != 0) continue;
-    view[key.substr(0, slash + 1) + key.substr(slash + 1 + prefix.size())] = tensor;
+  auto it = vars.begin();
+  while (it != vars.end()) {
+    const size_t slash = it->first.find('/');
+    if (slash == std::string::npos) {
+      ++it;
+      continue;
+    }
+    const std::string collection = it->first.substr(0, slash + 1);  // "params/"
+    const std::string prefix = absl::StrCat(collection, node, "/");
+    for (auto in = vars.lower_bound(prefix);
+         in != vars.end() && in->first.compare(0, prefix.size(), prefix) == 0; ++in) {
+      view.emplace_hint(view.end(), collection + in->first.substr(prefix.size()), in->second);
+    }
+    // The first name past this collection ('0' follows '/').
+    it = vars.lower_bound(absl::StrCat(collection.substr(0, slash), "0"));
   }
   return view;
 }

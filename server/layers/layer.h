@@ -44,6 +44,7 @@ using Variables = std::map<std::string, Tensor>;
 
 // A resolved recipe (te.v1.Recipe with TE's defaults applied).
 class Fp8WeightCache;
+class DecodeContext;  // cache.h
 
 struct Fp8Recipe {
   enum class Kind { kDelayedScaling, kCurrentScaling, kMXFP8, kNVFP4 };
@@ -86,6 +87,11 @@ struct ForwardOptions {
   // TE's modules refuse to decode (fused qkv layouts, an ENCODER
   // TransformerLayer). A graph returns a loss's logits instead of the loss.
   bool internal_decode = false;
+  // With decode: what the step's attentions share instead of each making its
+  // own (cache.h): the attention lengths and the next cache_index on the
+  // device, made once per step (or, for generation, once per generation).
+  // Null: each attention uploads its own.
+  DecodeContext* decode_context = nullptr;
   // jax.default_matmul_precision for the call's float32 GEMMs: true
   // (te.v1.PRECISION_DEFAULT, JAX's default) runs them with TensorFloat-32
   // products where the device has them (Ops::GemmArgs::tf32), TE's modules

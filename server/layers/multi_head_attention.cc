@@ -350,7 +350,10 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
     RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, cache.position));
   }
   RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache));
-  ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, /*whole=*/has_bias));
+  // Without the caller's context (one layer decoding alone) this step's own.
+  DecodeContext own_context;
+  DecodeContext& shared = opts.decode_context != nullptr ? *opts.decode_context : own_context;
+  ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, shared));
   AttentionConfig config = AttentionSettings();
   config.mask = kv.mask;
   SeqLens lengths;
@@ -370,7 +373,7 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
                                nullptr, out_fusion));
   *y = y2.Reshaped({batch, tokens, hidden_});
   if (ln_out != nullptr) *ln_out = p.ln.Reshaped({batch, tokens, hidden_});
-  return AdvanceKvCache(ops, cache);
+  return AdvanceKvCache(ops, cache, shared);
 }
 
 absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Tensor& dy,

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -228,6 +229,16 @@ absl::StatusOr<DecodeStep> Session::PrepareDecode(const Target& target, layers::
   step.common_index = step.caches.front().position;
   for (const DecodeCache& cache : step.caches) {
     if (cache.position != step.common_index) step.common_index = -1;
+  }
+  // The lengths of a one-token step at that index (q 1, kv index + 1), in
+  // one upload for all the attentions, each of which also advances its
+  // cache_index from them on the device. (A step whose x is not what TE
+  // decodes is refused by the layers; caches at different indices upload
+  // their own lengths.)
+  step.context = std::make_shared<layers::DecodeContext>();
+  const Tensor& key = vars->at(step.caches.front().key);
+  if (step.common_index >= 0 && key.rank() == 4) {
+    RETURN_IF_ERROR(step.context->Reserve(*ops_, key.dim(0), {1, step.common_index + 1}));
   }
   return step;
 }

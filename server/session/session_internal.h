@@ -54,6 +54,9 @@ struct DecodeStep {
   // then reads its own): ForwardOptions::decode_cache_index.
   int64_t common_index = -1;
   int branched = 0;  // caches whose keys and values the step copied
+  // What the step's attentions share (ForwardOptions::decode_context): with
+  // a common index, its lengths uploaded in one copy for every attention.
+  std::shared_ptr<layers::DecodeContext> context;
 };
 
 // Contract 11: how many rows (per sequence) of variable `name` of `vars` are

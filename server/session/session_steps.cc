@@ -2,6 +2,7 @@
 // validation they share with Benchmark (session_benchmark.cc).
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -274,11 +275,14 @@ absl::Status Session::Forward(const te::v1::ForwardRequest& request,
   opts.dropout_seed = request.dropout_seed();
   opts.tf32 = tf32;
   opts.keep_for_backward = request.keep_for_backward();
+  std::shared_ptr<layers::DecodeContext> decode_context;  // alive through the forward
   if (request.decode()) {
     // Contract 11: the step advances its own copy of each cache index.
     ASSIGN_OR_RETURN(const DecodeStep step, PrepareDecode(target, &tx->vars()));
     opts.decode = true;
     opts.decode_cache_index = step.common_index;
+    decode_context = step.context;
+    opts.decode_context = decode_context.get();
     tx->Changed();
   }
   layers::LayerOutputs out;

@@ -6,9 +6,9 @@
 //  - bystanders: a bf16 and an FP8 (DelayedScaling) TransformerLayer session
 //    stepping ForwardBackward with a 2 s deadline: none may miss it or fail;
 //  - memory hogs: sessions that together ask for more than the device's
-//    account holds (each layer a quarter of it less room for the others'
-//    steps): what does not fit must be RESOURCE_EXHAUSTED naming the device
-//    and what is left, and the other sessions keep stepping;
+//    account holds (each layer's decode cache a quarter of it less room for
+//    the others' steps): what does not fit must be RESOURCE_EXHAUSTED naming
+//    the device and what is left, and the other sessions keep stepping;
 //  - abandoners: FP8 steps of 8 micro-batches given up after 20 ms;
 //  - a failed-only session: every call with a 1 ms deadline (ForwardBackward,
 //    Forward, InitLayer): all fail, and its variables end bit for bit as they
@@ -233,15 +233,23 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
   }
   const int64_t hog_layer_bytes = (account - kRoomForSteps) / 4;
   ASSERT_GT(hog_layer_bytes, kGiB) << "account " << account << " too small for this run";
-  // DenseGeneral [1, 1, 16384] -> features: a float32 kernel of that size.
-  constexpr int64_t kHogIn = 16384;
-  const int64_t hog_features = hog_layer_bytes / (4 * kHogIn);
+  // A hog is a MultiHeadAttention initialised with decode: its variables are
+  // small, and its cache (keys and values, zeros filled on the device) takes
+  // the bytes, so a hog is placed or refused in milliseconds. (A kernel of
+  // tens of GB drawn on the host takes minutes to place.)
+  // Keys and values for x [batch, kHogLength, hidden] float32: 2 x x's bytes.
+  constexpr int64_t kHogHeads = 8, kHogHeadDim = 128, kHogLength = 4096;
+  constexpr int64_t kHogHidden = kHogHeads * kHogHeadDim;
+  const int64_t hog_batch = hog_layer_bytes / (2 * kHogLength * kHogHidden * 4);
+  const int64_t hog_x_bytes = hog_batch * kHogLength * kHogHidden * 4;
   constexpr int kHogs = 3;  // 3 sessions x 2 layers: 1.5 x what the device holds
   const int64_t session_limit = 2 * hog_layer_bytes + 2 * kGiB;
 
   ServerProcess::Options options;
   options.flags = {"--device=cuda:0", "--executor_threads=4", "--max_sessions=64",
                    absl::StrCat("--session_memory_bytes=", session_limit),
+                   // The hogs declare an x of hog_x_bytes (never sent).
+                   absl::StrCat("--max_tensor_bytes=", hog_x_bytes + kGiB),
                    "--log_level=warning"};
   auto started = ServerProcess::Start(options);
   ASSERT_TRUE(started.ok()) << started.status();
@@ -263,7 +271,8 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
   auto bf16 = MakeLayer(*clients[0], size, false, 1, 10);
   auto fp8 = MakeLayer(*clients[1], size, true, 1, 20);
   auto abandoner = MakeLayer(*clients[2], size, true, 8, 30);
-  auto failed_only = MakeLayer(*clients[3], size, false, 1, 40);
+  // 16 micro-batches: a step no GPU finishes within a 1 ms deadline.
+  auto failed_only = MakeLayer(*clients[3], size, false, 16, 40);
   ASSERT_TRUE(bf16.ok()) << bf16.status();
   ASSERT_TRUE(fp8.ok()) << fp8.status();
   ASSERT_TRUE(abandoner.ok()) << abandoner.status();
@@ -313,10 +322,14 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
         std::vector<std::string> held;
         for (int k = 0; k < 2 && absl::Now() < until; ++k) {
           te::v1::InitLayerRequest init;
-          init.mutable_spec()->mutable_dense_general()->add_features(hog_features);
+          te::v1::MultiHeadAttention* mha = init.mutable_spec()->mutable_multi_head_attention();
+          mha->set_head_dim(kHogHeadDim);
+          mha->set_num_attention_heads(kHogHeads);
+          mha->set_enable_rotary_pos_emb(true);  // TE decodes separate q, k, v only
+          init.set_decode(true);
           init.set_seed(++seed);
           init.set_input_dtype(te::v1::FLOAT32);
-          for (int64_t d : {int64_t{1}, int64_t{1}, kHogIn}) init.add_input_shape(d);
+          for (int64_t d : {hog_batch, kHogLength, kHogHidden}) init.add_input_shape(d);
           auto layer = s.InitLayer(init, absl::Seconds(30));
           tally.Add("hog InitLayer", layer.status());
           if (layer.ok()) {

@@ -67,6 +67,15 @@ constexpr absl::Duration kHostileDeadline = absl::Seconds(10);
 // The longest deadline of the failed-only sessions' steps that expire
 // mid-run (long enough that the server has started them).
 constexpr absl::Duration kMidRunDeadlineMax = absl::Milliseconds(200);
+// Every expiring call of theirs carries at least this many times its
+// deadline's worth of work, as measured on the server at hand: on a GPU a
+// step of the heavy layer takes a fraction of a millisecond, so a 1 ms call
+// of fixed size could be met, and the session rightly change.
+constexpr int kExpiringWorkOverDeadline = 10;
+// The most micro-batches an expiring step carries (the harness's server runs
+// with --max_micro_batches above it), and the largest forward input.
+constexpr int kMaxExpiringMicroBatches = 4096;
+constexpr int64_t kMaxExpiringForwardBatch = 1024;
 // For the checks after the run: room for whatever the run left queued.
 constexpr absl::Duration kCheckDeadline = absl::Seconds(60);
 
@@ -907,11 +916,28 @@ class HostileClient {
       if (!status.ok()) return Fail("ForwardBackward", status);
       step = std::min(step, absl::Now() - start);
     }
-    mid_run_micro_batches_ = static_cast<int>(
-        std::clamp<double>(std::ceil(absl::FDivDuration(10 * kMidRunDeadlineMax,
-                                                        std::max(step, absl::Microseconds(100)))),
-                           16, kMaxAbandonedMicroBatches));
+    step = std::max(step, absl::Microseconds(10));
+    auto micro_batches_for = [step](absl::Duration deadline) {
+      return static_cast<int>(std::clamp<double>(
+          std::ceil(absl::FDivDuration(kExpiringWorkOverDeadline * deadline, step)), 16,
+          kMaxExpiringMicroBatches));
+    };
+    mid_run_micro_batches_ = micro_batches_for(kMidRunDeadlineMax);
+    tiny_micro_batches_ = micro_batches_for(absl::Milliseconds(1));
     figures_.mid_run_micro_batches.push_back(mid_run_micro_batches_);
+    // The 1 ms Forward's x: the heavy x repeated along its batch until its
+    // forward (about a third of a step) is worth ten deadlines.
+    const int64_t repeats = static_cast<int64_t>(std::clamp<double>(
+        std::ceil(absl::FDivDuration(3 * kExpiringWorkOverDeadline * absl::Milliseconds(1), step)),
+        1, static_cast<double>(kMaxExpiringForwardBatch / kHeavyShape[0])));
+    std::vector<int64_t> forward_shape = kHeavyShape;
+    forward_shape[0] *= repeats;
+    absl::StatusOr<std::string> forward_x =
+        PutResident(*stub_, session_,
+                    MakeTensor(te::v1::FLOAT32, forward_shape,
+                               RandomFloats(static_cast<size_t>(Elements(forward_shape)), 25, 2.0f)));
+    if (!forward_x.ok()) return Fail(forward_x.status().ToString(), grpc::Status::OK);
+    forward_x_ = *forward_x;
     // The state every call from now on must leave alone.
     before_ = ReadState(*stub_, session_, Layers());
     if (!before_.status.ok()) return Fail("the state before", before_.status);
@@ -939,7 +965,7 @@ class HostileClient {
     const std::vector<std::pair<std::string, std::function<grpc::Status()>>> expiring = {
         {"failed-only: 1 ms Forward", [&] { return ExpiringForward(); }},
         {"failed-only: 1 ms ForwardBackward",
-         [&] { return ExpiringStep(absl::Milliseconds(1), 16); }},
+         [&] { return ExpiringStep(absl::Milliseconds(1), tiny_micro_batches_); }},
         {"failed-only: 1 ms InitLayer", [&] { return ExpiringInit(); }},
         {"failed-only: ForwardBackward deadline mid-run",
          [&] {
@@ -1104,7 +1130,7 @@ class HostileClient {
     te::v1::ForwardRequest forward;
     *forward.mutable_session() = session_;
     forward.set_layer_id(heavy_layer_);
-    *forward.mutable_x() = ResidentRef(heavy_x_);
+    *forward.mutable_x() = ResidentRef(forward_x_);
     *forward.mutable_autocast() = DelayedScaling();
     // Kept: a saved forward would be left behind; not kept: the step ends
     // here and would move the fp8_metas.
@@ -1138,7 +1164,9 @@ class HostileClient {
   te::v1::SessionRef session_;
   std::string heavy_layer_, light_layer_;
   std::string heavy_x_, heavy_dy_, light_x_, light_dy_;
+  std::string forward_x_;  // the 1 ms Forward's input (sized in SetUp)
   int mid_run_micro_batches_ = 16;
+  int tiny_micro_batches_ = 16;
   SessionState before_;
   bool died_reported_ = false;
   Figures figures_;
@@ -1215,6 +1243,7 @@ FaultRunResult RunFaults(const FaultRunOptions& run_options) {
   FaultRunResult result;
   ServerProcess::Options options;
   options.flags = {"--max_sessions=128", "--session_memory_bytes=268435456",
+                   absl::StrCat("--max_micro_batches=", kMaxExpiringMicroBatches),
                    "--max_saved_forwards=4", absl::StrCat("--executor_threads=", kExecutorThreads),
                    // Thousands of injected failures: their info lines would bury the
                    // test's own report.

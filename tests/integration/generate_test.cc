@@ -338,7 +338,9 @@ TEST_F(GenerateTest, StopTokensEndEachSequence) {
   // A stopped sequence repeats its stop token, flagged.
   for (size_t k = 0; k < steps.size(); ++k) {
     EXPECT_EQ(steps[k].stopped[0], k >= first_stop) << k;
-    if (k >= first_stop) EXPECT_EQ(steps[k].tokens[0], stop) << k;
+    if (k >= first_stop) {
+      EXPECT_EQ(steps[k].tokens[0], stop) << k;
+    }
   }
 }
 

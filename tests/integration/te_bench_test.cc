@@ -1,7 +1,8 @@
 // te_bench (bench/load/te_bench_lib.h) against the real te_server on loopback:
 // a 2-client sweep point at the small config yields a complete JSON report
 // with throughput and no errors; put/get move bytes; a server that admits
-// one session shows the second client's failure in the errors and fairness.
+// one session shows the second client's failure in the errors and fairness;
+// a long FP8 run holds one version of its layer.
 #include <memory>
 #include <string>
 
@@ -113,6 +114,26 @@ TEST(TeBenchTest, ASessionLimitShowsAsSetupErrorsAndUnfairness) {
   EXPECT_EQ(p.calls, 3);  // the client that got the session made its calls
   EXPECT_DOUBLE_EQ(p.slowest_calls_per_s, 0.0);
   EXPECT_DOUBLE_EQ(p.fairness, 0.0);
+  EXPECT_TRUE((*server)->Stop().ok());
+}
+
+// A step under DelayedScaling makes a version (its FP8 state moves). A long
+// run must hold one, not one per step: 400 steps whose kept gradients
+// (about 200 KB each at the small size) would overflow a 16 MiB session.
+TEST(TeBenchTest, ALongFp8RunKeepsNothingPerStep) {
+  ServerProcess::Options server_options;
+  server_options.flags = {"--session_memory_bytes=16777216"};
+  auto server = ServerProcess::Start(server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  BenchOptions o = SmallOptions(**server);
+  o.fp8 = Fp8Mode::kDelayed;
+  o.count = 400;
+  absl::StatusOr<BenchReport> report = RunBench(o);
+  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_EQ(report->points.size(), 1u);
+  const SweepPoint& p = report->points[0];
+  EXPECT_EQ(p.calls, 400) << FormatTable(*report);
+  EXPECT_TRUE(p.errors.empty()) << FormatTable(*report);
   EXPECT_TRUE((*server)->Stop().ok());
 }
 

@@ -1,5 +1,11 @@
 """Trains a byte-level decoder LM on te_server: one RPC per step, only int32 ids on the wire.
 
+Steps are dispatched as JAX dispatches a jitted step: train_step returns once
+the step is sent, the next one is queued on the server behind it, and the
+losses (lazy scalars) are read only at evaluation, so the device never waits
+for the client (--pipeline_depth=1 sends each step after the one before has
+answered).
+
 The model is Flax code traced into one server graph (DESIGN.md sections 11, 12):
 nn.Embed -> N TE TransformerLayers (causal self-attention with TE's T5-style
 relative position bias, the only position signal) -> nn.LayerNorm -> the tied
@@ -149,6 +155,9 @@ def main():
     parser.add_argument("--rotary", action=argparse.BooleanOptionalAction, default=True,
                         help="rotary position embedding in every layer (without it a causal LM has no "
                              "position signal and stalls near a bigram model's loss)")
+    parser.add_argument("--pipeline_depth", type=int, default=2,
+                        help="training steps in flight (te.connect's pipeline_depth; 1: each waits for the one "
+                             "before)")
     parser.add_argument("--csv", help="write the loss curve here")
     parser.add_argument("--save", help="write the trained variables here (.npz, te.save_checkpoint) and the "
                                        "model's sizes beside it (.json), for examples/generate.py")
@@ -165,7 +174,8 @@ def main():
             for _ in range(max(args.eval_batches, args.final_eval_batches))]
     model = DecoderLM(args.layers, args.hidden, args.heads, rotary=args.rotary)
     rows = []
-    with server(args) as address, te.connect(address).session() as session, recipe_scope(args.recipe):
+    with server(args) as address, te.connect(address, pipeline_depth=args.pipeline_depth).session() as session, \
+            recipe_scope(args.recipe):
         tokens, labels = batch(rng, train, args.batch, args.seq)
         params = model.init(args.seed, tokens, labels)
         tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(
@@ -178,10 +188,11 @@ def main():
         tokens_since, train_losses = 0, []
         for step in range(1, args.steps + 1):
             tokens, labels = batch(rng, train, args.batch, args.seq)
-            state, metrics = optim.train_step(state, tokens, labels)
-            train_losses.append(metrics["loss"])
+            state, metrics = optim.train_step(state, tokens, labels)   # returns once sent
+            train_losses.append(metrics["loss"])                        # lazy: read at evaluation
             tokens_since += tokens.size
             if step % args.eval_every == 0 or step == args.steps:
+                metrics["loss"].block_until_ready()   # the steps timed have run, not only been sent
                 now = time.perf_counter()
                 rate = tokens_since / (now - last)
                 windows = held if step == args.steps else held[:args.eval_batches]

@@ -55,6 +55,9 @@ class Options:
     transport: str = "auto"                  # "auto", "inline", "stream", "shm" (transport.py)
     shm_region_bytes: int = 64 << 20         # shared-memory regions are made in pieces at least this big
     pin_to_replica: bool = True              # later calls of a session go to CreateSession's server_address
+    # Training steps a session keeps in flight (pipeline.py): 2 queues the next step
+    # behind the running one; 1 sends each once the one before has answered.
+    pipeline_depth: int = 2
 
 
 # Clients their users never closed. A gRPC channel left to the interpreter's
@@ -84,6 +87,9 @@ def connect(address, timeout=10.0, **options):
 class Client:
     def __init__(self, address, options=Options(), timeout=10.0):
         transport_lib.check_transport(options.transport)
+        if not isinstance(options.pipeline_depth, int) or options.pipeline_depth < 1:
+            raise errors.InvalidArgumentError("pipeline_depth: %r; want an int >= 1 (steps in flight per session)" %
+                                              (options.pipeline_depth,))
         self.address = address
         self.options = options
         self._timeout = timeout

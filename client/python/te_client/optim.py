@@ -39,7 +39,8 @@ import numbers
 
 import numpy as np
 
-from te_client import dtypes, errors, graph, initializers, layer_calls, precision as precision_lib, transforms
+from te_client import dtypes, errors, graph, initializers, layer_calls, pipeline, precision as precision_lib
+from te_client import transforms
 from te_client import module as module_lib
 from te_client import variables as variables_lib
 from te_client._pb import service_pb2
@@ -462,14 +463,15 @@ class TrainState:
         tree = grads["params"] if isinstance(grads, dict) and set(grads) == {"params"} else grads
         if isinstance(tree, variables_lib.Variables):
             raise errors.InvalidArgumentError("grads: Variables; want the gradients (value_and_grad's)")
-        number = _apply_gradients(handle, version, variables_lib.flatten(dict(tree)))
-        new = variables_lib.Variables({handle.scope: handle}, base.module, variables_lib.Version(handle, number))
+        made = _apply_gradients(handle, version, variables_lib.flatten(dict(tree)))
+        new = variables_lib.Variables({handle.scope: handle}, base.module, made)
         return dataclasses.replace(self, step=self.step + 1, params=_same_kind(self.params, new), **kwargs)
 
 
 def _apply_gradients(handle, version, flat):
-    """Runs the optimizer's update on `version` with the gradients `flat`
-    ({"A_0/kernel": array} under params): the new version's number.
+    """Sends the optimizer's update on `version` with the gradients `flat`
+    ({"A_0/kernel": array} under params) as a pipelined step (pipeline.py):
+    the PendingVersion it makes.
 
     The update takes the gradients of a ForwardBackward's micro-batches, so
     the gradients travel as the inputs of a graph over the layer's params
@@ -505,12 +507,13 @@ def _apply_gradients(handle, version, flat):
         batch = service_pb2.MicroBatch(x=session.send(grads[0][2], uploads, "grads/" + grads[0][0]))
         for path, _, array in grads[1:]:
             batch.extra_inputs.add().CopyFrom(session.send(array, uploads, "grads/" + path))
-        response = session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
-            layer_id=handle.layer_id, micro_batches=[batch], deterministic=True, apply_update=True,
-            graph=info.index, version=version.number, matmul_precision=precision_lib.current()))
-    finally:
+    except BaseException:
         session.delete_all(uploads)
-    return response.version
+        raise
+    step = pipeline.dispatch(session, handle, version, service_pb2.ForwardBackwardRequest(
+        layer_id=handle.layer_id, micro_batches=[batch], deterministic=True, apply_update=True,
+        graph=info.index, matmul_precision=precision_lib.current()), uploads)
+    return variables_lib.PendingVersion(handle, step)
 
 
 def _gradient_graph(params):
@@ -532,15 +535,8 @@ def _gradient_graph(params):
     return trace.build(total.as_known_scalar() if total.from_extra else total)
 
 
-def _metrics(response, request_bytes):
-    update = response.update
-    return {"loss": float(sum(response.values)), "applied": update.applied,
-            "learning_rate": update.learning_rate, "grad_norm": update.grad_norm, "count": update.count,
-            "total_notfinite": update.total_notfinite, "request_bytes": request_bytes}
-
-
 def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None, micro_batches=1,
-               deterministic=True, rngs=None):
+               deterministic=True, rngs=None, timeout=None):
     """One training step, one call: forward, loss and backward over
     `micro_batches` parts of the batch (each array split along axis 0, the
     gradients summed), then the optimizer's update, under the active autocast.
@@ -553,13 +549,24 @@ def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None,
     else a fresh key per step from state.rng (fold_in(rng, step)); a
     loss_fn that passes its own rngs to apply keeps them. Returns (new state,
     metrics): loss (before the update), applied, learning_rate, grad_norm,
-    count, total_notfinite, request_bytes, and aux (per micro-batch) with has_aux."""
+    count, total_notfinite, request_bytes, and aux (per micro-batch) with has_aux.
+
+    Dispatched as JAX dispatches a jitted step (pipeline.py): it returns once
+    the step is sent, with the metrics and aux as lazy arrays (float(),
+    np.asarray, .item(), block_until_ready()) and the new params as values
+    whose version comes with the answer; the next step is sent before it,
+    so reading a loss never leaves the device idle. A failure the server
+    answers raises where the step's results are read (its metrics, its
+    params, or a later step from them), with the server's code; steps sent
+    on top of a failed one never change what the program holds. `timeout`:
+    the step's deadline in seconds (from when it is sent), when shorter than
+    rpc_timeout."""
     seed = module_lib.seed_of(rngs, "dropout") if rngs is not None else state.dropout_seed()
     if loss_fn is not None:
         if target is not None or dy is not None:
             raise errors.InvalidArgumentError("train_step: loss_fn computes the loss; target and dy are for the "
                                               "model's own y")
-        return _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed)
+        return _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout)
     if not batch:
         raise errors.InvalidArgumentError("train_step: no x")
     if target is not None and dy is not None:
@@ -586,7 +593,7 @@ def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None,
             else None
         request = service_pb2.ForwardBackwardRequest(
             layer_id=handle.layer_id, deterministic=call.deterministic, apply_update=True,
-            autocast=layer_calls.autocast(), graph=info.index if info else 0, version=version.number,
+            autocast=layer_calls.autocast(), graph=info.index if info else 0,
             matmul_precision=precision_lib.current())
         for i in range(micro_batches):
             mb = request.micro_batches.add(dropout_seed=(seed or 0) + i)
@@ -596,14 +603,14 @@ def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None,
             if others is not None:
                 field = "target" if target is not None else "dy"
                 getattr(mb, field).CopyFrom(session.send(others[i], uploads, "micro_batches[%d].%s" % (i, field)))
-        request_bytes = request.ByteSize()
-        response = session.call("ForwardBackward", request)
-    finally:
+        request_bytes = request.ByteSize() + _VERSION_BYTES
+    except BaseException:
         session.delete_all(uploads)
-    new = variables_lib.Variables({handle.scope: handle}, module, variables_lib.Version(handle, response.version)) \
-        if response.version else variables_lib.Variables({handle.scope: handle}, module, version)
+        raise
+    step = pipeline.dispatch(session, handle, version, request, uploads, timeout)
+    new = variables_lib.Variables({handle.scope: handle}, module, variables_lib.PendingVersion(handle, step))
     return dataclasses.replace(state, step=state.step + 1, params=_same_kind(state.params, new)), \
-        _metrics(response, request_bytes)
+        pipeline.metrics(step, request_bytes)
 
 
 def _takes(module, name):
@@ -614,7 +621,12 @@ def _takes(module, name):
         return False
 
 
-def _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed):
+# The request's `version` field, set as it is sent (pipeline.dispatch): counted in
+# request_bytes as the synchronous step counted it (a tag and a varint of the number).
+_VERSION_BYTES = 2
+
+
+def _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout):
     parts = [np.array_split(np.asarray(a), micro_batches) if transforms._is_array(a) else None for a in batch]
     first = tuple(p[0] if p is not None else a for p, a in zip(parts, batch))
     prepared = transforms.Prepared(loss_fn, (state.params,) + first, {}, (0,), has_aux, default_seed=seed)
@@ -628,18 +640,29 @@ def _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed):
                 at = next(k for k, a in enumerate(first) if a is value) if any(a is value for a in first) else None
                 values.append((name, parts[at][i] if at is not None and parts[at] is not None else value))
             batches.append(prepared.micro_batch(session, uploads, seed=prepared.seed(i), values=values))
-        request = prepared.request(batches, apply_update=True)
-        request_bytes = request.ByteSize()
-        response = session.call("ForwardBackward", request)
-    finally:
+        request = prepared.request(batches, apply_update=True, read_version=False)
+        request_bytes = request.ByteSize() + _VERSION_BYTES
+    except BaseException:
         session.delete_all(uploads)
-    metrics = _metrics(response, request_bytes)
+        raise
+    step = pipeline.dispatch(session, prepared.handle, prepared.version, request, uploads, timeout)
+    metrics = pipeline.metrics(step, request_bytes)
     if has_aux:
-        metrics["aux"] = [prepared.aux(session, response, i) for i in range(micro_batches)]
+        metrics["aux"] = [_lazy_aux(prepared, session, step, i) for i in range(micro_batches)]
         if micro_batches == 1:
             metrics["aux"] = metrics["aux"][0]
-    new = prepared.new_variables(response.version)
+    new = variables_lib.Variables({prepared.handle.scope: prepared.handle}, prepared.loss.module,
+                                  variables_lib.PendingVersion(prepared.handle, step))
     return dataclasses.replace(state, step=state.step + 1, params=_same_kind(state.params, new)), metrics
+
+
+def _lazy_aux(prepared, session, step, index):
+    """Micro-batch `index`'s aux tree of a step in flight: its traced leaves
+    lazy arrays (received, all at once, by the first read), the rest as they are."""
+    received = pipeline.Memo(lambda response: variables_lib.tree_leaves(prepared.aux(session, response, index)))
+    leaves = [pipeline.LazyArray(step, lambda response, k=k: received(response)[k])
+              if isinstance(v, transforms.symbolic.Symbol) else v for k, v in enumerate(prepared.aux_leaves)]
+    return variables_lib.tree_unflatten(prepared.aux_def, leaves)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------

@@ -73,6 +73,13 @@ _UNANSWERED = frozenset((grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANC
                          grpc.StatusCode.UNAVAILABLE))
 
 
+def _makes_versions(method, request):
+    """Whether the call may make a new version of a layer's variables (te.v1 ReleaseVersionsRequest)."""
+    if method in ("ForwardBackward", "SetVariables", "Backward"):
+        return True
+    return method == "Forward" and (request.update_fp8_metas or request.decode or request.keep_for_backward)
+
+
 def current_session():
     """The innermost session entered with `with session:` (None outside any)."""
     return _current_session.get()
@@ -130,6 +137,12 @@ class Session:
         self._order_lock = threading.Lock()
         self._next_sequence = 1
         self._abandoned = set()
+        # Pipelined steps (pipeline.py): per layer, the step whose version will be the
+        # newest when it succeeds (cleared by any other call that makes versions; under
+        # _order_lock, with the numbering); and the steps sent, oldest first.
+        self._tails = {}
+        self._steps = collections.deque()
+        self._steps_lock = threading.Lock()
         self._stub = stub
         self._metadata = ((AFFINITY_HEADER, affinity_key),)
         self._shm = transport_lib.SharedMemoryPool(
@@ -199,7 +212,7 @@ class Session:
         number in the session's order) and affinity key filled in. `timeout`:
         its deadline in seconds, when shorter than Options.rpc_timeout."""
         self.flush_pending()
-        sequence = self._number(request.session) if hasattr(request, "session") else 0
+        sequence = self._number(request.session, method, request) if hasattr(request, "session") else 0
         timeout = self._timeout(timeout)
         return self._invoke(lambda: getattr(self._stub, method)(
             request, timeout=timeout, metadata=self._metadata), sequence, method, timeout)
@@ -214,27 +227,66 @@ class Session:
         memory (send); receive the response's. Thread-safe."""
         if method not in ("ReleaseVersions", "DeleteLayer"):
             self.flush_pending()
-        sequence = self._number(request.session) if hasattr(request, "session") else 0
+        sequence = self._number(request.session, method, request) if hasattr(request, "session") else 0
         result = concurrent.futures.Future()
         result.set_running_or_notify_cancel()
 
-        timeout = self._timeout(timeout)
+        def finish(response, error):
+            if error is None:
+                result.set_result(response)
+            else:
+                result.set_exception(error)
 
+        self._send(method, request, sequence, self._timeout(timeout), finish)
+        return result
+
+    def send_step(self, step, request, timeout=None):
+        """pipeline.py's: sends `request` (a step of `step.layer_id`'s layer)
+        as call_async does, numbered in the session's order, with step.answer
+        called once it ends. When `step.parent` is set, the request reads the
+        layer's newest version (0), and that is the parent's only while the
+        parent is the layer's tail: checked with the numbering, under one
+        lock; False (nothing sent, no number taken) when it no longer is.
+        `step` becomes the layer's tail."""
+        self.flush_pending()
+        sequence = self._number(request.session, step.method, request, step=step)
+        if sequence is None:
+            return False
+        parent = step.parent
+        if parent is not None:
+            parent.add_child(step)
+        with self._steps_lock:
+            self._steps.append(step)
+        step.sequence = sequence
+        try:
+            step._cancel = self._send(step.method, request, sequence, self._timeout(timeout), step.answer)
+        except BaseException as e:
+            # Never sent: the step ends here (so nothing waits for it), failed.
+            step.answer(None, e if isinstance(e, errors.TeError) else errors.error(
+                grpc.StatusCode.CANCELLED, "%s: not sent (%s)" % (step.method, type(e).__name__)))
+            raise
+        if parent is not None and parent.settled() and parent.error is not None:
+            step.cancel()   # the parent failed before this one could be cancelled with it
+        return True
+
+    def _send(self, method, request, sequence, timeout, finish):
+        """Sends the numbered call without waiting; `finish(response, error)`
+        runs once when it ends (on a gRPC thread), after the session's order
+        has taken note of how, so the caller's next call names it if it was
+        abandoned. Returns what cancels the call."""
         def done(call):
-            # Kept in the order before the caller can see the result, so its
-            # next call names this one if it was abandoned.
             try:
                 response = call.result()
             except grpc.RpcError as e:
                 error = self._error(e, method, timeout)
                 self._ended(sequence, error.code)
-                result.set_exception(error)
+                finish(None, error)
             except grpc.FutureCancelledError:
                 self._ended(sequence, grpc.StatusCode.CANCELLED)
-                result.set_exception(errors.error(grpc.StatusCode.CANCELLED, "%s: cancelled" % method))
+                finish(None, errors.error(grpc.StatusCode.CANCELLED, "%s: cancelled" % method))
             else:
                 self._ended(sequence, grpc.StatusCode.OK)
-                result.set_result(response)
+                finish(response, None)
 
         try:
             self.client.check_open(method)
@@ -244,7 +296,7 @@ class Session:
             self.client.check_open(method)
             raise
         sent.add_done_callback(done)
-        return result
+        return sent.cancel
 
     def flush_pending(self):
         """Sends the queued releases (one ReleaseVersions per layer) and layer
@@ -281,14 +333,29 @@ class Session:
         rpc_timeout = self.client.options.rpc_timeout
         return rpc_timeout if timeout is None else min(timeout, rpc_timeout)
 
-    def _number(self, ref):
+    def _number(self, ref, method=None, request=None, step=None):
         """Fills `ref` (a request's SessionRef) in as this session's, with the
         next number of its order and the abandoned numbers (every one was
-        given out before, so all are below it); returns the number."""
+        given out before, so all are below it); returns the number. A call
+        `method` that makes versions of a layer ends that layer's pipeline of
+        steps (pipeline.py: the next step waits for the number it reads); a
+        `step` (send_step) whose parent is no longer its layer's tail takes no
+        number (None)."""
         ref.CopyFrom(self._ref)
-        if not self.owned:
-            return 0   # reattached: the opener numbers its calls; ours run in arrival order
         with self._order_lock:
+            if step is not None:
+                if step.parent is not None and self._tails.get(step.layer_id) is not step.parent:
+                    return None
+                if step.parent is not None:
+                    request.version = 0
+                self._tails[step.layer_id] = step
+            elif method is not None and self._tails and _makes_versions(method, request):
+                if getattr(request, "layer_id", ""):
+                    self._tails.pop(request.layer_id, None)
+                else:
+                    self._tails.clear()   # a Backward: its layer is its forward's
+            if not self.owned:
+                return 0   # reattached: the opener numbers its calls; ours run in arrival order
             sequence = self._next_sequence
             self._next_sequence += 1
             ref.abandoned.extend(sorted(self._abandoned))

@@ -277,11 +277,14 @@ class Prepared:
                                                        "attention_mask"))
         return batch
 
-    def request(self, batches, apply_update=False, want_input_grads=False):
+    def request(self, batches, apply_update=False, want_input_grads=False, read_version=True):
+        """The ForwardBackward; read_version False leaves `version` for
+        pipeline.dispatch to set (the version read may still be in the making)."""
         return service_pb2.ForwardBackwardRequest(
             layer_id=self.handle.layer_id, micro_batches=batches, deterministic=self.deterministic,
             autocast=layer_calls.autocast(), return_dx=want_input_grads, return_grads=not apply_update,
-            apply_update=apply_update, graph=self.info.index, version=self.version.number,
+            apply_update=apply_update, graph=self.info.index,
+            version=self.version.number if read_version else 0,
             return_outputs=bool(self.aux_symbols), matmul_precision=precision_lib.current())
 
     def aux(self, session, response, index=0):

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import threading
 import weakref
 
 import numpy as np
@@ -132,6 +133,60 @@ class Version:
 
     def __repr__(self):
         return "Version(%s, %d)" % (self.handle.layer_id, self.number)
+
+
+_NUMBER = Version.__dict__["number"]   # Version's slot, under PendingVersion's property
+_claim_lock = threading.Lock()
+
+
+class PendingVersion(Version):
+    """The version a step still in flight is making (pipeline.py): a value
+    like any Version, whose number comes with the step's answer. Reading
+    `number` (what every call that reads these variables does) waits for
+    that step and raises its failure. Once known, the number is held as any
+    Version's: released when the last reference goes (or, should the step
+    answer after that, when it answers)."""
+    __slots__ = ("step", "_alias")
+
+    def __new__(cls, handle, step):
+        self = object.__new__(cls)
+        self.handle = handle
+        self.step = step
+        self._alias = None
+        step.handle_ref = weakref.ref(handle)
+        weakref.finalize(self, step.version_dropped)
+        return self
+
+    @property
+    def number(self):
+        try:
+            return _NUMBER.__get__(self, Version)
+        except AttributeError:
+            pass
+        number = int(self.step.result().version)
+        with _claim_lock:
+            try:
+                return _NUMBER.__get__(self, Version)
+            except AttributeError:
+                pass
+            live = self.handle.versions
+            found = live.get(number) if number else None
+            if found is not None and found is not self:
+                self._alias = found     # that object holds (and releases) the number
+            elif number:
+                live[number] = self
+                self.step.claim()
+            _NUMBER.__set__(self, number)
+        return number
+
+    def ready(self):
+        """Whether the number is known (the step has settled) without waiting."""
+        return self.step.settled()
+
+    def __repr__(self):
+        if not self.step.settled():
+            return "PendingVersion(%s, <step in flight>)" % self.handle.layer_id
+        return super().__repr__()
 
 
 def join(*parts):

@@ -132,7 +132,9 @@ def test_train_step_draws_a_fresh_dropout_key_per_step(session, rng):
     for _ in range(3):
         state, metrics = te.train_step(state, x, t, loss_fn=loss)
         losses.append(metrics["loss"])
-    assert len(set(losses)) == 3      # learning rate 0: only the dropout mask changes the loss
+    # learning rate 0: only the dropout mask changes the loss (read as floats: a step's
+    # loss is a lazy array, unhashable as JAX's arrays are)
+    assert len({float(v) for v in losses}) == 3
     _, same = te.train_step(state, x, t, loss_fn=loss, rngs={"dropout": 1})
     _, again = te.train_step(state, x, t, loss_fn=loss, rngs={"dropout": 1})
     assert same["loss"] == again["loss"]
