@@ -158,6 +158,23 @@ class VersionsTest : public ::testing::Test {
     return response;
   }
 
+  // SetVariables of layer `to` with every variable of `from`'s newest
+  // version; the version made (0 on failure).
+  int64_t SetFrom(const std::string& to, const std::string& from) {
+    te::v1::GetVariablesRequest get;
+    get.set_layer_id(from);
+    te::v1::GetVariablesResponse got;
+    const absl::Status read = session_->GetVariables(get, &got);
+    EXPECT_TRUE(read.ok()) << read;
+    te::v1::SetVariablesRequest set;
+    set.set_layer_id(to);
+    *set.mutable_variables() = got.variables();
+    te::v1::SetVariablesResponse response;
+    const absl::Status written = session_->SetVariables(set, &response);
+    EXPECT_TRUE(written.ok()) << written;
+    return written.ok() ? response.version() : 0;
+  }
+
   void SetAdam(const std::string& layer) {
     te::v1::SetOptimizerRequest request;
     request.set_layer_id(layer);
@@ -229,16 +246,7 @@ TEST_F(VersionsTest, TwoBatchSizesThroughTwoGraphsOverOneLayersVariables) {
 
   // Layer b: made for batch 2, then given a's params.
   const std::string b = InitGraph(DenseFlatten(2), {2, kSeq, kHidden}, 9);
-  te::v1::GetVariablesRequest get;
-  get.set_layer_id(a);
-  te::v1::GetVariablesResponse got;
-  ASSERT_TRUE(session_->GetVariables(get, &got).ok());
-  te::v1::SetVariablesRequest set;
-  set.set_layer_id(b);
-  *set.mutable_variables() = got.variables();
-  te::v1::SetVariablesResponse set_response;
-  ASSERT_TRUE(session_->SetVariables(set, &set_response).ok());
-  EXPECT_EQ(set_response.version(), 2);
+  EXPECT_EQ(SetFrom(b, a), 2);
 
   ASSERT_OK_AND_ASSIGN(ya, Forward(a, x2, /*graph=*/1));
   ASSERT_OK_AND_ASSIGN(yb, Forward(b, x2));
@@ -482,16 +490,7 @@ TEST_F(VersionsTest, AnUndoneCallRemovesExactlyWhatItCreated) {
   te::v1::ForwardResponse kept;
   ASSERT_TRUE(session_->Forward(keep, &kept).ok());
   ASSERT_FALSE(kept.y().resident_id().empty());
-  te::v1::GetVariablesRequest get;
-  get.set_layer_id(a);
-  te::v1::GetVariablesResponse got;
-  ASSERT_TRUE(session_->GetVariables(get, &got).ok());
-  te::v1::SetVariablesRequest set;
-  set.set_layer_id(a);
-  *set.mutable_variables() = got.variables();
-  te::v1::SetVariablesResponse set_response;
-  ASSERT_TRUE(session_->SetVariables(set, &set_response).ok());
-  EXPECT_EQ(set_response.version(), 2);
+  EXPECT_EQ(SetFrom(a, a), 2);
   te::v1::SessionInfo during;
   session_->GetSessionInfo(&during);
   EXPECT_EQ(during.layers(), 2);
@@ -511,8 +510,7 @@ TEST_F(VersionsTest, AnUndoneCallRemovesExactlyWhatItCreated) {
   ExpectError(Forward(a, RandomFloats({2, kSeq, kHidden}, 1), /*graph=*/1).status(),
               absl::StatusCode::kInvalidArgument, "graph");
   // A call outside BeginCall and EndCall is kept; version 2 stays used.
-  ASSERT_TRUE(session_->SetVariables(set, &set_response).ok());
-  EXPECT_EQ(set_response.version(), 3);
+  EXPECT_EQ(SetFrom(a, a), 3);
   session_->BeginCall();
   session_->EndCall(/*undo=*/true);  // records nothing from before it
   EXPECT_EQ(Newest(a), 3);
