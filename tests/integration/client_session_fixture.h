@@ -5,6 +5,9 @@
 #define TE_TESTS_INTEGRATION_CLIENT_SESSION_FIXTURE_H_
 
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -14,14 +17,21 @@
 
 namespace te::client::testing {
 
-class ClientSessionTest : public ::testing::Test {
+// One real te_server for a whole test suite, for fixtures of any gtest base
+// (::testing::Test, ::testing::TestWithParam<T>): a suite that needs server
+// flags calls StartSuiteServer(flags) from its own SetUpTestSuite.
+template <typename Base = ::testing::Test>
+class SuiteServerTest : public Base {
  protected:
-  static void SetUpTestSuite() {
+  static void StartSuiteServer(std::vector<std::string> flags = {}) {
+    te::testing::ServerProcess::Options options;
+    options.flags = std::move(flags);
     absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server =
-        te::testing::ServerProcess::Start();
+        te::testing::ServerProcess::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
   }
+  static void SetUpTestSuite() { StartSuiteServer(); }
   static void TearDownTestSuite() {
     if (server_ != nullptr) {
       absl::Status stopped = server_->Stop();
@@ -30,6 +40,13 @@ class ClientSessionTest : public ::testing::Test {
     delete server_;
     server_ = nullptr;
   }
+
+  static inline te::testing::ServerProcess* server_ = nullptr;
+};
+
+// The suite's server, and per test a client connection and a session on it.
+class ClientSessionTest : public SuiteServerTest<> {
+ protected:
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     absl::StatusOr<std::unique_ptr<Client>> client =
@@ -41,7 +58,6 @@ class ClientSessionTest : public ::testing::Test {
     session_ = *std::move(session);
   }
 
-  static inline te::testing::ServerProcess* server_ = nullptr;
   std::unique_ptr<Client> client_;
   std::unique_ptr<Session> session_;
 };

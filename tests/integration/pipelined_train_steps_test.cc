@@ -20,7 +20,7 @@
 #include "client/modules.h"
 #include "client/train_steps.h"
 #include "gtest/gtest.h"
-#include "tests/server_fixture.h"
+#include "tests/integration/client_session_fixture.h"
 
 namespace te::testing {
 namespace {
@@ -86,20 +86,9 @@ struct Row {
   }
 };
 
-class PipelinedTrainStepsTest : public ::testing::TestWithParam<bool> {
+class PipelinedTrainStepsTest : public client::testing::SuiteServerTest<::testing::TestWithParam<bool>> {
  protected:
-  static void SetUpTestSuite() {
-    ServerProcess::Options options;
-    options.flags = {"--enable_shm"};
-    auto started = ServerProcess::Start(options);
-    ASSERT_TRUE(started.ok()) << started.status();
-    server_ = started->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) { EXPECT_TRUE(server_->Stop().ok()); }
-    delete server_;
-    server_ = nullptr;
-  }
+  static void SetUpTestSuite() { StartSuiteServer({"--enable_shm"}); }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     auto client = client::Client::Connect(server_->address());
@@ -165,7 +154,6 @@ class PipelinedTrainStepsTest : public ::testing::TestWithParam<bool> {
     *final_values = Values(*vars);
   }
 
-  static inline ServerProcess* server_ = nullptr;
   std::unique_ptr<client::Client> client_;
 };
 

@@ -20,6 +20,7 @@
 #include "client/reference_chain.h"
 #include "client/speedometer.h"
 #include "gtest/gtest.h"
+#include "tests/integration/client_session_fixture.h"
 #include "tests/server_fixture.h"
 
 namespace te::client {
@@ -88,22 +89,8 @@ void ExpectGoodValueAndGrad(const ValueAndGradResult& result, const HostTensor& 
 // The quickstart's own layers (client/quickstart_layers) at a small size.
 const LayerSize kSize{kBatch, kSeq, kHidden, kFfn, kHeads};
 
-class QuickstartTest : public ::testing::Test {
+class QuickstartTest : public testing::SuiteServerTest<> {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server = te::testing::ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) {
-      absl::Status stopped = server_->Stop();
-      EXPECT_TRUE(stopped.ok()) << stopped;
-    }
-    delete server_;
-    server_ = nullptr;
-  }
-
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     client_ = Connect(ClientOptions());
@@ -132,14 +119,12 @@ class QuickstartTest : public ::testing::Test {
     return out;
   }
 
-  static te::testing::ServerProcess* server_;
   std::unique_ptr<Client> client_;
   std::unique_ptr<Session> session_;
   const HostTensor x_ = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kBF16, 42);
   const HostTensor dy_ = HostTensor::RandomNormal({kBatch, kSeq, kHidden}, DType::kBF16, 43);
 };
 
-te::testing::ServerProcess* QuickstartTest::server_ = nullptr;
 
 TEST_F(QuickstartTest, ServerInfoAndNegotiatedRecipe) {
   absl::StatusOr<te::v1::ServerInfo> info = client_->GetServerInfo();

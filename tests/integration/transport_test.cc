@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/test_util.h"
+#include "tests/integration/client_session_fixture.h"
 #include "tests/server_fixture.h"
 
 namespace te::testing {
@@ -79,20 +80,10 @@ bool Maps(pid_t pid, const std::string& shm_name) {
 }
 
 // One server per suite; each test gets a stub and fresh sessions.
-class TransportTest : public ::testing::Test {
+class TransportTest : public client::testing::SuiteServerTest<> {
  protected:
   static void SetUpTestSuite() {
-    ServerProcess::Options options;
-    options.flags = {"--enable_shm", "--session_memory_bytes=268435456"};
-    auto started = ServerProcess::Start(options);
-    ASSERT_TRUE(started.ok()) << started.status();
-    server_ = started->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ == nullptr) return;
-    EXPECT_TRUE(server_->Stop().ok());
-    delete server_;
-    server_ = nullptr;
+    StartSuiteServer({"--enable_shm", "--session_memory_bytes=268435456"});
   }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
@@ -218,13 +209,10 @@ class TransportTest : public ::testing::Test {
     return response;
   }
 
-  static ServerProcess* server_;
   std::unique_ptr<TeService::Stub> stub_;
   te::v1::SessionRef session_;
   std::vector<te::v1::SessionRef> opened_;
 };
-
-ServerProcess* TransportTest::server_ = nullptr;
 
 // ---- streams ------------------------------------------------------------------------
 

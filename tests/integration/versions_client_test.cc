@@ -13,37 +13,15 @@
 #include "client/graph.h"
 #include "client/modules.h"
 #include "gtest/gtest.h"
-#include "tests/server_fixture.h"
+#include "tests/integration/client_session_fixture.h"
 
 namespace te::client {
 namespace {
 
 constexpr int64_t kBatch = 2, kSeq = 3, kHidden = 8, kFeatures = 6, kVocab = 11;
 
-class VersionsClientTest : public ::testing::Test {
+class VersionsClientTest : public testing::ClientSessionTest {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<std::unique_ptr<te::testing::ServerProcess>> server =
-        te::testing::ServerProcess::Start();
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
-  }
-  static void TearDownTestSuite() {
-    if (server_ != nullptr) { EXPECT_TRUE(server_->Stop().ok()); }
-    delete server_;
-    server_ = nullptr;
-  }
-
-  void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(server_->address());
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    absl::StatusOr<std::unique_ptr<Session>> session = client_->CreateSession();
-    ASSERT_TRUE(session.ok()) << session.status();
-    session_ = *std::move(session);
-  }
-
   int64_t Memory() {
     absl::StatusOr<te::v1::SessionInfo> info = session_->GetSessionInfo();
     EXPECT_TRUE(info.ok()) << info.status();
@@ -78,13 +56,7 @@ class VersionsClientTest : public ::testing::Test {
     g.SetOutputs({g.SoftmaxCrossEntropyWithIntegerLabels(logits, labels), logits});
     return g;
   }
-
-  static te::testing::ServerProcess* server_;
-  std::unique_ptr<Client> client_;
-  std::unique_ptr<Session> session_;
 };
-
-te::testing::ServerProcess* VersionsClientTest::server_ = nullptr;
 
 TEST_F(VersionsClientTest, ALiveHandleFollowsTheStepsAndAValueStaysAsItWas) {
   DenseGeneral dense({kFeatures});
