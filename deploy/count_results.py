@@ -8,7 +8,9 @@ from any further JUnit XML files (pytest's --junitxml); a missing JUnit file
 counts as one failure.
 
 A test target that failed without a test.xml of its own (it failed to build,
-crashed, or timed out) counts as one failure, so nothing is silently dropped.
+crashed, or timed out) counts as one failure, so nothing is silently dropped;
+so does one that did not run (NO STATUS), whatever test.xml an earlier run
+left behind.
 Exit status: 0 when nothing failed and something ran, else 1.
 """
 import os
@@ -46,7 +48,9 @@ def main(testlogs, log_path, junit_paths):
         target_ok = outcome in ("PASSED", "FLAKY")
         xml = os.path.join(testlogs, target[2:].replace(":", "/"), "test.xml")
         cases_passed = cases_failed = 0
-        if os.path.exists(xml) and outcome != "FAILED TO BUILD":
+        # A target that did not run in this invocation (NO STATUS, FAILED TO
+        # BUILD) may still have an earlier run's test.xml: not its result.
+        if os.path.exists(xml) and outcome not in ("FAILED TO BUILD", "NO STATUS"):
             try:
                 cases_passed, cases_failed = count_cases(xml, target)
             except ET.ParseError:
