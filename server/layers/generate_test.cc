@@ -23,6 +23,7 @@
 #include "kernels/status_macros.h"
 #include "server/layers/cache.h"
 #include "server/layers/decode_testing.h"
+#include "tests/lm_graph_text.h"
 #include "server/layers/generate.h"
 #include "server/layers/layer.h"
 #include "server/layers/testing.h"
@@ -55,32 +56,15 @@ constexpr int64_t kVocab = 23;
 // as it does, `loss`: the graph ends in the loss (else in the logits).
 // `layers` TransformerLayers deep.
 std::string LmGraph(bool cast, bool loss, bool rotary = true, int layers = 2) {
-  const std::string layer = absl::StrCat(
-      "transformer_layer { hidden_size: 32 mlp_hidden_size: 64 num_attention_heads: 4 ",
-      "mlp_activations: \"gelu\" hidden_dropout: 0 attention_dropout: 0 ",
-      "intermediate_dropout: 0 enable_rotary_pos_emb: ", rotary ? "true" : "false", " }");
-  std::string text = absl::StrCat(
-      "graph {\n",
-      "  nodes { name: \"Embed_0\" inputs: \"x\" outputs: \"e\" module { flax_embed { ",
-      "num_embeddings: ", kVocab, " features: 32 } } }\n",
-      cast ? "  nodes { name: \"cast_0\" inputs: \"e\" outputs: \"h0\" cast { dtype: BFLOAT16 } }\n"
-           : "  nodes { name: \"scale_0\" inputs: \"e\" outputs: \"h0\" scale { factor: 1 } }\n");
-  for (int i = 0; i < layers; ++i) {
-    absl::StrAppend(&text, "  nodes { name: \"TransformerLayer_", i, "\" inputs: \"h", i,
-                    "\" outputs: \"h", i + 1, "\" module { ", layer, " } }\n");
-  }
-  absl::StrAppend(&text, "  nodes { name: \"LayerNorm_0\" inputs: \"h", layers,
-                  "\" outputs: \"n\" module { flax_layer_norm {} } }\n",
-                  "  nodes { name: \"attend_0\" inputs: \"n\" outputs: \"logits\" attend { embed: "
-                  "\"Embed_0\" } }\n");
-  if (loss) {
-    absl::StrAppend(&text,
-                    "  nodes { name: \"loss_0\" inputs: \"logits\" inputs: \"extra_inputs[0]\" "
-                    "outputs: \"loss\" softmax_cross_entropy {} }\n  outputs: \"loss\"\n}");
-  } else {
-    absl::StrAppend(&text, "  outputs: \"logits\"\n}");
-  }
-  return text;
+  te::testing::LmGraphOptions options;
+  options.vocab = kVocab;
+  options.hidden = 32;
+  options.mlp_hidden = 64;
+  options.layers = layers;
+  options.cast = cast;
+  options.rotary = rotary;
+  options.loss = loss;
+  return te::testing::LmGraphText(options);
 }
 
 std::unique_ptr<Layer> Make(const std::string& text) {

@@ -27,6 +27,7 @@
 #include "client/recipe.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "tests/lm_graph_text.h"
 #include "tests/server_fixture.h"
 
 namespace te::testing {
@@ -39,30 +40,13 @@ constexpr int64_t kTrainBatch = 4, kTrainSeq = 12;
 // writes it; `loss`: ending in the loss (as init traces it), else in the
 // logits (a graph over the same variables for the reference forwards).
 std::string LmGraph(int64_t hidden, int layers, bool loss) {
-  std::string text = absl::StrCat(
-      "graph {\n  nodes { name: \"Embed_0\" inputs: \"x\" outputs: \"e\" module { flax_embed { "
-      "num_embeddings: ", kVocab, " features: ", hidden, " } } }\n",
-      "  nodes { name: \"cast_0\" inputs: \"e\" outputs: \"h0\" cast { dtype: BFLOAT16 } }\n");
-  for (int i = 0; i < layers; ++i) {
-    absl::StrAppend(&text, "  nodes { name: \"TransformerLayer_", i, "\" inputs: \"h", i,
-                    "\" outputs: \"h", i + 1, "\" module { transformer_layer { hidden_size: ",
-                    hidden, " mlp_hidden_size: ", 4 * hidden,
-                    " num_attention_heads: 4 mlp_activations: \"gelu\" hidden_dropout: 0 "
-                    "attention_dropout: 0 intermediate_dropout: 0 enable_rotary_pos_emb: true } } "
-                    "}\n");
-  }
-  absl::StrAppend(&text, "  nodes { name: \"LayerNorm_0\" inputs: \"h", layers,
-                  "\" outputs: \"n\" module { flax_layer_norm {} } }\n",
-                  "  nodes { name: \"attend_0\" inputs: \"n\" outputs: \"logits\" attend { embed: "
-                  "\"Embed_0\" } }\n");
-  if (loss) {
-    absl::StrAppend(&text,
-                    "  nodes { name: \"loss_0\" inputs: \"logits\" inputs: \"extra_inputs[0]\" "
-                    "outputs: \"loss\" softmax_cross_entropy {} }\n  outputs: \"loss\"\n}");
-  } else {
-    absl::StrAppend(&text, "  outputs: \"logits\"\n}");
-  }
-  return text;
+  LmGraphOptions options;
+  options.vocab = kVocab;
+  options.hidden = hidden;
+  options.mlp_hidden = 4 * hidden;
+  options.layers = layers;
+  options.loss = loss;
+  return LmGraphText(options);
 }
 
 te::v1::LayerSpec Spec(const std::string& text) {
