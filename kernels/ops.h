@@ -501,6 +501,12 @@ class Ops {
   void set_shared_account(std::shared_ptr<SharedMemoryAccount> account) {
     shared_account_ = std::move(account);
   }
+  // Library scratch (cuBLASLt and cuDNN workspaces) that a backend grows on
+  // demand and keeps, charged in bytes_in_use(): its size now, and a return
+  // to `bytes` of it (the size before a call that failed, so that the call
+  // leaves the session's memory as it found it). None by default.
+  virtual int64_t scratch_bytes() const { return 0; }
+  virtual absl::Status ShrinkScratch(int64_t bytes) { return absl::OkStatus(); }
 
   // ---- interruption -----------------------------------------------------
   // A check the caller installs for the length of one piece of work (a

@@ -100,6 +100,16 @@ absl::StatusOr<void*> CudaOps::Workspace(size_t bytes) {
   return workspace_.get();
 }
 
+absl::Status CudaOps::ShrinkScratch(int64_t bytes) {
+  if (bytes < 0 || static_cast<size_t>(bytes) >= workspace_bytes_) return absl::OkStatus();
+  // The grown block goes back in stream order, as when it grows; one of the
+  // old size takes its place (it fits: the larger one was just returned).
+  workspace_.reset();
+  workspace_bytes_ = 0;
+  if (bytes == 0) return absl::OkStatus();
+  return Workspace(static_cast<size_t>(bytes)).status();
+}
+
 absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateBytes(size_t bytes) {
   RETURN_IF_ERROR(Enter());
   return context_->allocator->Allocate(bytes, stream_);

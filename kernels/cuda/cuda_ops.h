@@ -256,6 +256,8 @@ class CudaOps : public Ops {
   // limit is RESOURCE_EXHAUSTED; ops size their requests with workspace.h.
   absl::StatusOr<void*> Workspace(size_t bytes);
   size_t workspace_bytes() const { return workspace_bytes_; }
+  int64_t scratch_bytes() const override { return static_cast<int64_t>(workspace_bytes_); }
+  absl::Status ShrinkScratch(int64_t bytes) override;
   // Lazily filled by gemm.cu / attention.cu.
   std::shared_ptr<GemmPlanCache>& gemm_plans() { return gemm_plans_; }
   std::shared_ptr<AttentionPlanCache>& attention_plans() { return attention_plans_; }

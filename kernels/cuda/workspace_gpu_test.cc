@@ -67,6 +67,26 @@ class WorkspaceGpuTest : public ::testing::Test {
   cuda::CudaOps* ops_ = nullptr;
 };
 
+// A call that failed gives back the workspace it grew (Session::EndCall):
+// ShrinkScratch returns bytes_in_use() to what it was at that size, and never
+// grows a smaller workspace.
+TEST_F(WorkspaceGpuTest, ShrinkScratchReturnsTheGrowth) {
+  ASSERT_TRUE(ops_->Workspace(1 << 20).ok());
+  const int64_t small = ops_->bytes_in_use();
+  EXPECT_EQ(ops_->scratch_bytes(), 1 << 20);
+  ASSERT_TRUE(ops_->Workspace(64 << 20).ok());
+  EXPECT_EQ(ops_->bytes_in_use(), small + (63 << 20));
+  ASSERT_TRUE(ops_->ShrinkScratch(1 << 20).ok());
+  EXPECT_EQ(ops_->scratch_bytes(), 1 << 20);
+  EXPECT_EQ(ops_->bytes_in_use(), small);
+  ASSERT_TRUE(ops_->ShrinkScratch(4 << 20).ok());
+  EXPECT_EQ(ops_->scratch_bytes(), 1 << 20) << "ShrinkScratch grew the workspace";
+  ASSERT_TRUE(ops_->ShrinkScratch(0).ok());
+  EXPECT_EQ(ops_->scratch_bytes(), 0);
+  EXPECT_EQ(ops_->bytes_in_use(), small - (1 << 20));
+  ASSERT_TRUE(ops_->Synchronize().ok());
+}
+
 struct GemmShape {
   std::string name;
   DType a, b, out;

@@ -98,12 +98,19 @@ void Session::Record(Created created) {
   if (call_) call_->push_back(std::move(created));
 }
 
-void Session::BeginCall() { call_.emplace(); }
+void Session::BeginCall() {
+  call_.emplace();
+  call_scratch_bytes_ = ops_->scratch_bytes();
+}
 
 void Session::EndCall(bool undo) {
   if (undo && call_) {
     // Latest first: a version goes before the layer it is of.
     for (auto it = call_->rbegin(); it != call_->rend(); ++it) Undo(*it);
+    // A workspace the call grew is its memory too. Shrinking only frees
+    // (the smaller block fits where the larger one was), so an error here
+    // is a device error, which the device's own status already reports.
+    ops_->ShrinkScratch(call_scratch_bytes_).IgnoreError();
   }
   call_.reset();
 }

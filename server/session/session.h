@@ -30,7 +30,8 @@
 //     with FP8 weight copies of its own, and leaves the session's unchanged.
 //  6. Undo. Between BeginCall and EndCall the session records what the call
 //     creates: layers, versions, graphs, kept forwards, resident tensors,
-//     regions. EndCall(undo) removes exactly those (a new version included,
+//     regions, and how far it grew the device's library workspace.
+//     EndCall(undo) removes exactly those (a new version included,
 //     so the layer's newest is again the one the call read), for a call
 //     that failed or whose client went away before it saw the answer: such
 //     a call leaves no memory held. What a call freed (ReleaseVersions,
@@ -368,6 +369,7 @@ class Session {
 
   int64_t next_id_ = 1;
   std::optional<std::vector<Created>> call_;  // the open call's record (contract 6)
+  int64_t call_scratch_bytes_ = 0;            // ops_->scratch_bytes() when it opened
   std::map<std::string, std::unique_ptr<LayerEntry>> layers_;
   std::map<std::string, std::unique_ptr<SavedEntry>> saved_;
   std::map<std::string, Tensor> resident_;

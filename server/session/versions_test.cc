@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/session/session.h"
@@ -514,6 +515,47 @@ TEST_F(VersionsTest, AnUndoneCallRemovesExactlyWhatItCreated) {
   session_->BeginCall();
   session_->EndCall(/*undo=*/true);  // records nothing from before it
   EXPECT_EQ(Newest(a), 3);
+}
+
+// A backend whose library workspace grows on demand, as CUDA's does.
+class ScratchOps : public CpuOps {
+ public:
+  absl::Status Grow(int64_t bytes) {
+    ASSIGN_OR_RETURN(scratch_, Allocate(DType::kBool, {bytes}));
+    return absl::OkStatus();
+  }
+  int64_t scratch_bytes() const override { return scratch_.defined() ? scratch_.dim(0) : 0; }
+  absl::Status ShrinkScratch(int64_t bytes) override {
+    if (bytes >= scratch_bytes()) return absl::OkStatus();
+    scratch_ = Tensor();
+    return bytes > 0 ? Grow(bytes) : absl::OkStatus();
+  }
+
+ private:
+  Tensor scratch_;
+};
+
+// Contract 6: a workspace that an undone call grew goes back to its size
+// before the call; one a kept call grew stays.
+TEST(SessionUndoTest, AnUndoneCallGivesBackTheWorkspaceItGrew) {
+  auto owned = std::make_unique<ScratchOps>();
+  ScratchOps* ops = owned.get();
+  ops->set_memory_limit(int64_t{1} << 30);
+  auto device = *OpenCpuDevice();
+  Session session("scratch", device->info(), std::move(owned), SessionConfig(), te::v1::EMULATE,
+                  std::nullopt);
+  ASSERT_TRUE(ops->Grow(1 << 10).ok());
+  const int64_t before = session.bytes_in_use();
+  session.BeginCall();
+  ASSERT_TRUE(ops->Grow(1 << 20).ok());
+  EXPECT_GT(session.bytes_in_use(), before);
+  session.EndCall(/*undo=*/true);
+  EXPECT_EQ(session.bytes_in_use(), before);
+  EXPECT_EQ(ops->scratch_bytes(), 1 << 10);
+  session.BeginCall();
+  ASSERT_TRUE(ops->Grow(1 << 20).ok());
+  session.EndCall(/*undo=*/false);
+  EXPECT_EQ(ops->scratch_bytes(), 1 << 20);
 }
 
 TEST_F(VersionsTest, AStepWhoseVersionDoesNotFitIsResourceExhausted) {
