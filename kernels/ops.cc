@@ -48,6 +48,29 @@ void Ops::ResetDevicePeaks() {
   }
 }
 
+const Tensor* Ops::CastMemo::Find(const Tensor& x, DType dtype) const {
+  auto it = kept_.find({x.data(), dtype});
+  if (it == kept_.end()) return nullptr;
+  const Tensor& source = it->second.source;
+  return source.dtype() == x.dtype() && source.shape() == x.shape() ? &it->second.copy : nullptr;
+}
+
+void Ops::CastMemo::Keep(const Tensor& x, Tensor copy) {
+  const DType dtype = copy.dtype();
+  kept_.insert_or_assign({x.data(), dtype}, Kept{x, std::move(copy)});
+}
+
+absl::StatusOr<Tensor> Ops::CastKept(const Tensor& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  if (cast_memo_ != nullptr && x.data() != nullptr) {
+    if (const Tensor* kept = cast_memo_->Find(x, dtype)) return *kept;
+  }
+  ASSIGN_OR_RETURN(Tensor y, Allocate(dtype, x.shape()));
+  RETURN_IF_ERROR(Cast(x, &y));
+  if (cast_memo_ != nullptr && x.data() != nullptr) cast_memo_->Keep(x, y);
+  return y;
+}
+
 absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   for (int64_t d : shape) {
     if (d < 0) return absl::InvalidArgumentError(absl::StrCat("negative dimension in shape ", ShapeString(shape)));

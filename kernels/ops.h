@@ -29,8 +29,10 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -109,6 +111,9 @@ struct AttentionArgs {
   // addition to `mask` (its causality and lengths): key j is visible to
   // query i iff both allow it.
   Tensor elementwise_mask;
+  // No backward will read this forward (inference, a decode step): a backend
+  // may take a path whose backward it could not run.
+  bool forward_only = false;
 };
 // A query row with no visible key outputs 0.
 
@@ -520,6 +525,20 @@ class Ops {
     return interrupt_check_ ? interrupt_check_() : absl::OkStatus();
   }
 
+  // ---- casts of tensors that stay put ------------------------------------
+  // Generation's steps read the same weights, and a float32 weight feeding a
+  // bfloat16 GEMM would be cast at every step. While a memo is installed,
+  // CastKept(x, dtype) casts each x (the same memory, shape and dtype) once
+  // and returns that copy after; without one it casts every time, as Cast.
+  // The memo holds every x it has seen, so their memory is not reused for
+  // other tensors while it lives, and its copies count in bytes_in_use()
+  // until it goes. Only for tensors that do not change while it is
+  // installed: weights, never activations.
+  class CastMemo;
+  void set_cast_memo(std::shared_ptr<CastMemo> memo) { cast_memo_ = std::move(memo); }
+  const std::shared_ptr<CastMemo>& cast_memo() const { return cast_memo_; }
+  absl::StatusOr<Tensor> CastKept(const Tensor& x, DType dtype);
+
   // Host <-> device copies of dst.nbytes() / src.nbytes() bytes. Download waits
   // for the stream; Upload may return before the copy is done only if `src`
   // stays valid (the CPU copies at once; CUDA copies synchronously from
@@ -912,6 +931,23 @@ class Ops {
   int64_t memory_limit_ = INT64_MAX;
   std::shared_ptr<SharedMemoryAccount> shared_account_;
   InterruptCheck interrupt_check_;
+  std::shared_ptr<CastMemo> cast_memo_;
+};
+
+class Ops::CastMemo {
+ public:
+  // The copy of x in `dtype` made by an earlier call, or null.
+  const Tensor* Find(const Tensor& x, DType dtype) const;
+  void Keep(const Tensor& x, Tensor copy);
+  size_t size() const { return kept_.size(); }
+
+ private:
+  struct Kept {
+    Tensor source;  // held: its memory stays x's alone
+    Tensor copy;
+  };
+  // By the source's memory and the copy's dtype.
+  std::map<std::pair<const void*, DType>, Kept> kept_;
 };
 
 // What a device is and can do, for GetServerInfo.

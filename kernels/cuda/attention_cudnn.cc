@@ -5,7 +5,8 @@
 // ops.h's bias and dbias are f32; cuDNN's are the operand dtype, so the bias is
 // cast into the workspace first and dBias cast back after (bf16 rounding of
 // the logit offsets, inside the bf16 tolerance). cuDNN has no dBias with a
-// padding mask: bias + padding runs unfused. A call only makes its variant
+// padding mask: bias + padding runs unfused unless no backward follows
+// (AttentionArgs::forward_only). A call only makes its variant
 // pack; the plans are built once per configuration.
 #include <cudnn.h>
 
@@ -69,8 +70,10 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
                                   ? " and per-batch lengths"
                                   : ""));
   }
-  const bool padding = IsPaddingMask(args.mask);
-  if (args.bias.data() != nullptr && padding) {
+  // The next two rules are dBias's; a forward that no backward reads (a
+  // decode step) runs a bias over any lengths and with a padding mask.
+  const bool needs_dbias = args.bias.data() != nullptr && !args.forward_only;
+  if (needs_dbias && IsPaddingMask(args.mask)) {
     return absl::UnimplementedError("cuDNN has no dBias with a padding mask");
   }
   // Measured on the H200 with cuDNN 9.19: a TransformerLayer with a T5
@@ -78,7 +81,7 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
   // from the CPU in every gradient, while the same layer at 128 and every
   // bias-free case agreed to 0.5%. cuDNN's frontend refused dBias for
   // sequences not a multiple of 64 before 9.5; we keep that rule.
-  if (args.bias.data() != nullptr && (s.q_seq % 64 != 0 || s.kv_seq % 64 != 0)) {
+  if (needs_dbias && (s.q_seq % 64 != 0 || s.kv_seq % 64 != 0)) {
     return absl::UnimplementedError(absl::StrCat("bias with sequence lengths ", s.q_seq, "/",
                                                  s.kv_seq, " (cuDNN's dBias wants multiples of 64)"));
   }

@@ -465,6 +465,66 @@ INSTANTIATE_TEST_SUITE_P(
              MaskType::kCausal, 0.0f, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// A forward that no backward reads (AttentionArgs::forward_only: a decode
+// step) takes a bias with a padding mask on cuDNN, at generation's shapes:
+// one new token over a cache of 192 rows of which each sequence sees its
+// own count, and a prompt of 128 over the same cache, padding and causal.
+// An odd cache length must still answer right, on whichever path.
+struct ForwardOnlyShape {
+  int64_t q_seq, kv_seq;
+  MaskType mask;
+  bool expect_cudnn;
+};
+
+class GpuAttentionForwardOnlyTest : public GpuAttentionTest {};
+
+TEST_F(GpuAttentionForwardOnlyTest, BiasWithPaddingRunsOnCudnnAndMatchesCpu) {
+  for (const ForwardOnlyShape& c :
+       {ForwardOnlyShape{1, 192, MaskType::kPadding, true},
+        ForwardOnlyShape{128, 192, MaskType::kPaddingCausal, true},
+        ForwardOnlyShape{1, 191, MaskType::kPadding, false}}) {
+    SCOPED_TRACE(::testing::Message() << "q " << c.q_seq << " kv " << c.kv_seq);
+    const int64_t batch = 2, heads = 16, head_dim = 64;
+    const Shape q_shape = {batch, c.q_seq, heads, head_dim};
+    const Shape kv_shape = {batch, c.kv_seq, heads, head_dim};
+    const Shape lse_shape = {batch, heads, c.q_seq};
+    const Tensor q = Host(DType::kBF16, q_shape, RandomValues(NumElements(q_shape), 11));
+    const Tensor k = Host(DType::kBF16, kv_shape, RandomValues(NumElements(kv_shape), 12));
+    const Tensor v = Host(DType::kBF16, kv_shape, RandomValues(NumElements(kv_shape), 13));
+    AttentionArgs cpu_args;
+    cpu_args.mask = c.mask;
+    cpu_args.scale = 0.125f;
+    cpu_args.forward_only = true;
+    cpu_args.bias = Host(DType::kF32, {heads, c.q_seq, c.kv_seq},
+                         RandomValues(heads * c.q_seq * c.kv_seq, 14, -1.0f, 1.0f));
+    cpu_args.q_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {batch});
+    cpu_args.kv_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {batch});
+    const int32_t kv_lens[2] = {static_cast<int32_t>(c.q_seq == 1 ? 150 : c.q_seq), 
+                                static_cast<int32_t>(c.q_seq == 1 ? 7 : c.q_seq)};
+    for (int64_t b = 0; b < batch; ++b) {
+      cpu_args.q_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(c.q_seq);
+      cpu_args.kv_seqlens.data_as<int32_t>()[b] = kv_lens[b];
+    }
+    Tensor cpu_out = ::te::testing::MakeEmpty(cpu_, DType::kBF16, q_shape);
+    Tensor cpu_lse = ::te::testing::MakeEmpty(cpu_, DType::kF32, lse_shape);
+    ASSERT_TRUE(cpu_.AttentionForward(cpu_args, q, k, v, &cpu_out, &cpu_lse).ok());
+    AttentionArgs gpu_args = cpu_args;
+    gpu_args.bias = ToGpu(cpu_args.bias);
+    gpu_args.q_seqlens = ToGpu(cpu_args.q_seqlens);
+    gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
+    Tensor gout = GpuEmpty(DType::kBF16, q_shape);
+    Tensor glse = GpuEmpty(DType::kF32, lse_shape);
+    const int64_t calls_before = cuda::CudnnAttentionCalls();
+    ASSERT_TRUE(gpu_->AttentionForward(gpu_args, ToGpu(q), ToGpu(k), ToGpu(v), &gout, &glse).ok());
+    if (c.expect_cudnn) {
+      EXPECT_EQ(cuda::CudnnAttentionCalls() - calls_before, 1) << "cuDNN declined";
+    }
+    EXPECT_LT(RelativeError(FromGpu(gout), ::te::testing::ToDoubles(cpu_out)),
+              Tolerance(DType::kBF16)) << "out";
+    ExpectLseNear(FromGpu(glse), cpu_lse, Tolerance(DType::kBF16));
+  }
+}
+
 // cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)
 // makes out[i, j] = P_ij * M_ij exactly, which exposes the dropout mask M.
 

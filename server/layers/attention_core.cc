@@ -254,9 +254,10 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
         absl::StrCat("k and v sequence lengths differ: ", kv_len, " vs ", v.dim(1)));
   }
 
-  ASSIGN_OR_RETURN(const AttentionArgs args,
+  ASSIGN_OR_RETURN(AttentionArgs args,
                    ResolveArgs(ops, config, batch, q_len, kv_len, seqlens, bias, dropout_active,
                                dropout_seed));
+  args.forward_only = saved == nullptr;
 
   ASSIGN_OR_RETURN(*out, ops.Allocate(q.dtype(), q.shape()));
   ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, q_len}));

@@ -119,7 +119,7 @@ absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp
     s.x_hp = x;
   } else {
     a.data = x;
-    ASSIGN_OR_RETURN(b.data, CastTo(ops, kernel, compute));
+    ASSIGN_OR_RETURN(b.data, ops.CastKept(kernel, compute));
     s.x = a;
     s.kernel = b;
     s.kernel_owned = kernel.dtype() != compute;
@@ -197,7 +197,7 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
   const GemmOperand b = ForGemm(b_in, GemmSide::kB);
   Ops::GemmArgs gemm = GemmArgsOf(a, b, tf32);
   if (config_.use_bias) {
-    ASSIGN_OR_RETURN(gemm.bias, CastTo(ops, vars.at(bias_name()).Reshaped({out_}), compute));
+    ASSIGN_OR_RETURN(gemm.bias, ops.CastKept(vars.at(bias_name()).Reshaped({out_}), compute));
   }
   const int64_t n = a.transpose ? a.data.dim(1) : a.data.dim(0);
   if (fusion.residual.defined()) {
@@ -334,12 +334,12 @@ absl::Status Norm::Forward(Ops& ops, const Variables& vars, const Tensor& x, Ten
   s.x = x;
   ASSIGN_OR_RETURN(
       s.gamma,
-      CastTo(ops, vars.at(VariableName(kParams, config_.scope, config_.scale_name)), compute));
+      ops.CastKept(vars.at(VariableName(kParams, config_.scope, config_.scale_name)), compute));
   Tensor beta;
   if (has_bias()) {
     ASSIGN_OR_RETURN(
-        beta, CastTo(ops, vars.at(VariableName(kParams, config_.scope, config_.bias_name)),
-                     compute));
+        beta,
+        ops.CastKept(vars.at(VariableName(kParams, config_.scope, config_.bias_name)), compute));
     ASSIGN_OR_RETURN(s.mu, ops.Allocate(DType::kF32, {x.dim(0)}));
   }
   ASSIGN_OR_RETURN(s.rsigma, ops.Allocate(DType::kF32, {x.dim(0)}));

@@ -150,7 +150,7 @@ absl::Status AttendForward(Ops& ops, const Tensor& embedding, const std::optiona
   const DType compute = AttendDType(dtype, x.dtype(), embedding.dtype());
   const int64_t rows = x.numel() / features;
   ASSIGN_OR_RETURN(Tensor xc, CastTo(ops, x, compute));
-  ASSIGN_OR_RETURN(Tensor ec, CastTo(ops, embedding, compute));
+  ASSIGN_OR_RETURN(Tensor ec, ops.CastKept(embedding, compute));
   ASSIGN_OR_RETURN(Tensor out, ops.Allocate(compute, {rows, vocab}));
   Ops::GemmArgs gemm;
   gemm.a = xc.Reshaped({rows, features});

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -120,6 +121,22 @@ absl::StatusOr<std::vector<float>> LastLogits(Ops& ops, const Tensor& y) {
   return host;
 }
 
+// Installs a fresh cast memo on `ops` for its lifetime, then puts back the
+// one it found.
+class KeptCastsScope {
+ public:
+  explicit KeptCastsScope(Ops& ops) : ops_(ops), previous_(ops.cast_memo()) {
+    ops_.set_cast_memo(std::make_shared<Ops::CastMemo>());
+  }
+  ~KeptCastsScope() { ops_.set_cast_memo(previous_); }
+  KeptCastsScope(const KeptCastsScope&) = delete;
+  KeptCastsScope& operator=(const KeptCastsScope&) = delete;
+
+ private:
+  Ops& ops_;
+  std::shared_ptr<Ops::CastMemo> previous_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::vector<int32_t>> SampleTokens(const std::vector<float>& logits, int64_t batch,
@@ -160,10 +177,17 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   const int64_t batch = prompt.dim(0), prompt_length = prompt.dim(1);
   // The last new token is not fed back: the caches hold every other one.
   const int64_t length = prompt_length + options.max_new_tokens - 1;
+  // The caches are a multiple of 64 rows long: a GPU's fused attention
+  // takes a relative bias only over such lengths. Rows past `length` are
+  // never visible (every step's kv lengths stop at its own position).
+  const int64_t cache_length = (length + 63) / 64 * 64;
   ASSIGN_OR_RETURN(const std::vector<VariableSpec> cache_specs,
-                   model.CacheSpecs({batch, length}, DType::kI32, /*internal_decode=*/true));
+                   model.CacheSpecs({batch, cache_length}, DType::kI32, /*internal_decode=*/true));
   Variables working = vars;
   RETURN_IF_ERROR(InitCache(ops, cache_specs, &working));
+  // The weights stay put for the whole generation: each is cast to the
+  // compute dtype at its first step, not at every step (Ops::CastKept).
+  const KeptCastsScope kept_casts(ops);
 
   GenerateResult result;
   result.tokens.resize(static_cast<size_t>(batch));
