@@ -22,6 +22,8 @@
 #include "absl/time/clock.h"
 #include "bench/load/te_bench_lib.h"
 #include "client/client.h"
+#include "client/decoder_lm.h"
+#include "client/generate.h"
 #include "client/recipe.h"
 #include "kernels/status_macros.h"
 
@@ -283,6 +285,52 @@ absl::Status Step(Trainee& t, uint64_t seed, Collector* collector) {
   return absl::OkStatus();
 }
 
+// The generating client: the decoder LM of train_lm.py (client/decoder_lm.h:
+// 4 TE TransformerLayers of the layers' width up to 1024, relative bias,
+// bf16 compute) in a session
+// of its own, one Generate of kGenerateNew greedy tokens after another from
+// a prompt of kGeneratePrompt bytes for each of 2 sequences, each call timed
+// as the kind "generate". Its session closes when the run ends.
+constexpr int64_t kGeneratePrompt = 64, kGenerateNew = 64, kGenerateBatch = 2;
+
+void GenerateUntil(Client& client, const SoakOptions& o, absl::Time until, Collector* collector) {
+  SessionOptions session_options;
+  session_options.device = o.device;
+  absl::StatusOr<std::unique_ptr<Session>> session = client.CreateSession(session_options);
+  collector->Add("generate open", session.status(), -1);
+  if (!session.ok()) return;
+  collector->Opened();
+  DecoderLmSize size;
+  size.num_layers = 4;
+  size.hidden = std::min<int64_t>(1024, o.size.hidden);
+  size.heads = size.hidden % o.size.heads == 0 ? o.size.heads : 1;
+  size.batch = kGenerateBatch;
+  size.seq = kGeneratePrompt + kGenerateNew;
+  const Graph lm = DecoderLm(size);
+  std::string prompt_bytes;
+  for (int64_t i = 0; i < kGenerateBatch * kGeneratePrompt; ++i) {
+    const int32_t token = static_cast<int32_t>("the quick brown fox jumps over the lazy dog. "[i % 45]);
+    prompt_bytes.append(reinterpret_cast<const char*>(&token), sizeof(token));
+  }
+  const HostTensor prompt =
+      *HostTensor::FromBytes(DType::kI32, {kGenerateBatch, kGeneratePrompt}, prompt_bytes);
+  const HostTensor init_x = HostTensor::Full({size.batch, size.seq}, DType::kI32, 0.0f);
+  absl::StatusOr<Variables> vars = lm.Init(**session, /*key=*/5, init_x);
+  collector->Add("generate init", vars.status(), -1);
+  if (vars.ok()) {
+    GenerateOptions options;
+    options.max_new_tokens = kGenerateNew;
+    while (absl::Now() < until) {
+      const absl::Time start = absl::Now();
+      absl::StatusOr<GenerateResult> made = Generate(*vars, prompt, options);
+      collector->Add("generate", made.status(),
+                     absl::ToDoubleMilliseconds(absl::Now() - start));
+    }
+  }
+  collector->Add("generate close", (*session)->Close(), -1);
+  collector->Closed();
+}
+
 absl::StatusOr<std::map<std::string, uint64_t>> Digest(Session& session, const std::string& layer_id) {
   te::v1::GetVariablesRequest request;
   request.set_layer_id(layer_id);
@@ -361,9 +409,15 @@ absl::StatusOr<SoakReport> RunSoak(const SoakOptions& o) {
     clients.push_back(std::move(client));
   }
   Print(o, absl::StrCat("soak: ", held.size(), " held sessions (bf16, fp8, graph; AdamW), ",
-                        o.churners, " churners; batch ", o.size.batch, ", seq ", o.size.seq,
+                        o.churners, " churners",
+                        o.generate ? ", a generating client (a 4-layer LM)" : "", "; batch ", o.size.batch, ", seq ", o.size.seq,
                         ", hidden ", o.size.hidden, ", ffn ", o.size.ffn, ", heads ", o.size.heads,
                         "; ", absl::FormatDuration(o.duration)));
+
+  std::unique_ptr<Client> generating_client;
+  if (o.generate) {
+    ASSIGN_OR_RETURN(generating_client, Client::Connect(o.server, client_options));
+  }
 
   const absl::Time start = absl::Now();
   const absl::Time until = start + o.duration;
@@ -399,6 +453,10 @@ absl::StatusOr<SoakReport> RunSoak(const SoakOptions& o) {
         collector.Closed();
       }
     });
+  }
+
+  if (generating_client != nullptr) {
+    threads.emplace_back([&] { GenerateUntil(*generating_client, o, until, &collector); });
   }
 
   // The sampler: one line per interval.

@@ -7,7 +7,10 @@
 //    graph), each training with AdamW (ForwardBackward with apply_update),
 //    releasing the version each step leaves behind;
 //  - churners: clients that open a session (bf16 or FP8 in turn), run a few
-//    steps and close it, over and over.
+//    steps and close it, over and over;
+//  - a generating client: the decoder LM of train_lm.py (4 x 1024) in a
+//    session of its own, one Generate call (64 new tokens for 2 prompts)
+//    after another, closed at the end.
 // Every interval (a minute) it prints the calls that succeeded and failed,
 // step time p50/p99 per kind, and memory: the device's (bytes its sessions
 // hold, bytes its allocator holds) from GetSessionInfo, the server's
@@ -41,6 +44,7 @@ struct SoakOptions {
   absl::Duration duration = absl::Minutes(8);
   int churners = 2;            // clients opening and closing sessions
   int churn_steps = 4;         // steps per churned session
+  bool generate = true;        // a client generating from an LM, call after call
   std::string device;          // the sessions' device; empty: the server's choice
   int server_pid = 0;          // for host memory samples (same host); 0: none
   absl::Duration interval = absl::Minutes(1);  // one stats line each

@@ -11,8 +11,9 @@
 //    the device and what is left, and the other sessions keep stepping;
 //  - abandoners: FP8 steps of 8 micro-batches given up after 20 ms;
 //  - a failed-only session: every call with a 1 ms deadline (ForwardBackward,
-//    Forward, InitLayer): all fail, and its variables end bit for bit as they
-//    began;
+//    Forward, InitLayer): nearly all fail (a Forward may answer as soon as
+//    its kernels are queued; what such a call made is deleted), and its
+//    variables and memory end bit for bit as they began;
 //  - a stream canceller: PutTensor streams of a quickstart activation
 //    cancelled part way, and GetTensor streams cancelled after two chunks.
 // Afterwards: the server still serves, no call anywhere was INTERNAL,
@@ -56,8 +57,9 @@ constexpr int64_t kGiB = int64_t{1} << 30;
 constexpr absl::Duration kBystanderDeadline = absl::Seconds(2);
 constexpr absl::Duration kAbandonAfter = absl::Milliseconds(20);
 constexpr absl::Duration kTiny = absl::Milliseconds(1);
-// What the hogs leave for everyone else's steps (activations, workspaces).
-constexpr int64_t kRoomForSteps = 32 * kGiB;
+// What four hog layers leave for everyone else's steps (activations,
+// workspaces): less than a fifth hog layer, so a fifth is always refused.
+constexpr int64_t kRoomForSteps = 16 * kGiB;
 
 int FaultSeconds() {
   int seconds = 60;
@@ -195,7 +197,7 @@ struct Figures {
   absl::Mutex mu;
   std::vector<double> bystander_ms ABSL_GUARDED_BY(mu);
   std::atomic<int64_t> hog_layers{0}, hog_refusals{0}, hog_refusals_naming_device{0};
-  std::atomic<int64_t> abandoned{0}, tiny_deadlines{0}, tiny_ok{0};
+  std::atomic<int64_t> abandoned{0}, tiny_deadlines{0}, tiny_ok{0}, tiny_undo_failed{0};
   std::atomic<int64_t> puts_cancelled{0}, gets_cancelled{0};
 };
 
@@ -232,7 +234,7 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
     ASSERT_TRUE((*probe)->Stop().ok());
   }
   const int64_t hog_layer_bytes = (account - kRoomForSteps) / 4;
-  ASSERT_GT(hog_layer_bytes, kGiB) << "account " << account << " too small for this run";
+  ASSERT_GT(hog_layer_bytes, kRoomForSteps) << "account " << account << " too small for this run";
   // A hog is a MultiHeadAttention initialised with decode: its variables are
   // small, and its cache (keys and values, zeros filled on the device) takes
   // the bytes, so a hog is placed or refused in milliseconds. (A kernel of
@@ -242,7 +244,7 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
   constexpr int64_t kHogHidden = kHogHeads * kHogHeadDim;
   const int64_t hog_batch = hog_layer_bytes / (2 * kHogLength * kHogHidden * 4);
   const int64_t hog_x_bytes = hog_batch * kHogLength * kHogHidden * 4;
-  constexpr int kHogs = 3;  // 3 sessions x 2 layers: 1.5 x what the device holds
+  constexpr int kHogs = 3;  // 3 sessions x 2 layers: 6 asked, 4 fit
   const int64_t session_limit = 2 * hog_layer_bytes + 2 * kGiB;
 
   ServerProcess::Options options;
@@ -366,24 +368,56 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
     Layer& l = *failed_only;
     int k = 0;
     while (absl::Now() < until) {
+      // A call that makes its 1 ms deadline after all (a Forward answers once
+      // its kernels are queued, and the GPU may queue them that fast) is not
+      // a failed call: what it made goes again, by the API, so the session
+      // is what its failed calls alone left.
       absl::Status status;
+      std::string kind;
+      absl::Status undone;
       switch (k++ % 3) {
         case 0: {
+          kind = "ForwardBackward";
           te::v1::ForwardBackwardRequest step = l.step;
           step.set_discard_grads(false);  // would keep grads: a new version, if it ran
-          status = l.session->ForwardBackward(step, kTiny).status();
+          auto stepped = l.session->ForwardBackward(step, kTiny);
+          status = stepped.status();
+          if (stepped.ok()) {
+            te::v1::ReleaseVersionsRequest release;
+            release.set_layer_id(l.layer_id);
+            release.add_versions(stepped->version());
+            undone = l.session->ReleaseVersions(release);
+          }
           break;
         }
-        case 1:
-          status = l.session->Forward(l.forward, kTiny).status();
+        case 1: {
+          kind = "Forward";
+          auto forward = l.session->Forward(l.forward, kTiny);
+          status = forward.status();
+          if (forward.ok() && !forward->y().resident_id().empty()) {
+            undone = l.session->Delete(forward->y().resident_id());
+          }
           break;
-        case 2:
-          status = l.session->InitLayer(l.init, kTiny).status();
+        }
+        case 2: {
+          kind = "InitLayer";
+          auto layer = l.session->InitLayer(l.init, kTiny);
+          status = layer.status();
+          if (layer.ok()) {
+            te::v1::DeleteLayerRequest del;
+            del.set_layer_id(layer->layer_id());
+            undone = l.session->DeleteLayer(del);
+          }
           break;
+        }
       }
-      tally.Add("1 ms deadline", status);
+      tally.Add("1 ms " + kind, status);
       ++figures.tiny_deadlines;
-      if (status.ok()) ++figures.tiny_ok;
+      if (status.ok()) {
+        ++figures.tiny_ok;
+        tally.Add("1 ms " + kind + " met: its result deleted", undone);
+        if (!undone.ok()) ++figures.tiny_undo_failed;
+      }
       absl::SleepFor(absl::Milliseconds(5));
     }
   });
@@ -469,7 +503,11 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
   auto failed_only_info_after = failed_only->session->GetSessionInfo();
   ASSERT_TRUE(failed_only_info_after.ok());
   EXPECT_EQ(failed_only_info_after->memory_bytes(), failed_only_info_before->memory_bytes());
-  EXPECT_EQ(figures.tiny_ok.load(), 0) << "a 1 ms deadline was met by a quickstart call";
+  // Nearly every 1 ms call expires; the few that make it are undone above.
+  EXPECT_GT(figures.tiny_deadlines.load(), 0);
+  EXPECT_LT(figures.tiny_ok.load() * 10, figures.tiny_deadlines.load())
+      << "1 ms deadlines were met too often for the session to be one whose calls failed";
+  EXPECT_EQ(figures.tiny_undo_failed.load(), 0) << "a call that met its 1 ms deadline stayed";
 
   // Everything closed: the device's session memory back to zero.
   for (auto& s : hog_sessions) EXPECT_TRUE(s->Close().ok());
