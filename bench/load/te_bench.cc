@@ -52,7 +52,8 @@ ABSL_FLAG(std::string, json, "", "write the JSON report here (empty: stdout, aft
 ABSL_FLAG(double, soak_minutes, 0, "run the soak for this long instead of a sweep (0: no soak)");
 ABSL_FLAG(int, soak_churners, 2, "soak: clients that open a session, step and close it, again");
 ABSL_FLAG(int, soak_churn_steps, 4, "soak: steps per churned session");
-ABSL_FLAG(bool, soak_generate, true, "soak: a client generating from an LM (Generate) the whole run");
+ABSL_FLAG(bool, soak_generate, true,
+          "soak: a client generating from an LM (Generate) the whole run");
 ABSL_FLAG(double, soak_interval_s, 60, "soak: seconds per stats line");
 ABSL_FLAG(double, soak_warmup_s, 60, "soak: memory slopes start after this many seconds");
 ABSL_FLAG(int, server_pid, 0, "soak: the server's pid, for its resident memory (same host)");

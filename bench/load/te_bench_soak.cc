@@ -309,7 +309,8 @@ void GenerateUntil(Client& client, const SoakOptions& o, absl::Time until, Colle
   const Graph lm = DecoderLm(size);
   std::string prompt_bytes;
   for (int64_t i = 0; i < kGenerateBatch * kGeneratePrompt; ++i) {
-    const int32_t token = static_cast<int32_t>("the quick brown fox jumps over the lazy dog. "[i % 45]);
+    static constexpr char kText[] = "the quick brown fox jumps over the lazy dog. ";
+    const int32_t token = static_cast<unsigned char>(kText[i % (sizeof(kText) - 1)]);
     prompt_bytes.append(reinterpret_cast<const char*>(&token), sizeof(token));
   }
   const HostTensor prompt =
@@ -410,7 +411,8 @@ absl::StatusOr<SoakReport> RunSoak(const SoakOptions& o) {
   }
   Print(o, absl::StrCat("soak: ", held.size(), " held sessions (bf16, fp8, graph; AdamW), ",
                         o.churners, " churners",
-                        o.generate ? ", a generating client (a 4-layer LM)" : "", "; batch ", o.size.batch, ", seq ", o.size.seq,
+                        o.generate ? ", a generating client (a 4-layer LM)" : "", "; batch ",
+                        o.size.batch, ", seq ", o.size.seq,
                         ", hidden ", o.size.hidden, ", ffn ", o.size.ffn, ", heads ", o.size.heads,
                         "; ", absl::FormatDuration(o.duration)));
 
