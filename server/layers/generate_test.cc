@@ -302,9 +302,38 @@ class CountingOps : public CpuOps {
     ++downloads;
     return CpuOps::Download(src, dst);
   }
+  absl::Status Cast(const Tensor& x, Tensor* y) override {
+    ++casts_from[x.data()];
+    return CpuOps::Cast(x, y);
+  }
   int64_t uploads = 0;
   int64_t downloads = 0;
+  std::map<const void*, int64_t> casts_from;  // by the source's memory
 };
+
+// The weights stay put for a whole generation, so each float32 weight of a
+// bf16 model is cast once (Ops::CastKept), however many tokens it makes;
+// and the memo goes with the call.
+TEST(GenerateTest, EachWeightIsCastOncePerGeneration) {
+  CountingOps ops;
+  const int64_t batch = 2, prompt_length = 4;
+  Lm lm = MakeLm(ops, /*cast=*/true, {batch, prompt_length + 8});
+  const Tensor prompt = Ids(ops, RandomIds(batch * prompt_length, 23), {batch, prompt_length});
+  GenerateOptions options;
+  options.max_new_tokens = 6;
+  auto result = Generate(ops, *lm.with_loss, lm.vars, prompt, options, nullptr);
+  ASSERT_TRUE(result.ok()) << result.status();
+  int64_t weights_cast = 0;
+  for (const auto& [name, t] : lm.vars) {
+    if (!absl::StartsWith(name, "params/") || t.dtype() != DType::kF32) continue;
+    auto it = ops.casts_from.find(t.data());
+    if (it == ops.casts_from.end()) continue;  // read in float32 (norms' statistics, the loss)
+    ++weights_cast;
+    EXPECT_EQ(it->second, 1) << name << " cast " << it->second << " times in 6 steps";
+  }
+  EXPECT_GT(weights_cast, 4) << "the test meant a model whose GEMMs cast their weights";
+  EXPECT_EQ(ops.cast_memo(), nullptr) << "Generate left its memo installed";
+}
 
 // On a GPU each host copy is a round trip the step waits for or a transfer
 // the stream orders; a step of generation makes two, its tokens up and its
