@@ -120,6 +120,43 @@ TEST(CpuDeviceTest, TheDeviceReportsTheMemoryItsSessionsShare) {
   EXPECT_GT((*device)->info().memory_bytes, int64_t{1} << 28);
 }
 
+// Ops::CastKept: a weight's cast made once while a memo is installed, the
+// same bytes as Cast; a view of other shape, another dtype or no memo cast
+// again; a tensor already in the dtype is itself.
+TEST(CastKeptTest, CastsEachSourceOnceUnderAMemo) {
+  CpuOps ops;
+  const Tensor w = MakeRandom(ops, DType::kF32, {4, 6}, 3);
+  auto plain = ops.CastKept(w, DType::kBF16);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  auto again = ops.CastKept(w, DType::kBF16);
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(again->data(), plain->data()) << "no memo: every call casts";
+  ops.set_cast_memo(std::make_shared<Ops::CastMemo>());
+  {
+    auto first = ops.CastKept(w, DType::kBF16);
+    auto second = ops.CastKept(w, DType::kBF16);
+    ASSERT_TRUE(first.ok() && second.ok());
+    EXPECT_EQ(second->data(), first->data());
+    EXPECT_EQ(ToDoubles(*first), ToDoubles(*plain));
+    // A view of another shape over the same memory is cast again, and
+    // takes that memory's place in the memo for this dtype.
+    auto view = ops.CastKept(w.Reshaped({24}), DType::kBF16);
+    ASSERT_TRUE(view.ok());
+    EXPECT_EQ(view->shape(), Shape({24}));
+    EXPECT_NE(view->data(), first->data());
+    auto half = ops.CastKept(w, DType::kF16);
+    ASSERT_TRUE(half.ok());
+    EXPECT_EQ(half->dtype(), DType::kF16);
+    auto same = ops.CastKept(w, DType::kF32);
+    ASSERT_TRUE(same.ok());
+    EXPECT_EQ(same->data(), w.data());
+    EXPECT_EQ(ops.cast_memo()->size(), 2u);
+  }
+  const int64_t held = ops.bytes_in_use();
+  ops.set_cast_memo(nullptr);
+  EXPECT_LT(ops.bytes_in_use(), held) << "the memo's copies outlived it";
+}
+
 TEST(CpuCopyTest, UploadDownloadRoundTrip) {
   CpuOps ops;
   const std::vector<float> host = testing::RandomValues(91, 1);
