@@ -307,14 +307,13 @@ void GenerateUntil(Client& client, const SoakOptions& o, absl::Time until, Colle
   size.batch = kGenerateBatch;
   size.seq = kGeneratePrompt + kGenerateNew;
   const Graph lm = DecoderLm(size);
-  std::string prompt_bytes;
+  static constexpr char kText[] = "the quick brown fox jumps over the lazy dog. ";
+  std::vector<float> prompt_ids;
   for (int64_t i = 0; i < kGenerateBatch * kGeneratePrompt; ++i) {
-    static constexpr char kText[] = "the quick brown fox jumps over the lazy dog. ";
-    const int32_t token = static_cast<unsigned char>(kText[i % (sizeof(kText) - 1)]);
-    prompt_bytes.append(reinterpret_cast<const char*>(&token), sizeof(token));
+    prompt_ids.push_back(static_cast<unsigned char>(kText[i % (sizeof(kText) - 1)]));
   }
   const HostTensor prompt =
-      *HostTensor::FromBytes(DType::kI32, {kGenerateBatch, kGeneratePrompt}, prompt_bytes);
+      *HostTensor::FromFloats({kGenerateBatch, kGeneratePrompt}, prompt_ids, DType::kI32);
   const HostTensor init_x = HostTensor::Full({size.batch, size.seq}, DType::kI32, 0.0f);
   absl::StatusOr<Variables> vars = lm.Init(**session, /*key=*/5, init_x);
   collector->Add("generate init", vars.status(), -1);
