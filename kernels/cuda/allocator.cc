@@ -24,10 +24,7 @@ size_t CachingAllocator::RoundedSize(size_t bytes) {
   return (bytes + quantum - 1) / quantum * quantum;
 }
 
-CachingAllocator::~CachingAllocator() {
-  std::lock_guard<std::mutex> lock(mu_);
-  ReleaseCachedLocked();
-}
+CachingAllocator::~CachingAllocator() { ReleaseCached(); }
 
 absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
     size_t bytes, std::shared_ptr<CUstream_st> stream) {
@@ -66,22 +63,21 @@ absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
     }
   }
   if (ptr == nullptr) {
+    // Under pressure, give back just enough of the cache for this request
+    // (the largest blocks first): the other sessions' hot blocks stay.
+    int64_t over = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (static_cast<int64_t>(size) > reserve_limit_ - stats_.bytes_reserved &&
-          !free_blocks_.empty()) {
-        ReleaseCachedLocked();
-        ++stats_.cache_releases;
-      }
+      over = static_cast<int64_t>(size) - (reserve_limit_ - (stats_.bytes_reserved - releasing_));
     }
+    if (over > 0) ReleaseCachedBytes(over);
     cudaError_t error = cudaMalloc(&ptr, size);
     if (error == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();  // clear the non-sticky error
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!free_blocks_.empty()) {
-        ReleaseCachedLocked();
-        ++stats_.cache_releases;
-      }
+      // Another thread's release may not have reached the driver yet: wait
+      // for it, then give back what is left before the one retry.
+      WaitForReleases();
+      ReleaseCachedBytes(INT64_MAX);
       error = cudaMalloc(&ptr, size);
     }
     if (error == cudaErrorMemoryAllocation) {
@@ -123,25 +119,51 @@ void CachingAllocator::ForgetStream(cudaStream_t stream) {
   }
 }
 
-void CachingAllocator::ReleaseCached() {
-  std::lock_guard<std::mutex> lock(mu_);
-  ReleaseCachedLocked();
+void CachingAllocator::ReleaseCached() { ReleaseCachedBytes(INT64_MAX); }
+
+void CachingAllocator::ReleaseCachedBytes(int64_t bytes) {
+  // Taken out of the cache under the lock; synchronised and freed outside it,
+  // so the other sessions' allocations and frees never wait for the device.
+  std::vector<std::pair<void*, size_t>> taken;
+  int64_t released = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = free_blocks_.rbegin(); it != free_blocks_.rend() && released < bytes; ++it) {
+      std::vector<FreeBlock>& blocks = it->second;
+      while (!blocks.empty() && released < bytes) {
+        taken.emplace_back(blocks.back().ptr, it->first);
+        released += static_cast<int64_t>(it->first);
+        blocks.pop_back();
+      }
+    }
+    for (auto it = free_blocks_.begin(); it != free_blocks_.end();) {
+      it = it->second.empty() ? free_blocks_.erase(it) : std::next(it);
+    }
+    if (taken.empty()) return;
+    releasing_ += released;
+    ++stats_.cache_releases;
+  }
+  FreeBlocks(taken);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    releasing_ -= released;
+    stats_.bytes_reserved -= released;
+  }
+  released_.notify_all();
 }
 
-void CachingAllocator::ReleaseCachedLocked() {
-  if (free_blocks_.empty()) return;
+void CachingAllocator::WaitForReleases() {
+  std::unique_lock<std::mutex> lock(mu_);
+  released_.wait(lock, [this] { return releasing_ == 0; });
+}
+
+void CachingAllocator::FreeBlocks(const std::vector<std::pair<void*, size_t>>& blocks) {
   // cudaFree does not wait for queued kernels that may still use a block.
   int previous = -1;
   (void)cudaGetDevice(&previous);
   (void)cudaSetDevice(ordinal_);
   (void)cudaDeviceSynchronize();
-  for (auto& [size, blocks] : free_blocks_) {
-    for (FreeBlock& block : blocks) {
-      (void)cudaFree(block.ptr);
-      stats_.bytes_reserved -= static_cast<int64_t>(size);
-    }
-  }
-  free_blocks_.clear();
+  for (const auto& block : blocks) (void)cudaFree(block.first);
   if (previous >= 0) (void)cudaSetDevice(previous);
 }
 

@@ -9,12 +9,16 @@
 // use it can be reused by S at once (S runs in order); before another stream T
 // reuses it, T waits on an event recorded on S (no host sync).
 //
-// On a miss that cudaMalloc cannot serve, every cached block is released and
-// the allocation retried once; RESOURCE_EXHAUSTED if it still fails. Under
-// pressure the cache goes first: a miss that would take what the allocator
-// holds from the driver past its `reserve_limit` releases every cached block
-// before its cudaMalloc, so the cache never holds memory the device's other
-// users (the libraries' own allocations, lazily loaded kernels) need.
+// Under pressure the cache goes first: a miss that would take what the
+// allocator holds from the driver past its `reserve_limit` gives back cached
+// blocks, the largest first, until the request fits, before its cudaMalloc,
+// so the cache never holds memory the device's other users (the libraries'
+// own allocations, lazily loaded kernels) need. On a miss that cudaMalloc
+// still cannot serve, every cached block goes back and the allocation is
+// retried once; RESOURCE_EXHAUSTED if it still fails. Giving blocks back
+// waits for the device (cudaFree does), but only the thread that needs the
+// memory waits: the lock is not held meanwhile, so the other sessions'
+// allocations and frees go on.
 #ifndef TE_KERNELS_CUDA_ALLOCATOR_H_
 #define TE_KERNELS_CUDA_ALLOCATOR_H_
 
@@ -23,9 +27,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <climits>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,7 +50,7 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
     int64_t peak_bytes_reserved = 0;
     int64_t cuda_mallocs = 0;    // misses served by cudaMalloc, ever
     int64_t cache_hits = 0;
-    int64_t cache_releases = 0;  // times the cache was given back under pressure
+    int64_t cache_releases = 0;  // times cached blocks were given back under pressure
   };
 
   // Make with std::make_shared: handed-out memory keeps its allocator alive.
@@ -82,13 +88,20 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
     std::shared_ptr<CUstream_st> last_stream;  // null: no pending work
   };
   void Free(void* ptr, size_t size, std::shared_ptr<CUstream_st> stream);
-  void ReleaseCachedLocked();
+  // Gives back cached blocks, the largest first, until at least `bytes`
+  // went back or the cache is empty.
+  void ReleaseCachedBytes(int64_t bytes);
+  // Returns once no thread is between taking blocks out and freeing them.
+  void WaitForReleases();
+  void FreeBlocks(const std::vector<std::pair<void*, size_t>>& blocks);
 
   const int ordinal_;
   const int64_t reserve_limit_;
   mutable std::mutex mu_;
   // size -> free blocks of exactly that rounded size.
   std::map<size_t, std::vector<FreeBlock>> free_blocks_;
+  int64_t releasing_ = 0;  // taken out of the cache, not yet freed
+  std::condition_variable released_;
   Stats stats_;
 };
 

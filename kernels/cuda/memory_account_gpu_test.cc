@@ -184,5 +184,35 @@ TEST(MemoryAccountGpuTest, TheCacheGoesBackBeforeTheAllocatorPassesItsLimit) {
   EXPECT_EQ(stats.bytes_reserved, stats.bytes_in_use);  // the 64 MiB block went back
 }
 
+TEST(MemoryAccountGpuTest, PressureGivesBackOnlyWhatTheRequestNeedsLargestFirst) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no GPU";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t raw = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), cudaSuccess);
+  std::shared_ptr<CUstream_st> stream(raw, [](cudaStream_t s) { cudaStreamDestroy(s); });
+  auto allocator = std::make_shared<cuda::CachingAllocator>(0, /*reserve_limit=*/96 * kMiB);
+  {
+    auto small = allocator->Allocate(8 * kMiB, stream);
+    auto large = allocator->Allocate(40 * kMiB, stream);
+    ASSERT_TRUE(small.ok() && large.ok());
+  }
+  ASSERT_EQ(allocator->stats().bytes_reserved, 48 * kMiB);  // both cached
+  // 60 MiB misses; 48 + 60 passes 96 by 12: the 40 MiB block goes back, the
+  // 8 MiB one (another session's hot block) stays cached.
+  auto big = allocator->Allocate(60 * kMiB, stream);
+  ASSERT_TRUE(big.ok()) << big.status();
+  cuda::CachingAllocator::Stats stats = allocator->stats();
+  EXPECT_EQ(stats.cache_releases, 1);
+  EXPECT_EQ(stats.bytes_reserved, 68 * kMiB);
+  EXPECT_EQ(stats.bytes_in_use, 60 * kMiB);
+  const int64_t mallocs = stats.cuda_mallocs;
+  auto again = allocator->Allocate(8 * kMiB, stream);  // served from the cache
+  ASSERT_TRUE(again.ok()) << again.status();
+  stats = allocator->stats();
+  EXPECT_EQ(stats.cuda_mallocs, mallocs);
+  EXPECT_EQ(stats.bytes_reserved, 68 * kMiB);
+}
+
 }  // namespace
 }  // namespace te
