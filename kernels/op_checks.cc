@@ -110,6 +110,17 @@ int64_t Rows(const Tensor& t) {
 
 bool Wanted(const Tensor* t) { return t != nullptr && t->data() != nullptr; }
 
+absl::Status CheckDevicePosition(const char* op, const char* name, const Tensor& t) {
+  RETURN_IF_ERROR(RequireDefined(op, name, &t));
+  if (t.dtype() != DType::kI32 || t.numel() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": ", name, " is ", Describe(t), ", want int32 with one element"));
+  }
+  return absl::OkStatus();
+}
+
+bool HasDevicePosition(const Tensor& t) { return t.defined() && t.numel() > 0; }
+
 // ---- memory and elementwise -------------------------------------------------
 
 absl::Status CheckUploadArgs(const void* src, const Tensor* dst) {
@@ -149,6 +160,28 @@ absl::Status CheckCopyAllArgs(const std::vector<const Tensor*>& src,
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckCopyRowsAtArgs(const Tensor& src, const Tensor& position, const Tensor* dst) {
+  const char* op = "CopyRowsAt";
+  RETURN_IF_ERROR(RequireDefined(op, "src", &src));
+  RETURN_IF_ERROR(RequireDefined(op, "dst", dst));
+  RETURN_IF_ERROR(CheckDevicePosition(op, "position", position));
+  if (src.rank() < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": src must be [B, S, ...], got ", Describe(src)));
+  }
+  RETURN_IF_ERROR(RequireDType(op, "dst", dst, src.dtype()));
+  // dst: src's shape with any L in place of S.
+  Shape want = src.shape();
+  std::vector<std::string> want_text;
+  for (int i = 0; i < src.rank(); ++i) {
+    want_text.push_back(i == 1 ? "L" : absl::StrCat(src.dim(i)));
+  }
+  if (dst->rank() == src.rank()) want[1] = dst->dim(1);
+  return RequireShape(op, "dst", *dst, want,
+                      absl::StrCat("[", absl::StrJoin(want_text, ", "), "] like src ",
+                                   ShapeString(src.shape())));
 }
 
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y) {
@@ -827,6 +860,9 @@ absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tens
     return absl::InvalidArgumentError(
         absl::StrCat(op, ": position_offset must be >= 0, got ", args.position_offset));
   }
+  if (HasDevicePosition(args.position)) {
+    RETURN_IF_ERROR(CheckDevicePosition(op, "position", args.position));
+  }
   RETURN_IF_ERROR(RequireFloat(op, "x", &x));
   RETURN_IF_ERROR(RequireFloat(op, "y", y));
   return RequireShape(op, "y", *y, x.shape());
@@ -834,11 +870,21 @@ absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tens
 
 absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
                                                               const Tensor& buckets,
+                                                              const Tensor& first_row,
                                                               const Tensor* bias) {
   const char* op = "RelativeBiasForward";
   ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckTable(op, "table", &table));
   RETURN_IF_ERROR(CheckBuckets(op, buckets));
-  RETURN_IF_ERROR(CheckBias(op, "bias", bias, dims, buckets));
+  if (!HasDevicePosition(first_row)) {
+    RETURN_IF_ERROR(CheckBias(op, "bias", bias, dims, buckets));
+    return dims;
+  }
+  RETURN_IF_ERROR(CheckDevicePosition(op, "first_row", first_row));
+  RETURN_IF_ERROR(RequireDType(op, "bias", bias, DType::kF32));
+  const int64_t q_rows = bias->rank() == 3 ? bias->dim(1) : 0;
+  RETURN_IF_ERROR(RequireShape(op, "bias", *bias, {dims.heads, q_rows, buckets.dim(1)},
+                               absl::StrCat("[heads=", dims.heads, ", Sq, Skv=", buckets.dim(1),
+                                            "]")));
   return dims;
 }
 

@@ -52,6 +52,11 @@ absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8);
 int64_t Rows(const Tensor& t);
 // Whether the caller asked for an optional output: non-null, with memory.
 bool Wanted(const Tensor* t);
+// A position that lives on the device (RotaryArgs::position, first_row,
+// CopyRowsAt's position): int32 with one element. An optional one is given
+// when it is defined and has elements (HasDevicePosition).
+absl::Status CheckDevicePosition(const char* op, const char* name, const Tensor& t);
+bool HasDevicePosition(const Tensor& t);
 
 // ---- memory and elementwise -------------------------------------------------
 
@@ -62,6 +67,9 @@ absl::Status CheckCopyArgs(const Tensor& src, const Tensor* dst);
 // CheckCopyArgs for every pair, and as many dst as src.
 absl::Status CheckCopyAllArgs(const std::vector<const Tensor*>& src,
                               const std::vector<Tensor*>& dst);
+// src [B, S, ...] and dst [B, L, ...]: one dtype, the same B and trailing
+// dims; position a device position (CheckDevicePosition).
+absl::Status CheckCopyRowsAtArgs(const Tensor& src, const Tensor& position, const Tensor* dst);
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y);
 // A term with a zero coefficient is not checked (the op does not read it).
 absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tensor& b,
@@ -188,9 +196,17 @@ struct RelativeBiasDims {
 // These check the buckets' dtype and shape, not their values, which may live
 // on the device (the CPU checks them as it reads them; the CUDA kernels write
 // NaN for a bucket outside the table, and backward skips it).
+// With first_row (HasDevicePosition) bias is [heads, Sq, Skv] for any Sq;
+// without it Sq is buckets' row count.
 absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
                                                               const Tensor& buckets,
+                                                              const Tensor& first_row,
                                                               const Tensor* bias);
+inline absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
+                                                                     const Tensor& buckets,
+                                                                     const Tensor* bias) {
+  return CheckRelativeBiasForwardArgs(table, buckets, Tensor(), bias);
+}
 absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbias,
                                                                const Tensor& buckets,
                                                                const Tensor* dtable);

@@ -117,7 +117,18 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
     if (shared != nullptr) shared->in_use -= static_cast<int64_t>(bytes);
     memory.reset();
   });
+  if (allocation_hold_ != nullptr) allocation_hold_->push_back(storage);
   return Tensor(std::move(storage), data, dtype, std::move(shape));
+}
+
+absl::StatusOr<std::unique_ptr<Ops::StepRecord>> Ops::CaptureStep(
+    const std::function<absl::Status()>& step) {
+  return absl::UnimplementedError(
+      absl::StrCat(device_name(), " does not record steps; run the step itself"));
+}
+
+absl::Status Ops::Replay(StepRecord& record) {
+  return absl::UnimplementedError(absl::StrCat(device_name(), " does not replay steps"));
 }
 
 absl::Status Ops::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y, Tensor* y_t) {

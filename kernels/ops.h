@@ -206,6 +206,10 @@ struct RotaryArgs {
   // The position of x's first row along S (>= 0): a decode step rotates its
   // one new token at the token's place in the sequence, not at 0.
   int64_t position_offset = 0;
+  // Optional: an int32 tensor of one element on the op's device, added to
+  // position_offset when the kernels run. A decode step's position lives on
+  // the device, so the same launches serve every position (a replayed step).
+  Tensor position;
 };
 // Position p = position_offset + s (s 0-based along S), frequency index i in
 // [0, D/2):
@@ -525,6 +529,25 @@ class Ops {
     return interrupt_check_ ? interrupt_check_() : absl::OkStatus();
   }
 
+  // ---- replayed steps -----------------------------------------------------
+  // A step issued many times with the same launches (a generation's one-token
+  // steps: their position lives on the device) costs its launches' host time
+  // at every issue. CaptureStep runs `step` once without executing it,
+  // recording what it issues on this Ops' stream; Replay(record) issues the
+  // whole record again as one launch. Every tensor the step allocates stays
+  // the record's (and counts in bytes_in_use()) for the record's life, so
+  // its outputs hold each replay's results. The step must not wait for the
+  // device or copy from the host; a capture that meets either fails and
+  // leaves nothing behind. Backends without it (the CPU) answer
+  // UNIMPLEMENTED: run the step itself instead.
+  class StepRecord {
+   public:
+    virtual ~StepRecord() = default;
+  };
+  virtual absl::StatusOr<std::unique_ptr<StepRecord>> CaptureStep(
+      const std::function<absl::Status()>& step);
+  virtual absl::Status Replay(StepRecord& record);
+
   // ---- casts of tensors that stay put ------------------------------------
   // Generation's steps read the same weights, and a float32 weight feeding a
   // bfloat16 GEMM would be cast at every step. While a memo is installed,
@@ -553,6 +576,13 @@ class Ops {
   // for each pair.
   virtual absl::Status CopyAll(const std::vector<const Tensor*>& src,
                                const std::vector<Tensor*>& dst);
+  // dst[b, p + s] = src[b, s] for src [B, S, ...] and dst [B, L, ...] (one
+  // dtype, the same B and trailing dims), p = position's one int32 element
+  // on the op's device, read when the kernel runs: a decode step writes its
+  // keys and values into the cache at a position that lives on the device.
+  // Rows with p + s outside [0, L) are not written (the host checks the
+  // position before the step).
+  virtual absl::Status CopyRowsAt(const Tensor& src, const Tensor& position, Tensor* dst) = 0;
   // Waits for all work issued so far; reports any deferred failure.
   virtual absl::Status Synchronize() = 0;
 
@@ -911,10 +941,15 @@ class Ops {
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
-  // T5 relative position bias: bias[h, i, j] = table[buckets[i, j], h].
-  // table [NB, H] (float), buckets int32 [Sq, Skv], bias f32 [H, Sq, Skv].
+  // T5 relative position bias: bias[h, i, j] = table[buckets[r0 + i, j], h].
+  // table [NB, H] (float), buckets int32 [R, Skv], bias f32 [H, Sq, Skv].
+  // r0 = first_row's one int32 element (on the op's device), read when the
+  // kernel runs: a decode step's rows of the [L, L] bucket table, at a
+  // position that lives on the device. Without first_row, r0 = 0 and Sq == R.
+  // With it, rows r0 + i at or past R give bias 0 (the host checks the
+  // position before the step).
   virtual absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
-                                           Tensor* bias) = 0;
+                                           const Tensor& first_row, Tensor* bias) = 0;
   // dtable [NB, H] = scatter-add of dbias over buckets (overwritten).
   virtual absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                             Tensor* dtable) = 0;
@@ -922,6 +957,9 @@ class Ops {
  protected:
   // Backend allocation of `bytes` (>0); the deleter must free the memory.
   virtual absl::StatusOr<std::shared_ptr<void>> AllocateBytes(size_t bytes) = 0;
+  // While set (a capture), every allocation's storage is also kept in
+  // `*hold`: a recorded step's memory is never handed to other work.
+  void set_allocation_hold(std::vector<std::shared_ptr<void>>* hold) { allocation_hold_ = hold; }
 
  private:
   // Atomic: a tensor may be freed on another thread than the one that made it.
@@ -932,6 +970,7 @@ class Ops {
   std::shared_ptr<SharedMemoryAccount> shared_account_;
   InterruptCheck interrupt_check_;
   std::shared_ptr<CastMemo> cast_memo_;
+  std::vector<std::shared_ptr<void>>* allocation_hold_ = nullptr;
 };
 
 class Ops::CastMemo {

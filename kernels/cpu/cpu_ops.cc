@@ -257,6 +257,26 @@ absl::Status CpuOps::Copy(const Tensor& src, Tensor* dst) {
   return absl::OkStatus();
 }
 
+absl::Status CpuOps::CopyRowsAt(const Tensor& src, const Tensor& position, Tensor* dst) {
+  RETURN_IF_ERROR(CheckCopyRowsAtArgs(src, position, dst));
+  const int64_t batch = src.dim(0), seq = src.dim(1), length = dst->dim(1);
+  if (src.nbytes() == 0) return absl::OkStatus();
+  const size_t row_bytes = src.nbytes() / static_cast<size_t>(batch * seq);
+  // Host memory: the position is read here, when the op runs.
+  const int64_t p = position.data_as<const int32_t>()[0];
+  const auto* from = static_cast<const uint8_t*>(src.data());
+  auto* to = static_cast<uint8_t*>(dst->data());
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t s = 0; s < seq; ++s) {
+      const int64_t t = p + s;
+      if (t < 0 || t >= length) continue;
+      std::memmove(to + (b * length + t) * row_bytes, from + (b * seq + s) * row_bytes,
+                   row_bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
 // ---- elementwise -------------------------------------------------------------
 
 absl::Status CpuOps::Fill(float value, Tensor* y) {

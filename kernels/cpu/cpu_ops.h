@@ -19,6 +19,7 @@ class CpuOps : public Ops {
   absl::Status Upload(const void* src, Tensor* dst) override;
   absl::Status Download(const Tensor& src, void* dst) override;
   absl::Status Copy(const Tensor& src, Tensor* dst) override;
+  absl::Status CopyRowsAt(const Tensor& src, const Tensor& position, Tensor* dst) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
   absl::Status Fill(float value, Tensor* y) override;
@@ -104,7 +105,7 @@ class CpuOps : public Ops {
                                            const Tensor& lse, const Tensor& dloss,
                                            Tensor* dlogits) override;
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
-                                   Tensor* bias) override;
+                                   const Tensor& first_row, Tensor* bias) override;
   absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                     Tensor* dtable) override;
 

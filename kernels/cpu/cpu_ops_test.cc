@@ -194,6 +194,70 @@ TEST(CpuCopyTest, CopyAllCopiesEveryPairAndNamesABadOne) {
   EXPECT_NE(bad.message().find("pair 1"), std::string::npos) << bad;
 }
 
+Tensor Position(Ops& ops, int32_t value) {
+  Tensor t = MakeEmpty(ops, DType::kI32, {1});
+  t.data_as<int32_t>()[0] = value;
+  return t;
+}
+
+// dst row (b, t) holds src row (b, t - p) where 0 <= t - p < S, and what it
+// held before everywhere else: out-of-range rows are skipped, not clamped.
+TEST(CpuCopyTest, CopyRowsAtWritesRowsFromThePosition) {
+  CpuOps ops;
+  const int64_t batch = 3, length = 16;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int64_t seq : {1, 5}) {
+      for (int32_t p : {0, 4, 11, 13, 15, 16, -2}) {
+        const uint32_t seed = static_cast<uint32_t>(10 + p);
+        const Tensor src = MakeRandom(ops, dtype, {batch, seq, 2, 8}, seed);
+        Tensor dst = MakeRandom(ops, dtype, {batch, length, 2, 8}, seed + 100);
+        Tensor before = MakeEmpty(ops, dtype, dst.shape());
+        ASSERT_TRUE(ops.Copy(dst, &before).ok());
+        ASSERT_TRUE(ops.CopyRowsAt(src, Position(ops, p), &dst).ok());
+        const size_t row_bytes = 16 * DTypeSize(dtype);
+        const auto* got = dst.data_as<const uint8_t>();
+        for (int64_t b = 0; b < batch; ++b) {
+          for (int64_t t = 0; t < length; ++t) {
+            const int64_t s = t - p;
+            const uint8_t* want = s >= 0 && s < seq
+                                      ? src.data_as<const uint8_t>() + (b * seq + s) * row_bytes
+                                      : before.data_as<const uint8_t>() +
+                                            (b * length + t) * row_bytes;
+            EXPECT_EQ(std::memcmp(got + (b * length + t) * row_bytes, want, row_bytes), 0)
+                << ShortName(dtype) << " S=" << seq << " p=" << p << " row (" << b << ", " << t
+                << ")";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuCopyTest, CopyRowsAtRejectsBadArguments) {
+  CpuOps ops;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  const Tensor src = MakeRandom(ops, DType::kBF16, {3, 2, 2, 8}, 7);
+  Tensor dst = MakeRandom(ops, DType::kBF16, {3, 16, 2, 8}, 8);
+  const Tensor position = Position(ops, 1);
+  EXPECT_EQ(ops.CopyRowsAt(src, MakeTensor(ops, DType::kF32, {1}, {1.0f}), &dst).code(),
+            kInvalid);
+  Tensor two = MakeEmpty(ops, DType::kI32, {2});
+  two.data_as<int32_t>()[0] = two.data_as<int32_t>()[1] = 1;
+  EXPECT_EQ(ops.CopyRowsAt(src, two, &dst).code(), kInvalid);
+  EXPECT_EQ(ops.CopyRowsAt(src, Tensor(), &dst).code(), kInvalid);
+  Tensor wrong_trailing = MakeEmpty(ops, DType::kBF16, {3, 16, 2, 4});
+  EXPECT_EQ(ops.CopyRowsAt(src, position, &wrong_trailing).code(), kInvalid);
+  Tensor wrong_rank = MakeEmpty(ops, DType::kBF16, {3, 16, 16});
+  EXPECT_EQ(ops.CopyRowsAt(src, position, &wrong_rank).code(), kInvalid);
+  Tensor wrong_batch = MakeEmpty(ops, DType::kBF16, {2, 16, 2, 8});
+  EXPECT_EQ(ops.CopyRowsAt(src, position, &wrong_batch).code(), kInvalid);
+  Tensor wrong_dtype = MakeEmpty(ops, DType::kF32, {3, 16, 2, 8});
+  EXPECT_EQ(ops.CopyRowsAt(src, position, &wrong_dtype).code(), kInvalid);
+  const Tensor flat = MakeRandom(ops, DType::kBF16, {3}, 9);
+  EXPECT_EQ(ops.CopyRowsAt(flat, position, &dst).code(), kInvalid);
+  EXPECT_TRUE(ops.CopyRowsAt(src, position, &dst).ok());
+}
+
 // ---- Fill, Cast ----------------------------------------------------------------
 
 TEST(CpuFillTest, EveryElementRoundedOnce) {

@@ -38,10 +38,14 @@ absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) 
   std::vector<float> cos_table(static_cast<size_t>(seq * half));
   std::vector<float> sin_table(static_cast<size_t>(seq * half));
   const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
+  // The CPU's "device" memory is host memory: the position is read here.
+  const int64_t start = args.position_offset + (HasDevicePosition(args.position)
+                                                     ? args.position.data_as<const int32_t>()[0]
+                                                     : 0);
   for (int64_t i = 0; i < half; ++i) {
     const double timescale = args.min_timescale * std::pow(ratio, 2.0 * i / dim);
     for (int64_t s = 0; s < seq; ++s) {
-      const double p = static_cast<double>(args.position_offset + s);
+      const double p = static_cast<double>(start + s);
       const double angle = (args.inverse ? -p : p) / timescale;
       const int64_t at = s * half + i;
       cos_table[at] = static_cast<float>(std::cos(angle));
@@ -70,15 +74,22 @@ absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) 
 }
 
 absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buckets,
-                                         Tensor* bias) {
-  ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckRelativeBiasForwardArgs(table, buckets, bias));
+                                         const Tensor& first_row, Tensor* bias) {
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims,
+                   CheckRelativeBiasForwardArgs(table, buckets, first_row, bias));
   const int64_t heads = dims.heads;
   ASSIGN_OR_RETURN(const int32_t* bucket_of,
                    CheckBucketValues("RelativeBiasForward", buckets, dims.num_buckets));
-  const int64_t positions = buckets.numel();  // Sq * Skv
+  const int64_t rows = buckets.dim(0), cols = buckets.dim(1), q_rows = bias->dim(1);
+  const int64_t r0 = HasDevicePosition(first_row) ? first_row.data_as<const int32_t>()[0] : 0;
+  float* out = bias->data_as<float>();  // f32 [H, Sq, Skv]
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t n = 0; n < positions; ++n) {
-      StoreFromFloat(bias, h * positions + n, LoadAsFloat(table, bucket_of[n] * heads + h));
+    for (int64_t i = 0; i < q_rows; ++i) {
+      const int64_t r = r0 + i;
+      for (int64_t j = 0; j < cols; ++j) {
+        out[(h * q_rows + i) * cols + j] =
+            r >= 0 && r < rows ? LoadAsFloat(table, bucket_of[r * cols + j] * heads + h) : 0.0f;
+      }
     }
   }
   return absl::OkStatus();

@@ -1,9 +1,11 @@
 // CpuOps::Rotary and the T5 relative position bias against plain float64
 // references, plus the identities they must satisfy (inverse rotation, adjoint).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -205,6 +207,50 @@ TEST(RotaryErrorTest, RejectsBadArguments) {
   EXPECT_EQ(ops.Rotary(args, x, &x).code(), kInvalid);
 }
 
+Tensor DevicePosition(CpuOps* ops, int32_t value) {
+  Tensor t = ops->Allocate(DType::kI32, {1}).value();
+  t.data_as<int32_t>()[0] = value;
+  return t;
+}
+
+// A position on the device adds to position_offset: the same rotation as the
+// sum given as position_offset alone.
+TEST(RotaryDevicePositionTest, AddsToPositionOffset) {
+  CpuOps ops;
+  const Shape shape = {2, 5, 3, 16};
+  std::mt19937 rng(31);
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (bool consecutive : {true, false}) {
+      const Tensor x = MakeTensor(&ops, dtype, shape, RandomValues(NumElements(shape), &rng));
+      Tensor from_tensor = ops.Allocate(dtype, shape).value();
+      Tensor from_offset = ops.Allocate(dtype, shape).value();
+      RotaryArgs args;
+      args.consecutive = consecutive;
+      args.position_offset = 93;
+      args.position = DevicePosition(&ops, 4000);
+      ASSERT_TRUE(ops.Rotary(args, x, &from_tensor).ok());
+      args.position = Tensor();
+      args.position_offset = 4093;
+      ASSERT_TRUE(ops.Rotary(args, x, &from_offset).ok());
+      EXPECT_EQ(ToFloatVector(from_tensor), ToFloatVector(from_offset))
+          << DTypeName(dtype) << (consecutive ? " consecutive" : " alternate");
+    }
+  }
+}
+
+TEST(RotaryErrorTest, RejectsABadPositionTensor) {
+  CpuOps ops;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  Tensor x = ops.Allocate(DType::kF32, {1, 2, 2, 4}).value();
+  RotaryArgs args;
+  args.position = MakeTensor(&ops, DType::kF32, {1}, {3.0f});
+  EXPECT_EQ(ops.Rotary(args, x, &x).code(), kInvalid);
+  args.position = ops.Allocate(DType::kI32, {2}).value();
+  EXPECT_EQ(ops.Rotary(args, x, &x).code(), kInvalid);
+  args.position = DevicePosition(&ops, 3);
+  EXPECT_TRUE(ops.Rotary(args, x, &x).ok());
+}
+
 // ---- T5 relative position bias -------------------------------------------------------
 
 struct BiasSetup {
@@ -238,7 +284,7 @@ TEST_P(RelativeBiasTest, ForwardGathersTableRows) {
   CpuOps ops;
   const BiasSetup s = MakeBiasSetup(&ops, GetParam());
   Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
-  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, &bias).ok());
+  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).ok());
   const std::vector<float> got = ToFloatVector(bias);
   for (int64_t h = 0; h < s.heads; ++h)
     for (int64_t n = 0; n < s.q_seq * s.kv_seq; ++n) {
@@ -266,7 +312,7 @@ TEST_P(RelativeBiasTest, BackwardIsAdjointOfForward) {
   const BiasSetup s = MakeBiasSetup(&ops, DType::kF32);
   Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
   Tensor dtable = ops.Allocate(GetParam(), {s.num_buckets, s.heads}).value();
-  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, &bias).ok());
+  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).ok());
   ASSERT_TRUE(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).ok());
   const std::vector<float> bias_values = ToFloatVector(bias), dtable_values = ToFloatVector(dtable);
   // Each side's rounding error scales with the sum of |terms|, not with the
@@ -284,6 +330,39 @@ TEST_P(RelativeBiasTest, BackwardIsAdjointOfForward) {
       << forward_side << " vs " << backward_side;
 }
 
+// With first_row r0, the rows r0 .. r0 + Sq - 1 of the bias computed from the
+// whole bucket table, i.e. the bias of those buckets rows alone; rows at or
+// past the table's R rows are 0.
+TEST_P(RelativeBiasTest, ForwardFromAFirstRowReadsThoseRows) {
+  CpuOps ops;
+  const BiasSetup s = MakeBiasSetup(&ops, GetParam());
+  const int64_t rows = s.q_seq, cols = s.kv_seq;
+  for (const auto& [r0, q_rows] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 1}, {3, 1}, {6, 1}, {2, 4}, {5, 4}, {7, 2}, {0, 7}}) {
+    Tensor bias = ops.Allocate(DType::kF32, {s.heads, q_rows, cols}).value();
+    ASSERT_TRUE(ops.Fill(NAN, &bias).ok());
+    ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets,
+                                        DevicePosition(&ops, static_cast<int32_t>(r0)), &bias)
+                    .ok());
+    const std::vector<float> got = ToFloatVector(bias);
+    const int64_t valid = std::max<int64_t>(0, std::min(q_rows, rows - r0));
+    std::vector<float> want;
+    if (valid > 0) {
+      Tensor part = ops.Allocate(DType::kF32, {s.heads, valid, cols}).value();
+      ASSERT_TRUE(
+          ops.RelativeBiasForward(s.table, s.buckets.Slice0(r0, r0 + valid), Tensor(), &part).ok());
+      want = ToFloatVector(part);
+    }
+    for (int64_t h = 0; h < s.heads; ++h)
+      for (int64_t i = 0; i < q_rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) {
+          const float expected = i < valid ? want[(h * valid + i) * cols + j] : 0.0f;
+          ASSERT_EQ(got[(h * q_rows + i) * cols + j], expected)
+              << "r0 " << r0 << " h " << h << " i " << i << " j " << j;
+        }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, RelativeBiasTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const ::testing::TestParamInfo<DType>& info) {
                            return std::string(DTypeName(info.param));
@@ -296,16 +375,37 @@ TEST(RelativeBiasErrorTest, RejectsBadArguments) {
   Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
   Tensor dtable = ops.Allocate(DType::kF32, {s.num_buckets, s.heads}).value();
   s.buckets.data_as<int32_t>()[5] = static_cast<int32_t>(s.num_buckets);  // one past the table
-  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, &bias).code(), kInvalid);
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).code(), kInvalid);
   EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).code(), kInvalid);
   s.buckets.data_as<int32_t>()[5] = 0;
   Tensor bias_bf16 = ops.Allocate(DType::kBF16, {s.heads, s.q_seq, s.kv_seq}).value();
-  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, &bias_bf16).code(), kInvalid);
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias_bf16).code(), kInvalid);
   Tensor bias_wrong = ops.Allocate(DType::kF32, {s.heads, s.kv_seq, s.q_seq}).value();
-  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, &bias_wrong).code(), kInvalid);
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias_wrong).code(), kInvalid);
   Tensor dtable_wrong = ops.Allocate(DType::kF32, {s.num_buckets, s.heads + 1}).value();
   EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable_wrong).code(), kInvalid);
-  EXPECT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, &bias).ok());
+  EXPECT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).ok());
+}
+
+TEST(RelativeBiasErrorTest, RejectsABadFirstRow) {
+  CpuOps ops;
+  const BiasSetup s = MakeBiasSetup(&ops, DType::kF32);
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  Tensor bias = ops.Allocate(DType::kF32, {s.heads, 1, s.kv_seq}).value();
+  const Tensor f32_row = MakeTensor(&ops, DType::kF32, {1}, {2.0f});
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, f32_row, &bias).code(), kInvalid);
+  const Tensor two_rows = ops.Allocate(DType::kI32, {2}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, two_rows, &bias).code(), kInvalid);
+  const Tensor first_row = DevicePosition(&ops, 2);
+  Tensor wrong_heads = ops.Allocate(DType::kF32, {s.heads + 1, 1, s.kv_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &wrong_heads).code(), kInvalid);
+  Tensor wrong_keys = ops.Allocate(DType::kF32, {s.heads, 1, s.kv_seq + 1}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &wrong_keys).code(), kInvalid);
+  Tensor bias_bf16 = ops.Allocate(DType::kBF16, {s.heads, 1, s.kv_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &bias_bf16).code(), kInvalid);
+  // Without first_row, Sq must be the bucket table's row count.
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).code(), kInvalid);
+  EXPECT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, first_row, &bias).ok());
 }
 
 }  // namespace

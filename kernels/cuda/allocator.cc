@@ -27,7 +27,7 @@ size_t CachingAllocator::RoundedSize(size_t bytes) {
 CachingAllocator::~CachingAllocator() { ReleaseCached(); }
 
 absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
-    size_t bytes, std::shared_ptr<CUstream_st> stream) {
+    size_t bytes, std::shared_ptr<CUstream_st> stream, bool recording) {
   const size_t size = RoundedSize(bytes == 0 ? 1 : bytes);
   void* ptr = nullptr;
   size_t block_size = size;
@@ -36,19 +36,29 @@ absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
     // Smallest cached size that fits; among its blocks, prefer one last used
     // on this stream (reusable with no event).
     auto it = free_blocks_.lower_bound(size);
+    std::vector<FreeBlock>* blocks = nullptr;
+    size_t pick = 0;
     if (it != free_blocks_.end() && it->first <= size * kMaxWasteFactor && !it->second.empty()) {
-      std::vector<FreeBlock>& blocks = it->second;
-      size_t pick = blocks.size() - 1;
-      for (size_t i = blocks.size(); i-- > 0;) {
-        if (blocks[i].last_stream == nullptr || blocks[i].last_stream == stream) {
+      blocks = &it->second;
+      pick = blocks->size() - 1;
+      for (size_t i = blocks->size(); i-- > 0;) {
+        if ((*blocks)[i].last_stream == nullptr || (*blocks)[i].last_stream == stream) {
           pick = i;
           break;
         }
       }
-      FreeBlock block = std::move(blocks[pick]);
-      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(pick));
+      // A stream being recorded into a graph cannot wait on other streams'
+      // events: it takes only blocks of its own.
+      const FreeBlock& candidate = (*blocks)[pick];
+      if (recording && candidate.last_stream != nullptr && candidate.last_stream != stream) {
+        blocks = nullptr;
+      }
+    }
+    if (blocks != nullptr) {
+      FreeBlock block = std::move((*blocks)[pick]);
+      blocks->erase(blocks->begin() + static_cast<std::ptrdiff_t>(pick));
       block_size = it->first;
-      if (blocks.empty()) free_blocks_.erase(it);
+      if (blocks->empty()) free_blocks_.erase(it);
       if (block.last_stream != nullptr && block.last_stream != stream) {
         // Work queued on the old stream may still touch the block: order this
         // stream after it, on the device.
@@ -70,9 +80,10 @@ absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
       std::lock_guard<std::mutex> lock(mu_);
       over = static_cast<int64_t>(size) - (reserve_limit_ - (stats_.bytes_reserved - releasing_));
     }
-    if (over > 0) ReleaseCachedBytes(over);
+    // A recording stream gives nothing back: that synchronises the device.
+    if (over > 0 && !recording) ReleaseCachedBytes(over);
     cudaError_t error = cudaMalloc(&ptr, size);
-    if (error == cudaErrorMemoryAllocation) {
+    if (error == cudaErrorMemoryAllocation && !recording) {
       (void)cudaGetLastError();  // clear the non-sticky error
       // Another thread's release may not have reached the driver yet: wait
       // for it, then give back what is left before the one retry.
@@ -158,6 +169,11 @@ void CachingAllocator::WaitForReleases() {
 }
 
 void CachingAllocator::FreeBlocks(const std::vector<std::pair<void*, size_t>>& blocks) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    capture_or_free_done_.wait(lock, [this] { return captures_ == 0 && !freeing_; });
+    freeing_ = true;
+  }
   // cudaFree does not wait for queued kernels that may still use a block.
   int previous = -1;
   (void)cudaGetDevice(&previous);
@@ -165,6 +181,25 @@ void CachingAllocator::FreeBlocks(const std::vector<std::pair<void*, size_t>>& b
   (void)cudaDeviceSynchronize();
   for (const auto& block : blocks) (void)cudaFree(block.first);
   if (previous >= 0) (void)cudaSetDevice(previous);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    freeing_ = false;
+  }
+  capture_or_free_done_.notify_all();
+}
+
+void CachingAllocator::BeginCapture() {
+  std::unique_lock<std::mutex> lock(mu_);
+  capture_or_free_done_.wait(lock, [this] { return !freeing_; });
+  ++captures_;
+}
+
+void CachingAllocator::EndCapture() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --captures_;
+  }
+  capture_or_free_done_.notify_all();
 }
 
 void CachingAllocator::ResetPeaks() {

@@ -63,8 +63,14 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   // At least `bytes` (> 0) of device memory, 256-byte aligned, for use on
   // `stream` (kept alive until the block is freed). The memory returns to the
   // cache when the returned pointer's last copy goes away.
+  // `recording`: `stream` is being recorded into a graph (between
+  // BeginCapture and EndCapture), which can neither wait on other streams'
+  // events nor survive a device synchronisation: take no cached block
+  // another stream freed, and give nothing back under pressure
+  // (RESOURCE_EXHAUSTED instead).
   absl::StatusOr<std::shared_ptr<void>> Allocate(size_t bytes,
-                                                 std::shared_ptr<CUstream_st> stream);
+                                                 std::shared_ptr<CUstream_st> stream,
+                                                 bool recording = false);
 
   // Called once `stream` has no pending work (after a synchronize): its free
   // blocks then need no event before another stream reuses them.
@@ -72,6 +78,14 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
 
   // Returns every cached (free) block to the driver.
   void ReleaseCached();
+
+  // A stream of this device is being recorded into a graph between these
+  // two calls. Giving blocks back synchronises the device, which would break
+  // the recording, so the two never overlap: BeginCapture waits for a
+  // release in progress, and a release waits for the recordings to end
+  // (each lasts one step's host time).
+  void BeginCapture();
+  void EndCapture();
 
   Stats stats() const;
   // Starts the peaks again from what is in use and reserved now (a
@@ -102,6 +116,9 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   std::map<size_t, std::vector<FreeBlock>> free_blocks_;
   int64_t releasing_ = 0;  // taken out of the cache, not yet freed
   std::condition_variable released_;
+  int captures_ = 0;       // streams being recorded now
+  bool freeing_ = false;   // a thread is synchronising and freeing blocks
+  std::condition_variable capture_or_free_done_;
   Stats stats_;
 };
 

@@ -112,7 +112,7 @@ absl::Status CudaOps::ShrinkScratch(int64_t bytes) {
 
 absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateBytes(size_t bytes) {
   RETURN_IF_ERROR(Enter());
-  return context_->allocator->Allocate(bytes, stream_);
+  return context_->allocator->Allocate(bytes, stream_, /*recording=*/capturing_);
 }
 
 }  // namespace cuda

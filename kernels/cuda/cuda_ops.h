@@ -97,7 +97,13 @@ class CudaOps : public Ops {
   absl::Status Copy(const Tensor& src, Tensor* dst) override;
   absl::Status CopyAll(const std::vector<const Tensor*>& src,
                        const std::vector<Tensor*>& dst) override;
+  absl::Status CopyRowsAt(const Tensor& src, const Tensor& position, Tensor* dst) override;
   absl::Status Synchronize() override;
+  // step_record.cc: a CUDA graph captured from this stream (relaxed mode:
+  // other sessions' threads may allocate meanwhile) and replayed on it.
+  absl::StatusOr<std::unique_ptr<StepRecord>> CaptureStep(
+      const std::function<absl::Status()>& step) override;
+  absl::Status Replay(StepRecord& record) override;
   // The device's caching allocator (every session on this GPU).
   DeviceMemoryStats device_memory_stats() const override;
   void ResetDevicePeaks() override;
@@ -227,7 +233,7 @@ class CudaOps : public Ops {
                                            const Tensor& lse, const Tensor& dloss,
                                            Tensor* dlogits) override;
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
-                                   Tensor* bias) override;
+                                   const Tensor& first_row, Tensor* bias) override;
   absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                     Tensor* dtable) override;
 
@@ -275,6 +281,7 @@ class CudaOps : public Ops {
   cudnnHandle_t cudnn_ = nullptr;
   std::shared_ptr<void> workspace_;
   size_t workspace_bytes_ = 0;
+  bool capturing_ = false;  // inside CaptureStep
   std::shared_ptr<GemmPlanCache> gemm_plans_;
   std::shared_ptr<AttentionPlanCache> attention_plans_;
 };

@@ -1,5 +1,5 @@
-// Memory movement and plain elementwise ops: Upload, Download, Copy, Fill,
-// Cast, Axpby, Permute, SumRows.
+// Memory movement and plain elementwise ops: Upload, Download, Copy, CopyAll,
+// CopyRowsAt, Fill, Cast, Axpby, Permute, SumRows.
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -259,6 +259,61 @@ absl::Status CudaOps::CopyAll(const std::vector<const Tensor*>& src,
     if (++n == kCopyAllBatch) RETURN_IF_ERROR(flush());
   }
   return flush();
+}
+
+namespace {
+
+// dst[b, p + s] = src[b, s] for rows of `units` T's each: src [B, S, units],
+// dst [B, L, units]. p = *position, read here so that one launch serves every
+// position of a replayed step; rows with p + s outside [0, L) are skipped.
+template <typename T>
+__global__ void CopyRowsAtKernel(const T* src, T* dst, const int32_t* position, int64_t seq,
+                                 int64_t length, int64_t units, int64_t n) {
+  const int64_t p = *position;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = k / units, u = k - row * units;
+    const int64_t b = row / seq, s = row - b * seq;
+    const int64_t t = p + s;
+    if (t < 0 || t >= length) continue;
+    dst[(b * length + t) * units + u] = src[k];
+  }
+}
+
+}  // namespace
+
+absl::Status CudaOps::CopyRowsAt(const Tensor& src, const Tensor& position, Tensor* dst) {
+  RETURN_IF_ERROR(CheckCopyRowsAtArgs(src, position, dst));
+  const int64_t batch = src.dim(0), seq = src.dim(1), length = dst->dim(1);
+  const int64_t bytes = static_cast<int64_t>(src.nbytes());
+  if (bytes == 0 || length == 0) return absl::OkStatus();
+  const int64_t row_bytes = bytes / (batch * seq);
+  RETURN_IF_ERROR(Enter());
+  // The widest unit that divides a row and both rows' starting addresses.
+  const uint64_t align = static_cast<uint64_t>(row_bytes) |
+                         reinterpret_cast<uintptr_t>(src.data()) |
+                         reinterpret_cast<uintptr_t>(dst->data());
+  auto launch = [&](auto unit) {
+    using T = decltype(unit);
+    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(T));
+    const int64_t n = bytes / static_cast<int64_t>(sizeof(T));
+    CopyRowsAtKernel<T><<<GridFor(n), kThreads, 0, stream()>>>(
+        static_cast<const T*>(src.data()), static_cast<T*>(dst->data()),
+        position.data_as<const int32_t>(), seq, length, units, n);
+  };
+  if (align % 16 == 0) {
+    launch(uint4());
+  } else if (align % 8 == 0) {
+    launch(uint2());
+  } else if (align % 4 == 0) {
+    launch(uint32_t());
+  } else if (align % 2 == 0) {
+    launch(uint16_t());
+  } else {
+    launch(uint8_t());
+  }
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
 }
 
 // ---- elementwise ---------------------------------------------------------------

@@ -1,5 +1,9 @@
 // Position encodings on the GPU against the CPU reference: rotary embeddings
-// and the relative position bias (forward and its table gradient).
+// and the relative position bias (forward and its table gradient), each also
+// at a position that lives on the device, and CopyRowsAt (a decode step's
+// rows written into the cache at such a position).
+#include <utility>
+
 #include "kernels/cuda/ops_gpu_test.h"
 
 namespace te {
@@ -7,6 +11,17 @@ namespace gpu_test {
 namespace {
 
 // ---- position encodings --------------------------------------------------------------------
+
+// GpuTest with a position that lives on the device: int32 [1] on both backends.
+class DevicePositionTest : public GpuTest {
+ protected:
+  Pair Position(int32_t value) {
+    Tensor cpu = NewCpu(DType::kI32, {1});
+    cpu.data_as<int32_t>()[0] = value;
+    return Mirror(cpu);
+  }
+};
+
 
 using RotaryCase = std::tuple<DType, bool, bool, Shape>;  // consecutive, inverse
 class RotaryTest : public GpuTest, public ::testing::WithParamInterface<RotaryCase> {};
@@ -54,7 +69,58 @@ TEST_F(GpuTest, RotaryFromAPositionOffsetMatchesCpu) {
   }
 }
 
-class RelativeBiasTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
+// A decode step's position lives on the device: RotaryArgs::position adds to
+// position_offset when the kernels run.
+TEST_F(DevicePositionTest, RotaryFromADevicePositionMatchesCpu) {
+  const Pair position = Position(4000);
+  for (const Shape& shape : {Shape{3, 1, 4, 64}, Shape{2, 9, 2, 16}}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      for (bool consecutive : {true, false}) {
+        RotaryArgs args;
+        args.consecutive = consecutive;
+        args.position_offset = 93;
+        const Pair x = Random(dtype, shape, 21);
+        Pair y = Output(dtype, shape);
+        args.position = position.cpu;
+        ASSERT_TRUE(cpu_->Rotary(args, x.cpu, &y.cpu).ok());
+        args.position = position.gpu;
+        const absl::Status s = gpu_->Rotary(args, x.gpu, &y.gpu);
+        ASSERT_TRUE(s.ok()) << s;
+        ExpectMatches(y, "Rotary from 93 + device 4000 " + ShapeName(shape) +
+                             (consecutive ? " consecutive" : " alternate"));
+      }
+    }
+  }
+}
+
+class RelativeBiasTest : public DevicePositionTest,
+                         public ::testing::WithParamInterface<DType> {};
+
+// A decode step's rows of the [L, L] bucket table, from a device first_row;
+// rows past the table give 0 (the GPU output starts as NaN: every element
+// must be written).
+TEST_P(RelativeBiasTest, ForwardFromAFirstRow) {
+  const DType dtype = GetParam();
+  const int64_t num_buckets = 32, heads = 3, length = 20;
+  const Pair table = Random(dtype, {num_buckets, heads}, 22);
+  Tensor buckets_cpu = NewCpu(DType::kI32, {length, length});
+  std::mt19937 gen(23);
+  for (int64_t i = 0; i < buckets_cpu.numel(); ++i) {
+    buckets_cpu.data_as<int32_t>()[i] = static_cast<int32_t>(gen() % num_buckets);
+  }
+  const Pair buckets = Mirror(buckets_cpu);
+  for (const auto& [r0, q_rows] : std::vector<std::pair<int32_t, int64_t>>{
+           {0, 1}, {7, 1}, {19, 1}, {0, 5}, {9, 5}, {18, 5}, {20, 1}}) {
+    const Pair first_row = Position(r0);
+    Pair bias = Output(DType::kF32, {heads, q_rows, length});
+    ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, first_row.cpu, &bias.cpu).ok());
+    const absl::Status s =
+        gpu_->RelativeBiasForward(table.gpu, buckets.gpu, first_row.gpu, &bias.gpu);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectMatches(bias, "RelativeBiasForward from row " + std::to_string(r0) + ", " +
+                            std::to_string(q_rows) + " rows");
+  }
+}
 
 TEST_P(RelativeBiasTest, ForwardAndBackward) {
   const DType dtype = GetParam();
@@ -69,8 +135,8 @@ TEST_P(RelativeBiasTest, ForwardAndBackward) {
     }
     const Pair buckets = Mirror(buckets_cpu);
     Pair bias = Output(DType::kF32, {heads, q_seq, kv_seq});
-    ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, &bias.cpu).ok());
-    ASSERT_TRUE(gpu_->RelativeBiasForward(table.gpu, buckets.gpu, &bias.gpu).ok());
+    ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, Tensor(), &bias.cpu).ok());
+    ASSERT_TRUE(gpu_->RelativeBiasForward(table.gpu, buckets.gpu, Tensor(), &bias.gpu).ok());
     ExpectMatches(bias, "RelativeBiasForward");
     const Pair dbias = Random(DType::kF32, {heads, q_seq, kv_seq}, 19);
     Pair dtable = Output(dtype, {num_buckets, heads});
@@ -83,6 +149,42 @@ TEST_P(RelativeBiasTest, ForwardAndBackward) {
 
 INSTANTIATE_TEST_SUITE_P(Matrix, RelativeBiasTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& info) { return std::string(Short(info.param)); });
+
+// ---- rows copied at a device position ---------------------------------------------------------
+
+// (dtype, S): src [B=3, S, 2, 8] into dst [3, L=16, 2, 8] at positions inside,
+// partly past the end, wholly past it, and before the start; compared with the
+// CPU's bytes exactly (a copy rounds nothing), dst random beforehand on both.
+using CopyRowsAtCase = std::tuple<DType, int64_t>;
+class CopyRowsAtTest : public DevicePositionTest,
+                       public ::testing::WithParamInterface<CopyRowsAtCase> {};
+
+TEST_P(CopyRowsAtTest, MatchesCpuExactly) {
+  const auto [dtype, seq] = GetParam();
+  const int64_t batch = 3, length = 16;
+  for (int32_t p : {0, 7, 11, 13, 15, 16, -2}) {
+    const uint32_t seed = static_cast<uint32_t>(30 + p);
+    const Pair src = Random(dtype, {batch, seq, 2, 8}, seed);
+    const Pair dst = Random(dtype, {batch, length, 2, 8}, seed + 100);
+    const Pair position = Position(p);
+    Tensor dst_cpu = dst.cpu, dst_gpu = dst.gpu;
+    ASSERT_TRUE(cpu_->CopyRowsAt(src.cpu, position.cpu, &dst_cpu).ok());
+    const absl::Status s = gpu_->CopyRowsAt(src.gpu, position.gpu, &dst_gpu);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const Tensor got = Fetch(dst.gpu);
+    EXPECT_EQ(0, std::memcmp(got.data(), dst.cpu.data(), dst.cpu.nbytes()))
+        << "CopyRowsAt " << Short(dtype) << " S=" << seq << " at " << p;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, CopyRowsAtTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(int64_t{1}, int64_t{5})),
+                         [](const auto& info) {
+                           return std::string(Short(std::get<0>(info.param))) + "_S" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace gpu_test

@@ -14,17 +14,20 @@ namespace te {
 namespace cuda {
 namespace {
 
-// cos / sin of angle(position_offset + s, i) at [s * half + i], s the row along
-// S. The angle is computed in double, as on the CPU: near position 10^4 a
-// float angle is off by ~5e-4 radians.
+// cos / sin of angle(position_offset + *position + s, i) at [s * half + i], s
+// the row along S; position (device int32, may be null) is read here, so one
+// launch serves every position of a replayed step. The angle is computed in
+// double, as on the CPU: near position 10^4 a float angle is off by ~5e-4
+// radians.
 __global__ void RotaryTableKernel(float* cos_table, float* sin_table, int64_t seq, int64_t half,
                                   int64_t dim, double min_timescale, double ratio, bool inverse,
-                                  int64_t position_offset) {
+                                  int64_t position_offset, const int32_t* position) {
   const int64_t n = seq * half;
+  const int64_t start = position_offset + (position != nullptr ? *position : 0);
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = k / half, i = k - row * half;
-    const int64_t p = position_offset + row;
+    const int64_t p = start + row;
     const double timescale = min_timescale * pow(ratio, 2.0 * static_cast<double>(i) / dim);
     const double angle = static_cast<double>(inverse ? -p : p) / timescale;
     double s, c;
@@ -56,18 +59,29 @@ __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storag
   }
 }
 
-// bias[h, n] = table[buckets[n], h]; n over Sq * Skv positions. Buckets are
-// device data, checked here rather than with a host round trip: an
-// out-of-range bucket yields NaN, which shows in any result it reaches.
+// bias[h, i, j] = table[buckets[r0 + i, j], h], bias [H, Sq, Skv], buckets
+// [R, Skv]; r0 = *first_row (device int32, read here; null: 0), and rows
+// r0 + i outside [0, R) give 0. Buckets are device data, checked here rather
+// than with a host round trip: an out-of-range bucket yields NaN, which shows
+// in any result it reaches.
 template <typename T>
 __global__ void RelativeBiasForwardKernel(const typename T::Storage* table,
-                                          const int32_t* buckets, float* bias, int64_t positions,
-                                          int64_t heads, int64_t num_buckets) {
+                                          const int32_t* buckets, const int32_t* first_row,
+                                          float* bias, int64_t bucket_rows, int64_t q_rows,
+                                          int64_t cols, int64_t heads, int64_t num_buckets) {
+  const int64_t positions = q_rows * cols;
   const int64_t n_total = positions * heads;
+  const int64_t r0 = first_row != nullptr ? *first_row : 0;
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n_total;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = k / positions, n = k - h * positions;
-    const int32_t b = buckets[n];
+    const int64_t i = n / cols, j = n - i * cols;
+    const int64_t r = r0 + i;
+    if (r < 0 || r >= bucket_rows) {
+      bias[k] = 0.0f;
+      continue;
+    }
+    const int32_t b = buckets[r * cols + j];
     bias[k] = (b >= 0 && b < num_buckets) ? T::Load(table[b * heads + h]) : NAN;
   }
 }
@@ -124,7 +138,8 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
   RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(
       cos_table, sin_table, seq, half, dim, args.min_timescale, ratio, args.inverse,
-      args.position_offset);
+      args.position_offset,
+      HasDevicePosition(args.position) ? args.position.data_as<const int32_t>() : nullptr);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFloat(y->dtype(), [&](auto out) {
@@ -141,18 +156,20 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
 }
 
 absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buckets,
-                                          Tensor* bias) {
-  ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckRelativeBiasForwardArgs(table, buckets, bias));
+                                          const Tensor& first_row, Tensor* bias) {
+  ASSIGN_OR_RETURN(const RelativeBiasDims dims,
+                   CheckRelativeBiasForwardArgs(table, buckets, first_row, bias));
   const int64_t num_buckets = dims.num_buckets, heads = dims.heads;
-  const int64_t positions = buckets.numel();
-  const int64_t n = positions * heads;
+  const int64_t bucket_rows = buckets.dim(0), q_rows = bias->dim(1), cols = buckets.dim(1);
+  const int64_t n = bias->numel();
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
+  const int32_t* r0 = HasDevicePosition(first_row) ? first_row.data_as<const int32_t>() : nullptr;
   DispatchFloat(table.dtype(), [&](auto t) {
     using T = decltype(t);
     RelativeBiasForwardKernel<T><<<GridFor(n), kThreads, 0, stream()>>>(
         static_cast<const typename T::Storage*>(table.data()), buckets.data_as<const int32_t>(),
-        bias->data_as<float>(), positions, heads, num_buckets);
+        r0, bias->data_as<float>(), bucket_rows, q_rows, cols, heads, num_buckets);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

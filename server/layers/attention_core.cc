@@ -433,7 +433,7 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
 }
 
 absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
-                         int64_t position_offset) {
+                         int64_t position_offset, const Tensor& position) {
   if (x.rank() != 4 || x.dim(3) % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rotary embedding needs [batch, seq, heads, head_dim] with an even head_dim; got ",
@@ -445,6 +445,7 @@ absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
   args.consecutive = true;  // TE's default group method: adjacent pairs
   args.inverse = inverse;
   args.position_offset = position_offset;
+  args.position = position;
   ASSIGN_OR_RETURN(Tensor rotated, ops.Allocate(x.dtype(), x.shape()));
   RETURN_IF_ERROR(ops.Rotary(args, x, &rotated));
   *y = rotated;
@@ -511,14 +512,16 @@ absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int
   return buckets;
 }
 
-absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets) {
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
+                                    const Tensor& first_row, int64_t rows) {
   // TE stores the table as [heads, buckets]; the op reads [buckets, heads].
   const int64_t heads = rel_embedding.dim(0);
   ASSIGN_OR_RETURN(Tensor table,
                    ops.Allocate(rel_embedding.dtype(), {rel_embedding.dim(1), heads}));
   RETURN_IF_ERROR(ops.Permute(rel_embedding, {1, 0}, &table));
-  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(DType::kF32, {heads, buckets.dim(0), buckets.dim(1)}));
-  RETURN_IF_ERROR(ops.RelativeBiasForward(table, buckets, &bias));
+  const int64_t query_rows = first_row.defined() ? rows : buckets.dim(0);
+  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(DType::kF32, {heads, query_rows, buckets.dim(1)}));
+  RETURN_IF_ERROR(ops.RelativeBiasForward(table, buckets, first_row, &bias));
   return bias;
 }
 

@@ -171,8 +171,10 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
 // x, y [B, S, H, D] (*y newly allocated; it may be x's own handle);
 // `inverse` rotates by -angle (the backward). Row s of x is at position
 // position_offset + s (a decode step's token is at its cache index).
+// `position` (optional, an int32 on the device) adds to position_offset when
+// the kernel runs: a decode step's position lives on the device.
 absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
-                         int64_t position_offset = 0);
+                         int64_t position_offset = 0, const Tensor& position = Tensor());
 
 // ---- T5 relative position biases --------------------------------------------
 // TE's RelativePositionBiases bucket of each (query i, key j), int32 [Sq * Skv]
@@ -202,8 +204,12 @@ class RelativeBucketCache {
       ABSL_GUARDED_BY(mu_);
 };
 
-// bias f32 [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB].
-absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets);
+// bias f32 [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB]
+// and buckets [Sq, Skv]; or, given `first_row` (an int32 on the device: a
+// decode step's position), from rows first_row .. first_row + rows - 1 of
+// buckets [R, Skv], read when the kernel runs.
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
+                                    const Tensor& first_row = Tensor(), int64_t rows = 0);
 // d rel_embedding [H, NB] (in `param_dtype`) from dbias f32 [H, Sq, Skv].
 absl::StatusOr<Tensor> RelativeBiasGrad(Ops& ops, const Tensor& dbias, const Tensor& buckets,
                                         int num_buckets, DType param_dtype);

@@ -115,8 +115,9 @@ absl::StatusOr<KvCache> OpenKvCache(Ops& ops, const Variables& vars, absl::strin
   return cache;
 }
 
-absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache) {
-  const int64_t batch = cache.key.dim(0), length = cache.length(), tokens = cache.tokens;
+absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache,
+                         const Tensor& position) {
+  const int64_t batch = cache.key.dim(0), tokens = cache.tokens;
   const int64_t groups = cache.key.dim(2), head_dim = cache.key.dim(3);
   const Shape step = {batch, tokens, groups, head_dim};
   for (const Tensor* t : {&k, &v}) {
@@ -128,29 +129,9 @@ absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCac
                                               DTypeName(cache.key.dtype())));
     }
   }
-  // Row p of batch row b is row b * L + p of the cache seen as [B * L, G, D].
-  std::vector<Tensor> from, to;
-  from.reserve(2 * batch);
-  to.reserve(2 * batch);
-  const Tensor k_rows = k.Reshaped({batch * tokens, groups, head_dim});
-  const Tensor v_rows = v.Reshaped({batch * tokens, groups, head_dim});
-  const Tensor key_rows = cache.key.Reshaped({batch * length, groups, head_dim});
-  const Tensor value_rows = cache.value.Reshaped({batch * length, groups, head_dim});
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t row = b * length + cache.position;
-    from.push_back(k_rows.Slice0(b * tokens, (b + 1) * tokens));
-    to.push_back(key_rows.Slice0(row, row + tokens));
-    from.push_back(v_rows.Slice0(b * tokens, (b + 1) * tokens));
-    to.push_back(value_rows.Slice0(row, row + tokens));
-  }
-  std::vector<const Tensor*> src;
-  std::vector<Tensor*> dst;
-  for (size_t i = 0; i < from.size(); ++i) {
-    src.push_back(&from[i]);
-    dst.push_back(&to[i]);
-  }
-  // One launch on a GPU for the 2B small copies.
-  return ops.CopyAll(src, dst);
+  Tensor key = cache.key, value = cache.value;
+  RETURN_IF_ERROR(ops.CopyRowsAt(k, position, &key));
+  return ops.CopyRowsAt(v, position, &value);
 }
 
 absl::Status DecodeContext::Reserve(Ops& ops, int64_t batch, const std::vector<int64_t>& values) {
@@ -168,6 +149,22 @@ absl::Status DecodeContext::Reserve(Ops& ops, int64_t batch, const std::vector<i
     lengths_[{batch, values[i]}] = table.Slice0(i, i + 1).Reshaped({batch});
   }
   return absl::OkStatus();
+}
+
+absl::Status DecodeContext::SetStep(Ops& ops, int64_t batch, int64_t position, int64_t tokens) {
+  if (!step_.defined() || step_.dim(0) != 1 + batch) {
+    ASSIGN_OR_RETURN(step_, ops.Allocate(DType::kI32, {1 + batch}));
+  }
+  std::vector<int32_t> host(static_cast<size_t>(1 + batch),
+                            static_cast<int32_t>(position + tokens));
+  host[0] = static_cast<int32_t>(position);
+  RETURN_IF_ERROR(ops.Upload(host.data(), &step_));
+  ++uploads_;
+  return absl::OkStatus();
+}
+
+Tensor DecodePosition(const Tensor& cache_index, const DecodeContext* context) {
+  return context != nullptr && context->has_step() ? context->step_position() : cache_index;
 }
 
 absl::StatusOr<Tensor> DecodeContext::Lengths(Ops& ops, int64_t batch, int64_t value) {
@@ -208,7 +205,11 @@ absl::StatusOr<KvView> VisibleKv(Ops& ops, const KvCache& cache, DecodeContext& 
               : cache.position == 0 ? MaskType::kPaddingCausal
                                     : MaskType::kPaddingCausalBottomRight;
   ASSIGN_OR_RETURN(view.q_seqlens, context.Lengths(ops, batch, tokens));
-  ASSIGN_OR_RETURN(view.kv_seqlens, context.Lengths(ops, batch, cache.position + tokens));
+  if (context.has_step()) {
+    view.kv_seqlens = context.step_kv_lengths();
+  } else {
+    ASSIGN_OR_RETURN(view.kv_seqlens, context.Lengths(ops, batch, cache.position + tokens));
+  }
   return view;
 }
 

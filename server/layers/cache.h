@@ -79,9 +79,11 @@ absl::StatusOr<KvCache> OpenKvCache(Ops& ops, const Variables& vars, absl::strin
 absl::StatusOr<int64_t> ReadKvCacheIndex(Ops& ops, const Variables& vars, absl::string_view scope,
                                          int64_t known_index);
 
-// k, v [B, S, G, D] (the cache's dtype) into rows position .. position + S - 1
-// of every batch row of cache.key / cache.value, in place.
-absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache);
+// k, v [B, S, G, D] (the cache's dtype) into rows p .. p + S - 1 of every
+// batch row of cache.key / cache.value, in place, p read on the device from
+// `position` (DecodePosition: it holds cache.position).
+absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache,
+                         const Tensor& position);
 
 // What the attentions of one decode step share (ForwardOptions::
 // decode_context), so a model of N attention blocks makes its small device
@@ -103,6 +105,16 @@ class DecodeContext {
   // The tensor kept under `key`, made by `make` on the first ask.
   absl::StatusOr<Tensor> Constant(const std::string& key,
                                   const std::function<absl::StatusOr<Tensor>()>& make);
+  // A generation's step state on the device, one upload a step: the step's
+  // position (int32 [1]) and its attentions' kv lengths (int32 [batch], all
+  // position + tokens). While it is set, a step's layers read the position
+  // on the device and the kv lengths from here, so the step issues the same
+  // launches at every position and can be recorded once and replayed
+  // (Ops::CaptureStep). The buffer is made on the first call and reused.
+  absl::Status SetStep(Ops& ops, int64_t batch, int64_t position, int64_t tokens);
+  bool has_step() const { return step_.defined(); }
+  Tensor step_position() const { return step_.Slice0(0, 1); }
+  Tensor step_kv_lengths() const { return step_.Slice0(1, step_.dim(0)); }
   // Whether a step writes each cache's cache_index. False only for a caller
   // that keeps the caches to itself and passes the index it knows
   // (ForwardOptions::decode_cache_index): generation, whose caches nobody
@@ -114,8 +126,14 @@ class DecodeContext {
  private:
   std::map<std::pair<int64_t, int64_t>, Tensor> lengths_;  // (batch, value)
   std::map<std::string, Tensor> constants_;
+  Tensor step_;  // int32 [1 + batch]: the position, then the kv lengths
   int64_t uploads_ = 0;
 };
+
+// The int32 on the device that holds a decode step's position: the
+// context's step state when it has one, else the cache's own cache_index
+// (which the step advances only after its layers have read it).
+Tensor DecodePosition(const Tensor& cache_index, const DecodeContext* context);
 
 // cache_index = cache.position + cache.tokens, in place: a device copy from
 // the context's lengths (none with !context.write_index).
@@ -124,7 +142,8 @@ absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache, DecodeContext& conte
 // The step's keys and values as attention reads them: the whole cache
 // [B, L, G, D] at every step, so the attention's shapes stay the same for a
 // whole generation (a GPU backend plans an attention once per shape), with
-// q_seqlens S and kv_seqlens p + S from the context showing query i (at
+// q_seqlens S and kv_seqlens p + S from the context (its step state when
+// it has one, which holds p + S on the device) showing query i (at
 // position p + i) the rows 0..p + i: a padding mask for one token, padding
 // with the causal diagonal for S tokens at p = 0 (where top-left and
 // bottom-right agree), padding_causal_bottom_right for S tokens past 0.

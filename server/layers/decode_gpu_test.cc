@@ -4,8 +4,8 @@
 // itself is checked against the CPU reference elsewhere). Float32, bfloat16
 // (cuDNN's attention for the forward; one query against the cache for the
 // step) and FP8 under DelayedScaling, with and without GQA, one and several
-// sequences, the fused qkv layouts that generation decodes, and an LM graph
-// as generation runs it (prompt, then tokens).
+// sequences, the fused qkv layouts that generation decodes, an LM graph as
+// generation runs it (prompt, then tokens), and generation's replayed steps.
 //
 // Needs a GPU: without one every test is skipped, unless TE_REQUIRE_GPU=1
 // (as deploy/bundle.sh's run.sh sets).
@@ -22,6 +22,7 @@
 #include "server/layers/attention_layers.h"
 #include "server/layers/cache.h"
 #include "server/layers/decode_testing.h"
+#include "server/layers/generate.h"
 #include "server/layers/multi_head_attention.h"
 #include "server/layers/testing.h"
 
@@ -295,8 +296,9 @@ TEST_P(LmGraphDecodeGpuTest, PromptThenTokensGiveTheForwardsLogits) {
     int64_t position = 0;
     auto error = MaxDecodeRowError(
         gpu, *x, [&](const Tensor& all) { return apply(*logits, all, forward); },
-        [&](const Tensor& part) {
+        [&](const Tensor& part) -> absl::StatusOr<Tensor> {
           decode.decode_cache_index = position;
+          if (shared) RETURN_IF_ERROR(context.SetStep(gpu, batch, position, part.dim(1)));
           position += part.dim(1);
           return apply(*with_loss, part, decode);
         },
@@ -307,6 +309,54 @@ TEST_P(LmGraphDecodeGpuTest, PromptThenTokensGiveTheForwardsLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Batches, LmGraphDecodeGpuTest, ::testing::Values(1, 4));
+
+// Generation records its second one-token step as a CUDA graph and replays
+// it for the rest: the tokens are those of running every step itself
+// (greedy, and sampled, which any change in the logits would move), and
+// every later step was a replay.
+class GenerateReplayGpuTest : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GenerateReplayGpuTest, ReplayedStepsMakeTheTokensOfStepsRunOneByOne) {
+  if (SkipWithoutGpu()) GTEST_SKIP() << Backends().unavailable;
+  testing::GpuBackends& b = Backends();
+  Ops& gpu = *b.gpu;
+  const int64_t batch = GetParam(), prompt = 9, new_tokens = 12;
+  te::v1::LayerSpec spec;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(LmGraph(false), &spec));
+  auto model = CreateLayer(spec);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto host_vars = InitLayer(*b.cpu, **model, {batch, prompt + new_tokens}, nullptr);
+  ASSERT_TRUE(host_vars.ok()) << host_vars.status();
+  RandomizeParams(*b.cpu, &*host_vars, 5);
+  auto vars = GpuVariables(*host_vars);
+  ASSERT_TRUE(vars.ok());
+  std::vector<int32_t> ids(static_cast<size_t>(batch * prompt));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 53 + 5) % 97);
+  auto x = gpu.Allocate(DType::kI32, {batch, prompt});
+  ASSERT_TRUE(x.ok());
+  ASSERT_TRUE(gpu.Upload(ids.data(), &*x).ok());
+  for (const bool greedy : {true, false}) {
+    SCOPED_TRACE(greedy ? "greedy" : "sampled");
+    GenerateOptions options;
+    options.max_new_tokens = new_tokens;
+    options.sampling.greedy = greedy;
+    options.sampling.temperature = 0.7f;
+    options.sampling.seed = 11;
+    options.replay_steps = false;
+    auto one_by_one = Generate(gpu, **model, *vars, *x, options, nullptr);
+    ASSERT_TRUE(one_by_one.ok()) << one_by_one.status();
+    EXPECT_EQ(one_by_one->replayed_steps, 0);
+    options.replay_steps = true;
+    auto replayed = Generate(gpu, **model, *vars, *x, options, nullptr);
+    ASSERT_TRUE(replayed.ok()) << replayed.status();
+    EXPECT_TRUE(replayed->record_status.ok()) << replayed->record_status;
+    // The prompt's step and the first one-token step ran themselves.
+    EXPECT_EQ(replayed->replayed_steps, new_tokens - 2);
+    EXPECT_EQ(replayed->tokens, one_by_one->tokens);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Batches, GenerateReplayGpuTest, ::testing::Values(1, 3));
 
 }  // namespace
 }  // namespace te::layers

@@ -540,9 +540,13 @@ TEST_P(TransformerLayerGenerationTest, PromptThenTokensEqualOneCausalForward) {
     int64_t position = 0;
     auto error = MaxDecodeRowError(
         *ops, x, [&](const Tensor& all) { return Apply(*ops, layer, &*vars, all, forward); },
-        [&](const Tensor& part) {
-          // As generation's loop: it knows where the cache is.
+        [&](const Tensor& part) -> absl::StatusOr<Tensor> {
+          // As generation's loop: it knows where the cache is, and a context
+          // that writes no index carries the step's position on the device.
           decode.decode_cache_index = position;
+          if (!run.write_index) {
+            RETURN_IF_ERROR(context.SetStep(*ops, c.batch, position, part.dim(1)));
+          }
           position += part.dim(1);
           return Apply(*ops, layer, &*vars, part, decode);
         },

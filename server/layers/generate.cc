@@ -198,25 +198,55 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   opts.tf32 = options.tf32;
   opts.decode = true;
   opts.internal_decode = true;
-  // Shared by every step and attention: the lengths of every step (q S, kv
-  // p + S, all within 1..length) in one upload; the loop knows the index, so
-  // the caches' cache_index is never written (nobody else reads them).
+  // Shared by every step and attention: the query lengths (the prompt's and
+  // 1) in one upload, and the step state (position, kv lengths) uploaded
+  // once a step; the loop knows the index, so the caches' cache_index is
+  // never written (nobody else reads them).
   DecodeContext context;
   context.write_index = false;
-  std::vector<int64_t> lengths(static_cast<size_t>(length));
-  std::iota(lengths.begin(), lengths.end(), 1);
-  RETURN_IF_ERROR(context.Reserve(ops, batch, lengths));
+  RETURN_IF_ERROR(context.Reserve(ops, batch, {1, prompt_length}));
   opts.decode_context = &context;
+  // The one-token step recorded at its second run (the first fills the
+  // cast memo and the context's constants), and the logits it writes.
+  bool record = options.replay_steps && options.fp8 == nullptr;
+  int64_t one_token_steps = 0;
+  std::unique_ptr<Ops::StepRecord> recorded;
+  LayerOutputs recorded_out;
   Tensor x = prompt;
   Tensor next;  // [B, 1]: each step's tokens, uploaded into one buffer
   int64_t position = 0;
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     RETURN_IF_ERROR(ops.CheckInterrupt());
     opts.decode_cache_index = position;
+    RETURN_IF_ERROR(context.SetStep(ops, batch, position, x.dim(1)));
     LayerInputs in;
     in.x = x;
     LayerOutputs out;
-    RETURN_IF_ERROR(model.Forward(ops, &working, in, opts, &out, nullptr));
+    auto run = [&](LayerOutputs* to) { return model.Forward(ops, &working, in, opts, to, nullptr); };
+    if (x.dim(1) == 1 && record && one_token_steps > 0 && recorded == nullptr) {
+      absl::StatusOr<std::unique_ptr<Ops::StepRecord>> made =
+          ops.CaptureStep([&] { return run(&recorded_out); });
+      if (made.ok()) {
+        recorded = *std::move(made);
+      } else {
+        record = false;
+        recorded_out = LayerOutputs();
+        if (!absl::IsUnimplemented(made.status())) {
+          // Nothing recorded ran: a weight first cast while recording was
+          // never made, so the memo starts again.
+          result.record_status = made.status();
+          ops.set_cast_memo(std::make_shared<Ops::CastMemo>());
+        }
+      }
+    }
+    if (recorded != nullptr) {
+      RETURN_IF_ERROR(ops.Replay(*recorded));
+      out = recorded_out;
+      ++result.replayed_steps;
+    } else {
+      RETURN_IF_ERROR(run(&out));
+    }
+    if (x.dim(1) == 1) ++one_token_steps;
     position += x.dim(1);
     if (out.y.rank() != 3 || out.y.dim(0) != batch || out.y.dim(1) != x.dim(1) ||
         !IsFloating(out.y.dtype()) || IsFloat8(out.y.dtype())) {

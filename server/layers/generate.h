@@ -8,7 +8,13 @@
 //      attention writes P rows of its cache at once); its last row's logits
 //      give the first new token.
 //   3. Then one step per new token, [B, 1], at the position the loop knows
-//      (ForwardOptions::decode_cache_index: no device read per module).
+//      (ForwardOptions::decode_cache_index: no device read per module). The
+//      step's position and attention lengths are uploaded once a step
+//      (DecodeContext::SetStep) and read on the device, so every one-token
+//      step issues the same launches: the second is recorded
+//      (Ops::CaptureStep) and the rest replay it, one launch a token instead
+//      of hundreds. Where a backend cannot record (the CPU), under an FP8
+//      recipe, or when recording fails, the steps run as the first did.
 //   Each step's logits [B, 1, V] are read to the host and sampled there:
 //   greedy (argmax, the lowest index on ties, as jnp.argmax), or temperature,
 //   then top-k, then top-p (nucleus), from a uniform draw that depends on
@@ -47,12 +53,15 @@ struct GenerateOptions {
   std::vector<int32_t> stop_tokens;
   const Fp8Recipe* fp8 = nullptr;  // as ForwardOptions::fp8
   bool tf32 = false;               // as ForwardOptions::tf32
+  bool replay_steps = true;        // record a one-token step and replay it (step 3)
 };
 
 struct GenerateResult {
   // Per sequence, the new tokens in order (a stop token included).
   std::vector<std::vector<int32_t>> tokens;
   std::vector<bool> stopped;  // made a stop token
+  int64_t replayed_steps = 0;  // one-token steps issued as a replay
+  absl::Status record_status;  // why no step was recorded, when one was tried and failed
 };
 
 // Called after each step with its position (0 for the first new token) and

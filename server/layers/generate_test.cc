@@ -179,15 +179,17 @@ TEST_P(GraphDecodeTest, PromptThenTokensGiveTheForwardsLogits) {
   int64_t position = 0;
   auto shared = MaxDecodeRowError(
       *ops, x, [&](const Tensor& all) { return Apply(*ops, *lm.logits, &lm.vars, all, forward); },
-      [&](const Tensor& part) {
+      [&](const Tensor& part) -> absl::StatusOr<Tensor> {
         decode.decode_cache_index = position;
+        RETURN_IF_ERROR(context.SetStep(*ops, c.batch, position, part.dim(1)));
         position += part.dim(1);
         return Apply(*ops, *lm.with_loss, &lm.vars, part, decode);
       },
       {6, 1, 1, 1, 1});
   ASSERT_TRUE(shared.ok()) << shared.status();
   EXPECT_LE(*shared, c.cast ? kBf16Tolerance : kF32Tolerance);
-  EXPECT_EQ(context.uploads(), 1);
+  // The reserved lengths, then one step state a step: none per attention.
+  EXPECT_EQ(context.uploads(), 1 + 5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Lms, GraphDecodeTest,
@@ -289,6 +291,10 @@ TEST(GenerateTest, GreedyTokensAreTheFullForwardsOnTheGrowingPrefix) {
   }
   // The caller's variables hold no cache: generation's are its own.
   for (const auto& [name, t] : lm.vars) EXPECT_FALSE(absl::StartsWith(name, "cache/")) << name;
+  // The CPU records no step (Ops::CaptureStep answers UNIMPLEMENTED): every
+  // step ran itself, and that is no failure to report.
+  EXPECT_EQ(result->replayed_steps, 0);
+  EXPECT_TRUE(result->record_status.ok()) << result->record_status;
 }
 
 // The CPU backend, counting its host <-> device copies.
@@ -336,9 +342,9 @@ TEST(GenerateTest, EachWeightIsCastOncePerGeneration) {
 }
 
 // On a GPU each host copy is a round trip the step waits for or a transfer
-// the stream orders; a step of generation makes two, its tokens up and its
-// logits down, however deep the model (its attentions share the
-// generation's DecodeContext).
+// the stream orders; a step of generation makes three, its tokens and its
+// step state (position, attention lengths) up and its logits down, however
+// deep the model (its attentions share the generation's DecodeContext).
 TEST(GenerateTest, AStepCopiesItsTokensUpAndItsLogitsDownWhateverTheDepth) {
   for (const int layers : {1, 3}) {
     for (const int64_t batch : {1, 2}) {
@@ -349,8 +355,7 @@ TEST(GenerateTest, AStepCopiesItsTokensUpAndItsLogitsDownWhateverTheDepth) {
       ASSERT_NE(lm.with_loss, nullptr);
       const Tensor prompt = Ids(ops, RandomIds(batch * prompt_length, 19), {batch, prompt_length});
       // Copies of a generation of n tokens: the same setup, the prompt's
-      // step, then n - 1 one-token steps (the first of which uploads the
-      // relative-bias buckets by distance, once for all the layers).
+      // step, then n - 1 one-token steps.
       auto copies = [&](int64_t n) -> std::pair<int64_t, int64_t> {
         GenerateOptions options;
         options.max_new_tokens = n;
@@ -362,14 +367,14 @@ TEST(GenerateTest, AStepCopiesItsTokensUpAndItsLogitsDownWhateverTheDepth) {
       const auto [up1, down1] = copies(1);
       const auto [up2, down2] = copies(2);
       const auto [up7, down7] = copies(7);
-      EXPECT_EQ(up7 - up2, 5);
+      EXPECT_EQ(up7 - up2, 2 * 5);
       EXPECT_EQ(down7 - down2, 5);
-      // The setup: a zero cache index per layer, the lengths, the prompt's
-      // relative-bias buckets (one table for every layer); and the first
-      // logits.
-      EXPECT_EQ(up1, layers + 2);
+      // The setup: a zero cache index per layer, the query lengths, the
+      // relative-bias buckets (one [L, L] table for every layer and step);
+      // the prompt's step state; and the first logits.
+      EXPECT_EQ(up1, layers + 3);
       EXPECT_EQ(down1, 1);
-      EXPECT_EQ(up2 - up1, 2);  // the token and the buckets by distance
+      EXPECT_EQ(up2 - up1, 2);  // the token and the step state
       EXPECT_EQ(down2 - down1, 1);
     }
   }

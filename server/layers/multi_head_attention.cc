@@ -345,14 +345,21 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
   const bool has_bias = bias.defined() && bias.numel() > 0;
   Projected p;
   RETURN_IF_ERROR(Project(ops, vars, x, opts, /*packed=*/false, ln_out != nullptr, &p, nullptr));
-  if (options_.rotary) {
-    RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, cache.position));
-    RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, cache.position));
-  }
-  RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache));
   // Without the caller's context (one layer decoding alone) this step's own.
   DecodeContext own_context;
   DecodeContext& shared = opts.decode_context != nullptr ? *opts.decode_context : own_context;
+  if (!shared.write_index && !shared.has_step()) {
+    return absl::FailedPreconditionError(
+        "decode: a context that writes no cache_index must carry the step's position "
+        "(DecodeContext::SetStep)");
+  }
+  // The position as the device holds it: every launch below reads it there.
+  const Tensor position = DecodePosition(cache.index, &shared);
+  if (options_.rotary) {
+    RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, 0, position));
+    RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, 0, position));
+  }
+  RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache, position));
   ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, shared));
   AttentionConfig config = AttentionSettings();
   config.mask = kv.mask;

@@ -358,58 +358,29 @@ class TransformerLayerImpl : public Layer {
 
   // The relative bias of a decode step's S rows at cache index p against all
   // L cache rows, f32 [H, S, L]: rows p..p + S - 1 of the [L, L] table TE
-  // makes (the bucket of key j for query i depends on j - i alone). Undefined
-  // where the rows fall outside the cache (the step reports that). A
-  // one-token step under a decode context reads its row from the buckets by
-  // distance that the context keeps (uploaded once for all its steps and
-  // layers), not from an [L, L] table uploaded per step; a prompt's step the
-  // rows of the [L, L] table the context keeps.
+  // makes (the bucket of key j for query i depends on j - i alone), p read
+  // on the device (DecodePosition), so a step's launches are the same at
+  // every position. Undefined where the rows fall outside the cache (the
+  // step reports that). Under a decode context the table is uploaded once
+  // for all its steps and layers.
   absl::StatusOr<Tensor> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
                                     int64_t tokens, DecodeContext* context) const {
-    auto key = vars.find(KvCacheNamesAt(options_.attention.scope).key);
-    if (key == vars.end() || key->second.rank() != 4) return Tensor();
+    const KvCacheNames names = KvCacheNamesAt(options_.attention.scope);
+    auto key = vars.find(names.key);
+    auto index = vars.find(names.index);
+    if (key == vars.end() || key->second.rank() != 4 || index == vars.end()) return Tensor();
     const int64_t length = key->second.dim(1);
     if (position < 0 || position + tokens > length) return Tensor();
     ASSIGN_OR_RETURN(const Tensor table, GetVariable(vars, kRelEmbedding));
     const bool bidirectional = !options_.decoder;
     const std::string config = absl::StrCat(bidirectional, "/", kNumBuckets, "/", kMaxDistance,
                                             "/", length);
-    if (tokens == 1 && context != nullptr) {
-      ASSIGN_OR_RETURN(
-          const Tensor by_distance,
-          context->Constant(absl::StrCat("relative_buckets_by_distance/", config),
-                            [&] { return BucketsByDistance(ops, bidirectional, length); }));
-      // Element k holds distance j - i = k - (L - 1): query p's keys 0..L-1
-      // start at L - 1 - p.
-      const int64_t first = length - 1 - position;
-      const Tensor row = by_distance.Slice0(first, first + length).Reshaped({1, length});
-      return RelativeBias(ops, table, row);
-    }
-    // A prompt's rows, of the [L, L] table every layer of the context shares.
     auto whole = [&] { return buckets_.Buckets(ops, length, length); };
     ASSIGN_OR_RETURN(const Tensor buckets,
                      context != nullptr
                          ? context->Constant(absl::StrCat("relative_buckets/", config), whole)
                          : whole());
-    return RelativeBias(ops, table, buckets.Slice0(position, position + tokens));
-  }
-
-  // int32 [2L - 1]: element k the bucket of distance j - i = k - (L - 1), from
-  // the tables of one query against L keys (distances >= 0) and of L queries
-  // against one key (distances <= 0).
-  static absl::StatusOr<Tensor> BucketsByDistance(Ops& ops, bool bidirectional, int64_t length) {
-    const std::vector<int32_t> ahead =
-        RelativePositionBuckets(1, length, bidirectional, kNumBuckets, kMaxDistance);
-    const std::vector<int32_t> behind =
-        RelativePositionBuckets(length, 1, bidirectional, kNumBuckets, kMaxDistance);
-    std::vector<int32_t> host(static_cast<size_t>(2 * length - 1));
-    for (int64_t k = 0; k < 2 * length - 1; ++k) {
-      const int64_t distance = k - (length - 1);
-      host[k] = distance >= 0 ? ahead[distance] : behind[-distance];
-    }
-    ASSIGN_OR_RETURN(Tensor t, ops.Allocate(DType::kI32, {2 * length - 1}));
-    RETURN_IF_ERROR(ops.Upload(host.data(), &t));
-    return t;
+    return RelativeBias(ops, table, buckets, DecodePosition(index->second, context), tokens);
   }
 
   absl::Status CheckInputShape(const Shape& shape) const {

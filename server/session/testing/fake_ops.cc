@@ -164,6 +164,9 @@ class FakeOps final : public Ops {
     }
     return Run("Copy", [&] { std::memcpy(dst->data(), src.data(), src.nbytes()); });
   }
+  absl::Status CopyRowsAt(const Tensor& src, const Tensor& position, Tensor* dst) override {
+    return Run("CopyRowsAt");
+  }
   absl::Status Synchronize() override { return Run("Synchronize"); }
   absl::Status Fill(float value, Tensor* y) override {
     return Run("Fill", [&] {
@@ -283,7 +286,7 @@ class FakeOps final : public Ops {
     return Run("Rotary");
   }
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
-                                   Tensor* bias) override {
+                                   const Tensor& first_row, Tensor* bias) override {
     return Run("RelativeBiasForward");
   }
   absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
