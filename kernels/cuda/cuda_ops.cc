@@ -45,7 +45,15 @@ absl::Status CudaOps::Enter() const {
   return absl::OkStatus();
 }
 
+absl::Status CudaOps::NotRecording(const char* op) const {
+  if (!capturing_) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      op, " inside a recorded step: a replay would neither wait for the device nor read the "
+          "host again"));
+}
+
 absl::Status CudaOps::Synchronize() {
+  RETURN_IF_ERROR(NotRecording("Synchronize"));
   RETURN_IF_ERROR(Enter());
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
   return absl::OkStatus();

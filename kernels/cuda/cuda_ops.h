@@ -104,6 +104,9 @@ class CudaOps : public Ops {
   absl::StatusOr<std::unique_ptr<StepRecord>> CaptureStep(
       const std::function<absl::Status()>& step) override;
   absl::Status Replay(StepRecord& record) override;
+  // FAILED_PRECONDITION naming `op` while a step is being recorded: host
+  // copies and waits cannot be part of one (Upload, Download, Synchronize).
+  absl::Status NotRecording(const char* op) const;
   // The device's caching allocator (every session on this GPU).
   DeviceMemoryStats device_memory_stats() const override;
   void ResetDevicePeaks() override;

@@ -184,6 +184,7 @@ uint32_t StoredBits(DType dtype, float value) {
 absl::Status CudaOps::Upload(const void* src, Tensor* dst) {
   RETURN_IF_ERROR(CheckUploadArgs(src, dst));
   if (dst->nbytes() == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NotRecording("Upload"));
   RETURN_IF_ERROR(Enter());
   // From pageable memory this returns once `src` has been staged, so the
   // caller may reuse it at once.
@@ -195,6 +196,7 @@ absl::Status CudaOps::Upload(const void* src, Tensor* dst) {
 absl::Status CudaOps::Download(const Tensor& src, void* dst) {
   RETURN_IF_ERROR(CheckDownloadArgs(src, dst));
   if (src.nbytes() == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(NotRecording("Download"));
   RETURN_IF_ERROR(Enter());
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream()));

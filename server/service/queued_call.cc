@@ -34,6 +34,8 @@ grpc::ServerUnaryReactor* QueuedCall::OnSession(const ServiceCore& core,
                                                 const char* rpc, const te::v1::SessionRef& ref,
                                                 SessionWork work) {
   auto* call = new QueuedCall(core, context, rpc, ref.session_id());
+  call->session_ref_ = ref;
+  call->session_ref_->clear_sequence();
   const ServiceCore* shared = &core;
   Work in_session = [shared, rpc, ref, work = std::move(work)](const session::CallContext& call) {
     return RunInSessionTurn(*shared, rpc, ref.session_id(), &ref.token(), call, work);
@@ -64,7 +66,8 @@ QueuedTurn::Drop QueuedCall::DropFor() {
 }
 
 void QueuedCall::Run(DeviceExecutor::Turn turn, const Work& work) {
-  const session::CallContext call = queued_.Context(context_);
+  session::CallContext call = queued_.Context(context_);
+  call.answer_ids = answer_ids_;
   absl::Status status = call.StillWanted(rpc_);
   if (status.ok()) status = NoThrow([&] { return work(call); });
   turn.Release();  // the session's next call may start while this one answers
@@ -74,6 +77,48 @@ void QueuedCall::Run(DeviceExecutor::Turn turn, const Work& work) {
 // Drops the work if it still waits (which finishes the call); a running call
 // sees the cancel and is undone when it ends.
 void QueuedCall::OnCancel() { queued_.Cancel(); }
+
+namespace {
+
+// The session's own turn that drops the ids of a call whose answer was lost
+// (contract 2). Shared by its run, its drop and Submit, so it lives until
+// the last of them is done with it.
+class ForgetUnanswered {
+ public:
+  static void Submit(const ServiceCore& core, const te::v1::SessionRef& ref,
+                     std::vector<std::string> ids) {
+    auto forget = std::make_shared<ForgetUnanswered>(std::move(ids));
+    const ServiceCore* shared = &core;
+    const std::string id = ref.session_id();
+    // Not queued (the session is gone, the server stops): nothing to forget.
+    forget->turn_
+        .SubmitForSession(
+            core, ref,
+            [forget, shared, id](DeviceExecutor::Turn turn) {
+              auto lease = shared->sessions->AcquireForServer(id);
+              if (lease.ok()) lease->session().ForgetUnanswered(forget->ids_);
+            },
+            [forget](absl::Status) {})
+        .IgnoreError();
+  }
+
+  explicit ForgetUnanswered(std::vector<std::string> ids)
+      : turn_(absl::InfiniteFuture()), ids_(std::move(ids)) {}
+
+ private:
+  QueuedTurn turn_;
+  const std::vector<std::string> ids_;
+};
+
+}  // namespace
+
+void QueuedCall::OnDone() {
+  // IsCancelled here: the call's status never reached its client.
+  if (session_ref_.has_value() && !answer_ids_->empty() && context_->IsCancelled()) {
+    ForgetUnanswered::Submit(core_, *session_ref_, std::move(*answer_ids_));
+  }
+  delete this;
+}
 
 void QueuedCall::End(const absl::Status& status) {
   Finish(core_.Finished(rpc_, session_id_, status, start_));

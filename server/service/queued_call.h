@@ -11,14 +11,21 @@
 //     order of SessionRef.sequence when the client numbers them), runs in
 //     the session's turn (RunInSessionTurn), and is undone when it fails
 //     or its client has gone by the time it ends: a cancelled Forward leaves
-//     no saved forward and no resident output behind.
+//     no saved forward and no resident output behind. A session call that
+//     ended well but whose answer never reached its client (its deadline
+//     passed while the answer was on its way: gRPC reports the call
+//     cancelled once done) made ids nobody can name: the session forgets
+//     them in a turn of its own after the call (Session::ForgetUnanswered).
 #ifndef TE_SERVER_SERVICE_QUEUED_CALL_H_
 #define TE_SERVER_SERVICE_QUEUED_CALL_H_
 
 #include <grpcpp/grpcpp.h>
 
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -54,7 +61,7 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
                                              const absl::Status& status);
 
   void OnCancel() override;
-  void OnDone() override { delete this; }
+  void OnDone() override;
 
  private:
   QueuedCall(const ServiceCore& core, grpc::CallbackServerContext* context, const char* rpc,
@@ -72,6 +79,11 @@ class QueuedCall final : public grpc::ServerUnaryReactor {
   const std::string session_id_;
   const absl::Time start_;
   QueuedTurn queued_;
+  // A session call's session (its sequence cleared), and the ids its answer
+  // names once it has ended well (contract 2).
+  std::optional<te::v1::SessionRef> session_ref_;
+  std::shared_ptr<std::vector<std::string>> answer_ids_ =
+      std::make_shared<std::vector<std::string>>();
 };
 
 }  // namespace te::service

@@ -90,6 +90,9 @@ absl::Status SessionTurn::Leave(absl::Status status, const session::CallContext&
   // Its client may have gone while it ran: then nobody sees the answer, and
   // the call is undone as a failed one is.
   if (status.ok()) status = call.StillWanted(rpc);
+  if (status.ok() && call.answer_ids != nullptr) {
+    *call.answer_ids = lease_->session().CallAnswerIds();
+  }
   lease_->session().EndCall(/*undo=*/!status.ok());
   lease_.reset();
   return status;

@@ -115,6 +115,29 @@ void Session::EndCall(bool undo) {
   call_.reset();
 }
 
+std::vector<std::string> Session::CallAnswerIds() const {
+  std::vector<std::string> ids;
+  if (!call_) return ids;
+  for (const Created& created : *call_) {
+    if (created.kind != Created::Kind::kVersion && created.kind != Created::Kind::kGraph) {
+      ids.push_back(created.id);
+    }
+  }
+  return ids;
+}
+
+void Session::ForgetUnanswered(const std::vector<std::string>& ids) {
+  for (const std::string& id : ids) {
+    for (auto it = saved_.begin(); it != saved_.end();) {
+      it = it->second->layer_id == id ? saved_.erase(it) : std::next(it);
+    }
+    layers_.erase(id);
+    saved_.erase(id);
+    resident_.erase(id);
+    regions_.erase(id);
+  }
+}
+
 void Session::Undo(const Created& created) {
   auto layer = layers_.find(created.id);
   switch (created.kind) {

@@ -136,6 +136,12 @@ struct SessionConfig {
 struct CallContext {
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty
+  // Where a call that ends well leaves the ids only its answer names (its
+  // new resident tensors, saved forwards, layers, regions): if the answer
+  // then never reaches the client (its deadline passes on the way), the
+  // reactor has the session forget them (Session::ForgetUnanswered). May
+  // be null: nobody asks.
+  std::shared_ptr<std::vector<std::string>> answer_ids;
 
   // CANCELLED or DEADLINE_EXCEEDED (naming `what`) once nobody waits for the
   // call's answer; OK before.
@@ -160,6 +166,13 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   const std::string& id() const { return id_; }
+  // The ids the current call (between BeginCall and EndCall) made that only
+  // its answer names: resident tensors, saved forwards, layers, regions.
+  std::vector<std::string> CallAnswerIds() const;
+  // Drops those of `ids` the session still holds: a call whose answer never
+  // reached its client made them, and no client can name them. Versions and
+  // graphs are not among them: later calls build on those.
+  void ForgetUnanswered(const std::vector<std::string>& ids);
   // The device the session runs on ("cpu", "cuda:1"). Thread-safe.
   const std::string& device_name() const { return device_.name; }
   // Device memory the session holds now. Thread-safe (may run during a call).

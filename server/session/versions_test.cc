@@ -517,6 +517,41 @@ TEST_F(VersionsTest, AnUndoneCallRemovesExactlyWhatItCreated) {
   EXPECT_EQ(Newest(a), 3);
 }
 
+// A call that ended well but whose answer never reached its client (its
+// deadline passed on the way) names its new layer, saved forward and
+// resident output in that answer alone: the session forgets them after,
+// and keeps what later calls built on (the version a step made).
+TEST_F(VersionsTest, AnUnansweredCallsIdsAreForgottenAndItsVersionsKept) {
+  const std::string a = InitGraph(DenseFlatten(4), {4, kSeq, kHidden}, 7);
+  te::v1::SessionInfo before;
+  session_->GetSessionInfo(&before);
+
+  session_->BeginCall();
+  const std::string b = InitGraph(DenseFlatten(2), {2, kSeq, kHidden}, 9);
+  te::v1::ForwardRequest keep;
+  keep.set_layer_id(a);
+  *keep.mutable_x() = RandomFloats({4, kSeq, kHidden}, 1);
+  keep.set_keep_for_backward(true);
+  keep.set_keep_outputs(true);
+  te::v1::ForwardResponse kept;
+  ASSERT_TRUE(session_->Forward(keep, &kept).ok());
+  EXPECT_EQ(SetFrom(a, a), 2);
+  const std::vector<std::string> ids = session_->CallAnswerIds();
+  EXPECT_EQ(ids, (std::vector<std::string>{b, kept.y().resident_id(), kept.forward_id()}));
+  session_->EndCall(/*undo=*/false);
+
+  session_->ForgetUnanswered(ids);
+  te::v1::SessionInfo after;
+  session_->GetSessionInfo(&after);
+  EXPECT_EQ(after.layers(), before.layers());
+  EXPECT_EQ(after.saved_forwards(), before.saved_forwards());
+  EXPECT_EQ(after.resident_tensors(), before.resident_tensors());
+  ExpectError(Values(b).status(), absl::StatusCode::kNotFound, "layer_id");
+  EXPECT_EQ(Newest(a), 2);
+  // Outside a call there is nothing to name.
+  EXPECT_TRUE(session_->CallAnswerIds().empty());
+}
+
 // A backend whose library workspace grows on demand, as CUDA's does.
 class ScratchOps : public CpuOps {
  public:
