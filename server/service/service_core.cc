@@ -90,6 +90,15 @@ absl::Status SessionTurn::Leave(absl::Status status, const session::CallContext&
   // Its client may have gone while it ran: then nobody sees the answer, and
   // the call is undone as a failed one is.
   if (status.ok()) status = call.StillWanted(rpc);
+  // An answer sent in its deadline's last moments can reach the client after
+  // it stopped waiting, and the client then cannot name what the call made
+  // (a Forward's resident output): such a call is undone and answered
+  // DEADLINE_EXCEEDED, so the client's view and the session's agree.
+  if (status.ok() && call.deadline - absl::Now() < kAnswerTime) {
+    status = absl::DeadlineExceededError(absl::StrCat(
+        rpc, ": ended with less than ", absl::FormatDuration(kAnswerTime),
+        " of its deadline left for the answer to reach the client; undone"));
+  }
   if (status.ok() && call.answer_ids != nullptr) {
     *call.answer_ids = lease_->session().CallAnswerIds();
   }

@@ -80,6 +80,12 @@ using SessionWork = std::function<absl::Status(session::SessionManager::Lease& l
 // call's status (the reason it is no longer wanted, for a success nobody
 // waits for). Destroyed without Leave, the call is undone. The caller holds
 // the session's executor turn throughout.
+// The least of a call's deadline its answer is given to travel back: a
+// call that ends with less left is undone and answered DEADLINE_EXCEEDED
+// (SessionTurn::Leave), since its client may have stopped waiting by the
+// time the answer arrives.
+inline constexpr absl::Duration kAnswerTime = absl::Milliseconds(10);
+
 class SessionTurn {
  public:
   // `token`: the client's, checked (SessionManager::Acquire); null for the

@@ -1,7 +1,8 @@
 // A call that fails leaves its session byte for byte as it was, over real
 // sockets against the real te_server: a step that runs out of the session's
 // memory part way, one whose deadline passes while it runs, one its client
-// cancels, and hostile sizes. Each is checked through GetVariables (params,
+// cancels, one that ends too near its deadline for its answer, and hostile
+// sizes. Each is checked through GetVariables (params,
 // fp8_metas, grads) and GetSessionInfo; a retry after a failed step moves the
 // FP8 state exactly once (equal to a session that ran the step once).
 #include <grpcpp/grpcpp.h>
@@ -249,6 +250,49 @@ TEST_F(FailedCallsTest, ACancelledStepMovesNothing) {
   cancel.join();
   ASSERT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << Describe(status);
   ExpectUnchanged(before, "after CANCELLED");
+}
+
+// A call that ends with less of its deadline left than its answer is given
+// to travel back (kAnswerTime, 10 ms) is undone and answered
+// DEADLINE_EXCEEDED: its client may stop waiting before the answer, which
+// alone names the call's resident output, arrives. A Forward of a tiny
+// DenseGeneral (microseconds) with 5 ms to go ends that way however fast it
+// runs; with time to spare it keeps its output.
+TEST_F(FailedCallsTest, ACallWithNoTimeLeftForItsAnswerIsUndone) {
+  te::v1::InitLayerRequest init;
+  *init.mutable_session() = session_;
+  init.mutable_spec()->mutable_dense_general()->add_features(8);
+  init.set_input_dtype(te::v1::FLOAT32);
+  for (int64_t d : {1, 4, static_cast<int>(kHidden)}) init.add_input_shape(d);
+  init.set_seed(5);
+  te::v1::InitLayerResponse dense;
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->InitLayer(&context, init, &dense);
+    ASSERT_TRUE(status.ok()) << Describe(status);
+  }
+  te::v1::ForwardRequest forward;
+  *forward.mutable_session() = session_;
+  forward.set_layer_id(dense.layer_id());
+  forward.set_deterministic(true);
+  *forward.mutable_x() =
+      MakeTensor(te::v1::FLOAT32, {1, 4, kHidden}, RandomFloats(4 * kHidden, 7));
+  forward.set_keep_outputs(true);
+  const Snapshot before = Take(session_, layer_id_);
+  {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(5)));
+    te::v1::ForwardResponse response;
+    const grpc::Status status = stub_->Forward(&context, forward, &response);
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(status);
+  }
+  ExpectUnchanged(before, "after a Forward with 5 ms to go");
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  te::v1::ForwardResponse response;
+  const grpc::Status status = stub_->Forward(&context, forward, &response);
+  ASSERT_TRUE(status.ok()) << Describe(status);
+  EXPECT_TRUE(response.y().has_resident_id());
 }
 
 TEST_F(FailedCallsTest, HostileSizesAreRefusedAndTheServerStays) {
