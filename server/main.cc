@@ -56,6 +56,9 @@ ABSL_FLAG(int, executor_threads, 4,
           "worker threads per device: how many sessions run at once on one device");
 ABSL_FLAG(int, executor_queue, 64,
           "calls that may wait for a device's workers; beyond, RESOURCE_EXHAUSTED at once");
+ABSL_FLAG(bool, replay_decode_steps, false,
+          "Generate records its one-token step as a CUDA graph and replays it (one launch a "
+          "token instead of hundreds); off until a concurrent soak on the GPU has run it");
 ABSL_FLAG(bool, enable_shm, false,
           "let same-host clients register POSIX shared memory (RegisterSharedMemory) and "
           "pass tensors through it");
@@ -228,6 +231,7 @@ service::ServiceOptions ServiceOptionsFromFlags(int max_sessions) {
   options.session.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.session.max_tensor_bytes = absl::GetFlag(FLAGS_max_tensor_bytes);
   options.session.enable_shm = absl::GetFlag(FLAGS_enable_shm);
+  options.session.replay_decode_steps = absl::GetFlag(FLAGS_replay_decode_steps);
   options.max_sessions = max_sessions;
   options.session_ttl_seconds = absl::GetFlag(FLAGS_session_ttl_seconds);
   options.advertise_address = absl::GetFlag(FLAGS_advertise_address);

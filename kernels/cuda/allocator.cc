@@ -39,19 +39,27 @@ absl::StatusOr<std::shared_ptr<void>> CachingAllocator::Allocate(
     std::vector<FreeBlock>* blocks = nullptr;
     size_t pick = 0;
     if (it != free_blocks_.end() && it->first <= size * kMaxWasteFactor && !it->second.empty()) {
-      blocks = &it->second;
-      pick = blocks->size() - 1;
-      for (size_t i = blocks->size(); i-- > 0;) {
-        if ((*blocks)[i].last_stream == nullptr || (*blocks)[i].last_stream == stream) {
+      std::vector<FreeBlock>& candidates = it->second;
+      // Newest first: one of this stream's (or idle) needs no event. One of
+      // another stream's is ordered after that stream by an event, unless
+      // that stream is being recorded (waiting on its event would pull this
+      // stream into the recording) or this one is (it cannot wait on
+      // others' work).
+      size_t other = candidates.size();
+      for (size_t i = candidates.size(); i-- > 0;) {
+        const std::shared_ptr<CUstream_st>& last = candidates[i].last_stream;
+        if (last == nullptr || last == stream) {
+          blocks = &candidates;
           pick = i;
           break;
         }
+        if (other == candidates.size() && !recording && capturing_streams_.count(last.get()) == 0) {
+          other = i;
+        }
       }
-      // A stream being recorded into a graph cannot wait on other streams'
-      // events: it takes only blocks of its own.
-      const FreeBlock& candidate = (*blocks)[pick];
-      if (recording && candidate.last_stream != nullptr && candidate.last_stream != stream) {
-        blocks = nullptr;
+      if (blocks == nullptr && other < candidates.size()) {
+        blocks = &candidates;
+        pick = other;
       }
     }
     if (blocks != nullptr) {
@@ -188,16 +196,18 @@ void CachingAllocator::FreeBlocks(const std::vector<std::pair<void*, size_t>>& b
   capture_or_free_done_.notify_all();
 }
 
-void CachingAllocator::BeginCapture() {
+void CachingAllocator::BeginCapture(cudaStream_t stream) {
   std::unique_lock<std::mutex> lock(mu_);
   capture_or_free_done_.wait(lock, [this] { return !freeing_; });
   ++captures_;
+  capturing_streams_.insert(stream);
 }
 
-void CachingAllocator::EndCapture() {
+void CachingAllocator::EndCapture(cudaStream_t stream) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     --captures_;
+    capturing_streams_.erase(stream);
   }
   capture_or_free_done_.notify_all();
 }

@@ -31,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -79,13 +80,15 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   // Returns every cached (free) block to the driver.
   void ReleaseCached();
 
-  // A stream of this device is being recorded into a graph between these
-  // two calls. Giving blocks back synchronises the device, which would break
-  // the recording, so the two never overlap: BeginCapture waits for a
-  // release in progress, and a release waits for the recordings to end
-  // (each lasts one step's host time).
-  void BeginCapture();
-  void EndCapture();
+  // `stream` is being recorded into a graph between these two calls. Giving
+  // blocks back synchronises the device, which would break the recording,
+  // so the two never overlap: BeginCapture waits for a release in progress,
+  // and a release waits for the recordings to end (each lasts one step's
+  // host time). Meanwhile no other stream takes a block `stream` freed: the
+  // event that would order it after `stream` would pull it into the
+  // recording (cudaErrorStreamCaptureIsolation).
+  void BeginCapture(cudaStream_t stream);
+  void EndCapture(cudaStream_t stream);
 
   Stats stats() const;
   // Starts the peaks again from what is in use and reserved now (a
@@ -117,6 +120,7 @@ class CachingAllocator : public std::enable_shared_from_this<CachingAllocator> {
   int64_t releasing_ = 0;  // taken out of the cache, not yet freed
   std::condition_variable released_;
   int captures_ = 0;       // streams being recorded now
+  std::set<cudaStream_t> capturing_streams_;  // which
   bool freeing_ = false;   // a thread is synchronising and freeing blocks
   std::condition_variable capture_or_free_done_;
   Stats stats_;

@@ -59,10 +59,10 @@ absl::StatusOr<std::unique_ptr<Ops::StepRecord>> CudaOps::CaptureStep(
   // No other session may synchronise the device while this stream records
   // (the allocator's releases wait for the recording to end).
   CachingAllocator& allocator = *context_->allocator;
-  allocator.BeginCapture();
+  allocator.BeginCapture(stream());
   const cudaError_t began = cudaStreamBeginCapture(stream(), cudaStreamCaptureModeRelaxed);
   if (began != cudaSuccess) {
-    allocator.EndCapture();
+    allocator.EndCapture(stream());
     return CudaErrorToStatus(began, "cudaStreamBeginCapture", __FILE__, __LINE__);
   }
   capturing_ = true;
@@ -72,7 +72,7 @@ absl::StatusOr<std::unique_ptr<Ops::StepRecord>> CudaOps::CaptureStep(
   capturing_ = false;
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream(), &graph);
-  allocator.EndCapture();
+  allocator.EndCapture(stream());
   // A call the capture refused left its error behind; it is not the next
   // launch's.
   (void)cudaGetLastError();

@@ -128,6 +128,9 @@ struct SessionConfig {
   int64_t max_tensor_bytes = int64_t{1} << 30;
   bool enable_shm = false;      // --enable_shm
   int max_shm_regions = 16;     // per session
+  // --replay_decode_steps: Generate replays its recorded one-token step
+  // (layers::GenerateOptions::replay_steps).
+  bool replay_decode_steps = false;
 };
 
 // What a call brings besides its request: the client's deadline and a way to

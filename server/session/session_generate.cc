@@ -147,6 +147,7 @@ absl::Status Session::Generate(const te::v1::GenerateRequest& request, const Gen
   options.stop_tokens.assign(request.stop_tokens().begin(), request.stop_tokens().end());
   options.fp8 = tx->fp8();
   options.tf32 = tf32;
+  options.replay_steps = config_.replay_decode_steps;
 
   // A sequence has stopped once it made a stop token; one that has stopped
   // repeats it, so the test holds at every later step too.
