@@ -14,7 +14,8 @@
 # Environment: SOAK_MINUTES (8), SOAK_DEVICE (cuda:0), SOAK_CONFIG (quickstart
 # | small), SOAK_CHURNERS (2), SOAK_INTERVAL_S (60), SOAK_WARMUP_S (60),
 # SOAK_DIR (a fresh temporary folder), SOAK_RUN (a wrapper such as a
-# bundle's run.sh), TE_SERVER / TE_BENCH (default: bazel-bin's). Exit 0 when
+# bundle's run.sh), TE_SERVER / TE_BENCH (default: bazel-bin's),
+# SOAK_SERVER_FLAGS (more te_server flags, e.g. --replay_decode_steps). Exit 0 when
 # no call failed, every held session was saved and came back bit for bit,
 # and both servers exited 0.
 set -uo pipefail
@@ -34,7 +35,7 @@ mkdir -p "$dir/state"
 rm -f "$dir/ready" "$dir/port"
 
 server_flags=(--device="$device" --state_dir="$dir/state" --log_level=info
-              --session_memory_bytes=$((16 << 30)) --max_sessions=64)
+              --session_memory_bytes=$((16 << 30)) --max_sessions=64 ${SOAK_SERVER_FLAGS:-})
 fail=0
 note() { echo "soak: $*"; }
 
