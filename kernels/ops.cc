@@ -91,9 +91,14 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   }
   std::shared_ptr<SharedMemoryAccount> shared = shared_account_;
   if (shared != nullptr) {
-    const int64_t before = shared->in_use.fetch_add(static_cast<int64_t>(bytes));
+    // Charged only if it fits: a request that will be refused is never
+    // counted, not even for a moment, so it cannot make another session's
+    // small request fail beside it (a hog's 16 GB one beside a step's).
+    int64_t before = shared->in_use.load();
+    while (static_cast<int64_t>(bytes) <= shared->limit - before &&
+           !shared->in_use.compare_exchange_weak(before, before + static_cast<int64_t>(bytes))) {
+    }
     if (static_cast<int64_t>(bytes) > shared->limit - before) {
-      shared->in_use -= static_cast<int64_t>(bytes);
       return absl::ResourceExhaustedError(absl::StrCat(
           "allocating ", bytes, " bytes for ", ShapeString(shape), " ", DTypeName(dtype),
           ": the sessions on ", device_name(), " already hold ", before, " of the ",

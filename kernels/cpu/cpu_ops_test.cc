@@ -1,8 +1,10 @@
 // The CPU device, memory accounting, copies and the elementwise ops (Fill,
 // Cast, Axpby, Permute, SumRows) against float64 references.
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <tuple>
 
 #include "gtest/gtest.h"
@@ -112,6 +114,35 @@ TEST(CpuDeviceTest, SessionsTogetherStayWithinTheDevicesMemory) {
   held = absl::StatusOr<Tensor>(absl::CancelledError("freed"));  // a's tensor goes
   EXPECT_EQ(shared->in_use.load(), 0);
   EXPECT_TRUE(b.Allocate(DType::kF32, {150000}).ok());
+}
+
+// A request the device's account refuses is never charged, not even for a
+// moment: while one session keeps asking for more than the device has,
+// another's requests that fit all succeed (with the charge taken first and
+// given back on refusal, some of them failed beside it).
+TEST(CpuDeviceTest, ARefusedRequestNeverCrowdsOutOneThatFits) {
+  auto shared = std::make_shared<SharedMemoryAccount>(1 << 20);
+  CpuOps hog, small;
+  for (CpuOps* ops : {&hog, &small}) ops->set_shared_account(shared);
+  const absl::StatusOr<Tensor> held = small.Allocate(DType::kBool, {200000});
+  ASSERT_TRUE(held.ok()) << held.status();  // from now on the hog never fits
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> hog_refusals{0};
+  std::thread asking([&] {
+    while (!done.load()) {
+      // 900 kB: fits the device alone, never beside the small session's.
+      if (!hog.Allocate(DType::kBool, {900000}).ok()) ++hog_refusals;
+    }
+  });
+  int64_t small_refusals = 0;
+  for (int i = 0; i < 200000; ++i) {
+    if (!small.Allocate(DType::kBool, {1000}).ok()) ++small_refusals;
+  }
+  done = true;
+  asking.join();
+  EXPECT_GT(hog_refusals.load(), 0);
+  EXPECT_EQ(small_refusals, 0);
+  EXPECT_EQ(shared->in_use.load(), 200000);
 }
 
 TEST(CpuDeviceTest, TheDeviceReportsTheMemoryItsSessionsShare) {
