@@ -10,7 +10,8 @@
 # the kernel time by class. Run from the repository root on the GPU machine,
 # with the Python client's stubs generated (TE_CLIENT_STUBS_DIR).
 # Environment: TRACE_BATCH (1), TRACE_NEW (64: new tokens), TRACE_STEPS (16),
-# TRACE_RECIPE (bf16 | delayed).
+# TRACE_RECIPE (bf16 | delayed), TRACE_SERVER_FLAGS (more te_server flags, e.g.
+# --replay_decode_steps).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
@@ -19,7 +20,7 @@ tag="b${TRACE_BATCH:-1}_${TRACE_RECIPE:-bf16}"
 pf=$(mktemp)
 CUDA_INJECTION64_PATH="$bundle/libkernel_trace.so" KERNEL_TRACE_OUT="$out/trace_decode_$tag.csv" \
   LD_LIBRARY_PATH="$bundle:${LD_LIBRARY_PATH:-}" "$bundle/run.sh" te_server --device=cuda:0 \
-  --host=127.0.0.1 --port=0 --port_file="$pf" --log_level=warning >"$out/server_decode_$tag.log" 2>&1 &
+  --host=127.0.0.1 --port=0 --port_file="$pf" --log_level=warning ${TRACE_SERVER_FLAGS:-} >"$out/server_decode_$tag.log" 2>&1 &
 spid=$!
 for _ in $(seq 600); do [ -s "$pf" ] && break; sleep 0.1; done
 if [ ! -s "$pf" ]; then

@@ -73,7 +73,8 @@ TEST_F(GpuTest, RotaryFromAPositionOffsetMatchesCpu) {
 // position_offset when the kernels run.
 TEST_F(DevicePositionTest, RotaryFromADevicePositionMatchesCpu) {
   const Pair position = Position(4000);
-  for (const Shape& shape : {Shape{3, 1, 4, 64}, Shape{2, 9, 2, 16}}) {
+  // Up to 16 positions compute their angles in the rotation; more make a table.
+  for (const Shape& shape : {Shape{3, 1, 4, 64}, Shape{2, 9, 2, 16}, Shape{1, 40, 2, 16}}) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
       for (bool consecutive : {true, false}) {
         RotaryArgs args;

@@ -14,37 +14,61 @@ namespace te {
 namespace cuda {
 namespace {
 
-// cos / sin of angle(position_offset + *position + s, i) at [s * half + i], s
-// the row along S; position (device int32, may be null) is read here, so one
-// launch serves every position of a replayed step. The angle is computed in
+// cos / sin of the angle of position p and frequency index i, computed in
 // double, as on the CPU: near position 10^4 a float angle is off by ~5e-4
-// radians.
+// radians. The table kernel and the folded rotation both call this, so they
+// give the same bits.
+__device__ __forceinline__ void RotaryCosSin(int64_t p, int64_t i, int64_t dim,
+                                             double min_timescale, double ratio, bool inverse,
+                                             float* c, float* s) {
+  const double timescale = min_timescale * pow(ratio, 2.0 * static_cast<double>(i) / dim);
+  const double angle = static_cast<double>(inverse ? -p : p) / timescale;
+  double sd, cd;
+  sincos(angle, &sd, &cd);
+  *c = static_cast<float>(cd);
+  *s = static_cast<float>(sd);
+}
+
+// The angles of a rotation: position p of row s along S is start + s, start
+// = position_offset + *position (device int32, may be null), read when the
+// kernel runs, so one launch serves every position of a replayed step.
+struct RotaryAngles {
+  int64_t dim;
+  double min_timescale;
+  double ratio;
+  bool inverse;
+  int64_t position_offset;
+  const int32_t* position;
+  __device__ __forceinline__ int64_t Start() const {
+    return position_offset + (position != nullptr ? *position : 0);
+  }
+};
+
+// cos / sin at [s * half + i] for rows s of S.
 __global__ void RotaryTableKernel(float* cos_table, float* sin_table, int64_t seq, int64_t half,
-                                  int64_t dim, double min_timescale, double ratio, bool inverse,
-                                  int64_t position_offset, const int32_t* position) {
+                                  RotaryAngles angles) {
   const int64_t n = seq * half;
-  const int64_t start = position_offset + (position != nullptr ? *position : 0);
+  const int64_t start = angles.Start();
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = k / half, i = k - row * half;
-    const int64_t p = start + row;
-    const double timescale = min_timescale * pow(ratio, 2.0 * static_cast<double>(i) / dim);
-    const double angle = static_cast<double>(inverse ? -p : p) / timescale;
-    double s, c;
-    sincos(angle, &s, &c);
-    cos_table[k] = static_cast<float>(c);
-    sin_table[k] = static_cast<float>(s);
+    RotaryCosSin(start + row, i, angles.dim, angles.min_timescale, angles.ratio, angles.inverse,
+                 &cos_table[k], &sin_table[k]);
   }
 }
 
 // One thread per rotated pair; it reads both elements before writing, so y may
-// alias x. x, y: [B, S, H, D] viewed as rows of D.
+// alias x. x, y: [B, S, H, D] viewed as rows of D. cos_table null: each
+// thread computes its own angle (a few rows, a decode step's: one launch, no
+// table).
 template <typename In, typename Out>
 __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storage* y,
                              const float* cos_table, const float* sin_table, int64_t rows,
-                             int64_t seq, int64_t heads, int64_t dim, bool consecutive) {
+                             int64_t seq, int64_t heads, int64_t dim, bool consecutive,
+                             RotaryAngles angles) {
   const int64_t half = dim / 2;
   const int64_t pairs = rows * half;
+  const int64_t start = cos_table == nullptr ? angles.Start() : 0;
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < pairs;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = k / half, i = k - r * half;
@@ -52,7 +76,14 @@ __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storag
     // TE JAX: "consecutive" pairs (2i, 2i+1); "alternate" pairs (i, i + D/2).
     const int64_t first = r * dim + (consecutive ? 2 * i : i);
     const int64_t second = r * dim + (consecutive ? 2 * i + 1 : i + half);
-    const float c = cos_table[p * half + i], s = sin_table[p * half + i];
+    float c, s;
+    if (cos_table != nullptr) {
+      c = cos_table[p * half + i];
+      s = sin_table[p * half + i];
+    } else {
+      RotaryCosSin(start + p, i, angles.dim, angles.min_timescale, angles.ratio, angles.inverse,
+                   &c, &s);
+    }
     const float a = In::Load(x[first]), b = In::Load(x[second]);
     y[first] = Out::Store(a * c - b * s);
     y[second] = Out::Store(b * c + a * s);
@@ -124,6 +155,9 @@ __global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storag
   dtable[k] = T::Store(sum);
 }
 
+// Sequences of at most this many positions rotate without a table.
+constexpr int64_t kFoldedRotaryMaxSeq = 16;
+
 }  // namespace
 
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
@@ -132,15 +166,27 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
   if (rows == 0 || half == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  ASSIGN_OR_RETURN(Tensor tables, Allocate(DType::kF32, {2, seq, half}));
-  float* cos_table = tables.data_as<float>();
-  float* sin_table = cos_table + seq * half;
-  const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
-  RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(
-      cos_table, sin_table, seq, half, dim, args.min_timescale, ratio, args.inverse,
-      args.position_offset,
-      HasDevicePosition(args.position) ? args.position.data_as<const int32_t>() : nullptr);
-  CUDA_RETURN_IF_LAUNCH_ERROR();
+  RotaryAngles angles;
+  angles.dim = dim;
+  angles.min_timescale = args.min_timescale;
+  angles.ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
+  angles.inverse = args.inverse;
+  angles.position_offset = args.position_offset;
+  angles.position =
+      HasDevicePosition(args.position) ? args.position.data_as<const int32_t>() : nullptr;
+  // A table of angles pays for its launch when many rows share a position;
+  // a few positions (a decode step's one) compute their angles in place.
+  Tensor tables;
+  float* cos_table = nullptr;
+  float* sin_table = nullptr;
+  if (seq > kFoldedRotaryMaxSeq) {
+    ASSIGN_OR_RETURN(tables, Allocate(DType::kF32, {2, seq, half}));
+    cos_table = tables.data_as<float>();
+    sin_table = cos_table + seq * half;
+    RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(cos_table, sin_table, seq,
+                                                                      half, angles);
+    CUDA_RETURN_IF_LAUNCH_ERROR();
+  }
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFloat(y->dtype(), [&](auto out) {
       using In = decltype(in);
@@ -148,7 +194,7 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
       RotaryKernel<In, Out><<<GridFor(rows * half), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), cos_table, sin_table, rows, seq, heads,
-          dim, args.consecutive);
+          dim, args.consecutive, angles);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
