@@ -9,6 +9,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libeigen3-dev libopenblas-dev
+  libjemalloc-dev  # te_server's malloc (third_party/system.BUILD)
   nlohmann-json3-dev libcpp-httplib-dev openssl libssl-dev python3-yaml
   prometheus-cpp-dev prometheus  # te_server's metrics; promtool and a real Prometheus for its tests
   clang-14 libclang-rt-14-dev

@@ -280,6 +280,36 @@ absl::Status Ops::AttentionBackwardPacked(const AttentionArgs& args, const Tenso
   return Permute(dfront, {1, 2, 0, 3, 4}, dqkv);
 }
 
+namespace {
+// The dense dbias a relative backward reduces into dtable.
+absl::StatusOr<Tensor> DenseBiasGrad(Ops& ops, const AttentionArgs& args, const char* op) {
+  if (!args.bias.defined() || args.bias.numel() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": args.bias must hold the relative bias"));
+  }
+  return ops.Allocate(DType::kF32, args.bias.shape());
+}
+}  // namespace
+
+absl::Status Ops::AttentionBackwardRelative(const AttentionArgs& args, const Tensor& q,
+                                            const Tensor& k, const Tensor& v, const Tensor& out,
+                                            const Tensor& dout, const Tensor& softmax_lse,
+                                            const RelativeBuckets& relative, Tensor* dq,
+                                            Tensor* dk, Tensor* dv, Tensor* dtable) {
+  ASSIGN_OR_RETURN(Tensor dbias, DenseBiasGrad(*this, args, "AttentionBackwardRelative"));
+  RETURN_IF_ERROR(AttentionBackward(args, q, k, v, out, dout, softmax_lse, dq, dk, dv, &dbias));
+  return RelativeBiasBackward(dbias, relative.buckets, dtable);
+}
+
+absl::Status Ops::AttentionBackwardPackedRelative(const AttentionArgs& args, const Tensor& qkv,
+                                                  const Tensor& out, const Tensor& dout,
+                                                  const Tensor& softmax_lse,
+                                                  const RelativeBuckets& relative, Tensor* dqkv,
+                                                  Tensor* dtable) {
+  ASSIGN_OR_RETURN(Tensor dbias, DenseBiasGrad(*this, args, "AttentionBackwardPackedRelative"));
+  RETURN_IF_ERROR(AttentionBackwardPacked(args, qkv, out, dout, softmax_lse, dqkv, &dbias));
+  return RelativeBiasBackward(dbias, relative.buckets, dtable);
+}
+
 // ---- jax.numpy ops: both backends override these ------------------------------------
 namespace {
 absl::Status NotOnThisBackend(const Ops& ops, const char* op) {

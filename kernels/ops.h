@@ -116,6 +116,19 @@ struct AttentionArgs {
   bool forward_only = false;
 };
 // A query row with no visible key outputs 0.
+// A T5 relative-position bias named by its table: the bias an AttentionArgs
+// carries is RelativeBiasForward(table, buckets), and its gradient is wanted
+// as the table's, dtable [NB, H], not as dbias [H, Sq, Skv].
+struct RelativeBuckets {
+  Tensor buckets;  // int32 [Sq, Skv], RelativeBiasForward's
+  // > 0: every visible key at least this many positions before its query has
+  // one bucket (causal T5 buckets saturate near max_distance); 0: not stated.
+  // With a causal mask it lets a backend reduce dtable from the first
+  // `uniform_from` diagonals alone: each row's logit gradients sum to zero,
+  // so the far bucket's share is minus the band's.
+  int64_t uniform_from = 0;
+};
+
 
 // ---- jax.numpy's elementwise ops, reductions and softmax (Ops::Binary ...) ----
 // Broadcasting, numpy's: an operand of shape s fits an output of shape y when
@@ -861,6 +874,23 @@ class Ops {
                                                const Tensor& out, const Tensor& dout,
                                                const Tensor& softmax_lse, Tensor* dqkv,
                                                Tensor* dbias);
+  // The same backwards with args.bias a relative-position bias over
+  // `relative`'s buckets, writing dtable f32 [NB, H] (overwritten) where the
+  // above write dbias: RelativeBiasBackward of their dbias. The defaults run
+  // exactly that; the CUDA backend never forms dbias where `uniform_from`
+  // allows (kernels/cuda/relative_bias_grad.cu).
+  virtual absl::Status AttentionBackwardRelative(const AttentionArgs& args, const Tensor& q,
+                                                 const Tensor& k, const Tensor& v,
+                                                 const Tensor& out, const Tensor& dout,
+                                                 const Tensor& softmax_lse,
+                                                 const RelativeBuckets& relative, Tensor* dq,
+                                                 Tensor* dk, Tensor* dv, Tensor* dtable);
+  virtual absl::Status AttentionBackwardPackedRelative(const AttentionArgs& args,
+                                                       const Tensor& qkv, const Tensor& out,
+                                                       const Tensor& dout,
+                                                       const Tensor& softmax_lse,
+                                                       const RelativeBuckets& relative,
+                                                       Tensor* dqkv, Tensor* dtable);
 
   // ---- optimizers -------------------------------------------------------
   // One optax step for one parameter, in place, elementwise. grad has the

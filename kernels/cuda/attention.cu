@@ -34,6 +34,7 @@ namespace {
 
 std::atomic<int> attention_path{static_cast<int>(AttentionPath::kAuto)};
 std::atomic<int64_t> packed_cudnn_calls{0};
+std::atomic<int64_t> relative_band_calls{0};
 
 __global__ void WriteDropoutSeedKernel(int64_t* dst, uint64_t seed) {
   dst[0] = static_cast<int64_t>(seed);
@@ -212,6 +213,7 @@ absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream) 
 void SetAttentionPath(AttentionPath path) { attention_path.store(static_cast<int>(path)); }
 AttentionPath GetAttentionPath() { return static_cast<AttentionPath>(attention_path.load()); }
 int64_t CudnnPackedAttentionCalls() { return packed_cudnn_calls.load(); }
+int64_t RelativeBandCalls() { return relative_band_calls.load(); }
 
 absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& q,
                                        const Tensor& k, const Tensor& v, Tensor* out,
@@ -330,6 +332,93 @@ absl::Status CudaOps::AttentionBackwardPacked(const AttentionArgs& args, const T
     LogFallbackOnce(Describe("backward packed", args, shape, qkv.dtype()), kSplit, fused);
   }
   return Ops::AttentionBackwardPacked(args, qkv, out, dout, softmax_lse, dqkv, dbias);
+}
+
+namespace {
+
+// The dense dbias the argument checks expect beside a bias: the bias's own
+// shape and memory (only its shape and dtype are read; nothing is written).
+Tensor DenseBiasStandIn(const AttentionArgs& args) {
+  return Tensor(std::shared_ptr<void>(), const_cast<void*>(args.bias.data()), DType::kF32,
+                args.bias.shape());
+}
+
+// cuDNN's backward reading the relative bias without writing dBias, then the
+// band kernel for the table's gradient; UNIMPLEMENTED (nothing written) when
+// either cannot serve the call.
+absl::Status RelativeOnCudnn(CudaOps* ops, const AttentionArgs& args,
+                             const AttentionShape& shape, const QkvMemory& qkv,
+                             const Tensor& out, const Tensor& dout, const Tensor& softmax_lse,
+                             const RelativeBuckets& relative, const DqkvMemory& grads,
+                             Tensor* dtable) {
+  if (GetAttentionPath() != AttentionPath::kAuto) {
+    return absl::UnimplementedError("cuDNN attention is switched off");
+  }
+  RETURN_IF_ERROR(CheckRelativeBiasBackwardArgs(args.bias, relative.buckets, dtable).status());
+  RETURN_IF_ERROR(RelativeBandApplies(args, shape, qkv.dtype, relative));
+  if (dtable->dtype() != DType::kF32) return absl::UnimplementedError("dtable is not float32");
+  if (out.dtype() != qkv.dtype || dout.dtype() != qkv.dtype) {
+    return absl::UnimplementedError("out or dout not in the operands' dtype");
+  }
+  RETURN_IF_ERROR(CudnnAttentionBackward(ops, args, shape, qkv, out, dout, softmax_lse, grads,
+                                         /*dbias=*/nullptr));
+  RETURN_IF_ERROR(
+      RelativeBandTableGrad(ops, args, shape, qkv, out, dout, softmax_lse, relative, dtable));
+  relative_band_calls.fetch_add(1);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaOps::AttentionBackwardRelative(const AttentionArgs& args, const Tensor& q,
+                                                const Tensor& k, const Tensor& v,
+                                                const Tensor& out, const Tensor& dout,
+                                                const Tensor& softmax_lse,
+                                                const RelativeBuckets& relative, Tensor* dq,
+                                                Tensor* dk, Tensor* dv, Tensor* dtable) {
+  RETURN_IF_ERROR(Enter());
+  const Tensor dense_standin = DenseBiasStandIn(args);
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionBackwardArgs(args, q, k, v, out, dout, softmax_lse, dq, dk, dv,
+                                              &dense_standin));
+  if (args.bias.defined() && SameDtype(q, k, v) && SameDtype(*dq, *dk, *dv) &&
+      dq->dtype() == q.dtype()) {
+    DqkvMemory grads;
+    grads.dq = dq->data();
+    grads.dk = dk->data();
+    grads.dv = dv->data();
+    grads.dtype = dq->dtype();
+    const absl::Status band = RelativeOnCudnn(this, args, shape, SeparateQkv(shape, q, k, v), out,
+                                              dout, softmax_lse, relative, grads, dtable);
+    if (!absl::IsUnimplemented(band)) return band;
+  }
+  return Ops::AttentionBackwardRelative(args, q, k, v, out, dout, softmax_lse, relative, dq, dk,
+                                        dv, dtable);
+}
+
+absl::Status CudaOps::AttentionBackwardPackedRelative(const AttentionArgs& args,
+                                                      const Tensor& qkv, const Tensor& out,
+                                                      const Tensor& dout,
+                                                      const Tensor& softmax_lse,
+                                                      const RelativeBuckets& relative,
+                                                      Tensor* dqkv, Tensor* dtable) {
+  RETURN_IF_ERROR(Enter());
+  const char* op = "AttentionBackwardPackedRelative";
+  RETURN_IF_ERROR(CheckPackedQkv(op, "qkv", qkv));
+  RETURN_IF_ERROR(CheckPackedQkv(op, "dqkv", *dqkv));
+  if (dqkv->shape() == qkv.shape() && dqkv->dtype() == qkv.dtype() && args.bias.defined()) {
+    const Tensor part = PartStandIn(qkv);
+    const Tensor dense_standin = DenseBiasStandIn(args);
+    ASSIGN_OR_RETURN(const AttentionShape shape,
+                     CheckAttentionBackwardArgs(args, part, part, part, out, dout, softmax_lse,
+                                                &part, &part, &part, &dense_standin));
+    const absl::Status band = RelativeOnCudnn(this, args, shape, PackedQkv(qkv), out, dout,
+                                              softmax_lse, relative, PackedDqkv(dqkv), dtable);
+    if (band.ok()) packed_cudnn_calls.fetch_add(1);
+    if (!absl::IsUnimplemented(band)) return band;
+  }
+  return Ops::AttentionBackwardPackedRelative(args, qkv, out, dout, softmax_lse, relative, dqkv,
+                                              dtable);
 }
 
 }  // namespace cuda

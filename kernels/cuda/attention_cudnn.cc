@@ -10,6 +10,7 @@
 // pack; the plans are built once per configuration.
 #include <cudnn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -117,8 +118,10 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
   return absl::OkStatus();
 }
 
+// dbias: a backward that writes dBias (with a bias; without it the bias is
+// only read).
 PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionShape& s,
-                      const QkvMemory& qkv) {
+                      const QkvMemory& qkv, bool dbias) {
   PlanConfig c;
   c.backward = backward;
   c.shape = s;
@@ -129,6 +132,7 @@ PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionS
   // Supported() lets through only a bottom-right mask that is top-left.
   c.causal = IsCausalMask(args.mask);
   c.bias = args.bias.data() != nullptr;
+  c.dbias = backward && c.bias && dbias;
   c.dropout = args.dropout_rate;
   return c;
 }
@@ -167,7 +171,7 @@ workspace::CudnnAttentionWorkspace WorkspaceLayout(const PlanConfig& c, const Cu
   dims.q_heads = c.shape.q_heads;
   dims.head_dim = c.shape.head_dim;
   return workspace::CudnnAttentionWorkspaceFor(c.backward, plan.workspace_bytes, dims, c.dtype,
-                                               c.bias);
+                                               c.bias, c.dbias);
 }
 
 void BindCommon(const PlanConfig& c, const AttentionArgs& args, const Scalars& scalars,
@@ -205,10 +209,17 @@ absl::StatusOr<int64_t> CudnnAttentionWorkspaceBytes(CudaOps* ops, bool backward
                                                      const AttentionShape& shape,
                                                      const QkvMemory& qkv) {
   RETURN_IF_ERROR(Supported(*ops, args, shape, qkv, {}));
-  const PlanConfig config = MakeConfig(backward, args, shape, qkv);
-  ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
-  RETURN_IF_ERROR(CheckOtherDirection(ops, config));
-  return WorkspaceLayout(config, *plan).total();
+  // A backward with a bias may write dBias or only read the bias (a relative
+  // bias's table gradient): the larger of the two.
+  int64_t bytes = 0;
+  for (const bool dbias : {true, false}) {
+    const PlanConfig config = MakeConfig(backward, args, shape, qkv, dbias);
+    ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
+    RETURN_IF_ERROR(CheckOtherDirection(ops, config));
+    bytes = std::max(bytes, WorkspaceLayout(config, *plan).total());
+    if (!config.bias || !backward) break;
+  }
+  return bytes;
 }
 
 namespace {
@@ -246,7 +257,7 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
                                    const AttentionShape& shape, const QkvMemory& qkv,
                                    Tensor* out, Tensor* softmax_lse) {
   RETURN_IF_ERROR(Supported(*ops, args, shape, qkv, {{out->data(), out->dtype()}}));
-  const PlanConfig config = MakeConfig(/*backward=*/false, args, shape, qkv);
+  const PlanConfig config = MakeConfig(/*backward=*/false, args, shape, qkv, /*dbias=*/false);
   ASSIGN_OR_RETURN(const PreparedCall call, Prepare(ops, config, args));
   const workspace::CudnnAttentionWorkspace& layout = call.layout;
   char* base = call.base;
@@ -292,7 +303,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
                              {grads.dk, grads.dtype},
                              {grads.dv, grads.dtype}}));
   if (!Aligned(softmax_lse.data())) return absl::UnimplementedError("softmax_lse is not aligned");
-  const PlanConfig config = MakeConfig(/*backward=*/true, args, shape, qkv);
+  const PlanConfig config = MakeConfig(/*backward=*/true, args, shape, qkv, dbias != nullptr);
   ASSIGN_OR_RETURN(const PreparedCall call, Prepare(ops, config, args));
   const workspace::CudnnAttentionWorkspace& layout = call.layout;
   char* base = call.base;
@@ -325,6 +336,8 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
     Tensor bias_view = WorkspaceTensor(bias_io, qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(args.bias, &bias_view));
     pack.Bind(kBias, bias_io);
+  }
+  if (config.dbias) {
     pack.Bind(kDBias, dbias_io);
   } else {
     pack.Bind(kDQAccum, dq_accum);
@@ -344,7 +357,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   BindCommon(config, args, scalars, seed_offset, &pack);
   RETURN_IF_ERROR(pack.Execute(call.handle, *call.plan, call.base));
   cudnn_calls.fetch_add(1);
-  if (config.bias) {
+  if (config.dbias) {
     const Tensor dbias_view = WorkspaceTensor(dbias_io, qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(dbias_view, dbias));
   }

@@ -43,10 +43,12 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
   ASSIGN_OR_RETURN(auto softmax_sum,
                    g.Tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
   // Without dBias, dQ accumulates in an f32 workspace tensor; with dBias cuDNN
-  // takes its dP-workspace implementation, which writes dQ directly.
+  // takes its dP-workspace implementation, which writes dQ directly (and is
+  // much slower: a relative bias's table gradient comes from its own kernel,
+  // relative_bias_grad.cu, so that the bias is only read here).
   cudnnBackendDescriptor_t dq_accum = nullptr;
   cudnnBackendDescriptor_t dbias = nullptr;
-  if (c.bias) {
+  if (c.dbias) {
     ASSIGN_OR_RETURN(dbias, g.Tensor(kDBias, io, l.BiasDims(), l.BiasStrides()));
   } else {
     ASSIGN_OR_RETURN(dq_accum, g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, l.QDims(),
@@ -102,7 +104,7 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
                                                     CUDNN_DATA_FLOAT, last, t.drop_scale));
     last = rescaled;
   }
-  if (c.bias) RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, last, dbias));
+  if (c.dbias) RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, last, dbias));
   ASSIGN_OR_RETURN(auto ds, ScoresPointwise(g, l, CUDNN_DATA_FLOAT, CUDNN_POINTWISE_MUL,
                                             CUDNN_DATA_FLOAT, last, t.scale));
 
@@ -113,7 +115,7 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
   // viewed untransposed (strides swapped back).
   ASSIGN_OR_RETURN(auto k, g.Virtual(io, l.KvDims(), l.KvStrides()));
   RETURN_IF_ERROR(g.Reshape(kt, k));
-  if (c.bias) {
+  if (c.dbias) {
     RETURN_IF_ERROR(g.Matmul(ds, k, dq, t.seq_q, nullptr, t.seq_kv));
   } else {
     RETURN_IF_ERROR(g.Matmul(ds, k, dq_accum, t.seq_q, nullptr, t.seq_kv));

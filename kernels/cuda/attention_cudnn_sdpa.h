@@ -60,13 +60,14 @@ struct PlanConfig {
   bool padding = false;
   bool causal = false;
   bool bias = false;
+  bool dbias = false;  // backward with a bias: writes dBias (else reads the bias only)
   float dropout = 0.0f;
 
   std::string Key() const {
     return absl::StrCat(backward ? "bwd" : "fwd", "/", shape.batch, "/", shape.q_seq, "/",
                         shape.kv_seq, "/", shape.q_heads, "/", shape.kv_heads, "/",
                         shape.head_dim, "/", static_cast<int>(dtype), "/", q_token_stride, "/",
-                        kv_token_stride, "/", padding, causal, bias, "/", dropout);
+                        kv_token_stride, "/", padding, causal, bias, dbias, "/", dropout);
   }
 };
 

@@ -160,6 +160,23 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
                                     const Tensor& softmax_lse, const DqkvMemory& grads,
                                     Tensor* dbias);
 
+// ---- a relative-position table's gradient (relative_bias_grad.cu) ----------
+// The most diagonals the band kernel covers (RelativeBuckets::uniform_from).
+constexpr int kRelativeBandMax = 128;
+// OK when the band kernel can serve this backward: causal self-attention
+// (top-left), no dropout or elementwise mask, bf16/f16, head_dim 32, 64 or
+// 128, buckets uniform from a distance of at most kRelativeBandMax.
+absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s, DType dtype,
+                                 const RelativeBuckets& relative);
+// dtable f32 [NB, H] (ops.h's AttentionBackwardRelative) from the forward's
+// q, k, v (qkv), out, softmax_lse, the output gradient and args.bias (the
+// dense relative bias, read at each distance); enqueued on ops' stream.
+absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
+                                   const AttentionShape& s, const QkvMemory& qkv,
+                                   const Tensor& out, const Tensor& dout,
+                                   const Tensor& softmax_lse, const RelativeBuckets& relative,
+                                   Tensor* dtable);
+
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and
 // the server's --attention=unfused): the unfused kernels, small-head where
@@ -176,6 +193,8 @@ int64_t SmallHeadAttentionCalls();
 // to check the backward that draws the dropout bits in both passes). Returns
 // the previous limit.
 int64_t SetSmallHeadDropoutBitsLimit(int64_t bytes);
+// Relative backwards whose table gradient the band kernel formed.
+int64_t RelativeBandCalls();
 // Of the cuDNN calls, the packed ops' calls that cuDNN served on the packed layout
 // itself (not after the split default).
 int64_t CudnnPackedAttentionCalls();

@@ -214,6 +214,16 @@ class CudaOps : public Ops {
                                        const Tensor& out, const Tensor& dout,
                                        const Tensor& softmax_lse, Tensor* dqkv,
                                        Tensor* dbias) override;
+  absl::Status AttentionBackwardRelative(const AttentionArgs& args, const Tensor& q,
+                                         const Tensor& k, const Tensor& v, const Tensor& out,
+                                         const Tensor& dout, const Tensor& softmax_lse,
+                                         const RelativeBuckets& relative, Tensor* dq, Tensor* dk,
+                                         Tensor* dv, Tensor* dtable) override;
+  absl::Status AttentionBackwardPackedRelative(const AttentionArgs& args, const Tensor& qkv,
+                                               const Tensor& out, const Tensor& dout,
+                                               const Tensor& softmax_lse,
+                                               const RelativeBuckets& relative, Tensor* dqkv,
+                                               Tensor* dtable) override;
 
   // optimizer.cu
   absl::Status OptimizerUpdate(const OptimizerUpdateArgs& args, const Tensor& grad,

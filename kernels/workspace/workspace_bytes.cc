@@ -38,7 +38,7 @@ int64_t GemmWorkspaceBound(int64_t library_bytes, const GemmOperands& g) {
 
 CudnnAttentionWorkspace CudnnAttentionWorkspaceFor(bool backward, int64_t library_bytes,
                                                    const AttentionDims& d, DType io_dtype,
-                                                   bool bias) {
+                                                   bool bias, bool dbias) {
   CudnnAttentionWorkspace w;
   w.library = RoundUp(library_bytes);
   const int64_t bias_bytes =
@@ -49,8 +49,8 @@ CudnnAttentionWorkspace CudnnAttentionWorkspaceFor(bool backward, int64_t librar
   if (!backward) return w;
   const int64_t rows = d.batch * d.q_heads * d.q_seq;
   w.softmax_sum = RoundUp(rows * static_cast<int64_t>(sizeof(float)));
-  w.dq_accum = bias ? 0 : RoundUp(rows * d.head_dim * static_cast<int64_t>(sizeof(float)));
-  w.dbias = bias_bytes;
+  w.dq_accum = dbias ? 0 : RoundUp(rows * d.head_dim * static_cast<int64_t>(sizeof(float)));
+  w.dbias = dbias ? bias_bytes : 0;
   return w;
 }
 

@@ -74,8 +74,8 @@ struct AttentionDims {
 
 // Forward: library | bias in the operand dtype (with bias) | seed, offset.
 // Backward: library | softmax_sum [B, Hq, Sq] f32 | dQ accumulator
-// [B, Hq, Sq, D] f32 (without bias: cuDNN accumulates dQ in f32) | bias and
-// dBias in the operand dtype (with bias) | seed, offset.
+// [B, Hq, Sq, D] f32 (without dBias: cuDNN accumulates dQ in f32) | bias (with
+// bias) and dBias (with dbias) in the operand dtype | seed, offset.
 struct CudnnAttentionWorkspace {
   int64_t library = 0;  // the execution plan's own workspace
   int64_t softmax_sum = 0;
@@ -94,7 +94,7 @@ struct CudnnAttentionWorkspace {
 // `library_bytes`: the plan's CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE.
 CudnnAttentionWorkspace CudnnAttentionWorkspaceFor(bool backward, int64_t library_bytes,
                                                    const AttentionDims& dims, DType io_dtype,
-                                                   bool bias);
+                                                   bool bias, bool dbias);
 
 // ---- unfused attention (kernels/cuda/attention.cu) ------------------------
 // The forward needs none. The backward: row_dot [B, Hq, Sq] f32, and for the

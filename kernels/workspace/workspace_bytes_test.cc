@@ -105,7 +105,7 @@ AttentionDims Quickstart() {
 
 TEST(CudnnAttentionWorkspace, ForwardWithoutBiasIsLibraryAndSeed) {
   const CudnnAttentionWorkspace w =
-      CudnnAttentionWorkspaceFor(false, 1000, Quickstart(), DType::kBF16, false);
+      CudnnAttentionWorkspaceFor(false, 1000, Quickstart(), DType::kBF16, false, false);
   EXPECT_EQ(w.library, 1024);  // rounded to 256
   EXPECT_EQ(w.total(), 1024 + 16);
   EXPECT_EQ(w.seed_offset_offset(), 1024);
@@ -113,7 +113,7 @@ TEST(CudnnAttentionWorkspace, ForwardWithoutBiasIsLibraryAndSeed) {
 
 TEST(CudnnAttentionWorkspace, BackwardAccumulatesDqInF32) {
   const CudnnAttentionWorkspace w =
-      CudnnAttentionWorkspaceFor(true, 0, Quickstart(), DType::kBF16, false);
+      CudnnAttentionWorkspaceFor(true, 0, Quickstart(), DType::kBF16, false, false);
   EXPECT_EQ(w.softmax_sum, 4 * 32 * 2048 * 4);        // 1 MiB
   EXPECT_EQ(w.dq_accum, 4 * 32 * 2048 * 128 * 4);     // 128 MiB
   EXPECT_EQ(w.bias + w.dbias, 0);
@@ -123,7 +123,7 @@ TEST(CudnnAttentionWorkspace, BackwardAccumulatesDqInF32) {
 
 TEST(CudnnAttentionWorkspace, BiasReplacesTheDqAccumulatorWithBiasAndDbias) {
   const CudnnAttentionWorkspace w =
-      CudnnAttentionWorkspaceFor(true, 512, Quickstart(), DType::kF16, true);
+      CudnnAttentionWorkspaceFor(true, 512, Quickstart(), DType::kF16, true, true);
   const int64_t bias = int64_t{32} * 2048 * 2048 * 2;  // [Hq, Sq, Skv] f16: 256 MiB
   EXPECT_EQ(w.dq_accum, 0);
   EXPECT_EQ(w.bias, bias);
@@ -132,7 +132,7 @@ TEST(CudnnAttentionWorkspace, BiasReplacesTheDqAccumulatorWithBiasAndDbias) {
   EXPECT_EQ(w.dbias_offset(), 512 + kMiB + bias);
   EXPECT_EQ(w.total(), 512 + kMiB + 2 * bias + 16);
   const CudnnAttentionWorkspace fwd =
-      CudnnAttentionWorkspaceFor(false, 512, Quickstart(), DType::kF16, true);
+      CudnnAttentionWorkspaceFor(false, 512, Quickstart(), DType::kF16, true, false);
   EXPECT_EQ(fwd.total(), 512 + bias + 16);
 }
 

@@ -176,9 +176,17 @@ bool HasBias(const AttentionSaved& saved) {
   return saved.args.bias.defined() && saved.args.bias.numel() > 0;
 }
 
-// The dbias a backward writes (f32, the bias's shape); undefined without a bias.
+// The dbias a backward writes (f32, the bias's shape, or the relative table's
+// [num_buckets, H]); undefined without a bias.
 absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
   if (!HasBias(saved)) return Tensor();
+  if (saved.relative.buckets.defined()) {
+    const int64_t num_buckets = saved.relative_num_buckets;
+    if (num_buckets <= 0) {
+      return absl::InternalError("attention: a relative bias's backward needs its bucket count");
+    }
+    return ops.Allocate(DType::kF32, {num_buckets, saved.args.bias.dim(0)});
+  }
   return ops.Allocate(DType::kF32, saved.args.bias.shape());
 }
 
@@ -285,6 +293,11 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
   ASSIGN_OR_RETURN(*dq, ops.Allocate(saved.q.dtype(), saved.q.shape()));
   ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
   ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
+  if (dbias != nullptr && HasBias(saved) && saved.relative.buckets.defined()) {
+    ASSIGN_OR_RETURN(*dbias, BiasGradFor(ops, saved));
+    return ops.AttentionBackwardRelative(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
+                                         saved.softmax_lse, saved.relative, dq, dk, dv, dbias);
+  }
   ASSIGN_OR_RETURN(Tensor bias_grad, BiasGradFor(ops, saved));
   RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                         saved.softmax_lse, dq, dk, dv,
@@ -340,6 +353,11 @@ absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, cons
   ASSIGN_OR_RETURN(const Tensor grad,
                    PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
   ASSIGN_OR_RETURN(*dqkv, ops.Allocate(saved.qkv.dtype(), saved.qkv.shape()));
+  if (dbias != nullptr && HasBias(saved) && saved.relative.buckets.defined()) {
+    ASSIGN_OR_RETURN(*dbias, BiasGradFor(ops, saved));
+    return ops.AttentionBackwardPackedRelative(saved.args, saved.qkv, saved.out, grad,
+                                               saved.softmax_lse, saved.relative, dqkv, dbias);
+  }
   ASSIGN_OR_RETURN(Tensor bias_grad, BiasGradFor(ops, saved));
   RETURN_IF_ERROR(ops.AttentionBackwardPacked(saved.args, saved.qkv, saved.out, grad,
                                               saved.softmax_lse, dqkv,
@@ -492,7 +510,18 @@ std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool 
   return buckets;
 }
 
-absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int64_t k_len) const {
+int64_t UniformBucketDistance(const std::vector<int32_t>& buckets, int64_t seq) {
+  if (seq < 2 || static_cast<int64_t>(buckets.size()) != seq * seq) return 0;
+  // The last row sees every distance: key j is seq - 1 - j before it.
+  const int32_t* last = buckets.data() + (seq - 1) * seq;
+  const auto at = [&](int64_t n) { return last[seq - 1 - n]; };
+  int64_t from = seq - 1;
+  while (from > 1 && at(from - 1) == at(seq - 1)) --from;
+  return from;
+}
+
+std::shared_ptr<const std::vector<int32_t>> RelativeBucketCache::Host(int64_t q_len,
+                                                                     int64_t k_len) const {
   std::shared_ptr<const std::vector<int32_t>> table;
   {
     absl::MutexLock lock(&mu_);
@@ -507,9 +536,30 @@ absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int
     if (tables_.size() >= kMaxShapes) tables_.clear();
     table = tables_.emplace(std::make_pair(q_len, k_len), std::move(computed)).first->second;
   }
-  ASSIGN_OR_RETURN(Tensor buckets, ops.Allocate(DType::kI32, {q_len, k_len}));
-  RETURN_IF_ERROR(ops.Upload(table->data(), &buckets));
-  return buckets;
+  return table;
+}
+
+absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int64_t k_len,
+                                                    CallConstants* constants) const {
+  const auto upload = [&]() -> absl::StatusOr<Tensor> {
+    const std::shared_ptr<const std::vector<int32_t>> table = Host(q_len, k_len);
+    ASSIGN_OR_RETURN(Tensor buckets, ops.Allocate(DType::kI32, {q_len, k_len}));
+    RETURN_IF_ERROR(ops.Upload(table->data(), &buckets));
+    return buckets;
+  };
+  if (constants == nullptr) return upload();
+  return constants->Get(absl::StrCat("relative_buckets/", bidirectional_, "/", num_buckets_, "/",
+                                     max_distance_, "/", q_len, "x", k_len),
+                        upload);
+}
+
+absl::StatusOr<RelativeBuckets> RelativeBucketCache::Relative(Ops& ops, int64_t q_len,
+                                                              int64_t k_len,
+                                                              CallConstants* constants) const {
+  RelativeBuckets relative;
+  ASSIGN_OR_RETURN(relative.buckets, Buckets(ops, q_len, k_len, constants));
+  if (q_len == k_len) relative.uniform_from = UniformBucketDistance(*Host(q_len, k_len), q_len);
+  return relative;
 }
 
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
@@ -525,11 +575,8 @@ absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const
   return bias;
 }
 
-absl::StatusOr<Tensor> RelativeBiasGrad(Ops& ops, const Tensor& dbias, const Tensor& buckets,
-                                        int num_buckets, DType param_dtype) {
-  const int64_t heads = dbias.dim(0);
-  ASSIGN_OR_RETURN(Tensor dtable, ops.Allocate(DType::kF32, {num_buckets, heads}));
-  RETURN_IF_ERROR(ops.RelativeBiasBackward(dbias, buckets, &dtable));
+absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype) {
+  const int64_t num_buckets = dtable.dim(0), heads = dtable.dim(1);
   ASSIGN_OR_RETURN(Tensor transposed, ops.Allocate(DType::kF32, {heads, num_buckets}));
   RETURN_IF_ERROR(ops.Permute(dtable, {1, 0}, &transposed));
   if (param_dtype == DType::kF32) return transposed;

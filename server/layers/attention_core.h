@@ -56,6 +56,11 @@ struct AttentionSaved {
   Tensor q, k, v;
   Tensor qkv;  // [B, S, 3, H, D]; defined iff the forward was packed
   Tensor out, softmax_lse;
+  // Set when args.bias is a relative-position bias (the layer that made it
+  // sets this): the backward's dbias is then its table's gradient, dtable
+  // f32 [NB, H], computed without the dense [H, Sq, Skv] where the backend can.
+  RelativeBuckets relative;
+  int64_t relative_num_buckets = 0;  // NB, with `relative`
   bool packed() const { return qkv.rank() == 5; }
   int64_t bytes() const;
 };
@@ -127,8 +132,9 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
                               Tensor* out, AttentionSaved* saved);
 
 // Gradients of vdot(out, dout): dq, dk, dv are allocated here (like q, k, v);
-// dbias (f32 [Hq, Sq, Skv]) only when the forward had a bias and `dbias` is
-// non-null. INVALID_ARGUMENT if `saved` comes from AttentionForwardPacked.
+// dbias (f32 [Hq, Sq, Skv]; with saved.relative, the table's dtable f32
+// [NB, H]) only when the forward had a bias and `dbias`
+// is non-null. INVALID_ARGUMENT if `saved` comes from AttentionForwardPacked.
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias);
 
@@ -183,6 +189,12 @@ absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
 std::vector<int32_t> RelativePositionBuckets(int64_t q_len, int64_t k_len, bool bidirectional,
                                              int num_buckets, int max_distance);
 
+// The smallest distance n >= 1 from which every key n or more positions
+// before its query has the same bucket, over the distances a causal
+// self-attention of `seq` positions sees (RelativeBuckets::uniform_from);
+// 0 when the buckets do not settle (seq < 2). `buckets` [seq, seq] row-major.
+int64_t UniformBucketDistance(const std::vector<int32_t>& buckets, int64_t seq);
+
 // Host bucket tables computed once per (Sq, Skv) and shared by every call of a
 // layer; at most kMaxShapes shapes are kept (a new one past that starts the
 // cache afresh). Thread-safe.
@@ -190,12 +202,19 @@ class RelativeBucketCache {
  public:
   RelativeBucketCache(bool bidirectional, int num_buckets, int max_distance)
       : bidirectional_(bidirectional), num_buckets_(num_buckets), max_distance_(max_distance) {}
-  // The buckets for (q_len, k_len) uploaded to `ops`' device: int32 [Sq, Skv].
-  absl::StatusOr<Tensor> Buckets(Ops& ops, int64_t q_len, int64_t k_len) const;
+  // The buckets for (q_len, k_len) uploaded to `ops`' device: int32 [Sq, Skv];
+  // with `constants`, uploaded once per call and shared.
+  absl::StatusOr<Tensor> Buckets(Ops& ops, int64_t q_len, int64_t k_len,
+                                 CallConstants* constants = nullptr) const;
+  // Buckets() with its RelativeBuckets::uniform_from (UniformBucketDistance).
+  absl::StatusOr<RelativeBuckets> Relative(Ops& ops, int64_t q_len, int64_t k_len,
+                                           CallConstants* constants = nullptr) const;
 
   static constexpr size_t kMaxShapes = 8;
 
  private:
+  std::shared_ptr<const std::vector<int32_t>> Host(int64_t q_len, int64_t k_len) const;
+
   const bool bidirectional_;
   const int num_buckets_;
   const int max_distance_;
@@ -210,9 +229,9 @@ class RelativeBucketCache {
 // buckets [R, Skv], read when the kernel runs.
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
                                     const Tensor& first_row = Tensor(), int64_t rows = 0);
-// d rel_embedding [H, NB] (in `param_dtype`) from dbias f32 [H, Sq, Skv].
-absl::StatusOr<Tensor> RelativeBiasGrad(Ops& ops, const Tensor& dbias, const Tensor& buckets,
-                                        int num_buckets, DType param_dtype);
+// d rel_embedding [H, NB] (in `param_dtype`) from the table's gradient
+// dtable f32 [NB, H] (AttentionBackward's with saved.relative).
+absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype);
 
 }  // namespace te::layers
 

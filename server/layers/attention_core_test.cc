@@ -75,6 +75,45 @@ TEST(RelativeBucketCacheTest, UploadsTheComputedTable) {
   }
 }
 
+// The band a relative table's gradient may be reduced from: every distance at
+// or past it has the last distance's bucket, the one before it another.
+TEST(UniformBucketDistanceTest, MarksWhereTheBucketsSettle) {
+  for (const bool bidirectional : {false, true}) {
+    for (const int64_t seq : {2, 20, 100, 256, 1024}) {
+      const std::vector<int32_t> b = RelativePositionBuckets(seq, seq, bidirectional, 32, 128);
+      const int64_t from = UniformBucketDistance(b, seq);
+      ASSERT_GE(from, 1) << seq;
+      ASSERT_LE(from, seq - 1) << seq;
+      const int32_t* last = b.data() + (seq - 1) * seq;  // distance n at key seq - 1 - n
+      for (int64_t n = from; n < seq; ++n) EXPECT_EQ(last[seq - 1 - n], last[0]) << seq << " " << n;
+      if (from > 1) {
+        EXPECT_NE(last[seq - 1 - (from - 1)], last[0]) << seq;
+      }
+    }
+  }
+  // TE's causal buckets (32 over 128 positions) settle before 128: a band the
+  // CUDA backend's kernel holds (kRelativeBandMax).
+  const int64_t causal =
+      UniformBucketDistance(RelativePositionBuckets(1024, 1024, false, 32, 128), 1024);
+  EXPECT_GT(causal, 64);
+  EXPECT_LE(causal, 128);
+  EXPECT_EQ(UniformBucketDistance({}, 0), 0);
+  EXPECT_EQ(UniformBucketDistance({0}, 1), 0);
+}
+
+TEST(RelativeBucketCacheTest, RelativeCarriesTheBandForSelfAttention) {
+  auto ops = NewCpuOps();
+  RelativeBucketCache cache(false, 32, 128);
+  auto self = cache.Relative(*ops, 300, 300);
+  ASSERT_TRUE(self.ok()) << self.status();
+  EXPECT_EQ(self->buckets.shape(), (Shape{300, 300}));
+  EXPECT_EQ(self->uniform_from,
+            UniformBucketDistance(RelativePositionBuckets(300, 300, false, 32, 128), 300));
+  auto cross = cache.Relative(*ops, 3, 300);
+  ASSERT_TRUE(cross.ok()) << cross.status();
+  EXPECT_EQ(cross->uniform_from, 0);  // only self-attention's band is stated
+}
+
 TEST(SplitAxisTest, SplitThenStackRoundTrips) {
   auto ops = NewCpuOps();
   const Tensor x = RandomTensor(*ops, {2, 3, 4, 5}, DType::kF32, 7);

@@ -270,8 +270,12 @@ class GraphLayer : public Layer {
     return absl::OkStatus();
   }
 
-  absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in, const ForwardOptions& opts,
-                       LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
+  absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in,
+                       const ForwardOptions& call_opts, LayerOutputs* out,
+                       std::unique_ptr<SavedForward>* saved) const override {
+    CallConstants constants;  // what the nodes share for this call
+    ForwardOptions opts = call_opts;
+    if (opts.constants == nullptr) opts.constants = &constants;
     RETURN_IF_ERROR(CheckGraphInput(in.x, takes_ids_, "x"));
     if (opts.decode) RETURN_IF_ERROR(CheckDecodeRequest(in, opts));
     // Generation's step runs the nodes that make its output, and takes no

@@ -75,7 +75,7 @@ struct TransformerOptions {
 class TransformerSaved : public SavedForward {
  public:
   DType compute = DType::kF32;  // x's dtype
-  Tensor buckets;               // int32 [S, S] when the relative embedding is on
+  RelativeBuckets relative;     // buckets int32 [S, S] when the relative embedding is on
   MhaBlock::Saved attention;
   DropoutSaved attention_dropout;
   MhaBlock::Saved cross;  // decoder
@@ -83,8 +83,9 @@ class TransformerSaved : public SavedForward {
   Mlp::Saved mlp;
   DropoutSaved mlp_dropout;
   int64_t bytes() const override {
-    return static_cast<int64_t>(buckets.nbytes()) + attention.bytes() + attention_dropout.bytes() +
-           cross.bytes() + cross_dropout.bytes() + mlp.bytes() + mlp_dropout.bytes();
+    return static_cast<int64_t>(relative.buckets.nbytes()) + attention.bytes() +
+           attention_dropout.bytes() + cross.bytes() + cross_dropout.bytes() + mlp.bytes() +
+           mlp_dropout.bytes();
   }
 };
 
@@ -162,9 +163,9 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(bias,
                        DecodeBias(ops, *vars, step.decode_cache_index, seq, opts.decode_context));
     } else if (options_.relative_embedding) {
-      ASSIGN_OR_RETURN(kept->buckets, buckets_.Buckets(ops, seq, seq));
+      ASSIGN_OR_RETURN(kept->relative, buckets_.Relative(ops, seq, seq, opts.constants));
       ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
-      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->buckets));
+      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->relative.buckets));
     }
     // A decoder's self-attention reads no mask: the request's is the
     // cross-attention's (encoder_decoder_mask).
@@ -173,6 +174,11 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(Residual(ops, attention_, vars, in.x, self_mask, bias, Tensor(), step,
                              opts.decode, "hidden_dropout_0", keep ? &kept->attention : nullptr,
                              &kept->attention_dropout, &h));
+    if (keep && bias.defined() && !opts.decode) {
+      // The backward then reduces the table's gradient, not the dense dbias.
+      kept->attention.attention.relative = kept->relative;
+      kept->attention.attention.relative_num_buckets = kNumBuckets;
+    }
     Tensor mlp_in;  // undefined until written: ResidualAdd writes into a defined one
     if (options_.decoder) {
       RETURN_IF_ERROR(ops.CheckInterrupt());  // between the attentions
@@ -303,9 +309,8 @@ class TransformerLayerImpl : public Layer {
                                         options_.relative_embedding ? &dbias : nullptr,
                                         &grads->params, dh));
     if (options_.relative_embedding) {
-      ASSIGN_OR_RETURN(
-          grads->params[kRelEmbedding],
-          RelativeBiasGrad(ops, dbias, kept.buckets, kNumBuckets, options_.param_dtype));
+      ASSIGN_OR_RETURN(grads->params[kRelEmbedding],
+                       RelativeTableGrad(ops, dbias, options_.param_dtype));
     }
     return absl::OkStatus();
   }

@@ -35,7 +35,8 @@ def load_model(session, path):
     """The trained LM in `session`: (model, variables, its sizes)."""
     with open(path + ".json") as f:
         sizes = json.load(f)
-    model = DecoderLM(sizes["layers"], sizes["hidden"], sizes["heads"], rotary=sizes["rotary"])
+    model = DecoderLM(sizes["layers"], sizes["hidden"], sizes["heads"], rotary=sizes["rotary"],
+                      relative_bias=sizes.get("relative_bias", True))
     traced = np.zeros((sizes["batch"], sizes["seq"]), np.int32)
     variables = model.init(0, traced, traced, session=session)
     with np.load(path) as data:

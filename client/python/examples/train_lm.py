@@ -7,8 +7,8 @@ for the client (--pipeline_depth=1 sends each step after the one before has
 answered).
 
 The model is Flax code traced into one server graph (DESIGN.md sections 11, 12):
-nn.Embed -> N TE TransformerLayers (causal self-attention with TE's T5-style
-relative position bias, the only position signal) -> nn.LayerNorm -> the tied
+nn.Embed -> N TE TransformerLayers (causal self-attention with rotary
+positions) -> nn.LayerNorm -> the tied
 projection Embed.attend -> optax's softmax cross entropy with integer labels
 (te_client.losses), trained with optax's adamw + warmup-cosine + clipping held
 in the session. Each step is one ForwardBackward with apply_update carrying
@@ -61,6 +61,7 @@ class DecoderLM(nn.Module):
     compute_dtype: object = te.bfloat16
     vocab: int = 256
     rotary: bool = True
+    relative_bias: bool = True   # TE's default enable_relative_embedding
 
     @nn.compact
     def __call__(self, tokens, labels, deterministic=True):
@@ -70,7 +71,8 @@ class DecoderLM(nn.Module):
             x = te_flax.TransformerLayer(hidden_size=self.hidden, mlp_hidden_size=4 * self.hidden,
                                          num_attention_heads=self.heads, mlp_activations=("gelu",),
                                          hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
-                                         enable_rotary_pos_emb=self.rotary)(
+                                         enable_rotary_pos_emb=self.rotary,
+                                         enable_relative_embedding=self.relative_bias)(
                                              x, deterministic=deterministic)
         x = nn.LayerNorm()(x)   # float32 params: promotes to float32
         return losses.softmax_cross_entropy_with_integer_labels(embed.attend(x), labels).mean()
@@ -130,6 +132,7 @@ def save(args, state):
     te.save_checkpoint(args.save, state)
     with open(args.save + ".json", "w") as f:
         json.dump({"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "rotary": args.rotary,
+                   "relative_bias": args.relative_bias,
                    "batch": args.batch, "seq": args.seq, "recipe": args.recipe}, f)
     print("variables: %s (model: %s.json)" % (args.save, args.save))
 
@@ -155,6 +158,11 @@ def main():
     parser.add_argument("--rotary", action=argparse.BooleanOptionalAction, default=True,
                         help="rotary position embedding in every layer (without it a causal LM has no "
                              "position signal and stalls near a bigram model's loss)")
+    parser.add_argument("--relative_bias", action=argparse.BooleanOptionalAction, default=False,
+                        help="TE's relative position bias in every layer (TransformerLayer's default "
+                             "enable_relative_embedding=True). Off here: rotary already gives every layer "
+                             "the positions, and a second position signal costs attention time (the bias "
+                             "and its gradient over every query-key pair)")
     parser.add_argument("--pipeline_depth", type=int, default=2,
                         help="training steps in flight (te.connect's pipeline_depth; 1: each waits for the one "
                              "before)")
@@ -172,7 +180,7 @@ def main():
     # more of them, so its loss is the one to compare runs by.
     held = [batch(eval_rng, heldout, args.batch, args.seq)
             for _ in range(max(args.eval_batches, args.final_eval_batches))]
-    model = DecoderLM(args.layers, args.hidden, args.heads, rotary=args.rotary)
+    model = DecoderLM(args.layers, args.hidden, args.heads, rotary=args.rotary, relative_bias=args.relative_bias)
     rows = []
     with server(args) as address, te.connect(address, pipeline_depth=args.pipeline_depth).session() as session, \
             recipe_scope(args.recipe):
@@ -182,8 +190,9 @@ def main():
             optim.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps,
                                                args.lr * 0.1), weight_decay=0.01))
         state = optim.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-        print("model: %d TE TransformerLayers, hidden %d, %d heads, seq %d, batch %d, recipe %s, device %s" % (
-            args.layers, args.hidden, args.heads, args.seq, args.batch, args.recipe, session.device))
+        print("model: %d TE TransformerLayers, hidden %d, %d heads, seq %d, batch %d, recipe %s, rotary %s, "
+              "relative bias %s, device %s" % (args.layers, args.hidden, args.heads, args.seq, args.batch,
+                                               args.recipe, args.rotary, args.relative_bias, session.device))
         start = last = time.perf_counter()
         tokens_since, train_losses = 0, []
         for step in range(1, args.steps + 1):

@@ -1,0 +1,253 @@
+// The relative-position table's gradient on the GPU (relative_bias_grad.cu:
+// cuDNN's backward reading the bias, the band kernel forming dtable) against
+// the CPU reference's dense path (AttentionBackward's dbias, then
+// RelativeBiasBackward), on random data with TE's causal T5 buckets: packed
+// and separate q, k, v, GQA, head_dim 32 / 64 / 128, bf16 and f16, sequences
+// shorter and longer than the band. Each case asserts through the band's
+// call counter whether the band kernel ran; where it must not (a sequence
+// cuDNN declines with a bias), the dense default answers. The band's dtable
+// repeats its bits from run to run.
+//
+// Tolerances as attention_gpu_test's (kernels/cpu/test_util.h's Tolerance:
+// relative error ||gpu - cpu|| / ||cpu||, 1e-2 for bf16, and 2e-3 for f16
+// gradients, which cuDNN rounds twice).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/test_util.h"
+#include "kernels/cuda/attention_internal.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+using ::te::testing::MakeEmpty;
+using ::te::testing::MakeTensor;
+using ::te::testing::RandomValues;
+using ::te::testing::RelativeError;
+using ::te::testing::ToDoubles;
+
+constexpr double kF16AttentionGradTolerance = 2e-3;
+constexpr int kNumBuckets = 32;    // TE's RelativePositionBiases defaults
+constexpr int kMaxDistance = 128;
+
+// TE's causal bucket of a key `n` positions before its query (n >= 0).
+int32_t CausalBucket(int64_t n) {
+  const int max_exact = kNumBuckets / 2;
+  if (n < max_exact) return static_cast<int32_t>(n);
+  const float ratio = static_cast<float>(n) / max_exact + std::numeric_limits<float>::epsilon();
+  const double scaled = static_cast<double>(std::log(ratio)) /
+                        std::log(static_cast<double>(kMaxDistance) / max_exact) *
+                        (kNumBuckets - max_exact);
+  return std::min(max_exact + static_cast<int32_t>(scaled), kNumBuckets - 1);
+}
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t batch, seq, q_heads, kv_heads, head_dim;
+  bool packed;
+  bool band;  // the band kernel must serve it
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class RelativeBandTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    auto device = OpenCudaDevice(0);
+    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    device_ = *std::move(device);
+    auto ops = device_->NewOps(int64_t{8} << 30);
+    ASSERT_TRUE(ops.ok()) << ops.status();
+    gpu_ = *std::move(ops);
+  }
+
+  Tensor ToGpu(const Tensor& host) {
+    auto t = gpu_->Allocate(host.dtype(), host.shape());
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(gpu_->Upload(host.data(), &*t).ok());
+    return *t;
+  }
+  Tensor GpuNan(DType dtype, const Shape& shape) {
+    auto t = gpu_->Allocate(dtype, shape);
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(gpu_->Fill(NAN, &*t).ok());  // every element the op writes starts NaN
+    return *t;
+  }
+  std::vector<double> FromGpu(const Tensor& t) {
+    Tensor host = MakeEmpty(cpu_, t.dtype(), t.shape());
+    const absl::Status s = gpu_->Download(t, host.data());
+    EXPECT_TRUE(s.ok()) << s;
+    return ToDoubles(host);
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Ops> gpu_;
+  CpuOps cpu_;
+};
+
+// [B, S, 3, H, D] from three [B, S, H, D] (q, k and v of one head count).
+std::vector<float> Pack(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const std::vector<double> parts[3] = {ToDoubles(q), ToDoubles(k), ToDoubles(v)};
+  const int64_t tokens = q.dim(0) * q.dim(1), row = q.dim(2) * q.dim(3);
+  std::vector<float> packed(static_cast<size_t>(3 * tokens * row));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int p = 0; p < 3; ++p) {
+      for (int64_t e = 0; e < row; ++e) {
+        packed[static_cast<size_t>((t * 3 + p) * row + e)] =
+            static_cast<float>(parts[p][static_cast<size_t>(t * row + e)]);
+      }
+    }
+  }
+  return packed;
+}
+
+// The part p of a packed [B, S, 3, H, D] gradient, as a flat [B, S, H, D].
+std::vector<double> Part(const std::vector<double>& packed, int64_t tokens, int64_t row, int p) {
+  std::vector<double> out(static_cast<size_t>(tokens * row));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < row; ++e) {
+      out[static_cast<size_t>(t * row + e)] = packed[static_cast<size_t>((t * 3 + p) * row + e)];
+    }
+  }
+  return out;
+}
+
+TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
+  const Case& c = GetParam();
+  const Shape q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
+  const Shape kv_shape = {c.batch, c.seq, c.kv_heads, c.head_dim};
+  const Shape lse_shape = {c.batch, c.q_heads, c.seq};
+  const Shape table_shape = {kNumBuckets, c.q_heads};
+  const Tensor q = MakeTensor(cpu_, c.dtype, q_shape, RandomValues(NumElements(q_shape), 31));
+  const Tensor k =
+      MakeTensor(cpu_, c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 32, -1.0f, 3.0f));
+  const Tensor v =
+      MakeTensor(cpu_, c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 33, -0.5f, 1.5f));
+  const Tensor dout = MakeTensor(cpu_, c.dtype, q_shape, RandomValues(NumElements(q_shape), 34));
+
+  // TE's causal buckets and where they settle; a random table and its bias.
+  std::vector<float> bucket_values(static_cast<size_t>(c.seq * c.seq));
+  for (int64_t i = 0; i < c.seq; ++i) {
+    for (int64_t j = 0; j < c.seq; ++j) {
+      bucket_values[static_cast<size_t>(i * c.seq + j)] =
+          static_cast<float>(CausalBucket(std::max<int64_t>(i - j, 0)));
+    }
+  }
+  RelativeBuckets relative;
+  relative.uniform_from = c.seq - 1;
+  while (relative.uniform_from > 1 &&
+         CausalBucket(relative.uniform_from - 1) == CausalBucket(c.seq - 1)) {
+    --relative.uniform_from;
+  }
+  const Tensor buckets = MakeTensor(cpu_, DType::kI32, {c.seq, c.seq}, bucket_values);
+  const Tensor table =
+      MakeTensor(cpu_, DType::kF32, table_shape, RandomValues(kNumBuckets * c.q_heads, 35));
+  Tensor bias = MakeEmpty(cpu_, DType::kF32, {c.q_heads, c.seq, c.seq});
+  ASSERT_TRUE(cpu_.RelativeBiasForward(table, buckets, Tensor(), &bias).ok());
+
+  AttentionArgs cpu_args;
+  cpu_args.mask = MaskType::kCausal;
+  cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  cpu_args.bias = bias;
+  Tensor cpu_out = MakeEmpty(cpu_, c.dtype, q_shape);
+  Tensor cpu_lse = MakeEmpty(cpu_, DType::kF32, lse_shape);
+  ASSERT_TRUE(cpu_.AttentionForward(cpu_args, q, k, v, &cpu_out, &cpu_lse).ok());
+  Tensor cdq = MakeEmpty(cpu_, c.dtype, q_shape);
+  Tensor cdk = MakeEmpty(cpu_, c.dtype, kv_shape);
+  Tensor cdv = MakeEmpty(cpu_, c.dtype, kv_shape);
+  Tensor cdtable = MakeEmpty(cpu_, DType::kF32, table_shape);
+  RelativeBuckets cpu_relative = relative;
+  cpu_relative.buckets = buckets;
+  const absl::Status cpu_bwd = cpu_.AttentionBackwardRelative(
+      cpu_args, q, k, v, cpu_out, dout, cpu_lse, cpu_relative, &cdq, &cdk, &cdv, &cdtable);
+  ASSERT_TRUE(cpu_bwd.ok()) << cpu_bwd;
+
+  AttentionArgs gpu_args = cpu_args;
+  gpu_args.bias = ToGpu(bias);
+  RelativeBuckets gpu_relative = relative;
+  gpu_relative.buckets = ToGpu(buckets);
+  const Tensor gdout = ToGpu(dout);
+  Tensor gout = GpuNan(c.dtype, q_shape);
+  Tensor glse = GpuNan(DType::kF32, lse_shape);
+  std::vector<double> dq, dk, dv;
+  std::vector<double> dtable[2];  // two runs: the band repeats its bits
+  const int64_t band_before = cuda::RelativeBandCalls();
+  if (c.packed) {
+    const Shape qkv_shape = {c.batch, c.seq, 3, c.q_heads, c.head_dim};
+    const Tensor gqkv = ToGpu(MakeTensor(cpu_, c.dtype, qkv_shape, Pack(q, k, v)));
+    ASSERT_TRUE(gpu_->AttentionForwardPacked(gpu_args, gqkv, &gout, &glse).ok());
+    for (auto& run : dtable) {
+      Tensor gdqkv = GpuNan(c.dtype, qkv_shape);
+      Tensor gdtable = GpuNan(DType::kF32, table_shape);
+      const absl::Status bwd = gpu_->AttentionBackwardPackedRelative(
+          gpu_args, gqkv, gout, gdout, glse, gpu_relative, &gdqkv, &gdtable);
+      ASSERT_TRUE(bwd.ok()) << bwd;
+      const std::vector<double> all = FromGpu(gdqkv);
+      const int64_t tokens = c.batch * c.seq, row = c.q_heads * c.head_dim;
+      dq = Part(all, tokens, row, 0);
+      dk = Part(all, tokens, row, 1);
+      dv = Part(all, tokens, row, 2);
+      run = FromGpu(gdtable);
+    }
+  } else {
+    const Tensor gq = ToGpu(q), gk = ToGpu(k), gv = ToGpu(v);
+    ASSERT_TRUE(gpu_->AttentionForward(gpu_args, gq, gk, gv, &gout, &glse).ok());
+    for (auto& run : dtable) {
+      Tensor gdq = GpuNan(c.dtype, q_shape), gdk = GpuNan(c.dtype, kv_shape),
+             gdv = GpuNan(c.dtype, kv_shape);
+      Tensor gdtable = GpuNan(DType::kF32, table_shape);
+      const absl::Status bwd = gpu_->AttentionBackwardRelative(
+          gpu_args, gq, gk, gv, gout, gdout, glse, gpu_relative, &gdq, &gdk, &gdv, &gdtable);
+      ASSERT_TRUE(bwd.ok()) << bwd;
+      dq = FromGpu(gdq);
+      dk = FromGpu(gdk);
+      dv = FromGpu(gdv);
+      run = FromGpu(gdtable);
+    }
+  }
+  EXPECT_EQ(cuda::RelativeBandCalls() - band_before, c.band ? 2 : 0)
+      << (c.band ? "the band kernel did not serve the call" : "the band kernel ran");
+
+  const double grad_tolerance = c.dtype == DType::kF16 ? kF16AttentionGradTolerance
+                                                       : ::te::testing::Tolerance(c.dtype);
+  EXPECT_LT(RelativeError(dq, ToDoubles(cdq)), grad_tolerance) << "dq";
+  EXPECT_LT(RelativeError(dk, ToDoubles(cdk)), grad_tolerance) << "dk";
+  EXPECT_LT(RelativeError(dv, ToDoubles(cdv)), grad_tolerance) << "dv";
+  const std::vector<double> cpu_dtable = ToDoubles(cdtable);
+  EXPECT_LT(RelativeError(dtable[0], cpu_dtable), grad_tolerance) << "dtable";
+  EXPECT_EQ(dtable[0], dtable[1]) << "dtable differs between two runs";
+  // The far bucket (formed as minus the band's sum), alone: within the
+  // tolerance of the whole table's norm.
+  const size_t far = static_cast<size_t>(CausalBucket(c.seq - 1) * c.q_heads);
+  const double norm = std::sqrt(
+      std::inner_product(cpu_dtable.begin(), cpu_dtable.end(), cpu_dtable.begin(), 0.0));
+  EXPECT_NE(cpu_dtable[far], 0.0);
+  EXPECT_LT(std::abs(dtable[0][far] - cpu_dtable[far]), grad_tolerance * norm)
+      << "the far bucket, formed as minus the band";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Band, RelativeBandTest,
+    ::testing::Values(
+        // The decoder LM's attention (16 heads of 64 at hidden 1024), smaller.
+        Case{"bf16_packed_s256_d64", DType::kBF16, 2, 256, 4, 4, 64, true, true},
+        Case{"bf16_packed_s320_d128", DType::kBF16, 1, 320, 2, 2, 128, true, true},
+        Case{"f16_separate_gqa_s192_d32", DType::kF16, 2, 192, 4, 2, 32, false, true},
+        // Shorter than the band: every key is in it, no far bucket.
+        Case{"bf16_packed_s64_d64", DType::kBF16, 2, 64, 2, 2, 64, true, true},
+        // cuDNN declines a bias at a length not a multiple of 64: the dense default.
+        Case{"bf16_packed_s100_dense", DType::kBF16, 1, 100, 2, 2, 64, true, false}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace te
