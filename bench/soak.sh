@@ -12,7 +12,7 @@
 #   SOAK_RUN=bundle/run.sh TE_SERVER=te_server TE_BENCH=te_bench bench/soak.sh   # a bundle
 #
 # Environment: SOAK_MINUTES (8), SOAK_DEVICE (cuda:0), SOAK_CONFIG (quickstart
-# | small), SOAK_CHURNERS (2), SOAK_INTERVAL_S (60), SOAK_WARMUP_S (60),
+# | small), SOAK_CHURNERS (2), SOAK_INTERVAL_S (60), SOAK_WARMUP_S (180 on a GPU, else 60),
 # SOAK_DIR (a fresh temporary folder), SOAK_RUN (a wrapper such as a
 # bundle's run.sh), TE_SERVER / TE_BENCH (default: bazel-bin's),
 # SOAK_SERVER_FLAGS (more te_server flags, e.g. --replay_decode_steps). Exit 0 when
@@ -26,7 +26,11 @@ device="${SOAK_DEVICE:-cuda:0}"
 config="${SOAK_CONFIG:-quickstart}"
 churners="${SOAK_CHURNERS:-2}"
 interval="${SOAK_INTERVAL_S:-60}"
-warmup="${SOAK_WARMUP_S:-60}"
+# On a GPU at the quickstart's sizes the caching allocator's reservation and
+# jemalloc's arenas fill over the first three minutes (both H200 soaks of
+# 2026-12-03): slopes from there; on the CPU from the first minute.
+case "$device" in cuda*) default_warmup=180 ;; *) default_warmup=60 ;; esac
+warmup="${SOAK_WARMUP_S:-$default_warmup}"
 run=(${SOAK_RUN:-})
 server_bin="${TE_SERVER:-bazel-bin/server/te_server}"
 bench_bin="${TE_BENCH:-bazel-bin/bench/load/te_bench}"
