@@ -38,14 +38,12 @@ prompt goes in one token per call too (TE's decode takes one), so "first ms" is 
 each run starts from the init's variables (its first step branches the cache: one copy).
 """
 import argparse
-import contextlib
 import os
 import re
 import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -60,34 +58,8 @@ import te_client.flax as te_flax  # noqa: E402
 from te_client import linen as nn  # noqa: E402
 from te_client.generate import generate_stream  # noqa: E402
 from te_client.recipe import DelayedScaling, Format  # noqa: E402
+from local_server import te_server  # noqa: E402
 from train_lm import DecoderLM  # noqa: E402
-
-
-@contextlib.contextmanager
-def te_server(args):
-    """The address of the server to use: --address, or one started from --server."""
-    if not args.server:
-        yield args.address
-        return
-    folder = tempfile.mkdtemp(prefix="decode_bench_")
-    port_file, log_path = os.path.join(folder, "port"), os.path.join(folder, "server.log")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(shlex.split(args.server) + ["--device=" + args.device, "--host=127.0.0.1",
-                                                               "--port=0", "--port_file=" + port_file],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            if process.poll() is not None:
-                sys.exit("te_server exited; its log: %s\n%s" % (log_path, open(log_path).read()[-3000:]))
-            time.sleep(0.1)
-        else:
-            sys.exit("te_server wrote no port within 60 s; its log: %s" % log_path)
-        yield "127.0.0.1:%s" % open(port_file).read().strip()
-    finally:
-        process.terminate()
-        process.wait()
 
 
 def recipe_scope(name):
@@ -278,7 +250,7 @@ def main():
         args.layers, args.hidden, args.heads, args.prompt, args.new = 2, 64, 4, 8, 8
         args.batches, args.iters, args.device = "1,2", 2, "cpu"
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
-    with te_server(args) as address:
+    with te_server(args.address, args.server, args.device, prefix="decode_bench_") as address:
         rows = server_rows(address, args)
     rows += peer_rows(args)
     print_table(args, rows)

@@ -24,13 +24,10 @@ over --bf16_tflops. The defaults are the H200's cuBLASLt ceilings measured by
         --steps=3 --warmup=1 --peer=
 """
 import argparse
-import contextlib
 import os
 import re
-import shlex
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -42,35 +39,8 @@ sys.path.insert(0, os.path.join(REPO, "client", "python", "examples"))
 
 import te_client as te  # noqa: E402
 import te_client.optim as optim  # noqa: E402
+from local_server import te_server  # noqa: E402
 from train_lm import DecoderLM, recipe_scope  # noqa: E402
-
-
-@contextlib.contextmanager
-def te_server(args):
-    """The address of the server to use: --address, or one started from --server."""
-    if not args.server:
-        yield args.address
-        return
-    folder = tempfile.mkdtemp(prefix="lm_bench_")
-    port_file, log_path = os.path.join(folder, "port"), os.path.join(folder, "server.log")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(shlex.split(args.server) + shlex.split(args.server_flags) +
-                                   ["--device=" + args.device, "--host=127.0.0.1", "--port=0",
-                                    "--port_file=" + port_file],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            if os.path.exists(port_file) and open(port_file).read().strip():
-                break
-            if process.poll() is not None:
-                sys.exit("te_server exited; its log: %s\n%s" % (log_path, open(log_path).read()[-3000:]))
-            time.sleep(0.1)
-        else:
-            sys.exit("te_server wrote no port within 60 s; its log: %s" % log_path)
-        yield "127.0.0.1:%s" % open(port_file).read().strip()
-    finally:
-        process.terminate()
-        process.wait()
 
 
 def parse_size(text):
@@ -151,7 +121,7 @@ def main():
     biases = [{"on": True, "off": False}[b] for b in args.bias.split(",") if b]
 
     rows = []
-    with te_server(args) as address:
+    with te_server(args.address, args.server, args.device, flags=args.server_flags, prefix="lm_bench_") as address:
         client = te.connect(address, pipeline_depth=2, rpc_timeout=3600.0)
         for size in args.sizes:
             for relative_bias in biases:
