@@ -7,7 +7,8 @@ with the floor of each size next to it.
 Rows per size: ours in bf16 and under FP8 (DelayedScaling HYBRID, history 1024, as train_lm.py
 --recipe=delayed), each with and without TE's relative position bias (TransformerLayer's default
 enable_relative_embedding=True; rotary on in both), and the JAX peer with and without the same
-bias. tokens/s = batch * seq * steps over the timed steps (after --warmup), the last loss read.
+bias. tokens/s = batch * seq * steps over the timed steps (after --warmup; at least --steps and
+--min_seconds), the last loss read. The peer times its own 30 steps, reading each step's loss.
 
 The floor: the step's FLOPs over the measured ceilings. GEMMs 6 * 12 * hidden^2 a token a layer
 (qkv, out, the 4x MLP) plus the tied projection 6 * 256 * hidden a token; causal attention
@@ -71,16 +72,23 @@ def ours(session, size, recipe, relative_bias, args):
             optim.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 1000, 1e-4), weight_decay=0.01))
         state = optim.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
         metrics = None
-        for step in range(args.warmup + args.steps):
-            if step == args.warmup:
-                if metrics is not None:
-                    metrics["loss"].block_until_ready()
-                start = time.perf_counter()
-            window = windows[step % len(windows)]
-            state, metrics = optim.train_step(state, window[:, :-1], window[:, 1:])
+        for step in range(args.warmup):
+            state, metrics = optim.train_step(state, *split(windows[step % len(windows)]))
+        if metrics is not None:
+            metrics["loss"].block_until_ready()
+        # At least --steps steps and --min_seconds: a small LM's step is a few ms, and a span of
+        # 0.1 s ranks nothing. The client keeps two steps in flight, so its clock tracks the device's.
+        start, timed = time.perf_counter(), 0
+        while timed < args.steps or time.perf_counter() - start < args.min_seconds:
+            state, metrics = optim.train_step(state, *split(windows[timed % len(windows)]))
+            timed += 1
         loss = float(metrics["loss"])
         elapsed = time.perf_counter() - start
-    return batch * seq * args.steps / elapsed, 1e3 * elapsed / args.steps, loss
+    return batch * seq * timed / elapsed, 1e3 * elapsed / timed, loss
+
+
+def split(window):
+    return window[:, :-1], window[:, 1:]
 
 
 def peer(size, relative_bias, args):
@@ -110,6 +118,7 @@ def main():
     parser.add_argument("--bias", default="on,off", help="TE's relative position bias: on and/or off")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--min_seconds", type=float, default=3.0, help="ours: time at least this long")
     parser.add_argument("--peer", default=os.path.join(REPO, "..", "shared", "peers", "jax_lm_peer.py"),
                         help="jax_lm_peer.py ('' for none)")
     parser.add_argument("--peer_python", default=sys.executable)
