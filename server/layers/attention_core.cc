@@ -176,6 +176,11 @@ bool HasBias(const AttentionSaved& saved) {
   return saved.args.bias.defined() && saved.args.bias.numel() > 0;
 }
 
+// A backward asked for dbias of a relative bias: it gets the table's gradient.
+bool WantsTableGrad(const AttentionSaved& saved, const Tensor* dbias) {
+  return dbias != nullptr && HasBias(saved) && saved.relative.buckets.defined();
+}
+
 // The dbias a backward writes (f32, the bias's shape, or the relative table's
 // [num_buckets, H]); undefined without a bias.
 absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
@@ -236,7 +241,7 @@ int64_t AttentionSaved::bytes() const {
   int64_t total = 0;
   for (const Tensor* t :
        {&q, &k, &v, &qkv, &out, &softmax_lse, &args.bias, &args.q_seqlens, &args.kv_seqlens,
-        &args.elementwise_mask}) {
+        &args.elementwise_mask, &relative.buckets}) {
     // An absent tensor (Tensor(): no memory, shape []) holds nothing.
     if (t->data() != nullptr) total += static_cast<int64_t>(t->nbytes());
   }
@@ -293,7 +298,7 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
   ASSIGN_OR_RETURN(*dq, ops.Allocate(saved.q.dtype(), saved.q.shape()));
   ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
   ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
-  if (dbias != nullptr && HasBias(saved) && saved.relative.buckets.defined()) {
+  if (WantsTableGrad(saved, dbias)) {
     ASSIGN_OR_RETURN(*dbias, BiasGradFor(ops, saved));
     return ops.AttentionBackwardRelative(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                          saved.softmax_lse, saved.relative, dq, dk, dv, dbias);
@@ -353,7 +358,7 @@ absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, cons
   ASSIGN_OR_RETURN(const Tensor grad,
                    PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
   ASSIGN_OR_RETURN(*dqkv, ops.Allocate(saved.qkv.dtype(), saved.qkv.shape()));
-  if (dbias != nullptr && HasBias(saved) && saved.relative.buckets.defined()) {
+  if (WantsTableGrad(saved, dbias)) {
     ASSIGN_OR_RETURN(*dbias, BiasGradFor(ops, saved));
     return ops.AttentionBackwardPackedRelative(saved.args, saved.qkv, saved.out, grad,
                                                saved.softmax_lse, saved.relative, dqkv, dbias);
@@ -540,7 +545,7 @@ std::shared_ptr<const std::vector<int32_t>> RelativeBucketCache::Host(int64_t q_
 }
 
 absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int64_t k_len,
-                                                    CallConstants* constants) const {
+                                                    DeviceConstants* constants) const {
   const auto upload = [&]() -> absl::StatusOr<Tensor> {
     const std::shared_ptr<const std::vector<int32_t>> table = Host(q_len, k_len);
     ASSIGN_OR_RETURN(Tensor buckets, ops.Allocate(DType::kI32, {q_len, k_len}));
@@ -555,7 +560,7 @@ absl::StatusOr<Tensor> RelativeBucketCache::Buckets(Ops& ops, int64_t q_len, int
 
 absl::StatusOr<RelativeBuckets> RelativeBucketCache::Relative(Ops& ops, int64_t q_len,
                                                               int64_t k_len,
-                                                              CallConstants* constants) const {
+                                                              DeviceConstants* constants) const {
   RelativeBuckets relative;
   ASSIGN_OR_RETURN(relative.buckets, Buckets(ops, q_len, k_len, constants));
   if (q_len == k_len) relative.uniform_from = UniformBucketDistance(*Host(q_len, k_len), q_len);

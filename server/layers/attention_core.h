@@ -205,10 +205,10 @@ class RelativeBucketCache {
   // The buckets for (q_len, k_len) uploaded to `ops`' device: int32 [Sq, Skv];
   // with `constants`, uploaded once per call and shared.
   absl::StatusOr<Tensor> Buckets(Ops& ops, int64_t q_len, int64_t k_len,
-                                 CallConstants* constants = nullptr) const;
+                                 DeviceConstants* constants = nullptr) const;
   // Buckets() with its RelativeBuckets::uniform_from (UniformBucketDistance).
   absl::StatusOr<RelativeBuckets> Relative(Ops& ops, int64_t q_len, int64_t k_len,
-                                           CallConstants* constants = nullptr) const;
+                                           DeviceConstants* constants = nullptr) const;
 
   static constexpr size_t kMaxShapes = 8;
 

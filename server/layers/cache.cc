@@ -178,15 +178,6 @@ absl::StatusOr<Tensor> DecodeContext::Lengths(Ops& ops, int64_t batch, int64_t v
   return lengths;
 }
 
-absl::StatusOr<Tensor> DecodeContext::Constant(
-    const std::string& key, const std::function<absl::StatusOr<Tensor>()>& make) {
-  auto it = constants_.find(key);
-  if (it != constants_.end()) return it->second;
-  ASSIGN_OR_RETURN(Tensor made, make());
-  constants_[key] = made;
-  return made;
-}
-
 absl::Status AdvanceKvCache(Ops& ops, const KvCache& cache, DecodeContext& context) {
   if (!context.write_index) return absl::OkStatus();
   // Row position + tokens of the lengths the step's attention read already.

@@ -16,7 +16,6 @@
 #define TE_SERVER_LAYERS_CACHE_H_
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -26,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/ops.h"
+#include "server/layers/device_constants.h"
 #include "server/layers/layer.h"
 
 namespace te::layers {
@@ -102,9 +102,9 @@ class DecodeContext {
   // int32 [batch], every element `value`, on ops' device: a reserved row, or
   // uploaded on the first ask and kept.
   absl::StatusOr<Tensor> Lengths(Ops& ops, int64_t batch, int64_t value);
-  // The tensor kept under `key`, made by `make` on the first ask.
-  absl::StatusOr<Tensor> Constant(const std::string& key,
-                                  const std::function<absl::StatusOr<Tensor>()>& make);
+  // Device tensors the step's (or generation's) layers share: the
+  // relative-position buckets.
+  DeviceConstants constants;
   // A generation's step state on the device, one upload a step: the step's
   // position (int32 [1]) and its attentions' kv lengths (int32 [batch], all
   // position + tokens). While it is set, a step's layers read the position
@@ -125,7 +125,6 @@ class DecodeContext {
 
  private:
   std::map<std::pair<int64_t, int64_t>, Tensor> lengths_;  // (batch, value)
-  std::map<std::string, Tensor> constants_;
   Tensor step_;  // int32 [1 + batch]: the position, then the kv lengths
   int64_t uploads_ = 0;
 };

@@ -600,8 +600,8 @@ TEST(DecodeContextTest, LengthsAreMadeOnceAndReservedOnesCostNoUpload) {
     ++made;
     return ops->Allocate(DType::kI32, {2});
   };
-  auto a = context.Constant("k", make);
-  auto b = context.Constant("k", make);
+  auto a = context.constants.Get("k", make);
+  auto b = context.constants.Get("k", make);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->data(), b->data());
   EXPECT_EQ(made, 1);

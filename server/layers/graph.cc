@@ -273,7 +273,7 @@ class GraphLayer : public Layer {
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in,
                        const ForwardOptions& call_opts, LayerOutputs* out,
                        std::unique_ptr<SavedForward>* saved) const override {
-    CallConstants constants;  // what the nodes share for this call
+    DeviceConstants constants;  // what the nodes share for this call
     ForwardOptions opts = call_opts;
     if (opts.constants == nullptr) opts.constants = &constants;
     RETURN_IF_ERROR(CheckGraphInput(in.x, takes_ids_, "x"));

@@ -25,7 +25,6 @@
 #define TE_SERVER_LAYERS_LAYER_H_
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -36,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/ops.h"
+#include "server/layers/device_constants.h"
 #include "te/v1/layers.pb.h"
 
 namespace te::layers {
@@ -63,27 +63,6 @@ struct Fp8Recipe {
 
   DType forward_dtype() const { return format == Format::kE5M2 ? DType::kE5M2 : DType::kE4M3; }
   DType backward_dtype() const { return format == Format::kE4M3 ? DType::kE4M3 : DType::kE5M2; }
-};
-
-// Device tensors the layers of one call share instead of each uploading its
-// own: every TransformerLayer of a graph needs the same relative-position
-// buckets (int32 [S, S]: 4 MiB at S 1024, a synchronous host copy each). A
-// graph's Forward holds one; a tensor is made on first use and dropped with
-// the call (saved forwards keep the ones they hold). Used by one thread, as
-// a call runs.
-class CallConstants {
- public:
-  absl::StatusOr<Tensor> Get(const std::string& key,
-                             const std::function<absl::StatusOr<Tensor>()>& make) {
-    auto it = tensors_.find(key);
-    if (it != tensors_.end()) return it->second;
-    absl::StatusOr<Tensor> made = make();
-    if (made.ok()) tensors_.emplace(key, *made);
-    return made;
-  }
-
- private:
-  std::map<std::string, Tensor> tensors_;
 };
 
 struct ForwardOptions {
@@ -123,8 +102,9 @@ struct ForwardOptions {
   // caller that does not choose gets exact float32; the session sets it from
   // the request (MatmulTf32).
   bool tf32 = false;
-  // The call's shared device tensors (CallConstants); null: each layer makes its own.
-  CallConstants* constants = nullptr;
+  // The call's shared device tensors (device_constants.h; a graph's Forward
+  // sets them); null: each layer makes its own.
+  DeviceConstants* constants = nullptr;
 };
 
 // A request's matmul_precision as ForwardOptions::tf32; INVALID_ARGUMENT

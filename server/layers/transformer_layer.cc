@@ -75,7 +75,6 @@ struct TransformerOptions {
 class TransformerSaved : public SavedForward {
  public:
   DType compute = DType::kF32;  // x's dtype
-  RelativeBuckets relative;     // buckets int32 [S, S] when the relative embedding is on
   MhaBlock::Saved attention;
   DropoutSaved attention_dropout;
   MhaBlock::Saved cross;  // decoder
@@ -83,9 +82,8 @@ class TransformerSaved : public SavedForward {
   Mlp::Saved mlp;
   DropoutSaved mlp_dropout;
   int64_t bytes() const override {
-    return static_cast<int64_t>(relative.buckets.nbytes()) + attention.bytes() +
-           attention_dropout.bytes() + cross.bytes() + cross_dropout.bytes() + mlp.bytes() +
-           mlp_dropout.bytes();
+    return attention.bytes() + attention_dropout.bytes() + cross.bytes() + cross_dropout.bytes() +
+           mlp.bytes() + mlp_dropout.bytes();
   }
 };
 
@@ -152,6 +150,7 @@ class TransformerLayerImpl : public Layer {
     const int64_t seq = in.x.dim(1);
 
     Tensor bias;
+    RelativeBuckets relative;  // the buckets of a full forward's relative bias
     ForwardOptions step = opts;  // a decode step's, with the cache index it read
     // A decoder's cross-attention rotates a decode step's query at the
     // token's position, as the full forward rotates its row.
@@ -163,9 +162,9 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(bias,
                        DecodeBias(ops, *vars, step.decode_cache_index, seq, opts.decode_context));
     } else if (options_.relative_embedding) {
-      ASSIGN_OR_RETURN(kept->relative, buckets_.Relative(ops, seq, seq, opts.constants));
+      ASSIGN_OR_RETURN(relative, buckets_.Relative(ops, seq, seq, opts.constants));
       ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
-      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, kept->relative.buckets));
+      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, relative.buckets));
     }
     // A decoder's self-attention reads no mask: the request's is the
     // cross-attention's (encoder_decoder_mask).
@@ -176,7 +175,7 @@ class TransformerLayerImpl : public Layer {
                              &kept->attention_dropout, &h));
     if (keep && bias.defined() && !opts.decode) {
       // The backward then reduces the table's gradient, not the dense dbias.
-      kept->attention.attention.relative = kept->relative;
+      kept->attention.attention.relative = relative;
       kept->attention.attention.relative_num_buckets = kNumBuckets;
     }
     Tensor mlp_in;  // undefined until written: ResidualAdd writes into a defined one
@@ -377,14 +376,9 @@ class TransformerLayerImpl : public Layer {
     const int64_t length = key->second.dim(1);
     if (position < 0 || position + tokens > length) return Tensor();
     ASSIGN_OR_RETURN(const Tensor table, GetVariable(vars, kRelEmbedding));
-    const bool bidirectional = !options_.decoder;
-    const std::string config = absl::StrCat(bidirectional, "/", kNumBuckets, "/", kMaxDistance,
-                                            "/", length);
-    auto whole = [&] { return buckets_.Buckets(ops, length, length); };
     ASSIGN_OR_RETURN(const Tensor buckets,
-                     context != nullptr
-                         ? context->Constant(absl::StrCat("relative_buckets/", config), whole)
-                         : whole());
+                     buckets_.Buckets(ops, length, length,
+                                      context != nullptr ? &context->constants : nullptr));
     return RelativeBias(ops, table, buckets, DecodePosition(index->second, context), tokens);
   }
 
