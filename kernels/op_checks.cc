@@ -729,7 +729,9 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
   RETURN_IF_ERROR(CheckFloatTensor(op, "k", &k, kv_shape));
   RETURN_IF_ERROR(CheckFloatTensor(op, "v", &v, kv_shape));
   if (args.bias.defined()) {
-    RETURN_IF_ERROR(RequireDType(op, "bias", &args.bias, DType::kF32));
+    if (args.bias.dtype() != DType::kF32) {
+      RETURN_IF_ERROR(RequireDType(op, "bias (float32 or q's dtype)", &args.bias, q.dtype()));
+    }
     RETURN_IF_ERROR(RequireShape(op, "bias", args.bias, {s.q_heads, s.q_seq, s.kv_seq}));
   }
   if (!(args.dropout_rate >= 0.0f && args.dropout_rate < 1.0f)) {
@@ -836,10 +838,12 @@ absl::StatusOr<RelativeBiasDims> CheckTable(const char* op, const char* name, co
   return dims;
 }
 
-// A bias or dbias: float32 [heads, Sq, Skv].
+// A bias [heads, Sq, Skv] in any float dtype (the attention's operands'
+// saves it a cast), or a dbias in float32.
 absl::Status CheckBias(const char* op, const char* name, const Tensor* bias,
-                       const RelativeBiasDims& dims, const Tensor& buckets) {
-  RETURN_IF_ERROR(RequireDType(op, name, bias, DType::kF32));
+                       const RelativeBiasDims& dims, const Tensor& buckets, bool float32_only) {
+  RETURN_IF_ERROR(float32_only ? RequireDType(op, name, bias, DType::kF32)
+                               : RequireFloat(op, name, bias));
   return RequireShape(op, name, *bias, {dims.heads, buckets.dim(0), buckets.dim(1)});
 }
 
@@ -876,11 +880,11 @@ absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& tabl
   ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckTable(op, "table", &table));
   RETURN_IF_ERROR(CheckBuckets(op, buckets));
   if (!HasDevicePosition(first_row)) {
-    RETURN_IF_ERROR(CheckBias(op, "bias", bias, dims, buckets));
+    RETURN_IF_ERROR(CheckBias(op, "bias", bias, dims, buckets, /*float32_only=*/false));
     return dims;
   }
   RETURN_IF_ERROR(CheckDevicePosition(op, "first_row", first_row));
-  RETURN_IF_ERROR(RequireDType(op, "bias", bias, DType::kF32));
+  RETURN_IF_ERROR(RequireFloat(op, "bias", bias));
   const int64_t q_rows = bias->rank() == 3 ? bias->dim(1) : 0;
   RETURN_IF_ERROR(RequireShape(op, "bias", *bias, {dims.heads, q_rows, buckets.dim(1)},
                                absl::StrCat("[heads=", dims.heads, ", Sq, Skv=", buckets.dim(1),
@@ -894,7 +898,7 @@ absl::StatusOr<RelativeBiasDims> CheckRelativeBiasBackwardArgs(const Tensor& dbi
   const char* op = "RelativeBiasBackward";
   ASSIGN_OR_RETURN(const RelativeBiasDims dims, CheckTable(op, "dtable", dtable));
   RETURN_IF_ERROR(CheckBuckets(op, buckets));
-  RETURN_IF_ERROR(CheckBias(op, "dbias", &dbias, dims, buckets));
+  RETURN_IF_ERROR(CheckBias(op, "dbias", &dbias, dims, buckets, /*float32_only=*/true));
   return dims;
 }
 

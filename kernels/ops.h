@@ -101,8 +101,10 @@ struct AttentionArgs {
   // produce zeros; keys at or past kv_seqlens[b] are masked. Undefined otherwise.
   Tensor q_seqlens;
   Tensor kv_seqlens;
-  // Optional additive bias on the logits (after scaling), float32 [H, Sq, Skv],
-  // shared over the batch (T5 relative position bias).
+  // Optional additive bias on the logits (after scaling), [H, Sq, Skv], shared
+  // over the batch (T5 relative position bias): float32, or the operands'
+  // dtype, which a backend that adds the bias in that dtype (cuDNN) reads
+  // without a cast.
   Tensor bias;
   // Optional elementwise mask, true = masked out (TE's convention): bool
   // [B, Sq, Skv], shared over the heads, or [B, Hq, Sq, Skv], one plane per
@@ -972,7 +974,8 @@ class Ops {
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
   // T5 relative position bias: bias[h, i, j] = table[buckets[r0 + i, j], h].
-  // table [NB, H] (float), buckets int32 [R, Skv], bias f32 [H, Sq, Skv].
+  // table [NB, H] (float), buckets int32 [R, Skv], bias [H, Sq, Skv] (any
+  // float dtype: the attention's operands' saves a cast).
   // r0 = first_row's one int32 element (on the op's device), read when the
   // kernel runs: a decode step's rows of the [L, L] bucket table, at a
   // position that lives on the device. Without first_row, r0 = 0 and Sq == R.

@@ -313,8 +313,10 @@ Inputs MakeInputs(CpuOps* ops, const Case& c, uint32_t seed) {
     }
   }
   if (c.bias) {
+    // A bf16 or f16 case takes the bias in its own dtype (a layer's bias, as
+    // cuDNN reads it); float32 cases take it in float32.
     const Shape bias_shape = {c.Hq, c.Sq, c.Skv};
-    s.args.bias = MakeTensor(ops, DType::kF32, bias_shape,
+    s.args.bias = MakeTensor(ops, c.dtype, bias_shape,
                              RandomValues(NumElements(bias_shape), 1.0f, &rng));
     p.bias = ToDouble(ToFloatVector(s.args.bias));
   }
@@ -737,6 +739,9 @@ TEST(AttentionTest, RejectsBadArguments) {
   AttentionArgs bad_bias = s.args;
   bad_bias.bias = ops.Allocate(DType::kF32, {4, 4, 3}).value();
   EXPECT_EQ(forward(bad_bias, s.q, s.k, &out, &lse), kInvalid);
+  AttentionArgs narrow_bias = s.args;  // neither float32 nor q's dtype (float32 here)
+  narrow_bias.bias = ops.Allocate(DType::kBF16, s.args.bias.shape()).value();
+  EXPECT_EQ(forward(narrow_bias, s.q, s.k, &out, &lse), kInvalid);
   AttentionArgs bad_rate = s.args;
   bad_rate.dropout_rate = 1.0f;
   EXPECT_EQ(forward(bad_rate, s.q, s.k, &out, &lse), kInvalid);

@@ -82,13 +82,13 @@ absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buck
                    CheckBucketValues("RelativeBiasForward", buckets, dims.num_buckets));
   const int64_t rows = buckets.dim(0), cols = buckets.dim(1), q_rows = bias->dim(1);
   const int64_t r0 = HasDevicePosition(first_row) ? first_row.data_as<const int32_t>()[0] : 0;
-  float* out = bias->data_as<float>();  // f32 [H, Sq, Skv]
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t i = 0; i < q_rows; ++i) {
       const int64_t r = r0 + i;
       for (int64_t j = 0; j < cols; ++j) {
-        out[(h * q_rows + i) * cols + j] =
-            r >= 0 && r < rows ? LoadAsFloat(table, bucket_of[r * cols + j] * heads + h) : 0.0f;
+        StoreFromFloat(
+            bias, (h * q_rows + i) * cols + j,
+            r >= 0 && r < rows ? LoadAsFloat(table, bucket_of[r * cols + j] * heads + h) : 0.0f);
       }
     }
   }

@@ -293,6 +293,22 @@ TEST_P(RelativeBiasTest, ForwardGathersTableRows) {
     }
 }
 
+// The bias in bf16 or f16 (an attention's operands' dtype) holds the float32
+// bias rounded once.
+TEST_P(RelativeBiasTest, ForwardWritesAnyFloatDtype) {
+  CpuOps ops;
+  const BiasSetup s = MakeBiasSetup(&ops, GetParam());
+  Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
+  ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).ok());
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    Tensor narrow = ops.Allocate(dtype, bias.shape()).value();
+    ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &narrow).ok());
+    Tensor rounded = ops.Allocate(dtype, bias.shape()).value();
+    ASSERT_TRUE(ops.Cast(bias, &rounded).ok());
+    EXPECT_EQ(ToFloatVector(narrow), ToFloatVector(rounded)) << DTypeName(dtype);
+  }
+}
+
 TEST_P(RelativeBiasTest, BackwardScatterAddsGradients) {
   CpuOps ops;
   const BiasSetup s = MakeBiasSetup(&ops, GetParam());
@@ -378,8 +394,10 @@ TEST(RelativeBiasErrorTest, RejectsBadArguments) {
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).code(), kInvalid);
   EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).code(), kInvalid);
   s.buckets.data_as<int32_t>()[5] = 0;
-  Tensor bias_bf16 = ops.Allocate(DType::kBF16, {s.heads, s.q_seq, s.kv_seq}).value();
-  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias_bf16).code(), kInvalid);
+  Tensor bias_int = ops.Allocate(DType::kI32, {s.heads, s.q_seq, s.kv_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias_int).code(), kInvalid);
+  Tensor dbias_bf16 = ops.Allocate(DType::kBF16, {s.heads, s.q_seq, s.kv_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasBackward(dbias_bf16, s.buckets, &dtable).code(), kInvalid);
   Tensor bias_wrong = ops.Allocate(DType::kF32, {s.heads, s.kv_seq, s.q_seq}).value();
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias_wrong).code(), kInvalid);
   Tensor dtable_wrong = ops.Allocate(DType::kF32, {s.num_buckets, s.heads + 1}).value();
@@ -401,8 +419,8 @@ TEST(RelativeBiasErrorTest, RejectsABadFirstRow) {
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &wrong_heads).code(), kInvalid);
   Tensor wrong_keys = ops.Allocate(DType::kF32, {s.heads, 1, s.kv_seq + 1}).value();
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &wrong_keys).code(), kInvalid);
-  Tensor bias_bf16 = ops.Allocate(DType::kBF16, {s.heads, 1, s.kv_seq}).value();
-  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &bias_bf16).code(), kInvalid);
+  Tensor bias_int = ops.Allocate(DType::kI32, {s.heads, 1, s.kv_seq}).value();
+  EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, first_row, &bias_int).code(), kInvalid);
   // Without first_row, Sq must be the bucket table's row count.
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).code(), kInvalid);
   EXPECT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, first_row, &bias).ok());

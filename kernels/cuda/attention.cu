@@ -195,6 +195,16 @@ AttentionProblem MakeProblem(const AttentionArgs& args, const AttentionShape& sh
   return p;
 }
 
+// The fallback kernels add the bias as float32: a bias in the operands' dtype
+// (cuDNN's) is widened into a temporary first, off cuDNN's path.
+absl::StatusOr<AttentionArgs> WithFloat32Bias(CudaOps* ops, const AttentionArgs& args) {
+  if (!args.bias.defined() || args.bias.dtype() == DType::kF32) return args;
+  AttentionArgs widened = args;
+  ASSIGN_OR_RETURN(widened.bias, ops->Allocate(DType::kF32, args.bias.shape()));
+  RETURN_IF_ERROR(ops->Cast(args.bias, &widened.bias));
+  return widened;
+}
+
 // The small-head kernels wherever they fit, unless a test or benchmark asked
 // for the general fallback.
 bool UseSmallHead(const AttentionProblem& problem) {
@@ -223,14 +233,15 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
                    CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
   if (out->numel() == 0) return absl::OkStatus();
 
-  const AttentionProblem problem = MakeProblem(args, shape, q, k, v);
-  const bool small_head = UseSmallHead(problem);
+  const bool small_head = UseSmallHead(MakeProblem(args, shape, q, k, v));
   if (GetAttentionPath() == AttentionPath::kAuto) {
     const absl::Status fused =
         CudnnSeparateForward(this, args, shape, q, k, v, out, softmax_lse);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("forward", args, shape, q.dtype()), Unfused(small_head), fused);
   }
+  ASSIGN_OR_RETURN(const AttentionArgs unfused, WithFloat32Bias(this, args));
+  const AttentionProblem problem = MakeProblem(unfused, shape, q, k, v);
   if (small_head) {
     return SmallHeadAttentionForward(problem, out->data(), out->dtype(),
                                      softmax_lse->data_as<float>(), stream());
@@ -250,14 +261,15 @@ absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor&
   const bool with_bias = args.bias.data() != nullptr;
   if (q.numel() == 0 && k.numel() == 0) return absl::OkStatus();
 
-  const AttentionProblem problem = MakeProblem(args, shape, q, k, v);
-  const bool small_head = UseSmallHead(problem);
+  const bool small_head = UseSmallHead(MakeProblem(args, shape, q, k, v));
   if (GetAttentionPath() == AttentionPath::kAuto) {
     const absl::Status fused = CudnnSeparateBackward(this, args, shape, q, k, v, out, dout,
                                                      softmax_lse, dq, dk, dv, dbias);
     if (!absl::IsUnimplemented(fused)) return fused;
     LogFallbackOnce(Describe("backward", args, shape, q.dtype()), Unfused(small_head), fused);
   }
+  ASSIGN_OR_RETURN(const AttentionArgs unfused, WithFloat32Bias(this, args));
+  const AttentionProblem problem = MakeProblem(unfused, shape, q, k, v);
   const size_t rows = static_cast<size_t>(shape.batch * shape.q_heads * shape.q_seq);
   if (small_head) {
     // row_dot, then (16-byte aligned) the dropout bits the dq pass hands on.
@@ -354,8 +366,9 @@ absl::Status RelativeOnCudnn(CudaOps* ops, const AttentionArgs& args,
   if (GetAttentionPath() != AttentionPath::kAuto) {
     return absl::UnimplementedError("cuDNN attention is switched off");
   }
-  RETURN_IF_ERROR(CheckRelativeBiasBackwardArgs(args.bias, relative.buckets, dtable).status());
-  RETURN_IF_ERROR(RelativeBandApplies(args, shape, qkv.dtype, relative));
+  RETURN_IF_ERROR(
+      CheckRelativeBiasBackwardArgs(DenseBiasStandIn(args), relative.buckets, dtable).status());
+  RETURN_IF_ERROR(RelativeBandApplies(args, shape, qkv, relative));
   if (dtable->dtype() != DType::kF32) return absl::UnimplementedError("dtable is not float32");
   if (out.dtype() != qkv.dtype || dout.dtype() != qkv.dtype) {
     return absl::UnimplementedError("out or dout not in the operands' dtype");

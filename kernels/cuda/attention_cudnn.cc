@@ -2,9 +2,10 @@
 // checks that decide whether cuDNN takes a call, its cached plan
 // (attention_cudnn_sdpa.h has the graphs), its workspace and variant pack.
 //
-// ops.h's bias and dbias are f32; cuDNN's are the operand dtype, so the bias is
-// cast into the workspace first and dBias cast back after (bf16 rounding of
-// the logit offsets, inside the bf16 tolerance). cuDNN has no dBias with a
+// cuDNN's bias and dBias are in the operands' dtype. ops.h's bias may be
+// already (RelativeBiasForward writes it so: cuDNN reads it in place) or f32,
+// cast into the workspace first; dBias (f32 in ops.h) is cast back after
+// (bf16 rounding of the logit offsets, inside the bf16 tolerance). cuDNN has no dBias with a
 // padding mask: bias + padding runs unfused unless no backward follows
 // (AttentionArgs::forward_only). A call only makes its variant
 // pack; the plans are built once per configuration.
@@ -251,6 +252,16 @@ absl::StatusOr<PreparedCall> Prepare(CudaOps* ops, const PlanConfig& config,
   return call;
 }
 
+// The bias as cuDNN reads it, in the operands' dtype: the caller's own memory
+// when it is in that dtype already, else cast into the workspace's slot.
+absl::StatusOr<const void*> BiasInOperandDtype(CudaOps* ops, const AttentionArgs& args,
+                                               const QkvMemory& qkv, char* slot) {
+  if (args.bias.dtype() == qkv.dtype && Aligned(args.bias.data())) return args.bias.data();
+  Tensor cast = WorkspaceTensor(slot, qkv.dtype, args.bias.shape());
+  RETURN_IF_ERROR(ops->Cast(args.bias, &cast));
+  return slot;
+}
+
 }  // namespace
 
 absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
@@ -265,9 +276,9 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
   if (config.bias) {
-    Tensor bias_io = WorkspaceTensor(base + layout.bias_offset(), qkv.dtype, args.bias.shape());
-    RETURN_IF_ERROR(ops->Cast(args.bias, &bias_io));
-    pack.Bind(kBias, bias_io.data());
+    ASSIGN_OR_RETURN(const void* bias,
+                     BiasInOperandDtype(ops, args, qkv, base + layout.bias_offset()));
+    pack.Bind(kBias, bias);
   }
   pack.Bind(kQ, qkv.q);
   pack.Bind(kK, qkv.k);
@@ -333,9 +344,8 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   const Scalars scalars = MakeScalars(args);
   VariantPack pack;
   if (config.bias) {
-    Tensor bias_view = WorkspaceTensor(bias_io, qkv.dtype, args.bias.shape());
-    RETURN_IF_ERROR(ops->Cast(args.bias, &bias_view));
-    pack.Bind(kBias, bias_io);
+    ASSIGN_OR_RETURN(const void* bias, BiasInOperandDtype(ops, args, qkv, bias_io));
+    pack.Bind(kBias, bias);
   }
   if (config.dbias) {
     pack.Bind(kDBias, dbias_io);

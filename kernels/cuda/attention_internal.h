@@ -164,13 +164,15 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
 // The most diagonals the band kernel covers (RelativeBuckets::uniform_from).
 constexpr int kRelativeBandMax = 128;
 // OK when the band kernel can serve this backward: causal self-attention
-// (top-left), no dropout or elementwise mask, bf16/f16, head_dim 32, 64 or
-// 128, buckets uniform from a distance of at most kRelativeBandMax.
-absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s, DType dtype,
-                                 const RelativeBuckets& relative);
+// (top-left), no dropout or elementwise mask, bf16/f16 q, k, v 32-byte
+// aligned, a sequence a multiple of 16, head_dim 32, 64 or 128, buckets
+// uniform from a distance of at most kRelativeBandMax.
+absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s,
+                                 const QkvMemory& qkv, const RelativeBuckets& relative);
 // dtable f32 [NB, H] (ops.h's AttentionBackwardRelative) from the forward's
 // q, k, v (qkv), out, softmax_lse, the output gradient and args.bias (the
-// dense relative bias, read at each distance); enqueued on ops' stream.
+// dense relative bias, read at each distance); enqueued on ops' stream. The
+// caller has checked RelativeBandApplies.
 absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
                                    const AttentionShape& s, const QkvMemory& qkv,
                                    const Tensor& out, const Tensor& dout,

@@ -135,10 +135,13 @@ TEST_P(RelativeBiasTest, ForwardAndBackward) {
       buckets_cpu.data_as<int32_t>()[i] = static_cast<int32_t>(gen() % num_buckets);
     }
     const Pair buckets = Mirror(buckets_cpu);
-    Pair bias = Output(DType::kF32, {heads, q_seq, kv_seq});
-    ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, Tensor(), &bias.cpu).ok());
-    ASSERT_TRUE(gpu_->RelativeBiasForward(table.gpu, buckets.gpu, Tensor(), &bias.gpu).ok());
-    ExpectMatches(bias, "RelativeBiasForward");
+    // The bias in float32 and in the attention operands' dtypes.
+    for (const DType bias_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      Pair bias = Output(bias_dtype, {heads, q_seq, kv_seq});
+      ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, Tensor(), &bias.cpu).ok());
+      ASSERT_TRUE(gpu_->RelativeBiasForward(table.gpu, buckets.gpu, Tensor(), &bias.gpu).ok());
+      ExpectMatches(bias, std::string("RelativeBiasForward into ") + DTypeName(bias_dtype));
+    }
     const Pair dbias = Random(DType::kF32, {heads, q_seq, kv_seq}, 19);
     Pair dtable = Output(dtype, {num_buckets, heads});
     ASSERT_TRUE(cpu_->RelativeBiasBackward(dbias.cpu, buckets.cpu, &dtable.cpu).ok());

@@ -1,6 +1,7 @@
 // Position encodings: rotary embedding, and the T5 relative position bias (a
 // gather from a [buckets, heads] table; its backward a deterministic
 // scatter-add). Semantics as in the CPU reference (kernels/cpu/position.cc).
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -94,26 +95,31 @@ __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storag
 // [R, Skv]; r0 = *first_row (device int32, read here; null: 0), and rows
 // r0 + i outside [0, R) give 0. Buckets are device data, checked here rather
 // than with a host round trip: an out-of-range bucket yields NaN, which shows
-// in any result it reaches.
-template <typename T>
+// in any result it reaches. Block (x, y, h) writes columns of rows y,
+// y + gridDim.y, ... of head h: no division per element, the bias written in
+// the dtype the attention reads (a training step writes [H, S, S] per layer).
+template <typename T, typename O>
 __global__ void RelativeBiasForwardKernel(const typename T::Storage* table,
                                           const int32_t* buckets, const int32_t* first_row,
-                                          float* bias, int64_t bucket_rows, int64_t q_rows,
-                                          int64_t cols, int64_t heads, int64_t num_buckets) {
-  const int64_t positions = q_rows * cols;
-  const int64_t n_total = positions * heads;
+                                          typename O::Storage* bias, int64_t bucket_rows,
+                                          int64_t q_rows, int64_t cols, int64_t heads,
+                                          int64_t num_buckets) {
+  const int64_t h = blockIdx.z;
   const int64_t r0 = first_row != nullptr ? *first_row : 0;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n_total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t h = k / positions, n = k - h * positions;
-    const int64_t i = n / cols, j = n - i * cols;
+  for (int64_t i = blockIdx.y; i < q_rows; i += gridDim.y) {
     const int64_t r = r0 + i;
-    if (r < 0 || r >= bucket_rows) {
-      bias[k] = 0.0f;
-      continue;
+    const bool inside = r >= 0 && r < bucket_rows;
+    const int32_t* row = buckets + (inside ? r : 0) * cols;
+    typename O::Storage* out = bias + (h * q_rows + i) * cols;
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < cols;
+         j += int64_t(gridDim.x) * blockDim.x) {
+      float value = 0.0f;
+      if (inside) {
+        const int32_t b = row[j];
+        value = (b >= 0 && b < num_buckets) ? T::Load(table[b * heads + h]) : NAN;
+      }
+      out[j] = O::Store(value);
     }
-    const int32_t b = buckets[r * cols + j];
-    bias[k] = (b >= 0 && b < num_buckets) ? T::Load(table[b * heads + h]) : NAN;
   }
 }
 
@@ -211,11 +217,20 @@ absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buc
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   const int32_t* r0 = HasDevicePosition(first_row) ? first_row.data_as<const int32_t>() : nullptr;
-  DispatchFloat(table.dtype(), [&](auto t) {
+  if (heads > 65535) {
+    return absl::UnimplementedError(absl::StrCat("RelativeBiasForward: ", heads,
+                                                 " heads (the GPU kernel takes up to 65535)"));
+  }
+  const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(std::min<int64_t>(q_rows, 65535)),
+                  static_cast<unsigned>(heads));
+  DispatchFloatPair(table.dtype(), bias->dtype(), [&](auto t, auto o) {
     using T = decltype(t);
-    RelativeBiasForwardKernel<T><<<GridFor(n), kThreads, 0, stream()>>>(
+    using O = decltype(o);
+    RelativeBiasForwardKernel<T, O><<<grid, kThreads, 0, stream()>>>(
         static_cast<const typename T::Storage*>(table.data()), buckets.data_as<const int32_t>(),
-        r0, bias->data_as<float>(), bucket_rows, q_rows, cols, heads, num_buckets);
+        r0, static_cast<typename O::Storage*>(bias->data()), bucket_rows, q_rows, cols, heads,
+        num_buckets);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

@@ -3,8 +3,9 @@
 // the CPU reference's dense path (AttentionBackward's dbias, then
 // RelativeBiasBackward), on random data with TE's causal T5 buckets: packed
 // and separate q, k, v, GQA, head_dim 32 / 64 / 128, bf16 and f16, sequences
-// shorter and longer than the band. Each case asserts through the band's
-// call counter whether the band kernel ran; where it must not (a sequence
+// shorter and longer than the band, the bias in float32 and in the operands'
+// dtype. Each case asserts through the band's call counter whether the band
+// kernel ran; where it must not (a sequence
 // cuDNN declines with a bias), the dense default answers. The band's dtable
 // repeats its bits from run to run.
 //
@@ -56,6 +57,9 @@ struct Case {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
   bool packed;
   bool band;  // the band kernel must serve it
+  // The bias in the operands' dtype, as a layer passes it (cuDNN reads it in
+  // place; the unfused kernels widen it); else float32.
+  bool operand_bias = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -152,7 +156,8 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
   const Tensor buckets = MakeTensor(cpu_, DType::kI32, {c.seq, c.seq}, bucket_values);
   const Tensor table =
       MakeTensor(cpu_, DType::kF32, table_shape, RandomValues(kNumBuckets * c.q_heads, 35));
-  Tensor bias = MakeEmpty(cpu_, DType::kF32, {c.q_heads, c.seq, c.seq});
+  Tensor bias =
+      MakeEmpty(cpu_, c.operand_bias ? c.dtype : DType::kF32, {c.q_heads, c.seq, c.seq});
   ASSERT_TRUE(cpu_.RelativeBiasForward(table, buckets, Tensor(), &bias).ok());
 
   AttentionArgs cpu_args;
@@ -246,7 +251,13 @@ INSTANTIATE_TEST_SUITE_P(
         // Shorter than the band: every key is in it, no far bucket.
         Case{"bf16_packed_s64_d64", DType::kBF16, 2, 64, 2, 2, 64, true, true},
         // cuDNN declines a bias at a length not a multiple of 64: the dense default.
-        Case{"bf16_packed_s100_dense", DType::kBF16, 1, 100, 2, 2, 64, true, false}),
+        Case{"bf16_packed_s100_dense", DType::kBF16, 1, 100, 2, 2, 64, true, false},
+        // The bias in the operands' dtype: in place on cuDNN, widened unfused.
+        Case{"bf16_packed_s256_d64_bf16_bias", DType::kBF16, 2, 256, 4, 4, 64, true, true, true},
+        Case{"f16_separate_gqa_s192_d32_f16_bias", DType::kF16, 2, 192, 4, 2, 32, false, true,
+             true},
+        Case{"bf16_packed_s100_dense_bf16_bias", DType::kBF16, 1, 100, 2, 2, 64, true, false,
+             true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

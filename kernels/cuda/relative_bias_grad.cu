@@ -13,16 +13,18 @@
 //   - each row's dS sums to zero (sum_j P dP = delta without dropout), so
 //     the far bucket's share of a row is minus its band's.
 // So the kernel recomputes P and dP on the W diagonals only: per block a
-// tile of 64 queries of one (batch, head), their keys staged in shared
-// memory, q.k and dout.v on tensor cores (WMMA, 16x16 tiles along the band),
-// dS in f32, summed per diagonal in a fixed order (no atomics: the same bits
-// every run). A second kernel adds the tiles' sums into dtable.
+// tile of 64 queries of one (batch, head), q.k and dout.v on tensor cores
+// (WMMA, 16x16 tiles along the band), dS in f32, summed per diagonal in a
+// fixed order (no atomics: the same bits every run). A second kernel adds the
+// tiles' sums into dtable. The fragments load straight from global memory
+// (neighbouring warps' key tiles overlap, so L1/L2 serve most of them):
+// shared memory holds only per-warp scratch, so many blocks share an SM and
+// hide each other's load latency; the work is latency-bound, not FLOP-bound.
 //
 // Cost per (batch, head): S * W scores, twice (q.k and dout.v), against the
 // S^2 / 2 of the attention itself; no [H, S, S] memory.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_pipeline.h>
 #include <mma.h>
 
 #include <cstdint>
@@ -41,9 +43,8 @@ namespace {
 constexpr int kBandQueries = 64;  // query rows per block: 4 warps of 16
 constexpr int kBandWarps = 4;
 constexpr int kTile = 16;  // WMMA's tile edge
-constexpr int kPad = 8;    // elements past each staged row: conflict-free ldmatrix
-// Staged key rows: the block's queries, the band before them, the tile rounding.
-constexpr int kMaxKeys = (kBandQueries + kRelativeBandMax + kTile - 1 + kTile - 1) / kTile * kTile;
+// WMMA's loads want 256-bit aligned tile starts.
+constexpr uintptr_t kFragmentAlignment = 32;
 
 struct BandParams {
   const void* q;
@@ -53,7 +54,8 @@ struct BandParams {
   const void* dout;
   int64_t q_stride, kv_stride, o_stride;  // elements between tokens
   const float* lse;                       // [B, H, S]
-  const float* bias;                      // [H, S, S]: row S-1 holds every distance's value
+  const void* bias;                       // [H, S, S], float32 or T: row S-1 holds each distance's
+  bool bias_f32;
   float* partial;                         // [B, H, tiles, W + 1]
   int seq, heads, group, band, tiles;
   float scale;
@@ -81,37 +83,34 @@ __device__ __forceinline__ float RoundAsOperand<__half>(float x) {
   return F16::Load(F16::Store(x));
 }
 
-template <typename T, int D>
-constexpr size_t BandSharedBytes() {
-  return (2 * kBandQueries + 2 * kMaxKeys) * (D + kPad) * sizeof(T) +
-         (kBandWarps * 2 * kTile * kTile + kBandWarps * kRelativeBandMax + kRelativeBandMax +
-          2 * kBandQueries + kBandWarps) *
-             sizeof(float);
+// The bias at `at` as cuDNN added it: in T (cast once when it is float32).
+template <typename T>
+__device__ __forceinline__ float BiasAsOperand(const BandParams& p, int64_t at) {
+  return p.bias_f32 ? RoundAsOperand<T>(static_cast<const float*>(p.bias)[at])
+                    : ToFloat(static_cast<const T*>(p.bias)[at]);
 }
+
+// A block's shared memory: per-warp scratch and the rows' scalars (11 KB).
+struct __align__(kFragmentAlignment) BandShared {
+  float tiles[kBandWarps][2][kTile * kTile];  // per warp: S (then dS), dP
+  float bins[kBandWarps][kRelativeBandMax];   // per warp: the sum at each distance
+  float bias_at[kRelativeBandMax];            // the bias at each distance
+  float row_lse[kBandQueries];
+  float row_delta[kBandQueries];
+  float warp_far[kBandWarps];
+};
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams p) {
   using namespace nvcuda;
-  constexpr int LD = D + kPad;
-  constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte pieces of a row
-  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* qs = reinterpret_cast<T*>(smem);
-  T* dos = qs + kBandQueries * LD;
-  T* ks = dos + kBandQueries * LD;
-  T* vs = ks + kMaxKeys * LD;
-  float* scratch = reinterpret_cast<float*>(vs + kMaxKeys * LD);  // per warp: S, then dP
-  float* bins = scratch + kBandWarps * 2 * kTile * kTile;         // per warp: sum per distance
-  float* bias_at = bins + kBandWarps * kRelativeBandMax;          // the bias at each distance
-  float* row_lse = bias_at + kRelativeBandMax;
-  float* row_delta = row_lse + kBandQueries;
-  float* warp_far = row_delta + kBandQueries;
+  __shared__ BandShared sh;
+  float* bias_at = sh.bias_at;
+  float* row_lse = sh.row_lse;
+  float* row_delta = sh.row_delta;
 
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int S = p.seq, W = p.band;
   const int i0 = tile * kBandQueries;
-  const int key_lo = max(0, i0 - W + 1) / kTile * kTile;
-  const int key_rows = (min(S, i0 + kBandQueries) - key_lo + kTile - 1) / kTile * kTile;
   const int hk = h / p.group;
   const T* q = static_cast<const T*>(p.q) + static_cast<int64_t>(b) * S * p.q_stride + h * D;
   const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * S * p.kv_stride + hk * D;
@@ -120,36 +119,9 @@ __global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams
   const T* dout =
       static_cast<const T*>(p.dout) + static_cast<int64_t>(b) * S * p.o_stride + h * D;
 
-  // Stage q, dout and the keys and values asynchronously (cp.async: every
-  // load in flight at once), rows past the sequence as zeros.
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int idx = threadIdx.x; idx < kBandQueries * kChunks; idx += blockDim.x) {
-    const int r = idx / kChunks, c = idx % kChunks, i = i0 + r;
-    T* q_dst = qs + r * LD + c * kPerChunk;
-    T* do_dst = dos + r * LD + c * kPerChunk;
-    if (i < S) {
-      __pipeline_memcpy_async(q_dst, q + i * p.q_stride + c * kPerChunk, 16);
-      __pipeline_memcpy_async(do_dst, dout + i * p.o_stride + c * kPerChunk, 16);
-    } else {
-      *reinterpret_cast<uint4*>(q_dst) = zero;
-      *reinterpret_cast<uint4*>(do_dst) = zero;
-    }
-  }
-  for (int idx = threadIdx.x; idx < key_rows * kChunks; idx += blockDim.x) {
-    const int r = idx / kChunks, c = idx % kChunks, j = key_lo + r;
-    T* k_dst = ks + r * LD + c * kPerChunk;
-    T* v_dst = vs + r * LD + c * kPerChunk;
-    if (j < S) {
-      __pipeline_memcpy_async(k_dst, k + j * p.kv_stride + c * kPerChunk, 16);
-      __pipeline_memcpy_async(v_dst, v + j * p.kv_stride + c * kPerChunk, 16);
-    } else {
-      *reinterpret_cast<uint4*>(k_dst) = zero;
-      *reinterpret_cast<uint4*>(v_dst) = zero;
-    }
-  }
-  __pipeline_commit();
-  // Meanwhile each warp reads its 16 rows' lse and delta = rowsum(dout * out)
-  // (coalesced: the lanes split a row).
+  // Each warp reads its 16 rows' lse and delta = rowsum(dout * out)
+  // (coalesced: the lanes split a row). S is a multiple of 16
+  // (RelativeBandApplies): a warp's rows are all inside or all past it.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int rr = 0; rr < kTile; ++rr) {
@@ -169,39 +141,43 @@ __global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams
       row_lse[r] = i < S ? p.lse[(static_cast<int64_t>(b) * p.heads + h) * S + i] : 0.0f;
     }
   }
-  const float* last_row = p.bias + (static_cast<int64_t>(h) * S + (S - 1)) * S;
+  const int64_t last_row = (static_cast<int64_t>(h) * S + (S - 1)) * S;
   for (int d = threadIdx.x; d < kRelativeBandMax; d += blockDim.x) {
-    bias_at[d] = d < W && d < S ? RoundAsOperand<T>(last_row[S - 1 - d]) : 0.0f;
+    bias_at[d] = d < W && d < S ? BiasAsOperand<T>(p, last_row + S - 1 - d) : 0.0f;
   }
-  for (int x = threadIdx.x; x < kBandWarps * kRelativeBandMax; x += blockDim.x) bins[x] = 0.0f;
-  __pipeline_wait_prior(0);
+  for (int x = threadIdx.x; x < kBandWarps * kRelativeBandMax; x += blockDim.x) {
+    sh.bins[x / kRelativeBandMax][x % kRelativeBandMax] = 0.0f;
+  }
   __syncthreads();
 
   const int r0 = i0 + warp * kTile;  // the warp's first query
   float far = 0.0f;                  // minus the far bucket's share, rows i >= W
   if (r0 < S) {
-    float* s_tile = scratch + warp * 2 * kTile * kTile;
-    float* dp_tile = s_tile + kTile * kTile;
-    float* my_bins = bins + warp * kRelativeBandMax;
+    float* s_tile = sh.tiles[warp][0];
+    float* dp_tile = sh.tiles[warp][1];
+    float* my_bins = sh.bins[warp];
     wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::row_major> a_q[D / kTile],
         a_do[D / kTile];
 #pragma unroll
     for (int kk = 0; kk < D / kTile; ++kk) {
-      wmma::load_matrix_sync(a_q[kk], qs + warp * kTile * LD + kk * kTile, LD);
-      wmma::load_matrix_sync(a_do[kk], dos + warp * kTile * LD + kk * kTile, LD);
+      wmma::load_matrix_sync(a_q[kk], q + r0 * p.q_stride + kk * kTile,
+                             static_cast<unsigned>(p.q_stride));
+      wmma::load_matrix_sync(a_do[kk], dout + r0 * p.o_stride + kk * kTile,
+                             static_cast<unsigned>(p.o_stride));
     }
     const int kt_lo = max(0, r0 - W + 1) / kTile;
     const int kt_hi = min(r0 + kTile - 1, S - 1) / kTile;
     for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-      const int kr = kt * kTile - key_lo;  // the key tile's first staged row
+      const T* k_tile = k + static_cast<int64_t>(kt) * kTile * p.kv_stride;
+      const T* v_tile = v + static_cast<int64_t>(kt) * kTile * p.kv_stride;
       wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float> s_acc, dp_acc;
       wmma::fill_fragment(s_acc, 0.0f);
       wmma::fill_fragment(dp_acc, 0.0f);
 #pragma unroll
       for (int kk = 0; kk < D / kTile; ++kk) {
         wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major> b_k, b_v;
-        wmma::load_matrix_sync(b_k, ks + kr * LD + kk * kTile, LD);
-        wmma::load_matrix_sync(b_v, vs + kr * LD + kk * kTile, LD);
+        wmma::load_matrix_sync(b_k, k_tile + kk * kTile, static_cast<unsigned>(p.kv_stride));
+        wmma::load_matrix_sync(b_v, v_tile + kk * kTile, static_cast<unsigned>(p.kv_stride));
         wmma::mma_sync(s_acc, a_q[kk], b_k, s_acc);
         wmma::mma_sync(dp_acc, a_do[kk], b_v, dp_acc);
       }
@@ -239,17 +215,17 @@ __global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams
     }
   }
   for (int offset = 16; offset > 0; offset /= 2) far += __shfl_xor_sync(0xffffffffu, far, offset);
-  if (lane == 0) warp_far[warp] = far;
+  if (lane == 0) sh.warp_far[warp] = far;
   __syncthreads();
   float* sums = p.partial + ((static_cast<int64_t>(b) * p.heads + h) * p.tiles + tile) * (W + 1);
   for (int d = threadIdx.x; d < W; d += blockDim.x) {
     float sum = 0.0f;
-    for (int w = 0; w < kBandWarps; ++w) sum += bins[w * kRelativeBandMax + d];
+    for (int w = 0; w < kBandWarps; ++w) sum += sh.bins[w][d];
     sums[d] = sum;
   }
   if (threadIdx.x == 0) {
     float sum = 0.0f;
-    for (int w = 0; w < kBandWarps; ++w) sum += warp_far[w];
+    for (int w = 0; w < kBandWarps; ++w) sum += sh.warp_far[w];
     sums[W] = sum;
   }
 }
@@ -296,12 +272,7 @@ __global__ void __launch_bounds__(kTableThreads) RelativeBandTableKernel(
 
 template <typename T, int D>
 absl::Status LaunchBand(CudaOps* ops, const BandParams& p, int batch) {
-  constexpr size_t bytes = BandSharedBytes<T, D>();
-  static_assert(bytes <= kMaxSharedBytes, "the band kernel's staging exceeds shared memory");
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKernel<T, D>, bytes,
-                                   "cudaFuncSetAttribute(RelativeBandKernel)"));
-  RelativeBandKernel<T, D>
-      <<<dim3(p.tiles, p.heads, batch), kBandWarps * 32, bytes, ops->stream()>>>(p);
+  RelativeBandKernel<T, D><<<dim3(p.tiles, p.heads, batch), kBandWarps * 32, 0, ops->stream()>>>(p);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -319,8 +290,8 @@ absl::Status LaunchBandForHeadDim(CudaOps* ops, const BandParams& p, int batch, 
 
 }  // namespace
 
-absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s, DType dtype,
-                                 const RelativeBuckets& relative) {
+absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s,
+                                 const QkvMemory& qkv, const RelativeBuckets& relative) {
   const bool top_left = args.mask == MaskType::kCausal ||
                         (args.mask == MaskType::kCausalBottomRight && s.q_seq == s.kv_seq);
   if (!top_left) return absl::UnimplementedError("the band needs a causal mask without padding");
@@ -334,8 +305,16 @@ absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape
                                                  relative.uniform_from, " (the band holds ",
                                                  kRelativeBandMax, ")"));
   }
-  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+  if (qkv.dtype != DType::kBF16 && qkv.dtype != DType::kF16) {
     return absl::UnimplementedError("operands not bf16 or f16");
+  }
+  if (s.q_seq % kTile != 0) {
+    return absl::UnimplementedError(absl::StrCat("sequence ", s.q_seq, " (a multiple of 16)"));
+  }
+  for (const void* operand : {qkv.q, qkv.k, qkv.v}) {
+    if (reinterpret_cast<uintptr_t>(operand) % kFragmentAlignment != 0) {
+      return absl::UnimplementedError("q, k or v not 32-byte aligned");
+    }
   }
   if (s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128) {
     return absl::UnimplementedError(absl::StrCat("head_dim ", s.head_dim));
@@ -348,7 +327,6 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
                                    const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
                                    Tensor* dtable) {
-  RETURN_IF_ERROR(RelativeBandApplies(args, s, qkv.dtype, relative));
   BandParams p;
   p.q = qkv.q;
   p.k = qkv.k;
@@ -359,7 +337,8 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
   p.kv_stride = qkv.kv_token_stride;
   p.o_stride = s.q_heads * s.head_dim;
   p.lse = softmax_lse.data_as<const float>();
-  p.bias = args.bias.data_as<const float>();
+  p.bias = args.bias.data();
+  p.bias_f32 = args.bias.dtype() == DType::kF32;
   p.seq = static_cast<int>(s.q_seq);
   p.heads = static_cast<int>(s.q_heads);
   p.group = static_cast<int>(s.q_heads / s.kv_heads);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 
 namespace te::layers {
@@ -162,9 +163,11 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
   }
   if (bias.defined() && bias.numel() > 0) {
     const Shape want = {config.num_heads, q_len, kv_len};
-    if (bias.shape() != want || bias.dtype() != DType::kF32) {
+    // float32, or q's dtype (a relative bias as cuDNN reads it); the op
+    // checks which.
+    if (bias.shape() != want || !IsComputeFloat(bias.dtype())) {
       return absl::InvalidArgumentError(
-          absl::StrCat("attention bias must be float32 ", ShapeString(want), "; got ",
+          absl::StrCat("attention bias must be float ", ShapeString(want), "; got ",
                        DTypeName(bias.dtype()), " ", ShapeString(bias.shape())));
     }
     args.bias = bias;
@@ -568,14 +571,16 @@ absl::StatusOr<RelativeBuckets> RelativeBucketCache::Relative(Ops& ops, int64_t 
 }
 
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
-                                    const Tensor& first_row, int64_t rows) {
+                                    DType operands, const Tensor& first_row, int64_t rows) {
   // TE stores the table as [heads, buckets]; the op reads [buckets, heads].
   const int64_t heads = rel_embedding.dim(0);
   ASSIGN_OR_RETURN(Tensor table,
                    ops.Allocate(rel_embedding.dtype(), {rel_embedding.dim(1), heads}));
   RETURN_IF_ERROR(ops.Permute(rel_embedding, {1, 0}, &table));
   const int64_t query_rows = first_row.defined() ? rows : buckets.dim(0);
-  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(DType::kF32, {heads, query_rows, buckets.dim(1)}));
+  const DType dtype =
+      operands == DType::kBF16 || operands == DType::kF16 ? operands : DType::kF32;
+  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(dtype, {heads, query_rows, buckets.dim(1)}));
   RETURN_IF_ERROR(ops.RelativeBiasForward(table, buckets, first_row, &bias));
   return bias;
 }

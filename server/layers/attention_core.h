@@ -223,12 +223,15 @@ class RelativeBucketCache {
       ABSL_GUARDED_BY(mu_);
 };
 
-// bias f32 [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB]
-// and buckets [Sq, Skv]; or, given `first_row` (an int32 on the device: a
-// decode step's position), from rows first_row .. first_row + rows - 1 of
-// buckets [R, Skv], read when the kernel runs.
+// bias [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB] and
+// buckets [Sq, Skv]; or, given `first_row` (an int32 on the device: a decode
+// step's position), from rows first_row .. first_row + rows - 1 of buckets
+// [R, Skv], read when the kernel runs. The bias is in `operands`, the
+// attention's q/k/v dtype, when that is bf16 or f16 (as cuDNN adds it: no
+// cast, half the bytes), else float32.
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
-                                    const Tensor& first_row = Tensor(), int64_t rows = 0);
+                                    DType operands, const Tensor& first_row = Tensor(),
+                                    int64_t rows = 0);
 // d rel_embedding [H, NB] (in `param_dtype`) from the table's gradient
 // dtable f32 [NB, H] (AttentionBackward's with saved.relative).
 absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype);

@@ -159,12 +159,12 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(step.decode_cache_index, attention_.CacheIndex(ops, *vars, opts));
     }
     if (options_.relative_embedding && opts.decode) {
-      ASSIGN_OR_RETURN(bias,
-                       DecodeBias(ops, *vars, step.decode_cache_index, seq, opts.decode_context));
+      ASSIGN_OR_RETURN(bias, DecodeBias(ops, *vars, step.decode_cache_index, seq, in.x.dtype(),
+                                        opts.decode_context));
     } else if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(relative, buckets_.Relative(ops, seq, seq, opts.constants));
       ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
-      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, relative.buckets));
+      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, relative.buckets, in.x.dtype()));
     }
     // A decoder's self-attention reads no mask: the request's is the
     // cross-attention's (encoder_decoder_mask).
@@ -368,7 +368,8 @@ class TransformerLayerImpl : public Layer {
   // step reports that). Under a decode context the table is uploaded once
   // for all its steps and layers.
   absl::StatusOr<Tensor> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
-                                    int64_t tokens, DecodeContext* context) const {
+                                    int64_t tokens, DType operands,
+                                    DecodeContext* context) const {
     const KvCacheNames names = KvCacheNamesAt(options_.attention.scope);
     auto key = vars.find(names.key);
     auto index = vars.find(names.index);
@@ -379,7 +380,8 @@ class TransformerLayerImpl : public Layer {
     ASSIGN_OR_RETURN(const Tensor buckets,
                      buckets_.Buckets(ops, length, length,
                                       context != nullptr ? &context->constants : nullptr));
-    return RelativeBias(ops, table, buckets, DecodePosition(index->second, context), tokens);
+    return RelativeBias(ops, table, buckets, operands, DecodePosition(index->second, context),
+                        tokens);
   }
 
   absl::Status CheckInputShape(const Shape& shape) const {
