@@ -121,7 +121,7 @@ inline bool HasMask(const LayerInputs& in) {
 }
 
 // out [B, Sq, Hq, D] = attention(q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]).
-// `bias` (optional) is f32 [Hq, Sq, Skv], added after scaling. Dropout on the
+// `bias` (optional) is [Hq, Sq, Skv], float32 or q's dtype, added after scaling. Dropout on the
 // probabilities runs only when `dropout_active` and the rate is positive.
 // INVALID_ARGUMENT when shapes or dtypes do not match the config (the message
 // names q, k, v or the seqlens). With `saved` non-null, fills it for
