@@ -184,6 +184,29 @@ absl::Status CheckCopyRowsAtArgs(const Tensor& src, const Tensor& position, cons
                                    ShapeString(src.shape())));
 }
 
+absl::Status CheckDecodeQkvRowsArgs(const Tensor& qkv, const RotaryArgs* rotary,
+                                    const Tensor& position, const Tensor* q,
+                                    const Tensor* key_cache, const Tensor* value_cache) {
+  const char* op = "DecodeQkvRows";
+  RETURN_IF_ERROR(CheckPackedQkv(op, "qkv", qkv));
+  RETURN_IF_ERROR(RequireDefined(op, "q", q));
+  RETURN_IF_ERROR(CheckDevicePosition(op, "position", position));
+  const Shape part = {qkv.dim(0), qkv.dim(1), qkv.dim(3), qkv.dim(4)};
+  RETURN_IF_ERROR(RequireDType(op, "q", q, qkv.dtype()));
+  RETURN_IF_ERROR(RequireShape(op, "q", *q, part, ShapeString(part)));
+  for (const auto& [name, cache] : {std::pair<const char*, const Tensor*>{"key_cache", key_cache},
+                                    {"value_cache", value_cache}}) {
+    RETURN_IF_ERROR(RequireDefined(op, name, cache));
+    RETURN_IF_ERROR(RequireDType(op, name, cache, qkv.dtype()));
+    const Shape want = {part[0], cache->rank() == 4 ? cache->dim(1) : 0, part[2], part[3]};
+    RETURN_IF_ERROR(RequireShape(
+        op, name, *cache, want,
+        absl::StrCat("[", part[0], ", L, ", part[2], ", ", part[3], "] (qkv's B, H, D)")));
+  }
+  if (rotary != nullptr) RETURN_IF_ERROR(CheckRotaryArgs(*rotary, *q, q));
+  return absl::OkStatus();
+}
+
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y) {
   RETURN_IF_ERROR(RequireFloat("Cast", "x", &x));
   RETURN_IF_ERROR(RequireFloat("Cast", "y", y));

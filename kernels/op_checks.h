@@ -70,6 +70,9 @@ absl::Status CheckCopyAllArgs(const std::vector<const Tensor*>& src,
 // src [B, S, ...] and dst [B, L, ...]: one dtype, the same B and trailing
 // dims; position a device position (CheckDevicePosition).
 absl::Status CheckCopyRowsAtArgs(const Tensor& src, const Tensor& position, const Tensor* dst);
+absl::Status CheckDecodeQkvRowsArgs(const Tensor& qkv, const RotaryArgs* rotary,
+                                    const Tensor& position, const Tensor* q,
+                                    const Tensor* key_cache, const Tensor* value_cache);
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y);
 // A term with a zero coefficient is not checked (the op does not read it).
 absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tensor& b,

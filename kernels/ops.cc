@@ -258,6 +258,23 @@ absl::Status Ops::AttentionForwardPacked(const AttentionArgs& args, const Tensor
   return AttentionForward(args, qkv_parts[0], qkv_parts[1], qkv_parts[2], out, softmax_lse);
 }
 
+absl::Status Ops::DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
+                                const Tensor& position, Tensor* q, Tensor* key_cache,
+                                Tensor* value_cache) {
+  RETURN_IF_ERROR(CheckDecodeQkvRowsArgs(qkv, rotary, position, q, key_cache, value_cache));
+  ASSIGN_OR_RETURN(Tensor front, Allocate(qkv.dtype(), FrontShape(qkv)));
+  RETURN_IF_ERROR(Permute(qkv, {2, 0, 1, 3, 4}, &front));
+  std::vector<Tensor> parts = Unstack(front);
+  if (rotary != nullptr) {
+    RETURN_IF_ERROR(Rotary(*rotary, parts[0], q));
+    RETURN_IF_ERROR(Rotary(*rotary, parts[1], &parts[1]));
+  } else {
+    RETURN_IF_ERROR(Copy(parts[0], q));
+  }
+  RETURN_IF_ERROR(CopyRowsAt(parts[1], position, key_cache));
+  return CopyRowsAt(parts[2], position, value_cache);
+}
+
 absl::Status Ops::AttentionBackwardPacked(const AttentionArgs& args, const Tensor& qkv,
                                           const Tensor& out, const Tensor& dout,
                                           const Tensor& softmax_lse, Tensor* dqkv,

@@ -973,6 +973,17 @@ class Ops {
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
+  // A decode step's new tokens from the fused QKV projection's output as it
+  // is, qkv [B, T, 3, H, D] (TE's BS3HD): q [B, T, H, D] = part 0, and parts
+  // 1 and 2 written into key_cache and value_cache [B, L, H, D] at rows p ..
+  // p + T - 1 as CopyRowsAt writes them (p = position's one int32 element on
+  // the op's device). With `rotary` (non-null; its own position fields, as
+  // Rotary reads them), q and the keys are rotated on the way. One dtype
+  // throughout. The default splits qkv with Permute, then runs Rotary and
+  // CopyRowsAt; the CUDA backend does it in one pass.
+  virtual absl::Status DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
+                                     const Tensor& position, Tensor* q, Tensor* key_cache,
+                                     Tensor* value_cache);
   // T5 relative position bias: bias[h, i, j] = table[buckets[r0 + i, j], h].
   // table [NB, H] (float), buckets int32 [R, Skv], bias [H, Sq, Skv] (any
   // float dtype: the attention's operands' saves a cast).

@@ -56,9 +56,9 @@ ABSL_FLAG(int, executor_threads, 4,
           "worker threads per device: how many sessions run at once on one device");
 ABSL_FLAG(int, executor_queue, 64,
           "calls that may wait for a device's workers; beyond, RESOURCE_EXHAUSTED at once");
-ABSL_FLAG(bool, replay_decode_steps, false,
+ABSL_FLAG(bool, replay_decode_steps, true,
           "Generate records its one-token step as a CUDA graph and replays it (one launch a "
-          "token instead of hundreds); off until a concurrent soak on the GPU has run it");
+          "token instead of hundreds); --noreplay_decode_steps runs every step launch by launch");
 ABSL_FLAG(bool, enable_shm, false,
           "let same-host clients register POSIX shared memory (RegisterSharedMemory) and "
           "pass tensors through it");

@@ -251,6 +251,100 @@ TEST(RotaryErrorTest, RejectsABadPositionTensor) {
   EXPECT_TRUE(ops.Rotary(args, x, &x).ok());
 }
 
+// ---- a decode step's rows out of the packed qkv -----------------------------------
+
+// DecodeQkvRows (Ops' default on the CPU) against the float64 rotation and
+// plain copies: q is part 0 rotated, the cache rows p .. p + T - 1 hold part 1
+// rotated and part 2 as it is, every other cache row keeps its value, and rows
+// past the cache's end are skipped.
+TEST(DecodeQkvRowsTest, SplitsRotatesAndWritesTheCacheRows) {
+  CpuOps ops;
+  std::mt19937 rng(41);
+  const int64_t B = 2, T = 3, H = 2, D = 8, L = 9;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int64_t p : {int64_t{2}, int64_t{7}}) {  // 7: the last token falls past L
+      for (bool rotate : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " p " << p << " rotate "
+                                          << rotate);
+        const Shape packed = {B, T, 3, H, D}, part = {B, T, H, D}, cache = {B, L, H, D};
+        const std::vector<float> qkv_values = RandomValues(NumElements(packed), &rng);
+        const std::vector<float> key_before = RandomValues(NumElements(cache), &rng);
+        const std::vector<float> value_before = RandomValues(NumElements(cache), &rng);
+        const Tensor qkv = MakeTensor(&ops, dtype, packed, qkv_values);
+        Tensor q = ops.Allocate(dtype, part).value();
+        Tensor key = MakeTensor(&ops, dtype, cache, key_before);
+        Tensor value = MakeTensor(&ops, dtype, cache, value_before);
+        RotaryArgs rotary;
+        rotary.position_offset = 0;
+        rotary.position = DevicePosition(&ops, static_cast<int32_t>(p));
+        ASSERT_TRUE(ops.DecodeQkvRows(qkv, rotate ? &rotary : nullptr,
+                                      DevicePosition(&ops, static_cast<int32_t>(p)), &q, &key,
+                                      &value)
+                        .ok());
+        // The parts as stored (rounded to dtype), then the expectations.
+        const std::vector<float> stored = ToFloatVector(qkv);
+        std::vector<float> parts[3];
+        for (int64_t n = 0; n < NumElements(part); ++n) {
+          const int64_t bt = n / (H * D), hd = n % (H * D);
+          for (int k = 0; k < 3; ++k) parts[k].push_back(stored[(bt * 3 + k) * H * D + hd]);
+        }
+        RotaryArgs at_p = rotary;
+        at_p.position = Tensor();
+        at_p.position_offset = p;
+        const auto turned = [&](const std::vector<float>& x) {
+          if (rotate) return ReferenceRotary(at_p, x, part);
+          return std::vector<double>(x.begin(), x.end());
+        };
+        EXPECT_LT(RelativeError(ToFloatVector(q), turned(parts[0])), Tolerance(dtype)) << "q";
+        const std::vector<double> new_keys = turned(parts[1]);
+        const std::vector<float> key_after = ToFloatVector(key);
+        const std::vector<float> value_after = ToFloatVector(value);
+        const std::vector<float> key_kept = ToFloatVector(MakeTensor(&ops, dtype, cache, key_before));
+        const std::vector<float> value_kept =
+            ToFloatVector(MakeTensor(&ops, dtype, cache, value_before));
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t row = 0; row < L; ++row) {
+            const int64_t t = row - p;
+            for (int64_t hd = 0; hd < H * D; ++hd) {
+              const int64_t at = (b * L + row) * H * D + hd;
+              if (t < 0 || t >= T) {
+                EXPECT_EQ(key_after[at], key_kept[at]) << "key row " << row << " changed";
+                EXPECT_EQ(value_after[at], value_kept[at]) << "value row " << row << " changed";
+                continue;
+              }
+              const int64_t from = (b * T + t) * H * D + hd;
+              EXPECT_NEAR(key_after[at], new_keys[from], 2 * Tolerance(dtype)) << "key " << at;
+              EXPECT_EQ(value_after[at], parts[2][from]) << "value " << at;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeQkvRowsTest, RejectsMismatchedTensorsNamingThem) {
+  CpuOps ops;
+  const Tensor qkv = ops.Allocate(DType::kF32, {1, 1, 3, 2, 4}).value();
+  Tensor q = ops.Allocate(DType::kF32, {1, 1, 2, 4}).value();
+  Tensor key = ops.Allocate(DType::kF32, {1, 5, 2, 4}).value();
+  Tensor value = ops.Allocate(DType::kF32, {1, 5, 2, 4}).value();
+  Tensor bad_value = ops.Allocate(DType::kF32, {1, 5, 3, 4}).value();
+  Tensor bad_q = ops.Allocate(DType::kBF16, {1, 1, 2, 4}).value();
+  const Tensor position = DevicePosition(&ops, 0);
+  const absl::Status value_status =
+      ops.DecodeQkvRows(qkv, nullptr, position, &q, &key, &bad_value);
+  EXPECT_EQ(value_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(value_status.message().find("value_cache"), std::string::npos) << value_status;
+  const absl::Status q_status = ops.DecodeQkvRows(qkv, nullptr, position, &bad_q, &key, &value);
+  EXPECT_EQ(q_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(q_status.message().find("q"), std::string::npos) << q_status;
+  const Tensor not_packed = ops.Allocate(DType::kF32, {1, 1, 2, 2, 4}).value();
+  EXPECT_EQ(ops.DecodeQkvRows(not_packed, nullptr, position, &q, &key, &value).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ops.DecodeQkvRows(qkv, nullptr, position, &q, &key, &value).ok());
+}
+
 // ---- T5 relative position bias -------------------------------------------------------
 
 struct BiasSetup {

@@ -1,7 +1,8 @@
-// CudaOps::AttentionForward / AttentionBackward: argument checks, then cuDNN's
-// fused SDPA (attention_cudnn.cc) where it takes the call, else the unfused
-// kernels: attention_small_head.cu for head_dim <= 32 without a bias,
-// attention_fallback.cu for the rest. The first fallback of each
+// CudaOps::AttentionForward / AttentionBackward: argument checks, then (a
+// forward of one query row per sequence, a decode step's) the decode kernel
+// of attention_decode.cu, else cuDNN's fused SDPA (attention_cudnn.cc) where
+// it takes the call, else the unfused kernels: attention_small_head.cu for
+// head_dim <= 32 without a bias, attention_fallback.cu for the rest. The first fallback of each
 // configuration is logged once on stderr with cuDNN's reason.
 //
 // The packed variants (qkv [B, S, 3, H, D]) hand cuDNN pointers into qkv and
@@ -35,6 +36,7 @@ namespace {
 std::atomic<int> attention_path{static_cast<int>(AttentionPath::kAuto)};
 std::atomic<int64_t> packed_cudnn_calls{0};
 std::atomic<int64_t> relative_band_calls{0};
+std::atomic<int64_t> decode_attention_calls{0};
 
 __global__ void WriteDropoutSeedKernel(int64_t* dst, uint64_t seed) {
   dst[0] = static_cast<int64_t>(seed);
@@ -224,6 +226,7 @@ void SetAttentionPath(AttentionPath path) { attention_path.store(static_cast<int
 AttentionPath GetAttentionPath() { return static_cast<AttentionPath>(attention_path.load()); }
 int64_t CudnnPackedAttentionCalls() { return packed_cudnn_calls.load(); }
 int64_t RelativeBandCalls() { return relative_band_calls.load(); }
+int64_t DecodeAttentionCalls() { return decode_attention_calls.load(); }
 
 absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& q,
                                        const Tensor& k, const Tensor& v, Tensor* out,
@@ -233,6 +236,12 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
                    CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
   if (out->numel() == 0) return absl::OkStatus();
 
+  // A decode step's one query row: cuDNN would compute a whole 64-row tile.
+  if (GetAttentionPath() == AttentionPath::kAuto &&
+      DecodeAttentionFits(args, shape, q, k, v, *out)) {
+    decode_attention_calls.fetch_add(1);
+    return DecodeAttentionForward(args, shape, q, k, v, out, softmax_lse, stream());
+  }
   const bool small_head = UseSmallHead(MakeProblem(args, shape, q, k, v));
   if (GetAttentionPath() == AttentionPath::kAuto) {
     const absl::Status fused =

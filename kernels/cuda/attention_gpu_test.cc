@@ -26,6 +26,10 @@
 // 130) and GQA groups of 1, 2 and 4 spread over it, plus a few long rows and
 // the general fallback on the same kind of shapes.
 //
+// One query row per sequence (a decode step) on the decode kernel
+// (attention_decode.cu), asserted through its call counter, against the CPU
+// for every dtype, mask type, GQA and bias dtype it takes.
+//
 // The packed ops (qkv [B, S, 3, H, D] -> out; dqkv) against the CPU on the
 // parts and against the GPU's own unpacked ops: cuDNN reading and writing the
 // packed tensors in place where it takes them (asserted through the packed
@@ -466,23 +470,24 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // A forward that no backward reads (AttentionArgs::forward_only: a decode
-// step) takes a bias with a padding mask on cuDNN, at generation's shapes:
-// one new token over a cache of 192 rows of which each sequence sees its
-// own count, and a prompt of 128 over the same cache, padding and causal.
-// An odd cache length must still answer right, on whichever path.
+// step) takes a bias with a padding mask, at generation's shapes: one new
+// token over a cache of 192 rows of which each sequence sees its own count
+// (the decode kernel), and a prompt of 128 over the same cache, padding and
+// causal (cuDNN). An odd cache length must still answer right.
+enum class ForwardOnlyPath { kCudnn, kDecode };
 struct ForwardOnlyShape {
   int64_t q_seq, kv_seq;
   MaskType mask;
-  bool expect_cudnn;
+  ForwardOnlyPath path;
 };
 
 class GpuAttentionForwardOnlyTest : public GpuAttentionTest {};
 
 TEST_F(GpuAttentionForwardOnlyTest, BiasWithPaddingRunsOnCudnnAndMatchesCpu) {
   for (const ForwardOnlyShape& c :
-       {ForwardOnlyShape{1, 192, MaskType::kPadding, true},
-        ForwardOnlyShape{128, 192, MaskType::kPaddingCausal, true},
-        ForwardOnlyShape{1, 191, MaskType::kPadding, false}}) {
+       {ForwardOnlyShape{1, 192, MaskType::kPadding, ForwardOnlyPath::kDecode},
+        ForwardOnlyShape{128, 192, MaskType::kPaddingCausal, ForwardOnlyPath::kCudnn},
+        ForwardOnlyShape{1, 191, MaskType::kPadding, ForwardOnlyPath::kDecode}}) {
     SCOPED_TRACE(::testing::Message() << "q " << c.q_seq << " kv " << c.kv_seq);
     const int64_t batch = 2, heads = 16, head_dim = 64;
     const Shape q_shape = {batch, c.q_seq, heads, head_dim};
@@ -514,14 +519,100 @@ TEST_F(GpuAttentionForwardOnlyTest, BiasWithPaddingRunsOnCudnnAndMatchesCpu) {
     gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
     Tensor gout = GpuEmpty(DType::kBF16, q_shape);
     Tensor glse = GpuEmpty(DType::kF32, lse_shape);
-    const int64_t calls_before = cuda::CudnnAttentionCalls();
+    const int64_t cudnn_before = cuda::CudnnAttentionCalls();
+    const int64_t decode_before = cuda::DecodeAttentionCalls();
     ASSERT_TRUE(gpu_->AttentionForward(gpu_args, ToGpu(q), ToGpu(k), ToGpu(v), &gout, &glse).ok());
-    if (c.expect_cudnn) {
-      EXPECT_EQ(cuda::CudnnAttentionCalls() - calls_before, 1) << "cuDNN declined";
-    }
+    const bool decode = c.path == ForwardOnlyPath::kDecode;
+    EXPECT_EQ(cuda::CudnnAttentionCalls() - cudnn_before, decode ? 0 : 1) << "cuDNN";
+    EXPECT_EQ(cuda::DecodeAttentionCalls() - decode_before, decode ? 1 : 0) << "decode kernel";
     EXPECT_LT(RelativeError(FromGpu(gout), ::te::testing::ToDoubles(cpu_out)),
               Tolerance(DType::kBF16)) << "out";
     ExpectLseNear(FromGpu(glse), cpu_lse, Tolerance(DType::kBF16));
+  }
+}
+
+// The decode kernel (one query row per sequence) against the CPU, over what a
+// decode step can bring: every float dtype, GQA groups of 1, 2 and 4,
+// head_dim 32 to 128, caches of odd lengths with per-sequence lengths (one
+// of them 0, and one sequence whose query row is padding), a bias in float32
+// or the operands' dtype, and each mask type a single row can meet (top-left
+// causal: the row sees key 0 alone). A case the kernel must decline (head_dim
+// not a whole number of 8-element packs) goes elsewhere and still matches.
+struct DecodeRowCase {
+  std::string name;
+  DType dtype;
+  int64_t batch, kv_seq, q_heads, kv_heads, head_dim;
+  MaskType mask;
+  DType bias;  // kI32: none
+};
+
+TEST_F(GpuAttentionForwardOnlyTest, DecodeRowsMatchCpu) {
+  const DType kNone = DType::kI32;
+  const DecodeRowCase cases[] = {
+      {"bf16_padding_bias", DType::kBF16, 8, 384, 16, 16, 64, MaskType::kPadding, DType::kBF16},
+      {"bf16_padding_f32_bias_gqa4", DType::kBF16, 3, 200, 8, 2, 128, MaskType::kPadding,
+       DType::kF32},
+      {"f16_nomask_gqa2", DType::kF16, 2, 77, 4, 2, 64, MaskType::kNoMask, kNone},
+      {"f32_padding_causal_bottom_right", DType::kF32, 3, 130, 4, 4, 32,
+       MaskType::kPaddingCausalBottomRight, DType::kF32},
+      {"bf16_causal_top_left", DType::kBF16, 2, 50, 4, 4, 64, MaskType::kCausal, kNone},
+      {"f16_padding_causal_d40", DType::kF16, 2, 33, 2, 1, 40, MaskType::kPaddingCausal,
+       DType::kF16},
+      {"bf16_long_cache", DType::kBF16, 1, 4000, 16, 16, 64, MaskType::kPadding, DType::kBF16},
+      {"declined_d36", DType::kBF16, 2, 64, 4, 4, 36, MaskType::kNoMask, kNone},
+  };
+  for (const DecodeRowCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Shape q_shape = {c.batch, 1, c.q_heads, c.head_dim};
+    const Shape kv_shape = {c.batch, c.kv_seq, c.kv_heads, c.head_dim};
+    const Shape lse_shape = {c.batch, c.q_heads, 1};
+    const Tensor q = Host(c.dtype, q_shape, RandomValues(NumElements(q_shape), 21));
+    const Tensor k = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 22));
+    const Tensor v = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 23));
+    AttentionArgs cpu_args;
+    cpu_args.mask = c.mask;
+    cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    cpu_args.forward_only = true;
+    if (c.bias != kNone) {
+      cpu_args.bias = Host(c.bias, {c.q_heads, 1, c.kv_seq},
+                           RandomValues(c.q_heads * c.kv_seq, 24, -2.0f, 2.0f));
+    }
+    if (IsPaddingMask(c.mask)) {
+      cpu_args.q_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+      cpu_args.kv_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+      for (int64_t b = 0; b < c.batch; ++b) {
+        // Sequence 1 (where there is one) sees no key; the last one's query
+        // row is padding; the others see their own share of the cache.
+        const int64_t kv_len = b == 1 ? 0 : c.kv_seq - (b * 29) % (c.kv_seq / 2 + 1);
+        cpu_args.kv_seqlens.data_as<int32_t>()[b] = static_cast<int32_t>(kv_len);
+        cpu_args.q_seqlens.data_as<int32_t>()[b] = b == c.batch - 1 && c.batch > 2 ? 0 : 1;
+      }
+    }
+    Tensor cpu_out = ::te::testing::MakeEmpty(cpu_, c.dtype, q_shape);
+    Tensor cpu_lse = ::te::testing::MakeEmpty(cpu_, DType::kF32, lse_shape);
+    ASSERT_TRUE(cpu_.AttentionForward(cpu_args, q, k, v, &cpu_out, &cpu_lse).ok());
+    AttentionArgs gpu_args = cpu_args;
+    if (c.bias != kNone) gpu_args.bias = ToGpu(cpu_args.bias);
+    if (IsPaddingMask(c.mask)) {
+      gpu_args.q_seqlens = ToGpu(cpu_args.q_seqlens);
+      gpu_args.kv_seqlens = ToGpu(cpu_args.kv_seqlens);
+    }
+    Tensor gout = GpuEmpty(c.dtype, q_shape);
+    Tensor glse = GpuEmpty(DType::kF32, lse_shape);
+    const int64_t decode_before = cuda::DecodeAttentionCalls();
+    const absl::Status fwd =
+        gpu_->AttentionForward(gpu_args, ToGpu(q), ToGpu(k), ToGpu(v), &gout, &glse);
+    ASSERT_TRUE(fwd.ok()) << fwd;
+    EXPECT_EQ(cuda::DecodeAttentionCalls() - decode_before, c.head_dim % 8 == 0 ? 1 : 0);
+    EXPECT_LT(RelativeError(FromGpu(gout), ::te::testing::ToDoubles(cpu_out)),
+              Tolerance(c.dtype)) << "out";
+    ExpectLseNear(FromGpu(glse), cpu_lse, Tolerance(c.dtype));
+    // Rows that see no key are exactly zero.
+    const std::vector<double> out = FromGpu(gout);
+    const std::vector<double> ref = ::te::testing::ToDoubles(cpu_out);
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (ref[i] == 0.0) EXPECT_EQ(out[i], 0.0) << "element " << i;
+    }
   }
 }
 

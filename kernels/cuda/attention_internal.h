@@ -160,6 +160,19 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
                                     const Tensor& softmax_lse, const DqkvMemory& grads,
                                     Tensor* dbias);
 
+// ---- one query row per sequence (attention_decode.cu) ----------------------
+// Whether the decode kernel computes this forward: Sq == 1 (a decode step's
+// new token), no dropout or elementwise mask, q, k, v and out of one float
+// dtype, a bias f32 or in that dtype, head_dim a multiple of 8 with k and v
+// aligned to whole 8-element packs, at most 10240 keys. Any mask type.
+bool DecodeAttentionFits(const AttentionArgs& args, const AttentionShape& s, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out);
+// AttentionForward's results (out, and softmax_lse where defined) for a call
+// DecodeAttentionFits takes, enqueued on `stream`.
+absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionShape& s,
+                                    const Tensor& q, const Tensor& k, const Tensor& v, Tensor* out,
+                                    Tensor* softmax_lse, cudaStream_t stream);
+
 // ---- a relative-position table's gradient (relative_bias_grad.cu) ----------
 // The most diagonals the band kernel covers (RelativeBuckets::uniform_from).
 constexpr int kRelativeBandMax = 128;
@@ -197,6 +210,8 @@ int64_t SmallHeadAttentionCalls();
 int64_t SetSmallHeadDropoutBitsLimit(int64_t bytes);
 // Relative backwards whose table gradient the band kernel formed.
 int64_t RelativeBandCalls();
+// Forwards the decode kernel served.
+int64_t DecodeAttentionCalls();
 // Of the cuDNN calls, the packed ops' calls that cuDNN served on the packed layout
 // itself (not after the split default).
 int64_t CudnnPackedAttentionCalls();

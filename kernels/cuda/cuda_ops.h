@@ -238,6 +238,8 @@ class CudaOps : public Ops {
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
+  absl::Status DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary, const Tensor& position,
+                             Tensor* q, Tensor* key_cache, Tensor* value_cache) override;
   absl::Status EmbedForward(const Tensor& table, const Tensor& ids, Tensor* y) override;
   absl::Status EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor* dtable) override;
   absl::Status SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels, Tensor* loss,

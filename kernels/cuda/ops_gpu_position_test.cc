@@ -1,7 +1,8 @@
 // Position encodings on the GPU against the CPU reference: rotary embeddings
 // and the relative position bias (forward and its table gradient), each also
-// at a position that lives on the device, and CopyRowsAt (a decode step's
-// rows written into the cache at such a position).
+// at a position that lives on the device, CopyRowsAt (a decode step's rows
+// written into the cache at such a position) and DecodeQkvRows (the same
+// rows out of the packed QKV projection, rotated on the way).
 #include <utility>
 
 #include "kernels/cuda/ops_gpu_test.h"
@@ -188,6 +189,63 @@ INSTANTIATE_TEST_SUITE_P(Matrix, CopyRowsAtTest,
                          [](const auto& info) {
                            return std::string(Short(std::get<0>(info.param))) + "_S" +
                                   std::to_string(std::get<1>(info.param));
+                         });
+
+// ---- a decode step's rows out of the packed qkv ----------------------------------------------
+
+// The one-pass kernel against the CPU (Ops' default: Permute, Rotary,
+// CopyRowsAt): q and the cache after the step, at positions inside, partly
+// past the end and wholly past it, with and without rotation, T up to the
+// kernel's 16 and past it (the default's path on the GPU too). The values,
+// copied rows, must match exactly, and so must every cache row the step does
+// not write; q and the rotated keys within the dtype's tolerance.
+using DecodeQkvRowsCase = std::tuple<DType, int64_t, bool>;  // T, rotate
+class DecodeQkvRowsTest : public DevicePositionTest,
+                          public ::testing::WithParamInterface<DecodeQkvRowsCase> {};
+
+TEST_P(DecodeQkvRowsTest, MatchesCpu) {
+  const auto [dtype, tokens, rotate] = GetParam();
+  const int64_t batch = 3, heads = 4, dim = 64, length = 40;
+  for (int32_t p : {0, 17, 38, 40}) {
+    SCOPED_TRACE(::testing::Message() << "p " << p);
+    const uint32_t seed = static_cast<uint32_t>(50 + p);
+    const Pair qkv = Random(dtype, {batch, tokens, 3, heads, dim}, seed);
+    const Pair key = Random(dtype, {batch, length, heads, dim}, seed + 100);
+    const Pair value = Random(dtype, {batch, length, heads, dim}, seed + 200);
+    Pair q = Output(dtype, {batch, tokens, heads, dim});
+    const Pair position = Position(p);
+    RotaryArgs rotary;
+    Tensor key_cpu = key.cpu, key_gpu = key.gpu, value_cpu = value.cpu, value_gpu = value.gpu;
+    rotary.position = position.cpu;
+    ASSERT_TRUE(cpu_->DecodeQkvRows(qkv.cpu, rotate ? &rotary : nullptr, position.cpu, &q.cpu,
+                                    &key_cpu, &value_cpu)
+                    .ok());
+    rotary.position = position.gpu;
+    const absl::Status s = gpu_->DecodeQkvRows(qkv.gpu, rotate ? &rotary : nullptr,
+                                               position.gpu, &q.gpu, &key_gpu, &value_gpu);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectMatches(q, "q");
+    ExpectMatches(key, "key cache");
+    const Tensor got_value = Fetch(value.gpu);
+    EXPECT_EQ(0, std::memcmp(got_value.data(), value.cpu.data(), value.cpu.nbytes()))
+        << "value cache";
+    if (!rotate) {
+      const Tensor got_key = Fetch(key.gpu);
+      EXPECT_EQ(0, std::memcmp(got_key.data(), key.cpu.data(), key.cpu.nbytes())) << "key cache";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, DecodeQkvRowsTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16,
+                                                              DType::kF16),
+                                            ::testing::Values(int64_t{1}, int64_t{5},
+                                                              int64_t{20}),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(Short(std::get<0>(info.param))) + "_T" +
+                                  std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_rotated" : "_plain");
                          });
 
 }  // namespace

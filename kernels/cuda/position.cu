@@ -91,6 +91,52 @@ __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storag
   }
 }
 
+// A decode step's q, k and v out of the packed qkv [B, T, 3, H, D], one thread
+// a pair of elements (Rotary's pairs): part 0 to q [B, T, H, D], parts 1 and
+// 2 to the caches [B, L, H, D] at row p + t (p = *position; rows outside [0,
+// L) are skipped), q and k rotated where `rotate` (angles.Start() is the
+// rotation's position of token 0, as RotaryKernel's folded path computes it).
+template <typename T>
+__global__ void DecodeQkvRowsKernel(const typename T::Storage* qkv, typename T::Storage* q,
+                                    typename T::Storage* key_cache,
+                                    typename T::Storage* value_cache, const int32_t* position,
+                                    int64_t batch, int64_t tokens, int64_t heads, int64_t dim,
+                                    int64_t length, bool rotate, bool consecutive,
+                                    RotaryAngles angles) {
+  const int64_t half = dim / 2;
+  const int64_t pairs = batch * tokens * heads * half;  // of one part
+  const int64_t p = *position;
+  const int64_t start = rotate ? angles.Start() : 0;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < 3 * pairs;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t part = k / pairs, n = k - part * pairs;
+    const int64_t r = n / half, i = n - r * half;  // r = (b * T + t) * H + h
+    const int64_t h = r % heads, bt = r / heads, t = bt % tokens, b = bt / tokens;
+    const int64_t first = consecutive ? 2 * i : i;
+    const int64_t second = consecutive ? 2 * i + 1 : i + half;
+    const typename T::Storage* src = qkv + ((bt * 3 + part) * heads + h) * dim;
+    typename T::Storage* dst;
+    if (part == 0) {
+      dst = q + r * dim;
+    } else {
+      const int64_t row = p + t;
+      if (row < 0 || row >= length) continue;
+      dst = (part == 1 ? key_cache : value_cache) + ((b * length + row) * heads + h) * dim;
+    }
+    if (!rotate || part == 2) {
+      dst[first] = src[first];
+      dst[second] = src[second];
+      continue;
+    }
+    float c, s;
+    RotaryCosSin(start + t, i, angles.dim, angles.min_timescale, angles.ratio, angles.inverse, &c,
+                 &s);
+    const float a = T::Load(src[first]), bb = T::Load(src[second]);
+    dst[first] = T::Store(a * c - bb * s);
+    dst[second] = T::Store(bb * c + a * s);
+  }
+}
+
 // bias[h, i, j] = table[buckets[r0 + i, j], h], bias [H, Sq, Skv], buckets
 // [R, Skv]; r0 = *first_row (device int32, read here; null: 0), and rows
 // r0 + i outside [0, R) give 0. Buckets are device data, checked here rather
@@ -210,6 +256,43 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
           static_cast<typename Out::Storage*>(y->data()), cos_table, sin_table, rows, seq, heads,
           dim, args.consecutive, angles);
     });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
+                                    const Tensor& position, Tensor* q, Tensor* key_cache,
+                                    Tensor* value_cache) {
+  RETURN_IF_ERROR(CheckDecodeQkvRowsArgs(qkv, rotary, position, q, key_cache, value_cache));
+  const int64_t batch = qkv.dim(0), tokens = qkv.dim(1), heads = qkv.dim(3), dim = qkv.dim(4);
+  const int64_t pairs = 3 * batch * tokens * heads * (dim / 2);
+  // An odd head_dim (no rotation: Rotary needs D even) moves element pairs
+  // that do not exist: the default's copies take it.
+  if (dim % 2 != 0 || (rotary != nullptr && tokens > kFoldedRotaryMaxSeq)) {
+    return Ops::DecodeQkvRows(qkv, rotary, position, q, key_cache, value_cache);
+  }
+  if (pairs == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  RotaryAngles angles{};
+  if (rotary != nullptr) {
+    angles.dim = dim;
+    angles.min_timescale = rotary->min_timescale;
+    angles.ratio = static_cast<double>(rotary->max_timescale) / rotary->min_timescale;
+    angles.inverse = rotary->inverse;
+    angles.position_offset = rotary->position_offset;
+    angles.position = HasDevicePosition(rotary->position)
+                          ? rotary->position.data_as<const int32_t>()
+                          : nullptr;
+  }
+  DispatchFloat(qkv.dtype(), [&](auto format) {
+    using T = decltype(format);
+    using S = typename T::Storage;
+    DecodeQkvRowsKernel<T><<<GridFor(pairs), kThreads, 0, stream()>>>(
+        static_cast<const S*>(qkv.data()), static_cast<S*>(q->data()),
+        static_cast<S*>(key_cache->data()), static_cast<S*>(value_cache->data()),
+        position.data_as<const int32_t>(), batch, tokens, heads, dim, key_cache->dim(1),
+        rotary != nullptr, rotary == nullptr || rotary->consecutive, angles);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

@@ -458,13 +458,7 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
   return out;
 }
 
-absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
-                         int64_t position_offset, const Tensor& position) {
-  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rotary embedding needs [batch, seq, heads, head_dim] with an even head_dim; got ",
-        ShapeString(x.shape())));
-  }
+RotaryArgs TeRotary(bool inverse, int64_t position_offset, const Tensor& position) {
   RotaryArgs args;
   args.min_timescale = 1.0f;
   args.max_timescale = 10000.0f;
@@ -472,8 +466,18 @@ absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
   args.inverse = inverse;
   args.position_offset = position_offset;
   args.position = position;
+  return args;
+}
+
+absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
+                         int64_t position_offset, const Tensor& position) {
+  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rotary embedding needs [batch, seq, heads, head_dim] with an even head_dim; got ",
+        ShapeString(x.shape())));
+  }
   ASSIGN_OR_RETURN(Tensor rotated, ops.Allocate(x.dtype(), x.shape()));
-  RETURN_IF_ERROR(ops.Rotary(args, x, &rotated));
+  RETURN_IF_ERROR(ops.Rotary(TeRotary(inverse, position_offset, position), x, &rotated));
   *y = rotated;
   return absl::OkStatus();
 }
@@ -570,13 +574,17 @@ absl::StatusOr<RelativeBuckets> RelativeBucketCache::Relative(Ops& ops, int64_t 
   return relative;
 }
 
-absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
-                                    DType operands, const Tensor& first_row, int64_t rows) {
+absl::StatusOr<Tensor> RelativeTable(Ops& ops, const Tensor& rel_embedding) {
   // TE stores the table as [heads, buckets]; the op reads [buckets, heads].
-  const int64_t heads = rel_embedding.dim(0);
-  ASSIGN_OR_RETURN(Tensor table,
-                   ops.Allocate(rel_embedding.dtype(), {rel_embedding.dim(1), heads}));
+  ASSIGN_OR_RETURN(Tensor table, ops.Allocate(rel_embedding.dtype(),
+                                              {rel_embedding.dim(1), rel_embedding.dim(0)}));
   RETURN_IF_ERROR(ops.Permute(rel_embedding, {1, 0}, &table));
+  return table;
+}
+
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor& buckets,
+                                    DType operands, const Tensor& first_row, int64_t rows) {
+  const int64_t heads = table.dim(1);
   const int64_t query_rows = first_row.defined() ? rows : buckets.dim(0);
   const DType dtype =
       operands == DType::kBF16 || operands == DType::kF16 ? operands : DType::kF32;

@@ -181,6 +181,9 @@ absl::StatusOr<Tensor> StackAxis(Ops& ops, const std::vector<Tensor>& parts, int
 // the kernel runs: a decode step's position lives on the device.
 absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
                          int64_t position_offset = 0, const Tensor& position = Tensor());
+// That rotation's arguments, for ops that rotate on the way (DecodeQkvRows).
+RotaryArgs TeRotary(bool inverse, int64_t position_offset = 0,
+                    const Tensor& position = Tensor());
 
 // ---- T5 relative position biases --------------------------------------------
 // TE's RelativePositionBiases bucket of each (query i, key j), int32 [Sq * Skv]
@@ -223,13 +226,16 @@ class RelativeBucketCache {
       ABSL_GUARDED_BY(mu_);
 };
 
-// bias [H, Sq, Skv] from TE's parameter layout `rel_embedding` [H, NB] and
-// buckets [Sq, Skv]; or, given `first_row` (an int32 on the device: a decode
-// step's position), from rows first_row .. first_row + rows - 1 of buckets
-// [R, Skv], read when the kernel runs. The bias is in `operands`, the
-// attention's q/k/v dtype, when that is bf16 or f16 (as cuDNN adds it: no
-// cast, half the bytes), else float32.
-absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& rel_embedding, const Tensor& buckets,
+// The table RelativeBiasForward reads, [NB, H], from TE's parameter layout
+// `rel_embedding` [H, NB].
+absl::StatusOr<Tensor> RelativeTable(Ops& ops, const Tensor& rel_embedding);
+// bias [H, Sq, Skv] from `table` [NB, H] (RelativeTable's) and buckets
+// [Sq, Skv]; or, given `first_row` (an int32 on the device: a decode step's
+// position), from rows first_row .. first_row + rows - 1 of buckets [R, Skv],
+// read when the kernel runs. The bias is in `operands`, the attention's
+// q/k/v dtype, when that is bf16 or f16 (as cuDNN adds it: no cast, half the
+// bytes), else float32.
+absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor& buckets,
                                     DType operands, const Tensor& first_row = Tensor(),
                                     int64_t rows = 0);
 // d rel_embedding [H, NB] (in `param_dtype`) from the table's gradient

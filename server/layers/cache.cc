@@ -134,6 +134,20 @@ absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCac
   return ops.CopyRowsAt(v, position, &value);
 }
 
+absl::Status WriteQkvRows(Ops& ops, const Tensor& qkv, const RotaryArgs* rotary,
+                          const KvCache& cache, const Tensor& position, Tensor* q) {
+  const int64_t batch = cache.key.dim(0), tokens = cache.tokens;
+  const Shape step = {batch, tokens, 3, cache.key.dim(2), cache.key.dim(3)};
+  if (qkv.shape() != step || qkv.dtype() != cache.key.dtype()) {
+    return absl::InternalError(absl::StrCat("decode: the new rows are ", ShapeString(qkv.shape()),
+                                            " ", DTypeName(qkv.dtype()), "; the cache takes ",
+                                            ShapeString(step), " ",
+                                            DTypeName(cache.key.dtype())));
+  }
+  Tensor key = cache.key, value = cache.value;
+  return ops.DecodeQkvRows(qkv, rotary, position, q, &key, &value);
+}
+
 absl::Status DecodeContext::Reserve(Ops& ops, int64_t batch, const std::vector<int64_t>& values) {
   if (batch < 1 || values.empty()) return absl::OkStatus();
   const int64_t rows = static_cast<int64_t>(values.size());

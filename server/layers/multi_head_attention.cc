@@ -343,8 +343,12 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
                                options_.num_gqa_groups, options_.head_dim, x.dtype(),
                                opts.decode_cache_index));
   const bool has_bias = bias.defined() && bias.numel() > 0;
+  // One fused projection (no GQA, no cross-attention): its output goes to q
+  // and the cache in one op, rotated on the way.
+  const bool fused_rows = !separate_kv();
   Projected p;
-  RETURN_IF_ERROR(Project(ops, vars, x, opts, /*packed=*/false, ln_out != nullptr, &p, nullptr));
+  RETURN_IF_ERROR(
+      Project(ops, vars, x, opts, /*packed=*/fused_rows, ln_out != nullptr, &p, nullptr));
   // Without the caller's context (one layer decoding alone) this step's own.
   DecodeContext own_context;
   DecodeContext& shared = opts.decode_context != nullptr ? *opts.decode_context : own_context;
@@ -355,11 +359,19 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
   }
   // The position as the device holds it: every launch below reads it there.
   const Tensor position = DecodePosition(cache.index, &shared);
-  if (options_.rotary) {
-    RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, 0, position));
-    RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, 0, position));
+  if (fused_rows) {
+    const RotaryArgs rotation = TeRotary(/*inverse=*/false, 0, position);
+    ASSIGN_OR_RETURN(p.q, ops.Allocate(p.qkv.dtype(), {batch, tokens, options_.num_heads,
+                                                   options_.head_dim}));
+    RETURN_IF_ERROR(WriteQkvRows(ops, p.qkv, options_.rotary ? &rotation : nullptr, cache,
+                                 position, &p.q));
+  } else {
+    if (options_.rotary) {
+      RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, 0, position));
+      RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, 0, position));
+    }
+    RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache, position));
   }
-  RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache, position));
   ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, shared));
   AttentionConfig config = AttentionSettings();
   config.mask = kv.mask;

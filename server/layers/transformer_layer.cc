@@ -163,7 +163,8 @@ class TransformerLayerImpl : public Layer {
                                         opts.decode_context));
     } else if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(relative, buckets_.Relative(ops, seq, seq, opts.constants));
-      ASSIGN_OR_RETURN(Tensor table, GetVariable(*vars, kRelEmbedding));
+      ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(*vars, kRelEmbedding));
+      ASSIGN_OR_RETURN(const Tensor table, RelativeTable(ops, rel_embedding));
       ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, relative.buckets, in.x.dtype()));
     }
     // A decoder's self-attention reads no mask: the request's is the
@@ -376,10 +377,20 @@ class TransformerLayerImpl : public Layer {
     if (key == vars.end() || key->second.rank() != 4 || index == vars.end()) return Tensor();
     const int64_t length = key->second.dim(1);
     if (position < 0 || position + tokens > length) return Tensor();
-    ASSIGN_OR_RETURN(const Tensor table, GetVariable(vars, kRelEmbedding));
-    ASSIGN_OR_RETURN(const Tensor buckets,
-                     buckets_.Buckets(ops, length, length,
-                                      context != nullptr ? &context->constants : nullptr));
+    ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(vars, kRelEmbedding));
+    DeviceConstants* constants = context != nullptr ? &context->constants : nullptr;
+    ASSIGN_OR_RETURN(const Tensor buckets, buckets_.Buckets(ops, length, length, constants));
+    // The variables hold still for a context's steps: one transpose of the
+    // table for all of them, not one a step. Keyed by the parameter's memory:
+    // every layer of a model has the same scope names.
+    const auto transpose = [&] { return RelativeTable(ops, rel_embedding); };
+    ASSIGN_OR_RETURN(
+        const Tensor table,
+        constants != nullptr
+            ? constants->Get(absl::StrCat("relative table at ",
+                                          reinterpret_cast<uintptr_t>(rel_embedding.data())),
+                             transpose)
+            : transpose());
     return RelativeBias(ops, table, buckets, operands, DecodePosition(index->second, context),
                         tokens);
   }

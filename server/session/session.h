@@ -130,7 +130,7 @@ struct SessionConfig {
   int max_shm_regions = 16;     // per session
   // --replay_decode_steps: Generate replays its recorded one-token step
   // (layers::GenerateOptions::replay_steps).
-  bool replay_decode_steps = false;
+  bool replay_decode_steps = true;
 };
 
 // What a call brings besides its request: the client's deadline and a way to

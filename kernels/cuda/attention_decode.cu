@@ -1,0 +1,245 @@
+// One query row per sequence (a decode step: Sq == 1) in one launch. cuDNN's
+// fused kernel tiles 64 queries against 64 keys, so a decode step pays a
+// whole tile for its one row and then ZeroInvisibleRows for the rows cuDNN
+// leaves unspecified: about 9.5 us a layer on the H200 for what is a few
+// hundred dot products. Here a block takes one (sequence, query head): a
+// thread per key for the logits (the key row's 16-byte loads issued together:
+// a loop of dependent loads made the first version 14 us), one block-wide max
+// and sum, then a thread per 8 value columns for a strided share of the keys,
+// the shares summed in shared memory. float32 arithmetic, with cuDNN's one
+// rounding of the probabilities to the operands' dtype before P @ V.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/cuda/attention_internal.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+
+namespace te {
+namespace cuda {
+namespace {
+
+constexpr int kDecodeThreads = 128;
+// Logits of one row live in shared memory: at most this many keys (48 KiB
+// less q and the value partials).
+constexpr int64_t kDecodeMaxKeys = 10240;
+
+struct DecodeParams {
+  AttentionShape shape;
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* bias;  // [Hq, 1, Skv] in bias format, or null
+  const int32_t* q_seqlens;   // null: the row is valid
+  const int32_t* kv_seqlens;  // null: every key
+  bool causal;
+  bool bottom_right;
+  float scale;
+  void* out;
+  float* lse;  // [B, Hq, 1] or null
+};
+
+__device__ __forceinline__ int64_t Clamped(const int32_t* lengths, int64_t b, int64_t max) {
+  if (lengths == nullptr) return max;
+  const int64_t len = lengths[b];
+  return len < 0 ? 0 : (len > max ? max : len);
+}
+
+__device__ __forceinline__ float BlockMax(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < kDecodeThreads / 32 ? scratch[lane] : -INFINITY;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// A key row's logit against q (float, shared memory): kPacks 16-byte loads
+// issued together, then the products (a runtime loop where kPacks is 0).
+template <typename T, int kPacks>
+__device__ __forceinline__ float KeyDot(const Pack<typename T::Storage>* key, const float* q,
+                                        int64_t packs) {
+  float dot = 0.0f;
+  if constexpr (kPacks > 0) {
+    Pack<typename T::Storage> k[kPacks];
+#pragma unroll
+    for (int c = 0; c < kPacks; ++c) k[c] = key[c];
+#pragma unroll
+    for (int c = 0; c < kPacks; ++c) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) dot = fmaf(q[c * kVec + e], T::Load(k[c].v[e]), dot);
+    }
+  } else {
+    for (int64_t c = 0; c < packs; ++c) {
+      const Pack<typename T::Storage> k = key[c];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) dot = fmaf(q[c * kVec + e], T::Load(k.v[e]), dot);
+    }
+  }
+  return dot;
+}
+
+// Grid (Hq, B). Shared memory: q [D], logits [Skv], value partials
+// [kDecodeThreads / (D / kVec)][D], all float. kPacks: D / kVec where the
+// launcher specialises it (D 32, 64, 128), else 0.
+template <typename T, typename B, int kPacks>
+__global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodeParams p) {
+  using Storage = typename T::Storage;
+  using Vec = Pack<Storage>;
+  extern __shared__ float shared[];
+  __shared__ float scratch[32];
+  const AttentionShape& s = p.shape;
+  const int64_t h = blockIdx.x, b = blockIdx.y;
+  const int64_t kvh = h / (s.q_heads / s.kv_heads);
+  const int64_t dim = s.head_dim, packs = kPacks > 0 ? kPacks : dim / kVec;
+  const int64_t row = b * s.q_heads + h;
+  Storage* out = static_cast<Storage*>(p.out) + row * dim;
+
+  // The keys this row sees: a prefix, as the unfused kernels define it.
+  int64_t end = 0;
+  if (Clamped(p.q_seqlens, b, 1) > 0) {
+    const int64_t kv_len = Clamped(p.kv_seqlens, b, s.kv_seq);
+    end = kv_len;
+    if (p.causal) {
+      const int64_t diagonal_end =
+          1 + (p.bottom_right ? kv_len - Clamped(p.q_seqlens, b, 1) : 0);
+      end = min(end, max(diagonal_end, int64_t{0}));
+    }
+  }
+  if (end == 0) {
+    for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) out[d] = T::Store(0.0f);
+    if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = INFINITY;
+    return;
+  }
+
+  float* q = shared;
+  float* weights = q + dim;
+  float* partials = weights + s.kv_seq;
+  const Storage* q_row = static_cast<const Storage*>(p.q) + row * dim;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) q[d] = T::Load(q_row[d]);
+  __syncthreads();
+
+  const Storage* keys = static_cast<const Storage*>(p.k);
+  const Storage* values = static_cast<const Storage*>(p.v);
+  const int64_t key_stride = s.kv_heads * dim;  // elements from key j to j + 1
+  const int64_t first_key = (b * s.kv_seq * s.kv_heads + kvh) * dim;
+  const auto* bias = static_cast<const typename B::Storage*>(p.bias);
+  float local_max = -INFINITY;
+#pragma unroll 2
+  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) {
+    const Vec* key = reinterpret_cast<const Vec*>(keys + first_key + j * key_stride);
+    float logit = p.scale * KeyDot<T, kPacks>(key, q, packs);
+    if (bias != nullptr) logit += B::Load(bias[h * s.kv_seq + j]);
+    weights[j] = logit;
+    local_max = fmaxf(local_max, logit);
+  }
+  const float row_max = BlockMax(local_max, scratch);
+  // The row's sum from the float32 exponentials; the products with v from
+  // them rounded to the operands' dtype, as cuDNN's kernel feeds P to its
+  // P @ V (so a decode step rounds as the forward over the whole sequence).
+  float local_sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) {
+    const float e = expf(weights[j] - row_max);
+    weights[j] = T::Load(T::Store(e));
+    local_sum += e;
+  }
+  const float sum = BlockSum(local_sum, scratch);  // its barriers publish the weights
+
+  // Thread (share, column pack): keys share, share + shares, ... of one pack.
+  const int64_t shares = blockDim.x / packs;
+  const int64_t share = threadIdx.x / packs, pack = threadIdx.x % packs;
+  if (share < shares) {
+    float acc[kVec] = {};
+#pragma unroll 4
+    for (int64_t j = share; j < end; j += shares) {
+      const Vec vv = reinterpret_cast<const Vec*>(values + first_key + j * key_stride)[pack];
+      const float w = weights[j];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = fmaf(w, T::Load(vv.v[e]), acc[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) partials[share * dim + pack * kVec + e] = acc[e];
+  }
+  __syncthreads();
+  const float inv = 1.0f / sum;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < shares; ++i) total += partials[i * dim + d];
+    out[d] = T::Store(total * inv);
+  }
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = row_max + logf(sum);
+}
+
+size_t SharedBytes(const AttentionShape& s) {
+  const int64_t shares = kDecodeThreads / (s.head_dim / kVec);
+  return static_cast<size_t>(s.head_dim + s.kv_seq + shares * s.head_dim) * sizeof(float);
+}
+
+}  // namespace
+
+bool DecodeAttentionFits(const AttentionArgs& args, const AttentionShape& s, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out) {
+  if (s.q_seq != 1 || args.dropout_rate != 0.0f || args.elementwise_mask.defined()) return false;
+  if (q.dtype() != k.dtype() || q.dtype() != v.dtype() || out.dtype() != q.dtype()) return false;
+  if (args.bias.defined() && args.bias.dtype() != DType::kF32 &&
+      args.bias.dtype() != q.dtype()) {
+    return false;
+  }
+  // Whole 16-byte packs of every key and value row, and no more packs than
+  // threads.
+  if (s.head_dim % kVec != 0 || s.head_dim / kVec > kDecodeThreads ||
+      s.batch > 65535) {
+    return false;
+  }
+  bool aligned = false;
+  DispatchFloat(q.dtype(), [&](auto t) {
+    using Storage = typename decltype(t)::Storage;
+    aligned = PackAligned<Storage>(k.data()) && PackAligned<Storage>(v.data());
+  });
+  return aligned && s.kv_seq <= kDecodeMaxKeys && SharedBytes(s) <= 48 * 1024;
+}
+
+absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionShape& s,
+                                    const Tensor& q, const Tensor& k, const Tensor& v, Tensor* out,
+                                    Tensor* softmax_lse, cudaStream_t stream) {
+  DecodeParams p;
+  p.shape = s;
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.bias = args.bias.defined() ? args.bias.data() : nullptr;
+  const bool padding = IsPaddingMask(args.mask);
+  p.q_seqlens = padding ? args.q_seqlens.data_as<const int32_t>() : nullptr;
+  p.kv_seqlens = padding ? args.kv_seqlens.data_as<const int32_t>() : nullptr;
+  p.causal = IsCausalMask(args.mask);
+  p.bottom_right = IsBottomRightMask(args.mask);
+  p.scale = args.scale;
+  p.out = out->data();
+  p.lse = softmax_lse != nullptr && softmax_lse->defined() ? softmax_lse->data_as<float>()
+                                                            : nullptr;
+  const dim3 grid(static_cast<unsigned>(s.q_heads), static_cast<unsigned>(s.batch));
+  const size_t shared = SharedBytes(s);
+  const DType bias_dtype = args.bias.defined() ? args.bias.dtype() : DType::kF32;
+  DispatchFloat(q.dtype(), [&](auto t) {
+    DispatchFloat(bias_dtype, [&](auto bias) {
+      using T = decltype(t);
+      using B = decltype(bias);
+      switch (s.head_dim) {
+        case 32: DecodeAttentionKernel<T, B, 4><<<grid, kDecodeThreads, shared, stream>>>(p); break;
+        case 64: DecodeAttentionKernel<T, B, 8><<<grid, kDecodeThreads, shared, stream>>>(p); break;
+        case 128:
+          DecodeAttentionKernel<T, B, 16><<<grid, kDecodeThreads, shared, stream>>>(p);
+          break;
+        default: DecodeAttentionKernel<T, B, 0><<<grid, kDecodeThreads, shared, stream>>>(p);
+      }
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace te
