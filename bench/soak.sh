@@ -15,7 +15,7 @@
 # | small), SOAK_CHURNERS (2), SOAK_INTERVAL_S (60), SOAK_WARMUP_S (180 on a GPU, else 60),
 # SOAK_DIR (a fresh temporary folder), SOAK_RUN (a wrapper such as a
 # bundle's run.sh), TE_SERVER / TE_BENCH (default: bazel-bin's),
-# SOAK_SERVER_FLAGS (more te_server flags, e.g. --replay_decode_steps). Exit 0 when
+# SOAK_SERVER_FLAGS (more te_server flags, e.g. --noreplay_decode_steps). Exit 0 when
 # no call failed, every held session was saved and came back bit for bit,
 # and both servers exited 0.
 set -uo pipefail

@@ -11,7 +11,7 @@
 # with the Python client's stubs generated (TE_CLIENT_STUBS_DIR).
 # Environment: TRACE_BATCH (1), TRACE_NEW (64: new tokens), TRACE_STEPS (16),
 # TRACE_RECIPE (bf16 | delayed), TRACE_SERVER_FLAGS (more te_server flags, e.g.
-# --replay_decode_steps).
+# --noreplay_decode_steps: every step launch by launch).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
