@@ -2,12 +2,15 @@
 // fused kernel tiles 64 queries against 64 keys, so a decode step pays a
 // whole tile for its one row and then ZeroInvisibleRows for the rows cuDNN
 // leaves unspecified: about 9.5 us a layer on the H200 for what is a few
-// hundred dot products. Here a block takes one (sequence, query head): a
-// thread per key for the logits (the key row's 16-byte loads issued together:
-// a loop of dependent loads made the first version 14 us), one block-wide max
-// and sum, then a thread per 8 value columns for a strided share of the keys,
-// the shares summed in shared memory. float32 arithmetic, with cuDNN's one
-// rounding of the probabilities to the operands' dtype before P @ V.
+// hundred dot products. Here a block of 512 threads takes one (sequence,
+// query head): a thread per key for the logits (the key row's 16-byte loads
+// issued together), one block-wide max and sum, then a thread per 8 value
+// columns for a strided share of the keys, summed by shuffles within a warp
+// and in shared memory across warps. Each thread walks as few keys as the
+// block allows: with 128 threads, a dozen dependent trips to HBM made the
+// kernel 12-14 us at 8 x 16 heads x 190 keys on the H200, slower than cuDNN.
+// float32 arithmetic, with cuDNN's one rounding of the probabilities to the
+// operands' dtype before P @ V.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -20,9 +23,9 @@ namespace te {
 namespace cuda {
 namespace {
 
-constexpr int kDecodeThreads = 128;
-// Logits of one row live in shared memory: at most this many keys (48 KiB
-// less q and the value partials).
+constexpr int kDecodeThreads = 512;
+// The weights of one row live in shared memory: at most this many keys
+// (48 KiB less q and the value partials).
 constexpr int64_t kDecodeMaxKeys = 10240;
 
 struct DecodeParams {
@@ -58,45 +61,37 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
 }
 
 // A key row's logit against q (float, shared memory): kPacks 16-byte loads
-// issued together, then the products (a runtime loop where kPacks is 0).
+// issued together, then the products.
 template <typename T, int kPacks>
-__device__ __forceinline__ float KeyDot(const Pack<typename T::Storage>* key, const float* q,
-                                        int64_t packs) {
+__device__ __forceinline__ float KeyDot(const Pack<typename T::Storage>* key, const float* q) {
+  Pack<typename T::Storage> k[kPacks];
+#pragma unroll
+  for (int c = 0; c < kPacks; ++c) k[c] = key[c];
   float dot = 0.0f;
-  if constexpr (kPacks > 0) {
-    Pack<typename T::Storage> k[kPacks];
 #pragma unroll
-    for (int c = 0; c < kPacks; ++c) k[c] = key[c];
+  for (int c = 0; c < kPacks; ++c) {
 #pragma unroll
-    for (int c = 0; c < kPacks; ++c) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) dot = fmaf(q[c * kVec + e], T::Load(k[c].v[e]), dot);
-    }
-  } else {
-    for (int64_t c = 0; c < packs; ++c) {
-      const Pack<typename T::Storage> k = key[c];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) dot = fmaf(q[c * kVec + e], T::Load(k.v[e]), dot);
-    }
+    for (int e = 0; e < kVec; ++e) dot = fmaf(q[c * kVec + e], T::Load(k[c].v[e]), dot);
   }
   return dot;
 }
 
-// Grid (Hq, B). Shared memory: q [D], logits [Skv], value partials
-// [kDecodeThreads / (D / kVec)][D], all float. kPacks: D / kVec where the
-// launcher specialises it (D 32, 64, 128), else 0.
+// Grid (Hq, B), kDecodeThreads threads; kPacks = D / kVec (4, 8 or 16).
+// Shared memory: q [D], the weights [Skv], a partial output per warp
+// [kDecodeThreads / 32][D], all float.
 template <typename T, typename B, int kPacks>
 __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodeParams p) {
   using Storage = typename T::Storage;
   using Vec = Pack<Storage>;
+  constexpr int kDim = kPacks * kVec;
+  constexpr int kShares = kDecodeThreads / kPacks;  // keys a value pass takes at once
   extern __shared__ float shared[];
   __shared__ float scratch[32];
   const AttentionShape& s = p.shape;
   const int64_t h = blockIdx.x, b = blockIdx.y;
   const int64_t kvh = h / (s.q_heads / s.kv_heads);
-  const int64_t dim = s.head_dim, packs = kPacks > 0 ? kPacks : dim / kVec;
   const int64_t row = b * s.q_heads + h;
-  Storage* out = static_cast<Storage*>(p.out) + row * dim;
+  Storage* out = static_cast<Storage*>(p.out) + row * kDim;
 
   // The keys this row sees: a prefix, as the unfused kernels define it.
   int64_t end = 0;
@@ -110,28 +105,27 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
     }
   }
   if (end == 0) {
-    for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) out[d] = T::Store(0.0f);
+    for (int d = threadIdx.x; d < kDim; d += blockDim.x) out[d] = T::Store(0.0f);
     if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = INFINITY;
     return;
   }
 
   float* q = shared;
-  float* weights = q + dim;
+  float* weights = q + kDim;
   float* partials = weights + s.kv_seq;
-  const Storage* q_row = static_cast<const Storage*>(p.q) + row * dim;
-  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) q[d] = T::Load(q_row[d]);
+  const Storage* q_row = static_cast<const Storage*>(p.q) + row * kDim;
+  for (int d = threadIdx.x; d < kDim; d += blockDim.x) q[d] = T::Load(q_row[d]);
   __syncthreads();
 
   const Storage* keys = static_cast<const Storage*>(p.k);
   const Storage* values = static_cast<const Storage*>(p.v);
-  const int64_t key_stride = s.kv_heads * dim;  // elements from key j to j + 1
-  const int64_t first_key = (b * s.kv_seq * s.kv_heads + kvh) * dim;
+  const int64_t key_stride = s.kv_heads * kDim;  // elements from key j to j + 1
+  const int64_t first_key = (b * s.kv_seq * s.kv_heads + kvh) * kDim;
   const auto* bias = static_cast<const typename B::Storage*>(p.bias);
   float local_max = -INFINITY;
-#pragma unroll 2
   for (int64_t j = threadIdx.x; j < end; j += blockDim.x) {
     const Vec* key = reinterpret_cast<const Vec*>(keys + first_key + j * key_stride);
-    float logit = p.scale * KeyDot<T, kPacks>(key, q, packs);
+    float logit = p.scale * KeyDot<T, kPacks>(key, q);
     if (bias != nullptr) logit += B::Load(bias[h * s.kv_seq + j]);
     weights[j] = logit;
     local_max = fmaxf(local_max, logit);
@@ -148,34 +142,42 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
   }
   const float sum = BlockSum(local_sum, scratch);  // its barriers publish the weights
 
-  // Thread (share, column pack): keys share, share + shares, ... of one pack.
-  const int64_t shares = blockDim.x / packs;
-  const int64_t share = threadIdx.x / packs, pack = threadIdx.x % packs;
-  if (share < shares) {
-    float acc[kVec] = {};
+  // Thread (share, column pack): keys share, share + kShares, ... of one
+  // pack; the shares of a warp (lanes kPacks apart) summed by shuffles, the
+  // warps' sums in shared memory.
+  const int share = threadIdx.x / kPacks, pack = threadIdx.x % kPacks;
+  float acc[kVec] = {};
 #pragma unroll 4
-    for (int64_t j = share; j < end; j += shares) {
-      const Vec vv = reinterpret_cast<const Vec*>(values + first_key + j * key_stride)[pack];
-      const float w = weights[j];
+  for (int64_t j = share; j < end; j += kShares) {
+    const Vec vv = reinterpret_cast<const Vec*>(values + first_key + j * key_stride)[pack];
+    const float w = weights[j];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] = fmaf(w, T::Load(vv.v[e]), acc[e]);
-    }
+    for (int e = 0; e < kVec; ++e) acc[e] = fmaf(w, T::Load(vv.v[e]), acc[e]);
+  }
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) partials[share * dim + pack * kVec + e] = acc[e];
+  for (int offset = kPacks; offset < 32; offset *= 2) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], offset);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane < kPacks) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) partials[warp * kDim + pack * kVec + e] = acc[e];
   }
   __syncthreads();
   const float inv = 1.0f / sum;
-  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+  for (int d = threadIdx.x; d < kDim; d += blockDim.x) {
     float total = 0.0f;
-    for (int64_t i = 0; i < shares; ++i) total += partials[i * dim + d];
+#pragma unroll
+    for (int w = 0; w < kDecodeThreads / 32; ++w) total += partials[w * kDim + d];
     out[d] = T::Store(total * inv);
   }
   if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = row_max + logf(sum);
 }
 
 size_t SharedBytes(const AttentionShape& s) {
-  const int64_t shares = kDecodeThreads / (s.head_dim / kVec);
-  return static_cast<size_t>(s.head_dim + s.kv_seq + shares * s.head_dim) * sizeof(float);
+  return static_cast<size_t>(s.head_dim + s.kv_seq + (kDecodeThreads / 32) * s.head_dim) *
+         sizeof(float);
 }
 
 }  // namespace
@@ -188,10 +190,8 @@ bool DecodeAttentionFits(const AttentionArgs& args, const AttentionShape& s, con
       args.bias.dtype() != q.dtype()) {
     return false;
   }
-  // Whole 16-byte packs of every key and value row, and no more packs than
-  // threads.
-  if (s.head_dim % kVec != 0 || s.head_dim / kVec > kDecodeThreads ||
-      s.batch > 65535) {
+  // The head sizes the kernel is specialised for; rows of whole 16-byte packs.
+  if ((s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128) || s.batch > 65535) {
     return false;
   }
   bool aligned = false;
@@ -230,10 +230,7 @@ absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionSh
       switch (s.head_dim) {
         case 32: DecodeAttentionKernel<T, B, 4><<<grid, kDecodeThreads, shared, stream>>>(p); break;
         case 64: DecodeAttentionKernel<T, B, 8><<<grid, kDecodeThreads, shared, stream>>>(p); break;
-        case 128:
-          DecodeAttentionKernel<T, B, 16><<<grid, kDecodeThreads, shared, stream>>>(p);
-          break;
-        default: DecodeAttentionKernel<T, B, 0><<<grid, kDecodeThreads, shared, stream>>>(p);
+        default: DecodeAttentionKernel<T, B, 16><<<grid, kDecodeThreads, shared, stream>>>(p);
       }
     });
   });

@@ -163,7 +163,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
 // ---- one query row per sequence (attention_decode.cu) ----------------------
 // Whether the decode kernel computes this forward: Sq == 1 (a decode step's
 // new token), no dropout or elementwise mask, q, k, v and out of one float
-// dtype, a bias f32 or in that dtype, head_dim a multiple of 8 with k and v
+// dtype, a bias f32 or in that dtype, head_dim 32, 64 or 128 with k and v
 // aligned to whole 8-element packs, at most 10240 keys. Any mask type.
 bool DecodeAttentionFits(const AttentionArgs& args, const AttentionShape& s, const Tensor& q,
                          const Tensor& k, const Tensor& v, const Tensor& out);
