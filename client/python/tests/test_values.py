@@ -270,6 +270,9 @@ def test_a_session_checkpoint_resumes_after_a_server_restart_bit_for_bit(client,
             state, first = _train(state, x, t, 2)
             assert session.checkpoint()
             os.kill(server.pid, signal.SIGKILL)   # what comes back is what Checkpoint wrote, nothing later
+            # Gone before the next server starts, as restart_test.cc reaps it: a process
+            # still dying holds its listening socket, which shares the port with the new one.
+            os.waitpid(server.pid, 0)
             with start_server(tmp_path / "b", "--state_dir=" + state_dir, port=port):
                 deadline = time.monotonic() + 30
                 while True:                     # the channel reconnects to the new process
