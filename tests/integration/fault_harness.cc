@@ -181,9 +181,20 @@ te::v1::ForwardBackwardRequest ResidentStep(const te::v1::SessionRef& session,
 }
 
 // A connection of the client's own (not shared with the other clients').
+// Its calls wait for the connection (waitForReady) and a failed connect is
+// retried after 100 ms, not after gRPC's 1 s backoff: Debian's gRPC 1.51
+// reads connect()'s errno after other calls (tcp_client_posix.cc), so now
+// and then a connect still in progress is reported failed ("connect: No
+// such file or directory", seen 1 run in 30 with GRPC_TRACE=subchannel),
+// and fail-fast calls would then fail for the whole backoff, with no fault
+// of the server's. A server that refuses or drops connections still fails
+// them: they wait until their deadline.
 std::unique_ptr<te::v1::TeService::Stub> OwnConnection(const ServerProcess& server) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetServiceConfigJSON(R"({"methodConfig": [{"name": [{}], "waitForReady": true}]})");
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
   return te::v1::TeService::NewStub(
