@@ -2,8 +2,9 @@
 // forward of one query row per sequence, a decode step's) the decode kernel
 // of attention_decode.cu, else cuDNN's fused SDPA (attention_cudnn.cc) where
 // it takes the call, else the unfused kernels: attention_small_head.cu for
-// head_dim <= 32 without a bias, attention_fallback.cu for the rest. The first fallback of each
-// configuration is logged once on stderr with cuDNN's reason.
+// head_dim <= 32 without a bias, attention_fallback.cu for the rest. The
+// first fallback of each configuration is logged once on stderr with cuDNN's
+// reason.
 //
 // The packed variants (qkv [B, S, 3, H, D]) hand cuDNN pointers into qkv and
 // dqkv with a token stride of 3*H*D, so nothing is copied. Where cuDNN
