@@ -137,6 +137,10 @@ absl::Status CheckDownloadArgs(const Tensor& src, const void* dst) {
   return absl::OkStatus();
 }
 
+absl::Status CheckAddScalarI32Args(const Tensor* y) {
+  return RequireDType("AddScalarI32", "y", y, DType::kI32);
+}
+
 absl::Status CheckCopyArgs(const Tensor& src, const Tensor* dst) {
   RETURN_IF_ERROR(RequireDefined("Copy", "src", &src));
   RETURN_IF_ERROR(RequireDefined("Copy", "dst", dst));
@@ -998,6 +1002,29 @@ absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyBackwardArgs(const Tensor& logits
   RETURN_IF_ERROR(RequireScalarF32(kOp, "dloss", &dloss));
   RETURN_IF_ERROR(RequireFloat(kOp, "dlogits", dlogits));
   RETURN_IF_ERROR(RequireShape(kOp, "dlogits", *dlogits, logits.shape()));
+  return d;
+}
+
+absl::StatusOr<LmDims> CheckArgmaxLastArgs(const Tensor& x, const Tensor* y) {
+  constexpr const char* kOp = "ArgmaxLast";
+  RETURN_IF_ERROR(RequireFloat(kOp, "x", &x));
+  if (x.rank() < 1 || x.dim(x.rank() - 1) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": x is ", Describe(x), ", want [..., V] with V >= 1"));
+  }
+  if (x.dim(x.rank() - 1) > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": x is ", Describe(x), "; its last dim must fit an int32 index"));
+  }
+  RETURN_IF_ERROR(RequireDType(kOp, "y", y, DType::kI32));
+  LmDims d;
+  d.width = x.dim(x.rank() - 1);
+  d.rows = x.numel() / d.width;
+  d.vocab = d.width;
+  if (y->numel() != d.rows) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": y is ", Describe(*y), ", want ",
+                                                   d.rows, " elements (one per row of x)"));
+  }
   return d;
 }
 

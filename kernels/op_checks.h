@@ -74,6 +74,8 @@ absl::Status CheckDecodeQkvRowsArgs(const Tensor& qkv, const RotaryArgs* rotary,
                                     const Tensor& position, const Tensor* q,
                                     const Tensor* key_cache, const Tensor* value_cache);
 absl::Status CheckCastArgs(const Tensor& x, const Tensor* y);
+// y int32 (any shape).
+absl::Status CheckAddScalarI32Args(const Tensor* y);
 // A term with a zero coefficient is not checked (the op does not read it).
 absl::Status CheckAxpbyArgs(float alpha, const Tensor& a, float beta, const Tensor& b,
                             const Tensor* y);
@@ -239,6 +241,10 @@ absl::StatusOr<LmDims> CheckSoftmaxCrossEntropyBackwardArgs(const Tensor& logits
                                                             const Tensor& lse,
                                                             const Tensor& dloss,
                                                             const Tensor* dlogits);
+
+// x [..., V] float with V >= 1, y int32 with x.numel() / V elements; gives
+// rows = x.numel() / V, width = V.
+absl::StatusOr<LmDims> CheckArgmaxLastArgs(const Tensor& x, const Tensor* y);
 
 // ---- optimizers ---------------------------------------------------------------
 

@@ -349,6 +349,8 @@ absl::Status Ops::Where(const WhereArgs&, const Tensor&, const Tensor&, const Te
   return NotOnThisBackend(*this, "Where");
 }
 absl::Status Ops::Reduce(ReduceOp, const Tensor&, Tensor*) { return NotOnThisBackend(*this, "Reduce"); }
+absl::Status Ops::AddScalarI32(int32_t, Tensor*) { return NotOnThisBackend(*this, "AddScalarI32"); }
+absl::Status Ops::ArgmaxLast(const Tensor&, Tensor*) { return NotOnThisBackend(*this, "ArgmaxLast"); }
 absl::Status Ops::Softmax(bool, int, const Tensor&, Tensor*) {
   return NotOnThisBackend(*this, "Softmax");
 }

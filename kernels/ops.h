@@ -614,6 +614,29 @@ class Ops {
   }
   virtual absl::Status UploadAsync(const void* src, Tensor* dst) { return Upload(src, dst); }
 
+  // Downloads that do not wait, for a loop that issues its next step before
+  // it reads the last one's result (generation's tokens): DownloadAsync
+  // enqueues the copy of src into `dst` behind the work issued so far and
+  // returns; `dst` holds the bytes once done->Wait() has returned OK, which
+  // reports any failure of that work. A Completion is reusable: each
+  // DownloadAsync re-arms it. `dst` should come from AllocateStaging (a DMA
+  // backend copies into pageable memory only by waiting). The defaults copy
+  // at once (Download) and a Completion that is always done.
+  class Completion {
+   public:
+    virtual ~Completion() = default;
+    virtual absl::Status Wait() { return absl::OkStatus(); }
+  };
+  virtual absl::StatusOr<std::unique_ptr<Completion>> NewCompletion() {
+    return std::make_unique<Completion>();
+  }
+  virtual absl::Status DownloadAsync(const Tensor& src, void* dst, Completion* done) {
+    return Download(src, dst);
+  }
+  // y += value, in place, for int32 y: a counter that lives on the device
+  // (a generation's step state) advanced inside a recorded step.
+  virtual absl::Status AddScalarI32(int32_t value, Tensor* y);
+
   // ---- elementwise ------------------------------------------------------
   virtual absl::Status Fill(float value, Tensor* y) = 0;
   // y = x converted to y's dtype (float dtypes; FP8 only through Quantize).
@@ -969,6 +992,10 @@ class Ops {
   virtual absl::Status SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
                                                    const Tensor& lse, const Tensor& dloss,
                                                    Tensor* dlogits) = 0;
+  // jnp.argmax(x, axis=-1): x [..., V] float (V >= 1), y int32 with one
+  // element per row of x: the index of the row's first maximum, or of its
+  // first NaN where it has one. Greedy decoding on the device.
+  virtual absl::Status ArgmaxLast(const Tensor& x, Tensor* y);
 
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.

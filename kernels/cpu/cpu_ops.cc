@@ -285,6 +285,13 @@ absl::Status CpuOps::Fill(float value, Tensor* y) {
   return absl::OkStatus();
 }
 
+absl::Status CpuOps::AddScalarI32(int32_t value, Tensor* y) {
+  RETURN_IF_ERROR(CheckAddScalarI32Args(y));
+  int32_t* v = y->data_as<int32_t>();
+  for (int64_t i = 0; i < y->numel(); ++i) v[i] += value;
+  return absl::OkStatus();
+}
+
 absl::Status CpuOps::Cast(const Tensor& x, Tensor* y) {
   RETURN_IF_ERROR(CheckCastArgs(x, y));
   for (int64_t i = 0; i < x.numel(); ++i) StoreFromFloat(y, i, LoadAsFloat(x, i));

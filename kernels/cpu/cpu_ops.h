@@ -23,6 +23,7 @@ class CpuOps : public Ops {
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
   absl::Status Fill(float value, Tensor* y) override;
+  absl::Status AddScalarI32(int32_t value, Tensor* y) override;
   absl::Status Cast(const Tensor& x, Tensor* y) override;
   absl::Status Axpby(float alpha, const Tensor& a, float beta, const Tensor& b,
                      Tensor* y) override;
@@ -104,6 +105,7 @@ class CpuOps : public Ops {
   absl::Status SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
                                            const Tensor& lse, const Tensor& dloss,
                                            Tensor* dlogits) override;
+  absl::Status ArgmaxLast(const Tensor& x, Tensor* y) override;
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                    const Tensor& first_row, Tensor* bias) override;
   absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,

@@ -1,6 +1,9 @@
 // The CPU device, memory accounting, copies and the elementwise ops (Fill,
-// Cast, Axpby, Permute, SumRows) against float64 references.
+// Cast, Axpby, Permute, SumRows) against float64 references; the int32
+// counter add and greedy decoding's argmax against their definitions.
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -287,6 +290,71 @@ TEST(CpuCopyTest, CopyRowsAtRejectsBadArguments) {
   const Tensor flat = MakeRandom(ops, DType::kBF16, {3}, 9);
   EXPECT_EQ(ops.CopyRowsAt(flat, position, &dst).code(), kInvalid);
   EXPECT_TRUE(ops.CopyRowsAt(src, position, &dst).ok());
+}
+
+// ---- AddScalarI32, ArgmaxLast ---------------------------------------------------
+
+TEST(CpuAddScalarI32Test, AddsInPlaceAndNamesANonIntTensor) {
+  CpuOps ops;
+  Tensor y = MakeEmpty(ops, DType::kI32, {5});
+  const int32_t start[] = {-3, 0, 7, 1 << 20, 41};
+  std::memcpy(y.data(), start, sizeof(start));
+  ASSERT_TRUE(ops.AddScalarI32(2, &y).ok());
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(y.data_as<int32_t>()[i], start[i] + 2) << i;
+  Tensor f = MakeEmpty(ops, DType::kF32, {5});
+  const absl::Status wrong = ops.AddScalarI32(1, &f);
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.message().find("y"), std::string::npos) << wrong;
+}
+
+// jnp.argmax(x, axis=-1): the first maximum; the first NaN where there is
+// one; -0 and +0 equal.
+TEST(CpuArgmaxLastTest, FirstMaximumFirstNanAndEqualZeros) {
+  CpuOps ops;
+  const float nan = std::nanf("");
+  const std::vector<float> rows = {
+      1, 5, 2, 5,                 // a tie: the first
+      -1, -0.5f, -7, -0.5f,       // negatives
+      nan, 3, nan, 9,             // NaN first
+      4, 2, nan, 8,               // a later NaN wins over larger numbers
+      -0.0f, 0.0f, -1, -2,        // -0 == +0: the first
+      -INFINITY, -INFINITY, -INFINITY, -INFINITY,  // all equal
+  };
+  const int32_t want[] = {1, 1, 0, 2, 0, 0};
+  for (DType dtype : kFloatDTypes) {
+    const Tensor x = MakeTensor(ops, dtype, {2, 3, 4}, rows);
+    Tensor y = MakeEmpty(ops, DType::kI32, {2, 3});
+    ASSERT_TRUE(ops.ArgmaxLast(x, &y).ok());
+    for (int r = 0; r < 6; ++r) EXPECT_EQ(y.data_as<int32_t>()[r], want[r]) << ShortName(dtype) << r;
+  }
+}
+
+TEST(CpuArgmaxLastTest, MatchesAScanOnRandomRows) {
+  CpuOps ops;
+  const int64_t rows = 9, vocab = 1001;
+  const Tensor x = MakeRandom(ops, DType::kF32, {rows, vocab}, 21, -4.0f, 4.0f);
+  Tensor y = MakeEmpty(ops, DType::kI32, {rows});
+  ASSERT_TRUE(ops.ArgmaxLast(x, &y).ok());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_as<float>() + r * vocab;
+    EXPECT_EQ(y.data_as<int32_t>()[r], std::max_element(row, row + vocab) - row) << r;
+  }
+}
+
+TEST(CpuArgmaxLastTest, NamesTheWrongArgument) {
+  CpuOps ops;
+  const Tensor x = MakeRandom(ops, DType::kF32, {3, 4}, 5);
+  Tensor wrong_count = MakeEmpty(ops, DType::kI32, {4});
+  Tensor wrong_dtype = MakeEmpty(ops, DType::kF32, {3});
+  const Tensor ids = MakeEmpty(ops, DType::kI32, {3, 4});
+  Tensor y = MakeEmpty(ops, DType::kI32, {3});
+  const absl::Status count = ops.ArgmaxLast(x, &wrong_count);
+  EXPECT_EQ(count.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(count.message().find("one per row"), std::string::npos) << count;
+  EXPECT_EQ(ops.ArgmaxLast(x, &wrong_dtype).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status not_float = ops.ArgmaxLast(ids, &y);
+  EXPECT_EQ(not_float.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(not_float.message().find("x has dtype"), std::string::npos) << not_float;
 }
 
 // ---- Fill, Cast ----------------------------------------------------------------

@@ -1,5 +1,6 @@
 // CPU reference language-model ops: nn.Embed's gather and its scatter-add,
-// and the softmax cross entropy with integer labels (ops.h states the math).
+// the softmax cross entropy with integer labels, and the argmax of greedy
+// decoding (ops.h states the math).
 // Sums run in double: this is the reference the CUDA kernels are held to.
 #include <cmath>
 #include <cstdint>
@@ -77,6 +78,24 @@ absl::Status CpuOps::SoftmaxCrossEntropyBackward(const Tensor& logits, const Ten
       StoreFromFloat(dlogits, base + v,
                      static_cast<float>(scale * (p - (v == label[n] ? 1.0 : 0.0))));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuOps::ArgmaxLast(const Tensor& x, Tensor* y) {
+  ASSIGN_OR_RETURN(const LmDims d, CheckArgmaxLastArgs(x, y));
+  int32_t* out = y->data_as<int32_t>();
+  for (int64_t r = 0; r < d.rows; ++r) {
+    int64_t best = 0;
+    float best_value = LoadAsFloat(x, r * d.width);
+    for (int64_t v = 0; v < d.width && !std::isnan(best_value); ++v) {
+      const float value = LoadAsFloat(x, r * d.width + v);
+      if (std::isnan(value) || value > best_value) {
+        best = v;
+        best_value = value;
+      }
+    }
+    out[r] = static_cast<int32_t>(best);
   }
   return absl::OkStatus();
 }

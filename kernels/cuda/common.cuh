@@ -228,6 +228,24 @@ __device__ __forceinline__ unsigned BlockMaxBits(unsigned v, unsigned* scratch) 
   return WarpMaxBits(v);
 }
 
+__device__ __forceinline__ unsigned long long WarpMaxU64(unsigned long long v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+// Max over the block; every thread gets the result. `scratch`: 32 values of
+// shared memory, reusable after the call returns.
+__device__ __forceinline__ unsigned long long BlockMaxU64(unsigned long long v,
+                                                          unsigned long long* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+  v = WarpMaxU64(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0ull;
+  return WarpMaxU64(v);
+}
+
 // Folds a block's amax into a global amax (zeroed before the launch); thread 0
 // of the block calls it.
 __device__ __forceinline__ void AtomicMaxAbsBits(float* amax, unsigned bits) {

@@ -122,9 +122,15 @@ class CudaOps : public Ops {
   // page-locked memory, returns at once and the DMA engine reads `src` later,
   // in stream order, so `src` must stay unchanged until the next
   // Synchronize() (as ops.h states).
+  // NewCompletion: a CUDA event (no timing); DownloadAsync: a
+  // cudaMemcpyAsync on this stream, then the event recorded behind it, which
+  // Wait() waits for.
+  absl::StatusOr<std::unique_ptr<Completion>> NewCompletion() override;
+  absl::Status DownloadAsync(const Tensor& src, void* dst, Completion* done) override;
 
   // elementwise.cu
   absl::Status Fill(float value, Tensor* y) override;
+  absl::Status AddScalarI32(int32_t value, Tensor* y) override;
   absl::Status Cast(const Tensor& x, Tensor* y) override;
   absl::Status Axpby(float alpha, const Tensor& a, float beta, const Tensor& b,
                      Tensor* y) override;
@@ -247,6 +253,7 @@ class CudaOps : public Ops {
   absl::Status SoftmaxCrossEntropyBackward(const Tensor& logits, const Tensor& labels,
                                            const Tensor& lse, const Tensor& dloss,
                                            Tensor* dlogits) override;
+  absl::Status ArgmaxLast(const Tensor& x, Tensor* y) override;
   absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                    const Tensor& first_row, Tensor* bias) override;
   absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,

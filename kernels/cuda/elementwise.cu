@@ -1,5 +1,5 @@
 // Memory movement and plain elementwise ops: Upload, Download, Copy, CopyAll,
-// CopyRowsAt, Fill, Cast, Axpby, Permute, SumRows.
+// CopyRowsAt, Fill, AddScalarI32, Cast, Axpby, Permute, SumRows.
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +14,13 @@ namespace cuda {
 namespace {
 
 // ---- kernels -------------------------------------------------------------------
+
+__global__ void AddScalarI32Kernel(int32_t* y, int32_t value, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] += value;
+  }
+}
 
 // y[i] = value, as stored in y's format (precomputed on the host: a fill is a
 // bit pattern).
@@ -339,6 +346,16 @@ absl::Status CudaOps::Fill(float value, Tensor* y) {
                                                                    n);
       break;
   }
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::AddScalarI32(int32_t value, Tensor* y) {
+  RETURN_IF_ERROR(CheckAddScalarI32Args(y));
+  const int64_t n = y->numel();
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  AddScalarI32Kernel<<<GridFor(n), kThreads, 0, stream()>>>(y->data_as<int32_t>(), value, n);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 // Language-model ops: nn.Embed's gather and its deterministic scatter-add,
-// and the softmax cross entropy with integer labels. Semantics as in the CPU
-// reference (kernels/cpu/lm_ops.cc); ops.h states the math.
+// the softmax cross entropy with integer labels, and greedy decoding's
+// argmax. Semantics as in the CPU reference (kernels/cpu/lm_ops.cc); ops.h
+// states the math.
 //
 // EmbedBackward sorts the ids (cub's radix sort is stable, so equal ids keep
 // their token order), then a block per vocabulary row adds the dy rows of its
@@ -120,6 +121,39 @@ __global__ void MeanKernel(const float* term, float* loss, int64_t rows) {
   if (threadIdx.x == 0) loss[0] = sum / static_cast<float>(rows);
 }
 
+// A candidate of an argmax as one integer whose order is jnp.argmax's
+// preference: any NaN above every number, then larger values, then (low 32
+// bits) lower indices. -0 counts as +0, so equal zeros go by index.
+__device__ __forceinline__ unsigned long long ArgmaxKey(float value, int64_t index) {
+  unsigned order;
+  if (isnan(value)) {
+    order = 0xffffffffu;
+  } else {
+    const unsigned bits = __float_as_uint(value == 0.0f ? 0.0f : value);
+    order = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+  }
+  return (static_cast<unsigned long long>(order) << 32) |
+         (0xffffffffu - static_cast<unsigned>(index));
+}
+
+// A block per row: y[r] = argmax of x[r, :].
+template <typename L>
+__global__ void ArgmaxLastKernel(const typename L::Storage* x, int32_t* y, int64_t rows,
+                                 int64_t width) {
+  __shared__ unsigned long long scratch[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const typename L::Storage* row = x + r * width;
+    unsigned long long best = 0;
+    for (int64_t v = threadIdx.x; v < width; v += blockDim.x) {
+      best = max(best, ArgmaxKey(L::Load(row[v]), v));
+    }
+    best = BlockMaxU64(best, scratch);
+    if (threadIdx.x == 0) {
+      y[r] = static_cast<int32_t>(0xffffffffu - static_cast<unsigned>(best & 0xffffffffu));
+    }
+  }
+}
+
 template <typename L, typename G>
 __global__ void CrossEntropyBackwardKernel(const typename L::Storage* logits, const int32_t* labels,
                                            const float* lse, const float* dloss,
@@ -213,6 +247,21 @@ absl::Status CudaOps::SoftmaxCrossEntropyForward(const Tensor& logits, const Ten
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   MeanKernel<<<1, 1024, 0, stream()>>>(term.data_as<const float>(), loss->data_as<float>(), d.rows);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::ArgmaxLast(const Tensor& x, Tensor* y) {
+  ASSIGN_OR_RETURN(const LmDims d, CheckArgmaxLastArgs(x, y));
+  if (d.rows == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Enter());
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(d.rows, kMaxRowBlocks));
+  DispatchFloat(x.dtype(), [&](auto l) {
+    using L = decltype(l);
+    ArgmaxLastKernel<L><<<blocks, kThreads, 0, stream()>>>(
+        static_cast<const typename L::Storage*>(x.data()), y->data_as<int32_t>(), d.rows,
+        d.width);
+  });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

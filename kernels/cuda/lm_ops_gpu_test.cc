@@ -2,8 +2,9 @@
 // the softmax cross entropy with integer labels (forward loss and per-row
 // logsumexp, backward dlogits) over f32 and bf16 logits, vocabularies from 2
 // to GPT-2's 50257 (odd widths, one row and many), a label outside the
-// vocabulary (NaN loss on both), and nn.Embed's gather and deterministic
-// scatter-add with ids that repeat. Tolerances: kernels/cpu/test_util.h.
+// vocabulary (NaN loss on both), nn.Embed's gather and deterministic
+// scatter-add with ids that repeat, and greedy decoding's argmax (ties and
+// NaN as jnp.argmax). Tolerances: kernels/cpu/test_util.h.
 #include <cmath>
 #include <memory>
 #include <random>
@@ -159,6 +160,48 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(int64_t{2048}, int64_t{256}, int64_t{256}, DType::kF32),
                       std::make_tuple(int64_t{2048}, int64_t{256}, int64_t{256}, DType::kBF16),
                       std::make_tuple(int64_t{777}, int64_t{50257}, int64_t{33}, DType::kBF16)));
+
+// (rows, vocab, logits dtype): greedy decoding's argmax, exact.
+class ArgmaxLastGpuTest
+    : public LmOpsGpuTest,
+      public ::testing::WithParamInterface<std::tuple<int64_t, int64_t, DType>> {};
+
+TEST_P(ArgmaxLastGpuTest, MatchesCpuReference) {
+  const auto [rows, vocab, dtype] = GetParam();
+  // A narrow range, so bf16 rounding makes ties the first index must win.
+  Tensor x = testing::MakeRandom(cpu_, dtype, {rows, vocab}, 31, -2.0f, 2.0f);
+  if (vocab > 3 && rows > 2) {
+    // Row 1 gets a NaN past its maximum, row 2 a tie of two maxima.
+    std::vector<float> values = ToFloatVector(x);
+    values[1 * vocab + vocab - 2] = NAN;
+    values[2 * vocab + 1] = values[2 * vocab + vocab - 1] = 3.0f;
+    FromFloatVector(values, &x);
+  }
+  Tensor y = *cpu_.Allocate(DType::kI32, {rows});
+  ASSERT_TRUE(cpu_.ArgmaxLast(x, &y).ok());
+  Tensor y_gpu = *gpu_->Allocate(DType::kI32, {rows});
+  ASSERT_TRUE(gpu_->ArgmaxLast(Upload(x), &y_gpu).ok());
+  const Tensor got = Download(y_gpu);
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(got.data_as<int32_t>()[r], y.data_as<int32_t>()[r]) << "row " << r;
+  }
+  if (vocab > 3 && rows > 2) {
+    EXPECT_EQ(y.data_as<int32_t>()[1], vocab - 2);
+    EXPECT_EQ(y.data_as<int32_t>()[2], 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ArgmaxLastGpuTest,
+    ::testing::Combine(::testing::Values(int64_t{1}, int64_t{8}, int64_t{777}),
+                       ::testing::Values(int64_t{2}, int64_t{256}, int64_t{1001},
+                                         int64_t{50257}),
+                       ::testing::Values(DType::kF32, DType::kBF16, DType::kF16)),
+    [](const auto& info) {
+      return "rows" + std::to_string(std::get<0>(info.param)) + "_vocab" +
+             std::to_string(std::get<1>(info.param)) + "_" +
+             testing::ShortName(std::get<2>(info.param));
+    });
 
 }  // namespace
 }  // namespace te

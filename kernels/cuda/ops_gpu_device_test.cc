@@ -1,7 +1,7 @@
 // The CUDA device itself: its info, out-of-range ordinals, the session memory
 // limit and device out-of-memory as RESOURCE_EXHAUSTED, no cudaMalloc in
-// steady state, two streams sharing the allocator's cache, and bad arguments
-// as INVALID_ARGUMENT.
+// steady state, two streams sharing the allocator's cache, downloads that do
+// not wait, and bad arguments as INVALID_ARGUMENT.
 #include "kernels/cuda/ops_gpu_test.h"
 
 namespace te {
@@ -102,6 +102,44 @@ TEST_F(DeviceTest, TwoStreamsShareTheCacheSafely) {
     ExpectMatches(Pair{expected_cpu, result}, "result after cross-stream reuse");
     ASSERT_TRUE((*other)->Synchronize().ok());
   }
+}
+
+// A download that does not wait: the copy lands behind the work queued
+// before it, while the host goes on queueing more (a generation's next
+// step), and Wait() returns once it has; the completion is re-armed by each
+// download. An int32 counter advanced on the device between the downloads
+// shows each holds its own moment.
+TEST_F(DeviceTest, DownloadAsyncLandsAfterTheWorkBeforeIt) {
+  Tensor counter = NewGpu(DType::kI32, {3});
+  const int32_t start[] = {5, -2, 100};
+  ASSERT_TRUE(gpu_->Upload(start, &counter).ok());
+  auto staging = gpu_->AllocateStaging(2 * sizeof(start));
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  int32_t* slots = static_cast<int32_t*>(staging->get());
+  auto first = gpu_->NewCompletion();
+  auto second = gpu_->NewCompletion();
+  ASSERT_TRUE(first.ok() && second.ok());
+  // Queued work ahead of the first download: a large fill.
+  Tensor big = NewGpu(DType::kF32, {64 << 20});
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(gpu_->Fill(1.0f, &big).ok());
+    ASSERT_TRUE(gpu_->AddScalarI32(1, &counter).ok());
+    ASSERT_TRUE(gpu_->DownloadAsync(counter, slots, first->get()).ok());
+    ASSERT_TRUE(gpu_->Fill(2.0f, &big).ok());
+    ASSERT_TRUE(gpu_->AddScalarI32(10, &counter).ok());
+    ASSERT_TRUE(gpu_->DownloadAsync(counter, slots + 3, second->get()).ok());
+    ASSERT_TRUE((*first)->Wait().ok());
+    ASSERT_TRUE((*second)->Wait().ok());
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(slots[i], start[i] + 11 * round + 1) << "round " << round << ", " << i;
+      EXPECT_EQ(slots[3 + i], start[i] + 11 * (round + 1)) << "round " << round << ", " << i;
+    }
+  }
+  // A completion from another backend is refused, naming it.
+  Ops::Completion foreign;
+  const absl::Status refused = gpu_->DownloadAsync(counter, slots, &foreign);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("done"), std::string::npos) << refused;
 }
 
 TEST_F(DeviceTest, BadArgumentsAreInvalidArgument) {

@@ -1,6 +1,7 @@
-// Staged uploads on CUDA: page-locked host buffers (pooled per device) and
+// Staged copies on CUDA: page-locked host buffers (pooled per device),
 // host-to-device copies that run on the session's stream while the host
-// gathers the next piece.
+// gathers the next piece, and device-to-host copies that the host collects
+// later through an event (Ops::DownloadAsync).
 //
 // Why page-locked: cudaMemcpyAsync from pageable memory first copies through a
 // driver bounce buffer and returns only after that, so the host cannot do
@@ -102,6 +103,52 @@ class PinnedStagingPool : public std::enable_shared_from_this<PinnedStagingPool>
 
 std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool() {
   return std::make_shared<PinnedStagingPool>();
+}
+
+namespace {
+
+class EventCompletion final : public Ops::Completion {
+ public:
+  explicit EventCompletion(cudaEvent_t event) : event_(event) {}
+  ~EventCompletion() override { (void)cudaEventDestroy(event_); }
+  EventCompletion(const EventCompletion&) = delete;
+  EventCompletion& operator=(const EventCompletion&) = delete;
+
+  // An event never recorded counts as done.
+  absl::Status Wait() override {
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
+    return absl::OkStatus();
+  }
+  cudaEvent_t event() const { return event_; }
+
+ private:
+  cudaEvent_t event_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Ops::Completion>> CudaOps::NewCompletion() {
+  RETURN_IF_ERROR(Enter());
+  cudaEvent_t event = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return std::make_unique<EventCompletion>(event);
+}
+
+absl::Status CudaOps::DownloadAsync(const Tensor& src, void* dst, Completion* done) {
+  RETURN_IF_ERROR(CheckDownloadArgs(src, dst));
+  auto* event = dynamic_cast<EventCompletion*>(done);
+  if (event == nullptr) {
+    return absl::InvalidArgumentError(
+        "DownloadAsync: done must come from this backend's NewCompletion()");
+  }
+  RETURN_IF_ERROR(NotRecording("DownloadAsync"));
+  RETURN_IF_ERROR(Enter());
+  if (src.nbytes() > 0) {
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, stream()));
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(event->event(), stream()));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateStaging(size_t bytes) {

@@ -177,6 +177,14 @@ absl::Status DecodeContext::SetStep(Ops& ops, int64_t batch, int64_t position, i
   return absl::OkStatus();
 }
 
+absl::Status DecodeContext::AdvanceOneToken(Ops& ops) {
+  if (!step_.defined()) {
+    return absl::FailedPreconditionError("DecodeContext::AdvanceOneToken before SetStep");
+  }
+  Tensor state = step_;
+  return ops.AddScalarI32(1, &state);
+}
+
 Tensor DecodePosition(const Tensor& cache_index, const DecodeContext* context) {
   return context != nullptr && context->has_step() ? context->step_position() : cache_index;
 }

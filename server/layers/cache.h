@@ -117,6 +117,9 @@ class DecodeContext {
   // launches at every position and can be recorded once and replayed
   // (Ops::CaptureStep). The buffer is made on the first call and reused.
   absl::Status SetStep(Ops& ops, int64_t batch, int64_t position, int64_t tokens);
+  // From a one-token step's state to the next one's (position and kv lengths
+  // one further), on the device: no upload, so it can end a recorded step.
+  absl::Status AdvanceOneToken(Ops& ops);
   bool has_step() const { return step_.defined(); }
   Tensor step_position() const { return step_.Slice0(0, 1); }
   Tensor step_kv_lengths() const { return step_.Slice0(1, step_.dim(0)); }

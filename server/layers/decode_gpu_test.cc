@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -314,22 +315,27 @@ INSTANTIATE_TEST_SUITE_P(Batches, LmGraphDecodeGpuTest, ::testing::Values(1, 4))
 // it for the rest: the tokens are those of running every step itself
 // (greedy, and sampled, which any change in the logits would move), and
 // every later step was a replay.
-class GenerateReplayGpuTest : public ::testing::TestWithParam<int64_t> {};
+// (batch, FP8 under DelayedScaling): replayed steps make the tokens of
+// steps run one by one, greedy (picked on the device, the next step queued
+// before they are read) and sampled (on the host); under FP8 too (the kept
+// weight copies and the amax writes are the same launches every step).
+class GenerateReplayGpuTest : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
 
 TEST_P(GenerateReplayGpuTest, ReplayedStepsMakeTheTokensOfStepsRunOneByOne) {
   if (SkipWithoutGpu()) GTEST_SKIP() << Backends().unavailable;
   testing::GpuBackends& b = Backends();
   Ops& gpu = *b.gpu;
-  const int64_t batch = GetParam(), prompt = 9, new_tokens = 12;
+  const auto [batch, fp8] = GetParam();
+  const int64_t prompt = 9, new_tokens = 12;
   te::v1::LayerSpec spec;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(LmGraph(false), &spec));
   auto model = CreateLayer(spec);
   ASSERT_TRUE(model.ok()) << model.status();
-  auto host_vars = InitLayer(*b.cpu, **model, {batch, prompt + new_tokens}, nullptr);
+  const Fp8Recipe recipe = DelayedRecipe();
+  const Fp8Recipe* recipe_or_null = fp8 ? &recipe : nullptr;
+  auto host_vars = InitLayer(*b.cpu, **model, {batch, prompt + new_tokens}, recipe_or_null);
   ASSERT_TRUE(host_vars.ok()) << host_vars.status();
   RandomizeParams(*b.cpu, &*host_vars, 5);
-  auto vars = GpuVariables(*host_vars);
-  ASSERT_TRUE(vars.ok());
   std::vector<int32_t> ids(static_cast<size_t>(batch * prompt));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 53 + 5) % 97);
   auto x = gpu.Allocate(DType::kI32, {batch, prompt});
@@ -342,11 +348,19 @@ TEST_P(GenerateReplayGpuTest, ReplayedStepsMakeTheTokensOfStepsRunOneByOne) {
     options.sampling.greedy = greedy;
     options.sampling.temperature = 0.7f;
     options.sampling.seed = 11;
+    options.fp8 = recipe_or_null;
     options.replay_steps = false;
+    // Each run from the same variables: the steps write their amaxes into
+    // fp8_metas, which the next step's scales do not read (no update runs),
+    // but a fresh copy keeps the runs independent.
+    auto vars = GpuVariables(*host_vars);
+    ASSERT_TRUE(vars.ok());
     auto one_by_one = Generate(gpu, **model, *vars, *x, options, nullptr);
     ASSERT_TRUE(one_by_one.ok()) << one_by_one.status();
     EXPECT_EQ(one_by_one->replayed_steps, 0);
     options.replay_steps = true;
+    vars = GpuVariables(*host_vars);
+    ASSERT_TRUE(vars.ok());
     auto replayed = Generate(gpu, **model, *vars, *x, options, nullptr);
     ASSERT_TRUE(replayed.ok()) << replayed.status();
     EXPECT_TRUE(replayed->record_status.ok()) << replayed->record_status;
@@ -356,7 +370,9 @@ TEST_P(GenerateReplayGpuTest, ReplayedStepsMakeTheTokensOfStepsRunOneByOne) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Batches, GenerateReplayGpuTest, ::testing::Values(1, 3));
+INSTANTIATE_TEST_SUITE_P(BatchesAndRecipes, GenerateReplayGpuTest,
+                         ::testing::Combine(::testing::Values(int64_t{1}, int64_t{3}),
+                                            ::testing::Bool()));
 
 }  // namespace
 }  // namespace te::layers

@@ -121,6 +121,30 @@ absl::StatusOr<std::vector<float>> LastLogits(Ops& ops, const Tensor& y) {
   return host;
 }
 
+// INVALID_ARGUMENT unless a decode step of `tokens` tokens gave float
+// logits [batch, tokens, vocab].
+absl::Status CheckLogits(const Tensor& y, int64_t batch, int64_t tokens) {
+  if (y.rank() != 3 || y.dim(0) != batch || y.dim(1) != tokens || !IsFloating(y.dtype()) ||
+      IsFloat8(y.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: its decode step gave ", ShapeString(y.shape()), " ", DTypeName(y.dtype()),
+        "; generation needs float logits [batch, tokens, vocab]"));
+  }
+  return absl::OkStatus();
+}
+
+// Waits, when it goes, for the downloads its completions were armed with
+// (and so for all work issued before them); their failures were or will be
+// reported by the reads that wait for them.
+struct WaitOnExit {
+  std::unique_ptr<Ops::Completion> (&completions)[2];
+  ~WaitOnExit() {
+    for (auto& completion : completions) {
+      if (completion != nullptr) (void)completion->Wait();
+    }
+  }
+};
+
 // Installs a fresh cast memo on `ops` for its lifetime, then puts back the
 // one it found.
 class KeptCastsScope {
@@ -199,65 +223,114 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   opts.decode = true;
   opts.internal_decode = true;
   // Shared by every step and attention: the query lengths (the prompt's and
-  // 1) in one upload, and the step state (position, kv lengths) uploaded
-  // once a step; the loop knows the index, so the caches' cache_index is
-  // never written (nobody else reads them).
+  // 1) in one upload, and the step state (position, kv lengths), uploaded
+  // for the prompt and the first one-token step and advanced on the device
+  // after; the loop knows the index, so the caches' cache_index is never
+  // written (nobody else reads them).
   DecodeContext context;
   context.write_index = false;
   RETURN_IF_ERROR(context.Reserve(ops, batch, {1, prompt_length}));
   opts.decode_context = &context;
+
+  const bool greedy = options.sampling.greedy;
+  // Each step's tokens [B, 1], which the next step reads: written on the
+  // device by a greedy step (ArgmaxLast), uploaded after a sampled one.
+  ASSIGN_OR_RETURN(Tensor next, ops.Allocate(DType::kI32, {batch, 1}));
   // The one-token step recorded at its second run (the first fills the
-  // cast memo and the context's constants), and the logits it writes.
-  bool record = options.replay_steps && options.fp8 == nullptr;
-  int64_t one_token_steps = 0;
+  // cast memo and the context's constants), and the outputs it writes.
+  bool record = options.replay_steps;
   std::unique_ptr<Ops::StepRecord> recorded;
   LayerOutputs recorded_out;
-  Tensor x = prompt;
-  Tensor next;  // [B, 1]: each step's tokens, uploaded into one buffer
-  int64_t position = 0;
-  for (int64_t step = 0; step < options.max_new_tokens; ++step) {
+  // Greedy tokens come down through two staging slots, so that step t's are
+  // read while step t + 1 runs; whatever a return leaves in flight finishes
+  // before the slots and the step's buffers go.
+  std::shared_ptr<void> staging;
+  std::unique_ptr<Ops::Completion> landed[2];
+  if (greedy) {
+    ASSIGN_OR_RETURN(staging, ops.AllocateStaging(2 * batch * sizeof(int32_t)));
+    for (auto& completion : landed) {
+      ASSIGN_OR_RETURN(completion, ops.NewCompletion());
+    }
+  }
+  const WaitOnExit drain{landed};
+  auto slot = [&](int64_t step) { return static_cast<int32_t*>(staging.get()) + (step % 2) * batch; };
+  Tensor logits;  // a sampled step's logits [B, S, V], read on the host
+
+  // Issues step `step` (0: the prompt, [B, P] at position 0; then one token
+  // at position P + step - 1) without waiting for it. A one-token step ends
+  // with its greedy tokens in `next` and the step state one position
+  // further, so every one-token step issues the same launches.
+  auto issue = [&](int64_t step) -> absl::Status {
     RETURN_IF_ERROR(ops.CheckInterrupt());
+    const int64_t tokens = step == 0 ? prompt_length : 1;
+    const int64_t position = step == 0 ? 0 : prompt_length + step - 1;
     opts.decode_cache_index = position;
-    RETURN_IF_ERROR(context.SetStep(ops, batch, position, x.dim(1)));
+    // The prompt's state, then the first one-token step's; later steps
+    // advance it on the device.
+    if (step <= 1) RETURN_IF_ERROR(context.SetStep(ops, batch, position, tokens));
     LayerInputs in;
-    in.x = x;
+    in.x = step == 0 ? prompt : next;
     LayerOutputs out;
-    auto run = [&](LayerOutputs* to) { return model.Forward(ops, &working, in, opts, to, nullptr); };
-    if (x.dim(1) == 1 && record && one_token_steps > 0 && recorded == nullptr) {
-      absl::StatusOr<std::unique_ptr<Ops::StepRecord>> made =
-          ops.CaptureStep([&] { return run(&recorded_out); });
-      if (made.ok()) {
-        recorded = *std::move(made);
-      } else {
-        record = false;
-        recorded_out = LayerOutputs();
-        if (!absl::IsUnimplemented(made.status())) {
-          // Nothing recorded ran: a weight first cast while recording was
-          // never made, so the memo starts again.
-          result.record_status = made.status();
-          ops.set_cast_memo(std::make_shared<Ops::CastMemo>());
+    if (step == 0) {
+      RETURN_IF_ERROR(model.Forward(ops, &working, in, opts, &out, nullptr));
+      RETURN_IF_ERROR(CheckLogits(out.y, batch, tokens));
+      if (greedy) {
+        Tensor last;
+        RETURN_IF_ERROR(GatherLastRows(ops, out.y, &last));
+        RETURN_IF_ERROR(ops.ArgmaxLast(last, &next));
+      }
+    } else {
+      auto one_token = [&](LayerOutputs* to) -> absl::Status {
+        RETURN_IF_ERROR(model.Forward(ops, &working, in, opts, to, nullptr));
+        RETURN_IF_ERROR(CheckLogits(to->y, batch, 1));
+        if (greedy) RETURN_IF_ERROR(ops.ArgmaxLast(to->y, &next));
+        return context.AdvanceOneToken(ops);
+      };
+      if (step >= 2 && record && recorded == nullptr) {
+        absl::StatusOr<std::unique_ptr<Ops::StepRecord>> made =
+            ops.CaptureStep([&] { return one_token(&recorded_out); });
+        if (made.ok()) {
+          recorded = *std::move(made);
+        } else {
+          record = false;
+          recorded_out = LayerOutputs();
+          if (!absl::IsUnimplemented(made.status())) {
+            // Nothing recorded ran: a weight first cast while recording was
+            // never made, so the memo starts again.
+            result.record_status = made.status();
+            ops.set_cast_memo(std::make_shared<Ops::CastMemo>());
+          }
         }
       }
+      if (recorded != nullptr) {
+        RETURN_IF_ERROR(ops.Replay(*recorded));
+        out = recorded_out;
+        ++result.replayed_steps;
+      } else {
+        RETURN_IF_ERROR(one_token(&out));
+      }
     }
-    if (recorded != nullptr) {
-      RETURN_IF_ERROR(ops.Replay(*recorded));
-      out = recorded_out;
-      ++result.replayed_steps;
-    } else {
-      RETURN_IF_ERROR(run(&out));
+    if (greedy) return ops.DownloadAsync(next, slot(step), landed[step % 2].get());
+    logits = out.y;
+    return absl::OkStatus();
+  };
+  // Step `step`'s tokens, once it has run.
+  auto read = [&](int64_t step) -> absl::StatusOr<std::vector<int32_t>> {
+    if (greedy) {
+      RETURN_IF_ERROR(landed[step % 2]->Wait());
+      return std::vector<int32_t>(slot(step), slot(step) + batch);
     }
-    if (x.dim(1) == 1) ++one_token_steps;
-    position += x.dim(1);
-    if (out.y.rank() != 3 || out.y.dim(0) != batch || out.y.dim(1) != x.dim(1) ||
-        !IsFloating(out.y.dtype()) || IsFloat8(out.y.dtype())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model: its decode step gave ", ShapeString(out.y.shape()), " ",
-          DTypeName(out.y.dtype()), "; generation needs float logits [batch, tokens, vocab]"));
-    }
-    const int64_t vocab = out.y.dim(2);
-    ASSIGN_OR_RETURN(const std::vector<float> logits, LastLogits(ops, out.y));
-    ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
-                     SampleTokens(logits, batch, vocab, options.sampling, step));
+    ASSIGN_OR_RETURN(const std::vector<float> host, LastLogits(ops, logits));
+    return SampleTokens(host, batch, logits.dim(2), options.sampling, step);
+  };
+
+  RETURN_IF_ERROR(issue(0));
+  for (int64_t step = 0; step < options.max_new_tokens; ++step) {
+    const bool last_step = step + 1 == options.max_new_tokens;
+    // A greedy step reads its tokens on the device: it is queued before the
+    // host reads the last step's, so the device never waits for the host.
+    if (greedy && !last_step) RETURN_IF_ERROR(issue(step + 1));
+    ASSIGN_OR_RETURN(std::vector<int32_t> tokens, read(step));
     for (int64_t b = 0; b < batch; ++b) {
       if (result.stopped[b]) {
         tokens[b] = result.tokens[b].back();
@@ -270,14 +343,12 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
     if (sink) RETURN_IF_ERROR(sink(step, tokens));
     const bool all_stopped =
         std::all_of(result.stopped.begin(), result.stopped.end(), [](bool s) { return s; });
-    if (all_stopped || step + 1 == options.max_new_tokens) break;
-    // The previous step's work has finished (its logits were read), so the
-    // buffer is free to take the next tokens.
-    if (!next.defined()) {
-      ASSIGN_OR_RETURN(next, ops.Allocate(DType::kI32, {batch, 1}));
+    if (all_stopped || last_step) break;
+    if (!greedy) {
+      // The step has finished (its logits were read), so `next` is free.
+      RETURN_IF_ERROR(ops.Upload(tokens.data(), &next));
+      RETURN_IF_ERROR(issue(step + 1));
     }
-    RETURN_IF_ERROR(ops.Upload(tokens.data(), &next));
-    x = next;
   }
   return result;
 }

@@ -9,16 +9,21 @@
 //      give the first new token.
 //   3. Then one step per new token, [B, 1], at the position the loop knows
 //      (ForwardOptions::decode_cache_index: no device read per module). The
-//      step's position and attention lengths are uploaded once a step
-//      (DecodeContext::SetStep) and read on the device, so every one-token
-//      step issues the same launches: the second is recorded
-//      (Ops::CaptureStep) and the rest replay it, one launch a token instead
-//      of hundreds. Where a backend cannot record (the CPU), under an FP8
-//      recipe, or when recording fails, the steps run as the first did.
-//   Each step's logits [B, 1, V] are read to the host and sampled there:
-//   greedy (argmax, the lowest index on ties, as jnp.argmax), or temperature,
-//   then top-k, then top-p (nucleus), from a uniform draw that depends on
-//   (seed, step, batch row) alone, so a generation is reproducible.
+//      step's position and attention lengths live on the device
+//      (DecodeContext): uploaded for the first one-token step, then advanced
+//      by each step on the device, so every one-token step issues the same
+//      launches: the second is recorded (Ops::CaptureStep) and the rest
+//      replay it, one launch a token instead of hundreds, under every
+//      recipe. Where a backend cannot record (the CPU), or when recording
+//      fails, the steps run as the first did.
+//   Greedy steps pick their tokens on the device (Ops::ArgmaxLast, the
+//   lowest index on ties, as jnp.argmax) into the buffer the next step
+//   reads, so the next step is queued before the host reads this one's
+//   tokens (Ops::DownloadAsync): the device does not wait for the host
+//   between tokens. Sampled steps read their logits to the host and draw
+//   there: temperature, then top-k, then top-p (nucleus), from a uniform
+//   draw that depends on (seed, step, batch row) alone, so a generation is
+//   reproducible.
 //
 // Greedy generation gives the tokens that re-running the full causal
 // forward on the growing prefix gives (decode steps are the forward's rows,

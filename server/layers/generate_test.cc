@@ -342,40 +342,47 @@ TEST(GenerateTest, EachWeightIsCastOncePerGeneration) {
 }
 
 // On a GPU each host copy is a round trip the step waits for or a transfer
-// the stream orders; a step of generation makes three, its tokens and its
-// step state (position, attention lengths) up and its logits down, however
+// the stream orders. A greedy step makes one, its tokens down (picked on the
+// device, which feeds them to the next step and advances the step state
+// itself); a sampled step two, its logits down and its tokens up; however
 // deep the model (its attentions share the generation's DecodeContext).
-TEST(GenerateTest, AStepCopiesItsTokensUpAndItsLogitsDownWhateverTheDepth) {
-  for (const int layers : {1, 3}) {
-    for (const int64_t batch : {1, 2}) {
-      SCOPED_TRACE(absl::StrCat(layers, " layers, batch ", batch));
-      CountingOps ops;
-      const int64_t prompt_length = 4;
-      Lm lm = MakeLm(ops, true, {batch, prompt_length + 8}, nullptr, true, layers);
-      ASSERT_NE(lm.with_loss, nullptr);
-      const Tensor prompt = Ids(ops, RandomIds(batch * prompt_length, 19), {batch, prompt_length});
-      // Copies of a generation of n tokens: the same setup, the prompt's
-      // step, then n - 1 one-token steps.
-      auto copies = [&](int64_t n) -> std::pair<int64_t, int64_t> {
-        GenerateOptions options;
-        options.max_new_tokens = n;
-        ops.uploads = ops.downloads = 0;
-        auto result = Generate(ops, *lm.with_loss, lm.vars, prompt, options, nullptr);
-        EXPECT_TRUE(result.ok()) << result.status();
-        return {ops.uploads, ops.downloads};
-      };
-      const auto [up1, down1] = copies(1);
-      const auto [up2, down2] = copies(2);
-      const auto [up7, down7] = copies(7);
-      EXPECT_EQ(up7 - up2, 2 * 5);
-      EXPECT_EQ(down7 - down2, 5);
-      // The setup: a zero cache index per layer, the query lengths, the
-      // relative-bias buckets (one [L, L] table for every layer and step);
-      // the prompt's step state; and the first logits.
-      EXPECT_EQ(up1, layers + 3);
-      EXPECT_EQ(down1, 1);
-      EXPECT_EQ(up2 - up1, 2);  // the token and the step state
-      EXPECT_EQ(down2 - down1, 1);
+TEST(GenerateTest, AStepCopiesOnlyItsTokensOrLogitsWhateverTheDepth) {
+  for (const bool greedy : {true, false}) {
+    for (const int layers : {1, 3}) {
+      for (const int64_t batch : {1, 2}) {
+        SCOPED_TRACE(absl::StrCat(greedy ? "greedy, " : "sampled, ", layers, " layers, batch ",
+                                  batch));
+        CountingOps ops;
+        const int64_t prompt_length = 4;
+        Lm lm = MakeLm(ops, true, {batch, prompt_length + 8}, nullptr, true, layers);
+        ASSERT_NE(lm.with_loss, nullptr);
+        const Tensor prompt =
+            Ids(ops, RandomIds(batch * prompt_length, 19), {batch, prompt_length});
+        // Copies of a generation of n tokens: the same setup, the prompt's
+        // step, then n - 1 one-token steps.
+        auto copies = [&](int64_t n) -> std::pair<int64_t, int64_t> {
+          GenerateOptions options;
+          options.max_new_tokens = n;
+          options.sampling.greedy = greedy;
+          ops.uploads = ops.downloads = 0;
+          auto result = Generate(ops, *lm.with_loss, lm.vars, prompt, options, nullptr);
+          EXPECT_TRUE(result.ok()) << result.status();
+          return {ops.uploads, ops.downloads};
+        };
+        const auto [up1, down1] = copies(1);
+        const auto [up2, down2] = copies(2);
+        const auto [up7, down7] = copies(7);
+        EXPECT_EQ(up7 - up2, greedy ? 0 : 5);
+        EXPECT_EQ(down7 - down2, 5);
+        // The setup: a zero cache index per layer, the query lengths, the
+        // relative-bias buckets (one [L, L] table for every layer and step);
+        // the prompt's step state; and the first tokens or logits.
+        EXPECT_EQ(up1, layers + 3);
+        EXPECT_EQ(down1, 1);
+        // The first one-token step's state (and a sampled step's tokens).
+        EXPECT_EQ(up2 - up1, greedy ? 1 : 2);
+        EXPECT_EQ(down2 - down1, 1);
+      }
     }
   }
 }

@@ -185,10 +185,10 @@ class DecodeSessionTest : public ::testing::Test {
     Open(int64_t{1} << 30);
   }
 
-  void Open(int64_t memory) {
+  void Open(int64_t memory, const SessionConfig& config = SessionConfig()) {
     session_.reset();
     session_ = std::make_unique<Session>("decode", device_->info(), *device_->NewOps(memory),
-                                         SessionConfig(), te::v1::EMULATE, std::nullopt);
+                                         config, te::v1::EMULATE, std::nullopt);
   }
 
   absl::StatusOr<te::v1::InitLayerResponse> Init(const te::v1::LayerSpec& spec,
@@ -451,6 +451,56 @@ INSTANTIATE_TEST_SUITE_P(
                       EqualsCase{Kind::kGraphLm, Precision::kBF16, 2},
                       EqualsCase{Kind::kGraphLm, Precision::kFp8, 1}),
     EqualsName);
+
+// ---- generation ------------------------------------------------------------------
+
+// Session::Generate with its steps recorded and replayed (the default) makes
+// the tokens of steps run one by one, greedy and sampled, in bfloat16 and
+// under DelayedScaling, whose steps read the layer's kept FP8 weight copies.
+TEST_F(DecodeSessionTest, GenerateMakesTheSameTokensWithStepsReplayedOrNot) {
+  const int64_t batch = 2, prompt_length = 3, new_tokens = 9;
+  for (const bool fp8 : {false, true}) {
+    for (const bool sample : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(fp8 ? "fp8" : "bf16", sample ? ", sampled" : ", greedy"));
+      std::vector<std::vector<int32_t>> tokens[2];
+      for (const bool replay : {false, true}) {
+        SessionConfig config;
+        config.replay_decode_steps = replay;
+        Open(int64_t{1} << 30, config);
+        te::v1::LayerSpec spec = GraphLmSpec();
+        spec.mutable_graph()->mutable_nodes(0)->mutable_module()->mutable_flax_embed()->set_dtype(
+            te::v1::BFLOAT16);
+        auto init =
+            Init(spec, {batch, prompt_length + new_tokens}, te::v1::INT32, false, fp8);
+        ASSERT_TRUE(init.ok()) << init.status();
+        te::v1::GenerateRequest request;
+        request.set_layer_id(init->layer_id());
+        *request.mutable_prompt() = Ids({batch, prompt_length}, 31);
+        request.set_max_new_tokens(new_tokens);
+        request.mutable_sampling()->set_sample(sample);
+        request.mutable_sampling()->set_temperature(0.8f);
+        request.mutable_sampling()->set_seed(4);
+        if (fp8) *request.mutable_autocast() = DelayedScaling();
+        // Twice: the second generation finds the FP8 weight copies made.
+        for (int round = 0; round < 2; ++round) {
+          std::vector<std::vector<int32_t>> made;
+          const absl::Status status = session_->Generate(
+              request,
+              [&](const te::v1::GenerateResponse& step) {
+                made.emplace_back(step.tokens().begin(), step.tokens().end());
+                return absl::OkStatus();
+              },
+              CallContext());
+          ASSERT_TRUE(status.ok()) << status;
+          ASSERT_EQ(made.size(), static_cast<size_t>(new_tokens));
+          if (round == 0) tokens[replay] = made;
+          EXPECT_EQ(made, tokens[replay]) << "round " << round;
+        }
+      }
+      EXPECT_EQ(tokens[1], tokens[0]);
+    }
+  }
+}
 
 // ---- versions ------------------------------------------------------------------
 

@@ -282,6 +282,8 @@ class FakeOps final : public Ops {
                                            Tensor* dlogits) override {
     return Run("SoftmaxCrossEntropyBackward");
   }
+  absl::Status ArgmaxLast(const Tensor& x, Tensor* y) override { return Run("ArgmaxLast"); }
+  absl::Status AddScalarI32(int32_t value, Tensor* y) override { return Run("AddScalarI32"); }
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override {
     return Run("Rotary");
   }
