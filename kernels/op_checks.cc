@@ -761,6 +761,32 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
     }
     RETURN_IF_ERROR(RequireShape(op, "bias", args.bias, {s.q_heads, s.q_seq, s.kv_seq}));
   }
+  if (args.relative_bias.defined()) {
+    const AttentionArgs::RelativeBiasTable& r = args.relative_bias;
+    if (args.bias.defined()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": bias and relative_bias are two ways to give one bias; give one"));
+    }
+    if (r.table.dtype() != DType::kF32) {
+      RETURN_IF_ERROR(
+          RequireDType(op, "relative_bias.table (float32 or q's dtype)", &r.table, q.dtype()));
+    }
+    if (r.table.rank() != 2 || r.table.dim(1) != s.q_heads || r.table.dim(0) < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": relative_bias.table is ",
+                                                     Describe(r.table), ", want [buckets, ",
+                                                     s.q_heads, " (q heads)]"));
+    }
+    RETURN_IF_ERROR(RequireDType(op, "relative_bias.buckets", &r.buckets, DType::kI32));
+    if (r.buckets.rank() != 2 || r.buckets.dim(1) != s.kv_seq ||
+        (!r.first_row.defined() && r.buckets.dim(0) != s.q_seq)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": relative_bias.buckets is ", Describe(r.buckets), ", want [",
+          r.first_row.defined() ? "rows" : std::to_string(s.q_seq), ", ", s.kv_seq, "]"));
+    }
+    if (r.first_row.defined()) {
+      RETURN_IF_ERROR(CheckDevicePosition(op, "relative_bias.first_row", r.first_row));
+    }
+  }
   if (!(args.dropout_rate >= 0.0f && args.dropout_rate < 1.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat(op, ": dropout_rate must be in [0, 1), got ", args.dropout_rate));
@@ -825,6 +851,11 @@ absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
     const Tensor& dout, const Tensor& softmax_lse, const Tensor* dq, const Tensor* dk,
     const Tensor* dv, const Tensor* dbias) {
   const char* op = "AttentionBackward";
+  if (args.relative_bias.defined()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": relative_bias is forward only; a backward takes the bias made "
+            "(WithRelativeBiasMade) and its table's gradient through AttentionBackwardRelative"));
+  }
   ASSIGN_OR_RETURN(const AttentionShape s, CheckAttentionInputs(op, args, q, k, v));
   RETURN_IF_ERROR(CheckFloatTensor(op, "out", &out, q.shape()));
   RETURN_IF_ERROR(CheckFloatTensor(op, "dout", &dout, q.shape()));

@@ -349,6 +349,18 @@ absl::Status Ops::Where(const WhereArgs&, const Tensor&, const Tensor&, const Te
   return NotOnThisBackend(*this, "Where");
 }
 absl::Status Ops::Reduce(ReduceOp, const Tensor&, Tensor*) { return NotOnThisBackend(*this, "Reduce"); }
+absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs& args,
+                                                   int64_t q_seq) {
+  if (!args.relative_bias.defined()) return args;
+  const AttentionArgs::RelativeBiasTable& r = args.relative_bias;
+  AttentionArgs made = args;
+  made.relative_bias = AttentionArgs::RelativeBiasTable();
+  ASSIGN_OR_RETURN(made.bias,
+                   ops.Allocate(r.table.dtype(), {r.table.dim(1), q_seq, r.buckets.dim(1)}));
+  RETURN_IF_ERROR(ops.RelativeBiasForward(r.table, r.buckets, r.first_row, &made.bias));
+  return made;
+}
+
 absl::Status Ops::AddScalarI32(int32_t, Tensor*) { return NotOnThisBackend(*this, "AddScalarI32"); }
 absl::Status Ops::ArgmaxLast(const Tensor&, Tensor*) { return NotOnThisBackend(*this, "ArgmaxLast"); }
 absl::Status Ops::Softmax(bool, int, const Tensor&, Tensor*) {

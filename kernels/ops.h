@@ -106,6 +106,18 @@ struct AttentionArgs {
   // dtype, which a backend that adds the bias in that dtype (cuDNN) reads
   // without a cast.
   Tensor bias;
+  // Optional, instead of `bias`: the T5 relative bias named by its table, the
+  // bias RelativeBiasForward(table, buckets, first_row) would make (a decode
+  // step's rows at a position that lives on the device). Forward only. A
+  // backend may look each logit's bias up as it goes (CUDA's one-row decode
+  // kernel) rather than make [H, Sq, Skv]; the others make it
+  // (WithRelativeBiasMade) and add it as `bias`.
+  struct RelativeBiasTable {
+    Tensor table;      // [NB, Hq], float32 or q's dtype
+    Tensor buckets;    // int32 [R, Skv]
+    Tensor first_row;  // int32, one element on the device; undefined: 0 (then R == Sq)
+    bool defined() const { return table.defined(); }
+  } relative_bias;
   // Optional elementwise mask, true = masked out (TE's convention): bool
   // [B, Sq, Skv], shared over the heads, or [B, Hq, Sq, Skv], one plane per
   // query head: an arbitrary mask as TE's unfused softmax applies it (it
@@ -118,6 +130,13 @@ struct AttentionArgs {
   bool forward_only = false;
 };
 // A query row with no visible key outputs 0.
+
+class Ops;
+// `args` with its relative_bias made into `bias` (RelativeBiasForward, in the
+// table's dtype, [Hq, Sq, Skv]); `args` itself where it has none.
+absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs& args,
+                                                   int64_t q_seq);
+
 // A T5 relative-position bias named by its table: the bias an AttentionArgs
 // carries is RelativeBiasForward(table, buckets), and its gradient is wanted
 // as the table's, dtable [NB, H], not as dbias [H, Sq, Skv].

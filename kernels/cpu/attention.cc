@@ -153,6 +153,10 @@ absl::Status CpuOps::AttentionForward(const AttentionArgs& args, const Tensor& q
   constexpr const char* kOp = "AttentionForward";
   ASSIGN_OR_RETURN(const AttentionShape shape,
                    CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
+  if (args.relative_bias.defined()) {
+    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq));
+    return AttentionForward(made, q, k, v, out, softmax_lse);
+  }
   const AttentionDims dims(shape);
   ASSIGN_OR_RETURN(const VisibleKeys visible, VisibleKeys::Make(kOp, args, dims));
 

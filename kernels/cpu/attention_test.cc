@@ -717,6 +717,90 @@ TEST(AttentionTest, PackedRejectsBadQkvAndDqkv) {
 
 // ---- argument errors ---------------------------------------------------------
 
+// A bias named by its table (AttentionArgs::relative_bias) is the bias
+// RelativeBiasForward makes from it: the same output, for rows at a device
+// position and for rows past the buckets' (bias 0); and the arguments that
+// cannot be one are refused, naming the field.
+TEST(AttentionTest, RelativeBiasByItsTableIsTheBiasMade) {
+  const Case c = {2, 1, 6, 4, 2, 8, MaskType::kNoMask, false, 0.0f, DType::kF32};
+  CpuOps ops;
+  const Inputs s = MakeInputs(&ops, c, 7);
+  const int64_t num_buckets = 5, rows = 6;
+  Tensor table = ops.Allocate(DType::kF32, {num_buckets, c.Hq}).value();
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  for (int64_t i = 0; i < table.numel(); ++i) table.data_as<float>()[i] = uniform(rng);
+  Tensor buckets = ops.Allocate(DType::kI32, {rows, c.Skv}).value();
+  for (int64_t i = 0; i < buckets.numel(); ++i) {
+    buckets.data_as<int32_t>()[i] = static_cast<int32_t>((i * 7 + 3) % num_buckets);
+  }
+  Tensor position = ops.Allocate(DType::kI32, {1}).value();
+  for (const int32_t row : {0, 4, 6 /* past the buckets' rows */}) {
+    SCOPED_TRACE(row);
+    position.data_as<int32_t>()[0] = row;
+    AttentionArgs by_table = s.args;
+    by_table.bias = Tensor();
+    by_table.relative_bias.table = table;
+    by_table.relative_bias.buckets = buckets;
+    by_table.relative_bias.first_row = position;
+    AttentionArgs made = by_table;
+    made.relative_bias = AttentionArgs::RelativeBiasTable();
+    made.bias = ops.Allocate(DType::kF32, {c.Hq, 1, c.Skv}).value();
+    ASSERT_TRUE(ops.RelativeBiasForward(table, buckets, position, &made.bias).ok());
+    Tensor out_table = ops.Allocate(DType::kF32, s.q.shape()).value();
+    Tensor out_made = ops.Allocate(DType::kF32, s.q.shape()).value();
+    Tensor lse_table = ops.Allocate(DType::kF32, {c.B, c.Hq, 1}).value();
+    Tensor lse_made = ops.Allocate(DType::kF32, {c.B, c.Hq, 1}).value();
+    ASSERT_TRUE(ops.AttentionForward(by_table, s.q, s.k, s.v, &out_table, &lse_table).ok());
+    ASSERT_TRUE(ops.AttentionForward(made, s.q, s.k, s.v, &out_made, &lse_made).ok());
+    for (int64_t i = 0; i < out_made.numel(); ++i) {
+      ASSERT_EQ(out_table.data_as<float>()[i], out_made.data_as<float>()[i]) << i;
+    }
+    if (row == 6) {
+      // Past the rows: no bias at all.
+      AttentionArgs none = made;
+      none.bias = Tensor();
+      ASSERT_TRUE(ops.AttentionForward(none, s.q, s.k, s.v, &out_made, &lse_made).ok());
+      for (int64_t i = 0; i < out_made.numel(); ++i) {
+        ASSERT_EQ(out_table.data_as<float>()[i], out_made.data_as<float>()[i]) << i;
+      }
+    }
+  }
+
+  Tensor out = ops.Allocate(DType::kF32, s.q.shape()).value();
+  Tensor lse = ops.Allocate(DType::kF32, {c.B, c.Hq, 1}).value();
+  auto refused = [&](const AttentionArgs& args, const std::string& field) {
+    const absl::Status status = ops.AttentionForward(args, s.q, s.k, s.v, &out, &lse);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(status.message().find(field), std::string::npos) << status;
+  };
+  AttentionArgs good = s.args;
+  good.bias = Tensor();
+  good.relative_bias.table = table;
+  good.relative_bias.buckets = buckets;
+  good.relative_bias.first_row = position;
+  AttentionArgs both = good;
+  both.bias = ops.Allocate(DType::kF32, {c.Hq, 1, c.Skv}).value();
+  refused(both, "relative_bias");
+  AttentionArgs wrong_heads = good;
+  wrong_heads.relative_bias.table = ops.Allocate(DType::kF32, {num_buckets, c.Hq + 1}).value();
+  refused(wrong_heads, "relative_bias.table");
+  AttentionArgs wrong_keys = good;
+  wrong_keys.relative_bias.buckets = ops.Allocate(DType::kI32, {rows, c.Skv + 1}).value();
+  refused(wrong_keys, "relative_bias.buckets");
+  AttentionArgs no_position = good;
+  no_position.relative_bias.first_row = Tensor();  // then one bucket row per query row
+  refused(no_position, "relative_bias.buckets");
+  // A backward takes the bias made.
+  Tensor dq = ops.Allocate(DType::kF32, s.q.shape()).value();
+  Tensor dk = ops.Allocate(DType::kF32, s.k.shape()).value();
+  Tensor dv = ops.Allocate(DType::kF32, s.v.shape()).value();
+  const absl::Status backward =
+      ops.AttentionBackward(good, s.q, s.k, s.v, out, s.dout, lse, &dq, &dk, &dv, nullptr);
+  EXPECT_EQ(backward.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(backward.message().find("relative_bias"), std::string::npos) << backward;
+}
+
 TEST(AttentionTest, RejectsBadArguments) {
   const Case c = {2, 4, 4, 4, 2, 8, MaskType::kPadding, true, 0.0f, DType::kF32};
   CpuOps ops;

@@ -238,10 +238,15 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
   if (out->numel() == 0) return absl::OkStatus();
 
   // A decode step's one query row: cuDNN would compute a whole 64-row tile.
+  // It looks a relative bias up in its table; every other path adds it made.
   if (GetAttentionPath() == AttentionPath::kAuto &&
       DecodeAttentionFits(args, shape, q, k, v, *out)) {
     decode_attention_calls.fetch_add(1);
     return DecodeAttentionForward(args, shape, q, k, v, out, softmax_lse, stream());
+  }
+  if (args.relative_bias.defined()) {
+    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq));
+    return AttentionForward(made, q, k, v, out, softmax_lse);
   }
   const bool small_head = UseSmallHead(MakeProblem(args, shape, q, k, v));
   if (GetAttentionPath() == AttentionPath::kAuto) {
@@ -310,6 +315,10 @@ absl::Status CudaOps::AttentionForwardPacked(const AttentionArgs& args, const Te
   ASSIGN_OR_RETURN(const AttentionShape shape,
                    CheckAttentionForwardArgs(args, part, part, part, out, softmax_lse));
   if (out->numel() == 0) return absl::OkStatus();
+  if (args.relative_bias.defined()) {
+    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq));
+    return AttentionForwardPacked(made, qkv, out, softmax_lse);
+  }
 
   if (GetAttentionPath() == AttentionPath::kAuto) {
     const absl::Status declined = DeclineElementwiseMask(args);

@@ -9,6 +9,10 @@
 // and in shared memory across warps. Each thread walks as few keys as the
 // block allows: with 128 threads, a dozen dependent trips to HBM made the
 // kernel 12-14 us at 8 x 16 heads x 190 keys on the H200, slower than cuDNN.
+// The loads that need only the row's lengths (the first key row, its bias,
+// the first value rows) are all issued before the first wait. A relative
+// bias named by its table (AttentionArgs::relative_bias) is looked up per
+// key, so a decode step launches no kernel to make [H, 1, Skv].
 // float32 arithmetic, with cuDNN's one rounding of the probabilities to the
 // operands' dtype before P @ V.
 #include <cuda_runtime.h>
@@ -34,6 +38,12 @@ struct DecodeParams {
   const void* k;
   const void* v;
   const void* bias;  // [Hq, 1, Skv] in bias format, or null
+  // Or the bias by its table (AttentionArgs::relative_bias): table [NB, Hq]
+  // in bias format, row first_row (null: 0) of buckets [rows, Skv].
+  const void* rel_table;
+  const int32_t* rel_buckets;
+  const int32_t* rel_first_row;
+  int64_t rel_rows;
   const int32_t* q_seqlens;   // null: the row is valid
   const int32_t* kv_seqlens;  // null: every key
   bool causal;
@@ -60,6 +70,18 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
   return v;
 }
 
+// Key j's bias for query head h: made, or looked up in the relative table
+// (bucket row rel_row, 0 past the buckets' rows as RelativeBiasForward).
+template <typename B>
+__device__ __forceinline__ float BiasAt(const DecodeParams& p, int64_t h, int64_t j,
+                                        int64_t rel_row) {
+  using Storage = typename B::Storage;
+  if (p.bias != nullptr) return B::Load(static_cast<const Storage*>(p.bias)[h * p.shape.kv_seq + j]);
+  if (p.rel_table == nullptr || rel_row < 0 || rel_row >= p.rel_rows) return 0.0f;
+  const int32_t bucket = p.rel_buckets[rel_row * p.shape.kv_seq + j];
+  return B::Load(static_cast<const Storage*>(p.rel_table)[bucket * p.shape.q_heads + h]);
+}
+
 // A key row's logit against q (float, shared memory): kPacks 16-byte loads
 // issued together, then the products.
 template <typename T, int kPacks>
@@ -84,7 +106,11 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
   using Storage = typename T::Storage;
   using Vec = Pack<Storage>;
   constexpr int kDim = kPacks * kVec;
+  static_assert(kDim <= kDecodeThreads, "q is loaded a thread an element");
   constexpr int kShares = kDecodeThreads / kPacks;  // keys a value pass takes at once
+  // Value trips whose rows are loaded up front (registers: kPrefetched
+  // 16-byte packs): 256 keys at head_dim 64, 128 at 128.
+  constexpr int kPrefetched = 4;
   extern __shared__ float shared[];
   __shared__ float scratch[32];
   const AttentionShape& s = p.shape;
@@ -92,6 +118,13 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
   const int64_t kvh = h / (s.q_heads / s.kv_heads);
   const int64_t row = b * s.q_heads + h;
   Storage* out = static_cast<Storage*>(p.out) + row * kDim;
+
+  // q's load is issued before the lengths are waited for (registers now,
+  // shared memory below).
+  const Storage* q_row = static_cast<const Storage*>(p.q) + row * kDim;
+  const float q_element = threadIdx.x < kDim ? T::Load(q_row[threadIdx.x]) : 0.0f;
+  const int64_t rel_row = p.rel_first_row != nullptr ? p.rel_first_row[0] : 0;
+  const bool has_bias = p.bias != nullptr || p.rel_table != nullptr;
 
   // The keys this row sees: a prefix, as the unfused kernels define it.
   int64_t end = 0;
@@ -113,20 +146,52 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
   float* q = shared;
   float* weights = q + kDim;
   float* partials = weights + s.kv_seq;
-  const Storage* q_row = static_cast<const Storage*>(p.q) + row * kDim;
-  for (int d = threadIdx.x; d < kDim; d += blockDim.x) q[d] = T::Load(q_row[d]);
-  __syncthreads();
-
   const Storage* keys = static_cast<const Storage*>(p.k);
   const Storage* values = static_cast<const Storage*>(p.v);
   const int64_t key_stride = s.kv_heads * kDim;  // elements from key j to j + 1
   const int64_t first_key = (b * s.kv_seq * s.kv_heads + kvh) * kDim;
-  const auto* bias = static_cast<const typename B::Storage*>(p.bias);
+  // Every load that needs only the lengths is issued before the next wait:
+  // this thread's first key row, its bias, and the value rows of its first
+  // kPrefetched value trips. At a decode step's sizes the kernel is a chain
+  // of round trips to memory, and q, the keys and the values were three of
+  // them one after another; now the lengths are one and these the other.
+  const int share = threadIdx.x / kPacks, pack = threadIdx.x % kPacks;
+  const int64_t first = threadIdx.x;
+  Vec first_key_row[kPacks];
+  float first_bias = 0.0f;
+  if (first < end) {
+    const Vec* key = reinterpret_cast<const Vec*>(keys + first_key + first * key_stride);
+#pragma unroll
+    for (int c = 0; c < kPacks; ++c) first_key_row[c] = key[c];
+    if (has_bias) first_bias = BiasAt<B>(p, h, first, rel_row);
+  }
+  Vec early_values[kPrefetched];
+#pragma unroll
+  for (int i = 0; i < kPrefetched; ++i) {
+    const int64_t j = share + int64_t(i) * kShares;
+    if (j < end) {
+      early_values[i] = reinterpret_cast<const Vec*>(values + first_key + j * key_stride)[pack];
+    }
+  }
+  if (threadIdx.x < kDim) q[threadIdx.x] = q_element;
+  __syncthreads();
+
   float local_max = -INFINITY;
-  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) {
+  if (first < end) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kPacks; ++c) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) dot = fmaf(q[c * kVec + e], T::Load(first_key_row[c].v[e]), dot);
+    }
+    const float logit = p.scale * dot + first_bias;
+    weights[first] = logit;
+    local_max = logit;
+  }
+  for (int64_t j = first + blockDim.x; j < end; j += blockDim.x) {
     const Vec* key = reinterpret_cast<const Vec*>(keys + first_key + j * key_stride);
     float logit = p.scale * KeyDot<T, kPacks>(key, q);
-    if (bias != nullptr) logit += B::Load(bias[h * s.kv_seq + j]);
+    if (has_bias) logit += BiasAt<B>(p, h, j, rel_row);
     weights[j] = logit;
     local_max = fmaxf(local_max, logit);
   }
@@ -145,10 +210,18 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
   // Thread (share, column pack): keys share, share + kShares, ... of one
   // pack; the shares of a warp (lanes kPacks apart) summed by shuffles, the
   // warps' sums in shared memory.
-  const int share = threadIdx.x / kPacks, pack = threadIdx.x % kPacks;
   float acc[kVec] = {};
+#pragma unroll
+  for (int i = 0; i < kPrefetched; ++i) {
+    const int64_t j = share + int64_t(i) * kShares;
+    if (j < end) {
+      const float w = weights[j];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = fmaf(w, T::Load(early_values[i].v[e]), acc[e]);
+    }
+  }
 #pragma unroll 4
-  for (int64_t j = share; j < end; j += kShares) {
+  for (int64_t j = share + int64_t(kPrefetched) * kShares; j < end; j += kShares) {
     const Vec vv = reinterpret_cast<const Vec*>(values + first_key + j * key_stride)[pack];
     const float w = weights[j];
 #pragma unroll
@@ -186,9 +259,10 @@ bool DecodeAttentionFits(const AttentionArgs& args, const AttentionShape& s, con
                          const Tensor& k, const Tensor& v, const Tensor& out) {
   if (s.q_seq != 1 || args.dropout_rate != 0.0f || args.elementwise_mask.defined()) return false;
   if (q.dtype() != k.dtype() || q.dtype() != v.dtype() || out.dtype() != q.dtype()) return false;
-  if (args.bias.defined() && args.bias.dtype() != DType::kF32 &&
-      args.bias.dtype() != q.dtype()) {
-    return false;
+  for (const Tensor* bias : {&args.bias, &args.relative_bias.table}) {
+    if (bias->defined() && bias->dtype() != DType::kF32 && bias->dtype() != q.dtype()) {
+      return false;
+    }
   }
   // The head sizes the kernel is specialised for; rows of whole 16-byte packs.
   if ((s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128) || s.batch > 65535) {
@@ -211,6 +285,13 @@ absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionSh
   p.k = k.data();
   p.v = v.data();
   p.bias = args.bias.defined() ? args.bias.data() : nullptr;
+  const AttentionArgs::RelativeBiasTable& relative = args.relative_bias;
+  p.rel_table = relative.defined() ? relative.table.data() : nullptr;
+  p.rel_buckets = relative.defined() ? relative.buckets.data_as<const int32_t>() : nullptr;
+  p.rel_first_row = relative.defined() && relative.first_row.defined()
+                        ? relative.first_row.data_as<const int32_t>()
+                        : nullptr;
+  p.rel_rows = relative.defined() ? relative.buckets.dim(0) : 0;
   const bool padding = IsPaddingMask(args.mask);
   p.q_seqlens = padding ? args.q_seqlens.data_as<const int32_t>() : nullptr;
   p.kv_seqlens = padding ? args.kv_seqlens.data_as<const int32_t>() : nullptr;
@@ -222,7 +303,9 @@ absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionSh
                                                             : nullptr;
   const dim3 grid(static_cast<unsigned>(s.q_heads), static_cast<unsigned>(s.batch));
   const size_t shared = SharedBytes(s);
-  const DType bias_dtype = args.bias.defined() ? args.bias.dtype() : DType::kF32;
+  const DType bias_dtype = args.bias.defined()   ? args.bias.dtype()
+                           : relative.defined() ? relative.table.dtype()
+                                                : DType::kF32;
   DispatchFloat(q.dtype(), [&](auto t) {
     DispatchFloat(bias_dtype, [&](auto bias) {
       using T = decltype(t);

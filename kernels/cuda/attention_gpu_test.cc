@@ -619,6 +619,88 @@ TEST_F(GpuAttentionForwardOnlyTest, DecodeRowsMatchCpu) {
   }
 }
 
+// A decode step's relative bias named by its table (AttentionArgs::
+// relative_bias): the decode kernel looks each key's bias up and gives the
+// bits it gives with the bias made (RelativeBiasForward, same dtype), at a
+// device position inside the buckets' rows and past them (bias 0); a case
+// the kernel declines (head_dim 40) makes the bias and still matches; all
+// within the tolerance of the CPU with the bias made.
+TEST_F(GpuAttentionForwardOnlyTest, DecodeRowsWithTheRelativeTableMatchTheBiasMade) {
+  struct Case {
+    std::string name;
+    DType dtype, table;
+    int64_t batch, kv_seq, heads, head_dim;
+  };
+  const Case cases[] = {
+      {"bf16_lm_step", DType::kBF16, DType::kBF16, 8, 384, 16, 64},
+      {"bf16_f32_table", DType::kBF16, DType::kF32, 3, 130, 4, 128},
+      {"f32_d32", DType::kF32, DType::kF32, 2, 70, 4, 32},
+      {"declined_d40", DType::kF16, DType::kF16, 2, 33, 2, 40},
+  };
+  const int64_t num_buckets = 32;
+  for (const Case& c : cases) {
+    const Shape q_shape = {c.batch, 1, c.heads, c.head_dim};
+    const Shape kv_shape = {c.batch, c.kv_seq, c.heads, c.head_dim};
+    const Shape lse_shape = {c.batch, c.heads, 1};
+    const Tensor q = Host(c.dtype, q_shape, RandomValues(NumElements(q_shape), 31));
+    const Tensor k = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 32));
+    const Tensor v = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 33));
+    const Tensor table =
+        Host(c.table, {num_buckets, c.heads}, RandomValues(num_buckets * c.heads, 34, -2.0f, 2.0f));
+    Tensor buckets = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.kv_seq, c.kv_seq});
+    for (int64_t i = 0; i < c.kv_seq; ++i) {
+      for (int64_t j = 0; j < c.kv_seq; ++j) {
+        buckets.data_as<int32_t>()[i * c.kv_seq + j] =
+            static_cast<int32_t>(std::min<int64_t>(std::abs(i - j), num_buckets - 1));
+      }
+    }
+    for (const int64_t row : {c.kv_seq / 3, c.kv_seq /* past the rows: no bias */}) {
+      SCOPED_TRACE(c.name + " at row " + std::to_string(row));
+      Tensor position = ::te::testing::MakeEmpty(cpu_, DType::kI32, {1});
+      position.data_as<int32_t>()[0] = static_cast<int32_t>(row);
+      AttentionArgs made;
+      made.mask = MaskType::kPadding;
+      made.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+      made.forward_only = true;
+      made.q_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+      made.kv_seqlens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+      for (int64_t b = 0; b < c.batch; ++b) {
+        made.q_seqlens.data_as<int32_t>()[b] = 1;
+        made.kv_seqlens.data_as<int32_t>()[b] =
+            static_cast<int32_t>(std::max<int64_t>(1, std::min(row + 1, c.kv_seq) - b));
+      }
+      made.bias = ::te::testing::MakeEmpty(cpu_, c.table, {c.heads, 1, c.kv_seq});
+      ASSERT_TRUE(cpu_.RelativeBiasForward(table, buckets, position, &made.bias).ok());
+      Tensor cpu_out = ::te::testing::MakeEmpty(cpu_, c.dtype, q_shape);
+      Tensor cpu_lse = ::te::testing::MakeEmpty(cpu_, DType::kF32, lse_shape);
+      ASSERT_TRUE(cpu_.AttentionForward(made, q, k, v, &cpu_out, &cpu_lse).ok());
+
+      AttentionArgs gpu_made = made;
+      gpu_made.bias = ToGpu(made.bias);
+      gpu_made.q_seqlens = ToGpu(made.q_seqlens);
+      gpu_made.kv_seqlens = ToGpu(made.kv_seqlens);
+      AttentionArgs gpu_table = gpu_made;
+      gpu_table.bias = Tensor();
+      gpu_table.relative_bias.table = ToGpu(table);
+      gpu_table.relative_bias.buckets = ToGpu(buckets);
+      gpu_table.relative_bias.first_row = ToGpu(position);
+      const Tensor gq = ToGpu(q), gk = ToGpu(k), gv = ToGpu(v);
+      Tensor out_made = GpuEmpty(c.dtype, q_shape), out_table = GpuEmpty(c.dtype, q_shape);
+      Tensor lse_made = GpuEmpty(DType::kF32, lse_shape), lse_table = GpuEmpty(DType::kF32, lse_shape);
+      ASSERT_TRUE(gpu_->AttentionForward(gpu_made, gq, gk, gv, &out_made, &lse_made).ok());
+      const int64_t decode_before = cuda::DecodeAttentionCalls();
+      const absl::Status fwd = gpu_->AttentionForward(gpu_table, gq, gk, gv, &out_table, &lse_table);
+      ASSERT_TRUE(fwd.ok()) << fwd;
+      EXPECT_EQ(cuda::DecodeAttentionCalls() - decode_before, c.head_dim == 40 ? 0 : 1);
+      EXPECT_EQ(FromGpu(out_table), FromGpu(out_made));
+      EXPECT_EQ(FromGpu(lse_table), FromGpu(lse_made));
+      EXPECT_LT(RelativeError(FromGpu(out_table), ::te::testing::ToDoubles(cpu_out)),
+                Tolerance(c.dtype)) << "out";
+      ExpectLseNear(FromGpu(lse_table), cpu_lse, Tolerance(c.dtype));
+    }
+  }
+}
+
 // cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)
 // makes out[i, j] = P_ij * M_ij exactly, which exposes the dropout mask M.
 

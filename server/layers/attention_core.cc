@@ -104,7 +104,7 @@ absl::Status CheckElementwise(const Tensor& mask, int num_heads, int64_t batch, 
 // padding lengths resolved, and the bias checked against [Hq, Sq, Skv].
 absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& config,
                                           int64_t batch, int64_t q_len, int64_t kv_len,
-                                          const SeqLens& seqlens, const Tensor& bias,
+                                          const SeqLens& seqlens, const AttentionBias& given,
                                           bool dropout_active, uint64_t dropout_seed) {
   AttentionArgs args;
   args.mask = config.mask;
@@ -161,6 +161,9 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
                        ResolveLengths(ops, kv_lengths, "kv_seqlens", batch, kv_len));
     }
   }
+  // The op checks a bias named by its table.
+  args.relative_bias = given.relative;
+  const Tensor& bias = given.made;
   if (bias.defined() && bias.numel() > 0) {
     const Shape want = {config.num_heads, q_len, kv_len};
     // float32, or q's dtype (a relative bias as cuDNN reads it); the op
@@ -253,8 +256,8 @@ int64_t AttentionSaved::bytes() const {
 
 absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Tensor& q,
                               const Tensor& k, const Tensor& v, const SeqLens& seqlens,
-                              const Tensor& bias, bool dropout_active, uint64_t dropout_seed,
-                              Tensor* out, AttentionSaved* saved) {
+                              const AttentionBias& bias, bool dropout_active,
+                              uint64_t dropout_seed, Tensor* out, AttentionSaved* saved) {
   if (q.rank() != 4) {
     return absl::InvalidArgumentError(
         absl::StrCat("q must be [batch, seq, heads, head_dim]; got ", ShapeString(q.shape())));
@@ -274,6 +277,10 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
                    ResolveArgs(ops, config, batch, q_len, kv_len, seqlens, bias, dropout_active,
                                dropout_seed));
   args.forward_only = saved == nullptr;
+  if (saved != nullptr && args.relative_bias.defined()) {
+    // A backward reads the bias made.
+    ASSIGN_OR_RETURN(args, WithRelativeBiasMade(ops, args, q_len));
+  }
 
   ASSIGN_OR_RETURN(*out, ops.Allocate(q.dtype(), q.shape()));
   ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, q_len}));
@@ -582,13 +589,16 @@ absl::StatusOr<Tensor> RelativeTable(Ops& ops, const Tensor& rel_embedding) {
   return table;
 }
 
+DType RelativeBiasDType(DType operands) {
+  return operands == DType::kBF16 || operands == DType::kF16 ? operands : DType::kF32;
+}
+
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor& buckets,
                                     DType operands, const Tensor& first_row, int64_t rows) {
   const int64_t heads = table.dim(1);
   const int64_t query_rows = first_row.defined() ? rows : buckets.dim(0);
-  const DType dtype =
-      operands == DType::kBF16 || operands == DType::kF16 ? operands : DType::kF32;
-  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(dtype, {heads, query_rows, buckets.dim(1)}));
+  ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(RelativeBiasDType(operands),
+                                             {heads, query_rows, buckets.dim(1)}));
   RETURN_IF_ERROR(ops.RelativeBiasForward(table, buckets, first_row, &bias));
   return bias;
 }

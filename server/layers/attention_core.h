@@ -120,16 +120,27 @@ inline bool HasMask(const LayerInputs& in) {
          !in.mask_error.ok();
 }
 
+// An attention's additive bias on the logits (after scaling): made, [Hq, Sq,
+// Skv] in float32 or q's dtype, or named by its table (a decode step's
+// relative bias, AttentionArgs::relative_bias), which a backend may look up
+// per logit instead of making it. A Tensor converts to a made bias.
+struct AttentionBias {
+  AttentionBias() = default;
+  AttentionBias(Tensor made) : made(std::move(made)) {}  // NOLINT(runtime/explicit)
+  Tensor made;
+  AttentionArgs::RelativeBiasTable relative;
+};
+
 // out [B, Sq, Hq, D] = attention(q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]).
-// `bias` (optional) is [Hq, Sq, Skv], float32 or q's dtype, added after scaling. Dropout on the
+// `bias` (optional) as AttentionBias states; a backward needs it made. Dropout on the
 // probabilities runs only when `dropout_active` and the rate is positive.
 // INVALID_ARGUMENT when shapes or dtypes do not match the config (the message
 // names q, k, v or the seqlens). With `saved` non-null, fills it for
 // AttentionBackward.
 absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Tensor& q,
                               const Tensor& k, const Tensor& v, const SeqLens& seqlens,
-                              const Tensor& bias, bool dropout_active, uint64_t dropout_seed,
-                              Tensor* out, AttentionSaved* saved);
+                              const AttentionBias& bias, bool dropout_active,
+                              uint64_t dropout_seed, Tensor* out, AttentionSaved* saved);
 
 // Gradients of vdot(out, dout): dq, dk, dv are allocated here (like q, k, v);
 // dbias (f32 [Hq, Sq, Skv]; with saved.relative, the table's dtable f32
@@ -229,6 +240,8 @@ class RelativeBucketCache {
 // The table RelativeBiasForward reads, [NB, H], from TE's parameter layout
 // `rel_embedding` [H, NB].
 absl::StatusOr<Tensor> RelativeTable(Ops& ops, const Tensor& rel_embedding);
+// The dtype RelativeBias makes a bias in for the attention's `operands`.
+DType RelativeBiasDType(DType operands);
 // bias [H, Sq, Skv] from `table` [NB, H] (RelativeTable's) and buckets
 // [Sq, Skv]; or, given `first_row` (an int32 on the device: a decode step's
 // position), from rows first_row .. first_row + rows - 1 of buckets [R, Skv],

@@ -316,7 +316,7 @@ absl::StatusOr<int64_t> MhaBlock::CacheIndex(Ops& ops, const Variables& vars,
 }
 
 absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& mask,
-                              const Tensor& bias, const ForwardOptions& opts, Tensor* y,
+                              const AttentionBias& bias, const ForwardOptions& opts, Tensor* y,
                               Tensor* ln_out, const Tensor& residual) const {
   if (x.rank() != 3 || x.dim(2) != hidden_ || x.dim(1) < 1 ||
       (x.dim(1) != 1 && !opts.internal_decode)) {
@@ -342,7 +342,6 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
                    OpenKvCache(ops, *vars, options_.scope, batch, tokens,
                                options_.num_gqa_groups, options_.head_dim, x.dtype(),
                                opts.decode_cache_index));
-  const bool has_bias = bias.defined() && bias.numel() > 0;
   // One fused projection (no GQA, no cross-attention): its output goes to q
   // and the cache in one op, rotated on the way.
   const bool fused_rows = !separate_kv();
@@ -381,9 +380,8 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
   const uint64_t dropout_seed =
       DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
   Tensor context;
-  RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths,
-                                   has_bias ? bias : Tensor(), !opts.deterministic, dropout_seed,
-                                   &context, nullptr));
+  RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths, bias,
+                                   !opts.deterministic, dropout_seed, &context, nullptr));
   const int64_t rows = batch * tokens;
   Tensor y2;
   DenseFusion out_fusion;

@@ -133,13 +133,13 @@ class MhaBlock {
   // other types ignore it, as TE does. opts.keep_for_backward is
   // INVALID_ARGUMENT (inference only). `residual` as Forward.
   // With opts.internal_decode x may be [B, S, hidden]: S tokens at rows
-  // p..p + S - 1, token i attending over rows 0..p + i. `bias` (optional,
-  // f32 [H, S, L]) is added to the logits against every cache row (TE
-  // slices its [L, L] relative bias the same way); attention then reads the
-  // whole cache.
+  // p..p + S - 1, token i attending over rows 0..p + i. `bias` (optional:
+  // made, [H, S, L], or by its table's rows p.. of the [L, L] buckets) is
+  // added to the logits against every cache row (TE slices its [L, L]
+  // relative bias the same way); attention then reads the whole cache.
   absl::Status Decode(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& mask,
-                      const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
-                      const Tensor& residual = Tensor()) const;
+                      const AttentionBias& bias, const ForwardOptions& opts, Tensor* y,
+                      Tensor* ln_out, const Tensor& residual = Tensor()) const;
   // The cache's index for a step (opts.decode_cache_index, or read from the
   // cache), for a caller that needs it before Decode (a bias row).
   absl::StatusOr<int64_t> CacheIndex(Ops& ops, const Variables& vars,

@@ -149,7 +149,7 @@ class TransformerLayerImpl : public Layer {
     kept->compute = in.x.dtype();
     const int64_t seq = in.x.dim(1);
 
-    Tensor bias;
+    AttentionBias bias;
     RelativeBuckets relative;  // the buckets of a full forward's relative bias
     ForwardOptions step = opts;  // a decode step's, with the cache index it read
     // A decoder's cross-attention rotates a decode step's query at the
@@ -165,7 +165,7 @@ class TransformerLayerImpl : public Layer {
       ASSIGN_OR_RETURN(relative, buckets_.Relative(ops, seq, seq, opts.constants));
       ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(*vars, kRelEmbedding));
       ASSIGN_OR_RETURN(const Tensor table, RelativeTable(ops, rel_embedding));
-      ASSIGN_OR_RETURN(bias, RelativeBias(ops, table, relative.buckets, in.x.dtype()));
+      ASSIGN_OR_RETURN(bias.made, RelativeBias(ops, table, relative.buckets, in.x.dtype()));
     }
     // A decoder's self-attention reads no mask: the request's is the
     // cross-attention's (encoder_decoder_mask).
@@ -174,7 +174,7 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(Residual(ops, attention_, vars, in.x, self_mask, bias, Tensor(), step,
                              opts.decode, "hidden_dropout_0", keep ? &kept->attention : nullptr,
                              &kept->attention_dropout, &h));
-    if (keep && bias.defined() && !opts.decode) {
+    if (keep && bias.made.defined() && !opts.decode) {
       // The backward then reduces the table's gradient, not the dense dbias.
       kept->attention.attention.relative = relative;
       kept->attention.attention.relative_num_buckets = kNumBuckets;
@@ -251,14 +251,14 @@ class TransformerLayerImpl : public Layer {
   // With `decode`, the block runs one cached step (MhaBlock::Decode) instead.
   // `query_position`: MhaBlock::Forward's.
   absl::Status Residual(Ops& ops, const MhaBlock& block, Variables* vars, const Tensor& x,
-                        const SeqLens& mask, const Tensor& bias, const Tensor& kv_input,
+                        const SeqLens& mask, const AttentionBias& bias, const Tensor& kv_input,
                         const ForwardOptions& opts, bool decode, const char* dropout_site,
                         MhaBlock::Saved* saved, DropoutSaved* dropout, Tensor* out,
                         int64_t query_position = 0) const {
     auto attend = [&](Tensor* a, const Tensor& residual) {
       if (decode) return block.Decode(ops, vars, x, mask, bias, opts, a, nullptr, residual);
-      return block.Forward(ops, vars, x, mask, bias, opts, a, nullptr, saved, residual, kv_input,
-                           query_position);
+      return block.Forward(ops, vars, x, mask, bias.made, opts, a, nullptr, saved, residual,
+                           kv_input, query_position);
     };
     if (FusedResidual(opts)) return attend(out, x);
     Tensor attention_out, dropped;
@@ -362,37 +362,52 @@ class TransformerLayerImpl : public Layer {
   }
 
   // The relative bias of a decode step's S rows at cache index p against all
-  // L cache rows, f32 [H, S, L]: rows p..p + S - 1 of the [L, L] table TE
+  // L cache rows, by its table: rows p..p + S - 1 of the [L, L] buckets TE
   // makes (the bucket of key j for query i depends on j - i alone), p read
   // on the device (DecodePosition), so a step's launches are the same at
-  // every position. Undefined where the rows fall outside the cache (the
-  // step reports that). Under a decode context the table is uploaded once
-  // for all its steps and layers.
-  absl::StatusOr<Tensor> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
-                                    int64_t tokens, DType operands,
-                                    DecodeContext* context) const {
+  // every position; the table [NB, H] in the bias dtype RelativeBias makes
+  // (the operands' for bfloat16 and float16), so a backend that looks it up
+  // adds the values one that makes [H, S, L] would. Undefined where the rows
+  // fall outside the cache (the step reports that). Under a decode context
+  // the buckets are uploaded, and each layer's table transposed, once for
+  // all its steps.
+  absl::StatusOr<AttentionBias> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
+                                           int64_t tokens, DType operands,
+                                           DecodeContext* context) const {
     const KvCacheNames names = KvCacheNamesAt(options_.attention.scope);
     auto key = vars.find(names.key);
     auto index = vars.find(names.index);
-    if (key == vars.end() || key->second.rank() != 4 || index == vars.end()) return Tensor();
+    if (key == vars.end() || key->second.rank() != 4 || index == vars.end()) {
+      return AttentionBias();
+    }
     const int64_t length = key->second.dim(1);
-    if (position < 0 || position + tokens > length) return Tensor();
+    if (position < 0 || position + tokens > length) return AttentionBias();
     ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(vars, kRelEmbedding));
     DeviceConstants* constants = context != nullptr ? &context->constants : nullptr;
     ASSIGN_OR_RETURN(const Tensor buckets, buckets_.Buckets(ops, length, length, constants));
     // The variables hold still for a context's steps: one transpose of the
     // table for all of them, not one a step. Keyed by the parameter's memory:
     // every layer of a model has the same scope names.
-    const auto transpose = [&] { return RelativeTable(ops, rel_embedding); };
+    const DType bias_dtype = RelativeBiasDType(operands);
+    const auto transpose = [&]() -> absl::StatusOr<Tensor> {
+      ASSIGN_OR_RETURN(Tensor table, RelativeTable(ops, rel_embedding));
+      if (table.dtype() == bias_dtype) return table;
+      ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(bias_dtype, table.shape()));
+      RETURN_IF_ERROR(ops.Cast(table, &cast));
+      return cast;
+    };
+    AttentionBias bias;
     ASSIGN_OR_RETURN(
-        const Tensor table,
+        bias.relative.table,
         constants != nullptr
             ? constants->Get(absl::StrCat("relative table at ",
-                                          reinterpret_cast<uintptr_t>(rel_embedding.data())),
+                                          reinterpret_cast<uintptr_t>(rel_embedding.data()),
+                                          " in ", DTypeName(bias_dtype)),
                              transpose)
             : transpose());
-    return RelativeBias(ops, table, buckets, operands, DecodePosition(index->second, context),
-                        tokens);
+    bias.relative.buckets = buckets;
+    bias.relative.first_row = DecodePosition(index->second, context);
+    return bias;
   }
 
   absl::Status CheckInputShape(const Shape& shape) const {
