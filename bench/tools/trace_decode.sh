@@ -4,8 +4,9 @@
 # (libkernel_trace.so), runs one Generate of the decode benchmark's LM
 # (bench/decode_bench.py: 24 x 1024, prompt 128, bf16, no JAX peer, no
 # client rows) and reports the last TRACE_STEPS spans between host
-# synchronisations (kernel_trace_report.py). A Generate step reads its logits
-# back once and copies nothing else, so each span is one token: its wall
+# synchronisations (kernel_trace_report.py). A Generate step's host waits
+# once, for its tokens (greedy; the next step already queued), so each span
+# is one token: its wall
 # time, the device's busy time, the idle gaps and the host calls in them, and
 # the kernel time by class. Run from the repository root on the GPU machine,
 # with the Python client's stubs generated (TE_CLIENT_STUBS_DIR).

@@ -193,6 +193,10 @@ INSTANTIATE_TEST_SUITE_P(
                            // 16-bit x: backward fast at its limit (12 warps, 96 KiB of
                            // shared column sums), forward general
                            Shape{5, 12288},
+                           // few rows (a decode step's): each row spread over more
+                           // warps than it needs, a pack a thread (1024: 4 warps,
+                           // 2048: 8)
+                           Shape{8, 1024}, Shape{1, 2048},
                            // general: H % 8 != 0
                            Shape{37, 100})),
     NormPathName);
@@ -284,6 +288,8 @@ INSTANTIATE_TEST_SUITE_P(
                            // fused for 16-bit x: 16-row tiles (H > 4096), rank 3, and
                            // packs not a multiple of the threads (f32 x: fallback)
                            Shape{2, 6, 8192}, Shape{20, 5000},
+                           // fused, few rows: each row over 4 warps
+                           Shape{8, 1024},
                            // fallback: rows % 4 != 0; H % 8 != 0
                            Shape{37, 200}, Shape{64, 100})),
     [](const auto& info) {
