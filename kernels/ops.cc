@@ -258,6 +258,14 @@ absl::Status Ops::AttentionForwardPacked(const AttentionArgs& args, const Tensor
   return AttentionForward(args, qkv_parts[0], qkv_parts[1], qkv_parts[2], out, softmax_lse);
 }
 
+absl::Status Ops::DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor& qkv,
+                                         const RotaryArgs* rotary, const Tensor& position,
+                                         Tensor* q, Tensor* key_cache, Tensor* value_cache,
+                                         Tensor* out, Tensor* softmax_lse) {
+  RETURN_IF_ERROR(DecodeQkvRows(qkv, rotary, position, q, key_cache, value_cache));
+  return AttentionForward(args, *q, *key_cache, *value_cache, out, softmax_lse);
+}
+
 absl::Status Ops::DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
                                 const Tensor& position, Tensor* q, Tensor* key_cache,
                                 Tensor* value_cache) {

@@ -1030,6 +1030,15 @@ class Ops {
   virtual absl::Status DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
                                      const Tensor& position, Tensor* q, Tensor* key_cache,
                                      Tensor* value_cache);
+  // A decode step's attention straight from the fused projection:
+  // DecodeQkvRows(qkv, rotary, position, q, key_cache, value_cache), then
+  // AttentionForward(args, *q, *key_cache, *value_cache, out, softmax_lse).
+  // The default runs those two; the CUDA backend runs both in its one-row
+  // attention kernel where that takes the step (one token a sequence).
+  virtual absl::Status DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor& qkv,
+                                              const RotaryArgs* rotary, const Tensor& position,
+                                              Tensor* q, Tensor* key_cache, Tensor* value_cache,
+                                              Tensor* out, Tensor* softmax_lse);
   // T5 relative position bias: bias[h, i, j] = table[buckets[r0 + i, j], h].
   // table [NB, H] (float), buckets int32 [R, Skv], bias [H, Sq, Skv] (any
   // float dtype: the attention's operands' saves a cast).

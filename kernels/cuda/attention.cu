@@ -265,6 +265,27 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
                                   softmax_lse->data_as<float>(), stream());
 }
 
+absl::Status CudaOps::DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor& qkv,
+                                             const RotaryArgs* rotary, const Tensor& position,
+                                             Tensor* q, Tensor* key_cache, Tensor* value_cache,
+                                             Tensor* out, Tensor* softmax_lse) {
+  RETURN_IF_ERROR(Enter());
+  RETURN_IF_ERROR(CheckDecodeQkvRowsArgs(qkv, rotary, position, q, key_cache, value_cache));
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckAttentionForwardArgs(args, *q, *key_cache, *value_cache, out,
+                                             softmax_lse));
+  // One token a sequence, and the kernel takes the attention: one launch
+  // for the rows and the attention. Otherwise the two ops.
+  if (GetAttentionPath() != AttentionPath::kAuto || qkv.dim(1) != 1 || out->numel() == 0 ||
+      !DecodeAttentionFits(args, shape, *q, *key_cache, *value_cache, *out)) {
+    return Ops::DecodeAttentionFromQkv(args, qkv, rotary, position, q, key_cache, value_cache,
+                                       out, softmax_lse);
+  }
+  decode_attention_calls.fetch_add(1);
+  return DecodeAttentionFromQkvForward(args, shape, qkv, rotary, position, q, key_cache,
+                                       value_cache, out, softmax_lse, stream());
+}
+
 absl::Status CudaOps::AttentionBackward(const AttentionArgs& args, const Tensor& q,
                                         const Tensor& k, const Tensor& v, const Tensor& out,
                                         const Tensor& dout, const Tensor& softmax_lse,

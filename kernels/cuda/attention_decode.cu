@@ -22,6 +22,8 @@
 #include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/rotary.cuh"
+#include "kernels/op_checks.h"
 
 namespace te {
 namespace cuda {
@@ -51,7 +53,58 @@ struct DecodeParams {
   float scale;
   void* out;
   float* lse;  // [B, Hq, 1] or null
+  // Set when the step's q, key and value come from the fused projection's
+  // qkv [B, 1, 3, H, D] (Ops::DecodeAttentionFromQkv): the block rotates
+  // its head's q and key (rotate) as DecodeQkvRows does, writes q to q_out
+  // and the key and value into the caches (k and v, as key_rows and
+  // value_rows) at row *position, then attends as without.
+  const void* qkv;
+  void* q_out;
+  void* key_rows;
+  void* value_rows;
+  const int32_t* position;
+  bool rotate;
+  bool consecutive;
+  RotaryAngles angles;
 };
+
+// This thread's element of the block's head from qkv (thread d < D: element
+// d of q, the key and the value), rotated and written as DecodeQkvRows
+// writes it; returns q's element as the attention reads it.
+template <typename T, int kDim>
+__device__ __forceinline__ float NewRowsFromQkv(const DecodeParams& p, int64_t b, int64_t h) {
+  using Storage = typename T::Storage;
+  const AttentionShape& s = p.shape;
+  const int d = threadIdx.x;
+  if (d >= kDim) return 0.0f;
+  constexpr int kHalf = kDim / 2;
+  const int i = p.consecutive ? d / 2 : d % kHalf;
+  const int first = p.consecutive ? 2 * i : i, second = p.consecutive ? 2 * i + 1 : i + kHalf;
+  const Storage* qkv = static_cast<const Storage*>(p.qkv);
+  const Storage* q_src = qkv + (b * 3 * s.q_heads + h) * kDim;
+  const Storage* k_src = q_src + s.q_heads * kDim;
+  const Storage* v_src = k_src + s.q_heads * kDim;
+  const float qa = T::Load(q_src[first]), qb = T::Load(q_src[second]);
+  const float ka = T::Load(k_src[first]), kb = T::Load(k_src[second]);
+  const Storage v = v_src[d];
+  const int64_t row = *p.position;
+  Storage q_value = q_src[d], k_value = k_src[d];
+  if (p.rotate) {
+    float c, sn;
+    RotaryCosSin(p.angles.Start(), i, p.angles.dim, p.angles.min_timescale, p.angles.ratio,
+                 p.angles.inverse, &c, &sn);
+    const float2 q_rotated = RotatePair(qa, qb, c, sn), k_rotated = RotatePair(ka, kb, c, sn);
+    q_value = T::Store(d == first ? q_rotated.x : q_rotated.y);
+    k_value = T::Store(d == first ? k_rotated.x : k_rotated.y);
+  }
+  static_cast<Storage*>(p.q_out)[(b * s.q_heads + h) * kDim + d] = q_value;
+  if (row >= 0 && row < s.kv_seq) {
+    const int64_t at = ((b * s.kv_seq + row) * s.kv_heads + h) * kDim + d;
+    static_cast<Storage*>(p.key_rows)[at] = k_value;
+    static_cast<Storage*>(p.value_rows)[at] = v;
+  }
+  return T::Load(q_value);
+}
 
 __device__ __forceinline__ int64_t Clamped(const int32_t* lengths, int64_t b, int64_t max) {
   if (lengths == nullptr) return max;
@@ -122,7 +175,9 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
   // q's load is issued before the lengths are waited for (registers now,
   // shared memory below).
   const Storage* q_row = static_cast<const Storage*>(p.q) + row * kDim;
-  const float q_element = threadIdx.x < kDim ? T::Load(q_row[threadIdx.x]) : 0.0f;
+  const float q_element = p.qkv != nullptr   ? NewRowsFromQkv<T, kDim>(p, b, h)
+                          : threadIdx.x < kDim ? T::Load(q_row[threadIdx.x])
+                                               : 0.0f;
   const int64_t rel_row = p.rel_first_row != nullptr ? p.rel_first_row[0] : 0;
   const bool has_bias = p.bias != nullptr || p.rel_table != nullptr;
 
@@ -142,6 +197,8 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeAttentionKernel(DecodePa
     if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = INFINITY;
     return;
   }
+  // The new key and value rows, written above, are read below.
+  if (p.qkv != nullptr) __syncthreads();
 
   float* q = shared;
   float* weights = q + kDim;
@@ -276,10 +333,34 @@ bool DecodeAttentionFits(const AttentionArgs& args, const AttentionShape& s, con
   return aligned && s.kv_seq <= kDecodeMaxKeys && SharedBytes(s) <= 48 * 1024;
 }
 
-absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionShape& s,
-                                    const Tensor& q, const Tensor& k, const Tensor& v, Tensor* out,
-                                    Tensor* softmax_lse, cudaStream_t stream) {
-  DecodeParams p;
+namespace {
+
+absl::Status Launch(const DecodeParams& p, const AttentionShape& s, DType dtype, DType bias_dtype,
+                    cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(s.q_heads), static_cast<unsigned>(s.batch));
+  const size_t shared = SharedBytes(s);
+  DispatchFloat(dtype, [&](auto t) {
+    DispatchFloat(bias_dtype, [&](auto bias) {
+      using T = decltype(t);
+      using B = decltype(bias);
+      switch (s.head_dim) {
+        case 32: DecodeAttentionKernel<T, B, 4><<<grid, kDecodeThreads, shared, stream>>>(p); break;
+        case 64: DecodeAttentionKernel<T, B, 8><<<grid, kDecodeThreads, shared, stream>>>(p); break;
+        default: DecodeAttentionKernel<T, B, 16><<<grid, kDecodeThreads, shared, stream>>>(p);
+      }
+    });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace {
+
+DecodeParams ParamsOf(const AttentionArgs& args, const AttentionShape& s, const Tensor& q,
+                      const Tensor& k, const Tensor& v, Tensor* out, Tensor* softmax_lse) {
+  DecodeParams p{};
   p.shape = s;
   p.q = q.data();
   p.k = k.data();
@@ -301,24 +382,38 @@ absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionSh
   p.out = out->data();
   p.lse = softmax_lse != nullptr && softmax_lse->defined() ? softmax_lse->data_as<float>()
                                                             : nullptr;
-  const dim3 grid(static_cast<unsigned>(s.q_heads), static_cast<unsigned>(s.batch));
-  const size_t shared = SharedBytes(s);
-  const DType bias_dtype = args.bias.defined()   ? args.bias.dtype()
-                           : relative.defined() ? relative.table.dtype()
-                                                : DType::kF32;
-  DispatchFloat(q.dtype(), [&](auto t) {
-    DispatchFloat(bias_dtype, [&](auto bias) {
-      using T = decltype(t);
-      using B = decltype(bias);
-      switch (s.head_dim) {
-        case 32: DecodeAttentionKernel<T, B, 4><<<grid, kDecodeThreads, shared, stream>>>(p); break;
-        case 64: DecodeAttentionKernel<T, B, 8><<<grid, kDecodeThreads, shared, stream>>>(p); break;
-        default: DecodeAttentionKernel<T, B, 16><<<grid, kDecodeThreads, shared, stream>>>(p);
-      }
-    });
-  });
-  CUDA_RETURN_IF_LAUNCH_ERROR();
-  return absl::OkStatus();
+  return p;
+}
+
+DType BiasDType(const AttentionArgs& args) {
+  if (args.bias.defined()) return args.bias.dtype();
+  return args.relative_bias.defined() ? args.relative_bias.table.dtype() : DType::kF32;
+}
+
+}  // namespace
+
+absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionShape& s,
+                                    const Tensor& q, const Tensor& k, const Tensor& v, Tensor* out,
+                                    Tensor* softmax_lse, cudaStream_t stream) {
+  return Launch(ParamsOf(args, s, q, k, v, out, softmax_lse), s, q.dtype(), BiasDType(args),
+                stream);
+}
+
+absl::Status DecodeAttentionFromQkvForward(const AttentionArgs& args, const AttentionShape& s,
+                                           const Tensor& qkv, const RotaryArgs* rotary,
+                                           const Tensor& position, Tensor* q, Tensor* key_cache,
+                                           Tensor* value_cache, Tensor* out, Tensor* softmax_lse,
+                                           cudaStream_t stream) {
+  DecodeParams p = ParamsOf(args, s, *q, *key_cache, *value_cache, out, softmax_lse);
+  p.qkv = qkv.data();
+  p.q_out = q->data();
+  p.key_rows = key_cache->data();
+  p.value_rows = value_cache->data();
+  p.position = position.data_as<const int32_t>();
+  p.rotate = rotary != nullptr;
+  p.consecutive = rotary == nullptr || rotary->consecutive;
+  if (rotary != nullptr) p.angles = AnglesOf(*rotary, s.head_dim);
+  return Launch(p, s, q->dtype(), BiasDType(args), stream);
 }
 
 }  // namespace cuda

@@ -701,6 +701,108 @@ TEST_F(GpuAttentionForwardOnlyTest, DecodeRowsWithTheRelativeTableMatchTheBiasMa
   }
 }
 
+// Ops::DecodeAttentionFromQkv: the decode kernel writing the step's rows from
+// the fused projection's qkv itself gives the bits of DecodeQkvRows then
+// AttentionForward (q, both caches, out, lse), for rotary in both pair
+// layouts or none, a relative table or a made bias, positions inside the
+// cache and past it (no row written); a case the kernel declines (head_dim
+// 40, or two tokens) runs the two ops and gives the same.
+TEST_F(GpuAttentionForwardOnlyTest, DecodeFromQkvIsDecodeQkvRowsThenAttention) {
+  struct Case {
+    std::string name;
+    DType dtype;
+    int64_t batch, tokens, length, heads, head_dim;
+    int rotary;  // 0: none, 1: consecutive pairs, 2: alternate halves
+    bool relative;
+    bool fused;  // the one-launch path takes it
+  };
+  const Case cases[] = {
+      {"bf16_lm_step", DType::kBF16, 8, 1, 384, 16, 64, 2, true, true},
+      {"bf16_consecutive_made_bias", DType::kBF16, 3, 1, 130, 4, 128, 1, false, true},
+      {"f32_d32_no_rotary", DType::kF32, 2, 1, 70, 4, 32, 0, false, true},
+      {"f16_d40_declined", DType::kF16, 2, 1, 33, 2, 40, 1, false, false},
+      {"bf16_two_tokens_declined", DType::kBF16, 2, 2, 64, 4, 64, 2, true, false},
+  };
+  const int64_t num_buckets = 32;
+  for (const Case& c : cases) {
+    const Shape qkv_shape = {c.batch, c.tokens, 3, c.heads, c.head_dim};
+    const Shape cache_shape = {c.batch, c.length, c.heads, c.head_dim};
+    const Shape q_shape = {c.batch, c.tokens, c.heads, c.head_dim};
+    const Shape lse_shape = {c.batch, c.heads, c.tokens};
+    const Tensor qkv = ToGpu(Host(c.dtype, qkv_shape, RandomValues(NumElements(qkv_shape), 41)));
+    const Tensor keys = Host(c.dtype, cache_shape, RandomValues(NumElements(cache_shape), 42));
+    const Tensor values = Host(c.dtype, cache_shape, RandomValues(NumElements(cache_shape), 43));
+    Tensor buckets = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.length, c.length});
+    for (int64_t i = 0; i < c.length; ++i) {
+      for (int64_t j = 0; j < c.length; ++j) {
+        buckets.data_as<int32_t>()[i * c.length + j] =
+            static_cast<int32_t>(std::min<int64_t>(std::abs(i - j), num_buckets - 1));
+      }
+    }
+    const Tensor table = Host(c.dtype, {num_buckets, c.heads},
+                              RandomValues(num_buckets * c.heads, 44, -2.0f, 2.0f));
+    for (const int64_t row : {c.length / 2, c.length - c.tokens, c.length /* no row written */}) {
+      SCOPED_TRACE(c.name + " at row " + std::to_string(row));
+      Tensor position = ::te::testing::MakeEmpty(cpu_, DType::kI32, {1});
+      position.data_as<int32_t>()[0] = static_cast<int32_t>(row);
+      const Tensor gpu_position = ToGpu(position);
+      RotaryArgs rotary;
+      rotary.consecutive = c.rotary == 1;
+      rotary.position = gpu_position;
+      const RotaryArgs* rotation = c.rotary == 0 ? nullptr : &rotary;
+      AttentionArgs args;
+      args.mask = c.tokens == 1 ? MaskType::kPadding : MaskType::kPaddingCausalBottomRight;
+      args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+      args.forward_only = true;
+      Tensor q_lens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+      Tensor kv_lens = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.batch});
+      for (int64_t b = 0; b < c.batch; ++b) {
+        q_lens.data_as<int32_t>()[b] = static_cast<int32_t>(c.tokens);
+        kv_lens.data_as<int32_t>()[b] =
+            static_cast<int32_t>(std::min(row + c.tokens, c.length));
+      }
+      args.q_seqlens = ToGpu(q_lens);
+      args.kv_seqlens = ToGpu(kv_lens);
+      if (c.relative) {
+        args.relative_bias.table = ToGpu(table);
+        args.relative_bias.buckets = ToGpu(buckets);
+        args.relative_bias.first_row = gpu_position;
+      } else {
+        args.bias = ToGpu(Host(c.dtype, {c.heads, c.tokens, c.length},
+                               RandomValues(c.heads * c.tokens * c.length, 45, -2.0f, 2.0f)));
+      }
+      // The two ops, on their own copies of the caches.
+      Tensor key_two = ToGpu(keys), value_two = ToGpu(values);
+      Tensor q_two = GpuEmpty(c.dtype, q_shape), out_two = GpuEmpty(c.dtype, q_shape);
+      Tensor lse_two = GpuEmpty(DType::kF32, lse_shape);
+      ASSERT_TRUE(gpu_->DecodeQkvRows(qkv, rotation, gpu_position, &q_two, &key_two, &value_two)
+                      .ok());
+      ASSERT_TRUE(
+          gpu_->AttentionForward(args, q_two, key_two, value_two, &out_two, &lse_two).ok());
+      // In one op.
+      Tensor key_one = ToGpu(keys), value_one = ToGpu(values);
+      Tensor q_one = GpuEmpty(c.dtype, q_shape), out_one = GpuEmpty(c.dtype, q_shape);
+      Tensor lse_one = GpuEmpty(DType::kF32, lse_shape);
+      const int64_t decode_before = cuda::DecodeAttentionCalls();
+      const absl::Status one = gpu_->DecodeAttentionFromQkv(
+          args, qkv, rotation, gpu_position, &q_one, &key_one, &value_one, &out_one, &lse_one);
+      ASSERT_TRUE(one.ok()) << one;
+      EXPECT_EQ(cuda::DecodeAttentionCalls() - decode_before, c.fused ? 1 : 0);
+      EXPECT_EQ(FromGpu(q_one), FromGpu(q_two)) << "q";
+      EXPECT_EQ(FromGpu(key_one), FromGpu(key_two)) << "key cache";
+      EXPECT_EQ(FromGpu(value_one), FromGpu(value_two)) << "value cache";
+      EXPECT_EQ(FromGpu(out_one), FromGpu(out_two)) << "out";
+      EXPECT_EQ(FromGpu(lse_one), FromGpu(lse_two)) << "lse";
+      if (row < c.length) {
+        // The new rows landed: the caches differ from what they were.
+        EXPECT_NE(FromGpu(value_one), ::te::testing::ToDoubles(values));
+      } else {
+        EXPECT_EQ(FromGpu(value_one), ::te::testing::ToDoubles(values));
+      }
+    }
+  }
+}
+
 // cuDNN with dropout: v = one-hot rows (v[b, j, h, d] = [d == j], so D >= Skv)
 // makes out[i, j] = P_ij * M_ij exactly, which exposes the dropout mask M.
 

@@ -173,6 +173,19 @@ absl::Status DecodeAttentionForward(const AttentionArgs& args, const AttentionSh
                                     const Tensor& q, const Tensor& k, const Tensor& v, Tensor* out,
                                     Tensor* softmax_lse, cudaStream_t stream);
 
+// The same with q, the key and the value of each sequence's one new token
+// taken from the fused projection's qkv [B, 1, 3, H, D] (q_heads ==
+// kv_heads), rotated by `rotary` where non-null and written to q and into
+// the caches at row *position as Ops::DecodeQkvRows writes them, in the
+// same launch (Ops::DecodeAttentionFromQkv). The caller has checked both
+// ops' arguments and DecodeAttentionFits(args, s, *q, *key_cache,
+// *value_cache, *out).
+absl::Status DecodeAttentionFromQkvForward(const AttentionArgs& args, const AttentionShape& s,
+                                           const Tensor& qkv, const RotaryArgs* rotary,
+                                           const Tensor& position, Tensor* q, Tensor* key_cache,
+                                           Tensor* value_cache, Tensor* out, Tensor* softmax_lse,
+                                           cudaStream_t stream);
+
 // ---- a relative-position table's gradient (relative_bias_grad.cu) ----------
 // The most diagonals the band kernel covers (RelativeBuckets::uniform_from).
 constexpr int kRelativeBandMax = 128;

@@ -246,6 +246,10 @@ class CudaOps : public Ops {
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
   absl::Status DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary, const Tensor& position,
                              Tensor* q, Tensor* key_cache, Tensor* value_cache) override;
+  absl::Status DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor& qkv,
+                                      const RotaryArgs* rotary, const Tensor& position,
+                                      Tensor* q, Tensor* key_cache, Tensor* value_cache,
+                                      Tensor* out, Tensor* softmax_lse) override;
   absl::Status EmbedForward(const Tensor& table, const Tensor& ids, Tensor* y) override;
   absl::Status EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor* dtable) override;
   absl::Status SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels, Tensor* loss,

@@ -8,42 +8,13 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/rotary.cuh"
 #include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
 
 namespace te {
 namespace cuda {
 namespace {
-
-// cos / sin of the angle of position p and frequency index i, computed in
-// double, as on the CPU: near position 10^4 a float angle is off by ~5e-4
-// radians. The table kernel and the folded rotation both call this, so they
-// give the same bits.
-__device__ __forceinline__ void RotaryCosSin(int64_t p, int64_t i, int64_t dim,
-                                             double min_timescale, double ratio, bool inverse,
-                                             float* c, float* s) {
-  const double timescale = min_timescale * pow(ratio, 2.0 * static_cast<double>(i) / dim);
-  const double angle = static_cast<double>(inverse ? -p : p) / timescale;
-  double sd, cd;
-  sincos(angle, &sd, &cd);
-  *c = static_cast<float>(cd);
-  *s = static_cast<float>(sd);
-}
-
-// The angles of a rotation: position p of row s along S is start + s, start
-// = position_offset + *position (device int32, may be null), read when the
-// kernel runs, so one launch serves every position of a replayed step.
-struct RotaryAngles {
-  int64_t dim;
-  double min_timescale;
-  double ratio;
-  bool inverse;
-  int64_t position_offset;
-  const int32_t* position;
-  __device__ __forceinline__ int64_t Start() const {
-    return position_offset + (position != nullptr ? *position : 0);
-  }
-};
 
 // cos / sin at [s * half + i] for rows s of S.
 __global__ void RotaryTableKernel(float* cos_table, float* sin_table, int64_t seq, int64_t half,
@@ -85,9 +56,9 @@ __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storag
       RotaryCosSin(start + p, i, angles.dim, angles.min_timescale, angles.ratio, angles.inverse,
                    &c, &s);
     }
-    const float a = In::Load(x[first]), b = In::Load(x[second]);
-    y[first] = Out::Store(a * c - b * s);
-    y[second] = Out::Store(b * c + a * s);
+    const float2 rotated = RotatePair(In::Load(x[first]), In::Load(x[second]), c, s);
+    y[first] = Out::Store(rotated.x);
+    y[second] = Out::Store(rotated.y);
   }
 }
 
@@ -131,9 +102,9 @@ __global__ void DecodeQkvRowsKernel(const typename T::Storage* qkv, typename T::
     float c, s;
     RotaryCosSin(start + t, i, angles.dim, angles.min_timescale, angles.ratio, angles.inverse, &c,
                  &s);
-    const float a = T::Load(src[first]), bb = T::Load(src[second]);
-    dst[first] = T::Store(a * c - bb * s);
-    dst[second] = T::Store(bb * c + a * s);
+    const float2 rotated = RotatePair(T::Load(src[first]), T::Load(src[second]), c, s);
+    dst[first] = T::Store(rotated.x);
+    dst[second] = T::Store(rotated.y);
   }
 }
 
@@ -226,14 +197,7 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   const int64_t rows = dim == 0 ? 0 : x.numel() / dim;
   if (rows == 0 || half == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  RotaryAngles angles;
-  angles.dim = dim;
-  angles.min_timescale = args.min_timescale;
-  angles.ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
-  angles.inverse = args.inverse;
-  angles.position_offset = args.position_offset;
-  angles.position =
-      HasDevicePosition(args.position) ? args.position.data_as<const int32_t>() : nullptr;
+  const RotaryAngles angles = AnglesOf(args, dim);
   // A table of angles pays for its launch when many rows share a position;
   // a few positions (a decode step's one) compute their angles in place.
   Tensor tables;
@@ -274,17 +238,7 @@ absl::Status CudaOps::DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
   }
   if (pairs == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  RotaryAngles angles{};
-  if (rotary != nullptr) {
-    angles.dim = dim;
-    angles.min_timescale = rotary->min_timescale;
-    angles.ratio = static_cast<double>(rotary->max_timescale) / rotary->min_timescale;
-    angles.inverse = rotary->inverse;
-    angles.position_offset = rotary->position_offset;
-    angles.position = HasDevicePosition(rotary->position)
-                          ? rotary->position.data_as<const int32_t>()
-                          : nullptr;
-  }
+  const RotaryAngles angles = rotary != nullptr ? AnglesOf(*rotary, dim) : RotaryAngles{};
   DispatchFloat(qkv.dtype(), [&](auto format) {
     using T = decltype(format);
     using S = typename T::Storage;

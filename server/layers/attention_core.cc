@@ -297,6 +297,28 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
   return absl::OkStatus();
 }
 
+absl::Status DecodeAttentionFromQkv(Ops& ops, const AttentionConfig& config, const Tensor& qkv,
+                                    const RotaryArgs* rotary, const Tensor& position,
+                                    Tensor key_cache, Tensor value_cache, const SeqLens& seqlens,
+                                    const AttentionBias& bias, bool dropout_active,
+                                    uint64_t dropout_seed, Tensor* out) {
+  if (qkv.rank() != 5 || qkv.dim(2) != 3 || key_cache.rank() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat("qkv must be [batch, seq, 3, heads, head_dim]; got ",
+                                                   ShapeString(qkv.shape())));
+  }
+  const int64_t batch = qkv.dim(0), q_len = qkv.dim(1), kv_len = key_cache.dim(1);
+  ASSIGN_OR_RETURN(AttentionArgs args,
+                   ResolveArgs(ops, config, batch, q_len, kv_len, seqlens, bias, dropout_active,
+                               dropout_seed));
+  args.forward_only = true;
+  const Shape q_shape = {batch, q_len, qkv.dim(3), qkv.dim(4)};
+  ASSIGN_OR_RETURN(Tensor q, ops.Allocate(qkv.dtype(), q_shape));
+  ASSIGN_OR_RETURN(*out, ops.Allocate(qkv.dtype(), q_shape));
+  ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, q_len}));
+  return ops.DecodeAttentionFromQkv(args, qkv, rotary, position, &q, &key_cache, &value_cache,
+                                    out, &lse);
+}
+
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias) {
   if (saved.packed()) {

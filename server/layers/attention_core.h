@@ -142,6 +142,18 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
                               const AttentionBias& bias, bool dropout_active,
                               uint64_t dropout_seed, Tensor* out, AttentionSaved* saved);
 
+// A decode step's attention from the fused QKV projection's output qkv [B, S,
+// 3, H, D] as it is (Ops::DecodeAttentionFromQkv): q out of it and the keys
+// rotated by `rotary` where non-null, the key and value rows written into
+// key_cache and value_cache [B, L, H, D] at rows *position.., then q
+// attending over the caches as AttentionForward does (forward only), out
+// [B, S, H, D] allocated here. One launch where the backend can.
+absl::Status DecodeAttentionFromQkv(Ops& ops, const AttentionConfig& config, const Tensor& qkv,
+                                    const RotaryArgs* rotary, const Tensor& position,
+                                    Tensor key_cache, Tensor value_cache, const SeqLens& seqlens,
+                                    const AttentionBias& bias, bool dropout_active,
+                                    uint64_t dropout_seed, Tensor* out);
+
 // Gradients of vdot(out, dout): dq, dk, dv are allocated here (like q, k, v);
 // dbias (f32 [Hq, Sq, Skv]; with saved.relative, the table's dtable f32
 // [NB, H]) only when the forward had a bias and `dbias`

@@ -84,11 +84,10 @@ absl::StatusOr<int64_t> ReadKvCacheIndex(Ops& ops, const Variables& vars, absl::
 // `position` (DecodePosition: it holds cache.position).
 absl::Status WriteKvRows(Ops& ops, const Tensor& k, const Tensor& v, const KvCache& cache,
                          const Tensor& position);
-// The same from a fused projection's qkv [B, S, 3, G, D] as it is, q [B, S,
-// G, D] out of it, q and the keys rotated by `rotary` where non-null
-// (Ops::DecodeQkvRows).
-absl::Status WriteQkvRows(Ops& ops, const Tensor& qkv, const RotaryArgs* rotary,
-                          const KvCache& cache, const Tensor& position, Tensor* q);
+// INTERNAL unless a fused projection's qkv is [B, S, 3, G, D] in the
+// cache's dtype: the rows a step writes into `cache` from it
+// (DecodeAttentionFromQkv in attention_core.h).
+absl::Status CheckQkvRows(const Tensor& qkv, const KvCache& cache);
 
 // What the attentions of one decode step share (ForwardOptions::
 // decode_context), so a model of N attention blocks makes its small device

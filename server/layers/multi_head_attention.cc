@@ -343,7 +343,7 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
                                options_.num_gqa_groups, options_.head_dim, x.dtype(),
                                opts.decode_cache_index));
   // One fused projection (no GQA, no cross-attention): its output goes to q
-  // and the cache in one op, rotated on the way.
+  // and the cache, rotated on the way, in the attention's own op.
   const bool fused_rows = !separate_kv();
   Projected p;
   RETURN_IF_ERROR(
@@ -358,19 +358,6 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
   }
   // The position as the device holds it: every launch below reads it there.
   const Tensor position = DecodePosition(cache.index, &shared);
-  if (fused_rows) {
-    const RotaryArgs rotation = TeRotary(/*inverse=*/false, 0, position);
-    ASSIGN_OR_RETURN(p.q, ops.Allocate(p.qkv.dtype(), {batch, tokens, options_.num_heads,
-                                                   options_.head_dim}));
-    RETURN_IF_ERROR(WriteQkvRows(ops, p.qkv, options_.rotary ? &rotation : nullptr, cache,
-                                 position, &p.q));
-  } else {
-    if (options_.rotary) {
-      RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, 0, position));
-      RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, 0, position));
-    }
-    RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache, position));
-  }
   ASSIGN_OR_RETURN(const KvView kv, VisibleKv(ops, cache, shared));
   AttentionConfig config = AttentionSettings();
   config.mask = kv.mask;
@@ -380,8 +367,24 @@ absl::Status MhaBlock::Decode(Ops& ops, Variables* vars, const Tensor& x, const 
   const uint64_t dropout_seed =
       DeriveSeed(opts.dropout_seed, JoinScope(options_.scope, "attention_dropout"));
   Tensor context;
-  RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths, bias,
-                                   !opts.deterministic, dropout_seed, &context, nullptr));
+  if (fused_rows) {
+    // The rows into the cache and the attention over it: one launch where
+    // the backend can (Ops::DecodeAttentionFromQkv).
+    RETURN_IF_ERROR(CheckQkvRows(p.qkv, cache));
+    const RotaryArgs rotation = TeRotary(/*inverse=*/false, 0, position);
+    RETURN_IF_ERROR(DecodeAttentionFromQkv(ops, config, p.qkv,
+                                           options_.rotary ? &rotation : nullptr, position,
+                                           kv.key, kv.value, lengths, bias, !opts.deterministic,
+                                           dropout_seed, &context));
+  } else {
+    if (options_.rotary) {
+      RETURN_IF_ERROR(ApplyRotary(ops, p.q, /*inverse=*/false, &p.q, 0, position));
+      RETURN_IF_ERROR(ApplyRotary(ops, p.k, /*inverse=*/false, &p.k, 0, position));
+    }
+    RETURN_IF_ERROR(WriteKvRows(ops, p.k, p.v, cache, position));
+    RETURN_IF_ERROR(AttentionForward(ops, config, p.q, kv.key, kv.value, lengths, bias,
+                                     !opts.deterministic, dropout_seed, &context, nullptr));
+  }
   const int64_t rows = batch * tokens;
   Tensor y2;
   DenseFusion out_fusion;
