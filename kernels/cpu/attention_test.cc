@@ -735,14 +735,14 @@ TEST(AttentionTest, RelativeBiasByItsTableIsTheBiasMade) {
     buckets.data_as<int32_t>()[i] = static_cast<int32_t>((i * 7 + 3) % num_buckets);
   }
   Tensor position = ops.Allocate(DType::kI32, {1}).value();
+  AttentionArgs by_table = s.args;
+  by_table.bias = Tensor();
+  by_table.relative_bias.table = table;
+  by_table.relative_bias.buckets = buckets;
+  by_table.relative_bias.first_row = position;
   for (const int32_t row : {0, 4, 6 /* past the buckets' rows */}) {
     SCOPED_TRACE(row);
     position.data_as<int32_t>()[0] = row;
-    AttentionArgs by_table = s.args;
-    by_table.bias = Tensor();
-    by_table.relative_bias.table = table;
-    by_table.relative_bias.buckets = buckets;
-    by_table.relative_bias.first_row = position;
     AttentionArgs made = by_table;
     made.relative_bias = AttentionArgs::RelativeBiasTable();
     made.bias = ops.Allocate(DType::kF32, {c.Hq, 1, c.Skv}).value();
@@ -774,11 +774,7 @@ TEST(AttentionTest, RelativeBiasByItsTableIsTheBiasMade) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << field;
     EXPECT_NE(status.message().find(field), std::string::npos) << status;
   };
-  AttentionArgs good = s.args;
-  good.bias = Tensor();
-  good.relative_bias.table = table;
-  good.relative_bias.buckets = buckets;
-  good.relative_bias.first_row = position;
+  const AttentionArgs& good = by_table;
   AttentionArgs both = good;
   both.bias = ops.Allocate(DType::kF32, {c.Hq, 1, c.Skv}).value();
   refused(both, "relative_bias");
