@@ -277,10 +277,6 @@ absl::Status AttentionForward(Ops& ops, const AttentionConfig& config, const Ten
                    ResolveArgs(ops, config, batch, q_len, kv_len, seqlens, bias, dropout_active,
                                dropout_seed));
   args.forward_only = saved == nullptr;
-  if (saved != nullptr && args.relative_bias.defined()) {
-    // A backward reads the bias made.
-    ASSIGN_OR_RETURN(args, WithRelativeBiasMade(ops, args, q_len));
-  }
 
   ASSIGN_OR_RETURN(*out, ops.Allocate(q.dtype(), q.shape()));
   ASSIGN_OR_RETURN(Tensor lse, ops.Allocate(DType::kF32, {batch, config.num_heads, q_len}));

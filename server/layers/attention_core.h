@@ -132,7 +132,8 @@ struct AttentionBias {
 };
 
 // out [B, Sq, Hq, D] = attention(q [B, Sq, Hq, D], k, v [B, Skv, Hkv, D]).
-// `bias` (optional) as AttentionBias states; a backward needs it made. Dropout on the
+// `bias` (optional) as AttentionBias states (one named by its table is forward
+// only: AttentionBackward refuses it). Dropout on the
 // probabilities runs only when `dropout_active` and the rate is positive.
 // INVALID_ARGUMENT when shapes or dtypes do not match the config (the message
 // names q, k, v or the seqlens). With `saved` non-null, fills it for
