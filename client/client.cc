@@ -254,6 +254,8 @@ te::v1::SessionRef Session::NextRef() {
   ref.set_sequence(next_sequence_++);
   // Every abandoned number was given out before this one: all are below it.
   for (uint64_t lost : abandoned_) ref.add_abandoned(lost);
+  in_flight_numbers_.insert(ref.sequence());
+  ref.set_first_unanswered(*in_flight_numbers_.begin());
   return ref;
 }
 
@@ -265,6 +267,7 @@ void Session::PrepareContext(grpc::ClientContext* context, absl::Duration timeou
 absl::Status Session::CallStatus(uint64_t sequence, const grpc::Status& status) {
   {
     absl::MutexLock lock(&order_mu_);
+    in_flight_numbers_.erase(sequence);
     if (Unanswered(status.error_code())) {
       abandoned_.insert(sequence);
     } else {

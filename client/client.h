@@ -413,12 +413,14 @@ class Session {
   const std::string affinity_key_;
   const std::string pinned_address_;
   te::v1::SessionRef ref_;  // sequence unset: NextRef numbers each call
-  // The session's order (Call order): the next number, and the numbers of
+  // The session's order (Call order): the next number, the numbers of
   // calls that ended without the server's answer, not yet passed by an
-  // answered call.
+  // answered call, and those sent and not yet ended (the lowest goes in
+  // every call: where a session restored from a checkpoint goes on).
   absl::Mutex order_mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(order_mu_) = 1;
   std::set<uint64_t> abandoned_ ABSL_GUARDED_BY(order_mu_);
+  std::set<uint64_t> in_flight_numbers_ ABSL_GUARDED_BY(order_mu_);
   std::string id_;
   std::string device_;
   std::optional<Recipe> recipe_;

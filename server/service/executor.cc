@@ -118,8 +118,17 @@ absl::StatusOr<DeviceExecutor::Handle> DeviceExecutor::Submit(Call call) {
 absl::Status DeviceExecutor::AcceptNumberedLocked(const std::string& key, Strand& strand,
                                                   Handle state) {
   const uint64_t number = state->call.sequence;
-  // A key never started numbers from its first numbered call.
-  uint64_t& next = next_sequence_.try_emplace(key, number).first->second;
+  const uint64_t first_unanswered = state->call.first_unanswered;
+  if (first_unanswered > number) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session.first_unanswered: ", first_unanswered, " is above the call's sequence ", number,
+        " (the lowest number its client has in flight, this call's included)"));
+  }
+  // A key never started numbers from the lowest call its first numbered
+  // call's client still had in flight.
+  uint64_t& next =
+      next_sequence_.try_emplace(key, first_unanswered > 0 ? first_unanswered : number)
+          .first->second;
   if (number < next || strand.early.count(number) > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "session.sequence: ", number, " is already taken on this session (its next is ", next,

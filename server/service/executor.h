@@ -24,8 +24,11 @@
 //     a key start in the order of their numbers, not of their Submits: one
 //     that arrives early waits (counted against max_queued) until every lower
 //     number has been accepted, dropped or refused. A key's numbering starts
-//     at StartSequence's number, or, for a key never started, at the first
-//     number that arrives (a session restored from a checkpoint). Submit
+//     at StartSequence's number, or, for a key never started (a session
+//     restored from a checkpoint), at the first_unanswered of the first
+//     numbered call that arrives (the lowest number its client still had in
+//     flight; its own number when not given), so calls sent before it that
+//     arrive after it still run in their order. Submit
 //     refuses a number already taken (INVALID_ARGUMENT). When the lowest
 //     early call has waited `sequence_gap` for a number that never came, the
 //     missing numbers are skipped and every early call of the key is dropped
@@ -93,6 +96,9 @@ class DeviceExecutor {
     std::string key;
     uint64_t sequence = 0;  // contract 6; 0: unnumbered
     std::vector<uint64_t> abandoned;  // contract 6: lower numbers not to wait for
+    // Contract 6: the lowest number the client had in flight (<= sequence;
+    // 0: sequence), where a never-started key's numbering begins.
+    uint64_t first_unanswered = 0;
     absl::Time deadline = absl::InfiniteFuture();
     std::function<void(Turn)> run;
     std::function<void(absl::Status)> drop;

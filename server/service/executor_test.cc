@@ -379,6 +379,37 @@ TEST(DeviceExecutorTest, AKeyNeverStartedNumbersFromItsFirstCall) {
   EXPECT_EQ(recorder.ran, (std::vector<std::string>{"41", "42", "43"}));
 }
 
+// A restored session's client had 41 and 42 in flight when it sent 43,
+// which arrives first: the order goes on from 41, so 41 and 42 still run,
+// first. Without first_unanswered, 43 would set the count and 41 and 42 be
+// refused as taken.
+TEST(DeviceExecutorTest, AKeyNeverStartedNumbersFromItsFirstCallsFirstUnanswered) {
+  DeviceExecutor executor({/*threads=*/1, /*max_queued=*/100, "test"});
+  Recorder recorder;
+  DeviceExecutor::Call third = Numbered(recorder, "restored", 43);
+  third.first_unanswered = 41;
+  ASSERT_TRUE(executor.Submit(std::move(third)).ok());
+  DeviceExecutor::Call second = Numbered(recorder, "restored", 42);
+  second.first_unanswered = 41;
+  ASSERT_TRUE(executor.Submit(std::move(second)).ok());
+  DeviceExecutor::Call first = Numbered(recorder, "restored", 41);
+  first.first_unanswered = 41;
+  ASSERT_TRUE(executor.Submit(std::move(first)).ok());
+  ASSERT_TRUE(recorder.WaitForRuns(3));
+  {
+    absl::MutexLock lock(&recorder.mu);
+    EXPECT_EQ(recorder.ran, (std::vector<std::string>{"41", "42", "43"}));
+    EXPECT_TRUE(recorder.dropped.empty());
+  }
+  // Above the call's own number: the client's mistake, named.
+  DeviceExecutor::Call wrong = Numbered(recorder, "restored", 44);
+  wrong.first_unanswered = 45;
+  const absl::StatusOr<DeviceExecutor::Handle> refused = executor.Submit(std::move(wrong));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("session.first_unanswered"), std::string::npos);
+  executor.ForgetKey("restored");
+}
+
 TEST(DeviceExecutorTest, AbandonedNumbersAreNotWaitedForAndRefusedLater) {
   DeviceExecutor executor({/*threads=*/1, /*max_queued=*/100, "test"});
   executor.StartSequence("s", 1);

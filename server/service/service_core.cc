@@ -31,6 +31,7 @@ LogLevel LevelFor(absl::StatusCode code) {
 void SetCallOrder(const te::v1::SessionRef& ref, DeviceExecutor::Call* call) {
   call->sequence = ref.sequence();
   call->abandoned.assign(ref.abandoned().begin(), ref.abandoned().end());
+  call->first_unanswered = ref.first_unanswered();
 }
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {

@@ -60,8 +60,8 @@ struct ServiceCore {
   absl::StatusOr<int> Route(const te::v1::SessionRef& ref) const;
 };
 
-// Puts `ref`'s place in its session's order (sequence, abandoned) into
-// `call` (executor.h, contract 6).
+// Puts `ref`'s place in its session's order (sequence, abandoned,
+// first_unanswered) into `call` (executor.h, contract 6).
 void SetCallOrder(const te::v1::SessionRef& ref, DeviceExecutor::Call* call);
 
 // The call's deadline (InfiniteFuture when it has none).

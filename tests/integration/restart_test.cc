@@ -3,7 +3,8 @@
 // started again on the same directory; the session comes back under its id,
 // answers its old token and no other, and its parameters, FP8 state and kept
 // gradients match bit for bit. A closed session does not come back; a
-// Checkpoint RPC survives even SIGKILL.
+// Checkpoint RPC survives even SIGKILL; a restored session's numbered calls
+// sent together run in their order whichever arrives first.
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -12,9 +13,11 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "te/v1/service.grpc.pb.h"
 #include "tests/integration/test_util.h"
@@ -96,6 +99,20 @@ class RestartTest : public ::testing::Test {
       grpc::Status status = stub_->ForwardBackward(&context, request, &response);
       ASSERT_TRUE(status.ok()) << Describe(status);
     }
+  }
+
+  // The Checkpoint RPC's bytes written, or -1 when it fails (the failure added).
+  int64_t Checkpoint(const te::v1::SessionRef& session) {
+    te::v1::CheckpointRequest request;
+    *request.mutable_session() = session;
+    te::v1::CheckpointResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->Checkpoint(&context, request, &response);
+    if (!status.ok()) {
+      ADD_FAILURE() << "Checkpoint: " << Describe(status);
+      return -1;
+    }
+    return response.bytes();
   }
 
   te::v1::ServerStats Stats() {
@@ -185,15 +202,7 @@ TEST_F(RestartTest, CheckpointRpcSurvivesSigkill) {
   const std::string layer = InitAndTrain(session, 2);
   const std::map<std::string, te::v1::Tensor> checkpointed =
       GetAllVariables(*stub_, session, layer);
-  {
-    te::v1::CheckpointRequest request;
-    *request.mutable_session() = session;
-    te::v1::CheckpointResponse response;
-    grpc::ClientContext context;
-    grpc::Status status = stub_->Checkpoint(&context, request, &response);
-    ASSERT_TRUE(status.ok()) << Describe(status);
-    EXPECT_GT(response.bytes(), 0);
-  }
+  ASSERT_GT(Checkpoint(session), 0);
   Train(session, layer, 1, 50);  // after the checkpoint: lost with the crash
   kill(first->pid(), SIGKILL);
   EXPECT_FALSE(first->Stop().ok());  // reaps it; it was killed, not stopped
@@ -201,6 +210,76 @@ TEST_F(RestartTest, CheckpointRpcSurvivesSigkill) {
   std::unique_ptr<ServerProcess> second = Start(state_dir);
   ASSERT_NE(second, nullptr);
   ExpectBitForBit(checkpointed, GetAllVariables(*stub_, session, layer));
+  ASSERT_TRUE(second->Stop().ok());
+}
+
+// After a restart the session's numbered calls go on from the lowest number
+// their client still had in flight (SessionRef.first_unanswered), whichever
+// reaches the server first: a client sends SetVariables (6) and GetVariables
+// (7) together, and 7 arrives first. 7 waits for 6 and reads what 6 set;
+// without first_unanswered, 7 would have set the count and run at once, and
+// 6 been refused as already taken.
+TEST_F(RestartTest, ARestoredSessionRunsCallsSentTogetherInTheirOrder) {
+  const std::string state_dir = NewStateDir("state_order");
+  std::unique_ptr<ServerProcess> first = Start(state_dir);
+  ASSERT_NE(first, nullptr);
+  const te::v1::SessionRef session = CreateSession(*stub_).session();
+  const std::string layer = InitAndTrain(session, 1);
+  ASSERT_GT(Checkpoint(session), 0);
+  kill(first->pid(), SIGKILL);
+  EXPECT_FALSE(first->Stop().ok());
+  std::unique_ptr<ServerProcess> second = Start(state_dir);
+  ASSERT_NE(second, nullptr);
+
+  // A parameter of the layer, every element 0.25 (values the layer never had).
+  std::map<std::string, te::v1::Tensor> variables = GetAllVariables(*stub_, session, layer);
+  auto param = variables.begin();
+  while (param != variables.end() && param->first.rfind("params/", 0) != 0) ++param;
+  ASSERT_NE(param, variables.end());
+  te::v1::Tensor written = param->second;
+  ASSERT_EQ(written.dtype(), te::v1::FLOAT32);
+  const std::vector<float> quarter(written.inline_data().size() / sizeof(float), 0.25f);
+  written.set_inline_data(std::string(reinterpret_cast<const char*>(quarter.data()),
+                                      quarter.size() * sizeof(float)));
+
+  te::v1::SessionRef read_ref = session;
+  read_ref.set_sequence(7);
+  read_ref.set_first_unanswered(6);
+  te::v1::GetVariablesResponse read;
+  grpc::Status read_status;
+  std::thread reader([&] {
+    te::v1::GetVariablesRequest request;
+    *request.mutable_session() = read_ref;
+    request.set_layer_id(layer);
+    grpc::ClientContext context;
+    read_status = stub_->GetVariables(&context, request, &read);
+  });
+  absl::SleepFor(absl::Milliseconds(300));  // 7 is at the server, waiting
+  te::v1::SetVariablesRequest set;
+  *set.mutable_session() = session;
+  set.mutable_session()->set_sequence(6);
+  set.mutable_session()->set_first_unanswered(6);
+  set.set_layer_id(layer);
+  te::v1::Variable* variable = set.add_variables();
+  const size_t slash = param->first.find('/');
+  variable->set_collection(param->first.substr(0, slash));
+  variable->set_path(param->first.substr(slash + 1));
+  *variable->mutable_value() = written;
+  {
+    te::v1::SetVariablesResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->SetVariables(&context, set, &response);
+    EXPECT_TRUE(status.ok()) << Describe(status);
+  }
+  reader.join();
+  ASSERT_TRUE(read_status.ok()) << Describe(read_status);
+  bool found = false;
+  for (const te::v1::Variable& v : read.variables()) {
+    if (v.collection() + "/" + v.path() != param->first) continue;
+    found = true;
+    EXPECT_EQ(v.value().inline_data(), written.inline_data()) << "7 ran before 6";
+  }
+  EXPECT_TRUE(found) << param->first;
   ASSERT_TRUE(second->Stop().ok());
 }
 

@@ -28,7 +28,10 @@ the server does not wait for it, and refuses it should it arrive after all. A
 gap remains only for calls sent before the failure was known (call_async
 calls already in flight), when no later call follows to name the number: they
 fail with a TeError of code ABORTED (naming the missing number) after the
-server's --sequence_gap_seconds.
+server's --sequence_gap_seconds. Every call also names the lowest number
+still in flight, its own included (SessionRef.first_unanswered): a session
+the server restored from a checkpoint continues its order from there, so
+calls sent together still run in their order whichever arrives first.
 
 Transport (transport.py; Options.transport, or per session): with "auto", a
 tensor of at most `inline_tensor_bytes` travels inside the request; a larger
@@ -137,6 +140,7 @@ class Session:
         self._order_lock = threading.Lock()
         self._next_sequence = 1
         self._abandoned = set()
+        self._in_flight_numbers = set()   # sent, not yet ended: SessionRef.first_unanswered
         # Pipelined steps (pipeline.py): per layer, the step whose version will be the
         # newest when it succeeds (cleared by any other call that makes versions; under
         # _order_lock, with the numbering); and the steps sent, oldest first.
@@ -300,9 +304,10 @@ class Session:
 
     def flush_pending(self):
         """Sends the queued releases (one ReleaseVersions per layer) and layer
-        deletions without waiting for their answers: they run in the session's
-        order ahead of the call that follows, and a failure of theirs (a layer
-        already gone) concerns nothing the client still holds."""
+        deletions without waiting for their answers. They are numbered, so
+        they run in the session's order ahead of the call that follows
+        (GetSessionInfo sees a dropped layer gone); a failure of theirs (a
+        layer already gone) concerns nothing the client still holds."""
         if not self.pending or self.closed:
             return
         releases, deletes = {}, []
@@ -319,15 +324,12 @@ class Session:
                     for layer_id, n in releases.items() if layer_id not in deletes]
         requests += [("DeleteLayer", service_pb2.DeleteLayerRequest(layer_id=layer_id)) for layer_id in deletes]
         for method, request in requests:
-            # Unnumbered (run in arrival order): nothing later depends on them, and a
-            # server without these RPCs answers UNIMPLEMENTED before it takes a number.
-            request.session.CopyFrom(self._ref)
+            # A server without these RPCs answers UNIMPLEMENTED before it takes the
+            # number: _ended names it abandoned, so no later call waits for it.
             try:
-                sent = getattr(self._stub, method).future(request, timeout=self._timeout(None),
-                                                          metadata=self._metadata)
+                self.call_async(method, request)
             except Exception:
                 return
-            sent.add_done_callback(lambda call: call.exception())
 
     def _timeout(self, timeout):
         rpc_timeout = self.client.options.rpc_timeout
@@ -359,6 +361,8 @@ class Session:
             sequence = self._next_sequence
             self._next_sequence += 1
             ref.abandoned.extend(sorted(self._abandoned))
+            self._in_flight_numbers.add(sequence)
+            ref.first_unanswered = min(self._in_flight_numbers)
         ref.sequence = sequence
         return sequence
 
@@ -370,6 +374,7 @@ class Session:
         if not sequence:
             return
         with self._order_lock:
+            self._in_flight_numbers.discard(sequence)
             # UNIMPLEMENTED: an RPC this server lacks is refused before it takes its number.
             if code in _UNANSWERED or code == grpc.StatusCode.UNIMPLEMENTED:
                 self._abandoned.add(sequence)

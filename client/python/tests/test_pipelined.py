@@ -42,6 +42,7 @@ class RecordingService(service_pb2_grpc.TeServiceServicer):
         self._lock = threading.Lock()
         self._calls = []
         self._abandoned = {}
+        self._first_unanswered = {}
         self.release = threading.Event()
 
     def calls(self):
@@ -56,10 +57,16 @@ class RecordingService(service_pb2_grpc.TeServiceServicer):
         with self._lock:
             return self._abandoned.get(sequence)
 
+    def first_unanswered_by(self, sequence):
+        """The first_unanswered the call numbered `sequence` carried (None: it never arrived)."""
+        with self._lock:
+            return self._first_unanswered.get(sequence)
+
     def _record(self, method, ref):
         with self._lock:
             self._calls.append((method, ref.sequence))
             self._abandoned[ref.sequence] = list(ref.abandoned)
+            self._first_unanswered[ref.sequence] = ref.first_unanswered
 
     def CreateSession(self, request, context):
         return service_pb2.CreateSessionResponse(
@@ -97,6 +104,14 @@ class RecordingService(service_pb2_grpc.TeServiceServicer):
     def SetVariables(self, request, context):
         self._record("SetVariables", request.session)
         return service_pb2.SetVariablesResponse()
+
+    def ReleaseVersions(self, request, context):
+        self._record("ReleaseVersions", request.session)
+        return service_pb2.ReleaseVersionsResponse()
+
+    def DeleteLayer(self, request, context):
+        self._record("DeleteLayer", request.session)
+        return service_pb2.DeleteLayerResponse()
 
     def ForwardBackward(self, request, context):
         self._record("ForwardBackward", request.session)
@@ -213,6 +228,37 @@ def test_an_answer_forgets_only_the_abandoned_numbers_below_it(fake):
         assert service.abandoned_by(1) == []
         assert service.abandoned_by(3) == [2]
         assert service.abandoned_by(4) == []
+
+
+def test_each_call_names_the_lowest_number_still_in_flight(fake):
+    # SessionRef.first_unanswered: where a restored session's order goes on. A call
+    # that ended without an answer is no longer in flight.
+    client, service = fake
+    with client.session() as session:
+        step = session.call_async("ForwardBackward", service_pb2.ForwardBackwardRequest())          # 1, held
+        session.call("SetVariables", service_pb2.SetVariablesRequest())                             # 2
+        session.call_async("GetVariables", service_pb2.GetVariablesRequest()).result(timeout=30)    # 3
+        with pytest.raises(te.DeadlineExceededError):
+            session.call("SetVariables", service_pb2.SetVariablesRequest(), timeout=EXPIRED)        # 4
+        service.release.set()
+        step.result(timeout=30)
+        session.call("SetVariables", service_pb2.SetVariablesRequest())                             # 5
+        assert service.first_unanswered_by(1) == 1
+        assert service.first_unanswered_by(2) == 1, "1 is held"
+        assert service.first_unanswered_by(3) == 1, "1 is held"
+        assert service.first_unanswered_by(5) == 5, "1 answered, 4 abandoned"
+
+
+def test_queued_releases_and_deletions_take_numbers_ahead_of_the_next_call(fake):
+    # What finalizers queue (variables.py) runs before the call that follows it, so
+    # GetSessionInfo after a dropped layer never sees it still there.
+    client, service = fake
+    with client.session() as session:
+        session.pending.extend([("release", "a", 2), ("delete", "b", 0), ("release", "a", 3)])
+        session.call("SetVariables", service_pb2.SetVariablesRequest())
+        calls = service.calls()
+        assert ("SetVariables", 3) in calls
+        assert sorted(calls) == [("DeleteLayer", 2), ("ReleaseVersions", 1), ("SetVariables", 3)]
 
 
 # ---- against the real server ---------------------------------------------------------
