@@ -3,10 +3,11 @@ Generate call per generation) against the same model's jit'd decode loop in JAX
 (bench/jax_decode_peer.py), in one run, with the floor of a decode step.
 
 For each batch size: a random prompt of --prompt bytes, --new greedy tokens (no stop token, so
-every generation makes all of them). Timed from the client: the first token's arrival (prefill and
-one step: "first ms"), then the other new - 1 tokens ("decode tokens/s" = batch * (new - 1) over
+every generation makes all of them). Timed from the client: the first token's arrival (the prompt's
+step: "first ms"), then the other new - 1 tokens ("decode tokens/s" = batch * (new - 1) over
 their time), and end to end ("tokens/s" = batch * new over the whole call); medians of --iters runs
-after one warm-up. The JAX peer reports the same three figures (its prefill and first token, then
+after one warm-up. Next to each, one forward of the same LM over the prompt from the client
+(model.apply, its loss back): the time the prompt's step would take at full-forward speed. The JAX peer reports the same three figures (its prefill and first token, then
 its decode loop). The floor is the decode step's bytes over --bandwidth_tbs: every weight read
 once in bf16 (2 bytes a parameter) plus the keys and values the step attends over (bf16, the
 context's mean over the steps), per step of `batch` tokens.
@@ -67,6 +68,17 @@ def recipe_scope(name):
         return te.autocast(enabled=False)
     return te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1024,
                                                            amax_compute_algo="max"))
+
+
+def time_forward(model, variables, prompt, iters):
+    """Median seconds of one forward of the LM over the prompt (model.apply, the loss back on the client):
+    what the prompt's step of a generation computes, and so the time its first token should take."""
+    def once():
+        start = time.perf_counter()
+        float(model.apply(variables, prompt, prompt))
+        return time.perf_counter() - start
+    once()   # warm-up
+    return statistics.median(once() for _ in range(iters))
 
 
 def time_generation(variables, prompt, new_tokens):
@@ -160,6 +172,9 @@ def server_rows(address, args):
                 variables = model.init(0, traced, traced)
                 for batch in args.batch_sizes:
                     prompt = rng.integers(0, 256, size=(batch, args.prompt)).astype(np.int32)
+                    # First, so that a trace's last spans are the generation's tokens
+                    # (bench/tools/trace_decode.sh).
+                    forward = time_forward(model, variables, prompt, args.iters)
                     time_generation(variables, prompt, args.new)   # warm-up
                     runs = [time_generation(variables, prompt, args.new) for _ in range(args.iters)]
                     first = statistics.median(r[0] for r in runs)
@@ -169,6 +184,9 @@ def server_rows(address, args):
                                      decode=batch * (args.new - 1) / rest, total=batch * args.new / total))
                     print("  %s batch %d: first %.2f ms, decode %.1f tokens/s" % (
                         rows[-1]["what"], batch, rows[-1]["first_ms"], rows[-1]["decode"]), flush=True)
+                    rows.append(dict(what="te_server forward of the prompt (one apply) %s" % recipe, batch=batch,
+                                     first_ms=forward * 1e3, decode=None, total=None))
+                    print("  %s batch %d: %.2f ms" % (rows[-1]["what"], batch, rows[-1]["first_ms"]), flush=True)
                 del variables
                 if args.client_rows:
                     rows += client_rows(args, recipe, rng)
@@ -219,6 +237,9 @@ def print_table(args, rows):
         best = max((r["decode"] for r in jax_rows), default=None)
         floor = floor_tokens_per_s(args, batch)
         for r in mine:
+            if r["decode"] is None:   # a forward: its time alone
+                print("| %d | %s | %.2f | | | | |" % (batch, r["what"], r["first_ms"]))
+                continue
             ratio = "%.2fx" % (r["decode"] / best) if best else "n/a"
             print("| %d | %s | %.2f | %.1f | %.1f | %s | %.3g%% |" % (
                 batch, r["what"], r["first_ms"], r["decode"], r["total"], ratio, 100 * r["decode"] / floor))

@@ -88,7 +88,7 @@ absl::Status CheckOutput(const char* op, const Tensor* y, const Fp8Output* fp8) 
                                                      " but no Fp8Output (scale, amax) is given"));
     }
     RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale", &fp8->scale));
-    RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8->amax));
+    if (fp8->amax.defined()) RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8->amax));
     RETURN_IF_ERROR(RequireScalarF32(op, "fp8.scale_inv", &fp8->scale_inv));
     return absl::OkStatus();
   }
@@ -385,8 +385,10 @@ absl::Status CheckDelayedScalingUpdatesArgs(const std::vector<Ops::DelayedScalin
   return RequireScalarF32("DelayedScalingUpdates", "non_finite", non_finite);
 }
 
-absl::Status CheckKeptQuantization(const Ops::KeptQuantization& kept) {
+absl::Status CheckKeptQuantization(const Fp8Output& fp8, const Ops::KeptQuantization& kept) {
   const char* op = "QuantizeTransposeKept";
+  // The record keeps the amax the copy was made with, so one is recorded.
+  RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8.amax));
   RETURN_IF_ERROR(RequireScalarF32(op, "kept.scale", &kept.scale));
   return RequireScalarF32(op, "kept.amax", &kept.amax);
 }

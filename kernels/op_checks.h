@@ -96,7 +96,7 @@ absl::Status CheckAmaxArgs(const Tensor& x, const Tensor* amax);
 absl::Status CheckScaleFromAmaxArgs(const Tensor& amax, float fp8_max, float epsilon,
                                     const Tensor* scale, const Tensor* scale_inv);
 // Ops::KeptQuantization: scale and amax [1] f32.
-absl::Status CheckKeptQuantization(const Ops::KeptQuantization& kept);
+absl::Status CheckKeptQuantization(const Fp8Output& fp8, const Ops::KeptQuantization& kept);
 // scale_inv may be null (Ops::DelayedScalingUpdates writes none).
 absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tensor* amax_history,
                                      const Tensor* scale, const Tensor* scale_inv);

@@ -156,7 +156,7 @@ absl::Status Ops::Dot(const Tensor& a, const Tensor& b, Tensor* out) {
 absl::Status Ops::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
                                         const KeptQuantization& kept, Tensor* y, Tensor* y_t) {
   RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
-  RETURN_IF_ERROR(CheckKeptQuantization(kept));
+  RETURN_IF_ERROR(CheckKeptQuantization(fp8, kept));
   // The reference decides on the host: a backend without a device-side
   // decision pays a read of two scalars.
   float kept_scale = 0.0f, scale = 0.0f;

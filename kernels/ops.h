@@ -42,10 +42,12 @@
 namespace te {
 
 // Where an op's FP8 output puts its scaling side outputs. All [1] float32, on
-// device. `amax` usually aliases row 0 of a quantizer's amax_history.
+// device. `amax` usually aliases row 0 of a quantizer's amax_history; left
+// undefined, no amax is recorded (a step whose amaxes nobody reads back, as
+// a generation's: no zeroing, no atomics).
 struct Fp8Output {
   Tensor scale;      // input: multiply before the cast
-  Tensor amax;       // output: max |v| before scaling
+  Tensor amax;       // output: max |v| before scaling; undefined: not recorded
   Tensor scale_inv;  // output: 1 / scale, for the consumer to dequantize
 };
 
@@ -749,8 +751,9 @@ class Ops {
   // the scale they were quantized with (NaN: nothing yet) and x's amax. When
   // *kept.scale == *fp8.scale (compared on the device, no host sync), y and
   // y_t are left as they are and fp8.amax = *kept.amax; otherwise as
-  // QuantizeTranspose, then kept records the new scale and amax. The caller
-  // resets kept.scale to NaN (or drops the copies) whenever x changes.
+  // QuantizeTranspose, then kept records the new scale and amax (so fp8.amax
+  // must be defined). The caller resets kept.scale to NaN (or drops the
+  // copies) whenever x changes.
   struct KeptQuantization {
     Tensor scale;  // [1] f32
     Tensor amax;   // [1] f32

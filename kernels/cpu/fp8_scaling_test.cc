@@ -4,7 +4,11 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -84,6 +88,56 @@ TEST(CpuQuantizeTest, SaturatesAndReportsAmaxBeforeScaling) {
   EXPECT_EQ(LoadAsFloat(y, 3), 448.0f);
   EXPECT_EQ(ScalarValue(fp8.amax), INFINITY);
   EXPECT_EQ(ScalarValue(fp8.scale_inv), 0.5f);
+}
+
+// An amax left undefined is not recorded: the codes and scale_inv are those
+// written with one, for Quantize, QuantizeTranspose and the fused producers
+// (a norm, an activation); QuantizeTransposeKept, whose record keeps the
+// amax, refuses it, naming fp8.amax.
+TEST(CpuQuantizeTest, AnUnrecordedAmaxChangesNoCodeOrScaleInv) {
+  CpuOps ops;
+  const Shape shape = {6, 16};
+  Tensor x = MakeRandom(ops, DType::kBF16, shape, 9, -3.0f, 3.0f);
+  Tensor gamma = MakeRandom(ops, DType::kF32, {16}, 10, 0.5f, 1.5f);
+  Tensor beta = MakeRandom(ops, DType::kF32, {16}, 11);
+  using Run = std::function<absl::Status(const Fp8Output&, Tensor*, Tensor*)>;
+  const std::vector<std::pair<std::string, Run>> runs = {
+      {"Quantize", [&](const Fp8Output& f, Tensor* y, Tensor*) { return ops.Quantize(x, f, y); }},
+      {"QuantizeTranspose",
+       [&](const Fp8Output& f, Tensor* y, Tensor* y_t) {
+         return ops.QuantizeTranspose(x, f, y, y_t);
+       }},
+      {"NormForwardTransposed",
+       [&](const Fp8Output& f, Tensor* y, Tensor* y_t) {
+         return ops.NormForwardTransposed(NormArgs(), x, gamma, beta, f, y, y_t, nullptr, nullptr);
+       }},
+      {"ActivationForwardTransposed",
+       [&](const Fp8Output& f, Tensor* y, Tensor* y_t) {
+         return ops.ActivationForwardTransposed({Activation::kGelu}, x, f, y, y_t);
+       }},
+  };
+  for (const auto& [what, run] : runs) {
+    SCOPED_TRACE(what);
+    Fp8Output with{Scalar(ops, 37.5f), Scalar(ops, -1.0f), Scalar(ops, -1.0f)};
+    Fp8Output without{Scalar(ops, 37.5f), Tensor(), Scalar(ops, -1.0f)};
+    Tensor y = MakeEmpty(ops, DType::kE4M3, shape), y_t = MakeEmpty(ops, DType::kE4M3, {16, 6});
+    Tensor z = MakeEmpty(ops, DType::kE4M3, shape), z_t = MakeEmpty(ops, DType::kE4M3, {16, 6});
+    ASSERT_TRUE(run(with, &y, &y_t).ok());
+    const absl::Status s = run(without, &z, &z_t);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_GT(ScalarValue(with.amax), 0.0f);
+    EXPECT_EQ(0, std::memcmp(y.data(), z.data(), y.nbytes()));
+    if (what != "Quantize") {
+      EXPECT_EQ(0, std::memcmp(y_t.data(), z_t.data(), y_t.nbytes()));
+    }
+    EXPECT_EQ(ScalarValue(without.scale_inv), 1.0f / 37.5f);
+  }
+  Ops::KeptQuantization kept{Scalar(ops, NAN), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE4M3, shape), y_t = MakeEmpty(ops, DType::kE4M3, {16, 6});
+  const absl::Status s = ops.QuantizeTransposeKept(
+      x, Fp8Output{Scalar(ops, 2.0f), Tensor(), Scalar(ops, 0.0f)}, kept, &y, &y_t);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("fp8.amax"), std::string::npos) << s;
 }
 
 // Cast-transpose: y is Quantize's, y_t its transpose; amax and scale_inv as

@@ -250,8 +250,8 @@ __device__ __forceinline__ void ForwardWalk(const typename In::Storage* x,
       });
 }
 
-// x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale, amax
-// (zeroed before) and scale_inv non-null. `vec`: x and y aligned for Pack
+// x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale and
+// scale_inv non-null, amax zeroed before or null (not recorded). `vec`: x and y aligned for Pack
 // access, and (gated) width % kVec == 0.
 template <typename In, typename Out, bool kGated, typename A0, typename A1>
 __global__ void ActivationForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
@@ -271,8 +271,8 @@ __global__ void ActivationForwardKernel(const typename In::Storage* x, typename 
   } else {
     ForwardWalk<In, Out, 1, kGated>(x, y, act0, act1, width, w, s, &amax_bits);
   }
-  if (amax != nullptr) {
-    amax_bits = BlockMaxBits(amax_bits, scratch);
+  if (scale_inv != nullptr) {  // FP8 y; its amax may go unrecorded
+    if (amax != nullptr) amax_bits = BlockMaxBits(amax_bits, scratch);
     if (threadIdx.x == 0) {
       AtomicMaxAbsBits(amax, amax_bits);
       if (blockIdx.x == 0) *scale_inv = 1.0f / s;
@@ -357,7 +357,7 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
   if (n == 0 && !quantized) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   if (quantized) {
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8->amax.data(), 0, sizeof(float), stream()));
+    RETURN_IF_ERROR(ZeroAmax(*fp8, stream()));
   }
   const bool gated = acts.size() == 2;
   DispatchFloat(x.dtype(), [&](auto in) {
@@ -395,7 +395,7 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
   if (!TileKernelFits(x2, y2, *y_t)) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
   const int64_t rows = x2.dim(0);
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  RETURN_IF_ERROR(ZeroAmax(fp8, stream()));
   const dim3 grid(static_cast<unsigned>((width + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {

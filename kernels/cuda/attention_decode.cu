@@ -354,10 +354,6 @@ absl::Status Launch(const DecodeParams& p, const AttentionShape& s, DType dtype,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-namespace {
-
 DecodeParams ParamsOf(const AttentionArgs& args, const AttentionShape& s, const Tensor& q,
                       const Tensor& k, const Tensor& v, Tensor* out, Tensor* softmax_lse) {
   DecodeParams p{};

@@ -246,10 +246,19 @@ __device__ __forceinline__ unsigned long long BlockMaxU64(unsigned long long v,
   return WarpMaxU64(v);
 }
 
-// Folds a block's amax into a global amax (zeroed before the launch); thread 0
-// of the block calls it.
+// Folds a block's amax into a global amax (zeroed before the launch), when
+// there is one; thread 0 of the block calls it.
 __device__ __forceinline__ void AtomicMaxAbsBits(float* amax, unsigned bits) {
-  atomicMax(reinterpret_cast<unsigned*>(amax), bits);
+  if (amax != nullptr) atomicMax(reinterpret_cast<unsigned*>(amax), bits);
+}
+
+// Zeroes the amax an FP8 output's kernel folds into. A caller that records
+// none leaves Fp8Output::amax undefined: no memset, and the kernel, given
+// its null data, skips its atomics.
+inline absl::Status ZeroAmax(const Fp8Output& fp8, cudaStream_t stream) {
+  if (!fp8.amax.defined()) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream));
+  return absl::OkStatus();
 }
 
 // ---- column sums of partial rows -------------------------------------------------

@@ -27,7 +27,7 @@ constexpr int64_t kMaxHistory = 32768;
 
 // ---- kernels -------------------------------------------------------------------
 
-// y = cast(x * scale); amax (zeroed before) = max |x|; scale_inv = 1 / scale.
+// y = cast(x * scale); amax (zeroed before, or null) = max |x|; scale_inv = 1 / scale.
 // `vec`: x and y aligned for Pack access; the first n / kVec * kVec elements
 // then move kVec at a time, the rest one at a time.
 template <typename In, typename Out>
@@ -224,7 +224,7 @@ absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tens
                                      Tensor* y_t, float* column_partial, cudaStream_t stream,
                                      const float* kept_scale = nullptr) {
   const int64_t rows = x.dim(0), cols = x.dim(1);
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream));
+  RETURN_IF_ERROR(ZeroAmax(fp8, stream));
   const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
@@ -249,7 +249,7 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
   RETURN_IF_ERROR(CheckQuantizeArgs(x, fp8, y));
   RETURN_IF_ERROR(Enter());
   const int64_t n = x.numel();
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  RETURN_IF_ERROR(ZeroAmax(fp8, stream()));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
@@ -278,7 +278,7 @@ absl::Status CudaOps::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp
                                             const KeptQuantization& kept, Tensor* y,
                                             Tensor* y_t) {
   RETURN_IF_ERROR(CheckQuantizeTransposeArgs(x, fp8, y, y_t));
-  RETURN_IF_ERROR(CheckKeptQuantization(kept));
+  RETURN_IF_ERROR(CheckKeptQuantization(fp8, kept));
   // Shapes the tile kernel cannot take: the reference's host-side decision.
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeKept(x, fp8, kept, y, y_t);
   RETURN_IF_ERROR(Enter());

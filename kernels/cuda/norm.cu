@@ -97,7 +97,7 @@ __device__ __forceinline__ void NormForwardRow(
 }
 
 // x, y: [rows, cols]; gamma, beta: [cols] (beta null for RMSNorm); mu, rsigma:
-// [rows] or null. FP8 y: scale, amax (zeroed before), scale_inv non-null.
+// [rows] or null. FP8 y: scale, scale_inv non-null, amax zeroed before or null.
 // The row is read from memory once, into `cache` (cols floats per block: shared
 // memory, or a global scratch row [gridDim.x, cols] when it does not fit).
 // Each thread only reads back the cache entries it wrote, so the cache needs no
@@ -128,8 +128,8 @@ __global__ void NormForwardKernel(const typename In::Storage* x, const typename 
                                     sum_scratch, &amax_bits);
     }
   }
-  if (amax != nullptr) {
-    amax_bits = BlockMaxBits(amax_bits, max_scratch);
+  if (scale_inv != nullptr) {  // FP8 y; its amax may go unrecorded
+    if (amax != nullptr) amax_bits = BlockMaxBits(amax_bits, max_scratch);
     if (threadIdx.x == 0) {
       AtomicMaxAbsBits(amax, amax_bits);
       if (blockIdx.x == 0) *scale_inv = 1.0f / s;
@@ -340,7 +340,7 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
   RETURN_IF_ERROR(Enter());
   const bool quantized = IsFloat8(y->dtype());
   if (quantized) {
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8->amax.data(), 0, sizeof(float), stream()));
+    RETURN_IF_ERROR(ZeroAmax(*fp8, stream()));
   }
   // An FP8 y with no rows still gets amax 0 and its scale_inv: one idle block.
   if (!quantized && (rows == 0 || cols == 0)) return absl::OkStatus();
@@ -411,7 +411,7 @@ absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& 
   // Shapes the fused kernel cannot take: NormForward, then a transpose.
   if (!fused) return Ops::NormForwardTransposed(args, x, gamma, beta, fp8, y, y_t, mu, rsigma);
   RETURN_IF_ERROR(Enter());
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream()));
+  RETURN_IF_ERROR(ZeroAmax(fp8, stream()));
   // A tile of codes is tile_rows x (cols + 4) bytes of shared memory, at most
   // ~128 KiB: 32 rows up to H = 4096 (each y_t row then gets 32-byte runs, a
   // whole sector), 16 rows above.

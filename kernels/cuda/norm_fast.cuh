@@ -215,11 +215,12 @@ struct NormForwardParams {
   float* scale_inv;
 };
 
-// Folds the block's amax into the global one and writes scale_inv (FP8 y only).
+// Folds the block's amax into the global one, when it is recorded, and
+// writes scale_inv (FP8 y only).
 __device__ __forceinline__ void FinishAmax(unsigned bits, float* amax, float* scale_inv, float s,
                                            unsigned* scratch) {
-  if (amax == nullptr) return;
-  bits = BlockMaxBits(bits, scratch);
+  if (scale_inv == nullptr) return;
+  if (amax != nullptr) bits = BlockMaxBits(bits, scratch);
   if (threadIdx.x == 0) {
     AtomicMaxAbsBits(amax, bits);
     if (blockIdx.x == 0) *scale_inv = 1.0f / s;

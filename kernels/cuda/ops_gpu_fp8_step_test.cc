@@ -2,7 +2,10 @@
 // CPU reference on random data: DelayedScalingUpdates (a step's scaling
 // updates in one launch), QuantizeTransposeKept (FP8 weight copies kept
 // across steps) and ActivationForwardTransposed (the activation's FP8 output
-// in both layouts). Tolerances: ops_gpu_test.h.
+// in both layouts); and every FP8 output with its amax left unrecorded.
+// Tolerances: ops_gpu_test.h.
+#include <functional>
+
 #include "kernels/cuda/ops_gpu_test.h"
 
 namespace te {
@@ -175,6 +178,94 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
       }
     }
   }
+}
+
+// A step whose amaxes nobody reads (a generation's) leaves Fp8Output::amax
+// undefined: every op with an FP8 output then writes the codes and scale_inv
+// it writes with an amax, bit for bit, and records none. Each op, on the
+// paths its kernels take by shape (vector and scalar, tile and fallback, the
+// norms' few-row, fast and general kernels).
+TEST_F(Fp8StepOpsTest, AnUnrecordedAmaxChangesNoCodeOrScaleInv) {
+  const float scale = SaturatingScale(DType::kE4M3) * 0.5f;
+  // Runs `op` with an amax and without, each into fresh outputs (codes
+  // zeroed, scale_inv and amax -1), and compares what both wrote.
+  auto compare = [&](const std::string& what, const std::vector<Shape>& shapes,
+                     const std::function<absl::Status(const Fp8Output&,
+                                                      std::vector<Tensor>*)>& op) {
+    SCOPED_TRACE(what);
+    std::vector<Tensor> recorded, unrecorded;
+    for (const Shape& shape : shapes) {
+      recorded.push_back(Zeros(DType::kE4M3, shape).gpu);
+      unrecorded.push_back(Zeros(DType::kE4M3, shape).gpu);
+    }
+    Fp8Pair with = Fp8Side(scale), without = Fp8Side(scale);
+    Fp8Output bare = without.gpu();
+    bare.amax = Tensor();
+    ASSERT_TRUE(op(with.gpu(), &recorded).ok());
+    const absl::Status s = op(bare, &unrecorded);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const Tensor a = Fetch(recorded[i]), b = Fetch(unrecorded[i]);
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.nbytes())) << "output " << i;
+    }
+    EXPECT_GT(Fetch(with.amax.gpu).data_as<float>()[0], 0.0f) << "the recorded run's amax";
+    EXPECT_EQ(Fetch(without.amax.gpu).data_as<float>()[0], -1.0f) << "an amax was written";
+    EXPECT_EQ(Fetch(without.scale_inv.gpu).data_as<float>()[0], 1.0f / scale) << "scale_inv";
+  };
+  for (const Shape& shape : {Shape{77, 200}, Shape{33, 101}}) {
+    const Pair x = Random(DType::kBF16, shape, 61, -4.0f, 4.0f);
+    compare("Quantize " + ShapeName(shape), {shape},
+            [&](const Fp8Output& f, std::vector<Tensor>* y) { return gpu_->Quantize(x.gpu, f, &(*y)[0]); });
+  }
+  for (const Shape& shape : {Shape{128, 256}, Shape{37, 24}}) {
+    const Pair x = Random(DType::kBF16, shape, 62, -4.0f, 4.0f);
+    compare("QuantizeTranspose " + ShapeName(shape), {shape, {shape[1], shape[0]}},
+            [&](const Fp8Output& f, std::vector<Tensor>* y) {
+              return gpu_->QuantizeTranspose(x.gpu, f, &(*y)[0], &(*y)[1]);
+            });
+  }
+  for (const Shape& shape : {Shape{8, 1024}, Shape{300, 1024}, Shape{6, 20000}}) {
+    const int64_t cols = shape[1];
+    const Pair x = Random(DType::kBF16, shape, 63, -3.0f, 5.0f);
+    const Pair gamma = Random(DType::kF32, {cols}, 64, 0.5f, 1.5f);
+    const Pair beta = Random(DType::kF32, {cols}, 65);
+    compare("NormForward " + ShapeName(shape), {shape},
+            [&](const Fp8Output& f, std::vector<Tensor>* y) {
+              return gpu_->NormForward(NormArgs(), x.gpu, gamma.gpu, beta.gpu, &(*y)[0], nullptr,
+                                       nullptr, &f);
+            });
+    if (cols > 4096) continue;
+    compare("NormForwardTransposed " + ShapeName(shape), {shape, {cols, shape[0]}},
+            [&](const Fp8Output& f, std::vector<Tensor>* y) {
+              return gpu_->NormForwardTransposed(NormArgs(), x.gpu, gamma.gpu, beta.gpu, f,
+                                                 &(*y)[0], &(*y)[1], nullptr, nullptr);
+            });
+  }
+  for (const Shape& shape : {Shape{2, 64, 256}, Shape{3, 7, 36}}) {
+    const Pair x = Random(DType::kBF16, shape, 66);
+    const int64_t rows = shape[0] * shape[1], width = shape[2];
+    compare("ActivationForward " + ShapeName(shape), {shape},
+            [&](const Fp8Output& f, std::vector<Tensor>* y) {
+              return gpu_->ActivationForward({Activation::kGelu}, x.gpu, &(*y)[0], &f);
+            });
+    compare("ActivationForwardTransposed " + ShapeName(shape), {shape, {width, rows}},
+            [&](const Fp8Output& f, std::vector<Tensor>* y) {
+              return gpu_->ActivationForwardTransposed({Activation::kGelu}, x.gpu, f, &(*y)[0],
+                                                       &(*y)[1]);
+            });
+  }
+  // A kept copy's record needs the amax it was made with.
+  const Pair w = Random(DType::kBF16, {64, 64}, 67);
+  Pair kept_scale = FromValues(DType::kF32, {1}, {NAN}), kept_amax = Zeros(DType::kF32, {1});
+  Tensor y = Zeros(DType::kE4M3, {64, 64}).gpu, y_t = Zeros(DType::kE4M3, {64, 64}).gpu;
+  Fp8Pair side = Fp8Side(scale);
+  Fp8Output bare = side.gpu();
+  bare.amax = Tensor();
+  const absl::Status kept =
+      gpu_->QuantizeTransposeKept(w.gpu, bare, {kept_scale.gpu, kept_amax.gpu}, &y, &y_t);
+  EXPECT_EQ(kept.code(), absl::StatusCode::kInvalidArgument) << kept;
+  EXPECT_NE(kept.message().find("fp8.amax"), std::string::npos) << kept;
 }
 
 }  // namespace

@@ -12,8 +12,12 @@
 namespace te::layers {
 namespace {
 
+bool FloatRows(const Tensor& t, int64_t cols) {
+  return t.rank() == 2 && t.dim(1) == cols && IsFloating(t.dtype()) && !IsFloat8(t.dtype());
+}
+
 absl::Status CheckRows(const Tensor& t, int64_t cols, absl::string_view what) {
-  if (t.rank() != 2 || t.dim(1) != cols || !IsFloating(t.dtype()) || IsFloat8(t.dtype())) {
+  if (!FloatRows(t, cols)) {
     return absl::InvalidArgumentError(absl::StrCat(what, " must be a float [N, ", cols,
                                                    "] tensor, got ", ShapeString(t.shape()), " ",
                                                    DTypeName(t.dtype())));
@@ -52,6 +56,7 @@ absl::StatusOr<Tensor> CastTo(Ops& ops, const Tensor& x, DType dtype) {
 
 Dense::Dense(DenseConfig config)
     : config_(std::move(config)),
+      quantizers_(config_.scope, config_.fp8_postfix),
       in_(NumElements(config_.in_dims)),
       out_(NumElements(config_.features)) {}
 
@@ -85,18 +90,25 @@ int64_t Dense::Saved::bytes() const {
 absl::Status Dense::Forward(Ops& ops, Variables* vars, const Tensor& x, const Fp8Recipe* fp8,
                             bool tf32, Tensor* y, Saved* saved,
                             const DenseFusion& fusion) const {
-  RETURN_IF_ERROR(CheckRows(x, in_, absl::StrCat("Dense ", kernel_name(), " input")));
+  if (!FloatRows(x, in_)) return CheckRows(x, in_, absl::StrCat("Dense ", kernel_name(), " input"));
   if (fusion.gelu_input != nullptr && fp8 != nullptr) {
     return absl::InternalError(absl::StrCat("Dense ", kernel_name(),
                                             ": a fused GELU needs float compute, not FP8"));
   }
   // Checked before any quantize writes an amax, so a failure changes nothing.
-  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(fp8))));
+  RETURN_IF_ERROR(CheckVariables(*vars, specs_.Get(fp8, [&] { return Defs(fp8); })));
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
-    // Both layouts: x enters the forward GEMM as is and the wgrad transposed.
-    ASSIGN_OR_RETURN(GemmOperand a,
-                     QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(), QuantizerRole::kX, x,
-                                                    GemmSide::kA, false, vars));
+    // x enters the forward GEMM as is, and a backward's wgrad transposed:
+    // both layouts from one pass when the forward is kept for one.
+    GemmOperand a;
+    if (saved != nullptr) {
+      ASSIGN_OR_RETURN(a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
+                                                         QuantizerRole::kX, x, GemmSide::kA,
+                                                         false, vars));
+    } else {
+      ASSIGN_OR_RETURN(a, QuantizeGemmOperand(ops, *fp8, quantizers(), QuantizerRole::kX, x,
+                                              GemmSide::kA, false, vars));
+    }
     return ForwardQuantized(ops, vars, a, x.dtype(), *fp8, y, saved, fusion);
   }
   const DType compute = x.dtype();
@@ -143,7 +155,7 @@ absl::Status Dense::ForwardQuantized(Ops& ops, Variables* vars, const GemmOperan
         "] under a per-tensor recipe, got ", ShapeString(x.data.shape()), " ",
         DTypeName(x.data.dtype())));
   }
-  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(&fp8))));
+  RETURN_IF_ERROR(CheckVariables(*vars, specs_.Get(&fp8, [&] { return Defs(&fp8); })));
   // TE quantizes the kernel straight from the param dtype.
   // Both layouts: the forward GEMM takes the kernel transposed, the dgrad as is.
   ASSIGN_OR_RETURN(GemmOperand b,
@@ -214,7 +226,7 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
 
 absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                              Variables* grads) const {
-  RETURN_IF_ERROR(CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy")));
+  if (!FloatRows(dy, out_)) return CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy"));
   const int64_t n = dy.dim(0);
   const DType compute = dy.dtype();
   const std::optional<Fp8Recipe> fp8_recipe = saved.fp8;
@@ -251,7 +263,7 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
     x_a = saved.x;
     x_a.transpose = !saved.x_transposed;
   } else if (fp8 != nullptr) {
-    const QuantizerSet q = quantizers();
+    const QuantizerSet& q = quantizers();
     ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kGrad, dy,
                                                GemmSide::kA, false, vars));
     ASSIGN_OR_RETURN(kernel_b, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kKernel,
@@ -402,15 +414,18 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
   Tensor ln = x;
   if (enable_layernorm_ && ln_out == nullptr && CanFuseQuantize(fp8)) {
     // Nobody reads the norm's output in high precision: write it in FP8.
-    RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(fp8))));
+    RETURN_IF_ERROR(CheckVariables(*vars, specs_.Get(fp8, [&] { return Defs(fp8); })));
     Fp8Output q;
     ASSIGN_OR_RETURN(GemmOperand ln_q,
                      AllocateFusedOperand(ops, *fp8, dense_.quantizers(), QuantizerRole::kX,
                                           x.shape(), vars, &q));
-    // Both layouts from the norm: the forward GEMM takes ln as is, the wgrad
-    // transposed.
-    ASSIGN_OR_RETURN(ln_q.data_t, ops.Allocate(ln_q.data.dtype(), {x.dim(1), x.dim(0)}));
-    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln_q.data, &s.norm, &q, &ln_q.data_t));
+    // The forward GEMM takes ln as is; kept for a backward, the norm also
+    // writes it transposed, for the wgrad.
+    if (saved != nullptr) {
+      ASSIGN_OR_RETURN(ln_q.data_t, ops.Allocate(ln_q.data.dtype(), {x.dim(1), x.dim(0)}));
+    }
+    RETURN_IF_ERROR(norm_.Forward(ops, *vars, x, &ln_q.data, &s.norm, &q,
+                                  saved != nullptr ? &ln_q.data_t : nullptr));
     RETURN_IF_ERROR(dense_.ForwardQuantized(ops, vars, ln_q, x.dtype(), *fp8, y,
                                             saved != nullptr ? &s.dense : nullptr, fusion));
     if (saved != nullptr) *saved = std::move(s);

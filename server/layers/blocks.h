@@ -35,6 +35,7 @@
 #include "kernels/rng.h"  // DeriveSeed: each dropout site's seed
 #include "server/layers/fp8_state.h"
 #include "server/layers/init.h"
+#include "server/layers/init.h"
 #include "server/layers/layer.h"
 
 namespace te::layers {
@@ -81,7 +82,7 @@ class Dense {
   Shape kernel_shape() const;
   std::string kernel_name() const;  // full: "params/<scope>/kernel"
   std::string bias_name() const;
-  QuantizerSet quantizers() const { return {config_.scope, config_.fp8_postfix}; }
+  const QuantizerSet& quantizers() const { return quantizers_; }
 
   // kernel (+ bias) (+ the quantizer set's fp8_metas under DelayedScaling).
   std::vector<VariableDef> Defs(const Fp8Recipe* fp8) const;
@@ -127,6 +128,8 @@ class Dense {
   bool Tf32For(bool call_tf32) const { return call_tf32 && !config_.highest_precision; }
 
   DenseConfig config_;
+  QuantizerSet quantizers_;
+  SpecsMemo specs_;  // of Defs
   int64_t in_ = 0;
   int64_t out_ = 0;
 };
@@ -204,6 +207,7 @@ class LayerNormDense {
   bool enable_layernorm_;
   Norm norm_;
   Dense dense_;
+  SpecsMemo specs_;  // of Defs
 };
 
 // ---- Dropout (inverted) and residual add ------------------------------------
@@ -274,6 +278,7 @@ class Mlp {
   MlpConfig config_;
   LayerNormDense ln_wi_;  // norm (optional) + wi
   Dense wo_;
+  SpecsMemo specs_;  // of Defs
 };
 
 // TE activation names -> ops' Activation list, normalised as TE does

@@ -52,7 +52,7 @@ absl::Status QuantizePerTensor(Ops& ops, const Fp8Recipe& fp8, const QuantizerSe
     }
     RETURN_IF_ERROR(CheckQuantizerSet(*vars, set, &fp8));
     side.scale = vars->at(set.ScaleName(role));
-    side.amax = vars->at(set.HistoryName(role)).Slice0(0, 1);  // history[0]
+    if (!fp8.inference) side.amax = vars->at(set.HistoryName(role)).Slice0(0, 1);  // history[0]
   } else {  // current scaling: the scale comes from this tensor's amax
     ASSIGN_OR_RETURN(side.amax, ops.Allocate(DType::kF32, {1}));
     ASSIGN_OR_RETURN(side.scale, ops.Allocate(DType::kF32, {1}));
@@ -156,13 +156,14 @@ DType QuantizerDType(const Fp8Recipe& fp8, QuantizerRole role) {
   return role == QuantizerRole::kGrad ? fp8.backward_dtype() : fp8.forward_dtype();
 }
 
-std::string QuantizerSet::ScaleName(QuantizerRole role) const {
-  return VariableName(kFp8Metas, scope, absl::StrCat(QuantizerName(role), postfix, kScaleSuffix));
-}
-
-std::string QuantizerSet::HistoryName(QuantizerRole role) const {
-  return VariableName(kFp8Metas, scope,
-                      absl::StrCat(QuantizerName(role), postfix, kHistorySuffix));
+QuantizerSet::QuantizerSet(const std::string& scope, const std::string& postfix) {
+  for (QuantizerRole role : {QuantizerRole::kX, QuantizerRole::kKernel, QuantizerRole::kGrad}) {
+    const int i = static_cast<int>(role);
+    scale_names_[i] =
+        VariableName(kFp8Metas, scope, absl::StrCat(QuantizerName(role), postfix, kScaleSuffix));
+    history_names_[i] =
+        VariableName(kFp8Metas, scope, absl::StrCat(QuantizerName(role), postfix, kHistorySuffix));
+  }
 }
 
 std::vector<VariableDef> QuantizerSetDefs(const QuantizerSet& set, const Fp8Recipe* fp8) {
@@ -179,7 +180,20 @@ std::vector<VariableDef> QuantizerSetDefs(const QuantizerSet& set, const Fp8Reci
 absl::Status CheckQuantizerSet(const Variables& vars, const QuantizerSet& set,
                                const Fp8Recipe* fp8) {
   if (!HasFp8Metas(fp8)) return absl::OkStatus();
-  return CheckVariables(vars, SpecsOf(QuantizerSetDefs(set, fp8)));
+  // Every quantization of a step asks: the variables are looked up in place,
+  // and CheckVariables's message made only for a set that does not fit.
+  auto fits = [&vars](const std::string& name, bool history) {
+    auto it = vars.find(name);
+    if (it == vars.end()) return false;
+    const Tensor& t = it->second;
+    return t.dtype() == DType::kF32 && t.rank() == 1 && (history ? t.dim(0) >= 1 : t.dim(0) == 1);
+  };
+  for (QuantizerRole role : {QuantizerRole::kX, QuantizerRole::kKernel, QuantizerRole::kGrad}) {
+    if (!fits(set.ScaleName(role), false) || !fits(set.HistoryName(role), true)) {
+      return CheckVariables(vars, SpecsOf(QuantizerSetDefs(set, fp8)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 GemmOperand ForGemm(const GemmOperand& op, GemmSide side) {
@@ -264,7 +278,7 @@ absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
   ASSIGN_OR_RETURN(op.data, ops.Allocate(QuantizerDType(fp8, role), shape));
   ASSIGN_OR_RETURN(op.scale_inv, ops.Allocate(DType::kF32, {1}));
   out->scale = vars->at(set.ScaleName(role));
-  out->amax = vars->at(set.HistoryName(role)).Slice0(0, 1);
+  if (!fp8.inference) out->amax = vars->at(set.HistoryName(role)).Slice0(0, 1);
   out->scale_inv = op.scale_inv;
   return op;
 }
@@ -273,8 +287,12 @@ absl::Status UpdateFp8Metas(Ops& ops, const Fp8Recipe& fp8, Variables* vars, Ten
   if (!HasFp8Metas(&fp8)) return absl::OkStatus();
   const std::string prefix = absl::StrCat(kFp8Metas, "/");
   std::vector<Ops::DelayedScalingItem> items;
-  for (auto& [name, history] : *vars) {
-    if (!absl::StartsWith(name, prefix) || !absl::EndsWith(name, kHistorySuffix)) continue;
+  // The map is ordered: the collection's names are one run of it.
+  for (auto it = vars->lower_bound(prefix);
+       it != vars->end() && absl::StartsWith(it->first, prefix); ++it) {
+    const std::string& name = it->first;
+    const Tensor& history = it->second;
+    if (!absl::EndsWith(name, kHistorySuffix)) continue;
     const std::string stem = name.substr(0, name.size() - sizeof(kHistorySuffix) + 1);
     auto scale = vars->find(stem + kScaleSuffix);
     if (scale == vars->end()) {

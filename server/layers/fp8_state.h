@@ -40,12 +40,24 @@ enum class QuantizerRole { kX, kKernel, kGrad };
 const char* QuantizerName(QuantizerRole role);  // "x", "kernel", "grad"
 DType QuantizerDType(const Fp8Recipe& fp8, QuantizerRole role);
 
-// One GEMM's quantizers: TE's generate_quantizer_set(postfix) in module `scope`.
-struct QuantizerSet {
-  std::string scope;    // "" for a standalone module, "qkv", "mlp"...
-  std::string postfix;  // "" or "_0", "_1"
-  std::string ScaleName(QuantizerRole role) const;    // "fp8_metas/<scope>/x<postfix>_scale"
-  std::string HistoryName(QuantizerRole role) const;  // ".../x<postfix>_amax_history"
+// One GEMM's quantizers: TE's generate_quantizer_set(postfix) in module
+// `scope` ("" for a standalone module, "qkv", "mlp"...; postfix "" or "_0",
+// "_1"). The six variable names are made once, here: every quantization of
+// a step looks two of them up.
+class QuantizerSet {
+ public:
+  QuantizerSet(const std::string& scope, const std::string& postfix);
+  // "fp8_metas/<scope>/x<postfix>_scale"
+  const std::string& ScaleName(QuantizerRole role) const {
+    return scale_names_[static_cast<int>(role)];
+  }
+  // ".../x<postfix>_amax_history"
+  const std::string& HistoryName(QuantizerRole role) const {
+    return history_names_[static_cast<int>(role)];
+  }
+
+ private:
+  std::array<std::string, 3> scale_names_, history_names_;  // by QuantizerRole
 };
 
 // The six fp8_metas variables of a set; empty unless `fp8` is DelayedScaling.
@@ -84,7 +96,7 @@ GemmOperand ForGemm(const GemmOperand& op, GemmSide side);
 // The operand `x` (2-D float, entering side `side` of a GEMM with
 // `transpose`) quantized for `role` under `fp8`:
 //  * DelayedScaling: quantized with the set's current scale; its amax goes to
-//    history[0] (a view of the first element). FAILED_PRECONDITION when the
+//    history[0] (a view of the first element), unless fp8.inference. FAILED_PRECONDITION when the
 //    set's variables are missing.
 //  * Float8CurrentScaling: scale = fp8_max / max(amax(x), epsilon).
 //  * MXFP8 / NVFP4: fake-quantized in blocks along the contraction axis (x
@@ -115,8 +127,9 @@ absl::StatusOr<GemmOperand> QuantizeGemmOperandBothLayouts(Ops& ops, const Fp8Re
 // scale needs the finished tensor's amax. Block scalings are emulated.
 bool CanFuseQuantize(const Fp8Recipe* fp8);
 // Allocates the FP8 operand [shape] for `role` (side a, not transposed) and
-// fills *out with the quantizer's scale, history[0] as amax, and the
-// operand's scale_inv, for the producing op to write through.
+// fills *out with the quantizer's scale, history[0] as amax (none under
+// fp8.inference), and the operand's scale_inv, for the producing op to
+// write through.
 // FAILED_PRECONDITION when the set's variables are missing.
 absl::StatusOr<GemmOperand> AllocateFusedOperand(Ops& ops, const Fp8Recipe& fp8,
                                                  const QuantizerSet& set, QuantizerRole role,

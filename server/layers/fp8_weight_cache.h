@@ -47,6 +47,8 @@ class Fp8WeightCache {
   // `weight` ([in, out], entering side b of the forward GEMM) as
   // QuantizeGemmOperandBothLayouts gives it for the kernel role of `set`
   // under DelayedScaling `fp8`, from the kept copy where it is current.
+  // Under fp8.inference a copy already checked for this scale in the open
+  // Call is returned as it is: no launch at all.
   absl::StatusOr<GemmOperand> Quantize(Ops& ops, const Fp8Recipe& fp8, const QuantizerSet& set,
                                        const Tensor& weight, Variables* vars);
   // The weights changed, or may have: every copy goes.
@@ -74,7 +76,10 @@ class Fp8WeightCache {
   // destroyed without Commit drops what was made while it was open.
   class Call {
    public:
-    explicit Call(Fp8WeightCache* cache) : cache_(cache) { cache_->pending_.clear(); }
+    explicit Call(Fp8WeightCache* cache) : cache_(cache) {
+      cache_->pending_.clear();
+      ++cache_->call_;
+    }
     ~Call();
     void Commit() { committed_ = true; }
     Call(const Call&) = delete;
@@ -93,11 +98,13 @@ class Fp8WeightCache {
     GemmOperand op;
     Ops::KeptQuantization kept;
     std::string scale_name;  // the kernel quantizer's scale it was last quantized for
+    uint64_t checked_in_call = 0;  // call_ when it was last checked against that scale
   };
   // The weight's storage, its 2-D view and the FP8 dtype.
   using Key = std::tuple<const void*, int64_t, int64_t, DType>;
   std::map<Key, Entry> entries_;
   std::vector<Key> pending_;  // made since the open Call began
+  uint64_t call_ = 1;         // the open Call's number (entries start at 0: unchecked)
 };
 
 // The kernel operand of a forward GEMM under per-tensor `fp8`: from

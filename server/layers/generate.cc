@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/rng.h"
 #include "kernels/status_macros.h"
 #include "server/layers/cache.h"
@@ -50,13 +53,9 @@ int32_t Argmax(const float* row, int64_t vocab) {
 }
 
 int32_t Sample(const float* row, int64_t vocab, const SamplingOptions& o, double u) {
-  // Tokens by logit, most likely first (ties: the lower index first).
-  std::vector<int32_t> order(static_cast<size_t>(vocab));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [row](int32_t a, int32_t b) { return row[a] > row[b]; });
-  size_t keep = order.size();
+  size_t keep = static_cast<size_t>(vocab);
   if (o.top_k > 0) keep = std::min(keep, static_cast<size_t>(o.top_k));
+  const std::vector<int32_t> order = MostLikelyFirst(row, vocab, keep);
   // softmax(logits / temperature) over the kept tokens, in double.
   const double top = static_cast<double>(row[order[0]]) / o.temperature;
   std::vector<double> p(keep);
@@ -161,7 +160,50 @@ class KeptCastsScope {
   std::shared_ptr<Ops::CastMemo> previous_;
 };
 
+// A float's bits as an unsigned key whose ascending order is the values'
+// descending order (-0 as +0, which compare equal).
+uint32_t DescendingKey(float v) {
+  if (v == 0.0f) v = 0.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint32_t ascending = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return ~ascending;
+}
+
 }  // namespace
+
+std::vector<int32_t> MostLikelyFirst(const float* row, int64_t vocab, size_t keep) {
+  std::vector<int32_t> order(static_cast<size_t>(vocab));
+  const bool has_nan = std::any_of(row, row + vocab, [](float v) { return std::isnan(v); });
+  if (has_nan || keep * 16 < order.size()) {
+    std::iota(order.begin(), order.end(), 0);
+    if (has_nan) {
+      std::stable_sort(order.begin(), order.end(),
+                       [row](int32_t a, int32_t b) { return row[a] > row[b]; });
+    } else {
+      std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep),
+                        order.end(), [row](int32_t a, int32_t b) {
+                          return row[a] > row[b] || (row[a] == row[b] && a < b);
+                        });
+    }
+  } else {
+    // (key, id) in one word, so each pass reads and writes in sequence.
+    std::vector<uint64_t> items(order.size()), sorted(order.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      items[i] = static_cast<uint64_t>(DescendingKey(row[i])) << 32 | static_cast<uint32_t>(i);
+    }
+    for (int shift = 32; shift < 64; shift += 8) {
+      size_t start[257] = {0};
+      for (uint64_t item : items) ++start[((item >> shift) & 0xff) + 1];
+      for (int b = 0; b < 256; ++b) start[b + 1] += start[b];
+      for (uint64_t item : items) sorted[start[(item >> shift) & 0xff]++] = item;
+      items.swap(sorted);
+    }
+    for (size_t i = 0; i < keep; ++i) order[i] = static_cast<int32_t>(items[i] & 0xffffffffu);
+  }
+  order.resize(keep);
+  return order;
+}
 
 absl::StatusOr<std::vector<int32_t>> SampleTokens(const std::vector<float>& logits, int64_t batch,
                                                   int64_t vocab, const SamplingOptions& options,
@@ -218,7 +260,15 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   result.stopped.assign(static_cast<size_t>(batch), false);
   ForwardOptions opts;
   opts.deterministic = true;
-  opts.fp8 = options.fp8;
+  // No step reads its amaxes back or moves a scale: FP8 steps run as
+  // inference (Fp8Recipe::inference: no amax recorded, each kept weight copy
+  // checked once, by the prompt's step).
+  Fp8Recipe fp8;
+  if (options.fp8 != nullptr) {
+    fp8 = *options.fp8;
+    fp8.inference = true;
+    opts.fp8 = &fp8;
+  }
   opts.tf32 = options.tf32;
   opts.decode = true;
   opts.internal_decode = true;
@@ -324,13 +374,20 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
     return SampleTokens(host, batch, logits.dim(2), options.sampling, step);
   };
 
+  const absl::Time start = absl::Now();
   RETURN_IF_ERROR(issue(0));
+  result.prompt_queued = absl::Now() - start;
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     const bool last_step = step + 1 == options.max_new_tokens;
     // A greedy step reads its tokens on the device: it is queued before the
     // host reads the last step's, so the device never waits for the host.
-    if (greedy && !last_step) RETURN_IF_ERROR(issue(step + 1));
+    // Not after the prompt's, whose tokens go out first: the first one-token
+    // step is issued launch by launch, as slow on the host as the prompt's
+    // step is on the device.
+    const bool queue_ahead = greedy && !last_step && step > 0;
+    if (queue_ahead) RETURN_IF_ERROR(issue(step + 1));
     ASSIGN_OR_RETURN(std::vector<int32_t> tokens, read(step));
+    if (step == 0) result.first_token = absl::Now() - start;
     for (int64_t b = 0; b < batch; ++b) {
       if (result.stopped[b]) {
         tokens[b] = result.tokens[b].back();
@@ -347,8 +404,8 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
     if (!greedy) {
       // The step has finished (its logits were read), so `next` is free.
       RETURN_IF_ERROR(ops.Upload(tokens.data(), &next));
-      RETURN_IF_ERROR(issue(step + 1));
     }
+    if (!queue_ahead) RETURN_IF_ERROR(issue(step + 1));
   }
   return result;
 }

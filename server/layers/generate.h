@@ -20,7 +20,8 @@
 //   lowest index on ties, as jnp.argmax) into the buffer the next step
 //   reads, so the next step is queued before the host reads this one's
 //   tokens (Ops::DownloadAsync): the device does not wait for the host
-//   between tokens. Sampled steps read their logits to the host and draw
+//   between tokens. (Not the prompt's: its tokens, the first, go out before
+//   the first one-token step is issued.) Sampled steps read their logits to the host and draw
 //   there: temperature, then top-k, then top-p (nucleus), from a uniform
 //   draw that depends on (seed, step, batch row) alone, so a generation is
 //   reproducible.
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/ops.h"
 #include "server/layers/layer.h"
 
@@ -67,12 +69,24 @@ struct GenerateResult {
   std::vector<bool> stopped;  // made a stop token
   int64_t replayed_steps = 0;  // one-token steps issued as a replay
   absl::Status record_status;  // why no step was recorded, when one was tried and failed
+  // Host time from the call's start until the prompt's step was queued, and
+  // until its tokens (the first new ones) were read.
+  absl::Duration prompt_queued;
+  absl::Duration first_token;
 };
 
 // Called after each step with its position (0 for the first new token) and
 // the token each sequence made ([B]; a sequence that has stopped repeats its
 // stop token). A non-OK status ends generation with that status.
 using TokenSink = std::function<absl::Status(int64_t step, const std::vector<int32_t>& tokens)>;
+
+// The first `keep` (<= vocab) token ids of `row` [vocab] by logit, the most
+// likely first and ties by the lower id: the order std::stable_sort gives
+// with `>` (the sampling order), without its O(V log V), which is 4 ms a
+// row at GPT-2's 50,257 tokens: a partial sort by (logit, id) when few are
+// kept, else a stable radix sort on the logits' bits (four passes of a
+// byte). -0 and +0 tie; a row with a NaN takes the stable sort itself.
+std::vector<int32_t> MostLikelyFirst(const float* row, int64_t vocab, size_t keep);
 
 // One token for each row of logits [B, V] (float32 on the host) at `step`.
 // INVALID_ARGUMENT naming the sampling field that is out of range.
@@ -82,9 +96,11 @@ absl::StatusOr<std::vector<int32_t>> SampleTokens(const std::vector<float>& logi
 
 // Generates from `prompt` (int32 [B, P] on ops' device) with `model`, whose x
 // is token ids and whose decode output is logits [B, S, V]. `vars` holds the
-// model's variables (shared, not copied: under DelayedScaling the steps
-// write x/kernel amaxes into its fp8_metas as any forward does; pass a
-// working copy to keep them). INVALID_ARGUMENT for a prompt that is not
+// model's variables (shared, not copied). Under DelayedScaling the steps run
+// as inference (Fp8Recipe::inference): they record no amax, except that the
+// prompt's step checks each kept FP8 weight copy, which writes the kernel's
+// amax into history[0] of its fp8_metas; pass a working copy to keep them
+// as they are. INVALID_ARGUMENT for a prompt that is not
 // int32 [B, P], options out of range, or a model that cannot decode (naming
 // the module); `sink` may be null.
 absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Variables& vars,

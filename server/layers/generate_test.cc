@@ -6,10 +6,12 @@
 // tokens of re-running the full forward on the growing prefix; sampling is
 // reproducible and honours top-k, top-p and temperature; stop tokens,
 // interruption and the errors.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +25,7 @@
 #include "kernels/status_macros.h"
 #include "server/layers/cache.h"
 #include "server/layers/decode_testing.h"
+#include "server/layers/fp8_weight_cache.h"
 #include "tests/lm_graph_text.h"
 #include "server/layers/generate.h"
 #include "server/layers/layer.h"
@@ -240,7 +243,10 @@ TEST(GraphDecodeErrorTest, ModulesThatCannotDecodeAreNamed) {
 // growing prefix, one new token per forward.
 std::vector<std::vector<int32_t>> GreedyByFullForwards(Ops& ops, Lm& lm,
                                                        const std::vector<int32_t>& prompt,
-                                                       int64_t batch, int64_t new_tokens) {
+                                                       int64_t batch, int64_t new_tokens,
+                                                       const Fp8Recipe* fp8 = nullptr) {
+  ForwardOptions forward;
+  forward.fp8 = fp8;
   const int64_t prompt_length = static_cast<int64_t>(prompt.size()) / batch;
   std::vector<std::vector<int32_t>> seqs(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
@@ -251,7 +257,7 @@ std::vector<std::vector<int32_t>> GreedyByFullForwards(Ops& ops, Lm& lm,
     const int64_t n = prompt_length + k;
     std::vector<int32_t> flat;
     for (const auto& s : seqs) flat.insert(flat.end(), s.begin(), s.end());
-    auto y = Apply(ops, *lm.logits, &lm.vars, Ids(ops, flat, {batch, n}), ForwardOptions());
+    auto y = Apply(ops, *lm.logits, &lm.vars, Ids(ops, flat, {batch, n}), forward);
     EXPECT_TRUE(y.ok()) << y.status();
     if (!y.ok()) return made;
     auto logits = HostValues(ops, *y);
@@ -312,6 +318,13 @@ class CountingOps : public CpuOps {
     ++casts_from[x.data()];
     return CpuOps::Cast(x, y);
   }
+  absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
+                                     const KeptQuantization& kept, Tensor* y,
+                                     Tensor* y_t) override {
+    ++kept_checks;
+    return CpuOps::QuantizeTransposeKept(x, fp8, kept, y, y_t);
+  }
+  int64_t kept_checks = 0;
   int64_t uploads = 0;
   int64_t downloads = 0;
   std::map<const void*, int64_t> casts_from;  // by the source's memory
@@ -339,6 +352,54 @@ TEST(GenerateTest, EachWeightIsCastOncePerGeneration) {
   }
   EXPECT_GT(weights_cast, 4) << "the test meant a model whose GEMMs cast their weights";
   EXPECT_EQ(ops.cast_memo(), nullptr) << "Generate left its memo installed";
+}
+
+// A generation reads no amax back and moves no scale, so its FP8 steps run
+// as inference: no activation's amax is recorded (every x and grad history
+// stays as it was), and each kept FP8 weight copy is checked once a call,
+// by the prompt's step, however many tokens follow. The tokens are those of
+// the full forwards under the same recipe.
+TEST(GenerateTest, Fp8StepsRecordNoAmaxAndCheckEachKeptWeightOncePerCall) {
+  CountingOps ops;
+  const int64_t batch = 2, prompt_length = 4, new_tokens = 6;
+  Fp8Recipe recipe = DelayedRecipe();
+  Lm lm = MakeLm(ops, false, {batch, prompt_length + new_tokens}, &recipe);
+  ASSERT_NE(lm.with_loss, nullptr);
+  Fp8WeightCache cache;
+  Fp8Recipe cached = recipe;
+  cached.weight_cache = &cache;
+  const std::vector<int32_t> prompt = RandomIds(batch * prompt_length, 29);
+  int64_t kernel_quantizers = 0;
+  for (const auto& [name, t] : lm.vars) {
+    kernel_quantizers += absl::StartsWith(name, "fp8_metas/") && absl::StrContains(name, "/kernel") &&
+                         absl::EndsWith(name, "_scale");
+  }
+  ASSERT_GT(kernel_quantizers, 0);
+  std::vector<std::vector<int32_t>> made;
+  for (const int64_t n : {int64_t{1}, new_tokens}) {
+    SCOPED_TRACE(absl::StrCat(n, " new tokens"));
+    Fp8WeightCache::Call call(&cache);
+    ops.kept_checks = 0;
+    GenerateOptions options;
+    options.max_new_tokens = n;
+    options.fp8 = &cached;
+    auto result = Generate(ops, *lm.with_loss, lm.vars, Ids(ops, prompt, {batch, prompt_length}),
+                           options, nullptr);
+    ASSERT_TRUE(result.ok()) << result.status();
+    call.Commit();
+    EXPECT_EQ(ops.kept_checks, kernel_quantizers);
+    made = result->tokens;
+  }
+  for (const auto& [name, t] : lm.vars) {
+    if (!absl::EndsWith(name, "_amax_history")) continue;
+    auto history = HostValues(ops, t);
+    ASSERT_TRUE(history.ok());
+    const bool kernel = absl::StrContains(name, "/kernel");
+    // The kernels' checks wrote their amaxes; nothing else was recorded.
+    EXPECT_EQ((*history)[0] != 0.0f, kernel) << name << "[0] = " << (*history)[0];
+    for (size_t i = 1; i < history->size(); ++i) ASSERT_EQ((*history)[i], 0.0f) << name;
+  }
+  EXPECT_EQ(made, GreedyByFullForwards(ops, lm, prompt, batch, new_tokens, &recipe));
 }
 
 // On a GPU each host copy is a round trip the step waits for or a transfer
@@ -433,6 +494,43 @@ TEST(GenerateTest, SamplingIsReproducibleFromItsSeed) {
   ASSERT_TRUE(a.ok() && b.ok() && c.ok()) << a.status() << b.status() << c.status();
   EXPECT_EQ(a->tokens, b->tokens);
   EXPECT_NE(a->tokens, c->tokens);
+}
+
+// The sampling order is std::stable_sort's by logit (ties by the lower id)
+// at every length kept, on the partial-sort and the radix paths alike: rows
+// with ties, -0 and +0, infinities, subnormals and GPT-2's vocabulary; a row
+// with a NaN as the stable sort leaves it.
+TEST(SampleTokensTest, MostLikelyFirstIsTheStableSortsOrder) {
+  std::mt19937 gen(7);
+  for (const int64_t vocab : {int64_t{1}, int64_t{5}, int64_t{100}, int64_t{1000}, int64_t{50257}}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      SCOPED_TRACE(absl::StrCat("vocab ", vocab, ", variant ", variant));
+      std::normal_distribution<float> normal(0.0f, 4.0f);
+      std::vector<float> row(static_cast<size_t>(vocab));
+      for (float& v : row) {
+        v = normal(gen);
+        if (variant >= 1) v = std::round(v);  // many ties
+      }
+      if (variant >= 2 && vocab >= 5) {
+        row[0] = -0.0f;
+        row[1] = 0.0f;
+        row[2] = INFINITY;
+        row[3] = -INFINITY;
+        row[4] = 1e-40f;  // subnormal
+      }
+      if (variant == 3 && vocab >= 5) row[vocab / 2] = NAN;
+      std::vector<int32_t> want(static_cast<size_t>(vocab));
+      std::iota(want.begin(), want.end(), 0);
+      std::stable_sort(want.begin(), want.end(),
+                       [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+      for (const size_t keep : {size_t{1}, size_t{3}, size_t{50}, static_cast<size_t>(vocab) / 16,
+                                static_cast<size_t>(vocab) / 2, static_cast<size_t>(vocab)}) {
+        if (keep < 1 || keep > static_cast<size_t>(vocab)) continue;
+        const std::vector<int32_t> got = MostLikelyFirst(row.data(), vocab, keep);
+        ASSERT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + keep)) << "keep " << keep;
+      }
+    }
+  }
 }
 
 TEST(SampleTokensTest, GreedyTopKTopPAndTemperature) {

@@ -79,6 +79,20 @@ std::vector<VariableSpec> SpecsOf(const std::vector<VariableDef>& defs) {
   return specs;
 }
 
+std::pair<int, int64_t> Fp8StateKey(const Fp8Recipe* fp8) {
+  if (fp8 == nullptr) return {-1, 0};
+  return {static_cast<int>(fp8->kind), fp8->amax_history_len};
+}
+
+const std::vector<VariableSpec>& SpecsMemo::Get(
+    const Fp8Recipe* fp8, const std::function<std::vector<VariableDef>()>& defs) const {
+  const std::pair<int, int64_t> key = Fp8StateKey(fp8);
+  std::lock_guard<std::mutex> lock(made_->mu);
+  auto it = made_->specs.find(key);
+  if (it == made_->specs.end()) it = made_->specs.emplace(key, SpecsOf(defs())).first;
+  return it->second;  // a map's values stay where they are
+}
+
 ValueFill InitialValueFill(uint64_t seed, const std::string& name, const Initializer& init) {
   switch (init.kind) {
     case Initializer::Kind::kZeros:

@@ -19,7 +19,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -55,6 +59,31 @@ struct VariableDef {
 };
 
 std::vector<VariableSpec> SpecsOf(const std::vector<VariableDef>& defs);
+
+// What of a recipe a layer's variables depend on, as a key: its kind and
+// amax history length ((-1, 0) without FP8).
+std::pair<int, int64_t> Fp8StateKey(const Fp8Recipe* fp8);
+
+// A module's variable specs, made once per FP8 state (a recipe's kind and
+// amax history length: all of a recipe its variables depend on). Every
+// forward and backward checks the variables it runs on against its
+// module's specs, and the nested modules of a TransformerLayer check theirs
+// again, so making the names each time was a large share of a step's host
+// time. Thread-safe; copies share what was made (a module's copies have the
+// same variables).
+class SpecsMemo {
+ public:
+  // The specs of `defs()`, the module's definitions under `fp8`.
+  const std::vector<VariableSpec>& Get(const Fp8Recipe* fp8,
+                                       const std::function<std::vector<VariableDef>()>& defs) const;
+
+ private:
+  struct Made {
+    std::mutex mu;
+    std::map<std::pair<int, int64_t>, std::vector<VariableSpec>> specs;  // by FP8 state
+  };
+  std::shared_ptr<Made> made_ = std::make_shared<Made>();
+};
 
 // The float32 values of variable `name` (n elements).
 std::vector<float> InitialValues(uint64_t seed, const std::string& name, const Initializer& init,

@@ -60,6 +60,12 @@ struct Fp8Recipe {
   // Not the recipe but where a step keeps its FP8 weight copies: the
   // session's per-layer cache, or null (quantize every weight every step).
   Fp8WeightCache* weight_cache = nullptr;
+  // Not the recipe either: set for steps that neither read their amaxes back
+  // nor move a scale (a generation's). DelayedScaling's quantizers then
+  // record no amax (Fp8Output::amax undefined), and a kept weight copy, once
+  // checked against its scale in the weight cache's open call, is used as
+  // it stands for the rest of that call.
+  bool inference = false;
 
   DType forward_dtype() const { return format == Format::kE5M2 ? DType::kE5M2 : DType::kE4M3; }
   DType backward_dtype() const { return format == Format::kE4M3 ? DType::kE4M3 : DType::kE5M2; }

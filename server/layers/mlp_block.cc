@@ -72,7 +72,7 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
                           Tensor* y, Tensor* ln_out, Saved* saved, const Tensor& residual) const {
   // Every variable (both GEMMs' FP8 state too) is checked first, so a failure
   // writes no amax.
-  RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
+  RETURN_IF_ERROR(CheckVariables(*vars, specs_.Get(opts.fp8, [&] { return Defs(opts.fp8); })));
   const bool keep = saved != nullptr;
   Saved s;
   DenseFusion wo_fusion;
@@ -102,11 +102,16 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
     ASSIGN_OR_RETURN(GemmOperand act_q,
                      AllocateFusedOperand(ops, *opts.fp8, wo_.quantizers(), QuantizerRole::kX,
                                           {n, config_.intermediate}, vars, &q));
-    // Both layouts from the activation: wo's forward GEMM takes it as is,
-    // its wgrad transposed.
-    ASSIGN_OR_RETURN(act_q.data_t, ops.Allocate(act_q.data.dtype(), {config_.intermediate, n}));
-    RETURN_IF_ERROR(ops.ActivationForwardTransposed(config_.activations, s.h, q, &act_q.data,
-                                                    &act_q.data_t));
+    // wo's forward GEMM takes it as is; kept for a backward, the activation
+    // also writes it transposed, for wo's wgrad.
+    if (keep) {
+      ASSIGN_OR_RETURN(act_q.data_t,
+                       ops.Allocate(act_q.data.dtype(), {config_.intermediate, n}));
+      RETURN_IF_ERROR(ops.ActivationForwardTransposed(config_.activations, s.h, q, &act_q.data,
+                                                      &act_q.data_t));
+    } else {
+      RETURN_IF_ERROR(ops.ActivationForward(config_.activations, s.h, &act_q.data, &q));
+    }
     RETURN_IF_ERROR(wo_.ForwardQuantized(ops, vars, act_q, s.h.dtype(), *opts.fp8, y,
                                          keep ? &s.wo : nullptr, wo_fusion));
   } else {

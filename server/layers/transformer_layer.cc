@@ -101,7 +101,7 @@ class TransformerLayerImpl : public Layer {
   absl::StatusOr<std::vector<VariableSpec>> VariableSpecs(const Shape& input_shape,
                                                           const Fp8Recipe* fp8) const override {
     RETURN_IF_ERROR(CheckInputShape(input_shape));
-    return SpecsOf(Defs(fp8));
+    return specs_.Get(fp8, [&] { return Defs(fp8); });
   }
 
   absl::StatusOr<Shape> OutputShape(const Shape& input_shape) const override {
@@ -142,7 +142,7 @@ class TransformerLayerImpl : public Layer {
                        LayerOutputs* out, std::unique_ptr<SavedForward>* saved) const override {
     RETURN_IF_ERROR(CheckInputShape(in.x.shape()));
     RETURN_IF_ERROR(CheckExtraInputs(in));
-    RETURN_IF_ERROR(CheckVariables(*vars, SpecsOf(Defs(opts.fp8))));
+    RETURN_IF_ERROR(CheckVariables(*vars, specs_.Get(opts.fp8, [&] { return Defs(opts.fp8); })));
     if (opts.decode) RETURN_IF_ERROR(DecodeAllowed(opts.internal_decode));
     const bool keep = opts.keep_for_backward && saved != nullptr;
     auto kept = std::make_unique<TransformerSaved>();
@@ -449,6 +449,7 @@ class TransformerLayerImpl : public Layer {
   MhaBlock cross_;  // used by a decoder only
   Mlp mlp_;
   RelativeBucketCache buckets_;
+  SpecsMemo specs_;  // of Defs
 };
 
 absl::Status CheckRate(float rate, const char* name) {

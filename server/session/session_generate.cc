@@ -1,5 +1,6 @@
 // Session::Generate: generation (server/layers/generate.h) over one retained
 // version of a layer's variables, in the session's turn.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -135,8 +136,9 @@ absl::Status Session::Generate(const te::v1::GenerateRequest& request, const Gen
   }
 
   ASSIGN_OR_RETURN(const Tensor prompt_ids, Materialize(*ops_, prompt));
-  // The steps write their amaxes into the transaction's copy of the
-  // version's fp8_metas, dropped at the end: generation is inference, and
+  // Generation is inference: its steps record no amax, but the prompt's
+  // step checks each kept FP8 weight copy, which writes kernel amaxes into
+  // the transaction's copy of the version's fp8_metas, dropped at the end;
   // the version read stays as it was (contract 9).
   ASSIGN_OR_RETURN(std::unique_ptr<StepTransaction> tx,
                    StepTransaction::Open(*this, StepTransaction::ReadOf(target), fp8, call,
@@ -169,6 +171,16 @@ absl::Status Session::Generate(const te::v1::GenerateRequest& request, const Gen
     LogForSession(LogLevel::kWarning, id(), "Generate: its one-token step was not recorded",
                   {{"why", generated.record_status.message()}});
   }
+  size_t made = 0;
+  for (const std::vector<int32_t>& tokens : generated.tokens) made = std::max(made, tokens.size());
+  LogForSession(LogLevel::kInfo, id(), "Generate done",
+                {{"layer", model_name},
+                 {"batch", absl::StrCat(batch)},
+                 {"prompt", absl::StrCat(prompt_length)},
+                 {"steps", absl::StrCat(made)},
+                 {"replayed", absl::StrCat(generated.replayed_steps)},
+                 {"prompt_queued_ms", absl::StrCat(absl::ToDoubleMilliseconds(generated.prompt_queued))},
+                 {"first_token_ms", absl::StrCat(absl::ToDoubleMilliseconds(generated.first_token))}});
   // Only the FP8 weight copies outlive the call (they follow the newest
   // version's weights, whatever call made them): nothing changed the
   // working copy, so no version is made.
