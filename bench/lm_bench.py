@@ -1,6 +1,6 @@
 """Whole-model training benchmark: the byte-level LM of client/python/examples/train_lm.py trained
-through te_server (one ForwardBackward with apply_update a step, steps pipelined as train_lm.py
-sends them) against the same LM trained locally in plain JAX/Flax/optax
+through te_server (one ForwardBackward with apply_update a step, steps pipelined and donating the
+state they read as train_lm.py sends them) against the same LM trained locally in plain JAX/Flax/optax
 (../shared/peers/jax_lm_peer.py: bf16 compute, float32 params, cuDNN attention, adamw), in one run,
 with the floor of each size next to it.
 
@@ -73,14 +73,14 @@ def ours(session, size, recipe, relative_bias, args):
         state = optim.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
         metrics = None
         for step in range(args.warmup):
-            state, metrics = optim.train_step(state, *split(windows[step % len(windows)]))
+            state, metrics = optim.train_step(state, *split(windows[step % len(windows)]), donate=args.donate)
         if metrics is not None:
             metrics["loss"].block_until_ready()
         # At least --steps steps and --min_seconds: a small LM's step is a few ms, and a span of
         # 0.1 s ranks nothing. The client keeps two steps in flight, so its clock tracks the device's.
         start, timed = time.perf_counter(), 0
         while timed < args.steps or time.perf_counter() - start < args.min_seconds:
-            state, metrics = optim.train_step(state, *split(windows[timed % len(windows)]))
+            state, metrics = optim.train_step(state, *split(windows[timed % len(windows)]), donate=args.donate)
             timed += 1
         loss = float(metrics["loss"])
         elapsed = time.perf_counter() - start
@@ -116,6 +116,9 @@ def main():
                         default=[(4, 256, 8, 128, 16), (24, 1024, 16, 1024, 8), (24, 2048, 16, 1024, 8)])
     parser.add_argument("--recipes", default="bf16,delayed", help="ours: bf16 and/or delayed (FP8)")
     parser.add_argument("--bias", default="on,off", help="TE's relative position bias: on and/or off")
+    parser.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
+                        help="ours: each step donates the state it reads, as train_lm.py's do (no copy of "
+                             "the params and moments for it); --no-donate keeps it")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--min_seconds", type=float, default=3.0, help="ours: time at least this long")

@@ -28,6 +28,7 @@ struct Numbered {
   std::string method;
   uint64_t sequence = 0;
   std::vector<uint64_t> abandoned;
+  uint64_t first_unanswered = 0;
 };
 
 // Answers every session call at once (GetVariables with one variable whose
@@ -131,6 +132,13 @@ class RecordingService final : public te::v1::TeService::Service {
     }
     return std::nullopt;
   }
+  // The first_unanswered the call numbered `sequence` carried; 0 when it never arrived.
+  uint64_t first_unanswered_by(uint64_t sequence) {
+    for (const Numbered& call : calls()) {
+      if (call.sequence == sequence) return call.first_unanswered;
+    }
+    return 0;
+  }
   std::vector<uint64_t> sorted_sequences() {
     std::vector<uint64_t> numbers;
     for (const Numbered& call : calls()) numbers.push_back(call.sequence);
@@ -141,7 +149,8 @@ class RecordingService final : public te::v1::TeService::Service {
  private:
   grpc::Status Record(const std::string& method, const te::v1::SessionRef& ref) {
     absl::MutexLock lock(&mu_);
-    calls_.push_back({method, ref.sequence(), {ref.abandoned().begin(), ref.abandoned().end()}});
+    calls_.push_back({method, ref.sequence(), {ref.abandoned().begin(), ref.abandoned().end()},
+                      ref.first_unanswered()});
     if (ref.session_id() != "s1" || ref.token() != "t1") {
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "bad session reference");
     }
@@ -345,6 +354,27 @@ TEST_F(PipelinedTest, AnAnswerForgetsOnlyTheAbandonedNumbersBelowIt) {
   EXPECT_EQ(service_.abandoned_by(1), Numbers());
   EXPECT_EQ(service_.abandoned_by(3), Numbers({2}));
   EXPECT_EQ(service_.abandoned_by(4), Numbers());
+}
+
+// Each call names the lowest number still in flight, its own included
+// (SessionRef.first_unanswered: where a restored session's order goes on);
+// a call that ended without an answer is no longer in flight.
+TEST_F(PipelinedTest, EachCallNamesTheLowestNumberStillInFlight) {
+  service_.release_on_close = false;
+  std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>> step =
+      session_->ForwardBackwardAsync({});  // 1, held by the fake
+  ASSERT_TRUE(session_->SetVariables({}).ok());  // 2
+  ASSERT_TRUE(session_->GetVariablesAsync({}).get().ok());  // 3
+  EXPECT_EQ(session_->SetVariables({}, /*timeout=*/-absl::Seconds(1)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);  // 4, never sent
+  service_.Release();
+  ASSERT_TRUE(step.get().ok());
+  ASSERT_TRUE(session_->SetVariables({}).ok());  // 5
+
+  EXPECT_EQ(service_.first_unanswered_by(1), 1u);
+  EXPECT_EQ(service_.first_unanswered_by(2), 1u) << "1 is held";
+  EXPECT_EQ(service_.first_unanswered_by(3), 1u) << "1 is held";
+  EXPECT_EQ(service_.first_unanswered_by(5), 5u) << "1 answered, 4 abandoned";
 }
 
 }  // namespace

@@ -113,8 +113,8 @@ bool PendingStep::Ready() const {
          record_->call.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
-TrainSteps::TrainSteps(const Module& module, const Variables& vars, int depth)
-    : module_(module), depth_(depth < 1 ? 1 : depth), current_(vars.Pinned()) {}
+TrainSteps::TrainSteps(const Module& module, const Variables& vars, int depth, bool donate)
+    : module_(module), depth_(depth < 1 ? 1 : depth), donate_(donate), current_(vars.Pinned()) {}
 
 TrainSteps::~TrainSteps() {
   while (!in_flight_.empty()) SettleFront();
@@ -177,6 +177,9 @@ absl::StatusOr<PendingStep> TrainSteps::Step(const HostTensor& x, const ApplyOpt
   *request.mutable_autocast() = ToProto(Autocast::Current());
   request.set_matmul_precision(ToProto(DefaultMatmulPrecision::Current()));
   request.set_apply_update(true);
+  // Every step of this object donates alike, so one sent on top of a step in
+  // flight donates only what the program already gave away.
+  request.set_donate(donate_);
   request.set_graph(options.graph);
   {
     absl::MutexLock lock(&record->mu);

@@ -74,7 +74,12 @@ class TrainSteps {
   // version `vars` read now (a live handle is read, not moved: the steps'
   // results are values, variables()). depth >= 1 (1: each step is sent once
   // the one before has answered).
-  TrainSteps(const Module& module, const Variables& vars, int depth = 2);
+  // `donate`: every step donates the version it reads
+  // (ForwardBackwardRequest.donate, as jax.jit's donate_argnums): the
+  // server updates params and opt_state in place with no copy for it and
+  // releases it, so `vars`'s version is gone once the first step runs, and
+  // variables() before Wait() may name a version a later step released.
+  TrainSteps(const Module& module, const Variables& vars, int depth = 2, bool donate = false);
   // Waits for the steps in flight (their failures dropped).
   ~TrainSteps();
   TrainSteps(const TrainSteps&) = delete;
@@ -99,6 +104,7 @@ class TrainSteps {
 
   const Module& module_;
   const int depth_;
+  const bool donate_;
   Variables current_;
   absl::Status failed_;
   std::deque<std::shared_ptr<internal::StepRecord>> in_flight_;

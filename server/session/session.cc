@@ -115,6 +115,16 @@ void Session::EndCall(bool undo) {
   call_.reset();
 }
 
+void Session::KeepOnUndo(const std::string& layer_id, int64_t number) {
+  if (!call_) return;
+  for (auto it = call_->begin(); it != call_->end(); ++it) {
+    if (it->kind == Created::Kind::kVersion && it->id == layer_id && it->number == number) {
+      call_->erase(it);
+      return;
+    }
+  }
+}
+
 std::vector<std::string> Session::CallAnswerIds() const {
   std::vector<std::string> ids;
   if (!call_) return ids;

@@ -69,7 +69,11 @@
 //     not fit the session's memory is RESOURCE_EXHAUSTED. The version read
 //     may be released while a kept forward of it waits for its Backward:
 //     the forward holds what it read. A released or never made version is
-//     NOT_FOUND naming `version`.
+//     NOT_FOUND naming `version`. A ForwardBackward with `donate` releases
+//     the version it read when it succeeds, and its update writes in place
+//     without giving that version copies (it gives the others theirs); its
+//     new version stays if the call is undone (contract 6), as the version
+//     it replaced is gone.
 // 10. Graphs. A layer runs one of its graphs (`graph`): 0 is what InitLayer
 //     made; AddGraph appends one over the layer's variables (for another
 //     batch size, or a loss function) and answers its index, or the index of
@@ -310,7 +314,10 @@ class Session {
   // place: every retained version and kept forward of `layer` that holds one
   // of them gets a copy instead (RESOURCE_EXHAUSTED when the copies do not
   // fit; then nothing changed).
-  absl::Status DetachFromVersions(LayerEntry& layer, const std::vector<const Tensor*>& writes);
+  // `donated`: a version number (0: none) the writer releases once it is
+  // done, which gets no copies.
+  absl::Status DetachFromVersions(LayerEntry& layer, const std::vector<const Tensor*>& writes,
+                                  int64_t donated = 0);
   // A decode step's caches (contract 11) in `vars`, the working copy of
   // target's version: each gets its own cache_index, and its keys and values
   // where another holder decodes from them further. FAILED_PRECONDITION
@@ -348,9 +355,14 @@ class Session {
   // the device (optim, contract 3), and its record read back once it is
   // done. `fp8`: the step's recipe (null: FP8 off); under DelayedScaling the
   // update rewrites the layer's kept FP8 weight copies, else they go.
+  // `donated` (0: none): the version the call read and donates
+  // (ForwardBackwardRequest.donate), written in place with no copy of its
+  // own; `*donated_written` becomes true once the update may have written
+  // it, so a failure from then on must release it.
   absl::Status ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
                            const layers::Variables& grads, VariableSet* next,
-                           te::v1::UpdateInfo* info);
+                           te::v1::UpdateInfo* info, int64_t donated = 0,
+                           bool* donated_written = nullptr);
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);
@@ -370,6 +382,9 @@ class Session {
   std::string NewId(Created::Kind kind);
   void Record(Created created);
   void Undo(const Created& created);
+  // Version `number` of `layer_id`, made by the open call, stays if the
+  // call is undone: it replaced a donated version, which is gone.
+  void KeepOnUndo(const std::string& layer_id, int64_t number);
   ResidentLookup Resident() const;
   ShmLookup Regions() const;  // empty without --enable_shm
 

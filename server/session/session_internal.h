@@ -6,6 +6,7 @@
 #define TE_SERVER_SESSION_SESSION_INTERNAL_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,6 +82,11 @@ struct LayerGraph {
   // The graph's extra inputs as InitLayer or AddGraph declared them (a call's
   // are checked against them); none declared: each has x's dtype.
   std::optional<layers::DeclaredExtras> extras;
+  // What the graph's calls need of a version (Layer::VariableSpecs), made
+  // once per input shape and FP8 state (layers::Fp8StateKey): each call
+  // checks the version it reads against them, and the graph's shape
+  // inference and its modules' variable names need not be made again for it.
+  std::map<std::pair<Shape, std::pair<int, int64_t>>, std::vector<layers::VariableSpec>> specs;
 };
 
 struct Session::LayerEntry {

@@ -11,6 +11,7 @@
 #include "kernels/status_macros.h"
 #include "server/layers/blocks.h"
 #include "server/layers/fp8_state.h"
+#include "server/layers/init.h"
 #include "server/layers/variables.h"
 #include "server/optim/optimizer.h"
 #include "server/session/log.h"
@@ -65,9 +66,15 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
   const std::string x_field =
       absl::StrCat(prefix, "x.shape ", ShapeString(in.x.shape),
                    target.graph > 0 ? absl::StrCat(" (graph ", target.graph, ")") : "");
-  absl::StatusOr<std::vector<layers::VariableSpec>> specs = layer.VariableSpecs(in.x.shape, fp8);
-  if (!specs.ok()) return AboutField(specs.status(), x_field);
-  absl::Status fits = layers::CheckVariables(target.read->vars, *specs);
+  auto& known = target.entry->graphs[target.graph].specs;
+  const auto key = std::make_pair(in.x.shape, layers::Fp8StateKey(fp8));
+  auto specs = known.find(key);
+  if (specs == known.end()) {
+    absl::StatusOr<std::vector<layers::VariableSpec>> made = layer.VariableSpecs(in.x.shape, fp8);
+    if (!made.ok()) return AboutField(made.status(), x_field);
+    specs = known.emplace(key, *std::move(made)).first;
+  }
+  absl::Status fits = layers::CheckVariables(target.read->vars, specs->second);
   if (absl::IsInvalidArgument(fits)) return AboutField(fits, x_field);
   if (absl::IsFailedPrecondition(fits)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -181,7 +188,8 @@ absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
 
 absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
                                   const layers::Variables& grads, VariableSet* next,
-                                  te::v1::UpdateInfo* info) {
+                                  te::v1::UpdateInfo* info, int64_t donated,
+                                  bool* donated_written) {
   LayerOptimizer& optimizer = *layer.optimizer;
   // The step writes the params it has gradients for and the whole state in
   // place: versions that share them get copies first (contract 9), so the
@@ -193,7 +201,7 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp
     if (param != next->vars.end()) writes.push_back(&param->second);
   }
   for (const auto& [name, tensor] : next->opt_state) writes.push_back(&tensor);
-  RETURN_IF_ERROR(DetachFromVersions(layer, writes));
+  RETURN_IF_ERROR(DetachFromVersions(layer, writes, donated));
   // Under DelayedScaling the next forward's kernel scales are already made
   // (this call's last scaling update), so the update writes the kept FP8
   // weight copies with them as it writes the weights, and that forward reads
@@ -208,6 +216,7 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp
   }
   // Norm, skip, clip, learning rate and counters are decided on the device;
   // this queues the step and nothing waits for it.
+  if (donated_written != nullptr) *donated_written = donated != 0;
   if (absl::Status step = optimizer.updater.Step(*ops_, optimizer.config, grads, &next->vars,
                                                  &next->opt_state,
                                                  rewrite ? &fp8_copies : nullptr);
@@ -429,6 +438,11 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
         "discard_grads: the gradients are dropped, so they cannot also be ",
         request.return_grads() ? "returned (return_grads)" : "applied (apply_update)"));
   }
+  if (request.donate() && !request.apply_update()) {
+    return absl::InvalidArgumentError(
+        "donate: donates the version read to the update that writes it in place; set "
+        "apply_update");
+  }
   if (request.apply_update() && !layer->optimizer) {
     return absl::FailedPreconditionError(absl::StrCat(
         "apply_update: layer ", layer->id, " has no optimizer; give it one with SetOptimizer"));
@@ -537,6 +551,9 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     }
   }
   VariableSet& next = tx->next();
+  // The version the step donates (ForwardBackwardRequest.donate): written in
+  // place by the update, released with the call.
+  const int64_t donated = request.donate() ? run.version : 0;
   if (request.apply_update()) {
     // The update takes the gradients kept by earlier calls too: added into
     // this call's sums, which are the call's own tensors, and the new
@@ -544,20 +561,42 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     RETURN_IF_ERROR(AccumulateGrads(run.read->grads, "grads", &grad_sum));
     next.grads.clear();
     RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
-    // The update last (contract 8): it writes only the new version's tensors.
-    RETURN_IF_ERROR(ApplyUpdate(*layer, tx->fp8(), grad_sum, &next, response->mutable_update()));
+    // The update last (contract 8): it writes only the new version's tensors
+    // (and a donated version's, which goes with the call).
+    bool donated_written = false;
+    absl::Status updated = ApplyUpdate(*layer, tx->fp8(), grad_sum, &next,
+                                       response->mutable_update(), donated, &donated_written);
     // The step is done (ApplyUpdate read its record): these copies wait for nothing.
-    for (size_t i = 0; i < pending_values.size(); ++i) {
-      ASSIGN_OR_RETURN(const double v, tx->ReadStepResult(pending_values[i].first));
-      response->set_values(static_cast<int>(i), v * pending_values[i].second);
+    for (size_t i = 0; updated.ok() && i < pending_values.size(); ++i) {
+      absl::StatusOr<double> v = tx->ReadStepResult(pending_values[i].first);
+      if (v.ok()) {
+        response->set_values(static_cast<int>(i), *v * pending_values[i].second);
+      } else {
+        updated = v.status();
+      }
+    }
+    if (!updated.ok()) {
+      if (!donated_written) return updated;
+      layer->versions.erase(donated);
+      return absl::Status(updated.code(),
+                          absl::StrCat(updated.message(), " (donate: version ", donated,
+                                       ", part written by the update, was released)"));
     }
     tx->Changed();
   } else if (!request.return_grads() && !request.discard_grads()) {
     ASSIGN_OR_RETURN(next.grads, KeptGrads(run.read->grads, std::move(grad_sum)));
     tx->Changed();
   }
-  ASSIGN_OR_RETURN(const int64_t version, tx->Commit());
-  response->set_version(version);
+  // A donated version is written by now: the new one is made even if the
+  // client has gone, and kept if the call is undone, so the layer keeps
+  // its variables.
+  absl::StatusOr<int64_t> version = tx->Commit(/*unwanted_too=*/donated != 0);
+  if (donated != 0) {
+    layer->versions.erase(donated);
+    if (version.ok()) KeepOnUndo(layer->id, *version);
+  }
+  RETURN_IF_ERROR(version.status());
+  response->set_version(*version);
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
@@ -61,28 +62,34 @@ absl::StatusOr<Session::Target> Session::Resolve(const std::string& layer_id, in
 }
 
 absl::Status Session::DetachFromVersions(LayerEntry& layer,
-                                         const std::vector<const Tensor*>& writes) {
+                                         const std::vector<const Tensor*>& writes,
+                                         int64_t donated) {
   // Every variable map that may hold one of the tensors: the retained
   // versions' and those the layer's kept forwards ran on.
   std::vector<layers::Variables*> holders;
   auto add = [&holders](VariableSet& set) {
     for (layers::Variables* vars : {&set.vars, &set.grads, &set.opt_state}) holders.push_back(vars);
   };
-  for (auto& [number, version] : layer.versions) add(version.set);
+  for (auto& [number, version] : layer.versions) {
+    if (number != donated) add(version.set);
+  }
   for (auto& [id, saved] : saved_) {
     if (saved->layer_id == layer.id) add(saved->base);
   }
+  // The storage they hold, gathered once: a step writes every param and
+  // optimizer slot, so asking each holder about each write would cost
+  // writes x held map walks (the 24-layer LM's step: millions).
+  absl::flat_hash_set<const void*> held;
+  for (const layers::Variables* vars : holders) {
+    for (const auto& [name, tensor] : *vars) held.insert(tensor.data());
+  }
   // Copies first (they may fail, leaving everything as it was), then the swap.
-  std::map<const void*, Tensor> copies;
+  std::map<const void*, Tensor> copies;  // by node: `to` points into it
   std::vector<const Tensor*> from;
   std::vector<Tensor*> to;
   for (const Tensor* write : writes) {
     if (write->nbytes() == 0 || copies.count(write->data()) > 0) continue;
-    bool shared = false;
-    for (const layers::Variables* vars : holders) {
-      for (const auto& [name, tensor] : *vars) shared = shared || tensor.data() == write->data();
-    }
-    if (!shared) continue;
+    if (!held.contains(write->data())) continue;
     absl::StatusOr<Tensor> copy = ops_->Allocate(write->dtype(), write->shape());
     if (!copy.ok()) {
       if (!absl::IsResourceExhausted(copy.status())) return copy.status();

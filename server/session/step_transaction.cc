@@ -50,12 +50,16 @@ absl::StatusOr<std::unique_ptr<Session::StepTransaction>> Session::StepTransacti
   Ops& ops = *session.ops_;
   std::vector<const Tensor*> from;
   std::vector<Tensor*> to;
-  for (auto& [name, tensor] : tx->next_.vars) {
-    if (!absl::StartsWith(name, "fp8_metas/")) continue;
-    const Tensor& original = read.read->vars.at(name);
-    ASSIGN_OR_RETURN(tensor, ops.Allocate(original.dtype(), original.shape()));
+  // The working copy's names are the read's: both maps hold the collection
+  // as one run from the same place, walked side by side.
+  const std::string prefix = "fp8_metas/";
+  auto read_it = read.read->vars.lower_bound(prefix);
+  for (auto it = tx->next_.vars.lower_bound(prefix);
+       it != tx->next_.vars.end() && absl::StartsWith(it->first, prefix); ++it, ++read_it) {
+    const Tensor& original = read_it->second;
+    ASSIGN_OR_RETURN(it->second, ops.Allocate(original.dtype(), original.shape()));
     from.push_back(&original);
-    to.push_back(&tensor);
+    to.push_back(&it->second);
   }
   RETURN_IF_ERROR(ops.CopyAll(from, to));
   return tx;
@@ -156,11 +160,11 @@ absl::Status Session::StepTransaction::EndStep(Tensor* non_finite) {
   return absl::OkStatus();
 }
 
-absl::Status Session::StepTransaction::Seal() {
+absl::Status Session::StepTransaction::Seal(bool unwanted_too) {
   if (committed_) {
     return absl::InternalError(absl::StrCat(what_, ": the step was committed twice"));
   }
-  RETURN_IF_ERROR(call_.StillWanted(what_));
+  if (!unwanted_too) RETURN_IF_ERROR(call_.StillWanted(what_));
   // Only the newest version's weights train on: the copies of an older
   // one's would hold memory for weights no later call reads.
   if (read_.layer->is_newest(read_.version)) kept_copies_.Commit();
@@ -168,8 +172,8 @@ absl::Status Session::StepTransaction::Seal() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> Session::StepTransaction::Commit() {
-  RETURN_IF_ERROR(Seal());
+absl::StatusOr<int64_t> Session::StepTransaction::Commit(bool unwanted_too) {
+  RETURN_IF_ERROR(Seal(unwanted_too));
   if (!changed_) return read_.version;
   return session_.MakeVersion(*read_.layer, std::move(next_));
 }

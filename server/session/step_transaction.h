@@ -109,7 +109,10 @@ class Session::StepTransaction {
   void Changed() { changed_ = true; }
 
   // Contract 4: the version the call answers, the new one or the one read.
-  absl::StatusOr<int64_t> Commit();
+  // `unwanted_too`: commit even if the client has gone (a donating step's
+  // update already wrote the version it read; contract 4's check would
+  // leave neither).
+  absl::StatusOr<int64_t> Commit(bool unwanted_too = false);
   // Contract 4 for a forward kept for its Backward: `saved` gets the
   // working copy (its step ends at the Backward) and is kept under the id
   // returned.
@@ -118,8 +121,9 @@ class Session::StepTransaction {
  private:
   StepTransaction(Session& session, const Read& read, std::optional<layers::Fp8Recipe> fp8,
                   const CallContext& call, std::string what, WeightCopies copies);
-  // StillWanted, then the FP8 weight copies kept (contract 4).
-  absl::Status Seal();
+  // StillWanted (unless `unwanted_too`), then the FP8 weight copies kept
+  // (contract 4).
+  absl::Status Seal(bool unwanted_too = false);
   // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
   absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
 

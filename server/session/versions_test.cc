@@ -88,7 +88,9 @@ class VersionsTest : public ::testing::Test {
 
   void Open(int64_t memory) {
     if (device_ == nullptr) device_ = *OpenCpuDevice();
-    session_ = std::make_unique<Session>("versions", device_->info(), *device_->NewOps(memory),
+    std::unique_ptr<Ops> ops = *device_->NewOps(memory);
+    ops_ = ops.get();
+    session_ = std::make_unique<Session>("versions", device_->info(), std::move(ops),
                                          SessionConfig(), te::v1::EMULATE, std::nullopt);
   }
 
@@ -214,7 +216,18 @@ class VersionsTest : public ::testing::Test {
     return session_->ReleaseVersions(request);
   }
 
+  // How far `request` raises the session's bytes in use above what they
+  // were before it, at its peak.
+  int64_t PeakRise(const te::v1::ForwardBackwardRequest& request) {
+    const int64_t before = session_->bytes_in_use();
+    ops_->ResetPeakBytesInUse();
+    const absl::Status status = Run(request).status();
+    EXPECT_TRUE(status.ok()) << status;
+    return ops_->peak_bytes_in_use() - before;
+  }
+
   std::unique_ptr<Device> device_;
+  Ops* ops_ = nullptr;  // the session's
   std::unique_ptr<Session> session_;
 };
 
@@ -465,6 +478,75 @@ TEST_F(VersionsTest, FailedAndCancelledCallsLeaveTheVersionsAsTheyWere) {
   // The next version number is not reused.
   ASSERT_OK_AND_ASSIGN(next, Run(Step(layer, x, dy, true)));
   EXPECT_EQ(next.version(), 4);
+}
+
+// ForwardBackwardRequest.donate: the step releases the version it read and
+// its update copies nothing for it, with the same values a non-donating
+// step makes; the other versions still get their copies; a step refused
+// before its update releases nothing; an undone donating step keeps its new
+// version; donate without apply_update is refused naming the field.
+TEST_F(VersionsTest, ADonatingStepReleasesTheVersionItReadAndCopiesNothingForIt) {
+  const te::v1::Tensor x = RandomFloats({2, kSeq, kHidden}, 1);
+  const te::v1::Tensor dy = RandomFloats({2, kSeq, kFeatures}, 2);
+  const std::string kept = Init(TeDense(), {2, kSeq, kHidden}, 11);
+  const std::string donor = Init(TeDense(), {2, kSeq, kHidden}, 11);
+  SetAdam(kept);
+  SetAdam(donor);
+  te::v1::ForwardBackwardRequest donate = Step(donor, x, dy, true);
+  donate.set_donate(true);
+  // A first step of each makes the optimizer's plan; version 1 is then released.
+  ASSERT_TRUE(Run(Step(kept, x, dy, true)).ok());
+  ASSERT_TRUE(Run(donate).ok());
+  ASSERT_TRUE(Release(kept, {1}).ok());
+  ExpectError(Values(donor, 1).status(), absl::StatusCode::kNotFound, "version");
+  ASSERT_OK_AND_ASSIGN(v2, Values(donor, 2));
+  EXPECT_EQ(*Values(kept, 2), v2);
+
+  // The same step on each, version 2 read: the kept one copies its params and
+  // moments for version 2, which it holds after, the donating one nothing,
+  // and both make the same values.
+  const int64_t before = session_->bytes_in_use();
+  const int64_t kept_rise = PeakRise(Step(kept, x, dy, true));
+  const int64_t copied = session_->bytes_in_use() - before;
+  EXPECT_GT(copied, 0);
+  const int64_t donated_rise = PeakRise(donate);
+  EXPECT_EQ(session_->bytes_in_use() - before, copied);
+  // At the kept step's peak its copies sit beside the gradients and the
+  // update's; the donating step's peak is its forward's and backward's.
+  EXPECT_LT(donated_rise, kept_rise);
+  EXPECT_EQ(Newest(donor), 3);
+  EXPECT_EQ(*Values(donor, 3), *Values(kept, 3));
+  EXPECT_EQ(*Values(kept, 2), v2);
+  ExpectError(Values(donor, 2).status(), absl::StatusCode::kNotFound,
+              "layer layer-2 has no version 2 (released)");
+
+  // An older version still held gets its copies from a donating step.
+  ASSERT_OK_AND_ASSIGN(v3, Values(donor, 3));
+  ASSERT_TRUE(Run(Step(donor, x, dy, true)).ok());  // 4, version 3 kept
+  ASSERT_TRUE(Run(donate).ok());                     // 5 from 4, which goes
+  EXPECT_EQ(*Values(donor, 3), v3);
+  ExpectError(Values(donor, 4).status(), absl::StatusCode::kNotFound, "version");
+  ASSERT_TRUE(Release(donor, {3}).ok());
+
+  // Refused before its update: nothing released.
+  te::v1::ForwardBackwardRequest bad = donate;
+  *bad.mutable_micro_batches(0)->mutable_dy() = RandomFloats({2, kSeq, kFeatures + 1}, 3);
+  ExpectError(Run(bad).status(), absl::StatusCode::kInvalidArgument, "micro_batches[0]");
+  ASSERT_OK_AND_ASSIGN(v5, Values(donor, 5));
+
+  // Undone (its client went away): the new version stays, as version 5 is gone.
+  session_->BeginCall();
+  ASSERT_OK_AND_ASSIGN(undone, Run(donate));
+  session_->EndCall(/*undo=*/true);
+  EXPECT_EQ(undone.version(), 6);
+  EXPECT_EQ(Newest(donor), 6);
+  ExpectError(Values(donor, 5).status(), absl::StatusCode::kNotFound, "version");
+  EXPECT_NE(*Values(donor, 6), v5);
+
+  te::v1::ForwardBackwardRequest no_update = Step(donor, x, dy, false);
+  no_update.set_donate(true);
+  ExpectError(Run(no_update).status(), absl::StatusCode::kInvalidArgument, "donate");
+  EXPECT_EQ(Newest(donor), 6);
 }
 
 // The copies a step needs while older versions hold what it writes count

@@ -51,6 +51,13 @@ Batch SentenceBatch(int step, int64_t seq = kSeq) {
           *HostTensor::FromFloats({kBatch, seq}, y, DType::kI32)};
 }
 
+// The loop's kSteps batches.
+std::vector<Batch> SentenceBatches() {
+  std::vector<Batch> batches;
+  for (int i = 0; i < kSteps; ++i) batches.push_back(SentenceBatch(i));
+  return batches;
+}
+
 client::Graph SmallLm() {
   client::DecoderLmSize size;
   size.num_layers = 1;
@@ -158,8 +165,7 @@ class PipelinedTrainStepsTest : public client::testing::SuiteServerTest<::testin
 };
 
 TEST_P(PipelinedTrainStepsTest, EqualTheSynchronousLoopBitForBitInTheOrderSent) {
-  std::vector<Batch> batches;
-  for (int i = 0; i < kSteps; ++i) batches.push_back(SentenceBatch(i));
+  const std::vector<Batch> batches = SentenceBatches();
   std::vector<Row> want;
   std::map<std::string, std::vector<float>> want_values;
   Synchronous(batches, &want, &want_values);
@@ -216,12 +222,60 @@ TEST_P(PipelinedTrainStepsTest, EqualTheSynchronousLoopBitForBitInTheOrderSent) 
   EXPECT_GT(sent_before_the_last_answered, 0);
 }
 
+// Donating steps (ForwardBackwardRequest.donate): the same numbers as the
+// synchronous loop that keeps every version, the version each step read
+// released (the start's among them, though the program still holds it), so
+// the session's memory after the last step is what it was after the first.
+TEST_P(PipelinedTrainStepsTest, DonatingStepsEqualTheSynchronousLoopAndReleaseWhatTheyRead) {
+  const std::vector<Batch> batches = SentenceBatches();
+  std::vector<Row> want;
+  std::map<std::string, std::vector<float>> want_values;
+  Synchronous(batches, &want, &want_values);
+
+  std::unique_ptr<client::Session> session = Open();
+  ASSERT_NE(session, nullptr);
+  std::optional<client::Autocast> scope;
+  if (fp8()) scope.emplace(true, client::DelayedScaling{});
+  const client::Graph lm = SmallLm();
+  std::optional<client::Variables> start = Init(*session, lm);
+  ASSERT_TRUE(start.has_value());
+  client::TrainSteps steps(lm, *start, kDepth, /*donate=*/true);
+  std::vector<client::PendingStep> sent;
+  int64_t one_version = 0;  // after the first step: its version alone
+  for (const Batch& batch : batches) {
+    auto step = steps.Step(batch.tokens, WithLabels(batch));
+    ASSERT_TRUE(step.ok()) << step.status();
+    sent.push_back(*step);
+    if (sent.size() == 1) {
+      ASSERT_TRUE(sent[0].Get().ok());
+      auto info = session->GetSessionInfo();
+      ASSERT_TRUE(info.ok()) << info.status();
+      one_version = info->memory_bytes();
+    }
+  }
+  for (size_t i = 0; i < sent.size(); ++i) {
+    auto metrics = sent[i].Get();
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    const Row row{metrics->loss, metrics->update.count(), metrics->update.learning_rate()};
+    EXPECT_TRUE(row == want[i]) << "step " << i;
+  }
+  auto trained = steps.Wait();
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  EXPECT_EQ(Values(*trained), want_values);
+  // `start` is still held here, yet the first step released its version.
+  auto read = client::GetVariables(*start);
+  ASSERT_FALSE(read.ok());
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kNotFound) << read.status();
+  auto after = session->GetSessionInfo();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->memory_bytes(), one_version);
+}
+
 // Each step's batch in a shared-memory block (freed once the step has
 // answered: the next batch must not overwrite it before the server read it)
 // or uploaded (deleted by calls numbered after the step): the same numbers.
 TEST_P(PipelinedTrainStepsTest, InputsInSharedMemoryOrUploadedStayUntilTheirStepHasRun) {
-  std::vector<Batch> batches;
-  for (int i = 0; i < kSteps; ++i) batches.push_back(SentenceBatch(i));
+  const std::vector<Batch> batches = SentenceBatches();
   std::vector<Row> want;
   std::map<std::string, std::vector<float>> want_values;
   Synchronous(batches, &want, &want_values);

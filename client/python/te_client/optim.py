@@ -536,7 +536,7 @@ def _gradient_graph(params):
 
 
 def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None, micro_batches=1,
-               deterministic=True, rngs=None, timeout=None):
+               deterministic=True, rngs=None, timeout=None, donate=False):
     """One training step, one call: forward, loss and backward over
     `micro_batches` parts of the batch (each array split along axis 0, the
     gradients summed), then the optimizer's update, under the active autocast.
@@ -560,13 +560,27 @@ def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None,
     params, or a later step from them), with the server's code; steps sent
     on top of a failed one never change what the program holds. `timeout`:
     the step's deadline in seconds (from when it is sent), when shorter than
-    rpc_timeout."""
+    rpc_timeout.
+
+    `donate=True` donates `state`'s variables to the step, as
+    jax.jit(train_step, donate_argnums=0) does: the server updates them in
+    place without first copying them for `state` (a read and a write of all
+    params and optimizer moments a step, and a second copy of them held while
+    steps are in flight), and releases them. `state`'s variables are then
+    unreadable (InvalidArgumentError naming the donation) whatever the step's
+    outcome; continue from the state returned, as
+    `state, metrics = train_step(state, batch, donate=True)` does. A step
+    sent on top of a step still in flight that did not donate does not
+    donate either: were that step to fail, the server's newest version,
+    which this one reads, would be one the program still holds. So donate
+    from a loop's first step on: a loop whose steps stay in flight goes on
+    not donating after one that did not."""
     seed = module_lib.seed_of(rngs, "dropout") if rngs is not None else state.dropout_seed()
     if loss_fn is not None:
         if target is not None or dy is not None:
             raise errors.InvalidArgumentError("train_step: loss_fn computes the loss; target and dy are for the "
                                               "model's own y")
-        return _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout)
+        return _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout, donate)
     if not batch:
         raise errors.InvalidArgumentError("train_step: no x")
     if target is not None and dy is not None:
@@ -607,7 +621,7 @@ def train_step(state, *batch, loss_fn=None, has_aux=False, target=None, dy=None,
     except BaseException:
         session.delete_all(uploads)
         raise
-    step = pipeline.dispatch(session, handle, version, request, uploads, timeout)
+    step = pipeline.dispatch(session, handle, version, request, uploads, timeout, donate)
     new = variables_lib.Variables({handle.scope: handle}, module, variables_lib.PendingVersion(handle, step))
     return dataclasses.replace(state, step=state.step + 1, params=_same_kind(state.params, new)), \
         pipeline.metrics(step, request_bytes)
@@ -626,7 +640,7 @@ def _takes(module, name):
 _VERSION_BYTES = 2
 
 
-def _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout):
+def _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout, donate):
     parts = [np.array_split(np.asarray(a), micro_batches) if transforms._is_array(a) else None for a in batch]
     first = tuple(p[0] if p is not None else a for p, a in zip(parts, batch))
     prepared = transforms.Prepared(loss_fn, (state.params,) + first, {}, (0,), has_aux, default_seed=seed)
@@ -645,7 +659,7 @@ def _loss_fn_step(state, batch, loss_fn, has_aux, micro_batches, seed, timeout):
     except BaseException:
         session.delete_all(uploads)
         raise
-    step = pipeline.dispatch(session, prepared.handle, prepared.version, request, uploads, timeout)
+    step = pipeline.dispatch(session, prepared.handle, prepared.version, request, uploads, timeout, donate)
     metrics = pipeline.metrics(step, request_bytes)
     if has_aux:
         metrics["aux"] = [_lazy_aux(prepared, session, step, i) for i in range(micro_batches)]

@@ -73,9 +73,10 @@ class StepCall:
         self._released = False
         # The Version the call reads (its parent's PendingVersion when chained), kept
         # until it has answered: released earlier, the server might run the release
-        # (an unnumbered call) before this step reads it.
+        # (unnumbered in a reattached session) before this step reads it.
         self.holds = None
         self.handle_ref = None      # a weakref to its layer's LayerHandle (variables.PendingVersion)
+        self.donates = False        # it donates the version it reads (dispatch)
 
     # ---- the session's side ----------------------------------------------------------
 
@@ -199,7 +200,7 @@ def _dependent(failed):
     return errors.error(failed.code, message)
 
 
-def dispatch(session, handle, version, request, uploads, timeout=None):
+def dispatch(session, handle, version, request, uploads, timeout=None, donate=False):
     """Sends `request`, a step that reads `version` (a Version, or a
     PendingVersion) of `handle`'s layer and makes a new version, as a
     pipelined step; returns its StepCall. Its `version` field is set here:
@@ -207,7 +208,10 @@ def dispatch(session, handle, version, request, uploads, timeout=None):
     else the base's number (waiting for it, and raising its failure: the
     step is then not sent). `uploads` (session.send's): the shared-memory
     blocks are freed once the step has answered; the resident tensors are
-    deleted by calls numbered after it (run after it, not waited for)."""
+    deleted by calls numbered after it (run after it, not waited for).
+    `donate`: the step donates what it reads (ForwardBackwardRequest.donate;
+    `version` is marked donated_to it), unless it is sent on top of a step
+    in flight that does not donate (optim.train_step says why)."""
     blocks = [u for u in uploads if isinstance(u, transport_lib.Block)]
     residents = [u for u in uploads if not isinstance(u, transport_lib.Block)]
     step = None
@@ -222,7 +226,9 @@ def dispatch(session, handle, version, request, uploads, timeout=None):
                 parent = None        # answered: name its number
             if parent is None:
                 request.version = version.number
+            request.donate = donate and (parent is None or parent.donates)
             step = StepCall(session, handle.layer_id, parent)
+            step.donates = request.donate
             step.holds = version
             for block in blocks:
                 step.on_cleanup(lambda block=block: session._shm.free(block))
@@ -236,6 +242,8 @@ def dispatch(session, handle, version, request, uploads, timeout=None):
             _delete_after(session, residents)
         raise
     _delete_after(session, residents)
+    if step.donates:
+        version.donated_to = step
     return step
 
 

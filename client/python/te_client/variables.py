@@ -113,8 +113,13 @@ class Version:
     Number 0 is the server's newest (a server without versions answers 0).
     One object per number of a layer (LayerHandle.versions): a response that
     names a version already held (a step that made none) gets that object, so
-    the number is released once, when no one holds it any more."""
-    __slots__ = ("handle", "number", "__weakref__")
+    the number is released once, when no one holds it any more.
+
+    `donated_to`: the training step it was donated to (train_step(...,
+    donate=True)), which releases it on the server; reading the number (what
+    every call that reads these variables does) then raises, whatever that
+    step's outcome, as a donated JAX array is gone."""
+    __slots__ = ("handle", "_number", "donated_to", "__weakref__")
 
     def __new__(cls, handle, number):
         number = int(number)
@@ -124,18 +129,33 @@ class Version:
             return found
         self = object.__new__(cls)
         self.handle = handle
-        self.number = number
+        self._number = number
+        self.donated_to = None
         if number:
             weakref.finalize(self, _queue, handle.session, ("release", handle.layer_id, number))
             if live is not None:
                 live[number] = self
         return self
 
+    @property
+    def number(self):
+        _check_not_donated(self)
+        return self._number
+
     def __repr__(self):
-        return "Version(%s, %d)" % (self.handle.layer_id, self.number)
+        return "Version(%s, %d)" % (self.handle.layer_id, self._number)
 
 
-_NUMBER = Version.__dict__["number"]   # Version's slot, under PendingVersion's property
+def _check_not_donated(version):
+    if version.donated_to is None:
+        return
+    raise errors.InvalidArgumentError(
+        "variables: these variables of layer %s were donated to a training step "
+        "(train_step(..., donate=True)), which writes them in place and releases them; "
+        "read the state that step returned" % version.handle.layer_id)
+
+
+_NUMBER = Version.__dict__["_number"]   # Version's slot, under PendingVersion's property
 _claim_lock = threading.Lock()
 
 
@@ -153,12 +173,14 @@ class PendingVersion(Version):
         self.handle = handle
         self.step = step
         self._alias = None
+        self.donated_to = None
         step.handle_ref = weakref.ref(handle)
         weakref.finalize(self, step.version_dropped)
         return self
 
     @property
     def number(self):
+        _check_not_donated(self)
         try:
             return _NUMBER.__get__(self, Version)
         except AttributeError:
@@ -186,7 +208,9 @@ class PendingVersion(Version):
     def __repr__(self):
         if not self.step.settled():
             return "PendingVersion(%s, <step in flight>)" % self.handle.layer_id
-        return super().__repr__()
+        if self.step.error is not None:
+            return "PendingVersion(%s, <step failed>)" % self.handle.layer_id
+        return "Version(%s, %d)" % (self.handle.layer_id, int(self.step.response.version))
 
 
 def join(*parts):
@@ -281,7 +305,7 @@ class VariableRef(numpy.lib.mixins.NDArrayOperatorsMixin):
         return join(self.info.collection, self.handle.scope, self.info.path)
 
     def __repr__(self):
-        return "VariableRef(%s, %s%s, version %d)" % (self.name, self.dtype, list(self.shape), self.version.number)
+        return "VariableRef(%s, %s%s, %r)" % (self.name, self.dtype, list(self.shape), self.version)
 
     def __reduce__(self):
         return (np.asarray, (self.__array__(),))   # by value

@@ -91,14 +91,14 @@ def _state(name, batches):
     return optim.TrainState.create(apply_fn=model.apply, params=model.init(3, *init_args), tx=tx()), loss_fn
 
 
-def _loop(client, name, fp8, batches, read_each, counts=None):
+def _loop(client, name, fp8, batches, read_each, counts=None, donate=False):
     """Trains on `batches`; returns ([(loss, learning_rate, count)] per step as floats, final variables
     flat). `counts`: a dict updated with the session's transport counts."""
     with _session(client, fp8) as session, _scope(fp8):
         state, loss_fn = _state(name, batches)
         got = []
         for batch in batches:
-            state, metrics = optim.train_step(state, *batch, loss_fn=loss_fn)
+            state, metrics = optim.train_step(state, *batch, loss_fn=loss_fn, donate=donate)
             got.append(metrics)
             if read_each:
                 float(metrics["loss"])
@@ -107,6 +107,13 @@ def _loop(client, name, fp8, batches, read_each, counts=None):
         if counts is not None:
             counts.update(session.transport_counts.as_dict())
     return rows, final
+
+
+def _assert_same_variables(got, want):
+    """Two flat variable dicts (variables_lib.flatten): the same names, values bit for bit."""
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +145,70 @@ def test_the_pipelined_loop_equals_the_synchronous_loop_bit_for_bit(clients, nam
     assert any(k.startswith("params/") for k in moved)
     if fp8:
         assert any(k.startswith("fp8_metas/") for k in moved), moved
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8_delayed"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_donating_loop_equals_the_loop_that_keeps_its_states_bit_for_bit(clients, name, fp8):
+    sync, piped = clients
+    batches = MODELS[name][2](8, STEPS)
+    want_rows, want = _loop(sync, name, fp8, batches, read_each=True)
+    for client in (sync, piped):
+        rows, final = _loop(client, name, fp8, batches, read_each=False, donate=True)
+        assert rows == want_rows
+        _assert_same_variables(final, want)
+
+
+def test_a_donated_state_is_released_unreadable_with_the_same_values(clients, rng):
+    _, piped = clients
+    x, t = _dense_problem(rng)
+    layer = te_flax.DenseGeneral(features=8)
+    with piped.session() as session:
+        state = optim.TrainState.create(apply_fn=layer.apply, params=layer.init(1, x), tx=optim.adam(0.01))
+        state, m = optim.train_step(state, x, target=t)
+        float(m["loss"])
+        one_version = session.info().memory_bytes
+        # A step that keeps `state`: the server copies its params and moments for it.
+        kept, m = optim.train_step(state, x, target=t)
+        float(m["loss"])
+        assert session.info().memory_bytes > one_version
+        want = variables_lib.flatten(kept.variables.fetch())
+        del kept, m
+        # The same step donating `state`: released though still referenced here.
+        new, m = optim.train_step(state, x, target=t, donate=True)
+        float(m["loss"])
+        assert session.info().memory_bytes == one_version
+        _assert_same_variables(variables_lib.flatten(new.variables.fetch()), want)
+        for read in (lambda: state.variables.fetch(), lambda: layer.apply(state.params, x),
+                     lambda: optim.train_step(state, x, target=t)):
+            with pytest.raises(te.InvalidArgumentError, match="donated"):
+                read()
+
+
+def test_a_step_on_top_of_a_non_donating_step_in_flight_does_not_donate(clients):
+    """Were the step below to fail, the server's newest version, which the step
+    on top reads, would be the one the program still holds from before it."""
+    _, piped = clients
+    batches = _lm_batches(13, STEPS)
+    with piped.session() as session:
+        state, _ = _state("lm_own_loss", batches)
+        sent = []
+        send_step = session.send_step
+
+        def recording(step, request, timeout=None):
+            ok = send_step(step, request, timeout)
+            if ok:
+                sent.append((step.parent.donates if step.parent is not None else None, request.donate))
+            return ok
+        session.send_step = recording
+        asked = [i != STEPS // 2 for i in range(STEPS)]   # one step in the middle keeps its state
+        for batch, donate in zip(batches, asked):
+            state, metrics = optim.train_step(state, *batch, donate=donate)
+        float(metrics["loss"])
+    assert [donates for _, donates in sent] == [
+        donate and parent_donates is not False for donate, (parent_donates, _) in zip(asked, sent)], sent
+    assert any(parent is False for parent, _ in sent), "no step went on top of one in flight"
+    assert any(parent is True and donates for parent, donates in sent), sent
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])
@@ -282,8 +353,7 @@ def test_a_failed_step_raises_at_its_read_and_the_steps_after_it_do_not_apply(cl
             got.append((float(m["loss"]), float(m["learning_rate"])))
         final = variables_lib.flatten(state.variables.fetch())
     assert got == want
-    for k in want_final:
-        np.testing.assert_array_equal(np.asarray(final[k]), np.asarray(want_final[k]), err_msg=k)
+    _assert_same_variables(final, want_final)
 
 
 def test_a_step_past_its_deadline_fails_at_its_read_and_the_session_goes_on(clients, rng):
