@@ -78,7 +78,11 @@ std::string ShapeString(const Shape& shape) {
 }
 
 Tensor::Tensor(std::shared_ptr<void> storage, void* data, DType dtype, Shape shape)
-    : storage_(std::move(storage)), data_(data), dtype_(dtype), shape_(std::move(shape)) {}
+    : storage_(std::move(storage)),
+      data_(data),
+      dtype_(dtype),
+      shape_(std::move(shape)),
+      numel_(NumElements(shape_)) {}
 
 Tensor Tensor::Reshaped(Shape shape) const {
   assert(NumElements(shape) == numel());

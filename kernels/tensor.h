@@ -46,12 +46,14 @@ class Tensor {
   // `storage` keeps the memory alive; `data` points inside it.
   Tensor(std::shared_ptr<void> storage, void* data, DType dtype, Shape shape);
 
-  bool defined() const { return data_ != nullptr || NumElements(shape_) == 0; }
+  bool defined() const { return data_ != nullptr || numel_ == 0; }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
   int rank() const { return static_cast<int>(shape_.size()); }
   int64_t dim(int i) const { return shape_[i < 0 ? i + rank() : i]; }
-  int64_t numel() const { return NumElements(shape_); }
+  // Made once with the shape: the CPU reference's element loops test it at
+  // every element.
+  int64_t numel() const { return numel_; }
   size_t nbytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
 
   void* data() const { return data_; }
@@ -70,6 +72,7 @@ class Tensor {
   void* data_ = nullptr;
   DType dtype_ = DType::kF32;
   Shape shape_;
+  int64_t numel_ = 1;  // NumElements(shape_); a scalar's 1
 };
 
 }  // namespace te
