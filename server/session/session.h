@@ -98,6 +98,7 @@
 #ifndef TE_SERVER_SESSION_SESSION_H_
 #define TE_SERVER_SESSION_SESSION_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -162,6 +163,12 @@ struct CallContext {
 // or Backward called apart reads nothing back that it could travel with, so
 // their updates are not counted.
 int64_t Fp8NonFiniteAmaxes();
+
+// A graph remembers what its calls need of a version (the variables' names,
+// shapes and dtypes) for this many input shapes and FP8 states; past them it
+// starts again, so a client that sends every prompt length does not grow the
+// session.
+inline constexpr size_t kMaxRememberedSpecs = 64;
 
 class Session {
  public:

@@ -86,6 +86,7 @@ struct LayerGraph {
   // once per input shape and FP8 state (layers::Fp8StateKey): each call
   // checks the version it reads against them, and the graph's shape
   // inference and its modules' variable names need not be made again for it.
+  // At most kMaxRememberedSpecs (session.h) of them.
   std::map<std::pair<Shape, std::pair<int, int64_t>>, std::vector<layers::VariableSpec>> specs;
 };
 

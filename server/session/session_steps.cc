@@ -72,6 +72,9 @@ absl::StatusOr<Session::CheckedInputs> Session::CheckInputs(
   if (specs == known.end()) {
     absl::StatusOr<std::vector<layers::VariableSpec>> made = layer.VariableSpecs(in.x.shape, fp8);
     if (!made.ok()) return AboutField(made.status(), x_field);
+    // A client that sends ever new shapes (prompts of every length) must not
+    // grow the session without bound: past the bound the memo starts again.
+    if (known.size() >= kMaxRememberedSpecs) known.clear();
     specs = known.emplace(key, *std::move(made)).first;
   }
   absl::Status fits = layers::CheckVariables(target.read->vars, specs->second);

@@ -313,6 +313,27 @@ TEST_F(VersionsTest, OneModuleLayerTakesAnyBatchAndAGraphOverItsModule) {
               absl::StatusCode::kInvalidArgument, "graph: for x [3, 3, 9]");
 }
 
+// A layer remembers what each input shape needs of a version, up to a bound:
+// a client sending ever new shapes (prompts of every length) keeps getting
+// the same answers past it, and a shape seen before the memo started again
+// still reads the same version the same way.
+TEST_F(VersionsTest, ALayerTakesMoreInputShapesThanItRemembers) {
+  const std::string layer = Init(TeDense(), {2, kSeq, kHidden}, 5);
+  const te::v1::Tensor first = RandomFloats({1, kSeq, kHidden}, 4);
+  ASSERT_OK_AND_ASSIGN(before, Forward(layer, first));
+  for (int64_t batch = 2; batch <= static_cast<int64_t>(kMaxRememberedSpecs) + 10; ++batch) {
+    const absl::StatusOr<te::v1::ForwardResponse> y =
+        Forward(layer, RandomFloats({batch, kSeq, kHidden}, static_cast<uint64_t>(batch)));
+    ASSERT_TRUE(y.ok()) << "batch " << batch << ": " << y.status();
+    ASSERT_EQ(y->y().shape(0), batch);
+  }
+  ASSERT_OK_AND_ASSIGN(after, Forward(layer, first));
+  EXPECT_EQ(Floats(after.y()), Floats(before.y()));
+  // A shape the layer cannot take is still refused, naming x.
+  ExpectError(Forward(layer, RandomFloats({1, kSeq, kHidden + 1}, 9)).status(),
+              absl::StatusCode::kInvalidArgument, "x.shape [1, 3, 9]");
+}
+
 // jax.value_and_grad(loss_fn, has_aux=True): a graph over the layer's
 // modules whose y is a float32 scalar needs no dy, returns its aux outputs,
 // and trains the variables graph 0 applies.
