@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One measuring cycle on the H200, from the repository root there, over what
+# bench/h200_pack.sh put in .gpubundle/ (sent with the device tool's
+# carry: [".gpubundle"]). Each stage writes one file to $OUT, so a call
+# brings its raw output back; a call has 10 minutes, so give it the stages
+# that fit (about: tests 5 min, quickstart 3, lm 6, decode 3, ops 1).
+#
+#   bash bench/h200_cycle.sh tests quickstart ops   # first call
+#   bash bench/h200_cycle.sh lm decode              # second call
+#
+#   tests       every GPU test binary, the GPU fault run at FAULT_SECONDS (30)
+#   quickstart  the quickstart's six sections from both clients and JAX's
+#               plain-Flax layer (bench/layers/compare_quickstarts.sh)
+#   lm          the LM of train_lm.py at 4 x 256, 24 x 1024 (TE's relative
+#               bias on and off) and 24 x 2048, bf16 and FP8, against
+#               jax_lm_peer.py in the same call (bench/lm_bench.py)
+#   decode      Generate against JAX's jit'd decode loop (bench/decode_bench.py)
+#   ops         ops_bench; against .gpubundle's oldlib too when it holds one
+#
+# Ends with one line per stage: its exit status and seconds.
+set -u
+root="$(pwd)"
+b=/tmp/b
+out="${OUT:-$(mktemp -d)}"
+if [ ! -x "$b/run.sh" ]; then
+  mkdir -p "$b"
+  xz -dc "$root/.gpubundle/gb.tar.xz" | tar -C "$b" -xf -
+fi
+export TE_CLIENT_STUBS_DIR="$root/.gpubundle/proto"
+peers="$root/.gpubundle/peers"
+py=python3
+$py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
+summary=()
+
+stage_tests() {
+  FAULT_SECONDS="${FAULT_SECONDS:-30}" "$b/run.sh" --gpu-tests
+}
+
+stage_quickstart() {
+  # compare_quickstarts.sh wants the Python client and the peer inside the bundle.
+  mkdir -p "$b/py"
+  cp -r "$root/client/python/te_client" "$root/client/python/examples" "$b/py/"
+  rm -rf "$b/py/proto"; cp -r "$TE_CLIENT_STUBS_DIR" "$b/py/proto"
+  cp "$peers/jax_peers.py" "$b/"
+  cp "$root/bench/layers/start_te_server.sh" "$b/"
+  OUT="$(mktemp -d)" bash "$root/bench/layers/compare_quickstarts.sh" "$b" 10 3
+}
+
+stage_lm() {
+  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
+    --sizes=4x256x4x128x16,24x1024x16x1024x8,24x2048x16x1024x8 --bias=on,off \
+    --recipes=bf16,delayed --steps=20 --warmup=5
+}
+
+stage_decode() {
+  $py "$root/bench/decode_bench.py" --server="$b/run.sh te_server" --device=cuda:0 \
+    --recipes=bf16,delayed --peer_param_dtypes=bfloat16 --client_rows --iters 3
+}
+
+stage_ops() {
+  "$b/run.sh" ops_bench
+  if ls "$b"/oldlib/*.so >/dev/null 2>&1; then
+    echo "=== the same, with .gpubundle/oldlib's kernels"
+    # run.sh puts the bundle's own folder first; the old library must come before it.
+    LD_LIBRARY_PATH="$b/oldlib:$b:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib" \
+      "$b/ops_bench"
+  fi
+}
+
+for stage in "$@"; do
+  if ! declare -F "stage_$stage" >/dev/null; then
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, decode, ops)" >&2
+    exit 2
+  fi
+  start=$(date +%s)
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  "stage_$stage" >"$out/$stage.txt" 2>&1
+  rc=$?
+  tail -n 25 "$out/$stage.txt"
+  summary+=("$stage: exit $rc, $(( $(date +%s) - start )) s")
+done
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv >"$out/gpu.txt" 2>&1
+printf '%s\n' "${summary[@]}"
