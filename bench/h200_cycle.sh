@@ -72,6 +72,8 @@ for stage in "$@"; do
     echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, decode, ops)" >&2
     exit 2
   fi
+done
+for stage in "$@"; do
   start=$(date +%s)
   echo "=== $stage ($(date -u +%H:%M:%S))"
   "stage_$stage" >"$out/$stage.txt" 2>&1

@@ -33,6 +33,7 @@ mkdir -p "$dest"
 tar -C "$folder/b" -cf - . | xz -T2 -6 --lzma2=dict=128MiB >"$dest/gb.tar.xz"
 /usr/bin/python3 client/python/te_client/_stubs.py --out "$dest/proto"
 cp -r ../shared/peers "$dest/peers"
+chmod -R u+w "$dest/peers"  # shared/ is read-only; the next pack removes this copy
 du -sh "$dest"
 total=$(du -sb "$dest" | cut -f1)
 if [ "$total" -gt $((60 * 1024 * 1024)) ]; then
