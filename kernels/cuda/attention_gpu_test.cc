@@ -46,6 +46,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/cuda/attention_internal.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -90,7 +91,7 @@ class GpuAttentionTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
     auto ops = device_->NewOps(int64_t{16} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();
@@ -846,7 +847,7 @@ DropoutProbe ReadDropoutProbe(const std::vector<float>& o, const std::vector<flo
 
 TEST(GpuAttentionDropoutTest, CudnnDropsTheRateAndBackwardUsesTheSameMask) {
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops = (*device)->NewOps(int64_t{4} << 30);
   ASSERT_TRUE(ops.ok()) << ops.status();
   Ops& gpu = **ops;
@@ -954,7 +955,7 @@ class GpuPackedAttentionTest : public ::testing::TestWithParam<PackedCase> {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
     auto ops = device_->NewOps(int64_t{16} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();
@@ -1166,7 +1167,7 @@ INSTANTIATE_TEST_SUITE_P(
 // (whose parts are fresh, aligned buffers) still answers correctly.
 TEST(GpuPackedAttentionAlignmentTest, MisalignedQkvTakesTheSplitDefault) {
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops = (*device)->NewOps(int64_t{4} << 30);
   ASSERT_TRUE(ops.ok()) << ops.status();
   Ops& gpu = **ops;
@@ -1240,7 +1241,7 @@ TEST(GpuPackedAttentionAlignmentTest, MisalignedQkvTakesTheSplitDefault) {
 // packed forward's mask.
 TEST(GpuAttentionDropoutTest, PackedCudnnDropsTheRateAndBackwardUsesTheSameMask) {
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops = (*device)->NewOps(int64_t{4} << 30);
   ASSERT_TRUE(ops.ok()) << ops.status();
   Ops& gpu = **ops;

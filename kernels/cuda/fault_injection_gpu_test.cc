@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/check.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -20,7 +21,7 @@ TEST(FaultInjectionGpuTest, TheLaunchAfterTheCountFailsAsAStickyFaultWould) {
   CudaDeviceOptions options;
   options.fault_after_launches = 2;
   auto device = OpenCudaDevice(0, options);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops_or = (*device)->NewOps(int64_t{1} << 30);
   ASSERT_TRUE(ops_or.ok()) << ops_or.status();
   Ops& ops = **ops_or;

@@ -22,6 +22,7 @@
 #include "kernels/cpu/test_util.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/gemm_cache.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -47,7 +48,7 @@ class GpuGemmFixture : public ::testing::Test {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
     auto ops = device_->NewOps(int64_t{8} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();
@@ -245,7 +246,7 @@ INSTANTIATE_TEST_SUITE_P(All, GpuGemmEpilogueTest, ::testing::ValuesIn(EpilogueC
 // Dot (the step's vdot) against the CPU's, at the benchmark's size and odd ones.
 TEST(GpuDotTest, MatchesCpu) {
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops = (*device)->NewOps(int64_t{2} << 30);
   ASSERT_TRUE(ops.ok()) << ops.status();
   Ops& gpu = **ops;
@@ -285,7 +286,7 @@ TEST(GpuDotTest, MatchesCpu) {
 // The second call of a shape reuses the first's plan: no new cache entries.
 TEST(GpuGemmCacheTest, SecondCallReusesThePlan) {
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops = (*device)->NewOps(int64_t{1} << 30);
   ASSERT_TRUE(ops.ok()) << ops.status();
   auto* cuda_ops = dynamic_cast<cuda::CudaOps*>(ops->get());
@@ -311,7 +312,7 @@ TEST(GpuGemmCacheTest, SecondCallReusesThePlan) {
 
 TEST(GpuGemmArgsTest, RejectsMismatchedShapesAndMixedFp8) {
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   auto ops = (*device)->NewOps(int64_t{1} << 30);
   ASSERT_TRUE(ops.ok()) << ops.status();
   Ops& gpu = **ops;

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/allocator.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 
@@ -65,7 +66,7 @@ TEST(MemoryAccountGpuTest, TwoSessionsShareTheDevicesAccount) {
   CudaDeviceOptions options;
   options.memory_bytes = 256 * kMiB;
   auto device = OpenCudaDevice(0, options);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   EXPECT_EQ((*device)->info().memory_bytes, 256 * kMiB);
   // Each session may hold 1 GiB on its own: only the device's account binds.
   auto a_or = (*device)->NewOps(kGiB);
@@ -127,7 +128,7 @@ TEST(MemoryAccountGpuTest, TheDefaultAccountRefusesBeforeTheDeviceRunsOut) {
   // Free memory at open, less the 4 GiB reserve: filling it from two
   // sessions ends with the account's refusal, never cudaMalloc's.
   auto device = OpenCudaDevice(0);
-  if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+  if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
   const int64_t account = (*device)->info().memory_bytes;
   size_t free_bytes = 0, total_bytes = 0;
   ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
@@ -164,7 +165,7 @@ TEST(MemoryAccountGpuTest, TheDefaultAccountRefusesBeforeTheDeviceRunsOut) {
 
 TEST(MemoryAccountGpuTest, TheCacheGoesBackBeforeTheAllocatorPassesItsLimit) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no GPU";
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU");
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   cudaStream_t raw = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), cudaSuccess);
@@ -186,7 +187,7 @@ TEST(MemoryAccountGpuTest, TheCacheGoesBackBeforeTheAllocatorPassesItsLimit) {
 
 TEST(MemoryAccountGpuTest, PressureGivesBackOnlyWhatTheRequestNeedsLargestFirst) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no GPU";
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU");
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   cudaStream_t raw = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), cudaSuccess);

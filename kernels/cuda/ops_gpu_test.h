@@ -27,6 +27,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/fp8.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -106,11 +107,7 @@ class GpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     Backends* b = OpenBackends();
-    if (b->gpu == nullptr) {
-      const char* require = std::getenv("TE_REQUIRE_GPU");
-      if (require != nullptr && std::string(require) == "1") FAIL() << "TE_REQUIRE_GPU=1 but no GPU";
-      GTEST_SKIP() << "no CUDA device";
-    }
+    if (b->gpu == nullptr) TE_SKIP_OR_FAIL_WITHOUT_GPU("no CUDA device");
     cpu_ = b->cpu.get();
     gpu_ = b->gpu.get();
   }

@@ -25,6 +25,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/cuda/attention_internal.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -68,7 +69,7 @@ class RelativeBandTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
     auto ops = device_->NewOps(int64_t{8} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();

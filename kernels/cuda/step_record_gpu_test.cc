@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -18,7 +19,7 @@ class StepRecordGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
     auto ops = device_->NewOps(int64_t{1} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();

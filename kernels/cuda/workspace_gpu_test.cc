@@ -15,6 +15,7 @@
 #include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/workspace.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
 namespace te {
@@ -25,7 +26,7 @@ class WorkspaceGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "no GPU: " << device.status();
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
     auto ops = device_->NewOps(int64_t{16} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/layers/attention_layers.h"
@@ -54,10 +55,7 @@ testing::GpuBackends& Backends() { return testing::GetGpuBackends(int64_t{16} <<
 bool SkipWithoutGpu() {
   testing::GpuBackends& b = Backends();
   if (b.gpu != nullptr) return false;
-  const char* require = std::getenv("TE_REQUIRE_GPU");
-  if (require != nullptr && std::string(require) == "1") {
-    ADD_FAILURE() << "TE_REQUIRE_GPU=1 but no GPU: " << b.unavailable;
-  }
+  if (::te::GpuRequired()) ADD_FAILURE() << "TE_REQUIRE_GPU=1, but no GPU: " << b.unavailable;
   return true;
 }
 

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 #include "kernels/status_macros.h"
 #include "server/session/session.h"
@@ -170,13 +171,7 @@ class DecodeSessionTest : public ::testing::Test {
   void SetUp() override {
 #ifdef TE_SESSION_TEST_GPU
     absl::StatusOr<std::unique_ptr<Device>> device = OpenCudaDevice(0);
-    if (!device.ok()) {
-      const char* require = std::getenv("TE_REQUIRE_GPU");
-      if (require != nullptr && std::string(require) == "1") {
-        ADD_FAILURE() << "TE_REQUIRE_GPU=1 but no GPU: " << device.status();
-      }
-      GTEST_SKIP() << "no GPU: " << device.status();
-    }
+    if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
 #else
     absl::StatusOr<std::unique_ptr<Device>> device = OpenCpuDevice();
     ASSERT_TRUE(device.ok()) << device.status();
@@ -580,7 +575,7 @@ class DecodeErrorsTest : public DecodeSessionTest {
  protected:
   void SetUp() override {
     DecodeSessionTest::SetUp();
-    if (IsSkipped()) return;
+    if (IsSkipped() || HasFatalFailure()) return;
     layer_ = InitMha(2, kLength);
     x_ = Floats({2, kLength, kHidden}, 31, te::v1::FLOAT32);
     auto full = Forward(layer_, x_, false);

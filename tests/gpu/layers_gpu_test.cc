@@ -19,6 +19,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 #include "server/layers/testing.h"
 #include "tests/gpu/layer_cases.h"
@@ -73,13 +74,7 @@ class LayersGpuTest : public ::testing::TestWithParam<CaseRun> {
  protected:
   void SetUp() override {
     Backends& b = GetBackends();
-    if (b.gpu == nullptr) {
-      const char* require = std::getenv("TE_REQUIRE_GPU");
-      if (require != nullptr && std::string(require) == "1") {
-        FAIL() << "TE_REQUIRE_GPU=1 but no CUDA device: " << b.unavailable;
-      }
-      GTEST_SKIP() << "no CUDA device: " << b.unavailable;
-    }
+    if (b.gpu == nullptr) TE_SKIP_OR_FAIL_WITHOUT_GPU("no CUDA device: " << b.unavailable);
     cpu_ = b.cpu.get();
     gpu_ = b.gpu.get();
   }
