@@ -11,9 +11,14 @@
 #   tests       every GPU test binary, the GPU fault run at FAULT_SECONDS (30)
 #   quickstart  the quickstart's six sections from both clients and JAX's
 #               plain-Flax layer (bench/layers/compare_quickstarts.sh)
-#   lm          the LM of train_lm.py at 4 x 256, 24 x 1024 (TE's relative
-#               bias on and off) and 24 x 2048, bf16 and FP8, against
-#               jax_lm_peer.py in the same call (bench/lm_bench.py)
+#   lm          the LM of train_lm.py at 4 x 256 and 24 x 1024 (TE's relative
+#               bias on and off) and 24 x 2048 (bias off), bf16 and FP8,
+#               against jax_lm_peer.py in the same call (bench/lm_bench.py)
+#   trace       the 24 x 1024 LM's step by kernel class under the CUPTI
+#               tracer: bf16 bias on, bf16 bias off, FP8 bias off
+#               (bench/tools/trace_lm.sh), and the quickstart's FP8 and bf16
+#               TransformerLayer (layer_bench variants 6 and 7,
+#               bench/tools/trace_step.sh); traces and reports in $OUT/trace
 #   decode      Generate against JAX's jit'd decode loop (bench/decode_bench.py)
 #   ops         ops_bench; against .gpubundle's oldlib too when it holds one
 #
@@ -48,8 +53,15 @@ stage_quickstart() {
 
 stage_lm() {
   $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
-    --sizes=4x256x4x128x16,24x1024x16x1024x8,24x2048x16x1024x8 --bias=on,off \
+    --sizes=4x256x4x128x16,24x1024x16x1024x8 --bias=on,off \
     --recipes=bf16,delayed --steps=20 --warmup=5
+  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
+    --sizes=24x2048x16x1024x8 --bias=off --recipes=bf16,delayed --steps=20 --warmup=5
+}
+
+stage_trace() {
+  PYTHON="$py" bash "$b/trace_lm.sh" "$b" "$out/trace"
+  bash "$b/trace_step.sh" "$out/trace" 6 7
 }
 
 stage_decode() {
@@ -69,7 +81,7 @@ stage_ops() {
 
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, decode, ops)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, trace, decode, ops)" >&2
     exit 2
   fi
 done

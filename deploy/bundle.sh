@@ -147,7 +147,7 @@ fi
 # bundle was built from.
 cp bench/harness/run_gpu_bench.sh bench/harness/run_multi_client_bench.sh bench/harness/summarize.py \
   bench/harness/jax_memory.py bench/harness/profile_step.sh bench/harness/gemm_sustained.py \
-  bench/tools/trace_step.sh bench/tools/trace_decode.sh bench/tools/kernel_trace_report.py \
+  bench/tools/trace_step.sh bench/tools/trace_decode.sh bench/tools/trace_lm.sh bench/tools/kernel_trace_report.py \
   bench/layers/compare_quickstarts.sh \
   bench/layers/run_train_lm.sh bench/layers/start_te_server.sh bench/layers/train_step_bench.py \
   bench/kernels/run_small_head_attention.sh "$out"/
