@@ -10,7 +10,8 @@
 # generated (TE_CLIENT_STUBS_DIR).
 # Environment: TRACE_VARIANTS (default "bf16:on bf16:off delayed:off": recipe
 # and TE's relative bias), TRACE_SIZE (24x1024x16x1024x8), TRACE_STEPS (6),
-# TRACE_SPANS (4), PYTHON (python3: one with grpc and numpy).
+# TRACE_SPANS (4), TRACE_TIMELINE (1: also list the last span's device work in launch
+# order), PYTHON (python3: one with grpc and numpy).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
@@ -35,6 +36,6 @@ for variant in ${TRACE_VARIANTS:-bf16:on bf16:off delayed:off}; do
   kill -TERM "$spid"; wait "$spid"
   echo "=== $tag"
   "${PYTHON:-python3}" "$bundle/kernel_trace_report.py" "$out/trace_lm_$tag.csv" --steps "${TRACE_SPANS:-4}" \
-    | tee "$out/report_lm_$tag.txt"
+    ${TRACE_TIMELINE:+--timeline} | tee "$out/report_lm_$tag.txt"
   gzip -f "$out/trace_lm_$tag.csv"
 done
