@@ -114,14 +114,28 @@ class PipelinedTrainStepsTest : public client::testing::SuiteServerTest<::testin
     return session.ok() ? *std::move(session) : nullptr;
   }
 
-  // The LM's variables in `session` (under the current autocast), with its optimizer: a value.
-  std::optional<client::Variables> Init(client::Session& session, const client::Graph& lm) {
-    absl::StatusOr<client::Variables> vars = lm.Init(session, /*key=*/5, SentenceBatch(0).tokens);
+  // A session with the LM initialised in it (under FP8 DelayedScaling when
+  // the parameter asks, the autocast held as long as the run), with its
+  // optimizer. Members go in reverse: the variables before the session.
+  struct LmRun {
+    std::unique_ptr<client::Session> session;
+    std::optional<client::Autocast> scope;
+    client::Graph lm = SmallLm();
+    std::optional<client::Variables> start;
+  };
+  std::unique_ptr<LmRun> StartLm(client::Transport transport = client::Transport::kAuto) {
+    auto run = std::make_unique<LmRun>();
+    run->session = Open(transport);
+    if (run->session == nullptr) return nullptr;
+    if (fp8()) run->scope.emplace(true, client::DelayedScaling{});
+    absl::StatusOr<client::Variables> vars = run->lm.Init(*run->session, /*key=*/5, SentenceBatch(0).tokens);
     EXPECT_TRUE(vars.ok()) << vars.status();
-    if (!vars.ok()) return std::nullopt;
-    absl::Status set = session.SetOptimizer(vars->layer_id, AdamWWarmupCosine()).status();
+    if (!vars.ok()) return nullptr;
+    absl::Status set = run->session->SetOptimizer(vars->layer_id, AdamWWarmupCosine()).status();
     EXPECT_TRUE(set.ok()) << set;
-    return vars->Pinned();
+    if (!set.ok()) return nullptr;
+    run->start = vars->Pinned();
+    return run;
   }
 
   static std::map<std::string, std::vector<float>> Values(const client::Variables& vars) {
@@ -143,17 +157,13 @@ class PipelinedTrainStepsTest : public client::testing::SuiteServerTest<::testin
   // The synchronous loop over `batches`: rows and final variables.
   void Synchronous(const std::vector<Batch>& batches, std::vector<Row>* rows,
                    std::map<std::string, std::vector<float>>* final_values) {
-    std::unique_ptr<client::Session> session = Open();
-    ASSERT_NE(session, nullptr);
-    std::optional<client::Autocast> scope;
-    if (fp8()) scope.emplace(true, client::DelayedScaling{});
-    const client::Graph lm = SmallLm();
-    std::optional<client::Variables> vars = Init(*session, lm);
-    ASSERT_TRUE(vars.has_value());
+    std::unique_ptr<LmRun> run = StartLm();
+    ASSERT_NE(run, nullptr);
+    std::optional<client::Variables> vars = run->start;
     for (const Batch& batch : batches) {
       client::ApplyOptions options = WithLabels(batch);
       options.apply_update = true;
-      auto step = lm.LossValueAndGrad(*vars, batch.tokens, options);
+      auto step = run->lm.LossValueAndGrad(*vars, batch.tokens, options);
       ASSERT_TRUE(step.ok()) << step.status();
       rows->push_back({step->value, step->update->count(), step->update->learning_rate()});
       vars = *step->variables;
@@ -170,16 +180,13 @@ TEST_P(PipelinedTrainStepsTest, EqualTheSynchronousLoopBitForBitInTheOrderSent) 
   std::map<std::string, std::vector<float>> want_values;
   Synchronous(batches, &want, &want_values);
 
-  std::unique_ptr<client::Session> session = Open();
-  ASSERT_NE(session, nullptr);
-  std::optional<client::Autocast> scope;
-  if (fp8()) scope.emplace(true, client::DelayedScaling{});
-  const client::Graph lm = SmallLm();
-  std::optional<client::Variables> start = Init(*session, lm);
-  ASSERT_TRUE(start.has_value());
-  const std::map<std::string, std::vector<float>> start_values = Values(*start);
+  std::unique_ptr<LmRun> run = StartLm();
+  ASSERT_NE(run, nullptr);
+  const client::Graph& lm = run->lm;
+  const client::Variables& start = *run->start;
+  const std::map<std::string, std::vector<float>> start_values = Values(start);
 
-  client::TrainSteps steps(lm, *start, kDepth);
+  client::TrainSteps steps(lm, start, kDepth);
   std::vector<client::PendingStep> sent;
   int sent_before_the_last_answered = 0;
   for (const Batch& batch : batches) {
@@ -232,14 +239,12 @@ TEST_P(PipelinedTrainStepsTest, DonatingStepsEqualTheSynchronousLoopAndReleaseWh
   std::map<std::string, std::vector<float>> want_values;
   Synchronous(batches, &want, &want_values);
 
-  std::unique_ptr<client::Session> session = Open();
-  ASSERT_NE(session, nullptr);
-  std::optional<client::Autocast> scope;
-  if (fp8()) scope.emplace(true, client::DelayedScaling{});
-  const client::Graph lm = SmallLm();
-  std::optional<client::Variables> start = Init(*session, lm);
-  ASSERT_TRUE(start.has_value());
-  client::TrainSteps steps(lm, *start, kDepth, /*donate=*/true);
+  std::unique_ptr<LmRun> run = StartLm();
+  ASSERT_NE(run, nullptr);
+  client::Session* session = run->session.get();
+  const client::Graph& lm = run->lm;
+  const client::Variables& start = *run->start;
+  client::TrainSteps steps(lm, start, kDepth, /*donate=*/true);
   std::vector<client::PendingStep> sent;
   int64_t one_version = 0;  // after the first step: its version alone
   for (const Batch& batch : batches) {
@@ -263,7 +268,7 @@ TEST_P(PipelinedTrainStepsTest, DonatingStepsEqualTheSynchronousLoopAndReleaseWh
   ASSERT_TRUE(trained.ok()) << trained.status();
   EXPECT_EQ(Values(*trained), want_values);
   // `start` is still held here, yet the first step released its version.
-  auto read = client::GetVariables(*start);
+  auto read = client::GetVariables(start);
   ASSERT_FALSE(read.ok());
   EXPECT_EQ(read.status().code(), absl::StatusCode::kNotFound) << read.status();
   auto after = session->GetSessionInfo();
@@ -281,14 +286,12 @@ TEST_P(PipelinedTrainStepsTest, InputsInSharedMemoryOrUploadedStayUntilTheirStep
   Synchronous(batches, &want, &want_values);
   for (client::Transport transport : {client::Transport::kSharedMemory, client::Transport::kStream}) {
     SCOPED_TRACE(client::TransportName(transport));
-    std::unique_ptr<client::Session> session = Open(transport);
-    ASSERT_NE(session, nullptr);
-    std::optional<client::Autocast> scope;
-    if (fp8()) scope.emplace(true, client::DelayedScaling{});
-    const client::Graph lm = SmallLm();
-    std::optional<client::Variables> start = Init(*session, lm);
-    ASSERT_TRUE(start.has_value());
-    client::TrainSteps steps(lm, *start, kDepth);
+    std::unique_ptr<LmRun> run = StartLm(transport);
+    ASSERT_NE(run, nullptr);
+    client::Session* session = run->session.get();
+    const client::Graph& lm = run->lm;
+    const client::Variables& start = *run->start;
+    client::TrainSteps steps(lm, start, kDepth);
     std::vector<client::PendingStep> sent;
     for (const Batch& batch : batches) {
       auto step = steps.Step(batch.tokens, WithLabels(batch));
@@ -319,15 +322,12 @@ TEST_P(PipelinedTrainStepsTest, AFailedStepStopsTheStepsSentOnTopOfIt) {
   std::map<std::string, std::vector<float>> want_values;
   Synchronous({good[0], good[1], good[2], good[3]}, &want, &want_values);
 
-  std::unique_ptr<client::Session> session = Open();
-  ASSERT_NE(session, nullptr);
-  std::optional<client::Autocast> scope;
-  if (fp8()) scope.emplace(true, client::DelayedScaling{});
-  const client::Graph lm = SmallLm();
-  std::optional<client::Variables> start = Init(*session, lm);
-  ASSERT_TRUE(start.has_value());
+  std::unique_ptr<LmRun> run = StartLm();
+  ASSERT_NE(run, nullptr);
+  const client::Graph& lm = run->lm;
+  const client::Variables& start = *run->start;
 
-  client::TrainSteps steps(lm, *start, kDepth);
+  client::TrainSteps steps(lm, start, kDepth);
   std::vector<client::PendingStep> sent;
   for (int i = 0; i < 2; ++i) sent.push_back(*steps.Step(good[i].tokens, WithLabels(good[i])));
   // Labels of another shape than the tokens': the server refuses the step.

@@ -858,7 +858,7 @@ TEST_F(ServiceTest, ConcurrentSessions) {
     grpc::Status status;
     std::vector<std::string> bytes;  // y and dx per step, then each variable
   };
-  auto drive = [this](int t) {
+  auto drive = [](int t) {
     Answers answers;
     auto stub = server_->NewStub();
     const te::v1::SessionRef session = CreateSession(*stub).session();
