@@ -1,6 +1,7 @@
 """Tracing composites into te.v1.GraphSpec, without a server: the quickstart's layers node by node,
 Flax's naming, te_client.numpy on arrays, DeriveSeed, and the errors for what a graph cannot hold."""
-from typing import Optional
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -17,131 +18,9 @@ B, S, H, HEADS, FFN = 2, 8, 32, 4, 64
 KV = H // HEADS
 
 
-# ---- the quickstart's seed classes (examples/quickstart.py), unchanged ----------------------
-
-class TEUnfusedMLP(nn.Module):
-    hidden_size: int
-    ffn_hidden_size: int
-
-    @nn.compact
-    def __call__(self, x: jnp.ndarray, deterministic: bool) -> jnp.ndarray:
-        x = te_flax.DenseGeneral(features=self.ffn_hidden_size, use_bias=True)(x)
-        x = x.reshape(*x.shape[:-1], 1, x.shape[-1])
-        x = te.activation.activation(x, activation_type=("gelu",))
-        x = te_flax.DenseGeneral(features=self.hidden_size, use_bias=True)(x)
-        return x
-
-
-class TEUnfusedTransformerLayer(nn.Module):
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    layernorm_eps: float = 1e-5
-    attention_dropout: float = 0.1
-    use_te_attention: bool = True  # True for TE attention, False for Flax attention
-
-    def setup(self):
-        self.kv_channels = self.hidden_size // self.num_attention_heads
-
-    @nn.compact
-    def __call__(self, x: jnp.ndarray, attention_mask: Optional[jnp.ndarray] = None,
-                 deterministic: bool = False) -> jnp.ndarray:
-        # Create causal mask if not provided
-        if attention_mask is None:
-            attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
-
-        res = x
-        x = te_flax.LayerNorm(epsilon=self.layernorm_eps)(x)
-
-        # Fused QKV projection
-        qkv = te_flax.DenseGeneral(features=3 * self.hidden_size, use_bias=True)(x)
-        qkv = qkv.reshape(qkv.shape[0], qkv.shape[1], self.num_attention_heads, 3 * self.kv_channels)
-        q, k, v = jnp.split(qkv, 3, axis=3)
-
-        # Attention - either TE or Flax implementation
-        if self.use_te_attention:
-            attention = te_flax.DotProductAttention(
-                head_dim=self.kv_channels,
-                num_attention_heads=self.num_attention_heads,
-                num_gqa_groups=self.num_attention_heads,  # No GQA
-                attention_dropout=self.attention_dropout,
-                attn_mask_type="causal",
-                dtype=te.bfloat16,
-            )
-            x = attention(q, k, v, sequence_descriptor=None, deterministic=deterministic)
-            # Reshape from [batch, seq_len, num_heads, head_dim] to [batch, seq_len, hidden_size]
-            x = x.reshape((x.shape[0], x.shape[1], x.shape[2] * x.shape[3]))
-            x = te_flax.DenseGeneral(features=self.hidden_size, use_bias=True)(x)
-            x = nn.Dropout(rate=self.attention_dropout)(x, deterministic=deterministic)
-        else:
-            q_reshaped = q.reshape(q.shape[0], q.shape[1], self.hidden_size)
-            k_reshaped = k.reshape(k.shape[0], k.shape[1], self.hidden_size)
-            v_reshaped = v.reshape(v.shape[0], v.shape[1], self.hidden_size)
-            attention = nn.MultiHeadDotProductAttention(
-                num_heads=self.num_attention_heads,
-                qkv_features=self.kv_channels,
-                dropout_rate=self.attention_dropout,
-            )
-            x = attention(q_reshaped, k_reshaped, v_reshaped, mask=attention_mask, deterministic=deterministic)
-
-        x = res + x
-
-        # Second residual connection
-        res = x
-        x = te_flax.LayerNorm(epsilon=self.layernorm_eps)(x)
-
-        # MLP
-        mlp = TEUnfusedMLP(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size)
-        x = mlp(x, deterministic=deterministic)
-
-        return x + res
-
-
-class TEFusedTransformerLayer(nn.Module):
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    layernorm_eps: float = 1e-5
-    attention_dropout: float = 0.1
-
-    def setup(self):
-        self.kv_channels = self.hidden_size // self.num_attention_heads
-
-    @nn.compact
-    def __call__(self, x: jnp.ndarray, attention_mask: Optional[jnp.ndarray] = None,
-                 deterministic: bool = False) -> jnp.ndarray:
-        res = x
-
-        # Fused QKV projection
-        qkv, _ = te_flax.LayerNormDenseGeneral(features=3 * self.hidden_size, epsilon=self.layernorm_eps,
-                                               use_bias=True, return_layernorm_output=False)(x)
-        qkv = qkv.reshape(qkv.shape[0], qkv.shape[1], self.num_attention_heads, 3 * self.kv_channels)
-        q, k, v = jnp.split(qkv, 3, axis=3)
-
-        # Attention using TE's DotProductAttention
-        attention = te_flax.DotProductAttention(
-            head_dim=self.kv_channels,
-            num_attention_heads=self.num_attention_heads,
-            num_gqa_groups=self.num_attention_heads,
-            attention_dropout=self.attention_dropout,
-            attn_mask_type="causal",
-            dtype=te.bfloat16,
-        )
-        x = attention(q, k, v, sequence_descriptor=None, deterministic=deterministic)
-        # Reshape from [batch, seq_len, num_heads, head_dim] to [batch, seq_len, hidden_size]
-        x = x.reshape((x.shape[0], x.shape[1], x.shape[2] * x.shape[3]))
-        x = te_flax.DenseGeneral(features=self.hidden_size, use_bias=True)(x)
-        x = nn.Dropout(rate=self.attention_dropout)(x, deterministic=deterministic)
-
-        x = res + x
-
-        # Second residual connection
-        res = x
-        x, _ = te_flax.LayerNormMLP(intermediate_dim=self.ffn_hidden_size, epsilon=self.layernorm_eps,
-                                    use_bias=True, activations=("gelu",), intermediate_dropout_rate=0.0,
-                                    return_layernorm_output=False)(x, deterministic=deterministic)
-
-        return x + res
+# The quickstart's seed classes, as the notebook writes them (examples/quickstart.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from quickstart import TEFusedTransformerLayer, TEUnfusedTransformerLayer  # noqa: E402
 
 
 def _x(dtype=te.bfloat16, shape=(B, S, H)):
