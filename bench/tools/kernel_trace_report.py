@@ -9,7 +9,8 @@ are exactly these spans). For the last N steps it prints the step's wall time,
 the device's busy time (the union of kernel, memcpy and memset intervals), the
 idle time, the idle gaps grouped by the kernel that ends each gap, with the
 host calls made during the gaps, and the kernel time by kernel class. With
---timeline it also lists the last step's device work in launch order (each
+--timeline it also lists the device work of the reported step with the most
+of it (a training step's short read-back spans are steps too) in launch order (each
 kernel's class, duration and the idle before it), so a class's time can be
 split into the kernels that make it.
 """
@@ -86,7 +87,9 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="the last N steps")
     p.add_argument("--min-gap-us", type=float, default=2.0)
     p.add_argument("--timeline", action="store_true",
-                   help="list the last step's kernels in launch order")
+                   help="list the kernels of the reported step with the most device work (the "
+                        "last such) in launch order: a training step's short read-back spans "
+                        "between its synchronisations are passed over")
     args = p.parse_args()
     device, host = load(args.trace)
     spans = steps(device, host)
@@ -134,13 +137,16 @@ def main():
     for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
     if args.timeline:
-        print_timeline(spans[-1], device)
+        records = [sum(1 for d in device if d[0] >= t0 and d[1] <= t1) for t0, t1 in spans]
+        busiest = max(i for i in range(len(spans)) if records[i] == max(records))
+        print_timeline(spans[busiest], device, len(spans) - busiest)
 
 
-def print_timeline(span, device):
+def print_timeline(span, device, from_end):
     """The step's device records in order: idle before, duration (us), class, name."""
     recs = [d for d in device if d[0] >= span[0] and d[1] <= span[1]]
-    print("\nthe last step in launch order (us idle before, us duration, class, name):")
+    print(f"\nthe busiest reported step (the {from_end}. from the end) in launch order "
+          "(us idle before, us duration, class, name):")
     cursor = span[0]
     for s, e, name, kind in recs:
         label = kernel_class(name) if kind == "kernel" else "memcpy / memset"

@@ -48,16 +48,24 @@ class ReportTest(unittest.TestCase):
         # The gap before the GEMM is attributed to it, with the launch made in it.
         self.assertTrue(any("0.5  nvjet_sm90_tst_128x128_gemm" in l for l in lines))
         self.assertTrue(any("cudaLaunchKernel" in l for l in lines))
-    def test_timeline_lists_the_last_step_in_order(self):
+
+    def test_timeline_lists_the_busiest_reported_step_in_order(self):
         out = self.run_report("--steps", "2", "--timeline")
-        rows = out.split("the last step in launch order")[1].splitlines()[1:]
+        _, body = out.split("the busiest reported step")
+        self.assertTrue(body.startswith(" (the 2. from the end)"), body[:40])
+        rows = body.splitlines()[1:]
+        # Step 1 (two kernels against step 2's one): 0.1 us idle before each.
+        self.assertEqual(len(rows), 2)
+        self.assertEqual(rows[0].split()[:3], ["0.1", "0.3", "norm"])
+        self.assertEqual(rows[1].split()[:3], ["0.1", "0.4", "gemm"])
         # Step 2 alone: the cuDNN kernel, no idle before it, 1.0 us long.
+        rows = self.run_report("--steps", "1", "--timeline").split("the busiest reported step")[1]
+        rows = rows.splitlines()[1:]
         self.assertEqual(len(rows), 1)
         self.assertEqual(rows[0].split()[:3], ["0.0", "1.0", "attention"])
         self.assertIn("sdpa_sm90_flash_fprop", rows[0])
         out = self.run_report("--steps", "2")
         self.assertNotIn("launch order", out)
-
 
 if __name__ == "__main__":
     unittest.main()

@@ -10,7 +10,7 @@
 # generated (TE_CLIENT_STUBS_DIR).
 # Environment: TRACE_VARIANTS (default "bf16:on bf16:off delayed:off": recipe
 # and TE's relative bias), TRACE_SIZE (24x1024x16x1024x8), TRACE_STEPS (6),
-# TRACE_SPANS (4), TRACE_TIMELINE (1: also list the last span's device work in launch
+# TRACE_SPANS (4), TRACE_TIMELINE (1: also list the busiest reported span's device work in launch
 # order), PYTHON (python3: one with grpc and numpy).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
