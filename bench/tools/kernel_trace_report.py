@@ -10,7 +10,7 @@ the device's busy time (the union of kernel, memcpy and memset intervals), the
 idle time, the idle gaps grouped by the kernel that ends each gap, with the
 host calls made during the gaps, and the kernel time by kernel class. With
 --timeline it also lists the device work of the reported step with the most
-of it (a training step's short read-back spans are steps too) in launch order (each
+kernels (a training step's short read-back spans are steps too) in launch order (each
 kernel's class, duration and the idle before it), so a class's time can be
 split into the kernels that make it.
 """
@@ -87,7 +87,7 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="the last N steps")
     p.add_argument("--min-gap-us", type=float, default=2.0)
     p.add_argument("--timeline", action="store_true",
-                   help="list the kernels of the reported step with the most device work (the "
+                   help="list the kernels of the reported step with the most kernels (the "
                         "last such) in launch order: a training step's short read-back spans "
                         "between its synchronisations are passed over")
     args = p.parse_args()
@@ -137,9 +137,8 @@ def main():
     for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
     if args.timeline:
-        records = [sum(1 for d in device if d[0] >= t0 and d[1] <= t1) for t0, t1 in spans]
-        busiest = max(i for i in range(len(spans)) if records[i] == max(records))
-        print_timeline(spans[busiest], device, len(spans) - busiest)
+        busiest = max(range(n), key=lambda i: (counts[i], i))  # the last of the most kernels
+        print_timeline(spans[busiest], device, n - busiest)
 
 
 def print_timeline(span, device, from_end):
