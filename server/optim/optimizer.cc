@@ -629,4 +629,9 @@ absl::StatusOr<OptimizerStepInfo> Updater::ReadInfo(Ops& ops) const {
   return info;
 }
 
+absl::Status Updater::ReadInfoAsync(Ops& ops, OptimizerStepInfo* dst, Ops::Completion* done) const {
+  if (plan_ == nullptr) return absl::FailedPreconditionError("no optimizer step has run");
+  return ops.DownloadAsync(plan_->info(), dst, done);
+}
+
 }  // namespace te::optim

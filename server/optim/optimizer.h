@@ -102,6 +102,9 @@ class Updater {
   // for the step (so read it with the call's other results, once).
   // FAILED_PRECONDITION before any step.
   absl::StatusOr<OptimizerStepInfo> ReadInfo(Ops& ops) const;
+  // The same record, copied into `dst` behind the work issued so far
+  // (Ops::DownloadAsync): there once done->Wait() has returned OK.
+  absl::Status ReadInfoAsync(Ops& ops, OptimizerStepInfo* dst, Ops::Completion* done) const;
 
  private:
   std::unique_ptr<OptimizerPlan> plan_;

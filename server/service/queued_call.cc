@@ -68,9 +68,12 @@ QueuedTurn::Drop QueuedCall::DropFor() {
 void QueuedCall::Run(DeviceExecutor::Turn turn, const Work& work) {
   session::CallContext call = queued_.Context(context_);
   call.answer_ids = answer_ids_;
+  std::function<absl::Status()> after_turn;
+  call.after_turn = &after_turn;
   absl::Status status = call.StillWanted(rpc_);
   if (status.ok()) status = NoThrow([&] { return work(call); });
   turn.Release();  // the session's next call may start while this one answers
+  if (status.ok() && after_turn) status = NoThrow(after_turn);
   End(status);
 }
 

@@ -7,6 +7,7 @@
 // bit for bit the same; the copies stay in the first session's memory across
 // updates, and a bf16 update drops them as before.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -60,6 +61,15 @@ class TrainedSession {
 
   // One ForwardBackward of two micro-batches with apply_update.
   te::v1::ForwardBackwardResponse TrainStep(int step, bool fp8) {
+    te::v1::ForwardBackwardResponse response;
+    TrainStepInto(step, fp8, nullptr, &response);
+    return response;
+  }
+  // The same into `response`. `after_turn`: where given, the call may leave
+  // the rest of its answer there, as it does under the service's reactor
+  // (CallContext::after_turn); it is not run here.
+  void TrainStepInto(int step, bool fp8, std::function<absl::Status()>* after_turn,
+                     te::v1::ForwardBackwardResponse* response) {
     te::v1::ForwardBackwardRequest request;
     request.set_layer_id(layer_id_);
     request.set_deterministic(true);
@@ -70,11 +80,11 @@ class TrainedSession {
       *mb->mutable_x() = RandomFloats({kBatch, kSeq, kHidden}, 100 * step + m, 1.0f);
       *mb->mutable_dy() = RandomFloats({kBatch, kSeq, kHidden}, 100 * step + m + 50, 0.1f);
     }
-    te::v1::ForwardBackwardResponse response;
-    const absl::Status ran = session_->ForwardBackward(request, &response);
+    CallContext call;
+    call.after_turn = after_turn;
+    const absl::Status ran = session_->ForwardBackward(request, response, call);
     EXPECT_TRUE(ran.ok()) << ran;
-    ReleaseAllBut(response.version());
-    return response;
+    ReleaseAllBut(response->version());
   }
 
   // Every variable: "collection/path" -> its bytes.
@@ -161,6 +171,36 @@ TEST(Fp8TrainTest, UpdatesRewritingTheCopiesMatchDroppingThem) {
   kept.TrainStep(5, false);
   dropped.TrainStep(5, false);
   EXPECT_EQ(kept.bytes_in_use(), dropped.bytes_in_use());
+}
+
+// A step that leaves its device values for after the session's turn (the
+// reactor then lets the session's next call issue its work first): the
+// answer has no values or update record until that part runs, and the same
+// ones as a step read in its turn once it has, in FP8 (whose read-back also
+// carries the non-finite amax count) and in float32.
+TEST(Fp8TrainTest, AnAnswerReadAfterTheTurnEqualsOneReadInIt) {
+  for (const bool fp8 : {true, false}) {
+    SCOPED_TRACE(fp8 ? "fp8" : "f32");
+    TrainedSession in_turn, after;
+    for (int step = 0; step < 3; ++step) {
+      SCOPED_TRACE(step);
+      const te::v1::ForwardBackwardResponse want = in_turn.TrainStep(step, fp8);
+      std::function<absl::Status()> rest;
+      te::v1::ForwardBackwardResponse got;
+      after.TrainStepInto(step, fp8, &rest, &got);
+      ASSERT_TRUE(rest) << "the step read its answer in the turn";
+      EXPECT_EQ(got.update().count(), 0);
+      for (int i = 0; i < got.values_size(); ++i) EXPECT_EQ(got.values(i), 0.0) << i;
+      // The session's next call could run here; the step's copies are queued.
+      const absl::Status answered = rest();
+      ASSERT_TRUE(answered.ok()) << answered;
+      ASSERT_EQ(got.values_size(), want.values_size());
+      for (int i = 0; i < want.values_size(); ++i) EXPECT_EQ(got.values(i), want.values(i)) << i;
+      EXPECT_EQ(got.update().SerializeAsString(), want.update().SerializeAsString());
+      EXPECT_EQ(got.update().count(), step + 1);
+      EXPECT_EQ(after.Variables(), in_turn.Variables());
+    }
+  }
 }
 
 }  // namespace

@@ -150,6 +150,13 @@ struct CallContext {
   // reactor has the session forget them (Session::ForgetUnanswered). May
   // be null: nobody asks.
   std::shared_ptr<std::vector<std::string>> answer_ids;
+  // Where a call may leave the part of its answer that only waits for the
+  // device (a training step's loss and update record): the reactor runs it
+  // once the session's turn is released, so the session's next call issues
+  // its work while this one waits, and a pipelined training loop never
+  // drains the stream between steps. It must not touch the session. Null:
+  // the call reads everything in its turn.
+  std::function<absl::Status()>* after_turn = nullptr;
 
   // CANCELLED or DEADLINE_EXCEEDED (naming `what`) once nobody waits for the
   // call's answer; OK before.
@@ -365,11 +372,15 @@ class Session {
   // `donated` (0: none): the version the call read and donates
   // (ForwardBackwardRequest.donate), written in place with no copy of its
   // own; `*donated_written` becomes true once the update may have written
-  // it, so a failure from then on must release it.
+  // it, so a failure from then on must release it. `info_later`: where
+  // given, the record is not read here but copied into `info_later->first`
+  // behind the step, there once `info_later->second` is done (the caller
+  // answers with UpdateInfoOf); `info` is then left as it is.
   absl::Status ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
                            const layers::Variables& grads, VariableSet* next,
                            te::v1::UpdateInfo* info, int64_t donated = 0,
-                           bool* donated_written = nullptr);
+                           bool* donated_written = nullptr,
+                           std::pair<OptimizerStepInfo*, Ops::Completion*> info_later = {});
   // Adds param gradients ("params/p") into `sum` under `collection/p`.
   absl::Status AccumulateGrads(const layers::Variables& param_grads,
                                const std::string& collection, layers::Variables* sum);

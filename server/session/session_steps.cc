@@ -189,10 +189,65 @@ absl::Status Session::AccumulateGrads(const layers::Variables& param_grads,
   return absl::OkStatus();
 }
 
+namespace {
+
+// An optimizer step's record in the answer, and a log line when it skipped.
+void SetUpdateInfo(const OptimizerStepInfo& step, const std::string& session_id,
+                   const std::string& layer_id, te::v1::UpdateInfo* info) {
+  info->set_applied(step.applied != 0);
+  info->set_count(step.count);
+  info->set_total_notfinite(step.total_notfinite);
+  info->set_learning_rate(step.learning_rate);
+  info->set_grad_norm(std::sqrt(static_cast<double>(step.grad_norm_sq)));
+  if (step.applied == 0) {
+    LogForSession(LogLevel::kInfo, session_id,
+                  absl::StrCat(layer_id, ": update skipped, gradient norm ", step.grad_norm_sq,
+                               " is not finite (", step.total_notfinite, " skipped so far)"));
+  }
+}
+
+// What a training step's answer reads back from the device when it waits
+// outside the session's turn (CallContext::after_turn): the update's record
+// and each micro-batch's read-back (value, and the FP8 non-finite count),
+// copied behind the step into page-locked memory.
+struct StepAnswerLater {
+  std::shared_ptr<void> staging;  // OptimizerStepInfo, then 2 floats a micro-batch
+  std::unique_ptr<Ops::Completion> done;
+  std::vector<int64_t> readback_sizes;
+  std::vector<double> scales;
+
+  static absl::StatusOr<std::shared_ptr<StepAnswerLater>> Start(
+      Ops& ops, const std::vector<std::pair<Tensor, double>>& values) {
+    auto later = std::make_shared<StepAnswerLater>();
+    ASSIGN_OR_RETURN(later->staging, ops.AllocateStaging(sizeof(OptimizerStepInfo) +
+                                                         2 * sizeof(float) * values.size()));
+    ASSIGN_OR_RETURN(later->done, ops.NewCompletion());
+    for (const auto& [readback, scale] : values) {
+      later->readback_sizes.push_back(readback.numel());
+      later->scales.push_back(scale);
+    }
+    return later;
+  }
+  // A call that fails after its copies were queued drops this: the staging
+  // memory goes back to its pool only once they have landed.
+  ~StepAnswerLater() {
+    if (done != nullptr) done->Wait().IgnoreError();
+  }
+
+  OptimizerStepInfo* info() const { return static_cast<OptimizerStepInfo*>(staging.get()); }
+  float* value(size_t i) const {
+    return reinterpret_cast<float*>(static_cast<char*>(staging.get()) + sizeof(OptimizerStepInfo)) +
+           2 * i;
+  }
+};
+
+}  // namespace
+
 absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
                                   const layers::Variables& grads, VariableSet* next,
                                   te::v1::UpdateInfo* info, int64_t donated,
-                                  bool* donated_written) {
+                                  bool* donated_written,
+                                  std::pair<OptimizerStepInfo*, Ops::Completion*> info_later) {
   LayerOptimizer& optimizer = *layer.optimizer;
   // The step writes the params it has gradients for and the whole state in
   // place: versions that share them get copies first (contract 9), so the
@@ -228,17 +283,11 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp
     return step;
   }
   // What the step did comes back in one copy, once it is done.
-  ASSIGN_OR_RETURN(const OptimizerStepInfo step, optimizer.updater.ReadInfo(*ops_));
-  info->set_applied(step.applied != 0);
-  info->set_count(step.count);
-  info->set_total_notfinite(step.total_notfinite);
-  info->set_learning_rate(step.learning_rate);
-  info->set_grad_norm(std::sqrt(static_cast<double>(step.grad_norm_sq)));
-  if (step.applied == 0) {
-    LogForSession(LogLevel::kInfo, id_,
-                  absl::StrCat(layer.id, ": update skipped, gradient norm ", step.grad_norm_sq,
-                               " is not finite (", step.total_notfinite, " skipped so far)"));
+  if (info_later.first != nullptr) {
+    return optimizer.updater.ReadInfoAsync(*ops_, info_later.first, info_later.second);
   }
+  ASSIGN_OR_RETURN(const OptimizerStepInfo step, optimizer.updater.ReadInfo(*ops_));
+  SetUpdateInfo(step, id_, layer.id, info);
   return absl::OkStatus();
 }
 
@@ -566,17 +615,41 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     RETURN_IF_ERROR(call.StillWanted("ForwardBackward"));
     // The update last (contract 8): it writes only the new version's tensors
     // (and a donated version's, which goes with the call).
+    // Where the reactor can wait outside the session's turn, the answer's
+    // device values are read there (CallContext::after_turn).
+    std::shared_ptr<StepAnswerLater> later;
+    if (call.after_turn != nullptr) {
+      ASSIGN_OR_RETURN(later, StepAnswerLater::Start(*ops_, pending_values));
+    }
     bool donated_written = false;
-    absl::Status updated = ApplyUpdate(*layer, tx->fp8(), grad_sum, &next,
-                                       response->mutable_update(), donated, &donated_written);
-    // The step is done (ApplyUpdate read its record): these copies wait for nothing.
+    absl::Status updated = ApplyUpdate(
+        *layer, tx->fp8(), grad_sum, &next, response->mutable_update(), donated, &donated_written,
+        later != nullptr ? std::make_pair(later->info(), later->done.get())
+                         : std::pair<OptimizerStepInfo*, Ops::Completion*>());
     for (size_t i = 0; updated.ok() && i < pending_values.size(); ++i) {
+      if (later != nullptr) {
+        updated = ops_->DownloadAsync(pending_values[i].first, later->value(i), later->done.get());
+        continue;
+      }
+      // The step is done (ApplyUpdate read its record): these copies wait for nothing.
       absl::StatusOr<double> v = tx->ReadStepResult(pending_values[i].first);
       if (v.ok()) {
         response->set_values(static_cast<int>(i), *v * pending_values[i].second);
       } else {
         updated = v.status();
       }
+    }
+    if (later != nullptr && updated.ok()) {
+      *call.after_turn = [later, response, session_id = id_, layer_id = layer->id]() {
+        RETURN_IF_ERROR(later->done->Wait());
+        SetUpdateInfo(*later->info(), session_id, layer_id, response->mutable_update());
+        for (size_t i = 0; i < later->scales.size(); ++i) {
+          const double value =
+              StepTransaction::TakeStepResult(later->value(i), later->readback_sizes[i]);
+          response->set_values(static_cast<int>(i), value * later->scales[i]);
+        }
+        return absl::OkStatus();
+      };
     }
     if (!updated.ok()) {
       if (!donated_written) return updated;

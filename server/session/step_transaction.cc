@@ -149,7 +149,11 @@ absl::Status Session::StepTransaction::VdotOnDevice(const Tensor& y, const Tenso
 absl::StatusOr<double> Session::StepTransaction::ReadStepResult(const Tensor& readback) {
   float host[2] = {0.0f, 0.0f};
   RETURN_IF_ERROR(session_.ops_->Download(readback, host));
-  if (readback.numel() == 2) fp8_non_finite_amaxes.fetch_add(static_cast<int64_t>(host[1]));
+  return TakeStepResult(host, readback.numel());
+}
+
+double Session::StepTransaction::TakeStepResult(const float* host, int64_t readback_size) {
+  if (readback_size == 2) fp8_non_finite_amaxes.fetch_add(static_cast<int64_t>(host[1]));
   return static_cast<double>(host[0]);
 }
 

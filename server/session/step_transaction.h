@@ -100,6 +100,9 @@ class Session::StepTransaction {
   // where it has a [1], the number of the step's FP8 scaling updates whose
   // amax was inf or NaN, added to Fp8NonFiniteAmaxes().
   absl::StatusOr<double> ReadStepResult(const Tensor& readback);
+  // What ReadStepResult does with a read-back already on the host: `host`
+  // holds readback_size floats.
+  static double TakeStepResult(const float* host, int64_t readback_size);
 
   // Contract 3. `non_finite`: where given, a [1] float32 the count of inf or
   // NaN amaxes is added into.
