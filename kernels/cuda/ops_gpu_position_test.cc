@@ -100,27 +100,35 @@ class RelativeBiasTest : public DevicePositionTest,
 
 // A decode step's rows of the [L, L] bucket table, from a device first_row;
 // rows past the table give 0 (the GPU output starts as NaN: every element
-// must be written).
+// must be written). L 24 takes the kernel's eight-column path, 20 its
+// column-by-column one.
 TEST_P(RelativeBiasTest, ForwardFromAFirstRow) {
   const DType dtype = GetParam();
-  const int64_t num_buckets = 32, heads = 3, length = 20;
+  const int64_t num_buckets = 32, heads = 3;
   const Pair table = Random(dtype, {num_buckets, heads}, 22);
-  Tensor buckets_cpu = NewCpu(DType::kI32, {length, length});
-  std::mt19937 gen(23);
-  for (int64_t i = 0; i < buckets_cpu.numel(); ++i) {
-    buckets_cpu.data_as<int32_t>()[i] = static_cast<int32_t>(gen() % num_buckets);
-  }
-  const Pair buckets = Mirror(buckets_cpu);
-  for (const auto& [r0, q_rows] : std::vector<std::pair<int32_t, int64_t>>{
-           {0, 1}, {7, 1}, {19, 1}, {0, 5}, {9, 5}, {18, 5}, {20, 1}}) {
-    const Pair first_row = Position(r0);
-    Pair bias = Output(DType::kF32, {heads, q_rows, length});
-    ASSERT_TRUE(cpu_->RelativeBiasForward(table.cpu, buckets.cpu, first_row.cpu, &bias.cpu).ok());
-    const absl::Status s =
-        gpu_->RelativeBiasForward(table.gpu, buckets.gpu, first_row.gpu, &bias.gpu);
-    ASSERT_TRUE(s.ok()) << s;
-    ExpectMatches(bias, "RelativeBiasForward from row " + std::to_string(r0) + ", " +
-                            std::to_string(q_rows) + " rows");
+  for (const int64_t length : {20, 24}) {
+    Tensor buckets_cpu = NewCpu(DType::kI32, {length, length});
+    std::mt19937 gen(23);
+    for (int64_t i = 0; i < buckets_cpu.numel(); ++i) {
+      buckets_cpu.data_as<int32_t>()[i] = static_cast<int32_t>(gen() % num_buckets);
+    }
+    const Pair buckets = Mirror(buckets_cpu);
+    const int32_t last = static_cast<int32_t>(length - 1);
+    for (const auto& [r0, q_rows] : std::vector<std::pair<int32_t, int64_t>>{
+             {0, 1}, {7, 1}, {last, 1}, {0, 5}, {9, 5}, {last - 1, 5}, {last + 1, 1}}) {
+      for (const DType bias_dtype : {DType::kF32, DType::kBF16}) {
+        const Pair first_row = Position(r0);
+        Pair bias = Output(bias_dtype, {heads, q_rows, length});
+        ASSERT_TRUE(
+            cpu_->RelativeBiasForward(table.cpu, buckets.cpu, first_row.cpu, &bias.cpu).ok());
+        const absl::Status s =
+            gpu_->RelativeBiasForward(table.gpu, buckets.gpu, first_row.gpu, &bias.gpu);
+        ASSERT_TRUE(s.ok()) << s;
+        ExpectMatches(bias, "RelativeBiasForward L " + std::to_string(length) + " from row " +
+                                std::to_string(r0) + ", " + std::to_string(q_rows) + " rows into " +
+                                DTypeName(bias_dtype));
+      }
+    }
   }
 }
 
