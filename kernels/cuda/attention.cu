@@ -17,6 +17,7 @@
 // cuDNN takes both its forward and its backward (decided identically in both
 // directions, packed and unpacked separately), else both run unfused.
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <mutex>
@@ -412,6 +413,11 @@ absl::Status RelativeOnCudnn(CudaOps* ops, const AttentionArgs& args,
   if (dtable->dtype() != DType::kF32) return absl::UnimplementedError("dtable is not float32");
   if (out.dtype() != qkv.dtype || dout.dtype() != qkv.dtype) {
     return absl::UnimplementedError("out or dout not in the operands' dtype");
+  }
+  // The band kernel reads their rows 16 bytes at a time.
+  if (reinterpret_cast<uintptr_t>(out.data()) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(dout.data()) % 16 != 0) {
+    return absl::UnimplementedError("out or dout not 16-byte aligned");
   }
   RETURN_IF_ERROR(CudnnAttentionBackward(ops, args, shape, qkv, out, dout, softmax_lse, grads,
                                          /*dbias=*/nullptr));
