@@ -21,6 +21,8 @@
 #               bench/tools/trace_step.sh); traces and reports in $OUT/trace
 #   decode      Generate against JAX's jit'd decode loop (bench/decode_bench.py)
 #   ops         ops_bench; against .gpubundle's oldlib too when it holds one
+#   bias        relative_bias_bench: each piece TE's relative bias adds to the
+#               24 x 1024 LM's attention, timed alone, with its floor
 #
 # Ends with one line per stage: its exit status and seconds.
 set -u
@@ -69,6 +71,15 @@ stage_decode() {
     --recipes=bf16,delayed --peer_param_dtypes=bfloat16 --client_rows --iters 3
 }
 
+stage_bias() {
+  "$b/run.sh" relative_bias_bench
+  if ls "$b"/oldlib/*.so >/dev/null 2>&1; then
+    echo "=== the same, with .gpubundle/oldlib's kernels"
+    LD_LIBRARY_PATH="$b/oldlib:$b:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib" \
+      "$b/relative_bias_bench"
+  fi
+}
+
 stage_ops() {
   "$b/run.sh" ops_bench
   if ls "$b"/oldlib/*.so >/dev/null 2>&1; then
@@ -81,7 +92,7 @@ stage_ops() {
 
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, trace, decode, ops)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, trace, decode, ops, bias)" >&2
     exit 2
   fi
 done

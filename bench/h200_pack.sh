@@ -5,7 +5,7 @@
 #   bash bench/h200_pack.sh [OLD_KERNELS_SO]
 #
 #   .gpubundle/gb.tar.xz   deploy/bundle.sh's folder (te_server, the quickstart,
-#                          every GPU test, ops_bench, te_bench, the kernel
+#                          every GPU test, ops_bench, relative_bias_bench, te_bench, the kernel
 #                          tracer), xz-compressed: the folder itself is over
 #                          the 64 MiB a call carries
 #   .gpubundle/proto       the Python client's generated stubs
@@ -21,7 +21,7 @@ trap 'rm -rf "$folder"' EXIT
 
 gpu_tests="$(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' | tr '\n' ' ')"
 BUNDLE_ANY_SIZE=1 BUNDLE_TARGETS="//server:te_server //client:quickstart \
-//bench/tools:libkernel_trace.so //bench/kernels:ops_bench //bench/load:te_bench //bench/layers:layer_bench $gpu_tests" \
+//bench/tools:libkernel_trace.so //bench/kernels:ops_bench //bench/kernels:relative_bias_bench //bench/load:te_bench //bench/layers:layer_bench $gpu_tests" \
   bash deploy/bundle.sh "$folder/b"
 if [ -n "$old_so" ]; then
   mkdir -p "$folder/b/oldlib"

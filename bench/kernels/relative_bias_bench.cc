@@ -1,0 +1,184 @@
+// TE's relative-position bias through one causal self-attention as the LM of
+// train_lm.py runs it (packed qkv [B, S, 3, H, D] bf16, TE's 32 causal T5
+// buckets over 128 positions, the bias written in bf16): each piece the bias
+// adds, timed alone (CUDA events, median), with its floor next to it.
+//
+//   bias written       RelativeBiasForward, [H, S, S] bf16 from the table
+//   attention fwd      cuDNN, without and with the bias
+//   attention bwd      the same, the table's gradient included (band kernel)
+//   band kernel        RelativeBandTableGrad alone
+//
+//   relative_bias_bench [--batch=8] [--seq=1024] [--heads=16] [--dim=64] [--reps=20]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "bench/kernels/attention_inputs.h"
+#include "bench/kernels/median_ms.h"
+#include "kernels/cuda/attention_internal.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/ops.h"
+
+namespace te {
+namespace {
+
+constexpr int kNumBuckets = 32;  // TE's RelativePositionBiases defaults
+constexpr int kMaxDistance = 128;
+
+// TE's causal bucket of a key n >= 0 positions before its query.
+int32_t CausalBucket(int64_t n) {
+  const int exact = kNumBuckets / 2;
+  if (n < exact) return static_cast<int32_t>(n);
+  const float ratio = static_cast<float>(n) / exact + std::numeric_limits<float>::epsilon();
+  const double scaled = static_cast<double>(std::log(ratio)) /
+                        std::log(static_cast<double>(kMaxDistance) / exact) *
+                        (kNumBuckets - exact);
+  return std::min(exact + static_cast<int32_t>(scaled), kNumBuckets - 1);
+}
+
+double CopyBandwidth(cuda::CudaOps* ops) {
+  const int64_t n = int64_t{256} << 20;
+  Tensor a = *ops->Allocate(DType::kF32, {n}), b = *ops->Allocate(DType::kF32, {n});
+  const double ms = bench::MedianMs(ops, 2, 10, [&]() -> absl::Status {
+    cudaMemcpyAsync(b.data(), a.data(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice,
+                    ops->stream());
+    return absl::OkStatus();
+  });
+  return 2.0 * static_cast<double>(n) * 4 / (ms * 1e-3);  // bytes read + written per second
+}
+
+int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
+  auto device = OpenCudaDevice(0);
+  if (!device.ok()) return 1;
+  auto owned = (*device)->NewOps(int64_t{64} << 30);
+  if (!owned.ok()) return 1;
+  auto* ops = dynamic_cast<cuda::CudaOps*>(owned->get());
+  const DType dtype = DType::kBF16;
+  const Tensor qkv = bench::RandomTensor(ops, dtype, {b, s, 3, h, d}, 1);
+  const Tensor dout = bench::RandomTensor(ops, dtype, {b, s, h, d}, 2);
+  Tensor out = *ops->Allocate(dtype, {b, s, h, d});
+  Tensor lse = *ops->Allocate(DType::kF32, {b, h, s});
+  Tensor dqkv = *ops->Allocate(dtype, {b, s, 3, h, d});
+  const Tensor table = bench::RandomTensor(ops, DType::kF32, {kNumBuckets, h}, 3);
+  Tensor dtable = *ops->Allocate(DType::kF32, {kNumBuckets, h});
+
+  std::vector<int32_t> host_buckets(static_cast<size_t>(s * s));
+  for (int64_t i = 0; i < s; ++i) {
+    for (int64_t j = 0; j < s; ++j) {
+      host_buckets[static_cast<size_t>(i * s + j)] = CausalBucket(std::max<int64_t>(i - j, 0));
+    }
+  }
+  RelativeBuckets relative;
+  relative.buckets = *ops->Allocate(DType::kI32, {s, s});
+  if (!ops->Upload(host_buckets.data(), &relative.buckets).ok()) return 1;
+  relative.uniform_from = s - 1;
+  while (relative.uniform_from > 1 &&
+         CausalBucket(relative.uniform_from - 1) == CausalBucket(s - 1)) {
+    --relative.uniform_from;
+  }
+  Tensor bias = *ops->Allocate(dtype, {h, s, s});
+
+  AttentionArgs plain;
+  plain.mask = MaskType::kCausal;
+  plain.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  AttentionArgs biased = plain;
+  biased.bias = bias;
+
+  const double bandwidth = CopyBandwidth(ops);
+  auto time = [&](const std::function<absl::Status()>& step) {
+    return bench::MedianMs(ops, 2, reps, step);
+  };
+  auto forward = [&](const AttentionArgs& args) {
+    return time([&] { return ops->AttentionForwardPacked(args, qkv, &out, &lse); });
+  };
+  auto backward = [&](const AttentionArgs& args, bool with_table) {
+    if (!ops->AttentionForwardPacked(args, qkv, &out, &lse).ok()) return -1.0;
+    return time([&]() -> absl::Status {
+      if (with_table) {
+        return ops->AttentionBackwardPackedRelative(args, qkv, out, dout, lse, relative, &dqkv,
+                                                    &dtable);
+      }
+      return ops->AttentionBackwardPacked(args, qkv, out, dout, lse, &dqkv, nullptr);
+    });
+  };
+
+  std::printf("\nRelative bias, causal self-attention B%lld S%lld H%lld D%lld bf16, packed qkv, "
+              "band %lld (median of %d; copy bandwidth %.0f GB/s)\n",
+              static_cast<long long>(b), static_cast<long long>(s), static_cast<long long>(h),
+              static_cast<long long>(d), static_cast<long long>(relative.uniform_from), reps,
+              bandwidth / 1e9);
+  std::printf("| %-44s | %9s | %9s |\n", "what", "ms", "floor ms");
+  std::printf("|%s|%s|%s|\n", std::string(46, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(11, '-').c_str());
+  auto row = [](const char* what, double ms, double floor_ms) {
+    if (floor_ms > 0) {
+      std::printf("| %-44s | %9.4f | %9.4f |\n", what, ms, floor_ms);
+    } else {
+      std::printf("| %-44s | %9.4f | %9s |\n", what, ms, "-");
+    }
+  };
+
+  // The bias: H S^2 bf16 written, the [S, S] int32 buckets read once per head
+  // (from L2 after the first).
+  const double bias_ms = time([&] {
+    return ops->RelativeBiasForward(table, relative.buckets, Tensor(), &bias);
+  });
+  row("bias written (RelativeBiasForward)", bias_ms,
+      static_cast<double>(h * s * s * 2 + s * s * 4) / bandwidth * 1e3);
+
+  const double fwd_plain = forward(plain);
+  const double fwd_biased = forward(biased);
+  const double bwd_plain = backward(plain, false);
+  const double bwd_biased = backward(biased, true);
+  // The bias's bytes, read once: the causal half of [H, S, S] bf16.
+  const double bias_read_ms = static_cast<double>(h * s * s) / bandwidth * 1e3;
+  row("attention fwd, no bias", fwd_plain, -1);
+  row("attention fwd, bias", fwd_biased, fwd_plain + bias_read_ms);
+  row("attention bwd, no bias", bwd_plain, -1);
+  row("attention bwd, bias, + table gradient", bwd_biased, bwd_plain + bias_read_ms);
+
+  // The band kernel alone: S x band scores and dP recomputed per (b, h) on
+  // tensor cores; it reads q, k, v, out and dout once (k, v over the band).
+  cuda::QkvMemory memory;
+  const int64_t row_elements = 3 * h * d;
+  memory.q = qkv.data();
+  memory.k = static_cast<const char*>(qkv.data()) + h * d * 2;
+  memory.v = static_cast<const char*>(qkv.data()) + 2 * h * d * 2;
+  memory.dtype = dtype;
+  memory.q_token_stride = row_elements;
+  memory.kv_token_stride = row_elements;
+  AttentionShape shape;
+  shape.batch = b;
+  shape.q_seq = s;
+  shape.kv_seq = s;
+  shape.q_heads = h;
+  shape.kv_heads = h;
+  shape.head_dim = d;
+  const absl::Status applies = cuda::RelativeBandApplies(biased, shape, memory, relative);
+  if (!applies.ok()) {
+    std::printf("band kernel does not apply: %s\n", std::string(applies.message()).c_str());
+    return 1;
+  }
+  const double band_ms = time([&] {
+    return cuda::RelativeBandTableGrad(ops, biased, shape, memory, out, dout, lse, relative,
+                                       &dtable);
+  });
+  row("band kernel (table gradient)", band_ms,
+      static_cast<double>(b * s * h * d * 2 * 5) / bandwidth * 1e3);
+  return 0;
+}
+
+}  // namespace
+}  // namespace te
+
+int main(int argc, char** argv) {
+  te::bench::AttentionFlags f{8, 1024, 16, 64, 20};
+  te::bench::ParseAttentionFlags(argc, argv, &f);
+  return te::Run(f.batch, f.seq, f.heads, f.dim, f.reps);
+}
