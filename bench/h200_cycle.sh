@@ -71,23 +71,24 @@ stage_decode() {
     --recipes=bf16,delayed --peer_param_dtypes=bfloat16 --client_rows --iters 3
 }
 
-stage_bias() {
-  "$b/run.sh" relative_bias_bench
-  if ls "$b"/oldlib/*.so >/dev/null 2>&1; then
-    echo "=== the same, with .gpubundle/oldlib's kernels"
-    LD_LIBRARY_PATH="$b/oldlib:$b:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib" \
-      "$b/relative_bias_bench"
-  fi
-}
-
-stage_ops() {
-  "$b/run.sh" ops_bench
+# A kernel benchmark from the bundle, then again with .gpubundle's oldlib
+# (an earlier commit's kernels) when it holds one: new against old in one call.
+bench_new_and_old() {
+  "$b/run.sh" "$1"
   if ls "$b"/oldlib/*.so >/dev/null 2>&1; then
     echo "=== the same, with .gpubundle/oldlib's kernels"
     # run.sh puts the bundle's own folder first; the old library must come before it.
     LD_LIBRARY_PATH="$b/oldlib:$b:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib" \
-      "$b/ops_bench"
+      "$b/$1"
   fi
+}
+
+stage_bias() {
+  bench_new_and_old relative_bias_bench
+}
+
+stage_ops() {
+  bench_new_and_old ops_bench
 }
 
 for stage in "$@"; do

@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
-#include <limits>
 #include <vector>
 
 #include "bench/kernels/attention_inputs.h"
@@ -24,23 +23,13 @@
 #include "kernels/cuda/attention_internal.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
+#include "server/layers/attention_core.h"
 
 namespace te {
 namespace {
 
 constexpr int kNumBuckets = 32;  // TE's RelativePositionBiases defaults
 constexpr int kMaxDistance = 128;
-
-// TE's causal bucket of a key n >= 0 positions before its query.
-int32_t CausalBucket(int64_t n) {
-  const int exact = kNumBuckets / 2;
-  if (n < exact) return static_cast<int32_t>(n);
-  const float ratio = static_cast<float>(n) / exact + std::numeric_limits<float>::epsilon();
-  const double scaled = static_cast<double>(std::log(ratio)) /
-                        std::log(static_cast<double>(kMaxDistance) / exact) *
-                        (kNumBuckets - exact);
-  return std::min(exact + static_cast<int32_t>(scaled), kNumBuckets - 1);
-}
 
 double CopyBandwidth(cuda::CudaOps* ops) {
   const int64_t n = int64_t{256} << 20;
@@ -68,20 +57,14 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
   const Tensor table = bench::RandomTensor(ops, DType::kF32, {kNumBuckets, h}, 3);
   Tensor dtable = *ops->Allocate(DType::kF32, {kNumBuckets, h});
 
-  std::vector<int32_t> host_buckets(static_cast<size_t>(s * s));
-  for (int64_t i = 0; i < s; ++i) {
-    for (int64_t j = 0; j < s; ++j) {
-      host_buckets[static_cast<size_t>(i * s + j)] = CausalBucket(std::max<int64_t>(i - j, 0));
-    }
-  }
+  // The buckets the LM's causal TransformerLayers make (the server's own
+  // function), and where they settle.
+  const std::vector<int32_t> host_buckets =
+      layers::RelativePositionBuckets(s, s, /*bidirectional=*/false, kNumBuckets, kMaxDistance);
   RelativeBuckets relative;
   relative.buckets = *ops->Allocate(DType::kI32, {s, s});
   if (!ops->Upload(host_buckets.data(), &relative.buckets).ok()) return 1;
-  relative.uniform_from = s - 1;
-  while (relative.uniform_from > 1 &&
-         CausalBucket(relative.uniform_from - 1) == CausalBucket(s - 1)) {
-    --relative.uniform_from;
-  }
+  relative.uniform_from = layers::UniformBucketDistance(host_buckets, s);
   Tensor bias = *ops->Allocate(dtype, {h, s, s});
 
   AttentionArgs plain;
