@@ -49,18 +49,6 @@ double MedianMs(cuda::CudaOps* ops, int reps, const std::function<absl::Status()
   return bench::MedianMs(ops, 1, reps, step);
 }
 
-// Device-to-device copy bandwidth, bytes read plus bytes written per second.
-double CopyBandwidth(cuda::CudaOps* ops) {
-  const int64_t n = int64_t{256} << 20;  // floats: 1 GiB each way
-  Tensor a = *ops->Allocate(DType::kF32, {n}), b = *ops->Allocate(DType::kF32, {n});
-  const double ms = MedianMs(ops, 10, [&]() -> absl::Status {
-    cudaMemcpyAsync(b.data(), a.data(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice,
-                    ops->stream());
-    return absl::OkStatus();
-  });
-  return 2.0 * static_cast<double>(n) * 4 / (ms * 1e-3);
-}
-
 int Run(int64_t b, int64_t s, int64_t h, int64_t d, float dropout, int reps, int general_reps) {
   auto device = OpenCudaDevice(0);
   if (!device.ok()) return 1;
@@ -74,7 +62,7 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, float dropout, int reps, int
   cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
   // Hopper: 128 FP32 lanes per SM, an FMA counted as 2 FLOPs.
   const double fp32_rate = prop.multiProcessorCount * 128.0 * 2.0 * clock_khz * 1e3;
-  const double bandwidth = CopyBandwidth(ops);
+  const double bandwidth = bench::CopyBandwidth(ops);
 
   bench::AttentionTensors t = bench::MakeAttentionTensors(ops, DType::kF32, b, s, h, d);
   AttentionArgs args;

@@ -1,12 +1,14 @@
 // The kernel benchmarks' one timing loop: `warmup` untimed calls of step(),
 // then the median of `reps` calls, each between two CUDA events on ops'
-// stream (ms). -1 when a warm-up call fails (its message on stderr).
+// stream (ms). -1 when a warm-up call fails (its message on stderr). And the
+// bandwidth ceiling their memory-bound floors are over (CopyBandwidth).
 #ifndef TE_BENCH_KERNELS_MEDIAN_MS_H_
 #define TE_BENCH_KERNELS_MEDIAN_MS_H_
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -44,6 +46,19 @@ inline double MedianMs(cuda::CudaOps* ops, int warmup, int reps,
   cudaEventDestroy(stop);
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+// Device-to-device copy bandwidth measured now, bytes read plus bytes
+// written per second (1 GiB each way, median of 10).
+inline double CopyBandwidth(cuda::CudaOps* ops) {
+  const int64_t n = int64_t{256} << 20;  // floats
+  Tensor a = *ops->Allocate(DType::kF32, {n}), b = *ops->Allocate(DType::kF32, {n});
+  const double ms = MedianMs(ops, 1, 10, [&]() -> absl::Status {
+    cudaMemcpyAsync(b.data(), a.data(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice,
+                    ops->stream());
+    return absl::OkStatus();
+  });
+  return 2.0 * static_cast<double>(n) * 4 / (ms * 1e-3);
 }
 
 }  // namespace te::bench

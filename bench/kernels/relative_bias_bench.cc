@@ -31,17 +31,6 @@ namespace {
 constexpr int kNumBuckets = 32;  // TE's RelativePositionBiases defaults
 constexpr int kMaxDistance = 128;
 
-double CopyBandwidth(cuda::CudaOps* ops) {
-  const int64_t n = int64_t{256} << 20;
-  Tensor a = *ops->Allocate(DType::kF32, {n}), b = *ops->Allocate(DType::kF32, {n});
-  const double ms = bench::MedianMs(ops, 2, 10, [&]() -> absl::Status {
-    cudaMemcpyAsync(b.data(), a.data(), static_cast<size_t>(n) * 4, cudaMemcpyDeviceToDevice,
-                    ops->stream());
-    return absl::OkStatus();
-  });
-  return 2.0 * static_cast<double>(n) * 4 / (ms * 1e-3);  // bytes read + written per second
-}
-
 int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
   auto device = OpenCudaDevice(0);
   if (!device.ok()) return 1;
@@ -73,7 +62,7 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
   AttentionArgs biased = plain;
   biased.bias = bias;
 
-  const double bandwidth = CopyBandwidth(ops);
+  const double bandwidth = bench::CopyBandwidth(ops);
   auto time = [&](const std::function<absl::Status()>& step) {
     return bench::MedianMs(ops, 2, reps, step);
   };
