@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -14,6 +15,21 @@ namespace te::session {
 namespace {
 
 std::atomic<int64_t> fp8_non_finite_amaxes{0};
+
+// A view's offset into its block: aligned to its element, no further (the
+// metas are float32; padding would count against the session's memory).
+int64_t AlignedTo(int64_t offset, DType dtype) {
+  const int64_t align = static_cast<int64_t>(DTypeSize(dtype));
+  return (offset + align - 1) / align * align;
+}
+
+// A tensor of `dtype` and `shape` at `offset` bytes into `block`, keeping the
+// block alive.
+Tensor ViewInto(const Tensor& block, int64_t offset, DType dtype, const Shape& shape) {
+  auto owner = std::make_shared<Tensor>(block);
+  void* data = static_cast<char*>(block.data()) + offset;
+  return Tensor(std::shared_ptr<void>(owner, data), data, dtype, shape);
+}
 
 }  // namespace
 
@@ -53,15 +69,36 @@ absl::StatusOr<std::unique_ptr<Session::StepTransaction>> Session::StepTransacti
   // The working copy's names are the read's: both maps hold the collection
   // as one run from the same place, walked side by side.
   const std::string prefix = "fp8_metas/";
+  // The copies are views into one allocation: some hundreds of allocations,
+  // each through the device allocator's locks, kept the GPU idle at every
+  // FP8 step's start (1.19 ms of the 24 x 1024 LM's step on the H200). A
+  // meta that SetVariables replaces later leaves its bytes in the block until
+  // the block's last view goes.
+  std::vector<int64_t> offsets;
+  int64_t block_bytes = 0;
   auto read_it = read.read->vars.lower_bound(prefix);
   for (auto it = tx->next_.vars.lower_bound(prefix);
        it != tx->next_.vars.end() && absl::StartsWith(it->first, prefix); ++it, ++read_it) {
     const Tensor& original = read_it->second;
-    ASSIGN_OR_RETURN(it->second, ops.Allocate(original.dtype(), original.shape()));
     from.push_back(&original);
     to.push_back(&it->second);
+    offsets.push_back(AlignedTo(block_bytes, original.dtype()));
+    block_bytes = offsets.back() + static_cast<int64_t>(original.nbytes());
   }
-  RETURN_IF_ERROR(ops.CopyAll(from, to));
+  if (from.empty()) return tx;
+  ASSIGN_OR_RETURN(Tensor block, ops.Allocate(DType::kBool, {block_bytes}));
+  bool one_run = true;  // the read's metas: one block laid out alike
+  for (size_t n = 0; n < from.size(); ++n) {
+    *to[n] = ViewInto(block, offsets[n], from[n]->dtype(), from[n]->shape());
+    one_run = one_run && static_cast<const char*>(from[n]->data()) ==
+                             static_cast<const char*>(from[0]->data()) + offsets[n];
+  }
+  // From the second step on, the read's metas are the last step's block: one copy.
+  if (one_run) {
+    RETURN_IF_ERROR(ops.Copy(ViewInto(*from[0], 0, DType::kBool, {block_bytes}), &block));
+  } else {
+    RETURN_IF_ERROR(ops.CopyAll(from, to));
+  }
   return tx;
 }
 
