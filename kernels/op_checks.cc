@@ -932,6 +932,18 @@ absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tens
   return RequireShape(op, "y", *y, x.shape());
 }
 
+absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv) {
+  if (qkv.rank() != 5 || qkv.dim(2) != 3 || qkv.dim(4) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RotaryQkInPlace: qkv must be [B, S, 3, H, D] with D even, got ",
+                     ShapeString(qkv.shape())));
+  }
+  // One part's view has Rotary's shape: the same argument checks.
+  const Tensor part(nullptr, qkv.data(), qkv.dtype(),
+                    {qkv.dim(0), qkv.dim(1), qkv.dim(3), qkv.dim(4)});
+  return CheckRotaryArgs(args, part, &part);
+}
+
 absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
                                                               const Tensor& buckets,
                                                               const Tensor& first_row,

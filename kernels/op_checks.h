@@ -193,6 +193,8 @@ absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
 // ---- position encodings -----------------------------------------------------
 
 absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y);
+// qkv [B, S, 3, H, D], D even, float; args as CheckRotaryArgs checks them.
+absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv);
 // table / dtable [num_buckets, heads].
 struct RelativeBiasDims {
   int64_t num_buckets = 0;

@@ -266,6 +266,16 @@ absl::Status Ops::DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor
   return AttentionForward(args, *q, *key_cache, *value_cache, out, softmax_lse);
 }
 
+absl::Status Ops::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
+  RETURN_IF_ERROR(CheckRotaryQkArgs(args, *qkv));
+  ASSIGN_OR_RETURN(Tensor front, Allocate(qkv->dtype(), FrontShape(*qkv)));
+  RETURN_IF_ERROR(Permute(*qkv, {2, 0, 1, 3, 4}, &front));
+  std::vector<Tensor> parts = Unstack(front);
+  RETURN_IF_ERROR(Rotary(args, parts[0], &parts[0]));
+  RETURN_IF_ERROR(Rotary(args, parts[1], &parts[1]));
+  return Permute(front, {1, 2, 0, 3, 4}, qkv);
+}
+
 absl::Status Ops::DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
                                 const Tensor& position, Tensor* q, Tensor* key_cache,
                                 Tensor* value_cache) {

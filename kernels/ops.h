@@ -1022,6 +1022,13 @@ class Ops {
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
+  // The fused QKV projection's output as it is, qkv [B, S, 3, H, D] (TE's
+  // BS3HD, D even): parts 0 and 1 (q and k) rotated in place, each as Rotary
+  // rotates a [B, S, H, D] tensor; part 2 (v) untouched. A self-attention
+  // with rotary embedding then runs on the packed qkv (AttentionForwardPacked)
+  // instead of splitting it. The default splits qkv with Permute, rotates the
+  // two parts and permutes back; the CUDA backend rotates in place.
+  virtual absl::Status RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv);
   // A decode step's new tokens from the fused QKV projection's output as it
   // is, qkv [B, T, 3, H, D] (TE's BS3HD): q [B, T, H, D] = part 0, and parts
   // 1 and 2 written into key_cache and value_cache [B, L, H, D] at rows p ..

@@ -207,6 +207,57 @@ TEST(RotaryErrorTest, RejectsBadArguments) {
   EXPECT_EQ(ops.Rotary(args, x, &x).code(), kInvalid);
 }
 
+// RotaryQkInPlace rotates q and k inside the packed qkv exactly as Rotary
+// rotates them split out, and leaves v as it was (random data, both pair
+// orders, forward and inverse).
+TEST(RotaryQkInPlaceTest, EqualsRotaryOfTheSplitParts) {
+  CpuOps ops;
+  const int64_t b = 2, s = 5, h = 3, d = 8;
+  std::mt19937 gen(41);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  for (const bool consecutive : {false, true}) {
+    for (const bool inverse : {false, true}) {
+      SCOPED_TRACE(std::string(consecutive ? "consecutive" : "alternate") +
+                   (inverse ? " inverse" : ""));
+      RotaryArgs args;
+      args.consecutive = consecutive;
+      args.inverse = inverse;
+      args.position_offset = 3;
+      Tensor qkv = ops.Allocate(DType::kF32, {b, s, 3, h, d}).value();
+      for (int64_t i = 0; i < qkv.numel(); ++i) qkv.data_as<float>()[i] = dist(gen);
+      const std::vector<float> before(qkv.data_as<float>(), qkv.data_as<float>() + qkv.numel());
+      ASSERT_TRUE(ops.RotaryQkInPlace(args, &qkv).ok());
+      for (int part = 0; part < 3; ++part) {
+        Tensor split = ops.Allocate(DType::kF32, {b, s, h, d}).value();
+        for (int64_t t = 0; t < b * s; ++t) {
+          std::copy_n(before.data() + (t * 3 + part) * h * d, h * d,
+                      split.data_as<float>() + t * h * d);
+        }
+        if (part < 2) ASSERT_TRUE(ops.Rotary(args, split, &split).ok());
+        for (int64_t t = 0; t < b * s; ++t) {
+          for (int64_t e = 0; e < h * d; ++e) {
+            ASSERT_EQ(qkv.data_as<float>()[(t * 3 + part) * h * d + e],
+                      split.data_as<float>()[t * h * d + e])
+                << "part " << part << " token " << t << " element " << e;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(RotaryQkInPlaceTest, RejectsBadArguments) {
+  CpuOps ops;
+  RotaryArgs args;
+  Tensor not_packed = ops.Allocate(DType::kF32, {1, 2, 2, 2, 4}).value();
+  EXPECT_EQ(ops.RotaryQkInPlace(args, &not_packed).code(), absl::StatusCode::kInvalidArgument);
+  Tensor odd = ops.Allocate(DType::kF32, {1, 2, 3, 2, 5}).value();
+  EXPECT_EQ(ops.RotaryQkInPlace(args, &odd).code(), absl::StatusCode::kInvalidArgument);
+  Tensor qkv = ops.Allocate(DType::kF32, {1, 2, 3, 2, 4}).value();
+  args.min_timescale = 0.0f;
+  EXPECT_EQ(ops.RotaryQkInPlace(args, &qkv).code(), absl::StatusCode::kInvalidArgument);
+}
+
 Tensor DevicePosition(CpuOps* ops, int32_t value) {
   Tensor t = ops->Allocate(DType::kI32, {1}).value();
   t.data_as<int32_t>()[0] = value;

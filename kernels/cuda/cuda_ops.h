@@ -244,6 +244,7 @@ class CudaOps : public Ops {
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
+  absl::Status RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) override;
   absl::Status DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary, const Tensor& position,
                              Tensor* q, Tensor* key_cache, Tensor* value_cache) override;
   absl::Status DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor& qkv,

@@ -55,6 +55,28 @@ INSTANTIATE_TEST_SUITE_P(Matrix, RotaryTest,
                                   ShapeName(std::get<3>(info.param));
                          });
 
+// q and k rotated inside the packed qkv [B, S, 3, H, D], against the CPU's
+// (its default: split, Rotary, stack): the kernel's table path (S 77, 2048)
+// and the default it takes for short sequences (S 5); v untouched.
+TEST_F(GpuTest, RotaryQkInPlaceMatchesCpu) {
+  for (const Shape& shape : {Shape{2, 77, 3, 3, 64}, Shape{1, 2048, 3, 2, 128},
+                             Shape{3, 5, 3, 2, 16}}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      for (const bool consecutive : {false, true}) {
+        RotaryArgs args;
+        args.consecutive = consecutive;
+        const Pair qkv = Random(dtype, shape, 18);
+        Pair rotated = Clone(qkv.cpu);
+        ASSERT_TRUE(cpu_->RotaryQkInPlace(args, &rotated.cpu).ok());
+        const absl::Status s = gpu_->RotaryQkInPlace(args, &rotated.gpu);
+        ASSERT_TRUE(s.ok()) << s;
+        ExpectMatches(rotated, "RotaryQkInPlace " + ShapeName(shape) +
+                                   (consecutive ? " consecutive" : " alternate"));
+      }
+    }
+  }
+}
+
 // A decode step rotates its one token at the token's position.
 TEST_F(GpuTest, RotaryFromAPositionOffsetMatchesCpu) {
   for (const Shape& shape : {Shape{3, 1, 4, 64}, Shape{2, 9, 2, 16}}) {

@@ -63,6 +63,31 @@ __global__ void RotaryKernel(const typename In::Storage* x, typename Out::Storag
   }
 }
 
+// RotaryQkInPlace: parts 0 and 1 of qkv [B, S, 3, H, D] rotated in place,
+// one thread a pair (RotaryKernel's arithmetic and table, so the same bits as
+// rotating the split q and k).
+template <typename T>
+__global__ void RotaryQkKernel(typename T::Storage* qkv, const float* cos_table,
+                               const float* sin_table, int64_t rows, int64_t seq,
+                               int64_t heads, int64_t dim, bool consecutive) {
+  const int64_t half = dim / 2;
+  const int64_t pairs = rows * half;  // of one part; rows = B * S * H
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < 2 * pairs;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t part = k / pairs, n = k - part * pairs;
+    const int64_t r = n / half, i = n - r * half;  // r = (b * S + s) * H + h
+    const int64_t token = r / heads, h = r - token * heads, p = token % seq;
+    typename T::Storage* row = qkv + ((token * 3 + part) * heads + h) * dim;
+    const int64_t first = consecutive ? 2 * i : i;
+    const int64_t second = consecutive ? 2 * i + 1 : i + half;
+    const float2 rotated =
+        RotatePair(T::Load(row[first]), T::Load(row[second]), cos_table[p * half + i],
+                   sin_table[p * half + i]);
+    row[first] = T::Store(rotated.x);
+    row[second] = T::Store(rotated.y);
+  }
+}
+
 // A decode step's q, k and v out of the packed qkv [B, T, 3, H, D], one thread
 // a pair of elements (Rotary's pairs): part 0 to q [B, T, H, D], parts 1 and
 // 2 to the caches [B, L, H, D] at row p + t (p = *position; rows outside [0,
@@ -246,6 +271,34 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
           static_cast<typename Out::Storage*>(y->data()), cos_table, sin_table, rows, seq, heads,
           dim, args.consecutive, angles);
     });
+  });
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+absl::Status CudaOps::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
+  RETURN_IF_ERROR(CheckRotaryQkArgs(args, *qkv));
+  const int64_t seq = qkv->dim(1), heads = qkv->dim(3), dim = qkv->dim(4), half = dim / 2;
+  const int64_t rows = qkv->dim(0) * seq * heads;
+  if (rows == 0 || half == 0) return absl::OkStatus();
+  // Short sequences and device positions: the default's split and Rotary
+  // (which computes those angles in place).
+  if (seq <= kFoldedRotaryMaxSeq || HasDevicePosition(args.position)) {
+    return Ops::RotaryQkInPlace(args, qkv);
+  }
+  RETURN_IF_ERROR(Enter());
+  const RotaryAngles angles = AnglesOf(args, dim);
+  ASSIGN_OR_RETURN(Tensor tables, Allocate(DType::kF32, {2, seq, half}));
+  float* cos_table = tables.data_as<float>();
+  float* sin_table = cos_table + seq * half;
+  RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(cos_table, sin_table, seq,
+                                                                    half, angles);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  DispatchFloat(qkv->dtype(), [&](auto format) {
+    using T = decltype(format);
+    RotaryQkKernel<T><<<GridFor(2 * rows * half), kThreads, 0, stream()>>>(
+        static_cast<typename T::Storage*>(qkv->data()), cos_table, sin_table, rows, seq, heads,
+        dim, args.consecutive);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

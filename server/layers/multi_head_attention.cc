@@ -273,6 +273,13 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
   AttentionSaved* attention_saved = saved != nullptr ? &saved->attention : nullptr;
   Tensor context;
   if (packed_attention()) {
+    if (options_.rotary) {
+      // Self-attention: the queries start where the keys do.
+      if (query_position != 0) {
+        return absl::InternalError("a packed self-attention's queries at a position offset");
+      }
+      RETURN_IF_ERROR(ops.RotaryQkInPlace(TeRotary(/*inverse=*/false), &p.qkv));
+    }
     RETURN_IF_ERROR(AttentionForwardPacked(ops, AttentionSettings(), p.qkv, seqlens, bias,
                                            !opts.deterministic, dropout_seed, &context,
                                            attention_saved));
@@ -419,6 +426,10 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
     // q, k, v, the context and its gradient are read for the last time.
     saved.attention = AttentionSaved();
     dout = Tensor();
+    if (options_.rotary) {
+      // The rotation is orthogonal: its transpose is the rotation by -angle.
+      RETURN_IF_ERROR(ops.RotaryQkInPlace(TeRotary(/*inverse=*/true), &dqkv));
+    }
     Tensor dqkv2 = dqkv.Reshaped({tokens, 3 * q_features_});
     dqkv = Tensor();
     RETURN_IF_ERROR(qkv_.Backward(ops, vars, std::move(saved.qkv), std::move(dqkv2), &dx2, grads,

@@ -159,8 +159,9 @@ class MhaBlock {
                        const Tensor& kv_input = Tensor()) const;
 
   AttentionConfig AttentionSettings() const;
-  // Attention on the packed qkv: nothing happens to q, k, v in between.
-  bool packed_attention() const { return !separate_kv() && !options_.rotary; }
+  // Attention on the packed qkv (rotary embedding rotates q and k in place
+  // there): no split into q, k, v and no stacking of their gradients.
+  bool packed_attention() const { return !separate_kv(); }
 
   MhaOptions options_;
   int64_t hidden_;

@@ -333,8 +333,8 @@ TEST(MultiHeadAttentionTest, RejectsBadSpecsAndInputs) {
   EXPECT_NE(status.message().find("x has dtype"), std::string::npos) << status;
 }
 
-// Fused qkv without rotary: attention runs on the packed qkv and keeps it
-// alone; with rotary, q and k change in between, so the split path keeps q, k, v.
+// Fused qkv: attention runs on the packed qkv and keeps it alone, with rotary
+// too (q and k rotated in place in it, RotaryQkInPlace).
 TEST(MultiHeadAttentionTest, FusedQkvAttentionKeepsThePackedQkv) {
   auto ops = NewCpuOps();
   for (bool rotary : {false, true}) {
@@ -353,11 +353,9 @@ TEST(MultiHeadAttentionTest, FusedQkvAttentionKeepsThePackedQkv) {
     ASSERT_TRUE(block.Forward(*ops, &vars, x, SeqLens{}, Tensor(), ForwardOptions{}, &y, nullptr,
                               &saved)
                     .ok());
-    EXPECT_EQ(saved.attention.packed(), !rotary);
-    EXPECT_EQ(saved.attention.q.defined(), rotary);
-    if (!rotary) {
-      EXPECT_EQ(saved.attention.qkv.shape(), (Shape{2, 3, 3, 2, 4}));
-    }
+    EXPECT_TRUE(saved.attention.packed());
+    EXPECT_FALSE(saved.attention.q.defined());
+    EXPECT_EQ(saved.attention.qkv.shape(), (Shape{2, 3, 3, 2, 4}));
     Variables grads;
     Tensor dx;
     ASSERT_TRUE(block.Backward(*ops, &vars, saved, RandomTensor(*ops, {2, 3, 8}, DType::kF32, 61),
