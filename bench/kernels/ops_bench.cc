@@ -114,6 +114,11 @@ int Run(int reps) {
   Tensor q5_mlp = *ops.Allocate(DType::kE5M2, {kTokens, kMlp});
   Tensor q5_mlp_t = *ops.Allocate(DType::kE5M2, {kMlp, kTokens});
   Tensor dbias = *ops.Allocate(bf16, {kHidden}), dbias_mlp = *ops.Allocate(bf16, {kMlp});
+  // The 24 x 1024 LM's q (or k), rotated in place as its attention does.
+  Tensor rq = Random(ops, bf16, {8, 1024, 16, 64}, 9);
+  const double rq_bytes = static_cast<double>(rq.nbytes()) * 2;
+  RotaryArgs alternate, consecutive;
+  consecutive.consecutive = true;
   NormArgs ln;
   NormArgs rms;
   rms.type = NormType::kRMSNorm;
@@ -169,6 +174,10 @@ int Run(int reps) {
       {"SumRows (dbias) bf16", tok_hid * 2, [&] { return ops.SumRows(dx, &bias_grad); }},
       {"Permute [8192,4096] -> [4096,8192]", tok_hid * 4,
        [&] { return ops.Permute(x, {1, 0}, &xt); }},
+      {"Rotary bf16 [8,1024,16,64] alternate, in place", rq_bytes,
+       [&] { return ops.Rotary(alternate, rq, &rq); }},
+      {"Rotary bf16 [8,1024,16,64] consecutive, in place", rq_bytes,
+       [&] { return ops.Rotary(consecutive, rq, &rq); }},
   };
   std::printf(
       "| op | ms | floor ms (min bytes at 4000 GB/s) | GB/s (min bytes) | of 4000 GB/s |\n"
