@@ -117,6 +117,9 @@ int Run(int reps) {
   // The 24 x 1024 LM's q (or k), rotated in place as its attention does.
   Tensor rq = Random(ops, bf16, {8, 1024, 16, 64}, 9);
   const double rq_bytes = static_cast<double>(rq.nbytes()) * 2;
+  // Its packed qkv, whose q and k the attention rotates in place.
+  Tensor rqkv = Random(ops, bf16, {8, 1024, 3, 16, 64}, 10);
+  const double rqk_bytes = static_cast<double>(rqkv.nbytes()) * 2 / 3 * 2;
   RotaryArgs alternate, consecutive;
   consecutive.consecutive = true;
   NormArgs ln;
@@ -178,6 +181,8 @@ int Run(int reps) {
        [&] { return ops.Rotary(alternate, rq, &rq); }},
       {"Rotary bf16 [8,1024,16,64] consecutive, in place", rq_bytes,
        [&] { return ops.Rotary(consecutive, rq, &rq); }},
+      {"RotaryQkInPlace bf16 [8,1024,3,16,64] alternate", rqk_bytes,
+       [&] { return ops.RotaryQkInPlace(alternate, &rqkv); }},
   };
   std::printf(
       "| op | ms | floor ms (min bytes at 4000 GB/s) | GB/s (min bytes) | of 4000 GB/s |\n"

@@ -56,11 +56,12 @@ INSTANTIATE_TEST_SUITE_P(Matrix, RotaryTest,
                          });
 
 // q and k rotated inside the packed qkv [B, S, 3, H, D], against the CPU's
-// (its default: split, Rotary, stack): the kernel's table path (S 77, 2048)
-// and the default it takes for short sequences (S 5); v untouched.
+// (its default: split, Rotary, stack): the grouped kernel (bf16, S 77 and
+// 2048), the pair-a-thread one (f32; bf16 D 8 alternate, whose half of 4 is
+// not a group of 8) and the default for short sequences (S 5); v untouched.
 TEST_F(GpuTest, RotaryQkInPlaceMatchesCpu) {
   for (const Shape& shape : {Shape{2, 77, 3, 3, 64}, Shape{1, 2048, 3, 2, 128},
-                             Shape{3, 5, 3, 2, 16}}) {
+                             Shape{2, 40, 3, 2, 8}, Shape{3, 5, 3, 2, 16}}) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
       for (const bool consecutive : {false, true}) {
         RotaryArgs args;

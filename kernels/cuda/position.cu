@@ -96,10 +96,15 @@ __global__ void RotaryQkKernel(typename T::Storage* qkv, const float* cos_table,
 // (i, i + D/2): 8 pairs from the row's two halves; consecutive (2i, 2i+1): 4
 // pairs from 8 adjacent elements. Same arithmetic as RotaryKernel (RotatePair),
 // so the same bits; reads a group before writing it, so y may alias x.
+//
+// Rows: `rows` rows of D, `row_heads` of them a token, token t's rows at
+// t * token_rows + (0 .. row_heads) rows of memory: [B, S, H, D] is row_heads
+// = token_rows = H; the q and k of a packed qkv [B, S, 3, H, D], rotated in
+// place, are row_heads 2H of token_rows 3H (v, the third part, untouched).
 template <typename In, typename Out, bool kConsecutive>
 __global__ void RotaryGroupKernel(const uint16_t* x, uint16_t* y, const float* cos_table,
                                   const float* sin_table, int64_t rows, int64_t seq,
-                                  int64_t heads, int64_t dim) {
+                                  int64_t row_heads, int64_t token_rows, int64_t dim) {
   constexpr int kPairs = kConsecutive ? 4 : 8;
   const int64_t half = dim / 2;
   const int64_t groups = half / kPairs;  // per row
@@ -107,7 +112,8 @@ __global__ void RotaryGroupKernel(const uint16_t* x, uint16_t* y, const float* c
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
        k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = k / groups, i0 = (k - r * groups) * kPairs;
-    const int64_t p = (r / heads) % seq;
+    const int64_t token = r / row_heads, p = token % seq;
+    const int64_t offset = (token * token_rows + (r - token * row_heads)) * dim;
     float c[kPairs], s[kPairs];
 #pragma unroll
     for (int q = 0; q < kPairs / 4; ++q) {
@@ -116,8 +122,8 @@ __global__ void RotaryGroupKernel(const uint16_t* x, uint16_t* y, const float* c
       c[4 * q] = cv.x, c[4 * q + 1] = cv.y, c[4 * q + 2] = cv.z, c[4 * q + 3] = cv.w;
       s[4 * q] = sv.x, s[4 * q + 1] = sv.y, s[4 * q + 2] = sv.z, s[4 * q + 3] = sv.w;
     }
-    const uint16_t* src = x + r * dim;
-    uint16_t* dst = y + r * dim;
+    const uint16_t* src = x + offset;
+    uint16_t* dst = y + offset;
     if constexpr (kConsecutive) {
       uint4 v = *reinterpret_cast<const uint4*>(src + 2 * i0);
       uint16_t* e = reinterpret_cast<uint16_t*>(&v);
@@ -297,6 +303,41 @@ __global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storag
 // Sequences of at most this many positions rotate without a table.
 constexpr int64_t kFoldedRotaryMaxSeq = 16;
 
+// RotaryGroupKernel over x's rows into y's (RotaryGroupKernel's row layout),
+// where it fits: 2-byte elements on both sides, whole groups of pairs a row,
+// 16-byte aligned data. Returns whether it launched.
+bool LaunchRotaryGroups(const RotaryArgs& args, const Tensor& x, Tensor* y,
+                        const float* cos_table, const float* sin_table, int64_t rows,
+                        int64_t seq, int64_t row_heads, int64_t token_rows, int64_t dim,
+                        SmCount sms, cudaStream_t stream) {
+  const int64_t half = dim / 2;
+  const int64_t group_pairs = args.consecutive ? 4 : 8;
+  if (DTypeSize(x.dtype()) != 2 || DTypeSize(y->dtype()) != 2 || half % group_pairs != 0 ||
+      reinterpret_cast<uintptr_t>(x.data()) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(y->data()) % 16 != 0) {
+    return false;
+  }
+  const int64_t groups = rows * (half / group_pairs);
+  const auto* src = static_cast<const uint16_t*>(x.data());
+  auto* dst = static_cast<uint16_t*>(y->data());
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFloat(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      if constexpr (sizeof(typename In::Storage) == 2 && sizeof(typename Out::Storage) == 2) {
+        if (args.consecutive) {
+          RotaryGroupKernel<In, Out, true><<<GridFor(groups, sms), kThreads, 0, stream>>>(
+              src, dst, cos_table, sin_table, rows, seq, row_heads, token_rows, dim);
+        } else {
+          RotaryGroupKernel<In, Out, false><<<GridFor(groups, sms), kThreads, 0, stream>>>(
+              src, dst, cos_table, sin_table, rows, seq, row_heads, token_rows, dim);
+        }
+      }
+    });
+  });
+  return true;
+}
+
 }  // namespace
 
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
@@ -320,29 +361,9 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
     CUDA_RETURN_IF_LAUNCH_ERROR();
   }
   // Whole 16-byte groups of 2-byte elements: the grouped kernel.
-  const bool two_byte = DTypeSize(x.dtype()) == 2 && DTypeSize(y->dtype()) == 2;
-  const int64_t group_pairs = args.consecutive ? 4 : 8;
-  if (cos_table != nullptr && two_byte && half % group_pairs == 0 &&
-      reinterpret_cast<uintptr_t>(x.data()) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(y->data()) % 16 == 0) {
-    const int64_t groups = rows * (half / group_pairs);
-    DispatchFloat(x.dtype(), [&](auto in) {
-      DispatchFloat(y->dtype(), [&](auto out) {
-        using In = decltype(in);
-        using Out = decltype(out);
-        if constexpr (sizeof(typename In::Storage) == 2 && sizeof(typename Out::Storage) == 2) {
-          const auto* src = static_cast<const uint16_t*>(x.data());
-          auto* dst = static_cast<uint16_t*>(y->data());
-          if (args.consecutive) {
-            RotaryGroupKernel<In, Out, true><<<GridFor(groups), kThreads, 0, stream()>>>(
-                src, dst, cos_table, sin_table, rows, seq, heads, dim);
-          } else {
-            RotaryGroupKernel<In, Out, false><<<GridFor(groups), kThreads, 0, stream()>>>(
-                src, dst, cos_table, sin_table, rows, seq, heads, dim);
-          }
-        }
-      });
-    });
+  if (cos_table != nullptr &&
+      LaunchRotaryGroups(args, x, y, cos_table, sin_table, rows, seq, heads, heads, dim, sms(),
+                         stream())) {
     CUDA_RETURN_IF_LAUNCH_ERROR();
     return absl::OkStatus();
   }
@@ -378,6 +399,12 @@ absl::Status CudaOps::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
   RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(cos_table, sin_table, seq,
                                                                     half, angles);
   CUDA_RETURN_IF_LAUNCH_ERROR();
+  // q and k are rows 0 .. 2H of each token's 3H.
+  if (LaunchRotaryGroups(args, *qkv, qkv, cos_table, sin_table, 2 * rows, seq, 2 * heads,
+                         3 * heads, dim, sms(), stream())) {
+    CUDA_RETURN_IF_LAUNCH_ERROR();
+    return absl::OkStatus();
+  }
   DispatchFloat(qkv->dtype(), [&](auto format) {
     using T = decltype(format);
     RotaryQkKernel<T><<<GridFor(2 * rows * half), kThreads, 0, stream()>>>(
