@@ -251,12 +251,12 @@ __device__ __forceinline__ void ForwardWalk(const typename In::Storage* x,
 }
 
 // x: [rows, gated ? 2 * width : width]; y: [rows, width]. FP8 y: scale and
-// scale_inv non-null, amax zeroed before or null (not recorded). `vec`: x and y aligned for Pack
+// scale_inv non-null, amax recorded or not. `vec`: x and y aligned for Pack
 // access, and (gated) width % kVec == 0.
 template <typename In, typename Out, bool kGated, typename A0, typename A1>
 __global__ void ActivationForwardKernel(const typename In::Storage* x, typename Out::Storage* y,
                                         A0 act0, A1 act1, int64_t width, Walk w, bool vec,
-                                        const float* scale, float* amax, float* scale_inv) {
+                                        const float* scale, AmaxOut amax, float* scale_inv) {
   __shared__ unsigned scratch[32];
   const float s = scale != nullptr ? *scale : 1.0f;
   unsigned amax_bits = 0;
@@ -272,9 +272,9 @@ __global__ void ActivationForwardKernel(const typename In::Storage* x, typename 
     ForwardWalk<In, Out, 1, kGated>(x, y, act0, act1, width, w, s, &amax_bits);
   }
   if (scale_inv != nullptr) {  // FP8 y; its amax may go unrecorded
-    if (amax != nullptr) amax_bits = BlockMaxBits(amax_bits, scratch);
+    if (amax.amax != nullptr) amax_bits = BlockMaxBits(amax_bits, scratch);
     if (threadIdx.x == 0) {
-      AtomicMaxAbsBits(amax, amax_bits);
+      FoldAmax(amax, amax_bits);
       if (blockIdx.x == 0) *scale_inv = 1.0f / s;
     }
   }
@@ -356,9 +356,6 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
   const int64_t n = rows * width;
   if (n == 0 && !quantized) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
-  if (quantized) {
-    RETURN_IF_ERROR(ZeroAmax(*fp8, stream()));
-  }
   const bool gated = acts.size() == 2;
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFloatOrFp8(y->dtype(), [&](auto out) {
@@ -374,7 +371,7 @@ absl::Status CudaOps::ActivationForward(const std::vector<Activation>& acts, con
                 static_cast<const typename In::Storage*>(x.data()),
                 static_cast<typename Out::Storage*>(y->data()), act0, act1, width, walk, vec,
                 quantized ? fp8->scale.data_as<const float>() : nullptr,
-                quantized ? fp8->amax.data_as<float>() : nullptr,
+                quantized ? AmaxOutFor(*fp8) : AmaxOut{},
                 quantized ? fp8->scale_inv.data_as<float>() : nullptr);
       });
     });
@@ -395,7 +392,6 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
   if (!TileKernelFits(x2, y2, *y_t)) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
   const int64_t rows = x2.dim(0);
-  RETURN_IF_ERROR(ZeroAmax(fp8, stream()));
   const dim3 grid(static_cast<unsigned>((width + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
@@ -406,7 +402,7 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
         QuantizeTransposeKernel<In, Out, F><<<grid, 256, 0, stream()>>>(
             static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
             static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
-            fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), nullptr, rows, width,
+            AmaxOutFor(fp8), fp8.scale_inv.data_as<float>(), nullptr, rows, width, nullptr,
             nullptr, F{act});
       });
     });

@@ -27,21 +27,31 @@ struct IdentityFn {
 // of x per column (float32, in a fixed order: each thread its 4 rows, then
 // the 16 threads of a column in order) into column_partial[blockIdx.y]: the
 // dbias of cast-transpose-dbias, finished by PartialColumnSumsKernel.
+// With `kept_scale` and `kept_amax` (QuantizeTransposeKept's record of the
+// scale y holds x at, and that quantization's amax): where the scale is the
+// kept one every block leaves at once and the amax is the kept one; else the
+// last block to finish records this scale and amax.
 template <typename In, typename Out, typename F = IdentityFn>
 __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__ x,
                                         uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
-                                        const float* scale, float* amax, float* scale_inv,
+                                        const float* scale, AmaxOut amax, float* scale_inv,
                                         float* __restrict__ column_partial, int64_t rows,
-                                        int64_t cols, const float* kept_scale,
+                                        int64_t cols, float* kept_scale, float* kept_amax,
                                         F f = F()) {
   using InPack = Pack<typename In::Storage, 4>;
   __shared__ ByteTile tile;
   __shared__ float tile_column_sums[16][64 + 1];
   __shared__ unsigned scratch[32];
   const float s = *scale;
-  // y and y_t already hold x quantized with s (QuantizeTransposeKept): every
-  // block sees the same two values and leaves at once.
-  if (kept_scale != nullptr && *kept_scale == s) return;
+  // y and y_t already hold x quantized with s: every block sees the same two
+  // values and leaves at once. (The last block of a launch that quantizes
+  // writes *kept_scale only after every block has read it.)
+  if (kept_scale != nullptr && *kept_scale == s) {
+    if (amax.amax != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+      *amax.amax = *kept_amax;
+    }
+    return;
+  }
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
@@ -81,7 +91,10 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
   }
   local = BlockMaxBits(local, scratch);
   if (threadIdx.x == 0) {
-    AtomicMaxAbsBits(amax, local);
+    if (FoldAmax(amax, local) && kept_scale != nullptr) {
+      *kept_scale = s;
+      *kept_amax = *amax.amax;
+    }
     if (blockIdx.x == 0 && blockIdx.y == 0) *scale_inv = 1.0f / s;
   }
 }

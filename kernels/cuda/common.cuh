@@ -246,19 +246,23 @@ __device__ __forceinline__ unsigned long long BlockMaxU64(unsigned long long v,
   return WarpMaxU64(v);
 }
 
-// Folds a block's amax into a global amax (zeroed before the launch), when
-// there is one; thread 0 of the block calls it.
-__device__ __forceinline__ void AtomicMaxAbsBits(float* amax, unsigned bits) {
-  if (amax != nullptr) atomicMax(reinterpret_cast<unsigned*>(amax), bits);
-}
-
-// Zeroes the amax an FP8 output's kernel folds into. A caller that records
-// none leaves Fp8Output::amax undefined: no memset, and the kernel, given
-// its null data, skips its atomics.
-inline absl::Status ZeroAmax(const Fp8Output& fp8, cudaStream_t stream) {
-  if (!fp8.amax.defined()) return absl::OkStatus();
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(fp8.amax.data(), 0, sizeof(float), stream));
-  return absl::OkStatus();
+// Folds a block's amax into an AmaxOut (cuda_ops.h): the blocks combine their
+// maxima in the stream's slot and the last block to finish writes the grid's
+// into *amax and leaves the slot at zero again, so no memset of the amax
+// goes before the launch (one a quantizer, hundreds a training step).
+// Thread 0 of every block of the grid calls it once, with its block's max
+// |v| bits. Returns true in the block that finished last, after it wrote the
+// grid's amax (false everywhere when the amax is not recorded).
+__device__ __forceinline__ bool FoldAmax(const AmaxOut& out, unsigned block_bits) {
+  if (out.amax == nullptr) return false;
+  atomicMax(&out.slot->bits, block_bits);
+  __threadfence();  // this block's max lands before its count
+  const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+  if (atomicAdd(&out.slot->blocks_done, 1u) != blocks - 1) return false;
+  __threadfence();  // every block's max is in: read it after the count
+  *out.amax = __uint_as_float(atomicExch(&out.slot->bits, 0u));
+  out.slot->blocks_done = 0;  // the next launch on this stream sees it
+  return true;
 }
 
 // ---- column sums of partial rows -------------------------------------------------

@@ -2,6 +2,8 @@
 // themselves live in the .cu files named in cuda_ops.h.
 #include "kernels/cuda/cuda_ops.h"
 
+#include <memory>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,8 +20,48 @@ CudaContext::~CudaContext() {
   }
 }
 
-CudaOps::CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream)
-    : context_(std::move(context)), stream_(std::move(stream)) {}
+absl::StatusOr<std::shared_ptr<AmaxSlotPool>> AmaxSlotPool::Make(int ordinal) {
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));
+  void* base = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&base, kSlots * sizeof(GridAmaxSlot)));
+  const cudaError_t zeroed = cudaMemset(base, 0, kSlots * sizeof(GridAmaxSlot));
+  if (zeroed != cudaSuccess) {
+    (void)cudaFree(base);
+    return CudaErrorToStatus(zeroed, "cudaMemset(amax slots)", __FILE__, __LINE__);
+  }
+  return std::shared_ptr<AmaxSlotPool>(
+      new AmaxSlotPool(ordinal, static_cast<GridAmaxSlot*>(base)));
+}
+
+AmaxSlotPool::AmaxSlotPool(int ordinal, GridAmaxSlot* base) : ordinal_(ordinal), base_(base) {
+  free_.reserve(kSlots);
+  for (int i = kSlots - 1; i >= 0; --i) free_.push_back(base_ + i);
+}
+
+AmaxSlotPool::~AmaxSlotPool() {
+  (void)cudaSetDevice(ordinal_);
+  (void)cudaFree(base_);
+}
+
+absl::StatusOr<GridAmaxSlot*> AmaxSlotPool::Take() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda:", ordinal_, " already has ", kSlots, " streams open"));
+  }
+  GridAmaxSlot* slot = free_.back();
+  free_.pop_back();
+  return slot;
+}
+
+void AmaxSlotPool::Give(GridAmaxSlot* slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(slot);
+}
+
+CudaOps::CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream,
+                 GridAmaxSlot* amax_slot)
+    : context_(std::move(context)), stream_(std::move(stream)), amax_slot_(amax_slot) {}
 
 CudaOps::~CudaOps() {
   // Library objects must not be destroyed while queued work uses them; after
@@ -27,6 +69,7 @@ CudaOps::~CudaOps() {
   (void)cudaSetDevice(context_->ordinal);
   (void)cudaStreamSynchronize(stream_.get());
   workspace_.reset();
+  context_->amax_slots->Give(amax_slot_);
   gemm_plans_.reset();
   attention_plans_.reset();
   if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);

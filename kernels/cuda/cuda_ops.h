@@ -58,6 +58,46 @@ struct KernelLaunchMemo {
 // Page-locked host buffers kept for reuse (staging.cc). Thread-safe.
 class PinnedStagingPool;
 std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool();
+class CompletionEventPool;  // staging.cc: NewCompletion's events
+
+// A stream's fold slot for FP8 amaxes (common.cuh's AmaxOut): zero at rest,
+// and left at zero by every kernel that folds through it. Kernels of one
+// stream run one after another, so one slot serves all of them.
+struct GridAmaxSlot {
+  unsigned bits;         // the maxima folded so far, as AbsBits
+  unsigned blocks_done;  // blocks of the running kernel that have folded
+};
+
+// Where a kernel folds an FP8 output's amax (common.cuh's FoldAmax): `amax`
+// (null: not recorded) through its stream's slot.
+struct AmaxOut {
+  float* amax = nullptr;
+  GridAmaxSlot* slot = nullptr;
+};
+
+// The device's GridAmaxSlots, one for each stream (CudaOps) while it lives:
+// one block cudaMalloc'd and zeroed when the device opens, outside the
+// caching allocator (no session is charged for it, nothing to order).
+class AmaxSlotPool {
+ public:
+  static constexpr int kSlots = 4096;  // streams open at once on a device
+  static absl::StatusOr<std::shared_ptr<AmaxSlotPool>> Make(int ordinal);
+  ~AmaxSlotPool();
+  AmaxSlotPool(const AmaxSlotPool&) = delete;
+  AmaxSlotPool& operator=(const AmaxSlotPool&) = delete;
+
+  // A slot at zero; RESOURCE_EXHAUSTED when every slot has a stream.
+  absl::StatusOr<GridAmaxSlot*> Take();
+  // Back from a stream with no work pending (its slot at zero again).
+  void Give(GridAmaxSlot* slot);
+
+ private:
+  AmaxSlotPool(int ordinal, GridAmaxSlot* base);
+  const int ordinal_;
+  GridAmaxSlot* const base_;
+  std::mutex mu_;
+  std::vector<GridAmaxSlot*> free_;
+};
 
 // Per-device state shared by all streams on the device. Thread-safe: the
 // allocator locks; cuBLASLt handles may be used from several threads and
@@ -71,6 +111,7 @@ struct CudaContext {
   // megabytes a PutTensor stages, so released buffers are kept for the next.
   std::shared_ptr<PinnedStagingPool> staging_pool = NewPinnedStagingPool();
   mutable KernelLaunchMemo launch_memo;  // filled by launches, not a property
+  std::shared_ptr<AmaxSlotPool> amax_slots;  // made by OpenCudaDevice
 
   ~CudaContext();
 };
@@ -85,9 +126,11 @@ struct AttentionPlanCache;
 // after their CudaOps is gone still return memory in stream order.
 using SharedStream = std::shared_ptr<CUstream_st>;
 
+
 class CudaOps : public Ops {
  public:
-  CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream);
+  // `amax_slot`: from context->amax_slots, given back when this is destroyed.
+  CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream, GridAmaxSlot* amax_slot);
   ~CudaOps() override;
 
   std::string device_name() const override;
@@ -281,6 +324,11 @@ class CudaOps : public Ops {
   // (cuda::GridFor in common.cuh with sm_count()). Defined in common.cuh.
   inline unsigned GridFor(int64_t n, int threads = 256) const;
   cublasLtHandle_t cublaslt() const { return context_->cublaslt; }
+  // An FP8 output's amax for a kernel on this stream (common.cuh's
+  // FoldAmax): fp8's amax (none when undefined) with this stream's slot.
+  AmaxOut AmaxOutFor(const Fp8Output& fp8) const {
+    return fp8.amax.defined() ? AmaxOut{fp8.amax.data_as<float>(), amax_slot_} : AmaxOut{};
+  }
   // This stream's cuDNN handle, created on first use.
   absl::StatusOr<cudnnHandle_t> CudnnHandle();
   // A library workspace of at least `bytes` on this stream, grown on demand and
@@ -308,6 +356,8 @@ class CudaOps : public Ops {
   cudnnHandle_t cudnn_ = nullptr;
   std::shared_ptr<void> workspace_;
   size_t workspace_bytes_ = 0;
+  GridAmaxSlot* const amax_slot_;
+  std::shared_ptr<CompletionEventPool> completion_events_;  // made on first use
   bool capturing_ = false;  // inside CaptureStep
   std::shared_ptr<GemmPlanCache> gemm_plans_;
   std::shared_ptr<AttentionPlanCache> attention_plans_;

@@ -27,12 +27,12 @@ constexpr int64_t kMaxHistory = 32768;
 
 // ---- kernels -------------------------------------------------------------------
 
-// y = cast(x * scale); amax (zeroed before, or null) = max |x|; scale_inv = 1 / scale.
+// y = cast(x * scale); amax (or not recorded) = max |x|; scale_inv = 1 / scale.
 // `vec`: x and y aligned for Pack access; the first n / kVec * kVec elements
 // then move kVec at a time, the rest one at a time.
 template <typename In, typename Out>
 __global__ void QuantizeKernel(const typename In::Storage* x, typename Out::Storage* y,
-                               const float* scale, float* amax, float* scale_inv, int64_t n,
+                               const float* scale, AmaxOut amax, float* scale_inv, int64_t n,
                                bool vec) {
   __shared__ unsigned scratch[32];
   const float s = *scale;
@@ -43,7 +43,7 @@ __global__ void QuantizeKernel(const typename In::Storage* x, typename Out::Stor
   });
   local = BlockMaxBits(local, scratch);
   if (threadIdx.x == 0) {
-    AtomicMaxAbsBits(amax, local);
+    FoldAmax(amax, local);
     if (blockIdx.x == 0) *scale_inv = 1.0f / s;
   }
 }
@@ -58,9 +58,9 @@ __global__ void DequantizeKernel(const typename In::Storage* x, const float* sca
   }
 }
 
-// amax (zeroed before) = max |x|.
+// amax = max |x|.
 template <typename In>
-__global__ void AmaxKernel(const typename In::Storage* x, float* amax, int64_t n) {
+__global__ void AmaxKernel(const typename In::Storage* x, AmaxOut amax, int64_t n) {
   __shared__ unsigned scratch[32];
   unsigned local = 0;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
@@ -68,7 +68,7 @@ __global__ void AmaxKernel(const typename In::Storage* x, float* amax, int64_t n
     local = max(local, AbsBits(In::Load(x[i])));
   }
   local = BlockMaxBits(local, scratch);
-  if (threadIdx.x == 0) AtomicMaxAbsBits(amax, local);
+  if (threadIdx.x == 0) FoldAmax(amax, local);
 }
 
 __global__ void ScaleFromAmaxKernel(const float* amax, float fp8_max, float margin,
@@ -205,26 +205,13 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
   }
 }
 
-// After a QuantizeTransposeKept's quantize: either y held x at this scale
-// already (the amax is the kept one) or it was just written (keep its record).
-__global__ void KeptQuantizationKernel(const float* scale, float* amax, float* kept_scale,
-                                       float* kept_amax) {
-  if (*kept_scale == *scale) {
-    *amax = *kept_amax;
-  } else {
-    *kept_scale = *scale;
-    *kept_amax = *amax;
-  }
-}
-
-// Zeroes amax, then one QuantizeTransposeKernel over x [rows, cols] (shapes
-// TileKernelFits takes); column_partial: null, or [ceil(rows / 64), cols] f32;
-// kept_scale: null, or QuantizeTransposeKept's record of y's scale.
-absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tensor* y,
-                                     Tensor* y_t, float* column_partial, cudaStream_t stream,
-                                     const float* kept_scale = nullptr) {
+// One QuantizeTransposeKernel over x [rows, cols] (shapes TileKernelFits
+// takes); column_partial: null, or [ceil(rows / 64), cols] f32; kept:
+// null, or QuantizeTransposeKept's record of y's scale and amax.
+void LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, AmaxOut amax, Tensor* y,
+                             Tensor* y_t, float* column_partial, cudaStream_t stream,
+                             const Ops::KeptQuantization* kept = nullptr) {
   const int64_t rows = x.dim(0), cols = x.dim(1);
-  RETURN_IF_ERROR(ZeroAmax(fp8, stream));
   const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
@@ -232,13 +219,12 @@ absl::Status LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, Tens
       using Out = decltype(out);
       QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream>>>(
           static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
-          static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
-          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), column_partial, rows, cols,
-          kept_scale);
+          static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(), amax,
+          fp8.scale_inv.data_as<float>(), column_partial, rows, cols,
+          kept != nullptr ? kept->scale.data_as<float>() : nullptr,
+          kept != nullptr ? kept->amax.data_as<float>() : nullptr);
     });
   });
-  CUDA_RETURN_IF_LAUNCH_ERROR();
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -249,7 +235,6 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
   RETURN_IF_ERROR(CheckQuantizeArgs(x, fp8, y));
   RETURN_IF_ERROR(Enter());
   const int64_t n = x.numel();
-  RETURN_IF_ERROR(ZeroAmax(fp8, stream()));
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
@@ -258,7 +243,7 @@ absl::Status CudaOps::Quantize(const Tensor& x, const Fp8Output& fp8, Tensor* y)
       QuantizeKernel<In, Out><<<GridFor(vec ? n / kVec : n), kThreads, 0, stream()>>>(
           static_cast<const typename In::Storage*>(x.data()),
           static_cast<typename Out::Storage*>(y->data()), fp8.scale.data_as<const float>(),
-          fp8.amax.data_as<float>(), fp8.scale_inv.data_as<float>(), n, vec);
+          AmaxOutFor(fp8), fp8.scale_inv.data_as<float>(), n, vec);
     });
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
@@ -271,7 +256,9 @@ absl::Status CudaOps::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, T
   // Shapes the tile kernel cannot take: quantize, then transpose.
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTranspose(x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
-  return LaunchQuantizeTranspose(x, fp8, y, y_t, nullptr, stream());
+  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, nullptr, stream());
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
 }
 
 absl::Status CudaOps::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
@@ -282,11 +269,7 @@ absl::Status CudaOps::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp
   // Shapes the tile kernel cannot take: the reference's host-side decision.
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeKept(x, fp8, kept, y, y_t);
   RETURN_IF_ERROR(Enter());
-  RETURN_IF_ERROR(LaunchQuantizeTranspose(x, fp8, y, y_t, nullptr, stream(),
-                                          kept.scale.data_as<const float>()));
-  KeptQuantizationKernel<<<1, 1, 0, stream()>>>(
-      fp8.scale.data_as<const float>(), fp8.amax.data_as<float>(), kept.scale.data_as<float>(),
-      kept.amax.data_as<float>());
+  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, nullptr, stream(), &kept);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -302,7 +285,7 @@ absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& f
   // One partial row of column sums per 64-row tile: 2 MiB at [8192, 4096].
   const int64_t row_tiles = (rows + 63) / 64;
   ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {row_tiles, cols}));
-  RETURN_IF_ERROR(LaunchQuantizeTranspose(x, fp8, y, y_t, partial.data_as<float>(), stream()));
+  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, partial.data_as<float>(), stream());
   LaunchPartialColumnSums(partial.data_as<const float>(), row_tiles, cols, dbias->dtype(),
                           dbias->data(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
@@ -331,12 +314,11 @@ absl::Status CudaOps::Amax(const Tensor& x, Tensor* amax) {
   RETURN_IF_ERROR(CheckAmaxArgs(x, amax));
   RETURN_IF_ERROR(Enter());
   const int64_t n = x.numel();
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(amax->data(), 0, sizeof(float), stream()));
-  if (n == 0) return absl::OkStatus();
   DispatchFloatOrFp8(x.dtype(), [&](auto in) {
     using In = decltype(in);
     AmaxKernel<In><<<GridFor(n), kThreads, 0, stream()>>>(
-        static_cast<const typename In::Storage*>(x.data()), amax->data_as<float>(), n);
+        static_cast<const typename In::Storage*>(x.data()), AmaxOut{amax->data_as<float>(), amax_slot_},
+        n);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

@@ -97,7 +97,7 @@ __device__ __forceinline__ void NormForwardRow(
 }
 
 // x, y: [rows, cols]; gamma, beta: [cols] (beta null for RMSNorm); mu, rsigma:
-// [rows] or null. FP8 y: scale, scale_inv non-null, amax zeroed before or null.
+// [rows] or null. FP8 y: scale, scale_inv non-null, amax recorded or not.
 // The row is read from memory once, into `cache` (cols floats per block: shared
 // memory, or a global scratch row [gridDim.x, cols] when it does not fit).
 // Each thread only reads back the cache entries it wrote, so the cache needs no
@@ -107,7 +107,7 @@ __global__ void NormForwardKernel(const typename In::Storage* x, const typename 
                                   const typename G::Storage* beta, typename Out::Storage* y,
                                   float* mu, float* rsigma, int64_t rows, int64_t cols,
                                   float epsilon, bool layernorm, bool zero_centered,
-                                  const float* scale, float* amax, float* scale_inv,
+                                  const float* scale, AmaxOut amax, float* scale_inv,
                                   float* global_cache, bool vec) {
   extern __shared__ float shared_cache[];
   float* cache = global_cache != nullptr ? global_cache + blockIdx.x * cols : shared_cache;
@@ -129,9 +129,9 @@ __global__ void NormForwardKernel(const typename In::Storage* x, const typename 
     }
   }
   if (scale_inv != nullptr) {  // FP8 y; its amax may go unrecorded
-    if (amax != nullptr) amax_bits = BlockMaxBits(amax_bits, max_scratch);
+    if (amax.amax != nullptr) amax_bits = BlockMaxBits(amax_bits, max_scratch);
     if (threadIdx.x == 0) {
-      AtomicMaxAbsBits(amax, amax_bits);
+      FoldAmax(amax, amax_bits);
       if (blockIdx.x == 0) *scale_inv = 1.0f / s;
     }
   }
@@ -305,7 +305,7 @@ template <typename In, typename G, typename Out>
 NormForwardParams<In, G, Out> ForwardParams(const NormArgs& args, const Tensor& x,
                                             const Tensor& gamma, const Tensor& beta, Tensor* y,
                                             Tensor* mu, Tensor* rsigma, const Fp8Output* fp8,
-                                            int64_t rows, int64_t cols) {
+                                            AmaxOut amax, int64_t rows, int64_t cols) {
   const bool layernorm = args.type == NormType::kLayerNorm;
   NormForwardParams<In, G, Out> p;
   p.x = static_cast<const typename In::Storage*>(x.data());
@@ -321,7 +321,7 @@ NormForwardParams<In, G, Out> ForwardParams(const NormArgs& args, const Tensor& 
   p.zero_centered = args.zero_centered_gamma;
   const bool quantized = fp8 != nullptr && IsFloat8(y->dtype());
   p.scale = quantized ? fp8->scale.data_as<const float>() : nullptr;
-  p.amax = quantized ? fp8->amax.data_as<float>() : nullptr;
+  p.amax = quantized ? amax : AmaxOut{};
   p.scale_inv = quantized ? fp8->scale_inv.data_as<float>() : nullptr;
   return p;
 }
@@ -339,9 +339,7 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
   const int64_t rows = dims.rows;
   RETURN_IF_ERROR(Enter());
   const bool quantized = IsFloat8(y->dtype());
-  if (quantized) {
-    RETURN_IF_ERROR(ZeroAmax(*fp8, stream()));
-  }
+  const AmaxOut amax = quantized ? AmaxOutFor(*fp8) : AmaxOut{};
   // An FP8 y with no rows still gets amax 0 and its scale_inv: one idle block.
   if (!quantized && (rows == 0 || cols == 0)) return absl::OkStatus();
   const int warps = FastForwardWarps(x, gamma, beta, *y, layernorm, rows, cols);
@@ -365,7 +363,7 @@ absl::Status CudaOps::NormForward(const NormArgs& args, const Tensor& x, const T
         using G = decltype(g);
         using Out = decltype(out);
         const NormForwardParams<In, G, Out> p =
-            ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, fp8, rows, cols);
+            ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, fp8, amax, rows, cols);
         if (warps > 0) {
           auto kernel = NormForwardFastKernel<In, G, Out>;
           const int64_t groups = kForwardThreads / (32 * warps);
@@ -411,7 +409,6 @@ absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& 
   // Shapes the fused kernel cannot take: NormForward, then a transpose.
   if (!fused) return Ops::NormForwardTransposed(args, x, gamma, beta, fp8, y, y_t, mu, rsigma);
   RETURN_IF_ERROR(Enter());
-  RETURN_IF_ERROR(ZeroAmax(fp8, stream()));
   // A tile of codes is tile_rows x (cols + 4) bytes of shared memory, at most
   // ~128 KiB: 32 rows up to H = 4096 (each y_t row then gets 32-byte runs, a
   // whole sector), 16 rows above.
@@ -434,7 +431,8 @@ absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& 
         const int64_t grid =
             std::min(tiles, ResidentBlocks(context(), kernel, threads, tile_bytes));
         kernel<<<static_cast<unsigned>(grid), threads, tile_bytes, stream()>>>(
-            ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, &fp8, rows, cols),
+            ForwardParams<In, G, Out>(args, x, gamma, beta, y, mu, rsigma, &fp8, AmaxOutFor(fp8),
+                                      rows, cols),
             static_cast<uint8_t*>(y_t->data()), warps, tile_rows);
       });
     });

@@ -195,7 +195,7 @@ __device__ __forceinline__ Pack<typename Out::Storage> NormPack(
 
 // The pointers and sizes of one NormForward, for the fast kernels. x, y:
 // [rows, cols]; gamma, beta: [cols] (beta null for RMSNorm); mu, rsigma: [rows]
-// or null. FP8 y: scale, amax (zeroed before) and scale_inv non-null; a float
+// or null. FP8 y: scale and scale_inv non-null, amax recorded or not; a float
 // y: all three null.
 template <typename In, typename G, typename Out>
 struct NormForwardParams {
@@ -211,18 +211,18 @@ struct NormForwardParams {
   bool layernorm;
   bool zero_centered;
   const float* scale;
-  float* amax;
+  AmaxOut amax;
   float* scale_inv;
 };
 
 // Folds the block's amax into the global one, when it is recorded, and
 // writes scale_inv (FP8 y only).
-__device__ __forceinline__ void FinishAmax(unsigned bits, float* amax, float* scale_inv, float s,
-                                           unsigned* scratch) {
+__device__ __forceinline__ void FinishAmax(unsigned bits, const AmaxOut& amax, float* scale_inv,
+                                           float s, unsigned* scratch) {
   if (scale_inv == nullptr) return;
-  if (amax != nullptr) bits = BlockMaxBits(bits, scratch);
+  if (amax.amax != nullptr) bits = BlockMaxBits(bits, scratch);
   if (threadIdx.x == 0) {
-    AtomicMaxAbsBits(amax, bits);
+    FoldAmax(amax, bits);
     if (blockIdx.x == 0) *scale_inv = 1.0f / s;
   }
 }

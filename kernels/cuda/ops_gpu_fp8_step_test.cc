@@ -140,6 +140,8 @@ TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
     EXPECT_NE(0, std::memcmp(Fetch(y.gpu).data(), made.data(), made.nbytes()));
     ExpectScalarMatches(scale_inv, "scale_inv after the scale moved");
     ExpectScalarMatches(kept_scale, "kept.scale after the scale moved");
+    ExpectScalarMatches(amax, "amax after the scale moved");
+    ExpectScalarMatches(kept_amax, "kept.amax after the scale moved");
   }
 }
 

@@ -94,6 +94,46 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + ShapeName(std::get<2>(info.param));
     });
 
+// Each launch's amax is its own: the blocks fold through the stream's slot
+// with no memset before them, so a slot the last launch left dirty would
+// show here as the previous, larger amax. Large and small inputs alternate
+// through every quantizing path of this file, the amax poisoned before each.
+TEST_F(GpuTest, EachQuantizingLaunchRecordsItsOwnAmax) {
+  const Shape shape{192, 320};  // 15 x 3 tiles, a grid-stride grid of many blocks
+  for (int round = 0; round < 6; ++round) {
+    const float range = round % 2 == 0 ? 100.0f : 0.5f;
+    const Pair x = Random(DType::kBF16, shape, 40 + round, -range, range);
+    const std::string what = "round " + std::to_string(round);
+    Fp8Pair side = Fp8Side(1.0f);
+    side.amax = Scalar(1e30f);
+    Pair q = Output(DType::kE5M2, shape), q_t = Output(DType::kE5M2, {shape[1], shape[0]});
+    switch (round % 3) {
+      case 0:
+        ASSERT_TRUE(cpu_->Quantize(x.cpu, side.cpu(), &q.cpu).ok());
+        ASSERT_TRUE(gpu_->Quantize(x.gpu, side.gpu(), &q.gpu).ok());
+        break;
+      case 1:
+        ASSERT_TRUE(cpu_->QuantizeTranspose(x.cpu, side.cpu(), &q.cpu, &q_t.cpu).ok());
+        ASSERT_TRUE(gpu_->QuantizeTranspose(x.gpu, side.gpu(), &q.gpu, &q_t.gpu).ok());
+        break;
+      default: {
+        Pair dbias = Output(DType::kF32, {shape[1]});
+        ASSERT_TRUE(
+            cpu_->QuantizeTransposeDbias(x.cpu, side.cpu(), &q.cpu, &q_t.cpu, &dbias.cpu).ok());
+        ASSERT_TRUE(
+            gpu_->QuantizeTransposeDbias(x.gpu, side.gpu(), &q.gpu, &q_t.gpu, &dbias.gpu).ok());
+      }
+    }
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    EXPECT_EQ(Fetch(side.amax.gpu).data_as<float>()[0], side.amax.cpu.data_as<float>()[0])
+        << what;
+    Pair amax = Scalar(1e30f);
+    ASSERT_TRUE(cpu_->Amax(x.cpu, &amax.cpu).ok());
+    ASSERT_TRUE(gpu_->Amax(x.gpu, &amax.gpu).ok());
+    EXPECT_EQ(Fetch(amax.gpu).data_as<float>()[0], amax.cpu.data_as<float>()[0]) << what;
+  }
+}
+
 // Views 4 elements into their allocations: x, y and y_t keep the tile
 // kernel's 4-element alignment but not 16 bytes, so a shape that would take
 // the 16-byte loads and stores takes the 4-element words instead, with the

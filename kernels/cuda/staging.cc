@@ -105,16 +105,66 @@ std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool() {
   return std::make_shared<PinnedStagingPool>();
 }
 
+// Events for NewCompletion, kept for the next: a training step answered
+// after its turn takes one a step, and creating and destroying a CUDA event
+// each time is setup on the step's path. A Completion may outlive its
+// CudaOps (a late answer), so it holds the pool, not the ops.
+class CompletionEventPool {
+ public:
+  explicit CompletionEventPool(int ordinal) : ordinal_(ordinal) {}
+  ~CompletionEventPool() {
+    (void)cudaSetDevice(ordinal_);
+    for (cudaEvent_t event : idle_) (void)cudaEventDestroy(event);
+  }
+  CompletionEventPool(const CompletionEventPool&) = delete;
+  CompletionEventPool& operator=(const CompletionEventPool&) = delete;
+
+  // The caller has made the device current.
+  absl::StatusOr<cudaEvent_t> Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        cudaEvent_t event = idle_.back();
+        idle_.pop_back();
+        return event;
+      }
+    }
+    cudaEvent_t event = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+  // A recorded event may still be pending: the next DownloadAsync records it
+  // again behind later work, which is what its next Wait() waits for.
+  void Give(cudaEvent_t event) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (idle_.size() < kMaxIdle) {
+        idle_.push_back(event);
+        return;
+      }
+    }
+    (void)cudaSetDevice(ordinal_);
+    (void)cudaEventDestroy(event);
+  }
+
+ private:
+  static constexpr size_t kMaxIdle = 16;  // a few completions in flight a stream
+  const int ordinal_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> idle_;
+};
+
 namespace {
 
 class EventCompletion final : public Ops::Completion {
  public:
-  explicit EventCompletion(cudaEvent_t event) : event_(event) {}
-  ~EventCompletion() override { (void)cudaEventDestroy(event_); }
+  EventCompletion(std::shared_ptr<CompletionEventPool> pool, cudaEvent_t event)
+      : pool_(std::move(pool)), event_(event) {}
+  ~EventCompletion() override { pool_->Give(event_); }
   EventCompletion(const EventCompletion&) = delete;
   EventCompletion& operator=(const EventCompletion&) = delete;
 
-  // An event never recorded counts as done.
+  // An event never recorded, or recorded and done, counts as done.
   absl::Status Wait() override {
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
     return absl::OkStatus();
@@ -122,6 +172,7 @@ class EventCompletion final : public Ops::Completion {
   cudaEvent_t event() const { return event_; }
 
  private:
+  const std::shared_ptr<CompletionEventPool> pool_;
   cudaEvent_t event_;
 };
 
@@ -129,9 +180,11 @@ class EventCompletion final : public Ops::Completion {
 
 absl::StatusOr<std::unique_ptr<Ops::Completion>> CudaOps::NewCompletion() {
   RETURN_IF_ERROR(Enter());
-  cudaEvent_t event = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  return std::make_unique<EventCompletion>(event);
+  if (completion_events_ == nullptr) {
+    completion_events_ = std::make_shared<CompletionEventPool>(ordinal());
+  }
+  ASSIGN_OR_RETURN(cudaEvent_t event, completion_events_->Take());
+  return std::make_unique<EventCompletion>(completion_events_, event);
 }
 
 absl::Status CudaOps::DownloadAsync(const Tensor& src, void* dst, Completion* done) {
