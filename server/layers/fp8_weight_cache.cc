@@ -1,12 +1,27 @@
 #include "server/layers/fp8_weight_cache.h"
 
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "kernels/status_macros.h"
+#include "server/layers/variables.h"
 
 namespace te::layers {
+namespace {
+
+// The module's variable "<collection>/<rest>" as its layer names it when the
+// module's variables are under `scope` ("fp8_metas/mlp/wi_kernel_scale" in
+// "TransformerLayer_0": "fp8_metas/TransformerLayer_0/mlp/wi_kernel_scale"),
+// as a graph scopes its module nodes' variables.
+std::string InLayer(const std::string& scope, const std::string& name) {
+  const size_t slash = name.find('/');
+  if (slash == std::string::npos) return JoinScope(scope, name);
+  return VariableName(name.substr(0, slash), scope, name.substr(slash + 1));
+}
+
+}  // namespace
 
 absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& fp8,
                                                      const QuantizerSet& set,
@@ -32,7 +47,11 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
     pending_.push_back(key);
   }
   Entry& entry = it->second;
-  const std::string& scale_name = set.ScaleName(QuantizerRole::kKernel);
+  // The scale by the layer's name, which the update looks up in the layer's
+  // variables (CopiesForUpdate): a graph's module knows it by its own.
+  const std::string& own_name = set.ScaleName(QuantizerRole::kKernel);
+  const std::string scale_name =
+      fp8.variables_scope.empty() ? own_name : InLayer(fp8.variables_scope, own_name);
   GemmOperand out = entry.op;
   out.transpose = false;
   // Inference moves no scale and writes no weight: a copy checked in this

@@ -59,7 +59,8 @@ class Fp8WeightCache {
   // An optimizer step is about to write the "params/..." of `vars` in place:
   // the kept copy of each param that the step is to rewrite as it writes the
   // param, by the param's storage (OptimizerSlot::fp8), with the kernel
-  // quantizer's scale as `vars` holds it. Call it after the step's
+  // quantizer's scale as `vars` (the layer's variables, by the layer's
+  // names) holds it. Call it after the step's
   // delayed-scaling update, so that is the scale the next forward quantizes
   // with; if the scale moves after all, the copy's record (made with the
   // scale it was made with) makes that forward quantize again. Every copy
@@ -97,7 +98,10 @@ class Fp8WeightCache {
     Tensor weight;  // held, so its address names it for as long as the entry lives
     GemmOperand op;
     Ops::KeptQuantization kept;
-    std::string scale_name;  // the kernel quantizer's scale it was last quantized for
+    // The kernel quantizer's scale it was last quantized for, by the layer's
+    // name for it (a graph's module names it under its node:
+    // Fp8Recipe::variables_scope), as CopiesForUpdate looks it up.
+    std::string scale_name;
     uint64_t checked_in_call = 0;  // call_ when it was last checked against that scale
   };
   // The weight's storage, its 2-D view and the FP8 dtype.

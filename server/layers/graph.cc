@@ -23,6 +23,7 @@
 #include "server/layers/blocks.h"
 #include "server/layers/flax_embed.h"
 #include "server/layers/graph_internal.h"
+#include "server/layers/variables.h"
 
 namespace te::layers {
 namespace {
@@ -533,6 +534,17 @@ class GraphLayer : public Layer {
     }
     ForwardOptions module_opts = opts;
     module_opts.dropout_seed = SeedOf(opts.dropout_seed, node.name);
+    // The module sees its variables under its own names (ScopeView): the
+    // recipe says where they are in the layer's, so the FP8 weight copies it
+    // keeps are known to the layer's optimizer update by the layer's names
+    // (Fp8Recipe::variables_scope); otherwise every update would drop them
+    // and each step make and quantize them all again.
+    Fp8Recipe module_fp8;
+    if (opts.fp8 != nullptr && !node.name.empty()) {
+      module_fp8 = *opts.fp8;
+      module_fp8.variables_scope = JoinScope(opts.fp8->variables_scope, node.name);
+      module_opts.fp8 = &module_fp8;
+    }
     Variables view = ScopeView(*vars, node.name);
     LayerOutputs module_out;
     RETURN_IF_ERROR(AboutNode(node, node.module->Forward(ops, &view, module_in, module_opts,

@@ -66,6 +66,15 @@ struct Fp8Recipe {
   // checked against its scale in the weight cache's open call, is used as
   // it stands for the rest of that call.
   bool inference = false;
+  // Not the recipe either: where the module run with it finds its variables
+  // among its layer's, "" when they are the layer's own names. A graph runs
+  // each module node on a view of the layer's variables under the module's
+  // names ("fp8_metas/mlp/wi_kernel_scale" for the layer's
+  // "fp8_metas/TransformerLayer_0/mlp/wi_kernel_scale"), and sets this to
+  // the node's name: the weight cache names a kept copy's scale as the layer
+  // does, which is how the optimizer's update finds it
+  // (Fp8WeightCache::CopiesForUpdate).
+  std::string variables_scope;
 
   DType forward_dtype() const { return format == Format::kE5M2 ? DType::kE5M2 : DType::kE4M3; }
   DType backward_dtype() const { return format == Format::kE4M3 ? DType::kE4M3 : DType::kE5M2; }
