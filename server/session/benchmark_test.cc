@@ -33,15 +33,11 @@ class BenchmarkTest : public ::testing::Test {
     session_ = std::make_unique<Session>("benchmark", device_->info(),
                                          *device_->NewOps(int64_t{1} << 30), SessionConfig(),
                                          te::v1::EMULATE, DelayedScalingRecipe());
-    te::v1::InitLayerRequest init;
+    te::v1::InitLayerRequest init = testing::AutocastInitRequest(5, {kBatch, kSeq, kHidden});
     te::v1::LayerNormMLP* mlp = init.mutable_spec()->mutable_layer_norm_mlp();
     mlp->set_intermediate_dim(kFfn);
     mlp->add_activations("gelu");
     mlp->set_intermediate_dropout_rate(0.0f);
-    init.set_seed(5);
-    init.set_input_dtype(te::v1::FLOAT32);
-    for (int64_t d : {kBatch, kSeq, kHidden}) init.add_input_shape(d);
-    init.mutable_autocast()->set_enabled(true);
     te::v1::InitLayerResponse layer;
     const absl::Status initialised = session_->InitLayer(init, &layer);
     ASSERT_TRUE(initialised.ok()) << initialised;

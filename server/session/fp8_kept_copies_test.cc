@@ -108,23 +108,15 @@ class GraphTraining {
     session_ = std::make_unique<Session>("fp8_kept_copies", device_->info(), std::move(ops),
                                          SessionConfig(), te::v1::EMULATE,
                                          DelayedScalingRecipe());
-    te::v1::InitLayerRequest init;
+    te::v1::InitLayerRequest init = testing::AutocastInitRequest(5, {kBatch, kSeq, kHidden});
     *init.mutable_spec() = GraphOfModules();
-    init.set_seed(5);
-    init.set_input_dtype(te::v1::FLOAT32);
-    for (int64_t d : {kBatch, kSeq, kHidden}) init.add_input_shape(d);
-    init.mutable_autocast()->set_enabled(true);
     te::v1::InitLayerResponse layer;
     const absl::Status initialised = session_->InitLayer(init, &layer);
     EXPECT_TRUE(initialised.ok()) << initialised;
     layer_id_ = layer.layer_id();
-    te::v1::SetOptimizerRequest optimizer;
-    optimizer.set_layer_id(layer_id_);
-    te::v1::AdamW* adamw = optimizer.mutable_optimizer()->mutable_adamw();
-    adamw->mutable_learning_rate()->set_constant(0.05);
-    adamw->set_weight_decay(0.01);
     te::v1::SetOptimizerResponse unused;
-    const absl::Status set = session_->SetOptimizer(optimizer, &unused);
+    const absl::Status set =
+        session_->SetOptimizer(testing::AdamWRequest(layer_id_, 0.05, 0.01), &unused);
     EXPECT_TRUE(set.ok()) << set;
   }
 

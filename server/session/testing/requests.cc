@@ -71,4 +71,22 @@ te::v1::GraphSpec::Node* AddNode(te::v1::GraphSpec* g, const std::string& name,
   return node;
 }
 
+te::v1::InitLayerRequest AutocastInitRequest(uint64_t seed, const std::vector<int64_t>& shape) {
+  te::v1::InitLayerRequest init;
+  init.set_seed(seed);
+  init.set_input_dtype(te::v1::FLOAT32);
+  for (int64_t d : shape) init.add_input_shape(d);
+  init.mutable_autocast()->set_enabled(true);
+  return init;
+}
+
+te::v1::SetOptimizerRequest AdamWRequest(const std::string& layer_id, double lr, double decay) {
+  te::v1::SetOptimizerRequest optimizer;
+  optimizer.set_layer_id(layer_id);
+  te::v1::AdamW* adamw = optimizer.mutable_optimizer()->mutable_adamw();
+  adamw->mutable_learning_rate()->set_constant(lr);
+  adamw->set_weight_decay(decay);
+  return optimizer;
+}
+
 }  // namespace te::session::testing

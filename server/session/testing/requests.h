@@ -19,6 +19,11 @@ te::v1::Tensor RandomFloats(const std::vector<int64_t>& shape, uint64_t seed, fl
 te::v1::Tensor RandomIds(const std::vector<int64_t>& shape, uint64_t seed, int64_t vocab);
 // DelayedScaling: HYBRID, an amax history of 4, "max".
 te::v1::Recipe DelayedScalingRecipe();
+// InitLayer of `spec` (the caller fills it in) with `seed`, for a float32
+// input of `shape`, under autocast (the session's recipe).
+te::v1::InitLayerRequest AutocastInitRequest(uint64_t seed, const std::vector<int64_t>& shape);
+// AdamW for `layer_id`: a constant learning rate `lr`, weight decay `decay`.
+te::v1::SetOptimizerRequest AdamWRequest(const std::string& layer_id, double lr, double decay);
 // A node of `g` named `name` reading `inputs` and making `outputs`; the
 // caller sets its op.
 te::v1::GraphSpec::Node* AddNode(te::v1::GraphSpec* g, const std::string& name,
