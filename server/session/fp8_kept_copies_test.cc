@@ -28,6 +28,7 @@
 #include "kernels/ops.h"
 #include "server/session/session.h"
 #include "server/session/testing/requests.h"
+#include "server/session/testing/session_calls.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
@@ -140,37 +141,17 @@ class GraphTraining {
 
   // Every variable: "collection/path" -> its bytes.
   std::map<std::string, std::string> Variables() {
-    te::v1::GetVariablesRequest request;
-    request.set_layer_id(layer_id_);
-    te::v1::GetVariablesResponse response;
-    const absl::Status got = session_->GetVariables(request, &response);
-    EXPECT_TRUE(got.ok()) << got;
-    std::map<std::string, std::string> out;
-    for (const te::v1::Variable& v : response.variables()) {
-      out[v.collection() + "/" + v.path()] = v.value().inline_data();
-    }
-    return out;
+    absl::StatusOr<std::map<std::string, std::string>> bytes =
+        testing::VariableBytes(*session_, layer_id_);
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    return bytes.ok() ? *std::move(bytes) : std::map<std::string, std::string>{};
   }
 
-  // Sets one fp8_metas variable to the value it has: no number changes, and
-  // the kept copies go (SetVariables), then the older version is released.
+  // No number changes, and the kept copies go (SetVariables); the older
+  // versions are released.
   void DropKeptCopies() {
-    te::v1::GetVariablesRequest get;
-    get.set_layer_id(layer_id_);
-    get.add_collections("fp8_metas");
-    te::v1::GetVariablesResponse metas;
-    ASSERT_TRUE(session_->GetVariables(get, &metas).ok());
-    ASSERT_GT(metas.variables_size(), 0);
-    te::v1::SetVariablesRequest set;
-    set.set_layer_id(layer_id_);
-    *set.add_variables() = metas.variables(0);
-    te::v1::SetVariablesResponse response;
-    const absl::Status done = session_->SetVariables(set, &response);
-    ASSERT_TRUE(done.ok()) << done;
-    te::v1::ReleaseVersionsRequest release;
-    release.set_layer_id(layer_id_);
-    for (int64_t v = 1; v < response.version(); ++v) release.add_versions(v);
-    ASSERT_TRUE(session_->ReleaseVersions(release).ok());
+    const absl::StatusOr<int64_t> rewritten = testing::RewriteFirstFp8Meta(*session_, layer_id_);
+    ASSERT_TRUE(rewritten.ok()) << rewritten.status();
   }
 
   const Counts& counts() const { return counts_; }

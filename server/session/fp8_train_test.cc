@@ -18,6 +18,7 @@
 #include "kernels/ops.h"
 #include "server/session/session.h"
 #include "server/session/testing/requests.h"
+#include "server/session/testing/session_calls.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
@@ -81,38 +82,19 @@ class TrainedSession {
 
   // Every variable: "collection/path" -> its bytes.
   std::map<std::string, std::string> Variables() {
-    te::v1::GetVariablesRequest request;
-    request.set_layer_id(layer_id_);
-    te::v1::GetVariablesResponse response;
-    const absl::Status got = session_->GetVariables(request, &response);
-    EXPECT_TRUE(got.ok()) << got;
-    std::map<std::string, std::string> out;
-    for (const te::v1::Variable& v : response.variables()) {
-      EXPECT_TRUE(v.value().resident_id().empty()) << "a variable came back resident";
-      out[v.collection() + "/" + v.path()] = v.value().inline_data();
-    }
-    return out;
+    absl::StatusOr<std::map<std::string, std::string>> bytes =
+        testing::VariableBytes(*session_, layer_id_);
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    return bytes.ok() ? *std::move(bytes) : std::map<std::string, std::string>{};
   }
 
-  // Sets one fp8_metas variable to the value it has: the numbers stay, and
-  // the kept FP8 copies go, as after any write to the variables.
+  // The kept FP8 copies go, as after any write to the variables; no number
+  // changes. The replaced meta's old bytes stay in its step's block of
+  // fp8_metas copies (StepTransaction::Open) until the block's last view goes.
   void DropKeptCopies() {
-    te::v1::GetVariablesRequest get;
-    get.set_layer_id(layer_id_);
-    get.add_collections("fp8_metas");
-    te::v1::GetVariablesResponse metas;
-    ASSERT_TRUE(session_->GetVariables(get, &metas).ok());
-    ASSERT_GT(metas.variables_size(), 0);
-    te::v1::SetVariablesRequest set;
-    set.set_layer_id(layer_id_);
-    *set.add_variables() = metas.variables(0);
-    // The replaced meta's old bytes stay in its step's block of fp8_metas
-    // copies (StepTransaction::Open) until the block's last view goes.
-    replaced_meta_bytes_ = static_cast<int64_t>(metas.variables(0).value().inline_data().size());
-    te::v1::SetVariablesResponse response;
-    const absl::Status done = session_->SetVariables(set, &response);
-    ASSERT_TRUE(done.ok()) << done;
-    ReleaseAllBut(response.version());
+    absl::StatusOr<int64_t> meta_bytes = testing::RewriteFirstFp8Meta(*session_, layer_id_);
+    ASSERT_TRUE(meta_bytes.ok()) << meta_bytes.status();
+    replaced_meta_bytes_ = *meta_bytes;
   }
 
   // A client that holds only the newest version (variables as values):

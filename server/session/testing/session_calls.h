@@ -1,0 +1,29 @@
+// Calls on a Session that several of the session's tests make the same way.
+#ifndef TE_SERVER_SESSION_TESTING_SESSION_CALLS_H_
+#define TE_SERVER_SESSION_TESTING_SESSION_CALLS_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/session/session.h"
+
+namespace te::session::testing {
+
+// Every variable of the layer's newest version, "collection/path" -> its
+// bytes, as GetVariables sends them inline (an error if one came back
+// resident).
+absl::StatusOr<std::map<std::string, std::string>> VariableBytes(Session& session,
+                                                                  const std::string& layer_id);
+
+// Sets the layer's first fp8_metas variable to the value it has: no number
+// changes, and the kept FP8 weight copies go, as after any write to the
+// variables. Then releases every version older than the one that makes, as a
+// client that holds only the newest does. Returns the rewritten meta's size
+// in bytes.
+absl::StatusOr<int64_t> RewriteFirstFp8Meta(Session& session, const std::string& layer_id);
+
+}  // namespace te::session::testing
+
+#endif  // TE_SERVER_SESSION_TESTING_SESSION_CALLS_H_
