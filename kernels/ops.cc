@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -57,7 +58,13 @@ const Tensor* Ops::CastMemo::Find(const Tensor& x, DType dtype) const {
 
 void Ops::CastMemo::Keep(const Tensor& x, Tensor copy) {
   const DType dtype = copy.dtype();
-  kept_.insert_or_assign({x.data(), dtype}, Kept{x, std::move(copy)});
+  kept_.insert_or_assign({x.data(), dtype}, Kept{x, std::move(copy), ++stamp_});
+}
+
+void Ops::CastMemo::ForgetSince(uint64_t stamp) {
+  for (auto it = kept_.begin(); it != kept_.end();) {
+    it = it->second.stamp > stamp ? kept_.erase(it) : std::next(it);
+  }
 }
 
 absl::StatusOr<Tensor> Ops::CastKept(const Tensor& x, DType dtype) {

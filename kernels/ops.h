@@ -399,10 +399,16 @@ struct OptimizerFp8Copy {
 // copy of param the step keeps current (fp8.data undefined: none). Under a
 // chain, `state` holds the links' per-parameter state instead of mu and nu
 // (OptimizerHyperparams::num_state tensors in the param's dtype and shape).
+// compute_copy (undefined: none) is the param cast to the dtype its GEMMs
+// compute in (bf16 or f16, any shape of the param's element count), as
+// Ops::CastKept keeps it across a training session's steps: the step writes
+// it from the new param as it writes the param, so the next forward reads
+// it instead of casting every weight again.
 struct OptimizerSlot {
   Tensor param, mu, nu;
   OptimizerFp8Copy fp8;
   std::vector<Tensor> state;
+  Tensor compute_copy;
 };
 // What one step did, written on the device by the step itself (so the host
 // reads it with the step's other results, never in between).
@@ -444,11 +450,11 @@ class OptimizerPlan {
   std::vector<Planned> planned_;
   std::vector<size_t> planned_state_;
   Tensor info_;
-  static constexpr int kPlannedPerSlot = 8;
+  static constexpr int kPlannedPerSlot = 9;
   static std::array<const Tensor*, kPlannedPerSlot> PlannedOf(const OptimizerSlot& s) {
     return {&s.param,         &s.mu,           &s.nu,
             &s.fp8.data,      &s.fp8.data_t,   &s.fp8.scale_inv,
-            &s.fp8.kept_scale, &s.fp8.kept_amax};
+            &s.fp8.kept_scale, &s.fp8.kept_amax, &s.compute_copy};
   }
   void Remember(const OptimizerHyperparams& h, const std::vector<OptimizerSlot>& slots,
                 const Tensor& count, const Tensor& total_notfinite) {
@@ -592,7 +598,8 @@ class Ops {
   // The memo holds every x it has seen, so their memory is not reused for
   // other tensors while it lives, and its copies count in bytes_in_use()
   // until it goes. Only for tensors that do not change while it is
-  // installed: weights, never activations.
+  // installed, or whose every change rewrites the copy too: weights, never
+  // activations.
   class CastMemo;
   void set_cast_memo(std::shared_ptr<CastMemo> memo) { cast_memo_ = std::move(memo); }
   const std::shared_ptr<CastMemo>& cast_memo() const { return cast_memo_; }
@@ -977,13 +984,16 @@ class Ops {
   //     data_t, scale_inv, kept_amax = max |param| (QuantizeTranspose's
   //     amax), kept_scale = scale; a skipped step, or a slot without a
   //     gradient, leaves the copy as it is (it still holds the param);
+  //   each updated slot's compute_copy as Cast makes it from the new param
+  //     (the same rule for skipped steps and slots without a gradient);
   //   *count = c + applied, *total_notfinite += !applied (both saturating at
   //     INT32_MAX), and plan.info() = OptimizerStepInfo.
   // count and total_notfinite: int32 [1] on the device. grads[i] is slot i's
   // gradient (float, the param's element count) or an undefined Tensor: that
   // slot keeps its value and moments. INVALID_ARGUMENT when `slots` etc. are
   // not the plan's (Matches), a gradient does not fit its slot, or an FP8
-  // copy does not fit its param (NewOptimizerPlan) or lacks its scale.
+  // copy or a compute_copy does not fit its param (NewOptimizerPlan) or an
+  // FP8 copy lacks its scale.
   virtual absl::StatusOr<std::unique_ptr<OptimizerPlan>> NewOptimizerPlan(
       const OptimizerHyperparams& hyperparams, const std::vector<OptimizerSlot>& slots,
       const Tensor& count, const Tensor& total_notfinite) = 0;
@@ -1084,18 +1094,33 @@ class Ops {
 
 class Ops::CastMemo {
  public:
+  struct Kept {
+    Tensor source;  // held: its memory stays x's alone
+    Tensor copy;
+    uint64_t stamp;  // Keep's count when it was kept (Forget's "since")
+  };
+  // By the source's memory and the copy's dtype.
+  using Key = std::pair<const void*, DType>;
+
   // The copy of x in `dtype` made by an earlier call, or null.
   const Tensor* Find(const Tensor& x, DType dtype) const;
   void Keep(const Tensor& x, Tensor copy);
   size_t size() const { return kept_.size(); }
 
+  // For a holder that keeps the memo across calls whose sources change in
+  // place (a training session's layer: its optimizer rewrites each copy as
+  // it writes the param, OptimizerSlot::compute_copy).
+  const std::map<Key, Kept>& kept() const { return kept_; }
+  void Forget(const Key& key) { kept_.erase(key); }
+  void Clear() { kept_.clear(); }
+  // Keep's count so far: ForgetSince(stamp()) later drops what was kept in
+  // between (a failed call's copies).
+  uint64_t stamp() const { return stamp_; }
+  void ForgetSince(uint64_t stamp);
+
  private:
-  struct Kept {
-    Tensor source;  // held: its memory stays x's alone
-    Tensor copy;
-  };
-  // By the source's memory and the copy's dtype.
-  std::map<std::pair<const void*, DType>, Kept> kept_;
+  std::map<Key, Kept> kept_;
+  uint64_t stamp_ = 0;
 };
 
 // What a device is and can do, for GetServerInfo.

@@ -376,6 +376,16 @@ inline absl::Status CheckOptimizerPlanArgs(const OptimizerHyperparams& h,
                                                      DTypeName(p), "; want a float dtype"));
     }
     if (s.param.numel() == 0) continue;  // nothing to update
+    if (s.compute_copy.data() != nullptr) {
+      const DType c = s.compute_copy.dtype();
+      if ((c != DType::kBF16 && c != DType::kF16) || c == p ||
+          s.compute_copy.numel() != s.param.numel()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "NewOptimizerPlan: slots[", i, "].compute_copy is ", DTypeName(c), " ",
+            ShapeString(s.compute_copy.shape()), "; want bf16 or f16, not the param's ",
+            DTypeName(p), ", of the param's ", s.param.numel(), " elements"));
+      }
+    }
     if (chain) {
       if (s.mu.data() != nullptr || s.nu.data() != nullptr ||
           static_cast<int>(s.state.size()) != h.num_state) {

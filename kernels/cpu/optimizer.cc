@@ -1,7 +1,8 @@
 // OptimizerUpdate: optax's elementwise update rules (ops.h), the reference;
 // OptimizerStep: the whole step over a plan's slots, defined by the per-tensor
 // rule and optimizer_math.h's scalars (or a chain's links, ApplyLinks), and
-// the slots' FP8 copies as QuantizeTranspose makes them.
+// the slots' FP8 copies as QuantizeTranspose makes them and their compute
+// copies as Cast does.
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -169,6 +170,10 @@ absl::Status CpuOps::OptimizerStep(OptimizerPlan& plan, const std::vector<Optimi
     if (grads[i].data() == nullptr || slots[i].param.numel() == 0) continue;
     if (applied && slots[i].fp8.data.data() != nullptr) {
       RETURN_IF_ERROR(WriteFp8Copy(*this, slots[i].param, slots[i].fp8));
+    }
+    if (applied && slots[i].compute_copy.data() != nullptr) {
+      Tensor copy = slots[i].compute_copy;
+      RETURN_IF_ERROR(Cast(slots[i].param.Reshaped(copy.shape()), &copy));
     }
   }
   OptimizerStepInfo info;

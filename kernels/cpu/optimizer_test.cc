@@ -356,6 +356,119 @@ TEST_F(OptimizerStepFp8CopyTest, BadCopiesAreInvalidArgument) {
   EXPECT_TRUE(plan_->Matches(slots_, count_, total_notfinite_));
 }
 
+// ---- OptimizerStep's compute copies ----------------------------------------------------
+
+class OptimizerStepComputeCopyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    h_.rule = Rule::kAdam;
+    h_.learning_rate = h_.schedules.AddConstant(0.05);
+    h_.weight_decay = 0.01;
+    // f32 [6, 10] with a bf16 copy viewed as [10, 6] (a copy's shape is its
+    // own), f32 [4, 8] with an f16 copy, and a param with none.
+    const std::vector<std::tuple<Shape, DType, Shape>> specs = {
+        {{6, 10}, DType::kBF16, {10, 6}}, {{4, 8}, DType::kF16, {4, 8}}, {{5}, DType::kF32, {}}};
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const auto& [shape, copy_dtype, copy_shape] = specs[i];
+      OptimizerSlot s;
+      s.param = MakeRandom(ops_, DType::kF32, shape, 10 + i);
+      s.mu = MakeRandom(ops_, DType::kF32, shape, 20 + i, -0.5f, 0.5f);
+      s.nu = MakeRandom(ops_, DType::kF32, shape, 30 + i, 0.01f, 1.0f);
+      if (copy_dtype != DType::kF32) {
+        s.compute_copy = MakeEmpty(ops_, copy_dtype, copy_shape);
+        std::memset(s.compute_copy.data(), 0x5a, s.compute_copy.nbytes());
+      }
+      slots_.push_back(s);
+    }
+    count_ = MakeTensor(ops_, DType::kI32, {1}, {0.0f});
+    total_notfinite_ = MakeTensor(ops_, DType::kI32, {1}, {0.0f});
+    auto plan = ops_.NewOptimizerPlan(h_, slots_, count_, total_notfinite_);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    plan_ = *std::move(plan);
+  }
+  std::vector<Tensor> Grads(uint32_t seed) {
+    std::vector<Tensor> grads;
+    for (const OptimizerSlot& s : slots_) {
+      grads.push_back(MakeRandom(ops_, DType::kF32, s.param.shape(), seed++));
+    }
+    return grads;
+  }
+  absl::Status Step(const std::vector<Tensor>& grads) {
+    return ops_.OptimizerStep(*plan_, slots_, grads, &count_, &total_notfinite_);
+  }
+  // Slot i's copy is what Cast makes of its param now.
+  void ExpectCurrent(size_t i) {
+    const Tensor& copy = slots_[i].compute_copy;
+    Tensor want = MakeEmpty(ops_, copy.dtype(), copy.shape());
+    ASSERT_TRUE(ops_.Cast(slots_[i].param.Reshaped(copy.shape()), &want).ok());
+    EXPECT_EQ(Bytes(copy), Bytes(want)) << "slot " << i;
+  }
+
+  CpuOps ops_;
+  OptimizerHyperparams h_;
+  std::vector<OptimizerSlot> slots_;
+  Tensor count_, total_notfinite_;
+  std::unique_ptr<OptimizerPlan> plan_;
+};
+
+TEST_F(OptimizerStepComputeCopyTest, CopiesAreTheNewParamsCast) {
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    const std::vector<double> before = ToDoubles(slots_[0].param);
+    ASSERT_TRUE(Step(Grads(100 * step)).ok());
+    ASSERT_NE(ToDoubles(slots_[0].param), before) << "the step must move the params";
+    ExpectCurrent(0);
+    ExpectCurrent(1);
+  }
+}
+
+// A skipped step and a slot without a gradient leave the copies as they
+// were, which is what they hold: their params did not move.
+TEST_F(OptimizerStepComputeCopyTest, SkippedStepsAndSlotsKeepTheirCopies) {
+  ASSERT_TRUE(Step(Grads(1)).ok());
+  const std::vector<uint8_t> copy0 = Bytes(slots_[0].compute_copy);
+  const std::vector<uint8_t> copy1 = Bytes(slots_[1].compute_copy);
+  std::vector<Tensor> poisoned = Grads(2);
+  StoreFromFloat(&poisoned[2], 3, std::nanf(""));
+  ASSERT_TRUE(Step(poisoned).ok());
+  EXPECT_EQ(*total_notfinite_.data_as<int32_t>(), 1);
+  EXPECT_EQ(Bytes(slots_[0].compute_copy), copy0);
+  EXPECT_EQ(Bytes(slots_[1].compute_copy), copy1);
+
+  std::vector<Tensor> partial = Grads(3);
+  partial[0] = Tensor();  // no gradient reached slot 0
+  ASSERT_TRUE(Step(partial).ok());
+  EXPECT_EQ(Bytes(slots_[0].compute_copy), copy0);
+  EXPECT_NE(Bytes(slots_[1].compute_copy), copy1);
+  ExpectCurrent(0);
+  ExpectCurrent(1);
+}
+
+// A copy in the param's own dtype, in no 16-bit float dtype, or of another
+// element count is INVALID_ARGUMENT naming it; a plan is for its copies.
+TEST_F(OptimizerStepComputeCopyTest, BadCopiesAreInvalidArgument) {
+  auto expect_bad_plan = [&](std::vector<OptimizerSlot> slots, const std::string& field) {
+    auto plan = ops_.NewOptimizerPlan(h_, slots, count_, total_notfinite_);
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find(field), std::string::npos) << plan.status();
+  };
+  std::vector<OptimizerSlot> bad = slots_;
+  bad[0].compute_copy = MakeEmpty(ops_, DType::kF32, {6, 10});
+  expect_bad_plan(bad, "slots[0].compute_copy");
+  bad = slots_;
+  bad[1].compute_copy = MakeEmpty(ops_, DType::kE4M3, {4, 8});
+  expect_bad_plan(bad, "slots[1].compute_copy");
+  bad = slots_;
+  bad[1].compute_copy = MakeEmpty(ops_, DType::kBF16, {4, 9});
+  expect_bad_plan(bad, "slots[1].compute_copy");
+
+  std::vector<OptimizerSlot> without = slots_;
+  without[0].compute_copy = Tensor();
+  EXPECT_FALSE(plan_->Matches(without, count_, total_notfinite_));
+  EXPECT_TRUE(plan_->Matches(slots_, count_, total_notfinite_));
+}
+
 // A chain's slots keep their state in `state`, as many tensors as the
 // hyperparams say, of the param's dtype and size; anything else is
 // INVALID_ARGUMENT at planning, and a plan follows the state tensors too.

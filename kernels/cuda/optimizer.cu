@@ -851,6 +851,15 @@ absl::Status CudaOps::OptimizerStep(OptimizerPlan& generic_plan,
     }
   }
   CUDA_RETURN_IF_LAUNCH_ERROR();
+  // The compute copies from the new params, as Cast makes them: one pass
+  // over each updated param after the update, where the next forward would
+  // otherwise run it. (A skipped step leaves the params, so the copies come
+  // out as they were.)
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (grads[i].data() == nullptr || slots[i].compute_copy.data() == nullptr) continue;
+    Tensor copy = slots[i].compute_copy;
+    RETURN_IF_ERROR(Cast(slots[i].param.Reshaped(copy.shape()), &copy));
+  }
   return absl::OkStatus();
 }
 

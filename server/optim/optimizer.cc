@@ -579,7 +579,8 @@ absl::StatusOr<layers::Variables> InitState(Ops& ops, const OptimizerConfig& con
 
 absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers::Variables& grads,
                            layers::Variables* vars, layers::Variables* state,
-                           const std::map<const void*, OptimizerFp8Copy>* fp8_copies) {
+                           const std::map<const void*, OptimizerFp8Copy>* fp8_copies,
+                           const std::map<const void*, Tensor>* compute_copies) {
   auto find = [&](const std::string& name) -> absl::StatusOr<Tensor*> {
     auto it = state->find(name);
     if (it == state->end()) {
@@ -606,6 +607,10 @@ absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers
       auto copy = fp8_copies->find(param.data());
       if (copy != fp8_copies->end()) slot.fp8 = copy->second;
     }
+    if (compute_copies != nullptr) {
+      auto copy = compute_copies->find(param.data());
+      if (copy != compute_copies->end()) slot.compute_copy = copy->second;
+    }
     auto grad = grads.find(absl::StrCat("grads", name.substr(name.find('/'))));
     slot_grads.push_back(grad == grads.end() ? Tensor() : grad->second);
     slots.push_back(std::move(slot));
@@ -618,7 +623,8 @@ absl::Status Updater::Step(Ops& ops, const OptimizerConfig& config, const layers
                      ops.NewOptimizerPlan(config.hyperparams, slots, *count, *total_notfinite));
   }
   // The params change in place: a copy derived from them is current after
-  // this only if it was among fp8_copies (the caller drops the others).
+  // this only if it was among fp8_copies or compute_copies (the caller drops
+  // the others).
   return ops.OptimizerStep(*plan_, slots, slot_grads, count, total_notfinite);
 }
 

@@ -94,10 +94,12 @@ class Updater {
   // (by the param's storage, may be null): FP8 copies of params that the
   // step rewrites as it writes them (OptimizerSlot::fp8); a plan is made for
   // them as for the params, so the same copies step after step cost nothing
-  // more to plan.
+  // more to plan. `compute_copies` (the same way): the params' casts to
+  // their compute dtype that the step rewrites (OptimizerSlot::compute_copy).
   absl::Status Step(Ops& ops, const OptimizerConfig& config, const layers::Variables& grads,
                     layers::Variables* vars, layers::Variables* state,
-                    const std::map<const void*, OptimizerFp8Copy>* fp8_copies = nullptr);
+                    const std::map<const void*, OptimizerFp8Copy>* fp8_copies = nullptr,
+                    const std::map<const void*, Tensor>* compute_copies = nullptr);
   // What the last Step did: one 24-byte copy from the device, which waits
   // for the step (so read it with the call's other results, once).
   // FAILED_PRECONDITION before any step.

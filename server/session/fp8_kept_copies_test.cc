@@ -150,7 +150,8 @@ class GraphTraining {
   // No number changes, and the kept copies go (SetVariables); the older
   // versions are released.
   void DropKeptCopies() {
-    const absl::StatusOr<int64_t> rewritten = testing::RewriteFirstFp8Meta(*session_, layer_id_);
+    const absl::StatusOr<int64_t> rewritten =
+        testing::RewriteFirstVariable(*session_, layer_id_, "fp8_metas");
     ASSERT_TRUE(rewritten.ok()) << rewritten.status();
   }
 

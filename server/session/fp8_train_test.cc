@@ -92,7 +92,8 @@ class TrainedSession {
   // changes. The replaced meta's old bytes stay in its step's block of
   // fp8_metas copies (StepTransaction::Open) until the block's last view goes.
   void DropKeptCopies() {
-    absl::StatusOr<int64_t> meta_bytes = testing::RewriteFirstFp8Meta(*session_, layer_id_);
+    absl::StatusOr<int64_t> meta_bytes =
+        testing::RewriteFirstVariable(*session_, layer_id_, "fp8_metas");
     ASSERT_TRUE(meta_bytes.ok()) << meta_bytes.status();
     replaced_meta_bytes_ = *meta_bytes;
   }

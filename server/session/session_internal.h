@@ -103,10 +103,21 @@ struct Session::LayerEntry {
   // the copies follow the version that trains and do not hold an older
   // one's weights once it is released.
   layers::Fp8WeightCache fp8_weights;
-  // Every write to the parameters (SetVariables, an optimizer update outside
-  // DelayedScaling) calls this: the kept FP8 copies are stale. An update
-  // under DelayedScaling rewrites them instead (ApplyUpdate).
-  void ParamsChanged() { fp8_weights.Clear(); }
+  // The parameters cast to their GEMMs' compute dtype (a float32 weight of a
+  // bfloat16 layer), kept between steps as the FP8 copies are: installed as
+  // the Ops' cast memo while a call runs (StepTransaction), kept only by a
+  // call that commits having read the newest version, and rewritten by the
+  // optimizer as it writes the params (OptimizerSlot::compute_copy), so no
+  // forward casts a weight again while it trains.
+  std::shared_ptr<Ops::CastMemo> casts = std::make_shared<Ops::CastMemo>();
+  // Every write to the parameters outside an optimizer update (SetVariables,
+  // a failed update that may have part written them) calls this: every kept
+  // copy is stale. An update rewrites the compute copies, and under
+  // DelayedScaling the FP8 copies too (ApplyUpdate).
+  void ParamsChanged() {
+    fp8_weights.Clear();
+    casts->Clear();
+  }
   // The InitLayer request less its session ref: a checkpoint re-creates the
   // layer from its spec, input shape and dtype, and autocast.
   te::v1::InitLayerRequest init;

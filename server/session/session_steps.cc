@@ -2,7 +2,9 @@
 // validation they share with Benchmark (session_benchmark.cc).
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -241,6 +243,31 @@ struct StepAnswerLater {
   }
 };
 
+// The kept casts (LayerEntry::casts) of the params of `vars`, by the param's
+// storage, for the update to rewrite as it writes them
+// (OptimizerSlot::compute_copy). Every other kept cast goes: one of a
+// tensor that is not a whole param of `vars` (another version's), or a
+// param's second cast, would be stale once the update writes it.
+std::map<const void*, Tensor> CastsForUpdate(Ops::CastMemo& casts, const layers::Variables& vars) {
+  const std::string prefix = absl::StrCat(layers::kParams, "/");
+  std::map<const void*, int64_t> params;  // storage -> element count
+  for (auto it = vars.lower_bound(prefix); it != vars.end() && absl::StartsWith(it->first, prefix);
+       ++it) {
+    params.emplace(it->second.data(), it->second.numel());
+  }
+  std::map<const void*, Tensor> copies;
+  std::vector<Ops::CastMemo::Key> stale;
+  for (const auto& [key, kept] : casts.kept()) {
+    auto param = params.find(key.first);
+    if (param == params.end() || param->second != kept.source.numel() ||
+        !copies.emplace(key.first, kept.copy).second) {
+      stale.push_back(key);
+    }
+  }
+  for (const Ops::CastMemo::Key& key : stale) casts.Forget(key);
+  return copies;
+}
+
 }  // namespace
 
 absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp8,
@@ -270,14 +297,17 @@ absl::Status Session::ApplyUpdate(LayerEntry& layer, const layers::Fp8Recipe* fp
   if (rewrite) {
     fp8_copies = layer.fp8_weights.CopiesForUpdate(next->vars);
   } else {
-    layer.ParamsChanged();
+    layer.fp8_weights.Clear();
   }
+  // The weights' compute-dtype casts are rewritten by the update whatever
+  // the recipe: the next forward casts nothing.
+  const std::map<const void*, Tensor> compute_copies = CastsForUpdate(*layer.casts, next->vars);
   // Norm, skip, clip, learning rate and counters are decided on the device;
   // this queues the step and nothing waits for it.
   if (donated_written != nullptr) *donated_written = donated != 0;
   if (absl::Status step = optimizer.updater.Step(*ops_, optimizer.config, grads, &next->vars,
                                                  &next->opt_state,
-                                                 rewrite ? &fp8_copies : nullptr);
+                                                 rewrite ? &fp8_copies : nullptr, &compute_copies);
       !step.ok()) {
     layer.ParamsChanged();  // the params may be part written: no copy is sure to match
     return step;

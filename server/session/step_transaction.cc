@@ -46,6 +46,7 @@ Session::StepTransaction::StepTransaction(Session& session, const Read& read,
       interrupt_(*session.ops_, call, what_),
       fp8_(std::move(fp8)),
       kept_copies_(copies == WeightCopies::kOwn ? &own_copies_ : &read.layer->fp8_weights),
+      kept_casts_(*session.ops_, copies == WeightCopies::kOwn ? nullptr : read.layer->casts),
       next_(*read.read) {
   if (fp8_) {
     fp8_->weight_cache = copies == WeightCopies::kOwn ? &own_copies_ : &read.layer->fp8_weights;
@@ -54,6 +55,20 @@ Session::StepTransaction::StepTransaction(Session& session, const Read& read,
 }
 
 Session::StepTransaction::~StepTransaction() = default;
+
+Session::StepTransaction::KeptCasts::KeptCasts(Ops& ops, std::shared_ptr<Ops::CastMemo> casts)
+    : ops_(ops),
+      casts_(std::move(casts)),
+      previous_(ops.cast_memo()),
+      since_(casts_ != nullptr ? casts_->stamp() : 0) {
+  if (casts_ != nullptr) ops_.set_cast_memo(casts_);
+}
+
+Session::StepTransaction::KeptCasts::~KeptCasts() {
+  if (casts_ == nullptr) return;
+  ops_.set_cast_memo(previous_);
+  if (!committed_) casts_->ForgetSince(since_);
+}
 
 absl::StatusOr<std::unique_ptr<Session::StepTransaction>> Session::StepTransaction::Open(
     Session& session, const Read& read, std::optional<layers::Fp8Recipe> fp8,
@@ -208,7 +223,10 @@ absl::Status Session::StepTransaction::Seal(bool unwanted_too) {
   if (!unwanted_too) RETURN_IF_ERROR(call_.StillWanted(what_));
   // Only the newest version's weights train on: the copies of an older
   // one's would hold memory for weights no later call reads.
-  if (read_.layer->is_newest(read_.version)) kept_copies_.Commit();
+  if (read_.layer->is_newest(read_.version)) {
+    kept_copies_.Commit();
+    kept_casts_.Commit();
+  }
   committed_ = true;
   return absl::OkStatus();
 }

@@ -18,12 +18,13 @@
 //     only place a session call moves the FP8 state.
 //  4. Commit is the call's single change to the session, made only while the
 //     call is still wanted (CallContext::StillWanted): the FP8 weight copies
-//     the call made are kept when it read the layer's newest version, and
+//     and the compute-dtype casts of weights (LayerEntry::casts) the call
+//     made are kept when it read the layer's newest version, and
 //     the working copy becomes the layer's next version when the call
 //     changed it (EndStep, Changed), recorded for the call's undo (contract
 //     6); CommitKept keeps it with a forward for its Backward instead. A
 //     transaction destroyed without a commit leaves the session as it was:
-//     its working copy goes, and the FP8 weight copies it made too.
+//     its working copy goes, and the weight copies it made too.
 #ifndef TE_SERVER_SESSION_STEP_TRANSACTION_H_
 #define TE_SERVER_SESSION_STEP_TRANSACTION_H_
 
@@ -138,6 +139,26 @@ class Session::StepTransaction {
   std::optional<layers::Fp8Recipe> fp8_;
   layers::Fp8WeightCache own_copies_;
   layers::Fp8WeightCache::Call kept_copies_;
+  // The layer's kept casts (LayerEntry::casts) as the Ops' cast memo while
+  // the transaction lives; the casts it keeps stay only if it commits having
+  // read the newest version, as the FP8 copies do (contract 4).
+  class KeptCasts {
+   public:
+    // `casts` null: the Ops' memo is left alone (a Benchmark's own run).
+    KeptCasts(Ops& ops, std::shared_ptr<Ops::CastMemo> casts);
+    ~KeptCasts();
+    void Commit() { committed_ = true; }
+    KeptCasts(const KeptCasts&) = delete;
+    KeptCasts& operator=(const KeptCasts&) = delete;
+
+   private:
+    Ops& ops_;
+    const std::shared_ptr<Ops::CastMemo> casts_;
+    std::shared_ptr<Ops::CastMemo> previous_;
+    const uint64_t since_;
+    bool committed_ = false;
+  };
+  KeptCasts kept_casts_;
   VariableSet next_;
   layers::ForwardOptions options_;
   bool changed_ = false;

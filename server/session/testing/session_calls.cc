@@ -23,13 +23,14 @@ absl::StatusOr<std::map<std::string, std::string>> VariableBytes(Session& sessio
   return out;
 }
 
-absl::StatusOr<int64_t> RewriteFirstFp8Meta(Session& session, const std::string& layer_id) {
+absl::StatusOr<int64_t> RewriteFirstVariable(Session& session, const std::string& layer_id,
+                                             const std::string& collection) {
   te::v1::GetVariablesRequest get;
   get.set_layer_id(layer_id);
-  get.add_collections("fp8_metas");
+  get.add_collections(collection);
   te::v1::GetVariablesResponse metas;
   RETURN_IF_ERROR(session.GetVariables(get, &metas));
-  if (metas.variables_size() == 0) return absl::InternalError("the layer has no fp8_metas");
+  if (metas.variables_size() == 0) return absl::InternalError("the layer has no " + collection);
   te::v1::SetVariablesRequest set;
   set.set_layer_id(layer_id);
   *set.add_variables() = metas.variables(0);

@@ -17,12 +17,13 @@ namespace te::session::testing {
 absl::StatusOr<std::map<std::string, std::string>> VariableBytes(Session& session,
                                                                   const std::string& layer_id);
 
-// Sets the layer's first fp8_metas variable to the value it has: no number
-// changes, and the kept FP8 weight copies go, as after any write to the
-// variables. Then releases every version older than the one that makes, as a
-// client that holds only the newest does. Returns the rewritten meta's size
-// in bytes.
-absl::StatusOr<int64_t> RewriteFirstFp8Meta(Session& session, const std::string& layer_id);
+// Sets the layer's first variable of `collection` ("fp8_metas", "params")
+// to the value it has: no number changes, and the kept weight copies (FP8
+// and compute-dtype casts) go, as after any write to the variables. Then
+// releases every version older than the one that makes, as a client that
+// holds only the newest does. Returns the rewritten variable's size in bytes.
+absl::StatusOr<int64_t> RewriteFirstVariable(Session& session, const std::string& layer_id,
+                                             const std::string& collection);
 
 }  // namespace te::session::testing
 
