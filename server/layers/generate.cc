@@ -144,12 +144,13 @@ struct WaitOnExit {
   }
 };
 
-// Installs a fresh cast memo on `ops` for its lifetime, then puts back the
-// one it found.
+// A cast memo on `ops` for its lifetime: the one installed (a session
+// layer's kept casts, which already hold the weights from its last call), or
+// else a fresh one, taken away again at the end.
 class KeptCastsScope {
  public:
   explicit KeptCastsScope(Ops& ops) : ops_(ops), previous_(ops.cast_memo()) {
-    ops_.set_cast_memo(std::make_shared<Ops::CastMemo>());
+    if (previous_ == nullptr) ops_.set_cast_memo(std::make_shared<Ops::CastMemo>());
   }
   ~KeptCastsScope() { ops_.set_cast_memo(previous_); }
   KeptCastsScope(const KeptCastsScope&) = delete;
@@ -337,6 +338,7 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
         return context.AdvanceOneToken(ops);
       };
       if (step >= 2 && record && recorded == nullptr) {
+        const uint64_t before_recording = ops.cast_memo()->stamp();
         absl::StatusOr<std::unique_ptr<Ops::StepRecord>> made =
             ops.CaptureStep([&] { return one_token(&recorded_out); });
         if (made.ok()) {
@@ -345,10 +347,10 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
           record = false;
           recorded_out = LayerOutputs();
           if (!absl::IsUnimplemented(made.status())) {
-            // Nothing recorded ran: a weight first cast while recording was
-            // never made, so the memo starts again.
+            // Nothing recorded ran: the copy of a weight first cast while
+            // recording was never made, so it goes.
             result.record_status = made.status();
-            ops.set_cast_memo(std::make_shared<Ops::CastMemo>());
+            ops.cast_memo()->ForgetSince(before_recording);
           }
         }
       }

@@ -141,6 +141,17 @@ class Bf16Training {
     ASSERT_TRUE(rewritten.ok()) << rewritten.status();
   }
 
+  // An inference forward of the newest version.
+  void Forward(int seed) {
+    te::v1::ForwardRequest request;
+    request.set_layer_id(layer_id_);
+    request.set_deterministic(true);
+    *request.mutable_x() = RandomFloats({kBatch, kSeq, kHidden}, seed, 1.0f, te::v1::BFLOAT16);
+    te::v1::ForwardResponse response;
+    const absl::Status ran = session_->Forward(request, &response, CallContext());
+    EXPECT_TRUE(ran.ok()) << ran;
+  }
+
   int64_t casts() const { return casts_; }
   int64_t bytes_in_use() const { return session_->bytes_in_use(); }
 
@@ -201,6 +212,23 @@ TEST(KeptCastsTest, StepsThatDoNotDonateKeepThemToo) {
     training.Step(step, /*donate=*/false);
     EXPECT_EQ(training.casts(), weights) << step;
   }
+}
+
+// An inference forward reads the casts a training step left, and one that
+// comes first leaves its own for the training step after it.
+TEST(KeptCastsTest, ForwardsShareThemWithTraining) {
+  Bf16Training training;
+  training.Step(0);
+  const int64_t weights = training.casts();
+  ASSERT_GT(weights, 0);
+  training.Forward(7);
+  EXPECT_EQ(training.casts(), weights);
+  training.DropKeptCasts();
+  training.Forward(8);
+  EXPECT_EQ(training.casts(), 2 * weights);
+  training.Step(1);
+  training.Forward(9);
+  EXPECT_EQ(training.casts(), 2 * weights);
 }
 
 // A call cancelled once its forward has cast a weight keeps none of its
