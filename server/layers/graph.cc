@@ -274,7 +274,9 @@ class GraphLayer : public Layer {
   absl::Status Forward(Ops& ops, Variables* vars, const LayerInputs& in,
                        const ForwardOptions& call_opts, LayerOutputs* out,
                        std::unique_ptr<SavedForward>* saved) const override {
-    DeviceConstants constants;  // what the nodes share for this call
+    // What the nodes share, for this call only where the caller keeps none
+    // across calls (a session does: ForwardOptions::constants).
+    DeviceConstants constants;
     ForwardOptions opts = call_opts;
     if (opts.constants == nullptr) opts.constants = &constants;
     RETURN_IF_ERROR(CheckGraphInput(in.x, takes_ids_, "x"));

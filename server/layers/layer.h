@@ -117,8 +117,9 @@ struct ForwardOptions {
   // caller that does not choose gets exact float32; the session sets it from
   // the request (MatmulTf32).
   bool tf32 = false;
-  // The call's shared device tensors (device_constants.h; a graph's Forward
-  // sets them); null: each layer makes its own.
+  // The call's shared device tensors (device_constants.h): a session's
+  // layer keeps them across calls, a graph's Forward makes them for the call
+  // where this is null; null for a module: it makes its own.
   DeviceConstants* constants = nullptr;
 };
 

@@ -17,8 +17,9 @@
 //     (RESOURCE_EXHAUSTED), is cancelled or expires moves nothing. Errors
 //     from the layers and ops keep their codes.
 //  3. All the session's device memory (every retained version's variables,
-//     saved forwards, resident tensors) is accounted on its Ops and freed
-//     with the Session. A tensor that versions share is counted once; a
+//     saved forwards, resident tensors, and what a layer keeps across calls:
+//     its FP8 weight copies and device constants) is accounted on its Ops
+//     and freed with the Session. A tensor that versions share is counted once; a
 //     layer's graphs hold no device memory.
 //  4. Response tensors come inline while they fit in one message
 //     (max_message_bytes); one that does not comes back resident

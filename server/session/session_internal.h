@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/layers/device_constants.h"
 #include "server/layers/fp8_weight_cache.h"
 #include "server/layers/graph.h"
 #include "server/layers/layer.h"
@@ -103,6 +104,11 @@ struct Session::LayerEntry {
   // the copies follow the version that trains and do not hold an older
   // one's weights once it is released.
   layers::Fp8WeightCache fp8_weights;
+  // Device tensors the layer's modules share and keep across calls
+  // (device_constants.h: the relative-position buckets): made by the first
+  // call that needs them, not uploaded again by every step. They depend on
+  // no variable, so every version reads them and no write drops them.
+  layers::DeviceConstants constants;
   // The parameters cast to their GEMMs' compute dtype (a float32 weight of a
   // bfloat16 layer), kept between steps as the FP8 copies are: installed as
   // the Ops' cast memo while a call runs (StepTransaction), kept only by a

@@ -47,7 +47,9 @@ Session::StepTransaction::StepTransaction(Session& session, const Read& read,
       fp8_(std::move(fp8)),
       kept_copies_(copies == WeightCopies::kOwn ? &own_copies_ : &read.layer->fp8_weights),
       kept_casts_(*session.ops_, copies == WeightCopies::kOwn ? nullptr : read.layer->casts),
+      kept_constants_(copies == WeightCopies::kOwn ? &own_constants_ : &read.layer->constants),
       next_(*read.read) {
+  options_.constants = copies == WeightCopies::kOwn ? &own_constants_ : &read.layer->constants;
   if (fp8_) {
     fp8_->weight_cache = copies == WeightCopies::kOwn ? &own_copies_ : &read.layer->fp8_weights;
     options_.fp8 = &*fp8_;
@@ -227,6 +229,7 @@ absl::Status Session::StepTransaction::Seal(bool unwanted_too) {
     kept_copies_.Commit();
     kept_casts_.Commit();
   }
+  kept_constants_.Commit();
   committed_ = true;
   return absl::OkStatus();
 }

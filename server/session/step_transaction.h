@@ -11,7 +11,8 @@
 //     sees them (Ops::CheckInterrupt).
 //  2. The layer runs through the transaction (Forward, Backward, Step) with
 //     its options: the call's recipe with the FP8 weight copies the
-//     transaction uses (the layer's, or, for a Benchmark, its own), tf32,
+//     transaction uses (the layer's, or, for a Benchmark, its own), the
+//     device constants likewise (ForwardOptions::constants), tf32,
 //     dropout.
 //  3. EndStep is TE's end of a step under DelayedScaling (UpdateFp8Metas
 //     over the working copy, which then differs from what was read): the
@@ -19,12 +20,14 @@
 //  4. Commit is the call's single change to the session, made only while the
 //     call is still wanted (CallContext::StillWanted): the FP8 weight copies
 //     and the compute-dtype casts of weights (LayerEntry::casts) the call
-//     made are kept when it read the layer's newest version, and
+//     made are kept when it read the layer's newest version, the device
+//     constants it made whatever version it read (they depend on none), and
 //     the working copy becomes the layer's next version when the call
 //     changed it (EndStep, Changed), recorded for the call's undo (contract
 //     6); CommitKept keeps it with a forward for its Backward instead. A
 //     transaction destroyed without a commit leaves the session as it was:
-//     its working copy goes, and the weight copies it made too.
+//     its working copy goes, and the weight copies and device constants it
+//     made too.
 #ifndef TE_SERVER_SESSION_STEP_TRANSACTION_H_
 #define TE_SERVER_SESSION_STEP_TRANSACTION_H_
 
@@ -46,7 +49,8 @@ namespace te::session {
 
 class Session::StepTransaction {
  public:
-  // Whose FP8 weight copies the layer reads and makes (contract 2).
+  // Whose FP8 weight copies and device constants the layer reads and makes
+  // (contract 2).
   enum class WeightCopies {
     kLayers,  // the layer's kept copies: a call that may commit
     kOwn,     // copies of the transaction's own, gone with it (Benchmark)
@@ -159,6 +163,8 @@ class Session::StepTransaction {
     bool committed_ = false;
   };
   KeptCasts kept_casts_;
+  layers::DeviceConstants own_constants_;
+  layers::DeviceConstants::Call kept_constants_;
   VariableSet next_;
   layers::ForwardOptions options_;
   bool changed_ = false;
