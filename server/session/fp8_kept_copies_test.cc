@@ -29,6 +29,7 @@
 #include "server/session/session.h"
 #include "server/session/testing/requests.h"
 #include "server/session/testing/session_calls.h"
+#include "server/session/testing/step_expectations.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
@@ -77,19 +78,9 @@ te::v1::LayerSpec GraphOfModules() {
   te::v1::LayerSpec spec;
   te::v1::GraphSpec* g = spec.mutable_graph();
   for (int i = 0; i < 2; ++i) {
-    te::v1::TransformerLayer* t =
-        AddNode(g, "TransformerLayer_" + std::to_string(i), {i == 0 ? "x" : "h0"},
-                {i == 0 ? "h0" : "h1"})
-            ->mutable_module()
-            ->mutable_transformer_layer();
-    t->set_hidden_size(kHidden);
-    t->set_mlp_hidden_size(kFfn);
-    t->set_num_attention_heads(2);
-    t->add_mlp_activations("gelu");
-    t->set_hidden_dropout(0.0f);
-    t->set_attention_dropout(0.0f);
-    t->set_intermediate_dropout(0.0f);
-    t->set_enable_rotary_pos_emb(true);
+    testing::AddTransformerLayer(g, "TransformerLayer_" + std::to_string(i), i == 0 ? "x" : "h0",
+                                 i == 0 ? "h0" : "h1", kHidden, kFfn)
+        ->set_enable_rotary_pos_emb(true);
   }
   te::v1::LayerNormMLP* mlp =
       AddNode(g, "LayerNormMLP_0", {"h1"}, {"y"})->mutable_module()->mutable_layer_norm_mlp();
@@ -192,15 +183,8 @@ TEST(Fp8KeptCopiesTest, AGraphsCopiesAreKeptAcrossDonatingSteps) {
     EXPECT_GE(dropped.counts().new_copies, (step + 1) * kKernels);
     // And the results are those of quantizing every weight every step.
     EXPECT_TRUE(got.update().applied());
-    ASSERT_EQ(got.values_size(), want.values_size());
-    for (int i = 0; i < want.values_size(); ++i) EXPECT_EQ(got.values(i), want.values(i)) << i;
-    EXPECT_EQ(got.update().grad_norm(), want.update().grad_norm());
-    const auto got_vars = kept.Variables();
-    const auto want_vars = dropped.Variables();
-    ASSERT_EQ(got_vars.size(), want_vars.size());
-    for (const auto& [name, bytes] : want_vars) {
-      EXPECT_TRUE(got_vars.at(name) == bytes) << name << " differs";
-    }
+    testing::ExpectSameStep(got, want);
+    testing::ExpectSameVariables(kept.Variables(), dropped.Variables());
   }
 }
 

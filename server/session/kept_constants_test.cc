@@ -22,12 +22,12 @@
 #include "server/session/session.h"
 #include "server/session/testing/requests.h"
 #include "server/session/testing/session_calls.h"
+#include "server/session/testing/step_expectations.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session {
 namespace {
 
-using testing::AddNode;
 using testing::DelayedScalingRecipe;
 using testing::RandomFloats;
 
@@ -55,19 +55,9 @@ te::v1::LayerSpec TwoRelativeLayers() {
   te::v1::LayerSpec spec;
   te::v1::GraphSpec* g = spec.mutable_graph();
   for (int i = 0; i < 2; ++i) {
-    te::v1::TransformerLayer* t =
-        AddNode(g, "TransformerLayer_" + std::to_string(i), {i == 0 ? "x" : "h0"},
-                {i == 0 ? "h0" : "y"})
-            ->mutable_module()
-            ->mutable_transformer_layer();
-    t->set_hidden_size(kHidden);
-    t->set_mlp_hidden_size(kFfn);
-    t->set_num_attention_heads(2);
-    t->add_mlp_activations("gelu");
-    t->set_hidden_dropout(0.0f);
-    t->set_attention_dropout(0.0f);
-    t->set_intermediate_dropout(0.0f);
-    t->set_enable_relative_embedding(true);
+    testing::AddTransformerLayer(g, "TransformerLayer_" + std::to_string(i), i == 0 ? "x" : "h0",
+                                 i == 0 ? "h0" : "y", kHidden, kFfn)
+        ->set_enable_relative_embedding(true);
   }
   g->add_outputs("y");
   return spec;
@@ -153,14 +143,6 @@ class GraphTraining {
   std::string layer_id_;
 };
 
-void ExpectSameStep(const te::v1::ForwardBackwardResponse& got,
-                    const te::v1::ForwardBackwardResponse& want) {
-  EXPECT_TRUE(got.update().applied());
-  ASSERT_EQ(got.values_size(), want.values_size());
-  for (int i = 0; i < want.values_size(); ++i) EXPECT_EQ(got.values(i), want.values(i)) << i;
-  EXPECT_EQ(got.update().grad_norm(), want.update().grad_norm());
-}
-
 TEST(KeptConstantsTest, OnlyTheFirstTrainingStepUploadsTheBucketTable) {
   GraphTraining kept, dropped;
   kept.TrainStep(0);
@@ -181,13 +163,9 @@ TEST(KeptConstantsTest, OnlyTheFirstTrainingStepUploadsTheBucketTable) {
     // (From the second step on, as fp8_kept_copies_test says of its copies.)
     if (step > 1) { EXPECT_EQ(kept.bytes_in_use(), held); }
     held = kept.bytes_in_use();
-    ExpectSameStep(got, want);
-    const auto got_vars = kept.Variables();
-    const auto want_vars = dropped.Variables();
-    ASSERT_EQ(got_vars.size(), want_vars.size());
-    for (const auto& [name, bytes] : want_vars) {
-      EXPECT_TRUE(got_vars.at(name) == bytes) << name << " differs";
-    }
+    EXPECT_TRUE(got.update().applied());
+    testing::ExpectSameStep(got, want);
+    testing::ExpectSameVariables(kept.Variables(), dropped.Variables());
   }
 }
 

@@ -249,6 +249,7 @@ struct StepAnswerLater {
 // tensor that is not a whole param of `vars` (another version's), or a
 // param's second cast, would be stale once the update writes it.
 std::map<const void*, Tensor> CastsForUpdate(Ops::CastMemo& casts, const layers::Variables& vars) {
+  if (casts.kept().empty()) return {};  // a float32 layer casts nothing
   const std::string prefix = absl::StrCat(layers::kParams, "/");
   std::map<const void*, int64_t> params;  // storage -> element count
   for (auto it = vars.lower_bound(prefix); it != vars.end() && absl::StartsWith(it->first, prefix);

@@ -89,4 +89,20 @@ te::v1::SetOptimizerRequest AdamWRequest(const std::string& layer_id, double lr,
   return optimizer;
 }
 
+te::v1::TransformerLayer* AddTransformerLayer(te::v1::GraphSpec* g, const std::string& name,
+                                              const std::string& input,
+                                              const std::string& output, int64_t hidden,
+                                              int64_t ffn) {
+  te::v1::TransformerLayer* t =
+      AddNode(g, name, {input}, {output})->mutable_module()->mutable_transformer_layer();
+  t->set_hidden_size(hidden);
+  t->set_mlp_hidden_size(ffn);
+  t->set_num_attention_heads(2);
+  t->add_mlp_activations("gelu");
+  t->set_hidden_dropout(0.0f);
+  t->set_attention_dropout(0.0f);
+  t->set_intermediate_dropout(0.0f);
+  return t;
+}
+
 }  // namespace te::session::testing

@@ -29,6 +29,13 @@ te::v1::SetOptimizerRequest AdamWRequest(const std::string& layer_id, double lr,
 te::v1::GraphSpec::Node* AddNode(te::v1::GraphSpec* g, const std::string& name,
                                  const std::vector<std::string>& inputs,
                                  const std::vector<std::string>& outputs);
+// A TransformerLayer node of `g` named `name` from `input` to `output`:
+// hidden `hidden`, MLP `ffn`, 2 heads, GELU, no dropout; the caller sets the
+// rest (position embeddings).
+te::v1::TransformerLayer* AddTransformerLayer(te::v1::GraphSpec* g, const std::string& name,
+                                              const std::string& input,
+                                              const std::string& output, int64_t hidden,
+                                              int64_t ffn);
 
 }  // namespace te::session::testing
 
