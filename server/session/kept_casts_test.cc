@@ -130,6 +130,14 @@ class Bf16Training {
     ASSERT_TRUE(rewritten.ok()) << rewritten.status();
   }
 
+  // The step as the server runs a call whose answer is lost: committed,
+  // then undone (BeginCall, EndCall(undo)).
+  void UndoneStep(int step) {
+    session_->BeginCall();
+    Step(step, /*donate=*/false);
+    session_->EndCall(/*undo=*/true);
+  }
+
   // An inference forward of the newest version.
   void Forward(int seed) {
     te::v1::ForwardRequest request;
@@ -209,6 +217,27 @@ TEST(KeptCastsTest, ForwardsShareThemWithTraining) {
   training.Step(1);
   training.Forward(9);
   EXPECT_EQ(training.casts(), 2 * weights);
+}
+
+// A step undone after it committed (its answer lost) leaves no cast of its
+// weights behind: the session then trains and holds memory exactly as one
+// that never ran it.
+TEST(KeptCastsTest, AnUndoneStepLeavesNoCast) {
+  Bf16Training undone, plain;
+  undone.Step(0, /*donate=*/false);
+  plain.Step(0, /*donate=*/false);
+  undone.UndoneStep(1);
+  // Each casts what it reads: the same bytes held.
+  undone.Forward(3);
+  plain.Forward(3);
+  EXPECT_EQ(undone.bytes_in_use(), plain.bytes_in_use());
+  for (int step = 1; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    const te::v1::ForwardBackwardResponse got = undone.Step(step, /*donate=*/false);
+    const te::v1::ForwardBackwardResponse want = plain.Step(step, /*donate=*/false);
+    testing::ExpectSameStep(got, want);
+    testing::ExpectSameVariables(undone.Variables(), plain.Variables());
+  }
 }
 
 // A call cancelled once its forward has cast a weight keeps none of its

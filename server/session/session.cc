@@ -158,7 +158,13 @@ void Session::Undo(const Created& created) {
       layers_.erase(created.id);
       return;
     case Created::Kind::kVersion:
-      if (layer != layers_.end()) layer->second->versions.erase(created.number);
+      if (layer != layers_.end()) {
+        layer->second->versions.erase(created.number);
+        // The weight copies kept since may be of the undone version's
+        // weights (held by the copies, so never freed): they go, and the
+        // next call makes them again from the version it reads.
+        layer->second->ParamsChanged();
+      }
       return;
     case Created::Kind::kGraph:
       if (layer != layers_.end()) {
