@@ -42,14 +42,9 @@ class TrainedSession {
     mlp->add_activations("gelu");
     mlp->set_use_bias(true);
     mlp->set_intermediate_dropout_rate(0.0f);
-    te::v1::InitLayerResponse layer;
-    const absl::Status initialised = session_->InitLayer(init, &layer);
-    EXPECT_TRUE(initialised.ok()) << initialised;
-    layer_id_ = layer.layer_id();
-    te::v1::SetOptimizerResponse unused;
-    const absl::Status set =
-        session_->SetOptimizer(testing::AdamWRequest(layer_id_, 0.05, 0.01), &unused);
-    EXPECT_TRUE(set.ok()) << set;
+    const absl::StatusOr<std::string> layer = testing::InitWithAdamW(*session_, init);
+    EXPECT_TRUE(layer.ok()) << layer.status();
+    if (layer.ok()) layer_id_ = *layer;
   }
 
   // One ForwardBackward of two micro-batches with apply_update.

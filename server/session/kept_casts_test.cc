@@ -83,14 +83,9 @@ class Bf16Training {
     init.set_input_dtype(te::v1::BFLOAT16);
     for (int64_t d : {kBatch, kSeq, kHidden}) init.add_input_shape(d);
     *init.mutable_spec() = GraphOfModules();
-    te::v1::InitLayerResponse layer;
-    const absl::Status initialised = session_->InitLayer(init, &layer);
-    EXPECT_TRUE(initialised.ok()) << initialised;
-    layer_id_ = layer.layer_id();
-    te::v1::SetOptimizerResponse unused;
-    const absl::Status set =
-        session_->SetOptimizer(testing::AdamWRequest(layer_id_, 0.05, 0.01), &unused);
-    EXPECT_TRUE(set.ok()) << set;
+    const absl::StatusOr<std::string> layer = testing::InitWithAdamW(*session_, init);
+    EXPECT_TRUE(layer.ok()) << layer.status();
+    if (layer.ok()) layer_id_ = *layer;
   }
 
   // train_step(state, x, dy=dy) on top of the step before: the newest

@@ -74,14 +74,9 @@ class GraphTraining {
                                          DelayedScalingRecipe());
     te::v1::InitLayerRequest init = testing::AutocastInitRequest(5, {kBatch, kSeq, kHidden});
     *init.mutable_spec() = TwoRelativeLayers();
-    te::v1::InitLayerResponse layer;
-    const absl::Status initialised = session_->InitLayer(init, &layer);
-    EXPECT_TRUE(initialised.ok()) << initialised;
-    layer_id_ = layer.layer_id();
-    te::v1::SetOptimizerResponse unused;
-    const absl::Status set =
-        session_->SetOptimizer(testing::AdamWRequest(layer_id_, 0.05, 0.01), &unused);
-    EXPECT_TRUE(set.ok()) << set;
+    const absl::StatusOr<std::string> layer = testing::InitWithAdamW(*session_, init);
+    EXPECT_TRUE(layer.ok()) << layer.status();
+    if (layer.ok()) layer_id_ = *layer;
   }
 
   // train_step(state, x, dy=dy, donate=True) on top of the step before, at

@@ -2,6 +2,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/status_macros.h"
+#include "server/session/testing/requests.h"
 #include "te/v1/service.pb.h"
 
 namespace te::session::testing {
@@ -21,6 +22,14 @@ absl::StatusOr<std::map<std::string, std::string>> VariableBytes(Session& sessio
     out[name] = v.value().inline_data();
   }
   return out;
+}
+
+absl::StatusOr<std::string> InitWithAdamW(Session& session, const te::v1::InitLayerRequest& init) {
+  te::v1::InitLayerResponse layer;
+  RETURN_IF_ERROR(session.InitLayer(init, &layer));
+  te::v1::SetOptimizerResponse unused;
+  RETURN_IF_ERROR(session.SetOptimizer(AdamWRequest(layer.layer_id(), 0.05, 0.01), &unused));
+  return layer.layer_id();
 }
 
 absl::StatusOr<int64_t> RewriteFirstVariable(Session& session, const std::string& layer_id,

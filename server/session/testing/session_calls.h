@@ -17,6 +17,10 @@ namespace te::session::testing {
 absl::StatusOr<std::map<std::string, std::string>> VariableBytes(Session& session,
                                                                   const std::string& layer_id);
 
+// InitLayer(init), then AdamW (learning rate 0.05, weight decay 0.01) on the
+// new layer, as the step tests train it. Returns the layer's id.
+absl::StatusOr<std::string> InitWithAdamW(Session& session, const te::v1::InitLayerRequest& init);
+
 // Sets the layer's first variable of `collection` ("fp8_metas", "params")
 // to the value it has: no number changes, and the kept weight copies (FP8
 // and compute-dtype casts) go, as after any write to the variables. Then
