@@ -392,7 +392,7 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
   if (!TileKernelFits(x2, y2, *y_t)) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
   const int64_t rows = x2.dim(0);
-  const dim3 grid(static_cast<unsigned>((width + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+  const unsigned grid = QuantizeTransposeGrid(rows, width, sms());
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);

@@ -39,10 +39,12 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::kE4M3, DType::kE5M2),
                        // tiles: whole, ragged edges (multiples of 4; cols a multiple of 8
                        // or not, rows of 16 or not: the 16-byte and the 4-byte paths),
+                       // more tiles than the grid's blocks (1190: a block takes several),
                        // and shapes the tile kernel declines (odd: the fallback)
                        ::testing::Values(Shape{128, 256}, Shape{100, 36}, Shape{516, 1028},
                                          Shape{4, 4}, Shape{12, 12}, Shape{144, 520},
-                                         Shape{20, 5000}, Shape{37, 24}, Shape{64, 30})),
+                                         Shape{20, 5000}, Shape{2116, 2180}, Shape{37, 24},
+                                         Shape{64, 30})),
     [](const auto& info) {
       return std::string(Short(std::get<0>(info.param))) + "_" + Short(std::get<1>(info.param)) +
              "_" + ShapeName(std::get<2>(info.param));
@@ -83,12 +85,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
                        ::testing::Values(DType::kE4M3, DType::kE5M2),
                        // tiles: whole, ragged edges (multiples of 4), many row tiles
-                       // (the partial rows' reduction), and shapes the tile kernel
-                       // declines (odd: the fallback)
+                       // (the partial rows' reduction), more tiles than the grid's
+                       // blocks, and shapes the tile kernel declines (odd: the fallback)
                        ::testing::Values(Shape{128, 256}, Shape{100, 36}, Shape{516, 1028},
                                          Shape{4, 4}, Shape{1000, 200}, Shape{2052, 64},
-                                         Shape{144, 520}, Shape{20, 5000}, Shape{37, 24},
-                                         Shape{64, 30})),
+                                         Shape{144, 520}, Shape{20, 5000}, Shape{2116, 2180},
+                                         Shape{37, 24}, Shape{64, 30})),
     [](const auto& info) {
       return std::string(Short(std::get<0>(info.param))) + "_" + Short(std::get<1>(info.param)) +
              "_" + ShapeName(std::get<2>(info.param));
