@@ -607,8 +607,9 @@ class Ops {
 
   // Host <-> device copies of dst.nbytes() / src.nbytes() bytes. Download waits
   // for the stream; Upload may return before the copy is done only if `src`
-  // stays valid (the CPU copies at once; CUDA copies synchronously from
-  // pageable memory).
+  // stays valid (the CPU copies at once; CUDA stages a small copy in
+  // page-locked memory of its own, without waiting for the stream, and a
+  // large one from pageable memory, which may wait).
   virtual absl::Status Upload(const void* src, Tensor* dst) = 0;
   virtual absl::Status Download(const Tensor& src, void* dst) = 0;
   // dst = src (same dtype and element count).

@@ -59,6 +59,14 @@ struct KernelLaunchMemo {
 class PinnedStagingPool;
 std::shared_ptr<PinnedStagingPool> NewPinnedStagingPool();
 class CompletionEventPool;  // staging.cc: NewCompletion's events
+// A stream's small uploads through page-locked buffers (staging.cc): Upload
+// copies `bytes` of `src` to device `dst` on `stream` and returns true, with
+// `src` free at once and the host never waiting for the stream; false when
+// `bytes` is too large for them (nothing done).
+class StagedUploads;
+std::shared_ptr<StagedUploads> NewStagedUploads(std::shared_ptr<PinnedStagingPool> pool);
+absl::StatusOr<bool> StageUpload(StagedUploads& uploads, const void* src, void* dst, size_t bytes,
+                                 cudaStream_t stream);
 
 // A stream's fold slot for FP8 amaxes (common.cuh's AmaxOut): zero at rest,
 // and left at zero by every kernel that folds through it. Kernels of one
@@ -358,6 +366,7 @@ class CudaOps : public Ops {
   size_t workspace_bytes_ = 0;
   GridAmaxSlot* const amax_slot_;
   std::shared_ptr<CompletionEventPool> completion_events_;  // made on first use
+  std::shared_ptr<StagedUploads> staged_uploads_;            // made on first use
   bool capturing_ = false;  // inside CaptureStep
   std::shared_ptr<GemmPlanCache> gemm_plans_;
   std::shared_ptr<AttentionPlanCache> attention_plans_;

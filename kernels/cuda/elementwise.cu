@@ -193,8 +193,14 @@ absl::Status CudaOps::Upload(const void* src, Tensor* dst) {
   if (dst->nbytes() == 0) return absl::OkStatus();
   RETURN_IF_ERROR(NotRecording("Upload"));
   RETURN_IF_ERROR(Enter());
-  // From pageable memory this returns once `src` has been staged, so the
-  // caller may reuse it at once.
+  // Small copies go through the stream's page-locked buffers: the host does
+  // not wait for the work queued before them (staging.cc).
+  if (staged_uploads_ == nullptr) staged_uploads_ = NewStagedUploads(context_->staging_pool);
+  ASSIGN_OR_RETURN(const bool staged,
+                   StageUpload(*staged_uploads_, src, dst->data(), dst->nbytes(), stream()));
+  if (staged) return absl::OkStatus();
+  // From pageable memory this may first wait for the stream, and returns
+  // once `src` has been staged, so the caller may reuse it at once.
   CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(dst->data(), src, dst->nbytes(), cudaMemcpyHostToDevice, stream()));
   return absl::OkStatus();

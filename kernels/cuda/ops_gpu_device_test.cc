@@ -1,7 +1,9 @@
 // The CUDA device itself: its info, out-of-range ordinals, the session memory
 // limit and device out-of-memory as RESOURCE_EXHAUSTED, no cudaMalloc in
-// steady state, two streams sharing the allocator's cache, downloads that do
-// not wait, and bad arguments as INVALID_ARGUMENT.
+// steady state, two streams sharing the allocator's cache, downloads and
+// small uploads that do not wait, and bad arguments as INVALID_ARGUMENT.
+#include <chrono>
+
 #include "kernels/cuda/ops_gpu_test.h"
 
 namespace te {
@@ -140,6 +142,59 @@ TEST_F(DeviceTest, DownloadAsyncLandsAfterTheWorkBeforeIt) {
   const absl::Status refused = gpu_->DownloadAsync(counter, slots, &foreign);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("done"), std::string::npos) << refused;
+}
+
+// Small uploads do not wait for the work queued before them (a training
+// step's tokens behind the step before): with a quarter second of fills
+// queued, 100 uploads of 32 KiB from one host buffer, rewritten after each
+// call, return long before the fills end. Then 600 more behind a shorter
+// run of fills, past the stream's page-locked budget (16 MiB: 256 of these
+// buffers), so the oldest copies are waited for and their buffers reused.
+// Every device copy holds its own bytes; an upload over the staged size
+// still lands.
+TEST_F(DeviceTest, SmallUploadsDoNotWaitForTheStream) {
+  Tensor big = NewGpu(DType::kF32, {64 << 20});
+  ASSERT_TRUE(gpu_->Fill(0.0f, &big).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  const auto fill_start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(gpu_->Fill(1.0f, &big).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  const double fill_ms = std::chrono::duration<double, std::milli>(
+                             std::chrono::steady_clock::now() - fill_start).count();
+  const int fills = std::max(1, static_cast<int>(250.0 / std::max(fill_ms, 0.01)));
+
+  constexpr int64_t kElements = 8192;  // 32 KiB of int32
+  std::vector<int32_t> host(kElements);
+  std::vector<Tensor> copies;
+  auto upload = [&](int u) {
+    for (int64_t e = 0; e < kElements; ++e) host[e] = static_cast<int32_t>(u * 100003 + e);
+    copies.push_back(NewGpu(DType::kI32, {kElements}));
+    return gpu_->Upload(host.data(), &copies.back());
+  };
+  for (int i = 0; i < fills; ++i) ASSERT_TRUE(gpu_->Fill(static_cast<float>(i), &big).ok());
+  const auto start = std::chrono::steady_clock::now();
+  for (int u = 0; u < 100; ++u) ASSERT_TRUE(upload(u).ok());
+  const double upload_ms = std::chrono::duration<double, std::milli>(
+                               std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(upload_ms, 100.0) << "the uploads waited for " << fills << " queued fills";
+  for (int i = 0; i < fills / 10 + 1; ++i) ASSERT_TRUE(gpu_->Fill(static_cast<float>(i), &big).ok());
+  for (int u = 100; u < 700; ++u) ASSERT_TRUE(upload(u).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  for (int u = 0; u < static_cast<int>(copies.size()); ++u) {
+    std::vector<int32_t> got(kElements);
+    ASSERT_TRUE(gpu_->Download(copies[u], got.data()).ok());
+    for (int64_t e = 0; e < kElements; e += 997) {
+      ASSERT_EQ(got[e], static_cast<int32_t>(u * 100003 + e)) << "upload " << u << ", " << e;
+    }
+    ASSERT_EQ(got[kElements - 1], static_cast<int32_t>(u * 100003 + kElements - 1)) << u;
+  }
+  std::vector<float> large(3 << 20);  // 12 MiB: not staged
+  for (size_t e = 0; e < large.size(); ++e) large[e] = static_cast<float>(e % 65521) * 0.25f - 7.0f;
+  Tensor large_copy = NewGpu(DType::kF32, {static_cast<int64_t>(large.size())});
+  ASSERT_TRUE(gpu_->Upload(large.data(), &large_copy).ok());
+  std::vector<float> back(large.size());
+  ASSERT_TRUE(gpu_->Download(large_copy, back.data()).ok());
+  EXPECT_EQ(back, large);
 }
 
 TEST_F(DeviceTest, BadArgumentsAreInvalidArgument) {

@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -202,6 +204,140 @@ absl::Status CudaOps::DownloadAsync(const Tensor& src, void* dst, Completion* do
   }
   CUDA_RETURN_IF_ERROR(cudaEventRecord(event->event(), stream()));
   return absl::OkStatus();
+}
+
+// Small host-to-device copies through page-locked buffers of the stream's
+// own. From pageable memory, cudaMemcpyAsync may synchronize with the stream
+// before it stages the bytes (CUDA's API synchronization behavior): each
+// training step's token and label uploads made the host wait for the step
+// before it to finish, so the step's first launches found the GPU idle and
+// the host was never ahead of it again (0.5-0.7 ms of idle at each 24-layer
+// step's start on the H200, and launch gaps after it). Here the bytes are
+// copied into a buffer, the DMA engine reads it in stream order, and the
+// buffer is taken again once the event recorded behind its copy has fired.
+// Used by one thread at a time, as its CudaOps is.
+class StagedUploads {
+ public:
+  explicit StagedUploads(std::shared_ptr<PinnedStagingPool> pool) : pool_(std::move(pool)) {}
+  // The owner has synchronized the stream: no copy reads a buffer.
+  ~StagedUploads() {
+    for (std::deque<Buffer>* buffers : {&idle_, &in_flight_}) {
+      for (Buffer& b : *buffers) (void)cudaEventDestroy(b.event);
+    }
+  }
+  StagedUploads(const StagedUploads&) = delete;
+  StagedUploads& operator=(const StagedUploads&) = delete;
+
+  // Copies `bytes` of `src` to device memory `dst` on `stream`, behind the
+  // work queued there; `src` may be reused at once. False (nothing done)
+  // when it is over kMaxBytes: the caller copies another way.
+  absl::StatusOr<bool> Upload(const void* src, void* dst, size_t bytes, cudaStream_t stream) {
+    if (bytes > kMaxBytes) return false;
+    RETURN_IF_ERROR(Reclaim(/*wait_for_one=*/in_flight_.size() >= kMaxInFlight));
+    ASSIGN_OR_RETURN(Buffer buffer, TakeAtLeast(bytes));
+    std::memcpy(buffer.memory.get(), src, bytes);
+    if (cudaError_t queued =
+            cudaMemcpyAsync(dst, buffer.memory.get(), bytes, cudaMemcpyHostToDevice, stream);
+        queued != cudaSuccess) {
+      (void)cudaEventDestroy(buffer.event);  // nothing queued reads the buffer
+      held_bytes_ -= buffer.capacity;
+      CUDA_RETURN_IF_ERROR(queued);
+    }
+    if (cudaError_t recorded = cudaEventRecord(buffer.event, stream); recorded != cudaSuccess) {
+      // The copy is queued with nothing to say when it has read the buffer:
+      // wait for the stream (or its failure) before the buffer can go.
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaEventDestroy(buffer.event);
+      held_bytes_ -= buffer.capacity;
+      CUDA_RETURN_IF_ERROR(recorded);
+    }
+    in_flight_.push_back(std::move(buffer));
+    return true;
+  }
+
+ private:
+  // Small enough that a step's inputs go this way (a 24-layer LM's tokens:
+  // 32 KiB), large enough for a relative-position bucket table at S 1024.
+  static constexpr size_t kMaxBytes = size_t{4} << 20;
+  // Page-locked bytes a stream keeps at most (idle and in flight); past
+  // them the oldest copy is waited for.
+  static constexpr size_t kMaxHeldBytes = size_t{16} << 20;
+  // Copies queued at once before the oldest is waited for (the bytes bound
+  // them first for all but the smallest).
+  static constexpr size_t kMaxInFlight = 256;
+  static constexpr size_t kMinCapacity = size_t{64} << 10;
+
+  struct Buffer {
+    std::shared_ptr<void> memory;
+    size_t capacity = 0;
+    cudaEvent_t event = nullptr;
+  };
+
+  // Moves the copies that have finished to idle_, in issue order (events on
+  // one stream fire in order); with `wait_for_one`, waits for the oldest.
+  absl::Status Reclaim(bool wait_for_one) {
+    while (!in_flight_.empty()) {
+      cudaError_t done = wait_for_one ? cudaEventSynchronize(in_flight_.front().event)
+                                      : cudaEventQuery(in_flight_.front().event);
+      wait_for_one = false;
+      if (done == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // not an error: the copy is still queued
+        break;
+      }
+      CUDA_RETURN_IF_ERROR(done);
+      idle_.push_back(std::move(in_flight_.front()));
+      in_flight_.pop_front();
+    }
+    return absl::OkStatus();
+  }
+
+  // An idle buffer of at least `bytes`, or a new one; idle buffers too small
+  // go back to the pool when the stream would hold too much.
+  absl::StatusOr<Buffer> TakeAtLeast(size_t bytes) {
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if (it->capacity < bytes) continue;
+      Buffer buffer = std::move(*it);
+      idle_.erase(it);
+      return buffer;
+    }
+    size_t capacity = kMinCapacity;
+    while (capacity < bytes) capacity *= 2;
+    while (held_bytes_ + capacity > kMaxHeldBytes) {
+      if (!idle_.empty()) {
+        Drop(&idle_);
+      } else if (!in_flight_.empty()) {
+        RETURN_IF_ERROR(Reclaim(/*wait_for_one=*/true));
+      } else {
+        break;  // one buffer over the budget: kMaxBytes is under it
+      }
+    }
+    Buffer buffer;
+    ASSIGN_OR_RETURN(buffer.memory, pool_->Take(capacity));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&buffer.event, cudaEventDisableTiming));
+    buffer.capacity = capacity;
+    held_bytes_ += capacity;
+    return buffer;
+  }
+
+  void Drop(std::deque<Buffer>* from) {
+    (void)cudaEventDestroy(from->front().event);
+    held_bytes_ -= from->front().capacity;
+    from->pop_front();
+  }
+
+  const std::shared_ptr<PinnedStagingPool> pool_;
+  std::deque<Buffer> idle_;
+  std::deque<Buffer> in_flight_;  // in issue order
+  size_t held_bytes_ = 0;
+};
+
+std::shared_ptr<StagedUploads> NewStagedUploads(std::shared_ptr<PinnedStagingPool> pool) {
+  return std::make_shared<StagedUploads>(std::move(pool));
+}
+
+absl::StatusOr<bool> StageUpload(StagedUploads& uploads, const void* src, void* dst, size_t bytes,
+                                 cudaStream_t stream) {
+  return uploads.Upload(src, dst, bytes, stream);
 }
 
 absl::StatusOr<std::shared_ptr<void>> CudaOps::AllocateStaging(size_t bytes) {
