@@ -55,22 +55,35 @@ TE_HOST_DEVICE inline float RoundToGrid(float a, int mbits, int bias) {
   return rintf(a / quantum) * quantum;  // exact division; rintf ties to even
 }
 
-// Encodes a value already on the grid (|r| finite, within range).
-TE_HOST_DEVICE inline uint32_t EncodeOnGrid(float r, int mbits, int bias) {
-  if (r == 0.0f) return 0;
-  int e;
-  frexpf(r, &e);
-  const int exp = e - 1;
-  if (exp < 1 - bias) return static_cast<uint32_t>(r / ldexpf(1.0f, 1 - bias - mbits));
-  const uint32_t mant = static_cast<uint32_t>((r / ldexpf(1.0f, exp) - 1.0f) * ldexpf(1.0f, mbits));
-  return (static_cast<uint32_t>(exp + bias) << mbits) | mant;
+// Powers of two built from their exponent field: exact, and the same on the
+// host and the device.
+TE_HOST_DEVICE inline float PowerOfTwo(int exp) {
+  return BitsFloat(static_cast<uint32_t>(exp + 127) << 23);
+}
+
+// The code of a magnitude `a` (finite, >= 0) in a format of `mbits` mantissa
+// bits and exponent bias `bias`, rounded to nearest, ties to even, from the
+// float's bits: the grid RoundToGrid defines. A value that rounds past the
+// largest finite code gives the code after it (callers saturate or overflow).
+// Below 2^(1 - bias) the codes count quanta of 2^(1 - bias - mbits): a times
+// the inverse quantum is exact, and a count of 2^mbits is the first normal
+// code. Above, adding half an ulp of the target (less one, plus the kept
+// bits' lowest: ties to even) carries into the exponent where it must.
+TE_HOST_DEVICE inline uint32_t EncodeMagnitude(float a, int mbits, int bias) {
+  if (a < PowerOfTwo(1 - bias)) {
+    return static_cast<uint32_t>(rintf(a * PowerOfTwo(bias - 1 + mbits)));
+  }
+  const int shift = 23 - mbits;
+  const uint32_t u = FloatBits(a);
+  const uint32_t rounded = u + (1u << (shift - 1)) - 1u + ((u >> shift) & 1u);
+  return (rounded >> shift) - (static_cast<uint32_t>(127 - bias) << mbits);
 }
 
 TE_HOST_DEVICE inline float DecodeBits(uint32_t bits, int mbits, int bias) {
   const uint32_t exp = bits >> mbits;
   const uint32_t mant = bits & ((1u << mbits) - 1);
-  if (exp == 0) return ldexpf(static_cast<float>(mant), 1 - bias - mbits);
-  return ldexpf(1.0f + ldexpf(static_cast<float>(mant), -mbits), static_cast<int>(exp) - bias);
+  if (exp == 0) return static_cast<float>(mant) * PowerOfTwo(1 - bias - mbits);
+  return BitsFloat(((exp + 127 - bias) << 23) | (mant << (23 - mbits)));
 }
 
 // An FP8 code of x (both formats: sign bit 7, NaN 0x7f), saturating at
@@ -78,10 +91,10 @@ TE_HOST_DEVICE inline float DecodeBits(uint32_t bits, int mbits, int bias) {
 TE_HOST_DEVICE inline uint8_t FloatToFp8(float x, float max_value, int mbits, int bias) {
   if (x != x) return 0x7f;
   const uint32_t sign = FloatBits(x) >> 31 << 7;
-  float a = fabsf(x);
-  a = a >= max_value ? max_value : RoundToGrid(a, mbits, bias);
-  if (a > max_value) a = max_value;
-  return static_cast<uint8_t>(sign | EncodeOnGrid(a, mbits, bias));
+  const float a = fabsf(x);
+  const uint32_t max_code = EncodeMagnitude(max_value, mbits, bias);
+  const uint32_t code = a >= max_value ? max_code : EncodeMagnitude(a, mbits, bias);
+  return static_cast<uint8_t>(sign | (code > max_code ? max_code : code));
 }
 
 // The value of an IEEE-like code (E5M2, fp16) whose sign is bit `sign_bit`:
@@ -116,9 +129,7 @@ TE_HOST_DEVICE inline uint16_t FloatToFp16(float x) {
   const float a = fabsf(x);
   // Values at or above 65520 round up past the max: inf.
   if (a >= 65520.0f) return static_cast<uint16_t>(sign | 0x7c00u);
-  const float r = RoundToGrid(a, 10, 15);
-  if (r > kFp16Max) return static_cast<uint16_t>(sign | 0x7c00u);
-  return static_cast<uint16_t>(sign | EncodeOnGrid(r, 10, 15));
+  return static_cast<uint16_t>(sign | EncodeMagnitude(a, 10, 15));
 }
 TE_HOST_DEVICE inline float Fp16ToFloat(uint16_t h) {
   return DecodeWithInf(h, 15, 0x7c00u, 10, 15);

@@ -6,6 +6,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 
 #include "gtest/gtest.h"
@@ -195,6 +196,57 @@ INSTANTIATE_TEST_SUITE_P(Formats, Fp8FormatTest, ::testing::Values(kE4M3, kE5M2)
                          [](const ::testing::TestParamInfo<Fp8Format>& info) {
                            return std::string(info.param.name);
                          });
+
+// The grid value nearest |x| in float64 (ties to the even quantum count, which
+// is the even code), before saturation or overflow: the formats' definition,
+// apart from the bit arithmetic the casts use.
+double NearestOnGrid(double a, int mbits, int bias) {
+  int e;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  const int exp = std::max(e - 1, 1 - bias);
+  const double quantum = std::ldexp(1.0, exp - mbits);
+  return std::nearbyint(a / quantum) * quantum;
+}
+
+// Every float whose exponent reaches the format's grid, down to the values
+// that round to zero: each sign, each exponent, the top 14 mantissa bits in
+// every combination (the kept bits and the rounding bit of every format here
+// lie among them), and the 9 low bits all clear, only the lowest set, or all
+// set (the sticky bits that break a tie).
+template <typename Check>
+void SweepFloats(int min_exp, int max_exp, Check check) {
+  for (uint32_t sign : {0u, 1u}) {
+    for (int exp = min_exp; exp <= max_exp; ++exp) {
+      for (uint32_t top = 0; top < (1u << 14); ++top) {
+        for (uint32_t low : {0u, 1u, 0x1ffu}) {
+          const uint32_t bits = sign << 31 | static_cast<uint32_t>(exp + 127) << 23 | top << 9 | low;
+          check(BitsFloat(bits));
+        }
+      }
+    }
+  }
+}
+
+TEST_P(Fp8FormatTest, EncodesEveryFloatToTheNearestGridValue) {
+  const Fp8Format& f = GetParam();
+  SweepFloats(-f.bias - f.mbits - 3, 17, [&](float x) {
+    const double nearest = std::min(NearestOnGrid(std::fabs(x), f.mbits, f.bias),
+                                    static_cast<double>(f.max));
+    ASSERT_EQ(std::fabs(static_cast<double>(f.decode(f.encode(x)))), nearest)
+        << f.name << " " << std::hexfloat << x;
+    ASSERT_EQ(f.encode(x) >> 7, FloatBits(x) >> 31) << f.name << " sign of " << x;
+  });
+}
+
+TEST(Fp16Test, EncodesEveryFloatToTheNearestGridValue) {
+  SweepFloats(-28, 17, [](float x) {
+    const double nearest = NearestOnGrid(std::fabs(x), 10, 15);
+    const double want = nearest > kFp16Max ? INFINITY : nearest;
+    ASSERT_EQ(std::fabs(static_cast<double>(Fp16ToFloat(FloatToFp16(x)))), want)
+        << std::hexfloat << x;
+    ASSERT_EQ(FloatToFp16(x) >> 15, FloatBits(x) >> 31) << x;
+  });
+}
 
 // ---- E2M1 (NVFP4 values) -----------------------------------------------------------
 

@@ -60,9 +60,35 @@ void StoreFromFloat(Tensor* t, int64_t i, float v) {
   }
 }
 
+namespace {
+
+// Every element of t as float times `scale`, into out: the same values as
+// LoadAsFloat, with the dtype switched on once per tensor, not per element.
+template <typename Storage, typename Decode>
+void DecodeElements(const Tensor& t, float scale, float* out, Decode decode) {
+  const Storage* in = t.data_as<const Storage>();
+  for (int64_t i = 0; i < t.numel(); ++i) out[i] = decode(in[i]) * scale;
+}
+
+void DecodeAll(const Tensor& t, float scale, float* out) {
+  switch (t.dtype()) {
+    case DType::kF32: return DecodeElements<float>(t, scale, out, [](float v) { return v; });
+    case DType::kBF16: return DecodeElements<uint16_t>(t, scale, out, Bf16ToFloat);
+    case DType::kF16: return DecodeElements<uint16_t>(t, scale, out, Fp16ToFloat);
+    case DType::kE4M3: return DecodeElements<uint8_t>(t, scale, out, E4M3ToFloat);
+    case DType::kE5M2: return DecodeElements<uint8_t>(t, scale, out, E5M2ToFloat);
+    case DType::kI32:
+    case DType::kBool:
+      for (int64_t i = 0; i < t.numel(); ++i) out[i] = LoadAsFloat(t, i) * scale;
+      return;
+  }
+}
+
+}  // namespace
+
 std::vector<float> ToFloatVector(const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i) v[i] = LoadAsFloat(t, i);
+  DecodeAll(t, 1.0f, v.data());
   return v;
 }
 
@@ -212,11 +238,7 @@ using RowMajorMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eige
 // A GEMM operand as a float32 matrix of its stored shape, dequantized when FP8.
 RowMajorMatrix OperandMatrix(const Tensor& t, const Tensor& scale_inv) {
   RowMajorMatrix m(t.dim(0), t.dim(1));
-  float* out = m.data();
-  const float s = IsFloat8(t.dtype()) ? scale_inv.data_as<const float>()[0] : 1.0f;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    out[i] = IsFloat8(t.dtype()) ? LoadAsFloat(t, i) * s : LoadAsFloat(t, i);
-  }
+  DecodeAll(t, IsFloat8(t.dtype()) ? scale_inv.data_as<const float>()[0] : 1.0f, m.data());
   return m;
 }
 
