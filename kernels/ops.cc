@@ -67,6 +67,20 @@ void Ops::CastMemo::ForgetSince(uint64_t stamp) {
   }
 }
 
+CastMemoScope::CastMemoScope(Ops& ops, std::shared_ptr<Ops::CastMemo> memo)
+    : ops_(ops),
+      memo_(std::move(memo)),
+      previous_(ops.cast_memo()),
+      since_(memo_ != nullptr ? memo_->stamp() : 0) {
+  if (memo_ != nullptr) ops_.set_cast_memo(memo_);
+}
+
+CastMemoScope::~CastMemoScope() {
+  if (memo_ == nullptr) return;
+  ops_.set_cast_memo(previous_);
+  if (!committed_) memo_->ForgetSince(since_);
+}
+
 absl::StatusOr<Tensor> Ops::CastKept(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
   if (cast_memo_ != nullptr && x.data() != nullptr) {

@@ -1124,6 +1124,27 @@ class Ops::CastMemo {
   uint64_t stamp_ = 0;
 };
 
+// `memo` as the ops' cast memo while the scope lives; the memo installed
+// before comes back at its end. Unless Commit() was called, what the memo
+// kept meanwhile goes at the end too, so a failed call leaves no copy behind
+// in a memo that outlives it (a session layer's). A null `memo` leaves the
+// ops' memo alone.
+class CastMemoScope {
+ public:
+  CastMemoScope(Ops& ops, std::shared_ptr<Ops::CastMemo> memo);
+  ~CastMemoScope();
+  void Commit() { committed_ = true; }
+  CastMemoScope(const CastMemoScope&) = delete;
+  CastMemoScope& operator=(const CastMemoScope&) = delete;
+
+ private:
+  Ops& ops_;
+  const std::shared_ptr<Ops::CastMemo> memo_;
+  const std::shared_ptr<Ops::CastMemo> previous_;
+  const uint64_t since_;
+  bool committed_ = false;
+};
+
 // What a device is and can do, for GetServerInfo.
 struct DeviceInfo {
   std::string name;        // "cpu", "cuda:0"

@@ -191,6 +191,43 @@ TEST(CastKeptTest, CastsEachSourceOnceUnderAMemo) {
   EXPECT_LT(ops.bytes_in_use(), held) << "the memo's copies outlived it";
 }
 
+// CastMemoScope: its memo installed while it lives and the one before back
+// after; without Commit the casts kept meanwhile go, those kept before stay;
+// with Commit they all stay; a null memo leaves the ops' memo alone.
+TEST(CastKeptTest, AScopeKeepsItsCastsOnlyWhenCommitted) {
+  CpuOps ops;
+  const Tensor w = MakeRandom(ops, DType::kF32, {4, 6}, 5);
+  const Tensor v = MakeRandom(ops, DType::kF32, {3, 2}, 6);
+  const auto outer = std::make_shared<Ops::CastMemo>();
+  const auto kept = std::make_shared<Ops::CastMemo>();
+  ops.set_cast_memo(outer);
+  {
+    CastMemoScope scope(ops, kept);
+    EXPECT_EQ(ops.cast_memo(), kept);
+    ASSERT_TRUE(ops.CastKept(w, DType::kBF16).ok());
+    scope.Commit();
+  }
+  EXPECT_EQ(ops.cast_memo(), outer);
+  EXPECT_EQ(kept->size(), 1u);
+  {
+    CastMemoScope failed(ops, kept);
+    ASSERT_TRUE(ops.CastKept(v, DType::kBF16).ok());
+    ASSERT_TRUE(ops.CastKept(w, DType::kF16).ok());
+    EXPECT_EQ(kept->size(), 3u);
+  }
+  EXPECT_EQ(ops.cast_memo(), outer);
+  ASSERT_EQ(kept->size(), 1u) << "an uncommitted scope's casts stayed";
+  EXPECT_NE(kept->Find(w, DType::kBF16), nullptr);
+  {
+    CastMemoScope none(ops, nullptr);
+    EXPECT_EQ(ops.cast_memo(), outer);
+    ASSERT_TRUE(ops.CastKept(v, DType::kBF16).ok());
+  }
+  EXPECT_EQ(ops.cast_memo(), outer);
+  EXPECT_EQ(outer->size(), 1u) << "the memo installed before took the null scope's cast";
+  ops.set_cast_memo(nullptr);
+}
+
 TEST(CpuCopyTest, UploadDownloadRoundTrip) {
   CpuOps ops;
   const std::vector<float> host = testing::RandomValues(91, 1);

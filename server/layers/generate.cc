@@ -144,23 +144,6 @@ struct WaitOnExit {
   }
 };
 
-// A cast memo on `ops` for its lifetime: the one installed (a session
-// layer's kept casts, which already hold the weights from its last call), or
-// else a fresh one, taken away again at the end.
-class KeptCastsScope {
- public:
-  explicit KeptCastsScope(Ops& ops) : ops_(ops), previous_(ops.cast_memo()) {
-    if (previous_ == nullptr) ops_.set_cast_memo(std::make_shared<Ops::CastMemo>());
-  }
-  ~KeptCastsScope() { ops_.set_cast_memo(previous_); }
-  KeptCastsScope(const KeptCastsScope&) = delete;
-  KeptCastsScope& operator=(const KeptCastsScope&) = delete;
-
- private:
-  Ops& ops_;
-  std::shared_ptr<Ops::CastMemo> previous_;
-};
-
 // A float's bits as an unsigned key whose ascending order is the values'
 // descending order (-0 as +0, which compare equal).
 uint32_t DescendingKey(float v) {
@@ -254,7 +237,10 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
   RETURN_IF_ERROR(InitCache(ops, cache_specs, &working));
   // The weights stay put for the whole generation: each is cast to the
   // compute dtype at its first step, not at every step (Ops::CastKept).
-  const KeptCastsScope kept_casts(ops);
+  // The memo installed (a session layer's kept casts, which already hold
+  // the weights from its last call), or else a fresh one for this call.
+  CastMemoScope kept_casts(
+      ops, ops.cast_memo() != nullptr ? ops.cast_memo() : std::make_shared<Ops::CastMemo>());
 
   GenerateResult result;
   result.tokens.resize(static_cast<size_t>(batch));
@@ -409,6 +395,7 @@ absl::StatusOr<GenerateResult> Generate(Ops& ops, const Layer& model, const Vari
     }
     if (!queue_ahead) RETURN_IF_ERROR(issue(step + 1));
   }
+  kept_casts.Commit();
   return result;
 }
 

@@ -58,20 +58,6 @@ Session::StepTransaction::StepTransaction(Session& session, const Read& read,
 
 Session::StepTransaction::~StepTransaction() = default;
 
-Session::StepTransaction::KeptCasts::KeptCasts(Ops& ops, std::shared_ptr<Ops::CastMemo> casts)
-    : ops_(ops),
-      casts_(std::move(casts)),
-      previous_(ops.cast_memo()),
-      since_(casts_ != nullptr ? casts_->stamp() : 0) {
-  if (casts_ != nullptr) ops_.set_cast_memo(casts_);
-}
-
-Session::StepTransaction::KeptCasts::~KeptCasts() {
-  if (casts_ == nullptr) return;
-  ops_.set_cast_memo(previous_);
-  if (!committed_) casts_->ForgetSince(since_);
-}
-
 absl::StatusOr<std::unique_ptr<Session::StepTransaction>> Session::StepTransaction::Open(
     Session& session, const Read& read, std::optional<layers::Fp8Recipe> fp8,
     const CallContext& call, std::string what, WeightCopies copies) {

@@ -145,24 +145,9 @@ class Session::StepTransaction {
   layers::Fp8WeightCache::Call kept_copies_;
   // The layer's kept casts (LayerEntry::casts) as the Ops' cast memo while
   // the transaction lives; the casts it keeps stay only if it commits having
-  // read the newest version, as the FP8 copies do (contract 4).
-  class KeptCasts {
-   public:
-    // `casts` null: the Ops' memo is left alone (a Benchmark's own run).
-    KeptCasts(Ops& ops, std::shared_ptr<Ops::CastMemo> casts);
-    ~KeptCasts();
-    void Commit() { committed_ = true; }
-    KeptCasts(const KeptCasts&) = delete;
-    KeptCasts& operator=(const KeptCasts&) = delete;
-
-   private:
-    Ops& ops_;
-    const std::shared_ptr<Ops::CastMemo> casts_;
-    std::shared_ptr<Ops::CastMemo> previous_;
-    const uint64_t since_;
-    bool committed_ = false;
-  };
-  KeptCasts kept_casts_;
+  // read the newest version, as the FP8 copies do (contract 4). Null (a
+  // Benchmark's own run): the Ops' memo is left alone.
+  CastMemoScope kept_casts_;
   layers::DeviceConstants own_constants_;
   layers::DeviceConstants::Call kept_constants_;
   VariableSet next_;
