@@ -357,6 +357,13 @@ int ResidentBlocksPerSm(const CudaContext& device, Kernel kernel, int threads,
   return memo.blocks_per_sm[key] = per_sm < 1 ? 1 : per_sm;
 }
 
+// Blocks of `kernel` that fit on the device at once.
+template <typename Kernel>
+int64_t ResidentBlocks(const CudaContext& device, Kernel kernel, int threads, size_t shared_bytes) {
+  return static_cast<int64_t>(ResidentBlocksPerSm(device, kernel, threads, shared_bytes)) *
+         device.properties.multiProcessorCount;
+}
+
 // Opts `kernel` in to `bytes` of dynamic shared memory where that and its
 // static shared memory may pass the default; `what` names it in errors.
 template <typename Kernel>

@@ -209,20 +209,22 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
 // takes); column_partial: null, or [ceil(rows / 64), cols] f32; kept:
 // null, or QuantizeTransposeKept's record of y's scale and amax.
 void LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, AmaxOut amax, Tensor* y,
-                             Tensor* y_t, float* column_partial, SmCount sms,
+                             Tensor* y_t, float* column_partial, const CudaContext& device,
                              cudaStream_t stream, const Ops::KeptQuantization* kept = nullptr) {
   const int64_t rows = x.dim(0), cols = x.dim(1);
-  const unsigned grid = QuantizeTransposeGrid(rows, cols, sms);
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      QuantizeTransposeKernel<In, Out><<<grid, 256, 0, stream>>>(
+      auto kernel = QuantizeTransposeKernel<In, Out>;
+      const unsigned grid =
+          QuantizeTransposeGrid(rows, cols, ResidentBlocks(device, kernel, 256, 0));
+      kernel<<<grid, 256, 0, stream>>>(
           static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
           static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(), amax,
           fp8.scale_inv.data_as<float>(), column_partial, rows, cols,
           kept != nullptr ? kept->scale.data_as<float>() : nullptr,
-          kept != nullptr ? kept->amax.data_as<float>() : nullptr);
+          kept != nullptr ? kept->amax.data_as<float>() : nullptr, IdentityFn{});
     });
   });
 }
@@ -256,7 +258,7 @@ absl::Status CudaOps::QuantizeTranspose(const Tensor& x, const Fp8Output& fp8, T
   // Shapes the tile kernel cannot take: quantize, then transpose.
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTranspose(x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
-  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, nullptr, sms(), stream());
+  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, nullptr, context(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -269,7 +271,7 @@ absl::Status CudaOps::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp
   // Shapes the tile kernel cannot take: the reference's host-side decision.
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeKept(x, fp8, kept, y, y_t);
   RETURN_IF_ERROR(Enter());
-  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, nullptr, sms(), stream(), &kept);
+  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, nullptr, context(), stream(), &kept);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -285,8 +287,8 @@ absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& f
   // One partial row of column sums per 64-row tile: 2 MiB at [8192, 4096].
   const int64_t row_tiles = (rows + 63) / 64;
   ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {row_tiles, cols}));
-  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, partial.data_as<float>(), sms(),
-                          stream());
+  LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, partial.data_as<float>(),
+                          context(), stream());
   LaunchPartialColumnSums(partial.data_as<const float>(), row_tiles, cols, dbias->dtype(),
                           dbias->data(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();

@@ -283,13 +283,6 @@ int FastForwardWarps(const Tensor& x, const Tensor& gamma, const Tensor& beta, c
   return warps;
 }
 
-// Blocks of `kernel` that fit on the device at once.
-template <typename Kernel>
-int64_t ResidentBlocks(const CudaContext& device, Kernel kernel, int threads, size_t shared_bytes) {
-  return static_cast<int64_t>(ResidentBlocksPerSm(device, kernel, threads, shared_bytes)) *
-         device.properties.multiProcessorCount;
-}
-
 // CUDA only: the kernels read beta through gamma's dtype (one dispatch for both).
 absl::Status CheckBetaLikeGamma(const char* op, bool layernorm, const Tensor& gamma,
                                 const Tensor& beta) {
