@@ -30,7 +30,11 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_hdrs = [], **kwargs):
         obj = name + "_" + src.replace("/", "_").replace(".cu", ".o")
         native.genrule(
             name = obj + "_nvcc",
-            srcs = [src] + hdrs + nvcc_hdrs + native.glob(["**/*.h", "**/*.cuh"]),
+            srcs = [src] + hdrs + nvcc_hdrs + [
+                h
+                for h in native.glob(["**/*.h", "**/*.cuh"])
+                if h not in hdrs
+            ],
             outs = [obj],
             cmd = "%s/bin/nvcc %s -I. -I$(GENDIR) -c $(location %s) -o $@" % (
                 CUDA_PATH,

@@ -21,6 +21,8 @@
 #               bench/tools/trace_step.sh); traces and reports in $OUT/trace
 #   decode      Generate against JAX's jit'd decode loop (bench/decode_bench.py)
 #   ops         ops_bench; against .gpubundle's oldlib too when it holds one
+#   cast        cast_transpose_bench: the FP8 cast-transpose op against the
+#               candidate kernels of bench/kernels/cast_transpose_variants.h
 #   bias        relative_bias_bench: each piece TE's relative bias adds to the
 #               24 x 1024 LM's attention, timed alone, with its floor
 #
@@ -91,9 +93,13 @@ stage_ops() {
   bench_new_and_old ops_bench
 }
 
+stage_cast() {
+  "$b/run.sh" cast_transpose_bench
+}
+
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, trace, decode, ops, bias)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, trace, decode, ops, cast, bias)" >&2
     exit 2
   fi
 done

@@ -1,0 +1,46 @@
+// Candidate layouts of the FP8 cast-transpose (bf16 x -> E4M3 y and y^T, the
+// amax folded, scale_inv written), for cast_transpose_bench to time against
+// the product's kernel (kernels/cuda/cast_transpose.cuh) in one process. A
+// candidate that wins there, and writes the same bytes, replaces the
+// product's; the others stay here as the record of what was tried.
+#ifndef TE_BENCH_KERNELS_CAST_TRANSPOSE_VARIANTS_H_
+#define TE_BENCH_KERNELS_CAST_TRANSPOSE_VARIANTS_H_
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/ops.h"
+
+namespace te::bench {
+
+enum class CastTransposeVariant {
+  // The product's QuantizeTransposeKernel on other grids than its own: a tile
+  // a block (before b48762b), and eight blocks an SM (b48762b to d72f792).
+  kProductTilePerBlock,
+  kProductEightPerSm,
+  // The product's loop, with the next tile's loads issued before the current
+  // tile leaves transposed (in flight while it does).
+  kPrefetch,
+  // 128 x 64 tiles: 16-byte loads, 8-byte stores of y, the codes kept
+  // column-major in shared memory so y^T leaves as 16-byte stores.
+  kWide,
+};
+inline constexpr CastTransposeVariant kCastTransposeVariants[] = {
+    CastTransposeVariant::kProductTilePerBlock, CastTransposeVariant::kProductEightPerSm,
+    CastTransposeVariant::kPrefetch, CastTransposeVariant::kWide};
+const char* VariantName(CastTransposeVariant variant);
+
+// Whether `variant` takes x [rows, cols] (the candidates handle whole tiles only).
+bool VariantFits(CastTransposeVariant variant, int64_t rows, int64_t cols);
+
+// One launch on `ops`' stream: x bf16 [rows, cols] -> y E4M3 [rows, cols],
+// y_t [cols, rows], fp8.amax = max |x| (through `slot`, a zeroed
+// cuda::GridAmaxSlot of the caller's), fp8.scale_inv = 1 / fp8.scale.
+absl::Status LaunchCastTransposeVariant(CastTransposeVariant variant, cuda::CudaOps& ops,
+                                        const Tensor& x, const Fp8Output& fp8,
+                                        cuda::GridAmaxSlot* slot, Tensor* y, Tensor* y_t);
+
+}  // namespace te::bench
+
+#endif  // TE_BENCH_KERNELS_CAST_TRANSPOSE_VARIANTS_H_
