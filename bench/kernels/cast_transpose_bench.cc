@@ -1,6 +1,6 @@
 // The FP8 cast-transpose (bf16 -> E4M3 in both layouts, with its amax) at
-// the LM's and the quickstart's shapes: the product op (Ops::QuantizeTranspose,
-// its grid the blocks that fit) against the candidates of
+// the LM's and the quickstart's shapes: the product op (Ops::QuantizeTranspose:
+// the wide 128 x 64 kernel at these shapes) against the candidates of
 // cast_transpose_variants.h, in one process. Each candidate's y, y^T and
 // amax are first checked byte for byte against the product op's; its time
 // counts only if they match. Inputs rotate over enough copies (>= 512 MiB in
@@ -109,7 +109,7 @@ int Run(int reps) {
     if (!ops.QuantizeTranspose(xs[0], fp8, &y, &y_t).ok()) return 1;
     const Result want = Read(ops, y, y_t, fp8);
     int next = 0;
-    report("product op (grid: blocks that fit)", bench::MedianMs(&ops, 3, reps, [&] {
+    report("product op (wide 128x64 tiles)", bench::MedianMs(&ops, 3, reps, [&] {
              return ops.QuantizeTranspose(xs[next++ % copies], fp8, &y, &y_t);
            }),
            "reference");

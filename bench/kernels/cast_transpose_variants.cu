@@ -76,89 +76,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// 128 x 64 tiles. Loads: thread (lx, ly) = (tid % 8, tid / 8) reads 8
-// elements (16 bytes) of rows ly, ly + 32, ly + 64, ly + 96, all four in
-// flight at once, and writes each row's 8 codes to y as one 8-byte store.
-// The codes go to shared memory column-major (codes[c][r], rows 132 bytes
-// apart: a warp's byte stores fall two to a bank at most), so y^T leaves as
-// 16 consecutive rows of one column a 16-byte store, read as four 4-byte
-// words (conflict-free: the 33-word pitch staggers the banks).
-constexpr int kWideRows = 128, kWideCols = 64, kWidePitch = kWideRows + 4;
-
-__global__ void __launch_bounds__(kThreads)
-    WideKernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
-               const float* scale, AmaxOut amax, float* scale_inv, int64_t rows, int64_t cols) {
-  using InPack = Pack<uint16_t, 8>;
-  __shared__ __align__(16) uint8_t codes[kWideCols][kWidePitch];
-  __shared__ unsigned scratch[32];
-  const float s = *scale;
-  const int lx = threadIdx.x % 8, ly = threadIdx.x / 8;
-  const int64_t col_tiles = cols / kWideCols;
-  const int64_t tiles = col_tiles * (rows / kWideRows);
-  unsigned local = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t row0 = t / col_tiles * kWideRows, col0 = t % col_tiles * kWideCols;
-    InPack in[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      in[i] = *reinterpret_cast<const InPack*>(x + (row0 + ly + 32 * i) * cols + col0 + lx * 8);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = ly + 32 * i;
-      uint32_t lo = 0, hi = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float v = BF16::Load(in[i].v[j]);
-        local = max(local, AbsBits(v));
-        const uint8_t code = E4M3::Store(v * s);
-        codes[lx * 8 + j][r] = code;
-        if (j < 4) {
-          lo |= static_cast<uint32_t>(code) << (8 * j);
-        } else {
-          hi |= static_cast<uint32_t>(code) << (8 * (j - 4));
-        }
-      }
-      *reinterpret_cast<uint2*>(y + (row0 + r) * cols + col0 + lx * 8) = make_uint2(lo, hi);
-    }
-    __syncthreads();
-    // y^T rows col0 .. col0 + 63, bytes row0 .. row0 + 127 of each: 64 x 8
-    // chunks of 16 bytes, two a thread.
-    const int sx = threadIdx.x % 8, sy = threadIdx.x / 8;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int c = sy + 32 * k;
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(&codes[c][sx * 16]);
-      *reinterpret_cast<uint4*>(y_t + (col0 + c) * rows + row0 + sx * 16) =
-          make_uint4(src[0], src[1], src[2], src[3]);
-    }
-    __syncthreads();  // the next tile overwrites the codes
-  }
-  local = BlockMaxBits(local, scratch);
-  if (threadIdx.x == 0) {
-    FoldAmax(amax, local);
-    if (blockIdx.x == 0) *scale_inv = 1.0f / s;
-  }
-}
-
 }  // namespace
 
 const char* VariantName(CastTransposeVariant variant) {
   switch (variant) {
-    case CastTransposeVariant::kProductTilePerBlock: return "product kernel, a tile a block";
-    case CastTransposeVariant::kProductEightPerSm: return "product kernel, 8 blocks an SM";
-    case CastTransposeVariant::kPrefetch: return "prefetch: next tile's loads in flight";
-    case CastTransposeVariant::kWide: return "wide: 128x64 tiles, 16-byte loads/stores";
+    case CastTransposeVariant::kGeneralTilePerBlock: return "64x64 kernel, a tile a block";
+    case CastTransposeVariant::kGeneralEightPerSm: return "64x64 kernel, 8 blocks an SM";
+    case CastTransposeVariant::kGeneralResident: return "64x64 kernel, blocks that fit";
+    case CastTransposeVariant::kPrefetch: return "64x64 prefetch: next tile's loads in flight";
   }
   return "?";
 }
 
 bool VariantFits(CastTransposeVariant variant, int64_t rows, int64_t cols) {
   switch (variant) {
-    case CastTransposeVariant::kProductTilePerBlock:
-    case CastTransposeVariant::kProductEightPerSm: return rows % 4 == 0 && cols % 4 == 0;
+    case CastTransposeVariant::kGeneralTilePerBlock:
+    case CastTransposeVariant::kGeneralEightPerSm:
+    case CastTransposeVariant::kGeneralResident: return rows % 4 == 0 && cols % 4 == 0;
     case CastTransposeVariant::kPrefetch: return rows % 64 == 0 && cols % 64 == 0;
-    case CastTransposeVariant::kWide: return rows % kWideRows == 0 && cols % kWideCols == 0;
   }
   return false;
 }
@@ -181,12 +116,16 @@ absl::Status LaunchCastTransposeVariant(CastTransposeVariant variant, cuda::Cuda
   const int64_t sms = ops.sm_count();
   cudaStream_t stream = ops.stream();
   switch (variant) {
-    case CastTransposeVariant::kProductTilePerBlock:
-    case CastTransposeVariant::kProductEightPerSm: {
+    case CastTransposeVariant::kGeneralTilePerBlock:
+    case CastTransposeVariant::kGeneralEightPerSm:
+    case CastTransposeVariant::kGeneralResident: {
       auto kernel = cuda::QuantizeTransposeKernel<BF16, E4M3>;
       const int64_t tiles = ((rows + 63) / 64) * ((cols + 63) / 64);
       const int64_t grid =
-          variant == CastTransposeVariant::kProductTilePerBlock ? tiles : std::min(tiles, 8 * sms);
+          variant == CastTransposeVariant::kGeneralTilePerBlock ? tiles
+          : variant == CastTransposeVariant::kGeneralEightPerSm
+              ? std::min(tiles, 8 * sms)
+              : std::min(tiles, cuda::ResidentBlocks(ops.context(), kernel, kThreads, 0));
       kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
           xs, ys, yts, scale, amax, scale_inv, nullptr, rows, cols, nullptr, nullptr,
           cuda::IdentityFn{});
@@ -198,14 +137,6 @@ absl::Status LaunchCastTransposeVariant(CastTransposeVariant variant, cuda::Cuda
           std::min(tiles, cuda::ResidentBlocks(ops.context(), PrefetchKernel, kThreads, 0));
       PrefetchKernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
           xs, ys, yts, scale, amax, scale_inv, rows, cols);
-      break;
-    }
-    case CastTransposeVariant::kWide: {
-      const int64_t tiles = (rows / kWideRows) * (cols / kWideCols);
-      const int64_t grid =
-          std::min(tiles, cuda::ResidentBlocks(ops.context(), WideKernel, kThreads, 0));
-      WideKernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(xs, ys, yts, scale, amax,
-                                                                        scale_inv, rows, cols);
       break;
     }
   }

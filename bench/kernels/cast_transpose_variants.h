@@ -15,20 +15,20 @@
 namespace te::bench {
 
 enum class CastTransposeVariant {
-  // The product's QuantizeTransposeKernel on other grids than its own: a tile
-  // a block (before b48762b), and eight blocks an SM (b48762b to d72f792).
-  kProductTilePerBlock,
-  kProductEightPerSm,
-  // The product's loop, with the next tile's loads issued before the current
+  // The product's general 64 x 64 QuantizeTransposeKernel (the op's kernel
+  // for every shape until the wide kernel took whole 128 x 64 tiles) on the
+  // grids it has had: a tile a block (before b48762b), eight blocks an SM
+  // (b48762b to d72f792), and the blocks that fit (d72f792 on).
+  kGeneralTilePerBlock,
+  kGeneralEightPerSm,
+  kGeneralResident,
+  // The 64 x 64 loop, with the next tile's loads issued before the current
   // tile leaves transposed (in flight while it does).
   kPrefetch,
-  // 128 x 64 tiles: 16-byte loads, 8-byte stores of y, the codes kept
-  // column-major in shared memory so y^T leaves as 16-byte stores.
-  kWide,
 };
 inline constexpr CastTransposeVariant kCastTransposeVariants[] = {
-    CastTransposeVariant::kProductTilePerBlock, CastTransposeVariant::kProductEightPerSm,
-    CastTransposeVariant::kPrefetch, CastTransposeVariant::kWide};
+    CastTransposeVariant::kGeneralTilePerBlock, CastTransposeVariant::kGeneralEightPerSm,
+    CastTransposeVariant::kGeneralResident, CastTransposeVariant::kPrefetch};
 const char* VariantName(CastTransposeVariant variant);
 
 // Whether `variant` takes x [rows, cols] (the candidates handle whole tiles only).

@@ -388,24 +388,19 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
   // transpose.
   if (acts.size() != 1) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
   const Tensor x2 = x.Reshaped({Rows(x), width});
-  const Tensor y2 = y->Reshaped({Rows(x), width});
+  Tensor y2 = y->Reshaped({Rows(x), width});
   if (!TileKernelFits(x2, y2, *y_t)) return Ops::ActivationForwardTransposed(acts, x, fp8, y, y_t);
   RETURN_IF_ERROR(Enter());
-  const int64_t rows = x2.dim(0);
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
       WithActivation(acts[0], [&](auto act) {
         using F = ValueOf<decltype(act)>;
-        auto kernel = QuantizeTransposeKernel<In, Out, F>;
-        const unsigned grid =
-            QuantizeTransposeGrid(rows, width, ResidentBlocks(context(), kernel, 256, 0));
-        kernel<<<grid, 256, 0, stream()>>>(
-            static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
-            static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(),
-            AmaxOutFor(fp8), fp8.scale_inv.data_as<float>(), nullptr, rows, width, nullptr,
-            nullptr, F{act});
+        LaunchCastTranspose<In, Out, false>(context(), stream(), x2, &y2, y_t,
+                                            fp8.scale.data_as<const float>(), AmaxOutFor(fp8),
+                                            fp8.scale_inv.data_as<float>(), nullptr, nullptr,
+                                            nullptr, F{act});
       });
     });
   });

@@ -4,6 +4,7 @@
 // kernels/cpu/cpu_ops.cc for the definitions.
 #include <algorithm>
 #include <cfloat>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -205,26 +206,26 @@ __global__ void Nvfp4Kernel(const typename In::Storage* x, const float* tensor_a
   }
 }
 
-// One QuantizeTransposeKernel over x [rows, cols] (shapes TileKernelFits
-// takes); column_partial: null, or [ceil(rows / 64), cols] f32; kept:
-// null, or QuantizeTransposeKept's record of y's scale and amax.
+// One cast-transpose of x [rows, cols] (shapes TileKernelFits takes);
+// column_partial: null, or [CastTransposePartialRows, cols] f32; kept: null,
+// or QuantizeTransposeKept's record of y's scale and amax.
 void LaunchQuantizeTranspose(const Tensor& x, const Fp8Output& fp8, AmaxOut amax, Tensor* y,
                              Tensor* y_t, float* column_partial, const CudaContext& device,
                              cudaStream_t stream, const Ops::KeptQuantization* kept = nullptr) {
-  const int64_t rows = x.dim(0), cols = x.dim(1);
   DispatchFloat(x.dtype(), [&](auto in) {
     DispatchFp8(y->dtype(), [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      auto kernel = QuantizeTransposeKernel<In, Out>;
-      const unsigned grid =
-          QuantizeTransposeGrid(rows, cols, ResidentBlocks(device, kernel, 256, 0));
-      kernel<<<grid, 256, 0, stream>>>(
-          static_cast<const typename In::Storage*>(x.data()), static_cast<uint8_t*>(y->data()),
-          static_cast<uint8_t*>(y_t->data()), fp8.scale.data_as<const float>(), amax,
-          fp8.scale_inv.data_as<float>(), column_partial, rows, cols,
-          kept != nullptr ? kept->scale.data_as<float>() : nullptr,
-          kept != nullptr ? kept->amax.data_as<float>() : nullptr, IdentityFn{});
+      auto launch = [&](auto column_sums) {
+        LaunchCastTranspose<decltype(in), decltype(out), decltype(column_sums)::value>(
+            device, stream, x, y, y_t, fp8.scale.data_as<const float>(), amax,
+            fp8.scale_inv.data_as<float>(), column_partial,
+            kept != nullptr ? kept->scale.data_as<float>() : nullptr,
+            kept != nullptr ? kept->amax.data_as<float>() : nullptr);
+      };
+      if (column_partial != nullptr) {
+        launch(std::true_type{});
+      } else {
+        launch(std::false_type{});
+      }
     });
   });
 }
@@ -283,9 +284,9 @@ absl::Status CudaOps::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& f
   // Shapes the tile kernel cannot take: QuantizeTranspose, then SumRows.
   if (!TileKernelFits(x, *y, *y_t)) return Ops::QuantizeTransposeDbias(x, fp8, y, y_t, dbias);
   RETURN_IF_ERROR(Enter());
-  const int64_t rows = x.dim(0), cols = x.dim(1);
-  // One partial row of column sums per 64-row tile: 2 MiB at [8192, 4096].
-  const int64_t row_tiles = (rows + 63) / 64;
+  const int64_t cols = x.dim(1);
+  // One partial row of column sums per tile row: 1 MiB at [8192, 4096].
+  const int64_t row_tiles = CastTransposePartialRows(x, *y, *y_t);
   ASSIGN_OR_RETURN(Tensor partial, Allocate(DType::kF32, {row_tiles, cols}));
   LaunchQuantizeTranspose(x, fp8, AmaxOutFor(fp8), y, y_t, partial.data_as<float>(),
                           context(), stream());

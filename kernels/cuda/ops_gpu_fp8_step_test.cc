@@ -95,10 +95,13 @@ TEST_F(Fp8StepOpsTest, DelayedScalingUpdatesMatchOneByOne) {
 // A kept weight copy: made at the first call, left untouched (not even read)
 // while the scale stays, re-made when it moves; amax and scale_inv as a plain
 // QuantizeTranspose gives them, every call.
+// Both cast-transpose kernels: 192 x 320 is ragged for the wide kernel's
+// 128 x 64 tiles (the 64 x 64 kernel), 256 x 320 whole (the wide one).
 TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
-  for (DType in : {DType::kF32, DType::kBF16}) {
-    const int64_t rows = 192, cols = 320;
-    SCOPED_TRACE(DTypeName(in));
+  for (const auto& [in, rows] : std::vector<std::pair<DType, int64_t>>{
+           {DType::kF32, 192}, {DType::kBF16, 192}, {DType::kF32, 256}, {DType::kBF16, 256}}) {
+    const int64_t cols = 320;
+    SCOPED_TRACE(std::string(DTypeName(in)) + " rows " + std::to_string(rows));
     Pair x = Random(in, {rows, cols}, 7);
     Pair y = Zeros(DType::kE4M3, {rows, cols}), y_t = Zeros(DType::kE4M3, {cols, rows});
     Pair scale = FromValues(DType::kF32, {1}, {2.0f});
@@ -155,9 +158,12 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
   for (const auto& acts : all) {
     for (DType in : {DType::kF32, DType::kBF16}) {
       for (DType out : {DType::kE4M3, DType::kE5M2}) {
-        // The last: 1190 tiles, more than the grid's blocks.
+        // Whole 128 x 64 tiles (the wide kernel; the last of them, 1105
+        // tiles, more than the grid's blocks), ragged (the 64 x 64 kernel; the
+        // last, 1190 tiles) and declined.
         for (const Shape& shape :
-             {Shape{2, 64, 256}, Shape{4, 36, 520}, Shape{3, 7, 36}, Shape{2, 1058, 2180}}) {
+             {Shape{2, 64, 256}, Shape{2, 4160, 1088}, Shape{4, 36, 520}, Shape{3, 7, 36},
+              Shape{2, 1058, 2180}}) {
           const bool gated = acts.size() == 2;
           const int64_t rows = shape[0] * shape[1];
           const int64_t width = gated ? shape[2] / 2 : shape[2];
@@ -222,7 +228,7 @@ TEST_F(Fp8StepOpsTest, AnUnrecordedAmaxChangesNoCodeOrScaleInv) {
     compare("Quantize " + ShapeName(shape), {shape},
             [&](const Fp8Output& f, std::vector<Tensor>* y) { return gpu_->Quantize(x.gpu, f, &(*y)[0]); });
   }
-  for (const Shape& shape : {Shape{128, 256}, Shape{37, 24}}) {
+  for (const Shape& shape : {Shape{128, 256}, Shape{132, 256}, Shape{37, 24}}) {
     const Pair x = Random(DType::kBF16, shape, 62, -4.0f, 4.0f);
     compare("QuantizeTranspose " + ShapeName(shape), {shape, {shape[1], shape[0]}},
             [&](const Fp8Output& f, std::vector<Tensor>* y) {

@@ -37,14 +37,16 @@ INSTANTIATE_TEST_SUITE_P(
     Matrix, QuantizeTransposeTest,
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                        ::testing::Values(DType::kE4M3, DType::kE5M2),
-                       // tiles: whole, ragged edges (multiples of 4; cols a multiple of 8
-                       // or not, rows of 16 or not: the 16-byte and the 4-byte paths),
-                       // more tiles than the grid's blocks (1190: a block takes several),
-                       // and shapes the tile kernel declines (odd: the fallback)
-                       ::testing::Values(Shape{128, 256}, Shape{100, 36}, Shape{516, 1028},
-                                         Shape{4, 4}, Shape{12, 12}, Shape{144, 520},
-                                         Shape{20, 5000}, Shape{2116, 2180}, Shape{37, 24},
-                                         Shape{64, 30})),
+                       // tiles: whole 128 x 64 ones (the wide kernel; 8320 x 1088: 1105
+                       // tiles, more than the grid's blocks), ragged for it (the 64 x 64
+                       // kernel: multiples of 4; cols a multiple of 8 or not, rows of 16
+                       // or not: the 16-byte and the 4-byte paths; 2116 x 2180: 1190
+                       // tiles, a block takes several), and shapes both decline (odd:
+                       // the fallback)
+                       ::testing::Values(Shape{128, 256}, Shape{8320, 1088}, Shape{100, 36},
+                                         Shape{516, 1028}, Shape{4, 4}, Shape{12, 12},
+                                         Shape{144, 520}, Shape{20, 5000}, Shape{2116, 2180},
+                                         Shape{37, 24}, Shape{64, 30})),
     [](const auto& info) {
       return std::string(Short(std::get<0>(info.param))) + "_" + Short(std::get<1>(info.param)) +
              "_" + ShapeName(std::get<2>(info.param));
@@ -84,11 +86,14 @@ INSTANTIATE_TEST_SUITE_P(
     Matrix, QuantizeTransposeDbiasTest,
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
                        ::testing::Values(DType::kE4M3, DType::kE5M2),
-                       // tiles: whole, ragged edges (multiples of 4), many row tiles
-                       // (the partial rows' reduction), more tiles than the grid's
-                       // blocks, and shapes the tile kernel declines (odd: the fallback)
-                       ::testing::Values(Shape{128, 256}, Shape{100, 36}, Shape{516, 1028},
-                                         Shape{4, 4}, Shape{1000, 200}, Shape{2052, 64},
+                       // tiles: whole 128 x 64 ones (the wide kernel, its partial rows
+                       // a 128-row tile each: 1 and 65 of them), ragged edges for it
+                       // (the 64 x 64 kernel: multiples of 4), many row tiles (the
+                       // partial rows' reduction), more tiles than the grid's blocks,
+                       // and shapes both decline (odd: the fallback)
+                       ::testing::Values(Shape{128, 256}, Shape{8320, 1088}, Shape{100, 36},
+                                         Shape{516, 1028}, Shape{4, 4}, Shape{1000, 200},
+                                         Shape{2052, 64},
                                          Shape{144, 520}, Shape{20, 5000}, Shape{2116, 2180},
                                          Shape{37, 24}, Shape{64, 30})),
     [](const auto& info) {
@@ -136,34 +141,36 @@ TEST_F(GpuTest, EachQuantizingLaunchRecordsItsOwnAmax) {
   }
 }
 
-// Views 4 elements into their allocations: x, y and y_t keep the tile
+// Views 4 elements into their allocations: x, y and y_t keep the 64 x 64
 // kernel's 4-element alignment but not 16 bytes, so a shape that would take
-// the 16-byte loads and stores takes the 4-element words instead, with the
-// same codes, amax and column sums.
+// the 16-byte loads and stores (144 x 520), or the wide kernel (256 x 512),
+// takes the 4-element words instead, with the same codes, amax and column
+// sums.
 TEST_F(GpuTest, QuantizeTransposeDbiasOfViewsOffByFourElements) {
-  const Shape shape = {144, 520};
-  const int64_t n = NumElements(shape);
-  auto view = [&](const Pair& flat, const Shape& s) {
-    return Pair{flat.cpu.Slice0(4, n + 4).Reshaped(s), flat.gpu.Slice0(4, n + 4).Reshaped(s)};
-  };
-  for (DType dtype : {DType::kBF16, DType::kF32}) {
-    const std::string what = std::string("views ") + Short(dtype);
-    const Pair x = view(Random(dtype, {n + 4}, 27, -4.0f, 4.0f), shape);
-    Fp8Pair side = Fp8Side(SaturatingScale(DType::kE4M3) * 0.5f);
-    Pair q = view(Output(DType::kE4M3, {n + 4}), shape);
-    Pair q_t = view(Output(DType::kE4M3, {n + 4}), {shape[1], shape[0]});
-    Pair dbias = Output(DType::kF32, {shape[1]});
-    ASSERT_TRUE(
-        cpu_->QuantizeTransposeDbias(x.cpu, side.cpu(), &q.cpu, &q_t.cpu, &dbias.cpu).ok());
-    const absl::Status s =
-        gpu_->QuantizeTransposeDbias(x.gpu, side.gpu(), &q.gpu, &q_t.gpu, &dbias.gpu);
-    ASSERT_TRUE(s.ok()) << s;
-    ASSERT_TRUE(gpu_->Synchronize().ok());
-    const Tensor codes = Fetch(q.gpu), codes_t = Fetch(q_t.gpu);
-    EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << what << " y";
-    EXPECT_EQ(0, std::memcmp(codes_t.data(), q_t.cpu.data(), codes_t.nbytes())) << what << " y_t";
-    ExpectFp8SideMatches(side, what);
-    ExpectMatches(dbias, what);
+  for (const Shape& shape : {Shape{144, 520}, Shape{256, 512}}) {
+    const int64_t n = NumElements(shape);
+    auto view = [&](const Pair& flat, const Shape& s) {
+      return Pair{flat.cpu.Slice0(4, n + 4).Reshaped(s), flat.gpu.Slice0(4, n + 4).Reshaped(s)};
+    };
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      const std::string what = std::string("views ") + Short(dtype) + " " + ShapeName(shape);
+      const Pair x = view(Random(dtype, {n + 4}, 27, -4.0f, 4.0f), shape);
+      Fp8Pair side = Fp8Side(SaturatingScale(DType::kE4M3) * 0.5f);
+      Pair q = view(Output(DType::kE4M3, {n + 4}), shape);
+      Pair q_t = view(Output(DType::kE4M3, {n + 4}), {shape[1], shape[0]});
+      Pair dbias = Output(DType::kF32, {shape[1]});
+      ASSERT_TRUE(
+          cpu_->QuantizeTransposeDbias(x.cpu, side.cpu(), &q.cpu, &q_t.cpu, &dbias.cpu).ok());
+      const absl::Status s =
+          gpu_->QuantizeTransposeDbias(x.gpu, side.gpu(), &q.gpu, &q_t.gpu, &dbias.gpu);
+      ASSERT_TRUE(s.ok()) << s;
+      ASSERT_TRUE(gpu_->Synchronize().ok());
+      const Tensor codes = Fetch(q.gpu), codes_t = Fetch(q_t.gpu);
+      EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << what << " y";
+      EXPECT_EQ(0, std::memcmp(codes_t.data(), q_t.cpu.data(), codes_t.nbytes())) << what << " y_t";
+      ExpectFp8SideMatches(side, what);
+      ExpectMatches(dbias, what);
+    }
   }
 }
 
