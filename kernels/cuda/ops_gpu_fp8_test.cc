@@ -55,18 +55,12 @@ INSTANTIATE_TEST_SUITE_P(
 // Cast-transpose-dbias: the tile kernel's codes (bit-exact, as above), and
 // dbias, its column sums of x, against the CPU's SumRows within the float
 // tolerance of dbias's dtype.
-class QuantizeTransposeDbiasTest : public GpuTest,
-                                   public ::testing::WithParamInterface<QuantizeTransposeCase> {};
-
-TEST_P(QuantizeTransposeDbiasTest, CodesAndColumnSumsMatchTheCpu) {
-  const auto [dtype, fp8, shape] = GetParam();
-  const Pair x = Random(dtype, shape, 26, -4.0f, 4.0f);
-  for (DType dbias_dtype : {DType::kF32, DType::kBF16}) {
-    const std::string what = std::string("dbias ") + Short(dbias_dtype);
-    Fp8Pair side = Fp8Side(SaturatingScale(fp8) * 0.5f);
-    Pair q = Output(fp8, shape);
-    Pair q_t = Output(fp8, {shape[1], shape[0]});
-    Pair dbias = Output(dbias_dtype, {shape[1]});
+class CastTransposeDbiasTest : public GpuTest {
+ protected:
+  // QuantizeTransposeDbias of x on both backends into q, q_t and dbias
+  // (which may be views), then the checks above.
+  void ExpectDbiasMatchesCpu(const Pair& x, Fp8Pair& side, Pair& q, Pair& q_t, Pair& dbias,
+                             const std::string& what) {
     ASSERT_TRUE(
         cpu_->QuantizeTransposeDbias(x.cpu, side.cpu(), &q.cpu, &q_t.cpu, &dbias.cpu).ok());
     const absl::Status s =
@@ -77,8 +71,24 @@ TEST_P(QuantizeTransposeDbiasTest, CodesAndColumnSumsMatchTheCpu) {
     EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << what << " y";
     EXPECT_EQ(0, std::memcmp(codes_t.data(), q_t.cpu.data(), codes_t.nbytes())) << what << " y_t";
     ExpectFp8SideMatches(side, what);
-    EXPECT_EQ(Fetch(side.amax.gpu).data_as<float>()[0], side.amax.cpu.data_as<float>()[0]);
+    EXPECT_EQ(Fetch(side.amax.gpu).data_as<float>()[0], side.amax.cpu.data_as<float>()[0])
+        << what;
     ExpectMatches(dbias, what);
+  }
+};
+
+class QuantizeTransposeDbiasTest : public CastTransposeDbiasTest,
+                                   public ::testing::WithParamInterface<QuantizeTransposeCase> {};
+
+TEST_P(QuantizeTransposeDbiasTest, CodesAndColumnSumsMatchTheCpu) {
+  const auto [dtype, fp8, shape] = GetParam();
+  const Pair x = Random(dtype, shape, 26, -4.0f, 4.0f);
+  for (DType dbias_dtype : {DType::kF32, DType::kBF16}) {
+    Fp8Pair side = Fp8Side(SaturatingScale(fp8) * 0.5f);
+    Pair q = Output(fp8, shape);
+    Pair q_t = Output(fp8, {shape[1], shape[0]});
+    Pair dbias = Output(dbias_dtype, {shape[1]});
+    ExpectDbiasMatchesCpu(x, side, q, q_t, dbias, std::string("dbias ") + Short(dbias_dtype));
   }
 }
 
@@ -146,7 +156,7 @@ TEST_F(GpuTest, EachQuantizingLaunchRecordsItsOwnAmax) {
 // the 16-byte loads and stores (144 x 520), or the wide kernel (256 x 512),
 // takes the 4-element words instead, with the same codes, amax and column
 // sums.
-TEST_F(GpuTest, QuantizeTransposeDbiasOfViewsOffByFourElements) {
+TEST_F(CastTransposeDbiasTest, QuantizeTransposeDbiasOfViewsOffByFourElements) {
   for (const Shape& shape : {Shape{144, 520}, Shape{256, 512}}) {
     const int64_t n = NumElements(shape);
     auto view = [&](const Pair& flat, const Shape& s) {
@@ -159,17 +169,7 @@ TEST_F(GpuTest, QuantizeTransposeDbiasOfViewsOffByFourElements) {
       Pair q = view(Output(DType::kE4M3, {n + 4}), shape);
       Pair q_t = view(Output(DType::kE4M3, {n + 4}), {shape[1], shape[0]});
       Pair dbias = Output(DType::kF32, {shape[1]});
-      ASSERT_TRUE(
-          cpu_->QuantizeTransposeDbias(x.cpu, side.cpu(), &q.cpu, &q_t.cpu, &dbias.cpu).ok());
-      const absl::Status s =
-          gpu_->QuantizeTransposeDbias(x.gpu, side.gpu(), &q.gpu, &q_t.gpu, &dbias.gpu);
-      ASSERT_TRUE(s.ok()) << s;
-      ASSERT_TRUE(gpu_->Synchronize().ok());
-      const Tensor codes = Fetch(q.gpu), codes_t = Fetch(q_t.gpu);
-      EXPECT_EQ(0, std::memcmp(codes.data(), q.cpu.data(), codes.nbytes())) << what << " y";
-      EXPECT_EQ(0, std::memcmp(codes_t.data(), q_t.cpu.data(), codes_t.nbytes())) << what << " y_t";
-      ExpectFp8SideMatches(side, what);
-      ExpectMatches(dbias, what);
+      ExpectDbiasMatchesCpu(x, side, q, q_t, dbias, what);
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/check.h"
@@ -201,15 +202,18 @@ __global__ void DecodeQkvRowsKernel(const typename T::Storage* qkv, typename T::
 // [R, Skv]; r0 = *first_row (device int32, read here; null: 0), and rows
 // r0 + i outside [0, R) give 0. Buckets are device data, checked here rather
 // than with a host round trip: an out-of-range bucket yields NaN, which shows
-// in any result it reaches. Block (x, y, h) covers kBiasRows rows of head h
-// from row y * kBiasRows; a thread takes kBiasColumns adjacent columns of each
-// (two 16-byte bucket loads, one 16-byte bf16 store where Skv is a multiple of
-// kBiasColumns, else one column) with kBiasRows independent rows in flight:
-// one column and row a thread was latency-bound (138 us for the 24 x 1024
-// LM's [16, 1024, 1024] on the H200; 48 us with eight rows a thread, against
-// some 10 us to write 32 MB), the bias written in the dtype the attention
-// reads.
-constexpr int kBiasRows = 8;
+// in any result it reaches.
+//
+// A thread reads kBiasColumns adjacent buckets of one row once (two 16-byte
+// loads where Skv is a multiple of kBiasColumns, else one column) and writes
+// them for every head, looking each up in the block's copy of the table in
+// shared memory (head-major: a warp's lookups of one head fall in distinct
+// banks). A thread per column group of one head had read the [Sq, Skv]
+// buckets once a head and gathered from the table in global memory: 35 us
+// for the 24 x 1024 LM's [16, 1024, 1024] bf16 on the H100 and the H200,
+// against 9 to 13 us to write its 32 MB; reading the buckets once for all
+// heads took it to 21 us on the H100 (relative_bias_bench, one machine).
+// A table too large for shared memory is read from global memory instead.
 constexpr int kBiasColumns = 8;
 
 template <typename O>
@@ -221,42 +225,49 @@ template <typename T, typename O, int kColumns>
 __global__ void RelativeBiasForwardKernel(const typename T::Storage* table,
                                           const int32_t* buckets, const int32_t* first_row,
                                           typename O::Storage* bias, int64_t bucket_rows,
-                                          int64_t q_rows, int64_t cols, int64_t heads,
-                                          int64_t num_buckets) {
-  const int64_t h = blockIdx.z;
-  const int64_t r0 = first_row != nullptr ? *first_row : 0;
-  const int64_t groups = cols / kColumns;
-  auto lookup = [&](int32_t b) {
-    return (b >= 0 && b < num_buckets) ? T::Load(table[b * heads + h]) : NAN;
+                                          int64_t q_rows, int64_t cols, int heads,
+                                          int num_buckets, bool shared_table) {
+  extern __shared__ float head_table[];  // [heads][num_buckets] when shared_table
+  if (shared_table) {
+    for (int x = threadIdx.x; x < heads * num_buckets; x += blockDim.x) {
+      const int h = x / num_buckets, b = x % num_buckets;
+      head_table[x] = T::Load(table[static_cast<int64_t>(b) * heads + h]);
+    }
+    __syncthreads();
+  }
+  auto lookup = [&](int32_t b, int h) {
+    if (b < 0 || b >= num_buckets) return NAN;
+    return shared_table ? head_table[h * num_buckets + b]
+                        : T::Load(table[static_cast<int64_t>(b) * heads + h]);
   };
-  for (int64_t i0 = int64_t(blockIdx.y) * kBiasRows; i0 < q_rows;
-       i0 += int64_t(gridDim.y) * kBiasRows) {
-    for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
-         g += int64_t(gridDim.x) * blockDim.x) {
-      const int64_t j = g * kColumns;
+  const int64_t r0 = first_row != nullptr ? *first_row : 0;
+  const int64_t groups = cols / kColumns, plane = q_rows * cols;
+  for (int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; n < q_rows * groups;
+       n += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = n / groups, j = (n % groups) * kColumns, r = r0 + i;
+    const bool inside = r >= 0 && r < bucket_rows;
+    int32_t b[kColumns];
+    if (!inside) {
 #pragma unroll
-      for (int rr = 0; rr < kBiasRows; ++rr) {
-        const int64_t i = i0 + rr, r = r0 + i;
-        if (i < q_rows) {  // predicated, not a break: the rows' loads overlap
-          typename O::Storage* dst = bias + (h * q_rows + i) * cols + j;
-          const bool inside = r >= 0 && r < bucket_rows;
-          if constexpr (kColumns == kBiasColumns) {
-            BiasColumns<O> out;
-            if (inside) {
-              const int4* src = reinterpret_cast<const int4*>(buckets + r * cols + j);
-              const int4 lo = src[0], hi = src[1];
-              const int32_t b[kBiasColumns] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      for (int c = 0; c < kColumns; ++c) b[c] = 0;
+    } else if constexpr (kColumns == kBiasColumns) {
+      const int4* src = reinterpret_cast<const int4*>(buckets + r * cols + j);
+      const int4 lo = src[0], hi = src[1];
+      const int32_t loaded[kBiasColumns] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-              for (int c = 0; c < kBiasColumns; ++c) out.v[c] = O::Store(lookup(b[c]));
-            } else {
+      for (int c = 0; c < kColumns; ++c) b[c] = loaded[c];
+    } else {
+      b[0] = buckets[r * cols + j];
+    }
+    typename O::Storage* dst = bias + i * cols + j;
+    for (int h = 0; h < heads; ++h, dst += plane) {
+      if constexpr (kColumns == kBiasColumns) {
+        BiasColumns<O> out;
 #pragma unroll
-              for (int c = 0; c < kBiasColumns; ++c) out.v[c] = O::Store(0.0f);
-            }
-            *reinterpret_cast<BiasColumns<O>*>(dst) = out;
-          } else {
-            *dst = O::Store(inside ? lookup(buckets[r * cols + j]) : 0.0f);
-          }
-        }
+        for (int c = 0; c < kColumns; ++c) out.v[c] = O::Store(inside ? lookup(b[c], h) : 0.0f);
+        *reinterpret_cast<BiasColumns<O>*>(dst) = out;
+      } else {
+        *dst = O::Store(inside ? lookup(b[0], h) : 0.0f);
       }
     }
   }
@@ -452,9 +463,10 @@ absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buc
   if (n == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Enter());
   const int32_t* r0 = HasDevicePosition(first_row) ? first_row.data_as<const int32_t>() : nullptr;
-  if (heads > 65535) {
-    return absl::UnimplementedError(absl::StrCat("RelativeBiasForward: ", heads,
-                                                 " heads (the GPU kernel takes up to 65535)"));
+  if (heads * num_buckets > std::numeric_limits<int32_t>::max()) {
+    return absl::UnimplementedError(absl::StrCat("RelativeBiasForward: a table of ", heads,
+                                                 " heads x ", num_buckets,
+                                                 " buckets (the GPU kernel indexes it in int32)"));
   }
   // Whole 16-byte bucket loads and bias stores: every row starts aligned.
   const bool vector = cols % kBiasColumns == 0 &&
@@ -462,23 +474,24 @@ absl::Status CudaOps::RelativeBiasForward(const Tensor& table, const Tensor& buc
                       reinterpret_cast<uintptr_t>(buckets.data()) % 16 == 0 &&
                       (cols * static_cast<int64_t>(DTypeSize(bias->dtype()))) % 16 == 0;
   const int64_t groups = vector ? cols / kBiasColumns : cols;
-  const dim3 grid(static_cast<unsigned>((groups + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(std::min<int64_t>((q_rows + kBiasRows - 1) / kBiasRows,
-                                                          65535)),
-                  static_cast<unsigned>(heads));
+  const size_t table_bytes = static_cast<size_t>(heads * num_buckets) * sizeof(float);
+  const bool shared_table = table_bytes <= kDefaultSharedBytes;
+  const size_t shared_bytes = shared_table ? table_bytes : 0;
+  const unsigned grid = GridFor(q_rows * groups);
+  const int heads_arg = static_cast<int>(heads), buckets_arg = static_cast<int>(num_buckets);
   DispatchFloatPair(table.dtype(), bias->dtype(), [&](auto t, auto o) {
     using T = decltype(t);
     using O = decltype(o);
     const auto* table_data = static_cast<const typename T::Storage*>(table.data());
     auto* bias_data = static_cast<typename O::Storage*>(bias->data());
     if (vector) {
-      RelativeBiasForwardKernel<T, O, kBiasColumns><<<grid, kThreads, 0, stream()>>>(
+      RelativeBiasForwardKernel<T, O, kBiasColumns><<<grid, kThreads, shared_bytes, stream()>>>(
           table_data, buckets.data_as<const int32_t>(), r0, bias_data, bucket_rows, q_rows, cols,
-          heads, num_buckets);
+          heads_arg, buckets_arg, shared_table);
     } else {
-      RelativeBiasForwardKernel<T, O, 1><<<grid, kThreads, 0, stream()>>>(
+      RelativeBiasForwardKernel<T, O, 1><<<grid, kThreads, shared_bytes, stream()>>>(
           table_data, buckets.data_as<const int32_t>(), r0, bias_data, bucket_rows, q_rows, cols,
-          heads, num_buckets);
+          heads_arg, buckets_arg, shared_table);
     }
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();

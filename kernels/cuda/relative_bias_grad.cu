@@ -13,21 +13,26 @@
 //   - each row's dS sums to zero (sum_j P dP = delta without dropout), so
 //     the far bucket's share of a row is minus its band's.
 // So the kernel recomputes P and dP on the W diagonals only: per block a
-// tile of 64 queries of one (batch, head), q.k and dout.v on tensor cores
-// (WMMA, 16x16 tiles along the band), dS in f32, summed per diagonal in a
-// fixed order (no atomics: the same bits every run). A second kernel adds the
-// tiles' sums into dtable.
+// tile of 128 queries of one (batch, head), a warp's 16 rows each, q.k and
+// dout.v on tensor cores (WMMA, 16x16 tiles along the band, two key tiles a
+// step), dS in f32 in registers, summed per diagonal in a fixed order (no
+// atomics: the same bits every run). A second kernel adds the tiles' sums
+// into dtable.
 //
 // The work is latency-bound, not FLOP- or byte-bound, so the kernel is laid
-// out to keep each warp's chains of dependent memory reads short. A block
-// first stages the keys and values its queries' band reaches (at most
-// 64 + W + 15 rows) into shared memory with 16-byte asynchronous copies, all
-// in flight at once, and forms its rows' delta from 16-byte loads issued
-// together; the warps' tile loop then reads only shared memory. On the H200
-// at the 24 x 1024 LM's shape (relative_bias_bench) this took the table's
-// gradient from 0.187 to 0.116 ms a layer: a warp had walked its 16 rows'
-// delta one row at a time, and loaded every fragment from global memory
-// inside the loop.
+// out to keep each warp's chains of dependent memory reads short and many
+// warps resident. A block first stages the keys and values its queries' band
+// reaches (at most 128 + W + 14 rows) into shared memory with 16-byte
+// asynchronous copies, all in flight at once, and forms its rows' delta from
+// 16-byte loads issued together; the warps' tile loop then reads only shared
+// memory. On the H200 at the 24 x 1024 LM's shape (relative_bias_bench) this
+// took the table's gradient from 0.187 to 0.116 ms a layer: a warp had walked
+// its 16 rows' delta one row at a time, and loaded every fragment from global
+// memory inside the loop. Then, on the H100: 0.120 ms with 64-query blocks
+// of 4 warps (3 blocks, 12 warps an SM) and S and dP stored to shared memory
+// for dS, against 0.104 in the same call with 128-query blocks of 8 warps
+// (2 blocks, 16 warps an SM, a third fewer staged rows per query) and dS
+// formed in registers; 0.098 in a later call with two key tiles a step.
 //
 // Cost per (batch, head): S * W scores, twice (q.k and dout.v), against the
 // S^2 / 2 of the attention itself; no [H, S, S] memory.
@@ -49,9 +54,10 @@ namespace te {
 namespace cuda {
 namespace {
 
-constexpr int kBandQueries = 64;  // query rows per block: 4 warps of 16
-constexpr int kBandWarps = 4;
+constexpr int kBandWarps = 8;
+constexpr int kBandQueries = 16 * kBandWarps;  // query rows per block: a warp's tile of 16 each
 constexpr int kTile = 16;  // WMMA's tile edge
+constexpr int kPairs = 2;  // key tiles a warp takes a step
 // WMMA's loads want 256-bit aligned tile starts.
 constexpr uintptr_t kFragmentAlignment = 32;
 
@@ -99,10 +105,11 @@ __device__ __forceinline__ float BiasAsOperand(const BandParams& p, int64_t at) 
                     : ToFloat(static_cast<const T*>(p.bias)[at]);
 }
 
-// A block's shared memory: per-warp scratch and the rows' scalars (11 KB).
+// A block's shared memory: per-warp scratch and the rows' scalars (23 KB).
 struct __align__(kFragmentAlignment) BandShared {
-  float tiles[kBandWarps][2][kTile * kTile];  // per warp: S (then dS), dP
-  float bins[kBandWarps][kRelativeBandMax];   // per warp: the sum at each distance
+  float tiles[kBandWarps][kPairs][kTile * kTile];  // per warp: its tiles' dS
+  float index_tile[kTile * kTile];           // element e holds e: see element_at below
+  float bins[kBandWarps][kRelativeBandMax];  // per warp: the sum at each distance
   float bias_at[kRelativeBandMax];            // the bias at each distance
   float row_lse[kBandQueries];
   float row_delta[kBandQueries];
@@ -111,22 +118,25 @@ struct __align__(kFragmentAlignment) BandShared {
 
 // The staged keys (then values) of a block: rows of D elements, kStagePad
 // apart more (WMMA's ldm must be a multiple of 16 bytes; the pad spreads a
-// fragment's rows over the shared-memory banks).
-constexpr int kStageRows = kBandQueries + kRelativeBandMax + kTile;
+// fragment's rows over the shared-memory banks). A block's band reaches at
+// most kBandQueries + band + 14 keys, from the first whole tile.
 constexpr int kStagePad = 8;
+__host__ __device__ inline int StageRows(int band) { return kBandQueries + band + kTile; }
 template <int D>
-constexpr size_t StageBytes() {
-  return size_t{2} * kStageRows * (D + kStagePad) * sizeof(uint16_t);
+size_t StageBytes(int band) {
+  return size_t{2} * StageRows(band) * (D + kStagePad) * sizeof(uint16_t);
 }
 
+// Two blocks an SM where their staged rows fit (D up to 64): 128 registers.
 template <typename T, int D>
-__global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams p) {
+__global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
+    RelativeBandKernel(BandParams p) {
   using namespace nvcuda;
   __shared__ BandShared sh;
   extern __shared__ __align__(128) unsigned char stage_bytes[];
   constexpr int kLdm = D + kStagePad;
   T* k_stage = reinterpret_cast<T*>(stage_bytes);
-  T* v_stage = k_stage + kStageRows * kLdm;
+  T* v_stage = k_stage + StageRows(p.band) * kLdm;
   float* bias_at = sh.bias_at;
   float* row_lse = sh.row_lse;
   float* row_delta = sh.row_delta;
@@ -204,15 +214,33 @@ __global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams
   for (int x = threadIdx.x; x < kBandWarps * kRelativeBandMax; x += blockDim.x) {
     sh.bins[x / kRelativeBandMax][x % kRelativeBandMax] = 0.0f;
   }
+  for (int e = threadIdx.x; e < kTile * kTile; e += blockDim.x) sh.index_tile[e] = e;
   __pipeline_wait_prior(0);
   __syncthreads();
 
   const int r0 = i0 + warp * kTile;  // the warp's first query
   float far = 0.0f;                  // minus the far bucket's share, rows i >= W
   if (r0 < S) {
-    float* s_tile = sh.tiles[warp][0];
-    float* dp_tile = sh.tiles[warp][1];
+    float(*ds_tiles)[kTile * kTile] = sh.tiles[warp];
     float* my_bins = sh.bins[warp];
+    // Which tile element each of this thread's accumulator slots holds:
+    // WMMA leaves the mapping unspecified but fixed for a fragment type, so
+    // a fragment loaded from a tile whose element e holds e names it. dS is
+    // then formed in registers, straight from the products.
+    using Accumulator = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
+    Accumulator element_at;
+    wmma::load_matrix_sync(element_at, sh.index_tile, kTile, wmma::mem_row_major);
+    int row_minus_col[Accumulator::num_elements];
+    float lse_of[Accumulator::num_elements], delta_of[Accumulator::num_elements];
+    bool past_band[Accumulator::num_elements];  // rows i >= W: their far keys share a bucket
+#pragma unroll
+    for (int t = 0; t < Accumulator::num_elements; ++t) {
+      const int e = static_cast<int>(element_at.x[t]), r = e / kTile;
+      row_minus_col[t] = r - e % kTile;
+      lse_of[t] = row_lse[warp * kTile + r];
+      delta_of[t] = row_delta[warp * kTile + r];
+      past_band[t] = r0 + r >= W;  // every row < S: S is a multiple of 16
+    }
     wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::row_major> a_q[D / kTile],
         a_do[D / kTile];
 #pragma unroll
@@ -224,50 +252,65 @@ __global__ void __launch_bounds__(kBandWarps * 32) RelativeBandKernel(BandParams
     }
     const int kt_lo = max(0, r0 - W + 1) / kTile;
     const int kt_hi = min(r0 + kTile - 1, S - 1) / kTile;
-    for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-      const T* k_tile = k_stage + (kt * kTile - key_lo) * kLdm;
-      const T* v_tile = v_stage + (kt * kTile - key_lo) * kLdm;
-      wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float> s_acc, dp_acc;
-      wmma::fill_fragment(s_acc, 0.0f);
-      wmma::fill_fragment(dp_acc, 0.0f);
+    // kPairs key tiles a step: their products issue together, then their
+    // dS, then their diagonal sums, each in key order (the same sums, in the
+    // same order, as a tile a step).
+    for (int kt0 = kt_lo; kt0 <= kt_hi; kt0 += kPairs) {
+      Accumulator s_acc[kPairs], dp_acc[kPairs];
+#pragma unroll
+      for (int u = 0; u < kPairs; ++u) {
+        wmma::fill_fragment(s_acc[u], 0.0f);
+        wmma::fill_fragment(dp_acc[u], 0.0f);
+      }
 #pragma unroll
       for (int kk = 0; kk < D / kTile; ++kk) {
-        wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major> b_k, b_v;
-        wmma::load_matrix_sync(b_k, k_tile + kk * kTile, static_cast<unsigned>(kLdm));
-        wmma::load_matrix_sync(b_v, v_tile + kk * kTile, static_cast<unsigned>(kLdm));
-        wmma::mma_sync(s_acc, a_q[kk], b_k, s_acc);
-        wmma::mma_sync(dp_acc, a_do[kk], b_v, dp_acc);
-      }
-      wmma::store_matrix_sync(s_tile, s_acc, kTile, wmma::mem_row_major);
-      wmma::store_matrix_sync(dp_tile, dp_acc, kTile, wmma::mem_row_major);
-      __syncwarp();
-      // dS of the tile's band elements, in place of S (0 elsewhere).
 #pragma unroll
-      for (int m = 0; m < kTile * kTile / 32; ++m) {
-        const int e = lane + 32 * m, r = e / kTile, c = e % kTile;
-        const int i = r0 + r, dist = i - (kt * kTile + c);
-        float ds = 0.0f;
-        if (i < S && dist >= 0 && dist < W) {
-          const int row = warp * kTile + r;
-          const float prob = __expf(s_tile[e] * p.scale + bias_at[dist] - row_lse[row]);
-          ds = prob * (dp_tile[e] - row_delta[row]);
-          if (i >= W) far -= ds;
+        for (int u = 0; u < kPairs; ++u) {
+          if (kt0 + u > kt_hi) continue;  // past the staged keys: dS stays 0 below
+          const int row = (kt0 + u) * kTile - key_lo;
+          wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major> b_k, b_v;
+          wmma::load_matrix_sync(b_k, k_stage + row * kLdm + kk * kTile,
+                                 static_cast<unsigned>(kLdm));
+          wmma::load_matrix_sync(b_v, v_stage + row * kLdm + kk * kTile,
+                                 static_cast<unsigned>(kLdm));
+          wmma::mma_sync(s_acc[u], a_q[kk], b_k, s_acc[u]);
+          wmma::mma_sync(dp_acc[u], a_do[kk], b_v, dp_acc[u]);
         }
-        s_tile[e] = ds;
+      }
+      // dS of the tiles' band elements, in place of S (0 elsewhere; keys
+      // past the query, as every key of a tile past kt_hi is, have dist < 0).
+#pragma unroll
+      for (int u = 0; u < kPairs; ++u) {
+        const int first_dist = r0 - (kt0 + u) * kTile;  // the distance at r == c
+#pragma unroll
+        for (int t = 0; t < Accumulator::num_elements; ++t) {
+          const int dist = first_dist + row_minus_col[t];
+          float ds = 0.0f;
+          if (dist >= 0 && dist < W) {
+            const float prob = __expf(s_acc[u].x[t] * p.scale + bias_at[dist] - lse_of[t]);
+            ds = prob * (dp_acc[u].x[t] - delta_of[t]);
+            if (past_band[t]) far -= ds;
+          }
+          s_acc[u].x[t] = ds;
+        }
+        wmma::store_matrix_sync(ds_tiles[u], s_acc[u], kTile, wmma::mem_row_major);
       }
       __syncwarp();
-      // Lane l sums the tile's diagonal r - c = l - 15 (at most 16 elements).
+      // Lane l sums each tile's diagonal r - c = l - 15 (at most 16 elements).
       if (lane < 2 * kTile - 1) {
         const int diag = lane - (kTile - 1);
-        const int dist = r0 - kt * kTile + diag;
-        if (dist >= 0 && dist < W) {
-          float sum = 0.0f;
 #pragma unroll
-          for (int r = 0; r < kTile; ++r) {  // unrolled: the 16 loads issue together
-            const int c = r - diag;
-            if (c >= 0 && c < kTile) sum += s_tile[r * kTile + c];
+        for (int u = 0; u < kPairs; ++u) {
+          const int dist = r0 - (kt0 + u) * kTile + diag;
+          if (dist >= 0 && dist < W) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int r = 0; r < kTile; ++r) {  // unrolled: the 16 loads issue together
+              const int c = r - diag;
+              if (c >= 0 && c < kTile) sum += ds_tiles[u][r * kTile + c];
+            }
+            my_bins[dist] += sum;
           }
-          my_bins[dist] += sum;
         }
       }
       __syncwarp();
@@ -306,6 +349,7 @@ __global__ void __launch_bounds__(kTableThreads) RelativeBandTableKernel(
   for (int x = threadIdx.x; x < kTableSplit * (band + 1); x += blockDim.x) {
     const int d = x % (band + 1), part = x / (band + 1);
     float sum = 0.0f;
+#pragma unroll 4
     for (int n = part; n < blocks; n += kTableSplit) {
       const int b = n / tiles, t = n % tiles;
       sum += partial[((static_cast<int64_t>(b) * heads + h) * tiles + t) * (band + 1) + d];
@@ -334,11 +378,13 @@ __global__ void __launch_bounds__(kTableThreads) RelativeBandTableKernel(
 
 template <typename T, int D>
 absl::Status LaunchBand(CudaOps* ops, const BandParams& p, int batch) {
-  constexpr size_t kStage = StageBytes<D>();
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKernel<T, D>, kStage,
+  const size_t stage = StageBytes<D>(p.band);
+  // The static BandShared counts against the default 48 KiB too.
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKernel<T, D>,
+                                   stage + sizeof(BandShared),
                                    "cudaFuncSetAttribute(RelativeBandKernel)"));
   RelativeBandKernel<T, D>
-      <<<dim3(p.tiles, p.heads, batch), kBandWarps * 32, kStage, ops->stream()>>>(p);
+      <<<dim3(p.tiles, p.heads, batch), kBandWarps * 32, stage, ops->stream()>>>(p);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
