@@ -234,7 +234,14 @@ TEST(FaultRunGpuTest, QuickstartSessionsSurviveFaultsAndMemoryPressure) {
     ASSERT_TRUE((*probe)->Stop().ok());
   }
   const int64_t hog_layer_bytes = (account - kRoomForSteps) / 4;
-  ASSERT_GT(hog_layer_bytes, kRoomForSteps) << "account " << account << " too small for this run";
+  // Each hog must be too large for the room the steps keep (so one placed
+  // there is refused): a device over 5 x kRoomForSteps (80 GiB), as the
+  // H200's 139 GiB is. An 80 GB H100 accounts 74.7 GiB: the run cannot be
+  // sized there, which is the hardware's limit, not a failure.
+  if (hog_layer_bytes <= kRoomForSteps) {
+    GTEST_SKIP() << "cuda:0 accounts " << account << " bytes; this run needs over "
+                 << 5 * kRoomForSteps;
+  }
   // A hog is a MultiHeadAttention initialised with decode: its variables are
   // small, and its cache (keys and values, zeros filled on the device) takes
   // the bytes, so a hog is placed or refused in milliseconds. (A kernel of
