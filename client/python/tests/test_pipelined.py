@@ -256,6 +256,11 @@ def test_queued_releases_and_deletions_take_numbers_ahead_of_the_next_call(fake)
     with client.session() as session:
         session.pending.extend([("release", "a", 2), ("delete", "b", 0), ("release", "a", 3)])
         session.call("SetVariables", service_pb2.SetVariablesRequest())
+        # The queued calls are sent without waiting for their answers: the fake may
+        # answer SetVariables before they arrive. Their numbers are what is checked.
+        deadline = time.monotonic() + 10
+        while len(service.calls()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         calls = service.calls()
         assert ("SetVariables", 3) in calls
         assert sorted(calls) == [("DeleteLayer", 2), ("ReleaseVersions", 1), ("SetVariables", 3)]
