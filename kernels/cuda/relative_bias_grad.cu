@@ -57,7 +57,7 @@ namespace {
 constexpr int kBandWarps = 8;
 constexpr int kBandQueries = 16 * kBandWarps;  // query rows per block: a warp's tile of 16 each
 constexpr int kTile = 16;  // WMMA's tile edge
-constexpr int kPairs = 2;  // key tiles a warp takes a step
+constexpr int kKeyTilesPerStep = 2;  // key tiles a warp takes at once
 // WMMA's loads want 256-bit aligned tile starts.
 constexpr uintptr_t kFragmentAlignment = 32;
 
@@ -107,7 +107,7 @@ __device__ __forceinline__ float BiasAsOperand(const BandParams& p, int64_t at) 
 
 // A block's shared memory: per-warp scratch and the rows' scalars (23 KB).
 struct __align__(kFragmentAlignment) BandShared {
-  float tiles[kBandWarps][kPairs][kTile * kTile];  // per warp: its tiles' dS
+  float tiles[kBandWarps][kKeyTilesPerStep][kTile * kTile];  // per warp: its tiles' dS
   float index_tile[kTile * kTile];           // element e holds e: see element_at below
   float bins[kBandWarps][kRelativeBandMax];  // per warp: the sum at each distance
   float bias_at[kRelativeBandMax];            // the bias at each distance
@@ -252,20 +252,20 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
     }
     const int kt_lo = max(0, r0 - W + 1) / kTile;
     const int kt_hi = min(r0 + kTile - 1, S - 1) / kTile;
-    // kPairs key tiles a step: their products issue together, then their
-    // dS, then their diagonal sums, each in key order (the same sums, in the
-    // same order, as a tile a step).
-    for (int kt0 = kt_lo; kt0 <= kt_hi; kt0 += kPairs) {
-      Accumulator s_acc[kPairs], dp_acc[kPairs];
+    // kKeyTilesPerStep key tiles at once: their products issue together, then
+    // their dS, then their diagonal sums, each in key order (the same sums,
+    // in the same order, as one tile at a time).
+    for (int kt0 = kt_lo; kt0 <= kt_hi; kt0 += kKeyTilesPerStep) {
+      Accumulator s_acc[kKeyTilesPerStep], dp_acc[kKeyTilesPerStep];
 #pragma unroll
-      for (int u = 0; u < kPairs; ++u) {
+      for (int u = 0; u < kKeyTilesPerStep; ++u) {
         wmma::fill_fragment(s_acc[u], 0.0f);
         wmma::fill_fragment(dp_acc[u], 0.0f);
       }
 #pragma unroll
       for (int kk = 0; kk < D / kTile; ++kk) {
 #pragma unroll
-        for (int u = 0; u < kPairs; ++u) {
+        for (int u = 0; u < kKeyTilesPerStep; ++u) {
           if (kt0 + u > kt_hi) continue;  // past the staged keys: dS stays 0 below
           const int row = (kt0 + u) * kTile - key_lo;
           wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major> b_k, b_v;
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
       // dS of the tiles' band elements, in place of S (0 elsewhere; keys
       // past the query, as every key of a tile past kt_hi is, have dist < 0).
 #pragma unroll
-      for (int u = 0; u < kPairs; ++u) {
+      for (int u = 0; u < kKeyTilesPerStep; ++u) {
         const int first_dist = r0 - (kt0 + u) * kTile;  // the distance at r == c
 #pragma unroll
         for (int t = 0; t < Accumulator::num_elements; ++t) {
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
       if (lane < 2 * kTile - 1) {
         const int diag = lane - (kTile - 1);
 #pragma unroll
-        for (int u = 0; u < kPairs; ++u) {
+        for (int u = 0; u < kKeyTilesPerStep; ++u) {
           const int dist = r0 - (kt0 + u) * kTile + diag;
           if (dist >= 0 && dist < W) {
             float sum = 0.0f;
