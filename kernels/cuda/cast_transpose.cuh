@@ -18,6 +18,36 @@ struct IdentityFn {
   __device__ __forceinline__ float operator()(float x) const { return x; }
 };
 
+// Both cast-transpose kernels' kept-scale rule: where the kept scale is s,
+// y and y_t already hold x quantized with s, so every block sees the same
+// two values and leaves at once, and the amax is the kept one. (The last
+// block of a launch that quantizes writes *kept_scale only after every
+// block has read it.)
+__device__ __forceinline__ bool QuantizationKept(float s, const AmaxOut& amax,
+                                                 const float* kept_scale,
+                                                 const float* kept_amax) {
+  if (kept_scale == nullptr || *kept_scale != s) return false;
+  if (amax.amax != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *amax.amax = *kept_amax;
+  return true;
+}
+
+// Both cast-transpose kernels' end: the block's amax folded into the
+// output, the last block to finish recording the scale and the amax it
+// quantized with, and scale_inv written once.
+__device__ __forceinline__ void FinishQuantization(unsigned local, unsigned* scratch,
+                                                   const AmaxOut& amax, float s,
+                                                   float* scale_inv, float* kept_scale,
+                                                   float* kept_amax) {
+  local = BlockMaxBits(local, scratch);
+  if (threadIdx.x == 0) {
+    if (FoldAmax(amax, local) && kept_scale != nullptr) {
+      *kept_scale = s;
+      *kept_amax = *amax.amax;
+    }
+    if (blockIdx.x == 0) *scale_inv = 1.0f / s;
+  }
+}
+
 // Cast-transpose: y = FP8(f(x) * scale) and y_t = y^T, 64 x 64 tiles of x,
 // a block (256 threads, 16 x 16) taking tiles blockIdx.x, + gridDim.x, ...
 // (LaunchCastTranspose's grid of resident blocks: the amax's fold at each
@@ -49,15 +79,7 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
   __shared__ float tile_column_sums[16][64 + 1];
   __shared__ unsigned scratch[32];
   const float s = *scale;
-  // y and y_t already hold x quantized with s: every block sees the same two
-  // values and leaves at once. (The last block of a launch that quantizes
-  // writes *kept_scale only after every block has read it.)
-  if (kept_scale != nullptr && *kept_scale == s) {
-    if (amax.amax != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-      *amax.amax = *kept_amax;
-    }
-    return;
-  }
+  if (QuantizationKept(s, amax, kept_scale, kept_amax)) return;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int64_t col_tiles = (cols + 63) / 64;
   const int64_t tiles = col_tiles * ((rows + 63) / 64);
@@ -101,14 +123,7 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
     }
     __syncthreads();  // the next tile overwrites both shared arrays
   }
-  local = BlockMaxBits(local, scratch);
-  if (threadIdx.x == 0) {
-    if (FoldAmax(amax, local) && kept_scale != nullptr) {
-      *kept_scale = s;
-      *kept_amax = *amax.amax;
-    }
-    if (blockIdx.x == 0) *scale_inv = 1.0f / s;
-  }
+  FinishQuantization(local, scratch, amax, s, scale_inv, kept_scale, kept_amax);
 }
 
 // The cast-transpose of whole 128 x 64 tiles: the same outputs as
@@ -138,12 +153,7 @@ __global__ void __launch_bounds__(256)
   __shared__ float tile_column_sums[kSums ? 32 : 1][kWideTileCols + 1];
   __shared__ unsigned scratch[32];
   const float s = *scale;
-  if (kept_scale != nullptr && *kept_scale == s) {  // as QuantizeTransposeKernel
-    if (amax.amax != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-      *amax.amax = *kept_amax;
-    }
-    return;
-  }
+  if (QuantizationKept(s, amax, kept_scale, kept_amax)) return;
   const int lx = threadIdx.x % 8, ly = threadIdx.x / 8;
   const int64_t col_tiles = cols / kWideTileCols;
   const int64_t tiles = col_tiles * (rows / kWideTileRows);
@@ -198,14 +208,7 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();  // the next tile overwrites both shared arrays
   }
-  local = BlockMaxBits(local, scratch);
-  if (threadIdx.x == 0) {
-    if (FoldAmax(amax, local) && kept_scale != nullptr) {
-      *kept_scale = s;
-      *kept_amax = *amax.amax;
-    }
-    if (blockIdx.x == 0) *scale_inv = 1.0f / s;
-  }
+  FinishQuantization(local, scratch, amax, s, scale_inv, kept_scale, kept_amax);
 }
 
 // Whether QuantizeTransposeKernel takes x [rows, cols]: 4-element words on
