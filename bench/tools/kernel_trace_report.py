@@ -9,6 +9,9 @@ are exactly these spans). For the last N steps it prints the step's wall time,
 the device's busy time (the union of kernel, memcpy and memset intervals), the
 idle time, the idle gaps grouped by the kernel that ends each gap, with the
 host calls made during the gaps, and the kernel time by kernel class. With
+--by-kernel N it also splits each class into its N costliest kernels (by name:
+a template's instances apart), so a missed target's class says which kernels
+make it. With
 --timeline it also lists the device work of the reported step with the most
 kernels (a training step's short read-back spans are steps too) in launch order (each
 kernel's class, duration and the idle before it), so a class's time can be
@@ -40,6 +43,16 @@ def kernel_class(name):
         if pattern.search(name):
             return label
     return "other"
+
+
+def short_name(name):
+    """A kernel's name with its namespaces dropped and FP8 formats named, so a
+    template's arguments fit a line."""
+    for long, short in (("te::cuda::", ""), ("(anonymous namespace)::", ""),
+                        ("Fp8Format<(__nv_fp8_interpretation_t)0>", "E4M3"),
+                        ("Fp8Format<(__nv_fp8_interpretation_t)1>", "E5M2")):
+        name = name.replace(long, short)
+    return name
 
 
 def load(path):
@@ -86,6 +99,8 @@ def main():
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=3, help="the last N steps")
     p.add_argument("--min-gap-us", type=float, default=2.0)
+    p.add_argument("--by-kernel", type=int, default=0, metavar="N",
+                   help="also list each class's N costliest kernels (ms and launches per step)")
     p.add_argument("--timeline", action="store_true",
                    help="list the kernels of the reported step with the most kernels (the "
                         "last such) in launch order: a training step's short read-back spans "
@@ -99,6 +114,7 @@ def main():
     idle_by_next = collections.defaultdict(lambda: [0, 0])
     host_in_gaps = collections.defaultdict(lambda: [0, 0])
     by_class = collections.defaultdict(lambda: [0, 0])
+    by_kernel = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
     walls, busies, counts = [], [], []
     for span in spans:
         recs, busy, gaps = analyse(span, device, host, args.min_gap_us * 1e3)
@@ -106,9 +122,10 @@ def main():
         busies.append(busy)
         counts.append(sum(1 for r in recs if r[3] == "kernel"))
         for s, e, name, kind in recs:
-            c = by_class[kernel_class(name) if kind == "kernel" else "memcpy / memset"]
-            c[0] += e - s
-            c[1] += 1
+            label = kernel_class(name) if kind == "kernel" else "memcpy / memset"
+            for c in (by_class[label], by_kernel[label][name]):
+                c[0] += e - s
+                c[1] += 1
         for g0, g1, nxt in gaps:
             entry = idle_by_next[nxt]
             entry[0] += g1 - g0
@@ -130,6 +147,13 @@ def main():
     print("\nkernel time by class (ms per step, launches per step):")
     for label, (t, c) in sorted(by_class.items(), key=lambda kv: -kv[1][0]):
         print(f"  {label:30s} {ms(t):8.3f}  {c / n:5.0f}")
+    if args.by_kernel > 0:
+        print(f"\neach class's {args.by_kernel} costliest kernels (ms per step, launches per step):")
+        for label, _ in sorted(by_class.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {label}")
+            kernels = sorted(by_kernel[label].items(), key=lambda kv: -kv[1][0])
+            for name, (t, c) in kernels[:args.by_kernel]:
+                print(f"    {ms(t):8.3f}  {c / n:6.1f}  {short_name(name)[:120]}")
     print(f"\nidle gaps >= {args.min_gap_us} us, by the work that ends them (ms per step, gaps per step):")
     for name, (t, c) in sorted(idle_by_next.items(), key=lambda kv: -kv[1][0])[:25]:
         print(f"  {ms(t):8.3f}  {c / n:5.1f}  {name[:110]}")

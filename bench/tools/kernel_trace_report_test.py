@@ -67,5 +67,27 @@ class ReportTest(unittest.TestCase):
         out = self.run_report("--steps", "2")
         self.assertNotIn("launch order", out)
 
+    def test_by_kernel_splits_each_class_by_name(self):
+        # A second norm kernel in step 1, so the norm class has two names.
+        global TRACE
+        saved = TRACE
+        TRACE = TRACE.replace(
+            "runtime,cudaLaunchKernel_v7000,1420,1490,1,3\n",
+            "kernel,te::cuda::NormBackwardKernel<te::cuda::BF16>,1400,1500,7,8\n"
+            "runtime,cudaLaunchKernel_v7000,1420,1490,1,3\n")
+        try:
+            out = self.run_report("--steps", "2", "--by-kernel", "1")
+        finally:
+            TRACE = saved
+        _, body = out.split("costliest kernels")
+        rows = body.split("idle gaps")[0].splitlines()[1:]
+        # The norm class (400 ns over 2 steps) lists only its costlier kernel:
+        # the forward, 300 ns, 0.5 launches a step.
+        norm = rows.index("  norm")
+        self.assertEqual(rows[norm + 1].split()[1:], ["0.5", "NormForwardKernel<BF16>"])
+        self.assertNotIn("NormBackwardKernel", body.split("idle gaps")[0])
+        self.assertNotIn("costliest kernels", self.run_report("--steps", "2"))
+
+
 if __name__ == "__main__":
     unittest.main()

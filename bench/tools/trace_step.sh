@@ -27,6 +27,6 @@ for v in "$@"; do
   cat "$out/bench_v$v${TRACE_TAG:-}.txt" | tail -5
   kill -TERM $spid; wait $spid
   tail -2 "$out/server_v$v${TRACE_TAG:-}.log"
-  python3 "$here/kernel_trace_report.py" "$out/trace_v$v${TRACE_TAG:-}.csv" --steps "${TRACE_STEPS:-5}" --timeline | tee "$out/report_v$v${TRACE_TAG:-}.txt"
+  python3 "$here/kernel_trace_report.py" "$out/trace_v$v${TRACE_TAG:-}.csv" --steps "${TRACE_STEPS:-5}" --by-kernel 6 --timeline | tee "$out/report_v$v${TRACE_TAG:-}.txt"
   gzip -f "$out/trace_v$v${TRACE_TAG:-}.csv"
 done
