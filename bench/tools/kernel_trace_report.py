@@ -11,7 +11,9 @@ idle time, the idle gaps grouped by the kernel that ends each gap, with the
 host calls made during the gaps, and the kernel time by kernel class. With
 --by-kernel N it also splits each class into its N costliest kernels (by name:
 a template's instances apart), so a missed target's class says which kernels
-make it. With
+make it. With --largest-gap it lists the host calls made during the last
+reported step's longest idle gap, by thread (runs of one call on one thread
+counted), so a gap the host causes says which thread was doing what. With
 --timeline it also lists the device work of the reported step with the most
 kernels (a training step's short read-back spans are steps too) in launch order (each
 kernel's class, duration and the idle before it), so a class's time can be
@@ -60,7 +62,10 @@ def load(path):
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             rec = (int(row["start_ns"]), int(row["end_ns"]), row["name"], row["kind"])
-            (device if row["kind"] in ("kernel", "memcpy", "memset") else host).append(rec)
+            if row["kind"] in ("kernel", "memcpy", "memset"):
+                device.append(rec)
+            else:  # a host call's stream column holds its thread's id
+                host.append(rec + (row["stream"],))
     device.sort()
     host.sort()
     return device, host
@@ -68,7 +73,7 @@ def load(path):
 
 def steps(device, host):
     """Spans (t0, t1) between the ends of successive synchronisations that hold device work."""
-    sync_ends = sorted(e for s, e, name, _ in host if name.startswith(SYNC_CALLS))
+    sync_ends = sorted(h[1] for h in host if h[2].startswith(SYNC_CALLS))
     spans, i = [], 0
     for t0, t1 in zip(sync_ends, sync_ends[1:]):
         while i < len(device) and device[i][0] < t0:
@@ -101,6 +106,9 @@ def main():
     p.add_argument("--min-gap-us", type=float, default=2.0)
     p.add_argument("--by-kernel", type=int, default=0, metavar="N",
                    help="also list each class's N costliest kernels (ms and launches per step)")
+    p.add_argument("--largest-gap", action="store_true",
+                   help="list the host calls (by thread) made during the last reported step's "
+                        "longest idle gap")
     p.add_argument("--timeline", action="store_true",
                    help="list the kernels of the reported step with the most kernels (the "
                         "last such) in launch order: a training step's short read-back spans "
@@ -130,7 +138,7 @@ def main():
             entry = idle_by_next[nxt]
             entry[0] += g1 - g0
             entry[1] += 1
-            for s, e, name, kind in host:
+            for s, e, name, kind, _ in host:
                 if s >= g1:
                     break
                 if e > g0 and kind == "runtime":
@@ -160,9 +168,39 @@ def main():
     print("\nruntime API time inside those gaps (ms per step, calls per step):")
     for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
+    if args.largest_gap:
+        print_largest_gap(spans[-1], device, host, args.min_gap_us * 1e3)
     if args.timeline:
         busiest = max(range(n), key=lambda i: (counts[i], i))  # the last of the most kernels
         print_timeline(spans[busiest], device, n - busiest)
+
+
+def print_largest_gap(span, device, host, min_gap_ns):
+    """The host calls overlapping the step's longest idle gap: start (us after
+    the gap's start), thread, and the call, consecutive calls of one name on
+    one thread folded into one line with their count and summed time."""
+    _, _, gaps = analyse(span, device, host, min_gap_ns)
+    if not gaps:
+        print("\nthe last reported step has no idle gap")
+        return
+    g0, g1, nxt = max(gaps, key=lambda g: g[1] - g[0])
+    print(f"\nthe last reported step's longest idle gap: {(g1 - g0) / 1e3:.1f} us, ended by "
+          f"{nxt[:80]}; host calls in it (us after its start, thread, calls, us in them):")
+    runs = []  # [start, thread, name, count, ns]
+    for s, e, name, _, thread in host:
+        if s >= g1:
+            break
+        if e <= g0:
+            continue
+        if runs and runs[-1][1] == thread and runs[-1][2] == name:
+            runs[-1][3] += 1
+            runs[-1][4] += min(e, g1) - max(s, g0)
+        else:
+            runs.append([s, thread, name, 1, min(e, g1) - max(s, g0)])
+    for s, thread, name, count, ns in runs[:60]:
+        print(f"  {(s - g0) / 1e3:9.1f}  {thread:>10}  {count:4d}x  {ns / 1e3:8.1f}  {name}")
+    if len(runs) > 60:
+        print(f"  ... {len(runs) - 60} more")
 
 
 def print_timeline(span, device, from_end):

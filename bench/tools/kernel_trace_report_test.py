@@ -88,6 +88,31 @@ class ReportTest(unittest.TestCase):
         self.assertNotIn("NormBackwardKernel", body.split("idle gaps")[0])
         self.assertNotIn("costliest kernels", self.run_report("--steps", "2"))
 
+    def test_largest_gap_lists_the_host_calls_in_it_by_thread(self):
+        out = self.run_report("--steps", "2", "--min-gap-us", "0", "--largest-gap")
+        self.assertIn("the last reported step has no idle gap", out)  # step 2 is all busy
+        global TRACE
+        saved = TRACE
+        # Step 2 given a 400 ns gap (2000..2400) in which thread 9 launches
+        # twice and thread 1 sets memory once (not a synchronisation, which
+        # would end a step).
+        TRACE = TRACE.replace(
+            "kernel,cudnn_generated_fort_native_sdpa_sm90_flash_fprop,2000,3000,7,5\n",
+            "runtime,cudaLaunchKernel_v7000,2100,2110,9,10\n"
+            "runtime,cudaLaunchKernel_v7000,2200,2230,9,11\n"
+            "runtime,cudaMemsetAsync_v3020,2300,2310,1,12\n"
+            "kernel,cudnn_generated_fort_native_sdpa_sm90_flash_fprop,2400,2900,7,5\n")
+        try:
+            out = self.run_report("--steps", "2", "--min-gap-us", "0", "--largest-gap")
+        finally:
+            TRACE = saved
+        _, body = out.split("longest idle gap: ")
+        self.assertTrue(body.startswith("0.4 us, ended by cudnn_generated"), body[:60])
+        rows = [r.split() for r in body.splitlines()[1:] if r.strip()]
+        self.assertEqual(rows[0], ["0.1", "9", "2x", "0.0", "cudaLaunchKernel_v7000"])
+        self.assertEqual(rows[1][1:3], ["1", "1x"])
+        self.assertEqual(rows[1][4], "cudaMemsetAsync_v3020")
+
 
 if __name__ == "__main__":
     unittest.main()

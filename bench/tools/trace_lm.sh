@@ -11,7 +11,8 @@
 # Environment: TRACE_VARIANTS (default "bf16:on bf16:off delayed:off": recipe
 # and TE's relative bias), TRACE_SIZE (24x1024x16x1024x8), TRACE_STEPS (6),
 # TRACE_SPANS (4), TRACE_TIMELINE (1: also list the busiest reported span's device work in launch
-# order), TRACE_BY_KERNEL (6: each class's costliest kernels listed), PYTHON (python3: one
+# order), TRACE_BY_KERNEL (6: each class's costliest kernels listed; the host calls of the
+# last span's longest idle gap are listed too), PYTHON (python3: one
 # with grpc and numpy).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
@@ -36,7 +37,7 @@ for variant in ${TRACE_VARIANTS:-bf16:on bf16:off delayed:off}; do
     --steps="${TRACE_STEPS:-6}" --warmup=3 --min_seconds=0 --peer= 2>&1 | tee "$out/bench_lm_$tag.txt" | head -3
   kill -TERM "$spid"; wait "$spid"
   echo "=== $tag"
-  "${PYTHON:-python3}" "$bundle/kernel_trace_report.py" "$out/trace_lm_$tag.csv" --steps "${TRACE_SPANS:-4}" --by-kernel "${TRACE_BY_KERNEL:-6}" \
+  "${PYTHON:-python3}" "$bundle/kernel_trace_report.py" "$out/trace_lm_$tag.csv" --steps "${TRACE_SPANS:-4}" --by-kernel "${TRACE_BY_KERNEL:-6}" --largest-gap \
     ${TRACE_TIMELINE:+--timeline} | tee "$out/report_lm_$tag.txt"
   gzip -f "$out/trace_lm_$tag.csv"
 done
