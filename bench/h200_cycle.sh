@@ -9,7 +9,8 @@
 #   bash bench/h200_cycle.sh lm decode              # second call
 #
 #   tests       every GPU test binary, the GPU fault run at FAULT_SECONDS (30)
-#   quickstart  the quickstart's six sections from both clients and JAX's
+#   quickstart  the quickstart's six sections from both clients (the mean of 30 steps
+#               after 5: a mean of 10 let one slow step move a Python / C++ ratio) and JAX's
 #               plain-Flax layer (bench/layers/compare_quickstarts.sh)
 #   lm          the LM of train_lm.py at 4 x 256 and 24 x 1024 (TE's relative
 #               bias on and off) and 24 x 2048 (bias off), bf16 and FP8,
@@ -52,7 +53,7 @@ stage_quickstart() {
   rm -rf "$b/py/proto"; cp -r "$TE_CLIENT_STUBS_DIR" "$b/py/proto"
   cp "$peers/jax_peers.py" "$b/"
   cp "$root/bench/layers/start_te_server.sh" "$b/"
-  OUT="$(mktemp -d)" bash "$root/bench/layers/compare_quickstarts.sh" "$b" 10 3
+  OUT="$(mktemp -d)" bash "$root/bench/layers/compare_quickstarts.sh" "$b" 30 5
 }
 
 stage_lm() {
