@@ -99,6 +99,16 @@ def analyse(span, device, host, min_gap_ns):
     return recs, busy, gaps
 
 
+def host_calls_in(host, g0, g1):
+    """The host calls overlapping [g0, g1) in start order, each with the
+    nanoseconds of it inside the span."""
+    for s, e, name, kind, thread in host:
+        if s >= g1:
+            break
+        if e > g0:
+            yield name, kind, thread, s, min(e, g1) - max(s, g0)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -125,7 +135,7 @@ def main():
     by_kernel = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
     walls, busies, counts = [], [], []
     for span in spans:
-        recs, busy, gaps = analyse(span, device, host, args.min_gap_us * 1e3)
+        recs, busy, gaps = analyse(span, device, host, args.min_gap_us * 1e3)  # the last span's: --largest-gap
         walls.append(span[1] - span[0])
         busies.append(busy)
         counts.append(sum(1 for r in recs if r[3] == "kernel"))
@@ -138,12 +148,10 @@ def main():
             entry = idle_by_next[nxt]
             entry[0] += g1 - g0
             entry[1] += 1
-            for s, e, name, kind, _ in host:
-                if s >= g1:
-                    break
-                if e > g0 and kind == "runtime":
+            for name, kind, _, _, inside in host_calls_in(host, g0, g1):
+                if kind == "runtime":
                     h = host_in_gaps[name]
-                    h[0] += min(e, g1) - max(s, g0)
+                    h[0] += inside
                     h[1] += 1
     n = len(spans)
     ms = lambda ns: ns / n / 1e6
@@ -169,17 +177,17 @@ def main():
     for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
     if args.largest_gap:
-        print_largest_gap(spans[-1], device, host, args.min_gap_us * 1e3)
+        print_largest_gap(gaps, host)
     if args.timeline:
         busiest = max(range(n), key=lambda i: (counts[i], i))  # the last of the most kernels
         print_timeline(spans[busiest], device, n - busiest)
 
 
-def print_largest_gap(span, device, host, min_gap_ns):
-    """The host calls overlapping the step's longest idle gap: start (us after
-    the gap's start), thread, and the call, consecutive calls of one name on
-    one thread folded into one line with their count and summed time."""
-    _, _, gaps = analyse(span, device, host, min_gap_ns)
+def print_largest_gap(gaps, host):
+    """The host calls overlapping the longest of the last reported step's
+    `gaps`: start (us after the gap's start), thread, and the call,
+    consecutive calls of one name on one thread folded into one line with
+    their count and summed time."""
     if not gaps:
         print("\nthe last reported step has no idle gap")
         return
@@ -187,16 +195,12 @@ def print_largest_gap(span, device, host, min_gap_ns):
     print(f"\nthe last reported step's longest idle gap: {(g1 - g0) / 1e3:.1f} us, ended by "
           f"{nxt[:80]}; host calls in it (us after its start, thread, calls, us in them):")
     runs = []  # [start, thread, name, count, ns]
-    for s, e, name, _, thread in host:
-        if s >= g1:
-            break
-        if e <= g0:
-            continue
+    for name, _, thread, s, inside in host_calls_in(host, g0, g1):
         if runs and runs[-1][1] == thread and runs[-1][2] == name:
             runs[-1][3] += 1
-            runs[-1][4] += min(e, g1) - max(s, g0)
+            runs[-1][4] += inside
         else:
-            runs.append([s, thread, name, 1, min(e, g1) - max(s, g0)])
+            runs.append([s, thread, name, 1, inside])
     for s, thread, name, count, ns in runs[:60]:
         print(f"  {(s - g0) / 1e3:9.1f}  {thread:>10}  {count:4d}x  {ns / 1e3:8.1f}  {name}")
     if len(runs) > 60:

@@ -23,9 +23,9 @@ runtime,cudaStreamSynchronize_v3020,2990,3000,1,6
 
 
 class ReportTest(unittest.TestCase):
-    def run_report(self, *args):
+    def run_report(self, *args, trace=TRACE):
         with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
-            f.write(TRACE)
+            f.write(trace)
         try:
             return subprocess.run([sys.executable, os.path.join(HERE, "kernel_trace_report.py"),
                                    f.name, *args], check=True, capture_output=True,
@@ -69,16 +69,11 @@ class ReportTest(unittest.TestCase):
 
     def test_by_kernel_splits_each_class_by_name(self):
         # A second norm kernel in step 1, so the norm class has two names.
-        global TRACE
-        saved = TRACE
-        TRACE = TRACE.replace(
+        trace = TRACE.replace(
             "runtime,cudaLaunchKernel_v7000,1420,1490,1,3\n",
             "kernel,te::cuda::NormBackwardKernel<te::cuda::BF16>,1400,1500,7,8\n"
             "runtime,cudaLaunchKernel_v7000,1420,1490,1,3\n")
-        try:
-            out = self.run_report("--steps", "2", "--by-kernel", "1")
-        finally:
-            TRACE = saved
+        out = self.run_report("--steps", "2", "--by-kernel", "1", trace=trace)
         _, body = out.split("costliest kernels")
         rows = body.split("idle gaps")[0].splitlines()[1:]
         # The norm class (400 ns over 2 steps) lists only its costlier kernel:
@@ -91,21 +86,16 @@ class ReportTest(unittest.TestCase):
     def test_largest_gap_lists_the_host_calls_in_it_by_thread(self):
         out = self.run_report("--steps", "2", "--min-gap-us", "0", "--largest-gap")
         self.assertIn("the last reported step has no idle gap", out)  # step 2 is all busy
-        global TRACE
-        saved = TRACE
         # Step 2 given a 400 ns gap (2000..2400) in which thread 9 launches
         # twice and thread 1 sets memory once (not a synchronisation, which
         # would end a step).
-        TRACE = TRACE.replace(
+        trace = TRACE.replace(
             "kernel,cudnn_generated_fort_native_sdpa_sm90_flash_fprop,2000,3000,7,5\n",
             "runtime,cudaLaunchKernel_v7000,2100,2110,9,10\n"
             "runtime,cudaLaunchKernel_v7000,2200,2230,9,11\n"
             "runtime,cudaMemsetAsync_v3020,2300,2310,1,12\n"
             "kernel,cudnn_generated_fort_native_sdpa_sm90_flash_fprop,2400,2900,7,5\n")
-        try:
-            out = self.run_report("--steps", "2", "--min-gap-us", "0", "--largest-gap")
-        finally:
-            TRACE = saved
+        out = self.run_report("--steps", "2", "--min-gap-us", "0", "--largest-gap", trace=trace)
         _, body = out.split("longest idle gap: ")
         self.assertTrue(body.startswith("0.4 us, ended by cudnn_generated"), body[:60])
         rows = [r.split() for r in body.splitlines()[1:] if r.strip()]

@@ -11,8 +11,8 @@
 # Environment: TRACE_VARIANTS (default "bf16:on bf16:off delayed:off": recipe
 # and TE's relative bias), TRACE_SIZE (24x1024x16x1024x8), TRACE_STEPS (6),
 # TRACE_SPANS (4), TRACE_TIMELINE (1: also list the busiest reported span's device work in launch
-# order), TRACE_BY_KERNEL (6: each class's costliest kernels listed; the host calls of the
-# last span's longest idle gap are listed too), PYTHON (python3: one
+# order), TRACE_BY_KERNEL (6: each class's costliest kernels listed; every report also lists
+# the host calls of the last span's longest idle gap), PYTHON (python3: one
 # with grpc and numpy).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
