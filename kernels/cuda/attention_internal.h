@@ -190,7 +190,7 @@ absl::Status DecodeAttentionFromQkvForward(const AttentionArgs& args, const Atte
 // The most diagonals the band kernel covers (RelativeBuckets::uniform_from).
 constexpr int kRelativeBandMax = 128;
 // OK when the band kernel can serve this backward: causal self-attention
-// (top-left), no dropout or elementwise mask, bf16/f16 q, k, v 32-byte
+// (top-left), no dropout or elementwise mask, bf16/f16 q, k, v 16-byte
 // aligned, a sequence a multiple of 16, head_dim 32, 64 or 128, buckets
 // uniform from a distance of at most kRelativeBandMax.
 absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s,

@@ -12,34 +12,29 @@
 //     buckets over 128 positions);
 //   - each row's dS sums to zero (sum_j P dP = delta without dropout), so
 //     the far bucket's share of a row is minus its band's.
-// So the kernel recomputes P and dP on the W diagonals only: per block a
-// tile of 128 queries of one (batch, head), a warp's 16 rows each, q.k and
-// dout.v on tensor cores (WMMA, 16x16 tiles along the band, two key tiles a
-// step), dS in f32 in registers, summed per diagonal in a fixed order (no
-// atomics: the same bits every run). A second kernel adds the tiles' sums
-// into dtable.
+// So the kernel recomputes P and dP on the W diagonals only, on tensor cores
+// (mma.m16n8k16 fed by ldmatrix), dS in f32 in registers, in a fixed order
+// (no atomics: the same bits every run). A second kernel adds the blocks'
+// sums into dtable.
 //
-// The work is latency-bound, not FLOP- or byte-bound, so the kernel is laid
-// out to keep each warp's chains of dependent memory reads short and many
-// warps resident. A block first stages the keys and values its queries' band
-// reaches (at most 128 + W + 14 rows) into shared memory with 16-byte
-// asynchronous copies, all in flight at once, and forms its rows' delta from
-// 16-byte loads issued together; the warps' tile loop then reads only shared
-// memory. On the H200 at the 24 x 1024 LM's shape (relative_bias_bench) this
-// took the table's gradient from 0.187 to 0.116 ms a layer: a warp had walked
-// its 16 rows' delta one row at a time, and loaded every fragment from global
-// memory inside the loop. Then, on the H100: 0.120 ms with 64-query blocks
-// of 4 warps (3 blocks, 12 warps an SM) and S and dP stored to shared memory
-// for dS, against 0.104 in the same call with 128-query blocks of 8 warps
-// (2 blocks, 16 warps an SM, a third fewer staged rows per query) and dS
-// formed in registers; 0.098 in a later call with two key tiles a step.
+// A block takes 128 queries (eight 16-row tiles) of one (batch, head) and
+// stages their q and dout, and the keys and values their band reaches, into
+// shared memory with 16-byte asynchronous copies, all in flight at once.
+// Warp m then takes the key tile m tiles behind each query tile: in such a
+// pair the element at (r, c) always lies at distance 16 m + r - c, so the
+// warp adds dS element-wise into its registers over the eight pairs and sums
+// the diagonals once, at the block's end. On the H100 at the 24 x 1024 LM's
+// shape this took the kernel from 0.084 to 0.075 ms a layer (one call)
+// against a warp per query tile that summed each pair's diagonals through
+// shared memory (WMMA, key tile by key tile). With the pairs' work left out
+// it still takes 0.044 ms: staging the rows is most of it. Splitting the
+// staging into groups that the pairs wait on one by one measured no faster.
 //
 // Cost per (batch, head): S * W scores, twice (q.k and dout.v), against the
 // S^2 / 2 of the attention itself; no [H, S, S] memory.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
-#include <mma.h>
 
 #include <cstdint>
 
@@ -55,11 +50,9 @@ namespace cuda {
 namespace {
 
 constexpr int kBandWarps = 8;
-constexpr int kBandQueries = 16 * kBandWarps;  // query rows per block: a warp's tile of 16 each
-constexpr int kTile = 16;  // WMMA's tile edge
-constexpr int kKeyTilesPerStep = 2;  // key tiles a warp takes at once
-// WMMA's loads want 256-bit aligned tile starts.
-constexpr uintptr_t kFragmentAlignment = 32;
+constexpr int kTile = 16;                            // mma.m16n8k16's rows; a query or key tile
+constexpr int kBandQueries = kTile * kBandWarps;     // query rows per block: eight tiles
+constexpr int kStagePad = 8;  // elements after each staged row: ldmatrix's rows in distinct banks
 
 struct BandParams {
   const void* q;
@@ -105,44 +98,72 @@ __device__ __forceinline__ float BiasAsOperand(const BandParams& p, int64_t at) 
                     : ToFloat(static_cast<const T*>(p.bias)[at]);
 }
 
-// A block's shared memory: per-warp scratch and the rows' scalars (23 KB).
-struct __align__(kFragmentAlignment) BandShared {
-  float tiles[kBandWarps][kKeyTilesPerStep][kTile * kTile];  // per warp: its tiles' dS
-  float index_tile[kTile * kTile];           // element e holds e: see element_at below
-  float bins[kBandWarps][kRelativeBandMax];  // per warp: the sum at each distance
-  float bias_at[kRelativeBandMax];            // the bias at each distance
+// Key tiles behind a query tile that hold band elements: distances up to
+// W - 1 reach 16 (offsets - 1) - 15.
+__host__ __device__ constexpr int BandOffsets(int band) { return (band + kTile - 2) / kTile + 1; }
+// Each warp takes offsets warp and warp + kBandWarps.
+static_assert(BandOffsets(kRelativeBandMax) <= 2 * kBandWarps, "two offsets a warp at most");
+// Staged key rows: the band's reach behind the first query tile, then the
+// block's own 128.
+__host__ __device__ inline int BandKeyRows(int band) {
+  return kTile * (BandOffsets(band) - 1) + kBandQueries;
+}
+template <int D>
+size_t StageBytes(int band) {
+  return size_t{2} * (kBandQueries + BandKeyRows(band)) * (D + kStagePad) * sizeof(uint16_t);
+}
+
+struct BandShared {
+  float bias_at[kRelativeBandMax];  // the bias at each distance
   float row_lse[kBandQueries];
   float row_delta[kBandQueries];
   float warp_far[kBandWarps];
 };
 
-// The staged keys (then values) of a block: rows of D elements, kStagePad
-// apart more (WMMA's ldm must be a multiple of 16 bytes; the pad spreads a
-// fragment's rows over the shared-memory banks). A block's band reaches at
-// most kBandQueries + band + 14 keys, from the first whole tile.
-constexpr int kStagePad = 8;
-__host__ __device__ inline int StageRows(int band) { return kBandQueries + band + kTile; }
-template <int D>
-size_t StageBytes(int band) {
-  return size_t{2} * StageRows(band) * (D + kStagePad) * sizeof(uint16_t);
+// Four 8x8 b16 matrices from shared memory, each lane giving one row's address.
+__device__ __forceinline__ void LoadMatrices(uint32_t r[4], const void* row) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(at));
+}
+// d += a (16x16, row-major) * b (16x8, column-major), f32 accumulators.
+template <typename T>
+__device__ __forceinline__ void MmaAccumulate(float d[4], const uint32_t a[4], uint32_t b0,
+                                              uint32_t b1);
+template <>
+__device__ __forceinline__ void MmaAccumulate<__nv_bfloat16>(float d[4], const uint32_t a[4],
+                                                             uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void MmaAccumulate<__half>(float d[4], const uint32_t a[4], uint32_t b0,
+                                                      uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two blocks an SM where their staged rows fit (D up to 64): 128 registers.
+// Two blocks an SM where their staged rows fit (D up to 64).
 template <typename T, int D>
 __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
     RelativeBandKernel(BandParams p) {
-  using namespace nvcuda;
   __shared__ BandShared sh;
   extern __shared__ __align__(128) unsigned char stage_bytes[];
   constexpr int kLdm = D + kStagePad;
-  T* k_stage = reinterpret_cast<T*>(stage_bytes);
-  T* v_stage = k_stage + StageRows(p.band) * kLdm;
-  float* bias_at = sh.bias_at;
-  float* row_lse = sh.row_lse;
-  float* row_delta = sh.row_delta;
+  const int W = p.band, S = p.seq, offsets = BandOffsets(W);
+  T* q_stage = reinterpret_cast<T*>(stage_bytes);
+  T* dout_stage = q_stage + kBandQueries * kLdm;
+  T* k_stage = dout_stage + kBandQueries * kLdm;
+  T* v_stage = k_stage + BandKeyRows(W) * kLdm;
 
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int S = p.seq, W = p.band;
   const int i0 = tile * kBandQueries;
   const int hk = h / p.group;
   const T* q = static_cast<const T*>(p.q) + static_cast<int64_t>(b) * S * p.q_stride + h * D;
@@ -152,35 +173,47 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
   const T* dout =
       static_cast<const T*>(p.dout) + static_cast<int64_t>(b) * S * p.o_stride + h * D;
 
-  // The keys the block's band reaches, from the first whole tile: rows
-  // [key_lo, key_hi), 16 bytes a copy (RelativeBandApplies checked the
-  // alignment), left in flight while the rows' delta is formed.
-  const int key_lo = max(0, i0 - W + 1) / kTile * kTile;
-  const int key_hi = min(S, i0 + kBandQueries);
+  // Staged rows, 16 bytes a copy (RelativeBandApplies checked the
+  // alignment), left in flight while the rows' delta is formed: the queries
+  // [i0, q_end) and their dout; the keys and values [key0, q_end), key0 the
+  // band's reach behind i0 (stage row 0; rows before the sequence are not
+  // loaded, and no pair reads them).
+  const int key0 = i0 - kTile * (offsets - 1);
+  const int q_end = min(S, i0 + kBandQueries);
   {
-    constexpr int kChunks = D * static_cast<int>(sizeof(T)) / 16;  // per row
-    const int copies = (key_hi - key_lo) * kChunks;
-    for (int c = threadIdx.x; c < 2 * copies; c += blockDim.x) {
-      const bool is_v = c >= copies;
-      const int n = is_v ? c - copies : c;
-      const int row = n / kChunks, chunk = n % kChunks;
-      const T* src = (is_v ? v : k) + static_cast<int64_t>(key_lo + row) * p.kv_stride +
-                     chunk * (16 / static_cast<int>(sizeof(T)));
-      T* dst = (is_v ? v_stage : k_stage) + row * kLdm + chunk * (16 / static_cast<int>(sizeof(T)));
+    constexpr int kPerCopy = 16 / static_cast<int>(sizeof(T));
+    constexpr int kCopies = D / kPerCopy;  // per row
+    const int q_copies = (q_end - i0) * kCopies;
+    const int kv_lo = max(0, key0);
+    const int kv_copies = (q_end - kv_lo) * kCopies;
+    for (int c = threadIdx.x; c < 2 * (q_copies + kv_copies); c += blockDim.x) {
+      const T* src;
+      T* dst;
+      if (c < 2 * q_copies) {
+        const bool is_dout = c >= q_copies;
+        const int n = is_dout ? c - q_copies : c, row = n / kCopies, at = n % kCopies * kPerCopy;
+        src = is_dout ? dout + static_cast<int64_t>(i0 + row) * p.o_stride + at
+                      : q + static_cast<int64_t>(i0 + row) * p.q_stride + at;
+        dst = (is_dout ? dout_stage : q_stage) + row * kLdm + at;
+      } else {
+        const int kv = c - 2 * q_copies;
+        const bool is_v = kv >= kv_copies;
+        const int n = is_v ? kv - kv_copies : kv, row = n / kCopies, at = n % kCopies * kPerCopy;
+        src = (is_v ? v : k) + static_cast<int64_t>(kv_lo + row) * p.kv_stride + at;
+        dst = (is_v ? v_stage : k_stage) + (kv_lo - key0 + row) * kLdm + at;
+      }
       __pipeline_memcpy_async(dst, src, 16);
     }
     __pipeline_commit();
   }
 
   // Each row's lse and delta = rowsum(dout * out): two threads a row, each
-  // with its half's 16-byte loads all in flight at once (a warp walking its
-  // rows one by one waited on memory sixteen times before its first tile).
-  // S is a multiple of 16 (RelativeBandApplies): a warp's rows are all
-  // inside or all past it.
+  // with its half's 16-byte loads all in flight at once. S is a multiple of
+  // 16 (RelativeBandApplies): a query tile's rows are all inside or all past it.
   static_assert(kBandWarps * 32 == 2 * kBandQueries, "two threads a query row");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   {
-    constexpr int kHalf = D / 2;                                    // elements a thread
+    constexpr int kHalf = D / 2;                                        // elements a thread
     constexpr int kVectors = kHalf * static_cast<int>(sizeof(T)) / 16;  // 16-byte loads
     const int r = threadIdx.x / 2, half = threadIdx.x % 2, i = i0 + r;
     float part = 0.0f;
@@ -203,126 +236,115 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
     }
     part += __shfl_xor_sync(0xffffffffu, part, 1);
     if (half == 0) {
-      row_delta[r] = part;
-      row_lse[r] = i < S ? p.lse[(static_cast<int64_t>(b) * p.heads + h) * S + i] : 0.0f;
+      sh.row_delta[r] = part;
+      sh.row_lse[r] = i < S ? p.lse[(static_cast<int64_t>(b) * p.heads + h) * S + i] : 0.0f;
     }
   }
   const int64_t last_row = (static_cast<int64_t>(h) * S + (S - 1)) * S;
   for (int d = threadIdx.x; d < kRelativeBandMax; d += blockDim.x) {
-    bias_at[d] = d < W && d < S ? BiasAsOperand<T>(p, last_row + S - 1 - d) : 0.0f;
+    sh.bias_at[d] = d < W && d < S ? BiasAsOperand<T>(p, last_row + S - 1 - d) : 0.0f;
   }
-  for (int x = threadIdx.x; x < kBandWarps * kRelativeBandMax; x += blockDim.x) {
-    sh.bins[x / kRelativeBandMax][x % kRelativeBandMax] = 0.0f;
-  }
-  for (int e = threadIdx.x; e < kTile * kTile; e += blockDim.x) sh.index_tile[e] = e;
   __pipeline_wait_prior(0);
   __syncthreads();
 
-  const int r0 = i0 + warp * kTile;  // the warp's first query
-  float far = 0.0f;                  // minus the far bucket's share, rows i >= W
-  if (r0 < S) {
-    float(*ds_tiles)[kTile * kTile] = sh.tiles[warp];
-    float* my_bins = sh.bins[warp];
-    // Which tile element each of this thread's accumulator slots holds:
-    // WMMA leaves the mapping unspecified but fixed for a fragment type, so
-    // a fragment loaded from a tile whose element e holds e names it. dS is
-    // then formed in registers, straight from the products.
-    using Accumulator = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
-    Accumulator element_at;
-    wmma::load_matrix_sync(element_at, sh.index_tile, kTile, wmma::mem_row_major);
-    int row_minus_col[Accumulator::num_elements];
-    float lse_of[Accumulator::num_elements], delta_of[Accumulator::num_elements];
-    bool past_band[Accumulator::num_elements];  // rows i >= W: their far keys share a bucket
+  // mma.m16n8k16's accumulator: element e of n-block nb is row g + 8 (e / 2),
+  // column 8 nb + 2 qd + e % 2 of the 16x16 pair. ldmatrix's row addresses:
+  // a query tile's four 8x8 quarters in the A fragment's order, a key tile's
+  // in the order of the two n-blocks' B fragments.
+  const int g = lane / 4, qd = lane % 4;
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+  float far = 0.0f;  // minus the far bucket's share: the band's dS of rows i >= W
+  float acc[2][2][4] = {};  // per offset the warp takes: dS summed over the query tiles
 #pragma unroll
-    for (int t = 0; t < Accumulator::num_elements; ++t) {
-      const int e = static_cast<int>(element_at.x[t]), r = e / kTile;
-      row_minus_col[t] = r - e % kTile;
-      lse_of[t] = row_lse[warp * kTile + r];
-      delta_of[t] = row_delta[warp * kTile + r];
-      past_band[t] = r0 + r >= W;  // every row < S: S is a multiple of 16
-    }
-    wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::row_major> a_q[D / kTile],
-        a_do[D / kTile];
+  for (int slot = 0; slot < 2; ++slot) {
+    const int m = warp + slot * kBandWarps;
+    if (m >= offsets) continue;
+    // Each element's distance, so its band membership and bias, is the same
+    // in every pair at this offset.
+    bool in_band[2][4];
+    float bias[2][4];
 #pragma unroll
-    for (int kk = 0; kk < D / kTile; ++kk) {
-      wmma::load_matrix_sync(a_q[kk], q + r0 * p.q_stride + kk * kTile,
-                             static_cast<unsigned>(p.q_stride));
-      wmma::load_matrix_sync(a_do[kk], dout + r0 * p.o_stride + kk * kTile,
-                             static_cast<unsigned>(p.o_stride));
-    }
-    const int kt_lo = max(0, r0 - W + 1) / kTile;
-    const int kt_hi = min(r0 + kTile - 1, S - 1) / kTile;
-    // kKeyTilesPerStep key tiles at once: their products issue together, then
-    // their dS, then their diagonal sums, each in key order (the same sums,
-    // in the same order, as one tile at a time).
-    for (int kt0 = kt_lo; kt0 <= kt_hi; kt0 += kKeyTilesPerStep) {
-      Accumulator s_acc[kKeyTilesPerStep], dp_acc[kKeyTilesPerStep];
+    for (int nb = 0; nb < 2; ++nb) {
 #pragma unroll
-      for (int u = 0; u < kKeyTilesPerStep; ++u) {
-        wmma::fill_fragment(s_acc[u], 0.0f);
-        wmma::fill_fragment(dp_acc[u], 0.0f);
+      for (int e = 0; e < 4; ++e) {
+        const int dist = kTile * m + g + 8 * (e >> 1) - (8 * nb + 2 * qd + (e & 1));
+        in_band[nb][e] = dist >= 0 && dist < W;
+        bias[nb][e] = in_band[nb][e] ? sh.bias_at[dist] : 0.0f;
       }
+    }
+    for (int qt = 0; qt < kBandWarps; ++qt) {
+      const int row0 = i0 + kTile * qt;
+      if (row0 >= S) break;
+      if (row0 < kTile * m) continue;  // its key tile is before the sequence
+      const T* q_tile = q_stage + (kTile * qt + a_row) * kLdm + a_col;
+      const T* dout_tile = dout_stage + (kTile * qt + a_row) * kLdm + a_col;
+      const int key_row = kTile * (qt - m + offsets - 1) + b_row;
+      const T* k_tile = k_stage + key_row * kLdm + b_col;
+      const T* v_tile = v_stage + key_row * kLdm + b_col;
+      float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / kTile; ++kk) {
+        uint32_t a_q[4], a_dout[4], b_k[4], b_v[4];
+        LoadMatrices(a_q, q_tile + kk * kTile);
+        LoadMatrices(a_dout, dout_tile + kk * kTile);
+        LoadMatrices(b_k, k_tile + kk * kTile);
+        LoadMatrices(b_v, v_tile + kk * kTile);
+        MmaAccumulate<T>(s[0], a_q, b_k[0], b_k[1]);
+        MmaAccumulate<T>(s[1], a_q, b_k[2], b_k[3]);
+        MmaAccumulate<T>(dp[0], a_dout, b_v[0], b_v[1]);
+        MmaAccumulate<T>(dp[1], a_dout, b_v[2], b_v[3]);
+      }
+      const int local = kTile * qt + g;
+      const float lse[2] = {sh.row_lse[local], sh.row_lse[local + 8]};
+      const float delta[2] = {sh.row_delta[local], sh.row_delta[local + 8]};
+      const bool has_far[2] = {row0 + g >= W, row0 + g + 8 >= W};
 #pragma unroll
-        for (int u = 0; u < kKeyTilesPerStep; ++u) {
-          if (kt0 + u > kt_hi) continue;  // past the staged keys: dS stays 0 below
-          const int row = (kt0 + u) * kTile - key_lo;
-          wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major> b_k, b_v;
-          wmma::load_matrix_sync(b_k, k_stage + row * kLdm + kk * kTile,
-                                 static_cast<unsigned>(kLdm));
-          wmma::load_matrix_sync(b_v, v_stage + row * kLdm + kk * kTile,
-                                 static_cast<unsigned>(kLdm));
-          wmma::mma_sync(s_acc[u], a_q[kk], b_k, s_acc[u]);
-          wmma::mma_sync(dp_acc[u], a_do[kk], b_v, dp_acc[u]);
+      for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!in_band[nb][e]) continue;
+          const int hi = e >> 1;
+          const float prob = __expf(s[nb][e] * p.scale + bias[nb][e] - lse[hi]);
+          const float ds = prob * (dp[nb][e] - delta[hi]);
+          acc[slot][nb][e] += ds;
+          if (has_far[hi]) far -= ds;
         }
       }
-      // dS of the tiles' band elements, in place of S (0 elsewhere; keys
-      // past the query, as every key of a tile past kt_hi is, have dist < 0).
+    }
+  }
+  __syncthreads();  // every warp is past the staged rows: their memory takes the sums
+  float* sums_at = reinterpret_cast<float*>(stage_bytes);  // [offset][16 x 16]
+  static_assert(kBandQueries * (32 + kStagePad) * sizeof(T) >=
+                    BandOffsets(kRelativeBandMax) * kTile * kTile * sizeof(float),
+                "the staged queries hold every offset's sums");
 #pragma unroll
-      for (int u = 0; u < kKeyTilesPerStep; ++u) {
-        const int first_dist = r0 - (kt0 + u) * kTile;  // the distance at r == c
+  for (int slot = 0; slot < 2; ++slot) {
+    const int m = warp + slot * kBandWarps;
+    if (m >= offsets) continue;
 #pragma unroll
-        for (int t = 0; t < Accumulator::num_elements; ++t) {
-          const int dist = first_dist + row_minus_col[t];
-          float ds = 0.0f;
-          if (dist >= 0 && dist < W) {
-            const float prob = __expf(s_acc[u].x[t] * p.scale + bias_at[dist] - lse_of[t]);
-            ds = prob * (dp_acc[u].x[t] - delta_of[t]);
-            if (past_band[t]) far -= ds;
-          }
-          s_acc[u].x[t] = ds;
-        }
-        wmma::store_matrix_sync(ds_tiles[u], s_acc[u], kTile, wmma::mem_row_major);
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sums_at[m * kTile * kTile + (g + 8 * (e >> 1)) * kTile + 8 * nb + 2 * qd + (e & 1)] =
+            acc[slot][nb][e];
       }
-      __syncwarp();
-      // Lane l sums each tile's diagonal r - c = l - 15 (at most 16 elements).
-      if (lane < 2 * kTile - 1) {
-        const int diag = lane - (kTile - 1);
-#pragma unroll
-        for (int u = 0; u < kKeyTilesPerStep; ++u) {
-          const int dist = r0 - (kt0 + u) * kTile + diag;
-          if (dist >= 0 && dist < W) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int r = 0; r < kTile; ++r) {  // unrolled: the 16 loads issue together
-              const int c = r - diag;
-              if (c >= 0 && c < kTile) sum += ds_tiles[u][r * kTile + c];
-            }
-            my_bins[dist] += sum;
-          }
-        }
-      }
-      __syncwarp();
     }
   }
   for (int offset = 16; offset > 0; offset /= 2) far += __shfl_xor_sync(0xffffffffu, far, offset);
   if (lane == 0) sh.warp_far[warp] = far;
   __syncthreads();
+  // Distance d: diagonal d - 16 m of each offset m's sums, in offset order.
   float* sums = p.partial + ((static_cast<int64_t>(b) * p.heads + h) * p.tiles + tile) * (W + 1);
   for (int d = threadIdx.x; d < W; d += blockDim.x) {
     float sum = 0.0f;
-    for (int w = 0; w < kBandWarps; ++w) sum += sh.bins[w][d];
+    for (int m = 0; m < offsets; ++m) {
+      const int diag = d - kTile * m;
+      if (diag <= -kTile || diag >= kTile) continue;
+      for (int r = max(0, diag); r < min(kTile, kTile + diag); ++r) {
+        sum += sums_at[m * kTile * kTile + r * kTile + r - diag];
+      }
+    }
     sums[d] = sum;
   }
   if (threadIdx.x == 0) {
@@ -423,13 +445,12 @@ absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape
   if (s.q_seq % kTile != 0) {
     return absl::UnimplementedError(absl::StrCat("sequence ", s.q_seq, " (a multiple of 16)"));
   }
+  // Every row of q, k and v starts 16-byte aligned: the staging copies.
   for (const void* operand : {qkv.q, qkv.k, qkv.v}) {
-    if (reinterpret_cast<uintptr_t>(operand) % kFragmentAlignment != 0) {
-      return absl::UnimplementedError("q, k or v not 32-byte aligned");
+    if (reinterpret_cast<uintptr_t>(operand) % 16 != 0) {
+      return absl::UnimplementedError("q, k or v not 16-byte aligned");
     }
   }
-  // Every row of q, k and v starts 16-byte aligned (WMMA's loads of q, the
-  // staging copies of k and v).
   if (qkv.q_token_stride % 8 != 0 || qkv.kv_token_stride % 8 != 0) {
     return absl::UnimplementedError("q, k or v rows not 16-byte aligned");
   }
