@@ -15,6 +15,8 @@
 #   lm          the LM of train_lm.py at 4 x 256 and 24 x 1024 (TE's relative
 #               bias on and off) and 24 x 2048 (bias off), bf16 and FP8,
 #               against jax_lm_peer.py in the same call (bench/lm_bench.py)
+#   lmbias      lm's 24 x 1024 rows only (TE's relative bias on and off, bf16 and
+#               FP8, and JAX's): the relative bias's cost when a call has no room for lm
 #   trace       the 24 x 1024 LM's step by kernel class under the CUPTI
 #               tracer: bf16 bias on, bf16 bias off, FP8 bias off
 #               (bench/tools/trace_lm.sh), and the quickstart's FP8 and bf16
@@ -64,6 +66,11 @@ stage_lm() {
     --sizes=24x2048x16x1024x8 --bias=off --recipes=bf16,delayed --steps=20 --warmup=5
 }
 
+stage_lmbias() {
+  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
+    --sizes=24x1024x16x1024x8 --bias=on,off --recipes=bf16,delayed --steps=20 --warmup=5
+}
+
 stage_trace() {
   PYTHON="$py" bash "$b/trace_lm.sh" "$b" "$out/trace"
   bash "$b/trace_step.sh" "$out/trace" 6 7
@@ -100,7 +107,7 @@ stage_cast() {
 
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, trace, decode, ops, cast, bias)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, trace, decode, ops, cast, bias)" >&2
     exit 2
   fi
 done
