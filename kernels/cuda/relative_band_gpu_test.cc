@@ -42,14 +42,14 @@ constexpr int kNumBuckets = 32;    // TE's RelativePositionBiases defaults
 constexpr int kMaxDistance = 128;
 
 // TE's causal bucket of a key `n` positions before its query (n >= 0).
-int32_t CausalBucket(int64_t n) {
-  const int max_exact = kNumBuckets / 2;
+int32_t CausalBucket(int64_t n, int num_buckets) {
+  const int max_exact = num_buckets / 2;
   if (n < max_exact) return static_cast<int32_t>(n);
   const float ratio = static_cast<float>(n) / max_exact + std::numeric_limits<float>::epsilon();
   const double scaled = static_cast<double>(std::log(ratio)) /
                         std::log(static_cast<double>(kMaxDistance) / max_exact) *
-                        (kNumBuckets - max_exact);
-  return std::min(max_exact + static_cast<int32_t>(scaled), kNumBuckets - 1);
+                        (num_buckets - max_exact);
+  return std::min(max_exact + static_cast<int32_t>(scaled), num_buckets - 1);
 }
 
 struct Case {
@@ -61,6 +61,9 @@ struct Case {
   // The bias in the operands' dtype, as a layer passes it (cuDNN reads it in
   // place; the unfused kernels widen it); else float32.
   bool operand_bias = false;
+  // 64 buckets over 128 positions settle at distance 123: a band of nine
+  // key tiles behind each query tile, past the eight warps of a block.
+  int num_buckets = kNumBuckets;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -132,7 +135,7 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
   const Shape q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
   const Shape kv_shape = {c.batch, c.seq, c.kv_heads, c.head_dim};
   const Shape lse_shape = {c.batch, c.q_heads, c.seq};
-  const Shape table_shape = {kNumBuckets, c.q_heads};
+  const Shape table_shape = {c.num_buckets, c.q_heads};
   const Tensor q = MakeTensor(cpu_, c.dtype, q_shape, RandomValues(NumElements(q_shape), 31));
   const Tensor k =
       MakeTensor(cpu_, c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 32, -1.0f, 3.0f));
@@ -145,18 +148,19 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
   for (int64_t i = 0; i < c.seq; ++i) {
     for (int64_t j = 0; j < c.seq; ++j) {
       bucket_values[static_cast<size_t>(i * c.seq + j)] =
-          static_cast<float>(CausalBucket(std::max<int64_t>(i - j, 0)));
+          static_cast<float>(CausalBucket(std::max<int64_t>(i - j, 0), c.num_buckets));
     }
   }
   RelativeBuckets relative;
   relative.uniform_from = c.seq - 1;
   while (relative.uniform_from > 1 &&
-         CausalBucket(relative.uniform_from - 1) == CausalBucket(c.seq - 1)) {
+         CausalBucket(relative.uniform_from - 1, c.num_buckets) ==
+             CausalBucket(c.seq - 1, c.num_buckets)) {
     --relative.uniform_from;
   }
   const Tensor buckets = MakeTensor(cpu_, DType::kI32, {c.seq, c.seq}, bucket_values);
   const Tensor table =
-      MakeTensor(cpu_, DType::kF32, table_shape, RandomValues(kNumBuckets * c.q_heads, 35));
+      MakeTensor(cpu_, DType::kF32, table_shape, RandomValues(c.num_buckets * c.q_heads, 35));
   Tensor bias =
       MakeEmpty(cpu_, c.operand_bias ? c.dtype : DType::kF32, {c.q_heads, c.seq, c.seq});
   ASSERT_TRUE(cpu_.RelativeBiasForward(table, buckets, Tensor(), &bias).ok());
@@ -234,7 +238,7 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
   EXPECT_EQ(dtable[0], dtable[1]) << "dtable differs between two runs";
   // The far bucket (formed as minus the band's sum), alone: within the
   // tolerance of the whole table's norm.
-  const size_t far = static_cast<size_t>(CausalBucket(c.seq - 1) * c.q_heads);
+  const size_t far = static_cast<size_t>(CausalBucket(c.seq - 1, c.num_buckets) * c.q_heads);
   const double norm = std::sqrt(
       std::inner_product(cpu_dtable.begin(), cpu_dtable.end(), cpu_dtable.begin(), 0.0));
   EXPECT_NE(cpu_dtable[far], 0.0);
@@ -258,7 +262,13 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"f16_separate_gqa_s192_d32_f16_bias", DType::kF16, 2, 192, 4, 2, 32, false, true,
              true},
         Case{"bf16_packed_s100_dense_bf16_bias", DType::kBF16, 1, 100, 2, 2, 64, true, false,
-             true}),
+             true},
+        // A band wider than a block's warps (two offsets for the first warp),
+        // and a last block of 64 queries.
+        Case{"bf16_packed_s320_d64_64_buckets", DType::kBF16, 2, 320, 2, 2, 64, true, true, true,
+             64},
+        Case{"f16_separate_s192_d128_64_buckets", DType::kF16, 1, 192, 2, 2, 128, false, true,
+             false, 64}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace
