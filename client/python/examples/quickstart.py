@@ -32,8 +32,8 @@ from te_client.recipe import Format, DelayedScaling    # was: from transformer_e
 SECTIONS = ["flax", "te_flax_attention", "te_attention", "fp8", "fused", "transformer_layer"]
 
 CONFIGS = {
-    # Small enough for the CPU reference backend.
-    "small": dict(hidden_size=256, sequence_length=128, batch_size=2, ffn_hidden_size=1024, num_attention_heads=4),
+    # Small enough for the CPU reference backend; the C++ quickstart's "small" too.
+    "small": dict(hidden_size=64, sequence_length=32, batch_size=2, ffn_hidden_size=256, num_attention_heads=4),
     # The notebook's GPT decoder layer.
     "quickstart": dict(hidden_size=4096, sequence_length=2048, batch_size=4, ffn_hidden_size=16384,
                        num_attention_heads=32),
