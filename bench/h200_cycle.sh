@@ -58,17 +58,20 @@ stage_quickstart() {
   OUT="$(mktemp -d)" bash "$root/bench/layers/compare_quickstarts.sh" "$b" 30 5
 }
 
+# The LM's rows at SIZES with TE's relative bias BIAS (on, off or both), bf16
+# and FP8, and jax_lm_peer.py's in the same call.
+lm_rows() {
+  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
+    --sizes="$1" --bias="$2" --recipes=bf16,delayed --steps=20 --warmup=5
+}
+
 stage_lm() {
-  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
-    --sizes=4x256x4x128x16,24x1024x16x1024x8 --bias=on,off \
-    --recipes=bf16,delayed --steps=20 --warmup=5
-  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
-    --sizes=24x2048x16x1024x8 --bias=off --recipes=bf16,delayed --steps=20 --warmup=5
+  lm_rows 4x256x4x128x16,24x1024x16x1024x8 on,off
+  lm_rows 24x2048x16x1024x8 off
 }
 
 stage_lmbias() {
-  $py "$root/bench/lm_bench.py" --server="$b/run.sh te_server" --peer="$peers/jax_lm_peer.py" \
-    --sizes=24x1024x16x1024x8 --bias=on,off --recipes=bf16,delayed --steps=20 --warmup=5
+  lm_rows 24x1024x16x1024x8 on,off
 }
 
 stage_trace() {
