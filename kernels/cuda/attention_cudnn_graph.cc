@@ -212,8 +212,6 @@ absl::Status GraphBuilder::Rng(double keep_probability, cudnnBackendDescriptor_t
   return absl::OkStatus();
 }
 
-// The operation graph, heuristics (mode A), and the first engine config
-// whose plan finalizes.
 absl::Status GraphBuilder::Finish(cudnnHandle_t handle) {
   ASSIGN_OR_RETURN(cudnnBackendDescriptor_t graph,
                    set_.Make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR));
@@ -222,51 +220,7 @@ absl::Status GraphBuilder::Finish(cudnnHandle_t handle) {
   RETURN_IF_ERROR(Set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle,
                       "operation graph"));
   RETURN_IF_ERROR(Finalize(graph, "the operation graph"));
-
-  ASSIGN_OR_RETURN(cudnnBackendDescriptor_t heuristics,
-                   set_.Make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR));
-  RETURN_IF_ERROR(SetDesc(heuristics, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, "heuristics"));
-  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-  RETURN_IF_ERROR(
-      Set(heuristics, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics"));
-  RETURN_IF_ERROR(Finalize(heuristics, "the engine heuristics"));
-  int64_t count = 0;
-  cudnnStatus_t status = cudnnBackendGetAttribute(
-      heuristics, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr);
-  if (status != CUDNN_STATUS_SUCCESS) return Declined("counting engine configs", status);
-  if (count <= 0) return absl::UnimplementedError("no cuDNN engine supports this graph");
-  std::vector<cudnnBackendDescriptor_t> configs(static_cast<size_t>(count));
-  for (auto& config : configs) {
-    ASSIGN_OR_RETURN(config, set_.Make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
-  }
-  int64_t returned = 0;
-  status =
-      cudnnBackendGetAttribute(heuristics, CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                               CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &returned, configs.data());
-  if (status != CUDNN_STATUS_SUCCESS) return Declined("reading engine configs", status);
-
-  cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
-  for (int64_t i = 0; i < returned; ++i) {
-    ASSIGN_OR_RETURN(cudnnBackendDescriptor_t plan,
-                     set_.Make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR));
-    RETURN_IF_ERROR(
-        Set(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "plan"));
-    RETURN_IF_ERROR(SetDesc(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, configs[i], "plan"));
-    last = cudnnBackendFinalize(plan);
-    if (last != CUDNN_STATUS_SUCCESS) {
-      set_.Destroy(plan);
-      continue;
-    }
-    int64_t workspace = 0;
-    int64_t got = 0;
-    status = cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                      CUDNN_TYPE_INT64, 1, &got, &workspace);
-    if (status != CUDNN_STATUS_SUCCESS) return Declined("reading the plan's workspace", status);
-    plan_->plan = plan;
-    plan_->workspace_bytes = workspace;
-    return absl::OkStatus();
-  }
-  return Declined(absl::StrCat("none of ", returned, " engine configs made a plan"), last);
+  return MakePlan(handle, graph, plan_);
 }
 
 absl::Status VariantPack::Execute(cudnnHandle_t handle, const CudnnPlan& plan, void* workspace) {

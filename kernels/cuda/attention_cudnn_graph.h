@@ -129,8 +129,8 @@ class GraphBuilder {
   absl::Status Rng(double keep_probability, cudnnBackendDescriptor_t seed,
                    cudnnBackendDescriptor_t offset, cudnnBackendDescriptor_t y);
 
-  // The operation graph, heuristics (mode A), and the first engine config
-  // whose plan finalizes; sets the plan and its workspace size.
+  // The operation graph and its plan (MakePlan); sets the plan and its
+  // workspace size.
   absl::Status Finish(cudnnHandle_t handle);
 
  private:
@@ -139,6 +139,32 @@ class GraphBuilder {
   std::vector<cudnnBackendDescriptor_t> ops_;
   int64_t next_virtual_uid_ = kFirstVirtual;
 };
+
+// The plan of a finalized operation graph (attention_cudnn_engines.cc): the
+// first engine config of heuristic mode A whose plan finalizes, or, while a
+// probe has set SetEngineCandidate(i), the i-th of EngineCandidates. Its
+// descriptors go into plan->descriptors.
+absl::Status MakePlan(cudnnHandle_t handle, cudnnBackendDescriptor_t graph, CudnnPlan* plan);
+
+// Every engine config a probe may time for one graph: heuristic modes A, B
+// and FALLBACK in turn, then mode A's first config with one knob at a time
+// set to each other value it allows (at most kMaxKnobValues a knob).
+constexpr int kMaxKnobValues = 64;
+absl::StatusOr<std::vector<cudnnBackendDescriptor_t>> EngineCandidates(
+    cudnnBackendDescriptor_t graph, DescriptorSet& set);
+// "engine G knobs T=V,..." of a config, for a probe's table.
+std::string DescribeEngineConfig(cudnnBackendDescriptor_t config);
+
+// Process-wide, for bench/kernels/cudnn_engine_probe only: -1 (the default)
+// builds plans as the product does; i >= 0 makes MakePlan take candidate i
+// (UNIMPLEMENTED past the last, or where it does not finalize). The last
+// MakePlan's choice and candidate count are kept for the probe to print.
+void SetEngineCandidate(int index);
+struct EngineChoice {
+  int candidates = 0;       // EngineCandidates' size (0 on the product's path)
+  std::string description;  // DescribeEngineConfig of the plan made, or why none
+};
+EngineChoice LastEngineChoice();
 
 // The device (or, for by-value scalars, host) pointers of one execution.
 // Bound pointers must stay valid until Execute returns.
