@@ -237,6 +237,15 @@ struct StepAnswerLater {
   }
 
   OptimizerStepInfo* info() const { return static_cast<OptimizerStepInfo*>(staging.get()); }
+  // The micro-batches' values into response, once done->Wait() is OK;
+  // `take` is StepTransaction::TakeStepResult.
+  void SetValues(double (*take)(const float*, int64_t),
+                 te::v1::ForwardBackwardResponse* response) const {
+    for (size_t i = 0; i < scales.size(); ++i) {
+      const double v = take(value(i), readback_sizes[i]);
+      response->set_values(static_cast<int>(i), v * scales[i]);
+    }
+  }
   float* value(size_t i) const {
     return reinterpret_cast<float*>(static_cast<char*>(staging.get()) + sizeof(OptimizerStepInfo)) +
            2 * i;
@@ -576,7 +585,15 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   layers::Variables grad_sum;  // "grads/..."
   // With an update, the micro-batches' values stay on the device until the
   // update is queued too: read in between, they would idle the GPU while the
-  // host queues the update.
+  // host queues the update. A step whose answer is only its values (the
+  // speedometer's, a loss's value_and_grad whose gradients stay on the
+  // server) reads them outside the session's turn where the reactor allows
+  // (CallContext::after_turn), so a client's next queued step issues its
+  // work while this one finishes on the device.
+  const bool values_after_turn = call.after_turn != nullptr && !request.apply_update() &&
+                                 !request.return_dx() && !request.return_outputs() &&
+                                 !request.return_grads();
+  const bool pend_values = request.apply_update() || values_after_turn;
   std::vector<std::pair<Tensor, double>> pending_values;  // value, its scale
   for (size_t i = 0; i < inputs.size(); ++i) {
     RETURN_IF_ERROR(call.StillWanted(absl::StrCat("ForwardBackward, before micro_batches[", i, "]")));
@@ -598,7 +615,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
     Tensor pending;
     std::vector<Tensor> aux;
     if (absl::Status step = tx->Step(in, target ? Tensor() : dy, &value, &grads, target,
-                                     loss_scale, request.apply_update() ? &pending : nullptr,
+                                     loss_scale, pend_values ? &pending : nullptr,
                                      &aux);
         !step.ok()) {
       // A bad input shows only once the layer runs: name its micro-batch.
@@ -606,7 +623,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
                                            : step;
     }
     response->add_values(value);
-    if (request.apply_update()) pending_values.emplace_back(pending, target ? loss_scale : 1.0);
+    if (pend_values) pending_values.emplace_back(pending, target ? loss_scale : 1.0);
     if (request.return_dx()) {
       RETURN_IF_ERROR(encoder.Encode(grads.dx, false, false, response->add_dx()));
       te::v1::ForwardBackwardResponse::InputGrads* extra = response->add_extra_input_grads();
@@ -674,11 +691,7 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
       *call.after_turn = [later, response, session_id = id_, layer_id = layer->id]() {
         RETURN_IF_ERROR(later->done->Wait());
         SetUpdateInfo(*later->info(), session_id, layer_id, response->mutable_update());
-        for (size_t i = 0; i < later->scales.size(); ++i) {
-          const double value =
-              StepTransaction::TakeStepResult(later->value(i), later->readback_sizes[i]);
-          response->set_values(static_cast<int>(i), value * later->scales[i]);
-        }
+        later->SetValues(&StepTransaction::TakeStepResult, response);
         return absl::OkStatus();
       };
     }
@@ -693,6 +706,19 @@ absl::Status Session::ForwardBackward(const te::v1::ForwardBackwardRequest& requ
   } else if (!request.return_grads() && !request.discard_grads()) {
     ASSIGN_OR_RETURN(next.grads, KeptGrads(run.read->grads, std::move(grad_sum)));
     tx->Changed();
+  }
+  if (values_after_turn) {
+    ASSIGN_OR_RETURN(std::shared_ptr<StepAnswerLater> later,
+                     StepAnswerLater::Start(*ops_, pending_values));
+    for (size_t i = 0; i < pending_values.size(); ++i) {
+      RETURN_IF_ERROR(
+          ops_->DownloadAsync(pending_values[i].first, later->value(i), later->done.get()));
+    }
+    *call.after_turn = [later, response]() {
+      RETURN_IF_ERROR(later->done->Wait());
+      later->SetValues(&StepTransaction::TakeStepResult, response);
+      return absl::OkStatus();
+    };
   }
   // A donated version is written by now: the new one is made even if the
   // client has gone, and kept if the call is undone, so the layer keeps
