@@ -18,6 +18,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
+#include "client/modules.h"
+#include "client/speedometer.h"
+#include "client/tensor.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
@@ -375,6 +378,68 @@ TEST_F(PipelinedTest, EachCallNamesTheLowestNumberStillInFlight) {
   EXPECT_EQ(service_.first_unanswered_by(2), 1u) << "1 is held";
   EXPECT_EQ(service_.first_unanswered_by(3), 1u) << "1 is held";
   EXPECT_EQ(service_.first_unanswered_by(5), 5u) << "1 answered, 4 abandoned";
+}
+
+
+// The speedometer's client-side loop keeps pipeline_depth steps in flight:
+// with ForwardBackward held unanswered, that many reach the server and no
+// more; once answered, every timed step runs.
+class SpeedometerPipelineTest : public PipelinedTest,
+                                public ::testing::WithParamInterface<int> {
+ protected:
+  int ForwardBackwardCalls() {
+    int n = 0;
+    for (const Numbered& call : service_.calls()) n += call.method == "ForwardBackward";
+    return n;
+  }
+};
+
+TEST_P(SpeedometerPipelineTest, KeepsDepthStepsInFlight) {
+  const int depth = GetParam();
+  Variables vars;
+  vars.session = session_.get();
+  vars.layer_id = "layer-1";
+  SpeedometerOptions options;
+  options.warmup_iters = 0;
+  options.timing_iters = 4;
+  options.pipeline_depth = depth;
+  options.print = false;
+  const HostTensor x = HostTensor::Full({2, 4}, DType::kF32, 1.0f);
+  const DenseGeneral module({4});
+  std::future<absl::StatusOr<SpeedometerResult>> timed = std::async(std::launch::async, [&] {
+    return Speedometer(*session_, module, vars, x, x, options);
+  });
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (ForwardBackwardCalls() < depth && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(ForwardBackwardCalls(), depth);
+  // Time enough for a step beyond the depth to arrive, were one sent.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(ForwardBackwardCalls(), depth);
+  service_.Release();
+  const absl::StatusOr<SpeedometerResult> result = timed.get();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->steps, 4);
+  EXPECT_GT(result->mean_ms, 0.0);
+  EXPECT_EQ(ForwardBackwardCalls(), 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Depths, SpeedometerPipelineTest, ::testing::Values(1, 2, 3));
+
+TEST_F(PipelinedTest, SpeedometerRefusesADepthBelowOne) {
+  Variables vars;
+  vars.session = session_.get();
+  vars.layer_id = "layer-1";
+  SpeedometerOptions options;
+  options.pipeline_depth = 0;
+  options.print = false;
+  const HostTensor x = HostTensor::Full({2, 4}, DType::kF32, 1.0f);
+  const absl::StatusOr<SpeedometerResult> result =
+      Speedometer(*session_, DenseGeneral({4}), vars, x, x, options);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("options.pipeline_depth"), std::string::npos)
+      << result.status();
 }
 
 }  // namespace

@@ -1,8 +1,11 @@
 #include "client/speedometer.h"
 
 #include <algorithm>
+#include <deque>
 #include <functional>
+#include <future>
 #include <iostream>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -19,27 +22,55 @@ absl::Status CheckIters(const SpeedometerOptions& options) {
                                                    " must be >= 0 and timing_iters ", options.timing_iters,
                                                    " must be > 0"));
   }
+  if (options.pipeline_depth < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("options.pipeline_depth: ", options.pipeline_depth,
+                                                   " steps in flight; give at least 1"));
+  }
   if (options.queued && !options.server_side) {
     return absl::InvalidArgumentError("options.queued: steps are queued on the server; set server_side too");
   }
   return absl::OkStatus();
 }
 
-// Runs warmup, then times each step with the wall clock, as the quickstart's
-// time.time() around its loop (it reports the mean; the median comes free).
+// One step sent; waiting on it returns the server's status for it.
+using SentStep = std::function<absl::Status()>;
+
+// Runs warmup, then the timed steps, up to pipeline_depth in flight (the
+// warmup's all answered before the clock starts), timed with the wall clock
+// as the quickstart's time.time() around its loop: the mean is the loop's
+// time over the steps, the median that of the intervals between answers.
 absl::StatusOr<SpeedometerResult> TimeSteps(const SpeedometerOptions& options,
-                                            const std::function<absl::Status(int step)>& step) {
+                                            const std::function<SentStep(int step)>& send) {
+  const size_t depth = static_cast<size_t>(options.pipeline_depth);
+  std::deque<SentStep> in_flight;
   int n = 0;
-  for (int i = 0; i < options.warmup_iters; ++i) RETURN_IF_ERROR(step(n++));
-  std::vector<double> ms;
-  for (int i = 0; i < options.timing_iters; ++i) {
-    const absl::Time start = absl::Now();
-    RETURN_IF_ERROR(step(n++));
-    ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+  auto wait_oldest = [&]() -> absl::Status {
+    SentStep oldest = std::move(in_flight.front());
+    in_flight.pop_front();
+    return oldest();
+  };
+  for (int i = 0; i < options.warmup_iters; ++i) {
+    if (in_flight.size() >= depth) RETURN_IF_ERROR(wait_oldest());
+    in_flight.push_back(send(n++));
   }
+  while (!in_flight.empty()) RETURN_IF_ERROR(wait_oldest());
+  std::vector<double> ms;
+  const absl::Time start = absl::Now();
+  absl::Time last = start;
+  auto answered = [&]() -> absl::Status {
+    RETURN_IF_ERROR(wait_oldest());
+    const absl::Time now = absl::Now();
+    ms.push_back(absl::ToDoubleMilliseconds(now - last));
+    last = now;
+    return absl::OkStatus();
+  };
+  for (int i = 0; i < options.timing_iters; ++i) {
+    if (in_flight.size() >= depth) RETURN_IF_ERROR(answered());
+    in_flight.push_back(send(n++));
+  }
+  while (!in_flight.empty()) RETURN_IF_ERROR(answered());
   SpeedometerResult result;
-  for (double t : ms) result.mean_ms += t;
-  result.mean_ms /= ms.size();
+  result.mean_ms = absl::ToDoubleMilliseconds(last - start) / options.timing_iters;
   std::sort(ms.begin(), ms.end());
   result.median_ms = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
   result.steps = options.timing_iters;
@@ -108,9 +139,11 @@ absl::StatusOr<SpeedometerResult> TimeModule(Session& session, const Variables& 
   request.set_return_dx(false);
   request.set_return_grads(false);
   request.set_discard_grads(true);  // as JAX's speedometer drops them
-  return TimeSteps(options, [&](int step) -> absl::Status {
+  return TimeSteps(options, [&](int step) -> SentStep {
     request.mutable_micro_batches(0)->set_dropout_seed(DeriveSeed(options.dropout_seed, absl::StrCat("step/", step)));
-    return session.ForwardBackward(request).status();
+    auto answer = std::make_shared<std::future<absl::StatusOr<te::v1::ForwardBackwardResponse>>>(
+        session.ForwardBackwardAsync(request));
+    return [answer] { return answer->get().status(); };
   });
 }
 

@@ -29,6 +29,13 @@ struct SpeedometerOptions {
   // JAX's and PyTorch's timing loops run them (BenchmarkRequest.queued); the
   // mean is then the loop's wall time over timing_iters and median_ms is 0.
   bool queued = false;
+  // Client-side timing: steps in flight at once. 2 (the default) sends the
+  // next step while the last one's answer comes back, as JAX's async
+  // dispatch runs the quickstart's loop, so the server queues it and the
+  // device does not idle for the round trip; the mean is the timed loop's
+  // wall time over timing_iters (the last answer awaited), the median that
+  // of the intervals between answers. 1: each step waits for the last.
+  int pipeline_depth = 2;
   bool deterministic = false;  // the quickstart times with dropout on
   uint64_t dropout_seed = 0;   // a fresh seed per step derives from it (jax.random.split)
   std::optional<HostTensor> attention_mask;

@@ -10,6 +10,7 @@ quickstart's jitted step, which throws its updated fp8_metas away, each step
 here is a real training step on the server: under DelayedScaling the
 session's FP8 scales move from step to step.
 """
+import collections
 import statistics
 import time
 
@@ -29,7 +30,8 @@ def _module_of(apply_fn):
 
 def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None, model_init_fn=None,
                 forward_kwargs=None, autocast_kwargs=None, fp8_autocast_kwargs=None, rngs=None,
-                timing_iters=50, warmup_iters=50, server_side=False, queued=False, print_result=True):
+                timing_iters=50, warmup_iters=50, server_side=False, queued=False, print_result=True,
+                pipeline_depth=2):
     """Times forward + backward steps and prints "Mean time: X ms" (as the
     quickstart's helper; both its older and newer argument names work).
     Returns {"mean_ms", "median_ms", "steps", "timed_by"}; server_side adds the
@@ -43,8 +45,17 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
     Benchmark RPC instead (no network in the loop); with queued=True too, the
     server queues the timed steps back to back as JAX's jit'd loop runs them
     (one wait, after the last), "mean_ms" is that loop's wall time per step
-    and "median_ms" is 0.0 (no step is timed alone). A layer with several
-    array inputs (q, k, v) runs its value_and_grad per step."""
+    and "median_ms" is 0.0 (no step is timed alone). Timed by the client,
+    pipeline_depth steps are in flight at once: 2 (the default) sends the next
+    step while the last one's answer comes back, as JAX's async dispatch runs
+    the quickstart's loop, so the device does not idle for the round trip;
+    "mean_ms" is then the timed loop's wall time per step (the last answer
+    awaited) and "median_ms" that of the intervals between answers; 1 waits
+    for each step. A layer with several array inputs (q, k, v) runs its
+    value_and_grad per step, one at a time."""
+    if not isinstance(pipeline_depth, int) or isinstance(pipeline_depth, bool) or pipeline_depth < 1:
+        raise errors.InvalidArgumentError("speedometer: pipeline_depth %r steps in flight; give an int >= 1"
+                                          % (pipeline_depth,))
     if queued and not server_side:
         raise errors.InvalidArgumentError("speedometer: queued=True times on the server; pass server_side=True")
     del model_init_fn  # the quickstart passes it; the server keeps the layer
@@ -61,15 +72,17 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
         call = module.capture_call(variables, input, **forward_kwargs)
         if not call.extra:
             timed = _time_single(session, variables, call, output_grad, seed, warmup_iters, timing_iters,
-                                 server_side, queued)
+                                 server_side, queued, pipeline_depth)
         elif server_side:
             raise errors.InvalidArgumentError("speedometer: server_side times a layer with one array input; "
                                               "%s takes %d" % (type(module).__name__, 1 + len(call.extra)))
         else:
-            step = lambda i: module.value_and_grad(variables, input, output_grad,
-                                                   rngs={"dropout": graph.derive_seed(seed, "step/%d" % i)},
-                                                   **forward_kwargs)
-            timed = _time_client(step, warmup_iters, timing_iters, "client")
+            def step(i):
+                module.value_and_grad(variables, input, output_grad,
+                                      rngs={"dropout": graph.derive_seed(seed, "step/%d" % i)},
+                                      **forward_kwargs)
+                return lambda: None   # answered already
+            timed = _time_client(step, warmup_iters, timing_iters, "client", 1)
     if print_result:
         print(f"Mean time: {timed['mean_ms']} ms")
         if "peak_bytes_in_use" in timed:
@@ -78,21 +91,40 @@ def speedometer(model_apply_fn, variables, input, output_grad, dropout_key=None,
     return timed
 
 
-def _time_client(step, warmup_iters, timing_iters, timed_by):
+def _time_client(send, warmup_iters, timing_iters, timed_by, depth):
+    """send(i) sends step i and returns a callable that waits for its answer
+    (raising the server's error). Up to `depth` steps are in flight; the
+    warmup's are all answered before the clock starts."""
+    in_flight = collections.deque()
     for i in range(warmup_iters):
-        step(i)
-    times = []
+        if len(in_flight) >= depth:
+            in_flight.popleft()()
+        in_flight.append(send(i))
+    while in_flight:
+        in_flight.popleft()()
+    intervals = []
+    start = last = time.perf_counter()
+
+    def answered():
+        nonlocal last
+        in_flight.popleft()()
+        now = time.perf_counter()
+        intervals.append((now - last) * 1000.0)
+        last = now
+
     for i in range(timing_iters):
-        start = time.perf_counter()
-        step(warmup_iters + i)
-        times.append((time.perf_counter() - start) * 1000.0)
-    if not times:
+        if len(in_flight) >= depth:
+            answered()
+        in_flight.append(send(warmup_iters + i))
+    while in_flight:
+        answered()
+    if not intervals:
         return {"mean_ms": 0.0, "median_ms": 0.0, "steps": 0, "timed_by": timed_by}
-    return {"mean_ms": statistics.fmean(times), "median_ms": statistics.median(times), "steps": len(times),
-            "timed_by": timed_by}
+    return {"mean_ms": (last - start) * 1000.0 / timing_iters, "median_ms": statistics.median(intervals),
+            "steps": timing_iters, "timed_by": timed_by}
 
 
-def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side, queued):
+def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters, server_side, queued, depth):
     handle, version = variables_lib.refs_version(variables)
     uploads = []
     try:
@@ -123,12 +155,13 @@ def _time_single(session, variables, call, dy, seed, warmup_iters, timing_iters,
                     "peak_bytes_reserved": response.peak_bytes_reserved}
 
         def step(i):
-            session.call("ForwardBackward", service_pb2.ForwardBackwardRequest(
+            answer = session.call_async("ForwardBackward", service_pb2.ForwardBackwardRequest(
                 layer_id=handle.layer_id, micro_batches=[batch(i)], deterministic=deterministic,
                 autocast=autocast, return_dx=False, return_grads=False, version=version.number,
                 matmul_precision=precision_lib.current(),
                 discard_grads=True))  # as JAX's speedometer drops them
-        return _time_client(step, warmup_iters, timing_iters, "client")
+            return answer.result
+        return _time_client(step, warmup_iters, timing_iters, "client", depth)
     finally:
         session.delete_all(uploads)
 

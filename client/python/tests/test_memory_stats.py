@@ -67,3 +67,47 @@ def test_client_side_speedometer_keeps_no_gradients(session, rng):
     assert timed["steps"] == 3 and timed["timed_by"] == "client"
     # The steps dropped their gradients, as JAX's speedometer does.
     assert session.info().memory_bytes == held
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_client_side_speedometer_keeps_depth_steps_in_flight(session, rng, monkeypatch, depth):
+    x = rng.standard_normal((B, S, H)).astype(np.float32)
+    dy = rng.standard_normal((B, S, F)).astype(np.float32)
+    dense = te_flax.DenseGeneral(features=F)
+    variables = dense.init(0, x)
+    events = []
+    sent = session.call_async
+
+    def recording(method, request, timeout=None):
+        answer = sent(method, request, timeout)
+        if method != "ForwardBackward":
+            return answer
+        step = sum(1 for e in events if e[0] == "send")
+        events.append(("send", step))
+        real_result = answer.result
+
+        def result(timeout=None):
+            events.append(("wait", step))
+            return real_result(timeout)
+        answer.result = result
+        return answer
+
+    monkeypatch.setattr(session, "call_async", recording)
+    timed = te.speedometer(model_apply_fn=dense.apply, variables=variables, input=x, output_grad=dy,
+                           warmup_iters=0, timing_iters=5, print_result=False, pipeline_depth=depth)
+    assert timed["steps"] == 5 and timed["mean_ms"] > 0.0 and timed["median_ms"] > 0.0
+    # Step i is sent once step i - depth has been waited for, and no sooner.
+    for i in range(5):
+        sent_at = events.index(("send", i))
+        waited = {s for kind, s in events[:sent_at] if kind == "wait"}
+        assert waited == set(range(max(0, i - depth + 1))), (i, events)
+    assert [s for kind, s in events if kind == "wait"] == list(range(5))
+
+
+def test_speedometer_refuses_a_depth_below_one(session, rng):
+    x = rng.standard_normal((B, S, H)).astype(np.float32)
+    dense = te_flax.DenseGeneral(features=F)
+    variables = dense.init(0, x)
+    with pytest.raises(te.InvalidArgumentError, match="pipeline_depth"):
+        te.speedometer(model_apply_fn=dense.apply, variables=variables, input=x,
+                       output_grad=np.ones((B, S, F), np.float32), pipeline_depth=0)
