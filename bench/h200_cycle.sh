@@ -28,6 +28,8 @@
 #               candidate kernels of bench/kernels/cast_transpose_variants.h
 #   bias        relative_bias_bench: each piece TE's relative bias adds to the
 #               24 x 1024 LM's attention, timed alone, with its floor
+#   engines     cudnn_engine_probe: every cuDNN engine config of the 24 x 1024
+#               LM's attention graphs against the one the product takes
 #
 # Ends with one line per stage: its exit status and seconds.
 set -u
@@ -100,6 +102,10 @@ stage_bias() {
   bench_new_and_old relative_bias_bench
 }
 
+stage_engines() {
+  "$b/run.sh" cudnn_engine_probe 2>&1 | grep -v '^te_server:'
+}
+
 stage_ops() {
   bench_new_and_old ops_bench
 }
@@ -110,7 +116,7 @@ stage_cast() {
 
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, trace, decode, ops, cast, bias)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, trace, decode, ops, cast, bias, engines)" >&2
     exit 2
   fi
 done

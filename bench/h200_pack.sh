@@ -21,7 +21,7 @@ trap 'rm -rf "$folder"' EXIT
 
 gpu_tests="$(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' | tr '\n' ' ')"
 BUNDLE_ANY_SIZE=1 BUNDLE_TARGETS="//server:te_server //client:quickstart \
-//bench/tools:libkernel_trace.so //bench/kernels:ops_bench //bench/kernels:cast_transpose_bench //bench/kernels:relative_bias_bench //bench/load:te_bench //bench/layers:layer_bench $gpu_tests" \
+//bench/tools:libkernel_trace.so //bench/kernels:ops_bench //bench/kernels:cast_transpose_bench //bench/kernels:relative_bias_bench //bench/kernels:cudnn_engine_probe //bench/load:te_bench //bench/layers:layer_bench $gpu_tests" \
   bash deploy/bundle.sh "$folder/b"
 if [ -n "$old_so" ]; then
   mkdir -p "$folder/b/oldlib"
