@@ -23,7 +23,8 @@ struct SpeedometerOptions {
   int warmup_iters = 3;   // the quickstart uses 50 on a GPU; a CPU server needs fewer
   int timing_iters = 10;
   // Time on the server (the Benchmark RPC): the network is out of the loop.
-  // Client-side timing includes one round trip per step.
+  // Client-side timing (pipeline_depth) hides each step's round trip behind
+  // the step before it, but not the first.
   bool server_side = false;
   // With server_side: the timed steps queued back to back on the server, as
   // JAX's and PyTorch's timing loops run them (BenchmarkRequest.queued); the

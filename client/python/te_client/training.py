@@ -5,7 +5,9 @@
                           autocast_kwargs={"enabled": True, "recipe": fp8_recipe},
                           rngs={"dropout": dropout_key})
 
-The loss is the quickstart's vdot(apply(variables, x), dy). Unlike the
+The loss is the quickstart's vdot(apply(variables, x), dy). Timed by the
+client, the next step is sent while the last one's answer comes back
+(pipeline_depth=2), as JAX's async dispatch runs the quickstart's loop. Unlike the
 quickstart's jitted step, which throws its updated fp8_metas away, each step
 here is a real training step on the server: under DelayedScaling the
 session's FP8 scales move from step to step.
