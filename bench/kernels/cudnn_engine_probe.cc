@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -25,18 +24,12 @@
 #include "bench/kernels/median_ms.h"
 #include "kernels/cuda/attention_cudnn_graph.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/fp8.h"  // Bf16ToFloat
 #include "kernels/ops.h"
 #include "server/layers/attention_core.h"
 
 namespace te {
 namespace {
-
-float Bf16ToFloat(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
 
 std::vector<float> HostCopy(cuda::CudaOps* ops, const Tensor& t) {
   std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
@@ -88,7 +81,6 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
   for (const bool backward : {false, true}) {
     for (const bool with_bias : {false, true}) {
       const AttentionArgs& args = with_bias ? biased : plain;
-      // The forward the backward reads, from the product's plan.
       auto forward = [&] { return ops->AttentionForwardPacked(args, qkv, &out, &lse); };
       auto step = [&]() -> absl::Status {
         if (!backward) return forward();

@@ -113,6 +113,17 @@ absl::StatusOr<EngineOf> ReadConfig(cudnnBackendDescriptor_t config, DescriptorS
   return e;
 }
 
+// A finalized engine of graph by its global index.
+absl::StatusOr<cudnnBackendDescriptor_t> MakeEngine(cudnnBackendDescriptor_t graph,
+                                                    int64_t global_index, DescriptorSet& set) {
+  ASSIGN_OR_RETURN(cudnnBackendDescriptor_t engine, set.Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
+  RETURN_IF_ERROR(SetDesc(engine, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, graph, "engine"));
+  RETURN_IF_ERROR(Set(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &global_index,
+                      "engine"));
+  RETURN_IF_ERROR(Finalize(engine, "engine"));
+  return engine;
+}
+
 struct KnobRange {
   int type;
   int64_t min, max, stride;
@@ -120,11 +131,7 @@ struct KnobRange {
 
 absl::StatusOr<std::vector<KnobRange>> KnobRanges(cudnnBackendDescriptor_t graph,
                                                   int64_t global_index, DescriptorSet& set) {
-  ASSIGN_OR_RETURN(cudnnBackendDescriptor_t engine, set.Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
-  RETURN_IF_ERROR(SetDesc(engine, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, graph, "engine"));
-  RETURN_IF_ERROR(Set(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &global_index,
-                      "engine"));
-  RETURN_IF_ERROR(Finalize(engine, "engine"));
+  ASSIGN_OR_RETURN(cudnnBackendDescriptor_t engine, MakeEngine(graph, global_index, set));
   std::vector<cudnnBackendDescriptor_t> infos(CUDNN_KNOB_TYPE_COUNTS);
   for (auto& info : infos) {
     ASSIGN_OR_RETURN(info, set.Make(CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR));
@@ -159,11 +166,7 @@ absl::StatusOr<std::vector<KnobRange>> KnobRanges(cudnnBackendDescriptor_t graph
 // nullptr where cuDNN refuses it.
 absl::StatusOr<cudnnBackendDescriptor_t> MakeConfig(cudnnBackendDescriptor_t graph,
                                                     const EngineOf& e, DescriptorSet& set) {
-  ASSIGN_OR_RETURN(cudnnBackendDescriptor_t engine, set.Make(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
-  RETURN_IF_ERROR(SetDesc(engine, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, graph, "engine"));
-  RETURN_IF_ERROR(Set(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1,
-                      &e.global_index, "engine"));
-  RETURN_IF_ERROR(Finalize(engine, "engine"));
+  ASSIGN_OR_RETURN(cudnnBackendDescriptor_t engine, MakeEngine(graph, e.global_index, set));
   std::vector<cudnnBackendDescriptor_t> choices;
   for (const auto& [type_int, value] : e.knobs) {
     ASSIGN_OR_RETURN(cudnnBackendDescriptor_t c, set.Make(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR));
@@ -221,10 +224,10 @@ absl::StatusOr<std::vector<cudnnBackendDescriptor_t>> EngineCandidates(
                    KnobRanges(graph, first.global_index, set));
   for (const KnobRange& r : ranges) {
     const int64_t stride = r.stride > 0 ? r.stride : 1;
+    const auto chosen = first.knobs.find(r.type);
     int made = 0;
     for (int64_t v = r.min; v <= r.max && made < kMaxKnobValues; v += stride, ++made) {
-      auto it = first.knobs.find(r.type);
-      if (it != first.knobs.end() && it->second == v) continue;
+      if (chosen != first.knobs.end() && chosen->second == v) continue;
       EngineOf variant = first;
       variant.knobs[r.type] = v;
       ASSIGN_OR_RETURN(cudnnBackendDescriptor_t config, MakeConfig(graph, variant, set));
