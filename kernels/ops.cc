@@ -244,6 +244,18 @@ absl::Status Ops::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, 
   return SumRows(x, dbias);
 }
 
+absl::Status Ops::ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
+                                                      const Tensor& dy, const Tensor& x,
+                                                      const Fp8Output& fp8, Tensor* y,
+                                                      Tensor* y_t, Tensor* dbias) {
+  RETURN_IF_ERROR(
+      CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias).status());
+  ASSIGN_OR_RETURN(Tensor dx, Allocate(x.dtype(), x.shape()));
+  RETURN_IF_ERROR(ActivationBackward(acts, dy, x, &dx));
+  if (dbias != nullptr) return QuantizeTransposeDbias(dx, fp8, y, y_t, dbias);
+  return QuantizeTranspose(dx, fp8, y, y_t);
+}
+
 absl::Status Ops::NormForwardTransposed(const NormArgs& args, const Tensor& x,
                                         const Tensor& gamma, const Tensor& beta,
                                         const Fp8Output& fp8, Tensor* y, Tensor* y_t, Tensor* mu,

@@ -887,6 +887,19 @@ class Ops {
   // activation, same dtype): each element is read before it is written.
   virtual absl::Status ActivationBackward(const std::vector<Activation>& acts,
                                           const Tensor& dy, const Tensor& x, Tensor* dx) = 0;
+  // ActivationBackward's dx, quantized in both layouts an FP8 GEMM takes it
+  // (QuantizeTranspose's y and y_t) and, with dbias ([n * I] float), summed
+  // per column (QuantizeTransposeDbias's): TE's dact-cast-transpose-dbias,
+  // the output gradient of an MLP's first GEMM under FP8. x [N, n * I] is
+  // 2-D; dx itself is not returned, and its values are the ones
+  // ActivationBackward writes into a dx of x's dtype (so both paths make the
+  // same codes). The default does exactly that, then QuantizeTranspose(Dbias);
+  // the CUDA backend reads dy and x once and writes no dx (one activation,
+  // whole 128 x 64 tiles).
+  virtual absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
+                                                           const Tensor& dy, const Tensor& x,
+                                                           const Fp8Output& fp8, Tensor* y,
+                                                           Tensor* y_t, Tensor* dbias);
 
   // ---- dropout ----------------------------------------------------------
   // Inverted dropout: element i is kept iff DropoutUniform(seed, i) >= rate

@@ -245,6 +245,82 @@ TEST(CpuQuantizeTransposeDbiasTest, BadArgumentsAreInvalidArgument) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Dact-cast-transpose-dbias: the codes, amax and scale_inv of
+// QuantizeTranspose on ActivationBackward's dx (in x's dtype), and dbias the
+// column sums of that dx (not of dy), single and gated activations.
+TEST(CpuActivationBackwardQuantizeTransposeTest, QuantizesActivationBackwardsDx) {
+  CpuOps ops;
+  const int64_t rows = 37, width = 24;
+  for (const std::vector<Activation>& acts :
+       {std::vector<Activation>{Activation::kGelu}, std::vector<Activation>{Activation::kSilu},
+        std::vector<Activation>{Activation::kGelu, Activation::kLinear}}) {
+    const int64_t cols = width * static_cast<int64_t>(acts.size());
+    SCOPED_TRACE(cols);
+    Tensor x = MakeRandom(ops, DType::kBF16, {rows, cols}, 21, -3.0f, 3.0f);
+    Tensor dy = MakeRandom(ops, DType::kBF16, {rows, width}, 22, -2.0f, 2.0f);
+    Tensor dx = MakeEmpty(ops, DType::kBF16, {rows, cols});
+    ASSERT_TRUE(ops.ActivationBackward(acts, dy, x, &dx).ok());
+    Fp8Output a{Scalar(ops, 30.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+    Tensor want = MakeEmpty(ops, DType::kE5M2, {rows, cols});
+    Tensor want_t = MakeEmpty(ops, DType::kE5M2, {cols, rows});
+    ASSERT_TRUE(ops.QuantizeTranspose(dx, a, &want, &want_t).ok());
+
+    Fp8Output b{Scalar(ops, 30.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+    Tensor y = MakeEmpty(ops, DType::kE5M2, {rows, cols});
+    Tensor y_t = MakeEmpty(ops, DType::kE5M2, {cols, rows});
+    Tensor dbias = MakeEmpty(ops, DType::kF32, {cols});
+    const absl::Status s = ops.ActivationBackwardQuantizeTranspose(acts, dy, x, b, &y, &y_t, &dbias);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(0, std::memcmp(y.data(), want.data(), want.nbytes()));
+    EXPECT_EQ(0, std::memcmp(y_t.data(), want_t.data(), want_t.nbytes()));
+    EXPECT_EQ(ScalarValue(b.amax), ScalarValue(a.amax));
+    EXPECT_GT(ScalarValue(b.amax), 0.0f);
+    EXPECT_FLOAT_EQ(ScalarValue(b.scale_inv), 1.0f / 30.0f);
+    const std::vector<double> dxv = ToDoubles(dx);
+    std::vector<double> sums(static_cast<size_t>(cols), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) sums[c] += dxv[r * cols + c];
+    }
+    EXPECT_LT(RelativeError(dbias, sums), testing::kF32Tolerance);
+
+    // Without dbias: the same codes.
+    Fp8Output c{Scalar(ops, 30.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+    Tensor y2 = MakeEmpty(ops, DType::kE5M2, {rows, cols});
+    Tensor y2_t = MakeEmpty(ops, DType::kE5M2, {cols, rows});
+    ASSERT_TRUE(ops.ActivationBackwardQuantizeTranspose(acts, dy, x, c, &y2, &y2_t, nullptr).ok());
+    EXPECT_EQ(0, std::memcmp(y2.data(), want.data(), want.nbytes()));
+    EXPECT_EQ(0, std::memcmp(y2_t.data(), want_t.data(), want_t.nbytes()));
+  }
+}
+
+TEST(CpuActivationBackwardQuantizeTransposeTest, BadArgumentsNameTheField) {
+  CpuOps ops;
+  const std::vector<Activation> gelu = {Activation::kGelu};
+  Tensor x = MakeRandom(ops, DType::kF32, {6, 10}, 23);
+  Tensor dy = MakeRandom(ops, DType::kF32, {6, 10}, 24);
+  Fp8Output fp8{Scalar(ops, 1.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
+  Tensor y = MakeEmpty(ops, DType::kE5M2, {6, 10});
+  Tensor y_t = MakeEmpty(ops, DType::kE5M2, {10, 6});
+  Tensor dbias = MakeEmpty(ops, DType::kF32, {10});
+  ASSERT_TRUE(ops.ActivationBackwardQuantizeTranspose(gelu, dy, x, fp8, &y, &y_t, &dbias).ok());
+  auto expect_invalid = [](const absl::Status& s, const std::string& field) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(field), std::string::npos) << s;
+    EXPECT_NE(s.message().find("ActivationBackwardQuantizeTranspose"), std::string::npos) << s;
+  };
+  Tensor dy_short = MakeRandom(ops, DType::kF32, {6, 9}, 25);
+  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, dy_short, x, fp8, &y, &y_t, &dbias),
+                 "dy");
+  Tensor x3 = MakeRandom(ops, DType::kF32, {2, 3, 10}, 26);
+  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, dy, x3, fp8, &y, &y_t, &dbias), "x");
+  Tensor y_t_wrong = MakeEmpty(ops, DType::kE5M2, {6, 10});
+  expect_invalid(
+      ops.ActivationBackwardQuantizeTranspose(gelu, dy, x, fp8, &y, &y_t_wrong, &dbias), "y_t");
+  Tensor dbias_rows = MakeEmpty(ops, DType::kF32, {6});
+  expect_invalid(
+      ops.ActivationBackwardQuantizeTranspose(gelu, dy, x, fp8, &y, &y_t, &dbias_rows), "[6]");
+}
+
 TEST(CpuQuantizeTest, NanInputGivesNanAmax) {
   CpuOps ops;
   Tensor x = MakeTensor(ops, DType::kF32, {3}, {1.0f, NAN, 2.0f});

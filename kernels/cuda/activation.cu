@@ -408,6 +408,52 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
   return absl::OkStatus();
 }
 
+absl::Status CudaOps::ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
+                                                          const Tensor& dy, const Tensor& x,
+                                                          const Fp8Output& fp8, Tensor* y,
+                                                          Tensor* y_t, Tensor* dbias) {
+  RETURN_IF_ERROR(
+      CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias).status());
+  // Gated pairs, mixed dtypes and shapes the wide tiles do not cover: dx
+  // written, then quantized.
+  if (acts.size() != 1 || dy.dtype() != x.dtype() || !WideTilesFit(x, *y, *y_t) ||
+      reinterpret_cast<uintptr_t>(dy.data()) % 16 != 0) {
+    return Ops::ActivationBackwardQuantizeTranspose(acts, dy, x, fp8, y, y_t, dbias);
+  }
+  RETURN_IF_ERROR(Enter());
+  const int64_t cols = x.dim(1);
+  Tensor partial;  // one row of column sums per 128-row tile row: 1 MiB at [8192, 16384]
+  if (dbias != nullptr) {
+    ASSIGN_OR_RETURN(partial, Allocate(DType::kF32, {CastTransposePartialRows(x, *y, *y_t), cols}));
+  }
+  DispatchFloat(x.dtype(), [&](auto in) {
+    DispatchFp8(y->dtype(), [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      WithActivation(acts[0], [&](auto act) {
+        const GradientOf<In, decltype(act)> f{act};
+        auto launch = [&](auto sums) {
+          LaunchCastTranspose<In, Out, decltype(sums)::value>(
+              context(), stream(), x, y, y_t, fp8.scale.data_as<const float>(),
+              AmaxOutFor(fp8), fp8.scale_inv.data_as<float>(),
+              partial.defined() ? partial.data_as<float>() : nullptr, nullptr, nullptr, f, &dy);
+        };
+        if (dbias != nullptr) {
+          launch(std::true_type{});
+        } else {
+          launch(std::false_type{});
+        }
+      });
+    });
+  });
+  if (dbias != nullptr) {
+    LaunchPartialColumnSums(partial.data_as<const float>(), partial.dim(0), cols, dbias->dtype(),
+                            dbias->data(), stream());
+  }
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
 absl::Status CudaOps::ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                          const Tensor& x, Tensor* dx) {
   ASSIGN_OR_RETURN(const int64_t width, CheckActivationBackwardArgs(acts, dy, x, dx));

@@ -54,6 +54,18 @@ struct ValueOf {
   __device__ __forceinline__ float operator()(float x) const { return act.Value(x); }
 };
 
+// f(x, dy) = dy * act'(x) rounded to In's dtype: the value ActivationBackward
+// writes into a dx of x's dtype (the same expression), where a kernel
+// quantizes it instead of writing it (cast_transpose.cuh's TakesGradient).
+template <typename In, typename A>
+struct GradientOf {
+  static constexpr bool kTakesGradient = true;
+  A act;
+  __device__ __forceinline__ float operator()(float x, float dy) const {
+    return In::Load(In::Store(dy * act.Derivative(x)));
+  }
+};
+
 template <typename F>
 void WithActivation(Activation act, F&& f) {
   switch (act) {

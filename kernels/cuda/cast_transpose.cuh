@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/tensor.h"
@@ -17,6 +18,24 @@ namespace cuda {
 struct IdentityFn {
   __device__ __forceinline__ float operator()(float x) const { return x; }
 };
+
+// Whether f takes a second input, the gradient dy beside x (f(x, dy): an
+// activation's backward, activation_fns.cuh's GradientOf); f(x) otherwise.
+template <typename F, typename = void>
+struct TakesGradient : std::false_type {};
+template <typename F>
+struct TakesGradient<F, std::void_t<decltype(F::kTakesGradient)>>
+    : std::bool_constant<F::kTakesGradient> {};
+
+// The value f makes of element j of the packs it reads.
+template <typename In, typename F, typename P>
+__device__ __forceinline__ float TileValue(const F& f, const P& x, const P& dy, int j) {
+  if constexpr (TakesGradient<F>::value) {
+    return f(In::Load(x.v[j]), In::Load(dy.v[j]));
+  } else {
+    return f(In::Load(x.v[j]));
+  }
+}
 
 // Both cast-transpose kernels' kept-scale rule: where the kept scale is s,
 // y and y_t already hold x quantized with s, so every block sees the same
@@ -138,11 +157,14 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
 // second of QuantizeTransposeKernel at the LM's and the quickstart's shapes
 // (bench/kernels/cast_transpose_bench). kSums: whether to write
 // column_partial (a template flag, so the kernel without it keeps no sums).
+// Where f takes a gradient (TakesGradient), dy [rows, cols] is read beside x,
+// pack for pack, and quantized is f(x, dy): dy is null otherwise.
 constexpr int kWideTileRows = 128, kWideTileCols = 64;
 
 template <typename In, typename Out, typename F, bool kSums>
 __global__ void __launch_bounds__(256)
     QuantizeTransposeWideKernel(const typename In::Storage* __restrict__ x,
+                                const typename In::Storage* __restrict__ dy,
                                 uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
                                 const float* scale, AmaxOut amax, float* scale_inv,
                                 float* __restrict__ column_partial, int64_t rows, int64_t cols,
@@ -162,10 +184,12 @@ __global__ void __launch_bounds__(256)
     const int64_t tile_row = t / col_tiles;
     const int64_t row0 = tile_row * kWideTileRows;
     const int64_t col0 = (t - tile_row * col_tiles) * kWideTileCols;
-    InPack in[4];
+    InPack in[4], grad[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      in[i] = *reinterpret_cast<const InPack*>(x + (row0 + ly + 32 * i) * cols + col0 + lx * 8);
+      const int64_t at = (row0 + ly + 32 * i) * cols + col0 + lx * 8;
+      in[i] = *reinterpret_cast<const InPack*>(x + at);
+      if constexpr (TakesGradient<F>::value) grad[i] = *reinterpret_cast<const InPack*>(dy + at);
     }
     float column_sum[8] = {};
 #pragma unroll
@@ -174,7 +198,7 @@ __global__ void __launch_bounds__(256)
       uint32_t word[2] = {0, 0};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = f(In::Load(in[i].v[j]));
+        const float v = TileValue<In>(f, in[i], grad[i], j);
         local = max(local, AbsBits(v));
         if (kSums) column_sum[j] += v;
         const uint8_t code = Out::Store(v * s);
@@ -248,28 +272,38 @@ inline int64_t CastTransposePartialRows(const Tensor& x, const Tensor& y, const 
 // tiles and most of its SM idle. column_partial: null, or
 // [CastTransposePartialRows, cols] f32 (kColumnSums: whether it is given);
 // kept_scale and kept_amax: null, or QuantizeTransposeKept's record of y's
-// scale and amax.
+// scale and amax. An f that takes a gradient reads dy (x's shape and dtype,
+// 16-byte aligned) and takes the wide kernel only: the caller checks
+// WideTilesFit.
 template <typename In, typename Out, bool kColumnSums = false, typename F = IdentityFn>
 void LaunchCastTranspose(const CudaContext& device, cudaStream_t stream, const Tensor& x,
                          Tensor* y, Tensor* y_t, const float* scale, AmaxOut amax,
                          float* scale_inv, float* column_partial, float* kept_scale,
-                         float* kept_amax, F f = F()) {
+                         float* kept_amax, F f = F(), const Tensor* dy = nullptr) {
+  using Storage = typename In::Storage;
   const int64_t rows = x.dim(0), cols = x.dim(1);
-  const auto* xs = static_cast<const typename In::Storage*>(x.data());
+  const auto* xs = static_cast<const Storage*>(x.data());
+  const auto* dys = dy != nullptr ? static_cast<const Storage*>(dy->data()) : nullptr;
   auto* ys = static_cast<uint8_t*>(y->data());
   auto* yts = static_cast<uint8_t*>(y_t->data());
-  auto launch = [&](auto kernel, int64_t tiles) {
-    const int64_t grid = std::min(tiles, ResidentBlocks(device, kernel, 256, 0));
-    kernel<<<static_cast<unsigned>(std::max<int64_t>(1, grid)), 256, 0, stream>>>(
-        xs, ys, yts, scale, amax, scale_inv, column_partial, rows, cols, kept_scale, kept_amax,
-        f);
+  auto grid = [&](auto kernel, int64_t tiles) {
+    return static_cast<unsigned>(
+        std::max<int64_t>(1, std::min(tiles, ResidentBlocks(device, kernel, 256, 0))));
   };
-  if (WideTilesFit(x, *y, *y_t)) {
+  if (TakesGradient<F>::value || WideTilesFit(x, *y, *y_t)) {
     const int64_t tiles = (rows / kWideTileRows) * (cols / kWideTileCols);
-    launch(QuantizeTransposeWideKernel<In, Out, F, kColumnSums>, tiles);
+    auto kernel = QuantizeTransposeWideKernel<In, Out, F, kColumnSums>;
+    kernel<<<grid(kernel, tiles), 256, 0, stream>>>(xs, dys, ys, yts, scale, amax, scale_inv,
+                                                     column_partial, rows, cols, kept_scale,
+                                                     kept_amax, f);
     return;
   }
-  launch(QuantizeTransposeKernel<In, Out, F>, ((cols + 63) / 64) * ((rows + 63) / 64));
+  if constexpr (!TakesGradient<F>::value) {
+    auto kernel = QuantizeTransposeKernel<In, Out, F>;
+    kernel<<<grid(kernel, ((cols + 63) / 64) * ((rows + 63) / 64)), 256, 0, stream>>>(
+        xs, ys, yts, scale, amax, scale_inv, column_partial, rows, cols, kept_scale, kept_amax,
+        f);
+  }
 }
 
 }  // namespace cuda

@@ -251,6 +251,10 @@ class CudaOps : public Ops {
                                            Tensor* y_t) override;
   absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                   const Tensor& x, Tensor* dx) override;
+  absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
+                                                   const Tensor& dy, const Tensor& x,
+                                                   const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                                   Tensor* dbias) override;
 
   // dropout.cu
   absl::Status DropoutForward(float rate, uint64_t seed, const Tensor& x, Tensor* y,

@@ -190,6 +190,59 @@ TEST_F(Fp8StepOpsTest, ActivationForwardTransposedMatchesTheCpu) {
   }
 }
 
+// Dact-cast-transpose-dbias (the MLP's wi output gradient under FP8): each
+// activation TE's MLP takes, from float32 and bf16, into E5M2 and E4M3, with
+// and without dbias, on whole 128 x 64 tiles (the fused kernel; the last,
+// 1105 tiles, more than the grid's blocks) and shapes it declines (ragged,
+// odd, gated: the default's dx, then cast-transpose): y, y_t, amax,
+// scale_inv and dbias against the CPU's.
+TEST_F(Fp8StepOpsTest, ActivationBackwardQuantizeTransposeMatchesTheCpu) {
+  const std::vector<std::vector<Activation>> all = {
+      {Activation::kGelu}, {Activation::kRelu}, {Activation::kSilu},
+      {Activation::kSquaredRelu}, {Activation::kGelu, Activation::kLinear}};
+  for (const auto& acts : all) {
+    for (DType in : {DType::kF32, DType::kBF16}) {
+      for (DType out : {DType::kE5M2, DType::kE4M3}) {
+        for (const Shape& shape : {Shape{128, 256}, Shape{8320, 1088}, Shape{100, 36},
+                                   Shape{516, 1028}, Shape{37, 24}}) {
+          for (bool with_dbias : {true, false}) {
+            const bool gated = acts.size() == 2;
+            const int64_t rows = shape[0], cols = shape[1];
+            const int64_t width = gated ? cols / 2 : cols;
+            SCOPED_TRACE(std::to_string(static_cast<int>(acts[0])) + (gated ? " gated " : " ") +
+                         DTypeName(in) + "->" + DTypeName(out) + " " + ShapeName(shape) +
+                         (with_dbias ? " dbias" : ""));
+            const Pair x = Random(in, shape, 71, -3.0f, 3.0f);
+            const Pair dy = Random(in, {rows, width}, 72);
+            Pair y = Zeros(out, shape), y_t = Zeros(out, {cols, rows});
+            // dbias in x's dtype, so its tolerance is that of dx's values,
+            // which may round apart on the two backends (the derivative's
+            // last float bits).
+            Pair dbias = Zeros(in, {cols});
+            Pair scale = FromValues(DType::kF32, {1}, {SaturatingScale(out) * 0.05f});
+            Pair amax = Zeros(DType::kF32, {1}), scale_inv = Zeros(DType::kF32, {1});
+            ASSERT_TRUE(cpu_->ActivationBackwardQuantizeTranspose(
+                                acts, dy.cpu, x.cpu, {scale.cpu, amax.cpu, scale_inv.cpu},
+                                &y.cpu, &y_t.cpu, with_dbias ? &dbias.cpu : nullptr)
+                            .ok());
+            const absl::Status s = gpu_->ActivationBackwardQuantizeTranspose(
+                acts, dy.gpu, x.gpu, {scale.gpu, amax.gpu, scale_inv.gpu}, &y.gpu, &y_t.gpu,
+                with_dbias ? &dbias.gpu : nullptr);
+            ASSERT_TRUE(s.ok()) << s;
+            ExpectMatches(y, "y");
+            ExpectMatches(y_t, "y_t");
+            ExpectTransposed(y.gpu, y_t.gpu, rows, cols);
+            ExpectScalarMatches(amax, "amax");
+            ExpectScalarMatches(scale_inv, "scale_inv");
+            EXPECT_GT(Fetch(amax.gpu).data_as<float>()[0], 0.0f);
+            if (with_dbias) ExpectMatches(dbias, "dbias");
+          }
+        }
+      }
+    }
+  }
+}
+
 // A step whose amaxes nobody reads (a generation's) leaves Fp8Output::amax
 // undefined: every op with an FP8 output then writes the codes and scale_inv
 // it writes with an amax, bit for bit, and records none. Each op, on the

@@ -227,42 +227,29 @@ absl::Status Dense::RunGemm(Ops& ops, const Variables& vars, const GemmOperand& 
 absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                              Variables* grads) const {
   if (!FloatRows(dy, out_)) return CheckRows(dy, out_, absl::StrCat("Dense ", kernel_name(), " dy"));
-  const int64_t n = dy.dim(0);
   const DType compute = dy.dtype();
   const std::optional<Fp8Recipe> fp8_recipe = saved.fp8;
-  const bool tf32 = saved.tf32;
   const Fp8Recipe* fp8 = fp8_recipe ? &*fp8_recipe : nullptr;
-  // The bias gradient: dy's column sums, fused into dy's cast-transpose under
-  // per-tensor FP8.
-  Tensor dbias;
-  bool dbias_done = false;
-  if (config_.use_bias) {
-    ASSIGN_OR_RETURN(dbias, ops.Allocate(config_.param_dtype, config_.features));
-  }
-
-  // dgrad: dx = dy @ kernel^T; wgrad: dkernel = x^T @ dy.
-  GemmOperand dy_a, kernel_b, x_a, dy_b;
   if (fp8 != nullptr && IsPerTensorScaling(*fp8)) {
     // Both layouts: dy enters the dgrad as is and the wgrad transposed; the
     // bias gradient comes from the same pass over dy.
-    Tensor dbias1d = config_.use_bias ? dbias.Reshaped({out_}) : Tensor();
-    ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(),
-                                                          QuantizerRole::kGrad, dy, GemmSide::kA,
-                                                          false, vars,
-                                                          config_.use_bias ? &dbias1d : nullptr));
-    dbias_done = config_.use_bias;
-    // One scale for the whole tensor: the copy's two layouts serve both GEMMs.
-    dy_b = dy_a;
-    dy_b.data = Tensor();
-    dy_a.data_t = Tensor();
-    std::swap(dy_b.data, dy_b.data_t);
-    dy_b.transpose = true;
+    Tensor dbias;
+    if (config_.use_bias) {
+      ASSIGN_OR_RETURN(dbias, AllocateBiasGrad(ops));
+    }
+    ASSIGN_OR_RETURN(GemmOperand dy_q,
+                     QuantizeGemmOperandBothLayouts(ops, *fp8, quantizers(), QuantizerRole::kGrad,
+                                                    dy, GemmSide::kA, false, vars,
+                                                    config_.use_bias ? &dbias : nullptr));
     dy = Tensor();  // read for the last time: the codes replace it
-    kernel_b = saved.kernel;
-    kernel_b.transpose = true;
-    x_a = saved.x;
-    x_a.transpose = !saved.x_transposed;
-  } else if (fp8 != nullptr) {
+    return BackwardQuantized(ops, std::move(saved), std::move(dy_q), std::move(dbias), compute,
+                             dx, grads);
+  }
+  const int64_t n = dy.dim(0);
+  const bool tf32 = saved.tf32;
+  // dgrad: dx = dy @ kernel^T; wgrad: dkernel = x^T @ dy.
+  GemmOperand dy_a, kernel_b, x_a, dy_b;
+  if (fp8 != nullptr) {
     const QuantizerSet& q = quantizers();
     ASSIGN_OR_RETURN(dy_a, QuantizeGemmOperand(ops, *fp8, q, QuantizerRole::kGrad, dy,
                                                GemmSide::kA, false, vars));
@@ -282,7 +269,54 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
   }
   // From here on the operands hold what the GEMMs read.
   saved = Saved();
+  RETURN_IF_ERROR(RunBackwardGemms(ops, std::move(dy_a), std::move(kernel_b), std::move(x_a),
+                                   std::move(dy_b), tf32, compute, n, dx, grads));
+  if (config_.use_bias) {
+    ASSIGN_OR_RETURN(Tensor dbias, AllocateBiasGrad(ops));
+    RETURN_IF_ERROR(ops.SumRows(dy, &dbias));
+    (*grads)[bias_name()] = dbias.Reshaped(config_.features);
+  }
+  return absl::OkStatus();
+}
 
+absl::StatusOr<Tensor> Dense::AllocateBiasGrad(Ops& ops) const {
+  return ops.Allocate(config_.param_dtype, {out_});
+}
+
+absl::Status Dense::BackwardQuantized(Ops& ops, Saved saved, GemmOperand dy, Tensor dbias,
+                                      DType compute, Tensor* dx, Variables* grads) const {
+  if (!saved.fp8 || !IsPerTensorScaling(*saved.fp8) || !IsFloat8(dy.data.dtype()) ||
+      dy.data.rank() != 2 || dy.data.dim(1) != out_ || !dy.data_t.defined() ||
+      config_.use_bias != dbias.defined()) {
+    return absl::InternalError(absl::StrCat(
+        "Dense ", kernel_name(),
+        ": a quantized dy needs a per-tensor FP8 forward, both layouts of [N, ", out_,
+        "] codes, and a bias gradient iff the Dense has a bias"));
+  }
+  const int64_t n = dy.data.dim(0);
+  // One scale for the whole tensor: the copy's two layouts serve both GEMMs.
+  GemmOperand dy_a = dy, dy_b = dy;
+  dy_a.data_t = Tensor();
+  dy_b.data = Tensor();
+  std::swap(dy_b.data, dy_b.data_t);
+  dy_b.transpose = true;
+  dy = GemmOperand();
+  GemmOperand kernel_b = saved.kernel;
+  kernel_b.transpose = true;
+  GemmOperand x_a = saved.x;
+  x_a.transpose = !saved.x_transposed;
+  const bool tf32 = saved.tf32;
+  saved = Saved();
+  RETURN_IF_ERROR(RunBackwardGemms(ops, std::move(dy_a), std::move(kernel_b), std::move(x_a),
+                                   std::move(dy_b), tf32, compute, n, dx, grads));
+  if (config_.use_bias) (*grads)[bias_name()] = dbias.Reshaped(config_.features);
+  return absl::OkStatus();
+}
+
+absl::Status Dense::RunBackwardGemms(Ops& ops, GemmOperand dy_a, GemmOperand kernel_b,
+                                     GemmOperand x_a, GemmOperand dy_b, bool tf32,
+                                     DType compute, int64_t n, Tensor* dx,
+                                     Variables* grads) const {
   dy_a = ForGemm(dy_a, GemmSide::kA);
   kernel_b = ForGemm(kernel_b, GemmSide::kB);
   x_a = ForGemm(x_a, GemmSide::kA);
@@ -303,16 +337,6 @@ absl::Status Dense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, 
     const Ops::GemmArgs dgrad = GemmArgsOf(dy_a, kernel_b, tf32);
     ASSIGN_OR_RETURN(*dx, ops.Allocate(compute, {n, in_}));
     RETURN_IF_ERROR(ops.Gemm(dgrad, dx));
-  }
-  dy_a = GemmOperand();
-  kernel_b = GemmOperand();
-
-  if (config_.use_bias) {
-    if (!dbias_done) {
-      Tensor dbias1d = dbias.Reshaped({out_});
-      RETURN_IF_ERROR(ops.SumRows(dy, &dbias1d));
-    }
-    (*grads)[bias_name()] = dbias;
   }
   return absl::OkStatus();
 }
@@ -442,15 +466,36 @@ absl::Status LayerNormDense::Forward(Ops& ops, Variables* vars, const Tensor& x,
 absl::Status LayerNormDense::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy,
                                       Tensor* dx, Variables* grads,
                                       const Tensor& residual_grad) const {
+  Tensor dln;
+  RETURN_IF_ERROR(
+      dense_.Backward(ops, vars, std::move(saved.dense), std::move(dy), DenseDx(dx, &dln), grads));
+  return FinishBackward(ops, std::move(saved.norm), std::move(dln), dx, grads, residual_grad);
+}
+
+absl::Status LayerNormDense::BackwardQuantized(Ops& ops, Saved saved, GemmOperand dy,
+                                               Tensor dbias, DType compute, Tensor* dx,
+                                               Variables* grads,
+                                               const Tensor& residual_grad) const {
+  Tensor dln;
+  RETURN_IF_ERROR(dense_.BackwardQuantized(ops, std::move(saved.dense), std::move(dy),
+                                           std::move(dbias), compute, DenseDx(dx, &dln), grads));
+  return FinishBackward(ops, std::move(saved.norm), std::move(dln), dx, grads, residual_grad);
+}
+
+Tensor* LayerNormDense::DenseDx(Tensor* dx, Tensor* dln) const {
+  return enable_layernorm_ || dx != nullptr ? dln : nullptr;
+}
+
+absl::Status LayerNormDense::FinishBackward(Ops& ops, Norm::Saved norm, Tensor dln, Tensor* dx,
+                                            Variables* grads,
+                                            const Tensor& residual_grad) const {
   if (!enable_layernorm_) {
-    RETURN_IF_ERROR(dense_.Backward(ops, vars, std::move(saved.dense), std::move(dy), dx, grads));
+    if (dx == nullptr) return absl::OkStatus();
+    *dx = std::move(dln);
     if (!residual_grad.defined()) return absl::OkStatus();
     return ResidualAdd(ops, *dx, residual_grad.Reshaped(dx->shape()), dx);
   }
-  Tensor dln;
-  RETURN_IF_ERROR(
-      dense_.Backward(ops, vars, std::move(saved.dense), std::move(dy), &dln, grads));
-  return norm_.Backward(ops, std::move(saved.norm), std::move(dln), dx, grads, residual_grad);
+  return norm_.Backward(ops, std::move(norm), std::move(dln), dx, grads, residual_grad);
 }
 
 // ---- Dropout, residual ----------------------------------------------------------

@@ -118,8 +118,22 @@ class Dense {
   // Each of saved's and dy's tensors is released once its last GEMM is queued.
   absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                         Variables* grads) const;
+  // As Backward, for a dy its producer already quantized with this Dense's
+  // grad quantizer in both layouts (data [N, out], data_t [out, N]; TE's
+  // dact-cast-transpose-dbias), after a per-tensor FP8 forward; dbias [out]
+  // (AllocateBiasGrad) holds dy's column sums iff the Dense has a bias. dx
+  // in `compute`.
+  absl::Status BackwardQuantized(Ops& ops, Saved saved, GemmOperand dy, Tensor dbias,
+                                 DType compute, Tensor* dx, Variables* grads) const;
+  // The bias gradient's tensor, [out] in the params' dtype.
+  absl::StatusOr<Tensor> AllocateBiasGrad(Ops& ops) const;
+  bool use_bias() const { return config_.use_bias; }
 
  private:
+  // The wgrad, then (dx non-null) the dgrad, from operands ready for them.
+  absl::Status RunBackwardGemms(Ops& ops, GemmOperand dy_a, GemmOperand kernel_b,
+                                GemmOperand x_a, GemmOperand dy_b, bool tf32, DType compute,
+                                int64_t n, Tensor* dx, Variables* grads) const;
   // *y [N, out] = op(a) @ op(b) + bias (+ the fusion's epilogue), in `compute`.
   absl::Status RunGemm(Ops& ops, const Variables& vars, const GemmOperand& a,
                        const GemmOperand& b, DType compute, bool tf32,
@@ -202,8 +216,20 @@ class LayerNormDense {
   // saved tensors and dy go before the norm's backward runs.
   absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                         Variables* grads, const Tensor& residual_grad = Tensor()) const;
+  // Backward with a dy already quantized for the Dense (Dense::BackwardQuantized).
+  absl::Status BackwardQuantized(Ops& ops, Saved saved, GemmOperand dy, Tensor dbias,
+                                 DType compute, Tensor* dx, Variables* grads,
+                                 const Tensor& residual_grad = Tensor()) const;
 
  private:
+  // The norm's backward (or, without one, the residual's add) after the
+  // Dense's: dln is the gradient at the Dense's input.
+  absl::Status FinishBackward(Ops& ops, Norm::Saved norm, Tensor dln, Tensor* dx,
+                              Variables* grads, const Tensor& residual_grad) const;
+  // Where the Dense's backward writes its dgrad: dln, unless nothing wants it
+  // (no norm and a null dx).
+  Tensor* DenseDx(Tensor* dx, Tensor* dln) const;
+
   bool enable_layernorm_;
   Norm norm_;
   Dense dense_;

@@ -131,21 +131,44 @@ absl::Status Mlp::Forward(Ops& ops, Variables* vars, const Tensor& x, const Forw
 
 absl::Status Mlp::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                            Variables* grads, const Tensor& residual_grad) const {
-  // The GELU's backward stays a kernel of its own: cuBLASLt's DGELU_BGRAD
-  // epilogue runs as a separate pass after the GEMM anyway, slower than
-  // ActivationBackward plus the bias sum. Nor is it fused with wi's FP8
-  // quantization of dh (TE's dact-cast-transpose-dbias): that pass would hold
-  // dact, h and both FP8 layouts at once, raising the step's peak memory,
-  // where here dh overwrites dact and h goes before dh is quantized. A little
-  // time traded for the memory that bounds the batch a device takes
-  // (timings and peaks: bench/results/2026-11-30-h200-fused-epilogues.md,
-  // 2026-12-01-readme-performance.md).
-  Tensor ddropped, dact, dh;
+  // The GELU's backward is not cuBLASLt's DGELU_BGRAD epilogue: that runs as
+  // a separate pass after the GEMM anyway, slower than a kernel of its own
+  // plus the bias sum (bench/results/2026-11-30-h200-fused-epilogues.md).
+  Tensor ddropped, dact;
   RETURN_IF_ERROR(wo_.Backward(ops, vars, std::move(saved.wo), std::move(dy), &ddropped, grads));
   RETURN_IF_ERROR(DropoutGrad(ops, saved.dropout, ddropped, &dact));
   ddropped = Tensor();
   saved.dropout = DropoutSaved();
-  if (dact.shape() == saved.h.shape() && dact.dtype() == saved.h.dtype()) {
+  const bool same_layout = dact.shape() == saved.h.shape() && dact.dtype() == saved.h.dtype();
+  const std::optional<Fp8Recipe> fp8 = saved.ln_wi.dense.fp8;
+  if (same_layout && fp8 && CanFuseQuantize(&*fp8) && !fp8->inference &&
+      saved.h.rank() == 2) {
+    // Under DelayedScaling wi's output gradient dh is written straight in
+    // FP8, both layouts, with its bias gradient from the same pass (TE's
+    // dact-cast-transpose-dbias): dh in bf16 is never written nor read back,
+    // two passes over [N, n_act * inter] a layer. The price is memory for a
+    // moment: dact, h and dh's two FP8 layouts coexist (one [N, inter] bf16
+    // tensor's bytes more than writing dh over dact would hold).
+    Fp8Output q;
+    ASSIGN_OR_RETURN(GemmOperand dh,
+                     AllocateFusedOperand(ops, *fp8, ln_wi_.dense().quantizers(),
+                                          QuantizerRole::kGrad, saved.h.shape(), vars, &q));
+    ASSIGN_OR_RETURN(dh.data_t, ops.Allocate(dh.data.dtype(), {saved.h.dim(1), saved.h.dim(0)}));
+    Tensor dbias;
+    if (ln_wi_.dense().use_bias()) {
+      ASSIGN_OR_RETURN(dbias, ln_wi_.dense().AllocateBiasGrad(ops));
+    }
+    RETURN_IF_ERROR(ops.ActivationBackwardQuantizeTranspose(
+        config_.activations, dact, saved.h, q, &dh.data, &dh.data_t,
+        dbias.defined() ? &dbias : nullptr));
+    const DType compute = saved.h.dtype();
+    dact = Tensor();
+    saved.h = Tensor();
+    return ln_wi_.BackwardQuantized(ops, std::move(saved.ln_wi), std::move(dh),
+                                    std::move(dbias), compute, dx, grads, residual_grad);
+  }
+  Tensor dh;
+  if (same_layout) {
     // One activation: dh [N, inter] overwrites dact, which nothing reads
     // after (ActivationBackward may write dx over dy), so the backward's
     // largest step holds two [N, inter] tensors, not three.
