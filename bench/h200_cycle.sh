@@ -17,6 +17,8 @@
 #               against jax_lm_peer.py in the same call (bench/lm_bench.py)
 #   lmbias      lm's 24 x 1024 rows only (TE's relative bias on and off, bf16 and
 #               FP8, and JAX's): the relative bias's cost when a call has no room for lm
+#   fp8ratio    lm's 24 x 1024 and 24 x 2048 rows without the bias (bf16, FP8, JAX's):
+#               #24's FP8 ratios when a call has no room for lm
 #   trace       the 24 x 1024 LM's step by kernel class under the CUPTI
 #               tracer: bf16 bias on, bf16 bias off, FP8 bias off
 #               (bench/tools/trace_lm.sh), and the quickstart's FP8 and bf16
@@ -76,6 +78,11 @@ stage_lmbias() {
   lm_rows 24x1024x16x1024x8 on,off
 }
 
+# FP8 against bf16 where #24 sets its ratios: 24 x 1024 and 24 x 2048, no bias.
+stage_fp8ratio() {
+  lm_rows 24x1024x16x1024x8,24x2048x16x1024x8 off
+}
+
 stage_trace() {
   PYTHON="$py" bash "$b/trace_lm.sh" "$b" "$out/trace"
   bash "$b/trace_step.sh" "$out/trace" 6 7
@@ -116,7 +123,7 @@ stage_cast() {
 
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, trace, decode, ops, cast, bias, engines)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, fp8ratio, trace, decode, ops, cast, bias, engines)" >&2
     exit 2
   fi
 done
