@@ -245,13 +245,20 @@ absl::Status Ops::QuantizeTransposeDbias(const Tensor& x, const Fp8Output& fp8, 
 }
 
 absl::Status Ops::ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                      const Tensor& dy, const Tensor& x,
+                                                      Tensor* dy, const Tensor& x,
                                                       const Fp8Output& fp8, Tensor* y,
                                                       Tensor* y_t, Tensor* dbias) {
+  if (dy == nullptr) {
+    return absl::InvalidArgumentError("ActivationBackwardQuantizeTranspose: dy is null");
+  }
   RETURN_IF_ERROR(
-      CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias).status());
-  ASSIGN_OR_RETURN(Tensor dx, Allocate(x.dtype(), x.shape()));
-  RETURN_IF_ERROR(ActivationBackward(acts, dy, x, &dx));
+      CheckActivationBackwardQuantizeTransposeArgs(acts, *dy, x, fp8, y, y_t, dbias).status());
+  // ActivationBackward may write dx over dy (one activation, same dtype).
+  Tensor dx = *dy;
+  if (dy->shape() != x.shape() || dy->dtype() != x.dtype()) {
+    ASSIGN_OR_RETURN(dx, Allocate(x.dtype(), x.shape()));
+  }
+  RETURN_IF_ERROR(ActivationBackward(acts, *dy, x, &dx));
   if (dbias != nullptr) return QuantizeTransposeDbias(dx, fp8, y, y_t, dbias);
   return QuantizeTranspose(dx, fp8, y, y_t);
 }

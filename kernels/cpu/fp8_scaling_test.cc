@@ -269,8 +269,12 @@ TEST(CpuActivationBackwardQuantizeTransposeTest, QuantizesActivationBackwardsDx)
     Tensor y = MakeEmpty(ops, DType::kE5M2, {rows, cols});
     Tensor y_t = MakeEmpty(ops, DType::kE5M2, {cols, rows});
     Tensor dbias = MakeEmpty(ops, DType::kF32, {cols});
-    const absl::Status s = ops.ActivationBackwardQuantizeTranspose(acts, dy, x, b, &y, &y_t, &dbias);
+    const absl::Status s =
+        ops.ActivationBackwardQuantizeTranspose(acts, &dy, x, b, &y, &y_t, &dbias);
     ASSERT_TRUE(s.ok()) << s;
+    // One activation: dx was written over dy, which the caller gave up (no
+    // [N, I] tensor held beside dy, x and the codes).
+    if (acts.size() == 1) EXPECT_EQ(ToDoubles(dy), ToDoubles(dx));
     EXPECT_EQ(0, std::memcmp(y.data(), want.data(), want.nbytes()));
     EXPECT_EQ(0, std::memcmp(y_t.data(), want_t.data(), want_t.nbytes()));
     EXPECT_EQ(ScalarValue(b.amax), ScalarValue(a.amax));
@@ -287,7 +291,9 @@ TEST(CpuActivationBackwardQuantizeTransposeTest, QuantizesActivationBackwardsDx)
     Fp8Output c{Scalar(ops, 30.0f), Scalar(ops, 0.0f), Scalar(ops, 0.0f)};
     Tensor y2 = MakeEmpty(ops, DType::kE5M2, {rows, cols});
     Tensor y2_t = MakeEmpty(ops, DType::kE5M2, {cols, rows});
-    ASSERT_TRUE(ops.ActivationBackwardQuantizeTranspose(acts, dy, x, c, &y2, &y2_t, nullptr).ok());
+    Tensor dy2 = MakeRandom(ops, DType::kBF16, {rows, width}, 22, -2.0f, 2.0f);
+    ASSERT_TRUE(
+        ops.ActivationBackwardQuantizeTranspose(acts, &dy2, x, c, &y2, &y2_t, nullptr).ok());
     EXPECT_EQ(0, std::memcmp(y2.data(), want.data(), want.nbytes()));
     EXPECT_EQ(0, std::memcmp(y2_t.data(), want_t.data(), want_t.nbytes()));
   }
@@ -302,23 +308,25 @@ TEST(CpuActivationBackwardQuantizeTransposeTest, BadArgumentsNameTheField) {
   Tensor y = MakeEmpty(ops, DType::kE5M2, {6, 10});
   Tensor y_t = MakeEmpty(ops, DType::kE5M2, {10, 6});
   Tensor dbias = MakeEmpty(ops, DType::kF32, {10});
-  ASSERT_TRUE(ops.ActivationBackwardQuantizeTranspose(gelu, dy, x, fp8, &y, &y_t, &dbias).ok());
+  ASSERT_TRUE(ops.ActivationBackwardQuantizeTranspose(gelu, &dy, x, fp8, &y, &y_t, &dbias).ok());
   auto expect_invalid = [](const absl::Status& s, const std::string& field) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(field), std::string::npos) << s;
     EXPECT_NE(s.message().find("ActivationBackwardQuantizeTranspose"), std::string::npos) << s;
   };
   Tensor dy_short = MakeRandom(ops, DType::kF32, {6, 9}, 25);
-  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, dy_short, x, fp8, &y, &y_t, &dbias),
+  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, &dy_short, x, fp8, &y, &y_t, &dbias),
                  "dy");
   Tensor x3 = MakeRandom(ops, DType::kF32, {2, 3, 10}, 26);
-  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, dy, x3, fp8, &y, &y_t, &dbias), "x");
+  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, &dy, x3, fp8, &y, &y_t, &dbias), "x");
   Tensor y_t_wrong = MakeEmpty(ops, DType::kE5M2, {6, 10});
   expect_invalid(
-      ops.ActivationBackwardQuantizeTranspose(gelu, dy, x, fp8, &y, &y_t_wrong, &dbias), "y_t");
+      ops.ActivationBackwardQuantizeTranspose(gelu, &dy, x, fp8, &y, &y_t_wrong, &dbias), "y_t");
   Tensor dbias_rows = MakeEmpty(ops, DType::kF32, {6});
   expect_invalid(
-      ops.ActivationBackwardQuantizeTranspose(gelu, dy, x, fp8, &y, &y_t, &dbias_rows), "[6]");
+      ops.ActivationBackwardQuantizeTranspose(gelu, &dy, x, fp8, &y, &y_t, &dbias_rows), "[6]");
+  expect_invalid(ops.ActivationBackwardQuantizeTranspose(gelu, nullptr, x, fp8, &y, &y_t, &dbias),
+                 "dy");
 }
 
 TEST(CpuQuantizeTest, NanInputGivesNanAmax) {

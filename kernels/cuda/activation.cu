@@ -409,16 +409,20 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
 }
 
 absl::Status CudaOps::ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                          const Tensor& dy, const Tensor& x,
+                                                          Tensor* dy_in, const Tensor& x,
                                                           const Fp8Output& fp8, Tensor* y,
                                                           Tensor* y_t, Tensor* dbias) {
+  if (dy_in == nullptr) {
+    return absl::InvalidArgumentError("ActivationBackwardQuantizeTranspose: dy is null");
+  }
+  const Tensor& dy = *dy_in;
   RETURN_IF_ERROR(
       CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias).status());
   // Gated pairs, mixed dtypes and shapes the wide tiles do not cover: dx
   // written, then quantized.
   if (acts.size() != 1 || dy.dtype() != x.dtype() || !WideTilesFit(x, *y, *y_t) ||
       reinterpret_cast<uintptr_t>(dy.data()) % 16 != 0) {
-    return Ops::ActivationBackwardQuantizeTranspose(acts, dy, x, fp8, y, y_t, dbias);
+    return Ops::ActivationBackwardQuantizeTranspose(acts, dy_in, x, fp8, y, y_t, dbias);
   }
   RETURN_IF_ERROR(Enter());
   const int64_t cols = x.dim(1);

@@ -252,7 +252,7 @@ class CudaOps : public Ops {
   absl::Status ActivationBackward(const std::vector<Activation>& acts, const Tensor& dy,
                                   const Tensor& x, Tensor* dx) override;
   absl::Status ActivationBackwardQuantizeTranspose(const std::vector<Activation>& acts,
-                                                   const Tensor& dy, const Tensor& x,
+                                                   Tensor* dy, const Tensor& x,
                                                    const Fp8Output& fp8, Tensor* y, Tensor* y_t,
                                                    Tensor* dbias) override;
 

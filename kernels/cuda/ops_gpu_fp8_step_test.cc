@@ -213,7 +213,7 @@ TEST_F(Fp8StepOpsTest, ActivationBackwardQuantizeTransposeMatchesTheCpu) {
                          DTypeName(in) + "->" + DTypeName(out) + " " + ShapeName(shape) +
                          (with_dbias ? " dbias" : ""));
             const Pair x = Random(in, shape, 71, -3.0f, 3.0f);
-            const Pair dy = Random(in, {rows, width}, 72);
+            Pair dy = Random(in, {rows, width}, 72);
             Pair y = Zeros(out, shape), y_t = Zeros(out, {cols, rows});
             // dbias in x's dtype, so its tolerance is that of dx's values,
             // which may round apart on the two backends (the derivative's
@@ -222,11 +222,11 @@ TEST_F(Fp8StepOpsTest, ActivationBackwardQuantizeTransposeMatchesTheCpu) {
             Pair scale = FromValues(DType::kF32, {1}, {SaturatingScale(out) * 0.05f});
             Pair amax = Zeros(DType::kF32, {1}), scale_inv = Zeros(DType::kF32, {1});
             ASSERT_TRUE(cpu_->ActivationBackwardQuantizeTranspose(
-                                acts, dy.cpu, x.cpu, {scale.cpu, amax.cpu, scale_inv.cpu},
+                                acts, &dy.cpu, x.cpu, {scale.cpu, amax.cpu, scale_inv.cpu},
                                 &y.cpu, &y_t.cpu, with_dbias ? &dbias.cpu : nullptr)
                             .ok());
             const absl::Status s = gpu_->ActivationBackwardQuantizeTranspose(
-                acts, dy.gpu, x.gpu, {scale.gpu, amax.gpu, scale_inv.gpu}, &y.gpu, &y_t.gpu,
+                acts, &dy.gpu, x.gpu, {scale.gpu, amax.gpu, scale_inv.gpu}, &y.gpu, &y_t.gpu,
                 with_dbias ? &dbias.gpu : nullptr);
             ASSERT_TRUE(s.ok()) << s;
             ExpectMatches(y, "y");

@@ -159,7 +159,7 @@ absl::Status Mlp::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Te
       ASSIGN_OR_RETURN(dbias, ln_wi_.dense().AllocateBiasGrad(ops));
     }
     RETURN_IF_ERROR(ops.ActivationBackwardQuantizeTranspose(
-        config_.activations, dact, saved.h, q, &dh.data, &dh.data_t,
+        config_.activations, &dact, saved.h, q, &dh.data, &dh.data_t,
         dbias.defined() ? &dbias : nullptr));
     const DType compute = saved.h.dtype();
     dact = Tensor();
