@@ -294,6 +294,9 @@ class Mlp {
                        const Tensor& residual = Tensor()) const;
   // residual_grad (optional, [N, hidden]) is added to *dx. wo's saved input
   // and the pre-activation go as soon as their backwards have read them.
+  // Under DelayedScaling with one activation, wi's output gradient is
+  // written in FP8 by the activation's backward pass itself
+  // (Ops::ActivationBackwardQuantizeTranspose), never in the compute dtype.
   absl::Status Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Tensor* dx,
                         Variables* grads, const Tensor& residual_grad = Tensor()) const;
 
