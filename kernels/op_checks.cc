@@ -696,7 +696,7 @@ absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation
 }
 
 absl::StatusOr<int64_t> CheckActivationBackwardQuantizeTransposeArgs(
-    const std::vector<Activation>& acts, const Tensor& dy, const Tensor& x,
+    const std::vector<Activation>& acts, const Tensor* dy, const Tensor& x,
     const Fp8Output& fp8, const Tensor* y, const Tensor* y_t, const Tensor* dbias) {
   const char* op = "ActivationBackwardQuantizeTranspose";
   RETURN_IF_ERROR(RequireFloat(op, "x", &x));
@@ -705,8 +705,8 @@ absl::StatusOr<int64_t> CheckActivationBackwardQuantizeTransposeArgs(
         absl::StrCat(op, ": x must be 2-D [N, n * I], got ", ShapeString(x.shape())));
   }
   ASSIGN_OR_RETURN(const int64_t width, GatedWidth(op, acts, x));
-  RETURN_IF_ERROR(RequireFloat(op, "dy", &dy));
-  RETURN_IF_ERROR(RequireShape(op, "dy", dy, {x.dim(0), width}));
+  RETURN_IF_ERROR(RequireFloat(op, "dy", dy));
+  RETURN_IF_ERROR(RequireShape(op, "dy", *dy, {x.dim(0), width}));
   // The quantization's and the column sums' own checks, under this op's name.
   absl::Status s = CheckQuantizeTransposeArgs(x, fp8, y, y_t);
   if (s.ok() && dbias != nullptr) s = CheckSumRowsArgs(x, dbias);

@@ -159,10 +159,11 @@ absl::StatusOr<int64_t> CheckActivationForwardTransposedArgs(const std::vector<A
 absl::StatusOr<int64_t> CheckActivationBackwardArgs(const std::vector<Activation>& acts,
                                                     const Tensor& dy, const Tensor& x,
                                                     const Tensor* dx);
-// x 2-D [N, n * I], dy [N, I], y and y_t as CheckQuantizeTransposeArgs's for
-// x's shape; dbias null or [n * I] float.
+// x 2-D [N, n * I], dy [N, I] (not null: the op may write over it), y and
+// y_t as CheckQuantizeTransposeArgs's for x's shape; dbias null or [n * I]
+// float.
 absl::StatusOr<int64_t> CheckActivationBackwardQuantizeTransposeArgs(
-    const std::vector<Activation>& acts, const Tensor& dy, const Tensor& x,
+    const std::vector<Activation>& acts, const Tensor* dy, const Tensor& x,
     const Fp8Output& fp8, const Tensor* y, const Tensor* y_t, const Tensor* dbias);
 // `mask` is an optional output (Wanted).
 absl::Status CheckDropoutForwardArgs(float rate, const Tensor& x, const Tensor* y,

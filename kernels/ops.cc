@@ -248,11 +248,8 @@ absl::Status Ops::ActivationBackwardQuantizeTranspose(const std::vector<Activati
                                                       Tensor* dy, const Tensor& x,
                                                       const Fp8Output& fp8, Tensor* y,
                                                       Tensor* y_t, Tensor* dbias) {
-  if (dy == nullptr) {
-    return absl::InvalidArgumentError("ActivationBackwardQuantizeTranspose: dy is null");
-  }
   RETURN_IF_ERROR(
-      CheckActivationBackwardQuantizeTransposeArgs(acts, *dy, x, fp8, y, y_t, dbias).status());
+      CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias).status());
   // ActivationBackward may write dx over dy (one activation, same dtype).
   Tensor dx = *dy;
   if (dy->shape() != x.shape() || dy->dtype() != x.dtype()) {

@@ -79,7 +79,7 @@ int Run(int reps) {
   (void)ops.Fill(96.0f, &scale);  // some of |4 x| * 96 passes 448: saturation is exercised
   Tensor amax = *ops.Allocate(DType::kF32, {1}), scale_inv = *ops.Allocate(DType::kF32, {1});
   const Fp8Output fp8{scale, amax, scale_inv};
-  cuda::GridAmaxSlot* slot = nullptr;
+  cuda::GridFoldSlot* slot = nullptr;
   if (cudaMalloc(&slot, sizeof(*slot)) != cudaSuccess ||
       cudaMemset(slot, 0, sizeof(*slot)) != cudaSuccess) {
     std::fprintf(stderr, "cudaMalloc of the amax slot failed\n");

@@ -100,7 +100,7 @@ bool VariantFits(CastTransposeVariant variant, int64_t rows, int64_t cols) {
 
 absl::Status LaunchCastTransposeVariant(CastTransposeVariant variant, cuda::CudaOps& ops,
                                         const Tensor& x, const Fp8Output& fp8,
-                                        cuda::GridAmaxSlot* slot, Tensor* y, Tensor* y_t) {
+                                        cuda::GridFoldSlot* slot, Tensor* y, Tensor* y_t) {
   const int64_t rows = x.dim(0), cols = x.dim(1);
   if (x.dtype() != DType::kBF16 || y->dtype() != DType::kE4M3 || y_t->dtype() != DType::kE4M3 ||
       !VariantFits(variant, rows, cols)) {

@@ -36,10 +36,10 @@ bool VariantFits(CastTransposeVariant variant, int64_t rows, int64_t cols);
 
 // One launch on `ops`' stream: x bf16 [rows, cols] -> y E4M3 [rows, cols],
 // y_t [cols, rows], fp8.amax = max |x| (through `slot`, a zeroed
-// cuda::GridAmaxSlot of the caller's), fp8.scale_inv = 1 / fp8.scale.
+// cuda::GridFoldSlot of the caller's), fp8.scale_inv = 1 / fp8.scale.
 absl::Status LaunchCastTransposeVariant(CastTransposeVariant variant, cuda::CudaOps& ops,
                                         const Tensor& x, const Fp8Output& fp8,
-                                        cuda::GridAmaxSlot* slot, Tensor* y, Tensor* y_t);
+                                        cuda::GridFoldSlot* slot, Tensor* y, Tensor* y_t);
 
 }  // namespace te::bench
 

@@ -412,12 +412,9 @@ absl::Status CudaOps::ActivationBackwardQuantizeTranspose(const std::vector<Acti
                                                           Tensor* dy_in, const Tensor& x,
                                                           const Fp8Output& fp8, Tensor* y,
                                                           Tensor* y_t, Tensor* dbias) {
-  if (dy_in == nullptr) {
-    return absl::InvalidArgumentError("ActivationBackwardQuantizeTranspose: dy is null");
-  }
-  const Tensor& dy = *dy_in;
   RETURN_IF_ERROR(
-      CheckActivationBackwardQuantizeTransposeArgs(acts, dy, x, fp8, y, y_t, dbias).status());
+      CheckActivationBackwardQuantizeTransposeArgs(acts, dy_in, x, fp8, y, y_t, dbias).status());
+  const Tensor& dy = *dy_in;
   // Gated pairs, mixed dtypes and shapes the wide tiles do not cover: dx
   // written, then quantized.
   if (acts.size() != 1 || dy.dtype() != x.dtype() || !WideTilesFit(x, *y, *y_t) ||

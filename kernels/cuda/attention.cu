@@ -419,10 +419,21 @@ absl::Status RelativeOnCudnn(CudaOps* ops, const AttentionArgs& args,
       reinterpret_cast<uintptr_t>(dout.data()) % 16 != 0) {
     return absl::UnimplementedError("out or dout not 16-byte aligned");
   }
-  RETURN_IF_ERROR(CudnnAttentionBackward(ops, args, shape, qkv, out, dout, softmax_lse, grads,
-                                         /*dbias=*/nullptr));
-  RETURN_IF_ERROR(
-      RelativeBandTableGrad(ops, args, shape, qkv, out, dout, softmax_lse, relative, dtable));
+  // The band kernel reads what cuDNN's backward reads and writes only dtable:
+  // on the side stream it runs beside cuDNN's kernels, in the SMs' room they
+  // leave, rather than after them. Forked before cuDNN's launches (so the
+  // side does not wait for them) and launched after them (a cuDNN refusal
+  // leaves nothing written).
+  ASSIGN_OR_RETURN(cudaStream_t side, ops->ForkSide());
+  const absl::Status cudnn = CudnnAttentionBackward(ops, args, shape, qkv, out, dout,
+                                                    softmax_lse, grads, /*dbias=*/nullptr);
+  absl::Status band = cudnn;
+  if (cudnn.ok()) {
+    band = RelativeBandTableGrad(ops, side, args, shape, qkv, out, dout, softmax_lse, relative,
+                                 dtable);
+  }
+  RETURN_IF_ERROR(ops->JoinSide());
+  RETURN_IF_ERROR(band);
   relative_band_calls.fetch_add(1);
   return absl::OkStatus();
 }

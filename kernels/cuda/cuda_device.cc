@@ -56,8 +56,8 @@ class CudaDevice : public Device {
       (void)cudaSetDevice(ordinal);
       (void)cudaStreamDestroy(s);
     });
-    ASSIGN_OR_RETURN(GridAmaxSlot* const amax_slot, context_->amax_slots->Take());
-    auto ops = std::make_unique<CudaOps>(context_, std::move(stream), amax_slot);
+    ASSIGN_OR_RETURN(GridFoldSlot* const fold_slot, context_->fold_slots->Take());
+    auto ops = std::make_unique<CudaOps>(context_, std::move(stream), fold_slot);
     ops->set_memory_limit(memory_limit);
     ops->set_shared_account(memory_);
     return std::unique_ptr<Ops>(std::move(ops));
@@ -117,7 +117,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal,
   CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&context->properties, ordinal));
   CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&context->cublaslt));
-  ASSIGN_OR_RETURN(context->amax_slots, cuda::AmaxSlotPool::Make(ordinal));
+  ASSIGN_OR_RETURN(context->fold_slots, cuda::FoldSlotPool::Make(ordinal));
   // Measured once the context, cuBLASLt and the amax slots exist, so none
   // counts against the sessions.
   size_t free_bytes = 0, total_bytes = 0;

@@ -20,56 +20,62 @@ CudaContext::~CudaContext() {
   }
 }
 
-absl::StatusOr<std::shared_ptr<AmaxSlotPool>> AmaxSlotPool::Make(int ordinal) {
+absl::StatusOr<std::shared_ptr<FoldSlotPool>> FoldSlotPool::Make(int ordinal) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));
   void* base = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&base, kSlots * sizeof(GridAmaxSlot)));
-  const cudaError_t zeroed = cudaMemset(base, 0, kSlots * sizeof(GridAmaxSlot));
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&base, kSlots * sizeof(GridFoldSlot)));
+  const cudaError_t zeroed = cudaMemset(base, 0, kSlots * sizeof(GridFoldSlot));
   if (zeroed != cudaSuccess) {
     (void)cudaFree(base);
-    return CudaErrorToStatus(zeroed, "cudaMemset(amax slots)", __FILE__, __LINE__);
+    return CudaErrorToStatus(zeroed, "cudaMemset(fold slots)", __FILE__, __LINE__);
   }
-  return std::shared_ptr<AmaxSlotPool>(
-      new AmaxSlotPool(ordinal, static_cast<GridAmaxSlot*>(base)));
+  return std::shared_ptr<FoldSlotPool>(
+      new FoldSlotPool(ordinal, static_cast<GridFoldSlot*>(base)));
 }
 
-AmaxSlotPool::AmaxSlotPool(int ordinal, GridAmaxSlot* base) : ordinal_(ordinal), base_(base) {
+FoldSlotPool::FoldSlotPool(int ordinal, GridFoldSlot* base) : ordinal_(ordinal), base_(base) {
   free_.reserve(kSlots);
   for (int i = kSlots - 1; i >= 0; --i) free_.push_back(base_ + i);
 }
 
-AmaxSlotPool::~AmaxSlotPool() {
+FoldSlotPool::~FoldSlotPool() {
   (void)cudaSetDevice(ordinal_);
   (void)cudaFree(base_);
 }
 
-absl::StatusOr<GridAmaxSlot*> AmaxSlotPool::Take() {
+absl::StatusOr<GridFoldSlot*> FoldSlotPool::Take() {
   std::lock_guard<std::mutex> lock(mu_);
   if (free_.empty()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cuda:", ordinal_, " already has ", kSlots, " streams open"));
   }
-  GridAmaxSlot* slot = free_.back();
+  GridFoldSlot* slot = free_.back();
   free_.pop_back();
   return slot;
 }
 
-void AmaxSlotPool::Give(GridAmaxSlot* slot) {
+void FoldSlotPool::Give(GridFoldSlot* slot) {
   std::lock_guard<std::mutex> lock(mu_);
   free_.push_back(slot);
 }
 
 CudaOps::CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream,
-                 GridAmaxSlot* amax_slot)
-    : context_(std::move(context)), stream_(std::move(stream)), amax_slot_(amax_slot) {}
+                 GridFoldSlot* fold_slot)
+    : context_(std::move(context)), stream_(std::move(stream)), fold_slot_(fold_slot) {}
 
 CudaOps::~CudaOps() {
   // Library objects must not be destroyed while queued work uses them; after
   // the wait, this stream's freed blocks are idle for every other stream.
   (void)cudaSetDevice(context_->ordinal);
   (void)cudaStreamSynchronize(stream_.get());
+  if (side_stream_ != nullptr) {
+    (void)cudaStreamSynchronize(side_stream_);
+    (void)cudaStreamDestroy(side_stream_);
+    (void)cudaEventDestroy(fork_event_);
+    (void)cudaEventDestroy(join_event_);
+  }
   workspace_.reset();
-  context_->amax_slots->Give(amax_slot_);
+  context_->fold_slots->Give(fold_slot_);
   gemm_plans_.reset();
   attention_plans_.reset();
   if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
@@ -85,6 +91,33 @@ absl::Status CudaOps::Enter() const {
                        "restarts"));
   }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(context_->ordinal));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<cudaStream_t> CudaOps::ForkSide() {
+  if (side_stream_ == nullptr) {
+    cudaStream_t side = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t fork = nullptr, join = nullptr;
+    cudaError_t made = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+    if (made == cudaSuccess) made = cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+    if (made != cudaSuccess) {
+      if (fork != nullptr) (void)cudaEventDestroy(fork);
+      (void)cudaStreamDestroy(side);
+      return CudaErrorToStatus(made, "cudaEventCreateWithFlags(side stream)", __FILE__, __LINE__);
+    }
+    side_stream_ = side;
+    fork_event_ = fork;
+    join_event_ = join;
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_event_, stream_.get()));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_stream_, fork_event_, 0));
+  return side_stream_;
+}
+
+absl::Status CudaOps::JoinSide() {
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(join_event_, side_stream_));
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_.get(), join_event_, 0));
   return absl::OkStatus();
 }
 

@@ -68,43 +68,51 @@ std::shared_ptr<StagedUploads> NewStagedUploads(std::shared_ptr<PinnedStagingPoo
 absl::StatusOr<bool> StageUpload(StagedUploads& uploads, const void* src, void* dst, size_t bytes,
                                  cudaStream_t stream);
 
-// A stream's fold slot for FP8 amaxes (common.cuh's AmaxOut): zero at rest,
-// and left at zero by every kernel that folds through it. Kernels of one
-// stream run one after another, so one slot serves all of them.
-struct GridAmaxSlot {
+// A stream's fold slot: where the blocks of one kernel meet so that the last
+// to finish folds the grid's result, with no memset launched before it and
+// no second kernel after it. Zero at rest, and left at zero by every kernel
+// that folds through it. Kernels of one stream run one after another, so one
+// slot serves all of them.
+//   - bits, blocks_done: FP8 amaxes (common.cuh's AmaxOut, FoldAmax);
+//   - groups_done: kernels whose result is summed per group of blocks (the
+//     relative bias table's gradient per head: relative_bias_grad.cu) count
+//     the blocks of each group here, the group's last block summing it.
+inline constexpr int kFoldGroups = 128;
+struct GridFoldSlot {
   unsigned bits;         // the maxima folded so far, as AbsBits
   unsigned blocks_done;  // blocks of the running kernel that have folded
+  unsigned groups_done[kFoldGroups];  // blocks of each group that are done
 };
 
 // Where a kernel folds an FP8 output's amax (common.cuh's FoldAmax): `amax`
 // (null: not recorded) through its stream's slot.
 struct AmaxOut {
   float* amax = nullptr;
-  GridAmaxSlot* slot = nullptr;
+  GridFoldSlot* slot = nullptr;
 };
 
-// The device's GridAmaxSlots, one for each stream (CudaOps) while it lives:
+// The device's GridFoldSlots, one for each stream (CudaOps) while it lives:
 // one block cudaMalloc'd and zeroed when the device opens, outside the
 // caching allocator (no session is charged for it, nothing to order).
-class AmaxSlotPool {
+class FoldSlotPool {
  public:
   static constexpr int kSlots = 4096;  // streams open at once on a device
-  static absl::StatusOr<std::shared_ptr<AmaxSlotPool>> Make(int ordinal);
-  ~AmaxSlotPool();
-  AmaxSlotPool(const AmaxSlotPool&) = delete;
-  AmaxSlotPool& operator=(const AmaxSlotPool&) = delete;
+  static absl::StatusOr<std::shared_ptr<FoldSlotPool>> Make(int ordinal);
+  ~FoldSlotPool();
+  FoldSlotPool(const FoldSlotPool&) = delete;
+  FoldSlotPool& operator=(const FoldSlotPool&) = delete;
 
   // A slot at zero; RESOURCE_EXHAUSTED when every slot has a stream.
-  absl::StatusOr<GridAmaxSlot*> Take();
+  absl::StatusOr<GridFoldSlot*> Take();
   // Back from a stream with no work pending (its slot at zero again).
-  void Give(GridAmaxSlot* slot);
+  void Give(GridFoldSlot* slot);
 
  private:
-  AmaxSlotPool(int ordinal, GridAmaxSlot* base);
+  FoldSlotPool(int ordinal, GridFoldSlot* base);
   const int ordinal_;
-  GridAmaxSlot* const base_;
+  GridFoldSlot* const base_;
   std::mutex mu_;
-  std::vector<GridAmaxSlot*> free_;
+  std::vector<GridFoldSlot*> free_;
 };
 
 // Per-device state shared by all streams on the device. Thread-safe: the
@@ -119,7 +127,7 @@ struct CudaContext {
   // megabytes a PutTensor stages, so released buffers are kept for the next.
   std::shared_ptr<PinnedStagingPool> staging_pool = NewPinnedStagingPool();
   mutable KernelLaunchMemo launch_memo;  // filled by launches, not a property
-  std::shared_ptr<AmaxSlotPool> amax_slots;  // made by OpenCudaDevice
+  std::shared_ptr<FoldSlotPool> fold_slots;  // made by OpenCudaDevice
 
   ~CudaContext();
 };
@@ -137,8 +145,8 @@ using SharedStream = std::shared_ptr<CUstream_st>;
 
 class CudaOps : public Ops {
  public:
-  // `amax_slot`: from context->amax_slots, given back when this is destroyed.
-  CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream, GridAmaxSlot* amax_slot);
+  // `fold_slot`: from context->fold_slots, given back when this is destroyed.
+  CudaOps(std::shared_ptr<CudaContext> context, SharedStream stream, GridFoldSlot* fold_slot);
   ~CudaOps() override;
 
   std::string device_name() const override;
@@ -339,8 +347,12 @@ class CudaOps : public Ops {
   // An FP8 output's amax for a kernel on this stream (common.cuh's
   // FoldAmax): fp8's amax (none when undefined) with this stream's slot.
   AmaxOut AmaxOutFor(const Fp8Output& fp8) const {
-    return fp8.amax.defined() ? AmaxOut{fp8.amax.data_as<float>(), amax_slot_} : AmaxOut{};
+    return fp8.amax.defined() ? AmaxOut{fp8.amax.data_as<float>(), fold_slot_} : AmaxOut{};
   }
+  // This stream's group counters (GridFoldSlot::groups_done, kFoldGroups of
+  // them, at zero between kernels) for a kernel whose last block per group
+  // folds the group's result.
+  unsigned* fold_groups() const { return fold_slot_->groups_done; }
   // This stream's cuDNN handle, created on first use.
   absl::StatusOr<cudnnHandle_t> CudnnHandle();
   // A library workspace of at least `bytes` on this stream, grown on demand and
@@ -348,6 +360,14 @@ class CudaOps : public Ops {
   // Allocate, so it counts in bytes_in_use() and a growth past the memory
   // limit is RESOURCE_EXHAUSTED; ops size their requests with workspace.h.
   absl::StatusOr<void*> Workspace(size_t bytes);
+  // A second stream for work that may overlap this stream's inside one op
+  // (the relative bias table's gradient beside cuDNN's attention backward):
+  // ForkSide returns it, waiting for everything queued here so far; JoinSide
+  // makes this stream wait for everything queued there, so the op's inputs,
+  // outputs and temporaries keep this stream's order. The stream and its two
+  // events are created on the first fork and kept.
+  absl::StatusOr<cudaStream_t> ForkSide();
+  absl::Status JoinSide();
   size_t workspace_bytes() const { return workspace_bytes_; }
   int64_t scratch_bytes() const override { return static_cast<int64_t>(workspace_bytes_); }
   absl::Status ShrinkScratch(int64_t bytes) override;
@@ -368,10 +388,12 @@ class CudaOps : public Ops {
   cudnnHandle_t cudnn_ = nullptr;
   std::shared_ptr<void> workspace_;
   size_t workspace_bytes_ = 0;
-  GridAmaxSlot* const amax_slot_;
+  GridFoldSlot* const fold_slot_;
   std::shared_ptr<CompletionEventPool> completion_events_;  // made on first use
   std::shared_ptr<StagedUploads> staged_uploads_;            // made on first use
   bool capturing_ = false;  // inside CaptureStep
+  cudaStream_t side_stream_ = nullptr;  // ForkSide's, made on the first fork
+  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   std::shared_ptr<GemmPlanCache> gemm_plans_;
   std::shared_ptr<AttentionPlanCache> attention_plans_;
 };

@@ -321,8 +321,8 @@ absl::Status CudaOps::Amax(const Tensor& x, Tensor* amax) {
   DispatchFloatOrFp8(x.dtype(), [&](auto in) {
     using In = decltype(in);
     AmaxKernel<In><<<GridFor(n), kThreads, 0, stream()>>>(
-        static_cast<const typename In::Storage*>(x.data()), AmaxOut{amax->data_as<float>(), amax_slot_},
-        n);
+        static_cast<const typename In::Storage*>(x.data()),
+        AmaxOut{amax->data_as<float>(), fold_slot_}, n);
   });
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();

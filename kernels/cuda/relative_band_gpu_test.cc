@@ -4,10 +4,10 @@
 // RelativeBiasBackward), on random data with TE's causal T5 buckets: packed
 // and separate q, k, v, GQA, head_dim 32 / 64 / 128, bf16 and f16, sequences
 // shorter and longer than the band, the bias in float32 and in the operands'
-// dtype. Each case asserts through the band's call counter whether the band
-// kernel ran; where it must not (a sequence
-// cuDNN declines with a bias), the dense default answers. The band's dtable
-// repeats its bits from run to run.
+// dtype, more heads than the stream's group counters. Each case asserts
+// through the band's call counter whether the band kernel ran; where it must
+// not (a sequence cuDNN declines with a bias), the dense default answers. The
+// band's dtable repeats its bits from run to run.
 //
 // Tolerances as attention_gpu_test's (kernels/cpu/test_util.h's Tolerance:
 // relative error ||gpu - cpu|| / ||cpu||, 1e-2 for bf16, and 2e-3 for f16
@@ -25,6 +25,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/test_util.h"
 #include "kernels/cuda/attention_internal.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 
@@ -246,6 +247,8 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
       << "the far bucket, formed as minus the band";
 }
 
+static_assert(cuda::kFoldGroups < 130, "the 130-head case takes the table's own kernel");
+
 INSTANTIATE_TEST_SUITE_P(
     Band, RelativeBandTest,
     ::testing::Values(
@@ -268,7 +271,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"bf16_packed_s320_d64_64_buckets", DType::kBF16, 2, 320, 2, 2, 64, true, true, true,
              64},
         Case{"f16_separate_s192_d128_64_buckets", DType::kF16, 1, 192, 2, 2, 128, false, true,
-             false, 64}),
+             false, 64},
+        // More heads than the stream's group counters: the table's own kernel
+        // sums the blocks (kFoldGroups); below it the heads' last blocks do.
+        Case{"bf16_packed_s128_d32_130_heads", DType::kBF16, 1, 128, 130, 130, 32, true, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

@@ -14,8 +14,9 @@
 //     the far bucket's share of a row is minus its band's.
 // So the kernel recomputes P and dP on the W diagonals only, on tensor cores
 // (mma.m16n8k16 fed by ldmatrix), dS in f32 in registers, in a fixed order
-// (no atomics: the same bits every run). A second kernel adds the blocks'
-// sums into dtable.
+// (no atomics in any sum: the same bits every run). The last block of each
+// head to finish adds the head's blocks' sums into dtable (a kernel of its
+// own when the stream's group counters cannot hold every head).
 //
 // A block takes 128 queries (eight 16-row tiles) of one (batch, head) and
 // stages their q and dout, and the keys and values their band reaches, into
@@ -67,6 +68,13 @@ struct BandParams {
   float* partial;                         // [B, H, tiles, W + 1]
   int seq, heads, group, band, tiles;
   float scale;
+  // Where the last block of each head folds the head's dtable column (null:
+  // RelativeBandTableKernel does, launched after): the stream's group
+  // counters, the buckets [S, S] and dtable [NB, H].
+  unsigned* heads_done;
+  const int32_t* buckets;
+  float* dtable;
+  int num_buckets;
 };
 
 template <typename T>
@@ -148,6 +156,65 @@ __device__ __forceinline__ void MmaAccumulate<__half>(float d[4], const uint32_t
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// dtable[:, h]: the head's distances' sums over batches and tiles, each
+// added to its bucket; the far bucket (the one at distance W) also takes
+// minus the band's sum of every row with far keys. kTableSplit threads per
+// distance, their sums added in a fixed order: the same bits whichever block
+// runs it. `split_sums` holds kTableSplit * (kRelativeBandMax + 1) floats and
+// `bucket_at` kRelativeBandMax ints of shared memory. The partial rows are
+// other blocks' writes: read past L1.
+constexpr int kTableSplit = 4;
+constexpr int kTableThreads = kTableSplit * (kRelativeBandMax + kTableSplit);
+
+__device__ void SumHeadTable(const float* partial, const int32_t* buckets, float* dtable,
+                             int batch, int heads, int tiles, int seq, int band, int num_buckets,
+                             int h, float* split_sums, int32_t* bucket_at) {
+  const int blocks = batch * tiles;  // the partial rows of this head
+  for (int x = threadIdx.x; x < kTableSplit * (band + 1); x += blockDim.x) {
+    const int d = x % (band + 1), part = x / (band + 1);
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int n = part; n < blocks; n += kTableSplit) {
+      const int b = n / tiles, t = n % tiles;
+      sum += __ldcg(&partial[((static_cast<int64_t>(b) * heads + h) * tiles + t) * (band + 1) + d]);
+    }
+    split_sums[part * (kRelativeBandMax + 1) + d] = sum;
+  }
+  // The last query sees every distance d at key seq - 1 - d: read once here,
+  // not once per bucket and distance from global memory.
+  const int32_t* last = buckets + static_cast<int64_t>(seq - 1) * seq;
+  for (int d = threadIdx.x; d < band && d < seq; d += blockDim.x) bucket_at[d] = last[seq - 1 - d];
+  __syncthreads();
+  const int far = band < seq ? last[seq - 1 - band] : -1;
+  for (int n = threadIdx.x; n < num_buckets; n += blockDim.x) {
+    float sum = 0.0f;
+    for (int d = 0; d < band && d < seq; ++d) {
+      if (bucket_at[d] == n) {
+        for (int part = 0; part < kTableSplit; ++part) {
+          sum += split_sums[part * (kRelativeBandMax + 1) + d];
+        }
+      }
+    }
+    if (n == far) {
+      for (int part = 0; part < kTableSplit; ++part) {
+        sum += split_sums[part * (kRelativeBandMax + 1) + band];
+      }
+    }
+    dtable[static_cast<int64_t>(n) * heads + h] = sum;
+  }
+}
+
+// The table's gradient as a kernel of its own: one block per head, after the
+// band kernel, where the stream's group counters cannot hold every head.
+__global__ void __launch_bounds__(kTableThreads) RelativeBandTableKernel(
+    const float* partial, const int32_t* buckets, float* dtable, int batch, int heads, int tiles,
+    int seq, int band, int num_buckets) {
+  __shared__ float split_sums[kTableSplit * (kRelativeBandMax + 1)];
+  __shared__ int32_t bucket_at[kRelativeBandMax];
+  SumHeadTable(partial, buckets, dtable, batch, heads, tiles, seq, band, num_buckets, blockIdx.x,
+               split_sums, bucket_at);
 }
 
 // Two blocks an SM where their staged rows fit (D up to 64).
@@ -352,71 +419,50 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
     for (int w = 0; w < kBandWarps; ++w) sum += sh.warp_far[w];
     sums[W] = sum;
   }
-}
-
-// dtable [NB, H]: per head, the distances' sums over batches and tiles, each
-// added to its bucket; the far bucket (the one at distance W) also takes
-// minus the band's sum of every row with far keys. One block per head,
-// kTableSplit threads per distance, their sums added in a fixed order.
-constexpr int kTableSplit = 4;
-constexpr int kTableThreads = kTableSplit * (kRelativeBandMax + kTableSplit);
-
-__global__ void __launch_bounds__(kTableThreads) RelativeBandTableKernel(
-    const float* partial, const int32_t* buckets, float* dtable, int batch, int heads, int tiles,
-    int seq, int band, int num_buckets) {
-  __shared__ float split_sums[kTableSplit][kRelativeBandMax + 1];
-  __shared__ int32_t bucket_at[kRelativeBandMax];  // each distance's bucket
-  const int h = blockIdx.x;
-  const int blocks = batch * tiles;  // the partial rows of this head
-  for (int x = threadIdx.x; x < kTableSplit * (band + 1); x += blockDim.x) {
-    const int d = x % (band + 1), part = x / (band + 1);
-    float sum = 0.0f;
-#pragma unroll 4
-    for (int n = part; n < blocks; n += kTableSplit) {
-      const int b = n / tiles, t = n % tiles;
-      sum += partial[((static_cast<int64_t>(b) * heads + h) * tiles + t) * (band + 1) + d];
-    }
-    split_sums[part][d] = sum;
-  }
-  // The last query sees every distance d at key seq - 1 - d: read once here,
-  // not once per bucket and distance from global memory.
-  const int32_t* last = buckets + static_cast<int64_t>(seq - 1) * seq;
-  for (int d = threadIdx.x; d < band && d < seq; d += blockDim.x) bucket_at[d] = last[seq - 1 - d];
+  if (p.heads_done == nullptr) return;
+  // The head's last block to finish sums its dtable column (as FoldAmax
+  // does the amax): no second launch, and the other heads' blocks hide it.
+  __shared__ bool last_of_head;
+  __threadfence();  // this block's sums land before its count
   __syncthreads();
-  const int far = band < seq ? last[seq - 1 - band] : -1;
-  for (int n = threadIdx.x; n < num_buckets; n += blockDim.x) {
-    float sum = 0.0f;
-    for (int d = 0; d < band && d < seq; ++d) {
-      if (bucket_at[d] == n) {
-        for (int part = 0; part < kTableSplit; ++part) sum += split_sums[part][d];
-      }
-    }
-    if (n == far) {
-      for (int part = 0; part < kTableSplit; ++part) sum += split_sums[part][band];
-    }
-    dtable[static_cast<int64_t>(n) * heads + h] = sum;
+  if (threadIdx.x == 0) {
+    const unsigned blocks = gridDim.x * gridDim.z;  // the head's tiles and batches
+    last_of_head = atomicAdd(&p.heads_done[h], 1u) == blocks - 1;
   }
+  __syncthreads();
+  if (!last_of_head) return;
+  __threadfence();  // every block's sums are in: read them after the count
+  static_assert(kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
+                    kBandQueries * (32 + kStagePad) * sizeof(T) / sizeof(float),
+                "the staged rows hold the table's sums");
+  float* split_sums = reinterpret_cast<float*>(stage_bytes);
+  int32_t* bucket_at =
+      reinterpret_cast<int32_t*>(split_sums + kTableSplit * (kRelativeBandMax + 1));
+  SumHeadTable(p.partial, p.buckets, p.dtable, static_cast<int>(gridDim.z), p.heads, p.tiles, S,
+               W, p.num_buckets, h, split_sums, bucket_at);
+  if (threadIdx.x == 0) p.heads_done[h] = 0;  // the next launch on this stream sees it
 }
 
 template <typename T, int D>
-absl::Status LaunchBand(CudaOps* ops, const BandParams& p, int batch) {
+absl::Status LaunchBand(CudaOps* ops, cudaStream_t stream, const BandParams& p, int batch) {
   const size_t stage = StageBytes<D>(p.band);
   // The static BandShared counts against the default 48 KiB too.
   RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKernel<T, D>,
                                    stage + sizeof(BandShared),
                                    "cudaFuncSetAttribute(RelativeBandKernel)"));
   RelativeBandKernel<T, D>
-      <<<dim3(p.tiles, p.heads, batch), kBandWarps * 32, stage, ops->stream()>>>(p);
+      <<<dim3(p.tiles, p.heads, batch), kBandWarps * 32, stage, stream>>>(p);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
 
 template <typename T>
-absl::Status LaunchBandForHeadDim(CudaOps* ops, const BandParams& p, int batch, int head_dim) {
+absl::Status LaunchBandForHeadDim(CudaOps* ops, cudaStream_t stream, const BandParams& p,
+                                  int batch, int head_dim) {
   switch (head_dim) {
-    case 32: return LaunchBand<T, 32>(ops, p, batch);
-    case 64: return LaunchBand<T, 64>(ops, p, batch);
-    case 128: return LaunchBand<T, 128>(ops, p, batch);
+    case 32: return LaunchBand<T, 32>(ops, stream, p, batch);
+    case 64: return LaunchBand<T, 64>(ops, stream, p, batch);
+    case 128: return LaunchBand<T, 128>(ops, stream, p, batch);
     default: break;
   }
   return absl::UnimplementedError(absl::StrCat("head_dim ", head_dim, " (32, 64 or 128)"));
@@ -460,7 +506,7 @@ absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape
   return absl::OkStatus();
 }
 
-absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
+absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const AttentionArgs& args,
                                    const AttentionShape& s, const QkvMemory& qkv,
                                    const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
@@ -487,13 +533,18 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
   ASSIGN_OR_RETURN(Tensor partial,
                    ops->Allocate(DType::kF32, {s.batch * s.q_heads * p.tiles, p.band + 1}));
   p.partial = partial.data_as<float>();
+  p.buckets = relative.buckets.data_as<const int32_t>();
+  p.dtable = dtable->data_as<float>();
+  p.num_buckets = static_cast<int>(dtable->dim(0));
+  const bool fold = p.heads <= kFoldGroups;
+  p.heads_done = fold ? ops->fold_groups() : nullptr;
   const int head_dim = static_cast<int>(s.head_dim);
   RETURN_IF_ERROR(qkv.dtype == DType::kBF16
-                      ? LaunchBandForHeadDim<__nv_bfloat16>(ops, p, batch, head_dim)
-                      : LaunchBandForHeadDim<__half>(ops, p, batch, head_dim));
-  RelativeBandTableKernel<<<p.heads, kTableThreads, 0, ops->stream()>>>(
-      p.partial, relative.buckets.data_as<const int32_t>(), dtable->data_as<float>(), batch,
-      p.heads, p.tiles, p.seq, p.band, static_cast<int>(dtable->dim(0)));
+                      ? LaunchBandForHeadDim<__nv_bfloat16>(ops, stream, p, batch, head_dim)
+                      : LaunchBandForHeadDim<__half>(ops, stream, p, batch, head_dim));
+  if (fold) return absl::OkStatus();
+  RelativeBandTableKernel<<<p.heads, kTableThreads, 0, stream>>>(
+      p.partial, p.buckets, p.dtable, batch, p.heads, p.tiles, p.seq, p.band, p.num_buckets);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
