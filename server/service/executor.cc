@@ -281,8 +281,12 @@ void DeviceExecutor::ReleaseKey(const std::string& key) {
   absl::MutexLock lock(&mu_);
   auto it = strands_.find(key);
   if (it == strands_.end()) return;
-  it->second.held = false;
-  ScheduleLocked(key, it->second);
+  Strand& strand = it->second;
+  strand.held = false;
+  // Released by the worker running the call: the rest of its run is not the
+  // key's work (contract 4).
+  if (strand.running && strand.runner == std::this_thread::get_id()) strand.running = false;
+  ScheduleLocked(key, strand);
   EraseIfIdleLocked(key);
 }
 
@@ -291,8 +295,8 @@ bool DeviceExecutor::RunnableLocked(const Strand& strand) const {
 }
 
 void DeviceExecutor::ScheduleLocked(const std::string& key, Strand& strand) {
-  if (strand.scheduled || !RunnableLocked(strand)) return;
-  strand.scheduled = true;
+  if (strand.queued || strand.running || !RunnableLocked(strand)) return;
+  strand.queued = true;
   ready_.push_back(key);
   work_available_.Signal();
 }
@@ -301,7 +305,8 @@ void DeviceExecutor::EraseIfIdleLocked(const std::string& key) {
   auto it = strands_.find(key);
   if (it == strands_.end()) return;
   const Strand& strand = it->second;
-  if (!strand.held && !strand.scheduled && strand.waiting.empty() && strand.early.empty() &&
+  if (!strand.held && !strand.queued && !strand.running && strand.waiting.empty() &&
+      strand.early.empty() &&
       strand.continuations.empty()) {
     strands_.erase(it);
   }
@@ -328,9 +333,10 @@ void DeviceExecutor::WorkerLoop() {
     if (ready_.empty()) return;  // stopping, and nothing left that may run
     const std::string key = std::move(ready_.front());
     ready_.pop_front();
-    // A scheduled strand is never erased, so this reference stays valid while
-    // the lock is dropped below.
     Strand& strand = strands_[key];
+    strand.queued = false;
+    strand.running = true;
+    strand.runner = std::this_thread::get_id();
     std::function<void()> work;
     if (!strand.continuations.empty()) {
       work = std::move(strand.continuations.front());
@@ -359,8 +365,10 @@ void DeviceExecutor::WorkerLoop() {
       mu_.Lock();
       --running_;
     }
+    // The strand may have been released and erased meanwhile, or taken by
+    // another worker after the call released its turn: then it is not ours.
     Strand& after = strands_[key];
-    after.scheduled = false;
+    if (after.running && after.runner == std::this_thread::get_id()) after.running = false;
     ScheduleLocked(key, after);
     EraseIfIdleLocked(key);
   }

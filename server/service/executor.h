@@ -130,8 +130,16 @@ class DeviceExecutor {
     std::map<uint64_t, Handle> early;
     absl::Time gap_since;  // when the wait for the key's next number began
     std::deque<std::function<void()>> continuations;
-    bool held = false;       // a started call holds the key
-    bool scheduled = false;  // in ready_, or a worker is on it
+    bool held = false;    // a started call holds the key
+    bool queued = false;  // in ready_
+    // A worker runs the key's work (a call until it releases its turn, or a
+    // continuation): the key's next work waits for it. A call that releases
+    // its turn inside its run (QueuedCall: the answer's device values are
+    // read after it) lets the key's next call start on another worker
+    // meanwhile, so a pipelined client's next step is queued on the device
+    // while this one's loss is read.
+    bool running = false;
+    std::thread::id runner;  // the worker, while running
   };
 
   void WorkerLoop();

@@ -240,6 +240,53 @@ TEST(DeviceExecutorTest, HeldTurnRunsContinuationsBeforeTheKeysNextCall) {
                                              "stream end", "next call"}));
 }
 
+// Contract 4: the key is free once the turn is released, even while the
+// call's run goes on (a training step reading its loss after its turn): the
+// key's next call starts on another worker meanwhile.
+TEST(DeviceExecutorTest, AReleasedTurnLetsTheKeysNextCallStartWhileTheRunGoesOn) {
+  DeviceExecutor executor({/*threads=*/2, /*max_queued=*/4, "test"});
+  absl::Notification first_released, next_ran, first_may_end;
+  std::atomic<bool> next_ran_before_first_ended{false};
+  DeviceExecutor::Call first;
+  first.key = "s";
+  first.run = [&](Turn turn) {
+    turn.Release();
+    first_released.Notify();
+    next_ran_before_first_ended = next_ran.WaitForNotificationWithTimeout(kWait);
+    first_may_end.WaitForNotificationWithTimeout(kWait);
+  };
+  first.drop = [](absl::Status) {};
+  DeviceExecutor::Call next;
+  next.key = "s";
+  next.run = [&](Turn) { next_ran.Notify(); };
+  next.drop = [](absl::Status) {};
+  ASSERT_TRUE(executor.Submit(std::move(first)).ok());
+  ASSERT_TRUE(executor.Submit(std::move(next)).ok());
+  ASSERT_TRUE(first_released.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(next_ran.WaitForNotificationWithTimeout(kWait));
+  first_may_end.Notify();
+  // The executor's destructor waits for the first call's run to end.
+}
+
+// Until the release, the key's next call waits, even with workers idle.
+TEST(DeviceExecutorTest, AHeldTurnKeepsTheKeysNextCallWaitingWithIdleWorkers) {
+  DeviceExecutor executor({/*threads=*/3, /*max_queued=*/4, "test"});
+  Recorder recorder;
+  Gate gate;
+  ASSERT_TRUE(executor.Submit(recorder.Make("s", "first", gate.Body())).ok());
+  ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(executor.Submit(recorder.Make("s", "next")).ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  {
+    absl::MutexLock lock(&recorder.mu);
+    EXPECT_TRUE(recorder.ran.empty()) << "the next call ran while the first held the key";
+  }
+  gate.open.Notify();
+  ASSERT_TRUE(recorder.WaitForRuns(2));
+  absl::MutexLock lock(&recorder.mu);
+  EXPECT_EQ(recorder.ran, (std::vector<std::string>{"first", "next"}));
+}
+
 TEST(DeviceExecutorTest, DestructorDropsWaitingCalls) {
   Recorder recorder;
   Gate gate;
