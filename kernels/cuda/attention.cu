@@ -428,9 +428,10 @@ absl::Status RelativeOnCudnn(CudaOps* ops, const AttentionArgs& args,
   const absl::Status cudnn = CudnnAttentionBackward(ops, args, shape, qkv, out, dout,
                                                     softmax_lse, grads, /*dbias=*/nullptr);
   absl::Status band = cudnn;
+  Tensor band_partial;  // the band kernel's memory: held past the join
   if (cudnn.ok()) {
     band = RelativeBandTableGrad(ops, side, args, shape, qkv, out, dout, softmax_lse, relative,
-                                 dtable);
+                                 dtable, &band_partial);
   }
   RETURN_IF_ERROR(ops->JoinSide());
   RETURN_IF_ERROR(band);

@@ -197,15 +197,17 @@ absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape
                                  const QkvMemory& qkv, const RelativeBuckets& relative);
 // dtable f32 [NB, H] (ops.h's AttentionBackwardRelative) from the forward's
 // q, k, v (qkv), out, softmax_lse, the output gradient and args.bias (the
-// dense relative bias, read at each distance); enqueued on `stream` (ops'
-// own, or its side stream: everything it touches, including its temporary,
-// is ordered by ops' stream around it). The caller has checked
-// RelativeBandApplies.
+// dense relative bias, read at each distance); enqueued on `stream`: ops'
+// own, or its side stream (CudaOps::ForkSide). `partial` receives the
+// kernel's per-block sums, allocated here on ops' stream: the caller keeps
+// it until the work on `stream` is ordered back on ops' stream (JoinSide),
+// so no other stream takes its memory while the kernel still writes it.
+// The caller has checked RelativeBandApplies.
 absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const AttentionArgs& args,
                                    const AttentionShape& s, const QkvMemory& qkv,
                                    const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
-                                   Tensor* dtable);
+                                   Tensor* dtable, Tensor* partial);
 
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and

@@ -510,7 +510,7 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const Atte
                                    const AttentionShape& s, const QkvMemory& qkv,
                                    const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
-                                   Tensor* dtable) {
+                                   Tensor* dtable, Tensor* partial) {
   BandParams p;
   p.q = qkv.q;
   p.k = qkv.k;
@@ -530,9 +530,9 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const Atte
   p.tiles = static_cast<int>((s.q_seq + kBandQueries - 1) / kBandQueries);
   p.scale = args.scale;
   const int batch = static_cast<int>(s.batch);
-  ASSIGN_OR_RETURN(Tensor partial,
+  ASSIGN_OR_RETURN(*partial,
                    ops->Allocate(DType::kF32, {s.batch * s.q_heads * p.tiles, p.band + 1}));
-  p.partial = partial.data_as<float>();
+  p.partial = partial->data_as<float>();
   p.buckets = relative.buckets.data_as<const int32_t>();
   p.dtable = dtable->data_as<float>();
   p.num_buckets = static_cast<int>(dtable->dim(0));
