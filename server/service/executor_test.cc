@@ -244,9 +244,10 @@ TEST(DeviceExecutorTest, HeldTurnRunsContinuationsBeforeTheKeysNextCall) {
 // call's run goes on (a training step reading its loss after its turn): the
 // key's next call starts on another worker meanwhile.
 TEST(DeviceExecutorTest, AReleasedTurnLetsTheKeysNextCallStartWhileTheRunGoesOn) {
-  DeviceExecutor executor({/*threads=*/2, /*max_queued=*/4, "test"});
-  absl::Notification first_released, next_ran, first_may_end;
+  // Declared before the executor, whose destructor waits for the runs that use them.
+  absl::Notification first_released, next_ran, first_may_end, first_ended;
   std::atomic<bool> next_ran_before_first_ended{false};
+  DeviceExecutor executor({/*threads=*/2, /*max_queued=*/4, "test"});
   DeviceExecutor::Call first;
   first.key = "s";
   first.run = [&](Turn turn) {
@@ -254,6 +255,7 @@ TEST(DeviceExecutorTest, AReleasedTurnLetsTheKeysNextCallStartWhileTheRunGoesOn)
     first_released.Notify();
     next_ran_before_first_ended = next_ran.WaitForNotificationWithTimeout(kWait);
     first_may_end.WaitForNotificationWithTimeout(kWait);
+    first_ended.Notify();
   };
   first.drop = [](absl::Status) {};
   DeviceExecutor::Call next;
@@ -265,14 +267,15 @@ TEST(DeviceExecutorTest, AReleasedTurnLetsTheKeysNextCallStartWhileTheRunGoesOn)
   ASSERT_TRUE(first_released.WaitForNotificationWithTimeout(kWait));
   EXPECT_TRUE(next_ran.WaitForNotificationWithTimeout(kWait));
   first_may_end.Notify();
-  // The executor's destructor waits for the first call's run to end.
+  ASSERT_TRUE(first_ended.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(next_ran_before_first_ended.load());
 }
 
 // Until the release, the key's next call waits, even with workers idle.
 TEST(DeviceExecutorTest, AHeldTurnKeepsTheKeysNextCallWaitingWithIdleWorkers) {
-  DeviceExecutor executor({/*threads=*/3, /*max_queued=*/4, "test"});
   Recorder recorder;
   Gate gate;
+  DeviceExecutor executor({/*threads=*/3, /*max_queued=*/4, "test"});
   ASSERT_TRUE(executor.Submit(recorder.Make("s", "first", gate.Body())).ok());
   ASSERT_TRUE(gate.entered.WaitForNotificationWithTimeout(kWait));
   ASSERT_TRUE(executor.Submit(recorder.Make("s", "next")).ok());
