@@ -5,7 +5,10 @@
 
 A step is the span between two host synchronisations that has device work in
 it (the Benchmark RPC synchronises before and after each step, so its steps
-are exactly these spans). For the last N steps it prints the step's wall time,
+are exactly these spans), or with --step-starts NAME the span from one start
+of a kernel whose name holds NAME to the next (a pipelined training loop
+synchronises more than once a step, and not at its edges: the LM's steps
+each start with one embedding lookup). For the last N steps it prints the step's wall time,
 the device's busy time (the union of kernel, memcpy and memset intervals), the
 idle time, the idle gaps grouped by the kernel that ends each gap, with the
 host calls made during the gaps, and the kernel time by kernel class. With
@@ -83,7 +86,13 @@ def steps(device, host):
     return spans
 
 
-def analyse(span, device, host, min_gap_ns):
+def marked_steps(device, marker):
+    """Spans (t0, t1) between the starts of successive kernels named with `marker`."""
+    starts = [d[0] for d in device if d[3] == "kernel" and marker in d[2]]
+    return list(zip(starts, starts[1:]))
+
+
+def analyse(span, device, host, min_gap_ns, end_label="(end of step: host sync)"):
     t0, t1 = span
     recs = [d for d in device if d[0] >= t0 and d[1] <= t1]
     busy, cursor, gaps = 0, t0, []
@@ -94,7 +103,7 @@ def analyse(span, device, host, min_gap_ns):
             busy += e - max(s, cursor)
             cursor = e
     if t1 > cursor:
-        gaps.append((cursor, t1, "(end of step: host sync)"))
+        gaps.append((cursor, t1, end_label))
     gaps = [g for g in gaps if g[1] - g[0] >= min_gap_ns]
     return recs, busy, gaps
 
@@ -114,6 +123,9 @@ def main():
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=3, help="the last N steps")
     p.add_argument("--min-gap-us", type=float, default=2.0)
+    p.add_argument("--step-starts", metavar="NAME",
+                   help="a step runs from one start of a kernel whose name holds NAME to the "
+                        "next, instead of between host synchronisations")
     p.add_argument("--by-kernel", type=int, default=0, metavar="N",
                    help="also list each class's N costliest kernels (ms and launches per step)")
     p.add_argument("--largest-gap", action="store_true",
@@ -125,17 +137,24 @@ def main():
                         "between its synchronisations are passed over")
     args = p.parse_args()
     device, host = load(args.trace)
-    spans = steps(device, host)
-    if not spans:
-        sys.exit("no step found: no device work between two synchronisations")
-    spans = spans[-args.steps:]
+    if args.step_starts:
+        all_spans = marked_steps(device, args.step_starts)
+        end_label = f"(end of step: the next {args.step_starts})"
+        if not all_spans:
+            sys.exit(f"no step found: fewer than two kernels named with {args.step_starts}")
+    else:
+        all_spans = steps(device, host)
+        end_label = "(end of step: host sync)"
+        if not all_spans:
+            sys.exit("no step found: no device work between two synchronisations")
+    spans = all_spans[-args.steps:]
     idle_by_next = collections.defaultdict(lambda: [0, 0])
     host_in_gaps = collections.defaultdict(lambda: [0, 0])
     by_class = collections.defaultdict(lambda: [0, 0])
     by_kernel = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
     walls, busies, counts = [], [], []
     for span in spans:
-        recs, busy, gaps = analyse(span, device, host, args.min_gap_us * 1e3)  # the last span's: --largest-gap
+        recs, busy, gaps = analyse(span, device, host, args.min_gap_us * 1e3, end_label)  # the last span's: --largest-gap
         walls.append(span[1] - span[0])
         busies.append(busy)
         counts.append(sum(1 for r in recs if r[3] == "kernel"))
@@ -156,7 +175,7 @@ def main():
     n = len(spans)
     ms = lambda ns: ns / n / 1e6
     wall, busy = sum(walls), sum(busies)
-    print(f"steps: {n} (the last of {len(steps(device, host))})")
+    print(f"steps: {n} (the last of {len(all_spans)})")
     print(f"step wall {ms(wall):.3f} ms, device busy {ms(busy):.3f} ms "
           f"({busy / wall:.3f} of the step), idle {ms(wall - busy):.3f} ms, "
           f"{sum(counts) / n:.0f} kernels per step")

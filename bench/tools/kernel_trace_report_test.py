@@ -67,6 +67,32 @@ class ReportTest(unittest.TestCase):
         out = self.run_report("--steps", "2")
         self.assertNotIn("launch order", out)
 
+    def test_step_starts_spans_a_pipelined_step_between_its_first_kernels(self):
+        # Two steps that each start with an embedding lookup, with a
+        # synchronisation in the middle of each (a pipelined loop's loss
+        # read): by synchronisations the steps would be halves.
+        trace = """kind,name,start_ns,end_ns,stream,correlation
+kernel,te::cuda::EmbedForwardKernel<F32>,1000,1100,7,1
+runtime,cudaEventSynchronize_v3020,1000,1500,2,2
+kernel,nvjet_sm90_tst_128x128_gemm,1200,1800,7,3
+kernel,te::cuda::EmbedForwardKernel<F32>,2000,2100,7,4
+runtime,cudaEventSynchronize_v3020,2000,2500,2,5
+kernel,nvjet_sm90_tst_128x128_gemm,2100,2900,7,6
+kernel,te::cuda::EmbedForwardKernel<F32>,3000,3100,7,7
+"""
+        out = self.run_report("--steps", "2", "--min-gap-us", "0", "--step-starts",
+                              "EmbedForwardKernel", trace=trace)
+        # Step 1: 1000..2000, busy 700 (a 100 ns gap before the GEMM, 200 at
+        # its end); step 2: 2000..3000, busy 900 (100 at its end).
+        self.assertIn("steps: 2 (the last of 2)", out)
+        self.assertIn("(0.800 of the step)", out)
+        self.assertIn("2 kernels per step", out)
+        self.assertIn("(end of step: the next EmbedForwardKernel)", out)
+        by_sync = self.run_report("--steps", "2", "--min-gap-us", "0", trace=trace)
+        self.assertIn("1 kernels per step", by_sync)
+        with self.assertRaises(subprocess.CalledProcessError):
+            self.run_report("--step-starts", "NoSuchKernel", trace=trace)
+
     def test_by_kernel_splits_each_class_by_name(self):
         # A second norm kernel in step 1, so the norm class has two names.
         trace = TRACE.replace(
