@@ -100,6 +100,7 @@ int Run(int reps) {
   Tensor h2 = Random(ops, bf16, {kTokens, 2 * kMlp}, 6);
   Tensor act = *ops.Allocate(bf16, {kTokens, kMlp});
   Tensor act8 = *ops.Allocate(DType::kE4M3, {kTokens, kMlp});
+  Tensor act8_t = *ops.Allocate(DType::kE4M3, {kMlp, kTokens});
   Tensor dact = Random(ops, bf16, {kTokens, kMlp}, 7);
   Tensor dh = *ops.Allocate(bf16, {kTokens, kMlp});
   Tensor dh2 = *ops.Allocate(bf16, {kTokens, 2 * kMlp});
@@ -114,6 +115,7 @@ int Run(int reps) {
   Tensor q5_mlp = *ops.Allocate(DType::kE5M2, {kTokens, kMlp});
   Tensor q5_mlp_t = *ops.Allocate(DType::kE5M2, {kMlp, kTokens});
   Tensor dbias = *ops.Allocate(bf16, {kHidden}), dbias_mlp = *ops.Allocate(bf16, {kMlp});
+  Tensor dbias_mlp_f32 = *ops.Allocate(DType::kF32, {kMlp});
   // The 24 x 1024 LM's q (or k), rotated in place as its attention does.
   Tensor rq = Random(ops, bf16, {8, 1024, 16, 64}, 9);
   const double rq_bytes = static_cast<double>(rq.nbytes()) * 2;
@@ -154,8 +156,18 @@ int Run(int reps) {
        [&] { return ops.ActivationForward({Activation::kGelu}, h, &act, nullptr); }},
       {"GELU fwd -> e4m3 + amax", tok_mlp * 3,
        [&] { return ops.ActivationForward({Activation::kGelu}, h, &act8, &fp8); }},
+      {"GELU fwd -> e4m3 + y_t (ActivationForwardTransposed)", tok_mlp * 4,
+       [&] {
+         return ops.ActivationForwardTransposed({Activation::kGelu}, h, fp8, &act8, &act8_t);
+       }},
       {"GELU bwd bf16", tok_mlp * 6,
        [&] { return ops.ActivationBackward({Activation::kGelu}, dact, h, &dh); }},
+      // The CUDA kernel reads dy and writes no dx, so dact stays as it was.
+      {"GELU bwd -> e5m2 + y_t + dbias (ActivationBackwardQuantizeTranspose)", tok_mlp * 6,
+       [&] {
+         return ops.ActivationBackwardQuantizeTranspose({Activation::kGelu}, &dact, h, fp8,
+                                                        &q5_mlp, &q5_mlp_t, &dbias_mlp_f32);
+       }},
       {"SwiGLU fwd bf16 [8192,2x16384]", tok_mlp * 6,
        [&] {
          return ops.ActivationForward({Activation::kSilu, Activation::kLinear}, h2, &act, nullptr);
