@@ -12,6 +12,12 @@
 #   .gpubundle/peers       ../shared/peers (JAX's LM and layer peers)
 #   .gpubundle/oldlib      OLD_KERNELS_SO when given: a libkernels_Scuda_Slibkernels.so
 #                          of an earlier commit, for ops_bench new against old
+#
+# PACK_TARGETS (bazel labels) bundles those alone instead of every GPU test
+# and tool: with an old library the whole pack is over what a call carries
+# beside the tree, so a kernel's new-against-old call packs e.g.
+#   PACK_TARGETS="//bench/kernels:ops_bench //kernels/cuda:ops_gpu_test" \
+#     bash bench/h200_pack.sh OLD.so
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old_so="${1:-}"
@@ -19,10 +25,15 @@ dest=.gpubundle
 folder="$(mktemp -d)"
 trap 'rm -rf "$folder"' EXIT
 
-gpu_tests="$(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' | tr '\n' ' ')"
-BUNDLE_ANY_SIZE=1 BUNDLE_TARGETS="//server:te_server //client:quickstart \
-//bench/tools:libkernel_trace.so //bench/kernels:ops_bench //bench/kernels:cast_transpose_bench //bench/kernels:relative_bias_bench //bench/kernels:cudnn_engine_probe //bench/load:te_bench //bench/layers:layer_bench $gpu_tests" \
-  bash deploy/bundle.sh "$folder/b"
+if [ -n "${PACK_TARGETS:-}" ]; then
+  targets="$PACK_TARGETS"
+else
+  gpu_tests="$(bazel query --noshow_progress 'attr(tags, "\bgpu\b", tests(//...))' | tr '\n' ' ')"
+  targets="//server:te_server //client:quickstart //bench/tools:libkernel_trace.so \
+//bench/kernels:ops_bench //bench/kernels:cast_transpose_bench //bench/kernels:relative_bias_bench \
+//bench/kernels:cudnn_engine_probe //bench/load:te_bench //bench/layers:layer_bench $gpu_tests"
+fi
+BUNDLE_ANY_SIZE=1 BUNDLE_TARGETS="$targets" bash deploy/bundle.sh "$folder/b"
 if [ -n "$old_so" ]; then
   mkdir -p "$folder/b/oldlib"
   cp "$old_so" "$folder/b/oldlib/"
