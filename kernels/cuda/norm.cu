@@ -407,8 +407,11 @@ absl::Status CudaOps::NormForwardTransposed(const NormArgs& args, const Tensor& 
   // whole sector), 16 rows above.
   const int tile_rows = cols <= 4096 ? 32 : 16;
   const size_t tile_bytes = static_cast<size_t>(tile_rows) * static_cast<size_t>(cols + 4);
-  // 8 groups of rows (4 of 8 warps): no more than the 15 named barriers.
-  const int threads = std::min(kTransposedMaxThreads, 256 * warps);
+  // Groups of one warp sum with shuffles alone: a warp per row of the tile,
+  // so a tile's rows load at once. Larger groups: 8 groups of rows (4 of 8
+  // warps), no more than the 15 named barriers.
+  const int threads =
+      warps == 1 ? 32 * tile_rows : std::min(kTransposedMaxThreads, 256 * warps);
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   absl::Status status;
   DispatchFloat(x.dtype(), [&](auto in) {

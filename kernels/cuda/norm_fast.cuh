@@ -114,6 +114,22 @@ __device__ __forceinline__ void LoadRowPacks(const T* row, int packs, const RowG
   }
 }
 
+// Asks L2 for this thread's packs of `row` (as LoadRowPacks reads them)
+// without waiting: issued for a row the group reads later (the next one, or
+// backward's residual after the row sums), so that read waits on L2 instead
+// of on DRAM. A group holds one row at a time, so without it each row's
+// loads began only when the last row's work was done.
+template <typename T, int kPacks>
+__device__ __forceinline__ void PrefetchRowL2(const T* row, int packs, const RowGroup& g) {
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = g.lane + k * g.threads;
+    if (p < packs) {
+      asm volatile("prefetch.global.L2 [%0];" : : "l"(reinterpret_cast<const Pack<T>*>(row) + p));
+    }
+  }
+}
+
 // mean (0 for RMSNorm), then the second moment about it, as the CPU reference
 // computes them; rsigma = 1 / sqrt(m2 + epsilon). `slots`: [2][slot_stride],
 // one per warp of the block; each GroupSum takes the slot after the previous
@@ -259,6 +275,9 @@ __global__ void __launch_bounds__(kForwardThreads)
   for (int64_t r = int64_t(blockIdx.x) * g.count + g.index; r < a.rows; r += step) {
     InPack xr[kPacks];
     LoadRowPacks(a.x + r * a.cols, packs, g, xr);
+    if (r + step < a.rows) {
+      PrefetchRowL2<typename In::Storage, kPacks>(a.x + (r + step) * a.cols, packs, g);
+    }
     float mean, rsigma;
     RowStatistics<In>(xr, packs, a.cols, a.layernorm, a.epsilon, g, &slots[0][0],
                       kForwardThreads / 32, &turn, &mean, &rsigma);
@@ -315,6 +334,11 @@ __global__ void __launch_bounds__(kTransposedMaxThreads)
       const int64_t r = r0 + i;
       InPack xr[kPacks];
       LoadRowPacks(a.x + r * cols, packs, g, xr);
+      // The group's next row: in this tile, else in the block's next tile
+      // (its load then overlaps this tile's transposed writes).
+      const int64_t next =
+          i + g.count < n ? r + g.count : (t + gridDim.x) * tile_rows + g.index;
+      if (next < rows) PrefetchRowL2<typename In::Storage, kPacks>(a.x + next * cols, packs, g);
       float mean, rsigma;
       RowStatistics<In>(xr, packs, cols, a.layernorm, a.epsilon, g, &slots[0][0],
                         kTransposedMaxThreads / 32, &turn, &mean, &rsigma);
@@ -405,6 +429,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
     InPack xr[kPacks], dyr[kPacks];
     LoadRowPacks(x + r * cols, packs, g, xr);
     LoadRowPacks(dy + r * cols, packs, g, dyr);
+    // The residual, read after the row sums, and the group's next row.
+    if (residual != nullptr) {
+      PrefetchRowL2<typename Out::Storage, kPacks>(residual + r * cols, packs, g);
+    }
+    if (r + step < rows) {
+      PrefetchRowL2<typename In::Storage, kPacks>(x + (r + step) * cols, packs, g);
+      PrefetchRowL2<typename In::Storage, kPacks>(dy + (r + step) * cols, packs, g);
+    }
     const float m = layernorm ? mu[r] : 0.0f;
     const float rs = rsigma[r];
     float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
