@@ -1,6 +1,12 @@
 // Bandwidth of the memory-bound CUDA ops at the quickstart's sizes (tokens
-// 8192 = 4 x 2048, hidden 4096, MLP 16384), bf16, random data. Each row: the
-// median of timed runs (CUDA events on the op's stream), the floor (the bytes
+// 8192 = 4 x 2048, hidden 4096, MLP 16384), and the norms' and FP8
+// activations' at the 24 x 1024 LM's (tokens 8192, hidden 1024, MLP 4096; rows
+// named "LM"), bf16, random data. Each row: the
+// median of timed runs of kBatch back-to-back calls (CUDA events on the op's
+// stream around the batch, divided by kBatch: one call alone between events
+// also timed its host-side launch work, several microseconds that a step
+// overlaps with the previous kernel and that doubled the LM's 20 us norms),
+// the floor (the bytes
 // the op must move at least, inputs read once and outputs written once, at
 // the ~4000 GB/s the H200's device-to-device copy reaches, ../shared/ENV.md),
 // and the GB/s that time makes of those bytes.
@@ -26,6 +32,7 @@ namespace te {
 namespace {
 
 constexpr int64_t kTokens = 8192, kHidden = 4096, kMlp = 16384;
+constexpr int kBatch = 10;
 
 Tensor Random(Ops& ops, DType dtype, const Shape& shape, uint64_t seed) {
   Tensor t = *ops.Allocate(dtype, shape);
@@ -59,12 +66,12 @@ double MedianMs(cuda::CudaOps& ops, int reps, const std::function<absl::Status()
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     cudaEventRecord(start, ops.stream());
-    (void)op();
+    for (int k = 0; k < kBatch; ++k) (void)op();
     cudaEventRecord(stop, ops.stream());
     cudaEventSynchronize(stop);
     float t = 0;
     cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
+    ms.push_back(t / kBatch);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
@@ -122,6 +129,26 @@ int Run(int reps) {
   // Its packed qkv, whose q and k the attention rotates in place.
   Tensor rqkv = Random(ops, bf16, {8, 1024, 3, 16, 64}, 10);
   const double rqk_bytes = static_cast<double>(rqkv.nbytes()) * 2 / 3 * 2;
+  // The 24 x 1024 LM's norms and MLP activation.
+  constexpr int64_t kLmHidden = 1024, kLmMlp = 4096;
+  Tensor lx = Random(ops, bf16, {kTokens, kLmHidden}, 11);
+  Tensor ldy = Random(ops, bf16, {kTokens, kLmHidden}, 12);
+  Tensor lresidual = Random(ops, bf16, {kTokens, kLmHidden}, 13);
+  Tensor lgamma = Random(ops, bf16, {kLmHidden}, 14), lbeta = Random(ops, bf16, {kLmHidden}, 15);
+  Tensor ly = *ops.Allocate(bf16, {kTokens, kLmHidden});
+  Tensor ly8 = *ops.Allocate(DType::kE4M3, {kTokens, kLmHidden});
+  Tensor ly8_t = *ops.Allocate(DType::kE4M3, {kLmHidden, kTokens});
+  Tensor ldx = *ops.Allocate(bf16, {kTokens, kLmHidden});
+  Tensor ldgamma = *ops.Allocate(bf16, {kLmHidden}), ldbeta = *ops.Allocate(bf16, {kLmHidden});
+  Tensor lh = Random(ops, bf16, {kTokens, kLmMlp}, 16);
+  Tensor ldact = Random(ops, bf16, {kTokens, kLmMlp}, 17);
+  Tensor lact8 = *ops.Allocate(DType::kE4M3, {kTokens, kLmMlp});
+  Tensor lact8_t = *ops.Allocate(DType::kE4M3, {kLmMlp, kTokens});
+  Tensor lq5 = *ops.Allocate(DType::kE5M2, {kTokens, kLmMlp});
+  Tensor lq5_t = *ops.Allocate(DType::kE5M2, {kLmMlp, kTokens});
+  Tensor ldbias = *ops.Allocate(DType::kF32, {kLmMlp});
+  const double lm_hid = static_cast<double>(kTokens) * kLmHidden;
+  const double lm_mlp = static_cast<double>(kTokens) * kLmMlp;
   RotaryArgs alternate, consecutive;
   consecutive.consecutive = true;
   NormArgs ln;
@@ -195,6 +222,26 @@ int Run(int reps) {
        [&] { return ops.Rotary(consecutive, rq, &rq); }},
       {"RotaryQkInPlace bf16 [8,1024,3,16,64] alternate", rqk_bytes,
        [&] { return ops.RotaryQkInPlace(alternate, &rqkv); }},
+      {"LM LayerNorm fwd bf16 -> bf16 [8192,1024]", lm_hid * 4,
+       [&] { return ops.NormForward(ln, lx, lgamma, lbeta, &ly, &mu, &rs, nullptr); }},
+      {"LM LayerNorm fwd bf16 -> e4m3 + y_t (NormForwardTransposed)", lm_hid * 4,
+       [&] {
+         return ops.NormForwardTransposed(ln, lx, lgamma, lbeta, fp8, &ly8, &ly8_t, &mu, &rs);
+       }},
+      {"LM LayerNorm bwd bf16 + residual_grad", lm_hid * 8,
+       [&] {
+         return ops.NormBackward(ln, ldy, lx, mu, rs, lgamma, &ldx, &ldgamma, &ldbeta,
+                                 lresidual);
+       }},
+      {"LM GELU fwd -> e4m3 + y_t [8192,4096]", lm_mlp * 4,
+       [&] {
+         return ops.ActivationForwardTransposed({Activation::kGelu}, lh, fp8, &lact8, &lact8_t);
+       }},
+      {"LM GELU bwd -> e5m2 + y_t + dbias", lm_mlp * 6,
+       [&] {
+         return ops.ActivationBackwardQuantizeTranspose({Activation::kGelu}, &ldact, lh, fp8,
+                                                        &lq5, &lq5_t, &ldbias);
+       }},
   };
   std::printf(
       "| op | ms | floor ms (min bytes at 4000 GB/s) | GB/s (min bytes) | of 4000 GB/s |\n"

@@ -21,6 +21,12 @@ TE_CLIENT_STUBS_DIR="$bundle/py/proto" timeout 240 $py "$bundle/py/examples/quic
   --address="$address" --config=quickstart --timing_iters="$iters" --warmup_iters="$warmup" \
   >"$out/quickstart_py.txt" 2>&1
 echo "Python quickstart: exit $?"
+# The TransformerLayer in FP8 and in bf16 (layer_bench's variants 6 and 7,
+# the C++ client, the next step in flight as the quickstart keeps it).
+timeout 240 "$bundle/run.sh" layer_bench --server="$address" --config=quickstart --variants=6,7 \
+  --iters="$iters" --warmup="$warmup" --server_side=false --queued=false \
+  >"$out/layer_bench.txt" 2>&1
+echo "layer_bench 6,7: exit $?"
 kill "$server"; wait "$server" 2>/dev/null
 if [ -f "$bundle/jax_peers.py" ]; then
   timeout 150 python3 "$bundle/jax_peers.py" >"$out/jax_peers.txt" 2>&1
@@ -40,6 +46,11 @@ print("| --- | ---: | ---: | ---: |")
 for i, t in enumerate(titles):
     c = cc[i] if i < len(cc) else float("nan"); p = py[i] if i < len(py) else float("nan")
     print("| %s | %.2f | %.2f | %.3f |" % (t, c, p, p / c if c else float("nan")))
+bench = open(os.path.join(out, "layer_bench.txt")).read() if os.path.exists(os.path.join(out, "layer_bench.txt")) else ""
+for name, title in (("v6_te_transformer_fp8", "TransformerLayer FP8 (layer_bench 6)"),
+                    ("v7_te_transformer_bf16", "TransformerLayer bf16 (layer_bench 7)")):
+    m = re.search(r"^OURS %s \S+ ([0-9.]+)" % name, bench, re.M)
+    print("| %s | %s | | |" % (title, m.group(1) if m else "-"))
 peers = open(os.path.join(out, "jax_peers.txt")).read() if os.path.exists(os.path.join(out, "jax_peers.txt")) else ""
 for line in peers.splitlines():
     if line.startswith("PEER"):
