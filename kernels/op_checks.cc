@@ -963,6 +963,26 @@ absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv) {
   return CheckRotaryArgs(args, part, &part);
 }
 
+Tensor PackedQkvRows(const Tensor& qkv) {
+  return qkv.Reshaped({qkv.dim(0) * qkv.dim(1), qkv.dim(2) * qkv.dim(3) * qkv.dim(4)});
+}
+
+absl::Status CheckRotaryQkQuantizeTransposeArgs(const RotaryArgs& args, const Tensor* qkv,
+                                                const Fp8Output& fp8, const Tensor* y,
+                                                const Tensor* y_t, const Tensor* dbias) {
+  const char* op = "RotaryQkQuantizeTranspose";
+  RETURN_IF_ERROR(RequireDefined(op, "qkv", qkv));
+  // The parts' checks name their own ops; the message says which op called.
+  auto named = [op](const absl::Status& s) {
+    return s.ok() ? s : absl::Status(s.code(), absl::StrCat(op, ": ", s.message()));
+  };
+  RETURN_IF_ERROR(named(CheckRotaryQkArgs(args, *qkv)));
+  const Tensor rows = PackedQkvRows(*qkv);
+  RETURN_IF_ERROR(named(CheckQuantizeTransposeArgs(rows, fp8, y, y_t)));
+  if (dbias != nullptr) RETURN_IF_ERROR(named(CheckSumRowsArgs(rows, dbias)));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RelativeBiasDims> CheckRelativeBiasForwardArgs(const Tensor& table,
                                                               const Tensor& buckets,
                                                               const Tensor& first_row,

@@ -201,6 +201,14 @@ absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
 absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y);
 // qkv [B, S, 3, H, D], D even, float; args as CheckRotaryArgs checks them.
 absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv);
+// A packed qkv [B, S, 3, H, D] as the rows a GEMM reads: [B * S, 3 * H * D].
+Tensor PackedQkvRows(const Tensor& qkv);
+// qkv as CheckRotaryQkArgs checks it; fp8, y and y_t as
+// CheckQuantizeTransposeArgs checks them for PackedQkvRows(qkv); dbias null or
+// as CheckSumRowsArgs checks it.
+absl::Status CheckRotaryQkQuantizeTransposeArgs(const RotaryArgs& args, const Tensor* qkv,
+                                                const Fp8Output& fp8, const Tensor* y,
+                                                const Tensor* y_t, const Tensor* dbias);
 // table / dtable [num_buckets, heads].
 struct RelativeBiasDims {
   int64_t num_buckets = 0;

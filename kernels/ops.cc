@@ -313,6 +313,16 @@ absl::Status Ops::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
   return Permute(front, {1, 2, 0, 3, 4}, qkv);
 }
 
+absl::Status Ops::RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* qkv,
+                                            const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                            Tensor* dbias) {
+  RETURN_IF_ERROR(CheckRotaryQkQuantizeTransposeArgs(args, qkv, fp8, y, y_t, dbias));
+  RETURN_IF_ERROR(RotaryQkInPlace(args, qkv));
+  const Tensor rows = PackedQkvRows(*qkv);
+  if (dbias != nullptr) return QuantizeTransposeDbias(rows, fp8, y, y_t, dbias);
+  return QuantizeTranspose(rows, fp8, y, y_t);
+}
+
 absl::Status Ops::DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary,
                                 const Tensor& position, Tensor* q, Tensor* key_cache,
                                 Tensor* value_cache) {

@@ -1055,6 +1055,20 @@ class Ops {
   // instead of splitting it. The default splits qkv with Permute, rotates the
   // two parts and permutes back; the CUDA backend rotates in place.
   virtual absl::Status RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv);
+  // RotaryQkInPlace, then the rotated qkv as rows [B * S, 3 * H * D]
+  // quantized in both layouts an FP8 GEMM takes it (QuantizeTranspose's y
+  // and y_t) and, with dbias ([3 * H * D]), summed per column
+  // (QuantizeTransposeDbias's): the output gradient of a packed QKV
+  // projection under FP8 with rotary embedding, the inverse rotation and the
+  // codes from one pass. qkv is consumed (the default rotates it in place,
+  // then quantizes it); the CUDA backend reads it once and writes only the
+  // codes where the shape allows (2-byte dtype, adjacent pairs, host
+  // positions, S past a few rows, whole 128 x 64 tiles, D % 8 == 0), the
+  // rotated values rounded to qkv's dtype first as the default's are, so
+  // both make the same codes.
+  virtual absl::Status RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* qkv,
+                                                 const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                                 Tensor* dbias);
   // A decode step's new tokens from the fused QKV projection's output as it
   // is, qkv [B, T, 3, H, D] (TE's BS3HD): q [B, T, H, D] = part 0, and parts
   // 1 and 2 written into key_cache and value_cache [B, L, H, D] at rows p ..

@@ -147,6 +147,13 @@ int Run(int reps) {
   Tensor lq5 = *ops.Allocate(DType::kE5M2, {kTokens, kLmMlp});
   Tensor lq5_t = *ops.Allocate(DType::kE5M2, {kLmMlp, kTokens});
   Tensor ldbias = *ops.Allocate(DType::kF32, {kLmMlp});
+  // The LM's dqkv [8192, 3 * 1024] in E5M2, both layouts.
+  Tensor lq5_qkv = *ops.Allocate(DType::kE5M2, {kTokens, 3 * kLmHidden});
+  Tensor lq5_qkv_t = *ops.Allocate(DType::kE5M2, {3 * kLmHidden, kTokens});
+  const Tensor rqkv_rows = rqkv.Reshaped({kTokens, 3 * kLmHidden});
+  RotaryArgs inverse;
+  inverse.consecutive = true;
+  inverse.inverse = true;
   const double lm_hid = static_cast<double>(kTokens) * kLmHidden;
   const double lm_mlp = static_cast<double>(kTokens) * kLmMlp;
   RotaryArgs alternate, consecutive;
@@ -236,6 +243,16 @@ int Run(int reps) {
       {"LM GELU fwd -> e4m3 + y_t [8192,4096]", lm_mlp * 4,
        [&] {
          return ops.ActivationForwardTransposed({Activation::kGelu}, lh, fp8, &lact8, &lact8_t);
+       }},
+      {"LM dqkv: RotaryQkInPlace, then QuantizeTranspose -> e5m2 + y_t", lm_hid * 3 * 4,
+       [&] {
+         const absl::Status s = ops.RotaryQkInPlace(inverse, &rqkv);
+         return s.ok() ? ops.QuantizeTranspose(rqkv_rows, fp8, &lq5_qkv, &lq5_qkv_t) : s;
+       }},
+      {"LM dqkv: RotaryQkQuantizeTranspose -> e5m2 + y_t (one pass)", lm_hid * 3 * 4,
+       [&] {
+         return ops.RotaryQkQuantizeTranspose(inverse, &rqkv, fp8, &lq5_qkv, &lq5_qkv_t,
+                                              nullptr);
        }},
       {"LM GELU bwd -> e5m2 + y_t + dbias", lm_mlp * 6,
        [&] {

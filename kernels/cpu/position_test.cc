@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -256,6 +257,92 @@ TEST(RotaryQkInPlaceTest, RejectsBadArguments) {
   Tensor qkv = ops.Allocate(DType::kF32, {1, 2, 3, 2, 4}).value();
   args.min_timescale = 0.0f;
   EXPECT_EQ(ops.RotaryQkInPlace(args, &qkv).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// RotaryQkQuantizeTranspose is RotaryQkInPlace, then QuantizeTranspose(Dbias)
+// of the packed qkv's rows [B * S, 3 * H * D]: the same codes, transposed
+// codes, amax, scale_inv and column sums, bit for bit (random bf16 data, with
+// and without dbias).
+TEST(RotaryQkQuantizeTransposeTest, EqualsRotationThenQuantization) {
+  CpuOps ops;
+  const int64_t b = 2, s = 6, h = 2, d = 8, rows = b * s, cols = 3 * h * d;
+  std::mt19937 gen(43);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  auto scalar = [&](float v) {
+    Tensor t = ops.Allocate(DType::kF32, {1}).value();
+    t.data_as<float>()[0] = v;
+    return t;
+  };
+  for (const bool with_dbias : {true, false}) {
+    SCOPED_TRACE(with_dbias ? "dbias" : "no dbias");
+    RotaryArgs args;
+    args.consecutive = true;
+    args.inverse = true;
+    Tensor x = ops.Allocate(DType::kF32, {b, s, 3, h, d}).value();
+    for (int64_t i = 0; i < x.numel(); ++i) x.data_as<float>()[i] = dist(gen);
+    Tensor fused = ops.Allocate(DType::kBF16, x.shape()).value();
+    Tensor apart = ops.Allocate(DType::kBF16, x.shape()).value();
+    ASSERT_TRUE(ops.Cast(x, &fused).ok());
+    ASSERT_TRUE(ops.Cast(x, &apart).ok());
+    struct Outputs {
+      Tensor y, y_t, dbias, amax, scale_inv;
+    };
+    auto outputs = [&] {
+      return Outputs{ops.Allocate(DType::kE5M2, {rows, cols}).value(),
+                     ops.Allocate(DType::kE5M2, {cols, rows}).value(),
+                     ops.Allocate(DType::kBF16, {cols}).value(), scalar(0.0f), scalar(0.0f)};
+    };
+    Outputs one = outputs(), two = outputs();
+    const Tensor scale = scalar(900.0f);
+    ASSERT_TRUE(ops.RotaryQkQuantizeTranspose(args, &fused, {scale, one.amax, one.scale_inv},
+                                              &one.y, &one.y_t,
+                                              with_dbias ? &one.dbias : nullptr)
+                    .ok());
+    ASSERT_TRUE(ops.RotaryQkInPlace(args, &apart).ok());
+    const Tensor apart_rows = apart.Reshaped({rows, cols});
+    const Fp8Output fp8{scale, two.amax, two.scale_inv};
+    ASSERT_TRUE((with_dbias
+                     ? ops.QuantizeTransposeDbias(apart_rows, fp8, &two.y, &two.y_t, &two.dbias)
+                     : ops.QuantizeTranspose(apart_rows, fp8, &two.y, &two.y_t))
+                    .ok());
+    for (auto [a, c] : {std::pair{&one.y, &two.y}, std::pair{&one.y_t, &two.y_t},
+                        std::pair{&one.amax, &two.amax},
+                        std::pair{&one.scale_inv, &two.scale_inv}}) {
+      ASSERT_EQ(0, std::memcmp(a->data(), c->data(), a->nbytes()));
+    }
+    if (with_dbias) ASSERT_EQ(0, std::memcmp(one.dbias.data(), two.dbias.data(), cols * 2));
+    EXPECT_GT(one.amax.data_as<float>()[0], 0.0f);
+  }
+}
+
+// Bad arguments are refused before qkv is rotated: INVALID_ARGUMENT naming
+// the op, qkv as it was.
+TEST(RotaryQkQuantizeTransposeTest, RejectsBadArgumentsAndLeavesQkv) {
+  CpuOps ops;
+  Tensor qkv = ops.Allocate(DType::kF32, {1, 4, 3, 2, 4}).value();
+  for (int64_t i = 0; i < qkv.numel(); ++i) qkv.data_as<float>()[i] = 0.25f * (i % 7) - 0.5f;
+  const std::vector<float> before(qkv.data_as<float>(), qkv.data_as<float>() + qkv.numel());
+  Tensor scale = ops.Allocate(DType::kF32, {1}).value();
+  scale.data_as<float>()[0] = 1.0f;
+  Tensor amax = ops.Allocate(DType::kF32, {1}).value();
+  Tensor scale_inv = ops.Allocate(DType::kF32, {1}).value();
+  const Fp8Output fp8{scale, amax, scale_inv};
+  Tensor y = ops.Allocate(DType::kE5M2, {4, 24}).value();
+  Tensor y_t = ops.Allocate(DType::kE5M2, {24, 4}).value();
+  Tensor wrong_y_t = ops.Allocate(DType::kE5M2, {4, 24}).value();
+  Tensor wrong_dbias = ops.Allocate(DType::kF32, {23}).value();
+  RotaryArgs args;
+  absl::Status s = ops.RotaryQkQuantizeTranspose(args, &qkv, fp8, &y, &wrong_y_t, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("RotaryQkQuantizeTranspose"), std::string::npos) << s;
+  s = ops.RotaryQkQuantizeTranspose(args, &qkv, fp8, &y, &y_t, &wrong_dbias);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  Tensor not_packed = ops.Allocate(DType::kF32, {1, 4, 2, 3, 4}).value();
+  EXPECT_EQ(ops.RotaryQkQuantizeTranspose(args, &not_packed, fp8, &y, &y_t, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ops.RotaryQkQuantizeTranspose(args, nullptr, fp8, &y, &y_t, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  for (int64_t i = 0; i < qkv.numel(); ++i) ASSERT_EQ(qkv.data_as<float>()[i], before[i]) << i;
 }
 
 Tensor DevicePosition(CpuOps* ops, int32_t value) {

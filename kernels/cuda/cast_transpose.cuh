@@ -27,6 +27,16 @@ template <typename F>
 struct TakesGradient<F, std::void_t<decltype(F::kTakesGradient)>>
     : std::bool_constant<F::kTakesGradient> {};
 
+// Whether f also transforms each row's 8 values of the wide kernel before
+// they are quantized: f.TransformPack<In>(row, col, v), v the values of x's
+// [row, col .. col + 7] (f(x) of each), changed in place (rotary.cuh's
+// rotation of a packed qkv's q and k). Such an f takes the wide kernel only.
+template <typename F, typename = void>
+struct TransformsPacks : std::false_type {};
+template <typename F>
+struct TransformsPacks<F, std::void_t<decltype(F::kTransformsPacks)>>
+    : std::bool_constant<F::kTransformsPacks> {};
+
 // The value f makes of element j of the packs it reads.
 template <typename In, typename F, typename P>
 __device__ __forceinline__ float TileValue(const F& f, const P& x, const P& dy, int j) {
@@ -158,7 +168,9 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
 // (bench/kernels/cast_transpose_bench). kSums: whether to write
 // column_partial (a template flag, so the kernel without it keeps no sums).
 // Where f takes a gradient (TakesGradient), dy [rows, cols] is read beside x,
-// pack for pack, and quantized is f(x, dy): dy is null otherwise.
+// pack for pack, and quantized is f(x, dy): dy is null otherwise. Where f
+// transforms packs (TransformsPacks), each row's 8 values go through it
+// before they are quantized.
 constexpr int kWideTileRows = 128, kWideTileCols = 64;
 
 template <typename In, typename Out, typename F, bool kSums>
@@ -195,13 +207,18 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = ly + 32 * i;
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = TileValue<In>(f, in[i], grad[i], j);
+      if constexpr (TransformsPacks<F>::value) {
+        f.template TransformPack<In>(row0 + r, col0 + lx * 8, v);
+      }
       uint32_t word[2] = {0, 0};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = TileValue<In>(f, in[i], grad[i], j);
-        local = max(local, AbsBits(v));
-        if (kSums) column_sum[j] += v;
-        const uint8_t code = Out::Store(v * s);
+        local = max(local, AbsBits(v[j]));
+        if (kSums) column_sum[j] += v[j];
+        const uint8_t code = Out::Store(v[j] * s);
         codes[lx * 8 + j][r] = code;
         word[j / 4] |= static_cast<uint32_t>(code) << (8 * (j % 4));
       }
@@ -273,8 +290,8 @@ inline int64_t CastTransposePartialRows(const Tensor& x, const Tensor& y, const 
 // [CastTransposePartialRows, cols] f32 (kColumnSums: whether it is given);
 // kept_scale and kept_amax: null, or QuantizeTransposeKept's record of y's
 // scale and amax. An f that takes a gradient reads dy (x's shape and dtype,
-// 16-byte aligned) and takes the wide kernel only: the caller checks
-// WideTilesFit.
+// 16-byte aligned) and takes the wide kernel only, as does an f that
+// transforms packs: the caller checks WideTilesFit.
 template <typename In, typename Out, bool kColumnSums = false, typename F = IdentityFn>
 void LaunchCastTranspose(const CudaContext& device, cudaStream_t stream, const Tensor& x,
                          Tensor* y, Tensor* y_t, const float* scale, AmaxOut amax,
@@ -290,7 +307,7 @@ void LaunchCastTranspose(const CudaContext& device, cudaStream_t stream, const T
     return static_cast<unsigned>(
         std::max<int64_t>(1, std::min(tiles, ResidentBlocks(device, kernel, 256, 0))));
   };
-  if (TakesGradient<F>::value || WideTilesFit(x, *y, *y_t)) {
+  if (TakesGradient<F>::value || TransformsPacks<F>::value || WideTilesFit(x, *y, *y_t)) {
     const int64_t tiles = (rows / kWideTileRows) * (cols / kWideTileCols);
     auto kernel = QuantizeTransposeWideKernel<In, Out, F, kColumnSums>;
     kernel<<<grid(kernel, tiles), 256, 0, stream>>>(xs, dys, ys, yts, scale, amax, scale_inv,
@@ -298,7 +315,7 @@ void LaunchCastTranspose(const CudaContext& device, cudaStream_t stream, const T
                                                      kept_amax, f);
     return;
   }
-  if constexpr (!TakesGradient<F>::value) {
+  if constexpr (!TakesGradient<F>::value && !TransformsPacks<F>::value) {
     auto kernel = QuantizeTransposeKernel<In, Out, F>;
     kernel<<<grid(kernel, ((cols + 63) / 64) * ((rows + 63) / 64)), 256, 0, stream>>>(
         xs, ys, yts, scale, amax, scale_inv, column_partial, rows, cols, kept_scale, kept_amax,

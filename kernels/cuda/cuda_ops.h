@@ -308,6 +308,10 @@ class CudaOps : public Ops {
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
   absl::Status RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) override;
+  // rotary_quantize.cu
+  absl::Status RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* qkv,
+                                         const Fp8Output& fp8, Tensor* y, Tensor* y_t,
+                                         Tensor* dbias) override;
   absl::Status DecodeQkvRows(const Tensor& qkv, const RotaryArgs* rotary, const Tensor& position,
                              Tensor* q, Tensor* key_cache, Tensor* value_cache) override;
   absl::Status DecodeAttentionFromQkv(const AttentionArgs& args, const Tensor& qkv,

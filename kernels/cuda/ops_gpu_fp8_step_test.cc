@@ -1,10 +1,14 @@
 // The ops that keep an FP8 step's launches few (kernels/ops.h), against the
 // CPU reference on random data: DelayedScalingUpdates (a step's scaling
 // updates in one launch), QuantizeTransposeKept (FP8 weight copies kept
-// across steps) and ActivationForwardTransposed (the activation's FP8 output
-// in both layouts); and every FP8 output with its amax left unrecorded.
+// across steps), ActivationForwardTransposed (the activation's FP8 output
+// in both layouts) and RotaryQkQuantizeTranspose (a packed qkv's gradient,
+// rotated and quantized in one pass); and every FP8 output with its amax
+// left unrecorded.
 // Tolerances: ops_gpu_test.h.
+#include <cstring>
 #include <functional>
+#include <tuple>
 
 #include "kernels/cuda/ops_gpu_test.h"
 
@@ -329,6 +333,82 @@ TEST_F(Fp8StepOpsTest, AnUnrecordedAmaxChangesNoCodeOrScaleInv) {
       gpu_->QuantizeTransposeKept(w.gpu, bare, {kept_scale.gpu, kept_amax.gpu}, &y, &y_t);
   EXPECT_EQ(kept.code(), absl::StatusCode::kInvalidArgument) << kept;
   EXPECT_NE(kept.message().find("fp8.amax"), std::string::npos) << kept;
+}
+
+// The packed qkv's gradient under FP8 with rotary embedding: the inverse
+// rotation and the codes in both layouts (with and without dbias) from one
+// pass where the CUDA backend takes the shape (bf16 adjacent pairs, S 64 and
+// 256, whole 128 x 64 tiles), rotation then quantization elsewhere (float32;
+// alternate pairs; 74 rows and 288 columns; S 8): y, y_t, amax, scale_inv and
+// dbias against the CPU's, and the GPU's codes, amax and dbias bit for bit
+// against its own RotaryQkInPlace then QuantizeTranspose(Dbias), whose
+// rotated values the one pass rounds to qkv's dtype as they are stored.
+TEST_F(Fp8StepOpsTest, RotaryQkQuantizeTransposeMatchesTheCpuAndTheTwoPasses) {
+  for (const Shape& shape : {Shape{2, 64, 3, 4, 32}, Shape{1, 256, 3, 2, 64},
+                             Shape{2, 37, 3, 4, 24}, Shape{16, 8, 3, 2, 64}}) {
+    for (DType in : {DType::kBF16, DType::kF32}) {
+      for (const bool consecutive : {true, false}) {
+        for (DType out : {DType::kE5M2, DType::kE4M3}) {
+          for (const bool with_dbias : {true, false}) {
+            const int64_t rows = shape[0] * shape[1], cols = shape[2] * shape[3] * shape[4];
+            SCOPED_TRACE(ShapeName(shape) + " " + DTypeName(in) + "->" + DTypeName(out) +
+                         (consecutive ? " consecutive" : " alternate") +
+                         (with_dbias ? " dbias" : ""));
+            RotaryArgs args;
+            args.consecutive = consecutive;
+            args.inverse = true;
+            const Pair qkv = Random(in, shape, 19);
+            const float scale_value = SaturatingScale(out) * 0.05f;
+            struct Run {
+              Pair y, y_t, dbias, scale, amax, scale_inv;
+            };
+            auto run = [&] {
+              return Run{Zeros(out, {rows, cols}),      Zeros(out, {cols, rows}),
+                         Zeros(in, {cols}),             FromValues(DType::kF32, {1}, {scale_value}),
+                         Zeros(DType::kF32, {1}),       Zeros(DType::kF32, {1})};
+            };
+            Run one = run();
+            Pair consumed = Clone(qkv.cpu);
+            ASSERT_TRUE(cpu_->RotaryQkQuantizeTranspose(
+                                args, &consumed.cpu, {one.scale.cpu, one.amax.cpu,
+                                                      one.scale_inv.cpu},
+                                &one.y.cpu, &one.y_t.cpu, with_dbias ? &one.dbias.cpu : nullptr)
+                            .ok());
+            const absl::Status s = gpu_->RotaryQkQuantizeTranspose(
+                args, &consumed.gpu, {one.scale.gpu, one.amax.gpu, one.scale_inv.gpu},
+                &one.y.gpu, &one.y_t.gpu, with_dbias ? &one.dbias.gpu : nullptr);
+            ASSERT_TRUE(s.ok()) << s;
+            ExpectMatches(one.y, "y");
+            ExpectMatches(one.y_t, "y_t");
+            ExpectTransposed(one.y.gpu, one.y_t.gpu, rows, cols);
+            ExpectScalarMatches(one.amax, "amax");
+            ExpectScalarMatches(one.scale_inv, "scale_inv");
+            EXPECT_GT(Fetch(one.amax.gpu).data_as<float>()[0], 0.0f);
+            if (with_dbias) ExpectMatches(one.dbias, "dbias");
+
+            Run two = run();
+            Pair apart = Clone(qkv.cpu);
+            ASSERT_TRUE(gpu_->RotaryQkInPlace(args, &apart.gpu).ok());
+            const Tensor apart_rows = apart.gpu.Reshaped({rows, cols});
+            const Fp8Output fp8{two.scale.gpu, two.amax.gpu, two.scale_inv.gpu};
+            ASSERT_TRUE((with_dbias ? gpu_->QuantizeTransposeDbias(apart_rows, fp8, &two.y.gpu,
+                                                                   &two.y_t.gpu, &two.dbias.gpu)
+                                    : gpu_->QuantizeTranspose(apart_rows, fp8, &two.y.gpu,
+                                                              &two.y_t.gpu))
+                            .ok());
+            for (auto [a, b, what] : {std::tuple{&one.y, &two.y, "y"},
+                                      std::tuple{&one.y_t, &two.y_t, "y_t"},
+                                      std::tuple{&one.amax, &two.amax, "amax"},
+                                      std::tuple{&one.dbias, &two.dbias, "dbias"}}) {
+              const Tensor fa = Fetch(a->gpu), fb = Fetch(b->gpu);
+              EXPECT_EQ(0, std::memcmp(fa.data(), fb.data(), fa.nbytes()))
+                  << what << " differs from the two passes'";
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

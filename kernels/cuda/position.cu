@@ -311,9 +311,6 @@ __global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storag
   dtable[k] = T::Store(sum);
 }
 
-// Sequences of at most this many positions rotate without a table.
-constexpr int64_t kFoldedRotaryMaxSeq = 16;
-
 // RotaryGroupKernel over x's rows into y's (RotaryGroupKernel's row layout),
 // where it fits: 2-byte elements on both sides, whole groups of pairs a row,
 // 16-byte aligned data. Returns whether it launched.
@@ -351,6 +348,12 @@ bool LaunchRotaryGroups(const RotaryArgs& args, const Tensor& x, Tensor* y,
 
 }  // namespace
 
+void LaunchRotaryTable(float* cos_table, float* sin_table, int64_t seq, int64_t half,
+                       const RotaryAngles& angles, SmCount sms, cudaStream_t stream) {
+  RotaryTableKernel<<<GridFor(seq * half, sms), kThreads, 0, stream>>>(cos_table, sin_table,
+                                                                       seq, half, angles);
+}
+
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
   RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
   const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
@@ -367,8 +370,7 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
     ASSIGN_OR_RETURN(tables, Allocate(DType::kF32, {2, seq, half}));
     cos_table = tables.data_as<float>();
     sin_table = cos_table + seq * half;
-    RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(cos_table, sin_table, seq,
-                                                                      half, angles);
+    LaunchRotaryTable(cos_table, sin_table, seq, half, angles, sms(), stream());
     CUDA_RETURN_IF_LAUNCH_ERROR();
   }
   // Whole 16-byte groups of 2-byte elements: the grouped kernel.
@@ -407,8 +409,7 @@ absl::Status CudaOps::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
   ASSIGN_OR_RETURN(Tensor tables, Allocate(DType::kF32, {2, seq, half}));
   float* cos_table = tables.data_as<float>();
   float* sin_table = cos_table + seq * half;
-  RotaryTableKernel<<<GridFor(seq * half), kThreads, 0, stream()>>>(cos_table, sin_table, seq,
-                                                                    half, angles);
+  LaunchRotaryTable(cos_table, sin_table, seq, half, angles, sms(), stream());
   CUDA_RETURN_IF_LAUNCH_ERROR();
   // q and k are rows 0 .. 2H of each token's 3H.
   if (LaunchRotaryGroups(args, *qkv, qkv, cos_table, sin_table, 2 * rows, seq, 2 * heads,

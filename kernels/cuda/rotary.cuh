@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/op_checks.h"
 #include "kernels/ops.h"
 
@@ -50,6 +51,14 @@ __device__ __forceinline__ float2 RotatePair(float a, float b, float c, float s)
   return make_float2(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)),
                      __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
 }
+
+// Sequences of at most this many positions rotate without a table.
+constexpr int64_t kFoldedRotaryMaxSeq = 16;
+
+// The table of a sequence's angles: cos / sin of positions angles.Start() + s
+// at [s * half + i], s < seq, i < half (position.cu).
+void LaunchRotaryTable(float* cos_table, float* sin_table, int64_t seq, int64_t half,
+                       const RotaryAngles& angles, SmCount sms, cudaStream_t stream);
 
 // The angles of `args` for rows of `dim` elements.
 inline RotaryAngles AnglesOf(const RotaryArgs& args, int64_t dim) {

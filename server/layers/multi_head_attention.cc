@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,7 @@
 #include "kernels/status_macros.h"
 #include "server/layers/attention_layers.h"
 #include "server/layers/cache.h"
+#include "server/layers/fp8_state.h"
 #include "server/layers/variables.h"
 
 namespace te::layers {
@@ -426,8 +428,34 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
     // q, k, v, the context and its gradient are read for the last time.
     saved.attention = AttentionSaved();
     dout = Tensor();
+    // The rotation is orthogonal: its transpose is the rotation by -angle.
+    const std::optional<Fp8Recipe>& fp8 = saved.qkv.dense.fp8;
+    if (options_.rotary && fp8 && CanFuseQuantize(&*fp8) && !fp8->inference) {
+      // Under DelayedScaling the inverse rotation and the qkv projection's
+      // E5M2 dy in both layouts (with its bias gradient) come from one pass
+      // over dqkv, which is never written back rotated.
+      Fp8Output q;
+      ASSIGN_OR_RETURN(GemmOperand dy,
+                       AllocateFusedOperand(ops, *fp8, qkv_.dense().quantizers(),
+                                            QuantizerRole::kGrad, {tokens, 3 * q_features_},
+                                            vars, &q));
+      ASSIGN_OR_RETURN(dy.data_t, ops.Allocate(dy.data.dtype(), {3 * q_features_, tokens}));
+      Tensor dbias_qkv;
+      if (qkv_.dense().use_bias()) {
+        ASSIGN_OR_RETURN(dbias_qkv, qkv_.dense().AllocateBiasGrad(ops));
+      }
+      RETURN_IF_ERROR(ops.RotaryQkQuantizeTranspose(TeRotary(/*inverse=*/true), &dqkv, q,
+                                                    &dy.data, &dy.data_t,
+                                                    dbias_qkv.defined() ? &dbias_qkv : nullptr));
+      const DType compute = dqkv.dtype();
+      dqkv = Tensor();
+      RETURN_IF_ERROR(qkv_.BackwardQuantized(ops, std::move(saved.qkv), std::move(dy),
+                                             std::move(dbias_qkv), compute, &dx2, grads,
+                                             residual_grad2));
+      *dx = dx2.Reshaped({batch, seq, hidden_});
+      return absl::OkStatus();
+    }
     if (options_.rotary) {
-      // The rotation is orthogonal: its transpose is the rotation by -angle.
       RETURN_IF_ERROR(ops.RotaryQkInPlace(TeRotary(/*inverse=*/true), &dqkv));
     }
     Tensor dqkv2 = dqkv.Reshaped({tokens, 3 * q_features_});

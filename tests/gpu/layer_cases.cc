@@ -284,6 +284,17 @@ void AddTransformerLayers(std::vector<LayerCase>* cases) {
   padded.q_seqlens = {37, 26};
   padded.kv_seqlens = {37, 26};
   cases->push_back(padded);
+  // Rotary embedding on the packed qkv (no GQA, self-attention): under FP8
+  // the qkv projection's dy comes from RotaryQkQuantizeTranspose, here at a
+  // size whose rows the CUDA backend rotates and quantizes in one pass (128
+  // tokens, 3 * 128 columns, head_dim 32); the cases above take its
+  // fallback.
+  te::v1::LayerSpec rotary = SmallTransformer();
+  t = rotary.mutable_transformer_layer();
+  t->set_hidden_size(128);
+  t->set_enable_relative_embedding(false);
+  t->set_enable_rotary_pos_emb(true);
+  cases->push_back(Case("TransformerLayer_rotary_packed", rotary, {2, 64, 128}, true, true));
   // TE's decoder layer: causal self-attention with one-directional relative
   // buckets, then cross-attention over `encoded` (29 positions) under the
   // encoder_decoder_mask's padding, then the MLP.
