@@ -348,10 +348,19 @@ bool LaunchRotaryGroups(const RotaryArgs& args, const Tensor& x, Tensor* y,
 
 }  // namespace
 
-void LaunchRotaryTable(float* cos_table, float* sin_table, int64_t seq, int64_t half,
-                       const RotaryAngles& angles, SmCount sms, cudaStream_t stream) {
-  RotaryTableKernel<<<GridFor(seq * half, sms), kThreads, 0, stream>>>(cos_table, sin_table,
-                                                                       seq, half, angles);
+absl::StatusOr<RotaryTable> MakeRotaryTable(CudaOps& ops, const RotaryAngles& angles,
+                                            int64_t seq) {
+  const int64_t half = angles.dim / 2;
+  RotaryTable table;
+  ASSIGN_OR_RETURN(table.memory, ops.Allocate(DType::kF32, {2, seq, half}));
+  float* cos_table = table.memory.data_as<float>();
+  float* sin_table = cos_table + seq * half;
+  RotaryTableKernel<<<GridFor(seq * half, ops.sms()), kThreads, 0, ops.stream()>>>(
+      cos_table, sin_table, seq, half, angles);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  table.cos = cos_table;
+  table.sin = sin_table;
+  return table;
 }
 
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
@@ -363,16 +372,12 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   const RotaryAngles angles = AnglesOf(args, dim);
   // A table of angles pays for its launch when many rows share a position;
   // a few positions (a decode step's one) compute their angles in place.
-  Tensor tables;
-  float* cos_table = nullptr;
-  float* sin_table = nullptr;
+  RotaryTable table;
   if (seq > kFoldedRotaryMaxSeq) {
-    ASSIGN_OR_RETURN(tables, Allocate(DType::kF32, {2, seq, half}));
-    cos_table = tables.data_as<float>();
-    sin_table = cos_table + seq * half;
-    LaunchRotaryTable(cos_table, sin_table, seq, half, angles, sms(), stream());
-    CUDA_RETURN_IF_LAUNCH_ERROR();
+    ASSIGN_OR_RETURN(table, MakeRotaryTable(*this, angles, seq));
   }
+  const float* cos_table = table.cos;
+  const float* sin_table = table.sin;
   // Whole 16-byte groups of 2-byte elements: the grouped kernel.
   if (cos_table != nullptr &&
       LaunchRotaryGroups(args, x, y, cos_table, sin_table, rows, seq, heads, heads, dim, sms(),
@@ -406,11 +411,9 @@ absl::Status CudaOps::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
   }
   RETURN_IF_ERROR(Enter());
   const RotaryAngles angles = AnglesOf(args, dim);
-  ASSIGN_OR_RETURN(Tensor tables, Allocate(DType::kF32, {2, seq, half}));
-  float* cos_table = tables.data_as<float>();
-  float* sin_table = cos_table + seq * half;
-  LaunchRotaryTable(cos_table, sin_table, seq, half, angles, sms(), stream());
-  CUDA_RETURN_IF_LAUNCH_ERROR();
+  ASSIGN_OR_RETURN(const RotaryTable table, MakeRotaryTable(*this, angles, seq));
+  const float* cos_table = table.cos;
+  const float* sin_table = table.sin;
   // q and k are rows 0 .. 2H of each token's 3H.
   if (LaunchRotaryGroups(args, *qkv, qkv, cos_table, sin_table, 2 * rows, seq, 2 * heads,
                          3 * heads, dim, sms(), stream())) {

@@ -55,10 +55,16 @@ __device__ __forceinline__ float2 RotatePair(float a, float b, float c, float s)
 // Sequences of at most this many positions rotate without a table.
 constexpr int64_t kFoldedRotaryMaxSeq = 16;
 
-// The table of a sequence's angles: cos / sin of positions angles.Start() + s
-// at [s * half + i], s < seq, i < half (position.cu).
-void LaunchRotaryTable(float* cos_table, float* sin_table, int64_t seq, int64_t half,
-                       const RotaryAngles& angles, SmCount sms, cudaStream_t stream);
+// A sequence's table of angles: cos / sin of positions angles.Start() + s at
+// [s * half + i], s < seq, i < half = angles.dim / 2, written by a kernel
+// queued on the op's stream (position.cu); `memory` holds both.
+struct RotaryTable {
+  Tensor memory;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+};
+absl::StatusOr<RotaryTable> MakeRotaryTable(CudaOps& ops, const RotaryAngles& angles,
+                                            int64_t seq);
 
 // The angles of `args` for rows of `dim` elements.
 inline RotaryAngles AnglesOf(const RotaryArgs& args, int64_t dim) {

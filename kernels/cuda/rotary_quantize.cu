@@ -24,7 +24,7 @@ namespace {
 // of a packed qkv's rows [B * S, 3 * H * D]: a pack of 8 at column col lies
 // inside one head (D % 8 == 0), and rotates where col < 2 * H * D (q and k;
 // v passes as it is), by the angles of position row % S from
-// LaunchRotaryTable's table. Each rotated value is rounded to In as
+// MakeRotaryTable's table. Each rotated value is rounded to In as
 // RotaryQkInPlace stores it (RotaryGroupKernel's RotatePair, then the
 // store), so the codes are those of rotating in place and then quantizing.
 struct RotateQkPairs {
@@ -61,7 +61,7 @@ absl::Status CudaOps::RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* 
                                                 const Fp8Output& fp8, Tensor* y, Tensor* y_t,
                                                 Tensor* dbias) {
   RETURN_IF_ERROR(CheckRotaryQkQuantizeTransposeArgs(args, qkv, fp8, y, y_t, dbias));
-  const int64_t seq = qkv->dim(1), heads = qkv->dim(3), dim = qkv->dim(4), half = dim / 2;
+  const int64_t seq = qkv->dim(1), heads = qkv->dim(3), dim = qkv->dim(4);
   const Tensor rows = PackedQkvRows(*qkv);
   // The one pass takes 2-byte elements in adjacent pairs (TE's default group
   // method) whose packs of 8 stay inside a head, angles from a table of host
@@ -72,18 +72,14 @@ absl::Status CudaOps::RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* 
                      dim % 8 == 0 && WideTilesFit(rows, *y, *y_t);
   if (!fused) return Ops::RotaryQkQuantizeTranspose(args, qkv, fp8, y, y_t, dbias);
   RETURN_IF_ERROR(Enter());
-  ASSIGN_OR_RETURN(Tensor tables, Allocate(DType::kF32, {2, seq, half}));
-  float* cos_table = tables.data_as<float>();
-  float* sin_table = cos_table + seq * half;
-  LaunchRotaryTable(cos_table, sin_table, seq, half, AnglesOf(args, dim), sms(), stream());
-  CUDA_RETURN_IF_LAUNCH_ERROR();
+  ASSIGN_OR_RETURN(const RotaryTable table, MakeRotaryTable(*this, AnglesOf(args, dim), seq));
   const int64_t cols = rows.dim(1);
   Tensor partial;
   const int64_t partial_rows = CastTransposePartialRows(rows, *y, *y_t);
   if (dbias != nullptr) {
     ASSIGN_OR_RETURN(partial, Allocate(DType::kF32, {partial_rows, cols}));
   }
-  const RotateQkPairs rotate{cos_table, sin_table, seq, dim, 2 * heads * dim};
+  const RotateQkPairs rotate{table.cos, table.sin, seq, dim, 2 * heads * dim};
   DispatchFloat(qkv->dtype(), [&](auto in) {
     using In = decltype(in);
     if constexpr (sizeof(typename In::Storage) == 2) {

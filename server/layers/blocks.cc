@@ -283,6 +283,19 @@ absl::StatusOr<Tensor> Dense::AllocateBiasGrad(Ops& ops) const {
   return ops.Allocate(config_.param_dtype, {out_});
 }
 
+absl::StatusOr<Dense::QuantizedGrad> Dense::AllocateQuantizedGrad(Ops& ops, const Fp8Recipe& fp8,
+                                                                  int64_t rows,
+                                                                  Variables* vars) const {
+  QuantizedGrad g;
+  ASSIGN_OR_RETURN(g.dy, AllocateFusedOperand(ops, fp8, quantizers_, QuantizerRole::kGrad,
+                                              {rows, out_}, vars, &g.fp8));
+  ASSIGN_OR_RETURN(g.dy.data_t, ops.Allocate(g.dy.data.dtype(), {out_, rows}));
+  if (config_.use_bias) {
+    ASSIGN_OR_RETURN(g.dbias, AllocateBiasGrad(ops));
+  }
+  return g;
+}
+
 absl::Status Dense::BackwardQuantized(Ops& ops, Saved saved, GemmOperand dy, Tensor dbias,
                                       DType compute, Tensor* dx, Variables* grads) const {
   if (!saved.fp8 || !IsPerTensorScaling(*saved.fp8) || !IsFloat8(dy.data.dtype()) ||

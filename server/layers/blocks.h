@@ -127,6 +127,18 @@ class Dense {
                                  DType compute, Tensor* dx, Variables* grads) const;
   // The bias gradient's tensor, [out] in the params' dtype.
   absl::StatusOr<Tensor> AllocateBiasGrad(Ops& ops) const;
+  // What a producer writes dy into for BackwardQuantized, after a per-tensor
+  // FP8 forward: dy's operand in both layouts (data [rows, out], data_t [out,
+  // rows], in the grad quantizer's dtype), the Fp8Output that writes it (the
+  // grad quantizer's, AllocateFusedOperand), and the bias gradient's tensor
+  // where the Dense has a bias (undefined otherwise).
+  struct QuantizedGrad {
+    GemmOperand dy;
+    Fp8Output fp8;
+    Tensor dbias;
+  };
+  absl::StatusOr<QuantizedGrad> AllocateQuantizedGrad(Ops& ops, const Fp8Recipe& fp8,
+                                                      int64_t rows, Variables* vars) const;
   bool use_bias() const { return config_.use_bias; }
 
  private:

@@ -149,23 +149,16 @@ absl::Status Mlp::Backward(Ops& ops, Variables* vars, Saved saved, Tensor dy, Te
     // two passes over [N, n_act * inter] a layer. The price is memory for a
     // moment: dact, h and dh's two FP8 layouts coexist (one [N, inter] bf16
     // tensor's bytes more than writing dh over dact would hold).
-    Fp8Output q;
-    ASSIGN_OR_RETURN(GemmOperand dh,
-                     AllocateFusedOperand(ops, *fp8, ln_wi_.dense().quantizers(),
-                                          QuantizerRole::kGrad, saved.h.shape(), vars, &q));
-    ASSIGN_OR_RETURN(dh.data_t, ops.Allocate(dh.data.dtype(), {saved.h.dim(1), saved.h.dim(0)}));
-    Tensor dbias;
-    if (ln_wi_.dense().use_bias()) {
-      ASSIGN_OR_RETURN(dbias, ln_wi_.dense().AllocateBiasGrad(ops));
-    }
+    ASSIGN_OR_RETURN(Dense::QuantizedGrad dh,
+                     ln_wi_.dense().AllocateQuantizedGrad(ops, *fp8, saved.h.dim(0), vars));
     RETURN_IF_ERROR(ops.ActivationBackwardQuantizeTranspose(
-        config_.activations, &dact, saved.h, q, &dh.data, &dh.data_t,
-        dbias.defined() ? &dbias : nullptr));
+        config_.activations, &dact, saved.h, dh.fp8, &dh.dy.data, &dh.dy.data_t,
+        dh.dbias.defined() ? &dh.dbias : nullptr));
     const DType compute = saved.h.dtype();
     dact = Tensor();
     saved.h = Tensor();
-    return ln_wi_.BackwardQuantized(ops, std::move(saved.ln_wi), std::move(dh),
-                                    std::move(dbias), compute, dx, grads, residual_grad);
+    return ln_wi_.BackwardQuantized(ops, std::move(saved.ln_wi), std::move(dh.dy),
+                                    std::move(dh.dbias), compute, dx, grads, residual_grad);
   }
   Tensor dh;
   if (same_layout) {

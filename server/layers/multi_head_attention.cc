@@ -434,23 +434,15 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
       // Under DelayedScaling the inverse rotation and the qkv projection's
       // E5M2 dy in both layouts (with its bias gradient) come from one pass
       // over dqkv, which is never written back rotated.
-      Fp8Output q;
-      ASSIGN_OR_RETURN(GemmOperand dy,
-                       AllocateFusedOperand(ops, *fp8, qkv_.dense().quantizers(),
-                                            QuantizerRole::kGrad, {tokens, 3 * q_features_},
-                                            vars, &q));
-      ASSIGN_OR_RETURN(dy.data_t, ops.Allocate(dy.data.dtype(), {3 * q_features_, tokens}));
-      Tensor dbias_qkv;
-      if (qkv_.dense().use_bias()) {
-        ASSIGN_OR_RETURN(dbias_qkv, qkv_.dense().AllocateBiasGrad(ops));
-      }
-      RETURN_IF_ERROR(ops.RotaryQkQuantizeTranspose(TeRotary(/*inverse=*/true), &dqkv, q,
-                                                    &dy.data, &dy.data_t,
-                                                    dbias_qkv.defined() ? &dbias_qkv : nullptr));
+      ASSIGN_OR_RETURN(Dense::QuantizedGrad grad,
+                       qkv_.dense().AllocateQuantizedGrad(ops, *fp8, tokens, vars));
+      RETURN_IF_ERROR(ops.RotaryQkQuantizeTranspose(TeRotary(/*inverse=*/true), &dqkv, grad.fp8,
+                                                    &grad.dy.data, &grad.dy.data_t,
+                                                    grad.dbias.defined() ? &grad.dbias : nullptr));
       const DType compute = dqkv.dtype();
       dqkv = Tensor();
-      RETURN_IF_ERROR(qkv_.BackwardQuantized(ops, std::move(saved.qkv), std::move(dy),
-                                             std::move(dbias_qkv), compute, &dx2, grads,
+      RETURN_IF_ERROR(qkv_.BackwardQuantized(ops, std::move(saved.qkv), std::move(grad.dy),
+                                             std::move(grad.dbias), compute, &dx2, grads,
                                              residual_grad2));
       *dx = dx2.Reshaped({batch, seq, hidden_});
       return absl::OkStatus();
