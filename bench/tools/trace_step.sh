@@ -12,7 +12,10 @@
 # span between synchronisations (report it with TRACE_STEPS=1);
 # "--server_side=false --client_depth=2" traces the pipelined client's calls
 # (each call's value read-back closes its step). TRACE_STEPS (default 5): the
-# spans reported. TRACE_TAG names the files (default: none).
+# spans reported. TRACE_TAG names the files (default: none). TRACE_REPORT_ARGS go to the
+# report: with steps in flight, another thread's wait for the step before cuts the spans in
+# mid-step, so cut them at a kernel each step launches once instead
+# ("--step-starts DelayedScalingKernel" for an FP8 layer under DelayedScaling).
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$1"; shift
 mkdir -p "$out"
@@ -27,6 +30,6 @@ for v in "$@"; do
   cat "$out/bench_v$v${TRACE_TAG:-}.txt" | tail -5
   kill -TERM $spid; wait $spid
   tail -2 "$out/server_v$v${TRACE_TAG:-}.log"
-  python3 "$here/kernel_trace_report.py" "$out/trace_v$v${TRACE_TAG:-}.csv" --steps "${TRACE_STEPS:-5}" --by-kernel 6 --timeline | tee "$out/report_v$v${TRACE_TAG:-}.txt"
+  python3 "$here/kernel_trace_report.py" "$out/trace_v$v${TRACE_TAG:-}.csv" --steps "${TRACE_STEPS:-5}" --by-kernel 6 --timeline ${TRACE_REPORT_ARGS:-} | tee "$out/report_v$v${TRACE_TAG:-}.txt"
   gzip -f "$out/trace_v$v${TRACE_TAG:-}.csv"
 done
