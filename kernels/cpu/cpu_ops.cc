@@ -133,13 +133,14 @@ constexpr float kGeluCubic = 0.044715f;
 constexpr float kQuickGeluAlpha = 1.702f;
 
 float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// GELU's tanh form through the logistic function (0.5 (1 + tanh(u)) =
+// sigmoid(2u)), as the CUDA kernels compute it; it keeps the small negative
+// tail that 1 + tanh(u) cancels to 0 below x of about -4.
+float GeluLogistic(float x) { return Sigmoid(2.0f * kSqrt2OverPi * (x + kGeluCubic * x * x * x)); }
 
 float ActivationValue(Activation act, float x) {
   switch (act) {
-    case Activation::kGelu: {
-      const float t = std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-      return 0.5f * x * (1.0f + t);
-    }
+    case Activation::kGelu: return x * GeluLogistic(x);
     case Activation::kSilu: return x * Sigmoid(x);
     case Activation::kRelu: return x > 0.0f ? x : 0.0f;
     case Activation::kQuickGelu: return x * Sigmoid(kQuickGeluAlpha * x);
@@ -152,9 +153,9 @@ float ActivationValue(Activation act, float x) {
 float ActivationDerivative(Activation act, float x) {
   switch (act) {
     case Activation::kGelu: {
-      const float t = std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-      const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-      return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+      const float s = GeluLogistic(x);
+      const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+      return s + 2.0f * x * s * (1.0f - s) * du;
     }
     case Activation::kSilu: {
       const float s = Sigmoid(x);

@@ -31,17 +31,26 @@ namespace cuda {
 
 // ---- GELU (tanh approximation, ops.h's) -----------------------------------------
 // Shared by the activation kernels and the GEMM's fallback epilogue, so both
-// compute the same float32 value.
+// compute the same float32 value. The tanh form through the logistic
+// function, as the CPU reference writes it: 0.5 (1 + tanh(u)) = s =
+// 1 / (1 + e^-2u), so GELU(x) = x s and GELU'(x) = s + 2 x s (1 - s) u'.
+// One exponential and one reciprocal on the special-function unit where
+// tanhf spends some twenty instructions and a branch; the MLP's FP8
+// cast-transposes apply it to every element and are issue-bound on it.
+// It also keeps GELU's small negative tail, which 1 + tanh(u) cancels to 0
+// below x of about -4.
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
-__device__ __forceinline__ float GeluTanh(float x) {
-  const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-  return 0.5f * x * (1.0f + t);
+__device__ __forceinline__ float GeluLogistic(float x) {
+  const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+  // __fdividef(1, inf) is 0: s -> 0 as u -> -inf.
+  return __fdividef(1.0f, 1.0f + __expf(-2.0f * u));
 }
+__device__ __forceinline__ float GeluTanh(float x) { return x * GeluLogistic(x); }
 __device__ __forceinline__ float GeluTanhDerivative(float x) {
-  const float t = tanhf(kSqrt2OverPi * (x + kGeluCubic * x * x * x));
-  const float dinner = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
+  const float s = GeluLogistic(x);
+  const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+  return s + 2.0f * x * s * (1.0f - s) * du;
 }
 
 // ---- element formats ---------------------------------------------------------

@@ -42,6 +42,49 @@ TEST_P(ActivationTest, ForwardAndBackward) { ExpectForwardAndBackwardMatch(false
 // The same on inputs that are not 16-byte aligned: the element-wise fallback.
 TEST_P(ActivationTest, MisalignedInputs) { ExpectForwardAndBackwardMatch(true); }
 
+// GELU (tanh form) and its derivative in float32, both backends, against the
+// same function in double over [-12, 12]: each value within 1e-4 of itself,
+// down the negative tail to 1e-35 (flushed below; 0.5 x (1 + tanh u)
+// in float cancels to 0 there from x of about -4); the derivative within
+// 1e-5 of itself plus 1e-6 (it crosses zero near x = -0.75).
+TEST_F(GpuTest, GeluKeepsItsNegativeTailOnBothBackends) {
+  const Shape shape{64, 1024};
+  const Pair x = Random(DType::kF32, shape, 31, -12.0f, 12.0f);
+  const Pair ones = Random(DType::kF32, shape, 32, 1.0f, 1.0f);
+  Pair y = Output(DType::kF32, shape), dx = Output(DType::kF32, shape);
+  const std::vector<Activation> gelu{Activation::kGelu};
+  ASSERT_TRUE(cpu_->ActivationForward(gelu, x.cpu, &y.cpu, nullptr).ok());
+  ASSERT_TRUE(gpu_->ActivationForward(gelu, x.gpu, &y.gpu, nullptr).ok());
+  ASSERT_TRUE(cpu_->ActivationBackward(gelu, ones.cpu, x.cpu, &dx.cpu).ok());
+  ASSERT_TRUE(gpu_->ActivationBackward(gelu, ones.gpu, x.gpu, &dx.gpu).ok());
+  ASSERT_TRUE(gpu_->Synchronize().ok());
+  const Tensor gpu_y = Fetch(y.gpu), gpu_dx = Fetch(dx.gpu);
+  const float* xs = x.cpu.data_as<const float>();
+  int64_t tail = 0;
+  for (int64_t i = 0; i < x.cpu.numel(); ++i) {
+    const double v = xs[i];
+    const double u = std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v);
+    const double s = 1.0 / (1.0 + std::exp(-2.0 * u));
+    const double want_y = v * s;
+    const double want_dx =
+        s + 2.0 * v * s * (1.0 - s) * std::sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * v * v);
+    if (v < -5.0) ++tail;
+    for (const auto& [name, got] : {std::pair<const char*, const Tensor*>{"cpu", &y.cpu},
+                                    std::pair<const char*, const Tensor*>{"gpu", &gpu_y}}) {
+      const double g = got->data_as<const float>()[i];
+      ASSERT_LE(std::fabs(g - want_y), 1e-4 * std::fabs(want_y) + 1e-35)
+          << name << " gelu(" << v << ") = " << g << ", want " << want_y;
+    }
+    for (const auto& [name, got] : {std::pair<const char*, const Tensor*>{"cpu", &dx.cpu},
+                                    std::pair<const char*, const Tensor*>{"gpu", &gpu_dx}}) {
+      const double g = got->data_as<const float>()[i];
+      ASSERT_LE(std::fabs(g - want_dx), 1e-5 * std::fabs(want_dx) + 1e-6)
+          << name << " gelu'(" << v << ") = " << g << ", want " << want_dx;
+    }
+  }
+  EXPECT_GT(tail, 1000);  // the tail is sampled
+}
+
 const char* ActName(Activation a) {
   switch (a) {
     case Activation::kGelu: return "gelu";
