@@ -151,6 +151,14 @@ int Run(int reps) {
   Tensor lq5_qkv = *ops.Allocate(DType::kE5M2, {kTokens, 3 * kLmHidden});
   Tensor lq5_qkv_t = *ops.Allocate(DType::kE5M2, {3 * kLmHidden, kTokens});
   const Tensor rqkv_rows = rqkv.Reshaped({kTokens, 3 * kLmHidden});
+  // The 24 x 2048 LM's norm input, with its codes in both layouts.
+  constexpr int64_t kWideLmHidden = 2048;
+  Tensor wx = Random(ops, bf16, {kTokens, kWideLmHidden}, 18);
+  Tensor wgamma = Random(ops, bf16, {kWideLmHidden}, 19);
+  Tensor wbeta = Random(ops, bf16, {kWideLmHidden}, 20);
+  Tensor wy8 = *ops.Allocate(DType::kE4M3, {kTokens, kWideLmHidden});
+  Tensor wy8_t = *ops.Allocate(DType::kE4M3, {kWideLmHidden, kTokens});
+  Tensor wmu = *ops.Allocate(DType::kF32, {kTokens}), wrs = *ops.Allocate(DType::kF32, {kTokens});
   RotaryArgs inverse;
   inverse.consecutive = true;
   inverse.inverse = true;
@@ -234,6 +242,10 @@ int Run(int reps) {
       {"LM LayerNorm fwd bf16 -> e4m3 + y_t (NormForwardTransposed)", lm_hid * 4,
        [&] {
          return ops.NormForwardTransposed(ln, lx, lgamma, lbeta, fp8, &ly8, &ly8_t, &mu, &rs);
+       }},
+      {"LM 2048 LayerNorm fwd bf16 -> e4m3 + y_t [8192,2048]", lm_hid * 2 * 4,
+       [&] {
+         return ops.NormForwardTransposed(ln, wx, wgamma, wbeta, fp8, &wy8, &wy8_t, &wmu, &wrs);
        }},
       {"LM LayerNorm bwd bf16 + residual_grad", lm_hid * 8,
        [&] {
