@@ -41,7 +41,11 @@ struct RotateQkPairs {
     const int64_t half = dim / 2;
     // Pairs i0 .. i0 + 3 of the head: 16-byte aligned in the table (half % 4
     // == 0, i0 % 4 == 0).
-    const int64_t at = (row % seq) * half + (col % dim) / 2;
+    // 32-bit remainders (the launcher checks rows and columns fit): a 64-bit
+    // one is a subroutine of some 60 instructions, twice a row of 8 elements.
+    const uint32_t position = static_cast<uint32_t>(row) % static_cast<uint32_t>(seq);
+    const uint32_t in_head = static_cast<uint32_t>(col) % static_cast<uint32_t>(dim);
+    const int64_t at = int64_t(position) * half + in_head / 2;
     const float4 c = *reinterpret_cast<const float4*>(cos_table + at);
     const float4 s = *reinterpret_cast<const float4*>(sin_table + at);
     const float cs[4] = {c.x, c.y, c.z, c.w};
@@ -69,7 +73,8 @@ absl::Status CudaOps::RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* 
   // place, then quantizes.
   const bool fused = DTypeSize(qkv->dtype()) == 2 && args.consecutive &&
                      !HasDevicePosition(args.position) && seq > kFoldedRotaryMaxSeq &&
-                     dim % 8 == 0 && WideTilesFit(rows, *y, *y_t);
+                     dim % 8 == 0 && WideTilesFit(rows, *y, *y_t) &&
+                     rows.dim(0) <= UINT32_MAX && rows.dim(1) <= UINT32_MAX;
   if (!fused) return Ops::RotaryQkQuantizeTranspose(args, qkv, fp8, y, y_t, dbias);
   RETURN_IF_ERROR(Enter());
   ASSIGN_OR_RETURN(const RotaryTable table, MakeRotaryTable(*this, AnglesOf(args, dim), seq));
