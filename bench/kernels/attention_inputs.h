@@ -39,6 +39,7 @@ inline Tensor RandomTensor(cuda::CudaOps* ops, DType dtype, const Shape& shape, 
 struct AttentionFlags {
   int64_t batch, seq, heads, dim;
   int reps;
+  float dropout = 0.0f;  // attention dropout on the probabilities (cudnn_engine_probe)
 };
 inline void ParseAttentionFlags(int argc, char** argv, AttentionFlags* f) {
   for (int i = 1; i < argc; ++i) {
@@ -47,6 +48,7 @@ inline void ParseAttentionFlags(int argc, char** argv, AttentionFlags* f) {
     if (std::strncmp(argv[i], "--heads=", 8) == 0) f->heads = std::atoll(argv[i] + 8);
     if (std::strncmp(argv[i], "--dim=", 6) == 0) f->dim = std::atoll(argv[i] + 6);
     if (std::strncmp(argv[i], "--reps=", 7) == 0) f->reps = std::atoi(argv[i] + 7);
+    if (std::strncmp(argv[i], "--dropout=", 10) == 0) f->dropout = std::strtof(argv[i] + 10, nullptr);
   }
 }
 

@@ -20,8 +20,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -144,9 +142,5 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps, float dropout) {
 int main(int argc, char** argv) {
   te::bench::AttentionFlags f{8, 1024, 16, 64, 20};
   te::bench::ParseAttentionFlags(argc, argv, &f);
-  float dropout = 0.0f;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--dropout=", 10) == 0) dropout = std::strtof(argv[i] + 10, nullptr);
-  }
-  return te::Run(f.batch, f.seq, f.heads, f.dim, f.reps, dropout);
+  return te::Run(f.batch, f.seq, f.heads, f.dim, f.reps, f.dropout);
 }

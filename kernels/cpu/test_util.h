@@ -92,6 +92,19 @@ inline double RelativeError(const Tensor& out, const std::vector<double>& ref) {
   return RelativeError(ToDoubles(out), ref);
 }
 
+// GELU's tanh form, x / (1 + e^-2u) with u = sqrt(2 / pi) (x + 0.044715 x^3),
+// and its derivative, in double: the reference both backends' float32 GELU is
+// judged against, its negative tail included.
+inline double GeluTanhLogistic(double x) {
+  const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
+  return 1.0 / (1.0 + std::exp(-2.0 * u));
+}
+inline double GeluTanhReference(double x) { return x * GeluTanhLogistic(x); }
+inline double GeluTanhDerivativeReference(double x) {
+  const double s = GeluTanhLogistic(x);
+  return s + 2.0 * x * s * (1.0 - s) * std::sqrt(2.0 / M_PI) * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
 inline const char* ShortName(DType dtype) {
   switch (dtype) {
     case DType::kF32: return "f32";
