@@ -118,8 +118,9 @@ absl::Status CompareInto(const std::string& key, Ops& reference_ops, const Tenso
   }
   ASSIGN_OR_RETURN(std::vector<float> want, HostValues(reference_ops, reference));
   ASSIGN_OR_RETURN(std::vector<float> got, HostValues(candidate_ops, candidate));
-  double& worst = (*errors)[key];
-  worst = std::max(worst, RelativeError(got, want));
+  Compared& worst = (*errors)[key];
+  worst.error = std::max(worst.error, RelativeError(got, want));
+  worst.dtype = reference.dtype();
   return absl::OkStatus();
 }
 
@@ -203,7 +204,7 @@ absl::Status JudgeZeroGradients(Ops& reference_ops, const Variables& reference, 
     ASSIGN_OR_RETURN(std::vector<float> want, HostValues(reference_ops, tensor));
     ASSIGN_OR_RETURN(std::vector<float> got, HostValues(candidate_ops, candidate.at(name)));
     ASSIGN_OR_RETURN(std::vector<float> scale, HostValues(reference_ops, reference.at(kernel)));
-    (*errors)["grad " + name] = testing::ZeroGradientError(got, want, scale);
+    (*errors)["grad " + name] = {testing::ZeroGradientError(got, want, scale), tensor.dtype()};
   }
   return absl::OkStatus();
 }
@@ -301,12 +302,14 @@ absl::StatusOr<Errors> StepAndCompare(PreparedRun* run, int steps) {
 
 // ---- judging ------------------------------------------------------------------
 
-double ToleranceFor(const Tolerances& tol, const CaseRun& run, const std::string& key) {
+double ToleranceFor(const Tolerances& tol, const CaseRun& run, const std::string& key,
+                    DType stored) {
   if (run.fp8) {
     return IsFp8MetasKey(key) ? tol.fp8_metas : tol.fp8_values;
   }
   const bool composed = run.layer_case.composed;
   if (run.dtype == DType::kF32 && !run.layer_case.tf32) {
+    if (stored == DType::kBF16) return tol.f32_run_bf16_tensor;
     return composed ? tol.f32_composed : tol.f32_single_op;
   }
   return composed ? tol.bf16_composed : tol.bf16_single_op;
@@ -315,9 +318,12 @@ double ToleranceFor(const Tolerances& tol, const CaseRun& run, const std::string
 ::testing::AssertionResult AllWithin(const Tolerances& tol, const CaseRun& run,
                                      const Errors& errors) {
   std::ostringstream over;
-  for (const auto& [key, error] : errors) {
-    const double bound = ToleranceFor(tol, run, key);
-    if (!(error <= bound)) over << "\n  " << key << ": " << error << " > " << bound;
+  for (const auto& [key, compared] : errors) {
+    const double bound = ToleranceFor(tol, run, key, compared.dtype);
+    if (!(compared.error <= bound)) {
+      over << "\n  " << key << " (" << DTypeName(compared.dtype) << "): " << compared.error
+           << " > " << bound;
+    }
   }
   const std::string report = over.str();
   if (report.empty()) return ::testing::AssertionSuccess();
@@ -330,9 +336,9 @@ std::string Summary(const Errors& errors) {
   for (bool metas : {false, true}) {
     const std::string* worst_key = nullptr;
     double worst = -1.0;
-    for (const auto& [key, error] : errors) {
-      if (IsFp8MetasKey(key) != metas || error <= worst) continue;
-      worst = error;
+    for (const auto& [key, compared] : errors) {
+      if (IsFp8MetasKey(key) != metas || compared.error <= worst) continue;
+      worst = compared.error;
       worst_key = &key;
     }
     if (worst_key == nullptr) continue;

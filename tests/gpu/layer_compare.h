@@ -68,8 +68,12 @@ absl::StatusOr<PreparedRun> Prepare(Ops& reference, Ops& candidate, const CaseRu
 // Key -> the worst relative error over the steps. Keys: "y", "ln_out", "dx",
 // "dextra[i]" (dk, dv), "grad <param>" for each parameter gradient, and each
 // variable's own name ("fp8_metas/..._scale", "params/...") after the step's
-// FP8 update.
-using Errors = std::map<std::string, double>;
+// FP8 update. Each with the compared tensor's dtype, which its bound depends on.
+struct Compared {
+  double error = 0.0;
+  DType dtype = DType::kF32;
+};
+using Errors = std::map<std::string, Compared>;
 
 // `steps` ForwardBackward steps on both sides, on the same inputs each step:
 // Forward (keep_for_backward), Backward with dy, UpdateFp8Metas under FP8, as
@@ -86,10 +90,14 @@ struct Tolerances {
   double f32_composed = 0.0;   // several ops chained
   double bf16_single_op = 0.0;
   double bf16_composed = 0.0;
+  // A bfloat16 tensor of a float32 run (bf16 params and their gradients
+  // beside float32 activations): float32 values rounded once to bfloat16.
+  double f32_run_bf16_tensor = 0.0;
   double fp8_values = 0.0;  // y, dx and gradients of FP8 runs
   double fp8_metas = 0.0;   // amax histories and scales
 };
-double ToleranceFor(const Tolerances& tol, const CaseRun& run, const std::string& key);
+double ToleranceFor(const Tolerances& tol, const CaseRun& run, const std::string& key,
+                    DType stored);
 
 // Success iff every error is within its tolerance; the failure lists each key
 // over it with its error and bound.
