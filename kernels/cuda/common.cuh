@@ -34,22 +34,17 @@ namespace cuda {
 // compute the same float32 value. The tanh form through the logistic
 // function, as the CPU reference writes it: 0.5 (1 + tanh(u)) = s =
 // 1 / (1 + e^-2u), so GELU(x) = x s and GELU'(x) = s + 2 x s (1 - s) u'.
-// One exponential and one division where tanhf spends some twenty
-// instructions and a branch; the MLP's FP8 cast-transposes apply it to every
-// element and are issue-bound on it. expf and an IEEE division, as Sigmoid and
-// the CPU reference compute them, not __expf / __fdividef: a layer with
-// bfloat16 params rounds GELU's float32 output to bfloat16, and the
-// intrinsics' few-ulp errors moved enough of those roundings to lift the
-// quickstart layer's float32 wo gradient from 4.8e-5 to 1.2e-4 of the CPU's
-// (H100, layers_gpu_test).
+// One exponential and one reciprocal on the special-function unit where
+// tanhf spends some twenty instructions and a branch; the MLP's FP8
+// cast-transposes apply it to every element and are issue-bound on it.
 // It also keeps GELU's small negative tail, which 1 + tanh(u) cancels to 0
 // below x of about -4.
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 __device__ __forceinline__ float GeluLogistic(float x) {
   const float u = kSqrt2OverPi * (x + kGeluCubic * x * x * x);
-  // 1 / inf is 0: s -> 0 as u -> -inf.
-  return 1.0f / (1.0f + expf(-2.0f * u));
+  // __fdividef(1, inf) is 0: s -> 0 as u -> -inf.
+  return __fdividef(1.0f, 1.0f + __expf(-2.0f * u));
 }
 __device__ __forceinline__ float GeluTanh(float x) { return x * GeluLogistic(x); }
 __device__ __forceinline__ float GeluTanhDerivative(float x) {
