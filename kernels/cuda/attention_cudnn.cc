@@ -36,9 +36,11 @@ using namespace cudnn_graph;  // NOLINT(build/namespaces)
 
 namespace {
 std::atomic<int64_t> cudnn_calls{0};
+std::atomic<int64_t> heads_outer_calls{0};
 }  // namespace
 
 int64_t CudnnAttentionCalls() { return cudnn_calls.load(); }
+int64_t CudnnHeadsOuterCalls() { return heads_outer_calls.load(); }
 
 namespace {
 
@@ -135,7 +137,18 @@ PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionS
   c.bias = args.bias.data() != nullptr;
   c.dbias = backward && c.bias && dbias;
   c.dropout = args.dropout_rate;
+  c.heads_outer = c.bias && !c.dbias && !c.padding && c.dropout == 0.0f &&
+                  s.q_heads == s.kv_heads;
   return c;
+}
+
+// The plan of *config; where cuDNN declines its heads-outer views, the
+// plain ones (*config changed to them).
+absl::StatusOr<const CudnnPlan*> PlanFor(CudaOps* ops, PlanConfig* config) {
+  auto plan = GetPlan(ops, *config);
+  if (plan.ok() || !config->heads_outer || !absl::IsUnimplemented(plan.status())) return plan;
+  config->heads_outer = false;
+  return GetPlan(ops, *config);
 }
 
 // With dropout both directions must run on cuDNN (same Philox mask), so a
@@ -214,8 +227,8 @@ absl::StatusOr<int64_t> CudnnAttentionWorkspaceBytes(CudaOps* ops, bool backward
   // bias's table gradient): the larger of the two.
   int64_t bytes = 0;
   for (const bool dbias : {true, false}) {
-    const PlanConfig config = MakeConfig(backward, args, shape, qkv, dbias);
-    ASSIGN_OR_RETURN(const CudnnPlan* plan, GetPlan(ops, config));
+    PlanConfig config = MakeConfig(backward, args, shape, qkv, dbias);
+    ASSIGN_OR_RETURN(const CudnnPlan* plan, PlanFor(ops, &config));
     RETURN_IF_ERROR(CheckOtherDirection(ops, config));
     bytes = std::max(bytes, WorkspaceLayout(config, *plan).total());
     if (!config.bias || !backward) break;
@@ -230,16 +243,18 @@ namespace {
 // workspace laid out, with the dropout seed written into it.
 struct PreparedCall {
   const CudnnPlan* plan = nullptr;
+  bool heads_outer = false;  // the plan's views (PlanFor may have dropped them)
   cudnnHandle_t handle = nullptr;
   workspace::CudnnAttentionWorkspace layout;
   char* base = nullptr;
   int64_t* seed_offset = nullptr;
 };
 
-absl::StatusOr<PreparedCall> Prepare(CudaOps* ops, const PlanConfig& config,
+absl::StatusOr<PreparedCall> Prepare(CudaOps* ops, PlanConfig config,
                                      const AttentionArgs& args) {
   PreparedCall call;
-  ASSIGN_OR_RETURN(call.plan, GetPlan(ops, config));
+  ASSIGN_OR_RETURN(call.plan, PlanFor(ops, &config));
+  call.heads_outer = config.heads_outer;
   RETURN_IF_ERROR(CheckOtherDirection(ops, config));
   ASSIGN_OR_RETURN(call.handle, ops->CudnnHandle());
   call.layout = WorkspaceLayout(config, *call.plan);
@@ -288,6 +303,7 @@ absl::Status CudnnAttentionForward(CudaOps* ops, const AttentionArgs& args,
   BindCommon(config, args, scalars, seed_offset, &pack);
   RETURN_IF_ERROR(pack.Execute(call.handle, *call.plan, call.base));
   cudnn_calls.fetch_add(1);
+  if (call.heads_outer) heads_outer_calls.fetch_add(1);
   if (config.padding) {
     // Rows past q_seqlens (or with no valid key) are unspecified in cuDNN's
     // output; ops.h wants zeros and lse = +inf there.
@@ -367,6 +383,7 @@ absl::Status CudnnAttentionBackward(CudaOps* ops, const AttentionArgs& args,
   BindCommon(config, args, scalars, seed_offset, &pack);
   RETURN_IF_ERROR(pack.Execute(call.handle, *call.plan, call.base));
   cudnn_calls.fetch_add(1);
+  if (call.heads_outer) heads_outer_calls.fetch_add(1);
   if (config.dbias) {
     const Tensor dbias_view = WorkspaceTensor(dbias_io, qkv.dtype, args.bias.shape());
     RETURN_IF_ERROR(ops->Cast(dbias_view, dbias));

@@ -51,15 +51,13 @@ absl::Status BuildBackward(cudnnHandle_t handle, const PlanConfig& c, CudnnPlan*
   if (c.dbias) {
     ASSIGN_OR_RETURN(dbias, g.Tensor(kDBias, io, l.BiasDims(), l.BiasStrides()));
   } else {
-    ASSIGN_OR_RETURN(dq_accum, g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, l.QDims(),
-                                        {l.hq * l.sq * l.d, l.sq * l.d, l.d, 1}));
+    ASSIGN_OR_RETURN(dq_accum, g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, l.QDims(), l.DqAccumStrides()));
   }
   ASSIGN_OR_RETURN(const CommonTensors t, MakeCommon(g, c, l));
   ASSIGN_OR_RETURN(auto keep_or_one, g.Scalar(dropout ? kKeepProbability : kOne, CUDNN_DATA_FLOAT));
 
   // softmax_sum = rowsum(dO * O) * (1 - p).
-  ASSIGN_OR_RETURN(auto do_o, g.Virtual(CUDNN_DATA_FLOAT, l.QDims(),
-                                        {l.hq * l.sq * l.d, l.sq * l.d, l.hq * l.d, 1}));
+  ASSIGN_OR_RETURN(auto do_o, g.Virtual(CUDNN_DATA_FLOAT, l.QDims(), l.DoOStrides()));
   RETURN_IF_ERROR(g.Pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, d_o, o, nullptr, do_o));
   ASSIGN_OR_RETURN(auto row_dot, g.Virtual(CUDNN_DATA_FLOAT, l.RowDims(), l.RowStrides()));
   RETURN_IF_ERROR(g.Reduction(CUDNN_REDUCE_TENSOR_ADD, do_o, row_dot));

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -62,19 +63,29 @@ struct PlanConfig {
   bool bias = false;
   bool dbias = false;  // backward with a bias: writes dBias (else reads the bias only)
   float dropout = 0.0f;
+  // cuDNN's [b, h] axes are ops.h's [head, batch] (Layouts): with a bias
+  // shared over the batch, the blocks cuDNN runs at once then take one head
+  // of several batch rows, which read the same [Sq, Skv] bias through L2,
+  // instead of one batch row of several heads, which each read their own
+  // from memory. Only where the views are all that changes: no per-batch
+  // lengths, no dropout (its mask follows cuDNN's indices), no GQA, no dBias.
+  bool heads_outer = false;
 
   std::string Key() const {
     return absl::StrCat(backward ? "bwd" : "fwd", "/", shape.batch, "/", shape.q_seq, "/",
                         shape.kv_seq, "/", shape.q_heads, "/", shape.kv_heads, "/",
                         shape.head_dim, "/", static_cast<int>(dtype), "/", q_token_stride, "/",
-                        kv_token_stride, "/", padding, causal, bias, dbias, "/", dropout);
+                        kv_token_stride, "/", padding, causal, bias, dbias, heads_outer, "/",
+                        dropout);
   }
 };
 
 // The layouts of ops.h's tensors as cuDNN's [b, h, s, d] views. q, k, v and
 // their gradients are [B, S, H, D] with tokens q_token / kv_token elements
 // apart (H*D, or 3*H*D inside a packed qkv); out and dout are always
-// contiguous [B, Sq, Hq, D].
+// contiguous [B, Sq, Hq, D]. With heads_outer the first two axes of every
+// view trade places (the memory is the same); the graph's virtual score
+// tensors are packed in the order cuDNN sees.
 struct Layouts {
   explicit Layouts(const PlanConfig& c)
       : b(c.shape.batch),
@@ -84,26 +95,36 @@ struct Layouts {
         skv(c.shape.kv_seq),
         d(c.shape.head_dim),
         q_token(c.q_token_stride),
-        kv_token(c.kv_token_stride) {}
-  Dims QDims() const { return {b, hq, sq, d}; }
-  Dims QStrides() const { return {sq * q_token, d, q_token, 1}; }  // q, dq
-  Dims OStrides() const { return {sq * hq * d, d, hq * d, 1}; }    // out, dout
-  Dims KvDims() const { return {b, hk, skv, d}; }
-  Dims KvStrides() const { return {skv * kv_token, d, kv_token, 1}; }
-  Dims KvTDims() const { return {b, hk, d, skv}; }  // K^T, V^T: the same memory
-  Dims KvTStrides() const { return {skv * kv_token, d, 1, kv_token}; }
-  Dims SDims() const { return {b, hq, sq, skv}; }
-  Dims SStrides() const { return {hq * sq * skv, sq * skv, skv, 1}; }
-  Dims STDims() const { return {b, hq, skv, sq}; }
-  Dims STStrides() const { return {hq * sq * skv, sq * skv, 1, skv}; }
-  Dims RowDims() const { return {b, hq, sq, 1}; }  // Stats, softmax_sum: [B, Hq, Sq]
-  Dims RowStrides() const { return {hq * sq, sq, 1, 1}; }
-  Dims BiasDims() const { return {1, hq, sq, skv}; }  // [Hq, Sq, Skv], shared by the batch
-  Dims BiasStrides() const { return {hq * sq * skv, sq * skv, skv, 1}; }
+        kv_token(c.kv_token_stride),
+        heads_outer(c.heads_outer) {}
+  Dims QDims() const { return Outer({b, hq, sq, d}); }
+  Dims QStrides() const { return Outer({sq * q_token, d, q_token, 1}); }  // q, dq
+  Dims OStrides() const { return Outer({sq * hq * d, d, hq * d, 1}); }    // out, dout
+  Dims KvDims() const { return Outer({b, hk, skv, d}); }
+  Dims KvStrides() const { return Outer({skv * kv_token, d, kv_token, 1}); }
+  Dims KvTDims() const { return Outer({b, hk, d, skv}); }  // K^T, V^T: the same memory
+  Dims KvTStrides() const { return Outer({skv * kv_token, d, 1, kv_token}); }
+  Dims SDims() const { return Outer({b, hq, sq, skv}); }
+  Dims SStrides() const { return {SDims()[1] * sq * skv, sq * skv, skv, 1}; }
+  Dims STDims() const { return Outer({b, hq, skv, sq}); }
+  Dims STStrides() const { return {STDims()[1] * sq * skv, sq * skv, 1, skv}; }
+  Dims RowDims() const { return Outer({b, hq, sq, 1}); }  // Stats, softmax_sum: [B, Hq, Sq]
+  Dims RowStrides() const { return Outer({hq * sq, sq, 1, 1}); }
+  Dims BiasDims() const { return Outer({1, hq, sq, skv}); }  // [Hq, Sq, Skv], shared by the batch
+  Dims BiasStrides() const { return Outer({hq * sq * skv, sq * skv, skv, 1}); }
+  Dims DoOStrides() const { return Outer({hq * sq * d, sq * d, hq * d, 1}); }  // dO * O, virtual
+  Dims DqAccumStrides() const { return Outer({hq * sq * d, sq * d, d, 1}); }  // [B, Hq, Sq, D]
   Dims LenDims() const { return {b, 1, 1, 1}; }
   Dims LenStrides() const { return {1, 1, 1, 1}; }
   int64_t b, hq, hk, sq, skv, d;
   int64_t q_token, kv_token;
+  bool heads_outer;
+
+ private:
+  Dims Outer(Dims x) const {
+    if (heads_outer) std::swap(x[0], x[1]);
+    return x;
+  }
 };
 
 inline cudnnDataType_t IoType(DType dtype) {

@@ -212,9 +212,16 @@ TEST_P(GpuAttentionTest, ForwardAndBackwardMatchCpu) {
   Tensor gout = GpuEmpty(c.dtype, q_shape);
   Tensor glse = GpuEmpty(DType::kF32, lse_shape);
   const int64_t cudnn_calls_before = cuda::CudnnAttentionCalls();
+  const int64_t heads_outer_before = cuda::CudnnHeadsOuterCalls();
   const int64_t small_head_calls_before = cuda::SmallHeadAttentionCalls();
   const absl::Status fwd = gpu_->AttentionForward(gpu_args, gq, gk, gv, &gout, &glse);
   ASSERT_TRUE(fwd.ok()) << fwd;
+  // A bias shared by the batch, without lengths, dropout or GQA, runs on
+  // heads-outer views; the backward writes dBias here, so it keeps the plain ones.
+  const bool heads_outer = c.path == Path::kCudnn && c.bias && !IsPaddingMask(c.mask) &&
+                           c.dropout == 0.0f && c.q_heads == c.kv_heads;
+  EXPECT_EQ(cuda::CudnnHeadsOuterCalls() - heads_outer_before, heads_outer ? 1 : 0)
+      << "heads-outer views";
   const double tolerance = Tolerance(c.dtype);
   EXPECT_LT(RelativeError(FromGpu(gout), ::te::testing::ToDoubles(cpu_out)), tolerance) << "out";
   ExpectLseNear(FromGpu(glse), cpu_lse, tolerance);

@@ -219,6 +219,9 @@ void SetAttentionPath(AttentionPath path);
 AttentionPath GetAttentionPath();
 // Calls served by cuDNN (forward + backward), for tests to see which ran.
 int64_t CudnnAttentionCalls();
+// Of those, the calls whose plan views the batch's bias-sharing rows heads
+// outer (PlanConfig::heads_outer).
+int64_t CudnnHeadsOuterCalls();
 // Calls served by the small-head kernels (forward + backward).
 int64_t SmallHeadAttentionCalls();
 // Process-wide: the most bytes SmallHeadDropoutBitsBytes grants (tests set 0

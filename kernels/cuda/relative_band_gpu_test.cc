@@ -193,6 +193,8 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
   std::vector<double> dq, dk, dv;
   std::vector<double> dtable[2];  // two runs: the band repeats its bits
   const int64_t band_before = cuda::RelativeBandCalls();
+  const int64_t cudnn_before = cuda::CudnnAttentionCalls();
+  const int64_t heads_outer_before = cuda::CudnnHeadsOuterCalls();
   if (c.packed) {
     const Shape qkv_shape = {c.batch, c.seq, 3, c.q_heads, c.head_dim};
     const Tensor gqkv = ToGpu(MakeTensor(cpu_, c.dtype, qkv_shape, Pack(q, k, v)));
@@ -228,6 +230,12 @@ TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
   }
   EXPECT_EQ(cuda::RelativeBandCalls() - band_before, c.band ? 2 : 0)
       << (c.band ? "the band kernel did not serve the call" : "the band kernel ran");
+  // Without GQA every call cuDNN served viewed the batch heads outer (the
+  // bias read through L2 by the batch's rows at once); with GQA none did.
+  const int64_t cudnn_calls = cuda::CudnnAttentionCalls() - cudnn_before;
+  EXPECT_EQ(cuda::CudnnHeadsOuterCalls() - heads_outer_before,
+            c.q_heads == c.kv_heads ? cudnn_calls : 0)
+      << "of " << cudnn_calls << " cuDNN calls";
 
   const double grad_tolerance = c.dtype == DType::kF16 ? kF16AttentionGradTolerance
                                                        : ::te::testing::Tolerance(c.dtype);
