@@ -67,8 +67,11 @@ struct PlanConfig {
   // shared over the batch, the blocks cuDNN runs at once then take one head
   // of several batch rows, which read the same [Sq, Skv] bias through L2,
   // instead of one batch row of several heads, which each read their own
-  // from memory. Only where the views are all that changes: no per-batch
-  // lengths, no dropout (its mask follows cuDNN's indices), no GQA, no dBias.
+  // from memory. On the H100 at the 24 x 1024 LM's shape this took about a
+  // tenth off what the bias adds to cuDNN's forward and backward (the rest is
+  // cuDNN's slower kernel with a bias operand, not the reads). Only where the
+  // views are all that changes: no per-batch lengths, no dropout (its mask
+  // follows cuDNN's indices), no GQA, no dBias.
   bool heads_outer = false;
 
   std::string Key() const {
