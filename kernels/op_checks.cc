@@ -792,10 +792,10 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
       RETURN_IF_ERROR(
           RequireDType(op, "relative_bias.table (float32 or q's dtype)", &r.table, q.dtype()));
     }
-    if (r.table.rank() != 2 || r.table.dim(0) != s.q_heads || r.table.dim(1) < 1) {
+    if (r.table.rank() != 2 || r.table.dim(1) != s.q_heads || r.table.dim(0) < 1) {
       return absl::InvalidArgumentError(absl::StrCat(op, ": relative_bias.table is ",
-                                                     Describe(r.table), ", want [", s.q_heads,
-                                                     " (q heads), buckets]"));
+                                                     Describe(r.table), ", want [buckets, ",
+                                                     s.q_heads, " (q heads)]"));
     }
     RETURN_IF_ERROR(RequireDType(op, "relative_bias.buckets", &r.buckets, DType::kI32));
     if (r.buckets.rank() != 2 || r.buckets.dim(1) != s.kv_seq ||
@@ -903,17 +903,17 @@ absl::Status CheckBuckets(const char* op, const Tensor& buckets) {
   return RequireDefined(op, "buckets", &buckets);
 }
 
-// A table or dtable [heads, num_buckets] (TE's layout of the parameter), float.
+// A table or dtable [num_buckets, heads], float.
 absl::StatusOr<RelativeBiasDims> CheckTable(const char* op, const char* name, const Tensor* table) {
   RETURN_IF_ERROR(RequireDefined(op, name, table));
   if (table->rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
-        op, ": ", name, " must be [heads, buckets], got ", ShapeString(table->shape())));
+        op, ": ", name, " must be [buckets, heads], got ", ShapeString(table->shape())));
   }
   RETURN_IF_ERROR(RequireFloat(op, name, table));
   RelativeBiasDims dims;
-  dims.heads = table->dim(0);
-  dims.num_buckets = table->dim(1);
+  dims.num_buckets = table->dim(0);
+  dims.heads = table->dim(1);
   return dims;
 }
 
@@ -928,10 +928,12 @@ absl::Status CheckBias(const char* op, const char* name, const Tensor* bias,
 
 }  // namespace
 
-namespace {
-
-// RotaryArgs' angle fields.
-absl::Status CheckRotaryAngles(const char* op, const RotaryArgs& args) {
+absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y) {
+  const char* op = "Rotary";
+  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
+  }
   if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": timescales must be positive, got [",
                                                    args.min_timescale, ", ", args.max_timescale,
@@ -944,42 +946,9 @@ absl::Status CheckRotaryAngles(const char* op, const RotaryArgs& args) {
   if (HasDevicePosition(args.position)) {
     RETURN_IF_ERROR(CheckDevicePosition(op, "position", args.position));
   }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y) {
-  const char* op = "Rotary";
-  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
-  }
-  RETURN_IF_ERROR(CheckRotaryAngles(op, args));
-  if (args.table.defined()) {
-    if (HasDevicePosition(args.position)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": table is for host positions; give table or position, not both"));
-    }
-    RETURN_IF_ERROR(RequireDType(op, "table", &args.table, DType::kF32));
-    RETURN_IF_ERROR(RequireShape(op, "table", args.table, {2, x.dim(1), x.dim(3) / 2}));
-  }
   RETURN_IF_ERROR(RequireFloat(op, "x", &x));
   RETURN_IF_ERROR(RequireFloat(op, "y", y));
   return RequireShape(op, "y", *y, x.shape());
-}
-
-absl::Status CheckRotaryTableArgs(const RotaryArgs& args, int64_t seq, int64_t dim) {
-  const char* op = "RotaryTable";
-  if (seq < 0 || dim < 0 || dim % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": want seq >= 0 and an even dim >= 0, got ", seq, " and ", dim));
-  }
-  if (HasDevicePosition(args.position) || args.table.defined()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": args must have host positions and no table of their own"));
-  }
-  return CheckRotaryAngles(op, args);
 }
 
 absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv) {

@@ -147,10 +147,6 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   return Tensor(std::move(storage), data, dtype, std::move(shape));
 }
 
-absl::StatusOr<Tensor> Ops::RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
-  return absl::UnimplementedError(absl::StrCat(device_name(), " makes no rotary tables"));
-}
-
 absl::StatusOr<std::unique_ptr<Ops::StepRecord>> Ops::CaptureStep(
     const std::function<absl::Status()>& step) {
   return absl::UnimplementedError(
@@ -425,7 +421,7 @@ absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs
   AttentionArgs made = args;
   made.relative_bias = AttentionArgs::RelativeBiasTable();
   ASSIGN_OR_RETURN(made.bias,
-                   ops.Allocate(r.table.dtype(), {r.table.dim(0), q_seq, r.buckets.dim(1)}));
+                   ops.Allocate(r.table.dtype(), {r.table.dim(1), q_seq, r.buckets.dim(1)}));
   RETURN_IF_ERROR(ops.RelativeBiasForward(r.table, r.buckets, r.first_row, &made.bias));
   return made;
 }

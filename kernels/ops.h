@@ -115,7 +115,7 @@ struct AttentionArgs {
   // kernel) rather than make [H, Sq, Skv]; the others make it
   // (WithRelativeBiasMade) and add it as `bias`.
   struct RelativeBiasTable {
-    Tensor table;      // [Hq, NB] (TE's layout), float32 or q's dtype
+    Tensor table;      // [NB, Hq], float32 or q's dtype
     Tensor buckets;    // int32 [R, Skv]
     Tensor first_row;  // int32, one element on the device; undefined: 0 (then R == Sq)
     bool defined() const { return table.defined(); }
@@ -141,7 +141,7 @@ absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs
 
 // A T5 relative-position bias named by its table: the bias an AttentionArgs
 // carries is RelativeBiasForward(table, buckets), and its gradient is wanted
-// as the table's, dtable [H, NB], not as dbias [H, Sq, Skv].
+// as the table's, dtable [NB, H], not as dbias [H, Sq, Skv].
 struct RelativeBuckets {
   Tensor buckets;  // int32 [Sq, Skv], RelativeBiasForward's
   // > 0: every visible key at least this many positions before its query has
@@ -246,12 +246,6 @@ struct RotaryArgs {
   // position_offset when the kernels run. A decode step's position lives on
   // the device, so the same launches serve every position (a replayed step).
   Tensor position;
-  // Optional, not with `position`: these args' cos and sin for the S rows,
-  // float32 [2, S, D/2] (cos, then sin, at [s * D/2 + i]), as
-  // Ops::RotaryTable(args, S, D) makes them. The ops read it instead of
-  // making their own: a layer that rotates the same positions at every step
-  // keeps one (DeviceConstants) and launches nothing for its angles.
-  Tensor table;
 };
 // Position p = position_offset + s (s 0-based along S), frequency index i in
 // [0, D/2):
@@ -899,10 +893,8 @@ class Ops {
   // the output gradient of an MLP's first GEMM under FP8. x [N, n * I] is
   // 2-D; dx itself is not returned, and its values are the ones
   // ActivationBackward writes into a dx of x's dtype (so both paths make the
-  // same codes, but for GELU's last float bits where the CUDA kernel takes
-  // its form for codes, activation_fns.cuh's GeluForCodesFn). dy is
-  // consumed: the default writes dx over it where shape and dtype allow
-  // (one activation, x's dtype; else into a temporary), then
+  // same codes). dy is consumed: the default writes dx over it where shape
+  // and dtype allow (one activation, x's dtype; else into a temporary), then
   // runs QuantizeTranspose(Dbias), so it holds no more than the fused kernel;
   // the CUDA backend reads dy and x once and writes no dx (one activation,
   // whole 128 x 64 tiles).
@@ -953,7 +945,7 @@ class Ops {
                                                const Tensor& softmax_lse, Tensor* dqkv,
                                                Tensor* dbias);
   // The same backwards with args.bias a relative-position bias over
-  // `relative`'s buckets, writing dtable f32 [H, NB] (overwritten) where the
+  // `relative`'s buckets, writing dtable f32 [NB, H] (overwritten) where the
   // above write dbias: RelativeBiasBackward of their dbias. The defaults run
   // exactly that; the CUDA backend never forms dbias where `uniform_from`
   // allows (kernels/cuda/relative_bias_grad.cu).
@@ -1056,11 +1048,6 @@ class Ops {
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
-  // RotaryArgs::table for `args` (its position fields host-side: no
-  // `position`) over seq rows of head dim `dim` (even): float32
-  // [2, seq, dim / 2], the values the rotary ops would compute themselves.
-  // The default answers UNIMPLEMENTED: the ops then make their own.
-  virtual absl::StatusOr<Tensor> RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim);
   // The fused QKV projection's output as it is, qkv [B, S, 3, H, D] (TE's
   // BS3HD, D even): parts 0 and 1 (q and k) rotated in place, each as Rotary
   // rotates a [B, S, H, D] tensor; part 2 (v) untouched. A self-attention
@@ -1102,10 +1089,9 @@ class Ops {
                                               const RotaryArgs* rotary, const Tensor& position,
                                               Tensor* q, Tensor* key_cache, Tensor* value_cache,
                                               Tensor* out, Tensor* softmax_lse);
-  // T5 relative position bias: bias[h, i, j] = table[h, buckets[r0 + i, j]].
-  // table [H, NB] (float; TE's layout of the parameter, read in place),
-  // buckets int32 [R, Skv], bias [H, Sq, Skv] (any float dtype: the
-  // attention's operands' saves a cast).
+  // T5 relative position bias: bias[h, i, j] = table[buckets[r0 + i, j], h].
+  // table [NB, H] (float), buckets int32 [R, Skv], bias [H, Sq, Skv] (any
+  // float dtype: the attention's operands' saves a cast).
   // r0 = first_row's one int32 element (on the op's device), read when the
   // kernel runs: a decode step's rows of the [L, L] bucket table, at a
   // position that lives on the device. Without first_row, r0 = 0 and Sq == R.
@@ -1113,7 +1099,7 @@ class Ops {
   // position before the step).
   virtual absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                            const Tensor& first_row, Tensor* bias) = 0;
-  // dtable [H, NB] = scatter-add of dbias over buckets (overwritten).
+  // dtable [NB, H] = scatter-add of dbias over buckets (overwritten).
   virtual absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                             Tensor* dtable) = 0;
 

@@ -1,6 +1,5 @@
 // CPU reference position encodings: rotary embedding and the T5 relative
-// position bias (a gather from a [heads, buckets] table, and its scatter-add).
-#include <algorithm>
+// position bias (a gather from a [buckets, heads] table, and its scatter-add).
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -28,13 +27,16 @@ absl::StatusOr<const int32_t*> CheckBucketValues(const char* op, const Tensor& b
   return values;
 }
 
-// cos then sin of the angle of (row s along S, frequency i) at
-// [s * half + i] and [seq * half + s * half + i]. The angle is computed in
-// double: near position 10^4 a float angle is already off by up to 5e-4
-// radians, far more than a float32 result can carry.
-std::vector<float> CosSinTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
-  const int64_t half = dim / 2;
-  std::vector<float> table(static_cast<size_t>(2 * seq * half));
+}  // namespace
+
+// The angle is computed in double: near position 10^4 a float angle is already
+// off by up to 5e-4 radians, far more than a float32 result can carry.
+absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
+  RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
+  const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
+  // cos / sin of the angle of (row s along S, frequency i) at [s * half + i].
+  std::vector<float> cos_table(static_cast<size_t>(seq * half));
+  std::vector<float> sin_table(static_cast<size_t>(seq * half));
   const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
   // The CPU's "device" memory is host memory: the position is read here.
   const int64_t start = args.position_offset + (HasDevicePosition(args.position)
@@ -46,30 +48,10 @@ std::vector<float> CosSinTable(const RotaryArgs& args, int64_t seq, int64_t dim)
       const double p = static_cast<double>(start + s);
       const double angle = (args.inverse ? -p : p) / timescale;
       const int64_t at = s * half + i;
-      table[at] = static_cast<float>(std::cos(angle));
-      table[seq * half + at] = static_cast<float>(std::sin(angle));
+      cos_table[at] = static_cast<float>(std::cos(angle));
+      sin_table[at] = static_cast<float>(std::sin(angle));
     }
   }
-  return table;
-}
-
-}  // namespace
-
-absl::StatusOr<Tensor> CpuOps::RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
-  RETURN_IF_ERROR(CheckRotaryTableArgs(args, seq, dim));
-  const std::vector<float> values = CosSinTable(args, seq, dim);
-  ASSIGN_OR_RETURN(Tensor table, Allocate(DType::kF32, {2, seq, dim / 2}));
-  std::copy(values.begin(), values.end(), table.data_as<float>());
-  return table;
-}
-
-absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
-  RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
-  const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
-  std::vector<float> made;
-  if (!args.table.defined()) made = CosSinTable(args, seq, dim);
-  const float* cos_table = args.table.defined() ? args.table.data_as<const float>() : made.data();
-  const float* sin_table = cos_table + seq * half;
 
   // The row is read whole before it is written, so y may alias x.
   std::vector<float> row(static_cast<size_t>(dim));
@@ -95,7 +77,7 @@ absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buck
                                          const Tensor& first_row, Tensor* bias) {
   ASSIGN_OR_RETURN(const RelativeBiasDims dims,
                    CheckRelativeBiasForwardArgs(table, buckets, first_row, bias));
-  const int64_t heads = dims.heads, nb = dims.num_buckets;
+  const int64_t heads = dims.heads;
   ASSIGN_OR_RETURN(const int32_t* bucket_of,
                    CheckBucketValues("RelativeBiasForward", buckets, dims.num_buckets));
   const int64_t rows = buckets.dim(0), cols = buckets.dim(1), q_rows = bias->dim(1);
@@ -106,7 +88,7 @@ absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buck
       for (int64_t j = 0; j < cols; ++j) {
         StoreFromFloat(
             bias, (h * q_rows + i) * cols + j,
-            r >= 0 && r < rows ? LoadAsFloat(table, h * nb + bucket_of[r * cols + j]) : 0.0f);
+            r >= 0 && r < rows ? LoadAsFloat(table, bucket_of[r * cols + j] * heads + h) : 0.0f);
       }
     }
   }
@@ -125,7 +107,7 @@ absl::Status CpuOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& buc
   std::vector<float> sums(static_cast<size_t>(dtable->numel()), 0.0f);
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t n = 0; n < positions; ++n) {
-      sums[h * dims.num_buckets + bucket_of[n]] += grad[h * positions + n];
+      sums[bucket_of[n] * heads + h] += grad[h * positions + n];
     }
   }
   FromFloatVector(sums, dtable);

@@ -1,5 +1,5 @@
 // Position encodings: rotary embedding, and the T5 relative position bias (a
-// gather from a [heads, buckets] table; its backward a deterministic
+// gather from a [buckets, heads] table; its backward a deterministic
 // scatter-add). Semantics as in the CPU reference (kernels/cpu/position.cc).
 #include <algorithm>
 #include <cmath>
@@ -230,14 +230,15 @@ __global__ void RelativeBiasForwardKernel(const typename T::Storage* table,
   extern __shared__ float head_table[];  // [heads][num_buckets] when shared_table
   if (shared_table) {
     for (int x = threadIdx.x; x < heads * num_buckets; x += blockDim.x) {
-      head_table[x] = T::Load(table[x]);
+      const int h = x / num_buckets, b = x % num_buckets;
+      head_table[x] = T::Load(table[static_cast<int64_t>(b) * heads + h]);
     }
     __syncthreads();
   }
   auto lookup = [&](int32_t b, int h) {
     if (b < 0 || b >= num_buckets) return NAN;
     return shared_table ? head_table[h * num_buckets + b]
-                        : T::Load(table[static_cast<int64_t>(h) * num_buckets + b]);
+                        : T::Load(table[static_cast<int64_t>(b) * heads + h]);
   };
   const int64_t r0 = first_row != nullptr ? *first_row : 0;
   const int64_t groups = cols / kColumns, plane = q_rows * cols;
@@ -298,13 +299,13 @@ __global__ void RelativeBiasPartialKernel(const float* dbias, const int32_t* buc
   }
 }
 
-// Pass 2: dtable[h, b] = sum over chunks, in chunk order.
+// Pass 2: dtable[b, h] = sum over chunks, in chunk order.
 template <typename T>
 __global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storage* dtable,
                                         int64_t chunks, int64_t heads, int64_t num_buckets) {
-  const int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // h * num_buckets + b
+  const int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // b * heads + h
   if (k >= num_buckets * heads) return;
-  const int64_t h = k / num_buckets, b = k - h * num_buckets;
+  const int64_t b = k / heads, h = k - b * heads;
   float sum = 0.0f;
   for (int64_t c = 0; c < chunks; ++c) sum += partial[(c * heads + h) * num_buckets + b];
   dtable[k] = T::Store(sum);
@@ -362,24 +363,6 @@ absl::StatusOr<RotaryTable> MakeRotaryTable(CudaOps& ops, const RotaryAngles& an
   return table;
 }
 
-absl::StatusOr<RotaryTable> TableFor(CudaOps& ops, const RotaryArgs& args, int64_t seq,
-                                     int64_t dim) {
-  if (!args.table.defined()) return MakeRotaryTable(ops, AnglesOf(args, dim), seq);
-  RotaryTable table;
-  table.memory = args.table;
-  table.cos = args.table.data_as<const float>();
-  table.sin = table.cos + seq * (dim / 2);
-  return table;
-}
-
-absl::StatusOr<Tensor> CudaOps::RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
-  RETURN_IF_ERROR(CheckRotaryTableArgs(args, seq, dim));
-  RETURN_IF_ERROR(Enter());
-  if (seq * dim == 0) return Allocate(DType::kF32, {2, seq, dim / 2});
-  ASSIGN_OR_RETURN(const cuda::RotaryTable table, MakeRotaryTable(*this, AnglesOf(args, dim), seq));
-  return table.memory;
-}
-
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
   RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
   const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
@@ -389,9 +372,9 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   const RotaryAngles angles = AnglesOf(args, dim);
   // A table of angles pays for its launch when many rows share a position;
   // a few positions (a decode step's one) compute their angles in place.
-  cuda::RotaryTable table;
-  if (seq > kFoldedRotaryMaxSeq || args.table.defined()) {
-    ASSIGN_OR_RETURN(table, TableFor(*this, args, seq, dim));
+  RotaryTable table;
+  if (seq > kFoldedRotaryMaxSeq) {
+    ASSIGN_OR_RETURN(table, MakeRotaryTable(*this, angles, seq));
   }
   const float* cos_table = table.cos;
   const float* sin_table = table.sin;
@@ -427,7 +410,8 @@ absl::Status CudaOps::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
     return Ops::RotaryQkInPlace(args, qkv);
   }
   RETURN_IF_ERROR(Enter());
-  ASSIGN_OR_RETURN(const cuda::RotaryTable table, TableFor(*this, args, seq, dim));
+  const RotaryAngles angles = AnglesOf(args, dim);
+  ASSIGN_OR_RETURN(const RotaryTable table, MakeRotaryTable(*this, angles, seq));
   const float* cos_table = table.cos;
   const float* sin_table = table.sin;
   // q and k are rows 0 .. 2H of each token's 3H.
