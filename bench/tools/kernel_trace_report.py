@@ -149,7 +149,10 @@ def main():
             sys.exit("no step found: no device work between two synchronisations")
     spans = all_spans[-args.steps:]
     idle_by_next = collections.defaultdict(lambda: [0, 0])
-    host_in_gaps = collections.defaultdict(lambda: [0, 0])
+    # per runtime call's name: its nanoseconds inside gaps, and the calls
+    # themselves (thread, start), so one long call spanning several gaps
+    # (an after-turn wait) counts once
+    host_in_gaps = collections.defaultdict(lambda: [0, set()])
     by_class = collections.defaultdict(lambda: [0, 0])
     by_kernel = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0]))
     walls, busies, counts = [], [], []
@@ -167,11 +170,11 @@ def main():
             entry = idle_by_next[nxt]
             entry[0] += g1 - g0
             entry[1] += 1
-            for name, kind, _, _, inside in host_calls_in(host, g0, g1):
+            for name, kind, thread, start, inside in host_calls_in(host, g0, g1):
                 if kind == "runtime":
                     h = host_in_gaps[name]
                     h[0] += inside
-                    h[1] += 1
+                    h[1].add((thread, start))
     n = len(spans)
     ms = lambda ns: ns / n / 1e6
     wall, busy = sum(walls), sum(busies)
@@ -193,8 +196,8 @@ def main():
     for name, (t, c) in sorted(idle_by_next.items(), key=lambda kv: -kv[1][0])[:25]:
         print(f"  {ms(t):8.3f}  {c / n:5.1f}  {name[:110]}")
     print("\nruntime API time inside those gaps (ms per step, calls per step):")
-    for name, (t, c) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
-        print(f"  {ms(t):8.3f}  {c / n:6.1f}  {name}")
+    for name, (t, calls) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"  {ms(t):8.3f}  {len(calls) / n:6.1f}  {name}")
     if args.largest_gap:
         print_largest_gap(gaps, host)
     if args.timeline:

@@ -93,6 +93,23 @@ kernel,te::cuda::EmbedForwardKernel<F32>,3000,3100,7,7
         with self.assertRaises(subprocess.CalledProcessError):
             self.run_report("--step-starts", "NoSuchKernel", trace=trace)
 
+    def test_a_wait_spanning_several_gaps_counts_once(self):
+        # One step (between two embedding lookups) with two 100 ns gaps, both
+        # inside one 400 ns cudaEventSynchronize (a pipelined loop's wait on
+        # the last step's loss): 200 ns of it inside gaps, one call.
+        trace = """kind,name,start_ns,end_ns,stream,correlation
+kernel,te::cuda::EmbedForwardKernel<F32>,1000,1100,7,1
+runtime,cudaEventSynchronize_v3020,1050,1450,2,2
+kernel,nvjet_sm90_tst_128x128_gemm,1200,1300,7,3
+kernel,nvjet_sm90_tst_128x128_gemm,1400,1500,7,4
+kernel,te::cuda::EmbedForwardKernel<F32>,1500,1600,7,5
+"""
+        out = self.run_report("--steps", "1", "--min-gap-us", "0", "--step-starts",
+                              "EmbedForwardKernel", trace=trace)
+        _, body = out.split("runtime API time inside those gaps")
+        row = next(l for l in body.splitlines() if "cudaEventSynchronize" in l)
+        self.assertEqual(row.split()[:2], ["0.000", "1.0"])  # 200 ns; one call, not two
+
     def test_by_kernel_splits_each_class_by_name(self):
         # A second norm kernel in step 1, so the norm class has two names.
         trace = TRACE.replace(
