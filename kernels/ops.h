@@ -893,8 +893,10 @@ class Ops {
   // the output gradient of an MLP's first GEMM under FP8. x [N, n * I] is
   // 2-D; dx itself is not returned, and its values are the ones
   // ActivationBackward writes into a dx of x's dtype (so both paths make the
-  // same codes). dy is consumed: the default writes dx over it where shape
-  // and dtype allow (one activation, x's dtype; else into a temporary), then
+  // same codes, but for GELU's last float bits where the CUDA kernel takes
+  // its form for codes, activation_fns.cuh's GeluForCodesFn). dy is
+  // consumed: the default writes dx over it where shape and dtype allow
+  // (one activation, x's dtype; else into a temporary), then
   // runs QuantizeTranspose(Dbias), so it holds no more than the fused kernel;
   // the CUDA backend reads dy and x once and writes no dx (one activation,
   // whole 128 x 64 tiles).

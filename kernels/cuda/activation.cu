@@ -396,11 +396,12 @@ absl::Status CudaOps::ActivationForwardTransposed(const std::vector<Activation>&
       using In = decltype(in);
       using Out = decltype(out);
       WithActivation(acts[0], [&](auto act) {
-        using F = ValueOf<decltype(act)>;
+        const auto codes = ForCodes(act);
+        using F = ValueOf<decltype(codes)>;
         LaunchCastTranspose<In, Out, false>(context(), stream(), x2, &y2, y_t,
                                             fp8.scale.data_as<const float>(), AmaxOutFor(fp8),
                                             fp8.scale_inv.data_as<float>(), nullptr, nullptr,
-                                            nullptr, F{act});
+                                            nullptr, F{codes});
       });
     });
   });
@@ -432,7 +433,8 @@ absl::Status CudaOps::ActivationBackwardQuantizeTranspose(const std::vector<Acti
       using In = decltype(in);
       using Out = decltype(out);
       WithActivation(acts[0], [&](auto act) {
-        const GradientOf<In, decltype(act)> f{act};
+        const auto codes = ForCodes(act);
+        const GradientOf<In, decltype(codes)> f{codes};
         auto launch = [&](auto sums) {
           LaunchCastTranspose<In, Out, decltype(sums)::value>(
               context(), stream(), x, y, y_t, fp8.scale.data_as<const float>(),

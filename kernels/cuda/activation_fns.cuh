@@ -47,6 +47,39 @@ struct LinearFn {
   __device__ __forceinline__ float Derivative(float) const { return 1.0f; }
 };
 
+// GELU where the result becomes FP8 codes (the codes kernels' ValueOf and
+// GradientOf): the tanh form as x * sigmoid(2u), since 0.5 (1 + tanh(u)) =
+// sigmoid(2u), with the special-function unit's exp2 and reciprocal. Its
+// error (a few float32 ulp, and 1.17 |2u| ulp more from __expf's argument)
+// is far inside a code's rounding (2^-4 of its value at best), and it takes
+// a third of tanhf's instructions, which those kernels spend per element
+// beside their transposes. GeluFn stays wherever the output is float32 or
+// bf16: with this form there, a float32 layer drifted past its 1e-4 bound
+// from the CPU reference.
+struct GeluForCodesFn {
+  __device__ __forceinline__ float Value(float x) const { return x * Gate(x); }
+  // d/dx x sigmoid(2u) = sigmoid(2u) + 2 x sigmoid(2u) (1 - sigmoid(2u)) u'.
+  __device__ __forceinline__ float Derivative(float x) const {
+    const float gate = Gate(x);
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    return gate + 2.0f * x * gate * (1.0f - gate) * du;
+  }
+  // sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3); __fdividef gives 0 for
+  // denominators past 2^126 (x << 0), GELU's limit.
+  static __device__ __forceinline__ float Gate(float x) {
+    const float two_u = 2.0f * kSqrt2OverPi * (x + kGeluCubic * x * x * x);
+    return __fdividef(1.0f, 1.0f + __expf(-two_u));
+  }
+};
+
+// The functor a kernel writing FP8 codes takes for `act`: GELU's form for
+// codes, every other activation as it is.
+template <typename A>
+A ForCodes(A act) {
+  return act;
+}
+inline GeluForCodesFn ForCodes(GeluFn) { return {}; }
+
 // f(x) = act.Value(x): an activation where a kernel takes a plain function.
 template <typename A>
 struct ValueOf {
