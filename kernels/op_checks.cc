@@ -792,10 +792,10 @@ absl::StatusOr<AttentionShape> CheckAttentionInputs(const char* op, const Attent
       RETURN_IF_ERROR(
           RequireDType(op, "relative_bias.table (float32 or q's dtype)", &r.table, q.dtype()));
     }
-    if (r.table.rank() != 2 || r.table.dim(1) != s.q_heads || r.table.dim(0) < 1) {
+    if (r.table.rank() != 2 || r.table.dim(0) != s.q_heads || r.table.dim(1) < 1) {
       return absl::InvalidArgumentError(absl::StrCat(op, ": relative_bias.table is ",
-                                                     Describe(r.table), ", want [buckets, ",
-                                                     s.q_heads, " (q heads)]"));
+                                                     Describe(r.table), ", want [", s.q_heads,
+                                                     " (q heads), buckets]"));
     }
     RETURN_IF_ERROR(RequireDType(op, "relative_bias.buckets", &r.buckets, DType::kI32));
     if (r.buckets.rank() != 2 || r.buckets.dim(1) != s.kv_seq ||
@@ -903,17 +903,17 @@ absl::Status CheckBuckets(const char* op, const Tensor& buckets) {
   return RequireDefined(op, "buckets", &buckets);
 }
 
-// A table or dtable [num_buckets, heads], float.
+// A table or dtable [heads, num_buckets] (TE's layout of the parameter), float.
 absl::StatusOr<RelativeBiasDims> CheckTable(const char* op, const char* name, const Tensor* table) {
   RETURN_IF_ERROR(RequireDefined(op, name, table));
   if (table->rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
-        op, ": ", name, " must be [buckets, heads], got ", ShapeString(table->shape())));
+        op, ": ", name, " must be [heads, buckets], got ", ShapeString(table->shape())));
   }
   RETURN_IF_ERROR(RequireFloat(op, name, table));
   RelativeBiasDims dims;
-  dims.num_buckets = table->dim(0);
-  dims.heads = table->dim(1);
+  dims.heads = table->dim(0);
+  dims.num_buckets = table->dim(1);
   return dims;
 }
 

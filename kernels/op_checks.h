@@ -209,7 +209,7 @@ Tensor PackedQkvRows(const Tensor& qkv);
 absl::Status CheckRotaryQkQuantizeTransposeArgs(const RotaryArgs& args, const Tensor* qkv,
                                                 const Fp8Output& fp8, const Tensor* y,
                                                 const Tensor* y_t, const Tensor* dbias);
-// table / dtable [num_buckets, heads].
+// table / dtable [heads, num_buckets].
 struct RelativeBiasDims {
   int64_t num_buckets = 0;
   int64_t heads = 0;

@@ -104,7 +104,7 @@ TEST(NormChecksTest, NamesTheSymbolicShapes) {
 TEST(PositionChecksTest, MissingOutputsAreRejectedNotDereferenced) {
   const Tensor x = Host(DType::kF32, {1, 2, 2, 4});
   ExpectInvalid(CheckRotaryArgs(RotaryArgs(), x, nullptr), "Rotary: y is null");
-  const Tensor table = Host(DType::kF32, {6, 2});
+  const Tensor table = Host(DType::kF32, {2, 6});  // [heads, buckets]
   const Tensor buckets = Host(DType::kI32, {3, 4});
   ExpectInvalid(CheckRelativeBiasForwardArgs(table, buckets, nullptr).status(),
                 "RelativeBiasForward: bias is null");

@@ -421,7 +421,7 @@ absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs
   AttentionArgs made = args;
   made.relative_bias = AttentionArgs::RelativeBiasTable();
   ASSIGN_OR_RETURN(made.bias,
-                   ops.Allocate(r.table.dtype(), {r.table.dim(1), q_seq, r.buckets.dim(1)}));
+                   ops.Allocate(r.table.dtype(), {r.table.dim(0), q_seq, r.buckets.dim(1)}));
   RETURN_IF_ERROR(ops.RelativeBiasForward(r.table, r.buckets, r.first_row, &made.bias));
   return made;
 }

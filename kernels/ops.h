@@ -115,7 +115,7 @@ struct AttentionArgs {
   // kernel) rather than make [H, Sq, Skv]; the others make it
   // (WithRelativeBiasMade) and add it as `bias`.
   struct RelativeBiasTable {
-    Tensor table;      // [NB, Hq], float32 or q's dtype
+    Tensor table;      // [Hq, NB] (TE's layout), float32 or q's dtype
     Tensor buckets;    // int32 [R, Skv]
     Tensor first_row;  // int32, one element on the device; undefined: 0 (then R == Sq)
     bool defined() const { return table.defined(); }
@@ -141,7 +141,7 @@ absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs
 
 // A T5 relative-position bias named by its table: the bias an AttentionArgs
 // carries is RelativeBiasForward(table, buckets), and its gradient is wanted
-// as the table's, dtable [NB, H], not as dbias [H, Sq, Skv].
+// as the table's, dtable [H, NB], not as dbias [H, Sq, Skv].
 struct RelativeBuckets {
   Tensor buckets;  // int32 [Sq, Skv], RelativeBiasForward's
   // > 0: every visible key at least this many positions before its query has
@@ -947,7 +947,7 @@ class Ops {
                                                const Tensor& softmax_lse, Tensor* dqkv,
                                                Tensor* dbias);
   // The same backwards with args.bias a relative-position bias over
-  // `relative`'s buckets, writing dtable f32 [NB, H] (overwritten) where the
+  // `relative`'s buckets, writing dtable f32 [H, NB] (overwritten) where the
   // above write dbias: RelativeBiasBackward of their dbias. The defaults run
   // exactly that; the CUDA backend never forms dbias where `uniform_from`
   // allows (kernels/cuda/relative_bias_grad.cu).
@@ -1091,9 +1091,10 @@ class Ops {
                                               const RotaryArgs* rotary, const Tensor& position,
                                               Tensor* q, Tensor* key_cache, Tensor* value_cache,
                                               Tensor* out, Tensor* softmax_lse);
-  // T5 relative position bias: bias[h, i, j] = table[buckets[r0 + i, j], h].
-  // table [NB, H] (float), buckets int32 [R, Skv], bias [H, Sq, Skv] (any
-  // float dtype: the attention's operands' saves a cast).
+  // T5 relative position bias: bias[h, i, j] = table[h, buckets[r0 + i, j]].
+  // table [H, NB] (float; TE's layout of the parameter, read in place),
+  // buckets int32 [R, Skv], bias [H, Sq, Skv] (any float dtype: the
+  // attention's operands' saves a cast).
   // r0 = first_row's one int32 element (on the op's device), read when the
   // kernel runs: a decode step's rows of the [L, L] bucket table, at a
   // position that lives on the device. Without first_row, r0 = 0 and Sq == R.
@@ -1101,7 +1102,7 @@ class Ops {
   // position before the step).
   virtual absl::Status RelativeBiasForward(const Tensor& table, const Tensor& buckets,
                                            const Tensor& first_row, Tensor* bias) = 0;
-  // dtable [NB, H] = scatter-add of dbias over buckets (overwritten).
+  // dtable [H, NB] = scatter-add of dbias over buckets (overwritten).
   virtual absl::Status RelativeBiasBackward(const Tensor& dbias, const Tensor& buckets,
                                             Tensor* dtable) = 0;
 

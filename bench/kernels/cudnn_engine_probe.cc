@@ -64,7 +64,7 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps, float dropout) {
   Tensor lse = *ops->Allocate(DType::kF32, {b, h, s});
   Tensor dqkv = *ops->Allocate(dtype, {b, s, 3, h, d});
 
-  Tensor dtable = *ops->Allocate(DType::kF32, {32, h});
+  Tensor dtable = *ops->Allocate(DType::kF32, {h, 32});
   const std::vector<int32_t> host_buckets = layers::RelativePositionBuckets(
       s, s, /*bidirectional=*/false, /*num_buckets=*/32, /*max_distance=*/128);
   RelativeBuckets relative;

@@ -43,8 +43,8 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
   Tensor out = *ops->Allocate(dtype, {b, s, h, d});
   Tensor lse = *ops->Allocate(DType::kF32, {b, h, s});
   Tensor dqkv = *ops->Allocate(dtype, {b, s, 3, h, d});
-  const Tensor table = bench::RandomTensor(ops, DType::kF32, {kNumBuckets, h}, 3);
-  Tensor dtable = *ops->Allocate(DType::kF32, {kNumBuckets, h});
+  const Tensor table = bench::RandomTensor(ops, DType::kF32, {h, kNumBuckets}, 3);
+  Tensor dtable = *ops->Allocate(DType::kF32, {h, kNumBuckets});
 
   // The buckets the LM's causal TransformerLayers make (the server's own
   // function), and where they settle.

@@ -726,7 +726,7 @@ TEST(AttentionTest, RelativeBiasByItsTableIsTheBiasMade) {
   CpuOps ops;
   const Inputs s = MakeInputs(&ops, c, 7);
   const int64_t num_buckets = 5, rows = 6;
-  Tensor table = ops.Allocate(DType::kF32, {num_buckets, c.Hq}).value();
+  Tensor table = ops.Allocate(DType::kF32, {c.Hq, num_buckets}).value();
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
   for (int64_t i = 0; i < table.numel(); ++i) table.data_as<float>()[i] = uniform(rng);

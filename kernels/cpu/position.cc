@@ -1,5 +1,5 @@
 // CPU reference position encodings: rotary embedding and the T5 relative
-// position bias (a gather from a [buckets, heads] table, and its scatter-add).
+// position bias (a gather from a [heads, buckets] table, and its scatter-add).
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -77,7 +77,7 @@ absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buck
                                          const Tensor& first_row, Tensor* bias) {
   ASSIGN_OR_RETURN(const RelativeBiasDims dims,
                    CheckRelativeBiasForwardArgs(table, buckets, first_row, bias));
-  const int64_t heads = dims.heads;
+  const int64_t heads = dims.heads, nb = dims.num_buckets;
   ASSIGN_OR_RETURN(const int32_t* bucket_of,
                    CheckBucketValues("RelativeBiasForward", buckets, dims.num_buckets));
   const int64_t rows = buckets.dim(0), cols = buckets.dim(1), q_rows = bias->dim(1);
@@ -88,7 +88,7 @@ absl::Status CpuOps::RelativeBiasForward(const Tensor& table, const Tensor& buck
       for (int64_t j = 0; j < cols; ++j) {
         StoreFromFloat(
             bias, (h * q_rows + i) * cols + j,
-            r >= 0 && r < rows ? LoadAsFloat(table, bucket_of[r * cols + j] * heads + h) : 0.0f);
+            r >= 0 && r < rows ? LoadAsFloat(table, h * nb + bucket_of[r * cols + j]) : 0.0f);
       }
     }
   }
@@ -107,7 +107,7 @@ absl::Status CpuOps::RelativeBiasBackward(const Tensor& dbias, const Tensor& buc
   std::vector<float> sums(static_cast<size_t>(dtable->numel()), 0.0f);
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t n = 0; n < positions; ++n) {
-      sums[bucket_of[n] * heads + h] += grad[h * positions + n];
+      sums[h * dims.num_buckets + bucket_of[n]] += grad[h * positions + n];
     }
   }
   FromFloatVector(sums, dtable);

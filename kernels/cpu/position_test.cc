@@ -495,7 +495,7 @@ struct BiasSetup {
 BiasSetup MakeBiasSetup(CpuOps* ops, DType table_dtype) {
   std::mt19937 rng(23);
   BiasSetup s{32, 3, 7, 13};
-  s.table = MakeTensor(ops, table_dtype, {s.num_buckets, s.heads},
+  s.table = MakeTensor(ops, table_dtype, {s.heads, s.num_buckets},
                        RandomValues(s.num_buckets * s.heads, &rng));
   s.table_values = ToFloatVector(s.table);
   s.buckets = ops->Allocate(DType::kI32, {s.q_seq, s.kv_seq}).value();
@@ -520,7 +520,7 @@ TEST_P(RelativeBiasTest, ForwardGathersTableRows) {
   const std::vector<float> got = ToFloatVector(bias);
   for (int64_t h = 0; h < s.heads; ++h)
     for (int64_t n = 0; n < s.q_seq * s.kv_seq; ++n) {
-      ASSERT_EQ(got[h * s.q_seq * s.kv_seq + n], s.table_values[s.bucket_of[n] * s.heads + h])
+      ASSERT_EQ(got[h * s.q_seq * s.kv_seq + n], s.table_values[h * s.num_buckets + s.bucket_of[n]])
           << "h " << h << " position " << n;
     }
 }
@@ -544,12 +544,12 @@ TEST_P(RelativeBiasTest, ForwardWritesAnyFloatDtype) {
 TEST_P(RelativeBiasTest, BackwardScatterAddsGradients) {
   CpuOps ops;
   const BiasSetup s = MakeBiasSetup(&ops, GetParam());
-  Tensor dtable = ops.Allocate(GetParam(), {s.num_buckets, s.heads}).value();
+  Tensor dtable = ops.Allocate(GetParam(), {s.heads, s.num_buckets}).value();
   ASSERT_TRUE(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).ok());
   std::vector<double> want(static_cast<size_t>(s.num_buckets * s.heads), 0.0);
   for (int64_t h = 0; h < s.heads; ++h)
     for (int64_t n = 0; n < s.q_seq * s.kv_seq; ++n) {
-      want[s.bucket_of[n] * s.heads + h] += s.dbias_values[h * s.q_seq * s.kv_seq + n];
+      want[h * s.num_buckets + s.bucket_of[n]] += s.dbias_values[h * s.q_seq * s.kv_seq + n];
     }
   EXPECT_LE(RelativeError(ToFloatVector(dtable), want), Tolerance(GetParam()));
 }
@@ -559,7 +559,7 @@ TEST_P(RelativeBiasTest, BackwardIsAdjointOfForward) {
   CpuOps ops;
   const BiasSetup s = MakeBiasSetup(&ops, DType::kF32);
   Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
-  Tensor dtable = ops.Allocate(GetParam(), {s.num_buckets, s.heads}).value();
+  Tensor dtable = ops.Allocate(GetParam(), {s.heads, s.num_buckets}).value();
   ASSERT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).ok());
   ASSERT_TRUE(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).ok());
   const std::vector<float> bias_values = ToFloatVector(bias), dtable_values = ToFloatVector(dtable);
@@ -621,7 +621,7 @@ TEST(RelativeBiasErrorTest, RejectsBadArguments) {
   BiasSetup s = MakeBiasSetup(&ops, DType::kF32);
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
   Tensor bias = ops.Allocate(DType::kF32, {s.heads, s.q_seq, s.kv_seq}).value();
-  Tensor dtable = ops.Allocate(DType::kF32, {s.num_buckets, s.heads}).value();
+  Tensor dtable = ops.Allocate(DType::kF32, {s.heads, s.num_buckets}).value();
   s.buckets.data_as<int32_t>()[5] = static_cast<int32_t>(s.num_buckets);  // one past the table
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).code(), kInvalid);
   EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable).code(), kInvalid);
@@ -632,7 +632,7 @@ TEST(RelativeBiasErrorTest, RejectsBadArguments) {
   EXPECT_EQ(ops.RelativeBiasBackward(dbias_bf16, s.buckets, &dtable).code(), kInvalid);
   Tensor bias_wrong = ops.Allocate(DType::kF32, {s.heads, s.kv_seq, s.q_seq}).value();
   EXPECT_EQ(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias_wrong).code(), kInvalid);
-  Tensor dtable_wrong = ops.Allocate(DType::kF32, {s.num_buckets, s.heads + 1}).value();
+  Tensor dtable_wrong = ops.Allocate(DType::kF32, {s.heads + 1, s.num_buckets}).value();
   EXPECT_EQ(ops.RelativeBiasBackward(s.dbias, s.buckets, &dtable_wrong).code(), kInvalid);
   EXPECT_TRUE(ops.RelativeBiasForward(s.table, s.buckets, Tensor(), &bias).ok());
 }

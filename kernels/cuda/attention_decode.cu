@@ -40,9 +40,10 @@ struct DecodeParams {
   const void* k;
   const void* v;
   const void* bias;  // [Hq, 1, Skv] in bias format, or null
-  // Or the bias by its table (AttentionArgs::relative_bias): table [NB, Hq]
+  // Or the bias by its table (AttentionArgs::relative_bias): table [Hq, NB]
   // in bias format, row first_row (null: 0) of buckets [rows, Skv].
   const void* rel_table;
+  int64_t rel_num_buckets;
   const int32_t* rel_buckets;
   const int32_t* rel_first_row;
   int64_t rel_rows;
@@ -132,7 +133,7 @@ __device__ __forceinline__ float BiasAt(const DecodeParams& p, int64_t h, int64_
   if (p.bias != nullptr) return B::Load(static_cast<const Storage*>(p.bias)[h * p.shape.kv_seq + j]);
   if (p.rel_table == nullptr || rel_row < 0 || rel_row >= p.rel_rows) return 0.0f;
   const int32_t bucket = p.rel_buckets[rel_row * p.shape.kv_seq + j];
-  return B::Load(static_cast<const Storage*>(p.rel_table)[bucket * p.shape.q_heads + h]);
+  return B::Load(static_cast<const Storage*>(p.rel_table)[h * p.rel_num_buckets + bucket]);
 }
 
 // A key row's logit against q (float, shared memory): kPacks 16-byte loads
@@ -364,6 +365,7 @@ DecodeParams ParamsOf(const AttentionArgs& args, const AttentionShape& s, const 
   p.bias = args.bias.defined() ? args.bias.data() : nullptr;
   const AttentionArgs::RelativeBiasTable& relative = args.relative_bias;
   p.rel_table = relative.defined() ? relative.table.data() : nullptr;
+  p.rel_num_buckets = relative.defined() ? relative.table.dim(1) : 0;
   p.rel_buckets = relative.defined() ? relative.buckets.data_as<const int32_t>() : nullptr;
   p.rel_first_row = relative.defined() && relative.first_row.defined()
                         ? relative.first_row.data_as<const int32_t>()

@@ -654,7 +654,7 @@ TEST_F(GpuAttentionForwardOnlyTest, DecodeRowsWithTheRelativeTableMatchTheBiasMa
     const Tensor k = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 32));
     const Tensor v = Host(c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 33));
     const Tensor table =
-        Host(c.table, {num_buckets, c.heads}, RandomValues(num_buckets * c.heads, 34, -2.0f, 2.0f));
+        Host(c.table, {c.heads, num_buckets}, RandomValues(num_buckets * c.heads, 34, -2.0f, 2.0f));
     Tensor buckets = ::te::testing::MakeEmpty(cpu_, DType::kI32, {c.kv_seq, c.kv_seq});
     for (int64_t i = 0; i < c.kv_seq; ++i) {
       for (int64_t j = 0; j < c.kv_seq; ++j) {
@@ -747,7 +747,7 @@ TEST_F(GpuAttentionForwardOnlyTest, DecodeFromQkvIsDecodeQkvRowsThenAttention) {
             static_cast<int32_t>(std::min<int64_t>(std::abs(i - j), num_buckets - 1));
       }
     }
-    const Tensor table = Host(c.dtype, {num_buckets, c.heads},
+    const Tensor table = Host(c.dtype, {c.heads, num_buckets},
                               RandomValues(num_buckets * c.heads, 44, -2.0f, 2.0f));
     for (const int64_t row : {c.length / 2, c.length - c.tokens, c.length /* no row written */}) {
       SCOPED_TRACE(c.name + " at row " + std::to_string(row));

@@ -195,7 +195,7 @@ constexpr int kRelativeBandMax = 128;
 // uniform from a distance of at most kRelativeBandMax.
 absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s,
                                  const QkvMemory& qkv, const RelativeBuckets& relative);
-// dtable f32 [NB, H] (ops.h's AttentionBackwardRelative) from the forward's
+// dtable f32 [H, NB] (ops.h's AttentionBackwardRelative) from the forward's
 // q, k, v (qkv), out, softmax_lse, the output gradient and args.bias (the
 // dense relative bias, read at each distance); enqueued on `stream`: ops'
 // own, or its side stream (CudaOps::ForkSide). `partial` receives the

@@ -128,7 +128,7 @@ class RelativeBiasTest : public DevicePositionTest,
 TEST_P(RelativeBiasTest, ForwardFromAFirstRow) {
   const DType dtype = GetParam();
   const int64_t num_buckets = 32, heads = 3;
-  const Pair table = Random(dtype, {num_buckets, heads}, 22);
+  const Pair table = Random(dtype, {heads, num_buckets}, 22);
   for (const int64_t length : {20, 24}) {
     Tensor buckets_cpu = NewCpu(DType::kI32, {length, length});
     std::mt19937 gen(23);
@@ -162,7 +162,7 @@ TEST_P(RelativeBiasTest, ForwardAndBackward) {
            {32, 8, 77, 100}, {128, 3, 300, 300}, {600, 2, 64, 64},
            // a table over the 48 KiB the forward keeps in shared memory
            {1000, 13, 16, 24}}) {
-    const Pair table = Random(dtype, {num_buckets, heads}, 17);
+    const Pair table = Random(dtype, {heads, num_buckets}, 17);
     Tensor buckets_cpu = NewCpu(DType::kI32, {q_seq, kv_seq});
     std::mt19937 gen(18);
     for (int64_t i = 0; i < buckets_cpu.numel(); ++i) {
@@ -177,7 +177,7 @@ TEST_P(RelativeBiasTest, ForwardAndBackward) {
       ExpectMatches(bias, std::string("RelativeBiasForward into ") + DTypeName(bias_dtype));
     }
     const Pair dbias = Random(DType::kF32, {heads, q_seq, kv_seq}, 19);
-    Pair dtable = Output(dtype, {num_buckets, heads});
+    Pair dtable = Output(dtype, {heads, num_buckets});
     ASSERT_TRUE(cpu_->RelativeBiasBackward(dbias.cpu, buckets.cpu, &dtable.cpu).ok());
     const absl::Status s = gpu_->RelativeBiasBackward(dbias.gpu, buckets.gpu, &dtable.gpu);
     ASSERT_TRUE(s.ok()) << s;

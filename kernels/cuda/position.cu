@@ -1,5 +1,5 @@
 // Position encodings: rotary embedding, and the T5 relative position bias (a
-// gather from a [buckets, heads] table; its backward a deterministic
+// gather from a [heads, buckets] table; its backward a deterministic
 // scatter-add). Semantics as in the CPU reference (kernels/cpu/position.cc).
 #include <algorithm>
 #include <cmath>
@@ -230,15 +230,14 @@ __global__ void RelativeBiasForwardKernel(const typename T::Storage* table,
   extern __shared__ float head_table[];  // [heads][num_buckets] when shared_table
   if (shared_table) {
     for (int x = threadIdx.x; x < heads * num_buckets; x += blockDim.x) {
-      const int h = x / num_buckets, b = x % num_buckets;
-      head_table[x] = T::Load(table[static_cast<int64_t>(b) * heads + h]);
+      head_table[x] = T::Load(table[x]);
     }
     __syncthreads();
   }
   auto lookup = [&](int32_t b, int h) {
     if (b < 0 || b >= num_buckets) return NAN;
     return shared_table ? head_table[h * num_buckets + b]
-                        : T::Load(table[static_cast<int64_t>(b) * heads + h]);
+                        : T::Load(table[static_cast<int64_t>(h) * num_buckets + b]);
   };
   const int64_t r0 = first_row != nullptr ? *first_row : 0;
   const int64_t groups = cols / kColumns, plane = q_rows * cols;
@@ -299,13 +298,13 @@ __global__ void RelativeBiasPartialKernel(const float* dbias, const int32_t* buc
   }
 }
 
-// Pass 2: dtable[b, h] = sum over chunks, in chunk order.
+// Pass 2: dtable[h, b] = sum over chunks, in chunk order.
 template <typename T>
 __global__ void RelativeBiasFinalKernel(const float* partial, typename T::Storage* dtable,
                                         int64_t chunks, int64_t heads, int64_t num_buckets) {
-  const int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // b * heads + h
+  const int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // h * num_buckets + b
   if (k >= num_buckets * heads) return;
-  const int64_t b = k / heads, h = k - b * heads;
+  const int64_t h = k / num_buckets, b = k - h * num_buckets;
   float sum = 0.0f;
   for (int64_t c = 0; c < chunks; ++c) sum += partial[(c * heads + h) * num_buckets + b];
   dtable[k] = T::Store(sum);

@@ -2,7 +2,7 @@
 // self-attention, without the dense dbias [H, S, S].
 //
 // The table's gradient is the logits' gradient dS summed per bucket:
-// dtable[n, h] = sum over b, i, j with bucket(i - j) = n of dS[b, h, i, j],
+// dtable[h, n] = sum over b, i, j with bucket(i - j) = n of dS[b, h, i, j],
 // where dS = P * (dP - delta), P = exp(scale q.k + bias - lse), dP = dout.v
 // and delta = rowsum(dout * out). Forming it densely (cuDNN's dBias, then a
 // scatter-add) costs a [B, H, S, S] pass and puts cuDNN on its slow dBias
@@ -70,7 +70,7 @@ struct BandParams {
   float scale;
   // Where the last block of each head folds the head's dtable column (null:
   // RelativeBandTableKernel does, launched after): the stream's group
-  // counters, the buckets [S, S] and dtable [NB, H].
+  // counters, the buckets [S, S] and dtable [H, NB].
   unsigned* heads_done;
   const int32_t* buckets;
   float* dtable;
@@ -202,7 +202,7 @@ __device__ void SumHeadTable(const float* partial, const int32_t* buckets, float
         sum += split_sums[part * (kRelativeBandMax + 1) + band];
       }
     }
-    dtable[static_cast<int64_t>(n) * heads + h] = sum;
+    dtable[static_cast<int64_t>(h) * num_buckets + n] = sum;
   }
 }
 

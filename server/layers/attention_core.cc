@@ -188,7 +188,7 @@ bool WantsTableGrad(const AttentionSaved& saved, const Tensor* dbias) {
 }
 
 // The dbias a backward writes (f32, the bias's shape, or the relative table's
-// [num_buckets, H]); undefined without a bias.
+// [H, num_buckets]); undefined without a bias.
 absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
   if (!HasBias(saved)) return Tensor();
   if (saved.relative.buckets.defined()) {
@@ -196,7 +196,7 @@ absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
     if (num_buckets <= 0) {
       return absl::InternalError("attention: a relative bias's backward needs its bucket count");
     }
-    return ops.Allocate(DType::kF32, {num_buckets, saved.args.bias.dim(0)});
+    return ops.Allocate(DType::kF32, {saved.args.bias.dim(0), num_buckets});
   }
   return ops.Allocate(DType::kF32, saved.args.bias.shape());
 }
@@ -599,21 +599,13 @@ absl::StatusOr<RelativeBuckets> RelativeBucketCache::Relative(Ops& ops, int64_t 
   return relative;
 }
 
-absl::StatusOr<Tensor> RelativeTable(Ops& ops, const Tensor& rel_embedding) {
-  // TE stores the table as [heads, buckets]; the op reads [buckets, heads].
-  ASSIGN_OR_RETURN(Tensor table, ops.Allocate(rel_embedding.dtype(),
-                                              {rel_embedding.dim(1), rel_embedding.dim(0)}));
-  RETURN_IF_ERROR(ops.Permute(rel_embedding, {1, 0}, &table));
-  return table;
-}
-
 DType RelativeBiasDType(DType operands) {
   return operands == DType::kBF16 || operands == DType::kF16 ? operands : DType::kF32;
 }
 
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor& buckets,
                                     DType operands, const Tensor& first_row, int64_t rows) {
-  const int64_t heads = table.dim(1);
+  const int64_t heads = table.dim(0);
   const int64_t query_rows = first_row.defined() ? rows : buckets.dim(0);
   ASSIGN_OR_RETURN(Tensor bias, ops.Allocate(RelativeBiasDType(operands),
                                              {heads, query_rows, buckets.dim(1)}));
@@ -622,12 +614,9 @@ absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor&
 }
 
 absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype) {
-  const int64_t num_buckets = dtable.dim(0), heads = dtable.dim(1);
-  ASSIGN_OR_RETURN(Tensor transposed, ops.Allocate(DType::kF32, {heads, num_buckets}));
-  RETURN_IF_ERROR(ops.Permute(dtable, {1, 0}, &transposed));
-  if (param_dtype == DType::kF32) return transposed;
-  ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(param_dtype, transposed.shape()));
-  RETURN_IF_ERROR(ops.Cast(transposed, &cast));
+  if (param_dtype == DType::kF32) return dtable;
+  ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(param_dtype, dtable.shape()));
+  RETURN_IF_ERROR(ops.Cast(dtable, &cast));
   return cast;
 }
 

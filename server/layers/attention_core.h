@@ -58,7 +58,7 @@ struct AttentionSaved {
   Tensor out, softmax_lse;
   // Set when args.bias is a relative-position bias (the layer that made it
   // sets this): the backward's dbias is then its table's gradient, dtable
-  // f32 [NB, H], computed without the dense [H, Sq, Skv] where the backend can.
+  // f32 [H, NB], computed without the dense [H, Sq, Skv] where the backend can.
   RelativeBuckets relative;
   int64_t relative_num_buckets = 0;  // NB, with `relative`
   bool packed() const { return qkv.rank() == 5; }
@@ -157,7 +157,7 @@ absl::Status DecodeAttentionFromQkv(Ops& ops, const AttentionConfig& config, con
 
 // Gradients of vdot(out, dout): dq, dk, dv are allocated here (like q, k, v);
 // dbias (f32 [Hq, Sq, Skv]; with saved.relative, the table's dtable f32
-// [NB, H]) only when the forward had a bias and `dbias`
+// [H, NB]) only when the forward had a bias and `dbias`
 // is non-null. INVALID_ARGUMENT if `saved` comes from AttentionForwardPacked.
 absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tensor& dout,
                                Tensor* dq, Tensor* dk, Tensor* dv, Tensor* dbias);
@@ -250,12 +250,9 @@ class RelativeBucketCache {
       ABSL_GUARDED_BY(mu_);
 };
 
-// The table RelativeBiasForward reads, [NB, H], from TE's parameter layout
-// `rel_embedding` [H, NB].
-absl::StatusOr<Tensor> RelativeTable(Ops& ops, const Tensor& rel_embedding);
 // The dtype RelativeBias makes a bias in for the attention's `operands`.
 DType RelativeBiasDType(DType operands);
-// bias [H, Sq, Skv] from `table` [NB, H] (RelativeTable's) and buckets
+// bias [H, Sq, Skv] from `table` [H, NB] (TE's rel_embedding) and buckets
 // [Sq, Skv]; or, given `first_row` (an int32 on the device: a decode step's
 // position), from rows first_row .. first_row + rows - 1 of buckets [R, Skv],
 // read when the kernel runs. The bias is in `operands`, the attention's
@@ -265,7 +262,7 @@ absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor&
                                     DType operands, const Tensor& first_row = Tensor(),
                                     int64_t rows = 0);
 // d rel_embedding [H, NB] (in `param_dtype`) from the table's gradient
-// dtable f32 [NB, H] (AttentionBackward's with saved.relative).
+// dtable f32 [H, NB] (AttentionBackward's with saved.relative).
 absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype);
 
 }  // namespace te::layers

@@ -129,7 +129,7 @@ Tensor Reference(Ops& ops, int groups, const Variables& vars, const LayerInputs&
   self.mask = MaskType::kCausal;
   const RelativeBucketCache buckets(/*bidirectional=*/false, 32, 128);
   const Tensor bucket_table = *buckets.Buckets(ops, kSeq, kSeq);
-  const Tensor table = *RelativeTable(ops, vars.at("params/relpos_bias/rel_embedding"));
+  const Tensor& table = vars.at("params/relpos_bias/rel_embedding");
   const Tensor bias = *RelativeBias(ops, table, bucket_table, in.x.dtype());
   Variables self_vars = vars;
   Tensor a;

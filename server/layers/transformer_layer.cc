@@ -163,9 +163,9 @@ class TransformerLayerImpl : public Layer {
                                         opts.decode_context));
     } else if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(relative, buckets_.Relative(ops, seq, seq, opts.constants));
+      // The op reads the parameter [H, NB] as it is: no transposed copy a layer.
       ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(*vars, kRelEmbedding));
-      ASSIGN_OR_RETURN(const Tensor table, RelativeTable(ops, rel_embedding));
-      ASSIGN_OR_RETURN(bias.made, RelativeBias(ops, table, relative.buckets, in.x.dtype()));
+      ASSIGN_OR_RETURN(bias.made, RelativeBias(ops, rel_embedding, relative.buckets, in.x.dtype()));
     }
     // A decoder's self-attention reads no mask: the request's is the
     // cross-attention's (encoder_decoder_mask).
@@ -365,12 +365,12 @@ class TransformerLayerImpl : public Layer {
   // L cache rows, by its table: rows p..p + S - 1 of the [L, L] buckets TE
   // makes (the bucket of key j for query i depends on j - i alone), p read
   // on the device (DecodePosition), so a step's launches are the same at
-  // every position; the table [NB, H] in the bias dtype RelativeBias makes
+  // every position; the table [H, NB] in the bias dtype RelativeBias makes
   // (the operands' for bfloat16 and float16), so a backend that looks it up
   // adds the values one that makes [H, S, L] would. Undefined where the rows
   // fall outside the cache (the step reports that). Under a decode context
-  // the buckets are uploaded, and each layer's table transposed, once for
-  // all its steps.
+  // the buckets are uploaded, and each layer's table cast (where its dtype is
+  // not the bias's), once for all its steps.
   absl::StatusOr<AttentionBias> DecodeBias(Ops& ops, const Variables& vars, int64_t position,
                                            int64_t tokens, DType operands,
                                            DecodeContext* context) const {
@@ -385,26 +385,24 @@ class TransformerLayerImpl : public Layer {
     ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(vars, kRelEmbedding));
     DeviceConstants* constants = context != nullptr ? &context->constants : nullptr;
     ASSIGN_OR_RETURN(const Tensor buckets, buckets_.Buckets(ops, length, length, constants));
-    // The variables hold still for a context's steps: one transpose of the
-    // table for all of them, not one a step. Keyed by the parameter's memory:
+    // The variables hold still for a context's steps: one cast of the table
+    // for all of them, not one a step. Keyed by the parameter's memory:
     // every layer of a model has the same scope names.
     const DType bias_dtype = RelativeBiasDType(operands);
-    const auto transpose = [&]() -> absl::StatusOr<Tensor> {
-      ASSIGN_OR_RETURN(Tensor table, RelativeTable(ops, rel_embedding));
-      if (table.dtype() == bias_dtype) return table;
-      ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(bias_dtype, table.shape()));
-      RETURN_IF_ERROR(ops.Cast(table, &cast));
-      return cast;
-    };
     AttentionBias bias;
-    ASSIGN_OR_RETURN(
-        bias.relative.table,
-        constants != nullptr
-            ? constants->Get(absl::StrCat("relative table at ",
-                                          reinterpret_cast<uintptr_t>(rel_embedding.data()),
-                                          " in ", DTypeName(bias_dtype)),
-                             transpose)
-            : transpose());
+    if (rel_embedding.dtype() == bias_dtype) {
+      bias.relative.table = rel_embedding;
+    } else {
+      const auto cast = [&]() { return CastTo(ops, rel_embedding, bias_dtype); };
+      ASSIGN_OR_RETURN(
+          bias.relative.table,
+          constants != nullptr
+              ? constants->Get(absl::StrCat("relative table at ",
+                                            reinterpret_cast<uintptr_t>(rel_embedding.data()),
+                                            " in ", DTypeName(bias_dtype)),
+                               cast)
+              : cast());
+    }
     bias.relative.buckets = buckets;
     bias.relative.first_row = DecodePosition(index->second, context);
     return bias;
