@@ -928,12 +928,10 @@ absl::Status CheckBias(const char* op, const char* name, const Tensor* bias,
 
 }  // namespace
 
-absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y) {
-  const char* op = "Rotary";
-  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(op, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
-  }
+namespace {
+
+// RotaryArgs' angle fields.
+absl::Status CheckRotaryAngles(const char* op, const RotaryArgs& args) {
   if (!(args.min_timescale > 0.0f && args.max_timescale > 0.0f)) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": timescales must be positive, got [",
                                                    args.min_timescale, ", ", args.max_timescale,
@@ -946,9 +944,42 @@ absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tens
   if (HasDevicePosition(args.position)) {
     RETURN_IF_ERROR(CheckDevicePosition(op, "position", args.position));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y) {
+  const char* op = "Rotary";
+  if (x.rank() != 4 || x.dim(3) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": x must be [B, S, H, D] with D even, got ", ShapeString(x.shape())));
+  }
+  RETURN_IF_ERROR(CheckRotaryAngles(op, args));
+  if (args.table.defined()) {
+    if (HasDevicePosition(args.position)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, ": table is for host positions; give table or position, not both"));
+    }
+    RETURN_IF_ERROR(RequireDType(op, "table", &args.table, DType::kF32));
+    RETURN_IF_ERROR(RequireShape(op, "table", args.table, {2, x.dim(1), x.dim(3) / 2}));
+  }
   RETURN_IF_ERROR(RequireFloat(op, "x", &x));
   RETURN_IF_ERROR(RequireFloat(op, "y", y));
   return RequireShape(op, "y", *y, x.shape());
+}
+
+absl::Status CheckRotaryTableArgs(const RotaryArgs& args, int64_t seq, int64_t dim) {
+  const char* op = "RotaryTable";
+  if (seq < 0 || dim < 0 || dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": want seq >= 0 and an even dim >= 0, got ", seq, " and ", dim));
+  }
+  if (HasDevicePosition(args.position) || args.table.defined()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": args must have host positions and no table of their own"));
+  }
+  return CheckRotaryAngles(op, args);
 }
 
 absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv) {

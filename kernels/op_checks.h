@@ -199,6 +199,9 @@ absl::StatusOr<AttentionShape> CheckAttentionBackwardArgs(
 // ---- position encodings -----------------------------------------------------
 
 absl::Status CheckRotaryArgs(const RotaryArgs& args, const Tensor& x, const Tensor* y);
+// args as CheckRotaryArgs checks them, with no position or table, seq >= 0
+// and dim even.
+absl::Status CheckRotaryTableArgs(const RotaryArgs& args, int64_t seq, int64_t dim);
 // qkv [B, S, 3, H, D], D even, float; args as CheckRotaryArgs checks them.
 absl::Status CheckRotaryQkArgs(const RotaryArgs& args, const Tensor& qkv);
 // A packed qkv [B, S, 3, H, D] as the rows a GEMM reads: [B * S, 3 * H * D].

@@ -147,6 +147,10 @@ absl::StatusOr<Tensor> Ops::Allocate(DType dtype, Shape shape) {
   return Tensor(std::move(storage), data, dtype, std::move(shape));
 }
 
+absl::StatusOr<Tensor> Ops::RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
+  return absl::UnimplementedError(absl::StrCat(device_name(), " makes no rotary tables"));
+}
+
 absl::StatusOr<std::unique_ptr<Ops::StepRecord>> Ops::CaptureStep(
     const std::function<absl::Status()>& step) {
   return absl::UnimplementedError(

@@ -246,6 +246,12 @@ struct RotaryArgs {
   // position_offset when the kernels run. A decode step's position lives on
   // the device, so the same launches serve every position (a replayed step).
   Tensor position;
+  // Optional, not with `position`: these args' cos and sin for the S rows,
+  // float32 [2, S, D/2] (cos, then sin, at [s * D/2 + i]), as
+  // Ops::RotaryTable(args, S, D) makes them. The ops read it instead of
+  // making their own: a layer that rotates the same positions at every step
+  // keeps one (DeviceConstants) and launches nothing for its angles.
+  Tensor table;
 };
 // Position p = position_offset + s (s 0-based along S), frequency index i in
 // [0, D/2):
@@ -1050,6 +1056,11 @@ class Ops {
   // ---- position encodings -------------------------------------------------
   // x, y [B, S, H, D] (D even): rotary embedding as RotaryArgs states.
   virtual absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) = 0;
+  // RotaryArgs::table for `args` (its position fields host-side: no
+  // `position`) over seq rows of head dim `dim` (even): float32
+  // [2, seq, dim / 2], the values the rotary ops would compute themselves.
+  // The default answers UNIMPLEMENTED: the ops then make their own.
+  virtual absl::StatusOr<Tensor> RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim);
   // The fused QKV projection's output as it is, qkv [B, S, 3, H, D] (TE's
   // BS3HD, D even): parts 0 and 1 (q and k) rotated in place, each as Rotary
   // rotates a [B, S, H, D] tensor; part 2 (v) untouched. A self-attention

@@ -98,6 +98,7 @@ class CpuOps : public Ops {
 
   // kernels/cpu/position.cc
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
+  absl::StatusOr<Tensor> RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) override;
   absl::Status EmbedForward(const Tensor& table, const Tensor& ids, Tensor* y) override;
   absl::Status EmbedBackward(const Tensor& dy, const Tensor& ids, Tensor* dtable) override;
   absl::Status SoftmaxCrossEntropyForward(const Tensor& logits, const Tensor& labels, Tensor* loss,

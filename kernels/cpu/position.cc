@@ -1,5 +1,6 @@
 // CPU reference position encodings: rotary embedding and the T5 relative
 // position bias (a gather from a [heads, buckets] table, and its scatter-add).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -27,16 +28,13 @@ absl::StatusOr<const int32_t*> CheckBucketValues(const char* op, const Tensor& b
   return values;
 }
 
-}  // namespace
-
-// The angle is computed in double: near position 10^4 a float angle is already
-// off by up to 5e-4 radians, far more than a float32 result can carry.
-absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
-  RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
-  const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
-  // cos / sin of the angle of (row s along S, frequency i) at [s * half + i].
-  std::vector<float> cos_table(static_cast<size_t>(seq * half));
-  std::vector<float> sin_table(static_cast<size_t>(seq * half));
+// cos then sin of the angle of (row s along S, frequency i) at
+// [s * half + i] and [seq * half + s * half + i]. The angle is computed in
+// double: near position 10^4 a float angle is already off by up to 5e-4
+// radians, far more than a float32 result can carry.
+std::vector<float> CosSinTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
+  const int64_t half = dim / 2;
+  std::vector<float> table(static_cast<size_t>(2 * seq * half));
   const double ratio = static_cast<double>(args.max_timescale) / args.min_timescale;
   // The CPU's "device" memory is host memory: the position is read here.
   const int64_t start = args.position_offset + (HasDevicePosition(args.position)
@@ -48,10 +46,30 @@ absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) 
       const double p = static_cast<double>(start + s);
       const double angle = (args.inverse ? -p : p) / timescale;
       const int64_t at = s * half + i;
-      cos_table[at] = static_cast<float>(std::cos(angle));
-      sin_table[at] = static_cast<float>(std::sin(angle));
+      table[at] = static_cast<float>(std::cos(angle));
+      table[seq * half + at] = static_cast<float>(std::sin(angle));
     }
   }
+  return table;
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> CpuOps::RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
+  RETURN_IF_ERROR(CheckRotaryTableArgs(args, seq, dim));
+  const std::vector<float> values = CosSinTable(args, seq, dim);
+  ASSIGN_OR_RETURN(Tensor table, Allocate(DType::kF32, {2, seq, dim / 2}));
+  std::copy(values.begin(), values.end(), table.data_as<float>());
+  return table;
+}
+
+absl::Status CpuOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
+  RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
+  const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
+  std::vector<float> made;
+  if (!args.table.defined()) made = CosSinTable(args, seq, dim);
+  const float* cos_table = args.table.defined() ? args.table.data_as<const float>() : made.data();
+  const float* sin_table = cos_table + seq * half;
 
   // The row is read whole before it is written, so y may alias x.
   std::vector<float> row(static_cast<size_t>(dim));

@@ -208,6 +208,68 @@ TEST(RotaryErrorTest, RejectsBadArguments) {
   EXPECT_EQ(ops.Rotary(args, x, &x).code(), kInvalid);
 }
 
+// A table made once (RotaryTable) and handed to Rotary gives the bits Rotary
+// gives making its own, forward and inverse, from a position offset.
+TEST(RotaryTableTest, RotaryWithTheTableEqualsRotaryWithout) {
+  CpuOps ops;
+  const int64_t b = 2, s = 7, h = 3, d = 10;
+  std::mt19937 gen(43);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  for (const bool inverse : {false, true}) {
+    SCOPED_TRACE(inverse ? "inverse" : "forward");
+    RotaryArgs args;
+    args.inverse = inverse;
+    args.position_offset = 5;
+    args.max_timescale = 500.0f;
+    Tensor x = ops.Allocate(DType::kF32, {b, s, h, d}).value();
+    for (int64_t i = 0; i < x.numel(); ++i) x.data_as<float>()[i] = dist(gen);
+    Tensor plain = ops.Allocate(DType::kF32, x.shape()).value();
+    ASSERT_TRUE(ops.Rotary(args, x, &plain).ok());
+    absl::StatusOr<Tensor> table = ops.RotaryTable(args, s, d);
+    ASSERT_TRUE(table.ok()) << table.status();
+    EXPECT_EQ(table->shape(), (Shape{2, s, d / 2}));
+    RotaryArgs with_table = args;
+    with_table.table = *table;
+    Tensor tabled = ops.Allocate(DType::kF32, x.shape()).value();
+    ASSERT_TRUE(ops.Rotary(with_table, x, &tabled).ok());
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      ASSERT_EQ(tabled.data_as<float>()[i], plain.data_as<float>()[i]) << "element " << i;
+    }
+    // Its values: cos then sin of each (row, frequency)'s angle.
+    const double angle = (inverse ? -1.0 : 1.0) * (5 + 2);  // row 2, frequency 0: timescale 1
+    EXPECT_FLOAT_EQ(table->data_as<float>()[2 * (d / 2)], static_cast<float>(std::cos(angle)));
+    EXPECT_FLOAT_EQ(table->data_as<float>()[s * (d / 2) + 2 * (d / 2)],
+                    static_cast<float>(std::sin(angle)));
+  }
+}
+
+// A table of the wrong shape or dtype, or beside a device position, is
+// refused naming it; RotaryTable refuses odd dims and args with a position.
+TEST(RotaryTableTest, RejectsBadTablesNamingThem) {
+  CpuOps ops;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  Tensor x = ops.Allocate(DType::kF32, {1, 4, 2, 6}).value();
+  Tensor y = ops.Allocate(DType::kF32, x.shape()).value();
+  RotaryArgs args;
+  args.table = ops.Allocate(DType::kF32, {2, 5, 3}).value();  // 5 rows for S 4
+  absl::Status s = ops.Rotary(args, x, &y);
+  EXPECT_EQ(s.code(), kInvalid);
+  EXPECT_NE(s.message().find("table"), std::string::npos) << s;
+  args.table = ops.Allocate(DType::kBF16, {2, 4, 3}).value();
+  EXPECT_EQ(ops.Rotary(args, x, &y).code(), kInvalid);
+  args.table = *ops.RotaryTable(RotaryArgs(), 4, 6);
+  EXPECT_TRUE(ops.Rotary(args, x, &y).ok());
+  args.position = ops.Allocate(DType::kI32, {1}).value();
+  args.position.data_as<int32_t>()[0] = 0;
+  s = ops.Rotary(args, x, &y);
+  EXPECT_EQ(s.code(), kInvalid);
+  EXPECT_NE(s.message().find("table"), std::string::npos) << s;
+  EXPECT_EQ(ops.RotaryTable(RotaryArgs(), 4, 5).status().code(), kInvalid);
+  RotaryArgs positioned;
+  positioned.position = args.position;
+  EXPECT_EQ(ops.RotaryTable(positioned, 4, 6).status().code(), kInvalid);
+}
+
 // RotaryQkInPlace rotates q and k inside the packed qkv exactly as Rotary
 // rotates them split out, and leaves v as it was (random data, both pair
 // orders, forward and inverse).

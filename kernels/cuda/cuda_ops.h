@@ -307,6 +307,7 @@ class CudaOps : public Ops {
 
   // position.cu
   absl::Status Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) override;
+  absl::StatusOr<Tensor> RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) override;
   absl::Status RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) override;
   // rotary_quantize.cu
   absl::Status RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* qkv,

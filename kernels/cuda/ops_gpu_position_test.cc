@@ -78,6 +78,53 @@ TEST_F(GpuTest, RotaryQkInPlaceMatchesCpu) {
   }
 }
 
+// A table made once (RotaryTable, as a layer keeps it) and handed to the
+// rotary ops gives the bits each op gives making its own: Rotary,
+// RotaryQkInPlace (forward) and the FP8 backward's RotaryQkQuantizeTranspose
+// (inverse); and the table matches the CPU's.
+TEST_F(GpuTest, KeptRotaryTablesGiveTheOpsOwnBits) {
+  const Shape shape = {2, 77, 3, 3, 64};
+  const int64_t seq = shape[1], dim = shape[4];
+  for (const bool inverse : {false, true}) {
+    SCOPED_TRACE(inverse ? "inverse" : "forward");
+    RotaryArgs args;
+    args.inverse = inverse;
+    absl::StatusOr<Tensor> gpu_table = gpu_->RotaryTable(args, seq, dim);
+    ASSERT_TRUE(gpu_table.ok()) << gpu_table.status();
+    Pair table{*cpu_->RotaryTable(args, seq, dim), *gpu_table};
+    ExpectMatches(table, "RotaryTable");
+    RotaryArgs kept = args;
+    kept.table = *gpu_table;
+
+    const Pair qkv = Random(DType::kBF16, shape, 19);
+    Pair own = Clone(qkv.cpu), with_table = Clone(qkv.cpu);
+    ASSERT_TRUE(gpu_->RotaryQkInPlace(args, &own.gpu).ok());
+    ASSERT_TRUE(gpu_->RotaryQkInPlace(kept, &with_table.gpu).ok());
+    ExpectSameBits(own.gpu, with_table.gpu, "RotaryQkInPlace");
+
+    const Shape split = {shape[0], seq, shape[3], dim};
+    const Pair x = Random(DType::kBF16, split, 20);
+    Pair y_own = Output(DType::kBF16, split), y_kept = Output(DType::kBF16, split);
+    ASSERT_TRUE(gpu_->Rotary(args, x.gpu, &y_own.gpu).ok());
+    ASSERT_TRUE(gpu_->Rotary(kept, x.gpu, &y_kept.gpu).ok());
+    ExpectSameBits(y_own.gpu, y_kept.gpu, "Rotary");
+
+    const int64_t rows = shape[0] * seq, cols = 3 * shape[3] * dim;
+    Pair codes_own = Output(DType::kE5M2, {rows, cols}), codes_kept = Output(DType::kE5M2, {rows, cols});
+    Pair t_own = Output(DType::kE5M2, {cols, rows}), t_kept = Output(DType::kE5M2, {cols, rows});
+    Fp8Pair fp8_own = Fp8Side(64.0f), fp8_kept = Fp8Side(64.0f);
+    Pair consumed_own = Clone(qkv.cpu), consumed_kept = Clone(qkv.cpu);
+    absl::Status s = gpu_->RotaryQkQuantizeTranspose(args, &consumed_own.gpu, fp8_own.gpu(),
+                                                      &codes_own.gpu, &t_own.gpu, nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    s = gpu_->RotaryQkQuantizeTranspose(kept, &consumed_kept.gpu, fp8_kept.gpu(), &codes_kept.gpu,
+                                        &t_kept.gpu, nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameBits(codes_own.gpu, codes_kept.gpu, "RotaryQkQuantizeTranspose codes");
+    ExpectSameBits(t_own.gpu, t_kept.gpu, "RotaryQkQuantizeTranspose transposed codes");
+  }
+}
+
 // A decode step rotates its one token at the token's position.
 TEST_F(GpuTest, RotaryFromAPositionOffsetMatchesCpu) {
   for (const Shape& shape : {Shape{3, 1, 4, 64}, Shape{2, 9, 2, 16}}) {

@@ -236,6 +236,15 @@ class GpuTest : public ::testing::Test {
         << what << ": " << differing << " of " << want.numel() << " FP8 codes differ";
   }
 
+  // Two GPU tensors holding the same bytes (two paths that must agree bit
+  // for bit).
+  void ExpectSameBits(const Tensor& a, const Tensor& b, const std::string& what) {
+    ASSERT_TRUE(gpu_->Synchronize().ok());
+    const Tensor x = Fetch(a), y = Fetch(b);
+    ASSERT_EQ(x.nbytes(), y.nbytes()) << what;
+    EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.nbytes())) << what;
+  }
+
   void ExpectScalarMatches(const Pair& p, const std::string& what) {
     const Tensor got = Fetch(p.gpu);
     const float a = got.data_as<float>()[0], b = p.cpu.data_as<float>()[0];

@@ -362,6 +362,24 @@ absl::StatusOr<RotaryTable> MakeRotaryTable(CudaOps& ops, const RotaryAngles& an
   return table;
 }
 
+absl::StatusOr<RotaryTable> TableFor(CudaOps& ops, const RotaryArgs& args, int64_t seq,
+                                     int64_t dim) {
+  if (!args.table.defined()) return MakeRotaryTable(ops, AnglesOf(args, dim), seq);
+  RotaryTable table;
+  table.memory = args.table;
+  table.cos = args.table.data_as<const float>();
+  table.sin = table.cos + seq * (dim / 2);
+  return table;
+}
+
+absl::StatusOr<Tensor> CudaOps::RotaryTable(const RotaryArgs& args, int64_t seq, int64_t dim) {
+  RETURN_IF_ERROR(CheckRotaryTableArgs(args, seq, dim));
+  RETURN_IF_ERROR(Enter());
+  if (seq * dim == 0) return Allocate(DType::kF32, {2, seq, dim / 2});
+  ASSIGN_OR_RETURN(const cuda::RotaryTable table, MakeRotaryTable(*this, AnglesOf(args, dim), seq));
+  return table.memory;
+}
+
 absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y) {
   RETURN_IF_ERROR(CheckRotaryArgs(args, x, y));
   const int64_t seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
@@ -371,9 +389,9 @@ absl::Status CudaOps::Rotary(const RotaryArgs& args, const Tensor& x, Tensor* y)
   const RotaryAngles angles = AnglesOf(args, dim);
   // A table of angles pays for its launch when many rows share a position;
   // a few positions (a decode step's one) compute their angles in place.
-  RotaryTable table;
-  if (seq > kFoldedRotaryMaxSeq) {
-    ASSIGN_OR_RETURN(table, MakeRotaryTable(*this, angles, seq));
+  cuda::RotaryTable table;
+  if (seq > kFoldedRotaryMaxSeq || args.table.defined()) {
+    ASSIGN_OR_RETURN(table, TableFor(*this, args, seq, dim));
   }
   const float* cos_table = table.cos;
   const float* sin_table = table.sin;
@@ -409,8 +427,7 @@ absl::Status CudaOps::RotaryQkInPlace(const RotaryArgs& args, Tensor* qkv) {
     return Ops::RotaryQkInPlace(args, qkv);
   }
   RETURN_IF_ERROR(Enter());
-  const RotaryAngles angles = AnglesOf(args, dim);
-  ASSIGN_OR_RETURN(const RotaryTable table, MakeRotaryTable(*this, angles, seq));
+  ASSIGN_OR_RETURN(const cuda::RotaryTable table, TableFor(*this, args, seq, dim));
   const float* cos_table = table.cos;
   const float* sin_table = table.sin;
   // q and k are rows 0 .. 2H of each token's 3H.

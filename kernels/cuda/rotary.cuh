@@ -65,6 +65,10 @@ struct RotaryTable {
 };
 absl::StatusOr<RotaryTable> MakeRotaryTable(CudaOps& ops, const RotaryAngles& angles,
                                             int64_t seq);
+// args.table where the caller gave one (checked by CheckRotaryArgs), else
+// MakeRotaryTable's for args' angles over seq rows of `dim`.
+absl::StatusOr<RotaryTable> TableFor(CudaOps& ops, const RotaryArgs& args, int64_t seq,
+                                     int64_t dim);
 
 // The angles of `args` for rows of `dim` elements.
 inline RotaryAngles AnglesOf(const RotaryArgs& args, int64_t dim) {

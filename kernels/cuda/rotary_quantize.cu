@@ -77,7 +77,7 @@ absl::Status CudaOps::RotaryQkQuantizeTranspose(const RotaryArgs& args, Tensor* 
                      rows.dim(0) <= UINT32_MAX && rows.dim(1) <= UINT32_MAX;
   if (!fused) return Ops::RotaryQkQuantizeTranspose(args, qkv, fp8, y, y_t, dbias);
   RETURN_IF_ERROR(Enter());
-  ASSIGN_OR_RETURN(const RotaryTable table, MakeRotaryTable(*this, AnglesOf(args, dim), seq));
+  ASSIGN_OR_RETURN(const cuda::RotaryTable table, TableFor(*this, args, seq, dim));
   const int64_t cols = rows.dim(1);
   Tensor partial;
   const int64_t partial_rows = CastTransposePartialRows(rows, *y, *y_t);

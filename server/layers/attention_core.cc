@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/op_checks.h"
 #include "kernels/status_macros.h"
+#include "server/layers/device_constants.h"
 
 namespace te::layers {
 namespace {
@@ -491,6 +492,22 @@ RotaryArgs TeRotary(bool inverse, int64_t position_offset, const Tensor& positio
   args.inverse = inverse;
   args.position_offset = position_offset;
   args.position = position;
+  return args;
+}
+
+absl::StatusOr<RotaryArgs> KeptTeRotary(Ops& ops, bool inverse, int64_t seq, int64_t dim,
+                                        DeviceConstants* constants) {
+  RotaryArgs args = TeRotary(inverse);
+  if (constants == nullptr) return args;
+  // A function of the layer's configuration and the call's shape alone, as
+  // DeviceConstants asks: TE's timescales and group method are fixed.
+  absl::StatusOr<Tensor> table = constants->Get(
+      absl::StrCat("rotary angles ", inverse ? "inverse " : "", seq, " x ", dim, " from ",
+                   args.min_timescale, " to ", args.max_timescale),
+      [&] { return ops.RotaryTable(args, seq, dim); });
+  if (absl::IsUnimplemented(table.status())) return args;
+  RETURN_IF_ERROR(table.status());
+  args.table = *std::move(table);
   return args;
 }
 

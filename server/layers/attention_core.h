@@ -208,6 +208,13 @@ absl::Status ApplyRotary(Ops& ops, const Tensor& x, bool inverse, Tensor* y,
 // That rotation's arguments, for ops that rotate on the way (DecodeQkvRows).
 RotaryArgs TeRotary(bool inverse, int64_t position_offset = 0,
                     const Tensor& position = Tensor());
+// TeRotary(inverse) for positions 0 .. seq - 1 of head dim `dim`, with its
+// angles' table (RotaryArgs::table) kept in `constants`: made by the first
+// step that asks, read by every later one, where a training step would
+// otherwise make it in each layer's forward and backward. Without constants,
+// or where the backend makes no tables, the args carry none.
+absl::StatusOr<RotaryArgs> KeptTeRotary(Ops& ops, bool inverse, int64_t seq, int64_t dim,
+                                        DeviceConstants* constants);
 
 // ---- T5 relative position biases --------------------------------------------
 // TE's RelativePositionBiases bucket of each (query i, key j), int32 [Sq * Skv]

@@ -280,7 +280,14 @@ absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const
       if (query_position != 0) {
         return absl::InternalError("a packed self-attention's queries at a position offset");
       }
-      RETURN_IF_ERROR(ops.RotaryQkInPlace(TeRotary(/*inverse=*/false), &p.qkv));
+      const int64_t head_dim = p.qkv.dim(4);
+      ASSIGN_OR_RETURN(const RotaryArgs rotation,
+                       KeptTeRotary(ops, /*inverse=*/false, seq, head_dim, opts.constants));
+      RETURN_IF_ERROR(ops.RotaryQkInPlace(rotation, &p.qkv));
+      if (saved != nullptr) {
+        ASSIGN_OR_RETURN(saved->rotary_backward,
+                         KeptTeRotary(ops, /*inverse=*/true, seq, head_dim, opts.constants));
+      }
     }
     RETURN_IF_ERROR(AttentionForwardPacked(ops, AttentionSettings(), p.qkv, seqlens, bias,
                                            !opts.deterministic, dropout_seed, &context,
@@ -429,6 +436,8 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
     saved.attention = AttentionSaved();
     dout = Tensor();
     // The rotation is orthogonal: its transpose is the rotation by -angle.
+    const RotaryArgs rotary_backward =
+        saved.rotary_backward.has_value() ? *saved.rotary_backward : TeRotary(/*inverse=*/true);
     const std::optional<Fp8Recipe>& fp8 = saved.qkv.dense.fp8;
     if (options_.rotary && fp8 && CanFuseQuantize(&*fp8) && !fp8->inference) {
       // Under DelayedScaling the inverse rotation and the qkv projection's
@@ -436,7 +445,7 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
       // over dqkv, which is never written back rotated.
       ASSIGN_OR_RETURN(Dense::QuantizedGrad grad,
                        qkv_.dense().AllocateQuantizedGrad(ops, *fp8, tokens, vars));
-      RETURN_IF_ERROR(ops.RotaryQkQuantizeTranspose(TeRotary(/*inverse=*/true), &dqkv, grad.fp8,
+      RETURN_IF_ERROR(ops.RotaryQkQuantizeTranspose(rotary_backward, &dqkv, grad.fp8,
                                                     &grad.dy.data, &grad.dy.data_t,
                                                     grad.dbias.defined() ? &grad.dbias : nullptr));
       const DType compute = dqkv.dtype();
@@ -448,7 +457,7 @@ absl::Status MhaBlock::Backward(Ops& ops, Variables* vars, Saved saved, const Te
       return absl::OkStatus();
     }
     if (options_.rotary) {
-      RETURN_IF_ERROR(ops.RotaryQkInPlace(TeRotary(/*inverse=*/true), &dqkv));
+      RETURN_IF_ERROR(ops.RotaryQkInPlace(rotary_backward, &dqkv));
     }
     Tensor dqkv2 = dqkv.Reshaped({tokens, 3 * q_features_});
     dqkv = Tensor();

@@ -24,6 +24,7 @@
 #define TE_SERVER_LAYERS_MULTI_HEAD_ATTENTION_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,9 @@ class MhaBlock {
     Dense::Saved kv;
     AttentionSaved attention;
     Dense::Saved out;
+    // The backward's inverse rotation of the packed qkv, with its kept table
+    // (KeptTeRotary); unset: TeRotary(true), the ops making their own.
+    std::optional<RotaryArgs> rotary_backward;
     int64_t batch = 0, seq = 0;
     int64_t kv_seq = 0;           // cross-attention: kv_input's length
     DType compute = DType::kF32;  // x's dtype
