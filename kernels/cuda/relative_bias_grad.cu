@@ -535,7 +535,7 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const Atte
   p.partial = partial->data_as<float>();
   p.buckets = relative.buckets.data_as<const int32_t>();
   p.dtable = dtable->data_as<float>();
-  p.num_buckets = static_cast<int>(dtable->dim(0));
+  p.num_buckets = static_cast<int>(dtable->dim(1));  // [H, NB]
   const bool fold = p.heads <= kFoldGroups;
   p.heads_done = fold ? ops->fold_groups() : nullptr;
   const int head_dim = static_cast<int>(s.head_dim);
