@@ -295,6 +295,13 @@ void AddTransformerLayers(std::vector<LayerCase>* cases) {
   t->set_enable_relative_embedding(false);
   t->set_enable_rotary_pos_emb(true);
   cases->push_back(Case("TransformerLayer_rotary_packed", rotary, {2, 64, 128}, true, true));
+  // TE's defaults at a size where the CUDA backend forms the relative
+  // table's gradient with the band kernel (bf16 or f16 operands, a causal
+  // self-attention whose sequence is a multiple of 16, head_dim 32): the
+  // layer reads and writes rel_embedding [heads, buckets] as TE lays it out.
+  te::v1::LayerSpec band = SmallTransformer();
+  band.mutable_transformer_layer()->set_hidden_size(128);
+  cases->push_back(Case("TransformerLayer_relative_band", band, {2, 64, 128}, true, true));
   // TE's decoder layer: causal self-attention with one-directional relative
   // buckets, then cross-attention over `encoded` (29 positions) under the
   // encoder_decoder_mask's padding, then the MLP.

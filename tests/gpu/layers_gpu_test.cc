@@ -19,6 +19,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cuda/attention_internal.h"
 #include "kernels/gpu_test_gate.h"
 #include "kernels/ops.h"
 #include "server/layers/testing.h"
@@ -117,6 +118,20 @@ class LayersGpuTest : public ::testing::TestWithParam<CaseRun> {
 std::string RunName(const ::testing::TestParamInfo<CaseRun>& info) { return info.param.name(); }
 
 TEST_P(LayersGpuTest, ForwardBackwardMatchesCpu) { CompareOnBothBackends(GetParam()); }
+
+// The bf16 run of TE's defaults that the band kernel serves: the comparison
+// above checks rel_embedding's gradient; this checks that the band formed it
+// (a layer whose table gradient took another path would leave it untested).
+TEST_F(LayersGpuTest, RelativeTableGradientOfALayerComesFromTheBand) {
+  for (const CaseRun& run : AllCaseRuns()) {
+    if (run.name() != "TransformerLayer_relative_band_bf16") continue;
+    const int64_t before = cuda::RelativeBandCalls();
+    CompareOnBothBackends(run);
+    EXPECT_GT(cuda::RelativeBandCalls(), before) << "the band kernel did not serve the layer";
+    return;
+  }
+  FAIL() << "no run named TransformerLayer_relative_band_bf16";
+}
 
 INSTANTIATE_TEST_SUITE_P(Layers, LayersGpuTest, ::testing::ValuesIn(AllCaseRuns()), RunName);
 
