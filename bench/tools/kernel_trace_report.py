@@ -20,7 +20,10 @@ counted), so a gap the host causes says which thread was doing what. With
 --timeline it also lists the device work of the reported step with the most
 kernels (a training step's short read-back spans are steps too) in launch order (each
 kernel's class, duration and the idle before it), so a class's time can be
-split into the kernels that make it.
+split into the kernels that make it. Last it lists the reported steps'
+memsets and memcpys by name, each with the host call that issued it and the
+kernel its thread launched next, so a library's small memsets (before its own
+GEMM or attention kernel) tell apart from the server's.
 """
 import argparse
 import collections
@@ -72,6 +75,49 @@ def load(path):
     device.sort()
     host.sort()
     return device, host
+
+
+def load_issuers(path):
+    """The device work of each correlation id (kernel, memcpy or memset name)
+    and the host calls in start order per thread, as (start, name,
+    correlation): what issued a record and what its thread issued next."""
+    work, calls = {}, collections.defaultdict(list)
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["kind"] in ("kernel", "memcpy", "memset"):
+                work.setdefault(row["correlation"], row["name"])
+            else:
+                calls[row["stream"]].append((int(row["start_ns"]), row["name"], row["correlation"]))
+    for thread_calls in calls.values():
+        thread_calls.sort()
+    return work, calls
+
+
+def print_copies(path, spans):
+    """Memsets and memcpys of the spans by name (calls per step), each with
+    the host call that issued it and the next kernel its thread launched."""
+    work, calls = load_issuers(path)
+    issued = {}  # correlation -> (the call's name, the next kernel's name)
+    for thread_calls in calls.values():
+        for i, (_, name, corr) in enumerate(thread_calls):
+            if not work.get(corr, "").startswith("mem"):
+                continue
+            later = (work.get(c) for _, _, c in thread_calls[i + 1:])
+            nxt = next((w for w in later if w is not None and not w.startswith("mem")), "-")
+            issued[corr] = (name.split("_v")[0], nxt)
+    counts = collections.Counter()
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["kind"] not in ("memcpy", "memset"):
+                continue
+            start = int(row["start_ns"])
+            if any(t0 <= start < t1 for t0, t1 in spans):
+                call, nxt = issued.get(row["correlation"], ("?", "-"))
+                counts[(row["name"], call, nxt)] += 1
+    print("\nmemsets and memcpys (per step), by the call that issued them and the next kernel "
+          "their thread launched:")
+    for (name, call, nxt), c in counts.most_common(12):
+        print(f"  {c / len(spans):6.1f}  {name:22s} {call:24s} {short_name(nxt)[:70]}")
 
 
 def steps(device, host):
@@ -198,6 +244,7 @@ def main():
     print("\nruntime API time inside those gaps (ms per step, calls per step):")
     for name, (t, calls) in sorted(host_in_gaps.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"  {ms(t):8.3f}  {len(calls) / n:6.1f}  {name}")
+    print_copies(args.trace, spans)
     if args.largest_gap:
         print_largest_gap(gaps, host)
     if args.timeline:

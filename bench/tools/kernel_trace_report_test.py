@@ -110,6 +110,24 @@ kernel,te::cuda::EmbedForwardKernel<F32>,1500,1600,7,5
         row = next(l for l in body.splitlines() if "cudaEventSynchronize" in l)
         self.assertEqual(row.split()[:2], ["0.000", "1.0"])  # 200 ns; one call, not two
 
+    def test_memsets_name_the_call_and_the_next_kernel_of_their_thread(self):
+        # Step 1 given a 4-byte memset (thread 1's cudaMemsetAsync) just
+        # before that thread launches the GEMM: a library's own memset.
+        trace = TRACE.replace(
+            "runtime,cudaLaunchKernel_v7000,1420,1490,1,3\n",
+            "runtime,cudaMemsetAsync_v3020,1402,1408,1,9\n"
+            "memset,memset_4B,1410,1418,7,9\n"
+            "runtime,cudaLaunchKernel_v7000,1420,1490,1,3\n")
+        out = self.run_report("--steps", "2", trace=trace)
+        _, body = out.split("memsets and memcpys (per step)")
+        rows = body.splitlines()[1:]
+        self.assertEqual(len(rows), 1, body)
+        self.assertEqual(rows[0].split(), ["0.5", "memset_4B", "cudaMemsetAsync",
+                                           "nvjet_sm90_tst_128x128_gemm"])
+        # Outside the reported step (the last alone), nothing is listed.
+        _, body = self.run_report("--steps", "1", trace=trace).split("memsets and memcpys")
+        self.assertEqual(body.splitlines()[1:], [])
+
     def test_by_kernel_splits_each_class_by_name(self):
         # A second norm kernel in step 1, so the norm class has two names.
         trace = TRACE.replace(
