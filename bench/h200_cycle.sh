@@ -23,7 +23,8 @@
 #               tracer: bf16 bias on, bf16 bias off, FP8 bias off
 #               (bench/tools/trace_lm.sh), and the quickstart's FP8 and bf16
 #               TransformerLayer (layer_bench variants 6 and 7,
-#               bench/tools/trace_step.sh); traces and reports in $OUT/trace
+#               bench/tools/trace_step.sh); reports in $OUT/trace, the traces
+#               themselves in /tmp/trace_raw on the GPU machine
 #   decode      Generate against JAX's jit'd decode loop (bench/decode_bench.py)
 #   ops         ops_bench; against .gpubundle's oldlib too when it holds one
 #   cast        cast_transpose_bench: the FP8 cast-transpose op against the
@@ -83,9 +84,16 @@ stage_fp8ratio() {
   lm_rows 24x1024x16x1024x8,24x2048x16x1024x8 off
 }
 
+# The device tool brings back 8 files a call: the reports come back under
+# $out/trace, the traces, servers' logs and bench lines stay in TRACE_RAW
+# (/tmp/trace_raw) on the GPU machine, for a later call on it to read.
 stage_trace() {
-  PYTHON="$py" bash "$b/trace_lm.sh" "$b" "$out/trace"
-  bash "$b/trace_step.sh" "$out/trace" 6 7
+  local raw="${TRACE_RAW:-/tmp/trace_raw}"
+  rm -rf "$raw"
+  PYTHON="$py" bash "$b/trace_lm.sh" "$b" "$raw"
+  bash "$b/trace_step.sh" "$raw" 6 7
+  mkdir -p "$out/trace"
+  cp "$raw"/report_*.txt "$out/trace/"
 }
 
 stage_decode() {
