@@ -28,6 +28,7 @@ GEMM or attention kernel) tell apart from the server's.
 import argparse
 import collections
 import csv
+import itertools
 import re
 import sys
 
@@ -78,42 +79,42 @@ def load(path):
 
 
 def load_issuers(path):
-    """The device work of each correlation id (kernel, memcpy or memset name)
-    and the host calls in start order per thread, as (start, name,
-    correlation): what issued a record and what its thread issued next."""
-    work, calls = {}, collections.defaultdict(list)
+    """The device work of each correlation id (kernel, memcpy or memset name),
+    the host calls in start order per thread as (start, name, correlation),
+    and the memcpys and memsets as (start, name, correlation): what issued a
+    copy and what its thread issued next."""
+    work, calls, copies = {}, collections.defaultdict(list), []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
+            rec = (int(row["start_ns"]), row["name"], row["correlation"])
             if row["kind"] in ("kernel", "memcpy", "memset"):
                 work.setdefault(row["correlation"], row["name"])
+                if row["kind"] != "kernel":
+                    copies.append(rec)
             else:
-                calls[row["stream"]].append((int(row["start_ns"]), row["name"], row["correlation"]))
+                calls[row["stream"]].append(rec)
     for thread_calls in calls.values():
         thread_calls.sort()
-    return work, calls
+    return work, calls, copies
 
 
 def print_copies(path, spans):
     """Memsets and memcpys of the spans by name (calls per step), each with
     the host call that issued it and the next kernel its thread launched."""
-    work, calls = load_issuers(path)
+    work, calls, copies = load_issuers(path)
     issued = {}  # correlation -> (the call's name, the next kernel's name)
     for thread_calls in calls.values():
         for i, (_, name, corr) in enumerate(thread_calls):
             if not work.get(corr, "").startswith("mem"):
                 continue
-            later = (work.get(c) for _, _, c in thread_calls[i + 1:])
+            later = (work.get(c) for _, _, c in itertools.islice(thread_calls, i + 1, None))
             nxt = next((w for w in later if w is not None and not w.startswith("mem")), "-")
             issued[corr] = (name.split("_v")[0], nxt)
     counts = collections.Counter()
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["kind"] not in ("memcpy", "memset"):
-                continue
-            start = int(row["start_ns"])
-            if any(t0 <= start < t1 for t0, t1 in spans):
-                call, nxt = issued.get(row["correlation"], ("?", "-"))
-                counts[(row["name"], call, nxt)] += 1
+    for start, name, corr in copies:
+        if any(t0 <= start < t1 for t0, t1 in spans):
+            call, nxt = issued.get(corr, ("?", "-"))
+            counts[(name, call, nxt)] += 1
     print("\nmemsets and memcpys (per step), by the call that issued them and the next kernel "
           "their thread launched:")
     for (name, call, nxt), c in counts.most_common(12):
