@@ -630,11 +630,4 @@ absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor&
   return bias;
 }
 
-absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype) {
-  if (param_dtype == DType::kF32) return dtable;
-  ASSIGN_OR_RETURN(Tensor cast, ops.Allocate(param_dtype, dtable.shape()));
-  RETURN_IF_ERROR(ops.Cast(dtable, &cast));
-  return cast;
-}
-
 }  // namespace te::layers

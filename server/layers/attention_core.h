@@ -268,9 +268,6 @@ DType RelativeBiasDType(DType operands);
 absl::StatusOr<Tensor> RelativeBias(Ops& ops, const Tensor& table, const Tensor& buckets,
                                     DType operands, const Tensor& first_row = Tensor(),
                                     int64_t rows = 0);
-// d rel_embedding [H, NB] (in `param_dtype`) from the table's gradient
-// dtable f32 [H, NB] (AttentionBackward's with saved.relative).
-absl::StatusOr<Tensor> RelativeTableGrad(Ops& ops, const Tensor& dtable, DType param_dtype);
 
 }  // namespace te::layers
 

@@ -309,8 +309,8 @@ class TransformerLayerImpl : public Layer {
                                         options_.relative_embedding ? &dbias : nullptr,
                                         &grads->params, dh));
     if (options_.relative_embedding) {
-      ASSIGN_OR_RETURN(grads->params[kRelEmbedding],
-                       RelativeTableGrad(ops, dbias, options_.param_dtype));
+      // dtable is f32 [H, NB], the parameter's layout: only its dtype may differ.
+      ASSIGN_OR_RETURN(grads->params[kRelEmbedding], CastTo(ops, dbias, options_.param_dtype));
     }
     return absl::OkStatus();
   }
