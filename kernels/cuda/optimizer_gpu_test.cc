@@ -624,7 +624,8 @@ class OptimizerFp8CopyGpuTest : public OptimizerStepGpuTest {
   }
   // Five steps on both backends: step 2 leaves slot 1 without a gradient,
   // step 3's gradient holds a NaN (skipped); copies of odd shapes (byte
-  // transposes), of shapes the word transpose takes, of a param over several
+  // transposes), of shapes the 16-byte transpose takes (multiples of 16), of
+  // one the word transpose takes (multiples of 4), of a param over several
   // 16 K chunks and of an unaligned param view.
   void RunCopySteps(int rule_case, DType dtype, DType fp8);
 };
@@ -646,7 +647,8 @@ TEST_F(OptimizerFp8CopyGpuTest, CopiesMatchQuantizeTransposeOfTheNewParams) {
 void OptimizerFp8CopyGpuTest::RunCopySteps(int rule_case, DType dtype, DType fp8) {
   const OptimizerHyperparams h = StepCase(rule_case);
   const std::vector<CopySpec> copies = {
-      {129, 67, false}, {256, 384, false}, {7, 0, false}, {40, 25, true}, {64, 64, false}};
+      {129, 67, false}, {256, 384, false}, {7, 0, false}, {40, 25, true}, {64, 64, false},
+      {68, 36, false}};
   std::vector<SlotSpec> specs;
   for (const CopySpec& c : copies) {
     specs.push_back({c.cols == 0 ? c.rows : c.rows * c.cols, dtype, c.unaligned});
