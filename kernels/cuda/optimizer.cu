@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kStepThreads)
 __global__ void __launch_bounds__(kStepThreads)
     Fp8CopyTransposeKernel(StepPointers ptrs, const Fp8Table* fp8, int num_fp8, int64_t num_tiles,
                            const Decision* decision) {
-  __shared__ ByteTile tile;
+  __shared__ __align__(16) ByteTile tile;  // the wide path stores words into it
   if (!decision->applied) return;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   int k = 0;
@@ -586,9 +586,9 @@ __global__ void __launch_bounds__(kStepThreads)
       if (col0 + line < cols && row0 + 16 * part < rows) {
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int r = 16 * part + 4 * k;
-          w[k] = uint32_t(tile[r][line]) | uint32_t(tile[r + 1][line]) << 8 |
+        for (int q = 0; q < 4; ++q) {
+          const int r = 16 * part + 4 * q;
+          w[q] = uint32_t(tile[r][line]) | uint32_t(tile[r + 1][line]) << 8 |
                  uint32_t(tile[r + 2][line]) << 16 | uint32_t(tile[r + 3][line]) << 24;
         }
         *reinterpret_cast<uint4*>(copy.data_t + (col0 + line) * rows + row0 + 16 * part) =
