@@ -134,6 +134,52 @@ int Run(int reps) {
              same ? "yes" : "NO");
     }
   }
+  // GELU's gradient to E5M2 in both layouts, as the FP8 MLP's backward makes
+  // it: x the pre-activation, dy the gradient of GELU's output (the LM's MLP
+  // at hidden 1024 and 2048, the quickstart's). 3 bytes read and 2 written
+  // an element.
+  std::printf("\nGELU gradient cast-transpose, bf16 x and dy -> E5M2 y and y^T and amax\n");
+  std::printf("| x shape | what | ms | GB/s | of copy | same bytes |\n");
+  std::printf("|---|---|---:|---:|---:|---|\n");
+  for (const Shape& shape : std::vector<Shape>{{8192, 4096}, {8192, 8192}, {8192, 16384}}) {
+    const int64_t bytes = shape[0] * shape[1] * 4;
+    const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{512} << 20) / bytes));
+    std::vector<Tensor> xs, dys;
+    for (int i = 0; i < copies; ++i) {
+      xs.push_back(RandomBf16(ops, shape, 101 + i));
+      dys.push_back(RandomBf16(ops, shape, 303 + i));
+    }
+    Tensor y = *ops.Allocate(DType::kE5M2, shape);
+    Tensor y_t = *ops.Allocate(DType::kE5M2, {shape[1], shape[0]});
+    const std::string name = std::to_string(shape[0]) + " x " + std::to_string(shape[1]);
+    const double moved = 5.0 * static_cast<double>(shape[0] * shape[1]);
+    Result want;
+    for (bench::GeluGradKernel kernel :
+         {bench::GeluGradKernel::kWide, bench::GeluGradKernel::kWideBytes}) {
+      const bool reference = kernel == bench::GeluGradKernel::kWide;
+      (void)ops.Fill(0.0f, &amax);
+      (void)ops.Fill(0.0f, &y);
+      (void)ops.Fill(0.0f, &y_t);
+      if (!bench::LaunchGeluGradCastTranspose(kernel, ops, xs[0], dys[0], fp8, slot, &y, &y_t)
+               .ok()) {
+        ++failures;
+        continue;
+      }
+      const Result got = Read(ops, y, y_t, fp8);
+      const bool same = reference || Same(got, want);
+      if (reference) want = got;
+      if (!same) ++failures;
+      int next = 0;
+      const double ms = bench::MedianMs(&ops, 3, reps, [&] {
+        const int k = next++ % copies;
+        return bench::LaunchGeluGradCastTranspose(kernel, ops, xs[k], dys[k], fp8, slot, &y, &y_t);
+      });
+      const double gbs = moved / (ms * 1e6);
+      std::printf("| %s | %s | %.4f | %.0f | %.2f | %s |\n", name.c_str(),
+                  bench::GeluGradKernelName(kernel), ms, gbs, gbs / copy_gbs,
+                  reference ? "reference" : (same ? "yes" : "NO"));
+    }
+  }
   cudaFree(slot);
   if (failures > 0) std::printf("%d candidate(s) failed or wrote other bytes\n", failures);
   return failures > 0 ? 1 : 0;

@@ -25,10 +25,14 @@ enum class CastTransposeVariant {
   // The 64 x 64 loop, with the next tile's loads issued before the current
   // tile leaves transposed (in flight while it does).
   kPrefetch,
+  // The wide kernel (128 x 64 tiles) before 4-row column words and paired
+  // conversions: a byte store to shared memory and a conversion a code.
+  kWideBytes,
 };
 inline constexpr CastTransposeVariant kCastTransposeVariants[] = {
     CastTransposeVariant::kGeneralTilePerBlock, CastTransposeVariant::kGeneralEightPerSm,
-    CastTransposeVariant::kGeneralResident, CastTransposeVariant::kPrefetch};
+    CastTransposeVariant::kGeneralResident, CastTransposeVariant::kPrefetch,
+    CastTransposeVariant::kWideBytes};
 const char* VariantName(CastTransposeVariant variant);
 
 // Whether `variant` takes x [rows, cols] (the candidates handle whole tiles only).
@@ -40,6 +44,16 @@ bool VariantFits(CastTransposeVariant variant, int64_t rows, int64_t cols);
 absl::Status LaunchCastTransposeVariant(CastTransposeVariant variant, cuda::CudaOps& ops,
                                         const Tensor& x, const Fp8Output& fp8,
                                         cuda::GridFoldSlot* slot, Tensor* y, Tensor* y_t);
+
+// GELU's gradient (GradientOf<BF16, GeluForCodesFn>: x the pre-activation,
+// dy the gradient of GELU's output) quantized to E5M2 in both layouts, as the
+// FP8 MLP's backward makes it: the product's launcher (kWide), or the kernel
+// of kWideBytes on the same function.
+enum class GeluGradKernel { kWide, kWideBytes };
+const char* GeluGradKernelName(GeluGradKernel kernel);
+absl::Status LaunchGeluGradCastTranspose(GeluGradKernel kernel, cuda::CudaOps& ops, const Tensor& x,
+                                         const Tensor& dy, const Fp8Output& fp8,
+                                         cuda::GridFoldSlot* slot, Tensor* y, Tensor* y_t);
 
 }  // namespace te::bench
 

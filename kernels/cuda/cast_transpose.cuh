@@ -155,23 +155,35 @@ __global__ void QuantizeTransposeKernel(const typename In::Storage* __restrict__
   FinishQuantization(local, scratch, amax, s, scale_inv, kept_scale, kept_amax);
 }
 
-// The cast-transpose of whole 128 x 64 tiles: the same outputs as
+// The cast-transpose of whole 128 x 64 tiles: the same codes and amax as
 // QuantizeTransposeKernel (bit for bit in y and y_t; column_partial per 128
-// rows, not 64) with wider memory accesses, for shapes WideTilesFit takes.
-// Thread (lx, ly) = (tid % 8, tid / 8) reads 8 elements (16 bytes of bf16)
-// of rows ly, ly + 32, ly + 64 and ly + 96, all four loads in flight at once,
-// and writes each row's 8 codes to y as one 8-byte store. The codes go to
-// shared memory column-major (rows 132 bytes apart: a warp's byte stores
-// fall two to a bank at most), so y^T leaves as 16 consecutive rows of one
-// column a 16-byte store. On the H200 this moves 1.29-1.42x the bytes a
-// second of QuantizeTransposeKernel at the LM's and the quickstart's shapes
-// (bench/kernels/cast_transpose_bench). kSums: whether to write
-// column_partial (a template flag, so the kernel without it keeps no sums).
+// rows, not 64) with wider memory accesses and fewer instructions an
+// element, for shapes WideTilesFit takes.
+// Thread (lx, ly) = (tid % 8, tid / 8) takes 8 elements (16 bytes of bf16)
+// of each of rows 4 ly .. 4 ly + 3, and writes each row's 8 codes to y as one
+// 8-byte store. Its 4 x 8 codes are regrouped in registers (byte permutes)
+// into 8 words of one column's 4 consecutive rows, stored to shared memory
+// column-major as words (rows 132 bytes apart: conflict-free), so y^T leaves
+// as 16 consecutive rows of one column a 16-byte store. Codes are made two
+// at a time (one conversion for a pair). Each tile's loads are issued at its
+// turn: issuing the next tile's before this one's arithmetic took 126
+// registers and made the GELU gradient's 35% slower on the H100
+// (bench/results/2026-12-07-h100-cast-transpose-prefetch-loses). kSums:
+// whether to write column_partial (a template flag, so the kernel without it
+// keeps no sums).
 // Where f takes a gradient (TakesGradient), dy [rows, cols] is read beside x,
 // pack for pack, and quantized is f(x, dy): dy is null otherwise. Where f
 // transforms packs (TransformsPacks), each row's 8 values go through it
 // before they are quantized.
 constexpr int kWideTileRows = 128, kWideTileCols = 64;
+
+// Byte b of each of the four words, as one word (w[0]'s in its low byte):
+// one column of a thread's 4 rows of codes.
+__device__ __forceinline__ uint32_t ColumnOfWords(uint32_t w0, uint32_t w1, uint32_t w2,
+                                                  uint32_t w3, int b) {
+  const unsigned pick = b | (b + 4) << 4;  // w_lo's byte b, then w_hi's
+  return __byte_perm(__byte_perm(w0, w1, pick), __byte_perm(w2, w3, pick), 0x5410);
+}
 
 template <typename In, typename Out, typename F, bool kSums>
 __global__ void __launch_bounds__(256)
@@ -182,6 +194,7 @@ __global__ void __launch_bounds__(256)
                                 float* __restrict__ column_partial, int64_t rows, int64_t cols,
                                 float* kept_scale, float* kept_amax, F f = F()) {
   using InPack = Pack<typename In::Storage, 8>;
+  constexpr bool kGrad = TakesGradient<F>::value;
   constexpr int kPitch = kWideTileRows + 4;
   __shared__ __align__(16) uint8_t codes[kWideTileCols][kPitch];
   __shared__ float tile_column_sums[kSums ? 32 : 1][kWideTileCols + 1];
@@ -199,35 +212,39 @@ __global__ void __launch_bounds__(256)
     InPack in[4], grad[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t at = (row0 + ly + 32 * i) * cols + col0 + lx * 8;
+      const int64_t at = (row0 + 4 * ly + i) * cols + col0 + lx * 8;
       in[i] = *reinterpret_cast<const InPack*>(x + at);
-      if constexpr (TakesGradient<F>::value) grad[i] = *reinterpret_cast<const InPack*>(dy + at);
+      if constexpr (kGrad) grad[i] = *reinterpret_cast<const InPack*>(dy + at);
     }
     float column_sum[8] = {};
+    uint32_t word[4][2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = ly + 32 * i;
+      const int r = 4 * ly + i;
       float v[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = TileValue<In>(f, in[i], grad[i], j);
       if constexpr (TransformsPacks<F>::value) {
         f.template TransformPack<In>(row0 + r, col0 + lx * 8, v);
       }
-      uint32_t word[2] = {0, 0};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         local = max(local, AbsBits(v[j]));
         if (kSums) column_sum[j] += v[j];
-        const uint8_t code = Out::Store(v[j] * s);
-        codes[lx * 8 + j][r] = code;
-        word[j / 4] |= static_cast<uint32_t>(code) << (8 * (j % 4));
+      }
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        word[i][w] = uint32_t(Out::Store2(v[4 * w] * s, v[4 * w + 1] * s)) |
+                     uint32_t(Out::Store2(v[4 * w + 2] * s, v[4 * w + 3] * s)) << 16;
       }
       *reinterpret_cast<uint2*>(y + (row0 + r) * cols + col0 + lx * 8) =
-          make_uint2(word[0], word[1]);
+          make_uint2(word[i][0], word[i][1]);
     }
-    if (kSums) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) tile_column_sums[ly][lx * 8 + j] = column_sum[j];
+    for (int j = 0; j < 8; ++j) {
+      *reinterpret_cast<uint32_t*>(&codes[lx * 8 + j][4 * ly]) =
+          ColumnOfWords(word[0][j / 4], word[1][j / 4], word[2][j / 4], word[3][j / 4], j % 4);
+      if (kSums) tile_column_sums[ly][lx * 8 + j] = column_sum[j];
     }
     __syncthreads();
     // y^T rows col0 .. col0 + 63, bytes row0 .. row0 + 127 of each: 64 x 8
@@ -239,8 +256,7 @@ __global__ void __launch_bounds__(256)
       *reinterpret_cast<uint4*>(y_t + (col0 + c) * rows + row0 + lx * 16) =
           make_uint4(src[0], src[1], src[2], src[3]);
     }
-    // The 32 threads of a column in order: a fixed order, as the 64-row
-    // kernel's.
+    // The 32 threads of a column in order (rows in order): a fixed order.
     if (kSums && threadIdx.x < kWideTileCols) {
       float sum = 0.0f;
 #pragma unroll

@@ -87,6 +87,11 @@ struct Fp8Format {
     if (v != v) return 0x7f;
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kFormat));
   }
+  // Store(a) | Store(b) << 8 in one conversion where neither is NaN.
+  static __device__ __forceinline__ uint16_t Store2(float a, float b) {
+    if (a != a || b != b) return uint16_t(Store(a) | Store(b) << 8);
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFormat);
+  }
 };
 using E4M3 = Fp8Format<__NV_E4M3>;
 using E5M2 = Fp8Format<__NV_E5M2>;
