@@ -25,6 +25,8 @@
 #               TransformerLayer (layer_bench variants 6 and 7,
 #               bench/tools/trace_step.sh); reports in $OUT/trace, the traces
 #               themselves in /tmp/trace_raw on the GPU machine
+#   trace2048   the 24 x 2048 LM's step the same way, bf16 and FP8 without the
+#               bias; reports in $OUT/trace_2048
 #   decode      Generate against JAX's jit'd decode loop (bench/decode_bench.py)
 #   ops         ops_bench; against .gpubundle's oldlib too when it holds one
 #   cast        cast_transpose_bench: the FP8 cast-transpose op against the
@@ -96,6 +98,17 @@ stage_trace() {
   cp "$raw"/report_*.txt "$out/trace/"
 }
 
+# The 24 x 2048 LM's step by kernel class, bf16 and FP8 without the bias
+# (trace_lm.sh at TRACE_SIZE 24 x 2048); reports in $OUT/trace_2048.
+stage_trace2048() {
+  local raw="${TRACE_RAW:-/tmp/trace_raw}_2048"
+  rm -rf "$raw"
+  TRACE_SIZE=24x2048x16x1024x8 TRACE_VARIANTS="bf16:off delayed:off" PYTHON="$py" \
+    bash "$b/trace_lm.sh" "$b" "$raw"
+  mkdir -p "$out/trace_2048"
+  cp "$raw"/report_*.txt "$out/trace_2048/"
+}
+
 stage_decode() {
   $py "$root/bench/decode_bench.py" --server="$b/run.sh te_server" --device=cuda:0 \
     --recipes=bf16,delayed --peer_param_dtypes=bfloat16 --client_rows --iters 3
@@ -131,7 +144,7 @@ stage_cast() {
 
 for stage in "$@"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, fp8ratio, trace, decode, ops, cast, bias, engines)" >&2
+    echo "h200_cycle: no stage '$stage' (tests, quickstart, lm, lmbias, fp8ratio, trace, trace2048, decode, ops, cast, bias, engines)" >&2
     exit 2
   fi
 done
