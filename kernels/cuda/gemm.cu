@@ -15,7 +15,11 @@
 // reference), or CUBLAS_COMPUTE_32F_FAST_TF32 where GemmArgs::tf32 asks for
 // TensorFloat-32 products (JAX's default precision on this GPU); bf16/f16/FP8
 // accumulate in f32. FP8 operands pass their
-// scale_inv device pointers as A/B_SCALE_POINTER (op(x) = x * scale_inv).
+// scale_inv device pointers as A/B_SCALE_POINTER (op(x) = x * scale_inv),
+// and accumulate as TE's JAX GEMMs do by default: CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+// the tensor cores' own accumulator without periodic promotion to float32
+// (TE's use_split_accumulator=False). NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION=1
+// in the server's environment promotes, as it does in TE.
 //
 // Hopper FP8 GEMMs exist only in the "TN" layout (cuBLASLt's A transposed, B
 // not: our b given as [N, K] and a as [M, K]). Other transposes get a
@@ -63,6 +67,15 @@ namespace {
 // (bench/results/2026-12-01-h200-fp8-step/README.md).
 constexpr int kTuneCandidates = 8;
 constexpr int kTuneReps = 3;
+// Whether FP8 GEMMs use the fast accumulator: TE's default, read once.
+bool Fp8FastAccumulation() {
+  static const bool fast = [] {
+    const char* env = std::getenv("NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION");
+    return !(env != nullptr && std::string(env) == "1");
+  }();
+  return fast;
+}
+
 int TuneCandidates() {
   static const int candidates = [] {
     const char* env = std::getenv("TE_GEMM_AUTOTUNE");
@@ -287,6 +300,12 @@ std::unique_ptr<GemmPlan> BuildPlan(cublasLtHandle_t lt, const GemmKey& key) {
   const cublasComputeType_t compute = key.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   TE_LT_OR_DECLINE(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F),
                    "matmul descriptor");
+  if (IsFloat8(key.a_type) && Fp8FastAccumulation()) {
+    const int8_t fast = 1;
+    TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                    &fast, sizeof(fast)),
+                     "fast accumulation");
+  }
   const cublasOperation_t op_a = key.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = key.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   TE_LT_OR_DECLINE(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,

@@ -6,12 +6,16 @@
 // Tolerances: relative error ||gpu - cpu|| / ||cpu|| within the output dtype's
 // bound (kernels/cpu/test_util.h: f32 1e-5, f16 1e-3, bf16 1e-2). FP8
 // operands are exact in both, but Hopper's FP8 tensor cores add products with
-// ~14-bit mantissas inside each K block before cuBLASLt promotes to f32, so
-// FP8 into f32 is held to 1e-3 (bf16 out keeps 1e-2).
+// ~14-bit mantissas, and by default (TE's fast accumulation, gemm.cu) never
+// promote to f32 within a GEMM, so FP8 into f32 is held to 1e-3 at K <= 128
+// and to kFp8LongSumTolerance from K = kLongSum (the LM's weight gradients sum
+// over a step's 8192 tokens; an H100 measured 7.4e-4 at K = 8192, E5M2 x
+// E4M3); bf16 out keeps 1e-2 (2.3e-3 measured at K = 4096).
 // FP8 kernels need K % 16 == 0 (16-byte rows in the TN layout); other K are
 // tested too and take the exact f32 route.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -33,6 +37,8 @@ using ::te::testing::RelativeError;
 using ::te::testing::Tolerance;
 
 constexpr double kFp8IntoF32Tolerance = 1e-3;
+constexpr int64_t kLongSum = 4096;
+constexpr double kFp8LongSumTolerance = 2e-3;
 
 struct GemmCase {
   std::string name;
@@ -107,9 +113,16 @@ TEST_P(GpuGemmTest, MatchesCpu) {
   ASSERT_TRUE(s.ok()) << s;
   Tensor got = ::te::testing::MakeEmpty(cpu_, c.out, {c.m, c.n});
   ASSERT_TRUE(gpu_->Download(gpu_out, got.data()).ok());
-  const double tolerance =
-      IsFloat8(c.a) && c.out == DType::kF32 ? kFp8IntoF32Tolerance : Tolerance(c.out);
-  EXPECT_LT(RelativeError(got, ::te::testing::ToDoubles(cpu_out)), tolerance);
+  const bool fp8_into_f32 = IsFloat8(c.a) && c.out == DType::kF32;
+  const double tolerance = !fp8_into_f32     ? Tolerance(c.out)
+                           : c.k >= kLongSum ? kFp8LongSumTolerance
+                                             : kFp8IntoF32Tolerance;
+  const double error = RelativeError(got, ::te::testing::ToDoubles(cpu_out));
+  EXPECT_LT(error, tolerance);
+  // FP8's errors in the log: where the fast accumulator's bound stands.
+  if (IsFloat8(c.a)) {
+    std::printf("%s: relative error %.3g (bound %.3g)\n", c.name.c_str(), error, tolerance);
+  }
 }
 
 std::vector<GemmCase> Cases() {
@@ -140,6 +153,9 @@ std::vector<GemmCase> Cases() {
       {"e5m2_e4m3_bf16", e5m2, e4m3, bf16, 200, 48, 80},
       {"e4m3_e5m2_accumulate", e4m3, e5m2, bf16, 128, 96, 64, false, f32, true},
       {"e5m2_e4m3_f32_accumulate", e5m2, e4m3, f32, 64, 32, 128, false, f32, true},
+      // The LM's long sums: a weight gradient's K is a step's tokens.
+      {"e5m2_e4m3_k8192_f32", e5m2, e4m3, f32, 128, 64, 8192},
+      {"e4m3_e4m3_k4096_bf16", e4m3, e4m3, bf16, 64, 128, 4096},
       // M not a multiple of 4: the byte-wise transpose for the TN copy of a.
       {"e4m3_m130", e4m3, e4m3, bf16, 130, 40, 48, true, bf16},
       // FP8 with K % 16 != 0 (and odd M, N): no FP8 kernel, exact f32 route.
