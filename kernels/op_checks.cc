@@ -1,6 +1,7 @@
 #include "kernels/op_checks.h"
 
 #include <cmath>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -391,6 +392,28 @@ absl::Status CheckKeptQuantization(const Fp8Output& fp8, const Ops::KeptQuantiza
   RETURN_IF_ERROR(RequireScalarF32(op, "fp8.amax", &fp8.amax));
   RETURN_IF_ERROR(RequireScalarF32(op, "kept.scale", &kept.scale));
   return RequireScalarF32(op, "kept.amax", &kept.amax);
+}
+
+absl::Status CheckQuantizeTransposeKeptManyArgs(const std::vector<Ops::KeptQuantizeItem>& items) {
+  std::set<const void*> written;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Ops::KeptQuantizeItem& item = items[i];
+    Tensor y = item.y, y_t = item.y_t;
+    absl::Status status = CheckQuantizeTransposeArgs(item.x, item.fp8, &y, &y_t);
+    if (status.ok()) status = CheckKeptQuantization(item.fp8, item.kept);
+    for (const Tensor* t : {&item.y, &item.y_t, &item.fp8.amax, &item.fp8.scale_inv,
+                            &item.kept.scale, &item.kept.amax}) {
+      if (!status.ok()) break;
+      if (t->defined() && !written.insert(t->data()).second) {
+        status = absl::InvalidArgumentError(
+            "QuantizeTransposeKeptMany: an output or record shared with an earlier item");
+      }
+    }
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("items[", i, "]: ", status.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckFakeQuantizeBlockScaledArgs(BlockFormat format, const Tensor& x,

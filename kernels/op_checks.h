@@ -97,6 +97,10 @@ absl::Status CheckScaleFromAmaxArgs(const Tensor& amax, float fp8_max, float eps
                                     const Tensor* scale, const Tensor* scale_inv);
 // Ops::KeptQuantization: scale and amax [1] f32.
 absl::Status CheckKeptQuantization(const Fp8Output& fp8, const Ops::KeptQuantization& kept);
+// Each item as QuantizeTransposeKept checks it; no item's y, y_t, amax,
+// scale_inv or record shared with another item (INVALID_ARGUMENT naming the
+// item otherwise).
+absl::Status CheckQuantizeTransposeKeptManyArgs(const std::vector<Ops::KeptQuantizeItem>& items);
 // scale_inv may be null (Ops::DelayedScalingUpdates writes none).
 absl::Status CheckDelayedScalingArgs(const DelayedScalingArgs& args, const Tensor* amax_history,
                                      const Tensor* scale, const Tensor* scale_inv);

@@ -195,6 +195,15 @@ absl::Status Ops::QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
   return Copy(fp8.amax, &kept_amax_out);
 }
 
+absl::Status Ops::QuantizeTransposeKeptMany(const std::vector<KeptQuantizeItem>& items) {
+  RETURN_IF_ERROR(CheckQuantizeTransposeKeptManyArgs(items));
+  for (const KeptQuantizeItem& item : items) {
+    Tensor y = item.y, y_t = item.y_t;
+    RETURN_IF_ERROR(QuantizeTransposeKept(item.x, item.fp8, item.kept, &y, &y_t));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Ops::ActivationForwardTransposed(const std::vector<Activation>& acts,
                                               const Tensor& x, const Fp8Output& fp8, Tensor* y,
                                               Tensor* y_t) {

@@ -775,6 +775,21 @@ class Ops {
   virtual absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
                                              const KeptQuantization& kept, Tensor* y,
                                              Tensor* y_t);
+  // QuantizeTransposeKept of each item, with the results of that many calls
+  // (no item's outputs or record may be another's tensors or inputs): what a
+  // forward does for every kept weight copy it will read, at its start. Every
+  // item is checked before any moves. The default calls QuantizeTransposeKept
+  // per item; the CUDA backend checks and, where the scale moved, quantizes
+  // the items in one launch per (x dtype, y dtype) and 40 items: a step's
+  // weight checks each took a launch of blocks that left at once.
+  struct KeptQuantizeItem {
+    Tensor x;
+    Fp8Output fp8;
+    KeptQuantization kept;
+    Tensor y;
+    Tensor y_t;
+  };
+  virtual absl::Status QuantizeTransposeKeptMany(const std::vector<KeptQuantizeItem>& items);
   virtual absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) = 0;
   // amax [1] f32 = max |x|.
   virtual absl::Status Amax(const Tensor& x, Tensor* amax) = 0;

@@ -140,6 +140,73 @@ TEST(CpuQuantizeTest, AnUnrecordedAmaxChangesNoCodeOrScaleInv) {
   EXPECT_NE(s.message().find("fp8.amax"), std::string::npos) << s;
 }
 
+// QuantizeTransposeKeptMany: each item as its own QuantizeTransposeKept
+// gives it (a copy whose kept scale is the quantizer's left as it is, the
+// others quantized and recorded); a bad item or an output two items share
+// is refused, naming the item, before any item moves.
+TEST(CpuQuantizeTransposeKeptManyTest, EachItemAsItsOwnCall) {
+  CpuOps ops;
+  const std::vector<std::tuple<Shape, DType, float, float>> cases = {
+      // shape, x dtype, scale, kept scale (NaN: never made; equal: current)
+      {{6, 10}, DType::kF32, 8.0f, NAN},
+      {{12, 4}, DType::kBF16, 2.0f, 2.0f},
+      {{8, 8}, DType::kF32, 0.5f, 4.0f}};
+  auto make = [&](int seed) {
+    std::vector<Ops::KeptQuantizeItem> items;
+    for (const auto& [shape, dtype, scale, kept_scale] : cases) {
+      Ops::KeptQuantizeItem item;
+      item.x = MakeRandom(ops, dtype, shape, seed++, -3.0f, 3.0f);
+      item.fp8 = Fp8Output{Scalar(ops, scale), Scalar(ops, -1.0f), Scalar(ops, -1.0f)};
+      item.kept = Ops::KeptQuantization{Scalar(ops, kept_scale), Scalar(ops, 1.25f)};
+      item.y = MakeRandom(ops, DType::kE4M3, shape, seed++);
+      item.y_t = MakeRandom(ops, DType::kE4M3, {shape[1], shape[0]}, seed++);
+      items.push_back(std::move(item));
+    }
+    return items;
+  };
+  const std::vector<Ops::KeptQuantizeItem> many = make(3), single = make(3);
+  ASSERT_TRUE(ops.QuantizeTransposeKeptMany(many).ok());
+  for (const Ops::KeptQuantizeItem& item : single) {
+    Tensor y = item.y, y_t = item.y_t;
+    ASSERT_TRUE(ops.QuantizeTransposeKept(item.x, item.fp8, item.kept, &y, &y_t).ok());
+  }
+  for (size_t i = 0; i < many.size(); ++i) {
+    SCOPED_TRACE(i);
+    const auto& a = many[i];
+    const auto& b = single[i];
+    EXPECT_EQ(0, std::memcmp(a.y.data(), b.y.data(), a.y.nbytes()));
+    EXPECT_EQ(0, std::memcmp(a.y_t.data(), b.y_t.data(), a.y_t.nbytes()));
+    for (const auto& [got, want] : {std::pair{a.fp8.amax, b.fp8.amax},
+                                    {a.fp8.scale_inv, b.fp8.scale_inv},
+                                    {a.kept.scale, b.kept.scale},
+                                    {a.kept.amax, b.kept.amax}}) {
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float)));
+    }
+  }
+  // The current copy kept its amax record and its old codes; the others moved.
+  EXPECT_EQ(ScalarValue(many[1].fp8.amax), 1.25f);
+  EXPECT_EQ(ScalarValue(many[0].kept.scale), 8.0f);
+  EXPECT_EQ(ScalarValue(many[2].kept.scale), 0.5f);
+  EXPECT_GT(ScalarValue(many[2].fp8.amax), 0.0f);
+  EXPECT_NE(ScalarValue(many[2].fp8.amax), 1.25f);
+
+  // A shared output or a bad item: refused, nothing moved.
+  std::vector<Ops::KeptQuantizeItem> bad = make(30);
+  const std::vector<double> first_y = ToDoubles(bad[0].y);
+  bad[2].y_t = bad[1].y_t;
+  absl::Status s = ops.QuantizeTransposeKeptMany(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("items[2]"), std::string::npos) << s;
+  EXPECT_EQ(ToDoubles(bad[0].y), first_y);
+  bad = make(30);
+  bad[1].fp8.amax = Tensor();
+  s = ops.QuantizeTransposeKeptMany(bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("items[1]"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("fp8.amax"), std::string::npos) << s;
+  EXPECT_EQ(ToDoubles(bad[0].y), first_y);
+}
+
 // Cast-transpose: y is Quantize's, y_t its transpose; amax and scale_inv as
 // Quantize writes them. Bad shapes name the argument.
 TEST(CpuQuantizeTransposeTest, BothLayoutsAndTheSideOutputs) {

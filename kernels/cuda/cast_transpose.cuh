@@ -185,27 +185,26 @@ __device__ __forceinline__ uint32_t ColumnOfWords(uint32_t w0, uint32_t w1, uint
   return __byte_perm(__byte_perm(w0, w1, pick), __byte_perm(w2, w3, pick), 0x5410);
 }
 
+// The wide kernel's tiles first_tile, + tile_step, ... of x [rows, cols]
+// quantized with scale s into y and y_t (and their column sums where kSums);
+// returns the largest |f(x)| met, as AbsBits. Every thread of the block calls
+// it (it synchronises the block).
 template <typename In, typename Out, typename F, bool kSums>
-__global__ void __launch_bounds__(256)
-    QuantizeTransposeWideKernel(const typename In::Storage* __restrict__ x,
-                                const typename In::Storage* __restrict__ dy,
-                                uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
-                                const float* scale, AmaxOut amax, float* scale_inv,
-                                float* __restrict__ column_partial, int64_t rows, int64_t cols,
-                                float* kept_scale, float* kept_amax, F f = F()) {
+__device__ __forceinline__ unsigned QuantizeWideTiles(
+    const typename In::Storage* __restrict__ x, const typename In::Storage* __restrict__ dy,
+    uint8_t* __restrict__ y, uint8_t* __restrict__ y_t, float s,
+    float* __restrict__ column_partial, int64_t rows, int64_t cols, int64_t first_tile,
+    int64_t tile_step, const F& f) {
   using InPack = Pack<typename In::Storage, 8>;
   constexpr bool kGrad = TakesGradient<F>::value;
   constexpr int kPitch = kWideTileRows + 4;
   __shared__ __align__(16) uint8_t codes[kWideTileCols][kPitch];
   __shared__ float tile_column_sums[kSums ? 32 : 1][kWideTileCols + 1];
-  __shared__ unsigned scratch[32];
-  const float s = *scale;
-  if (QuantizationKept(s, amax, kept_scale, kept_amax)) return;
   const int lx = threadIdx.x % 8, ly = threadIdx.x / 8;
   const int64_t col_tiles = cols / kWideTileCols;
   const int64_t tiles = col_tiles * (rows / kWideTileRows);
   unsigned local = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (int64_t t = first_tile; t < tiles; t += tile_step) {
     const int64_t tile_row = t / col_tiles;
     const int64_t row0 = tile_row * kWideTileRows;
     const int64_t col0 = (t - tile_row * col_tiles) * kWideTileCols;
@@ -265,6 +264,22 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();  // the next tile overwrites both shared arrays
   }
+  return local;
+}
+
+template <typename In, typename Out, typename F, bool kSums>
+__global__ void __launch_bounds__(256)
+    QuantizeTransposeWideKernel(const typename In::Storage* __restrict__ x,
+                                const typename In::Storage* __restrict__ dy,
+                                uint8_t* __restrict__ y, uint8_t* __restrict__ y_t,
+                                const float* scale, AmaxOut amax, float* scale_inv,
+                                float* __restrict__ column_partial, int64_t rows, int64_t cols,
+                                float* kept_scale, float* kept_amax, F f = F()) {
+  __shared__ unsigned scratch[32];
+  const float s = *scale;
+  if (QuantizationKept(s, amax, kept_scale, kept_amax)) return;
+  const unsigned local = QuantizeWideTiles<In, Out, F, kSums>(
+      x, dy, y, y_t, s, column_partial, rows, cols, blockIdx.x, gridDim.x, f);
   FinishQuantization(local, scratch, amax, s, scale_inv, kept_scale, kept_amax);
 }
 

@@ -76,12 +76,15 @@ absl::StatusOr<bool> StageUpload(StagedUploads& uploads, const void* src, void* 
 //   - bits, blocks_done: FP8 amaxes (common.cuh's AmaxOut, FoldAmax);
 //   - groups_done: kernels whose result is summed per group of blocks (the
 //     relative bias table's gradient per head: relative_bias_grad.cu) count
-//     the blocks of each group here, the group's last block summing it.
+//     the blocks of each group here, the group's last block summing it;
+//   - group_bits: FP8 amaxes per group, for kernels that quantize several
+//     tensors, a group of blocks each (fp8_kept_many.cu).
 inline constexpr int kFoldGroups = 128;
 struct GridFoldSlot {
   unsigned bits;         // the maxima folded so far, as AbsBits
   unsigned blocks_done;  // blocks of the running kernel that have folded
   unsigned groups_done[kFoldGroups];  // blocks of each group that are done
+  unsigned group_bits[kFoldGroups];   // each group's maxima so far, as AbsBits
 };
 
 // Where a kernel folds an FP8 output's amax (common.cuh's FoldAmax): `amax`
@@ -226,6 +229,8 @@ class CudaOps : public Ops {
   absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
                                      const KeptQuantization& kept, Tensor* y,
                                      Tensor* y_t) override;
+  // fp8_kept_many.cu
+  absl::Status QuantizeTransposeKeptMany(const std::vector<KeptQuantizeItem>& items) override;
   absl::Status Dequantize(const Tensor& x, const Tensor& scale_inv, Tensor* y) override;
   absl::Status Amax(const Tensor& x, Tensor* amax) override;
   absl::Status ScaleFromAmax(const Tensor& amax, float fp8_max, float margin, float epsilon,

@@ -1,7 +1,7 @@
 // The ops that keep an FP8 step's launches few (kernels/ops.h), against the
 // CPU reference on random data: DelayedScalingUpdates (a step's scaling
-// updates in one launch), QuantizeTransposeKept (FP8 weight copies kept
-// across steps), ActivationForwardTransposed (the activation's FP8 output
+// updates in one launch), QuantizeTransposeKept and QuantizeTransposeKeptMany
+// (FP8 weight copies kept across steps), ActivationForwardTransposed (the activation's FP8 output
 // in both layouts) and RotaryQkQuantizeTranspose (a packed qkv's gradient,
 // rotated and quantized in one pass); and every FP8 output with its amax
 // left unrecorded.
@@ -149,6 +149,82 @@ TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptSkipsOnlyAnUnchangedScale) {
     ExpectScalarMatches(kept_scale, "kept.scale after the scale moved");
     ExpectScalarMatches(amax, "amax after the scale moved");
     ExpectScalarMatches(kept_amax, "kept.amax after the scale moved");
+  }
+}
+
+// A forward's weight checks in one QuantizeTransposeKeptMany: 90 items
+// (more than one launch's 40 of one dtype pair), float32 and bf16 weights
+// into E4M3 and E5M2, wide tiles (several blocks an item, past the grid's
+// share of some) and shapes only the 64 x 64 kernel takes (checked one by
+// one); copies never made (NaN), current (their codes poisoned: left as
+// they are, the kept amax copied out) and made with another scale. Every
+// output and record as the CPU's per-item calls leave them; then again, all
+// current, which changes no code.
+TEST_F(Fp8StepOpsTest, QuantizeTransposeKeptManyMatchesOneByOne) {
+  struct Item {
+    Pair x, y, y_t, scale, amax, scale_inv, kept_scale, kept_amax;
+    bool current;
+  };
+  std::vector<Item> items;
+  for (int i = 0; i < 90; ++i) {
+    const DType in = i % 3 == 0 ? DType::kBF16 : DType::kF32;
+    const DType out = i % 4 == 1 ? DType::kE5M2 : DType::kE4M3;
+    const int64_t rows = i % 9 == 4 ? 192 : 128 * (1 + i % 5);  // 192: ragged
+    const int64_t cols = 64 * (1 + i % 7) + (i % 11 == 3 ? 4 : 0);
+    const int state = i % 3;  // 0: never made, 1: current, 2: another scale
+    const float scale = 0.5f + static_cast<float>(i % 6);
+    Item item;
+    item.x = Random(in, {rows, cols}, 300 + i, -4.0f, 4.0f);
+    item.y = Random(DType::kE4M3, {rows, cols}, 500 + i);
+    item.y_t = Random(DType::kE4M3, {cols, rows}, 700 + i);
+    if (out == DType::kE5M2) {
+      item.y = Random(DType::kE5M2, {rows, cols}, 500 + i);
+      item.y_t = Random(DType::kE5M2, {cols, rows}, 700 + i);
+    }
+    item.scale = FromValues(DType::kF32, {1}, {scale});
+    item.amax = FromValues(DType::kF32, {1}, {-1.0f});
+    item.scale_inv = FromValues(DType::kF32, {1}, {-1.0f});
+    item.kept_scale =
+        FromValues(DType::kF32, {1}, {state == 0 ? NAN : state == 1 ? scale : scale * 2.0f});
+    item.kept_amax = FromValues(DType::kF32, {1}, {0.75f + i});
+    item.current = state == 1;
+    items.push_back(std::move(item));
+  }
+  auto batch = [&](bool gpu) {
+    std::vector<Ops::KeptQuantizeItem> out;
+    for (Item& item : items) {
+      auto side = [&](Pair& p) { return gpu ? p.gpu : p.cpu; };
+      out.push_back({side(item.x),
+                     Fp8Output{side(item.scale), side(item.amax), side(item.scale_inv)},
+                     Ops::KeptQuantization{side(item.kept_scale), side(item.kept_amax)},
+                     side(item.y), side(item.y_t)});
+    }
+    return out;
+  };
+  std::vector<Tensor> poisoned;
+  for (const Item& item : items) poisoned.push_back(Fetch(item.y.gpu));
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "mixed states" : "all current");
+    ASSERT_TRUE(cpu_->QuantizeTransposeKeptMany(batch(false)).ok());
+    const absl::Status s = gpu_->QuantizeTransposeKeptMany(batch(true));
+    ASSERT_TRUE(s.ok()) << s;
+    for (size_t i = 0; i < items.size(); ++i) {
+      SCOPED_TRACE("item " + std::to_string(i));
+      Item& item = items[i];
+      ExpectMatches(item.y, "y");
+      ExpectMatches(item.y_t, "y_t");
+      ExpectScalarMatches(item.amax, "amax");
+      ExpectScalarMatches(item.scale_inv, "scale_inv");
+      ExpectScalarMatches(item.kept_scale, "kept.scale");
+      ExpectScalarMatches(item.kept_amax, "kept.amax");
+      const Tensor y = Fetch(item.y.gpu);
+      const bool untouched = std::memcmp(y.data(), poisoned[i].data(), y.nbytes()) == 0;
+      EXPECT_EQ(untouched, round == 0 ? item.current : true);
+      if (round == 0 && !item.current) {
+        ExpectTransposed(item.y.gpu, item.y_t.gpu, item.x.gpu.dim(0), item.x.gpu.dim(1));
+      }
+      poisoned[i] = y;
+    }
   }
 }
 

@@ -1,5 +1,6 @@
 #include "server/layers/fp8_weight_cache.h"
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <utility>
@@ -52,6 +53,10 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
   const std::string& own_name = set.ScaleName(QuantizerRole::kKernel);
   const std::string scale_name =
       fp8.variables_scope.empty() ? own_name : InLayer(fp8.variables_scope, own_name);
+  const std::string& own_history = set.HistoryName(QuantizerRole::kKernel);
+  entry.history_name =
+      fp8.variables_scope.empty() ? own_history : InLayer(fp8.variables_scope, own_history);
+  entry.used_in_call = call_;
   GemmOperand out = entry.op;
   out.transpose = false;
   // Inference moves no scale and writes no weight: a copy checked in this
@@ -64,13 +69,79 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
   side.scale = vars->at(set.ScaleName(QuantizerRole::kKernel));
   side.amax = vars->at(set.HistoryName(QuantizerRole::kKernel)).Slice0(0, 1);  // history[0]
   side.scale_inv = entry.op.scale_inv;
-  RETURN_IF_ERROR(
-      ops.QuantizeTransposeKept(weight, side, entry.kept, &entry.op.data, &entry.op.data_t));
+  const bool checked = entry.checked_scale != nullptr &&
+                       entry.checked_scale == side.scale.data() &&
+                       entry.checked_amax == side.amax.data();
+  // A check serves one read: a second read of the weight in this call checks again.
+  entry.checked_scale = entry.checked_amax = nullptr;
+  if (!checked) {
+    RETURN_IF_ERROR(
+        ops.QuantizeTransposeKept(weight, side, entry.kept, &entry.op.data, &entry.op.data_t));
+  }
   entry.checked_in_call = call_;
   return out;
 }
 
+absl::Status Fp8WeightCache::CheckBeforeForward(Ops& ops, const Fp8Recipe& fp8,
+                                                const Variables& vars) {
+  ForgetChecks();
+  if (fp8.inference || fp8.kind != Fp8Recipe::Kind::kDelayedScaling) return absl::OkStatus();
+  uint64_t last = 0;
+  for (const auto& [key, entry] : entries_) last = std::max(last, entry.used_in_call);
+  if (last == 0) return absl::OkStatus();
+  // Each copy's scale and amax slot as the layer names them; copies whose
+  // amax slot is another's (one param read in two shapes) are left to their
+  // own Quantize, which records them in the forward's order.
+  struct Found {
+    Entry* entry;
+    Tensor scale;
+    Tensor amax;
+  };
+  std::vector<Found> found;
+  std::map<const void*, int> amax_users;
+  for (auto& [key, entry] : entries_) {
+    if (entry.used_in_call != last) continue;
+    const auto scale = vars.find(entry.scale_name);
+    const auto history = vars.find(entry.history_name);
+    if (scale == vars.end() || history == vars.end()) continue;
+    const Tensor& s = scale->second;
+    const Tensor& h = history->second;
+    if (s.dtype() != DType::kF32 || s.numel() != 1 || h.dtype() != DType::kF32 ||
+        h.rank() != 1 || h.dim(0) < 1) {
+      continue;
+    }
+    found.push_back({&entry, s, h.Slice0(0, 1)});
+    ++amax_users[h.data()];
+  }
+  std::vector<Ops::KeptQuantizeItem> items;
+  std::vector<const Found*> checked;
+  for (const Found& f : found) {
+    if (amax_users[f.amax.data()] != 1) continue;
+    Ops::KeptQuantizeItem item;
+    item.x = f.entry->weight;
+    item.fp8.scale = f.scale;
+    item.fp8.amax = f.amax;
+    item.fp8.scale_inv = f.entry->op.scale_inv;
+    item.kept = f.entry->kept;
+    item.y = f.entry->op.data;
+    item.y_t = f.entry->op.data_t;
+    items.push_back(std::move(item));
+    checked.push_back(&f);
+  }
+  RETURN_IF_ERROR(ops.QuantizeTransposeKeptMany(items));
+  for (const Found* f : checked) {
+    f->entry->checked_scale = f->scale.data();
+    f->entry->checked_amax = f->amax.data();
+  }
+  return absl::OkStatus();
+}
+
+void Fp8WeightCache::ForgetChecks() {
+  for (auto& [key, entry] : entries_) entry.checked_scale = entry.checked_amax = nullptr;
+}
+
 std::map<const void*, OptimizerFp8Copy> Fp8WeightCache::CopiesForUpdate(const Variables& vars) {
+  ForgetChecks();
   std::map<const void*, const Tensor*> params;  // by storage
   for (const auto& [name, t] : vars) {
     if (absl::StartsWith(name, "params/") && t.data() != nullptr) params[t.data()] = &t;

@@ -51,6 +51,19 @@ class Fp8WeightCache {
   // Call is returned as it is: no launch at all.
   absl::StatusOr<GemmOperand> Quantize(Ops& ops, const Fp8Recipe& fp8, const QuantizerSet& set,
                                        const Tensor& weight, Variables* vars);
+  // At a forward's start: every copy the last call read, checked against its
+  // quantizer's scale as the layer's variables `vars` (by the layer's names)
+  // hold it now, in one Ops::QuantizeTransposeKeptMany; the forward's
+  // Quantize of each then launches nothing, as long as it finds the scale
+  // and amax the copy was checked with. Nothing may move the weights, the
+  // scales or the amax histories between this and the forward's Quantize
+  // calls (ForgetChecks where something may). A weight the last call read
+  // and this forward does not still has its amax recorded, as if it were
+  // read: a graph's forward reads the same weights every step. Nothing under
+  // fp8.inference (its checks are one per call already) or other recipes.
+  absl::Status CheckBeforeForward(Ops& ops, const Fp8Recipe& fp8, const Variables& vars);
+  // The step's scaling update or optimizer ran: no copy counts as checked.
+  void ForgetChecks();
   // The weights changed, or may have: every copy goes.
   void Clear() {
     entries_.clear();
@@ -102,7 +115,13 @@ class Fp8WeightCache {
     // name for it (a graph's module names it under its node:
     // Fp8Recipe::variables_scope), as CopiesForUpdate looks it up.
     std::string scale_name;
+    std::string history_name;      // and its amax history's
     uint64_t checked_in_call = 0;  // call_ when it was last checked against that scale
+    uint64_t used_in_call = 0;     // call_ when a Quantize last returned it
+    // CheckBeforeForward checked it against the scale and amax at these
+    // addresses (null: not checked since the last ForgetChecks).
+    const void* checked_scale = nullptr;
+    const void* checked_amax = nullptr;
   };
   // The weight's storage, its 2-D view and the FP8 dtype.
   using Key = std::tuple<const void*, int64_t, int64_t, DType>;

@@ -5,7 +5,9 @@
 // DelayedScaling. After the first step every copy is kept across steps and
 // rewritten by the update: no step makes a copy again (the NaN fill of a new
 // copy's kept scale) and no forward quantizes a weight again (a
-// QuantizeTransposeKept whose kept scale is not the quantizer's). The steps
+// QuantizeTransposeKept whose kept scale is not the quantizer's), and the
+// forward checks every copy at its start in one QuantizeTransposeKeptMany
+// (no check of its own at each read). The steps
 // give, bit for bit, the values and variables of a session whose copies are
 // dropped after every update.
 //
@@ -48,6 +50,8 @@ constexpr int64_t kBatch = 2, kSeq = 4, kHidden = 32, kFfn = 64;
 struct Counts {
   int64_t new_copies = 0;
   int64_t quantized = 0;
+  int64_t checked_at_once = 0;  // QuantizeTransposeKeptMany's items
+  int64_t checked_alone = 0;    // QuantizeTransposeKept calls outside it
 };
 
 class CountingCpuOps : public CpuOps {
@@ -58,9 +62,17 @@ class CountingCpuOps : public CpuOps {
     if (std::isnan(value) && y->dtype() == DType::kF32 && y->numel() == 1) ++counts_->new_copies;
     return CpuOps::Fill(value, y);
   }
+  absl::Status QuantizeTransposeKeptMany(const std::vector<KeptQuantizeItem>& items) override {
+    counts_->checked_at_once += static_cast<int64_t>(items.size());
+    in_many_ = true;
+    const absl::Status s = CpuOps::QuantizeTransposeKeptMany(items);
+    in_many_ = false;
+    return s;
+  }
   absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
                                      const KeptQuantization& kept, Tensor* y,
                                      Tensor* y_t) override {
+    if (!in_many_) ++counts_->checked_alone;
     float kept_scale = 0.0f, scale = 0.0f;
     std::memcpy(&kept_scale, kept.scale.data(), sizeof(float));
     std::memcpy(&scale, fp8.scale.data(), sizeof(float));
@@ -70,6 +82,7 @@ class CountingCpuOps : public CpuOps {
 
  private:
   Counts* counts_;
+  bool in_many_ = false;
 };
 
 // x -> TransformerLayer_0 -> TransformerLayer_1 -> LayerNormMLP_0 -> y, as
@@ -172,6 +185,9 @@ TEST(Fp8KeptCopiesTest, AGraphsCopiesAreKeptAcrossDonatingSteps) {
     // quantized by the forward.
     EXPECT_EQ(kept.counts().new_copies - before.new_copies, 0);
     EXPECT_EQ(kept.counts().quantized - before.quantized, 0);
+    // And checked at the forward's start, all in one QuantizeTransposeKeptMany.
+    EXPECT_EQ(kept.counts().checked_at_once - before.checked_at_once, kKernels);
+    EXPECT_EQ(kept.counts().checked_alone - before.checked_alone, 0);
     if (step > 1) { EXPECT_EQ(kept.bytes_in_use(), held); }
     held = kept.bytes_in_use();
     // The session that drops its copies makes and quantizes them every step.

@@ -108,7 +108,14 @@ absl::StatusOr<std::unique_ptr<Session::StepTransaction>> Session::StepTransacti
 absl::Status Session::StepTransaction::Forward(const layers::LayerInputs& inputs,
                                                layers::LayerOutputs* out,
                                                std::unique_ptr<layers::SavedForward>* saved) {
+  RETURN_IF_ERROR(CheckKeptCopies());
   return read_.graph->Forward(*session_.ops_, &next_.vars, inputs, options_, out, saved);
+}
+
+absl::Status Session::StepTransaction::CheckKeptCopies() {
+  const layers::Fp8Recipe* fp8 = options_.fp8;
+  if (fp8 == nullptr || fp8->weight_cache == nullptr) return absl::OkStatus();
+  return fp8->weight_cache->CheckBeforeForward(*session_.ops_, *fp8, next_.vars);
 }
 
 absl::Status Session::StepTransaction::Backward(const layers::SavedForward& saved,
@@ -127,6 +134,7 @@ absl::Status Session::StepTransaction::Step(const layers::LayerInputs& inputs,
   opts.keep_for_backward = true;
   layers::LayerOutputs out;
   std::unique_ptr<layers::SavedForward> saved;
+  RETURN_IF_ERROR(CheckKeptCopies());
   RETURN_IF_ERROR(layer.Forward(ops, &next_.vars, inputs, opts, &out, &saved));
   if (saved == nullptr) {
     return absl::InternalError(absl::StrCat(layer.type_name(),
@@ -198,6 +206,9 @@ double Session::StepTransaction::TakeStepResult(const float* host, int64_t readb
 }
 
 absl::Status Session::StepTransaction::EndStep(Tensor* non_finite) {
+  if (options_.fp8 != nullptr && options_.fp8->weight_cache != nullptr) {
+    options_.fp8->weight_cache->ForgetChecks();
+  }
   if (!delayed_scaling()) return absl::OkStatus();
   RETURN_IF_ERROR(layers::UpdateFp8Metas(*session_.ops_, *options_.fp8, &next_.vars, non_finite));
   changed_ = true;

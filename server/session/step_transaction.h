@@ -132,6 +132,9 @@ class Session::StepTransaction {
   // StillWanted (unless `unwanted_too`), then the FP8 weight copies kept
   // (contract 4).
   absl::Status Seal(bool unwanted_too = false);
+  // At a forward's start: the kept FP8 weight copies it will read, checked in
+  // one launch (Fp8WeightCache::CheckBeforeForward); EndStep forgets them.
+  absl::Status CheckKeptCopies();
   // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
   absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
 
