@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/kept_check_counting_ops.h"
 #include "server/layers/modules.h"
 #include "server/layers/testing.h"
 
@@ -52,34 +52,10 @@ std::map<std::string, std::vector<float>> RunStep(Ops& ops, const Layer& layer, 
   return got;
 }
 
-// The CPU backend, counting the weight checks the cache issues: those of
-// QuantizeTransposeKeptMany's items, and those made one by one.
-class CheckCountingOps : public CpuOps {
- public:
-  absl::Status QuantizeTransposeKeptMany(const std::vector<KeptQuantizeItem>& items) override {
-    batched += static_cast<int64_t>(items.size());
-    in_many_ = true;
-    const absl::Status s = CpuOps::QuantizeTransposeKeptMany(items);
-    in_many_ = false;
-    return s;
-  }
-  absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
-                                     const KeptQuantization& kept, Tensor* y,
-                                     Tensor* y_t) override {
-    if (!in_many_) ++single;
-    return CpuOps::QuantizeTransposeKept(x, fp8, kept, y, y_t);
-  }
-  int64_t batched = 0;
-  int64_t single = 0;
-
- private:
-  bool in_many_ = false;
-};
-
 class Fp8WeightCacheTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ops_ = std::make_unique<CheckCountingOps>();
+    ops_ = std::make_unique<KeptCheckCountingOps>(&checks_);
     layer_ = MakeMlp();
     fp8_ = testing::DelayedRecipe(4);
     auto vars = testing::InitLayer(*ops_, *layer_, {4, 8, 32}, &fp8_);
@@ -103,8 +79,7 @@ class Fp8WeightCacheTest : public ::testing::Test {
     return copy;
   }
 
-  CheckCountingOps& counting() { return static_cast<CheckCountingOps&>(*ops_); }
-
+  KeptChecks checks_;
   std::unique_ptr<Ops> ops_;
   std::unique_ptr<Layer> layer_;
   Fp8Recipe fp8_, cached_fp8_;
@@ -138,22 +113,22 @@ TEST_F(Fp8WeightCacheTest, ChecksBeforeTheForwardMatchChecksAtEachRead) {
   for (int step = 0; step < 5; ++step) {
     SCOPED_TRACE(step);
     const auto want = RunStep(*ops_, *layer_, &plain_vars_, in_, dy_, fp8_);
-    const int64_t batched = counting().batched, single = counting().single;
+    const int64_t batched = checks_.at_once, single = checks_.alone;
     ASSERT_TRUE(cache_.CheckBeforeForward(*ops_, cached_fp8_, cached_vars_).ok());
     const auto got = RunStep(*ops_, *layer_, &cached_vars_, in_, dy_, cached_fp8_);
     cache_.ForgetChecks();  // the step's scaling update ran
     // The first forward makes the copies; each later one finds them checked.
-    EXPECT_EQ(counting().batched - batched, step == 0 ? 0 : 2);
-    EXPECT_EQ(counting().single - single, step == 0 ? 2 : 0);
+    EXPECT_EQ(checks_.at_once - batched, step == 0 ? 0 : 2);
+    EXPECT_EQ(checks_.alone - single, step == 0 ? 2 : 0);
     ASSERT_EQ(got.size(), want.size());
     for (const auto& [name, values] : want) EXPECT_EQ(got.at(name), values) << name;
   }
   Variables elsewhere = CopyOf(cached_vars_);
   ASSERT_TRUE(cache_.CheckBeforeForward(*ops_, cached_fp8_, elsewhere).ok());
-  const int64_t single = counting().single;
+  const int64_t single = checks_.alone;
   const auto want = RunStep(*ops_, *layer_, &plain_vars_, in_, dy_, fp8_);
   const auto got = RunStep(*ops_, *layer_, &cached_vars_, in_, dy_, cached_fp8_);
-  EXPECT_EQ(counting().single - single, 2);
+  EXPECT_EQ(checks_.alone - single, 2);
   for (const auto& [name, values] : want) EXPECT_EQ(got.at(name), values) << name;
 }
 

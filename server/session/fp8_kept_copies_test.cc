@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/kept_check_counting_ops.h"
 #include "kernels/ops.h"
 #include "server/session/session.h"
 #include "server/session/testing/requests.h"
@@ -50,39 +50,30 @@ constexpr int64_t kBatch = 2, kSeq = 4, kHidden = 32, kFfn = 64;
 struct Counts {
   int64_t new_copies = 0;
   int64_t quantized = 0;
-  int64_t checked_at_once = 0;  // QuantizeTransposeKeptMany's items
-  int64_t checked_alone = 0;    // QuantizeTransposeKept calls outside it
+  KeptChecks checks;
 };
 
-class CountingCpuOps : public CpuOps {
+class CountingCpuOps : public KeptCheckCountingOps {
  public:
-  explicit CountingCpuOps(Counts* counts) : counts_(counts) {}
+  explicit CountingCpuOps(Counts* counts)
+      : KeptCheckCountingOps(&counts->checks), counts_(counts) {}
 
   absl::Status Fill(float value, Tensor* y) override {
     if (std::isnan(value) && y->dtype() == DType::kF32 && y->numel() == 1) ++counts_->new_copies;
     return CpuOps::Fill(value, y);
   }
-  absl::Status QuantizeTransposeKeptMany(const std::vector<KeptQuantizeItem>& items) override {
-    counts_->checked_at_once += static_cast<int64_t>(items.size());
-    in_many_ = true;
-    const absl::Status s = CpuOps::QuantizeTransposeKeptMany(items);
-    in_many_ = false;
-    return s;
-  }
   absl::Status QuantizeTransposeKept(const Tensor& x, const Fp8Output& fp8,
                                      const KeptQuantization& kept, Tensor* y,
                                      Tensor* y_t) override {
-    if (!in_many_) ++counts_->checked_alone;
     float kept_scale = 0.0f, scale = 0.0f;
     std::memcpy(&kept_scale, kept.scale.data(), sizeof(float));
     std::memcpy(&scale, fp8.scale.data(), sizeof(float));
     if (!(kept_scale == scale)) ++counts_->quantized;
-    return CpuOps::QuantizeTransposeKept(x, fp8, kept, y, y_t);
+    return KeptCheckCountingOps::QuantizeTransposeKept(x, fp8, kept, y, y_t);
   }
 
  private:
   Counts* counts_;
-  bool in_many_ = false;
 };
 
 // x -> TransformerLayer_0 -> TransformerLayer_1 -> LayerNormMLP_0 -> y, as
@@ -186,8 +177,8 @@ TEST(Fp8KeptCopiesTest, AGraphsCopiesAreKeptAcrossDonatingSteps) {
     EXPECT_EQ(kept.counts().new_copies - before.new_copies, 0);
     EXPECT_EQ(kept.counts().quantized - before.quantized, 0);
     // And checked at the forward's start, all in one QuantizeTransposeKeptMany.
-    EXPECT_EQ(kept.counts().checked_at_once - before.checked_at_once, kKernels);
-    EXPECT_EQ(kept.counts().checked_alone - before.checked_alone, 0);
+    EXPECT_EQ(kept.counts().checks.at_once - before.checks.at_once, kKernels);
+    EXPECT_EQ(kept.counts().checks.alone - before.checks.alone, 0);
     if (step > 1) { EXPECT_EQ(kept.bytes_in_use(), held); }
     held = kept.bytes_in_use();
     // The session that drops its copies makes and quantizes them every step.
