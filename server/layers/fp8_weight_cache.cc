@@ -181,6 +181,7 @@ const GemmOperand* Fp8WeightCache::Find(const Tensor& weight, DType dtype) const
 }
 
 Fp8WeightCache::Call::~Call() {
+  cache_->ForgetChecks();
   if (!committed_) {
     for (const Key& key : cache_->pending_) cache_->entries_.erase(key);
   }

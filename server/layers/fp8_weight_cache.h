@@ -62,7 +62,8 @@ class Fp8WeightCache {
   // read: a graph's forward reads the same weights every step. Nothing under
   // fp8.inference (its checks are one per call already) or other recipes.
   absl::Status CheckBeforeForward(Ops& ops, const Fp8Recipe& fp8, const Variables& vars);
-  // The step's scaling update or optimizer ran: no copy counts as checked.
+  // The step's scaling update or optimizer ran, or the call ended: no copy
+  // counts as checked (a later call's variables may sit at the same addresses).
   void ForgetChecks();
   // The weights changed, or may have: every copy goes.
   void Clear() {
@@ -92,6 +93,7 @@ class Fp8WeightCache {
    public:
     explicit Call(Fp8WeightCache* cache) : cache_(cache) {
       cache_->pending_.clear();
+      cache_->ForgetChecks();
       ++cache_->call_;
     }
     ~Call();

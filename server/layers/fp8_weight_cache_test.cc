@@ -132,6 +132,25 @@ TEST_F(Fp8WeightCacheTest, ChecksBeforeTheForwardMatchChecksAtEachRead) {
   for (const auto& [name, values] : want) EXPECT_EQ(got.at(name), values) << name;
 }
 
+// Checks serve the call that made them: a call that ends (failed here,
+// before its forward) leaves none for the next, whose forward checks each
+// weight itself although its variables sit at the same addresses.
+TEST_F(Fp8WeightCacheTest, ChecksEndWithTheirCall) {
+  {
+    Fp8WeightCache::Call call(&cache_);
+    RunStep(*ops_, *layer_, &cached_vars_, in_, dy_, cached_fp8_);
+    call.Commit();
+  }
+  {
+    Fp8WeightCache::Call call(&cache_);
+    ASSERT_TRUE(cache_.CheckBeforeForward(*ops_, cached_fp8_, cached_vars_).ok());
+  }
+  const int64_t single = checks_.alone;
+  Fp8WeightCache::Call call(&cache_);
+  RunStep(*ops_, *layer_, &cached_vars_, in_, dy_, cached_fp8_);
+  EXPECT_EQ(checks_.alone - single, 2);
+}
+
 // A weight written in place (as an optimizer update writes it) needs Clear:
 // without it the stale copy is used, which this test shows the cache really
 // serves; with it, the step matches again.
