@@ -260,6 +260,19 @@ __device__ __forceinline__ unsigned long long BlockMaxU64(unsigned long long v,
   return WarpMaxU64(v);
 }
 
+// The fold itself, over `blocks` blocks meeting at `bits` and `done` (zero at
+// rest, left at zero): true in the last block, after it wrote their amax.
+__device__ __forceinline__ bool FoldBlockBits(unsigned* bits, unsigned* done, unsigned blocks,
+                                              unsigned block_bits, float* amax) {
+  atomicMax(bits, block_bits);
+  __threadfence();  // this block's max lands before its count
+  if (atomicAdd(done, 1u) != blocks - 1) return false;
+  __threadfence();  // every block's max is in: read it after the count
+  *amax = __uint_as_float(atomicExch(bits, 0u));
+  *done = 0;  // the next launch on this stream sees it
+  return true;
+}
+
 // Folds a block's amax into an AmaxOut (cuda_ops.h): the blocks combine their
 // maxima in the stream's slot and the last block to finish writes the grid's
 // into *amax and leaves the slot at zero again, so no memset of the amax
@@ -269,14 +282,8 @@ __device__ __forceinline__ unsigned long long BlockMaxU64(unsigned long long v,
 // grid's amax (false everywhere when the amax is not recorded).
 __device__ __forceinline__ bool FoldAmax(const AmaxOut& out, unsigned block_bits) {
   if (out.amax == nullptr) return false;
-  atomicMax(&out.slot->bits, block_bits);
-  __threadfence();  // this block's max lands before its count
-  const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
-  if (atomicAdd(&out.slot->blocks_done, 1u) != blocks - 1) return false;
-  __threadfence();  // every block's max is in: read it after the count
-  *out.amax = __uint_as_float(atomicExch(&out.slot->bits, 0u));
-  out.slot->blocks_done = 0;  // the next launch on this stream sees it
-  return true;
+  return FoldBlockBits(&out.slot->bits, &out.slot->blocks_done,
+                       gridDim.x * gridDim.y * gridDim.z, block_bits, out.amax);
 }
 
 // ---- column sums of partial rows -------------------------------------------------

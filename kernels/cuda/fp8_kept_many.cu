@@ -63,15 +63,12 @@ __global__ void __launch_bounds__(256)
   local = BlockMaxBits(local, scratch);
   if (threadIdx.x != 0) return;
   if (blockIdx.x == 0) *item.scale_inv = 1.0f / s;
-  atomicMax(&slot->group_bits[i], local);
-  __threadfence();  // this block's max lands before its count
-  if (atomicAdd(&slot->groups_done[i], 1u) != gridDim.x - 1) return;
-  __threadfence();  // every block of the item has folded (and read the kept scale)
-  const float amax = __uint_as_float(atomicExch(&slot->group_bits[i], 0u));
-  slot->groups_done[i] = 0;  // the next launch on this stream sees both at zero
-  *item.amax = amax;
+  // The item's last block: every block of the item has read the kept scale.
+  if (!FoldBlockBits(&slot->group_bits[i], &slot->groups_done[i], gridDim.x, local, item.amax)) {
+    return;
+  }
   *item.kept_scale = s;
-  *item.kept_amax = amax;
+  *item.kept_amax = *item.amax;
 }
 
 // Whether an item takes the kernel: whole wide tiles, and a size its int32
