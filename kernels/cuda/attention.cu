@@ -419,22 +419,15 @@ absl::Status RelativeOnCudnn(CudaOps* ops, const AttentionArgs& args,
       reinterpret_cast<uintptr_t>(dout.data()) % 16 != 0) {
     return absl::UnimplementedError("out or dout not 16-byte aligned");
   }
-  // The band kernel reads what cuDNN's backward reads and writes only dtable:
-  // on the side stream it runs beside cuDNN's kernels, in the SMs' room they
-  // leave, rather than after them. Forked before cuDNN's launches (so the
-  // side does not wait for them) and launched after them (a cuDNN refusal
-  // leaves nothing written).
-  ASSIGN_OR_RETURN(cudaStream_t side, ops->ForkSide());
-  const absl::Status cudnn = CudnnAttentionBackward(ops, args, shape, qkv, out, dout,
-                                                    softmax_lse, grads, /*dbias=*/nullptr);
-  absl::Status band = cudnn;
-  Tensor band_partial;  // the band kernel's memory: held past the join
-  if (cudnn.ok()) {
-    band = RelativeBandTableGrad(ops, side, args, shape, qkv, out, dout, softmax_lse, relative,
-                                 dtable, &band_partial);
-  }
-  RETURN_IF_ERROR(ops->JoinSide());
-  RETURN_IF_ERROR(band);
+  // The band kernel follows cuDNN's backward on the op's stream: beside it on
+  // a second stream it overlapped less than a third of its time, and the
+  // 24 x 1024 FP8 LM's step measured 0.15-0.2 ms faster without the
+  // stream's fork and join (bench/results/2026-12-07-h100-band-main-stream).
+  // After cuDNN's launches, so a cuDNN refusal leaves nothing written.
+  RETURN_IF_ERROR(CudnnAttentionBackward(ops, args, shape, qkv, out, dout, softmax_lse, grads,
+                                         /*dbias=*/nullptr));
+  RETURN_IF_ERROR(
+      RelativeBandTableGrad(ops, args, shape, qkv, out, dout, softmax_lse, relative, dtable));
   relative_band_calls.fetch_add(1);
   return absl::OkStatus();
 }

@@ -197,17 +197,13 @@ absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape
                                  const QkvMemory& qkv, const RelativeBuckets& relative);
 // dtable f32 [H, NB] (ops.h's AttentionBackwardRelative) from the forward's
 // q, k, v (qkv), out, softmax_lse, the output gradient and args.bias (the
-// dense relative bias, read at each distance); enqueued on `stream`: ops'
-// own, or its side stream (CudaOps::ForkSide). `partial` receives the
-// kernel's per-block sums, allocated here on ops' stream: the caller keeps
-// it until the work on `stream` is ordered back on ops' stream (JoinSide),
-// so no other stream takes its memory while the kernel still writes it.
-// The caller has checked RelativeBandApplies.
-absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const AttentionArgs& args,
+// dense relative bias, read at each distance), enqueued on ops' stream. The
+// caller has checked RelativeBandApplies.
+absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
                                    const AttentionShape& s, const QkvMemory& qkv,
                                    const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
-                                   Tensor* dtable, Tensor* partial);
+                                   Tensor* dtable);
 
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and

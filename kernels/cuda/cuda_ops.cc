@@ -68,12 +68,6 @@ CudaOps::~CudaOps() {
   // the wait, this stream's freed blocks are idle for every other stream.
   (void)cudaSetDevice(context_->ordinal);
   (void)cudaStreamSynchronize(stream_.get());
-  if (side_stream_ != nullptr) {
-    (void)cudaStreamSynchronize(side_stream_);
-    (void)cudaStreamDestroy(side_stream_);
-    (void)cudaEventDestroy(fork_event_);
-    (void)cudaEventDestroy(join_event_);
-  }
   workspace_.reset();
   context_->fold_slots->Give(fold_slot_);
   gemm_plans_.reset();
@@ -91,33 +85,6 @@ absl::Status CudaOps::Enter() const {
                        "restarts"));
   }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(context_->ordinal));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<cudaStream_t> CudaOps::ForkSide() {
-  if (side_stream_ == nullptr) {
-    cudaStream_t side = nullptr;
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-    cudaEvent_t fork = nullptr, join = nullptr;
-    cudaError_t made = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
-    if (made == cudaSuccess) made = cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
-    if (made != cudaSuccess) {
-      if (fork != nullptr) (void)cudaEventDestroy(fork);
-      (void)cudaStreamDestroy(side);
-      return CudaErrorToStatus(made, "cudaEventCreateWithFlags(side stream)", __FILE__, __LINE__);
-    }
-    side_stream_ = side;
-    fork_event_ = fork;
-    join_event_ = join;
-  }
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_event_, stream_.get()));
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_stream_, fork_event_, 0));
-  return side_stream_;
-}
-
-absl::Status CudaOps::JoinSide() {
-  CUDA_RETURN_IF_ERROR(cudaEventRecord(join_event_, side_stream_));
-  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_.get(), join_event_, 0));
   return absl::OkStatus();
 }
 

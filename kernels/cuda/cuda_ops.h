@@ -370,14 +370,6 @@ class CudaOps : public Ops {
   // Allocate, so it counts in bytes_in_use() and a growth past the memory
   // limit is RESOURCE_EXHAUSTED; ops size their requests with workspace.h.
   absl::StatusOr<void*> Workspace(size_t bytes);
-  // A second stream for work that may overlap this stream's inside one op
-  // (the relative bias table's gradient beside cuDNN's attention backward):
-  // ForkSide returns it, waiting for everything queued here so far; JoinSide
-  // makes this stream wait for everything queued there, so the op's inputs,
-  // outputs and temporaries keep this stream's order. The stream and its two
-  // events are created on the first fork and kept.
-  absl::StatusOr<cudaStream_t> ForkSide();
-  absl::Status JoinSide();
   size_t workspace_bytes() const { return workspace_bytes_; }
   int64_t scratch_bytes() const override { return static_cast<int64_t>(workspace_bytes_); }
   absl::Status ShrinkScratch(int64_t bytes) override;
@@ -402,8 +394,6 @@ class CudaOps : public Ops {
   std::shared_ptr<CompletionEventPool> completion_events_;  // made on first use
   std::shared_ptr<StagedUploads> staged_uploads_;            // made on first use
   bool capturing_ = false;  // inside CaptureStep
-  cudaStream_t side_stream_ = nullptr;  // ForkSide's, made on the first fork
-  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   std::shared_ptr<GemmPlanCache> gemm_plans_;
   std::shared_ptr<AttentionPlanCache> attention_plans_;
 };

@@ -506,11 +506,11 @@ absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape
   return absl::OkStatus();
 }
 
-absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const AttentionArgs& args,
+absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
                                    const AttentionShape& s, const QkvMemory& qkv,
                                    const Tensor& out, const Tensor& dout,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
-                                   Tensor* dtable, Tensor* partial) {
+                                   Tensor* dtable) {
   BandParams p;
   p.q = qkv.q;
   p.k = qkv.k;
@@ -530,15 +530,17 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, cudaStream_t stream, const Atte
   p.tiles = static_cast<int>((s.q_seq + kBandQueries - 1) / kBandQueries);
   p.scale = args.scale;
   const int batch = static_cast<int>(s.batch);
-  ASSIGN_OR_RETURN(*partial,
+  // Freed at return: the allocator orders its reuse after this stream's work.
+  ASSIGN_OR_RETURN(const Tensor partial,
                    ops->Allocate(DType::kF32, {s.batch * s.q_heads * p.tiles, p.band + 1}));
-  p.partial = partial->data_as<float>();
+  p.partial = partial.data_as<float>();
   p.buckets = relative.buckets.data_as<const int32_t>();
   p.dtable = dtable->data_as<float>();
   p.num_buckets = static_cast<int>(dtable->dim(1));  // [H, NB]
   const bool fold = p.heads <= kFoldGroups;
   p.heads_done = fold ? ops->fold_groups() : nullptr;
   const int head_dim = static_cast<int>(s.head_dim);
+  cudaStream_t stream = ops->stream();
   RETURN_IF_ERROR(qkv.dtype == DType::kBF16
                       ? LaunchBandForHeadDim<__nv_bfloat16>(ops, stream, p, batch, head_dim)
                       : LaunchBandForHeadDim<__half>(ops, stream, p, batch, head_dim));
