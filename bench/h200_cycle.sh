@@ -3,10 +3,10 @@
 # bench/h200_pack.sh put in .gpubundle/ (sent with the device tool's
 # carry: [".gpubundle"]). Each stage writes one file to $OUT, so a call
 # brings its raw output back; a call has 10 minutes, so give it the stages
-# that fit (about: tests 5 min, quickstart 3, lm 6, decode 3, ops 1; on an
-# H100 on 2026-12-07: tests 184-236 s, quickstart 159-205, lm 292 on one machine and more
-# than 354 on another (tests + lm overran a 590 s call there), fp8ratio 239, trace 73-114
-# with three LM variants, trace2048 121-155).
+# that fit (about: tests 5 min, quickstart 3, lm 6, decode 3, ops 1; on H100s on 2026-12-07:
+# tests 179-236 s, quickstart 144-205, lm 281 on one machine and more than 354 on another (tests
+# + lm overran a 590 s call there), fp8ratio 175-239, trace 63-114 with three LM variants,
+# trace2048 96-155).
 #
 #   bash bench/h200_cycle.sh tests quickstart ops   # first call
 #   bash bench/h200_cycle.sh lm decode              # second call
