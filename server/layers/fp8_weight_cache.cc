@@ -48,14 +48,14 @@ absl::StatusOr<GemmOperand> Fp8WeightCache::Quantize(Ops& ops, const Fp8Recipe& 
     pending_.push_back(key);
   }
   Entry& entry = it->second;
-  // The scale by the layer's name, which the update looks up in the layer's
-  // variables (CopiesForUpdate): a graph's module knows it by its own.
-  const std::string& own_name = set.ScaleName(QuantizerRole::kKernel);
-  const std::string scale_name =
-      fp8.variables_scope.empty() ? own_name : InLayer(fp8.variables_scope, own_name);
-  const std::string& own_history = set.HistoryName(QuantizerRole::kKernel);
-  entry.history_name =
-      fp8.variables_scope.empty() ? own_history : InLayer(fp8.variables_scope, own_history);
+  // The scale and amax history by the layer's names, which the update
+  // (CopiesForUpdate) and the forward's batched check (CheckBeforeForward) look
+  // up in the layer's variables: a graph's module knows them by its own.
+  const auto in_layer = [&](const std::string& own) {
+    return fp8.variables_scope.empty() ? own : InLayer(fp8.variables_scope, own);
+  };
+  const std::string scale_name = in_layer(set.ScaleName(QuantizerRole::kKernel));
+  entry.history_name = in_layer(set.HistoryName(QuantizerRole::kKernel));
   entry.used_in_call = call_;
   GemmOperand out = entry.op;
   out.transpose = false;

@@ -112,10 +112,14 @@ absl::Status Session::StepTransaction::Forward(const layers::LayerInputs& inputs
   return read_.graph->Forward(*session_.ops_, &next_.vars, inputs, options_, out, saved);
 }
 
+layers::Fp8WeightCache* Session::StepTransaction::WeightCache() const {
+  return options_.fp8 != nullptr ? options_.fp8->weight_cache : nullptr;
+}
+
 absl::Status Session::StepTransaction::CheckKeptCopies() {
-  const layers::Fp8Recipe* fp8 = options_.fp8;
-  if (fp8 == nullptr || fp8->weight_cache == nullptr) return absl::OkStatus();
-  return fp8->weight_cache->CheckBeforeForward(*session_.ops_, *fp8, next_.vars);
+  layers::Fp8WeightCache* cache = WeightCache();
+  if (cache == nullptr) return absl::OkStatus();
+  return cache->CheckBeforeForward(*session_.ops_, *options_.fp8, next_.vars);
 }
 
 absl::Status Session::StepTransaction::Backward(const layers::SavedForward& saved,
@@ -206,9 +210,7 @@ double Session::StepTransaction::TakeStepResult(const float* host, int64_t readb
 }
 
 absl::Status Session::StepTransaction::EndStep(Tensor* non_finite) {
-  if (options_.fp8 != nullptr && options_.fp8->weight_cache != nullptr) {
-    options_.fp8->weight_cache->ForgetChecks();
-  }
+  if (layers::Fp8WeightCache* cache = WeightCache()) cache->ForgetChecks();
   if (!delayed_scaling()) return absl::OkStatus();
   RETURN_IF_ERROR(layers::UpdateFp8Metas(*session_.ops_, *options_.fp8, &next_.vars, non_finite));
   changed_ = true;

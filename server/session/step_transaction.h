@@ -135,6 +135,8 @@ class Session::StepTransaction {
   // At a forward's start: the kept FP8 weight copies it will read, checked in
   // one launch (Fp8WeightCache::CheckBeforeForward); EndStep forgets them.
   absl::Status CheckKeptCopies();
+  // The FP8 recipe's weight cache; null without FP8.
+  layers::Fp8WeightCache* WeightCache() const;
   // sum(y * dy) into out, a [1, 1] float32 tensor on the device.
   absl::Status VdotOnDevice(const Tensor& y, const Tensor& dy, Tensor* out);
 
