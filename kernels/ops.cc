@@ -375,6 +375,20 @@ absl::Status Ops::AttentionBackwardPacked(const AttentionArgs& args, const Tenso
   return Permute(dfront, {1, 2, 0, 3, 4}, dqkv);
 }
 
+absl::StatusOr<AttentionArgs> WithRelativeBiasMadeForBackward(Ops& ops, const AttentionArgs& args,
+                                                              const Tensor& q, const char* op) {
+  if (!args.relative_bias.defined()) return args;
+  if (args.relative_bias.first_row.defined()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": relative_bias.first_row is a decode step's (forward only)"));
+  }
+  if (q.rank() < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": q (or qkv) has shape ", ShapeString(q.shape())));
+  }
+  return WithRelativeBiasMade(ops, args, q.dim(1), q.dtype());
+}
+
 namespace {
 // The dense dbias a relative backward reduces into dtable.
 absl::StatusOr<Tensor> DenseBiasGrad(Ops& ops, const AttentionArgs& args, const char* op) {
@@ -390,8 +404,10 @@ absl::Status Ops::AttentionBackwardRelative(const AttentionArgs& args, const Ten
                                             const Tensor& dout, const Tensor& softmax_lse,
                                             const RelativeBuckets& relative, Tensor* dq,
                                             Tensor* dk, Tensor* dv, Tensor* dtable) {
-  ASSIGN_OR_RETURN(Tensor dbias, DenseBiasGrad(*this, args, "AttentionBackwardRelative"));
-  RETURN_IF_ERROR(AttentionBackward(args, q, k, v, out, dout, softmax_lse, dq, dk, dv, &dbias));
+  const char* op = "AttentionBackwardRelative";
+  ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMadeForBackward(*this, args, q, op));
+  ASSIGN_OR_RETURN(Tensor dbias, DenseBiasGrad(*this, made, op));
+  RETURN_IF_ERROR(AttentionBackward(made, q, k, v, out, dout, softmax_lse, dq, dk, dv, &dbias));
   return RelativeBiasBackward(dbias, relative.buckets, dtable);
 }
 
@@ -400,8 +416,11 @@ absl::Status Ops::AttentionBackwardPackedRelative(const AttentionArgs& args, con
                                                   const Tensor& softmax_lse,
                                                   const RelativeBuckets& relative, Tensor* dqkv,
                                                   Tensor* dtable) {
-  ASSIGN_OR_RETURN(Tensor dbias, DenseBiasGrad(*this, args, "AttentionBackwardPackedRelative"));
-  RETURN_IF_ERROR(AttentionBackwardPacked(args, qkv, out, dout, softmax_lse, dqkv, &dbias));
+  const char* op = "AttentionBackwardPackedRelative";
+  ASSIGN_OR_RETURN(const AttentionArgs made,
+                   WithRelativeBiasMadeForBackward(*this, args, qkv, op));
+  ASSIGN_OR_RETURN(Tensor dbias, DenseBiasGrad(*this, made, op));
+  RETURN_IF_ERROR(AttentionBackwardPacked(made, qkv, out, dout, softmax_lse, dqkv, &dbias));
   return RelativeBiasBackward(dbias, relative.buckets, dtable);
 }
 
@@ -428,13 +447,13 @@ absl::Status Ops::Where(const WhereArgs&, const Tensor&, const Tensor&, const Te
 }
 absl::Status Ops::Reduce(ReduceOp, const Tensor&, Tensor*) { return NotOnThisBackend(*this, "Reduce"); }
 absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs& args,
-                                                   int64_t q_seq) {
+                                                   int64_t q_seq, DType q_dtype) {
   if (!args.relative_bias.defined()) return args;
   const AttentionArgs::RelativeBiasTable& r = args.relative_bias;
   AttentionArgs made = args;
   made.relative_bias = AttentionArgs::RelativeBiasTable();
-  ASSIGN_OR_RETURN(made.bias,
-                   ops.Allocate(r.table.dtype(), {r.table.dim(0), q_seq, r.buckets.dim(1)}));
+  const DType dtype = q_dtype == DType::kBF16 || q_dtype == DType::kF16 ? q_dtype : DType::kF32;
+  ASSIGN_OR_RETURN(made.bias, ops.Allocate(dtype, {r.table.dim(0), q_seq, r.buckets.dim(1)}));
   RETURN_IF_ERROR(ops.RelativeBiasForward(r.table, r.buckets, r.first_row, &made.bias));
   return made;
 }

@@ -110,14 +110,21 @@ struct AttentionArgs {
   Tensor bias;
   // Optional, instead of `bias`: the T5 relative bias named by its table, the
   // bias RelativeBiasForward(table, buckets, first_row) would make (a decode
-  // step's rows at a position that lives on the device). Forward only. A
-  // backend may look each logit's bias up as it goes (CUDA's one-row decode
-  // kernel) rather than make [H, Sq, Skv]; the others make it
+  // step's rows at a position that lives on the device). The forwards and,
+  // without first_row, the relative backwards (AttentionBackward[Packed]
+  // Relative) take it. A backend may apply each logit's bias by its
+  // distance rather than make [H, Sq, Skv] (CUDA: the one-row decode kernel,
+  // and the far/band split of a causal self-attention,
+  // kernels/cuda/relative_band_split.cu); the others make it
   // (WithRelativeBiasMade) and add it as `bias`.
   struct RelativeBiasTable {
     Tensor table;      // [Hq, NB] (TE's layout), float32 or q's dtype
     Tensor buckets;    // int32 [R, Skv]
     Tensor first_row;  // int32, one element on the device; undefined: 0 (then R == Sq)
+    // As RelativeBuckets::uniform_from (0: not stated): where the buckets
+    // settle, which lets a backend split a causal self-attention into a
+    // bias-free far part and a band of that many diagonals.
+    int64_t uniform_from = 0;
     bool defined() const { return table.defined(); }
   } relative_bias;
   // Optional elementwise mask, true = masked out (TE's convention): bool
@@ -134,10 +141,16 @@ struct AttentionArgs {
 // A query row with no visible key outputs 0.
 
 class Ops;
-// `args` with its relative_bias made into `bias` (RelativeBiasForward, in the
-// table's dtype, [Hq, Sq, Skv]); `args` itself where it has none.
+// `args` with its relative_bias made into `bias` (RelativeBiasForward, [Hq,
+// Sq, Skv], in q's dtype where that is bf16 or f16, as cuDNN adds it and as
+// the band kernels round it, else float32); `args` itself where it has none.
 absl::StatusOr<AttentionArgs> WithRelativeBiasMade(Ops& ops, const AttentionArgs& args,
-                                                   int64_t q_seq);
+                                                   int64_t q_seq, DType q_dtype);
+// The same for a relative backward, Sq from q [B, Sq, ...] (or a packed qkv
+// [B, S, 3, H, D]); INVALID_ARGUMENT naming `op` for a decode step's
+// first_row.
+absl::StatusOr<AttentionArgs> WithRelativeBiasMadeForBackward(Ops& ops, const AttentionArgs& args,
+                                                              const Tensor& q, const char* op);
 
 // A T5 relative-position bias named by its table: the bias an AttentionArgs
 // carries is RelativeBiasForward(table, buckets), and its gradient is wanted
@@ -968,10 +981,13 @@ class Ops {
                                                const Tensor& softmax_lse, Tensor* dqkv,
                                                Tensor* dbias);
   // The same backwards with args.bias a relative-position bias over
-  // `relative`'s buckets, writing dtable f32 [H, NB] (overwritten) where the
-  // above write dbias: RelativeBiasBackward of their dbias. The defaults run
-  // exactly that; the CUDA backend never forms dbias where `uniform_from`
-  // allows (kernels/cuda/relative_bias_grad.cu).
+  // `relative`'s buckets (or args.relative_bias naming it by its table, with
+  // the same buckets and no first_row), writing dtable f32 [H, NB]
+  // (overwritten) where the above write dbias: RelativeBiasBackward of their
+  // dbias. The defaults run exactly that (making the bias first where it is
+  // named by its table); the CUDA backend never forms dbias where
+  // `uniform_from` allows (kernels/cuda/relative_band_split.cu,
+  // relative_bias_grad.cu).
   virtual absl::Status AttentionBackwardRelative(const AttentionArgs& args, const Tensor& q,
                                                  const Tensor& k, const Tensor& v,
                                                  const Tensor& out, const Tensor& dout,
@@ -1242,6 +1258,12 @@ struct CudaDeviceOptions {
   // fault would (cudaErrorLaunchFailure, through kernels/cuda/check.h).
   // Negative: never.
   int64_t fault_after_launches = -1;
+  // TE's relative position bias through the far/band split
+  // (kernels/cuda/relative_band_split.cu: no [heads, S, S] made) where it
+  // applies, else the bias made dense. Off by default until the split's GPU
+  // tests have passed on a GPU (te_server --relative_bias_split).
+  // Process-wide: the last device opened sets it.
+  bool relative_bias_split = false;
 };
 
 absl::StatusOr<std::unique_ptr<Device>> OpenCpuDevice();

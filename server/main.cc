@@ -84,6 +84,10 @@ ABSL_FLAG(int64_t, cuda_memory_bytes, 0,
 ABSL_FLAG(int64_t, cuda_memory_reserve_bytes, int64_t{4} << 30,
           "GPU memory kept outside the sessions' account, for the CUDA context, cuBLASLt and "
           "cuDNN's own allocations and the caching allocator's rounding");
+ABSL_FLAG(bool, relative_bias_split, false,
+          "TE's relative position bias without the dense [heads, S, S] bias: cuDNN's bias-free "
+          "attention on the far keys and the band kernels on the nearest (off until its GPU "
+          "tests have passed on a GPU)");
 ABSL_FLAG(std::string, inject_device_fault, "",
           "TESTING ONLY: cuda:N@LAUNCHES makes kernel launch LAUNCHES+1 on cuda:N fail as a "
           "sticky CUDA fault would (the device goes NOT_SERVING); empty: none");
@@ -183,6 +187,7 @@ absl::StatusOr<std::unique_ptr<service::DevicePool>> OpenDevices() {
   service::DeviceOpenOptions open;
   open.cuda.memory_bytes = absl::GetFlag(FLAGS_cuda_memory_bytes);
   open.cuda.memory_reserve_bytes = absl::GetFlag(FLAGS_cuda_memory_reserve_bytes);
+  open.cuda.relative_bias_split = absl::GetFlag(FLAGS_relative_bias_split);
   ASSIGN_OR_RETURN(open.faults,
                    service::ParseFaultInjections(absl::GetFlag(FLAGS_inject_device_fault)));
   absl::StatusOr<std::unique_ptr<service::DevicePool>> devices =

@@ -154,7 +154,7 @@ absl::Status CpuOps::AttentionForward(const AttentionArgs& args, const Tensor& q
   ASSIGN_OR_RETURN(const AttentionShape shape,
                    CheckAttentionForwardArgs(args, q, k, v, out, softmax_lse));
   if (args.relative_bias.defined()) {
-    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq));
+    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq, q.dtype()));
     return AttentionForward(made, q, k, v, out, softmax_lse);
   }
   const AttentionDims dims(shape);

@@ -38,6 +38,8 @@ namespace {
 std::atomic<int> attention_path{static_cast<int>(AttentionPath::kAuto)};
 std::atomic<int64_t> packed_cudnn_calls{0};
 std::atomic<int64_t> relative_band_calls{0};
+std::atomic<int64_t> relative_split_calls{0};
+std::atomic<bool> relative_split_on{false};
 std::atomic<int64_t> decode_attention_calls{0};
 
 __global__ void WriteDropoutSeedKernel(int64_t* dst, uint64_t seed) {
@@ -216,6 +218,38 @@ bool UseSmallHead(const AttentionProblem& problem) {
          SmallHeadAttentionFits(problem);
 }
 
+// Where the split finds the bias at each distance: args.relative_bias's
+// table, or args.bias made from it.
+BandBias BandBiasOf(const AttentionArgs& args) {
+  BandBias b;
+  const AttentionArgs::RelativeBiasTable& r = args.relative_bias;
+  if (r.defined()) {
+    b.table = r.table.data();
+    b.buckets = r.buckets.data_as<const int32_t>();
+    b.num_buckets = static_cast<int>(r.table.dim(1));
+    b.f32 = r.table.dtype() == DType::kF32;
+  } else {
+    b.dense = args.bias.data();
+    b.f32 = args.bias.dtype() == DType::kF32;
+  }
+  return b;
+}
+
+// A forward's relative bias named by its table through the split where it
+// serves the call; UNIMPLEMENTED (nothing written) where it does not.
+absl::Status SplitForward(CudaOps* ops, const AttentionArgs& args, const AttentionShape& shape,
+                          const QkvMemory& qkv, Tensor* out, Tensor* softmax_lse) {
+  const AttentionArgs::RelativeBiasTable& r = args.relative_bias;
+  if (!RelativeSplitOn()) return absl::UnimplementedError("the split is off");
+  if (r.first_row.defined() || r.uniform_from <= 0) {
+    return absl::UnimplementedError("a decode step's rows, or buckets that do not settle");
+  }
+  RETURN_IF_ERROR(RelativeSplitForward(ops, args, shape, qkv, BandBiasOf(args), r.uniform_from,
+                                       out, softmax_lse));
+  relative_split_calls.fetch_add(1);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status WriteDropoutSeed(int64_t* dst, uint64_t seed, cudaStream_t stream) {
@@ -228,6 +262,9 @@ void SetAttentionPath(AttentionPath path) { attention_path.store(static_cast<int
 AttentionPath GetAttentionPath() { return static_cast<AttentionPath>(attention_path.load()); }
 int64_t CudnnPackedAttentionCalls() { return packed_cudnn_calls.load(); }
 int64_t RelativeBandCalls() { return relative_band_calls.load(); }
+int64_t RelativeSplitCalls() { return relative_split_calls.load(); }
+void SetRelativeSplit(bool on) { relative_split_on.store(on); }
+bool RelativeSplitOn() { return relative_split_on.load(); }
 int64_t DecodeAttentionCalls() { return decode_attention_calls.load(); }
 
 absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& q,
@@ -246,7 +283,13 @@ absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& 
     return DecodeAttentionForward(args, shape, q, k, v, out, softmax_lse, stream());
   }
   if (args.relative_bias.defined()) {
-    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq));
+    if (SameDtype(q, k, v)) {
+      const absl::Status split =
+          SplitForward(this, args, shape, SeparateQkv(shape, q, k, v), out, softmax_lse);
+      if (!absl::IsUnimplemented(split)) return split;
+    }
+    ASSIGN_OR_RETURN(const AttentionArgs made,
+                     WithRelativeBiasMade(*this, args, shape.q_seq, q.dtype()));
     return AttentionForward(made, q, k, v, out, softmax_lse);
   }
   const bool small_head = UseSmallHead(MakeProblem(args, shape, q, k, v));
@@ -338,7 +381,11 @@ absl::Status CudaOps::AttentionForwardPacked(const AttentionArgs& args, const Te
                    CheckAttentionForwardArgs(args, part, part, part, out, softmax_lse));
   if (out->numel() == 0) return absl::OkStatus();
   if (args.relative_bias.defined()) {
-    ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMade(*this, args, shape.q_seq));
+    const absl::Status split = SplitForward(this, args, shape, PackedQkv(qkv), out, softmax_lse);
+    if (split.ok()) packed_cudnn_calls.fetch_add(1);
+    if (!absl::IsUnimplemented(split)) return split;
+    ASSIGN_OR_RETURN(const AttentionArgs made,
+                     WithRelativeBiasMade(*this, args, shape.q_seq, qkv.dtype()));
     return AttentionForwardPacked(made, qkv, out, softmax_lse);
   }
 
@@ -396,6 +443,56 @@ Tensor DenseBiasStandIn(const AttentionArgs& args) {
                 args.bias.shape());
 }
 
+// The argument checks of a relative backward whose bias may be named by its
+// table (args.relative_bias): the forward's checks of the table and buckets,
+// then the backward's with a stand-in of the dense bias's shape (never read).
+absl::StatusOr<AttentionShape> CheckRelativeBackward(const AttentionArgs& args, const Tensor& q,
+                                                     const Tensor& k, const Tensor& v,
+                                                     const Tensor& out, const Tensor& dout,
+                                                     const Tensor& softmax_lse,
+                                                     const RelativeBuckets& relative,
+                                                     const Tensor* dq, const Tensor* dk,
+                                                     const Tensor* dv, const Tensor* dtable) {
+  AttentionArgs dense = args;
+  Tensor standin = DenseBiasStandIn(args);
+  if (args.relative_bias.defined()) {
+    const AttentionArgs::RelativeBiasTable& r = args.relative_bias;
+    ASSIGN_OR_RETURN(const AttentionShape s,
+                     CheckAttentionForwardArgs(args, q, k, v, &out, &softmax_lse));
+    if (r.first_row.defined()) {
+      return absl::InvalidArgumentError(
+          "AttentionBackwardRelative: relative_bias.first_row is a decode step's (forward only)");
+    }
+    if (dtable == nullptr || dtable->rank() != 2 || dtable->dim(1) != r.table.dim(1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "AttentionBackwardRelative: dtable must be [heads, ", r.table.dim(1), "] like the table"));
+    }
+    dense.relative_bias = AttentionArgs::RelativeBiasTable();
+    standin = Tensor(std::shared_ptr<void>(), dtable->data(), DType::kF32,
+                     {s.q_heads, s.q_seq, s.kv_seq});
+    dense.bias = standin;
+  }
+  RETURN_IF_ERROR(CheckRelativeBiasBackwardArgs(standin, relative.buckets, dtable).status());
+  return CheckAttentionBackwardArgs(dense, q, k, v, out, dout, softmax_lse, dq, dk, dv, &standin);
+}
+
+// The split's backward where it serves the call (no dense bias made or
+// read beyond its last row); UNIMPLEMENTED where it does not.
+absl::Status SplitBackward(CudaOps* ops, const AttentionArgs& args, const AttentionShape& shape,
+                           const QkvMemory& qkv, const Tensor& out, const Tensor& dout,
+                           const Tensor& softmax_lse, const RelativeBuckets& relative,
+                           const DqkvMemory& grads, Tensor* dtable) {
+  if (!args.relative_bias.defined() && !args.bias.defined()) {
+    return absl::UnimplementedError("no bias");
+  }
+  if (!RelativeSplitOn()) return absl::UnimplementedError("the split is off");
+  RETURN_IF_ERROR(RelativeSplitBackward(ops, args, shape, qkv, out, dout, softmax_lse,
+                                        BandBiasOf(args), relative, grads, dtable));
+  relative_band_calls.fetch_add(1);
+  relative_split_calls.fetch_add(1);
+  return absl::OkStatus();
+}
+
 // cuDNN's backward reading the relative bias without writing dBias, then the
 // band kernel for the table's gradient; UNIMPLEMENTED (nothing written) when
 // either cannot serve the call.
@@ -441,22 +538,29 @@ absl::Status CudaOps::AttentionBackwardRelative(const AttentionArgs& args, const
                                                 const RelativeBuckets& relative, Tensor* dq,
                                                 Tensor* dk, Tensor* dv, Tensor* dtable) {
   RETURN_IF_ERROR(Enter());
-  const Tensor dense_standin = DenseBiasStandIn(args);
   ASSIGN_OR_RETURN(const AttentionShape shape,
-                   CheckAttentionBackwardArgs(args, q, k, v, out, dout, softmax_lse, dq, dk, dv,
-                                              &dense_standin));
-  if (args.bias.defined() && SameDtype(q, k, v) && SameDtype(*dq, *dk, *dv) &&
-      dq->dtype() == q.dtype()) {
-    DqkvMemory grads;
-    grads.dq = dq->data();
-    grads.dk = dk->data();
-    grads.dv = dv->data();
-    grads.dtype = dq->dtype();
-    const absl::Status band = RelativeOnCudnn(this, args, shape, SeparateQkv(shape, q, k, v), out,
+                   CheckRelativeBackward(args, q, k, v, out, dout, softmax_lse, relative, dq, dk,
+                                         dv, dtable));
+  const bool one_dtype =
+      SameDtype(q, k, v) && SameDtype(*dq, *dk, *dv) && dq->dtype() == q.dtype();
+  DqkvMemory grads;
+  grads.dq = dq->data();
+  grads.dk = dk->data();
+  grads.dv = dv->data();
+  grads.dtype = dq->dtype();
+  if (one_dtype) {
+    const absl::Status split = SplitBackward(this, args, shape, SeparateQkv(shape, q, k, v), out,
+                                             dout, softmax_lse, relative, grads, dtable);
+    if (!absl::IsUnimplemented(split)) return split;
+  }
+  ASSIGN_OR_RETURN(const AttentionArgs made,
+                   WithRelativeBiasMadeForBackward(*this, args, q, "AttentionBackwardRelative"));
+  if (made.bias.defined() && one_dtype) {
+    const absl::Status band = RelativeOnCudnn(this, made, shape, SeparateQkv(shape, q, k, v), out,
                                               dout, softmax_lse, relative, grads, dtable);
     if (!absl::IsUnimplemented(band)) return band;
   }
-  return Ops::AttentionBackwardRelative(args, q, k, v, out, dout, softmax_lse, relative, dq, dk,
+  return Ops::AttentionBackwardRelative(made, q, k, v, out, dout, softmax_lse, relative, dq, dk,
                                         dv, dtable);
 }
 
@@ -470,18 +574,26 @@ absl::Status CudaOps::AttentionBackwardPackedRelative(const AttentionArgs& args,
   const char* op = "AttentionBackwardPackedRelative";
   RETURN_IF_ERROR(CheckPackedQkv(op, "qkv", qkv));
   RETURN_IF_ERROR(CheckPackedQkv(op, "dqkv", *dqkv));
-  if (dqkv->shape() == qkv.shape() && dqkv->dtype() == qkv.dtype() && args.bias.defined()) {
-    const Tensor part = PartStandIn(qkv);
-    const Tensor dense_standin = DenseBiasStandIn(args);
-    ASSIGN_OR_RETURN(const AttentionShape shape,
-                     CheckAttentionBackwardArgs(args, part, part, part, out, dout, softmax_lse,
-                                                &part, &part, &part, &dense_standin));
-    const absl::Status band = RelativeOnCudnn(this, args, shape, PackedQkv(qkv), out, dout,
+  if (dqkv->shape() != qkv.shape() || dqkv->dtype() != qkv.dtype()) {
+    return Ops::AttentionBackwardPackedRelative(args, qkv, out, dout, softmax_lse, relative, dqkv,
+                                                dtable);
+  }
+  const Tensor part = PartStandIn(qkv);
+  ASSIGN_OR_RETURN(const AttentionShape shape,
+                   CheckRelativeBackward(args, part, part, part, out, dout, softmax_lse, relative,
+                                         &part, &part, &part, dtable));
+  const absl::Status split = SplitBackward(this, args, shape, PackedQkv(qkv), out, dout,
+                                           softmax_lse, relative, PackedDqkv(dqkv), dtable);
+  if (split.ok()) packed_cudnn_calls.fetch_add(1);
+  if (!absl::IsUnimplemented(split)) return split;
+  ASSIGN_OR_RETURN(const AttentionArgs made, WithRelativeBiasMadeForBackward(*this, args, qkv, op));
+  if (made.bias.defined()) {
+    const absl::Status band = RelativeOnCudnn(this, made, shape, PackedQkv(qkv), out, dout,
                                               softmax_lse, relative, PackedDqkv(dqkv), dtable);
     if (band.ok()) packed_cudnn_calls.fetch_add(1);
     if (!absl::IsUnimplemented(band)) return band;
   }
-  return Ops::AttentionBackwardPackedRelative(args, qkv, out, dout, softmax_lse, relative, dqkv,
+  return Ops::AttentionBackwardPackedRelative(made, qkv, out, dout, softmax_lse, relative, dqkv,
                                               dtable);
 }
 

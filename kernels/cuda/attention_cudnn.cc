@@ -89,6 +89,13 @@ absl::Status Supported(const CudaOps& ops, const AttentionArgs& args, const Atte
     return absl::UnimplementedError(absl::StrCat("bias with sequence lengths ", s.q_seq, "/",
                                                  s.kv_seq, " (cuDNN's dBias wants multiples of 64)"));
   }
+  // Rows viewed inside longer sequences: the relative bias's bias-free far
+  // part, nothing else (the padding path clears whole rows of B * S).
+  if (qkv.batch_rows > 0 &&
+      (IsPaddingMask(args.mask) || args.bias.defined() || qkv.batch_rows < s.q_seq ||
+       qkv.batch_rows < s.kv_seq)) {
+    return absl::UnimplementedError("rows inside longer sequences with a padding mask or bias");
+  }
   const DType dtype = qkv.dtype;
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::UnimplementedError(absl::StrCat(DTypeName(dtype), " operands (bf16/f16 only)"));
@@ -131,6 +138,7 @@ PlanConfig MakeConfig(bool backward, const AttentionArgs& args, const AttentionS
   c.dtype = qkv.dtype;
   c.q_token_stride = qkv.q_token_stride;
   c.kv_token_stride = qkv.kv_token_stride;
+  c.batch_rows = qkv.batch_rows;
   c.padding = IsPaddingMask(args.mask);
   // Supported() lets through only a bottom-right mask that is top-left.
   c.causal = IsCausalMask(args.mask);

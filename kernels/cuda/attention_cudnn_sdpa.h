@@ -58,6 +58,7 @@ struct PlanConfig {
   DType dtype = DType::kBF16;
   int64_t q_token_stride = 0;  // QkvMemory's
   int64_t kv_token_stride = 0;
+  int64_t batch_rows = 0;  // QkvMemory's
   bool padding = false;
   bool causal = false;
   bool bias = false;
@@ -78,7 +79,7 @@ struct PlanConfig {
     return absl::StrCat(backward ? "bwd" : "fwd", "/", shape.batch, "/", shape.q_seq, "/",
                         shape.kv_seq, "/", shape.q_heads, "/", shape.kv_heads, "/",
                         shape.head_dim, "/", static_cast<int>(dtype), "/", q_token_stride, "/",
-                        kv_token_stride, "/", padding, causal, bias, dbias, heads_outer, "/",
+                        kv_token_stride, "/", batch_rows, "/", padding, causal, bias, dbias, heads_outer, "/",
                         dropout);
   }
 };
@@ -99,14 +100,16 @@ struct Layouts {
         d(c.shape.head_dim),
         q_token(c.q_token_stride),
         kv_token(c.kv_token_stride),
+        q_rows(c.batch_rows > 0 ? c.batch_rows : sq),
+        kv_rows(c.batch_rows > 0 ? c.batch_rows : skv),
         heads_outer(c.heads_outer) {}
   Dims QDims() const { return Outer({b, hq, sq, d}); }
-  Dims QStrides() const { return Outer({sq * q_token, d, q_token, 1}); }  // q, dq
-  Dims OStrides() const { return Outer({sq * hq * d, d, hq * d, 1}); }    // out, dout
+  Dims QStrides() const { return Outer({q_rows * q_token, d, q_token, 1}); }  // q, dq
+  Dims OStrides() const { return Outer({q_rows * hq * d, d, hq * d, 1}); }    // out, dout
   Dims KvDims() const { return Outer({b, hk, skv, d}); }
-  Dims KvStrides() const { return Outer({skv * kv_token, d, kv_token, 1}); }
+  Dims KvStrides() const { return Outer({kv_rows * kv_token, d, kv_token, 1}); }
   Dims KvTDims() const { return Outer({b, hk, d, skv}); }  // K^T, V^T: the same memory
-  Dims KvTStrides() const { return Outer({skv * kv_token, d, 1, kv_token}); }
+  Dims KvTStrides() const { return Outer({kv_rows * kv_token, d, 1, kv_token}); }
   Dims SDims() const { return Outer({b, hq, sq, skv}); }
   Dims SStrides() const { return {SDims()[1] * sq * skv, sq * skv, skv, 1}; }
   Dims STDims() const { return Outer({b, hq, skv, sq}); }
@@ -121,6 +124,7 @@ struct Layouts {
   Dims LenStrides() const { return {1, 1, 1, 1}; }
   int64_t b, hq, hk, sq, skv, d;
   int64_t q_token, kv_token;
+  int64_t q_rows, kv_rows;  // tokens from one batch row to the next
   bool heads_outer;
 
  private:

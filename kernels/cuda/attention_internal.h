@@ -138,6 +138,11 @@ struct QkvMemory {
   DType dtype = DType::kBF16;  // of all three
   int64_t q_token_stride = 0;
   int64_t kv_token_stride = 0;
+  // Tokens from one batch row to the next in q, k, v, out, dout and their
+  // gradients; 0: the call's own lengths (Sq, Skv). Larger where the call
+  // views rows inside longer sequences (the relative bias's far part,
+  // relative_band_split.cu). The softmax statistics stay [B, Hq, Sq].
+  int64_t batch_rows = 0;
 };
 // Where cuDNN writes dq, dk and dv: the same layout (token strides) as the
 // QkvMemory they are the gradients of.
@@ -205,6 +210,46 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
                                    const Tensor& softmax_lse, const RelativeBuckets& relative,
                                    Tensor* dtable);
 
+// The table's gradient from the band's per-block sums, partial [B, H, tiles,
+// W + 1] (the band kernels' fold where the stream's group counters cannot
+// hold every head), enqueued on `stream`.
+absl::Status LaunchRelativeBandTable(const float* partial, const int32_t* buckets, float* dtable,
+                                     int batch, int heads, int tiles, int seq, int band,
+                                     int num_buckets, cudaStream_t stream);
+
+// ---- the relative bias without [H, S, S] (relative_band_split.cu) ---------
+// Where the band kernels find the bias at each distance: the relative table
+// [H, NB] looked up through the last query's buckets [S, S], or a dense bias
+// [H, S, S] made from it, read on its last row; float32 or q's dtype (then
+// rounded to q's dtype, as cuDNN adds it).
+struct BandBias {
+  const void* table = nullptr;
+  const int32_t* buckets = nullptr;
+  int num_buckets = 0;
+  const void* dense = nullptr;
+  bool f32 = false;  // the table's (or the dense bias's) dtype
+};
+// OK when the split serves this call: RelativeBandApplies' cases with `band`
+// as uniform_from, a causal mask without lengths, and for a backward one kv
+// head per query head; UNIMPLEMENTED otherwise.
+absl::Status RelativeSplitApplies(const AttentionArgs& args, const AttentionShape& s,
+                                  const QkvMemory& qkv, int64_t band, bool backward);
+// AttentionForward's out and softmax_lse with the relative bias applied by
+// distance: cuDNN's bias-free far part, then the band kernel merging into
+// it. UNIMPLEMENTED (nothing written) where the split or cuDNN declines.
+absl::Status RelativeSplitForward(CudaOps* ops, const AttentionArgs& args,
+                                  const AttentionShape& s, const QkvMemory& qkv,
+                                  const BandBias& bias, int64_t band, Tensor* out,
+                                  Tensor* softmax_lse);
+// AttentionBackwardRelative's gradients (into `grads`, in qkv's layout) and
+// dtable [H, NB], the same way, with band = relative.uniform_from.
+absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
+                                   const AttentionShape& s, const QkvMemory& qkv,
+                                   const Tensor& out, const Tensor& dout,
+                                   const Tensor& softmax_lse, const BandBias& bias,
+                                   const RelativeBuckets& relative, const DqkvMemory& grads,
+                                   Tensor* dtable);
+
 // ---- test hooks ------------------------------------------------------------
 // Process-wide: kAuto tries cuDNN first; kFallbackOnly skips it (tests, and
 // the server's --attention=unfused): the unfused kernels, small-head where
@@ -224,8 +269,16 @@ int64_t SmallHeadAttentionCalls();
 // to check the backward that draws the dropout bits in both passes). Returns
 // the previous limit.
 int64_t SetSmallHeadDropoutBitsLimit(int64_t bytes);
-// Relative backwards whose table gradient the band kernel formed.
+// Process-wide: whether the far/band split serves a relative bias
+// (CudaDeviceOptions::relative_bias_split; OpenCudaDevice sets it).
+void SetRelativeSplit(bool on);
+bool RelativeSplitOn();
+// Relative backwards whose table gradient the band kernels formed (the
+// dense bias's band kernel or the split).
 int64_t RelativeBandCalls();
+// Of those, and of the forwards with a relative bias, the calls the split
+// served (no [H, S, S] bias made).
+int64_t RelativeSplitCalls();
 // Forwards the decode kernel served.
 int64_t DecodeAttentionCalls();
 // Of the cuDNN calls, the packed ops' calls that cuDNN served on the packed layout

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attention_internal.h"  // SetRelativeSplit
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -112,6 +113,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal,
     return absl::UnavailableError(absl::StrCat("cuda:", ordinal, " unavailable: this host has ",
                                                count, " CUDA device(s)"));
   }
+  cuda::SetRelativeSplit(options.relative_bias_split);
   auto context = std::make_shared<cuda::CudaContext>();
   context->ordinal = ordinal;
   CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal));

@@ -1,13 +1,15 @@
-// The relative-position table's gradient on the GPU (relative_bias_grad.cu:
-// cuDNN's backward reading the bias, the band kernel forming dtable) against
-// the CPU reference's dense path (AttentionBackward's dbias, then
-// RelativeBiasBackward), on random data with TE's causal T5 buckets: packed
-// and separate q, k, v, GQA, head_dim 32 / 64 / 128, bf16 and f16, sequences
-// shorter and longer than the band, the bias in float32 and in the operands'
-// dtype, more heads than the stream's group counters. Each case asserts
-// through the band's call counter whether the band kernel ran; where it must
-// not (a sequence cuDNN declines with a bias), the dense default answers. The
-// band's dtable repeats its bits from run to run.
+// TE's relative-position bias through causal self-attention on the GPU
+// against the CPU reference's dense path (the bias made, AttentionBackward's
+// dbias, then RelativeBiasBackward), on random data with TE's causal T5
+// buckets: the far/band split (relative_band_split.cu: cuDNN's bias-free far
+// part, the band kernels for the rest and for dtable) with the bias named by
+// its table or made dense, and under GQA cuDNN reading the dense bias with
+// the band kernel of relative_bias_grad.cu forming dtable. Packed and
+// separate q, k, v, head_dim 32 / 64 / 128, bf16 and f16, sequences shorter
+// and longer than the band, the bias in float32 and in the operands' dtype,
+// more heads than the stream's group counters. Each case asserts through the
+// call counters which path ran; where none may (a sequence not a multiple of
+// 16), the dense default answers. dtable repeats its bits from run to run.
 //
 // Tolerances as attention_gpu_test's (kernels/cpu/test_util.h's Tolerance:
 // relative error ||gpu - cpu|| / ||cpu||, 1e-2 for bf16, and 2e-3 for f16
@@ -69,12 +71,16 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
+struct Reference;
+struct GpuRun;
+
 class RelativeBandTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     auto device = OpenCudaDevice(0);
     if (!device.ok()) TE_SKIP_OR_FAIL_WITHOUT_GPU("no GPU: " << device.status());
     device_ = *std::move(device);
+    cuda::SetRelativeSplit(true);  // the split is under test (off by default)
     auto ops = device_->NewOps(int64_t{8} << 30);
     ASSERT_TRUE(ops.ok()) << ops.status();
     gpu_ = *std::move(ops);
@@ -98,6 +104,11 @@ class RelativeBandTest : public ::testing::TestWithParam<Case> {
     EXPECT_TRUE(s.ok()) << s;
     return ToDoubles(host);
   }
+
+  void MakeReference(const Case& c, uint64_t seed, Reference* ref);
+  void RunCpu(const Case& c, const AttentionArgs& cpu_args, Reference* ref);
+  void Run(const Case& c, const Reference& ref, const AttentionArgs& gpu_args,
+           const RelativeBuckets& gpu_relative, GpuRun* run);
 
   std::unique_ptr<Device> device_;
   std::unique_ptr<Ops> gpu_;
@@ -131,128 +142,219 @@ std::vector<double> Part(const std::vector<double>& packed, int64_t tokens, int6
   return out;
 }
 
-TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
-  const Case& c = GetParam();
-  const Shape q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
-  const Shape kv_shape = {c.batch, c.seq, c.kv_heads, c.head_dim};
-  const Shape lse_shape = {c.batch, c.q_heads, c.seq};
-  const Shape table_shape = {c.q_heads, c.num_buckets};  // TE's rel_embedding layout
-  const Tensor q = MakeTensor(cpu_, c.dtype, q_shape, RandomValues(NumElements(q_shape), 31));
-  const Tensor k =
-      MakeTensor(cpu_, c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 32, -1.0f, 3.0f));
-  const Tensor v =
-      MakeTensor(cpu_, c.dtype, kv_shape, RandomValues(NumElements(kv_shape), 33, -0.5f, 1.5f));
-  const Tensor dout = MakeTensor(cpu_, c.dtype, q_shape, RandomValues(NumElements(q_shape), 34));
-
-  // TE's causal buckets and where they settle; a random table and its bias.
-  std::vector<float> bucket_values(static_cast<size_t>(c.seq * c.seq));
+// TE's causal buckets [S, S] (on the host) and where they settle.
+struct CausalBuckets {
+  Tensor buckets;
+  int64_t uniform_from = 0;
+};
+CausalBuckets MakeCausalBuckets(CpuOps& cpu, const Case& c) {
+  std::vector<float> values(static_cast<size_t>(c.seq * c.seq));
   for (int64_t i = 0; i < c.seq; ++i) {
     for (int64_t j = 0; j < c.seq; ++j) {
-      bucket_values[static_cast<size_t>(i * c.seq + j)] =
+      values[static_cast<size_t>(i * c.seq + j)] =
           static_cast<float>(CausalBucket(std::max<int64_t>(i - j, 0), c.num_buckets));
     }
   }
-  RelativeBuckets relative;
-  relative.uniform_from = c.seq - 1;
-  while (relative.uniform_from > 1 &&
-         CausalBucket(relative.uniform_from - 1, c.num_buckets) ==
-             CausalBucket(c.seq - 1, c.num_buckets)) {
-    --relative.uniform_from;
+  CausalBuckets b;
+  b.buckets = MakeTensor(cpu, DType::kI32, {c.seq, c.seq}, values);
+  b.uniform_from = c.seq - 1;
+  while (b.uniform_from > 1 && CausalBucket(b.uniform_from - 1, c.num_buckets) ==
+                                   CausalBucket(c.seq - 1, c.num_buckets)) {
+    --b.uniform_from;
   }
-  const Tensor buckets = MakeTensor(cpu_, DType::kI32, {c.seq, c.seq}, bucket_values);
-  const Tensor table =
-      MakeTensor(cpu_, DType::kF32, table_shape, RandomValues(c.num_buckets * c.q_heads, 35));
-  Tensor bias =
-      MakeEmpty(cpu_, c.operand_bias ? c.dtype : DType::kF32, {c.q_heads, c.seq, c.seq});
-  ASSERT_TRUE(cpu_.RelativeBiasForward(table, buckets, Tensor(), &bias).ok());
+  return b;
+}
 
-  AttentionArgs cpu_args;
-  cpu_args.mask = MaskType::kCausal;
-  cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  cpu_args.bias = bias;
-  Tensor cpu_out = MakeEmpty(cpu_, c.dtype, q_shape);
-  Tensor cpu_lse = MakeEmpty(cpu_, DType::kF32, lse_shape);
-  ASSERT_TRUE(cpu_.AttentionForward(cpu_args, q, k, v, &cpu_out, &cpu_lse).ok());
-  Tensor cdq = MakeEmpty(cpu_, c.dtype, q_shape);
-  Tensor cdk = MakeEmpty(cpu_, c.dtype, kv_shape);
-  Tensor cdv = MakeEmpty(cpu_, c.dtype, kv_shape);
-  Tensor cdtable = MakeEmpty(cpu_, DType::kF32, table_shape);
-  RelativeBuckets cpu_relative = relative;
-  cpu_relative.buckets = buckets;
-  const absl::Status cpu_bwd = cpu_.AttentionBackwardRelative(
-      cpu_args, q, k, v, cpu_out, dout, cpu_lse, cpu_relative, &cdq, &cdk, &cdv, &cdtable);
-  ASSERT_TRUE(cpu_bwd.ok()) << cpu_bwd;
+// One case's inputs on the host, and the CPU's dense path on them.
+struct Reference {
+  Shape q_shape, kv_shape, lse_shape, table_shape;
+  Tensor q, k, v, dout;
+  CausalBuckets buckets;
+  Tensor out, lse, dq, dk, dv, dtable;
+};
 
-  AttentionArgs gpu_args = cpu_args;
-  gpu_args.bias = ToGpu(bias);
-  RelativeBuckets gpu_relative = relative;
-  gpu_relative.buckets = ToGpu(buckets);
-  const Tensor gdout = ToGpu(dout);
-  Tensor gout = GpuNan(c.dtype, q_shape);
-  Tensor glse = GpuNan(DType::kF32, lse_shape);
-  std::vector<double> dq, dk, dv;
-  std::vector<double> dtable[2];  // two runs: the band repeats its bits
-  const int64_t band_before = cuda::RelativeBandCalls();
-  const int64_t cudnn_before = cuda::CudnnAttentionCalls();
+// What the GPU gave: the forward, then two backwards (dtable from each).
+struct GpuRun {
+  std::vector<double> out, lse, dq, dk, dv;
+  std::vector<double> dtable[2];
+  int64_t heads_outer_forward = 0;  // cuDNN calls viewed heads outer, in the forward
+};
+
+void RelativeBandTest::Run(const Case& c, const Reference& ref, const AttentionArgs& gpu_args,
+                           const RelativeBuckets& gpu_relative, GpuRun* run) {
+  const Tensor gdout = ToGpu(ref.dout);
+  Tensor gout = GpuNan(c.dtype, ref.q_shape);
+  Tensor glse = GpuNan(DType::kF32, ref.lse_shape);
   const int64_t heads_outer_before = cuda::CudnnHeadsOuterCalls();
   if (c.packed) {
     const Shape qkv_shape = {c.batch, c.seq, 3, c.q_heads, c.head_dim};
-    const Tensor gqkv = ToGpu(MakeTensor(cpu_, c.dtype, qkv_shape, Pack(q, k, v)));
+    const Tensor gqkv = ToGpu(MakeTensor(cpu_, c.dtype, qkv_shape, Pack(ref.q, ref.k, ref.v)));
     ASSERT_TRUE(gpu_->AttentionForwardPacked(gpu_args, gqkv, &gout, &glse).ok());
-    for (auto& run : dtable) {
+    run->heads_outer_forward = cuda::CudnnHeadsOuterCalls() - heads_outer_before;
+    for (auto& dtable : run->dtable) {
       Tensor gdqkv = GpuNan(c.dtype, qkv_shape);
-      Tensor gdtable = GpuNan(DType::kF32, table_shape);
+      Tensor gdtable = GpuNan(DType::kF32, ref.table_shape);
       const absl::Status bwd = gpu_->AttentionBackwardPackedRelative(
           gpu_args, gqkv, gout, gdout, glse, gpu_relative, &gdqkv, &gdtable);
       ASSERT_TRUE(bwd.ok()) << bwd;
       const std::vector<double> all = FromGpu(gdqkv);
       const int64_t tokens = c.batch * c.seq, row = c.q_heads * c.head_dim;
-      dq = Part(all, tokens, row, 0);
-      dk = Part(all, tokens, row, 1);
-      dv = Part(all, tokens, row, 2);
-      run = FromGpu(gdtable);
+      run->dq = Part(all, tokens, row, 0);
+      run->dk = Part(all, tokens, row, 1);
+      run->dv = Part(all, tokens, row, 2);
+      dtable = FromGpu(gdtable);
     }
   } else {
-    const Tensor gq = ToGpu(q), gk = ToGpu(k), gv = ToGpu(v);
+    const Tensor gq = ToGpu(ref.q), gk = ToGpu(ref.k), gv = ToGpu(ref.v);
     ASSERT_TRUE(gpu_->AttentionForward(gpu_args, gq, gk, gv, &gout, &glse).ok());
-    for (auto& run : dtable) {
-      Tensor gdq = GpuNan(c.dtype, q_shape), gdk = GpuNan(c.dtype, kv_shape),
-             gdv = GpuNan(c.dtype, kv_shape);
-      Tensor gdtable = GpuNan(DType::kF32, table_shape);
+    run->heads_outer_forward = cuda::CudnnHeadsOuterCalls() - heads_outer_before;
+    for (auto& dtable : run->dtable) {
+      Tensor gdq = GpuNan(c.dtype, ref.q_shape), gdk = GpuNan(c.dtype, ref.kv_shape),
+             gdv = GpuNan(c.dtype, ref.kv_shape);
+      Tensor gdtable = GpuNan(DType::kF32, ref.table_shape);
       const absl::Status bwd = gpu_->AttentionBackwardRelative(
           gpu_args, gq, gk, gv, gout, gdout, glse, gpu_relative, &gdq, &gdk, &gdv, &gdtable);
       ASSERT_TRUE(bwd.ok()) << bwd;
-      dq = FromGpu(gdq);
-      dk = FromGpu(gdk);
-      dv = FromGpu(gdv);
-      run = FromGpu(gdtable);
+      run->dq = FromGpu(gdq);
+      run->dk = FromGpu(gdk);
+      run->dv = FromGpu(gdv);
+      dtable = FromGpu(gdtable);
     }
   }
-  EXPECT_EQ(cuda::RelativeBandCalls() - band_before, c.band ? 2 : 0)
-      << (c.band ? "the band kernel did not serve the call" : "the band kernel ran");
-  // Without GQA every call cuDNN served viewed the batch heads outer (the
-  // bias read through L2 by the batch's rows at once); with GQA none did.
-  const int64_t cudnn_calls = cuda::CudnnAttentionCalls() - cudnn_before;
-  EXPECT_EQ(cuda::CudnnHeadsOuterCalls() - heads_outer_before,
-            c.q_heads == c.kv_heads ? cudnn_calls : 0)
-      << "of " << cudnn_calls << " cuDNN calls";
+  run->out = FromGpu(gout);
+  run->lse = FromGpu(glse);
+}
 
-  const double grad_tolerance = c.dtype == DType::kF16 ? kF16AttentionGradTolerance
-                                                       : ::te::testing::Tolerance(c.dtype);
-  EXPECT_LT(RelativeError(dq, ToDoubles(cdq)), grad_tolerance) << "dq";
-  EXPECT_LT(RelativeError(dk, ToDoubles(cdk)), grad_tolerance) << "dk";
-  EXPECT_LT(RelativeError(dv, ToDoubles(cdv)), grad_tolerance) << "dv";
-  const std::vector<double> cpu_dtable = ToDoubles(cdtable);
-  EXPECT_LT(RelativeError(dtable[0], cpu_dtable), grad_tolerance) << "dtable";
-  EXPECT_EQ(dtable[0], dtable[1]) << "dtable differs between two runs";
+// The case's random inputs (seeds from `seed`) and the CPU's results with
+// `cpu_args` (its bias set by the caller, dense or by its table).
+void RelativeBandTest::MakeReference(const Case& c, uint64_t seed, Reference* ref) {
+  ref->q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
+  ref->kv_shape = {c.batch, c.seq, c.kv_heads, c.head_dim};
+  ref->lse_shape = {c.batch, c.q_heads, c.seq};
+  ref->table_shape = {c.q_heads, c.num_buckets};  // TE's rel_embedding layout
+  ref->q = MakeTensor(cpu_, c.dtype, ref->q_shape, RandomValues(NumElements(ref->q_shape), seed));
+  ref->k = MakeTensor(cpu_, c.dtype, ref->kv_shape,
+                      RandomValues(NumElements(ref->kv_shape), seed + 1, -1.0f, 3.0f));
+  ref->v = MakeTensor(cpu_, c.dtype, ref->kv_shape,
+                      RandomValues(NumElements(ref->kv_shape), seed + 2, -0.5f, 1.5f));
+  ref->dout =
+      MakeTensor(cpu_, c.dtype, ref->q_shape, RandomValues(NumElements(ref->q_shape), seed + 3));
+  ref->buckets = MakeCausalBuckets(cpu_, c);
+}
+
+void RelativeBandTest::RunCpu(const Case& c, const AttentionArgs& cpu_args, Reference* ref) {
+  ref->out = MakeEmpty(cpu_, c.dtype, ref->q_shape);
+  ref->lse = MakeEmpty(cpu_, DType::kF32, ref->lse_shape);
+  ASSERT_TRUE(cpu_.AttentionForward(cpu_args, ref->q, ref->k, ref->v, &ref->out, &ref->lse).ok());
+  ref->dq = MakeEmpty(cpu_, c.dtype, ref->q_shape);
+  ref->dk = MakeEmpty(cpu_, c.dtype, ref->kv_shape);
+  ref->dv = MakeEmpty(cpu_, c.dtype, ref->kv_shape);
+  ref->dtable = MakeEmpty(cpu_, DType::kF32, ref->table_shape);
+  RelativeBuckets relative;
+  relative.buckets = ref->buckets.buckets;
+  relative.uniform_from = ref->buckets.uniform_from;
+  const absl::Status bwd =
+      cpu_.AttentionBackwardRelative(cpu_args, ref->q, ref->k, ref->v, ref->out, ref->dout,
+                                     ref->lse, relative, &ref->dq, &ref->dk, &ref->dv, &ref->dtable);
+  ASSERT_TRUE(bwd.ok()) << bwd;
+}
+
+// The GPU's gradients against the CPU's, and dtable's bits from run to run.
+void ExpectGradientsMatch(const Case& c, const Reference& ref, const GpuRun& run) {
+  const double tolerance = c.dtype == DType::kF16 ? kF16AttentionGradTolerance
+                                                  : ::te::testing::Tolerance(c.dtype);
+  EXPECT_LT(RelativeError(run.dq, ToDoubles(ref.dq)), tolerance) << "dq";
+  EXPECT_LT(RelativeError(run.dk, ToDoubles(ref.dk)), tolerance) << "dk";
+  EXPECT_LT(RelativeError(run.dv, ToDoubles(ref.dv)), tolerance) << "dv";
+  const std::vector<double> cpu_dtable = ToDoubles(ref.dtable);
+  EXPECT_LT(RelativeError(run.dtable[0], cpu_dtable), tolerance) << "dtable";
+  EXPECT_EQ(run.dtable[0], run.dtable[1]) << "dtable differs between two runs";
   // The far bucket (formed as minus the band's sum) of head 0, alone: within
   // the tolerance of the whole table's norm.
   const size_t far = static_cast<size_t>(CausalBucket(c.seq - 1, c.num_buckets));
   const double norm = std::sqrt(
       std::inner_product(cpu_dtable.begin(), cpu_dtable.end(), cpu_dtable.begin(), 0.0));
   EXPECT_NE(cpu_dtable[far], 0.0);
-  EXPECT_LT(std::abs(dtable[0][far] - cpu_dtable[far]), grad_tolerance * norm)
+  EXPECT_LT(std::abs(run.dtable[0][far] - cpu_dtable[far]), tolerance * norm)
       << "the far bucket, formed as minus the band";
+}
+
+// The bias made dense (args.bias, float32 or the operands' dtype): cuDNN's
+// forward reads it; the backward splits (reading it on its last row) or,
+// under GQA, runs cuDNN reading it and the band kernel for dtable.
+TEST_P(RelativeBandTest, TableGradientMatchesTheDensePathOnTheCpu) {
+  const Case& c = GetParam();
+  Reference ref;
+  MakeReference(c, 31, &ref);
+  const Tensor table = MakeTensor(cpu_, DType::kF32, ref.table_shape,
+                                  RandomValues(c.num_buckets * c.q_heads, 35));
+  Tensor bias =
+      MakeEmpty(cpu_, c.operand_bias ? c.dtype : DType::kF32, {c.q_heads, c.seq, c.seq});
+  ASSERT_TRUE(cpu_.RelativeBiasForward(table, ref.buckets.buckets, Tensor(), &bias).ok());
+  AttentionArgs cpu_args;
+  cpu_args.mask = MaskType::kCausal;
+  cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  cpu_args.bias = bias;
+  RunCpu(c, cpu_args, &ref);
+  if (HasFatalFailure()) return;
+
+  AttentionArgs gpu_args = cpu_args;
+  gpu_args.bias = ToGpu(bias);
+  RelativeBuckets gpu_relative;
+  gpu_relative.buckets = ToGpu(ref.buckets.buckets);
+  gpu_relative.uniform_from = ref.buckets.uniform_from;
+  const int64_t band_before = cuda::RelativeBandCalls();
+  const int64_t split_before = cuda::RelativeSplitCalls();
+  GpuRun run;
+  Run(c, ref, gpu_args, gpu_relative, &run);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(cuda::RelativeBandCalls() - band_before, c.band ? 2 : 0)
+      << (c.band ? "the band kernels did not serve the call" : "the band kernels ran");
+  EXPECT_EQ(cuda::RelativeSplitCalls() - split_before, c.band && c.q_heads == c.kv_heads ? 2 : 0);
+  // Without GQA the forward cuDNN served with the bias viewed the batch heads
+  // outer (the bias read through L2 by the batch's rows at once).
+  EXPECT_EQ(run.heads_outer_forward, c.band && c.q_heads == c.kv_heads ? 1 : 0);
+  ExpectGradientsMatch(c, ref, run);
+}
+
+// The bias named by its table (AttentionArgs::relative_bias, as a layer
+// passes it): the forward and the backward split into cuDNN's bias-free far
+// part and the band kernels, against the CPU's dense path; nothing [H, S, S]
+// is made. GQA's backward makes the bias and takes the dense path; a
+// sequence not a multiple of 16 makes it in both directions.
+TEST_P(RelativeBandTest, SplitByTheTableMatchesTheDensePathOnTheCpu) {
+  const Case& c = GetParam();
+  Reference ref;
+  MakeReference(c, 41, &ref);
+  // The table in the operands' dtype where the case says so (a bf16 parameter).
+  const Tensor table = MakeTensor(cpu_, c.operand_bias ? c.dtype : DType::kF32, ref.table_shape,
+                                  RandomValues(c.num_buckets * c.q_heads, 45, -2.0f, 2.0f));
+  AttentionArgs cpu_args;
+  cpu_args.mask = MaskType::kCausal;
+  cpu_args.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  cpu_args.relative_bias.table = table;
+  cpu_args.relative_bias.buckets = ref.buckets.buckets;
+  cpu_args.relative_bias.uniform_from = ref.buckets.uniform_from;
+  RunCpu(c, cpu_args, &ref);
+  if (HasFatalFailure()) return;
+
+  AttentionArgs gpu_args = cpu_args;
+  gpu_args.relative_bias.table = ToGpu(table);
+  gpu_args.relative_bias.buckets = ToGpu(ref.buckets.buckets);
+  RelativeBuckets gpu_relative;
+  gpu_relative.buckets = gpu_args.relative_bias.buckets;
+  gpu_relative.uniform_from = ref.buckets.uniform_from;
+  const int64_t split_before = cuda::RelativeSplitCalls();
+  GpuRun run;
+  Run(c, ref, gpu_args, gpu_relative, &run);
+  if (HasFatalFailure()) return;
+  // The forward, and both backwards unless GQA keeps them on the dense path.
+  EXPECT_EQ(cuda::RelativeSplitCalls() - split_before,
+            c.band ? (c.q_heads == c.kv_heads ? 3 : 1) : 0);
+  EXPECT_LT(RelativeError(run.out, ToDoubles(ref.out)), ::te::testing::Tolerance(c.dtype))
+      << "out";
+  EXPECT_LT(RelativeError(run.lse, ToDoubles(ref.lse)), 1e-3) << "lse";
+  ExpectGradientsMatch(c, ref, run);
 }
 
 static_assert(cuda::kFoldGroups < 130, "the 130-head case takes the table's own kernel");

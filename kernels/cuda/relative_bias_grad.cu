@@ -44,16 +44,24 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/relative_band.cuh"
 #include "kernels/status_macros.h"
 
 namespace te {
 namespace cuda {
 namespace {
 
-constexpr int kBandWarps = 8;
-constexpr int kTile = 16;                            // mma.m16n8k16's rows; a query or key tile
-constexpr int kBandQueries = kTile * kBandWarps;     // query rows per block: eight tiles
-constexpr int kStagePad = 8;  // elements after each staged row: ldmatrix's rows in distinct banks
+using band::kStagePad;
+using band::kTableSplit;
+using band::kTableThreads;
+using band::kTile;
+using band::LoadMatrices;
+using band::MmaAccumulate;
+using band::RoundAsOperand;
+using band::SumHeadTable;
+using band::ToFloat;
+constexpr int kBandWarps = band::kWarps;
+constexpr int kBandQueries = band::kBlockRows;
 
 struct BandParams {
   const void* q;
@@ -77,28 +85,6 @@ struct BandParams {
   int num_buckets;
 };
 
-template <typename T>
-__device__ __forceinline__ float ToFloat(T x);
-template <>
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float ToFloat(__half x) {
-  return __half2float(x);
-}
-// The bias as cuDNN reads it: rounded once to the operands' dtype.
-template <typename T>
-__device__ __forceinline__ float RoundAsOperand(float x);
-template <>
-__device__ __forceinline__ float RoundAsOperand<__nv_bfloat16>(float x) {
-  return BF16::Load(BF16::Store(x));
-}
-template <>
-__device__ __forceinline__ float RoundAsOperand<__half>(float x) {
-  return F16::Load(F16::Store(x));
-}
-
 // The bias at `at` as cuDNN added it: in T (cast once when it is float32).
 template <typename T>
 __device__ __forceinline__ float BiasAsOperand(const BandParams& p, int64_t at) {
@@ -106,16 +92,12 @@ __device__ __forceinline__ float BiasAsOperand(const BandParams& p, int64_t at) 
                     : ToFloat(static_cast<const T*>(p.bias)[at]);
 }
 
-// Key tiles behind a query tile that hold band elements: distances up to
-// W - 1 reach 16 (offsets - 1) - 15.
-__host__ __device__ constexpr int BandOffsets(int band) { return (band + kTile - 2) / kTile + 1; }
+__host__ __device__ constexpr int BandOffsets(int band) { return band::Offsets(band); }
 // Each warp takes offsets warp and warp + kBandWarps.
 static_assert(BandOffsets(kRelativeBandMax) <= 2 * kBandWarps, "two offsets a warp at most");
 // Staged key rows: the band's reach behind the first query tile, then the
 // block's own 128.
-__host__ __device__ inline int BandKeyRows(int band) {
-  return kTile * (BandOffsets(band) - 1) + kBandQueries;
-}
+__host__ __device__ inline int BandKeyRows(int band) { return band::ReachRows(band); }
 template <int D>
 size_t StageBytes(int band) {
   return size_t{2} * (kBandQueries + BandKeyRows(band)) * (D + kStagePad) * sizeof(uint16_t);
@@ -127,84 +109,6 @@ struct BandShared {
   float row_delta[kBandQueries];
   float warp_far[kBandWarps];
 };
-
-// Four 8x8 b16 matrices from shared memory, each lane giving one row's address.
-__device__ __forceinline__ void LoadMatrices(uint32_t r[4], const void* row) {
-  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(at));
-}
-// d += a (16x16, row-major) * b (16x8, column-major), f32 accumulators.
-template <typename T>
-__device__ __forceinline__ void MmaAccumulate(float d[4], const uint32_t a[4], uint32_t b0,
-                                              uint32_t b1);
-template <>
-__device__ __forceinline__ void MmaAccumulate<__nv_bfloat16>(float d[4], const uint32_t a[4],
-                                                             uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void MmaAccumulate<__half>(float d[4], const uint32_t a[4], uint32_t b0,
-                                                      uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// dtable[:, h]: the head's distances' sums over batches and tiles, each
-// added to its bucket; the far bucket (the one at distance W) also takes
-// minus the band's sum of every row with far keys. kTableSplit threads per
-// distance, their sums added in a fixed order: the same bits whichever block
-// runs it. `split_sums` holds kTableSplit * (kRelativeBandMax + 1) floats and
-// `bucket_at` kRelativeBandMax ints of shared memory. The partial rows are
-// other blocks' writes: read past L1.
-constexpr int kTableSplit = 4;
-constexpr int kTableThreads = kTableSplit * (kRelativeBandMax + kTableSplit);
-
-__device__ void SumHeadTable(const float* partial, const int32_t* buckets, float* dtable,
-                             int batch, int heads, int tiles, int seq, int band, int num_buckets,
-                             int h, float* split_sums, int32_t* bucket_at) {
-  const int blocks = batch * tiles;  // the partial rows of this head
-  for (int x = threadIdx.x; x < kTableSplit * (band + 1); x += blockDim.x) {
-    const int d = x % (band + 1), part = x / (band + 1);
-    float sum = 0.0f;
-#pragma unroll 4
-    for (int n = part; n < blocks; n += kTableSplit) {
-      const int b = n / tiles, t = n % tiles;
-      sum += __ldcg(&partial[((static_cast<int64_t>(b) * heads + h) * tiles + t) * (band + 1) + d]);
-    }
-    split_sums[part * (kRelativeBandMax + 1) + d] = sum;
-  }
-  // The last query sees every distance d at key seq - 1 - d: read once here,
-  // not once per bucket and distance from global memory.
-  const int32_t* last = buckets + static_cast<int64_t>(seq - 1) * seq;
-  for (int d = threadIdx.x; d < band && d < seq; d += blockDim.x) bucket_at[d] = last[seq - 1 - d];
-  __syncthreads();
-  const int far = band < seq ? last[seq - 1 - band] : -1;
-  for (int n = threadIdx.x; n < num_buckets; n += blockDim.x) {
-    float sum = 0.0f;
-    for (int d = 0; d < band && d < seq; ++d) {
-      if (bucket_at[d] == n) {
-        for (int part = 0; part < kTableSplit; ++part) {
-          sum += split_sums[part * (kRelativeBandMax + 1) + d];
-        }
-      }
-    }
-    if (n == far) {
-      for (int part = 0; part < kTableSplit; ++part) {
-        sum += split_sums[part * (kRelativeBandMax + 1) + band];
-      }
-    }
-    dtable[static_cast<int64_t>(h) * num_buckets + n] = sum;
-  }
-}
 
 // The table's gradient as a kernel of its own: one block per head, after the
 // band kernel, where the stream's group counters cannot hold every head.
@@ -280,29 +184,9 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
   static_assert(kBandWarps * 32 == 2 * kBandQueries, "two threads a query row");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   {
-    constexpr int kHalf = D / 2;                                        // elements a thread
-    constexpr int kVectors = kHalf * static_cast<int>(sizeof(T)) / 16;  // 16-byte loads
-    const int r = threadIdx.x / 2, half = threadIdx.x % 2, i = i0 + r;
-    float part = 0.0f;
-    if (i < S) {
-      const uint4* o4 = reinterpret_cast<const uint4*>(out + i * p.o_stride + half * kHalf);
-      const uint4* d4 = reinterpret_cast<const uint4*>(dout + i * p.o_stride + half * kHalf);
-      uint4 o_vec[kVectors], d_vec[kVectors];
-#pragma unroll
-      for (int x = 0; x < kVectors; ++x) {
-        o_vec[x] = o4[x];
-        d_vec[x] = d4[x];
-      }
-#pragma unroll
-      for (int x = 0; x < kVectors; ++x) {
-        const T* o_el = reinterpret_cast<const T*>(&o_vec[x]);
-        const T* d_el = reinterpret_cast<const T*>(&d_vec[x]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) part += ToFloat(d_el[e]) * ToFloat(o_el[e]);
-      }
-    }
-    part += __shfl_xor_sync(0xffffffffu, part, 1);
-    if (half == 0) {
+    const int r = threadIdx.x / 2, i = i0 + r;
+    const float part = band::RowDelta<T, D>(out, dout, p.o_stride, i, S);
+    if (threadIdx.x % 2 == 0) {
       sh.row_delta[r] = part;
       sh.row_lse[r] = i < S ? p.lse[(static_cast<int64_t>(b) * p.heads + h) * S + i] : 0.0f;
     }
@@ -422,16 +306,7 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
   if (p.heads_done == nullptr) return;
   // The head's last block to finish sums its dtable column (as FoldAmax
   // does the amax): no second launch, and the other heads' blocks hide it.
-  __shared__ bool last_of_head;
-  __threadfence();  // this block's sums land before its count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned blocks = gridDim.x * gridDim.z;  // the head's tiles and batches
-    last_of_head = atomicAdd(&p.heads_done[h], 1u) == blocks - 1;
-  }
-  __syncthreads();
-  if (!last_of_head) return;
-  __threadfence();  // every block's sums are in: read them after the count
+  if (!band::LastBlockOfHead(p.heads_done, h)) return;
   static_assert(kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
                     kBandQueries * (32 + kStagePad) * sizeof(T) / sizeof(float),
                 "the staged rows hold the table's sums");
@@ -469,6 +344,16 @@ absl::Status LaunchBandForHeadDim(CudaOps* ops, cudaStream_t stream, const BandP
 }
 
 }  // namespace
+
+absl::Status LaunchRelativeBandTable(const float* partial, const int32_t* buckets, float* dtable,
+                                     int batch, int heads, int tiles, int seq, int band,
+                                     int num_buckets, cudaStream_t stream) {
+  RelativeBandTableKernel<<<heads, kTableThreads, 0, stream>>>(partial, buckets, dtable, batch,
+                                                               heads, tiles, seq, band,
+                                                               num_buckets);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
 
 absl::Status RelativeBandApplies(const AttentionArgs& args, const AttentionShape& s,
                                  const QkvMemory& qkv, const RelativeBuckets& relative) {
@@ -545,10 +430,8 @@ absl::Status RelativeBandTableGrad(CudaOps* ops, const AttentionArgs& args,
                       ? LaunchBandForHeadDim<__nv_bfloat16>(ops, stream, p, batch, head_dim)
                       : LaunchBandForHeadDim<__half>(ops, stream, p, batch, head_dim));
   if (fold) return absl::OkStatus();
-  RelativeBandTableKernel<<<p.heads, kTableThreads, 0, stream>>>(
-      p.partial, p.buckets, p.dtable, batch, p.heads, p.tiles, p.seq, p.band, p.num_buckets);
-  CUDA_RETURN_IF_LAUNCH_ERROR();
-  return absl::OkStatus();
+  return LaunchRelativeBandTable(p.partial, p.buckets, p.dtable, batch, p.heads, p.tiles, p.seq,
+                                 p.band, p.num_buckets, stream);
 }
 
 }  // namespace cuda

@@ -180,7 +180,8 @@ absl::StatusOr<AttentionArgs> ResolveArgs(Ops& ops, const AttentionConfig& confi
 }
 
 bool HasBias(const AttentionSaved& saved) {
-  return saved.args.bias.defined() && saved.args.bias.numel() > 0;
+  return (saved.args.bias.defined() && saved.args.bias.numel() > 0) ||
+         saved.args.relative_bias.defined();
 }
 
 // A backward asked for dbias of a relative bias: it gets the table's gradient.
@@ -197,7 +198,13 @@ absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
     if (num_buckets <= 0) {
       return absl::InternalError("attention: a relative bias's backward needs its bucket count");
     }
-    return ops.Allocate(DType::kF32, {saved.args.bias.dim(0), num_buckets});
+    const int64_t heads = saved.args.relative_bias.defined()
+                              ? saved.args.relative_bias.table.dim(0)
+                              : saved.args.bias.dim(0);
+    return ops.Allocate(DType::kF32, {heads, num_buckets});
+  }
+  if (saved.args.relative_bias.defined()) {
+    return absl::InternalError("attention: a bias named by its table needs its buckets");
   }
   return ops.Allocate(DType::kF32, saved.args.bias.shape());
 }
@@ -332,8 +339,14 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
     return ops.AttentionBackwardRelative(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                          saved.softmax_lse, saved.relative, dq, dk, dv, dbias);
   }
-  ASSIGN_OR_RETURN(Tensor bias_grad, BiasGradFor(ops, saved));
-  RETURN_IF_ERROR(ops.AttentionBackward(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
+  // A relative bias named by its table, without its gradient asked for: made.
+  ASSIGN_OR_RETURN(const AttentionArgs args,
+                   WithRelativeBiasMadeForBackward(ops, saved.args, saved.q, "attention"));
+  Tensor bias_grad;
+  if (args.bias.defined() && args.bias.numel() > 0) {  // the op wants dbias beside a bias
+    ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, args.bias.shape()));
+  }
+  RETURN_IF_ERROR(ops.AttentionBackward(args, saved.q, saved.k, saved.v, saved.out, grad,
                                         saved.softmax_lse, dq, dk, dv,
                                         bias_grad.defined() ? &bias_grad : nullptr));
   if (dbias != nullptr) *dbias = bias_grad;
@@ -341,7 +354,7 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
 }
 
 absl::Status AttentionForwardPacked(Ops& ops, const AttentionConfig& config, const Tensor& qkv,
-                                    const SeqLens& seqlens, const Tensor& bias,
+                                    const SeqLens& seqlens, const AttentionBias& bias,
                                     bool dropout_active, uint64_t dropout_seed, Tensor* out,
                                     AttentionSaved* saved) {
   if (qkv.rank() != 5 || qkv.dim(2) != 3 || qkv.dim(3) != config.num_heads ||
@@ -392,8 +405,13 @@ absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, cons
     return ops.AttentionBackwardPackedRelative(saved.args, saved.qkv, saved.out, grad,
                                                saved.softmax_lse, saved.relative, dqkv, dbias);
   }
-  ASSIGN_OR_RETURN(Tensor bias_grad, BiasGradFor(ops, saved));
-  RETURN_IF_ERROR(ops.AttentionBackwardPacked(saved.args, saved.qkv, saved.out, grad,
+  ASSIGN_OR_RETURN(const AttentionArgs args,
+                   WithRelativeBiasMadeForBackward(ops, saved.args, saved.qkv, "attention"));
+  Tensor bias_grad;
+  if (args.bias.defined() && args.bias.numel() > 0) {  // the op wants dbias beside a bias
+    ASSIGN_OR_RETURN(bias_grad, ops.Allocate(DType::kF32, args.bias.shape()));
+  }
+  RETURN_IF_ERROR(ops.AttentionBackwardPacked(args, saved.qkv, saved.out, grad,
                                               saved.softmax_lse, dqkv,
                                               bias_grad.defined() ? &bias_grad : nullptr));
   if (dbias != nullptr) *dbias = bias_grad;

@@ -56,9 +56,10 @@ struct AttentionSaved {
   Tensor q, k, v;
   Tensor qkv;  // [B, S, 3, H, D]; defined iff the forward was packed
   Tensor out, softmax_lse;
-  // Set when args.bias is a relative-position bias (the layer that made it
-  // sets this): the backward's dbias is then its table's gradient, dtable
-  // f32 [H, NB], computed without the dense [H, Sq, Skv] where the backend can.
+  // Set when args.bias (or args.relative_bias) is a relative-position bias
+  // (the layer that gave it sets this): the backward's dbias is then its
+  // table's gradient, dtable f32 [H, NB], computed without the dense
+  // [H, Sq, Skv] where the backend can.
   RelativeBuckets relative;
   int64_t relative_num_buckets = 0;  // NB, with `relative`
   bool packed() const { return qkv.rank() == 5; }
@@ -121,9 +122,10 @@ inline bool HasMask(const LayerInputs& in) {
 }
 
 // An attention's additive bias on the logits (after scaling): made, [Hq, Sq,
-// Skv] in float32 or q's dtype, or named by its table (a decode step's
-// relative bias, AttentionArgs::relative_bias), which a backend may look up
-// per logit instead of making it. A Tensor converts to a made bias.
+// Skv] in float32 or q's dtype, or named by its table (a relative bias,
+// AttentionArgs::relative_bias: a full forward's, whose backward then takes
+// the table's gradient, or a decode step's rows), which a backend may apply
+// by distance instead of making it. A Tensor converts to a made bias.
 struct AttentionBias {
   AttentionBias() = default;
   AttentionBias(Tensor made) : made(std::move(made)) {}  // NOLINT(runtime/explicit)
@@ -170,7 +172,7 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
 // not fit the config, otherwise as AttentionForward (seqlens, bias). With
 // `saved` non-null, keeps qkv (not q, k, v) for AttentionBackwardPacked.
 absl::Status AttentionForwardPacked(Ops& ops, const AttentionConfig& config, const Tensor& qkv,
-                                    const SeqLens& seqlens, const Tensor& bias,
+                                    const SeqLens& seqlens, const AttentionBias& bias,
                                     bool dropout_active, uint64_t dropout_seed, Tensor* out,
                                     AttentionSaved* saved);
 

@@ -254,6 +254,58 @@ TEST(AttentionForwardPackedTest, MatchesSplitPartsAndKeepsOnlyQkv) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A relative bias named by its table (as TransformerLayer passes it: no
+// [H, S, S] kept) gives what the made bias gives, in both directions, and the
+// backward the table's gradient; its saved state holds no dense bias.
+TEST(AttentionForwardPackedTest, ARelativeBiasByItsTableMatchesTheMadeBias) {
+  auto ops = NewCpuOps();
+  AttentionConfig config;
+  config.num_heads = 2;
+  config.num_gqa_groups = 2;
+  config.head_dim = 4;
+  config.mask = MaskType::kCausal;
+  config.scale = 0.5f;
+  const int64_t b = 2, s = 40, num_buckets = 32;
+  const Tensor qkv = RandomTensor(*ops, {b, s, 3, 2, 4}, DType::kF32, 41);
+  const Tensor table = RandomTensor(*ops, {2, num_buckets}, DType::kF32, 42);
+  RelativeBucketCache cache(/*bidirectional=*/false, num_buckets, 128);
+  auto relative = cache.Relative(*ops, s, s);
+  ASSERT_TRUE(relative.ok()) << relative.status();
+  AttentionBias by_table;
+  by_table.relative.table = table;
+  by_table.relative.buckets = relative->buckets;
+  by_table.relative.uniform_from = relative->uniform_from;
+  auto made = RelativeBias(*ops, table, relative->buckets, DType::kF32);
+  ASSERT_TRUE(made.ok()) << made.status();
+
+  Tensor out[2];
+  AttentionSaved saved[2];
+  const AttentionBias biases[2] = {by_table, AttentionBias(*made)};
+  for (int n = 0; n < 2; ++n) {
+    ASSERT_TRUE(AttentionForwardPacked(*ops, config, qkv, {}, biases[n], false, 0, &out[n],
+                                       &saved[n])
+                    .ok());
+    saved[n].relative = *relative;
+    saved[n].relative_num_buckets = num_buckets;
+  }
+  EXPECT_EQ(Values(out[0]), Values(out[1]));
+  EXPECT_FALSE(saved[0].args.bias.defined() && saved[0].args.bias.numel() > 0);
+  EXPECT_EQ(saved[0].bytes() + made->nbytes(), saved[1].bytes());
+
+  const Tensor dout = RandomTensor(*ops, {b, s, 2, 4}, DType::kF32, 43);
+  Tensor dqkv[2], dtable[2];
+  for (int n = 0; n < 2; ++n) {
+    ASSERT_TRUE(AttentionBackwardPacked(*ops, saved[n], dout, &dqkv[n], &dtable[n]).ok());
+  }
+  EXPECT_EQ(dtable[0].shape(), (Shape{2, num_buckets}));
+  EXPECT_EQ(Values(dqkv[0]), Values(dqkv[1]));
+  EXPECT_EQ(Values(dtable[0]), Values(dtable[1]));
+  // Without its gradient asked for, the backward makes the bias itself.
+  Tensor no_dbias;
+  ASSERT_TRUE(AttentionBackwardPacked(*ops, saved[0], dout, &no_dbias, nullptr).ok());
+  EXPECT_EQ(Values(no_dbias), Values(dqkv[1]));
+}
+
 TEST(AttentionForwardPackedTest, RejectsBadQkv) {
   auto ops = NewCpuOps();
   AttentionConfig config;

@@ -249,7 +249,7 @@ absl::Status MhaBlock::Project(Ops& ops, Variables* vars, const Tensor& x,
 }
 
 absl::Status MhaBlock::Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
-                               const Tensor& bias, const ForwardOptions& opts, Tensor* y,
+                               const AttentionBias& bias, const ForwardOptions& opts, Tensor* y,
                                Tensor* ln_out, Saved* saved, const Tensor& residual,
                                const Tensor& kv_input, int64_t query_position) const {
   if (x.rank() != 3 || x.dim(2) != hidden_) {

@@ -92,7 +92,8 @@ class MhaBlock {
     int64_t bytes() const;
   };
   // x [B, S, hidden] -> *y [B, S, hidden]; *ln_out [B, S, hidden] if non-null.
-  // `bias`: optional f32 [H, S, S] added to the logits after scaling.
+  // `bias`: optional, added to the logits after scaling (AttentionBias: made
+  // [H, S, S], or a relative bias named by its table).
   // `residual` (optional, [B, S, hidden]): y = attention(x) + residual, added
   // in the output projection's GEMM. `kv_input` ([B, Skv, hidden], x's dtype):
   // the keys' and values' input, required with options.cross, else unused.
@@ -100,7 +101,8 @@ class MhaBlock {
   // (a decode step's token at cache index p attends over a cross-attention's
   // whole kv_input as row p of the full forward does); the keys start at 0.
   absl::Status Forward(Ops& ops, Variables* vars, const Tensor& x, const SeqLens& seqlens,
-                       const Tensor& bias, const ForwardOptions& opts, Tensor* y, Tensor* ln_out,
+                       const AttentionBias& bias, const ForwardOptions& opts, Tensor* y,
+                       Tensor* ln_out,
                        Saved* saved, const Tensor& residual = Tensor(),
                        const Tensor& kv_input = Tensor(), int64_t query_position = 0) const;
   // dy [B, S, hidden] (any float dtype) -> *dx; parameter gradients into

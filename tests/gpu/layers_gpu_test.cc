@@ -119,15 +119,21 @@ std::string RunName(const ::testing::TestParamInfo<CaseRun>& info) { return info
 
 TEST_P(LayersGpuTest, ForwardBackwardMatchesCpu) { CompareOnBothBackends(GetParam()); }
 
-// The bf16 run of TE's defaults that the band kernel serves: the comparison
-// above checks rel_embedding's gradient; this checks that the band formed it
-// (a layer whose table gradient took another path would leave it untested).
-TEST_F(LayersGpuTest, RelativeTableGradientOfALayerComesFromTheBand) {
+// The bf16 run of TE's defaults that the far/band split serves: the
+// comparison above checks rel_embedding's gradient; this checks that the
+// split formed it and ran the forward too, so that nothing [H, S, S] was
+// made (a layer whose bias took another path would leave it untested).
+TEST_F(LayersGpuTest, RelativeBiasOfALayerRunsOnTheSplit) {
   for (const CaseRun& run : AllCaseRuns()) {
     if (run.name() != "TransformerLayer_relative_band_bf16") continue;
-    const int64_t before = cuda::RelativeBandCalls();
+    const int64_t band_before = cuda::RelativeBandCalls();
+    const int64_t split_before = cuda::RelativeSplitCalls();
+    cuda::SetRelativeSplit(true);  // off by default (te_server --relative_bias_split)
     CompareOnBothBackends(run);
-    EXPECT_GT(cuda::RelativeBandCalls(), before) << "the band kernel did not serve the layer";
+    cuda::SetRelativeSplit(false);
+    EXPECT_GT(cuda::RelativeBandCalls(), band_before) << "the band did not form dtable";
+    EXPECT_GE(cuda::RelativeSplitCalls() - split_before, 2)
+        << "the split did not serve the layer's forward and backward";
     return;
   }
   FAIL() << "no run named TransformerLayer_relative_band_bf16";

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The far/band split of TE's relative bias on the GPU, from the repository root there over
+# what bench/h200_pack.sh put in .gpubundle/ (carry: [".gpubundle"]): its GPU tests
+# (relative_band_gpu_test, layers_gpu_test, attention_gpu_test), then with `lm` the 24 x 1024
+# LM with the bias on (te_server --relative_bias_split, and without it) and off, bf16 and FP8,
+# against jax_lm_peer.py in the same call (about 60 s of tests, 250 s of LM).
+#
+#   bash bench/relative_split_check.sh [lm]
+set -u
+root="$(pwd)"; b=/tmp/b; out="${OUT:-/tmp/out}"; mkdir -p "$out"
+if [ ! -x "$b/run.sh" ]; then mkdir -p "$b"; xz -dc "$root/.gpubundle/gb.tar.xz" | tar -C "$b" -xf -; fi
+nvidia-smi --query-gpu=name --format=csv,noheader
+for t in relative_band_gpu_test layers_gpu_test attention_gpu_test; do
+  start=$(date +%s)
+  "$b/run.sh" $t >"$out/$t.txt" 2>&1; rc=$?
+  echo "$t: rc $rc, $(( $(date +%s) - start )) s"
+  grep -E "^\[  (FAILED|PASSED) |Failure|rror|Expected|Which is|actual|\" (dq|dk|dv|dtable|out|lse)" "$out/$t.txt" | head -40
+done
+[ "${1:-}" = lm ] || exit 0
+export TE_CLIENT_STUBS_DIR="$root/.gpubundle/proto"
+py=python3; $py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
+lm() {  # SPLIT BIAS PEER
+  local flags="--session_memory_bytes=$((96 << 30))"; [ "$1" = on ] && flags="$flags --relative_bias_split"
+  $py bench/lm_bench.py --server="$b/run.sh te_server" --server_flags="$flags" $3 \
+    --sizes=24x1024x16x1024x8 --bias="$2" --recipes=bf16,delayed --steps=20 --warmup=5
+}
+start=$(date +%s)
+echo "=== split on"; lm on on,off "--peer=$root/.gpubundle/peers/jax_lm_peer.py" 2>&1 | tee "$out/lm_split_on.txt" | tail -14
+echo "=== split off (bias on)"; lm off on "" 2>&1 | tee "$out/lm_split_off.txt" | tail -6
+echo "lm: $(( $(date +%s) - start )) s"

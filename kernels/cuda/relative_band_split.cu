@@ -1,0 +1,773 @@
+// TE's relative position bias inside a causal self-attention without the
+// dense bias [H, S, S]: the far/band split.
+//
+// Causal T5 buckets saturate: every key W (RelativeBuckets::uniform_from)
+// or more positions before its query carries one bias value per head, c_h.
+// So the attention splits exactly into
+//   - far: queries W..S-1 against keys 0..S-W-1 under a top-left causal mask
+//     on those views (key j <= i - W), no bias: cuDNN's bias-free kernels on
+//     rows inside the full sequences (QkvMemory::batch_rows), its
+//     log-sum-exp plus c_h;
+//   - band: the W diagonals, each score's bias looked up by its distance:
+//     the kernels here, on tensor cores (relative_band.cuh).
+// Forward: cuDNN writes the far output into out's rows W.. and its
+// log-sum-exp aside; the band kernel then merges both by their
+// log-sum-exps, in place. Backward: cuDNN's bias-free backward on the far
+// views with the merged output and stats lse - c_h (its recomputed P is then
+// the merged softmax on the far keys: exact), and the band's dq, dk and dv
+// added to it by two kernels, one per query tile (dq, and dtable as the band
+// kernel of relative_bias_grad.cu forms it) and one per key tile (dk, dv),
+// each summing in a fixed order (the same bits every run).
+// bench/results/2026-12-07-relative-band-split-plan/ checks the split in
+// float64 against the dense bias.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/attention_internal.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/relative_band.cuh"
+#include "kernels/status_macros.h"
+
+namespace te {
+namespace cuda {
+namespace {
+
+using band::AsOperandA;
+using band::BiasAtDistance;
+using band::kBlockRows;
+using band::kStagePad;
+using band::kTile;
+using band::kWarps;
+using band::Lanes;
+using band::LoadMatrices;
+using band::LoadMatricesTransposed;
+using band::MmaAccumulate;
+using band::Offsets;
+using band::PackPair;
+using band::ReachRows;
+using band::StageRows;
+using band::ToFloat;
+using band::UnpackPair;
+
+static_assert(kWarps * 32 == 2 * kBlockRows, "two threads a query row");
+
+struct SplitParams {
+  const void* q;  // batch 0, head 0 of each; tokens q_stride / kv_stride apart
+  const void* k;
+  const void* v;
+  int64_t q_stride, kv_stride;
+  int64_t o_stride;  // out, dout: [B, S, Hq, D]
+  int seq, heads, group, band, tiles;
+  float scale;
+  BandBias bias;
+  // Forward.
+  void* out;
+  float* lse;            // [B, Hq, S]: written (forward), read (backward)
+  const float* far_lse;  // [B, Hq, S - W], cuDNN's; null where S <= W
+  // Backward: the gradients in q's (dq) and k's (dk, dv) layouts.
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* delta;  // [B, Hq, S]: rowsum(dout * out), from the query kernel
+  float* partial;  // [B, Hq, tiles, W + 1]
+  unsigned* heads_done;  // null: LaunchRelativeBandTable sums the partial rows
+  const int32_t* buckets;
+  float* dtable;
+  int num_buckets;
+};
+
+constexpr float kNegInf = -INFINITY;
+
+// The bias at distances 0..W (W: the far keys' c_h) into shared memory.
+template <typename T>
+__device__ __forceinline__ void LoadBias(const SplitParams& p, int h, float* bias_at) {
+  for (int d = threadIdx.x; d <= p.band; d += blockDim.x) {
+    bias_at[d] = d < p.seq ? BiasAtDistance<T>(p.bias, h, p.seq, d) : 0.0f;
+  }
+}
+
+// ---- forward ----------------------------------------------------------------
+// A block takes 128 queries of one (batch, head), a warp one 16-row tile: an
+// online softmax over the key tiles its band reaches (the bias looked up by
+// distance, keys outside the band masked), P V on tensor cores, then the
+// merge with cuDNN's far rows.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
+    RelativeBandForwardKernel(SplitParams p) {
+  __shared__ float bias_at[kRelativeBandMax + 1];
+  extern __shared__ __align__(128) unsigned char stage_bytes[];
+  constexpr int kLdm = D + kStagePad;
+  const int W = p.band, S = p.seq, offsets = Offsets(W);
+  T* q_stage = reinterpret_cast<T*>(stage_bytes);
+  T* k_stage = q_stage + kBlockRows * kLdm;
+  T* v_stage = k_stage + ReachRows(W) * kLdm;
+
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int i0 = tile * kBlockRows;
+  const T* q = static_cast<const T*>(p.q) + static_cast<int64_t>(b) * S * p.q_stride + h * D;
+  const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * S * p.kv_stride + hk * D;
+  const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * S * p.kv_stride + hk * D;
+  // Stage row 0 is key0, the band's reach behind i0; rows before the
+  // sequence are not loaded, and no tile reads them.
+  const int key0 = i0 - kTile * (offsets - 1);
+  const int q_end = min(S, i0 + kBlockRows);
+  const int kv_lo = max(0, key0);
+  StageRows<T, D>(q_stage, q + static_cast<int64_t>(i0) * p.q_stride, p.q_stride, q_end - i0);
+  StageRows<T, D>(k_stage + (kv_lo - key0) * kLdm, k + static_cast<int64_t>(kv_lo) * p.kv_stride,
+                  p.kv_stride, q_end - kv_lo);
+  StageRows<T, D>(v_stage + (kv_lo - key0) * kLdm, v + static_cast<int64_t>(kv_lo) * p.kv_stride,
+                  p.kv_stride, q_end - kv_lo);
+  __pipeline_commit();
+  LoadBias<T>(p, h, bias_at);
+  __pipeline_wait_prior(0);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  const Lanes l(threadIdx.x % 32);
+  const int r0 = i0 + kTile * warp;
+  if (r0 >= S) return;  // S is a multiple of 16: a tile is all inside or all past it
+  uint32_t a_q[D / kTile][4];
+#pragma unroll
+  for (int kk = 0; kk < D / kTile; ++kk) {
+    LoadMatrices(a_q[kk], q_stage + (kTile * warp + l.a_row) * kLdm + kk * kTile + l.a_col);
+  }
+  float o[D / 8][4] = {};
+  float row_max[2] = {kNegInf, kNegInf};
+  float row_sum[2] = {0.0f, 0.0f};  // this lane's columns; the quad's sum at the end
+  // Offset 0 holds each row's diagonal: every row's maximum is finite after it.
+  for (int m = 0; m < offsets && kTile * m <= r0; ++m) {
+    const int key_row = kTile * (warp - m + offsets - 1);  // in the stage
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / kTile; ++kk) {
+      uint32_t b_k[4];
+      LoadMatrices(b_k, k_stage + (key_row + l.b_row) * kLdm + kk * kTile + l.b_col);
+      MmaAccumulate<T>(s[0], a_q[kk], b_k[0], b_k[1]);
+      MmaAccumulate<T>(s[1], a_q[kk], b_k[2], b_k[3]);
+    }
+    float tile_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int dist = kTile * m + l.g + 8 * (e >> 1) - (8 * nb + 2 * l.qd + (e & 1));
+        s[nb][e] = dist >= 0 && dist < W ? s[nb][e] * p.scale + bias_at[dist] : kNegInf;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nb][e]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      tile_max[hi] = fmaxf(tile_max[hi], __shfl_xor_sync(0xffffffffu, tile_max[hi], 1));
+      tile_max[hi] = fmaxf(tile_max[hi], __shfl_xor_sync(0xffffffffu, tile_max[hi], 2));
+      const float new_max = fmaxf(row_max[hi], tile_max[hi]);
+      alpha[hi] = __expf(row_max[hi] - new_max);  // 0 on the first tile
+      row_max[hi] = new_max;
+      row_sum[hi] *= alpha[hi];
+    }
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nb][e] = __expf(s[nb][e] - row_max[e >> 1]);  // masked: exp(-inf) = 0
+        row_sum[e >> 1] += s[nb][e];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    uint32_t a_p[4];
+    AsOperandA<T>(s, 1.0f, a_p);
+#pragma unroll
+    for (int dd = 0; dd < D / kTile; ++dd) {
+      uint32_t b_v[4];
+      LoadMatricesTransposed(b_v, v_stage + (key_row + l.a_row) * kLdm + dd * kTile + l.a_col);
+      MmaAccumulate<T>(o[2 * dd], a_p, b_v[0], b_v[1]);
+      MmaAccumulate<T>(o[2 * dd + 1], a_p, b_v[2], b_v[3]);
+    }
+  }
+
+  // Merge with the far part: out = w_far * out_far + w_band * o / row_sum,
+  // the weights each part's share of the merged log-sum-exp.
+  const int64_t row_base = (static_cast<int64_t>(b) * p.heads + h) * S;
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * S * p.o_stride + h * D;
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
+    row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
+    const int i = r0 + l.g + 8 * hi;
+    const float lse_band = row_max[hi] + logf(row_sum[hi]);
+    const bool far = p.far_lse != nullptr && i >= W;
+    float lse = lse_band, w_far = 0.0f, w_band = 1.0f / row_sum[hi];
+    if (far) {
+      const float lse_far =
+          p.far_lse[(static_cast<int64_t>(b) * p.heads + h) * (S - W) + (i - W)] + bias_at[W];
+      const float top = fmaxf(lse_far, lse_band);
+      lse = top + logf(expf(lse_far - top) + expf(lse_band - top));
+      w_far = expf(lse_far - lse);
+      w_band = expf(lse_band - lse) / row_sum[hi];
+    }
+    T* row = out + static_cast<int64_t>(i) * p.o_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      uint32_t* at = reinterpret_cast<uint32_t*>(row + 8 * n + 2 * l.qd);
+      float x0 = o[n][2 * hi] * w_band, x1 = o[n][2 * hi + 1] * w_band;
+      if (far) {
+        float f0, f1;
+        UnpackPair<T>(*at, &f0, &f1);
+        x0 += w_far * f0;
+        x1 += w_far * f1;
+      }
+      *at = PackPair<T>(x0, x1);
+    }
+    if (l.qd == 0) p.lse[row_base + i] = lse;
+  }
+}
+
+// The far part's stats for cuDNN's backward: lse - c_h on rows W.. (its
+// recomputed exp(S - stats) is then the merged softmax on the far keys).
+template <typename T>
+__global__ void FarStatsKernel(SplitParams p, float* far_stats, int64_t count) {
+  const int64_t far_rows = p.seq - p.band;
+  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < count;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t plane = x / far_rows, r = x % far_rows;  // plane = b * H + h
+    const int h = static_cast<int>(plane % p.heads);
+    far_stats[x] = p.lse[plane * p.seq + p.band + r] - BiasAtDistance<T>(p.bias, h, p.seq, p.band);
+  }
+}
+
+// ---- backward, per query tile: dq and the table's gradient -------------------
+// A block takes 128 queries of one (batch, head), a warp one 16-row tile,
+// and walks the key tiles its band reaches: S = q k^T and dP = dout v^T, dS =
+// P (dP - delta) in f32, dq += dS k scale. dS's diagonals go through the
+// warp's own staged rows (free once its fragments are in registers) into
+// per-distance sums; the block's sums, in warp order, become one partial row
+// of dtable, which the head's last block folds (relative_bias_grad.cu's
+// SumHeadTable). Each row's delta is written for the key kernel.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
+    RelativeBandQueryGradKernel(SplitParams p) {
+  __shared__ float bias_at[kRelativeBandMax + 1];
+  __shared__ float row_lse[kBlockRows];
+  __shared__ float row_delta[kBlockRows];
+  __shared__ float warp_far[kWarps];
+  extern __shared__ __align__(128) unsigned char stage_bytes[];
+  constexpr int kLdm = D + kStagePad;
+  const int W = p.band, S = p.seq, offsets = Offsets(W);
+  T* q_stage = reinterpret_cast<T*>(stage_bytes);
+  T* dout_stage = q_stage + kBlockRows * kLdm;
+  T* k_stage = dout_stage + kBlockRows * kLdm;
+  T* v_stage = k_stage + ReachRows(W) * kLdm;
+
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int i0 = tile * kBlockRows;
+  const int64_t q_base = static_cast<int64_t>(b) * S * p.q_stride + h * D;
+  const int64_t kv_base = static_cast<int64_t>(b) * S * p.kv_stride + h * D;
+  const int64_t o_base = static_cast<int64_t>(b) * S * p.o_stride + h * D;
+  const T* q = static_cast<const T*>(p.q) + q_base;
+  const T* k = static_cast<const T*>(p.k) + kv_base;
+  const T* v = static_cast<const T*>(p.v) + kv_base;
+  const T* out = static_cast<const T*>(p.out) + o_base;
+  const T* dout = static_cast<const T*>(p.dout) + o_base;
+  const int key0 = i0 - kTile * (offsets - 1);
+  const int q_end = min(S, i0 + kBlockRows);
+  const int kv_lo = max(0, key0);
+  StageRows<T, D>(q_stage, q + static_cast<int64_t>(i0) * p.q_stride, p.q_stride, q_end - i0);
+  StageRows<T, D>(dout_stage, dout + static_cast<int64_t>(i0) * p.o_stride, p.o_stride,
+                  q_end - i0);
+  StageRows<T, D>(k_stage + (kv_lo - key0) * kLdm, k + static_cast<int64_t>(kv_lo) * p.kv_stride,
+                  p.kv_stride, q_end - kv_lo);
+  StageRows<T, D>(v_stage + (kv_lo - key0) * kLdm, v + static_cast<int64_t>(kv_lo) * p.kv_stride,
+                  p.kv_stride, q_end - kv_lo);
+  __pipeline_commit();
+
+  // Each row's lse and delta = rowsum(dout * out): two threads a row.
+  const int64_t row_base = (static_cast<int64_t>(b) * p.heads + h) * S;
+  {
+    const int r = threadIdx.x / 2, i = i0 + r;
+    const float part = band::RowDelta<T, D>(out, dout, p.o_stride, i, S);
+    if (threadIdx.x % 2 == 0) {
+      row_delta[r] = part;
+      row_lse[r] = i < S ? p.lse[row_base + i] : 0.0f;
+      if (i < S) p.delta[row_base + i] = part;
+    }
+  }
+  LoadBias<T>(p, h, bias_at);
+  __pipeline_wait_prior(0);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Lanes l(lane);
+  const int r0 = i0 + kTile * warp;
+  const bool active = r0 < S;
+  const T* q_tile = q_stage + (kTile * warp + l.a_row) * kLdm + l.a_col;
+  const T* dout_tile = dout_stage + (kTile * warp + l.a_row) * kLdm + l.a_col;
+  uint32_t a_q[D / kTile][4], a_dout[D / kTile][4];
+#pragma unroll
+  for (int kk = 0; kk < D / kTile; ++kk) {
+    LoadMatrices(a_q[kk], q_tile + kk * kTile);
+    LoadMatrices(a_dout[kk], dout_tile + kk * kTile);
+  }
+  __syncwarp();
+  // The warp's own staged rows, now free: dS of one pair [16][17] (padded:
+  // the diagonals' reads in distinct banks), and the per-distance sums.
+  float* pair = reinterpret_cast<float*>(q_stage + kTile * warp * kLdm);
+  float* dist_sums = reinterpret_cast<float*>(dout_stage + kTile * warp * kLdm);
+  static_assert(kTile * (kTile + 1) * sizeof(float) <= kTile * (32 + kStagePad) * sizeof(uint16_t),
+                "a pair's dS fits the warp's staged q rows");
+  static_assert(kRelativeBandMax * sizeof(float) <= kTile * (32 + kStagePad) * sizeof(uint16_t),
+                "the distances' sums fit the warp's staged dout rows");
+  for (int d = lane; d < kRelativeBandMax; d += 32) dist_sums[d] = 0.0f;
+  const int local = kTile * warp + l.g;
+  const float lse[2] = {row_lse[local], row_lse[local + 8]};
+  const float delta[2] = {row_delta[local], row_delta[local + 8]};
+  const bool has_far[2] = {r0 + l.g >= W, r0 + l.g + 8 >= W};
+  float dq[D / 8][4] = {};
+  float far = 0.0f;  // minus the far bucket's share: the band's dS of rows i >= W
+  for (int m = 0; active && m < offsets && kTile * m <= r0; ++m) {
+    const int key_row = kTile * (warp - m + offsets - 1);
+    float s[2][4] = {}, ds[2][4] = {};  // S = q k^T; dP = dout v^T, then dS in place
+    band::TwoTileProducts<T, D>(a_q, k_stage + key_row * kLdm, a_dout, v_stage + key_row * kLdm,
+                                l, s, ds);
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hi = e >> 1, r = l.g + 8 * hi, c = 8 * nb + 2 * l.qd + (e & 1);
+        const int dist = kTile * m + r - c;
+        const bool in_band = dist >= 0 && dist < W;
+        const float prob =
+            in_band ? __expf(s[nb][e] * p.scale + bias_at[in_band ? dist : 0] - lse[hi]) : 0.0f;
+        ds[nb][e] = prob * (ds[nb][e] - delta[hi]);
+        if (has_far[hi]) far -= ds[nb][e];
+        pair[r * (kTile + 1) + c] = ds[nb][e];
+      }
+    }
+    __syncwarp();
+    // Diagonal r - c = lane - 15 of the pair: distance 16 m + lane - 15.
+    if (lane < 2 * kTile - 1) {
+      const int diag = lane - (kTile - 1), dist = kTile * m + diag;
+      if (dist >= 0 && dist < W) {
+        float sum = 0.0f;
+        for (int r = max(0, diag); r < min(kTile, kTile + diag); ++r) {
+          sum += pair[r * (kTile + 1) + r - diag];
+        }
+        dist_sums[dist] += sum;
+      }
+    }
+    __syncwarp();
+    uint32_t a_ds[4];
+    AsOperandA<T>(ds, p.scale, a_ds);
+#pragma unroll
+    for (int dd = 0; dd < D / kTile; ++dd) {
+      uint32_t b_k[4];
+      LoadMatricesTransposed(b_k, k_stage + (key_row + l.a_row) * kLdm + dd * kTile + l.a_col);
+      MmaAccumulate<T>(dq[2 * dd], a_ds, b_k[0], b_k[1]);
+      MmaAccumulate<T>(dq[2 * dd + 1], a_ds, b_k[2], b_k[3]);
+    }
+  }
+  // dq: the band's, added to cuDNN's far rows (i >= W) where there are any.
+  if (active) {
+    T* dq_rows = static_cast<T*>(p.dq) + q_base;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int i = r0 + l.g + 8 * hi;
+      const bool add = p.far_lse != nullptr && i >= W;
+      T* row = dq_rows + static_cast<int64_t>(i) * p.q_stride;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        uint32_t* at = reinterpret_cast<uint32_t*>(row + 8 * n + 2 * l.qd);
+        float x0 = dq[n][2 * hi], x1 = dq[n][2 * hi + 1];
+        if (add) {
+          float f0, f1;
+          UnpackPair<T>(*at, &f0, &f1);
+          x0 += f0;
+          x1 += f1;
+        }
+        *at = PackPair<T>(x0, x1);
+      }
+    }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) far += __shfl_xor_sync(0xffffffffu, far, offset);
+  if (lane == 0) warp_far[warp] = far;
+  __syncthreads();
+  float* sums = p.partial + ((static_cast<int64_t>(b) * p.heads + h) * p.tiles + tile) * (W + 1);
+  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      sum += reinterpret_cast<const float*>(dout_stage + kTile * w * kLdm)[d];
+    }
+    sums[d] = sum;
+  }
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) sum += warp_far[w];
+    sums[W] = sum;
+  }
+  // The head's last block to finish sums its dtable column.
+  if (p.heads_done == nullptr || !band::LastBlockOfHead(p.heads_done, h)) return;
+  // The staged k rows are free now (the distance sums live in dout's).
+  float* split_sums = reinterpret_cast<float*>(k_stage);
+  int32_t* bucket_at =
+      reinterpret_cast<int32_t*>(split_sums + band::kTableSplit * (kRelativeBandMax + 1));
+  static_assert(band::kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
+                    kBlockRows * (32 + kStagePad) * sizeof(uint16_t) / sizeof(float),
+                "the staged k rows hold the table's sums");
+  band::SumHeadTable(p.partial, p.buckets, p.dtable, static_cast<int>(gridDim.z), p.heads,
+                     p.tiles, S, W, p.num_buckets, h, split_sums, bucket_at);
+  if (threadIdx.x == 0) p.heads_done[h] = 0;  // the next launch on this stream sees it
+}
+
+// ---- backward, per key tile: dk and dv --------------------------------------
+// A block takes 128 keys of one (batch, head), a warp one 16-key tile, and
+// walks the query tiles whose band reaches it: S^T = k q^T, dP^T = v dout^T,
+// P^T and dS^T from the query rows' lse and delta, dv += P^T dout, dk +=
+// dS^T q scale; then dk and dv added to cuDNN's far rows (j < S - W).
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
+    RelativeBandKeyGradKernel(SplitParams p) {
+  __shared__ float bias_at[kRelativeBandMax + 1];
+  __shared__ float row_lse[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
+  __shared__ float row_delta[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
+  extern __shared__ __align__(128) unsigned char stage_bytes[];
+  constexpr int kLdm = D + kStagePad;
+  const int W = p.band, S = p.seq, offsets = Offsets(W);
+  T* k_stage = reinterpret_cast<T*>(stage_bytes);
+  T* v_stage = k_stage + kBlockRows * kLdm;
+  T* q_stage = v_stage + kBlockRows * kLdm;
+  T* dout_stage = q_stage + ReachRows(W) * kLdm;
+
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int c0 = tile * kBlockRows;
+  const int64_t q_base = static_cast<int64_t>(b) * S * p.q_stride + h * D;
+  const int64_t kv_base = static_cast<int64_t>(b) * S * p.kv_stride + h * D;
+  const int64_t o_base = static_cast<int64_t>(b) * S * p.o_stride + h * D;
+  const int k_end = min(S, c0 + kBlockRows);
+  const int q_end = min(S, c0 + ReachRows(W));  // the queries whose band reaches these keys
+  StageRows<T, D>(k_stage, static_cast<const T*>(p.k) + kv_base + static_cast<int64_t>(c0) * p.kv_stride,
+                  p.kv_stride, k_end - c0);
+  StageRows<T, D>(v_stage, static_cast<const T*>(p.v) + kv_base + static_cast<int64_t>(c0) * p.kv_stride,
+                  p.kv_stride, k_end - c0);
+  StageRows<T, D>(q_stage, static_cast<const T*>(p.q) + q_base + static_cast<int64_t>(c0) * p.q_stride,
+                  p.q_stride, q_end - c0);
+  StageRows<T, D>(dout_stage,
+                  static_cast<const T*>(p.dout) + o_base + static_cast<int64_t>(c0) * p.o_stride,
+                  p.o_stride, q_end - c0);
+  __pipeline_commit();
+  const int64_t row_base = (static_cast<int64_t>(b) * p.heads + h) * S;
+  for (int r = threadIdx.x; r < q_end - c0; r += blockDim.x) {
+    row_lse[r] = p.lse[row_base + c0 + r];
+    row_delta[r] = p.delta[row_base + c0 + r];
+  }
+  LoadBias<T>(p, h, bias_at);
+  __pipeline_wait_prior(0);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  const Lanes l(threadIdx.x % 32);
+  const int j0 = c0 + kTile * warp;
+  if (j0 >= S) return;
+  uint32_t a_k[D / kTile][4], a_v[D / kTile][4];
+#pragma unroll
+  for (int kk = 0; kk < D / kTile; ++kk) {
+    LoadMatrices(a_k[kk], k_stage + (kTile * warp + l.a_row) * kLdm + kk * kTile + l.a_col);
+    LoadMatrices(a_v[kk], v_stage + (kTile * warp + l.a_row) * kLdm + kk * kTile + l.a_col);
+  }
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int m = 0; m < offsets && j0 + kTile * m < S; ++m) {
+    const int query_row = kTile * (warp + m);  // in the stage
+    float st[2][4] = {}, dst[2][4] = {};  // S^T = k q^T; dP^T = v dout^T
+    band::TwoTileProducts<T, D>(a_k, q_stage + query_row * kLdm, a_v,
+                                dout_stage + query_row * kLdm, l, st, dst);
+    // Element (r, c): key j0 + r, query j0 + 16 m + c, at distance 16 m + c - r.
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = l.g + 8 * (e >> 1), c = 8 * nb + 2 * l.qd + (e & 1);
+        const int dist = kTile * m + c - r;
+        const bool in_band = dist >= 0 && dist < W;
+        const int query = query_row + c;
+        const float prob =
+            in_band ? __expf(st[nb][e] * p.scale + bias_at[in_band ? dist : 0] - row_lse[query])
+                    : 0.0f;
+        st[nb][e] = prob;
+        dst[nb][e] = prob * (dst[nb][e] - row_delta[query]);
+      }
+    }
+    uint32_t a_p[4], a_ds[4];
+    AsOperandA<T>(st, 1.0f, a_p);
+    AsOperandA<T>(dst, p.scale, a_ds);
+#pragma unroll
+    for (int dd = 0; dd < D / kTile; ++dd) {
+      uint32_t b_dout[4], b_q[4];
+      LoadMatricesTransposed(b_dout,
+                             dout_stage + (query_row + l.a_row) * kLdm + dd * kTile + l.a_col);
+      LoadMatricesTransposed(b_q, q_stage + (query_row + l.a_row) * kLdm + dd * kTile + l.a_col);
+      MmaAccumulate<T>(dv[2 * dd], a_p, b_dout[0], b_dout[1]);
+      MmaAccumulate<T>(dv[2 * dd + 1], a_p, b_dout[2], b_dout[3]);
+      MmaAccumulate<T>(dk[2 * dd], a_ds, b_q[0], b_q[1]);
+      MmaAccumulate<T>(dk[2 * dd + 1], a_ds, b_q[2], b_q[3]);
+    }
+  }
+  T* dk_rows = static_cast<T*>(p.dk) + kv_base;
+  T* dv_rows = static_cast<T*>(p.dv) + kv_base;
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    const int j = j0 + l.g + 8 * hi;
+    const bool add = p.far_lse != nullptr && j < S - W;
+    const int64_t at_row = static_cast<int64_t>(j) * p.kv_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      uint32_t* at_k = reinterpret_cast<uint32_t*>(dk_rows + at_row + 8 * n + 2 * l.qd);
+      uint32_t* at_v = reinterpret_cast<uint32_t*>(dv_rows + at_row + 8 * n + 2 * l.qd);
+      float k0 = dk[n][2 * hi], k1 = dk[n][2 * hi + 1];
+      float v0 = dv[n][2 * hi], v1 = dv[n][2 * hi + 1];
+      if (add) {
+        float f0, f1;
+        UnpackPair<T>(*at_k, &f0, &f1);
+        k0 += f0;
+        k1 += f1;
+        UnpackPair<T>(*at_v, &f0, &f1);
+        v0 += f0;
+        v1 += f1;
+      }
+      *at_k = PackPair<T>(k0, k1);
+      *at_v = PackPair<T>(v0, v1);
+    }
+  }
+}
+
+// ---- launches -----------------------------------------------------------------
+// The kernels' static shared memory counts against the default 48 KiB too:
+// at most this much (the key kernel's rows' lse and delta, 2 KiB).
+constexpr size_t kStaticBytes = 4096;
+template <int D>
+size_t ForwardStageBytes(int band) {
+  return size_t{1} * (kBlockRows + 2 * ReachRows(band)) * (D + kStagePad) * sizeof(uint16_t);
+}
+template <int D>
+size_t BackwardStageBytes(int band) {
+  return size_t{2} * (kBlockRows + ReachRows(band)) * (D + kStagePad) * sizeof(uint16_t);
+}
+
+template <typename T, int D>
+absl::Status LaunchForward(CudaOps* ops, const SplitParams& p, int batch) {
+  const size_t stage = ForwardStageBytes<D>(p.band);
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandForwardKernel<T, D>,
+                                   stage + kStaticBytes,
+                                   "cudaFuncSetAttribute(RelativeBandForwardKernel)"));
+  RelativeBandForwardKernel<T, D>
+      <<<dim3(p.tiles, p.heads, batch), kWarps * 32, stage, ops->stream()>>>(p);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+template <typename T, int D>
+absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p, int batch) {
+  const size_t stage = BackwardStageBytes<D>(p.band);
+  // The static arrays count against the default 48 KiB too.
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandQueryGradKernel<T, D>,
+                                   stage + kStaticBytes,
+                                   "cudaFuncSetAttribute(RelativeBandQueryGradKernel)"));
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKeyGradKernel<T, D>, stage + kStaticBytes,
+                                   "cudaFuncSetAttribute(RelativeBandKeyGradKernel)"));
+  const dim3 grid(p.tiles, p.heads, batch);
+  RelativeBandQueryGradKernel<T, D><<<grid, kWarps * 32, stage, ops->stream()>>>(p);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  if (p.heads_done == nullptr) {
+    RETURN_IF_ERROR(LaunchRelativeBandTable(p.partial, p.buckets, p.dtable, batch, p.heads,
+                                            p.tiles, p.seq, p.band, p.num_buckets,
+                                            ops->stream()));
+  }
+  RelativeBandKeyGradKernel<T, D><<<grid, kWarps * 32, stage, ops->stream()>>>(p);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status ForHeadDim(CudaOps* ops, const SplitParams& p, int batch, int head_dim,
+                        bool backward) {
+  switch (head_dim) {
+    case 32: return backward ? LaunchBackward<T, 32>(ops, p, batch) : LaunchForward<T, 32>(ops, p, batch);
+    case 64: return backward ? LaunchBackward<T, 64>(ops, p, batch) : LaunchForward<T, 64>(ops, p, batch);
+    case 128: return backward ? LaunchBackward<T, 128>(ops, p, batch) : LaunchForward<T, 128>(ops, p, batch);
+    default: break;
+  }
+  return absl::UnimplementedError(absl::StrCat("head_dim ", head_dim, " (32, 64 or 128)"));
+}
+
+absl::Status Launch(CudaOps* ops, DType dtype, const SplitParams& p, int batch, int head_dim,
+                    bool backward) {
+  return dtype == DType::kBF16 ? ForHeadDim<__nv_bfloat16>(ops, p, batch, head_dim, backward)
+                               : ForHeadDim<__half>(ops, p, batch, head_dim, backward);
+}
+
+SplitParams MakeParams(const AttentionArgs& args, const AttentionShape& s, const QkvMemory& qkv,
+                       const BandBias& bias, int64_t band) {
+  SplitParams p = {};
+  p.q = qkv.q;
+  p.k = qkv.k;
+  p.v = qkv.v;
+  p.q_stride = qkv.q_token_stride;
+  p.kv_stride = qkv.kv_token_stride;
+  p.o_stride = s.q_heads * s.head_dim;
+  p.seq = static_cast<int>(s.q_seq);
+  p.heads = static_cast<int>(s.q_heads);
+  p.group = static_cast<int>(s.q_heads / s.kv_heads);
+  p.band = static_cast<int>(band);
+  p.tiles = static_cast<int>((s.q_seq + kBlockRows - 1) / kBlockRows);
+  p.scale = args.scale;
+  p.bias = bias;
+  return p;
+}
+
+// The far part's views: queries (and out, dout, dq) from row W, keys (and
+// dk, dv) up to row S - W, each inside the full sequence.
+struct FarViews {
+  AttentionShape shape;
+  QkvMemory qkv;
+  AttentionArgs args;
+  int64_t q_offset_bytes, o_offset_bytes;
+};
+FarViews MakeFarViews(const AttentionArgs& args, const AttentionShape& s, const QkvMemory& qkv,
+                      int64_t band) {
+  FarViews f;
+  f.shape = s;
+  f.shape.q_seq = f.shape.kv_seq = s.q_seq - band;
+  f.qkv = qkv;
+  f.qkv.batch_rows = s.q_seq;
+  const int64_t element = static_cast<int64_t>(DTypeSize(qkv.dtype));
+  f.q_offset_bytes = band * qkv.q_token_stride * element;
+  f.o_offset_bytes = band * s.q_heads * s.head_dim * element;
+  f.qkv.q = static_cast<const char*>(qkv.q) + f.q_offset_bytes;
+  f.args.mask = MaskType::kCausal;
+  f.args.scale = args.scale;
+  return f;
+}
+
+Tensor View(const void* data, int64_t offset_bytes, DType dtype, const Shape& shape) {
+  return Tensor(std::shared_ptr<void>(),
+                const_cast<char*>(static_cast<const char*>(data)) + offset_bytes, dtype, shape);
+}
+
+}  // namespace
+
+absl::Status RelativeSplitApplies(const AttentionArgs& args, const AttentionShape& s,
+                                  const QkvMemory& qkv, int64_t band, bool backward) {
+  if (GetAttentionPath() != AttentionPath::kAuto) {
+    return absl::UnimplementedError("cuDNN attention is switched off");
+  }
+  RelativeBuckets relative;
+  relative.uniform_from = band;
+  RETURN_IF_ERROR(RelativeBandApplies(args, s, qkv, relative));
+  if (args.mask != MaskType::kCausal && args.mask != MaskType::kCausalBottomRight) {
+    return absl::UnimplementedError("a padding mask");
+  }
+  if (backward && s.q_heads != s.kv_heads) {
+    return absl::UnimplementedError("GQA (the key kernel takes one head's queries)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RelativeSplitForward(CudaOps* ops, const AttentionArgs& args,
+                                  const AttentionShape& s, const QkvMemory& qkv,
+                                  const BandBias& bias, int64_t band, Tensor* out,
+                                  Tensor* softmax_lse) {
+  RETURN_IF_ERROR(RelativeSplitApplies(args, s, qkv, band, /*backward=*/false));
+  if (out->dtype() != qkv.dtype) return absl::UnimplementedError("out not in q's dtype");
+  SplitParams p = MakeParams(args, s, qkv, bias, band);
+  p.out = out->data();
+  p.lse = softmax_lse->data_as<float>();
+  Tensor far_lse;
+  if (s.q_seq > band) {
+    const FarViews f = MakeFarViews(args, s, qkv, band);
+    ASSIGN_OR_RETURN(far_lse,
+                     ops->Allocate(DType::kF32, {s.batch, s.q_heads, f.shape.q_seq}));
+    Tensor far_out = View(out->data(), f.o_offset_bytes, out->dtype(),
+                          {s.batch, f.shape.q_seq, s.q_heads, s.head_dim});
+    RETURN_IF_ERROR(CudnnAttentionForward(ops, f.args, f.shape, f.qkv, &far_out, &far_lse));
+    p.far_lse = far_lse.data_as<const float>();
+  }
+  return Launch(ops, qkv.dtype, p, static_cast<int>(s.batch), static_cast<int>(s.head_dim),
+                /*backward=*/false);
+}
+
+absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
+                                   const AttentionShape& s, const QkvMemory& qkv,
+                                   const Tensor& out, const Tensor& dout,
+                                   const Tensor& softmax_lse, const BandBias& bias,
+                                   const RelativeBuckets& relative, const DqkvMemory& grads,
+                                   Tensor* dtable) {
+  const int64_t band = relative.uniform_from;
+  RETURN_IF_ERROR(RelativeSplitApplies(args, s, qkv, band, /*backward=*/true));
+  if (out.dtype() != qkv.dtype || dout.dtype() != qkv.dtype || grads.dtype != qkv.dtype) {
+    return absl::UnimplementedError("out, dout or the gradients not in q's dtype");
+  }
+  if (dtable->dtype() != DType::kF32) return absl::UnimplementedError("dtable is not float32");
+  // The kernels read out's and dout's rows 16 bytes at a time.
+  for (const void* rows : {out.data(), dout.data(), grads.dq, grads.dk, grads.dv}) {
+    if (reinterpret_cast<uintptr_t>(rows) % 16 != 0) {
+      return absl::UnimplementedError("out, dout or a gradient not 16-byte aligned");
+    }
+  }
+  SplitParams p = MakeParams(args, s, qkv, bias, band);
+  p.out = const_cast<void*>(out.data());
+  p.dout = dout.data();
+  p.lse = const_cast<float*>(softmax_lse.data_as<float>());
+  p.dq = grads.dq;
+  p.dk = grads.dk;
+  p.dv = grads.dv;
+  if (s.q_seq > band) {
+    const FarViews f = MakeFarViews(args, s, qkv, band);
+    ASSIGN_OR_RETURN(const Tensor far_stats,
+                     ops->Allocate(DType::kF32, {s.batch, s.q_heads, f.shape.q_seq}));
+    const int64_t count = far_stats.numel();
+    const int threads = 256;
+    const int blocks = static_cast<int>(std::min<int64_t>((count + threads - 1) / threads, 4096));
+    if (qkv.dtype == DType::kBF16) {
+      FarStatsKernel<__nv_bfloat16><<<blocks, threads, 0, ops->stream()>>>(
+          p, far_stats.data_as<float>(), count);
+    } else {
+      FarStatsKernel<__half><<<blocks, threads, 0, ops->stream()>>>(p, far_stats.data_as<float>(),
+                                                                  count);
+    }
+    CUDA_RETURN_IF_LAUNCH_ERROR();
+    const Shape rows = {s.batch, f.shape.q_seq, s.q_heads, s.head_dim};
+    const Tensor far_out = View(out.data(), f.o_offset_bytes, out.dtype(), rows);
+    const Tensor far_dout = View(dout.data(), f.o_offset_bytes, dout.dtype(), rows);
+    DqkvMemory far_grads = grads;
+    far_grads.dq = static_cast<char*>(grads.dq) + f.q_offset_bytes;
+    RETURN_IF_ERROR(CudnnAttentionBackward(ops, f.args, f.shape, f.qkv, far_out, far_dout,
+                                           far_stats, far_grads, /*dbias=*/nullptr));
+    p.far_lse = softmax_lse.data_as<float>();  // marks that cuDNN wrote the far rows
+  }
+  // Freed at return: the allocator orders their reuse after this stream's work.
+  ASSIGN_OR_RETURN(const Tensor delta, ops->Allocate(DType::kF32, {s.batch, s.q_heads, s.q_seq}));
+  ASSIGN_OR_RETURN(const Tensor partial,
+                   ops->Allocate(DType::kF32, {s.batch * s.q_heads * p.tiles, band + 1}));
+  p.delta = delta.data_as<float>();
+  p.partial = partial.data_as<float>();
+  p.buckets = relative.buckets.data_as<const int32_t>();
+  p.dtable = dtable->data_as<float>();
+  p.num_buckets = static_cast<int>(dtable->dim(1));
+  p.heads_done = p.heads <= kFoldGroups ? ops->fold_groups() : nullptr;
+  return Launch(ops, qkv.dtype, p, static_cast<int>(s.batch), static_cast<int>(s.head_dim),
+                /*backward=*/true);
+}
+
+}  // namespace cuda
+}  // namespace te
