@@ -544,6 +544,13 @@ class Ops {
   // "cpu" or "cuda:N".
   virtual std::string device_name() const = 0;
 
+  // Whether this backend applies a relative bias named by its table
+  // (AttentionArgs::relative_bias) without making [Hq, Sq, Skv] where the
+  // call allows (CUDA's far/band split, when switched on). A layer passes
+  // the table where it does, and otherwise makes the bias once and passes it
+  // made, so that the backward reads it rather than making it again.
+  virtual bool AppliesRelativeBiasByTable() const { return false; }
+
   // ---- memory -----------------------------------------------------------
   // Allocates uninitialised memory, accounted against this Ops' limit
   // (RESOURCE_EXHAUSTED when over it). Freed when the last Tensor sharing it

@@ -267,6 +267,8 @@ void SetRelativeSplit(bool on) { relative_split_on.store(on); }
 bool RelativeSplitOn() { return relative_split_on.load(); }
 int64_t DecodeAttentionCalls() { return decode_attention_calls.load(); }
 
+bool CudaOps::AppliesRelativeBiasByTable() const { return RelativeSplitOn(); }
+
 absl::Status CudaOps::AttentionForward(const AttentionArgs& args, const Tensor& q,
                                        const Tensor& k, const Tensor& v, Tensor* out,
                                        Tensor* softmax_lse) {

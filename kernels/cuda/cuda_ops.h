@@ -153,6 +153,7 @@ class CudaOps : public Ops {
   ~CudaOps() override;
 
   std::string device_name() const override;
+  bool AppliesRelativeBiasByTable() const override;
 
   absl::Status Upload(const void* src, Tensor* dst) override;
   absl::Status Download(const Tensor& src, void* dst) override;

@@ -163,16 +163,22 @@ class TransformerLayerImpl : public Layer {
                                         opts.decode_context));
     } else if (options_.relative_embedding) {
       ASSIGN_OR_RETURN(relative, buckets_.Relative(ops, seq, seq, opts.constants));
-      // The attention reads the parameter [H, NB] as it is (no transposed
-      // copy a layer) and applies it by distance where the backend can: the
-      // CUDA backend's split never makes [H, S, S]; the others make it.
-      ASSIGN_OR_RETURN(bias.relative.table, GetVariable(*vars, kRelEmbedding));
-      if (bias.relative.table.dtype() != DType::kF32 &&
-          bias.relative.table.dtype() != in.x.dtype()) {
-        ASSIGN_OR_RETURN(bias.relative.table, CastTo(ops, bias.relative.table, DType::kF32));
+      // The ops read the parameter [H, NB] as it is: no transposed copy a
+      // layer. Where the backend applies the bias by distance (CUDA's split)
+      // the attention gets the table and nothing [H, S, S] is made; else the
+      // bias is made once here, for the forward and the backward to read.
+      ASSIGN_OR_RETURN(const Tensor rel_embedding, GetVariable(*vars, kRelEmbedding));
+      if (ops.AppliesRelativeBiasByTable()) {
+        bias.relative.table = rel_embedding;
+        if (rel_embedding.dtype() != DType::kF32 && rel_embedding.dtype() != in.x.dtype()) {
+          ASSIGN_OR_RETURN(bias.relative.table, CastTo(ops, rel_embedding, DType::kF32));
+        }
+        bias.relative.buckets = relative.buckets;
+        bias.relative.uniform_from = relative.uniform_from;
+      } else {
+        ASSIGN_OR_RETURN(bias.made,
+                         RelativeBias(ops, rel_embedding, relative.buckets, in.x.dtype()));
       }
-      bias.relative.buckets = relative.buckets;
-      bias.relative.uniform_from = relative.uniform_from;
     }
     // A decoder's self-attention reads no mask: the request's is the
     // cross-attention's (encoder_decoder_mask).
@@ -181,7 +187,7 @@ class TransformerLayerImpl : public Layer {
     RETURN_IF_ERROR(Residual(ops, attention_, vars, in.x, self_mask, bias, Tensor(), step,
                              opts.decode, "hidden_dropout_0", keep ? &kept->attention : nullptr,
                              &kept->attention_dropout, &h));
-    if (keep && bias.relative.defined() && !opts.decode) {
+    if (keep && (bias.made.defined() || bias.relative.defined()) && !opts.decode) {
       // The backward then reduces the table's gradient, not the dense dbias.
       kept->attention.attention.relative = relative;
       kept->attention.attention.relative_num_buckets = kNumBuckets;
