@@ -673,10 +673,7 @@ absl::Status RelativeSplitApplies(const AttentionArgs& args, const AttentionShap
   }
   RelativeBuckets relative;
   relative.uniform_from = band;
-  RETURN_IF_ERROR(RelativeBandApplies(args, s, qkv, relative));
-  if (args.mask != MaskType::kCausal && args.mask != MaskType::kCausalBottomRight) {
-    return absl::UnimplementedError("a padding mask");
-  }
+  RETURN_IF_ERROR(RelativeBandApplies(args, s, qkv, relative));  // causal, no padding
   if (backward && s.q_heads != s.kv_heads) {
     return absl::UnimplementedError("GQA (the key kernel takes one head's queries)");
   }

@@ -189,24 +189,16 @@ bool WantsTableGrad(const AttentionSaved& saved, const Tensor* dbias) {
   return dbias != nullptr && HasBias(saved) && saved.relative.buckets.defined();
 }
 
-// The dbias a backward writes (f32, the bias's shape, or the relative table's
-// [H, num_buckets]); undefined without a bias.
-absl::StatusOr<Tensor> BiasGradFor(Ops& ops, const AttentionSaved& saved) {
-  if (!HasBias(saved)) return Tensor();
-  if (saved.relative.buckets.defined()) {
-    const int64_t num_buckets = saved.relative_num_buckets;
-    if (num_buckets <= 0) {
-      return absl::InternalError("attention: a relative bias's backward needs its bucket count");
-    }
-    const int64_t heads = saved.args.relative_bias.defined()
-                              ? saved.args.relative_bias.table.dim(0)
-                              : saved.args.bias.dim(0);
-    return ops.Allocate(DType::kF32, {heads, num_buckets});
+// The table's gradient a relative backward writes, f32 [H, num_buckets]
+// (WantsTableGrad holds).
+absl::StatusOr<Tensor> TableGradFor(Ops& ops, const AttentionSaved& saved) {
+  const int64_t num_buckets = saved.relative_num_buckets;
+  if (num_buckets <= 0) {
+    return absl::InternalError("attention: a relative bias's backward needs its bucket count");
   }
-  if (saved.args.relative_bias.defined()) {
-    return absl::InternalError("attention: a bias named by its table needs its buckets");
-  }
-  return ops.Allocate(DType::kF32, saved.args.bias.shape());
+  const int64_t heads = saved.args.relative_bias.defined() ? saved.args.relative_bias.table.dim(0)
+                                                           : saved.args.bias.dim(0);
+  return ops.Allocate(DType::kF32, {heads, num_buckets});
 }
 
 }  // namespace
@@ -335,7 +327,7 @@ absl::Status AttentionBackward(Ops& ops, const AttentionSaved& saved, const Tens
   ASSIGN_OR_RETURN(*dk, ops.Allocate(saved.k.dtype(), saved.k.shape()));
   ASSIGN_OR_RETURN(*dv, ops.Allocate(saved.v.dtype(), saved.v.shape()));
   if (WantsTableGrad(saved, dbias)) {
-    ASSIGN_OR_RETURN(*dbias, BiasGradFor(ops, saved));
+    ASSIGN_OR_RETURN(*dbias, TableGradFor(ops, saved));
     return ops.AttentionBackwardRelative(saved.args, saved.q, saved.k, saved.v, saved.out, grad,
                                          saved.softmax_lse, saved.relative, dq, dk, dv, dbias);
   }
@@ -401,7 +393,7 @@ absl::Status AttentionBackwardPacked(Ops& ops, const AttentionSaved& saved, cons
                    PrepareGradient(ops, dout, saved.out.shape(), saved.out.dtype()));
   ASSIGN_OR_RETURN(*dqkv, ops.Allocate(saved.qkv.dtype(), saved.qkv.shape()));
   if (WantsTableGrad(saved, dbias)) {
-    ASSIGN_OR_RETURN(*dbias, BiasGradFor(ops, saved));
+    ASSIGN_OR_RETURN(*dbias, TableGradFor(ops, saved));
     return ops.AttentionBackwardPackedRelative(saved.args, saved.qkv, saved.out, grad,
                                                saved.softmax_lse, saved.relative, dqkv, dbias);
   }
