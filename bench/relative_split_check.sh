@@ -10,12 +10,14 @@ set -u
 root="$(pwd)"; b=/tmp/b; out="${OUT:-/tmp/out}"; mkdir -p "$out"
 if [ ! -x "$b/run.sh" ]; then mkdir -p "$b"; xz -dc "$root/.gpubundle/gb.tar.xz" | tar -C "$b" -xf -; fi
 nvidia-smi --query-gpu=name --format=csv,noheader
+failed=0
 for t in relative_band_gpu_test layers_gpu_test attention_gpu_test; do
   start=$(date +%s)
   "$b/run.sh" $t >"$out/$t.txt" 2>&1; rc=$?
-  echo "$t: rc $rc, $(( $(date +%s) - start )) s"
+  echo "$t: rc $rc, $(( $(date +%s) - start )) s"; [ $rc = 0 ] || failed=1
   grep -E "^\[  (FAILED|PASSED) |Failure|rror|Expected|Which is|actual|\" (dq|dk|dv|dtable|out|lse)" "$out/$t.txt" | head -40
 done
+[ $failed = 0 ] || { echo "a GPU test failed: no LM run"; exit 1; }
 [ "${1:-}" = lm ] || [ "${1:-}" = quick ] || exit 0
 export TE_CLIENT_STUBS_DIR="$root/.gpubundle/proto"
 py=python3; $py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
