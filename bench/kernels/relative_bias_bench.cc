@@ -7,6 +7,8 @@
 //   attention fwd      cuDNN, without and with the bias
 //   attention bwd      the same, the table's gradient included (band kernel)
 //   band kernel        RelativeBandTableGrad alone
+//   split fwd, bwd     the far/band split: cuDNN bias-free on the far part, the
+//                      band by distance (relative_band_split.cu)
 //
 //   relative_bias_bench [--batch=8] [--seq=1024] [--heads=16] [--dim=64] [--reps=20]
 #include <cuda_runtime_api.h>
@@ -143,6 +145,28 @@ int Run(int64_t b, int64_t s, int64_t h, int64_t d, int reps) {
   });
   row("band kernel (table gradient)", band_ms,
       static_cast<double>(b * s * h * d * 2 * 5) / bandwidth * 1e3);
+
+  // The far/band split (relative_band_split.cu): the bias named by its table,
+  // applied by distance; nothing [H, S, S] made. Floors: the band kernels'
+  // bytes, each row of q, k, v, out and dout read once, out (forward), dq,
+  // dk and dv (backward) read and written once, on top of cuDNN's bias-free
+  // pass.
+  AttentionArgs by_table = plain;
+  by_table.relative_bias.table = table;
+  by_table.relative_bias.buckets = relative.buckets;
+  by_table.relative_bias.uniform_from = relative.uniform_from;
+  cuda::SetRelativeSplit(true);
+  const int64_t split_calls = cuda::RelativeSplitCalls();
+  const double fwd_split = forward(by_table);
+  const double bwd_split = backward(by_table, true);
+  cuda::SetRelativeSplit(false);
+  if (cuda::RelativeSplitCalls() == split_calls) {
+    std::printf("the split did not run\n");
+    return 1;
+  }
+  const double plane_ms = static_cast<double>(b * s * h * d * 2) / bandwidth * 1e3;
+  row("split fwd (cuDNN far + band)", fwd_split, fwd_plain + 5 * plane_ms);
+  row("split bwd (cuDNN far + band + table)", bwd_split, bwd_plain + 11 * plane_ms);
   return 0;
 }
 

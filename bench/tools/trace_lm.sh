@@ -13,7 +13,7 @@
 # Environment: TRACE_VARIANTS (default "bf16:on bf16:off delayed:off": recipe
 # and TE's relative bias), TRACE_SIZE (24x1024x16x1024x8), TRACE_STEPS (6),
 # TRACE_SPANS (4), TRACE_TIMELINE (1: also list the busiest reported step's device work in launch
-# order), TRACE_BY_KERNEL (6: each class's costliest kernels listed; every report also lists
+# order), TRACE_SERVER_FLAGS (more te_server flags, e.g. --relative_bias_split), TRACE_BY_KERNEL (6: each class's costliest kernels listed; every report also lists
 # the host calls of the last step's longest idle gap), PYTHON (python3: one
 # with grpc and numpy).
 set -uo pipefail
@@ -28,7 +28,7 @@ for variant in ${TRACE_VARIANTS:-bf16:on bf16:off delayed:off}; do
   CUDA_INJECTION64_PATH="$bundle/libkernel_trace.so" KERNEL_TRACE_OUT="$out/trace_lm_$tag.csv" \
     LD_LIBRARY_PATH="$bundle:${LD_LIBRARY_PATH:-}" "$bundle/run.sh" te_server --device=cuda:0 \
     --host=127.0.0.1 --port=0 --port_file="$pf" --log_level=warning \
-    --session_memory_bytes=$((96 << 30)) >"$out/server_lm_$tag.log" 2>&1 &
+    --session_memory_bytes=$((96 << 30)) ${TRACE_SERVER_FLAGS:-} >"$out/server_lm_$tag.log" 2>&1 &
   spid=$!
   for _ in $(seq 600); do [ -s "$pf" ] && break; sleep 0.1; done
   if [ ! -s "$pf" ]; then

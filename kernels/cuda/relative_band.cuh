@@ -219,18 +219,15 @@ __device__ __forceinline__ void TwoTileProducts(const uint32_t (*a_x)[4], const 
   }
 }
 
-// After each block of a (tiles, heads, batch) grid has written its partial
-// row: whether this block is its head's last to finish (the stream's group
-// counter for head h; the caller resets it once it has folded). Every
-// thread of the block calls it.
-__device__ __forceinline__ bool LastBlockOfHead(unsigned* heads_done, int h) {
+// After a block has written one of head h's `per_head` partial rows (one
+// per tile and batch): whether it was the head's last to be written (the
+// stream's group counter for head h; the caller resets it once it has
+// folded). Every thread of the block calls it.
+__device__ __forceinline__ bool LastBlockOfHead(unsigned* heads_done, int h, unsigned per_head) {
   __shared__ bool last_of_head;
   __threadfence();  // this block's sums land before its count
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned blocks = gridDim.x * gridDim.z;  // the head's tiles and batches
-    last_of_head = atomicAdd(&heads_done[h], 1u) == blocks - 1;
-  }
+  if (threadIdx.x == 0) last_of_head = atomicAdd(&heads_done[h], 1u) == per_head - 1;
   __syncthreads();
   if (last_of_head) __threadfence();  // every block's sums are in: read them after the count
   return last_of_head;

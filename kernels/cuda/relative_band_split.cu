@@ -86,6 +86,47 @@ struct SplitParams {
 
 constexpr float kNegInf = -INFINITY;
 
+// ---- the work loop ------------------------------------------------------------
+// Each kernel is persistent: its grid is the blocks the device holds at once,
+// each walking work items (tile, head, batch), tile fastest, so the blocks in
+// flight share their heads' band rows in L2. Where two items' rows fit in
+// shared memory (D <= 64) a block stages the next item's rows while it
+// computes one: memory stays busy through the compute, where a block that
+// loaded, then computed, left it idle half the time.
+template <int D>
+constexpr int kBuffers = D <= 64 ? 2 : 1;
+
+struct Item {
+  int tile, h, b;
+};
+__device__ __forceinline__ Item ItemAt(int n, int tiles, int heads) {
+  return Item{n % tiles, (n / tiles) % heads, n / (tiles * heads)};
+}
+
+// stage(n, buffer) issues item n's asynchronous copies into `buffer`;
+// compute(n, buffer) works on them once they have landed. Every thread of
+// the block calls it, and both may synchronise the block.
+template <int Buffers, typename Stage, typename Compute>
+__device__ __forceinline__ void ForEachItem(int items, Stage stage, Compute compute) {
+  int buffer = 0;
+  if (Buffers > 1 && static_cast<int>(blockIdx.x) < items) stage(blockIdx.x, 0);
+  __pipeline_commit();
+  for (int n = blockIdx.x; n < items; n += gridDim.x) {
+    const int next = n + gridDim.x;
+    if (Buffers == 1) {
+      stage(n, 0);
+    } else if (next < items) {
+      stage(next, buffer ^ 1);  // the buffer item n - gridDim.x used: released below
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(Buffers - 1);
+    __syncthreads();
+    compute(n, buffer);
+    __syncthreads();
+    buffer = (buffer + 1) % Buffers;
+  }
+}
+
 // The bias at distances 0..W (W: the far keys' c_h) into shared memory.
 template <typename T>
 __device__ __forceinline__ void LoadBias(const SplitParams& p, int h, float* bias_at) {
@@ -95,28 +136,28 @@ __device__ __forceinline__ void LoadBias(const SplitParams& p, int h, float* bia
 }
 
 // ---- forward ----------------------------------------------------------------
-// A block takes 128 queries of one (batch, head), a warp one 16-row tile: an
+// An item is 128 queries of one (batch, head), a warp one 16-row tile: an
 // online softmax over the key tiles its band reaches (the bias looked up by
 // distance, keys outside the band masked), P V on tensor cores, then the
 // merge with cuDNN's far rows.
-template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
-    RelativeBandForwardKernel(SplitParams p) {
-  __shared__ float bias_at[kRelativeBandMax + 1];
-  extern __shared__ __align__(128) unsigned char stage_bytes[];
-  constexpr int kLdm = D + kStagePad;
-  const int W = p.band, S = p.seq, offsets = Offsets(W);
-  T* q_stage = reinterpret_cast<T*>(stage_bytes);
-  T* k_stage = q_stage + kBlockRows * kLdm;
-  T* v_stage = k_stage + ReachRows(W) * kLdm;
+template <int D>
+__host__ __device__ constexpr int ForwardStageElements(int band) {
+  return (kBlockRows + 2 * ReachRows(band)) * (D + kStagePad);
+}
 
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int i0 = tile * kBlockRows;
-  const T* q = static_cast<const T*>(p.q) + static_cast<int64_t>(b) * S * p.q_stride + h * D;
-  const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(b) * S * p.kv_stride + hk * D;
-  const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(b) * S * p.kv_stride + hk * D;
-  // Stage row 0 is key0, the band's reach behind i0; rows before the
-  // sequence are not loaded, and no tile reads them.
+// Stage row 0 of k and v is key0, the band's reach behind i0; rows before
+// the sequence are not loaded, and no tile reads them.
+template <typename T, int D>
+__device__ __forceinline__ void StageForward(const SplitParams& p, const Item& it, T* stage) {
+  constexpr int kLdm = D + kStagePad;
+  const int S = p.seq, offsets = Offsets(p.band);
+  T* q_stage = stage;
+  T* k_stage = q_stage + kBlockRows * kLdm;
+  T* v_stage = k_stage + ReachRows(p.band) * kLdm;
+  const int hk = it.h / p.group, i0 = it.tile * kBlockRows;
+  const T* q = static_cast<const T*>(p.q) + static_cast<int64_t>(it.b) * S * p.q_stride + it.h * D;
+  const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(it.b) * S * p.kv_stride + hk * D;
+  const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(it.b) * S * p.kv_stride + hk * D;
   const int key0 = i0 - kTile * (offsets - 1);
   const int q_end = min(S, i0 + kBlockRows);
   const int kv_lo = max(0, key0);
@@ -125,14 +166,20 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
                   p.kv_stride, q_end - kv_lo);
   StageRows<T, D>(v_stage + (kv_lo - key0) * kLdm, v + static_cast<int64_t>(kv_lo) * p.kv_stride,
                   p.kv_stride, q_end - kv_lo);
-  __pipeline_commit();
-  LoadBias<T>(p, h, bias_at);
-  __pipeline_wait_prior(0);
-  __syncthreads();
+}
 
+template <typename T, int D>
+__device__ __forceinline__ void ForwardItem(const SplitParams& p, const Item& it, const T* stage,
+                                            const float* bias_at) {
+  constexpr int kLdm = D + kStagePad;
+  const int W = p.band, S = p.seq, offsets = Offsets(W);
+  const T* q_stage = stage;
+  const T* k_stage = q_stage + kBlockRows * kLdm;
+  const T* v_stage = k_stage + ReachRows(W) * kLdm;
+  const int h = it.h, b = it.b;
   const int warp = threadIdx.x / 32;
   const Lanes l(threadIdx.x % 32);
-  const int r0 = i0 + kTile * warp;
+  const int r0 = it.tile * kBlockRows + kTile * warp;
   if (r0 >= S) return;  // S is a multiple of 16: a tile is all inside or all past it
   uint32_t a_q[D / kTile][4];
 #pragma unroll
@@ -236,6 +283,26 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
   }
 }
 
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    RelativeBandForwardKernel(SplitParams p, int items) {
+  __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
+  extern __shared__ __align__(128) unsigned char stage_bytes[];
+  T* stages = reinterpret_cast<T*>(stage_bytes);
+  const int per_buffer = ForwardStageElements<D>(p.band);
+  ForEachItem<kBuffers<D>>(
+      items,
+      [&](int n, int buffer) {
+        const Item it = ItemAt(n, p.tiles, p.heads);
+        StageForward<T, D>(p, it, stages + buffer * per_buffer);
+        LoadBias<T>(p, it.h, bias_at[buffer]);
+      },
+      [&](int n, int buffer) {
+        ForwardItem<T, D>(p, ItemAt(n, p.tiles, p.heads), stages + buffer * per_buffer,
+                          bias_at[buffer]);
+      });
+}
+
 // The far part's stats for cuDNN's backward: lse - c_h on rows W.. (its
 // recomputed exp(S - stats) is then the merged softmax on the far keys).
 template <typename T>
@@ -249,35 +316,41 @@ __global__ void FarStatsKernel(SplitParams p, float* far_stats, int64_t count) {
   }
 }
 
+// Both backward kernels stage 128 rows of two tensors and the band's reach
+// of two others.
+template <int D>
+__host__ __device__ constexpr int BackwardStageElements(int band) {
+  return 2 * (kBlockRows + ReachRows(band)) * (D + kStagePad);
+}
+
 // ---- backward, per query tile: dq and the table's gradient -------------------
-// A block takes 128 queries of one (batch, head), a warp one 16-row tile,
-// and walks the key tiles its band reaches: S = q k^T and dP = dout v^T, dS =
+// An item is 128 queries of one (batch, head), a warp one 16-row tile, which
+// walks the key tiles its band reaches: S = q k^T and dP = dout v^T, dS =
 // P (dP - delta) in f32, dq += dS k scale. dS's diagonals go through the
 // warp's own staged rows (free once its fragments are in registers) into
-// per-distance sums; the block's sums, in warp order, become one partial row
-// of dtable, which the head's last block folds (relative_bias_grad.cu's
+// per-distance sums; the item's sums, in warp order, become one partial row
+// of dtable, which the head's last item folds (relative_bias_grad.cu's
 // SumHeadTable). Each row's delta is written for the key kernel.
+struct QueryRows {  // one buffer's: each staged query row's lse and delta
+  float lse[kBlockRows];
+  float delta[kBlockRows];
+};
+
+// The rows' copies, and their lse and delta (delta = rowsum(dout * out)
+// read here, two threads a row: these loads overlap the staged copies).
 template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
-    RelativeBandQueryGradKernel(SplitParams p) {
-  __shared__ float bias_at[kRelativeBandMax + 1];
-  __shared__ float row_lse[kBlockRows];
-  __shared__ float row_delta[kBlockRows];
-  __shared__ float warp_far[kWarps];
-  extern __shared__ __align__(128) unsigned char stage_bytes[];
+__device__ __forceinline__ void StageQueryGrad(const SplitParams& p, const Item& it, T* stage,
+                                               QueryRows* rows) {
   constexpr int kLdm = D + kStagePad;
-  const int W = p.band, S = p.seq, offsets = Offsets(W);
-  T* q_stage = reinterpret_cast<T*>(stage_bytes);
+  const int S = p.seq, offsets = Offsets(p.band);
+  T* q_stage = stage;
   T* dout_stage = q_stage + kBlockRows * kLdm;
   T* k_stage = dout_stage + kBlockRows * kLdm;
-  T* v_stage = k_stage + ReachRows(W) * kLdm;
-
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int i0 = tile * kBlockRows;
-  const int64_t q_base = static_cast<int64_t>(b) * S * p.q_stride + h * D;
-  const int64_t kv_base = static_cast<int64_t>(b) * S * p.kv_stride + h * D;
-  const int64_t o_base = static_cast<int64_t>(b) * S * p.o_stride + h * D;
-  const T* q = static_cast<const T*>(p.q) + q_base;
+  T* v_stage = k_stage + ReachRows(p.band) * kLdm;
+  const int i0 = it.tile * kBlockRows;
+  const int64_t q_base = static_cast<int64_t>(it.b) * S * p.q_stride + it.h * D;
+  const int64_t kv_base = static_cast<int64_t>(it.b) * S * p.kv_stride + it.h * D;
+  const int64_t o_base = static_cast<int64_t>(it.b) * S * p.o_stride + it.h * D;
   const T* k = static_cast<const T*>(p.k) + kv_base;
   const T* v = static_cast<const T*>(p.v) + kv_base;
   const T* out = static_cast<const T*>(p.out) + o_base;
@@ -285,33 +358,41 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
   const int key0 = i0 - kTile * (offsets - 1);
   const int q_end = min(S, i0 + kBlockRows);
   const int kv_lo = max(0, key0);
-  StageRows<T, D>(q_stage, q + static_cast<int64_t>(i0) * p.q_stride, p.q_stride, q_end - i0);
+  StageRows<T, D>(q_stage, static_cast<const T*>(p.q) + q_base + static_cast<int64_t>(i0) * p.q_stride,
+                  p.q_stride, q_end - i0);
   StageRows<T, D>(dout_stage, dout + static_cast<int64_t>(i0) * p.o_stride, p.o_stride,
                   q_end - i0);
   StageRows<T, D>(k_stage + (kv_lo - key0) * kLdm, k + static_cast<int64_t>(kv_lo) * p.kv_stride,
                   p.kv_stride, q_end - kv_lo);
   StageRows<T, D>(v_stage + (kv_lo - key0) * kLdm, v + static_cast<int64_t>(kv_lo) * p.kv_stride,
                   p.kv_stride, q_end - kv_lo);
-  __pipeline_commit();
-
-  // Each row's lse and delta = rowsum(dout * out): two threads a row.
-  const int64_t row_base = (static_cast<int64_t>(b) * p.heads + h) * S;
-  {
-    const int r = threadIdx.x / 2, i = i0 + r;
-    const float part = band::RowDelta<T, D>(out, dout, p.o_stride, i, S);
-    if (threadIdx.x % 2 == 0) {
-      row_delta[r] = part;
-      row_lse[r] = i < S ? p.lse[row_base + i] : 0.0f;
-      if (i < S) p.delta[row_base + i] = part;
-    }
+  const int64_t row_base = (static_cast<int64_t>(it.b) * p.heads + it.h) * S;
+  const int r = threadIdx.x / 2, i = i0 + r;
+  const float part = band::RowDelta<T, D>(out, dout, p.o_stride, i, S);
+  if (threadIdx.x % 2 == 0) {
+    rows->delta[r] = part;
+    rows->lse[r] = i < S ? p.lse[row_base + i] : 0.0f;
+    if (i < S) p.delta[row_base + i] = part;
   }
-  LoadBias<T>(p, h, bias_at);
-  __pipeline_wait_prior(0);
-  __syncthreads();
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& it, T* stage,
+                                              const QueryRows& rows, const float* bias_at,
+                                              int batch) {
+  __shared__ float warp_far[kWarps];
+  constexpr int kLdm = D + kStagePad;
+  const int W = p.band, S = p.seq, offsets = Offsets(W);
+  T* q_stage = stage;
+  T* dout_stage = q_stage + kBlockRows * kLdm;
+  T* k_stage = dout_stage + kBlockRows * kLdm;
+  const T* v_stage = k_stage + ReachRows(W) * kLdm;
+  const int h = it.h;
+  const int64_t q_base = static_cast<int64_t>(it.b) * S * p.q_stride + h * D;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Lanes l(lane);
-  const int r0 = i0 + kTile * warp;
+  const int r0 = it.tile * kBlockRows + kTile * warp;
   const bool active = r0 < S;
   const T* q_tile = q_stage + (kTile * warp + l.a_row) * kLdm + l.a_col;
   const T* dout_tile = dout_stage + (kTile * warp + l.a_row) * kLdm + l.a_col;
@@ -332,8 +413,8 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
                 "the distances' sums fit the warp's staged dout rows");
   for (int d = lane; d < kRelativeBandMax; d += 32) dist_sums[d] = 0.0f;
   const int local = kTile * warp + l.g;
-  const float lse[2] = {row_lse[local], row_lse[local + 8]};
-  const float delta[2] = {row_delta[local], row_delta[local + 8]};
+  const float lse[2] = {rows.lse[local], rows.lse[local + 8]};
+  const float delta[2] = {rows.delta[local], rows.delta[local + 8]};
   const bool has_far[2] = {r0 + l.g >= W, r0 + l.g + 8 >= W};
   float dq[D / 8][4] = {};
   float far = 0.0f;  // minus the far bucket's share: the band's dS of rows i >= W
@@ -404,7 +485,8 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
   for (int offset = 16; offset > 0; offset /= 2) far += __shfl_xor_sync(0xffffffffu, far, offset);
   if (lane == 0) warp_far[warp] = far;
   __syncthreads();
-  float* sums = p.partial + ((static_cast<int64_t>(b) * p.heads + h) * p.tiles + tile) * (W + 1);
+  float* sums =
+      p.partial + ((static_cast<int64_t>(it.b) * p.heads + h) * p.tiles + it.tile) * (W + 1);
   for (int d = threadIdx.x; d < W; d += blockDim.x) {
     float sum = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
@@ -417,8 +499,11 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
     for (int w = 0; w < kWarps; ++w) sum += warp_far[w];
     sums[W] = sum;
   }
-  // The head's last block to finish sums its dtable column.
-  if (p.heads_done == nullptr || !band::LastBlockOfHead(p.heads_done, h)) return;
+  // The head's last item to finish sums its dtable column.
+  if (p.heads_done == nullptr ||
+      !band::LastBlockOfHead(p.heads_done, h, static_cast<unsigned>(p.tiles * batch))) {
+    return;
+  }
   // The staged k rows are free now (the distance sums live in dout's).
   float* split_sums = reinterpret_cast<float*>(k_stage);
   int32_t* bucket_at =
@@ -426,37 +511,57 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
   static_assert(band::kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
                     kBlockRows * (32 + kStagePad) * sizeof(uint16_t) / sizeof(float),
                 "the staged k rows hold the table's sums");
-  band::SumHeadTable(p.partial, p.buckets, p.dtable, static_cast<int>(gridDim.z), p.heads,
-                     p.tiles, S, W, p.num_buckets, h, split_sums, bucket_at);
+  band::SumHeadTable(p.partial, p.buckets, p.dtable, batch, p.heads, p.tiles, S, W,
+                     p.num_buckets, h, split_sums, bucket_at);
   if (threadIdx.x == 0) p.heads_done[h] = 0;  // the next launch on this stream sees it
 }
 
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    RelativeBandQueryGradKernel(SplitParams p, int items, int batch) {
+  __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
+  __shared__ QueryRows rows[kBuffers<D>];
+  extern __shared__ __align__(128) unsigned char stage_bytes[];
+  T* stages = reinterpret_cast<T*>(stage_bytes);
+  const int per_buffer = BackwardStageElements<D>(p.band);
+  ForEachItem<kBuffers<D>>(
+      items,
+      [&](int n, int buffer) {
+        const Item it = ItemAt(n, p.tiles, p.heads);
+        StageQueryGrad<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
+        LoadBias<T>(p, it.h, bias_at[buffer]);
+      },
+      [&](int n, int buffer) {
+        QueryGradItem<T, D>(p, ItemAt(n, p.tiles, p.heads), stages + buffer * per_buffer,
+                            rows[buffer], bias_at[buffer], batch);
+      });
+}
+
 // ---- backward, per key tile: dk and dv --------------------------------------
-// A block takes 128 keys of one (batch, head), a warp one 16-key tile, and
+// An item is 128 keys of one (batch, head), a warp one 16-key tile, which
 // walks the query tiles whose band reaches it: S^T = k q^T, dP^T = v dout^T,
 // P^T and dS^T from the query rows' lse and delta, dv += P^T dout, dk +=
 // dS^T q scale; then dk and dv added to cuDNN's far rows (j < S - W).
+struct KeyRows {  // one buffer's: the lse and delta of the queries reaching the keys
+  float lse[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
+  float delta[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
+};
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
-    RelativeBandKeyGradKernel(SplitParams p) {
-  __shared__ float bias_at[kRelativeBandMax + 1];
-  __shared__ float row_lse[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
-  __shared__ float row_delta[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
-  extern __shared__ __align__(128) unsigned char stage_bytes[];
+__device__ __forceinline__ void StageKeyGrad(const SplitParams& p, const Item& it, T* stage,
+                                             KeyRows* rows) {
   constexpr int kLdm = D + kStagePad;
-  const int W = p.band, S = p.seq, offsets = Offsets(W);
-  T* k_stage = reinterpret_cast<T*>(stage_bytes);
+  const int S = p.seq;
+  T* k_stage = stage;
   T* v_stage = k_stage + kBlockRows * kLdm;
   T* q_stage = v_stage + kBlockRows * kLdm;
-  T* dout_stage = q_stage + ReachRows(W) * kLdm;
-
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int c0 = tile * kBlockRows;
-  const int64_t q_base = static_cast<int64_t>(b) * S * p.q_stride + h * D;
-  const int64_t kv_base = static_cast<int64_t>(b) * S * p.kv_stride + h * D;
-  const int64_t o_base = static_cast<int64_t>(b) * S * p.o_stride + h * D;
+  T* dout_stage = q_stage + ReachRows(p.band) * kLdm;
+  const int c0 = it.tile * kBlockRows;
+  const int64_t q_base = static_cast<int64_t>(it.b) * S * p.q_stride + it.h * D;
+  const int64_t kv_base = static_cast<int64_t>(it.b) * S * p.kv_stride + it.h * D;
+  const int64_t o_base = static_cast<int64_t>(it.b) * S * p.o_stride + it.h * D;
   const int k_end = min(S, c0 + kBlockRows);
-  const int q_end = min(S, c0 + ReachRows(W));  // the queries whose band reaches these keys
+  const int q_end = min(S, c0 + ReachRows(p.band));  // the queries whose band reaches these keys
   StageRows<T, D>(k_stage, static_cast<const T*>(p.k) + kv_base + static_cast<int64_t>(c0) * p.kv_stride,
                   p.kv_stride, k_end - c0);
   StageRows<T, D>(v_stage, static_cast<const T*>(p.v) + kv_base + static_cast<int64_t>(c0) * p.kv_stride,
@@ -466,19 +571,27 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
   StageRows<T, D>(dout_stage,
                   static_cast<const T*>(p.dout) + o_base + static_cast<int64_t>(c0) * p.o_stride,
                   p.o_stride, q_end - c0);
-  __pipeline_commit();
-  const int64_t row_base = (static_cast<int64_t>(b) * p.heads + h) * S;
+  const int64_t row_base = (static_cast<int64_t>(it.b) * p.heads + it.h) * S + c0;
   for (int r = threadIdx.x; r < q_end - c0; r += blockDim.x) {
-    row_lse[r] = p.lse[row_base + c0 + r];
-    row_delta[r] = p.delta[row_base + c0 + r];
+    __pipeline_memcpy_async(&rows->lse[r], p.lse + row_base + r, sizeof(float));
+    __pipeline_memcpy_async(&rows->delta[r], p.delta + row_base + r, sizeof(float));
   }
-  LoadBias<T>(p, h, bias_at);
-  __pipeline_wait_prior(0);
-  __syncthreads();
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void KeyGradItem(const SplitParams& p, const Item& it, const T* stage,
+                                            const KeyRows& rows, const float* bias_at) {
+  constexpr int kLdm = D + kStagePad;
+  const int W = p.band, S = p.seq, offsets = Offsets(W);
+  const T* k_stage = stage;
+  const T* v_stage = k_stage + kBlockRows * kLdm;
+  const T* q_stage = v_stage + kBlockRows * kLdm;
+  const T* dout_stage = q_stage + ReachRows(W) * kLdm;
+  const int64_t kv_base = static_cast<int64_t>(it.b) * S * p.kv_stride + it.h * D;
 
   const int warp = threadIdx.x / 32;
   const Lanes l(threadIdx.x % 32);
-  const int j0 = c0 + kTile * warp;
+  const int j0 = it.tile * kBlockRows + kTile * warp;
   if (j0 >= S) return;
   uint32_t a_k[D / kTile][4], a_v[D / kTile][4];
 #pragma unroll
@@ -502,10 +615,10 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
         const bool in_band = dist >= 0 && dist < W;
         const int query = query_row + c;
         const float prob =
-            in_band ? __expf(st[nb][e] * p.scale + bias_at[in_band ? dist : 0] - row_lse[query])
+            in_band ? __expf(st[nb][e] * p.scale + bias_at[in_band ? dist : 0] - rows.lse[query])
                     : 0.0f;
         st[nb][e] = prob;
-        dst[nb][e] = prob * (dst[nb][e] - row_delta[query]);
+        dst[nb][e] = prob * (dst[nb][e] - rows.delta[query]);
       }
     }
     uint32_t a_p[4], a_ds[4];
@@ -551,17 +664,46 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
   }
 }
 
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    RelativeBandKeyGradKernel(SplitParams p, int items) {
+  __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
+  __shared__ KeyRows rows[kBuffers<D>];
+  extern __shared__ __align__(128) unsigned char stage_bytes[];
+  T* stages = reinterpret_cast<T*>(stage_bytes);
+  const int per_buffer = BackwardStageElements<D>(p.band);
+  ForEachItem<kBuffers<D>>(
+      items,
+      [&](int n, int buffer) {
+        const Item it = ItemAt(n, p.tiles, p.heads);
+        StageKeyGrad<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
+        LoadBias<T>(p, it.h, bias_at[buffer]);
+      },
+      [&](int n, int buffer) {
+        KeyGradItem<T, D>(p, ItemAt(n, p.tiles, p.heads), stages + buffer * per_buffer,
+                          rows[buffer], bias_at[buffer]);
+      });
+}
+
 // ---- launches -----------------------------------------------------------------
 // The kernels' static shared memory counts against the default 48 KiB too:
-// at most this much (the key kernel's rows' lse and delta, 2 KiB).
-constexpr size_t kStaticBytes = 4096;
+// at most this much (the key kernel's two buffers of rows' lse and delta,
+// 3.75 KiB, and the bias at each distance).
+constexpr size_t kStaticBytes = 8192;
 template <int D>
 size_t ForwardStageBytes(int band) {
-  return size_t{1} * (kBlockRows + 2 * ReachRows(band)) * (D + kStagePad) * sizeof(uint16_t);
+  return size_t{kBuffers<D>} * ForwardStageElements<D>(band) * sizeof(uint16_t);
 }
 template <int D>
 size_t BackwardStageBytes(int band) {
-  return size_t{2} * (kBlockRows + ReachRows(band)) * (D + kStagePad) * sizeof(uint16_t);
+  return size_t{kBuffers<D>} * BackwardStageElements<D>(band) * sizeof(uint16_t);
+}
+
+// A persistent grid: the blocks the device holds at once, at most one an item.
+template <typename Kernel>
+int PersistentBlocks(CudaOps* ops, Kernel kernel, size_t stage, int items) {
+  return static_cast<int>(
+      std::min<int64_t>(items, ResidentBlocks(ops->context(), kernel, kWarps * 32, stage)));
 }
 
 template <typename T, int D>
@@ -570,8 +712,9 @@ absl::Status LaunchForward(CudaOps* ops, const SplitParams& p, int batch) {
   RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandForwardKernel<T, D>,
                                    stage + kStaticBytes,
                                    "cudaFuncSetAttribute(RelativeBandForwardKernel)"));
-  RelativeBandForwardKernel<T, D>
-      <<<dim3(p.tiles, p.heads, batch), kWarps * 32, stage, ops->stream()>>>(p);
+  const int items = p.tiles * p.heads * batch;
+  const int blocks = PersistentBlocks(ops, RelativeBandForwardKernel<T, D>, stage, items);
+  RelativeBandForwardKernel<T, D><<<blocks, kWarps * 32, stage, ops->stream()>>>(p, items);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
@@ -579,21 +722,23 @@ absl::Status LaunchForward(CudaOps* ops, const SplitParams& p, int batch) {
 template <typename T, int D>
 absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p, int batch) {
   const size_t stage = BackwardStageBytes<D>(p.band);
-  // The static arrays count against the default 48 KiB too.
   RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandQueryGradKernel<T, D>,
                                    stage + kStaticBytes,
                                    "cudaFuncSetAttribute(RelativeBandQueryGradKernel)"));
   RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKeyGradKernel<T, D>, stage + kStaticBytes,
                                    "cudaFuncSetAttribute(RelativeBandKeyGradKernel)"));
-  const dim3 grid(p.tiles, p.heads, batch);
-  RelativeBandQueryGradKernel<T, D><<<grid, kWarps * 32, stage, ops->stream()>>>(p);
+  const int items = p.tiles * p.heads * batch;
+  const int query_blocks = PersistentBlocks(ops, RelativeBandQueryGradKernel<T, D>, stage, items);
+  RelativeBandQueryGradKernel<T, D>
+      <<<query_blocks, kWarps * 32, stage, ops->stream()>>>(p, items, batch);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   if (p.heads_done == nullptr) {
     RETURN_IF_ERROR(LaunchRelativeBandTable(p.partial, p.buckets, p.dtable, batch, p.heads,
                                             p.tiles, p.seq, p.band, p.num_buckets,
                                             ops->stream()));
   }
-  RelativeBandKeyGradKernel<T, D><<<grid, kWarps * 32, stage, ops->stream()>>>(p);
+  const int key_blocks = PersistentBlocks(ops, RelativeBandKeyGradKernel<T, D>, stage, items);
+  RelativeBandKeyGradKernel<T, D><<<key_blocks, kWarps * 32, stage, ops->stream()>>>(p, items);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }

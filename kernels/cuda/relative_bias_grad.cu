@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kBandWarps * 32, D <= 64 ? 2 : 1)
   if (p.heads_done == nullptr) return;
   // The head's last block to finish sums its dtable column (as FoldAmax
   // does the amax): no second launch, and the other heads' blocks hide it.
-  if (!band::LastBlockOfHead(p.heads_done, h)) return;
+  if (!band::LastBlockOfHead(p.heads_done, h, gridDim.x * gridDim.z)) return;
   static_assert(kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
                     kBandQueries * (32 + kStagePad) * sizeof(T) / sizeof(float),
                 "the staged rows hold the table's sums");
