@@ -103,35 +103,43 @@ __device__ __forceinline__ Item ItemAt(int n, int tiles, int heads) {
   return Item{n % tiles, (n / tiles) % heads, n / (tiles * heads)};
 }
 
-// stage(n, buffer) issues item n's asynchronous copies into `buffer`;
-// compute(n, buffer) works on them once they have landed. Every thread of
-// the block calls it, and both may synchronise the block.
-template <int Buffers, typename Stage, typename Compute>
-__device__ __forceinline__ void ForEachItem(int items, Stage stage, Compute compute) {
-  int buffer = 0;
-  if (Buffers > 1 && static_cast<int>(blockIdx.x) < items) stage(blockIdx.x, 0);
-  __pipeline_commit();
-  for (int n = blockIdx.x; n < items; n += gridDim.x) {
-    const int next = n + gridDim.x;
-    if (Buffers == 1) {
-      stage(n, 0);
-    } else if (next < items) {
-      stage(next, buffer ^ 1);  // the buffer item n - gridDim.x used: released below
-    }
-    __pipeline_commit();
-    __pipeline_wait_prior(Buffers - 1);
-    __syncthreads();
-    compute(n, buffer);
-    __syncthreads();
-    buffer = (buffer + 1) % Buffers;
-  }
-}
-
 // The bias at distances 0..W (W: the far keys' c_h) into shared memory.
 template <typename T>
 __device__ __forceinline__ void LoadBias(const SplitParams& p, int h, float* bias_at) {
   for (int d = threadIdx.x; d <= p.band; d += blockDim.x) {
     bias_at[d] = d < p.seq ? BiasAtDistance<T>(p.bias, h, p.seq, d) : 0.0f;
+  }
+}
+
+// stage(item, buffer) issues an item's asynchronous copies into `buffer`
+// (its head's bias goes into bias_at[buffer] beside them); compute(item,
+// buffer) works on them once they have landed. Every thread of the block
+// calls it, and both may synchronise the block.
+template <typename T, int Buffers, typename Stage, typename Compute>
+__device__ __forceinline__ void ForEachItem(const SplitParams& p, int items,
+                                            float (*bias_at)[kRelativeBandMax + 1], Stage stage,
+                                            Compute compute) {
+  auto stage_item = [&](int n, int buffer) {
+    const Item it = ItemAt(n, p.tiles, p.heads);
+    stage(it, buffer);
+    LoadBias<T>(p, it.h, bias_at[buffer]);
+  };
+  int buffer = 0;
+  if (Buffers > 1 && static_cast<int>(blockIdx.x) < items) stage_item(blockIdx.x, 0);
+  __pipeline_commit();
+  for (int n = blockIdx.x; n < items; n += gridDim.x) {
+    const int next = n + gridDim.x;
+    if (Buffers == 1) {
+      stage_item(n, 0);
+    } else if (next < items) {
+      stage_item(next, buffer ^ 1);  // the buffer item n - gridDim.x used: released below
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(Buffers - 1);
+    __syncthreads();
+    compute(ItemAt(n, p.tiles, p.heads), buffer);
+    __syncthreads();
+    buffer = (buffer + 1) % Buffers;
   }
 }
 
@@ -290,16 +298,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   extern __shared__ __align__(128) unsigned char stage_bytes[];
   T* stages = reinterpret_cast<T*>(stage_bytes);
   const int per_buffer = ForwardStageElements<D>(p.band);
-  ForEachItem<kBuffers<D>>(
-      items,
-      [&](int n, int buffer) {
-        const Item it = ItemAt(n, p.tiles, p.heads);
-        StageForward<T, D>(p, it, stages + buffer * per_buffer);
-        LoadBias<T>(p, it.h, bias_at[buffer]);
-      },
-      [&](int n, int buffer) {
-        ForwardItem<T, D>(p, ItemAt(n, p.tiles, p.heads), stages + buffer * per_buffer,
-                          bias_at[buffer]);
+  ForEachItem<T, kBuffers<D>>(
+      p, items, bias_at,
+      [&](const Item& it, int buffer) { StageForward<T, D>(p, it, stages + buffer * per_buffer); },
+      [&](const Item& it, int buffer) {
+        ForwardItem<T, D>(p, it, stages + buffer * per_buffer, bias_at[buffer]);
       });
 }
 
@@ -524,16 +527,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   extern __shared__ __align__(128) unsigned char stage_bytes[];
   T* stages = reinterpret_cast<T*>(stage_bytes);
   const int per_buffer = BackwardStageElements<D>(p.band);
-  ForEachItem<kBuffers<D>>(
-      items,
-      [&](int n, int buffer) {
-        const Item it = ItemAt(n, p.tiles, p.heads);
+  ForEachItem<T, kBuffers<D>>(
+      p, items, bias_at,
+      [&](const Item& it, int buffer) {
         StageQueryGrad<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
-        LoadBias<T>(p, it.h, bias_at[buffer]);
       },
-      [&](int n, int buffer) {
-        QueryGradItem<T, D>(p, ItemAt(n, p.tiles, p.heads), stages + buffer * per_buffer,
-                            rows[buffer], bias_at[buffer], batch);
+      [&](const Item& it, int buffer) {
+        QueryGradItem<T, D>(p, it, stages + buffer * per_buffer, rows[buffer], bias_at[buffer],
+                            batch);
       });
 }
 
@@ -672,16 +673,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   extern __shared__ __align__(128) unsigned char stage_bytes[];
   T* stages = reinterpret_cast<T*>(stage_bytes);
   const int per_buffer = BackwardStageElements<D>(p.band);
-  ForEachItem<kBuffers<D>>(
-      items,
-      [&](int n, int buffer) {
-        const Item it = ItemAt(n, p.tiles, p.heads);
+  ForEachItem<T, kBuffers<D>>(
+      p, items, bias_at,
+      [&](const Item& it, int buffer) {
         StageKeyGrad<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
-        LoadBias<T>(p, it.h, bias_at[buffer]);
       },
-      [&](int n, int buffer) {
-        KeyGradItem<T, D>(p, ItemAt(n, p.tiles, p.heads), stages + buffer * per_buffer,
-                          rows[buffer], bias_at[buffer]);
+      [&](const Item& it, int buffer) {
+        KeyGradItem<T, D>(p, it, stages + buffer * per_buffer, rows[buffer], bias_at[buffer]);
       });
 }
 
