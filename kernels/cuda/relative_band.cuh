@@ -31,7 +31,7 @@ constexpr int kStagePad = 8;  // elements after each staged row: ldmatrix's rows
 // W - 1 reach 16 (offsets - 1) - 15.
 __host__ __device__ constexpr int Offsets(int band) { return (band + kTile - 2) / kTile + 1; }
 // Rows a block's band reaches: its own 128, and the band's reach past them.
-__host__ __device__ inline int ReachRows(int band) { return kTile * (Offsets(band) - 1) + kBlockRows; }
+__host__ __device__ constexpr int ReachRows(int band) { return kTile * (Offsets(band) - 1) + kBlockRows; }
 
 template <typename T>
 __device__ __forceinline__ float ToFloat(T x);

@@ -382,6 +382,13 @@ INSTANTIATE_TEST_SUITE_P(
              64},
         Case{"f16_separate_s192_d128_64_buckets", DType::kF16, 1, 192, 2, 2, 128, false, true,
              false, 64},
+        // More work items (128 rows of one head and sequence) than the blocks
+        // an H100 or H200 holds at once (132 at D 64 and 128): the split's
+        // persistent blocks walk several, staging the next while computing one
+        // (two buffers at D 64, one at D 128).
+        Case{"bf16_packed_s512_d64_many_items", DType::kBF16, 4, 512, 16, 16, 64, true, true,
+             true},
+        Case{"f16_packed_s384_d128_many_items", DType::kF16, 2, 384, 24, 24, 128, true, true},
         // More heads than the stream's group counters: the table's own kernel
         // sums the blocks (kFoldGroups); below it the heads' last blocks do.
         Case{"bf16_packed_s128_d32_130_heads", DType::kBF16, 1, 128, 130, 130, 32, true, true}),

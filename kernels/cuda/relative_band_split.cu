@@ -684,10 +684,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 }
 
 // ---- launches -----------------------------------------------------------------
-// The kernels' static shared memory counts against the default 48 KiB too:
-// at most this much (the key kernel's two buffers of rows' lse and delta,
-// 3.75 KiB, and the bias at each distance).
-constexpr size_t kStaticBytes = 8192;
+// Every configuration stages more than the default 48 KiB, so each kernel is
+// opted in to its stage bytes; with its static arrays (at most 5.2 KiB: the
+// key kernel's rows at D 64) the largest, D 64 and a band of 128, takes 221
+// KiB of the 227 a block may have.
 template <int D>
 size_t ForwardStageBytes(int band) {
   return size_t{kBuffers<D>} * ForwardStageElements<D>(band) * sizeof(uint16_t);
@@ -696,6 +696,12 @@ template <int D>
 size_t BackwardStageBytes(int band) {
   return size_t{kBuffers<D>} * BackwardStageElements<D>(band) * sizeof(uint16_t);
 }
+
+static_assert(kBuffers<64> * BackwardStageElements<64>(kRelativeBandMax) * sizeof(uint16_t) +
+                      sizeof(KeyRows) * kBuffers<64> <= 227 * 1024 - 1024,
+              "the key kernel's largest configuration fits a block");
+static_assert(BackwardStageElements<128>(kRelativeBandMax) * sizeof(uint16_t) <= 227 * 1024 - 4096,
+              "one buffer at D 128 fits a block");
 
 // A persistent grid: the blocks the device holds at once, at most one an item.
 template <typename Kernel>
@@ -707,8 +713,7 @@ int PersistentBlocks(CudaOps* ops, Kernel kernel, size_t stage, int items) {
 template <typename T, int D>
 absl::Status LaunchForward(CudaOps* ops, const SplitParams& p, int batch) {
   const size_t stage = ForwardStageBytes<D>(p.band);
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandForwardKernel<T, D>,
-                                   stage + kStaticBytes,
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandForwardKernel<T, D>, stage,
                                    "cudaFuncSetAttribute(RelativeBandForwardKernel)"));
   const int items = p.tiles * p.heads * batch;
   const int blocks = PersistentBlocks(ops, RelativeBandForwardKernel<T, D>, stage, items);
@@ -720,10 +725,9 @@ absl::Status LaunchForward(CudaOps* ops, const SplitParams& p, int batch) {
 template <typename T, int D>
 absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p, int batch) {
   const size_t stage = BackwardStageBytes<D>(p.band);
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandQueryGradKernel<T, D>,
-                                   stage + kStaticBytes,
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandQueryGradKernel<T, D>, stage,
                                    "cudaFuncSetAttribute(RelativeBandQueryGradKernel)"));
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKeyGradKernel<T, D>, stage + kStaticBytes,
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKeyGradKernel<T, D>, stage,
                                    "cudaFuncSetAttribute(RelativeBandKeyGradKernel)"));
   const int items = p.tiles * p.heads * batch;
   const int query_blocks = PersistentBlocks(ops, RelativeBandQueryGradKernel<T, D>, stage, items);
