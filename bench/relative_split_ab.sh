@@ -31,7 +31,7 @@ for round in 1 2; do
   done
 done
 [ "${NCU:-1}" = 1 ] || exit 0
-ncu --clock-control none --target-processes all --kernel-name regex:'RelativeBand(Forward|QueryGrad|KeyGrad)' \
+ncu --clock-control none --target-processes all --kernel-name regex:'RelativeBandSplitKernel' \
   --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
   --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats \
   /tmp/b_new/run.sh relative_bias_bench --reps=1 >"$out/ncu.txt" 2>&1

@@ -64,7 +64,7 @@ struct SplitParams {
   const void* v;
   int64_t q_stride, kv_stride;
   int64_t o_stride;  // out, dout: [B, S, Hq, D]
-  int seq, heads, group, band, tiles;
+  int batch, seq, heads, group, band, tiles;
   float scale;
   BandBias bias;
   // Forward.
@@ -99,6 +99,9 @@ constexpr int kBuffers = D <= 64 ? 2 : 1;
 struct Item {
   int tile, h, b;
 };
+__host__ __device__ __forceinline__ int Items(const SplitParams& p) {
+  return p.tiles * p.heads * p.batch;
+}
 __device__ __forceinline__ Item ItemAt(int n, int tiles, int heads) {
   return Item{n % tiles, (n / tiles) % heads, n / (tiles * heads)};
 }
@@ -116,9 +119,10 @@ __device__ __forceinline__ void LoadBias(const SplitParams& p, int h, float* bia
 // buffer) works on them once they have landed. Every thread of the block
 // calls it, and both may synchronise the block.
 template <typename T, int Buffers, typename Stage, typename Compute>
-__device__ __forceinline__ void ForEachItem(const SplitParams& p, int items,
+__device__ __forceinline__ void ForEachItem(const SplitParams& p,
                                             float (*bias_at)[kRelativeBandMax + 1], Stage stage,
                                             Compute compute) {
+  const int items = Items(p);
   auto stage_item = [&](int n, int buffer) {
     const Item it = ItemAt(n, p.tiles, p.heads);
     stage(it, buffer);
@@ -291,21 +295,6 @@ __device__ __forceinline__ void ForwardItem(const SplitParams& p, const Item& it
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    RelativeBandForwardKernel(SplitParams p, int items) {
-  __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
-  extern __shared__ __align__(128) unsigned char stage_bytes[];
-  T* stages = reinterpret_cast<T*>(stage_bytes);
-  const int per_buffer = ForwardStageElements<D>(p.band);
-  ForEachItem<T, kBuffers<D>>(
-      p, items, bias_at,
-      [&](const Item& it, int buffer) { StageForward<T, D>(p, it, stages + buffer * per_buffer); },
-      [&](const Item& it, int buffer) {
-        ForwardItem<T, D>(p, it, stages + buffer * per_buffer, bias_at[buffer]);
-      });
-}
-
 // The far part's stats for cuDNN's backward: lse - c_h on rows W.. (its
 // recomputed exp(S - stats) is then the merged softmax on the far keys).
 template <typename T>
@@ -381,8 +370,7 @@ __device__ __forceinline__ void StageQueryGrad(const SplitParams& p, const Item&
 
 template <typename T, int D>
 __device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& it, T* stage,
-                                              const QueryRows& rows, const float* bias_at,
-                                              int batch) {
+                                              const QueryRows& rows, const float* bias_at) {
   __shared__ float warp_far[kWarps];
   constexpr int kLdm = D + kStagePad;
   const int W = p.band, S = p.seq, offsets = Offsets(W);
@@ -504,7 +492,7 @@ __device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& 
   }
   // The head's last item to finish sums its dtable column.
   if (p.heads_done == nullptr ||
-      !band::LastBlockOfHead(p.heads_done, h, static_cast<unsigned>(p.tiles * batch))) {
+      !band::LastBlockOfHead(p.heads_done, h, static_cast<unsigned>(p.tiles * p.batch))) {
     return;
   }
   // The staged k rows are free now (the distance sums live in dout's).
@@ -514,28 +502,9 @@ __device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& 
   static_assert(band::kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
                     kBlockRows * (32 + kStagePad) * sizeof(uint16_t) / sizeof(float),
                 "the staged k rows hold the table's sums");
-  band::SumHeadTable(p.partial, p.buckets, p.dtable, batch, p.heads, p.tiles, S, W,
+  band::SumHeadTable(p.partial, p.buckets, p.dtable, p.batch, p.heads, p.tiles, S, W,
                      p.num_buckets, h, split_sums, bucket_at);
   if (threadIdx.x == 0) p.heads_done[h] = 0;  // the next launch on this stream sees it
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    RelativeBandQueryGradKernel(SplitParams p, int items, int batch) {
-  __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
-  __shared__ QueryRows rows[kBuffers<D>];
-  extern __shared__ __align__(128) unsigned char stage_bytes[];
-  T* stages = reinterpret_cast<T*>(stage_bytes);
-  const int per_buffer = BackwardStageElements<D>(p.band);
-  ForEachItem<T, kBuffers<D>>(
-      p, items, bias_at,
-      [&](const Item& it, int buffer) {
-        StageQueryGrad<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
-      },
-      [&](const Item& it, int buffer) {
-        QueryGradItem<T, D>(p, it, stages + buffer * per_buffer, rows[buffer], bias_at[buffer],
-                            batch);
-      });
 }
 
 // ---- backward, per key tile: dk and dv --------------------------------------
@@ -665,21 +634,75 @@ __device__ __forceinline__ void KeyGradItem(const SplitParams& p, const Item& it
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    RelativeBandKeyGradKernel(SplitParams p, int items) {
+// ---- the kernels ----------------------------------------------------------------
+// One persistent kernel per pass: the pass names the rows it stages beside
+// the tensors' (each query's lse and delta, or none), how it stages an item
+// and what it computes.
+struct NoRows {};
+struct ForwardPass {
+  using Rows = NoRows;
+  template <int D>
+  __host__ __device__ static constexpr int StageElements(int band) {
+    return ForwardStageElements<D>(band);
+  }
+  template <typename T, int D>
+  __device__ static void Stage(const SplitParams& p, const Item& it, T* stage, NoRows*) {
+    StageForward<T, D>(p, it, stage);
+  }
+  template <typename T, int D>
+  __device__ static void Compute(const SplitParams& p, const Item& it, T* stage, const NoRows&,
+                                 const float* bias_at) {
+    ForwardItem<T, D>(p, it, stage, bias_at);
+  }
+};
+struct QueryGradPass {
+  using Rows = QueryRows;
+  template <int D>
+  __host__ __device__ static constexpr int StageElements(int band) {
+    return BackwardStageElements<D>(band);
+  }
+  template <typename T, int D>
+  __device__ static void Stage(const SplitParams& p, const Item& it, T* stage, QueryRows* rows) {
+    StageQueryGrad<T, D>(p, it, stage, rows);
+  }
+  template <typename T, int D>
+  __device__ static void Compute(const SplitParams& p, const Item& it, T* stage,
+                                 const QueryRows& rows, const float* bias_at) {
+    QueryGradItem<T, D>(p, it, stage, rows, bias_at);
+  }
+};
+struct KeyGradPass {
+  using Rows = KeyRows;
+  template <int D>
+  __host__ __device__ static constexpr int StageElements(int band) {
+    return BackwardStageElements<D>(band);
+  }
+  template <typename T, int D>
+  __device__ static void Stage(const SplitParams& p, const Item& it, T* stage, KeyRows* rows) {
+    StageKeyGrad<T, D>(p, it, stage, rows);
+  }
+  template <typename T, int D>
+  __device__ static void Compute(const SplitParams& p, const Item& it, T* stage,
+                                 const KeyRows& rows, const float* bias_at) {
+    KeyGradItem<T, D>(p, it, stage, rows, bias_at);
+  }
+};
+
+template <typename T, int D, typename Pass>
+__global__ void __launch_bounds__(kWarps * 32, 1) RelativeBandSplitKernel(SplitParams p) {
   __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
-  __shared__ KeyRows rows[kBuffers<D>];
+  __shared__ typename Pass::Rows rows[kBuffers<D>];
   extern __shared__ __align__(128) unsigned char stage_bytes[];
   T* stages = reinterpret_cast<T*>(stage_bytes);
-  const int per_buffer = BackwardStageElements<D>(p.band);
+  const int per_buffer = Pass::template StageElements<D>(p.band);
   ForEachItem<T, kBuffers<D>>(
-      p, items, bias_at,
+      p, bias_at,
       [&](const Item& it, int buffer) {
-        StageKeyGrad<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
+        Pass::template Stage<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
       },
       [&](const Item& it, int buffer) {
-        KeyGradItem<T, D>(p, it, stages + buffer * per_buffer, rows[buffer], bias_at[buffer]);
+        Pass::template Compute<T, D>(p, it, stages + buffer * per_buffer, rows[buffer],
+                                     bias_at[buffer]);
       });
 }
 
@@ -688,79 +711,53 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 // opted in to its stage bytes; with its static arrays (at most 5.2 KiB: the
 // key kernel's rows at D 64) the largest, D 64 and a band of 128, takes 221
 // KiB of the 227 a block may have.
-template <int D>
-size_t ForwardStageBytes(int band) {
-  return size_t{kBuffers<D>} * ForwardStageElements<D>(band) * sizeof(uint16_t);
-}
-template <int D>
-size_t BackwardStageBytes(int band) {
-  return size_t{kBuffers<D>} * BackwardStageElements<D>(band) * sizeof(uint16_t);
-}
-
 static_assert(kBuffers<64> * BackwardStageElements<64>(kRelativeBandMax) * sizeof(uint16_t) +
                       sizeof(KeyRows) * kBuffers<64> <= 227 * 1024 - 1024,
               "the key kernel's largest configuration fits a block");
 static_assert(BackwardStageElements<128>(kRelativeBandMax) * sizeof(uint16_t) <= 227 * 1024 - 4096,
               "one buffer at D 128 fits a block");
 
-// A persistent grid: the blocks the device holds at once, at most one an item.
-template <typename Kernel>
-int PersistentBlocks(CudaOps* ops, Kernel kernel, size_t stage, int items) {
-  return static_cast<int>(
-      std::min<int64_t>(items, ResidentBlocks(ops->context(), kernel, kWarps * 32, stage)));
-}
-
-template <typename T, int D>
-absl::Status LaunchForward(CudaOps* ops, const SplitParams& p, int batch) {
-  const size_t stage = ForwardStageBytes<D>(p.band);
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandForwardKernel<T, D>, stage,
-                                   "cudaFuncSetAttribute(RelativeBandForwardKernel)"));
-  const int items = p.tiles * p.heads * batch;
-  const int blocks = PersistentBlocks(ops, RelativeBandForwardKernel<T, D>, stage, items);
-  RelativeBandForwardKernel<T, D><<<blocks, kWarps * 32, stage, ops->stream()>>>(p, items);
+// A pass on a persistent grid: the blocks the device holds at once, at most
+// one an item.
+template <typename T, int D, typename Pass>
+absl::Status LaunchPass(CudaOps* ops, const SplitParams& p) {
+  const auto kernel = RelativeBandSplitKernel<T, D, Pass>;
+  const size_t stage = size_t{kBuffers<D>} * Pass::template StageElements<D>(p.band) * sizeof(T);
+  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), kernel, stage,
+                                   "cudaFuncSetAttribute(RelativeBandSplitKernel)"));
+  const int blocks = static_cast<int>(
+      std::min<int64_t>(Items(p), ResidentBlocks(ops->context(), kernel, kWarps * 32, stage)));
+  kernel<<<blocks, kWarps * 32, stage, ops->stream()>>>(p);
   CUDA_RETURN_IF_LAUNCH_ERROR();
   return absl::OkStatus();
 }
 
 template <typename T, int D>
-absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p, int batch) {
-  const size_t stage = BackwardStageBytes<D>(p.band);
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandQueryGradKernel<T, D>, stage,
-                                   "cudaFuncSetAttribute(RelativeBandQueryGradKernel)"));
-  RETURN_IF_ERROR(AllowSharedBytes(ops->context(), RelativeBandKeyGradKernel<T, D>, stage,
-                                   "cudaFuncSetAttribute(RelativeBandKeyGradKernel)"));
-  const int items = p.tiles * p.heads * batch;
-  const int query_blocks = PersistentBlocks(ops, RelativeBandQueryGradKernel<T, D>, stage, items);
-  RelativeBandQueryGradKernel<T, D>
-      <<<query_blocks, kWarps * 32, stage, ops->stream()>>>(p, items, batch);
-  CUDA_RETURN_IF_LAUNCH_ERROR();
+absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p) {
+  RETURN_IF_ERROR((LaunchPass<T, D, QueryGradPass>(ops, p)));
   if (p.heads_done == nullptr) {
-    RETURN_IF_ERROR(LaunchRelativeBandTable(p.partial, p.buckets, p.dtable, batch, p.heads,
+    RETURN_IF_ERROR(LaunchRelativeBandTable(p.partial, p.buckets, p.dtable, p.batch, p.heads,
                                             p.tiles, p.seq, p.band, p.num_buckets,
                                             ops->stream()));
   }
-  const int key_blocks = PersistentBlocks(ops, RelativeBandKeyGradKernel<T, D>, stage, items);
-  RelativeBandKeyGradKernel<T, D><<<key_blocks, kWarps * 32, stage, ops->stream()>>>(p, items);
-  CUDA_RETURN_IF_LAUNCH_ERROR();
-  return absl::OkStatus();
+  return LaunchPass<T, D, KeyGradPass>(ops, p);
 }
 
 template <typename T>
-absl::Status ForHeadDim(CudaOps* ops, const SplitParams& p, int batch, int head_dim,
-                        bool backward) {
+absl::Status ForHeadDim(CudaOps* ops, const SplitParams& p, int head_dim, bool backward) {
   switch (head_dim) {
-    case 32: return backward ? LaunchBackward<T, 32>(ops, p, batch) : LaunchForward<T, 32>(ops, p, batch);
-    case 64: return backward ? LaunchBackward<T, 64>(ops, p, batch) : LaunchForward<T, 64>(ops, p, batch);
-    case 128: return backward ? LaunchBackward<T, 128>(ops, p, batch) : LaunchForward<T, 128>(ops, p, batch);
+    case 32: return backward ? LaunchBackward<T, 32>(ops, p) : LaunchPass<T, 32, ForwardPass>(ops, p);
+    case 64: return backward ? LaunchBackward<T, 64>(ops, p) : LaunchPass<T, 64, ForwardPass>(ops, p);
+    case 128: return backward ? LaunchBackward<T, 128>(ops, p) : LaunchPass<T, 128, ForwardPass>(ops, p);
     default: break;
   }
   return absl::UnimplementedError(absl::StrCat("head_dim ", head_dim, " (32, 64 or 128)"));
 }
 
-absl::Status Launch(CudaOps* ops, DType dtype, const SplitParams& p, int batch, int head_dim,
+absl::Status Launch(CudaOps* ops, DType dtype, const SplitParams& p, int head_dim,
                     bool backward) {
-  return dtype == DType::kBF16 ? ForHeadDim<__nv_bfloat16>(ops, p, batch, head_dim, backward)
-                               : ForHeadDim<__half>(ops, p, batch, head_dim, backward);
+  return dtype == DType::kBF16 ? ForHeadDim<__nv_bfloat16>(ops, p, head_dim, backward)
+                               : ForHeadDim<__half>(ops, p, head_dim, backward);
 }
 
 SplitParams MakeParams(const AttentionArgs& args, const AttentionShape& s, const QkvMemory& qkv,
@@ -772,6 +769,7 @@ SplitParams MakeParams(const AttentionArgs& args, const AttentionShape& s, const
   p.q_stride = qkv.q_token_stride;
   p.kv_stride = qkv.kv_token_stride;
   p.o_stride = s.q_heads * s.head_dim;
+  p.batch = static_cast<int>(s.batch);
   p.seq = static_cast<int>(s.q_seq);
   p.heads = static_cast<int>(s.q_heads);
   p.group = static_cast<int>(s.q_heads / s.kv_heads);
@@ -846,7 +844,7 @@ absl::Status RelativeSplitForward(CudaOps* ops, const AttentionArgs& args,
     RETURN_IF_ERROR(CudnnAttentionForward(ops, f.args, f.shape, f.qkv, &far_out, &far_lse));
     p.far_lse = far_lse.data_as<const float>();
   }
-  return Launch(ops, qkv.dtype, p, static_cast<int>(s.batch), static_cast<int>(s.head_dim),
+  return Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim),
                 /*backward=*/false);
 }
 
@@ -909,7 +907,7 @@ absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
   p.dtable = dtable->data_as<float>();
   p.num_buckets = static_cast<int>(dtable->dim(1));
   p.heads_done = p.heads <= kFoldGroups ? ops->fold_groups() : nullptr;
-  return Launch(ops, qkv.dtype, p, static_cast<int>(s.batch), static_cast<int>(s.head_dim),
+  return Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim),
                 /*backward=*/true);
 }
 
