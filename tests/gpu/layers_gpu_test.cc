@@ -119,21 +119,28 @@ std::string RunName(const ::testing::TestParamInfo<CaseRun>& info) { return info
 
 TEST_P(LayersGpuTest, ForwardBackwardMatchesCpu) { CompareOnBothBackends(GetParam()); }
 
-// The bf16 run of TE's defaults that the far/band split serves: the
-// comparison above checks rel_embedding's gradient; this checks that the
-// split formed it and ran the forward too, so that nothing [H, S, S] was
-// made (a layer whose bias took another path would leave it untested).
-TEST_F(LayersGpuTest, RelativeBiasOfALayerRunsOnTheSplit) {
+// The bf16 run of TE's defaults on both paths a relative bias can take,
+// whichever is the default (te_server --relative_bias_split): the split, which
+// must form rel_embedding's gradient and run the forward too, so that nothing
+// [H, S, S] was made (a layer whose bias took another path would leave it
+// untested), and the dense bias, which must not touch the split.
+TEST_F(LayersGpuTest, RelativeBiasOfALayerRunsOnTheSplitAndTheDenseBias) {
   for (const CaseRun& run : AllCaseRuns()) {
     if (run.name() != "TransformerLayer_relative_band_bf16") continue;
+    const bool split_default = cuda::RelativeSplitOn();
     const int64_t band_before = cuda::RelativeBandCalls();
     const int64_t split_before = cuda::RelativeSplitCalls();
-    cuda::SetRelativeSplit(true);  // off by default (te_server --relative_bias_split)
+    cuda::SetRelativeSplit(true);
     CompareOnBothBackends(run);
-    cuda::SetRelativeSplit(false);
     EXPECT_GT(cuda::RelativeBandCalls(), band_before) << "the band did not form dtable";
     EXPECT_GE(cuda::RelativeSplitCalls() - split_before, 2)
         << "the split did not serve the layer's forward and backward";
+
+    const int64_t split_before_dense = cuda::RelativeSplitCalls();
+    cuda::SetRelativeSplit(false);
+    CompareOnBothBackends(run);
+    cuda::SetRelativeSplit(split_default);
+    EXPECT_EQ(cuda::RelativeSplitCalls(), split_before_dense) << "the dense path ran the split";
     return;
   }
   FAIL() << "no run named TransformerLayer_relative_band_bf16";
