@@ -14,14 +14,7 @@ if [ -f "$root/.benchbundle/libkernels_old.so.xz" ]; then
   xz -dc "$root/.benchbundle/libkernels_old.so.xz" >/tmp/b_old/libkernels_Scuda_Slibkernels.so
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader
-failed=0
-for t in relative_band_gpu_test layers_gpu_test attention_gpu_test; do
-  start=$(date +%s)
-  /tmp/b_new/run.sh $t >"$out/$t.txt" 2>&1; rc=$?
-  echo "$t: rc $rc, $(( $(date +%s) - start )) s"; [ $rc = 0 ] || failed=1
-  grep -E "^\[  (FAILED|PASSED) |Failure|Expected|Which is|actual" "$out/$t.txt" | head -30
-done
-[ $failed = 0 ] || { echo "a GPU test failed: no timing"; exit 1; }
+bash "$root/bench/relative_split_tests.sh" /tmp/b_new "$out" || { echo "a GPU test failed: no timing"; exit 1; }
 for round in 1 2; do
   for which in old new; do
     [ -x /tmp/b_$which/run.sh ] || continue
