@@ -1462,7 +1462,7 @@ FaultRunResult RunFaults(const FaultRunOptions& run_options) {
   for (const std::string& m : figures.miss_examples) std::printf("  missed: %s\n", m.c_str());
   std::fflush(stdout);
 
-  result.stopped_cleanly = server.Stop().ok();
+  result.stopped = server.Stop();
   return result;
 }
 

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
@@ -169,7 +170,7 @@ struct FaultRunResult {
   std::vector<std::string> setup_failures;  // the server or a client could not be set up
   bool alive = false;                       // the server outlived the run
   bool still_serves = false;                // a new session could init a layer afterwards
-  bool stopped_cleanly = false;             // the server stopped cleanly at the end
+  absl::Status stopped = absl::UnknownError("not stopped");  // SIGTERM at the end: exit 0 in time
   Figures figures;                          // every client's, merged
   int64_t injected = 0;                     // faults of every kind
   std::vector<FailedOnlyReport> failed_only;  // one per hostile client

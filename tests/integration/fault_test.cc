@@ -41,7 +41,7 @@ void ExpectServerReturnedToBaseline(const FaultRunResult& r) {
   EXPECT_EQ(r.figures.ordinary_failures, 0) << "calls without a fault failed";
   EXPECT_EQ(r.after.sessions_open(), r.before.sessions_open());
   EXPECT_EQ(r.after.bytes_in_use(), r.before.bytes_in_use());
-  EXPECT_TRUE(r.stopped_cleanly) << "the server must still stop cleanly";
+  EXPECT_TRUE(r.stopped.ok()) << "the server must still stop cleanly: " << r.stopped;
 }
 
 // Cancels, deadlines, cut streams, dropped connections, closes in flight:
