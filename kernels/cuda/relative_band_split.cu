@@ -89,13 +89,13 @@ constexpr float kNegInf = -INFINITY;
 // ---- the work loop ------------------------------------------------------------
 // Each kernel is persistent: its grid is the blocks the device holds at once,
 // each walking work items (tile, head, batch), tile fastest, so the blocks in
-// flight share their heads' band rows in L2. Where two items' rows fit in
-// shared memory (D <= 64) a block stages the next item's rows while it
-// computes one: memory stays busy through the compute, where a block that
-// loaded, then computed, left it idle half the time.
-template <int D>
-constexpr int kBuffers = D <= 64 ? 2 : 1;
-
+// flight share their heads' band rows in L2. A block stages an item's rows,
+// then computes on them; two blocks an SM (D <= 64) overlap one's staging
+// with the other's compute. One block an SM with the next item's rows
+// double-buffered measured slower on an H100
+// (bench/results/2026-12-07-h100-relative-split-persistent/): the buffers and the
+// backward kernels' registers (134 and 175 unbounded) left 8 warps an SM,
+// too few to hide the compute's latencies.
 struct Item {
   int tile, h, b;
 };
@@ -114,36 +114,23 @@ __device__ __forceinline__ void LoadBias(const SplitParams& p, int h, float* bia
   }
 }
 
-// stage(item, buffer) issues an item's asynchronous copies into `buffer`
-// (its head's bias goes into bias_at[buffer] beside them); compute(item,
-// buffer) works on them once they have landed. Every thread of the block
-// calls it, and both may synchronise the block.
-template <typename T, int Buffers, typename Stage, typename Compute>
-__device__ __forceinline__ void ForEachItem(const SplitParams& p,
-                                            float (*bias_at)[kRelativeBandMax + 1], Stage stage,
+// stage(item) issues an item's asynchronous copies (its head's bias goes
+// into bias_at beside them); compute(item) works on them once they have
+// landed. Every thread of the block calls it, and both may synchronise the
+// block.
+template <typename T, typename Stage, typename Compute>
+__device__ __forceinline__ void ForEachItem(const SplitParams& p, float* bias_at, Stage stage,
                                             Compute compute) {
   const int items = Items(p);
-  auto stage_item = [&](int n, int buffer) {
-    const Item it = ItemAt(n, p.tiles, p.heads);
-    stage(it, buffer);
-    LoadBias<T>(p, it.h, bias_at[buffer]);
-  };
-  int buffer = 0;
-  if (Buffers > 1 && static_cast<int>(blockIdx.x) < items) stage_item(blockIdx.x, 0);
-  __pipeline_commit();
   for (int n = blockIdx.x; n < items; n += gridDim.x) {
-    const int next = n + gridDim.x;
-    if (Buffers == 1) {
-      stage_item(n, 0);
-    } else if (next < items) {
-      stage_item(next, buffer ^ 1);  // the buffer item n - gridDim.x used: released below
-    }
+    const Item it = ItemAt(n, p.tiles, p.heads);
+    stage(it);
+    LoadBias<T>(p, it.h, bias_at);
     __pipeline_commit();
-    __pipeline_wait_prior(Buffers - 1);
+    __pipeline_wait_prior(0);
     __syncthreads();
-    compute(ItemAt(n, p.tiles, p.heads), buffer);
-    __syncthreads();
-    buffer = (buffer + 1) % Buffers;
+    compute(it);
+    __syncthreads();  // the stage is free for the next item
   }
 }
 
@@ -323,7 +310,7 @@ __host__ __device__ constexpr int BackwardStageElements(int band) {
 // per-distance sums; the item's sums, in warp order, become one partial row
 // of dtable, which the head's last item folds (relative_bias_grad.cu's
 // SumHeadTable). Each row's delta is written for the key kernel.
-struct QueryRows {  // one buffer's: each staged query row's lse and delta
+struct QueryRows {  // each staged query row's lse and delta
   float lse[kBlockRows];
   float delta[kBlockRows];
 };
@@ -512,7 +499,7 @@ __device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& 
 // walks the query tiles whose band reaches it: S^T = k q^T, dP^T = v dout^T,
 // P^T and dS^T from the query rows' lse and delta, dv += P^T dout, dk +=
 // dS^T q scale; then dk and dv added to cuDNN's far rows (j < S - W).
-struct KeyRows {  // one buffer's: the lse and delta of the queries reaching the keys
+struct KeyRows {  // the lse and delta of the queries reaching the keys
   float lse[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
   float delta[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
 };
@@ -689,40 +676,34 @@ struct KeyGradPass {
 };
 
 template <typename T, int D, typename Pass>
-__global__ void __launch_bounds__(kWarps * 32, 1) RelativeBandSplitKernel(SplitParams p) {
-  __shared__ float bias_at[kBuffers<D>][kRelativeBandMax + 1];
-  __shared__ typename Pass::Rows rows[kBuffers<D>];
+__global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
+    RelativeBandSplitKernel(SplitParams p) {
+  __shared__ float bias_at[kRelativeBandMax + 1];
+  __shared__ typename Pass::Rows rows;
   extern __shared__ __align__(128) unsigned char stage_bytes[];
-  T* stages = reinterpret_cast<T*>(stage_bytes);
-  const int per_buffer = Pass::template StageElements<D>(p.band);
-  ForEachItem<T, kBuffers<D>>(
-      p, bias_at,
-      [&](const Item& it, int buffer) {
-        Pass::template Stage<T, D>(p, it, stages + buffer * per_buffer, &rows[buffer]);
-      },
-      [&](const Item& it, int buffer) {
-        Pass::template Compute<T, D>(p, it, stages + buffer * per_buffer, rows[buffer],
-                                     bias_at[buffer]);
-      });
+  T* stage = reinterpret_cast<T*>(stage_bytes);
+  ForEachItem<T>(
+      p, bias_at, [&](const Item& it) { Pass::template Stage<T, D>(p, it, stage, &rows); },
+      [&](const Item& it) { Pass::template Compute<T, D>(p, it, stage, rows, bias_at); });
 }
 
 // ---- launches -----------------------------------------------------------------
 // Every configuration stages more than the default 48 KiB, so each kernel is
-// opted in to its stage bytes; with its static arrays (at most 5.2 KiB: the
-// key kernel's rows at D 64) the largest, D 64 and a band of 128, takes 221
-// KiB of the 227 a block may have.
-static_assert(kBuffers<64> * BackwardStageElements<64>(kRelativeBandMax) * sizeof(uint16_t) +
-                      sizeof(KeyRows) * kBuffers<64> <= 227 * 1024 - 1024,
-              "the key kernel's largest configuration fits a block");
+// opted in to its stage bytes. Two blocks an SM at D <= 64 (the largest, the
+// key kernel at a band of 128, stages 108 KiB with 2.6 KiB of static arrays),
+// one at D 128.
+static_assert(2 * (BackwardStageElements<64>(kRelativeBandMax) * sizeof(uint16_t) +
+                   sizeof(KeyRows) + 1024) <= 228 * 1024,
+              "two key-kernel blocks at D 64 fit an SM");
 static_assert(BackwardStageElements<128>(kRelativeBandMax) * sizeof(uint16_t) <= 227 * 1024 - 4096,
-              "one buffer at D 128 fits a block");
+              "one block at D 128 fits an SM");
 
 // A pass on a persistent grid: the blocks the device holds at once, at most
 // one an item.
 template <typename T, int D, typename Pass>
 absl::Status LaunchPass(CudaOps* ops, const SplitParams& p) {
   const auto kernel = RelativeBandSplitKernel<T, D, Pass>;
-  const size_t stage = size_t{kBuffers<D>} * Pass::template StageElements<D>(p.band) * sizeof(T);
+  const size_t stage = Pass::template StageElements<D>(p.band) * sizeof(T);
   RETURN_IF_ERROR(AllowSharedBytes(ops->context(), kernel, stage,
                                    "cudaFuncSetAttribute(RelativeBandSplitKernel)"));
   const int blocks = static_cast<int>(
