@@ -44,6 +44,7 @@ set -u
 root="$(pwd)"
 b=/tmp/b
 out="${OUT:-$(mktemp -d)}"
+mkdir -p "$out"  # OUT may name a folder under the call's $OUT
 if [ ! -x "$b/run.sh" ]; then
   mkdir -p "$b"
   xz -dc "$root/.gpubundle/gb.tar.xz" | tar -C "$b" -xf -
