@@ -4,9 +4,9 @@
 # split's GPU tests (relative_band_gpu_test, //tests/gpu:layers_gpu_test, attention_gpu_test)
 # and an earlier commit's libkernels_Scuda_Slibkernels.so as its OLD_KERNELS_SO:
 #   PACK_TARGETS="..." bash bench/h200_pack.sh OLD.so
-# (xz's 128 MiB window should see most of the second library as repeats of the first; an old
-# library xz'd on its own in .benchbundle/libkernels_old.so.xz, still read, put a call over
-# its 64 MiB with the tree: 27 + 21 + 21 MB). The old run is the new bundle with that library. Runs the tests, both
+# (in one archive with the new library the old one adds about 7 MB; xz'd on its own in
+# .benchbundle/libkernels_old.so.xz, still read, it adds 21 and put a call over its 64 MiB
+# with the tree). The old run is the new bundle with that library. Runs the tests, both
 # benches twice (old, new, old, new), then Nsight Compute on the new kernels (NCU=0 skips it;
 # on 2026-12-07's H100 ncu could not reach the CUDA driver).
 set -u
