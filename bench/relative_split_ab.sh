@@ -4,21 +4,18 @@
 # split's GPU tests (relative_band_gpu_test, //tests/gpu:layers_gpu_test, attention_gpu_test)
 # and an earlier commit's libkernels_Scuda_Slibkernels.so as its OLD_KERNELS_SO:
 #   PACK_TARGETS="..." bash bench/h200_pack.sh OLD.so
-# (in one archive with the new library the old one adds about 7 MB; xz'd on its own in
-# .benchbundle/libkernels_old.so.xz, still read, it adds 21 and put a call over its 64 MiB
-# with the tree). The old run is the new bundle with that library. Runs the tests, both
+# (in one archive with the new library the old one adds about 7 MB; xz'd on its own it added
+# 21 and put a call over its 64 MiB with the tree). The old run is the new bundle with that
+# library. Runs the tests, both
 # benches twice (old, new, old, new), then Nsight Compute on the new kernels (NCU=0 skips it;
 # on 2026-12-07's H100 ncu could not reach the CUDA driver).
 set -u
 root="$(pwd)"; out="${OUT:-/tmp/out}"; mkdir -p "$out"
 unpack() { rm -rf "$2"; mkdir -p "$2"; xz -dc "$1/gb.tar.xz" | tar -C "$2" -xf -; }
 unpack "$root/.gpubundle" /tmp/b_new
-if ls /tmp/b_new/oldlib/libkernels_Scuda_Slibkernels.so >/dev/null 2>&1; then
+if [ -f /tmp/b_new/oldlib/libkernels_Scuda_Slibkernels.so ]; then
   rm -rf /tmp/b_old; cp -a /tmp/b_new /tmp/b_old
   cp /tmp/b_new/oldlib/libkernels_Scuda_Slibkernels.so /tmp/b_old/
-elif [ -f "$root/.benchbundle/libkernels_old.so.xz" ]; then
-  rm -rf /tmp/b_old; cp -a /tmp/b_new /tmp/b_old
-  xz -dc "$root/.benchbundle/libkernels_old.so.xz" >/tmp/b_old/libkernels_Scuda_Slibkernels.so
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 bash "$root/bench/relative_split_tests.sh" /tmp/b_new "$out" || { echo "a GPU test failed: no timing"; exit 1; }

@@ -18,8 +18,8 @@ grep -E "^\||copy bandwidth|does not|did not" "$out/relative_bias_bench.txt"
 export TE_CLIENT_STUBS_DIR="$root/.gpubundle/proto"
 py=python3; $py -c "import grpc, google.protobuf, numpy" 2>/dev/null || py=/opt/torch/.venv/bin/python
 lm() {  # SPLIT BIAS PEER
-  local flags="--session_memory_bytes=$((96 << 30)) --relative_bias_split=true"
-  [ "$1" = on ] || flags="${flags%=true}=false"  # explicit both ways: the default has changed
+  local split=false; [ "$1" = on ] && split=true  # named both ways, whatever the default
+  local flags="--session_memory_bytes=$((96 << 30)) --relative_bias_split=$split"
   $py bench/lm_bench.py --server="$b/run.sh te_server" --server_flags="$flags" $3 \
     --sizes=24x1024x16x1024x8 --bias="$2" --recipes=bf16,delayed --steps=20 --warmup=5
 }
