@@ -15,9 +15,11 @@
 // log-sum-exps, in place. Backward: cuDNN's bias-free backward on the far
 // views with the merged output and stats lse - c_h (its recomputed P is then
 // the merged softmax on the far keys: exact), and the band's dq, dk and dv
-// added to it by two kernels, one per query tile (dq, and dtable as the band
-// kernel of relative_bias_grad.cu forms it) and one per key tile (dk, dv),
-// each summing in a fixed order (the same bits every run).
+// added to it by two kernels. One per key tile forms each band pair's S and
+// dP once: dk, dv, the table's gradient (as the band kernel of
+// relative_bias_grad.cu forms it) and the pair's dS, which it leaves for one
+// per query tile that adds dS k into dq. Each sums in a fixed order (the
+// same bits every run).
 // bench/results/2026-12-07-relative-band-split-plan/ checks the split in
 // float64 against the dense bias.
 #include <cuda_bf16.h>
@@ -76,8 +78,9 @@ struct SplitParams {
   void* dq;
   void* dk;
   void* dv;
-  float* delta;  // [B, Hq, S]: rowsum(dout * out), from the query kernel
-  float* partial;  // [B, Hq, tiles, W + 1]
+  float* delta;     // [B, Hq, S]: rowsum(dout * out), RowStatsKernel's
+  void* ds_pairs;   // each band pair's dS, the key kernel's, for the query kernel (PairIndex)
+  float* partial;   // [B, Hq, tiles, W + 1]
   unsigned* heads_done;  // null: LaunchRelativeBandTable sums the partial rows
   const int32_t* buckets;
   float* dtable;
@@ -282,223 +285,82 @@ __device__ __forceinline__ void ForwardItem(const SplitParams& p, const Item& it
   }
 }
 
-// The far part's stats for cuDNN's backward: lse - c_h on rows W.. (its
-// recomputed exp(S - stats) is then the merged softmax on the far keys).
+// ---- backward ---------------------------------------------------------------
+// Each row's delta = rowsum(dout * out) for the key kernel and, on rows W..,
+// the far part's stats for cuDNN's backward: lse - c_h (its recomputed
+// exp(S - stats) is then the merged softmax on the far keys). One thread a
+// row; far_stats null where S <= W.
 template <typename T>
-__global__ void FarStatsKernel(SplitParams p, float* far_stats, int64_t count) {
-  const int64_t far_rows = p.seq - p.band;
-  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < count;
+__global__ void RowStatsKernel(SplitParams p, int head_dim, float* far_stats) {
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seq;
+  const int vectors = head_dim * static_cast<int>(sizeof(T)) / 16;
+  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < rows;
        x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t plane = x / far_rows, r = x % far_rows;  // plane = b * H + h
-    const int h = static_cast<int>(plane % p.heads);
-    far_stats[x] = p.lse[plane * p.seq + p.band + r] - BiasAtDistance<T>(p.bias, h, p.seq, p.band);
-  }
-}
-
-// Both backward kernels stage 128 rows of two tensors and the band's reach
-// of two others.
-template <int D>
-__host__ __device__ constexpr int BackwardStageElements(int band) {
-  return 2 * (kBlockRows + ReachRows(band)) * (D + kStagePad);
-}
-
-// ---- backward, per query tile: dq and the table's gradient -------------------
-// An item is 128 queries of one (batch, head), a warp one 16-row tile, which
-// walks the key tiles its band reaches: S = q k^T and dP = dout v^T, dS =
-// P (dP - delta) in f32, dq += dS k scale. dS's diagonals go through the
-// warp's own staged rows (free once its fragments are in registers) into
-// per-distance sums; the item's sums, in warp order, become one partial row
-// of dtable, which the head's last item folds (relative_bias_grad.cu's
-// SumHeadTable). Each row's delta is written for the key kernel.
-struct QueryRows {  // each staged query row's lse and delta
-  float lse[kBlockRows];
-  float delta[kBlockRows];
-};
-
-// The rows' copies, and their lse and delta (delta = rowsum(dout * out)
-// read here, two threads a row: these loads overlap the staged copies).
-template <typename T, int D>
-__device__ __forceinline__ void StageQueryGrad(const SplitParams& p, const Item& it, T* stage,
-                                               QueryRows* rows) {
-  constexpr int kLdm = D + kStagePad;
-  const int S = p.seq, offsets = Offsets(p.band);
-  T* q_stage = stage;
-  T* dout_stage = q_stage + kBlockRows * kLdm;
-  T* k_stage = dout_stage + kBlockRows * kLdm;
-  T* v_stage = k_stage + ReachRows(p.band) * kLdm;
-  const int i0 = it.tile * kBlockRows;
-  const int64_t q_base = static_cast<int64_t>(it.b) * S * p.q_stride + it.h * D;
-  const int64_t kv_base = static_cast<int64_t>(it.b) * S * p.kv_stride + it.h * D;
-  const int64_t o_base = static_cast<int64_t>(it.b) * S * p.o_stride + it.h * D;
-  const T* k = static_cast<const T*>(p.k) + kv_base;
-  const T* v = static_cast<const T*>(p.v) + kv_base;
-  const T* out = static_cast<const T*>(p.out) + o_base;
-  const T* dout = static_cast<const T*>(p.dout) + o_base;
-  const int key0 = i0 - kTile * (offsets - 1);
-  const int q_end = min(S, i0 + kBlockRows);
-  const int kv_lo = max(0, key0);
-  StageRows<T, D>(q_stage, static_cast<const T*>(p.q) + q_base + static_cast<int64_t>(i0) * p.q_stride,
-                  p.q_stride, q_end - i0);
-  StageRows<T, D>(dout_stage, dout + static_cast<int64_t>(i0) * p.o_stride, p.o_stride,
-                  q_end - i0);
-  StageRows<T, D>(k_stage + (kv_lo - key0) * kLdm, k + static_cast<int64_t>(kv_lo) * p.kv_stride,
-                  p.kv_stride, q_end - kv_lo);
-  StageRows<T, D>(v_stage + (kv_lo - key0) * kLdm, v + static_cast<int64_t>(kv_lo) * p.kv_stride,
-                  p.kv_stride, q_end - kv_lo);
-  const int64_t row_base = (static_cast<int64_t>(it.b) * p.heads + it.h) * S;
-  const int r = threadIdx.x / 2, i = i0 + r;
-  const float part = band::RowDelta<T, D>(out, dout, p.o_stride, i, S);
-  if (threadIdx.x % 2 == 0) {
-    rows->delta[r] = part;
-    rows->lse[r] = i < S ? p.lse[row_base + i] : 0.0f;
-    if (i < S) p.delta[row_base + i] = part;
-  }
-}
-
-template <typename T, int D>
-__device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& it, T* stage,
-                                              const QueryRows& rows, const float* bias_at) {
-  __shared__ float warp_far[kWarps];
-  constexpr int kLdm = D + kStagePad;
-  const int W = p.band, S = p.seq, offsets = Offsets(W);
-  T* q_stage = stage;
-  T* dout_stage = q_stage + kBlockRows * kLdm;
-  T* k_stage = dout_stage + kBlockRows * kLdm;
-  const T* v_stage = k_stage + ReachRows(W) * kLdm;
-  const int h = it.h;
-  const int64_t q_base = static_cast<int64_t>(it.b) * S * p.q_stride + h * D;
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const Lanes l(lane);
-  const int r0 = it.tile * kBlockRows + kTile * warp;
-  const bool active = r0 < S;
-  const T* q_tile = q_stage + (kTile * warp + l.a_row) * kLdm + l.a_col;
-  const T* dout_tile = dout_stage + (kTile * warp + l.a_row) * kLdm + l.a_col;
-  uint32_t a_q[D / kTile][4], a_dout[D / kTile][4];
-#pragma unroll
-  for (int kk = 0; kk < D / kTile; ++kk) {
-    LoadMatrices(a_q[kk], q_tile + kk * kTile);
-    LoadMatrices(a_dout[kk], dout_tile + kk * kTile);
-  }
-  __syncwarp();
-  // The warp's own staged rows, now free: dS of one pair [16][17] (padded:
-  // the diagonals' reads in distinct banks), and the per-distance sums.
-  float* pair = reinterpret_cast<float*>(q_stage + kTile * warp * kLdm);
-  float* dist_sums = reinterpret_cast<float*>(dout_stage + kTile * warp * kLdm);
-  static_assert(kTile * (kTile + 1) * sizeof(float) <= kTile * (32 + kStagePad) * sizeof(uint16_t),
-                "a pair's dS fits the warp's staged q rows");
-  static_assert(kRelativeBandMax * sizeof(float) <= kTile * (32 + kStagePad) * sizeof(uint16_t),
-                "the distances' sums fit the warp's staged dout rows");
-  for (int d = lane; d < kRelativeBandMax; d += 32) dist_sums[d] = 0.0f;
-  const int local = kTile * warp + l.g;
-  const float lse[2] = {rows.lse[local], rows.lse[local + 8]};
-  const float delta[2] = {rows.delta[local], rows.delta[local + 8]};
-  const bool has_far[2] = {r0 + l.g >= W, r0 + l.g + 8 >= W};
-  float dq[D / 8][4] = {};
-  float far = 0.0f;  // minus the far bucket's share: the band's dS of rows i >= W
-  for (int m = 0; active && m < offsets && kTile * m <= r0; ++m) {
-    const int key_row = kTile * (warp - m + offsets - 1);
-    float s[2][4] = {}, ds[2][4] = {};  // S = q k^T; dP = dout v^T, then dS in place
-    band::TwoTileProducts<T, D>(a_q, k_stage + key_row * kLdm, a_dout, v_stage + key_row * kLdm,
-                                l, s, ds);
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hi = e >> 1, r = l.g + 8 * hi, c = 8 * nb + 2 * l.qd + (e & 1);
-        const int dist = kTile * m + r - c;
-        const bool in_band = dist >= 0 && dist < W;
-        const float prob =
-            in_band ? __expf(s[nb][e] * p.scale + bias_at[in_band ? dist : 0] - lse[hi]) : 0.0f;
-        ds[nb][e] = prob * (ds[nb][e] - delta[hi]);
-        if (has_far[hi]) far -= ds[nb][e];
-        pair[r * (kTile + 1) + c] = ds[nb][e];
-      }
-    }
-    __syncwarp();
-    // Diagonal r - c = lane - 15 of the pair: distance 16 m + lane - 15.
-    if (lane < 2 * kTile - 1) {
-      const int diag = lane - (kTile - 1), dist = kTile * m + diag;
-      if (dist >= 0 && dist < W) {
-        float sum = 0.0f;
-        for (int r = max(0, diag); r < min(kTile, kTile + diag); ++r) {
-          sum += pair[r * (kTile + 1) + r - diag];
-        }
-        dist_sums[dist] += sum;
-      }
-    }
-    __syncwarp();
-    uint32_t a_ds[4];
-    AsOperandA<T>(ds, p.scale, a_ds);
-#pragma unroll
-    for (int dd = 0; dd < D / kTile; ++dd) {
-      uint32_t b_k[4];
-      LoadMatricesTransposed(b_k, k_stage + (key_row + l.a_row) * kLdm + dd * kTile + l.a_col);
-      MmaAccumulate<T>(dq[2 * dd], a_ds, b_k[0], b_k[1]);
-      MmaAccumulate<T>(dq[2 * dd + 1], a_ds, b_k[2], b_k[3]);
-    }
-  }
-  // dq: the band's, added to cuDNN's far rows (i >= W) where there are any.
-  if (active) {
-    T* dq_rows = static_cast<T*>(p.dq) + q_base;
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int i = r0 + l.g + 8 * hi;
-      const bool add = p.far_lse != nullptr && i >= W;
-      T* row = dq_rows + static_cast<int64_t>(i) * p.q_stride;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        uint32_t* at = reinterpret_cast<uint32_t*>(row + 8 * n + 2 * l.qd);
-        float x0 = dq[n][2 * hi], x1 = dq[n][2 * hi + 1];
-        if (add) {
-          float f0, f1;
-          UnpackPair<T>(*at, &f0, &f1);
-          x0 += f0;
-          x1 += f1;
-        }
-        *at = PackPair<T>(x0, x1);
-      }
-    }
-  }
-  for (int offset = 16; offset > 0; offset /= 2) far += __shfl_xor_sync(0xffffffffu, far, offset);
-  if (lane == 0) warp_far[warp] = far;
-  __syncthreads();
-  float* sums =
-      p.partial + ((static_cast<int64_t>(it.b) * p.heads + h) * p.tiles + it.tile) * (W + 1);
-  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+    const int64_t plane = x / p.seq;  // b * H + h
+    const int i = static_cast<int>(x % p.seq), h = static_cast<int>(plane % p.heads);
+    const int64_t at = (plane / p.heads * p.seq + i) * p.o_stride + h * head_dim;
+    const uint4* o4 = reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + at);
+    const uint4* d4 = reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + at);
     float sum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      sum += reinterpret_cast<const float*>(dout_stage + kTile * w * kLdm)[d];
+#pragma unroll 8
+    for (int v = 0; v < vectors; ++v) {
+      const uint4 o = o4[v], d = d4[v];
+      const T* o_el = reinterpret_cast<const T*>(&o);
+      const T* d_el = reinterpret_cast<const T*>(&d);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum += ToFloat(d_el[e]) * ToFloat(o_el[e]);
     }
-    sums[d] = sum;
+    p.delta[x] = sum;
+    if (far_stats != nullptr && i >= p.band) {
+      far_stats[plane * (p.seq - p.band) + (i - p.band)] =
+          p.lse[x] - BiasAtDistance<T>(p.bias, h, p.seq, p.band);
+    }
   }
-  if (threadIdx.x == 0) {
-    float sum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) sum += warp_far[w];
-    sums[W] = sum;
-  }
-  // The head's last item to finish sums its dtable column.
-  if (p.heads_done == nullptr ||
-      !band::LastBlockOfHead(p.heads_done, h, static_cast<unsigned>(p.tiles * p.batch))) {
-    return;
-  }
-  // The staged k rows are free now (the distance sums live in dout's).
-  float* split_sums = reinterpret_cast<float*>(k_stage);
-  int32_t* bucket_at =
-      reinterpret_cast<int32_t*>(split_sums + band::kTableSplit * (kRelativeBandMax + 1));
-  static_assert(band::kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
-                    kBlockRows * (32 + kStagePad) * sizeof(uint16_t) / sizeof(float),
-                "the staged k rows hold the table's sums");
-  band::SumHeadTable(p.partial, p.buckets, p.dtable, p.batch, p.heads, p.tiles, S, W,
-                     p.num_buckets, h, split_sums, bucket_at);
-  if (threadIdx.x == 0) p.heads_done[h] = 0;  // the next launch on this stream sees it
 }
 
-// ---- backward, per key tile: dk and dv --------------------------------------
+// Both backward kernels work on pairs of a 16-key tile and the query tile
+// 16 m rows after it (m < Offsets(W)): the band's elements. The key kernel
+// forms each pair's dS once and leaves it, scaled and transposed, as the
+// query kernel's mma operand A: 32 lanes of 16 bytes, pair by pair in
+// (batch, head, key tile, m) order.
+// key_tile: the 16-key tile's index in its sequence.
+__device__ __forceinline__ int64_t PairIndex(const SplitParams& p, int b, int h, int key_tile,
+                                             int m) {
+  return ((static_cast<int64_t>(b) * p.heads + h) * p.tiles * kWarps + key_tile) *
+             Offsets(p.band) + m;
+}
+
+// A pair's dS (key rows, query columns: [16][17] floats) transposed, times
+// scale, as operand A of dq's mma: rows g and g + 8 (queries), columns 2 qd,
+// 2 qd + 1 and those 8 on (keys), rounded as AsOperandA rounds.
+template <typename T>
+__device__ __forceinline__ uint4 TransposedOperandA(const float* pair, const Lanes& l,
+                                                    float scale) {
+  const auto at = [&](int query, int key) { return pair[key * (kTile + 1) + query] * scale; };
+  const int c = 2 * l.qd;
+  uint4 a;
+  a.x = PackPair<T>(at(l.g, c), at(l.g, c + 1));
+  a.y = PackPair<T>(at(l.g + 8, c), at(l.g + 8, c + 1));
+  a.z = PackPair<T>(at(l.g, c + 8), at(l.g, c + 9));
+  a.w = PackPair<T>(at(l.g + 8, c + 8), at(l.g + 8, c + 9));
+  return a;
+}
+
+// ---- backward, per key tile: dk, dv, dS and the table's gradient ------------
 // An item is 128 keys of one (batch, head), a warp one 16-key tile, which
 // walks the query tiles whose band reaches it: S^T = k q^T, dP^T = v dout^T,
 // P^T and dS^T from the query rows' lse and delta, dv += P^T dout, dk +=
-// dS^T q scale; then dk and dv added to cuDNN's far rows (j < S - W).
+// dS^T q scale; then dk and dv added to cuDNN's far rows (j < S - W). Each
+// pair's dS goes through the warp's own staged k rows (free once its
+// fragments are in registers): its diagonals into per-distance sums in the
+// warp's own staged v rows, and, transposed, out to the query kernel. The
+// item's sums, in warp order, become one partial row of dtable, which the
+// head's last item folds (relative_bias_grad.cu's SumHeadTable).
+template <int D>
+__host__ __device__ constexpr int KeyGradStageElements(int band) {
+  return 2 * (kBlockRows + ReachRows(band)) * (D + kStagePad);  // k, v; q, dout
+}
+
 struct KeyRows {  // the lse and delta of the queries reaching the keys
   float lse[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
   float delta[kBlockRows + kTile * (Offsets(kRelativeBandMax) - 1)];
@@ -536,28 +398,43 @@ __device__ __forceinline__ void StageKeyGrad(const SplitParams& p, const Item& i
 }
 
 template <typename T, int D>
-__device__ __forceinline__ void KeyGradItem(const SplitParams& p, const Item& it, const T* stage,
+__device__ __forceinline__ void KeyGradItem(const SplitParams& p, const Item& it, T* stage,
                                             const KeyRows& rows, const float* bias_at) {
+  __shared__ float warp_far[kWarps];
   constexpr int kLdm = D + kStagePad;
   const int W = p.band, S = p.seq, offsets = Offsets(W);
-  const T* k_stage = stage;
-  const T* v_stage = k_stage + kBlockRows * kLdm;
+  T* k_stage = stage;
+  T* v_stage = k_stage + kBlockRows * kLdm;
   const T* q_stage = v_stage + kBlockRows * kLdm;
   const T* dout_stage = q_stage + ReachRows(W) * kLdm;
-  const int64_t kv_base = static_cast<int64_t>(it.b) * S * p.kv_stride + it.h * D;
+  const int h = it.h;
+  const int64_t kv_base = static_cast<int64_t>(it.b) * S * p.kv_stride + h * D;
 
-  const int warp = threadIdx.x / 32;
-  const Lanes l(threadIdx.x % 32);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Lanes l(lane);
   const int j0 = it.tile * kBlockRows + kTile * warp;
-  if (j0 >= S) return;
+  const bool active = j0 < S;  // S is a multiple of 16: a tile is all inside or all past it
   uint32_t a_k[D / kTile][4], a_v[D / kTile][4];
 #pragma unroll
   for (int kk = 0; kk < D / kTile; ++kk) {
     LoadMatrices(a_k[kk], k_stage + (kTile * warp + l.a_row) * kLdm + kk * kTile + l.a_col);
     LoadMatrices(a_v[kk], v_stage + (kTile * warp + l.a_row) * kLdm + kk * kTile + l.a_col);
   }
+  __syncwarp();
+  // The warp's own staged rows, now free: dS of one pair [16][17] (padded:
+  // the diagonals' reads in distinct banks), and the per-distance sums.
+  float* pair = reinterpret_cast<float*>(k_stage + kTile * warp * kLdm);
+  float* dist_sums = reinterpret_cast<float*>(v_stage + kTile * warp * kLdm);
+  static_assert(kTile * (kTile + 1) * sizeof(float) <= kTile * (32 + kStagePad) * sizeof(uint16_t),
+                "a pair's dS fits the warp's staged k rows");
+  static_assert(kRelativeBandMax * sizeof(float) <= kTile * (32 + kStagePad) * sizeof(uint16_t),
+                "the distances' sums fit the warp's staged v rows");
+  for (int d = lane; d < kRelativeBandMax; d += 32) dist_sums[d] = 0.0f;
+  uint4* ds_out = static_cast<uint4*>(p.ds_pairs) +
+                  PairIndex(p, it.b, h, it.tile * kWarps + warp, 0) * 32 + lane;
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int m = 0; m < offsets && j0 + kTile * m < S; ++m) {
+  float far = 0.0f;  // minus the far bucket's share: the band's dS of queries i >= W
+  for (int m = 0; active && m < offsets && j0 + kTile * m < S; ++m) {
     const int query_row = kTile * (warp + m);  // in the stage
     float st[2][4] = {}, dst[2][4] = {};  // S^T = k q^T; dP^T = v dout^T
     band::TwoTileProducts<T, D>(a_k, q_stage + query_row * kLdm, a_v,
@@ -576,8 +453,24 @@ __device__ __forceinline__ void KeyGradItem(const SplitParams& p, const Item& it
                     : 0.0f;
         st[nb][e] = prob;
         dst[nb][e] = prob * (dst[nb][e] - rows.delta[query]);
+        if (j0 + kTile * m + c >= W) far -= dst[nb][e];
+        pair[r * (kTile + 1) + c] = dst[nb][e];
       }
     }
+    __syncwarp();
+    // Diagonal c - r = lane - 15 of the pair: distance 16 m + lane - 15.
+    if (lane < 2 * kTile - 1) {
+      const int diag = lane - (kTile - 1), dist = kTile * m + diag;
+      if (dist >= 0 && dist < W) {
+        float sum = 0.0f;
+        for (int r = max(0, -diag); r < min(kTile, kTile - diag); ++r) {
+          sum += pair[r * (kTile + 1) + r + diag];
+        }
+        dist_sums[dist] += sum;
+      }
+    }
+    ds_out[m * 32] = TransposedOperandA<T>(pair, l, p.scale);
+    __syncwarp();  // the pair is read: the next one may overwrite it
     uint32_t a_p[4], a_ds[4];
     AsOperandA<T>(st, 1.0f, a_p);
     AsOperandA<T>(dst, p.scale, a_ds);
@@ -593,30 +486,139 @@ __device__ __forceinline__ void KeyGradItem(const SplitParams& p, const Item& it
       MmaAccumulate<T>(dk[2 * dd + 1], a_ds, b_q[2], b_q[3]);
     }
   }
-  T* dk_rows = static_cast<T*>(p.dk) + kv_base;
-  T* dv_rows = static_cast<T*>(p.dv) + kv_base;
+  if (active) {
+    T* dk_rows = static_cast<T*>(p.dk) + kv_base;
+    T* dv_rows = static_cast<T*>(p.dv) + kv_base;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int j = j0 + l.g + 8 * hi;
+      const bool add = p.far_lse != nullptr && j < S - W;
+      const int64_t at_row = static_cast<int64_t>(j) * p.kv_stride;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        uint32_t* at_k = reinterpret_cast<uint32_t*>(dk_rows + at_row + 8 * n + 2 * l.qd);
+        uint32_t* at_v = reinterpret_cast<uint32_t*>(dv_rows + at_row + 8 * n + 2 * l.qd);
+        float k0 = dk[n][2 * hi], k1 = dk[n][2 * hi + 1];
+        float v0 = dv[n][2 * hi], v1 = dv[n][2 * hi + 1];
+        if (add) {
+          float f0, f1;
+          UnpackPair<T>(*at_k, &f0, &f1);
+          k0 += f0;
+          k1 += f1;
+          UnpackPair<T>(*at_v, &f0, &f1);
+          v0 += f0;
+          v1 += f1;
+        }
+        *at_k = PackPair<T>(k0, k1);
+        *at_v = PackPair<T>(v0, v1);
+      }
+    }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) far += __shfl_xor_sync(0xffffffffu, far, offset);
+  if (lane == 0) warp_far[warp] = far;
+  __syncthreads();
+  float* sums =
+      p.partial + ((static_cast<int64_t>(it.b) * p.heads + h) * p.tiles + it.tile) * (W + 1);
+  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      sum += reinterpret_cast<const float*>(v_stage + kTile * w * kLdm)[d];
+    }
+    sums[d] = sum;
+  }
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) sum += warp_far[w];
+    sums[W] = sum;
+  }
+  // The head's last item to finish sums its dtable column.
+  if (p.heads_done == nullptr ||
+      !band::LastBlockOfHead(p.heads_done, h, static_cast<unsigned>(p.tiles * p.batch))) {
+    return;
+  }
+  // The staged k rows are free now (the distance sums live in v's).
+  float* split_sums = reinterpret_cast<float*>(k_stage);
+  int32_t* bucket_at =
+      reinterpret_cast<int32_t*>(split_sums + band::kTableSplit * (kRelativeBandMax + 1));
+  static_assert(band::kTableSplit * (kRelativeBandMax + 1) + kRelativeBandMax <=
+                    kBlockRows * (32 + kStagePad) * sizeof(uint16_t) / sizeof(float),
+                "the staged k rows hold the table's sums");
+  band::SumHeadTable(p.partial, p.buckets, p.dtable, p.batch, p.heads, p.tiles, S, W,
+                     p.num_buckets, h, split_sums, bucket_at);
+  if (threadIdx.x == 0) p.heads_done[h] = 0;  // the next launch on this stream sees it
+}
+
+// ---- backward, per query tile: dq --------------------------------------------
+// An item is 128 queries of one (batch, head), a warp one 16-row tile: dq =
+// the sum over the key tiles its band reaches, offset by offset, of the key
+// kernel's dS (scaled) times k; then added to cuDNN's far rows (i >= W). It
+// stages only the keys.
+template <int D>
+__host__ __device__ constexpr int QueryGradStageElements(int band) {
+  return ReachRows(band) * (D + kStagePad);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void StageQueryGrad(const SplitParams& p, const Item& it, T* k_stage) {
+  constexpr int kLdm = D + kStagePad;
+  const int S = p.seq, i0 = it.tile * kBlockRows;
+  const int key0 = i0 - kTile * (Offsets(p.band) - 1);
+  const int kv_lo = max(0, key0);
+  const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(it.b) * S * p.kv_stride + it.h * D;
+  StageRows<T, D>(k_stage + (kv_lo - key0) * kLdm, k + static_cast<int64_t>(kv_lo) * p.kv_stride,
+                  p.kv_stride, min(S, i0 + kBlockRows) - kv_lo);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void QueryGradItem(const SplitParams& p, const Item& it,
+                                              const T* k_stage) {
+  constexpr int kLdm = D + kStagePad;
+  constexpr int kMaxOffsets = Offsets(kRelativeBandMax);
+  const int S = p.seq, offsets = Offsets(p.band);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Lanes l(lane);
+  const int r0 = it.tile * kBlockRows + kTile * warp;
+  if (r0 >= S) return;
+  // Every pair's operand first: their loads in flight together.
+  const uint4* ds_in = static_cast<const uint4*>(p.ds_pairs);
+  uint4 a[kMaxOffsets];
+#pragma unroll
+  for (int m = 0; m < kMaxOffsets; ++m) {
+    if (m < offsets && kTile * m <= r0) {
+      a[m] = ds_in[PairIndex(p, it.b, it.h, (r0 - kTile * m) / kTile, m) * 32 + lane];
+    }
+  }
+  float dq[D / 8][4] = {};
+#pragma unroll
+  for (int m = 0; m < kMaxOffsets; ++m) {
+    if (m >= offsets || kTile * m > r0) break;
+    const uint32_t a_ds[4] = {a[m].x, a[m].y, a[m].z, a[m].w};
+    const int key_row = kTile * (warp - m + offsets - 1);
+#pragma unroll
+    for (int dd = 0; dd < D / kTile; ++dd) {
+      uint32_t b_k[4];
+      LoadMatricesTransposed(b_k, k_stage + (key_row + l.a_row) * kLdm + dd * kTile + l.a_col);
+      MmaAccumulate<T>(dq[2 * dd], a_ds, b_k[0], b_k[1]);
+      MmaAccumulate<T>(dq[2 * dd + 1], a_ds, b_k[2], b_k[3]);
+    }
+  }
+  T* dq_rows = static_cast<T*>(p.dq) + static_cast<int64_t>(it.b) * S * p.q_stride + it.h * D;
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
-    const int j = j0 + l.g + 8 * hi;
-    const bool add = p.far_lse != nullptr && j < S - W;
-    const int64_t at_row = static_cast<int64_t>(j) * p.kv_stride;
+    const int i = r0 + l.g + 8 * hi;
+    const bool add = p.far_lse != nullptr && i >= p.band;
+    T* row = dq_rows + static_cast<int64_t>(i) * p.q_stride;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
-      uint32_t* at_k = reinterpret_cast<uint32_t*>(dk_rows + at_row + 8 * n + 2 * l.qd);
-      uint32_t* at_v = reinterpret_cast<uint32_t*>(dv_rows + at_row + 8 * n + 2 * l.qd);
-      float k0 = dk[n][2 * hi], k1 = dk[n][2 * hi + 1];
-      float v0 = dv[n][2 * hi], v1 = dv[n][2 * hi + 1];
+      uint32_t* at = reinterpret_cast<uint32_t*>(row + 8 * n + 2 * l.qd);
+      float x0 = dq[n][2 * hi], x1 = dq[n][2 * hi + 1];
       if (add) {
         float f0, f1;
-        UnpackPair<T>(*at_k, &f0, &f1);
-        k0 += f0;
-        k1 += f1;
-        UnpackPair<T>(*at_v, &f0, &f1);
-        v0 += f0;
-        v1 += f1;
+        UnpackPair<T>(*at, &f0, &f1);
+        x0 += f0;
+        x1 += f1;
       }
-      *at_k = PackPair<T>(k0, k1);
-      *at_v = PackPair<T>(v0, v1);
+      *at = PackPair<T>(x0, x1);
     }
   }
 }
@@ -642,27 +644,11 @@ struct ForwardPass {
     ForwardItem<T, D>(p, it, stage, bias_at);
   }
 };
-struct QueryGradPass {
-  using Rows = QueryRows;
-  template <int D>
-  __host__ __device__ static constexpr int StageElements(int band) {
-    return BackwardStageElements<D>(band);
-  }
-  template <typename T, int D>
-  __device__ static void Stage(const SplitParams& p, const Item& it, T* stage, QueryRows* rows) {
-    StageQueryGrad<T, D>(p, it, stage, rows);
-  }
-  template <typename T, int D>
-  __device__ static void Compute(const SplitParams& p, const Item& it, T* stage,
-                                 const QueryRows& rows, const float* bias_at) {
-    QueryGradItem<T, D>(p, it, stage, rows, bias_at);
-  }
-};
 struct KeyGradPass {
   using Rows = KeyRows;
   template <int D>
   __host__ __device__ static constexpr int StageElements(int band) {
-    return BackwardStageElements<D>(band);
+    return KeyGradStageElements<D>(band);
   }
   template <typename T, int D>
   __device__ static void Stage(const SplitParams& p, const Item& it, T* stage, KeyRows* rows) {
@@ -672,6 +658,22 @@ struct KeyGradPass {
   __device__ static void Compute(const SplitParams& p, const Item& it, T* stage,
                                  const KeyRows& rows, const float* bias_at) {
     KeyGradItem<T, D>(p, it, stage, rows, bias_at);
+  }
+};
+struct QueryGradPass {
+  using Rows = NoRows;
+  template <int D>
+  __host__ __device__ static constexpr int StageElements(int band) {
+    return QueryGradStageElements<D>(band);
+  }
+  template <typename T, int D>
+  __device__ static void Stage(const SplitParams& p, const Item& it, T* stage, NoRows*) {
+    StageQueryGrad<T, D>(p, it, stage);
+  }
+  template <typename T, int D>
+  __device__ static void Compute(const SplitParams& p, const Item& it, T* stage, const NoRows&,
+                                 const float*) {
+    QueryGradItem<T, D>(p, it, stage);
   }
 };
 
@@ -692,10 +694,10 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 64 ? 2 : 1)
 // opted in to its stage bytes. Two blocks an SM at D <= 64 (the largest, the
 // key kernel at a band of 128, stages 108 KiB with 2.6 KiB of static arrays),
 // one at D 128.
-static_assert(2 * (BackwardStageElements<64>(kRelativeBandMax) * sizeof(uint16_t) +
+static_assert(2 * (KeyGradStageElements<64>(kRelativeBandMax) * sizeof(uint16_t) +
                    sizeof(KeyRows) + 1024) <= 228 * 1024,
               "two key-kernel blocks at D 64 fit an SM");
-static_assert(BackwardStageElements<128>(kRelativeBandMax) * sizeof(uint16_t) <= 227 * 1024 - 4096,
+static_assert(KeyGradStageElements<128>(kRelativeBandMax) * sizeof(uint16_t) <= 227 * 1024 - 4096,
               "one block at D 128 fits an SM");
 
 // A pass on a persistent grid: the blocks the device holds at once, at most
@@ -715,13 +717,13 @@ absl::Status LaunchPass(CudaOps* ops, const SplitParams& p) {
 
 template <typename T, int D>
 absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p) {
-  RETURN_IF_ERROR((LaunchPass<T, D, QueryGradPass>(ops, p)));
+  RETURN_IF_ERROR((LaunchPass<T, D, KeyGradPass>(ops, p)));
   if (p.heads_done == nullptr) {
     RETURN_IF_ERROR(LaunchRelativeBandTable(p.partial, p.buckets, p.dtable, p.batch, p.heads,
                                             p.tiles, p.seq, p.band, p.num_buckets,
                                             ops->stream()));
   }
-  return LaunchPass<T, D, KeyGradPass>(ops, p);
+  return LaunchPass<T, D, QueryGradPass>(ops, p);
 }
 
 template <typename T>
@@ -854,21 +856,28 @@ absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
   p.dq = grads.dq;
   p.dk = grads.dk;
   p.dv = grads.dv;
+  // Freed at return: the allocator orders their reuse after this stream's work.
+  ASSIGN_OR_RETURN(const Tensor delta, ops->Allocate(DType::kF32, {s.batch, s.q_heads, s.q_seq}));
+  p.delta = delta.data_as<float>();
+  Tensor far_stats;
   if (s.q_seq > band) {
-    const FarViews f = MakeFarViews(args, s, qkv, band);
-    ASSIGN_OR_RETURN(const Tensor far_stats,
-                     ops->Allocate(DType::kF32, {s.batch, s.q_heads, f.shape.q_seq}));
-    const int64_t count = far_stats.numel();
+    ASSIGN_OR_RETURN(far_stats, ops->Allocate(DType::kF32, {s.batch, s.q_heads, s.q_seq - band}));
+  }
+  {
+    const int64_t rows = s.batch * s.q_heads * s.q_seq;
     const int threads = 256;
-    const int blocks = static_cast<int>(std::min<int64_t>((count + threads - 1) / threads, 4096));
+    const int blocks = static_cast<int>(std::min<int64_t>((rows + threads - 1) / threads, 4096));
+    float* far_rows = s.q_seq > band ? far_stats.data_as<float>() : nullptr;
+    const int head_dim = static_cast<int>(s.head_dim);
     if (qkv.dtype == DType::kBF16) {
-      FarStatsKernel<__nv_bfloat16><<<blocks, threads, 0, ops->stream()>>>(
-          p, far_stats.data_as<float>(), count);
+      RowStatsKernel<__nv_bfloat16><<<blocks, threads, 0, ops->stream()>>>(p, head_dim, far_rows);
     } else {
-      FarStatsKernel<__half><<<blocks, threads, 0, ops->stream()>>>(p, far_stats.data_as<float>(),
-                                                                  count);
+      RowStatsKernel<__half><<<blocks, threads, 0, ops->stream()>>>(p, head_dim, far_rows);
     }
     CUDA_RETURN_IF_LAUNCH_ERROR();
+  }
+  if (s.q_seq > band) {
+    const FarViews f = MakeFarViews(args, s, qkv, band);
     const Shape rows = {s.batch, f.shape.q_seq, s.q_heads, s.head_dim};
     const Tensor far_out = View(out.data(), f.o_offset_bytes, out.dtype(), rows);
     const Tensor far_dout = View(dout.data(), f.o_offset_bytes, dout.dtype(), rows);
@@ -878,11 +887,15 @@ absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
                                            far_stats, far_grads, /*dbias=*/nullptr));
     p.far_lse = softmax_lse.data_as<float>();  // marks that cuDNN wrote the far rows
   }
-  // Freed at return: the allocator orders their reuse after this stream's work.
-  ASSIGN_OR_RETURN(const Tensor delta, ops->Allocate(DType::kF32, {s.batch, s.q_heads, s.q_seq}));
+  // Each band pair's dS from the key kernel to the query kernel: 512 bytes a
+  // pair, 32 MiB at the 24 x 1024 LM's attention (B 8, H 16, S 1024, W 113: 8 offsets).
+  ASSIGN_OR_RETURN(const Tensor ds_pairs,
+                   ops->Allocate(qkv.dtype, {s.batch * s.q_heads * p.tiles * band::kWarps *
+                                                 Offsets(static_cast<int>(band)),
+                                             kTile * kTile}));
   ASSIGN_OR_RETURN(const Tensor partial,
                    ops->Allocate(DType::kF32, {s.batch * s.q_heads * p.tiles, band + 1}));
-  p.delta = delta.data_as<float>();
+  p.ds_pairs = const_cast<void*>(ds_pairs.data());
   p.partial = partial.data_as<float>();
   p.buckets = relative.buckets.data_as<const int32_t>();
   p.dtable = dtable->data_as<float>();
