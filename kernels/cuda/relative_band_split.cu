@@ -55,7 +55,6 @@ using band::Offsets;
 using band::PackPair;
 using band::ReachRows;
 using band::StageRows;
-using band::ToFloat;
 using band::UnpackPair;
 
 static_assert(kWarps * 32 == 2 * kBlockRows, "two threads a query row");
@@ -79,6 +78,7 @@ struct SplitParams {
   void* dk;
   void* dv;
   float* delta;     // [B, Hq, S]: rowsum(dout * out), RowStatsKernel's
+  float* far_stats;  // [B, Hq, S - W]: lse - c_h for cuDNN's far backward; null where S <= W
   void* ds_pairs;   // each band pair's dS, the key kernel's, for the query kernel (PairIndex)
   float* partial;   // [B, Hq, tiles, W + 1]
   unsigned* heads_done;  // null: LaunchRelativeBandTable sums the partial rows
@@ -286,35 +286,28 @@ __device__ __forceinline__ void ForwardItem(const SplitParams& p, const Item& it
 }
 
 // ---- backward ---------------------------------------------------------------
-// Each row's delta = rowsum(dout * out) for the key kernel and, on rows W..,
-// the far part's stats for cuDNN's backward: lse - c_h (its recomputed
-// exp(S - stats) is then the merged softmax on the far keys). One thread a
-// row; far_stats null where S <= W.
-template <typename T>
-__global__ void RowStatsKernel(SplitParams p, int head_dim, float* far_stats) {
+// Each row's delta = rowsum(dout * out) for the key kernel (band::RowDelta:
+// two threads a row) and, on rows W.., the far part's stats for cuDNN's
+// backward: lse - c_h (its recomputed exp(S - stats) is then the merged
+// softmax on the far keys). Threads past the last row take row S (a delta of
+// 0), so every lane reaches RowDelta's shuffle.
+template <typename T, int D>
+__global__ void RowStatsKernel(SplitParams p) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.seq;
-  const int vectors = head_dim * static_cast<int>(sizeof(T)) / 16;
-  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < rows;
-       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t plane = x / p.seq;  // b * H + h
-    const int i = static_cast<int>(x % p.seq), h = static_cast<int>(plane % p.heads);
-    const int64_t at = (plane / p.heads * p.seq + i) * p.o_stride + h * head_dim;
-    const uint4* o4 = reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + at);
-    const uint4* d4 = reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + at);
-    float sum = 0.0f;
-#pragma unroll 8
-    for (int v = 0; v < vectors; ++v) {
-      const uint4 o = o4[v], d = d4[v];
-      const T* o_el = reinterpret_cast<const T*>(&o);
-      const T* d_el = reinterpret_cast<const T*>(&d);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += ToFloat(d_el[e]) * ToFloat(o_el[e]);
-    }
-    p.delta[x] = sum;
-    if (far_stats != nullptr && i >= p.band) {
-      far_stats[plane * (p.seq - p.band) + (i - p.band)] =
-          p.lse[x] - BiasAtDistance<T>(p.bias, h, p.seq, p.band);
-    }
+  const int64_t x = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 2;
+  const bool inside = x < rows;
+  const int64_t plane = inside ? x / p.seq : 0;  // b * H + h
+  const int i = inside ? static_cast<int>(x % p.seq) : p.seq;
+  const int h = static_cast<int>(plane % p.heads);
+  const int64_t base = plane / p.heads * p.seq * p.o_stride + h * D;
+  const float delta = band::RowDelta<T, D>(static_cast<const T*>(p.out) + base,
+                                           static_cast<const T*>(p.dout) + base, p.o_stride, i,
+                                           p.seq);
+  if (!inside || threadIdx.x % 2 != 0) return;
+  p.delta[x] = delta;
+  if (p.far_stats != nullptr && i >= p.band) {
+    p.far_stats[plane * (p.seq - p.band) + (i - p.band)] =
+        p.lse[x] - BiasAtDistance<T>(p.bias, h, p.seq, p.band);
   }
 }
 
@@ -726,21 +719,42 @@ absl::Status LaunchBackward(CudaOps* ops, const SplitParams& p) {
   return LaunchPass<T, D, QueryGradPass>(ops, p);
 }
 
+template <typename T, int D>
+absl::Status LaunchRowStats(CudaOps* ops, const SplitParams& p) {
+  const int64_t threads = 2 * static_cast<int64_t>(p.batch) * p.heads * p.seq;
+  constexpr int kThreads = 256;
+  RowStatsKernel<T, D><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0,
+                         ops->stream()>>>(p);
+  CUDA_RETURN_IF_LAUNCH_ERROR();
+  return absl::OkStatus();
+}
+
+enum class Work { kForward, kRowStats, kBackward };
+
+template <typename T, int D>
+absl::Status LaunchWork(CudaOps* ops, const SplitParams& p, Work work) {
+  switch (work) {
+    case Work::kForward: return LaunchPass<T, D, ForwardPass>(ops, p);
+    case Work::kRowStats: return LaunchRowStats<T, D>(ops, p);
+    case Work::kBackward: return LaunchBackward<T, D>(ops, p);
+  }
+  return absl::InternalError("unknown work");
+}
+
 template <typename T>
-absl::Status ForHeadDim(CudaOps* ops, const SplitParams& p, int head_dim, bool backward) {
+absl::Status ForHeadDim(CudaOps* ops, const SplitParams& p, int head_dim, Work work) {
   switch (head_dim) {
-    case 32: return backward ? LaunchBackward<T, 32>(ops, p) : LaunchPass<T, 32, ForwardPass>(ops, p);
-    case 64: return backward ? LaunchBackward<T, 64>(ops, p) : LaunchPass<T, 64, ForwardPass>(ops, p);
-    case 128: return backward ? LaunchBackward<T, 128>(ops, p) : LaunchPass<T, 128, ForwardPass>(ops, p);
+    case 32: return LaunchWork<T, 32>(ops, p, work);
+    case 64: return LaunchWork<T, 64>(ops, p, work);
+    case 128: return LaunchWork<T, 128>(ops, p, work);
     default: break;
   }
   return absl::UnimplementedError(absl::StrCat("head_dim ", head_dim, " (32, 64 or 128)"));
 }
 
-absl::Status Launch(CudaOps* ops, DType dtype, const SplitParams& p, int head_dim,
-                    bool backward) {
-  return dtype == DType::kBF16 ? ForHeadDim<__nv_bfloat16>(ops, p, head_dim, backward)
-                               : ForHeadDim<__half>(ops, p, head_dim, backward);
+absl::Status Launch(CudaOps* ops, DType dtype, const SplitParams& p, int head_dim, Work work) {
+  return dtype == DType::kBF16 ? ForHeadDim<__nv_bfloat16>(ops, p, head_dim, work)
+                               : ForHeadDim<__half>(ops, p, head_dim, work);
 }
 
 SplitParams MakeParams(const AttentionArgs& args, const AttentionShape& s, const QkvMemory& qkv,
@@ -827,8 +841,7 @@ absl::Status RelativeSplitForward(CudaOps* ops, const AttentionArgs& args,
     RETURN_IF_ERROR(CudnnAttentionForward(ops, f.args, f.shape, f.qkv, &far_out, &far_lse));
     p.far_lse = far_lse.data_as<const float>();
   }
-  return Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim),
-                /*backward=*/false);
+  return Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim), Work::kForward);
 }
 
 absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
@@ -862,20 +875,9 @@ absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
   Tensor far_stats;
   if (s.q_seq > band) {
     ASSIGN_OR_RETURN(far_stats, ops->Allocate(DType::kF32, {s.batch, s.q_heads, s.q_seq - band}));
+    p.far_stats = far_stats.data_as<float>();
   }
-  {
-    const int64_t rows = s.batch * s.q_heads * s.q_seq;
-    const int threads = 256;
-    const int blocks = static_cast<int>(std::min<int64_t>((rows + threads - 1) / threads, 4096));
-    float* far_rows = s.q_seq > band ? far_stats.data_as<float>() : nullptr;
-    const int head_dim = static_cast<int>(s.head_dim);
-    if (qkv.dtype == DType::kBF16) {
-      RowStatsKernel<__nv_bfloat16><<<blocks, threads, 0, ops->stream()>>>(p, head_dim, far_rows);
-    } else {
-      RowStatsKernel<__half><<<blocks, threads, 0, ops->stream()>>>(p, head_dim, far_rows);
-    }
-    CUDA_RETURN_IF_LAUNCH_ERROR();
-  }
+  RETURN_IF_ERROR(Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim), Work::kRowStats));
   if (s.q_seq > band) {
     const FarViews f = MakeFarViews(args, s, qkv, band);
     const Shape rows = {s.batch, f.shape.q_seq, s.q_heads, s.head_dim};
@@ -901,8 +903,7 @@ absl::Status RelativeSplitBackward(CudaOps* ops, const AttentionArgs& args,
   p.dtable = dtable->data_as<float>();
   p.num_buckets = static_cast<int>(dtable->dim(1));
   p.heads_done = p.heads <= kFoldGroups ? ops->fold_groups() : nullptr;
-  return Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim),
-                /*backward=*/true);
+  return Launch(ops, qkv.dtype, p, static_cast<int>(s.head_dim), Work::kBackward);
 }
 
 }  // namespace cuda
